@@ -1,0 +1,437 @@
+//! Delivery state: relay mechanics that are stored beside the envelope and never published.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+use crate::envelope::{Envelope, EventId};
+use crate::error::{ConfigError, ErrorClass};
+
+/// Lifecycle of an outbox row.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum DeliveryStatus {
+    /// Waiting to be published (possibly after a transient failure, possibly under a lease).
+    Pending,
+    /// Acknowledged by the broker.
+    Published,
+    /// Stopped for an operator; blocks later events of its aggregate.
+    Parked,
+    /// Removed from delivery by an operator, with a recorded reason.
+    Discarded,
+}
+
+impl DeliveryStatus {
+    /// Stable lowercase name, as stored.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Published => "published",
+            Self::Parked => "parked",
+            Self::Discarded => "discarded",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "pending" => Self::Pending,
+            "published" => Self::Published,
+            "parked" => Self::Parked,
+            "discarded" => Self::Discarded,
+            _ => return None,
+        })
+    }
+}
+
+/// Where the broker stored a record: returned by the delivery report.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct AckMetadata {
+    /// Topic written to.
+    pub topic: String,
+    /// Partition written to.
+    pub partition: i32,
+    /// Offset assigned by the broker.
+    pub offset: i64,
+}
+
+/// The last failure recorded for an event.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LastError {
+    /// Retry class.
+    pub class: ErrorClass,
+    /// Stable kind name (e.g. `timeout`, `record_too_large`).
+    pub kind: String,
+    /// Detail, never containing the payload.
+    pub message: String,
+}
+
+impl From<&crate::error::PublishError> for LastError {
+    fn from(e: &crate::error::PublishError) -> Self {
+        Self {
+            class: e.class,
+            kind: e.kind.as_str().to_owned(),
+            message: e.message.clone(),
+        }
+    }
+}
+
+/// Why an event was parked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum ParkKind {
+    /// The transport reported a permanent error.
+    PermanentError,
+    /// Transient errors exceeded the attempt limit.
+    AttemptsExhausted,
+    /// The aggregate's previous version never arrived within the grace period.
+    VersionGap,
+    /// A consumer could not apply the event.
+    Unprocessable,
+}
+
+impl ParkKind {
+    /// Stable snake_case name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::PermanentError => "permanent_error",
+            Self::AttemptsExhausted => "attempts_exhausted",
+            Self::VersionGap => "version_gap",
+            Self::Unprocessable => "unprocessable",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "permanent_error" => Self::PermanentError,
+            "attempts_exhausted" => Self::AttemptsExhausted,
+            "version_gap" => Self::VersionGap,
+            "unprocessable" => Self::Unprocessable,
+            _ => return None,
+        })
+    }
+}
+
+/// A parking decision with its reason.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParkReason {
+    /// The category.
+    pub kind: ParkKind,
+    /// The last error behind the decision.
+    pub error: LastError,
+}
+
+/// How a store hands out work and fences stale relays.
+///
+/// There is deliberately no mode that selects rows with `SKIP LOCKED`, closes the transaction and
+/// publishes without a lease: a second relay would see the same rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ClaimMode {
+    /// Rows are locked by a transaction that stays open until the batch is marked. A crashed
+    /// relay's connection drops and the locks go with it.
+    LockedTransaction,
+    /// Rows get a lease (owner, unique token, expiry) in a short transaction; marking succeeds
+    /// only while the token still matches.
+    Lease {
+        /// How long a claim stays valid.
+        duration: Duration,
+    },
+}
+
+impl ClaimMode {
+    /// A lease mode; rejects a zero duration.
+    pub fn lease(duration: Duration) -> Result<Self, ConfigError> {
+        if duration.is_zero() {
+            return Err(ConfigError::new("lease duration must be greater than zero"));
+        }
+        Ok(Self::Lease { duration })
+    }
+}
+
+/// Parameters of one claim.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ClaimRequest {
+    /// Identity of the claiming relay (appears in leases and logs).
+    pub owner: String,
+    /// Largest number of events to claim.
+    pub limit: usize,
+}
+
+impl ClaimRequest {
+    /// A claim of at most `limit` events for `owner`.
+    pub fn new(owner: impl Into<String>, limit: usize) -> Self {
+        Self {
+            owner: owner.into(),
+            limit,
+        }
+    }
+}
+
+/// Identifies one claim; presented again when the outcome is recorded (fencing).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ClaimHandle {
+    /// Unique token of this claim.
+    pub token: Uuid,
+    /// The owner that claimed.
+    pub owner: String,
+}
+
+/// One claimed event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ClaimedRecord {
+    /// The event to publish.
+    pub envelope: Envelope,
+    /// Failed attempts before this one.
+    pub attempts: u32,
+}
+
+impl ClaimedRecord {
+    /// A claimed record.
+    pub fn new(envelope: Envelope, attempts: u32) -> Self {
+        Self { envelope, attempts }
+    }
+}
+
+/// A bounded batch handed to one relay.
+///
+/// Contract: at most one event per aggregate, and it is that aggregate's head (its lowest
+/// version that is neither published nor discarded).
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ClaimedBatch {
+    /// The claim's identity.
+    pub handle: ClaimHandle,
+    /// The events, at most one per aggregate.
+    pub records: Vec<ClaimedRecord>,
+    /// For leases: time left on the lease when the store granted it, measured on the store's
+    /// clock. The relay adds this to its own clock reading to know its deadline.
+    pub lease_remaining: Option<Duration>,
+}
+
+impl ClaimedBatch {
+    /// A batch.
+    pub fn new(
+        handle: ClaimHandle,
+        records: Vec<ClaimedRecord>,
+        lease_remaining: Option<Duration>,
+    ) -> Self {
+        Self {
+            handle,
+            records,
+            lease_remaining,
+        }
+    }
+
+    /// `true` when nothing was claimed.
+    pub fn is_empty(&self) -> bool {
+        self.records.is_empty()
+    }
+}
+
+/// The recorded result of one publication attempt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Acknowledged by the broker: set `published_at` and store the ack metadata.
+    Published {
+        /// The event.
+        event_id: EventId,
+        /// Where the broker stored it.
+        ack: AckMetadata,
+    },
+    /// Failed transiently: count the attempt, make it claimable again after `delay` (on the
+    /// store's clock), keep the error.
+    Retry {
+        /// The event.
+        event_id: EventId,
+        /// Wait before the next attempt.
+        delay: Duration,
+        /// The failure.
+        error: LastError,
+    },
+    /// Stop delivery and raise a signal; blocks the aggregate.
+    Park {
+        /// The event.
+        event_id: EventId,
+        /// Why.
+        reason: ParkReason,
+    },
+}
+
+impl Outcome {
+    /// The event this outcome is about.
+    pub fn event_id(&self) -> EventId {
+        match self {
+            Self::Published { event_id, .. }
+            | Self::Retry { event_id, .. }
+            | Self::Park { event_id, .. } => *event_id,
+        }
+    }
+}
+
+/// What a store did with a batch of outcomes.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CompletionReport {
+    /// Outcomes applied.
+    pub applied: usize,
+    /// Outcomes refused because the claim no longer owned the rows (lease expired and another
+    /// relay claimed them). The events were possibly published twice: a duplicate, never a loss.
+    pub superseded: usize,
+}
+
+impl CompletionReport {
+    /// A report.
+    pub fn new(applied: usize, superseded: usize) -> Self {
+        Self {
+            applied,
+            superseded,
+        }
+    }
+}
+
+/// A parked event as shown to an operator.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ParkedEvent {
+    /// The event.
+    pub envelope: Envelope,
+    /// Attempts made.
+    pub attempts: u32,
+    /// Why it was parked.
+    pub reason: ParkReason,
+    /// When.
+    pub parked_at: DateTime<Utc>,
+}
+
+impl ParkedEvent {
+    /// A parked event.
+    pub fn new(
+        envelope: Envelope,
+        attempts: u32,
+        reason: ParkReason,
+        parked_at: DateTime<Utc>,
+    ) -> Self {
+        Self {
+            envelope,
+            attempts,
+            reason,
+            parked_at,
+        }
+    }
+}
+
+/// An operator action on a parked event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum OperatorAction {
+    /// Made claimable again with the same event id.
+    Retry,
+    /// Removed from delivery, with a reason.
+    Discard,
+    /// Replaced by a copy with a new event id at the same aggregate version.
+    Reissue,
+}
+
+impl OperatorAction {
+    /// Stable name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Retry => "retry",
+            Self::Discard => "discard",
+            Self::Reissue => "reissue",
+        }
+    }
+
+    /// Parses the stored name.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "retry" => Self::Retry,
+            "discard" => Self::Discard,
+            "reissue" => Self::Reissue,
+            _ => return None,
+        })
+    }
+}
+
+/// One audited operator action.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AuditEntry {
+    /// The event acted upon.
+    pub event_id: EventId,
+    /// The action.
+    pub action: OperatorAction,
+    /// Who did it.
+    pub actor: String,
+    /// Why.
+    pub reason: String,
+    /// For re-issue: the new event id.
+    pub new_event_id: Option<EventId>,
+    /// When.
+    pub at: DateTime<Utc>,
+}
+
+impl AuditEntry {
+    /// An audit entry.
+    pub fn new(
+        event_id: EventId,
+        action: OperatorAction,
+        actor: impl Into<String>,
+        reason: impl Into<String>,
+        new_event_id: Option<EventId>,
+        at: DateTime<Utc>,
+    ) -> Self {
+        Self {
+            event_id,
+            action,
+            actor: actor.into(),
+            reason: reason.into(),
+            new_event_id,
+            at,
+        }
+    }
+}
+
+/// Result of a cleanup pass.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CleanupReport {
+    /// Published rows deleted (or archived).
+    pub removed: u64,
+    /// Number of transactions used.
+    pub batches: u32,
+}
+
+impl CleanupReport {
+    /// A report.
+    pub fn new(removed: u64, batches: u32) -> Self {
+        Self { removed, batches }
+    }
+}
+
+/// A snapshot of the outbox for monitoring.
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct OutboxStats {
+    /// Events not yet published, parked or discarded (claimable, waiting for a retry, or in
+    /// flight).
+    pub unpublished: u64,
+    /// Of those, claimed right now.
+    pub in_flight: u64,
+    /// Parked events.
+    pub parked: u64,
+    /// Published rows still retained.
+    pub published_retained: u64,
+    /// Age of the oldest unpublished (non-parked) event: the main health signal.
+    pub oldest_unpublished_age: Option<Duration>,
+    /// Age of the oldest parked event.
+    pub oldest_parked_age: Option<Duration>,
+    /// Backend-specific figures (table size, dead tuples, ...), name to value.
+    pub extra: Vec<(String, f64)>,
+}

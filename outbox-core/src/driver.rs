@@ -1,0 +1,117 @@
+//! A tokio driver for the relay (feature `tokio`).
+//!
+//! Loops over [`Relay::run_once`]: right after a cycle that found work, sleeps with jittered,
+//! growing backoff after an idle one, and wakes early when the wake-up hook fires (e.g. a
+//! PostgreSQL `NOTIFY` after a commit). Shutdown finishes the batch in flight (bounded by the
+//! publisher's delivery timeout) and releases a batch claimed but not yet sent.
+//!
+//! ```no_run
+//! # async fn demo<S: outbox_core::OutboxStore, P: outbox_core::Publisher>(relay: outbox_core::Relay<S, P>) {
+//! use std::sync::Arc;
+//! let wake = Arc::new(tokio::sync::Notify::new());
+//! let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+//! let task = tokio::spawn(outbox_core::driver::run(relay, Some(wake.clone()), async move { let _ = stop_rx.await; }));
+//! wake.notify_one(); // after a commit that appended events
+//! let _ = stop_tx.send(());
+//! let _report = task.await;
+//! # }
+//! ```
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::Notify;
+use tracing::warn;
+
+use crate::publisher::Publisher;
+use crate::relay::Relay;
+use crate::store::OutboxStore;
+
+/// Totals over a driver's life.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DriverReport {
+    /// Cycles run.
+    pub cycles: u64,
+    /// Events published.
+    pub published: u64,
+    /// Events parked.
+    pub parked: u64,
+    /// Failed cycles (store errors).
+    pub errors: u64,
+}
+
+/// How often the driver refreshes the backlog gauges.
+const STATS_EVERY: Duration = Duration::from_secs(5);
+
+/// Runs `relay` until `shutdown` completes. Returns totals.
+pub async fn run<S, P, F>(
+    mut relay: Relay<S, P>,
+    wake: Option<Arc<Notify>>,
+    shutdown: F,
+) -> DriverReport
+where
+    S: OutboxStore + 'static,
+    P: Publisher + 'static,
+    F: Future<Output = ()> + Send,
+{
+    let signal = relay.shutdown_signal();
+    let mut report = DriverReport::default();
+    let mut failures = 0u32;
+    let mut last_stats = tokio::time::Instant::now() - STATS_EVERY;
+    tokio::pin!(shutdown);
+    let never = Arc::new(Notify::new());
+    let wake = wake.unwrap_or(never);
+    loop {
+        if signal.is_triggered() {
+            break;
+        }
+        if last_stats.elapsed() >= STATS_EVERY {
+            last_stats = tokio::time::Instant::now();
+            match relay.store().stats().await {
+                Ok(s) => crate::telemetry::record_stats(&s),
+                Err(e) => warn!(error = %e, "could not read outbox stats"),
+            }
+        }
+        // The cycle itself is not raced against shutdown: a batch being published is finished
+        // and recorded. The signal makes the cycle release a batch it has not sent yet.
+        let result = {
+            let cycle = relay.run_once();
+            tokio::pin!(cycle);
+            tokio::select! {
+                r = &mut cycle => r,
+                () = &mut shutdown => { signal.trigger(); cycle.await }
+            }
+        };
+        report.cycles += 1;
+        let delay = match result {
+            Ok(c) if !c.is_idle() => {
+                failures = 0;
+                report.published += c.published as u64;
+                report.parked += c.parked as u64;
+                relay.reset_idle();
+                continue;
+            }
+            Ok(_) => {
+                failures = 0;
+                relay.idle_delay()
+            }
+            Err(e) => {
+                failures = failures.saturating_add(1);
+                report.errors += 1;
+                warn!(error = %e, failures, "relay cycle failed");
+                relay.error_delay(failures)
+            }
+        };
+        if signal.is_triggered() {
+            break;
+        }
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = wake.notified() => { relay.reset_idle(); }
+            () = &mut shutdown => { signal.trigger(); }
+        }
+    }
+    report
+}

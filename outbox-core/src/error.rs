@@ -1,0 +1,366 @@
+//! Error taxonomy. Every error carries its retry class.
+//!
+//! Adapters map their driver's typed signals (sqlx `DatabaseError::kind()`, rdkafka
+//! `RDKafkaErrorCode`) into these kinds; the relay and the consumer engine decide on the class
+//! only, never on message text.
+
+use std::fmt;
+
+/// Whether retrying the same operation can succeed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum ErrorClass {
+    /// May succeed later without a change (timeouts, broker unavailable, leader moves,
+    /// serialization conflicts, connection loss).
+    Transient,
+    /// Will fail again until something is changed by a person (record too large, unknown topic,
+    /// authorization, invalid record, schema violation).
+    Permanent,
+}
+
+impl ErrorClass {
+    /// `"transient"` or `"permanent"`, as used in metric labels and stored errors.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Transient => "transient",
+            Self::Permanent => "permanent",
+        }
+    }
+}
+
+impl fmt::Display for ErrorClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Anything that knows its retry class.
+pub trait Classify {
+    /// The retry class.
+    fn class(&self) -> ErrorClass;
+    /// Shorthand for `class() == Transient`.
+    fn is_transient(&self) -> bool {
+        self.class() == ErrorClass::Transient
+    }
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// What went wrong when publishing one event.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PublishErrorKind {
+    /// No acknowledgement within the delivery timeout.
+    Timeout,
+    /// Broker or transport unavailable.
+    BrokerUnavailable,
+    /// Not enough in-sync replicas to satisfy `acks=all`.
+    NotEnoughReplicas,
+    /// Partition leadership moved.
+    LeaderMoved,
+    /// The producer's local queue is full.
+    QueueFull,
+    /// The record exceeds the broker or topic size limit.
+    RecordTooLarge,
+    /// The topic or partition does not exist (and auto-creation is off).
+    UnknownTopic,
+    /// Not authorized to write.
+    Authorization,
+    /// The broker rejected the record as invalid.
+    InvalidRecord,
+    /// The event cannot be encoded for the transport (contract violation).
+    Serialization,
+    /// The producer is in a fatal state and must be rebuilt.
+    Fatal,
+    /// Anything else.
+    Other,
+}
+
+impl PublishErrorKind {
+    /// The default class of this kind.
+    pub const fn default_class(self) -> ErrorClass {
+        match self {
+            Self::Timeout
+            | Self::BrokerUnavailable
+            | Self::NotEnoughReplicas
+            | Self::LeaderMoved
+            | Self::QueueFull
+            | Self::Fatal
+            | Self::Other => ErrorClass::Transient,
+            Self::RecordTooLarge
+            | Self::UnknownTopic
+            | Self::Authorization
+            | Self::InvalidRecord
+            | Self::Serialization => ErrorClass::Permanent,
+        }
+    }
+
+    /// Stable snake_case name, used in metrics and stored errors.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Timeout => "timeout",
+            Self::BrokerUnavailable => "broker_unavailable",
+            Self::NotEnoughReplicas => "not_enough_replicas",
+            Self::LeaderMoved => "leader_moved",
+            Self::QueueFull => "queue_full",
+            Self::RecordTooLarge => "record_too_large",
+            Self::UnknownTopic => "unknown_topic",
+            Self::Authorization => "authorization",
+            Self::InvalidRecord => "invalid_record",
+            Self::Serialization => "serialization",
+            Self::Fatal => "fatal",
+            Self::Other => "other",
+        }
+    }
+}
+
+/// A failed publication of one event.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("publish failed ({kind}, {class}): {message}", kind = kind.as_str())]
+pub struct PublishError {
+    /// What went wrong.
+    pub kind: PublishErrorKind,
+    /// Retry class (usually `kind.default_class()`).
+    pub class: ErrorClass,
+    /// Human-readable detail from the transport. Never contains the payload.
+    pub message: String,
+}
+
+impl PublishError {
+    /// An error of `kind` with its default class.
+    pub fn new(kind: PublishErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            class: kind.default_class(),
+            message: message.into(),
+        }
+    }
+
+    /// Overrides the class.
+    pub fn with_class(mut self, class: ErrorClass) -> Self {
+        self.class = class;
+        self
+    }
+}
+
+impl Classify for PublishError {
+    fn class(&self) -> ErrorClass {
+        self.class
+    }
+}
+
+/// Kind of a storage error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StoreErrorKind {
+    /// Connection lost, pool exhausted or timed out.
+    Connection,
+    /// Serialization failure or deadlock; retry the transaction.
+    Conflict,
+    /// A constraint was violated (e.g. duplicate event id).
+    Constraint,
+    /// The envelope failed validation.
+    Validation,
+    /// Refused by backpressure: the backlog is above the configured threshold.
+    Backpressure,
+    /// The named event does not exist or is not in the required state.
+    NotFound,
+    /// The claim token no longer owns the rows (lease expired and re-claimed).
+    LeaseLost,
+    /// Bad configuration (identifiers, durations).
+    Configuration,
+    /// Schema missing or out of date.
+    Schema,
+    /// Anything else.
+    Other,
+}
+
+impl StoreErrorKind {
+    /// Default retry class of the kind.
+    pub const fn default_class(self) -> ErrorClass {
+        match self {
+            Self::Connection | Self::Conflict | Self::Backpressure | Self::LeaseLost => {
+                ErrorClass::Transient
+            }
+            Self::Constraint
+            | Self::Validation
+            | Self::NotFound
+            | Self::Configuration
+            | Self::Schema
+            | Self::Other => ErrorClass::Permanent,
+        }
+    }
+
+    /// Stable snake_case name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Connection => "connection",
+            Self::Conflict => "conflict",
+            Self::Constraint => "constraint",
+            Self::Validation => "validation",
+            Self::Backpressure => "backpressure",
+            Self::NotFound => "not_found",
+            Self::LeaseLost => "lease_lost",
+            Self::Configuration => "configuration",
+            Self::Schema => "schema",
+            Self::Other => "other",
+        }
+    }
+}
+
+/// An error from an [`crate::OutboxStore`] or [`crate::InboxStore`].
+#[derive(Debug, thiserror::Error)]
+#[error("store error ({kind}, {class}): {message}", kind = kind.as_str())]
+pub struct StoreError {
+    /// What went wrong.
+    pub kind: StoreErrorKind,
+    /// Retry class.
+    pub class: ErrorClass,
+    /// Detail.
+    pub message: String,
+    /// Underlying driver error, if any.
+    #[source]
+    pub source: Option<BoxError>,
+}
+
+impl StoreError {
+    /// An error of `kind` with its default class.
+    pub fn new(kind: StoreErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            class: kind.default_class(),
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// Attaches the underlying error.
+    pub fn with_source(mut self, source: impl Into<BoxError>) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    /// Overrides the class.
+    pub fn with_class(mut self, class: ErrorClass) -> Self {
+        self.class = class;
+        self
+    }
+}
+
+impl Classify for StoreError {
+    fn class(&self) -> ErrorClass {
+        self.class
+    }
+}
+
+impl From<crate::envelope::ValidationError> for StoreError {
+    fn from(e: crate::envelope::ValidationError) -> Self {
+        StoreError::new(StoreErrorKind::Validation, e.to_string()).with_source(e)
+    }
+}
+
+/// An error reading from a [`crate::MessageSource`] or committing its offsets.
+#[derive(Debug, thiserror::Error)]
+#[error("message source error ({class}): {message}")]
+pub struct SourceError {
+    /// Retry class.
+    pub class: ErrorClass,
+    /// Detail.
+    pub message: String,
+    /// Underlying error.
+    #[source]
+    pub source: Option<BoxError>,
+}
+
+impl SourceError {
+    /// A new error.
+    pub fn new(class: ErrorClass, message: impl Into<String>) -> Self {
+        Self {
+            class,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// Attaches the underlying error.
+    pub fn with_source(mut self, source: impl Into<BoxError>) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+}
+
+impl Classify for SourceError {
+    fn class(&self) -> ErrorClass {
+        self.class
+    }
+}
+
+/// Invalid configuration, reported by `build()` methods.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid configuration: {0}")]
+pub struct ConfigError(pub String);
+
+impl ConfigError {
+    /// A new configuration error.
+    pub fn new(message: impl Into<String>) -> Self {
+        Self(message.into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn publish_kind_classification_table() {
+        use ErrorClass::*;
+        use PublishErrorKind::*;
+        let table = [
+            (Timeout, Transient),
+            (BrokerUnavailable, Transient),
+            (NotEnoughReplicas, Transient),
+            (LeaderMoved, Transient),
+            (QueueFull, Transient),
+            (Fatal, Transient),
+            (Other, Transient),
+            (RecordTooLarge, Permanent),
+            (UnknownTopic, Permanent),
+            (Authorization, Permanent),
+            (InvalidRecord, Permanent),
+            (Serialization, Permanent),
+        ];
+        for (kind, class) in table {
+            assert_eq!(kind.default_class(), class, "{kind:?}");
+            assert_eq!(PublishError::new(kind, "x").class(), class);
+        }
+        assert!(PublishError::new(Other, "x").with_class(Permanent).class() == Permanent);
+    }
+
+    #[test]
+    fn store_kind_classification_table() {
+        use ErrorClass::*;
+        use StoreErrorKind::*;
+        let table = [
+            (Connection, Transient),
+            (Conflict, Transient),
+            (Backpressure, Transient),
+            (LeaseLost, Transient),
+            (Constraint, Permanent),
+            (Validation, Permanent),
+            (NotFound, Permanent),
+            (Configuration, Permanent),
+            (Schema, Permanent),
+            (Other, Permanent),
+        ];
+        for (kind, class) in table {
+            assert_eq!(StoreError::new(kind, "x").class(), class, "{kind:?}");
+        }
+    }
+
+    #[test]
+    fn validation_becomes_permanent_store_error() {
+        let e: StoreError = crate::ValidationError::Empty("event_type").into();
+        assert_eq!(e.kind, StoreErrorKind::Validation);
+        assert!(!e.is_transient());
+        assert!(std::error::Error::source(&e).is_some());
+    }
+}

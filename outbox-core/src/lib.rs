@@ -1,0 +1,73 @@
+//! # outbox-core
+//!
+//! The domain types, traits and state machines of a transactional outbox and inbox, free of I/O
+//! crates: no tokio, sqlx or rdkafka in the normal dependency tree (a `tokio` feature adds the
+//! relay's driver loop). Time ([`Clock`]) and randomness (any [`rand::RngCore`]) are injected.
+//!
+//! The contract is **at-least-once delivery plus idempotent effect**, with order per
+//! aggregate. Nothing here claims exactly-once.
+//!
+//! * [`Envelope`]: the event as consumers see it, validated at append time.
+//! * [`OutboxStore`], [`Publisher`], [`InboxStore`], [`MessageSource`]: the traits adapters
+//!   implement, each with its contract in MUST/SHOULD terms.
+//! * [`RetryPolicy`]: transient/permanent classification, exponential backoff with full jitter,
+//!   parking after the attempt limit.
+//! * [`Relay`]: claim, publish concurrently, record outcomes; steps exposed for simulation.
+//! * [`watermark`]: contiguous offset commits for consumers.
+//! * [`wire`]: the one mapping of an envelope onto record headers.
+//!
+//! ```
+//! use outbox_core::{Envelope, ErrorClass, PublishError, PublishErrorKind, Classify};
+//!
+//! let event = Envelope::builder("order", "o-7", 1, "order.created")
+//!     .json(&serde_json::json!({"items": 3}))?
+//!     .build()?;
+//! assert_eq!(event.aggregate_id, "o-7");
+//!
+//! let err = PublishError::new(PublishErrorKind::RecordTooLarge, "1.2 MB > 1 MB");
+//! assert_eq!(err.class(), ErrorClass::Permanent); // parked, never retried in a loop
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! The in-memory backends that run this without any service live in `outbox-testkit`.
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod clock;
+pub mod delivery;
+pub mod envelope;
+pub mod error;
+pub mod inbox;
+pub mod publisher;
+pub mod relay;
+pub mod retry;
+pub mod store;
+pub mod telemetry;
+pub mod watermark;
+pub mod wire;
+
+#[cfg(feature = "tokio")]
+#[cfg_attr(docsrs, doc(cfg(feature = "tokio")))]
+pub mod driver;
+
+pub use async_trait::async_trait;
+pub use clock::{Clock, SystemClock};
+pub use delivery::{
+    AckMetadata, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, ClaimedRecord,
+    CleanupReport, CompletionReport, DeliveryStatus, LastError, OperatorAction, OutboxStats,
+    Outcome, ParkKind, ParkReason, ParkedEvent,
+};
+pub use envelope::{
+    Envelope, EnvelopeBuilder, EnvelopeLimits, EventId, Payload, PayloadError, ValidationError,
+    CONTENT_TYPE_JSON,
+};
+pub use error::{
+    Classify, ConfigError, ErrorClass, PublishError, PublishErrorKind, SourceError, StoreError,
+    StoreErrorKind,
+};
+pub use inbox::{InboxStore, LogPosition, MessageSource, ReceivedMessage, Registration};
+pub use publisher::{PublishResult, Publisher};
+pub use relay::{CycleReport, Relay, RelayConfig, RelayConfigBuilder, ShutdownSignal};
+pub use retry::{IdleBackoff, RetryPolicy, RetryPolicyBuilder};
+pub use store::OutboxStore;
+pub use wire::DecodeError;

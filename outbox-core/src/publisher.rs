@@ -1,0 +1,47 @@
+//! The [`Publisher`] trait: the transport side of the relay.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::delivery::AckMetadata;
+use crate::envelope::Envelope;
+use crate::error::PublishError;
+
+/// The result of publishing one event.
+pub type PublishResult = Result<AckMetadata, PublishError>;
+
+/// Publishes batches of events to a broker.
+///
+/// Implementations: `outbox_kafka::KafkaPublisher`, `outbox_testkit::MemoryLog`.
+///
+/// # Contract
+///
+/// * [`publish`](Self::publish) MUST return exactly one result per input event, in input order.
+/// * A result MUST be `Ok` only after the broker acknowledged that record (delivery report), not
+///   when a client library buffered it.
+/// * The batch SHOULD be sent concurrently: all records enqueued, then all acknowledgements
+///   awaited; never one round trip per record.
+/// * The key of each record MUST be the event's `aggregate_id`, so one aggregate stays in one
+///   partition, and records of one key MUST stay in order under the transport's own retries.
+/// * Every error MUST carry its class ([`crate::ErrorClass`]).
+/// * `publish` SHOULD return within [`delivery_timeout`](Self::delivery_timeout) plus a small
+///   margin; the relay relies on this to keep publications inside their lease.
+#[async_trait]
+pub trait Publisher: Send + Sync {
+    /// Publishes `batch` and returns one result per event, in order.
+    async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult>;
+
+    /// Upper bound on the time from send to a final delivery report.
+    fn delivery_timeout(&self) -> Duration;
+}
+
+#[async_trait]
+impl<P: Publisher + ?Sized> Publisher for std::sync::Arc<P> {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
+        (**self).publish(batch).await
+    }
+    fn delivery_timeout(&self) -> Duration {
+        (**self).delivery_timeout()
+    }
+}

@@ -1,0 +1,389 @@
+//! The relay: claim a bounded batch, publish it concurrently, record one outcome per event.
+//!
+//! The relay is a state machine whose steps are public ([`Relay::claim`], [`Relay::publish`],
+//! [`Relay::decide`], [`Relay::complete`]) so a simulation can crash it between any two of them.
+//! [`Relay::run_once`] chains them for one cycle; the tokio driver (feature `tokio`) loops over
+//! cycles with jittered idle backoff, a wake-up hook and graceful shutdown.
+//!
+//! # Why a crash never loses an event
+//!
+//! A row becomes published only through [`crate::Outcome::Published`], which is built from the
+//! broker's delivery report. A crash anywhere between claim and complete leaves the row pending
+//! (its lease expires or its locking transaction rolls back), so another cycle publishes it
+//! again: a duplicate, never a loss.
+//!
+//! # Why order holds per aggregate
+//!
+//! The store hands out only aggregate heads, at most one per aggregate across all relays, and the
+//! next version becomes claimable only after the head is published. A parked head keeps its
+//! aggregate blocked, and only that aggregate.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rand::RngCore;
+use tracing::{debug, error, info_span, warn, Instrument};
+
+use crate::clock::Clock;
+use crate::delivery::{ClaimMode, ClaimRequest, ClaimedBatch, CompletionReport, Outcome};
+use crate::error::{ConfigError, StoreError};
+use crate::publisher::{PublishResult, Publisher};
+use crate::retry::{IdleBackoff, RetryPolicy};
+use crate::store::OutboxStore;
+use crate::telemetry;
+
+/// Relay configuration. Build with [`RelayConfig::builder`].
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct RelayConfig {
+    /// Identity in leases and logs. Default: `relay-<random>`.
+    pub owner: String,
+    /// Most events per claim. Default 500.
+    pub batch_size: usize,
+    /// Retry and poison policy.
+    pub retry: RetryPolicy,
+    /// Shortest idle sleep. Default 10 ms.
+    pub idle_min: Duration,
+    /// Longest idle sleep (the fallback polling period when wake-ups are lost). Default 1 s.
+    pub idle_max: Duration,
+    /// Time the lease must still have left, beyond the delivery timeout, before a batch may be
+    /// published. Default 2 s.
+    pub lease_margin: Duration,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        Self {
+            owner: format!("relay-{}", uuid::Uuid::new_v4().simple()),
+            batch_size: 500,
+            retry: RetryPolicy::default(),
+            idle_min: Duration::from_millis(10),
+            idle_max: Duration::from_secs(1),
+            lease_margin: Duration::from_secs(2),
+        }
+    }
+}
+
+impl RelayConfig {
+    /// A builder from the defaults.
+    pub fn builder() -> RelayConfigBuilder {
+        RelayConfigBuilder(Self::default())
+    }
+}
+
+/// Builder for [`RelayConfig`].
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct RelayConfigBuilder(RelayConfig);
+
+impl RelayConfigBuilder {
+    /// Relay identity.
+    pub fn owner(mut self, owner: impl Into<String>) -> Self {
+        self.0.owner = owner.into();
+        self
+    }
+    /// Batch size.
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.0.batch_size = n;
+        self
+    }
+    /// Retry policy.
+    pub fn retry(mut self, p: RetryPolicy) -> Self {
+        self.0.retry = p;
+        self
+    }
+    /// Idle backoff bounds.
+    pub fn idle(mut self, min: Duration, max: Duration) -> Self {
+        self.0.idle_min = min;
+        self.0.idle_max = max;
+        self
+    }
+    /// Lease safety margin.
+    pub fn lease_margin(mut self, d: Duration) -> Self {
+        self.0.lease_margin = d;
+        self
+    }
+    /// Validates the configuration on its own; [`Relay::new`] also checks it against the store
+    /// and the publisher.
+    pub fn build(self) -> Result<RelayConfig, ConfigError> {
+        let c = self.0;
+        if c.owner.trim().is_empty() {
+            return Err(ConfigError::new("relay owner must not be empty"));
+        }
+        if c.batch_size == 0 || c.batch_size > 100_000 {
+            return Err(ConfigError::new("batch_size must be in 1..=100000"));
+        }
+        if c.idle_min.is_zero() || c.idle_min > c.idle_max {
+            return Err(ConfigError::new(
+                "idle_min must be greater than zero and not above idle_max",
+            ));
+        }
+        Ok(c)
+    }
+}
+
+/// What one relay cycle did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CycleReport {
+    /// Events claimed.
+    pub claimed: usize,
+    /// Events acknowledged and marked published.
+    pub published: usize,
+    /// Events scheduled for retry.
+    pub retried: usize,
+    /// Events parked.
+    pub parked: usize,
+    /// Outcomes refused by fencing (the claim was superseded).
+    pub superseded: usize,
+    /// The batch was released without publishing (shutdown, or too little lease left).
+    pub released: bool,
+}
+
+impl CycleReport {
+    /// `true` when the cycle found nothing to do.
+    pub fn is_idle(&self) -> bool {
+        self.claimed == 0
+    }
+}
+
+/// A request to stop, shared with whoever triggers shutdown.
+#[derive(Clone, Debug, Default)]
+pub struct ShutdownSignal(Arc<AtomicBool>);
+
+impl ShutdownSignal {
+    /// Requests shutdown: a claimed batch not yet sent is released, one being published is
+    /// finished and recorded.
+    pub fn trigger(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+    /// Whether shutdown was requested.
+    pub fn is_triggered(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// The relay over a store `S` and a publisher `P`.
+pub struct Relay<S, P> {
+    store: S,
+    publisher: P,
+    config: RelayConfig,
+    clock: Arc<dyn Clock>,
+    rng: Box<dyn RngCore + Send + Sync>,
+    idle: IdleBackoff,
+    shutdown: ShutdownSignal,
+}
+
+impl<S, P> std::fmt::Debug for Relay<S, P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Relay")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: OutboxStore, P: Publisher> Relay<S, P> {
+    /// A relay. Rejects a lease that does not outlive the publisher's delivery timeout plus the
+    /// lease margin: such a lease could expire while the broker still holds the record, letting
+    /// a second relay send version N+1 before N is acknowledged.
+    pub fn new(
+        store: S,
+        publisher: P,
+        config: RelayConfig,
+        clock: Arc<dyn Clock>,
+        rng: Box<dyn RngCore + Send + Sync>,
+    ) -> Result<Self, ConfigError> {
+        if let ClaimMode::Lease { duration } = store.claim_mode() {
+            let need = publisher.delivery_timeout() + config.lease_margin;
+            if duration <= need {
+                return Err(ConfigError::new(format!(
+                    "lease of {duration:?} does not outlive the publisher's delivery timeout \
+                     ({:?}) plus the lease margin ({:?}); use a lease longer than {need:?}",
+                    publisher.delivery_timeout(),
+                    config.lease_margin
+                )));
+            }
+        }
+        let idle = IdleBackoff::new(config.idle_min, config.idle_max);
+        Ok(Self {
+            store,
+            publisher,
+            config,
+            clock,
+            rng,
+            idle,
+            shutdown: ShutdownSignal::default(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RelayConfig {
+        &self.config
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The publisher.
+    pub fn publisher(&self) -> &P {
+        &self.publisher
+    }
+
+    /// A handle to request shutdown.
+    pub fn shutdown_signal(&self) -> ShutdownSignal {
+        self.shutdown.clone()
+    }
+
+    /// Step 1: claim a batch.
+    pub async fn claim(&self) -> Result<ClaimedBatch, StoreError> {
+        let req = ClaimRequest::new(self.config.owner.clone(), self.config.batch_size);
+        self.store.claim(&req).await
+    }
+
+    /// Whether the batch's lease leaves enough time to publish (delivery timeout + margin).
+    /// `claimed_at` is this relay's clock reading right after the claim returned.
+    pub fn lease_allows_publish(
+        &self,
+        batch: &ClaimedBatch,
+        claimed_at: chrono::DateTime<chrono::Utc>,
+    ) -> bool {
+        let Some(remaining) = batch.lease_remaining else {
+            return true;
+        };
+        let deadline = claimed_at + remaining;
+        let need = self.publisher.delivery_timeout() + self.config.lease_margin;
+        let left = (deadline - self.clock.now())
+            .to_std()
+            .unwrap_or(Duration::ZERO);
+        left > need
+    }
+
+    /// Step 2: publish the whole batch concurrently, one result per record.
+    pub async fn publish(&self, batch: &ClaimedBatch) -> Vec<PublishResult> {
+        let envelopes: Vec<_> = batch.records.iter().map(|r| r.envelope.clone()).collect();
+        let results = self.publisher.publish(&envelopes).await;
+        if results.len() != envelopes.len() {
+            // A publisher that breaks its contract must not make us mark anything: treat every
+            // record as a transient failure.
+            error!(
+                expected = envelopes.len(),
+                got = results.len(),
+                "publisher returned the wrong number of results; treating the batch as failed"
+            );
+            return envelopes
+                .iter()
+                .map(|_| {
+                    Err(crate::PublishError::new(
+                        crate::PublishErrorKind::Other,
+                        "publisher returned the wrong number of results",
+                    ))
+                })
+                .collect();
+        }
+        results
+    }
+
+    /// Step 3 (pure): turn results into outcomes with the retry policy.
+    pub fn decide(&mut self, batch: &ClaimedBatch, results: &[PublishResult]) -> Vec<Outcome> {
+        batch
+            .records
+            .iter()
+            .zip(results)
+            .map(|(rec, res)| self.config.retry.decide(rec, res, &mut self.rng))
+            .collect()
+    }
+
+    /// Step 4: record the outcomes.
+    pub async fn complete(
+        &self,
+        batch: &ClaimedBatch,
+        outcomes: &[Outcome],
+    ) -> Result<CompletionReport, StoreError> {
+        self.store.complete(&batch.handle, outcomes).await
+    }
+
+    /// One full cycle: claim, publish, decide, complete.
+    pub async fn run_once(&mut self) -> Result<CycleReport, StoreError> {
+        let started = std::time::Instant::now();
+        let batch = self.claim().await?;
+        let mut report = CycleReport {
+            claimed: batch.records.len(),
+            ..CycleReport::default()
+        };
+        if batch.is_empty() {
+            return Ok(report);
+        }
+        let claimed_at = self.clock.now();
+        if self.shutdown.is_triggered() {
+            self.store.release(&batch.handle).await?;
+            report.released = true;
+            return Ok(report);
+        }
+        if !self.lease_allows_publish(&batch, claimed_at) {
+            warn!(
+                owner = %self.config.owner,
+                "lease too close to expiry to publish safely; releasing the batch"
+            );
+            self.store.release(&batch.handle).await?;
+            report.released = true;
+            return Ok(report);
+        }
+        let span = info_span!("outbox.relay.batch", owner = %self.config.owner, size = batch.records.len(), stage = "publish");
+        let results = self.publish(&batch).instrument(span).await;
+        let outcomes = self.decide(&batch, &results);
+        let completion = self.complete(&batch, &outcomes).await?;
+        report.superseded = completion.superseded;
+        let now = self.clock.now();
+        for ((rec, outcome), res) in batch.records.iter().zip(&outcomes).zip(&results) {
+            let e = &rec.envelope;
+            let attempt = rec.attempts + 1;
+            match outcome {
+                Outcome::Published { ack, .. } => {
+                    report.published += 1;
+                    telemetry::record_published(e, rec.attempts, now);
+                    debug!(event_id = %e.event_id, aggregate_id = %e.aggregate_id, event_type = %e.event_type, attempt, stage = "published", topic = %ack.topic, partition = ack.partition, offset = ack.offset, "event published");
+                }
+                Outcome::Retry { delay, error, .. } => {
+                    report.retried += 1;
+                    telemetry::record_failure(error);
+                    warn!(event_id = %e.event_id, aggregate_id = %e.aggregate_id, event_type = %e.event_type, attempt, stage = "retry", error_kind = %error.kind, error = %error.message, delay_ms = delay.as_millis() as u64, "publish failed; will retry");
+                }
+                Outcome::Park { reason, .. } => {
+                    report.parked += 1;
+                    if res.is_err() {
+                        telemetry::record_failure(&reason.error);
+                    }
+                    telemetry::record_parked(reason);
+                    error!(event_id = %e.event_id, aggregate_id = %e.aggregate_id, event_type = %e.event_type, attempt, stage = "parked", park_kind = reason.kind.as_str(), error_kind = %reason.error.kind, error = %reason.error.message, "event parked; its aggregate is blocked until an operator acts");
+                }
+            }
+        }
+        if completion.superseded > 0 {
+            telemetry::record_superseded(completion.superseded);
+            warn!(owner = %self.config.owner, superseded = completion.superseded, "claim was superseded (lease expired); those events may be published twice");
+        }
+        telemetry::record_cycle(batch.records.len(), started.elapsed());
+        Ok(report)
+    }
+
+    /// How long to sleep after an idle cycle (jittered, growing while idle).
+    pub fn idle_delay(&mut self) -> Duration {
+        self.idle.next_delay(&mut self.rng)
+    }
+
+    /// Resets the idle backoff after a cycle that found work.
+    pub fn reset_idle(&mut self) {
+        self.idle.reset();
+    }
+
+    /// A jittered delay after a failed cycle (`failures` consecutive failures).
+    pub fn error_delay(&mut self, failures: u32) -> Duration {
+        self.config.retry.backoff(failures, &mut self.rng)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,429 @@
+//! Relay state-machine tests with a small fake store and a mockall publisher.
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+
+use chrono::{DateTime, Utc};
+use mockall::predicate::*;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use super::*;
+use crate::delivery::*;
+use crate::envelope::{Envelope, EventId};
+use crate::error::{PublishError, PublishErrorKind};
+
+mockall::mock! {
+    pub Pub {}
+    #[async_trait::async_trait]
+    impl Publisher for Pub {
+        async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult>;
+        fn delivery_timeout(&self) -> Duration;
+    }
+}
+
+#[derive(Debug)]
+struct FixedClock(Mutex<DateTime<Utc>>);
+impl Clock for FixedClock {
+    fn now(&self) -> DateTime<Utc> {
+        *self.0.lock().unwrap()
+    }
+}
+fn clock() -> Arc<FixedClock> {
+    Arc::new(FixedClock(Mutex::new(
+        DateTime::from_timestamp(1_700_000_000, 0).unwrap(),
+    )))
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum St {
+    Pending,
+    Claimed,
+    Published,
+    Parked,
+}
+
+/// Head-of-line fake: one row per (aggregate, version), claim returns aggregate heads.
+#[derive(Default)]
+struct FakeStore {
+    rows: Mutex<Vec<(Envelope, St, u32)>>,
+    completions: Mutex<Vec<Vec<Outcome>>>,
+    releases: Mutex<usize>,
+    mode: Option<ClaimMode>,
+    lease_remaining: Option<Duration>,
+}
+
+impl FakeStore {
+    fn with(events: &[(&str, i64)]) -> Self {
+        let s = Self::default();
+        for (agg, v) in events {
+            s.rows.lock().unwrap().push((ev(agg, *v), St::Pending, 0));
+        }
+        s
+    }
+    fn status(&self, agg: &str, v: i64) -> St {
+        self.rows
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(e, _, _)| e.aggregate_id == agg && e.aggregate_version == v)
+            .unwrap()
+            .1
+            .clone()
+    }
+}
+
+fn ev(agg: &str, v: i64) -> Envelope {
+    Envelope::builder("t", agg, v, "e").build().unwrap()
+}
+
+#[async_trait::async_trait]
+impl OutboxStore for FakeStore {
+    type Tx = ();
+    async fn append(&self, _: &mut (), _: &[Envelope]) -> Result<(), StoreError> {
+        Ok(())
+    }
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
+        let mut rows = self.rows.lock().unwrap();
+        let mut seen = HashSet::new();
+        let mut out = vec![];
+        let mut order: Vec<usize> = (0..rows.len()).collect();
+        order.sort_by_key(|i| rows[*i].0.aggregate_version);
+        for i in order {
+            let (e, st, att) = &rows[i];
+            if *st == St::Published {
+                continue;
+            }
+            if !seen.insert(e.aggregate_id.clone()) {
+                continue; // not the head
+            }
+            if *st == St::Pending && out.len() < req.limit {
+                out.push((i, ClaimedRecord::new(e.clone(), *att)));
+            }
+        }
+        for (i, _) in &out {
+            rows[*i].1 = St::Claimed;
+        }
+        Ok(ClaimedBatch::new(
+            ClaimHandle {
+                token: uuid::Uuid::nil(),
+                owner: req.owner.clone(),
+            },
+            out.into_iter().map(|(_, r)| r).collect(),
+            self.lease_remaining,
+        ))
+    }
+    async fn complete(
+        &self,
+        _: &ClaimHandle,
+        outcomes: &[Outcome],
+    ) -> Result<CompletionReport, StoreError> {
+        let mut rows = self.rows.lock().unwrap();
+        for o in outcomes {
+            let row = rows
+                .iter_mut()
+                .find(|r| r.0.event_id == o.event_id())
+                .unwrap();
+            match o {
+                Outcome::Published { .. } => row.1 = St::Published,
+                Outcome::Retry { .. } => {
+                    row.1 = St::Pending;
+                    row.2 += 1;
+                }
+                Outcome::Park { .. } => row.1 = St::Parked,
+            }
+        }
+        self.completions.lock().unwrap().push(outcomes.to_vec());
+        Ok(CompletionReport::new(outcomes.len(), 0))
+    }
+    async fn release(&self, _: &ClaimHandle) -> Result<(), StoreError> {
+        *self.releases.lock().unwrap() += 1;
+        for r in self.rows.lock().unwrap().iter_mut() {
+            if r.1 == St::Claimed {
+                r.1 = St::Pending;
+            }
+        }
+        Ok(())
+    }
+    async fn list_parked(&self, _: usize) -> Result<Vec<ParkedEvent>, StoreError> {
+        Ok(vec![])
+    }
+    async fn retry_parked(&self, _: EventId, _: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
+    async fn discard_parked(&self, _: EventId, _: &str, _: &str) -> Result<(), StoreError> {
+        Ok(())
+    }
+    async fn reissue_parked(&self, id: EventId, _: &str, _: &str) -> Result<EventId, StoreError> {
+        Ok(id)
+    }
+    async fn audit_trail(&self, _: Option<EventId>) -> Result<Vec<AuditEntry>, StoreError> {
+        Ok(vec![])
+    }
+    async fn cleanup(&self, _: Duration, _: usize) -> Result<CleanupReport, StoreError> {
+        Ok(CleanupReport::default())
+    }
+    async fn stats(&self) -> Result<OutboxStats, StoreError> {
+        Ok(OutboxStats::default())
+    }
+    fn claim_mode(&self) -> ClaimMode {
+        self.mode.unwrap_or(ClaimMode::LockedTransaction)
+    }
+}
+
+fn ack(i: i64) -> PublishResult {
+    Ok(AckMetadata {
+        topic: "t".into(),
+        partition: 0,
+        offset: i,
+    })
+}
+
+fn relay(store: FakeStore, publisher: MockPub) -> Relay<FakeStore, MockPub> {
+    let cfg = RelayConfig::builder()
+        .owner("r1")
+        .retry(RetryPolicy::builder().max_attempts(3).build().unwrap())
+        .build()
+        .unwrap();
+    Relay::new(
+        store,
+        publisher,
+        cfg,
+        clock(),
+        Box::new(StdRng::seed_from_u64(5)),
+    )
+    .unwrap()
+}
+
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    futures::executor::block_on(f)
+}
+
+#[test]
+fn whole_batch_goes_to_the_publisher_in_one_call() {
+    let store = FakeStore::with(&[("a", 1), ("b", 1), ("c", 1), ("d", 1)]);
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    p.expect_publish()
+        .times(1)
+        .withf(|batch| batch.len() == 4)
+        .returning(|b| (0..b.len() as i64).map(ack).collect());
+    let mut r = relay(store, p);
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!((rep.claimed, rep.published), (4, 4));
+    assert_eq!(r.store().status("c", 1), St::Published);
+}
+
+#[test]
+fn claims_only_aggregate_heads_so_versions_never_overtake() {
+    let store = FakeStore::with(&[("a", 1), ("a", 2), ("a", 3), ("b", 1)]);
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    p.expect_publish()
+        .times(3)
+        .returning(|b| (0..b.len() as i64).map(ack).collect());
+    let mut r = relay(store, p);
+    let first = block_on(r.run_once()).unwrap();
+    assert_eq!(first.published, 2, "a1 and b1 only");
+    assert_eq!(r.store().status("a", 2), St::Pending);
+    block_on(r.run_once()).unwrap();
+    assert_eq!(r.store().status("a", 2), St::Published);
+    assert_eq!(r.store().status("a", 3), St::Pending);
+    block_on(r.run_once()).unwrap();
+    assert_eq!(r.store().status("a", 3), St::Published);
+    assert!(block_on(r.run_once()).unwrap().is_idle());
+}
+
+#[test]
+fn transient_failures_retry_then_park_after_the_limit() {
+    let store = FakeStore::with(&[("a", 1)]);
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    p.expect_publish().times(3).returning(|b| {
+        b.iter()
+            .map(|_| {
+                Err(PublishError::new(
+                    PublishErrorKind::BrokerUnavailable,
+                    "down",
+                ))
+            })
+            .collect()
+    });
+    let mut r = relay(store, p);
+    for expected_retry in [1, 1, 0] {
+        let rep = block_on(r.run_once()).unwrap();
+        assert_eq!(rep.retried, expected_retry);
+    }
+    assert_eq!(r.store().status("a", 1), St::Parked);
+    let last = r
+        .store()
+        .completions
+        .lock()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    match &last[0] {
+        Outcome::Park { reason, .. } => {
+            assert_eq!(reason.kind, ParkKind::AttemptsExhausted);
+            assert_eq!(reason.error.kind, "broker_unavailable");
+        }
+        o => panic!("{o:?}"),
+    }
+}
+
+#[test]
+fn retry_delays_are_jittered_and_never_zero() {
+    let store = FakeStore::with(&[("a", 1), ("b", 1), ("c", 1), ("d", 1), ("e", 1)]);
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    p.expect_publish().returning(|b| {
+        b.iter()
+            .map(|_| Err(PublishError::new(PublishErrorKind::Timeout, "t")))
+            .collect()
+    });
+    let mut r = relay(store, p);
+    block_on(r.run_once()).unwrap();
+    let outcomes = r.store().completions.lock().unwrap()[0].clone();
+    let delays: HashSet<Duration> = outcomes
+        .iter()
+        .map(|o| match o {
+            Outcome::Retry { delay, .. } => *delay,
+            o => panic!("{o:?}"),
+        })
+        .collect();
+    assert!(delays.len() > 1, "all retries share one delay: {delays:?}");
+    assert!(delays.iter().all(|d| *d >= Duration::from_millis(10)));
+}
+
+#[test]
+fn permanent_failure_parks_and_blocks_only_its_aggregate() {
+    let store = FakeStore::with(&[("poison", 1), ("poison", 2), ("ok", 1), ("ok", 2)]);
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    p.expect_publish().returning(|b| {
+        b.iter()
+            .map(|e| {
+                if e.aggregate_id == "poison" {
+                    Err(PublishError::new(PublishErrorKind::RecordTooLarge, "big"))
+                } else {
+                    ack(0)
+                }
+            })
+            .collect()
+    });
+    let mut r = relay(store, p);
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!((rep.published, rep.parked), (1, 1));
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!(
+        (rep.claimed, rep.published),
+        (1, 1),
+        "only ok/2 is claimable"
+    );
+    assert_eq!(r.store().status("poison", 1), St::Parked);
+    assert_eq!(r.store().status("poison", 2), St::Pending);
+    assert!(
+        block_on(r.run_once()).unwrap().is_idle(),
+        "poison/2 waits behind its parked head"
+    );
+}
+
+#[test]
+fn shutdown_releases_a_claimed_batch_without_publishing() {
+    let store = FakeStore::with(&[("a", 1)]);
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    p.expect_publish().times(0);
+    let mut r = relay(store, p);
+    r.shutdown_signal().trigger();
+    let rep = block_on(r.run_once()).unwrap();
+    assert!(rep.released);
+    assert_eq!(*r.store().releases.lock().unwrap(), 1);
+    assert_eq!(r.store().status("a", 1), St::Pending);
+}
+
+#[test]
+fn lease_shorter_than_delivery_timeout_is_rejected() {
+    let store = FakeStore {
+        mode: Some(ClaimMode::lease(Duration::from_secs(10)).unwrap()),
+        ..FakeStore::default()
+    };
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(30));
+    let err = Relay::new(
+        store,
+        p,
+        RelayConfig::default(),
+        clock(),
+        Box::new(StdRng::seed_from_u64(1)),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("does not outlive"), "{err}");
+}
+
+#[test]
+fn batch_with_too_little_lease_left_is_released() {
+    let mut store = FakeStore::with(&[("a", 1)]);
+    store.mode = Some(ClaimMode::lease(Duration::from_secs(60)).unwrap());
+    store.lease_remaining = Some(Duration::from_secs(3)); // claim took most of the lease
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    p.expect_publish().times(0);
+    let mut r = relay(store, p);
+    let rep = block_on(r.run_once()).unwrap();
+    assert!(rep.released);
+    assert_eq!(r.store().status("a", 1), St::Pending);
+}
+
+#[test]
+fn wrong_result_count_marks_nothing_published() {
+    let store = FakeStore::with(&[("a", 1), ("b", 1)]);
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    p.expect_publish().returning(|_| vec![ack(0)]);
+    let mut r = relay(store, p);
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!((rep.published, rep.retried), (0, 2));
+}
+
+#[test]
+fn config_builder_rejects_bad_values() {
+    assert!(RelayConfig::builder().batch_size(0).build().is_err());
+    assert!(RelayConfig::builder().owner(" ").build().is_err());
+    assert!(RelayConfig::builder()
+        .idle(Duration::from_secs(2), Duration::from_secs(1))
+        .build()
+        .is_err());
+    assert!(RelayConfig::builder()
+        .idle(Duration::ZERO, Duration::from_secs(1))
+        .build()
+        .is_err());
+}
+
+#[test]
+fn step_api_matches_run_once() {
+    let store = FakeStore::with(&[("a", 1)]);
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    p.expect_publish()
+        .with(always())
+        .returning(|b| (0..b.len() as i64).map(ack).collect());
+    let mut r = relay(store, p);
+    let batch = block_on(r.claim()).unwrap();
+    let results = block_on(r.publish(&batch));
+    let outcomes = r.decide(&batch, &results);
+    assert!(matches!(outcomes[0], Outcome::Published { .. }));
+    let rep = block_on(r.complete(&batch, &outcomes)).unwrap();
+    assert_eq!(rep.applied, 1);
+}

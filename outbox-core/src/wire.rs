@@ -1,0 +1,243 @@
+//! The wire mapping of an [`Envelope`] onto a log record: key, headers and value.
+//!
+//! Every transport (Kafka, the in-memory log) uses this one mapping, so a consumer written in any
+//! language reads the same headers:
+//!
+//! | header | content |
+//! |---|---|
+//! | `event_id` | UUID text |
+//! | `event_type` | text |
+//! | `aggregate_type` | text |
+//! | `aggregate_id` | text (also the record key) |
+//! | `aggregate_version` | decimal integer |
+//! | `schema_version` | decimal integer |
+//! | `content_type` | MIME type of the value |
+//! | `created_at` | RFC 3339 timestamp |
+//! | any user header | as given (e.g. `traceparent`) |
+//!
+//! The record value is the payload bytes, unchanged.
+//!
+//! ```
+//! use outbox_core::{wire, Envelope};
+//! let e = Envelope::builder("order", "o-1", 2, "order.paid").build().unwrap();
+//! let headers = wire::encode_headers(&e);
+//! let back = wire::decode(&headers, &e.payload.bytes).unwrap();
+//! assert_eq!(back, e);
+//! ```
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+
+use crate::envelope::{Envelope, EventId, Payload};
+
+/// Header carrying the event id.
+pub const EVENT_ID: &str = "event_id";
+/// Header carrying the event type.
+pub const EVENT_TYPE: &str = "event_type";
+/// Header carrying the aggregate type.
+pub const AGGREGATE_TYPE: &str = "aggregate_type";
+/// Header carrying the aggregate id.
+pub const AGGREGATE_ID: &str = "aggregate_id";
+/// Header carrying the aggregate version.
+pub const AGGREGATE_VERSION: &str = "aggregate_version";
+/// Header carrying the payload schema version.
+pub const SCHEMA_VERSION: &str = "schema_version";
+/// Header carrying the payload content type.
+pub const CONTENT_TYPE: &str = "content_type";
+/// Header carrying the creation time.
+pub const CREATED_AT: &str = "created_at";
+
+const RESERVED: [&str; 8] = [
+    EVENT_ID,
+    EVENT_TYPE,
+    AGGREGATE_TYPE,
+    AGGREGATE_ID,
+    AGGREGATE_VERSION,
+    SCHEMA_VERSION,
+    CONTENT_TYPE,
+    CREATED_AT,
+];
+
+/// `true` for header names that carry envelope fields (user headers may not use them).
+pub fn is_reserved_header(name: &str) -> bool {
+    RESERVED.iter().any(|r| r.eq_ignore_ascii_case(name))
+}
+
+/// The record headers for `e`, envelope fields first, then user headers.
+pub fn encode_headers(e: &Envelope) -> Vec<(String, Vec<u8>)> {
+    let mut h = Vec::with_capacity(RESERVED.len() + e.headers.len());
+    h.push((EVENT_ID.to_owned(), e.event_id.to_string().into_bytes()));
+    h.push((EVENT_TYPE.to_owned(), e.event_type.clone().into_bytes()));
+    h.push((
+        AGGREGATE_TYPE.to_owned(),
+        e.aggregate_type.clone().into_bytes(),
+    ));
+    h.push((AGGREGATE_ID.to_owned(), e.aggregate_id.clone().into_bytes()));
+    h.push((
+        AGGREGATE_VERSION.to_owned(),
+        e.aggregate_version.to_string().into_bytes(),
+    ));
+    h.push((
+        SCHEMA_VERSION.to_owned(),
+        e.schema_version.to_string().into_bytes(),
+    ));
+    h.push((
+        CONTENT_TYPE.to_owned(),
+        e.payload.content_type.clone().into_bytes(),
+    ));
+    h.push((
+        CREATED_AT.to_owned(),
+        e.created_at
+            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
+            .into_bytes(),
+    ));
+    for (k, v) in &e.headers {
+        h.push((k.clone(), v.clone().into_bytes()));
+    }
+    h
+}
+
+/// Why a record could not be decoded into an envelope.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// A required header is absent.
+    #[error("missing header {0:?}")]
+    MissingHeader(&'static str),
+    /// A header is not valid UTF-8 or not parseable.
+    #[error("malformed header {name:?}: {reason}")]
+    MalformedHeader {
+        /// Header name.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A header appears twice with different values.
+    #[error("header {0:?} appears more than once")]
+    DuplicateHeader(String),
+    /// The decoded envelope fails validation.
+    #[error("decoded envelope is invalid: {0}")]
+    Invalid(String),
+}
+
+/// Decodes headers and value into an envelope. Never panics on hostile input.
+pub fn decode<K: AsRef<str>, V: AsRef<[u8]>>(
+    headers: &[(K, V)],
+    value: &[u8],
+) -> Result<Envelope, DecodeError> {
+    let mut map: BTreeMap<String, String> = BTreeMap::new();
+    for (k, v) in headers {
+        let name = k.as_ref().to_owned();
+        let text = std::str::from_utf8(v.as_ref())
+            .map_err(|_| DecodeError::MalformedHeader {
+                name: name.clone(),
+                reason: "not UTF-8".into(),
+            })?
+            .to_owned();
+        if map.insert(name.clone(), text).is_some() {
+            return Err(DecodeError::DuplicateHeader(name));
+        }
+    }
+    let mut take = |name: &'static str| map.remove(name).ok_or(DecodeError::MissingHeader(name));
+    let malformed = |name: &str, reason: String| DecodeError::MalformedHeader {
+        name: name.to_owned(),
+        reason,
+    };
+    let event_id: EventId = take(EVENT_ID)?
+        .parse()
+        .map_err(|e: uuid::Error| malformed(EVENT_ID, e.to_string()))?;
+    let event_type = take(EVENT_TYPE)?;
+    let aggregate_type = take(AGGREGATE_TYPE)?;
+    let aggregate_id = take(AGGREGATE_ID)?;
+    let aggregate_version: i64 = take(AGGREGATE_VERSION)?
+        .parse()
+        .map_err(|e: std::num::ParseIntError| malformed(AGGREGATE_VERSION, e.to_string()))?;
+    let schema_version: i32 = take(SCHEMA_VERSION)?
+        .parse()
+        .map_err(|e: std::num::ParseIntError| malformed(SCHEMA_VERSION, e.to_string()))?;
+    let content_type = take(CONTENT_TYPE)?;
+    let created_at: DateTime<Utc> = DateTime::parse_from_rfc3339(&take(CREATED_AT)?)
+        .map_err(|e| malformed(CREATED_AT, e.to_string()))?
+        .with_timezone(&Utc);
+    let envelope = Envelope {
+        event_id,
+        aggregate_type,
+        aggregate_id,
+        aggregate_version,
+        event_type,
+        schema_version,
+        payload: Payload::new(content_type, value.to_vec()),
+        headers: map,
+        created_at,
+    };
+    // Consumers accept what producers could have sent; the payload limit is the transport's.
+    let limits = crate::EnvelopeLimits::default().with_max_payload_bytes(usize::MAX);
+    envelope
+        .validate(&limits)
+        .map_err(|e| DecodeError::Invalid(e.to_string()))?;
+    Ok(envelope)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Envelope {
+        Envelope::builder("order", "o-9", 4, "order.shipped")
+            .schema_version(2)
+            .json(&serde_json::json!({"x": 1}))
+            .unwrap()
+            .header(
+                "traceparent",
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            )
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn round_trip_preserves_every_field() {
+        let e = sample();
+        let h = encode_headers(&e);
+        assert_eq!(decode(&h, &e.payload.bytes).unwrap(), e);
+    }
+
+    #[test]
+    fn malformed_records_are_typed_errors() {
+        let e = sample();
+        let good = encode_headers(&e);
+        let without = |name: &str| -> Vec<(String, Vec<u8>)> {
+            good.iter().filter(|(k, _)| k != name).cloned().collect()
+        };
+        let replace = |name: &str, v: &[u8]| -> Vec<(String, Vec<u8>)> {
+            good.iter()
+                .map(|(k, old)| (k.clone(), if k == name { v.to_vec() } else { old.clone() }))
+                .collect()
+        };
+        let cases: Vec<(&str, Vec<(String, Vec<u8>)>)> = vec![
+            ("no event id", without(EVENT_ID)),
+            ("no version", without(AGGREGATE_VERSION)),
+            ("bad uuid", replace(EVENT_ID, b"nope")),
+            ("bad version", replace(AGGREGATE_VERSION, b"1.5")),
+            ("non utf8", replace(EVENT_TYPE, &[0xff, 0xfe])),
+            ("bad time", replace(CREATED_AT, b"yesterday")),
+            ("empty type", replace(EVENT_TYPE, b"")),
+            ("zero version", replace(AGGREGATE_VERSION, b"0")),
+        ];
+        for (name, headers) in cases {
+            assert!(decode(&headers, b"{}").is_err(), "{name} decoded");
+        }
+        let mut dup = good.clone();
+        dup.push((EVENT_TYPE.to_owned(), b"other".to_vec()));
+        assert!(matches!(
+            decode(&dup, b"{}"),
+            Err(DecodeError::DuplicateHeader(_))
+        ));
+        let none: Vec<(String, Vec<u8>)> = vec![];
+        assert_eq!(
+            decode(&none, b""),
+            Err(DecodeError::MissingHeader(EVENT_ID))
+        );
+    }
+}

@@ -1,0 +1,1 @@
+//! Kafka (rdkafka) publisher and consumer source for the outbox.

@@ -1,0 +1,1 @@
+//! PostgreSQL (sqlx) outbox and inbox stores.
