@@ -539,10 +539,12 @@ mod tests {
         assert_eq!(v["a"], 1);
     }
 
+    type Case = (&'static str, EnvelopeBuilder, fn(&ValidationError) -> bool);
+
     #[test]
     fn validation_table() {
         let limits = EnvelopeLimits::default();
-        let cases: Vec<(&str, EnvelopeBuilder, fn(&ValidationError) -> bool)> = vec![
+        let cases: Vec<Case> = vec![
             (
                 "empty aggregate_type",
                 Envelope::builder("", "a", 1, "t"),

@@ -215,7 +215,8 @@ mod tests {
                 .map(|(k, old)| (k.clone(), if k == name { v.to_vec() } else { old.clone() }))
                 .collect()
         };
-        let cases: Vec<(&str, Vec<(String, Vec<u8>)>)> = vec![
+        type Headers = Vec<(String, Vec<u8>)>;
+        let cases: Vec<(&str, Headers)> = vec![
             ("no event id", without(EVENT_ID)),
             ("no version", without(AGGREGATE_VERSION)),
             ("bad uuid", replace(EVENT_ID, b"nope")),
