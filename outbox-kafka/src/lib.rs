@@ -1,1 +1,107 @@
-//! Kafka (rdkafka) publisher and consumer source for the outbox.
+//! # outbox-kafka
+//!
+//! Kafka adapters for the outbox, on [rdkafka](https://docs.rs/rdkafka) (librdkafka):
+//!
+//! * [`KafkaPublisher`]: the relay's [`outbox_core::Publisher`]. Idempotent producer with
+//!   `acks=all`; a record counts as published only from its successful delivery report.
+//! * [`KafkaSource`]: the inbox engine's [`outbox_core::MessageSource`]. Manual offsets only,
+//!   with a [`RevokeHook`] that commits what is final when partitions are revoked.
+//!
+//! Usable alone: nothing here depends on a store.
+//!
+//! ## Capabilities
+//!
+//! | capability | status | how |
+//! |---|---|---|
+//! | batch enqueued whole, all reports awaited | yes | `FutureProducer::send_result` per record, then all `DeliveryFuture`s |
+//! | `Ok` only from a delivery report | yes | [`outbox_core::AckMetadata`] = topic, partition, offset of the report |
+//! | local queue full | retried | enqueue retried until the delivery timeout |
+//! | ordering under producer retries | enforced | `enable.idempotence=true`, `acks=all`, `max.in.flight.requests.per.connection` ≤ 5; unsafe overrides are a [`outbox_core::ConfigError`] at build |
+//! | delivery timeout exposed | yes | [`Publisher::delivery_timeout`](outbox_core::Publisher::delivery_timeout) = `message.timeout.ms` (default 30 s) |
+//! | key | aggregate id | one aggregate → one partition |
+//! | headers | [`outbox_core::wire`] | `event_id`, `event_type`, `schema_version`, `aggregate_*`, `content_type`, `created_at`, user headers (`traceparent`) |
+//! | routing | event type → topic, default topic | [`KafkaPublisherBuilder::route`] |
+//! | error classes | typed | [`error::classify_code`] from `RDKafkaErrorCode`, table-tested |
+//! | fatal producer errors | handled | affected records fail transiently, the producer is rebuilt |
+//! | missing topic | error at start | [`KafkaPublisher::check_topics`] / [`KafkaPublisherBuilder::start`] |
+//! | partition count change | surfaced | [`TopicReport::partition_changes`], warning log, metric `outbox_kafka_partition_count_changes_total` |
+//! | compacted topics | reported | `cleanup.policy` via DescribeConfigs; [`CleanupPolicy::Unavailable`] with a warning when the broker cannot describe configs |
+//! | consumer auto-commit | off, enforced | `enable.auto.commit=false`, `enable.auto.offset.store=false` |
+//! | commit | synchronous, exactly the given offsets | [`outbox_core::MessageSource::commit`] |
+//! | commit on revoke | what is final | [`RevokeHook`], e.g. the engine's shared [`outbox_core::watermark::OffsetTracker`] |
+//! | malformed message | typed error | `ReceivedMessage::envelope = Err(DecodeError)`, never a panic |
+//! | transactions / exactly-once | no | the contract is at-least-once plus idempotent effect |
+//!
+//! Secrets set as properties (`sasl.password`, `ssl.key.password`, ...) never appear in `Debug`
+//! output.
+//!
+//! ## Example
+//!
+//! ```no_run
+//! use std::sync::{Arc, Mutex};
+//! use std::time::Duration;
+//! use outbox_core::{watermark::OffsetTracker, Envelope, MessageSource, Publisher};
+//! use outbox_kafka::{KafkaPublisher, KafkaSource};
+//!
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! // Producer side: fails here if a topic is missing, instead of at the first timeout.
+//! let publisher = KafkaPublisher::builder("localhost:9092", "orders")
+//!     .route("payment.captured", "payments")
+//!     .delivery_timeout(Duration::from_secs(20))
+//!     .start()
+//!     .await?;
+//! let report = publisher.topic_report().expect("checked at start");
+//! for t in report.compacted() {
+//!     eprintln!("warning: {} is compacted", t.name);
+//! }
+//! let event = Envelope::builder("order", "o-1", 1, "order.created").build()?;
+//! let results = publisher.publish(&[event]).await;
+//! let ack = results[0].as_ref().map_err(|e| e.to_string())?;
+//! println!("stored at {}/{}@{}", ack.topic, ack.partition, ack.offset);
+//!
+//! // Consumer side: the engine shares its watermark tracker with the source.
+//! let tracker = Arc::new(Mutex::new(OffsetTracker::default()));
+//! let source = KafkaSource::builder("localhost:9092", "billing")
+//!     .topic("orders")
+//!     .offset_tracker(Arc::clone(&tracker))
+//!     .build()?;
+//! if let Some(msg) = source.poll(Duration::from_secs(1)).await? {
+//!     let p = &msg.position;
+//!     tracker.lock().unwrap().begin(&p.topic, p.partition, p.offset);
+//!     // ... apply the effect and commit its transaction (or park a malformed message) ...
+//!     tracker.lock().unwrap().finish(&p.topic, p.partition, p.offset);
+//!     let commits = tracker.lock().unwrap().take_commits();
+//!     source.commit(&commits).await?;
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! ## Against tansu
+//!
+//! The tests run against [tansu](https://crates.io/crates/tansu) 0.6 (a Kafka-compatible broker)
+//! or a real cluster named by `KAFKA_BROKERS`. Differences found there:
+//!
+//! * tansu does not enforce `max.message.bytes`; the oversize test uses the producer's
+//!   `message.max.bytes`, which librdkafka enforces before sending (same permanent error kind).
+//! * DescribeConfigs lists only properties set when the topic was created, so `cleanup.policy`
+//!   is [`CleanupPolicy::NotReported`] for a topic created without it (Kafka's default is
+//!   `delete`).
+//! * The high watermark is understated when the last batch holds several records; nothing here
+//!   relies on watermarks.
+
+mod config;
+pub mod error;
+mod publisher;
+mod source;
+mod topics;
+
+pub use config::{is_secret_key, Properties, MAX_IN_FLIGHT_LIMIT};
+pub use publisher::{
+    KafkaPublisher, KafkaPublisherBuilder, KafkaPublisherConfig, StartError,
+    DEFAULT_DELIVERY_TIMEOUT, DEFAULT_METADATA_TIMEOUT, REPORT_GRACE,
+};
+pub use source::{
+    FnRevokeHook, KafkaSource, KafkaSourceBuilder, KafkaSourceConfig, RevokeHook, StartFrom,
+    DEFAULT_SESSION_TIMEOUT,
+};
+pub use topics::{CleanupPolicy, PartitionChange, TopicCheckError, TopicInfo, TopicReport};

@@ -1,0 +1,757 @@
+//! [`KafkaPublisher`]: the outbox [`Publisher`] on rdkafka's idempotent producer.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::Duration;
+
+use futures::future::join_all;
+use outbox_core::{
+    async_trait, wire, AckMetadata, ConfigError, Envelope, ErrorClass, PublishError,
+    PublishErrorKind, PublishResult, Publisher,
+};
+use rdkafka::admin::AdminClient;
+use rdkafka::client::{ClientContext, DefaultClientContext};
+use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
+use tokio::time::Instant;
+
+use crate::config::{check_producer_overrides, Properties, PRODUCER_ENFORCED};
+use crate::error::publish_error;
+use crate::topics::{describe_topics, Admin, PartitionChange, TopicCheckError, TopicReport};
+
+/// Default delivery timeout (`message.timeout.ms`): 30 s.
+pub const DEFAULT_DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default timeout of metadata and admin requests in topic checks: 10 s.
+pub const DEFAULT_METADATA_TIMEOUT: Duration = Duration::from_secs(10);
+/// Extra time [`KafkaPublisher::publish`] waits beyond the delivery timeout for the last reports.
+pub const REPORT_GRACE: Duration = Duration::from_millis(500);
+/// Pause between enqueue attempts while librdkafka's local queue is full.
+const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(5);
+
+/// Configuration of a [`KafkaPublisher`]. Build it with [`KafkaPublisher::builder`].
+///
+/// | field | default | meaning |
+/// |---|---|---|
+/// | `brokers` | (required) | `bootstrap.servers` |
+/// | `default_topic` | (required) | topic of every event type without a route |
+/// | `routes` | empty | `event_type` → topic |
+/// | `delivery_timeout` | 30 s | `message.timeout.ms`: bound from enqueue to final delivery report |
+/// | `metadata_timeout` | 10 s | topic checks (metadata, DescribeConfigs) |
+/// | `client_id` | `outbox-publisher` | `client.id` |
+/// | `properties` | empty | any other librdkafka property; secrets are redacted in `Debug` |
+///
+/// Always set and not overridable to weaker values: `enable.idempotence=true`, `acks=all`,
+/// `max.in.flight.requests.per.connection=5` (1..=5 accepted), `retries` > 0, no
+/// `transactional.id`. `allow.auto.create.topics` defaults to `false`.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct KafkaPublisherConfig {
+    /// Bootstrap servers, `host:port[,host:port...]`.
+    pub brokers: String,
+    /// Topic for event types without a route.
+    pub default_topic: String,
+    /// Topic per event type.
+    pub routes: BTreeMap<String, String>,
+    /// `message.timeout.ms`.
+    pub delivery_timeout: Duration,
+    /// Timeout of metadata and admin requests.
+    pub metadata_timeout: Duration,
+    /// `client.id`.
+    pub client_id: String,
+    /// Extra librdkafka properties.
+    pub properties: Properties,
+}
+
+impl KafkaPublisherConfig {
+    /// A configuration with the defaults above.
+    pub fn new(brokers: impl Into<String>, default_topic: impl Into<String>) -> Self {
+        Self {
+            brokers: brokers.into(),
+            default_topic: default_topic.into(),
+            routes: BTreeMap::new(),
+            delivery_timeout: DEFAULT_DELIVERY_TIMEOUT,
+            metadata_timeout: DEFAULT_METADATA_TIMEOUT,
+            client_id: "outbox-publisher".into(),
+            properties: Properties::default(),
+        }
+    }
+
+    /// The topic an event of `event_type` is published to.
+    pub fn topic_for(&self, event_type: &str) -> &str {
+        self.routes
+            .get(event_type)
+            .map_or(self.default_topic.as_str(), String::as_str)
+    }
+
+    /// Every topic this configuration can publish to.
+    pub fn topics(&self) -> Vec<String> {
+        let mut set: BTreeSet<&str> = self.routes.values().map(String::as_str).collect();
+        set.insert(&self.default_topic);
+        set.into_iter().map(str::to_owned).collect()
+    }
+
+    /// Validates the configuration and returns the effective librdkafka producer configuration
+    /// together with the effective delivery timeout.
+    fn producer_config(&self) -> Result<(ClientConfig, Duration), ConfigError> {
+        if self.brokers.trim().is_empty() {
+            return Err(ConfigError::new("brokers must not be empty"));
+        }
+        validate_topic("default_topic", &self.default_topic)?;
+        for (event_type, topic) in &self.routes {
+            if event_type.is_empty() {
+                return Err(ConfigError::new("a route has an empty event type"));
+            }
+            validate_topic(&format!("route for {event_type:?}"), topic)?;
+        }
+        if self.properties.get("bootstrap.servers").is_some()
+            || self.properties.get("metadata.broker.list").is_some()
+        {
+            return Err(ConfigError::new(
+                "bootstrap.servers/metadata.broker.list: set the brokers through the builder, \
+                 not as a property",
+            ));
+        }
+        let timeout = check_producer_overrides(&self.properties)?.unwrap_or(self.delivery_timeout);
+        if timeout.is_zero() || timeout.as_millis() > i32::MAX as u128 {
+            return Err(ConfigError::new(format!(
+                "delivery timeout {timeout:?} must be between 1 ms and {} ms",
+                i32::MAX
+            )));
+        }
+        if self.metadata_timeout.is_zero() {
+            return Err(ConfigError::new(
+                "metadata timeout must be greater than zero",
+            ));
+        }
+        let mut cc = ClientConfig::new();
+        cc.set("client.id", &self.client_id);
+        cc.set("allow.auto.create.topics", "false");
+        for (k, v) in self.properties.iter() {
+            cc.set(k, v);
+        }
+        cc.remove("delivery.timeout.ms");
+        cc.set("bootstrap.servers", &self.brokers);
+        cc.set("message.timeout.ms", timeout.as_millis().to_string());
+        for (k, v) in PRODUCER_ENFORCED {
+            // A stricter in-flight limit (1..=5) was accepted above; keep it.
+            if k == "max.in.flight.requests.per.connection"
+                && (self.properties.get(k).is_some()
+                    || self.properties.get("max.in.flight").is_some())
+            {
+                continue;
+            }
+            cc.set(k, v);
+        }
+        cc.remove("request.required.acks");
+        cc.set_log_level(RDKafkaLogLevel::Warning);
+        Ok((cc, timeout))
+    }
+}
+
+fn validate_topic(what: &str, topic: &str) -> Result<(), ConfigError> {
+    let ok = !topic.is_empty()
+        && topic.len() <= 249
+        && topic != "."
+        && topic != ".."
+        && topic
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(ConfigError::new(format!(
+            "{what}: {topic:?} is not a valid Kafka topic name (1..=249 of [a-zA-Z0-9._-])"
+        )))
+    }
+}
+
+/// Builder of a [`KafkaPublisher`].
+#[derive(Clone, Debug)]
+pub struct KafkaPublisherBuilder {
+    config: KafkaPublisherConfig,
+}
+
+impl KafkaPublisherBuilder {
+    /// Publishes events of `event_type` to `topic` instead of the default topic.
+    pub fn route(mut self, event_type: impl Into<String>, topic: impl Into<String>) -> Self {
+        self.config.routes.insert(event_type.into(), topic.into());
+        self
+    }
+
+    /// Sets the delivery timeout (`message.timeout.ms`). Default 30 s.
+    pub fn delivery_timeout(mut self, timeout: Duration) -> Self {
+        self.config.delivery_timeout = timeout;
+        self
+    }
+
+    /// Sets the timeout of the topic checks' requests. Default 10 s.
+    pub fn metadata_timeout(mut self, timeout: Duration) -> Self {
+        self.config.metadata_timeout = timeout;
+        self
+    }
+
+    /// Sets `client.id`. Default `outbox-publisher`.
+    pub fn client_id(mut self, client_id: impl Into<String>) -> Self {
+        self.config.client_id = client_id.into();
+        self
+    }
+
+    /// Sets any librdkafka producer property (security, compression, linger, ...). Properties
+    /// that would weaken ordering or acknowledgement are rejected by [`build`](Self::build).
+    pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.config.properties.set(key, value);
+        self
+    }
+
+    /// The configuration so far.
+    pub fn config(&self) -> &KafkaPublisherConfig {
+        &self.config
+    }
+
+    /// Validates the configuration and creates the producer. No network round trip happens
+    /// here; call [`KafkaPublisher::check_topics`] (or use [`start`](Self::start)) before
+    /// publishing.
+    pub fn build(self) -> Result<KafkaPublisher, ConfigError> {
+        KafkaPublisher::from_config(self.config)
+    }
+
+    /// [`build`](Self::build), then [`KafkaPublisher::check_topics`]: fails at start on a
+    /// missing topic instead of at the first delivery timeout.
+    pub async fn start(self) -> Result<KafkaPublisher, StartError> {
+        let publisher = self.build().map_err(StartError::Config)?;
+        publisher.check_topics().await.map_err(StartError::Topics)?;
+        Ok(publisher)
+    }
+}
+
+/// Why [`KafkaPublisherBuilder::start`] failed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum StartError {
+    /// The configuration is invalid or unsafe.
+    Config(ConfigError),
+    /// A topic is missing or the broker could not be asked.
+    Topics(TopicCheckError),
+}
+
+impl fmt::Display for StartError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Config(e) => write!(f, "{e}"),
+            Self::Topics(e) => write!(f, "topic check failed: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for StartError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Config(e) => Some(e),
+            Self::Topics(e) => Some(e),
+        }
+    }
+}
+
+/// Routes librdkafka's logs and client errors to `tracing`.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct TracingContext;
+
+impl ClientContext for TracingContext {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        match level {
+            RDKafkaLogLevel::Emerg
+            | RDKafkaLogLevel::Alert
+            | RDKafkaLogLevel::Critical
+            | RDKafkaLogLevel::Error => tracing::error!(target: "librdkafka", fac, "{log_message}"),
+            RDKafkaLogLevel::Warning => tracing::warn!(target: "librdkafka", fac, "{log_message}"),
+            RDKafkaLogLevel::Notice | RDKafkaLogLevel::Info => {
+                tracing::info!(target: "librdkafka", fac, "{log_message}")
+            }
+            RDKafkaLogLevel::Debug => tracing::debug!(target: "librdkafka", fac, "{log_message}"),
+        }
+    }
+
+    fn error(&self, error: KafkaError, reason: &str) {
+        if crate::error::is_fatal(&error) {
+            tracing::error!(error = %error, reason, "fatal producer error; the producer will be rebuilt");
+        } else {
+            tracing::warn!(error = %error, reason, "kafka client error");
+        }
+    }
+}
+
+type Producer_ = FutureProducer<TracingContext>;
+
+/// The outbox [`Publisher`] for Kafka.
+///
+/// * A batch is enqueued as a whole, then every delivery report is awaited; a result is `Ok`
+///   only from a successful delivery report, with the topic, partition and offset it reports.
+/// * While librdkafka's local queue is full, enqueueing is retried until the delivery timeout.
+/// * If enqueueing an event fails, later events of the same aggregate in the batch are not sent
+///   (they fail transiently), so a later version never overtakes an earlier one.
+/// * [`publish`](Publisher::publish) returns within
+///   [`delivery_timeout`](Publisher::delivery_timeout) + [`REPORT_GRACE`] of enqueueing
+///   the last record.
+/// * A fatal producer error (the idempotent producer lost its guarantees) fails the affected
+///   records transiently and the producer is replaced before the next batch.
+pub struct KafkaPublisher {
+    config: KafkaPublisherConfig,
+    client_config: ClientConfig,
+    delivery_timeout: Duration,
+    producer: RwLock<(u64, Producer_)>,
+    admin: Admin,
+    partitions: Mutex<BTreeMap<String, usize>>,
+    last_report: Mutex<Option<TopicReport>>,
+}
+
+impl fmt::Debug for KafkaPublisher {
+    // The librdkafka ClientConfig is left out on purpose: it holds secrets in clear text.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaPublisher")
+            .field("config", &self.config)
+            .field("delivery_timeout", &self.delivery_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaPublisher {
+    /// A builder for a publisher to `brokers` with `default_topic`.
+    pub fn builder(
+        brokers: impl Into<String>,
+        default_topic: impl Into<String>,
+    ) -> KafkaPublisherBuilder {
+        KafkaPublisherBuilder {
+            config: KafkaPublisherConfig::new(brokers, default_topic),
+        }
+    }
+
+    /// A publisher from a complete configuration (see [`KafkaPublisherConfig`]).
+    pub fn from_config(config: KafkaPublisherConfig) -> Result<Self, ConfigError> {
+        let (client_config, delivery_timeout) = config.producer_config()?;
+        let producer = create_producer(&client_config)?;
+        let admin = create_admin(&client_config)?;
+        Ok(Self {
+            config,
+            client_config,
+            delivery_timeout,
+            producer: RwLock::new((0, producer)),
+            admin,
+            partitions: Mutex::new(BTreeMap::new()),
+            last_report: Mutex::new(None),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &KafkaPublisherConfig {
+        &self.config
+    }
+
+    /// Checks every configured topic: it must exist; its partition count is recorded (a change
+    /// since the previous check is reported in [`TopicReport::partition_changes`], logged and
+    /// counted); compacted topics are logged. The cleanup policy is
+    /// [`CleanupPolicy::Unavailable`](crate::CleanupPolicy::Unavailable) with a warning when the
+    /// broker cannot describe topic configurations.
+    ///
+    /// Call it at start (see [`KafkaPublisherBuilder::start`]) and, if partition changes
+    /// matter to you, periodically.
+    pub async fn check_topics(&self) -> Result<TopicReport, TopicCheckError> {
+        let topics = self.config.topics();
+        let infos = describe_topics(&self.admin, &topics, self.config.metadata_timeout).await?;
+        let mut changes = Vec::new();
+        {
+            let mut known = self
+                .partitions
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            for info in &infos {
+                if let Some(before) = known.insert(info.name.clone(), info.partitions) {
+                    if before != info.partitions {
+                        changes.push(PartitionChange {
+                            topic: info.name.clone(),
+                            before,
+                            after: info.partitions,
+                        });
+                    }
+                }
+            }
+        }
+        for c in &changes {
+            report_partition_change(c);
+        }
+        for info in &infos {
+            tracing::info!(topic = %info.name, partitions = info.partitions, cleanup_policy = ?info.cleanup_policy, "outbox topic checked");
+        }
+        let report = TopicReport {
+            topics: infos,
+            partition_changes: changes,
+        };
+        *self
+            .last_report
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(report.clone());
+        Ok(report)
+    }
+
+    /// The report of the last successful [`check_topics`](Self::check_topics).
+    pub fn topic_report(&self) -> Option<TopicReport> {
+        self.last_report
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Partition counts known from topic checks and delivery reports.
+    pub fn partition_counts(&self) -> BTreeMap<String, usize> {
+        self.partitions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// How many times the producer was rebuilt after a fatal error.
+    pub fn producer_generation(&self) -> u64 {
+        self.producer
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .0
+    }
+
+    /// Waits up to `timeout` for every enqueued record to get its delivery report.
+    pub fn flush(&self, timeout: Duration) -> Result<(), PublishError> {
+        self.current_producer()
+            .1
+            .flush(timeout)
+            .map_err(|e| publish_error(&e))
+    }
+
+    fn current_producer(&self) -> (u64, Producer_) {
+        let guard = self.producer.read().unwrap_or_else(PoisonError::into_inner);
+        (guard.0, guard.1.clone())
+    }
+
+    /// Replaces the producer of `generation` if librdkafka reports it fatally failed.
+    fn replace_if_fatal(&self, generation: u64, producer: &Producer_) {
+        let Some((code, reason)) = producer.client().fatal_error() else {
+            return;
+        };
+        let mut guard = self
+            .producer
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        if guard.0 != generation {
+            return; // someone else already replaced it
+        }
+        match create_producer(&self.client_config) {
+            Ok(fresh) => {
+                tracing::error!(%code, reason, generation = generation + 1, "producer failed fatally; replaced it (affected records fail transiently and are retried)");
+                *guard = (generation + 1, fresh);
+            }
+            Err(e) => {
+                tracing::error!(%code, reason, error = %e, "producer failed fatally and could not be recreated");
+            }
+        }
+    }
+
+    /// Records partitions seen in delivery reports; a partition beyond the known count means the
+    /// topic grew.
+    fn note_partitions(&self, acks: &[&AckMetadata]) {
+        let mut changes = Vec::new();
+        {
+            let mut known = self
+                .partitions
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            for ack in acks {
+                let Ok(p) = usize::try_from(ack.partition) else {
+                    continue;
+                };
+                if let Some(count) = known.get_mut(&ack.topic) {
+                    if p >= *count {
+                        changes.push(PartitionChange {
+                            topic: ack.topic.clone(),
+                            before: *count,
+                            after: p + 1,
+                        });
+                        *count = p + 1;
+                    }
+                }
+            }
+        }
+        for c in &changes {
+            report_partition_change(c);
+        }
+    }
+}
+
+fn report_partition_change(c: &PartitionChange) {
+    tracing::warn!(
+        topic = %c.topic, before = c.before, after = c.after,
+        "partition count of an outbox topic changed: keys now map to other partitions, so \
+         per-aggregate order across the change is not guaranteed"
+    );
+    metrics::counter!("outbox_kafka_partition_count_changes_total", "topic" => c.topic.clone())
+        .increment(1);
+    metrics::gauge!("outbox_kafka_topic_partitions", "topic" => c.topic.clone())
+        .set(c.after as f64);
+}
+
+fn create_producer(cc: &ClientConfig) -> Result<Producer_, ConfigError> {
+    cc.create_with_context(TracingContext).map_err(|e| {
+        ConfigError::new(format!(
+            "librdkafka refused the producer configuration: {e}"
+        ))
+    })
+}
+
+fn create_admin(producer_config: &ClientConfig) -> Result<Admin, ConfigError> {
+    // The admin client shares connection and security settings but not the producer's.
+    let mut cc = producer_config.clone();
+    for key in [
+        "enable.idempotence",
+        "acks",
+        "max.in.flight.requests.per.connection",
+        "message.timeout.ms",
+        "linger.ms",
+        "queue.buffering.max.ms",
+        "compression.type",
+        "compression.codec",
+        "batch.size",
+        "batch.num.messages",
+        "retries",
+        "message.send.max.retries",
+        "queue.buffering.max.messages",
+        "queue.buffering.max.kbytes",
+    ] {
+        cc.remove(key);
+    }
+    cc.set("allow.auto.create.topics", "false");
+    let admin: AdminClient<DefaultClientContext> = cc.create().map_err(|e| {
+        ConfigError::new(format!("librdkafka refused the admin configuration: {e}"))
+    })?;
+    Ok(Arc::new(admin))
+}
+
+fn encode_headers(e: &Envelope) -> Result<OwnedHeaders, PublishError> {
+    let pairs = wire::encode_headers(e);
+    let mut headers = OwnedHeaders::new_with_capacity(pairs.len());
+    for (key, value) in &pairs {
+        // librdkafka takes header names as C strings; a NUL would abort deep inside rdkafka.
+        if key.contains('\0') {
+            return Err(PublishError::new(
+                PublishErrorKind::Serialization,
+                format!("header name {key:?} contains a NUL byte"),
+            ));
+        }
+        headers = headers.insert(Header {
+            key: key.as_str(),
+            value: Some(value.as_slice()),
+        });
+    }
+    Ok(headers)
+}
+
+enum Slot<'a> {
+    Done(PublishResult),
+    Waiting {
+        topic: &'a str,
+        report: DeliveryFuture,
+    },
+}
+
+#[async_trait]
+impl Publisher for KafkaPublisher {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
+        let (generation, producer) = self.current_producer();
+        let enqueue_deadline = Instant::now() + self.delivery_timeout;
+        let mut failed_aggregates: HashSet<&str> = HashSet::new();
+        let mut slots: Vec<Slot<'_>> = Vec::with_capacity(batch.len());
+
+        for e in batch {
+            if failed_aggregates.contains(e.aggregate_id.as_str()) {
+                slots.push(Slot::Done(Err(PublishError::new(
+                    PublishErrorKind::Other,
+                    "not sent: an earlier event of the same aggregate in this batch failed",
+                )
+                .with_class(ErrorClass::Transient))));
+                continue;
+            }
+            let topic = self.config.topic_for(&e.event_type);
+            let headers = match encode_headers(e) {
+                Ok(h) => h,
+                Err(err) => {
+                    failed_aggregates.insert(e.aggregate_id.as_str());
+                    slots.push(Slot::Done(Err(err)));
+                    continue;
+                }
+            };
+            let mut record: FutureRecord<'_, str, [u8]> = FutureRecord::to(topic)
+                .key(e.aggregate_id.as_str())
+                .payload(e.payload.bytes.as_slice())
+                .headers(headers);
+            let slot = loop {
+                match producer.send_result(record) {
+                    Ok(report) => break Slot::Waiting { topic, report },
+                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
+                        if Instant::now() < enqueue_deadline =>
+                    {
+                        // The producer's own thread serves delivery reports, which frees space.
+                        record = back;
+                        tokio::time::sleep(QUEUE_FULL_PAUSE).await;
+                    }
+                    Err((err, _)) => {
+                        failed_aggregates.insert(e.aggregate_id.as_str());
+                        tracing::warn!(event_id = %e.event_id, aggregate_id = %e.aggregate_id, event_type = %e.event_type, topic, error = %err, stage = "enqueue", "record not enqueued");
+                        break Slot::Done(Err(publish_error(&err)));
+                    }
+                }
+            };
+            slots.push(slot);
+        }
+
+        // librdkafka reports every enqueued record within message.timeout.ms; the grace only
+        // guards against a report that never comes (a bug would otherwise hang the relay).
+        let report_deadline = Instant::now() + self.delivery_timeout + REPORT_GRACE;
+        let results: Vec<PublishResult> = join_all(slots.into_iter().map(|slot| async move {
+            match slot {
+                Slot::Done(result) => result,
+                Slot::Waiting { topic, report } => {
+                    match tokio::time::timeout_at(report_deadline, report).await {
+                        Ok(Ok(Ok(delivery))) => Ok(AckMetadata {
+                            topic: topic.to_owned(),
+                            partition: delivery.partition,
+                            offset: delivery.offset,
+                        }),
+                        Ok(Ok(Err((err, _message)))) => Err(publish_error(&err)),
+                        Ok(Err(_canceled)) => Err(publish_error(&KafkaError::Canceled)),
+                        Err(_elapsed) => Err(PublishError::new(
+                            PublishErrorKind::Timeout,
+                            "no delivery report within the delivery timeout",
+                        )),
+                    }
+                }
+            }
+        }))
+        .await;
+
+        let acks: Vec<&AckMetadata> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
+        self.note_partitions(&acks);
+        if results
+            .iter()
+            .any(|r| matches!(r, Err(e) if e.kind == PublishErrorKind::Fatal))
+            || producer.client().fatal_error().is_some()
+        {
+            self.replace_if_fatal(generation, &producer);
+        }
+        results
+    }
+
+    fn delivery_timeout(&self) -> Duration {
+        self.delivery_timeout
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn builder() -> KafkaPublisherBuilder {
+        KafkaPublisher::builder("127.0.0.1:1", "orders")
+    }
+
+    #[test]
+    fn unsafe_overrides_are_rejected_at_build() {
+        let cases = [
+            ("enable.idempotence", "false"),
+            ("acks", "1"),
+            ("acks", "0"),
+            ("max.in.flight.requests.per.connection", "6"),
+            ("retries", "0"),
+            ("transactional.id", "relay-1"),
+            ("bootstrap.servers", "elsewhere:9092"),
+        ];
+        for (k, v) in cases {
+            let err = builder().set(k, v).build().unwrap_err();
+            assert!(err.to_string().contains(k), "{k}={v}: {err}");
+        }
+    }
+
+    #[test]
+    fn defaults_and_enforced_settings() {
+        let p = builder().build().unwrap();
+        assert_eq!(p.delivery_timeout(), DEFAULT_DELIVERY_TIMEOUT);
+        let cc = &p.client_config;
+        assert_eq!(cc.get("enable.idempotence"), Some("true"));
+        assert_eq!(cc.get("acks"), Some("all"));
+        assert_eq!(cc.get("max.in.flight.requests.per.connection"), Some("5"));
+        assert_eq!(cc.get("message.timeout.ms"), Some("30000"));
+        assert_eq!(cc.get("allow.auto.create.topics"), Some("false"));
+
+        let p = builder()
+            .set("max.in.flight.requests.per.connection", "1")
+            .set("delivery.timeout.ms", "1500")
+            .build()
+            .unwrap();
+        assert_eq!(p.delivery_timeout(), Duration::from_millis(1500));
+        assert_eq!(
+            p.client_config.get("max.in.flight.requests.per.connection"),
+            Some("1")
+        );
+        assert_eq!(p.client_config.get("message.timeout.ms"), Some("1500"));
+        assert_eq!(p.client_config.get("delivery.timeout.ms"), None);
+
+        let p = builder()
+            .delivery_timeout(Duration::from_secs(2))
+            .build()
+            .unwrap();
+        assert_eq!(p.delivery_timeout(), Duration::from_secs(2));
+        assert!(builder().delivery_timeout(Duration::ZERO).build().is_err());
+    }
+
+    #[test]
+    fn routing_and_topic_names() {
+        let b = builder()
+            .route("order.paid", "payments")
+            .route("order.shipped", "shipping");
+        assert_eq!(b.config().topic_for("order.paid"), "payments");
+        assert_eq!(b.config().topic_for("order.created"), "orders");
+        assert_eq!(b.config().topics(), vec!["orders", "payments", "shipping"]);
+        assert!(builder().route("x", "bad topic").build().is_err());
+        assert!(KafkaPublisher::builder("b:1", "").build().is_err());
+        assert!(KafkaPublisher::builder(" ", "t").build().is_err());
+    }
+
+    #[test]
+    fn debug_never_shows_secrets() {
+        let p = builder()
+            .set("security.protocol", "sasl_plaintext")
+            .set("sasl.mechanism", "PLAIN")
+            .set("sasl.username", "relay")
+            .set("sasl.password", "hunter2-very-secret")
+            .build()
+            .unwrap();
+        let shown = format!("{p:?}");
+        assert!(!shown.contains("hunter2-very-secret"), "{shown}");
+        assert!(shown.contains("sasl.password"));
+        let shown = format!("{:?}", p.config());
+        assert!(!shown.contains("hunter2-very-secret"), "{shown}");
+    }
+
+    #[test]
+    fn headers_follow_the_wire_mapping() {
+        use rdkafka::message::Headers;
+        let e = Envelope::builder("order", "o-1", 3, "order.paid")
+            .header(
+                "traceparent",
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            )
+            .build()
+            .unwrap();
+        let h = encode_headers(&e).unwrap();
+        let pairs: Vec<(&str, &[u8])> = h.iter().map(|h| (h.key, h.value.unwrap_or(&[]))).collect();
+        assert_eq!(wire::decode(&pairs, &e.payload.bytes).unwrap(), e);
+        assert!(pairs.iter().any(|(k, _)| *k == "traceparent"));
+    }
+}

@@ -1,0 +1,328 @@
+//! Topic checks on start: existence, partition count, cleanup policy.
+//!
+//! A publisher whose topic does not exist would otherwise wait for metadata until the delivery
+//! timeout of every record; [`crate::KafkaPublisher::check_topics`] turns that into a clear error
+//! at start. The partition count is recorded because a change of it moves keys to other
+//! partitions (per-aggregate order across the change is then not guaranteed), and compacted
+//! topics are reported because compaction may remove intermediate facts that consumers replaying
+//! the topic would need.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::types::RDKafkaRespErr;
+
+/// The `cleanup.policy` of a topic, as far as the broker reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CleanupPolicy {
+    /// Time/size-based deletion only.
+    Delete,
+    /// Log compaction: older records of a key may disappear.
+    Compact,
+    /// Both compaction and deletion.
+    CompactDelete,
+    /// The broker answered but did not list `cleanup.policy` for the topic (tansu 0.6 lists
+    /// only properties set at creation; Kafka's default is `delete`).
+    NotReported,
+    /// The configuration could not be read (the broker lacks DescribeConfigs, or the request
+    /// failed). The reason is kept for the log.
+    Unavailable(String),
+}
+
+impl CleanupPolicy {
+    /// Parses a `cleanup.policy` value (`delete`, `compact`, `compact,delete`).
+    pub fn parse(value: &str) -> Self {
+        let mut compact = false;
+        let mut delete = false;
+        for part in value.split(',') {
+            match part.trim().to_ascii_lowercase().as_str() {
+                "compact" => compact = true,
+                "delete" => delete = true,
+                _ => {}
+            }
+        }
+        match (compact, delete) {
+            (true, true) => Self::CompactDelete,
+            (true, false) => Self::Compact,
+            _ => Self::Delete,
+        }
+    }
+
+    /// `true` if the topic is compacted (intermediate facts may vanish).
+    pub fn is_compacted(&self) -> bool {
+        matches!(self, Self::Compact | Self::CompactDelete)
+    }
+}
+
+/// What the broker said about one topic.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TopicInfo {
+    /// Topic name.
+    pub name: String,
+    /// Number of partitions.
+    pub partitions: usize,
+    /// Cleanup policy.
+    pub cleanup_policy: CleanupPolicy,
+}
+
+/// A partition count that differs from the one recorded earlier.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PartitionChange {
+    /// Topic name.
+    pub topic: String,
+    /// Count recorded before.
+    pub before: usize,
+    /// Count now.
+    pub after: usize,
+}
+
+/// Result of a successful topic check.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TopicReport {
+    /// Every checked topic, in name order.
+    pub topics: Vec<TopicInfo>,
+    /// Partition counts that changed since the previous check.
+    pub partition_changes: Vec<PartitionChange>,
+}
+
+impl TopicReport {
+    /// Topics that are compacted.
+    pub fn compacted(&self) -> impl Iterator<Item = &TopicInfo> {
+        self.topics
+            .iter()
+            .filter(|t| t.cleanup_policy.is_compacted())
+    }
+
+    /// The info of `topic`, if it was checked.
+    pub fn topic(&self, topic: &str) -> Option<&TopicInfo> {
+        self.topics.iter().find(|t| t.name == topic)
+    }
+}
+
+/// Why the topic check failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TopicCheckError {
+    /// These topics do not exist (create them, or fix the routing).
+    Missing {
+        /// Missing topic names.
+        topics: Vec<String>,
+    },
+    /// The broker reported an error for a topic other than "unknown".
+    Topic {
+        /// Topic name.
+        topic: String,
+        /// The broker's error code.
+        code: RDKafkaErrorCode,
+    },
+    /// Metadata could not be fetched (broker unreachable within the metadata timeout).
+    Unreachable {
+        /// Detail.
+        message: String,
+    },
+}
+
+impl fmt::Display for TopicCheckError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Missing { topics } => write!(
+                f,
+                "topic(s) {topics:?} do not exist on the broker; create them before starting the \
+                 publisher (automatic topic creation is not used)"
+            ),
+            Self::Topic { topic, code } => {
+                write!(f, "broker reported {code} for topic {topic:?}")
+            }
+            Self::Unreachable { message } => {
+                write!(f, "could not read topic metadata: {message}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for TopicCheckError {}
+
+impl TopicCheckError {
+    /// `true` if retrying later can succeed without a change by a person.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Missing { .. } => false,
+            Self::Topic { code, .. } => crate::error::classify_code(*code)
+                .1
+                .eq(&outbox_core::ErrorClass::Transient),
+            Self::Unreachable { .. } => true,
+        }
+    }
+}
+
+pub(crate) type Admin = Arc<AdminClient<DefaultClientContext>>;
+
+/// Reads partition counts (metadata) and cleanup policies (DescribeConfigs) of `topics`.
+pub(crate) async fn describe_topics(
+    admin: &Admin,
+    topics: &[String],
+    timeout: Duration,
+) -> Result<Vec<TopicInfo>, TopicCheckError> {
+    let mut counts: BTreeMap<String, usize> = BTreeMap::new();
+    let mut missing = Vec::new();
+    for topic in topics {
+        let admin2 = Arc::clone(admin);
+        let name = topic.clone();
+        // fetch_metadata blocks on the network: keep it off the async worker threads.
+        let metadata = tokio::task::spawn_blocking(move || {
+            admin2.inner().fetch_metadata(Some(&name), timeout)
+        })
+        .await
+        .map_err(|e| TopicCheckError::Unreachable {
+            message: e.to_string(),
+        })?
+        .map_err(|e| TopicCheckError::Unreachable {
+            message: e.to_string(),
+        })?;
+        let Some(t) = metadata.topics().iter().find(|t| t.name() == topic) else {
+            missing.push(topic.clone());
+            continue;
+        };
+        match t.error() {
+            None if !t.partitions().is_empty() => {
+                counts.insert(topic.clone(), t.partitions().len());
+            }
+            None
+            | Some(RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART)
+            | Some(RDKafkaRespErr::RD_KAFKA_RESP_ERR__UNKNOWN_TOPIC) => {
+                missing.push(topic.clone());
+            }
+            Some(err) => {
+                return Err(TopicCheckError::Topic {
+                    topic: topic.clone(),
+                    code: err.into(),
+                })
+            }
+        }
+    }
+    if !missing.is_empty() {
+        return Err(TopicCheckError::Missing { topics: missing });
+    }
+    let policies = describe_cleanup_policies(admin, topics, timeout).await;
+    Ok(counts
+        .into_iter()
+        .map(|(name, partitions)| {
+            let cleanup_policy = policies
+                .get(&name)
+                .cloned()
+                .unwrap_or(CleanupPolicy::NotReported);
+            TopicInfo {
+                name,
+                partitions,
+                cleanup_policy,
+            }
+        })
+        .collect())
+}
+
+/// Cleanup policies by topic. Never fails: a broker without DescribeConfigs (or a failed
+/// request) yields [`CleanupPolicy::Unavailable`] and a warning, because the policy is advice
+/// to the operator, not a precondition of publishing.
+async fn describe_cleanup_policies(
+    admin: &Admin,
+    topics: &[String],
+    timeout: Duration,
+) -> BTreeMap<String, CleanupPolicy> {
+    let specs: Vec<ResourceSpecifier<'_>> = topics
+        .iter()
+        .map(|t| ResourceSpecifier::Topic(t.as_str()))
+        .collect();
+    let opts = AdminOptions::new().request_timeout(Some(timeout));
+    let unavailable = |reason: String| -> BTreeMap<String, CleanupPolicy> {
+        tracing::warn!(
+            reason = %reason,
+            "could not read cleanup.policy of the outbox topics (DescribeConfigs); compacted \
+             topics cannot be reported"
+        );
+        topics
+            .iter()
+            .map(|t| (t.clone(), CleanupPolicy::Unavailable(reason.clone())))
+            .collect()
+    };
+    let results = match tokio::time::timeout(
+        timeout + Duration::from_secs(1),
+        admin.describe_configs(specs.iter(), &opts),
+    )
+    .await
+    {
+        Err(_) => return unavailable(format!("no DescribeConfigs answer within {timeout:?}")),
+        Ok(Err(e)) => return unavailable(e.to_string()),
+        Ok(Ok(results)) => results,
+    };
+    let mut out = BTreeMap::new();
+    for (topic, result) in topics.iter().zip(results) {
+        let policy = match result {
+            Ok(resource) => match resource
+                .get("cleanup.policy")
+                .and_then(|e| e.value.as_deref())
+            {
+                Some(v) => CleanupPolicy::parse(v),
+                None => CleanupPolicy::NotReported,
+            },
+            Err(code) => {
+                let reason = format!("DescribeConfigs failed for {topic:?}: {code}");
+                tracing::warn!(topic = %topic, reason = %reason, "cleanup.policy unknown");
+                CleanupPolicy::Unavailable(reason)
+            }
+        };
+        if policy.is_compacted() {
+            tracing::warn!(
+                topic = %topic,
+                "outbox topic is compacted: older events of an aggregate may be removed by \
+                 compaction, so consumers replaying the topic can miss intermediate facts"
+            );
+        }
+        out.insert(topic.clone(), policy);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cleanup_policy_parse_table() {
+        let table = [
+            ("delete", CleanupPolicy::Delete),
+            ("compact", CleanupPolicy::Compact),
+            ("compact,delete", CleanupPolicy::CompactDelete),
+            ("delete, compact", CleanupPolicy::CompactDelete),
+            ("COMPACT", CleanupPolicy::Compact),
+            ("", CleanupPolicy::Delete),
+        ];
+        for (v, expect) in table {
+            assert_eq!(CleanupPolicy::parse(v), expect, "{v:?}");
+        }
+        assert!(CleanupPolicy::Compact.is_compacted());
+        assert!(!CleanupPolicy::NotReported.is_compacted());
+        assert!(!CleanupPolicy::Unavailable("x".into()).is_compacted());
+    }
+
+    #[test]
+    fn missing_topics_are_a_permanent_clear_error() {
+        let e = TopicCheckError::Missing {
+            topics: vec!["orders".into()],
+        };
+        assert!(!e.is_transient());
+        assert!(e.to_string().contains("\"orders\""));
+        assert!(e.to_string().contains("do not exist"));
+        assert!(TopicCheckError::Unreachable {
+            message: "x".into()
+        }
+        .is_transient());
+    }
+}
