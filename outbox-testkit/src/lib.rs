@@ -1,1 +1,91 @@
-//! In-memory backends, fault injection, crash simulation and the conformance suite for the outbox.
+//! # outbox-testkit
+//!
+//! In-memory backends for the outbox traits of [`outbox_core`], honouring the same contracts as
+//! the real ones, so whole pipelines run in one process on virtual time:
+//!
+//! * [`ManualClock`]: virtual time.
+//! * [`MemoryDb`] / [`MemoryTx`]: an in-memory database with explicit transactions, optimistic
+//!   validation of business reads and crash = drop semantics.
+//! * [`MemoryOutboxStore`]: the [`outbox_core::OutboxStore`] (both claim modes, fencing,
+//!   head-of-line claiming, parking, operator actions, cleanup, stats).
+//! * [`MemoryLog`] / [`MemoryConsumer`]: a partitioned log implementing
+//!   [`outbox_core::Publisher`] and [`outbox_core::MessageSource`], with scripted broker faults.
+//! * [`MemoryInboxStore`]: the [`outbox_core::InboxStore`], committing with business writes.
+//!
+//! ```
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+//! use std::time::Duration;
+//! use outbox_core::{
+//!     ClaimMode, Envelope, InboxStore, MessageSource, OutboxStore, Registration, Relay,
+//!     RelayConfig,
+//! };
+//! use outbox_testkit::{ManualClock, MemoryDb, MemoryInboxStore, MemoryLog, MemoryOutboxStore};
+//! use rand::{rngs::StdRng, SeedableRng};
+//!
+//! let clock = ManualClock::default();
+//! let db = MemoryDb::new(clock.clone());
+//! let store = MemoryOutboxStore::new(&db, ClaimMode::lease(Duration::from_secs(30)).unwrap());
+//! let log = MemoryLog::builder().topic("orders", 4).default_topic("orders").build();
+//!
+//! // The business change and its event commit together.
+//! let mut tx = db.begin();
+//! tx.put("orders", "o-1", serde_json::json!({"status": "confirmed", "version": 2}));
+//! let event = Envelope::builder("order", "o-1", 2, "order.confirmed")
+//!     .created_at(outbox_core::Clock::now(&clock))
+//!     .build()
+//!     .unwrap();
+//! store.append(&mut tx, &[event.clone()]).await.unwrap();
+//! tx.commit().unwrap();
+//!
+//! // The relay publishes it.
+//! let config = RelayConfig::builder().owner("relay-1").build().unwrap();
+//! let mut relay = Relay::new(
+//!     store.clone(), log.clone(), config, clock.shared(), Box::new(StdRng::seed_from_u64(7)),
+//! ).unwrap();
+//! let cycle = relay.run_once().await.unwrap();
+//! assert_eq!(cycle.published, 1);
+//!
+//! // A consumer applies it once, in one transaction with its inbox registration.
+//! let inbox = MemoryInboxStore::new(&db);
+//! let consumer = log.consumer("projection", &["orders"]);
+//! let msg = consumer.poll(Duration::ZERO).await.unwrap().expect("one message");
+//! let received = msg.envelope.unwrap();
+//! assert_eq!(received, event);
+//! let mut tx = inbox.begin().await.unwrap();
+//! assert_eq!(inbox.register(&mut tx, "projection", received.event_id).await.unwrap(), Registration::Fresh);
+//! tx.put("projection", "o-1", serde_json::json!({"status": "confirmed"}));
+//! inbox.commit(tx).await.unwrap();
+//! let p = &msg.position;
+//! consumer.commit(&[(p.topic.clone(), p.partition, p.offset + 1)]).await.unwrap();
+//! assert_eq!(log.committed("projection", "orders", p.partition), Some(p.offset + 1));
+//! # });
+//! ```
+
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod clock;
+pub mod db;
+pub mod inbox;
+pub mod log;
+pub mod outbox;
+
+pub use clock::ManualClock;
+pub use db::{MemoryDb, MemoryTx, TxCounters};
+pub use inbox::MemoryInboxStore;
+pub use log::{
+    FaultAction, FaultMatch, LogFault, LogRecord, MemoryConsumer, MemoryLog, MemoryLogBuilder,
+};
+pub use outbox::{MemoryOutboxStore, OutboxRow, RowClaimInfo};
+
+/// A deterministic, well-spread v7 [`outbox_core::EventId`] for `n` at time `at`: distinct `n`
+/// give distinct ids (the bits of `n` are mixed into the random part that
+/// [`outbox_core::EventId::from_parts`] keeps).
+pub fn deterministic_event_id(at: chrono::DateTime<chrono::Utc>, n: u64) -> outbox_core::EventId {
+    // A bijective mix of n into 64 bits, placed in bytes 2..10 of the random input, which the
+    // UUID v7 layout keeps intact.
+    let mut x = n;
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^= x >> 31;
+    outbox_core::EventId::from_parts(at, u128::from(x) << 16)
+}

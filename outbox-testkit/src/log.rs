@@ -1,0 +1,694 @@
+//! [`MemoryLog`]: an in-memory partitioned log implementing [`Publisher`], with consumer groups
+//! ([`MemoryConsumer`] implements [`MessageSource`]) and scripted broker faults.
+//!
+//! Records are stored exactly as a Kafka publisher would write them: key = `aggregate_id`,
+//! headers from [`outbox_core::wire::encode_headers`], value = payload bytes. The partition is a
+//! stable hash (FNV-1a) of the key modulo the topic's partition count, so one aggregate stays in
+//! one partition.
+//!
+//! A consumer group has one live member at a time: creating a consumer for a group is a
+//! rebalance that fences the previous member (its `poll` and `commit` fail with a transient
+//! error) and the new member resumes at the group's committed offsets. This models both a
+//! restart and a partition moving to another process.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use outbox_core::{
+    async_trait, wire, AckMetadata, Clock, Envelope, ErrorClass, EventId, LogPosition,
+    MessageSource, PublishError, PublishErrorKind, PublishResult, Publisher, ReceivedMessage,
+    SourceError,
+};
+
+use crate::clock::ManualClock;
+
+/// One stored record.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LogRecord {
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// Offset.
+    pub offset: i64,
+    /// Key (the aggregate id for published events).
+    pub key: Option<Vec<u8>>,
+    /// Headers.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// Value (the payload bytes).
+    pub value: Vec<u8>,
+    /// Broker time of the append.
+    pub timestamp: DateTime<Utc>,
+}
+
+impl LogRecord {
+    /// Decodes the envelope (never panics).
+    pub fn decode(&self) -> Result<Envelope, wire::DecodeError> {
+        wire::decode(&self.headers, &self.value)
+    }
+
+    /// The position of this record.
+    pub fn position(&self) -> LogPosition {
+        LogPosition {
+            topic: self.topic.clone(),
+            partition: self.partition,
+            offset: self.offset,
+        }
+    }
+
+    fn size(&self) -> usize {
+        self.key.as_ref().map_or(0, Vec::len)
+            + self
+                .headers
+                .iter()
+                .map(|(k, v)| k.len() + v.len())
+                .sum::<usize>()
+            + self.value.len()
+    }
+}
+
+/// Which records a [`LogFault`] applies to.
+#[derive(Clone)]
+#[non_exhaustive]
+pub enum FaultMatch {
+    /// Every record.
+    Any,
+    /// The record of one event.
+    Event(EventId),
+    /// Records of one aggregate id.
+    Aggregate(String),
+    /// Records for which the predicate holds.
+    Predicate(Arc<dyn Fn(&Envelope) -> bool + Send + Sync>),
+}
+
+impl fmt::Debug for FaultMatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Any => f.write_str("Any"),
+            Self::Event(id) => write!(f, "Event({id})"),
+            Self::Aggregate(a) => write!(f, "Aggregate({a:?})"),
+            Self::Predicate(_) => f.write_str("Predicate(..)"),
+        }
+    }
+}
+
+impl FaultMatch {
+    fn matches(&self, e: &Envelope) -> bool {
+        match self {
+            Self::Any => true,
+            Self::Event(id) => e.event_id == *id,
+            Self::Aggregate(a) => e.aggregate_id == *a,
+            Self::Predicate(p) => p(e),
+        }
+    }
+}
+
+/// What a [`LogFault`] does to a matching record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FaultAction {
+    /// The record is not stored; the publish result is this error (with its default class).
+    Fail(PublishErrorKind),
+    /// The record is stored, but the acknowledgement is lost: the result is a transient
+    /// `Timeout`. Republishing it creates a duplicate in the log.
+    LoseAck,
+}
+
+/// A scripted broker fault.
+#[derive(Clone, Debug)]
+pub struct LogFault {
+    /// Which records.
+    pub matcher: FaultMatch,
+    /// What happens.
+    pub action: FaultAction,
+    /// How many more records it applies to (`None`: until cleared).
+    pub remaining: Option<usize>,
+}
+
+impl LogFault {
+    /// A fault that applies to every matching record until cleared.
+    pub fn new(matcher: FaultMatch, action: FaultAction) -> Self {
+        Self {
+            matcher,
+            action,
+            remaining: None,
+        }
+    }
+
+    /// Limits the fault to the next `n` matching records.
+    pub fn times(mut self, n: usize) -> Self {
+        self.remaining = Some(n);
+        self
+    }
+}
+
+#[derive(Debug, Default)]
+struct GroupState {
+    generation: u64,
+    committed: BTreeMap<(String, i32), i64>,
+}
+
+#[derive(Debug)]
+struct LogState {
+    topics: BTreeMap<String, Vec<Vec<LogRecord>>>,
+    routes: BTreeMap<String, String>,
+    default_topic: Option<String>,
+    faults: Vec<LogFault>,
+    groups: HashMap<String, GroupState>,
+    publish_calls: u64,
+}
+
+struct LogShared {
+    state: Mutex<LogState>,
+    notify: tokio::sync::Notify,
+    max_record_bytes: usize,
+    delivery_timeout: Duration,
+    clock: Arc<dyn Clock>,
+}
+
+/// An in-memory partitioned log: a [`Publisher`] plus consumer groups. Cloning gives another
+/// handle to the same log.
+///
+/// ```
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+/// use outbox_core::{Envelope, Publisher, PublishErrorKind, MessageSource};
+/// use outbox_testkit::MemoryLog;
+/// use std::time::Duration;
+///
+/// let log = MemoryLog::new("orders", 3);
+/// let e = Envelope::builder("order", "o-1", 1, "order.created").build().unwrap();
+/// log.fail_next(1, PublishErrorKind::BrokerUnavailable);
+/// assert!(log.publish(&[e.clone()]).await[0].is_err());
+/// let ack = log.publish(&[e.clone()]).await.remove(0).unwrap();
+/// assert_eq!(ack.partition, MemoryLog::partition_for("o-1", 3));
+///
+/// let consumer = log.consumer("projection", &["orders"]);
+/// let msg = consumer.poll(Duration::ZERO).await.unwrap().unwrap();
+/// assert_eq!(msg.envelope.unwrap(), e);
+/// # });
+/// ```
+#[derive(Clone)]
+pub struct MemoryLog {
+    shared: Arc<LogShared>,
+}
+
+impl fmt::Debug for MemoryLog {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let st = self.lock();
+        f.debug_struct("MemoryLog")
+            .field(
+                "topics",
+                &st.topics
+                    .iter()
+                    .map(|(t, p)| (t.clone(), p.len()))
+                    .collect::<Vec<_>>(),
+            )
+            .field("default_topic", &st.default_topic)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builder for [`MemoryLog`].
+#[derive(Debug)]
+#[must_use]
+pub struct MemoryLogBuilder {
+    topics: BTreeMap<String, usize>,
+    routes: BTreeMap<String, String>,
+    default_topic: Option<String>,
+    max_record_bytes: usize,
+    delivery_timeout: Duration,
+    clock: Option<Arc<dyn Clock>>,
+}
+
+impl MemoryLogBuilder {
+    /// Adds a topic with `partitions` partitions (at least 1).
+    pub fn topic(mut self, name: impl Into<String>, partitions: usize) -> Self {
+        self.topics.insert(name.into(), partitions.max(1));
+        self
+    }
+
+    /// Topic for event types without a route.
+    pub fn default_topic(mut self, name: impl Into<String>) -> Self {
+        self.default_topic = Some(name.into());
+        self
+    }
+
+    /// Routes `event_type` to `topic`.
+    pub fn route(mut self, event_type: impl Into<String>, topic: impl Into<String>) -> Self {
+        self.routes.insert(event_type.into(), topic.into());
+        self
+    }
+
+    /// Largest record (key + headers + value) in bytes. Default 1 MiB, Kafka's default.
+    pub fn max_record_bytes(mut self, n: usize) -> Self {
+        self.max_record_bytes = n;
+        self
+    }
+
+    /// The delivery timeout reported to the relay. Default 5 s.
+    pub fn delivery_timeout(mut self, d: Duration) -> Self {
+        self.delivery_timeout = d;
+        self
+    }
+
+    /// Clock for record timestamps. Default: a fresh [`ManualClock`].
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = Some(clock);
+        self
+    }
+
+    /// The log.
+    pub fn build(self) -> MemoryLog {
+        MemoryLog {
+            shared: Arc::new(LogShared {
+                state: Mutex::new(LogState {
+                    topics: self
+                        .topics
+                        .into_iter()
+                        .map(|(t, n)| (t, vec![Vec::new(); n]))
+                        .collect(),
+                    routes: self.routes,
+                    default_topic: self.default_topic,
+                    faults: Vec::new(),
+                    groups: HashMap::new(),
+                    publish_calls: 0,
+                }),
+                notify: tokio::sync::Notify::new(),
+                max_record_bytes: self.max_record_bytes,
+                delivery_timeout: self.delivery_timeout,
+                clock: self
+                    .clock
+                    .unwrap_or_else(|| Arc::new(ManualClock::default())),
+            }),
+        }
+    }
+}
+
+impl MemoryLog {
+    /// A builder with no topics, 1 MiB records and a 5 s delivery timeout.
+    pub fn builder() -> MemoryLogBuilder {
+        MemoryLogBuilder {
+            topics: BTreeMap::new(),
+            routes: BTreeMap::new(),
+            default_topic: None,
+            max_record_bytes: 1024 * 1024,
+            delivery_timeout: Duration::from_secs(5),
+            clock: None,
+        }
+    }
+
+    /// A log with one topic of `partitions` partitions that receives every event type.
+    pub fn new(topic: &str, partitions: usize) -> Self {
+        Self::builder()
+            .topic(topic, partitions)
+            .default_topic(topic)
+            .build()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, LogState> {
+        self.shared.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The partition of `key` in a topic of `partitions` partitions (FNV-1a, stable across
+    /// runs and platforms).
+    pub fn partition_for(key: &str, partitions: usize) -> i32 {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for b in key.as_bytes() {
+            h ^= u64::from(*b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+        (h % partitions.max(1) as u64) as i32
+    }
+
+    /// Creates a topic (no-op if it exists).
+    pub fn create_topic(&self, name: &str, partitions: usize) {
+        self.lock()
+            .topics
+            .entry(name.to_owned())
+            .or_insert_with(|| vec![Vec::new(); partitions.max(1)]);
+    }
+
+    /// Adds a scripted fault; faults are checked in insertion order, the first match applies.
+    pub fn inject(&self, fault: LogFault) {
+        self.lock().faults.push(fault);
+    }
+
+    /// The next `n` records fail with `kind` and are not stored.
+    pub fn fail_next(&self, n: usize, kind: PublishErrorKind) {
+        self.inject(LogFault::new(FaultMatch::Any, FaultAction::Fail(kind)).times(n));
+    }
+
+    /// Every record matching `predicate` fails with `kind` until [`clear_faults`](Self::clear_faults).
+    pub fn fail_matching(
+        &self,
+        predicate: impl Fn(&Envelope) -> bool + Send + Sync + 'static,
+        kind: PublishErrorKind,
+    ) {
+        self.inject(LogFault::new(
+            FaultMatch::Predicate(Arc::new(predicate)),
+            FaultAction::Fail(kind),
+        ));
+    }
+
+    /// The record of `event_id` fails with `kind` until cleared.
+    pub fn fail_event(&self, event_id: EventId, kind: PublishErrorKind) {
+        self.inject(LogFault::new(
+            FaultMatch::Event(event_id),
+            FaultAction::Fail(kind),
+        ));
+    }
+
+    /// The next `n` records are stored but their acknowledgement is lost (transient `Timeout`).
+    pub fn lose_ack_next(&self, n: usize) {
+        self.inject(LogFault::new(FaultMatch::Any, FaultAction::LoseAck).times(n));
+    }
+
+    /// Records matching `predicate` are stored but their acknowledgement is lost, until cleared.
+    pub fn lose_ack_matching(&self, predicate: impl Fn(&Envelope) -> bool + Send + Sync + 'static) {
+        self.inject(LogFault::new(
+            FaultMatch::Predicate(Arc::new(predicate)),
+            FaultAction::LoseAck,
+        ));
+    }
+
+    /// Removes every scripted fault.
+    pub fn clear_faults(&self) {
+        self.lock().faults.clear();
+    }
+
+    /// Number of `publish` calls so far.
+    pub fn publish_calls(&self) -> u64 {
+        self.lock().publish_calls
+    }
+
+    /// Appends a raw record (e.g. a malformed one) to `topic`/`partition`; returns its offset.
+    pub fn append_raw(
+        &self,
+        topic: &str,
+        partition: i32,
+        key: Option<Vec<u8>>,
+        headers: Vec<(String, Vec<u8>)>,
+        value: Vec<u8>,
+    ) -> Result<i64, PublishError> {
+        let now = self.shared.clock.now();
+        let offset = {
+            let mut st = self.lock();
+            let parts = st.topics.get_mut(topic).ok_or_else(|| {
+                PublishError::new(PublishErrorKind::UnknownTopic, format!("no topic {topic}"))
+            })?;
+            let part = usize::try_from(partition)
+                .ok()
+                .and_then(|p| parts.get_mut(p))
+                .ok_or_else(|| {
+                    PublishError::new(
+                        PublishErrorKind::UnknownTopic,
+                        format!("no partition {partition} in {topic}"),
+                    )
+                })?;
+            let offset = part.len() as i64;
+            part.push(LogRecord {
+                topic: topic.to_owned(),
+                partition,
+                offset,
+                key,
+                headers,
+                value,
+                timestamp: now,
+            });
+            offset
+        };
+        self.shared.notify.notify_waiters();
+        Ok(offset)
+    }
+
+    /// The records of one partition, in offset order.
+    pub fn records(&self, topic: &str, partition: i32) -> Vec<LogRecord> {
+        let st = self.lock();
+        st.topics
+            .get(topic)
+            .and_then(|p| p.get(usize::try_from(partition).ok()?))
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Every record of every topic, by topic, partition and offset.
+    pub fn all_records(&self) -> Vec<LogRecord> {
+        self.lock()
+            .topics
+            .values()
+            .flat_map(|parts| parts.iter().flatten().cloned())
+            .collect()
+    }
+
+    /// Partition count of `topic`.
+    pub fn partitions(&self, topic: &str) -> Option<usize> {
+        self.lock().topics.get(topic).map(Vec::len)
+    }
+
+    /// Topic names.
+    pub fn topics(&self) -> Vec<String> {
+        self.lock().topics.keys().cloned().collect()
+    }
+
+    /// Next offset to write in `topic`/`partition`.
+    pub fn end_offset(&self, topic: &str, partition: i32) -> i64 {
+        self.records(topic, partition).len() as i64
+    }
+
+    /// The offset `group` committed for `topic`/`partition` (next offset to read).
+    pub fn committed(&self, group: &str, topic: &str, partition: i32) -> Option<i64> {
+        self.lock()
+            .groups
+            .get(group)
+            .and_then(|g| g.committed.get(&(topic.to_owned(), partition)).copied())
+    }
+
+    /// Joins `group` as its only live member, reading `topics` (all partitions), from the
+    /// group's committed offsets (or the beginning). Fences the previous member: a rebalance.
+    pub fn consumer(&self, group: &str, topics: &[&str]) -> MemoryConsumer {
+        let generation = {
+            let mut st = self.lock();
+            let g = st.groups.entry(group.to_owned()).or_default();
+            g.generation += 1;
+            g.generation
+        };
+        MemoryConsumer {
+            log: self.clone(),
+            group: group.to_owned(),
+            topics: topics.iter().map(|t| (*t).to_owned()).collect(),
+            generation,
+            positions: Mutex::new(BTreeMap::new()),
+            cursor: Mutex::new(0),
+        }
+    }
+
+    fn topic_for(st: &LogState, e: &Envelope) -> Option<String> {
+        st.routes
+            .get(&e.event_type)
+            .or(st.default_topic.as_ref())
+            .cloned()
+    }
+
+    fn publish_one(&self, st: &mut LogState, e: &Envelope, now: DateTime<Utc>) -> PublishResult {
+        let mut action = None;
+        for f in st.faults.iter_mut() {
+            if f.remaining != Some(0) && f.matcher.matches(e) {
+                if let Some(n) = f.remaining.as_mut() {
+                    *n -= 1;
+                }
+                action = Some(f.action);
+                break;
+            }
+        }
+        st.faults.retain(|f| f.remaining != Some(0));
+        if let Some(FaultAction::Fail(kind)) = action {
+            return Err(PublishError::new(kind, "injected broker fault"));
+        }
+        let topic = Self::topic_for(st, e).ok_or_else(|| {
+            PublishError::new(
+                PublishErrorKind::UnknownTopic,
+                format!("no route or default topic for {}", e.event_type),
+            )
+        })?;
+        let max = self.shared.max_record_bytes;
+        let parts = st.topics.get_mut(&topic).ok_or_else(|| {
+            PublishError::new(
+                PublishErrorKind::UnknownTopic,
+                format!("topic {topic} does not exist"),
+            )
+        })?;
+        let partition = Self::partition_for(&e.aggregate_id, parts.len());
+        let part = &mut parts[partition as usize];
+        let record = LogRecord {
+            topic: topic.clone(),
+            partition,
+            offset: part.len() as i64,
+            key: Some(e.aggregate_id.clone().into_bytes()),
+            headers: wire::encode_headers(e),
+            value: e.payload.bytes.clone(),
+            timestamp: now,
+        };
+        if record.size() > max {
+            return Err(PublishError::new(
+                PublishErrorKind::RecordTooLarge,
+                format!("record of {} bytes exceeds {max}", record.size()),
+            ));
+        }
+        let ack = AckMetadata {
+            topic,
+            partition,
+            offset: record.offset,
+        };
+        part.push(record);
+        if action == Some(FaultAction::LoseAck) {
+            return Err(PublishError::new(
+                PublishErrorKind::Timeout,
+                "no delivery report within the delivery timeout (the broker stored the record)",
+            ));
+        }
+        Ok(ack)
+    }
+}
+
+#[async_trait]
+impl Publisher for MemoryLog {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
+        let now = self.shared.clock.now();
+        let results = {
+            let mut st = self.lock();
+            st.publish_calls += 1;
+            batch
+                .iter()
+                .map(|e| self.publish_one(&mut st, e, now))
+                .collect()
+        };
+        self.shared.notify.notify_waiters();
+        results
+    }
+
+    fn delivery_timeout(&self) -> Duration {
+        self.shared.delivery_timeout
+    }
+}
+
+/// A member of a consumer group on a [`MemoryLog`]; see [`MemoryLog::consumer`].
+pub struct MemoryConsumer {
+    log: MemoryLog,
+    group: String,
+    topics: Vec<String>,
+    generation: u64,
+    /// Next offset to read per partition, once read from the group's committed offset.
+    positions: Mutex<BTreeMap<(String, i32), i64>>,
+    cursor: Mutex<usize>,
+}
+
+impl fmt::Debug for MemoryConsumer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryConsumer")
+            .field("group", &self.group)
+            .field("topics", &self.topics)
+            .field("generation", &self.generation)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryConsumer {
+    /// The group.
+    pub fn group(&self) -> &str {
+        &self.group
+    }
+
+    /// Whether a newer member of the group has fenced this one.
+    pub fn is_fenced(&self) -> bool {
+        self.log
+            .lock()
+            .groups
+            .get(&self.group)
+            .is_some_and(|g| g.generation != self.generation)
+    }
+
+    fn fenced_error(&self) -> SourceError {
+        SourceError::new(
+            ErrorClass::Transient,
+            format!(
+                "consumer of group {} was fenced by a rebalance; create a new consumer",
+                self.group
+            ),
+        )
+    }
+
+    /// Reads the next available message without waiting.
+    pub fn try_next(&self) -> Result<Option<ReceivedMessage>, SourceError> {
+        let st = self.log.lock();
+        let group = st.groups.get(&self.group);
+        if group.is_some_and(|g| g.generation != self.generation) {
+            return Err(self.fenced_error());
+        }
+        let mut slots: Vec<(String, i32)> = Vec::new();
+        for t in &self.topics {
+            if let Some(parts) = st.topics.get(t) {
+                slots.extend((0..parts.len() as i32).map(|p| (t.clone(), p)));
+            }
+        }
+        if slots.is_empty() {
+            return Ok(None);
+        }
+        let mut positions = self.positions.lock().unwrap_or_else(|e| e.into_inner());
+        let mut cursor = self.cursor.lock().unwrap_or_else(|e| e.into_inner());
+        for i in 0..slots.len() {
+            let slot = &slots[(*cursor + i) % slots.len()];
+            let pos = *positions.entry(slot.clone()).or_insert_with(|| {
+                group
+                    .and_then(|g| g.committed.get(slot).copied())
+                    .unwrap_or(0)
+            });
+            let part = &st.topics[&slot.0][slot.1 as usize];
+            if let Some(rec) = usize::try_from(pos).ok().and_then(|p| part.get(p)) {
+                positions.insert(slot.clone(), pos + 1);
+                *cursor = (*cursor + i + 1) % slots.len();
+                return Ok(Some(ReceivedMessage::new(
+                    rec.position(),
+                    rec.key.clone(),
+                    rec.decode(),
+                )));
+            }
+        }
+        Ok(None)
+    }
+}
+
+#[async_trait]
+impl MessageSource for MemoryConsumer {
+    async fn poll(&self, timeout: Duration) -> Result<Option<ReceivedMessage>, SourceError> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let notified = self.log.shared.notify.notified();
+            if let Some(m) = self.try_next()? {
+                return Ok(Some(m));
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return Ok(None);
+            }
+            // Bounded wait so a wake-up raced with the check above costs at most 10 ms.
+            let wait = (deadline - now).min(Duration::from_millis(10));
+            let _ = tokio::time::timeout(wait, notified).await;
+        }
+    }
+
+    async fn commit(&self, offsets: &[(String, i32, i64)]) -> Result<(), SourceError> {
+        let mut st = self.log.lock();
+        let g = st.groups.entry(self.group.clone()).or_default();
+        if g.generation != self.generation {
+            return Err(self.fenced_error());
+        }
+        for (t, p, o) in offsets {
+            g.committed.insert((t.clone(), *p), *o);
+        }
+        Ok(())
+    }
+}

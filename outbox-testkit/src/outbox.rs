@@ -1,0 +1,687 @@
+//! [`MemoryOutboxStore`]: the in-memory [`OutboxStore`].
+//!
+//! Rows get a sequence number when they are appended, not when they commit, so (as in
+//! PostgreSQL) rows can become visible out of sequence order; claiming never depends on a
+//! high-water mark, so such rows are still claimed.
+//!
+//! # Claim modes
+//!
+//! * [`ClaimMode::Lease`]: a claim records owner, a unique token and an expiry on the injected
+//!   clock. An expired lease returns the row to the pool. [`OutboxStore::complete`] applies an
+//!   outcome only while the row still carries the claim's token (a lease that expired but was not
+//!   taken over by another claim still owns its rows: applying its ack avoids a needless
+//!   duplicate); outcomes for rows taken over are counted as `superseded`.
+//! * [`ClaimMode::LockedTransaction`]: rows stay locked until the claim is completed or released,
+//!   or until [`MemoryOutboxStore::abandon`] models the relay's connection dropping (the locks go
+//!   with the transaction).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fmt;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use outbox_core::{
+    async_trait, AckMetadata, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch,
+    ClaimedRecord, CleanupReport, CompletionReport, DeliveryStatus, Envelope, EnvelopeLimits,
+    EventId, LastError, OperatorAction, OutboxStats, OutboxStore, Outcome, ParkReason, ParkedEvent,
+    StoreError, StoreErrorKind,
+};
+use uuid::Uuid;
+
+use crate::db::{MemoryDb, MemoryTx};
+
+type AggKey = (String, String);
+
+#[derive(Debug, Clone)]
+pub(crate) struct StagedRow {
+    pub(crate) seq: u64,
+    pub(crate) envelope: Envelope,
+}
+
+#[derive(Debug, Clone)]
+struct RowClaim {
+    token: Uuid,
+    owner: String,
+    expires_at: Option<DateTime<Utc>>,
+}
+
+impl RowClaim {
+    fn live(&self, now: DateTime<Utc>) -> bool {
+        self.expires_at.is_none_or(|t| t > now)
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Row {
+    seq: u64,
+    envelope: Envelope,
+    status: DeliveryStatus,
+    attempts: u32,
+    next_attempt_at: DateTime<Utc>,
+    last_error: Option<LastError>,
+    claim: Option<RowClaim>,
+    appended_at: DateTime<Utc>,
+    published_at: Option<DateTime<Utc>>,
+    ack: Option<AckMetadata>,
+    park_reason: Option<ParkReason>,
+    parked_at: Option<DateTime<Utc>>,
+    finished_at: Option<DateTime<Utc>>,
+}
+
+#[derive(Debug)]
+struct ClaimState {
+    seqs: Vec<u64>,
+}
+
+/// Outbox tables of a [`MemoryDb`].
+#[derive(Debug, Default)]
+pub(crate) struct OutboxState {
+    rows: BTreeMap<u64, Row>,
+    by_id: HashMap<EventId, u64>,
+    /// Rows neither published nor discarded, per aggregate, ordered by (version, seq).
+    open: BTreeMap<AggKey, BTreeSet<(i64, u64)>>,
+    claims: HashMap<Uuid, ClaimState>,
+    audit: Vec<AuditEntry>,
+    token_counter: u64,
+    superseded_total: u64,
+}
+
+fn agg_key(e: &Envelope) -> AggKey {
+    (e.aggregate_type.clone(), e.aggregate_id.clone())
+}
+
+impl OutboxState {
+    pub(crate) fn contains_event(&self, id: EventId) -> bool {
+        self.by_id.contains_key(&id)
+    }
+
+    pub(crate) fn insert_committed(&mut self, staged: StagedRow, now: DateTime<Utc>) {
+        let key = agg_key(&staged.envelope);
+        self.by_id.insert(staged.envelope.event_id, staged.seq);
+        self.open
+            .entry(key)
+            .or_default()
+            .insert((staged.envelope.aggregate_version, staged.seq));
+        self.rows.insert(
+            staged.seq,
+            Row {
+                seq: staged.seq,
+                envelope: staged.envelope,
+                status: DeliveryStatus::Pending,
+                attempts: 0,
+                next_attempt_at: now,
+                last_error: None,
+                claim: None,
+                appended_at: now,
+                published_at: None,
+                ack: None,
+                park_reason: None,
+                parked_at: None,
+                finished_at: None,
+            },
+        );
+    }
+
+    fn close(&mut self, seq: u64) {
+        if let Some(row) = self.rows.get(&seq) {
+            let key = agg_key(&row.envelope);
+            let version = row.envelope.aggregate_version;
+            if let Some(set) = self.open.get_mut(&key) {
+                set.remove(&(version, seq));
+                if set.is_empty() {
+                    self.open.remove(&key);
+                }
+            }
+        }
+    }
+
+    fn end_claim(&mut self, token: Uuid) {
+        if let Some(claim) = self.claims.remove(&token) {
+            for seq in claim.seqs {
+                if let Some(row) = self.rows.get_mut(&seq) {
+                    if row.claim.as_ref().is_some_and(|c| c.token == token) {
+                        row.claim = None;
+                    }
+                }
+            }
+        }
+    }
+
+    fn parked_row(&mut self, id: EventId) -> Result<&mut Row, StoreError> {
+        self.by_id
+            .get(&id)
+            .and_then(|seq| self.rows.get_mut(seq))
+            .filter(|r| r.status == DeliveryStatus::Parked)
+            .ok_or_else(|| {
+                StoreError::new(StoreErrorKind::NotFound, format!("no parked event {id}"))
+            })
+    }
+}
+
+/// A claim on a row, as shown by [`MemoryOutboxStore::snapshot`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RowClaimInfo {
+    /// The claim's token.
+    pub token: Uuid,
+    /// The claiming relay.
+    pub owner: String,
+    /// Lease expiry (`None` for a locked transaction).
+    pub expires_at: Option<DateTime<Utc>>,
+    /// Whether the claim still excludes other relays now.
+    pub live: bool,
+}
+
+/// One committed outbox row with its delivery state, for inspection by tests and simulations.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct OutboxRow {
+    /// Sequence number assigned at append time.
+    pub seq: u64,
+    /// The event.
+    pub envelope: Envelope,
+    /// Delivery status.
+    pub status: DeliveryStatus,
+    /// Failed attempts.
+    pub attempts: u32,
+    /// Not claimable before this time.
+    pub next_attempt_at: DateTime<Utc>,
+    /// Last failure.
+    pub last_error: Option<LastError>,
+    /// Current claim, if any (possibly an expired lease).
+    pub claim: Option<RowClaimInfo>,
+    /// Commit time on the store's clock.
+    pub appended_at: DateTime<Utc>,
+    /// When it was marked published.
+    pub published_at: Option<DateTime<Utc>>,
+    /// The broker's ack metadata.
+    pub ack: Option<AckMetadata>,
+    /// Why it was parked (kept while parked).
+    pub park_reason: Option<ParkReason>,
+    /// When it was parked.
+    pub parked_at: Option<DateTime<Utc>>,
+}
+
+impl OutboxRow {
+    fn from_row(r: &Row, now: DateTime<Utc>) -> Self {
+        Self {
+            seq: r.seq,
+            envelope: r.envelope.clone(),
+            status: r.status,
+            attempts: r.attempts,
+            next_attempt_at: r.next_attempt_at,
+            last_error: r.last_error.clone(),
+            claim: r.claim.as_ref().map(|c| RowClaimInfo {
+                token: c.token,
+                owner: c.owner.clone(),
+                expires_at: c.expires_at,
+                live: c.live(now),
+            }),
+            appended_at: r.appended_at,
+            published_at: r.published_at,
+            ack: r.ack.clone(),
+            park_reason: r.park_reason.clone(),
+            parked_at: r.parked_at,
+        }
+    }
+}
+
+/// The in-memory [`OutboxStore`] over a [`MemoryDb`]. Appends join a [`MemoryTx`].
+///
+/// Several stores over the same database behave like several relays' connections to one
+/// PostgreSQL database: they share rows, claims and the audit trail. Cloning is cheap.
+#[derive(Clone)]
+pub struct MemoryOutboxStore {
+    db: MemoryDb,
+    mode: ClaimMode,
+    limits: EnvelopeLimits,
+}
+
+impl fmt::Debug for MemoryOutboxStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryOutboxStore")
+            .field("mode", &self.mode)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryOutboxStore {
+    /// A store over `db` handing out work in `mode`.
+    pub fn new(db: &MemoryDb, mode: ClaimMode) -> Self {
+        Self {
+            db: db.clone(),
+            mode,
+            limits: EnvelopeLimits::default(),
+        }
+    }
+
+    /// A store with a 30 s lease.
+    pub fn with_lease(db: &MemoryDb) -> Self {
+        Self::new(
+            db,
+            ClaimMode::Lease {
+                duration: Duration::from_secs(30),
+            },
+        )
+    }
+
+    /// Overrides the validation limits applied on append.
+    pub fn limits(mut self, limits: EnvelopeLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// The database.
+    pub fn db(&self) -> &MemoryDb {
+        &self.db
+    }
+
+    fn lease_duration(&self) -> Option<Duration> {
+        match self.mode {
+            ClaimMode::Lease { duration } => Some(duration),
+            _ => None,
+        }
+    }
+
+    /// Models the relay holding `claim` crashing. In `LockedTransaction` mode its connection
+    /// drops, its transaction rolls back and the rows are free at once. In `Lease` mode nothing
+    /// happens: the lease stays until it expires on the clock.
+    pub fn abandon(&self, claim: &ClaimHandle) {
+        if self.lease_duration().is_none() {
+            self.db.lock().outbox.end_claim(claim.token);
+        }
+    }
+
+    /// Every committed row, in sequence order.
+    pub fn snapshot(&self) -> Vec<OutboxRow> {
+        let now = self.db.now();
+        self.db
+            .lock()
+            .outbox
+            .rows
+            .values()
+            .map(|r| OutboxRow::from_row(r, now))
+            .collect()
+    }
+
+    /// The committed row of `event_id`.
+    pub fn row(&self, event_id: EventId) -> Option<OutboxRow> {
+        let now = self.db.now();
+        let st = self.db.lock();
+        let seq = st.outbox.by_id.get(&event_id)?;
+        st.outbox.rows.get(seq).map(|r| OutboxRow::from_row(r, now))
+    }
+
+    /// Outcomes refused by fencing since the database was created.
+    pub fn superseded_total(&self) -> u64 {
+        self.db.lock().outbox.superseded_total
+    }
+
+    /// Number of claims not yet completed, released or abandoned (including expired leases).
+    pub fn open_claims(&self) -> usize {
+        self.db.lock().outbox.claims.len()
+    }
+}
+
+#[async_trait]
+impl OutboxStore for MemoryOutboxStore {
+    type Tx = MemoryTx;
+
+    async fn append(&self, tx: &mut MemoryTx, events: &[Envelope]) -> Result<(), StoreError> {
+        if !std::sync::Arc::ptr_eq(&tx.db().shared, &self.db.shared) {
+            return Err(StoreError::new(
+                StoreErrorKind::Configuration,
+                "the transaction belongs to another MemoryDb",
+            ));
+        }
+        for e in events {
+            e.validate(&self.limits)?;
+        }
+        {
+            let st = self.db.lock();
+            let mut seen = std::collections::HashSet::new();
+            for e in events {
+                let id = e.event_id;
+                if st.outbox.contains_event(id)
+                    || tx.outbox.iter().any(|r| r.envelope.event_id == id)
+                    || !seen.insert(id)
+                {
+                    return Err(StoreError::new(
+                        StoreErrorKind::Constraint,
+                        format!("duplicate event id {id}"),
+                    ));
+                }
+            }
+        }
+        for e in events {
+            let seq = self.db.next_seq();
+            tx.outbox.push(StagedRow {
+                seq,
+                envelope: e.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
+        let now = self.db.now();
+        let lease = self.lease_duration();
+        let mut st = self.db.lock();
+        let out = &mut st.outbox;
+        out.token_counter += 1;
+        let token = Uuid::from_u64_pair(0x7e57_0000_0000_0000, out.token_counter);
+        let handle = ClaimHandle {
+            token,
+            owner: request.owner.clone(),
+        };
+        let mut heads: Vec<u64> = Vec::new();
+        for set in out.open.values() {
+            let Some(&(_, head_seq)) = set.first() else {
+                continue;
+            };
+            let blocked = set.iter().any(|(_, seq)| {
+                let r = &out.rows[seq];
+                r.status == DeliveryStatus::Parked || r.claim.as_ref().is_some_and(|c| c.live(now))
+            });
+            let head = &out.rows[&head_seq];
+            if blocked || head.status != DeliveryStatus::Pending || head.next_attempt_at > now {
+                continue;
+            }
+            heads.push(head_seq);
+        }
+        heads.sort_unstable();
+        heads.truncate(request.limit);
+        let expires_at = lease.map(|d| now + chrono::Duration::from_std(d).unwrap_or_default());
+        let mut records = Vec::with_capacity(heads.len());
+        for seq in &heads {
+            let row = out.rows.get_mut(seq).expect("open rows exist");
+            row.claim = Some(RowClaim {
+                token,
+                owner: request.owner.clone(),
+                expires_at,
+            });
+            records.push(ClaimedRecord::new(row.envelope.clone(), row.attempts));
+        }
+        if !heads.is_empty() {
+            out.claims.insert(token, ClaimState { seqs: heads });
+        }
+        Ok(ClaimedBatch::new(handle, records, lease))
+    }
+
+    async fn complete(
+        &self,
+        claim: &ClaimHandle,
+        outcomes: &[Outcome],
+    ) -> Result<CompletionReport, StoreError> {
+        let now = self.db.now();
+        let mut st = self.db.lock();
+        let out = &mut st.outbox;
+        let (mut applied, mut superseded) = (0usize, 0usize);
+        for o in outcomes {
+            let seq = out.by_id.get(&o.event_id()).copied();
+            let owned = seq.and_then(|s| out.rows.get(&s)).is_some_and(|r| {
+                r.status == DeliveryStatus::Pending
+                    && r.claim.as_ref().is_some_and(|c| c.token == claim.token)
+            });
+            let (true, Some(seq)) = (owned, seq) else {
+                superseded += 1;
+                continue;
+            };
+            let row = out.rows.get_mut(&seq).expect("checked above");
+            let mut closes = false;
+            match o {
+                Outcome::Published { ack, .. } => {
+                    row.status = DeliveryStatus::Published;
+                    row.published_at = Some(now);
+                    row.finished_at = Some(now);
+                    row.ack = Some(ack.clone());
+                    closes = true;
+                }
+                Outcome::Retry { delay, error, .. } => {
+                    row.attempts = row.attempts.saturating_add(1);
+                    row.next_attempt_at =
+                        now + chrono::Duration::from_std(*delay).unwrap_or(chrono::Duration::MAX);
+                    row.last_error = Some(error.clone());
+                }
+                Outcome::Park { reason, .. } => {
+                    row.attempts = row.attempts.saturating_add(1);
+                    row.status = DeliveryStatus::Parked;
+                    row.last_error = Some(reason.error.clone());
+                    row.park_reason = Some(reason.clone());
+                    row.parked_at = Some(now);
+                }
+            }
+            row.claim = None;
+            if closes {
+                out.close(seq);
+            }
+            applied += 1;
+        }
+        out.end_claim(claim.token);
+        out.superseded_total += superseded as u64;
+        Ok(CompletionReport::new(applied, superseded))
+    }
+
+    async fn release(&self, claim: &ClaimHandle) -> Result<(), StoreError> {
+        self.db.lock().outbox.end_claim(claim.token);
+        Ok(())
+    }
+
+    async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedEvent>, StoreError> {
+        let st = self.db.lock();
+        let mut parked: Vec<&Row> = st
+            .outbox
+            .rows
+            .values()
+            .filter(|r| r.status == DeliveryStatus::Parked)
+            .collect();
+        parked.sort_by_key(|r| (r.parked_at, r.seq));
+        Ok(parked
+            .into_iter()
+            .take(limit)
+            .map(|r| {
+                ParkedEvent::new(
+                    r.envelope.clone(),
+                    r.attempts,
+                    r.park_reason.clone().expect("parked rows have a reason"),
+                    r.parked_at.unwrap_or(r.appended_at),
+                )
+            })
+            .collect())
+    }
+
+    async fn retry_parked(&self, event_id: EventId, actor: &str) -> Result<(), StoreError> {
+        let now = self.db.now();
+        let mut st = self.db.lock();
+        let row = st.outbox.parked_row(event_id)?;
+        row.status = DeliveryStatus::Pending;
+        row.attempts = 0;
+        row.next_attempt_at = now;
+        row.park_reason = None;
+        row.parked_at = None;
+        st.outbox.audit.push(AuditEntry::new(
+            event_id,
+            OperatorAction::Retry,
+            actor,
+            "",
+            None,
+            now,
+        ));
+        Ok(())
+    }
+
+    async fn discard_parked(
+        &self,
+        event_id: EventId,
+        actor: &str,
+        reason: &str,
+    ) -> Result<(), StoreError> {
+        require_reason(reason)?;
+        let now = self.db.now();
+        let mut st = self.db.lock();
+        let row = st.outbox.parked_row(event_id)?;
+        row.status = DeliveryStatus::Discarded;
+        row.finished_at = Some(now);
+        let seq = row.seq;
+        st.outbox.close(seq);
+        st.outbox.audit.push(AuditEntry::new(
+            event_id,
+            OperatorAction::Discard,
+            actor,
+            reason,
+            None,
+            now,
+        ));
+        Ok(())
+    }
+
+    async fn reissue_parked(
+        &self,
+        event_id: EventId,
+        actor: &str,
+        reason: &str,
+    ) -> Result<EventId, StoreError> {
+        require_reason(reason)?;
+        let now = self.db.now();
+        let new_seq = self.db.next_seq();
+        let mut st = self.db.lock();
+        let out = &mut st.outbox;
+        let row = out.parked_row(event_id)?;
+        row.status = DeliveryStatus::Discarded;
+        row.finished_at = Some(now);
+        let mut copy = row.envelope.clone();
+        let old_seq = row.seq;
+        out.close(old_seq);
+        // Deterministic: derived from the sequence number, unique within this database.
+        let mut salt = new_seq;
+        let new_id = loop {
+            let id = crate::deterministic_event_id(now, salt);
+            if !out.contains_event(id) && id != event_id {
+                break id;
+            }
+            salt = salt.wrapping_add(1 << 40);
+        };
+        copy.event_id = new_id;
+        out.insert_committed(
+            StagedRow {
+                seq: new_seq,
+                envelope: copy,
+            },
+            now,
+        );
+        out.audit.push(AuditEntry::new(
+            event_id,
+            OperatorAction::Reissue,
+            actor,
+            reason,
+            Some(new_id),
+            now,
+        ));
+        Ok(new_id)
+    }
+
+    async fn audit_trail(&self, event_id: Option<EventId>) -> Result<Vec<AuditEntry>, StoreError> {
+        Ok(self
+            .db
+            .lock()
+            .outbox
+            .audit
+            .iter()
+            .filter(|a| event_id.is_none_or(|id| a.event_id == id))
+            .cloned()
+            .collect())
+    }
+
+    async fn cleanup(
+        &self,
+        retention: Duration,
+        batch_size: usize,
+    ) -> Result<CleanupReport, StoreError> {
+        if batch_size == 0 {
+            return Err(StoreError::new(
+                StoreErrorKind::Configuration,
+                "cleanup batch size must be at least 1",
+            ));
+        }
+        let retention = chrono::Duration::from_std(retention).unwrap_or(chrono::Duration::MAX);
+        let (mut removed, mut batches) = (0u64, 0u32);
+        loop {
+            // One lock per batch: other work interleaves between batches, as it would between
+            // short transactions.
+            let now = self.db.now();
+            let mut st = self.db.lock();
+            let out = &mut st.outbox;
+            let victims: Vec<u64> = out
+                .rows
+                .values()
+                .filter(|r| {
+                    matches!(
+                        r.status,
+                        DeliveryStatus::Published | DeliveryStatus::Discarded
+                    ) && r
+                        .finished_at
+                        .is_some_and(|t| t.checked_add_signed(retention).is_some_and(|d| d <= now))
+                })
+                .map(|r| r.seq)
+                .take(batch_size)
+                .collect();
+            batches += 1;
+            for seq in &victims {
+                if let Some(r) = out.rows.remove(seq) {
+                    out.by_id.remove(&r.envelope.event_id);
+                }
+            }
+            removed += victims.len() as u64;
+            if victims.len() < batch_size {
+                break;
+            }
+        }
+        Ok(CleanupReport::new(removed, batches))
+    }
+
+    async fn stats(&self) -> Result<OutboxStats, StoreError> {
+        let now = self.db.now();
+        let st = self.db.lock();
+        let mut s = OutboxStats::default();
+        let age = |t: DateTime<Utc>| (now - t).to_std().unwrap_or(Duration::ZERO);
+        for r in st.outbox.rows.values() {
+            match r.status {
+                DeliveryStatus::Pending => {
+                    s.unpublished += 1;
+                    if r.claim.as_ref().is_some_and(|c| c.live(now)) {
+                        s.in_flight += 1;
+                    }
+                    let a = age(r.appended_at);
+                    s.oldest_unpublished_age =
+                        Some(s.oldest_unpublished_age.map_or(a, |o| o.max(a)));
+                }
+                DeliveryStatus::Parked => {
+                    s.parked += 1;
+                    let a = age(r.appended_at);
+                    s.oldest_parked_age = Some(s.oldest_parked_age.map_or(a, |o| o.max(a)));
+                }
+                DeliveryStatus::Published => s.published_retained += 1,
+                _ => {}
+            }
+        }
+        s.extra
+            .push(("rows".to_owned(), st.outbox.rows.len() as f64));
+        s.extra
+            .push(("audit_entries".to_owned(), st.outbox.audit.len() as f64));
+        Ok(s)
+    }
+
+    fn claim_mode(&self) -> ClaimMode {
+        self.mode
+    }
+}
+
+fn require_reason(reason: &str) -> Result<(), StoreError> {
+    if reason.trim().is_empty() {
+        return Err(StoreError::new(
+            StoreErrorKind::Validation,
+            "an operator action needs a non-empty reason",
+        ));
+    }
+    Ok(())
+}
