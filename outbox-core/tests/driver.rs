@@ -13,7 +13,9 @@ use rand::SeedableRng;
 
 async fn append(db: &MemoryDb, store: &MemoryOutboxStore, agg: &str, v: i64) {
     let mut tx = db.begin();
-    let e = Envelope::builder("t", agg, v, "t.happened").build().unwrap();
+    let e = Envelope::builder("t", agg, v, "t.happened")
+        .build()
+        .unwrap();
     store.append(&mut tx, &[e]).await.unwrap();
     tx.commit().unwrap();
 }
@@ -49,9 +51,13 @@ async fn wakeup_cuts_a_long_idle_sleep_short_and_shutdown_stops() {
     let r = relay(&store, &log, Duration::from_secs(120));
     let wake = Arc::new(tokio::sync::Notify::new());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(outbox_core::driver::run(r, Some(wake.clone()), async move {
-        let _ = stop_rx.await;
-    }));
+    let task = tokio::spawn(outbox_core::driver::run(
+        r,
+        Some(wake.clone()),
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
 
     wait_for(|| log.all_records().len() == 1).await;
     tokio::time::sleep(Duration::from_millis(50)).await; // the driver is now in its long sleep
