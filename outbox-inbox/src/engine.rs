@@ -1,4 +1,5 @@
 use std::future::Future;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use outbox_core::watermark::OffsetTracker;
@@ -194,7 +195,7 @@ pub struct ConsumerEngine<S, I, H> {
     source: S,
     processor: InboxProcessor<I, H>,
     config: EngineConfig,
-    tracker: OffsetTracker,
+    tracker: Arc<Mutex<OffsetTracker>>,
     rng: StdRng,
     report: EngineReport,
     since_commit: usize,
@@ -229,12 +230,29 @@ where
             source,
             processor,
             config,
-            tracker: OffsetTracker::default(),
+            tracker: Arc::default(),
             rng: StdRng::seed_from_u64(seed),
             report: EngineReport::default(),
             since_commit: 0,
             last_commit: Instant::now(),
         })
+    }
+
+    /// Shares `tracker` with the source, so a rebalance callback can commit exactly the
+    /// offsets whose outcome is final (e.g. `outbox_kafka::KafkaSourceBuilder::offset_tracker`).
+    pub fn with_offset_tracker(mut self, tracker: Arc<Mutex<OffsetTracker>>) -> Self {
+        self.tracker = tracker;
+        self
+    }
+
+    /// The engine's offset watermarks (shared, see [`Self::with_offset_tracker`]).
+    pub fn offset_tracker(&self) -> Arc<Mutex<OffsetTracker>> {
+        self.tracker.clone()
+    }
+
+    fn tracker(&self) -> std::sync::MutexGuard<'_, OffsetTracker> {
+        // The tracker holds plain data; a panic elsewhere cannot leave it half-updated.
+        self.tracker.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Totals so far.
@@ -263,7 +281,7 @@ where
         };
         self.report.received += 1;
         let pos = msg.position.clone();
-        self.tracker.begin(&pos.topic, pos.partition, pos.offset);
+        self.tracker().begin(&pos.topic, pos.partition, pos.offset);
         let envelope = match msg.envelope {
             Ok(e) => e,
             Err(decode) => {
@@ -279,7 +297,7 @@ where
         self.apply_with_retries(&envelope, &pos)
             .instrument(span)
             .await?;
-        self.tracker.finish(&pos.topic, pos.partition, pos.offset);
+        self.tracker().finish(&pos.topic, pos.partition, pos.offset);
         self.since_commit += 1;
         if self.since_commit >= self.config.commit_every
             || self.last_commit.elapsed() >= self.config.commit_interval
@@ -339,7 +357,7 @@ where
 
     /// Commits every offset that is final and not yet committed.
     pub async fn commit_final(&mut self) -> Result<(), EngineError> {
-        let commits = self.tracker.take_commits();
+        let commits = self.tracker().take_commits();
         self.since_commit = 0;
         self.last_commit = Instant::now();
         if commits.is_empty() {
