@@ -64,6 +64,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod clock;
+pub mod conformance;
 pub mod db;
 pub mod inbox;
 pub mod log;

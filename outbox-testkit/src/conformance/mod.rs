@@ -1,0 +1,420 @@
+//! The conformance suite: one plain generic `async fn` per contract clause of
+//! [`OutboxStore`](outbox_core::OutboxStore) and [`InboxStore`](outbox_core::InboxStore), and
+//! macros that turn the suite into one named test per check.
+//!
+//! A backend implements a small harness trait ([`OutboxHarness`], [`InboxHarness`]) that gives
+//! the suite what it needs: a store over a fresh, empty database, transactions, and a way to let
+//! time pass. Real differences between backends are [`Capabilities`], never commented-out
+//! assertions: a check that needs a capability the harness does not declare prints
+//! `conformance: <check> not applicable: ...` and returns.
+//!
+//! # Running the suite for a backend
+//!
+//! ```ignore
+//! // In the backend crate's tests/conformance.rs:
+//! mod outbox {
+//!     outbox_testkit::outbox_conformance_tests!(async { my_crate::testing::harness().await });
+//! }
+//! mod inbox {
+//!     outbox_testkit::inbox_conformance_tests!(async { my_crate::testing::inbox_harness().await });
+//! }
+//! ```
+//!
+//! The argument is an expression evaluating to a future that yields the harness; it is
+//! evaluated once per test, so every test gets its own database. Each emitted test is a plain
+//! `#[test]` that runs the check on a current-thread tokio runtime with time and I/O enabled
+//! (what `#[tokio::test]` does), so the calling crate needs no tokio dependency of its own.
+//! The names of the emitted tests are those of the functions in [`outbox`] and [`inbox`]; the
+//! lists are [`OUTBOX_CHECKS`] and [`INBOX_CHECKS`].
+//!
+//! The in-memory backends run the suite in this crate (`tests/conformance.rs`) through
+//! [`MemoryOutboxHarness`] and [`MemoryInboxHarness`].
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use outbox_core::{
+    async_trait, ClaimHandle, ClaimMode, Envelope, EventId, InboxStore, OutboxStore, StoreError,
+};
+
+use crate::{ManualClock, MemoryDb, MemoryInboxStore, MemoryOutboxStore};
+
+pub mod inbox;
+pub mod outbox;
+
+/// What a backend can do, for the checks that depend on it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Capabilities {
+    /// The backend supports [`ClaimMode::Lease`].
+    pub lease: bool,
+    /// The backend supports [`ClaimMode::LockedTransaction`].
+    pub locked_transaction: bool,
+    /// [`OutboxHarness::advance`] moves the store's clock at once (virtual time). When `false`
+    /// it sleeps in real time, so `lease_duration` and `time_step` must be short.
+    pub virtual_time: bool,
+    /// Lease duration the checks use in lease mode.
+    pub lease_duration: Duration,
+    /// Smallest duration the checks use for retry delays, retention and ages; it must be long
+    /// enough for a few store round trips.
+    pub time_step: Duration,
+}
+
+impl Capabilities {
+    /// Both claim modes, virtual time, a 30 s lease and a 1 s step: the in-memory backend.
+    pub fn virtual_time() -> Self {
+        Self {
+            lease: true,
+            locked_transaction: true,
+            virtual_time: true,
+            lease_duration: Duration::from_secs(30),
+            time_step: Duration::from_secs(1),
+        }
+    }
+
+    /// Real time: both claim modes, a 1.5 s lease and a 300 ms step (for backends whose clock
+    /// is the database's `now()`).
+    pub fn real_time() -> Self {
+        Self {
+            lease: true,
+            locked_transaction: true,
+            virtual_time: false,
+            lease_duration: Duration::from_millis(1500),
+            time_step: Duration::from_millis(300),
+        }
+    }
+
+    /// Sets `lease`.
+    pub fn with_lease(mut self, yes: bool) -> Self {
+        self.lease = yes;
+        self
+    }
+
+    /// Sets `locked_transaction`.
+    pub fn with_locked_transaction(mut self, yes: bool) -> Self {
+        self.locked_transaction = yes;
+        self
+    }
+
+    /// Sets `lease_duration`.
+    pub fn with_lease_duration(mut self, d: Duration) -> Self {
+        self.lease_duration = d;
+        self
+    }
+
+    /// Sets `time_step`.
+    pub fn with_time_step(mut self, d: Duration) -> Self {
+        self.time_step = d;
+        self
+    }
+
+    /// The lease claim mode of these capabilities.
+    pub fn lease_mode(&self) -> ClaimMode {
+        ClaimMode::Lease {
+            duration: self.lease_duration,
+        }
+    }
+}
+
+/// What the outbox checks need from a backend.
+///
+/// Contract for implementors: every harness value (one per test) MUST start from an empty
+/// outbox; every [`store`](Self::store) call on one harness MUST return a store over the same
+/// data (so two stores act as two relays).
+#[async_trait]
+pub trait OutboxHarness: Send + Sync {
+    /// The store under test.
+    type Store: OutboxStore + 'static;
+
+    /// What the backend can do.
+    fn capabilities(&self) -> Capabilities;
+
+    /// A store over this harness's database, handing out work in `mode`.
+    async fn store(&self, mode: ClaimMode) -> Self::Store;
+
+    /// Begins a business transaction for [`OutboxStore::append`].
+    async fn begin(&self) -> <Self::Store as OutboxStore>::Tx;
+
+    /// Commits a transaction.
+    async fn commit(&self, tx: <Self::Store as OutboxStore>::Tx) -> Result<(), StoreError>;
+
+    /// Rolls a transaction back.
+    async fn rollback(&self, tx: <Self::Store as OutboxStore>::Tx);
+
+    /// Lets `by` pass on the store's clock (virtual time: at once; real time: sleeps).
+    async fn advance(&self, by: Duration);
+
+    /// Models the crash of the relay holding `claim` in `LockedTransaction` mode: its
+    /// connection drops and its locks go. Returns `false` if the harness cannot do that (the
+    /// check that needs it then reports itself not applicable).
+    async fn abandon(&self, store: &Self::Store, claim: &ClaimHandle) -> bool {
+        let _ = (store, claim);
+        false
+    }
+}
+
+/// What the inbox checks need from a backend.
+///
+/// Every harness value (one per test) MUST start from an empty inbox.
+#[async_trait]
+pub trait InboxHarness: Send + Sync {
+    /// The store under test.
+    type Store: InboxStore + 'static;
+
+    /// What the backend can do (only `virtual_time` and `time_step` matter here).
+    fn capabilities(&self) -> Capabilities;
+
+    /// The store.
+    fn store(&self) -> &Self::Store;
+
+    /// Lets `by` pass on the store's clock.
+    async fn advance(&self, by: Duration);
+}
+
+/// The in-memory outbox harness: a fresh [`MemoryDb`] on a [`ManualClock`].
+#[derive(Clone, Debug, Default)]
+pub struct MemoryOutboxHarness {
+    /// The clock.
+    pub clock: ManualClock,
+    /// The database.
+    pub db: MemoryDb,
+}
+
+impl MemoryOutboxHarness {
+    /// A harness over a fresh database.
+    pub fn new() -> Self {
+        let clock = ManualClock::default();
+        Self {
+            db: MemoryDb::new(clock.clone()),
+            clock,
+        }
+    }
+}
+
+#[async_trait]
+impl OutboxHarness for MemoryOutboxHarness {
+    type Store = MemoryOutboxStore;
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::virtual_time()
+    }
+
+    async fn store(&self, mode: ClaimMode) -> MemoryOutboxStore {
+        MemoryOutboxStore::new(&self.db, mode)
+    }
+
+    async fn begin(&self) -> crate::MemoryTx {
+        self.db.begin()
+    }
+
+    async fn commit(&self, tx: crate::MemoryTx) -> Result<(), StoreError> {
+        tx.commit()
+    }
+
+    async fn rollback(&self, tx: crate::MemoryTx) {
+        tx.rollback();
+    }
+
+    async fn advance(&self, by: Duration) {
+        self.clock.advance(by);
+    }
+
+    async fn abandon(&self, store: &MemoryOutboxStore, claim: &ClaimHandle) -> bool {
+        store.abandon(claim);
+        true
+    }
+}
+
+/// The in-memory inbox harness.
+#[derive(Clone, Debug)]
+pub struct MemoryInboxHarness {
+    /// The clock.
+    pub clock: ManualClock,
+    /// The inbox.
+    pub inbox: MemoryInboxStore,
+}
+
+impl MemoryInboxHarness {
+    /// A harness over a fresh database.
+    pub fn new() -> Self {
+        let clock = ManualClock::default();
+        Self {
+            inbox: MemoryInboxStore::new(&MemoryDb::new(clock.clone())),
+            clock,
+        }
+    }
+}
+
+impl Default for MemoryInboxHarness {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[async_trait]
+impl InboxHarness for MemoryInboxHarness {
+    type Store = MemoryInboxStore;
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::virtual_time()
+    }
+
+    fn store(&self) -> &MemoryInboxStore {
+        &self.inbox
+    }
+
+    async fn advance(&self, by: Duration) {
+        self.clock.advance(by);
+    }
+}
+
+/// Runs one check on a current-thread tokio runtime with time and I/O enabled (used by the
+/// macros).
+pub fn run<F: Future<Output = ()>>(check: F) {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime for the conformance check")
+        .block_on(check);
+}
+
+pub(crate) fn not_applicable(check: &str, why: &str) {
+    eprintln!("conformance: {check} not applicable: {why}");
+}
+
+static COUNTER: AtomicU64 = AtomicU64::new(1);
+
+/// A unique number within this process, for aggregate names and event ids.
+pub(crate) fn unique() -> u64 {
+    COUNTER.fetch_add(1, Ordering::Relaxed)
+}
+
+/// A fresh event id, increasing with each call in this process.
+pub(crate) fn fresh_event_id() -> EventId {
+    let n = unique();
+    let at = ManualClock::epoch() + chrono::Duration::milliseconds(n as i64);
+    EventId::from_parts(at, u128::from(n) << 16)
+}
+
+/// A valid test envelope.
+pub(crate) fn event(aggregate: &str, version: i64) -> Envelope {
+    Envelope::builder("conformance", aggregate, version, "conformance.happened")
+        .event_id(fresh_event_id())
+        .json(&serde_json::json!({ "v": version }))
+        .expect("json payload")
+        .build()
+        .expect("valid envelope")
+}
+
+/// Names of the outbox checks, in the order the macro emits them.
+pub const OUTBOX_CHECKS: &[&str] = &[
+    "append_commits_with_the_transaction",
+    "append_validates_and_writes_nothing_on_error",
+    "duplicate_event_id_is_a_constraint_error",
+    "claim_is_exclusive_between_relays",
+    "claim_returns_only_aggregate_heads",
+    "claim_is_oldest_first_within_the_limit",
+    "late_commit_with_lower_sequence_is_not_skipped",
+    "lease_expiry_returns_rows_to_the_pool",
+    "stale_lease_holder_is_fenced",
+    "mark_published_is_idempotent",
+    "complete_releases_rows_without_outcome",
+    "release_returns_rows_without_counting_an_attempt",
+    "retry_outcome_counts_and_delays",
+    "parking_blocks_only_its_aggregate",
+    "operator_retry_is_audited",
+    "operator_discard_needs_a_reason_and_is_audited",
+    "operator_reissue_replaces_the_event_and_is_audited",
+    "cleanup_removes_only_published_rows_past_retention",
+    "stats_report_backlog_and_ages",
+    "locked_claim_is_held_until_completed",
+    "locked_claim_is_freed_when_the_relay_crashes",
+    "claim_mode_is_reported",
+];
+
+/// Names of the inbox checks, in the order the macro emits them.
+pub const INBOX_CHECKS: &[&str] = &[
+    "first_registration_is_fresh_then_duplicate",
+    "rolled_back_registration_is_fresh_again",
+    "consumers_deduplicate_independently",
+    "concurrent_registrations_cannot_both_commit",
+    "cleanup_forgets_registrations_past_retention",
+];
+
+/// Emits one named test per outbox check (see [`OUTBOX_CHECKS`]) from a setup expression: an
+/// expression evaluating to a future that yields an [`OutboxHarness`], evaluated once per test.
+///
+/// ```ignore
+/// outbox_testkit::outbox_conformance_tests!(async { outbox_testkit::conformance::MemoryOutboxHarness::new() });
+/// ```
+#[macro_export]
+macro_rules! outbox_conformance_tests {
+    ($setup:expr) => {
+        $crate::outbox_conformance_tests!(@emit ($setup)
+            append_commits_with_the_transaction,
+            append_validates_and_writes_nothing_on_error,
+            duplicate_event_id_is_a_constraint_error,
+            claim_is_exclusive_between_relays,
+            claim_returns_only_aggregate_heads,
+            claim_is_oldest_first_within_the_limit,
+            late_commit_with_lower_sequence_is_not_skipped,
+            lease_expiry_returns_rows_to_the_pool,
+            stale_lease_holder_is_fenced,
+            mark_published_is_idempotent,
+            complete_releases_rows_without_outcome,
+            release_returns_rows_without_counting_an_attempt,
+            retry_outcome_counts_and_delays,
+            parking_blocks_only_its_aggregate,
+            operator_retry_is_audited,
+            operator_discard_needs_a_reason_and_is_audited,
+            operator_reissue_replaces_the_event_and_is_audited,
+            cleanup_removes_only_published_rows_past_retention,
+            stats_report_backlog_and_ages,
+            locked_claim_is_held_until_completed,
+            locked_claim_is_freed_when_the_relay_crashes,
+            claim_mode_is_reported,
+        );
+    };
+    (@emit ($setup:expr) $($check:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $check() {
+                $crate::conformance::run(async {
+                    let harness = $setup.await;
+                    $crate::conformance::outbox::$check(&harness).await;
+                });
+            }
+        )*
+    };
+}
+
+/// Emits one named test per inbox check (see [`INBOX_CHECKS`]) from a setup expression: an
+/// expression evaluating to a future that yields an [`InboxHarness`], evaluated once per test.
+///
+/// ```ignore
+/// outbox_testkit::inbox_conformance_tests!(async { outbox_testkit::conformance::MemoryInboxHarness::new() });
+/// ```
+#[macro_export]
+macro_rules! inbox_conformance_tests {
+    ($setup:expr) => {
+        $crate::inbox_conformance_tests!(@emit ($setup)
+            first_registration_is_fresh_then_duplicate,
+            rolled_back_registration_is_fresh_again,
+            consumers_deduplicate_independently,
+            concurrent_registrations_cannot_both_commit,
+            cleanup_forgets_registrations_past_retention,
+        );
+    };
+    (@emit ($setup:expr) $($check:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $check() {
+                $crate::conformance::run(async {
+                    let harness = $setup.await;
+                    $crate::conformance::inbox::$check(&harness).await;
+                });
+            }
+        )*
+    };
+}

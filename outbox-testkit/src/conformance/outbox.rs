@@ -1,0 +1,734 @@
+//! The outbox checks, one per contract clause of [`OutboxStore`]. Each takes a fresh
+//! [`OutboxHarness`].
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use outbox_core::{
+    AckMetadata, ClaimMode, ClaimRequest, ClaimedBatch, Classify, Envelope, ErrorClass, EventId,
+    LastError, OperatorAction, OutboxStore, Outcome, ParkKind, ParkReason, StoreErrorKind,
+};
+
+use super::{event, not_applicable, unique, OutboxHarness};
+
+fn agg(name: &str) -> String {
+    format!("{name}-{}", unique())
+}
+
+async fn append_committed<H: OutboxHarness>(h: &H, store: &H::Store, events: &[Envelope]) {
+    let mut tx = h.begin().await;
+    store.append(&mut tx, events).await.expect("append");
+    h.commit(tx).await.expect("commit");
+}
+
+async fn claim<S: OutboxStore>(store: &S, owner: &str, limit: usize) -> ClaimedBatch {
+    store
+        .claim(&ClaimRequest::new(owner, limit))
+        .await
+        .expect("claim")
+}
+
+fn ids(batch: &ClaimedBatch) -> BTreeSet<EventId> {
+    batch.records.iter().map(|r| r.envelope.event_id).collect()
+}
+
+fn set(events: &[&Envelope]) -> BTreeSet<EventId> {
+    events.iter().map(|e| e.event_id).collect()
+}
+
+fn published(event_id: EventId, offset: i64) -> Outcome {
+    Outcome::Published {
+        event_id,
+        ack: AckMetadata {
+            topic: "conformance".into(),
+            partition: 0,
+            offset,
+        },
+    }
+}
+
+fn publish_all(batch: &ClaimedBatch) -> Vec<Outcome> {
+    batch
+        .records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| published(r.envelope.event_id, i as i64))
+        .collect()
+}
+
+fn last_error(class: ErrorClass) -> LastError {
+    LastError {
+        class,
+        kind: "conformance".into(),
+        message: "injected by the conformance suite".into(),
+    }
+}
+
+fn park(event_id: EventId) -> Outcome {
+    Outcome::Park {
+        event_id,
+        reason: ParkReason {
+            kind: ParkKind::PermanentError,
+            error: last_error(ErrorClass::Permanent),
+        },
+    }
+}
+
+/// A store in the mode the checks prefer: lease if supported, else locked transaction.
+async fn default_store<H: OutboxHarness>(h: &H) -> H::Store {
+    let caps = h.capabilities();
+    if caps.lease {
+        h.store(caps.lease_mode()).await
+    } else {
+        h.store(ClaimMode::LockedTransaction).await
+    }
+}
+
+/// Parks `e` (which must be its aggregate's head and due) through a claim.
+async fn park_head<H: OutboxHarness>(store: &H::Store, e: &Envelope) {
+    let batch = claim(store, "parker", 100).await;
+    assert!(
+        ids(&batch).contains(&e.event_id),
+        "setup: {} should be claimable",
+        e.event_id
+    );
+    let rep = store
+        .complete(&batch.handle, &[park(e.event_id)])
+        .await
+        .expect("complete");
+    assert_eq!(rep.applied, 1, "setup: park outcome applied");
+}
+
+/// Atomic append: rolled-back events are never claimable; committed ones are.
+pub async fn append_commits_with_the_transaction<H: OutboxHarness>(h: &H) {
+    let store = default_store(h).await;
+    let rolled = event(&agg("rolled"), 1);
+    let mut tx = h.begin().await;
+    store
+        .append(&mut tx, std::slice::from_ref(&rolled))
+        .await
+        .expect("append");
+    h.rollback(tx).await;
+    assert!(
+        claim(&store, "r", 100).await.is_empty(),
+        "an event of a rolled-back transaction was claimable"
+    );
+    let kept = event(&agg("kept"), 1);
+    let mut tx = h.begin().await;
+    store
+        .append(&mut tx, std::slice::from_ref(&kept))
+        .await
+        .expect("append");
+    assert!(
+        claim(&store, "r", 100).await.is_empty(),
+        "an uncommitted event was claimable"
+    );
+    h.commit(tx).await.expect("commit");
+    assert_eq!(ids(&claim(&store, "r", 100).await), set(&[&kept]));
+}
+
+/// Append validates every envelope and writes nothing of a call that fails validation.
+pub async fn append_validates_and_writes_nothing_on_error<H: OutboxHarness>(h: &H) {
+    let store = default_store(h).await;
+    let good = event(&agg("good"), 1);
+    let mut bad = event(&agg("bad"), 1);
+    bad.event_type = "  ".into();
+    let mut tx = h.begin().await;
+    let err = store
+        .append(&mut tx, &[good.clone(), bad])
+        .await
+        .expect_err("an invalid envelope was accepted");
+    assert_eq!(err.kind, StoreErrorKind::Validation, "{err}");
+    assert_eq!(err.class(), ErrorClass::Permanent);
+    // The transaction is still usable: validation happens before anything is written.
+    h.commit(tx).await.expect("commit after a validation error");
+    assert!(
+        claim(&store, "r", 100).await.is_empty(),
+        "the valid half of a rejected append was written"
+    );
+}
+
+/// A duplicate event id is a `Constraint` error (at append or at commit).
+pub async fn duplicate_event_id_is_a_constraint_error<H: OutboxHarness>(h: &H) {
+    let store = default_store(h).await;
+    let first = event(&agg("dup"), 1);
+    append_committed(h, &store, std::slice::from_ref(&first)).await;
+    let mut copy = event(&agg("other"), 1);
+    copy.event_id = first.event_id;
+    let mut tx = h.begin().await;
+    let err = match store.append(&mut tx, &[copy]).await {
+        Err(e) => {
+            h.rollback(tx).await;
+            e
+        }
+        Ok(()) => h
+            .commit(tx)
+            .await
+            .expect_err("a duplicate event id was committed"),
+    };
+    assert_eq!(err.kind, StoreErrorKind::Constraint, "{err}");
+    assert_eq!(ids(&claim(&store, "r", 100).await), set(&[&first]));
+}
+
+/// Two relays never hold the same event.
+pub async fn claim_is_exclusive_between_relays<H: OutboxHarness>(h: &H) {
+    let caps = h.capabilities();
+    let modes: Vec<ClaimMode> = [
+        caps.lease.then(|| caps.lease_mode()),
+        caps.locked_transaction
+            .then_some(ClaimMode::LockedTransaction),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    assert!(!modes.is_empty(), "the backend supports no claim mode");
+    for mode in modes {
+        let r1 = h.store(mode).await;
+        let r2 = h.store(mode).await;
+        let events: Vec<Envelope> = (0..6).map(|_| event(&agg("excl"), 1)).collect();
+        append_committed(h, &r1, &events).await;
+        let a = claim(&r1, "relay-1", 3).await;
+        let b = claim(&r2, "relay-2", 100).await;
+        assert_eq!(a.records.len(), 3, "{mode:?}: limit honoured");
+        assert_eq!(
+            b.records.len(),
+            3,
+            "{mode:?}: the rest goes to the second relay"
+        );
+        assert!(
+            ids(&a).is_disjoint(&ids(&b)),
+            "{mode:?}: two relays hold the same event"
+        );
+        assert!(claim(&r2, "relay-3", 100).await.is_empty(), "{mode:?}");
+        assert_ne!(
+            a.handle.token, b.handle.token,
+            "claim tokens must be unique"
+        );
+        r1.complete(&a.handle, &publish_all(&a))
+            .await
+            .expect("complete");
+        r2.complete(&b.handle, &publish_all(&b))
+            .await
+            .expect("complete");
+    }
+}
+
+/// Only an aggregate's head (lowest version neither published nor discarded) is claimed, and the
+/// next version only after the head is published.
+pub async fn claim_returns_only_aggregate_heads<H: OutboxHarness>(h: &H) {
+    let store = default_store(h).await;
+    let a = agg("heads-a");
+    let b = agg("heads-b");
+    // Appended out of version order on purpose.
+    let (a2, a1, a3, b1) = (event(&a, 2), event(&a, 1), event(&a, 3), event(&b, 1));
+    append_committed(h, &store, &[a2.clone(), a1.clone(), a3.clone(), b1.clone()]).await;
+    let batch = claim(&store, "r", 100).await;
+    assert_eq!(ids(&batch), set(&[&a1, &b1]), "only heads are claimed");
+    // Version 2 is not handed out while version 1 is in flight.
+    assert!(claim(&store, "r2", 100).await.is_empty());
+    store
+        .complete(&batch.handle, &[published(a1.event_id, 0)])
+        .await
+        .expect("complete");
+    let next = claim(&store, "r", 100).await;
+    assert_eq!(ids(&next), set(&[&a2, &b1]));
+    store
+        .complete(&next.handle, &publish_all(&next))
+        .await
+        .expect("complete");
+    assert_eq!(ids(&claim(&store, "r", 100).await), set(&[&a3]));
+}
+
+/// Claims return at most `limit` events, oldest first.
+pub async fn claim_is_oldest_first_within_the_limit<H: OutboxHarness>(h: &H) {
+    let store = default_store(h).await;
+    let events: Vec<Envelope> = (0..5).map(|_| event(&agg("old"), 1)).collect();
+    for e in &events {
+        append_committed(h, &store, std::slice::from_ref(e)).await;
+    }
+    let first = claim(&store, "r", 2).await;
+    assert_eq!(ids(&first), set(&[&events[0], &events[1]]));
+    let rest = claim(&store, "r", 100).await;
+    assert_eq!(ids(&rest), set(&[&events[2], &events[3], &events[4]]));
+    assert!(
+        claim(&store, "r", 0).await.is_empty(),
+        "limit 0 claims nothing"
+    );
+}
+
+/// A row that commits after rows appended later (higher id/sequence) is still claimed: no
+/// high-water mark.
+pub async fn late_commit_with_lower_sequence_is_not_skipped<H: OutboxHarness>(h: &H) {
+    let store = default_store(h).await;
+    let early = event(&agg("early"), 1);
+    let late = event(&agg("late"), 1);
+    let mut slow = h.begin().await;
+    store
+        .append(&mut slow, std::slice::from_ref(&early))
+        .await
+        .expect("append");
+    append_committed(h, &store, std::slice::from_ref(&late)).await;
+    let batch = claim(&store, "r", 100).await;
+    assert_eq!(ids(&batch), set(&[&late]));
+    store
+        .complete(&batch.handle, &publish_all(&batch))
+        .await
+        .expect("complete");
+    h.commit(slow).await.expect("commit");
+    assert_eq!(
+        ids(&claim(&store, "r", 100).await),
+        set(&[&early]),
+        "the late-committing row was skipped"
+    );
+}
+
+/// An expired lease returns its rows to the pool; a live one excludes other relays.
+pub async fn lease_expiry_returns_rows_to_the_pool<H: OutboxHarness>(h: &H) {
+    let caps = h.capabilities();
+    if !caps.lease {
+        return not_applicable("lease_expiry_returns_rows_to_the_pool", "no lease mode");
+    }
+    let r1 = h.store(caps.lease_mode()).await;
+    let r2 = h.store(caps.lease_mode()).await;
+    let e = event(&agg("lease"), 1);
+    append_committed(h, &r1, std::slice::from_ref(&e)).await;
+    let first = claim(&r1, "relay-1", 10).await;
+    assert_eq!(ids(&first), set(&[&e]));
+    let remaining = first
+        .lease_remaining
+        .expect("a lease claim reports its remaining time");
+    assert!(remaining <= caps.lease_duration && !remaining.is_zero());
+    assert!(
+        claim(&r2, "relay-2", 10).await.is_empty(),
+        "live lease ignored"
+    );
+    h.advance(caps.lease_duration + caps.time_step).await;
+    let second = claim(&r2, "relay-2", 10).await;
+    assert_eq!(
+        ids(&second),
+        set(&[&e]),
+        "expired lease not returned to the pool"
+    );
+    assert_eq!(
+        second.records[0].attempts, 0,
+        "expiry is not a failed attempt"
+    );
+}
+
+/// A stale lease holder's outcomes are refused and counted as superseded.
+pub async fn stale_lease_holder_is_fenced<H: OutboxHarness>(h: &H) {
+    let caps = h.capabilities();
+    if !caps.lease {
+        return not_applicable("stale_lease_holder_is_fenced", "no lease mode");
+    }
+    let r1 = h.store(caps.lease_mode()).await;
+    let r2 = h.store(caps.lease_mode()).await;
+    let a = agg("fence");
+    let (v1, v2) = (event(&a, 1), event(&a, 2));
+    append_committed(h, &r1, &[v1.clone(), v2.clone()]).await;
+    let stale = claim(&r1, "relay-1", 10).await;
+    h.advance(caps.lease_duration + caps.time_step).await;
+    let fresh = claim(&r2, "relay-2", 10).await;
+    assert_eq!(ids(&fresh), set(&[&v1]));
+    let rep = r1
+        .complete(&stale.handle, &[published(v1.event_id, 1)])
+        .await
+        .expect("complete");
+    assert_eq!(
+        (rep.applied, rep.superseded),
+        (0, 1),
+        "a superseded completion must be counted, not applied"
+    );
+    // The new holder still owns the row: v2 is not claimable yet, and its ack applies.
+    assert!(claim(&r1, "relay-1", 10).await.is_empty());
+    let rep = r2
+        .complete(&fresh.handle, &[published(v1.event_id, 2)])
+        .await
+        .expect("complete");
+    assert_eq!((rep.applied, rep.superseded), (1, 0));
+    assert_eq!(ids(&claim(&r1, "relay-1", 10).await), set(&[&v2]));
+}
+
+/// Completing a published event again changes nothing and never makes it claimable.
+pub async fn mark_published_is_idempotent<H: OutboxHarness>(h: &H) {
+    let store = default_store(h).await;
+    let a = agg("idem");
+    let (v1, v2) = (event(&a, 1), event(&a, 2));
+    append_committed(h, &store, &[v1.clone(), v2.clone()]).await;
+    let batch = claim(&store, "r", 10).await;
+    let outcome = [published(v1.event_id, 7)];
+    let rep = store
+        .complete(&batch.handle, &outcome)
+        .await
+        .expect("complete");
+    assert_eq!(rep.applied, 1);
+    let again = store
+        .complete(&batch.handle, &outcome)
+        .await
+        .expect("complete twice");
+    assert_eq!(again.applied, 0, "a published row was marked again");
+    let next = claim(&store, "r", 10).await;
+    assert_eq!(ids(&next), set(&[&v2]), "the published head came back");
+    // An outcome for the already-published v1 under another claim is refused too.
+    let rep = store
+        .complete(
+            &next.handle,
+            &[published(v1.event_id, 8), published(v2.event_id, 9)],
+        )
+        .await
+        .expect("complete");
+    assert_eq!((rep.applied, rep.superseded), (1, 1));
+    assert!(claim(&store, "r", 10).await.is_empty());
+}
+
+/// Rows of a claim without an outcome are released unchanged by `complete`.
+pub async fn complete_releases_rows_without_outcome<H: OutboxHarness>(h: &H) {
+    let store = default_store(h).await;
+    let (x, y) = (event(&agg("x"), 1), event(&agg("y"), 1));
+    append_committed(h, &store, &[x.clone(), y.clone()]).await;
+    let batch = claim(&store, "r", 10).await;
+    assert_eq!(batch.records.len(), 2);
+    store
+        .complete(&batch.handle, &[published(x.event_id, 0)])
+        .await
+        .expect("complete");
+    let next = claim(&store, "r2", 10).await;
+    assert_eq!(
+        ids(&next),
+        set(&[&y]),
+        "a row without outcome stayed claimed"
+    );
+    assert_eq!(
+        next.records[0].attempts, 0,
+        "no attempt counted without an outcome"
+    );
+}
+
+/// `release` gives rows back without counting an attempt, and is a no-op for a finished claim.
+pub async fn release_returns_rows_without_counting_an_attempt<H: OutboxHarness>(h: &H) {
+    let store = default_store(h).await;
+    let e = event(&agg("rel"), 1);
+    append_committed(h, &store, std::slice::from_ref(&e)).await;
+    let batch = claim(&store, "r", 10).await;
+    store.release(&batch.handle).await.expect("release");
+    let again = claim(&store, "r2", 10).await;
+    assert_eq!(ids(&again), set(&[&e]));
+    assert_eq!(again.records[0].attempts, 0);
+    // Releasing the old claim again must not free the new holder's row.
+    store
+        .release(&batch.handle)
+        .await
+        .expect("release is idempotent");
+    assert!(claim(&store, "r3", 10).await.is_empty());
+}
+
+/// A retry outcome counts an attempt and hides the row until its delay has passed.
+pub async fn retry_outcome_counts_and_delays<H: OutboxHarness>(h: &H) {
+    let caps = h.capabilities();
+    let store = default_store(h).await;
+    let e = event(&agg("retry"), 1);
+    append_committed(h, &store, std::slice::from_ref(&e)).await;
+    let batch = claim(&store, "r", 10).await;
+    let delay = caps.time_step * 2;
+    let retry = Outcome::Retry {
+        event_id: e.event_id,
+        delay,
+        error: last_error(ErrorClass::Transient),
+    };
+    let rep = store
+        .complete(&batch.handle, &[retry])
+        .await
+        .expect("complete");
+    assert_eq!(rep.applied, 1);
+    assert!(
+        claim(&store, "r", 10).await.is_empty(),
+        "a retried row was claimable before its delay"
+    );
+    h.advance(delay + caps.time_step).await;
+    let again = claim(&store, "r", 10).await;
+    assert_eq!(ids(&again), set(&[&e]), "a retried row never came back");
+    assert_eq!(again.records[0].attempts, 1, "the attempt was not counted");
+}
+
+/// A parked event blocks its aggregate's later events and nothing else.
+pub async fn parking_blocks_only_its_aggregate<H: OutboxHarness>(h: &H) {
+    let store = default_store(h).await;
+    let (a, b) = (agg("park-a"), agg("park-b"));
+    let (a1, a2, b1) = (event(&a, 1), event(&a, 2), event(&b, 1));
+    append_committed(h, &store, &[a1.clone(), a2.clone(), b1.clone()]).await;
+    let batch = claim(&store, "r", 10).await;
+    store
+        .complete(&batch.handle, &[park(a1.event_id)])
+        .await
+        .expect("complete");
+    let next = claim(&store, "r", 10).await;
+    assert_eq!(
+        ids(&next),
+        set(&[&b1]),
+        "parking blocked another aggregate or leaked a2"
+    );
+    let parked = store.list_parked(10).await.expect("list_parked");
+    assert_eq!(parked.len(), 1);
+    assert_eq!(parked[0].envelope.event_id, a1.event_id);
+    assert_eq!(parked[0].reason.kind, ParkKind::PermanentError);
+    assert!(parked[0].attempts >= 1);
+}
+
+/// Operator retry makes a parked event claimable with its id, resets attempts, is audited, and
+/// fails with `NotFound` for an event that is not parked.
+pub async fn operator_retry_is_audited<H: OutboxHarness>(h: &H) {
+    let store = default_store(h).await;
+    let e = event(&agg("op-retry"), 1);
+    append_committed(h, &store, std::slice::from_ref(&e)).await;
+    park_head::<H>(&store, &e).await;
+    store
+        .retry_parked(e.event_id, "alice")
+        .await
+        .expect("retry_parked");
+    let batch = claim(&store, "r", 10).await;
+    assert_eq!(ids(&batch), set(&[&e]));
+    assert_eq!(batch.records[0].attempts, 0, "attempts reset by retry");
+    let trail = store.audit_trail(Some(e.event_id)).await.expect("audit");
+    assert_eq!(trail.len(), 1);
+    assert_eq!(trail[0].action, OperatorAction::Retry);
+    assert_eq!(trail[0].actor, "alice");
+    let err = store
+        .retry_parked(e.event_id, "alice")
+        .await
+        .expect_err("retry of an event that is not parked");
+    assert_eq!(err.kind, StoreErrorKind::NotFound, "{err}");
+}
+
+/// Discard requires a reason, frees the aggregate, and is audited.
+pub async fn operator_discard_needs_a_reason_and_is_audited<H: OutboxHarness>(h: &H) {
+    let store = default_store(h).await;
+    let a = agg("op-discard");
+    let (v1, v2) = (event(&a, 1), event(&a, 2));
+    append_committed(h, &store, &[v1.clone(), v2.clone()]).await;
+    park_head::<H>(&store, &v1).await;
+    assert!(
+        store.discard_parked(v1.event_id, "bob", "").await.is_err(),
+        "discard without a reason was accepted"
+    );
+    assert!(store
+        .discard_parked(v1.event_id, "bob", "   ")
+        .await
+        .is_err());
+    store
+        .discard_parked(v1.event_id, "bob", "customer deleted")
+        .await
+        .expect("discard");
+    assert_eq!(ids(&claim(&store, "r", 10).await), set(&[&v2]));
+    assert!(store.list_parked(10).await.expect("list").is_empty());
+    let trail = store.audit_trail(Some(v1.event_id)).await.expect("audit");
+    assert_eq!(trail.len(), 1);
+    assert_eq!(trail[0].action, OperatorAction::Discard);
+    assert_eq!(
+        (trail[0].actor.as_str(), trail[0].reason.as_str()),
+        ("bob", "customer deleted")
+    );
+    let err = store
+        .discard_parked(v1.event_id, "bob", "again")
+        .await
+        .expect_err("discard of a discarded event");
+    assert_eq!(err.kind, StoreErrorKind::NotFound, "{err}");
+}
+
+/// Re-issue replaces a parked event by a copy with a new id at the same version, is audited
+/// with the new id, and the copy is delivered.
+pub async fn operator_reissue_replaces_the_event_and_is_audited<H: OutboxHarness>(h: &H) {
+    let store = default_store(h).await;
+    let a = agg("op-reissue");
+    let (v1, v2) = (event(&a, 1), event(&a, 2));
+    append_committed(h, &store, &[v1.clone(), v2.clone()]).await;
+    park_head::<H>(&store, &v1).await;
+    let new_id = store
+        .reissue_parked(v1.event_id, "carol", "payload fixed")
+        .await
+        .expect("reissue");
+    assert_ne!(new_id, v1.event_id);
+    let batch = claim(&store, "r", 10).await;
+    assert_eq!(
+        batch.records.len(),
+        1,
+        "only the copy (the new head) is claimable"
+    );
+    let copy = &batch.records[0].envelope;
+    assert_eq!(copy.event_id, new_id);
+    assert_eq!(copy.aggregate_id, a);
+    assert_eq!(copy.aggregate_version, 1);
+    assert_eq!(copy.payload, v1.payload);
+    store
+        .complete(&batch.handle, &publish_all(&batch))
+        .await
+        .expect("complete");
+    assert_eq!(ids(&claim(&store, "r", 10).await), set(&[&v2]));
+    let trail = store.audit_trail(Some(v1.event_id)).await.expect("audit");
+    assert_eq!(trail.len(), 1);
+    assert_eq!(trail[0].action, OperatorAction::Reissue);
+    assert_eq!(trail[0].new_event_id, Some(new_id));
+    assert!(store
+        .reissue_parked(v1.event_id, "carol", "again")
+        .await
+        .is_err());
+    let all = store.audit_trail(None).await.expect("audit");
+    assert!(all.iter().any(|e| e.event_id == v1.event_id));
+}
+
+/// Cleanup removes published rows past retention, in batches, and never pending or parked rows.
+pub async fn cleanup_removes_only_published_rows_past_retention<H: OutboxHarness>(h: &H) {
+    let caps = h.capabilities();
+    let store = default_store(h).await;
+    let done: Vec<Envelope> = (0..3).map(|_| event(&agg("done"), 1)).collect();
+    let pending = event(&agg("pending"), 1);
+    let parked = event(&agg("parked"), 1);
+    append_committed(h, &store, &done).await;
+    append_committed(h, &store, std::slice::from_ref(&parked)).await;
+    park_head::<H>(&store, &parked).await;
+    let batch = claim(&store, "r", 10).await;
+    assert_eq!(ids(&batch), set(&[&done[0], &done[1], &done[2]]));
+    store
+        .complete(&batch.handle, &publish_all(&batch))
+        .await
+        .expect("complete");
+    append_committed(h, &store, std::slice::from_ref(&pending)).await;
+    let retention = caps.time_step * 3;
+    let early = store.cleanup(retention, 2).await.expect("cleanup");
+    assert_eq!(
+        early.removed, 0,
+        "rows removed before their retention passed"
+    );
+    h.advance(retention + caps.time_step).await;
+    let rep = store.cleanup(retention, 2).await.expect("cleanup");
+    assert_eq!(rep.removed, 3);
+    assert!(
+        rep.batches >= 2,
+        "3 rows with batch size 2 need 2 batches, got {}",
+        rep.batches
+    );
+    let stats = store.stats().await.expect("stats");
+    assert_eq!(stats.published_retained, 0);
+    assert_eq!(stats.parked, 1, "a parked row was cleaned up");
+    assert_eq!(stats.unpublished, 1, "a pending row was cleaned up");
+    assert_eq!(ids(&claim(&store, "r", 10).await), set(&[&pending]));
+    assert_eq!(store.list_parked(10).await.expect("list").len(), 1);
+}
+
+/// Stats count the backlog, in-flight, parked and retained rows and measure ages.
+pub async fn stats_report_backlog_and_ages<H: OutboxHarness>(h: &H) {
+    let caps = h.capabilities();
+    let store = default_store(h).await;
+    let empty = store.stats().await.expect("stats");
+    assert_eq!(
+        (empty.unpublished, empty.parked, empty.in_flight),
+        (0, 0, 0)
+    );
+    assert_eq!(empty.oldest_unpublished_age, None);
+    let events: Vec<Envelope> = (0..4).map(|_| event(&agg("stats"), 1)).collect();
+    append_committed(h, &store, &events).await;
+    h.advance(caps.time_step).await;
+    let s = store.stats().await.expect("stats");
+    assert_eq!(s.unpublished, 4);
+    let age = s.oldest_unpublished_age.expect("an unpublished age");
+    assert!(
+        age >= caps.time_step,
+        "oldest age {age:?} below the time that passed"
+    );
+    let batch = claim(&store, "r", 3).await;
+    let mut outcomes = publish_all(&batch);
+    let parked_id = outcomes.pop().expect("three claimed").event_id();
+    outcomes.push(park(parked_id));
+    let held = claim(&store, "r2", 10).await;
+    assert_eq!(held.records.len(), 1);
+    let s = store.stats().await.expect("stats");
+    assert_eq!(s.in_flight, 4, "claimed rows count as in flight");
+    store
+        .complete(&batch.handle, &outcomes)
+        .await
+        .expect("complete");
+    let s = store.stats().await.expect("stats");
+    assert_eq!(s.unpublished, 1);
+    assert_eq!(s.in_flight, 1);
+    assert_eq!(s.parked, 1);
+    assert_eq!(s.published_retained, 2);
+    assert!(s.oldest_parked_age.is_some());
+}
+
+/// In `LockedTransaction` mode a claim holds its rows however long publishing takes.
+pub async fn locked_claim_is_held_until_completed<H: OutboxHarness>(h: &H) {
+    let caps = h.capabilities();
+    if !caps.locked_transaction {
+        return not_applicable("locked_claim_is_held_until_completed", "no locked mode");
+    }
+    let r1 = h.store(ClaimMode::LockedTransaction).await;
+    let r2 = h.store(ClaimMode::LockedTransaction).await;
+    let a = agg("locked");
+    let (v1, v2) = (event(&a, 1), event(&a, 2));
+    append_committed(h, &r1, &[v1.clone(), v2.clone()]).await;
+    let batch = claim(&r1, "relay-1", 10).await;
+    assert_eq!(ids(&batch), set(&[&v1]));
+    assert_eq!(batch.lease_remaining, None);
+    h.advance(caps.lease_duration + caps.time_step).await;
+    assert!(
+        claim(&r2, "relay-2", 10).await.is_empty(),
+        "a locked row was handed out twice"
+    );
+    let rep = r1
+        .complete(&batch.handle, &publish_all(&batch))
+        .await
+        .expect("complete");
+    assert_eq!(rep.applied, 1);
+    assert_eq!(ids(&claim(&r2, "relay-2", 10).await), set(&[&v2]));
+}
+
+/// In `LockedTransaction` mode a relay that crashes loses its locks; its late outcomes are
+/// refused.
+pub async fn locked_claim_is_freed_when_the_relay_crashes<H: OutboxHarness>(h: &H) {
+    let caps = h.capabilities();
+    if !caps.locked_transaction {
+        return not_applicable(
+            "locked_claim_is_freed_when_the_relay_crashes",
+            "no locked mode",
+        );
+    }
+    let r1 = h.store(ClaimMode::LockedTransaction).await;
+    let r2 = h.store(ClaimMode::LockedTransaction).await;
+    let e = event(&agg("crash"), 1);
+    append_committed(h, &r1, std::slice::from_ref(&e)).await;
+    let batch = claim(&r1, "relay-1", 10).await;
+    if !h.abandon(&r1, &batch.handle).await {
+        return not_applicable(
+            "locked_claim_is_freed_when_the_relay_crashes",
+            "the harness cannot drop a relay's connection (OutboxHarness::abandon)",
+        );
+    }
+    let again = claim(&r2, "relay-2", 10).await;
+    assert_eq!(
+        ids(&again),
+        set(&[&e]),
+        "a crashed relay's rows stayed locked"
+    );
+    assert_eq!(again.records[0].attempts, 0);
+    let late = r1.complete(&batch.handle, &publish_all(&batch)).await;
+    if let Ok(rep) = late {
+        assert_eq!(rep.applied, 0, "a crashed relay's outcome was applied");
+    }
+}
+
+/// The store reports the claim mode it was built with.
+pub async fn claim_mode_is_reported<H: OutboxHarness>(h: &H) {
+    let caps = h.capabilities();
+    if caps.lease {
+        assert_eq!(
+            h.store(caps.lease_mode()).await.claim_mode(),
+            caps.lease_mode()
+        );
+    }
+    if caps.locked_transaction {
+        assert_eq!(
+            h.store(ClaimMode::LockedTransaction).await.claim_mode(),
+            ClaimMode::LockedTransaction
+        );
+    }
+    let _ = Duration::ZERO;
+}

@@ -1,0 +1,28 @@
+//! The conformance suite against the in-memory backends.
+
+mod outbox {
+    outbox_testkit::outbox_conformance_tests!(async {
+        outbox_testkit::conformance::MemoryOutboxHarness::new()
+    });
+}
+
+mod inbox {
+    outbox_testkit::inbox_conformance_tests!(async {
+        outbox_testkit::conformance::MemoryInboxHarness::new()
+    });
+}
+
+#[test]
+fn the_macros_emit_every_listed_check() {
+    // Keeps the name lists (documentation for backend authors) in sync with the macros.
+    let source = include_str!("../src/conformance/mod.rs");
+    for name in outbox_testkit::conformance::OUTBOX_CHECKS
+        .iter()
+        .chain(outbox_testkit::conformance::INBOX_CHECKS)
+    {
+        assert!(
+            source.matches(&format!("            {name},")).count() == 1,
+            "{name} is not emitted by a macro exactly once"
+        );
+    }
+}
