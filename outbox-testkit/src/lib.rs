@@ -66,6 +66,7 @@
 pub mod clock;
 pub mod conformance;
 pub mod db;
+pub mod fault;
 pub mod inbox;
 pub mod log;
 pub mod outbox;

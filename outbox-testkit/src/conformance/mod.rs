@@ -10,14 +10,20 @@
 //!
 //! # Running the suite for a backend
 //!
-//! ```ignore
-//! // In the backend crate's tests/conformance.rs:
+//! ```
+//! // In the backend crate's tests/conformance.rs (here with the in-memory harnesses; a
+//! // backend passes its own, e.g. `async { my_crate::testing::harness().await }`):
 //! mod outbox {
-//!     outbox_testkit::outbox_conformance_tests!(async { my_crate::testing::harness().await });
+//!     outbox_testkit::outbox_conformance_tests!(async {
+//!         outbox_testkit::conformance::MemoryOutboxHarness::new()
+//!     });
 //! }
 //! mod inbox {
-//!     outbox_testkit::inbox_conformance_tests!(async { my_crate::testing::inbox_harness().await });
+//!     outbox_testkit::inbox_conformance_tests!(async {
+//!         outbox_testkit::conformance::MemoryInboxHarness::new()
+//!     });
 //! }
+//! # fn main() {}
 //! ```
 //!
 //! The argument is an expression evaluating to a future that yields the harness; it is
@@ -345,8 +351,13 @@ pub const INBOX_CHECKS: &[&str] = &[
 /// Emits one named test per outbox check (see [`OUTBOX_CHECKS`]) from a setup expression: an
 /// expression evaluating to a future that yields an [`OutboxHarness`], evaluated once per test.
 ///
-/// ```ignore
-/// outbox_testkit::outbox_conformance_tests!(async { outbox_testkit::conformance::MemoryOutboxHarness::new() });
+/// ```
+/// mod suite {
+///     outbox_testkit::outbox_conformance_tests!(async {
+///         outbox_testkit::conformance::MemoryOutboxHarness::new()
+///     });
+/// }
+/// # fn main() {}
 /// ```
 #[macro_export]
 macro_rules! outbox_conformance_tests {
@@ -392,8 +403,13 @@ macro_rules! outbox_conformance_tests {
 /// Emits one named test per inbox check (see [`INBOX_CHECKS`]) from a setup expression: an
 /// expression evaluating to a future that yields an [`InboxHarness`], evaluated once per test.
 ///
-/// ```ignore
-/// outbox_testkit::inbox_conformance_tests!(async { outbox_testkit::conformance::MemoryInboxHarness::new() });
+/// ```
+/// mod suite {
+///     outbox_testkit::inbox_conformance_tests!(async {
+///         outbox_testkit::conformance::MemoryInboxHarness::new()
+///     });
+/// }
+/// # fn main() {}
 /// ```
 #[macro_export]
 macro_rules! inbox_conformance_tests {

@@ -1,0 +1,751 @@
+//! Fault-injecting wrappers around any [`OutboxStore`], [`Publisher`] or [`InboxStore`].
+//!
+//! A [`FaultInjector`] decides, call by call, whether to inject a [`Fault`]. It is driven by a
+//! [`FaultSource`]:
+//!
+//! * a **script** (one entry per call, then no more faults),
+//! * a **countdown** (pass `n` calls, then fault once or forever),
+//! * a **seed** (each call faults with given probabilities; the seed is printed on creation,
+//!   so a failing test shows it, and [`FaultSource::seeded_from_env`] takes it from the
+//!   `OUTBOX_SIM_SEED` environment variable to replay).
+//!
+//! Faults: [`Fault::Transient`], [`Fault::Permanent`], [`Fault::Latency`], and
+//! [`Fault::AckLost`]: the operation *took effect* but its caller gets a transient error (the
+//! broker stored the record but the delivery report was lost; the database committed but the
+//! connection dropped before the reply).
+//!
+//! ```
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+//! use outbox_core::{Envelope, Publisher};
+//! use outbox_testkit::fault::{Fault, FaultInjector, FaultSource, FaultyPublisher};
+//! use outbox_testkit::MemoryLog;
+//!
+//! let log = MemoryLog::new("orders", 1);
+//! let faults = FaultInjector::new(FaultSource::script([None, Some(Fault::AckLost)]));
+//! let publisher = FaultyPublisher::new(log.clone(), faults);
+//! let a = Envelope::builder("order", "a", 1, "e").build().unwrap();
+//! let b = Envelope::builder("order", "b", 1, "e").build().unwrap();
+//! let results = publisher.publish(&[a, b]).await;
+//! assert!(results[0].is_ok());
+//! assert!(results[1].is_err());            // the caller sees a timeout...
+//! assert_eq!(log.all_records().len(), 2);  // ...but the broker has the record
+//! # });
+//! ```
+
+use std::collections::{BTreeSet, VecDeque};
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outbox_core::{
+    async_trait, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, CleanupReport,
+    CompletionReport, Envelope, EventId, InboxStore, OutboxStats, OutboxStore, Outcome,
+    ParkedEvent, PublishError, PublishErrorKind, PublishResult, Publisher, Registration,
+    StoreError, StoreErrorKind,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Name of the environment variable holding a seed to replay.
+pub const SEED_ENV: &str = "OUTBOX_SIM_SEED";
+
+/// One injected fault.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Fault {
+    /// The operation does not happen; the caller gets a transient error.
+    Transient,
+    /// The operation does not happen; the caller gets a permanent error.
+    Permanent,
+    /// The operation happens after this delay (on tokio's clock).
+    Latency(Duration),
+    /// The operation happens, but the caller gets a transient error.
+    AckLost,
+}
+
+/// Probabilities of each fault per call for [`FaultSource::Seeded`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct FaultRates {
+    /// Probability of [`Fault::Transient`].
+    pub transient: f64,
+    /// Probability of [`Fault::Permanent`].
+    pub permanent: f64,
+    /// Probability of [`Fault::AckLost`].
+    pub ack_lost: f64,
+    /// Probability of [`Fault::Latency`] (uniform up to `max_latency`).
+    pub latency: f64,
+    /// Largest injected latency.
+    pub max_latency: Duration,
+}
+
+impl Default for FaultRates {
+    /// 10 % transient, 1 % permanent, 5 % ack lost, no latency.
+    fn default() -> Self {
+        Self {
+            transient: 0.10,
+            permanent: 0.01,
+            ack_lost: 0.05,
+            latency: 0.0,
+            max_latency: Duration::ZERO,
+        }
+    }
+}
+
+impl FaultRates {
+    /// Sets the transient probability.
+    pub fn transient(mut self, p: f64) -> Self {
+        self.transient = p;
+        self
+    }
+    /// Sets the permanent probability.
+    pub fn permanent(mut self, p: f64) -> Self {
+        self.permanent = p;
+        self
+    }
+    /// Sets the ack-lost probability.
+    pub fn ack_lost(mut self, p: f64) -> Self {
+        self.ack_lost = p;
+        self
+    }
+    /// Sets the latency probability and bound.
+    pub fn latency(mut self, p: f64, max: Duration) -> Self {
+        self.latency = p;
+        self.max_latency = max;
+        self
+    }
+}
+
+/// What drives a [`FaultInjector`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum FaultSource {
+    /// Never faults.
+    None,
+    /// One entry per call; after the script ends, no faults.
+    Script(VecDeque<Option<Fault>>),
+    /// Passes `pass` calls, then injects `fault` once (or on every later call if `repeat`).
+    Countdown {
+        /// Calls still passing.
+        pass: u64,
+        /// The fault.
+        fault: Fault,
+        /// Whether the fault repeats after the countdown.
+        repeat: bool,
+    },
+    /// Random faults from a seeded RNG.
+    Seeded {
+        /// The seed (printed on creation).
+        seed: u64,
+        /// The RNG (boxed: it is large).
+        rng: Box<StdRng>,
+        /// Probabilities.
+        rates: FaultRates,
+    },
+}
+
+impl FaultSource {
+    /// A script, one entry per call.
+    pub fn script(steps: impl IntoIterator<Item = Option<Fault>>) -> Self {
+        Self::Script(steps.into_iter().collect())
+    }
+
+    /// Pass `pass` calls, then inject `fault` once.
+    pub fn countdown(pass: u64, fault: Fault) -> Self {
+        Self::Countdown {
+            pass,
+            fault,
+            repeat: false,
+        }
+    }
+
+    /// Pass `pass` calls, then inject `fault` on every call.
+    pub fn from_call(pass: u64, fault: Fault) -> Self {
+        Self::Countdown {
+            pass,
+            fault,
+            repeat: true,
+        }
+    }
+
+    /// Seeded random faults. Prints the seed to stderr (shown by the test harness when the test
+    /// fails).
+    pub fn seeded(seed: u64, rates: FaultRates) -> Self {
+        eprintln!("fault injection seed = {seed} (replay with {SEED_ENV}={seed})");
+        Self::Seeded {
+            seed,
+            rng: Box::new(StdRng::seed_from_u64(seed)),
+            rates,
+        }
+    }
+
+    /// Seeded random faults with the seed from `OUTBOX_SIM_SEED`, else `default_seed`.
+    pub fn seeded_from_env(default_seed: u64, rates: FaultRates) -> Self {
+        Self::seeded(seed_from_env(default_seed), rates)
+    }
+
+    fn next(&mut self) -> Option<Fault> {
+        match self {
+            Self::None => None,
+            Self::Script(steps) => steps.pop_front().flatten(),
+            Self::Countdown {
+                pass,
+                fault,
+                repeat,
+            } => {
+                if *pass > 0 {
+                    *pass -= 1;
+                    return None;
+                }
+                let f = *fault;
+                if !*repeat {
+                    *self = Self::None;
+                }
+                Some(f)
+            }
+            Self::Seeded { rng, rates, .. } => {
+                let x: f64 = rng.random();
+                let mut edge = rates.transient;
+                if x < edge {
+                    return Some(Fault::Transient);
+                }
+                edge += rates.permanent;
+                if x < edge {
+                    return Some(Fault::Permanent);
+                }
+                edge += rates.ack_lost;
+                if x < edge {
+                    return Some(Fault::AckLost);
+                }
+                edge += rates.latency;
+                if x < edge {
+                    let max = rates.max_latency.as_micros() as u64;
+                    return Some(Fault::Latency(Duration::from_micros(
+                        rng.random_range(0..=max),
+                    )));
+                }
+                None
+            }
+        }
+    }
+}
+
+/// The seed in `OUTBOX_SIM_SEED` (decimal), else `default`.
+pub fn seed_from_env(default: u64) -> u64 {
+    std::env::var(SEED_ENV)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(default)
+}
+
+#[derive(Debug)]
+struct InjectorState {
+    source: FaultSource,
+    only: Option<BTreeSet<&'static str>>,
+    injected: Vec<(&'static str, Fault)>,
+    calls: u64,
+}
+
+/// Decides which calls fail. Cloning shares the decisions (one script across wrappers).
+#[derive(Clone)]
+pub struct FaultInjector {
+    state: Arc<Mutex<InjectorState>>,
+}
+
+impl fmt::Debug for FaultInjector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let st = self.lock();
+        f.debug_struct("FaultInjector")
+            .field("source", &st.source)
+            .field("calls", &st.calls)
+            .finish()
+    }
+}
+
+impl FaultInjector {
+    /// An injector over `source`, applying to every operation.
+    pub fn new(source: FaultSource) -> Self {
+        Self {
+            state: Arc::new(Mutex::new(InjectorState {
+                source,
+                only: None,
+                injected: Vec::new(),
+                calls: 0,
+            })),
+        }
+    }
+
+    /// Restricts faults to the named operations (method names such as `"claim"`,
+    /// `"complete"`, `"publish"`, `"register"`, `"commit"`); other calls pass and do not
+    /// consume the source.
+    pub fn only(self, operations: &[&'static str]) -> Self {
+        self.lock().only = Some(operations.iter().copied().collect());
+        self
+    }
+
+    /// Replaces the source (e.g. to stop faults so the system can drain).
+    pub fn set_source(&self, source: FaultSource) {
+        self.lock().source = source;
+    }
+
+    /// Faults injected so far, with the operation.
+    pub fn injected(&self) -> Vec<(&'static str, Fault)> {
+        self.lock().injected.clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, InjectorState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The decision for one call of `operation`.
+    pub fn next(&self, operation: &'static str) -> Option<Fault> {
+        let mut st = self.lock();
+        if st.only.as_ref().is_some_and(|o| !o.contains(operation)) {
+            return None;
+        }
+        st.calls += 1;
+        let f = st.source.next();
+        if let Some(f) = f {
+            st.injected.push((operation, f));
+        }
+        f
+    }
+}
+
+fn store_error(fault: Fault, op: &str) -> StoreError {
+    match fault {
+        Fault::Permanent => StoreError::new(
+            StoreErrorKind::Other,
+            format!("injected permanent fault in {op}"),
+        ),
+        Fault::AckLost => StoreError::new(
+            StoreErrorKind::Connection,
+            format!("injected: {op} took effect but the connection dropped before the reply"),
+        ),
+        _ => StoreError::new(
+            StoreErrorKind::Connection,
+            format!("injected transient fault in {op}"),
+        ),
+    }
+}
+
+/// Runs `op` under the injector's decision for `name`.
+macro_rules! faulty {
+    ($inj:expr, $name:literal, $call:expr) => {{
+        match $inj.next($name) {
+            None => $call,
+            Some(Fault::Latency(d)) => {
+                tokio::time::sleep(d).await;
+                $call
+            }
+            Some(f @ (Fault::Transient | Fault::Permanent)) => Err(store_error(f, $name)),
+            Some(f) => {
+                let _ = $call;
+                Err(store_error(f, $name))
+            }
+        }
+    }};
+}
+
+/// An [`OutboxStore`] whose calls fail as the [`FaultInjector`] decides. `claim_mode` never
+/// fails.
+#[derive(Clone, Debug)]
+pub struct FaultyStore<S> {
+    inner: S,
+    faults: FaultInjector,
+}
+
+impl<S> FaultyStore<S> {
+    /// Wraps `inner`.
+    pub fn new(inner: S, faults: FaultInjector) -> Self {
+        Self { inner, faults }
+    }
+    /// The wrapped store.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+    /// The injector.
+    pub fn faults(&self) -> &FaultInjector {
+        &self.faults
+    }
+}
+
+#[async_trait]
+impl<S: OutboxStore> OutboxStore for FaultyStore<S> {
+    type Tx = S::Tx;
+
+    async fn append(&self, tx: &mut S::Tx, events: &[Envelope]) -> Result<(), StoreError> {
+        faulty!(self.faults, "append", self.inner.append(tx, events).await)
+    }
+    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
+        faulty!(self.faults, "claim", self.inner.claim(request).await)
+    }
+    async fn complete(
+        &self,
+        claim: &ClaimHandle,
+        outcomes: &[Outcome],
+    ) -> Result<CompletionReport, StoreError> {
+        faulty!(
+            self.faults,
+            "complete",
+            self.inner.complete(claim, outcomes).await
+        )
+    }
+    async fn release(&self, claim: &ClaimHandle) -> Result<(), StoreError> {
+        faulty!(self.faults, "release", self.inner.release(claim).await)
+    }
+    async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedEvent>, StoreError> {
+        faulty!(
+            self.faults,
+            "list_parked",
+            self.inner.list_parked(limit).await
+        )
+    }
+    async fn retry_parked(&self, event_id: EventId, actor: &str) -> Result<(), StoreError> {
+        faulty!(
+            self.faults,
+            "retry_parked",
+            self.inner.retry_parked(event_id, actor).await
+        )
+    }
+    async fn discard_parked(
+        &self,
+        event_id: EventId,
+        actor: &str,
+        reason: &str,
+    ) -> Result<(), StoreError> {
+        faulty!(
+            self.faults,
+            "discard_parked",
+            self.inner.discard_parked(event_id, actor, reason).await
+        )
+    }
+    async fn reissue_parked(
+        &self,
+        event_id: EventId,
+        actor: &str,
+        reason: &str,
+    ) -> Result<EventId, StoreError> {
+        faulty!(
+            self.faults,
+            "reissue_parked",
+            self.inner.reissue_parked(event_id, actor, reason).await
+        )
+    }
+    async fn audit_trail(&self, event_id: Option<EventId>) -> Result<Vec<AuditEntry>, StoreError> {
+        faulty!(
+            self.faults,
+            "audit_trail",
+            self.inner.audit_trail(event_id).await
+        )
+    }
+    async fn cleanup(
+        &self,
+        retention: Duration,
+        batch_size: usize,
+    ) -> Result<CleanupReport, StoreError> {
+        faulty!(
+            self.faults,
+            "cleanup",
+            self.inner.cleanup(retention, batch_size).await
+        )
+    }
+    async fn stats(&self) -> Result<OutboxStats, StoreError> {
+        faulty!(self.faults, "stats", self.inner.stats().await)
+    }
+    fn claim_mode(&self) -> ClaimMode {
+        self.inner.claim_mode()
+    }
+}
+
+/// An [`InboxStore`] whose calls fail as the [`FaultInjector`] decides. An `AckLost` on
+/// `commit` commits and then reports a transient error: the classic "did my transaction
+/// commit?" case a consumer must survive.
+#[derive(Clone, Debug)]
+pub struct FaultyInbox<I> {
+    inner: I,
+    faults: FaultInjector,
+}
+
+impl<I> FaultyInbox<I> {
+    /// Wraps `inner`.
+    pub fn new(inner: I, faults: FaultInjector) -> Self {
+        Self { inner, faults }
+    }
+    /// The wrapped store.
+    pub fn inner(&self) -> &I {
+        &self.inner
+    }
+}
+
+#[async_trait]
+impl<I: InboxStore> InboxStore for FaultyInbox<I> {
+    type Tx = I::Tx;
+
+    async fn begin(&self) -> Result<I::Tx, StoreError> {
+        faulty!(self.faults, "begin", self.inner.begin().await)
+    }
+    async fn register(
+        &self,
+        tx: &mut I::Tx,
+        consumer: &str,
+        event_id: EventId,
+    ) -> Result<Registration, StoreError> {
+        faulty!(
+            self.faults,
+            "register",
+            self.inner.register(tx, consumer, event_id).await
+        )
+    }
+    async fn commit(&self, tx: I::Tx) -> Result<(), StoreError> {
+        match self.faults.next("commit") {
+            None => self.inner.commit(tx).await,
+            Some(Fault::Latency(d)) => {
+                tokio::time::sleep(d).await;
+                self.inner.commit(tx).await
+            }
+            Some(f @ (Fault::Transient | Fault::Permanent)) => {
+                // The transaction is lost with the error: roll it back.
+                let _ = self.inner.rollback(tx).await;
+                Err(store_error(f, "commit"))
+            }
+            Some(f) => {
+                self.inner.commit(tx).await?;
+                Err(store_error(f, "commit"))
+            }
+        }
+    }
+    async fn rollback(&self, tx: I::Tx) -> Result<(), StoreError> {
+        self.inner.rollback(tx).await
+    }
+    async fn cleanup(&self, retention: Duration, batch_size: usize) -> Result<u64, StoreError> {
+        faulty!(
+            self.faults,
+            "cleanup",
+            self.inner.cleanup(retention, batch_size).await
+        )
+    }
+}
+
+/// A [`Publisher`] whose records fail as the [`FaultInjector`] decides (one decision per
+/// record, operation name `"publish"`). Records without a fault are sent to the inner publisher
+/// in one batch, in order; latency delays the whole batch by the largest injected latency.
+#[derive(Clone, Debug)]
+pub struct FaultyPublisher<P> {
+    inner: P,
+    faults: FaultInjector,
+}
+
+impl<P> FaultyPublisher<P> {
+    /// Wraps `inner`.
+    pub fn new(inner: P, faults: FaultInjector) -> Self {
+        Self { inner, faults }
+    }
+    /// The wrapped publisher.
+    pub fn inner(&self) -> &P {
+        &self.inner
+    }
+}
+
+#[async_trait]
+impl<P: Publisher> Publisher for FaultyPublisher<P> {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
+        let decisions: Vec<Option<Fault>> =
+            batch.iter().map(|_| self.faults.next("publish")).collect();
+        let delay = decisions
+            .iter()
+            .filter_map(|d| match d {
+                Some(Fault::Latency(l)) => Some(*l),
+                _ => None,
+            })
+            .max();
+        if let Some(d) = delay {
+            tokio::time::sleep(d).await;
+        }
+        let sent: Vec<Envelope> = batch
+            .iter()
+            .zip(&decisions)
+            .filter(|(_, d)| !matches!(d, Some(Fault::Transient | Fault::Permanent)))
+            .map(|(e, _)| e.clone())
+            .collect();
+        let mut results = if sent.is_empty() {
+            Vec::new()
+        } else {
+            self.inner.publish(&sent).await
+        }
+        .into_iter();
+        decisions
+            .iter()
+            .map(|d| match d {
+                Some(Fault::Transient) => Err(PublishError::new(
+                    PublishErrorKind::BrokerUnavailable,
+                    "injected transient broker fault",
+                )),
+                Some(Fault::Permanent) => Err(PublishError::new(
+                    PublishErrorKind::InvalidRecord,
+                    "injected permanent broker fault",
+                )),
+                Some(Fault::AckLost) => {
+                    let _ = results.next();
+                    Err(PublishError::new(
+                        PublishErrorKind::Timeout,
+                        "injected: the delivery report was lost",
+                    ))
+                }
+                _ => results.next().unwrap_or_else(|| {
+                    Err(PublishError::new(
+                        PublishErrorKind::Other,
+                        "inner publisher returned too few results",
+                    ))
+                }),
+            })
+            .collect()
+    }
+
+    fn delivery_timeout(&self) -> Duration {
+        self.inner.delivery_timeout()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{ManualClock, MemoryDb, MemoryInboxStore, MemoryLog, MemoryOutboxStore};
+    use outbox_core::{ErrorClass, MessageSource};
+
+    fn ev(agg: &str) -> Envelope {
+        Envelope::builder("t", agg, 1, "e")
+            .event_id(crate::deterministic_event_id(
+                ManualClock::epoch(),
+                agg.len() as u64,
+            ))
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn sources_script_countdown_and_seed() {
+        let mut s = FaultSource::script([None, Some(Fault::Transient)]);
+        assert_eq!(
+            (s.next(), s.next(), s.next()),
+            (None, Some(Fault::Transient), None)
+        );
+        let mut c = FaultSource::countdown(2, Fault::Permanent);
+        let got: Vec<_> = (0..4).map(|_| c.next()).collect();
+        assert_eq!(got, vec![None, None, Some(Fault::Permanent), None]);
+        let mut r = FaultSource::from_call(1, Fault::AckLost);
+        let got: Vec<_> = (0..3).map(|_| r.next()).collect();
+        assert_eq!(got, vec![None, Some(Fault::AckLost), Some(Fault::AckLost)]);
+        let rates = FaultRates::default().latency(0.2, Duration::from_millis(5));
+        let run = |seed| {
+            let mut s = FaultSource::seeded(seed, rates);
+            (0..200).map(|_| s.next()).collect::<Vec<_>>()
+        };
+        assert_eq!(run(5), run(5), "same seed, same faults");
+        assert_ne!(run(5), run(6));
+        let faults = run(5).into_iter().flatten().count();
+        assert!(
+            (40..=130).contains(&faults),
+            "about 36% faulty, got {faults}/200"
+        );
+    }
+
+    #[test]
+    fn seed_env_parsing_falls_back() {
+        // The variable is not set by the test suite; when it is, it wins.
+        let expected = std::env::var(SEED_ENV)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(77);
+        assert_eq!(seed_from_env(77), expected);
+    }
+
+    #[tokio::test]
+    async fn faulty_store_transient_and_lost_reply() {
+        let db = MemoryDb::default();
+        let inner = MemoryOutboxStore::with_lease(&db);
+        let faults = FaultInjector::new(FaultSource::script([
+            Some(Fault::Transient),
+            Some(Fault::AckLost),
+        ]))
+        .only(&["claim"]);
+        let store = FaultyStore::new(inner.clone(), faults.clone());
+        let mut tx = db.begin();
+        store.append(&mut tx, &[ev("a")]).await.unwrap();
+        tx.commit().unwrap();
+        let err = store.claim(&ClaimRequest::new("r", 10)).await.unwrap_err();
+        assert_eq!(err.class, ErrorClass::Transient);
+        assert!(
+            inner.snapshot()[0].claim.is_none(),
+            "a failed call did nothing"
+        );
+        assert!(store.claim(&ClaimRequest::new("r", 10)).await.is_err());
+        assert!(
+            inner.snapshot()[0].claim.is_some(),
+            "a lost reply still took effect"
+        );
+        assert_eq!(faults.injected().len(), 2);
+        assert!(store.stats().await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn faulty_publisher_keeps_order_and_loses_acks() {
+        let log = MemoryLog::new("t", 1);
+        let faults = FaultInjector::new(FaultSource::script([
+            Some(Fault::Transient),
+            None,
+            Some(Fault::AckLost),
+            Some(Fault::Permanent),
+            Some(Fault::Latency(Duration::from_millis(1))),
+        ]));
+        let p = FaultyPublisher::new(log.clone(), faults);
+        let batch: Vec<Envelope> = ["a", "bb", "ccc", "dddd", "eeeee"]
+            .iter()
+            .map(|a| ev(a))
+            .collect();
+        let r = p.publish(&batch).await;
+        assert_eq!(r.len(), 5);
+        assert_eq!(r[0].as_ref().unwrap_err().class, ErrorClass::Transient);
+        assert!(r[1].is_ok());
+        assert_eq!(r[2].as_ref().unwrap_err().kind, PublishErrorKind::Timeout);
+        assert_eq!(r[3].as_ref().unwrap_err().class, ErrorClass::Permanent);
+        assert!(r[4].is_ok());
+        let stored: Vec<String> = log
+            .all_records()
+            .iter()
+            .map(|r| r.decode().unwrap().aggregate_id)
+            .collect();
+        assert_eq!(stored, vec!["bb", "ccc", "eeeee"]);
+        assert_eq!(p.delivery_timeout(), log.delivery_timeout());
+        let c = log.consumer("g", &["t"]);
+        assert!(c.poll(Duration::ZERO).await.unwrap().is_some());
+    }
+
+    #[tokio::test]
+    async fn faulty_inbox_commit_lost_reply_commits() {
+        let db = MemoryDb::default();
+        let inner = MemoryInboxStore::new(&db);
+        let faults = FaultInjector::new(FaultSource::script([
+            Some(Fault::AckLost),
+            Some(Fault::Transient),
+        ]))
+        .only(&["commit"]);
+        let inbox = FaultyInbox::new(inner.clone(), faults);
+        let id = ev("a").event_id;
+        let mut tx = inbox.begin().await.unwrap();
+        assert_eq!(
+            inbox.register(&mut tx, "c", id).await.unwrap(),
+            Registration::Fresh
+        );
+        assert!(inbox.commit(tx).await.is_err());
+        assert!(inner.is_registered("c", id), "committed despite the error");
+        let other = ev("bb").event_id;
+        let mut tx = inbox.begin().await.unwrap();
+        inbox.register(&mut tx, "c", other).await.unwrap();
+        assert!(inbox.commit(tx).await.is_err());
+        assert!(
+            !inner.is_registered("c", other),
+            "a failed commit rolled back"
+        );
+    }
+}
