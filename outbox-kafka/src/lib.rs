@@ -23,6 +23,7 @@
 //! | routing | event type → topic, default topic | [`KafkaPublisherBuilder::route`] |
 //! | error classes | typed | [`error::classify_code`] from `RDKafkaErrorCode`, table-tested |
 //! | fatal producer errors | handled | affected records fail transiently, the producer is rebuilt |
+//! | stuck idempotent producer | handled | rebuilt after consecutive all-timed-out batches ([`KafkaPublisherBuilder::rebuild_after_timeouts`]) |
 //! | missing topic | error at start | [`KafkaPublisher::check_topics`] / [`KafkaPublisherBuilder::start`] |
 //! | partition count change | surfaced | [`TopicReport::partition_changes`], warning log, metric `outbox_kafka_partition_count_changes_total` |
 //! | compacted topics | reported | `cleanup.policy` via DescribeConfigs; [`CleanupPolicy::Unavailable`] with a warning when the broker cannot describe configs |
@@ -98,7 +99,8 @@ mod topics;
 pub use config::{is_secret_key, Properties, MAX_IN_FLIGHT_LIMIT};
 pub use publisher::{
     KafkaPublisher, KafkaPublisherBuilder, KafkaPublisherConfig, StartError,
-    DEFAULT_DELIVERY_TIMEOUT, DEFAULT_METADATA_TIMEOUT, REPORT_GRACE,
+    DEFAULT_DELIVERY_TIMEOUT, DEFAULT_METADATA_TIMEOUT, DEFAULT_REBUILD_AFTER_TIMEOUTS,
+    REPORT_GRACE,
 };
 pub use source::{
     FnRevokeHook, KafkaSource, KafkaSourceBuilder, KafkaSourceConfig, RevokeHook, StartFrom,

@@ -2,6 +2,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::fmt;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -26,6 +27,8 @@ use crate::topics::{describe_topics, Admin, PartitionChange, TopicCheckError, To
 pub const DEFAULT_DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default timeout of metadata and admin requests in topic checks: 10 s.
 pub const DEFAULT_METADATA_TIMEOUT: Duration = Duration::from_secs(10);
+/// Default of [`KafkaPublisherBuilder::rebuild_after_timeouts`]: 2 batches.
+pub const DEFAULT_REBUILD_AFTER_TIMEOUTS: u32 = 2;
 /// Extra time [`KafkaPublisher::publish`] waits beyond the delivery timeout for the last reports.
 pub const REPORT_GRACE: Duration = Duration::from_millis(500);
 /// Pause between enqueue attempts while librdkafka's local queue is full.
@@ -42,6 +45,8 @@ const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(5);
 /// | `metadata_timeout` | 10 s | topic checks (metadata, DescribeConfigs) |
 /// | `client_id` | `outbox-publisher` | `client.id` |
 /// | `properties` | empty | any other librdkafka property; secrets are redacted in `Debug` |
+/// | `expected_partitions` | empty | partition counts to compare at the first topic check |
+/// | `rebuild_after_timeouts` | 2 | replace a producer whose batches keep timing out entirely (0 = never) |
 ///
 /// Always set and not overridable to weaker values: `enable.idempotence=true`, `acks=all`,
 /// `max.in.flight.requests.per.connection=5` (1..=5 accepted), `retries` > 0, no
@@ -63,6 +68,12 @@ pub struct KafkaPublisherConfig {
     pub client_id: String,
     /// Extra librdkafka properties.
     pub properties: Properties,
+    /// Partition counts expected before the first topic check (see
+    /// [`KafkaPublisherBuilder::expect_partitions`]).
+    pub expected_partitions: BTreeMap<String, usize>,
+    /// Replace the producer after this many consecutive batches in which every record timed
+    /// out (0 = never). See [`KafkaPublisherBuilder::rebuild_after_timeouts`].
+    pub rebuild_after_timeouts: u32,
 }
 
 impl KafkaPublisherConfig {
@@ -76,6 +87,8 @@ impl KafkaPublisherConfig {
             metadata_timeout: DEFAULT_METADATA_TIMEOUT,
             client_id: "outbox-publisher".into(),
             properties: Properties::default(),
+            expected_partitions: BTreeMap::new(),
+            rebuild_after_timeouts: DEFAULT_REBUILD_AFTER_TIMEOUTS,
         }
     }
 
@@ -206,6 +219,25 @@ impl KafkaPublisherBuilder {
         self
     }
 
+    /// The partition count `topic` is expected to have, e.g. as recorded at the previous start.
+    /// [`KafkaPublisher::check_topics`] reports a different count as a [`PartitionChange`], so a
+    /// change made while no publisher ran is surfaced too.
+    pub fn expect_partitions(mut self, topic: impl Into<String>, partitions: usize) -> Self {
+        self.config
+            .expected_partitions
+            .insert(topic.into(), partitions);
+        self
+    }
+
+    /// Replaces the producer after `batches` consecutive batches in which every record timed
+    /// out (0 = never). Default 2. An idempotent producer whose id the broker forgot (a broker
+    /// restarted without its state, producer-id expiry) otherwise retries into
+    /// `UNKNOWN_PRODUCER_ID` until every record times out, forever.
+    pub fn rebuild_after_timeouts(mut self, batches: u32) -> Self {
+        self.config.rebuild_after_timeouts = batches;
+        self
+    }
+
     /// The configuration so far.
     pub fn config(&self) -> &KafkaPublisherConfig {
         &self.config
@@ -305,6 +337,7 @@ pub struct KafkaPublisher {
     admin: Admin,
     partitions: Mutex<BTreeMap<String, usize>>,
     last_report: Mutex<Option<TopicReport>>,
+    timeout_streak: AtomicU32,
 }
 
 impl fmt::Debug for KafkaPublisher {
@@ -334,13 +367,14 @@ impl KafkaPublisher {
         let producer = create_producer(&client_config)?;
         let admin = create_admin(&client_config)?;
         Ok(Self {
-            config,
             client_config,
             delivery_timeout,
             producer: RwLock::new((0, producer)),
             admin,
-            partitions: Mutex::new(BTreeMap::new()),
+            partitions: Mutex::new(config.expected_partitions.clone()),
+            config,
             last_report: Mutex::new(None),
+            timeout_streak: AtomicU32::new(0),
         })
     }
 
@@ -411,7 +445,7 @@ impl KafkaPublisher {
             .clone()
     }
 
-    /// How many times the producer was rebuilt after a fatal error.
+    /// How many times the producer was replaced (fatal error or a run of timed-out batches).
     pub fn producer_generation(&self) -> u64 {
         self.producer
             .read()
@@ -432,26 +466,65 @@ impl KafkaPublisher {
         (guard.0, guard.1.clone())
     }
 
-    /// Replaces the producer of `generation` if librdkafka reports it fatally failed.
-    fn replace_if_fatal(&self, generation: u64, producer: &Producer_) {
-        let Some((code, reason)) = producer.client().fatal_error() else {
-            return;
-        };
+    /// Replaces the producer of `generation` (unless another batch already did).
+    fn replace_producer(&self, generation: u64, why: &str) {
         let mut guard = self
             .producer
             .write()
             .unwrap_or_else(PoisonError::into_inner);
         if guard.0 != generation {
-            return; // someone else already replaced it
+            return; // another batch already replaced it
         }
         match create_producer(&self.client_config) {
             Ok(fresh) => {
-                tracing::error!(%code, reason, generation = generation + 1, "producer failed fatally; replaced it (affected records fail transiently and are retried)");
+                tracing::warn!(generation = generation + 1, why, "replaced the producer (affected records failed transiently and are retried by the relay)");
                 *guard = (generation + 1, fresh);
             }
             Err(e) => {
-                tracing::error!(%code, reason, error = %e, "producer failed fatally and could not be recreated");
+                tracing::error!(why, error = %e, "could not recreate the producer");
             }
+        }
+    }
+
+    /// Decides after a batch whether the producer must be replaced: after a fatal error, or
+    /// after `rebuild_after_timeouts` consecutive batches in which every record timed out.
+    ///
+    /// The second rule exists because the idempotent producer can get stuck without a fatal
+    /// error: when the broker forgot its producer id (a broker restarted without its state, or
+    /// producer-id expiry), librdkafka bumps the epoch locally and every retry is answered with
+    /// `UNKNOWN_PRODUCER_ID` until the records time out, batch after batch. A new producer
+    /// obtains a fresh id. Replacing the producer is safe for order: every record of the old
+    /// one already has a final (failed) report, and the relay re-publishes them.
+    fn after_batch(&self, generation: u64, producer: &Producer_, results: &[PublishResult]) {
+        if let Some((code, reason)) = producer.client().fatal_error() {
+            tracing::error!(%code, reason, "producer failed fatally");
+            self.timeout_streak.store(0, Ordering::Relaxed);
+            self.replace_producer(generation, "fatal producer error");
+            return;
+        }
+        if results
+            .iter()
+            .any(|r| matches!(r, Err(e) if e.kind == PublishErrorKind::Fatal))
+        {
+            self.timeout_streak.store(0, Ordering::Relaxed);
+            self.replace_producer(generation, "fatal error in a delivery report");
+            return;
+        }
+        let all_timed_out = !results.is_empty()
+            && results
+                .iter()
+                .all(|r| matches!(r, Err(e) if e.kind == PublishErrorKind::Timeout));
+        if !all_timed_out {
+            if results.iter().any(Result::is_ok) {
+                self.timeout_streak.store(0, Ordering::Relaxed);
+            }
+            return;
+        }
+        let streak = self.timeout_streak.fetch_add(1, Ordering::Relaxed) + 1;
+        let limit = self.config.rebuild_after_timeouts;
+        if limit > 0 && streak >= limit {
+            self.timeout_streak.store(0, Ordering::Relaxed);
+            self.replace_producer(generation, "every record of consecutive batches timed out");
         }
     }
 
@@ -638,13 +711,7 @@ impl Publisher for KafkaPublisher {
 
         let acks: Vec<&AckMetadata> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
         self.note_partitions(&acks);
-        if results
-            .iter()
-            .any(|r| matches!(r, Err(e) if e.kind == PublishErrorKind::Fatal))
-            || producer.client().fatal_error().is_some()
-        {
-            self.replace_if_fatal(generation, &producer);
-        }
+        self.after_batch(generation, &producer, &results);
         results
     }
 
@@ -737,6 +804,64 @@ mod tests {
         assert!(shown.contains("sasl.password"));
         let shown = format!("{:?}", p.config());
         assert!(!shown.contains("hunter2-very-secret"), "{shown}");
+    }
+
+    #[test]
+    fn partition_growth_seen_in_delivery_reports_is_recorded() {
+        let p = builder().expect_partitions("orders", 2).build().unwrap();
+        assert_eq!(p.partition_counts().get("orders"), Some(&2));
+        let ack = |partition| AckMetadata {
+            topic: "orders".into(),
+            partition,
+            offset: 0,
+        };
+        p.note_partitions(&[&ack(1)]);
+        assert_eq!(p.partition_counts().get("orders"), Some(&2));
+        p.note_partitions(&[&ack(4)]);
+        assert_eq!(p.partition_counts().get("orders"), Some(&5));
+    }
+
+    #[test]
+    fn producer_is_replaced_after_consecutive_all_timed_out_batches() {
+        let p = builder().build().unwrap();
+        let timeout =
+            || -> PublishResult { Err(PublishError::new(PublishErrorKind::Timeout, "t")) };
+        let ok = || -> PublishResult {
+            Ok(AckMetadata {
+                topic: "orders".into(),
+                partition: 0,
+                offset: 1,
+            })
+        };
+        let step = |results: &[PublishResult]| {
+            let (generation, producer) = p.current_producer();
+            p.after_batch(generation, &producer, results);
+            p.producer_generation()
+        };
+        assert_eq!(step(&[timeout(), timeout()]), 0);
+        // A success in between resets the streak.
+        assert_eq!(step(&[ok(), timeout()]), 0);
+        assert_eq!(step(&[timeout()]), 0);
+        assert_eq!(step(&[timeout()]), 1, "second all-timed-out batch in a row");
+        // Mixed failures (not all timeouts) do not count.
+        let unavailable: PublishResult = Err(PublishError::new(
+            PublishErrorKind::BrokerUnavailable,
+            "down",
+        ));
+        assert_eq!(step(&[timeout(), unavailable]), 1);
+        assert_eq!(step(&[]), 1);
+        // A fatal error replaces it at once.
+        assert_eq!(
+            step(&[Err(PublishError::new(PublishErrorKind::Fatal, "f"))]),
+            2
+        );
+
+        let never = builder().rebuild_after_timeouts(0).build().unwrap();
+        for _ in 0..5 {
+            let (g, pr) = never.current_producer();
+            never.after_batch(g, &pr, &[timeout()]);
+        }
+        assert_eq!(never.producer_generation(), 0);
     }
 
     #[test]

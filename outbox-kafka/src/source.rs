@@ -428,6 +428,14 @@ impl KafkaSource {
         &self.config
     }
 
+    /// Leaves the group: revokes the partitions (the [`RevokeHook`] commits what is final) and
+    /// closes the consumer, off the async worker threads. Dropping the source does the same but
+    /// blocks the current thread while librdkafka closes.
+    pub async fn close(self) {
+        let consumer = self.consumer;
+        let _ = tokio::task::spawn_blocking(move || drop(consumer)).await;
+    }
+
     /// Partitions currently assigned to this member.
     pub fn assignment(&self) -> Result<Vec<(String, i32)>, SourceError> {
         self.consumer
