@@ -65,6 +65,28 @@ impl fmt::Debug for Properties {
     }
 }
 
+/// A [`ConfigError`] for a configuration librdkafka refused. librdkafka's message quotes the
+/// offending value, so every secret value of `cc` is masked in it.
+pub(crate) fn refused(
+    what: &str,
+    err: &rdkafka::error::KafkaError,
+    cc: &rdkafka::ClientConfig,
+) -> ConfigError {
+    let mut message = err.to_string();
+    // config_map() masks librdkafka's own list of sensitive keys; read the real values by key.
+    for key in cc.config_map().keys() {
+        match cc.get(key) {
+            Some(value) if is_secret_key(key) && !value.is_empty() => {
+                message = message.replace(value, "***");
+            }
+            _ => {}
+        }
+    }
+    ConfigError::new(format!(
+        "librdkafka refused the {what} configuration: {message}"
+    ))
+}
+
 fn parse_bool(key: &str, value: &str) -> Result<bool, ConfigError> {
     match value.trim().to_ascii_lowercase().as_str() {
         "true" | "1" | "yes" | "on" => Ok(true),
@@ -258,6 +280,21 @@ mod tests {
             assert!(check_consumer_overrides(&props(&[(k, v)])).is_err(), "{k}");
         }
         assert!(check_consumer_overrides(&props(&[("enable.auto.commit", "false")])).is_ok());
+    }
+
+    #[test]
+    fn refusals_never_quote_secrets() {
+        let mut cc = rdkafka::ClientConfig::new();
+        cc.set("sasl.password", "hunter2");
+        let err = rdkafka::error::KafkaError::ClientConfig(
+            rdkafka::types::RDKafkaConfRes::RD_KAFKA_CONF_INVALID,
+            "Invalid value \"hunter2\"".into(),
+            "sasl.password".into(),
+            "hunter2".into(),
+        );
+        let shown = refused("producer", &err, &cc).to_string();
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("sasl.password"), "{shown}");
     }
 
     #[test]

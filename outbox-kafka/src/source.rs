@@ -258,12 +258,9 @@ impl KafkaSourceBuilder {
             hook: self.hook,
             revoke_log: Arc::clone(&revoke_log),
         };
-        let consumer: StreamConsumer<SourceContext> =
-            cc.create_with_context(context).map_err(|e| {
-                ConfigError::new(format!(
-                    "librdkafka refused the consumer configuration: {e}"
-                ))
-            })?;
+        let consumer: StreamConsumer<SourceContext> = cc
+            .create_with_context(context)
+            .map_err(|e| crate::config::refused("consumer", &e, &cc))?;
         let topics: Vec<&str> = self.config.topics.iter().map(String::as_str).collect();
         consumer
             .subscribe(&topics)

@@ -19,7 +19,6 @@ const SKIP_VAR: &str = "OUTBOX_SKIP_SERVICE_TESTS";
 fn skipping(test: &str, what: &str) -> bool {
     if std::env::var(SKIP_VAR).as_deref() == Ok("1") {
         println!("SKIPPED {test}: {what} is not set and {SKIP_VAR}=1");
-        eprintln!("SKIPPED {test}: {what} is not set and {SKIP_VAR}=1");
         return true;
     }
     false
