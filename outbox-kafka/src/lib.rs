@@ -87,8 +87,20 @@
 //! * DescribeConfigs lists only properties set when the topic was created, so `cleanup.policy`
 //!   is [`CleanupPolicy::NotReported`] for a topic created without it (Kafka's default is
 //!   `delete`).
-//! * The high watermark is understated when the last batch holds several records; nothing here
-//!   relies on watermarks.
+//! * The high watermark is understated when the last batch holds several records (base offset
+//!   of the last batch + 1). Nothing here relies on watermarks, but tansu itself does: **a fetch
+//!   that starts inside a multi-record batch returns nothing** until a later batch raises the
+//!   watermark past the fetch offset. A consumer that resumes at a committed offset in the
+//!   middle of such a batch therefore waits (seen: 8 records in one batch, resume at offset 3,
+//!   nothing within 30 s). The tests that resume mid-stream publish one record per request.
+//!   Kafka serves such fetches normally.
+//! * After a restart with memory storage, tansu does not know the idempotent producer's id and
+//!   answers `UNKNOWN_PRODUCER_ID` to every retry of librdkafka's locally bumped epochs, which
+//!   is never fatal: all records time out, batch after batch. The publisher replaces a producer
+//!   after [`DEFAULT_REBUILD_AFTER_TIMEOUTS`] such batches in a row (the same can happen on
+//!   Kafka after producer-id expiry).
+//! * tansu has no CreatePartitions; the partition-change check is tested with
+//!   [`KafkaPublisherBuilder::expect_partitions`].
 
 mod config;
 pub mod error;

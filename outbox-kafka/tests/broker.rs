@@ -578,6 +578,96 @@ async fn revoke_commits_the_final_watermark_from_the_engine_tracker() {
     );
 }
 
+/// A second member joins while the first is active: the first member's rebalance callback
+/// commits what its engine finished before the partitions move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rebalance_to_a_new_member_commits_final_offsets_on_revoke() {
+    let brokers = require!(brokers("source_rebalance"));
+    let topic = unique("rebalance");
+    let group = unique("group");
+    create_topic(&brokers, &topic, 2, &[]).await;
+    let publisher = KafkaPublisher::builder(&brokers, &topic)
+        .delivery_timeout(Duration::from_secs(10))
+        .start()
+        .await
+        .unwrap();
+    let mut last: HashMap<i32, i64> = HashMap::new();
+    for i in 0..12 {
+        // One record per request (see publish_n).
+        let r = publisher.publish(&[event(&format!("agg-{i}"), 1)]).await;
+        let ack = r[0].as_ref().unwrap();
+        let e = last.entry(ack.partition).or_insert(ack.offset);
+        *e = (*e).max(ack.offset);
+    }
+    assert_eq!(last.len(), 2, "keys spread over both partitions: {last:?}");
+
+    let tracker = Arc::new(Mutex::new(OffsetTracker::default()));
+    let first = Arc::new(
+        source(&brokers, &group, &topic)
+            .offset_tracker(Arc::clone(&tracker))
+            .build()
+            .unwrap(),
+    );
+    // The engine: every message is handled and final at once; it never commits by itself here.
+    let received = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let engine = {
+        let (first, tracker, received) = (
+            Arc::clone(&first),
+            Arc::clone(&tracker),
+            Arc::clone(&received),
+        );
+        tokio::spawn(async move {
+            loop {
+                if let Some(m) = first.poll(Duration::from_millis(200)).await.unwrap() {
+                    let p = &m.position;
+                    let mut t = tracker.lock().unwrap();
+                    t.begin(&p.topic, p.partition, p.offset);
+                    t.finish(&p.topic, p.partition, p.offset);
+                    received.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            }
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while received.load(std::sync::atomic::Ordering::Relaxed) < 12 {
+        assert!(
+            Instant::now() < deadline,
+            "first member did not receive everything"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(first.revoke_commits().is_empty());
+
+    // The second member joins; the first keeps polling, which serves the rebalance.
+    let second = source(&brokers, &group, &topic).build().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while first.revoke_commits().len() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "no commit on revoke: {:?}",
+            first.revoke_commits()
+        );
+        let _ = second.poll(Duration::from_millis(200)).await.unwrap();
+    }
+    engine.abort();
+    let mut expect: Vec<(String, i32, i64)> = last
+        .iter()
+        .map(|(p, o)| (topic.clone(), *p, o + 1))
+        .collect();
+    expect.sort();
+    let mut got = first.revoke_commits();
+    got.sort();
+    assert_eq!(got, expect);
+    let partitions: Vec<(String, i32)> = expect.iter().map(|(t, p, _)| (t.clone(), *p)).collect();
+    let committed = second
+        .committed(&partitions, Duration::from_secs(5))
+        .await
+        .unwrap();
+    for ((_, _, c), (_, _, e)) in committed.iter().zip(&expect) {
+        assert_eq!(*c, Some(*e));
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_messages_are_typed_errors_not_panics() {
     let brokers = require!(brokers("malformed"));
