@@ -1,30 +1,35 @@
 //! The demo pipeline: an order service appends events in its transactions, the relay publishes
-//! them (through scripted broker failures and one poison event), and a projection consumer
-//! applies them once through the inbox.
+//! them (through broker failures and one poison event), and a projection consumer applies them
+//! once through the inbox.
 //!
-//! By default everything runs in one process on the in-memory backends of `outbox-testkit`.
-//! [`run_memory_demo`] is what `cargo run -p outbox-examples --bin demo` calls; the test in
-//! `tests/demo.rs` runs the same function and checks its invariants.
+//! By default everything runs in one process on the in-memory backends of `outbox-testkit`
+//! (`cargo run -p outbox-examples --bin demo`). `--database-url` puts the orders, the outbox and
+//! the inbox in PostgreSQL; `--brokers` publishes through Kafka. [`run_demo`] is what the binary
+//! calls; `tests/demo.rs` runs it and checks its invariants.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use outbox_core::watermark::OffsetTracker;
 use std::time::Duration;
 
 use outbox_core::{
-    async_trait, ClaimMode, Clock, DeliveryStatus, Envelope, EventId, OutboxStore, ParkedEvent,
-    PublishErrorKind, Relay, RelayConfig, RetryPolicy, StoreError, SystemClock,
+    Clock, EventId, InboxStore, MessageSource, OutboxStore, ParkedEvent, Publisher, Relay,
+    RelayConfig, RetryPolicy, StoreError, SystemClock,
 };
-use outbox_inbox::{
-    ConsumerEngine, EngineConfig, EngineReport, Handler, HandlerError, InboxProcessor,
-};
-use outbox_testkit::{MemoryDb, MemoryInboxStore, MemoryLog, MemoryOutboxStore, MemoryTx};
+use outbox_inbox::{ConsumerEngine, EngineConfig, EngineReport, Handler, InboxProcessor};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
-/// Topic the demo publishes to.
-pub const TOPIC: &str = "orders";
+pub mod faults;
+pub mod kafka;
+pub mod memory;
+pub mod postgres;
+
 /// Name of the projection consumer.
 pub const CONSUMER: &str = "order-projection";
+/// Largest record the demo's broker accepts, so the poison order is refused permanently.
+pub const MAX_RECORD_BYTES: usize = 2048;
 
 /// An order as the order service stores it.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -48,184 +53,172 @@ pub enum Transition {
     Rejected(String),
 }
 
-/// The order service on the in-memory database.
-#[derive(Clone, Debug)]
-pub struct MemoryOrderService {
-    db: MemoryDb,
-    outbox: MemoryOutboxStore,
-    clock: Arc<dyn Clock>,
-}
-
-impl MemoryOrderService {
-    /// A service over `db`, appending to `outbox`.
-    pub fn new(db: MemoryDb, outbox: MemoryOutboxStore) -> Self {
-        let clock = db.clock();
-        Self { db, outbox, clock }
-    }
-
+/// The order service, whatever database it runs on.
+#[outbox_core::async_trait]
+pub trait OrderService: Send + Sync {
     /// Places an order: inserts it (version 1) and appends `order.placed` in one transaction.
-    pub async fn place(&self, id: &str, note: &str) -> Result<Transition, StoreError> {
-        let mut tx = self.db.begin();
-        if tx.get("orders", id).is_some() {
-            return Ok(Transition::Rejected(format!("order {id} exists")));
-        }
-        let order = Order {
-            id: id.into(),
-            status: "pending".into(),
-            version: 1,
-            note: note.into(),
-        };
-        self.write(tx, order, "order.placed").await
-    }
-
-    /// Moves an order `from` → `to` (a conditional transition: only from `from`), version + 1,
-    /// and appends `event_type` in the same transaction. An invalid transition appends nothing.
-    pub async fn transition(
+    async fn place(&self, id: &str, note: &str) -> Result<Transition, StoreError>;
+    /// Moves an order `from` → `to` only if it is in `from` (conditional update), version + 1,
+    /// appending `event_type` in the same transaction. An invalid transition appends nothing.
+    async fn transition(
         &self,
         id: &str,
         from: &str,
         to: &str,
         event_type: &str,
-    ) -> Result<Transition, StoreError> {
-        let mut tx = self.db.begin();
-        let Some(current) = tx.get("orders", id) else {
-            return Ok(Transition::Rejected(format!("order {id} does not exist")));
-        };
-        let mut order: Order = serde_json::from_value(current)
-            .map_err(|e| StoreError::new(outbox_core::StoreErrorKind::Other, e.to_string()))?;
-        if order.status != from {
-            // Dropping `tx` rolls it back: no state change, no event.
-            return Ok(Transition::Rejected(format!(
-                "order {id} is {}, not {from}",
-                order.status
-            )));
-        }
-        order.status = to.into();
-        order.version += 1;
-        self.write(tx, order, event_type).await
-    }
-
-    async fn write(
-        &self,
-        mut tx: MemoryTx,
-        order: Order,
-        event_type: &str,
-    ) -> Result<Transition, StoreError> {
-        let event = Envelope::builder("order", &order.id, order.version, event_type)
-            .json(&order)?
-            .created_at(self.clock.now())
-            .build()?;
-        let id = event.event_id;
-        tx.put(
-            "orders",
-            &order.id,
-            serde_json::to_value(&order).expect("order serializes"),
-        );
-        // A validation error here fails the business change too.
-        self.outbox.append(&mut tx, &[event]).await?;
-        tx.commit()?;
-        Ok(Transition::Applied(id))
-    }
-
-    /// The committed order.
-    pub fn order(&self, id: &str) -> Option<Order> {
-        self.db
-            .read("orders", id)
-            .and_then(|v| serde_json::from_value(v).ok())
-    }
+    ) -> Result<Transition, StoreError>;
+    /// Number of orders whose projection row has the order's current version.
+    async fn projection_matches(&self) -> Result<usize, StoreError>;
 }
 
-/// The projection: the consumer's view of each order, written in the inbox transaction.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Projection;
-
-#[async_trait]
-impl Handler<MemoryTx> for Projection {
-    async fn handle(&self, tx: &mut MemoryTx, event: &Envelope) -> Result<(), HandlerError> {
-        let order: Order = event
-            .payload
-            .to_json()
-            .map_err(|e| HandlerError::permanent(e.to_string()))?;
-        let seen = tx
-            .get("projection", &order.id)
-            .and_then(|v| v.get("version").and_then(serde_json::Value::as_i64))
-            .unwrap_or(0);
-        // Version check: exactly the next version, else the transaction rolls back.
-        if event.aggregate_version != seen + 1 {
-            return Err(HandlerError::transient(format!(
-                "order {} at version {seen}, event has {}",
-                order.id, event.aggregate_version
-            )));
-        }
-        tx.put(
-            "projection",
-            &order.id,
-            serde_json::json!({ "status": order.status, "version": event.aggregate_version }),
-        );
-        Ok(())
-    }
-}
-
-/// Pending events whose aggregate has no parked event: work the relay still has to do.
-fn pending_not_behind_parked(outbox: &MemoryOutboxStore) -> usize {
-    let rows = outbox.snapshot();
-    let parked: std::collections::HashSet<&str> = rows
-        .iter()
-        .filter(|r| r.status == DeliveryStatus::Parked)
-        .map(|r| r.envelope.aggregate_id.as_str())
-        .collect();
-    rows.iter()
-        .filter(|r| {
-            r.status == DeliveryStatus::Pending
-                && !parked.contains(r.envelope.aggregate_id.as_str())
-        })
-        .count()
+/// Which backends the demo uses.
+#[derive(Clone, Debug, Default)]
+pub struct DemoConfig {
+    /// Orders to place and confirm.
+    pub orders: usize,
+    /// PostgreSQL for orders, outbox and inbox (in-memory when `None`).
+    pub database_url: Option<String>,
+    /// Kafka bootstrap servers (in-memory log when `None`).
+    pub brokers: Option<String>,
+    /// Keep the PostgreSQL schema of the run for inspection (dropped by default).
+    pub keep_schema: bool,
 }
 
 /// What the demo did, for printing and for the test.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct DemoSummary {
+    /// Backends used, for the header line.
+    pub backends: String,
     /// Events appended (committed).
     pub appended: usize,
     /// Business commands rejected (nothing appended).
     pub rejected: Vec<String>,
-    /// Records the broker holds (duplicates included).
-    pub records_in_log: usize,
-    /// Distinct events in the log.
-    pub distinct_published: usize,
-    /// Events marked published in the outbox.
-    pub marked_published: usize,
-    /// Parked events with reasons.
-    pub parked: Vec<ParkedEvent>,
-    /// Events waiting behind a parked event of their aggregate.
-    pub blocked_behind_parked: u64,
-    /// Age of the oldest unpublished event (claimable or waiting), if any.
-    pub oldest_unpublished_age: Option<Duration>,
-    /// Consumer totals.
-    pub consumer: EngineReport,
-    /// Orders whose projection matches the order service's published state.
-    pub projection_rows: usize,
+    /// Events marked published by the relay.
+    pub marked_published: u64,
+    /// Publication attempts that failed transiently and were retried with backoff.
+    pub retried: u64,
     /// Relay cycles run.
     pub relay_cycles: u64,
-    /// Publication attempts that failed transiently and were scheduled for retry.
-    pub retried: u64,
+    /// Parked events with reasons.
+    pub parked: Vec<ParkedEvent>,
+    /// Events not published (waiting, in flight, or behind a parked event of their aggregate).
+    pub unpublished: u64,
+    /// Age of the oldest unpublished event.
+    pub oldest_unpublished_age: Option<Duration>,
     /// Age of the oldest parked event.
     pub oldest_parked_age: Option<Duration>,
+    /// Consumer totals.
+    pub consumer: EngineReport,
+    /// Orders whose projection matches the order's current version.
+    pub projection_rows: usize,
 }
 
-/// Runs the in-memory demo.
-pub async fn run_memory_demo(orders: usize) -> anyhow::Result<DemoSummary> {
-    let db = MemoryDb::new(SystemClock);
-    let outbox = MemoryOutboxStore::new(&db, ClaimMode::lease(Duration::from_secs(30))?);
-    // A broker that takes records up to 2 KiB, like a topic with a small max.message.bytes.
-    let log = MemoryLog::builder()
-        .topic(TOPIC, 3)
-        .default_topic(TOPIC)
-        .max_record_bytes(2048)
-        .delivery_timeout(Duration::from_secs(5))
-        .build();
-    let service = MemoryOrderService::new(db.clone(), outbox.clone());
+/// Runs the demo on the backends `config` names.
+pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
+    anyhow::ensure!(config.orders >= 1, "at least one order");
+    match (&config.database_url, &config.brokers) {
+        (None, None) => {
+            let m = memory::MemoryBackend::new()?;
+            let (log, source) = m.log_and_source();
+            drive(
+                "in-memory store, in-memory log",
+                config,
+                &m.service,
+                m.store.clone(),
+                log,
+                m.inbox.clone(),
+                (source, Arc::default()),
+                memory::Projection,
+            )
+            .await
+        }
+        (None, Some(brokers)) => {
+            let m = memory::MemoryBackend::new()?;
+            let k = kafka::KafkaBackend::start(brokers).await?;
+            drive(
+                "in-memory store, Kafka",
+                config,
+                &m.service,
+                m.store.clone(),
+                k.publisher,
+                m.inbox.clone(),
+                (k.source, k.tracker),
+                memory::Projection,
+            )
+            .await
+        }
+        (Some(url), None) => {
+            let p = postgres::PostgresBackend::connect(url).await?;
+            let m = memory::MemoryBackend::new()?;
+            let (log, source) = m.log_and_source();
+            let summary = drive(
+                "PostgreSQL, in-memory log",
+                config,
+                &p.service,
+                p.store.clone(),
+                log,
+                p.inbox.clone(),
+                (source, Arc::default()),
+                postgres::Projection::new(&p.schema),
+            )
+            .await;
+            finish_postgres(&p, config, summary).await
+        }
+        (Some(url), Some(brokers)) => {
+            let p = postgres::PostgresBackend::connect(url).await?;
+            let k = kafka::KafkaBackend::start(brokers).await?;
+            let summary = drive(
+                "PostgreSQL, Kafka",
+                config,
+                &p.service,
+                p.store.clone(),
+                k.publisher,
+                p.inbox.clone(),
+                (k.source, k.tracker),
+                postgres::Projection::new(&p.schema),
+            )
+            .await;
+            finish_postgres(&p, config, summary).await
+        }
+    }
+}
 
+/// Drops the run's schema unless asked to keep it.
+async fn finish_postgres(
+    p: &postgres::PostgresBackend,
+    config: &DemoConfig,
+    summary: anyhow::Result<DemoSummary>,
+) -> anyhow::Result<DemoSummary> {
+    if config.keep_schema {
+        eprintln!("kept PostgreSQL schema {}", p.schema);
+    } else {
+        p.drop_schema().await?;
+    }
+    summary
+}
+
+/// The pipeline, generic over every backend.
+#[allow(clippy::too_many_arguments)]
+async fn drive<Svc, S, P, I, Src, H>(
+    backends: &str,
+    config: &DemoConfig,
+    service: &Svc,
+    store: S,
+    publisher: P,
+    inbox: I,
+    source: (Src, Arc<Mutex<OffsetTracker>>),
+    handler: H,
+) -> anyhow::Result<DemoSummary>
+where
+    Svc: OrderService,
+    S: OutboxStore + Clone + 'static,
+    P: Publisher + 'static,
+    I: InboxStore,
+    Src: MessageSource,
+    H: Handler<I::Tx>,
+{
+    let (source, tracker) = source;
     // 1. Business transactions.
     let mut appended = 0;
     let mut rejected = vec![];
@@ -233,6 +226,7 @@ pub async fn run_memory_demo(orders: usize) -> anyhow::Result<DemoSummary> {
         Transition::Applied(_) => appended += 1,
         Transition::Rejected(why) => rejected.push(why),
     };
+    let orders = config.orders;
     for i in 0..orders {
         count(
             service
@@ -240,17 +234,17 @@ pub async fn run_memory_demo(orders: usize) -> anyhow::Result<DemoSummary> {
                 .await?,
         );
     }
-    // The poison: a note so large the broker will refuse the record (permanent error).
-    count(service.place("order-big", &"x".repeat(4096)).await?);
+    // The poison: a note so large the broker refuses the record (a permanent error).
+    count(
+        service
+            .place("order-big", &"x".repeat(MAX_RECORD_BYTES * 2))
+            .await?,
+    );
     for i in 0..orders {
+        let id = format!("order-{i:03}");
         count(
             service
-                .transition(
-                    &format!("order-{i:03}"),
-                    "pending",
-                    "confirmed",
-                    "order.confirmed",
-                )
+                .transition(&id, "pending", "confirmed", "order.confirmed")
                 .await?,
         );
     }
@@ -260,20 +254,17 @@ pub async fn run_memory_demo(orders: usize) -> anyhow::Result<DemoSummary> {
             .transition("order-000", "pending", "confirmed", "order.confirmed")
             .await?,
     );
-    // order-big/2 is appended but must wait behind its parked head.
+    // order-big's confirmation is appended but waits behind its parked head.
     count(
         service
             .transition("order-big", "pending", "confirmed", "order.confirmed")
             .await?,
     );
 
-    // 2. Broker trouble: three transient failures, and two acks lost after the broker stored
-    //    the records (they will be published twice).
-    log.fail_next(3, PublishErrorKind::BrokerUnavailable);
-    log.lose_ack_next(2);
-
-    // 3. The relay drains the outbox.
-    let config = RelayConfig::builder()
+    // 2. The relay, through a broker that fails three times and loses two acknowledgements
+    //    after storing the records (those events are published twice).
+    let publisher = faults::Flaky::new(publisher, 3, 2);
+    let relay_config = RelayConfig::builder()
         .owner("demo-relay")
         .batch_size(16)
         .retry(
@@ -287,111 +278,83 @@ pub async fn run_memory_demo(orders: usize) -> anyhow::Result<DemoSummary> {
         .idle(Duration::from_millis(2), Duration::from_millis(20))
         .build()?;
     let mut relay = Relay::new(
-        outbox.clone(),
-        log.clone(),
-        config,
+        store.clone(),
+        publisher,
+        relay_config,
         Arc::new(SystemClock),
         Box::new(StdRng::seed_from_u64(42)),
     )?;
-    let mut relay_cycles = 0u64;
-    let mut retried = 0u64;
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
+    let (mut relay_cycles, mut retried, mut marked_published) = (0u64, 0u64, 0u64);
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    // Expected: everything except order-big's two events.
+    let expected = (2 * orders) as u64;
+    while marked_published < expected {
         let cycle = relay.run_once().await?;
         relay_cycles += 1;
         retried += cycle.retried as u64;
-        if cycle.is_idle() && pending_not_behind_parked(&outbox) == 0 {
-            // Only what waits behind a parked head is left.
-            break;
-        }
+        marked_published += cycle.published as u64;
         if cycle.is_idle() {
             tokio::time::sleep(relay.idle_delay()).await;
         }
         anyhow::ensure!(
             std::time::Instant::now() < deadline,
-            "relay did not drain in 20 s"
+            "relay did not drain within 60 s ({marked_published} of {expected} published)"
         );
     }
 
-    // 4. The projection consumer applies everything once.
-    let inbox = MemoryInboxStore::new(&db);
-    let source = log.consumer(CONSUMER, &[TOPIC]);
+    // 3. The projection consumer applies everything once.
     let mut engine = ConsumerEngine::new(
         source,
-        InboxProcessor::new(CONSUMER, inbox, Projection),
-        EngineConfig::default().with_poll_timeout(Duration::from_millis(5)),
+        InboxProcessor::new(CONSUMER, inbox, handler),
+        EngineConfig::default().with_poll_timeout(Duration::from_millis(20)),
         7,
-    )?;
-    let consumer = engine.run_until_quiet(Duration::from_millis(100)).await?;
+    )?
+    .with_offset_tracker(tracker);
+    let consumer = engine.run_until_quiet(Duration::from_secs(2)).await?;
 
-    // 5. Summary.
-    let records = log.all_records();
-    let distinct: std::collections::HashSet<_> = records
-        .iter()
-        .filter_map(|r| r.decode().ok().map(|e| e.event_id))
-        .collect();
-    let stats = outbox.stats().await?;
-    let snapshot = outbox.snapshot();
-    let marked_published = snapshot
-        .iter()
-        .filter(|r| r.status == DeliveryStatus::Published)
-        .count();
-    let parked = outbox.list_parked(100).await?;
-    let blocked = stats.unpublished;
-    let projection = db.scan("projection");
-    let projection_rows = projection
-        .iter()
-        .filter(|(id, row)| {
-            let published_version = snapshot
-                .iter()
-                .filter(|r| {
-                    r.status == DeliveryStatus::Published && r.envelope.aggregate_id == **id
-                })
-                .map(|r| r.envelope.aggregate_version)
-                .max();
-            row.get("version").and_then(serde_json::Value::as_i64) == published_version
-        })
-        .count();
+    // 4. Summary.
+    let stats = store.stats().await?;
+    let parked = store.list_parked(100).await?;
+    let projection_rows = service.projection_matches().await?;
     Ok(DemoSummary {
+        backends: backends.to_owned(),
         appended,
         rejected,
-        records_in_log: records.len(),
-        distinct_published: distinct.len(),
         marked_published,
+        retried,
+        relay_cycles,
         parked,
-        blocked_behind_parked: blocked,
+        unpublished: stats.unpublished,
         oldest_unpublished_age: stats.oldest_unpublished_age,
+        oldest_parked_age: stats.oldest_parked_age,
         consumer,
         projection_rows,
-        relay_cycles,
-        retried,
-        oldest_parked_age: stats.oldest_parked_age,
     })
+}
+
+/// Creation time for events: the system clock.
+pub(crate) fn now() -> chrono::DateTime<chrono::Utc> {
+    SystemClock.now()
 }
 
 impl std::fmt::Display for DemoSummary {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(f, "outbox demo (in-memory backends)")?;
+        let age = |a: Option<Duration>| {
+            a.map_or("none".to_string(), |d| format!("{:.3} s", d.as_secs_f64()))
+        };
+        writeln!(f, "outbox demo ({})", self.backends)?;
         writeln!(
             f,
-            "  events appended (committed with their state change): {}",
+            "  appended: {} events, each committed with its state change",
             self.appended
         )?;
         for r in &self.rejected {
-            writeln!(f, "  rejected transition, nothing appended: {r}")?;
+            writeln!(f, "  rejected, nothing appended: {r}")?;
         }
         writeln!(
             f,
-            "  published: {} events marked published, {} records in the log ({} distinct; {} duplicates from lost acks)",
-            self.marked_published,
-            self.records_in_log,
-            self.distinct_published,
-            self.records_in_log - self.distinct_published
-        )?;
-        writeln!(
-            f,
-            "  relay: {} cycles, {} transient failures retried with backoff",
-            self.relay_cycles, self.retried
+            "  relay: {} events published in {} cycles; {} transient failures retried with backoff",
+            self.marked_published, self.relay_cycles, self.retried
         )?;
         for p in &self.parked {
             writeln!(
@@ -408,29 +371,23 @@ impl std::fmt::Display for DemoSummary {
         }
         writeln!(
             f,
-            "  waiting behind a parked event of their aggregate: {}",
-            self.blocked_behind_parked
+            "  unpublished: {} (waiting behind the parked event of their aggregate)",
+            self.unpublished
         )?;
-        let age = |a: Option<Duration>| {
-            a.map_or("none".to_string(), |d| format!("{:.3} s", d.as_secs_f64()))
-        };
         writeln!(
             f,
-            "  oldest unpublished age: {} (oldest parked: {})",
+            "  oldest unpublished age: {}; oldest parked age: {}",
             age(self.oldest_unpublished_age),
             age(self.oldest_parked_age)
         )?;
         writeln!(
             f,
             "  consumer '{CONSUMER}': {} received, {} applied, {} duplicates absorbed, {} offset commits",
-            self.consumer.received,
-            self.consumer.applied,
-            self.consumer.duplicates,
-            self.consumer.commits
+            self.consumer.received, self.consumer.applied, self.consumer.duplicates, self.consumer.commits
         )?;
         write!(
             f,
-            "  projection rows matching the published state: {}",
+            "  projection rows equal to the order's current version: {}",
             self.projection_rows
         )
     }

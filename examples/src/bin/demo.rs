@@ -1,7 +1,9 @@
-//! The outbox demo. Runs the whole pipeline in one process on in-memory backends:
+//! The outbox demo: order service → outbox → relay → broker → inbox → projection.
 //!
 //! ```sh
-//! cargo run -p outbox-examples --bin demo
+//! cargo run -p outbox-examples --bin demo                       # in-memory, no services
+//! cargo run -p outbox-examples --bin demo -- --database-url postgres://postgres@127.0.0.1/postgres
+//! cargo run -p outbox-examples --bin demo -- --brokers 127.0.0.1:9092
 //! ```
 
 use clap::Parser;
@@ -13,8 +15,19 @@ struct Args {
     /// Number of orders to place and confirm.
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u16).range(1..=10_000))]
     orders: u16,
-    /// Log level filter (e.g. `info`, `outbox_core=debug`). Relay warnings show retries.
-    #[arg(long, env = "RUST_LOG", default_value = "warn")]
+    /// PostgreSQL for orders, outbox and inbox (each run gets its own schema). In-memory when
+    /// absent.
+    #[arg(long)]
+    database_url: Option<String>,
+    /// Kafka bootstrap servers to publish through (a fresh topic per run). In-memory log when
+    /// absent.
+    #[arg(long)]
+    brokers: Option<String>,
+    /// Keep the PostgreSQL schema of the run for inspection.
+    #[arg(long)]
+    keep_schema: bool,
+    /// Log filter (e.g. `info`, `outbox_core=debug`). Warnings show retries and parking.
+    #[arg(long, default_value = "warn")]
     log: String,
 }
 
@@ -27,7 +40,13 @@ async fn main() -> anyhow::Result<()> {
         .without_time()
         .compact()
         .init();
-    let summary = outbox_examples::run_memory_demo(args.orders as usize).await?;
+    let config = outbox_examples::DemoConfig {
+        orders: usize::from(args.orders),
+        database_url: args.database_url,
+        brokers: args.brokers,
+        keep_schema: args.keep_schema,
+    };
+    let summary = outbox_examples::run_demo(&config).await?;
     println!("{summary}");
     Ok(())
 }

@@ -1,0 +1,75 @@
+//! The demo through Kafka: a fresh topic and consumer group per run.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outbox_core::watermark::OffsetTracker;
+
+use outbox_kafka::{KafkaPublisher, KafkaSource};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::ClientConfig;
+
+use crate::{CONSUMER, MAX_RECORD_BYTES};
+
+/// Kafka backends of one demo run.
+pub struct KafkaBackend {
+    /// The topic of this run.
+    pub topic: String,
+    /// The publisher.
+    pub publisher: KafkaPublisher,
+    /// The projection's source.
+    pub source: KafkaSource,
+    /// Offsets the engine finished, shared with the source for commits on revoke.
+    pub tracker: Arc<Mutex<OffsetTracker>>,
+}
+
+impl std::fmt::Debug for KafkaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaBackend")
+            .field("topic", &self.topic)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaBackend {
+    /// Creates a topic `outbox-demo-<random>` with 3 partitions and starts the publisher and the
+    /// source.
+    pub async fn start(brokers: &str) -> anyhow::Result<Self> {
+        let topic = format!(
+            "outbox-demo-{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .create()?;
+        let results = admin
+            .create_topics(
+                [&NewTopic::new(&topic, 3, TopicReplication::Fixed(1))],
+                &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
+            )
+            .await?;
+        for r in results {
+            r.map_err(|(t, code)| anyhow::anyhow!("cannot create topic {t}: {code}"))?;
+        }
+        let publisher = KafkaPublisher::builder(brokers, &topic)
+            .delivery_timeout(Duration::from_secs(10))
+            // The producer refuses records above this size: the poison order is permanent.
+            .set("message.max.bytes", MAX_RECORD_BYTES.to_string())
+            .start()
+            .await
+            .map_err(|e| anyhow::anyhow!("Kafka publisher: {e}"))?;
+        let tracker: Arc<Mutex<OffsetTracker>> = Arc::default();
+        let source = KafkaSource::builder(brokers, format!("{CONSUMER}-{topic}"))
+            .topic(&topic)
+            .session_timeout(Duration::from_secs(6))
+            .offset_tracker(tracker.clone())
+            .build()?;
+        Ok(Self {
+            topic,
+            publisher,
+            source,
+            tracker,
+        })
+    }
+}

@@ -1,0 +1,236 @@
+//! The demo on PostgreSQL: orders, outbox and inbox in one database, each run in its own schema.
+
+use std::time::Duration;
+
+use outbox_core::{async_trait, ClaimMode, Envelope, StoreError};
+use outbox_inbox::{Handler, HandlerError};
+use outbox_postgres::{map_sqlx_error, PostgresInboxStore, PostgresOutboxStore};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{PgPool, Postgres, Row, Transaction};
+
+use crate::{Order, OrderService, Transition};
+
+/// PostgreSQL backends of one demo run.
+#[derive(Debug, Clone)]
+pub struct PostgresBackend {
+    /// The pool.
+    pub pool: PgPool,
+    /// The schema of this run (`outbox_demo_<random>`).
+    pub schema: String,
+    /// The outbox.
+    pub store: PostgresOutboxStore,
+    /// The inbox.
+    pub inbox: PostgresInboxStore,
+    /// The order service.
+    pub service: PostgresOrderService,
+}
+
+impl PostgresBackend {
+    /// Connects, creates a fresh schema with the order, projection, outbox and inbox tables.
+    pub async fn connect(url: &str) -> anyhow::Result<Self> {
+        let pool = PgPoolOptions::new()
+            .max_connections(8)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect(url)
+            .await
+            .map_err(|e| {
+                anyhow::anyhow!("cannot connect to PostgreSQL at the given --database-url: {e}")
+            })?;
+        let schema = format!(
+            "outbox_demo_{}",
+            &uuid::Uuid::new_v4().simple().to_string()[..8]
+        );
+        sqlx::raw_sql(&format!(
+            "CREATE SCHEMA {schema};
+             CREATE TABLE {schema}.orders (id text PRIMARY KEY, status text NOT NULL, version bigint NOT NULL, note text NOT NULL);
+             CREATE TABLE {schema}.projection (id text PRIMARY KEY, status text NOT NULL, version bigint NOT NULL);"
+        ))
+        .execute(&pool)
+        .await?;
+        let store = PostgresOutboxStore::builder(pool.clone())
+            .schema(schema.clone())
+            .claim_mode(ClaimMode::lease(Duration::from_secs(60))?)
+            .build()?;
+        store.migrate().await?;
+        let inbox = PostgresInboxStore::builder(pool.clone())
+            .schema(schema.clone())
+            .build()?;
+        inbox.migrate().await?;
+        let service = PostgresOrderService {
+            pool: pool.clone(),
+            outbox: store.clone(),
+            schema: schema.clone(),
+        };
+        Ok(Self {
+            pool,
+            schema,
+            store,
+            inbox,
+            service,
+        })
+    }
+
+    /// Drops this run's schema.
+    pub async fn drop_schema(&self) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(&format!("DROP SCHEMA {} CASCADE", self.schema))
+            .execute(&self.pool)
+            .await
+            .map(|_| ())
+    }
+}
+
+/// The order service on PostgreSQL.
+#[derive(Debug, Clone)]
+pub struct PostgresOrderService {
+    pool: PgPool,
+    outbox: PostgresOutboxStore,
+    schema: String,
+}
+
+impl PostgresOrderService {
+    async fn append_and_commit(
+        &self,
+        mut tx: Transaction<'static, Postgres>,
+        order: Order,
+        event_type: &str,
+    ) -> Result<Transition, StoreError> {
+        let event = Envelope::builder("order", &order.id, order.version, event_type)
+            .json(&order)?
+            .created_at(crate::now())
+            .build()?;
+        let id = event.event_id;
+        // Same transaction as the state change; no broker call in here.
+        self.outbox.append(&mut *tx, &event).await?;
+        tx.commit().await.map_err(map_sqlx_error)?;
+        Ok(Transition::Applied(id))
+    }
+}
+
+#[async_trait]
+impl OrderService for PostgresOrderService {
+    async fn place(&self, id: &str, note: &str) -> Result<Transition, StoreError> {
+        let mut tx = self.pool.begin().await.map_err(map_sqlx_error)?;
+        let inserted = sqlx::query(&format!(
+            "INSERT INTO {}.orders (id, status, version, note) VALUES ($1, 'pending', 1, $2) ON CONFLICT (id) DO NOTHING",
+            self.schema
+        ))
+        .bind(id)
+        .bind(note)
+        .execute(&mut *tx)
+        .await
+        .map_err(map_sqlx_error)?
+        .rows_affected();
+        if inserted != 1 {
+            return Ok(Transition::Rejected(format!("order {id} exists")));
+        }
+        let order = Order {
+            id: id.into(),
+            status: "pending".into(),
+            version: 1,
+            note: note.into(),
+        };
+        self.append_and_commit(tx, order, "order.placed").await
+    }
+
+    async fn transition(
+        &self,
+        id: &str,
+        from: &str,
+        to: &str,
+        event_type: &str,
+    ) -> Result<Transition, StoreError> {
+        let mut tx = self.pool.begin().await.map_err(map_sqlx_error)?;
+        // Conditional transition: only from `from`; the row lock serializes concurrent commands.
+        let row = sqlx::query(&format!(
+            "UPDATE {}.orders SET status = $3, version = version + 1 WHERE id = $1 AND status = $2 RETURNING version, note",
+            self.schema
+        ))
+        .bind(id)
+        .bind(from)
+        .bind(to)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(map_sqlx_error)?;
+        let Some(row) = row else {
+            // Rolled back on drop: no state change, no event.
+            return Ok(Transition::Rejected(format!("order {id} is not {from}")));
+        };
+        let order = Order {
+            id: id.into(),
+            status: to.into(),
+            version: row.get("version"),
+            note: row.get("note"),
+        };
+        self.append_and_commit(tx, order, event_type).await
+    }
+
+    async fn projection_matches(&self) -> Result<usize, StoreError> {
+        let n: i64 = sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM {s}.orders o JOIN {s}.projection p ON p.id = o.id AND p.version = o.version",
+            s = self.schema
+        ))
+        .fetch_one(&self.pool)
+        .await
+        .map_err(map_sqlx_error)?;
+        Ok(n as usize)
+    }
+}
+
+/// The projection on PostgreSQL: written in the inbox transaction, with a version check.
+#[derive(Debug, Clone)]
+pub struct Projection {
+    insert: String,
+    update: String,
+}
+
+impl Projection {
+    /// The projection in `schema`.
+    pub fn new(schema: &str) -> Self {
+        Self {
+            insert: format!(
+                "INSERT INTO {schema}.projection (id, status, version) VALUES ($1, $2, 1) ON CONFLICT (id) DO NOTHING"
+            ),
+            update: format!(
+                "UPDATE {schema}.projection SET status = $2, version = $3 WHERE id = $1 AND version = $3 - 1"
+            ),
+        }
+    }
+}
+
+#[async_trait]
+impl Handler<Transaction<'static, Postgres>> for Projection {
+    async fn handle(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        event: &Envelope,
+    ) -> Result<(), HandlerError> {
+        let order: Order = event
+            .payload
+            .to_json()
+            .map_err(|e| HandlerError::permanent(e.to_string()))?;
+        let q = if event.aggregate_version == 1 {
+            sqlx::query(&self.insert)
+                .bind(&order.id)
+                .bind(&order.status)
+        } else {
+            sqlx::query(&self.update)
+                .bind(&order.id)
+                .bind(&order.status)
+                .bind(event.aggregate_version)
+        };
+        let changed = q
+            .execute(&mut **tx)
+            .await
+            .map_err(|e| HandlerError::from(map_sqlx_error(e)))?
+            .rows_affected();
+        // The row count we expected: exactly one, else roll the whole transaction back.
+        if changed != 1 {
+            return Err(HandlerError::transient(format!(
+                "projection of {} is not at version {}",
+                order.id,
+                event.aggregate_version - 1
+            )));
+        }
+        Ok(())
+    }
+}
