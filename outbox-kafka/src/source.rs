@@ -1,19 +1,6 @@
 //! [`KafkaSource`]: the consumer side, a [`MessageSource`] with explicit offset commits.
 //!
-//! # Offsets
-//!
-//! Auto-commit and the automatic offset store are off. Offsets move only when
-//!
-//! 1. the engine calls [`MessageSource::commit`] (after the effect's transaction committed), or
-//! 2. partitions are revoked (rebalance, or the source is dropped) and a [`RevokeHook`] is
-//!    installed: the hook names the offsets that are final for the revoked partitions and they
-//!    are committed synchronously before the partitions go to another member.
-//!
-//! The usual hook is the engine's [`OffsetTracker`] behind a mutex
-//! ([`KafkaSourceBuilder::offset_tracker`]): the engine calls `begin`/`finish` as messages are
-//! handled and `take_commits` for regular commits; on revoke the source calls
-//! [`OffsetTracker::revoke`], which yields the contiguous watermark, never an offset past an
-//! unfinished message. Anything not final is delivered again to the next owner.
+//! See [`KafkaSource`] for how offsets move.
 
 use std::collections::VecDeque;
 use std::fmt;
@@ -393,7 +380,26 @@ fn to_received(msg: &BorrowedMessage<'_>) -> ReceivedMessage {
     )
 }
 
-/// The consumer source for the inbox engine. See the [module docs](self).
+/// The consumer source for the inbox engine.
+///
+/// # Offsets
+///
+/// Auto-commit and the automatic offset store are off. Offsets move only when
+///
+/// 1. the engine calls [`MessageSource::commit`] (after the effect's transaction committed;
+///    offsets of partitions this member no longer owns are skipped), or
+/// 2. partitions are revoked (rebalance, or the source is dropped) and a [`RevokeHook`] is
+///    installed: the hook names the offsets that are final for the revoked partitions and they
+///    are committed synchronously before the partitions go to another member.
+///
+/// The usual hook is the engine's [`OffsetTracker`] behind a mutex
+/// ([`KafkaSourceBuilder::offset_tracker`]): the engine calls `begin`/`finish` as messages are
+/// handled and `take_commits` for regular commits; on revoke the source calls
+/// [`OffsetTracker::revoke`], which yields the contiguous watermark, never an offset past an
+/// unfinished message. Anything not final is delivered again to the next owner.
+///
+/// The engine must keep calling [`poll`](MessageSource::poll): rebalances (and so the
+/// revoke commits) are served while polling.
 ///
 /// Dropping the source closes the consumer: its partitions are revoked (the [`RevokeHook`]
 /// commits what is final) and the group rebalances.
@@ -508,8 +514,20 @@ impl MessageSource for KafkaSource {
         let offsets = offsets.to_vec();
         // A synchronous commit waits for the coordinator: keep it off the async workers.
         tokio::task::spawn_blocking(move || {
-            let tpl = to_tpl(&offsets)?;
-            consumer.commit(&tpl, CommitMode::Sync)
+            // Offsets of partitions this member no longer owns are left out: the broker would
+            // accept them and could move the new owner's position backwards. What they cover
+            // is redelivered to the new owner, which at-least-once allows.
+            let assigned = partitions_of(&consumer.assignment()?);
+            let (mine, stale): (Vec<_>, Vec<_>) = offsets
+                .into_iter()
+                .partition(|(t, p, _)| assigned.iter().any(|(at, ap)| at == t && ap == p));
+            if !stale.is_empty() {
+                tracing::info!(offsets = ?stale, "not committing offsets of partitions no longer assigned");
+            }
+            if mine.is_empty() {
+                return Ok(());
+            }
+            consumer.commit(&to_tpl(&mine)?, CommitMode::Sync)
         })
         .await
         .map_err(|e| SourceError::new(ErrorClass::Transient, format!("commit task failed: {e}")))?

@@ -518,6 +518,19 @@ async fn source_commits_only_what_it_is_given_and_a_new_member_resumes_there() {
         .expect("commit");
     let committed = first.committed(&p0, Duration::from_secs(5)).await.unwrap();
     assert_eq!(committed[0].2, Some(next));
+    // An offset of a partition this member does not own is not committed (it could move
+    // another member's position).
+    first
+        .commit(&[(topic.clone(), 7, 3)])
+        .await
+        .expect("skipped, not an error");
+    let other = first
+        .committed(&[(topic.clone(), 7)], Duration::from_secs(5))
+        .await;
+    assert!(
+        matches!(other.as_deref(), Ok([(_, 7, None)]) | Err(_)),
+        "{other:?}"
+    );
     first.close().await;
 
     // A new member of the group starts at the committed offset: 5..8 come again.
