@@ -70,6 +70,7 @@ pub mod fault;
 pub mod inbox;
 pub mod log;
 pub mod outbox;
+pub mod sim;
 
 pub use clock::ManualClock;
 pub use db::{MemoryDb, MemoryTx, TxCounters};

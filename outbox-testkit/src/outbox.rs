@@ -552,8 +552,9 @@ impl OutboxStore for MemoryOutboxStore {
         let mut copy = row.envelope.clone();
         let old_seq = row.seq;
         out.close(old_seq);
-        // Deterministic: derived from the sequence number, unique within this database.
-        let mut salt = new_seq;
+        // Deterministic: derived from the sequence number, in a namespace (top bit set) that
+        // test code numbering its own ids from 0 never reaches; unique within this database.
+        let mut salt = (1 << 63) | new_seq;
         let new_id = loop {
             let id = crate::deterministic_event_id(now, salt);
             if !out.contains_event(id) && id != event_id {
