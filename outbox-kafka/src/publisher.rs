@@ -325,8 +325,7 @@ type Producer_ = FutureProducer<TracingContext>;
 /// * If enqueueing an event fails, later events of the same aggregate in the batch are not sent
 ///   (they fail transiently), so a later version never overtakes an earlier one.
 /// * [`publish`](Publisher::publish) returns within
-///   [`delivery_timeout`](Publisher::delivery_timeout) + [`REPORT_GRACE`] of enqueueing
-///   the last record.
+///   [`delivery_timeout`](Publisher::delivery_timeout) + [`REPORT_GRACE`] of its start.
 /// * A fatal producer error (the idempotent producer lost its guarantees) fails the affected
 ///   records transiently and the producer is replaced before the next batch.
 pub struct KafkaPublisher {
@@ -635,9 +634,11 @@ enum Slot<'a> {
 impl Publisher for KafkaPublisher {
     async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
         let (generation, producer) = self.current_producer();
-        let enqueue_deadline = Instant::now() + self.delivery_timeout;
+        let started = Instant::now();
+        let enqueue_deadline = started + self.delivery_timeout;
         let mut failed_aggregates: HashSet<&str> = HashSet::new();
         let mut slots: Vec<Slot<'_>> = Vec::with_capacity(batch.len());
+        let mut queue_was_full = false;
 
         for e in batch {
             if failed_aggregates.contains(e.aggregate_id.as_str()) {
@@ -668,6 +669,12 @@ impl Publisher for KafkaPublisher {
                         if Instant::now() < enqueue_deadline =>
                     {
                         // The producer's own thread serves delivery reports, which frees space.
+                        if !queue_was_full {
+                            queue_was_full = true;
+                            tracing::debug!(
+                                "librdkafka's local queue is full; waiting to enqueue the rest"
+                            );
+                        }
                         record = back;
                         tokio::time::sleep(QUEUE_FULL_PAUSE).await;
                     }
@@ -681,9 +688,12 @@ impl Publisher for KafkaPublisher {
             slots.push(slot);
         }
 
-        // librdkafka reports every enqueued record within message.timeout.ms; the grace only
-        // guards against a report that never comes (a bug would otherwise hang the relay).
-        let report_deadline = Instant::now() + self.delivery_timeout + REPORT_GRACE;
+        // librdkafka reports every enqueued record within message.timeout.ms of enqueueing it.
+        // The relay needs publish() to end within delivery_timeout (+ grace) of its start, to
+        // stay inside its lease: a record enqueued late (after a full queue) that has no report
+        // by then is a transient timeout. If it is stored after all, that is a duplicate, which
+        // at-least-once allows; it is never reported published without its report.
+        let report_deadline = started + self.delivery_timeout + REPORT_GRACE;
         let results: Vec<PublishResult> = join_all(slots.into_iter().map(|slot| async move {
             match slot {
                 Slot::Done(result) => result,

@@ -148,6 +148,35 @@ async fn events_are_routed_by_type_with_a_default_topic() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_local_queue_is_waited_out_not_reported() {
+    let brokers = require!(brokers("queue_full"));
+    let topic = unique("queue-full");
+    create_topic(&brokers, &topic, 1, &[]).await;
+    // librdkafka's queue holds 5 records; the batch has 300.
+    let publisher = KafkaPublisher::builder(&brokers, &topic)
+        .set("queue.buffering.max.messages", "5")
+        .delivery_timeout(Duration::from_secs(20))
+        .start()
+        .await
+        .unwrap();
+    let batch: Vec<Envelope> = (0..300)
+        .map(|i| event(&format!("q-{}", i % 7), i + 1))
+        .collect();
+    let results = publisher.publish(&batch).await;
+    assert_eq!(
+        oks(&results),
+        300,
+        "{:?}",
+        results.iter().find(|r| r.is_err())
+    );
+    let offsets: Vec<i64> = results.iter().map(|r| r.as_ref().unwrap().offset).collect();
+    assert!(
+        offsets.windows(2).all(|w| w[0] < w[1]),
+        "input order kept in one partition"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn missing_topic_is_a_clear_error_at_start() {
     let brokers = require!(brokers("missing_topic"));
     let present = unique("present");
