@@ -323,7 +323,10 @@ type Producer_ = FutureProducer<TracingContext>;
 ///   only from a successful delivery report, with the topic, partition and offset it reports.
 /// * While librdkafka's local queue is full, enqueueing is retried until the delivery timeout.
 /// * If enqueueing an event fails, later events of the same aggregate in the batch are not sent
-///   (they fail transiently), so a later version never overtakes an earlier one.
+///   (they fail transiently), so a later version never overtakes an earlier one. An event that
+///   fails only in its delivery report cannot hold back the ones already sent after it; the
+///   relay never puts two events of one aggregate in a batch (it claims aggregate heads), and
+///   direct users who do should expect that case.
 /// * [`publish`](Publisher::publish) returns within
 ///   [`delivery_timeout`](Publisher::delivery_timeout) + [`REPORT_GRACE`] of its start.
 /// * A fatal producer error (the idempotent producer lost its guarantees) fails the affected
