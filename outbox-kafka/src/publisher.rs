@@ -829,6 +829,28 @@ mod tests {
         assert!(!shown.contains("hunter2-very-secret"), "{shown}");
     }
 
+    #[tokio::test]
+    async fn unreachable_broker_is_a_transient_start_error_within_the_metadata_timeout() {
+        let started = std::time::Instant::now();
+        let err = builder()
+            .metadata_timeout(Duration::from_millis(500))
+            .set("log_level", "0")
+            .start()
+            .await
+            .unwrap_err();
+        match &err {
+            StartError::Topics(e @ TopicCheckError::Unreachable { .. }) => {
+                assert!(e.is_transient())
+            }
+            other => panic!("{other}"),
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
     #[test]
     fn partition_growth_seen_in_delivery_reports_is_recorded() {
         let p = builder().expect_partitions("orders", 2).build().unwrap();

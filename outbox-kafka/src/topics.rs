@@ -312,6 +312,28 @@ mod tests {
         assert!(!CleanupPolicy::Unavailable("x".into()).is_compacted());
     }
 
+    /// The degraded mode: a broker that cannot describe topic configs (here: none answers at
+    /// all) yields `Unavailable` with the reason for every topic, never an error.
+    #[tokio::test]
+    async fn cleanup_policy_degrades_when_configs_cannot_be_described() {
+        let admin: Admin = Arc::new(
+            rdkafka::ClientConfig::new()
+                .set("bootstrap.servers", "127.0.0.1:1")
+                .set("log_level", "0")
+                .create()
+                .unwrap(),
+        );
+        let topics = vec!["a".to_string(), "b".to_string()];
+        let policies = describe_cleanup_policies(&admin, &topics, Duration::from_millis(300)).await;
+        assert_eq!(policies.len(), 2);
+        for (topic, policy) in policies {
+            match policy {
+                CleanupPolicy::Unavailable(reason) => assert!(!reason.is_empty(), "{topic}"),
+                other => panic!("{topic}: {other:?}"),
+            }
+        }
+    }
+
     #[test]
     fn missing_topics_are_a_permanent_clear_error() {
         let e = TopicCheckError::Missing {
