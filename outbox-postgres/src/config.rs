@@ -1,0 +1,71 @@
+//! Configuration of the stores: names, claim mode, wake-up channel, backpressure hook.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::{ClaimMode, Envelope, EnvelopeLimits, StoreError};
+
+/// Default schema of the outbox and inbox tables.
+pub const DEFAULT_SCHEMA: &str = "outbox";
+/// Default outbox table name.
+pub const DEFAULT_OUTBOX_TABLE: &str = "outbox_events";
+/// Default inbox table name.
+pub const DEFAULT_INBOX_TABLE: &str = "processed_events";
+
+/// The one place where an append can be refused before anything is written (backpressure).
+///
+/// Called by [`crate::PostgresOutboxStore::append_many`] with the events about to be written,
+/// after validation and before the INSERT. Return a `Backpressure` error
+/// (`StoreError::new(StoreErrorKind::Backpressure, ..)`, transient) to refuse. The check is
+/// synchronous on purpose: it runs inside the caller's business transaction and must not add a
+/// round trip; feed it from a periodic [`outbox_core::OutboxStore::stats`] reading (an atomic
+/// backlog gauge) and decide there, e.g. "refuse non-critical events above N".
+pub trait AppendGuard: Send + Sync + std::fmt::Debug {
+    /// `Ok(())` lets the append go ahead.
+    fn check(&self, events: &[Envelope]) -> Result<(), StoreError>;
+}
+
+/// Settings of a [`crate::PostgresOutboxStore`], built by
+/// [`crate::PostgresOutboxStoreBuilder`].
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct OutboxSettings {
+    /// Schema. Default [`DEFAULT_SCHEMA`].
+    pub schema: String,
+    /// Outbox table; the audit and archive tables are `<table>_audit` and `<table>_archive`.
+    /// Default [`DEFAULT_OUTBOX_TABLE`].
+    pub table: String,
+    /// Claim mode. Default: a 30 s lease.
+    pub claim_mode: ClaimMode,
+    /// `NOTIFY` channel raised by every append (delivered at commit). Default
+    /// `<schema>_<table>`; `None` turns notifications off.
+    pub notify_channel: Option<String>,
+    /// Cleanup copies rows into `<table>_archive` before deleting them. Default `false`.
+    pub archive: bool,
+    /// Envelope limits checked on append. Default [`EnvelopeLimits::default`].
+    pub limits: EnvelopeLimits,
+    /// For [`ClaimMode::LockedTransaction`]: the server ends a claim transaction that stays
+    /// idle longer than this (`idle_in_transaction_session_timeout`), releasing its locks if a
+    /// relay hangs or leaks its claim. Default 5 minutes; must exceed the publisher's delivery
+    /// timeout.
+    pub locked_max_hold: Duration,
+    /// Backpressure hook, see [`AppendGuard`]. Default none.
+    pub append_guard: Option<Arc<dyn AppendGuard>>,
+}
+
+impl Default for OutboxSettings {
+    fn default() -> Self {
+        Self {
+            schema: DEFAULT_SCHEMA.to_owned(),
+            table: DEFAULT_OUTBOX_TABLE.to_owned(),
+            claim_mode: ClaimMode::Lease {
+                duration: Duration::from_secs(30),
+            },
+            notify_channel: Some(format!("{DEFAULT_SCHEMA}_{DEFAULT_OUTBOX_TABLE}")),
+            archive: false,
+            limits: EnvelopeLimits::default(),
+            locked_max_hold: Duration::from_secs(300),
+            append_guard: None,
+        }
+    }
+}

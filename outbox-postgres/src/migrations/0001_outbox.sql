@@ -1,0 +1,89 @@
+-- outbox-postgres migration 1: the outbox table, its audit trail and its archive.
+CREATE SCHEMA IF NOT EXISTS "__SCHEMA__";
+
+CREATE TABLE IF NOT EXISTS "__SCHEMA__"."__TABLE__" (
+    -- Insertion order: "oldest first" and the tie-breaker inside one aggregate version.
+    id                 bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+
+    -- Envelope: the contract with consumers.
+    event_id           uuid        NOT NULL,
+    aggregate_type     text        NOT NULL,
+    aggregate_id       text        NOT NULL,
+    aggregate_version  bigint      NOT NULL CHECK (aggregate_version >= 1),
+    event_type         text        NOT NULL,
+    schema_version     integer     NOT NULL CHECK (schema_version >= 1),
+    content_type       text        NOT NULL,
+    payload            bytea       NOT NULL,
+    headers            jsonb       NOT NULL DEFAULT '{}'::jsonb,
+    created_at         timestamptz NOT NULL,
+
+    -- Delivery state: relay mechanics, never published.
+    status             text        NOT NULL DEFAULT 'pending'
+                       CHECK (status IN ('pending', 'published', 'parked', 'discarded')),
+    -- true: a lower version of the aggregate is unfinished, so this row is not a claim
+    -- candidate (kept out of the claim index). Maintained under per-aggregate advisory locks.
+    blocked            boolean     NOT NULL DEFAULT false,
+    attempts           integer     NOT NULL DEFAULT 0,
+    next_attempt_at    timestamptz NOT NULL DEFAULT '-infinity',
+    lease_owner        text,
+    lease_token        uuid,
+    lease_until        timestamptz,
+    last_error_class   text,
+    last_error_kind    text,
+    last_error_message text,
+    park_kind          text,
+    parked_at          timestamptz,
+    published_at       timestamptz,
+    ack_topic          text,
+    ack_partition      integer,
+    ack_offset         bigint,
+    discard_reason     text,
+    -- published_at or the discard time: what retention is measured from.
+    finished_at        timestamptz,
+    inserted_at        timestamptz NOT NULL DEFAULT now(),
+
+    CONSTRAINT "__TABLE___event_id_key" UNIQUE (event_id),
+    CONSTRAINT "__TABLE___published_has_ack" CHECK (
+        status <> 'published'
+        OR (published_at IS NOT NULL AND ack_topic IS NOT NULL
+            AND ack_partition IS NOT NULL AND ack_offset IS NOT NULL)
+    )
+) WITH (fillfactor = 80);
+
+-- Claim candidates only: pending rows that are not blocked behind a lower version. Published,
+-- parked, discarded and blocked rows are not in it, so the claim scan never walks the backlog.
+CREATE INDEX IF NOT EXISTS "__TABLE___claim_idx"
+    ON "__SCHEMA__"."__TABLE__" (id)
+    WHERE status = 'pending' AND NOT blocked;
+
+-- Unfinished rows per aggregate: finds an aggregate's head (lowest unfinished version) and
+-- its live lease with a short index range, whatever the aggregate's depth.
+CREATE INDEX IF NOT EXISTS "__TABLE___aggregate_idx"
+    ON "__SCHEMA__"."__TABLE__" (aggregate_type, aggregate_id, blocked, aggregate_version, id)
+    WHERE status IN ('pending', 'parked');
+
+CREATE INDEX IF NOT EXISTS "__TABLE___parked_idx"
+    ON "__SCHEMA__"."__TABLE__" (parked_at, id)
+    WHERE status = 'parked';
+
+CREATE INDEX IF NOT EXISTS "__TABLE___finished_idx"
+    ON "__SCHEMA__"."__TABLE__" (finished_at)
+    WHERE status IN ('published', 'discarded');
+
+-- Operator actions on parked events.
+CREATE TABLE IF NOT EXISTS "__SCHEMA__"."__TABLE___audit" (
+    id           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    event_id     uuid        NOT NULL,
+    action       text        NOT NULL CHECK (action IN ('retry', 'discard', 'reissue')),
+    actor        text        NOT NULL,
+    reason       text        NOT NULL,
+    new_event_id uuid,
+    at           timestamptz NOT NULL DEFAULT clock_timestamp()
+);
+
+CREATE INDEX IF NOT EXISTS "__TABLE___audit_event_idx"
+    ON "__SCHEMA__"."__TABLE___audit" (event_id, id);
+
+-- Optional destination of cleanup (same columns, no constraints).
+CREATE TABLE IF NOT EXISTS "__SCHEMA__"."__TABLE___archive"
+    (LIKE "__SCHEMA__"."__TABLE__" INCLUDING DEFAULTS);

@@ -1,0 +1,1022 @@
+//! [`PostgresOutboxStore`]: the outbox on PostgreSQL.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use sqlx::postgres::PgRow;
+use sqlx::{Executor, PgConnection, PgPool, Postgres, Row, Transaction};
+use tracing::warn;
+use uuid::Uuid;
+
+use outbox_core::{
+    async_trait, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, ClaimedRecord,
+    CleanupReport, CompletionReport, Envelope, EnvelopeLimits, ErrorClass, EventId, LastError,
+    OperatorAction, OutboxStats, OutboxStore, Outcome, ParkKind, ParkReason, ParkedEvent, Payload,
+    StoreError, StoreErrorKind,
+};
+
+use crate::config::{AppendGuard, OutboxSettings};
+use crate::error::{config, db};
+use crate::schema::{self, validate_identifier, MAX_IDENTIFIER_LEN, MAX_TABLE_NAME_LEN};
+use crate::sql::OutboxSql;
+
+/// The outbox on PostgreSQL. Cheap to clone (shared state behind an `Arc`).
+///
+/// * `append` joins the caller's transaction: `Tx = PgConnection`, so pass `&mut *tx` of your
+///   own `sqlx::Transaction`; or use the inherent [`append`](Self::append) /
+///   [`append_many`](Self::append_many), generic over any sqlx executor.
+/// * Claims follow the configured [`ClaimMode`]; see the crate docs for the ordering mechanism.
+#[derive(Clone)]
+pub struct PostgresOutboxStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: PgPool,
+    settings: OutboxSettings,
+    sql: OutboxSql,
+    /// Open claim transactions of [`ClaimMode::LockedTransaction`], by claim token.
+    locked: Mutex<HashMap<Uuid, LockedClaim>>,
+    /// Row ids of lease claims made by this instance, by token (saves a scan on complete).
+    leased: Mutex<HashMap<Uuid, (Vec<(i64, Uuid)>, Instant)>>,
+}
+
+/// Transactions of claims and completions: custom plans (the statements take id arrays whose
+/// size a generic plan cannot know), in the same round trip as BEGIN.
+const BEGIN_CLAIM: &str = "BEGIN; SET LOCAL plan_cache_mode = force_custom_plan";
+
+struct LockedClaim {
+    tx: Transaction<'static, Postgres>,
+    /// (row id, event id) of the claimed rows.
+    rows: Vec<(i64, Uuid)>,
+}
+
+impl std::fmt::Debug for PostgresOutboxStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresOutboxStore")
+            .field("table", &self.inner.sql.table)
+            .field("claim_mode", &self.inner.settings.claim_mode)
+            .field("notify_channel", &self.inner.settings.notify_channel)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Builder of a [`PostgresOutboxStore`]; [`build`](Self::build) validates.
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct PostgresOutboxStoreBuilder {
+    pool: PgPool,
+    settings: OutboxSettings,
+    channel_set: bool,
+}
+
+impl PostgresOutboxStoreBuilder {
+    /// Schema of the tables (default `outbox`).
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.settings.schema = schema.into();
+        self
+    }
+    /// Outbox table name (default `outbox_events`, at most 40 characters).
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.settings.table = table.into();
+        self
+    }
+    /// Claim mode (default: 30 s lease).
+    pub fn claim_mode(mut self, mode: ClaimMode) -> Self {
+        self.settings.claim_mode = mode;
+        self
+    }
+    /// The `NOTIFY` channel raised by appends (default `<schema>_<table>`); `None` disables.
+    pub fn notify_channel(mut self, channel: Option<&str>) -> Self {
+        self.settings.notify_channel = channel.map(str::to_owned);
+        self.channel_set = true;
+        self
+    }
+    /// Archive rows into `<table>_archive` on cleanup (default off).
+    pub fn archive(mut self, archive: bool) -> Self {
+        self.settings.archive = archive;
+        self
+    }
+    /// Envelope limits checked on append.
+    pub fn limits(mut self, limits: EnvelopeLimits) -> Self {
+        self.settings.limits = limits;
+        self
+    }
+    /// Longest idle time of a locked claim transaction (default 5 min).
+    pub fn locked_max_hold(mut self, d: Duration) -> Self {
+        self.settings.locked_max_hold = d;
+        self
+    }
+    /// The backpressure hook, see [`AppendGuard`].
+    pub fn append_guard(mut self, guard: Arc<dyn AppendGuard>) -> Self {
+        self.settings.append_guard = Some(guard);
+        self
+    }
+
+    /// Validates names and durations. A hostile or malformed identifier is a `Configuration`
+    /// error; it never reaches SQL.
+    pub fn build(mut self) -> Result<PostgresOutboxStore, StoreError> {
+        let s = &mut self.settings;
+        validate_identifier("schema", &s.schema, MAX_IDENTIFIER_LEN)?;
+        validate_identifier("table", &s.table, MAX_TABLE_NAME_LEN)?;
+        if !self.channel_set {
+            let ch = format!("{}_{}", s.schema, s.table);
+            s.notify_channel = (ch.len() <= MAX_IDENTIFIER_LEN).then_some(ch);
+        }
+        if let Some(ch) = &s.notify_channel {
+            validate_identifier("notify channel", ch, MAX_IDENTIFIER_LEN)?;
+        }
+        match s.claim_mode {
+            ClaimMode::Lease { duration } if duration < Duration::from_millis(1) => {
+                return Err(config("lease duration must be at least 1 ms"));
+            }
+            ClaimMode::LockedTransaction if s.locked_max_hold < Duration::from_millis(10) => {
+                return Err(config("locked_max_hold must be at least 10 ms"));
+            }
+            ClaimMode::Lease { .. } | ClaimMode::LockedTransaction => {}
+            other => return Err(config(format!("unsupported claim mode {other:?}"))),
+        }
+        let sql = OutboxSql::new(&s.schema, &s.table);
+        Ok(PostgresOutboxStore {
+            inner: Arc::new(Inner {
+                pool: self.pool,
+                settings: self.settings,
+                sql,
+                locked: Mutex::new(HashMap::new()),
+                leased: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+}
+
+/// Columns of one append, as arrays for `UNNEST`.
+#[derive(Default)]
+struct AppendArrays {
+    ids: Vec<Uuid>,
+    agg_types: Vec<String>,
+    agg_ids: Vec<String>,
+    versions: Vec<i64>,
+    event_types: Vec<String>,
+    schema_versions: Vec<i32>,
+    content_types: Vec<String>,
+    payloads: Vec<Vec<u8>>,
+    headers: Vec<String>,
+    created: Vec<DateTime<Utc>>,
+}
+
+impl PostgresOutboxStore {
+    /// A builder with the defaults of [`OutboxSettings`].
+    pub fn builder(pool: PgPool) -> PostgresOutboxStoreBuilder {
+        PostgresOutboxStoreBuilder {
+            pool,
+            settings: OutboxSettings::default(),
+            channel_set: false,
+        }
+    }
+
+    /// The settings in effect.
+    pub fn settings(&self) -> &OutboxSettings {
+        &self.inner.settings
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.inner.pool
+    }
+
+    /// Applies the embedded migrations (outbox, audit and archive tables) that are missing.
+    /// Safe to call from several processes at once. Returns how many were applied.
+    pub async fn migrate(&self) -> Result<usize, StoreError> {
+        let s = &self.inner.settings;
+        schema::migrate(
+            &self.inner.pool,
+            schema::Component::Outbox,
+            &s.schema,
+            &s.table,
+        )
+        .await
+    }
+
+    /// The schema of this store as plain SQL (for your own migration tool).
+    pub fn schema_sql(&self) -> String {
+        let s = &self.inner.settings;
+        schema::outbox_schema_sql(&s.schema, &s.table).expect("names validated by build()")
+    }
+
+    /// Appends one event through any executor (`&mut *tx`, `&mut PgConnection`, `&PgPool`).
+    pub async fn append<'e, E>(&self, executor: E, event: &Envelope) -> Result<(), StoreError>
+    where
+        E: Executor<'e, Database = Postgres>,
+    {
+        self.append_many(executor, std::slice::from_ref(event))
+            .await
+    }
+
+    /// Appends many events in one statement (one round trip, `INSERT .. SELECT FROM UNNEST`).
+    ///
+    /// Validates every envelope first (a `Validation` error writes nothing), then asks the
+    /// [`AppendGuard`] (a `Backpressure` error writes nothing). A duplicate event id is a
+    /// `Constraint` error; inside a transaction, that transaction is then aborted.
+    pub async fn append_many<'e, E>(
+        &self,
+        executor: E,
+        events: &[Envelope],
+    ) -> Result<(), StoreError>
+    where
+        E: Executor<'e, Database = Postgres>,
+    {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let s = &self.inner.settings;
+        for e in events {
+            e.validate(&s.limits)?;
+        }
+        if let Some(guard) = &s.append_guard {
+            guard.check(events)?;
+        }
+        let mut a = AppendArrays::default();
+        for e in events {
+            a.ids.push(e.event_id.as_uuid());
+            a.agg_types.push(e.aggregate_type.clone());
+            a.agg_ids.push(e.aggregate_id.clone());
+            a.versions.push(e.aggregate_version);
+            a.event_types.push(e.event_type.clone());
+            a.schema_versions.push(e.schema_version);
+            a.content_types.push(e.payload.content_type.clone());
+            a.payloads.push(e.payload.bytes.clone());
+            a.headers.push(
+                serde_json::to_string(&e.headers)
+                    .map_err(|err| StoreError::new(StoreErrorKind::Validation, err.to_string()))?,
+            );
+            a.created.push(e.created_at);
+        }
+        let row = sqlx::query(&self.inner.sql.append)
+            .bind(a.ids)
+            .bind(a.agg_types)
+            .bind(a.agg_ids)
+            .bind(a.versions)
+            .bind(a.event_types)
+            .bind(a.schema_versions)
+            .bind(a.content_types)
+            .bind(a.payloads)
+            .bind(a.headers)
+            .bind(a.created)
+            .bind(s.notify_channel.as_deref())
+            .fetch_one(executor)
+            .await
+            .map_err(db)?;
+        let n: i64 = row.try_get("n").map_err(db)?;
+        if n as usize != events.len() {
+            return Err(StoreError::new(
+                StoreErrorKind::Other,
+                format!("appended {n} of {} events", events.len()),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Runs both claim statements under `EXPLAIN (ANALYZE, BUFFERS)` in a transaction that is
+    /// rolled back (nothing is claimed), and returns the two plans. For capacity checks: the
+    /// claim should read a number of buffers that depends on `limit`, not on the backlog.
+    pub async fn explain_claim(&self, limit: usize) -> Result<Vec<String>, StoreError> {
+        let limit = limit.clamp(1, 100_000) as i64;
+        let mut tx = self.inner.pool.begin().await.map_err(db)?;
+        let mut plans = Vec::new();
+        let explain = |sql: &str| format!("EXPLAIN (ANALYZE, BUFFERS) {sql}");
+        let lines: Vec<String> = sqlx::query_scalar(&explain(&self.inner.sql.claim_candidates))
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db)?;
+        plans.push(lines.join("\n"));
+        let ids: Vec<i64> = sqlx::query_scalar(&self.inner.sql.claim_candidates)
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db)?;
+        let lines: Vec<String> = match self.inner.settings.claim_mode {
+            ClaimMode::LockedTransaction => {
+                sqlx::query_scalar(&explain(&self.inner.sql.claim_locked))
+                    .bind(&ids)
+                    .fetch_all(&mut *tx)
+                    .await
+            }
+            _ => {
+                sqlx::query_scalar(&explain(&self.inner.sql.claim_lease))
+                    .bind(&ids)
+                    .bind("explain")
+                    .bind(Uuid::now_v7())
+                    .bind(1_000_000i64)
+                    .fetch_all(&mut *tx)
+                    .await
+            }
+        }
+        .map_err(db)?;
+        plans.push(lines.join("\n"));
+        tx.rollback().await.map_err(db)?;
+        Ok(plans)
+    }
+
+    /// Runs the completion statement of `claim` under `EXPLAIN (ANALYZE, BUFFERS)` in a
+    /// transaction that is rolled back (lease mode only; nothing is recorded).
+    #[doc(hidden)]
+    pub async fn explain_complete(
+        &self,
+        claim: &ClaimHandle,
+        outcomes: &[Outcome],
+    ) -> Result<String, StoreError> {
+        let rows = self.lease_rows(claim.token).await?;
+        self.inner
+            .leased
+            .lock()
+            .expect("poisoned")
+            .insert(claim.token, (rows.clone(), Instant::now()));
+        let (arrays, without) = OutcomeArrays::new(outcomes, &rows);
+        let mut tx = self.inner.pool.begin_with(BEGIN_CLAIM).await.map_err(db)?;
+        let sql = format!(
+            "EXPLAIN (ANALYZE, BUFFERS) {}",
+            self.inner.sql.complete_lease
+        );
+        let lines: Vec<String> = arrays
+            .bind(sqlx::query(&sql))
+            .bind(claim.token)
+            .bind(&without)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db)?
+            .iter()
+            .map(|r| r.try_get::<String, _>(0))
+            .collect::<Result<_, _>>()
+            .map_err(db)?;
+        tx.rollback().await.map_err(db)?;
+        Ok(lines.join("\n"))
+    }
+
+    async fn claim_inner(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
+        let token = Uuid::now_v7();
+        let handle = ClaimHandle {
+            token,
+            owner: request.owner.clone(),
+        };
+        let limit = request.limit.clamp(1, 100_000) as i64;
+        let mode = self.inner.settings.claim_mode;
+        let mut tx = if mode == ClaimMode::LockedTransaction {
+            let ms = self.inner.settings.locked_max_hold.as_millis().max(1);
+            // A SET cannot take bind parameters; the value is an integer we formatted.
+            self.inner
+                .pool
+                .begin_with(format!(
+                    "{BEGIN_CLAIM}; SET LOCAL idle_in_transaction_session_timeout = {ms}"
+                ))
+                .await
+        } else {
+            self.inner.pool.begin_with(BEGIN_CLAIM).await
+        }
+        .map_err(db)?;
+        let ids: Vec<i64> = sqlx::query_scalar(&self.inner.sql.claim_candidates)
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db)?;
+        if ids.is_empty() {
+            tx.commit().await.map_err(db)?;
+            return Ok(ClaimedBatch::new(handle, Vec::new(), None));
+        }
+        let rows = match mode {
+            ClaimMode::Lease { duration } => {
+                sqlx::query(&self.inner.sql.claim_lease)
+                    .bind(&ids)
+                    .bind(&request.owner)
+                    .bind(token)
+                    .bind(duration.as_micros().min(i64::MAX as u128) as i64)
+                    .fetch_all(&mut *tx)
+                    .await
+            }
+            _ => {
+                sqlx::query(&self.inner.sql.claim_locked)
+                    .bind(&ids)
+                    .fetch_all(&mut *tx)
+                    .await
+            }
+        }
+        .map_err(db)?;
+        let limits = &self.inner.settings.limits;
+        let mut records = Vec::with_capacity(rows.len());
+        let mut claimed_ids = Vec::with_capacity(rows.len());
+        let mut remaining_us: Option<i64> = None;
+        for row in &rows {
+            let envelope = envelope_from_row(row, limits)?;
+            let attempts: i32 = row.try_get("attempts").map_err(db)?;
+            claimed_ids.push(row.try_get::<i64, _>("id").map_err(db)?);
+            if let Some(r) = row.try_get::<Option<i64>, _>("remaining_us").map_err(db)? {
+                remaining_us = Some(remaining_us.map_or(r, |m| m.min(r)));
+            }
+            records.push(ClaimedRecord::new(envelope, attempts.max(0) as u32));
+        }
+        // Oldest first (the UPDATE .. RETURNING order is not guaranteed).
+        let mut order: Vec<usize> = (0..records.len()).collect();
+        order.sort_by_key(|&i| claimed_ids[i]);
+        let claimed_rows: Vec<(i64, Uuid)> = order
+            .iter()
+            .map(|&i| (claimed_ids[i], records[i].envelope.event_id.as_uuid()))
+            .collect();
+        let records: Vec<ClaimedRecord> = order.iter().map(|&i| records[i].clone()).collect();
+        match mode {
+            ClaimMode::LockedTransaction if !records.is_empty() => {
+                self.inner.locked.lock().expect("poisoned").insert(
+                    token,
+                    LockedClaim {
+                        tx,
+                        rows: claimed_rows,
+                    },
+                );
+                Ok(ClaimedBatch::new(handle, records, None))
+            }
+            _ => {
+                tx.commit().await.map_err(db)?;
+                if !claimed_rows.is_empty() {
+                    if let ClaimMode::Lease { duration } = mode {
+                        let mut leased = self.inner.leased.lock().expect("poisoned");
+                        // Forget claims that were never completed (crashed relay tasks).
+                        let horizon = duration * 2 + Duration::from_secs(60);
+                        leased.retain(|_, (_, at)| at.elapsed() < horizon);
+                        leased.insert(token, (claimed_rows, Instant::now()));
+                    }
+                }
+                let remaining = remaining_us.map(|us| Duration::from_micros(us.max(0) as u64));
+                Ok(ClaimedBatch::new(handle, records, remaining))
+            }
+        }
+    }
+
+    async fn complete_inner(
+        &self,
+        claim: &ClaimHandle,
+        outcomes: &[Outcome],
+    ) -> Result<CompletionReport, StoreError> {
+        match self.inner.settings.claim_mode {
+            ClaimMode::LockedTransaction => {
+                let taken = self
+                    .inner
+                    .locked
+                    .lock()
+                    .expect("poisoned")
+                    .remove(&claim.token);
+                let Some(mut held) = taken else {
+                    // Unknown token: the claim ended (released, timed out) or belongs to
+                    // another store instance. Nothing applied; every outcome is refused.
+                    return Ok(CompletionReport::new(0, outcomes.len()));
+                };
+                let (arrays, _) = OutcomeArrays::new(outcomes, &held.rows);
+                // The aggregate locks were taken by the claim in this very transaction.
+                let applied = arrays
+                    .bind(sqlx::query(&self.inner.sql.complete_locked))
+                    .bind(claim.token)
+                    .fetch_one(&mut *held.tx)
+                    .await
+                    .map_err(|e| lost_claim(db(e)))?
+                    .try_get::<i64, _>("applied")
+                    .map_err(db)? as usize;
+                held.tx.commit().await.map_err(|e| lost_claim(db(e)))?;
+                Ok(CompletionReport::new(applied, outcomes.len() - applied))
+            }
+            _ => {
+                let rows = self.lease_rows(claim.token).await?;
+                let (arrays, without_outcome) = OutcomeArrays::new(outcomes, &rows);
+                let mut tx = self.inner.pool.begin_with(BEGIN_CLAIM).await.map_err(db)?;
+                // Serialize with claims that classify rows of the same aggregates: a row
+                // blocked behind a head we publish now is then always seen by the promotion.
+                let published = arrays.published_ids();
+                if !published.is_empty() {
+                    sqlx::query(&self.inner.sql.lock_aggregates_of_events)
+                        .bind(&published)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db)?;
+                }
+                let applied = arrays
+                    .bind(sqlx::query(&self.inner.sql.complete_lease))
+                    .bind(claim.token)
+                    .bind(&without_outcome)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(db)?
+                    .try_get::<i64, _>("applied")
+                    .map_err(db)? as usize;
+                tx.commit().await.map_err(db)?;
+                Ok(CompletionReport::new(applied, outcomes.len() - applied))
+            }
+        }
+    }
+
+    /// The rows of a lease claim: from memory (claimed here), else by a candidate-index scan.
+    async fn lease_rows(&self, token: Uuid) -> Result<Vec<(i64, Uuid)>, StoreError> {
+        let known = self.inner.leased.lock().expect("poisoned").remove(&token);
+        match known {
+            Some((rows, _)) => Ok(rows),
+            None => {
+                let rows = sqlx::query(&self.inner.sql.lease_rows)
+                    .bind(token)
+                    .fetch_all(&self.inner.pool)
+                    .await
+                    .map_err(db)?;
+                rows.iter()
+                    .map(|r| Ok((r.try_get("id")?, r.try_get("event_id")?)))
+                    .collect::<Result<_, sqlx::Error>>()
+                    .map_err(db)
+            }
+        }
+    }
+
+    /// Runs `f` in a transaction after locking the aggregate of `event_id`. `NotFound` when the
+    /// event does not exist.
+    async fn with_event_lock(
+        &self,
+        event_id: EventId,
+    ) -> Result<(Transaction<'static, Postgres>, String, String), StoreError> {
+        let mut tx = self.inner.pool.begin().await.map_err(db)?;
+        let row = sqlx::query(&self.inner.sql.lock_event_aggregate)
+            .bind(event_id.as_uuid())
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db)?
+            .ok_or_else(|| not_found(event_id))?;
+        let k: i64 = row.try_get("k").map_err(db)?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(k)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        let at: String = row.try_get("aggregate_type").map_err(db)?;
+        let ai: String = row.try_get("aggregate_id").map_err(db)?;
+        Ok((tx, at, ai))
+    }
+
+    async fn notify_after(&self, conn: &mut PgConnection) -> Result<(), StoreError> {
+        if let Some(ch) = &self.inner.settings.notify_channel {
+            sqlx::query("SELECT pg_notify($1, '')::text")
+                .bind(ch)
+                .execute(conn)
+                .await
+                .map_err(db)?;
+        }
+        Ok(())
+    }
+
+    async fn table_extra(&self) -> Result<Vec<(String, f64)>, StoreError> {
+        let s = &self.inner.settings;
+        let row = sqlx::query(&self.inner.sql.table_stats)
+            .bind(&s.schema)
+            .bind(&s.table)
+            .fetch_optional(&self.inner.pool)
+            .await
+            .map_err(db)?;
+        let mut extra = Vec::new();
+        if let Some(row) = row {
+            for name in [
+                "total_bytes",
+                "table_bytes",
+                "index_bytes",
+                "live_tuples",
+                "dead_tuples",
+                "autovacuum_age",
+                "autoanalyze_age",
+            ] {
+                if let Some(v) = row.try_get::<Option<f64>, _>(name).map_err(db)? {
+                    let key = match name {
+                        "autovacuum_age" => "last_autovacuum_age_seconds",
+                        "autoanalyze_age" => "last_autoanalyze_age_seconds",
+                        other => other,
+                    };
+                    extra.push((key.to_owned(), v));
+                }
+            }
+        }
+        Ok(extra)
+    }
+}
+
+fn lost_claim(e: StoreError) -> StoreError {
+    if e.kind == StoreErrorKind::Connection {
+        StoreError::new(
+            StoreErrorKind::LeaseLost,
+            format!("the locked claim transaction was lost: {}", e.message),
+        )
+        .with_source(e)
+    } else {
+        e
+    }
+}
+
+fn not_found(event_id: EventId) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::NotFound,
+        format!("event {event_id} is not parked (or does not exist)"),
+    )
+}
+
+/// Outcome columns for `UNNEST`, keyed by row id.
+struct OutcomeArrays {
+    ids: Vec<i64>,
+    kinds: Vec<&'static str>,
+    topics: Vec<Option<String>>,
+    parts: Vec<Option<i32>>,
+    offsets: Vec<Option<i64>>,
+    delays: Vec<Option<i64>>,
+    eclass: Vec<Option<&'static str>>,
+    ekind: Vec<Option<String>>,
+    emsg: Vec<Option<String>>,
+    pkind: Vec<Option<&'static str>>,
+}
+
+impl OutcomeArrays {
+    /// The arrays for the outcomes of events in `claimed` (others are not part of the claim
+    /// and are refused), and the claimed row ids that have no outcome (to release).
+    fn new(outcomes: &[Outcome], claimed: &[(i64, Uuid)]) -> (Self, Vec<i64>) {
+        let n = outcomes.len();
+        let by_event: HashMap<Uuid, i64> = claimed.iter().map(|&(id, e)| (e, id)).collect();
+        let mut a = Self {
+            ids: Vec::with_capacity(n),
+            kinds: Vec::with_capacity(n),
+            topics: Vec::with_capacity(n),
+            parts: Vec::with_capacity(n),
+            offsets: Vec::with_capacity(n),
+            delays: Vec::with_capacity(n),
+            eclass: Vec::with_capacity(n),
+            ekind: Vec::with_capacity(n),
+            emsg: Vec::with_capacity(n),
+            pkind: Vec::with_capacity(n),
+        };
+        let mut seen = std::collections::HashSet::with_capacity(n);
+        for o in outcomes {
+            let Some(&id) = by_event.get(&o.event_id().as_uuid()) else {
+                continue;
+            };
+            if !seen.insert(id) {
+                continue;
+            }
+            a.ids.push(id);
+            let (kind, ack, delay, err, park) = match o {
+                Outcome::Published { ack, .. } => ("published", Some(ack), None, None, None),
+                Outcome::Retry { delay, error, .. } => {
+                    ("retry", None, Some(*delay), Some(error), None)
+                }
+                Outcome::Park { reason, .. } => {
+                    ("park", None, None, Some(&reason.error), Some(reason.kind))
+                }
+            };
+            a.kinds.push(kind);
+            a.topics.push(ack.map(|a| a.topic.clone()));
+            a.parts.push(ack.map(|a| a.partition));
+            a.offsets.push(ack.map(|a| a.offset));
+            a.delays
+                .push(delay.map(|d| d.as_micros().min(i64::MAX as u128) as i64));
+            a.eclass.push(err.map(|e| e.class.as_str()));
+            a.ekind.push(err.map(|e| e.kind.clone()));
+            a.emsg.push(err.map(|e| e.message.clone()));
+            a.pkind.push(park.map(ParkKind::as_str));
+        }
+        let without = claimed
+            .iter()
+            .map(|&(id, _)| id)
+            .filter(|id| !seen.contains(id))
+            .collect();
+        (a, without)
+    }
+
+    fn published_ids(&self) -> Vec<i64> {
+        self.ids
+            .iter()
+            .zip(&self.kinds)
+            .filter(|(_, k)| **k == "published")
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    fn bind<'q>(
+        self,
+        q: sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
+    ) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+        q.bind(self.ids)
+            .bind(self.kinds)
+            .bind(self.topics)
+            .bind(self.parts)
+            .bind(self.offsets)
+            .bind(self.delays)
+            .bind(self.eclass)
+            .bind(self.ekind)
+            .bind(self.emsg)
+            .bind(self.pkind)
+    }
+}
+
+/// Reads the envelope columns (see `sql::ENVELOPE_COLS`) of a row.
+pub(crate) fn envelope_from_row(
+    row: &PgRow,
+    limits: &EnvelopeLimits,
+) -> Result<Envelope, StoreError> {
+    let event_id: Uuid = row.try_get("event_id").map_err(db)?;
+    let headers: serde_json::Value = row.try_get("headers").map_err(db)?;
+    let mut b = Envelope::builder(
+        row.try_get::<String, _>("aggregate_type").map_err(db)?,
+        row.try_get::<String, _>("aggregate_id").map_err(db)?,
+        row.try_get::<i64, _>("aggregate_version").map_err(db)?,
+        row.try_get::<String, _>("event_type").map_err(db)?,
+    )
+    .event_id(EventId::from_uuid(event_id))
+    .schema_version(row.try_get("schema_version").map_err(db)?)
+    .payload(Payload::new(
+        row.try_get::<String, _>("content_type").map_err(db)?,
+        row.try_get::<Vec<u8>, _>("payload").map_err(db)?,
+    ))
+    .created_at(row.try_get("created_at").map_err(db)?)
+    .limits(limits.clone());
+    if let serde_json::Value::Object(map) = headers {
+        for (k, v) in map {
+            if let serde_json::Value::String(v) = v {
+                b = b.header(k, v);
+            }
+        }
+    }
+    b.build().map_err(|e| {
+        StoreError::new(
+            StoreErrorKind::Schema,
+            format!("stored event {event_id} no longer passes validation: {e}"),
+        )
+        .with_source(e)
+    })
+}
+
+#[async_trait]
+impl OutboxStore for PostgresOutboxStore {
+    type Tx = PgConnection;
+
+    async fn append(&self, tx: &mut PgConnection, events: &[Envelope]) -> Result<(), StoreError> {
+        self.append_many(&mut *tx, events).await
+    }
+
+    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
+        self.claim_inner(request).await
+    }
+
+    async fn complete(
+        &self,
+        claim: &ClaimHandle,
+        outcomes: &[Outcome],
+    ) -> Result<CompletionReport, StoreError> {
+        self.complete_inner(claim, outcomes).await
+    }
+
+    async fn release(&self, claim: &ClaimHandle) -> Result<(), StoreError> {
+        match self.inner.settings.claim_mode {
+            ClaimMode::LockedTransaction => {
+                let taken = self
+                    .inner
+                    .locked
+                    .lock()
+                    .expect("poisoned")
+                    .remove(&claim.token);
+                if let Some(held) = taken {
+                    if let Err(e) = held.tx.rollback().await {
+                        // The connection is gone, and with it the locks.
+                        warn!(error = %e, "rollback of a released claim failed");
+                    }
+                }
+                Ok(())
+            }
+            _ => {
+                let ids: Vec<i64> = self
+                    .lease_rows(claim.token)
+                    .await?
+                    .into_iter()
+                    .map(|(id, _)| id)
+                    .collect();
+                sqlx::query(&self.inner.sql.release_lease)
+                    .bind(claim.token)
+                    .bind(&ids)
+                    .execute(&self.inner.pool)
+                    .await
+                    .map_err(db)?;
+                Ok(())
+            }
+        }
+    }
+
+    async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedEvent>, StoreError> {
+        let rows = sqlx::query(&self.inner.sql.list_parked)
+            .bind(limit.min(i64::MAX as usize) as i64)
+            .fetch_all(&self.inner.pool)
+            .await
+            .map_err(db)?;
+        let limits = &self.inner.settings.limits;
+        rows.iter()
+            .map(|row| {
+                let envelope = envelope_from_row(row, limits)?;
+                let attempts: i32 = row.try_get("attempts").map_err(db)?;
+                let kind: Option<String> = row.try_get("park_kind").map_err(db)?;
+                let class: Option<String> = row.try_get("last_error_class").map_err(db)?;
+                let reason = ParkReason {
+                    kind: kind
+                        .as_deref()
+                        .and_then(ParkKind::parse)
+                        .unwrap_or(ParkKind::PermanentError),
+                    error: LastError {
+                        class: if class.as_deref() == Some("transient") {
+                            ErrorClass::Transient
+                        } else {
+                            ErrorClass::Permanent
+                        },
+                        kind: row
+                            .try_get::<Option<String>, _>("last_error_kind")
+                            .map_err(db)?
+                            .unwrap_or_default(),
+                        message: row
+                            .try_get::<Option<String>, _>("last_error_message")
+                            .map_err(db)?
+                            .unwrap_or_default(),
+                    },
+                };
+                let parked_at: Option<DateTime<Utc>> = row.try_get("parked_at").map_err(db)?;
+                Ok(ParkedEvent::new(
+                    envelope,
+                    attempts.max(0) as u32,
+                    reason,
+                    parked_at.unwrap_or_default(),
+                ))
+            })
+            .collect()
+    }
+
+    async fn retry_parked(&self, event_id: EventId, actor: &str) -> Result<(), StoreError> {
+        let (mut tx, _, _) = self.with_event_lock(event_id).await?;
+        let done = sqlx::query(&self.inner.sql.retry_parked)
+            .bind(event_id.as_uuid())
+            .bind(actor)
+            .bind("")
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db)?;
+        if done.is_none() {
+            return Err(not_found(event_id));
+        }
+        self.notify_after(&mut tx).await?;
+        tx.commit().await.map_err(db)
+    }
+
+    async fn discard_parked(
+        &self,
+        event_id: EventId,
+        actor: &str,
+        reason: &str,
+    ) -> Result<(), StoreError> {
+        if reason.trim().is_empty() {
+            return Err(StoreError::new(
+                StoreErrorKind::Validation,
+                "discarding a parked event requires a reason",
+            ));
+        }
+        let (mut tx, agg_type, agg_id) = self.with_event_lock(event_id).await?;
+        let done = sqlx::query(&self.inner.sql.discard_parked)
+            .bind(event_id.as_uuid())
+            .bind(actor)
+            .bind(reason)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db)?;
+        if done.is_none() {
+            return Err(not_found(event_id));
+        }
+        // A new statement: sees the discard, unblocks the aggregate's next row.
+        sqlx::query(&self.inner.sql.promote_aggregate)
+            .bind(&agg_type)
+            .bind(&agg_id)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        self.notify_after(&mut tx).await?;
+        tx.commit().await.map_err(db)
+    }
+
+    async fn reissue_parked(
+        &self,
+        event_id: EventId,
+        actor: &str,
+        reason: &str,
+    ) -> Result<EventId, StoreError> {
+        let (mut tx, _, _) = self.with_event_lock(event_id).await?;
+        let new_id = EventId::now_v7();
+        let n: i64 = sqlx::query_scalar(&self.inner.sql.reissue_parked)
+            .bind(event_id.as_uuid())
+            .bind(actor)
+            .bind(reason)
+            .bind(new_id.as_uuid())
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+        if n == 0 {
+            return Err(not_found(event_id));
+        }
+        self.notify_after(&mut tx).await?;
+        tx.commit().await.map_err(db)?;
+        Ok(new_id)
+    }
+
+    async fn audit_trail(&self, event_id: Option<EventId>) -> Result<Vec<AuditEntry>, StoreError> {
+        let rows = sqlx::query(&self.inner.sql.audit_trail)
+            .bind(event_id.map(|e| e.as_uuid()))
+            .fetch_all(&self.inner.pool)
+            .await
+            .map_err(db)?;
+        rows.iter()
+            .map(|row| {
+                let action: String = row.try_get("action").map_err(db)?;
+                Ok(AuditEntry::new(
+                    EventId::from_uuid(row.try_get("event_id").map_err(db)?),
+                    OperatorAction::parse(&action).ok_or_else(|| {
+                        StoreError::new(StoreErrorKind::Schema, format!("unknown action {action}"))
+                    })?,
+                    row.try_get::<String, _>("actor").map_err(db)?,
+                    row.try_get::<String, _>("reason").map_err(db)?,
+                    row.try_get::<Option<Uuid>, _>("new_event_id")
+                        .map_err(db)?
+                        .map(EventId::from_uuid),
+                    row.try_get("at").map_err(db)?,
+                ))
+            })
+            .collect()
+    }
+
+    async fn cleanup(
+        &self,
+        retention: Duration,
+        batch_size: usize,
+    ) -> Result<CleanupReport, StoreError> {
+        let batch = batch_size.clamp(1, 1_000_000) as i64;
+        let retention_us = retention.as_micros().min(i64::MAX as u128) as i64;
+        let mut removed = 0u64;
+        let mut batches = 0u32;
+        loop {
+            let mut tx = self.inner.pool.begin().await.map_err(db)?;
+            let row = sqlx::query(&self.inner.sql.cleanup)
+                .bind(retention_us)
+                .bind(batch)
+                .bind(self.inner.settings.archive)
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(db)?;
+            tx.commit().await.map_err(db)?;
+            let n: i64 = row.try_get("removed").map_err(db)?;
+            if n > 0 {
+                batches += 1;
+                removed += n as u64;
+            }
+            if n < batch {
+                break;
+            }
+        }
+        Ok(CleanupReport::new(removed, batches))
+    }
+
+    async fn stats(&self) -> Result<OutboxStats, StoreError> {
+        let row = sqlx::query(&self.inner.sql.stats)
+            .fetch_one(&self.inner.pool)
+            .await
+            .map_err(db)?;
+        let get = |name: &str| -> Result<u64, StoreError> {
+            Ok(row.try_get::<i64, _>(name).map_err(db)?.max(0) as u64)
+        };
+        let age = |name: &str| -> Result<Option<Duration>, StoreError> {
+            Ok(row
+                .try_get::<Option<f64>, _>(name)
+                .map_err(db)?
+                .map(|s| Duration::from_secs_f64(s.max(0.0))))
+        };
+        let locked_in_flight: u64 = self
+            .inner
+            .locked
+            .lock()
+            .expect("poisoned")
+            .values()
+            .map(|c| c.rows.len() as u64)
+            .sum();
+        let mut stats = OutboxStats::default();
+        stats.unpublished = get("unpublished")?;
+        stats.in_flight = get("leased")? + locked_in_flight;
+        stats.parked = get("parked")?;
+        stats.published_retained = get("published")?;
+        stats.oldest_unpublished_age = age("oldest_pending")?;
+        stats.oldest_parked_age = age("oldest_parked")?;
+        stats.extra = self.table_extra().await?;
+        stats
+            .extra
+            .push(("blocked_rows".to_owned(), get("blocked")? as f64));
+        Ok(stats)
+    }
+
+    fn claim_mode(&self) -> ClaimMode {
+        self.inner.settings.claim_mode
+    }
+}

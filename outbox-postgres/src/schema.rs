@@ -1,0 +1,184 @@
+//! Identifiers, the schema templates and the embedded migration runner.
+//!
+//! Table and schema names are configurable, so the embedded migrations are templates: every
+//! configured name is validated ([`validate_identifier`]) and then written in double quotes.
+//! Values never appear in SQL text; they travel as bound parameters.
+
+use sqlx::PgPool;
+
+use outbox_core::StoreError;
+
+use crate::error::{config, db};
+
+const OUTBOX_V1: &str = include_str!("migrations/0001_outbox.sql");
+const INBOX_V1: &str = include_str!("migrations/0001_inbox.sql");
+
+/// Longest accepted table name: derived names (`<table>_aggregate_idx`, `<table>_archive`)
+/// must stay within PostgreSQL's 63-byte identifier limit.
+pub const MAX_TABLE_NAME_LEN: usize = 40;
+/// Longest accepted schema or channel name (PostgreSQL's identifier limit).
+pub const MAX_IDENTIFIER_LEN: usize = 63;
+
+/// Checks a configured identifier: 1..=`max_len` bytes of lowercase ASCII letters, digits and
+/// `_`, starting with a letter or `_`. Anything else (quotes, dots, spaces, upper case, SQL)
+/// is a `Configuration` error, so a name can be quoted without escaping and never becomes SQL.
+pub fn validate_identifier(what: &str, name: &str, max_len: usize) -> Result<(), StoreError> {
+    let ok_first = name
+        .bytes()
+        .next()
+        .is_some_and(|b| b.is_ascii_lowercase() || b == b'_');
+    let ok_rest = name
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if !ok_first || !ok_rest || name.len() > max_len || name.starts_with("pg_") {
+        return Err(config(format!(
+            "invalid {what} name {name:?}: use 1..={max_len} lowercase ASCII letters, digits or \
+             '_', starting with a letter or '_' (and not 'pg_')"
+        )));
+    }
+    Ok(())
+}
+
+/// `"schema"."name"` for validated identifiers.
+pub(crate) fn qualified(schema: &str, name: &str) -> String {
+    format!("\"{schema}\".\"{name}\"")
+}
+
+fn render(template: &str, schema: &str, table: &str) -> String {
+    template
+        .replace("__SCHEMA__", schema)
+        .replace("__TABLE__", table)
+}
+
+/// The outbox schema (table, indexes, audit and archive tables) as plain SQL for the given
+/// names, for teams that run their own migration tool. Validates the names.
+pub fn outbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError> {
+    validate_identifier("schema", schema, MAX_IDENTIFIER_LEN)?;
+    validate_identifier("table", table, MAX_TABLE_NAME_LEN)?;
+    Ok(render(OUTBOX_V1, schema, table))
+}
+
+/// The inbox schema as plain SQL for the given names. Validates the names.
+pub fn inbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError> {
+    validate_identifier("schema", schema, MAX_IDENTIFIER_LEN)?;
+    validate_identifier("table", table, MAX_TABLE_NAME_LEN)?;
+    Ok(render(INBOX_V1, schema, table))
+}
+
+pub(crate) enum Component {
+    Outbox,
+    Inbox,
+}
+
+/// Applies the embedded migrations of `component` for `schema.table` that are not applied yet,
+/// in one transaction, serialized across processes by an advisory lock. Returns the number of
+/// migrations applied.
+pub(crate) async fn migrate(
+    pool: &PgPool,
+    component: Component,
+    schema: &str,
+    table: &str,
+) -> Result<usize, StoreError> {
+    let (name, migrations): (&str, &[(i32, &str, &str)]) = match component {
+        Component::Outbox => ("outbox", &[(1, "outbox table, audit, archive", OUTBOX_V1)]),
+        Component::Inbox => ("inbox", &[(1, "inbox table", INBOX_V1)]),
+    };
+    let mut tx = pool.begin().await.map_err(db)?;
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('outbox-postgres:migrate', 0))")
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+    let ddl = format!(
+        "CREATE SCHEMA IF NOT EXISTS \"{schema}\";
+         CREATE TABLE IF NOT EXISTS {} (
+             object      text        NOT NULL,
+             version     integer     NOT NULL,
+             description text        NOT NULL,
+             applied_at  timestamptz NOT NULL DEFAULT now(),
+             PRIMARY KEY (object, version)
+         );",
+        qualified(schema, "outbox_schema_migrations")
+    );
+    sqlx::raw_sql(&ddl).execute(&mut *tx).await.map_err(db)?;
+    let object = format!("{name}:{table}");
+    let applied: Option<i32> = sqlx::query_scalar(&format!(
+        "SELECT max(version) FROM {} WHERE object = $1",
+        qualified(schema, "outbox_schema_migrations")
+    ))
+    .bind(&object)
+    .fetch_one(&mut *tx)
+    .await
+    .map_err(db)?;
+    let applied = applied.unwrap_or(0);
+    let mut count = 0;
+    for (version, description, template) in migrations {
+        if *version <= applied {
+            continue;
+        }
+        let sql = render(template, schema, table);
+        sqlx::raw_sql(&sql).execute(&mut *tx).await.map_err(db)?;
+        sqlx::query(&format!(
+            "INSERT INTO {} (object, version, description) VALUES ($1, $2, $3)",
+            qualified(schema, "outbox_schema_migrations")
+        ))
+        .bind(&object)
+        .bind(version)
+        .bind(description)
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
+        count += 1;
+    }
+    tx.commit().await.map_err(db)?;
+    Ok(count)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn identifier_table() {
+        let good = ["outbox", "_x", "a1_b2", &"a".repeat(40)];
+        for name in good {
+            assert!(validate_identifier("table", name, 40).is_ok(), "{name}");
+        }
+        let bad = [
+            "",
+            "Outbox",
+            "1abc",
+            "a-b",
+            "a b",
+            "a.b",
+            "x\"; DROP TABLE users; --",
+            "o'brien",
+            "pg_catalog",
+            "événement",
+            &"a".repeat(41),
+        ];
+        for name in bad {
+            let err = validate_identifier("table", name, 40).expect_err(name);
+            assert_eq!(
+                err.kind,
+                outbox_core::StoreErrorKind::Configuration,
+                "{name}"
+            );
+        }
+    }
+
+    /// The plain SQL shipped in `sql/` is the template rendered with the default names.
+    #[test]
+    fn plain_sql_files_match_templates() {
+        let outbox = outbox_schema_sql(crate::DEFAULT_SCHEMA, crate::DEFAULT_OUTBOX_TABLE).unwrap();
+        let inbox = inbox_schema_sql(crate::DEFAULT_SCHEMA, crate::DEFAULT_INBOX_TABLE).unwrap();
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/sql");
+        if std::env::var_os("OUTBOX_PG_WRITE_SQL").is_some() {
+            std::fs::write(format!("{dir}/outbox.sql"), &outbox).unwrap();
+            std::fs::write(format!("{dir}/inbox.sql"), &inbox).unwrap();
+        }
+        let on_disk = std::fs::read_to_string(format!("{dir}/outbox.sql")).unwrap();
+        assert_eq!(on_disk, outbox, "regenerate with OUTBOX_PG_WRITE_SQL=1");
+        let on_disk = std::fs::read_to_string(format!("{dir}/inbox.sql")).unwrap();
+        assert_eq!(on_disk, inbox, "regenerate with OUTBOX_PG_WRITE_SQL=1");
+    }
+}

@@ -1,0 +1,347 @@
+//! The SQL text of one outbox store, built once from validated identifiers.
+
+use crate::schema::qualified;
+
+/// Envelope columns, in the order [`crate::outbox::envelope_from_row`] reads them.
+pub(crate) const ENVELOPE_COLS: &str = "event_id, aggregate_type, aggregate_id, \
+    aggregate_version, event_type, schema_version, content_type, payload, headers, created_at";
+
+#[derive(Debug)]
+pub(crate) struct OutboxSql {
+    pub table: String,
+    pub append: String,
+    pub claim_candidates: String,
+    pub claim_lease: String,
+    pub claim_locked: String,
+    pub lock_aggregates_of_events: String,
+    pub complete_lease: String,
+    pub complete_locked: String,
+    pub release_lease: String,
+    pub lease_rows: String,
+    pub lock_event_aggregate: String,
+    pub promote_aggregate: String,
+    pub retry_parked: String,
+    pub discard_parked: String,
+    pub reissue_parked: String,
+    pub list_parked: String,
+    pub audit_trail: String,
+    pub cleanup: String,
+    pub stats: String,
+    pub table_stats: String,
+}
+
+/// A stable 64-bit seed per table, so two outbox tables never share advisory lock keys.
+fn seed(schema: &str, table: &str) -> i64 {
+    // FNV-1a: deterministic across processes and versions (unlike std's hasher).
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in schema.bytes().chain([b'.']).chain(table.bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h as i64
+}
+
+/// Advisory lock key of the aggregate of row alias `a`.
+fn key(a: &str, seed: i64) -> String {
+    format!("hashtextextended({a}.aggregate_type || chr(31) || {a}.aggregate_id, {seed})")
+}
+
+/// The head (lowest unfinished version, ties by id) of aggregate `{a}`, skipping `exclude`
+/// ids. Two LIMIT 1 probes on the aggregate index (unblocked and blocked ranges), so the cost
+/// does not depend on how many events the aggregate has queued.
+fn head_lateral(t: &str, a: &str, exclude: &str) -> String {
+    let probe = |blocked: bool| {
+        format!(
+            "(SELECT u.id, u.status, u.aggregate_version FROM {t} u \
+              WHERE u.aggregate_type = {a}.aggregate_type AND u.aggregate_id = {a}.aggregate_id \
+                AND u.status IN ('pending', 'parked') AND u.blocked = {blocked} {exclude} \
+              ORDER BY u.aggregate_version, u.id LIMIT 1)"
+        )
+    };
+    format!(
+        "(SELECT hh.id, hh.status FROM ({} UNION ALL {}) hh \
+          ORDER BY hh.aggregate_version, hh.id LIMIT 1)",
+        probe(false),
+        probe(true)
+    )
+}
+
+impl OutboxSql {
+    pub(crate) fn new(schema: &str, table: &str) -> Self {
+        let t = qualified(schema, table);
+        let audit = qualified(schema, &format!("{table}_audit"));
+        let archive = qualified(schema, &format!("{table}_archive"));
+        let seed = seed(schema, table);
+
+        let append = format!(
+            "WITH ins AS ( \
+               INSERT INTO {t} ({ENVELOPE_COLS}) \
+               SELECT e, at, ai, av, et, sv, ct, p, h::jsonb, ca \
+               FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::int8[], $5::text[], \
+                           $6::int4[], $7::text[], $8::bytea[], $9::text[], $10::timestamptz[]) \
+                    AS u(e, at, ai, av, et, sv, ct, p, h, ca) \
+               RETURNING 1) \
+             SELECT (SELECT count(*) FROM ins) AS n, \
+                    (SELECT count(*) FROM (SELECT pg_notify($11::text, '') \
+                                           WHERE $11::text IS NOT NULL) nn) AS notified"
+        );
+
+        // Step 1 of a claim: the first candidates in insertion order whose aggregate this
+        // transaction can lock. The CASE keeps the lock attempt behind the cheap filters.
+        let kc = key("c", seed);
+        let claim_candidates = format!(
+            "SELECT c.id FROM {t} c \
+             WHERE c.status = 'pending' AND NOT c.blocked \
+               AND CASE WHEN c.next_attempt_at <= now() \
+                         AND (c.lease_until IS NULL OR c.lease_until <= clock_timestamp()) \
+                        THEN pg_try_advisory_xact_lock({kc}) ELSE false END \
+             ORDER BY c.id LIMIT $1"
+        );
+
+        // Step 2, in a new snapshot taken after the locks: per locked aggregate, its head; the
+        // head is claimed when it is a due, pending candidate and no row of the aggregate is
+        // under a live lease; candidates that are not heads are blocked (out of the index).
+        let head = head_lateral(&t, "a", "");
+        let classify = format!(
+            "WITH cand AS ( \
+               SELECT c.id, c.aggregate_type, c.aggregate_id, c.next_attempt_at FROM {t} c \
+               WHERE c.id = ANY($1::int8[]) AND c.status = 'pending' AND NOT c.blocked), \
+             aggs AS (SELECT DISTINCT aggregate_type, aggregate_id FROM cand), \
+             heads AS ( \
+               SELECT a.aggregate_type, a.aggregate_id, h.id AS head_id, h.status AS head_status, \
+                      EXISTS (SELECT 1 FROM {t} l \
+                              WHERE l.aggregate_type = a.aggregate_type \
+                                AND l.aggregate_id = a.aggregate_id \
+                                AND l.status IN ('pending', 'parked') AND l.blocked = false \
+                                AND l.lease_until > clock_timestamp()) AS busy \
+               FROM aggs a CROSS JOIN LATERAL {head} h), \
+             blk AS ( \
+               UPDATE {t} b SET blocked = true \
+               FROM cand c JOIN heads w \
+                 ON w.aggregate_type = c.aggregate_type AND w.aggregate_id = c.aggregate_id \
+               WHERE b.id = c.id AND c.id <> w.head_id \
+                 AND (b.lease_until IS NULL OR b.lease_until <= clock_timestamp()) \
+               RETURNING b.id), \
+             pick AS ( \
+               SELECT w.head_id AS id FROM heads w JOIN cand c ON c.id = w.head_id \
+               WHERE w.head_status = 'pending' AND NOT w.busy AND c.next_attempt_at <= now())"
+        );
+        let claim_lease = format!(
+            "{classify} \
+             UPDATE {t} r SET lease_owner = $2, lease_token = $3, \
+                    lease_until = clock_timestamp() + $4::int8 * interval '1 microsecond' \
+             FROM pick WHERE r.id = pick.id \
+             RETURNING r.id, {cols}, r.attempts, \
+                (extract(epoch FROM r.lease_until - clock_timestamp()) * 1000000)::int8 AS remaining_us",
+            cols = prefixed("r", ENVELOPE_COLS)
+        );
+        let claim_locked = format!(
+            "{classify} \
+             SELECT r.id, {cols}, r.attempts, NULL::int8 AS remaining_us \
+             FROM {t} r WHERE r.id IN (SELECT id FROM pick) \
+             ORDER BY r.id FOR UPDATE OF r SKIP LOCKED",
+            cols = prefixed("r", ENVELOPE_COLS)
+        );
+
+        let ke = key("e", seed);
+        let lock_aggregates_of_events = format!(
+            "SELECT pg_advisory_xact_lock(s.k) FROM ( \
+               SELECT DISTINCT {ke} AS k FROM {t} e WHERE e.id = ANY($1::int8[]) \
+               ORDER BY 1) s"
+        );
+
+        // Outcomes, one array element per event. Published rows promote their aggregate's next
+        // row (unblock it) in the same statement; the caller holds the aggregate locks.
+        // Unblocking after a published head: the aggregate's first blocked row (one index
+        // probe). If an unblocked unfinished row precedes it (a late commit), unblocking is
+        // still safe: the claim re-checks head-ness and blocks it again.
+        let next = format!(
+            "(SELECT u.id FROM {t} u \
+              WHERE u.aggregate_type = pa.aggregate_type AND u.aggregate_id = pa.aggregate_id \
+                AND u.status IN ('pending', 'parked') AND u.blocked = true \
+              ORDER BY u.aggregate_version, u.id LIMIT 1)"
+        );
+        let complete = |fence: &str, release: &str| {
+            format!(
+                "WITH o AS MATERIALIZED ( \
+                   SELECT o.*, $11::uuid AS tok \
+                   FROM UNNEST($1::int8[], $2::text[], $3::text[], $4::int4[], \
+                        $5::int8[], $6::int8[], $7::text[], $8::text[], $9::text[], $10::text[]) \
+                     AS o(id, kind, topic, part, off, delay_us, eclass, ekind, emsg, pkind)), \
+                 upd AS ( \
+                   UPDATE {t} t SET \
+                     status = CASE o.kind WHEN 'published' THEN 'published' \
+                                          WHEN 'park' THEN 'parked' ELSE 'pending' END, \
+                     attempts = CASE WHEN o.kind = 'published' THEN t.attempts \
+                                     ELSE t.attempts + 1 END, \
+                     next_attempt_at = CASE WHEN o.kind = 'retry' \
+                         THEN clock_timestamp() + o.delay_us * interval '1 microsecond' \
+                         ELSE t.next_attempt_at END, \
+                     published_at = CASE WHEN o.kind = 'published' THEN clock_timestamp() END, \
+                     finished_at = CASE WHEN o.kind = 'published' THEN clock_timestamp() END, \
+                     ack_topic = o.topic, ack_partition = o.part, ack_offset = o.off, \
+                     last_error_class = CASE WHEN o.kind = 'published' THEN t.last_error_class \
+                                             ELSE o.eclass END, \
+                     last_error_kind = CASE WHEN o.kind = 'published' THEN t.last_error_kind \
+                                            ELSE o.ekind END, \
+                     last_error_message = CASE WHEN o.kind = 'published' \
+                                               THEN t.last_error_message ELSE o.emsg END, \
+                     park_kind = CASE WHEN o.kind = 'park' THEN o.pkind END, \
+                     parked_at = CASE WHEN o.kind = 'park' THEN clock_timestamp() END, \
+                     lease_owner = NULL, lease_token = NULL, lease_until = NULL \
+                   FROM o WHERE t.id = o.id AND t.status = 'pending' AND {fence} \
+                   RETURNING t.id, t.aggregate_type, t.aggregate_id, t.aggregate_version, \
+                             o.kind), \
+                 pa AS (SELECT DISTINCT aggregate_type, aggregate_id FROM upd \
+                        WHERE kind = 'published'), \
+                 promote AS ( \
+                   UPDATE {t} s SET blocked = false \
+                   FROM (SELECT h.id FROM pa CROSS JOIN LATERAL {next} h) nx \
+                   WHERE s.id = nx.id AND s.blocked RETURNING 1) \
+                 {release} \
+                 SELECT (SELECT count(*) FROM upd) AS applied"
+            )
+        };
+        // The fence is a join clause against the materialized outcome rows, so the planner
+        // never mistakes "lease_token = <token>" for a one-row restriction that puts a table
+        // scan on the outer side of the join.
+        let complete_lease = complete(
+            "t.lease_token = o.tok",
+            &format!(
+                ", rel AS (UPDATE {t} x SET lease_owner = NULL, lease_token = NULL, \
+                   lease_until = NULL WHERE x.id = ANY($12::int8[]) AND x.lease_token = $11 \
+                   AND x.status = 'pending' RETURNING 1)"
+            ),
+        );
+        let complete_locked = complete("o.tok IS NOT NULL", "");
+        let release_lease = format!(
+            "UPDATE {t} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL \
+             WHERE id = ANY($2::int8[]) AND lease_token = $1 AND status = 'pending'"
+        );
+        // Rows of a lease claim made by another store instance (no ids in memory): walks the
+        // candidate index, which holds every leased row.
+        let lease_rows = format!(
+            "SELECT id, event_id FROM {t} \
+             WHERE status = 'pending' AND NOT blocked AND lease_token = $1"
+        );
+
+        let ks = key("e", seed);
+        let lock_event_aggregate = format!(
+            "SELECT e.aggregate_type, e.aggregate_id, {ks} AS k FROM {t} e WHERE e.event_id = $1"
+        );
+        let promote_head = head_lateral(&t, "pa", "");
+        let promote_aggregate = format!(
+            "UPDATE {t} s SET blocked = false \
+             FROM (SELECT h.id FROM (SELECT $1::text AS aggregate_type, \
+                                            $2::text AS aggregate_id) pa \
+                   CROSS JOIN LATERAL {promote_head} h) nx \
+             WHERE s.id = nx.id AND s.blocked"
+        );
+        let retry_parked = format!(
+            "WITH u AS ( \
+               UPDATE {t} SET status = 'pending', attempts = 0, next_attempt_at = '-infinity', \
+                      park_kind = NULL, parked_at = NULL, blocked = false, \
+                      lease_owner = NULL, lease_token = NULL, lease_until = NULL \
+               WHERE event_id = $1 AND status = 'parked' RETURNING event_id) \
+             INSERT INTO {audit} (event_id, action, actor, reason) \
+             SELECT event_id, 'retry', $2, $3 FROM u RETURNING id"
+        );
+        let discard_parked = format!(
+            "WITH u AS ( \
+               UPDATE {t} SET status = 'discarded', finished_at = clock_timestamp(), \
+                      discard_reason = $3, blocked = false \
+               WHERE event_id = $1 AND status = 'parked' RETURNING event_id) \
+             INSERT INTO {audit} (event_id, action, actor, reason) \
+             SELECT event_id, 'discard', $2, $3 FROM u RETURNING id"
+        );
+        let reissue_parked = format!(
+            "WITH o AS ( \
+               UPDATE {t} SET status = 'discarded', finished_at = clock_timestamp(), \
+                      discard_reason = $3, blocked = false \
+               WHERE event_id = $1 AND status = 'parked' \
+               RETURNING {ENVELOPE_COLS}), \
+             ins AS ( \
+               INSERT INTO {t} ({ENVELOPE_COLS}) \
+               SELECT $4, aggregate_type, aggregate_id, aggregate_version, event_type, \
+                      schema_version, content_type, payload, headers, created_at FROM o \
+               RETURNING event_id), \
+             a AS ( \
+               INSERT INTO {audit} (event_id, action, actor, reason, new_event_id) \
+               SELECT $1, 'reissue', $2, $3, event_id FROM ins RETURNING 1) \
+             SELECT count(*) FROM a"
+        );
+        let list_parked = format!(
+            "SELECT id, {ENVELOPE_COLS}, attempts, park_kind, last_error_class, last_error_kind, \
+                    last_error_message, parked_at \
+             FROM {t} WHERE status = 'parked' ORDER BY parked_at, id LIMIT $1"
+        );
+        let audit_trail = format!(
+            "SELECT event_id, action, actor, reason, new_event_id, at FROM {audit} \
+             WHERE $1::uuid IS NULL OR event_id = $1 ORDER BY id"
+        );
+        let cleanup = format!(
+            "WITH d AS ( \
+               DELETE FROM {t} WHERE id IN ( \
+                 SELECT id FROM {t} \
+                 WHERE status IN ('published', 'discarded') \
+                   AND finished_at < clock_timestamp() - $1::int8 * interval '1 microsecond' \
+                 ORDER BY finished_at LIMIT $2 FOR UPDATE SKIP LOCKED) \
+               RETURNING *), \
+             ar AS (INSERT INTO {archive} SELECT * FROM d WHERE $3::bool RETURNING 1) \
+             SELECT (SELECT count(*) FROM d) AS removed, (SELECT count(*) FROM ar) AS archived"
+        );
+        let stats = format!(
+            "SELECT \
+               (SELECT count(*) FROM {t} WHERE status = 'pending') AS unpublished, \
+               (SELECT count(*) FROM {t} WHERE status = 'pending' AND NOT blocked \
+                  AND lease_until > clock_timestamp()) AS leased, \
+               (SELECT count(*) FROM {t} WHERE status = 'parked') AS parked, \
+               (SELECT count(*) FROM {t} WHERE status = 'published') AS published, \
+               (SELECT count(*) FROM {t} WHERE status = 'pending' AND blocked) AS blocked, \
+               (SELECT extract(epoch FROM clock_timestamp() - created_at)::float8 FROM {t} \
+                  WHERE status = 'pending' AND NOT blocked ORDER BY id LIMIT 1) AS oldest_pending, \
+               (SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8 FROM {t} \
+                  WHERE status = 'parked') AS oldest_parked"
+        );
+        let table_stats = "SELECT pg_total_relation_size(c.oid)::float8 AS total_bytes, \
+                    pg_relation_size(c.oid)::float8 AS table_bytes, \
+                    pg_indexes_size(c.oid)::float8 AS index_bytes, \
+                    s.n_live_tup::float8 AS live_tuples, s.n_dead_tup::float8 AS dead_tuples, \
+                    extract(epoch FROM now() - s.last_autovacuum)::float8 AS autovacuum_age, \
+                    extract(epoch FROM now() - s.last_autoanalyze)::float8 AS autoanalyze_age \
+             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+             LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid \
+             WHERE n.nspname = $1 AND c.relname = $2"
+            .to_owned();
+
+        Self {
+            table: t,
+            append,
+            claim_candidates,
+            claim_lease,
+            claim_locked,
+            lock_aggregates_of_events,
+            complete_lease,
+            complete_locked,
+            release_lease,
+            lease_rows,
+            lock_event_aggregate,
+            promote_aggregate,
+            retry_parked,
+            discard_parked,
+            reissue_parked,
+            list_parked,
+            audit_trail,
+            cleanup,
+            stats,
+            table_stats,
+        }
+    }
+}
+
+fn prefixed(alias: &str, cols: &str) -> String {
+    cols.split(", ")
+        .map(|c| format!("{alias}.{}", c.trim()))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
