@@ -87,6 +87,16 @@ pub(crate) fn refused(
     ))
 }
 
+/// librdkafka log level forwarded to `tracing`: warnings and worse, or everything when the
+/// user asked for librdkafka's `debug` contexts.
+pub(crate) fn log_level(p: &Properties) -> rdkafka::config::RDKafkaLogLevel {
+    if p.get("debug").is_some_and(|v| !v.trim().is_empty()) {
+        rdkafka::config::RDKafkaLogLevel::Debug
+    } else {
+        rdkafka::config::RDKafkaLogLevel::Warning
+    }
+}
+
 fn parse_bool(key: &str, value: &str) -> Result<bool, ConfigError> {
     match value.trim().to_ascii_lowercase().as_str() {
         "true" | "1" | "yes" | "on" => Ok(true),

@@ -159,7 +159,7 @@ impl KafkaPublisherConfig {
             cc.set(k, v);
         }
         cc.remove("request.required.acks");
-        cc.set_log_level(RDKafkaLogLevel::Warning);
+        cc.set_log_level(crate::config::log_level(&self.properties));
         Ok((cc, timeout))
     }
 }

@@ -167,7 +167,7 @@ impl KafkaSourceConfig {
         cc.set("enable.auto.commit", "false");
         cc.set("enable.auto.offset.store", "false");
         cc.set("enable.partition.eof", "false");
-        cc.set_log_level(RDKafkaLogLevel::Warning);
+        cc.set_log_level(crate::config::log_level(&self.properties));
         Ok(cc)
     }
 }
