@@ -12,6 +12,12 @@ mod inbox {
     });
 }
 
+mod publisher {
+    outbox_testkit::publisher_conformance_tests!(async {
+        outbox_testkit::conformance::MemoryPublisherHarness::new()
+    });
+}
+
 #[test]
 fn the_macros_emit_every_listed_check() {
     // Keeps the name lists (documentation for backend authors) in sync with the macros.
@@ -19,6 +25,7 @@ fn the_macros_emit_every_listed_check() {
     for name in outbox_testkit::conformance::OUTBOX_CHECKS
         .iter()
         .chain(outbox_testkit::conformance::INBOX_CHECKS)
+        .chain(outbox_testkit::conformance::PUBLISHER_CHECKS)
     {
         assert!(
             source.matches(&format!("            {name},")).count() == 1,

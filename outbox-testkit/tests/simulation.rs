@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use outbox_testkit::sim::{
-    self, BrokerFault, CountingHandler, Mutation, OperatorStep, SimConfig, Simulation, Step,
+    self, BrokerFault, CountingHandler, Mutation, OperatorStep, SimConfig, SimReport, Simulation,
+    Step,
 };
 use proptest::test_runner::TestError;
 
@@ -59,6 +60,57 @@ fn mutant_skipping_the_aggregate_head_is_caught() {
 fn mutant_committing_the_offset_before_the_transaction_is_caught() {
     let why = caught(Mutation::CommitOffsetBeforeTx);
     assert!(why.contains("committed in partition"), "{why}");
+}
+
+#[test]
+fn the_generator_reaches_the_interesting_states() {
+    // Invariants that never meet a duplicate, a fenced relay or a parked event prove little:
+    // check that generated cases get there.
+    let config = SimConfig::default();
+    let mut total = SimReport::default();
+    let mut modes = [0usize; 2];
+    for (lease, steps) in sim::sample_cases(&config, 150, 1) {
+        modes[usize::from(lease)] += 1;
+        let r = Simulation::new(config.clone(), lease, CountingHandler)
+            .run(&steps)
+            .unwrap_or_else(|v| panic!("{v}"));
+        total.committed_events += r.committed_events;
+        total.applied += r.applied;
+        total.duplicates_in_log += r.duplicates_in_log;
+        total.superseded += r.superseded;
+        total.parked += r.parked;
+        total.operator_actions += r.operator_actions;
+        total.duplicate_registrations += r.duplicate_registrations;
+        total.relay_crashes_holding_work += r.relay_crashes_holding_work;
+        total.conflicts += r.conflicts;
+        total.cleaned += r.cleaned;
+        total.store_faults += r.store_faults;
+    }
+    eprintln!("coverage over 150 cases: {total:?}, modes {modes:?}");
+    assert!(
+        modes[0] > 20 && modes[1] > 20,
+        "both claim modes: {modes:?}"
+    );
+    assert!(total.committed_events > 300, "{total:?}");
+    assert!(total.applied > 300, "{total:?}");
+    assert!(
+        total.duplicates_in_log > 0,
+        "no duplicate deliveries: {total:?}"
+    );
+    assert!(
+        total.duplicate_registrations > 0,
+        "no duplicates reached the inbox: {total:?}"
+    );
+    assert!(total.superseded > 0, "no stale relay was fenced: {total:?}");
+    assert!(total.parked > 0, "nothing parked: {total:?}");
+    assert!(total.operator_actions > 0, "no operator action: {total:?}");
+    assert!(
+        total.relay_crashes_holding_work > 0,
+        "no relay crashed mid-batch: {total:?}"
+    );
+    assert!(total.conflicts > 0, "no optimistic conflict: {total:?}");
+    assert!(total.cleaned > 0, "cleanup never removed a row: {total:?}");
+    assert!(total.store_faults > 0, "{total:?}");
 }
 
 fn begin(aggregate: usize, events: usize) -> Step {

@@ -30,24 +30,28 @@
 //! evaluated once per test, so every test gets its own database. Each emitted test is a plain
 //! `#[test]` that runs the check on a current-thread tokio runtime with time and I/O enabled
 //! (what `#[tokio::test]` does), so the calling crate needs no tokio dependency of its own.
-//! The names of the emitted tests are those of the functions in [`outbox`] and [`inbox`]; the
-//! lists are [`OUTBOX_CHECKS`] and [`INBOX_CHECKS`].
+//! The names of the emitted tests are those of the functions in [`outbox`], [`inbox`] and
+//! [`publisher`]; the lists are [`OUTBOX_CHECKS`], [`INBOX_CHECKS`] and [`PUBLISHER_CHECKS`].
 //!
 //! The in-memory backends run the suite in this crate (`tests/conformance.rs`) through
-//! [`MemoryOutboxHarness`] and [`MemoryInboxHarness`].
+//! [`MemoryOutboxHarness`], [`MemoryInboxHarness`] and [`MemoryPublisherHarness`]; a
+//! [`Publisher`] runs [`publisher_conformance_tests!`](crate::publisher_conformance_tests)
+//! through a [`PublisherHarness`].
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use outbox_core::{
-    async_trait, ClaimHandle, ClaimMode, Envelope, EventId, InboxStore, OutboxStore, StoreError,
+    async_trait, AckMetadata, ClaimHandle, ClaimMode, Envelope, EventId, InboxStore, OutboxStore,
+    Publisher, StoreError,
 };
 
-use crate::{ManualClock, MemoryDb, MemoryInboxStore, MemoryOutboxStore};
+use crate::{ManualClock, MemoryDb, MemoryInboxStore, MemoryLog, MemoryOutboxStore};
 
 pub mod inbox;
 pub mod outbox;
+pub mod publisher;
 
 /// What a backend can do, for the checks that depend on it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -176,6 +180,97 @@ pub trait InboxHarness: Send + Sync {
 
     /// Lets `by` pass on the store's clock.
     async fn advance(&self, by: Duration);
+}
+
+/// A stored record as read back by [`PublisherHarness::read_back`]: key, headers, value.
+pub type ReadBack = (Option<Vec<u8>>, Vec<(String, Vec<u8>)>, Vec<u8>);
+
+/// What the publisher checks need from a backend.
+#[async_trait]
+pub trait PublisherHarness: Send + Sync {
+    /// The publisher under test.
+    type Publisher: Publisher + 'static;
+
+    /// The publisher.
+    fn publisher(&self) -> &Self::Publisher;
+
+    /// A valid event for `aggregate_id` at `version` that the publisher routes to an existing
+    /// topic. Default: event type `conformance.happened`.
+    fn event(&self, aggregate_id: &str, version: i64) -> Envelope {
+        event(aggregate_id, version)
+    }
+
+    /// The broker's record size limit, for the oversize check (`None`: not applicable).
+    fn max_record_bytes(&self) -> Option<usize> {
+        None
+    }
+
+    /// An event routed to a topic that does not exist (`None`: not applicable).
+    fn unroutable_event(&self) -> Option<Envelope> {
+        None
+    }
+
+    /// Reads back the record acknowledged as `ack` (`None`: not applicable).
+    async fn read_back(&self, ack: &AckMetadata) -> Option<ReadBack> {
+        let _ = ack;
+        None
+    }
+}
+
+/// The in-memory publisher harness: a [`MemoryLog`] with topic `conformance` (3 partitions),
+/// a 64 KiB record limit, and no route to topic `missing`.
+#[derive(Clone, Debug)]
+pub struct MemoryPublisherHarness {
+    /// The log.
+    pub log: MemoryLog,
+}
+
+impl MemoryPublisherHarness {
+    /// A harness over a fresh log.
+    pub fn new() -> Self {
+        Self {
+            log: MemoryLog::builder()
+                .topic("conformance", 3)
+                .default_topic("conformance")
+                .route("conformance.unroutable", "missing")
+                .max_record_bytes(64 * 1024)
+                .build(),
+        }
+    }
+}
+
+impl Default for MemoryPublisherHarness {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[async_trait]
+impl PublisherHarness for MemoryPublisherHarness {
+    type Publisher = MemoryLog;
+
+    fn publisher(&self) -> &MemoryLog {
+        &self.log
+    }
+
+    fn max_record_bytes(&self) -> Option<usize> {
+        Some(64 * 1024)
+    }
+
+    fn unroutable_event(&self) -> Option<Envelope> {
+        Envelope::builder("conformance", "u-1", 1, "conformance.unroutable")
+            .event_id(fresh_event_id())
+            .build()
+            .ok()
+    }
+
+    async fn read_back(&self, ack: &AckMetadata) -> Option<ReadBack> {
+        self.log
+            .records(&ack.topic, ack.partition)
+            .into_iter()
+            .find(|r| r.offset == ack.offset)
+            .map(|r| (r.key, r.headers, r.value))
+    }
 }
 
 /// The in-memory outbox harness: a fresh [`MemoryDb`] on a [`ManualClock`].
@@ -339,6 +434,16 @@ pub const OUTBOX_CHECKS: &[&str] = &[
     "claim_mode_is_reported",
 ];
 
+/// Names of the publisher checks, in the order the macro emits them.
+pub const PUBLISHER_CHECKS: &[&str] = &[
+    "publish_returns_one_result_per_event_in_order",
+    "empty_batch_returns_no_results",
+    "records_follow_the_wire_mapping",
+    "oversize_record_is_a_permanent_error",
+    "unknown_topic_is_a_permanent_error",
+    "delivery_timeout_is_positive",
+];
+
 /// Names of the inbox checks, in the order the macro emits them.
 pub const INBOX_CHECKS: &[&str] = &[
     "first_registration_is_fresh_then_duplicate",
@@ -429,6 +534,43 @@ macro_rules! inbox_conformance_tests {
                 $crate::conformance::run(async {
                     let harness = $setup.await;
                     $crate::conformance::inbox::$check(&harness).await;
+                });
+            }
+        )*
+    };
+}
+
+/// Emits one named test per publisher check (see [`PUBLISHER_CHECKS`]) from a setup
+/// expression: an expression evaluating to a future that yields a [`PublisherHarness`],
+/// evaluated once per test.
+///
+/// ```
+/// mod suite {
+///     outbox_testkit::publisher_conformance_tests!(async {
+///         outbox_testkit::conformance::MemoryPublisherHarness::new()
+///     });
+/// }
+/// # fn main() {}
+/// ```
+#[macro_export]
+macro_rules! publisher_conformance_tests {
+    ($setup:expr) => {
+        $crate::publisher_conformance_tests!(@emit ($setup)
+            publish_returns_one_result_per_event_in_order,
+            empty_batch_returns_no_results,
+            records_follow_the_wire_mapping,
+            oversize_record_is_a_permanent_error,
+            unknown_topic_is_a_permanent_error,
+            delivery_timeout_is_positive,
+        );
+    };
+    (@emit ($setup:expr) $($check:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $check() {
+                $crate::conformance::run(async {
+                    let harness = $setup.await;
+                    $crate::conformance::publisher::$check(&harness).await;
                 });
             }
         )*

@@ -1,0 +1,116 @@
+//! The publisher checks, one per contract clause of [`Publisher`]. Each takes a fresh
+//! [`PublisherHarness`].
+
+use std::collections::BTreeMap;
+
+use outbox_core::{Classify, Envelope, ErrorClass, Payload, PublishErrorKind, Publisher};
+
+use super::{not_applicable, unique, PublisherHarness};
+
+fn agg(name: &str) -> String {
+    format!("{name}-{}", unique())
+}
+
+/// One result per event, in input order; only acknowledged records are `Ok`; one aggregate's
+/// records land in one partition, in order.
+pub async fn publish_returns_one_result_per_event_in_order<H: PublisherHarness>(h: &H) {
+    let aggs: Vec<String> = (0..3).map(|_| agg("pub")).collect();
+    let batch: Vec<Envelope> = (1..=2)
+        .flat_map(|v| aggs.iter().map(move |a| (a.clone(), v)))
+        .map(|(a, v)| h.event(&a, v))
+        .collect();
+    let results = h.publisher().publish(&batch).await;
+    assert_eq!(results.len(), batch.len(), "one result per event");
+    let mut last: BTreeMap<&str, (String, i32, i64)> = BTreeMap::new();
+    for (e, r) in batch.iter().zip(&results) {
+        let ack = r
+            .as_ref()
+            .unwrap_or_else(|err| panic!("publishing {} failed: {err}", e.event_id));
+        if let Some((topic, partition, offset)) = last.get(e.aggregate_id.as_str()) {
+            assert_eq!(
+                (topic, partition),
+                (&ack.topic, &ack.partition),
+                "one aggregate, one partition"
+            );
+            assert!(
+                ack.offset > *offset,
+                "an aggregate's records are stored in order"
+            );
+        }
+        last.insert(
+            &e.aggregate_id,
+            (ack.topic.clone(), ack.partition, ack.offset),
+        );
+    }
+}
+
+/// An empty batch gives no results.
+pub async fn empty_batch_returns_no_results<H: PublisherHarness>(h: &H) {
+    assert!(h.publisher().publish(&[]).await.is_empty());
+}
+
+/// The stored record is the wire mapping of the envelope, keyed by the aggregate id.
+pub async fn records_follow_the_wire_mapping<H: PublisherHarness>(h: &H) {
+    let e = h.event(&agg("wire"), 1);
+    let ack = h
+        .publisher()
+        .publish(std::slice::from_ref(&e))
+        .await
+        .remove(0)
+        .expect("published");
+    let Some((key, headers, value)) = h.read_back(&ack).await else {
+        return not_applicable(
+            "records_follow_the_wire_mapping",
+            "the harness cannot read records back",
+        );
+    };
+    assert_eq!(
+        key.as_deref(),
+        Some(e.aggregate_id.as_bytes()),
+        "record key"
+    );
+    let decoded = outbox_core::wire::decode(&headers, &value).expect("decodable record");
+    assert_eq!(decoded, e, "the record decodes to the published envelope");
+}
+
+/// A record over the broker's size limit fails permanently (it is parked, never retried in a
+/// loop), and does not fail the rest of the batch.
+pub async fn oversize_record_is_a_permanent_error<H: PublisherHarness>(h: &H) {
+    let Some(max) = h.max_record_bytes() else {
+        return not_applicable(
+            "oversize_record_is_a_permanent_error",
+            "the harness declares no record size limit",
+        );
+    };
+    let mut big = h.event(&agg("big"), 1);
+    big.payload = Payload::new("application/octet-stream", vec![7u8; max + 1]);
+    let small = h.event(&agg("small"), 1);
+    let results = h.publisher().publish(&[big, small]).await;
+    assert_eq!(results.len(), 2);
+    let err = results[0]
+        .as_ref()
+        .expect_err("an oversize record was acknowledged");
+    assert_eq!(err.class(), ErrorClass::Permanent, "{err}");
+    assert_eq!(err.kind, PublishErrorKind::RecordTooLarge, "{err}");
+    assert!(results[1].is_ok(), "the rest of the batch is unaffected");
+}
+
+/// A record for a topic that does not exist fails permanently.
+pub async fn unknown_topic_is_a_permanent_error<H: PublisherHarness>(h: &H) {
+    let Some(e) = h.unroutable_event() else {
+        return not_applicable(
+            "unknown_topic_is_a_permanent_error",
+            "the harness cannot route an event to a missing topic",
+        );
+    };
+    let results = h.publisher().publish(std::slice::from_ref(&e)).await;
+    let err = results[0]
+        .as_ref()
+        .expect_err("a record for a missing topic was acknowledged");
+    assert_eq!(err.class(), ErrorClass::Permanent, "{err}");
+}
+
+/// The delivery timeout is a real bound.
+pub async fn delivery_timeout_is_positive<H: PublisherHarness>(h: &H) {
+    assert!(!h.publisher().delivery_timeout().is_zero());
+}
