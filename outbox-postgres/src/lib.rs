@@ -129,3 +129,15 @@ pub use schema::{
 
 /// The sqlx version this crate is built against, re-exported for callers' transactions.
 pub use sqlx;
+
+#[cfg(test)]
+mod send_checks {
+    #[allow(dead_code)]
+    fn futures_are_send(s: &crate::PostgresOutboxStore, i: &crate::PostgresInboxStore) {
+        fn is_send<T: Send>(_: T) {}
+        is_send(s.migrate());
+        is_send(i.migrate());
+        is_send(s.append_many(s.pool(), &[]));
+        is_send(s.explain_claim(1));
+    }
+}

@@ -355,6 +355,29 @@ impl PostgresOutboxStore {
         Ok(lines.join("\n"))
     }
 
+    /// Test support: ends a locked claim as a crash would (its transaction is rolled back,
+    /// so its row and aggregate locks go), without the relay calling `complete` or `release`.
+    /// Returns `false` when the store holds no such claim.
+    #[doc(hidden)]
+    pub async fn abandon_locked_claim(&self, claim: &ClaimHandle) -> bool {
+        let taken = self
+            .inner
+            .locked
+            .lock()
+            .expect("poisoned")
+            .remove(&claim.token);
+        match taken {
+            Some(held) => {
+                let mut conn = held.tx;
+                // Closing the connection is what a crash does; rolling back frees the same locks.
+                let _ = sqlx::query("ROLLBACK").execute(&mut *conn).await;
+                drop(conn);
+                true
+            }
+            None => false,
+        }
+    }
+
     async fn claim_inner(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
         let token = Uuid::now_v7();
         let handle = ClaimHandle {

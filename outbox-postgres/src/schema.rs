@@ -4,7 +4,7 @@
 //! configured name is validated ([`validate_identifier`]) and then written in double quotes.
 //! Values never appear in SQL text; they travel as bound parameters.
 
-use sqlx::PgPool;
+use sqlx::{Executor, PgPool};
 
 use outbox_core::StoreError;
 
@@ -99,7 +99,7 @@ pub(crate) async fn migrate(
          );",
         qualified(schema, "outbox_schema_migrations")
     );
-    sqlx::raw_sql(&ddl).execute(&mut *tx).await.map_err(db)?;
+    (&mut *tx).execute(ddl.as_str()).await.map_err(db)?;
     let object = format!("{name}:{table}");
     let applied: Option<i32> = sqlx::query_scalar(&format!(
         "SELECT max(version) FROM {} WHERE object = $1",
@@ -116,7 +116,7 @@ pub(crate) async fn migrate(
             continue;
         }
         let sql = render(template, schema, table);
-        sqlx::raw_sql(&sql).execute(&mut *tx).await.map_err(db)?;
+        (&mut *tx).execute(sql.as_str()).await.map_err(db)?;
         sqlx::query(&format!(
             "INSERT INTO {} (object, version, description) VALUES ($1, $2, $3)",
             qualified(schema, "outbox_schema_migrations")

@@ -23,7 +23,9 @@ pub async fn pool(max: u32) -> Option<PgPool> {
     {
         Ok(p) => Some(p),
         Err(e) if skip => {
-            eprintln!("SKIPPED: PostgreSQL at {url} unreachable ({e}); OUTBOX_SKIP_SERVICE_TESTS=1");
+            eprintln!(
+                "SKIPPED: PostgreSQL at {url} unreachable ({e}); OUTBOX_SKIP_SERVICE_TESTS=1"
+            );
             None
         }
         Err(e) => panic!(
