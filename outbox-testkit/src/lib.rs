@@ -12,6 +12,34 @@
 //!   [`outbox_core::Publisher`] and [`outbox_core::MessageSource`], with scripted broker faults.
 //! * [`MemoryInboxStore`]: the [`outbox_core::InboxStore`], committing with business writes.
 //!
+//! And the tools every backend and every user of the library can test with:
+//!
+//! * [`conformance`]: one generic check per contract clause of `OutboxStore`, `InboxStore` and
+//!   `Publisher`, turned into one named test each by
+//!   [`outbox_conformance_tests!`], [`inbox_conformance_tests!`] and
+//!   [`publisher_conformance_tests!`] from a setup expression; backends describe their
+//!   differences as [`conformance::Capabilities`].
+//! * [`fault`]: wrappers injecting transient and permanent errors, latency and lost
+//!   replies/acknowledgements into any store or publisher, driven by a script, a countdown or
+//!   a seed (`OUTBOX_SIM_SEED`).
+//! * [`sim`]: the crash-at-every-step simulation, a state-machine property test of the whole
+//!   pipeline with invariants after every step; plug in your own consumer handler with
+//!   [`sim::SimHandler`]. `OUTBOX_SIM_CASES` sets the number of cases, `OUTBOX_SIM_SEED`
+//!   replays a printed seed.
+//!
+//! ## Design notes
+//!
+//! * Crashes are modelled as durable versus in-flight state: committed state lives in
+//!   [`MemoryDb`]; a [`MemoryTx`] holds everything uncommitted and dropping it is a rollback.
+//!   A relay or consumer "crash" drops its in-flight state; a locked claim's crash is
+//!   [`MemoryOutboxStore::abandon`].
+//! * Sequence numbers are assigned at append time, not at commit, so rows commit out of order
+//!   as in PostgreSQL; the claim never uses a high-water mark.
+//! * Time is a [`ManualClock`] shared by store, log and relay; nothing reads the system clock
+//!   and nothing random is unseeded (claim tokens and re-issued ids are counters).
+//!
+//! ## Example: append, relay, consume
+//!
 //! ```
 //! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
 //! use std::time::Duration;

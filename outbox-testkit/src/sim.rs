@@ -22,6 +22,12 @@
 //!   any two, and [`Step::Rebalance`] (the partition moves to a new member, which commits what
 //!   is final first).
 //!
+//! The runner is proptest over a `Vec<Step>` rather than `proptest-state-machine`: steps
+//! are no-ops when they do not apply, so no precondition depends on the system's state, the
+//! [`Mutation`] and handler are runtime parameters, and shrinking removes steps freely.
+//! The reference model (committed, rolled-back, discarded, re-issued and applied events) is
+//! kept inside [`Simulation`] next to the system under test.
+//!
 //! # Invariants
 //!
 //! After every transition:
@@ -30,7 +36,9 @@
 //!   log (published means acknowledged);
 //! * per aggregate, first deliveries in the log are in version order, and a relay never sends
 //!   version N+1 while an earlier version is neither published nor discarded;
-//! * a parked event is never published without an operator retry;
+//! * a parked event is never published without an operator retry, and blocks its own
+//!   aggregate only: a claim that returns fewer events than its limit left no due,
+//!   unblocked aggregate head behind;
 //! * each event's effect is applied at most once per consumer, and in version order per
 //!   aggregate;
 //! * the committed offset never passes a record whose effect is not committed.
@@ -805,11 +813,18 @@ impl<H: SimHandler> Simulation<H> {
                         })?;
                         RelayState::Idle
                     }
-                    Ok(batch) if batch.is_empty() => RelayState::Idle,
-                    Ok(batch) => RelayState::Claimed {
-                        batch,
-                        claimed_at: self.clock.now(),
-                    },
+                    Ok(batch) => {
+                        let limit = self.relays[i].relay.config().batch_size;
+                        self.check_claim_took_every_due_head(batch.records.len(), limit)?;
+                        if batch.is_empty() {
+                            RelayState::Idle
+                        } else {
+                            RelayState::Claimed {
+                                batch,
+                                claimed_at: self.clock.now(),
+                            }
+                        }
+                    }
                 }
             }
             RelayState::Claimed { batch, claimed_at } => {
@@ -897,6 +912,41 @@ impl<H: SimHandler> Simulation<H> {
             }
         };
         self.relays[i].state = next;
+        Ok(())
+    }
+
+    /// A claim that returned fewer events than its limit left no aggregate behind whose head
+    /// was due, unclaimed and not blocked by a parked event: parking blocks its own aggregate
+    /// only, and nothing claimable is starved.
+    fn check_claim_took_every_due_head(&self, got: usize, limit: usize) -> Check {
+        if got >= limit {
+            return Ok(());
+        }
+        let now = self.clock.now();
+        let mut open: BTreeMap<&str, Vec<&crate::OutboxRow>> = BTreeMap::new();
+        let snap = self.store.snapshot();
+        for row in &snap {
+            if matches!(row.status, DeliveryStatus::Pending | DeliveryStatus::Parked) {
+                open.entry(&row.envelope.aggregate_id)
+                    .or_default()
+                    .push(row);
+            }
+        }
+        for (agg, rows) in open {
+            let blocked = rows.iter().any(|r| {
+                r.status == DeliveryStatus::Parked || r.claim.as_ref().is_some_and(|c| c.live)
+            });
+            let head = rows
+                .iter()
+                .min_by_key(|r| (r.envelope.aggregate_version, r.seq))
+                .expect("non-empty");
+            ensure(blocked || head.next_attempt_at > now, || {
+                format!(
+                    "a claim returned {got} of {limit} events but {agg} v{} was due",
+                    head.envelope.aggregate_version
+                )
+            })?;
+        }
         Ok(())
     }
 
