@@ -1,0 +1,813 @@
+//! Integration tests of the PostgreSQL stores beyond the conformance suite: atomicity,
+//! validation, identifiers, both claim modes, fencing, lease expiry, blocking and unblocking,
+//! operator actions, cleanup, stats, the inbox and the LISTEN/NOTIFY wake-up.
+//!
+//! Each test uses its own schema. Needs PostgreSQL at `DATABASE_URL`; see `common`.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::{
+    AckMetadata, ClaimMode, ClaimRequest, ClaimedBatch, Envelope, ErrorClass, EventId, InboxStore,
+    LastError, OperatorAction, OutboxStore, Outcome, ParkKind, ParkReason, Payload, Registration,
+    StoreError, StoreErrorKind,
+};
+use outbox_postgres::{AppendGuard, PostgresInboxStore, PostgresOutboxStore};
+use sqlx::Row;
+
+use common::{event, lease};
+
+fn published(e: &Envelope, offset: i64) -> Outcome {
+    Outcome::Published {
+        event_id: e.event_id,
+        ack: AckMetadata {
+            topic: "orders".into(),
+            partition: 3,
+            offset,
+        },
+    }
+}
+
+fn park(e: &Envelope) -> Outcome {
+    Outcome::Park {
+        event_id: e.event_id,
+        reason: ParkReason {
+            kind: ParkKind::PermanentError,
+            error: LastError {
+                class: ErrorClass::Permanent,
+                kind: "record_too_large".into(),
+                message: "too big".into(),
+            },
+        },
+    }
+}
+
+async fn claim(store: &PostgresOutboxStore, owner: &str, limit: usize) -> ClaimedBatch {
+    store
+        .claim(&ClaimRequest::new(owner, limit))
+        .await
+        .expect("claim")
+}
+
+fn versions(batch: &ClaimedBatch) -> Vec<(String, i64)> {
+    let mut v: Vec<_> = batch
+        .records
+        .iter()
+        .map(|r| {
+            (
+                r.envelope.aggregate_id.clone(),
+                r.envelope.aggregate_version,
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+async fn count(ctx: &common::Ctx, filter: &str) -> i64 {
+    sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM \"{}\".outbox_events WHERE {filter}",
+        ctx.schema
+    ))
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap()
+}
+
+async fn publish_all(store: &PostgresOutboxStore, batch: &ClaimedBatch) {
+    let outs: Vec<_> = batch
+        .records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| published(&r.envelope, i as i64))
+        .collect();
+    let rep = store.complete(&batch.handle, &outs).await.unwrap();
+    assert_eq!(rep.applied, outs.len());
+}
+
+#[tokio::test]
+async fn rolled_back_append_leaves_nothing_and_commit_keeps_all() {
+    let ctx = ctx!(4);
+    let store = ctx.store(lease(30.0)).await;
+    let mut tx = ctx.pool.begin().await.unwrap();
+    store
+        .append_many(&mut *tx, &[event("a", 1), event("a", 2)])
+        .await
+        .unwrap();
+    // The trait method joins the same transaction.
+    OutboxStore::append(&store, &mut tx, &[event("b", 1)])
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(count(&ctx, "true").await, 0);
+    assert!(claim(&store, "r", 10).await.is_empty());
+
+    let mut tx = ctx.pool.begin().await.unwrap();
+    store.append(&mut *tx, &event("a", 1)).await.unwrap();
+    OutboxStore::append(&store, &mut tx, &[event("b", 1), event("c", 1)])
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    // Also through the pool directly (autocommit).
+    store.append(&ctx.pool, &event("d", 1)).await.unwrap();
+    assert_eq!(count(&ctx, "status = 'pending'").await, 4);
+
+    // The envelope round-trips exactly.
+    let e = Envelope::builder("order", "rt", 1, "order.created")
+        .payload(Payload::new(
+            "application/octet-stream",
+            vec![0u8, 1, 2, 255],
+        ))
+        .schema_version(7)
+        .header(
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        )
+        .header("x-tenant", "t1")
+        .build()
+        .unwrap();
+    store.append(&ctx.pool, &e).await.unwrap();
+    let batch = claim(&store, "r", 10).await;
+    let got = batch
+        .records
+        .iter()
+        .find(|r| r.envelope.event_id == e.event_id)
+        .expect("claimed");
+    assert_eq!(got.envelope, e);
+    ctx.drop().await;
+}
+
+#[tokio::test]
+async fn invalid_events_and_duplicates_write_nothing() {
+    let ctx = ctx!(4);
+    let store = PostgresOutboxStore::builder(ctx.pool.clone())
+        .schema(&ctx.schema)
+        .limits(outbox_core::EnvelopeLimits::default().with_max_payload_bytes(10))
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let big = Envelope::builder("order", "a", 1, "t")
+        .payload(Payload::new("application/octet-stream", vec![0u8; 11]))
+        .build()
+        .unwrap();
+    let mut tx = ctx.pool.begin().await.unwrap();
+    let err = store
+        .append_many(&mut *tx, &[event("ok", 1), big])
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, StoreErrorKind::Validation);
+    assert_eq!(err.class, ErrorClass::Permanent);
+    tx.commit().await.unwrap();
+    assert_eq!(
+        count(&ctx, "true").await,
+        0,
+        "the valid event was not written either"
+    );
+
+    // An envelope altered after building is checked again.
+    let mut bad = event("a", 1);
+    bad.event_type = String::new();
+    let err = store.append(&ctx.pool, &bad).await.unwrap_err();
+    assert_eq!(err.kind, StoreErrorKind::Validation);
+
+    let e = event("a", 1);
+    store.append(&ctx.pool, &e).await.unwrap();
+    let err = store.append(&ctx.pool, &e).await.unwrap_err();
+    assert_eq!(err.kind, StoreErrorKind::Constraint);
+    assert_eq!(count(&ctx, "true").await, 1);
+    ctx.drop().await;
+}
+
+#[tokio::test]
+async fn hostile_identifiers_are_configuration_errors() {
+    let Some(pool) = common::pool(2).await else {
+        return;
+    };
+    let hostile = [
+        "x\"; DROP TABLE users; --",
+        "outbox.events",
+        "Outbox",
+        "",
+        "a b",
+        "pg_toast",
+        "o'brien",
+    ];
+    for name in hostile {
+        let e = PostgresOutboxStore::builder(pool.clone())
+            .schema(name)
+            .build()
+            .unwrap_err();
+        assert_eq!(e.kind, StoreErrorKind::Configuration, "schema {name:?}");
+        let e = PostgresOutboxStore::builder(pool.clone())
+            .table(name)
+            .build()
+            .unwrap_err();
+        assert_eq!(e.kind, StoreErrorKind::Configuration, "table {name:?}");
+        let e = PostgresOutboxStore::builder(pool.clone())
+            .notify_channel(Some(name))
+            .build()
+            .unwrap_err();
+        assert_eq!(e.kind, StoreErrorKind::Configuration, "channel {name:?}");
+        let e = PostgresInboxStore::builder(pool.clone())
+            .table(name)
+            .build()
+            .unwrap_err();
+        assert_eq!(e.kind, StoreErrorKind::Configuration, "inbox {name:?}");
+        assert!(outbox_postgres::outbox_schema_sql(name, "t").is_err());
+    }
+    let e = PostgresOutboxStore::builder(pool.clone())
+        .table("a".repeat(41))
+        .build()
+        .unwrap_err();
+    assert_eq!(e.kind, StoreErrorKind::Configuration);
+    let e = PostgresOutboxStore::builder(pool.clone())
+        .claim_mode(ClaimMode::Lease {
+            duration: Duration::ZERO,
+        })
+        .build()
+        .unwrap_err();
+    assert_eq!(e.kind, StoreErrorKind::Configuration);
+    // Custom valid names work end to end.
+    let schema = common::schema_name();
+    let store = PostgresOutboxStore::builder(pool.clone())
+        .schema(&schema)
+        .table("shop_outbox")
+        .build()
+        .unwrap();
+    assert_eq!(store.migrate().await.unwrap(), 1);
+    assert_eq!(
+        store.migrate().await.unwrap(),
+        0,
+        "migrations are applied once"
+    );
+    store.append(&pool, &event("a", 1)).await.unwrap();
+    let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM \"{schema}\".shop_outbox"))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 1);
+    sqlx::query(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
+        .execute(&pool)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn missing_schema_is_a_schema_error() {
+    let ctx = ctx!(2);
+    let store = ctx.store_unmigrated(lease(30.0));
+    let err = store.append(&ctx.pool, &event("a", 1)).await.unwrap_err();
+    assert_eq!(err.kind, StoreErrorKind::Schema, "{err}");
+    let err = store.claim(&ClaimRequest::new("r", 1)).await.unwrap_err();
+    assert_eq!(err.kind, StoreErrorKind::Schema);
+}
+
+#[derive(Debug)]
+struct RefuseNonCritical;
+
+impl AppendGuard for RefuseNonCritical {
+    fn check(&self, events: &[Envelope]) -> Result<(), StoreError> {
+        if events
+            .iter()
+            .any(|e| e.headers.get("x-critical").map(String::as_str) != Some("1"))
+        {
+            return Err(StoreError::new(
+                StoreErrorKind::Backpressure,
+                "backlog above threshold",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn append_guard_refuses_before_writing() {
+    let ctx = ctx!(2);
+    let store = PostgresOutboxStore::builder(ctx.pool.clone())
+        .schema(&ctx.schema)
+        .append_guard(Arc::new(RefuseNonCritical))
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let err = store.append(&ctx.pool, &event("a", 1)).await.unwrap_err();
+    assert_eq!(err.kind, StoreErrorKind::Backpressure);
+    assert_eq!(err.class, ErrorClass::Transient);
+    let critical = Envelope::builder("order", "a", 1, "t")
+        .header("x-critical", "1")
+        .build()
+        .unwrap();
+    store.append(&ctx.pool, &critical).await.unwrap();
+    assert_eq!(count(&ctx, "true").await, 1);
+    ctx.drop().await;
+}
+
+#[tokio::test]
+async fn lease_claim_records_owner_token_expiry_and_ack_metadata() {
+    let ctx = ctx!(4);
+    let store = ctx.store(lease(30.0)).await;
+    let (a1, a2, b1) = (event("a", 1), event("a", 2), event("b", 1));
+    store
+        .append_many(&ctx.pool, &[a1.clone(), a2.clone(), b1.clone()])
+        .await
+        .unwrap();
+    let batch = claim(&store, "relay-1", 10).await;
+    assert_eq!(versions(&batch), vec![("a".into(), 1), ("b".into(), 1)]);
+    let left = batch.lease_remaining.expect("lease mode reports the lease");
+    assert!(left > Duration::from_secs(29) && left <= Duration::from_secs(30));
+    let row = sqlx::query(&format!(
+        "SELECT lease_owner, lease_token, lease_until > now() AS live FROM \"{}\".outbox_events \
+         WHERE event_id = $1",
+        ctx.schema
+    ))
+    .bind(a1.event_id.as_uuid())
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(row.get::<String, _>("lease_owner"), "relay-1");
+    assert_eq!(row.get::<uuid::Uuid, _>("lease_token"), batch.handle.token);
+    assert!(row.get::<bool, _>("live"));
+    // A second relay gets nothing: both heads are leased, a2 is behind a1.
+    assert!(claim(&store, "relay-2", 10).await.is_empty());
+    let rep = store
+        .complete(&batch.handle, &[published(&a1, 41), published(&b1, 42)])
+        .await
+        .unwrap();
+    assert_eq!((rep.applied, rep.superseded), (2, 0));
+    let row = sqlx::query(&format!(
+        "SELECT status, ack_topic, ack_partition, ack_offset, published_at IS NOT NULL AS p, \
+                lease_token IS NULL AS cleared FROM \"{}\".outbox_events WHERE event_id = $1",
+        ctx.schema
+    ))
+    .bind(a1.event_id.as_uuid())
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(row.get::<String, _>("status"), "published");
+    assert_eq!(row.get::<String, _>("ack_topic"), "orders");
+    assert_eq!(row.get::<i32, _>("ack_partition"), 3);
+    assert_eq!(row.get::<i64, _>("ack_offset"), 41);
+    assert!(row.get::<bool, _>("p") && row.get::<bool, _>("cleared"));
+    let next = claim(&store, "relay-2", 10).await;
+    assert_eq!(versions(&next), vec![("a".into(), 2)]);
+    ctx.drop().await;
+}
+
+#[tokio::test]
+async fn expired_lease_is_reclaimed_and_the_stale_holder_is_fenced() {
+    let ctx = ctx!(4);
+    let store = ctx.store(lease(1.0)).await;
+    let a1 = event("a", 1);
+    store.append(&ctx.pool, &a1).await.unwrap();
+    let first = claim(&store, "slow", 10).await;
+    assert_eq!(first.records.len(), 1);
+    assert!(claim(&store, "other", 10).await.is_empty(), "live lease");
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let second = claim(&store, "fast", 10).await;
+    assert_eq!(second.records.len(), 1, "expired lease returns the row");
+    assert_eq!(second.records[0].attempts, 0, "expiry is not an attempt");
+    assert_ne!(first.handle.token, second.handle.token);
+    // The stale holder's outcome is refused and counted.
+    let rep = store
+        .complete(&first.handle, &[published(&a1, 1)])
+        .await
+        .unwrap();
+    assert_eq!((rep.applied, rep.superseded), (0, 1));
+    assert_eq!(count(&ctx, "status = 'published'").await, 0);
+    // Its release is a no-op for rows it no longer owns.
+    store.release(&first.handle).await.unwrap();
+    let rep = store
+        .complete(&second.handle, &[published(&a1, 2)])
+        .await
+        .unwrap();
+    assert_eq!((rep.applied, rep.superseded), (1, 0));
+    let off: i64 = sqlx::query_scalar(&format!(
+        "SELECT ack_offset FROM \"{}\".outbox_events",
+        ctx.schema
+    ))
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(off, 2);
+    ctx.drop().await;
+}
+
+#[tokio::test]
+async fn completion_from_another_store_instance_is_fenced_by_token() {
+    let ctx = ctx!(4);
+    let store = ctx.store(lease(30.0)).await;
+    let other = ctx.store(lease(30.0)).await;
+    let (a1, b1) = (event("a", 1), event("b", 1));
+    store
+        .append_many(&ctx.pool, &[a1.clone(), b1.clone()])
+        .await
+        .unwrap();
+    let batch = claim(&store, "r", 10).await;
+    // `other` has no memory of the claim: it finds the rows by token; b1 has no outcome and
+    // is released.
+    let rep = other
+        .complete(&batch.handle, &[published(&a1, 1)])
+        .await
+        .unwrap();
+    assert_eq!((rep.applied, rep.superseded), (1, 0));
+    assert_eq!(count(&ctx, "lease_token IS NOT NULL").await, 0);
+    let again = claim(&other, "r2", 10).await;
+    assert_eq!(versions(&again), vec![("b".into(), 1)]);
+    ctx.drop().await;
+}
+
+#[tokio::test]
+async fn locked_claim_holds_rows_until_completed_or_released() {
+    let ctx = ctx!(8);
+    let store = ctx.store(ClaimMode::LockedTransaction).await;
+    let relay2 = ctx.store(ClaimMode::LockedTransaction).await;
+    let (a1, a2, b1) = (event("a", 1), event("a", 2), event("b", 1));
+    store
+        .append_many(&ctx.pool, &[a1.clone(), a2.clone(), b1.clone()])
+        .await
+        .unwrap();
+    let batch = claim(&store, "r1", 10).await;
+    assert_eq!(versions(&batch), vec![("a".into(), 1), ("b".into(), 1)]);
+    assert_eq!(batch.lease_remaining, None);
+    assert_eq!(store.stats().await.unwrap().in_flight, 2);
+    // Another relay (another connection) sees nothing claimable: the heads are locked and a2
+    // is behind a1.
+    assert!(claim(&relay2, "r2", 10).await.is_empty());
+    // Nothing is written to the rows while the claim is open.
+    assert_eq!(count(&ctx, "lease_token IS NOT NULL").await, 0);
+    let rep = store
+        .complete(&batch.handle, &[published(&a1, 7)])
+        .await
+        .unwrap();
+    assert_eq!((rep.applied, rep.superseded), (1, 0));
+    // b1 had no outcome: released unchanged.
+    let next = claim(&relay2, "r2", 10).await;
+    assert_eq!(versions(&next), vec![("a".into(), 2), ("b".into(), 1)]);
+    store.release(&next.handle).await.unwrap(); // not this store's claim: no-op
+    relay2.release(&next.handle).await.unwrap();
+    let last = claim(&store, "r1", 10).await;
+    assert_eq!(last.records.len(), 2);
+    assert_eq!(
+        last.records[0].attempts, 0,
+        "release does not count an attempt"
+    );
+    // Completing an unknown (already finished) claim refuses every outcome.
+    let rep = store
+        .complete(&batch.handle, &[published(&a2, 1)])
+        .await
+        .unwrap();
+    assert_eq!((rep.applied, rep.superseded), (0, 1));
+    publish_all(&store, &last).await;
+    assert_eq!(count(&ctx, "status = 'published'").await, 3);
+    ctx.drop().await;
+}
+
+#[tokio::test]
+async fn retry_delay_runs_on_the_database_clock() {
+    let ctx = ctx!(4);
+    let store = ctx.store(lease(30.0)).await;
+    let a1 = event("a", 1);
+    store.append(&ctx.pool, &a1).await.unwrap();
+    let batch = claim(&store, "r", 10).await;
+    let retry = Outcome::Retry {
+        event_id: a1.event_id,
+        delay: Duration::from_millis(700),
+        error: LastError {
+            class: ErrorClass::Transient,
+            kind: "timeout".into(),
+            message: "no ack".into(),
+        },
+    };
+    store.complete(&batch.handle, &[retry]).await.unwrap();
+    assert!(
+        claim(&store, "r", 10).await.is_empty(),
+        "not before the delay"
+    );
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    let again = claim(&store, "r", 10).await;
+    assert_eq!(again.records.len(), 1);
+    assert_eq!(again.records[0].attempts, 1);
+    let kind: String = sqlx::query_scalar(&format!(
+        "SELECT last_error_kind FROM \"{}\".outbox_events",
+        ctx.schema
+    ))
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(kind, "timeout");
+    ctx.drop().await;
+}
+
+/// Rows queued behind a head are blocked (out of the claim index) and unblocked when the head
+/// is published or discarded; rows that commit late are never skipped.
+#[tokio::test]
+async fn blocking_unblocking_and_late_commits() {
+    let ctx = ctx!(6);
+    let store = ctx.store(lease(30.0)).await;
+    let evs: Vec<_> = (1..=5).map(|v| event("deep", v)).collect();
+    store.append_many(&ctx.pool, &evs).await.unwrap();
+    // A transaction that appends the next version and commits late.
+    let mut late = ctx.pool.begin().await.unwrap();
+    let v6 = event("deep", 6);
+    store.append(&mut *late, &v6).await.unwrap();
+    let other = event("other", 1);
+    store.append(&ctx.pool, &other).await.unwrap();
+
+    let b = claim(&store, "r", 100).await;
+    assert_eq!(versions(&b), vec![("deep".into(), 1), ("other".into(), 1)]);
+    assert_eq!(
+        count(&ctx, "blocked").await,
+        4,
+        "v2..v5 classified as blocked"
+    );
+    late.commit().await.unwrap();
+    publish_all(&store, &b).await;
+    assert_eq!(count(&ctx, "blocked").await, 3, "v2 unblocked");
+    for v in 2..=6 {
+        let b = claim(&store, "r", 100).await;
+        assert_eq!(versions(&b), vec![("deep".into(), v)], "version {v}");
+        publish_all(&store, &b).await;
+    }
+    assert!(claim(&store, "r", 100).await.is_empty());
+    assert_eq!(count(&ctx, "status = 'published'").await, 7);
+    ctx.drop().await;
+}
+
+#[tokio::test]
+async fn parking_blocks_the_aggregate_and_operator_actions_are_audited() {
+    let ctx = ctx!(6);
+    let store = ctx.store(ClaimMode::LockedTransaction).await;
+    let evs: Vec<_> = (1..=3).map(|v| event("p", v)).collect();
+    let free = event("free", 1);
+    store.append_many(&ctx.pool, &evs).await.unwrap();
+    store.append(&ctx.pool, &free).await.unwrap();
+    let b = claim(&store, "r", 10).await;
+    let outs = vec![park(&evs[0]), published(&free, 1)];
+    assert_eq!(store.complete(&b.handle, &outs).await.unwrap().applied, 2);
+    assert!(
+        claim(&store, "r", 10).await.is_empty(),
+        "aggregate p is blocked"
+    );
+    let parked = store.list_parked(10).await.unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!(parked[0].envelope, evs[0]);
+    assert_eq!(parked[0].reason.kind, ParkKind::PermanentError);
+    assert_eq!(parked[0].reason.error.kind, "record_too_large");
+    assert_eq!(parked[0].attempts, 1);
+
+    // Operator actions on something not parked.
+    let err = store
+        .retry_parked(evs[1].event_id, "ops")
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, StoreErrorKind::NotFound);
+    let err = store
+        .retry_parked(EventId::now_v7(), "ops")
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, StoreErrorKind::NotFound);
+    let err = store
+        .discard_parked(evs[0].event_id, "ops", "  ")
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, StoreErrorKind::Validation);
+
+    // Re-issue: a copy with a new id at the same version goes first.
+    let new_id = store
+        .reissue_parked(evs[0].event_id, "alice", "payload fixed upstream")
+        .await
+        .unwrap();
+    let b = claim(&store, "r", 10).await;
+    assert_eq!(b.records.len(), 1);
+    assert_eq!(b.records[0].envelope.event_id, new_id);
+    assert_eq!(b.records[0].envelope.aggregate_version, 1);
+    assert_eq!(b.records[0].envelope.payload, evs[0].payload);
+    // Park v2 now, then discard it: v3 flows.
+    publish_all(&store, &b).await;
+    let b = claim(&store, "r", 10).await;
+    store.complete(&b.handle, &[park(&evs[1])]).await.unwrap();
+    store
+        .discard_parked(evs[1].event_id, "bob", "obsolete")
+        .await
+        .unwrap();
+    let b = claim(&store, "r", 10).await;
+    assert_eq!(versions(&b), vec![("p".into(), 3)]);
+    store.complete(&b.handle, &[park(&evs[2])]).await.unwrap();
+    store.retry_parked(evs[2].event_id, "carol").await.unwrap();
+    let b = claim(&store, "r", 10).await;
+    assert_eq!(versions(&b), vec![("p".into(), 3)]);
+    assert_eq!(b.records[0].attempts, 0, "retry resets attempts");
+    publish_all(&store, &b).await;
+
+    let trail = store.audit_trail(None).await.unwrap();
+    let actions: Vec<_> = trail.iter().map(|a| (a.action, a.actor.as_str())).collect();
+    assert_eq!(
+        actions,
+        vec![
+            (OperatorAction::Reissue, "alice"),
+            (OperatorAction::Discard, "bob"),
+            (OperatorAction::Retry, "carol"),
+        ]
+    );
+    assert_eq!(trail[0].new_event_id, Some(new_id));
+    assert_eq!(trail[1].reason, "obsolete");
+    let one = store.audit_trail(Some(evs[1].event_id)).await.unwrap();
+    assert_eq!(one.len(), 1);
+    assert_eq!(store.stats().await.unwrap().parked, 0);
+    ctx.drop().await;
+}
+
+#[tokio::test]
+async fn cleanup_in_bounded_batches_with_archive() {
+    let ctx = ctx!(4);
+    let store = PostgresOutboxStore::builder(ctx.pool.clone())
+        .schema(&ctx.schema)
+        .archive(true)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let evs: Vec<_> = (0..10).map(|i| event(&format!("c{i}"), 1)).collect();
+    store.append_many(&ctx.pool, &evs).await.unwrap();
+    let pending = event("pending", 1);
+    let parked_ev = event("parked", 1);
+    let b = claim(&store, "r", 100).await;
+    publish_all(&store, &b).await;
+    store
+        .append_many(&ctx.pool, &[pending.clone(), parked_ev.clone()])
+        .await
+        .unwrap();
+    let b = claim(&store, "r", 100).await;
+    store
+        .complete(&b.handle, &[park(&parked_ev)])
+        .await
+        .unwrap();
+
+    let rep = store.cleanup(Duration::from_secs(3600), 3).await.unwrap();
+    assert_eq!(rep.removed, 0, "nothing past retention yet");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let rep = store.cleanup(Duration::from_millis(100), 3).await.unwrap();
+    assert_eq!(rep.removed, 10);
+    assert_eq!(rep.batches, 4, "3 + 3 + 3 + 1");
+    assert_eq!(count(&ctx, "true").await, 2, "pending and parked rows stay");
+    let archived: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM \"{}\".outbox_events_archive WHERE status = 'published' \
+         AND ack_topic = 'orders'",
+        ctx.schema
+    ))
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(archived, 10);
+    ctx.drop().await;
+}
+
+#[tokio::test]
+async fn stats_report_backlog_ages_and_table_figures() {
+    let ctx = ctx!(4);
+    let store = ctx.store(lease(30.0)).await;
+    let empty = store.stats().await.unwrap();
+    assert_eq!(empty.unpublished, 0);
+    assert_eq!(empty.oldest_unpublished_age, None);
+    let evs: Vec<_> = (1..=3).map(|v| event("s", v)).collect();
+    let p = event("parked", 1);
+    let done = event("done", 1);
+    store.append_many(&ctx.pool, &evs).await.unwrap();
+    store
+        .append_many(&ctx.pool, &[p.clone(), done.clone()])
+        .await
+        .unwrap();
+    let b = claim(&store, "r", 10).await;
+    store
+        .complete(&b.handle, &[park(&p), published(&done, 1)])
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _in_flight = claim(&store, "r", 10).await;
+    let s = store.stats().await.unwrap();
+    assert_eq!(s.unpublished, 3);
+    assert_eq!(s.in_flight, 1);
+    assert_eq!(s.parked, 1);
+    assert_eq!(s.published_retained, 1);
+    assert!(s.oldest_unpublished_age.unwrap() >= Duration::from_millis(200));
+    assert!(s.oldest_parked_age.unwrap() >= Duration::from_millis(200));
+    let keys: Vec<&str> = s.extra.iter().map(|(k, _)| k.as_str()).collect();
+    for k in [
+        "total_bytes",
+        "table_bytes",
+        "index_bytes",
+        "dead_tuples",
+        "live_tuples",
+        "blocked_rows",
+    ] {
+        assert!(keys.contains(&k), "missing {k} in {keys:?}");
+    }
+    let total = s.extra.iter().find(|(k, _)| k == "total_bytes").unwrap().1;
+    assert!(total > 0.0);
+    ctx.drop().await;
+}
+
+#[tokio::test]
+async fn inbox_registers_once_per_consumer_and_cleans_up() {
+    let ctx = ctx!(4);
+    let inbox = ctx.inbox().await;
+    let id = EventId::now_v7();
+    let mut tx = inbox.begin().await.unwrap();
+    assert_eq!(
+        inbox.register(&mut tx, "billing", id).await.unwrap(),
+        Registration::Fresh
+    );
+    sqlx::query("SELECT 1").execute(&mut *tx).await.unwrap(); // the effect, same tx
+    inbox.commit(tx).await.unwrap();
+    let mut tx = inbox.begin().await.unwrap();
+    assert_eq!(
+        inbox.register(&mut tx, "billing", id).await.unwrap(),
+        Registration::Duplicate
+    );
+    assert_eq!(
+        inbox.register(&mut tx, "shipping", id).await.unwrap(),
+        Registration::Fresh
+    );
+    inbox.rollback(tx).await.unwrap();
+    let mut tx = inbox.begin().await.unwrap();
+    assert_eq!(
+        inbox.register(&mut tx, "shipping", id).await.unwrap(),
+        Registration::Fresh,
+        "rolled back registration is fresh again"
+    );
+    inbox.commit(tx).await.unwrap();
+    assert_eq!(
+        inbox.cleanup(Duration::from_secs(3600), 10).await.unwrap(),
+        0
+    );
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        inbox.cleanup(Duration::from_millis(100), 1).await.unwrap(),
+        2
+    );
+    ctx.drop().await;
+}
+
+#[tokio::test]
+async fn listener_wakes_on_commit() {
+    let ctx = ctx!(4);
+    let store = ctx.store(lease(30.0)).await;
+    let notify = Arc::new(tokio::sync::Notify::new());
+    let handle = store.spawn_listener(notify.clone()).unwrap();
+    // The listener wakes once after connecting; consume that.
+    tokio::time::timeout(Duration::from_secs(5), notify.notified())
+        .await
+        .expect("initial wake-up after connect");
+    // It may also leave a permit for a driver between cycles; take it.
+    let _ = tokio::time::timeout(Duration::from_millis(100), notify.notified()).await;
+    let mut tx = ctx.pool.begin().await.unwrap();
+    store.append(&mut *tx, &event("n", 1)).await.unwrap();
+    // Not before commit.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), notify.notified())
+            .await
+            .is_err(),
+        "no wake-up before commit"
+    );
+    tx.commit().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(2), notify.notified())
+        .await
+        .expect("wake-up after commit");
+    handle.abort();
+    // A store without a channel cannot listen.
+    let quiet = PostgresOutboxStore::builder(ctx.pool.clone())
+        .schema(&ctx.schema)
+        .notify_channel(None)
+        .build()
+        .unwrap();
+    assert_eq!(
+        quiet.spawn_listener(notify).unwrap_err().kind,
+        StoreErrorKind::Configuration
+    );
+    ctx.drop().await;
+}
+
+#[tokio::test]
+async fn claim_plan_uses_the_partial_indexes() {
+    let ctx = ctx!(4);
+    let store = ctx.store(lease(30.0)).await;
+    let evs: Vec<_> = (0..2000)
+        .map(|i| event(&format!("x{}", i % 200), i / 200 + 1))
+        .collect();
+    store.append_many(&ctx.pool, &evs).await.unwrap();
+    sqlx::query(&format!("ANALYZE \"{}\".outbox_events", ctx.schema))
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
+    let plans = store.explain_claim(100).await.unwrap();
+    assert!(plans[0].contains("outbox_events_claim_idx"), "{}", plans[0]);
+    assert!(!plans[0].contains("Seq Scan"), "{}", plans[0]);
+    assert!(
+        plans[1].contains("outbox_events_aggregate_idx"),
+        "{}",
+        plans[1]
+    );
+    // Nothing was claimed by EXPLAIN (rolled back).
+    assert_eq!(count(&ctx, "lease_token IS NOT NULL OR blocked").await, 0);
+    ctx.drop().await;
+}
