@@ -347,18 +347,62 @@ macro_rules! faulty {
     }};
 }
 
+/// Called with a claim whose connection an injected fault broke.
+pub type ConnectionLost = Arc<dyn Fn(&ClaimHandle) + Send + Sync>;
+
 /// An [`OutboxStore`] whose calls fail as the [`FaultInjector`] decides. `claim_mode` never
 /// fails.
-#[derive(Clone, Debug)]
+///
+/// An injected fault on `claim` (lost reply) or `complete` (any fault but latency) stands for
+/// a broken connection. With [`on_connection_lost`](Self::on_connection_lost) the wrapper
+/// reports the claim concerned, so a `LockedTransaction` backend can roll its transaction back
+/// (for [`crate::MemoryOutboxStore`]: `abandon`), as a real database does when the
+/// connection drops. Without it, a locked claim hit by a fault stays locked.
+#[derive(Clone)]
 pub struct FaultyStore<S> {
     inner: S,
     faults: FaultInjector,
+    on_lost: Option<ConnectionLost>,
+}
+
+impl<S: fmt::Debug> fmt::Debug for FaultyStore<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FaultyStore")
+            .field("inner", &self.inner)
+            .field("faults", &self.faults)
+            .finish_non_exhaustive()
+    }
+}
+
+impl FaultyStore<crate::MemoryOutboxStore> {
+    /// Wraps an in-memory store; a broken connection abandons the claim (see
+    /// [`crate::MemoryOutboxStore::abandon`]).
+    pub fn memory(inner: crate::MemoryOutboxStore, faults: FaultInjector) -> Self {
+        let store = inner.clone();
+        Self::new(inner, faults).on_connection_lost(Arc::new(move |h| store.abandon(h)))
+    }
 }
 
 impl<S> FaultyStore<S> {
     /// Wraps `inner`.
     pub fn new(inner: S, faults: FaultInjector) -> Self {
-        Self { inner, faults }
+        Self {
+            inner,
+            faults,
+            on_lost: None,
+        }
+    }
+
+    /// Sets the callback for claims whose connection an injected fault broke.
+    pub fn on_connection_lost(mut self, f: ConnectionLost) -> Self {
+        self.on_lost = Some(f);
+        self
+    }
+
+    fn connection_lost(&self, claim: &ClaimHandle) {
+        if let Some(f) = &self.on_lost {
+            f(claim);
+        }
     }
     /// The wrapped store.
     pub fn inner(&self) -> &S {
@@ -378,18 +422,35 @@ impl<S: OutboxStore> OutboxStore for FaultyStore<S> {
         faulty!(self.faults, "append", self.inner.append(tx, events).await)
     }
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
-        faulty!(self.faults, "claim", self.inner.claim(request).await)
+        match self.faults.next("claim") {
+            None => self.inner.claim(request).await,
+            Some(Fault::Latency(d)) => {
+                tokio::time::sleep(d).await;
+                self.inner.claim(request).await
+            }
+            Some(f @ (Fault::Transient | Fault::Permanent)) => Err(store_error(f, "claim")),
+            Some(f) => {
+                if let Ok(batch) = self.inner.claim(request).await {
+                    self.connection_lost(&batch.handle);
+                }
+                Err(store_error(f, "claim"))
+            }
+        }
     }
     async fn complete(
         &self,
         claim: &ClaimHandle,
         outcomes: &[Outcome],
     ) -> Result<CompletionReport, StoreError> {
-        faulty!(
+        let result = faulty!(
             self.faults,
             "complete",
             self.inner.complete(claim, outcomes).await
-        )
+        );
+        if result.is_err() {
+            self.connection_lost(claim);
+        }
+        result
     }
     async fn release(&self, claim: &ClaimHandle) -> Result<(), StoreError> {
         faulty!(self.faults, "release", self.inner.release(claim).await)

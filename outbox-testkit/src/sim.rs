@@ -53,15 +53,16 @@
 //! registration, exactly where a real handler runs. Then:
 //!
 //! ```
-//! use outbox_core::Envelope;
+//! use outbox_core::{async_trait, Envelope};
 //! use outbox_testkit::sim::{self, SimConfig, SimHandler};
 //! use outbox_testkit::{MemoryDb, MemoryTx};
 //!
 //! /// Keeps the latest version of each order.
 //! struct OrderProjection;
 //!
+//! #[async_trait]
 //! impl SimHandler for OrderProjection {
-//!     fn apply(&self, tx: &mut MemoryTx, event: &Envelope) -> Result<(), String> {
+//!     async fn apply(&self, tx: &mut MemoryTx, event: &Envelope) -> Result<(), String> {
 //!         let seen = tx.get("orders", &event.aggregate_id).and_then(|v| v.as_i64()).unwrap_or(0);
 //!         tx.put("orders", &event.aggregate_id, seen.max(event.aggregate_version).into());
 //!         Ok(())
@@ -82,15 +83,33 @@
 //! // panics with the shrunk failing sequence and the seed.
 //! sim::check(&SimConfig::default().cases(4), || OrderProjection);
 //! ```
+//!
+//! A handler written for the `outbox-inbox` engine (`Handler<MemoryTx>`) plugs in through a
+//! three-line adapter (the testkit does not depend on `outbox-inbox`, so it is not provided
+//! here):
+//!
+//! ```text
+//! struct Sim<H>(H);
+//! #[async_trait]
+//! impl<H: outbox_inbox::Handler<MemoryTx>> SimHandler for Sim<H> {
+//!     async fn apply(&self, tx: &mut MemoryTx, e: &Envelope) -> Result<(), String> {
+//!         self.0.handle(tx, e).await.map_err(|e| e.to_string())
+//!     }
+//! }
+//! ```
+//!
+//! For finer control, drive a [`Simulation`] yourself: [`Simulation::run`] with hand-written
+//! [`Step`]s (a scripted crash scenario) or with [`sample_cases`], and inspect
+//! [`Simulation::store`], [`Simulation::log`] and [`Simulation::db`] afterwards.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::time::Duration;
 
 use outbox_core::{
-    AckMetadata, ClaimMode, ClaimedBatch, Classify, Clock, DeliveryStatus, Envelope, EventId,
-    InboxStore, MessageSource, OutboxStore, Outcome, PublishErrorKind, PublishResult, Publisher,
-    ReceivedMessage, Registration, Relay, RelayConfig, RetryPolicy,
+    async_trait, AckMetadata, ClaimMode, ClaimedBatch, Classify, Clock, DeliveryStatus, Envelope,
+    EventId, InboxStore, MessageSource, OutboxStore, Outcome, PublishErrorKind, PublishResult,
+    Publisher, ReceivedMessage, Registration, Relay, RelayConfig, RetryPolicy,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{
@@ -131,9 +150,14 @@ pub enum Mutation {
 }
 
 /// The consumer's effect, run inside its transaction after the inbox registration.
+///
+/// The simulation expects every event to be applied eventually: an error rolls the
+/// transaction back and the message is retried at a later step (consumer-side parking of
+/// events that can never be applied is not simulated).
+#[async_trait]
 pub trait SimHandler: Send + Sync {
     /// Applies `event` in `tx`. An error rolls the transaction back; the message is retried.
-    fn apply(&self, tx: &mut MemoryTx, event: &Envelope) -> Result<(), String>;
+    async fn apply(&self, tx: &mut MemoryTx, event: &Envelope) -> Result<(), String>;
 
     /// Checks the handler's state at quiescence. `applied` holds every event applied, each
     /// once, in application order.
@@ -147,8 +171,9 @@ pub trait SimHandler: Send + Sync {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CountingHandler;
 
+#[async_trait]
 impl SimHandler for CountingHandler {
-    fn apply(&self, tx: &mut MemoryTx, event: &Envelope) -> Result<(), String> {
+    async fn apply(&self, tx: &mut MemoryTx, event: &Envelope) -> Result<(), String> {
         let n = tx
             .get("counting", &event.aggregate_id)
             .and_then(|v| v.as_u64())
@@ -532,7 +557,7 @@ impl<H: SimHandler> Simulation<H> {
         let complete_faults = FaultInjector::new(FaultSource::None).only(&["complete"]);
         let inbox_faults = FaultInjector::new(FaultSource::None).only(&["commit"]);
         let sim_store: SimStore = FaultyStore::new(
-            FaultyStore::new(store.clone(), claim_faults.clone()),
+            FaultyStore::memory(store.clone(), claim_faults.clone()),
             complete_faults.clone(),
         );
         let relays = (0..config.relays.max(1))
@@ -1068,7 +1093,7 @@ impl<H: SimHandler> Simulation<H> {
                         .and_then(|v| v.as_u64())
                         .unwrap_or(0);
                     tx.put(EFFECTS, &event.event_id.to_string(), (n + 1).into());
-                    match self.handler.apply(&mut tx, &event) {
+                    match self.block_on(self.handler.apply(&mut tx, &event)) {
                         Ok(()) => ConsumerState::InTx(Box::new((msg, tx, Some(event)))),
                         Err(_) => ConsumerState::Received(msg), // tx dropped: rolled back
                     }
