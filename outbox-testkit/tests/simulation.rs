@@ -190,3 +190,50 @@ fn scripted_mark_before_ack_with_a_broker_fault_is_a_violation() {
     assert_eq!(v.step, Some(4));
     assert!(v.message.contains("never stored"), "{v}");
 }
+
+/// A user handler that insists on gap-free versions (v = last + 1). The simulation shows why
+/// that is wrong here: after an operator discards a parked event, the aggregate's next version
+/// can never be applied.
+struct StrictVersionHandler;
+
+#[outbox_core::async_trait]
+impl sim::SimHandler for StrictVersionHandler {
+    async fn apply(
+        &self,
+        tx: &mut outbox_testkit::MemoryTx,
+        event: &outbox_core::Envelope,
+    ) -> Result<(), String> {
+        let last = tx
+            .get("strict", &event.aggregate_id)
+            .and_then(|v| v.as_i64())
+            .unwrap_or(0);
+        if event.aggregate_version != last + 1 {
+            return Err(format!("gap: v{} after v{last}", event.aggregate_version));
+        }
+        tx.put(
+            "strict",
+            &event.aggregate_id,
+            event.aggregate_version.into(),
+        );
+        Ok(())
+    }
+}
+
+#[test]
+fn a_users_handler_bug_is_found() {
+    let config = SimConfig::default().fixed_cases(2000);
+    match sim::run_property(&config, None, || StrictVersionHandler) {
+        Err(TestError::Fail(reason, case)) => {
+            eprintln!("{reason}\n{}", sim::describe(&case));
+            assert!(reason.message().contains("never applied"), "{reason}");
+            assert!(
+                case.1
+                    .iter()
+                    .any(|s| matches!(s, Step::Operator(OperatorStep::Discard, _))),
+                "the minimal case involves a discard: {}",
+                sim::describe(&case)
+            );
+        }
+        other => panic!("the strict handler was not caught: {other:?}"),
+    }
+}
