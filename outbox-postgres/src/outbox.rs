@@ -40,12 +40,15 @@ struct Inner {
     /// Open claim transactions of [`ClaimMode::LockedTransaction`], by claim token.
     locked: Mutex<HashMap<Uuid, LockedClaim>>,
     /// Row ids of lease claims made by this instance, by token (saves a scan on complete).
-    leased: Mutex<HashMap<Uuid, (Vec<(i64, Uuid)>, Instant)>>,
+    leased: Mutex<HashMap<Uuid, (ClaimedRows, Instant)>>,
 }
 
 /// Transactions of claims and completions: custom plans (the statements take id arrays whose
 /// size a generic plan cannot know), in the same round trip as BEGIN.
 const BEGIN_CLAIM: &str = "BEGIN; SET LOCAL plan_cache_mode = force_custom_plan";
+
+/// (row id, event id) of the rows of one claim.
+type ClaimedRows = Vec<(i64, Uuid)>;
 
 struct LockedClaim {
     tx: Transaction<'static, Postgres>,

@@ -100,6 +100,7 @@ pub fn event(agg: &str, version: i64) -> Envelope {
         .unwrap()
 }
 
+/// A fresh [`Ctx`] with `max` pooled connections, or `return` when skipping explicitly.
 #[macro_export]
 macro_rules! ctx {
     ($max:expr) => {
