@@ -2,7 +2,6 @@
 //! [`OutboxHarness`].
 
 use std::collections::BTreeSet;
-use std::time::Duration;
 
 use outbox_core::{
     AckMetadata, ClaimMode, ClaimRequest, ClaimedBatch, Classify, Envelope, ErrorClass, EventId,
@@ -730,5 +729,4 @@ pub async fn claim_mode_is_reported<H: OutboxHarness>(h: &H) {
             ClaimMode::LockedTransaction
         );
     }
-    let _ = Duration::ZERO;
 }
