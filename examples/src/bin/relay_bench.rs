@@ -71,7 +71,10 @@ async fn main() -> anyhow::Result<()> {
         "relay_bench: {} events over {} aggregates, batch {}, {} partitions",
         args.events, args.aggregates, args.batch, args.partitions
     );
-    println!("{:<28} {:>10} {:>12} {:>8}", "contender", "seconds", "events/s", "ratio");
+    println!(
+        "{:<28} {:>10} {:>12} {:>8}",
+        "contender", "seconds", "events/s", "ratio"
+    );
 
     let naive = naive(&args, &pool, &run).await?;
     print_row("naive (no guarantees)", args.events, naive, naive);
@@ -82,7 +85,12 @@ async fn main() -> anyhow::Result<()> {
     ] {
         for relays in [1, args.relays] {
             let took = outbox(&args, &pool, &run, mode, relays).await?;
-            print_row(&format!("{label}, {relays} relay(s)"), args.events, took, naive);
+            print_row(
+                &format!("{label}, {relays} relay(s)"),
+                args.events,
+                took,
+                naive,
+            );
         }
     }
     Ok(())
@@ -105,7 +113,11 @@ async fn create_topic(brokers: &str, topic: &str, partitions: i32) -> anyhow::Re
         .create()?;
     for r in admin
         .create_topics(
-            [&NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
+            [&NewTopic::new(
+                topic,
+                partitions,
+                TopicReplication::Fixed(1),
+            )],
             &AdminOptions::new().operation_timeout(Some(Duration::from_secs(10))),
         )
         .await?
@@ -143,7 +155,9 @@ async fn naive(args: &Args, pool: &PgPool, run: &str) -> anyhow::Result<Duration
         .execute(pool)
         .await?;
     }
-    sqlx::raw_sql(&format!("VACUUM ANALYZE {table}")).execute(pool).await?;
+    sqlx::raw_sql(&format!("VACUUM ANALYZE {table}"))
+        .execute(pool)
+        .await?;
     let topic = format!("relay-bench-naive-{run}");
     create_topic(&args.brokers, &topic, args.partitions).await?;
     let producer: FutureProducer = ClientConfig::new()
@@ -185,9 +199,15 @@ async fn naive(args: &Args, pool: &PgPool, run: &str) -> anyhow::Result<Duration
         total += rows.len();
     }
     let took = started.elapsed();
-    anyhow::ensure!(total == args.events, "naive drained {total} of {}", args.events);
+    anyhow::ensure!(
+        total == args.events,
+        "naive drained {total} of {}",
+        args.events
+    );
     producer.flush(Duration::from_secs(10))?;
-    sqlx::raw_sql(&format!("DROP TABLE {table}")).execute(pool).await?;
+    sqlx::raw_sql(&format!("DROP TABLE {table}"))
+        .execute(pool)
+        .await?;
     Ok(took)
 }
 
