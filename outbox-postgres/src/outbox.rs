@@ -47,13 +47,13 @@ struct Inner {
 /// size a generic plan cannot know), in the same round trip as BEGIN.
 const BEGIN_CLAIM: &str = "BEGIN; SET LOCAL plan_cache_mode = force_custom_plan";
 
-/// (row id, event id) of the rows of one claim.
-type ClaimedRows = Vec<(i64, Uuid)>;
+/// (row id, event id, aggregate lock key) of the rows of one claim.
+type ClaimedRows = Vec<(i64, Uuid, i64)>;
 
 struct LockedClaim {
     tx: Transaction<'static, Postgres>,
-    /// (row id, event id) of the claimed rows.
-    rows: Vec<(i64, Uuid)>,
+    /// The claimed rows.
+    rows: ClaimedRows,
 }
 
 impl std::fmt::Debug for PostgresOutboxStore {
@@ -432,11 +432,13 @@ impl PostgresOutboxStore {
         let limits = &self.inner.settings.limits;
         let mut records = Vec::with_capacity(rows.len());
         let mut claimed_ids = Vec::with_capacity(rows.len());
+        let mut keys = Vec::with_capacity(rows.len());
         let mut remaining_us: Option<i64> = None;
         for row in &rows {
             let envelope = envelope_from_row(row, limits)?;
             let attempts: i32 = row.try_get("attempts").map_err(db)?;
             claimed_ids.push(row.try_get::<i64, _>("id").map_err(db)?);
+            keys.push(row.try_get::<i64, _>("k").map_err(db)?);
             if let Some(r) = row.try_get::<Option<i64>, _>("remaining_us").map_err(db)? {
                 remaining_us = Some(remaining_us.map_or(r, |m| m.min(r)));
             }
@@ -445,9 +447,15 @@ impl PostgresOutboxStore {
         // Oldest first (the UPDATE .. RETURNING order is not guaranteed).
         let mut order: Vec<usize> = (0..records.len()).collect();
         order.sort_by_key(|&i| claimed_ids[i]);
-        let claimed_rows: Vec<(i64, Uuid)> = order
+        let claimed_rows: ClaimedRows = order
             .iter()
-            .map(|&i| (claimed_ids[i], records[i].envelope.event_id.as_uuid()))
+            .map(|&i| {
+                (
+                    claimed_ids[i],
+                    records[i].envelope.event_id.as_uuid(),
+                    keys[i],
+                )
+            })
             .collect();
         let records: Vec<ClaimedRecord> = order.iter().map(|&i| records[i].clone()).collect();
         match mode {
@@ -515,7 +523,7 @@ impl PostgresOutboxStore {
                 let mut tx = self.inner.pool.begin_with(BEGIN_CLAIM).await.map_err(db)?;
                 // Serialize with claims that classify rows of the same aggregates: a row
                 // blocked behind a head we publish now is then always seen by the promotion.
-                let published = arrays.published_ids();
+                let published = arrays.published_keys();
                 if !published.is_empty() {
                     sqlx::query(&self.inner.sql.lock_aggregates_of_events)
                         .bind(&published)
@@ -539,7 +547,7 @@ impl PostgresOutboxStore {
     }
 
     /// The rows of a lease claim: from memory (claimed here), else by a candidate-index scan.
-    async fn lease_rows(&self, token: Uuid) -> Result<Vec<(i64, Uuid)>, StoreError> {
+    async fn lease_rows(&self, token: Uuid) -> Result<ClaimedRows, StoreError> {
         let known = self.inner.leased.lock().expect("poisoned").remove(&token);
         match known {
             Some((rows, _)) => Ok(rows),
@@ -550,7 +558,7 @@ impl PostgresOutboxStore {
                     .await
                     .map_err(db)?;
                 rows.iter()
-                    .map(|r| Ok((r.try_get("id")?, r.try_get("event_id")?)))
+                    .map(|r| Ok((r.try_get("id")?, r.try_get("event_id")?, r.try_get("k")?)))
                     .collect::<Result<_, sqlx::Error>>()
                     .map_err(db)
             }
@@ -647,6 +655,7 @@ fn not_found(event_id: EventId) -> StoreError {
 /// Outcome columns for `UNNEST`, keyed by row id.
 struct OutcomeArrays {
     ids: Vec<i64>,
+    keys: Vec<i64>,
     kinds: Vec<&'static str>,
     topics: Vec<Option<String>>,
     parts: Vec<Option<i32>>,
@@ -661,11 +670,13 @@ struct OutcomeArrays {
 impl OutcomeArrays {
     /// The arrays for the outcomes of events in `claimed` (others are not part of the claim
     /// and are refused), and the claimed row ids that have no outcome (to release).
-    fn new(outcomes: &[Outcome], claimed: &[(i64, Uuid)]) -> (Self, Vec<i64>) {
+    fn new(outcomes: &[Outcome], claimed: &[(i64, Uuid, i64)]) -> (Self, Vec<i64>) {
         let n = outcomes.len();
-        let by_event: HashMap<Uuid, i64> = claimed.iter().map(|&(id, e)| (e, id)).collect();
+        let by_event: HashMap<Uuid, (i64, i64)> =
+            claimed.iter().map(|&(id, e, k)| (e, (id, k))).collect();
         let mut a = Self {
             ids: Vec::with_capacity(n),
+            keys: Vec::with_capacity(n),
             kinds: Vec::with_capacity(n),
             topics: Vec::with_capacity(n),
             parts: Vec::with_capacity(n),
@@ -678,13 +689,14 @@ impl OutcomeArrays {
         };
         let mut seen = std::collections::HashSet::with_capacity(n);
         for o in outcomes {
-            let Some(&id) = by_event.get(&o.event_id().as_uuid()) else {
+            let Some(&(id, key)) = by_event.get(&o.event_id().as_uuid()) else {
                 continue;
             };
             if !seen.insert(id) {
                 continue;
             }
             a.ids.push(id);
+            a.keys.push(key);
             let (kind, ack, delay, err, park) = match o {
                 Outcome::Published { ack, .. } => ("published", Some(ack), None, None, None),
                 Outcome::Retry { delay, error, .. } => {
@@ -707,14 +719,14 @@ impl OutcomeArrays {
         }
         let without = claimed
             .iter()
-            .map(|&(id, _)| id)
+            .map(|&(id, _, _)| id)
             .filter(|id| !seen.contains(id))
             .collect();
         (a, without)
     }
 
-    fn published_ids(&self) -> Vec<i64> {
-        self.ids
+    fn published_keys(&self) -> Vec<i64> {
+        self.keys
             .iter()
             .zip(&self.kinds)
             .filter(|(_, k)| **k == "published")
@@ -818,7 +830,7 @@ impl OutboxStore for PostgresOutboxStore {
                     .lease_rows(claim.token)
                     .await?
                     .into_iter()
-                    .map(|(id, _)| id)
+                    .map(|(id, _, _)| id)
                     .collect();
                 sqlx::query(&self.inner.sql.release_lease)
                     .bind(claim.token)

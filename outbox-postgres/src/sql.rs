@@ -101,20 +101,33 @@ impl OutboxSql {
         // Step 2, in a new snapshot taken after the locks: per locked aggregate, its head; the
         // head is claimed when it is a due, pending candidate and no row of the aggregate is
         // under a live lease; candidates that are not heads are blocked (out of the index).
-        let head = head_lateral(&t, "a", "");
         let classify = format!(
             "WITH cand AS ( \
                SELECT c.id, c.aggregate_type, c.aggregate_id, c.next_attempt_at FROM {t} c \
                WHERE c.id = ANY($1::int8[]) AND c.status = 'pending' AND NOT c.blocked), \
              aggs AS (SELECT DISTINCT aggregate_type, aggregate_id FROM cand), \
              heads AS ( \
-               SELECT a.aggregate_type, a.aggregate_id, h.id AS head_id, h.status AS head_status, \
-                      EXISTS (SELECT 1 FROM {t} l \
-                              WHERE l.aggregate_type = a.aggregate_type \
-                                AND l.aggregate_id = a.aggregate_id \
-                                AND l.status IN ('pending', 'parked') AND l.blocked = false \
-                                AND l.lease_until > clock_timestamp()) AS busy \
-               FROM aggs a CROSS JOIN LATERAL {head} h), \
+               SELECT a.aggregate_type, a.aggregate_id, \
+                      CASE WHEN f.id IS NULL OR (b.id IS NOT NULL AND \
+                                (b.aggregate_version, b.id) < (f.aggregate_version, f.id)) \
+                           THEN b.id ELSE f.id END AS head_id, \
+                      CASE WHEN f.id IS NULL OR (b.id IS NOT NULL AND \
+                                (b.aggregate_version, b.id) < (f.aggregate_version, f.id)) \
+                           THEN b.status ELSE f.status END AS head_status, \
+                      coalesce(f.busy, false) AS busy \
+               FROM aggs a \
+               LEFT JOIN LATERAL ( \
+                 SELECT u.id, u.status, u.aggregate_version, \
+                        bool_or(u.lease_until > clock_timestamp()) OVER () AS busy \
+                 FROM {t} u \
+                 WHERE u.aggregate_type = a.aggregate_type AND u.aggregate_id = a.aggregate_id \
+                   AND u.status IN ('pending', 'parked') AND u.blocked = false \
+                 ORDER BY u.aggregate_version, u.id LIMIT 1) f ON true \
+               LEFT JOIN LATERAL ( \
+                 SELECT u.id, u.status, u.aggregate_version FROM {t} u \
+                 WHERE u.aggregate_type = a.aggregate_type AND u.aggregate_id = a.aggregate_id \
+                   AND u.status IN ('pending', 'parked') AND u.blocked = true \
+                 ORDER BY u.aggregate_version, u.id LIMIT 1) b ON true), \
              blk AS ( \
                UPDATE {t} b SET blocked = true \
                FROM cand c JOIN heads w \
@@ -131,27 +144,24 @@ impl OutboxSql {
              UPDATE {t} r SET lease_owner = $2, lease_token = $3, \
                     lease_until = clock_timestamp() + $4::int8 * interval '1 microsecond' \
              FROM pick WHERE r.id = pick.id \
-             RETURNING r.id, {cols}, r.attempts, \
+             RETURNING r.id, {cols}, r.attempts, {kr} AS k, \
                 (extract(epoch FROM r.lease_until - clock_timestamp()) * 1000000)::int8 AS remaining_us",
-            cols = prefixed("r", ENVELOPE_COLS)
+            cols = prefixed("r", ENVELOPE_COLS),
+            kr = key("r", seed)
         );
         let claim_locked = format!(
             "{classify} \
-             SELECT r.id, {cols}, r.attempts, NULL::int8 AS remaining_us \
+             SELECT r.id, {cols}, r.attempts, 0::int8 AS k, NULL::int8 AS remaining_us \
              FROM {t} r WHERE r.id IN (SELECT id FROM pick) \
              ORDER BY r.id FOR UPDATE OF r SKIP LOCKED",
             cols = prefixed("r", ENVELOPE_COLS)
         );
 
-        let ke = key("e", seed);
-        let lock_aggregates_of_events = format!(
-            "SELECT pg_advisory_xact_lock(s.k) FROM ( \
-               SELECT DISTINCT {ke} AS k FROM {t} e WHERE e.id = ANY($1::int8[]) \
-               ORDER BY 1) s"
-        );
+        // Keys come from the claim (returned with each row), so no table lookups here.
+        let lock_aggregates_of_events = "SELECT pg_advisory_xact_lock(s.k) FROM ( \
+               SELECT DISTINCT k FROM UNNEST($1::int8[]) AS k ORDER BY 1) s"
+            .to_owned();
 
-        // Outcomes, one array element per event. Published rows promote their aggregate's next
-        // row (unblock it) in the same statement; the caller holds the aggregate locks.
         // Unblocking after a published head: the aggregate's first blocked row (one index
         // probe). If an unblocked unfinished row precedes it (a late commit), unblocking is
         // still safe: the claim re-checks head-ness and blocks it again.
@@ -221,8 +231,9 @@ impl OutboxSql {
         // Rows of a lease claim made by another store instance (no ids in memory): walks the
         // candidate index, which holds every leased row.
         let lease_rows = format!(
-            "SELECT id, event_id FROM {t} \
-             WHERE status = 'pending' AND NOT blocked AND lease_token = $1"
+            "SELECT id, event_id, {kl} AS k FROM {t} l \
+             WHERE status = 'pending' AND NOT blocked AND lease_token = $1",
+            kl = key("l", seed)
         );
 
         let ks = key("e", seed);
