@@ -62,6 +62,13 @@ CREATE INDEX IF NOT EXISTS "outbox_events_aggregate_idx"
     ON "outbox"."outbox_events" (aggregate_type, aggregate_id, blocked, aggregate_version, id)
     WHERE status IN ('pending', 'parked');
 
+-- Rows under a lease, per aggregate: "is any row of this aggregate in flight?" in one short
+-- probe, however many unclassified rows the aggregate has queued.
+CREATE INDEX IF NOT EXISTS "outbox_events_leased_idx"
+    ON "outbox"."outbox_events" (aggregate_type, aggregate_id)
+    INCLUDE (lease_until)
+    WHERE lease_token IS NOT NULL;
+
 CREATE INDEX IF NOT EXISTS "outbox_events_parked_idx"
     ON "outbox"."outbox_events" (parked_at, id)
     WHERE status = 'parked';

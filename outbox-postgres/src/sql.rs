@@ -114,12 +114,15 @@ impl OutboxSql {
                       CASE WHEN f.id IS NULL OR (b.id IS NOT NULL AND \
                                 (b.aggregate_version, b.id) < (f.aggregate_version, f.id)) \
                            THEN b.status ELSE f.status END AS head_status, \
-                      coalesce(f.busy, false) AS busy \
+                      EXISTS (SELECT 1 FROM {t} l \
+                              WHERE l.aggregate_type = a.aggregate_type \
+                                AND l.aggregate_id = a.aggregate_id \
+                                AND l.lease_token IS NOT NULL \
+                                AND l.lease_until > clock_timestamp() \
+                                AND l.status = 'pending') AS busy \
                FROM aggs a \
                LEFT JOIN LATERAL ( \
-                 SELECT u.id, u.status, u.aggregate_version, \
-                        bool_or(u.lease_until > clock_timestamp()) OVER () AS busy \
-                 FROM {t} u \
+                 SELECT u.id, u.status, u.aggregate_version FROM {t} u \
                  WHERE u.aggregate_type = a.aggregate_type AND u.aggregate_id = a.aggregate_id \
                    AND u.status IN ('pending', 'parked') AND u.blocked = false \
                  ORDER BY u.aggregate_version, u.id LIMIT 1) f ON true \

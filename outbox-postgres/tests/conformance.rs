@@ -21,7 +21,12 @@ impl PgHarness {
     async fn new() -> Self {
         let Some(pool) = common::pool(8).await else {
             // Explicit skip requested and no server: nothing of this binary can run.
-            eprintln!("SKIPPED: conformance suite (OUTBOX_SKIP_SERVICE_TESTS=1, no PostgreSQL)");
+            // Written past the test harness's output capture, so the skip is always visible.
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr().lock(),
+                "SKIPPED: the PostgreSQL conformance suite (OUTBOX_SKIP_SERVICE_TESTS=1, no server)"
+            );
             std::process::exit(0);
         };
         Self {

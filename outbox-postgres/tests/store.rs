@@ -811,3 +811,35 @@ async fn claim_plan_uses_the_partial_indexes() {
     assert_eq!(count(&ctx, "lease_token IS NOT NULL OR blocked").await, 0);
     ctx.drop().await;
 }
+
+/// A lower version that commits while a higher one is in flight waits until the in-flight
+/// one is finished: never two events of one aggregate in flight.
+#[tokio::test]
+async fn late_lower_version_waits_for_the_in_flight_row() {
+    let ctx = ctx!(4);
+    for mode in [lease(30.0), ClaimMode::LockedTransaction] {
+        let store = PostgresOutboxStore::builder(ctx.pool.clone())
+            .schema(&ctx.schema)
+            .claim_mode(mode)
+            .build()
+            .unwrap();
+        store.migrate().await.unwrap();
+        let agg = format!("ooo-{mode:?}").replace(' ', "");
+        let v2 = event(&agg, 2);
+        store.append(&ctx.pool, &v2).await.unwrap();
+        let b = claim(&store, "r1", 10).await;
+        assert_eq!(versions(&b), vec![(agg.clone(), 2)]);
+        let v1 = event(&agg, 1);
+        store.append(&ctx.pool, &v1).await.unwrap();
+        let other = ctx.store(mode).await;
+        assert!(
+            claim(&other, "r2", 10).await.is_empty(),
+            "{mode:?}: v1 must wait while v2 is in flight"
+        );
+        publish_all(&store, &b).await;
+        let b = claim(&other, "r2", 10).await;
+        assert_eq!(versions(&b), vec![(agg.clone(), 1)], "{mode:?}");
+        publish_all(&other, &b).await;
+    }
+    ctx.drop().await;
+}

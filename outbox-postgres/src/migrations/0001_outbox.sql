@@ -62,6 +62,13 @@ CREATE INDEX IF NOT EXISTS "__TABLE___aggregate_idx"
     ON "__SCHEMA__"."__TABLE__" (aggregate_type, aggregate_id, blocked, aggregate_version, id)
     WHERE status IN ('pending', 'parked');
 
+-- Rows under a lease, per aggregate: "is any row of this aggregate in flight?" in one short
+-- probe, however many unclassified rows the aggregate has queued.
+CREATE INDEX IF NOT EXISTS "__TABLE___leased_idx"
+    ON "__SCHEMA__"."__TABLE__" (aggregate_type, aggregate_id)
+    INCLUDE (lease_until)
+    WHERE lease_token IS NOT NULL;
+
 CREATE INDEX IF NOT EXISTS "__TABLE___parked_idx"
     ON "__SCHEMA__"."__TABLE__" (parked_at, id)
     WHERE status = 'parked';
