@@ -73,6 +73,7 @@ pub struct PostgresOutboxStoreBuilder {
     pool: PgPool,
     settings: OutboxSettings,
     channel_set: bool,
+    delivery_timeout: Option<Duration>,
 }
 
 impl PostgresOutboxStoreBuilder {
@@ -112,6 +113,14 @@ impl PostgresOutboxStoreBuilder {
         self.settings.locked_max_hold = d;
         self
     }
+    /// The publisher's delivery timeout: `build()` then rejects a lease (or, in locked mode, a
+    /// `locked_max_hold`) that does not outlive it, since such a claim could end while the
+    /// broker still holds a record and let another relay send the aggregate's next version.
+    /// (`outbox_core::Relay::new` checks the lease against the publisher too.)
+    pub fn publisher_delivery_timeout(mut self, d: Duration) -> Self {
+        self.delivery_timeout = Some(d);
+        self
+    }
     /// The backpressure hook, see [`AppendGuard`].
     pub fn append_guard(mut self, guard: Arc<dyn AppendGuard>) -> Self {
         self.settings.append_guard = Some(guard);
@@ -140,6 +149,18 @@ impl PostgresOutboxStoreBuilder {
             }
             ClaimMode::Lease { .. } | ClaimMode::LockedTransaction => {}
             other => return Err(config(format!("unsupported claim mode {other:?}"))),
+        }
+        if let Some(timeout) = self.delivery_timeout {
+            let (what, claim) = match s.claim_mode {
+                ClaimMode::Lease { duration } => ("lease", duration),
+                _ => ("locked_max_hold", s.locked_max_hold),
+            };
+            if claim <= timeout {
+                return Err(config(format!(
+                    "the {what} ({claim:?}) must outlive the publisher's delivery timeout \
+                     ({timeout:?})"
+                )));
+            }
         }
         let sql = OutboxSql::new(&s.schema, &s.table);
         Ok(PostgresOutboxStore {
@@ -176,6 +197,7 @@ impl PostgresOutboxStore {
             pool,
             settings: OutboxSettings::default(),
             channel_set: false,
+            delivery_timeout: None,
         }
     }
 

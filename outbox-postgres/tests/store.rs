@@ -229,6 +229,26 @@ async fn hostile_identifiers_are_configuration_errors() {
         .build()
         .unwrap_err();
     assert_eq!(e.kind, StoreErrorKind::Configuration);
+    // A lease that does not outlive the publisher's delivery timeout is rejected.
+    let e = PostgresOutboxStore::builder(pool.clone())
+        .claim_mode(lease(5.0))
+        .publisher_delivery_timeout(Duration::from_secs(30))
+        .build()
+        .unwrap_err();
+    assert_eq!(e.kind, StoreErrorKind::Configuration);
+    assert!(e.message.contains("delivery timeout"), "{e}");
+    let e = PostgresOutboxStore::builder(pool.clone())
+        .claim_mode(ClaimMode::LockedTransaction)
+        .locked_max_hold(Duration::from_secs(10))
+        .publisher_delivery_timeout(Duration::from_secs(30))
+        .build()
+        .unwrap_err();
+    assert_eq!(e.kind, StoreErrorKind::Configuration);
+    assert!(PostgresOutboxStore::builder(pool.clone())
+        .claim_mode(lease(60.0))
+        .publisher_delivery_timeout(Duration::from_secs(30))
+        .build()
+        .is_ok());
     // Custom valid names work end to end.
     let schema = common::schema_name();
     let store = PostgresOutboxStore::builder(pool.clone())
