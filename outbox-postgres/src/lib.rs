@@ -13,7 +13,8 @@
 //! | Validation at append | envelope limits, before anything is written |
 //! | Backpressure hook | [`AppendGuard`] (thresholds are the caller's) |
 //! | Claim: locked transaction | `ClaimMode::LockedTransaction`: rows `FOR UPDATE SKIP LOCKED` plus aggregate advisory locks, held until `complete`/`release` |
-//! | Claim: lease with fencing | `ClaimMode::Lease { duration }`: owner, unique token, expiry on the database clock; `complete` applies only where the token matches, the rest is counted as `superseded` |
+//! | Claim: lease with fencing | `ClaimMode::Lease { duration }`: owner, unique token, expiry on the database clock; `complete` applies only where the token matches, the rest is counted as `superseded`; `lease_remaining` tells the relay its deadline |
+//! | Lease vs. delivery timeout | rejected by `build()` with [`PostgresOutboxStoreBuilder::publisher_delivery_timeout`] (and by `outbox_core::Relay::new`) |
 //! | Per-aggregate order, several relays | yes, head-of-line only; see below |
 //! | Rows committing out of id order | never skipped (no high-water mark) |
 //! | Wake-up | `NOTIFY` in every append, [`PostgresOutboxStore::spawn_listener`] for `outbox_core::driver::run` |
@@ -68,37 +69,47 @@
 //! * **Candidates.** A partial index holds only pending rows that are not `blocked`
 //!   (`WHERE status = 'pending' AND NOT blocked`). A claim walks it in id order (oldest
 //!   first). Published, parked, discarded and blocked rows are not in it, so the walk never
-//!   crosses the backlog behind a head; it crosses at most the rows in flight or waiting for
-//!   a retry, plus the rows it classifies.
+//!   crosses the backlog queued behind heads; it crosses at most the rows in flight or waiting
+//!   for a retry. New rows enter unblocked; a claim that meets a candidate which is not its
+//!   aggregate's head marks it `blocked` (out of the index), once.
 //! * **Aggregate locks.** While walking, the claim takes `pg_try_advisory_xact_lock` on a
-//!   64-bit hash of (aggregate type, id) (seeded per table) and skips an aggregate another
-//!   transaction holds. Then, in a *new statement* (a fresh snapshot taken after the locks,
-//!   so every earlier claim or completion of those aggregates is visible), it finds each
-//!   locked aggregate's head with two `LIMIT 1` probes of the aggregate index, claims the
-//!   head if it is a due candidate and no row of the aggregate holds a live lease, and marks
-//!   the other candidates `blocked` (out of the candidate index).
+//!   64-bit hash of (aggregate type, id), seeded per table, and skips aggregates another
+//!   transaction holds. Then, in a *second statement* (a snapshot taken after the locks, so
+//!   every earlier claim or completion of those aggregates is visible), it finds each locked
+//!   aggregate's head with two `LIMIT 1` probes of the aggregate index (unblocked and blocked
+//!   ranges), checks "no live lease in this aggregate" with one probe of a small partial index
+//!   of leased rows, claims the head when it is a due candidate, and blocks the other
+//!   candidates. Two relays claiming at once therefore never take two rows of one aggregate:
+//!   the second one either cannot lock the aggregate or sees the first one's committed lease.
 //! * **Unblocking.** `complete` of a published head takes the same aggregate locks (blocking,
-//!   sorted) and unblocks the aggregate's next row in the same statement; discard does the
-//!   same. Because classification and unblocking of one aggregate are serialized by the lock
-//!   and each runs on a snapshot taken after it, a row is never left blocked behind a head
-//!   that is already finished.
-//! * **Producers never wait** for relays: append is a plain insert (new rows are candidates),
-//!   takes no lock, and a row that commits late (out of id order) is simply a candidate when
-//!   it becomes visible. Nothing depends on a high-water mark.
-//! * **Locked-transaction mode** holds the aggregate locks and the row locks until the batch
-//!   is marked; a crashed relay's connection drops and releases them, and
+//!   sorted, keys carried from the claim) and unblocks the aggregate's first blocked row in the
+//!   same statement; operator discard does the same. Classification and unblocking of one
+//!   aggregate are serialized by the lock and each reads a snapshot taken after it, so the
+//!   invariant "an aggregate's lowest unfinished row is never blocked" holds and no row is left
+//!   blocked behind a finished head.
+//! * **Producers never wait** for relays: append is a plain insert (new rows are candidates)
+//!   and takes no lock. A row that commits late (out of id order) is simply a candidate once
+//!   visible; nothing depends on a high-water mark. A late row with a *lower* version than a
+//!   row in flight waits until that row is finished (the lease probe, or the aggregate lock in
+//!   locked mode).
+//! * **Locked-transaction mode** keeps the aggregate locks and the `FOR UPDATE` row locks until
+//!   the batch is marked; a crashed relay's connection drops and releases them, and
 //!   `idle_in_transaction_session_timeout` ([`OutboxSettings::locked_max_hold`]) ends a claim
-//!   that a live but stuck process never finishes.
+//!   that a live but stuck process never finishes. Aggregates whose candidates were only
+//!   blocked (not claimed) also stay locked until then; other relays skip them meanwhile.
 //!
-//! **Cost.** Per event: the insert; in lease mode one lease write (not indexed columns, HOT
-//! when the page has room; `fillfactor = 80`) and one completion write; a row queued behind
-//! its aggregate's head pays one more write to block it and one to unblock it. Per batch: four
-//! statements for a claim and three for a completion (lock, update, commit), none per row.
-//! Claim cost depends on the batch size and the number of heads in flight or waiting for a
-//! retry, not on the backlog (see `examples/claim_bench.rs`). Advisory lock hash collisions
-//! only serialize two unrelated aggregates now and then. The `NOTIFY` of each append takes a
-//! short global lock at commit; turn it off (`notify_channel(None)`) for very high append rates
-//! and rely on polling.
+//! **Cost.** Per event: the insert; one write to claim it in lease mode (owner, token, expiry)
+//! or a row lock in locked mode; one write to mark it; a row queued behind its aggregate's head
+//! pays one more write to block it and one to unblock it. Per batch: claim = BEGIN, candidate
+//! scan, head check and claim, COMMIT (four round trips); completion = BEGIN, lock, one UPDATE
+//! from arrays, COMMIT; no per-row round trips. Claim cost grows with the batch size and the
+//! number of heads in flight or waiting for a retry, not with the backlog: `EXPLAIN (ANALYZE,
+//! BUFFERS)` reads 40 buffers for the candidate scan at both 10,000 and 1,000,000 queued rows
+//! and about 27,000 vs 35,000 buffers for the head check and claim of 1,000 rows (one more
+//! B-tree level per probe), see `examples/claim_bench.rs`. Advisory lock hash collisions only
+//! serialize two unrelated aggregates now and then. The `NOTIFY` of each append takes a short
+//! global lock at commit; turn it off (`notify_channel(None)`) for very high append rates and
+//! rely on polling.
 //!
 //! ## Tests
 //!

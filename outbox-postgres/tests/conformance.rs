@@ -29,6 +29,7 @@ impl PgHarness {
             );
             std::process::exit(0);
         };
+        common::drop_stale_schemas(&pool).await;
         Self {
             pool,
             schema: common::schema_name(),

@@ -39,9 +39,43 @@ pub async fn pool(max: u32) -> Option<PgPool> {
     }
 }
 
-/// A fresh schema name.
+/// A fresh schema name: `opg_<unix seconds>_<random>`, so stale schemas of interrupted runs
+/// can be recognised by age.
 pub fn schema_name() -> String {
-    format!("t_{}", uuid::Uuid::new_v4().simple())
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    format!(
+        "opg_{secs}_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    )
+}
+
+/// Drops test schemas older than an hour (left by failed or interrupted runs; the conformance
+/// harness cannot drop its schema at the end of a test).
+pub async fn drop_stale_schemas(pool: &PgPool) {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let names: Vec<String> =
+        sqlx::query_scalar("SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'opg\\_%'")
+            .fetch_all(pool)
+            .await
+            .unwrap_or_default();
+    for name in names {
+        let age = name
+            .split('_')
+            .nth(1)
+            .and_then(|s| s.parse::<u64>().ok())
+            .map(|t| now.saturating_sub(t));
+        if age.is_some_and(|a| a > 3600) {
+            let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
+                .execute(pool)
+                .await;
+        }
+    }
 }
 
 pub struct Ctx {
