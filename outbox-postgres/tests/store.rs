@@ -863,3 +863,49 @@ async fn late_lower_version_waits_for_the_in_flight_row() {
     }
     ctx.drop().await;
 }
+
+/// The listener survives the loss of its connection: it wakes once on reconnect (notifications
+/// may have been lost) and then keeps delivering.
+#[tokio::test]
+async fn listener_reconnects_after_its_connection_is_killed() {
+    let ctx = ctx!(4);
+    let store = ctx.store(lease(30.0)).await;
+    let channel = store.settings().notify_channel.clone().unwrap();
+    let notify = Arc::new(tokio::sync::Notify::new());
+    let handle = store.spawn_listener(notify.clone()).unwrap();
+    tokio::time::timeout(Duration::from_secs(5), notify.notified())
+        .await
+        .expect("initial wake-up");
+    let _ = tokio::time::timeout(Duration::from_millis(100), notify.notified()).await;
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE query ILIKE '%LISTEN%' AND query LIKE '%' || $1 || '%'",
+    )
+    .bind(&channel)
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(killed, 1, "the listener's backend was found and terminated");
+    // The catch-up wake-up after the reconnect.
+    tokio::time::timeout(Duration::from_secs(10), notify.notified())
+        .await
+        .expect("wake-up after reconnect");
+    // Give the new LISTEN a moment, then a commit wakes it again.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _ = tokio::time::timeout(Duration::from_millis(100), notify.notified()).await;
+    store.append(&ctx.pool, &event("n", 1)).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), notify.notified())
+        .await
+        .expect("wake-up from a commit after the reconnect");
+    let listening: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE query ILIKE '%LISTEN%' AND query LIKE '%' || $1 || '%'",
+    )
+    .bind(&channel)
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(listening, 1, "a new connection listens again");
+    handle.abort();
+    ctx.drop().await;
+}
