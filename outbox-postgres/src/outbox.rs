@@ -1067,6 +1067,8 @@ impl OutboxStore for PostgresOutboxStore {
         stats.in_flight = get("leased")? + locked_in_flight;
         stats.parked = get("parked")?;
         stats.published_retained = get("published")?;
+        // Every pending row counts: claimable, in flight, waiting for a retry, or blocked
+        // behind its aggregate's parked head (as `OutboxStats` documents it).
         stats.oldest_unpublished_age = age("oldest_pending")?;
         stats.oldest_parked_age = age("oldest_parked")?;
         stats.extra = self.table_extra().await?;

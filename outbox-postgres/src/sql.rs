@@ -312,8 +312,8 @@ impl OutboxSql {
                (SELECT count(*) FROM {t} WHERE status = 'parked') AS parked, \
                (SELECT count(*) FROM {t} WHERE status = 'published') AS published, \
                (SELECT count(*) FROM {t} WHERE status = 'pending' AND blocked) AS blocked, \
-               (SELECT extract(epoch FROM clock_timestamp() - created_at)::float8 FROM {t} \
-                  WHERE status = 'pending' AND NOT blocked ORDER BY id LIMIT 1) AS oldest_pending, \
+               (SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8 FROM {t} \
+                  WHERE status = 'pending') AS oldest_pending, \
                (SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8 FROM {t} \
                   WHERE status = 'parked') AS oldest_parked"
         );

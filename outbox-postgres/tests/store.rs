@@ -727,6 +727,62 @@ async fn stats_report_backlog_ages_and_table_figures() {
     ctx.drop().await;
 }
 
+/// An event blocked behind its aggregate's parked head is unpublished and counts for the
+/// oldest-unpublished age (as in the in-memory store), even when nothing else is pending.
+#[tokio::test]
+async fn oldest_unpublished_age_includes_events_behind_a_parked_head() {
+    let ctx = ctx!(4);
+    for mode in [lease(30.0), ClaimMode::LockedTransaction] {
+        let store = PostgresOutboxStore::builder(ctx.pool.clone())
+            .schema(&ctx.schema)
+            .claim_mode(mode)
+            .build()
+            .unwrap();
+        store.migrate().await.unwrap();
+        let agg = format!("pk-{mode:?}").replace(' ', "");
+        let (v1, v2) = (event(&agg, 1), event(&agg, 2));
+        store
+            .append_many(&ctx.pool, &[v1.clone(), v2.clone()])
+            .await
+            .unwrap();
+        let b = claim(&store, "r", 10).await;
+        assert_eq!(versions(&b), vec![(agg.clone(), 1)]);
+        let rep = store.complete(&b.handle, &[park(&v1)]).await.unwrap();
+        assert_eq!(rep.applied, 1);
+        assert!(
+            claim(&store, "r", 10).await.is_empty(),
+            "{mode:?}: v2 waits"
+        );
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let s = store.stats().await.unwrap();
+        assert_eq!(
+            (s.unpublished, s.parked, s.in_flight),
+            (1, 1, 0),
+            "{mode:?}"
+        );
+        let age = s
+            .oldest_unpublished_age
+            .unwrap_or_else(|| panic!("{mode:?}: v2 is unpublished, its age must be reported"));
+        assert!(age >= Duration::from_millis(150), "{mode:?}: {age:?}");
+        assert!(s.oldest_parked_age.unwrap() >= Duration::from_millis(150));
+        // Discarding the parked head leaves v2 claimable; once published, no age is left.
+        store
+            .discard_parked(v1.event_id, "ops", "test")
+            .await
+            .unwrap();
+        let b = claim(&store, "r", 10).await;
+        assert_eq!(versions(&b), vec![(agg.clone(), 2)]);
+        publish_all(&store, &b).await;
+        let s = store.stats().await.unwrap();
+        assert_eq!(
+            (s.unpublished, s.oldest_unpublished_age),
+            (0, None),
+            "{mode:?}"
+        );
+    }
+    ctx.drop().await;
+}
+
 #[tokio::test]
 async fn inbox_registers_once_per_consumer_and_cleans_up() {
     let ctx = ctx!(4);
