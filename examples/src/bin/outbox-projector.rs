@@ -31,12 +31,25 @@ struct Args {
     /// Topic to read.
     #[arg(long)]
     topic: String,
-    /// Consumer group (also the inbox consumer name).
+    /// Kafka consumer group.
     #[arg(long)]
     group: String,
+    /// Inbox consumer name: the deduplication key prefix (default: the group). Keep it stable
+    /// when the group changes, or every re-read event counts as new.
+    #[arg(long)]
+    consumer: Option<String>,
     /// Session timeout in milliseconds.
     #[arg(long, default_value_t = 6000)]
     session_timeout_ms: u64,
+    /// Extra librdkafka consumer properties, `key=value` (repeatable).
+    #[arg(long = "consumer-property", value_parser = parse_kv)]
+    consumer_properties: Vec<(String, String)>,
+}
+
+fn parse_kv(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .ok_or_else(|| format!("expected key=value, got {s:?}"))
 }
 
 /// Appends an effect row and moves the projection to the event's version.
@@ -85,6 +98,7 @@ async fn main() -> anyhow::Result<()> {
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
+        .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
     let pool = sqlx::postgres::PgPoolOptions::new()
@@ -114,14 +128,21 @@ async fn main() -> anyhow::Result<()> {
         ),
     };
     let tracker: Arc<Mutex<OffsetTracker>> = Arc::default();
-    let source = KafkaSource::builder(&args.brokers, &args.group)
+    let mut builder = KafkaSource::builder(&args.brokers, &args.group)
         .topic(&args.topic)
         .session_timeout(Duration::from_millis(args.session_timeout_ms))
-        .offset_tracker(tracker.clone())
-        .build()?;
+        .offset_tracker(tracker.clone());
+    for (k, v) in &args.consumer_properties {
+        builder = builder.set(k, v);
+    }
+    let source = builder.build()?;
     let mut engine = ConsumerEngine::new(
         source,
-        InboxProcessor::new(args.group.clone(), inbox, handler),
+        InboxProcessor::new(
+            args.consumer.clone().unwrap_or_else(|| args.group.clone()),
+            inbox,
+            handler,
+        ),
         EngineConfig::default().with_commit(100, Duration::from_millis(200)),
         rand::random(),
     )?

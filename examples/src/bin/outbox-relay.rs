@@ -65,6 +65,7 @@ async fn main() -> anyhow::Result<()> {
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
+        .with_writer(std::io::stderr)
         .init();
     let args = Args::parse();
     let pool = sqlx::postgres::PgPoolOptions::new()
