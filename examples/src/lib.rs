@@ -21,6 +21,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
+pub mod cli;
 pub mod faults;
 pub mod kafka;
 pub mod memory;

@@ -5,20 +5,8 @@
 //! `scripts/test`). Without them they fail, unless `OUTBOX_SKIP_SERVICE_TESTS=1` says to skip.
 
 use outbox_core::ParkKind;
+use outbox_examples::cli::required_service;
 use outbox_examples::{run_demo, DemoConfig, DemoSummary};
-
-fn service(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(v) if !v.is_empty() => Some(v),
-        _ if std::env::var("OUTBOX_SKIP_SERVICE_TESTS").as_deref() == Ok("1") => {
-            eprintln!("SKIPPED: {var} unset and OUTBOX_SKIP_SERVICE_TESTS=1");
-            None
-        }
-        _ => {
-            panic!("{var} is not set; run scripts/test, or set OUTBOX_SKIP_SERVICE_TESTS=1 to skip")
-        }
-    }
-}
 
 fn check(s: &DemoSummary, orders: usize) {
     println!("{s}");
@@ -55,7 +43,7 @@ async fn in_memory() {
 
 #[tokio::test]
 async fn postgres_store_and_inbox() {
-    let Some(url) = service("DATABASE_URL") else {
+    let Some(url) = required_service("DATABASE_URL") else {
         return;
     };
     let c = DemoConfig {
@@ -67,7 +55,7 @@ async fn postgres_store_and_inbox() {
 
 #[tokio::test]
 async fn kafka_publisher_and_source() {
-    let Some(brokers) = service("KAFKA_BROKERS") else {
+    let Some(brokers) = required_service("KAFKA_BROKERS") else {
         return;
     };
     let c = DemoConfig {
@@ -79,7 +67,10 @@ async fn kafka_publisher_and_source() {
 
 #[tokio::test]
 async fn postgres_and_kafka() {
-    let (Some(url), Some(brokers)) = (service("DATABASE_URL"), service("KAFKA_BROKERS")) else {
+    let (Some(url), Some(brokers)) = (
+        required_service("DATABASE_URL"),
+        required_service("KAFKA_BROKERS"),
+    ) else {
         return;
     };
     let c = DemoConfig {

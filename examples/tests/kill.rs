@@ -19,6 +19,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use outbox_core::{ClaimMode, Envelope, OutboxStore};
+use outbox_examples::cli::required_service;
 use outbox_postgres::PostgresOutboxStore;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -31,17 +32,6 @@ use sqlx::{PgPool, Row};
 
 const PARTITIONS: i32 = 4;
 const AGGREGATES: usize = 30;
-
-fn service(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(v) if !v.is_empty() => Some(v),
-        _ if std::env::var("OUTBOX_SKIP_SERVICE_TESTS").as_deref() == Ok("1") => {
-            eprintln!("SKIPPED: {var} unset and OUTBOX_SKIP_SERVICE_TESTS=1");
-            None
-        }
-        _ => panic!("{var} is not set; run scripts/test, or set OUTBOX_SKIP_SERVICE_TESTS=1"),
-    }
-}
 
 struct Proc {
     name: &'static str,
@@ -113,7 +103,10 @@ fn start(name: &str, args: &[String]) -> Child {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkilled_relays_and_consumer_lose_nothing_and_apply_once() {
-    let (Some(url), Some(brokers)) = (service("DATABASE_URL"), service("KAFKA_BROKERS")) else {
+    let (Some(url), Some(brokers)) = (
+        required_service("DATABASE_URL"),
+        required_service("KAFKA_BROKERS"),
+    ) else {
         return;
     };
     let seed: u64 = std::env::var("OUTBOX_KILL_SEED")

@@ -42,14 +42,8 @@ struct Args {
     #[arg(long, default_value_t = 6000)]
     session_timeout_ms: u64,
     /// Extra librdkafka consumer properties, `key=value` (repeatable).
-    #[arg(long = "consumer-property", value_parser = parse_kv)]
+    #[arg(long = "consumer-property", value_parser = outbox_examples::cli::parse_kv)]
     consumer_properties: Vec<(String, String)>,
-}
-
-fn parse_kv(s: &str) -> Result<(String, String), String> {
-    s.split_once('=')
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .ok_or_else(|| format!("expected key=value, got {s:?}"))
 }
 
 /// Appends an effect row and moves the projection to the event's version.
@@ -94,12 +88,7 @@ impl Handler<Transaction<'static, Postgres>> for Projector {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    outbox_examples::cli::init_tracing();
     let args = Args::parse();
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
@@ -147,17 +136,7 @@ async fn main() -> anyhow::Result<()> {
         rand::random(),
     )?
     .with_offset_tracker(tracker);
-    let report = engine
-        .run(async {
-            let mut term =
-                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-                    .expect("SIGTERM handler");
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => {}
-                _ = term.recv() => {}
-            }
-        })
-        .await?;
+    let report = engine.run(outbox_examples::cli::shutdown_signal()).await?;
     eprintln!("projector stopped: {report:?}");
     Ok(())
 }

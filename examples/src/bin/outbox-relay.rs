@@ -50,27 +50,16 @@ struct Args {
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
     workers: u16,
     /// Extra librdkafka producer properties, `key=value` (repeatable).
-    #[arg(long = "producer-property", value_parser = parse_kv)]
+    #[arg(long = "producer-property", value_parser = outbox_examples::cli::parse_kv)]
     producer_properties: Vec<(String, String)>,
     /// Create the outbox schema if missing.
     #[arg(long)]
     migrate: bool,
 }
 
-fn parse_kv(s: &str) -> Result<(String, String), String> {
-    s.split_once('=')
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .ok_or_else(|| format!("expected key=value, got {s:?}"))
-}
-
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    outbox_examples::cli::init_tracing();
     let args = Args::parse();
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(4)
@@ -88,32 +77,39 @@ async fn main() -> anyhow::Result<()> {
     for (k, v) in &args.producer_properties {
         builder = builder.set(k, v);
     }
-    let publisher = builder.start().await.map_err(|e| anyhow::anyhow!("{e}"))?;
-    let config = RelayConfig::builder()
-        .owner(format!("relay-{}", std::process::id()))
-        .batch_size(args.batch)
-        .idle(Duration::from_millis(5), Duration::from_millis(500))
-        .build()?;
-    let relay = Relay::new(
-        store.clone(),
-        publisher,
-        config,
-        Arc::new(SystemClock),
-        Box::new(StdRng::from_os_rng()),
-    )?;
+    let publisher = Arc::new(builder.start().await.map_err(|e| anyhow::anyhow!("{e}"))?);
     let wake = Arc::new(tokio::sync::Notify::new());
     let listener = store.spawn_listener(wake.clone())?;
-    let report = outbox_core::driver::run(relay, Some(wake), shutdown_signal()).await;
-    listener.abort();
-    eprintln!("relay stopped: {report:?}");
-    Ok(())
-}
-
-async fn shutdown_signal() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut workers = Vec::new();
+    for w in 0..args.workers {
+        let config = RelayConfig::builder()
+            .owner(format!("relay-{}-{w}", std::process::id()))
+            .batch_size(args.batch)
+            .idle(Duration::from_millis(5), Duration::from_millis(500))
+            .build()?;
+        let relay = Relay::new(
+            store.clone(),
+            publisher.clone(),
+            config,
+            Arc::new(SystemClock),
+            Box::new(StdRng::from_os_rng()),
+        )?;
+        let mut stop = stop_rx.clone();
+        let shutdown = async move {
+            let _ = stop.wait_for(|stopped| *stopped).await;
+        };
+        workers.push(tokio::spawn(outbox_core::driver::run(
+            relay,
+            Some(wake.clone()),
+            shutdown,
+        )));
     }
+    outbox_examples::cli::shutdown_signal().await;
+    let _ = stop_tx.send(true);
+    for w in workers {
+        eprintln!("relay worker stopped: {:?}", w.await?);
+    }
+    listener.abort();
+    Ok(())
 }

@@ -1,0 +1,44 @@
+//! Pieces shared by the example processes and their tests.
+
+/// Parses a `key=value` command-line argument (librdkafka properties).
+pub fn parse_kv(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .ok_or_else(|| format!("expected key=value, got {s:?}"))
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (default `warn`).
+pub fn init_tracing() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+/// Completes on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+/// The value of a service variable (`DATABASE_URL`, `KAFKA_BROKERS`) for tests. Panics when it
+/// is unset, unless `OUTBOX_SKIP_SERVICE_TESTS=1` asks to skip (then prints `SKIPPED` and
+/// returns `None`): CI never skips silently.
+pub fn required_service(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(v) if !v.is_empty() => Some(v),
+        _ if std::env::var("OUTBOX_SKIP_SERVICE_TESTS").as_deref() == Ok("1") => {
+            eprintln!("SKIPPED: {var} unset and OUTBOX_SKIP_SERVICE_TESTS=1");
+            None
+        }
+        _ => {
+            panic!("{var} is not set; run scripts/test, or set OUTBOX_SKIP_SERVICE_TESTS=1 to skip")
+        }
+    }
+}
