@@ -25,9 +25,7 @@ CREATE TABLE IF NOT EXISTS "outbox"."outbox_events" (
     blocked            boolean     NOT NULL DEFAULT false,
     attempts           integer     NOT NULL DEFAULT 0,
     next_attempt_at    timestamptz NOT NULL DEFAULT '-infinity',
-    lease_owner        text,
-    lease_token        uuid,
-    lease_until        timestamptz,
+    -- The lease of a row in flight (owner, token, expiry) is in "outbox_events_lease".
     last_error_class   text,
     last_error_kind    text,
     last_error_message text,
@@ -62,12 +60,18 @@ CREATE INDEX IF NOT EXISTS "outbox_events_aggregate_idx"
     ON "outbox"."outbox_events" (aggregate_type, aggregate_id, blocked, aggregate_version, id)
     WHERE status IN ('pending', 'parked');
 
--- Rows under a lease, per aggregate: "is any row of this aggregate in flight?" in one short
--- probe, however many unclassified rows the aggregate has queued.
-CREATE INDEX IF NOT EXISTS "outbox_events_leased_idx"
-    ON "outbox"."outbox_events" (aggregate_type, aggregate_id)
-    INCLUDE (lease_until)
-    WHERE lease_token IS NOT NULL;
+-- Leases of the lease claim mode: one narrow row per aggregate in flight, keyed by the
+-- aggregate's lock key (a seeded 64-bit hash of type and id). "Is this aggregate in flight?"
+-- is one primary-key probe, and claiming or completing never rewrites the wide event row for
+-- the lease. A completion deletes its leases (fencing: only rows whose lease still carries the
+-- completion's token get an outcome); an expired lease is taken over by the next claim.
+CREATE TABLE IF NOT EXISTS "outbox"."outbox_events_lease" (
+    aggregate_key bigint      PRIMARY KEY,
+    event_row     bigint      NOT NULL,
+    lease_owner   text        NOT NULL,
+    lease_token   uuid        NOT NULL,
+    lease_until   timestamptz NOT NULL
+);
 
 CREATE INDEX IF NOT EXISTS "outbox_events_parked_idx"
     ON "outbox"."outbox_events" (parked_at, id)

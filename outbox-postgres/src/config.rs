@@ -49,6 +49,14 @@ pub struct OutboxSettings {
     /// relay hangs or leaks its claim. Default 5 minutes; must exceed the publisher's delivery
     /// timeout.
     pub locked_max_hold: Duration,
+    /// `true`: completions (`complete`, and the end of a locked claim) wait for the WAL flush
+    /// at commit. Default `false`: they commit with `synchronous_commit = off`, which saves a
+    /// disk flush per batch and is safe under at-least-once delivery: a completion lost in a
+    /// server crash only makes its events be published again (a duplicate), and any later
+    /// claim of the same aggregate commits synchronously, which flushes the earlier completion
+    /// first, so order holds. Claims in lease mode and operator actions always commit
+    /// synchronously.
+    pub synchronous_completion: bool,
     /// Backpressure hook, see [`AppendGuard`]. Default none.
     pub append_guard: Option<Arc<dyn AppendGuard>>,
 }
@@ -65,6 +73,7 @@ impl Default for OutboxSettings {
             archive: false,
             limits: EnvelopeLimits::default(),
             locked_max_hold: Duration::from_secs(300),
+            synchronous_completion: false,
             append_guard: None,
         }
     }

@@ -13,7 +13,7 @@
 //! | Validation at append | envelope limits, before anything is written |
 //! | Backpressure hook | [`AppendGuard`] (thresholds are the caller's) |
 //! | Claim: locked transaction | `ClaimMode::LockedTransaction`: rows `FOR UPDATE SKIP LOCKED` plus aggregate advisory locks, held until `complete`/`release` |
-//! | Claim: lease with fencing | `ClaimMode::Lease { duration }`: owner, unique token, expiry on the database clock; `complete` applies only where the token matches, the rest is counted as `superseded`; `lease_remaining` tells the relay its deadline |
+//! | Claim: lease with fencing | `ClaimMode::Lease { duration }`: owner, unique token, expiry on the database clock, in the narrow `<table>_lease` table (one row per aggregate in flight); `complete` applies only where the token matches, the rest is counted as `superseded`; `lease_remaining` tells the relay its deadline |
 //! | Lease vs. delivery timeout | rejected by `build()` with [`PostgresOutboxStoreBuilder::publisher_delivery_timeout`] (and by `outbox_core::Relay::new`) |
 //! | Per-aggregate order, several relays | yes, head-of-line only; see below |
 //! | Rows committing out of id order | never skipped (no high-water mark) |
@@ -77,10 +77,18 @@
 //!   transaction holds. Then, in a *second statement* (a snapshot taken after the locks, so
 //!   every earlier claim or completion of those aggregates is visible), it finds each locked
 //!   aggregate's head with two `LIMIT 1` probes of the aggregate index (unblocked and blocked
-//!   ranges), checks "no live lease in this aggregate" with one probe of a small partial index
-//!   of leased rows, claims the head when it is a due candidate, and blocks the other
-//!   candidates. Two relays claiming at once therefore never take two rows of one aggregate:
+//!   ranges), checks "no live lease in this aggregate" with one probe of the lease table,
+//!   claims the head when it is a due candidate, and blocks the other candidates (never the
+//!   aggregate's leased row). Two relays claiming at once therefore never take two rows of one aggregate:
 //!   the second one either cannot lock the aggregate or sees the first one's committed lease.
+//! * **Leases** live in `<table>_lease`, one narrow row per aggregate in flight, keyed by the
+//!   aggregate's lock key. "Is this aggregate in flight?" is one primary-key probe (in the
+//!   candidate scan, so in-flight aggregates do not fill a batch, and again in the head check),
+//!   and claiming writes a small row instead of rewriting the wide event row (whose update
+//!   would also touch every index). `complete` deletes the claim's leases where the token still
+//!   matches and applies outcomes to exactly those rows (fencing); an expired lease is taken
+//!   over by the next claim (`INSERT .. ON CONFLICT DO UPDATE .. WHERE expired`). Two
+//!   aggregates whose 64-bit keys collide share one lease slot: they are only serialized.
 //! * **Unblocking.** `complete` of a published head takes the same aggregate locks (blocking,
 //!   sorted, keys carried from the claim) and unblocks the aggregate's first blocked row in the
 //!   same statement; operator discard does the same. Classification and unblocking of one
@@ -98,11 +106,12 @@
 //!   that a live but stuck process never finishes. Aggregates whose candidates were only
 //!   blocked (not claimed) also stay locked until then; other relays skip them meanwhile.
 //!
-//! **Cost.** Per event: the insert; one write to claim it in lease mode (owner, token, expiry)
-//! or a row lock in locked mode; one write to mark it; a row queued behind its aggregate's head
-//! pays one more write to block it and one to unblock it. Per batch: claim = BEGIN, candidate
-//! scan, head check and claim, COMMIT (four round trips); completion = BEGIN, lock, one UPDATE
-//! from arrays, COMMIT; no per-row round trips. Claim cost grows with the batch size and the
+//! **Cost.** Per event: the insert; in lease mode one narrow lease row inserted at claim and
+//! deleted at completion, in locked mode a row lock; one write of the event row to mark it; a
+//! row queued behind its aggregate's head pays one more write to block it and one to unblock
+//! it. Per batch: claim = BEGIN, candidate scan, head check and claim, COMMIT (four round
+//! trips); completion = BEGIN, lock, one statement from arrays (fence, outcomes, promotion),
+//! COMMIT; no per-row round trips. Claim cost grows with the batch size and the
 //! number of heads in flight or waiting for a retry, not with the backlog: `EXPLAIN (ANALYZE,
 //! BUFFERS)` reads 40 buffers for the candidate scan at both 10,000 and 1,000,000 queued rows
 //! and about 27,000 vs 35,000 buffers for the head check and claim of 1,000 rows (one more
@@ -110,6 +119,21 @@
 //! serialize two unrelated aggregates now and then. The `NOTIFY` of each append takes a short
 //! global lock at commit; turn it off (`notify_channel(None)`) for very high append rates and
 //! rely on polling.
+//!
+//! ## Durability of completions
+//!
+//! Completions commit with `synchronous_commit = off` by default (no wait for the WAL flush;
+//! [`PostgresOutboxStoreBuilder::synchronous_completion`] turns this off). This is safe under
+//! at-least-once delivery: a completion lost in a server crash leaves its rows unpublished (in
+//! lease mode still leased until expiry), so they are published again, a duplicate and never a
+//! loss. Order holds too: the aggregate's next version can only be handed out by a later claim
+//! that saw the completion. In lease mode that claim commits synchronously, which flushes the
+//! WAL up to and including the earlier completion's commit record before the relay publishes
+//! anything. In locked mode the next claim publishes inside its open transaction, so a crash
+//! can lose both completions and the aggregate is sent again from the lost one on: again only
+//! duplicates of events that were already delivered in order. Lease claims and operator
+//! actions always commit synchronously: a lost lease could let a second relay publish while
+//! the first one still is.
 //!
 //! ## Tests
 //!

@@ -47,6 +47,13 @@ struct Inner {
 /// size a generic plan cannot know), in the same round trip as BEGIN.
 const BEGIN_CLAIM: &str = "BEGIN; SET LOCAL plan_cache_mode = force_custom_plan";
 
+/// Completions commit without waiting for the WAL flush (see the crate docs, "Durability of
+/// completions"): a completion lost in a server crash leaves its rows unpublished (and, in
+/// lease mode, leased until expiry), so they are published again: a duplicate, never a loss,
+/// and never a reordering, because any later claim of the aggregate commits synchronously and
+/// thereby flushes the earlier completion's commit record first.
+const ASYNC_COMMIT: &str = "SET LOCAL synchronous_commit = off";
+
 /// (row id, event id, aggregate lock key) of the rows of one claim.
 type ClaimedRows = Vec<(i64, Uuid, i64)>;
 
@@ -111,6 +118,12 @@ impl PostgresOutboxStoreBuilder {
     /// Longest idle time of a locked claim transaction (default 5 min).
     pub fn locked_max_hold(mut self, d: Duration) -> Self {
         self.settings.locked_max_hold = d;
+        self
+    }
+    /// Completions wait for the WAL flush at commit (default `false`: they commit
+    /// asynchronously, which is safe under at-least-once delivery; see the crate docs).
+    pub fn synchronous_completion(mut self, on: bool) -> Self {
+        self.settings.synchronous_completion = on;
         self
     }
     /// The publisher's delivery timeout: `build()` then rejects a lease (or, in locked mode, a
@@ -311,13 +324,13 @@ impl PostgresOutboxStore {
         let mut tx = self.inner.pool.begin().await.map_err(db)?;
         let mut plans = Vec::new();
         let explain = |sql: &str| format!("EXPLAIN (ANALYZE, BUFFERS) {sql}");
-        let lines: Vec<String> = sqlx::query_scalar(&explain(&self.inner.sql.claim_candidates))
+        let lines: Vec<String> = sqlx::query_scalar(&explain(self.candidates_sql()))
             .bind(limit)
             .fetch_all(&mut *tx)
             .await
             .map_err(db)?;
         plans.push(lines.join("\n"));
-        let ids: Vec<i64> = sqlx::query_scalar(&self.inner.sql.claim_candidates)
+        let ids: Vec<i64> = sqlx::query_scalar(self.candidates_sql())
             .bind(limit)
             .fetch_all(&mut *tx)
             .await
@@ -359,7 +372,8 @@ impl PostgresOutboxStore {
             .lock()
             .expect("poisoned")
             .insert(claim.token, (rows.clone(), Instant::now()));
-        let (arrays, without) = OutcomeArrays::new(outcomes, &rows);
+        let keys: Vec<i64> = rows.iter().map(|&(_, _, k)| k).collect();
+        let arrays = OutcomeArrays::new(outcomes, &rows);
         let mut tx = self.inner.pool.begin_with(BEGIN_CLAIM).await.map_err(db)?;
         let sql = format!(
             "EXPLAIN (ANALYZE, BUFFERS) {}",
@@ -368,7 +382,7 @@ impl PostgresOutboxStore {
         let lines: Vec<String> = arrays
             .bind(sqlx::query(&sql))
             .bind(claim.token)
-            .bind(&without)
+            .bind(&keys)
             .fetch_all(&mut *tx)
             .await
             .map_err(db)?
@@ -403,6 +417,14 @@ impl PostgresOutboxStore {
         }
     }
 
+    /// Step 1 of a claim (locked mode writes no leases, so it does not probe for them).
+    fn candidates_sql(&self) -> &str {
+        match self.inner.settings.claim_mode {
+            ClaimMode::LockedTransaction => &self.inner.sql.claim_candidates_locked,
+            _ => &self.inner.sql.claim_candidates,
+        }
+    }
+
     async fn claim_inner(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
         let token = Uuid::now_v7();
         let handle = ClaimHandle {
@@ -417,14 +439,20 @@ impl PostgresOutboxStore {
             self.inner
                 .pool
                 .begin_with(format!(
-                    "{BEGIN_CLAIM}; SET LOCAL idle_in_transaction_session_timeout = {ms}"
+                    "{BEGIN_CLAIM}; SET LOCAL idle_in_transaction_session_timeout = {ms}{}",
+                    if self.inner.settings.synchronous_completion {
+                        String::new()
+                    } else {
+                        // The claim transaction ends with the completion (locks only before).
+                        format!("; {ASYNC_COMMIT}")
+                    }
                 ))
                 .await
         } else {
             self.inner.pool.begin_with(BEGIN_CLAIM).await
         }
         .map_err(db)?;
-        let ids: Vec<i64> = sqlx::query_scalar(&self.inner.sql.claim_candidates)
+        let ids: Vec<i64> = sqlx::query_scalar(self.candidates_sql())
             .bind(limit)
             .fetch_all(&mut *tx)
             .await
@@ -526,11 +554,10 @@ impl PostgresOutboxStore {
                     // another store instance. Nothing applied; every outcome is refused.
                     return Ok(CompletionReport::new(0, outcomes.len()));
                 };
-                let (arrays, _) = OutcomeArrays::new(outcomes, &held.rows);
+                let arrays = OutcomeArrays::new(outcomes, &held.rows);
                 // The aggregate locks were taken by the claim in this very transaction.
                 let applied = arrays
                     .bind(sqlx::query(&self.inner.sql.complete_locked))
-                    .bind(claim.token)
                     .fetch_one(&mut *held.tx)
                     .await
                     .map_err(|e| lost_claim(db(e)))?
@@ -541,8 +568,15 @@ impl PostgresOutboxStore {
             }
             _ => {
                 let rows = self.lease_rows(claim.token).await?;
-                let (arrays, without_outcome) = OutcomeArrays::new(outcomes, &rows);
-                let mut tx = self.inner.pool.begin_with(BEGIN_CLAIM).await.map_err(db)?;
+                // Every lease of the claim ends here (rows without an outcome are released).
+                let keys: Vec<i64> = rows.iter().map(|&(_, _, k)| k).collect();
+                let arrays = OutcomeArrays::new(outcomes, &rows);
+                let begin = if self.inner.settings.synchronous_completion {
+                    BEGIN_CLAIM.to_owned()
+                } else {
+                    format!("{BEGIN_CLAIM}; {ASYNC_COMMIT}")
+                };
+                let mut tx = self.inner.pool.begin_with(begin).await.map_err(db)?;
                 // Serialize with claims that classify rows of the same aggregates: a row
                 // blocked behind a head we publish now is then always seen by the promotion.
                 let published = arrays.published_keys();
@@ -556,7 +590,7 @@ impl PostgresOutboxStore {
                 let applied = arrays
                     .bind(sqlx::query(&self.inner.sql.complete_lease))
                     .bind(claim.token)
-                    .bind(&without_outcome)
+                    .bind(&keys)
                     .fetch_one(&mut *tx)
                     .await
                     .map_err(db)?
@@ -691,8 +725,8 @@ struct OutcomeArrays {
 
 impl OutcomeArrays {
     /// The arrays for the outcomes of events in `claimed` (others are not part of the claim
-    /// and are refused), and the claimed row ids that have no outcome (to release).
-    fn new(outcomes: &[Outcome], claimed: &[(i64, Uuid, i64)]) -> (Self, Vec<i64>) {
+    /// and are refused).
+    fn new(outcomes: &[Outcome], claimed: &[(i64, Uuid, i64)]) -> Self {
         let n = outcomes.len();
         let by_event: HashMap<Uuid, (i64, i64)> =
             claimed.iter().map(|&(id, e, k)| (e, (id, k))).collect();
@@ -739,12 +773,7 @@ impl OutcomeArrays {
             a.emsg.push(err.map(|e| e.message.clone()));
             a.pkind.push(park.map(ParkKind::as_str));
         }
-        let without = claimed
-            .iter()
-            .map(|&(id, _, _)| id)
-            .filter(|id| !seen.contains(id))
-            .collect();
-        (a, without)
+        a
     }
 
     fn published_keys(&self) -> Vec<i64> {
@@ -848,15 +877,15 @@ impl OutboxStore for PostgresOutboxStore {
                 Ok(())
             }
             _ => {
-                let ids: Vec<i64> = self
+                let keys: Vec<i64> = self
                     .lease_rows(claim.token)
                     .await?
                     .into_iter()
-                    .map(|(id, _, _)| id)
+                    .map(|(_, _, k)| k)
                     .collect();
                 sqlx::query(&self.inner.sql.release_lease)
                     .bind(claim.token)
-                    .bind(&ids)
+                    .bind(&keys)
                     .execute(&self.inner.pool)
                     .await
                     .map_err(db)?;

@@ -11,6 +11,7 @@ pub(crate) struct OutboxSql {
     pub table: String,
     pub append: String,
     pub claim_candidates: String,
+    pub claim_candidates_locked: String,
     pub claim_lease: String,
     pub claim_locked: String,
     pub lock_aggregates_of_events: String,
@@ -71,6 +72,7 @@ impl OutboxSql {
         let t = qualified(schema, table);
         let audit = qualified(schema, &format!("{table}_audit"));
         let archive = qualified(schema, &format!("{table}_archive"));
+        let lease = qualified(schema, &format!("{table}_lease"));
         let seed = seed(schema, table);
 
         let append = format!(
@@ -86,40 +88,45 @@ impl OutboxSql {
                                            WHERE $11::text IS NOT NULL) nn) AS notified"
         );
 
-        // Step 1 of a claim: the first candidates in insertion order whose aggregate this
-        // transaction can lock. The CASE keeps the lock attempt behind the cheap filters.
+        // Step 1 of a claim: the first candidates in insertion order whose aggregate has no
+        // live lease and which this transaction can lock. The CASE keeps the lease probe and
+        // the lock attempt behind the cheap filters. (Locked mode writes no leases.)
         let kc = key("c", seed);
-        let claim_candidates = format!(
-            "SELECT c.id FROM {t} c \
-             WHERE c.status = 'pending' AND NOT c.blocked \
-               AND CASE WHEN c.next_attempt_at <= now() \
-                         AND (c.lease_until IS NULL OR c.lease_until <= clock_timestamp()) \
-                        THEN pg_try_advisory_xact_lock({kc}) ELSE false END \
-             ORDER BY c.id LIMIT $1"
-        );
+        let candidates = |lease_probe: &str| {
+            format!(
+                "SELECT c.id FROM {t} c \
+                 WHERE c.status = 'pending' AND NOT c.blocked \
+                   AND CASE WHEN c.next_attempt_at <= now() {lease_probe} \
+                            THEN pg_try_advisory_xact_lock({kc}) ELSE false END \
+                 ORDER BY c.id LIMIT $1"
+            )
+        };
+        let claim_candidates = candidates(&format!(
+            "AND NOT EXISTS (SELECT 1 FROM {lease} l WHERE l.aggregate_key = {kc} \
+                               AND l.lease_until > clock_timestamp())"
+        ));
+        let claim_candidates_locked = candidates("");
 
         // Step 2, in a new snapshot taken after the locks: per locked aggregate, its head; the
         // head is claimed when it is a due, pending candidate and no row of the aggregate is
         // under a live lease; candidates that are not heads are blocked (out of the index).
-        let classify = format!(
-            "WITH cand AS ( \
+        let ka = key("a", seed);
+        let classify = |leased_row: &str| {
+            format!(
+                "WITH cand AS ( \
                SELECT c.id, c.aggregate_type, c.aggregate_id, c.next_attempt_at FROM {t} c \
                WHERE c.id = ANY($1::int8[]) AND c.status = 'pending' AND NOT c.blocked), \
-             aggs AS (SELECT DISTINCT aggregate_type, aggregate_id FROM cand), \
+             aggs AS (SELECT a.aggregate_type, a.aggregate_id, {ka} AS k \
+                      FROM (SELECT DISTINCT aggregate_type, aggregate_id FROM cand) a), \
              heads AS ( \
-               SELECT a.aggregate_type, a.aggregate_id, \
+               SELECT a.aggregate_type, a.aggregate_id, a.k, \
                       CASE WHEN f.id IS NULL OR (b.id IS NOT NULL AND \
                                 (b.aggregate_version, b.id) < (f.aggregate_version, f.id)) \
                            THEN b.id ELSE f.id END AS head_id, \
                       CASE WHEN f.id IS NULL OR (b.id IS NOT NULL AND \
                                 (b.aggregate_version, b.id) < (f.aggregate_version, f.id)) \
                            THEN b.status ELSE f.status END AS head_status, \
-                      EXISTS (SELECT 1 FROM {t} l \
-                              WHERE l.aggregate_type = a.aggregate_type \
-                                AND l.aggregate_id = a.aggregate_id \
-                                AND l.lease_token IS NOT NULL \
-                                AND l.lease_until > clock_timestamp() \
-                                AND l.status = 'pending') AS busy \
+                      {leased_row} AS leased_row \
                FROM aggs a \
                LEFT JOIN LATERAL ( \
                  SELECT u.id, u.status, u.aggregate_version FROM {t} u \
@@ -135,25 +142,45 @@ impl OutboxSql {
                UPDATE {t} b SET blocked = true \
                FROM cand c JOIN heads w \
                  ON w.aggregate_type = c.aggregate_type AND w.aggregate_id = c.aggregate_id \
-               WHERE b.id = c.id AND c.id <> w.head_id \
-                 AND (b.lease_until IS NULL OR b.lease_until <= clock_timestamp()) \
+               WHERE b.id = c.id AND c.id <> w.head_id AND c.id IS DISTINCT FROM w.leased_row \
                RETURNING b.id), \
              pick AS ( \
-               SELECT w.head_id AS id FROM heads w JOIN cand c ON c.id = w.head_id \
-               WHERE w.head_status = 'pending' AND NOT w.busy AND c.next_attempt_at <= now())"
-        );
+               SELECT DISTINCT ON (w.k) w.head_id AS id, w.k FROM heads w \
+               JOIN cand c ON c.id = w.head_id \
+               WHERE w.head_status = 'pending' AND w.leased_row IS NULL \
+                 AND c.next_attempt_at <= now() \
+               ORDER BY w.k)"
+            )
+        };
+        // The live lease of an aggregate (one primary-key probe of the narrow lease table);
+        // locked mode writes none.
+        let classify_lease = classify(&format!(
+            "(SELECT l.event_row FROM {lease} l WHERE l.aggregate_key = a.k \
+                AND l.lease_until > clock_timestamp())"
+        ));
+        let classify_locked = classify("NULL::int8");
+        // The lease goes to the narrow lease table (one row per aggregate in flight): the wide
+        // event row is not rewritten to claim it. An expired lease of the aggregate is taken
+        // over; a live one (never the case under the aggregate lock) makes the insert a no-op.
         let claim_lease = format!(
-            "{classify} \
-             UPDATE {t} r SET lease_owner = $2, lease_token = $3, \
-                    lease_until = clock_timestamp() + $4::int8 * interval '1 microsecond' \
-             FROM pick WHERE r.id = pick.id \
-             RETURNING r.id, {cols}, r.attempts, {kr} AS k, \
-                (extract(epoch FROM r.lease_until - clock_timestamp()) * 1000000)::int8 AS remaining_us",
+            "{classify_lease}, \
+             ins AS ( \
+               INSERT INTO {lease} AS l \
+                 (aggregate_key, event_row, lease_owner, lease_token, lease_until) \
+               SELECT p.k, p.id, $2, $3, clock_timestamp() + $4::int8 * interval '1 microsecond' \
+               FROM pick p \
+               ON CONFLICT (aggregate_key) DO UPDATE SET event_row = EXCLUDED.event_row, \
+                 lease_owner = EXCLUDED.lease_owner, lease_token = EXCLUDED.lease_token, \
+                 lease_until = EXCLUDED.lease_until \
+               WHERE l.lease_until <= clock_timestamp() \
+               RETURNING l.aggregate_key, l.event_row, l.lease_until) \
+             SELECT r.id, {cols}, r.attempts, i.aggregate_key AS k, \
+                (extract(epoch FROM i.lease_until - clock_timestamp()) * 1000000)::int8 AS remaining_us \
+             FROM ins i JOIN {t} r ON r.id = i.event_row",
             cols = prefixed("r", ENVELOPE_COLS),
-            kr = key("r", seed)
         );
         let claim_locked = format!(
-            "{classify} \
+            "{classify_locked} \
              SELECT r.id, {cols}, r.attempts, 0::int8 AS k, NULL::int8 AS remaining_us \
              FROM {t} r WHERE r.id IN (SELECT id FROM pick) \
              ORDER BY r.id FOR UPDATE OF r SKIP LOCKED",
@@ -174,13 +201,14 @@ impl OutboxSql {
                 AND u.status IN ('pending', 'parked') AND u.blocked = true \
               ORDER BY u.aggregate_version, u.id LIMIT 1)"
         );
-        let complete = |fence: &str, release: &str| {
+        let complete = |fence_cte: &str, fence_join: &str, filter: &str| {
             format!(
                 "WITH o AS MATERIALIZED ( \
-                   SELECT o.*, $11::uuid AS tok \
+                   SELECT o.* \
                    FROM UNNEST($1::int8[], $2::text[], $3::text[], $4::int4[], \
                         $5::int8[], $6::int8[], $7::text[], $8::text[], $9::text[], $10::text[]) \
                      AS o(id, kind, topic, part, off, delay_us, eclass, ekind, emsg, pkind)), \
+                 {fence_cte} \
                  upd AS ( \
                    UPDATE {t} t SET \
                      status = CASE o.kind WHEN 'published' THEN 'published' \
@@ -200,9 +228,9 @@ impl OutboxSql {
                      last_error_message = CASE WHEN o.kind = 'published' \
                                                THEN t.last_error_message ELSE o.emsg END, \
                      park_kind = CASE WHEN o.kind = 'park' THEN o.pkind END, \
-                     parked_at = CASE WHEN o.kind = 'park' THEN clock_timestamp() END, \
-                     lease_owner = NULL, lease_token = NULL, lease_until = NULL \
-                   FROM o WHERE t.id = o.id AND t.status = 'pending' AND {fence} \
+                     parked_at = CASE WHEN o.kind = 'park' THEN clock_timestamp() END \
+                   FROM o {fence_join} \
+                   WHERE t.id = o.id AND t.status = 'pending' {filter} \
                    RETURNING t.id, t.aggregate_type, t.aggregate_id, t.aggregate_version, \
                              o.kind), \
                  pa AS (SELECT DISTINCT aggregate_type, aggregate_id FROM upd \
@@ -211,32 +239,32 @@ impl OutboxSql {
                    UPDATE {t} s SET blocked = false \
                    FROM (SELECT h.id FROM pa CROSS JOIN LATERAL {next} h) nx \
                    WHERE s.id = nx.id AND s.blocked RETURNING 1) \
-                 {release} \
                  SELECT (SELECT count(*) FROM upd) AS applied"
             )
         };
-        // The fence is a join clause against the materialized outcome rows, so the planner
-        // never mistakes "lease_token = <token>" for a one-row restriction that puts a table
-        // scan on the outer side of the join.
+        // Fencing: the claim's leases (all of its aggregates, $12, token $11) are deleted, and
+        // only rows whose lease was still this token's get their outcome. Rows without an
+        // outcome are thereby released too.
         let complete_lease = complete(
-            "t.lease_token = o.tok",
             &format!(
-                ", rel AS (UPDATE {t} x SET lease_owner = NULL, lease_token = NULL, \
-                   lease_until = NULL WHERE x.id = ANY($12::int8[]) AND x.lease_token = $11 \
-                   AND x.status = 'pending' RETURNING 1)"
+                "fenced AS (DELETE FROM {lease} l \
+                   WHERE l.aggregate_key = ANY($12::int8[]) AND l.lease_token = $11 \
+                   RETURNING l.event_row),"
             ),
+            "JOIN fenced f ON f.event_row = o.id",
+            "",
         );
-        let complete_locked = complete("o.tok IS NOT NULL", "");
+        // No fence to drive the join: `id = ANY(..)` keeps the planner from hashing a scan of
+        // every pending row (the cost would grow with the backlog).
+        let complete_locked = complete("", "", "AND t.id = ANY($1::int8[])");
         let release_lease = format!(
-            "UPDATE {t} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL \
-             WHERE id = ANY($2::int8[]) AND lease_token = $1 AND status = 'pending'"
+            "DELETE FROM {lease} WHERE aggregate_key = ANY($2::int8[]) AND lease_token = $1"
         );
-        // Rows of a lease claim made by another store instance (no ids in memory): walks the
-        // candidate index, which holds every leased row.
+        // Rows of a lease claim made by another store instance (no ids in memory): a scan of
+        // the lease table, which holds one row per aggregate in flight.
         let lease_rows = format!(
-            "SELECT id, event_id, {kl} AS k FROM {t} l \
-             WHERE status = 'pending' AND NOT blocked AND lease_token = $1",
-            kl = key("l", seed)
+            "SELECT l.event_row AS id, e.event_id, l.aggregate_key AS k \
+             FROM {lease} l JOIN {t} e ON e.id = l.event_row WHERE l.lease_token = $1"
         );
 
         let ks = key("e", seed);
@@ -254,8 +282,7 @@ impl OutboxSql {
         let retry_parked = format!(
             "WITH u AS ( \
                UPDATE {t} SET status = 'pending', attempts = 0, next_attempt_at = '-infinity', \
-                      park_kind = NULL, parked_at = NULL, blocked = false, \
-                      lease_owner = NULL, lease_token = NULL, lease_until = NULL \
+                      park_kind = NULL, parked_at = NULL, blocked = false \
                WHERE event_id = $1 AND status = 'parked' RETURNING event_id) \
              INSERT INTO {audit} (event_id, action, actor, reason) \
              SELECT event_id, 'retry', $2, $3 FROM u RETURNING id"
@@ -307,8 +334,7 @@ impl OutboxSql {
         let stats = format!(
             "SELECT \
                (SELECT count(*) FROM {t} WHERE status = 'pending') AS unpublished, \
-               (SELECT count(*) FROM {t} WHERE status = 'pending' AND NOT blocked \
-                  AND lease_until > clock_timestamp()) AS leased, \
+               (SELECT count(*) FROM {lease} WHERE lease_until > clock_timestamp()) AS leased, \
                (SELECT count(*) FROM {t} WHERE status = 'parked') AS parked, \
                (SELECT count(*) FROM {t} WHERE status = 'published') AS published, \
                (SELECT count(*) FROM {t} WHERE status = 'pending' AND blocked) AS blocked, \
@@ -332,6 +358,7 @@ impl OutboxSql {
             table: t,
             append,
             claim_candidates,
+            claim_candidates_locked,
             claim_lease,
             claim_locked,
             lock_aggregates_of_events,
