@@ -63,15 +63,18 @@ CREATE INDEX IF NOT EXISTS "outbox_events_aggregate_idx"
 -- Leases of the lease claim mode: one narrow row per aggregate in flight, keyed by the
 -- aggregate's lock key (a seeded 64-bit hash of type and id). "Is this aggregate in flight?"
 -- is one primary-key probe, and claiming or completing never rewrites the wide event row for
--- the lease. A completion deletes its leases (fencing: only rows whose lease still carries the
--- completion's token get an outcome); an expired lease is taken over by the next claim.
+-- the lease. A completion releases its leases (fencing: only rows whose lease still carries
+-- the completion's token get an outcome); an expired lease is taken over by the next claim.
+-- A released lease keeps its row (token NULL, lease_until = release time), so the next claim
+-- of the aggregate updates it in place (HOT: only the key is indexed); cleanup deletes the
+-- rows of aggregates that stayed quiet for the retention period.
 CREATE TABLE IF NOT EXISTS "outbox"."outbox_events_lease" (
     aggregate_key bigint      PRIMARY KEY,
     event_row     bigint      NOT NULL,
-    lease_owner   text        NOT NULL,
-    lease_token   uuid        NOT NULL,
+    lease_owner   text,
+    lease_token   uuid,
     lease_until   timestamptz NOT NULL
-);
+) WITH (fillfactor = 50);
 
 CREATE INDEX IF NOT EXISTS "outbox_events_parked_idx"
     ON "outbox"."outbox_events" (parked_at, id)

@@ -85,10 +85,13 @@
 //!   aggregate's lock key. "Is this aggregate in flight?" is one primary-key probe (in the
 //!   candidate scan, so in-flight aggregates do not fill a batch, and again in the head check),
 //!   and claiming writes a small row instead of rewriting the wide event row (whose update
-//!   would also touch every index). `complete` deletes the claim's leases where the token still
-//!   matches and applies outcomes to exactly those rows (fencing); an expired lease is taken
-//!   over by the next claim (`INSERT .. ON CONFLICT DO UPDATE .. WHERE expired`). Two
-//!   aggregates whose 64-bit keys collide share one lease slot: they are only serialized.
+//!   would also touch every index). `complete` releases the claim's leases where the token
+//!   still matches and applies outcomes to exactly those rows (fencing); an expired or
+//!   released lease is taken over by the next claim (`INSERT .. ON CONFLICT DO UPDATE .. WHERE
+//!   expired`), in place: a released lease keeps its row, so an active aggregate's lease row is
+//!   only ever HOT-updated (no index churn); `cleanup` deletes the lease rows of aggregates that
+//!   stayed quiet for the retention period. Two aggregates whose 64-bit keys collide share one
+//!   lease slot: they are only serialized.
 //! * **Unblocking.** `complete` of a published head takes the same aggregate locks (blocking,
 //!   sorted, keys carried from the claim) and unblocks the aggregate's first blocked row in the
 //!   same statement; operator discard does the same. Classification and unblocking of one
@@ -106,8 +109,8 @@
 //!   that a live but stuck process never finishes. Aggregates whose candidates were only
 //!   blocked (not claimed) also stay locked until then; other relays skip them meanwhile.
 //!
-//! **Cost.** Per event: the insert; in lease mode one narrow lease row inserted at claim and
-//! deleted at completion, in locked mode a row lock; one write of the event row to mark it; a
+//! **Cost.** Per event: the insert; in lease mode one narrow lease row written at claim and
+//! at completion, in locked mode a row lock; one write of the event row to mark it; a
 //! row queued behind its aggregate's head pays one more write to block it and one to unblock
 //! it. Per batch: claim = BEGIN, candidate scan, head check and claim, COMMIT (four round
 //! trips); completion = BEGIN, lock, one statement from arrays (fence, outcomes, promotion),

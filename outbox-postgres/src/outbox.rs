@@ -1066,6 +1066,19 @@ impl OutboxStore for PostgresOutboxStore {
                 break;
             }
         }
+        // Released leases of quiet aggregates, in bounded batches too.
+        loop {
+            let n = sqlx::query(&self.inner.sql.cleanup_leases)
+                .bind(retention_us)
+                .bind(batch)
+                .execute(&self.inner.pool)
+                .await
+                .map_err(db)?
+                .rows_affected();
+            if n < batch as u64 {
+                break;
+            }
+        }
         Ok(CleanupReport::new(removed, batches))
     }
 

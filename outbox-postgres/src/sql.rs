@@ -27,6 +27,7 @@ pub(crate) struct OutboxSql {
     pub list_parked: String,
     pub audit_trail: String,
     pub cleanup: String,
+    pub cleanup_leases: String,
     pub stats: String,
     pub table_stats: String,
 }
@@ -242,12 +243,15 @@ impl OutboxSql {
                  SELECT (SELECT count(*) FROM upd) AS applied"
             )
         };
-        // Fencing: the claim's leases (all of its aggregates, $12, token $11) are deleted, and
+        // A released lease keeps its row (no token, expiry = release time): the aggregate's
+        // next claim updates it in place (a HOT update of a narrow row, no index churn).
+        let release = "lease_owner = NULL, lease_token = NULL, lease_until = clock_timestamp()";
+        // Fencing: the claim's leases (all of its aggregates, $12, token $11) are released, and
         // only rows whose lease was still this token's get their outcome. Rows without an
         // outcome are thereby released too.
         let complete_lease = complete(
             &format!(
-                "fenced AS (DELETE FROM {lease} l \
+                "fenced AS (UPDATE {lease} l SET {release} \
                    WHERE l.aggregate_key = ANY($12::int8[]) AND l.lease_token = $11 \
                    RETURNING l.event_row),"
             ),
@@ -258,7 +262,7 @@ impl OutboxSql {
         // every pending row (the cost would grow with the backlog).
         let complete_locked = complete("", "", "AND t.id = ANY($1::int8[])");
         let release_lease = format!(
-            "DELETE FROM {lease} WHERE aggregate_key = ANY($2::int8[]) AND lease_token = $1"
+            "UPDATE {lease} SET {release} WHERE aggregate_key = ANY($2::int8[]) AND lease_token = $1"
         );
         // Rows of a lease claim made by another store instance (no ids in memory): a scan of
         // the lease table, which holds one row per aggregate in flight.
@@ -331,6 +335,14 @@ impl OutboxSql {
              ar AS (INSERT INTO {archive} SELECT * FROM d WHERE $3::bool RETURNING 1) \
              SELECT (SELECT count(*) FROM d) AS removed, (SELECT count(*) FROM ar) AS archived"
         );
+        // Released lease rows of aggregates that were quiet for the retention period.
+        let cleanup_leases = format!(
+            "DELETE FROM {lease} WHERE aggregate_key IN ( \
+               SELECT aggregate_key FROM {lease} \
+               WHERE lease_token IS NULL \
+                 AND lease_until < clock_timestamp() - $1::int8 * interval '1 microsecond' \
+               LIMIT $2 FOR UPDATE SKIP LOCKED)"
+        );
         let stats = format!(
             "SELECT \
                (SELECT count(*) FROM {t} WHERE status = 'pending') AS unpublished, \
@@ -374,6 +386,7 @@ impl OutboxSql {
             list_parked,
             audit_trail,
             cleanup,
+            cleanup_leases,
             stats,
             table_stats,
         }

@@ -79,7 +79,7 @@ async fn count(ctx: &common::Ctx, filter: &str) -> i64 {
 /// Leases recorded in the lease table (one row per aggregate in flight in lease mode).
 async fn leases(ctx: &common::Ctx) -> i64 {
     sqlx::query_scalar(&format!(
-        "SELECT count(*) FROM \"{}\".outbox_events_lease",
+        "SELECT count(*) FROM \"{}\".outbox_events_lease WHERE lease_token IS NOT NULL",
         ctx.schema
     ))
     .fetch_one(&ctx.pool)
@@ -370,7 +370,7 @@ async fn lease_claim_records_owner_token_expiry_and_ack_metadata() {
     let row = sqlx::query(&format!(
         "SELECT status, ack_topic, ack_partition, ack_offset, published_at IS NOT NULL AS p, \
                 NOT EXISTS (SELECT 1 FROM \"{0}\".outbox_events_lease l \
-                            WHERE l.event_row = e.id) AS cleared \
+                            WHERE l.event_row = e.id AND l.lease_token IS NOT NULL) AS cleared \
          FROM \"{0}\".outbox_events e WHERE event_id = $1",
         ctx.schema
     ))
@@ -677,13 +677,29 @@ async fn cleanup_in_bounded_batches_with_archive() {
         .await
         .unwrap();
 
+    let lease_rows = || async {
+        sqlx::query_scalar::<_, i64>(&format!(
+            "SELECT count(*) FROM \"{}\".outbox_events_lease",
+            ctx.schema
+        ))
+        .fetch_one(&ctx.pool)
+        .await
+        .unwrap()
+    };
     let rep = store.cleanup(Duration::from_secs(3600), 3).await.unwrap();
     assert_eq!(rep.removed, 0, "nothing past retention yet");
+    assert_eq!(lease_rows().await, 12, "released leases are kept for reuse");
+    assert_eq!(leases(&ctx).await, 0, "none of them is live");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let rep = store.cleanup(Duration::from_millis(100), 3).await.unwrap();
     assert_eq!(rep.removed, 10);
     assert_eq!(rep.batches, 4, "3 + 3 + 3 + 1");
     assert_eq!(count(&ctx, "true").await, 2, "pending and parked rows stay");
+    assert_eq!(
+        lease_rows().await,
+        0,
+        "released leases of quiet aggregates go"
+    );
     let archived: i64 = sqlx::query_scalar(&format!(
         "SELECT count(*) FROM \"{}\".outbox_events_archive WHERE status = 'published' \
          AND ack_topic = 'orders'",
