@@ -39,6 +39,7 @@ async fn main() -> anyhow::Result<()> {
         .with_target(false)
         .without_time()
         .compact()
+        .with_writer(std::io::stderr)
         .init();
     let config = outbox_examples::DemoConfig {
         orders: usize::from(args.orders),
