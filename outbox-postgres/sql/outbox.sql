@@ -54,11 +54,18 @@ CREATE INDEX IF NOT EXISTS "outbox_events_claim_idx"
     ON "outbox"."outbox_events" (id)
     WHERE status = 'pending' AND NOT blocked;
 
--- Unfinished rows per aggregate: finds an aggregate's head (lowest unfinished version) and
--- its live lease with a short index range, whatever the aggregate's depth.
+-- Unfinished rows per aggregate, in version order: an aggregate's head (lowest unfinished
+-- version) is the first entry of one of these two short ranges, whatever the aggregate's
+-- depth. Blocked rows have their own index, which stays small (only rows queued behind a head
+-- that was in flight or parked when they were met), so the probe for them, made by every claim
+-- and every completion, is cheap when nothing is blocked.
 CREATE INDEX IF NOT EXISTS "outbox_events_aggregate_idx"
-    ON "outbox"."outbox_events" (aggregate_type, aggregate_id, blocked, aggregate_version, id)
-    WHERE status IN ('pending', 'parked');
+    ON "outbox"."outbox_events" (aggregate_type, aggregate_id, aggregate_version, id)
+    WHERE status IN ('pending', 'parked') AND NOT blocked;
+
+CREATE INDEX IF NOT EXISTS "outbox_events_blocked_idx"
+    ON "outbox"."outbox_events" (aggregate_type, aggregate_id, aggregate_version, id)
+    WHERE status IN ('pending', 'parked') AND blocked;
 
 -- Leases of the lease claim mode: one narrow row per aggregate in flight, keyed by the
 -- aggregate's lock key (a seeded 64-bit hash of type and id). "Is this aggregate in flight?"

@@ -76,8 +76,8 @@
 //!   64-bit hash of (aggregate type, id), seeded per table, and skips aggregates another
 //!   transaction holds. Then, in a *second statement* (a snapshot taken after the locks, so
 //!   every earlier claim or completion of those aggregates is visible), it finds each locked
-//!   aggregate's head with two `LIMIT 1` probes of the aggregate index (unblocked and blocked
-//!   ranges), checks "no live lease in this aggregate" with one probe of the lease table,
+//!   aggregate's head with two `LIMIT 1` probes (the aggregate index of unblocked unfinished
+//!   rows and the small index of blocked rows, both in version order), checks "no live lease in this aggregate" with one probe of the lease table,
 //!   claims the head when it is a due candidate, and blocks the other candidates (never the
 //!   aggregate's leased row). Two relays claiming at once therefore never take two rows of one aggregate:
 //!   the second one either cannot lock the aggregate or sees the first one's committed lease.

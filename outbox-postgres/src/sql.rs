@@ -49,22 +49,22 @@ fn key(a: &str, seed: i64) -> String {
 }
 
 /// The head (lowest unfinished version, ties by id) of aggregate `{a}`, skipping `exclude`
-/// ids. Two LIMIT 1 probes on the aggregate index (unblocked and blocked ranges), so the cost
+/// ids. Two LIMIT 1 probes (aggregate index: unblocked rows; blocked index), so the cost
 /// does not depend on how many events the aggregate has queued.
 fn head_lateral(t: &str, a: &str, exclude: &str) -> String {
-    let probe = |blocked: bool| {
+    let probe = |blocked: &str| {
         format!(
             "(SELECT u.id, u.status, u.aggregate_version FROM {t} u \
               WHERE u.aggregate_type = {a}.aggregate_type AND u.aggregate_id = {a}.aggregate_id \
-                AND u.status IN ('pending', 'parked') AND u.blocked = {blocked} {exclude} \
+                AND u.status IN ('pending', 'parked') AND {blocked} {exclude} \
               ORDER BY u.aggregate_version, u.id LIMIT 1)"
         )
     };
     format!(
         "(SELECT hh.id, hh.status FROM ({} UNION ALL {}) hh \
           ORDER BY hh.aggregate_version, hh.id LIMIT 1)",
-        probe(false),
-        probe(true)
+        probe("NOT u.blocked"),
+        probe("u.blocked")
     )
 }
 
@@ -132,12 +132,12 @@ impl OutboxSql {
                LEFT JOIN LATERAL ( \
                  SELECT u.id, u.status, u.aggregate_version FROM {t} u \
                  WHERE u.aggregate_type = a.aggregate_type AND u.aggregate_id = a.aggregate_id \
-                   AND u.status IN ('pending', 'parked') AND u.blocked = false \
+                   AND u.status IN ('pending', 'parked') AND NOT u.blocked \
                  ORDER BY u.aggregate_version, u.id LIMIT 1) f ON true \
                LEFT JOIN LATERAL ( \
                  SELECT u.id, u.status, u.aggregate_version FROM {t} u \
                  WHERE u.aggregate_type = a.aggregate_type AND u.aggregate_id = a.aggregate_id \
-                   AND u.status IN ('pending', 'parked') AND u.blocked = true \
+                   AND u.status IN ('pending', 'parked') AND u.blocked \
                  ORDER BY u.aggregate_version, u.id LIMIT 1) b ON true), \
              blk AS ( \
                UPDATE {t} b SET blocked = true \
@@ -199,7 +199,7 @@ impl OutboxSql {
         let next = format!(
             "(SELECT u.id FROM {t} u \
               WHERE u.aggregate_type = pa.aggregate_type AND u.aggregate_id = pa.aggregate_id \
-                AND u.status IN ('pending', 'parked') AND u.blocked = true \
+                AND u.status IN ('pending', 'parked') AND u.blocked \
               ORDER BY u.aggregate_version, u.id LIMIT 1)"
         );
         let complete = |fence_cte: &str, fence_join: &str, filter: &str| {
