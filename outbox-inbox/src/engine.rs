@@ -200,6 +200,7 @@ pub struct ConsumerEngine<S, I, H> {
     report: EngineReport,
     since_commit: usize,
     last_commit: Instant,
+    poll_failures: u32,
 }
 
 impl<S, I, H> std::fmt::Debug for ConsumerEngine<S, I, H> {
@@ -235,6 +236,7 @@ where
             report: EngineReport::default(),
             since_commit: 0,
             last_commit: Instant::now(),
+            poll_failures: 0,
         })
     }
 
@@ -268,13 +270,20 @@ where
     /// Polls once and processes what arrived. Returns `Ok(false)` when the poll was empty.
     pub async fn step(&mut self) -> Result<bool, EngineError> {
         let msg = match self.source.poll(self.config.poll_timeout).await {
-            Ok(Some(m)) => m,
+            Ok(Some(m)) => {
+                self.poll_failures = 0;
+                m
+            }
             Ok(None) => {
                 self.commit_final().await?;
                 return Ok(false);
             }
             Err(e) if e.is_transient() => {
-                warn!(error = %e, "poll failed; retrying");
+                self.poll_failures = self.poll_failures.saturating_add(1);
+                let d = self.config.retry.backoff(self.poll_failures, &mut self.rng);
+                warn!(error = %e, delay_ms = d.as_millis() as u64, "poll failed; retrying");
+                // Never a hot loop on a failing source.
+                tokio::time::sleep(d).await;
                 return Ok(false);
             }
             Err(e) => return Err(e.into()),

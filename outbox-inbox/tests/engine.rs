@@ -273,3 +273,64 @@ fn bad_config_is_rejected() {
     let cfg = EngineConfig::default().with_poll_timeout(Duration::ZERO);
     assert!(cfg.validate().is_err());
 }
+
+/// A source whose polls fail transiently `failures` times, then yields one message.
+struct FailingSource {
+    failures: Mutex<u32>,
+    polls: Mutex<u32>,
+    msg: Mutex<Option<ReceivedMessage>>,
+}
+
+#[async_trait]
+impl MessageSource for FailingSource {
+    async fn poll(&self, _: Duration) -> Result<Option<ReceivedMessage>, SourceError> {
+        *self.polls.lock().unwrap() += 1;
+        let mut f = self.failures.lock().unwrap();
+        if *f > 0 {
+            *f -= 1;
+            return Err(SourceError::new(
+                outbox_core::ErrorClass::Transient,
+                "broker down",
+            ));
+        }
+        Ok(self.msg.lock().unwrap().take())
+    }
+    async fn commit(&self, _: &[(String, i32, i64)]) -> Result<(), SourceError> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn transient_poll_failures_back_off_instead_of_spinning() {
+    let a = ev("a", 1);
+    let source = FailingSource {
+        failures: Mutex::new(3),
+        polls: Mutex::new(0),
+        msg: Mutex::new(Some(msg(0, &a))),
+    };
+    let handler = ScriptedHandler {
+        transient_failures_left: Mutex::new(0),
+    };
+    let cfg = EngineConfig::default().with_retry(
+        RetryPolicy::builder()
+            .base(Duration::from_millis(20))
+            .min_delay(Duration::from_millis(20))
+            .build()
+            .unwrap(),
+    );
+    let mut eng = ConsumerEngine::new(
+        source,
+        InboxProcessor::new("proj", FakeInbox::default(), handler),
+        cfg,
+        3,
+    )
+    .unwrap();
+    let started = std::time::Instant::now();
+    for _ in 0..3 {
+        assert!(!eng.step().await.unwrap());
+    }
+    // Three failed polls slept at least min_delay each.
+    assert!(started.elapsed() >= Duration::from_millis(60));
+    assert!(eng.step().await.unwrap());
+    assert_eq!(eng.report().applied, 1);
+}
