@@ -97,6 +97,65 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
     }
 }
 
+/// The outcome of processing several events in one transaction.
+#[derive(Debug, Clone)]
+pub enum BatchOutcome {
+    /// All registrations and effects committed together; one outcome per event, in order
+    /// (`Applied` or `Duplicate`).
+    Committed(Vec<ProcessOutcome>),
+    /// The handler failed on the event at `index`; the whole transaction was rolled back and
+    /// nothing of the batch is registered.
+    RolledBack {
+        /// Position of the failing event in the batch.
+        index: usize,
+        /// The failure.
+        error: HandlerError,
+    },
+}
+
+impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
+    /// Registers and applies `events` in **one** transaction: one commit for the whole batch
+    /// instead of one per event. An event that appears twice in the batch is applied once (the
+    /// second registration sees the first, uncommitted one). If the handler fails on any event,
+    /// everything rolls back and [`BatchOutcome::RolledBack`] says where; the caller then
+    /// processes the events one by one.
+    pub async fn process_batch(&self, events: &[Envelope]) -> Result<BatchOutcome, StoreError> {
+        let mut tx = self.store.begin().await?;
+        let mut outcomes = Vec::with_capacity(events.len());
+        for (index, event) in events.iter().enumerate() {
+            let registration = match self
+                .store
+                .register(&mut tx, &self.consumer, event.event_id)
+                .await
+            {
+                Ok(r) => r,
+                Err(e) => {
+                    let _ = self.store.rollback(tx).await;
+                    return Err(e);
+                }
+            };
+            if registration == Registration::Duplicate {
+                outcomes.push(ProcessOutcome::Duplicate);
+                continue;
+            }
+            if let Err(error) = self.handler.handle(&mut tx, event).await {
+                self.store.rollback(tx).await?;
+                return Ok(BatchOutcome::RolledBack { index, error });
+            }
+            outcomes.push(ProcessOutcome::Applied);
+        }
+        self.store.commit(tx).await?;
+        for o in &outcomes {
+            let result = match o {
+                ProcessOutcome::Applied => "applied",
+                _ => "duplicate",
+            };
+            outbox_core::telemetry::record_inbox(&self.consumer, result);
+        }
+        Ok(BatchOutcome::Committed(outcomes))
+    }
+}
+
 /// Engine configuration.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
@@ -110,6 +169,10 @@ pub struct EngineConfig {
     pub commit_interval: Duration,
     /// Commit offsets after this many final messages. Default 500.
     pub commit_every: usize,
+    /// Most messages applied in one database transaction: after a poll returns a message, the
+    /// engine takes what else is already buffered, up to this many. Default 100; 1 means one
+    /// transaction per message.
+    pub max_batch: usize,
 }
 
 impl Default for EngineConfig {
@@ -119,6 +182,7 @@ impl Default for EngineConfig {
             retry: RetryPolicy::default(),
             commit_interval: Duration::from_secs(1),
             commit_every: 500,
+            max_batch: 100,
         }
     }
 }
@@ -135,6 +199,11 @@ impl EngineConfig {
         self.commit_interval = interval;
         self
     }
+    /// Sets the largest batch applied in one transaction (1 = one transaction per message).
+    pub fn with_max_batch(mut self, n: usize) -> Self {
+        self.max_batch = n;
+        self
+    }
     /// Sets the poll timeout.
     pub fn with_poll_timeout(mut self, t: Duration) -> Self {
         self.poll_timeout = t;
@@ -144,6 +213,9 @@ impl EngineConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.commit_every == 0 {
             return Err(ConfigError::new("commit_every must be at least 1"));
+        }
+        if self.max_batch == 0 {
+            return Err(ConfigError::new("max_batch must be at least 1"));
         }
         if self.poll_timeout.is_zero() {
             return Err(ConfigError::new("poll_timeout must be greater than zero"));
@@ -288,32 +360,100 @@ where
             }
             Err(e) => return Err(e.into()),
         };
-        self.report.received += 1;
-        let pos = msg.position.clone();
-        self.tracker().begin(&pos.topic, pos.partition, pos.offset);
-        let envelope = match msg.envelope {
-            Ok(e) => e,
-            Err(decode) => {
-                error!(topic = %pos.topic, partition = pos.partition, offset = pos.offset, stage = "decode", error = %decode, "undecodable message; stopping before its offset");
-                self.commit_final().await?;
-                return Err(EngineError::Unprocessable {
-                    position: pos,
-                    reason: decode.to_string(),
-                });
+        // Take what else is already buffered, up to max_batch, without waiting.
+        let mut received = vec![msg];
+        while received.len() < self.config.max_batch {
+            match self.source.poll(Duration::ZERO).await {
+                Ok(Some(m)) => received.push(m),
+                // A poll error here shows up again on the next step.
+                Ok(None) | Err(_) => break,
             }
-        };
-        let span = info_span!("outbox.consume", consumer = %self.processor.consumer, event_id = %envelope.event_id, aggregate_id = %envelope.aggregate_id, event_type = %envelope.event_type, stage = "apply");
-        self.apply_with_retries(&envelope, &pos)
-            .instrument(span)
-            .await?;
-        self.tracker().finish(&pos.topic, pos.partition, pos.offset);
-        self.since_commit += 1;
+        }
+        self.report.received += received.len() as u64;
+        let mut batch: Vec<(LogPosition, Envelope)> = Vec::with_capacity(received.len());
+        let mut undecodable = None;
+        for m in received {
+            let pos = m.position;
+            self.tracker().begin(&pos.topic, pos.partition, pos.offset);
+            match m.envelope {
+                Ok(e) if undecodable.is_none() => batch.push((pos, e)),
+                Ok(_) => {} // behind an undecodable message: redelivered after the fix
+                Err(decode) => {
+                    if undecodable.is_none() {
+                        undecodable = Some((pos, decode));
+                    }
+                }
+            }
+        }
+        if batch.len() > 1 {
+            self.apply_batch(&batch).await?;
+        } else if let Some((pos, envelope)) = batch.first() {
+            self.apply_one(envelope, pos).await?;
+        }
+        if let Some((pos, decode)) = undecodable {
+            error!(topic = %pos.topic, partition = pos.partition, offset = pos.offset, stage = "decode", error = %decode, "undecodable message; stopping before its offset");
+            self.commit_final().await?;
+            return Err(EngineError::Unprocessable {
+                position: pos,
+                reason: decode.to_string(),
+            });
+        }
         if self.since_commit >= self.config.commit_every
             || self.last_commit.elapsed() >= self.config.commit_interval
         {
             self.commit_final().await?;
         }
         Ok(true)
+    }
+
+    /// Applies one message with retries and marks its offset final.
+    async fn apply_one(
+        &mut self,
+        envelope: &Envelope,
+        pos: &LogPosition,
+    ) -> Result<(), EngineError> {
+        let span = info_span!("outbox.consume", consumer = %self.processor.consumer, event_id = %envelope.event_id, aggregate_id = %envelope.aggregate_id, event_type = %envelope.event_type, stage = "apply");
+        self.apply_with_retries(envelope, pos)
+            .instrument(span)
+            .await?;
+        self.tracker().finish(&pos.topic, pos.partition, pos.offset);
+        self.since_commit += 1;
+        Ok(())
+    }
+
+    /// Applies a batch in one transaction; on any failure, falls back to one by one (which
+    /// retries, or stops before an event that cannot be applied).
+    async fn apply_batch(&mut self, batch: &[(LogPosition, Envelope)]) -> Result<(), EngineError> {
+        let events: Vec<Envelope> = batch.iter().map(|(_, e)| e.clone()).collect();
+        let span = info_span!("outbox.consume.batch", consumer = %self.processor.consumer, size = events.len(), stage = "apply");
+        match self.processor.process_batch(&events).instrument(span).await {
+            Ok(BatchOutcome::Committed(outcomes)) => {
+                for ((pos, _), o) in batch.iter().zip(outcomes) {
+                    match o {
+                        ProcessOutcome::Applied => self.report.applied += 1,
+                        _ => self.report.duplicates += 1,
+                    }
+                    self.tracker().finish(&pos.topic, pos.partition, pos.offset);
+                    self.since_commit += 1;
+                }
+                Ok(())
+            }
+            Ok(BatchOutcome::RolledBack { index, error }) => {
+                debug!(index, error = %error, "batch rolled back; applying one by one");
+                self.apply_each(batch).await
+            }
+            Err(e) => {
+                warn!(error = %e, "batch transaction failed; applying one by one");
+                self.apply_each(batch).await
+            }
+        }
+    }
+
+    async fn apply_each(&mut self, batch: &[(LogPosition, Envelope)]) -> Result<(), EngineError> {
+        for (pos, envelope) in batch {
+            self.apply_one(envelope, pos).await?;
+        }
+        Ok(())
     }
 
     async fn apply_with_retries(

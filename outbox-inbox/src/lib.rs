@@ -62,6 +62,7 @@ mod engine;
 mod handler;
 
 pub use engine::{
-    ConsumerEngine, EngineConfig, EngineError, EngineReport, InboxProcessor, ProcessOutcome,
+    BatchOutcome, ConsumerEngine, EngineConfig, EngineError, EngineReport, InboxProcessor,
+    ProcessOutcome,
 };
 pub use handler::{idempotency_key, Handler, HandlerError};

@@ -18,6 +18,7 @@ type TestEngine = ConsumerEngine<FakeSource, FakeInbox, ScriptedHandler>;
 
 #[derive(Default, Clone)]
 struct FakeInbox {
+    commits: Arc<Mutex<u32>>,
     committed: Arc<Mutex<HashSet<(String, EventId)>>>,
     effects: Arc<Mutex<Vec<EventId>>>,
     log: Log,
@@ -43,13 +44,15 @@ impl InboxStore for FakeInbox {
         c: &str,
         id: EventId,
     ) -> Result<Registration, StoreError> {
-        if self.committed.lock().unwrap().contains(&(c.to_owned(), id)) {
+        let key = (c.to_owned(), id);
+        if self.committed.lock().unwrap().contains(&key) || tx.regs.contains(&key) {
             return Ok(Registration::Duplicate);
         }
         tx.regs.push((c.to_owned(), id));
         Ok(Registration::Fresh)
     }
     async fn commit(&self, tx: Tx) -> Result<(), StoreError> {
+        *self.commits.lock().unwrap() += 1;
         for r in &tx.regs {
             self.log.lock().unwrap().push(format!("tx-commit {}", r.1));
         }
@@ -333,4 +336,92 @@ async fn transient_poll_failures_back_off_instead_of_spinning() {
     assert!(started.elapsed() >= Duration::from_millis(60));
     assert!(eng.step().await.unwrap());
     assert_eq!(eng.report().applied, 1);
+}
+
+#[tokio::test]
+async fn buffered_messages_are_applied_in_one_transaction() {
+    let events: Vec<Envelope> = (0..10).map(|i| ev(&format!("a{i}"), 1)).collect();
+    let mut msgs: Vec<ReceivedMessage> = events
+        .iter()
+        .enumerate()
+        .map(|(i, e)| msg(i as i64, e))
+        .collect();
+    msgs.push(msg(10, &events[3])); // a redelivery inside the same batch
+    let inbox = FakeInbox::default();
+    let (mut eng, commits) = engine(msgs, inbox.clone(), 0);
+    let rep = eng
+        .run_until_quiet(Duration::from_millis(20))
+        .await
+        .unwrap();
+    assert_eq!((rep.received, rep.applied, rep.duplicates), (11, 10, 1));
+    assert_eq!(
+        *inbox.commits.lock().unwrap(),
+        1,
+        "one transaction for the batch"
+    );
+    assert_eq!(inbox.effects.lock().unwrap().len(), 10);
+    assert_eq!(commits.lock().unwrap().last().unwrap().2, 11);
+}
+
+#[tokio::test]
+async fn a_failing_event_rolls_the_batch_back_and_the_rest_is_applied_one_by_one() {
+    let a = ev("a", 1);
+    let p = ev("poison", 1);
+    let b = ev("b", 1);
+    let inbox = FakeInbox::default();
+    let (mut eng, commits) = engine(vec![msg(0, &a), msg(1, &p), msg(2, &b)], inbox.clone(), 0);
+    let err = eng
+        .run_until_quiet(Duration::from_millis(20))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, EngineError::Unprocessable { ref position, .. } if position.offset == 1),
+        "{err}"
+    );
+    // a was applied alone after the batch rolled back; the poison and b were not.
+    assert_eq!(*inbox.effects.lock().unwrap(), vec![a.event_id]);
+    assert!(!inbox
+        .committed
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|(_, id)| *id == b.event_id));
+    assert_eq!(commits.lock().unwrap().iter().map(|c| c.2).max(), Some(1));
+}
+
+#[tokio::test]
+async fn max_batch_one_uses_one_transaction_per_message() {
+    let events: Vec<Envelope> = (0..4).map(|i| ev(&format!("a{i}"), 1)).collect();
+    let msgs = events
+        .iter()
+        .enumerate()
+        .map(|(i, e)| msg(i as i64, e))
+        .collect();
+    let inbox = FakeInbox::default();
+    let source = FakeSource {
+        queue: Mutex::new(msgs),
+        commits: Arc::default(),
+        log: inbox.log.clone(),
+    };
+    let handler = ScriptedHandler {
+        transient_failures_left: Mutex::new(0),
+    };
+    let cfg = EngineConfig::default()
+        .with_max_batch(1)
+        .with_poll_timeout(Duration::from_millis(1));
+    let mut eng = ConsumerEngine::new(
+        source,
+        InboxProcessor::new("proj", inbox.clone(), handler),
+        cfg,
+        1,
+    )
+    .unwrap();
+    eng.run_until_quiet(Duration::from_millis(20))
+        .await
+        .unwrap();
+    assert_eq!(*inbox.commits.lock().unwrap(), 4);
+    assert!(EngineConfig::default()
+        .with_max_batch(0)
+        .validate()
+        .is_err());
 }
