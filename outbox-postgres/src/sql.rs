@@ -95,7 +95,7 @@ impl OutboxSql {
         let kc = key("c", seed);
         let candidates = |lease_probe: &str| {
             format!(
-                "SELECT c.id FROM {t} c \
+                "SELECT c.id, c.aggregate_type, c.aggregate_id FROM {t} c \
                  WHERE c.status = 'pending' AND NOT c.blocked \
                    AND CASE WHEN c.next_attempt_at <= now() {lease_probe} \
                             THEN pg_try_advisory_xact_lock({kc}) ELSE false END \
@@ -109,33 +109,37 @@ impl OutboxSql {
         let claim_candidates_locked = candidates("");
 
         // Step 2, in a new snapshot taken after the locks: per locked aggregate, its head; the
-        // head is claimed when it is a due, pending candidate and no row of the aggregate is
-        // under a live lease; candidates that are not heads are blocked (out of the index).
+        // head is claimed when it is one of the candidates, pending, unblocked, due, and no row
+        // of the aggregate is under a live lease; candidates that are not heads are blocked
+        // (out of the index). The candidates ($1 ids, $2 types, $3 aggregate ids) come from
+        // step 1 as arrays: they are not read again; every row that is written is re-checked
+        // in this snapshot (the head probe, and the blocking UPDATE's own conditions).
         let ka = key("a", seed);
         let classify = |leased_row: &str| {
             format!(
                 "WITH cand AS ( \
-               SELECT c.id, c.aggregate_type, c.aggregate_id, c.next_attempt_at FROM {t} c \
-               WHERE c.id = ANY($1::int8[]) AND c.status = 'pending' AND NOT c.blocked), \
+               SELECT * FROM UNNEST($1::int8[], $2::text[], $3::text[]) \
+                 AS c(id, aggregate_type, aggregate_id)), \
              aggs AS (SELECT a.aggregate_type, a.aggregate_id, {ka} AS k \
                       FROM (SELECT DISTINCT aggregate_type, aggregate_id FROM cand) a), \
              heads AS ( \
-               SELECT a.aggregate_type, a.aggregate_id, a.k, \
+               SELECT a.aggregate_type, a.aggregate_id, a.k, f.id, \
                       CASE WHEN f.id IS NULL OR (b.id IS NOT NULL AND \
                                 (b.aggregate_version, b.id) < (f.aggregate_version, f.id)) \
                            THEN b.id ELSE f.id END AS head_id, \
-                      CASE WHEN f.id IS NULL OR (b.id IS NOT NULL AND \
-                                (b.aggregate_version, b.id) < (f.aggregate_version, f.id)) \
-                           THEN b.status ELSE f.status END AS head_status, \
+                      (f.id IS NOT NULL AND (b.id IS NULL OR \
+                                (f.aggregate_version, f.id) < (b.aggregate_version, b.id)) \
+                       AND f.status = 'pending' AND f.next_attempt_at <= now()) AS claimable, \
                       {leased_row} AS leased_row \
                FROM aggs a \
                LEFT JOIN LATERAL ( \
-                 SELECT u.id, u.status, u.aggregate_version FROM {t} u \
+                 SELECT u.id, u.status, u.aggregate_version, u.next_attempt_at \
+                 FROM {t} u \
                  WHERE u.aggregate_type = a.aggregate_type AND u.aggregate_id = a.aggregate_id \
                    AND u.status IN ('pending', 'parked') AND NOT u.blocked \
                  ORDER BY u.aggregate_version, u.id LIMIT 1) f ON true \
                LEFT JOIN LATERAL ( \
-                 SELECT u.id, u.status, u.aggregate_version FROM {t} u \
+                 SELECT u.id, u.aggregate_version FROM {t} u \
                  WHERE u.aggregate_type = a.aggregate_type AND u.aggregate_id = a.aggregate_id \
                    AND u.status IN ('pending', 'parked') AND u.blocked \
                  ORDER BY u.aggregate_version, u.id LIMIT 1) b ON true), \
@@ -144,12 +148,12 @@ impl OutboxSql {
                FROM cand c JOIN heads w \
                  ON w.aggregate_type = c.aggregate_type AND w.aggregate_id = c.aggregate_id \
                WHERE b.id = c.id AND c.id <> w.head_id AND c.id IS DISTINCT FROM w.leased_row \
+                 AND b.status = 'pending' AND NOT b.blocked \
                RETURNING b.id), \
              pick AS ( \
-               SELECT DISTINCT ON (w.k) w.head_id AS id, w.k FROM heads w \
-               JOIN cand c ON c.id = w.head_id \
-               WHERE w.head_status = 'pending' AND w.leased_row IS NULL \
-                 AND c.next_attempt_at <= now() \
+               SELECT DISTINCT ON (w.k) w.id, w.k FROM heads w \
+               WHERE w.claimable AND w.leased_row IS NULL \
+                 AND w.head_id IN (SELECT c.id FROM cand c) \
                ORDER BY w.k)"
             )
         };
@@ -168,7 +172,7 @@ impl OutboxSql {
              ins AS ( \
                INSERT INTO {lease} AS l \
                  (aggregate_key, event_row, lease_owner, lease_token, lease_until) \
-               SELECT p.k, p.id, $2, $3, clock_timestamp() + $4::int8 * interval '1 microsecond' \
+               SELECT p.k, p.id, $4, $5, clock_timestamp() + $6::int8 * interval '1 microsecond' \
                FROM pick p \
                ON CONFLICT (aggregate_key) DO UPDATE SET event_row = EXCLUDED.event_row, \
                  lease_owner = EXCLUDED.lease_owner, lease_token = EXCLUDED.lease_token, \
