@@ -116,9 +116,11 @@
 //! trips); completion = BEGIN, lock, one statement from arrays (fence, outcomes, promotion),
 //! COMMIT; no per-row round trips. Claim cost grows with the batch size and the
 //! number of heads in flight or waiting for a retry, not with the backlog: `EXPLAIN (ANALYZE,
-//! BUFFERS)` reads 40 buffers for the candidate scan at both 10,000 and 1,000,000 queued rows
-//! and about 27,000 vs 35,000 buffers for the head check and claim of 1,000 rows (one more
-//! B-tree level per probe), see `examples/claim_bench.rs`. Advisory lock hash collisions only
+//! BUFFERS)` of a claim of 1,000 rows (10,000 aggregates) reads, at 10,000 and at 1,000,000
+//! queued rows, about 2,040 buffers for the candidate scan in lease mode (two per candidate
+//! for its lease probe; 40 in locked mode) and about 15,200 vs 17,200 buffers for the head
+//! check and claim in lease mode (9,000 vs 11,000 in locked mode): one more B-tree level per
+//! probe, see `examples/claim_bench.rs`. Advisory lock hash collisions only
 //! serialize two unrelated aggregates now and then. The `NOTIFY` of each append takes a short
 //! global lock at commit; turn it off (`notify_channel(None)`) for very high append rates and
 //! rely on polling.

@@ -502,34 +502,25 @@ impl PostgresOutboxStore {
         }
         .map_err(db)?;
         let limits = &self.inner.settings.limits;
-        let mut records = Vec::with_capacity(rows.len());
-        let mut claimed_ids = Vec::with_capacity(rows.len());
-        let mut keys = Vec::with_capacity(rows.len());
+        let mut claimed: Vec<(i64, i64, ClaimedRecord)> = Vec::with_capacity(rows.len());
         let mut remaining_us: Option<i64> = None;
         for row in &rows {
             let envelope = envelope_from_row(row, limits)?;
             let attempts: i32 = row.try_get("attempts").map_err(db)?;
-            claimed_ids.push(row.try_get::<i64, _>("id").map_err(db)?);
-            keys.push(row.try_get::<i64, _>("k").map_err(db)?);
+            let id = row.try_get::<i64, _>("id").map_err(db)?;
+            let k = row.try_get::<i64, _>("k").map_err(db)?;
             if let Some(r) = row.try_get::<Option<i64>, _>("remaining_us").map_err(db)? {
                 remaining_us = Some(remaining_us.map_or(r, |m| m.min(r)));
             }
-            records.push(ClaimedRecord::new(envelope, attempts.max(0) as u32));
+            claimed.push((id, k, ClaimedRecord::new(envelope, attempts.max(0) as u32)));
         }
-        // Oldest first (the UPDATE .. RETURNING order is not guaranteed).
-        let mut order: Vec<usize> = (0..records.len()).collect();
-        order.sort_by_key(|&i| claimed_ids[i]);
-        let claimed_rows: ClaimedRows = order
+        // Oldest first (the result order of the claim statement is not guaranteed).
+        claimed.sort_unstable_by_key(|c| c.0);
+        let claimed_rows: ClaimedRows = claimed
             .iter()
-            .map(|&i| {
-                (
-                    claimed_ids[i],
-                    records[i].envelope.event_id.as_uuid(),
-                    keys[i],
-                )
-            })
+            .map(|(id, k, r)| (*id, r.envelope.event_id.as_uuid(), *k))
             .collect();
-        let records: Vec<ClaimedRecord> = order.iter().map(|&i| records[i].clone()).collect();
+        let records: Vec<ClaimedRecord> = claimed.into_iter().map(|(_, _, r)| r).collect();
         match mode {
             ClaimMode::LockedTransaction if !records.is_empty() => {
                 self.inner.locked.lock().expect("poisoned").insert(
