@@ -813,6 +813,40 @@ async fn oldest_unpublished_age_includes_events_behind_a_parked_head() {
     ctx.drop().await;
 }
 
+/// Completions commit asynchronously by default; `synchronous_completion(true)` makes them
+/// wait for the WAL flush. Both paths record the same outcome, in both claim modes.
+#[tokio::test]
+async fn completion_commits_with_and_without_waiting_for_the_flush() {
+    let ctx = ctx!(4);
+    for sync in [false, true] {
+        for mode in [lease(30.0), ClaimMode::LockedTransaction] {
+            let store = PostgresOutboxStore::builder(ctx.pool.clone())
+                .schema(&ctx.schema)
+                .claim_mode(mode)
+                .synchronous_completion(sync)
+                .build()
+                .unwrap();
+            assert_eq!(store.settings().synchronous_completion, sync);
+            store.migrate().await.unwrap();
+            let agg = format!("sc-{sync}-{mode:?}").replace(' ', "");
+            let (v1, v2) = (event(&agg, 1), event(&agg, 2));
+            store
+                .append_many(&ctx.pool, &[v1.clone(), v2.clone()])
+                .await
+                .unwrap();
+            let b = claim(&store, "r", 10).await;
+            assert_eq!(versions(&b), vec![(agg.clone(), 1)]);
+            publish_all(&store, &b).await;
+            let b = claim(&store, "r", 10).await;
+            assert_eq!(versions(&b), vec![(agg.clone(), 2)], "{sync} {mode:?}");
+            publish_all(&store, &b).await;
+        }
+    }
+    assert_eq!(count(&ctx, "status = 'published'").await, 8);
+    assert_eq!(leases(&ctx).await, 0);
+    ctx.drop().await;
+}
+
 #[tokio::test]
 async fn inbox_registers_once_per_consumer_and_cleans_up() {
     let ctx = ctx!(4);
