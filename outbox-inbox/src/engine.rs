@@ -65,33 +65,13 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
     /// `Err` means the store failed (nothing committed unless the error came from the commit
     /// itself, in which case the outcome is unknown and a retry is answered by deduplication).
     pub async fn process(&self, event: &Envelope) -> Result<ProcessOutcome, StoreError> {
-        let mut tx = self.store.begin().await?;
-        let registration = match self
-            .store
-            .register(&mut tx, &self.consumer, event.event_id)
-            .await
-        {
-            Ok(r) => r,
-            Err(e) => {
-                let _ = self.store.rollback(tx).await;
-                return Err(e);
+        match self.process_batch(std::slice::from_ref(event)).await? {
+            BatchOutcome::Committed(mut outcomes) => {
+                Ok(outcomes.pop().unwrap_or(ProcessOutcome::Duplicate))
             }
-        };
-        if registration == Registration::Duplicate {
-            self.store.rollback(tx).await?;
-            outbox_core::telemetry::record_inbox(&self.consumer, "duplicate");
-            return Ok(ProcessOutcome::Duplicate);
-        }
-        match self.handler.handle(&mut tx, event).await {
-            Ok(()) => {
-                self.store.commit(tx).await?;
-                outbox_core::telemetry::record_inbox(&self.consumer, "applied");
-                Ok(ProcessOutcome::Applied)
-            }
-            Err(e) => {
-                self.store.rollback(tx).await?;
+            BatchOutcome::RolledBack { error, .. } => {
                 outbox_core::telemetry::record_inbox(&self.consumer, "failed");
-                Ok(ProcessOutcome::Failed(e))
+                Ok(ProcessOutcome::Failed(error))
             }
         }
     }
