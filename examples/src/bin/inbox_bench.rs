@@ -38,7 +38,10 @@ async fn main() -> anyhow::Result<()> {
         "inbox_bench: {} events over {} aggregates, PostgreSQL inbox + projection",
         args.events, args.aggregates
     );
-    println!("{:<26} {:>9} {:>11} {:>7}", "contender", "seconds", "events/s", "ratio");
+    println!(
+        "{:<26} {:>9} {:>11} {:>7}",
+        "contender", "seconds", "events/s", "ratio"
+    );
     let mut baseline = None;
     for max_batch in [1usize, 20, 100, 500] {
         let took = run(&args, max_batch).await?;
