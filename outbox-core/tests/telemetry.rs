@@ -1,61 +1,13 @@
 //! Metrics and logs of a relay cycle: the documented series are emitted, and logs carry ids and
 //! stages but never the payload.
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
+mod common;
+
+use common::{cycle, setup};
+use outbox_core::OutboxStore;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use metrics_util::MetricKind;
-use outbox_core::{
-    ClaimMode, Envelope, OutboxStore, PublishErrorKind, Relay, RelayConfig, SystemClock,
-};
-use outbox_testkit::{MemoryDb, MemoryLog, MemoryOutboxStore};
-use rand::rngs::StdRng;
-use rand::SeedableRng;
-
-const SECRET: &str = "4111-1111-1111-1111";
-
-fn setup() -> (MemoryOutboxStore, MemoryLog, MemoryDb) {
-    let db = MemoryDb::new(SystemClock);
-    let store = MemoryOutboxStore::new(&db, ClaimMode::LockedTransaction);
-    let log = MemoryLog::builder()
-        .topic("t", 1)
-        .default_topic("t")
-        .max_record_bytes(4096)
-        .build();
-    (store, log, db)
-}
-
-async fn cycle(store: &MemoryOutboxStore, log: &MemoryLog, db: &MemoryDb) {
-    let mut tx = db.begin();
-    let ok = Envelope::builder("card", "c-1", 1, "card.added")
-        .json(&serde_json::json!({ "number": SECRET }))
-        .unwrap()
-        .build()
-        .unwrap();
-    let flaky = Envelope::builder("card", "c-2", 1, "card.added")
-        .build()
-        .unwrap();
-    let big = Envelope::builder("card", "c-3", 1, "card.added")
-        .json(&serde_json::json!({ "number": SECRET, "pad": "x".repeat(5000) }))
-        .unwrap()
-        .build()
-        .unwrap();
-    log.fail_event(flaky.event_id, PublishErrorKind::Timeout);
-    store.append(&mut tx, &[ok, flaky, big]).await.unwrap();
-    tx.commit().unwrap();
-    let cfg = RelayConfig::builder().owner("telemetry").build().unwrap();
-    let mut relay = Relay::new(
-        store.clone(),
-        log.clone(),
-        cfg,
-        Arc::new(SystemClock),
-        Box::new(StdRng::seed_from_u64(3)),
-    )
-    .unwrap();
-    let report = relay.run_once().await.unwrap();
-    assert_eq!((report.published, report.retried, report.parked), (1, 1, 1));
-}
 
 #[test]
 fn a_cycle_emits_the_documented_metrics() {
@@ -126,39 +78,4 @@ fn a_cycle_emits_the_documented_metrics() {
         find("outbox_oldest_unpublished_age_seconds", MetricKind::Gauge).len(),
         1
     );
-}
-
-#[derive(Clone, Default)]
-struct Buf(Arc<Mutex<Vec<u8>>>);
-impl Write for Buf {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-#[test]
-fn logs_carry_ids_and_stages_but_never_the_payload() {
-    let buf = Buf::default();
-    let writer = buf.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::DEBUG)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
-    let (store, log, db) = setup();
-    tracing::subscriber::with_default(subscriber, || {
-        futures::executor::block_on(cycle(&store, &log, &db));
-    });
-    let out = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
-    assert!(out.contains("stage=\"parked\""), "{out}");
-    assert!(out.contains("stage=\"retry\""), "{out}");
-    assert!(out.contains("stage=\"published\""), "{out}");
-    assert!(out.contains("aggregate_id=c-3"), "{out}");
-    assert!(out.contains("event_id="), "{out}");
-    assert!(out.contains("attempt=1"), "{out}");
-    assert!(!out.contains(SECRET), "payload leaked into logs:\n{out}");
 }
