@@ -17,12 +17,12 @@ use outbox_core::{
     RelayConfig, RetryPolicy, StoreError, SystemClock,
 };
 use outbox_inbox::{ConsumerEngine, EngineConfig, EngineReport, Handler, InboxProcessor};
+use outbox_testkit::fault::{Fault, FaultInjector, FaultSource, FaultyPublisher};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
 pub mod cli;
-pub mod faults;
 pub mod kafka;
 pub mod memory;
 pub mod postgres;
@@ -121,7 +121,7 @@ pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
     match (&config.database_url, &config.brokers) {
         (None, None) => {
             let m = memory::MemoryBackend::new()?;
-            let (log, source) = m.log_and_source();
+            let (log, source) = memory::log_and_source();
             drive(
                 "in-memory store, in-memory log",
                 config,
@@ -151,8 +151,7 @@ pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
         }
         (Some(url), None) => {
             let p = postgres::PostgresBackend::connect(url).await?;
-            let m = memory::MemoryBackend::new()?;
-            let (log, source) = m.log_and_source();
+            let (log, source) = memory::log_and_source();
             let summary = drive(
                 "PostgreSQL, in-memory log",
                 config,
@@ -264,7 +263,11 @@ where
 
     // 2. The relay, through a broker that fails three times and loses two acknowledgements
     //    after storing the records (those events are published twice).
-    let publisher = faults::Flaky::new(publisher, 3, 2);
+    let trouble = [Some(Fault::Transient); 3]
+        .into_iter()
+        .chain([Some(Fault::AckLost); 2]);
+    let publisher =
+        FaultyPublisher::new(publisher, FaultInjector::new(FaultSource::script(trouble)));
     let relay_config = RelayConfig::builder()
         .owner("demo-relay")
         .batch_size(16)

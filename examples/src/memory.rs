@@ -43,18 +43,18 @@ impl MemoryBackend {
             service,
         })
     }
+}
 
-    /// An in-memory log (3 partitions, small record limit) and a consumer of it.
-    pub fn log_and_source(&self) -> (MemoryLog, MemoryConsumer) {
-        let log = MemoryLog::builder()
-            .topic(TOPIC, 3)
-            .default_topic(TOPIC)
-            .max_record_bytes(MAX_RECORD_BYTES)
-            .delivery_timeout(Duration::from_secs(5))
-            .build();
-        let source = log.consumer(CONSUMER, &[TOPIC]);
-        (log, source)
-    }
+/// An in-memory log (3 partitions, small record limit) and a consumer of it.
+pub fn log_and_source() -> (MemoryLog, MemoryConsumer) {
+    let log = MemoryLog::builder()
+        .topic(TOPIC, 3)
+        .default_topic(TOPIC)
+        .max_record_bytes(MAX_RECORD_BYTES)
+        .delivery_timeout(Duration::from_secs(5))
+        .build();
+    let source = log.consumer(CONSUMER, &[TOPIC]);
+    (log, source)
 }
 
 /// The order service on the in-memory database.

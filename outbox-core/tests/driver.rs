@@ -101,3 +101,46 @@ async fn wait_for(cond: impl Fn() -> bool) {
     }
     panic!("condition not reached within 10 s");
 }
+
+#[tokio::test]
+async fn a_failed_completion_is_counted_backed_off_and_the_event_republished() {
+    use outbox_testkit::fault::{Fault, FaultInjector, FaultSource, FaultyStore};
+    let db = MemoryDb::new(SystemClock);
+    let inner = MemoryOutboxStore::new(&db, ClaimMode::LockedTransaction);
+    append(&db, &inner, "a", 1).await;
+    // The first completion fails (connection lost): the claim's transaction rolls back.
+    let faults =
+        FaultInjector::new(FaultSource::script([Some(Fault::Transient)])).only(&["complete"]);
+    let store = FaultyStore::memory(inner.clone(), faults);
+    let log = MemoryLog::new("t", 1);
+    let cfg = RelayConfig::builder()
+        .owner("driver-test")
+        .idle(Duration::from_millis(5), Duration::from_millis(5))
+        .build()
+        .unwrap();
+    let relay = Relay::new(
+        store,
+        log.clone(),
+        cfg,
+        Arc::new(SystemClock),
+        Box::new(StdRng::seed_from_u64(2)),
+    )
+    .unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(outbox_core::driver::run(relay, None, async move {
+        let _ = stop_rx.await;
+    }));
+    wait_for(|| {
+        inner
+            .snapshot()
+            .iter()
+            .all(|r| r.status == outbox_core::DeliveryStatus::Published)
+    })
+    .await;
+    stop_tx.send(()).unwrap();
+    let report = task.await.unwrap();
+    assert_eq!(report.errors, 1, "the failed cycle is counted");
+    assert_eq!(report.published, 1);
+    // Published by the broker in both cycles: a duplicate, never a loss.
+    assert_eq!(log.all_records().len(), 2);
+}
