@@ -132,19 +132,10 @@ fn ev(agg: &str, v: i64) -> Envelope {
         .unwrap()
 }
 
+/// The engine over the fakes with fast retries and a commit after every final message.
 fn engine(msgs: Vec<ReceivedMessage>, inbox: FakeInbox, flaky: u32) -> (TestEngine, Commits) {
-    let commits = Arc::new(Mutex::new(vec![]));
-    let source = FakeSource {
-        queue: Mutex::new(msgs.into()),
-        commits: commits.clone(),
-        log: inbox.log.clone(),
-    };
-    let handler = ScriptedHandler {
-        transient_failures_left: Mutex::new(flaky),
-    };
     let cfg = EngineConfig::default()
         .with_commit(1, Duration::from_secs(60))
-        .with_poll_timeout(Duration::from_millis(1))
         .with_retry(
             RetryPolicy::builder()
                 .base(Duration::from_millis(1))
@@ -154,6 +145,25 @@ fn engine(msgs: Vec<ReceivedMessage>, inbox: FakeInbox, flaky: u32) -> (TestEngi
                 .build()
                 .unwrap(),
         );
+    engine_with(msgs, inbox, flaky, cfg)
+}
+
+fn engine_with(
+    msgs: Vec<ReceivedMessage>,
+    inbox: FakeInbox,
+    flaky: u32,
+    cfg: EngineConfig,
+) -> (TestEngine, Commits) {
+    let commits = Arc::new(Mutex::new(vec![]));
+    let source = FakeSource {
+        queue: Mutex::new(msgs.into()),
+        commits: commits.clone(),
+        log: inbox.log.clone(),
+    };
+    let handler = ScriptedHandler {
+        transient_failures_left: Mutex::new(flaky),
+    };
+    let cfg = cfg.with_poll_timeout(Duration::from_millis(1));
     let e =
         ConsumerEngine::new(source, InboxProcessor::new("proj", inbox, handler), cfg, 1).unwrap();
     (e, commits)
@@ -396,26 +406,10 @@ async fn max_batch_one_uses_one_transaction_per_message() {
         .iter()
         .enumerate()
         .map(|(i, e)| msg(i as i64, e))
-        .collect();
+        .collect::<Vec<_>>();
     let inbox = FakeInbox::default();
-    let source = FakeSource {
-        queue: Mutex::new(msgs),
-        commits: Arc::default(),
-        log: inbox.log.clone(),
-    };
-    let handler = ScriptedHandler {
-        transient_failures_left: Mutex::new(0),
-    };
-    let cfg = EngineConfig::default()
-        .with_max_batch(1)
-        .with_poll_timeout(Duration::from_millis(1));
-    let mut eng = ConsumerEngine::new(
-        source,
-        InboxProcessor::new("proj", inbox.clone(), handler),
-        cfg,
-        1,
-    )
-    .unwrap();
+    let cfg = EngineConfig::default().with_max_batch(1);
+    let (mut eng, _) = engine_with(msgs, inbox.clone(), 0, cfg);
     eng.run_until_quiet(Duration::from_millis(20))
         .await
         .unwrap();

@@ -763,12 +763,7 @@ async fn stats_report_backlog_ages_and_table_figures() {
 async fn oldest_unpublished_age_includes_events_behind_a_parked_head() {
     let ctx = ctx!(4);
     for mode in [lease(30.0), ClaimMode::LockedTransaction] {
-        let store = PostgresOutboxStore::builder(ctx.pool.clone())
-            .schema(&ctx.schema)
-            .claim_mode(mode)
-            .build()
-            .unwrap();
-        store.migrate().await.unwrap();
+        let store = ctx.store(mode).await;
         let agg = format!("pk-{mode:?}").replace(' ', "");
         let (v1, v2) = (event(&agg, 1), event(&agg, 2));
         store
@@ -959,12 +954,7 @@ async fn claim_plan_uses_the_partial_indexes() {
 async fn late_lower_version_waits_for_the_in_flight_row() {
     let ctx = ctx!(4);
     for mode in [lease(30.0), ClaimMode::LockedTransaction] {
-        let store = PostgresOutboxStore::builder(ctx.pool.clone())
-            .schema(&ctx.schema)
-            .claim_mode(mode)
-            .build()
-            .unwrap();
-        store.migrate().await.unwrap();
+        let store = ctx.store(mode).await;
         let agg = format!("ooo-{mode:?}").replace(' ', "");
         let v2 = event(&agg, 2);
         store.append(&ctx.pool, &v2).await.unwrap();
