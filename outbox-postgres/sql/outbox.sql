@@ -108,3 +108,42 @@ CREATE INDEX IF NOT EXISTS "outbox_events_audit_event_idx"
 -- Optional destination of cleanup (same columns, no constraints).
 CREATE TABLE IF NOT EXISTS "outbox"."outbox_events_archive"
     (LIKE "outbox"."outbox_events" INCLUDING DEFAULTS);
+
+-- outbox-postgres migration 2: aggregates are keyed by a 64-bit hash of type and id.
+--
+-- The aggregate key is hashtextextended(aggregate_type || chr(31) || aggregate_id, 0); the
+-- statements of the store use this exact expression, so the planner matches these indexes.
+-- Comparing 64-bit keys instead of two collated text columns makes each index probe several
+-- times cheaper. Two aggregates whose keys collide are ordered as one (an order stricter than
+-- needed, never a wrong one). The advisory lock key and the lease key of an aggregate are its
+-- aggregate key XOR a per-table seed, so a collision of aggregate keys is always a collision
+-- of lock keys too.
+--
+-- Unfinished rows (pending or parked, blocked or not), in version order per aggregate: the
+-- claim's head check is one probe per candidate ("is an unfinished row of its aggregate
+-- ordered before it?") that stops at the first entry it meets.
+DROP INDEX IF EXISTS "outbox"."outbox_events_aggregate_idx";
+
+CREATE INDEX IF NOT EXISTS "outbox_events_unfinished_idx"
+    ON "outbox"."outbox_events"
+       ((hashtextextended(aggregate_type || chr(31) || aggregate_id, 0)), aggregate_version, id)
+    WHERE status IN ('pending', 'parked');
+
+-- Blocked rows, by the same key: the completion's probe for the row to unblock next.
+DROP INDEX IF EXISTS "outbox"."outbox_events_blocked_idx";
+
+CREATE INDEX IF NOT EXISTS "outbox_events_blocked_idx"
+    ON "outbox"."outbox_events"
+       ((hashtextextended(aggregate_type || chr(31) || aggregate_id, 0)), aggregate_version, id)
+    WHERE status IN ('pending', 'parked') AND blocked;
+
+-- Lease rows are keyed by the new lock key: released leases go (they are only kept for reuse)
+-- and live ones are re-keyed from their event row.
+DELETE FROM "outbox"."outbox_events_lease"
+    WHERE lease_token IS NULL OR lease_until <= clock_timestamp();
+
+UPDATE "outbox"."outbox_events_lease" l
+    SET aggregate_key = hashtextextended(e.aggregate_type || chr(31) || e.aggregate_id, 0)
+                        # (3147823944665418837)
+    FROM "outbox"."outbox_events" e
+    WHERE e.id = l.event_row;

@@ -330,21 +330,17 @@ impl PostgresOutboxStore {
             .await
             .map_err(db)?;
         plans.push(lines.join("\n"));
-        let (ids, types, agg_ids) = self.candidates(&mut tx, limit).await?;
+        let ids = self.candidates(&mut tx, limit).await?;
         let lines: Vec<String> = match self.inner.settings.claim_mode {
             ClaimMode::LockedTransaction => {
                 sqlx::query_scalar(&explain(&self.inner.sql.claim_locked))
                     .bind(&ids)
-                    .bind(&types)
-                    .bind(&agg_ids)
                     .fetch_all(&mut *tx)
                     .await
             }
             _ => {
                 sqlx::query_scalar(&explain(&self.inner.sql.claim_lease))
                     .bind(&ids)
-                    .bind(&types)
-                    .bind(&agg_ids)
                     .bind("explain")
                     .bind(Uuid::now_v7())
                     .bind(1_000_000i64)
@@ -425,26 +421,13 @@ impl PostgresOutboxStore {
         }
     }
 
-    /// Step 1: the candidates (row ids with their aggregates), as arrays for step 2.
-    async fn candidates(
-        &self,
-        conn: &mut PgConnection,
-        limit: i64,
-    ) -> Result<(Vec<i64>, Vec<String>, Vec<String>), StoreError> {
-        let rows = sqlx::query(self.candidates_sql())
+    /// Step 1: the candidates' row ids, locked aggregates first come, for step 2.
+    async fn candidates(&self, conn: &mut PgConnection, limit: i64) -> Result<Vec<i64>, StoreError> {
+        sqlx::query_scalar(self.candidates_sql())
             .bind(limit)
             .fetch_all(conn)
             .await
-            .map_err(db)?;
-        let mut ids = Vec::with_capacity(rows.len());
-        let mut types = Vec::with_capacity(rows.len());
-        let mut agg_ids = Vec::with_capacity(rows.len());
-        for row in &rows {
-            ids.push(row.try_get::<i64, _>(0).map_err(db)?);
-            types.push(row.try_get::<String, _>(1).map_err(db)?);
-            agg_ids.push(row.try_get::<String, _>(2).map_err(db)?);
-        }
-        Ok((ids, types, agg_ids))
+            .map_err(db)
     }
 
     async fn claim_inner(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
@@ -474,7 +457,7 @@ impl PostgresOutboxStore {
             self.inner.pool.begin_with(BEGIN_CLAIM).await
         }
         .map_err(db)?;
-        let (ids, types, agg_ids) = self.candidates(&mut tx, limit).await?;
+        let ids = self.candidates(&mut tx, limit).await?;
         if ids.is_empty() {
             tx.commit().await.map_err(db)?;
             return Ok(ClaimedBatch::new(handle, Vec::new(), None));
@@ -483,8 +466,6 @@ impl PostgresOutboxStore {
             ClaimMode::Lease { duration } => {
                 sqlx::query(&self.inner.sql.claim_lease)
                     .bind(&ids)
-                    .bind(&types)
-                    .bind(&agg_ids)
                     .bind(&request.owner)
                     .bind(token)
                     .bind(duration.as_micros().min(i64::MAX as u128) as i64)
@@ -494,8 +475,6 @@ impl PostgresOutboxStore {
             _ => {
                 sqlx::query(&self.inner.sql.claim_locked)
                     .bind(&ids)
-                    .bind(&types)
-                    .bind(&agg_ids)
                     .fetch_all(&mut *tx)
                     .await
             }

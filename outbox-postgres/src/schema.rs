@@ -11,9 +11,10 @@ use outbox_core::StoreError;
 use crate::error::{config, db};
 
 const OUTBOX_V1: &str = include_str!("migrations/0001_outbox.sql");
+const OUTBOX_V2: &str = include_str!("migrations/0002_outbox.sql");
 const INBOX_V1: &str = include_str!("migrations/0001_inbox.sql");
 
-/// Longest accepted table name: derived names (`<table>_aggregate_idx`, `<table>_archive`)
+/// Longest accepted table name: derived names (`<table>_unfinished_idx`, `<table>_archive`)
 /// must stay within PostgreSQL's 63-byte identifier limit.
 pub const MAX_TABLE_NAME_LEN: usize = 40;
 /// Longest accepted schema or channel name (PostgreSQL's identifier limit).
@@ -48,6 +49,7 @@ fn render(template: &str, schema: &str, table: &str) -> String {
     template
         .replace("__SCHEMA__", schema)
         .replace("__TABLE__", table)
+        .replace("__SEED__", &crate::sql::seed(schema, table).to_string())
 }
 
 /// The outbox schema (table, indexes, audit and archive tables) as plain SQL for the given
@@ -55,7 +57,7 @@ fn render(template: &str, schema: &str, table: &str) -> String {
 pub fn outbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError> {
     validate_identifier("schema", schema, MAX_IDENTIFIER_LEN)?;
     validate_identifier("table", table, MAX_TABLE_NAME_LEN)?;
-    Ok(render(OUTBOX_V1, schema, table))
+    Ok(render(&format!("{OUTBOX_V1}{OUTBOX_V2}"), schema, table))
 }
 
 /// The inbox schema as plain SQL for the given names. Validates the names.
@@ -80,7 +82,13 @@ pub(crate) async fn migrate(
     table: &str,
 ) -> Result<usize, StoreError> {
     let (name, migrations): (&str, &[(i32, &str, &str)]) = match component {
-        Component::Outbox => ("outbox", &[(1, "outbox table, audit, archive", OUTBOX_V1)]),
+        Component::Outbox => (
+            "outbox",
+            &[
+                (1, "outbox table, audit, archive", OUTBOX_V1),
+                (2, "one index of unfinished rows per aggregate", OUTBOX_V2),
+            ],
+        ),
         Component::Inbox => ("inbox", &[(1, "inbox table", INBOX_V1)]),
     };
     let mut tx = pool.begin().await.map_err(db)?;

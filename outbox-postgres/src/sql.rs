@@ -33,7 +33,7 @@ pub(crate) struct OutboxSql {
 }
 
 /// A stable 64-bit seed per table, so two outbox tables never share advisory lock keys.
-fn seed(schema: &str, table: &str) -> i64 {
+pub(crate) fn seed(schema: &str, table: &str) -> i64 {
     // FNV-1a: deterministic across processes and versions (unlike std's hasher).
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in schema.bytes().chain([b'.']).chain(table.bytes()) {
@@ -45,26 +45,23 @@ fn seed(schema: &str, table: &str) -> i64 {
 
 /// Advisory lock key of the aggregate of row alias `a`.
 fn key(a: &str, seed: i64) -> String {
-    format!("hashtextextended({a}.aggregate_type || chr(31) || {a}.aggregate_id, {seed})")
+    format!("({} # ({seed}))", agg(a))
 }
 
-/// The head (lowest unfinished version, ties by id) of aggregate `{a}`, skipping `exclude`
-/// ids. Two LIMIT 1 probes (aggregate index: unblocked rows; blocked index), so the cost
-/// does not depend on how many events the aggregate has queued.
-fn head_lateral(t: &str, a: &str, exclude: &str) -> String {
-    let probe = |blocked: &str| {
-        format!(
-            "(SELECT u.id, u.status, u.aggregate_version FROM {t} u \
-              WHERE u.aggregate_type = {a}.aggregate_type AND u.aggregate_id = {a}.aggregate_id \
-                AND u.status IN ('pending', 'parked') AND {blocked} {exclude} \
-              ORDER BY u.aggregate_version, u.id LIMIT 1)"
-        )
-    };
+/// Aggregate key of row alias `a`: the expression of the unfinished and blocked indexes
+/// (migration 2), written the same way so that the planner matches them.
+fn agg(a: &str) -> String {
+    format!("hashtextextended({a}.aggregate_type || chr(31) || {a}.aggregate_id, 0)")
+}
+
+/// The head (lowest unfinished version, ties by id) of the aggregate whose key is `{k}`: the
+/// first entry of its range in the unfinished index, whatever the aggregate's depth.
+fn head_lateral(t: &str, k: &str) -> String {
+    let au = agg("u");
     format!(
-        "(SELECT hh.id, hh.status FROM ({} UNION ALL {}) hh \
-          ORDER BY hh.aggregate_version, hh.id LIMIT 1)",
-        probe("NOT u.blocked"),
-        probe("u.blocked")
+        "(SELECT u.id, u.status FROM {t} u \
+          WHERE {au} = {k} AND u.status IN ('pending', 'parked') \
+          ORDER BY u.aggregate_version, u.id LIMIT 1)"
     )
 }
 
@@ -95,7 +92,7 @@ impl OutboxSql {
         let kc = key("c", seed);
         let candidates = |lease_probe: &str| {
             format!(
-                "SELECT c.id, c.aggregate_type, c.aggregate_id FROM {t} c \
+                "SELECT c.id FROM {t} c \
                  WHERE c.status = 'pending' AND NOT c.blocked \
                    AND CASE WHEN c.next_attempt_at <= now() {lease_probe} \
                             THEN pg_try_advisory_xact_lock({kc}) ELSE false END \
@@ -108,88 +105,65 @@ impl OutboxSql {
         ));
         let claim_candidates_locked = candidates("");
 
-        // Step 2, in a new snapshot taken after the locks: per locked aggregate, its head; the
-        // head is claimed when it is one of the candidates, pending, unblocked, due, and no row
-        // of the aggregate is under a live lease; candidates that are not heads are blocked
-        // (out of the index). The candidates ($1 ids, $2 types, $3 aggregate ids) come from
-        // step 1 as arrays: they are not read again; every row that is written is re-checked
-        // in this snapshot (the head probe, and the blocking UPDATE's own conditions).
-        let ka = key("a", seed);
-        let classify = |leased_row: &str| {
-            format!(
-                "WITH cand AS ( \
-               SELECT * FROM UNNEST($1::int8[], $2::text[], $3::text[]) \
-                 AS c(id, aggregate_type, aggregate_id)), \
-             aggs AS (SELECT a.aggregate_type, a.aggregate_id, {ka} AS k \
-                      FROM (SELECT DISTINCT aggregate_type, aggregate_id FROM cand) a), \
-             heads AS ( \
-               SELECT a.aggregate_type, a.aggregate_id, a.k, f.id, \
-                      CASE WHEN f.id IS NULL OR (b.id IS NOT NULL AND \
-                                (b.aggregate_version, b.id) < (f.aggregate_version, f.id)) \
-                           THEN b.id ELSE f.id END AS head_id, \
-                      (f.id IS NOT NULL AND (b.id IS NULL OR \
-                                (f.aggregate_version, f.id) < (b.aggregate_version, b.id)) \
-                       AND f.status = 'pending' AND f.next_attempt_at <= now()) AS claimable, \
-                      {leased_row} AS leased_row \
-               FROM aggs a \
-               LEFT JOIN LATERAL ( \
-                 SELECT u.id, u.status, u.aggregate_version, u.next_attempt_at \
-                 FROM {t} u \
-                 WHERE u.aggregate_type = a.aggregate_type AND u.aggregate_id = a.aggregate_id \
-                   AND u.status IN ('pending', 'parked') AND NOT u.blocked \
-                 ORDER BY u.aggregate_version, u.id LIMIT 1) f ON true \
-               LEFT JOIN LATERAL ( \
-                 SELECT u.id, u.aggregate_version FROM {t} u \
-                 WHERE u.aggregate_type = a.aggregate_type AND u.aggregate_id = a.aggregate_id \
-                   AND u.status IN ('pending', 'parked') AND u.blocked \
-                 ORDER BY u.aggregate_version, u.id LIMIT 1) b ON true), \
+        // Step 2, in a new snapshot taken after the aggregate locks: each candidate ($1, the
+        // ids from step 1) is re-read and must still be pending, unblocked and due. It is its
+        // aggregate's head when no unfinished row of the aggregate (pending or parked, blocked
+        // or not) is ordered before it: one probe of the unfinished index, which stops at the
+        // first entry it meets. Candidates that are not heads are blocked (out of the claim
+        // index) until the row ahead of them is published; heads are claimed.
+        let kr = key("r", seed);
+        let heads = format!(
+            "h AS MATERIALIZED ( \
+               SELECT r.id, {cols}, r.attempts, {kr} AS k, \
+                      r.next_attempt_at <= now() AS due, \
+                      NOT EXISTS ( \
+                        SELECT 1 FROM {t} u \
+                        WHERE {au} = {ar} AND u.status IN ('pending', 'parked') \
+                          AND (u.aggregate_version, u.id) < (r.aggregate_version, r.id)) AS head \
+               FROM {t} r \
+               WHERE r.id = ANY($1::int8[]) AND r.status = 'pending' AND NOT r.blocked), \
              blk AS ( \
                UPDATE {t} b SET blocked = true \
-               FROM cand c JOIN heads w \
-                 ON w.aggregate_type = c.aggregate_type AND w.aggregate_id = c.aggregate_id \
-               WHERE b.id = c.id AND c.id <> w.head_id AND c.id IS DISTINCT FROM w.leased_row \
+               WHERE b.id = ANY(ARRAY(SELECT h.id FROM h WHERE NOT h.head)) \
                  AND b.status = 'pending' AND NOT b.blocked \
-               RETURNING b.id), \
-             pick AS ( \
-               SELECT DISTINCT ON (w.k) w.id, w.k FROM heads w \
-               WHERE w.claimable AND w.leased_row IS NULL \
-                 AND w.head_id IN (SELECT c.id FROM cand c) \
-               ORDER BY w.k)"
-            )
-        };
-        // The live lease of an aggregate (one primary-key probe of the narrow lease table);
-        // locked mode writes none.
-        let classify_lease = classify(&format!(
-            "(SELECT l.event_row FROM {lease} l WHERE l.aggregate_key = a.k \
-                AND l.lease_until > clock_timestamp())"
-        ));
-        let classify_locked = classify("NULL::int8");
-        // The lease goes to the narrow lease table (one row per aggregate in flight): the wide
-        // event row is not rewritten to claim it. An expired lease of the aggregate is taken
-        // over; a live one (never the case under the aggregate lock) makes the insert a no-op.
+               RETURNING b.id)",
+            cols = prefixed("r", ENVELOPE_COLS),
+            au = agg("u"),
+            ar = agg("r"),
+        );
+        // Lease mode: the lease goes to the narrow lease table (one row per aggregate in
+        // flight), so the wide event row is not rewritten to claim it. An expired lease of the
+        // aggregate is taken over; a live one (never the case under the aggregate lock) makes
+        // the insert a no-op, and its row is not claimed. Two aggregates whose keys collide
+        // share one lease row, so only one of them is claimed at a time.
         let claim_lease = format!(
-            "{classify_lease}, \
+            "WITH {heads}, \
+             pick AS ( \
+               SELECT DISTINCT ON (h.k) h.id, h.k FROM h WHERE h.head AND h.due \
+               ORDER BY h.k, h.id), \
              ins AS ( \
                INSERT INTO {lease} AS l \
                  (aggregate_key, event_row, lease_owner, lease_token, lease_until) \
-               SELECT p.k, p.id, $4, $5, clock_timestamp() + $6::int8 * interval '1 microsecond' \
+               SELECT p.k, p.id, $2, $3, clock_timestamp() + $4::int8 * interval '1 microsecond' \
                FROM pick p \
                ON CONFLICT (aggregate_key) DO UPDATE SET event_row = EXCLUDED.event_row, \
                  lease_owner = EXCLUDED.lease_owner, lease_token = EXCLUDED.lease_token, \
                  lease_until = EXCLUDED.lease_until \
                WHERE l.lease_until <= clock_timestamp() \
                RETURNING l.aggregate_key, l.event_row, l.lease_until) \
-             SELECT r.id, {cols}, r.attempts, i.aggregate_key AS k, \
+             SELECT h.id, {cols}, h.attempts, i.aggregate_key AS k, \
                 (extract(epoch FROM i.lease_until - clock_timestamp()) * 1000000)::int8 AS remaining_us \
-             FROM ins i JOIN {t} r ON r.id = i.event_row",
-            cols = prefixed("r", ENVELOPE_COLS),
+             FROM ins i JOIN h ON h.id = i.event_row",
+            cols = prefixed("h", ENVELOPE_COLS),
         );
+        // Locked mode: the aggregate locks, held until the completion commits, are the claim.
+        // Every writer of a pending row takes its aggregate's lock first (claims, completions,
+        // operator actions), so no row lock is needed.
         let claim_locked = format!(
-            "{classify_locked} \
-             SELECT r.id, {cols}, r.attempts, 0::int8 AS k, NULL::int8 AS remaining_us \
-             FROM {t} r WHERE r.id IN (SELECT id FROM pick) \
-             ORDER BY r.id FOR UPDATE OF r SKIP LOCKED",
-            cols = prefixed("r", ENVELOPE_COLS)
+            "WITH {heads} \
+             SELECT h.id, {cols}, h.attempts, h.k, NULL::int8 AS remaining_us \
+             FROM h WHERE h.head AND h.due",
+            cols = prefixed("h", ENVELOPE_COLS)
         );
 
         // Keys come from the claim (returned with each row), so no table lookups here.
@@ -202,9 +176,9 @@ impl OutboxSql {
         // still safe: the claim re-checks head-ness and blocks it again.
         let next = format!(
             "(SELECT u.id FROM {t} u \
-              WHERE u.aggregate_type = pa.aggregate_type AND u.aggregate_id = pa.aggregate_id \
-                AND u.status IN ('pending', 'parked') AND u.blocked \
-              ORDER BY u.aggregate_version, u.id LIMIT 1)"
+              WHERE {au} = pa.ak AND u.status IN ('pending', 'parked') AND u.blocked \
+              ORDER BY u.aggregate_version, u.id LIMIT 1)",
+            au = agg("u")
         );
         let complete = |fence_cte: &str, fence_join: &str, filter: &str| {
             format!(
@@ -236,15 +210,14 @@ impl OutboxSql {
                      parked_at = CASE WHEN o.kind = 'park' THEN clock_timestamp() END \
                    FROM o {fence_join} \
                    WHERE t.id = o.id AND t.status = 'pending' {filter} \
-                   RETURNING t.id, t.aggregate_type, t.aggregate_id, t.aggregate_version, \
-                             o.kind), \
-                 pa AS (SELECT DISTINCT aggregate_type, aggregate_id FROM upd \
-                        WHERE kind = 'published'), \
+                   RETURNING t.id, {at} AS ak, o.kind), \
+                 pa AS (SELECT DISTINCT ak FROM upd WHERE kind = 'published'), \
                  promote AS ( \
                    UPDATE {t} s SET blocked = false \
                    FROM (SELECT h.id FROM pa CROSS JOIN LATERAL {next} h) nx \
                    WHERE s.id = nx.id AND s.blocked RETURNING 1) \
-                 SELECT (SELECT count(*) FROM upd) AS applied"
+                 SELECT (SELECT count(*) FROM upd) AS applied",
+                at = agg("t")
             )
         };
         // A released lease keeps its row (no token, expiry = release time): the aggregate's
@@ -279,11 +252,11 @@ impl OutboxSql {
         let lock_event_aggregate = format!(
             "SELECT e.aggregate_type, e.aggregate_id, {ks} AS k FROM {t} e WHERE e.event_id = $1"
         );
-        let promote_head = head_lateral(&t, "pa", "");
+        let promote_head = head_lateral(&t, "pa.ak");
         let promote_aggregate = format!(
             "UPDATE {t} s SET blocked = false \
-             FROM (SELECT h.id FROM (SELECT $1::text AS aggregate_type, \
-                                            $2::text AS aggregate_id) pa \
+             FROM (SELECT h.id FROM (SELECT hashtextextended($1::text || chr(31) || $2::text, 0) \
+                                              AS ak) pa \
                    CROSS JOIN LATERAL {promote_head} h) nx \
              WHERE s.id = nx.id AND s.blocked"
         );

@@ -267,7 +267,7 @@ async fn hostile_identifiers_are_configuration_errors() {
         .table("shop_outbox")
         .build()
         .unwrap();
-    assert_eq!(store.migrate().await.unwrap(), 1);
+    assert_eq!(store.migrate().await.unwrap(), 2);
     assert_eq!(
         store.migrate().await.unwrap(),
         0,
@@ -938,10 +938,11 @@ async fn claim_plan_uses_the_partial_indexes() {
     assert!(plans[0].contains("outbox_events_claim_idx"), "{}", plans[0]);
     assert!(!plans[0].contains("Seq Scan"), "{}", plans[0]);
     assert!(
-        plans[1].contains("outbox_events_aggregate_idx"),
+        plans[1].contains("outbox_events_unfinished_idx"),
         "{}",
         plans[1]
     );
+    assert!(!plans[1].contains("Seq Scan"), "{}", plans[1]);
     // Nothing was claimed by EXPLAIN (rolled back).
     assert_eq!(count(&ctx, "blocked").await, 0);
     assert_eq!(leases(&ctx).await, 0);
@@ -1018,5 +1019,62 @@ async fn listener_reconnects_after_its_connection_is_killed() {
     .unwrap();
     assert_eq!(listening, 1, "a new connection listens again");
     handle.abort();
+    ctx.drop().await;
+}
+
+/// A table made by migration 1 (with its index of unblocked rows only) and holding a backlog
+/// with blocked rows is upgraded by migration 2 in place, and the relay goes on in order.
+#[tokio::test]
+async fn migration_2_upgrades_a_version_1_table_with_a_backlog() {
+    let ctx = ctx!(4);
+    let store = ctx.store(lease(30.0)).await;
+    let evs: Vec<_> = (1..=4).map(|v| event("up", v)).collect();
+    store.append_many(&ctx.pool, &evs).await.unwrap();
+    let b = claim(&store, "r", 100).await;
+    assert_eq!(versions(&b), vec![("up".into(), 1)]);
+    assert_eq!(count(&ctx, "blocked").await, 3);
+    // Back to the state of version 1: its index, no unfinished index, no record of version 2.
+    for sql in [
+        format!("DROP INDEX \"{}\".outbox_events_unfinished_idx", ctx.schema),
+        format!(
+            "CREATE INDEX outbox_events_aggregate_idx ON \"{}\".outbox_events \
+             (aggregate_type, aggregate_id, aggregate_version, id) \
+             WHERE status IN ('pending', 'parked') AND NOT blocked",
+            ctx.schema
+        ),
+        format!(
+            "DELETE FROM \"{}\".outbox_schema_migrations WHERE version = 2",
+            ctx.schema
+        ),
+        // Version 1 keyed leases by another hash: the live lease must be re-keyed.
+        format!(
+            "UPDATE \"{}\".outbox_events_lease SET aggregate_key = 12345",
+            ctx.schema
+        ),
+    ] {
+        sqlx::query(&sql).execute(&ctx.pool).await.unwrap();
+    }
+    assert_eq!(store.migrate().await.unwrap(), 1, "only migration 2 runs");
+    let indexes: Vec<String> = sqlx::query_scalar(
+        "SELECT indexname::text FROM pg_indexes WHERE schemaname = $1 ORDER BY 1",
+    )
+    .bind(&ctx.schema)
+    .fetch_all(&ctx.pool)
+    .await
+    .unwrap();
+    assert!(indexes.contains(&"outbox_events_unfinished_idx".to_owned()));
+    assert!(!indexes.contains(&"outbox_events_aggregate_idx".to_owned()));
+    // The completion is fenced by (key, token): it applies only if the key was restored.
+    let report = store
+        .complete(&b.handle, &[published(&b.records[0].envelope, 1)])
+        .await
+        .unwrap();
+    assert_eq!((report.applied, report.superseded), (1, 0));
+    for v in 2..=4 {
+        let b = claim(&store, "r", 100).await;
+        assert_eq!(versions(&b), vec![("up".into(), v)], "version {v}");
+        publish_all(&store, &b).await;
+    }
+    assert_eq!(count(&ctx, "status = 'published'").await, 4);
     ctx.drop().await;
 }
