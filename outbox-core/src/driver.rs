@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::Notify;
-use tracing::warn;
+use tracing::{debug, warn};
 
 use crate::publisher::Publisher;
 use crate::relay::Relay;
@@ -112,6 +112,13 @@ where
             () = wake.notified() => { relay.reset_idle(); }
             () = &mut shutdown => { signal.trigger(); }
         }
+    }
+    // A batch claimed ahead by the last cycle goes back to the store now rather than at lease
+    // expiry.
+    match relay.release_prefetched().await {
+        Ok(true) => debug!("released the prefetched batch"),
+        Ok(false) => {}
+        Err(e) => warn!(error = %e, "could not release the prefetched batch; its claim expires"),
     }
     report
 }

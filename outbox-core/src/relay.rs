@@ -5,6 +5,16 @@
 //! [`Relay::run_once`] chains them for one cycle; the tokio driver (feature `tokio`) loops over
 //! cycles with jittered idle backoff, a wake-up hook and graceful shutdown.
 //!
+//! # Prefetch
+//!
+//! When a batch comes back full (more work is likely waiting), [`Relay::run_once`] claims the
+//! next batch while it publishes and completes the current one, so the store's claim cost
+//! overlaps the broker round trip and the completion ([`RelayConfigBuilder::prefetch`], on by
+//! default). Order is unaffected: the aggregates of a batch in flight are still claimed (under a
+//! live lease or a held lock), so the next batch cannot hold any of them. The prefetched batch
+//! is published by the next cycle, or released on shutdown ([`Relay::release_prefetched`]);
+//! a crash leaves it to lease expiry or to the rollback of its transaction, like any claim.
+//!
 //! # Why a crash never loses an event
 //!
 //! A row becomes published only through [`crate::Outcome::Published`], which is built from the
@@ -50,6 +60,8 @@ pub struct RelayConfig {
     /// Time the lease must still have left, beyond the delivery timeout, before a batch may be
     /// published. Default 2 s.
     pub lease_margin: Duration,
+    /// Claim the next batch while a full batch is published. Default `true`.
+    pub prefetch: bool,
 }
 
 impl Default for RelayConfig {
@@ -61,6 +73,7 @@ impl Default for RelayConfig {
             idle_min: Duration::from_millis(10),
             idle_max: Duration::from_secs(1),
             lease_margin: Duration::from_secs(2),
+            prefetch: true,
         }
     }
 }
@@ -102,6 +115,11 @@ impl RelayConfigBuilder {
     /// Lease safety margin.
     pub fn lease_margin(mut self, d: Duration) -> Self {
         self.0.lease_margin = d;
+        self
+    }
+    /// Whether to claim the next batch while publishing a full one (see the module docs).
+    pub fn prefetch(mut self, on: bool) -> Self {
+        self.0.prefetch = on;
         self
     }
     /// Validates the configuration on its own; [`Relay::new`] also checks it against the store
@@ -173,6 +191,8 @@ pub struct Relay<S, P> {
     rng: Box<dyn RngCore + Send + Sync>,
     idle: IdleBackoff,
     shutdown: ShutdownSignal,
+    /// A batch claimed ahead by the previous cycle, with the relay clock at its claim.
+    prefetched: Option<(ClaimedBatch, chrono::DateTime<chrono::Utc>)>,
 }
 
 impl<S, P> std::fmt::Debug for Relay<S, P> {
@@ -214,6 +234,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             rng,
             idle,
             shutdown: ShutdownSignal::default(),
+            prefetched: None,
         })
     }
 
@@ -263,37 +284,12 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
 
     /// Step 2: publish the whole batch concurrently, one result per record.
     pub async fn publish(&self, batch: &ClaimedBatch) -> Vec<PublishResult> {
-        let envelopes: Vec<_> = batch.records.iter().map(|r| r.envelope.clone()).collect();
-        let results = self.publisher.publish(&envelopes).await;
-        if results.len() != envelopes.len() {
-            // A publisher that breaks its contract must not make us mark anything: treat every
-            // record as a transient failure.
-            error!(
-                expected = envelopes.len(),
-                got = results.len(),
-                "publisher returned the wrong number of results; treating the batch as failed"
-            );
-            return envelopes
-                .iter()
-                .map(|_| {
-                    Err(crate::PublishError::new(
-                        crate::PublishErrorKind::Other,
-                        "publisher returned the wrong number of results",
-                    ))
-                })
-                .collect();
-        }
-        results
+        publish_batch(&self.publisher, batch).await
     }
 
     /// Step 3 (pure): turn results into outcomes with the retry policy.
     pub fn decide(&mut self, batch: &ClaimedBatch, results: &[PublishResult]) -> Vec<Outcome> {
-        batch
-            .records
-            .iter()
-            .zip(results)
-            .map(|(rec, res)| self.config.retry.decide(rec, res, &mut self.rng))
-            .collect()
+        decide_batch(&self.config.retry, &mut self.rng, batch, results)
     }
 
     /// Step 4: record the outcomes.
@@ -305,10 +301,17 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         self.store.complete(&batch.handle, outcomes).await
     }
 
-    /// One full cycle: claim, publish, decide, complete.
+    /// One full cycle: claim (or take the prefetched batch), publish, decide, complete; with
+    /// prefetch on and a full batch, the next batch is claimed meanwhile.
     pub async fn run_once(&mut self) -> Result<CycleReport, StoreError> {
         let started = std::time::Instant::now();
-        let batch = self.claim().await?;
+        let (batch, claimed_at) = match self.prefetched.take() {
+            Some(prefetched) => prefetched,
+            None => {
+                let batch = self.claim().await?;
+                (batch, self.clock.now())
+            }
+        };
         let mut report = CycleReport {
             claimed: batch.records.len(),
             ..CycleReport::default()
@@ -316,7 +319,6 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         if batch.is_empty() {
             return Ok(report);
         }
-        let claimed_at = self.clock.now();
         if self.shutdown.is_triggered() {
             self.store.release(&batch.handle).await?;
             report.released = true;
@@ -332,9 +334,34 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             return Ok(report);
         }
         let span = info_span!("outbox.relay.batch", owner = %self.config.owner, size = batch.records.len(), stage = "publish");
-        let results = self.publish(&batch).instrument(span).await;
-        let outcomes = self.decide(&batch, &results);
-        let completion = self.complete(&batch, &outcomes).await?;
+        let prefetch = self.config.prefetch && batch.records.len() >= self.config.batch_size;
+        // Disjoint borrows: this batch's publish, decide and complete, and the next claim.
+        let (store, publisher, clock) = (&self.store, &self.publisher, &self.clock);
+        let (retry, rng) = (&self.config.retry, &mut self.rng);
+        let request = ClaimRequest::new(self.config.owner.clone(), self.config.batch_size);
+        let current = async {
+            let results = publish_batch(publisher, &batch).instrument(span).await;
+            let outcomes = decide_batch(retry, rng, &batch, &results);
+            let completion = store.complete(&batch.handle, &outcomes).await;
+            (results, outcomes, completion)
+        };
+        let next = async {
+            if !prefetch {
+                return None;
+            }
+            let claimed = store.claim(&request).await;
+            Some((claimed, clock.now()))
+        };
+        // The claim is polled first, so it is under way before the publish starts.
+        let (next, (results, outcomes, completion)) = futures::future::join(next, current).await;
+        match next {
+            Some((Ok(next), at)) if !next.is_empty() => self.prefetched = Some((next, at)),
+            Some((Err(e), _)) => {
+                warn!(owner = %self.config.owner, error = %e, "prefetch claim failed; the next cycle claims again");
+            }
+            _ => {}
+        }
+        let completion = completion?;
         report.superseded = completion.superseded;
         let now = self.clock.now();
         for ((rec, outcome), res) in batch.records.iter().zip(&outcomes).zip(&results) {
@@ -369,6 +396,24 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         Ok(report)
     }
 
+    /// Releases the batch claimed ahead by the last cycle, if any (the driver calls this when it
+    /// stops; a relay that is simply dropped leaves it to lease expiry or to the rollback of
+    /// its transaction).
+    pub async fn release_prefetched(&mut self) -> Result<bool, StoreError> {
+        match self.prefetched.take() {
+            Some((batch, _)) => {
+                self.store.release(&batch.handle).await?;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// The batch claimed ahead that waits for the next cycle, if any.
+    pub fn prefetched(&self) -> Option<&ClaimedBatch> {
+        self.prefetched.as_ref().map(|(batch, _)| batch)
+    }
+
     /// How long to sleep after an idle cycle (jittered, growing while idle).
     pub fn idle_delay(&mut self) -> Duration {
         self.idle.next_delay(&mut self.rng)
@@ -383,6 +428,46 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
     pub fn error_delay(&mut self, failures: u32) -> Duration {
         self.config.retry.backoff(failures, &mut self.rng)
     }
+}
+
+/// Publishes `batch` in one call; a publisher that returns the wrong number of results gets
+/// every record treated as a transient failure.
+async fn publish_batch<P: Publisher>(publisher: &P, batch: &ClaimedBatch) -> Vec<PublishResult> {
+    let envelopes: Vec<_> = batch.records.iter().map(|r| r.envelope.clone()).collect();
+    let results = publisher.publish(&envelopes).await;
+    if results.len() != envelopes.len() {
+        // A publisher that breaks its contract must not make us mark anything: treat every
+        // record as a transient failure.
+        error!(
+            expected = envelopes.len(),
+            got = results.len(),
+            "publisher returned the wrong number of results; treating the batch as failed"
+        );
+        return envelopes
+            .iter()
+            .map(|_| {
+                Err(crate::PublishError::new(
+                    crate::PublishErrorKind::Other,
+                    "publisher returned the wrong number of results",
+                ))
+            })
+            .collect();
+    }
+    results
+}
+
+fn decide_batch(
+    retry: &RetryPolicy,
+    rng: &mut Box<dyn RngCore + Send + Sync>,
+    batch: &ClaimedBatch,
+    results: &[PublishResult],
+) -> Vec<Outcome> {
+    batch
+        .records
+        .iter()
+        .zip(results)
+        .map(|(rec, res)| retry.decide(rec, res, &mut **rng))
+        .collect()
 }
 
 #[cfg(test)]

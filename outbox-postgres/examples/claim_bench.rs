@@ -2,12 +2,13 @@
 //!
 //! ```text
 //! cargo run --release -p outbox-postgres --example claim_bench -- [--events N] [--aggregates A]
-//!     [--batch B] [--relays R] [--explain-sizes 10000,1000000]
+//!     [--batch B] [--relays R] [--rounds K] [--explain-sizes 10000,1000000]
 //! ```
 //!
-//! Environment: `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`), and
-//! `BENCH_EVENTS`, `BENCH_AGGREGATES`, `BENCH_BATCH`, `BENCH_RELAYS`, `BENCH_EXPLAIN_SIZES` as
-//! alternatives to the flags. Every run uses fresh schemas and drops them afterwards.
+//! Environment: `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`),
+//! `BENCH_MODES` (comma-separated subset of `naive,lease,locked`), and `BENCH_EVENTS`,
+//! `BENCH_AGGREGATES`, `BENCH_BATCH`, `BENCH_RELAYS`, `BENCH_ROUNDS` (default 3),
+//! `BENCH_EXPLAIN_SIZES` as alternatives to the flags. Every run uses fresh schemas and drops them afterwards.
 //!
 //! For each mode it preloads N events round-robin across A aggregates (so each aggregate has
 //! N/A versions queued), then drains with claim(B) + complete(B published outcomes with fake
@@ -30,6 +31,7 @@ struct Args {
     aggregates: usize,
     batch: usize,
     relays: usize,
+    rounds: usize,
     explain_sizes: Vec<usize>,
 }
 
@@ -39,6 +41,7 @@ fn args() -> Args {
         aggregates: env("BENCH_AGGREGATES", 10_000),
         batch: env("BENCH_BATCH", 1_000),
         relays: env("BENCH_RELAYS", 1),
+        rounds: env("BENCH_ROUNDS", 3).max(1),
         explain_sizes: std::env::var("BENCH_EXPLAIN_SIZES")
             .map(|s| parse_list(&s))
             .unwrap_or_else(|_| vec![10_000, 100_000]),
@@ -52,6 +55,7 @@ fn args() -> Args {
             "--aggregates" => a.aggregates = value.parse().expect("--aggregates A"),
             "--batch" => a.batch = value.parse().expect("--batch B"),
             "--relays" => a.relays = value.parse().expect("--relays R"),
+            "--rounds" => a.rounds = value.parse::<usize>().expect("--rounds K").max(1),
             "--explain-sizes" => a.explain_sizes = parse_list(&value),
             other => panic!("unknown argument {other}"),
         }
@@ -65,6 +69,16 @@ fn env(name: &str, default: usize) -> usize {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
 }
 
 fn parse_list(s: &str) -> Vec<usize> {
@@ -298,38 +312,57 @@ async fn main() {
             Some(ClaimMode::LockedTransaction),
         ),
     ];
-    let mut baseline = None;
-    for (name, mode) in modes {
-        let store = fresh_store(&pool, mode.unwrap_or(ClaimMode::LockedTransaction)).await;
-        let load = preload(&store, a.events, a.aggregates).await;
-        let (n, elapsed) = match mode {
-            None => drain_naive(store.clone(), a.batch, a.relays).await,
-            Some(_) => drain(store.clone(), a.batch, a.relays).await,
-        };
-        let rate = n as f64 / elapsed.as_secs_f64();
-        let left: i64 = sqlx::query_scalar(&format!(
-            "SELECT count(*) FROM \"{}\".\"{}\" WHERE status <> 'published'",
-            store.settings().schema,
-            store.settings().table
-        ))
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-        let ratio = baseline.map_or(String::new(), |b: f64| {
-            format!(" ({:.0}% of naive)", 100.0 * rate / b)
-        });
-        if mode.is_none() {
-            baseline = Some(rate);
+    // BENCH_MODES=naive,lease,locked (default: all three).
+    let only = std::env::var("BENCH_MODES").ok();
+    let wanted = |name: &str| {
+        let short = name.split_whitespace().next().unwrap_or_default();
+        only.as_deref()
+            .is_none_or(|m| m.split(',').any(|w| w.trim() == short))
+    };
+    let modes: Vec<_> = modes.into_iter().filter(|(name, _)| wanted(name)).collect();
+    // Rounds alternate the modes, so a slow phase of the machine (a checkpoint, autovacuum, a
+    // neighbour) hits all of them; the summary gives each mode's median and its ratio to the
+    // naive median.
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); modes.len()];
+    for round in 1..=a.rounds {
+        if a.rounds > 1 {
+            println!("-- round {round}/{}", a.rounds);
         }
-        println!(
-            "{name:<50} drained {n:>8} in {:>7.2} s = {:>8.0} events/s{ratio}; left {left}; \
-             (preload {:.1} s = {:.0} appends/s)",
-            elapsed.as_secs_f64(),
-            rate,
-            load.as_secs_f64(),
-            a.events as f64 / load.as_secs_f64()
-        );
-        drop_store(&pool, &store).await;
+        for (i, (name, mode)) in modes.iter().enumerate() {
+            let store = fresh_store(&pool, mode.unwrap_or(ClaimMode::LockedTransaction)).await;
+            let load = preload(&store, a.events, a.aggregates).await;
+            let (n, elapsed) = match mode {
+                None => drain_naive(store.clone(), a.batch, a.relays).await,
+                Some(_) => drain(store.clone(), a.batch, a.relays).await,
+            };
+            let rate = n as f64 / elapsed.as_secs_f64();
+            let left: i64 = sqlx::query_scalar(&format!(
+                "SELECT count(*) FROM \"{}\".\"{}\" WHERE status <> 'published'",
+                store.settings().schema,
+                store.settings().table
+            ))
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            assert_eq!(left, 0, "{name}: events left unpublished");
+            println!(
+                "{name:<50} drained {n:>8} in {:>7.2} s = {:>8.0} events/s \
+                 (preload {:.1} s = {:.0} appends/s)",
+                elapsed.as_secs_f64(),
+                rate,
+                load.as_secs_f64(),
+                a.events as f64 / load.as_secs_f64()
+            );
+            rates[i].push(rate);
+            drop_store(&pool, &store).await;
+        }
+    }
+    let medians: Vec<f64> = rates.iter_mut().map(|r| median(r)).collect();
+    let naive = modes.iter().position(|(_, m)| m.is_none()).map(|i| medians[i]);
+    println!("\nmedian of {} round(s):", a.rounds);
+    for ((name, _), m) in modes.iter().zip(&medians) {
+        let ratio = naive.map_or(String::new(), |b| format!("  {:.2} x naive", m / b));
+        println!("  {name:<50} {m:>8.0} events/s{ratio}");
     }
     for size in a.explain_sizes {
         for mode in [

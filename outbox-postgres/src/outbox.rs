@@ -549,7 +549,7 @@ impl PostgresOutboxStore {
                 let arrays = OutcomeArrays::new(outcomes, &held.rows);
                 // The aggregate locks were taken by the claim in this very transaction.
                 let applied = arrays
-                    .bind(sqlx::query(&self.inner.sql.complete_locked))
+                    .statement(&self.inner.sql, false)
                     .fetch_one(&mut *held.tx)
                     .await
                     .map_err(|e| lost_claim(db(e)))?
@@ -580,7 +580,7 @@ impl PostgresOutboxStore {
                         .map_err(db)?;
                 }
                 let applied = arrays
-                    .bind(sqlx::query(&self.inner.sql.complete_lease))
+                    .statement(&self.inner.sql, true)
                     .bind(claim.token)
                     .bind(&keys)
                     .fetch_one(&mut *tx)
@@ -701,6 +701,8 @@ fn not_found(event_id: EventId) -> StoreError {
 }
 
 /// Outcome columns for `UNNEST`, keyed by row id.
+type PgQuery<'q> = sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>;
+
 struct OutcomeArrays {
     ids: Vec<i64>,
     keys: Vec<i64>,
@@ -777,10 +779,37 @@ impl OutcomeArrays {
             .collect()
     }
 
+    /// Every outcome is a publication: the completion can use its short form.
+    fn all_published(&self) -> bool {
+        self.kinds.iter().all(|k| *k == "published")
+    }
+
+    /// Binds the parameters of the completion's form for these outcomes, and returns it.
+    fn statement<'q>(self, sql: &'q OutboxSql, lease: bool) -> PgQuery<'q> {
+        if self.all_published() {
+            let q = sqlx::query(if lease {
+                &sql.complete_lease_published
+            } else {
+                &sql.complete_locked_published
+            });
+            q.bind(self.ids)
+                .bind(self.topics)
+                .bind(self.parts)
+                .bind(self.offsets)
+        } else {
+            let q = sqlx::query(if lease {
+                &sql.complete_lease
+            } else {
+                &sql.complete_locked
+            });
+            self.bind(q)
+        }
+    }
+
     fn bind<'q>(
         self,
-        q: sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>,
-    ) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+        q: PgQuery<'q>,
+    ) -> PgQuery<'q> {
         q.bind(self.ids)
             .bind(self.kinds)
             .bind(self.topics)

@@ -16,7 +16,9 @@ pub(crate) struct OutboxSql {
     pub claim_locked: String,
     pub lock_aggregates_of_events: String,
     pub complete_lease: String,
+    pub complete_lease_published: String,
     pub complete_locked: String,
+    pub complete_locked_published: String,
     pub release_lease: String,
     pub lease_rows: String,
     pub lock_event_aggregate: String,
@@ -180,17 +182,29 @@ impl OutboxSql {
               ORDER BY u.aggregate_version, u.id LIMIT 1)",
             au = agg("u")
         );
-        let complete = |fence_cte: &str, fence_join: &str, filter: &str| {
-            format!(
-                "WITH o AS MATERIALIZED ( \
-                   SELECT o.* \
-                   FROM UNNEST($1::int8[], $2::text[], $3::text[], $4::int4[], \
+        // A released lease keeps its row (no token, expiry = release time): the aggregate's
+        // next claim updates it in place (a HOT update of a narrow row, no index churn).
+        let release = "lease_owner = NULL, lease_token = NULL, lease_until = clock_timestamp()";
+        // The completion, in two forms: any mix of outcomes ($1..$10 in `OutcomeArrays`
+        // order), and the common case where every outcome is a publication ($1 ids, $2 topics,
+        // $3 partitions, $4 offsets), which sends and evaluates no error columns. `fence`
+        // holds the parameter numbers of the lease token and keys (lease mode).
+        let complete = |published_only: bool, fence: Option<(u8, u8)>| {
+            let (source, set, kind) = if published_only {
+                (
+                    "UNNEST($1::int8[], $2::text[], $3::int4[], $4::int8[]) \
+                       AS o(id, topic, part, off)",
+                    "status = 'published', published_at = clock_timestamp(), \
+                     finished_at = clock_timestamp(), \
+                     ack_topic = o.topic, ack_partition = o.part, ack_offset = o.off",
+                    "'published'::text",
+                )
+            } else {
+                (
+                    "UNNEST($1::int8[], $2::text[], $3::text[], $4::int4[], \
                         $5::int8[], $6::int8[], $7::text[], $8::text[], $9::text[], $10::text[]) \
-                     AS o(id, kind, topic, part, off, delay_us, eclass, ekind, emsg, pkind)), \
-                 {fence_cte} \
-                 upd AS ( \
-                   UPDATE {t} t SET \
-                     status = CASE o.kind WHEN 'published' THEN 'published' \
+                     AS o(id, kind, topic, part, off, delay_us, eclass, ekind, emsg, pkind)",
+                    "status = CASE o.kind WHEN 'published' THEN 'published' \
                                           WHEN 'park' THEN 'parked' ELSE 'pending' END, \
                      attempts = CASE WHEN o.kind = 'published' THEN t.attempts \
                                      ELSE t.attempts + 1 END, \
@@ -207,37 +221,53 @@ impl OutboxSql {
                      last_error_message = CASE WHEN o.kind = 'published' \
                                                THEN t.last_error_message ELSE o.emsg END, \
                      park_kind = CASE WHEN o.kind = 'park' THEN o.pkind END, \
-                     parked_at = CASE WHEN o.kind = 'park' THEN clock_timestamp() END \
+                     parked_at = CASE WHEN o.kind = 'park' THEN clock_timestamp() END",
+                    "o.kind",
+                )
+            };
+            // Fencing: the claim's leases (all of its aggregates, token and keys given) are
+            // released, and only rows whose lease was still this token's get their outcome.
+            // Rows without an outcome are thereby released too. Without a fence to drive the
+            // join, `id = ANY(..)` keeps the planner from hashing a scan of every pending row
+            // (the cost would grow with the backlog).
+            let (fence_cte, fence_join, filter) = match fence {
+                Some((token, keys)) => (
+                    format!(
+                        "fenced AS (UPDATE {lease} l SET {release} \
+                           WHERE l.aggregate_key = ANY(${keys}::int8[]) \
+                             AND l.lease_token = ${token} \
+                           RETURNING l.event_row),"
+                    ),
+                    "JOIN fenced f ON f.event_row = o.id",
+                    "",
+                ),
+                None => (String::new(), "", "AND t.id = ANY($1::int8[])"),
+            };
+            // Unblocking: per aggregate with a publication, its first blocked row (one probe
+            // of the blocked index), skipped as a whole when no row is blocked at all.
+            format!(
+                "WITH o AS MATERIALIZED (SELECT o.* FROM {source}), \
+                 {fence_cte} \
+                 upd AS ( \
+                   UPDATE {t} t SET {set} \
                    FROM o {fence_join} \
                    WHERE t.id = o.id AND t.status = 'pending' {filter} \
-                   RETURNING t.id, {at} AS ak, o.kind), \
+                   RETURNING t.id, {at} AS ak, {kind} AS kind), \
                  pa AS (SELECT DISTINCT ak FROM upd WHERE kind = 'published'), \
                  promote AS ( \
                    UPDATE {t} s SET blocked = false \
-                   FROM (SELECT h.id FROM pa CROSS JOIN LATERAL {next} h) nx \
+                   FROM (SELECT h.id FROM pa CROSS JOIN LATERAL {next} h \
+                         WHERE EXISTS (SELECT 1 FROM {t} b \
+                                       WHERE b.status IN ('pending', 'parked') AND b.blocked)) nx \
                    WHERE s.id = nx.id AND s.blocked RETURNING 1) \
                  SELECT (SELECT count(*) FROM upd) AS applied",
                 at = agg("t")
             )
         };
-        // A released lease keeps its row (no token, expiry = release time): the aggregate's
-        // next claim updates it in place (a HOT update of a narrow row, no index churn).
-        let release = "lease_owner = NULL, lease_token = NULL, lease_until = clock_timestamp()";
-        // Fencing: the claim's leases (all of its aggregates, $12, token $11) are released, and
-        // only rows whose lease was still this token's get their outcome. Rows without an
-        // outcome are thereby released too.
-        let complete_lease = complete(
-            &format!(
-                "fenced AS (UPDATE {lease} l SET {release} \
-                   WHERE l.aggregate_key = ANY($12::int8[]) AND l.lease_token = $11 \
-                   RETURNING l.event_row),"
-            ),
-            "JOIN fenced f ON f.event_row = o.id",
-            "",
-        );
-        // No fence to drive the join: `id = ANY(..)` keeps the planner from hashing a scan of
-        // every pending row (the cost would grow with the backlog).
-        let complete_locked = complete("", "", "AND t.id = ANY($1::int8[])");
+        let complete_lease = complete(false, Some((11, 12)));
+        let complete_lease_published = complete(true, Some((5, 6)));
+        let complete_locked = complete(false, None);
+        let complete_locked_published = complete(true, None);
         let release_lease = format!(
             "UPDATE {lease} SET {release} WHERE aggregate_key = ANY($2::int8[]) AND lease_token = $1"
         );
@@ -352,7 +382,9 @@ impl OutboxSql {
             claim_locked,
             lock_aggregates_of_events,
             complete_lease,
+            complete_lease_published,
             complete_locked,
+            complete_locked_published,
             release_lease,
             lease_rows,
             lock_event_aggregate,
