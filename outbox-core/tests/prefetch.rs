@@ -118,11 +118,20 @@ async fn prefetched_batch_is_disjoint_from_the_batch_in_flight_and_order_holds()
             .expect("a full batch prefetches the next")
             .records
             .iter()
-            .map(|rec| (rec.envelope.aggregate_id.clone(), rec.envelope.aggregate_version))
+            .map(|rec| {
+                (
+                    rec.envelope.aggregate_id.clone(),
+                    rec.envelope.aggregate_version,
+                )
+            })
             .collect();
         // a1 and b1 were in flight: neither they nor their successors may be claimed ahead.
         assert_eq!(ahead, vec![("c".into(), 1), ("d".into(), 1)], "{mode:?}");
-        assert_eq!(store.open_claims(), 1, "{mode:?}: only the prefetched claim is open");
+        assert_eq!(
+            store.open_claims(),
+            1,
+            "{mode:?}: only the prefetched claim is open"
+        );
         log.clear_faults();
 
         for _ in 0..500 {

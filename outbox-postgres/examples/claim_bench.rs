@@ -6,7 +6,7 @@
 //! ```
 //!
 //! Environment: `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`),
-//! `BENCH_MODES` (comma-separated subset of `naive,lease,locked`), and `BENCH_EVENTS`,
+//! `BENCH_MODES` (comma-separated subset of `naive,lease,locked,relay-lease,relay-locked`), and `BENCH_EVENTS`,
 //! `BENCH_AGGREGATES`, `BENCH_BATCH`, `BENCH_RELAYS`, `BENCH_ROUNDS` (default 3),
 //! `BENCH_EXPLAIN_SIZES` as alternatives to the flags. Every run uses fresh schemas and drops them afterwards.
 //!
@@ -14,15 +14,22 @@
 //! N/A versions queued), then drains with claim(B) + complete(B published outcomes with fake
 //! ack metadata) until the backlog is empty, and prints events/s. The baseline drains the same
 //! table with a plain `SELECT .. FOR UPDATE SKIP LOCKED LIMIT B` + one `UPDATE` per batch: no
-//! ordering, no fencing. Finally it prints `EXPLAIN (ANALYZE, BUFFERS)` of the claim at each
+//! ordering, no fencing. The `relay-*` modes drain through `outbox_core::Relay::run_once` (prefetch
+//! on) with a publisher that acknowledges at once: the relay's cycle minus the broker. Finally
+//! it prints `EXPLAIN (ANALYZE, BUFFERS)` of the claim at each
 //! size in `--explain-sizes`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use outbox_core::{AckMetadata, ClaimMode, ClaimRequest, Envelope, OutboxStore, Outcome};
+use outbox_core::{
+    AckMetadata, ClaimMode, ClaimRequest, Envelope, OutboxStore, Outcome, PublishResult, Publisher,
+    Relay, RelayConfig, SystemClock,
+};
 use outbox_postgres::PostgresOutboxStore;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgPool, Row};
 
@@ -214,6 +221,75 @@ async fn drain(store: PostgresOutboxStore, batch: usize, relays: usize) -> (u64,
     (total.load(Ordering::Relaxed), elapsed)
 }
 
+/// A publisher that acknowledges every record at once (offsets count up): what remains of a
+/// relay cycle is the store's work.
+struct InstantAcks(AtomicU64);
+
+#[async_trait::async_trait]
+impl Publisher for InstantAcks {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
+        batch
+            .iter()
+            .map(|_| {
+                let offset = self.0.fetch_add(1, Ordering::Relaxed) as i64;
+                Ok(AckMetadata {
+                    topic: "bench".into(),
+                    partition: (offset % 12) as i32,
+                    offset,
+                })
+            })
+            .collect()
+    }
+    fn delivery_timeout(&self) -> Duration {
+        Duration::from_secs(5)
+    }
+}
+
+/// `outbox_core::Relay::run_once` (prefetch on: the next claim overlaps the completion) over
+/// the store, with instant acknowledgements.
+async fn drain_relay(store: PostgresOutboxStore, batch: usize, relays: usize) -> (u64, Duration) {
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for r in 0..relays {
+        let store = store.clone();
+        tasks.push(tokio::spawn(async move {
+            let config = RelayConfig::builder()
+                .owner(format!("bench-relay-{r}"))
+                .batch_size(batch)
+                .prefetch(true)
+                .build()
+                .expect("relay config");
+            let mut relay = Relay::new(
+                store,
+                InstantAcks(AtomicU64::new(0)),
+                config,
+                Arc::new(SystemClock),
+                Box::new(StdRng::seed_from_u64(r as u64)),
+            )
+            .expect("relay");
+            let (mut published, mut idle) = (0u64, 0);
+            while idle <= 20 {
+                let report = relay.run_once().await.expect("relay cycle");
+                if report.claimed == 0 {
+                    idle += 1;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    continue;
+                }
+                idle = 0;
+                assert_eq!(report.superseded, 0);
+                published += report.published as u64;
+            }
+            relay.release_prefetched().await.expect("release");
+            published
+        }));
+    }
+    let mut total = 0;
+    for t in tasks {
+        total += t.await.expect("relay task");
+    }
+    (total, started.elapsed() - Duration::from_millis(5 * 21))
+}
+
 /// The naive baseline: SKIP LOCKED claim + one UPDATE with ack metadata, no ordering.
 async fn drain_naive(store: PostgresOutboxStore, batch: usize, relays: usize) -> (u64, Duration) {
     let t = format!(
@@ -299,27 +375,40 @@ async fn main() {
         a.batch,
         a.relays
     );
-    let modes: [(&str, Option<ClaimMode>); 3] = [
-        ("naive SKIP LOCKED + UPDATE (no ordering)", None),
+    let lease = ClaimMode::Lease {
+        duration: Duration::from_secs(30),
+    };
+    // (name, store mode (None: naive), through the relay with prefetch)
+    let modes: [(&str, Option<ClaimMode>, bool); 5] = [
+        ("naive SKIP LOCKED + UPDATE (no ordering)", None, false),
         (
             "lease (head-of-line, fencing, ack metadata)",
-            Some(ClaimMode::Lease {
-                duration: Duration::from_secs(30),
-            }),
+            Some(lease),
+            false,
         ),
         (
             "locked transaction (head-of-line, ack metadata)",
             Some(ClaimMode::LockedTransaction),
+            false,
+        ),
+        ("relay-lease (Relay::run_once, prefetch)", Some(lease), true),
+        (
+            "relay-locked (Relay::run_once, prefetch)",
+            Some(ClaimMode::LockedTransaction),
+            true,
         ),
     ];
-    // BENCH_MODES=naive,lease,locked (default: all three).
+    // BENCH_MODES=naive,lease,locked,relay-lease,relay-locked (default: all).
     let only = std::env::var("BENCH_MODES").ok();
     let wanted = |name: &str| {
         let short = name.split_whitespace().next().unwrap_or_default();
         only.as_deref()
             .is_none_or(|m| m.split(',').any(|w| w.trim() == short))
     };
-    let modes: Vec<_> = modes.into_iter().filter(|(name, _)| wanted(name)).collect();
+    let modes: Vec<_> = modes
+        .into_iter()
+        .filter(|(name, ..)| wanted(name))
+        .collect();
     // Rounds alternate the modes, so a slow phase of the machine (a checkpoint, autovacuum, a
     // neighbour) hits all of them; the summary gives each mode's median and its ratio to the
     // naive median.
@@ -328,11 +417,12 @@ async fn main() {
         if a.rounds > 1 {
             println!("-- round {round}/{}", a.rounds);
         }
-        for (i, (name, mode)) in modes.iter().enumerate() {
+        for (i, (name, mode, via_relay)) in modes.iter().enumerate() {
             let store = fresh_store(&pool, mode.unwrap_or(ClaimMode::LockedTransaction)).await;
             let load = preload(&store, a.events, a.aggregates).await;
             let (n, elapsed) = match mode {
                 None => drain_naive(store.clone(), a.batch, a.relays).await,
+                Some(_) if *via_relay => drain_relay(store.clone(), a.batch, a.relays).await,
                 Some(_) => drain(store.clone(), a.batch, a.relays).await,
             };
             let rate = n as f64 / elapsed.as_secs_f64();
@@ -358,9 +448,12 @@ async fn main() {
         }
     }
     let medians: Vec<f64> = rates.iter_mut().map(|r| median(r)).collect();
-    let naive = modes.iter().position(|(_, m)| m.is_none()).map(|i| medians[i]);
+    let naive = modes
+        .iter()
+        .position(|(_, m, _)| m.is_none())
+        .map(|i| medians[i]);
     println!("\nmedian of {} round(s):", a.rounds);
-    for ((name, _), m) in modes.iter().zip(&medians) {
+    for ((name, ..), m) in modes.iter().zip(&medians) {
         let ratio = naive.map_or(String::new(), |b| format!("  {:.2} x naive", m / b));
         println!("  {name:<50} {m:>8.0} events/s{ratio}");
     }

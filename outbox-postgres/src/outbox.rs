@@ -422,7 +422,11 @@ impl PostgresOutboxStore {
     }
 
     /// Step 1: the candidates' row ids, locked aggregates first come, for step 2.
-    async fn candidates(&self, conn: &mut PgConnection, limit: i64) -> Result<Vec<i64>, StoreError> {
+    async fn candidates(
+        &self,
+        conn: &mut PgConnection,
+        limit: i64,
+    ) -> Result<Vec<i64>, StoreError> {
         sqlx::query_scalar(self.candidates_sql())
             .bind(limit)
             .fetch_all(conn)
@@ -806,10 +810,7 @@ impl OutcomeArrays {
         }
     }
 
-    fn bind<'q>(
-        self,
-        q: PgQuery<'q>,
-    ) -> PgQuery<'q> {
+    fn bind<'q>(self, q: PgQuery<'q>) -> PgQuery<'q> {
         q.bind(self.ids)
             .bind(self.kinds)
             .bind(self.topics)

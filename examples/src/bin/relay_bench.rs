@@ -15,7 +15,9 @@
 //!   stored per row.
 //! * `outbox lease`: the same with `ClaimMode::Lease` (fencing tokens).
 //!
-//! Each outbox contender also runs with `--relays` concurrent relays.
+//! Each outbox contender runs as one relay without and with prefetch (claiming the next batch
+//! while the current one is published and completed, the default), then as `--relays`
+//! concurrent relays with prefetch.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -72,7 +74,7 @@ async fn main() -> anyhow::Result<()> {
         args.events, args.aggregates, args.batch, args.partitions
     );
     println!(
-        "{:<28} {:>10} {:>12} {:>8}",
+        "{:<42} {:>10} {:>12} {:>8}",
         "contender", "seconds", "events/s", "ratio"
     );
 
@@ -83,10 +85,11 @@ async fn main() -> anyhow::Result<()> {
         ("outbox locked", ClaimMode::LockedTransaction),
         ("outbox lease", ClaimMode::lease(Duration::from_secs(60))?),
     ] {
-        for relays in [1, args.relays] {
-            let took = outbox(&args, &pool, &run, mode, relays).await?;
+        for (relays, prefetch) in [(1, false), (1, true), (args.relays, true)] {
+            let took = outbox(&args, &pool, &run, mode, relays, prefetch).await?;
+            let how = if prefetch { "prefetch" } else { "no prefetch" };
             print_row(
-                &format!("{label}, {relays} relay(s)"),
+                &format!("{label}, {relays} relay(s), {how}"),
                 args.events,
                 took,
                 naive,
@@ -100,7 +103,7 @@ fn print_row(label: &str, events: usize, took: Duration, baseline: Duration) {
     let rate = events as f64 / took.as_secs_f64();
     let base_rate = events as f64 / baseline.as_secs_f64();
     println!(
-        "{label:<28} {:>10.2} {:>12.0} {:>8.2}",
+        "{label:<42} {:>10.2} {:>12.0} {:>8.2}",
         took.as_secs_f64(),
         rate,
         rate / base_rate
@@ -218,12 +221,16 @@ async fn outbox(
     run: &str,
     mode: ClaimMode,
     relays: usize,
+    prefetch: bool,
 ) -> anyhow::Result<Duration> {
     let tag = match mode {
         ClaimMode::LockedTransaction => "locked",
         _ => "lease",
     };
-    let schema = format!("relay_bench_{tag}{relays}_{run}");
+    let schema = format!(
+        "relay_bench_{tag}{relays}{}_{run}",
+        if prefetch { "p" } else { "" }
+    );
     sqlx::raw_sql(&format!("CREATE SCHEMA {schema}"))
         .execute(pool)
         .await?;
@@ -251,7 +258,10 @@ async fn outbox(
         .execute(pool)
         .await
         .ok();
-    let topic = format!("relay-bench-{tag}{relays}-{run}");
+    let topic = format!(
+        "relay-bench-{tag}{relays}{}-{run}",
+        if prefetch { "p" } else { "" }
+    );
     create_topic(&args.brokers, &topic, args.partitions).await?;
     let publisher = Arc::new(
         KafkaPublisher::builder(&args.brokers, &topic)
@@ -267,6 +277,7 @@ async fn outbox(
         let config = RelayConfig::builder()
             .owner(format!("bench-{r}"))
             .batch_size(args.batch)
+            .prefetch(prefetch)
             .build()?;
         let mut relay = Relay::new(
             store.clone(),
@@ -278,53 +289,34 @@ async fn outbox(
         tasks.push(tokio::spawn(async move {
             let mut published = 0usize;
             let mut idle = 0;
-            let mut phases = [Duration::ZERO; 3];
-            // The relay's steps, timed one by one (run_once chains the same steps).
-            // Stop after a few consecutive empty claims (the other relay may hold the rest).
+            // The relay's own cycle (with prefetch when enabled). Stop after a few consecutive
+            // empty cycles (another relay may hold the rest).
             while idle < 3 {
-                let t0 = Instant::now();
-                let batch = relay.claim().await?;
-                phases[0] += t0.elapsed();
-                if batch.is_empty() {
+                let report = relay.run_once().await?;
+                if report.claimed == 0 {
                     idle += 1;
                     tokio::time::sleep(Duration::from_millis(2)).await;
                     continue;
                 }
                 idle = 0;
-                let t1 = Instant::now();
-                let results = relay.publish(&batch).await;
-                phases[1] += t1.elapsed();
-                let outcomes = relay.decide(&batch, &results);
-                let t2 = Instant::now();
-                let report = relay.complete(&batch, &outcomes).await?;
-                phases[2] += t2.elapsed();
                 anyhow::ensure!(
-                    results.iter().all(Result::is_ok) && report.superseded == 0,
-                    "publish failures or superseded claims"
+                    report.retried == 0
+                        && report.parked == 0
+                        && report.superseded == 0
+                        && !report.released,
+                    "publish failures, released or superseded claims: {report:?}"
                 );
-                published += report.applied;
+                published += report.published;
             }
-            Ok((published, phases))
+            relay.release_prefetched().await?;
+            Ok(published)
         }));
     }
     let mut total = 0;
-    let mut phases = [Duration::ZERO; 3];
     for t in tasks {
-        let (n, p) = t.await??;
-        total += n;
-        for (sum, d) in phases.iter_mut().zip(p) {
-            *sum += d;
-        }
+        total += t.await??;
     }
     let took = started.elapsed();
-    if std::env::var_os("RELAY_BENCH_PHASES").is_some() {
-        println!(
-            "  phases summed over relays: claim {:.2} s, publish {:.2} s, complete {:.2} s",
-            phases[0].as_secs_f64(),
-            phases[1].as_secs_f64(),
-            phases[2].as_secs_f64()
-        );
-    }
     let stats = store.stats().await?;
     anyhow::ensure!(
         total == args.events && stats.unpublished == 0,
