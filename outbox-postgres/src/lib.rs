@@ -12,7 +12,7 @@
 //! | Batch append | one statement, one round trip (`INSERT .. SELECT FROM UNNEST(arrays)`) |
 //! | Validation at append | envelope limits, before anything is written |
 //! | Backpressure hook | [`AppendGuard`] (thresholds are the caller's) |
-//! | Claim: locked transaction | `ClaimMode::LockedTransaction`: rows `FOR UPDATE SKIP LOCKED` plus aggregate advisory locks, held until `complete`/`release` |
+//! | Claim: locked transaction | `ClaimMode::LockedTransaction`: aggregate advisory locks taken with `pg_try_advisory_xact_lock` (busy aggregates are skipped), held by the claim's transaction until `complete`/`release`; no row locks are needed, since every writer of a pending row takes its aggregate's lock first |
 //! | Claim: lease with fencing | `ClaimMode::Lease { duration }`: owner, unique token, expiry on the database clock, in the narrow `<table>_lease` table (one row per aggregate in flight); `complete` applies only where the token matches, the rest is counted as `superseded`; `lease_remaining` tells the relay its deadline |
 //! | Lease vs. delivery timeout | rejected by `build()` with [`PostgresOutboxStoreBuilder::publisher_delivery_timeout`] (and by `outbox_core::Relay::new`) |
 //! | Per-aggregate order, several relays | yes, head-of-line only; see below |
@@ -72,15 +72,24 @@
 //!   crosses the backlog queued behind heads; it crosses at most the rows in flight or waiting
 //!   for a retry. New rows enter unblocked; a claim that meets a candidate which is not its
 //!   aggregate's head marks it `blocked` (out of the index), once.
-//! * **Aggregate locks.** While walking, the claim takes `pg_try_advisory_xact_lock` on a
-//!   64-bit hash of (aggregate type, id), seeded per table, and skips aggregates another
-//!   transaction holds. Then, in a *second statement* (a snapshot taken after the locks, so
-//!   every earlier claim or completion of those aggregates is visible), it finds each locked
-//!   aggregate's head with two `LIMIT 1` probes (the aggregate index of unblocked unfinished
-//!   rows and the small index of blocked rows, both in version order), checks "no live lease in this aggregate" with one probe of the lease table,
-//!   claims the head when it is a due candidate, and blocks the other candidates (never the
-//!   aggregate's leased row). Two relays claiming at once therefore never take two rows of one aggregate:
-//!   the second one either cannot lock the aggregate or sees the first one's committed lease.
+//! * **Aggregate key.** An aggregate is identified by a 64-bit key,
+//!   `hashtextextended(aggregate_type || chr(31) || aggregate_id, 0)`, the leading column of
+//!   the index of unfinished rows (pending or parked, in version order) and of the small index
+//!   of blocked rows. Probing 64-bit keys costs a fraction of comparing two collated text
+//!   columns. Its advisory lock and lease key is that key XOR a per-table seed, so two tables
+//!   never share locks, and two aggregates whose keys collide (odds about 1 in 2^64 per pair)
+//!   are ordered and locked as one: serialized, never reordered.
+//! * **Aggregate locks.** While walking, the claim takes `pg_try_advisory_xact_lock` on the
+//!   aggregate's lock key and skips aggregates another transaction holds (and, in lease mode,
+//!   aggregates with a live lease). Then, in a *second statement* (a snapshot taken after the
+//!   locks, so every earlier claim or completion of those aggregates is visible), it re-reads
+//!   each candidate (still pending, unblocked and due?) and checks that it is its aggregate's
+//!   head with one probe of the unfinished index ("is any unfinished row of this aggregate
+//!   ordered before this one?", which stops at the first entry it meets); it claims the heads
+//!   (lease mode: `INSERT .. ON CONFLICT` into the lease table, refused while a live lease
+//!   exists) and blocks the other candidates. Two relays claiming at once therefore never take
+//!   two rows of one aggregate: the second one either cannot lock the aggregate or sees the
+//!   first one's committed lease.
 //! * **Leases** live in `<table>_lease`, one narrow row per aggregate in flight, keyed by the
 //!   aggregate's lock key. "Is this aggregate in flight?" is one primary-key probe (in the
 //!   candidate scan, so in-flight aggregates do not fill a batch, and again in the head check),
@@ -103,14 +112,15 @@
 //!   visible; nothing depends on a high-water mark. A late row with a *lower* version than a
 //!   row in flight waits until that row is finished (the lease probe, or the aggregate lock in
 //!   locked mode).
-//! * **Locked-transaction mode** keeps the aggregate locks and the `FOR UPDATE` row locks until
-//!   the batch is marked; a crashed relay's connection drops and releases them, and
+//! * **Locked-transaction mode** keeps the aggregate locks until the batch is marked (no row
+//!   locks: claims, completions and operator actions all take the aggregate lock before they
+//!   write a pending row); a crashed relay's connection drops and releases them, and
 //!   `idle_in_transaction_session_timeout` ([`OutboxSettings::locked_max_hold`]) ends a claim
 //!   that a live but stuck process never finishes. Aggregates whose candidates were only
 //!   blocked (not claimed) also stay locked until then; other relays skip them meanwhile.
 //!
 //! **Cost.** Per event: the insert; in lease mode one narrow lease row written at claim and
-//! at completion, in locked mode a row lock; one write of the event row to mark it; a
+//! at completion; one write of the event row to mark it; a
 //! row queued behind its aggregate's head pays one more write to block it and one to unblock
 //! it. Per batch: claim = BEGIN, candidate scan, head check and claim, COMMIT (four round
 //! trips); completion = BEGIN, lock, one statement from arrays (fence, outcomes, promotion),

@@ -49,6 +49,9 @@ struct Args {
     /// publishes while another claims or marks: about twice the drain rate of one loop.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u16).range(1..=64))]
     workers: u16,
+    /// Do not claim the next batch while a full batch is published (prefetch is on by default).
+    #[arg(long)]
+    no_prefetch: bool,
     /// Extra librdkafka producer properties, `key=value` (repeatable).
     #[arg(long = "producer-property", value_parser = outbox_examples::cli::parse_kv)]
     producer_properties: Vec<(String, String)>,
@@ -61,8 +64,10 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     outbox_examples::cli::init_tracing();
     let args = Args::parse();
+    // Per worker: a claim (its prefetch included) and a completion at once; plus the listener's
+    // reconnects and stats.
     let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(4)
+        .max_connections(2 * u32::from(args.workers) + 2)
         .connect(&args.database_url)
         .await?;
     let store = PostgresOutboxStore::builder(pool)
@@ -87,6 +92,7 @@ async fn main() -> anyhow::Result<()> {
             .owner(format!("relay-{}-{w}", std::process::id()))
             .batch_size(args.batch)
             .idle(Duration::from_millis(5), Duration::from_millis(500))
+            .prefetch(!args.no_prefetch)
             .build()?;
         let relay = Relay::new(
             store.clone(),
