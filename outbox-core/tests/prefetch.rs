@@ -147,7 +147,7 @@ async fn prefetched_batch_is_disjoint_from_the_batch_in_flight_and_order_holds()
         for agg in ["a", "b", "c", "d"] {
             assert_eq!(firsts[agg], vec![1, 2, 3], "{mode:?}: order of {agg}");
         }
-        assert!(!r.prefetched().is_some());
+        assert!(r.prefetched().is_none());
         assert_eq!(store.open_claims(), 0);
     }
 }
@@ -161,7 +161,7 @@ async fn prefetch_off_claims_once_per_cycle() {
     let mut r = relay(store.clone(), &log, 2, false);
     let rep = r.run_once().await.unwrap();
     assert_eq!(rep.published, 2);
-    assert!(!r.prefetched().is_some());
+    assert!(r.prefetched().is_none());
     assert_eq!(store.open_claims(), 0);
     // The same relay with prefetch on holds the other two after one cycle.
     let db = MemoryDb::new(SystemClock);
@@ -174,7 +174,7 @@ async fn prefetch_off_claims_once_per_cycle() {
     // A partial batch does not prefetch (the backlog is drained).
     let rep = r.run_once().await.unwrap();
     assert_eq!(rep.published, 2);
-    assert!(!r.prefetched().is_some());
+    assert!(r.prefetched().is_none());
     assert_eq!(store.open_claims(), 0);
 }
 
@@ -191,7 +191,7 @@ async fn failed_prefetch_claim_keeps_the_cycle_and_the_next_cycle_claims_again()
     let mut r = relay(store, &log, 2, true);
     let rep = r.run_once().await.unwrap();
     assert_eq!(rep.published, 2, "the batch in flight is recorded");
-    assert!(!r.prefetched().is_some());
+    assert!(r.prefetched().is_none());
     assert_eq!(inner.open_claims(), 0);
     let rep = r.run_once().await.unwrap();
     assert_eq!(rep.published, 2, "the next cycle claims on its own");
