@@ -317,41 +317,55 @@ impl PostgresOutboxStore {
     }
 
     /// Runs both claim statements under `EXPLAIN (ANALYZE, BUFFERS)` in a transaction that is
-    /// rolled back (nothing is claimed), and returns the two plans. For capacity checks: the
-    /// claim should read a number of buffers that depends on `limit`, not on the backlog.
+    /// rolled back (nothing is claimed), and returns the two plans: step 1 (candidates, locks,
+    /// and the claim of those it can decide on its snapshot), and step 2 (the re-check in a new
+    /// snapshot) as it would run if every candidate needed it. For capacity checks: the claim
+    /// should read a number of buffers that depends on `limit`, not on the backlog.
     pub async fn explain_claim(&self, limit: usize) -> Result<Vec<String>, StoreError> {
         let limit = limit.clamp(1, 100_000) as i64;
         let mut tx = self.inner.pool.begin().await.map_err(db)?;
-        let mut plans = Vec::new();
         let explain = |sql: &str| format!("EXPLAIN (ANALYZE, BUFFERS) {sql}");
-        let lines: Vec<String> = sqlx::query_scalar(&explain(self.candidates_sql()))
-            .bind(limit)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(db)?;
-        plans.push(lines.join("\n"));
-        let ids = self.candidates(&mut tx, limit).await?;
-        let lines: Vec<String> = match self.inner.settings.claim_mode {
-            ClaimMode::LockedTransaction => {
+        // The candidates step 2 would get, read before step 1 writes anything.
+        let ids: Vec<i64> = sqlx::query_scalar(&format!(
+            "SELECT id FROM {} WHERE status = 'pending' AND NOT blocked ORDER BY id LIMIT $1",
+            self.inner.sql.table
+        ))
+        .bind(limit)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db)?;
+        let (first, second) = match self.inner.settings.claim_mode {
+            ClaimMode::LockedTransaction => (
+                sqlx::query_scalar(&explain(&self.inner.sql.claim_first_locked))
+                    .bind(limit)
+                    .fetch_all(&mut *tx)
+                    .await,
                 sqlx::query_scalar(&explain(&self.inner.sql.claim_locked))
                     .bind(&ids)
                     .fetch_all(&mut *tx)
-                    .await
-            }
-            _ => {
+                    .await,
+            ),
+            _ => (
+                sqlx::query_scalar(&explain(&self.inner.sql.claim_first_lease))
+                    .bind(limit)
+                    .bind("explain")
+                    .bind(Uuid::now_v7())
+                    .bind(1_000_000i64)
+                    .fetch_all(&mut *tx)
+                    .await,
                 sqlx::query_scalar(&explain(&self.inner.sql.claim_lease))
                     .bind(&ids)
                     .bind("explain")
                     .bind(Uuid::now_v7())
                     .bind(1_000_000i64)
                     .fetch_all(&mut *tx)
-                    .await
-            }
-        }
-        .map_err(db)?;
-        plans.push(lines.join("\n"));
+                    .await,
+            ),
+        };
+        let first: Vec<String> = first.map_err(db)?;
+        let second: Vec<String> = second.map_err(db)?;
         tx.rollback().await.map_err(db)?;
-        Ok(plans)
+        Ok(vec![first.join("\n"), second.join("\n")])
     }
 
     /// Runs the completion statement of `claim` under `EXPLAIN (ANALYZE, BUFFERS)` in a
@@ -413,27 +427,6 @@ impl PostgresOutboxStore {
         }
     }
 
-    /// Step 1 of a claim (locked mode writes no leases, so it does not probe for them).
-    fn candidates_sql(&self) -> &str {
-        match self.inner.settings.claim_mode {
-            ClaimMode::LockedTransaction => &self.inner.sql.claim_candidates_locked,
-            _ => &self.inner.sql.claim_candidates,
-        }
-    }
-
-    /// Step 1: the candidates' row ids, locked aggregates first come, for step 2.
-    async fn candidates(
-        &self,
-        conn: &mut PgConnection,
-        limit: i64,
-    ) -> Result<Vec<i64>, StoreError> {
-        sqlx::query_scalar(self.candidates_sql())
-            .bind(limit)
-            .fetch_all(conn)
-            .await
-            .map_err(db)
-    }
-
     async fn claim_inner(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
         let token = Uuid::now_v7();
         let handle = ClaimHandle {
@@ -461,33 +454,37 @@ impl PostgresOutboxStore {
             self.inner.pool.begin_with(BEGIN_CLAIM).await
         }
         .map_err(db)?;
-        let ids = self.candidates(&mut tx, limit).await?;
-        if ids.is_empty() {
-            tx.commit().await.map_err(db)?;
-            return Ok(ClaimedBatch::new(handle, Vec::new(), None));
-        }
-        let rows = match mode {
-            ClaimMode::Lease { duration } => {
-                sqlx::query(&self.inner.sql.claim_lease)
-                    .bind(&ids)
+        let duration_us = match mode {
+            ClaimMode::Lease { duration } => duration.as_micros().min(i64::MAX as u128) as i64,
+            _ => 0,
+        };
+        // Step 1: candidates, locks and (lease mode) the leases of the `fast` ones.
+        let first = match mode {
+            ClaimMode::Lease { .. } => {
+                sqlx::query(&self.inner.sql.claim_first_lease)
+                    .bind(limit)
                     .bind(&request.owner)
                     .bind(token)
-                    .bind(duration.as_micros().min(i64::MAX as u128) as i64)
+                    .bind(duration_us)
                     .fetch_all(&mut *tx)
                     .await
             }
             _ => {
-                sqlx::query(&self.inner.sql.claim_locked)
-                    .bind(&ids)
+                sqlx::query(&self.inner.sql.claim_first_locked)
+                    .bind(limit)
                     .fetch_all(&mut *tx)
                     .await
             }
         }
         .map_err(db)?;
+        if first.is_empty() {
+            tx.commit().await.map_err(db)?;
+            return Ok(ClaimedBatch::new(handle, Vec::new(), None));
+        }
         let limits = &self.inner.settings.limits;
-        let mut claimed: Vec<(i64, i64, ClaimedRecord)> = Vec::with_capacity(rows.len());
+        let mut claimed: Vec<(i64, i64, ClaimedRecord)> = Vec::with_capacity(first.len());
         let mut remaining_us: Option<i64> = None;
-        for row in &rows {
+        let mut take = |row: &PgRow| -> Result<(), StoreError> {
             let envelope = envelope_from_row(row, limits)?;
             let attempts: i32 = row.try_get("attempts").map_err(db)?;
             let id = row.try_get::<i64, _>("id").map_err(db)?;
@@ -496,6 +493,41 @@ impl PostgresOutboxStore {
                 remaining_us = Some(remaining_us.map_or(r, |m| m.min(r)));
             }
             claimed.push((id, k, ClaimedRecord::new(envelope, attempts.max(0) as u32)));
+            Ok(())
+        };
+        let mut recheck: Vec<i64> = Vec::new();
+        for row in &first {
+            if !row.try_get::<bool, _>("fast").map_err(db)? {
+                recheck.push(row.try_get::<i64, _>("id").map_err(db)?);
+            } else if row.try_get::<bool, _>("claimed").map_err(db)? {
+                take(row)?;
+            }
+            // Fast but not claimed: a newer live lease of the aggregate (or a colliding key)
+            // won; the row stays for a later claim.
+        }
+        // Step 2: the candidates whose view in step 1 may have been stale, in a new snapshot.
+        if !recheck.is_empty() {
+            let rows = match mode {
+                ClaimMode::Lease { .. } => {
+                    sqlx::query(&self.inner.sql.claim_lease)
+                        .bind(&recheck)
+                        .bind(&request.owner)
+                        .bind(token)
+                        .bind(duration_us)
+                        .fetch_all(&mut *tx)
+                        .await
+                }
+                _ => {
+                    sqlx::query(&self.inner.sql.claim_locked)
+                        .bind(&recheck)
+                        .fetch_all(&mut *tx)
+                        .await
+                }
+            }
+            .map_err(db)?;
+            for row in &rows {
+                take(row)?;
+            }
         }
         // Oldest first (the result order of the claim statement is not guaranteed).
         claimed.sort_unstable_by_key(|c| c.0);

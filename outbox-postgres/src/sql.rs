@@ -10,8 +10,8 @@ pub(crate) const ENVELOPE_COLS: &str = "event_id, aggregate_type, aggregate_id, 
 pub(crate) struct OutboxSql {
     pub table: String,
     pub append: String,
-    pub claim_candidates: String,
-    pub claim_candidates_locked: String,
+    pub claim_first_lease: String,
+    pub claim_first_locked: String,
     pub claim_lease: String,
     pub claim_locked: String,
     pub lock_aggregates_of_events: String,
@@ -89,26 +89,72 @@ impl OutboxSql {
         );
 
         // Step 1 of a claim: the first candidates in insertion order whose aggregate has no
-        // live lease and which this transaction can lock. The CASE keeps the lease probe and
-        // the lock attempt behind the cheap filters. (Locked mode writes no leases.)
+        // live lease and which this transaction can lock (the CASE keeps the lease probe and
+        // the lock attempt behind the cheap filters; locked mode writes no leases).
+        //
+        // The statement's snapshot predates its locks, so a transaction that held one of
+        // these aggregates may have committed changes this snapshot does not show. A
+        // candidate is therefore claimed here only when nothing can have changed under it:
+        // `fast` = its row version was never updated or locked (`xmax = 0`), and no unfinished
+        // row of its aggregate is ordered before it in this snapshot. Every write that can make
+        // a row a non-head or a non-candidate either updates the candidate itself or leaves an
+        // earlier row of the aggregate visible here (a head in flight, a parked row), so a
+        // stale view shows up as `fast = false`; those candidates go through step 2, which
+        // re-reads them in a snapshot taken after the locks. (Lease mode: a lease taken by a
+        // transaction this snapshot does not show is caught by the insert's `ON CONFLICT`,
+        // which always sees the latest lease.)
         let kc = key("c", seed);
         let candidates = |lease_probe: &str| {
             format!(
-                "SELECT c.id FROM {t} c \
-                 WHERE c.status = 'pending' AND NOT c.blocked \
-                   AND CASE WHEN c.next_attempt_at <= now() {lease_probe} \
-                            THEN pg_try_advisory_xact_lock({kc}) ELSE false END \
-                 ORDER BY c.id LIMIT $1"
+                "c AS MATERIALIZED ( \
+                   SELECT c.id, {cols}, c.attempts, {kc} AS k, \
+                          c.xmax = '0'::xid AND NOT EXISTS ( \
+                            SELECT 1 FROM {t} u \
+                            WHERE {au} = {ac} AND u.status IN ('pending', 'parked') \
+                              AND (u.aggregate_version, u.id) < (c.aggregate_version, c.id)) \
+                            AS fast \
+                   FROM {t} c \
+                   WHERE c.status = 'pending' AND NOT c.blocked \
+                     AND CASE WHEN c.next_attempt_at <= now() {lease_probe} \
+                              THEN pg_try_advisory_xact_lock({kc}) ELSE false END \
+                   ORDER BY c.id LIMIT $1)",
+                cols = prefixed("c", ENVELOPE_COLS),
+                au = agg("u"),
+                ac = agg("c"),
             )
         };
-        let claim_candidates = candidates(&format!(
-            "AND NOT EXISTS (SELECT 1 FROM {lease} l WHERE l.aggregate_key = {kc} \
-                               AND l.lease_until > clock_timestamp())"
-        ));
-        let claim_candidates_locked = candidates("");
+        // Locked mode: the fast candidates are claimed (their locks are the claim).
+        let claim_first_locked = format!(
+            "WITH {} SELECT c.*, true AS claimed, NULL::int8 AS remaining_us FROM c",
+            candidates("")
+        );
+        // Lease mode: the fast candidates get their leases in the same statement.
+        let claim_first_lease = format!(
+            "WITH {}, \
+             pick AS ( \
+               SELECT DISTINCT ON (c.k) c.id, c.k FROM c WHERE c.fast ORDER BY c.k, c.id), \
+             ins AS ( \
+               INSERT INTO {lease} AS l \
+                 (aggregate_key, event_row, lease_owner, lease_token, lease_until) \
+               SELECT p.k, p.id, $2, $3, clock_timestamp() + $4::int8 * interval '1 microsecond' \
+               FROM pick p \
+               ON CONFLICT (aggregate_key) DO UPDATE SET event_row = EXCLUDED.event_row, \
+                 lease_owner = EXCLUDED.lease_owner, lease_token = EXCLUDED.lease_token, \
+                 lease_until = EXCLUDED.lease_until \
+               WHERE l.lease_until <= clock_timestamp() \
+               RETURNING l.event_row, l.lease_until) \
+             SELECT c.*, i.event_row IS NOT NULL AS claimed, \
+                (extract(epoch FROM i.lease_until - clock_timestamp()) * 1000000)::int8 \
+                  AS remaining_us \
+             FROM c LEFT JOIN ins i ON i.event_row = c.id",
+            candidates(&format!(
+                "AND NOT EXISTS (SELECT 1 FROM {lease} l WHERE l.aggregate_key = {kc} \
+                                   AND l.lease_until > clock_timestamp())"
+            ))
+        );
 
-        // Step 2, in a new snapshot taken after the aggregate locks: each candidate ($1, the
-        // ids from step 1) is re-read and must still be pending, unblocked and due. It is its
+        // Step 2, for the candidates of step 1 that were not `fast`, in a new snapshot taken
+        // after the aggregate locks: each candidate ($1, their ids) is re-read and must still be pending, unblocked and due. It is its
         // aggregate's head when no unfinished row of the aggregate (pending or parked, blocked
         // or not) is ordered before it: one probe of the unfinished index, which stops at the
         // first entry it meets. Candidates that are not heads are blocked (out of the claim
@@ -376,8 +422,8 @@ impl OutboxSql {
         Self {
             table: t,
             append,
-            claim_candidates,
-            claim_candidates_locked,
+            claim_first_lease,
+            claim_first_locked,
             claim_lease,
             claim_locked,
             lock_aggregates_of_events,

@@ -1078,3 +1078,97 @@ async fn migration_2_upgrades_a_version_1_table_with_a_backlog() {
     assert_eq!(count(&ctx, "status = 'published'").await, 4);
     ctx.drop().await;
 }
+
+/// A candidate whose row version carries an updater (here one that rolled back) cannot be
+/// judged on the claim's first snapshot: it is re-read in a new one, and claimed.
+#[tokio::test]
+async fn candidate_with_an_updater_is_rechecked_and_claimed() {
+    let ctx = ctx!(4);
+    for mode in [ClaimMode::LockedTransaction, lease(30.0)] {
+        let store = ctx.store(mode).await;
+        let e = event(&format!("touched-{mode:?}"), 1);
+        store.append(&ctx.pool, &e).await.unwrap();
+        let mut tx = ctx.pool.begin().await.unwrap();
+        sqlx::query(&format!(
+            "UPDATE \"{}\".outbox_events SET attempts = attempts WHERE event_id = $1",
+            ctx.schema
+        ))
+        .bind(e.event_id.as_uuid())
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+        tx.rollback().await.unwrap();
+        let b = claim(&store, "r", 10).await;
+        assert_eq!(b.records.len(), 1, "{mode:?}");
+        assert_eq!(b.records[0].envelope.event_id, e.event_id);
+        publish_all(&store, &b).await;
+    }
+    ctx.drop().await;
+}
+
+/// A lease that another transaction takes after the claim's snapshot (so the claim's lease
+/// probe saw the old, expired lease) wins: the claim's insert waits for it, sees it live and
+/// claims nothing.
+#[tokio::test]
+async fn a_lease_committed_during_the_claim_wins() {
+    let ctx = ctx!(6);
+    let store = ctx.store(lease(0.05)).await;
+    let e = event("raced", 1);
+    store.append(&ctx.pool, &e).await.unwrap();
+    let first = claim(&store, "r1", 10).await;
+    assert_eq!(first.records.len(), 1);
+    tokio::time::sleep(Duration::from_millis(120)).await; // the lease has expired
+                                                          // Another holder renews the lease (not committed yet).
+    let mut other = ctx.pool.begin().await.unwrap();
+    sqlx::query(&format!(
+        "UPDATE \"{}\".outbox_events_lease SET lease_token = gen_random_uuid(), \
+         lease_owner = 'other', lease_until = clock_timestamp() + interval '1 hour'",
+        ctx.schema
+    ))
+    .execute(&mut *other)
+    .await
+    .unwrap();
+    let other_xid: String = sqlx::query_scalar("SELECT pg_current_xact_id()::text")
+        .fetch_one(&mut *other)
+        .await
+        .unwrap();
+    let racer = {
+        let store = store.clone();
+        tokio::spawn(async move { claim(&store, "r2", 10).await })
+    };
+    // Wait until the claim waits for the lease row's lock.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks \
+             WHERE NOT granted AND locktype = 'transactionid' AND transactionid::text = $1",
+        )
+        .bind(&other_xid)
+        .fetch_one(&ctx.pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the claim never waited for the lease row"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    other.commit().await.unwrap();
+    let second = racer.await.unwrap();
+    assert!(
+        second.is_empty(),
+        "the live lease committed during the claim must win"
+    );
+    let owner: String = sqlx::query_scalar(&format!(
+        "SELECT lease_owner FROM \"{}\".outbox_events_lease",
+        ctx.schema
+    ))
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(owner, "other");
+    ctx.drop().await;
+}
