@@ -471,8 +471,14 @@ async fn main() {
                 "\n=== EXPLAIN claim, {size} rows, {mode:?}, limit {} ===",
                 a.batch
             );
-            println!("--- step 1: candidates + aggregate locks ---\n{}", plans[0]);
-            println!("--- step 2: heads, blocking, claim ---\n{}", plans[1]);
+            println!(
+                "--- statement 1: candidates, locks, head check, claim ---\n{}",
+                plans[0]
+            );
+            println!(
+                "--- statement 2: the re-check, as if every candidate needed it ---\n{}",
+                plans[1]
+            );
             drop_store(&pool, &store).await;
         }
     }

@@ -81,15 +81,24 @@
 //!   are ordered and locked as one: serialized, never reordered.
 //! * **Aggregate locks.** While walking, the claim takes `pg_try_advisory_xact_lock` on the
 //!   aggregate's lock key and skips aggregates another transaction holds (and, in lease mode,
-//!   aggregates with a live lease). Then, in a *second statement* (a snapshot taken after the
-//!   locks, so every earlier claim or completion of those aggregates is visible), it re-reads
-//!   each candidate (still pending, unblocked and due?) and checks that it is its aggregate's
-//!   head with one probe of the unfinished index ("is any unfinished row of this aggregate
-//!   ordered before this one?", which stops at the first entry it meets); it claims the heads
-//!   (lease mode: `INSERT .. ON CONFLICT` into the lease table, refused while a live lease
-//!   exists) and blocks the other candidates. Two relays claiming at once therefore never take
-//!   two rows of one aggregate: the second one either cannot lock the aggregate or sees the
-//!   first one's committed lease.
+//!   aggregates with a live lease). A candidate is its aggregate's head when no unfinished row
+//!   of the aggregate is ordered before it: one probe of the unfinished index, which stops at
+//!   the first entry it meets.
+//! * **One statement in the common case.** The claim statement's snapshot predates its locks,
+//!   so a transaction that held an aggregate may have committed changes it does not show. A
+//!   candidate is claimed by that first statement only when nothing can have changed under
+//!   it: its row version was never updated or locked (`xmax = 0`) and no unfinished row of its
+//!   aggregate precedes it in the snapshot. Every change that could make it unclaimable either
+//!   updates the row itself or leaves an earlier row of the aggregate visible to that snapshot
+//!   (a head in flight, a parked row), and in lease mode a lease taken meanwhile is caught by
+//!   the lease insert's `ON CONFLICT`, which always sees the latest lease. The other
+//!   candidates are re-read by a *second statement* in a snapshot taken after the locks: still
+//!   pending, unblocked and due, and the head? Heads are claimed (lease mode: `INSERT .. ON
+//!   CONFLICT` into the lease table, refused while a live lease exists), the rest are blocked.
+//!   Fresh rows, and rows whose predecessor was published by an earlier, committed
+//!   completion, take the one-statement path. Two relays claiming at once never take two
+//!   rows of one aggregate: the second one either cannot lock the aggregate or sees the first
+//!   one's committed lease.
 //! * **Leases** live in `<table>_lease`, one narrow row per aggregate in flight, keyed by the
 //!   aggregate's lock key. "Is this aggregate in flight?" is one primary-key probe (in the
 //!   candidate scan, so in-flight aggregates do not fill a batch, and again in the head check),
@@ -122,15 +131,15 @@
 //! **Cost.** Per event: the insert; in lease mode one narrow lease row written at claim and
 //! at completion; one write of the event row to mark it; a
 //! row queued behind its aggregate's head pays one more write to block it and one to unblock
-//! it. Per batch: claim = BEGIN, candidate scan, head check and claim, COMMIT (four round
-//! trips); completion = BEGIN, lock (lease mode), one statement from arrays (fence, outcomes,
-//! unblocking; a shorter form when every outcome is a publication), COMMIT; no per-row round
-//! trips. Claim cost grows with the batch size and the number of heads in flight or waiting
+//! it. Per batch: claim = BEGIN, one statement (candidates, locks, head check, leases), a
+//! second one only for candidates that need a re-check, COMMIT; completion = BEGIN, lock
+//! (lease mode), one statement from arrays (fence, outcomes, unblocking; a shorter form when
+//! every outcome is a publication), COMMIT; no per-row round trips. Claim cost grows with the batch size and the number of heads in flight or waiting
 //! for a retry, not with the backlog: `EXPLAIN (ANALYZE, BUFFERS)` of a claim of 1,000 rows
-//! (10,000 aggregates) at 10,000 and at 1,000,000 queued rows reads about 40 buffers for the
-//! candidate scan in locked mode (about 2,040 in lease mode: two per candidate for its lease
-//! probe), and for the head check and claim about 4,000 vs 6,000 buffers in locked mode
-//! (2.7 vs 4.9 ms) and 9,300 vs 11,300 in lease mode, which also writes the leases: one more
+//! (10,000 aggregates) at 10,000 and at 1,000,000 queued rows reads, for the claim statement,
+//! about 2,040 vs 3,040 buffers in locked mode (2.4 vs 4.7 ms) and 9,260 vs 10,260 in lease
+//! mode (which also probes and writes the leases), and for the re-check statement, were every
+//! candidate to need it, 4,040 vs 6,040 (locked) and 8,040 vs 10,040 (lease): one more
 //! B-tree level per lookup, see `examples/claim_bench.rs`. Aggregate key collisions only
 //! serialize two unrelated aggregates. With the relay's prefetch, the next claim overlaps the
 //! completion: `claim_bench` drains about 77,000 events/s through `outbox_core::Relay` in
