@@ -334,7 +334,9 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             return Ok(report);
         }
         let span = info_span!("outbox.relay.batch", owner = %self.config.owner, size = batch.records.len(), stage = "publish");
-        let prefetch = self.config.prefetch && batch.records.len() >= self.config.batch_size;
+        let prefetch = self.config.prefetch
+            && batch.records.len() >= self.config.batch_size
+            && !self.shutdown.is_triggered();
         // Disjoint borrows: this batch's publish, decide and complete, and the next claim.
         let (store, publisher, clock) = (&self.store, &self.publisher, &self.clock);
         let (retry, rng) = (&self.config.retry, &mut self.rng);
