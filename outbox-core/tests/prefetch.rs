@@ -89,6 +89,34 @@ fn all_published(store: &MemoryOutboxStore) -> bool {
         .all(|r| r.status == DeliveryStatus::Published)
 }
 
+/// Runs the driver over `store` with 20 ms publishes and batches of 10, and stops it once 20
+/// records are in the log: mid-drain, with a prefetched batch in hand.
+#[cfg(feature = "tokio")]
+async fn drive_and_stop_mid_drain<S: OutboxStore + 'static>(
+    store: S,
+    log: &MemoryLog,
+) -> outbox_core::driver::DriverReport {
+    let slow = FaultyPublisher::new(
+        log.clone(),
+        FaultInjector::new(FaultSource::from_call(
+            0,
+            Fault::Latency(Duration::from_millis(20)),
+        )),
+    );
+    let r = relay(store, &slow, 10, true);
+    let stop = async {
+        while log.all_records().len() < 20 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    };
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        outbox_core::driver::run(r, None, stop),
+    )
+    .await
+    .expect("the driver stops")
+}
+
 #[tokio::test]
 async fn prefetched_batch_is_disjoint_from_the_batch_in_flight_and_order_holds() {
     for mode in [
@@ -208,21 +236,7 @@ async fn driver_releases_the_prefetched_batch_when_it_stops() {
     let agg_refs: Vec<&str> = aggs.iter().map(String::as_str).collect();
     append_all(&db, &store, &agg_refs, 1).await;
     let log = MemoryLog::new("t", 1);
-    // Slow publishes, so the driver is stopped with a prefetched batch in hand.
-    let slow = FaultyPublisher::new(
-        log.clone(),
-        FaultInjector::new(FaultSource::from_call(
-            0,
-            Fault::Latency(Duration::from_millis(20)),
-        )),
-    );
-    let r = relay(store.clone(), &slow, 10, true);
-    let report = outbox_core::driver::run(r, None, async {
-        while log.all_records().len() < 20 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    })
-    .await;
+    let report = drive_and_stop_mid_drain(store.clone(), &log).await;
     assert!(report.published >= 20);
     assert_eq!(store.open_claims(), 0, "the prefetched batch was released");
     // Every remaining event is claimable at once (no lease left behind).
@@ -237,4 +251,28 @@ async fn driver_releases_the_prefetched_batch_when_it_stops() {
         .await
         .unwrap();
     assert_eq!(batch.records.len(), left);
+}
+
+/// A release that fails when the driver stops is logged, not fatal: the driver still returns
+/// its report, and the claim is left to expire (here: still open in the store).
+#[cfg(feature = "tokio")]
+#[tokio::test]
+async fn driver_stops_even_when_releasing_the_prefetched_batch_fails() {
+    let db = MemoryDb::new(SystemClock);
+    let inner = MemoryOutboxStore::new(&db, ClaimMode::lease(Duration::from_secs(30)).unwrap());
+    let aggs: Vec<String> = (0..200).map(|i| format!("y{i}")).collect();
+    let agg_refs: Vec<&str> = aggs.iter().map(String::as_str).collect();
+    append_all(&db, &inner, &agg_refs, 1).await;
+    let store = FaultyStore::memory(
+        inner.clone(),
+        FaultInjector::new(FaultSource::from_call(0, Fault::Transient)).only(&["release"]),
+    );
+    let log = MemoryLog::new("t", 1);
+    let report = drive_and_stop_mid_drain(store, &log).await;
+    assert!(report.published >= 20);
+    assert_eq!(
+        inner.open_claims(),
+        1,
+        "the unreleased prefetch stays claimed"
+    );
 }

@@ -334,38 +334,36 @@ impl PostgresOutboxStore {
         .fetch_all(&mut *tx)
         .await
         .map_err(db)?;
-        let (first, second) = match self.inner.settings.claim_mode {
-            ClaimMode::LockedTransaction => (
-                sqlx::query_scalar(&explain(&self.inner.sql.claim_first_locked))
-                    .bind(limit)
-                    .fetch_all(&mut *tx)
-                    .await,
-                sqlx::query_scalar(&explain(&self.inner.sql.claim_locked))
-                    .bind(&ids)
-                    .fetch_all(&mut *tx)
-                    .await,
-            ),
+        let sql = &self.inner.sql;
+        let (first_sql, recheck_sql, lease) = match self.inner.settings.claim_mode {
+            ClaimMode::LockedTransaction => (&sql.claim_first_locked, &sql.claim_locked, None),
             _ => (
-                sqlx::query_scalar(&explain(&self.inner.sql.claim_first_lease))
-                    .bind(limit)
-                    .bind("explain")
-                    .bind(Uuid::now_v7())
-                    .bind(1_000_000i64)
-                    .fetch_all(&mut *tx)
-                    .await,
-                sqlx::query_scalar(&explain(&self.inner.sql.claim_lease))
-                    .bind(&ids)
-                    .bind("explain")
-                    .bind(Uuid::now_v7())
-                    .bind(1_000_000i64)
-                    .fetch_all(&mut *tx)
-                    .await,
+                &sql.claim_first_lease,
+                &sql.claim_lease,
+                Some(("explain", Uuid::now_v7(), 1_000_000i64)),
             ),
         };
-        let first: Vec<String> = first.map_err(db)?;
-        let second: Vec<String> = second.map_err(db)?;
+        let plan = |rows: Vec<PgRow>| -> Result<String, StoreError> {
+            let lines: Vec<String> = rows
+                .iter()
+                .map(|r| r.try_get(0))
+                .collect::<Result<_, _>>()
+                .map_err(db)?;
+            Ok(lines.join("\n"))
+        };
+        let first_sql = explain(first_sql);
+        let first = lease_args(sqlx::query(&first_sql).bind(limit), lease)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db)?;
+        let recheck_sql = explain(recheck_sql);
+        let second = lease_args(sqlx::query(&recheck_sql).bind(&ids), lease)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db)?;
+        let (first, second) = (plan(first)?, plan(second)?);
         tx.rollback().await.map_err(db)?;
-        Ok(vec![first.join("\n"), second.join("\n")])
+        Ok(vec![first, second])
     }
 
     /// Runs the completion statement of `claim` under `EXPLAIN (ANALYZE, BUFFERS)` in a
@@ -454,29 +452,25 @@ impl PostgresOutboxStore {
             self.inner.pool.begin_with(BEGIN_CLAIM).await
         }
         .map_err(db)?;
-        let duration_us = match mode {
-            ClaimMode::Lease { duration } => duration.as_micros().min(i64::MAX as u128) as i64,
-            _ => 0,
+        // Lease mode: the owner, token and lease length of every claim statement ($2..$4).
+        let lease = match mode {
+            ClaimMode::Lease { duration } => Some((
+                request.owner.as_str(),
+                token,
+                duration.as_micros().min(i64::MAX as u128) as i64,
+            )),
+            _ => None,
+        };
+        let sql = &self.inner.sql;
+        let (first_sql, recheck_sql) = match lease {
+            Some(_) => (&sql.claim_first_lease, &sql.claim_lease),
+            None => (&sql.claim_first_locked, &sql.claim_locked),
         };
         // Step 1: candidates, locks and (lease mode) the leases of the `fast` ones.
-        let first = match mode {
-            ClaimMode::Lease { .. } => {
-                sqlx::query(&self.inner.sql.claim_first_lease)
-                    .bind(limit)
-                    .bind(&request.owner)
-                    .bind(token)
-                    .bind(duration_us)
-                    .fetch_all(&mut *tx)
-                    .await
-            }
-            _ => {
-                sqlx::query(&self.inner.sql.claim_first_locked)
-                    .bind(limit)
-                    .fetch_all(&mut *tx)
-                    .await
-            }
-        }
-        .map_err(db)?;
+        let first = lease_args(sqlx::query(first_sql).bind(limit), lease)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db)?;
         if first.is_empty() {
             tx.commit().await.map_err(db)?;
             return Ok(ClaimedBatch::new(handle, Vec::new(), None));
@@ -507,24 +501,10 @@ impl PostgresOutboxStore {
         }
         // Step 2: the candidates whose view in step 1 may have been stale, in a new snapshot.
         if !recheck.is_empty() {
-            let rows = match mode {
-                ClaimMode::Lease { .. } => {
-                    sqlx::query(&self.inner.sql.claim_lease)
-                        .bind(&recheck)
-                        .bind(&request.owner)
-                        .bind(token)
-                        .bind(duration_us)
-                        .fetch_all(&mut *tx)
-                        .await
-                }
-                _ => {
-                    sqlx::query(&self.inner.sql.claim_locked)
-                        .bind(&recheck)
-                        .fetch_all(&mut *tx)
-                        .await
-                }
-            }
-            .map_err(db)?;
+            let rows = lease_args(sqlx::query(recheck_sql).bind(&recheck), lease)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(db)?;
             for row in &rows {
                 take(row)?;
             }
@@ -738,6 +718,15 @@ fn not_found(event_id: EventId) -> StoreError {
 
 /// Outcome columns for `UNNEST`, keyed by row id.
 type PgQuery<'q> = sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>;
+
+/// Binds the lease parameters of a claim statement (`$2` owner, `$3` token, `$4` lease length
+/// in µs); locked-mode statements take none.
+fn lease_args<'q>(q: PgQuery<'q>, lease: Option<(&'q str, Uuid, i64)>) -> PgQuery<'q> {
+    match lease {
+        Some((owner, token, micros)) => q.bind(owner).bind(token).bind(micros),
+        None => q,
+    }
+}
 
 struct OutcomeArrays {
     ids: Vec<i64>,

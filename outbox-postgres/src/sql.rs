@@ -128,12 +128,14 @@ impl OutboxSql {
             "WITH {} SELECT c.*, true AS claimed, NULL::int8 AS remaining_us FROM c",
             candidates("")
         );
-        // Lease mode: the fast candidates get their leases in the same statement.
-        let claim_first_lease = format!(
-            "WITH {}, \
-             pick AS ( \
-               SELECT DISTINCT ON (c.k) c.id, c.k FROM c WHERE c.fast ORDER BY c.k, c.id), \
-             ins AS ( \
+        // The leases of the picked heads (`pick`: id, k), in the narrow lease table (one row
+        // per aggregate in flight), so the wide event row is not rewritten to claim it. An
+        // expired lease of the aggregate is taken over; a live one makes the insert a no-op
+        // (`ON CONFLICT` sees the latest lease, even one committed after this statement's
+        // snapshot), and its row is not claimed. Two aggregates whose keys collide share one
+        // lease row, so only one of them is claimed at a time.
+        let take_leases = format!(
+            "ins AS ( \
                INSERT INTO {lease} AS l \
                  (aggregate_key, event_row, lease_owner, lease_token, lease_until) \
                SELECT p.k, p.id, $2, $3, clock_timestamp() + $4::int8 * interval '1 microsecond' \
@@ -142,7 +144,14 @@ impl OutboxSql {
                  lease_owner = EXCLUDED.lease_owner, lease_token = EXCLUDED.lease_token, \
                  lease_until = EXCLUDED.lease_until \
                WHERE l.lease_until <= clock_timestamp() \
-               RETURNING l.event_row, l.lease_until) \
+               RETURNING l.aggregate_key, l.event_row, l.lease_until)"
+        );
+        // Lease mode: the fast candidates get their leases in the same statement.
+        let claim_first_lease = format!(
+            "WITH {}, \
+             pick AS ( \
+               SELECT DISTINCT ON (c.k) c.id, c.k FROM c WHERE c.fast ORDER BY c.k, c.id), \
+             {take_leases} \
              SELECT c.*, i.event_row IS NOT NULL AS claimed, \
                 (extract(epoch FROM i.lease_until - clock_timestamp()) * 1000000)::int8 \
                   AS remaining_us \
@@ -154,11 +163,12 @@ impl OutboxSql {
         );
 
         // Step 2, for the candidates of step 1 that were not `fast`, in a new snapshot taken
-        // after the aggregate locks: each candidate ($1, their ids) is re-read and must still be pending, unblocked and due. It is its
-        // aggregate's head when no unfinished row of the aggregate (pending or parked, blocked
-        // or not) is ordered before it: one probe of the unfinished index, which stops at the
-        // first entry it meets. Candidates that are not heads are blocked (out of the claim
-        // index) until the row ahead of them is published; heads are claimed.
+        // after the aggregate locks: each candidate ($1, their ids) is re-read and must still
+        // be pending, unblocked and due. It is its aggregate's head when no unfinished row of
+        // the aggregate (pending or parked, blocked or not) is ordered before it: one probe of
+        // the unfinished index, which stops at the first entry it meets. Candidates that are
+        // not heads are blocked (out of the claim index) until the row ahead of them is
+        // published; heads are claimed.
         let kr = key("r", seed);
         let heads = format!(
             "h AS MATERIALIZED ( \
@@ -179,26 +189,13 @@ impl OutboxSql {
             au = agg("u"),
             ar = agg("r"),
         );
-        // Lease mode: the lease goes to the narrow lease table (one row per aggregate in
-        // flight), so the wide event row is not rewritten to claim it. An expired lease of the
-        // aggregate is taken over; a live one (never the case under the aggregate lock) makes
-        // the insert a no-op, and its row is not claimed. Two aggregates whose keys collide
-        // share one lease row, so only one of them is claimed at a time.
+        // Lease mode: the heads get their leases (see `take_leases`).
         let claim_lease = format!(
             "WITH {heads}, \
              pick AS ( \
                SELECT DISTINCT ON (h.k) h.id, h.k FROM h WHERE h.head AND h.due \
                ORDER BY h.k, h.id), \
-             ins AS ( \
-               INSERT INTO {lease} AS l \
-                 (aggregate_key, event_row, lease_owner, lease_token, lease_until) \
-               SELECT p.k, p.id, $2, $3, clock_timestamp() + $4::int8 * interval '1 microsecond' \
-               FROM pick p \
-               ON CONFLICT (aggregate_key) DO UPDATE SET event_row = EXCLUDED.event_row, \
-                 lease_owner = EXCLUDED.lease_owner, lease_token = EXCLUDED.lease_token, \
-                 lease_until = EXCLUDED.lease_until \
-               WHERE l.lease_until <= clock_timestamp() \
-               RETURNING l.aggregate_key, l.event_row, l.lease_until) \
+             {take_leases} \
              SELECT h.id, {cols}, h.attempts, i.aggregate_key AS k, \
                 (extract(epoch FROM i.lease_until - clock_timestamp()) * 1000000)::int8 AS remaining_us \
              FROM ins i JOIN h ON h.id = i.event_row",
