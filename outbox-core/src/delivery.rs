@@ -68,6 +68,14 @@ pub struct LastError {
     pub message: String,
 }
 
+impl LastError {
+    /// Whether this failure leaves open that the broker stored the record (see
+    /// [`crate::PublishErrorKind::delivery_uncertain`]; unknown kinds count as uncertain).
+    pub fn delivery_uncertain(&self) -> bool {
+        crate::error::PublishErrorKind::parse(&self.kind).is_none_or(|k| k.delivery_uncertain())
+    }
+}
+
 impl From<&crate::error::PublishError> for LastError {
     fn from(e: &crate::error::PublishError) -> Self {
         Self {
@@ -90,6 +98,9 @@ pub enum ParkKind {
     VersionGap,
     /// A consumer could not apply the event.
     Unprocessable,
+    /// Its aggregate version is at or below the last version published (or discarded) for its
+    /// aggregate: publishing it now would deliver it after a later version.
+    OutOfOrder,
 }
 
 impl ParkKind {
@@ -100,6 +111,7 @@ impl ParkKind {
             Self::AttemptsExhausted => "attempts_exhausted",
             Self::VersionGap => "version_gap",
             Self::Unprocessable => "unprocessable",
+            Self::OutOfOrder => "out_of_order",
         }
     }
 
@@ -110,6 +122,7 @@ impl ParkKind {
             "attempts_exhausted" => Self::AttemptsExhausted,
             "version_gap" => Self::VersionGap,
             "unprocessable" => Self::Unprocessable,
+            "out_of_order" => Self::OutOfOrder,
             _ => return None,
         })
     }
@@ -142,11 +155,21 @@ pub enum ClaimMode {
     },
 }
 
+/// Longest accepted lease: a relay that dies holding a lease keeps its aggregates unpublished
+/// until the lease expires (or an operator releases it, `OutboxStore::release_claims_of`).
+pub const MAX_LEASE: Duration = Duration::from_secs(3600);
+
 impl ClaimMode {
-    /// A lease mode; rejects a zero duration.
+    /// A lease mode; rejects a zero duration and one above [`MAX_LEASE`].
     pub fn lease(duration: Duration) -> Result<Self, ConfigError> {
         if duration.is_zero() {
             return Err(ConfigError::new("lease duration must be greater than zero"));
+        }
+        if duration > MAX_LEASE {
+            return Err(ConfigError::new(format!(
+                "a lease of {duration:?} is longer than {MAX_LEASE:?}: a relay that dies \
+                 holding it would keep its events unpublished that long"
+            )));
         }
         Ok(Self::Lease { duration })
     }
@@ -209,9 +232,51 @@ pub struct ClaimedBatch {
     pub handle: ClaimHandle,
     /// The events, at most one per aggregate.
     pub records: Vec<ClaimedRecord>,
-    /// For leases: time left on the lease when the store granted it, measured on the store's
-    /// clock. The relay adds this to its own clock reading to know its deadline.
+    /// For leases: time left on the lease, measured on the store's clock after the claim
+    /// committed (so commit latency cannot inflate it). The relay adds this to its own clock
+    /// reading taken before the claim started, so its deadline errs early, never late.
     pub lease_remaining: Option<Duration>,
+    /// Events the claim parked instead of handing out (version order violations), for
+    /// signals and logs.
+    pub parked: Vec<ParkedAtClaim>,
+    /// Aggregates whose head skips a version and is held, waiting for the missing version
+    /// (until the store's gap timeout parks it).
+    pub gaps_held: usize,
+}
+
+/// An event parked by a claim because of its aggregate version.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ParkedAtClaim {
+    /// The event.
+    pub event_id: EventId,
+    /// Its aggregate type.
+    pub aggregate_type: String,
+    /// Its aggregate id.
+    pub aggregate_id: String,
+    /// Its aggregate version.
+    pub aggregate_version: i64,
+    /// [`ParkKind::OutOfOrder`] or [`ParkKind::VersionGap`].
+    pub kind: ParkKind,
+}
+
+impl ParkedAtClaim {
+    /// A notice.
+    pub fn new(
+        event_id: EventId,
+        aggregate_type: impl Into<String>,
+        aggregate_id: impl Into<String>,
+        aggregate_version: i64,
+        kind: ParkKind,
+    ) -> Self {
+        Self {
+            event_id,
+            aggregate_type: aggregate_type.into(),
+            aggregate_id: aggregate_id.into(),
+            aggregate_version,
+            kind,
+        }
+    }
 }
 
 impl ClaimedBatch {
@@ -225,7 +290,16 @@ impl ClaimedBatch {
             handle,
             records,
             lease_remaining,
+            parked: Vec::new(),
+            gaps_held: 0,
         }
+    }
+
+    /// Adds the version notices of the claim.
+    pub fn with_version_notices(mut self, parked: Vec<ParkedAtClaim>, gaps_held: usize) -> Self {
+        self.parked = parked;
+        self.gaps_held = gaps_held;
+        self
     }
 
     /// `true` when nothing was claimed.
@@ -254,6 +328,17 @@ pub enum Outcome {
         /// The failure.
         error: LastError,
     },
+    /// The transport failed, not the record (broker down, timeout, topic or leader
+    /// missing): make it claimable again after `delay` and keep the error, but do NOT count an
+    /// attempt. A broker outage of any length never parks an event.
+    Defer {
+        /// The event.
+        event_id: EventId,
+        /// Wait before the next attempt.
+        delay: Duration,
+        /// The failure.
+        error: LastError,
+    },
     /// Stop delivery and raise a signal; blocks the aggregate.
     Park {
         /// The event.
@@ -269,6 +354,7 @@ impl Outcome {
         match self {
             Self::Published { event_id, .. }
             | Self::Retry { event_id, .. }
+            | Self::Defer { event_id, .. }
             | Self::Park { event_id, .. } => *event_id,
         }
     }
@@ -283,14 +369,18 @@ pub struct CompletionReport {
     /// Outcomes refused because the claim no longer owned the rows (lease expired and another
     /// relay claimed them). The events were possibly published twice: a duplicate, never a loss.
     pub superseded: usize,
+    /// The events of the refused outcomes (as many as `superseded`), so that a relay counts
+    /// only what was recorded.
+    pub superseded_events: Vec<EventId>,
 }
 
 impl CompletionReport {
-    /// A report.
-    pub fn new(applied: usize, superseded: usize) -> Self {
+    /// A report whose refused outcomes are `superseded_events`.
+    pub fn new(applied: usize, superseded_events: Vec<EventId>) -> Self {
         Self {
             applied,
-            superseded,
+            superseded: superseded_events.len(),
+            superseded_events,
         }
     }
 }
@@ -307,6 +397,11 @@ pub struct ParkedEvent {
     pub reason: ParkReason,
     /// When.
     pub parked_at: DateTime<Utc>,
+    /// `true` when an earlier attempt may have reached the broker although it was not
+    /// acknowledged (a timeout, a transport failure after sending): the event may already be
+    /// in the log, so a re-issue can deliver it twice (consumers deduplicate the copy through
+    /// [`crate::wire::ORIGINAL_EVENT_ID`]).
+    pub delivery_uncertain: bool,
 }
 
 impl ParkedEvent {
@@ -322,7 +417,16 @@ impl ParkedEvent {
             attempts,
             reason,
             parked_at,
+            delivery_uncertain: false,
         }
+    }
+}
+
+impl ParkedEvent {
+    /// Sets [`delivery_uncertain`](Self::delivery_uncertain).
+    pub fn with_delivery_uncertain(mut self, uncertain: bool) -> Self {
+        self.delivery_uncertain = uncertain;
+        self
     }
 }
 
@@ -336,6 +440,9 @@ pub enum OperatorAction {
     Discard,
     /// Replaced by a copy with a new event id at the same aggregate version.
     Reissue,
+    /// The claim of a relay that is gone was ended by an operator
+    /// (`OutboxStore::release_claims_of`).
+    ReleaseClaim,
 }
 
 impl OperatorAction {
@@ -345,6 +452,7 @@ impl OperatorAction {
             Self::Retry => "retry",
             Self::Discard => "discard",
             Self::Reissue => "reissue",
+            Self::ReleaseClaim => "release_claim",
         }
     }
 
@@ -354,6 +462,7 @@ impl OperatorAction {
             "retry" => Self::Retry,
             "discard" => Self::Discard,
             "reissue" => Self::Reissue,
+            "release_claim" => Self::ReleaseClaim,
             _ => return None,
         })
     }

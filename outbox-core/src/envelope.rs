@@ -202,6 +202,21 @@ impl Envelope {
         self.headers.get(TRACEPARENT).map(String::as_str)
     }
 
+    /// For a re-issued copy of a parked event: the id of the event it replaces (header
+    /// [`crate::wire::ORIGINAL_EVENT_ID`]). `None` for an original event or an unparsable value.
+    pub fn original_event_id(&self) -> Option<EventId> {
+        self.headers
+            .get(crate::wire::ORIGINAL_EVENT_ID)
+            .and_then(|v| v.parse().ok())
+    }
+
+    /// The identity under which consumers deduplicate this event: the original event's id for
+    /// a re-issued copy, else its own. A copy and its original are one event to an inbox, so
+    /// re-issuing an event that did reach the broker never applies its effect twice.
+    pub fn dedup_id(&self) -> EventId {
+        self.original_event_id().unwrap_or(self.event_id)
+    }
+
     /// Checks the envelope against `limits`. Stores call this on append, so an envelope that was
     /// altered after building is still rejected before it is written.
     pub fn validate(&self, limits: &EnvelopeLimits) -> Result<(), ValidationError> {

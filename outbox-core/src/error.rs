@@ -94,6 +94,61 @@ impl PublishErrorKind {
         }
     }
 
+    /// Whose failure this kind is by default: the record's own, or the transport's (broker
+    /// down, topic or leader missing, not authorized, a timeout). Transport failures do not
+    /// spend a record's attempts: the relay backs off as a whole until the broker answers.
+    pub const fn default_scope(self) -> FailureScope {
+        match self {
+            Self::Timeout
+            | Self::BrokerUnavailable
+            | Self::NotEnoughReplicas
+            | Self::LeaderMoved
+            | Self::QueueFull
+            | Self::UnknownTopic
+            | Self::Authorization
+            | Self::Fatal => FailureScope::Transport,
+            Self::RecordTooLarge | Self::InvalidRecord | Self::Serialization | Self::Other => {
+                FailureScope::Record
+            }
+        }
+    }
+
+    /// Whether a failure of this kind leaves open that the broker stored the record (the
+    /// acknowledgement may have been lost): a timeout, a transport failure after sending, a
+    /// fatal producer state, anything unknown. `false` only where the broker or the client
+    /// certainly refused it.
+    pub const fn delivery_uncertain(self) -> bool {
+        !matches!(
+            self,
+            Self::QueueFull
+                | Self::RecordTooLarge
+                | Self::UnknownTopic
+                | Self::Authorization
+                | Self::InvalidRecord
+                | Self::Serialization
+                | Self::LeaderMoved
+        )
+    }
+
+    /// Parses [`as_str`](Self::as_str).
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "timeout" => Self::Timeout,
+            "broker_unavailable" => Self::BrokerUnavailable,
+            "not_enough_replicas" => Self::NotEnoughReplicas,
+            "leader_moved" => Self::LeaderMoved,
+            "queue_full" => Self::QueueFull,
+            "record_too_large" => Self::RecordTooLarge,
+            "unknown_topic" => Self::UnknownTopic,
+            "authorization" => Self::Authorization,
+            "invalid_record" => Self::InvalidRecord,
+            "serialization" => Self::Serialization,
+            "fatal" => Self::Fatal,
+            "other" => Self::Other,
+            _ => return None,
+        })
+    }
+
     /// Stable snake_case name, used in metrics and stored errors.
     pub const fn as_str(self) -> &'static str {
         match self {
@@ -113,6 +168,29 @@ impl PublishErrorKind {
     }
 }
 
+/// Whose failure a publish error is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum FailureScope {
+    /// The record's own failure (too large, invalid, not encodable): it spends the record's
+    /// attempts, and parks it when permanent or past the attempt limit.
+    Record,
+    /// The transport's failure (broker unreachable, a timeout, topic or leader missing, not
+    /// authorized): the record is not at fault, so no attempt is spent and it is never parked
+    /// for it; the relay backs off as a whole (circuit breaker) and resumes when the broker
+    /// answers.
+    Transport,
+}
+
+impl FailureScope {
+    /// `"record"` or `"transport"`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Record => "record",
+            Self::Transport => "transport",
+        }
+    }
+}
+
 /// A failed publication of one event.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("publish failed ({kind}, {class}): {message}", kind = kind.as_str())]
@@ -121,6 +199,8 @@ pub struct PublishError {
     pub kind: PublishErrorKind,
     /// Retry class (usually `kind.default_class()`).
     pub class: ErrorClass,
+    /// Whose failure it is (usually `kind.default_scope()`).
+    pub scope: FailureScope,
     /// Human-readable detail from the transport. Never contains the payload.
     pub message: String,
 }
@@ -131,6 +211,7 @@ impl PublishError {
         Self {
             kind,
             class: kind.default_class(),
+            scope: kind.default_scope(),
             message: message.into(),
         }
     }
@@ -138,6 +219,12 @@ impl PublishError {
     /// Overrides the class.
     pub fn with_class(mut self, class: ErrorClass) -> Self {
         self.class = class;
+        self
+    }
+
+    /// Overrides the scope.
+    pub fn with_scope(mut self, scope: FailureScope) -> Self {
+        self.scope = scope;
         self
     }
 }
@@ -313,25 +400,36 @@ mod tests {
     #[test]
     fn publish_kind_classification_table() {
         use ErrorClass::*;
+        use FailureScope::{Record, Transport};
         use PublishErrorKind::*;
+        // kind, class, scope, delivery uncertain
         let table = [
-            (Timeout, Transient),
-            (BrokerUnavailable, Transient),
-            (NotEnoughReplicas, Transient),
-            (LeaderMoved, Transient),
-            (QueueFull, Transient),
-            (Fatal, Transient),
-            (Other, Transient),
-            (RecordTooLarge, Permanent),
-            (UnknownTopic, Permanent),
-            (Authorization, Permanent),
-            (InvalidRecord, Permanent),
-            (Serialization, Permanent),
+            (Timeout, Transient, Transport, true),
+            (BrokerUnavailable, Transient, Transport, true),
+            (NotEnoughReplicas, Transient, Transport, true),
+            (LeaderMoved, Transient, Transport, false),
+            (QueueFull, Transient, Transport, false),
+            (Fatal, Transient, Transport, true),
+            (Other, Transient, Record, true),
+            (RecordTooLarge, Permanent, Record, false),
+            (UnknownTopic, Permanent, Transport, false),
+            (Authorization, Permanent, Transport, false),
+            (InvalidRecord, Permanent, Record, false),
+            (Serialization, Permanent, Record, false),
         ];
-        for (kind, class) in table {
+        for (kind, class, scope, uncertain) in table {
             assert_eq!(kind.default_class(), class, "{kind:?}");
-            assert_eq!(PublishError::new(kind, "x").class(), class);
+            assert_eq!(kind.default_scope(), scope, "{kind:?}");
+            assert_eq!(kind.delivery_uncertain(), uncertain, "{kind:?}");
+            assert_eq!(PublishErrorKind::parse(kind.as_str()), Some(kind));
+            let e = PublishError::new(kind, "x");
+            assert_eq!((e.class(), e.scope), (class, scope));
         }
+        assert_eq!(PublishErrorKind::parse("nonsense"), None);
+        assert_eq!(
+            PublishError::new(Timeout, "x").with_scope(Record).scope,
+            Record
+        );
         assert!(PublishError::new(Other, "x").with_class(Permanent).class() == Permanent);
     }
 

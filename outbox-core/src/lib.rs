@@ -33,6 +33,7 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod circuit;
 pub mod clock;
 pub mod delivery;
 pub mod envelope;
@@ -55,19 +56,21 @@ pub use clock::{Clock, SystemClock};
 pub use delivery::{
     AckMetadata, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, ClaimedRecord,
     CleanupReport, CompletionReport, DeliveryStatus, LastError, OperatorAction, OutboxStats,
-    Outcome, ParkKind, ParkReason, ParkedEvent,
+    Outcome, ParkKind, ParkReason, ParkedAtClaim, ParkedEvent, MAX_LEASE,
 };
 pub use envelope::{
     Envelope, EnvelopeBuilder, EnvelopeLimits, EventId, Payload, PayloadError, ValidationError,
     CONTENT_TYPE_JSON,
 };
 pub use error::{
-    Classify, ConfigError, ErrorClass, PublishError, PublishErrorKind, SourceError, StoreError,
-    StoreErrorKind,
+    Classify, ConfigError, ErrorClass, FailureScope, PublishError, PublishErrorKind, SourceError,
+    StoreError, StoreErrorKind,
 };
 pub use inbox::{InboxStore, LogPosition, MessageSource, ReceivedMessage, Registration};
 pub use publisher::{PublishResult, Publisher};
-pub use relay::{CycleReport, Relay, RelayConfig, RelayConfigBuilder, ShutdownSignal};
+pub use relay::{
+    CycleReport, Relay, RelayConfig, RelayConfigBuilder, ShutdownSignal, MIN_LEASE_MARGIN,
+};
 pub use retry::{IdleBackoff, RetryPolicy, RetryPolicyBuilder};
 pub use store::OutboxStore;
 pub use wire::DecodeError;

@@ -33,10 +33,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rand::RngCore;
-use tracing::{debug, error, info_span, warn, Instrument};
+use tracing::{debug, error, info, info_span, warn, Instrument};
 
+use crate::circuit::{CircuitBreaker, CircuitChange};
 use crate::clock::Clock;
-use crate::delivery::{ClaimMode, ClaimRequest, ClaimedBatch, CompletionReport, Outcome};
+use crate::delivery::{
+    ClaimMode, ClaimRequest, ClaimedBatch, CompletionReport, LastError, Outcome, MAX_LEASE,
+};
 use crate::error::{ConfigError, StoreError};
 use crate::publisher::{PublishResult, Publisher};
 use crate::retry::{IdleBackoff, RetryPolicy};
@@ -62,7 +65,17 @@ pub struct RelayConfig {
     pub lease_margin: Duration,
     /// Claim the next batch while a full batch is published. Default `true`.
     pub prefetch: bool,
+    /// First pause of the circuit breaker after a cycle that failed as a whole (see
+    /// [`crate::circuit`]). Default 500 ms.
+    pub circuit_base: Duration,
+    /// Longest pause of the circuit breaker. Default 30 s.
+    pub circuit_max: Duration,
 }
+
+/// Smallest accepted [`RelayConfig::lease_margin`]: it must cover what a relay does after the
+/// last delivery report and before its completion commits (a publisher's grace for late reports,
+/// 500 ms for the Kafka publisher, plus the completion's round trips).
+pub const MIN_LEASE_MARGIN: Duration = Duration::from_secs(1);
 
 impl Default for RelayConfig {
     fn default() -> Self {
@@ -74,6 +87,8 @@ impl Default for RelayConfig {
             idle_max: Duration::from_secs(1),
             lease_margin: Duration::from_secs(2),
             prefetch: true,
+            circuit_base: Duration::from_millis(500),
+            circuit_max: Duration::from_secs(30),
         }
     }
 }
@@ -122,6 +137,12 @@ impl RelayConfigBuilder {
         self.0.prefetch = on;
         self
     }
+    /// Pauses of the circuit breaker: the first one, and the longest.
+    pub fn circuit_breaker(mut self, base: Duration, max: Duration) -> Self {
+        self.0.circuit_base = base;
+        self.0.circuit_max = max;
+        self
+    }
     /// Validates the configuration on its own; [`Relay::new`] also checks it against the store
     /// and the publisher.
     pub fn build(self) -> Result<RelayConfig, ConfigError> {
@@ -137,6 +158,18 @@ impl RelayConfigBuilder {
                 "idle_min must be greater than zero and not above idle_max",
             ));
         }
+        if c.lease_margin < MIN_LEASE_MARGIN {
+            return Err(ConfigError::new(format!(
+                "lease_margin of {:?} is shorter than the {MIN_LEASE_MARGIN:?} a relay needs \
+                 between the last delivery report and its completion",
+                c.lease_margin
+            )));
+        }
+        if c.circuit_base.is_zero() || c.circuit_base > c.circuit_max {
+            return Err(ConfigError::new(
+                "circuit breaker: base must be greater than zero and not above max",
+            ));
+        }
         Ok(c)
     }
 }
@@ -149,10 +182,19 @@ pub struct CycleReport {
     pub claimed: usize,
     /// Events acknowledged and marked published.
     pub published: usize,
-    /// Events scheduled for retry.
+    /// Events scheduled for retry after their own failure (an attempt spent).
     pub retried: usize,
-    /// Events parked.
+    /// Events put back after a transport failure (no attempt spent).
+    pub deferred: usize,
+    /// Events parked after publishing failed.
     pub parked: usize,
+    /// Events the claim parked for their aggregate version (out of order, or a version gap
+    /// held past the store's bound).
+    pub parked_at_claim: usize,
+    /// Aggregates held by the claim because their head skips a version.
+    pub gaps_held: usize,
+    /// The circuit breaker is open: wait this long before the next cycle.
+    pub pause: Option<Duration>,
     /// Outcomes refused by fencing (the claim was superseded).
     pub superseded: usize,
     /// The batch was released without publishing (shutdown, or too little lease left).
@@ -191,8 +233,9 @@ pub struct Relay<S, P> {
     rng: Box<dyn RngCore + Send + Sync>,
     idle: IdleBackoff,
     shutdown: ShutdownSignal,
-    /// A batch claimed ahead by the previous cycle, with the relay clock at its claim.
+    /// A batch claimed ahead by the previous cycle, with the relay clock before its claim.
     prefetched: Option<(ClaimedBatch, chrono::DateTime<chrono::Utc>)>,
+    breaker: CircuitBreaker,
 }
 
 impl<S, P> std::fmt::Debug for Relay<S, P> {
@@ -204,9 +247,14 @@ impl<S, P> std::fmt::Debug for Relay<S, P> {
 }
 
 impl<S: OutboxStore, P: Publisher> Relay<S, P> {
-    /// A relay. Rejects a lease that does not outlive the publisher's delivery timeout plus the
-    /// lease margin: such a lease could expire while the broker still holds the record, letting
-    /// a second relay send version N+1 before N is acknowledged.
+    /// A relay. Rejects a claim that could end while the broker still holds a record, which
+    /// would let a second relay send version N+1 before N is acknowledged:
+    ///
+    /// * a lease that does not outlive the publisher's delivery timeout plus the lease margin;
+    /// * in locked-transaction mode, a store-side hold limit
+    ///   ([`OutboxStore::locked_claim_timeout`]) shorter than what a claim really lives: one
+    ///   publication (delivery timeout plus margin), or two with prefetch, since a prefetched
+    ///   claim waits for the batch before it and is then published itself.
     pub fn new(
         store: S,
         publisher: P,
@@ -214,18 +262,49 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         clock: Arc<dyn Clock>,
         rng: Box<dyn RngCore + Send + Sync>,
     ) -> Result<Self, ConfigError> {
-        if let ClaimMode::Lease { duration } = store.claim_mode() {
-            let need = publisher.delivery_timeout() + config.lease_margin;
-            if duration <= need {
+        let publication = publisher.delivery_timeout() + config.lease_margin;
+        match store.claim_mode() {
+            ClaimMode::Lease { duration } if duration <= publication => {
                 return Err(ConfigError::new(format!(
                     "lease of {duration:?} does not outlive the publisher's delivery timeout \
-                     ({:?}) plus the lease margin ({:?}); use a lease longer than {need:?}",
+                     ({:?}) plus the lease margin ({:?}); use a lease longer than {publication:?}",
                     publisher.delivery_timeout(),
                     config.lease_margin
                 )));
             }
+            ClaimMode::Lease { duration } if duration > MAX_LEASE => {
+                return Err(ConfigError::new(format!(
+                    "lease of {duration:?} is longer than {MAX_LEASE:?}: a relay that dies \
+                     holding it would keep its events unpublished that long"
+                )));
+            }
+            _ => {}
+        }
+        if let Some(hold) = store.locked_claim_timeout() {
+            let claims_alive = if config.prefetch { 2 } else { 1 };
+            let need = publication * claims_alive;
+            if hold <= need {
+                return Err(ConfigError::new(format!(
+                    "the store ends a locked claim after {hold:?}, but a claim lives up to \
+                     {need:?} ({claims_alive} x (delivery timeout {:?} + lease margin {:?}){}); \
+                     raise locked_max_hold above {need:?}{}",
+                    publisher.delivery_timeout(),
+                    config.lease_margin,
+                    if config.prefetch {
+                        ", since a prefetched claim waits for the batch before it"
+                    } else {
+                        ""
+                    },
+                    if config.prefetch {
+                        " or turn prefetch off"
+                    } else {
+                        ""
+                    },
+                )));
+            }
         }
         let idle = IdleBackoff::new(config.idle_min, config.idle_max);
+        let breaker = CircuitBreaker::new(config.circuit_base, config.circuit_max);
         Ok(Self {
             store,
             publisher,
@@ -235,6 +314,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             idle,
             shutdown: ShutdownSignal::default(),
             prefetched: None,
+            breaker,
         })
     }
 
@@ -258,6 +338,11 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         self.shutdown.clone()
     }
 
+    /// The circuit breaker (open while the transport fails as a whole).
+    pub fn circuit(&self) -> &CircuitBreaker {
+        &self.breaker
+    }
+
     /// Step 1: claim a batch.
     pub async fn claim(&self) -> Result<ClaimedBatch, StoreError> {
         let req = ClaimRequest::new(self.config.owner.clone(), self.config.batch_size);
@@ -265,7 +350,9 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
     }
 
     /// Whether the batch's lease leaves enough time to publish (delivery timeout + margin).
-    /// `claimed_at` is this relay's clock reading right after the claim returned.
+    /// `claimed_at` is this relay's clock reading taken *before* the claim was requested: the
+    /// store measures the lease's remaining time when it grants it, so adding it to a reading
+    /// from before the request errs early, whatever the claim's round trip and commit took.
     pub fn lease_allows_publish(
         &self,
         batch: &ClaimedBatch,
@@ -308,15 +395,18 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
         let (batch, claimed_at) = match self.prefetched.take() {
             Some(prefetched) => prefetched,
             None => {
+                let before = self.clock.now();
                 let batch = self.claim().await?;
-                (batch, self.clock.now())
+                (batch, before)
             }
         };
         let mut report = CycleReport {
             claimed: batch.records.len(),
             ..CycleReport::default()
         };
+        self.note_claim(&batch, &mut report);
         if batch.is_empty() {
+            report.pause = self.breaker.pause(&mut self.rng);
             return Ok(report);
         }
         if self.shutdown.is_triggered() {
@@ -351,24 +441,49 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             if !prefetch {
                 return None;
             }
+            let before = clock.now();
             let claimed = store.claim(&request).await;
-            Some((claimed, clock.now()))
+            Some((claimed, before))
         };
         // The claim is polled first, so it is under way before the publish starts.
         let (next, (results, outcomes, completion)) = futures::future::join(next, current).await;
         match next {
             Some((Ok(next), at)) if !next.is_empty() => self.prefetched = Some((next, at)),
+            Some((Ok(next), _)) => {
+                let mut ignored = CycleReport::default();
+                self.note_claim(&next, &mut ignored);
+                report.parked_at_claim += ignored.parked_at_claim;
+            }
             Some((Err(e), _)) => {
                 warn!(owner = %self.config.owner, error = %e, "prefetch claim failed; the next cycle claims again");
             }
-            _ => {}
+            None => {}
         }
         let completion = completion?;
         report.superseded = completion.superseded;
+        let refused: std::collections::HashSet<_> =
+            completion.superseded_events.iter().copied().collect();
         let now = self.clock.now();
+        let mut acknowledged = 0usize;
+        let mut transport_failures = 0usize;
+        let mut failure_kinds: Vec<&str> = Vec::new();
         for ((rec, outcome), res) in batch.records.iter().zip(&outcomes).zip(&results) {
             let e = &rec.envelope;
             let attempt = rec.attempts + 1;
+            if res.is_ok() {
+                acknowledged += 1;
+            }
+            if let Err(err) = res {
+                telemetry::record_failure(&LastError::from(err));
+                if !failure_kinds.contains(&err.kind.as_str()) {
+                    failure_kinds.push(err.kind.as_str());
+                }
+            }
+            if refused.contains(&e.event_id) {
+                // Not recorded: the claim was superseded (the lease expired and another
+                // relay took the aggregate). Counted in `superseded` only.
+                continue;
+            }
             match outcome {
                 Outcome::Published { ack, .. } => {
                     report.published += 1;
@@ -377,25 +492,66 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                 }
                 Outcome::Retry { delay, error, .. } => {
                     report.retried += 1;
-                    telemetry::record_failure(error);
-                    warn!(event_id = %e.event_id, aggregate_id = %e.aggregate_id, event_type = %e.event_type, attempt, stage = "retry", error_kind = %error.kind, error = %error.message, delay_ms = delay.as_millis() as u64, "publish failed; will retry");
+                    debug!(event_id = %e.event_id, aggregate_id = %e.aggregate_id, event_type = %e.event_type, attempt, stage = "retry", error_kind = %error.kind, error = %error.message, delay_ms = delay.as_millis() as u64, "publish failed; will retry");
+                }
+                Outcome::Defer { error, .. } => {
+                    report.deferred += 1;
+                    transport_failures += 1;
+                    debug!(event_id = %e.event_id, aggregate_id = %e.aggregate_id, event_type = %e.event_type, stage = "deferred", error_kind = %error.kind, error = %error.message, "transport failed; event put back without spending an attempt");
                 }
                 Outcome::Park { reason, .. } => {
                     report.parked += 1;
-                    if res.is_err() {
-                        telemetry::record_failure(&reason.error);
-                    }
                     telemetry::record_parked(reason);
                     error!(event_id = %e.event_id, aggregate_id = %e.aggregate_id, event_type = %e.event_type, attempt, stage = "parked", park_kind = reason.kind.as_str(), error_kind = %reason.error.kind, error = %reason.error.message, "event parked; its aggregate is blocked until an operator acts");
                 }
             }
         }
+        if report.retried > 0 {
+            warn!(owner = %self.config.owner, retried = report.retried, kinds = ?failure_kinds, "events of the batch failed on their own and will be retried");
+        }
+        if report.deferred > 0 && acknowledged > 0 {
+            warn!(owner = %self.config.owner, deferred = report.deferred, published = report.published, kinds = ?failure_kinds, "part of the batch failed in the transport; those events were put back without spending attempts");
+        }
+        self.note_circuit(acknowledged, transport_failures, &failure_kinds, now);
+        report.pause = self.breaker.pause(&mut self.rng);
         if completion.superseded > 0 {
             telemetry::record_superseded(completion.superseded);
             warn!(owner = %self.config.owner, superseded = completion.superseded, "claim was superseded (lease expired); those events may be published twice");
         }
         telemetry::record_cycle(batch.records.len(), started.elapsed());
         Ok(report)
+    }
+
+    /// Signals and logs for what a claim parked or held because of aggregate versions.
+    fn note_claim(&self, batch: &ClaimedBatch, report: &mut CycleReport) {
+        report.gaps_held = batch.gaps_held;
+        report.parked_at_claim += batch.parked.len();
+        telemetry::record_version_gaps_held(batch.gaps_held);
+        for p in &batch.parked {
+            telemetry::record_parked_kind(p.kind);
+            error!(event_id = %p.event_id, aggregate_type = %p.aggregate_type, aggregate_id = %p.aggregate_id, aggregate_version = p.aggregate_version, stage = "claim", park_kind = p.kind.as_str(), "event parked by the claim for its aggregate version; an operator decides");
+        }
+    }
+
+    /// Feeds the circuit breaker and logs its changes, once each.
+    fn note_circuit(
+        &mut self,
+        acknowledged: usize,
+        transport_failures: usize,
+        kinds: &[&str],
+        now: chrono::DateTime<chrono::Utc>,
+    ) {
+        match self.breaker.on_cycle(acknowledged, transport_failures, now) {
+            Some(CircuitChange::Opened) => {
+                telemetry::record_circuit(true);
+                warn!(owner = %self.config.owner, failed = transport_failures, kinds = ?kinds, "the transport failed for the whole batch (broker down, topic or leader missing?); pausing publication with growing backoff, no attempts spent");
+            }
+            Some(CircuitChange::Closed { open_for }) => {
+                telemetry::record_circuit(false);
+                info!(owner = %self.config.owner, open_for_ms = open_for.as_millis() as u64, "the broker acknowledges again; publication resumed");
+            }
+            None => {}
+        }
     }
 
     /// Releases the batch claimed ahead by the last cycle, if any (the driver calls this when it

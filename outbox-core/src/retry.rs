@@ -21,7 +21,7 @@ use std::time::Duration;
 use rand::Rng;
 
 use crate::delivery::{AckMetadata, ClaimedRecord, LastError, Outcome, ParkKind, ParkReason};
-use crate::error::{Classify, ConfigError, ErrorClass, PublishError};
+use crate::error::{Classify, ConfigError, ErrorClass, FailureScope, PublishError};
 
 /// Exponential backoff with full jitter and an attempt limit.
 ///
@@ -78,6 +78,13 @@ impl RetryPolicy {
     }
 
     /// Decides what to record for one claimed record given its publication result.
+    ///
+    /// * acknowledged: [`Outcome::Published`];
+    /// * a transport failure ([`FailureScope::Transport`]): [`Outcome::Defer`], no attempt
+    ///   spent, never parked;
+    /// * the record's own permanent failure: parked ([`ParkKind::PermanentError`]);
+    /// * the record's own transient failure: [`Outcome::Retry`] with backoff, parked
+    ///   ([`ParkKind::AttemptsExhausted`]) once `max_attempts` failures are reached.
     pub fn decide<R: Rng + ?Sized>(
         &self,
         record: &ClaimedRecord,
@@ -89,6 +96,13 @@ impl RetryPolicy {
             Ok(ack) => Outcome::Published {
                 event_id,
                 ack: ack.clone(),
+            },
+            Err(err) if err.scope == FailureScope::Transport => Outcome::Defer {
+                event_id,
+                // The relay's circuit breaker paces the relay as a whole; this only spreads
+                // the records' return a little.
+                delay: self.backoff(1, rng),
+                error: LastError::from(err),
             },
             Err(err) => {
                 let failures = record.attempts.saturating_add(1);
@@ -284,8 +298,23 @@ mod tests {
             partition: 0,
             offset: 5,
         };
-        let transient = PublishError::new(PublishErrorKind::Timeout, "slow");
+        let transient = PublishError::new(PublishErrorKind::Other, "flaky");
         let permanent = PublishError::new(PublishErrorKind::RecordTooLarge, "big");
+        // Transport failures never spend attempts, whatever the count so far.
+        for kind in [
+            PublishErrorKind::Timeout,
+            PublishErrorKind::BrokerUnavailable,
+            PublishErrorKind::UnknownTopic,
+            PublishErrorKind::Authorization,
+        ] {
+            match p.decide(&rec(2), &Err(PublishError::new(kind, "down")), &mut rng) {
+                Outcome::Defer { delay, error, .. } => {
+                    assert!(delay >= p.min_delay && delay <= p.ceiling(1));
+                    assert_eq!(error.kind, kind.as_str());
+                }
+                o => panic!("{kind:?}: expected defer, got {o:?}"),
+            }
+        }
         assert!(matches!(
             p.decide(&rec(0), &Ok(ack), &mut rng),
             Outcome::Published { .. }
@@ -302,7 +331,7 @@ mod tests {
         match p.decide(&rec(2), &Err(transient), &mut rng) {
             Outcome::Park { reason, .. } => {
                 assert_eq!(reason.kind, ParkKind::AttemptsExhausted);
-                assert_eq!(reason.error.kind, "timeout");
+                assert_eq!(reason.error.kind, "other");
             }
             o => panic!("expected park, got {o:?}"),
         }

@@ -19,11 +19,23 @@ use crate::error::StoreError;
 /// * **Atomic append.** [`append`](Self::append) MUST write inside the caller's transaction
 ///   `Self::Tx`, so the events commit or roll back with the business change. It MUST validate
 ///   each envelope and MUST NOT call the broker.
-/// * **Head-of-line claiming.** [`claim`](Self::claim) MUST only return an aggregate's *head*:
-///   its lowest-version event that is neither published nor discarded. It MUST NOT return an
-///   event whose aggregate has a parked event, an event under another live claim, or an event
-///   whose retry time has not come. So at most one event per aggregate is in flight across all
-///   relays, and version N+1 is never handed out before N is acknowledged.
+/// * **Version order.** Per aggregate the store keeps `last`: the highest version published or
+///   discarded (0 before any; it survives cleanup of old rows). The aggregate's *head* is its
+///   first unfinished (pending or parked) event in (version, append order) whose version is
+///   above `last`. [`claim`](Self::claim) MUST return an event only when it is its aggregate's
+///   head, pending, due (its retry time has come), under no other live claim, and its version
+///   is exactly `last + 1`. So at most one event per aggregate is in flight across all relays,
+///   version N+1 is never handed out before N is acknowledged, a parked head blocks its
+///   aggregate, and a lower version that commits after a higher one never goes out after it.
+///   * A head above `last + 1` (a version is missing) MUST be held and counted
+///     ([`ClaimedBatch::gaps_held`]), and parked as [`crate::ParkKind::VersionGap`] once it
+///     has waited longer than the store's gap timeout. Nothing is skipped automatically.
+///   * A pending event at or below `last` MUST NOT be handed out; a claim that meets it MUST
+///     park it as [`crate::ParkKind::OutOfOrder`] ([`ClaimedBatch::parked`]).
+///   * Every change of an aggregate's delivery state (completion with any outcome, release,
+///     operator action, parking by a claim) MUST be serialized with claims of that aggregate:
+///     a claim never hands out an event that is not pending and due at the moment its claim
+///     takes effect.
 /// * **No skipping.** Claim eligibility MUST NOT depend on a high-water mark of ids: a row that
 ///   commits after rows with higher ids MUST still be claimed.
 /// * **Fencing.** [`complete`](Self::complete) MUST apply an outcome only while the claim still
@@ -56,7 +68,9 @@ pub trait OutboxStore: Send + Sync {
     /// MUST apply all outcomes atomically (one transaction) and only for rows the claim still
     /// owns. Rows of the claim that have no outcome MUST be released unchanged. For
     /// [`Outcome::Retry`], the attempt counter MUST increase and the row MUST NOT be claimable
-    /// before `delay` has passed.
+    /// before `delay` has passed. [`Outcome::Defer`] is the same without counting an attempt.
+    /// A publication MUST advance the aggregate's `last` to the event's version. MUST report
+    /// the events of refused outcomes in [`CompletionReport::superseded_events`].
     async fn complete(
         &self,
         claim: &ClaimHandle,
@@ -70,11 +84,21 @@ pub trait OutboxStore: Send + Sync {
     /// Lists parked events, oldest first.
     async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedEvent>, StoreError>;
 
+    /// One parked event, with what is known of its earlier attempts
+    /// ([`ParkedEvent::delivery_uncertain`]): show it to an operator before a re-issue. MUST fail
+    /// with `NotFound` unless the event is parked.
+    async fn parked_event(&self, event_id: EventId) -> Result<ParkedEvent, StoreError>;
+
     /// Makes a parked event claimable again, keeping its event id and resetting its attempts.
-    /// MUST fail with `NotFound` unless the event is parked. MUST be audited.
+    /// MUST fail with `NotFound` unless the event is parked. A retry accepts the event's version
+    /// as its aggregate's next one (`last` becomes at least `version - 1`: the operator's
+    /// answer to a version gap); it MUST fail with `Conflict` for an event at or below `last`
+    /// (out of order: publishing it would deliver it after a later version; discard it).
+    /// MUST be audited.
     async fn retry_parked(&self, event_id: EventId, actor: &str) -> Result<(), StoreError>;
 
-    /// Removes a parked event from delivery; the aggregate's later events flow again.
+    /// Removes a parked event from delivery; the aggregate's later events flow again (`last`
+    /// becomes at least the event's version, so the version after it is the next one).
     /// MUST require a non-empty reason, MUST fail with `NotFound` unless the event is parked, and
     /// MUST be audited.
     async fn discard_parked(
@@ -85,8 +109,12 @@ pub trait OutboxStore: Send + Sync {
     ) -> Result<(), StoreError>;
 
     /// Replaces a parked event by a copy with a new event id at the same aggregate version and
-    /// returns the new id. The original is marked discarded. Consumers treat the copy as a new
-    /// event. MUST be audited.
+    /// returns the new id. The original is marked discarded. The copy MUST carry the original's
+    /// id in the [`crate::wire::ORIGINAL_EVENT_ID`] header (kept from an earlier copy when the
+    /// original was itself a copy), so consumers deduplicate the two as one event
+    /// ([`Envelope::dedup_id`]): an original that did reach the broker (a timeout whose
+    /// acknowledgement was lost) and its copy are applied once. MUST require a non-empty
+    /// reason, MUST fail with `NotFound` unless the event is parked, and MUST be audited.
     async fn reissue_parked(
         &self,
         event_id: EventId,
@@ -108,6 +136,21 @@ pub trait OutboxStore: Send + Sync {
     /// A monitoring snapshot.
     async fn stats(&self) -> Result<OutboxStats, StoreError>;
 
+    /// Ends every claim of `owner` (an operator action for a relay that is gone and whose
+    /// leases would otherwise keep its aggregates until they expire). Returns the number of
+    /// aggregates released. Only for a relay that is really gone: if it still publishes, the
+    /// next version of an aggregate can go out before its in-flight one is acknowledged. In
+    /// locked-transaction mode the claims end with the relay's connection; stores MAY return
+    /// 0 there. MUST be audited where the store keeps an audit trail.
+    async fn release_claims_of(&self, owner: &str, actor: &str) -> Result<u64, StoreError>;
+
     /// The claim mode, so a relay can check its lease against the publisher's delivery timeout.
     fn claim_mode(&self) -> ClaimMode;
+
+    /// In locked-transaction mode: the longest a claim may be held before the store ends it
+    /// (PostgreSQL: `idle_in_transaction_session_timeout`). The relay checks it against the
+    /// publisher's delivery timeout (twice that with prefetch). `None`: no such limit.
+    fn locked_claim_timeout(&self) -> Option<std::time::Duration> {
+        None
+    }
 }

@@ -6,7 +6,10 @@
 //! | `outbox_published_total` | counter | | events acknowledged and marked published |
 //! | `outbox_republished_total` | counter | | published events that needed more than one attempt |
 //! | `outbox_publish_failures_total` | counter | `class`, `kind` | failed publication attempts |
-//! | `outbox_parked_total` | counter | `kind` | events parked |
+//! | `outbox_parked_total` | counter | `kind` | events parked (by a failed publication, or by a claim for their version: `out_of_order`, `version_gap`) |
+//! | `outbox_version_gaps_held` | gauge | | aggregates whose head skips a version, held by the last claim |
+//! | `outbox_relay_circuit_open` | gauge | | 1 while the relay pauses because the transport fails as a whole |
+//! | `outbox_relay_circuit_opened_total` | counter | | times the circuit breaker opened |
 //! | `outbox_superseded_total` | counter | | outcomes refused by lease fencing |
 //! | `outbox_publish_latency_seconds` | histogram | | created-to-acknowledged latency |
 //! | `outbox_relay_batch_size` | histogram | | events per claimed batch |
@@ -22,7 +25,7 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 
-use crate::delivery::{LastError, OutboxStats, ParkReason};
+use crate::delivery::{LastError, OutboxStats, ParkKind, ParkReason};
 use crate::envelope::Envelope;
 
 pub(crate) fn record_published(e: &Envelope, previous_attempts: u32, now: DateTime<Utc>) {
@@ -42,6 +45,21 @@ pub(crate) fn record_failure(error: &LastError) {
 
 pub(crate) fn record_parked(reason: &ParkReason) {
     metrics::counter!("outbox_parked_total", "kind" => reason.kind.as_str()).increment(1);
+}
+
+pub(crate) fn record_parked_kind(kind: ParkKind) {
+    metrics::counter!("outbox_parked_total", "kind" => kind.as_str()).increment(1);
+}
+
+pub(crate) fn record_version_gaps_held(n: usize) {
+    metrics::gauge!("outbox_version_gaps_held").set(n as f64);
+}
+
+pub(crate) fn record_circuit(open: bool) {
+    if open {
+        metrics::counter!("outbox_relay_circuit_opened_total").increment(1);
+    }
+    metrics::gauge!("outbox_relay_circuit_open").set(if open { 1.0 } else { 0.0 });
 }
 
 pub(crate) fn record_superseded(n: usize) {

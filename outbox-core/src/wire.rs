@@ -13,6 +13,7 @@
 //! | `schema_version` | decimal integer |
 //! | `content_type` | MIME type of the value |
 //! | `created_at` | RFC 3339 timestamp |
+//! | `outbox_original_event_id` | on a re-issued copy only: the id of the parked event it replaces ([`ORIGINAL_EVENT_ID`]) |
 //! | any user header | as given (e.g. `traceparent`) |
 //!
 //! The record value is the payload bytes, unchanged.
@@ -47,6 +48,12 @@ pub const SCHEMA_VERSION: &str = "schema_version";
 pub const CONTENT_TYPE: &str = "content_type";
 /// Header carrying the creation time.
 pub const CREATED_AT: &str = "created_at";
+
+/// Header set by the store on a re-issued copy of a parked event: the original's event id.
+/// Inboxes deduplicate by it ([`crate::Envelope::dedup_id`]), so the copy and the original are
+/// applied at most once together. It travels as a user header (stores write it; applications
+/// should not).
+pub const ORIGINAL_EVENT_ID: &str = "outbox_original_event_id";
 
 const RESERVED: [&str; 8] = [
     EVENT_ID,

@@ -136,7 +136,7 @@ async fn prefetched_batch_is_disjoint_from_the_batch_in_flight_and_order_holds()
             .unwrap()
             .envelope
             .event_id;
-        log.fail_event(a1, PublishErrorKind::Timeout);
+        log.fail_event(a1, PublishErrorKind::Other);
         let mut r = relay(store.clone(), &log, 2, true);
 
         let first = r.run_once().await.unwrap();

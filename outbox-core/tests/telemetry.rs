@@ -41,7 +41,7 @@ fn a_cycle_emits_the_documented_metrics() {
     assert!(
         failures
             .iter()
-            .any(|(l, v)| l.contains(&"kind=timeout".to_string())
+            .any(|(l, v)| l.contains(&"kind=other".to_string())
                 && l.contains(&"class=transient".to_string())
                 && matches!(v, DebugValue::Counter(1))),
         "{failures:?}"

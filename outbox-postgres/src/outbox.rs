@@ -560,19 +560,22 @@ impl PostgresOutboxStore {
                 let Some(mut held) = taken else {
                     // Unknown token: the claim ended (released, timed out) or belongs to
                     // another store instance. Nothing applied; every outcome is refused.
-                    return Ok(CompletionReport::new(0, outcomes.len()));
+                    return Ok(CompletionReport::new(
+                        0,
+                        outcomes.iter().map(Outcome::event_id).collect(),
+                    ));
                 };
                 let arrays = OutcomeArrays::new(outcomes, &held.rows);
                 // The aggregate locks were taken by the claim in this very transaction.
-                let applied = arrays
+                let applied: Vec<i64> = arrays
                     .statement(&self.inner.sql, false)
                     .fetch_one(&mut *held.tx)
                     .await
                     .map_err(|e| lost_claim(db(e)))?
-                    .try_get::<i64, _>("applied")
-                    .map_err(db)? as usize;
+                    .try_get("applied")
+                    .map_err(db)?;
                 held.tx.commit().await.map_err(|e| lost_claim(db(e)))?;
-                Ok(CompletionReport::new(applied, outcomes.len() - applied))
+                Ok(report(outcomes, &held.rows, &applied))
             }
             _ => {
                 let rows = self.lease_rows(claim.token).await?;
@@ -595,17 +598,17 @@ impl PostgresOutboxStore {
                         .await
                         .map_err(db)?;
                 }
-                let applied = arrays
+                let applied: Vec<i64> = arrays
                     .statement(&self.inner.sql, true)
                     .bind(claim.token)
                     .bind(&keys)
                     .fetch_one(&mut *tx)
                     .await
                     .map_err(db)?
-                    .try_get::<i64, _>("applied")
-                    .map_err(db)? as usize;
+                    .try_get("applied")
+                    .map_err(db)?;
                 tx.commit().await.map_err(db)?;
-                Ok(CompletionReport::new(applied, outcomes.len() - applied))
+                Ok(report(outcomes, &rows, &applied))
             }
         }
     }
@@ -697,6 +700,21 @@ impl PostgresOutboxStore {
     }
 }
 
+/// The completion report: outcomes whose row was not updated were refused.
+fn report(outcomes: &[Outcome], rows: &[(i64, Uuid, i64)], applied: &[i64]) -> CompletionReport {
+    let applied_events: std::collections::HashSet<Uuid> = rows
+        .iter()
+        .filter(|(id, _, _)| applied.contains(id))
+        .map(|&(_, e, _)| e)
+        .collect();
+    let refused = outcomes
+        .iter()
+        .map(Outcome::event_id)
+        .filter(|e| !applied_events.contains(&e.as_uuid()))
+        .collect();
+    CompletionReport::new(applied.len(), refused)
+}
+
 fn lost_claim(e: StoreError) -> StoreError {
     if e.kind == StoreErrorKind::Connection {
         StoreError::new(
@@ -776,6 +794,9 @@ impl OutcomeArrays {
                 Outcome::Published { ack, .. } => ("published", Some(ack), None, None, None),
                 Outcome::Retry { delay, error, .. } => {
                     ("retry", None, Some(*delay), Some(error), None)
+                }
+                Outcome::Defer { delay, error, .. } => {
+                    ("defer", None, Some(*delay), Some(error), None)
                 }
                 Outcome::Park { reason, .. } => {
                     ("park", None, None, Some(&reason.error), Some(reason.kind))
@@ -980,6 +1001,22 @@ impl OutboxStore for PostgresOutboxStore {
                 ))
             })
             .collect()
+    }
+
+    async fn parked_event(&self, event_id: EventId) -> Result<ParkedEvent, StoreError> {
+        let _ = event_id;
+        Err(StoreError::new(
+            StoreErrorKind::Other,
+            "parked_event: not yet on PostgreSQL",
+        ))
+    }
+
+    async fn release_claims_of(&self, owner: &str, actor: &str) -> Result<u64, StoreError> {
+        let _ = (owner, actor);
+        Err(StoreError::new(
+            StoreErrorKind::Other,
+            "release_claims_of: not yet on PostgreSQL",
+        ))
     }
 
     async fn retry_parked(&self, event_id: EventId, actor: &str) -> Result<(), StoreError> {

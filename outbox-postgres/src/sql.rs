@@ -249,9 +249,9 @@ impl OutboxSql {
                      AS o(id, kind, topic, part, off, delay_us, eclass, ekind, emsg, pkind)",
                     "status = CASE o.kind WHEN 'published' THEN 'published' \
                                           WHEN 'park' THEN 'parked' ELSE 'pending' END, \
-                     attempts = CASE WHEN o.kind = 'published' THEN t.attempts \
+                     attempts = CASE WHEN o.kind IN ('published', 'defer') THEN t.attempts \
                                      ELSE t.attempts + 1 END, \
-                     next_attempt_at = CASE WHEN o.kind = 'retry' \
+                     next_attempt_at = CASE WHEN o.kind IN ('retry', 'defer') \
                          THEN clock_timestamp() + o.delay_us * interval '1 microsecond' \
                          ELSE t.next_attempt_at END, \
                      published_at = CASE WHEN o.kind = 'published' THEN clock_timestamp() END, \
@@ -303,7 +303,7 @@ impl OutboxSql {
                          WHERE EXISTS (SELECT 1 FROM {t} b \
                                        WHERE b.status IN ('pending', 'parked') AND b.blocked)) nx \
                    WHERE s.id = nx.id AND s.blocked RETURNING 1) \
-                 SELECT (SELECT count(*) FROM upd) AS applied",
+                 SELECT ARRAY(SELECT id FROM upd) AS applied",
                 at = agg("t")
             )
         };

@@ -462,6 +462,20 @@ impl<S: OutboxStore> OutboxStore for FaultyStore<S> {
             self.inner.list_parked(limit).await
         )
     }
+    async fn parked_event(&self, event_id: EventId) -> Result<ParkedEvent, StoreError> {
+        faulty!(
+            self.faults,
+            "parked_event",
+            self.inner.parked_event(event_id).await
+        )
+    }
+    async fn release_claims_of(&self, owner: &str, actor: &str) -> Result<u64, StoreError> {
+        faulty!(
+            self.faults,
+            "release_claims_of",
+            self.inner.release_claims_of(owner, actor).await
+        )
+    }
     async fn retry_parked(&self, event_id: EventId, actor: &str) -> Result<(), StoreError> {
         faulty!(
             self.faults,
@@ -516,6 +530,9 @@ impl<S: OutboxStore> OutboxStore for FaultyStore<S> {
     }
     fn claim_mode(&self) -> ClaimMode {
         self.inner.claim_mode()
+    }
+    fn locked_claim_timeout(&self) -> Option<Duration> {
+        self.inner.locked_claim_timeout()
     }
 }
 

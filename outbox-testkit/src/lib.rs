@@ -57,8 +57,8 @@
 //!
 //! // The business change and its event commit together.
 //! let mut tx = db.begin();
-//! tx.put("orders", "o-1", serde_json::json!({"status": "confirmed", "version": 2}));
-//! let event = Envelope::builder("order", "o-1", 2, "order.confirmed")
+//! tx.put("orders", "o-1", serde_json::json!({"status": "placed", "version": 1}));
+//! let event = Envelope::builder("order", "o-1", 1, "order.placed")
 //!     .created_at(outbox_core::Clock::now(&clock))
 //!     .build()
 //!     .unwrap();
@@ -81,7 +81,7 @@
 //! assert_eq!(received, event);
 //! let mut tx = inbox.begin().await.unwrap();
 //! assert_eq!(inbox.register(&mut tx, "projection", received.event_id).await.unwrap(), Registration::Fresh);
-//! tx.put("projection", "o-1", serde_json::json!({"status": "confirmed"}));
+//! tx.put("projection", "o-1", serde_json::json!({"status": "placed"}));
 //! inbox.commit(tx).await.unwrap();
 //! let p = &msg.position;
 //! consumer.commit(&[(p.topic.clone(), p.partition, p.offset + 1)]).await.unwrap();
@@ -106,7 +106,7 @@ pub use inbox::MemoryInboxStore;
 pub use log::{
     FaultAction, FaultMatch, LogFault, LogRecord, MemoryConsumer, MemoryLog, MemoryLogBuilder,
 };
-pub use outbox::{MemoryOutboxStore, OutboxRow, RowClaimInfo};
+pub use outbox::{MemoryOutboxStore, OutboxRow, RowClaimInfo, DEFAULT_GAP_TIMEOUT};
 
 /// A deterministic, well-spread v7 [`outbox_core::EventId`] for `n` at time `at`: distinct `n`
 /// give distinct ids (the bits of `n` are mixed into the random part that

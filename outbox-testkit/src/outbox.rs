@@ -23,8 +23,8 @@ use chrono::{DateTime, Utc};
 use outbox_core::{
     async_trait, AckMetadata, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch,
     ClaimedRecord, CleanupReport, CompletionReport, DeliveryStatus, Envelope, EnvelopeLimits,
-    EventId, LastError, OperatorAction, OutboxStats, OutboxStore, Outcome, ParkReason, ParkedEvent,
-    StoreError, StoreErrorKind,
+    ErrorClass, EventId, LastError, OperatorAction, OutboxStats, OutboxStore, Outcome, ParkKind,
+    ParkReason, ParkedAtClaim, ParkedEvent, StoreError, StoreErrorKind,
 };
 use uuid::Uuid;
 
@@ -66,6 +66,8 @@ struct Row {
     park_reason: Option<ParkReason>,
     parked_at: Option<DateTime<Utc>>,
     finished_at: Option<DateTime<Utc>>,
+    /// An attempt failed in a way that leaves open that the broker stored it.
+    maybe_delivered: bool,
 }
 
 #[derive(Debug)]
@@ -80,6 +82,8 @@ pub(crate) struct OutboxState {
     by_id: HashMap<EventId, u64>,
     /// Rows neither published nor discarded, per aggregate, ordered by (version, seq).
     open: BTreeMap<AggKey, BTreeSet<(i64, u64)>>,
+    /// Per aggregate: the highest version published or discarded. Survives cleanup.
+    last: HashMap<AggKey, i64>,
     claims: HashMap<Uuid, ClaimState>,
     audit: Vec<AuditEntry>,
     token_counter: u64,
@@ -118,8 +122,32 @@ impl OutboxState {
                 park_reason: None,
                 parked_at: None,
                 finished_at: None,
+                maybe_delivered: false,
             },
         );
+    }
+
+    fn last_version(&self, key: &AggKey) -> i64 {
+        self.last.get(key).copied().unwrap_or(0)
+    }
+
+    fn advance_last(&mut self, key: AggKey, version: i64) {
+        let last = self.last.entry(key).or_insert(0);
+        *last = (*last).max(version);
+    }
+
+    fn park(&mut self, seq: u64, kind: ParkKind, message: String, now: DateTime<Utc>) {
+        let row = self.rows.get_mut(&seq).expect("open rows exist");
+        let error = LastError {
+            class: ErrorClass::Permanent,
+            kind: kind.as_str().to_owned(),
+            message,
+        };
+        row.status = DeliveryStatus::Parked;
+        row.last_error = Some(error.clone());
+        row.park_reason = Some(ParkReason { kind, error });
+        row.parked_at = Some(now);
+        row.claim = None;
     }
 
     fn close(&mut self, seq: u64) {
@@ -145,6 +173,19 @@ impl OutboxState {
                 }
             }
         }
+    }
+
+    /// For retry and re-issue: the parked row's version must be above `last`; the operator's
+    /// action accepts it as the aggregate's next version.
+    fn accept_version(&mut self, id: EventId) -> Result<(), StoreError> {
+        let row = self.parked_row(id)?;
+        let (key, version) = (agg_key(&row.envelope), row.envelope.aggregate_version);
+        let last = self.last_version(&key);
+        if version <= last {
+            return Err(out_of_order_refusal(id, version, last));
+        }
+        self.advance_last(key, version - 1);
+        Ok(())
     }
 
     fn parked_row(&mut self, id: EventId) -> Result<&mut Row, StoreError> {
@@ -235,7 +276,11 @@ pub struct MemoryOutboxStore {
     db: MemoryDb,
     mode: ClaimMode,
     limits: EnvelopeLimits,
+    gap_timeout: Duration,
 }
+
+/// Default of [`MemoryOutboxStore::gap_timeout`], the same as the PostgreSQL store's.
+pub const DEFAULT_GAP_TIMEOUT: Duration = Duration::from_secs(300);
 
 impl fmt::Debug for MemoryOutboxStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -252,7 +297,15 @@ impl MemoryOutboxStore {
             db: db.clone(),
             mode,
             limits: EnvelopeLimits::default(),
+            gap_timeout: DEFAULT_GAP_TIMEOUT,
         }
+    }
+
+    /// How long a head that skips a version is held before it is parked as a version gap
+    /// (default [`DEFAULT_GAP_TIMEOUT`]), measured on the database clock from its commit.
+    pub fn gap_timeout(mut self, timeout: Duration) -> Self {
+        self.gap_timeout = timeout;
+        self
     }
 
     /// A store with a 30 s lease.
@@ -374,17 +427,78 @@ impl OutboxStore for MemoryOutboxStore {
             token,
             owner: request.owner.clone(),
         };
+        if request.limit == 0 {
+            return Ok(ClaimedBatch::new(handle, Vec::new(), lease));
+        }
+        let gap_timeout =
+            chrono::Duration::from_std(self.gap_timeout).unwrap_or(chrono::Duration::MAX);
         let mut heads: Vec<u64> = Vec::new();
-        for set in out.open.values() {
-            let Some(&(_, head_seq)) = set.first() else {
+        let mut parked = Vec::new();
+        let mut gaps_held = 0usize;
+        let keys: Vec<AggKey> = out.open.keys().cloned().collect();
+        for key in keys {
+            let last = out.last_version(&key);
+            let set = &out.open[&key];
+            // Pending rows at or below `last` would go out after a later version: parked.
+            let stale: Vec<u64> = set
+                .iter()
+                .take_while(|(v, _)| *v <= last)
+                .map(|&(_, seq)| seq)
+                .filter(|seq| {
+                    let r = &out.rows[seq];
+                    r.status == DeliveryStatus::Pending
+                        && !r.claim.as_ref().is_some_and(|c| c.live(now))
+                })
+                .collect();
+            for seq in stale {
+                let e = &out.rows[&seq].envelope;
+                parked.push(ParkedAtClaim::new(
+                    e.event_id,
+                    e.aggregate_type.clone(),
+                    e.aggregate_id.clone(),
+                    e.aggregate_version,
+                    ParkKind::OutOfOrder,
+                ));
+                let msg = format!(
+                    "version {} is at or below {last}, the last version published or discarded \
+                     for its aggregate",
+                    e.aggregate_version
+                );
+                out.park(seq, ParkKind::OutOfOrder, msg, now);
+            }
+            let set = &out.open[&key];
+            let busy = set
+                .iter()
+                .any(|(_, seq)| out.rows[seq].claim.as_ref().is_some_and(|c| c.live(now)));
+            let Some(&(version, head_seq)) = set.iter().find(|(v, _)| *v > last) else {
                 continue;
             };
-            let blocked = set.iter().any(|(_, seq)| {
-                let r = &out.rows[seq];
-                r.status == DeliveryStatus::Parked || r.claim.as_ref().is_some_and(|c| c.live(now))
-            });
             let head = &out.rows[&head_seq];
-            if blocked || head.status != DeliveryStatus::Pending || head.next_attempt_at > now {
+            if busy || head.status != DeliveryStatus::Pending {
+                continue;
+            }
+            if version > last + 1 {
+                if head.appended_at + gap_timeout <= now {
+                    let e = &head.envelope;
+                    parked.push(ParkedAtClaim::new(
+                        e.event_id,
+                        e.aggregate_type.clone(),
+                        e.aggregate_id.clone(),
+                        version,
+                        ParkKind::VersionGap,
+                    ));
+                    let msg = format!(
+                        "version {version} follows {last}: the versions between never arrived \
+                         within {:?}",
+                        self.gap_timeout
+                    );
+                    out.park(head_seq, ParkKind::VersionGap, msg, now);
+                } else {
+                    gaps_held += 1;
+                }
+                continue;
+            }
+            if head.next_attempt_at > now {
                 continue;
             }
             heads.push(head_seq);
@@ -405,7 +519,7 @@ impl OutboxStore for MemoryOutboxStore {
         if !heads.is_empty() {
             out.claims.insert(token, ClaimState { seqs: heads });
         }
-        Ok(ClaimedBatch::new(handle, records, lease))
+        Ok(ClaimedBatch::new(handle, records, lease).with_version_notices(parked, gaps_held))
     }
 
     async fn complete(
@@ -416,7 +530,7 @@ impl OutboxStore for MemoryOutboxStore {
         let now = self.db.now();
         let mut st = self.db.lock();
         let out = &mut st.outbox;
-        let (mut applied, mut superseded) = (0usize, 0usize);
+        let (mut applied, mut superseded) = (0usize, Vec::new());
         for o in outcomes {
             let seq = out.by_id.get(&o.event_id()).copied();
             let owned = seq.and_then(|s| out.rows.get(&s)).is_some_and(|r| {
@@ -424,7 +538,7 @@ impl OutboxStore for MemoryOutboxStore {
                     && r.claim.as_ref().is_some_and(|c| c.token == claim.token)
             });
             let (true, Some(seq)) = (owned, seq) else {
-                superseded += 1;
+                superseded.push(o.event_id());
                 continue;
             };
             let row = out.rows.get_mut(&seq).expect("checked above");
@@ -437,14 +551,18 @@ impl OutboxStore for MemoryOutboxStore {
                     row.ack = Some(ack.clone());
                     closes = true;
                 }
-                Outcome::Retry { delay, error, .. } => {
-                    row.attempts = row.attempts.saturating_add(1);
+                Outcome::Retry { delay, error, .. } | Outcome::Defer { delay, error, .. } => {
+                    if matches!(o, Outcome::Retry { .. }) {
+                        row.attempts = row.attempts.saturating_add(1);
+                    }
                     row.next_attempt_at =
                         now + chrono::Duration::from_std(*delay).unwrap_or(chrono::Duration::MAX);
+                    row.maybe_delivered |= error.delivery_uncertain();
                     row.last_error = Some(error.clone());
                 }
                 Outcome::Park { reason, .. } => {
                     row.attempts = row.attempts.saturating_add(1);
+                    row.maybe_delivered |= reason.error.delivery_uncertain();
                     row.status = DeliveryStatus::Parked;
                     row.last_error = Some(reason.error.clone());
                     row.park_reason = Some(reason.clone());
@@ -453,12 +571,14 @@ impl OutboxStore for MemoryOutboxStore {
             }
             row.claim = None;
             if closes {
+                let (key, version) = (agg_key(&row.envelope), row.envelope.aggregate_version);
                 out.close(seq);
+                out.advance_last(key, version);
             }
             applied += 1;
         }
         out.end_claim(claim.token);
-        out.superseded_total += superseded as u64;
+        out.superseded_total += superseded.len() as u64;
         Ok(CompletionReport::new(applied, superseded))
     }
 
@@ -476,23 +596,18 @@ impl OutboxStore for MemoryOutboxStore {
             .filter(|r| r.status == DeliveryStatus::Parked)
             .collect();
         parked.sort_by_key(|r| (r.parked_at, r.seq));
-        Ok(parked
-            .into_iter()
-            .take(limit)
-            .map(|r| {
-                ParkedEvent::new(
-                    r.envelope.clone(),
-                    r.attempts,
-                    r.park_reason.clone().expect("parked rows have a reason"),
-                    r.parked_at.unwrap_or(r.appended_at),
-                )
-            })
-            .collect())
+        Ok(parked.into_iter().take(limit).map(parked_event).collect())
+    }
+
+    async fn parked_event(&self, event_id: EventId) -> Result<ParkedEvent, StoreError> {
+        let mut st = self.db.lock();
+        Ok(parked_event(st.outbox.parked_row(event_id)?))
     }
 
     async fn retry_parked(&self, event_id: EventId, actor: &str) -> Result<(), StoreError> {
         let now = self.db.now();
         let mut st = self.db.lock();
+        st.outbox.accept_version(event_id)?;
         let row = st.outbox.parked_row(event_id)?;
         row.status = DeliveryStatus::Pending;
         row.attempts = 0;
@@ -522,8 +637,13 @@ impl OutboxStore for MemoryOutboxStore {
         let row = st.outbox.parked_row(event_id)?;
         row.status = DeliveryStatus::Discarded;
         row.finished_at = Some(now);
-        let seq = row.seq;
+        let (seq, key, version) = (
+            row.seq,
+            agg_key(&row.envelope),
+            row.envelope.aggregate_version,
+        );
         st.outbox.close(seq);
+        st.outbox.advance_last(key, version);
         st.outbox.audit.push(AuditEntry::new(
             event_id,
             OperatorAction::Discard,
@@ -546,10 +666,15 @@ impl OutboxStore for MemoryOutboxStore {
         let new_seq = self.db.next_seq();
         let mut st = self.db.lock();
         let out = &mut st.outbox;
+        out.accept_version(event_id)?;
         let row = out.parked_row(event_id)?;
         row.status = DeliveryStatus::Discarded;
         row.finished_at = Some(now);
         let mut copy = row.envelope.clone();
+        copy.headers.insert(
+            outbox_core::wire::ORIGINAL_EVENT_ID.to_owned(),
+            copy.dedup_id().to_string(),
+        );
         let old_seq = row.seq;
         out.close(old_seq);
         // Deterministic: derived from the sequence number, in a namespace (top bit set) that
@@ -672,9 +797,63 @@ impl OutboxStore for MemoryOutboxStore {
         Ok(s)
     }
 
+    async fn release_claims_of(&self, owner: &str, actor: &str) -> Result<u64, StoreError> {
+        if self.lease_duration().is_none() {
+            // A locked claim ends with its relay's connection.
+            return Ok(0);
+        }
+        let now = self.db.now();
+        let mut st = self.db.lock();
+        let out = &mut st.outbox;
+        let mut released = Vec::new();
+        for row in out.rows.values_mut() {
+            if row
+                .claim
+                .as_ref()
+                .is_some_and(|c| c.owner == owner && c.live(now))
+            {
+                row.claim = None;
+                released.push(row.envelope.event_id);
+            }
+        }
+        for id in &released {
+            out.audit.push(AuditEntry::new(
+                *id,
+                OperatorAction::ReleaseClaim,
+                actor,
+                format!("claims of relay {owner} released"),
+                None,
+                now,
+            ));
+        }
+        Ok(released.len() as u64)
+    }
+
     fn claim_mode(&self) -> ClaimMode {
         self.mode
     }
+}
+
+fn parked_event(r: &Row) -> ParkedEvent {
+    ParkedEvent::new(
+        r.envelope.clone(),
+        r.attempts,
+        r.park_reason.clone().expect("parked rows have a reason"),
+        r.parked_at.unwrap_or(r.appended_at),
+    )
+    .with_delivery_uncertain(r.maybe_delivered)
+}
+
+fn out_of_order_refusal(id: EventId, version: i64, last: i64) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Conflict,
+        format!(
+            "event {id} has version {version}, at or below {last}, the last version published \
+             or discarded for its aggregate: sending it now would deliver it after a later \
+             version; discard it instead"
+        ),
+    )
+    .with_class(ErrorClass::Permanent)
 }
 
 fn require_reason(reason: &str) -> Result<(), StoreError> {

@@ -11,7 +11,7 @@ use rand::SeedableRng;
 use super::*;
 use crate::delivery::*;
 use crate::envelope::{Envelope, EventId};
-use crate::error::{PublishError, PublishErrorKind};
+use crate::error::{PublishError, PublishErrorKind, StoreErrorKind};
 
 mockall::mock! {
     pub Pub {}
@@ -130,11 +130,12 @@ impl OutboxStore for FakeStore {
                     row.1 = St::Pending;
                     row.2 += 1;
                 }
+                Outcome::Defer { .. } => row.1 = St::Pending,
                 Outcome::Park { .. } => row.1 = St::Parked,
             }
         }
         self.completions.lock().unwrap().push(outcomes.to_vec());
-        Ok(CompletionReport::new(outcomes.len(), 0))
+        Ok(CompletionReport::new(outcomes.len(), vec![]))
     }
     async fn release(&self, _: &ClaimHandle) -> Result<(), StoreError> {
         *self.releases.lock().unwrap() += 1;
@@ -147,6 +148,12 @@ impl OutboxStore for FakeStore {
     }
     async fn list_parked(&self, _: usize) -> Result<Vec<ParkedEvent>, StoreError> {
         Ok(vec![])
+    }
+    async fn parked_event(&self, id: EventId) -> Result<ParkedEvent, StoreError> {
+        Err(StoreError::new(StoreErrorKind::NotFound, id.to_string()))
+    }
+    async fn release_claims_of(&self, _: &str, _: &str) -> Result<u64, StoreError> {
+        Ok(0)
     }
     async fn retry_parked(&self, _: EventId, _: &str) -> Result<(), StoreError> {
         Ok(())
@@ -244,12 +251,7 @@ fn transient_failures_retry_then_park_after_the_limit() {
         .return_const(Duration::from_secs(5));
     p.expect_publish().times(3).returning(|b| {
         b.iter()
-            .map(|_| {
-                Err(PublishError::new(
-                    PublishErrorKind::BrokerUnavailable,
-                    "down",
-                ))
-            })
+            .map(|_| Err(PublishError::new(PublishErrorKind::Other, "flaky")))
             .collect()
     });
     let mut r = relay(store, p);
@@ -269,7 +271,7 @@ fn transient_failures_retry_then_park_after_the_limit() {
     match &last[0] {
         Outcome::Park { reason, .. } => {
             assert_eq!(reason.kind, ParkKind::AttemptsExhausted);
-            assert_eq!(reason.error.kind, "broker_unavailable");
+            assert_eq!(reason.error.kind, "other");
         }
         o => panic!("{o:?}"),
     }
@@ -283,7 +285,7 @@ fn retry_delays_are_jittered_and_never_zero() {
         .return_const(Duration::from_secs(5));
     p.expect_publish().returning(|b| {
         b.iter()
-            .map(|_| Err(PublishError::new(PublishErrorKind::Timeout, "t")))
+            .map(|_| Err(PublishError::new(PublishErrorKind::Other, "t")))
             .collect()
     });
     let mut r = relay(store, p);

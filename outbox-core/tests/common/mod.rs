@@ -38,7 +38,7 @@ pub(crate) async fn cycle(store: &MemoryOutboxStore, log: &MemoryLog, db: &Memor
         .unwrap()
         .build()
         .unwrap();
-    log.fail_event(flaky.event_id, PublishErrorKind::Timeout);
+    log.fail_event(flaky.event_id, PublishErrorKind::Other);
     store.append(&mut tx, &[ok, flaky, big]).await.unwrap();
     tx.commit().unwrap();
     let cfg = RelayConfig::builder().owner("telemetry").build().unwrap();
