@@ -541,6 +541,8 @@ pub struct OutboxStats {
     pub oldest_unpublished_age: Option<Duration>,
     /// Age of the oldest parked event.
     pub oldest_parked_age: Option<Duration>,
+    /// Aggregates whose head skips a version and is held, waiting for the missing one.
+    pub version_gaps_held: u64,
     /// Backend-specific figures (table size, dead tuples, ...), name to value.
     pub extra: Vec<(String, f64)>,
 }

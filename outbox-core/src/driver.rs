@@ -2,7 +2,8 @@
 //!
 //! Loops over [`Relay::run_once`]: right after a cycle that found work, sleeps with jittered,
 //! growing backoff after an idle one, and wakes early when the wake-up hook fires (e.g. a
-//! PostgreSQL `NOTIFY` after a commit). Shutdown finishes the batch in flight (bounded by the
+//! PostgreSQL `NOTIFY` after a commit). While the relay's circuit breaker is open (the
+//! transport fails as a whole) it waits for the breaker's pause instead. Shutdown finishes the batch in flight (bounded by the
 //! publisher's delivery timeout) and releases a batch claimed but not yet sent.
 //!
 //! ```no_run
@@ -86,10 +87,22 @@ where
         };
         report.cycles += 1;
         let delay = match result {
+            Ok(c) if c.pause.is_some() => {
+                // The transport fails as a whole: wait it out (wake-ups do not shorten this).
+                failures = 0;
+                report.published += c.published as u64;
+                report.parked += (c.parked + c.parked_at_claim) as u64;
+                let pause = c.pause.unwrap_or_default();
+                tokio::select! {
+                    () = tokio::time::sleep(pause) => {}
+                    () = &mut shutdown => { signal.trigger(); }
+                }
+                continue;
+            }
             Ok(c) if !c.is_idle() => {
                 failures = 0;
                 report.published += c.published as u64;
-                report.parked += c.parked as u64;
+                report.parked += (c.parked + c.parked_at_claim) as u64;
                 relay.reset_idle();
                 continue;
             }

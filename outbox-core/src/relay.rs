@@ -526,7 +526,6 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
     fn note_claim(&self, batch: &ClaimedBatch, report: &mut CycleReport) {
         report.gaps_held = batch.gaps_held;
         report.parked_at_claim += batch.parked.len();
-        telemetry::record_version_gaps_held(batch.gaps_held);
         for p in &batch.parked {
             telemetry::record_parked_kind(p.kind);
             error!(event_id = %p.event_id, aggregate_type = %p.aggregate_type, aggregate_id = %p.aggregate_id, aggregate_version = p.aggregate_version, stage = "claim", park_kind = p.kind.as_str(), "event parked by the claim for its aggregate version; an operator decides");

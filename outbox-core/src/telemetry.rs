@@ -7,7 +7,7 @@
 //! | `outbox_republished_total` | counter | | published events that needed more than one attempt |
 //! | `outbox_publish_failures_total` | counter | `class`, `kind` | failed publication attempts |
 //! | `outbox_parked_total` | counter | `kind` | events parked (by a failed publication, or by a claim for their version: `out_of_order`, `version_gap`) |
-//! | `outbox_version_gaps_held` | gauge | | aggregates whose head skips a version, held by the last claim |
+//! | `outbox_version_gaps_held` | gauge | | aggregates whose head skips a version and is held (from [`record_stats`]) |
 //! | `outbox_relay_circuit_open` | gauge | | 1 while the relay pauses because the transport fails as a whole |
 //! | `outbox_relay_circuit_opened_total` | counter | | times the circuit breaker opened |
 //! | `outbox_superseded_total` | counter | | outcomes refused by lease fencing |
@@ -51,10 +51,6 @@ pub(crate) fn record_parked_kind(kind: ParkKind) {
     metrics::counter!("outbox_parked_total", "kind" => kind.as_str()).increment(1);
 }
 
-pub(crate) fn record_version_gaps_held(n: usize) {
-    metrics::gauge!("outbox_version_gaps_held").set(n as f64);
-}
-
 pub(crate) fn record_circuit(open: bool) {
     if open {
         metrics::counter!("outbox_relay_circuit_opened_total").increment(1);
@@ -76,6 +72,7 @@ pub fn record_stats(stats: &OutboxStats) {
     metrics::gauge!("outbox_unpublished").set(stats.unpublished as f64);
     metrics::gauge!("outbox_in_flight").set(stats.in_flight as f64);
     metrics::gauge!("outbox_parked").set(stats.parked as f64);
+    metrics::gauge!("outbox_version_gaps_held").set(stats.version_gaps_held as f64);
     metrics::gauge!("outbox_oldest_unpublished_age_seconds").set(
         stats
             .oldest_unpublished_age

@@ -59,7 +59,16 @@ pub struct OutboxSettings {
     pub synchronous_completion: bool,
     /// Backpressure hook, see [`AppendGuard`]. Default none.
     pub append_guard: Option<Arc<dyn AppendGuard>>,
+    /// How long an aggregate's head that skips a version (its predecessor never committed, or
+    /// not yet) is held before it is parked as a version gap for an operator to decide,
+    /// measured from the head's insertion. Default [`DEFAULT_GAP_TIMEOUT`] (5 minutes). A held
+    /// head is re-checked at most every second, so it goes out within about a second of its
+    /// missing predecessor's publication.
+    pub gap_timeout: Duration,
 }
+
+/// Default of [`OutboxSettings::gap_timeout`].
+pub const DEFAULT_GAP_TIMEOUT: Duration = Duration::from_secs(300);
 
 impl Default for OutboxSettings {
     fn default() -> Self {
@@ -75,6 +84,7 @@ impl Default for OutboxSettings {
             locked_max_hold: Duration::from_secs(300),
             synchronous_completion: false,
             append_guard: None,
+            gap_timeout: DEFAULT_GAP_TIMEOUT,
         }
     }
 }

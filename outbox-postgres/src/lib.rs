@@ -180,7 +180,8 @@ mod schema;
 mod sql;
 
 pub use config::{
-    AppendGuard, OutboxSettings, DEFAULT_INBOX_TABLE, DEFAULT_OUTBOX_TABLE, DEFAULT_SCHEMA,
+    AppendGuard, OutboxSettings, DEFAULT_GAP_TIMEOUT, DEFAULT_INBOX_TABLE, DEFAULT_OUTBOX_TABLE,
+    DEFAULT_SCHEMA,
 };
 pub use error::{classify_sqlstate, map_sqlx_error};
 pub use inbox::{PostgresInboxStore, PostgresInboxStoreBuilder};

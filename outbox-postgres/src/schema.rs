@@ -12,10 +12,12 @@ use crate::error::{config, db};
 
 const OUTBOX_V1: &str = include_str!("migrations/0001_outbox.sql");
 const OUTBOX_V2: &str = include_str!("migrations/0002_outbox.sql");
+const OUTBOX_V3: &str = include_str!("migrations/0003_outbox.sql");
 const INBOX_V1: &str = include_str!("migrations/0001_inbox.sql");
 
-/// Longest accepted table name: derived names (`<table>_unfinished_idx`, `<table>_archive`)
-/// must stay within PostgreSQL's 63-byte identifier limit.
+/// Longest accepted table name: derived names (`<table>_audit_action_check`,
+/// `<table>_unfinished_idx`, `<table>_aggregate`) must stay within PostgreSQL's 63-byte
+/// identifier limit.
 pub const MAX_TABLE_NAME_LEN: usize = 40;
 /// Longest accepted schema or channel name (PostgreSQL's identifier limit).
 pub const MAX_IDENTIFIER_LEN: usize = 63;
@@ -57,7 +59,11 @@ fn render(template: &str, schema: &str, table: &str) -> String {
 pub fn outbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError> {
     validate_identifier("schema", schema, MAX_IDENTIFIER_LEN)?;
     validate_identifier("table", table, MAX_TABLE_NAME_LEN)?;
-    Ok(render(&format!("{OUTBOX_V1}{OUTBOX_V2}"), schema, table))
+    Ok(render(
+        &format!("{OUTBOX_V1}{OUTBOX_V2}{OUTBOX_V3}"),
+        schema,
+        table,
+    ))
 }
 
 /// The inbox schema as plain SQL for the given names. Validates the names.
@@ -87,6 +93,11 @@ pub(crate) async fn migrate(
             &[
                 (1, "outbox table, audit, archive", OUTBOX_V1),
                 (2, "one index of unfinished rows per aggregate", OUTBOX_V2),
+                (
+                    3,
+                    "per-aggregate delivery state: last version, lease",
+                    OUTBOX_V3,
+                ),
             ],
         ),
         Component::Inbox => ("inbox", &[(1, "inbox table", INBOX_V1)]),

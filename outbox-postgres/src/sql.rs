@@ -1,35 +1,47 @@
 //! The SQL text of one outbox store, built once from validated identifiers.
+//!
+//! Every statement that changes an aggregate's delivery state runs after the aggregate's
+//! advisory lock was taken by its transaction, and decides in a snapshot taken after that
+//! (READ COMMITTED: each statement gets a new snapshot). See `docs/claims.md`.
 
 use crate::schema::qualified;
 
-/// Envelope columns, in the order [`crate::outbox::envelope_from_row`] reads them.
+/// Envelope columns, in the order [`crate::outbox::rows::envelope_from_row`] reads them.
 pub(crate) const ENVELOPE_COLS: &str = "event_id, aggregate_type, aggregate_id, \
     aggregate_version, event_type, schema_version, content_type, payload, headers, created_at";
+
+/// Columns of a parked row as [`crate::outbox::rows::parked_from_row`] reads them.
+const PARKED_COLS: &str = "attempts, park_kind, last_error_class, last_error_kind, \
+    last_error_message, parked_at, maybe_delivered";
 
 #[derive(Debug)]
 pub(crate) struct OutboxSql {
     pub table: String,
     pub append: String,
-    pub claim_first_lease: String,
-    pub claim_first_locked: String,
-    pub claim_lease: String,
-    pub claim_locked: String,
-    pub lock_aggregates_of_events: String,
+    /// Claim step 1: candidates in id order, their aggregates try-locked. `$1` limit.
+    pub claim_candidates: String,
+    /// Claim step 2 (lease mode), in a snapshot taken after the locks. `$1` ids, `$2` owner,
+    /// `$3` token, `$4` lease µs, `$5` gap timeout µs, `$6` gap re-check µs.
+    pub claim_decide_lease: String,
+    /// Claim step 2 (locked mode). `$1` ids, `$2` gap timeout µs, `$3` gap re-check µs.
+    pub claim_decide_locked: String,
+    /// Blocking advisory locks of the given lock keys, in key order. `$1` keys.
+    pub lock_keys: String,
     pub complete_lease: String,
-    pub complete_lease_published: String,
     pub complete_locked: String,
-    pub complete_locked_published: String,
     pub release_lease: String,
     pub lease_rows: String,
-    pub lock_event_aggregate: String,
-    pub promote_aggregate: String,
+    pub owner_leases: String,
+    pub release_owner_lease: String,
+    pub event_state: String,
     pub retry_parked: String,
     pub discard_parked: String,
     pub reissue_parked: String,
     pub list_parked: String,
+    pub parked_event: String,
     pub audit_trail: String,
+    pub audit: String,
     pub cleanup: String,
-    pub cleanup_leases: String,
     pub stats: String,
     pub table_stats: String,
 }
@@ -45,26 +57,24 @@ pub(crate) fn seed(schema: &str, table: &str) -> i64 {
     h as i64
 }
 
-/// Advisory lock key of the aggregate of row alias `a`.
-fn key(a: &str, seed: i64) -> String {
-    format!("({} # ({seed}))", agg(a))
-}
-
 /// Aggregate key of row alias `a`: the expression of the unfinished and blocked indexes
 /// (migration 2), written the same way so that the planner matches them.
 fn agg(a: &str) -> String {
     format!("hashtextextended({a}.aggregate_type || chr(31) || {a}.aggregate_id, 0)")
 }
 
-/// The head (lowest unfinished version, ties by id) of the aggregate whose key is `{k}`: the
-/// first entry of its range in the unfinished index, whatever the aggregate's depth.
-fn head_lateral(t: &str, k: &str) -> String {
-    let au = agg("u");
+/// The aggregate-state row of event alias `e` (its primary key).
+fn state_of(s: &str, e: &str) -> String {
     format!(
-        "(SELECT u.id, u.status FROM {t} u \
-          WHERE {au} = {k} AND u.status IN ('pending', 'parked') \
-          ORDER BY u.aggregate_version, u.id LIMIT 1)"
+        "{s}.aggregate_key = {} AND {s}.aggregate_type = {e}.aggregate_type \
+         AND {s}.aggregate_id = {e}.aggregate_id",
+        agg(e)
     )
+}
+
+/// `interval` of `$n` microseconds.
+fn micros(n: u8) -> String {
+    format!("${n}::int8 * interval '1 microsecond'")
 }
 
 impl OutboxSql {
@@ -72,7 +82,7 @@ impl OutboxSql {
         let t = qualified(schema, table);
         let audit = qualified(schema, &format!("{table}_audit"));
         let archive = qualified(schema, &format!("{table}_archive"));
-        let lease = qualified(schema, &format!("{table}_lease"));
+        let state = qualified(schema, &format!("{table}_aggregate"));
         let seed = seed(schema, table);
 
         let append = format!(
@@ -88,287 +98,335 @@ impl OutboxSql {
                                            WHERE $11::text IS NOT NULL) nn) AS notified"
         );
 
-        // Step 1 of a claim: the first candidates in insertion order whose aggregate has no
-        // live lease and which this transaction can lock (the CASE keeps the lease probe and
-        // the lock attempt behind the cheap filters; locked mode writes no leases).
-        //
-        // The statement's snapshot predates its locks, so a transaction that held one of
-        // these aggregates may have committed changes this snapshot does not show. A
-        // candidate is therefore claimed here only when nothing can have changed under it:
-        // `fast` = its row version was never updated or locked (`xmax = 0`), and no unfinished
-        // row of its aggregate is ordered before it in this snapshot. Every write that can make
-        // a row a non-head or a non-candidate either updates the candidate itself or leaves an
-        // earlier row of the aggregate visible here (a head in flight, a parked row), so a
-        // stale view shows up as `fast = false`; those candidates go through step 2, which
-        // re-reads them in a snapshot taken after the locks. (Lease mode: a lease taken by a
-        // transaction this snapshot does not show is caught by the insert's `ON CONFLICT`,
-        // which always sees the latest lease.)
-        let kc = key("c", seed);
-        let candidates = |lease_probe: &str| {
+        // Step 1: the first candidates (pending, unblocked, due) in insertion order whose
+        // aggregate shows no live lease here and which this transaction can lock. The CASE keeps
+        // the lease probe and the lock attempt behind the cheap filters. Nothing is decided on
+        // this snapshot, which predates the locks: a view that is stale only costs a lock.
+        let claim_candidates = format!(
+            "SELECT c.id FROM {t} c \
+             WHERE c.status = 'pending' AND NOT c.blocked \
+               AND CASE WHEN c.next_attempt_at <= now() \
+                         AND NOT EXISTS (SELECT 1 FROM {state} a \
+                                         WHERE {sc} AND a.lease_until > clock_timestamp()) \
+                        THEN pg_try_advisory_xact_lock({kc} # ({seed})) ELSE false END \
+             ORDER BY c.id LIMIT $1",
+            sc = state_of("a", "c"),
+            kc = agg("c"),
+        );
+
+        // Step 2, in a snapshot taken after the locks: every writer of these aggregates' state
+        // takes the same locks first, so what this statement reads stays true until commit.
+        // Each candidate gets one action:
+        //   stale     version <= last: would go out after a later version; parked out of order
+        //   follower  an unfinished row of the aggregate above `last` precedes it: blocked
+        //   gap_park  the head skips a version for longer than the gap timeout: parked
+        //   gap_hold  the head skips a version: held, re-checked after a short delay
+        //   wait      the head is under a live lease (a mixed-mode relay) or not due
+        //   claim     the head, version last + 1, due: claimed (lease mode: the lease)
+        let decide = |gap: u8, recheck: u8| {
             format!(
                 "c AS MATERIALIZED ( \
-                   SELECT c.id, {cols}, c.attempts, {kc} AS k, \
-                          c.xmax = '0'::xid AND NOT EXISTS ( \
-                            SELECT 1 FROM {t} u \
-                            WHERE {au} = {ac} AND u.status IN ('pending', 'parked') \
-                              AND (u.aggregate_version, u.id) < (c.aggregate_version, c.id)) \
-                            AS fast \
-                   FROM {t} c \
-                   WHERE c.status = 'pending' AND NOT c.blocked \
-                     AND CASE WHEN c.next_attempt_at <= now() {lease_probe} \
-                              THEN pg_try_advisory_xact_lock({kc}) ELSE false END \
-                   ORDER BY c.id LIMIT $1)",
-                cols = prefixed("c", ENVELOPE_COLS),
-                au = agg("u"),
-                ac = agg("c"),
+                   SELECT r.id, {cols}, r.attempts, r.inserted_at, {kr} AS k, \
+                          r.next_attempt_at <= now() AS due, \
+                          COALESCE(a.last_version, 0) AS last, \
+                          COALESCE(a.lease_until > clock_timestamp(), false) AS leased \
+                   FROM {t} r \
+                   LEFT JOIN LATERAL (SELECT a.last_version, a.lease_until FROM {state} a \
+                                      WHERE {sr} LIMIT 1) a ON true \
+                   WHERE r.id = ANY($1::int8[]) AND r.status = 'pending' AND NOT r.blocked), \
+                 h AS MATERIALIZED ( \
+                   SELECT c.*, CASE \
+                     WHEN c.aggregate_version <= c.last THEN 'stale' \
+                     WHEN EXISTS (SELECT 1 FROM {t} u \
+                                  WHERE {ku} = c.k AND u.status IN ('pending', 'parked') \
+                                    AND u.aggregate_version > c.last \
+                                    AND (u.aggregate_version, u.id) < (c.aggregate_version, c.id) \
+                                    AND u.aggregate_type = c.aggregate_type \
+                                    AND u.aggregate_id = c.aggregate_id) THEN 'follower' \
+                     WHEN c.aggregate_version > c.last + 1 THEN \
+                       CASE WHEN c.inserted_at <= clock_timestamp() - {gap_i} THEN 'gap_park' \
+                            ELSE 'gap_hold' END \
+                     WHEN c.leased OR NOT c.due THEN 'wait' \
+                     ELSE 'claim' END AS action \
+                   FROM c), \
+                 blk AS ( \
+                   UPDATE {t} b SET blocked = true \
+                   WHERE b.id = ANY(ARRAY(SELECT h.id FROM h WHERE h.action = 'follower')) \
+                   RETURNING 1), \
+                 prk AS ( \
+                   UPDATE {t} p SET status = 'parked', parked_at = clock_timestamp(), \
+                          park_kind = x.kind, last_error_class = 'permanent', \
+                          last_error_kind = x.kind, last_error_message = x.msg \
+                   FROM (SELECT h.id, \
+                                CASE h.action WHEN 'stale' THEN 'out_of_order' \
+                                              ELSE 'version_gap' END AS kind, \
+                                CASE h.action \
+                                  WHEN 'stale' THEN format('version %s is at or below %s, the \
+last version published or discarded for its aggregate', h.aggregate_version, h.last) \
+                                  ELSE format('version %s follows %s: the versions between did \
+not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
+                         FROM h WHERE h.action IN ('stale', 'gap_park')) x \
+                   WHERE p.id = x.id RETURNING 1), \
+                 hold AS ( \
+                   UPDATE {t} g SET \
+                          next_attempt_at = LEAST(h.inserted_at + {gap_i}, \
+                                                  clock_timestamp() + {recheck_i}), \
+                          last_error_class = 'transient', last_error_kind = 'version_gap', \
+                          last_error_message = format('waiting for version %s of the aggregate \
+(the last published or discarded is %s)', h.last + 1, h.last) \
+                   FROM h WHERE g.id = h.id AND h.action = 'gap_hold' RETURNING 1), \
+                 promote AS ( \
+                   UPDATE {t} s SET blocked = false \
+                   FROM (SELECT (SELECT b.id FROM {t} b \
+                                 WHERE {kb} = h.k AND b.status IN ('pending', 'parked') \
+                                   AND b.blocked AND b.aggregate_type = h.aggregate_type \
+                                   AND b.aggregate_id = h.aggregate_id \
+                                 ORDER BY b.aggregate_version, b.id LIMIT 1) AS id \
+                         FROM h WHERE h.action = 'stale') nx \
+                   WHERE s.id = nx.id AND s.blocked RETURNING 1)",
+                cols = prefixed("r", ENVELOPE_COLS),
+                kr = agg("r"),
+                ku = agg("u"),
+                kb = agg("b"),
+                sr = state_of("a", "r"),
+                gap_i = micros(gap),
+                recheck_i = micros(recheck),
             )
         };
-        // Locked mode: the fast candidates are claimed (their locks are the claim).
-        let claim_first_locked = format!(
-            "WITH {} SELECT c.*, true AS claimed, NULL::int8 AS remaining_us FROM c",
-            candidates("")
+        let outcome_cols = format!(
+            "h.id, h.action, {}, h.attempts, h.k, h.last",
+            prefixed("h", ENVELOPE_COLS)
         );
-        // The leases of the picked heads (`pick`: id, k), in the narrow lease table (one row
-        // per aggregate in flight), so the wide event row is not rewritten to claim it. An
-        // expired lease of the aggregate is taken over; a live one makes the insert a no-op
-        // (`ON CONFLICT` sees the latest lease, even one committed after this statement's
-        // snapshot), and its row is not claimed. Two aggregates whose keys collide share one
-        // lease row, so only one of them is claimed at a time.
-        let take_leases = format!(
-            "ins AS ( \
-               INSERT INTO {lease} AS l \
-                 (aggregate_key, event_row, lease_owner, lease_token, lease_until) \
-               SELECT p.k, p.id, $2, $3, clock_timestamp() + $4::int8 * interval '1 microsecond' \
-               FROM pick p \
-               ON CONFLICT (aggregate_key) DO UPDATE SET event_row = EXCLUDED.event_row, \
-                 lease_owner = EXCLUDED.lease_owner, lease_token = EXCLUDED.lease_token, \
-                 lease_until = EXCLUDED.lease_until \
-               WHERE l.lease_until <= clock_timestamp() \
-               RETURNING l.aggregate_key, l.event_row, l.lease_until)"
-        );
-        // Lease mode: the fast candidates get their leases in the same statement.
-        let claim_first_lease = format!(
+        // Lease mode: the claimed heads get their leases in the aggregate-state row (created
+        // at the aggregate's first claim). A released or expired lease is taken over in place.
+        let claim_decide_lease = format!(
             "WITH {}, \
-             pick AS ( \
-               SELECT DISTINCT ON (c.k) c.id, c.k FROM c WHERE c.fast ORDER BY c.k, c.id), \
-             {take_leases} \
-             SELECT c.*, i.event_row IS NOT NULL AS claimed, \
-                (extract(epoch FROM i.lease_until - clock_timestamp()) * 1000000)::int8 \
-                  AS remaining_us \
-             FROM c LEFT JOIN ins i ON i.event_row = c.id",
-            candidates(&format!(
-                "AND NOT EXISTS (SELECT 1 FROM {lease} l WHERE l.aggregate_key = {kc} \
-                                   AND l.lease_until > clock_timestamp())"
-            ))
-        );
-
-        // Step 2, for the candidates of step 1 that were not `fast`, in a new snapshot taken
-        // after the aggregate locks: each candidate ($1, their ids) is re-read and must still
-        // be pending, unblocked and due. It is its aggregate's head when no unfinished row of
-        // the aggregate (pending or parked, blocked or not) is ordered before it: one probe of
-        // the unfinished index, which stops at the first entry it meets. Candidates that are
-        // not heads are blocked (out of the claim index) until the row ahead of them is
-        // published; heads are claimed.
-        let kr = key("r", seed);
-        let heads = format!(
-            "h AS MATERIALIZED ( \
-               SELECT r.id, {cols}, r.attempts, {kr} AS k, \
-                      r.next_attempt_at <= now() AS due, \
-                      NOT EXISTS ( \
-                        SELECT 1 FROM {t} u \
-                        WHERE {au} = {ar} AND u.status IN ('pending', 'parked') \
-                          AND (u.aggregate_version, u.id) < (r.aggregate_version, r.id)) AS head \
-               FROM {t} r \
-               WHERE r.id = ANY($1::int8[]) AND r.status = 'pending' AND NOT r.blocked), \
-             blk AS ( \
-               UPDATE {t} b SET blocked = true \
-               WHERE b.id = ANY(ARRAY(SELECT h.id FROM h WHERE NOT h.head)) \
-                 AND b.status = 'pending' AND NOT b.blocked \
-               RETURNING b.id)",
-            cols = prefixed("r", ENVELOPE_COLS),
-            au = agg("u"),
-            ar = agg("r"),
-        );
-        // Lease mode: the heads get their leases (see `take_leases`).
-        let claim_lease = format!(
-            "WITH {heads}, \
-             pick AS ( \
-               SELECT DISTINCT ON (h.k) h.id, h.k FROM h WHERE h.head AND h.due \
-               ORDER BY h.k, h.id), \
-             {take_leases} \
-             SELECT h.id, {cols}, h.attempts, i.aggregate_key AS k, \
-                (extract(epoch FROM i.lease_until - clock_timestamp()) * 1000000)::int8 AS remaining_us \
-             FROM ins i JOIN h ON h.id = i.event_row",
-            cols = prefixed("h", ENVELOPE_COLS),
+             ins AS ( \
+               INSERT INTO {state} AS a (aggregate_key, aggregate_type, aggregate_id, \
+                                         lease_owner, lease_token, lease_until, lease_row) \
+               SELECT h.k, h.aggregate_type, h.aggregate_id, $2, $3, \
+                      clock_timestamp() + {lease_i}, h.id \
+               FROM h WHERE h.action = 'claim' \
+               ON CONFLICT (aggregate_key, aggregate_type, aggregate_id) DO UPDATE \
+                 SET lease_owner = EXCLUDED.lease_owner, lease_token = EXCLUDED.lease_token, \
+                     lease_until = EXCLUDED.lease_until, lease_row = EXCLUDED.lease_row, \
+                     updated_at = clock_timestamp() \
+                 WHERE a.lease_until IS NULL OR a.lease_until <= clock_timestamp() \
+               RETURNING a.lease_row AS id, \
+                 (extract(epoch FROM a.lease_until - clock_timestamp()) * 1000000)::int8 \
+                   AS remaining_us) \
+             SELECT {outcome_cols}, i.remaining_us, (i.id IS NOT NULL) AS claimed \
+             FROM h LEFT JOIN ins i ON i.id = h.id \
+             WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold')",
+            decide(5, 6),
+            lease_i = micros(4),
         );
         // Locked mode: the aggregate locks, held until the completion commits, are the claim.
-        // Every writer of a pending row takes its aggregate's lock first (claims, completions,
-        // operator actions), so no row lock is needed.
-        let claim_locked = format!(
-            "WITH {heads} \
-             SELECT h.id, {cols}, h.attempts, h.k, NULL::int8 AS remaining_us \
-             FROM h WHERE h.head AND h.due",
-            cols = prefixed("h", ENVELOPE_COLS)
+        let claim_decide_locked = format!(
+            "WITH {} \
+             SELECT {outcome_cols}, NULL::int8 AS remaining_us, (h.action = 'claim') AS claimed \
+             FROM h WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold')",
+            decide(2, 3),
         );
 
-        // Keys come from the claim (returned with each row), so no table lookups here.
-        let lock_aggregates_of_events = "SELECT pg_advisory_xact_lock(s.k) FROM ( \
+        let lock_keys = "SELECT pg_advisory_xact_lock(s.k) FROM ( \
                SELECT DISTINCT k FROM UNNEST($1::int8[]) AS k ORDER BY 1) s"
             .to_owned();
 
-        // Unblocking after a published head: the aggregate's first blocked row (one index
-        // probe). If an unblocked unfinished row precedes it (a late commit), unblocking is
-        // still safe: the claim re-checks head-ness and blocks it again.
-        let next = format!(
-            "(SELECT u.id FROM {t} u \
-              WHERE {au} = pa.ak AND u.status IN ('pending', 'parked') AND u.blocked \
-              ORDER BY u.aggregate_version, u.id LIMIT 1)",
-            au = agg("u")
-        );
-        // A released lease keeps its row (no token, expiry = release time): the aggregate's
-        // next claim updates it in place (a HOT update of a narrow row, no index churn).
-        let release = "lease_owner = NULL, lease_token = NULL, lease_until = clock_timestamp()";
-        // The completion, in two forms: any mix of outcomes ($1..$10 in `OutcomeArrays`
-        // order), and the common case where every outcome is a publication ($1 ids, $2 topics,
-        // $3 partitions, $4 offsets), which sends and evaluates no error columns. `fence`
-        // holds the parameter numbers of the lease token and keys (lease mode).
-        let complete = |published_only: bool, fence: Option<(u8, u8)>| {
-            let (source, set, kind) = if published_only {
-                (
-                    "UNNEST($1::int8[], $2::text[], $3::int4[], $4::int8[]) \
-                       AS o(id, topic, part, off)",
-                    "status = 'published', published_at = clock_timestamp(), \
-                     finished_at = clock_timestamp(), \
-                     ack_topic = o.topic, ack_partition = o.part, ack_offset = o.off",
-                    "'published'::text",
-                )
-            } else {
-                (
-                    "UNNEST($1::int8[], $2::text[], $3::text[], $4::int4[], \
-                        $5::int8[], $6::int8[], $7::text[], $8::text[], $9::text[], $10::text[]) \
-                     AS o(id, kind, topic, part, off, delay_us, eclass, ekind, emsg, pkind)",
-                    "status = CASE o.kind WHEN 'published' THEN 'published' \
-                                          WHEN 'park' THEN 'parked' ELSE 'pending' END, \
-                     attempts = CASE WHEN o.kind IN ('published', 'defer') THEN t.attempts \
-                                     ELSE t.attempts + 1 END, \
-                     next_attempt_at = CASE WHEN o.kind IN ('retry', 'defer') \
-                         THEN clock_timestamp() + o.delay_us * interval '1 microsecond' \
-                         ELSE t.next_attempt_at END, \
-                     published_at = CASE WHEN o.kind = 'published' THEN clock_timestamp() END, \
-                     finished_at = CASE WHEN o.kind = 'published' THEN clock_timestamp() END, \
-                     ack_topic = o.topic, ack_partition = o.part, ack_offset = o.off, \
-                     last_error_class = CASE WHEN o.kind = 'published' THEN t.last_error_class \
-                                             ELSE o.eclass END, \
-                     last_error_kind = CASE WHEN o.kind = 'published' THEN t.last_error_kind \
-                                            ELSE o.ekind END, \
-                     last_error_message = CASE WHEN o.kind = 'published' \
-                                               THEN t.last_error_message ELSE o.emsg END, \
-                     park_kind = CASE WHEN o.kind = 'park' THEN o.pkind END, \
-                     parked_at = CASE WHEN o.kind = 'park' THEN clock_timestamp() END",
-                    "o.kind",
-                )
-            };
-            // Fencing: the claim's leases (all of its aggregates, token and keys given) are
-            // released, and only rows whose lease was still this token's get their outcome.
-            // Rows without an outcome are thereby released too. Without a fence to drive the
-            // join, `id = ANY(..)` keeps the planner from hashing a scan of every pending row
-            // (the cost would grow with the backlog).
-            let (fence_cte, fence_join, filter) = match fence {
-                Some((token, keys)) => (
-                    format!(
-                        "fenced AS (UPDATE {lease} l SET {release} \
-                           WHERE l.aggregate_key = ANY(${keys}::int8[]) \
-                             AND l.lease_token = ${token} \
-                           RETURNING l.event_row),"
-                    ),
-                    "JOIN fenced f ON f.event_row = o.id",
-                    "",
-                ),
-                None => (String::new(), "", "AND t.id = ANY($1::int8[])"),
-            };
-            // Unblocking: per aggregate with a publication, its first blocked row (one probe
-            // of the blocked index), skipped as a whole when no row is blocked at all.
+        // The aggregate's first blocked row becomes a candidate again (the claim re-checks it).
+        let promote_after = |src: &str| {
             format!(
-                "WITH o AS MATERIALIZED (SELECT o.* FROM {source}), \
-                 {fence_cte} \
-                 upd AS ( \
-                   UPDATE {t} t SET {set} \
-                   FROM o {fence_join} \
-                   WHERE t.id = o.id AND t.status = 'pending' {filter} \
-                   RETURNING t.id, {at} AS ak, {kind} AS kind), \
-                 pa AS (SELECT DISTINCT ak FROM upd WHERE kind = 'published'), \
-                 promote AS ( \
+                "promote AS ( \
                    UPDATE {t} s SET blocked = false \
-                   FROM (SELECT h.id FROM pa CROSS JOIN LATERAL {next} h \
-                         WHERE EXISTS (SELECT 1 FROM {t} b \
-                                       WHERE b.status IN ('pending', 'parked') AND b.blocked)) nx \
-                   WHERE s.id = nx.id AND s.blocked RETURNING 1) \
-                 SELECT ARRAY(SELECT id FROM upd) AS applied",
-                at = agg("t")
+                   FROM (SELECT (SELECT b.id FROM {t} b \
+                                 WHERE {kb} = p.k AND b.status IN ('pending', 'parked') \
+                                   AND b.blocked AND b.aggregate_type = p.at \
+                                   AND b.aggregate_id = p.ai \
+                                 ORDER BY b.aggregate_version, b.id LIMIT 1) AS id \
+                         FROM {src} p) nx \
+                   WHERE s.id = nx.id AND s.blocked RETURNING 1)",
+                kb = agg("b"),
             )
         };
-        let complete_lease = complete(false, Some((11, 12)));
-        let complete_lease_published = complete(true, Some((5, 6)));
-        let complete_locked = complete(false, None);
-        let complete_locked_published = complete(true, None);
-        let release_lease = format!(
-            "UPDATE {lease} SET {release} WHERE aggregate_key = ANY($2::int8[]) AND lease_token = $1"
+
+        // The completion: one row per claimed event, in `OutcomeArrays` order ($1..$15);
+        // `release` marks a claimed row without outcome (its claim just ends).
+        let outcomes = "o AS MATERIALIZED (SELECT * FROM UNNEST($1::int8[], $2::int8[], \
+               $3::text[], $4::text[], $5::int8[], $6::text[], $7::text[], $8::int4[], \
+               $9::int8[], $10::int8[], $11::text[], $12::text[], $13::text[], $14::text[], \
+               $15::bool[]) \
+             AS o(id, k, at, ai, v, kind, topic, part, off, delay_us, eclass, ekind, emsg, \
+                  pkind, uncertain))";
+        let set = "status = CASE o.kind WHEN 'published' THEN 'published' \
+                                WHEN 'park' THEN 'parked' ELSE 'pending' END, \
+             attempts = CASE WHEN o.kind IN ('retry', 'park') THEN t.attempts + 1 \
+                             ELSE t.attempts END, \
+             next_attempt_at = CASE WHEN o.kind IN ('retry', 'defer') \
+                 THEN clock_timestamp() + o.delay_us * interval '1 microsecond' \
+                 ELSE t.next_attempt_at END, \
+             published_at = CASE WHEN o.kind = 'published' THEN clock_timestamp() END, \
+             finished_at = CASE WHEN o.kind = 'published' THEN clock_timestamp() END, \
+             ack_topic = o.topic, ack_partition = o.part, ack_offset = o.off, \
+             last_error_class = CASE WHEN o.kind = 'published' THEN t.last_error_class \
+                                     ELSE o.eclass END, \
+             last_error_kind = CASE WHEN o.kind = 'published' THEN t.last_error_kind \
+                                    ELSE o.ekind END, \
+             last_error_message = CASE WHEN o.kind = 'published' THEN t.last_error_message \
+                                       ELSE o.emsg END, \
+             park_kind = CASE WHEN o.kind = 'park' THEN o.pkind END, \
+             parked_at = CASE WHEN o.kind = 'park' THEN clock_timestamp() END, \
+             maybe_delivered = t.maybe_delivered OR COALESCE(o.uncertain, false)";
+        // Lease mode: only rows whose aggregate's lease still carries this claim's token
+        // (`$16`) get their outcome (fencing); every such lease is released, and a publication
+        // advances the aggregate's last version in the same write.
+        let complete_lease = format!(
+            "WITH {outcomes}, \
+             f AS MATERIALIZED ( \
+               SELECT o.* FROM o \
+               WHERE EXISTS (SELECT 1 FROM {state} a \
+                             WHERE a.aggregate_key = o.k AND a.aggregate_type = o.at \
+                               AND a.aggregate_id = o.ai AND a.lease_token = $16 \
+                               AND a.lease_row = o.id)), \
+             upd AS ( \
+               UPDATE {t} t SET {set} FROM f o \
+               WHERE t.id = o.id AND t.status = 'pending' AND o.kind <> 'release' \
+               RETURNING t.id, o.kind, o.k, o.at, o.ai, o.v), \
+             rel AS ( \
+               UPDATE {state} a SET lease_owner = NULL, lease_token = NULL, lease_until = NULL, \
+                      lease_row = NULL, last_version = GREATEST(a.last_version, COALESCE(p.v, 0)), \
+                      updated_at = clock_timestamp() \
+               FROM (SELECT f.k, f.at, f.ai, u.v FROM f \
+                     LEFT JOIN upd u ON u.id = f.id AND u.kind = 'published') p \
+               WHERE a.aggregate_key = p.k AND a.aggregate_type = p.at \
+                 AND a.aggregate_id = p.ai AND a.lease_token = $16 \
+               RETURNING 1), \
+             {} \
+             SELECT ARRAY(SELECT id FROM upd) AS applied",
+            promote_after("(SELECT * FROM upd WHERE kind = 'published')"),
         );
-        // Rows of a lease claim made by another store instance (no ids in memory): a scan of
-        // the lease table, which holds one row per aggregate in flight.
+        // Locked mode: the claim's transaction still holds the aggregate locks; a publication
+        // advances (or creates) the aggregate's state.
+        let complete_locked = format!(
+            "WITH {outcomes}, \
+             upd AS ( \
+               UPDATE {t} t SET {set} FROM o \
+               WHERE t.id = o.id AND t.status = 'pending' AND o.kind <> 'release' \
+               RETURNING t.id, o.kind, o.k, o.at, o.ai, o.v), \
+             st AS ( \
+               INSERT INTO {state} AS a (aggregate_key, aggregate_type, aggregate_id, \
+                                         last_version) \
+               SELECT u.k, u.at, u.ai, u.v FROM upd u WHERE u.kind = 'published' \
+               ON CONFLICT (aggregate_key, aggregate_type, aggregate_id) DO UPDATE \
+                 SET last_version = GREATEST(a.last_version, EXCLUDED.last_version), \
+                     updated_at = clock_timestamp() \
+               RETURNING 1), \
+             {} \
+             SELECT ARRAY(SELECT id FROM upd) AS applied",
+            promote_after("(SELECT * FROM upd WHERE kind = 'published')"),
+        );
+        let release_lease = format!(
+            "UPDATE {state} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL, \
+                    lease_row = NULL, updated_at = clock_timestamp() \
+             WHERE aggregate_key = ANY($2::int8[]) AND lease_token = $1"
+        );
+        // Rows of a lease claim made by another store instance (no rows in memory): the leased
+        // rows are pending and unblocked, so this walks the claim index, not the whole table.
         let lease_rows = format!(
-            "SELECT l.event_row AS id, e.event_id, l.aggregate_key AS k \
-             FROM {lease} l JOIN {t} e ON e.id = l.event_row WHERE l.lease_token = $1"
+            "SELECT e.id, e.event_id, {ke} AS k, e.aggregate_type, e.aggregate_id, \
+                    e.aggregate_version \
+             FROM {t} e JOIN LATERAL (SELECT a.lease_token FROM {state} a \
+                                      WHERE {se} AND a.lease_row = e.id LIMIT 1) a ON true \
+             WHERE e.status = 'pending' AND NOT e.blocked AND a.lease_token = $1",
+            ke = agg("e"),
+            se = state_of("a", "e"),
+        );
+        // The live leases of one owner (operator action on a relay that is gone).
+        let owner_leases = format!(
+            "SELECT e.event_id, {ke} AS k, e.aggregate_type, e.aggregate_id \
+             FROM {t} e JOIN LATERAL (SELECT a.lease_owner, a.lease_until FROM {state} a \
+                                      WHERE {se} AND a.lease_row = e.id LIMIT 1) a ON true \
+             WHERE e.status = 'pending' AND NOT e.blocked AND a.lease_owner = $1 \
+               AND a.lease_until > clock_timestamp()",
+            ke = agg("e"),
+            se = state_of("a", "e"),
+        );
+        let release_owner_lease = format!(
+            "UPDATE {state} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL, \
+                    lease_row = NULL, updated_at = clock_timestamp() \
+             WHERE aggregate_key = $1 AND aggregate_type = $2 AND aggregate_id = $3 \
+               AND lease_owner = $4 AND lease_until > clock_timestamp() RETURNING 1"
         );
 
-        let ks = key("e", seed);
-        let lock_event_aggregate = format!(
-            "SELECT e.aggregate_type, e.aggregate_id, {ks} AS k FROM {t} e WHERE e.event_id = $1"
+        // Operator actions: the event's aggregate and state, read again after its lock.
+        let event_state = format!(
+            "SELECT e.status, e.aggregate_type, e.aggregate_id, e.aggregate_version, \
+                    {ke} AS k, COALESCE(a.last_version, 0) AS last \
+             FROM {t} e LEFT JOIN LATERAL (SELECT a.last_version FROM {state} a \
+                                           WHERE {se} LIMIT 1) a ON true \
+             WHERE e.event_id = $1",
+            ke = agg("e"),
+            se = state_of("a", "e"),
         );
-        let promote_head = head_lateral(&t, "pa.ak");
-        let promote_aggregate = format!(
-            "UPDATE {t} s SET blocked = false \
-             FROM (SELECT h.id FROM (SELECT hashtextextended($1::text || chr(31) || $2::text, 0) \
-                                              AS ak) pa \
-                   CROSS JOIN LATERAL {promote_head} h) nx \
-             WHERE s.id = nx.id AND s.blocked"
+        // Raises the aggregate's last version to at least `$5` ($2..$4 key, type, id).
+        let raise_last = format!(
+            "st AS ( \
+               INSERT INTO {state} AS a (aggregate_key, aggregate_type, aggregate_id, \
+                                         last_version) \
+               VALUES ($2, $3, $4, $5) \
+               ON CONFLICT (aggregate_key, aggregate_type, aggregate_id) DO UPDATE \
+                 SET last_version = GREATEST(a.last_version, EXCLUDED.last_version), \
+                     updated_at = clock_timestamp() \
+               RETURNING 1)"
         );
         let retry_parked = format!(
-            "WITH u AS ( \
+            "WITH {raise_last}, \
+             u AS ( \
                UPDATE {t} SET status = 'pending', attempts = 0, next_attempt_at = '-infinity', \
                       park_kind = NULL, parked_at = NULL, blocked = false \
                WHERE event_id = $1 AND status = 'parked' RETURNING event_id) \
-             INSERT INTO {audit} (event_id, action, actor, reason) \
-             SELECT event_id, 'retry', $2, $3 FROM u RETURNING id"
+             SELECT count(*) FROM u"
         );
         let discard_parked = format!(
-            "WITH u AS ( \
+            "WITH {raise_last}, \
+             u AS ( \
                UPDATE {t} SET status = 'discarded', finished_at = clock_timestamp(), \
-                      discard_reason = $3, blocked = false \
-               WHERE event_id = $1 AND status = 'parked' RETURNING event_id) \
-             INSERT INTO {audit} (event_id, action, actor, reason) \
-             SELECT event_id, 'discard', $2, $3 FROM u RETURNING id"
+                      discard_reason = $6, blocked = false \
+               WHERE event_id = $1 AND status = 'parked' \
+               RETURNING event_id, $2::int8 AS k, $3::text AS at, $4::text AS ai), \
+             {} \
+             SELECT count(*) FROM u",
+            promote_after("u"),
         );
+        // The copy keeps the original's id in a header (the first original's, when the parked
+        // event is itself a copy), so inboxes deduplicate the two as one event.
         let reissue_parked = format!(
-            "WITH o AS ( \
+            "WITH {raise_last}, \
+             o AS ( \
                UPDATE {t} SET status = 'discarded', finished_at = clock_timestamp(), \
-                      discard_reason = $3, blocked = false \
+                      discard_reason = $6, blocked = false \
                WHERE event_id = $1 AND status = 'parked' \
                RETURNING {ENVELOPE_COLS}), \
              ins AS ( \
                INSERT INTO {t} ({ENVELOPE_COLS}) \
-               SELECT $4, aggregate_type, aggregate_id, aggregate_version, event_type, \
-                      schema_version, content_type, payload, headers, created_at FROM o \
-               RETURNING event_id), \
-             a AS ( \
-               INSERT INTO {audit} (event_id, action, actor, reason, new_event_id) \
-               SELECT $1, 'reissue', $2, $3, event_id FROM ins RETURNING 1) \
-             SELECT count(*) FROM a"
+               SELECT $7, aggregate_type, aggregate_id, aggregate_version, event_type, \
+                      schema_version, content_type, payload, \
+                      headers || jsonb_build_object($8::text, \
+                                   COALESCE(headers ->> $8::text, event_id::text)), \
+                      created_at FROM o \
+               RETURNING event_id) \
+             SELECT count(*) FROM ins"
+        );
+        let audit_insert = format!(
+            "INSERT INTO {audit} (event_id, action, actor, reason, new_event_id) \
+             VALUES ($1, $2, $3, $4, $5)"
         );
         let list_parked = format!(
-            "SELECT id, {ENVELOPE_COLS}, attempts, park_kind, last_error_class, last_error_kind, \
-                    last_error_message, parked_at \
+            "SELECT id, {ENVELOPE_COLS}, {PARKED_COLS} \
              FROM {t} WHERE status = 'parked' ORDER BY parked_at, id LIMIT $1"
+        );
+        let parked_event = format!(
+            "SELECT id, {ENVELOPE_COLS}, {PARKED_COLS} \
+             FROM {t} WHERE event_id = $1 AND status = 'parked'"
         );
         let audit_trail = format!(
             "SELECT event_id, action, actor, reason, new_event_id, at FROM {audit} \
@@ -385,25 +443,23 @@ impl OutboxSql {
              ar AS (INSERT INTO {archive} SELECT * FROM d WHERE $3::bool RETURNING 1) \
              SELECT (SELECT count(*) FROM d) AS removed, (SELECT count(*) FROM ar) AS archived"
         );
-        // Released lease rows of aggregates that were quiet for the retention period.
-        let cleanup_leases = format!(
-            "DELETE FROM {lease} WHERE aggregate_key IN ( \
-               SELECT aggregate_key FROM {lease} \
-               WHERE lease_token IS NULL \
-                 AND lease_until < clock_timestamp() - $1::int8 * interval '1 microsecond' \
-               LIMIT $2 FOR UPDATE SKIP LOCKED)"
-        );
         let stats = format!(
             "SELECT \
                (SELECT count(*) FROM {t} WHERE status = 'pending') AS unpublished, \
-               (SELECT count(*) FROM {lease} WHERE lease_until > clock_timestamp()) AS leased, \
+               (SELECT count(*) FROM {t} e \
+                  WHERE e.status = 'pending' AND NOT e.blocked \
+                    AND EXISTS (SELECT 1 FROM {state} a WHERE {se} AND a.lease_row = e.id \
+                                  AND a.lease_until > clock_timestamp())) AS leased, \
                (SELECT count(*) FROM {t} WHERE status = 'parked') AS parked, \
                (SELECT count(*) FROM {t} WHERE status = 'published') AS published, \
                (SELECT count(*) FROM {t} WHERE status = 'pending' AND blocked) AS blocked, \
+               (SELECT count(*) FROM {t} WHERE status = 'pending' AND NOT blocked \
+                  AND last_error_kind = 'version_gap') AS gaps_held, \
                (SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8 FROM {t} \
                   WHERE status = 'pending') AS oldest_pending, \
                (SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8 FROM {t} \
-                  WHERE status = 'parked') AS oldest_parked"
+                  WHERE status = 'parked') AS oldest_parked",
+            se = state_of("a", "e"),
         );
         let table_stats = "SELECT pg_total_relation_size(c.oid)::float8 AS total_bytes, \
                     pg_relation_size(c.oid)::float8 AS table_bytes, \
@@ -419,26 +475,25 @@ impl OutboxSql {
         Self {
             table: t,
             append,
-            claim_first_lease,
-            claim_first_locked,
-            claim_lease,
-            claim_locked,
-            lock_aggregates_of_events,
+            claim_candidates,
+            claim_decide_lease,
+            claim_decide_locked,
+            lock_keys,
             complete_lease,
-            complete_lease_published,
             complete_locked,
-            complete_locked_published,
             release_lease,
             lease_rows,
-            lock_event_aggregate,
-            promote_aggregate,
+            owner_leases,
+            release_owner_lease,
+            event_state,
             retry_parked,
             discard_parked,
             reissue_parked,
             list_parked,
+            parked_event,
             audit_trail,
+            audit: audit_insert,
             cleanup,
-            cleanup_leases,
             stats,
             table_stats,
         }

@@ -55,6 +55,7 @@ impl OutboxHarness for PgHarness {
         let store = PostgresOutboxStore::builder(self.pool.clone())
             .schema(&self.schema)
             .claim_mode(mode)
+            .gap_timeout(capabilities().gap_timeout)
             .build()
             .expect("store");
         store.migrate().await.expect("migrate");

@@ -101,7 +101,7 @@ fn relay<P: Publisher>(
         .owner(owner)
         .batch_size(50)
         .idle(Duration::from_millis(5), Duration::from_millis(50))
-        .lease_margin(Duration::from_millis(200))
+        .lease_margin(outbox_core::MIN_LEASE_MARGIN)
         .retry(
             RetryPolicy::builder()
                 .base(Duration::from_millis(5))
@@ -287,7 +287,7 @@ async fn crashed_relay_work_is_finished_by_another(mode: ClaimMode) {
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     // The crashing relay has its own store instance (its own process, in real life).
     let mut doomed = relay(
-        build(Duration::from_secs(2)),
+        build(Duration::from_secs(3)),
         HangingPublisher { claimed: tx },
         "doomed",
         1,
@@ -339,7 +339,7 @@ async fn crashed_relay_work_is_finished_by_another(mode: ClaimMode) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn crash_between_claim_and_complete_lease() {
     crashed_relay_work_is_finished_by_another(
-        ClaimMode::lease(Duration::from_millis(1500)).unwrap(),
+        ClaimMode::lease(Duration::from_millis(1800)).unwrap(),
     )
     .await;
 }

@@ -79,7 +79,7 @@ async fn count(ctx: &common::Ctx, filter: &str) -> i64 {
 /// Leases recorded in the lease table (one row per aggregate in flight in lease mode).
 async fn leases(ctx: &common::Ctx) -> i64 {
     sqlx::query_scalar(&format!(
-        "SELECT count(*) FROM \"{}\".outbox_events_lease WHERE lease_token IS NOT NULL",
+        "SELECT count(*) FROM \"{}\".outbox_events_aggregate WHERE lease_token IS NOT NULL",
         ctx.schema
     ))
     .fetch_one(&ctx.pool)
@@ -267,7 +267,7 @@ async fn hostile_identifiers_are_configuration_errors() {
         .table("shop_outbox")
         .build()
         .unwrap();
-    assert_eq!(store.migrate().await.unwrap(), 2);
+    assert_eq!(store.migrate().await.unwrap(), 3);
     assert_eq!(
         store.migrate().await.unwrap(),
         0,
@@ -349,7 +349,7 @@ async fn lease_claim_records_owner_token_expiry_and_ack_metadata() {
     assert!(left > Duration::from_secs(29) && left <= Duration::from_secs(30));
     let row = sqlx::query(&format!(
         "SELECT l.lease_owner, l.lease_token, l.lease_until > now() AS live \
-         FROM \"{0}\".outbox_events e JOIN \"{0}\".outbox_events_lease l ON l.event_row = e.id \
+         FROM \"{0}\".outbox_events e JOIN \"{0}\".outbox_events_aggregate l ON l.lease_row = e.id \
          WHERE e.event_id = $1",
         ctx.schema
     ))
@@ -369,8 +369,8 @@ async fn lease_claim_records_owner_token_expiry_and_ack_metadata() {
     assert_eq!((rep.applied, rep.superseded), (2, 0));
     let row = sqlx::query(&format!(
         "SELECT status, ack_topic, ack_partition, ack_offset, published_at IS NOT NULL AS p, \
-                NOT EXISTS (SELECT 1 FROM \"{0}\".outbox_events_lease l \
-                            WHERE l.event_row = e.id AND l.lease_token IS NOT NULL) AS cleared \
+                NOT EXISTS (SELECT 1 FROM \"{0}\".outbox_events_aggregate l \
+                            WHERE l.lease_row = e.id AND l.lease_token IS NOT NULL) AS cleared \
          FROM \"{0}\".outbox_events e WHERE event_id = $1",
         ctx.schema
     ))
@@ -677,9 +677,9 @@ async fn cleanup_in_bounded_batches_with_archive() {
         .await
         .unwrap();
 
-    let lease_rows = || async {
+    let state_rows = || async {
         sqlx::query_scalar::<_, i64>(&format!(
-            "SELECT count(*) FROM \"{}\".outbox_events_lease",
+            "SELECT count(*) FROM \"{}\".outbox_events_aggregate WHERE last_version >= 1",
             ctx.schema
         ))
         .fetch_one(&ctx.pool)
@@ -688,18 +688,32 @@ async fn cleanup_in_bounded_batches_with_archive() {
     };
     let rep = store.cleanup(Duration::from_secs(3600), 3).await.unwrap();
     assert_eq!(rep.removed, 0, "nothing past retention yet");
-    assert_eq!(lease_rows().await, 12, "released leases are kept for reuse");
-    assert_eq!(leases(&ctx).await, 0, "none of them is live");
+    assert_eq!(
+        state_rows().await,
+        10,
+        "one state row per published aggregate"
+    );
+    assert_eq!(leases(&ctx).await, 0, "no lease is live");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let rep = store.cleanup(Duration::from_millis(100), 3).await.unwrap();
     assert_eq!(rep.removed, 10);
     assert_eq!(rep.batches, 4, "3 + 3 + 3 + 1");
     assert_eq!(count(&ctx, "true").await, 2, "pending and parked rows stay");
     assert_eq!(
-        lease_rows().await,
-        0,
-        "released leases of quiet aggregates go"
+        state_rows().await,
+        10,
+        "the per-aggregate last version survives cleanup of the rows"
     );
+    // A late duplicate of a cleaned-up version is still recognised as out of order.
+    let late = event("c3", 1);
+    store.append(&ctx.pool, &late).await.unwrap();
+    let b = claim(&store, "r", 100).await;
+    assert!(b
+        .records
+        .iter()
+        .all(|r| r.envelope.event_id != late.event_id));
+    assert_eq!(b.parked.len(), 1);
+    assert_eq!(b.parked[0].kind, ParkKind::OutOfOrder);
     let archived: i64 = sqlx::query_scalar(&format!(
         "SELECT count(*) FROM \"{}\".outbox_events_archive WHERE status = 'published' \
          AND ack_topic = 'orders'",
@@ -926,14 +940,25 @@ async fn listener_wakes_on_commit() {
 async fn claim_plan_uses_the_partial_indexes() {
     let ctx = ctx!(4);
     let store = ctx.store(lease(30.0)).await;
-    let evs: Vec<_> = (0..2000)
-        .map(|i| event(&format!("x{}", i % 200), i / 200 + 1))
+    // 2,000 aggregates with 10 versions each; every aggregate gets a state row (a large state
+    // table must be probed, never scanned).
+    let evs: Vec<_> = (0..20_000)
+        .map(|i| event(&format!("x{}", i % 2000), i / 2000 + 1))
         .collect();
-    store.append_many(&ctx.pool, &evs).await.unwrap();
-    sqlx::query(&format!("ANALYZE \"{}\".outbox_events", ctx.schema))
-        .execute(&ctx.pool)
-        .await
-        .unwrap();
+    for chunk in evs.chunks(5000) {
+        store.append_many(&ctx.pool, chunk).await.unwrap();
+    }
+    for _ in 0..2 {
+        let b = claim(&store, "warm", 1000).await;
+        publish_all(&store, &b).await;
+    }
+    for table in ["outbox_events", "outbox_events_aggregate"] {
+        sqlx::query(&format!("ANALYZE \"{}\".{table}", ctx.schema))
+            .execute(&ctx.pool)
+            .await
+            .unwrap();
+    }
+    let blocked_before = count(&ctx, "blocked").await;
     let plans = store.explain_claim(100).await.unwrap();
     assert!(plans[0].contains("outbox_events_claim_idx"), "{}", plans[0]);
     assert!(!plans[0].contains("Seq Scan"), "{}", plans[0]);
@@ -944,35 +969,8 @@ async fn claim_plan_uses_the_partial_indexes() {
     );
     assert!(!plans[1].contains("Seq Scan"), "{}", plans[1]);
     // Nothing was claimed by EXPLAIN (rolled back).
-    assert_eq!(count(&ctx, "blocked").await, 0);
+    assert_eq!(count(&ctx, "blocked").await, blocked_before);
     assert_eq!(leases(&ctx).await, 0);
-    ctx.drop().await;
-}
-
-/// A lower version that commits while a higher one is in flight waits until the in-flight
-/// one is finished: never two events of one aggregate in flight.
-#[tokio::test]
-async fn late_lower_version_waits_for_the_in_flight_row() {
-    let ctx = ctx!(4);
-    for mode in [lease(30.0), ClaimMode::LockedTransaction] {
-        let store = ctx.store(mode).await;
-        let agg = format!("ooo-{mode:?}").replace(' ', "");
-        let v2 = event(&agg, 2);
-        store.append(&ctx.pool, &v2).await.unwrap();
-        let b = claim(&store, "r1", 10).await;
-        assert_eq!(versions(&b), vec![(agg.clone(), 2)]);
-        let v1 = event(&agg, 1);
-        store.append(&ctx.pool, &v1).await.unwrap();
-        let other = ctx.store(mode).await;
-        assert!(
-            claim(&other, "r2", 10).await.is_empty(),
-            "{mode:?}: v1 must wait while v2 is in flight"
-        );
-        publish_all(&store, &b).await;
-        let b = claim(&other, "r2", 10).await;
-        assert_eq!(versions(&b), vec![(agg.clone(), 1)], "{mode:?}");
-        publish_all(&other, &b).await;
-    }
     ctx.drop().await;
 }
 
@@ -1024,85 +1022,87 @@ async fn listener_reconnects_after_its_connection_is_killed() {
 
 /// A table made by migration 1 (with its index of unblocked rows only) and holding a backlog
 /// with blocked rows is upgraded by migration 2 in place, and the relay goes on in order.
+/// Migration 3 upgrades a version-2 table in use: the per-aggregate state is derived from the
+/// retained rows (or, where cleanup removed them, from the lowest unfinished version), a live
+/// lease moves over and still fences, and the backlog drains in order.
 #[tokio::test]
-async fn migration_2_upgrades_a_version_1_table_with_a_backlog() {
+async fn migration_3_upgrades_a_version_2_table_in_use() {
     let ctx = ctx!(4);
-    let store = ctx.store(lease(30.0)).await;
-    let evs: Vec<_> = (1..=4).map(|v| event("up", v)).collect();
-    store.append_many(&ctx.pool, &evs).await.unwrap();
-    let b = claim(&store, "r", 100).await;
-    assert_eq!(versions(&b), vec![("up".into(), 1)]);
-    assert_eq!(count(&ctx, "blocked").await, 3);
-    // Back to the state of version 1: its index, no unfinished index, no record of version 2.
-    for sql in [
-        format!("DROP INDEX \"{}\".outbox_events_unfinished_idx", ctx.schema),
-        format!(
-            "CREATE INDEX outbox_events_aggregate_idx ON \"{}\".outbox_events \
-             (aggregate_type, aggregate_id, aggregate_version, id) \
-             WHERE status IN ('pending', 'parked') AND NOT blocked",
-            ctx.schema
-        ),
-        format!(
-            "DELETE FROM \"{}\".outbox_schema_migrations WHERE version = 2",
-            ctx.schema
-        ),
-        // Version 1 keyed leases by another hash: the live lease must be re-keyed.
-        format!(
-            "UPDATE \"{}\".outbox_events_lease SET aggregate_key = 12345",
-            ctx.schema
-        ),
-    ] {
-        sqlx::query(&sql).execute(&ctx.pool).await.unwrap();
-    }
-    assert_eq!(store.migrate().await.unwrap(), 1, "only migration 2 runs");
-    let indexes: Vec<String> = sqlx::query_scalar(
-        "SELECT indexname::text FROM pg_indexes WHERE schemaname = $1 ORDER BY 1",
-    )
-    .bind(&ctx.schema)
+    let render = |sql: &str| {
+        sql.replace("__SCHEMA__", &ctx.schema)
+            .replace("__TABLE__", "outbox_events")
+            .replace("__SEED__", "0")
+    };
+    let v1 = render(include_str!("../src/migrations/0001_outbox.sql"));
+    let v2 = render(include_str!("../src/migrations/0002_outbox.sql"));
+    sqlx::raw_sql(&format!("{v1}{v2}"))
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
+    sqlx::raw_sql(&format!(
+        "CREATE TABLE \"{0}\".outbox_schema_migrations (object text NOT NULL, \
+           version integer NOT NULL, description text NOT NULL, \
+           applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (object, version)); \
+         INSERT INTO \"{0}\".outbox_schema_migrations (object, version, description) \
+           VALUES ('outbox:outbox_events', 1, 'v1'), ('outbox:outbox_events', 2, 'v2');",
+        ctx.schema
+    ))
+    .execute(&ctx.pool)
+    .await
+    .unwrap();
+    // "up": v1, v2 published, v3 in flight under a live lease, v4 queued. "gone": its
+    // published rows were cleaned up; v7 waits.
+    let store = ctx.store_unmigrated(lease(30.0));
+    let up: Vec<_> = (1..=4).map(|v| event("up", v)).collect();
+    let gone = event("gone", 7);
+    store.append_many(&ctx.pool, &up).await.unwrap();
+    store.append(&ctx.pool, &gone).await.unwrap();
+    let token = uuid::Uuid::now_v7();
+    sqlx::raw_sql(&format!(
+        "UPDATE \"{0}\".outbox_events SET status = 'published', published_at = now(), \
+            finished_at = now(), ack_topic = 't', ack_partition = 0, ack_offset = 0 \
+         WHERE aggregate_id = 'up' AND aggregate_version <= 2; \
+         UPDATE \"{0}\".outbox_events SET blocked = true \
+         WHERE aggregate_id = 'up' AND aggregate_version = 4; \
+         INSERT INTO \"{0}\".outbox_events_lease \
+           (aggregate_key, event_row, lease_owner, lease_token, lease_until) \
+         SELECT 1, id, 'old-relay', '{token}', now() + interval '1 hour' \
+           FROM \"{0}\".outbox_events WHERE aggregate_id = 'up' AND aggregate_version = 3;",
+        ctx.schema
+    ))
+    .execute(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(store.migrate().await.unwrap(), 1, "only migration 3 runs");
+    let state: Vec<(String, i64, Option<String>)> = sqlx::query_as(&format!(
+        "SELECT aggregate_id, last_version, lease_owner FROM \"{}\".outbox_events_aggregate \
+         ORDER BY aggregate_id",
+        ctx.schema
+    ))
     .fetch_all(&ctx.pool)
     .await
     .unwrap();
-    assert!(indexes.contains(&"outbox_events_unfinished_idx".to_owned()));
-    assert!(!indexes.contains(&"outbox_events_aggregate_idx".to_owned()));
-    // The completion is fenced by (key, token): it applies only if the key was restored.
-    let report = store
-        .complete(&b.handle, &[published(&b.records[0].envelope, 1)])
-        .await
-        .unwrap();
-    assert_eq!((report.applied, report.superseded), (1, 0));
-    for v in 2..=4 {
-        let b = claim(&store, "r", 100).await;
-        assert_eq!(versions(&b), vec![("up".into(), v)], "version {v}");
-        publish_all(&store, &b).await;
-    }
-    assert_eq!(count(&ctx, "status = 'published'").await, 4);
-    ctx.drop().await;
-}
-
-/// A candidate whose row version carries an updater (here one that rolled back) cannot be
-/// judged on the claim's first snapshot: it is re-read in a new one, and claimed.
-#[tokio::test]
-async fn candidate_with_an_updater_is_rechecked_and_claimed() {
-    let ctx = ctx!(4);
-    for mode in [ClaimMode::LockedTransaction, lease(30.0)] {
-        let store = ctx.store(mode).await;
-        let e = event(&format!("touched-{mode:?}"), 1);
-        store.append(&ctx.pool, &e).await.unwrap();
-        let mut tx = ctx.pool.begin().await.unwrap();
-        sqlx::query(&format!(
-            "UPDATE \"{}\".outbox_events SET attempts = attempts WHERE event_id = $1",
-            ctx.schema
-        ))
-        .bind(e.event_id.as_uuid())
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-        tx.rollback().await.unwrap();
-        let b = claim(&store, "r", 10).await;
-        assert_eq!(b.records.len(), 1, "{mode:?}");
-        assert_eq!(b.records[0].envelope.event_id, e.event_id);
-        publish_all(&store, &b).await;
-    }
+    assert_eq!(
+        state,
+        vec![
+            ("gone".to_owned(), 6, None),
+            ("up".to_owned(), 2, Some("old-relay".to_owned())),
+        ]
+    );
+    // The old relay still holds v3 (its lease moved over) and completes it.
+    let b = claim(&store, "new", 10).await;
+    assert_eq!(versions(&b), vec![("gone".into(), 7)]);
+    publish_all(&store, &b).await;
+    let old = outbox_core::ClaimHandle {
+        token,
+        owner: "old-relay".into(),
+    };
+    let rep = store.complete(&old, &[published(&up[2], 9)]).await.unwrap();
+    assert_eq!((rep.applied, rep.superseded), (1, 0));
+    let b = claim(&store, "new", 10).await;
+    assert_eq!(versions(&b), vec![("up".into(), 4)]);
+    publish_all(&store, &b).await;
+    assert_eq!(count(&ctx, "status = 'published'").await, 5);
     ctx.drop().await;
 }
 
@@ -1121,7 +1121,7 @@ async fn a_lease_committed_during_the_claim_wins() {
                                                           // Another holder renews the lease (not committed yet).
     let mut other = ctx.pool.begin().await.unwrap();
     sqlx::query(&format!(
-        "UPDATE \"{}\".outbox_events_lease SET lease_token = gen_random_uuid(), \
+        "UPDATE \"{}\".outbox_events_aggregate SET lease_token = gen_random_uuid(), \
          lease_owner = 'other', lease_until = clock_timestamp() + interval '1 hour'",
         ctx.schema
     ))
@@ -1163,7 +1163,7 @@ async fn a_lease_committed_during_the_claim_wins() {
         "the live lease committed during the claim must win"
     );
     let owner: String = sqlx::query_scalar(&format!(
-        "SELECT lease_owner FROM \"{}\".outbox_events_lease",
+        "SELECT lease_owner FROM \"{}\".outbox_events_aggregate",
         ctx.schema
     ))
     .fetch_one(&ctx.pool)

@@ -790,6 +790,16 @@ impl OutboxStore for MemoryOutboxStore {
                 _ => {}
             }
         }
+        for (key, set) in &st.outbox.open {
+            let last = st.outbox.last_version(key);
+            let head = set
+                .iter()
+                .find(|(v, _)| *v > last)
+                .map(|(v, seq)| (*v, &st.outbox.rows[seq]));
+            if head.is_some_and(|(v, r)| r.status == DeliveryStatus::Pending && v > last + 1) {
+                s.version_gaps_held += 1;
+            }
+        }
         s.extra
             .push(("rows".to_owned(), st.outbox.rows.len() as f64));
         s.extra

@@ -51,6 +51,11 @@ struct FakeStore {
     releases: Mutex<usize>,
     mode: Option<ClaimMode>,
     lease_remaining: Option<Duration>,
+    /// Outcomes of these events are refused (superseded).
+    refuse: Mutex<HashSet<EventId>>,
+    /// The clock moves this much while a claim runs (a slow claim or commit).
+    claim_takes: Option<(Arc<FixedClock>, Duration)>,
+    locked_timeout: Option<Duration>,
 }
 
 impl FakeStore {
@@ -84,6 +89,10 @@ impl OutboxStore for FakeStore {
         Ok(())
     }
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
+        if let Some((clock, d)) = &self.claim_takes {
+            let mut now = clock.0.lock().unwrap();
+            *now += chrono::Duration::from_std(*d).unwrap();
+        }
         let mut rows = self.rows.lock().unwrap();
         let mut seen = HashSet::new();
         let mut out = vec![];
@@ -119,7 +128,13 @@ impl OutboxStore for FakeStore {
         outcomes: &[Outcome],
     ) -> Result<CompletionReport, StoreError> {
         let mut rows = self.rows.lock().unwrap();
+        let refuse = self.refuse.lock().unwrap().clone();
+        let mut refused = vec![];
         for o in outcomes {
+            if refuse.contains(&o.event_id()) {
+                refused.push(o.event_id());
+                continue;
+            }
             let row = rows
                 .iter_mut()
                 .find(|r| r.0.event_id == o.event_id())
@@ -135,7 +150,10 @@ impl OutboxStore for FakeStore {
             }
         }
         self.completions.lock().unwrap().push(outcomes.to_vec());
-        Ok(CompletionReport::new(outcomes.len(), vec![]))
+        Ok(CompletionReport::new(
+            outcomes.len() - refused.len(),
+            refused,
+        ))
     }
     async fn release(&self, _: &ClaimHandle) -> Result<(), StoreError> {
         *self.releases.lock().unwrap() += 1;
@@ -175,6 +193,9 @@ impl OutboxStore for FakeStore {
     }
     fn claim_mode(&self) -> ClaimMode {
         self.mode.unwrap_or(ClaimMode::LockedTransaction)
+    }
+    fn locked_claim_timeout(&self) -> Option<Duration> {
+        self.locked_timeout
     }
 }
 
@@ -428,4 +449,166 @@ fn step_api_matches_run_once() {
     assert!(matches!(outcomes[0], Outcome::Published { .. }));
     let rep = block_on(r.complete(&batch, &outcomes)).unwrap();
     assert_eq!(rep.applied, 1);
+}
+
+fn failing(kind: PublishErrorKind) -> impl Fn(&[Envelope]) -> Vec<PublishResult> {
+    move |b: &[Envelope]| {
+        b.iter()
+            .map(|_| Err(PublishError::new(kind, "injected")))
+            .collect()
+    }
+}
+
+#[test]
+fn transport_failures_never_spend_attempts_and_open_then_close_the_circuit() {
+    let store = FakeStore::with(&[("a", 1), ("b", 1)]);
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    let mut seq = mockall::Sequence::new();
+    // Far more failing cycles than the attempt limit of 3.
+    p.expect_publish()
+        .times(6)
+        .in_sequence(&mut seq)
+        .returning(failing(PublishErrorKind::BrokerUnavailable));
+    p.expect_publish()
+        .times(1)
+        .in_sequence(&mut seq)
+        .returning(|b| (0..b.len() as i64).map(ack).collect());
+    let mut r = relay(store, p);
+    let mut pauses = vec![];
+    for _ in 0..6 {
+        let rep = block_on(r.run_once()).unwrap();
+        assert_eq!((rep.deferred, rep.retried, rep.parked), (2, 0, 0));
+        pauses.push(rep.pause.expect("the circuit is open: the relay pauses"));
+        assert!(r.circuit().is_open());
+    }
+    assert!(pauses[5] > pauses[0], "pauses grow: {pauses:?}");
+    for (e, _, attempts) in r.store().rows.lock().unwrap().iter() {
+        assert_eq!(
+            *attempts, 0,
+            "{}: a transport failure spent an attempt",
+            e.aggregate_id
+        );
+    }
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!(rep.published, 2);
+    assert_eq!(rep.pause, None);
+    assert!(
+        !r.circuit().is_open(),
+        "an acknowledgement closes the circuit"
+    );
+    assert_eq!(r.store().status("a", 1), St::Published);
+}
+
+#[test]
+fn a_partial_transport_failure_defers_its_records_without_opening_the_circuit() {
+    let store = FakeStore::with(&[("a", 1), ("b", 1)]);
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    p.expect_publish().returning(|b| {
+        b.iter()
+            .map(|e| {
+                if e.aggregate_id == "a" {
+                    Err(PublishError::new(
+                        PublishErrorKind::LeaderMoved,
+                        "no leader",
+                    ))
+                } else {
+                    ack(0)
+                }
+            })
+            .collect()
+    });
+    let mut r = relay(store, p);
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!((rep.published, rep.deferred), (1, 1));
+    assert_eq!(rep.pause, None);
+    assert!(!r.circuit().is_open());
+}
+
+#[test]
+fn superseded_outcomes_are_not_counted_as_published() {
+    let store = FakeStore::with(&[("a", 1), ("b", 1), ("c", 1)]);
+    let b_id = store.rows.lock().unwrap()[1].0.event_id;
+    store.refuse.lock().unwrap().insert(b_id);
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    p.expect_publish()
+        .returning(|b| (0..b.len() as i64).map(ack).collect());
+    let mut r = relay(store, p);
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!((rep.published, rep.superseded), (2, 1));
+}
+
+#[test]
+fn lease_time_is_counted_from_before_the_claim() {
+    // The lease has 10 s left when granted; the claim itself took 4 s (a slow commit), so only
+    // 6 s are left, less than the 5 s delivery timeout plus the 2 s margin.
+    let clk = clock();
+    let mut store = FakeStore::with(&[("a", 1)]);
+    store.mode = Some(ClaimMode::lease(Duration::from_secs(60)).unwrap());
+    store.lease_remaining = Some(Duration::from_secs(10));
+    store.claim_takes = Some((clk.clone(), Duration::from_secs(4)));
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    p.expect_publish().times(0);
+    let cfg = RelayConfig::builder().owner("r1").build().unwrap();
+    let mut r = Relay::new(store, p, cfg, clk, Box::new(StdRng::seed_from_u64(5))).unwrap();
+    let rep = block_on(r.run_once()).unwrap();
+    assert!(
+        rep.released,
+        "a lease that is too short must not be published"
+    );
+}
+
+#[test]
+fn claims_that_cannot_outlive_a_publication_are_rejected() {
+    let pub_with = |t: u64| {
+        let mut p = MockPub::new();
+        p.expect_delivery_timeout()
+            .return_const(Duration::from_secs(t));
+        p
+    };
+    let make = |store: FakeStore, p: MockPub, prefetch: bool| {
+        let cfg = RelayConfig::builder()
+            .owner("r")
+            .prefetch(prefetch)
+            .build()
+            .unwrap();
+        Relay::new(store, p, cfg, clock(), Box::new(StdRng::seed_from_u64(1)))
+    };
+    // A lease longer than the bound.
+    let store = FakeStore {
+        mode: Some(ClaimMode::Lease {
+            duration: MAX_LEASE + Duration::from_secs(1),
+        }),
+        ..FakeStore::default()
+    };
+    let err = make(store, pub_with(5), true).unwrap_err();
+    assert!(err.to_string().contains("longer than"), "{err}");
+    assert!(ClaimMode::lease(MAX_LEASE + Duration::from_secs(1)).is_err());
+    // Locked mode: the store ends a claim after 10 s; one publication needs 5 + 2 s, two with
+    // prefetch need 14 s.
+    let locked = || FakeStore {
+        locked_timeout: Some(Duration::from_secs(10)),
+        ..FakeStore::default()
+    };
+    let err = make(locked(), pub_with(5), true).unwrap_err();
+    assert!(err.to_string().contains("prefetch"), "{err}");
+    assert!(make(locked(), pub_with(5), false).is_ok());
+    let err = make(locked(), pub_with(9), false).unwrap_err();
+    assert!(err.to_string().contains("locked_max_hold"), "{err}");
+    // The margin must cover the publisher's grace and the completion.
+    assert!(RelayConfig::builder()
+        .lease_margin(MIN_LEASE_MARGIN - Duration::from_millis(1))
+        .build()
+        .is_err());
+    assert!(RelayConfig::builder()
+        .circuit_breaker(Duration::ZERO, Duration::from_secs(1))
+        .build()
+        .is_err());
 }

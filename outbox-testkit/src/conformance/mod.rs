@@ -69,6 +69,9 @@ pub struct Capabilities {
     /// Smallest duration the checks use for retry delays, retention and ages; it must be long
     /// enough for a few store round trips.
     pub time_step: Duration,
+    /// The gap timeout of the harness's stores: how long a head that skips a version is held
+    /// before it is parked. Harnesses MUST build their stores with it.
+    pub gap_timeout: Duration,
 }
 
 impl Capabilities {
@@ -80,6 +83,7 @@ impl Capabilities {
             virtual_time: true,
             lease_duration: Duration::from_secs(30),
             time_step: Duration::from_secs(1),
+            gap_timeout: Duration::from_secs(60),
         }
     }
 
@@ -92,6 +96,7 @@ impl Capabilities {
             virtual_time: false,
             lease_duration: Duration::from_millis(1500),
             time_step: Duration::from_millis(300),
+            gap_timeout: Duration::from_millis(600),
         }
     }
 
@@ -110,6 +115,12 @@ impl Capabilities {
     /// Sets `lease_duration`.
     pub fn with_lease_duration(mut self, d: Duration) -> Self {
         self.lease_duration = d;
+        self
+    }
+
+    /// Sets `gap_timeout`.
+    pub fn with_gap_timeout(mut self, d: Duration) -> Self {
+        self.gap_timeout = d;
         self
     }
 
@@ -302,7 +313,7 @@ impl OutboxHarness for MemoryOutboxHarness {
     }
 
     async fn store(&self, mode: ClaimMode) -> MemoryOutboxStore {
-        MemoryOutboxStore::new(&self.db, mode)
+        MemoryOutboxStore::new(&self.db, mode).gap_timeout(self.capabilities().gap_timeout)
     }
 
     async fn begin(&self) -> crate::MemoryTx {
@@ -432,6 +443,13 @@ pub const OUTBOX_CHECKS: &[&str] = &[
     "locked_claim_is_held_until_completed",
     "locked_claim_is_freed_when_the_relay_crashes",
     "claim_mode_is_reported",
+    "claim_limit_zero_claims_nothing",
+    "late_lower_version_goes_out_before_the_higher_one",
+    "version_at_or_below_the_last_published_is_parked_out_of_order",
+    "version_gap_is_parked_after_the_timeout_and_retry_accepts_it",
+    "defer_outcome_delays_without_counting_an_attempt",
+    "reissued_copy_carries_the_original_id",
+    "release_claims_of_a_gone_relay",
 ];
 
 /// Names of the publisher checks, in the order the macro emits them.
@@ -490,6 +508,13 @@ macro_rules! outbox_conformance_tests {
             locked_claim_is_held_until_completed,
             locked_claim_is_freed_when_the_relay_crashes,
             claim_mode_is_reported,
+            claim_limit_zero_claims_nothing,
+            late_lower_version_goes_out_before_the_higher_one,
+            version_at_or_below_the_last_published_is_parked_out_of_order,
+            version_gap_is_parked_after_the_timeout_and_retry_accepts_it,
+            defer_outcome_delays_without_counting_an_attempt,
+            reissued_copy_carries_the_original_id,
+            release_claims_of_a_gone_relay,
         );
     };
     (@emit ($setup:expr) $($check:ident),* $(,)?) => {

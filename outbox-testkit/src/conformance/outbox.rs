@@ -58,7 +58,7 @@ fn publish_all(batch: &ClaimedBatch) -> Vec<Outcome> {
 fn last_error(class: ErrorClass) -> LastError {
     LastError {
         class,
-        kind: "conformance".into(),
+        kind: "invalid_record".into(),
         message: "injected by the conformance suite".into(),
     }
 }
@@ -729,4 +729,302 @@ pub async fn claim_mode_is_reported<H: OutboxHarness>(h: &H) {
             ClaimMode::LockedTransaction
         );
     }
+}
+
+/// A claim with a limit of 0 claims nothing, and leaves every row claimable.
+pub async fn claim_limit_zero_claims_nothing<H: OutboxHarness>(h: &H) {
+    let store = default_store(h).await;
+    let events: Vec<Envelope> = (0..3).map(|_| event(&agg("zero"), 1)).collect();
+    append_committed(h, &store, &events).await;
+    let none = claim(&store, "r", 0).await;
+    assert!(
+        none.is_empty(),
+        "a claim of 0 returned {} events",
+        none.records.len()
+    );
+    assert_eq!(
+        ids(&claim(&store, "r", 10).await),
+        set(&events.iter().collect::<Vec<_>>()),
+        "a claim of 0 took rows"
+    );
+}
+
+/// Version N+1 is held while version N is missing (its transaction has not committed yet),
+/// and goes out after N: a lower version that commits late is never published after a higher
+/// one.
+pub async fn late_lower_version_goes_out_before_the_higher_one<H: OutboxHarness>(h: &H) {
+    let store = default_store(h).await;
+    let a = agg("late-lower");
+    let (v1, v2) = (event(&a, 1), event(&a, 2));
+    let mut slow = h.begin().await;
+    store
+        .append(&mut slow, std::slice::from_ref(&v1))
+        .await
+        .expect("append");
+    append_committed(h, &store, std::slice::from_ref(&v2)).await;
+    let held = claim(&store, "r", 10).await;
+    assert!(
+        held.is_empty(),
+        "version 2 was handed out before version 1 committed"
+    );
+    assert_eq!(held.gaps_held, 1, "the held head must be counted");
+    assert_eq!(
+        store.stats().await.expect("stats").version_gaps_held,
+        1,
+        "stats must report the held gap"
+    );
+    h.commit(slow).await.expect("commit");
+    let first = claim(&store, "r", 10).await;
+    assert_eq!(ids(&first), set(&[&v1]));
+    store
+        .complete(&first.handle, &publish_all(&first))
+        .await
+        .expect("complete");
+    // The held head is re-checked after a short delay (at most the gap timeout).
+    let caps = h.capabilities();
+    h.advance(caps.gap_timeout.min(std::time::Duration::from_secs(1)) + caps.time_step)
+        .await;
+    assert_eq!(ids(&claim(&store, "r", 10).await), set(&[&v2]));
+}
+
+/// A pending event at or below the aggregate's last published version is never handed out:
+/// the claim parks it as out of order; an operator may discard it but not retry it.
+pub async fn version_at_or_below_the_last_published_is_parked_out_of_order<H: OutboxHarness>(
+    h: &H,
+) {
+    let store = default_store(h).await;
+    let a = agg("ooo");
+    let (v1, v2) = (event(&a, 1), event(&a, 2));
+    append_committed(h, &store, &[v1.clone(), v2.clone()]).await;
+    for expected in [&v1, &v2] {
+        let b = claim(&store, "r", 10).await;
+        assert_eq!(ids(&b), set(&[expected]));
+        store
+            .complete(&b.handle, &publish_all(&b))
+            .await
+            .expect("complete");
+    }
+    let stale = event(&a, 2);
+    let v3 = event(&a, 3);
+    append_committed(h, &store, &[stale.clone(), v3.clone()]).await;
+    let b = claim(&store, "r", 10).await;
+    assert!(
+        !ids(&b).contains(&stale.event_id),
+        "a version at or below the last published one was handed out"
+    );
+    let parked = store.parked_event(stale.event_id).await.expect("parked");
+    assert_eq!(parked.reason.kind, ParkKind::OutOfOrder);
+    let mut seen = b.parked.iter().map(|p| (p.event_id, p.kind));
+    assert!(
+        seen.any(|p| p == (stale.event_id, ParkKind::OutOfOrder)),
+        "the claim must report what it parked: {:?}",
+        b.parked
+    );
+    // v3 is next and unaffected (same claim or the next one).
+    let mut got = ids(&b);
+    if !got.contains(&v3.event_id) {
+        got = ids(&claim(&store, "r", 10).await);
+    }
+    assert!(got.contains(&v3.event_id), "v3 must flow");
+    let err = store
+        .retry_parked(stale.event_id, "ops")
+        .await
+        .expect_err("retrying an out-of-order event must be refused");
+    assert_eq!(err.kind, StoreErrorKind::Conflict, "{err}");
+    store
+        .discard_parked(stale.event_id, "ops", "duplicate version")
+        .await
+        .expect("discard");
+}
+
+/// A head that skips a version is held, then parked as a version gap once the gap timeout
+/// passed; an operator retry accepts its version and it goes out.
+pub async fn version_gap_is_parked_after_the_timeout_and_retry_accepts_it<H: OutboxHarness>(h: &H) {
+    let caps = h.capabilities();
+    let store = default_store(h).await;
+    let a = agg("gap");
+    let (v2, v3) = (event(&a, 2), event(&a, 3));
+    append_committed(h, &store, &[v2.clone(), v3.clone()]).await;
+    let b = claim(&store, "r", 10).await;
+    assert!(b.is_empty(), "version 2 went out without version 1");
+    assert_eq!(b.gaps_held, 1);
+    h.advance(caps.gap_timeout + caps.time_step).await;
+    let b = claim(&store, "r", 10).await;
+    assert!(b.is_empty());
+    assert!(
+        b.parked
+            .iter()
+            .any(|p| p.event_id == v2.event_id && p.kind == ParkKind::VersionGap),
+        "the gap head must be parked once the timeout passed: {:?}",
+        b.parked
+    );
+    assert_eq!(
+        store
+            .parked_event(v2.event_id)
+            .await
+            .expect("parked")
+            .reason
+            .kind,
+        ParkKind::VersionGap
+    );
+    assert!(
+        claim(&store, "r", 10).await.is_empty(),
+        "v3 is behind the parked head"
+    );
+    store.retry_parked(v2.event_id, "ops").await.expect("retry");
+    for expected in [&v2, &v3] {
+        let b = claim(&store, "r", 10).await;
+        assert_eq!(ids(&b), set(&[expected]));
+        store
+            .complete(&b.handle, &publish_all(&b))
+            .await
+            .expect("complete");
+    }
+}
+
+/// A deferred outcome (a transport failure) delays the event without counting an attempt.
+pub async fn defer_outcome_delays_without_counting_an_attempt<H: OutboxHarness>(h: &H) {
+    let caps = h.capabilities();
+    let store = default_store(h).await;
+    let e = event(&agg("defer"), 1);
+    append_committed(h, &store, std::slice::from_ref(&e)).await;
+    let b = claim(&store, "r", 10).await;
+    let delay = caps.time_step * 3;
+    let rep = store
+        .complete(
+            &b.handle,
+            &[Outcome::Defer {
+                event_id: e.event_id,
+                delay,
+                error: LastError {
+                    class: ErrorClass::Transient,
+                    kind: "broker_unavailable".into(),
+                    message: "down".into(),
+                },
+            }],
+        )
+        .await
+        .expect("complete");
+    assert_eq!(rep.applied, 1);
+    assert!(
+        claim(&store, "r", 10).await.is_empty(),
+        "claimable before its delay"
+    );
+    h.advance(delay + caps.time_step).await;
+    let again = claim(&store, "r", 10).await;
+    assert_eq!(ids(&again), set(&[&e]));
+    assert_eq!(again.records[0].attempts, 0, "a deferral spent an attempt");
+}
+
+/// A re-issued copy carries the original's id, so consumers deduplicate the two as one event;
+/// a copy of a copy keeps the first original. A parked event reports whether an earlier attempt
+/// may have reached the broker.
+pub async fn reissued_copy_carries_the_original_id<H: OutboxHarness>(h: &H) {
+    let store = default_store(h).await;
+    let a = agg("reissue-id");
+    let v1 = event(&a, 1);
+    append_committed(h, &store, std::slice::from_ref(&v1)).await;
+    // A timeout first (the broker may have stored it), then a permanent failure.
+    let b = claim(&store, "r", 10).await;
+    let timeout = LastError {
+        class: ErrorClass::Transient,
+        kind: "timeout".into(),
+        message: "no ack".into(),
+    };
+    store
+        .complete(
+            &b.handle,
+            &[Outcome::Retry {
+                event_id: v1.event_id,
+                delay: std::time::Duration::from_millis(1),
+                error: timeout,
+            }],
+        )
+        .await
+        .expect("complete");
+    h.advance(h.capabilities().time_step).await;
+    park_head::<H>(&store, &v1).await;
+    let shown = store.parked_event(v1.event_id).await.expect("parked");
+    assert!(
+        shown.delivery_uncertain,
+        "an event that timed out may be in the log: the operator must be told"
+    );
+    let copy_id = store
+        .reissue_parked(v1.event_id, "ops", "re-send")
+        .await
+        .expect("reissue");
+    let b = claim(&store, "r", 10).await;
+    let copy = &b.records[0].envelope;
+    assert_eq!(copy.event_id, copy_id);
+    assert_eq!(copy.original_event_id(), Some(v1.event_id));
+    assert_eq!(copy.dedup_id(), v1.event_id);
+    store
+        .complete(&b.handle, &[park(copy_id)])
+        .await
+        .expect("complete");
+    let plain = store.parked_event(copy_id).await.expect("parked");
+    assert!(
+        !plain.delivery_uncertain,
+        "a copy that only failed permanently cannot be in the log"
+    );
+    let second = store
+        .reissue_parked(copy_id, "ops", "again")
+        .await
+        .expect("reissue");
+    let b = claim(&store, "r", 10).await;
+    assert_eq!(b.records[0].envelope.event_id, second);
+    assert_eq!(
+        b.records[0].envelope.original_event_id(),
+        Some(v1.event_id),
+        "a copy of a copy must keep the first original"
+    );
+}
+
+/// An operator ends the leases of a relay that is gone: its aggregates are claimable at once,
+/// its late completion is refused, and the action is audited.
+pub async fn release_claims_of_a_gone_relay<H: OutboxHarness>(h: &H) {
+    let caps = h.capabilities();
+    if !caps.lease {
+        return not_applicable("release_claims_of_a_gone_relay", "no lease mode");
+    }
+    let gone = h.store(caps.lease_mode()).await;
+    let other = h.store(caps.lease_mode()).await;
+    let e = event(&agg("gone"), 1);
+    let kept = event(&agg("kept"), 1);
+    append_committed(h, &gone, std::slice::from_ref(&e)).await;
+    let lost = claim(&gone, "relay-gone", 10).await;
+    append_committed(h, &gone, std::slice::from_ref(&kept)).await;
+    let live = claim(&other, "relay-live", 10).await;
+    assert_eq!(ids(&live), set(&[&kept]));
+    assert_eq!(
+        other
+            .release_claims_of("relay-gone", "ops")
+            .await
+            .expect("release"),
+        1
+    );
+    assert_eq!(
+        ids(&claim(&other, "relay-2", 10).await),
+        set(&[&e]),
+        "the released aggregate must be claimable at once"
+    );
+    let rep = gone
+        .complete(&lost.handle, &publish_all(&lost))
+        .await
+        .expect("complete");
+    assert_eq!((rep.applied, rep.superseded), (0, 1));
+    assert_eq!(rep.superseded_events, vec![e.event_id]);
+    let trail = other.audit_trail(Some(e.event_id)).await.expect("audit");
+    assert!(
+        trail
+            .iter()
+            .any(|t| t.action == OperatorAction::ReleaseClaim && t.actor == "ops"),
+        "{trail:?}"
+    );
+    // The live relay's lease was not touched.
+    let rep = other
+        .complete(&live.handle, &publish_all(&live))
+        .await
+        .expect("complete");
+    assert_eq!(rep.applied, 1);
 }

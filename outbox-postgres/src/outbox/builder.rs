@@ -1,0 +1,149 @@
+//! [`PostgresOutboxStoreBuilder`]: names, claim mode and limits, validated by `build()`.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outbox_core::{ClaimMode, EnvelopeLimits, StoreError, MAX_LEASE};
+use sqlx::PgPool;
+
+use super::{Inner, PostgresOutboxStore};
+use crate::config::{AppendGuard, OutboxSettings};
+use crate::error::config;
+use crate::schema::{validate_identifier, MAX_IDENTIFIER_LEN, MAX_TABLE_NAME_LEN};
+use crate::sql::{seed, OutboxSql};
+
+/// Builder of a [`PostgresOutboxStore`]; [`build`](Self::build) validates.
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct PostgresOutboxStoreBuilder {
+    pub(super) pool: PgPool,
+    pub(super) settings: OutboxSettings,
+    pub(super) channel_set: bool,
+    pub(super) delivery_timeout: Option<Duration>,
+}
+
+impl PostgresOutboxStoreBuilder {
+    /// Schema of the tables (default `outbox`).
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.settings.schema = schema.into();
+        self
+    }
+    /// Outbox table name (default `outbox_events`, at most 40 characters).
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.settings.table = table.into();
+        self
+    }
+    /// Claim mode (default: 30 s lease).
+    pub fn claim_mode(mut self, mode: ClaimMode) -> Self {
+        self.settings.claim_mode = mode;
+        self
+    }
+    /// The `NOTIFY` channel raised by appends (default `<schema>_<table>`); `None` disables.
+    pub fn notify_channel(mut self, channel: Option<&str>) -> Self {
+        self.settings.notify_channel = channel.map(str::to_owned);
+        self.channel_set = true;
+        self
+    }
+    /// Archive rows into `<table>_archive` on cleanup (default off).
+    pub fn archive(mut self, archive: bool) -> Self {
+        self.settings.archive = archive;
+        self
+    }
+    /// Envelope limits checked on append.
+    pub fn limits(mut self, limits: EnvelopeLimits) -> Self {
+        self.settings.limits = limits;
+        self
+    }
+    /// Longest idle time of a locked claim transaction (default 5 min).
+    pub fn locked_max_hold(mut self, d: Duration) -> Self {
+        self.settings.locked_max_hold = d;
+        self
+    }
+    /// Completions wait for the WAL flush at commit (default `false`: they commit
+    /// asynchronously, which is safe under at-least-once delivery; see the crate docs).
+    pub fn synchronous_completion(mut self, on: bool) -> Self {
+        self.settings.synchronous_completion = on;
+        self
+    }
+    /// How long a head that skips a version is held before it is parked as a version gap
+    /// (default [`crate::DEFAULT_GAP_TIMEOUT`], 5 minutes).
+    pub fn gap_timeout(mut self, d: Duration) -> Self {
+        self.settings.gap_timeout = d;
+        self
+    }
+    /// The publisher's delivery timeout: `build()` then rejects a lease (or, in locked mode, a
+    /// `locked_max_hold`) that does not outlive it, since such a claim could end while the
+    /// broker still holds a record and let another relay send the aggregate's next version.
+    /// (`outbox_core::Relay::new` checks both against the publisher too, and always.)
+    pub fn publisher_delivery_timeout(mut self, d: Duration) -> Self {
+        self.delivery_timeout = Some(d);
+        self
+    }
+    /// The backpressure hook, see [`AppendGuard`].
+    pub fn append_guard(mut self, guard: Arc<dyn AppendGuard>) -> Self {
+        self.settings.append_guard = Some(guard);
+        self
+    }
+
+    /// Validates names and durations. A hostile or malformed identifier is a `Configuration`
+    /// error; it never reaches SQL.
+    pub fn build(mut self) -> Result<PostgresOutboxStore, StoreError> {
+        let s = &mut self.settings;
+        validate_identifier("schema", &s.schema, MAX_IDENTIFIER_LEN)?;
+        validate_identifier("table", &s.table, MAX_TABLE_NAME_LEN)?;
+        if !self.channel_set {
+            let ch = format!("{}_{}", s.schema, s.table);
+            s.notify_channel = (ch.len() <= MAX_IDENTIFIER_LEN).then_some(ch);
+        }
+        if let Some(ch) = &s.notify_channel {
+            validate_identifier("notify channel", ch, MAX_IDENTIFIER_LEN)?;
+        }
+        match s.claim_mode {
+            ClaimMode::Lease { duration } if duration < Duration::from_millis(1) => {
+                return Err(config("lease duration must be at least 1 ms"));
+            }
+            ClaimMode::Lease { duration } if duration > MAX_LEASE => {
+                return Err(config(format!(
+                    "a lease of {duration:?} is longer than {MAX_LEASE:?}: a relay that dies \
+                     holding it would keep its events unpublished that long"
+                )));
+            }
+            ClaimMode::LockedTransaction if s.locked_max_hold < Duration::from_millis(10) => {
+                return Err(config("locked_max_hold must be at least 10 ms"));
+            }
+            ClaimMode::Lease { .. } | ClaimMode::LockedTransaction => {}
+            other => return Err(config(format!("unsupported claim mode {other:?}"))),
+        }
+        if s.gap_timeout < Duration::from_millis(1) || s.gap_timeout > Duration::from_secs(86_400) {
+            return Err(config(format!(
+                "gap_timeout of {:?} is outside 1 ms..=24 h",
+                s.gap_timeout
+            )));
+        }
+        if let Some(timeout) = self.delivery_timeout {
+            let (what, claim) = match s.claim_mode {
+                ClaimMode::Lease { duration } => ("lease", duration),
+                _ => ("locked_max_hold", s.locked_max_hold),
+            };
+            if claim <= timeout {
+                return Err(config(format!(
+                    "the {what} ({claim:?}) must outlive the publisher's delivery timeout \
+                     ({timeout:?})"
+                )));
+            }
+        }
+        let sql = OutboxSql::new(&s.schema, &s.table);
+        let seed = seed(&s.schema, &s.table);
+        Ok(PostgresOutboxStore {
+            inner: Arc::new(Inner {
+                pool: self.pool,
+                settings: self.settings,
+                sql,
+                seed,
+                locked: Mutex::new(HashMap::new()),
+                leased: Mutex::new(HashMap::new()),
+            }),
+        })
+    }
+}

@@ -1,0 +1,345 @@
+//! Claims: candidates and their aggregate locks (step 1), then the decision in a snapshot taken
+//! after the locks (step 2). See `docs/claims.md`.
+
+use std::time::{Duration, Instant};
+
+use sqlx::postgres::PgRow;
+use sqlx::{Postgres, Row, Transaction};
+use tracing::warn;
+use uuid::Uuid;
+
+use outbox_core::{
+    ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, ClaimedRecord, EventId, ParkKind,
+    ParkedAtClaim, StoreError,
+};
+
+use super::rows::envelope_from_row;
+use super::PostgresOutboxStore;
+use crate::error::db;
+
+/// Transactions of claims and completions: custom plans (the statements take id arrays whose
+/// size a generic plan cannot know), in the same round trip as BEGIN.
+pub(super) const BEGIN_CLAIM: &str = "BEGIN; SET LOCAL plan_cache_mode = force_custom_plan";
+
+/// Lease claims and operator actions wait for the WAL flush at commit whatever the role's or
+/// database's default: a lease or an operator decision lost in a server crash could let a
+/// second relay publish while the first one still does.
+pub(super) const SYNC_COMMIT: &str = "SET LOCAL synchronous_commit = on";
+
+/// Completions commit without waiting for the WAL flush (see the crate docs, "Durability of
+/// completions"): a completion lost in a server crash leaves its rows unpublished, so they are
+/// published again, a duplicate and never a loss or a reordering.
+pub(super) const ASYNC_COMMIT: &str = "SET LOCAL synchronous_commit = off";
+
+/// Longest time a version-gap head waits before it is checked again.
+const GAP_RECHECK: Duration = Duration::from_secs(1);
+
+/// One claimed row, carried from the claim to its completion, so the completion needs no
+/// lookups (row id, event id, aggregate key, type, id and version).
+#[derive(Clone, Debug)]
+pub(crate) struct ClaimedRow {
+    pub(crate) id: i64,
+    pub(crate) event: Uuid,
+    pub(crate) key: i64,
+    pub(crate) agg_type: String,
+    pub(crate) agg_id: String,
+    pub(crate) version: i64,
+}
+
+/// A claim of [`ClaimMode::LockedTransaction`]: its transaction holds the aggregate locks.
+pub(crate) struct LockedClaim {
+    pub(crate) tx: Transaction<'static, Postgres>,
+    pub(crate) rows: Vec<ClaimedRow>,
+    pub(crate) since: Instant,
+}
+
+pub(super) fn micros(d: Duration) -> i64 {
+    d.as_micros().min(i64::MAX as u128) as i64
+}
+
+impl PostgresOutboxStore {
+    /// The advisory lock key of aggregate key `k` (per-table seed, so tables never share).
+    pub(super) fn lock_key(&self, k: i64) -> i64 {
+        k ^ self.inner.seed
+    }
+
+    pub(super) async fn claim_inner(
+        &self,
+        request: &ClaimRequest,
+    ) -> Result<ClaimedBatch, StoreError> {
+        let token = Uuid::now_v7();
+        let handle = ClaimHandle {
+            token,
+            owner: request.owner.clone(),
+        };
+        if request.limit == 0 {
+            return Ok(ClaimedBatch::new(handle, Vec::new(), None));
+        }
+        let settings = &self.inner.settings;
+        let mode = settings.claim_mode;
+        let limit = request.limit.min(100_000) as i64;
+        self.sweep_locked_claims();
+        let mut tx = if mode == ClaimMode::LockedTransaction {
+            let ms = settings.locked_max_hold.as_millis().max(1);
+            // A SET cannot take bind parameters; the value is an integer we formatted. The
+            // claim's transaction ends with its completion: asynchronous unless configured.
+            self.inner
+                .pool
+                .begin_with(format!(
+                    "{BEGIN_CLAIM}; SET LOCAL idle_in_transaction_session_timeout = {ms}; {}",
+                    if settings.synchronous_completion {
+                        SYNC_COMMIT
+                    } else {
+                        ASYNC_COMMIT
+                    }
+                ))
+                .await
+        } else {
+            self.inner
+                .pool
+                .begin_with(format!("{BEGIN_CLAIM}; {SYNC_COMMIT}"))
+                .await
+        }
+        .map_err(db)?;
+        let sql = &self.inner.sql;
+        // Step 1: candidates whose aggregates this transaction could lock.
+        let ids: Vec<i64> = sqlx::query_scalar(&sql.claim_candidates)
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db)?;
+        if ids.is_empty() {
+            tx.commit().await.map_err(db)?;
+            return Ok(ClaimedBatch::new(handle, Vec::new(), None));
+        }
+        // Step 2: the decision, in a snapshot taken after the locks.
+        let gap_us = micros(settings.gap_timeout);
+        let recheck_us = micros(settings.gap_timeout.min(GAP_RECHECK));
+        let rows = match mode {
+            ClaimMode::Lease { duration } => sqlx::query(&sql.claim_decide_lease)
+                .bind(&ids)
+                .bind(&request.owner)
+                .bind(token)
+                .bind(micros(duration))
+                .bind(gap_us)
+                .bind(recheck_us),
+            _ => sqlx::query(&sql.claim_decide_locked)
+                .bind(&ids)
+                .bind(gap_us)
+                .bind(recheck_us),
+        }
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db)?;
+        let decided = self.decided(&rows)?;
+        let batch_rows: Vec<ClaimedRow> = decided.claimed.iter().map(|(r, _)| r.clone()).collect();
+        let records: Vec<ClaimedRecord> = decided.claimed.into_iter().map(|(_, r)| r).collect();
+        let remaining = decided
+            .remaining_us
+            .map(|us| Duration::from_micros(us.max(0) as u64));
+        match mode {
+            ClaimMode::LockedTransaction if !records.is_empty() => {
+                self.inner.locked.lock().expect("poisoned").insert(
+                    token,
+                    LockedClaim {
+                        tx,
+                        rows: batch_rows,
+                        since: Instant::now(),
+                    },
+                );
+            }
+            _ => {
+                tx.commit().await.map_err(db)?;
+                if let ClaimMode::Lease { duration } = mode {
+                    if !batch_rows.is_empty() {
+                        let mut leased = self.inner.leased.lock().expect("poisoned");
+                        // Forget claims that were never completed (crashed relay tasks).
+                        let horizon = duration * 2 + Duration::from_secs(60);
+                        leased.retain(|_, (_, at)| at.elapsed() < horizon);
+                        leased.insert(token, (batch_rows, Instant::now()));
+                    }
+                }
+            }
+        }
+        Ok(ClaimedBatch::new(handle, records, remaining)
+            .with_version_notices(decided.parked, decided.gaps_held))
+    }
+
+    /// Reads the rows of claim step 2: claimed records (oldest first), parked notices, gaps.
+    fn decided(&self, rows: &[PgRow]) -> Result<Decided, StoreError> {
+        let limits = &self.inner.settings.limits;
+        let mut out = Decided::default();
+        let mut claimed: Vec<(ClaimedRow, ClaimedRecord)> = Vec::with_capacity(rows.len());
+        for row in rows {
+            let action: String = row.try_get("action").map_err(db)?;
+            let id: i64 = row.try_get("id").map_err(db)?;
+            match action.as_str() {
+                "claim" => {
+                    if !row.try_get::<bool, _>("claimed").map_err(db)? {
+                        // A live lease won (a colliding key or a relay of the other mode).
+                        continue;
+                    }
+                    let envelope = envelope_from_row(row, limits)?;
+                    let attempts: i32 = row.try_get("attempts").map_err(db)?;
+                    if let Some(r) = row.try_get::<Option<i64>, _>("remaining_us").map_err(db)? {
+                        out.remaining_us = Some(out.remaining_us.map_or(r, |m| m.min(r)));
+                    }
+                    let claimed_row = ClaimedRow {
+                        id,
+                        event: envelope.event_id.as_uuid(),
+                        key: row.try_get("k").map_err(db)?,
+                        agg_type: envelope.aggregate_type.clone(),
+                        agg_id: envelope.aggregate_id.clone(),
+                        version: envelope.aggregate_version,
+                    };
+                    claimed.push((
+                        claimed_row,
+                        ClaimedRecord::new(envelope, attempts.max(0) as u32),
+                    ));
+                }
+                "stale" | "gap_park" => {
+                    let kind = if action == "stale" {
+                        ParkKind::OutOfOrder
+                    } else {
+                        ParkKind::VersionGap
+                    };
+                    out.parked.push(ParkedAtClaim::new(
+                        EventId::from_uuid(row.try_get("event_id").map_err(db)?),
+                        row.try_get::<String, _>("aggregate_type").map_err(db)?,
+                        row.try_get::<String, _>("aggregate_id").map_err(db)?,
+                        row.try_get::<i64, _>("aggregate_version").map_err(db)?,
+                        kind,
+                    ));
+                }
+                "gap_hold" => out.gaps_held += 1,
+                other => warn!(action = other, "unexpected claim action"),
+            }
+        }
+        // Oldest first (the result order of the statement is not guaranteed).
+        claimed.sort_unstable_by_key(|(r, _)| r.id);
+        out.claimed = claimed;
+        Ok(out)
+    }
+
+    /// Drops locked claims held longer than the server allows (`locked_max_hold`: the server
+    /// has ended their transactions), so a relay that never completes nor releases a claim
+    /// does not leak its connection here.
+    fn sweep_locked_claims(&self) {
+        if self.inner.settings.claim_mode != ClaimMode::LockedTransaction {
+            return;
+        }
+        let hold = self.inner.settings.locked_max_hold;
+        let expired: Vec<LockedClaim> = {
+            let mut locked = self.inner.locked.lock().expect("poisoned");
+            let tokens: Vec<Uuid> = locked
+                .iter()
+                .filter(|(_, c)| c.since.elapsed() > hold)
+                .map(|(t, _)| *t)
+                .collect();
+            tokens.iter().filter_map(|t| locked.remove(t)).collect()
+        };
+        if !expired.is_empty() {
+            warn!(
+                claims = expired.len(),
+                "dropping locked claims that were neither completed nor released within locked_max_hold"
+            );
+        }
+        // Dropping a transaction rolls it back on its connection (or the connection is gone).
+        drop(expired);
+    }
+
+    /// Number of locked claims held by this store instance (not completed or released).
+    #[doc(hidden)]
+    pub fn open_locked_claims(&self) -> usize {
+        self.inner.locked.lock().expect("poisoned").len()
+    }
+
+    /// Runs both claim statements under `EXPLAIN (ANALYZE, BUFFERS)` in a transaction that is
+    /// rolled back (nothing is claimed), and returns the two plans: step 1 (candidates and
+    /// locks) and step 2 (the decision, with every candidate of step 1). For capacity checks:
+    /// the claim should read a number of buffers that depends on `limit`, not on the backlog.
+    pub async fn explain_claim(&self, limit: usize) -> Result<Vec<String>, StoreError> {
+        let limit = limit.clamp(1, 100_000) as i64;
+        let mut tx = self.inner.pool.begin().await.map_err(db)?;
+        let sql = &self.inner.sql;
+        let plan = |rows: Vec<PgRow>| -> Result<String, StoreError> {
+            let lines: Vec<String> = rows
+                .iter()
+                .map(|r| r.try_get(0))
+                .collect::<Result<_, _>>()
+                .map_err(db)?;
+            Ok(lines.join("\n"))
+        };
+        let ids: Vec<i64> = sqlx::query_scalar(&sql.claim_candidates)
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db)?;
+        let first = sqlx::query(&format!(
+            "EXPLAIN (ANALYZE, BUFFERS) {}",
+            sql.claim_candidates
+        ))
+        .bind(limit)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db)?;
+        let gap_us = micros(self.inner.settings.gap_timeout);
+        let second_sql;
+        let second = match self.inner.settings.claim_mode {
+            ClaimMode::Lease { duration } => {
+                second_sql = format!("EXPLAIN (ANALYZE, BUFFERS) {}", sql.claim_decide_lease);
+                sqlx::query(&second_sql)
+                    .bind(&ids)
+                    .bind("explain")
+                    .bind(Uuid::now_v7())
+                    .bind(micros(duration))
+                    .bind(gap_us)
+                    .bind(gap_us)
+            }
+            _ => {
+                second_sql = format!("EXPLAIN (ANALYZE, BUFFERS) {}", sql.claim_decide_locked);
+                sqlx::query(&second_sql)
+                    .bind(&ids)
+                    .bind(gap_us)
+                    .bind(gap_us)
+            }
+        }
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db)?;
+        let (first, second) = (plan(first)?, plan(second)?);
+        tx.rollback().await.map_err(db)?;
+        Ok(vec![first, second])
+    }
+
+    /// Test support: ends a locked claim as a crash would (its transaction is rolled back,
+    /// so its aggregate locks go), without the relay calling `complete` or `release`.
+    /// Returns `false` when the store holds no such claim.
+    #[doc(hidden)]
+    pub async fn abandon_locked_claim(&self, claim: &ClaimHandle) -> bool {
+        let taken = self
+            .inner
+            .locked
+            .lock()
+            .expect("poisoned")
+            .remove(&claim.token);
+        match taken {
+            Some(held) => {
+                let mut conn = held.tx;
+                // Closing the connection is what a crash does; rolling back frees the same locks.
+                let _ = sqlx::query("ROLLBACK").execute(&mut *conn).await;
+                drop(conn);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+#[derive(Default)]
+struct Decided {
+    claimed: Vec<(ClaimedRow, ClaimedRecord)>,
+    remaining_us: Option<i64>,
+    parked: Vec<ParkedAtClaim>,
+    gaps_held: usize,
+}

@@ -1,0 +1,321 @@
+//! Completions and releases: outcomes applied under the claimed aggregates' locks.
+
+use std::collections::{HashMap, HashSet};
+
+use sqlx::{Postgres, Row};
+use uuid::Uuid;
+
+use outbox_core::{
+    ClaimHandle, ClaimMode, CompletionReport, Outcome, ParkKind, StoreError, StoreErrorKind,
+};
+
+use super::claim::{ClaimedRow, ASYNC_COMMIT, BEGIN_CLAIM, SYNC_COMMIT};
+use super::PostgresOutboxStore;
+use crate::error::db;
+
+type PgQuery<'q> = sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>;
+
+impl PostgresOutboxStore {
+    pub(super) async fn complete_inner(
+        &self,
+        claim: &ClaimHandle,
+        outcomes: &[Outcome],
+    ) -> Result<CompletionReport, StoreError> {
+        match self.inner.settings.claim_mode {
+            ClaimMode::LockedTransaction => {
+                let taken = self
+                    .inner
+                    .locked
+                    .lock()
+                    .expect("poisoned")
+                    .remove(&claim.token);
+                let Some(mut held) = taken else {
+                    // Unknown token: the claim ended (released, timed out) or belongs to
+                    // another store instance. Nothing applied; every outcome is refused.
+                    return Ok(CompletionReport::new(
+                        0,
+                        outcomes.iter().map(Outcome::event_id).collect(),
+                    ));
+                };
+                // The aggregate locks were taken by the claim in this very transaction.
+                let applied: Vec<i64> = OutcomeArrays::new(outcomes, &held.rows)
+                    .bind(sqlx::query(&self.inner.sql.complete_locked))
+                    .fetch_one(&mut *held.tx)
+                    .await
+                    .map_err(|e| lost_claim(db(e)))?
+                    .try_get("applied")
+                    .map_err(db)?;
+                held.tx.commit().await.map_err(|e| lost_claim(db(e)))?;
+                Ok(report(outcomes, &held.rows, &applied))
+            }
+            _ => {
+                let rows = self.lease_rows(claim.token).await?;
+                let begin = if self.inner.settings.synchronous_completion {
+                    format!("{BEGIN_CLAIM}; {SYNC_COMMIT}")
+                } else {
+                    format!("{BEGIN_CLAIM}; {ASYNC_COMMIT}")
+                };
+                let mut tx = self.inner.pool.begin_with(begin).await.map_err(db)?;
+                // Serialize with claims and operator actions on the same aggregates, whatever
+                // the outcomes: a claim decides after it holds these locks, so it sees this
+                // completion whole or not at all.
+                self.lock_rows(&mut tx, &rows).await?;
+                let applied: Vec<i64> = OutcomeArrays::new(outcomes, &rows)
+                    .bind(sqlx::query(&self.inner.sql.complete_lease))
+                    .bind(claim.token)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(db)?
+                    .try_get("applied")
+                    .map_err(db)?;
+                tx.commit().await.map_err(db)?;
+                Ok(report(outcomes, &rows, &applied))
+            }
+        }
+    }
+
+    pub(super) async fn release_inner(&self, claim: &ClaimHandle) -> Result<(), StoreError> {
+        match self.inner.settings.claim_mode {
+            ClaimMode::LockedTransaction => {
+                let taken = self
+                    .inner
+                    .locked
+                    .lock()
+                    .expect("poisoned")
+                    .remove(&claim.token);
+                if let Some(held) = taken {
+                    if let Err(e) = held.tx.rollback().await {
+                        // The connection is gone, and with it the locks.
+                        tracing::warn!(error = %e, "rollback of a released claim failed");
+                    }
+                }
+                Ok(())
+            }
+            _ => {
+                let rows = self.lease_rows(claim.token).await?;
+                if rows.is_empty() {
+                    return Ok(());
+                }
+                let keys: Vec<i64> = rows.iter().map(|r| r.key).collect();
+                let mut tx = self
+                    .inner
+                    .pool
+                    .begin_with(format!("{BEGIN_CLAIM}; {SYNC_COMMIT}"))
+                    .await
+                    .map_err(db)?;
+                self.lock_rows(&mut tx, &rows).await?;
+                sqlx::query(&self.inner.sql.release_lease)
+                    .bind(claim.token)
+                    .bind(&keys)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db)?;
+                tx.commit().await.map_err(db)
+            }
+        }
+    }
+
+    /// Takes the advisory locks of the aggregates of `rows` (blocking, in key order).
+    pub(super) async fn lock_rows(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        rows: &[ClaimedRow],
+    ) -> Result<(), StoreError> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let keys: Vec<i64> = rows.iter().map(|r| self.lock_key(r.key)).collect();
+        sqlx::query(&self.inner.sql.lock_keys)
+            .bind(&keys)
+            .execute(conn)
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    /// The rows of a lease claim: from memory (claimed here), else from the database.
+    pub(super) async fn lease_rows(&self, token: Uuid) -> Result<Vec<ClaimedRow>, StoreError> {
+        let known = self.inner.leased.lock().expect("poisoned").remove(&token);
+        match known {
+            Some((rows, _)) => Ok(rows),
+            None => {
+                let rows = sqlx::query(&self.inner.sql.lease_rows)
+                    .bind(token)
+                    .fetch_all(&self.inner.pool)
+                    .await
+                    .map_err(db)?;
+                rows.iter()
+                    .map(|r| {
+                        Ok(ClaimedRow {
+                            id: r.try_get("id")?,
+                            event: r.try_get("event_id")?,
+                            key: r.try_get("k")?,
+                            agg_type: r.try_get("aggregate_type")?,
+                            agg_id: r.try_get("aggregate_id")?,
+                            version: r.try_get("aggregate_version")?,
+                        })
+                    })
+                    .collect::<Result<_, sqlx::Error>>()
+                    .map_err(db)
+            }
+        }
+    }
+
+    /// Runs the completion statement of `claim` under `EXPLAIN (ANALYZE, BUFFERS)` in a
+    /// transaction that is rolled back (lease mode only; nothing is recorded).
+    #[doc(hidden)]
+    pub async fn explain_complete(
+        &self,
+        claim: &ClaimHandle,
+        outcomes: &[Outcome],
+    ) -> Result<String, StoreError> {
+        let rows = self.lease_rows(claim.token).await?;
+        self.inner
+            .leased
+            .lock()
+            .expect("poisoned")
+            .insert(claim.token, (rows.clone(), std::time::Instant::now()));
+        let mut tx = self.inner.pool.begin_with(BEGIN_CLAIM).await.map_err(db)?;
+        let sql = format!(
+            "EXPLAIN (ANALYZE, BUFFERS) {}",
+            self.inner.sql.complete_lease
+        );
+        let lines: Vec<String> = OutcomeArrays::new(outcomes, &rows)
+            .bind(sqlx::query(&sql))
+            .bind(claim.token)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(db)?
+            .iter()
+            .map(|r| r.try_get::<String, _>(0))
+            .collect::<Result<_, _>>()
+            .map_err(db)?;
+        tx.rollback().await.map_err(db)?;
+        Ok(lines.join("\n"))
+    }
+}
+
+/// The completion report: outcomes whose row was not updated were refused.
+fn report(outcomes: &[Outcome], rows: &[ClaimedRow], applied: &[i64]) -> CompletionReport {
+    let applied: HashSet<i64> = applied.iter().copied().collect();
+    let applied_events: HashSet<Uuid> = rows
+        .iter()
+        .filter(|r| applied.contains(&r.id))
+        .map(|r| r.event)
+        .collect();
+    let refused = outcomes
+        .iter()
+        .map(Outcome::event_id)
+        .filter(|e| !applied_events.contains(&e.as_uuid()))
+        .collect();
+    CompletionReport::new(applied.len(), refused)
+}
+
+pub(super) fn lost_claim(e: StoreError) -> StoreError {
+    if e.kind == StoreErrorKind::Connection {
+        StoreError::new(
+            StoreErrorKind::LeaseLost,
+            format!("the locked claim transaction was lost: {}", e.message),
+        )
+        .with_source(e)
+    } else {
+        e
+    }
+}
+
+/// One entry per claimed row, for `UNNEST`: its outcome, or `release` when it has none.
+struct OutcomeArrays {
+    ids: Vec<i64>,
+    keys: Vec<i64>,
+    types: Vec<String>,
+    agg_ids: Vec<String>,
+    versions: Vec<i64>,
+    kinds: Vec<&'static str>,
+    topics: Vec<Option<String>>,
+    parts: Vec<Option<i32>>,
+    offsets: Vec<Option<i64>>,
+    delays: Vec<Option<i64>>,
+    eclass: Vec<Option<&'static str>>,
+    ekind: Vec<Option<String>>,
+    emsg: Vec<Option<String>>,
+    pkind: Vec<Option<&'static str>>,
+    uncertain: Vec<bool>,
+}
+
+impl OutcomeArrays {
+    /// Outcomes of events that are not rows of the claim are left out (they are refused).
+    fn new(outcomes: &[Outcome], claimed: &[ClaimedRow]) -> Self {
+        let mut by_event: HashMap<Uuid, &Outcome> = HashMap::with_capacity(outcomes.len());
+        for o in outcomes {
+            by_event.entry(o.event_id().as_uuid()).or_insert(o);
+        }
+        let n = claimed.len();
+        let mut a = Self {
+            ids: Vec::with_capacity(n),
+            keys: Vec::with_capacity(n),
+            types: Vec::with_capacity(n),
+            agg_ids: Vec::with_capacity(n),
+            versions: Vec::with_capacity(n),
+            kinds: Vec::with_capacity(n),
+            topics: Vec::with_capacity(n),
+            parts: Vec::with_capacity(n),
+            offsets: Vec::with_capacity(n),
+            delays: Vec::with_capacity(n),
+            eclass: Vec::with_capacity(n),
+            ekind: Vec::with_capacity(n),
+            emsg: Vec::with_capacity(n),
+            pkind: Vec::with_capacity(n),
+            uncertain: Vec::with_capacity(n),
+        };
+        for row in claimed {
+            a.ids.push(row.id);
+            a.keys.push(row.key);
+            a.types.push(row.agg_type.clone());
+            a.agg_ids.push(row.agg_id.clone());
+            a.versions.push(row.version);
+            let (kind, ack, delay, err, park) = match by_event.get(&row.event) {
+                None => ("release", None, None, None, None),
+                Some(Outcome::Published { ack, .. }) => ("published", Some(ack), None, None, None),
+                Some(Outcome::Retry { delay, error, .. }) => {
+                    ("retry", None, Some(*delay), Some(error), None)
+                }
+                Some(Outcome::Defer { delay, error, .. }) => {
+                    ("defer", None, Some(*delay), Some(error), None)
+                }
+                Some(Outcome::Park { reason, .. }) => {
+                    ("park", None, None, Some(&reason.error), Some(reason.kind))
+                }
+            };
+            a.kinds.push(kind);
+            a.topics.push(ack.map(|a| a.topic.clone()));
+            a.parts.push(ack.map(|a| a.partition));
+            a.offsets.push(ack.map(|a| a.offset));
+            a.delays.push(delay.map(super::claim::micros));
+            a.eclass.push(err.map(|e| e.class.as_str()));
+            a.ekind.push(err.map(|e| e.kind.clone()));
+            a.emsg.push(err.map(|e| e.message.clone()));
+            a.pkind.push(park.map(ParkKind::as_str));
+            a.uncertain
+                .push(err.is_some_and(|e| e.delivery_uncertain()));
+        }
+        a
+    }
+
+    fn bind<'q>(self, q: PgQuery<'q>) -> PgQuery<'q> {
+        q.bind(self.ids)
+            .bind(self.keys)
+            .bind(self.types)
+            .bind(self.agg_ids)
+            .bind(self.versions)
+            .bind(self.kinds)
+            .bind(self.topics)
+            .bind(self.parts)
+            .bind(self.offsets)
+            .bind(self.delays)
+            .bind(self.eclass)
+            .bind(self.ekind)
+            .bind(self.emsg)
+            .bind(self.pkind)
+            .bind(self.uncertain)
+    }
+}

@@ -1,0 +1,117 @@
+//! Cleanup of finished rows and the monitoring snapshot.
+
+use std::time::Duration;
+
+use sqlx::Row;
+
+use outbox_core::{CleanupReport, OutboxStats, StoreError};
+
+use super::claim::micros;
+use super::PostgresOutboxStore;
+use crate::error::db;
+
+impl PostgresOutboxStore {
+    pub(super) async fn cleanup_inner(
+        &self,
+        retention: Duration,
+        batch_size: usize,
+    ) -> Result<CleanupReport, StoreError> {
+        let batch = batch_size.clamp(1, 1_000_000) as i64;
+        let retention_us = micros(retention);
+        let mut removed = 0u64;
+        let mut batches = 0u32;
+        // One short transaction per batch. The per-aggregate state (last version) stays: it
+        // is what keeps a late lower version from going out after a cleaned-up higher one.
+        loop {
+            let mut tx = self.inner.pool.begin().await.map_err(db)?;
+            let row = sqlx::query(&self.inner.sql.cleanup)
+                .bind(retention_us)
+                .bind(batch)
+                .bind(self.inner.settings.archive)
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(db)?;
+            tx.commit().await.map_err(db)?;
+            let n: i64 = row.try_get("removed").map_err(db)?;
+            if n > 0 {
+                batches += 1;
+                removed += n as u64;
+            }
+            if n < batch {
+                break;
+            }
+        }
+        Ok(CleanupReport::new(removed, batches))
+    }
+
+    pub(super) async fn stats_inner(&self) -> Result<OutboxStats, StoreError> {
+        let row = sqlx::query(&self.inner.sql.stats)
+            .fetch_one(&self.inner.pool)
+            .await
+            .map_err(db)?;
+        let get = |name: &str| -> Result<u64, StoreError> {
+            Ok(row.try_get::<i64, _>(name).map_err(db)?.max(0) as u64)
+        };
+        let age = |name: &str| -> Result<Option<Duration>, StoreError> {
+            Ok(row
+                .try_get::<Option<f64>, _>(name)
+                .map_err(db)?
+                .map(|s| Duration::from_secs_f64(s.max(0.0))))
+        };
+        let locked_in_flight: u64 = self
+            .inner
+            .locked
+            .lock()
+            .expect("poisoned")
+            .values()
+            .map(|c| c.rows.len() as u64)
+            .sum();
+        let mut stats = OutboxStats::default();
+        stats.unpublished = get("unpublished")?;
+        stats.in_flight = get("leased")? + locked_in_flight;
+        stats.parked = get("parked")?;
+        stats.published_retained = get("published")?;
+        stats.version_gaps_held = get("gaps_held")?;
+        // Every pending row counts: claimable, in flight, waiting for a retry, or blocked
+        // behind its aggregate's parked head (as `OutboxStats` documents it).
+        stats.oldest_unpublished_age = age("oldest_pending")?;
+        stats.oldest_parked_age = age("oldest_parked")?;
+        stats.extra = self.table_extra().await?;
+        stats
+            .extra
+            .push(("blocked_rows".to_owned(), get("blocked")? as f64));
+        Ok(stats)
+    }
+
+    async fn table_extra(&self) -> Result<Vec<(String, f64)>, StoreError> {
+        let s = &self.inner.settings;
+        let row = sqlx::query(&self.inner.sql.table_stats)
+            .bind(&s.schema)
+            .bind(&s.table)
+            .fetch_optional(&self.inner.pool)
+            .await
+            .map_err(db)?;
+        let mut extra = Vec::new();
+        if let Some(row) = row {
+            for name in [
+                "total_bytes",
+                "table_bytes",
+                "index_bytes",
+                "live_tuples",
+                "dead_tuples",
+                "autovacuum_age",
+                "autoanalyze_age",
+            ] {
+                if let Some(v) = row.try_get::<Option<f64>, _>(name).map_err(db)? {
+                    let key = match name {
+                        "autovacuum_age" => "last_autovacuum_age_seconds",
+                        "autoanalyze_age" => "last_autoanalyze_age_seconds",
+                        other => other,
+                    };
+                    extra.push((key.to_owned(), v));
+                }
+            }
+        }
+        Ok(extra)
+    }
+}

@@ -1,0 +1,335 @@
+//! Operator actions on parked events, and on the claims of a relay that is gone. Each runs
+//! under the event's aggregate lock, decides on a snapshot taken after it, commits
+//! synchronously and is audited.
+
+use sqlx::{PgConnection, Postgres, Row, Transaction};
+use uuid::Uuid;
+
+use outbox_core::{
+    AuditEntry, ClaimMode, ErrorClass, EventId, OperatorAction, ParkedEvent, StoreError,
+    StoreErrorKind,
+};
+
+use super::claim::{BEGIN_CLAIM, SYNC_COMMIT};
+use super::rows::parked_from_row;
+use super::PostgresOutboxStore;
+use crate::error::db;
+
+/// An event's state as read after its aggregate's lock.
+struct EventState {
+    status: String,
+    agg_type: String,
+    agg_id: String,
+    version: i64,
+    key: i64,
+    last: i64,
+}
+
+impl EventState {
+    fn read(row: &sqlx::postgres::PgRow) -> Result<Self, StoreError> {
+        Ok(Self {
+            status: row.try_get("status").map_err(db)?,
+            agg_type: row.try_get("aggregate_type").map_err(db)?,
+            agg_id: row.try_get("aggregate_id").map_err(db)?,
+            version: row.try_get("aggregate_version").map_err(db)?,
+            key: row.try_get("k").map_err(db)?,
+            last: row.try_get("last").map_err(db)?,
+        })
+    }
+}
+
+impl PostgresOutboxStore {
+    /// A transaction holding the lock of `event_id`'s aggregate, and the event's state read
+    /// after it. `NotFound` unless the event exists and is parked.
+    async fn lock_parked(
+        &self,
+        event_id: EventId,
+    ) -> Result<(Transaction<'static, Postgres>, EventState), StoreError> {
+        let mut tx = self
+            .inner
+            .pool
+            .begin_with(format!("{BEGIN_CLAIM}; {SYNC_COMMIT}"))
+            .await
+            .map_err(db)?;
+        let sql = &self.inner.sql;
+        let before = sqlx::query(&sql.event_state)
+            .bind(event_id.as_uuid())
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db)?
+            .ok_or_else(|| not_parked(event_id))?;
+        let key: i64 = before.try_get("k").map_err(db)?;
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(self.lock_key(key))
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        let row = sqlx::query(&sql.event_state)
+            .bind(event_id.as_uuid())
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+        let state = EventState::read(&row)?;
+        if state.status != "parked" {
+            return Err(not_parked(event_id));
+        }
+        Ok((tx, state))
+    }
+
+    async fn audit(
+        &self,
+        conn: &mut PgConnection,
+        entry: (EventId, OperatorAction, &str, &str, Option<EventId>),
+    ) -> Result<(), StoreError> {
+        let (event_id, action, actor, reason, new_id) = entry;
+        sqlx::query(&self.inner.sql.audit)
+            .bind(event_id.as_uuid())
+            .bind(action.as_str())
+            .bind(actor)
+            .bind(reason)
+            .bind(new_id.map(|e| e.as_uuid()))
+            .execute(conn)
+            .await
+            .map_err(db)?;
+        Ok(())
+    }
+
+    async fn notify_after(&self, conn: &mut PgConnection) -> Result<(), StoreError> {
+        if let Some(ch) = &self.inner.settings.notify_channel {
+            sqlx::query("SELECT pg_notify($1, '')::text")
+                .bind(ch)
+                .execute(conn)
+                .await
+                .map_err(db)?;
+        }
+        Ok(())
+    }
+
+    pub(super) async fn parked_event_inner(
+        &self,
+        event_id: EventId,
+    ) -> Result<ParkedEvent, StoreError> {
+        let row = sqlx::query(&self.inner.sql.parked_event)
+            .bind(event_id.as_uuid())
+            .fetch_optional(&self.inner.pool)
+            .await
+            .map_err(db)?
+            .ok_or_else(|| not_parked(event_id))?;
+        parked_from_row(&row, &self.inner.settings.limits)
+    }
+
+    pub(super) async fn list_parked_inner(
+        &self,
+        limit: usize,
+    ) -> Result<Vec<ParkedEvent>, StoreError> {
+        let rows = sqlx::query(&self.inner.sql.list_parked)
+            .bind(limit.min(i64::MAX as usize) as i64)
+            .fetch_all(&self.inner.pool)
+            .await
+            .map_err(db)?;
+        let limits = &self.inner.settings.limits;
+        rows.iter().map(|r| parked_from_row(r, limits)).collect()
+    }
+
+    pub(super) async fn retry_parked_inner(
+        &self,
+        event_id: EventId,
+        actor: &str,
+    ) -> Result<(), StoreError> {
+        let (mut tx, s) = self.lock_parked(event_id).await?;
+        if s.version <= s.last {
+            return Err(out_of_order(event_id, s.version, s.last));
+        }
+        sqlx::query(&self.inner.sql.retry_parked)
+            .bind(event_id.as_uuid())
+            .bind(s.key)
+            .bind(&s.agg_type)
+            .bind(&s.agg_id)
+            .bind(s.version - 1)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+        self.audit(&mut tx, (event_id, OperatorAction::Retry, actor, "", None))
+            .await?;
+        self.notify_after(&mut tx).await?;
+        tx.commit().await.map_err(db)
+    }
+
+    pub(super) async fn discard_parked_inner(
+        &self,
+        event_id: EventId,
+        actor: &str,
+        reason: &str,
+    ) -> Result<(), StoreError> {
+        require_reason(reason)?;
+        let (mut tx, s) = self.lock_parked(event_id).await?;
+        sqlx::query(&self.inner.sql.discard_parked)
+            .bind(event_id.as_uuid())
+            .bind(s.key)
+            .bind(&s.agg_type)
+            .bind(&s.agg_id)
+            .bind(s.version)
+            .bind(reason)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+        self.audit(
+            &mut tx,
+            (event_id, OperatorAction::Discard, actor, reason, None),
+        )
+        .await?;
+        self.notify_after(&mut tx).await?;
+        tx.commit().await.map_err(db)
+    }
+
+    pub(super) async fn reissue_parked_inner(
+        &self,
+        event_id: EventId,
+        actor: &str,
+        reason: &str,
+    ) -> Result<EventId, StoreError> {
+        require_reason(reason)?;
+        let (mut tx, s) = self.lock_parked(event_id).await?;
+        if s.version <= s.last {
+            return Err(out_of_order(event_id, s.version, s.last));
+        }
+        let new_id = EventId::now_v7();
+        sqlx::query(&self.inner.sql.reissue_parked)
+            .bind(event_id.as_uuid())
+            .bind(s.key)
+            .bind(&s.agg_type)
+            .bind(&s.agg_id)
+            .bind(s.version - 1)
+            .bind(reason)
+            .bind(new_id.as_uuid())
+            .bind(outbox_core::wire::ORIGINAL_EVENT_ID)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+        self.audit(
+            &mut tx,
+            (
+                event_id,
+                OperatorAction::Reissue,
+                actor,
+                reason,
+                Some(new_id),
+            ),
+        )
+        .await?;
+        self.notify_after(&mut tx).await?;
+        tx.commit().await.map_err(db)?;
+        Ok(new_id)
+    }
+
+    pub(super) async fn release_claims_of_inner(
+        &self,
+        owner: &str,
+        actor: &str,
+    ) -> Result<u64, StoreError> {
+        if self.inner.settings.claim_mode == ClaimMode::LockedTransaction {
+            // A locked claim ends with its relay's connection (or idle_in_transaction timeout).
+            return Ok(0);
+        }
+        let sql = &self.inner.sql;
+        let leases = sqlx::query(&sql.owner_leases)
+            .bind(owner)
+            .fetch_all(&self.inner.pool)
+            .await
+            .map_err(db)?;
+        let reason = format!("claims of relay {owner} released");
+        let mut released = 0;
+        for lease in &leases {
+            let event_id: Uuid = lease.try_get("event_id").map_err(db)?;
+            let key: i64 = lease.try_get("k").map_err(db)?;
+            let mut tx = self
+                .inner
+                .pool
+                .begin_with(format!("{BEGIN_CLAIM}; {SYNC_COMMIT}"))
+                .await
+                .map_err(db)?;
+            sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                .bind(self.lock_key(key))
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+            let done = sqlx::query(&sql.release_owner_lease)
+                .bind(key)
+                .bind(lease.try_get::<String, _>("aggregate_type").map_err(db)?)
+                .bind(lease.try_get::<String, _>("aggregate_id").map_err(db)?)
+                .bind(owner)
+                .fetch_optional(&mut *tx)
+                .await
+                .map_err(db)?;
+            if done.is_some() {
+                let id = EventId::from_uuid(event_id);
+                self.audit(
+                    &mut tx,
+                    (id, OperatorAction::ReleaseClaim, actor, &reason, None),
+                )
+                .await?;
+                self.notify_after(&mut tx).await?;
+                released += 1;
+            }
+            tx.commit().await.map_err(db)?;
+        }
+        Ok(released)
+    }
+
+    pub(super) async fn audit_trail_inner(
+        &self,
+        event_id: Option<EventId>,
+    ) -> Result<Vec<AuditEntry>, StoreError> {
+        let rows = sqlx::query(&self.inner.sql.audit_trail)
+            .bind(event_id.map(|e| e.as_uuid()))
+            .fetch_all(&self.inner.pool)
+            .await
+            .map_err(db)?;
+        rows.iter()
+            .map(|row| {
+                let action: String = row.try_get("action").map_err(db)?;
+                Ok(AuditEntry::new(
+                    EventId::from_uuid(row.try_get("event_id").map_err(db)?),
+                    OperatorAction::parse(&action).ok_or_else(|| {
+                        StoreError::new(StoreErrorKind::Schema, format!("unknown action {action}"))
+                    })?,
+                    row.try_get::<String, _>("actor").map_err(db)?,
+                    row.try_get::<String, _>("reason").map_err(db)?,
+                    row.try_get::<Option<Uuid>, _>("new_event_id")
+                        .map_err(db)?
+                        .map(EventId::from_uuid),
+                    row.try_get("at").map_err(db)?,
+                ))
+            })
+            .collect()
+    }
+}
+
+fn not_parked(event_id: EventId) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::NotFound,
+        format!("event {event_id} is not parked (or does not exist)"),
+    )
+}
+
+fn out_of_order(event_id: EventId, version: i64, last: i64) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Conflict,
+        format!(
+            "event {event_id} has version {version}, at or below {last}, the last version \
+             published or discarded for its aggregate: sending it now would deliver it after a \
+             later version; discard it instead"
+        ),
+    )
+    .with_class(ErrorClass::Permanent)
+}
+
+fn require_reason(reason: &str) -> Result<(), StoreError> {
+    if reason.trim().is_empty() {
+        return Err(StoreError::new(
+            StoreErrorKind::Validation,
+            "this operator action requires a non-empty reason",
+        ));
+    }
+    Ok(())
+}

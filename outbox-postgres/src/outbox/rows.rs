@@ -1,0 +1,91 @@
+//! Row mapping: envelopes and parked events out of result rows.
+
+use chrono::{DateTime, Utc};
+use sqlx::postgres::PgRow;
+use sqlx::Row;
+use uuid::Uuid;
+
+use outbox_core::{
+    Envelope, EnvelopeLimits, ErrorClass, EventId, LastError, ParkKind, ParkReason, ParkedEvent,
+    Payload, StoreError, StoreErrorKind,
+};
+
+use crate::error::db;
+
+/// Reads the envelope columns (see `sql::ENVELOPE_COLS`) of a row.
+pub(crate) fn envelope_from_row(
+    row: &PgRow,
+    limits: &EnvelopeLimits,
+) -> Result<Envelope, StoreError> {
+    let event_id: Uuid = row.try_get("event_id").map_err(db)?;
+    let headers: serde_json::Value = row.try_get("headers").map_err(db)?;
+    let mut b = Envelope::builder(
+        row.try_get::<String, _>("aggregate_type").map_err(db)?,
+        row.try_get::<String, _>("aggregate_id").map_err(db)?,
+        row.try_get::<i64, _>("aggregate_version").map_err(db)?,
+        row.try_get::<String, _>("event_type").map_err(db)?,
+    )
+    .event_id(EventId::from_uuid(event_id))
+    .schema_version(row.try_get("schema_version").map_err(db)?)
+    .payload(Payload::new(
+        row.try_get::<String, _>("content_type").map_err(db)?,
+        row.try_get::<Vec<u8>, _>("payload").map_err(db)?,
+    ))
+    .created_at(row.try_get("created_at").map_err(db)?)
+    .limits(limits.clone());
+    if let serde_json::Value::Object(map) = headers {
+        for (k, v) in map {
+            if let serde_json::Value::String(v) = v {
+                b = b.header(k, v);
+            }
+        }
+    }
+    b.build().map_err(|e| {
+        StoreError::new(
+            StoreErrorKind::Schema,
+            format!("stored event {event_id} no longer passes validation: {e}"),
+        )
+        .with_source(e)
+    })
+}
+
+/// Reads a parked row (envelope and `sql::PARKED_COLS`).
+pub(crate) fn parked_from_row(
+    row: &PgRow,
+    limits: &EnvelopeLimits,
+) -> Result<ParkedEvent, StoreError> {
+    let envelope = envelope_from_row(row, limits)?;
+    let attempts: i32 = row.try_get("attempts").map_err(db)?;
+    let kind: Option<String> = row.try_get("park_kind").map_err(db)?;
+    let class: Option<String> = row.try_get("last_error_class").map_err(db)?;
+    let reason = ParkReason {
+        kind: kind
+            .as_deref()
+            .and_then(ParkKind::parse)
+            .unwrap_or(ParkKind::PermanentError),
+        error: LastError {
+            class: if class.as_deref() == Some("transient") {
+                ErrorClass::Transient
+            } else {
+                ErrorClass::Permanent
+            },
+            kind: row
+                .try_get::<Option<String>, _>("last_error_kind")
+                .map_err(db)?
+                .unwrap_or_default(),
+            message: row
+                .try_get::<Option<String>, _>("last_error_message")
+                .map_err(db)?
+                .unwrap_or_default(),
+        },
+    };
+    let parked_at: Option<DateTime<Utc>> = row.try_get("parked_at").map_err(db)?;
+    let uncertain: bool = row.try_get("maybe_delivered").map_err(db)?;
+    Ok(ParkedEvent::new(
+        envelope,
+        attempts.max(0) as u32,
+        reason,
+        parked_at.unwrap_or_default(),
+    )
+    .with_delivery_uncertain(uncertain))
+}
