@@ -151,7 +151,7 @@ mod topics;
 pub use config::{is_allowed_producer_property, is_secret_key, Properties, MAX_IN_FLIGHT_LIMIT};
 pub use partitioner::{KeyHash, Partitioner, DEFAULT_PARTITIONER};
 pub use publisher::{
-    KafkaPublisher, KafkaPublisherBuilder, KafkaPublisherConfig, StartError,
+    validate_topic_name, KafkaPublisher, KafkaPublisherBuilder, KafkaPublisherConfig, StartError,
     DEFAULT_DELIVERY_TIMEOUT, DEFAULT_METADATA_TIMEOUT, DEFAULT_REBUILD_AFTER_TIMEOUTS,
     REPORT_GRACE,
 };

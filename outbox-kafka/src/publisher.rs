@@ -132,12 +132,12 @@ impl KafkaPublisherConfig {
         if self.brokers.trim().is_empty() {
             return Err(ConfigError::new("brokers must not be empty"));
         }
-        validate_topic("default_topic", &self.default_topic)?;
+        validate_topic_name("default_topic", &self.default_topic)?;
         for (aggregate_type, topic) in &self.aggregate_routes {
             if aggregate_type.trim().is_empty() {
                 return Err(ConfigError::new("a route has an empty aggregate type"));
             }
-            validate_topic(
+            validate_topic_name(
                 &format!("route for aggregate type {aggregate_type:?}"),
                 topic,
             )?;
@@ -183,7 +183,11 @@ impl KafkaPublisherConfig {
     }
 }
 
-fn validate_topic(what: &str, topic: &str) -> Result<(), ConfigError> {
+/// Checks a Kafka topic name from configuration: 1..=249 of `[a-zA-Z0-9._-]`, not `.` or `..`
+/// (what Kafka accepts). `what` names the setting in the error. The publisher's builder checks
+/// every topic with it; programs check topic names from their arguments with it before anything
+/// connects.
+pub fn validate_topic_name(what: &str, topic: &str) -> Result<(), ConfigError> {
     let ok = !topic.is_empty()
         && topic.len() <= 249
         && topic != "."
