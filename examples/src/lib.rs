@@ -83,6 +83,9 @@ pub struct DemoConfig {
     pub brokers: Option<String>,
     /// Keep the PostgreSQL schema of the run for inspection (dropped by default).
     pub keep_schema: bool,
+    /// PostgreSQL schema of the run, created by the demo (so it must not exist yet); a fresh
+    /// `outbox_demo_<random>` when `None`.
+    pub schema: Option<String>,
 }
 
 /// What the demo did, for printing and for the test.
@@ -118,6 +121,10 @@ pub struct DemoSummary {
 /// Runs the demo on the backends `config` names.
 pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
     anyhow::ensure!(config.orders >= 1, "at least one order");
+    anyhow::ensure!(
+        config.schema.is_none() || config.database_url.is_some(),
+        "a schema is for PostgreSQL: give a database_url too"
+    );
     match (&config.database_url, &config.brokers) {
         (None, None) => {
             let m = memory::MemoryBackend::new()?;
@@ -150,7 +157,7 @@ pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
             .await
         }
         (Some(url), None) => {
-            let p = postgres::PostgresBackend::connect(url).await?;
+            let p = postgres::PostgresBackend::connect(url, config.schema.as_deref()).await?;
             let (log, source) = memory::log_and_source();
             let summary = drive(
                 "PostgreSQL, in-memory log",
@@ -166,7 +173,7 @@ pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
             finish_postgres(&p, config, summary).await
         }
         (Some(url), Some(brokers)) => {
-            let p = postgres::PostgresBackend::connect(url).await?;
+            let p = postgres::PostgresBackend::connect(url, config.schema.as_deref()).await?;
             let k = kafka::KafkaBackend::start(brokers).await?;
             let summary = drive(
                 "PostgreSQL, Kafka",
