@@ -100,8 +100,14 @@ pub struct DemoSummary {
     pub rejected: Vec<String>,
     /// Events marked published by the relay.
     pub marked_published: u64,
-    /// Publication attempts that failed transiently and were retried with backoff.
+    /// Publication attempts that failed transiently on their own and were retried with backoff
+    /// (an attempt spent).
     pub retried: u64,
+    /// Publications that failed in the transport (broker unavailable, a lost acknowledgement)
+    /// and were put back without spending an attempt, the relay pausing as a whole.
+    pub deferred: u64,
+    /// Cycles after which the relay's circuit breaker paused it.
+    pub paused: u64,
     /// Relay cycles run.
     pub relay_cycles: u64,
     /// Parked events with reasons.
@@ -287,6 +293,7 @@ where
                 .build()?,
         )
         .idle(Duration::from_millis(2), Duration::from_millis(20))
+        .circuit_breaker(Duration::from_millis(20), Duration::from_millis(200))
         .build()?;
     let mut relay = Relay::new(
         store.clone(),
@@ -296,6 +303,7 @@ where
         Box::new(StdRng::seed_from_u64(42)),
     )?;
     let (mut relay_cycles, mut retried, mut marked_published) = (0u64, 0u64, 0u64);
+    let (mut deferred, mut paused) = (0u64, 0u64);
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     // Expected: everything except order-big's two events.
     let expected = (2 * orders) as u64;
@@ -303,8 +311,13 @@ where
         let cycle = relay.run_once().await?;
         relay_cycles += 1;
         retried += cycle.retried as u64;
+        deferred += cycle.deferred as u64;
         marked_published += cycle.published as u64;
-        if cycle.is_idle() {
+        if let Some(pause) = cycle.pause {
+            // The transport failed as a whole: the circuit breaker paces the relay.
+            paused += 1;
+            tokio::time::sleep(pause).await;
+        } else if cycle.is_idle() {
             tokio::time::sleep(relay.idle_delay()).await;
         }
         anyhow::ensure!(
@@ -333,6 +346,8 @@ where
         rejected,
         marked_published,
         retried,
+        deferred,
+        paused,
         relay_cycles,
         parked,
         unpublished: stats.unpublished,
@@ -366,6 +381,11 @@ impl std::fmt::Display for DemoSummary {
             f,
             "  relay: {} events published in {} cycles; {} transient failures retried with backoff",
             self.marked_published, self.relay_cycles, self.retried
+        )?;
+        writeln!(
+            f,
+            "  broker trouble: {} publications put back without spending an attempt; {} pauses of the circuit breaker",
+            self.deferred, self.paused
         )?;
         for p in &self.parked {
             writeln!(
