@@ -7,6 +7,25 @@ pub fn parse_kv(s: &str) -> Result<(String, String), String> {
         .ok_or_else(|| format!("expected key=value, got {s:?}"))
 }
 
+/// Parses a PostgreSQL schema name argument (`value_parser` for clap): checked with the stores'
+/// own [`outbox_postgres::validate_identifier`] while the arguments are parsed, so a hostile or
+/// malformed name stops the program before it connects anywhere or runs any SQL. Programs then
+/// write it into SQL only through [`outbox_postgres::qualified`] /
+/// [`outbox_postgres::quote_identifier`].
+pub fn parse_schema(s: &str) -> Result<String, String> {
+    outbox_postgres::validate_identifier("schema", s, outbox_postgres::MAX_IDENTIFIER_LEN)
+        .map(|()| s.to_owned())
+        .map_err(|e| e.message)
+}
+
+/// Parses a Kafka topic name argument (`value_parser` for clap) with the publisher's own
+/// [`outbox_kafka::validate_topic_name`].
+pub fn parse_topic(s: &str) -> Result<String, String> {
+    outbox_kafka::validate_topic_name("topic", s)
+        .map(|()| s.to_owned())
+        .map_err(|e| e.0)
+}
+
 /// Logs to stderr, filtered by `RUST_LOG` (default `warn`).
 pub fn init_tracing() {
     tracing_subscriber::fmt()

@@ -83,6 +83,9 @@ pub struct DemoConfig {
     pub brokers: Option<String>,
     /// Keep the PostgreSQL schema of the run for inspection (dropped by default).
     pub keep_schema: bool,
+    /// PostgreSQL schema of the run, created by the demo (so it must not exist yet); a fresh
+    /// `outbox_demo_<random>` when `None`.
+    pub schema: Option<String>,
 }
 
 /// What the demo did, for printing and for the test.
@@ -97,8 +100,14 @@ pub struct DemoSummary {
     pub rejected: Vec<String>,
     /// Events marked published by the relay.
     pub marked_published: u64,
-    /// Publication attempts that failed transiently and were retried with backoff.
+    /// Publication attempts that failed transiently on their own and were retried with backoff
+    /// (an attempt spent).
     pub retried: u64,
+    /// Publications that failed in the transport (broker unavailable, a lost acknowledgement)
+    /// and were put back without spending an attempt, the relay pausing as a whole.
+    pub deferred: u64,
+    /// Cycles after which the relay's circuit breaker paused it.
+    pub paused: u64,
     /// Relay cycles run.
     pub relay_cycles: u64,
     /// Parked events with reasons.
@@ -118,6 +127,10 @@ pub struct DemoSummary {
 /// Runs the demo on the backends `config` names.
 pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
     anyhow::ensure!(config.orders >= 1, "at least one order");
+    anyhow::ensure!(
+        config.schema.is_none() || config.database_url.is_some(),
+        "a schema is for PostgreSQL: give a database_url too"
+    );
     match (&config.database_url, &config.brokers) {
         (None, None) => {
             let m = memory::MemoryBackend::new()?;
@@ -150,7 +163,7 @@ pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
             .await
         }
         (Some(url), None) => {
-            let p = postgres::PostgresBackend::connect(url).await?;
+            let p = postgres::PostgresBackend::connect(url, config.schema.as_deref()).await?;
             let (log, source) = memory::log_and_source();
             let summary = drive(
                 "PostgreSQL, in-memory log",
@@ -166,7 +179,7 @@ pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
             finish_postgres(&p, config, summary).await
         }
         (Some(url), Some(brokers)) => {
-            let p = postgres::PostgresBackend::connect(url).await?;
+            let p = postgres::PostgresBackend::connect(url, config.schema.as_deref()).await?;
             let k = kafka::KafkaBackend::start(brokers).await?;
             let summary = drive(
                 "PostgreSQL, Kafka",
@@ -280,6 +293,7 @@ where
                 .build()?,
         )
         .idle(Duration::from_millis(2), Duration::from_millis(20))
+        .circuit_breaker(Duration::from_millis(20), Duration::from_millis(200))
         .build()?;
     let mut relay = Relay::new(
         store.clone(),
@@ -289,6 +303,7 @@ where
         Box::new(StdRng::seed_from_u64(42)),
     )?;
     let (mut relay_cycles, mut retried, mut marked_published) = (0u64, 0u64, 0u64);
+    let (mut deferred, mut paused) = (0u64, 0u64);
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     // Expected: everything except order-big's two events.
     let expected = (2 * orders) as u64;
@@ -296,8 +311,13 @@ where
         let cycle = relay.run_once().await?;
         relay_cycles += 1;
         retried += cycle.retried as u64;
+        deferred += cycle.deferred as u64;
         marked_published += cycle.published as u64;
-        if cycle.is_idle() {
+        if let Some(pause) = cycle.pause {
+            // The transport failed as a whole: the circuit breaker paces the relay.
+            paused += 1;
+            tokio::time::sleep(pause).await;
+        } else if cycle.is_idle() {
             tokio::time::sleep(relay.idle_delay()).await;
         }
         anyhow::ensure!(
@@ -326,6 +346,8 @@ where
         rejected,
         marked_published,
         retried,
+        deferred,
+        paused,
         relay_cycles,
         parked,
         unpublished: stats.unpublished,
@@ -359,6 +381,11 @@ impl std::fmt::Display for DemoSummary {
             f,
             "  relay: {} events published in {} cycles; {} transient failures retried with backoff",
             self.marked_published, self.relay_cycles, self.retried
+        )?;
+        writeln!(
+            f,
+            "  broker trouble: {} publications put back without spending an attempt; {} pauses of the circuit breaker",
+            self.deferred, self.paused
         )?;
         for p in &self.parked {
             writeln!(

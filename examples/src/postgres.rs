@@ -4,7 +4,10 @@ use std::time::Duration;
 
 use outbox_core::{async_trait, ClaimMode, Envelope, StoreError};
 use outbox_inbox::{Handler, HandlerError};
-use outbox_postgres::{map_sqlx_error, PostgresInboxStore, PostgresOutboxStore};
+use outbox_postgres::{
+    map_sqlx_error, qualified, quote_identifier, validate_identifier, PostgresInboxStore,
+    PostgresOutboxStore, MAX_IDENTIFIER_LEN,
+};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgPool, Postgres, Row, Transaction};
 
@@ -26,8 +29,19 @@ pub struct PostgresBackend {
 }
 
 impl PostgresBackend {
-    /// Connects, creates a fresh schema with the order, projection, outbox and inbox tables.
-    pub async fn connect(url: &str) -> anyhow::Result<Self> {
+    /// Connects, creates a fresh schema with the order, projection, outbox and inbox tables:
+    /// `schema` (validated like the stores' names before anything connects; it must not exist
+    /// yet) or `outbox_demo_<random>`.
+    pub async fn connect(url: &str, schema: Option<&str>) -> anyhow::Result<Self> {
+        let schema = match schema {
+            Some(s) => s.to_owned(),
+            None => format!(
+                "outbox_demo_{}",
+                &uuid::Uuid::new_v4().simple().to_string()[..8]
+            ),
+        };
+        validate_identifier("schema", &schema, MAX_IDENTIFIER_LEN)
+            .map_err(|e| anyhow::anyhow!("{}", e.message))?;
         let pool = PgPoolOptions::new()
             .max_connections(8)
             .acquire_timeout(Duration::from_secs(5))
@@ -36,14 +50,14 @@ impl PostgresBackend {
             .map_err(|e| {
                 anyhow::anyhow!("cannot connect to PostgreSQL at the given --database-url: {e}")
             })?;
-        let schema = format!(
-            "outbox_demo_{}",
-            &uuid::Uuid::new_v4().simple().to_string()[..8]
-        );
+        // No IF NOT EXISTS: the schema is the run's own, and only then is it dropped later.
         sqlx::raw_sql(&format!(
-            "CREATE SCHEMA {schema};
-             CREATE TABLE {schema}.orders (id text PRIMARY KEY, status text NOT NULL, version bigint NOT NULL, note text NOT NULL);
-             CREATE TABLE {schema}.projection (id text PRIMARY KEY, status text NOT NULL, version bigint NOT NULL);"
+            "CREATE SCHEMA {};
+             CREATE TABLE {} (id text PRIMARY KEY, status text NOT NULL, version bigint NOT NULL, note text NOT NULL);
+             CREATE TABLE {} (id text PRIMARY KEY, status text NOT NULL, version bigint NOT NULL);",
+            quote_identifier(&schema),
+            qualified(&schema, "orders"),
+            qualified(&schema, "projection"),
         ))
         .execute(&pool)
         .await?;
@@ -72,10 +86,13 @@ impl PostgresBackend {
 
     /// Drops this run's schema.
     pub async fn drop_schema(&self) -> Result<(), sqlx::Error> {
-        sqlx::raw_sql(&format!("DROP SCHEMA {} CASCADE", self.schema))
-            .execute(&self.pool)
-            .await
-            .map(|_| ())
+        sqlx::raw_sql(&format!(
+            "DROP SCHEMA {} CASCADE",
+            quote_identifier(&self.schema)
+        ))
+        .execute(&self.pool)
+        .await
+        .map(|_| ())
     }
 }
 
@@ -111,8 +128,8 @@ impl OrderService for PostgresOrderService {
     async fn place(&self, id: &str, note: &str) -> Result<Transition, StoreError> {
         let mut tx = self.pool.begin().await.map_err(map_sqlx_error)?;
         let inserted = sqlx::query(&format!(
-            "INSERT INTO {}.orders (id, status, version, note) VALUES ($1, 'pending', 1, $2) ON CONFLICT (id) DO NOTHING",
-            self.schema
+            "INSERT INTO {} (id, status, version, note) VALUES ($1, 'pending', 1, $2) ON CONFLICT (id) DO NOTHING",
+            qualified(&self.schema, "orders")
         ))
         .bind(id)
         .bind(note)
@@ -142,8 +159,8 @@ impl OrderService for PostgresOrderService {
         let mut tx = self.pool.begin().await.map_err(map_sqlx_error)?;
         // Conditional transition: only from `from`; the row lock serializes concurrent commands.
         let row = sqlx::query(&format!(
-            "UPDATE {}.orders SET status = $3, version = version + 1 WHERE id = $1 AND status = $2 RETURNING version, note",
-            self.schema
+            "UPDATE {} SET status = $3, version = version + 1 WHERE id = $1 AND status = $2 RETURNING version, note",
+            qualified(&self.schema, "orders")
         ))
         .bind(id)
         .bind(from)
@@ -166,8 +183,9 @@ impl OrderService for PostgresOrderService {
 
     async fn projection_matches(&self) -> Result<usize, StoreError> {
         let n: i64 = sqlx::query_scalar(&format!(
-            "SELECT count(*) FROM {s}.orders o JOIN {s}.projection p ON p.id = o.id AND p.version = o.version",
-            s = self.schema
+            "SELECT count(*) FROM {} o JOIN {} p ON p.id = o.id AND p.version = o.version",
+            qualified(&self.schema, "orders"),
+            qualified(&self.schema, "projection")
         ))
         .fetch_one(&self.pool)
         .await
@@ -184,14 +202,15 @@ pub struct Projection {
 }
 
 impl Projection {
-    /// The projection in `schema`.
+    /// The projection in `schema` (a validated name; see [`outbox_postgres::qualified`]).
     pub fn new(schema: &str) -> Self {
+        let projection = qualified(schema, "projection");
         Self {
             insert: format!(
-                "INSERT INTO {schema}.projection (id, status, version) VALUES ($1, $2, 1) ON CONFLICT (id) DO NOTHING"
+                "INSERT INTO {projection} (id, status, version) VALUES ($1, $2, 1) ON CONFLICT (id) DO NOTHING"
             ),
             update: format!(
-                "UPDATE {schema}.projection SET status = $2, version = $3 WHERE id = $1 AND version = $3 - 1"
+                "UPDATE {projection} SET status = $2, version = $3 WHERE id = $1 AND version = $3 - 1"
             ),
         }
     }

@@ -20,7 +20,15 @@ fn check(s: &DemoSummary, orders: usize) {
     assert_eq!(s.parked[0].reason.kind, ParkKind::PermanentError);
     assert_eq!(s.parked[0].reason.error.kind, "record_too_large");
     assert_eq!(s.unpublished, 1, "order-big/2 waits behind its parked head");
-    assert!(s.retried >= 5, "3 failures + 2 lost acks were retried: {s}");
+    // The scripted broker trouble (3 records refused as broker unavailable, 2 lost
+    // acknowledgements) is the transport's: put back without spending attempts, never retried
+    // as the records' own. (Other records of those batches were acknowledged, so the circuit
+    // breaker stays closed.)
+    assert!(
+        s.deferred >= 5,
+        "3 failures + 2 lost acks were deferred: {s}"
+    );
+    assert_eq!(s.retried, 0, "no record failed on its own: {s}");
     assert!(s.oldest_parked_age.is_some());
     // The two lost acknowledgements were published twice; the consumer absorbed them.
     assert_eq!(s.consumer.received as usize, 2 * orders + 2);

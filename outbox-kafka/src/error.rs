@@ -9,8 +9,18 @@
 //! |---|---|
 //! | permanent | `record_too_large` (`MSG_SIZE_TOO_LARGE`, `MESSAGE_BATCH_TOO_LARGE`), `unknown_topic` (`UNKNOWN_TOPIC_OR_PART`, `_UNKNOWN_TOPIC`, `_UNKNOWN_PARTITION`, `TOPIC_EXCEPTION`), `authorization` (`*_AUTHORIZATION_FAILED`, `_AUTHENTICATION`, `SASL_AUTHENTICATION_FAILED`), `invalid_record` (`INVALID_RECORD`, `INVALID_TIMESTAMP`, `POLICY_VIOLATION`, `_BAD_MSG`), `serialization` (`_KEY_SERIALIZATION`, `_VALUE_SERIALIZATION`), configuration errors (`other`, permanent) |
 //! | transient | `timeout` (`_MSG_TIMED_OUT`, `REQUEST_TIMED_OUT`, `_TIMED_OUT`), `broker_unavailable` (`_TRANSPORT`, `_ALL_BROKERS_DOWN`, `NETWORK_EXCEPTION`, ...), `not_enough_replicas` (`NOT_ENOUGH_REPLICAS*`, `_ISR_INSUFF`), `leader_moved` (`NOT_LEADER_OR_FOLLOWER`, `LEADER_NOT_AVAILABLE`, fenced/unknown leader epoch), `queue_full`, `fatal` (the idempotent producer is in a fatal state; [`crate::KafkaPublisher`] rebuilds it), `other` |
+//!
+//! Besides its class, every error has a [`FailureScope`]: whose failure it is. **Transport**
+//! (the broker's, not the record's; the relay spends no attempt and pauses as a whole):
+//! timeouts (a record or a whole batch without a delivery report), transport failures and all
+//! brokers down, missing leaders and replicas, a missing topic (also when it goes missing while
+//! the publisher runs, see [`crate::KafkaPublisher`]), authorization, a full local queue, a
+//! fatal producer state, a report lost because the producer went away (`Canceled`), and a
+//! record held back behind its aggregate's failed predecessor. **Record** (the record's own;
+//! it spends an attempt and is parked when permanent or past the limit): too large, invalid,
+//! not serializable, configuration errors and anything unknown.
 
-use outbox_core::{ErrorClass, PublishError, PublishErrorKind, SourceError};
+use outbox_core::{ErrorClass, FailureScope, PublishError, PublishErrorKind, SourceError};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 
 /// Kind and class of one librdkafka error code.
@@ -118,21 +128,53 @@ pub fn classify_code(code: RDKafkaErrorCode) -> (PublishErrorKind, ErrorClass) {
     (kind, kind.default_class())
 }
 
-/// A [`PublishError`] for a Kafka error (enqueue or delivery report).
+/// A [`PublishError`] for a Kafka error (enqueue or delivery report). Kind and class from
+/// [`classify_code`]; the scope is the kind's default (see the module docs).
 pub fn publish_error(err: &KafkaError) -> PublishError {
     let (kind, class) = match err {
         KafkaError::ClientConfig(..) => (PublishErrorKind::Other, ErrorClass::Permanent),
         // A NUL byte in the topic name or a header key: the event cannot be encoded.
         KafkaError::Nul(_) => (PublishErrorKind::Serialization, ErrorClass::Permanent),
         // The producer went away before it reported: whether the record was stored is unknown,
-        // so this is a retry (at-least-once), never a success.
-        KafkaError::Canceled => (PublishErrorKind::Other, ErrorClass::Transient),
+        // so this is a retry (at-least-once), never a success, and not the record's fault.
+        KafkaError::Canceled => {
+            return PublishError::new(PublishErrorKind::Other, err.to_string())
+                .with_class(ErrorClass::Transient)
+                .with_scope(FailureScope::Transport)
+        }
         other => match other.rdkafka_error_code() {
             Some(code) => classify_code(code),
             None => (PublishErrorKind::Other, ErrorClass::Transient),
         },
     };
     PublishError::new(kind, err.to_string()).with_class(class)
+}
+
+/// [`publish_error`] for a record to `topic`, with the topic named in the message (an unknown
+/// topic says so in words: librdkafka's own text does not name it).
+pub fn publish_error_to(topic: &str, err: &KafkaError) -> PublishError {
+    let mut e = publish_error(err);
+    e.message = if e.kind == PublishErrorKind::UnknownTopic {
+        format!(
+            "topic {topic:?} does not exist on the broker: {}",
+            e.message
+        )
+    } else {
+        format!("topic {topic:?}: {}", e.message)
+    };
+    e
+}
+
+/// The error of a record to `topic` when the broker says the topic does not exist (asked after
+/// the record timed out with `detail`).
+pub fn unknown_topic(topic: &str, detail: &str) -> PublishError {
+    PublishError::new(
+        PublishErrorKind::UnknownTopic,
+        format!(
+            "topic {topic:?} does not exist on the broker (deleted, or not created again after \
+             a broker reset); records to it fail until it exists ({detail})"
+        ),
+    )
 }
 
 /// `true` if the error means the producer instance is unusable and must be rebuilt.
@@ -257,6 +299,109 @@ mod tests {
         for &(code, kind, class) in table {
             assert_eq!(classify_code(code), (kind, class), "{code:?}");
         }
+    }
+
+    /// Whose failure each error is: the broker's (no attempt spent, the relay pauses) or the
+    /// record's own. The outage cases must all be the transport's.
+    #[test]
+    fn scope_table() {
+        use FailureScope::{Record, Transport};
+        let table: &[(KafkaError, FailureScope)] = &[
+            // the broker is away, or a whole batch timed out
+            (KafkaError::MessageProduction(C::MessageTimedOut), Transport),
+            (KafkaError::MessageProduction(C::RequestTimedOut), Transport),
+            (
+                KafkaError::MessageProduction(C::BrokerTransportFailure),
+                Transport,
+            ),
+            (KafkaError::MessageProduction(C::AllBrokersDown), Transport),
+            (KafkaError::Global(C::AllBrokersDown), Transport),
+            (
+                KafkaError::MessageProduction(C::NetworkException),
+                Transport,
+            ),
+            (
+                KafkaError::MessageProduction(C::BrokerNotAvailable),
+                Transport,
+            ),
+            (KafkaError::MessageProduction(C::PurgeInflight), Transport),
+            (KafkaError::MessageProduction(C::PurgeQueue), Transport),
+            // topic or leader missing
+            (
+                KafkaError::MessageProduction(C::UnknownTopicOrPartition),
+                Transport,
+            ),
+            (KafkaError::MessageProduction(C::UnknownTopic), Transport),
+            (
+                KafkaError::MessageProduction(C::UnknownPartition),
+                Transport,
+            ),
+            (
+                KafkaError::MessageProduction(C::LeaderNotAvailable),
+                Transport,
+            ),
+            (
+                KafkaError::MessageProduction(C::NotLeaderForPartition),
+                Transport,
+            ),
+            (
+                KafkaError::MessageProduction(C::NotEnoughReplicas),
+                Transport,
+            ),
+            (
+                KafkaError::MessageProduction(C::TopicAuthorizationFailed),
+                Transport,
+            ),
+            (KafkaError::MessageProduction(C::QueueFull), Transport),
+            (KafkaError::MessageProduction(C::Fatal), Transport),
+            (
+                KafkaError::MessageProduction(C::UnknownProducerId),
+                Transport,
+            ),
+            (KafkaError::Canceled, Transport),
+            // the record's own
+            (
+                KafkaError::MessageProduction(C::MessageSizeTooLarge),
+                Record,
+            ),
+            (KafkaError::MessageProduction(C::InvalidRecord), Record),
+            (KafkaError::MessageProduction(C::InvalidMessage), Record),
+            (KafkaError::MessageProduction(C::KeySerialization), Record),
+            (KafkaError::MessageProduction(C::InvalidConfig), Record),
+            (KafkaError::MessageProduction(C::Fail), Record),
+            (
+                KafkaError::Nul(std::ffi::CString::new(vec![b'a', 0]).unwrap_err()),
+                Record,
+            ),
+        ];
+        for (err, scope) in table {
+            assert_eq!(publish_error(err).scope, *scope, "{err:?}");
+        }
+    }
+
+    #[test]
+    fn errors_to_a_topic_name_it() {
+        let e = publish_error_to("orders", &KafkaError::MessageProduction(C::UnknownTopic));
+        assert_eq!(e.kind, K::UnknownTopic);
+        assert_eq!(e.scope, FailureScope::Transport);
+        assert!(
+            e.message.contains("\"orders\" does not exist"),
+            "{}",
+            e.message
+        );
+        let e = publish_error_to("orders", &KafkaError::MessageProduction(C::MessageTimedOut));
+        assert_eq!(e.kind, K::Timeout);
+        assert!(e.message.starts_with("topic \"orders\": "), "{}", e.message);
+        let e = unknown_topic("payments", "no delivery report");
+        assert_eq!(
+            (e.kind, e.class, e.scope),
+            (K::UnknownTopic, Permanent, FailureScope::Transport)
+        );
+        assert!(
+            e.message.contains("\"payments\" does not exist"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]

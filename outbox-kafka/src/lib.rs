@@ -17,11 +17,17 @@
 //! | `Ok` only from a delivery report | yes | [`outbox_core::AckMetadata`] = topic, partition, offset of the report |
 //! | local queue full | retried | enqueue retried until the delivery timeout |
 //! | ordering under producer retries | enforced | `enable.idempotence=true`, `acks=all`, `max.in.flight.requests.per.connection` ≤ 5; unsafe overrides are a [`outbox_core::ConfigError`] at build |
+//! | producer properties | allow-list | connection, security, logging and tuning properties only; guarded ones only with safe values; anything else (e.g. `delivery.report.only.error=true`, an unknown or future property) is refused at build, naming the property and the fix ([`is_allowed_producer_property`]) |
+//! | delivery reports for every record | enforced | `delivery.report.only.error=false` |
 //! | delivery timeout exposed | yes | [`Publisher::delivery_timeout`](outbox_core::Publisher::delivery_timeout) = `message.timeout.ms` (default 30 s) |
 //! | key | aggregate id | one aggregate → one partition |
+//! | partitioner | key hash, default `murmur2_random` | keyless partitioners (`random`) refused; see [Partitioner](#partitioner) |
+//! | partitioner change between runs | surfaced | [`KafkaPublisherBuilder::expect_partitioner`] → [`TopicReport::partitioner_change`], warning log, metric `outbox_kafka_partitioner_changes_total` |
 //! | headers | [`outbox_core::wire`] | `event_id`, `event_type`, `schema_version`, `aggregate_*`, `content_type`, `created_at`, user headers (`traceparent`) |
-//! | routing | event type → topic, default topic | [`KafkaPublisherBuilder::route`] |
+//! | routing | aggregate type → topic, default topic | [`KafkaPublisherBuilder::route_aggregate`]; see [Routing](#routing) |
 //! | error classes | typed | [`error::classify_code`] from `RDKafkaErrorCode`, table-tested |
+//! | failure scope | typed | broker outage, batch timeouts, missing topic or leader: [`outbox_core::FailureScope::Transport`] (no attempt spent, the relay pauses as a whole); the record's own failures: `Record` ([`error`]) |
+//! | topic missing mid-run | `unknown_topic`, naming the topic | timed-out records whose topic the broker no longer knows are reported as [`outbox_core::PublishErrorKind::UnknownTopic`], not as timeouts |
 //! | fatal producer errors | handled | affected records fail transiently, the producer is rebuilt |
 //! | stuck idempotent producer | handled | rebuilt after consecutive all-timed-out batches ([`KafkaPublisherBuilder::rebuild_after_timeouts`]) |
 //! | missing topic | error at start | [`KafkaPublisher::check_topics`] / [`KafkaPublisherBuilder::start`] |
@@ -36,6 +42,35 @@
 //! Secrets set as properties (`sasl.password`, `ssl.key.password`, ...) never appear in `Debug`
 //! output.
 //!
+//! ## Partitioner
+//!
+//! One aggregate's events keep their order only if they share a partition, so only partitioners
+//! that hash the key (the aggregate id) are accepted; `partitioner=random` is refused at build.
+//! The default is pinned to **`murmur2_random`** rather than librdkafka's own default
+//! (`consistent_random`, a CRC32 hash): murmur2 is the hash of the Java client's default
+//! partitioner, so Java producers (Kafka Streams, Connect, a service's own producer) that write
+//! the same aggregate ids to the same topic put them on the same partitions as this publisher,
+//! and a consumer sees one order per aggregate whoever produced it. The test
+//! `default_partitioner_places_keys_like_the_java_client` checks every placement against the
+//! Java formula `(murmur2(key) & 0x7fffffff) % partitions`.
+//!
+//! Changing the partitioner of a topic that already holds events moves keys to other
+//! partitions, exactly like adding partitions. Both are surfaced the same way: pass what the
+//! previous run recorded ([`TopicReport::partitioner`], partition counts) to
+//! [`KafkaPublisherBuilder::expect_partitioner`] / [`KafkaPublisherBuilder::expect_partitions`]
+//! and the first [`KafkaPublisher::check_topics`] reports the change, logs a warning and counts
+//! it. A publisher upgraded from a version that used librdkafka's default keeps that mapping
+//! with `.partitioner(Partitioner::ConsistentRandom)`.
+//!
+//! ## Routing
+//!
+//! Events are routed **by aggregate type**, never by event type: a consumer reading two topics
+//! has no order between them, so if `order.created` went to one topic and `order.paid` to
+//! another, a consumer of both could apply the payment first. With
+//! [`KafkaPublisherBuilder::route_aggregate`] every event of an aggregate goes to its type's
+//! topic (or the default topic), and the key puts it on one partition there. Routing one
+//! aggregate type to two topics is refused at build.
+//!
 //! ## Example
 //!
 //! ```no_run
@@ -47,7 +82,7 @@
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! // Producer side: fails here if a topic is missing, instead of at the first timeout.
 //! let publisher = KafkaPublisher::builder("localhost:9092", "orders")
-//!     .route("payment.captured", "payments")
+//!     .route_aggregate("payment", "payments")
 //!     .delivery_timeout(Duration::from_secs(20))
 //!     .start()
 //!     .await?;
@@ -101,16 +136,22 @@
 //!   Kafka after producer-id expiry).
 //! * tansu has no CreatePartitions; the partition-change check is tested with
 //!   [`KafkaPublisherBuilder::expect_partitions`].
+//! * After DeleteTopics, tansu's metadata no longer lists the topic, but it still acknowledges
+//!   records produced to it by a client that has the leader cached (Kafka answers
+//!   `UNKNOWN_TOPIC_OR_PARTITION`). The deleted-topic test lets the producer refresh its
+//!   metadata first (`topic.metadata.refresh.interval.ms=500`).
 
 mod config;
 pub mod error;
+pub mod partitioner;
 mod publisher;
 mod source;
 mod topics;
 
-pub use config::{is_secret_key, Properties, MAX_IN_FLIGHT_LIMIT};
+pub use config::{is_allowed_producer_property, is_secret_key, Properties, MAX_IN_FLIGHT_LIMIT};
+pub use partitioner::{KeyHash, Partitioner, DEFAULT_PARTITIONER};
 pub use publisher::{
-    KafkaPublisher, KafkaPublisherBuilder, KafkaPublisherConfig, StartError,
+    validate_topic_name, KafkaPublisher, KafkaPublisherBuilder, KafkaPublisherConfig, StartError,
     DEFAULT_DELIVERY_TIMEOUT, DEFAULT_METADATA_TIMEOUT, DEFAULT_REBUILD_AFTER_TIMEOUTS,
     REPORT_GRACE,
 };
@@ -118,4 +159,6 @@ pub use source::{
     FnRevokeHook, KafkaSource, KafkaSourceBuilder, KafkaSourceConfig, RevokeHook, StartFrom,
     DEFAULT_SESSION_TIMEOUT,
 };
-pub use topics::{CleanupPolicy, PartitionChange, TopicCheckError, TopicInfo, TopicReport};
+pub use topics::{
+    CleanupPolicy, PartitionChange, PartitionerChange, TopicCheckError, TopicInfo, TopicReport,
+};

@@ -6,9 +6,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
-use futures::future::join_all;
+use futures::future::{join_all, Either};
 use outbox_core::{
-    async_trait, wire, AckMetadata, ConfigError, Envelope, ErrorClass, PublishError,
+    async_trait, wire, AckMetadata, ConfigError, Envelope, ErrorClass, FailureScope, PublishError,
     PublishErrorKind, PublishResult, Publisher,
 };
 use rdkafka::admin::AdminClient;
@@ -19,9 +19,13 @@ use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use tokio::time::Instant;
 
-use crate::config::{check_producer_overrides, Properties, PRODUCER_ENFORCED};
-use crate::error::publish_error;
-use crate::topics::{describe_topics, Admin, PartitionChange, TopicCheckError, TopicReport};
+use crate::config::{check_producer_overrides, connection_properties, Properties, PRODUCER_FORCED};
+use crate::error::{publish_error, publish_error_to, unknown_topic};
+use crate::partitioner::Partitioner;
+use crate::topics::{
+    describe_topics, missing_topics, Admin, PartitionChange, PartitionerChange, TopicCheckError,
+    TopicReport,
+};
 
 /// Default delivery timeout (`message.timeout.ms`): 30 s.
 pub const DEFAULT_DELIVERY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -33,33 +37,40 @@ pub const DEFAULT_REBUILD_AFTER_TIMEOUTS: u32 = 2;
 pub const REPORT_GRACE: Duration = Duration::from_millis(500);
 /// Pause between enqueue attempts while librdkafka's local queue is full.
 const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(5);
+/// Least time left before the report deadline for asking the broker whether the topics of
+/// timed-out records still exist.
+const MIN_TOPIC_PROBE: Duration = Duration::from_millis(50);
 
 /// Configuration of a [`KafkaPublisher`]. Build it with [`KafkaPublisher::builder`].
 ///
 /// | field | default | meaning |
 /// |---|---|---|
 /// | `brokers` | (required) | `bootstrap.servers` |
-/// | `default_topic` | (required) | topic of every event type without a route |
-/// | `routes` | empty | `event_type` → topic |
+/// | `default_topic` | (required) | topic of every aggregate type without a route |
+/// | `aggregate_routes` | empty | `aggregate_type` → topic (one aggregate never spans two topics) |
 /// | `delivery_timeout` | 30 s | `message.timeout.ms`: bound from enqueue to final delivery report |
 /// | `metadata_timeout` | 10 s | topic checks (metadata, DescribeConfigs) |
 /// | `client_id` | `outbox-publisher` | `client.id` |
-/// | `properties` | empty | any other librdkafka property; secrets are redacted in `Debug` |
+/// | `properties` | empty | librdkafka properties from the allow-list (connection, security, logging, tuning, `partitioner`); secrets are redacted in `Debug` |
 /// | `expected_partitions` | empty | partition counts to compare at the first topic check |
+/// | `expected_partitioner` | none | partitioner of the previous run, compared at the first topic check |
 /// | `rebuild_after_timeouts` | 2 | replace a producer whose batches keep timing out entirely (0 = never) |
 ///
 /// Always set and not overridable to weaker values: `enable.idempotence=true`, `acks=all`,
-/// `max.in.flight.requests.per.connection=5` (1..=5 accepted), `retries` > 0, no
-/// `transactional.id`. `allow.auto.create.topics` defaults to `false`.
+/// `max.in.flight.requests.per.connection=5` (1..=5 accepted), `retries` > 0,
+/// `delivery.report.only.error=false`, `allow.auto.create.topics=false`, a key-hashing
+/// `partitioner` (default `murmur2_random`, see [`Partitioner`]), no `transactional.id`.
+/// Properties outside the allow-list are refused ([`crate::is_allowed_producer_property`]).
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct KafkaPublisherConfig {
     /// Bootstrap servers, `host:port[,host:port...]`.
     pub brokers: String,
-    /// Topic for event types without a route.
+    /// Topic for aggregate types without a route.
     pub default_topic: String,
-    /// Topic per event type.
-    pub routes: BTreeMap<String, String>,
+    /// Topic per aggregate type. Routes are by aggregate type, never by event type, so every
+    /// event of one aggregate goes to one topic (and, keyed by the aggregate id, one partition).
+    pub aggregate_routes: BTreeMap<String, String>,
     /// `message.timeout.ms`.
     pub delivery_timeout: Duration,
     /// Timeout of metadata and admin requests.
@@ -74,6 +85,8 @@ pub struct KafkaPublisherConfig {
     /// Replace the producer after this many consecutive batches in which every record timed
     /// out (0 = never). See [`KafkaPublisherBuilder::rebuild_after_timeouts`].
     pub rebuild_after_timeouts: u32,
+    /// The partitioner of the previous run (see [`KafkaPublisherBuilder::expect_partitioner`]).
+    pub expected_partitioner: Option<Partitioner>,
 }
 
 impl KafkaPublisherConfig {
@@ -82,52 +95,55 @@ impl KafkaPublisherConfig {
         Self {
             brokers: brokers.into(),
             default_topic: default_topic.into(),
-            routes: BTreeMap::new(),
+            aggregate_routes: BTreeMap::new(),
             delivery_timeout: DEFAULT_DELIVERY_TIMEOUT,
             metadata_timeout: DEFAULT_METADATA_TIMEOUT,
             client_id: "outbox-publisher".into(),
             properties: Properties::default(),
             expected_partitions: BTreeMap::new(),
             rebuild_after_timeouts: DEFAULT_REBUILD_AFTER_TIMEOUTS,
+            expected_partitioner: None,
         }
     }
 
-    /// The topic an event of `event_type` is published to.
-    pub fn topic_for(&self, event_type: &str) -> &str {
-        self.routes
-            .get(event_type)
+    /// The topic every event of an aggregate of `aggregate_type` is published to.
+    pub fn topic_for_aggregate(&self, aggregate_type: &str) -> &str {
+        self.aggregate_routes
+            .get(aggregate_type)
             .map_or(self.default_topic.as_str(), String::as_str)
+    }
+
+    /// The partitioner the producer uses: the `partitioner` property if set (and accepted),
+    /// else [`crate::DEFAULT_PARTITIONER`].
+    pub fn partitioner(&self) -> Result<Partitioner, ConfigError> {
+        Ok(check_producer_overrides(&self.properties)?.partitioner)
     }
 
     /// Every topic this configuration can publish to.
     pub fn topics(&self) -> Vec<String> {
-        let mut set: BTreeSet<&str> = self.routes.values().map(String::as_str).collect();
+        let mut set: BTreeSet<&str> = self.aggregate_routes.values().map(String::as_str).collect();
         set.insert(&self.default_topic);
         set.into_iter().map(str::to_owned).collect()
     }
 
     /// Validates the configuration and returns the effective librdkafka producer configuration
-    /// together with the effective delivery timeout.
-    fn producer_config(&self) -> Result<(ClientConfig, Duration), ConfigError> {
+    /// together with the effective delivery timeout and partitioner.
+    fn producer_config(&self) -> Result<(ClientConfig, Duration, Partitioner), ConfigError> {
         if self.brokers.trim().is_empty() {
             return Err(ConfigError::new("brokers must not be empty"));
         }
-        validate_topic("default_topic", &self.default_topic)?;
-        for (event_type, topic) in &self.routes {
-            if event_type.is_empty() {
-                return Err(ConfigError::new("a route has an empty event type"));
+        validate_topic_name("default_topic", &self.default_topic)?;
+        for (aggregate_type, topic) in &self.aggregate_routes {
+            if aggregate_type.trim().is_empty() {
+                return Err(ConfigError::new("a route has an empty aggregate type"));
             }
-            validate_topic(&format!("route for {event_type:?}"), topic)?;
+            validate_topic_name(
+                &format!("route for aggregate type {aggregate_type:?}"),
+                topic,
+            )?;
         }
-        if self.properties.get("bootstrap.servers").is_some()
-            || self.properties.get("metadata.broker.list").is_some()
-        {
-            return Err(ConfigError::new(
-                "bootstrap.servers/metadata.broker.list: set the brokers through the builder, \
-                 not as a property",
-            ));
-        }
-        let timeout = check_producer_overrides(&self.properties)?.unwrap_or(self.delivery_timeout);
+        let checked = check_producer_overrides(&self.properties)?;
+        let timeout = checked.delivery_timeout.unwrap_or(self.delivery_timeout);
         if timeout.is_zero() || timeout.as_millis() > i32::MAX as u128 {
             return Err(ConfigError::new(format!(
                 "delivery timeout {timeout:?} must be between 1 ms and {} ms",
@@ -141,30 +157,37 @@ impl KafkaPublisherConfig {
         }
         let mut cc = ClientConfig::new();
         cc.set("client.id", &self.client_id);
-        cc.set("allow.auto.create.topics", "false");
         for (k, v) in self.properties.iter() {
             cc.set(k, v);
         }
-        cc.remove("delivery.timeout.ms");
+        // Aliases of what is set below go, so one value is in force.
+        for alias in [
+            "delivery.timeout.ms",
+            "request.required.acks",
+            "max.in.flight",
+        ] {
+            cc.remove(alias);
+        }
         cc.set("bootstrap.servers", &self.brokers);
         cc.set("message.timeout.ms", timeout.as_millis().to_string());
-        for (k, v) in PRODUCER_ENFORCED {
-            // A stricter in-flight limit (1..=5) was accepted above; keep it.
-            if k == "max.in.flight.requests.per.connection"
-                && (self.properties.get(k).is_some()
-                    || self.properties.get("max.in.flight").is_some())
-            {
-                continue;
-            }
+        for (k, v) in PRODUCER_FORCED {
             cc.set(k, v);
         }
-        cc.remove("request.required.acks");
+        if let Some(n) = checked.max_in_flight {
+            // A stricter in-flight limit (1..=5) passed the allow-list; keep it.
+            cc.set("max.in.flight.requests.per.connection", n.to_string());
+        }
+        cc.set("partitioner", checked.partitioner.as_str());
         cc.set_log_level(crate::config::log_level(&self.properties));
-        Ok((cc, timeout))
+        Ok((cc, timeout, checked.partitioner))
     }
 }
 
-fn validate_topic(what: &str, topic: &str) -> Result<(), ConfigError> {
+/// Checks a Kafka topic name from configuration: 1..=249 of `[a-zA-Z0-9._-]`, not `.` or `..`
+/// (what Kafka accepts). `what` names the setting in the error. The publisher's builder checks
+/// every topic with it; programs check topic names from their arguments with it before anything
+/// connects.
+pub fn validate_topic_name(what: &str, topic: &str) -> Result<(), ConfigError> {
     let ok = !topic.is_empty()
         && topic.len() <= 249
         && topic != "."
@@ -185,12 +208,35 @@ fn validate_topic(what: &str, topic: &str) -> Result<(), ConfigError> {
 #[derive(Clone, Debug)]
 pub struct KafkaPublisherBuilder {
     config: KafkaPublisherConfig,
+    /// Routes that would split an aggregate type over two topics, refused by `build`.
+    route_conflicts: Vec<String>,
 }
 
 impl KafkaPublisherBuilder {
-    /// Publishes events of `event_type` to `topic` instead of the default topic.
-    pub fn route(mut self, event_type: impl Into<String>, topic: impl Into<String>) -> Self {
-        self.config.routes.insert(event_type.into(), topic.into());
+    /// Publishes every event of aggregates of `aggregate_type` to `topic` instead of the
+    /// default topic.
+    ///
+    /// Routing is by aggregate type, never by event type: order is promised per aggregate, and
+    /// a consumer reading two topics has no order between them, so one aggregate's events must
+    /// all go to one topic (where the aggregate id, the key, puts them on one partition). Routing
+    /// one aggregate type to two different topics is refused by [`build`](Self::build).
+    pub fn route_aggregate(
+        mut self,
+        aggregate_type: impl Into<String>,
+        topic: impl Into<String>,
+    ) -> Self {
+        let (aggregate_type, topic) = (aggregate_type.into(), topic.into());
+        if let Some(before) = self.config.aggregate_routes.get(&aggregate_type) {
+            if *before != topic {
+                self.route_conflicts.push(format!(
+                    "aggregate type {aggregate_type:?} is routed to both {before:?} and \
+                     {topic:?}: its aggregates' events would be split over two topics, and a \
+                     consumer of both could see a later version first. Route each aggregate \
+                     type to exactly one topic"
+                ));
+            }
+        }
+        self.config.aggregate_routes.insert(aggregate_type, topic);
         self
     }
 
@@ -212,10 +258,31 @@ impl KafkaPublisherBuilder {
         self
     }
 
-    /// Sets any librdkafka producer property (security, compression, linger, ...). Properties
-    /// that would weaken ordering or acknowledgement are rejected by [`build`](Self::build).
+    /// Sets a librdkafka producer property from the allow-list (connection, security,
+    /// logging, batching, compression, ...). Properties outside the allow-list, and values that
+    /// would weaken ordering, acknowledgements or delivery reports, are refused by
+    /// [`build`](Self::build), each with its reason and the fix.
     pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.config.properties.set(key, value);
+        self
+    }
+
+    /// Sets the partitioner (the `partitioner` property). Default
+    /// [`crate::DEFAULT_PARTITIONER`] (`murmur2_random`, the Java client's keyed partitioning);
+    /// see [`Partitioner`] before changing it for a topic that already holds events.
+    pub fn partitioner(mut self, partitioner: Partitioner) -> Self {
+        self.config
+            .properties
+            .set("partitioner", partitioner.as_str());
+        self
+    }
+
+    /// The partitioner the previous run used, e.g. [`TopicReport::partitioner`] as recorded at
+    /// the previous start. [`KafkaPublisher::check_topics`] reports a partitioner that maps keys
+    /// differently as a [`PartitionerChange`] (logged, counted), like a partition count change:
+    /// either moves keys to other partitions.
+    pub fn expect_partitioner(mut self, partitioner: Partitioner) -> Self {
+        self.config.expected_partitioner = Some(partitioner);
         self
     }
 
@@ -247,6 +314,9 @@ impl KafkaPublisherBuilder {
     /// here; call [`KafkaPublisher::check_topics`] (or use [`start`](Self::start)) before
     /// publishing.
     pub fn build(self) -> Result<KafkaPublisher, ConfigError> {
+        if !self.route_conflicts.is_empty() {
+            return Err(ConfigError::new(self.route_conflicts.join("; ")));
+        }
         KafkaPublisher::from_config(self.config)
     }
 
@@ -335,6 +405,9 @@ pub struct KafkaPublisher {
     config: KafkaPublisherConfig,
     client_config: ClientConfig,
     delivery_timeout: Duration,
+    partitioner: Partitioner,
+    /// The partitioner to compare with at the next topic check (the expected one, then ours).
+    known_partitioner: Mutex<Option<Partitioner>>,
     producer: RwLock<(u64, Producer_)>,
     admin: Admin,
     partitions: Mutex<BTreeMap<String, usize>>,
@@ -348,6 +421,7 @@ impl fmt::Debug for KafkaPublisher {
         f.debug_struct("KafkaPublisher")
             .field("config", &self.config)
             .field("delivery_timeout", &self.delivery_timeout)
+            .field("partitioner", &self.partitioner)
             .finish_non_exhaustive()
     }
 }
@@ -360,17 +434,20 @@ impl KafkaPublisher {
     ) -> KafkaPublisherBuilder {
         KafkaPublisherBuilder {
             config: KafkaPublisherConfig::new(brokers, default_topic),
+            route_conflicts: Vec::new(),
         }
     }
 
     /// A publisher from a complete configuration (see [`KafkaPublisherConfig`]).
     pub fn from_config(config: KafkaPublisherConfig) -> Result<Self, ConfigError> {
-        let (client_config, delivery_timeout) = config.producer_config()?;
+        let (client_config, delivery_timeout, partitioner) = config.producer_config()?;
         let producer = create_producer(&client_config)?;
-        let admin = create_admin(&client_config)?;
+        let admin = create_admin(&config)?;
         Ok(Self {
             client_config,
             delivery_timeout,
+            partitioner,
+            known_partitioner: Mutex::new(config.expected_partitioner),
             producer: RwLock::new((0, producer)),
             admin,
             partitions: Mutex::new(config.expected_partitions.clone()),
@@ -385,9 +462,17 @@ impl KafkaPublisher {
         &self.config
     }
 
+    /// The partitioner in force (record it, and pass it to
+    /// [`KafkaPublisherBuilder::expect_partitioner`] at the next start).
+    pub fn partitioner(&self) -> Partitioner {
+        self.partitioner
+    }
+
     /// Checks every configured topic: it must exist; its partition count is recorded (a change
     /// since the previous check is reported in [`TopicReport::partition_changes`], logged and
-    /// counted); compacted topics are logged. The cleanup policy is
+    /// counted); a partitioner that maps keys differently from the expected one is reported in
+    /// [`TopicReport::partitioner_change`] (logged, counted; once); compacted topics are
+    /// logged. The cleanup policy is
     /// [`CleanupPolicy::Unavailable`](crate::CleanupPolicy::Unavailable) with a warning when the
     /// broker cannot describe topic configurations.
     ///
@@ -417,12 +502,31 @@ impl KafkaPublisher {
         for c in &changes {
             report_partition_change(c);
         }
+        let partitioner_change = {
+            let mut known = self
+                .known_partitioner
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let before = known.replace(self.partitioner);
+            before
+                .filter(|b| !b.maps_keys_like(self.partitioner))
+                .map(|before| PartitionerChange {
+                    before,
+                    after: self.partitioner,
+                    topics: infos.iter().map(|i| i.name.clone()).collect(),
+                })
+        };
+        if let Some(c) = &partitioner_change {
+            report_partitioner_change(c);
+        }
         for info in &infos {
-            tracing::info!(topic = %info.name, partitions = info.partitions, cleanup_policy = ?info.cleanup_policy, "outbox topic checked");
+            tracing::info!(topic = %info.name, partitions = info.partitions, cleanup_policy = ?info.cleanup_policy, partitioner = %self.partitioner, "outbox topic checked");
         }
         let report = TopicReport {
             topics: infos,
             partition_changes: changes,
+            partitioner: self.partitioner,
+            partitioner_change,
         };
         *self
             .last_report
@@ -530,6 +634,68 @@ impl KafkaPublisher {
         }
     }
 
+    /// Which of `topics` the broker says do not exist, asked through `producer` within what is
+    /// left until `deadline`; `None` when there is no time left or the broker does not answer
+    /// (nothing is known then).
+    ///
+    /// A record whose topic was deleted while the publisher runs (or whose broker came back
+    /// without it) usually just times out: librdkafka waits for the topic to reappear. Asking
+    /// the broker lets [`name_missing_topics`](Self::name_missing_topics) report such records as
+    /// a missing topic, naming it, instead of as timeouts. The producer's own client is asked:
+    /// its connections are the ones in use (an idle admin client may still be waiting to
+    /// reconnect after a broker restart).
+    async fn probe_topics(
+        &self,
+        producer: &Producer_,
+        topics: &BTreeSet<&str>,
+        deadline: Instant,
+    ) -> Option<Vec<String>> {
+        let budget = deadline
+            .saturating_duration_since(Instant::now())
+            .min(self.config.metadata_timeout);
+        if topics.is_empty() || budget < MIN_TOPIC_PROBE {
+            return None;
+        }
+        let names: Vec<String> = topics.iter().map(|t| (*t).to_owned()).collect();
+        let producer = producer.clone();
+        let fetch =
+            move |topic: &str, timeout| producer.client().fetch_metadata(Some(topic), timeout);
+        match missing_topics(fetch, &names, budget).await {
+            Ok(missing) => Some(missing),
+            Err(e) => {
+                tracing::debug!(error = %e, "could not ask whether the topics of late records exist");
+                None
+            }
+        }
+    }
+
+    /// Reports the timed-out records of a `missing` topic as [`PublishErrorKind::UnknownTopic`]
+    /// naming it. Either kind is a transport failure: no attempt is spent, the relay pauses
+    /// until the topic is back.
+    fn name_missing_topics(
+        &self,
+        batch: &[Envelope],
+        results: &mut [PublishResult],
+        missing: &[String],
+    ) {
+        if missing.is_empty() {
+            return;
+        }
+        let mut named = 0usize;
+        for (e, r) in batch.iter().zip(results.iter_mut()) {
+            let topic = self.config.topic_for_aggregate(&e.aggregate_type);
+            if let Err(err) = r {
+                if err.kind == PublishErrorKind::Timeout && missing.iter().any(|m| m == topic) {
+                    *r = Err(unknown_topic(topic, &err.message));
+                    named += 1;
+                }
+            }
+        }
+        if named > 0 {
+            tracing::warn!(topics = ?missing, records = named, "outbox topic missing on the broker (deleted, or not created again after a broker reset); records to it fail until it exists again");
+        }
+    }
+
     /// Records partitions seen in delivery reports; a partition beyond the known count means the
     /// topic grew.
     fn note_partitions(&self, acks: &[&AckMetadata]) {
@@ -573,33 +739,32 @@ fn report_partition_change(c: &PartitionChange) {
         .set(c.after as f64);
 }
 
+fn report_partitioner_change(c: &PartitionerChange) {
+    tracing::warn!(
+        before = %c.before, after = %c.after, topics = ?c.topics,
+        "partitioner of the outbox publisher changed: keys now map to other partitions, so \
+         per-aggregate order across the change is not guaranteed (let consumers drain the old \
+         partitions first, or keep the previous partitioner)"
+    );
+    metrics::counter!("outbox_kafka_partitioner_changes_total").increment(1);
+}
+
 fn create_producer(cc: &ClientConfig) -> Result<Producer_, ConfigError> {
     cc.create_with_context(TracingContext)
         .map_err(|e| crate::config::refused("producer", &e, cc))
 }
 
-fn create_admin(producer_config: &ClientConfig) -> Result<Admin, ConfigError> {
-    // The admin client shares connection and security settings but not the producer's.
-    let mut cc = producer_config.clone();
-    for key in [
-        "enable.idempotence",
-        "acks",
-        "max.in.flight.requests.per.connection",
-        "message.timeout.ms",
-        "linger.ms",
-        "queue.buffering.max.ms",
-        "compression.type",
-        "compression.codec",
-        "batch.size",
-        "batch.num.messages",
-        "retries",
-        "message.send.max.retries",
-        "queue.buffering.max.messages",
-        "queue.buffering.max.kbytes",
-    ] {
-        cc.remove(key);
+fn create_admin(config: &KafkaPublisherConfig) -> Result<Admin, ConfigError> {
+    // The admin client shares the connection, security and logging settings, nothing of the
+    // producer's.
+    let mut cc = ClientConfig::new();
+    cc.set("client.id", &config.client_id);
+    for (k, v) in connection_properties(&config.properties) {
+        cc.set(k, v);
     }
+    cc.set("bootstrap.servers", &config.brokers);
     cc.set("allow.auto.create.topics", "false");
+    cc.set_log_level(crate::config::log_level(&config.properties));
     let admin: AdminClient<DefaultClientContext> = cc
         .create()
         .map_err(|e| crate::config::refused("admin", &e, &cc))?;
@@ -645,14 +810,18 @@ impl Publisher for KafkaPublisher {
 
         for e in batch {
             if failed_aggregates.contains(e.aggregate_id.as_str()) {
+                // Held back so it cannot overtake its predecessor; nothing is wrong with this
+                // record, so it spends no attempt (the relay never batches two events of one
+                // aggregate; direct users may).
                 slots.push(Slot::Done(Err(PublishError::new(
                     PublishErrorKind::Other,
                     "not sent: an earlier event of the same aggregate in this batch failed",
                 )
-                .with_class(ErrorClass::Transient))));
+                .with_class(ErrorClass::Transient)
+                .with_scope(FailureScope::Transport))));
                 continue;
             }
-            let topic = self.config.topic_for(&e.event_type);
+            let topic = self.config.topic_for_aggregate(&e.aggregate_type);
             let headers = match encode_headers(e) {
                 Ok(h) => h,
                 Err(err) => {
@@ -684,7 +853,7 @@ impl Publisher for KafkaPublisher {
                     Err((err, _)) => {
                         failed_aggregates.insert(e.aggregate_id.as_str());
                         tracing::warn!(event_id = %e.event_id, aggregate_id = %e.aggregate_id, event_type = %e.event_type, topic, error = %err, stage = "enqueue", "record not enqueued");
-                        break Slot::Done(Err(publish_error(&err)));
+                        break Slot::Done(Err(publish_error_to(topic, &err)));
                     }
                 }
             };
@@ -697,7 +866,14 @@ impl Publisher for KafkaPublisher {
         // by then is a transient timeout. If it is stored after all, that is a duplicate, which
         // at-least-once allows; it is never reported published without its report.
         let report_deadline = started + self.delivery_timeout + REPORT_GRACE;
-        let results: Vec<PublishResult> = join_all(slots.into_iter().map(|slot| async move {
+        let waiting_topics: BTreeSet<&str> = slots
+            .iter()
+            .filter_map(|s| match s {
+                Slot::Waiting { topic, .. } => Some(*topic),
+                Slot::Done(_) => None,
+            })
+            .collect();
+        let reports = join_all(slots.into_iter().map(|slot| async move {
             match slot {
                 Slot::Done(result) => result,
                 Slot::Waiting { topic, report } => {
@@ -707,17 +883,46 @@ impl Publisher for KafkaPublisher {
                             partition: delivery.partition,
                             offset: delivery.offset,
                         }),
-                        Ok(Ok(Err((err, _message)))) => Err(publish_error(&err)),
-                        Ok(Err(_canceled)) => Err(publish_error(&KafkaError::Canceled)),
+                        Ok(Ok(Err((err, _message)))) => Err(publish_error_to(topic, &err)),
+                        Ok(Err(_canceled)) => Err(publish_error_to(topic, &KafkaError::Canceled)),
                         Err(_elapsed) => Err(PublishError::new(
                             PublishErrorKind::Timeout,
-                            "no delivery report within the delivery timeout",
+                            format!(
+                                "topic {topic:?}: no delivery report within the delivery timeout"
+                            ),
                         )),
                     }
                 }
             }
-        }))
-        .await;
+        }));
+        // Reports still missing when the delivery timeout is up: ask whether their topics
+        // still exist, while librdkafka times the records out (see `probe_topics`).
+        let probe = async {
+            tokio::time::sleep_until(started + self.delivery_timeout).await;
+            self.probe_topics(&producer, &waiting_topics, report_deadline)
+                .await
+        };
+        let (reports, probe) = (std::pin::pin!(reports), std::pin::pin!(probe));
+        let (mut results, missing) = match futures::future::select(reports, probe).await {
+            Either::Left((results, probe)) => {
+                let timed_out = results
+                    .iter()
+                    .any(|r| matches!(r, Err(e) if e.kind == PublishErrorKind::Timeout));
+                let missing = if timed_out {
+                    tokio::time::timeout_at(report_deadline, probe)
+                        .await
+                        .ok()
+                        .flatten()
+                } else {
+                    None
+                };
+                (results, missing)
+            }
+            Either::Right((missing, reports)) => (reports.await, missing),
+        };
+        if let Some(missing) = missing {
+            self.name_missing_topics(batch, &mut results, &missing);
+        }
 
         let acks: Vec<&AckMetadata> = results.iter().filter_map(|r| r.as_ref().ok()).collect();
         self.note_partitions(&acks);
@@ -748,6 +953,10 @@ mod tests {
             ("retries", "0"),
             ("transactional.id", "relay-1"),
             ("bootstrap.servers", "elsewhere:9092"),
+            ("delivery.report.only.error", "true"),
+            ("partitioner", "random"),
+            ("queuing.strategy", "lifo"),
+            ("some.future.property", "on"),
         ];
         for (k, v) in cases {
             let err = builder().set(k, v).build().unwrap_err();
@@ -765,6 +974,9 @@ mod tests {
         assert_eq!(cc.get("max.in.flight.requests.per.connection"), Some("5"));
         assert_eq!(cc.get("message.timeout.ms"), Some("30000"));
         assert_eq!(cc.get("allow.auto.create.topics"), Some("false"));
+        assert_eq!(cc.get("delivery.report.only.error"), Some("false"));
+        assert_eq!(cc.get("partitioner"), Some("murmur2_random"));
+        assert_eq!(p.partitioner(), Partitioner::Murmur2Random);
 
         let p = builder()
             .set("max.in.flight.requests.per.connection", "1")
@@ -779,6 +991,27 @@ mod tests {
         assert_eq!(p.client_config.get("message.timeout.ms"), Some("1500"));
         assert_eq!(p.client_config.get("delivery.timeout.ms"), None);
 
+        // The alias form of a stricter limit is kept too, under the canonical name.
+        let p = builder().set("max.in.flight", "3").build().unwrap();
+        assert_eq!(
+            p.client_config.get("max.in.flight.requests.per.connection"),
+            Some("3")
+        );
+        assert_eq!(p.client_config.get("max.in.flight"), None);
+
+        // A key-hashing partitioner may be chosen, by property or by builder.
+        let p = builder()
+            .set("partitioner", "consistent_random")
+            .build()
+            .unwrap();
+        assert_eq!(p.partitioner(), Partitioner::ConsistentRandom);
+        assert_eq!(
+            p.client_config.get("partitioner"),
+            Some("consistent_random")
+        );
+        let p = builder().partitioner(Partitioner::Fnv1a).build().unwrap();
+        assert_eq!(p.client_config.get("partitioner"), Some("fnv1a"));
+
         let p = builder()
             .delivery_timeout(Duration::from_secs(2))
             .build()
@@ -788,16 +1021,66 @@ mod tests {
     }
 
     #[test]
-    fn routing_and_topic_names() {
+    fn routing_is_by_aggregate_type_and_topic_names_are_checked() {
         let b = builder()
-            .route("order.paid", "payments")
-            .route("order.shipped", "shipping");
-        assert_eq!(b.config().topic_for("order.paid"), "payments");
-        assert_eq!(b.config().topic_for("order.created"), "orders");
+            .route_aggregate("payment", "payments")
+            .route_aggregate("shipment", "shipping")
+            // Repeating the same route is harmless.
+            .route_aggregate("payment", "payments");
+        assert_eq!(b.config().topic_for_aggregate("payment"), "payments");
+        assert_eq!(b.config().topic_for_aggregate("order"), "orders");
         assert_eq!(b.config().topics(), vec!["orders", "payments", "shipping"]);
-        assert!(builder().route("x", "bad topic").build().is_err());
+        assert!(b.build().is_ok());
+
+        // One aggregate type on two topics would split its aggregates: refused.
+        let err = builder()
+            .route_aggregate("order", "orders-a")
+            .route_aggregate("order", "orders-b")
+            .build()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("\"order\""), "{err}");
+        assert!(
+            err.contains("orders-a") && err.contains("orders-b"),
+            "{err}"
+        );
+        assert!(err.contains("exactly one topic"), "{err}");
+
+        assert!(builder().route_aggregate("", "t").build().is_err());
+        assert!(builder().route_aggregate("x", "bad topic").build().is_err());
         assert!(KafkaPublisher::builder("b:1", "").build().is_err());
         assert!(KafkaPublisher::builder(" ", "t").build().is_err());
+    }
+
+    /// Kafka topic names are the publisher's identifiers from configuration: anything but
+    /// `[a-zA-Z0-9._-]{1,249}` is refused before any client exists.
+    #[test]
+    fn hostile_topic_names_are_refused() {
+        let long = "t".repeat(250);
+        for bad in [
+            "x\"; DROP TABLE victim; --",
+            "orders topic",
+            "",
+            ".",
+            "..",
+            "orders/../x",
+            "orders\0",
+            "événements",
+            long.as_str(),
+        ] {
+            let err = KafkaPublisher::builder("b:1", bad)
+                .build()
+                .expect_err(bad)
+                .to_string();
+            assert!(
+                err.contains("not a valid Kafka topic name"),
+                "{bad:?}: {err}"
+            );
+            assert!(
+                builder().route_aggregate("order", bad).build().is_err(),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

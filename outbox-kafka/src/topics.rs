@@ -1,9 +1,11 @@
-//! Topic checks on start: existence, partition count, cleanup policy.
+//! Topic checks on start: existence, partition count, partitioner, cleanup policy.
 //!
 //! A publisher whose topic does not exist would otherwise wait for metadata until the delivery
 //! timeout of every record; [`crate::KafkaPublisher::check_topics`] turns that into a clear error
 //! at start. The partition count is recorded because a change of it moves keys to other
-//! partitions (per-aggregate order across the change is then not guaranteed), and compacted
+//! partitions (per-aggregate order across the change is then not guaranteed); a change of the
+//! partitioner between runs moves keys just the same and is reported the same way (see
+//! [`crate::Partitioner`]). Compacted
 //! topics are reported because compaction may remove intermediate facts that consumers replaying
 //! the topic would need.
 
@@ -14,8 +16,12 @@ use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
 use rdkafka::client::DefaultClientContext;
+use rdkafka::error::KafkaResult;
 use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::metadata::Metadata;
 use rdkafka::types::RDKafkaRespErr;
+
+use crate::partitioner::Partitioner;
 
 /// The `cleanup.policy` of a topic, as far as the broker reports it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -83,6 +89,17 @@ pub struct PartitionChange {
     pub after: usize,
 }
 
+/// A partitioner that maps keys differently from the one of the previous run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PartitionerChange {
+    /// The partitioner expected (recorded at the previous run).
+    pub before: Partitioner,
+    /// The partitioner in force now.
+    pub after: Partitioner,
+    /// The topics whose keys move.
+    pub topics: Vec<String>,
+}
+
 /// Result of a successful topic check.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -91,6 +108,10 @@ pub struct TopicReport {
     pub topics: Vec<TopicInfo>,
     /// Partition counts that changed since the previous check.
     pub partition_changes: Vec<PartitionChange>,
+    /// The partitioner in force; record it with the partition counts for the next start.
+    pub partitioner: Partitioner,
+    /// The partitioner maps keys differently from the expected one (reported once).
+    pub partitioner_change: Option<PartitionerChange>,
 }
 
 impl TopicReport {
@@ -171,22 +192,72 @@ pub(crate) async fn describe_topics(
     topics: &[String],
     timeout: Duration,
 ) -> Result<Vec<TopicInfo>, TopicCheckError> {
+    let admin2 = Arc::clone(admin);
+    let fetch = move |topic: &str, timeout| admin2.inner().fetch_metadata(Some(topic), timeout);
+    let (counts, missing) = partition_counts(fetch, topics, timeout).await?;
+    if !missing.is_empty() {
+        return Err(TopicCheckError::Missing { topics: missing });
+    }
+    let policies = describe_cleanup_policies(admin, topics, timeout).await;
+    Ok(counts
+        .into_iter()
+        .map(|(name, partitions)| {
+            let cleanup_policy = policies
+                .get(&name)
+                .cloned()
+                .unwrap_or(CleanupPolicy::NotReported);
+            TopicInfo {
+                name,
+                partitions,
+                cleanup_policy,
+            }
+        })
+        .collect())
+}
+
+/// Those of `topics` that the broker says do not exist, asked with `fetch` (a client's
+/// metadata request) within `timeout` in all. An error when the
+/// broker did not answer (then nothing is known about the topics).
+pub(crate) async fn missing_topics<F>(
+    fetch: F,
+    topics: &[String],
+    timeout: Duration,
+) -> Result<Vec<String>, TopicCheckError>
+where
+    F: Fn(&str, Duration) -> KafkaResult<Metadata> + Clone + Send + 'static,
+{
+    match tokio::time::timeout(timeout, partition_counts(fetch, topics, timeout)).await {
+        Ok(result) => result.map(|(_, missing)| missing),
+        Err(_) => Err(TopicCheckError::Unreachable {
+            message: format!("no metadata answer within {timeout:?}"),
+        }),
+    }
+}
+
+/// Partition counts of the topics that exist, and the names of those that do not, from
+/// metadata requests made by `fetch`.
+async fn partition_counts<F>(
+    fetch: F,
+    topics: &[String],
+    timeout: Duration,
+) -> Result<(BTreeMap<String, usize>, Vec<String>), TopicCheckError>
+where
+    F: Fn(&str, Duration) -> KafkaResult<Metadata> + Clone + Send + 'static,
+{
     let mut counts: BTreeMap<String, usize> = BTreeMap::new();
     let mut missing = Vec::new();
     for topic in topics {
-        let admin2 = Arc::clone(admin);
+        let fetch = fetch.clone();
         let name = topic.clone();
         // fetch_metadata blocks on the network: keep it off the async worker threads.
-        let metadata = tokio::task::spawn_blocking(move || {
-            admin2.inner().fetch_metadata(Some(&name), timeout)
-        })
-        .await
-        .map_err(|e| TopicCheckError::Unreachable {
-            message: e.to_string(),
-        })?
-        .map_err(|e| TopicCheckError::Unreachable {
-            message: e.to_string(),
-        })?;
+        let metadata = tokio::task::spawn_blocking(move || fetch(&name, timeout))
+            .await
+            .map_err(|e| TopicCheckError::Unreachable {
+                message: e.to_string(),
+            })?
+            .map_err(|e| TopicCheckError::Unreachable {
+                message: e.to_string(),
+            })?;
         let Some(t) = metadata.topics().iter().find(|t| t.name() == topic) else {
             missing.push(topic.clone());
             continue;
@@ -208,24 +279,7 @@ pub(crate) async fn describe_topics(
             }
         }
     }
-    if !missing.is_empty() {
-        return Err(TopicCheckError::Missing { topics: missing });
-    }
-    let policies = describe_cleanup_policies(admin, topics, timeout).await;
-    Ok(counts
-        .into_iter()
-        .map(|(name, partitions)| {
-            let cleanup_policy = policies
-                .get(&name)
-                .cloned()
-                .unwrap_or(CleanupPolicy::NotReported);
-            TopicInfo {
-                name,
-                partitions,
-                cleanup_policy,
-            }
-        })
-        .collect())
+    Ok((counts, missing))
 }
 
 /// Cleanup policies by topic. Never fails: a broker without DescribeConfigs (or a failed

@@ -122,31 +122,236 @@ async fn round_trip_keyed_order_headers_and_ack_metadata() {
     }
 }
 
+/// Routes are by aggregate type: an order's events go to the order topic whatever their event
+/// type (here `payment.captured` among them, which routing by event type sent to another
+/// topic, so a consumer of both saw v2 before v1), on one partition, in version order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn events_are_routed_by_type_with_a_default_topic() {
+async fn routes_keep_each_aggregate_on_one_topic_and_partition_in_order() {
     let brokers = require!(brokers("routing"));
-    let default_topic = unique("route-default");
+    let orders = unique("route-orders");
     let payments = unique("route-payments");
-    create_topic(&brokers, &default_topic, 1, &[]).await;
-    create_topic(&brokers, &payments, 1, &[]).await;
-    let publisher = KafkaPublisher::builder(&brokers, &default_topic)
-        .route("payment.captured", &payments)
+    create_topic(&brokers, &orders, 4, &[]).await;
+    create_topic(&brokers, &payments, 2, &[]).await;
+    let publisher = KafkaPublisher::builder(&brokers, &orders)
+        .route_aggregate("payment", &payments)
         .delivery_timeout(Duration::from_secs(10))
         .start()
         .await
         .expect("start");
-    let paid = Envelope::builder("order", "o-1", 2, "payment.captured")
+    let event_types = ["order.placed", "payment.captured", "order.shipped"];
+    let mut expected: Vec<(String, String, i64)> = Vec::new(); // (topic, aggregate, version)
+                                                               // One batch per version, as the relay publishes aggregate heads.
+    for version in 1..=6i64 {
+        let mut batch = Vec::new();
+        for i in 0..6 {
+            let t = event_types[(version as usize + i) % event_types.len()];
+            batch.push(
+                Envelope::builder("order", format!("o-{i}"), version, t)
+                    .build()
+                    .unwrap(),
+            );
+            expected.push((orders.clone(), format!("o-{i}"), version));
+        }
+        for i in 0..3 {
+            batch.push(
+                Envelope::builder("payment", format!("p-{i}"), version, "payment.captured")
+                    .build()
+                    .unwrap(),
+            );
+            expected.push((payments.clone(), format!("p-{i}"), version));
+        }
+        let results = publisher.publish(&batch).await;
+        for (e, r) in batch.iter().zip(&results) {
+            let ack = r.as_ref().expect("published");
+            let topic = if e.aggregate_type == "payment" {
+                &payments
+            } else {
+                &orders
+            };
+            assert_eq!(&ack.topic, topic, "{} {}", e.aggregate_id, e.event_type);
+        }
+    }
+    // What a consumer of both topics reads: every aggregate on one topic and one partition,
+    // its versions in offset order.
+    let mut seen: HashMap<String, Vec<(String, i32, i64, i64)>> = HashMap::new();
+    for (topic, partitions, n) in [(&orders, 4, 36), (&payments, 2, 18)] {
+        let read = read_all(&brokers, topic, partitions, n, Duration::from_secs(20));
+        assert_eq!(read.len(), n, "records in {topic}");
+        for r in read {
+            let aggregate = r.header("aggregate_id").unwrap().to_owned();
+            let version: i64 = r.header("aggregate_version").unwrap().parse().unwrap();
+            seen.entry(aggregate).or_default().push((
+                topic.clone(),
+                r.partition,
+                r.offset,
+                version,
+            ));
+        }
+    }
+    assert_eq!(seen.len(), 9);
+    for (aggregate, mut records) in seen {
+        records.sort_by_key(|(_, _, offset, _)| *offset);
+        let places: std::collections::BTreeSet<(&String, i32)> =
+            records.iter().map(|(t, p, _, _)| (t, *p)).collect();
+        assert_eq!(places.len(), 1, "{aggregate} spans {places:?}");
+        let versions: Vec<i64> = records.iter().map(|r| r.3).collect();
+        assert_eq!(versions, (1..=6).collect::<Vec<_>>(), "{aggregate}");
+        let topic = &records[0].0;
+        assert!(expected
+            .iter()
+            .any(|(t, a, _)| t == topic && a == &aggregate));
+    }
+
+    // A route table that splits an aggregate type is refused before anything is sent.
+    let err = KafkaPublisher::builder(&brokers, &orders)
+        .route_aggregate("order", &orders)
+        .route_aggregate("order", &payments)
         .build()
-        .unwrap();
-    let results = publisher.publish(&[event("o-1", 1), paid]).await;
-    assert_eq!(results[0].as_ref().unwrap().topic, default_topic);
-    assert_eq!(results[1].as_ref().unwrap().topic, payments);
-    assert_eq!(
-        read_all(&brokers, &payments, 1, 1, Duration::from_secs(10)).len(),
-        1
-    );
+        .expect_err("an aggregate type on two topics");
+    assert!(err.to_string().contains("exactly one topic"), "{err}");
 }
 
+/// Java's `Utils.murmur2`, written out for this test: the Java client's default partitioner
+/// puts a keyed record on `(murmur2(key) & 0x7fffffff) % partitions`.
+fn java_murmur2(data: &[u8]) -> u32 {
+    const M: u32 = 0x5bd1_e995;
+    let mut h: u32 = 0x9747_b28c ^ data.len() as u32;
+    let mut chunks = data.chunks_exact(4);
+    for c in &mut chunks {
+        let mut k = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        k = k.wrapping_mul(M);
+        k ^= k >> 24;
+        k = k.wrapping_mul(M);
+        h = h.wrapping_mul(M);
+        h ^= k;
+    }
+    let tail = chunks.remainder();
+    if !tail.is_empty() {
+        for (i, b) in tail.iter().enumerate().rev() {
+            h ^= u32::from(*b) << (8 * i);
+        }
+        h = h.wrapping_mul(M);
+    }
+    h ^= h >> 13;
+    h = h.wrapping_mul(M);
+    h ^= h >> 15;
+    h
+}
+
+fn java_partition(key: &str, partitions: u32) -> i32 {
+    ((java_murmur2(key.as_bytes()) & 0x7fff_ffff) % partitions) as i32
+}
+
+#[test]
+fn java_murmur2_matches_known_values() {
+    // Values of org.apache.kafka.common.utils.Utils.murmur2 (as used by Kafka's own tests).
+    assert_eq!(java_murmur2(b"21") as i32, -973_932_308);
+    assert_eq!(java_murmur2(b"foobar") as i32, -790_332_482);
+    assert_eq!(
+        java_murmur2(b"a-little-bit-long-string") as i32,
+        -985_981_536
+    );
+    assert_eq!(
+        java_murmur2(b"a-little-bit-longer-string") as i32,
+        -1_486_304_829
+    );
+    assert_eq!(
+        java_murmur2(b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8") as i32,
+        -58_897_971
+    );
+    assert_eq!(java_murmur2(b"abc") as i32, 479_470_107);
+}
+
+/// The pinned default partitioner places every key where the Java client's default
+/// partitioner would (librdkafka's own default, CRC32, does not), and 16 versions of one
+/// aggregate share one partition, in order (with `partitioner=random` they spread over all 4).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_partitioner_places_keys_like_the_java_client() {
+    let brokers = require!(brokers("partitioner"));
+    let topic = unique("murmur2");
+    create_topic(&brokers, &topic, 4, &[]).await;
+    let publisher = KafkaPublisher::builder(&brokers, &topic)
+        .delivery_timeout(Duration::from_secs(10))
+        .start()
+        .await
+        .expect("start");
+    assert_eq!(
+        publisher.partitioner(),
+        outbox_kafka::Partitioner::Murmur2Random
+    );
+    let mut hot = Vec::new();
+    for version in 1..=16 {
+        let results = publisher.publish(&[event("hot-aggregate", version)]).await;
+        hot.push(results[0].as_ref().expect("published").clone());
+    }
+    assert!(
+        hot.iter().all(|a| a.partition == hot[0].partition),
+        "one aggregate on several partitions: {hot:?}"
+    );
+    assert!(hot.windows(2).all(|w| w[0].offset < w[1].offset));
+    assert_eq!(hot[0].partition, java_partition("hot-aggregate", 4));
+
+    let batch: Vec<Envelope> = (0..64).map(|i| event(&format!("agg-{i}"), 1)).collect();
+    let results = publisher.publish(&batch).await;
+    let mut used = std::collections::BTreeSet::new();
+    for (e, r) in batch.iter().zip(&results) {
+        let ack = r.as_ref().expect("published");
+        assert_eq!(
+            ack.partition,
+            java_partition(&e.aggregate_id, 4),
+            "{} is not where a Java producer puts it",
+            e.aggregate_id
+        );
+        used.insert(ack.partition);
+    }
+    assert_eq!(used.len(), 4, "64 keys over 4 partitions use them all");
+}
+
+/// A change of partitioner between runs moves keys like a change of partition count, and is
+/// reported the same way: from what the previous run recorded, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioner_change_between_runs_is_reported() {
+    use outbox_kafka::Partitioner;
+    let brokers = require!(brokers("partitioner_change"));
+    let topic = unique("partitioner-change");
+    create_topic(&brokers, &topic, 3, &[]).await;
+
+    // The previous run used librdkafka's default (CRC32): every key moves.
+    let publisher = KafkaPublisher::builder(&brokers, &topic)
+        .expect_partitioner(Partitioner::ConsistentRandom)
+        .build()
+        .unwrap();
+    let report = publisher.check_topics().await.expect("check");
+    assert_eq!(report.partitioner, Partitioner::Murmur2Random);
+    let change = report.partitioner_change.expect("change reported");
+    assert_eq!(change.before, Partitioner::ConsistentRandom);
+    assert_eq!(change.after, Partitioner::Murmur2Random);
+    assert_eq!(change.topics, vec![topic.clone()]);
+    assert!(
+        publisher
+            .check_topics()
+            .await
+            .unwrap()
+            .partitioner_change
+            .is_none(),
+        "reported once"
+    );
+
+    // Keeping the previous mapping, or a twin that maps keys alike, is no change.
+    for (expected, now) in [
+        (Partitioner::ConsistentRandom, Partitioner::ConsistentRandom),
+        (Partitioner::Murmur2, Partitioner::Murmur2Random),
+    ] {
+        let p = KafkaPublisher::builder(&brokers, &topic)
+            .partitioner(now)
+            .expect_partitioner(expected)
+            .build()
+            .unwrap();
+        let report = p.check_topics().await.unwrap();
+        assert_eq!(report.partitioner, now);
+        assert!(report.partitioner_change.is_none(), "{expected} -> {now}");
+    }
+}
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_local_queue_is_waited_out_not_reported() {
     let brokers = require!(brokers("queue_full"));
@@ -184,7 +389,7 @@ async fn missing_topic_is_a_clear_error_at_start() {
     let missing = unique("missing");
     let started = Instant::now();
     let err = KafkaPublisher::builder(&brokers, &present)
-        .route("order.shipped", &missing)
+        .route_aggregate("shipment", &missing)
         .start()
         .await
         .expect_err("a missing topic must fail the start");
@@ -212,28 +417,46 @@ async fn missing_topic_is_a_clear_error_at_start() {
 async fn unsafe_producer_config_is_rejected_at_build() {
     let brokers = require!(brokers("unsafe_config"));
     let topic = unique("unsafe");
+    // (key, value, words of the fix the message must give)
     let rules = [
-        ("enable.idempotence", "false"),
-        ("acks", "1"),
-        ("acks", "0"),
-        ("request.required.acks", "1"),
-        ("max.in.flight.requests.per.connection", "6"),
-        ("max.in.flight", "100"),
-        ("retries", "0"),
-        ("transactional.id", "relay"),
+        ("enable.idempotence", "false", "forced to true"),
+        ("acks", "1", "forced to all"),
+        ("acks", "0", "forced to all"),
+        ("request.required.acks", "1", "forced to all"),
+        (
+            "max.in.flight.requests.per.connection",
+            "6",
+            "Use a value in 1..=5",
+        ),
+        ("max.in.flight", "100", "Use a value in 1..=5"),
+        ("retries", "0", "Remove the property"),
+        ("transactional.id", "relay", "remove the property"),
+        ("delivery.report.only.error", "true", "forced to false"),
+        (
+            "partitioner",
+            "random",
+            "Remove the property to use the default murmur2_random",
+        ),
+        ("queuing.strategy", "lifo", "allow-list"),
+        ("a.property.from.librdkafka.3", "on", "allow-list"),
     ];
-    for (k, v) in rules {
+    for (k, v, fix) in rules {
         let err = KafkaPublisher::builder(&brokers, &topic)
             .set(k, v)
             .build()
-            .expect_err(k);
-        assert!(err.to_string().contains(k), "{k}={v}: {err}");
+            .expect_err(k)
+            .to_string();
+        assert!(err.contains(k), "{k}={v}: {err}");
+        assert!(err.contains(fix), "{k}={v}: no fix in {err}");
     }
     // The safe values (and stricter in-flight limits) are accepted.
     let ok = KafkaPublisher::builder(&brokers, &topic)
         .set("enable.idempotence", "true")
         .set("acks", "all")
         .set("max.in.flight.requests.per.connection", "2")
+        .set("delivery.report.only.error", "false")
+        .set("partitioner", "murmur2")
+        .set("linger.ms", "5")
         .delivery_timeout(Duration::from_secs(3))
         .build()
         .expect("safe overrides");
@@ -284,7 +507,7 @@ async fn topic_checks_report_compaction_and_partition_changes() {
     create_topic(&brokers, &compacted, 1, &[("cleanup.policy", "compact")]).await;
     create_topic(&brokers, &plain, 3, &[]).await;
     let publisher = KafkaPublisher::builder(&brokers, &plain)
-        .route("order.snapshot", &compacted)
+        .route_aggregate("order_snapshot", &compacted)
         // As recorded at a previous start: the topic has grown since.
         .expect_partitions(&plain, 2)
         .build()
@@ -786,4 +1009,55 @@ async fn malformed_messages_are_typed_errors_not_panics() {
     src.commit(&[(topic.clone(), 0, got[4].position.offset + 1)])
         .await
         .unwrap();
+}
+
+/// A topic deleted while the publisher runs is reported as a missing topic, naming it, and
+/// as the transport's failure (no attempt spent), not as a timeout of the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn topic_deleted_mid_run_is_reported_as_unknown_topic_naming_it() {
+    use outbox_core::FailureScope;
+    use rdkafka::admin::{AdminClient, AdminOptions};
+    use rdkafka::client::DefaultClientContext;
+    let brokers = require!(brokers("topic_deleted"));
+    let topic = unique("deleted");
+    create_topic(&brokers, &topic, 2, &[]).await;
+    let publisher = KafkaPublisher::builder(&brokers, &topic)
+        .delivery_timeout(Duration::from_secs(2))
+        .set("topic.metadata.refresh.interval.ms", "500")
+        .start()
+        .await
+        .expect("start");
+    let before = publisher.publish(&[event("d-1", 1), event("d-2", 1)]).await;
+    assert_eq!(oks(&before), 2, "{before:?}");
+
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .create()
+        .unwrap();
+    let deleted = admin
+        .delete_topics(&[&topic], &AdminOptions::new())
+        .await
+        .expect("delete_topics request");
+    for r in deleted {
+        r.unwrap_or_else(|(t, code)| panic!("deleting {t}: {code}"));
+    }
+
+    // tansu 0.6 still accepts records for a deleted topic from a client that has its leader
+    // cached (Kafka answers UNKNOWN_TOPIC_OR_PARTITION); let the producer's metadata refresh
+    // (every 500 ms here) learn that the topic is gone.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let started = Instant::now();
+    let results = publisher.publish(&[event("d-1", 2), event("d-3", 1)]).await;
+    assert!(
+        started.elapsed()
+            < Duration::from_secs(2) + outbox_kafka::REPORT_GRACE + Duration::from_millis(500),
+        "publish must stay within the delivery timeout ({:?})",
+        started.elapsed()
+    );
+    for r in &results {
+        let e = r.as_ref().expect_err("the topic is gone");
+        assert_eq!(e.kind, PublishErrorKind::UnknownTopic, "{e}");
+        assert_eq!(e.scope, FailureScope::Transport, "{e}");
+        assert!(e.message.contains(&topic), "the topic is not named: {e}");
+    }
 }

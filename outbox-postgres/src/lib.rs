@@ -187,8 +187,8 @@ pub use error::{classify_sqlstate, map_sqlx_error};
 pub use inbox::{PostgresInboxStore, PostgresInboxStoreBuilder};
 pub use outbox::{PostgresOutboxStore, PostgresOutboxStoreBuilder};
 pub use schema::{
-    inbox_schema_sql, outbox_schema_sql, validate_identifier, MAX_IDENTIFIER_LEN,
-    MAX_TABLE_NAME_LEN,
+    inbox_schema_sql, outbox_schema_sql, qualified, quote_identifier, validate_identifier,
+    MAX_IDENTIFIER_LEN, MAX_TABLE_NAME_LEN,
 };
 
 /// The sqlx version this crate is built against, re-exported for callers' transactions.

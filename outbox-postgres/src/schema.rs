@@ -42,9 +42,26 @@ pub fn validate_identifier(what: &str, name: &str, max_len: usize) -> Result<(),
     Ok(())
 }
 
-/// `"schema"."name"` for validated identifiers.
-pub(crate) fn qualified(schema: &str, name: &str) -> String {
-    format!("\"{schema}\".\"{name}\"")
+/// `"name"`: the one way a configured name is written into SQL, here and in the programs
+/// built on this crate ([`qualified`] for `"schema"."name"`). Validate the name with
+/// [`validate_identifier`] first (with the limit that applies to it, and to report a clear
+/// error); then quoting needs no escaping and the name never becomes SQL.
+///
+/// # Panics
+///
+/// If `name` is not an identifier [`validate_identifier`] accepts (up to
+/// [`MAX_IDENTIFIER_LEN`] bytes): an unvalidated name reaching SQL text is a bug, never input to
+/// quote.
+pub fn quote_identifier(name: &str) -> String {
+    if let Err(e) = validate_identifier("identifier", name, MAX_IDENTIFIER_LEN) {
+        panic!("quote_identifier() called with an unvalidated identifier: {e}");
+    }
+    format!("\"{name}\"")
+}
+
+/// `"schema"."name"`, each part through [`quote_identifier`] (same rules, same panic).
+pub fn qualified(schema: &str, name: &str) -> String {
+    format!("{}.{}", quote_identifier(schema), quote_identifier(name))
 }
 
 fn render(template: &str, schema: &str, table: &str) -> String {
@@ -182,6 +199,19 @@ mod tests {
                 outbox_core::StoreErrorKind::Configuration,
                 "{name}"
             );
+        }
+    }
+
+    #[test]
+    fn qualified_quotes_validated_names_and_refuses_others() {
+        assert_eq!(qualified("shop", "effects"), "\"shop\".\"effects\"");
+        assert_eq!(quote_identifier("shop"), "\"shop\"");
+        for bad in ["x\"; DROP TABLE victim; --", "public.victim", "Upper", ""] {
+            let schema = std::panic::catch_unwind(|| qualified(bad, "t"));
+            assert!(schema.is_err(), "{bad:?} as schema");
+            let name = std::panic::catch_unwind(|| qualified("s", bad));
+            assert!(name.is_err(), "{bad:?} as name");
+            assert!(std::panic::catch_unwind(|| quote_identifier(bad)).is_err());
         }
     }
 

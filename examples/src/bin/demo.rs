@@ -26,6 +26,11 @@ struct Args {
     /// Keep the PostgreSQL schema of the run for inspection.
     #[arg(long)]
     keep_schema: bool,
+    /// PostgreSQL schema of the run (a plain lowercase identifier that must not exist yet: the
+    /// demo creates it, and drops it at the end unless --keep-schema). Default: a fresh
+    /// `outbox_demo_<random>`.
+    #[arg(long, requires = "database_url", value_parser = outbox_examples::cli::parse_schema)]
+    schema: Option<String>,
     /// Log filter (e.g. `info`, `outbox_core=debug`). Warnings show retries and parking.
     #[arg(long, default_value = "warn")]
     log: String,
@@ -46,6 +51,7 @@ async fn main() -> anyhow::Result<()> {
         database_url: args.database_url,
         brokers: args.brokers,
         keep_schema: args.keep_schema,
+        schema: args.schema,
     };
     let summary = outbox_examples::run_demo(&config).await?;
     println!("{summary}");

@@ -59,7 +59,7 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn run(args: &Args, max_batch: usize) -> anyhow::Result<Duration> {
-    let pg = PostgresBackend::connect(&args.database_url).await?;
+    let pg = PostgresBackend::connect(&args.database_url, None).await?;
     let log = MemoryLog::new("orders", 4);
     let envelopes: Vec<Envelope> = (0..args.events)
         .map(|i| {

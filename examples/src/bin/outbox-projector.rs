@@ -12,7 +12,7 @@ use outbox_core::watermark::OffsetTracker;
 use outbox_core::{async_trait, Envelope};
 use outbox_inbox::{ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor};
 use outbox_kafka::KafkaSource;
-use outbox_postgres::{map_sqlx_error, PostgresInboxStore};
+use outbox_postgres::{map_sqlx_error, qualified, PostgresInboxStore};
 use sqlx::{Postgres, Transaction};
 
 /// Projector: Kafka → PostgreSQL projection through the inbox.
@@ -22,14 +22,15 @@ struct Args {
     /// PostgreSQL URL.
     #[arg(long, env = "DATABASE_URL")]
     database_url: String,
-    /// Schema of the inbox, `projection` and `effects` tables.
-    #[arg(long)]
+    /// Schema of the inbox, `projection` and `effects` tables (a plain lowercase identifier,
+    /// checked like the stores' names before anything connects).
+    #[arg(long, value_parser = outbox_examples::cli::parse_schema)]
     schema: String,
     /// Kafka bootstrap servers.
     #[arg(long, env = "KAFKA_BROKERS")]
     brokers: String,
     /// Topic to read.
-    #[arg(long)]
+    #[arg(long, value_parser = outbox_examples::cli::parse_topic)]
     topic: String,
     /// Kafka consumer group.
     #[arg(long)]
@@ -94,10 +95,12 @@ async fn main() -> anyhow::Result<()> {
         .max_connections(4)
         .connect(&args.database_url)
         .await?;
+    // Validated while parsing the arguments; written into SQL only quoted.
     let s = &args.schema;
+    let (effects, projection) = (qualified(s, "effects"), qualified(s, "projection"));
     sqlx::raw_sql(&format!(
-        "CREATE TABLE IF NOT EXISTS {s}.effects (event_id uuid NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL, applied_at timestamptz NOT NULL DEFAULT now());
-         CREATE TABLE IF NOT EXISTS {s}.projection (id text PRIMARY KEY, version bigint NOT NULL);"
+        "CREATE TABLE IF NOT EXISTS {effects} (event_id uuid NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL, applied_at timestamptz NOT NULL DEFAULT now());
+         CREATE TABLE IF NOT EXISTS {projection} (id text PRIMARY KEY, version bigint NOT NULL);"
     ))
     .execute(&pool)
     .await?;
@@ -107,14 +110,12 @@ async fn main() -> anyhow::Result<()> {
     inbox.migrate().await?;
     let handler = Projector {
         effect: format!(
-            "INSERT INTO {s}.effects (event_id, aggregate_id, version) VALUES ($1, $2, $3)"
+            "INSERT INTO {effects} (event_id, aggregate_id, version) VALUES ($1, $2, $3)"
         ),
         insert: format!(
-            "INSERT INTO {s}.projection (id, version) VALUES ($1, 1) ON CONFLICT (id) DO NOTHING"
+            "INSERT INTO {projection} (id, version) VALUES ($1, 1) ON CONFLICT (id) DO NOTHING"
         ),
-        update: format!(
-            "UPDATE {s}.projection SET version = $2 WHERE id = $1 AND version = $2 - 1"
-        ),
+        update: format!("UPDATE {projection} SET version = $2 WHERE id = $1 AND version = $2 - 1"),
     };
     let tracker: Arc<Mutex<OffsetTracker>> = Arc::default();
     let mut builder = KafkaSource::builder(&args.brokers, &args.group)

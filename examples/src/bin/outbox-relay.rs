@@ -27,14 +27,15 @@ struct Args {
     /// PostgreSQL URL.
     #[arg(long, env = "DATABASE_URL")]
     database_url: String,
-    /// Schema of the outbox table.
-    #[arg(long, default_value = "public")]
+    /// Schema of the outbox table (a plain lowercase identifier, checked like the store's names
+    /// before anything connects).
+    #[arg(long, default_value = "public", value_parser = outbox_examples::cli::parse_schema)]
     schema: String,
     /// Kafka bootstrap servers.
     #[arg(long, env = "KAFKA_BROKERS")]
     brokers: String,
     /// Default topic.
-    #[arg(long)]
+    #[arg(long, value_parser = outbox_examples::cli::parse_topic)]
     topic: String,
     /// Lease duration in seconds (must exceed the delivery timeout plus 2 s).
     #[arg(long, default_value_t = 15)]

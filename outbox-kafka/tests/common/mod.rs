@@ -50,18 +50,29 @@ pub fn brokers(test: &str) -> Option<String> {
     }
 }
 
-/// The tansu binary from `TANSU_BIN`, for tests that stop and restart their own broker.
+/// The tansu binary, for tests that stop and restart their own broker: `TANSU_BIN`, else
+/// `~/.cargo/bin/tansu` (where `scripts/test` installs it) if it exists.
 pub fn tansu_bin(test: &str) -> Option<String> {
     init_tracing();
     match std::env::var("TANSU_BIN") {
-        Ok(b) if !b.trim().is_empty() => Some(b),
-        _ if skipping(test, "TANSU_BIN") => None,
-        _ => panic!(
-            "{test}: TANSU_BIN is not set. This test starts, stops and restarts a broker of its \
-             own; run `scripts/test` (it exports TANSU_BIN) or set TANSU_BIN to the path of the \
-             tansu binary, or set {SKIP_VAR}=1 to skip on purpose"
-        ),
+        Ok(b) if !b.trim().is_empty() => return Some(b),
+        _ => {}
     }
+    if let Some(home) = std::env::var_os("HOME") {
+        let installed = std::path::Path::new(&home).join(".cargo/bin/tansu");
+        if installed.is_file() {
+            return Some(installed.to_string_lossy().into_owned());
+        }
+    }
+    if skipping(test, "TANSU_BIN") {
+        return None;
+    }
+    panic!(
+        "{test}: TANSU_BIN is not set and ~/.cargo/bin/tansu does not exist. This test starts, \
+         stops and restarts a broker of its own; run `scripts/test` (it installs tansu and \
+         exports TANSU_BIN) or set TANSU_BIN to the path of the tansu binary, or set \
+         {SKIP_VAR}=1 to skip on purpose"
+    )
 }
 
 /// Unwraps an `Option` from `brokers`/`tansu_bin`, returning from the test on `None`.
