@@ -4,6 +4,14 @@
 //! PostgreSQL) rows can become visible out of sequence order; claiming never depends on a
 //! high-water mark, so such rows are still claimed.
 //!
+//! # Version order
+//!
+//! As every store must ([`OutboxStore`]'s contract): per aggregate the store keeps the highest
+//! version published or discarded (`last`, kept when rows are cleaned up), hands out a head only
+//! at `last + 1`, holds a head that skips a version (parking it as a version gap after
+//! [`MemoryOutboxStore::gap_timeout`]) and parks pending rows at or below `last` as out of
+//! order.
+//!
 //! # Claim modes
 //!
 //! * [`ClaimMode::Lease`]: a claim records owner, a unique token and an expiry on the injected
