@@ -130,10 +130,12 @@ impl OutboxSql {
                           r.next_attempt_at <= now() AS due, \
                           COALESCE(a.last_version, 0) AS last, \
                           COALESCE(a.lease_until > clock_timestamp(), false) AS leased \
-                   FROM {t} r \
+                   FROM UNNEST($1::int8[]) AS x(id) \
+                   CROSS JOIN LATERAL (SELECT * FROM {t} r \
+                                       WHERE r.id = x.id AND r.status = 'pending' \
+                                         AND NOT r.blocked OFFSET 0) r \
                    LEFT JOIN LATERAL (SELECT a.last_version, a.lease_until FROM {state} a \
-                                      WHERE {sr} LIMIT 1) a ON true \
-                   WHERE r.id = ANY($1::int8[]) AND r.status = 'pending' AND NOT r.blocked), \
+                                      WHERE {sr} LIMIT 1) a ON true), \
                  h AS MATERIALIZED ( \
                    SELECT c.*, CASE \
                      WHEN c.aggregate_version <= c.last THEN 'stale' \
@@ -293,12 +295,15 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                RETURNING t.id, o.kind, o.k, o.at, o.ai, o.v), \
              rel AS ( \
                UPDATE {state} a SET lease_owner = NULL, lease_token = NULL, lease_until = NULL, \
-                      lease_row = NULL, last_version = GREATEST(a.last_version, COALESCE(p.v, 0)), \
+                      lease_row = NULL, \
+                      last_version = CASE WHEN f.kind = 'published' \
+                                           AND f.id IN (SELECT u.id FROM upd u) \
+                                          THEN GREATEST(a.last_version, f.v) \
+                                          ELSE a.last_version END, \
                       updated_at = clock_timestamp() \
-               FROM (SELECT f.k, f.at, f.ai, u.v FROM f \
-                     LEFT JOIN upd u ON u.id = f.id AND u.kind = 'published') p \
-               WHERE a.aggregate_key = p.k AND a.aggregate_type = p.at \
-                 AND a.aggregate_id = p.ai AND a.lease_token = $16 \
+               FROM f \
+               WHERE a.aggregate_key = f.k AND a.aggregate_type = f.at \
+                 AND a.aggregate_id = f.ai AND a.lease_token = $16 \
                RETURNING 1), \
              {} \
              SELECT ARRAY(SELECT id FROM upd) AS applied",

@@ -381,3 +381,34 @@ async fn abandoned_locked_claims_are_dropped_after_the_hold_limit() {
     publish_all(&store, &again).await;
     ctx.drop().await;
 }
+
+/// A claim try-locks the aggregates of the candidates it takes, not the whole backlog: with a
+/// stale row estimate after a burst of appends, a plan that filters every pending row before
+/// sorting would lock them all and keep other relays from every aggregate until it commits.
+#[tokio::test]
+async fn a_claim_locks_only_the_candidates_it_takes() {
+    let ctx = ctx!(4);
+    let store = ctx.store(ClaimMode::LockedTransaction).await;
+    // A burst right after creation: the table has no statistics yet.
+    let evs: Vec<_> = (0..5000).map(|i| event(&format!("burst-{i}"), 1)).collect();
+    store.append_many(&ctx.pool, &evs).await.unwrap();
+    let b = store
+        .claim(&ClaimRequest::new("r", 10))
+        .await
+        .expect("claim");
+    assert_eq!(b.records.len(), 10);
+    let locks: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+         WHERE l.locktype = 'advisory' AND l.granted AND a.datname = current_database() \
+           AND a.state = 'idle in transaction'",
+    )
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap();
+    assert!(
+        (10..=20).contains(&locks),
+        "a claim of 10 holds {locks} aggregate locks"
+    );
+    publish_all(&store, &b).await;
+    ctx.drop().await;
+}

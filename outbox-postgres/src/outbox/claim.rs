@@ -17,9 +17,18 @@ use super::rows::envelope_from_row;
 use super::PostgresOutboxStore;
 use crate::error::db;
 
-/// Transactions of claims and completions: custom plans (the statements take id arrays whose
-/// size a generic plan cannot know), in the same round trip as BEGIN.
-pub(super) const BEGIN_CLAIM: &str = "BEGIN; SET LOCAL plan_cache_mode = force_custom_plan";
+/// Transactions of claims, completions and operator actions: custom plans (the statements take
+/// id arrays whose size a generic plan cannot know) and no JIT compilation (their cost
+/// estimates can pass `jit_above_cost`, and compiling takes longer than running them), set in
+/// the same round trip as BEGIN.
+pub(super) const BEGIN_CLAIM: &str =
+    "BEGIN; SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off";
+
+/// A claim's candidate scan must walk the claim index in id order and stop at its limit: its
+/// filter try-locks aggregates, so a plan that filters every pending row and sorts afterwards
+/// (a bitmap scan, chosen when the row estimate is stale after a burst of appends) would lock
+/// the whole backlog. Sorting and bitmap scans are ruled out for the claim's transaction.
+const ORDERED_SCAN: &str = "SET LOCAL enable_sort = off; SET LOCAL enable_bitmapscan = off";
 
 /// Lease claims and operator actions wait for the WAL flush at commit whatever the role's or
 /// database's default: a lease or an operator decision lost in a server crash could let a
@@ -86,7 +95,8 @@ impl PostgresOutboxStore {
             self.inner
                 .pool
                 .begin_with(format!(
-                    "{BEGIN_CLAIM}; SET LOCAL idle_in_transaction_session_timeout = {ms}; {}",
+                    "{BEGIN_CLAIM}; {ORDERED_SCAN}; \
+                     SET LOCAL idle_in_transaction_session_timeout = {ms}; {}",
                     if settings.synchronous_completion {
                         SYNC_COMMIT
                     } else {
@@ -97,7 +107,7 @@ impl PostgresOutboxStore {
         } else {
             self.inner
                 .pool
-                .begin_with(format!("{BEGIN_CLAIM}; {SYNC_COMMIT}"))
+                .begin_with(format!("{BEGIN_CLAIM}; {ORDERED_SCAN}; {SYNC_COMMIT}"))
                 .await
         }
         .map_err(db)?;
@@ -260,7 +270,12 @@ impl PostgresOutboxStore {
     /// the claim should read a number of buffers that depends on `limit`, not on the backlog.
     pub async fn explain_claim(&self, limit: usize) -> Result<Vec<String>, StoreError> {
         let limit = limit.clamp(1, 100_000) as i64;
-        let mut tx = self.inner.pool.begin().await.map_err(db)?;
+        let mut tx = self
+            .inner
+            .pool
+            .begin_with(format!("{BEGIN_CLAIM}; {ORDERED_SCAN}"))
+            .await
+            .map_err(db)?;
         let sql = &self.inner.sql;
         let plan = |rows: Vec<PgRow>| -> Result<String, StoreError> {
             let lines: Vec<String> = rows
