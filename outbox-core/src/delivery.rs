@@ -232,9 +232,10 @@ pub struct ClaimedBatch {
     pub handle: ClaimHandle,
     /// The events, at most one per aggregate.
     pub records: Vec<ClaimedRecord>,
-    /// For leases: time left on the lease, measured on the store's clock after the claim
-    /// committed (so commit latency cannot inflate it). The relay adds this to its own clock
-    /// reading taken before the claim started, so its deadline errs early, never late.
+    /// For leases: time left on the lease when the store granted it, on the store's clock
+    /// (before the claim committed). The relay adds this to its own clock reading taken before
+    /// it asked for the claim, so the claim's round trip and commit make its deadline err early,
+    /// never late.
     pub lease_remaining: Option<Duration>,
     /// Events the claim parked instead of handing out (version order violations), for
     /// signals and logs.

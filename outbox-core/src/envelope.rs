@@ -370,6 +370,18 @@ impl Default for EnvelopeLimits {
 }
 
 impl EnvelopeLimits {
+    /// No size limits (names, headers and the reserved header names are still checked): for
+    /// reading back events that were validated when they were stored, so that a change of
+    /// limits, or the header a re-issue adds, never makes a stored event unreadable.
+    pub fn unlimited() -> Self {
+        Self {
+            max_payload_bytes: usize::MAX,
+            max_name_len: usize::MAX,
+            max_headers: usize::MAX,
+            max_header_bytes: usize::MAX,
+        }
+    }
+
     /// Sets the payload limit.
     pub fn with_max_payload_bytes(mut self, bytes: usize) -> Self {
         self.max_payload_bytes = bytes;

@@ -93,14 +93,17 @@ pub trait OutboxStore: Send + Sync {
     /// MUST fail with `NotFound` unless the event is parked. A retry accepts the event's version
     /// as its aggregate's next one (`last` becomes at least `version - 1`: the operator's
     /// answer to a version gap); it MUST fail with `Conflict` for an event at or below `last`
-    /// (out of order: publishing it would deliver it after a later version; discard it).
-    /// MUST be audited.
+    /// (out of order: publishing it would deliver it after a later version; discard it), and
+    /// with `Conflict` while unfinished events of its aggregate between `last` and its version
+    /// wait (lower versions that arrived after it was parked go out first). MUST be audited.
     async fn retry_parked(&self, event_id: EventId, actor: &str) -> Result<(), StoreError>;
 
     /// Removes a parked event from delivery; the aggregate's later events flow again (`last`
     /// becomes at least the event's version, so the version after it is the next one).
-    /// MUST require a non-empty reason, MUST fail with `NotFound` unless the event is parked, and
-    /// MUST be audited.
+    /// MUST require a non-empty reason, MUST fail with `NotFound` unless the event is parked,
+    /// MUST fail with `Conflict` while unfinished events of its aggregate between `last` and its
+    /// version wait (they go out first; discarding above them would park them), and MUST be
+    /// audited.
     async fn discard_parked(
         &self,
         event_id: EventId,

@@ -174,18 +174,29 @@ CREATE TABLE IF NOT EXISTS "outbox"."outbox_events_aggregate" (
     PRIMARY KEY (aggregate_key, aggregate_type, aggregate_id)
 ) WITH (fillfactor = 50);
 
--- The state of aggregates that already have rows: the last version published or discarded
--- that is still retained, or, where cleanup removed those rows, one below the lowest
--- unfinished version (what the relay would have handed out next).
+-- The state of aggregates that already have rows (in the table, or archived by cleanup): the
+-- last version published or discarded that is still retained, or, where cleanup removed
+-- those rows without archiving them, one below the lowest unfinished version (what the relay
+-- would have handed out next). An aggregate none of whose rows is left has no state: its next
+-- event must be version 1, or it is held as a version gap (see the upgrade note in the crate
+-- docs: `accept_first_version`).
 INSERT INTO "outbox"."outbox_events_aggregate" (aggregate_key, aggregate_type, aggregate_id, last_version)
 SELECT hashtextextended(aggregate_type || chr(31) || aggregate_id, 0), aggregate_type, aggregate_id,
        GREATEST(0, COALESCE(
            max(aggregate_version) FILTER (WHERE status IN ('published', 'discarded')),
            min(aggregate_version) FILTER (WHERE status IN ('pending', 'parked')) - 1,
            0))
-FROM "outbox"."outbox_events"
+FROM (SELECT aggregate_type, aggregate_id, aggregate_version, status
+        FROM "outbox"."outbox_events"
+      UNION ALL
+      SELECT aggregate_type, aggregate_id, aggregate_version, status
+        FROM "outbox"."outbox_events_archive") r
 GROUP BY aggregate_type, aggregate_id
 ON CONFLICT DO NOTHING;
+
+-- Rows blocked under the old rules may be heads under the new ones (e.g. behind a late lower
+-- version that is now at or below last_version): every claim classifies them again.
+UPDATE "outbox"."outbox_events" SET blocked = false WHERE blocked;
 
 -- Live leases move over, so a relay that runs through the upgrade is still fenced correctly.
 UPDATE "outbox"."outbox_events_aggregate" a
@@ -204,6 +215,11 @@ DROP TABLE IF EXISTS "outbox"."outbox_events_lease";
 ALTER TABLE "outbox"."outbox_events"
     ADD COLUMN IF NOT EXISTS maybe_delivered boolean NOT NULL DEFAULT false;
 
+-- When a claim first held this row as a version gap: the gap timeout counts from there (not
+-- from the producer's transaction start).
+ALTER TABLE "outbox"."outbox_events"
+    ADD COLUMN IF NOT EXISTS held_since timestamptz;
+
 -- Operators may also end the claims of a relay that is gone.
 ALTER TABLE "outbox"."outbox_events_audit"
     DROP CONSTRAINT IF EXISTS "outbox_events_audit_action_check";
@@ -214,3 +230,5 @@ ALTER TABLE "outbox"."outbox_events_audit"
 -- The archive mirrors the table's columns (cleanup copies rows with SELECT *).
 ALTER TABLE "outbox"."outbox_events_archive"
     ADD COLUMN IF NOT EXISTS maybe_delivered boolean NOT NULL DEFAULT false;
+ALTER TABLE "outbox"."outbox_events_archive"
+    ADD COLUMN IF NOT EXISTS held_since timestamptz;

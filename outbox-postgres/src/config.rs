@@ -65,6 +65,10 @@ pub struct OutboxSettings {
     /// head is re-checked at most every second, so it goes out within about a second of its
     /// missing predecessor's publication.
     pub gap_timeout: Duration,
+    /// Accept the lowest pending version of an aggregate without state as its first. Default
+    /// `false` (the first must be version 1). See
+    /// [`crate::PostgresOutboxStoreBuilder::accept_first_version`].
+    pub accept_first_version: bool,
 }
 
 /// Default of [`OutboxSettings::gap_timeout`].
@@ -85,6 +89,7 @@ impl Default for OutboxSettings {
             synchronous_completion: false,
             append_guard: None,
             gap_timeout: DEFAULT_GAP_TIMEOUT,
+            accept_first_version: false,
         }
     }
 }

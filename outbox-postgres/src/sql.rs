@@ -25,6 +25,9 @@ pub(crate) struct OutboxSql {
     pub claim_decide_lease: String,
     /// Claim step 2 (locked mode). `$1` ids, `$2` gap timeout µs, `$3` gap re-check µs.
     pub claim_decide_locked: String,
+    /// Parks claimed rows that fail to decode. `$1` ids, `$2` reasons, `$3` claim token, `$4`
+    /// aggregate keys.
+    pub park_undecodable: String,
     /// Blocking advisory locks of the given lock keys, in key order. `$1` keys.
     pub lock_keys: String,
     pub complete_lease: String,
@@ -78,7 +81,7 @@ fn micros(n: u8) -> String {
 }
 
 impl OutboxSql {
-    pub(crate) fn new(schema: &str, table: &str) -> Self {
+    pub(crate) fn new(schema: &str, table: &str, accept_first_version: bool) -> Self {
         let t = qualified(schema, table);
         let audit = qualified(schema, &format!("{table}_audit"));
         let archive = qualified(schema, &format!("{table}_archive"));
@@ -123,12 +126,25 @@ impl OutboxSql {
         //   gap_hold  the head skips a version: held, re-checked after a short delay
         //   wait      the head is under a live lease (a mixed-mode relay) or not due
         //   claim     the head, version last + 1, due: claimed (lease mode: the lease)
+        // The last version of an aggregate without state: 0 (its first event must be version
+        // 1), or, with `accept_first_version`, one below its lowest unfinished version.
+        let unknown_last = if accept_first_version {
+            format!(
+                "(SELECT min(u.aggregate_version) - 1 FROM {t} u \
+                  WHERE {ku} = {kr} AND u.status IN ('pending', 'parked') \
+                    AND u.aggregate_type = r.aggregate_type AND u.aggregate_id = r.aggregate_id)",
+                ku = agg("u"),
+                kr = agg("r"),
+            )
+        } else {
+            "0".to_owned()
+        };
         let decide = |gap: u8, recheck: u8| {
             format!(
                 "c AS MATERIALIZED ( \
-                   SELECT r.id, {cols}, r.attempts, r.inserted_at, {kr} AS k, \
+                   SELECT r.id, {cols}, r.attempts, r.held_since, {kr} AS k, \
                           r.next_attempt_at <= now() AS due, \
-                          COALESCE(a.last_version, 0) AS last, \
+                          COALESCE(a.last_version, {unknown_last}) AS last, \
                           COALESCE(a.lease_until > clock_timestamp(), false) AS leased \
                    FROM UNNEST($1::int8[]) AS x(id) \
                    CROSS JOIN LATERAL (SELECT * FROM {t} r \
@@ -144,9 +160,10 @@ impl OutboxSql {
                                     AND u.aggregate_version > c.last \
                                     AND (u.aggregate_version, u.id) < (c.aggregate_version, c.id) \
                                     AND u.aggregate_type = c.aggregate_type \
-                                    AND u.aggregate_id = c.aggregate_id) THEN 'follower' \
+                                    AND u.aggregate_id = c.aggregate_id \
+                                    AND NOT u.blocked) THEN 'follower' \
                      WHEN c.aggregate_version > c.last + 1 THEN \
-                       CASE WHEN c.inserted_at <= clock_timestamp() - {gap_i} THEN 'gap_park' \
+                       CASE WHEN c.held_since <= clock_timestamp() - {gap_i} THEN 'gap_park' \
                             ELSE 'gap_hold' END \
                      WHEN c.leased OR NOT c.due THEN 'wait' \
                      ELSE 'claim' END AS action \
@@ -171,8 +188,10 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                    WHERE p.id = x.id RETURNING 1), \
                  hold AS ( \
                    UPDATE {t} g SET \
-                          next_attempt_at = LEAST(h.inserted_at + {gap_i}, \
-                                                  clock_timestamp() + {recheck_i}), \
+                          held_since = COALESCE(h.held_since, clock_timestamp()), \
+                          next_attempt_at = LEAST( \
+                            COALESCE(h.held_since, clock_timestamp()) + {gap_i}, \
+                            clock_timestamp() + {recheck_i}), \
                           last_error_class = 'transient', last_error_kind = 'version_gap', \
                           last_error_message = format('waiting for version %s of the aggregate \
 (the last published or discarded is %s)', h.last + 1, h.last) \
@@ -182,7 +201,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                    FROM (SELECT (SELECT b.id FROM {t} b \
                                  WHERE {kb} = h.k AND b.status IN ('pending', 'parked') \
                                    AND b.blocked AND b.aggregate_type = h.aggregate_type \
-                                   AND b.aggregate_id = h.aggregate_id \
+                                   AND b.aggregate_id = h.aggregate_id AND b.id <> h.id \
                                  ORDER BY b.aggregate_version, b.id LIMIT 1) AS id \
                          FROM h WHERE h.action = 'stale') nx \
                    WHERE s.id = nx.id AND s.blocked RETURNING 1)",
@@ -191,6 +210,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                 ku = agg("u"),
                 kb = agg("b"),
                 sr = state_of("a", "r"),
+                unknown_last = unknown_last,
                 gap_i = micros(gap),
                 recheck_i = micros(recheck),
             )
@@ -231,6 +251,20 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
             decide(2, 3),
         );
 
+        // Claimed rows that no longer decode are parked (their leases released), alone.
+        let park_undecodable = format!(
+            "WITH p AS ( \
+               UPDATE {t} t SET status = 'parked', park_kind = 'permanent_error', \
+                      parked_at = clock_timestamp(), last_error_class = 'permanent', \
+                      last_error_kind = 'invalid_record', \
+                      last_error_message = 'stored event does not decode: ' || x.why \
+               FROM UNNEST($1::int8[], $2::text[]) AS x(id, why) \
+               WHERE t.id = x.id AND t.status = 'pending' RETURNING t.id) \
+             UPDATE {state} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL, \
+                    lease_row = NULL, updated_at = clock_timestamp() \
+             WHERE aggregate_key = ANY($4::int8[]) AND lease_token = $3 \
+               AND lease_row IN (SELECT id FROM p)"
+        );
         let lock_keys = "SELECT pg_advisory_xact_lock(s.k) FROM ( \
                SELECT DISTINCT k FROM UNNEST($1::int8[]) AS k ORDER BY 1) s"
             .to_owned();
@@ -243,7 +277,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                    FROM (SELECT (SELECT b.id FROM {t} b \
                                  WHERE {kb} = p.k AND b.status IN ('pending', 'parked') \
                                    AND b.blocked AND b.aggregate_type = p.at \
-                                   AND b.aggregate_id = p.ai \
+                                   AND b.aggregate_id = p.ai AND b.id <> p.id \
                                  ORDER BY b.aggregate_version, b.id LIMIT 1) AS id \
                          FROM {src} p) nx \
                    WHERE s.id = nx.id AND s.blocked RETURNING 1)",
@@ -334,24 +368,31 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                     lease_row = NULL, updated_at = clock_timestamp() \
              WHERE aggregate_key = ANY($2::int8[]) AND lease_token = $1"
         );
-        // Rows of a lease claim made by another store instance (no rows in memory): the leased
-        // rows are pending and unblocked, so this walks the claim index, not the whole table.
+        // Pending rows, through the two partial indexes (candidates and blocked rows), so the
+        // walk covers what is in flight or queued, never the published history.
+        let pending = format!(
+            "(SELECT id, event_id, aggregate_type, aggregate_id, aggregate_version FROM {t} \
+               WHERE status = 'pending' AND NOT blocked \
+             UNION ALL \
+             SELECT id, event_id, aggregate_type, aggregate_id, aggregate_version FROM {t} \
+               WHERE status IN ('pending', 'parked') AND blocked AND status = 'pending')"
+        );
+        // Rows of a lease claim made by another store instance (no rows in memory).
         let lease_rows = format!(
             "SELECT e.id, e.event_id, {ke} AS k, e.aggregate_type, e.aggregate_id, \
                     e.aggregate_version \
-             FROM {t} e JOIN LATERAL (SELECT a.lease_token FROM {state} a \
+             FROM {pending} e JOIN LATERAL (SELECT a.lease_token FROM {state} a \
                                       WHERE {se} AND a.lease_row = e.id LIMIT 1) a ON true \
-             WHERE e.status = 'pending' AND NOT e.blocked AND a.lease_token = $1",
+             WHERE a.lease_token = $1",
             ke = agg("e"),
             se = state_of("a", "e"),
         );
         // The live leases of one owner (operator action on a relay that is gone).
         let owner_leases = format!(
             "SELECT e.event_id, {ke} AS k, e.aggregate_type, e.aggregate_id \
-             FROM {t} e JOIN LATERAL (SELECT a.lease_owner, a.lease_until FROM {state} a \
+             FROM {pending} e JOIN LATERAL (SELECT a.lease_owner, a.lease_until FROM {state} a \
                                       WHERE {se} AND a.lease_row = e.id LIMIT 1) a ON true \
-             WHERE e.status = 'pending' AND NOT e.blocked AND a.lease_owner = $1 \
-               AND a.lease_until > clock_timestamp()",
+             WHERE a.lease_owner = $1 AND a.lease_until > clock_timestamp()",
             ke = agg("e"),
             se = state_of("a", "e"),
         );
@@ -365,11 +406,18 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
         // Operator actions: the event's aggregate and state, read again after its lock.
         let event_state = format!(
             "SELECT e.status, e.aggregate_type, e.aggregate_id, e.aggregate_version, \
-                    {ke} AS k, COALESCE(a.last_version, 0) AS last \
+                    {ke} AS k, COALESCE(a.last_version, 0) AS last, \
+                    (SELECT count(*) FROM {t} u \
+                      WHERE {ku} = {ke} AND u.status IN ('pending', 'parked') \
+                        AND u.aggregate_type = e.aggregate_type \
+                        AND u.aggregate_id = e.aggregate_id AND u.id <> e.id \
+                        AND u.aggregate_version > COALESCE(a.last_version, 0) \
+                        AND u.aggregate_version < e.aggregate_version) AS waiting_below \
              FROM {t} e LEFT JOIN LATERAL (SELECT a.last_version FROM {state} a \
                                            WHERE {se} LIMIT 1) a ON true \
              WHERE e.event_id = $1",
             ke = agg("e"),
+            ku = agg("u"),
             se = state_of("a", "e"),
         );
         // Raises the aggregate's last version to at least `$5` ($2..$4 key, type, id).
@@ -397,7 +445,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                UPDATE {t} SET status = 'discarded', finished_at = clock_timestamp(), \
                       discard_reason = $6, blocked = false \
                WHERE event_id = $1 AND status = 'parked' \
-               RETURNING event_id, $2::int8 AS k, $3::text AS at, $4::text AS ai), \
+               RETURNING id, event_id, $2::int8 AS k, $3::text AS at, $4::text AS ai), \
              {} \
              SELECT count(*) FROM u",
             promote_after("u"),
@@ -458,13 +506,25 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                (SELECT count(*) FROM {t} WHERE status = 'parked') AS parked, \
                (SELECT count(*) FROM {t} WHERE status = 'published') AS published, \
                (SELECT count(*) FROM {t} WHERE status = 'pending' AND blocked) AS blocked, \
-               (SELECT count(*) FROM {t} WHERE status = 'pending' AND NOT blocked \
-                  AND last_error_kind = 'version_gap') AS gaps_held, \
+               (SELECT count(*) FROM {t} e WHERE e.status = 'pending' AND NOT e.blocked \
+                  AND e.last_error_kind = 'version_gap' \
+                  AND e.aggregate_version > 1 + COALESCE( \
+                    (SELECT a.last_version FROM {state} a WHERE {se}), 0)) AS gaps_held, \
+               (SELECT count(DISTINCT l.k) FROM {t} e \
+                  JOIN (SELECT DISTINCT (l.classid::int8 << 32) | l.objid::int8 AS k \
+                        FROM pg_locks l \
+                        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+                          AND l.database = (SELECT oid FROM pg_database \
+                                            WHERE datname = current_database())) l \
+                    ON l.k = ({ke} # ({seed})) \
+                  WHERE e.status = 'pending' AND NOT e.blocked \
+                    AND e.next_attempt_at <= now()) AS locked, \
                (SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8 FROM {t} \
                   WHERE status = 'pending') AS oldest_pending, \
                (SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8 FROM {t} \
                   WHERE status = 'parked') AS oldest_parked",
             se = state_of("a", "e"),
+            ke = agg("e"),
         );
         let table_stats = "SELECT pg_total_relation_size(c.oid)::float8 AS total_bytes, \
                     pg_relation_size(c.oid)::float8 AS table_bytes, \
@@ -483,6 +543,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
             claim_candidates,
             claim_decide_lease,
             claim_decide_locked,
+            park_undecodable,
             lock_keys,
             complete_lease,
             complete_locked,

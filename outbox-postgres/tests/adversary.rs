@@ -5,8 +5,9 @@
 //! lock is held open and the test waits (through `pg_blocking_pids`) until the other side is
 //! blocked behind it.
 //!
-//! Tests marked `// FOUND:` reproduce a defect of the store as it stands; they fail until it
-//! is fixed. The others are regression tests of guarantees that held under attack.
+//! Tests marked `// FOUND` reproduced a defect that the review found in the store; each one
+//! was fixed, and its test stays as the regression test. The others are regression tests of
+//! guarantees that held under attack.
 //!
 //! Each test uses its own schema. Needs PostgreSQL at `DATABASE_URL`; see `common`.
 
@@ -117,7 +118,8 @@ async fn drain(store: &PostgresOutboxStore, rounds: usize) -> Vec<Envelope> {
     let mut out = Vec::new();
     for _ in 0..rounds {
         let b = claim(store, "drain").await;
-        if b.is_empty() {
+        if b.is_empty() && b.parked.is_empty() {
+            // A claim that only parked (a stale duplicate) unblocked the next row: go on.
             break;
         }
         publish_all(store, &b).await;
@@ -911,40 +913,57 @@ async fn version_2_schema(ctx: &common::Ctx) {
     .unwrap();
 }
 
-// FOUND (upgrade): migration 3 derives `last_version` from the retained rows only. An
-// aggregate whose rows were all removed by cleanup before the upgrade (the normal state of an
-// aggregate that was quiet for longer than the retention) gets no state row, so its
-// `last_version` is 0 and its next event (version N > 1) is a "version gap": held and, after
-// `gap_timeout` (5 minutes by default), parked for an operator. After an upgrade, the first
-// event of every such aggregate is parked. The information is lost in the table; the archive
-// table (when cleanup archived) still has it, and otherwise the upgrade needs a documented
-// rule (for instance: an aggregate without state whose rows predate the migration accepts its
-// first head as the next version), or an operator command to accept the heads in bulk.
+// Found in review (upgrade): migration 3 derives `last_version` from the retained rows (and
+// the archive). An aggregate none of whose rows is left (cleaned up without archiving before
+// the upgrade) gets no state, so its next event (version N > 1) is a version gap under the
+// strict default. The documented answer is `accept_first_version`: the aggregate's lowest
+// pending version is accepted as its first. With archiving, the archive keeps the history.
 #[tokio::test]
 async fn migration_3_keeps_aggregates_whose_rows_were_cleaned_up_flowing() {
     let ctx = ctx!(4);
     version_2_schema(&ctx).await;
     let store = ctx.store_unmigrated(lease(30.0));
-    // "quiet": versions 1..3 published long ago, then removed by cleanup (old version).
+    // "quiet": versions 1..3 published long ago, then removed by cleanup (old version);
+    // "kept": the same, but cleanup archived its rows.
     let old: Vec<_> = (1..=3).map(|v| event("quiet", v)).collect();
+    let kept: Vec<_> = (1..=3).map(|v| event("kept", v)).collect();
     store.append_many(&ctx.pool, &old).await.unwrap();
+    store.append_many(&ctx.pool, &kept).await.unwrap();
     sqlx::raw_sql(&format!(
-        "DELETE FROM \"{0}\".outbox_events WHERE aggregate_id = 'quiet'",
+        "UPDATE \"{0}\".outbox_events SET status = 'published', published_at = now(), \
+            finished_at = now(), ack_topic = 't', ack_partition = 0, ack_offset = 0; \
+         INSERT INTO \"{0}\".outbox_events_archive \
+           SELECT * FROM \"{0}\".outbox_events WHERE aggregate_id = 'kept'; \
+         DELETE FROM \"{0}\".outbox_events;",
         ctx.schema
     ))
     .execute(&ctx.pool)
     .await
     .unwrap();
     assert_eq!(store.migrate().await.unwrap(), 1, "only migration 3 runs");
-    let v4 = event("quiet", 4);
-    store.append(&ctx.pool, &v4).await.unwrap();
+    let (q4, k4) = (event("quiet", 4), event("kept", 4));
+    store.append_many(&ctx.pool, &[q4, k4]).await.unwrap();
+    // Strict default: the archived history is used; the lost one is a gap.
     let b = claim(&store, "r").await;
     assert_eq!(
         versions(&b),
-        vec![("quiet".into(), 4)],
-        "the aggregate's next event after the upgrade must go out (held as a gap: {})",
-        b.gaps_held
+        vec![("kept".into(), 4)],
+        "the archive keeps the history"
     );
+    assert_eq!(b.gaps_held, 1, "without history, version 4 waits for 1..3");
+    publish_all(&store, &b).await;
+    // The upgrade option: the lowest pending version of an aggregate without state is its
+    // first.
+    let lenient = PostgresOutboxStore::builder(ctx.pool.clone())
+        .schema(&ctx.schema)
+        .claim_mode(lease(30.0))
+        .accept_first_version(true)
+        .build()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1100)).await; // the held head's re-check
+    let b = claim(&lenient, "r").await;
+    assert_eq!(versions(&b), vec![("quiet".into(), 4)]);
+    publish_all(&lenient, &b).await;
     ctx.drop().await;
 }
 

@@ -76,6 +76,8 @@ struct Row {
     finished_at: Option<DateTime<Utc>>,
     /// An attempt failed in a way that leaves open that the broker stored it.
     maybe_delivered: bool,
+    /// When a claim first held this row as a version gap.
+    held_since: Option<DateTime<Utc>>,
 }
 
 #[derive(Debug)]
@@ -92,6 +94,8 @@ pub(crate) struct OutboxState {
     open: BTreeMap<AggKey, BTreeSet<(i64, u64)>>,
     /// Per aggregate: the highest version published or discarded. Survives cleanup.
     last: HashMap<AggKey, i64>,
+    /// Aggregates without state accept their lowest unfinished version as the first.
+    accept_first_version: bool,
     claims: HashMap<Uuid, ClaimState>,
     audit: Vec<AuditEntry>,
     token_counter: u64,
@@ -131,12 +135,47 @@ impl OutboxState {
                 parked_at: None,
                 finished_at: None,
                 maybe_delivered: false,
+                held_since: None,
             },
         );
     }
 
     fn last_version(&self, key: &AggKey) -> i64 {
-        self.last.get(key).copied().unwrap_or(0)
+        match self.last.get(key) {
+            Some(last) => *last,
+            None if self.accept_first_version => self
+                .open
+                .get(key)
+                .and_then(|set| set.first())
+                .map_or(0, |(v, _)| v - 1),
+            None => 0,
+        }
+    }
+
+    /// For operator actions: unfinished rows of the aggregate between `last` and `version`
+    /// (lower versions that arrived after the event was parked) must go out first.
+    fn refuse_if_versions_wait(&self, id: EventId) -> Result<(), StoreError> {
+        let seq = self.by_id[&id];
+        let row = &self.rows[&seq];
+        let (key, version) = (agg_key(&row.envelope), row.envelope.aggregate_version);
+        let last = self.last_version(&key);
+        let waiting = self.open.get(&key).map_or(0, |set| {
+            set.iter()
+                .filter(|(v, s)| *s != seq && *v > last && *v < version)
+                .count()
+        });
+        if waiting > 0 {
+            return Err(StoreError::new(
+                StoreErrorKind::Conflict,
+                format!(
+                    "event {id} has version {version}, and {waiting} event(s) of its aggregate \
+                     between version {last} and it are waiting to go out first; act on this \
+                     event after they are delivered (or act on them first)"
+                ),
+            )
+            .with_class(ErrorClass::Permanent));
+        }
+        Ok(())
     }
 
     fn advance_last(&mut self, key: AggKey, version: i64) {
@@ -186,6 +225,8 @@ impl OutboxState {
     /// For retry and re-issue: the parked row's version must be above `last`; the operator's
     /// action accepts it as the aggregate's next version.
     fn accept_version(&mut self, id: EventId) -> Result<(), StoreError> {
+        self.parked_row(id)?;
+        self.refuse_if_versions_wait(id)?;
         let row = self.parked_row(id)?;
         let (key, version) = (agg_key(&row.envelope), row.envelope.aggregate_version);
         let last = self.last_version(&key);
@@ -285,6 +326,7 @@ pub struct MemoryOutboxStore {
     mode: ClaimMode,
     limits: EnvelopeLimits,
     gap_timeout: Duration,
+    accept_first_version: bool,
 }
 
 /// Default of [`MemoryOutboxStore::gap_timeout`], the same as the PostgreSQL store's.
@@ -306,11 +348,28 @@ impl MemoryOutboxStore {
             mode,
             limits: EnvelopeLimits::default(),
             gap_timeout: DEFAULT_GAP_TIMEOUT,
+            accept_first_version: false,
         }
     }
 
+    /// Accept the lowest unfinished version of an aggregate without state as its first
+    /// (default `false`: the first must be version 1), as the PostgreSQL store's option of the
+    /// same name.
+    pub fn accept_first_version(mut self, on: bool) -> Self {
+        self.accept_first_version = on;
+        self
+    }
+
+    /// The database's state, with this store's version rule in effect.
+    fn lock(&self) -> std::sync::MutexGuard<'_, crate::db::DbState> {
+        let mut st = self.db.lock();
+        st.outbox.accept_first_version = self.accept_first_version;
+        st
+    }
+
     /// How long a head that skips a version is held before it is parked as a version gap
-    /// (default [`DEFAULT_GAP_TIMEOUT`]), measured on the database clock from its commit.
+    /// (default [`DEFAULT_GAP_TIMEOUT`]), measured on the database clock from the first claim
+    /// that held it.
     pub fn gap_timeout(mut self, timeout: Duration) -> Self {
         self.gap_timeout = timeout;
         self
@@ -399,7 +458,7 @@ impl OutboxStore for MemoryOutboxStore {
             e.validate(&self.limits)?;
         }
         {
-            let st = self.db.lock();
+            let st = self.lock();
             let mut seen = std::collections::HashSet::new();
             for e in events {
                 let id = e.event_id;
@@ -427,7 +486,7 @@ impl OutboxStore for MemoryOutboxStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
         let now = self.db.now();
         let lease = self.lease_duration();
-        let mut st = self.db.lock();
+        let mut st = self.lock();
         let out = &mut st.outbox;
         out.token_counter += 1;
         let token = Uuid::from_u64_pair(0x7e57_0000_0000_0000, out.token_counter);
@@ -486,7 +545,8 @@ impl OutboxStore for MemoryOutboxStore {
                 continue;
             }
             if version > last + 1 {
-                if head.appended_at + gap_timeout <= now {
+                let held_since = head.held_since.unwrap_or(now);
+                if held_since + gap_timeout <= now {
                     let e = &head.envelope;
                     parked.push(ParkedAtClaim::new(
                         e.event_id,
@@ -502,6 +562,10 @@ impl OutboxStore for MemoryOutboxStore {
                     );
                     out.park(head_seq, ParkKind::VersionGap, msg, now);
                 } else {
+                    out.rows
+                        .get_mut(&head_seq)
+                        .expect("open rows exist")
+                        .held_since = Some(held_since);
                     gaps_held += 1;
                 }
                 continue;
@@ -536,7 +600,7 @@ impl OutboxStore for MemoryOutboxStore {
         outcomes: &[Outcome],
     ) -> Result<CompletionReport, StoreError> {
         let now = self.db.now();
-        let mut st = self.db.lock();
+        let mut st = self.lock();
         let out = &mut st.outbox;
         let (mut applied, mut superseded) = (0usize, Vec::new());
         for o in outcomes {
@@ -563,8 +627,10 @@ impl OutboxStore for MemoryOutboxStore {
                     if matches!(o, Outcome::Retry { .. }) {
                         row.attempts = row.attempts.saturating_add(1);
                     }
+                    // A delay beyond a year is a policy bug; capped so time cannot overflow.
+                    let delay = (*delay).min(Duration::from_secs(365 * 24 * 3600));
                     row.next_attempt_at =
-                        now + chrono::Duration::from_std(*delay).unwrap_or(chrono::Duration::MAX);
+                        now + chrono::Duration::from_std(delay).expect("capped delay");
                     row.maybe_delivered |= error.delivery_uncertain();
                     row.last_error = Some(error.clone());
                 }
@@ -591,12 +657,12 @@ impl OutboxStore for MemoryOutboxStore {
     }
 
     async fn release(&self, claim: &ClaimHandle) -> Result<(), StoreError> {
-        self.db.lock().outbox.end_claim(claim.token);
+        self.lock().outbox.end_claim(claim.token);
         Ok(())
     }
 
     async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedEvent>, StoreError> {
-        let st = self.db.lock();
+        let st = self.lock();
         let mut parked: Vec<&Row> = st
             .outbox
             .rows
@@ -608,13 +674,13 @@ impl OutboxStore for MemoryOutboxStore {
     }
 
     async fn parked_event(&self, event_id: EventId) -> Result<ParkedEvent, StoreError> {
-        let mut st = self.db.lock();
+        let mut st = self.lock();
         Ok(parked_event(st.outbox.parked_row(event_id)?))
     }
 
     async fn retry_parked(&self, event_id: EventId, actor: &str) -> Result<(), StoreError> {
         let now = self.db.now();
-        let mut st = self.db.lock();
+        let mut st = self.lock();
         st.outbox.accept_version(event_id)?;
         let row = st.outbox.parked_row(event_id)?;
         row.status = DeliveryStatus::Pending;
@@ -641,7 +707,9 @@ impl OutboxStore for MemoryOutboxStore {
     ) -> Result<(), StoreError> {
         require_reason(reason)?;
         let now = self.db.now();
-        let mut st = self.db.lock();
+        let mut st = self.lock();
+        st.outbox.parked_row(event_id)?;
+        st.outbox.refuse_if_versions_wait(event_id)?;
         let row = st.outbox.parked_row(event_id)?;
         row.status = DeliveryStatus::Discarded;
         row.finished_at = Some(now);
@@ -672,7 +740,7 @@ impl OutboxStore for MemoryOutboxStore {
         require_reason(reason)?;
         let now = self.db.now();
         let new_seq = self.db.next_seq();
-        let mut st = self.db.lock();
+        let mut st = self.lock();
         let out = &mut st.outbox;
         out.accept_version(event_id)?;
         let row = out.parked_row(event_id)?;
@@ -743,7 +811,7 @@ impl OutboxStore for MemoryOutboxStore {
             // One lock per batch: other work interleaves between batches, as it would between
             // short transactions.
             let now = self.db.now();
-            let mut st = self.db.lock();
+            let mut st = self.lock();
             let out = &mut st.outbox;
             let victims: Vec<u64> = out
                 .rows
@@ -775,7 +843,7 @@ impl OutboxStore for MemoryOutboxStore {
 
     async fn stats(&self) -> Result<OutboxStats, StoreError> {
         let now = self.db.now();
-        let st = self.db.lock();
+        let st = self.lock();
         let mut s = OutboxStats::default();
         let age = |t: DateTime<Utc>| (now - t).to_std().unwrap_or(Duration::ZERO);
         for r in st.outbox.rows.values() {
@@ -821,7 +889,7 @@ impl OutboxStore for MemoryOutboxStore {
             return Ok(0);
         }
         let now = self.db.now();
-        let mut st = self.db.lock();
+        let mut st = self.lock();
         let out = &mut st.outbox;
         let mut released = Vec::new();
         for row in out.rows.values_mut() {

@@ -72,6 +72,17 @@ impl PostgresOutboxStoreBuilder {
         self.settings.gap_timeout = d;
         self
     }
+    /// Accept the lowest pending version of an aggregate the store has no state for as its
+    /// first (default `false`: such an aggregate's first event must be version 1, and a later
+    /// one is held as a version gap). Turn it on when adopting the outbox for aggregates that
+    /// already have a history, or after upgrading from a version before migration 3 whose
+    /// cleanup removed (without archiving) every row of quiet aggregates. The price: for an
+    /// aggregate without state, a lower version that commits after a higher one is parked as
+    /// out of order instead of going out first.
+    pub fn accept_first_version(mut self, on: bool) -> Self {
+        self.settings.accept_first_version = on;
+        self
+    }
     /// The publisher's delivery timeout: `build()` then rejects a lease (or, in locked mode, a
     /// `locked_max_hold`) that does not outlive it, since such a claim could end while the
     /// broker still holds a record and let another relay send the aggregate's next version.
@@ -133,7 +144,7 @@ impl PostgresOutboxStoreBuilder {
                 )));
             }
         }
-        let sql = OutboxSql::new(&s.schema, &s.table);
+        let sql = OutboxSql::new(&s.schema, &s.table, s.accept_first_version);
         let seed = seed(&s.schema, &s.table);
         Ok(PostgresOutboxStore {
             inner: Arc::new(Inner {

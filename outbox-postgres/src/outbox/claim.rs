@@ -21,8 +21,12 @@ use crate::error::db;
 /// id arrays whose size a generic plan cannot know) and no JIT compilation (their cost
 /// estimates can pass `jit_above_cost`, and compiling takes longer than running them), set in
 /// the same round trip as BEGIN.
-pub(super) const BEGIN_CLAIM: &str =
-    "BEGIN; SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off";
+///
+/// The isolation level is set explicitly: every decision is taken by a statement whose snapshot
+/// postdates the aggregate locks, which holds only under READ COMMITTED (a new snapshot per
+/// statement), whatever the role's or database's default.
+pub(super) const BEGIN_CLAIM: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; \
+     SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off";
 
 /// A claim's candidate scan must walk the claim index in id order and stop at its limit: its
 /// filter try-locks aggregates, so a plan that filters every pending row and sorts afterwards
@@ -60,6 +64,33 @@ pub(crate) struct LockedClaim {
     pub(crate) tx: Transaction<'static, Postgres>,
     pub(crate) rows: Vec<ClaimedRow>,
     pub(crate) since: Instant,
+}
+
+/// Commits `tx` after `result` succeeded, else rolls it back at once: a transaction that is
+/// merely dropped is rolled back only when its pooled connection is used again, and until then
+/// it keeps holding the aggregate locks it took.
+pub(super) async fn finish<T>(
+    tx: Transaction<'static, Postgres>,
+    result: Result<T, StoreError>,
+) -> Result<T, StoreError> {
+    match result {
+        Ok(v) => {
+            tx.commit().await.map_err(db)?;
+            Ok(v)
+        }
+        Err(e) => abort(tx, e).await,
+    }
+}
+
+/// Rolls `tx` back now and returns `e`.
+pub(super) async fn abort<T>(
+    tx: Transaction<'static, Postgres>,
+    e: StoreError,
+) -> Result<T, StoreError> {
+    if let Err(rollback) = tx.rollback().await {
+        warn!(error = %rollback, "rollback after a failed store operation failed; the connection is dropped");
+    }
+    Err(e)
 }
 
 pub(super) fn micros(d: Duration) -> i64 {
@@ -112,12 +143,21 @@ impl PostgresOutboxStore {
         }
         .map_err(db)?;
         let sql = &self.inner.sql;
+        // Any failure from here on rolls back at once, freeing the aggregate locks.
+        macro_rules! or_abort {
+            ($e:expr) => {
+                match $e {
+                    Ok(v) => v,
+                    Err(e) => return abort(tx, e).await,
+                }
+            };
+        }
         // Step 1: candidates whose aggregates this transaction could lock.
-        let ids: Vec<i64> = sqlx::query_scalar(&sql.claim_candidates)
+        let ids: Vec<i64> = or_abort!(sqlx::query_scalar(&sql.claim_candidates)
             .bind(limit)
             .fetch_all(&mut *tx)
             .await
-            .map_err(db)?;
+            .map_err(db));
         if ids.is_empty() {
             tx.commit().await.map_err(db)?;
             return Ok(ClaimedBatch::new(handle, Vec::new(), None));
@@ -125,7 +165,7 @@ impl PostgresOutboxStore {
         // Step 2: the decision, in a snapshot taken after the locks.
         let gap_us = micros(settings.gap_timeout);
         let recheck_us = micros(settings.gap_timeout.min(GAP_RECHECK));
-        let rows = match mode {
+        let rows = or_abort!(match mode {
             ClaimMode::Lease { duration } => sqlx::query(&sql.claim_decide_lease)
                 .bind(&ids)
                 .bind(&request.owner)
@@ -140,8 +180,21 @@ impl PostgresOutboxStore {
         }
         .fetch_all(&mut *tx)
         .await
-        .map_err(db)?;
-        let decided = self.decided(&rows)?;
+        .map_err(db));
+        let decided = or_abort!(self.decided(&rows));
+        if !decided.undecodable.is_empty() {
+            let ids: Vec<i64> = decided.undecodable.iter().map(|u| u.0).collect();
+            let keys: Vec<i64> = decided.undecodable.iter().map(|u| u.1).collect();
+            let why: Vec<String> = decided.undecodable.iter().map(|u| u.2.clone()).collect();
+            or_abort!(sqlx::query(&sql.park_undecodable)
+                .bind(&ids)
+                .bind(&why)
+                .bind(token)
+                .bind(&keys)
+                .execute(&mut *tx)
+                .await
+                .map_err(db));
+        }
         let batch_rows: Vec<ClaimedRow> = decided.claimed.iter().map(|(r, _)| r.clone()).collect();
         let records: Vec<ClaimedRecord> = decided.claimed.into_iter().map(|(_, r)| r).collect();
         let remaining = decided
@@ -177,7 +230,6 @@ impl PostgresOutboxStore {
 
     /// Reads the rows of claim step 2: claimed records (oldest first), parked notices, gaps.
     fn decided(&self, rows: &[PgRow]) -> Result<Decided, StoreError> {
-        let limits = &self.inner.settings.limits;
         let mut out = Decided::default();
         let mut claimed: Vec<(ClaimedRow, ClaimedRecord)> = Vec::with_capacity(rows.len());
         for row in rows {
@@ -189,7 +241,26 @@ impl PostgresOutboxStore {
                         // A live lease won (a colliding key or a relay of the other mode).
                         continue;
                     }
-                    let envelope = envelope_from_row(row, limits)?;
+                    let envelope = match envelope_from_row(row) {
+                        Ok(e) => e,
+                        Err(e) => {
+                            // A stored row that no longer decodes is parked, alone: it must
+                            // not stop the claims of every other aggregate.
+                            out.undecodable.push((
+                                id,
+                                row.try_get("k").map_err(db)?,
+                                e.message.clone(),
+                            ));
+                            out.parked.push(ParkedAtClaim::new(
+                                EventId::from_uuid(row.try_get("event_id").map_err(db)?),
+                                row.try_get::<String, _>("aggregate_type").map_err(db)?,
+                                row.try_get::<String, _>("aggregate_id").map_err(db)?,
+                                row.try_get::<i64, _>("aggregate_version").map_err(db)?,
+                                ParkKind::PermanentError,
+                            ));
+                            continue;
+                        }
+                    };
                     let attempts: i32 = row.try_get("attempts").map_err(db)?;
                     if let Some(r) = row.try_get::<Option<i64>, _>("remaining_us").map_err(db)? {
                         out.remaining_us = Some(out.remaining_us.map_or(r, |m| m.min(r)));
@@ -354,6 +425,8 @@ impl PostgresOutboxStore {
 #[derive(Default)]
 struct Decided {
     claimed: Vec<(ClaimedRow, ClaimedRecord)>,
+    /// Claimed rows that failed to decode: (row id, aggregate key, why).
+    undecodable: Vec<(i64, i64, String)>,
     remaining_us: Option<i64>,
     parked: Vec<ParkedAtClaim>,
     gaps_held: usize,

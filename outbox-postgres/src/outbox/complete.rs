@@ -9,9 +9,12 @@ use outbox_core::{
     ClaimHandle, ClaimMode, CompletionReport, Outcome, ParkKind, StoreError, StoreErrorKind,
 };
 
-use super::claim::{ClaimedRow, ASYNC_COMMIT, BEGIN_CLAIM, SYNC_COMMIT};
+use super::claim::{finish, ClaimedRow, ASYNC_COMMIT, BEGIN_CLAIM, SYNC_COMMIT};
 use super::PostgresOutboxStore;
 use crate::error::db;
+
+/// Longest delay a completion records.
+const MAX_DELAY: std::time::Duration = std::time::Duration::from_secs(365 * 24 * 3600);
 
 type PgQuery<'q> = sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments>;
 
@@ -38,14 +41,13 @@ impl PostgresOutboxStore {
                     ));
                 };
                 // The aggregate locks were taken by the claim in this very transaction.
-                let applied: Vec<i64> = OutcomeArrays::new(outcomes, &held.rows)
+                let applied = OutcomeArrays::new(outcomes, &held.rows)
                     .bind(sqlx::query(&self.inner.sql.complete_locked))
                     .fetch_one(&mut *held.tx)
                     .await
-                    .map_err(|e| lost_claim(db(e)))?
-                    .try_get("applied")
-                    .map_err(db)?;
-                held.tx.commit().await.map_err(|e| lost_claim(db(e)))?;
+                    .map_err(|e| lost_claim(db(e)))
+                    .and_then(|row| row.try_get::<Vec<i64>, _>("applied").map_err(db));
+                let applied = finish(held.tx, applied).await.map_err(lost_claim)?;
                 Ok(report(outcomes, &held.rows, &applied))
             }
             _ => {
@@ -59,16 +61,19 @@ impl PostgresOutboxStore {
                 // Serialize with claims and operator actions on the same aggregates, whatever
                 // the outcomes: a claim decides after it holds these locks, so it sees this
                 // completion whole or not at all.
-                self.lock_rows(&mut tx, &rows).await?;
-                let applied: Vec<i64> = OutcomeArrays::new(outcomes, &rows)
-                    .bind(sqlx::query(&self.inner.sql.complete_lease))
-                    .bind(claim.token)
-                    .fetch_one(&mut *tx)
-                    .await
-                    .map_err(db)?
-                    .try_get("applied")
-                    .map_err(db)?;
-                tx.commit().await.map_err(db)?;
+                let applied = async {
+                    self.lock_rows(&mut tx, &rows).await?;
+                    OutcomeArrays::new(outcomes, &rows)
+                        .bind(sqlx::query(&self.inner.sql.complete_lease))
+                        .bind(claim.token)
+                        .fetch_one(&mut *tx)
+                        .await
+                        .map_err(db)?
+                        .try_get::<Vec<i64>, _>("applied")
+                        .map_err(db)
+                }
+                .await;
+                let applied = finish(tx, applied).await?;
                 Ok(report(outcomes, &rows, &applied))
             }
         }
@@ -103,14 +108,17 @@ impl PostgresOutboxStore {
                     .begin_with(format!("{BEGIN_CLAIM}; {SYNC_COMMIT}"))
                     .await
                     .map_err(db)?;
-                self.lock_rows(&mut tx, &rows).await?;
-                sqlx::query(&self.inner.sql.release_lease)
-                    .bind(claim.token)
-                    .bind(&keys)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(db)?;
-                tx.commit().await.map_err(db)
+                let released = async {
+                    self.lock_rows(&mut tx, &rows).await?;
+                    sqlx::query(&self.inner.sql.release_lease)
+                        .bind(claim.token)
+                        .bind(&keys)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db)
+                }
+                .await;
+                finish(tx, released).await.map(|_| ())
             }
         }
     }
@@ -290,7 +298,9 @@ impl OutcomeArrays {
             a.topics.push(ack.map(|a| a.topic.clone()));
             a.parts.push(ack.map(|a| a.partition));
             a.offsets.push(ack.map(|a| a.offset));
-            a.delays.push(delay.map(super::claim::micros));
+            // A delay beyond a year is a policy bug; capped so the timestamp cannot overflow.
+            a.delays
+                .push(delay.map(|d| super::claim::micros(d.min(MAX_DELAY))));
             a.eclass.push(err.map(|e| e.class.as_str()));
             a.ekind.push(err.map(|e| e.kind.clone()));
             a.emsg.push(err.map(|e| e.message.clone()));

@@ -58,17 +58,14 @@ impl PostgresOutboxStore {
                 .map_err(db)?
                 .map(|s| Duration::from_secs_f64(s.max(0.0))))
         };
-        let locked_in_flight: u64 = self
-            .inner
-            .locked
-            .lock()
-            .expect("poisoned")
-            .values()
-            .map(|c| c.rows.len() as u64)
-            .sum();
         let mut stats = OutboxStats::default();
         stats.unpublished = get("unpublished")?;
-        stats.in_flight = get("leased")? + locked_in_flight;
+        // Lease mode: live leases. Locked mode: due candidates whose aggregate lock is held by
+        // some session (the claims of every relay, not only this instance's).
+        stats.in_flight = match self.inner.settings.claim_mode {
+            outbox_core::ClaimMode::LockedTransaction => get("leased")? + get("locked")?,
+            _ => get("leased")?,
+        };
         stats.parked = get("parked")?;
         stats.published_retained = get("published")?;
         stats.version_gaps_held = get("gaps_held")?;

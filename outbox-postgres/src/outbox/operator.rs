@@ -10,7 +10,7 @@ use outbox_core::{
     StoreErrorKind,
 };
 
-use super::claim::{BEGIN_CLAIM, SYNC_COMMIT};
+use super::claim::{abort, finish, BEGIN_CLAIM, SYNC_COMMIT};
 use super::rows::parked_from_row;
 use super::PostgresOutboxStore;
 use crate::error::db;
@@ -23,6 +23,8 @@ struct EventState {
     version: i64,
     key: i64,
     last: i64,
+    /// Unfinished rows of the aggregate between `last` and this event's version.
+    waiting_below: i64,
 }
 
 impl EventState {
@@ -34,6 +36,7 @@ impl EventState {
             version: row.try_get("aggregate_version").map_err(db)?,
             key: row.try_get("k").map_err(db)?,
             last: row.try_get("last").map_err(db)?,
+            waiting_below: row.try_get("waiting_below").map_err(db)?,
         })
     }
 }
@@ -51,6 +54,17 @@ impl PostgresOutboxStore {
             .begin_with(format!("{BEGIN_CLAIM}; {SYNC_COMMIT}"))
             .await
             .map_err(db)?;
+        match self.read_locked(&mut tx, event_id).await {
+            Ok(state) => Ok((tx, state)),
+            Err(e) => abort(tx, e).await,
+        }
+    }
+
+    async fn read_locked(
+        &self,
+        tx: &mut PgConnection,
+        event_id: EventId,
+    ) -> Result<EventState, StoreError> {
         let sql = &self.inner.sql;
         let before = sqlx::query(&sql.event_state)
             .bind(event_id.as_uuid())
@@ -73,7 +87,12 @@ impl PostgresOutboxStore {
         if state.status != "parked" {
             return Err(not_parked(event_id));
         }
-        Ok((tx, state))
+        if state.waiting_below > 0 {
+            // Lower versions arrived after this event was parked (a gap that is filling):
+            // accepting or dropping this version now would park them as out of order.
+            return Err(versions_waiting(event_id, &state));
+        }
+        Ok(state)
     }
 
     async fn audit(
@@ -115,7 +134,7 @@ impl PostgresOutboxStore {
             .await
             .map_err(db)?
             .ok_or_else(|| not_parked(event_id))?;
-        parked_from_row(&row, &self.inner.settings.limits)
+        parked_from_row(&row)
     }
 
     pub(super) async fn list_parked_inner(
@@ -127,8 +146,7 @@ impl PostgresOutboxStore {
             .fetch_all(&self.inner.pool)
             .await
             .map_err(db)?;
-        let limits = &self.inner.settings.limits;
-        rows.iter().map(|r| parked_from_row(r, limits)).collect()
+        rows.iter().map(parked_from_row).collect()
     }
 
     pub(super) async fn retry_parked_inner(
@@ -137,6 +155,17 @@ impl PostgresOutboxStore {
         actor: &str,
     ) -> Result<(), StoreError> {
         let (mut tx, s) = self.lock_parked(event_id).await?;
+        let done = self.retry_locked(&mut tx, event_id, actor, &s).await;
+        finish(tx, done).await
+    }
+
+    async fn retry_locked(
+        &self,
+        tx: &mut PgConnection,
+        event_id: EventId,
+        actor: &str,
+        s: &EventState,
+    ) -> Result<(), StoreError> {
         if s.version <= s.last {
             return Err(out_of_order(event_id, s.version, s.last));
         }
@@ -149,10 +178,9 @@ impl PostgresOutboxStore {
             .fetch_one(&mut *tx)
             .await
             .map_err(db)?;
-        self.audit(&mut tx, (event_id, OperatorAction::Retry, actor, "", None))
+        self.audit(tx, (event_id, OperatorAction::Retry, actor, "", None))
             .await?;
-        self.notify_after(&mut tx).await?;
-        tx.commit().await.map_err(db)
+        self.notify_after(tx).await
     }
 
     pub(super) async fn discard_parked_inner(
@@ -163,6 +191,20 @@ impl PostgresOutboxStore {
     ) -> Result<(), StoreError> {
         require_reason(reason)?;
         let (mut tx, s) = self.lock_parked(event_id).await?;
+        let done = self
+            .discard_locked(&mut tx, event_id, actor, reason, &s)
+            .await;
+        finish(tx, done).await
+    }
+
+    async fn discard_locked(
+        &self,
+        tx: &mut PgConnection,
+        event_id: EventId,
+        actor: &str,
+        reason: &str,
+        s: &EventState,
+    ) -> Result<(), StoreError> {
         sqlx::query(&self.inner.sql.discard_parked)
             .bind(event_id.as_uuid())
             .bind(s.key)
@@ -173,13 +215,9 @@ impl PostgresOutboxStore {
             .fetch_one(&mut *tx)
             .await
             .map_err(db)?;
-        self.audit(
-            &mut tx,
-            (event_id, OperatorAction::Discard, actor, reason, None),
-        )
-        .await?;
-        self.notify_after(&mut tx).await?;
-        tx.commit().await.map_err(db)
+        self.audit(tx, (event_id, OperatorAction::Discard, actor, reason, None))
+            .await?;
+        self.notify_after(tx).await
     }
 
     pub(super) async fn reissue_parked_inner(
@@ -190,6 +228,20 @@ impl PostgresOutboxStore {
     ) -> Result<EventId, StoreError> {
         require_reason(reason)?;
         let (mut tx, s) = self.lock_parked(event_id).await?;
+        let done = self
+            .reissue_locked(&mut tx, event_id, actor, reason, &s)
+            .await;
+        finish(tx, done).await
+    }
+
+    async fn reissue_locked(
+        &self,
+        tx: &mut PgConnection,
+        event_id: EventId,
+        actor: &str,
+        reason: &str,
+        s: &EventState,
+    ) -> Result<EventId, StoreError> {
         if s.version <= s.last {
             return Err(out_of_order(event_id, s.version, s.last));
         }
@@ -207,7 +259,7 @@ impl PostgresOutboxStore {
             .await
             .map_err(db)?;
         self.audit(
-            &mut tx,
+            tx,
             (
                 event_id,
                 OperatorAction::Reissue,
@@ -217,8 +269,7 @@ impl PostgresOutboxStore {
             ),
         )
         .await?;
-        self.notify_after(&mut tx).await?;
-        tx.commit().await.map_err(db)?;
+        self.notify_after(tx).await?;
         Ok(new_id)
     }
 
@@ -240,7 +291,6 @@ impl PostgresOutboxStore {
         let reason = format!("claims of relay {owner} released");
         let mut released = 0;
         for lease in &leases {
-            let event_id: Uuid = lease.try_get("event_id").map_err(db)?;
             let key: i64 = lease.try_get("k").map_err(db)?;
             let mut tx = self
                 .inner
@@ -248,32 +298,48 @@ impl PostgresOutboxStore {
                 .begin_with(format!("{BEGIN_CLAIM}; {SYNC_COMMIT}"))
                 .await
                 .map_err(db)?;
-            sqlx::query("SELECT pg_advisory_xact_lock($1)")
-                .bind(self.lock_key(key))
-                .execute(&mut *tx)
-                .await
-                .map_err(db)?;
-            let done = sqlx::query(&sql.release_owner_lease)
-                .bind(key)
-                .bind(lease.try_get::<String, _>("aggregate_type").map_err(db)?)
-                .bind(lease.try_get::<String, _>("aggregate_id").map_err(db)?)
-                .bind(owner)
-                .fetch_optional(&mut *tx)
-                .await
-                .map_err(db)?;
-            if done.is_some() {
-                let id = EventId::from_uuid(event_id);
-                self.audit(
-                    &mut tx,
-                    (id, OperatorAction::ReleaseClaim, actor, &reason, None),
-                )
-                .await?;
-                self.notify_after(&mut tx).await?;
+            let done = self
+                .release_one_lease(&mut tx, lease, key, owner, actor, &reason)
+                .await;
+            if finish(tx, done).await? {
                 released += 1;
             }
-            tx.commit().await.map_err(db)?;
         }
         Ok(released)
+    }
+
+    /// Ends one live lease of `owner` under its aggregate's lock; `true` when there was one.
+    async fn release_one_lease(
+        &self,
+        tx: &mut PgConnection,
+        lease: &sqlx::postgres::PgRow,
+        key: i64,
+        owner: &str,
+        actor: &str,
+        reason: &str,
+    ) -> Result<bool, StoreError> {
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(self.lock_key(key))
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        let done = sqlx::query(&self.inner.sql.release_owner_lease)
+            .bind(key)
+            .bind(lease.try_get::<String, _>("aggregate_type").map_err(db)?)
+            .bind(lease.try_get::<String, _>("aggregate_id").map_err(db)?)
+            .bind(owner)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db)?;
+        if done.is_none() {
+            return Ok(false);
+        }
+        let event_id: Uuid = lease.try_get("event_id").map_err(db)?;
+        let id = EventId::from_uuid(event_id);
+        self.audit(tx, (id, OperatorAction::ReleaseClaim, actor, reason, None))
+            .await?;
+        self.notify_after(tx).await?;
+        Ok(true)
     }
 
     pub(super) async fn audit_trail_inner(
@@ -310,6 +376,19 @@ fn not_parked(event_id: EventId) -> StoreError {
         StoreErrorKind::NotFound,
         format!("event {event_id} is not parked (or does not exist)"),
     )
+}
+
+fn versions_waiting(event_id: EventId, s: &EventState) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Conflict,
+        format!(
+            "event {event_id} has version {}, and {} event(s) of its aggregate between version \
+             {} and it are waiting to go out first; act on this event after they are \
+             delivered (or act on them first)",
+            s.version, s.waiting_below, s.last
+        ),
+    )
+    .with_class(ErrorClass::Permanent)
 }
 
 fn out_of_order(event_id: EventId, version: i64, last: i64) -> StoreError {

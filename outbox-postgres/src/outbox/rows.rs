@@ -12,11 +12,11 @@ use outbox_core::{
 
 use crate::error::db;
 
-/// Reads the envelope columns (see `sql::ENVELOPE_COLS`) of a row.
-pub(crate) fn envelope_from_row(
-    row: &PgRow,
-    limits: &EnvelopeLimits,
-) -> Result<Envelope, StoreError> {
+/// Reads the envelope columns (see `sql::ENVELOPE_COLS`) of a row. Size limits are not
+/// checked again ([`EnvelopeLimits::unlimited`]): the event was validated when it was
+/// appended, and a later change of limits (or the header a re-issue adds) must not make it
+/// unreadable.
+pub(crate) fn envelope_from_row(row: &PgRow) -> Result<Envelope, StoreError> {
     let event_id: Uuid = row.try_get("event_id").map_err(db)?;
     let headers: serde_json::Value = row.try_get("headers").map_err(db)?;
     let mut b = Envelope::builder(
@@ -32,7 +32,7 @@ pub(crate) fn envelope_from_row(
         row.try_get::<Vec<u8>, _>("payload").map_err(db)?,
     ))
     .created_at(row.try_get("created_at").map_err(db)?)
-    .limits(limits.clone());
+    .limits(EnvelopeLimits::unlimited());
     if let serde_json::Value::Object(map) = headers {
         for (k, v) in map {
             if let serde_json::Value::String(v) = v {
@@ -50,11 +50,8 @@ pub(crate) fn envelope_from_row(
 }
 
 /// Reads a parked row (envelope and `sql::PARKED_COLS`).
-pub(crate) fn parked_from_row(
-    row: &PgRow,
-    limits: &EnvelopeLimits,
-) -> Result<ParkedEvent, StoreError> {
-    let envelope = envelope_from_row(row, limits)?;
+pub(crate) fn parked_from_row(row: &PgRow) -> Result<ParkedEvent, StoreError> {
+    let envelope = envelope_from_row(row)?;
     let attempts: i32 = row.try_get("attempts").map_err(db)?;
     let kind: Option<String> = row.try_get("park_kind").map_err(db)?;
     let class: Option<String> = row.try_get("last_error_class").map_err(db)?;

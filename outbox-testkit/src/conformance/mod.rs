@@ -450,6 +450,7 @@ pub const OUTBOX_CHECKS: &[&str] = &[
     "defer_outcome_delays_without_counting_an_attempt",
     "reissued_copy_carries_the_original_id",
     "release_claims_of_a_gone_relay",
+    "operator_action_on_a_filling_gap_is_refused",
 ];
 
 /// Names of the publisher checks, in the order the macro emits them.
@@ -515,6 +516,7 @@ macro_rules! outbox_conformance_tests {
             defer_outcome_delays_without_counting_an_attempt,
             reissued_copy_carries_the_original_id,
             release_claims_of_a_gone_relay,
+            operator_action_on_a_filling_gap_is_refused,
         );
     };
     (@emit ($setup:expr) $($check:ident),* $(,)?) => {

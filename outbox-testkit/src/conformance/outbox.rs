@@ -1028,3 +1028,42 @@ pub async fn release_claims_of_a_gone_relay<H: OutboxHarness>(h: &H) {
         .expect("complete");
     assert_eq!(rep.applied, 1);
 }
+
+/// An operator acting on a version-gap head while the missing versions have arrived since is
+/// refused: they go out first, in order, and the head after them.
+pub async fn operator_action_on_a_filling_gap_is_refused<H: OutboxHarness>(h: &H) {
+    let caps = h.capabilities();
+    let store = default_store(h).await;
+    let a = agg("filling");
+    let v2 = event(&a, 2);
+    append_committed(h, &store, std::slice::from_ref(&v2)).await;
+    assert!(claim(&store, "r", 10).await.is_empty());
+    h.advance(caps.gap_timeout + caps.time_step).await;
+    let b = claim(&store, "r", 10).await;
+    assert!(b.parked.iter().any(|p| p.event_id == v2.event_id));
+    let v1 = event(&a, 1);
+    append_committed(h, &store, std::slice::from_ref(&v1)).await;
+    for refused in [
+        store.retry_parked(v2.event_id, "ops").await,
+        store.discard_parked(v2.event_id, "ops", "give up").await,
+        store
+            .reissue_parked(v2.event_id, "ops", "again")
+            .await
+            .map(|_| ()),
+    ] {
+        let err = refused.expect_err("acting above waiting versions must be refused");
+        assert_eq!(err.kind, StoreErrorKind::Conflict, "{err}");
+    }
+    let b = claim(&store, "r", 10).await;
+    assert_eq!(
+        ids(&b),
+        set(&[&v1]),
+        "the version that filled the gap goes out first"
+    );
+    store
+        .complete(&b.handle, &publish_all(&b))
+        .await
+        .expect("complete");
+    store.retry_parked(v2.event_id, "ops").await.expect("retry");
+    assert_eq!(ids(&claim(&store, "r", 10).await), set(&[&v2]));
+}
