@@ -17,7 +17,7 @@ pub trait Handler<Tx: Send>: Send + Sync {
 }
 
 /// A handler failure, classified.
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("handler failed ({class}): {message}")]
 pub struct HandlerError {
     /// Transient: roll back and try again later. Permanent: the event cannot be applied.

@@ -172,6 +172,8 @@ struct LogState {
     groups: HashMap<String, GroupState>,
     /// Earliest available offset per partition (simulated retention), when above 0.
     earliest: BTreeMap<(String, i32), i64>,
+    /// Bumped when a topic is recreated.
+    generations: BTreeMap<String, u64>,
     publish_calls: u64,
 }
 
@@ -289,6 +291,7 @@ impl MemoryLogBuilder {
                     faults: Vec::new(),
                     groups: HashMap::new(),
                     earliest: BTreeMap::new(),
+                    generations: BTreeMap::new(),
                     publish_calls: 0,
                 }),
                 notify: tokio::sync::Notify::new(),
@@ -460,15 +463,19 @@ impl MemoryLog {
             .unwrap_or(0)
     }
 
-    /// Deletes and recreates `topic` with `partitions` partitions: every record is gone and
-    /// offsets start at 0 again, under running consumers (whose positions now lie beyond the
-    /// end and are reset to the beginning, as Kafka's `auto.offset.reset=earliest` does).
-    /// Committed group offsets are kept, as a broker that keeps them would.
+    /// Deletes and recreates `topic` with `partitions` partitions under running consumers:
+    /// every record and every group's committed offset of the topic is gone, offsets start at
+    /// 0 again, and running consumers read the new topic from its beginning (the same offsets
+    /// now hold other records: a rewind).
     pub fn recreate_topic(&self, topic: &str, partitions: usize) {
         let mut st = self.lock();
         st.topics
             .insert(topic.to_owned(), vec![Vec::new(); partitions.max(1)]);
         st.earliest.retain(|(t, _), _| t != topic);
+        for g in st.groups.values_mut() {
+            g.committed.retain(|(t, _), _| t != topic);
+        }
+        *st.generations.entry(topic.to_owned()).or_insert(0) += 1;
     }
 
     /// The records of one partition, in offset order.
@@ -530,6 +537,7 @@ impl MemoryLog {
             positions: Mutex::new(BTreeMap::new()),
             cursor: Mutex::new(0),
             tracker: Mutex::new(None),
+            generations: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -632,6 +640,8 @@ pub struct MemoryConsumer {
     positions: Mutex<BTreeMap<(String, i32), i64>>,
     cursor: Mutex<usize>,
     tracker: Mutex<Option<SharedOffsetTracker>>,
+    /// Topic generations this member read at.
+    generations: Mutex<BTreeMap<String, u64>>,
 }
 
 impl fmt::Debug for MemoryConsumer {
@@ -697,6 +707,24 @@ impl MemoryConsumer {
             }
             positions.clear();
             return Err(self.fenced_error());
+        }
+        {
+            let mut seen = self.generations.lock().unwrap_or_else(|e| e.into_inner());
+            for t in &self.topics {
+                let now = st.generations.get(t).copied().unwrap_or(0);
+                if seen
+                    .insert(t.clone(), now)
+                    .is_some_and(|before| before != now)
+                {
+                    // The topic was recreated: read it again from its beginning, without a
+                    // rebalance (what a Kafka client does after an out-of-range reset).
+                    for ((pt, _), pos) in positions.iter_mut() {
+                        if pt == t {
+                            *pos = 0;
+                        }
+                    }
+                }
+            }
         }
         let mut slots: Vec<(String, i32)> = Vec::new();
         for t in &self.topics {
