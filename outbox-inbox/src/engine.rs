@@ -1,6 +1,6 @@
-//! [`ConsumerEngine`]: polls a source, applies messages in parallel lanes (one aggregate always
-//! in the same lane, so in order), parks what cannot be applied, and commits offsets along the
-//! contiguous watermark.
+//! [`ConsumerEngine`]: polls a source, applies messages in concurrent batches (an aggregate in
+//! at most one batch at a time, so in order), parks what cannot be applied, and commits offsets
+//! along the contiguous watermark.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::future::Future;
@@ -71,7 +71,7 @@ impl CleanupSchedule {
 /// | `commit_interval` | 1 s | commit offsets at least this often while messages flow |
 /// | `commit_every` | 500 | commit after this many final messages |
 /// | `max_batch` | 100 | most messages applied in one database transaction |
-/// | `lanes` | 4 | transactions in flight at once; an aggregate always maps to the same lane |
+/// | `concurrency` | 4 | batch transactions in flight at once (an aggregate is in at most one) |
 /// | `max_in_flight` | 5,000 | most messages received and not final (queued, running or held) before polling pauses |
 /// | `cleanup` | none | scheduled inbox cleanup ([`CleanupSchedule`]) |
 /// | `metrics_interval` | 15 s | how often lag and parked counts are read for the gauges |
@@ -89,8 +89,8 @@ pub struct EngineConfig {
     pub commit_every: usize,
     /// Most messages per transaction.
     pub max_batch: usize,
-    /// Transactions in flight at once.
-    pub lanes: usize,
+    /// Batch transactions in flight at once.
+    pub concurrency: usize,
     /// Most messages not final.
     pub max_in_flight: usize,
     /// Scheduled cleanup.
@@ -109,7 +109,7 @@ impl Default for EngineConfig {
             commit_interval: Duration::from_secs(1),
             commit_every: 500,
             max_batch: 100,
-            lanes: 4,
+            concurrency: 4,
             max_in_flight: 5_000,
             cleanup: None,
             metrics_interval: Duration::from_secs(15),
@@ -140,9 +140,9 @@ impl EngineConfig {
         self.poll_timeout = t;
         self
     }
-    /// Sets the number of lanes (transactions in flight at once).
-    pub fn with_lanes(mut self, n: usize) -> Self {
-        self.lanes = n;
+    /// Sets how many batch transactions may be in flight at once.
+    pub fn with_concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n;
         self
     }
     /// Sets the most messages received and not final.
@@ -173,8 +173,8 @@ impl EngineConfig {
         if self.max_batch == 0 {
             return Err(ConfigError::new("max_batch must be at least 1"));
         }
-        if self.lanes == 0 {
-            return Err(ConfigError::new("lanes must be at least 1"));
+        if self.concurrency == 0 {
+            return Err(ConfigError::new("concurrency must be at least 1"));
         }
         if self.max_in_flight < self.max_batch {
             return Err(ConfigError::new(format!(
@@ -273,12 +273,19 @@ impl EngineReport {
     }
 }
 
-/// One received message on its way through a lane.
+/// What orders messages: an aggregate (its messages apply one batch at a time, in order), or a
+/// message whose aggregate is unknown (undecodable, no readable aggregate headers), alone.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Key {
+    Aggregate(AggregateKey),
+    Alone(u64),
+}
+
+/// One received message on its way through a batch.
 struct Work {
     ticket: Ticket,
     msg: ReceivedMessage,
-    key: Option<AggregateKey>,
-    lane: usize,
+    key: Key,
     attempts: u32,
     force: Force,
     held_since: Option<Instant>,
@@ -293,14 +300,29 @@ impl Work {
     }
 }
 
-struct LaneDone {
-    lane: usize,
+/// The messages of one key that are not in flight.
+#[derive(Default)]
+struct KeyQueue {
+    items: VecDeque<Work>,
+    /// A batch holding messages of this key is running.
+    busy: bool,
+    /// A transient failure: not before this instant.
+    retry_at: Option<Instant>,
+}
+
+/// What a batch task hands back.
+struct BatchDone {
+    /// Messages whose outcome is known.
     results: Vec<(Work, MessageOutcome)>,
+    /// Messages handed back unprocessed: a transient handler failure of the first of them,
+    /// and the later messages of its key, to try again after `retry_after`.
+    returned: Vec<Work>,
+    retry_after: Duration,
     retries: u64,
     error: Option<EngineError>,
 }
 
-type LaneFuture = Pin<Box<dyn Future<Output = LaneDone> + Send>>;
+type BatchFuture = Pin<Box<dyn Future<Output = BatchDone> + Send>>;
 
 struct Shared<I, H> {
     processor: Arc<InboxProcessor<I, H>>,
@@ -315,23 +337,28 @@ impl<I, H> Shared<I, H> {
     }
 }
 
-/// Applies the lane's messages: in one transaction when it can, splitting around a failing
-/// message, retrying transient failures with backoff and parking what cannot be applied.
-async fn run_lane<I, H>(shared: Arc<Shared<I, H>>, lane: usize, mut items: Vec<Work>) -> LaneDone
+/// Applies a batch in one transaction. A handler failure rolls it back; the failing message is
+/// then parked (permanent, or attempts exhausted) or handed back with the later messages of its
+/// key for a delayed retry (transient), and the rest runs again at once. Transient store
+/// failures are retried with backoff (the database coming back is only a matter of time).
+async fn run_batch<I, H>(shared: Arc<Shared<I, H>>, mut items: Vec<Work>) -> BatchDone
 where
     I: InboxParking,
     H: Handler<I::Tx>,
 {
     let processor = &shared.processor;
     let consumer = processor.consumer().to_owned();
-    let mut outcomes: Vec<Option<MessageOutcome>> = vec![None; items.len()];
-    let (mut start, mut limit) = (0usize, None::<usize>);
-    let (mut store_failures, mut retries) = (0u32, 0u64);
-    let mut error = None;
-    while start < items.len() {
-        let end = limit.unwrap_or(items.len());
+    let mut done = BatchDone {
+        results: Vec::new(),
+        returned: Vec::new(),
+        retry_after: Duration::ZERO,
+        retries: 0,
+        error: None,
+    };
+    let mut store_failures = 0u32;
+    while !items.is_empty() {
         let result = {
-            let batch: Vec<Item<'_>> = items[start..end]
+            let batch: Vec<Item<'_>> = items
                 .iter()
                 .map(|w| Item {
                     msg: &w.msg,
@@ -342,21 +369,12 @@ where
             processor.run_batch(&batch, true).await
         };
         match result {
-            Ok(BatchResult::Committed(done)) => {
+            Ok(BatchResult::Committed(outcomes)) => {
+                done.results.extend(items.drain(..).zip(outcomes));
+            }
+            Ok(BatchResult::HandlerFailed { index, error: e }) => {
                 store_failures = 0;
-                for (k, o) in done.into_iter().enumerate() {
-                    outcomes[start + k] = Some(o);
-                }
-                start = end;
-                limit = None;
-            }
-            Ok(BatchResult::HandlerFailed { index, error: e }) if index > 0 => {
-                // Apply what came before the failing message first, in its own transaction.
-                debug!(index, error = %e, "batch rolled back; applying the part before the failure");
-                limit = Some(start + index);
-            }
-            Ok(BatchResult::HandlerFailed { error: e, .. }) => {
-                let w = &mut items[start];
+                let w = &mut items[index];
                 w.attempts += 1;
                 let permanent = e.class == ErrorClass::Permanent;
                 metrics::record_error(
@@ -367,7 +385,7 @@ where
                         "handler_transient"
                     },
                 );
-                let pos = &w.msg.position;
+                let pos = w.msg.position.clone();
                 if permanent || w.attempts >= shared.retry.max_attempts {
                     error!(consumer = %consumer, topic = %pos.topic, partition = pos.partition, offset = pos.offset, attempt = w.attempts, error = %e, stage = "apply", "message cannot be applied; parking it");
                     w.force = Force::Park(
@@ -375,16 +393,27 @@ where
                         format!("handler failed {} time(s): {e}", w.attempts),
                     );
                 } else {
-                    retries += 1;
+                    done.retries += 1;
                     let d = shared.backoff(w.attempts);
-                    warn!(consumer = %consumer, topic = %pos.topic, partition = pos.partition, offset = pos.offset, attempt = w.attempts, error = %e, delay_ms = d.as_millis() as u64, "handler failed; retrying");
-                    tokio::time::sleep(d).await;
+                    done.retry_after = done.retry_after.max(d);
+                    warn!(consumer = %consumer, topic = %pos.topic, partition = pos.partition, offset = pos.offset, attempt = w.attempts, error = %e, delay_ms = d.as_millis() as u64, "handler failed; retrying later, its aggregate waits");
+                    // The failing message and what follows it of its key wait; the others
+                    // of the batch run again now.
+                    let key = w.key.clone();
+                    let mut keep = Vec::with_capacity(items.len());
+                    for (i, w) in items.drain(..).enumerate() {
+                        if i >= index && w.key == key {
+                            done.returned.push(w);
+                        } else {
+                            keep.push(w);
+                        }
+                    }
+                    items = keep;
                 }
-                limit = None;
             }
             Err(e) if e.is_transient() => {
                 store_failures = store_failures.saturating_add(1);
-                retries += 1;
+                done.retries += 1;
                 metrics::record_error(&consumer, "store");
                 let d = shared.backoff(store_failures);
                 warn!(consumer = %consumer, attempt = store_failures, error = %e, delay_ms = d.as_millis() as u64, "inbox store failed; retrying the batch");
@@ -392,47 +421,18 @@ where
             }
             Err(e) => {
                 metrics::record_error(&consumer, "store");
-                error = Some(EngineError::Store(e));
+                done.error = Some(EngineError::Store(e));
+                done.returned.append(&mut items);
                 break;
             }
         }
     }
-    let results = items
-        .into_iter()
-        .zip(outcomes)
-        .filter_map(|(w, o)| o.map(|o| (w, o)))
-        .collect();
-    LaneDone {
-        lane,
-        results,
-        retries,
-        error,
-    }
-}
-
-fn lane_of(key: Option<&AggregateKey>, msg: &ReceivedMessage, lanes: usize) -> usize {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |bytes: &[u8]| {
-        for b in bytes {
-            h ^= u64::from(*b);
-            h = h.wrapping_mul(0x0100_0000_01b3);
-        }
-    };
-    match (key, &msg.key) {
-        (Some(k), _) => {
-            eat(k.aggregate_type.as_bytes());
-            eat(&[0]);
-            eat(k.aggregate_id.as_bytes());
-        }
-        (None, Some(raw)) => eat(raw),
-        (None, None) => eat(&msg.position.partition.to_le_bytes()),
-    }
-    (h % lanes as u64) as usize
+    done
 }
 
 enum Event {
-    Done(LaneDone),
-    Expire,
+    Done(BatchDone),
+    Timer,
     Polled(Box<Result<Option<ReceivedMessage>, SourceError>>),
     Idle,
 }
@@ -440,12 +440,15 @@ enum Event {
 /// Polls a [`MessageSource`], applies messages through an [`InboxProcessor`] and commits
 /// offsets along the contiguous watermark.
 ///
-/// * **Lanes.** Messages are spread over `lanes` by aggregate; each lane applies its queue in
-///   transactions of up to `max_batch` messages, one transaction at a time, so an aggregate's
-///   messages apply in order while different aggregates (of one partition or of several) apply
-///   in parallel. The engine owns a [`SharedOffsetTracker`]: an offset is final only when its
-///   message's transaction committed (applied, duplicate, stale, or parked), and the committed
-///   offset of a partition never passes a message that is not final.
+/// * **Concurrency.** Every aggregate has its own queue; a batch takes the queued messages of
+///   several aggregates (up to `max_batch`) and applies them in one transaction; up to
+///   `concurrency` batches run at once, and an aggregate is in at most one of them, so its
+///   messages apply in order while different aggregates (of one partition or of several)
+///   apply in parallel. A message whose handler fails transiently waits for its retry without
+///   holding a transaction or anything but its own aggregate. The engine owns a
+///   [`SharedOffsetTracker`]: an offset is final only when its message's transaction committed
+///   (applied, duplicate, stale, or parked), and the committed offset of a partition never
+///   passes a message that is not final.
 /// * **Parking.** A message that cannot be decoded, whose handler fails permanently, or fails
 ///   transiently `retry.max_attempts` times, is parked in the inbox's database with its raw
 ///   record; its offset becomes final, the partition moves on. Later messages of its aggregate
@@ -461,12 +464,14 @@ pub struct ConsumerEngine<S, I, H> {
     shared: Arc<Shared<I, H>>,
     config: EngineConfig,
     tracker: SharedOffsetTracker,
-    queues: Vec<VecDeque<Work>>,
-    busy: Vec<bool>,
-    running: FuturesUnordered<LaneFuture>,
+    queues: HashMap<Key, KeyQueue>,
+    /// Keys with queued messages that may run now, oldest first (may hold stale entries).
+    ready: VecDeque<Key>,
+    running: FuturesUnordered<BatchFuture>,
     held: HashMap<AggregateKey, Vec<Work>>,
     held_count: usize,
     in_flight: usize,
+    next_alone: u64,
     pending_commits: BTreeMap<TopicPartition, CommitOffset>,
     rng: StdRng,
     report: EngineReport,
@@ -512,7 +517,6 @@ where
         }
         let tracker = SharedOffsetTracker::new();
         source.attach_offsets(tracker.clone());
-        let lanes = config.lanes;
         let next_cleanup = config.cleanup.as_ref().map(|_| Instant::now());
         Ok(Self {
             source,
@@ -522,12 +526,13 @@ where
                 rng: Mutex::new(StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15)),
             }),
             tracker,
-            queues: (0..lanes).map(|_| VecDeque::new()).collect(),
-            busy: vec![false; lanes],
+            queues: HashMap::new(),
+            ready: VecDeque::new(),
             running: FuturesUnordered::new(),
             held: HashMap::new(),
             held_count: 0,
             in_flight: 0,
+            next_alone: 0,
             pending_commits: BTreeMap::new(),
             rng: StdRng::seed_from_u64(seed),
             report: EngineReport::default(),
@@ -582,6 +587,18 @@ where
         )
     }
 
+    /// Queues `items` in front of their key's queue (in order), and marks the key ready unless
+    /// it is busy or waiting for a retry.
+    fn requeue_front(&mut self, key: &Key, items: Vec<Work>) {
+        let q = self.queues.entry(key.clone()).or_default();
+        for w in items.into_iter().rev() {
+            q.items.push_front(w);
+        }
+        if !q.busy && q.retry_at.is_none() && !q.items.is_empty() {
+            self.ready.push_back(key.clone());
+        }
+    }
+
     fn receive(&mut self, msg: ReceivedMessage) {
         let (ticket, kind) = self.tracker.lock().begin_checked(&msg.position);
         if let BeginKind::Rewind { highest_seen } = kind {
@@ -593,61 +610,115 @@ where
             );
             warn!(consumer = %self.shared.processor.consumer(), position = %msg.position, highest_seen, "log rewound: messages at these offsets are applied again (duplicates are absorbed)");
         }
-        let key = msg.aggregate();
-        let lane = lane_of(key.as_ref(), &msg, self.config.lanes);
-        self.queues[lane].push_back(Work {
+        let key = match msg.aggregate() {
+            Some(a) => Key::Aggregate(a),
+            None => {
+                self.next_alone += 1;
+                Key::Alone(self.next_alone)
+            }
+        };
+        let q = self.queues.entry(key.clone()).or_default();
+        q.items.push_back(Work {
             ticket,
             msg,
-            key,
-            lane,
+            key: key.clone(),
             attempts: 0,
             force: Force::None,
             held_since: None,
         });
+        if !q.busy && q.retry_at.is_none() && q.items.len() == 1 {
+            self.ready.push_back(key);
+        }
         self.in_flight += 1;
         self.report.received += 1;
     }
 
-    /// Starts a transaction in every idle lane that has work.
+    /// Starts batches while transaction slots are free and keys are ready.
     fn dispatch(&mut self) {
-        for lane in 0..self.queues.len() {
-            if self.busy[lane] || self.queues[lane].is_empty() {
-                continue;
-            }
-            let mut batch = Vec::new();
+        while self.running.len() < self.config.concurrency && !self.ready.is_empty() {
+            let mut batch: Vec<Work> = Vec::new();
+            let mut keys: Vec<Key> = Vec::new();
             while batch.len() < self.config.max_batch {
-                let Some(w) = self.queues[lane].pop_front() else {
+                let Some(key) = self.ready.pop_front() else {
                     break;
                 };
-                if self.tracker.lock().is_current(&w.ticket) {
-                    batch.push(w);
-                } else {
-                    // Revoked, lost or rewound since it was received: the partition's owner
-                    // (or the rewound log) delivers it again.
-                    self.in_flight -= 1;
+                let Some(q) = self.queues.get_mut(&key) else {
+                    continue;
+                };
+                if q.busy || q.retry_at.is_some() || q.items.is_empty() {
+                    continue; // a stale entry
+                }
+                let room = self.config.max_batch - batch.len();
+                let mut took = 0;
+                while took < room {
+                    let Some(w) = q.items.pop_front() else {
+                        break;
+                    };
+                    if self.tracker.lock().is_current(&w.ticket) {
+                        batch.push(w);
+                        took += 1;
+                    } else {
+                        // Revoked, lost or rewound since it was received: the partition's
+                        // owner (or the rewound log) delivers it again.
+                        self.in_flight -= 1;
+                    }
+                }
+                if took > 0 {
+                    q.busy = true;
+                    keys.push(key.clone());
+                    if !q.items.is_empty() {
+                        // The rest waits until this batch is done.
+                        continue;
+                    }
+                } else if q.items.is_empty() {
+                    self.queues.remove(&key);
                 }
             }
             if batch.is_empty() {
                 continue;
             }
-            self.busy[lane] = true;
             self.running
-                .push(Box::pin(run_lane(self.shared.clone(), lane, batch)));
+                .push(Box::pin(run_batch(self.shared.clone(), batch)));
         }
     }
 
-    fn next_hold_deadline(&self) -> Option<Instant> {
-        let VersionPolicy::Hold { max_wait, .. } = self.shared.processor.version_policy() else {
-            return None;
+    /// The next instant a held gap expires or a retry is due.
+    fn next_timer(&self) -> Option<Instant> {
+        let retry = self.queues.values().filter_map(|q| q.retry_at).min();
+        let hold = match self.shared.processor.version_policy() {
+            VersionPolicy::Hold { max_wait, .. } => self
+                .held
+                .values()
+                .filter_map(|items| items.iter().filter_map(|w| w.held_since).min())
+                .min()
+                .map(|since| since + max_wait),
+            _ => None,
         };
-        self.held
-            .values()
-            .filter_map(|items| items.iter().filter_map(|w| w.held_since).min())
-            .min()
-            .map(|since| since + max_wait)
+        match (retry, hold) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
-    /// Sends the held messages of `key` back to their lane, lowest version first; with
+    fn on_timer(&mut self) {
+        let now = Instant::now();
+        let due: Vec<Key> = self
+            .queues
+            .iter()
+            .filter(|(_, q)| q.retry_at.is_some_and(|t| t <= now))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in due {
+            let q = self.queues.get_mut(&k).expect("listed above");
+            q.retry_at = None;
+            if !q.busy && !q.items.is_empty() {
+                self.ready.push_back(k);
+            }
+        }
+        self.expire_holds();
+    }
+
+    /// Sends the held messages of `key` back to its queue, lowest version first; with
     /// `park_reason`, the first is parked as a version gap (the rest then wait behind it).
     fn release_held(&mut self, key: &AggregateKey, park_reason: Option<String>) {
         let Some(mut items) = self.held.remove(key) else {
@@ -658,10 +729,7 @@ where
         if let (Some(reason), Some(first)) = (park_reason, items.first_mut()) {
             first.force = Force::Park(ParkKind::VersionGap, reason);
         }
-        for w in items.into_iter().rev() {
-            let lane = w.lane;
-            self.queues[lane].push_front(w);
-        }
+        self.requeue_front(&Key::Aggregate(key.clone()), items);
     }
 
     fn expire_holds(&mut self) {
@@ -670,6 +738,12 @@ where
             return;
         };
         let now = Instant::now();
+        let busy = |engine: &Self, k: &AggregateKey| {
+            engine
+                .queues
+                .get(&Key::Aggregate(k.clone()))
+                .is_some_and(|q| q.busy)
+        };
         let expired: Vec<(AggregateKey, Duration)> = self
             .held
             .iter()
@@ -679,6 +753,10 @@ where
             })
             .collect();
         for (key, held_for) in expired {
+            // A batch of the aggregate is running (it may close the gap): decide after it.
+            if busy(self, &key) {
+                continue;
+            }
             warn!(consumer = %self.shared.processor.consumer(), aggregate = %key, held_ms = held_for.as_millis() as u64, "version gap did not close in time; parking");
             self.release_held(
                 &key,
@@ -691,6 +769,7 @@ where
             let Some(oldest) = self
                 .held
                 .iter()
+                .filter(|(k, _)| !busy(self, k))
                 .filter_map(|(k, items)| {
                     Some((items.iter().filter_map(|w| w.held_since).min()?, k))
                 })
@@ -710,15 +789,20 @@ where
         self.report.held = self.held_count as u64;
     }
 
-    fn on_lane_done(&mut self, done: LaneDone) -> Result<(), EngineError> {
-        self.busy[done.lane] = false;
+    fn on_batch_done(&mut self, done: BatchDone) -> Result<(), EngineError> {
         self.report.retries += done.retries;
         let consumer = self.shared.processor.consumer().to_owned();
+        let mut touched: Vec<Key> = Vec::new();
         let mut release = Vec::new();
         let now = chrono::Utc::now();
         for (mut w, outcome) in done.results {
+            if !touched.contains(&w.key) {
+                touched.push(w.key.clone());
+            }
             if outcome == MessageOutcome::Held {
-                let key = w.key.clone().expect("only decodable messages are held");
+                let Key::Aggregate(key) = w.key.clone() else {
+                    unreachable!("only decodable messages are held");
+                };
                 w.held_since.get_or_insert_with(Instant::now);
                 self.held.entry(key).or_default().push(w);
                 self.held_count += 1;
@@ -744,11 +828,11 @@ where
                     if w.msg.envelope.is_err() {
                         metrics::record_error(&consumer, "decode");
                     }
-                    error!(consumer = %consumer, position = %w.msg.position, parked_id = %id, kind = kind.as_str(), aggregate = ?w.key, stage = "park", "message parked; its aggregate waits for an operator");
+                    error!(consumer = %consumer, position = %w.msg.position, parked_id = %id, kind = kind.as_str(), key = ?w.key, stage = "park", "message parked; its aggregate waits for an operator");
                 }
                 MessageOutcome::Waiting(id) => {
                     self.report.waiting += 1;
-                    info!(consumer = %consumer, position = %w.msg.position, parked_id = %id, aggregate = ?w.key, stage = "park", "message waits behind a parked one");
+                    info!(consumer = %consumer, position = %w.msg.position, parked_id = %id, key = ?w.key, stage = "park", "message waits behind a parked one");
                 }
                 MessageOutcome::AlreadyParked => self.report.already_parked += 1,
                 _ => {}
@@ -759,11 +843,43 @@ where
                     | MessageOutcome::Parked { .. }
                     | MessageOutcome::Waiting(_)
             ) {
-                if let Some(k) = &w.key {
-                    if self.held.contains_key(k) {
+                if let Key::Aggregate(k) = &w.key {
+                    if self.held.contains_key(k) && !release.contains(k) {
                         release.push(k.clone());
                     }
                 }
+            }
+        }
+        // Messages handed back for a delayed retry, per key, in order.
+        let mut returned: Vec<(Key, Vec<Work>)> = Vec::new();
+        for w in done.returned {
+            match returned.iter_mut().find(|(k, _)| *k == w.key) {
+                Some((_, v)) => v.push(w),
+                None => returned.push((w.key.clone(), vec![w])),
+            }
+        }
+        let retry_at = Instant::now() + done.retry_after;
+        for (key, items) in returned {
+            if !touched.contains(&key) {
+                touched.push(key.clone());
+            }
+            let q = self.queues.entry(key).or_default();
+            for w in items.into_iter().rev() {
+                q.items.push_front(w);
+            }
+            q.retry_at = Some(retry_at);
+        }
+        for key in touched {
+            let Some(q) = self.queues.get_mut(&key) else {
+                continue;
+            };
+            q.busy = false;
+            if q.items.is_empty() {
+                if q.retry_at.is_none() {
+                    self.queues.remove(&key);
+                }
+            } else if q.retry_at.is_none() {
+                self.ready.push_back(key);
             }
         }
         for k in release {
@@ -819,13 +935,14 @@ where
         }
     }
 
-    /// One round of the engine: starts idle lanes, then waits for a lane to finish, a message,
-    /// a held gap to expire or the poll timeout; commits, cleans up and refreshes gauges when
-    /// due. Returns whether anything happened (a message arrived or a transaction finished).
+    /// One round of the engine: starts batches, then waits for a batch to finish, a message, a
+    /// retry or held gap to come due, or the poll timeout; commits, cleans up and refreshes
+    /// gauges when due. Returns whether anything happened (a message arrived, a batch finished
+    /// or a timer fired).
     pub async fn step(&mut self) -> Result<bool, EngineError> {
         self.dispatch();
         let capacity = self.in_flight < self.config.max_in_flight;
-        let deadline = self.next_hold_deadline();
+        let timer = self.next_timer();
         let event = {
             let running = &mut self.running;
             let source = &self.source;
@@ -833,18 +950,18 @@ where
             tokio::select! {
                 biased;
                 Some(done) = running.next(), if !running.is_empty() => Event::Done(done),
-                () = tokio::time::sleep_until(deadline.map_or_else(tokio::time::Instant::now, Into::into)), if deadline.is_some() => Event::Expire,
+                () = tokio::time::sleep_until(timer.map_or_else(tokio::time::Instant::now, Into::into)), if timer.is_some() => Event::Timer,
                 polled = source.poll(timeout), if capacity => Event::Polled(Box::new(polled)),
                 () = tokio::time::sleep(timeout), if !capacity => Event::Idle,
             }
         };
         let progressed = match event {
             Event::Done(done) => {
-                self.on_lane_done(done)?;
+                self.on_batch_done(done)?;
                 true
             }
-            Event::Expire => {
-                self.expire_holds();
+            Event::Timer => {
+                self.on_timer();
                 true
             }
             Event::Polled(polled) => self.on_poll(*polled).await?,
@@ -956,7 +1073,7 @@ where
         let deadline = tokio::time::Instant::now() + grace;
         while !self.running.is_empty() {
             match tokio::time::timeout_at(deadline, self.running.next()).await {
-                Ok(Some(done)) => self.on_lane_done(done)?,
+                Ok(Some(done)) => self.on_batch_done(done)?,
                 Ok(None) => break,
                 Err(_) => {
                     warn!(
@@ -997,7 +1114,8 @@ where
     }
 
     /// Runs until nothing arrived and nothing finished for `quiet` (messages held for a version
-    /// gap stay held), then commits what is final. Handy for demos and tests.
+    /// gap stay held; retries that come due are waited for), then commits what is final. Handy
+    /// for demos and tests.
     pub async fn run_until_quiet(&mut self, quiet: Duration) -> Result<EngineReport, EngineError> {
         let mut last = Instant::now();
         loop {
@@ -1005,7 +1123,8 @@ where
                 last = Instant::now();
             } else if last.elapsed() >= quiet
                 && self.running.is_empty()
-                && self.queues.iter().all(VecDeque::is_empty)
+                && self.ready.is_empty()
+                && self.queues.values().all(|q| q.retry_at.is_none())
             {
                 break;
             }

@@ -20,7 +20,7 @@
 //!    offsets *final*; the committed offset follows the contiguous watermark
 //!    ([`outbox_core::watermark`]), so it never passes an unfinished effect.
 //!
-//! The [`ConsumerEngine`] runs this in parallel lanes (an aggregate always in the same lane),
+//! The [`ConsumerEngine`] runs this in concurrent batches (an aggregate in at most one at a time),
 //! hands its offset tracker to the source for rebalances, drops commits a rebalance refused,
 //! stops on a retention gap, cleans the inbox up on a schedule ([`CleanupSchedule`]) and emits
 //! the [`metrics`] of the consumer. [`ParkedMessages`] is the operator's API: list, show,
@@ -78,10 +78,10 @@
 //! |---|---|
 //! | dedupe + effect in one transaction | `InboxStore::register` in the handler's transaction |
 //! | re-issued copies | registered by `dedup_id`: copy and original are one event |
-//! | order per aggregate | one lane per aggregate; versions tracked per aggregate ([`VersionPolicy`]) |
+//! | order per aggregate | an aggregate in at most one batch at a time; versions tracked per aggregate ([`VersionPolicy`]) |
 //! | poison messages | parked durably with the raw record, reason and attempts; the aggregate's later messages wait; other aggregates flow |
 //! | operator actions | [`ParkedMessages`]: list, show, retry, discard (with reason), audited |
-//! | parallelism | `lanes` transactions at once, `max_batch` messages each, bounded by `max_in_flight` |
+//! | parallelism | `concurrency` transactions at once, `max_batch` messages each, bounded by `max_in_flight`; a retrying or parked aggregate holds up nothing else |
 //! | offsets | contiguous watermark per partition; rewinds detected; tracker shared with the source |
 //! | rebalances | revoke commits what is final; commits refused by a rebalance are dropped |
 //! | retention | a gap below the earliest offset stops the engine ([`EngineError::RetentionGap`]); [`ConsumerEngine::retention_check`] |
