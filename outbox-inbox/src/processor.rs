@@ -400,10 +400,12 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
                 self.decide(item, local, park)
             })
             .collect();
-        // 3. Register what is to be applied (one round trip), then run the handler on what is
-        //    fresh, in order.
+        // 3. Register what is to be applied, and the stale versions (one round trip): a stale
+        //    message registered before is a duplicate of an applied event; one that was not is
+        //    another event at an old version, registered now so it is never applied. Then run
+        //    the handler on what is fresh, in order.
         let apply: Vec<usize> = (0..items.len())
-            .filter(|i| matches!(decisions[*i], Decision::Apply))
+            .filter(|i| matches!(decisions[*i], Decision::Apply | Decision::Stale(_)))
             .collect();
         let ids: Vec<_> = apply
             .iter()
@@ -429,7 +431,7 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
             fresh.insert(*i, r);
         }
         for i in &apply {
-            if fresh[i] == Registration::Fresh {
+            if fresh[i] == Registration::Fresh && matches!(decisions[*i], Decision::Apply) {
                 let event = items[*i].msg.envelope.as_ref().expect("decided Apply");
                 if let Err(error) = self.handler.handle(tx, event).await {
                     return Ok(BatchResult::HandlerFailed { index: *i, error });
@@ -494,7 +496,10 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
                     Registration::Fresh => MessageOutcome::Applied,
                     Registration::Duplicate => MessageOutcome::Duplicate,
                 },
-                Decision::Stale(applied) => MessageOutcome::Stale { applied },
+                Decision::Stale(applied) => match fresh[&i] {
+                    Registration::Fresh => MessageOutcome::Stale { applied },
+                    Registration::Duplicate => MessageOutcome::Duplicate,
+                },
                 Decision::Hold => MessageOutcome::Held,
                 Decision::Gap(expected) => MessageOutcome::VersionGap { expected },
                 Decision::Blocked => MessageOutcome::Blocked,
