@@ -95,6 +95,6 @@ mod operator;
 mod processor;
 
 pub use engine::{CleanupSchedule, ConsumerEngine, EngineConfig, EngineError, EngineReport};
-pub use handler::{idempotency_key, Handler, HandlerError};
+pub use handler::{idempotency_key, BatchHandlerError, Handler, HandlerError};
 pub use operator::{OperatorError, ParkedMessages, ReleaseReport};
 pub use processor::{InboxProcessor, MessageOutcome, VersionPolicy};

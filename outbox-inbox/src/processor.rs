@@ -9,7 +9,7 @@ use outbox_core::{
     ParkKind, ParkedId, Parking, ReceivedMessage, Registration, StoreError, VersionAdvance,
 };
 
-use crate::handler::{Handler, HandlerError};
+use crate::handler::{BatchHandlerError, Handler, HandlerError};
 use crate::metrics;
 
 /// What to do with a message whose `aggregate_version` skips ahead of the last version this
@@ -430,12 +430,28 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
         for (i, r) in apply.iter().zip(registrations) {
             fresh.insert(*i, r);
         }
-        for i in &apply {
-            if fresh[i] == Registration::Fresh && matches!(decisions[*i], Decision::Apply) {
-                let event = items[*i].msg.envelope.as_ref().expect("decided Apply");
-                if let Err(error) = self.handler.handle(tx, event).await {
-                    return Ok(BatchResult::HandlerFailed { index: *i, error });
-                }
+        let to_apply: Vec<usize> = apply
+            .iter()
+            .copied()
+            .filter(|i| fresh[i] == Registration::Fresh && matches!(decisions[*i], Decision::Apply))
+            .collect();
+        if !to_apply.is_empty() {
+            let events: Vec<&Envelope> = to_apply
+                .iter()
+                .map(|i| items[*i].msg.envelope.as_ref().expect("decided Apply"))
+                .collect();
+            if let Err(BatchHandlerError { index, error }) =
+                self.handler.handle_batch(tx, &events).await
+            {
+                let index = to_apply.get(index).copied().unwrap_or_else(|| {
+                    tracing::warn!(
+                        index,
+                        len = to_apply.len(),
+                        "handle_batch named an event out of range; blaming the first"
+                    );
+                    to_apply[0]
+                });
+                return Ok(BatchResult::HandlerFailed { index, error });
             }
         }
         // 4. Versions that moved (one round trip).

@@ -1307,3 +1307,77 @@ async fn a_retrying_aggregate_holds_up_nothing_else() {
     assert_eq!((rep.applied, rep.retries), (22, 2));
     assert_eq!(log.committed("proj", "t", 0), Some(22));
 }
+
+/// A handler that applies a batch in one go (`handle_batch`) and names the failing event: the
+/// engine parks that one and applies the rest; an index out of range blames the first.
+#[tokio::test]
+async fn a_set_based_handler_names_the_failing_event() {
+    use std::sync::atomic::AtomicUsize;
+    struct SetBased {
+        calls: Arc<AtomicUsize>,
+        bogus_index: bool,
+    }
+    #[async_trait]
+    impl Handler<outbox_testkit::MemoryTx> for SetBased {
+        async fn handle(
+            &self,
+            _: &mut outbox_testkit::MemoryTx,
+            _: &Envelope,
+        ) -> Result<(), HandlerError> {
+            unreachable!("the engine calls handle_batch")
+        }
+        async fn handle_batch(
+            &self,
+            tx: &mut outbox_testkit::MemoryTx,
+            events: &[&Envelope],
+        ) -> Result<(), BatchHandlerError> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            if let Some(i) = events.iter().position(|e| e.aggregate_id == "poison") {
+                let index = if self.bogus_index { 99 } else { i };
+                return Err(BatchHandlerError::new(
+                    index,
+                    HandlerError::permanent("poison"),
+                ));
+            }
+            for e in events {
+                tx.put("effects", &e.event_id.to_string(), serde_json::json!(1));
+            }
+            Ok(())
+        }
+    }
+    for bogus_index in [false, true] {
+        let log = MemoryLog::new("t", 1);
+        let db = MemoryDb::default();
+        publish(&log, &[ev("a", 1), ev("poison", 1), ev("b", 1), ev("c", 1)]).await;
+        let calls = Arc::new(AtomicUsize::new(0));
+        let handler = SetBased {
+            calls: calls.clone(),
+            bogus_index,
+        };
+        let processor = InboxProcessor::new("proj", MemoryInboxStore::new(&db), handler);
+        let mut eng = ConsumerEngine::new(
+            log.consumer("proj", &["t"]),
+            processor,
+            fast().with_concurrency(1),
+            1,
+        )
+        .unwrap();
+        let rep = eng
+            .run_until_quiet(Duration::from_millis(30))
+            .await
+            .unwrap();
+        if bogus_index {
+            // "a" was blamed: parked in place of the poison, which then fails again.
+            assert_eq!(rep.parked, 2, "{rep:?}");
+            assert_eq!(rep.applied, 2);
+        } else {
+            assert_eq!((rep.parked, rep.applied), (1, 3), "{rep:?}");
+            assert_eq!(
+                calls.load(Ordering::SeqCst),
+                2,
+                "one failed batch, one applied"
+            );
+        }
+        assert_eq!(log.committed("proj", "t", 0), Some(4));
+    }
+}
