@@ -1,5 +1,5 @@
 //! The conformance suite: one plain generic `async fn` per contract clause of
-//! [`OutboxStore`], [`InboxStore`] and [`Publisher`], and
+//! [`OutboxStore`], [`InboxStore`](outbox_core::InboxStore) and [`Publisher`], and
 //! macros that turn the suite into one named test per check.
 //!
 //! A backend implements a small harness trait ([`OutboxHarness`], [`InboxHarness`]) that gives
