@@ -1,9 +1,6 @@
 //! The demo through Kafka: a fresh topic and consumer group per run.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-use outbox_core::watermark::OffsetTracker;
 
 use outbox_kafka::{KafkaPublisher, KafkaSource};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -18,10 +15,8 @@ pub struct KafkaBackend {
     pub topic: String,
     /// The publisher.
     pub publisher: KafkaPublisher,
-    /// The projection's source.
+    /// The projection's source (the engine hands it its offset tracker).
     pub source: KafkaSource,
-    /// Offsets the engine finished, shared with the source for commits on revoke.
-    pub tracker: Arc<Mutex<OffsetTracker>>,
 }
 
 impl std::fmt::Debug for KafkaBackend {
@@ -59,17 +54,14 @@ impl KafkaBackend {
             .start()
             .await
             .map_err(|e| anyhow::anyhow!("Kafka publisher: {e}"))?;
-        let tracker: Arc<Mutex<OffsetTracker>> = Arc::default();
         let source = KafkaSource::builder(brokers, format!("{CONSUMER}-{topic}"))
             .topic(&topic)
             .session_timeout(Duration::from_secs(6))
-            .offset_tracker(tracker.clone())
             .build()?;
         Ok(Self {
             topic,
             publisher,
             source,
-            tracker,
         })
     }
 }

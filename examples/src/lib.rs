@@ -7,13 +7,11 @@
 //! the inbox in PostgreSQL; `--brokers` publishes through Kafka. [`run_demo`] is what the binary
 //! calls; `tests/demo.rs` runs it and checks its invariants.
 
-use std::sync::{Arc, Mutex};
-
-use outbox_core::watermark::OffsetTracker;
+use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::{
-    Clock, EventId, InboxStore, MessageSource, OutboxStore, ParkedEvent, Publisher, Relay,
+    Clock, EventId, InboxParking, MessageSource, OutboxStore, ParkedEvent, Publisher, Relay,
     RelayConfig, RetryPolicy, StoreError, SystemClock,
 };
 use outbox_inbox::{ConsumerEngine, EngineConfig, EngineReport, Handler, InboxProcessor};
@@ -142,7 +140,7 @@ pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
                 m.store.clone(),
                 log,
                 m.inbox.clone(),
-                (source, Arc::default()),
+                source,
                 memory::Projection,
             )
             .await
@@ -157,7 +155,7 @@ pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
                 m.store.clone(),
                 k.publisher,
                 m.inbox.clone(),
-                (k.source, k.tracker),
+                k.source,
                 memory::Projection,
             )
             .await
@@ -172,7 +170,7 @@ pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
                 p.store.clone(),
                 log,
                 p.inbox.clone(),
-                (source, Arc::default()),
+                source,
                 postgres::Projection::new(&p.schema),
             )
             .await;
@@ -188,7 +186,7 @@ pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
                 p.store.clone(),
                 k.publisher,
                 p.inbox.clone(),
-                (k.source, k.tracker),
+                k.source,
                 postgres::Projection::new(&p.schema),
             )
             .await;
@@ -220,18 +218,17 @@ async fn drive<Svc, S, P, I, Src, H>(
     store: S,
     publisher: P,
     inbox: I,
-    source: (Src, Arc<Mutex<OffsetTracker>>),
+    source: Src,
     handler: H,
 ) -> anyhow::Result<DemoSummary>
 where
     Svc: OrderService,
     S: OutboxStore + Clone + 'static,
     P: Publisher + 'static,
-    I: InboxStore,
+    I: InboxParking + 'static,
     Src: MessageSource,
-    H: Handler<I::Tx>,
+    H: Handler<I::Tx> + 'static,
 {
-    let (source, tracker) = source;
     // 1. Business transactions.
     let mut appended = 0;
     let mut rejected = vec![];
@@ -332,8 +329,7 @@ where
         InboxProcessor::new(CONSUMER, inbox, handler),
         EngineConfig::default().with_poll_timeout(Duration::from_millis(20)),
         7,
-    )?
-    .with_offset_tracker(tracker);
+    )?;
     let consumer = engine.run_until_quiet(Duration::from_secs(2)).await?;
 
     // 4. Summary.

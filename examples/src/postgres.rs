@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use outbox_core::{async_trait, ClaimMode, Envelope, StoreError};
-use outbox_inbox::{Handler, HandlerError};
+use outbox_inbox::{BatchHandlerError, Handler, HandlerError};
 use outbox_postgres::{
     map_sqlx_error, qualified, quote_identifier, validate_identifier, PostgresInboxStore,
     PostgresOutboxStore, MAX_IDENTIFIER_LEN,
@@ -195,10 +195,16 @@ impl OrderService for PostgresOrderService {
 }
 
 /// The projection on PostgreSQL: written in the inbox transaction, with a version check.
+///
+/// A batch of events is applied set-based ([`Handler::handle_batch`]): one `INSERT` and one
+/// `UPDATE .. FROM unnest(..)` per wave, where a wave holds at most one event per order (the
+/// first not yet applied), so several versions of one order in a batch apply in order.
 #[derive(Debug, Clone)]
 pub struct Projection {
     insert: String,
     update: String,
+    insert_many: String,
+    update_many: String,
 }
 
 impl Projection {
@@ -212,8 +218,26 @@ impl Projection {
             update: format!(
                 "UPDATE {projection} SET status = $2, version = $3 WHERE id = $1 AND version = $3 - 1"
             ),
+            insert_many: format!(
+                "INSERT INTO {schema}.projection (id, status, version) \
+                 SELECT id, status, 1 FROM unnest($1::text[], $2::text[]) AS x(id, status) \
+                 ON CONFLICT (id) DO NOTHING RETURNING id"
+            ),
+            update_many: format!(
+                "UPDATE {schema}.projection p SET status = x.status, version = x.version \
+                 FROM unnest($1::text[], $2::text[], $3::int8[]) AS x(id, status, version) \
+                 WHERE p.id = x.id AND p.version = x.version - 1 RETURNING p.id"
+            ),
         }
     }
+}
+
+fn not_at(order: &Order) -> HandlerError {
+    HandlerError::transient(format!(
+        "projection of {} is not at version {}",
+        order.id,
+        order.version - 1
+    ))
 }
 
 #[async_trait]
@@ -249,6 +273,61 @@ impl Handler<Transaction<'static, Postgres>> for Projection {
                 order.id,
                 event.aggregate_version - 1
             )));
+        }
+        Ok(())
+    }
+
+    async fn handle_batch(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        events: &[&Envelope],
+    ) -> Result<(), BatchHandlerError> {
+        let mut orders = Vec::with_capacity(events.len());
+        for (i, e) in events.iter().enumerate() {
+            let mut order: Order = e.payload.to_json().map_err(|err| {
+                BatchHandlerError::new(i, HandlerError::permanent(err.to_string()))
+            })?;
+            order.version = e.aggregate_version;
+            orders.push(order);
+        }
+        let db =
+            |i: usize| move |e: sqlx::Error| BatchHandlerError::new(i, map_sqlx_error(e).into());
+        let mut remaining: Vec<usize> = (0..orders.len()).collect();
+        while !remaining.is_empty() {
+            // A wave: the first remaining event of each order, in batch order.
+            let mut seen = std::collections::HashSet::new();
+            let (wave, rest): (Vec<usize>, Vec<usize>) = remaining
+                .iter()
+                .partition(|i| seen.insert(orders[**i].id.as_str()));
+            let (first, later): (Vec<usize>, Vec<usize>) =
+                wave.iter().partition(|i| orders[**i].version == 1);
+            for (indices, sql) in [(&first, &self.insert_many), (&later, &self.update_many)] {
+                if indices.is_empty() {
+                    continue;
+                }
+                let ids: Vec<&str> = indices.iter().map(|i| orders[*i].id.as_str()).collect();
+                let statuses: Vec<&str> =
+                    indices.iter().map(|i| orders[*i].status.as_str()).collect();
+                let versions: Vec<i64> = indices.iter().map(|i| orders[*i].version).collect();
+                let mut q = sqlx::query_scalar::<_, String>(sql)
+                    .bind(&ids)
+                    .bind(&statuses);
+                if std::ptr::eq(sql, &self.update_many) {
+                    q = q.bind(&versions);
+                }
+                let changed: std::collections::HashSet<String> = q
+                    .fetch_all(&mut **tx)
+                    .await
+                    .map_err(db(indices[0]))?
+                    .into_iter()
+                    .collect();
+                // Every row we expected to change, else roll the whole transaction back and
+                // name the first event that did not apply.
+                if let Some(i) = indices.iter().find(|i| !changed.contains(&orders[**i].id)) {
+                    return Err(BatchHandlerError::new(*i, not_at(&orders[*i])));
+                }
+            }
+            remaining = rest;
         }
         Ok(())
     }

@@ -345,10 +345,39 @@ impl From<crate::envelope::ValidationError> for StoreError {
     }
 }
 
+/// What went wrong in a [`crate::MessageSource`], where the engine's reaction differs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum SourceErrorKind {
+    /// Anything else: the class decides (transient: back off and retry; permanent: stop).
+    #[default]
+    Other,
+    /// A commit was refused because the group rebalanced (member fenced, generation moved,
+    /// assignment lost). The engine drops those commits and polls again, which serves the
+    /// rebalance; what they covered is redelivered to the partitions' owner.
+    Rebalanced,
+    /// The committed offset fell below the earliest available offset: records were lost to
+    /// retention before this consumer read them. Permanent: the engine stops.
+    RetentionGap,
+}
+
+impl SourceErrorKind {
+    /// Stable name.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Other => "other",
+            Self::Rebalanced => "rebalanced",
+            Self::RetentionGap => "retention_gap",
+        }
+    }
+}
+
 /// An error reading from a [`crate::MessageSource`] or committing its offsets.
 #[derive(Debug, thiserror::Error)]
-#[error("message source error ({class}): {message}")]
+#[error("message source error ({class}, {kind}): {message}", kind = kind.as_str())]
 pub struct SourceError {
+    /// What went wrong, where it matters.
+    pub kind: SourceErrorKind,
     /// Retry class.
     pub class: ErrorClass,
     /// Detail.
@@ -359,9 +388,10 @@ pub struct SourceError {
 }
 
 impl SourceError {
-    /// A new error.
+    /// A new error of kind [`SourceErrorKind::Other`].
     pub fn new(class: ErrorClass, message: impl Into<String>) -> Self {
         Self {
+            kind: SourceErrorKind::Other,
             class,
             message: message.into(),
             source: None,
@@ -371,6 +401,22 @@ impl SourceError {
     /// Attaches the underlying error.
     pub fn with_source(mut self, source: impl Into<BoxError>) -> Self {
         self.source = Some(source.into());
+        self
+    }
+
+    /// A commit refused by a rebalance (transient; see [`SourceErrorKind::Rebalanced`]).
+    pub fn rebalanced(message: impl Into<String>) -> Self {
+        Self::new(ErrorClass::Transient, message).with_kind(SourceErrorKind::Rebalanced)
+    }
+
+    /// Records lost to retention (permanent; see [`SourceErrorKind::RetentionGap`]).
+    pub fn retention_gap(message: impl Into<String>) -> Self {
+        Self::new(ErrorClass::Permanent, message).with_kind(SourceErrorKind::RetentionGap)
+    }
+
+    /// Sets the kind.
+    pub fn with_kind(mut self, kind: SourceErrorKind) -> Self {
+        self.kind = kind;
         self
     }
 }

@@ -13,7 +13,9 @@
 //! * [`RetryPolicy`]: transient/permanent classification, exponential backoff with full jitter,
 //!   parking after the attempt limit.
 //! * [`Relay`]: claim, publish concurrently, record outcomes; steps exposed for simulation.
-//! * [`watermark`]: contiguous offset commits for consumers.
+//! * [`watermark`]: contiguous offset commits for consumers, with rewind detection.
+//! * [`retention`]: the check that the inbox's dedup window covers what the broker can
+//!   redeliver.
 //! * [`wire`]: the one mapping of an envelope onto record headers.
 //!
 //! ```
@@ -41,6 +43,7 @@ pub mod error;
 pub mod inbox;
 pub mod publisher;
 pub mod relay;
+pub mod retention;
 pub mod retry;
 pub mod store;
 pub mod telemetry;
@@ -64,9 +67,14 @@ pub use envelope::{
 };
 pub use error::{
     Classify, ConfigError, ErrorClass, FailureScope, PublishError, PublishErrorKind, SourceError,
-    StoreError, StoreErrorKind,
+    SourceErrorKind, StoreError, StoreErrorKind,
 };
-pub use inbox::{InboxStore, LogPosition, MessageSource, ReceivedMessage, Registration};
+pub use inbox::{
+    AggregateKey, AggregateState, CommitOffset, InboxAction, InboxAuditEntry, InboxParking,
+    InboxStore, InboxStoreExt, LogPosition, MessageSource, NewParkedMessage, ParkAs, ParkedChange,
+    ParkedFilter, ParkedId, ParkedMessage, ParkedRecord, ParkedStats, ParkedStatus, Parking,
+    PartitionLag, ReceivedMessage, RecordHeader, Registration, TopicPartition, VersionAdvance,
+};
 pub use publisher::{PublishResult, Publisher};
 pub use relay::{
     CycleReport, Relay, RelayConfig, RelayConfigBuilder, ShutdownSignal, MIN_LEASE_MARGIN,

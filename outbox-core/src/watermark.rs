@@ -6,38 +6,80 @@
 //!
 //! ```
 //! use outbox_core::watermark::OffsetTracker;
+//! use outbox_core::{CommitOffset, LogPosition};
 //! let mut t = OffsetTracker::default();
-//! for o in 10..13 { t.begin("orders", 0, o); }
-//! t.finish("orders", 0, 12);
-//! assert_eq!(t.take_commits(), vec![("orders".to_string(), 0, 10)]);
-//! t.finish("orders", 0, 10);
-//! assert_eq!(t.take_commits(), vec![("orders".to_string(), 0, 11)]);
-//! t.finish("orders", 0, 11);
-//! assert_eq!(t.take_commits(), vec![("orders".to_string(), 0, 13)]);
+//! let tickets: Vec<_> = (10..13).map(|o| t.begin(&LogPosition::new("orders", 0, o))).collect();
+//! t.finish(&tickets[2]);
+//! assert_eq!(t.take_commits(), vec![CommitOffset::new("orders", 0, 10)]);
+//! t.finish(&tickets[0]);
+//! assert_eq!(t.take_commits(), vec![CommitOffset::new("orders", 0, 11)]);
+//! t.finish(&tickets[1]);
+//! assert_eq!(t.take_commits(), vec![CommitOffset::new("orders", 0, 13)]);
 //! assert!(t.take_commits().is_empty()); // nothing new to commit
 //! ```
+//!
+//! # Rewinds, assignments and stale work
+//!
+//! Every partition entry has an *epoch*. [`OffsetTracker::begin`] hands out a [`Ticket`] that
+//! names the epoch; [`OffsetTracker::finish`] ignores a ticket of an older epoch. A partition
+//! gets a new epoch (all its pending offsets forgotten, nothing committed yet) when
+//!
+//! * an offset at or below the highest one seen arrives (a **rewind**: a topic recreated under
+//!   a running consumer, an out-of-range reset after the broker lost data, a seek after
+//!   truncation). The same offsets may now hold other records, so nothing finished before the
+//!   rewind may count for them;
+//! * the partition is assigned ([`OffsetTracker::assign`]), revoked ([`OffsetTracker::revoke`])
+//!   or its assignment is lost ([`OffsetTracker::lose`]).
+//!
+//! Work still running for the old epoch finishes harmlessly: its effect is durable (or rolled
+//! back), the redelivered copy is deduplicated by the inbox, and its ticket moves no watermark.
+//!
+//! The engine owns one tracker and hands a [`SharedOffsetTracker`] to its
+//! [`crate::MessageSource`] ([`crate::MessageSource::attach_offsets`]), so a rebalance callback
+//! commits exactly what is final.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use crate::inbox::{CommitOffset, LogPosition, TopicPartition};
+
+/// Proof that an offset was begun, needed to finish it. Tickets of an older epoch of the
+/// partition (before a rewind, a revoke or a new assignment) are ignored.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Ticket {
+    position: LogPosition,
+    epoch: u64,
+}
+
+impl Ticket {
+    /// The message's position.
+    pub fn position(&self) -> &LogPosition {
+        &self.position
+    }
+
+    /// The partition epoch this ticket belongs to.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+}
 
 /// Watermark of one partition.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct PartitionWatermark {
     pending: BTreeSet<i64>,
     highest_seen: Option<i64>,
     committed: Option<i64>,
+    epoch: u64,
 }
 
 impl PartitionWatermark {
-    /// A message at `offset` was received; its outcome is not final.
-    pub fn begin(&mut self, offset: i64) {
-        self.pending.insert(offset);
-        self.highest_seen = Some(self.highest_seen.map_or(offset, |h| h.max(offset)));
-    }
-
-    /// The outcome of `offset` is final (applied, duplicate, or parked durably).
-    /// Returns `false` if the offset was not pending.
-    pub fn finish(&mut self, offset: i64) -> bool {
-        self.pending.remove(&offset)
+    fn new(epoch: u64) -> Self {
+        Self {
+            pending: BTreeSet::new(),
+            highest_seen: None,
+            committed: None,
+            epoch,
+        }
     }
 
     /// Next offset to read that may be committed now, if any message was seen.
@@ -48,8 +90,22 @@ impl PartitionWatermark {
         }
     }
 
-    /// The committable offset if it moved past the last one taken; records it as taken.
-    pub fn take_commit(&mut self) -> Option<i64> {
+    /// Number of offsets not final.
+    pub fn in_flight(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// The epoch of this entry.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The last offset handed out for committing ([`OffsetTracker::take_commits`]).
+    pub fn last_taken(&self) -> Option<i64> {
+        self.committed
+    }
+
+    fn take_commit(&mut self) -> Option<i64> {
         let c = self.committable()?;
         if self.committed.is_some_and(|done| done >= c) {
             return None;
@@ -57,48 +113,122 @@ impl PartitionWatermark {
         self.committed = Some(c);
         Some(c)
     }
-
-    /// Number of offsets not final.
-    pub fn in_flight(&self) -> usize {
-        self.pending.len()
-    }
 }
 
-/// Watermarks of every assigned partition.
+/// What [`OffsetTracker::begin`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BeginKind {
+    /// The next offset of the partition (possibly after a gap: compaction, control records).
+    Forward,
+    /// An offset at or below the highest one seen: the partition was reset to a new epoch.
+    Rewind {
+        /// The highest offset seen before.
+        highest_seen: i64,
+    },
+}
+
+/// Watermarks of every assigned partition. See the [module docs](self).
 #[derive(Clone, Debug, Default)]
 pub struct OffsetTracker {
-    partitions: BTreeMap<(String, i32), PartitionWatermark>,
+    partitions: BTreeMap<TopicPartition, PartitionWatermark>,
+    next_epoch: u64,
+    rewinds: u64,
 }
 
 impl OffsetTracker {
-    /// A message was received.
-    pub fn begin(&mut self, topic: &str, partition: i32, offset: i64) {
-        self.partitions
-            .entry((topic.to_owned(), partition))
-            .or_default()
-            .begin(offset);
+    fn fresh_epoch(&mut self) -> u64 {
+        self.next_epoch += 1;
+        self.next_epoch
     }
 
-    /// A message's outcome is final.
-    pub fn finish(&mut self, topic: &str, partition: i32, offset: i64) -> bool {
-        self.partitions
-            .get_mut(&(topic.to_owned(), partition))
-            .is_some_and(|w| w.finish(offset))
+    /// A message at `position` was received; its outcome is not final. An offset at or below
+    /// the highest one seen in the partition resets the partition first (a rewind).
+    pub fn begin(&mut self, position: &LogPosition) -> Ticket {
+        self.begin_checked(position).0
     }
 
-    /// Offsets that advanced since the last call, as `(topic, partition, next_offset)`.
-    pub fn take_commits(&mut self) -> Vec<(String, i32, i64)> {
+    /// [`begin`](Self::begin), also telling whether this was a rewind.
+    pub fn begin_checked(&mut self, position: &LogPosition) -> (Ticket, BeginKind) {
+        let tp = position.topic_partition();
+        let mut kind = BeginKind::Forward;
+        let rewound = self
+            .partitions
+            .get(&tp)
+            .and_then(|w| w.highest_seen)
+            .filter(|h| position.offset <= *h);
+        if let Some(highest_seen) = rewound {
+            kind = BeginKind::Rewind { highest_seen };
+            self.rewinds += 1;
+            let epoch = self.fresh_epoch();
+            tracing::warn!(partition = %tp, offset = position.offset, highest_seen, "offset at or below the highest seen: the log was rewound; forgetting the partition's pending offsets");
+            self.partitions
+                .insert(tp.clone(), PartitionWatermark::new(epoch));
+        }
+        if !self.partitions.contains_key(&tp) {
+            let epoch = self.fresh_epoch();
+            self.partitions
+                .insert(tp.clone(), PartitionWatermark::new(epoch));
+        }
+        let w = self.partitions.get_mut(&tp).expect("inserted above");
+        w.pending.insert(position.offset);
+        w.highest_seen = Some(
+            w.highest_seen
+                .map_or(position.offset, |h| h.max(position.offset)),
+        );
+        (
+            Ticket {
+                position: position.clone(),
+                epoch: w.epoch,
+            },
+            kind,
+        )
+    }
+
+    /// The outcome of the ticket's message is final (applied, duplicate, or parked durably).
+    /// Returns `false` (and changes nothing) for a ticket of an older epoch or one already
+    /// finished.
+    pub fn finish(&mut self, ticket: &Ticket) -> bool {
+        match self.partitions.get_mut(&ticket.position.topic_partition()) {
+            Some(w) if w.epoch == ticket.epoch => w.pending.remove(&ticket.position.offset),
+            _ => false,
+        }
+    }
+
+    /// Whether the ticket still belongs to the partition's current epoch.
+    pub fn is_current(&self, ticket: &Ticket) -> bool {
+        self.partitions
+            .get(&ticket.position.topic_partition())
+            .is_some_and(|w| w.epoch == ticket.epoch)
+    }
+
+    /// Offsets that advanced since the last call (next offsets to read).
+    pub fn take_commits(&mut self) -> Vec<CommitOffset> {
         self.partitions
             .iter_mut()
-            .filter_map(|((t, p), w)| w.take_commit().map(|o| (t.clone(), *p, o)))
+            .filter_map(|(tp, w)| w.take_commit().map(|o| tp.at_next(o)))
             .collect()
     }
 
-    /// A partition was revoked: returns its final commit (if it advanced) and forgets it.
-    /// Messages still pending there will be redelivered to the next owner.
-    pub fn revoke(&mut self, topic: &str, partition: i32) -> Option<(String, i32, i64)> {
-        let mut w = self.partitions.remove(&(topic.to_owned(), partition))?;
-        w.take_commit().map(|o| (topic.to_owned(), partition, o))
+    /// A partition is revoked: returns its final commit (if it advanced) and forgets it.
+    /// Messages still pending there are delivered again to the next owner.
+    pub fn revoke(&mut self, partition: &TopicPartition) -> Option<CommitOffset> {
+        let mut w = self.partitions.remove(partition)?;
+        w.take_commit().map(|o| partition.at_next(o))
+    }
+
+    /// A partition was assigned: reading resumes at the group's committed offset, so anything
+    /// tracked for it belongs to an earlier assignment and is forgotten.
+    pub fn assign(&mut self, partition: &TopicPartition) {
+        if self.partitions.remove(partition).is_some() {
+            tracing::debug!(partition = %partition, "assigned again; earlier entries forgotten");
+        }
+    }
+
+    /// The assignment of a partition was lost (the group gave it away without a clean revoke):
+    /// forgets it without committing.
+    pub fn lose(&mut self, partition: &TopicPartition) {
+        self.partitions.remove(partition);
     }
 
     /// Offsets not final across all partitions.
@@ -108,11 +238,72 @@ impl OffsetTracker {
             .map(PartitionWatermark::in_flight)
             .sum()
     }
+
+    /// The watermark of one partition.
+    pub fn partition(&self, partition: &TopicPartition) -> Option<&PartitionWatermark> {
+        self.partitions.get(partition)
+    }
+
+    /// Partitions tracked right now.
+    pub fn partitions(&self) -> impl Iterator<Item = (&TopicPartition, &PartitionWatermark)> {
+        self.partitions.iter()
+    }
+
+    /// Rewinds seen so far.
+    pub fn rewinds(&self) -> u64 {
+        self.rewinds
+    }
+}
+
+/// An [`OffsetTracker`] shared between the engine and its source's rebalance callbacks.
+/// Cloning gives another handle to the same tracker.
+#[derive(Clone, Debug, Default)]
+pub struct SharedOffsetTracker(Arc<Mutex<OffsetTracker>>);
+
+impl SharedOffsetTracker {
+    /// A new, empty tracker.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Locks the tracker. Hold the guard briefly: rebalance callbacks wait on it.
+    pub fn lock(&self) -> MutexGuard<'_, OffsetTracker> {
+        // The tracker holds plain data and no method panics half-way, so a poisoned lock still
+        // guards a consistent value.
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Final commits of `partitions`, which are being revoked; forgets them.
+    pub fn revoke(&self, partitions: &[TopicPartition]) -> Vec<CommitOffset> {
+        let mut t = self.lock();
+        partitions.iter().filter_map(|p| t.revoke(p)).collect()
+    }
+
+    /// `partitions` were assigned.
+    pub fn assign(&self, partitions: &[TopicPartition]) {
+        let mut t = self.lock();
+        partitions.iter().for_each(|p| t.assign(p));
+    }
+
+    /// The assignment of `partitions` was lost.
+    pub fn lose(&self, partitions: &[TopicPartition]) {
+        let mut t = self.lock();
+        partitions.iter().for_each(|p| t.lose(p));
+    }
+
+    /// Whether two handles share one tracker.
+    pub fn same_as(&self, other: &SharedOffsetTracker) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn pos(p: i32, o: i64) -> LogPosition {
+        LogPosition::new("t", p, o)
+    }
 
     #[test]
     fn table() {
@@ -128,47 +319,85 @@ mod tests {
             (&[5, 9], &[5, 9], Some(10)),
         ];
         for (begun, finished, expect) in cases {
-            let mut w = PartitionWatermark::default();
-            begun.iter().for_each(|o| w.begin(*o));
-            finished.iter().for_each(|o| assert!(w.finish(*o)));
-            assert_eq!(w.committable(), *expect, "{begun:?} {finished:?}");
+            let mut t = OffsetTracker::default();
+            let tickets: BTreeMap<i64, Ticket> =
+                begun.iter().map(|o| (*o, t.begin(&pos(0, *o)))).collect();
+            finished.iter().for_each(|o| assert!(t.finish(&tickets[o])));
+            let tp = TopicPartition::new("t", 0);
+            assert_eq!(
+                t.partition(&tp).and_then(PartitionWatermark::committable),
+                *expect,
+                "{begun:?} {finished:?}"
+            );
         }
     }
 
     #[test]
-    fn never_passes_unfinished_under_random_orders() {
-        use rand::seq::SliceRandom;
-        use rand::SeedableRng;
-        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-        for _ in 0..200 {
-            let mut w = PartitionWatermark::default();
-            let mut order: Vec<i64> = (0..30).collect();
-            order.iter().for_each(|o| w.begin(*o));
-            order.shuffle(&mut rng);
-            let mut done = BTreeSet::new();
-            for o in order {
-                w.finish(o);
-                done.insert(o);
-                if let Some(c) = w.take_commit() {
-                    assert!(
-                        (0..c).all(|x| done.contains(&x)),
-                        "commit {c} passes unfinished"
-                    );
-                }
-            }
-            assert_eq!(w.committable(), Some(30));
-        }
-    }
-
-    #[test]
-    fn finish_unknown_is_false_and_revoke_commits() {
+    fn finish_unknown_or_twice_is_false_and_revoke_commits() {
         let mut t = OffsetTracker::default();
-        assert!(!t.finish("t", 0, 1));
-        t.begin("t", 0, 1);
-        t.begin("t", 0, 2);
-        assert!(t.finish("t", 0, 1));
-        assert_eq!(t.revoke("t", 0), Some(("t".into(), 0, 2)));
-        assert_eq!(t.revoke("t", 0), None);
+        let a = t.begin(&pos(0, 1));
+        let b = t.begin(&pos(0, 2));
+        assert!(t.finish(&a));
+        assert!(!t.finish(&a), "finished twice");
+        let tp = TopicPartition::new("t", 0);
+        assert_eq!(t.revoke(&tp), Some(CommitOffset::new("t", 0, 2)));
+        assert_eq!(t.revoke(&tp), None);
+        assert!(!t.finish(&b), "a ticket of a revoked partition");
         assert_eq!(t.in_flight(), 0);
+    }
+
+    /// The defect: offsets 0..10 committed, the topic recreated, offsets 0..10 come again with
+    /// new records; only 2 of them applied. The old watermark (highest seen 9) must not let
+    /// offset 10 be committed.
+    #[test]
+    fn rewind_resets_the_partition_and_old_tickets_do_not_count() {
+        let mut t = OffsetTracker::default();
+        let old: Vec<Ticket> = (0..10).map(|o| t.begin(&pos(0, o))).collect();
+        for tk in &old[..9] {
+            t.finish(tk);
+        }
+        assert_eq!(t.take_commits(), vec![CommitOffset::new("t", 0, 9)]);
+        // The log is rewound: offset 0 again.
+        let (first, kind) = t.begin_checked(&pos(0, 0));
+        assert_eq!(kind, BeginKind::Rewind { highest_seen: 9 });
+        let new: Vec<Ticket> = std::iter::once(first)
+            .chain((1..10).map(|o| t.begin(&pos(0, o))))
+            .collect();
+        // Old work finishing late moves nothing.
+        assert!(!t.finish(&old[9]));
+        t.finish(&new[0]);
+        t.finish(&new[1]);
+        assert_eq!(t.take_commits(), vec![CommitOffset::new("t", 0, 2)]);
+        assert_eq!(t.rewinds(), 1);
+        // A repeated offset that is still pending is a rewind too.
+        let again = t.begin_checked(&pos(0, 5)).1;
+        assert!(matches!(again, BeginKind::Rewind { .. }));
+    }
+
+    #[test]
+    fn assign_and_lose_forget_entries_without_commits() {
+        let mut t = OffsetTracker::default();
+        let tp = TopicPartition::new("t", 0);
+        let a = t.begin(&pos(0, 4));
+        t.assign(&tp);
+        assert!(!t.finish(&a), "ticket of an earlier assignment");
+        assert!(t.take_commits().is_empty());
+        let b = t.begin(&pos(0, 4));
+        assert!(t.is_current(&b));
+        t.finish(&b);
+        t.lose(&tp);
+        assert!(
+            t.take_commits().is_empty(),
+            "nothing committed after a lost assignment"
+        );
+        let shared = SharedOffsetTracker::new();
+        let c = shared.lock().begin(&pos(1, 7));
+        shared.lock().finish(&c);
+        assert_eq!(
+            shared.revoke(&[TopicPartition::new("t", 1), tp.clone()]),
+            vec![CommitOffset::new("t", 1, 8)]
+        );
+        assert!(shared.same_as(&shared.clone()));
+        assert!(!shared.same_as(&SharedOffsetTracker::new()));
     }
 }

@@ -129,23 +129,95 @@ pub enum DecodeError {
 }
 
 /// Decodes headers and value into an envelope. Never panics on hostile input.
+///
+/// A header repeated with the same value counts once (third-party producers and tracing
+/// instrumentation add such repeats); repeated with different values it is
+/// [`DecodeError::DuplicateHeader`].
 pub fn decode<K: AsRef<str>, V: AsRef<[u8]>>(
     headers: &[(K, V)],
     value: &[u8],
 ) -> Result<Envelope, DecodeError> {
+    decode_parts(
+        headers.iter().map(|(k, v)| (k.as_ref(), Some(v.as_ref()))),
+        Some(value),
+    )
+}
+
+/// Decodes a record as it came from a log: headers whose value may be null, and a value that
+/// may be null (read as an empty payload). A null value of an envelope header is
+/// [`DecodeError::MalformedHeader`]; a user header with a null value is left out of
+/// [`Envelope::headers`] (it cannot be told apart from an empty one there) but stays in the
+/// raw record.
+pub fn decode_record(
+    headers: &[crate::inbox::RecordHeader],
+    value: Option<&[u8]>,
+) -> Result<Envelope, DecodeError> {
+    decode_parts(
+        headers
+            .iter()
+            .map(|h| (h.name.as_str(), h.value.as_deref())),
+        value,
+    )
+}
+
+/// The aggregate named by a record's `aggregate_type` and `aggregate_id` headers, when both are
+/// present once (or repeated identically), UTF-8 and non-empty. Lets a consumer hold back the
+/// later messages of an aggregate whose message could not be decoded.
+pub fn aggregate_of(headers: &[crate::inbox::RecordHeader]) -> Option<crate::inbox::AggregateKey> {
+    let one = |name: &str| -> Option<String> {
+        let mut found: Option<&[u8]> = None;
+        for h in headers.iter().filter(|h| h.name == name) {
+            let v = h.value.as_deref()?;
+            if found.is_some_and(|f| f != v) {
+                return None;
+            }
+            found = Some(v);
+        }
+        let text = std::str::from_utf8(found?).ok()?;
+        (!text.is_empty()).then(|| text.to_owned())
+    };
+    Some(crate::inbox::AggregateKey::new(
+        one(AGGREGATE_TYPE)?,
+        one(AGGREGATE_ID)?,
+    ))
+}
+
+fn decode_parts<'a>(
+    headers: impl Iterator<Item = (&'a str, Option<&'a [u8]>)>,
+    value: Option<&[u8]>,
+) -> Result<Envelope, DecodeError> {
     let mut map: BTreeMap<String, String> = BTreeMap::new();
-    for (k, v) in headers {
-        let name = k.as_ref().to_owned();
-        let text = std::str::from_utf8(v.as_ref())
-            .map_err(|_| DecodeError::MalformedHeader {
-                name: name.clone(),
-                reason: "not UTF-8".into(),
-            })?
-            .to_owned();
-        if map.insert(name.clone(), text).is_some() {
-            return Err(DecodeError::DuplicateHeader(name));
+    let mut nulls: Vec<&str> = Vec::new();
+    for (name, v) in headers {
+        let Some(v) = v else {
+            if is_reserved_header(name) {
+                return Err(DecodeError::MalformedHeader {
+                    name: name.to_owned(),
+                    reason: "null value".into(),
+                });
+            }
+            if map.contains_key(name) {
+                return Err(DecodeError::DuplicateHeader(name.to_owned()));
+            }
+            nulls.push(name);
+            continue;
+        };
+        let text = std::str::from_utf8(v).map_err(|_| DecodeError::MalformedHeader {
+            name: name.to_owned(),
+            reason: "not UTF-8".into(),
+        })?;
+        if nulls.contains(&name) {
+            return Err(DecodeError::DuplicateHeader(name.to_owned()));
+        }
+        match map.get(name) {
+            Some(prev) if prev == text => {}
+            Some(_) => return Err(DecodeError::DuplicateHeader(name.to_owned())),
+            None => {
+                map.insert(name.to_owned(), text.to_owned());
+            }
         }
     }
+    let value = value.unwrap_or(&[]);
     let mut take = |name: &'static str| map.remove(name).ok_or(DecodeError::MissingHeader(name));
     let malformed = |name: &str, reason: String| DecodeError::MalformedHeader {
         name: name.to_owned(),
@@ -189,6 +261,7 @@ pub fn decode<K: AsRef<str>, V: AsRef<[u8]>>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::inbox::RecordHeader;
 
     fn sample() -> Envelope {
         Envelope::builder("order", "o-9", 4, "order.shipped")
@@ -246,6 +319,110 @@ mod tests {
         assert_eq!(
             decode(&none, b""),
             Err(DecodeError::MissingHeader(EVENT_ID))
+        );
+    }
+
+    fn raw(e: &Envelope) -> Vec<RecordHeader> {
+        encode_headers(e)
+            .into_iter()
+            .map(|(k, v)| RecordHeader::new(k, v))
+            .collect()
+    }
+
+    /// Third-party producers and tracing instrumentation repeat headers with the same value.
+    #[test]
+    fn a_header_repeated_with_the_same_value_decodes() {
+        let e = sample();
+        let mut h = encode_headers(&e);
+        h.push((EVENT_TYPE.to_owned(), e.event_type.clone().into_bytes()));
+        h.push((
+            "traceparent".to_owned(),
+            e.headers["traceparent"].clone().into_bytes(),
+        ));
+        assert_eq!(decode(&h, &e.payload.bytes).unwrap(), e);
+        // Different values stay an error, for envelope and user headers alike.
+        for name in [EVENT_TYPE, "traceparent"] {
+            let mut h = encode_headers(&e);
+            h.push((name.to_owned(), b"other".to_vec()));
+            assert_eq!(
+                decode(&h, &e.payload.bytes),
+                Err(DecodeError::DuplicateHeader(name.to_owned())),
+                "{name}"
+            );
+        }
+    }
+
+    /// A null header value is not an empty string.
+    #[test]
+    fn null_header_values_are_not_empty_strings() {
+        let e = sample();
+        // A null user header is left out of the envelope, not read as "".
+        let mut h = raw(&e);
+        h.push(RecordHeader::null("x-null"));
+        let back = decode_record(&h, Some(&e.payload.bytes)).unwrap();
+        assert!(!back.headers.contains_key("x-null"), "{:?}", back.headers);
+        assert_eq!(back, e);
+        // An empty user header is an empty string.
+        let mut h = raw(&e);
+        h.push(RecordHeader::new("x-empty", Vec::new()));
+        let back = decode_record(&h, Some(&e.payload.bytes)).unwrap();
+        assert_eq!(back.headers.get("x-empty").map(String::as_str), Some(""));
+        // A null envelope header is malformed (it was accepted as "" before).
+        for name in [EVENT_TYPE, CONTENT_TYPE] {
+            let h: Vec<RecordHeader> = raw(&e)
+                .into_iter()
+                .map(|x| {
+                    if x.name == name {
+                        RecordHeader::null(name)
+                    } else {
+                        x
+                    }
+                })
+                .collect();
+            assert!(
+                matches!(decode_record(&h, Some(&e.payload.bytes)), Err(DecodeError::MalformedHeader { name: n, .. }) if n == name),
+                "{name}"
+            );
+        }
+        // Null next to a value of the same header is ambiguous.
+        let mut h = raw(&e);
+        h.push(RecordHeader::null("traceparent"));
+        assert!(matches!(
+            decode_record(&h, Some(&e.payload.bytes)),
+            Err(DecodeError::DuplicateHeader(_))
+        ));
+        // A null value is an empty payload.
+        let empty = Envelope::builder("order", "o-9", 4, "order.shipped")
+            .payload(crate::Payload::new("application/octet-stream", Vec::new()))
+            .build()
+            .unwrap();
+        assert_eq!(decode_record(&raw(&empty), None).unwrap(), empty);
+    }
+
+    #[test]
+    fn aggregate_of_reads_what_it_can() {
+        let e = sample();
+        let mut h = raw(&e);
+        h.retain(|x| x.name != EVENT_ID);
+        assert!(decode_record(&h, None).is_err());
+        assert_eq!(
+            aggregate_of(&h),
+            Some(crate::inbox::AggregateKey::new("order", "o-9"))
+        );
+        h.push(RecordHeader::new(AGGREGATE_ID, "o-9"));
+        assert!(aggregate_of(&h).is_some(), "identical repeat");
+        h.push(RecordHeader::new(AGGREGATE_ID, "o-10"));
+        assert_eq!(aggregate_of(&h), None, "ambiguous");
+        assert_eq!(
+            aggregate_of(&[RecordHeader::new(AGGREGATE_TYPE, "order")]),
+            None
+        );
+        assert_eq!(
+            aggregate_of(&[
+                RecordHeader::new(AGGREGATE_TYPE, "order"),
+                RecordHeader::null(AGGREGATE_ID)
+            ]),
+            None
         );
     }
 }

@@ -1,158 +1,104 @@
+//! [`ConsumerEngine`]: polls a source, applies messages in concurrent batches (an aggregate in
+//! at most one batch at a time, so in order), parks what cannot be applied, and commits offsets
+//! along the contiguous watermark.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use outbox_core::watermark::OffsetTracker;
+use futures::stream::{FuturesUnordered, StreamExt};
+use outbox_core::retention::{RetentionCheck, TopicRetention};
+use outbox_core::watermark::{BeginKind, SharedOffsetTracker, Ticket};
 use outbox_core::{
-    Classify, ConfigError, Envelope, ErrorClass, InboxStore, LogPosition, MessageSource,
-    Registration, RetryPolicy, SourceError, StoreError,
+    AggregateKey, Classify, CommitOffset, ConfigError, ErrorClass, InboxParking, MessageSource,
+    ParkKind, ReceivedMessage, RetryPolicy, SourceError, SourceErrorKind, StoreError,
+    TopicPartition,
 };
 use rand::rngs::StdRng;
 use rand::SeedableRng;
-use tracing::{debug, error, info_span, warn, Instrument};
+use tracing::{debug, error, info, warn};
 
-use crate::handler::{Handler, HandlerError};
+use crate::handler::Handler;
+use crate::metrics;
+use crate::operator::ParkedMessages;
+use crate::processor::{BatchResult, Force, InboxProcessor, Item, MessageOutcome, VersionPolicy};
 
-/// The outcome of processing one event.
-#[derive(Debug, Clone)]
-pub enum ProcessOutcome {
-    /// Fresh: the effect and the registration committed together.
-    Applied,
-    /// Already applied before: nothing was done.
-    Duplicate,
-    /// The handler failed; the transaction (registration included) was rolled back.
-    Failed(HandlerError),
+/// Scheduled inbox cleanup, run by the engine between batches.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CleanupSchedule {
+    /// The dedup window: registrations older than this are removed. It must cover the longest
+    /// possible redelivery ([`ConsumerEngine::retention_check`]).
+    pub retention: Duration,
+    /// Registrations removed per transaction. Default 1,000.
+    pub batch_size: usize,
+    /// How often a cleanup run starts. Default 10 minutes. A run removes batch after batch
+    /// (one per engine step, so applying never waits long) until a batch comes back short.
+    pub every: Duration,
 }
 
-/// Register-and-apply in one transaction. The building block of [`ConsumerEngine`]; usable on
-/// its own when messages come from elsewhere (an HTTP webhook, a test).
-///
-/// ```
-/// # use outbox_inbox::*;
-/// # fn _doc<I: outbox_core::InboxStore, H: Handler<I::Tx>>(store: I, handler: H) {
-/// let processor = InboxProcessor::new("projection", store, handler);
-/// # }
-/// ```
-#[derive(Debug)]
-pub struct InboxProcessor<I, H> {
-    consumer: String,
-    store: I,
-    handler: H,
-}
-
-impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
-    /// A processor for the consumer named `consumer` (the inbox key prefix).
-    pub fn new(consumer: impl Into<String>, store: I, handler: H) -> Self {
+impl CleanupSchedule {
+    /// Cleanup of registrations older than `retention`, 1,000 per transaction, every 10 minutes.
+    pub fn new(retention: Duration) -> Self {
         Self {
-            consumer: consumer.into(),
-            store,
-            handler,
+            retention,
+            batch_size: 1_000,
+            every: Duration::from_secs(600),
         }
     }
 
-    /// The consumer name.
-    pub fn consumer(&self) -> &str {
-        &self.consumer
+    /// Sets the batch size.
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
     }
 
-    /// The store.
-    pub fn store(&self) -> &I {
-        &self.store
-    }
-
-    /// Registers and applies `event` in one transaction.
-    ///
-    /// `Err` means the store failed (nothing committed unless the error came from the commit
-    /// itself, in which case the outcome is unknown and a retry is answered by deduplication).
-    pub async fn process(&self, event: &Envelope) -> Result<ProcessOutcome, StoreError> {
-        match self.process_batch(std::slice::from_ref(event)).await? {
-            BatchOutcome::Committed(mut outcomes) => {
-                Ok(outcomes.pop().unwrap_or(ProcessOutcome::Duplicate))
-            }
-            BatchOutcome::RolledBack { error, .. } => {
-                outbox_core::telemetry::record_inbox(&self.consumer, "failed");
-                Ok(ProcessOutcome::Failed(error))
-            }
-        }
-    }
-}
-
-/// The outcome of processing several events in one transaction.
-#[derive(Debug, Clone)]
-pub enum BatchOutcome {
-    /// All registrations and effects committed together; one outcome per event, in order
-    /// (`Applied` or `Duplicate`).
-    Committed(Vec<ProcessOutcome>),
-    /// The handler failed on the event at `index`; the whole transaction was rolled back and
-    /// nothing of the batch is registered.
-    RolledBack {
-        /// Position of the failing event in the batch.
-        index: usize,
-        /// The failure.
-        error: HandlerError,
-    },
-}
-
-impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
-    /// Registers and applies `events` in **one** transaction: one commit for the whole batch
-    /// instead of one per event. An event that appears twice in the batch is applied once (the
-    /// second registration sees the first, uncommitted one). If the handler fails on any event,
-    /// everything rolls back and [`BatchOutcome::RolledBack`] says where; the caller then
-    /// processes the events one by one.
-    pub async fn process_batch(&self, events: &[Envelope]) -> Result<BatchOutcome, StoreError> {
-        let mut tx = self.store.begin().await?;
-        let mut outcomes = Vec::with_capacity(events.len());
-        for (index, event) in events.iter().enumerate() {
-            let registration = match self
-                .store
-                .register(&mut tx, &self.consumer, event.event_id)
-                .await
-            {
-                Ok(r) => r,
-                Err(e) => {
-                    let _ = self.store.rollback(tx).await;
-                    return Err(e);
-                }
-            };
-            if registration == Registration::Duplicate {
-                outcomes.push(ProcessOutcome::Duplicate);
-                continue;
-            }
-            if let Err(error) = self.handler.handle(&mut tx, event).await {
-                self.store.rollback(tx).await?;
-                return Ok(BatchOutcome::RolledBack { index, error });
-            }
-            outcomes.push(ProcessOutcome::Applied);
-        }
-        self.store.commit(tx).await?;
-        for o in &outcomes {
-            let result = match o {
-                ProcessOutcome::Applied => "applied",
-                _ => "duplicate",
-            };
-            outbox_core::telemetry::record_inbox(&self.consumer, result);
-        }
-        Ok(BatchOutcome::Committed(outcomes))
+    /// Sets how often a run starts.
+    pub fn every(mut self, d: Duration) -> Self {
+        self.every = d;
+        self
     }
 }
 
 /// Engine configuration.
+///
+/// | field | default | meaning |
+/// |---|---|---|
+/// | `poll_timeout` | 100 ms | longest wait of one poll |
+/// | `retry` | [`RetryPolicy::default`] | backoff of transient failures; a handler failing `max_attempts` times (or permanently) parks its message; store failures are retried without limit |
+/// | `commit_interval` | 1 s | commit offsets at least this often while messages flow |
+/// | `commit_every` | 500 | commit after this many final messages |
+/// | `max_batch` | 100 | most messages applied in one database transaction |
+/// | `concurrency` | 4 | batch transactions in flight at once (an aggregate is in at most one) |
+/// | `max_in_flight` | 5,000 | most messages received and not final (queued, running or held) before polling pauses |
+/// | `cleanup` | none | scheduled inbox cleanup ([`CleanupSchedule`]) |
+/// | `metrics_interval` | 15 s | how often lag and parked counts are read for the gauges |
+/// | `shutdown_grace` | 10 s | how long [`ConsumerEngine::run`] waits for running transactions after the shutdown signal |
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct EngineConfig {
-    /// How long one poll waits for a message. Default 100 ms.
+    /// Longest wait of one poll.
     pub poll_timeout: Duration,
-    /// Backoff and attempt limit for transient handler failures. Store errors are retried with
-    /// the same backoff but without a limit (the database coming back is only a matter of time).
+    /// Backoff and attempt limit.
     pub retry: RetryPolicy,
-    /// Commit offsets at least this often while messages flow. Default 1 s.
+    /// Commit at least this often.
     pub commit_interval: Duration,
-    /// Commit offsets after this many final messages. Default 500.
+    /// Commit after this many final messages.
     pub commit_every: usize,
-    /// Most messages applied in one database transaction: after a poll returns a message, the
-    /// engine takes what else is already buffered, up to this many. Default 100; 1 means one
-    /// transaction per message.
+    /// Most messages per transaction.
     pub max_batch: usize,
+    /// Batch transactions in flight at once.
+    pub concurrency: usize,
+    /// Most messages not final.
+    pub max_in_flight: usize,
+    /// Scheduled cleanup.
+    pub cleanup: Option<CleanupSchedule>,
+    /// Gauge refresh interval.
+    pub metrics_interval: Duration,
+    /// Wait for running transactions at shutdown.
+    pub shutdown_grace: Duration,
 }
 
 impl Default for EngineConfig {
@@ -163,6 +109,11 @@ impl Default for EngineConfig {
             commit_interval: Duration::from_secs(1),
             commit_every: 500,
             max_batch: 100,
+            concurrency: 4,
+            max_in_flight: 5_000,
+            cleanup: None,
+            metrics_interval: Duration::from_secs(15),
+            shutdown_grace: Duration::from_secs(10),
         }
     }
 }
@@ -189,6 +140,31 @@ impl EngineConfig {
         self.poll_timeout = t;
         self
     }
+    /// Sets how many batch transactions may be in flight at once.
+    pub fn with_concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n;
+        self
+    }
+    /// Sets the most messages received and not final.
+    pub fn with_max_in_flight(mut self, n: usize) -> Self {
+        self.max_in_flight = n;
+        self
+    }
+    /// Schedules inbox cleanup.
+    pub fn with_cleanup(mut self, schedule: CleanupSchedule) -> Self {
+        self.cleanup = Some(schedule);
+        self
+    }
+    /// Sets the gauge refresh interval.
+    pub fn with_metrics_interval(mut self, d: Duration) -> Self {
+        self.metrics_interval = d;
+        self
+    }
+    /// Sets the shutdown grace.
+    pub fn with_shutdown_grace(mut self, d: Duration) -> Self {
+        self.shutdown_grace = d;
+        self
+    }
     /// Validates.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.commit_every == 0 {
@@ -197,8 +173,29 @@ impl EngineConfig {
         if self.max_batch == 0 {
             return Err(ConfigError::new("max_batch must be at least 1"));
         }
+        if self.concurrency == 0 {
+            return Err(ConfigError::new("concurrency must be at least 1"));
+        }
+        if self.max_in_flight < self.max_batch {
+            return Err(ConfigError::new(format!(
+                "max_in_flight ({}) must be at least max_batch ({})",
+                self.max_in_flight, self.max_batch
+            )));
+        }
         if self.poll_timeout.is_zero() {
             return Err(ConfigError::new("poll_timeout must be greater than zero"));
+        }
+        if self.metrics_interval.is_zero() {
+            return Err(ConfigError::new(
+                "metrics_interval must be greater than zero",
+            ));
+        }
+        if let Some(c) = &self.cleanup {
+            if c.batch_size == 0 || c.every.is_zero() || c.retention.is_zero() {
+                return Err(ConfigError::new(
+                    "cleanup needs a retention, a batch size and an interval above zero",
+                ));
+            }
         }
         Ok(())
     }
@@ -208,21 +205,28 @@ impl EngineConfig {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum EngineError {
-    /// A message can never be applied (undecodable, or a permanent handler failure, or
-    /// transient failures past the attempt limit). Its offset was not committed.
-    #[error("message at {position:?} cannot be applied: {reason}")]
-    Unprocessable {
-        /// Where it is.
-        position: LogPosition,
-        /// Why.
-        reason: String,
-    },
+    /// The group's committed offset fell below the earliest available offset: records were
+    /// deleted by retention before this consumer read them. The message names the partitions
+    /// and the gap. Nothing was skipped; decide how to recover (replay from the outbox, reset
+    /// the group knowingly) before starting again.
+    #[error("consumer lost records to retention: {0}")]
+    RetentionGap(SourceError),
     /// The source failed permanently.
     #[error(transparent)]
-    Source(#[from] SourceError),
+    Source(SourceError),
     /// The store failed permanently.
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+impl From<SourceError> for EngineError {
+    fn from(e: SourceError) -> Self {
+        if e.kind == SourceErrorKind::RetentionGap {
+            Self::RetentionGap(e)
+        } else {
+            Self::Source(e)
+        }
+    }
 }
 
 /// Totals of a run.
@@ -235,31 +239,256 @@ pub struct EngineReport {
     pub applied: u64,
     /// Duplicates absorbed (effect not repeated).
     pub duplicates: u64,
+    /// Versions at or below the applied one, not applied again.
+    pub stale: u64,
+    /// Messages parked as an aggregate's head (or standalone).
+    pub parked: u64,
+    /// Messages parked waiting behind a head.
+    pub waiting: u64,
+    /// Redeliveries of messages parked before.
+    pub already_parked: u64,
+    /// Messages held for a version gap right now.
+    pub held: u64,
     /// Transient failures retried.
     pub retries: u64,
     /// Offset commits made.
     pub commits: u64,
+    /// Offset commits dropped because the group rebalanced.
+    pub dropped_commits: u64,
+    /// Log rewinds seen.
+    pub rewinds: u64,
+    /// Registrations removed by the scheduled cleanup.
+    pub cleaned: u64,
 }
 
-/// Polls a [`MessageSource`], processes each message through an [`InboxProcessor`], and commits
+impl EngineReport {
+    /// Duplicates among the messages whose outcome is final and that were not parked.
+    pub fn duplicate_share(&self) -> f64 {
+        let total = self.applied + self.duplicates + self.stale;
+        if total == 0 {
+            0.0
+        } else {
+            (self.duplicates + self.stale) as f64 / total as f64
+        }
+    }
+}
+
+/// What orders messages: an aggregate (its messages apply one batch at a time, in order), or a
+/// message whose aggregate is unknown (undecodable, no readable aggregate headers), alone.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Key {
+    Aggregate(AggregateKey),
+    Alone(u64),
+}
+
+/// One received message on its way through a batch.
+struct Work {
+    ticket: Ticket,
+    msg: ReceivedMessage,
+    key: Key,
+    attempts: u32,
+    force: Force,
+    held_since: Option<Instant>,
+}
+
+impl Work {
+    fn version(&self) -> i64 {
+        self.msg
+            .envelope
+            .as_ref()
+            .map_or(i64::MIN, |e| e.aggregate_version)
+    }
+}
+
+/// The messages of one key that are not in flight.
+#[derive(Default)]
+struct KeyQueue {
+    items: VecDeque<Work>,
+    /// A batch holding messages of this key is running.
+    busy: bool,
+    /// A transient failure: not before this instant.
+    retry_at: Option<Instant>,
+}
+
+/// What a batch task hands back.
+struct BatchDone {
+    /// Messages whose outcome is known.
+    results: Vec<(Work, MessageOutcome)>,
+    /// Messages handed back unprocessed: a transient handler failure of the first of them,
+    /// and the later messages of its key, to try again after `retry_after`.
+    returned: Vec<Work>,
+    retry_after: Duration,
+    retries: u64,
+    error: Option<EngineError>,
+}
+
+type BatchFuture = Pin<Box<dyn Future<Output = BatchDone> + Send>>;
+
+struct Shared<I, H> {
+    processor: Arc<InboxProcessor<I, H>>,
+    retry: RetryPolicy,
+    rng: Mutex<StdRng>,
+}
+
+impl<I, H> Shared<I, H> {
+    fn backoff(&self, failures: u32) -> Duration {
+        let mut rng = self.rng.lock().unwrap_or_else(PoisonError::into_inner);
+        self.retry.backoff(failures, &mut *rng)
+    }
+}
+
+/// Applies a batch in one transaction. A handler failure rolls it back; the failing message is
+/// then parked (permanent, or attempts exhausted) or handed back with the later messages of its
+/// key for a delayed retry (transient), and the rest runs again at once. Transient store
+/// failures are retried with backoff (the database coming back is only a matter of time).
+async fn run_batch<I, H>(shared: Arc<Shared<I, H>>, mut items: Vec<Work>) -> BatchDone
+where
+    I: InboxParking,
+    H: Handler<I::Tx>,
+{
+    let processor = &shared.processor;
+    let consumer = processor.consumer().to_owned();
+    let mut done = BatchDone {
+        results: Vec::new(),
+        returned: Vec::new(),
+        retry_after: Duration::ZERO,
+        retries: 0,
+        error: None,
+    };
+    let mut store_failures = 0u32;
+    while !items.is_empty() {
+        let result = {
+            let batch: Vec<Item<'_>> = items
+                .iter()
+                .map(|w| Item {
+                    msg: &w.msg,
+                    attempts: w.attempts,
+                    force: &w.force,
+                })
+                .collect();
+            processor.run_batch(&batch, true).await
+        };
+        match result {
+            Ok(BatchResult::Committed(outcomes)) => {
+                done.results.extend(items.drain(..).zip(outcomes));
+            }
+            Ok(BatchResult::HandlerFailed { index, error: e }) => {
+                store_failures = 0;
+                let w = &mut items[index];
+                w.attempts += 1;
+                let permanent = e.class == ErrorClass::Permanent;
+                metrics::record_error(
+                    &consumer,
+                    if permanent {
+                        "handler_permanent"
+                    } else {
+                        "handler_transient"
+                    },
+                );
+                let pos = w.msg.position.clone();
+                if permanent || w.attempts >= shared.retry.max_attempts {
+                    error!(consumer = %consumer, topic = %pos.topic, partition = pos.partition, offset = pos.offset, attempt = w.attempts, error = %e, stage = "apply", "message cannot be applied; parking it");
+                    w.force = Force::Park(
+                        ParkKind::Unprocessable,
+                        format!("handler failed {} time(s): {e}", w.attempts),
+                    );
+                } else {
+                    done.retries += 1;
+                    let d = shared.backoff(w.attempts);
+                    done.retry_after = done.retry_after.max(d);
+                    warn!(consumer = %consumer, topic = %pos.topic, partition = pos.partition, offset = pos.offset, attempt = w.attempts, error = %e, delay_ms = d.as_millis() as u64, "handler failed; retrying later, its aggregate waits");
+                    // The failing message and what follows it of its key wait; the others
+                    // of the batch run again now.
+                    let key = w.key.clone();
+                    let mut keep = Vec::with_capacity(items.len());
+                    for (i, w) in items.drain(..).enumerate() {
+                        if i >= index && w.key == key {
+                            done.returned.push(w);
+                        } else {
+                            keep.push(w);
+                        }
+                    }
+                    items = keep;
+                }
+            }
+            Err(e) if e.is_transient() => {
+                store_failures = store_failures.saturating_add(1);
+                done.retries += 1;
+                metrics::record_error(&consumer, "store");
+                let d = shared.backoff(store_failures);
+                warn!(consumer = %consumer, attempt = store_failures, error = %e, delay_ms = d.as_millis() as u64, "inbox store failed; retrying the batch");
+                tokio::time::sleep(d).await;
+            }
+            Err(e) => {
+                metrics::record_error(&consumer, "store");
+                done.error = Some(EngineError::Store(e));
+                done.returned.append(&mut items);
+                break;
+            }
+        }
+    }
+    done
+}
+
+enum Event {
+    Done(BatchDone),
+    Timer,
+    Polled(Box<Result<Option<ReceivedMessage>, SourceError>>),
+    Idle,
+}
+
+/// Polls a [`MessageSource`], applies messages through an [`InboxProcessor`] and commits
 /// offsets along the contiguous watermark.
+///
+/// * **Concurrency.** Every aggregate has its own queue; a batch takes the queued messages of
+///   several aggregates (up to `max_batch`) and applies them in one transaction; up to
+///   `concurrency` batches run at once, and an aggregate is in at most one of them, so its
+///   messages apply in order while different aggregates (of one partition or of several)
+///   apply in parallel. A message whose handler fails transiently waits for its retry without
+///   holding a transaction or anything but its own aggregate. The engine owns a
+///   [`SharedOffsetTracker`]: an offset is final only when its message's transaction committed
+///   (applied, duplicate, stale, or parked), and the committed offset of a partition never
+///   passes a message that is not final.
+/// * **Parking.** A message that cannot be decoded, whose handler fails permanently, or fails
+///   transiently `retry.max_attempts` times, is parked in the inbox's database with its raw
+///   record; its offset becomes final, the partition moves on. Later messages of its aggregate
+///   are parked as waiting behind it; other aggregates flow. An operator releases them with
+///   [`ParkedMessages`] ([`ConsumerEngine::parked`]).
+/// * **Versions.** See [`VersionPolicy`] (on the processor).
+/// * **Rebalances and rewinds.** The source hears of the tracker
+///   ([`MessageSource::attach_offsets`]) and commits its final offsets on revoke; a commit
+///   refused by a rebalance is dropped, not retried; an offset at or below the highest seen
+///   starts a new epoch of its partition (see [`outbox_core::watermark`]).
 pub struct ConsumerEngine<S, I, H> {
     source: S,
-    processor: InboxProcessor<I, H>,
+    shared: Arc<Shared<I, H>>,
     config: EngineConfig,
-    tracker: Arc<Mutex<OffsetTracker>>,
+    tracker: SharedOffsetTracker,
+    queues: HashMap<Key, KeyQueue>,
+    /// Keys with queued messages that may run now, oldest first (may hold stale entries).
+    ready: VecDeque<Key>,
+    running: FuturesUnordered<BatchFuture>,
+    held: HashMap<AggregateKey, Vec<Work>>,
+    held_count: usize,
+    in_flight: usize,
+    next_alone: u64,
+    pending_commits: BTreeMap<TopicPartition, CommitOffset>,
     rng: StdRng,
     report: EngineReport,
     since_commit: usize,
     last_commit: Instant,
+    next_cleanup: Option<Instant>,
+    cleanup_running: bool,
+    next_metrics: Instant,
     poll_failures: u32,
 }
 
 impl<S, I, H> std::fmt::Debug for ConsumerEngine<S, I, H> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ConsumerEngine")
-            .field("consumer", &self.processor.consumer)
+            .field("consumer", &self.shared.processor.consumer())
             .field("report", &self.report)
+            .field("in_flight", &self.in_flight)
             .finish_non_exhaustive()
     }
 }
@@ -267,11 +496,11 @@ impl<S, I, H> std::fmt::Debug for ConsumerEngine<S, I, H> {
 impl<S, I, H> ConsumerEngine<S, I, H>
 where
     S: MessageSource,
-    I: InboxStore,
-    H: Handler<I::Tx>,
+    I: InboxParking + 'static,
+    H: Handler<I::Tx> + 'static,
 {
-    /// An engine. `seed` seeds the retry jitter (pass a random value in production, a fixed one
-    /// in tests).
+    /// An engine. Hands its offset tracker to `source`. `seed` seeds the retry jitter (pass a
+    /// random value in production, a fixed one in tests).
     pub fn new(
         source: S,
         processor: InboxProcessor<I, H>,
@@ -279,34 +508,47 @@ where
         seed: u64,
     ) -> Result<Self, ConfigError> {
         config.validate()?;
+        if let VersionPolicy::Hold { max_held, max_wait } = processor.version_policy() {
+            if max_held == 0 || max_wait.is_zero() {
+                return Err(ConfigError::new(
+                    "VersionPolicy::Hold needs max_held and max_wait above zero",
+                ));
+            }
+        }
+        let tracker = SharedOffsetTracker::new();
+        source.attach_offsets(tracker.clone());
+        let next_cleanup = config.cleanup.as_ref().map(|_| Instant::now());
         Ok(Self {
             source,
-            processor,
-            config,
-            tracker: Arc::default(),
+            shared: Arc::new(Shared {
+                processor: Arc::new(processor),
+                retry: config.retry.clone(),
+                rng: Mutex::new(StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15)),
+            }),
+            tracker,
+            queues: HashMap::new(),
+            ready: VecDeque::new(),
+            running: FuturesUnordered::new(),
+            held: HashMap::new(),
+            held_count: 0,
+            in_flight: 0,
+            next_alone: 0,
+            pending_commits: BTreeMap::new(),
             rng: StdRng::seed_from_u64(seed),
             report: EngineReport::default(),
             since_commit: 0,
             last_commit: Instant::now(),
+            next_cleanup,
+            cleanup_running: false,
+            next_metrics: Instant::now(),
             poll_failures: 0,
+            config,
         })
     }
 
-    /// Shares `tracker` with the source, so a rebalance callback can commit exactly the
-    /// offsets whose outcome is final (e.g. `outbox_kafka::KafkaSourceBuilder::offset_tracker`).
-    pub fn with_offset_tracker(mut self, tracker: Arc<Mutex<OffsetTracker>>) -> Self {
-        self.tracker = tracker;
-        self
-    }
-
-    /// The engine's offset watermarks (shared, see [`Self::with_offset_tracker`]).
-    pub fn offset_tracker(&self) -> Arc<Mutex<OffsetTracker>> {
+    /// The engine's offset tracker (also held by the source).
+    pub fn offset_tracker(&self) -> SharedOffsetTracker {
         self.tracker.clone()
-    }
-
-    fn tracker(&self) -> std::sync::MutexGuard<'_, OffsetTracker> {
-        // The tracker holds plain data; a panic elsewhere cannot leave it half-updated.
-        self.tracker.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Totals so far.
@@ -316,19 +558,370 @@ where
 
     /// The processor.
     pub fn processor(&self) -> &InboxProcessor<I, H> {
-        &self.processor
+        &self.shared.processor
     }
 
-    /// Polls once and processes what arrived. Returns `Ok(false)` when the poll was empty.
-    pub async fn step(&mut self) -> Result<bool, EngineError> {
-        let msg = match self.source.poll(self.config.poll_timeout).await {
+    /// The source.
+    pub fn source(&self) -> &S {
+        &self.source
+    }
+
+    /// The operator API over this engine's processor (same consumer, store, handler and
+    /// version policy).
+    pub fn parked(&self) -> ParkedMessages<I, H> {
+        ParkedMessages::from_shared(self.shared.processor.clone())
+    }
+
+    /// Messages received whose outcome is not final.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// A retention check prefilled with this engine's dedup window (the cleanup schedule's
+    /// retention; forever when no cleanup is scheduled) and `topic_retention`; add the
+    /// tolerated lag and the replay window, then evaluate it at start-up.
+    pub fn retention_check(&self, topic_retention: TopicRetention) -> RetentionCheck {
+        RetentionCheck::new(
+            self.config.cleanup.as_ref().map(|c| c.retention),
+            topic_retention,
+        )
+    }
+
+    /// Queues `items` in front of their key's queue (in order), and marks the key ready unless
+    /// it is busy or waiting for a retry.
+    fn requeue_front(&mut self, key: &Key, items: Vec<Work>) {
+        let q = self.queues.entry(key.clone()).or_default();
+        for w in items.into_iter().rev() {
+            q.items.push_front(w);
+        }
+        if !q.busy && q.retry_at.is_none() && !q.items.is_empty() {
+            self.ready.push_back(key.clone());
+        }
+    }
+
+    fn receive(&mut self, msg: ReceivedMessage) {
+        let (ticket, kind) = self.tracker.lock().begin_checked(&msg.position);
+        if let BeginKind::Rewind { highest_seen } = kind {
+            self.report.rewinds += 1;
+            metrics::record_counter(
+                "outbox_inbox_rewinds_total",
+                self.shared.processor.consumer(),
+                1,
+            );
+            warn!(consumer = %self.shared.processor.consumer(), position = %msg.position, highest_seen, "log rewound: messages at these offsets are applied again (duplicates are absorbed)");
+        }
+        let key = match msg.aggregate() {
+            Some(a) => Key::Aggregate(a),
+            None => {
+                self.next_alone += 1;
+                Key::Alone(self.next_alone)
+            }
+        };
+        let q = self.queues.entry(key.clone()).or_default();
+        q.items.push_back(Work {
+            ticket,
+            msg,
+            key: key.clone(),
+            attempts: 0,
+            force: Force::None,
+            held_since: None,
+        });
+        if !q.busy && q.retry_at.is_none() && q.items.len() == 1 {
+            self.ready.push_back(key);
+        }
+        self.in_flight += 1;
+        self.report.received += 1;
+    }
+
+    /// Starts batches while transaction slots are free and keys are ready.
+    fn dispatch(&mut self) {
+        while self.running.len() < self.config.concurrency && !self.ready.is_empty() {
+            let mut batch: Vec<Work> = Vec::new();
+            let mut keys: Vec<Key> = Vec::new();
+            while batch.len() < self.config.max_batch {
+                let Some(key) = self.ready.pop_front() else {
+                    break;
+                };
+                let Some(q) = self.queues.get_mut(&key) else {
+                    continue;
+                };
+                if q.busy || q.retry_at.is_some() || q.items.is_empty() {
+                    continue; // a stale entry
+                }
+                let room = self.config.max_batch - batch.len();
+                let mut took = 0;
+                while took < room {
+                    let Some(w) = q.items.pop_front() else {
+                        break;
+                    };
+                    if self.tracker.lock().is_current(&w.ticket) {
+                        batch.push(w);
+                        took += 1;
+                    } else {
+                        // Revoked, lost or rewound since it was received: the partition's
+                        // owner (or the rewound log) delivers it again.
+                        self.in_flight -= 1;
+                    }
+                }
+                if took > 0 {
+                    q.busy = true;
+                    keys.push(key.clone());
+                    if !q.items.is_empty() {
+                        // The rest waits until this batch is done.
+                        continue;
+                    }
+                } else if q.items.is_empty() {
+                    self.queues.remove(&key);
+                }
+            }
+            if batch.is_empty() {
+                continue;
+            }
+            self.running
+                .push(Box::pin(run_batch(self.shared.clone(), batch)));
+        }
+    }
+
+    /// The next instant a held gap expires or a retry is due.
+    fn next_timer(&self) -> Option<Instant> {
+        let retry = self.queues.values().filter_map(|q| q.retry_at).min();
+        let hold = match self.shared.processor.version_policy() {
+            VersionPolicy::Hold { max_wait, .. } => self
+                .held
+                .values()
+                .filter_map(|items| items.iter().filter_map(|w| w.held_since).min())
+                .min()
+                .map(|since| since + max_wait),
+            _ => None,
+        };
+        match (retry, hold) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    fn on_timer(&mut self) {
+        let now = Instant::now();
+        let due: Vec<Key> = self
+            .queues
+            .iter()
+            .filter(|(_, q)| q.retry_at.is_some_and(|t| t <= now))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in due {
+            let q = self.queues.get_mut(&k).expect("listed above");
+            q.retry_at = None;
+            if !q.busy && !q.items.is_empty() {
+                self.ready.push_back(k);
+            }
+        }
+        self.expire_holds();
+    }
+
+    /// Sends the held messages of `key` back to its queue, lowest version first; with
+    /// `park_reason`, the first is parked as a version gap (the rest then wait behind it).
+    fn release_held(&mut self, key: &AggregateKey, park_reason: Option<String>) {
+        let Some(mut items) = self.held.remove(key) else {
+            return;
+        };
+        self.held_count -= items.len();
+        items.sort_by_key(Work::version);
+        if let (Some(reason), Some(first)) = (park_reason, items.first_mut()) {
+            first.force = Force::Park(ParkKind::VersionGap, reason);
+        }
+        self.requeue_front(&Key::Aggregate(key.clone()), items);
+    }
+
+    fn expire_holds(&mut self) {
+        let VersionPolicy::Hold { max_held, max_wait } = self.shared.processor.version_policy()
+        else {
+            return;
+        };
+        let now = Instant::now();
+        let busy = |engine: &Self, k: &AggregateKey| {
+            engine
+                .queues
+                .get(&Key::Aggregate(k.clone()))
+                .is_some_and(|q| q.busy)
+        };
+        let expired: Vec<(AggregateKey, Duration)> = self
+            .held
+            .iter()
+            .filter_map(|(k, items)| {
+                let since = items.iter().filter_map(|w| w.held_since).min()?;
+                (now >= since + max_wait).then(|| (k.clone(), now - since))
+            })
+            .collect();
+        for (key, held_for) in expired {
+            // A batch of the aggregate is running (it may close the gap): decide after it.
+            if busy(self, &key) {
+                continue;
+            }
+            warn!(consumer = %self.shared.processor.consumer(), aggregate = %key, held_ms = held_for.as_millis() as u64, "version gap did not close in time; parking");
+            self.release_held(
+                &key,
+                Some(format!(
+                    "version gap of {key} did not close within {max_wait:?} (held {held_for:?})"
+                )),
+            );
+        }
+        while self.held_count > max_held {
+            let Some(oldest) = self
+                .held
+                .iter()
+                .filter(|(k, _)| !busy(self, k))
+                .filter_map(|(k, items)| {
+                    Some((items.iter().filter_map(|w| w.held_since).min()?, k))
+                })
+                .min()
+                .map(|(_, k)| k.clone())
+            else {
+                break;
+            };
+            warn!(consumer = %self.shared.processor.consumer(), aggregate = %oldest, max_held, "too many messages held for version gaps; parking the oldest gap");
+            self.release_held(
+                &oldest,
+                Some(format!(
+                    "version gap of {oldest} parked: more than {max_held} messages were held"
+                )),
+            );
+        }
+        self.report.held = self.held_count as u64;
+    }
+
+    fn on_batch_done(&mut self, done: BatchDone) -> Result<(), EngineError> {
+        self.report.retries += done.retries;
+        let consumer = self.shared.processor.consumer().to_owned();
+        let mut touched: Vec<Key> = Vec::new();
+        let mut release = Vec::new();
+        let now = chrono::Utc::now();
+        for (mut w, outcome) in done.results {
+            if !touched.contains(&w.key) {
+                touched.push(w.key.clone());
+            }
+            if outcome == MessageOutcome::Held {
+                let Key::Aggregate(key) = w.key.clone() else {
+                    unreachable!("only decodable messages are held");
+                };
+                w.held_since.get_or_insert_with(Instant::now);
+                self.held.entry(key).or_default().push(w);
+                self.held_count += 1;
+                continue;
+            }
+            self.tracker.lock().finish(&w.ticket);
+            self.in_flight -= 1;
+            self.since_commit += 1;
+            match &outcome {
+                MessageOutcome::Applied => {
+                    self.report.applied += 1;
+                    if let Ok(e) = &w.msg.envelope {
+                        metrics::record_latency(&consumer, e, now);
+                    }
+                }
+                MessageOutcome::Duplicate => self.report.duplicates += 1,
+                MessageOutcome::Stale { applied } => {
+                    self.report.stale += 1;
+                    debug!(consumer = %consumer, position = %w.msg.position, applied, "stale version skipped");
+                }
+                MessageOutcome::Parked { id, kind } => {
+                    self.report.parked += 1;
+                    if w.msg.envelope.is_err() {
+                        metrics::record_error(&consumer, "decode");
+                    }
+                    error!(consumer = %consumer, position = %w.msg.position, parked_id = %id, kind = kind.as_str(), key = ?w.key, stage = "park", "message parked; its aggregate waits for an operator");
+                }
+                MessageOutcome::Waiting(id) => {
+                    self.report.waiting += 1;
+                    info!(consumer = %consumer, position = %w.msg.position, parked_id = %id, key = ?w.key, stage = "park", "message waits behind a parked one");
+                }
+                MessageOutcome::AlreadyParked => self.report.already_parked += 1,
+                _ => {}
+            }
+            if matches!(
+                outcome,
+                MessageOutcome::Applied
+                    | MessageOutcome::Parked { .. }
+                    | MessageOutcome::Waiting(_)
+            ) {
+                if let Key::Aggregate(k) = &w.key {
+                    if self.held.contains_key(k) && !release.contains(k) {
+                        release.push(k.clone());
+                    }
+                }
+            }
+        }
+        // Messages handed back for a delayed retry, per key, in order.
+        let mut returned: Vec<(Key, Vec<Work>)> = Vec::new();
+        for w in done.returned {
+            match returned.iter_mut().find(|(k, _)| *k == w.key) {
+                Some((_, v)) => v.push(w),
+                None => returned.push((w.key.clone(), vec![w])),
+            }
+        }
+        let retry_at = Instant::now() + done.retry_after;
+        for (key, items) in returned {
+            if !touched.contains(&key) {
+                touched.push(key.clone());
+            }
+            let q = self.queues.entry(key).or_default();
+            for w in items.into_iter().rev() {
+                q.items.push_front(w);
+            }
+            q.retry_at = Some(retry_at);
+        }
+        for key in touched {
+            let Some(q) = self.queues.get_mut(&key) else {
+                continue;
+            };
+            q.busy = false;
+            if q.items.is_empty() {
+                if q.retry_at.is_none() {
+                    self.queues.remove(&key);
+                }
+            } else if q.retry_at.is_none() {
+                self.ready.push_back(key);
+            }
+        }
+        for k in release {
+            self.release_held(&k, None);
+        }
+        self.expire_holds();
+        match done.error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    async fn on_poll(
+        &mut self,
+        polled: Result<Option<ReceivedMessage>, SourceError>,
+    ) -> Result<bool, EngineError> {
+        match polled {
             Ok(Some(m)) => {
                 self.poll_failures = 0;
-                m
+                self.receive(m);
+                // Take what else is already buffered, without waiting.
+                let mut taken = 1;
+                while taken < self.config.max_batch && self.in_flight < self.config.max_in_flight {
+                    match self.source.poll(Duration::ZERO).await {
+                        Ok(Some(m)) => {
+                            self.receive(m);
+                            taken += 1;
+                        }
+                        // A poll error here shows up again on the next poll.
+                        Ok(None) | Err(_) => break,
+                    }
+                }
+                Ok(true)
             }
             Ok(None) => {
-                self.commit_final().await?;
-                return Ok(false);
+                self.poll_failures = 0;
+                Ok(false)
+            }
+            Err(e) if e.kind == SourceErrorKind::RetentionGap => {
+                error!(consumer = %self.shared.processor.consumer(), error = %e, "records were lost to retention; stopping");
+                let _ = self.commit_final().await;
+                Err(e.into())
             }
             Err(e) if e.is_transient() => {
                 self.poll_failures = self.poll_failures.saturating_add(1);
@@ -336,180 +929,174 @@ where
                 warn!(error = %e, delay_ms = d.as_millis() as u64, "poll failed; retrying");
                 // Never a hot loop on a failing source.
                 tokio::time::sleep(d).await;
-                return Ok(false);
+                Ok(false)
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// One round of the engine: starts batches, then waits for a batch to finish, a message, a
+    /// retry or held gap to come due, or the poll timeout; commits, cleans up and refreshes
+    /// gauges when due. Returns whether anything happened (a message arrived, a batch finished
+    /// or a timer fired).
+    pub async fn step(&mut self) -> Result<bool, EngineError> {
+        self.dispatch();
+        let capacity = self.in_flight < self.config.max_in_flight;
+        let timer = self.next_timer();
+        let event = {
+            let running = &mut self.running;
+            let source = &self.source;
+            let timeout = self.config.poll_timeout;
+            tokio::select! {
+                biased;
+                Some(done) = running.next(), if !running.is_empty() => Event::Done(done),
+                () = tokio::time::sleep_until(timer.map_or_else(tokio::time::Instant::now, Into::into)), if timer.is_some() => Event::Timer,
+                polled = source.poll(timeout), if capacity => Event::Polled(Box::new(polled)),
+                () = tokio::time::sleep(timeout), if !capacity => Event::Idle,
+            }
         };
-        // Take what else is already buffered, up to max_batch, without waiting.
-        let mut received = vec![msg];
-        while received.len() < self.config.max_batch {
-            match self.source.poll(Duration::ZERO).await {
-                Ok(Some(m)) => received.push(m),
-                // A poll error here shows up again on the next step.
-                Ok(None) | Err(_) => break,
+        let progressed = match event {
+            Event::Done(done) => {
+                self.on_batch_done(done)?;
+                true
             }
-        }
-        self.report.received += received.len() as u64;
-        let mut batch: Vec<(LogPosition, Envelope)> = Vec::with_capacity(received.len());
-        let mut undecodable = None;
-        for m in received {
-            let pos = m.position;
-            self.tracker().begin(&pos.topic, pos.partition, pos.offset);
-            match m.envelope {
-                Ok(e) if undecodable.is_none() => batch.push((pos, e)),
-                Ok(_) => {} // behind an undecodable message: redelivered after the fix
-                Err(decode) => {
-                    if undecodable.is_none() {
-                        undecodable = Some((pos, decode));
-                    }
-                }
+            Event::Timer => {
+                self.on_timer();
+                true
             }
-        }
-        if batch.len() > 1 {
-            self.apply_batch(&batch).await?;
-        } else if let Some((pos, envelope)) = batch.first() {
-            self.apply_one(envelope, pos).await?;
-        }
-        if let Some((pos, decode)) = undecodable {
-            error!(topic = %pos.topic, partition = pos.partition, offset = pos.offset, stage = "decode", error = %decode, "undecodable message; stopping before its offset");
-            self.commit_final().await?;
-            return Err(EngineError::Unprocessable {
-                position: pos,
-                reason: decode.to_string(),
-            });
-        }
+            Event::Polled(polled) => self.on_poll(*polled).await?,
+            Event::Idle => false,
+        };
+        self.housekeeping(progressed).await?;
+        Ok(progressed)
+    }
+
+    async fn housekeeping(&mut self, progressed: bool) -> Result<(), EngineError> {
+        let quiet = !progressed && self.running.is_empty();
         if self.since_commit >= self.config.commit_every
+            || (self.since_commit > 0 && quiet)
             || self.last_commit.elapsed() >= self.config.commit_interval
         {
             self.commit_final().await?;
         }
-        Ok(true)
-    }
-
-    /// Applies one message with retries and marks its offset final.
-    async fn apply_one(
-        &mut self,
-        envelope: &Envelope,
-        pos: &LogPosition,
-    ) -> Result<(), EngineError> {
-        let span = info_span!("outbox.consume", consumer = %self.processor.consumer, event_id = %envelope.event_id, aggregate_id = %envelope.aggregate_id, event_type = %envelope.event_type, stage = "apply");
-        self.apply_with_retries(envelope, pos)
-            .instrument(span)
-            .await?;
-        self.tracker().finish(&pos.topic, pos.partition, pos.offset);
-        self.since_commit += 1;
+        if let (Some(schedule), Some(at)) = (self.config.cleanup.clone(), self.next_cleanup) {
+            if self.cleanup_running || Instant::now() >= at {
+                self.cleanup_batch(&schedule).await;
+            }
+        }
+        if Instant::now() >= self.next_metrics {
+            self.next_metrics = Instant::now() + self.config.metrics_interval;
+            self.refresh_gauges().await;
+        }
         Ok(())
     }
 
-    /// Applies a batch in one transaction; on any failure, falls back to one by one (which
-    /// retries, or stops before an event that cannot be applied).
-    async fn apply_batch(&mut self, batch: &[(LogPosition, Envelope)]) -> Result<(), EngineError> {
-        let events: Vec<Envelope> = batch.iter().map(|(_, e)| e.clone()).collect();
-        let span = info_span!("outbox.consume.batch", consumer = %self.processor.consumer, size = events.len(), stage = "apply");
-        match self.processor.process_batch(&events).instrument(span).await {
-            Ok(BatchOutcome::Committed(outcomes)) => {
-                for ((pos, _), o) in batch.iter().zip(outcomes) {
-                    match o {
-                        ProcessOutcome::Applied => self.report.applied += 1,
-                        _ => self.report.duplicates += 1,
-                    }
-                    self.tracker().finish(&pos.topic, pos.partition, pos.offset);
-                    self.since_commit += 1;
+    async fn cleanup_batch(&mut self, schedule: &CleanupSchedule) {
+        let consumer = self.shared.processor.consumer().to_owned();
+        match self
+            .shared
+            .processor
+            .store()
+            .cleanup(schedule.retention, schedule.batch_size)
+            .await
+        {
+            Ok(n) => {
+                self.report.cleaned += n;
+                metrics::record_counter("outbox_inbox_cleaned_total", &consumer, n);
+                self.cleanup_running = n >= schedule.batch_size as u64;
+                if !self.cleanup_running {
+                    self.next_cleanup = Some(Instant::now() + schedule.every);
+                    debug!(consumer = %consumer, removed = n, "inbox cleanup run finished");
                 }
-                Ok(())
-            }
-            Ok(BatchOutcome::RolledBack { index, error }) => {
-                debug!(index, error = %error, "batch rolled back; applying one by one");
-                self.apply_each(batch).await
             }
             Err(e) => {
-                warn!(error = %e, "batch transaction failed; applying one by one");
-                self.apply_each(batch).await
+                warn!(consumer = %consumer, error = %e, "inbox cleanup failed; trying again at the next interval");
+                self.cleanup_running = false;
+                self.next_cleanup = Some(Instant::now() + schedule.every);
             }
         }
     }
 
-    async fn apply_each(&mut self, batch: &[(LogPosition, Envelope)]) -> Result<(), EngineError> {
-        for (pos, envelope) in batch {
-            self.apply_one(envelope, pos).await?;
+    /// Reads lag and parked counts into the gauges now.
+    pub async fn refresh_gauges(&mut self) {
+        let consumer = self.shared.processor.consumer().to_owned();
+        metrics::record_gauges(&consumer, self.held_count, self.in_flight);
+        match self.source.lag().await {
+            Ok(lags) => metrics::record_lag(&consumer, &lags),
+            Err(e) => debug!(error = %e, "lag not available"),
+        }
+        match self.shared.processor.store().parked_stats(&consumer).await {
+            Ok(stats) => metrics::record_parked(&consumer, &stats, chrono::Utc::now()),
+            Err(e) => debug!(error = %e, "parked counts not available"),
+        }
+    }
+
+    /// Commits every offset that is final and not committed yet. A commit refused by a
+    /// rebalance is dropped (what it covered is redelivered to the owner); one that fails
+    /// transiently is kept and tried again at the next commit.
+    pub async fn commit_final(&mut self) -> Result<(), EngineError> {
+        for c in self.tracker.lock().take_commits() {
+            self.pending_commits.insert(c.topic_partition(), c);
+        }
+        self.since_commit = 0;
+        self.last_commit = Instant::now();
+        if self.pending_commits.is_empty() {
+            return Ok(());
+        }
+        let commits: Vec<CommitOffset> = self.pending_commits.values().cloned().collect();
+        match self.source.commit(&commits).await {
+            Ok(()) => {
+                self.pending_commits.clear();
+                self.report.commits += 1;
+                Ok(())
+            }
+            Err(e) if e.kind == SourceErrorKind::Rebalanced => {
+                warn!(error = %e, offsets = ?commits, "offset commit refused by a rebalance; dropped (the partitions' owner redelivers)");
+                self.pending_commits.clear();
+                self.report.dropped_commits += commits.len() as u64;
+                metrics::record_counter(
+                    "outbox_inbox_dropped_commits_total",
+                    self.shared.processor.consumer(),
+                    commits.len() as u64,
+                );
+                Ok(())
+            }
+            Err(e) if e.is_transient() => {
+                warn!(error = %e, "offset commit failed; trying again at the next commit");
+                Ok(())
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn drain(&mut self, grace: Duration) -> Result<(), EngineError> {
+        let deadline = tokio::time::Instant::now() + grace;
+        while !self.running.is_empty() {
+            match tokio::time::timeout_at(deadline, self.running.next()).await {
+                Ok(Some(done)) => self.on_batch_done(done)?,
+                Ok(None) => break,
+                Err(_) => {
+                    warn!(
+                        running = self.running.len(),
+                        "transactions still running at shutdown; abandoning them (rolled back, redelivered)"
+                    );
+                    self.running = FuturesUnordered::new();
+                    break;
+                }
+            }
+        }
+        for _ in 0..3 {
+            self.commit_final().await?;
+            if self.pending_commits.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
         }
         Ok(())
     }
 
-    async fn apply_with_retries(
-        &mut self,
-        envelope: &Envelope,
-        pos: &LogPosition,
-    ) -> Result<(), EngineError> {
-        let mut handler_failures = 0u32;
-        let mut store_failures = 0u32;
-        loop {
-            match self.processor.process(envelope).await {
-                Ok(ProcessOutcome::Applied) => {
-                    self.report.applied += 1;
-                    debug!(attempt = handler_failures + store_failures + 1, "applied");
-                    return Ok(());
-                }
-                Ok(ProcessOutcome::Duplicate) => {
-                    self.report.duplicates += 1;
-                    debug!("duplicate absorbed");
-                    return Ok(());
-                }
-                Ok(ProcessOutcome::Failed(e)) => {
-                    handler_failures += 1;
-                    if e.class == ErrorClass::Permanent
-                        || handler_failures >= self.config.retry.max_attempts
-                    {
-                        error!(attempt = handler_failures, error = %e, "event cannot be applied; stopping before its offset");
-                        self.commit_final().await?;
-                        return Err(EngineError::Unprocessable {
-                            position: pos.clone(),
-                            reason: e.to_string(),
-                        });
-                    }
-                    self.report.retries += 1;
-                    let d = self.config.retry.backoff(handler_failures, &mut self.rng);
-                    warn!(attempt = handler_failures, error = %e, delay_ms = d.as_millis() as u64, "handler failed; retrying");
-                    tokio::time::sleep(d).await;
-                }
-                Err(e) if e.is_transient() => {
-                    store_failures += 1;
-                    self.report.retries += 1;
-                    let d = self.config.retry.backoff(store_failures, &mut self.rng);
-                    warn!(attempt = store_failures, error = %e, delay_ms = d.as_millis() as u64, "inbox store failed; retrying");
-                    tokio::time::sleep(d).await;
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-    }
-
-    /// Commits every offset that is final and not yet committed.
-    pub async fn commit_final(&mut self) -> Result<(), EngineError> {
-        let commits = self.tracker().take_commits();
-        self.since_commit = 0;
-        self.last_commit = Instant::now();
-        if commits.is_empty() {
-            return Ok(());
-        }
-        let mut failures = 0;
-        loop {
-            match self.source.commit(&commits).await {
-                Ok(()) => {
-                    self.report.commits += 1;
-                    return Ok(());
-                }
-                Err(e) if e.is_transient() && failures < 5 => {
-                    failures += 1;
-                    warn!(error = %e, "offset commit failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(50 * failures)).await;
-                }
-                Err(e) => return Err(e.into()),
-            }
-        }
-    }
-
-    /// Runs until `shutdown` completes, then commits what is final.
+    /// Runs until `shutdown` completes, then lets running transactions finish (up to
+    /// `shutdown_grace`) and commits what is final.
     pub async fn run<F: Future<Output = ()>>(
         &mut self,
         shutdown: F,
@@ -522,22 +1109,27 @@ where
                 r = self.step() => { r?; }
             }
         }
-        self.commit_final().await?;
+        self.drain(self.config.shutdown_grace).await?;
         Ok(self.report.clone())
     }
 
-    /// Runs until no message arrived for `quiet`, then commits what is final. Handy for demos
-    /// and tests.
+    /// Runs until nothing arrived and nothing finished for `quiet` (messages held for a version
+    /// gap stay held; retries that come due are waited for), then commits what is final. Handy
+    /// for demos and tests.
     pub async fn run_until_quiet(&mut self, quiet: Duration) -> Result<EngineReport, EngineError> {
         let mut last = Instant::now();
         loop {
             if self.step().await? {
                 last = Instant::now();
-            } else if last.elapsed() >= quiet {
+            } else if last.elapsed() >= quiet
+                && self.running.is_empty()
+                && self.ready.is_empty()
+                && self.queues.values().all(|q| q.retry_at.is_none())
+            {
                 break;
             }
         }
-        self.commit_final().await?;
+        self.drain(self.config.shutdown_grace).await?;
         Ok(self.report.clone())
     }
 }

@@ -4,8 +4,10 @@
 //!
 //! * [`KafkaPublisher`]: the relay's [`outbox_core::Publisher`]. Idempotent producer with
 //!   `acks=all`; a record counts as published only from its successful delivery report.
-//! * [`KafkaSource`]: the inbox engine's [`outbox_core::MessageSource`]. Manual offsets only,
-//!   with a [`RevokeHook`] that commits what is final when partitions are revoked.
+//! * [`KafkaSource`]: the inbox engine's [`outbox_core::MessageSource`]. Manual offsets only;
+//!   the engine's offset tracker commits what is final when partitions are revoked.
+//! * [`topic_retention`]: a topic's `retention.ms` and compaction, for the consumer's
+//!   retention check.
 //!
 //! Usable alone: nothing here depends on a store.
 //!
@@ -34,9 +36,12 @@
 //! | partition count change | surfaced | [`TopicReport::partition_changes`], warning log, metric `outbox_kafka_partition_count_changes_total` |
 //! | compacted topics | reported | `cleanup.policy` via DescribeConfigs; [`CleanupPolicy::Unavailable`] with a warning when the broker cannot describe configs |
 //! | consumer auto-commit | off, enforced | `enable.auto.commit=false`, `enable.auto.offset.store=false` |
-//! | commit | synchronous, exactly the given offsets | [`outbox_core::MessageSource::commit`] |
-//! | commit on revoke | what is final | [`RevokeHook`], e.g. the engine's shared [`outbox_core::watermark::OffsetTracker`] |
-//! | malformed message | typed error | `ReceivedMessage::envelope = Err(DecodeError)`, never a panic |
+//! | commit | synchronous, exactly the given offsets | [`outbox_core::MessageSource::commit`]; refused after a lost assignment or a rebalance code (`SourceErrorKind::Rebalanced`) |
+//! | commit on revoke | what is final | the engine's tracker, handed over by [`outbox_core::MessageSource::attach_offsets`]; nothing after a lost assignment |
+//! | start position | explicit per partition | [`StartFrom`]; `auto.offset.reset` refused as a property (set to `error` internally) |
+//! | retention gap | stops | committed offset below the earliest: `SourceErrorKind::RetentionGap` |
+//! | lag | yes | [`outbox_core::MessageSource::lag`]: committed offset vs watermarks |
+//! | malformed message | typed error, raw record kept | `ReceivedMessage::envelope = Err(DecodeError)`, headers with null values and the raw value kept for parking, never a panic |
 //! | transactions / exactly-once | no | the contract is at-least-once plus idempotent effect |
 //!
 //! Secrets set as properties (`sasl.password`, `ssl.key.password`, ...) never appear in `Debug`
@@ -74,9 +79,9 @@
 //! ## Example
 //!
 //! ```no_run
-//! use std::sync::{Arc, Mutex};
 //! use std::time::Duration;
-//! use outbox_core::{watermark::OffsetTracker, Envelope, MessageSource, Publisher};
+//! use outbox_core::watermark::SharedOffsetTracker;
+//! use outbox_core::{Envelope, MessageSource, Publisher};
 //! use outbox_kafka::{KafkaPublisher, KafkaSource};
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -95,18 +100,18 @@
 //! let ack = results[0].as_ref().map_err(|e| e.to_string())?;
 //! println!("stored at {}/{}@{}", ack.topic, ack.partition, ack.offset);
 //!
-//! // Consumer side: the engine shares its watermark tracker with the source.
-//! let tracker = Arc::new(Mutex::new(OffsetTracker::default()));
+//! // Consumer side: normally `outbox_inbox::ConsumerEngine` does this; by hand, the tracker
+//! // is handed to the source once, so a revoke commits exactly what is final.
 //! let source = KafkaSource::builder("localhost:9092", "billing")
 //!     .topic("orders")
-//!     .offset_tracker(Arc::clone(&tracker))
 //!     .build()?;
+//! let tracker = SharedOffsetTracker::new();
+//! source.attach_offsets(tracker.clone());
 //! if let Some(msg) = source.poll(Duration::from_secs(1)).await? {
-//!     let p = &msg.position;
-//!     tracker.lock().unwrap().begin(&p.topic, p.partition, p.offset);
+//!     let ticket = tracker.lock().begin(&msg.position);
 //!     // ... apply the effect and commit its transaction (or park a malformed message) ...
-//!     tracker.lock().unwrap().finish(&p.topic, p.partition, p.offset);
-//!     let commits = tracker.lock().unwrap().take_commits();
+//!     tracker.lock().finish(&ticket);
+//!     let commits = tracker.lock().take_commits();
 //!     source.commit(&commits).await?;
 //! }
 //! # Ok(()) }
@@ -145,6 +150,7 @@ mod config;
 pub mod error;
 pub mod partitioner;
 mod publisher;
+mod retention;
 mod source;
 mod topics;
 
@@ -155,9 +161,9 @@ pub use publisher::{
     DEFAULT_DELIVERY_TIMEOUT, DEFAULT_METADATA_TIMEOUT, DEFAULT_REBUILD_AFTER_TIMEOUTS,
     REPORT_GRACE,
 };
+pub use retention::{topic_retention, TopicRetentionInfo};
 pub use source::{
-    FnRevokeHook, KafkaSource, KafkaSourceBuilder, KafkaSourceConfig, RevokeHook, StartFrom,
-    DEFAULT_SESSION_TIMEOUT,
+    KafkaSource, KafkaSourceBuilder, KafkaSourceConfig, StartFrom, DEFAULT_SESSION_TIMEOUT,
 };
 pub use topics::{
     CleanupPolicy, PartitionChange, PartitionerChange, TopicCheckError, TopicInfo, TopicReport,

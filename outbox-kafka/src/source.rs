@@ -7,18 +7,20 @@ use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use outbox_core::watermark::OffsetTracker;
+use chrono::{DateTime, Utc};
+use outbox_core::watermark::SharedOffsetTracker;
 use outbox_core::{
-    async_trait, wire, ConfigError, ErrorClass, LogPosition, MessageSource, ReceivedMessage,
-    SourceError,
+    async_trait, CommitOffset, ConfigError, ErrorClass, LogPosition, MessageSource, PartitionLag,
+    ReceivedMessage, RecordHeader, SourceError, TopicPartition,
 };
 use rdkafka::client::ClientContext;
 use rdkafka::config::{ClientConfig, RDKafkaLogLevel};
 use rdkafka::consumer::{
-    BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance, StreamConsumer,
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol, StreamConsumer,
 };
-use rdkafka::error::KafkaError;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{BorrowedMessage, Headers, Message};
+use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{Offset, TopicPartitionList};
 
 use crate::config::{check_consumer_overrides, Properties};
@@ -27,46 +29,30 @@ use crate::error::source_error;
 /// Default `session.timeout.ms`: 10 s (tests use about 6 s; see the crate docs).
 pub const DEFAULT_SESSION_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// Supplies the offsets that are final for partitions being revoked.
+/// How long calls made from the rebalance callback (committed offsets, watermarks, the revoke
+/// commit) may wait for the broker.
+const CALLBACK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Where a partition without a committed offset starts reading.
 ///
-/// Called from librdkafka's rebalance callback, on the thread that polls the consumer: it must
-/// return quickly and must not block on the engine's async work.
-pub trait RevokeHook: Send + Sync + 'static {
-    /// `(topic, partition, next_offset)` for those of `revoked` whose outcome is final up to
-    /// `next_offset` (last final offset + 1). Entries for other partitions are ignored.
-    fn final_offsets(&self, revoked: &[(String, i32)]) -> Vec<(String, i32, i64)>;
-}
-
-impl RevokeHook for Mutex<OffsetTracker> {
-    fn final_offsets(&self, revoked: &[(String, i32)]) -> Vec<(String, i32, i64)> {
-        let mut tracker = self.lock().unwrap_or_else(PoisonError::into_inner);
-        revoked
-            .iter()
-            .filter_map(|(t, p)| tracker.revoke(t, *p))
-            .collect()
-    }
-}
-
-/// A [`RevokeHook`] from a closure.
-pub struct FnRevokeHook<F>(pub F);
-
-impl<F> RevokeHook for FnRevokeHook<F>
-where
-    F: Fn(&[(String, i32)]) -> Vec<(String, i32, i64)> + Send + Sync + 'static,
-{
-    fn final_offsets(&self, revoked: &[(String, i32)]) -> Vec<(String, i32, i64)> {
-        (self.0)(revoked)
-    }
-}
-
-/// Where a group without committed offsets starts reading.
+/// The source decides this itself when a partition is assigned (it sets the start offset of
+/// every partition without a committed offset explicitly), so the librdkafka property
+/// `auto.offset.reset` is not used for it and is refused as a property: it would silently
+/// override this choice. librdkafka's own reset runs only for an offset that is out of range,
+/// and the source answers that itself (see [`KafkaSource`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum StartFrom {
-    /// The oldest retained record (`auto.offset.reset=earliest`): nothing is skipped.
+    /// The oldest retained record: nothing is skipped.
     #[default]
     Earliest,
-    /// Only records produced after the first assignment.
+    /// The end of the partition at the moment the partition is assigned to the group **for
+    /// the first time** (the group has no committed offset for it). The source commits that
+    /// position at once, so a later re-assignment (a rebalance before anything was processed,
+    /// a restart) resumes there: records produced after the first assignment are never
+    /// skipped, whichever member reads them. (Without that commit, every assignment of a
+    /// partition without a committed offset would start at the then current end, and a
+    /// rebalance would skip what arrived in between.)
     Latest,
 }
 
@@ -78,12 +64,13 @@ pub enum StartFrom {
 /// | `group_id` | (required) | consumer group |
 /// | `topics` | (required, ≥ 1) | subscription |
 /// | `session_timeout` | 10 s | `session.timeout.ms`; the first assignment takes about half of it |
-/// | `start_from` | `Earliest` | `auto.offset.reset` |
+/// | `start_from` | `Earliest` | where a partition without a committed offset starts ([`StartFrom`]) |
 /// | `client_id` | `outbox-consumer` | `client.id` |
 /// | `properties` | empty | other librdkafka properties; secrets redacted in `Debug` |
 ///
 /// Always set: `enable.auto.commit=false`, `enable.auto.offset.store=false`,
-/// `enable.partition.eof=false`; overriding the first two with `true` is rejected.
+/// `enable.partition.eof=false`, `auto.offset.reset=error`; overriding the first two with
+/// `true` is rejected, and so is any `auto.offset.reset` (use [`StartFrom`]).
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct KafkaSourceConfig {
@@ -95,7 +82,7 @@ pub struct KafkaSourceConfig {
     pub topics: Vec<String>,
     /// `session.timeout.ms`.
     pub session_timeout: Duration,
-    /// `auto.offset.reset`.
+    /// Where a partition without a committed offset starts.
     pub start_from: StartFrom,
     /// `client.id`.
     pub client_id: String,
@@ -142,16 +129,18 @@ impl KafkaSourceConfig {
                 "bootstrap.servers: set the brokers through the builder, not as a property",
             ));
         }
+        for key in ["auto.offset.reset", "offset.store.method"] {
+            if self.properties.get(key).is_some() {
+                return Err(ConfigError::new(format!(
+                    "{key} is refused as a property: where a partition without a committed \
+                     offset starts is set with KafkaSourceBuilder::start_from, and an offset \
+                     out of range is answered by the source (never a silent jump)"
+                )));
+            }
+        }
         check_consumer_overrides(&self.properties)?;
         let mut cc = ClientConfig::new();
         cc.set("client.id", &self.client_id);
-        cc.set(
-            "auto.offset.reset",
-            match self.start_from {
-                StartFrom::Earliest => "earliest",
-                StartFrom::Latest => "latest",
-            },
-        );
         cc.set(
             "session.timeout.ms",
             self.session_timeout.as_millis().to_string(),
@@ -167,24 +156,18 @@ impl KafkaSourceConfig {
         cc.set("enable.auto.commit", "false");
         cc.set("enable.auto.offset.store", "false");
         cc.set("enable.partition.eof", "false");
+        // Start offsets are set explicitly on assignment; an out-of-range offset is reported
+        // to the source instead of being reset silently.
+        cc.set("auto.offset.reset", "error");
         cc.set_log_level(crate::config::log_level(&self.properties));
         Ok(cc)
     }
 }
 
 /// Builder of a [`KafkaSource`].
+#[derive(Debug)]
 pub struct KafkaSourceBuilder {
     config: KafkaSourceConfig,
-    hook: Option<Arc<dyn RevokeHook>>,
-}
-
-impl fmt::Debug for KafkaSourceBuilder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("KafkaSourceBuilder")
-            .field("config", &self.config)
-            .field("revoke_hook", &self.hook.is_some())
-            .finish()
-    }
 }
 
 impl KafkaSourceBuilder {
@@ -200,7 +183,7 @@ impl KafkaSourceBuilder {
         self
     }
 
-    /// Where a group without committed offsets starts. Default [`StartFrom::Earliest`].
+    /// Where a partition without a committed offset starts. Default [`StartFrom::Earliest`].
     pub fn start_from(mut self, start: StartFrom) -> Self {
         self.config.start_from = start;
         self
@@ -213,22 +196,10 @@ impl KafkaSourceBuilder {
     }
 
     /// Sets any librdkafka consumer property. Turning auto-commit or the automatic offset
-    /// store on is rejected by [`build`](Self::build).
+    /// store on, and `auto.offset.reset`, are rejected by [`build`](Self::build).
     pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.config.properties.set(key, value);
         self
-    }
-
-    /// Commits what `hook` reports final when partitions are revoked.
-    pub fn on_revoke(mut self, hook: Arc<dyn RevokeHook>) -> Self {
-        self.hook = Some(hook);
-        self
-    }
-
-    /// Commits the contiguous watermark of `tracker` (shared with the engine) when partitions
-    /// are revoked. Shorthand for [`on_revoke`](Self::on_revoke).
-    pub fn offset_tracker(self, tracker: Arc<Mutex<OffsetTracker>>) -> Self {
-        self.on_revoke(tracker)
     }
 
     /// The configuration so far.
@@ -240,10 +211,10 @@ impl KafkaSourceBuilder {
     /// a tokio runtime.
     pub fn build(self) -> Result<KafkaSource, ConfigError> {
         let cc = self.config.consumer_config()?;
-        let revoke_log = Arc::new(Mutex::new(VecDeque::new()));
+        let shared = Arc::new(Shared::default());
         let context = SourceContext {
-            hook: self.hook,
-            revoke_log: Arc::clone(&revoke_log),
+            shared: Arc::clone(&shared),
+            start_from: self.config.start_from,
         };
         let consumer: StreamConsumer<SourceContext> = cc
             .create_with_context(context)
@@ -255,19 +226,43 @@ impl KafkaSourceBuilder {
         Ok(KafkaSource {
             consumer: Arc::new(consumer),
             config: self.config,
-            revoke_log,
+            shared,
         })
     }
 }
 
 const REVOKE_LOG_LEN: usize = 64;
 
-type RevokeLog = Arc<Mutex<VecDeque<(String, i32, i64)>>>;
+/// State shared by the source and its rebalance callback.
+#[derive(Default)]
+struct Shared {
+    tracker: Mutex<Option<SharedOffsetTracker>>,
+    revoke_log: Mutex<VecDeque<CommitOffset>>,
+    /// An error found in a callback, returned by the next poll.
+    pending_error: Mutex<Option<SourceError>>,
+}
 
-/// Consumer context: logs, and commits final offsets on revoke.
+impl Shared {
+    fn tracker(&self) -> Option<SharedOffsetTracker> {
+        self.tracker
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    fn fail(&self, e: SourceError) {
+        *self
+            .pending_error
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(e);
+    }
+}
+
+/// Consumer context: logs, sets start offsets and checks retention on assignment, and
+/// commits final offsets on revoke.
 struct SourceContext {
-    hook: Option<Arc<dyn RevokeHook>>,
-    revoke_log: RevokeLog,
+    shared: Arc<Shared>,
+    start_from: StartFrom,
 }
 
 impl ClientContext for SourceContext {
@@ -281,36 +276,179 @@ impl ClientContext for SourceContext {
 }
 
 impl ConsumerContext for SourceContext {
-    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        match rebalance {
-            Rebalance::Assign(tpl) => {
-                tracing::info!(partitions = ?partitions_of(tpl), "partitions assigned");
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        let cooperative = matches!(
+            consumer.rebalance_protocol(),
+            RebalanceProtocol::Cooperative
+        );
+        let partitions = partitions_of(tpl);
+        let result = match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                tracing::info!(partitions = ?partitions, "partitions assigned");
+                if let Some(t) = self.shared.tracker() {
+                    t.assign(&partitions);
+                }
+                self.set_start_offsets(consumer, tpl);
+                if cooperative {
+                    consumer.incremental_assign(tpl)
+                } else {
+                    consumer.assign(tpl)
+                }
             }
-            Rebalance::Revoke(tpl) => {
-                let revoked = partitions_of(tpl);
-                tracing::info!(partitions = ?revoked, "partitions revoked");
-                self.commit_final(consumer, &revoked);
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
+                tracing::info!(partitions = ?partitions, lost = consumer.assignment_lost(), "partitions revoked");
+                self.commit_final(consumer, &partitions);
+                if cooperative {
+                    consumer.incremental_unassign(tpl)
+                } else {
+                    consumer.unassign()
+                }
             }
-            Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
+            other => {
+                let code: RDKafkaErrorCode = other.into();
+                tracing::warn!(error = %code, "rebalance error; dropping the assignment");
+                if let Some(t) = self.shared.tracker() {
+                    t.lose(&partitions);
+                }
+                consumer.unassign()
+            }
+        };
+        if let Err(e) = result {
+            tracing::warn!(error = %e, "applying the rebalance failed");
         }
     }
 }
 
+/// What to do with an assigned partition, from its committed offset and watermarks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum StartDecision {
+    /// Resume at the committed offset.
+    Committed,
+    /// No committed offset: start at the beginning.
+    Beginning,
+    /// No committed offset: start at this end offset and commit it.
+    EndCommitted(i64),
+    /// The committed offset is below the earliest available one: records were lost.
+    Gap {
+        /// Committed next offset.
+        committed: i64,
+        /// Earliest available offset.
+        earliest: i64,
+    },
+}
+
+pub(crate) fn decide_start(
+    committed: Option<i64>,
+    watermarks: Option<(i64, i64)>,
+    start_from: StartFrom,
+) -> StartDecision {
+    match (committed, watermarks, start_from) {
+        (Some(c), Some((low, _)), _) if c < low => StartDecision::Gap {
+            committed: c,
+            earliest: low,
+        },
+        (Some(_), _, _) => StartDecision::Committed,
+        (None, _, StartFrom::Earliest) => StartDecision::Beginning,
+        (None, Some((_, high)), StartFrom::Latest) => StartDecision::EndCommitted(high),
+        // Watermarks unknown: start at the end without committing it.
+        (None, None, StartFrom::Latest) => StartDecision::EndCommitted(-1),
+    }
+}
+
 impl SourceContext {
-    fn commit_final(&self, consumer: &BaseConsumer<Self>, revoked: &[(String, i32)]) {
-        let Some(hook) = &self.hook else {
+    /// Sets an explicit start offset on every assigned partition without a committed offset
+    /// and checks the committed ones against the earliest available offset.
+    fn set_start_offsets(&self, consumer: &BaseConsumer<Self>, tpl: &mut TopicPartitionList) {
+        let committed = match consumer.committed_offsets(tpl.clone(), CALLBACK_TIMEOUT) {
+            Ok(c) => c,
+            Err(e) => {
+                // Reading resumes at the committed offsets anyway (librdkafka fetches them);
+                // only partitions without one would then hit auto.offset.reset=error, which
+                // the poll reports.
+                tracing::warn!(error = %e, "cannot read committed offsets on assignment");
+                return;
+            }
+        };
+        let mut gaps = Vec::new();
+        let mut to_commit = Vec::new();
+        for e in committed.elements() {
+            let (topic, partition) = (e.topic().to_owned(), e.partition());
+            let c = match e.offset() {
+                Offset::Offset(o) => Some(o),
+                _ => None,
+            };
+            let watermarks = consumer
+                .fetch_watermarks(&topic, partition, CALLBACK_TIMEOUT)
+                .map_err(|err| {
+                    tracing::warn!(topic = %topic, partition, error = %err, "watermarks unknown on assignment");
+                })
+                .ok();
+            let set = |tpl: &mut TopicPartitionList, o: Offset| {
+                if let Err(err) = tpl.set_partition_offset(&topic, partition, o) {
+                    tracing::warn!(topic = %topic, partition, error = %err, "cannot set the start offset");
+                }
+            };
+            match decide_start(c, watermarks, self.start_from) {
+                StartDecision::Committed => {}
+                StartDecision::Beginning => set(tpl, Offset::Beginning),
+                StartDecision::EndCommitted(high) if high >= 0 => {
+                    set(tpl, Offset::Offset(high));
+                    to_commit.push(CommitOffset::new(topic.clone(), partition, high));
+                }
+                StartDecision::EndCommitted(_) => set(tpl, Offset::End),
+                StartDecision::Gap {
+                    committed,
+                    earliest,
+                } => gaps.push(format!(
+                    "{topic}/{partition}: committed next offset {committed} < earliest available \
+                     {earliest} ({} records lost to retention)",
+                    earliest - committed
+                )),
+            }
+        }
+        if !to_commit.is_empty() {
+            // StartFrom::Latest: remember the start so a re-assignment resumes here.
+            match to_tpl(&to_commit).and_then(|t| consumer.commit(&t, CommitMode::Sync)) {
+                Ok(()) => {
+                    tracing::info!(offsets = ?to_commit, "committed the start position of new partitions")
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot commit the start position; a re-assignment may start later")
+                }
+            }
+        }
+        if !gaps.is_empty() {
+            let e = SourceError::retention_gap(format!(
+                "the group's committed offsets fell below the earliest available offsets: {}",
+                gaps.join("; ")
+            ));
+            tracing::error!(error = %e, "records were lost to retention before this group read them");
+            self.shared.fail(e);
+        }
+    }
+
+    fn commit_final(&self, consumer: &BaseConsumer<Self>, revoked: &[TopicPartition]) {
+        let Some(tracker) = self.shared.tracker() else {
+            tracing::warn!(partitions = ?revoked, "no offset tracker attached; nothing committed on revoke");
             return;
         };
         if consumer.assignment_lost() {
-            // The group already gave these partitions away; a commit would be refused and the
-            // new owner redelivers what is not committed.
+            // The group already gave these partitions away; a commit would be refused or,
+            // worse, move the new owner's position. The new owner redelivers what is not
+            // committed.
             tracing::warn!(partitions = ?revoked, "assignment lost; not committing on revoke");
+            tracker.lose(revoked);
             return;
         }
-        let finals: Vec<(String, i32, i64)> = hook
-            .final_offsets(revoked)
+        let finals: Vec<CommitOffset> = tracker
+            .revoke(revoked)
             .into_iter()
-            .filter(|(t, p, o)| *o >= 0 && revoked.iter().any(|(rt, rp)| rt == t && rp == p))
+            .filter(|c| c.next_offset >= 0)
             .collect();
         if finals.is_empty() {
             return;
@@ -326,6 +464,7 @@ impl SourceContext {
             Ok(()) => {
                 tracing::info!(offsets = ?finals, "committed final offsets of revoked partitions");
                 let mut log = self
+                    .shared
                     .revoke_log
                     .lock()
                     .unwrap_or_else(PoisonError::into_inner);
@@ -343,41 +482,104 @@ impl SourceContext {
     }
 }
 
-fn partitions_of(tpl: &TopicPartitionList) -> Vec<(String, i32)> {
+fn partitions_of(tpl: &TopicPartitionList) -> Vec<TopicPartition> {
     tpl.elements()
         .iter()
-        .map(|e| (e.topic().to_owned(), e.partition()))
+        .map(|e| TopicPartition::new(e.topic(), e.partition()))
         .collect()
 }
 
-fn to_tpl(offsets: &[(String, i32, i64)]) -> Result<TopicPartitionList, KafkaError> {
+fn to_tpl(offsets: &[CommitOffset]) -> Result<TopicPartitionList, KafkaError> {
     let mut tpl = TopicPartitionList::with_capacity(offsets.len());
-    for (topic, partition, offset) in offsets {
-        tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset))?;
+    for c in offsets {
+        tpl.add_partition_offset(&c.topic, c.partition, Offset::Offset(c.next_offset))?;
     }
     Ok(tpl)
 }
 
-/// Converts a consumed record into a [`ReceivedMessage`]; decoding failures become a typed
-/// [`wire::DecodeError`] inside the message, never a panic.
+/// A commit error that means "the group moved on": the commits are dropped, the engine polls
+/// again (which serves the rebalance). Table-tested.
+pub(crate) fn is_rebalance_code(code: RDKafkaErrorCode) -> bool {
+    matches!(
+        code,
+        RDKafkaErrorCode::UnknownMemberId
+            | RDKafkaErrorCode::IllegalGeneration
+            | RDKafkaErrorCode::RebalanceInProgress
+            | RDKafkaErrorCode::FencedInstanceId
+            | RDKafkaErrorCode::StaleMemberEpoch
+            | RDKafkaErrorCode::AssignmentLost
+    )
+}
+
+fn commit_error(err: KafkaError) -> SourceError {
+    let code = match &err {
+        KafkaError::ConsumerCommit(code) => Some(*code),
+        other => other.rdkafka_error_code(),
+    };
+    match code {
+        Some(c) if is_rebalance_code(c) => {
+            SourceError::rebalanced(format!("commit refused by a rebalance: {err}"))
+                .with_source(err)
+        }
+        _ => source_error("commit", err),
+    }
+}
+
+/// Converts a consumed record into a [`ReceivedMessage`]: raw headers (null values kept), raw
+/// value, broker timestamp; decoding failures become a typed [`outbox_core::DecodeError`]
+/// inside the message, never a panic.
 fn to_received(msg: &BorrowedMessage<'_>) -> ReceivedMessage {
-    let headers: Vec<(&str, &[u8])> = msg
+    let headers: Vec<RecordHeader> = msg
         .headers()
-        .map(|h| h.iter().map(|h| (h.key, h.value.unwrap_or(&[]))).collect())
+        .map(|h| {
+            h.iter()
+                .map(|h| RecordHeader {
+                    name: h.key.to_owned(),
+                    value: h.value.map(<[u8]>::to_vec),
+                })
+                .collect()
+        })
         .unwrap_or_default();
-    let envelope = wire::decode(&headers, msg.payload().unwrap_or(&[]));
-    if let Err(e) = &envelope {
+    let timestamp = msg
+        .timestamp()
+        .to_millis()
+        .and_then(DateTime::<Utc>::from_timestamp_millis);
+    let m = ReceivedMessage::from_record(
+        LogPosition::new(msg.topic(), msg.partition(), msg.offset()),
+        msg.key().map(<[u8]>::to_vec),
+        headers,
+        msg.payload().map(<[u8]>::to_vec),
+        timestamp,
+    );
+    if let Err(e) = &m.envelope {
         tracing::warn!(topic = msg.topic(), partition = msg.partition(), offset = msg.offset(), error = %e, "message cannot be decoded into an envelope");
     }
-    ReceivedMessage::new(
-        LogPosition {
-            topic: msg.topic().to_owned(),
-            partition: msg.partition(),
-            offset: msg.offset(),
-        },
-        msg.key().map(<[u8]>::to_vec),
-        envelope,
-    )
+    m
+}
+
+/// Where an out-of-range partition stands.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum OutOfRange {
+    /// Below the earliest offset: records were deleted before they were read.
+    Lost { position: i64, earliest: i64 },
+    /// Beyond the end: the log lost records (or the topic was recreated). Reading starts
+    /// again at the earliest offset: redelivery, never loss.
+    Beyond { earliest: i64 },
+    /// In range now (a transient out-of-range during a leader change).
+    InRange { position: i64 },
+}
+
+pub(crate) fn classify_out_of_range(position: i64, low: i64, high: i64) -> OutOfRange {
+    if position < low {
+        OutOfRange::Lost {
+            position,
+            earliest: low,
+        }
+    } else if position > high {
+        OutOfRange::Beyond { earliest: low }
+    } else {
+        OutOfRange::InRange { position }
+    }
 }
 
 /// The consumer source for the inbox engine.
@@ -386,27 +588,40 @@ fn to_received(msg: &BorrowedMessage<'_>) -> ReceivedMessage {
 ///
 /// Auto-commit and the automatic offset store are off. Offsets move only when
 ///
-/// 1. the engine calls [`MessageSource::commit`] (after the effect's transaction committed;
-///    offsets of partitions this member no longer owns are skipped), or
-/// 2. partitions are revoked (rebalance, or the source is dropped) and a [`RevokeHook`] is
-///    installed: the hook names the offsets that are final for the revoked partitions and they
-///    are committed synchronously before the partitions go to another member.
+/// 1. the engine calls [`MessageSource::commit`] after the effect's transaction committed.
+///    Offsets of partitions this member no longer owns are skipped; when the member's
+///    assignment was lost (it stalled past `max.poll.interval.ms` and the group gave its
+///    partitions away, a state the assignment list does not show until the next poll serves
+///    the revoke) nothing is committed and the call fails with
+///    [`outbox_core::SourceErrorKind::Rebalanced`], as it does when the broker refuses the
+///    commit with `UNKNOWN_MEMBER_ID`, `ILLEGAL_GENERATION` or `REBALANCE_IN_PROGRESS`. The
+///    engine drops those commits and polls again.
+/// 2. partitions are revoked (rebalance, or the source is closed): the offsets the engine's
+///    tracker ([`MessageSource::attach_offsets`]) holds final for them are committed
+///    synchronously before they go to another member, never an offset past an unfinished
+///    message. A lost assignment commits nothing.
+/// 3. a partition without a committed offset is assigned with [`StartFrom::Latest`]: its start
+///    position is committed at once.
 ///
-/// The usual hook is the engine's [`OffsetTracker`] behind a mutex
-/// ([`KafkaSourceBuilder::offset_tracker`]): the engine calls `begin`/`finish` as messages are
-/// handled and `take_commits` for regular commits; on revoke the source calls
-/// [`OffsetTracker::revoke`], which yields the contiguous watermark, never an offset past an
-/// unfinished message. Anything not final is delivered again to the next owner.
+/// On assignment the tracker forgets what it held for the partitions (reading resumes at the
+/// committed offsets), every partition without a committed offset gets an explicit start
+/// offset ([`StartFrom`]), and a committed offset below the earliest available one (records
+/// deleted by retention before the group read them) makes the next poll fail with
+/// [`outbox_core::SourceErrorKind::RetentionGap`], naming the partitions and the gap.
+/// `auto.offset.reset` is `error`: when an offset becomes out of range while reading, the
+/// source looks at every assigned partition: one below the earliest offset is a retention gap
+/// (the poll fails, nothing is skipped); one beyond the end (the broker lost records, the topic
+/// was recreated) is read again from its earliest offset, which the engine sees as a rewind.
 ///
 /// The engine must keep calling [`poll`](MessageSource::poll): rebalances (and so the
 /// revoke commits) are served while polling.
 ///
-/// Dropping the source closes the consumer: its partitions are revoked (the [`RevokeHook`]
-/// commits what is final) and the group rebalances.
+/// Dropping the source closes the consumer: its partitions are revoked (final offsets
+/// committed) and the group rebalances.
 pub struct KafkaSource {
     consumer: Arc<StreamConsumer<SourceContext>>,
     config: KafkaSourceConfig,
-    revoke_log: RevokeLog,
+    shared: Arc<Shared>,
 }
 
 impl fmt::Debug for KafkaSource {
@@ -422,7 +637,6 @@ impl KafkaSource {
     pub fn builder(brokers: impl Into<String>, group_id: impl Into<String>) -> KafkaSourceBuilder {
         KafkaSourceBuilder {
             config: KafkaSourceConfig::new(brokers, group_id),
-            hook: None,
         }
     }
 
@@ -431,25 +645,31 @@ impl KafkaSource {
         &self.config
     }
 
-    /// Leaves the group: revokes the partitions (the [`RevokeHook`] commits what is final) and
-    /// closes the consumer, off the async worker threads. Dropping the source does the same but
-    /// blocks the current thread while librdkafka closes.
+    /// Leaves the group: revokes the partitions (final offsets committed) and closes the
+    /// consumer, off the async worker threads. Dropping the source does the same but blocks the
+    /// current thread while librdkafka closes.
     pub async fn close(self) {
         let consumer = self.consumer;
         let _ = tokio::task::spawn_blocking(move || drop(consumer)).await;
     }
 
     /// Partitions currently assigned to this member.
-    pub fn assignment(&self) -> Result<Vec<(String, i32)>, SourceError> {
+    pub fn assignment(&self) -> Result<Vec<TopicPartition>, SourceError> {
         self.consumer
             .assignment()
             .map(|tpl| partitions_of(&tpl))
             .map_err(|e| source_error("assignment", e))
     }
 
+    /// Whether the group took this member's assignment away (it has not polled since).
+    pub fn assignment_lost(&self) -> bool {
+        self.consumer.assignment_lost()
+    }
+
     /// Offsets committed on revoke so far (the most recent 64), oldest first.
-    pub fn revoke_commits(&self) -> Vec<(String, i32, i64)> {
-        self.revoke_log
+    pub fn revoke_commits(&self) -> Vec<CommitOffset> {
+        self.shared
+            .revoke_log
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .iter()
@@ -460,15 +680,15 @@ impl KafkaSource {
     /// The group's committed next offsets for `partitions` (`None` where nothing is committed).
     pub async fn committed(
         &self,
-        partitions: &[(String, i32)],
+        partitions: &[TopicPartition],
         timeout: Duration,
-    ) -> Result<Vec<(String, i32, Option<i64>)>, SourceError> {
+    ) -> Result<Vec<(TopicPartition, Option<i64>)>, SourceError> {
         let consumer = Arc::clone(&self.consumer);
         let partitions = partitions.to_vec();
         let tpl = tokio::task::spawn_blocking(move || {
             let mut tpl = TopicPartitionList::with_capacity(partitions.len());
-            for (t, p) in &partitions {
-                tpl.add_partition(t, *p);
+            for p in &partitions {
+                tpl.add_partition(&p.topic, p.partition);
             }
             consumer.committed_offsets(tpl, timeout)
         })
@@ -483,67 +703,182 @@ impl KafkaSource {
                     Offset::Offset(o) => Some(o),
                     _ => None,
                 };
-                (e.topic().to_owned(), e.partition(), offset)
+                (TopicPartition::new(e.topic(), e.partition()), offset)
             })
             .collect())
+    }
+
+    /// Answers `auto.offset.reset=error`: a partition below its earliest offset is a retention
+    /// gap; one beyond its end is read again from its earliest offset.
+    fn out_of_range(consumer: &StreamConsumer<SourceContext>) -> SourceError {
+        let positions = match consumer.position() {
+            Ok(p) => p,
+            Err(e) => return source_error("offset out of range; positions unknown", e),
+        };
+        let mut lost = Vec::new();
+        for e in positions.elements() {
+            let Offset::Offset(pos) = e.offset() else {
+                continue;
+            };
+            let (topic, partition) = (e.topic(), e.partition());
+            let Ok((low, high)) = consumer.fetch_watermarks(topic, partition, CALLBACK_TIMEOUT)
+            else {
+                continue;
+            };
+            match classify_out_of_range(pos, low, high) {
+                OutOfRange::Lost { position, earliest } => lost.push(format!(
+                    "{topic}/{partition}: next offset {position} < earliest available {earliest} \
+                     ({} records lost to retention)",
+                    earliest - position
+                )),
+                OutOfRange::Beyond { earliest } => {
+                    tracing::warn!(topic, partition, position = pos, end = high, earliest, "offset beyond the end of the partition (records lost on the broker or topic recreated); reading again from the earliest offset");
+                    if let Err(err) =
+                        consumer.seek(topic, partition, Offset::Offset(earliest), CALLBACK_TIMEOUT)
+                    {
+                        tracing::warn!(topic, partition, error = %err, "seek failed");
+                    }
+                }
+                OutOfRange::InRange { .. } => {}
+            }
+        }
+        if lost.is_empty() {
+            SourceError::new(
+                ErrorClass::Transient,
+                "an offset was out of range and has been reset; polling again",
+            )
+        } else {
+            SourceError::retention_gap(format!(
+                "records were deleted before this group read them: {}",
+                lost.join("; ")
+            ))
+        }
     }
 }
 
 #[async_trait]
 impl MessageSource for KafkaSource {
     async fn poll(&self, timeout: Duration) -> Result<Option<ReceivedMessage>, SourceError> {
+        if let Some(e) = self
+            .shared
+            .pending_error
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            return Err(e);
+        }
         // recv() is cancellation safe: a timeout loses no message.
         match tokio::time::timeout(timeout, self.consumer.recv()).await {
             Err(_elapsed) => Ok(None),
             Ok(Ok(msg)) => Ok(Some(to_received(&msg))),
+            Ok(Err(KafkaError::MessageConsumption(RDKafkaErrorCode::AutoOffsetReset))) => {
+                let consumer = Arc::clone(&self.consumer);
+                let e = tokio::task::spawn_blocking(move || Self::out_of_range(&consumer))
+                    .await
+                    .map_err(|e| SourceError::new(ErrorClass::Transient, e.to_string()))?;
+                Err(e)
+            }
             Ok(Err(e)) => Err(source_error("poll", e)),
         }
     }
 
-    async fn commit(&self, offsets: &[(String, i32, i64)]) -> Result<(), SourceError> {
+    async fn commit(&self, offsets: &[CommitOffset]) -> Result<(), SourceError> {
         if offsets.is_empty() {
             return Ok(());
         }
-        if let Some((t, p, o)) = offsets.iter().find(|(_, _, o)| *o < 0) {
+        if let Some(c) = offsets.iter().find(|c| c.next_offset < 0) {
             return Err(SourceError::new(
                 ErrorClass::Permanent,
-                format!("refusing to commit negative offset {o} for {t}/{p}"),
+                format!("refusing to commit negative offset {c}"),
             ));
         }
         let consumer = Arc::clone(&self.consumer);
         let offsets = offsets.to_vec();
         // A synchronous commit waits for the coordinator: keep it off the async workers.
         tokio::task::spawn_blocking(move || {
+            if consumer.assignment_lost() {
+                return Err(SourceError::rebalanced(
+                    "the group took this member's assignment away (max.poll.interval.ms \
+                     exceeded or session lost); its commits are dropped",
+                ));
+            }
             // Offsets of partitions this member no longer owns are left out: the broker would
             // accept them and could move the new owner's position backwards. What they cover
             // is redelivered to the new owner, which at-least-once allows.
-            let assigned = partitions_of(&consumer.assignment()?);
+            let assigned = partitions_of(
+                &consumer
+                    .assignment()
+                    .map_err(|e| source_error("assignment", e))?,
+            );
             let (mine, stale): (Vec<_>, Vec<_>) = offsets
                 .into_iter()
-                .partition(|(t, p, _)| assigned.iter().any(|(at, ap)| at == t && ap == p));
+                .partition(|c| assigned.contains(&c.topic_partition()));
             if !stale.is_empty() {
                 tracing::info!(offsets = ?stale, "not committing offsets of partitions no longer assigned");
             }
             if mine.is_empty() {
                 return Ok(());
             }
-            consumer.commit(&to_tpl(&mine)?, CommitMode::Sync)
+            let tpl = to_tpl(&mine).map_err(|e| source_error("commit", e))?;
+            consumer.commit(&tpl, CommitMode::Sync).map_err(commit_error)
         })
         .await
         .map_err(|e| SourceError::new(ErrorClass::Transient, format!("commit task failed: {e}")))?
-        .map_err(|e| source_error("commit", e))
+    }
+
+    fn attach_offsets(&self, offsets: SharedOffsetTracker) {
+        *self
+            .shared
+            .tracker
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(offsets);
+    }
+
+    async fn lag(&self) -> Result<Vec<PartitionLag>, SourceError> {
+        let consumer = Arc::clone(&self.consumer);
+        tokio::task::spawn_blocking(move || {
+            let assigned = consumer
+                .assignment()
+                .map_err(|e| source_error("assignment", e))?;
+            let committed = consumer
+                .committed_offsets(assigned, CALLBACK_TIMEOUT)
+                .map_err(|e| source_error("committed offsets", e))?;
+            let mut out = Vec::new();
+            for e in committed.elements() {
+                let (low, high) = consumer
+                    .fetch_watermarks(e.topic(), e.partition(), CALLBACK_TIMEOUT)
+                    .map_err(|err| source_error("watermarks", err))?;
+                let c = match e.offset() {
+                    Offset::Offset(o) => Some(o),
+                    _ => None,
+                };
+                out.push(PartitionLag::new(
+                    TopicPartition::new(e.topic(), e.partition()),
+                    c,
+                    low,
+                    high,
+                ));
+            }
+            Ok(out)
+        })
+        .await
+        .map_err(|e| SourceError::new(ErrorClass::Transient, e.to_string()))?
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use outbox_core::SourceErrorKind;
 
     #[test]
     fn unsafe_consumer_overrides_are_rejected() {
         for (k, v) in [
             ("enable.auto.commit", "true"),
             ("enable.auto.offset.store", "true"),
+            ("auto.offset.reset", "latest"),
+            ("auto.offset.reset", "earliest"),
         ] {
             let err = KafkaSource::builder("127.0.0.1:1", "g")
                 .topic("t")
@@ -561,42 +896,113 @@ mod tests {
 
     #[test]
     fn enforced_consumer_settings() {
-        let mut config = KafkaSourceConfig::new("b:1", "g");
-        config.topics.push("t".into());
-        config.session_timeout = Duration::from_secs(6);
-        config.properties.set("enable.auto.commit", "false");
-        let cc = config.consumer_config().unwrap();
-        assert_eq!(cc.get("enable.auto.commit"), Some("false"));
-        assert_eq!(cc.get("enable.auto.offset.store"), Some("false"));
-        assert_eq!(cc.get("session.timeout.ms"), Some("6000"));
-        assert_eq!(cc.get("heartbeat.interval.ms"), Some("2000"));
-        assert_eq!(cc.get("auto.offset.reset"), Some("earliest"));
-        assert_eq!(cc.get("group.id"), Some("g"));
+        for start in [StartFrom::Earliest, StartFrom::Latest] {
+            let mut config = KafkaSourceConfig::new("b:1", "g");
+            config.topics.push("t".into());
+            config.session_timeout = Duration::from_secs(6);
+            config.start_from = start;
+            config.properties.set("enable.auto.commit", "false");
+            let cc = config.consumer_config().unwrap();
+            assert_eq!(cc.get("enable.auto.commit"), Some("false"));
+            assert_eq!(cc.get("enable.auto.offset.store"), Some("false"));
+            assert_eq!(cc.get("session.timeout.ms"), Some("6000"));
+            assert_eq!(cc.get("heartbeat.interval.ms"), Some("2000"));
+            // The start position is set per partition on assignment; librdkafka's reset
+            // only reports an out-of-range offset.
+            assert_eq!(cc.get("auto.offset.reset"), Some("error"));
+            assert_eq!(cc.get("group.id"), Some("g"));
+        }
     }
 
     #[test]
-    fn tracker_hook_returns_contiguous_watermark_of_revoked_only() {
-        let tracker = Mutex::new(OffsetTracker::default());
-        {
-            let mut t = tracker.lock().unwrap();
-            for o in 0..5 {
-                t.begin("a", 0, o);
-                t.begin("a", 1, o);
-            }
-            for o in [0, 1, 3] {
-                t.finish("a", 0, o);
-            }
-            t.finish("a", 1, 0);
+    fn start_decision_table() {
+        use StartDecision::*;
+        use StartFrom::{Earliest, Latest};
+        let table = [
+            (Some(5), Some((0, 10)), Earliest, Committed),
+            (Some(5), Some((0, 10)), Latest, Committed),
+            (Some(5), None, Earliest, Committed),
+            (Some(12), Some((0, 10)), Earliest, Committed), // beyond the end: answered by reset=error
+            (
+                Some(3),
+                Some((7, 10)),
+                Earliest,
+                Gap {
+                    committed: 3,
+                    earliest: 7,
+                },
+            ),
+            (
+                Some(3),
+                Some((7, 10)),
+                Latest,
+                Gap {
+                    committed: 3,
+                    earliest: 7,
+                },
+            ),
+            (None, Some((7, 10)), Earliest, Beginning),
+            (None, None, Earliest, Beginning),
+            (None, Some((7, 10)), Latest, EndCommitted(10)),
+            (None, None, Latest, EndCommitted(-1)),
+        ];
+        for (committed, wm, start, expect) in table {
+            assert_eq!(
+                decide_start(committed, wm, start),
+                expect,
+                "{committed:?} {wm:?} {start:?}"
+            );
         }
-        let finals = tracker.final_offsets(&[("a".into(), 0)]);
-        assert_eq!(finals, vec![("a".to_string(), 0, 2)]);
-        // partition 1 was not revoked: still tracked
-        assert_eq!(tracker.lock().unwrap().in_flight(), 4);
-        let hook =
-            FnRevokeHook(|r: &[(String, i32)]| r.iter().map(|(t, p)| (t.clone(), *p, 7)).collect());
+    }
+
+    #[test]
+    fn out_of_range_table() {
         assert_eq!(
-            hook.final_offsets(&[("x".into(), 2)]),
-            vec![("x".into(), 2, 7)]
+            classify_out_of_range(3, 7, 10),
+            OutOfRange::Lost {
+                position: 3,
+                earliest: 7
+            }
         );
+        assert_eq!(
+            classify_out_of_range(15, 7, 10),
+            OutOfRange::Beyond { earliest: 7 }
+        );
+        assert_eq!(
+            classify_out_of_range(8, 7, 10),
+            OutOfRange::InRange { position: 8 }
+        );
+        assert_eq!(
+            classify_out_of_range(10, 7, 10),
+            OutOfRange::InRange { position: 10 }
+        );
+    }
+
+    #[test]
+    fn rebalance_commit_errors_are_dropped_not_retried() {
+        use RDKafkaErrorCode as C;
+        let table = [
+            (C::UnknownMemberId, true),
+            (C::IllegalGeneration, true),
+            (C::RebalanceInProgress, true),
+            (C::FencedInstanceId, true),
+            (C::StaleMemberEpoch, true),
+            (C::AssignmentLost, true),
+            (C::RequestTimedOut, false),
+            (C::CoordinatorNotAvailable, false),
+            (C::NotCoordinator, false),
+            (C::GroupAuthorizationFailed, false),
+        ];
+        for (code, rebalance) in table {
+            assert_eq!(is_rebalance_code(code), rebalance, "{code:?}");
+            let e = commit_error(KafkaError::ConsumerCommit(code));
+            assert_eq!(
+                e.kind == SourceErrorKind::Rebalanced,
+                rebalance,
+                "{code:?}: {e}"
+            );
+        }
+        let auth = commit_error(KafkaError::ConsumerCommit(C::GroupAuthorizationFailed));
+        assert_eq!(auth.class, ErrorClass::Permanent);
     }
 }

@@ -1,28 +1,64 @@
-//! [`PostgresInboxStore`]: consumer-side deduplication on PostgreSQL.
+//! [`PostgresInboxStore`]: the consumer side on PostgreSQL: deduplication, per-aggregate
+//! versions and parked messages, in the effect's transaction.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::{PgPool, Postgres, Row, Transaction};
+use uuid::Uuid;
 
-use outbox_core::{async_trait, EventId, InboxStore, Registration, StoreError};
+use outbox_core::{
+    async_trait, AggregateKey, AggregateState, EventId, InboxStore, NewParkedMessage, ParkAs,
+    Parking, Registration, StoreError, StoreErrorKind, VersionAdvance,
+};
 
 use crate::config::{DEFAULT_INBOX_TABLE, DEFAULT_SCHEMA};
 use crate::error::db;
 use crate::schema::{self, qualified, validate_identifier, MAX_IDENTIFIER_LEN, MAX_TABLE_NAME_LEN};
 
-/// The inbox: `INSERT .. ON CONFLICT DO NOTHING RETURNING` in the effect's transaction.
+/// The statement that begins every inbox transaction. `synchronous_commit = on` for the
+/// transaction: the engine commits the Kafka offset right after this transaction's commit
+/// returns, so the commit must be flushed, whatever the role's or database's default.
+pub(crate) const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; \
+                                SET LOCAL synchronous_commit TO on";
+
+/// The consumer's store on PostgreSQL.
 ///
-/// A returned row means "apply the effect"; no row means the pair was registered by a committed
-/// transaction. A concurrent registration of the same pair blocks on the unique index until the
-/// first transaction ends, then sees a duplicate (first committed) or registers fresh (first
-/// rolled back).
+/// * **Deduplication:** `INSERT .. SELECT unnest($ids) ON CONFLICT DO NOTHING RETURNING` in the
+///   effect's transaction, one statement per batch. A returned id means "apply"; a missing one
+///   means the pair was registered by a committed transaction (or earlier in this one). A
+///   concurrent registration of the same pair blocks on the unique index until the first
+///   transaction ends.
+/// * **Versions and blocking:** table `<table>_aggregates`, read for a batch in one statement;
+///   advanced in one statement that matches the expected version, so a concurrent advance (a
+///   second consumer instance during a rebalance) is a `Conflict`, never a lost update.
+/// * **Parking:** table `<table>_parked` keeps the raw record (key, headers with null values,
+///   value), position, reason and attempts; `<table>_audit` keeps every operator action.
+///   Parking locks the aggregate's row, as the operator's release does, so a message never
+///   waits behind an aggregate that is being released.
+/// * **Durability:** every transaction begins with `SET LOCAL synchronous_commit TO on`.
 #[derive(Clone, Debug)]
 pub struct PostgresInboxStore {
     pool: PgPool,
     schema: String,
     table: String,
-    register_sql: String,
-    cleanup_sql: String,
+    pub(crate) sql: Sql,
+}
+
+/// Statements, rendered once for the configured names.
+#[derive(Clone, Debug)]
+pub(crate) struct Sql {
+    register: String,
+    cleanup: String,
+    aggregates: String,
+    advance: String,
+    ensure_aggregate: String,
+    lock_aggregate: String,
+    block: String,
+    insert_parked: String,
+    pub(crate) parked: String,
+    pub(crate) aggs: String,
+    pub(crate) audit: String,
 }
 
 /// Builder of a [`PostgresInboxStore`].
@@ -40,7 +76,8 @@ impl PostgresInboxStoreBuilder {
         self.schema = schema.into();
         self
     }
-    /// Table (default `processed_events`).
+    /// Table (default `processed_events`); the versions, parked and audit tables are named
+    /// after it (`<table>_aggregates`, `<table>_parked`, `<table>_audit`).
     pub fn table(mut self, table: impl Into<String>) -> Self {
         self.table = table.into();
         self
@@ -50,20 +87,71 @@ impl PostgresInboxStoreBuilder {
         validate_identifier("schema", &self.schema, MAX_IDENTIFIER_LEN)?;
         validate_identifier("table", &self.table, MAX_TABLE_NAME_LEN)?;
         let t = qualified(&self.schema, &self.table);
-        Ok(PostgresInboxStore {
-            register_sql: format!(
-                "INSERT INTO {t} (consumer, event_id) VALUES ($1, $2) \
-                 ON CONFLICT DO NOTHING RETURNING 1"
+        let aggs = qualified(&self.schema, &format!("{}_aggregates", self.table));
+        let parked = qualified(&self.schema, &format!("{}_parked", self.table));
+        let audit = qualified(&self.schema, &format!("{}_audit", self.table));
+        let sql = Sql {
+            register: format!(
+                "INSERT INTO {t} (consumer, event_id) SELECT $1, u FROM unnest($2::uuid[]) AS u \
+                 ON CONFLICT DO NOTHING RETURNING event_id"
             ),
-            cleanup_sql: format!(
+            cleanup: format!(
                 "DELETE FROM {t} WHERE ctid IN ( \
                    SELECT ctid FROM {t} \
                    WHERE processed_at < clock_timestamp() - $1::int8 * interval '1 microsecond' \
                    LIMIT $2)"
             ),
+            aggregates: format!(
+                "SELECT a.applied_version, coalesce(a.blocked, false) AS blocked \
+                 FROM unnest($2::text[], $3::text[]) WITH ORDINALITY AS k(t, i, ord) \
+                 LEFT JOIN {aggs} a ON a.consumer = $1 AND a.aggregate_type = k.t \
+                   AND a.aggregate_id = k.i \
+                 ORDER BY k.ord"
+            ),
+            advance: format!(
+                "WITH x AS (SELECT * FROM unnest($2::text[], $3::text[], $4::int8[], $5::int8[]) \
+                            AS x(t, i, expected, version)), \
+                 ins AS (INSERT INTO {aggs} AS a (consumer, aggregate_type, aggregate_id, applied_version) \
+                         SELECT $1, t, i, version FROM x WHERE expected IS NULL \
+                         ON CONFLICT (consumer, aggregate_type, aggregate_id) DO UPDATE \
+                           SET applied_version = EXCLUDED.applied_version, updated_at = now() \
+                           WHERE a.applied_version IS NULL \
+                         RETURNING 1), \
+                 upd AS (UPDATE {aggs} a SET applied_version = x.version, updated_at = now() \
+                         FROM x WHERE x.expected IS NOT NULL AND a.consumer = $1 \
+                           AND a.aggregate_type = x.t AND a.aggregate_id = x.i \
+                           AND a.applied_version = x.expected \
+                         RETURNING 1) \
+                 SELECT (SELECT count(*) FROM ins) + (SELECT count(*) FROM upd)"
+            ),
+            ensure_aggregate: format!(
+                "INSERT INTO {aggs} (consumer, aggregate_type, aggregate_id) VALUES ($1, $2, $3) \
+                 ON CONFLICT DO NOTHING"
+            ),
+            lock_aggregate: format!(
+                "SELECT blocked FROM {aggs} WHERE consumer = $1 AND aggregate_type = $2 \
+                 AND aggregate_id = $3 FOR UPDATE"
+            ),
+            block: format!(
+                "UPDATE {aggs} SET blocked = true, updated_at = now() WHERE consumer = $1 \
+                 AND aggregate_type = $2 AND aggregate_id = $3"
+            ),
+            insert_parked: format!(
+                "INSERT INTO {parked} (consumer, topic, \"partition\", \"offset\", record_key, \
+                   header_names, header_values, value, aggregate_type, aggregate_id, event_id, \
+                   dedup_id, aggregate_version, status, kind, reason, attempts) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) \
+                 ON CONFLICT DO NOTHING RETURNING id"
+            ),
+            parked,
+            aggs,
+            audit,
+        };
+        Ok(PostgresInboxStore {
             pool: self.pool,
             schema: self.schema,
             table: self.table,
+            sql,
         })
     }
 }
@@ -98,6 +186,104 @@ impl PostgresInboxStore {
     pub fn schema_sql(&self) -> String {
         schema::inbox_schema_sql(&self.schema, &self.table).expect("names validated by build()")
     }
+
+    async fn park_one(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        consumer: &str,
+        m: &NewParkedMessage,
+    ) -> Result<Parking, StoreError> {
+        let r = &m.record;
+        let blocked = match &r.aggregate {
+            Some(a) => {
+                sqlx::query(&self.sql.ensure_aggregate)
+                    .bind(consumer)
+                    .bind(&a.aggregate_type)
+                    .bind(&a.aggregate_id)
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(db)?;
+                // The row lock serializes this with an operator releasing the aggregate.
+                let blocked: bool = sqlx::query_scalar(&self.sql.lock_aggregate)
+                    .bind(consumer)
+                    .bind(&a.aggregate_type)
+                    .bind(&a.aggregate_id)
+                    .fetch_one(&mut **tx)
+                    .await
+                    .map_err(db)?;
+                blocked
+            }
+            None => false,
+        };
+        let (status, kind) = match (m.park_as, blocked) {
+            (ParkAs::Waiting, false) => {
+                return Err(StoreError::new(
+                    StoreErrorKind::Conflict,
+                    format!(
+                        "aggregate {:?} is not blocked: the message at {} cannot wait (it was \
+                         released meanwhile; apply it instead)",
+                        r.aggregate, r.position
+                    ),
+                ))
+            }
+            (ParkAs::Waiting, true) | (ParkAs::Head(_), true) => ("waiting", None),
+            (ParkAs::Head(kind), false) => ("parked", Some(kind.as_str())),
+        };
+        let (names, values): (Vec<&str>, Vec<Option<&[u8]>>) = r
+            .headers
+            .iter()
+            .map(|h| (h.name.as_str(), h.value.as_deref()))
+            .unzip();
+        let id: Option<i64> = sqlx::query_scalar(&self.sql.insert_parked)
+            .bind(consumer)
+            .bind(&r.position.topic)
+            .bind(r.position.partition)
+            .bind(r.position.offset)
+            .bind(r.key.as_deref())
+            .bind(&names)
+            .bind(&values)
+            .bind(r.value.as_deref())
+            .bind(r.aggregate.as_ref().map(|a| a.aggregate_type.as_str()))
+            .bind(r.aggregate.as_ref().map(|a| a.aggregate_id.as_str()))
+            .bind(r.event_id.map(|e| e.as_uuid()))
+            .bind(r.dedup_id.map(|e| e.as_uuid()))
+            .bind(r.aggregate_version)
+            .bind(status)
+            .bind(kind)
+            .bind(&m.reason)
+            .bind(i32::try_from(m.attempts).unwrap_or(i32::MAX))
+            .fetch_optional(&mut **tx)
+            .await
+            .map_err(db)?;
+        let Some(id) = id else {
+            return Ok(Parking::AlreadyParked);
+        };
+        let id = outbox_core::ParkedId(id);
+        if status == "parked" {
+            if let Some(a) = &r.aggregate {
+                sqlx::query(&self.sql.block)
+                    .bind(consumer)
+                    .bind(&a.aggregate_type)
+                    .bind(&a.aggregate_id)
+                    .execute(&mut **tx)
+                    .await
+                    .map_err(db)?;
+            }
+            Ok(Parking::Head(id))
+        } else {
+            Ok(Parking::Waiting(id))
+        }
+    }
+}
+
+fn check_consumer(consumer: &str) -> Result<(), StoreError> {
+    if consumer.trim().is_empty() {
+        return Err(StoreError::new(
+            StoreErrorKind::Validation,
+            "consumer name must not be empty",
+        ));
+    }
+    Ok(())
 }
 
 #[async_trait]
@@ -105,26 +291,125 @@ impl InboxStore for PostgresInboxStore {
     type Tx = Transaction<'static, Postgres>;
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        self.pool.begin().await.map_err(db)
+        self.pool.begin_with(BEGIN).await.map_err(db)
     }
 
     async fn register(
         &self,
         tx: &mut Self::Tx,
         consumer: &str,
-        event_id: EventId,
-    ) -> Result<Registration, StoreError> {
-        let row: Option<i32> = sqlx::query_scalar(&self.register_sql)
+        ids: &[EventId],
+    ) -> Result<Vec<Registration>, StoreError> {
+        check_consumer(consumer)?;
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let uuids: Vec<Uuid> = ids.iter().map(|i| i.as_uuid()).collect();
+        let inserted: Vec<Uuid> = sqlx::query_scalar(&self.sql.register)
             .bind(consumer)
-            .bind(event_id.as_uuid())
-            .fetch_optional(&mut **tx)
+            .bind(&uuids)
+            .fetch_all(&mut **tx)
             .await
             .map_err(db)?;
-        Ok(if row.is_some() {
-            Registration::Fresh
-        } else {
-            Registration::Duplicate
-        })
+        let mut fresh: HashSet<Uuid> = inserted.into_iter().collect();
+        // The first occurrence of an inserted id is fresh; repeats and the rest are duplicates.
+        Ok(uuids
+            .iter()
+            .map(|u| {
+                if fresh.remove(u) {
+                    Registration::Fresh
+                } else {
+                    Registration::Duplicate
+                }
+            })
+            .collect())
+    }
+
+    async fn aggregates(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        aggregates: &[AggregateKey],
+    ) -> Result<Vec<AggregateState>, StoreError> {
+        check_consumer(consumer)?;
+        if aggregates.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (types, ids): (Vec<&str>, Vec<&str>) = aggregates
+            .iter()
+            .map(|a| (a.aggregate_type.as_str(), a.aggregate_id.as_str()))
+            .unzip();
+        let rows = sqlx::query(&self.sql.aggregates)
+            .bind(consumer)
+            .bind(&types)
+            .bind(&ids)
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(db)?;
+        rows.iter()
+            .map(|r| {
+                Ok(AggregateState::new(
+                    r.try_get("applied_version").map_err(db)?,
+                    r.try_get("blocked").map_err(db)?,
+                ))
+            })
+            .collect()
+    }
+
+    async fn advance_versions(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        updates: &[VersionAdvance],
+    ) -> Result<(), StoreError> {
+        check_consumer(consumer)?;
+        if updates.is_empty() {
+            return Ok(());
+        }
+        let types: Vec<&str> = updates
+            .iter()
+            .map(|u| u.aggregate.aggregate_type.as_str())
+            .collect();
+        let ids: Vec<&str> = updates
+            .iter()
+            .map(|u| u.aggregate.aggregate_id.as_str())
+            .collect();
+        let expected: Vec<Option<i64>> = updates.iter().map(|u| u.expected).collect();
+        let versions: Vec<i64> = updates.iter().map(|u| u.version).collect();
+        let moved: i64 = sqlx::query_scalar(&self.sql.advance)
+            .bind(consumer)
+            .bind(&types)
+            .bind(&ids)
+            .bind(&expected)
+            .bind(&versions)
+            .fetch_one(&mut **tx)
+            .await
+            .map_err(db)?;
+        if moved != updates.len() as i64 {
+            return Err(StoreError::new(
+                StoreErrorKind::Conflict,
+                format!(
+                    "{} of {} aggregate versions were moved by another transaction",
+                    updates.len() as i64 - moved,
+                    updates.len()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    async fn park(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        messages: &[NewParkedMessage],
+    ) -> Result<Vec<Parking>, StoreError> {
+        check_consumer(consumer)?;
+        let mut out = Vec::with_capacity(messages.len());
+        for m in messages {
+            out.push(self.park_one(tx, consumer, m).await?);
+        }
+        Ok(out)
     }
 
     async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
@@ -136,22 +421,21 @@ impl InboxStore for PostgresInboxStore {
     }
 
     async fn cleanup(&self, retention: Duration, batch_size: usize) -> Result<u64, StoreError> {
-        let batch = batch_size.clamp(1, 1_000_000) as i64;
-        let retention_us = retention.as_micros().min(i64::MAX as u128) as i64;
-        let mut removed = 0u64;
-        loop {
-            let n = sqlx::query(&self.cleanup_sql)
-                .bind(retention_us)
-                .bind(batch)
-                .execute(&self.pool)
-                .await
-                .map_err(db)?
-                .rows_affected();
-            removed += n;
-            if (n as i64) < batch {
-                break;
-            }
+        if batch_size == 0 {
+            return Err(StoreError::new(
+                StoreErrorKind::Configuration,
+                "cleanup batch size must be at least 1",
+            ));
         }
-        Ok(removed)
+        let batch = batch_size.min(1_000_000) as i64;
+        let retention_us = retention.as_micros().min(i64::MAX as u128) as i64;
+        let n = sqlx::query(&self.sql.cleanup)
+            .bind(retention_us)
+            .bind(batch)
+            .execute(&self.pool)
+            .await
+            .map_err(db)?
+            .rows_affected();
+        Ok(n)
     }
 }

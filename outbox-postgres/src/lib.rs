@@ -75,6 +75,7 @@
 mod config;
 mod error;
 mod inbox;
+mod inbox_parking;
 mod listener;
 mod outbox;
 mod schema;

@@ -14,6 +14,7 @@ const OUTBOX_V1: &str = include_str!("migrations/0001_outbox.sql");
 const OUTBOX_V2: &str = include_str!("migrations/0002_outbox.sql");
 const OUTBOX_V3: &str = include_str!("migrations/0003_outbox.sql");
 const INBOX_V1: &str = include_str!("migrations/0001_inbox.sql");
+const INBOX_V2: &str = include_str!("migrations/0002_inbox.sql");
 
 /// Longest accepted table name: derived names (`<table>_audit_action_check`,
 /// `<table>_unfinished_idx`, `<table>_aggregate`) must stay within PostgreSQL's 63-byte
@@ -87,7 +88,7 @@ pub fn outbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError
 pub fn inbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError> {
     validate_identifier("schema", schema, MAX_IDENTIFIER_LEN)?;
     validate_identifier("table", table, MAX_TABLE_NAME_LEN)?;
-    Ok(render(INBOX_V1, schema, table))
+    Ok(render(&format!("{INBOX_V1}{INBOX_V2}"), schema, table))
 }
 
 pub(crate) enum Component {
@@ -117,7 +118,13 @@ pub(crate) async fn migrate(
                 ),
             ],
         ),
-        Component::Inbox => ("inbox", &[(1, "inbox table", INBOX_V1)]),
+        Component::Inbox => (
+            "inbox",
+            &[
+                (1, "inbox table", INBOX_V1),
+                (2, "aggregate versions, parked messages, audit", INBOX_V2),
+            ],
+        ),
     };
     let mut tx = pool.begin().await.map_err(db)?;
     sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('outbox-postgres:migrate', 0))")

@@ -9,6 +9,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use outbox_core::InboxStoreExt;
 use outbox_core::{
     AckMetadata, ClaimMode, ClaimRequest, ClaimedBatch, Envelope, ErrorClass, EventId, InboxStore,
     LastError, OperatorAction, OutboxStore, Outcome, ParkKind, ParkReason, Payload, Registration,
@@ -863,24 +864,24 @@ async fn inbox_registers_once_per_consumer_and_cleans_up() {
     let id = EventId::now_v7();
     let mut tx = inbox.begin().await.unwrap();
     assert_eq!(
-        inbox.register(&mut tx, "billing", id).await.unwrap(),
+        inbox.register_one(&mut tx, "billing", id).await.unwrap(),
         Registration::Fresh
     );
     sqlx::query("SELECT 1").execute(&mut *tx).await.unwrap(); // the effect, same tx
     inbox.commit(tx).await.unwrap();
     let mut tx = inbox.begin().await.unwrap();
     assert_eq!(
-        inbox.register(&mut tx, "billing", id).await.unwrap(),
+        inbox.register_one(&mut tx, "billing", id).await.unwrap(),
         Registration::Duplicate
     );
     assert_eq!(
-        inbox.register(&mut tx, "shipping", id).await.unwrap(),
+        inbox.register_one(&mut tx, "shipping", id).await.unwrap(),
         Registration::Fresh
     );
     inbox.rollback(tx).await.unwrap();
     let mut tx = inbox.begin().await.unwrap();
     assert_eq!(
-        inbox.register(&mut tx, "shipping", id).await.unwrap(),
+        inbox.register_one(&mut tx, "shipping", id).await.unwrap(),
         Registration::Fresh,
         "rolled back registration is fresh again"
     );
@@ -890,9 +891,14 @@ async fn inbox_registers_once_per_consumer_and_cleans_up() {
         0
     );
     tokio::time::sleep(Duration::from_millis(200)).await;
+    // One bounded batch per call.
     assert_eq!(
         inbox.cleanup(Duration::from_millis(100), 1).await.unwrap(),
-        2
+        1
+    );
+    assert_eq!(
+        inbox.cleanup(Duration::from_millis(100), 10).await.unwrap(),
+        1
     );
     ctx.drop().await;
 }

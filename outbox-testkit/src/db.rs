@@ -35,6 +35,8 @@ pub(crate) struct DbState {
     pub(crate) outbox: OutboxState,
     /// Committed inbox registrations: (consumer, event id) -> registration time.
     pub(crate) inbox: BTreeMap<(String, EventId), DateTime<Utc>>,
+    /// Consumer versions, parked messages and their audit.
+    pub(crate) consumer: crate::inbox::ConsumerState,
     counters: TxCounters,
 }
 
@@ -139,6 +141,8 @@ impl MemoryDb {
             writes: BTreeMap::new(),
             outbox: Vec::new(),
             inbox: Vec::new(),
+            consumer_ops: Vec::new(),
+            consumer_locks: Vec::new(),
             finished: false,
         }
     }
@@ -183,6 +187,8 @@ pub struct MemoryTx {
     writes: BTreeMap<(String, String), Option<Value>>,
     pub(crate) outbox: Vec<StagedRow>,
     pub(crate) inbox: Vec<(String, EventId)>,
+    pub(crate) consumer_ops: Vec<crate::inbox::ConsumerOp>,
+    pub(crate) consumer_locks: Vec<(String, outbox_core::AggregateKey, u64)>,
     finished: bool,
 }
 
@@ -193,6 +199,7 @@ impl fmt::Debug for MemoryTx {
             .field("writes", &self.writes.len())
             .field("outbox", &self.outbox.len())
             .field("inbox", &self.inbox.len())
+            .field("consumer_ops", &self.consumer_ops.len())
             .finish()
     }
 }
@@ -275,7 +282,8 @@ impl MemoryTx {
                     ));
                 }
             }
-            Ok(())
+            let ops = std::mem::take(&mut self.consumer_ops);
+            crate::inbox::commit_ops(&mut st.consumer, &self.consumer_locks, &ops, now)
         })();
         if let Err(e) = check {
             st.counters.failed += 1;

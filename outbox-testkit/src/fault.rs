@@ -38,10 +38,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox_core::{
-    async_trait, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, CleanupReport,
-    CompletionReport, Envelope, EventId, InboxStore, OutboxStats, OutboxStore, Outcome,
-    ParkedEvent, PublishError, PublishErrorKind, PublishResult, Publisher, Registration,
-    StoreError, StoreErrorKind,
+    async_trait, AggregateKey, AggregateState, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest,
+    ClaimedBatch, CleanupReport, CompletionReport, Envelope, EventId, InboxAuditEntry,
+    InboxParking, InboxStore, NewParkedMessage, OutboxStats, OutboxStore, Outcome, ParkedChange,
+    ParkedEvent, ParkedFilter, ParkedId, ParkedMessage, ParkedStats, Parking, PublishError,
+    PublishErrorKind, PublishResult, Publisher, Registration, StoreError, StoreErrorKind,
+    VersionAdvance,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -567,12 +569,48 @@ impl<I: InboxStore> InboxStore for FaultyInbox<I> {
         &self,
         tx: &mut I::Tx,
         consumer: &str,
-        event_id: EventId,
-    ) -> Result<Registration, StoreError> {
+        ids: &[EventId],
+    ) -> Result<Vec<Registration>, StoreError> {
         faulty!(
             self.faults,
             "register",
-            self.inner.register(tx, consumer, event_id).await
+            self.inner.register(tx, consumer, ids).await
+        )
+    }
+    async fn aggregates(
+        &self,
+        tx: &mut I::Tx,
+        consumer: &str,
+        aggregates: &[AggregateKey],
+    ) -> Result<Vec<AggregateState>, StoreError> {
+        faulty!(
+            self.faults,
+            "aggregates",
+            self.inner.aggregates(tx, consumer, aggregates).await
+        )
+    }
+    async fn advance_versions(
+        &self,
+        tx: &mut I::Tx,
+        consumer: &str,
+        updates: &[VersionAdvance],
+    ) -> Result<(), StoreError> {
+        faulty!(
+            self.faults,
+            "advance_versions",
+            self.inner.advance_versions(tx, consumer, updates).await
+        )
+    }
+    async fn park(
+        &self,
+        tx: &mut I::Tx,
+        consumer: &str,
+        messages: &[NewParkedMessage],
+    ) -> Result<Vec<Parking>, StoreError> {
+        faulty!(
+            self.faults,
+            "park",
+            self.inner.park(tx, consumer, messages).await
         )
     }
     async fn commit(&self, tx: I::Tx) -> Result<(), StoreError> {
@@ -602,6 +640,71 @@ impl<I: InboxStore> InboxStore for FaultyInbox<I> {
             "cleanup",
             self.inner.cleanup(retention, batch_size).await
         )
+    }
+}
+
+/// Operator reads and writes pass through unchanged: faults target the hot path.
+#[async_trait]
+impl<I: InboxParking> InboxParking for FaultyInbox<I> {
+    async fn list_parked(
+        &self,
+        consumer: &str,
+        filter: &ParkedFilter,
+    ) -> Result<Vec<ParkedMessage>, StoreError> {
+        self.inner.list_parked(consumer, filter).await
+    }
+    async fn parked_message(
+        &self,
+        consumer: &str,
+        id: ParkedId,
+    ) -> Result<Option<ParkedMessage>, StoreError> {
+        self.inner.parked_message(consumer, id).await
+    }
+    async fn open_parked_of(
+        &self,
+        tx: &mut I::Tx,
+        consumer: &str,
+        aggregate: &AggregateKey,
+    ) -> Result<Vec<ParkedMessage>, StoreError> {
+        self.inner.open_parked_of(tx, consumer, aggregate).await
+    }
+    async fn parked_in(
+        &self,
+        tx: &mut I::Tx,
+        consumer: &str,
+        id: ParkedId,
+    ) -> Result<Option<ParkedMessage>, StoreError> {
+        self.inner.parked_in(tx, consumer, id).await
+    }
+    async fn change_parked(
+        &self,
+        tx: &mut I::Tx,
+        consumer: &str,
+        id: ParkedId,
+        change: &ParkedChange,
+    ) -> Result<(), StoreError> {
+        self.inner.change_parked(tx, consumer, id, change).await
+    }
+    async fn unblock(
+        &self,
+        tx: &mut I::Tx,
+        consumer: &str,
+        aggregate: &AggregateKey,
+    ) -> Result<(), StoreError> {
+        self.inner.unblock(tx, consumer, aggregate).await
+    }
+    async fn audit(&self, tx: &mut I::Tx, entry: &InboxAuditEntry) -> Result<(), StoreError> {
+        self.inner.audit(tx, entry).await
+    }
+    async fn audit_trail(
+        &self,
+        consumer: &str,
+        id: Option<ParkedId>,
+    ) -> Result<Vec<InboxAuditEntry>, StoreError> {
+        self.inner.audit_trail(consumer, id).await
+    }
+    async fn parked_stats(&self, consumer: &str) -> Result<ParkedStats, StoreError> {
+        self.inner.parked_stats(consumer).await
     }
 }
 
@@ -689,7 +792,7 @@ impl<P: Publisher> Publisher for FaultyPublisher<P> {
 mod tests {
     use super::*;
     use crate::{ManualClock, MemoryDb, MemoryInboxStore, MemoryLog, MemoryOutboxStore};
-    use outbox_core::{ErrorClass, MessageSource};
+    use outbox_core::{ErrorClass, InboxStoreExt, MessageSource};
 
     fn ev(agg: &str) -> Envelope {
         Envelope::builder("t", agg, 1, "e")
@@ -812,14 +915,14 @@ mod tests {
         let id = ev("a").event_id;
         let mut tx = inbox.begin().await.unwrap();
         assert_eq!(
-            inbox.register(&mut tx, "c", id).await.unwrap(),
+            inbox.register_one(&mut tx, "c", id).await.unwrap(),
             Registration::Fresh
         );
         assert!(inbox.commit(tx).await.is_err());
         assert!(inner.is_registered("c", id), "committed despite the error");
         let other = ev("bb").event_id;
         let mut tx = inbox.begin().await.unwrap();
-        inbox.register(&mut tx, "c", other).await.unwrap();
+        inbox.register_one(&mut tx, "c", other).await.unwrap();
         assert!(inbox.commit(tx).await.is_err());
         assert!(
             !inner.is_registered("c", other),

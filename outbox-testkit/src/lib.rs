@@ -10,7 +10,9 @@
 //!   head-of-line claiming, parking, operator actions, cleanup, stats).
 //! * [`MemoryLog`] / [`MemoryConsumer`]: a partitioned log implementing
 //!   [`outbox_core::Publisher`] and [`outbox_core::MessageSource`], with scripted broker faults.
-//! * [`MemoryInboxStore`]: the [`outbox_core::InboxStore`], committing with business writes.
+//! * [`MemoryInboxStore`]: the [`outbox_core::InboxStore`] and [`outbox_core::InboxParking`]
+//!   (registrations, per-aggregate versions, parked messages and their audit), committing with
+//!   business writes.
 //!
 //! And the tools every backend and every user of the library can test with:
 //!
@@ -44,8 +46,8 @@
 //! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
 //! use std::time::Duration;
 //! use outbox_core::{
-//!     ClaimMode, Envelope, InboxStore, MessageSource, OutboxStore, Registration, Relay,
-//!     RelayConfig,
+//!     ClaimMode, Envelope, InboxStore, InboxStoreExt, MessageSource, OutboxStore, Registration,
+//!     Relay, RelayConfig,
 //! };
 //! use outbox_testkit::{ManualClock, MemoryDb, MemoryInboxStore, MemoryLog, MemoryOutboxStore};
 //! use rand::{rngs::StdRng, SeedableRng};
@@ -80,11 +82,11 @@
 //! let received = msg.envelope.unwrap();
 //! assert_eq!(received, event);
 //! let mut tx = inbox.begin().await.unwrap();
-//! assert_eq!(inbox.register(&mut tx, "projection", received.event_id).await.unwrap(), Registration::Fresh);
+//! assert_eq!(inbox.register_event(&mut tx, "projection", &received).await.unwrap(), Registration::Fresh);
 //! tx.put("projection", "o-1", serde_json::json!({"status": "placed"}));
 //! inbox.commit(tx).await.unwrap();
 //! let p = &msg.position;
-//! consumer.commit(&[(p.topic.clone(), p.partition, p.offset + 1)]).await.unwrap();
+//! consumer.commit(&[p.next()]).await.unwrap(); // next offset to read
 //! assert_eq!(log.committed("projection", "orders", p.partition), Some(p.offset + 1));
 //! # });
 //! ```

@@ -17,10 +17,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use outbox_core::watermark::SharedOffsetTracker;
 use outbox_core::{
-    async_trait, wire, AckMetadata, Clock, Envelope, ErrorClass, EventId, LogPosition,
-    MessageSource, PublishError, PublishErrorKind, PublishResult, Publisher, ReceivedMessage,
-    SourceError,
+    async_trait, wire, AckMetadata, Clock, CommitOffset, Envelope, ErrorClass, EventId,
+    LogPosition, MessageSource, PartitionLag, PublishError, PublishErrorKind, PublishResult,
+    Publisher, ReceivedMessage, RecordHeader, SourceError, TopicPartition,
 };
 
 use crate::clock::ManualClock;
@@ -53,11 +54,21 @@ impl LogRecord {
 
     /// The position of this record.
     pub fn position(&self) -> LogPosition {
-        LogPosition {
-            topic: self.topic.clone(),
-            partition: self.partition,
-            offset: self.offset,
-        }
+        LogPosition::new(self.topic.clone(), self.partition, self.offset)
+    }
+
+    /// The record as a consumer receives it (raw headers and value, decoded envelope).
+    pub fn to_received(&self) -> ReceivedMessage {
+        ReceivedMessage::from_record(
+            self.position(),
+            self.key.clone(),
+            self.headers
+                .iter()
+                .map(|(k, v)| RecordHeader::new(k.clone(), v.clone()))
+                .collect(),
+            Some(self.value.clone()),
+            Some(self.timestamp),
+        )
     }
 
     fn size(&self) -> usize {
@@ -159,6 +170,10 @@ struct LogState {
     default_topic: Option<String>,
     faults: Vec<LogFault>,
     groups: HashMap<String, GroupState>,
+    /// Earliest available offset per partition (simulated retention), when above 0.
+    earliest: BTreeMap<(String, i32), i64>,
+    /// Bumped when a topic is recreated.
+    generations: BTreeMap<String, u64>,
     publish_calls: u64,
 }
 
@@ -275,6 +290,8 @@ impl MemoryLogBuilder {
                     default_topic: self.default_topic,
                     faults: Vec::new(),
                     groups: HashMap::new(),
+                    earliest: BTreeMap::new(),
+                    generations: BTreeMap::new(),
                     publish_calls: 0,
                 }),
                 notify: tokio::sync::Notify::new(),
@@ -425,6 +442,42 @@ impl MemoryLog {
         Ok(offset)
     }
 
+    /// Simulates retention: records of `topic`/`partition` below `offset` are no longer
+    /// available to consumers (they stay visible to [`records`](Self::records)). A group whose
+    /// committed offset is below it fails its next poll with a retention-gap error.
+    pub fn truncate_before(&self, topic: &str, partition: i32, offset: i64) {
+        let mut st = self.lock();
+        let e = st
+            .earliest
+            .entry((topic.to_owned(), partition))
+            .or_insert(0);
+        *e = (*e).max(offset);
+    }
+
+    /// The earliest offset a consumer can read in `topic`/`partition`.
+    pub fn earliest_offset(&self, topic: &str, partition: i32) -> i64 {
+        self.lock()
+            .earliest
+            .get(&(topic.to_owned(), partition))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Deletes and recreates `topic` with `partitions` partitions under running consumers:
+    /// every record and every group's committed offset of the topic is gone, offsets start at
+    /// 0 again, and running consumers read the new topic from its beginning (the same offsets
+    /// now hold other records: a rewind).
+    pub fn recreate_topic(&self, topic: &str, partitions: usize) {
+        let mut st = self.lock();
+        st.topics
+            .insert(topic.to_owned(), vec![Vec::new(); partitions.max(1)]);
+        st.earliest.retain(|(t, _), _| t != topic);
+        for g in st.groups.values_mut() {
+            g.committed.retain(|(t, _), _| t != topic);
+        }
+        *st.generations.entry(topic.to_owned()).or_insert(0) += 1;
+    }
+
     /// The records of one partition, in offset order.
     pub fn records(&self, topic: &str, partition: i32) -> Vec<LogRecord> {
         let st = self.lock();
@@ -483,6 +536,8 @@ impl MemoryLog {
             generation,
             positions: Mutex::new(BTreeMap::new()),
             cursor: Mutex::new(0),
+            tracker: Mutex::new(None),
+            generations: Mutex::new(BTreeMap::new()),
         }
     }
 
@@ -584,6 +639,9 @@ pub struct MemoryConsumer {
     /// Next offset to read per partition, once read from the group's committed offset.
     positions: Mutex<BTreeMap<(String, i32), i64>>,
     cursor: Mutex<usize>,
+    tracker: Mutex<Option<SharedOffsetTracker>>,
+    /// Topic generations this member read at.
+    generations: Mutex<BTreeMap<String, u64>>,
 }
 
 impl fmt::Debug for MemoryConsumer {
@@ -621,12 +679,52 @@ impl MemoryConsumer {
         )
     }
 
+    fn attached(&self) -> Option<SharedOffsetTracker> {
+        self.tracker
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// Reads the next available message without waiting.
+    ///
+    /// A partition is assigned on its first read (the attached tracker hears of it). When a
+    /// newer member fenced this one, the attached tracker loses every partition and the call
+    /// fails. A committed offset below the earliest available one is a retention gap
+    /// ([`outbox_core::SourceErrorKind::RetentionGap`]); a position beyond the end (the topic
+    /// was recreated) starts over at the earliest offset.
     pub fn try_next(&self) -> Result<Option<ReceivedMessage>, SourceError> {
         let st = self.log.lock();
         let group = st.groups.get(&self.group);
+        let mut positions = self.positions.lock().unwrap_or_else(|e| e.into_inner());
         if group.is_some_and(|g| g.generation != self.generation) {
+            if let Some(t) = self.attached() {
+                let lost: Vec<TopicPartition> = positions
+                    .keys()
+                    .map(|(t, p)| TopicPartition::new(t.clone(), *p))
+                    .collect();
+                t.lose(&lost);
+            }
+            positions.clear();
             return Err(self.fenced_error());
+        }
+        {
+            let mut seen = self.generations.lock().unwrap_or_else(|e| e.into_inner());
+            for t in &self.topics {
+                let now = st.generations.get(t).copied().unwrap_or(0);
+                if seen
+                    .insert(t.clone(), now)
+                    .is_some_and(|before| before != now)
+                {
+                    // The topic was recreated: read it again from its beginning, without a
+                    // rebalance (what a Kafka client does after an out-of-range reset).
+                    for ((pt, _), pos) in positions.iter_mut() {
+                        if pt == t {
+                            *pos = 0;
+                        }
+                    }
+                }
+            }
         }
         let mut slots: Vec<(String, i32)> = Vec::new();
         for t in &self.topics {
@@ -637,25 +735,49 @@ impl MemoryConsumer {
         if slots.is_empty() {
             return Ok(None);
         }
-        let mut positions = self.positions.lock().unwrap_or_else(|e| e.into_inner());
         let mut cursor = self.cursor.lock().unwrap_or_else(|e| e.into_inner());
+        let mut gaps = Vec::new();
         for i in 0..slots.len() {
             let slot = &slots[(*cursor + i) % slots.len()];
-            let pos = *positions.entry(slot.clone()).or_insert_with(|| {
-                group
-                    .and_then(|g| g.committed.get(slot).copied())
-                    .unwrap_or(0)
-            });
+            let earliest = st.earliest.get(slot).copied().unwrap_or(0);
             let part = &st.topics[&slot.0][slot.1 as usize];
+            let pos = match positions.get(slot) {
+                Some(p) => *p,
+                None => {
+                    let committed = group.and_then(|g| g.committed.get(slot).copied());
+                    if let Some(t) = self.attached() {
+                        t.assign(&[TopicPartition::new(slot.0.clone(), slot.1)]);
+                    }
+                    committed.unwrap_or(earliest)
+                }
+            };
+            let pos = if pos > part.len() as i64 {
+                earliest
+            } else {
+                pos
+            };
+            if pos < earliest {
+                gaps.push(format!(
+                    "{}/{}: next offset {pos} < earliest {earliest} ({} records lost)",
+                    slot.0,
+                    slot.1,
+                    earliest - pos
+                ));
+                continue;
+            }
+            positions.insert(slot.clone(), pos);
             if let Some(rec) = usize::try_from(pos).ok().and_then(|p| part.get(p)) {
                 positions.insert(slot.clone(), pos + 1);
                 *cursor = (*cursor + i + 1) % slots.len();
-                return Ok(Some(ReceivedMessage::new(
-                    rec.position(),
-                    rec.key.clone(),
-                    rec.decode(),
-                )));
+                return Ok(Some(rec.to_received()));
             }
+        }
+        if !gaps.is_empty() {
+            return Err(SourceError::retention_gap(format!(
+                "group {} lost records to retention: {}",
+                self.group,
+                gaps.join("; ")
+            )));
         }
         Ok(None)
     }
@@ -680,15 +802,44 @@ impl MessageSource for MemoryConsumer {
         }
     }
 
-    async fn commit(&self, offsets: &[(String, i32, i64)]) -> Result<(), SourceError> {
+    async fn commit(&self, offsets: &[CommitOffset]) -> Result<(), SourceError> {
         let mut st = self.log.lock();
         let g = st.groups.entry(self.group.clone()).or_default();
         if g.generation != self.generation {
-            return Err(self.fenced_error());
+            return Err(SourceError::rebalanced(format!(
+                "consumer of group {} was fenced by a rebalance; its commits are dropped",
+                self.group
+            )));
         }
-        for (t, p, o) in offsets {
-            g.committed.insert((t.clone(), *p), *o);
+        for c in offsets {
+            g.committed
+                .insert((c.topic.clone(), c.partition), c.next_offset);
         }
         Ok(())
+    }
+
+    fn attach_offsets(&self, offsets: SharedOffsetTracker) {
+        *self.tracker.lock().unwrap_or_else(|e| e.into_inner()) = Some(offsets);
+    }
+
+    async fn lag(&self) -> Result<Vec<PartitionLag>, SourceError> {
+        let st = self.log.lock();
+        let group = st.groups.get(&self.group);
+        let mut out = Vec::new();
+        for t in &self.topics {
+            let Some(parts) = st.topics.get(t) else {
+                continue;
+            };
+            for (p, records) in parts.iter().enumerate() {
+                let key = (t.clone(), p as i32);
+                out.push(PartitionLag::new(
+                    TopicPartition::new(t.clone(), p as i32),
+                    group.and_then(|g| g.committed.get(&key).copied()),
+                    st.earliest.get(&key).copied().unwrap_or(0),
+                    records.len() as i64,
+                ));
+            }
+        }
+        Ok(out)
     }
 }

@@ -108,8 +108,8 @@ use std::time::Duration;
 
 use outbox_core::{
     async_trait, AckMetadata, ClaimMode, ClaimedBatch, Classify, Clock, DeliveryStatus, Envelope,
-    EventId, InboxStore, MessageSource, OutboxStore, Outcome, PublishErrorKind, PublishResult,
-    Publisher, ReceivedMessage, Registration, Relay, RelayConfig, RetryPolicy,
+    EventId, InboxStore, InboxStoreExt, MessageSource, OutboxStore, Outcome, PublishErrorKind,
+    PublishResult, Publisher, ReceivedMessage, Registration, Relay, RelayConfig, RetryPolicy,
 };
 use proptest::prelude::*;
 use proptest::test_runner::{
@@ -1050,11 +1050,8 @@ impl<H: SimHandler> Simulation<H> {
 
     fn commit_offset(&mut self, msg: &ReceivedMessage) -> Check {
         let p = &msg.position;
-        self.block_on(
-            self.consumer
-                .commit(&[(p.topic.clone(), p.partition, p.offset + 1)]),
-        )
-        .map_err(|e| format!("offset commit failed: {e}"))
+        self.block_on(self.consumer.commit(&[p.next()]))
+            .map_err(|e| format!("offset commit failed: {e}"))
     }
 
     fn consumer_step(&mut self) -> Check {
@@ -1085,14 +1082,15 @@ impl<H: SimHandler> Simulation<H> {
                     .block_on(self.inbox.begin())
                     .map_err(|e| e.to_string())?;
                 let reg = self
-                    .block_on(self.inbox.register(&mut tx, GROUP, event.event_id))
+                    .block_on(self.inbox.register_event(&mut tx, GROUP, &event))
                     .map_err(|e| format!("register failed: {e}"))?;
                 if reg == Registration::Fresh {
+                    // Keyed by the dedup id: a re-issued copy and its original are one effect.
                     let n = tx
-                        .get(EFFECTS, &event.event_id.to_string())
+                        .get(EFFECTS, &event.dedup_id().to_string())
                         .and_then(|v| v.as_u64())
                         .unwrap_or(0);
-                    tx.put(EFFECTS, &event.event_id.to_string(), (n + 1).into());
+                    tx.put(EFFECTS, &event.dedup_id().to_string(), (n + 1).into());
                     match self.block_on(self.handler.apply(&mut tx, &event)) {
                         Ok(()) => ConsumerState::InTx(Box::new((msg, tx, Some(event)))),
                         Err(_) => ConsumerState::Received(msg), // tx dropped: rolled back
@@ -1108,7 +1106,7 @@ impl<H: SimHandler> Simulation<H> {
                 // Ground truth: the registration (and so the effect) is durable or not,
                 // whatever the reply said.
                 if let Some(e) = fresh {
-                    if self.inbox.inner().is_registered(GROUP, e.event_id) {
+                    if self.inbox.inner().is_registered(GROUP, e.dedup_id()) {
                         self.record_applied(e)?;
                     }
                 }
@@ -1134,8 +1132,8 @@ impl<H: SimHandler> Simulation<H> {
     }
 
     fn record_applied(&mut self, e: Envelope) -> Check {
-        ensure(self.applied_ids.insert(e.event_id), || {
-            format!("event {} applied twice", e.event_id)
+        ensure(self.applied_ids.insert(e.dedup_id()), || {
+            format!("event {} applied twice", e.dedup_id())
         })?;
         let last = self.last_applied.entry(e.aggregate_id.clone()).or_insert(0);
         ensure(e.aggregate_version >= *last, || {
@@ -1235,12 +1233,15 @@ impl<H: SimHandler> Simulation<H> {
                     break;
                 }
                 if let Ok(e) = r.decode() {
-                    ensure(self.inbox.inner().is_registered(GROUP, e.event_id), || {
-                        format!(
+                    ensure(
+                        self.inbox.inner().is_registered(GROUP, e.dedup_id()),
+                        || {
+                            format!(
                             "offset {committed} committed in partition {p} but the effect of offset {} ({}) is not",
                             r.offset, e.event_id
                         )
-                    })?;
+                        },
+                    )?;
                 }
             }
         }
@@ -1324,7 +1325,12 @@ impl<H: SimHandler> Simulation<H> {
             ensure(self.published_ever.contains(&id), || {
                 format!("event {id} is not published after draining")
             })?;
-            ensure(self.applied_ids.contains(&id), || {
+            // A re-issued copy counts under the id of the event it replaces.
+            let mut dedup = id;
+            while let Some(original) = self.reissued.get(&dedup) {
+                dedup = *original;
+            }
+            ensure(self.applied_ids.contains(&dedup), || {
                 format!("committed event {id} was never applied by the consumer")
             })?;
         }

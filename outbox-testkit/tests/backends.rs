@@ -4,9 +4,9 @@
 use std::time::Duration;
 
 use outbox_core::{
-    AckMetadata, ClaimMode, ClaimRequest, DeliveryStatus, Envelope, ErrorClass, EventId,
-    InboxStore, LastError, MessageSource, OperatorAction, OutboxStore, Outcome, ParkKind,
-    ParkReason, PublishErrorKind, Publisher, Registration, StoreErrorKind,
+    AckMetadata, ClaimMode, ClaimRequest, CommitOffset, DeliveryStatus, Envelope, ErrorClass,
+    EventId, InboxStore, InboxStoreExt, LastError, MessageSource, OperatorAction, OutboxStore,
+    Outcome, ParkKind, ParkReason, PublishErrorKind, Publisher, Registration, StoreErrorKind,
 };
 use outbox_testkit::{
     FaultAction, FaultMatch, LogFault, ManualClock, MemoryDb, MemoryInboxStore, MemoryLog,
@@ -452,16 +452,17 @@ async fn consumer_groups_resume_from_committed_offsets_and_fence_old_members() {
         let m = c1.poll(Duration::ZERO).await.unwrap().unwrap();
         seen.push(m.envelope.unwrap().event_id);
         let p = m.position;
-        c1.commit(&[(p.topic, p.partition, p.offset + 1)])
-            .await
-            .unwrap();
+        c1.commit(&[p.next()]).await.unwrap();
     }
     // One more read, not committed: it must be delivered again after the rebalance.
     let uncommitted = c1.poll(Duration::ZERO).await.unwrap().unwrap();
     let c2 = log.consumer("g", &["orders"]);
     assert!(c1.is_fenced());
     assert!(c1.poll(Duration::ZERO).await.is_err());
-    assert!(c1.commit(&[("orders".into(), 0, 99)]).await.is_err());
+    assert!(c1
+        .commit(&[CommitOffset::new("orders", 0, 99)])
+        .await
+        .is_err());
     let mut rest = Vec::new();
     while let Some(m) = c2.poll(Duration::from_millis(1)).await.unwrap() {
         rest.push(m.envelope.unwrap().event_id);
@@ -521,11 +522,11 @@ async fn inbox_fresh_duplicate_rollback_and_conflict() {
     let id = ev("a", 1, 1).event_id;
     let mut tx = inbox.begin().await.unwrap();
     assert_eq!(
-        inbox.register(&mut tx, "c", id).await.unwrap(),
+        inbox.register_one(&mut tx, "c", id).await.unwrap(),
         Registration::Fresh
     );
     assert_eq!(
-        inbox.register(&mut tx, "c", id).await.unwrap(),
+        inbox.register_one(&mut tx, "c", id).await.unwrap(),
         Registration::Duplicate
     );
     tx.put("proj", "a", serde_json::json!(1));
@@ -533,15 +534,15 @@ async fn inbox_fresh_duplicate_rollback_and_conflict() {
     assert_eq!(db.read("proj", "a"), None);
     let (mut t1, mut t2) = (inbox.begin().await.unwrap(), inbox.begin().await.unwrap());
     assert_eq!(
-        inbox.register(&mut t1, "c", id).await.unwrap(),
+        inbox.register_one(&mut t1, "c", id).await.unwrap(),
         Registration::Fresh
     );
     assert_eq!(
-        inbox.register(&mut t2, "c", id).await.unwrap(),
+        inbox.register_one(&mut t2, "c", id).await.unwrap(),
         Registration::Fresh
     );
     assert_eq!(
-        inbox.register(&mut t2, "other", id).await.unwrap(),
+        inbox.register_one(&mut t2, "other", id).await.unwrap(),
         Registration::Fresh
     );
     inbox.commit(t1).await.unwrap();
@@ -560,8 +561,8 @@ async fn inbox_fresh_duplicate_rollback_and_conflict() {
     assert_eq!(inbox.cleanup(Duration::from_secs(50), 10).await.unwrap(), 1);
     let mut tx = inbox.begin().await.unwrap();
     assert_eq!(
-        inbox.register(&mut tx, "c", id).await.unwrap(),
+        inbox.register_one(&mut tx, "c", id).await.unwrap(),
         Registration::Fresh
     );
-    assert!(inbox.register(&mut tx, "", id).await.is_err());
+    assert!(inbox.register_one(&mut tx, "", id).await.is_err());
 }

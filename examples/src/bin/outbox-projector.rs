@@ -4,11 +4,9 @@
 //! check) commits in one transaction with the inbox registration; offsets are committed only
 //! after that transaction. Safe to kill at any moment.
 
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use clap::Parser;
-use outbox_core::watermark::OffsetTracker;
 use outbox_core::{async_trait, Envelope};
 use outbox_inbox::{ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor};
 use outbox_kafka::KafkaSource;
@@ -117,11 +115,9 @@ async fn main() -> anyhow::Result<()> {
         ),
         update: format!("UPDATE {projection} SET version = $2 WHERE id = $1 AND version = $2 - 1"),
     };
-    let tracker: Arc<Mutex<OffsetTracker>> = Arc::default();
     let mut builder = KafkaSource::builder(&args.brokers, &args.group)
         .topic(&args.topic)
-        .session_timeout(Duration::from_millis(args.session_timeout_ms))
-        .offset_tracker(tracker.clone());
+        .session_timeout(Duration::from_millis(args.session_timeout_ms));
     for (k, v) in &args.consumer_properties {
         builder = builder.set(k, v);
     }
@@ -135,8 +131,7 @@ async fn main() -> anyhow::Result<()> {
         ),
         EngineConfig::default().with_commit(100, Duration::from_millis(200)),
         rand::random(),
-    )?
-    .with_offset_tracker(tracker);
+    )?;
     let report = engine.run(outbox_examples::cli::shutdown_signal()).await?;
     eprintln!("projector stopped: {report:?}");
     Ok(())

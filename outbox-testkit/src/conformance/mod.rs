@@ -1,5 +1,5 @@
 //! The conformance suite: one plain generic `async fn` per contract clause of
-//! [`OutboxStore`], [`InboxStore`] and [`Publisher`], and
+//! [`OutboxStore`], [`InboxStore`](outbox_core::InboxStore) and [`Publisher`], and
 //! macros that turn the suite into one named test per check.
 //!
 //! A backend implements a small harness trait ([`OutboxHarness`], [`InboxHarness`]) that gives
@@ -43,7 +43,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use outbox_core::{
-    async_trait, AckMetadata, ClaimHandle, ClaimMode, Envelope, EventId, InboxStore, OutboxStore,
+    async_trait, AckMetadata, ClaimHandle, ClaimMode, Envelope, EventId, InboxParking, OutboxStore,
     Publisher, StoreError,
 };
 
@@ -181,7 +181,7 @@ pub trait OutboxHarness: Send + Sync {
 #[async_trait]
 pub trait InboxHarness: Send + Sync {
     /// The store under test.
-    type Store: InboxStore + 'static;
+    type Store: InboxParking + 'static;
 
     /// What the backend can do (only `virtual_time` and `time_step` matter here).
     fn capabilities(&self) -> Capabilities;
@@ -466,10 +466,18 @@ pub const PUBLISHER_CHECKS: &[&str] = &[
 /// Names of the inbox checks, in the order the macro emits them.
 pub const INBOX_CHECKS: &[&str] = &[
     "first_registration_is_fresh_then_duplicate",
+    "batch_registration_answers_each_id_in_order",
+    "reissued_copy_and_original_are_one_event",
     "rolled_back_registration_is_fresh_again",
     "consumers_deduplicate_independently",
     "concurrent_registrations_cannot_both_commit",
     "cleanup_forgets_registrations_past_retention",
+    "versions_advance_and_conflict_when_moved",
+    "park_head_blocks_its_aggregate_only",
+    "waiting_messages_queue_behind_the_head",
+    "undecodable_messages_park_raw",
+    "parked_messages_resolve_in_release_order_and_are_audited",
+    "release_and_waiting_park_serialize",
 ];
 
 /// Emits one named test per outbox check (see [`OUTBOX_CHECKS`]) from a setup expression: an
@@ -548,10 +556,18 @@ macro_rules! inbox_conformance_tests {
     ($setup:expr) => {
         $crate::inbox_conformance_tests!(@emit ($setup)
             first_registration_is_fresh_then_duplicate,
+            batch_registration_answers_each_id_in_order,
+            reissued_copy_and_original_are_one_event,
             rolled_back_registration_is_fresh_again,
             consumers_deduplicate_independently,
             concurrent_registrations_cannot_both_commit,
             cleanup_forgets_registrations_past_retention,
+            versions_advance_and_conflict_when_moved,
+            park_head_blocks_its_aggregate_only,
+            waiting_messages_queue_behind_the_head,
+            undecodable_messages_park_raw,
+            parked_messages_resolve_in_release_order_and_are_audited,
+            release_and_waiting_park_serialize,
         );
     };
     (@emit ($setup:expr) $($check:ident),* $(,)?) => {

@@ -1,0 +1,578 @@
+//! [`ParkedMessages`]: the operator's API over a consumer's parked messages.
+
+use std::sync::Arc;
+
+use outbox_core::{
+    AggregateKey, InboxAction, InboxAuditEntry, InboxParking, ParkedChange, ParkedFilter, ParkedId,
+    ParkedMessage, ParkedStatus, ReceivedMessage, StoreError,
+};
+use tracing::{info, warn};
+
+use crate::handler::Handler;
+use crate::processor::{InboxProcessor, MessageOutcome};
+
+/// Why an operator action was refused or failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum OperatorError {
+    /// No parked message with this id for this consumer.
+    #[error("no parked message {0} for this consumer")]
+    NotFound(ParkedId),
+    /// The message is resolved already (applied, skipped or discarded).
+    #[error("parked message {id} is {} already", status.as_str())]
+    NotOpen {
+        /// The message.
+        id: ParkedId,
+        /// Its state.
+        status: ParkedStatus,
+    },
+    /// A discard needs a reason (and every action an actor).
+    #[error("{0}")]
+    Invalid(String),
+    /// The store failed; nothing of the failing step was written.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+/// What an operator action did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ReleaseReport {
+    /// Messages applied (the target and released waiting ones).
+    pub applied: usize,
+    /// Messages found to be duplicates or stale: resolved without effect.
+    pub skipped: usize,
+    /// Messages discarded (the target of a discard).
+    pub discarded: usize,
+    /// The message that failed again and now blocks its aggregate, with why.
+    pub still_parked: Option<(ParkedId, String)>,
+    /// Whether the aggregate was released (nothing of it is parked any more).
+    pub released: bool,
+}
+
+impl ReleaseReport {
+    fn summary(&self) -> String {
+        let mut s = format!(
+            "applied {}, skipped {}, discarded {}",
+            self.applied, self.skipped, self.discarded
+        );
+        if let Some((id, why)) = &self.still_parked {
+            s.push_str(&format!("; {id} still parked: {why}"));
+        }
+        if self.released {
+            s.push_str("; aggregate released");
+        }
+        s
+    }
+}
+
+/// The operator's API over the parked messages of one consumer: list, show, retry, discard,
+/// audit trail. Every action is written to the audit trail in the same transaction as its first
+/// effect.
+///
+/// * **retry** applies the message now, through the same handler and checks as the engine (a
+///   version gap of the retried message is accepted: the operator decided the missing versions
+///   will not come), then releases the aggregate's waiting messages in order (aggregate
+///   version, then arrival). A message that fails again stops the release and becomes the
+///   aggregate's parked head, with its attempts counted.
+/// * **discard** resolves the message without effect (registered, so a redelivery is a
+///   duplicate; its version counts as applied, so later versions may follow), with a recorded
+///   reason; then releases the waiting messages as retry does.
+///
+/// Each released message commits in its own transaction, which locks the aggregate against
+/// the engine parking more messages behind it at that moment; the engine's messages of that
+/// aggregate wait (parked as waiting) until the release is done and are picked up by it.
+///
+/// ```
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+/// use std::time::Duration;
+/// use outbox_core::{async_trait, Envelope, InboxParking, ParkedFilter, Publisher};
+/// use outbox_inbox::{ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor};
+/// use outbox_testkit::{MemoryDb, MemoryInboxStore, MemoryLog, MemoryTx};
+///
+/// /// Refuses events flagged as broken until the operator fixes the data.
+/// struct Strict;
+/// #[async_trait]
+/// impl Handler<MemoryTx> for Strict {
+///     async fn handle(&self, tx: &mut MemoryTx, e: &Envelope) -> Result<(), HandlerError> {
+///         if tx.get("fixes", &e.aggregate_id).is_none() && e.event_type == "order.broken" {
+///             return Err(HandlerError::permanent("unknown customer"));
+///         }
+///         tx.put("orders", &e.aggregate_id, serde_json::json!(e.aggregate_version));
+///         Ok(())
+///     }
+/// }
+///
+/// let db = MemoryDb::default();
+/// let log = MemoryLog::new("orders", 1);
+/// let broken = Envelope::builder("order", "o-1", 1, "order.broken").build().unwrap();
+/// let next = Envelope::builder("order", "o-1", 2, "order.paid").build().unwrap();
+/// let other = Envelope::builder("order", "o-2", 1, "order.paid").build().unwrap();
+/// log.publish(&[broken, next, other]).await;
+///
+/// let processor = InboxProcessor::new("billing", MemoryInboxStore::new(&db), Strict);
+/// let mut engine = ConsumerEngine::new(
+///     log.consumer("billing", &["orders"]), processor, EngineConfig::default(), 1,
+/// ).unwrap();
+/// let report = engine.run_until_quiet(Duration::from_millis(50)).await.unwrap();
+/// // o-1 v1 parked, o-1 v2 waits behind it, o-2 flowed; every offset is committed.
+/// assert_eq!((report.parked, report.waiting, report.applied), (1, 1, 1));
+/// assert_eq!(log.committed("billing", "orders", 0), Some(3));
+///
+/// // The operator fixes the data and retries: v1 then v2 are applied, in order.
+/// let mut tx = db.begin();
+/// tx.put("fixes", "o-1", serde_json::json!(true));
+/// tx.commit().unwrap();
+/// let ops = engine.parked();
+/// let head = ops.list(&ParkedFilter::open()).await.unwrap()[0].id;
+/// let done = ops.retry(head, "alice", "customer created").await.unwrap();
+/// assert_eq!((done.applied, done.released), (2, true));
+/// assert_eq!(db.read("orders", "o-1"), Some(serde_json::json!(2)));
+/// assert_eq!(ops.audit_trail(Some(head)).await.unwrap()[0].actor, "alice");
+/// # });
+/// ```
+#[derive(Debug)]
+pub struct ParkedMessages<I, H> {
+    processor: Arc<InboxProcessor<I, H>>,
+}
+
+impl<I, H> Clone for ParkedMessages<I, H> {
+    fn clone(&self) -> Self {
+        Self {
+            processor: self.processor.clone(),
+        }
+    }
+}
+
+impl<I, H> ParkedMessages<I, H>
+where
+    I: InboxParking,
+    H: Handler<I::Tx>,
+{
+    /// The API over `processor`'s consumer (use the same handler and version policy as the
+    /// engine).
+    pub fn new(processor: InboxProcessor<I, H>) -> Self {
+        Self::from_shared(Arc::new(processor))
+    }
+
+    pub(crate) fn from_shared(processor: Arc<InboxProcessor<I, H>>) -> Self {
+        Self { processor }
+    }
+
+    fn store(&self) -> &I {
+        self.processor.store()
+    }
+
+    fn consumer(&self) -> &str {
+        self.processor.consumer()
+    }
+
+    /// Parked messages, oldest first.
+    pub async fn list(&self, filter: &ParkedFilter) -> Result<Vec<ParkedMessage>, StoreError> {
+        self.store().list_parked(self.consumer(), filter).await
+    }
+
+    /// One parked message (resolved ones too).
+    pub async fn show(&self, id: ParkedId) -> Result<Option<ParkedMessage>, StoreError> {
+        self.store().parked_message(self.consumer(), id).await
+    }
+
+    /// The audit trail (of one message, or all), oldest first.
+    pub async fn audit_trail(
+        &self,
+        id: Option<ParkedId>,
+    ) -> Result<Vec<InboxAuditEntry>, StoreError> {
+        self.store().audit_trail(self.consumer(), id).await
+    }
+
+    async fn target(&self, id: ParkedId) -> Result<ParkedMessage, OperatorError> {
+        let m = self.show(id).await?.ok_or(OperatorError::NotFound(id))?;
+        if !m.status.is_open() {
+            return Err(OperatorError::NotOpen {
+                id,
+                status: m.status,
+            });
+        }
+        Ok(m)
+    }
+
+    fn check_actor(actor: &str) -> Result<(), OperatorError> {
+        if actor.trim().is_empty() {
+            return Err(OperatorError::Invalid(
+                "an operator action needs an actor".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Applies parked message `id` now, then releases its aggregate's waiting messages.
+    pub async fn retry(
+        &self,
+        id: ParkedId,
+        actor: &str,
+        reason: &str,
+    ) -> Result<ReleaseReport, OperatorError> {
+        Self::check_actor(actor)?;
+        let target = self.target(id).await?;
+        let mut report = ReleaseReport::default();
+        match target.record.aggregate.clone() {
+            Some(key) => {
+                self.release(
+                    &key,
+                    Some(id),
+                    InboxAction::Retry,
+                    actor,
+                    reason,
+                    &mut report,
+                )
+                .await?
+            }
+            None => {
+                self.retry_standalone(&target, actor, reason, &mut report)
+                    .await?
+            }
+        }
+        info!(consumer = %self.consumer(), parked_id = %id, actor, outcome = %report.summary(), "operator retry");
+        Ok(report)
+    }
+
+    /// Resolves parked message `id` without effect, with a reason, then releases its
+    /// aggregate's waiting messages.
+    pub async fn discard(
+        &self,
+        id: ParkedId,
+        actor: &str,
+        reason: &str,
+    ) -> Result<ReleaseReport, OperatorError> {
+        Self::check_actor(actor)?;
+        if reason.trim().is_empty() {
+            return Err(OperatorError::Invalid(
+                "a discard needs a reason: it is recorded in the audit trail".into(),
+            ));
+        }
+        let target = self.target(id).await?;
+        let store = self.store();
+        let consumer = self.consumer().to_owned();
+        let mut report = ReleaseReport {
+            discarded: 1,
+            ..ReleaseReport::default()
+        };
+        let mut tx = store.begin().await?;
+        let step = async {
+            let (open_rest, was_head) = match &target.record.aggregate {
+                Some(key) => {
+                    let open = store.open_parked_of(&mut tx, &consumer, key).await?;
+                    let Some(me) = open.iter().find(|m| m.id == id) else {
+                        return Err(OperatorError::NotOpen {
+                            id,
+                            status: ParkedStatus::Discarded,
+                        });
+                    };
+                    (open.len() - 1, me.status == ParkedStatus::Parked)
+                }
+                None => (0, true),
+            };
+            if let Ok(event) = target.record.decode() {
+                self.processor
+                    .register_without_effect(&mut tx, &event)
+                    .await?;
+                self.processor.skip_version(&mut tx, &event).await?;
+            }
+            store
+                .change_parked(
+                    &mut tx,
+                    &consumer,
+                    id,
+                    &ParkedChange::Resolved(ParkedStatus::Discarded),
+                )
+                .await?;
+            if open_rest == 0 {
+                if let Some(key) = &target.record.aggregate {
+                    store.unblock(&mut tx, &consumer, key).await?;
+                }
+                report.released = true;
+            }
+            let outcome = if open_rest == 0 {
+                "discarded; nothing waits behind it".to_owned()
+            } else {
+                format!("discarded; releasing {open_rest} waiting message(s)")
+            };
+            store
+                .audit(
+                    &mut tx,
+                    &InboxAuditEntry::new(
+                        &consumer,
+                        id,
+                        InboxAction::Discard,
+                        actor,
+                        reason,
+                        outcome,
+                        chrono::Utc::now(),
+                    ),
+                )
+                .await?;
+            Ok::<(usize, bool), OperatorError>((open_rest, was_head))
+        }
+        .await;
+        let (open_rest, was_head) = match step {
+            Ok(n) => {
+                store.commit(tx).await?;
+                n
+            }
+            Err(e) => {
+                let _ = store.rollback(tx).await;
+                return Err(e);
+            }
+        };
+        if let (Some(key), true) = (&target.record.aggregate, open_rest > 0 && was_head) {
+            // Only a discarded head unblocks the rest; a discarded waiting message leaves the
+            // head in place, and the release stops at it.
+            self.release(key, None, InboxAction::Discard, actor, reason, &mut report)
+                .await?;
+        }
+        info!(consumer = %consumer, parked_id = %id, actor, reason, outcome = %report.summary(), "operator discard");
+        Ok(report)
+    }
+
+    async fn retry_standalone(
+        &self,
+        target: &ParkedMessage,
+        actor: &str,
+        reason: &str,
+        report: &mut ReleaseReport,
+    ) -> Result<(), OperatorError> {
+        let store = self.store();
+        let consumer = self.consumer().to_owned();
+        let msg = to_message(target);
+        let mut tx = store.begin().await?;
+        let current = store.parked_in(&mut tx, &consumer, target.id).await?;
+        if !current.as_ref().is_some_and(|m| m.status.is_open()) {
+            let _ = store.rollback(tx).await;
+            return Err(OperatorError::NotOpen {
+                id: target.id,
+                status: current.map_or(ParkedStatus::Discarded, |m| m.status),
+            });
+        }
+        let applied = self.processor.apply_parked(&mut tx, &msg, true).await;
+        let (change, outcome) = match applied {
+            Ok(Ok(o)) => (resolution(&o, report), o.as_str().to_owned()),
+            Ok(Err((kind, why))) => {
+                let _ = store.rollback(tx).await;
+                tx = store.begin().await?;
+                report.still_parked = Some((target.id, why.clone()));
+                (
+                    ParkedChange::Failed {
+                        kind,
+                        reason: why.clone(),
+                        attempts: target.attempts + 1,
+                    },
+                    format!("failed again: {why}"),
+                )
+            }
+            Err(e) => {
+                let _ = store.rollback(tx).await;
+                return Err(e.into());
+            }
+        };
+        let r = async {
+            store
+                .change_parked(&mut tx, &consumer, target.id, &change)
+                .await?;
+            store
+                .audit(
+                    &mut tx,
+                    &InboxAuditEntry::new(
+                        &consumer,
+                        target.id,
+                        InboxAction::Retry,
+                        actor,
+                        reason,
+                        outcome,
+                        chrono::Utc::now(),
+                    ),
+                )
+                .await
+        }
+        .await;
+        match r {
+            Ok(()) => store.commit(tx).await?,
+            Err(e) => {
+                let _ = store.rollback(tx).await;
+                return Err(e.into());
+            }
+        }
+        report.released = report.still_parked.is_none();
+        Ok(())
+    }
+
+    /// Releases `key`'s open messages in order, one transaction each, until none is left or
+    /// one fails again. `retried` is the message whose version gap the operator accepts. The
+    /// audit entry of the action is written with the first step.
+    async fn release(
+        &self,
+        key: &AggregateKey,
+        retried: Option<ParkedId>,
+        action: InboxAction,
+        actor: &str,
+        reason: &str,
+        report: &mut ReleaseReport,
+    ) -> Result<(), OperatorError> {
+        let store = self.store();
+        let consumer = self.consumer().to_owned();
+        // The discard wrote its own audit entry; a retry audits with its first step.
+        let mut audit_pending = action == InboxAction::Retry;
+        let audit_id = retried;
+        loop {
+            let mut tx = store.begin().await?;
+            let open = match store.open_parked_of(&mut tx, &consumer, key).await {
+                Ok(o) => o,
+                Err(e) => {
+                    let _ = store.rollback(tx).await;
+                    return Err(e.into());
+                }
+            };
+            if let Some(id) = retried.filter(|_| audit_pending) {
+                if !open.iter().any(|m| m.id == id) {
+                    let _ = store.rollback(tx).await;
+                    return Err(OperatorError::NotOpen {
+                        id,
+                        status: ParkedStatus::Applied,
+                    });
+                }
+            }
+            let Some(first) = open.first().cloned() else {
+                // Nothing open (someone else released it): make sure the mark is gone.
+                let r = store.unblock(&mut tx, &consumer, key).await;
+                match r {
+                    Ok(()) => store.commit(tx).await?,
+                    Err(e) => {
+                        let _ = store.rollback(tx).await;
+                        return Err(e.into());
+                    }
+                }
+                report.released = true;
+                return Ok(());
+            };
+            let allow_gap = retried == Some(first.id);
+            let msg = to_message(&first);
+            let applied = match self.processor.apply_parked(&mut tx, &msg, allow_gap).await {
+                Ok(a) => a,
+                Err(e) => {
+                    let _ = store.rollback(tx).await;
+                    return Err(e.into());
+                }
+            };
+            let last = open.len() == 1;
+            let audit = |outcome: String| {
+                InboxAuditEntry::new(
+                    &consumer,
+                    audit_id.unwrap_or(first.id),
+                    action,
+                    actor,
+                    reason,
+                    outcome,
+                    chrono::Utc::now(),
+                )
+            };
+            match applied {
+                Ok(outcome) => {
+                    let change = resolution(&outcome, report);
+                    let r = async {
+                        store
+                            .change_parked(&mut tx, &consumer, first.id, &change)
+                            .await?;
+                        if last {
+                            store.unblock(&mut tx, &consumer, key).await?;
+                        }
+                        if audit_pending {
+                            store
+                                .audit(
+                                    &mut tx,
+                                    &audit(format!(
+                                        "{} {} (v{})",
+                                        outcome.as_str(),
+                                        first.id,
+                                        first.record.aggregate_version.unwrap_or(0)
+                                    )),
+                                )
+                                .await?;
+                        }
+                        Ok::<(), StoreError>(())
+                    }
+                    .await;
+                    match r {
+                        Ok(()) => store.commit(tx).await?,
+                        Err(e) => {
+                            let _ = store.rollback(tx).await;
+                            return Err(e.into());
+                        }
+                    }
+                    audit_pending = false;
+                    if last {
+                        report.released = true;
+                        return Ok(());
+                    }
+                }
+                Err((kind, why)) => {
+                    let _ = store.rollback(tx).await;
+                    warn!(consumer = %consumer, parked_id = %first.id, error = %why, "released message failed again; it now blocks its aggregate");
+                    let mut tx = store.begin().await?;
+                    let r = async {
+                        store.open_parked_of(&mut tx, &consumer, key).await?;
+                        store
+                            .change_parked(
+                                &mut tx,
+                                &consumer,
+                                first.id,
+                                &ParkedChange::Failed {
+                                    kind,
+                                    reason: why.clone(),
+                                    attempts: first.attempts + 1,
+                                },
+                            )
+                            .await?;
+                        if audit_pending {
+                            store
+                                .audit(&mut tx, &audit(format!("failed again: {why}")))
+                                .await?;
+                        }
+                        Ok::<(), StoreError>(())
+                    }
+                    .await;
+                    match r {
+                        Ok(()) => store.commit(tx).await?,
+                        Err(e) => {
+                            let _ = store.rollback(tx).await;
+                            return Err(e.into());
+                        }
+                    }
+                    report.still_parked = Some((first.id, why));
+                    return Ok(());
+                }
+            }
+        }
+    }
+}
+
+fn resolution(outcome: &MessageOutcome, report: &mut ReleaseReport) -> ParkedChange {
+    match outcome {
+        MessageOutcome::Applied => {
+            report.applied += 1;
+            ParkedChange::Resolved(ParkedStatus::Applied)
+        }
+        _ => {
+            report.skipped += 1;
+            ParkedChange::Resolved(ParkedStatus::Skipped)
+        }
+    }
+}
+
+fn to_message(m: &ParkedMessage) -> ReceivedMessage {
+    ReceivedMessage::from_record(
+        m.record.position.clone(),
+        m.record.key.clone(),
+        m.record.headers.clone(),
+        m.record.value.clone(),
+        None,
+    )
+}

@@ -1,0 +1,642 @@
+//! [`InboxProcessor`]: deduplication, version checks, the handler and parking in one
+//! transaction.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use outbox_core::{
+    AggregateKey, AggregateState, Envelope, InboxStore, InboxStoreExt, NewParkedMessage, ParkAs,
+    ParkKind, ParkedId, Parking, ReceivedMessage, Registration, StoreError, VersionAdvance,
+};
+
+use crate::handler::{BatchHandlerError, Handler, HandlerError};
+use crate::metrics;
+
+/// What to do with a message whose `aggregate_version` skips ahead of the last version this
+/// consumer applied for its aggregate. Versions at or below the applied one are never applied
+/// again, whatever the policy (they are duplicates or stale; counted as `stale`), except under
+/// [`VersionPolicy::Unchecked`], which keeps no versions at all.
+///
+/// | policy | a gap | pick it when |
+/// |---|---|---|
+/// | [`Reject`](Self::Reject) (default) | parked at once as [`ParkKind::VersionGap`]; the aggregate's later messages wait behind it | the producer is this library's outbox: it publishes an aggregate's versions in order, so a gap is a real anomaly (a lost or discarded event, a wrong route, a compacted topic) that an operator should look at |
+/// | [`Hold`](Self::Hold) | held in memory until the missing version arrives, at most `max_wait` and `max_held` messages; then parked as a gap | one aggregate's events can arrive out of order by design (several topics, producers that do not keep order) and usually fill their gaps quickly. Held offsets are not final, so the committed offset of their partition waits too |
+/// | [`Unchecked`](Self::Unchecked) | applied | the effect is a monotonic projection guarded by its own version condition (`UPDATE .. WHERE version < $v`), which makes order irrelevant; no version is stored, which saves a write per batch |
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum VersionPolicy {
+    /// Park a gap at once.
+    #[default]
+    Reject,
+    /// Hold a gap until it closes, bounded; then park it.
+    Hold {
+        /// Most messages held at once (all aggregates together); past it, the aggregate held
+        /// longest is parked.
+        max_held: usize,
+        /// Longest a message is held.
+        max_wait: Duration,
+    },
+    /// No version tracking.
+    Unchecked,
+}
+
+impl VersionPolicy {
+    /// [`VersionPolicy::Hold`] with its bounds.
+    pub fn hold(max_held: usize, max_wait: Duration) -> Self {
+        Self::Hold { max_held, max_wait }
+    }
+
+    pub(crate) fn tracks(self) -> bool {
+        !matches!(self, Self::Unchecked)
+    }
+}
+
+/// What happened to one message.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub enum MessageOutcome {
+    /// Fresh: the effect and the registration committed together.
+    Applied,
+    /// Registered before (or discarded by an operator): nothing done.
+    Duplicate,
+    /// Its version is at or below the one applied: nothing done.
+    Stale {
+        /// The applied version.
+        applied: i64,
+    },
+    /// Parked as its aggregate's head (or standalone when its aggregate is unknown).
+    Parked {
+        /// The parked message.
+        id: ParkedId,
+        /// Why.
+        kind: ParkKind,
+    },
+    /// Parked as waiting behind its aggregate's head.
+    Waiting(ParkedId),
+    /// Parked before (a redelivery): nothing stored.
+    AlreadyParked,
+    /// Held back until its aggregate's missing version arrives ([`VersionPolicy::Hold`]).
+    Held,
+    /// [`InboxProcessor::process`] only: its aggregate is blocked by a parked message.
+    Blocked,
+    /// [`InboxProcessor::process`] only: its version skips ahead.
+    VersionGap {
+        /// The version that was expected.
+        expected: i64,
+    },
+    /// [`InboxProcessor::process`] only: the handler failed; everything was rolled back.
+    Failed(HandlerError),
+}
+
+impl MessageOutcome {
+    /// Whether the message's offset is final (everything but `Held`, `Blocked`, `VersionGap`
+    /// and `Failed`).
+    pub fn is_final(&self) -> bool {
+        !matches!(
+            self,
+            Self::Held | Self::Blocked | Self::VersionGap { .. } | Self::Failed(_)
+        )
+    }
+
+    /// Stable name, used as the `result` label of `outbox_inbox_processed_total`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Applied => "applied",
+            Self::Duplicate => "duplicate",
+            Self::Stale { .. } => "stale",
+            Self::Parked { .. } => "parked",
+            Self::Waiting(_) => "waiting",
+            Self::AlreadyParked => "already_parked",
+            Self::Held => "held",
+            Self::Blocked => "blocked",
+            Self::VersionGap { .. } => "version_gap",
+            Self::Failed(_) => "failed",
+        }
+    }
+}
+
+/// What the caller already decided about a message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Force {
+    /// Nothing: decide by state and policy.
+    None,
+    /// Park it as the head (attempts exhausted, permanent failure, hold expired).
+    Park(ParkKind, String),
+    /// An operator accepts its version gap.
+    AllowGap,
+}
+
+/// One message in a batch.
+#[derive(Clone, Debug)]
+pub(crate) struct Item<'a> {
+    pub(crate) msg: &'a ReceivedMessage,
+    pub(crate) attempts: u32,
+    pub(crate) force: &'a Force,
+}
+
+/// The outcome of a batch.
+#[derive(Debug)]
+pub(crate) enum BatchResult {
+    /// Committed; one outcome per item.
+    Committed(Vec<MessageOutcome>),
+    /// The handler failed on item `index`; everything was rolled back.
+    HandlerFailed { index: usize, error: HandlerError },
+}
+
+#[derive(Clone, Debug)]
+enum Decision {
+    Apply,
+    Stale(i64),
+    Park(ParkAs, String),
+    Hold,
+    Gap(i64),
+    Blocked,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Local {
+    read: AggregateState,
+    applied: Option<i64>,
+    blocked: bool,
+}
+
+/// Register-and-apply in one transaction, with version checks and parking. The building block
+/// of [`crate::ConsumerEngine`] and [`crate::ParkedMessages`]; usable on its own when messages
+/// come from elsewhere (an HTTP webhook, a test) through [`process`](Self::process).
+///
+/// ```
+/// # use outbox_inbox::*;
+/// # fn _doc<I: outbox_core::InboxStore, H: Handler<I::Tx>>(store: I, handler: H) {
+/// let processor = InboxProcessor::new("projection", store, handler)
+///     .with_version_policy(VersionPolicy::Reject);
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct InboxProcessor<I, H> {
+    consumer: String,
+    store: I,
+    handler: H,
+    policy: VersionPolicy,
+    require_first_version: bool,
+}
+
+impl<I, H> InboxProcessor<I, H> {
+    /// The consumer name.
+    pub fn consumer(&self) -> &str {
+        &self.consumer
+    }
+
+    /// The store.
+    pub fn store(&self) -> &I {
+        &self.store
+    }
+
+    /// The version policy.
+    pub fn version_policy(&self) -> VersionPolicy {
+        self.policy
+    }
+}
+
+impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
+    /// A processor for the consumer named `consumer` (the key of its registrations, versions
+    /// and parked messages), with [`VersionPolicy::Reject`].
+    pub fn new(consumer: impl Into<String>, store: I, handler: H) -> Self {
+        Self {
+            consumer: consumer.into(),
+            store,
+            handler,
+            policy: VersionPolicy::default(),
+            require_first_version: false,
+        }
+    }
+
+    /// Sets the version policy. Default [`VersionPolicy::Reject`].
+    pub fn with_version_policy(mut self, policy: VersionPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Whether an aggregate this consumer has not seen yet must start at version 1. Default
+    /// `false`: the first version seen is the baseline, so a consumer that starts on a topic
+    /// whose older records were deleted (or that starts at the latest offset) does not park
+    /// every aggregate. Set it for consumers that read their topics from the very beginning.
+    pub fn require_first_version(mut self, yes: bool) -> Self {
+        self.require_first_version = yes;
+        self
+    }
+
+    /// Registers and applies `event` in one transaction, with the version check; parks
+    /// nothing. A blocked aggregate, a version gap and a handler failure come back as
+    /// outcomes ([`MessageOutcome::Blocked`], [`MessageOutcome::VersionGap`],
+    /// [`MessageOutcome::Failed`]) with nothing committed.
+    ///
+    /// `Err` means the store failed (nothing committed unless the error came from the commit
+    /// itself, in which case the outcome is unknown and a retry is answered by deduplication).
+    pub async fn process(&self, event: &Envelope) -> Result<MessageOutcome, StoreError> {
+        let msg = ReceivedMessage::new(
+            outbox_core::LogPosition::new("", 0, 0),
+            None,
+            Ok(event.clone()),
+        );
+        let force = Force::None;
+        let items = [Item {
+            msg: &msg,
+            attempts: 0,
+            force: &force,
+        }];
+        match self.run_batch(&items, false).await? {
+            BatchResult::Committed(mut o) => Ok(o.pop().unwrap_or(MessageOutcome::Duplicate)),
+            BatchResult::HandlerFailed { error, .. } => {
+                metrics::record_outcome(&self.consumer, &MessageOutcome::Failed(error.clone()));
+                Ok(MessageOutcome::Failed(error))
+            }
+        }
+    }
+
+    fn gap(&self, applied: Option<i64>, version: i64) -> Option<i64> {
+        match applied {
+            Some(a) if version > a + 1 => Some(a + 1),
+            None if self.require_first_version && version != 1 => Some(1),
+            _ => None,
+        }
+    }
+
+    fn decide(&self, item: &Item<'_>, local: Option<&mut Local>, park: bool) -> Decision {
+        let agg = item.msg.aggregate();
+        let blocked = local.as_ref().is_some_and(|l| l.blocked);
+        if blocked {
+            return if park {
+                Decision::Park(
+                    ParkAs::Waiting,
+                    format!(
+                        "waiting behind a parked message of {}",
+                        agg.map_or_else(String::new, |a| a.to_string())
+                    ),
+                )
+            } else {
+                Decision::Blocked
+            };
+        }
+        let park_head = |local: Option<&mut Local>, kind: ParkKind, reason: String| {
+            if let Some(l) = local {
+                l.blocked = true;
+            }
+            Decision::Park(ParkAs::Head(kind), reason)
+        };
+        let event = match &item.msg.envelope {
+            Err(e) => {
+                return park_head(
+                    local,
+                    ParkKind::Unprocessable,
+                    format!("cannot be decoded: {e}"),
+                )
+            }
+            Ok(e) => e,
+        };
+        if let Force::Park(kind, reason) = item.force {
+            return park_head(local, *kind, reason.clone());
+        }
+        if !self.policy.tracks() {
+            return Decision::Apply;
+        }
+        let Some(local) = local else {
+            return Decision::Apply;
+        };
+        let v = event.aggregate_version;
+        if let Some(a) = local.applied.filter(|a| v <= *a) {
+            return Decision::Stale(a);
+        }
+        if let Some(expected) = self.gap(local.applied, v) {
+            if *item.force == Force::AllowGap {
+                local.applied = Some(v);
+                return Decision::Apply;
+            }
+            if !park {
+                return Decision::Gap(expected);
+            }
+            // A held message does not hold back later ones of its aggregate: only the next
+            // version can apply, and applying it is what closes the gap.
+            return match self.policy {
+                VersionPolicy::Hold { .. } => Decision::Hold,
+                _ => {
+                    local.blocked = true;
+                    Decision::Park(
+                        ParkAs::Head(ParkKind::VersionGap),
+                        format!(
+                            "version gap: {} expected version {expected}, got {v}",
+                            AggregateKey::of(event)
+                        ),
+                    )
+                }
+            };
+        }
+        local.applied = Some(v);
+        Decision::Apply
+    }
+
+    /// Runs `items` in one transaction. With `park`, messages that cannot be applied are
+    /// parked (and held under [`VersionPolicy::Hold`]); without it, they come back as
+    /// `Blocked`/`VersionGap` and nothing is written for them.
+    pub(crate) async fn run_batch(
+        &self,
+        items: &[Item<'_>],
+        park: bool,
+    ) -> Result<BatchResult, StoreError> {
+        let mut tx = self.store.begin().await?;
+        match self.batch_in(&mut tx, items, park).await {
+            Ok(BatchResult::Committed(outcomes)) => {
+                self.store.commit(tx).await?;
+                for o in &outcomes {
+                    metrics::record_outcome(&self.consumer, o);
+                }
+                Ok(BatchResult::Committed(outcomes))
+            }
+            Ok(failed) => {
+                self.store.rollback(tx).await?;
+                Ok(failed)
+            }
+            Err(e) => {
+                let _ = self.store.rollback(tx).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn batch_in(
+        &self,
+        tx: &mut I::Tx,
+        items: &[Item<'_>],
+        park: bool,
+    ) -> Result<BatchResult, StoreError> {
+        // 1. What the inbox knows about the batch's aggregates (one round trip).
+        let mut keys: Vec<AggregateKey> = Vec::new();
+        let mut index: HashMap<AggregateKey, usize> = HashMap::new();
+        let aggs: Vec<Option<AggregateKey>> = items.iter().map(|i| i.msg.aggregate()).collect();
+        for k in aggs.iter().flatten() {
+            if !index.contains_key(k) {
+                index.insert(k.clone(), keys.len());
+                keys.push(k.clone());
+            }
+        }
+        let states = if keys.is_empty() {
+            Vec::new()
+        } else {
+            self.store.aggregates(tx, &self.consumer, &keys).await?
+        };
+        let mut locals: Vec<Local> = states
+            .iter()
+            .map(|s| Local {
+                read: *s,
+                applied: s.applied_version,
+                blocked: s.blocked,
+            })
+            .collect();
+        // 2. Decide each message in order, as if the ones before it were applied.
+        let decisions: Vec<Decision> = items
+            .iter()
+            .zip(&aggs)
+            .map(|(item, agg)| {
+                let local = agg.as_ref().map(|k| &mut locals[index[k]]);
+                self.decide(item, local, park)
+            })
+            .collect();
+        // 3. Register what is to be applied, and the stale versions (one round trip): a stale
+        //    message registered before is a duplicate of an applied event; one that was not is
+        //    another event at an old version, registered now so it is never applied. Then run
+        //    the handler on what is fresh, in order.
+        let apply: Vec<usize> = (0..items.len())
+            .filter(|i| matches!(decisions[*i], Decision::Apply | Decision::Stale(_)))
+            .collect();
+        let ids: Vec<_> = apply
+            .iter()
+            .filter_map(|i| items[*i].msg.envelope.as_ref().ok().map(Envelope::dedup_id))
+            .collect();
+        let registrations = if ids.is_empty() {
+            Vec::new()
+        } else {
+            self.store.register(tx, &self.consumer, &ids).await?
+        };
+        if registrations.len() != ids.len() {
+            return Err(StoreError::new(
+                outbox_core::StoreErrorKind::Other,
+                format!(
+                    "the inbox answered {} registrations for {} ids",
+                    registrations.len(),
+                    ids.len()
+                ),
+            ));
+        }
+        let mut fresh: HashMap<usize, Registration> = HashMap::new();
+        for (i, r) in apply.iter().zip(registrations) {
+            fresh.insert(*i, r);
+        }
+        let to_apply: Vec<usize> = apply
+            .iter()
+            .copied()
+            .filter(|i| fresh[i] == Registration::Fresh && matches!(decisions[*i], Decision::Apply))
+            .collect();
+        if !to_apply.is_empty() {
+            let events: Vec<&Envelope> = to_apply
+                .iter()
+                .map(|i| items[*i].msg.envelope.as_ref().expect("decided Apply"))
+                .collect();
+            if let Err(BatchHandlerError { index, error }) =
+                self.handler.handle_batch(tx, &events).await
+            {
+                let index = to_apply.get(index).copied().unwrap_or_else(|| {
+                    tracing::warn!(
+                        index,
+                        len = to_apply.len(),
+                        "handle_batch named an event out of range; blaming the first"
+                    );
+                    to_apply[0]
+                });
+                return Ok(BatchResult::HandlerFailed { index, error });
+            }
+        }
+        // 4. Versions that moved (one round trip).
+        if self.policy.tracks() {
+            let advances: Vec<VersionAdvance> = keys
+                .iter()
+                .zip(&locals)
+                .filter(|(_, l)| l.applied != l.read.applied_version)
+                .filter_map(|(k, l)| {
+                    l.applied.map(|v| VersionAdvance {
+                        aggregate: k.clone(),
+                        expected: l.read.applied_version,
+                        version: v,
+                    })
+                })
+                .collect();
+            if !advances.is_empty() {
+                self.store
+                    .advance_versions(tx, &self.consumer, &advances)
+                    .await?;
+            }
+        }
+        // 5. Parking (one round trip).
+        let parks: Vec<(usize, NewParkedMessage)> = decisions
+            .iter()
+            .enumerate()
+            .filter_map(|(i, d)| match d {
+                Decision::Park(park_as, reason) => Some((
+                    i,
+                    NewParkedMessage::new(
+                        items[i].msg.to_record(),
+                        *park_as,
+                        reason.clone(),
+                        // A head was tried (decoded, checked or handled) at least once; a
+                        // waiting message was not.
+                        match park_as {
+                            ParkAs::Head(_) => items[i].attempts.max(1),
+                            ParkAs::Waiting => items[i].attempts,
+                        },
+                    ),
+                )),
+                _ => None,
+            })
+            .collect();
+        let mut parked: HashMap<usize, Parking> = HashMap::new();
+        if !parks.is_empty() {
+            let messages: Vec<NewParkedMessage> = parks.iter().map(|(_, m)| m.clone()).collect();
+            let results = self.store.park(tx, &self.consumer, &messages).await?;
+            for ((i, _), r) in parks.iter().zip(results) {
+                parked.insert(*i, r);
+            }
+        }
+        let outcomes = decisions
+            .into_iter()
+            .enumerate()
+            .map(|(i, d)| match d {
+                Decision::Apply => match fresh[&i] {
+                    Registration::Fresh => MessageOutcome::Applied,
+                    Registration::Duplicate => MessageOutcome::Duplicate,
+                },
+                Decision::Stale(applied) => match fresh[&i] {
+                    Registration::Fresh => MessageOutcome::Stale { applied },
+                    Registration::Duplicate => MessageOutcome::Duplicate,
+                },
+                Decision::Hold => MessageOutcome::Held,
+                Decision::Gap(expected) => MessageOutcome::VersionGap { expected },
+                Decision::Blocked => MessageOutcome::Blocked,
+                Decision::Park(park_as, _) => match parked.get(&i) {
+                    Some(Parking::Head(id)) => MessageOutcome::Parked {
+                        id: *id,
+                        kind: match park_as {
+                            ParkAs::Head(kind) => kind,
+                            ParkAs::Waiting => ParkKind::Unprocessable,
+                        },
+                    },
+                    Some(Parking::Waiting(id)) => MessageOutcome::Waiting(*id),
+                    _ => MessageOutcome::AlreadyParked,
+                },
+            })
+            .collect();
+        Ok(BatchResult::Committed(outcomes))
+    }
+
+    /// Registers `event` without effect (an operator discard), in `tx`.
+    pub(crate) async fn register_without_effect(
+        &self,
+        tx: &mut I::Tx,
+        event: &Envelope,
+    ) -> Result<Registration, StoreError> {
+        self.store.register_event(tx, &self.consumer, event).await
+    }
+
+    /// Applies one parked message in `tx` for an operator: the same checks as the engine, a gap
+    /// accepted when `allow_gap`. `Ok(Err(..))` is a failure to record on the message.
+    pub(crate) async fn apply_parked(
+        &self,
+        tx: &mut I::Tx,
+        msg: &ReceivedMessage,
+        allow_gap: bool,
+    ) -> Result<Result<MessageOutcome, (ParkKind, String)>, StoreError> {
+        let event = match &msg.envelope {
+            Ok(e) => e,
+            Err(e) => {
+                return Ok(Err((
+                    ParkKind::Unprocessable,
+                    format!("cannot be decoded: {e}"),
+                )))
+            }
+        };
+        let key = AggregateKey::of(event);
+        let state = self
+            .store
+            .aggregates(tx, &self.consumer, std::slice::from_ref(&key))
+            .await?
+            .pop()
+            .unwrap_or_default();
+        let v = event.aggregate_version;
+        if self.policy.tracks() {
+            if let Some(a) = state.applied_version.filter(|a| v <= *a) {
+                return Ok(Ok(MessageOutcome::Stale { applied: a }));
+            }
+            if let Some(expected) = self.gap(state.applied_version, v) {
+                if !allow_gap {
+                    return Ok(Err((
+                        ParkKind::VersionGap,
+                        format!("version gap: {key} expected version {expected}, got {v}"),
+                    )));
+                }
+            }
+        }
+        if self.store.register_event(tx, &self.consumer, event).await? == Registration::Duplicate {
+            return Ok(Ok(MessageOutcome::Duplicate));
+        }
+        if let Err(e) = self.handler.handle(tx, event).await {
+            return Ok(Err((ParkKind::Unprocessable, e.to_string())));
+        }
+        if self.policy.tracks() {
+            self.store
+                .advance_versions(
+                    tx,
+                    &self.consumer,
+                    &[VersionAdvance {
+                        aggregate: key,
+                        expected: state.applied_version,
+                        version: v,
+                    }],
+                )
+                .await?;
+        }
+        Ok(Ok(MessageOutcome::Applied))
+    }
+
+    /// Moves the applied version of `event`'s aggregate up to its version (an operator
+    /// discard: later versions may follow), in `tx`.
+    pub(crate) async fn skip_version(
+        &self,
+        tx: &mut I::Tx,
+        event: &Envelope,
+    ) -> Result<(), StoreError> {
+        if !self.policy.tracks() {
+            return Ok(());
+        }
+        let key = AggregateKey::of(event);
+        let state = self
+            .store
+            .aggregates(tx, &self.consumer, std::slice::from_ref(&key))
+            .await?
+            .pop()
+            .unwrap_or_default();
+        if state
+            .applied_version
+            .is_some_and(|a| a >= event.aggregate_version)
+        {
+            return Ok(());
+        }
+        self.store
+            .advance_versions(
+                tx,
+                &self.consumer,
+                &[VersionAdvance {
+                    aggregate: key,
+                    expected: state.applied_version,
+                    version: event.aggregate_version,
+                }],
+            )
+            .await
+    }
+}

@@ -1,0 +1,66 @@
+-- outbox-postgres inbox migration 2: per-aggregate versions, parked messages and their audit.
+
+-- What a consumer knows about each aggregate: the last version it applied (or an operator
+-- discarded) and whether a parked message blocks the aggregate's later messages.
+CREATE TABLE IF NOT EXISTS "__SCHEMA__"."__TABLE___aggregates" (
+    consumer        text        NOT NULL,
+    aggregate_type  text        NOT NULL,
+    aggregate_id    text        NOT NULL,
+    applied_version bigint,
+    blocked         boolean     NOT NULL DEFAULT false,
+    updated_at      timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (consumer, aggregate_type, aggregate_id)
+);
+
+-- Messages a consumer could not apply (status 'parked', kind 'unprocessable' or 'version_gap')
+-- and those waiting behind them ('waiting'), with the raw record; kept after resolution
+-- ('applied', 'skipped', 'discarded') for the audit trail.
+CREATE TABLE IF NOT EXISTS "__SCHEMA__"."__TABLE___parked" (
+    id                bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    consumer          text        NOT NULL,
+    topic             text        NOT NULL,
+    "partition"       integer     NOT NULL,
+    "offset"          bigint      NOT NULL,
+    record_key        bytea,
+    header_names      text[]      NOT NULL,
+    header_values     bytea[]     NOT NULL,
+    value             bytea,
+    aggregate_type    text,
+    aggregate_id      text,
+    event_id          uuid,
+    dedup_id          uuid,
+    aggregate_version bigint,
+    status            text        NOT NULL
+        CHECK (status IN ('parked', 'waiting', 'applied', 'skipped', 'discarded')),
+    kind              text,
+    reason            text        NOT NULL,
+    attempts          integer     NOT NULL,
+    parked_at         timestamptz NOT NULL DEFAULT now(),
+    resolved_at       timestamptz,
+    CHECK (cardinality(header_names) = cardinality(header_values))
+);
+
+-- A redelivered message is parked once: by its dedup id, or by its position when undecodable.
+CREATE UNIQUE INDEX IF NOT EXISTS "__TABLE___parked_dedup_idx"
+    ON "__SCHEMA__"."__TABLE___parked" (consumer, dedup_id) WHERE dedup_id IS NOT NULL;
+CREATE UNIQUE INDEX IF NOT EXISTS "__TABLE___parked_position_idx"
+    ON "__SCHEMA__"."__TABLE___parked" (consumer, topic, "partition", "offset")
+    WHERE dedup_id IS NULL;
+-- Open messages of an aggregate, in release order.
+CREATE INDEX IF NOT EXISTS "__TABLE___parked_open_idx"
+    ON "__SCHEMA__"."__TABLE___parked" (consumer, aggregate_type, aggregate_id, aggregate_version, id)
+    WHERE status IN ('parked', 'waiting');
+
+-- Every operator action on a parked message.
+CREATE TABLE IF NOT EXISTS "__SCHEMA__"."__TABLE___audit" (
+    id        bigint      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    consumer  text        NOT NULL,
+    parked_id bigint      NOT NULL,
+    action    text        NOT NULL,
+    actor     text        NOT NULL,
+    reason    text        NOT NULL,
+    outcome   text        NOT NULL,
+    at        timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX IF NOT EXISTS "__TABLE___audit_parked_idx"
+    ON "__SCHEMA__"."__TABLE___audit" (consumer, parked_id);
