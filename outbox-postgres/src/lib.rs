@@ -112,8 +112,8 @@
 //!   lease slot: they are only serialized.
 //! * **Unblocking.** `complete` of a published head takes the same aggregate locks (blocking,
 //!   sorted, keys carried from the claim) and unblocks the aggregate's first blocked row in the
-//!   same statement; operator discard does the same. Classification and unblocking of one
-//!   aggregate are serialized by the lock and each reads a snapshot taken after it, so the
+//!   same statement; operator discard and re-issue do the same. Classification and unblocking
+//!   of one aggregate are serialized by the lock and each reads a snapshot taken after it, so the
 //!   invariant "an aggregate's lowest unfinished row is never blocked" holds and no row is left
 //!   blocked behind a finished head.
 //! * **Producers never wait** for relays: append is a plain insert (new rows are candidates)

@@ -413,8 +413,13 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                       headers || jsonb_build_object($8::text, \
                                    COALESCE(headers ->> $8::text, event_id::text)), \
                       created_at FROM o \
-               RETURNING event_id) \
-             SELECT count(*) FROM ins"
+               RETURNING event_id), \
+             {} \
+             SELECT count(*) FROM ins",
+            // The aggregate's first blocked row becomes a candidate again, as after a discard:
+            // a row of the same version appended while the original was parked (a duplicate)
+            // precedes the copy and is now the head; the claim re-checks whatever it unblocks.
+            promote_after("(SELECT $2::int8 AS k, $3::text AS at, $4::text AS ai FROM o)"),
         );
         let audit_insert = format!(
             "INSERT INTO {audit} (event_id, action, actor, reason, new_event_id) \
