@@ -8,7 +8,9 @@ use sqlx::error::ErrorKind as DbKind;
 ///
 /// Transient: serialization failure and deadlock (`40001`, `40P01`), lock not available
 /// (`55P03`), connection exceptions (class `08`), operator intervention such as admin shutdown,
-/// crash shutdown and "cannot connect now" (`57P01`..`57P03`), statement/lock timeouts and
+/// crash shutdown and "cannot connect now" (`57P01`..`57P03`), a session the server ended for
+/// idling in a transaction (`25P03`: `idle_in_transaction_session_timeout`, which ends a
+/// locked claim held past `locked_max_hold`), statement/lock timeouts and
 /// cancellations (`57014`), insufficient resources (class `53`, e.g. `53300` too many
 /// connections) and an aborted transaction (`25P02` is permanent for the transaction but the
 /// operation can be retried: transient).
@@ -28,7 +30,7 @@ pub fn classify_sqlstate(code: &str, kind: DbKind) -> (StoreErrorKind, ErrorClas
     match code {
         "40001" | "40P01" | "55P03" => class(K::Conflict),
         "25P02" => (K::Conflict, ErrorClass::Transient),
-        "57P01" | "57P02" | "57P03" | "57P04" | "57P05" => class(K::Connection),
+        "57P01" | "57P02" | "57P03" | "57P04" | "57P05" | "25P03" => class(K::Connection),
         "57014" => (K::Other, ErrorClass::Transient),
         "42P01" | "42703" | "3F000" | "42883" | "42704" => class(K::Schema),
         "42501" | "28000" | "28P01" => class(K::Configuration),
@@ -137,6 +139,7 @@ mod tests {
             ("08P01", DbKind::Other, K::Connection, Transient),
             ("57P01", DbKind::Other, K::Connection, Transient),
             ("57P03", DbKind::Other, K::Connection, Transient),
+            ("25P03", DbKind::Other, K::Connection, Transient),
             ("53300", DbKind::Other, K::Connection, Transient),
             ("53200", DbKind::Other, K::Connection, Transient),
             ("57014", DbKind::Other, K::Other, Transient),

@@ -154,6 +154,7 @@ impl OutboxSql {
                                       WHERE {sr} LIMIT 1) a ON true), \
                  h AS MATERIALIZED ( \
                    SELECT c.*, CASE \
+                     WHEN c.leased THEN 'wait' \
                      WHEN c.aggregate_version <= c.last THEN 'stale' \
                      WHEN EXISTS (SELECT 1 FROM {t} u \
                                   WHERE {ku} = c.k AND u.status IN ('pending', 'parked') \
@@ -165,7 +166,7 @@ impl OutboxSql {
                      WHEN c.aggregate_version > c.last + 1 THEN \
                        CASE WHEN c.held_since <= clock_timestamp() - {gap_i} THEN 'gap_park' \
                             ELSE 'gap_hold' END \
-                     WHEN c.leased OR NOT c.due THEN 'wait' \
+                     WHEN NOT c.due THEN 'wait' \
                      ELSE 'claim' END AS action \
                    FROM c), \
                  blk AS ( \
@@ -466,8 +467,15 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                       headers || jsonb_build_object($8::text, \
                                    COALESCE(headers ->> $8::text, event_id::text)), \
                       created_at FROM o \
-               RETURNING event_id) \
-             SELECT count(*) FROM ins"
+               RETURNING event_id), \
+             {} \
+             SELECT count(*) FROM ins",
+            // The aggregate's first blocked row becomes a candidate again, as after a discard:
+            // a row of the same version appended while the original was parked (a duplicate)
+            // precedes the copy and is now the head; the claim re-checks whatever it unblocks.
+            promote_after(
+                "(SELECT 0::int8 AS id, $2::int8 AS k, $3::text AS at, $4::text AS ai FROM o)"
+            ),
         );
         let audit_insert = format!(
             "INSERT INTO {audit} (event_id, action, actor, reason, new_event_id) \

@@ -103,23 +103,12 @@ impl PostgresOutboxStore {
         k ^ self.inner.seed
     }
 
-    pub(super) async fn claim_inner(
-        &self,
-        request: &ClaimRequest,
-    ) -> Result<ClaimedBatch, StoreError> {
-        let token = Uuid::now_v7();
-        let handle = ClaimHandle {
-            token,
-            owner: request.owner.clone(),
-        };
-        if request.limit == 0 {
-            return Ok(ClaimedBatch::new(handle, Vec::new(), None));
-        }
+    /// A claim's transaction: READ COMMITTED, custom plans, no JIT, the candidate scan in
+    /// order; lease claims commit synchronously; a locked claim's transaction (ended by its
+    /// completion) gets the server-side hold limit.
+    async fn begin_claim(&self) -> Result<Transaction<'static, Postgres>, StoreError> {
         let settings = &self.inner.settings;
-        let mode = settings.claim_mode;
-        let limit = request.limit.min(100_000) as i64;
-        self.sweep_locked_claims();
-        let mut tx = if mode == ClaimMode::LockedTransaction {
+        if settings.claim_mode == ClaimMode::LockedTransaction {
             let ms = settings.locked_max_hold.as_millis().max(1);
             // A SET cannot take bind parameters; the value is an integer we formatted. The
             // claim's transaction ends with its completion: asynchronous unless configured.
@@ -141,60 +130,69 @@ impl PostgresOutboxStore {
                 .begin_with(format!("{BEGIN_CLAIM}; {ORDERED_SCAN}; {SYNC_COMMIT}"))
                 .await
         }
-        .map_err(db)?;
-        let sql = &self.inner.sql;
-        // Any failure from here on rolls back at once, freeing the aggregate locks.
-        macro_rules! or_abort {
-            ($e:expr) => {
-                match $e {
-                    Ok(v) => v,
-                    Err(e) => return abort(tx, e).await,
-                }
-            };
+        .map_err(db)
+    }
+
+    pub(super) async fn claim_inner(
+        &self,
+        request: &ClaimRequest,
+    ) -> Result<ClaimedBatch, StoreError> {
+        let token = Uuid::now_v7();
+        let handle = ClaimHandle {
+            token,
+            owner: request.owner.clone(),
+        };
+        if request.limit == 0 {
+            return Ok(ClaimedBatch::new(handle, Vec::new(), None));
         }
+        let mode = self.inner.settings.claim_mode;
+        let limit = request.limit.min(100_000) as i64;
+        self.sweep_locked_claims();
+        let mut tx = self.begin_claim().await?;
         // Step 1: candidates whose aggregates this transaction could lock.
-        let ids: Vec<i64> = or_abort!(sqlx::query_scalar(&sql.claim_candidates)
+        let ids = sqlx::query_scalar::<_, i64>(&self.inner.sql.claim_candidates)
             .bind(limit)
             .fetch_all(&mut *tx)
             .await
-            .map_err(db));
-        if ids.is_empty() {
-            tx.commit().await.map_err(db)?;
-            return Ok(ClaimedBatch::new(handle, Vec::new(), None));
-        }
+            .map_err(db);
+        let ids = match ids {
+            Ok(ids) if ids.is_empty() => {
+                tx.commit().await.map_err(db)?;
+                return Ok(ClaimedBatch::new(handle, Vec::new(), None));
+            }
+            Ok(ids) => ids,
+            Err(e) => return abort(tx, e).await,
+        };
         // Step 2: the decision, in a snapshot taken after the locks.
-        let gap_us = micros(settings.gap_timeout);
-        let recheck_us = micros(settings.gap_timeout.min(GAP_RECHECK));
-        let rows = or_abort!(match mode {
-            ClaimMode::Lease { duration } => sqlx::query(&sql.claim_decide_lease)
-                .bind(&ids)
-                .bind(&request.owner)
-                .bind(token)
-                .bind(micros(duration))
-                .bind(gap_us)
-                .bind(recheck_us),
-            _ => sqlx::query(&sql.claim_decide_locked)
-                .bind(&ids)
-                .bind(gap_us)
-                .bind(recheck_us),
+        let decided = self.decide(&mut tx, &ids, request, token).await;
+        let mut decided = match decided {
+            Ok(d) => d,
+            Err(e) => return abort(tx, e).await,
+        };
+        let mut parked = std::mem::take(&mut decided.parked);
+        // Locked mode: what the decision parked would roll back with the claim if it ended
+        // without a completion (a relay that dies, a release), after the claim had reported it
+        // parked. Parks commit on their own, then the claimed aggregates are locked and
+        // decided again (rarely more than once).
+        let mut rounds = 0;
+        while mode == ClaimMode::LockedTransaction
+            && !decided.claimed.is_empty()
+            && (!parked.is_empty() && rounds == 0 || !decided.parked.is_empty())
+            && rounds < 3
+        {
+            rounds += 1;
+            parked.append(&mut decided.parked);
+            tx.commit().await.map_err(db)?;
+            tx = self.begin_claim().await?;
+            let again = self
+                .relock_and_decide(&mut tx, &decided, request, token)
+                .await;
+            decided = match again {
+                Ok(d) => d,
+                Err(e) => return abort(tx, e).await,
+            };
         }
-        .fetch_all(&mut *tx)
-        .await
-        .map_err(db));
-        let decided = or_abort!(self.decided(&rows));
-        if !decided.undecodable.is_empty() {
-            let ids: Vec<i64> = decided.undecodable.iter().map(|u| u.0).collect();
-            let keys: Vec<i64> = decided.undecodable.iter().map(|u| u.1).collect();
-            let why: Vec<String> = decided.undecodable.iter().map(|u| u.2.clone()).collect();
-            or_abort!(sqlx::query(&sql.park_undecodable)
-                .bind(&ids)
-                .bind(&why)
-                .bind(token)
-                .bind(&keys)
-                .execute(&mut *tx)
-                .await
-                .map_err(db));
-        }
+        parked.append(&mut decided.parked);
         let batch_rows: Vec<ClaimedRow> = decided.claimed.iter().map(|(r, _)| r.clone()).collect();
         let records: Vec<ClaimedRecord> = decided.claimed.into_iter().map(|(_, r)| r).collect();
         let remaining = decided
@@ -225,7 +223,88 @@ impl PostgresOutboxStore {
             }
         }
         Ok(ClaimedBatch::new(handle, records, remaining)
-            .with_version_notices(decided.parked, decided.gaps_held))
+            .with_version_notices(parked, decided.gaps_held))
+    }
+
+    /// Claim step 2 on `ids` (whose aggregates this transaction holds), including the parking
+    /// of claimed rows that no longer decode.
+    async fn decide(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        ids: &[i64],
+        request: &ClaimRequest,
+        token: Uuid,
+    ) -> Result<Decided, StoreError> {
+        let settings = &self.inner.settings;
+        let sql = &self.inner.sql;
+        let gap_us = micros(settings.gap_timeout);
+        let recheck_us = micros(settings.gap_timeout.min(GAP_RECHECK));
+        let rows = match settings.claim_mode {
+            ClaimMode::Lease { duration } => sqlx::query(&sql.claim_decide_lease)
+                .bind(ids)
+                .bind(&request.owner)
+                .bind(token)
+                .bind(micros(duration))
+                .bind(gap_us)
+                .bind(recheck_us),
+            _ => sqlx::query(&sql.claim_decide_locked)
+                .bind(ids)
+                .bind(gap_us)
+                .bind(recheck_us),
+        }
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db)?;
+        let decided = self.decided(&rows)?;
+        if !decided.undecodable.is_empty() {
+            let ids: Vec<i64> = decided.undecodable.iter().map(|u| u.0).collect();
+            let keys: Vec<i64> = decided.undecodable.iter().map(|u| u.1).collect();
+            let why: Vec<String> = decided.undecodable.iter().map(|u| u.2.clone()).collect();
+            sqlx::query(&sql.park_undecodable)
+                .bind(&ids)
+                .bind(&why)
+                .bind(token)
+                .bind(&keys)
+                .execute(&mut *tx)
+                .await
+                .map_err(db)?;
+        }
+        Ok(decided)
+    }
+
+    /// Locked mode, after the parks of a claim were committed: try-locks the aggregates of the
+    /// rows it had claimed again and decides on those that could be locked.
+    async fn relock_and_decide(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        previous: &Decided,
+        request: &ClaimRequest,
+        token: Uuid,
+    ) -> Result<Decided, StoreError> {
+        let keys: Vec<i64> = previous
+            .claimed
+            .iter()
+            .map(|(r, _)| self.lock_key(r.key))
+            .collect();
+        let locked: Vec<bool> = sqlx::query_scalar(
+            "SELECT pg_try_advisory_xact_lock(u.k) FROM UNNEST($1::int8[]) WITH ORDINALITY \
+             AS u(k, n) ORDER BY u.n",
+        )
+        .bind(&keys)
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(db)?;
+        let ids: Vec<i64> = previous
+            .claimed
+            .iter()
+            .zip(&locked)
+            .filter(|(_, ok)| **ok)
+            .map(|((r, _), _)| r.id)
+            .collect();
+        if ids.is_empty() {
+            return Ok(Decided::default());
+        }
+        self.decide(tx, &ids, request, token).await
     }
 
     /// Reads the rows of claim step 2: claimed records (oldest first), parked notices, gaps.
