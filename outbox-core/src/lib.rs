@@ -15,6 +15,7 @@
 //! * [`Relay`]: claim, publish concurrently, record outcomes; steps exposed for simulation.
 //! * [`watermark`]: contiguous offset commits for consumers.
 //! * [`wire`]: the one mapping of an envelope onto record headers.
+//! * [`backpressure`]: refuse non-critical appends above backlog thresholds, for any store.
 //!
 //! ```
 //! use outbox_core::{Envelope, ErrorClass, PublishError, PublishErrorKind, Classify};
@@ -33,6 +34,7 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod backpressure;
 pub mod circuit;
 pub mod clock;
 pub mod delivery;
