@@ -68,6 +68,9 @@ pub struct CliError {
     pub message: String,
     /// What to do about it.
     pub hint: Option<String>,
+    /// The command already wrote its `--json` document (which carries the findings): no
+    /// second `{"error": ...}` document on stdout.
+    pub reported: bool,
 }
 
 impl CliError {
@@ -77,6 +80,7 @@ impl CliError {
             kind,
             message: message.into(),
             hint,
+            reported: false,
         }
     }
     /// Usage or configuration (exit 2).
@@ -102,6 +106,12 @@ impl CliError {
     /// Adds or replaces the hint.
     pub fn with_hint(mut self, hint: impl Into<String>) -> Self {
         self.hint = Some(hint.into());
+        self
+    }
+
+    /// Marks the findings as written already (see [`CliError::reported`]).
+    pub fn reported(mut self) -> Self {
+        self.reported = true;
         self
     }
 

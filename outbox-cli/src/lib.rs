@@ -157,7 +157,7 @@ pub async fn run(opt: Opt) -> u8 {
 
 fn report(e: &CliError, json: bool) -> u8 {
     eprintln!("{e}");
-    if json {
+    if json && !e.reported {
         println!("{}", e.to_json());
     }
     e.exit_code()

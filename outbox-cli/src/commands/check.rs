@@ -254,11 +254,7 @@ pub async fn run(config: &Config, opts: &CheckOpts, out: &Output) -> Result<(), 
             .iter()
             .filter(|x| x.severity == Severity::Error)
             .count();
-        Err(CliError::new(
-            ErrorKind::Failed,
-            format!("{n} violation(s) found"),
-            None,
-        ))
+        Err(CliError::new(ErrorKind::Failed, format!("{n} violation(s) found"), None).reported())
     }
 }
 

@@ -66,8 +66,11 @@ pub struct Row {
 
 /// Runs `outbox reconcile`.
 pub async fn run(config: &Config, opts: &ReconcileOpts, out: &Output) -> Result<(), CliError> {
-    let now = Utc::now();
-    let since = super::parse_time("--since", &opts.since, now)?;
+    // Whole seconds (interval starts are compared as the database computes them), rounded up
+    // so that `--since 1d --interval 1d` is one interval that ends after now.
+    let now = chrono::SubsecRound::trunc_subsecs(Utc::now(), 0) + chrono::Duration::seconds(1);
+    let since =
+        chrono::SubsecRound::trunc_subsecs(super::parse_time("--since", &opts.since, now)?, 0);
     let interval = match &opts.interval {
         Some(i) => super::parse_duration("--interval", i)?,
         None => config.reconcile.interval,
@@ -283,9 +286,7 @@ pub async fn run(config: &Config, opts: &ReconcileOpts, out: &Output) -> Result<
         );
     }
     if mismatched > 0 {
-        Err(CliError::failed(format!(
-            "{mismatched} interval(s) do not reconcile"
-        )))
+        Err(CliError::failed(format!("{mismatched} interval(s) do not reconcile")).reported())
     } else {
         Ok(())
     }

@@ -90,9 +90,23 @@ impl TestEnv {
 
     /// Runs `outbox --json <args>` and parses stdout.
     pub fn json(&self, args: &[&str]) -> (i32, serde_json::Value, String) {
+        self.json_env(&[], args)
+    }
+
+    /// [`json`](Self::json) with extra environment variables.
+    pub fn json_env(
+        &self,
+        envs: &[(&str, &str)],
+        args: &[&str],
+    ) -> (i32, serde_json::Value, String) {
         let mut all = vec!["--json"];
         all.extend_from_slice(args);
-        let out = self.run(&all);
+        let out = self
+            .cmd()
+            .envs(envs.iter().copied())
+            .args(&all)
+            .output()
+            .expect("run outbox");
         let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
         let value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
             panic!(
@@ -140,10 +154,16 @@ impl TestEnv {
 
     /// Starts `outbox relay` with `args` on a free port; returns the process and the port.
     pub fn spawn_relay(&self, args: &[&str]) -> Daemon {
+        self.spawn_relay_env(&[], args)
+    }
+
+    /// [`spawn_relay`](Self::spawn_relay) with extra environment variables.
+    pub fn spawn_relay_env(&self, envs: &[(&str, &str)], args: &[&str]) -> Daemon {
         let port = outbox_test_support::free_port();
         let listen = format!("127.0.0.1:{port}");
         let child = self
             .cmd()
+            .envs(envs.iter().copied())
             .args(["relay", "--listen", &listen])
             .args(args)
             .stdout(Stdio::piped())
