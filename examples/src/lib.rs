@@ -81,7 +81,8 @@ pub struct DemoConfig {
     pub database_url: Option<String>,
     /// Kafka bootstrap servers (in-memory log when `None`).
     pub brokers: Option<String>,
-    /// Keep the PostgreSQL schema of the run for inspection (dropped by default).
+    /// Keep the PostgreSQL schema and the Kafka topic of the run for inspection (both removed
+    /// by default).
     pub keep_schema: bool,
     /// PostgreSQL schema of the run, created by the demo (so it must not exist yet); a fresh
     /// `outbox_demo_<random>` when `None`.
@@ -150,7 +151,8 @@ pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
         (None, Some(brokers)) => {
             let m = memory::MemoryBackend::new()?;
             let k = kafka::KafkaBackend::start(brokers).await?;
-            drive(
+            let topic = k.topic.clone();
+            let summary = drive(
                 "in-memory store, Kafka",
                 config,
                 &m.service,
@@ -160,7 +162,9 @@ pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
                 (k.source, k.tracker),
                 memory::Projection,
             )
-            .await
+            .await;
+            kafka::finish(brokers, &topic, config.keep_schema).await;
+            summary
         }
         (Some(url), None) => {
             let p = postgres::PostgresBackend::connect(url, config.schema.as_deref()).await?;
@@ -181,6 +185,7 @@ pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
         (Some(url), Some(brokers)) => {
             let p = postgres::PostgresBackend::connect(url, config.schema.as_deref()).await?;
             let k = kafka::KafkaBackend::start(brokers).await?;
+            let topic = k.topic.clone();
             let summary = drive(
                 "PostgreSQL, Kafka",
                 config,
@@ -192,6 +197,7 @@ pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
                 postgres::Projection::new(&p.schema),
             )
             .await;
+            kafka::finish(brokers, &topic, config.keep_schema).await;
             finish_postgres(&p, config, summary).await
         }
     }
@@ -207,6 +213,10 @@ async fn finish_postgres(
         eprintln!("kept PostgreSQL schema {}", p.schema);
     } else {
         p.drop_schema().await?;
+        eprintln!(
+            "used PostgreSQL schema {} (dropped; --keep keeps it)",
+            p.schema
+        );
     }
     summary
 }

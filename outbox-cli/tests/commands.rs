@@ -499,3 +499,83 @@ async fn reconcile_reports_mismatches_per_interval_and_type() {
     assert!(String::from_utf8_lossy(&human.stdout).contains("MISMATCH"));
     env.drop_schema().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_command_refuses_hostile_identifiers_before_any_sql() {
+    let env = env_or_skip!("hostile_identifiers", 0);
+    let vs = &env.schema;
+    sqlx::raw_sql(&format!(
+        "CREATE SCHEMA \"{vs}\"; CREATE TABLE \"{vs}\".victim (id int); INSERT INTO \"{vs}\".victim VALUES (1);"
+    ))
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    let hostile = [
+        r#"x"; DROP TABLE victim; --"#.to_owned(),
+        format!("{vs}.victim"),
+        "Upper".to_owned(),
+        String::new(),
+        "a".repeat(64),
+        format!(
+            "{vs}.a (i int); DROP TABLE IF EXISTS {vs}.victim; CREATE TABLE IF NOT EXISTS {vs}"
+        ),
+    ];
+    let commands: [&[&str]; 8] = [
+        &["migrate"],
+        &["relay", "--no-http"],
+        &["status"],
+        &["parked", "list"],
+        &["cleanup", "--dry-run"],
+        &["check"],
+        &["replay", "--since", "1h", "--dry-run"],
+        &["reconcile", "--since", "1h"],
+    ];
+    for bad in &hostile {
+        for (var, what) in [
+            ("OUTBOX_OUTBOX__SCHEMA", "schema"),
+            ("OUTBOX_OUTBOX__TABLE", "table"),
+        ] {
+            for args in commands {
+                let out = env.cmd().env(var, bad).args(args).output().unwrap();
+                assert_eq!(
+                    out.status.code(),
+                    Some(2),
+                    "{args:?} {what}={bad:?}: {}",
+                    text(&out)
+                );
+                assert!(
+                    String::from_utf8_lossy(&out.stderr)
+                        .contains(&format!("invalid outbox.{what} name")),
+                    "{args:?} {what}={bad:?}: {}",
+                    text(&out)
+                );
+            }
+        }
+    }
+    for bad in [
+        "x\"; DROP TABLE victim; --",
+        "..",
+        "orders topic",
+        "^orders.*",
+        "",
+    ] {
+        let out = env
+            .cmd()
+            .env("OUTBOX_KAFKA__TOPIC", bad)
+            .args(["relay", "--no-http"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "topic {bad:?}: {}", text(&out));
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("kafka.topic"),
+            "{}",
+            text(&out)
+        );
+    }
+    let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM \"{vs}\".victim"))
+        .fetch_one(&env.pool)
+        .await
+        .expect("the victim table survives");
+    assert_eq!(n, 1);
+    env.drop_schema().await;
+}

@@ -371,3 +371,97 @@ async fn sigterm_during_a_batch_finishes_or_releases_it_and_nothing_is_lost() {
     assert_eq!(code, 0);
     env.drop_schema().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scheduled_cleanup_removes_finished_rows() {
+    let env = env_or_skip!("relay_cleanup", 1);
+    env.migrate();
+    let events = env.append(10, 1).await;
+    let mut relay = env.spawn_relay_env(
+        &[
+            ("OUTBOX_CLEANUP__INTERVAL", "300ms"),
+            ("OUTBOX_CLEANUP__RETENTION", "0s"),
+            ("OUTBOX_CLEANUP__BATCH_SIZE", "3"),
+        ],
+        &[],
+    );
+    relay.wait_ready(Duration::from_secs(30));
+    let n = events.len() as f64;
+    relay.wait_metric(
+        "outbox_cleanup_removed_total",
+        "",
+        |v| v >= n,
+        Duration::from_secs(30),
+    );
+    assert_eq!(env.count("published").await, 0);
+    assert_eq!(env.count("pending").await, 0);
+    let (code, _, stderr) = relay.terminate(Duration::from_secs(30));
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stderr.contains(&format!("{} rows cleaned up", events.len())),
+        "{stderr}"
+    );
+    env.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_outage_parks_nothing_and_drains_when_it_returns() {
+    let env = env_or_skip!("relay_broker_outage", 0);
+    let Some(bin) = outbox_test_support::tansu_bin("relay_broker_outage") else {
+        return;
+    };
+    let mut tansu = outbox_test_support::Tansu::start(bin);
+    let brokers = tansu.brokers();
+    common::create_topic(&brokers, &env.topic, 2, &[]).await;
+    env.migrate();
+    let first = env.append(10, 1).await;
+    let mut relay = env.spawn_relay_env(
+        &[
+            ("KAFKA_BROKERS", brokers.as_str()),
+            ("OUTBOX_KAFKA__DELIVERY_TIMEOUT", "2s"),
+            ("OUTBOX_OUTBOX__LEASE", "8s"),
+            ("OUTBOX_RELAY__CIRCUIT_MAX", "1s"),
+            ("OUTBOX_RELAY__MAX_ATTEMPTS", "2"),
+        ],
+        &["--no-cleanup"],
+    );
+    relay.wait_ready(Duration::from_secs(30));
+    env.wait_count("published", first.len() as i64, Duration::from_secs(30))
+        .await;
+    // The broker goes away; the business keeps appending.
+    tansu.stop();
+    env.append_versions(10, 2..=2).await;
+    relay.wait_metric(
+        "outbox_relay_circuit_open",
+        "",
+        |v| v == 1.0,
+        Duration::from_secs(30),
+    );
+    relay.wait_metric(
+        "outbox_relay_circuit_opened_total",
+        "",
+        |v| v >= 1.0,
+        Duration::from_secs(5),
+    );
+    // Longer than the attempt limit would allow for the records' own failures.
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(env.count("parked").await, 0, "an outage parks nothing");
+    // It comes back (memory storage: the topic is created again).
+    tansu.restart();
+    common::create_topic(&brokers, &env.topic, 2, &[]).await;
+    env.wait_count("published", 20, Duration::from_secs(90))
+        .await;
+    assert_eq!(env.count("parked").await, 0);
+    relay.wait_metric(
+        "outbox_relay_circuit_open",
+        "",
+        |v| v == 0.0,
+        Duration::from_secs(10),
+    );
+    let (code, _, stderr) = relay.terminate(Duration::from_secs(30));
+    assert_eq!(code, 0, "{stderr}");
+    // Logged per state change, not per event.
+    let warns = stderr.lines().filter(|l| l.contains("WARN")).count();
+    assert!(warns < 20, "{warns} warnings for 10 events: {stderr}");
+    env.drop_schema().await;
+}

@@ -134,9 +134,18 @@ impl TestEnv {
 
     /// Appends `versions` events for each of `aggregates` aggregates (committed); returns them.
     pub async fn append(&self, aggregates: usize, versions: i64) -> Vec<Envelope> {
+        self.append_versions(aggregates, 1..=versions).await
+    }
+
+    /// Appends `versions` of each of `aggregates` aggregates (committed); returns them.
+    pub async fn append_versions(
+        &self,
+        aggregates: usize,
+        versions: std::ops::RangeInclusive<i64>,
+    ) -> Vec<Envelope> {
         let store = self.store();
         let mut all = Vec::new();
-        for v in 1..=versions {
+        for v in versions {
             let events: Vec<Envelope> = (0..aggregates)
                 .map(|a| {
                     Envelope::builder("order", format!("o-{a}"), v, "order.changed")
@@ -253,7 +262,7 @@ impl Daemon {
 
     /// Waits until `metric{labels}` satisfies `ok`.
     pub fn wait_metric(
-        &self,
+        &mut self,
         metric: &str,
         labels: &str,
         ok: impl Fn(f64) -> bool,
@@ -266,11 +275,15 @@ impl Daemon {
                     return v;
                 }
             }
-            assert!(
-                Instant::now() < deadline,
-                "{metric}{{{labels}}} = {:?} never satisfied the condition",
-                self.metric(metric, labels)
-            );
+            if Instant::now() >= deadline {
+                let now = self.metric(metric, labels);
+                signal(self.child.id(), "KILL");
+                let mut err = String::new();
+                if let Some(mut e) = self.child.stderr.take() {
+                    let _ = e.read_to_string(&mut err);
+                }
+                panic!("{metric}{{{labels}}} = {now:?} never satisfied the condition; relay log:\n{err}");
+            }
             std::thread::sleep(Duration::from_millis(100));
         }
     }
