@@ -121,7 +121,7 @@ pub struct RelayOpts {
     /// No scheduled cleanup in this relay.
     #[arg(long)]
     pub no_cleanup: bool,
-    /// Relay identity (default <hostname>-<pid>).
+    /// Relay identity (default `<hostname>-<pid>`).
     #[arg(long)]
     pub owner: Option<String>,
     /// Do not claim the next batch while a full one is published.

@@ -579,3 +579,67 @@ async fn every_command_refuses_hostile_identifiers_before_any_sql() {
     assert_eq!(n, 1);
     env.drop_schema().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_reports_consumer_lag_from_committed_offsets_and_inbox_counts() {
+    use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+    let env = env_or_skip!("status_consumers", 1);
+    env.migrate();
+    env.append(4, 1).await;
+    let mut relay = env.spawn_relay(&[
+        "--no-cleanup",
+        "--producer-property",
+        "batch.num.messages=1",
+    ]);
+    relay.wait_ready(Duration::from_secs(30));
+    env.wait_count("published", 4, Duration::from_secs(30))
+        .await;
+    relay.terminate(Duration::from_secs(30));
+    // The consumer group committed offset 2; its inbox registered two events.
+    let group = format!("g-{}", env.topic);
+    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &env.brokers)
+        .set("group.id", &group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    tpl.add_partition_offset(&env.topic, 0, rdkafka::Offset::Offset(2))
+        .unwrap();
+    consumer.commit(&tpl, CommitMode::Sync).unwrap();
+    drop(consumer);
+    let s = &env.schema;
+    outbox_postgres::PostgresInboxStore::builder(env.pool.clone())
+        .schema(s.clone())
+        .build()
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    sqlx::raw_sql(&format!(
+        "INSERT INTO \"{s}\".processed_events (consumer, event_id) \
+         SELECT 'billing', event_id FROM \"{s}\".outbox_events ORDER BY id LIMIT 2"
+    ))
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    std::fs::write(
+        env.dir.join("outbox.toml"),
+        format!("[[consumers]]\nname = \"billing\"\ngroup = \"{group}\"\ninbox_schema = \"{s}\"\n"),
+    )
+    .unwrap();
+    let (code, v, stderr) = env.json(&["status"]);
+    assert_eq!(code, 0, "{stderr}");
+    let c = &v["consumers"][0];
+    assert_eq!(c["name"], "billing");
+    assert_eq!(c["inbox_registrations"], 2, "{v}");
+    assert_eq!(c["partitions"][0]["committed"], 2, "{v}");
+    assert!(c["lag"].as_i64().is_some(), "{v}");
+    assert!(
+        c["parked"].is_null(),
+        "consumer parking is not available yet: {v}"
+    );
+    let human = env.run(&["status"]);
+    assert!(String::from_utf8_lossy(&human.stdout).contains("billing"));
+    env.drop_schema().await;
+}
