@@ -193,7 +193,16 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
         () = stopped(&mut stop_wait) => "fatal",
     };
     let _ = stop_tx.send(true);
-    health.update(|r| r.relaying = false);
+    let fatal_reason = fatal
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .map(ToString::to_string);
+    // Until the process exits, /readyz says why it stops.
+    health.update(|r| {
+        r.relaying = false;
+        r.fatal = fatal_reason;
+    });
     info!(
         stopped_by,
         "relay stopping: finishing or releasing the batches in flight"
