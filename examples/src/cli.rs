@@ -45,19 +45,3 @@ pub async fn shutdown_signal() {
         _ = term.recv() => {}
     }
 }
-
-/// The value of a service variable (`DATABASE_URL`, `KAFKA_BROKERS`) for tests. Panics when it
-/// is unset, unless `OUTBOX_SKIP_SERVICE_TESTS=1` asks to skip (then prints `SKIPPED` and
-/// returns `None`): CI never skips silently.
-pub fn required_service(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(v) if !v.is_empty() => Some(v),
-        _ if std::env::var("OUTBOX_SKIP_SERVICE_TESTS").as_deref() == Ok("1") => {
-            eprintln!("SKIPPED: {var} unset and OUTBOX_SKIP_SERVICE_TESTS=1");
-            None
-        }
-        _ => {
-            panic!("{var} is not set; run scripts/test, or set OUTBOX_SKIP_SERVICE_TESTS=1 to skip")
-        }
-    }
-}

@@ -27,6 +27,28 @@ impl std::fmt::Debug for KafkaBackend {
     }
 }
 
+/// Prints the run's topic and deletes it unless `keep` (the demo cleans up after itself).
+pub async fn finish(brokers: &str, topic: &str, keep: bool) {
+    if keep {
+        eprintln!("kept Kafka topic {topic}");
+        return;
+    }
+    let deleted = async {
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .create()?;
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        for r in admin.delete_topics(&[topic], &opts).await? {
+            r.map_err(|(t, code)| anyhow::anyhow!("cannot delete topic {t}: {code}"))?;
+        }
+        anyhow::Ok(())
+    };
+    match deleted.await {
+        Ok(()) => eprintln!("used Kafka topic {topic} (deleted; --keep keeps it)"),
+        Err(e) => eprintln!("used Kafka topic {topic}; deleting it failed: {e}"),
+    }
+}
+
 impl KafkaBackend {
     /// Creates a topic `outbox-demo-<random>` with 3 partitions and starts the publisher and the
     /// source.

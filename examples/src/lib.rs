@@ -79,7 +79,8 @@ pub struct DemoConfig {
     pub database_url: Option<String>,
     /// Kafka bootstrap servers (in-memory log when `None`).
     pub brokers: Option<String>,
-    /// Keep the PostgreSQL schema of the run for inspection (dropped by default).
+    /// Keep the PostgreSQL schema and the Kafka topic of the run for inspection (both removed
+    /// by default).
     pub keep_schema: bool,
     /// PostgreSQL schema of the run, created by the demo (so it must not exist yet); a fresh
     /// `outbox_demo_<random>` when `None`.
@@ -148,7 +149,8 @@ pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
         (None, Some(brokers)) => {
             let m = memory::MemoryBackend::new()?;
             let k = kafka::KafkaBackend::start(brokers).await?;
-            drive(
+            let topic = k.topic.clone();
+            let summary = drive(
                 "in-memory store, Kafka",
                 config,
                 &m.service,
@@ -158,7 +160,9 @@ pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
                 k.source,
                 memory::Projection,
             )
-            .await
+            .await;
+            kafka::finish(brokers, &topic, config.keep_schema).await;
+            summary
         }
         (Some(url), None) => {
             let p = postgres::PostgresBackend::connect(url, config.schema.as_deref()).await?;
@@ -179,6 +183,7 @@ pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
         (Some(url), Some(brokers)) => {
             let p = postgres::PostgresBackend::connect(url, config.schema.as_deref()).await?;
             let k = kafka::KafkaBackend::start(brokers).await?;
+            let topic = k.topic.clone();
             let summary = drive(
                 "PostgreSQL, Kafka",
                 config,
@@ -190,6 +195,7 @@ pub async fn run_demo(config: &DemoConfig) -> anyhow::Result<DemoSummary> {
                 postgres::Projection::new(&p.schema),
             )
             .await;
+            kafka::finish(brokers, &topic, config.keep_schema).await;
             finish_postgres(&p, config, summary).await
         }
     }
@@ -205,6 +211,10 @@ async fn finish_postgres(
         eprintln!("kept PostgreSQL schema {}", p.schema);
     } else {
         p.drop_schema().await?;
+        eprintln!(
+            "used PostgreSQL schema {} (dropped; --keep keeps it)",
+            p.schema
+        );
     }
     summary
 }

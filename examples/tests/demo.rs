@@ -5,7 +5,6 @@
 //! `scripts/test`). Without them they fail, unless `OUTBOX_SKIP_SERVICE_TESTS=1` says to skip.
 
 use outbox_core::ParkKind;
-use outbox_examples::cli::required_service;
 use outbox_examples::{run_demo, DemoConfig, DemoSummary};
 
 fn check(s: &DemoSummary, orders: usize) {
@@ -51,7 +50,7 @@ async fn in_memory() {
 
 #[tokio::test]
 async fn postgres_store_and_inbox() {
-    let Some(url) = required_service("DATABASE_URL") else {
+    let Some(url) = outbox_test_support::required_var(module_path!(), "DATABASE_URL") else {
         return;
     };
     let c = DemoConfig {
@@ -63,7 +62,7 @@ async fn postgres_store_and_inbox() {
 
 #[tokio::test]
 async fn kafka_publisher_and_source() {
-    let Some(brokers) = required_service("KAFKA_BROKERS") else {
+    let Some(brokers) = outbox_test_support::required_var(module_path!(), "KAFKA_BROKERS") else {
         return;
     };
     let c = DemoConfig {
@@ -76,8 +75,8 @@ async fn kafka_publisher_and_source() {
 #[tokio::test]
 async fn postgres_and_kafka() {
     let (Some(url), Some(brokers)) = (
-        required_service("DATABASE_URL"),
-        required_service("KAFKA_BROKERS"),
+        outbox_test_support::required_var(module_path!(), "DATABASE_URL"),
+        outbox_test_support::required_var(module_path!(), "KAFKA_BROKERS"),
     ) else {
         return;
     };

@@ -10,7 +10,6 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use outbox_core::{wire, Envelope, Publisher};
-use outbox_examples::cli::required_service;
 use outbox_kafka::KafkaPublisher;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
@@ -132,8 +131,8 @@ async fn count(pool: &sqlx::PgPool, sql: &str) -> i64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_projector_parks_malformed_records_and_continues_across_restarts() {
     let (Some(url), Some(brokers)) = (
-        required_service("DATABASE_URL"),
-        required_service("KAFKA_BROKERS"),
+        outbox_test_support::required_var(module_path!(), "DATABASE_URL"),
+        outbox_test_support::required_var(module_path!(), "KAFKA_BROKERS"),
     ) else {
         return;
     };

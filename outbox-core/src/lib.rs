@@ -17,6 +17,7 @@
 //! * [`retention`]: the check that the inbox's dedup window covers what the broker can
 //!   redeliver.
 //! * [`wire`]: the one mapping of an envelope onto record headers.
+//! * [`backpressure`]: refuse non-critical appends above backlog thresholds, for any store.
 //!
 //! ```
 //! use outbox_core::{Envelope, ErrorClass, PublishError, PublishErrorKind, Classify};
@@ -35,6 +36,7 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod backpressure;
 pub mod circuit;
 pub mod clock;
 pub mod delivery;

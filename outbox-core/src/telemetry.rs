@@ -19,6 +19,9 @@
 //! | `outbox_parked` | gauge | | parked events |
 //! | `outbox_oldest_unpublished_age_seconds` | gauge | | **main health signal** |
 //! | `outbox_oldest_parked_age_seconds` | gauge | | age of the oldest parked event |
+//! | `outbox_backpressure_active` | gauge | | 1 while appends of non-critical events are refused ([`crate::backpressure`]) |
+//! | `outbox_backlog_forecast_seconds` | gauge | | time until the backlog reaches its configured capacity at the current rate (-1: not growing) |
+//! | `outbox_backpressure_refused_total` | counter | | non-critical events refused by backpressure |
 //! | `outbox_inbox_processed_total` | counter | `consumer`, `result` | consumer outcomes (`applied`, `duplicate`, `failed`, `parked`) |
 
 use std::time::Duration;

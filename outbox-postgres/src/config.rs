@@ -25,6 +25,15 @@ pub trait AppendGuard: Send + Sync + std::fmt::Debug {
     fn check(&self, events: &[Envelope]) -> Result<(), StoreError>;
 }
 
+/// The shared backpressure gate of `outbox-core` is an append guard: the store's own
+/// [`crate::PostgresOutboxStore::append_many`] then refuses non-critical events above the
+/// thresholds like `outbox_core::backpressure::BackpressureStore` does.
+impl AppendGuard for outbox_core::backpressure::Backpressure {
+    fn check(&self, events: &[Envelope]) -> Result<(), StoreError> {
+        outbox_core::backpressure::Backpressure::check(self, events)
+    }
+}
+
 /// Settings of a [`crate::PostgresOutboxStore`], built by
 /// [`crate::PostgresOutboxStoreBuilder`].
 #[derive(Clone, Debug)]

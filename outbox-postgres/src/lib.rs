@@ -21,7 +21,9 @@
 //! | Wake-up | `NOTIFY` in every append, [`PostgresOutboxStore::spawn_listener`] for `outbox_core::driver::run` |
 //! | Parking, retry/discard/re-issue, audit | yes, `<table>_audit` |
 //! | Cleanup | bounded batches (one transaction each), optional `<table>_archive` |
-//! | Stats | backlog, in flight, parked, version gaps held, oldest ages; table/index size, dead tuples, autovacuum age in `extra` |
+//! | Stats | backlog, in flight, parked, version gaps held, oldest ages; oldest claimable head, table/index size, dead tuples, autovacuum age, conditional-update conflicts in `extra` |
+//! | Operator reads | publish latency percentiles and flow over a window, published events by aggregate/type/time for replay, counts per interval and event type for reconciliation, recorded topic facts ([`PostgresOutboxStore::publish_latency`] and neighbours) |
+//! | Conflict counter | [`PostgresOutboxStore::record_conflict`]: the application counts updates its version check refused; exported by the relay daemon |
 //! | Error mapping | SQLSTATE / sqlx variants to transient or permanent ([`map_sqlx_error`]) |
 //! | Schema | embedded migrations ([`PostgresOutboxStore::migrate`]) or plain SQL (`sql/*.sql`, [`outbox_schema_sql`]); schema and table names configurable, validated and quoted |
 //! | CDC (logical replication) | not yet |
@@ -87,7 +89,10 @@ pub use config::{
 };
 pub use error::{classify_sqlstate, map_sqlx_error};
 pub use inbox::{PostgresInboxStore, PostgresInboxStoreBuilder};
-pub use outbox::{PostgresOutboxStore, PostgresOutboxStoreBuilder};
+pub use outbox::{
+    IntervalCount, LatencySummary, PostgresOutboxStore, PostgresOutboxStoreBuilder,
+    PublishedFilter, PublishedRow, RecordedTopic,
+};
 pub use schema::{
     inbox_schema_sql, outbox_schema_sql, qualified, quote_identifier, validate_identifier,
     MAX_IDENTIFIER_LEN, MAX_TABLE_NAME_LEN,

@@ -13,6 +13,7 @@ use crate::error::{config, db};
 const OUTBOX_V1: &str = include_str!("migrations/0001_outbox.sql");
 const OUTBOX_V2: &str = include_str!("migrations/0002_outbox.sql");
 const OUTBOX_V3: &str = include_str!("migrations/0003_outbox.sql");
+const OUTBOX_V4: &str = include_str!("migrations/0004_outbox.sql");
 const INBOX_V1: &str = include_str!("migrations/0001_inbox.sql");
 const INBOX_V2: &str = include_str!("migrations/0002_inbox.sql");
 
@@ -78,7 +79,7 @@ pub fn outbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError
     validate_identifier("schema", schema, MAX_IDENTIFIER_LEN)?;
     validate_identifier("table", table, MAX_TABLE_NAME_LEN)?;
     Ok(render(
-        &format!("{OUTBOX_V1}{OUTBOX_V2}{OUTBOX_V3}"),
+        &format!("{OUTBOX_V1}{OUTBOX_V2}{OUTBOX_V3}{OUTBOX_V4}"),
         schema,
         table,
     ))
@@ -115,6 +116,11 @@ pub(crate) async fn migrate(
                     3,
                     "per-aggregate delivery state: last version, lease",
                     OUTBOX_V3,
+                ),
+                (
+                    4,
+                    "conflict counters, recorded topics, time indexes",
+                    OUTBOX_V4,
                 ),
             ],
         ),

@@ -539,7 +539,9 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                     pg_indexes_size(c.oid)::float8 AS index_bytes, \
                     s.n_live_tup::float8 AS live_tuples, s.n_dead_tup::float8 AS dead_tuples, \
                     extract(epoch FROM now() - s.last_autovacuum)::float8 AS autovacuum_age, \
-                    extract(epoch FROM now() - s.last_autoanalyze)::float8 AS autoanalyze_age \
+                    extract(epoch FROM now() - s.last_autoanalyze)::float8 AS autoanalyze_age, \
+                    extract(epoch FROM now() - GREATEST(s.last_vacuum, s.last_autovacuum))::float8 \
+                      AS vacuum_age \
              FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
              LEFT JOIN pg_stat_user_tables s ON s.relid = c.oid \
              WHERE n.nspname = $1 AND c.relname = $2"

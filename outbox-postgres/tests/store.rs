@@ -268,7 +268,7 @@ async fn hostile_identifiers_are_configuration_errors() {
         .table("shop_outbox")
         .build()
         .unwrap();
-    assert_eq!(store.migrate().await.unwrap(), 3);
+    assert_eq!(store.migrate().await.unwrap(), 4);
     assert_eq!(
         store.migrate().await.unwrap(),
         0,
@@ -764,6 +764,8 @@ async fn stats_report_backlog_ages_and_table_figures() {
         "dead_tuples",
         "live_tuples",
         "blocked_rows",
+        "oldest_head_age_seconds",
+        "conditional_update_conflicts",
     ] {
         assert!(keys.contains(&k), "missing {k} in {keys:?}");
     }
@@ -1079,7 +1081,11 @@ async fn migration_3_upgrades_a_version_2_table_in_use() {
     .execute(&ctx.pool)
     .await
     .unwrap();
-    assert_eq!(store.migrate().await.unwrap(), 1, "only migration 3 runs");
+    assert_eq!(
+        store.migrate().await.unwrap(),
+        2,
+        "only migrations 3 and 4 run"
+    );
     let state: Vec<(String, i64, Option<String>)> = sqlx::query_as(&format!(
         "SELECT aggregate_id, last_version, lease_owner FROM \"{}\".outbox_events_aggregate \
          ORDER BY aggregate_id",

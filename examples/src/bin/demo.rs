@@ -23,11 +23,12 @@ struct Args {
     /// absent.
     #[arg(long)]
     brokers: Option<String>,
-    /// Keep the PostgreSQL schema of the run for inspection.
-    #[arg(long)]
+    /// Keep the PostgreSQL schema and the Kafka topic of the run for inspection (the demo
+    /// prints both and removes them otherwise).
+    #[arg(long = "keep", alias = "keep-schema")]
     keep_schema: bool,
     /// PostgreSQL schema of the run (a plain lowercase identifier that must not exist yet: the
-    /// demo creates it, and drops it at the end unless --keep-schema). Default: a fresh
+    /// demo creates it, and drops it at the end unless --keep). Default: a fresh
     /// `outbox_demo_<random>`.
     #[arg(long, requires = "database_url", value_parser = outbox_examples::cli::parse_schema)]
     schema: Option<String>,

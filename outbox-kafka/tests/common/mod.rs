@@ -14,11 +14,12 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message, OwnedMessage};
 use rdkafka::{Offset, TopicPartitionList};
 
-const SKIP_VAR: &str = "OUTBOX_SKIP_SERVICE_TESTS";
+// The skip switch and its notice are the workspace's one policy (outbox-test-support).
+const SKIP_VAR: &str = outbox_test_support::SKIP_VAR;
 
 fn skipping(test: &str, what: &str) -> bool {
-    if std::env::var(SKIP_VAR).as_deref() == Ok("1") {
-        println!("SKIPPED {test}: {what} is not set and {SKIP_VAR}=1");
+    if outbox_test_support::skip_allowed() {
+        outbox_test_support::report_skip(test, &format!("{what} is not set"));
         return true;
     }
     false

@@ -77,6 +77,7 @@ impl PostgresOutboxStore {
         stats
             .extra
             .push(("blocked_rows".to_owned(), get("blocked")? as f64));
+        stats.extra.extend(self.admin_extra().await?);
         Ok(stats)
     }
 
@@ -98,11 +99,13 @@ impl PostgresOutboxStore {
                 "dead_tuples",
                 "autovacuum_age",
                 "autoanalyze_age",
+                "vacuum_age",
             ] {
                 if let Some(v) = row.try_get::<Option<f64>, _>(name).map_err(db)? {
                     let key = match name {
                         "autovacuum_age" => "last_autovacuum_age_seconds",
                         "autoanalyze_age" => "last_autoanalyze_age_seconds",
+                        "vacuum_age" => "last_vacuum_age_seconds",
                         other => other,
                     };
                     extra.push((key.to_owned(), v));

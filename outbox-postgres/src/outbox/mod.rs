@@ -1,5 +1,6 @@
 //! [`PostgresOutboxStore`]: the outbox on PostgreSQL, one module per concern.
 
+mod admin;
 mod append;
 mod builder;
 mod claim;
@@ -21,6 +22,7 @@ use outbox_core::{
     StoreError,
 };
 
+pub use admin::{IntervalCount, LatencySummary, PublishedFilter, PublishedRow, RecordedTopic};
 pub use builder::PostgresOutboxStoreBuilder;
 
 use crate::config::OutboxSettings;

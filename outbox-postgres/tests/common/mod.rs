@@ -8,13 +8,14 @@ use outbox_postgres::{PostgresInboxStore, PostgresOutboxStore};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
 
-pub const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+pub const DEFAULT_URL: &str = outbox_test_support::DEFAULT_DATABASE_URL;
 
 /// `None` when the tests must be skipped (`OUTBOX_SKIP_SERVICE_TESTS=1`); panics with a clear
 /// message when the server is unreachable otherwise.
 pub async fn pool(max: u32) -> Option<PgPool> {
     let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned());
-    let skip = std::env::var("OUTBOX_SKIP_SERVICE_TESTS").as_deref() == Ok("1");
+    // The skip switch and its notice are the workspace's one policy (outbox-test-support).
+    let skip = outbox_test_support::skip_allowed();
     match PgPoolOptions::new()
         .max_connections(max)
         .acquire_timeout(Duration::from_secs(10))
@@ -23,11 +24,9 @@ pub async fn pool(max: u32) -> Option<PgPool> {
     {
         Ok(p) => Some(p),
         Err(e) if skip => {
-            use std::io::Write;
-            // Past the harness's output capture: a skip is never silent.
-            let _ = writeln!(
-                std::io::stderr().lock(),
-                "SKIPPED: PostgreSQL at {url} unreachable ({e}); OUTBOX_SKIP_SERVICE_TESTS=1"
+            outbox_test_support::report_skip(
+                "outbox-postgres tests",
+                &format!("PostgreSQL at {url} is unreachable ({e})"),
             );
             None
         }

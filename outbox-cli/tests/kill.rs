@@ -1,7 +1,8 @@
-//! End-to-end under SIGKILL: two `outbox-relay` processes and one `outbox-projector` process run
-//! against a real PostgreSQL and a real Kafka-protocol broker while business transactions
-//! commit and roll back; processes are killed with SIGKILL at seeded random moments and
-//! restarted. After the load stops and the system drains, the invariants must hold:
+//! End-to-end under SIGKILL: two `outbox relay` processes and one projector process (this test
+//! binary started again as [`projector_process`], a consumer through `outbox-inbox` with the
+//! PostgreSQL inbox) run against a real PostgreSQL and a real Kafka-protocol broker while
+//! business transactions commit and roll back; processes are killed with SIGKILL at seeded
+//! random moments and restarted. After the load stops and the system drains, the invariants must hold:
 //!
 //! * no committed event lost (every one published, in the topic, and applied);
 //! * nothing from a rolled-back transaction published;
@@ -18,9 +19,11 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use outbox_core::{ClaimMode, Envelope, OutboxStore};
-use outbox_examples::cli::required_service;
-use outbox_postgres::PostgresOutboxStore;
+use outbox_core::{async_trait, ClaimMode, Envelope, OutboxStore};
+use outbox_inbox::{ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor};
+use outbox_kafka::KafkaSource;
+use outbox_postgres::{map_sqlx_error, qualified, PostgresInboxStore, PostgresOutboxStore};
+use outbox_test_support::required_var;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
@@ -29,6 +32,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use sqlx::{PgPool, Row};
+use sqlx::{Postgres, Transaction};
 
 const PARTITIONS: i32 = 4;
 const AGGREGATES: usize = 30;
@@ -85,12 +89,30 @@ fn same_group_after_kill() -> bool {
 }
 
 fn start(name: &str, args: &[String]) -> Child {
-    let exe = match name {
-        "relay" => env!("CARGO_BIN_EXE_outbox-relay"),
-        _ => env!("CARGO_BIN_EXE_outbox-projector"),
+    let mut cmd = match name {
+        "relay" => {
+            let mut c = Command::new(env!("CARGO_BIN_EXE_outbox"));
+            c.args(["relay"]).args(args);
+            c
+        }
+        _ => {
+            // This test binary, running only the projector helper with the arguments in the
+            // environment.
+            let mut c = Command::new(std::env::current_exe().expect("test binary"));
+            c.args([
+                "--exact",
+                "projector_process",
+                "--ignored",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
+            .env(PROJECTOR_ARGS, args.join("\u{1f}"));
+            c
+        }
     };
-    Command::new(exe)
-        .args(args)
+    cmd.env_remove("OUTBOX_CONFIG")
+        .current_dir(std::env::temp_dir())
         .env(
             "RUST_LOG",
             std::env::var("OUTBOX_KILL_LOG").unwrap_or_else(|_| "error".into()),
@@ -103,9 +125,10 @@ fn start(name: &str, args: &[String]) -> Child {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkilled_relays_and_consumer_lose_nothing_and_apply_once() {
+    let test = "sigkilled_relays_and_consumer_lose_nothing_and_apply_once";
     let (Some(url), Some(brokers)) = (
-        required_service("DATABASE_URL"),
-        required_service("KAFKA_BROKERS"),
+        required_var(test, "DATABASE_URL"),
+        required_var(test, "KAFKA_BROKERS"),
     ) else {
         return;
     };
@@ -166,28 +189,25 @@ async fn sigkilled_relays_and_consumer_lose_nothing_and_apply_once() {
         brokers.clone(),
         "--topic".into(),
         topic.clone(),
-        "--lease-secs".into(),
-        "6".into(),
-        "--delivery-timeout-secs".into(),
-        "3".into(),
-        "--batch".into(),
+        "--lease".into(),
+        "6s".into(),
+        "--delivery-timeout".into(),
+        "3s".into(),
+        "--batch-size".into(),
         "50".into(),
+        "--no-http".into(),
+        "--no-cleanup".into(),
         // tansu 0.6 cannot resume a consumer inside a multi-record batch: one record per batch.
         "--producer-property".into(),
         "batch.num.messages=1".into(),
     ];
     let projector_args = vec![
-        "--database-url".into(),
         url.clone(),
-        "--schema".into(),
         schema.clone(),
-        "--brokers".into(),
         brokers.clone(),
-        "--topic".into(),
         topic.clone(),
         "--group".into(),
         format!("kill-projector-{run}"),
-        "--consumer".into(),
         "projection".into(),
     ];
     let mut procs = vec![
@@ -408,4 +428,109 @@ async fn read_topic(brokers: &str, topic: &str, at_least: usize) -> Vec<(String,
             v.into_iter().map(|(_, a, i, ver)| (a, i, ver))
         })
         .collect()
+}
+
+/// The projector's arguments (joined by U+001F): url, schema, brokers, topic, `--group`,
+/// group, consumer name.
+const PROJECTOR_ARGS: &str = "OUTBOX_KILL_PROJECTOR_ARGS";
+
+/// Appends an effect row and moves the projection to the event's version, in the inbox
+/// transaction.
+struct Projector {
+    effect: String,
+    insert: String,
+    update: String,
+}
+
+#[async_trait]
+impl Handler<Transaction<'static, Postgres>> for Projector {
+    async fn handle(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        event: &Envelope,
+    ) -> Result<(), HandlerError> {
+        let err = |e: sqlx::Error| HandlerError::from(map_sqlx_error(e));
+        sqlx::query(&self.effect)
+            .bind(event.event_id.as_uuid())
+            .bind(&event.aggregate_id)
+            .bind(event.aggregate_version)
+            .execute(&mut **tx)
+            .await
+            .map_err(err)?;
+        let q = if event.aggregate_version == 1 {
+            sqlx::query(&self.insert).bind(&event.aggregate_id)
+        } else {
+            sqlx::query(&self.update)
+                .bind(&event.aggregate_id)
+                .bind(event.aggregate_version)
+        };
+        if q.execute(&mut **tx).await.map_err(err)?.rows_affected() != 1 {
+            return Err(HandlerError::transient(format!(
+                "projection of {} is not at version {}",
+                event.aggregate_id,
+                event.aggregate_version - 1
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The projector process the SIGKILL test starts and kills: not a test of its own (it runs
+/// only when started by `sigkilled_relays_and_consumer_lose_nothing_and_apply_once`, which
+/// passes its arguments in the environment), so it is ignored in normal runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "helper process of the SIGKILL test, started (and killed) by it"]
+async fn projector_process() {
+    let args = std::env::var(PROJECTOR_ARGS)
+        .expect("projector_process runs only when started by the SIGKILL test");
+    let a: Vec<&str> = args.split('\u{1f}').collect();
+    let (url, schema, brokers, topic, group, consumer) = (a[0], a[1], a[2], a[3], a[5], a[6]);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect(url)
+        .await
+        .expect("connect");
+    outbox_postgres::validate_identifier("schema", schema, outbox_postgres::MAX_IDENTIFIER_LEN)
+        .expect("schema");
+    let (effects, projection) = (
+        qualified(schema, "effects"),
+        qualified(schema, "projection"),
+    );
+    sqlx::raw_sql(&format!(
+        "CREATE TABLE IF NOT EXISTS {effects} (event_id uuid NOT NULL, aggregate_id text NOT NULL, version bigint NOT NULL, applied_at timestamptz NOT NULL DEFAULT now());
+         CREATE TABLE IF NOT EXISTS {projection} (id text PRIMARY KEY, version bigint NOT NULL);"
+    ))
+    .execute(&pool)
+    .await
+    .expect("tables");
+    let inbox = PostgresInboxStore::builder(pool)
+        .schema(schema.to_owned())
+        .build()
+        .expect("inbox");
+    inbox.migrate().await.expect("inbox migrate");
+    let handler = Projector {
+        effect: format!(
+            "INSERT INTO {effects} (event_id, aggregate_id, version) VALUES ($1, $2, $3)"
+        ),
+        insert: format!(
+            "INSERT INTO {projection} (id, version) VALUES ($1, 1) ON CONFLICT (id) DO NOTHING"
+        ),
+        update: format!("UPDATE {projection} SET version = $2 WHERE id = $1 AND version = $2 - 1"),
+    };
+    let source = KafkaSource::builder(brokers, group)
+        .topic(topic)
+        .session_timeout(Duration::from_millis(6000))
+        .build()
+        .expect("source");
+    // The engine hands its offset tracker to the source.
+    let mut engine = ConsumerEngine::new(
+        source,
+        InboxProcessor::new(consumer, inbox, handler),
+        EngineConfig::default().with_commit(100, Duration::from_millis(200)),
+        rand::random(),
+    )
+    .expect("engine");
+    // Runs until the test kills it.
+    let report = engine.run(std::future::pending::<()>()).await;
+    eprintln!("projector stopped: {report:?}");
 }

@@ -1,0 +1,375 @@
+//! `outbox check`: validates the configuration as a whole and exits 1 on a violation.
+//!
+//! | check | violation (exit 1) | warning |
+//! |---|---|---|
+//! | `producer` | a producer property the publisher refuses (idempotence, acks, in-flight, a keyless partitioner, anything off the allow-list) | |
+//! | `lease` | lease (or locked_max_hold) not above delivery timeout + lease margin (twice that in locked mode with prefetch) | |
+//! | `database` | unreachable, schema missing or outdated, privileges missing | |
+//! | `topic` | a topic missing | |
+//! | `partitions` | partition count or partitioner differs from the one a relay recorded | |
+//! | `replication` | | a critical topic (`kafka.critical_topics`) on one replica, or with `min.insync.replicas` < 2 |
+//! | `compaction` | | a compacted topic (intermediate facts may vanish) |
+//! | `retention` | a consumer's dedup window shorter than topic `retention.ms` + `retention.max_consumer_lag` + `retention.replay_window`; `cleanup.retention` shorter than the replay window | `retention.ms` not reported by the broker |
+
+use std::time::Duration;
+
+use outbox_core::{ClaimMode, MAX_LEASE};
+use serde::Serialize;
+use serde_json::json;
+
+use crate::config::{ClaimModeName, Config};
+use crate::db;
+use crate::error::{CliError, ErrorKind};
+use crate::opt::CheckOpts;
+use crate::output::Output;
+
+/// Severity of a finding.
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Severity {
+    /// Fine.
+    Ok,
+    /// Worth a look; not a violation.
+    Warning,
+    /// A violation: `check` exits 1.
+    Error,
+}
+
+/// One finding.
+#[derive(Clone, Debug, Serialize)]
+pub struct Finding {
+    /// Which check.
+    pub check: &'static str,
+    /// Severity.
+    pub severity: Severity,
+    /// What was found.
+    pub message: String,
+    /// What to do.
+    pub fix: Option<String>,
+}
+
+fn f(
+    check: &'static str,
+    severity: Severity,
+    message: impl Into<String>,
+    fix: Option<&str>,
+) -> Finding {
+    Finding {
+        check,
+        severity,
+        message: message.into(),
+        fix: fix.map(str::to_owned),
+    }
+}
+
+fn dur(d: Duration) -> String {
+    humantime::format_duration(d).to_string()
+}
+
+/// The checks that need no connection.
+pub fn static_checks(config: &Config) -> Vec<Finding> {
+    let mut out = Vec::new();
+    let k = &config.kafka;
+    // Producer safety: the publisher's own build applies the allow-list and the guarded values.
+    let mut b = outbox_kafka::KafkaPublisher::builder(
+        if k.brokers.trim().is_empty() {
+            "127.0.0.1:9"
+        } else {
+            &k.brokers
+        },
+        &k.topic,
+    )
+    .delivery_timeout(k.delivery_timeout.0);
+    for (agg, topic) in &k.routes {
+        b = b.route_aggregate(agg, topic);
+    }
+    for (key, v) in &k.producer.0 {
+        b = b.set(key, v);
+    }
+    let delivery = match b.config().partitioner() {
+        Err(e) => {
+            out.push(f(
+                "producer",
+                Severity::Error,
+                e.0,
+                Some("use a key-hashing partitioner (default murmur2_random)"),
+            ));
+            k.delivery_timeout.0
+        }
+        Ok(_) => match b.build() {
+            Ok(p) => {
+                out.push(f(
+                    "producer",
+                    Severity::Ok,
+                    format!(
+                        "idempotent, acks=all, in-flight <= 5, partitioner {}, delivery timeout {}",
+                        p.partitioner(),
+                        dur(outbox_core::Publisher::delivery_timeout(&p))
+                    ),
+                    None,
+                ));
+                outbox_core::Publisher::delivery_timeout(&p)
+            }
+            Err(e) => {
+                out.push(f(
+                    "producer",
+                    Severity::Error,
+                    e.0,
+                    Some("remove or fix the property named (kafka.producer)"),
+                ));
+                k.delivery_timeout.0
+            }
+        },
+    };
+    let margin = config.relay.lease_margin.0;
+    let need = delivery + margin;
+    match config.outbox.claim_mode {
+        ClaimModeName::Lease => match ClaimMode::lease(config.outbox.lease.0) {
+            Err(e) => out.push(f(
+                "lease",
+                Severity::Error,
+                e.0,
+                Some("use a lease within 1 s..=1 h"),
+            )),
+            Ok(_) if config.outbox.lease.0 <= need => out.push(f(
+                "lease",
+                Severity::Error,
+                format!(
+                    "lease {} does not outlive delivery timeout {} + lease margin {}: a lease \
+                     could expire while the broker still holds a record, and another relay \
+                     could send the aggregate's next version",
+                    config.outbox.lease,
+                    dur(delivery),
+                    dur(margin)
+                ),
+                Some("raise outbox.lease above the sum, or lower kafka.delivery_timeout"),
+            )),
+            Ok(_) => out.push(f(
+                "lease",
+                Severity::Ok,
+                format!(
+                    "lease {} > delivery timeout {} + margin {} (max {})",
+                    config.outbox.lease,
+                    dur(delivery),
+                    dur(margin),
+                    dur(MAX_LEASE)
+                ),
+                None,
+            )),
+        },
+        ClaimModeName::Locked => {
+            let claims = if config.relay.prefetch { 2 } else { 1 };
+            let need = need * claims;
+            if config.outbox.locked_max_hold.0 <= need {
+                out.push(f(
+                    "lease",
+                    Severity::Error,
+                    format!(
+                        "outbox.locked_max_hold {} does not outlive {claims} x (delivery timeout {} + margin {})",
+                        config.outbox.locked_max_hold, dur(delivery), dur(margin)
+                    ),
+                    Some("raise outbox.locked_max_hold, lower kafka.delivery_timeout, or set relay.prefetch = false"),
+                ));
+            } else {
+                out.push(f(
+                    "lease",
+                    Severity::Ok,
+                    format!(
+                        "locked_max_hold {} > {claims} x (delivery timeout + margin)",
+                        config.outbox.locked_max_hold
+                    ),
+                    None,
+                ));
+            }
+        }
+    }
+    if config.cleanup.retention < config.retention.replay_window {
+        out.push(f(
+            "retention",
+            Severity::Error,
+            format!(
+                "cleanup.retention {} is shorter than retention.replay_window {}: replays cannot \
+                 reach back that far",
+                config.cleanup.retention, config.retention.replay_window
+            ),
+            Some("raise cleanup.retention or shorten retention.replay_window"),
+        ));
+    }
+    out
+}
+
+/// Runs `outbox check`.
+pub async fn run(config: &Config, opts: &CheckOpts, out: &Output) -> Result<(), CliError> {
+    let mut findings = static_checks(config);
+    let mut recorded = Vec::new();
+    match db::connect_outbox(config, 2).await {
+        Err(e) => findings.push(f("database", Severity::Error, e.message, e.hint.as_deref())),
+        Ok((pool, target)) => match db::preflight(&pool, config).await {
+            Err(e) => findings.push(f("database", Severity::Error, e.message, e.hint.as_deref())),
+            Ok(()) => {
+                findings.push(f(
+                    "database",
+                    Severity::Ok,
+                    format!("{target}: schema and privileges in place"),
+                    None,
+                ));
+                if let Ok(store) = db::outbox_store(config, pool) {
+                    recorded = store.recorded_topics().await.unwrap_or_default();
+                }
+            }
+        },
+    }
+    if !opts.no_broker {
+        broker_checks(config, &recorded, &mut findings).await;
+    }
+    let ok = !findings.iter().any(|x| x.severity == Severity::Error);
+    if out.json {
+        out.json(&json!({"ok": ok, "findings": findings}));
+    } else {
+        let rows = findings
+            .iter()
+            .map(|x| {
+                vec![
+                    x.check.to_owned(),
+                    match x.severity {
+                        Severity::Ok => "ok",
+                        Severity::Warning => "WARNING",
+                        Severity::Error => "VIOLATION",
+                    }
+                    .to_owned(),
+                    x.message.clone(),
+                    x.fix.clone().unwrap_or_default(),
+                ]
+            })
+            .collect();
+        println!(
+            "{}",
+            out.table(&["check", "result", "finding", "fix"], rows)
+        );
+    }
+    if ok {
+        Ok(())
+    } else {
+        let n = findings
+            .iter()
+            .filter(|x| x.severity == Severity::Error)
+            .count();
+        Err(CliError::new(ErrorKind::Failed, format!("{n} violation(s) found"), None).reported())
+    }
+}
+
+async fn broker_checks(
+    config: &Config,
+    recorded: &[outbox_postgres::RecordedTopic],
+    findings: &mut Vec<Finding>,
+) {
+    if config.kafka.brokers.trim().is_empty() {
+        findings.push(f(
+            "topic",
+            Severity::Error,
+            "no Kafka brokers configured",
+            Some("set KAFKA_BROKERS or kafka.brokers, or pass --no-broker"),
+        ));
+        return;
+    }
+    let topics = config.topics();
+    let facts = match crate::kafka::describe_topics(config, &topics).await {
+        Ok(f) => f,
+        Err(e) => {
+            findings.push(f("topic", Severity::Error, e.message, e.hint.as_deref()));
+            return;
+        }
+    };
+    let partitioner = outbox_kafka::KafkaPublisherConfig::new("x", "x");
+    let mut pc = partitioner;
+    pc.properties = {
+        let mut p = outbox_kafka::Properties::default();
+        for (k, v) in &config.kafka.producer.0 {
+            p.set(k, v);
+        }
+        p
+    };
+    let configured = pc.partitioner().ok();
+    for topic in &topics {
+        let Some(Some(t)) = facts.get(topic) else {
+            findings.push(f("topic", Severity::Error, format!("topic {topic:?} does not exist"), Some("create it (automatic topic creation is not used) or fix kafka.topic / kafka.routes")));
+            continue;
+        };
+        findings.push(f(
+            "topic",
+            Severity::Ok,
+            format!(
+                "{topic}: {} partition(s), replication factor {}",
+                t.partitions, t.replication_factor
+            ),
+            None,
+        ));
+        if let Some(r) = recorded.iter().find(|r| &r.topic == topic) {
+            if r.partitions as usize != t.partitions {
+                findings.push(f("partitions", Severity::Error, format!("{topic}: {} partitions now, {} recorded by the relay on {}: keys moved to other partitions", t.partitions, r.partitions, r.recorded_at.to_rfc3339()), Some("expect reordering for aggregates in flight across the change; restart the relays to record the new count once consumers are ready")));
+            }
+            if let (Some(now), Ok(before)) =
+                (configured, outbox_kafka::Partitioner::parse(&r.partitioner))
+            {
+                if !now.maps_keys_like(before) {
+                    findings.push(f("partitions", Severity::Error, format!("{topic}: partitioner {now} configured, {before} recorded: keys would move to other partitions"), Some("keep the recorded partitioner (kafka.producer.partitioner)")));
+                }
+            }
+        }
+        let critical = config.kafka.critical_topics.iter().any(|c| c == topic);
+        if critical && t.replication_factor < 2 {
+            findings.push(f("replication", Severity::Warning, format!("{topic} carries a critical flow on a single replica: one broker loss loses acknowledged events"), Some("raise the replication factor to 3 and min.insync.replicas to 2")));
+        } else if critical && t.min_insync_replicas.is_some_and(|m| m < 2) {
+            findings.push(f("replication", Severity::Warning, format!("{topic} carries a critical flow with min.insync.replicas={}: acks=all then waits for one replica only", t.min_insync_replicas.unwrap_or(1)), Some("set min.insync.replicas=2 on the topic")));
+        }
+        if let Some(p) = &t.cleanup_policy {
+            if p.contains("compact") {
+                findings.push(f("compaction", Severity::Warning, format!("{topic} is compacted (cleanup.policy={p}): older events of an aggregate may vanish for consumers that replay"), Some("use cleanup.policy=delete for event topics")));
+            }
+        }
+        retention_checks(config, topic, t.retention_ms, findings);
+    }
+}
+
+fn retention_checks(
+    config: &Config,
+    topic: &str,
+    retention_ms: Option<i64>,
+    findings: &mut Vec<Finding>,
+) {
+    let lag = config.retention.max_consumer_lag.0;
+    let replay = config.retention.replay_window.0;
+    let Some(ms) = retention_ms else {
+        findings.push(f("retention", Severity::Warning, format!("{topic}: the broker did not report retention.ms; the dedup windows cannot be checked against it"), Some("set retention.ms on the topic explicitly")));
+        return;
+    };
+    if ms < 0 {
+        if !config.consumers.is_empty() {
+            findings.push(f("retention", Severity::Warning, format!("{topic}: unlimited retention: a consumer reset to the beginning is redelivered events older than any dedup window"), Some("replay from a bounded point (--since) rather than from the beginning")));
+        }
+        return;
+    }
+    let topic_retention = Duration::from_millis(ms as u64);
+    let need = topic_retention + lag + replay;
+    for c in &config.consumers {
+        let reads = c.topics.is_empty() || c.topics.iter().any(|t| t == topic);
+        if !reads {
+            continue;
+        }
+        if c.dedup_retention.0 < need {
+            findings.push(f("retention", Severity::Error, format!("consumer {}: dedup window {} is shorter than {topic}'s retention {} + max consumer lag {} + replay window {} = {}: a redelivery could apply an effect twice", c.name, c.dedup_retention, dur(topic_retention), dur(lag), dur(replay), dur(need)), Some("raise the consumer's dedup_retention (its inbox cleanup) or shorten the topic's retention.ms")));
+        } else {
+            findings.push(f(
+                "retention",
+                Severity::Ok,
+                format!(
+                    "consumer {}: dedup window {} covers {topic}'s retention + lag + replay ({})",
+                    c.name,
+                    c.dedup_retention,
+                    dur(need)
+                ),
+                None,
+            ));
+        }
+    }
+}

@@ -1,0 +1,369 @@
+//! `outbox parked list|show|retry|discard|reissue|release-claims`: producer-side parked events,
+//! every action audited by the store. `--consumer` (a consumer's parked messages) is answered
+//! with exit code 5 until the library has consumer-side parking.
+
+use outbox_core::{AuditEntry, EventId, OutboxStore, ParkedEvent};
+use outbox_postgres::PostgresOutboxStore;
+use serde_json::{json, Value};
+
+use crate::config::Config;
+use crate::db;
+use crate::error::CliError;
+use crate::opt::{ParkedActionOpts, ParkedCommand};
+use crate::output::{age, Output};
+
+async fn open(config: &Config) -> Result<(PostgresOutboxStore, String), CliError> {
+    let (pool, _) = db::connect_outbox(config, 2).await?;
+    db::preflight(&pool, config).await?;
+    let store = db::outbox_store(config, pool)?;
+    Ok((
+        store,
+        format!("{}.{}", config.outbox.schema, config.outbox.table),
+    ))
+}
+
+fn event_id(s: &str) -> Result<EventId, CliError> {
+    s.trim().parse().map_err(|e| {
+        CliError::config(
+            format!("{s:?} is not an event id: {e}"),
+            "pass the UUID shown by `outbox parked list`",
+        )
+    })
+}
+
+/// A parked event as JSON (never the payload: it may hold personal data).
+pub fn parked_json(p: &ParkedEvent) -> Value {
+    let e = &p.envelope;
+    json!({
+        "event_id": e.event_id.to_string(),
+        "aggregate_type": e.aggregate_type,
+        "aggregate_id": e.aggregate_id,
+        "aggregate_version": e.aggregate_version,
+        "event_type": e.event_type,
+        "created_at": e.created_at.to_rfc3339(),
+        "payload_bytes": e.payload.bytes.len(),
+        "content_type": e.payload.content_type,
+        "original_event_id": e.original_event_id().map(|i| i.to_string()),
+        "attempts": p.attempts,
+        "park_kind": p.reason.kind.as_str(),
+        "error_class": p.reason.error.class.as_str(),
+        "error_kind": p.reason.error.kind,
+        "error_message": p.reason.error.message,
+        "parked_at": p.parked_at.to_rfc3339(),
+        "delivery_uncertain": p.delivery_uncertain,
+    })
+}
+
+fn audit_json(a: &AuditEntry) -> Value {
+    json!({
+        "event_id": a.event_id.to_string(),
+        "action": a.action.as_str(),
+        "actor": a.actor,
+        "reason": a.reason,
+        "new_event_id": a.new_event_id.map(|i| i.to_string()),
+        "at": a.at.to_rfc3339(),
+    })
+}
+
+/// What is known of the earlier attempts, in a sentence for the operator.
+fn attempts_note(p: &ParkedEvent) -> String {
+    if p.delivery_uncertain {
+        format!(
+            "{} attempt(s); the last failure ({}) leaves open that the broker stored the event: \
+             it may already be in the topic. A re-issued copy carries this event's id in \
+             outbox_original_event_id, so inboxes apply the two once; consumers that do not \
+             deduplicate may see it twice.",
+            p.attempts, p.reason.error.kind
+        )
+    } else {
+        format!(
+            "{} attempt(s); the broker refused each one ({}): the event is not in the topic.",
+            p.attempts, p.reason.error.kind
+        )
+    }
+}
+
+/// Runs `outbox parked ...`.
+pub async fn run(config: &Config, cmd: ParkedCommand, out: &Output) -> Result<(), CliError> {
+    match cmd {
+        ParkedCommand::List(o) => {
+            if let Some(c) = &o.consumer {
+                return Err(super::consumer_parking_unavailable(
+                    "listing parked messages",
+                    c,
+                ));
+            }
+            let (store, table) = open(config).await?;
+            let parked = store
+                .list_parked(o.limit.max(1))
+                .await
+                .map_err(|e| CliError::from_store(&e, &table))?;
+            if out.json {
+                out.json(&json!({
+                    "side": "producer",
+                    "parked": parked.iter().map(parked_json).collect::<Vec<_>>(),
+                }));
+                return Ok(());
+            }
+            if parked.is_empty() {
+                println!("no parked events in {table}");
+                return Ok(());
+            }
+            let now = chrono::Utc::now();
+            let rows = parked
+                .iter()
+                .map(|p| {
+                    let e = &p.envelope;
+                    vec![
+                        e.event_id.to_string(),
+                        format!("{}/{}", e.aggregate_type, e.aggregate_id),
+                        e.aggregate_version.to_string(),
+                        e.event_type.clone(),
+                        p.reason.kind.as_str().to_owned(),
+                        format!("{}: {}", p.reason.error.kind, p.reason.error.message),
+                        p.attempts.to_string(),
+                        age((now - p.parked_at).to_std().ok()),
+                    ]
+                })
+                .collect();
+            println!(
+                "{}",
+                out.table(
+                    &[
+                        "event id",
+                        "aggregate",
+                        "version",
+                        "type",
+                        "kind",
+                        "last error",
+                        "attempts",
+                        "parked for"
+                    ],
+                    rows
+                )
+            );
+            println!(
+                "{} parked; `outbox parked show <id>` for details, then retry, discard or reissue",
+                parked.len()
+            );
+            Ok(())
+        }
+        ParkedCommand::Show(t) => {
+            if let Some(c) = &t.consumer {
+                return Err(super::consumer_parking_unavailable(
+                    "showing a parked message",
+                    c,
+                ));
+            }
+            let id = event_id(&t.event_id)?;
+            let (store, table) = open(config).await?;
+            let trail = store
+                .audit_trail(Some(id))
+                .await
+                .map_err(|e| CliError::from_store(&e, &table))?;
+            let parked = match store.parked_event(id).await {
+                Ok(p) => Some(p),
+                Err(e) if e.kind == outbox_core::StoreErrorKind::NotFound => None,
+                Err(e) => return Err(CliError::from_store(&e, &table)),
+            };
+            if parked.is_none() && trail.is_empty() {
+                return Err(CliError::failed(format!(
+                    "event {id} is not parked in {table} and has no audit trail"
+                )));
+            }
+            if out.json {
+                out.json(&json!({
+                    "side": "producer",
+                    "parked": parked.as_ref().map(parked_json),
+                    "earlier_attempts": parked.as_ref().map(attempts_note),
+                    "audit": trail.iter().map(audit_json).collect::<Vec<_>>(),
+                }));
+                return Ok(());
+            }
+            match &parked {
+                Some(p) => {
+                    let e = &p.envelope;
+                    let rows = vec![
+                        vec!["event id".into(), e.event_id.to_string()],
+                        vec![
+                            "aggregate".into(),
+                            format!(
+                                "{}/{} v{}",
+                                e.aggregate_type, e.aggregate_id, e.aggregate_version
+                            ),
+                        ],
+                        vec!["event type".into(), e.event_type.clone()],
+                        vec!["created".into(), e.created_at.to_rfc3339()],
+                        vec![
+                            "payload".into(),
+                            format!(
+                                "{} bytes, {}",
+                                e.payload.bytes.len(),
+                                e.payload.content_type
+                            ),
+                        ],
+                        vec!["parked".into(), p.parked_at.to_rfc3339()],
+                        vec!["kind".into(), p.reason.kind.as_str().into()],
+                        vec![
+                            "last error".into(),
+                            format!(
+                                "{} ({}): {}",
+                                p.reason.error.kind,
+                                p.reason.error.class.as_str(),
+                                p.reason.error.message
+                            ),
+                        ],
+                        vec!["earlier attempts".into(), attempts_note(p)],
+                    ];
+                    println!("{}", out.table(&["parked event", ""], rows));
+                }
+                None => println!("event {id} is no longer parked"),
+            }
+            if trail.is_empty() {
+                println!("audit trail: no operator action yet");
+            } else {
+                let rows = trail
+                    .iter()
+                    .map(|a| {
+                        vec![
+                            a.at.to_rfc3339(),
+                            a.action.as_str().into(),
+                            a.actor.clone(),
+                            a.reason.clone(),
+                            a.new_event_id.map(|i| i.to_string()).unwrap_or_default(),
+                        ]
+                    })
+                    .collect();
+                println!(
+                    "{}",
+                    out.table(&["at", "action", "actor", "reason", "new event id"], rows)
+                );
+            }
+            Ok(())
+        }
+        ParkedCommand::Retry(o) => action(config, Action::Retry, &o, out).await,
+        ParkedCommand::Discard(o) => action(config, Action::Discard, &o, out).await,
+        ParkedCommand::Reissue(o) => action(config, Action::Reissue, &o, out).await,
+        ParkedCommand::ReleaseClaims(o) => {
+            let (store, table) = open(config).await?;
+            out.confirm(
+                &format!(
+                    "End every claim of relay {:?}? Only for a relay that is gone: if it still \
+                     publishes, an aggregate's next version can overtake its in-flight one.",
+                    o.owner
+                ),
+                o.yes,
+            )?;
+            let actor = super::actor(o.actor.as_deref());
+            let n = store
+                .release_claims_of(&o.owner, &actor)
+                .await
+                .map_err(|e| CliError::from_store(&e, &table))?;
+            if out.json {
+                out.json(&json!({"owner": o.owner, "released_aggregates": n, "actor": actor}));
+            } else {
+                println!(
+                    "released the claims of {} on {n} aggregate(s) (audited)",
+                    o.owner
+                );
+            }
+            Ok(())
+        }
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Action {
+    Retry,
+    Discard,
+    Reissue,
+}
+
+async fn action(
+    config: &Config,
+    what: Action,
+    o: &ParkedActionOpts,
+    out: &Output,
+) -> Result<(), CliError> {
+    let name = match what {
+        Action::Retry => "retry",
+        Action::Discard => "discard",
+        Action::Reissue => "reissue",
+    };
+    if let Some(c) = &o.consumer {
+        return Err(super::consumer_parking_unavailable(
+            &format!("{name} of a parked message"),
+            c,
+        ));
+    }
+    let id = event_id(&o.event_id)?;
+    let reason = o.reason.as_deref().map(str::trim).unwrap_or("");
+    if what != Action::Retry && reason.is_empty() {
+        return Err(CliError::config(
+            format!("{name} needs a reason"),
+            "pass --reason \"...\" (recorded in the audit trail with the actor)",
+        ));
+    }
+    let actor = super::actor(o.actor.as_deref());
+    let (store, table) = open(config).await?;
+    let map = |e: outbox_core::StoreError| CliError::from_store(&e, &table);
+    let parked = store.parked_event(id).await.map_err(map)?;
+    if what == Action::Reissue {
+        // Show what is known of the earlier attempts before asking.
+        let note = attempts_note(&parked);
+        eprintln!(
+            "re-issue {} ({}/{} v{}, {}): {note}",
+            id,
+            parked.envelope.aggregate_type,
+            parked.envelope.aggregate_id,
+            parked.envelope.aggregate_version,
+            parked.envelope.event_type
+        );
+        out.confirm(
+            "Replace it by a copy with a new event id (the original is marked discarded)?",
+            o.yes,
+        )?;
+    }
+    let result = match what {
+        Action::Retry => store.retry_parked(id, &actor).await.map(|()| None),
+        Action::Discard => store
+            .discard_parked(id, &actor, reason)
+            .await
+            .map(|()| None),
+        Action::Reissue => store.reissue_parked(id, &actor, reason).await.map(Some),
+    };
+    let new_id = match result {
+        Ok(n) => n,
+        Err(e) if e.kind == outbox_core::StoreErrorKind::Conflict && what == Action::Retry => {
+            return Err(CliError::failed(format!(
+                "retry refused: {} (an out-of-order event would be delivered after a later \
+                 version)",
+                e.message
+            ))
+            .with_hint("discard it with a reason instead"))
+        }
+        Err(e) => return Err(map(e)),
+    };
+    if out.json {
+        out.json(&json!({
+            "action": name,
+            "event_id": id.to_string(),
+            "new_event_id": new_id.map(|i| i.to_string()),
+            "actor": actor,
+            "reason": reason,
+            "delivery_uncertain": parked.delivery_uncertain,
+        }));
+    } else {
+        match new_id {
+            Some(n) => println!("re-issued {id} as {n} (audited; the original is discarded)"),
+            None => println!(
+                "{}: {id} (audited as {actor})",
+                match what {
+                    Action::Retry => "claimable again",
+                    _ => "discarded; its aggregate's later events flow again",
+                }
+            ),
+        }
+    }
+    Ok(())
+}

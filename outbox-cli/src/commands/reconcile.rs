@@ -1,0 +1,350 @@
+//! `outbox reconcile --since ...`: per interval and event type, compares
+//!
+//! 1. state transitions: the count query of `[[reconcile.checks]]` for that event type, run
+//!    per interval in a read-only transaction with `$1`/`$2` = the interval's bounds;
+//! 2. outbox events created in the interval;
+//! 3. events published with the broker's offset recorded (and those still pending past
+//!    `reconcile.grace`, parked or discarded);
+//! 4. per configured consumer, effects applied: inbox registrations of the events published
+//!    to the consumer's topics (by event id, or the original id for a re-issued copy).
+//!
+//! Any difference is a mismatch, reported per row with its reason; the command then exits 1.
+//! Intervals older than `cleanup.retention` (outbox rows gone) or a consumer's
+//! `dedup_retention` (registrations gone) are marked incomplete instead of compared.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use chrono::{DateTime, Utc};
+use outbox_postgres::{qualified, IntervalCount};
+use serde::Serialize;
+use serde_json::json;
+use uuid::Uuid;
+
+use crate::config::{Config, ConsumerConfig};
+use crate::db;
+use crate::error::CliError;
+use crate::opt::ReconcileOpts;
+use crate::output::Output;
+
+/// One consumer's effects in a row.
+#[derive(Clone, Debug, Serialize)]
+pub struct Effects {
+    /// Consumer name.
+    pub consumer: String,
+    /// Events it should have applied (published to its topics at least `grace` ago).
+    pub expected: u64,
+    /// Of those, registered in its inbox.
+    pub applied: u64,
+}
+
+/// One interval and event type.
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    /// Interval start.
+    pub start: DateTime<Utc>,
+    /// Event type.
+    pub event_type: String,
+    /// Transitions counted by the user's query (`None`: no check configured).
+    pub transitions: Option<u64>,
+    /// Outbox events created.
+    pub events: u64,
+    /// Published with a broker offset.
+    pub published: u64,
+    /// Pending past the grace.
+    pub overdue: u64,
+    /// Parked.
+    pub parked: u64,
+    /// Discarded.
+    pub discarded: u64,
+    /// Per consumer.
+    pub effects: Vec<Effects>,
+    /// Why this row does not add up (empty: it does).
+    pub mismatches: Vec<String>,
+    /// Data of this interval is partly cleaned up; not compared.
+    pub incomplete: Option<String>,
+}
+
+/// Runs `outbox reconcile`.
+pub async fn run(config: &Config, opts: &ReconcileOpts, out: &Output) -> Result<(), CliError> {
+    // Whole seconds (interval starts are compared as the database computes them), rounded up
+    // so that `--since 1d --interval 1d` is one interval that ends after now.
+    let now = chrono::SubsecRound::trunc_subsecs(Utc::now(), 0) + chrono::Duration::seconds(1);
+    let since =
+        chrono::SubsecRound::trunc_subsecs(super::parse_time("--since", &opts.since, now)?, 0);
+    let interval = match &opts.interval {
+        Some(i) => super::parse_duration("--interval", i)?,
+        None => config.reconcile.interval,
+    };
+    if interval.0.is_zero() {
+        return Err(CliError::config(
+            "--interval must be greater than zero",
+            "e.g. --interval 1h",
+        ));
+    }
+    let step = chrono::Duration::from_std(interval.0)
+        .map_err(|_| CliError::config("--interval is too long", "e.g. --interval 1h"))?;
+    if (now - since).num_seconds() / step.num_seconds().max(1) > 10_000 {
+        return Err(CliError::config(
+            "more than 10000 intervals requested",
+            "use a later --since or a longer --interval",
+        ));
+    }
+    let grace = config.reconcile.grace.0;
+    let (pool, _) = db::connect_outbox(config, 3).await?;
+    db::preflight(&pool, config).await?;
+    let store = db::outbox_store(config, pool.clone())?;
+    let table = format!("{}.{}", config.outbox.schema, config.outbox.table);
+    let map = |e: outbox_core::StoreError| CliError::from_store(&e, &table);
+    // Bucket starts aligned on `since`, as date_bin aligns them.
+    let counts = store
+        .interval_counts(since, interval.0, grace)
+        .await
+        .map_err(map)?;
+    let mut by_key: BTreeMap<(DateTime<Utc>, String), IntervalCount> = counts
+        .into_iter()
+        .map(|c| ((c.start, c.event_type.clone()), c))
+        .collect();
+    let checked: BTreeSet<String> = config
+        .reconcile
+        .checks
+        .iter()
+        .map(|c| c.event_type.clone())
+        .collect();
+    let mut starts = Vec::new();
+    let mut t = since;
+    while t < now {
+        starts.push(t);
+        t += step;
+    }
+    for s in &starts {
+        for et in &checked {
+            by_key
+                .entry((*s, et.clone()))
+                .or_insert_with(|| IntervalCount::zero(*s, et));
+        }
+    }
+    let outbox_cutoff =
+        now - chrono::Duration::from_std(config.cleanup.retention.0).unwrap_or_default();
+    let mut consumer_pools = Vec::new();
+    for c in &config.consumers {
+        let p = if c.database_url.is_empty() {
+            pool.clone()
+        } else {
+            db::connect(
+                &c.database_url,
+                &crate::config::Secret::default(),
+                config.database.connect_timeout.0,
+                2,
+            )
+            .await?
+            .0
+        };
+        consumer_pools.push((c, p));
+    }
+    let mut rows = Vec::new();
+    for ((start, event_type), c) in by_key {
+        let end = start + step;
+        let mut row = Row {
+            start,
+            event_type: event_type.clone(),
+            transitions: None,
+            events: c.events,
+            published: c.published,
+            overdue: c.overdue,
+            parked: c.parked,
+            discarded: c.discarded,
+            effects: Vec::new(),
+            mismatches: Vec::new(),
+            incomplete: None,
+        };
+        if start < outbox_cutoff {
+            row.incomplete = Some(format!(
+                "outbox rows older than cleanup.retention ({}) are cleaned up",
+                config.cleanup.retention
+            ));
+        }
+        for check in config
+            .reconcile
+            .checks
+            .iter()
+            .filter(|k| k.event_type == event_type)
+        {
+            let n = transitions(&pool, &check.query, start, end).await?;
+            row.transitions = Some(row.transitions.unwrap_or(0) + n);
+        }
+        if row.incomplete.is_none() {
+            if let Some(n) = row.transitions {
+                if n != row.events {
+                    row.mismatches.push(format!(
+                        "{n} state transition(s) but {} outbox event(s)",
+                        row.events
+                    ));
+                }
+            }
+        }
+        if row.overdue > 0 {
+            row.mismatches.push(format!(
+                "{} event(s) not published after {}",
+                row.overdue, config.reconcile.grace
+            ));
+        }
+        if row.parked > 0 {
+            row.mismatches
+                .push(format!("{} event(s) parked", row.parked));
+        }
+        for (consumer, cpool) in &consumer_pools {
+            let topics = if consumer.topics.is_empty() {
+                Vec::new()
+            } else {
+                consumer.topics.clone()
+            };
+            let ids = store
+                .published_ids(&event_type, start, end, &topics, grace)
+                .await
+                .map_err(map)?;
+            if ids.is_empty() {
+                continue;
+            }
+            let applied = applied(cpool, consumer, &ids).await?;
+            let dedup_cutoff =
+                now - chrono::Duration::from_std(consumer.dedup_retention.0).unwrap_or_default();
+            if start < dedup_cutoff {
+                row.incomplete.get_or_insert_with(|| {
+                    format!(
+                        "consumer {}'s registrations older than its dedup_retention are cleaned up",
+                        consumer.name
+                    )
+                });
+            } else if applied < ids.len() as u64 {
+                row.mismatches.push(format!(
+                    "consumer {} applied {applied} of {} published event(s)",
+                    consumer.name,
+                    ids.len()
+                ));
+            }
+            row.effects.push(Effects {
+                consumer: consumer.name.clone(),
+                expected: ids.len() as u64,
+                applied,
+            });
+        }
+        rows.push(row);
+    }
+    let mismatched = rows.iter().filter(|r| !r.mismatches.is_empty()).count();
+    if out.json {
+        out.json(&json!({
+            "since": since.to_rfc3339(),
+            "interval": interval.to_string(),
+            "ok": mismatched == 0,
+            "mismatched_rows": mismatched,
+            "rows": rows,
+        }));
+    } else {
+        let table_rows = rows
+            .iter()
+            .map(|r| {
+                vec![
+                    r.start.format("%Y-%m-%d %H:%M").to_string(),
+                    r.event_type.clone(),
+                    r.transitions.map_or("-".into(), |n| n.to_string()),
+                    r.events.to_string(),
+                    r.published.to_string(),
+                    r.effects
+                        .iter()
+                        .map(|e| format!("{}: {}/{}", e.consumer, e.applied, e.expected))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    if !r.mismatches.is_empty() {
+                        format!("MISMATCH: {}", r.mismatches.join("; "))
+                    } else if let Some(i) = &r.incomplete {
+                        format!("incomplete: {i}")
+                    } else {
+                        "ok".into()
+                    },
+                ]
+            })
+            .collect();
+        println!(
+            "{}",
+            out.table(
+                &[
+                    "interval",
+                    "event type",
+                    "transitions",
+                    "events",
+                    "published",
+                    "effects",
+                    "result"
+                ],
+                table_rows
+            )
+        );
+        println!(
+            "{} row(s), {mismatched} with a mismatch (since {}, interval {interval})",
+            rows.len(),
+            since.to_rfc3339()
+        );
+    }
+    if mismatched > 0 {
+        Err(CliError::failed(format!("{mismatched} interval(s) do not reconcile")).reported())
+    } else {
+        Ok(())
+    }
+}
+
+async fn transitions(
+    pool: &sqlx::PgPool,
+    query: &str,
+    start: DateTime<Utc>,
+    end: DateTime<Utc>,
+) -> Result<u64, CliError> {
+    let fail = |e: sqlx::Error| {
+        CliError::config(
+            format!(
+                "reconcile query failed: {}",
+                outbox_postgres::map_sqlx_error(e).message
+            ),
+            "each [[reconcile.checks]] query returns one count for the interval [$1, $2) \
+             (two timestamptz), e.g. SELECT count(*) FROM orders WHERE placed_at >= $1 AND \
+             placed_at < $2",
+        )
+    };
+    let mut tx = pool.begin().await.map_err(fail)?;
+    sqlx::query("SET TRANSACTION READ ONLY")
+        .execute(&mut *tx)
+        .await
+        .map_err(fail)?;
+    let n: i64 = sqlx::query_scalar(query)
+        .bind(start)
+        .bind(end)
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(fail)?;
+    let _ = tx.rollback().await;
+    Ok(n.max(0) as u64)
+}
+
+async fn applied(
+    pool: &sqlx::PgPool,
+    c: &ConsumerConfig,
+    ids: &[(Uuid, Option<Uuid>)],
+) -> Result<u64, CliError> {
+    let t = qualified(&c.inbox_schema, &c.inbox_table);
+    let own: Vec<Uuid> = ids.iter().map(|(i, _)| *i).collect();
+    let original: Vec<Uuid> = ids.iter().map(|(i, o)| o.unwrap_or(*i)).collect();
+    let n: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM UNNEST($2::uuid[], $3::uuid[]) AS e(own, original) \
+         WHERE EXISTS (SELECT 1 FROM {t} i WHERE i.consumer = $1 \
+                       AND i.event_id IN (e.own, e.original))"
+    ))
+    .bind(&c.name)
+    .bind(&own)
+    .bind(&original)
+    .fetch_one(pool)
+    .await
+    .map_err(|e| {
+        CliError::from_store(&outbox_postgres::map_sqlx_error(e), &t)
+            .with_hint(format!("check the inbox of consumer {} ([[consumers]] inbox_schema, inbox_table, database_url)", c.name))
+    })?;
+    Ok(n.max(0) as u64)
+}

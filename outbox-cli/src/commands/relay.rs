@@ -1,0 +1,587 @@
+//! `outbox relay`: the daemon.
+//!
+//! Start-up fails fast, with a non-zero exit and the fix, on what no retry can cure: an
+//! unreachable database (host, port and cause, within `database.connect_timeout`), a missing or
+//! outdated schema (`outbox migrate`), a missing privilege (the `GRANT`), a missing topic, an
+//! unsafe producer setting, a lease that does not outlive the delivery timeout. While running,
+//! a permanent store error (the table dropped, a privilege revoked) stops the relay the same
+//! way and `/readyz` says why until it exits; transient errors (database or broker briefly
+//! gone) are retried with backoff and logged once per change of state, never once per event.
+//!
+//! SIGTERM or SIGINT: each worker finishes the batch it is publishing (bounded by the delivery
+//! timeout) and records it, releases a batch it claimed but has not sent, and releases its
+//! prefetched batch; the exit report counts what happened, failures included.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::Utc;
+use outbox_core::backpressure::{BacklogSnapshot, Backpressure, BackpressurePolicy};
+use outbox_core::{
+    Classify, ErrorClass, OutboxStore, Relay, RelayConfig, RetryPolicy, StoreError, StoreErrorKind,
+    SystemClock,
+};
+use outbox_kafka::KafkaPublisher;
+use outbox_postgres::{PostgresOutboxStore, RecordedTopic};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use serde::Serialize;
+use tokio::sync::{watch, Notify};
+use tracing::{debug, error, info, warn};
+
+use crate::config::Config;
+use crate::db;
+use crate::error::CliError;
+use crate::health::Health;
+use crate::metered::MeteredStore;
+use crate::output::Output;
+
+/// Totals over the daemon's life, shared by the workers.
+#[derive(Debug, Default)]
+pub struct Totals {
+    cycles: AtomicU64,
+    claimed: AtomicU64,
+    published: AtomicU64,
+    retried: AtomicU64,
+    deferred: AtomicU64,
+    parked: AtomicU64,
+    superseded: AtomicU64,
+    released_batches: AtomicU64,
+    store_errors: AtomicU64,
+    cleaned: AtomicU64,
+}
+
+/// The exit report.
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct RelayReport {
+    /// Relay cycles run.
+    pub cycles: u64,
+    /// Events claimed.
+    pub claimed: u64,
+    /// Events acknowledged and marked published.
+    pub published: u64,
+    /// Attempts that failed on the record's own account and were scheduled again.
+    pub retried: u64,
+    /// Publications put back after a transport failure (no attempt spent).
+    pub deferred: u64,
+    /// Events parked (by a failed publication or by a claim for their version).
+    pub parked: u64,
+    /// Outcomes refused by fencing (the claim was superseded).
+    pub superseded: u64,
+    /// Batches released unsent (shutdown, or too little lease left).
+    pub released_batches: u64,
+    /// Failed cycles (store errors).
+    pub store_errors: u64,
+    /// Finished rows removed by the scheduled cleanup.
+    pub cleaned: u64,
+    /// Why the relay stopped: `signal` or `fatal`.
+    pub stopped_by: String,
+}
+
+impl Totals {
+    fn report(&self, stopped_by: &str) -> RelayReport {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        RelayReport {
+            cycles: g(&self.cycles),
+            claimed: g(&self.claimed),
+            published: g(&self.published),
+            retried: g(&self.retried),
+            deferred: g(&self.deferred),
+            parked: g(&self.parked),
+            superseded: g(&self.superseded),
+            released_batches: g(&self.released_batches),
+            store_errors: g(&self.store_errors),
+            cleaned: g(&self.cleaned),
+            stopped_by: stopped_by.to_owned(),
+        }
+    }
+}
+
+/// A permanent error seen by a worker: the relay stops with it.
+type Fatal = Arc<std::sync::Mutex<Option<CliError>>>;
+
+/// Runs the daemon until SIGTERM/SIGINT or a permanent error.
+pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
+    let workers = config.relay.workers;
+    // Per worker a claim (prefetch included) and a completion at once; plus the listener,
+    // stats, cleanup and readiness.
+    let pool_size = 2 * u32::from(workers) + 4;
+    let (pool, target) = db::connect_outbox(config, pool_size).await?;
+    db::preflight(&pool, config).await?;
+    let store = db::outbox_store(config, pool.clone())?;
+    let table = format!("{}.{}", config.outbox.schema, config.outbox.table);
+    let recorded = store
+        .recorded_topics()
+        .await
+        .map_err(|e| CliError::from_store(&e, &table))?;
+    let publisher = Arc::new(crate::kafka::start_publisher(config, &recorded).await?);
+    record_topics(&store, &publisher, &table).await?;
+    info!(database = %target, outbox = %table, brokers = %config.kafka.brokers, topics = ?config.topics(), workers, "relay starting");
+
+    let health = Health::default();
+    health.database(true, format!("{target}: schema and privileges in place"));
+    health.broker(true, format!("{}: topics present", config.kafka.brokers));
+    let prometheus = crate::metrics::install()?;
+    let http = if config.http.enabled {
+        let (addr, task) =
+            crate::health::serve(&config.http.listen, prometheus.clone(), health.clone()).await?;
+        info!(%addr, "serving /metrics, /healthz and /readyz");
+        Some(task)
+    } else {
+        None
+    };
+
+    // Build every worker before starting any, so a configuration error stops nothing half-way.
+    let owner = config.owner();
+    let mut relays = Vec::new();
+    for w in 0..workers {
+        relays.push(build_relay(
+            config,
+            &store,
+            &publisher,
+            &format!("{owner}-{w}"),
+        )?);
+    }
+
+    let totals = Arc::new(Totals::default());
+    let fatal: Fatal = Arc::default();
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let wake = Arc::new(Notify::new());
+    let listener = store
+        .spawn_listener(wake.clone())
+        .map_err(|e| CliError::from_store(&e, &table))?;
+    let mut tasks = Vec::new();
+    for relay in relays {
+        tasks.push(tokio::spawn(worker(
+            relay,
+            wake.clone(),
+            stop_rx.clone(),
+            totals.clone(),
+            fatal.clone(),
+            stop_tx.clone(),
+            table.clone(),
+        )));
+    }
+    health.update(|r| r.relaying = true);
+    metrics::gauge!("outbox_relay_up").set(1.0);
+
+    let gate = Arc::new(Backpressure::new(backpressure_policy(config)));
+    let monitor = tokio::spawn(monitor(
+        store.clone(),
+        publisher.clone(),
+        pool.clone(),
+        prometheus,
+        health.clone(),
+        gate,
+        config.clone(),
+        totals.clone(),
+        stop_rx.clone(),
+    ));
+    let cleanup = config.cleanup.enabled.then(|| {
+        tokio::spawn(cleanup_loop(
+            store.clone(),
+            config.clone(),
+            totals.clone(),
+            stop_rx.clone(),
+        ))
+    });
+
+    let mut stop_wait = stop_rx.clone();
+    let stopped_by = tokio::select! {
+        () = shutdown_signal() => "signal",
+        () = stopped(&mut stop_wait) => "fatal",
+    };
+    let _ = stop_tx.send(true);
+    let fatal_reason = fatal
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .map(ToString::to_string);
+    // Until the process exits, /readyz says why it stops.
+    health.update(|r| {
+        r.relaying = false;
+        r.fatal = fatal_reason;
+    });
+    info!(
+        stopped_by,
+        "relay stopping: finishing or releasing the batches in flight"
+    );
+    let deadline = config.relay.shutdown_timeout.0;
+    for t in tasks {
+        match tokio::time::timeout(deadline, t).await {
+            Ok(_) => {}
+            Err(_) => warn!(
+                "a worker did not finish within relay.shutdown_timeout; its claims end with \
+                 their lease (or transaction)"
+            ),
+        }
+    }
+    monitor.abort();
+    if let Some(c) = cleanup {
+        c.abort();
+    }
+    listener.abort();
+    if let Some(h) = http {
+        h.abort();
+    }
+    metrics::gauge!("outbox_relay_up").set(0.0);
+    let report = totals.report(stopped_by);
+    let failures = report.retried + report.deferred + report.parked + report.store_errors;
+    eprintln!(
+        "relay stopped ({stopped_by}): {} cycles, {} claimed, {} published, {} retried, {} \
+         deferred (transport), {} parked, {} superseded, {} batches released unsent, {} store \
+         errors, {} rows cleaned up; {failures} failures in all",
+        report.cycles,
+        report.claimed,
+        report.published,
+        report.retried,
+        report.deferred,
+        report.parked,
+        report.superseded,
+        report.released_batches,
+        report.store_errors,
+        report.cleaned,
+    );
+    if out.json {
+        out.json(&serde_json::to_value(&report).unwrap_or_default());
+    }
+    let fatal = fatal.lock().unwrap_or_else(|p| p.into_inner()).take();
+    match fatal {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+async fn record_topics(
+    store: &PostgresOutboxStore,
+    publisher: &KafkaPublisher,
+    table: &str,
+) -> Result<(), CliError> {
+    let Some(report) = publisher.topic_report() else {
+        return Ok(());
+    };
+    for c in &report.partition_changes {
+        warn!(topic = %c.topic, before = c.before, after = c.after, "partition count changed since the last recorded start: keys moved to other partitions, so order across the change is not guaranteed for aggregates in flight");
+    }
+    if let Some(c) = &report.partitioner_change {
+        warn!(before = %c.before, after = %c.after, "partitioner changed since the last recorded start: keys moved to other partitions");
+    }
+    let facts: Vec<RecordedTopic> = report
+        .topics
+        .iter()
+        .map(|t| RecordedTopic::new(&t.name, t.partitions as u32, report.partitioner.as_str()))
+        .collect();
+    store
+        .record_topics(&facts)
+        .await
+        .map_err(|e| CliError::from_store(&e, table))
+}
+
+type CliRelay = Relay<MeteredStore<PostgresOutboxStore>, Arc<KafkaPublisher>>;
+
+fn build_relay(
+    config: &Config,
+    store: &PostgresOutboxStore,
+    publisher: &Arc<KafkaPublisher>,
+    owner: &str,
+) -> Result<CliRelay, CliError> {
+    let r = &config.relay;
+    let retry = RetryPolicy::builder()
+        .base(r.retry_base.0)
+        .max_delay(r.retry_max.0)
+        .max_attempts(r.max_attempts)
+        .build()
+        .map_err(|e| CliError::config(format!("[relay] retry: {}", e.0), "fix [relay]"))?;
+    let relay_config = RelayConfig::builder()
+        .owner(owner)
+        .batch_size(r.batch_size)
+        .retry(retry)
+        .idle(r.idle_min.0, r.idle_max.0)
+        .lease_margin(r.lease_margin.0)
+        .prefetch(r.prefetch)
+        .circuit_breaker(r.circuit_base.0, r.circuit_max.0)
+        .build()
+        .map_err(|e| CliError::config(format!("[relay]: {}", e.0), "fix [relay]"))?;
+    Relay::new(
+        MeteredStore(store.clone()),
+        publisher.clone(),
+        relay_config,
+        Arc::new(SystemClock),
+        Box::new(StdRng::from_os_rng()),
+    )
+    .map_err(|e| {
+        CliError::config(
+            format!("relay configuration refused: {}", e.0),
+            "the lease (outbox.lease, lease mode) or outbox.locked_max_hold (locked mode) must \
+             outlive kafka.delivery_timeout plus relay.lease_margin: raise the lease or lower \
+             the delivery timeout",
+        )
+    })
+}
+
+/// A store error no retry cures: the relay stops with the fix.
+fn is_permanent(e: &StoreError) -> bool {
+    e.class() == ErrorClass::Permanent
+        && matches!(
+            e.kind,
+            StoreErrorKind::Schema | StoreErrorKind::Configuration
+        )
+}
+
+async fn worker(
+    mut relay: CliRelay,
+    wake: Arc<Notify>,
+    mut stop: watch::Receiver<bool>,
+    totals: Arc<Totals>,
+    fatal: Fatal,
+    stop_all: watch::Sender<bool>,
+    table: String,
+) {
+    let owner = relay.config().owner.clone();
+    let signal = relay.shutdown_signal();
+    let mut failures = 0u32;
+    loop {
+        if *stop.borrow() {
+            signal.trigger();
+            break;
+        }
+        // The cycle is not raced against shutdown: a batch being published is finished and
+        // recorded; the signal makes the cycle release a batch it has not sent yet.
+        let result = {
+            let cycle = relay.run_once();
+            tokio::pin!(cycle);
+            tokio::select! {
+                r = &mut cycle => r,
+                () = stopped(&mut stop) => { signal.trigger(); cycle.await }
+            }
+        };
+        totals.cycles.fetch_add(1, Ordering::Relaxed);
+        let delay = match result {
+            Ok(c) => {
+                if failures > 0 {
+                    info!(owner = %owner, failed_cycles = failures, "the database answers again; relaying resumed");
+                    failures = 0;
+                    metrics::gauge!("outbox_relay_store_errors").set(0.0);
+                }
+                let add = |a: &AtomicU64, n: usize| {
+                    a.fetch_add(n as u64, Ordering::Relaxed);
+                };
+                add(&totals.claimed, c.claimed);
+                add(&totals.published, c.published);
+                add(&totals.retried, c.retried);
+                add(&totals.deferred, c.deferred);
+                add(&totals.parked, c.parked + c.parked_at_claim);
+                add(&totals.superseded, c.superseded);
+                if c.released {
+                    add(&totals.released_batches, 1);
+                }
+                if !c.is_idle() {
+                    debug!(owner = %owner, claimed = c.claimed, published = c.published, retried = c.retried, deferred = c.deferred, parked = c.parked + c.parked_at_claim, gaps_held = c.gaps_held, superseded = c.superseded, released = c.released, "batch");
+                }
+                if let Some(pause) = c.pause {
+                    tokio::select! {
+                        () = tokio::time::sleep(pause) => {}
+                        () = stopped(&mut stop) => {}
+                    }
+                    continue;
+                }
+                if !c.is_idle() {
+                    relay.reset_idle();
+                    continue;
+                }
+                relay.idle_delay()
+            }
+            Err(e) if is_permanent(&e) => {
+                totals.store_errors.fetch_add(1, Ordering::Relaxed);
+                let err = CliError::from_store(&e, &table);
+                error!(owner = %owner, error = %e, "permanent store error; the relay stops");
+                *fatal.lock().unwrap_or_else(|p| p.into_inner()) = Some(err);
+                let _ = stop_all.send(true);
+                break;
+            }
+            Err(e) => {
+                totals.store_errors.fetch_add(1, Ordering::Relaxed);
+                failures = failures.saturating_add(1);
+                metrics::gauge!("outbox_relay_store_errors").set(f64::from(failures));
+                if failures == 1 {
+                    warn!(owner = %owner, error = %e, "relay cycle failed; retrying with backoff (logged again when it recovers)");
+                } else {
+                    debug!(owner = %owner, error = %e, failures, "relay cycle failed again");
+                }
+                relay.error_delay(failures)
+            }
+        };
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = wake.notified() => relay.reset_idle(),
+            () = stopped(&mut stop) => {}
+        }
+    }
+    match relay.release_prefetched().await {
+        Ok(true) => {
+            totals.released_batches.fetch_add(1, Ordering::Relaxed);
+            debug!(owner = %owner, "released the prefetched batch");
+        }
+        Ok(false) => {}
+        Err(e) => {
+            warn!(owner = %owner, error = %e, "could not release the prefetched batch; its claim expires")
+        }
+    }
+}
+
+/// The backpressure policy of the configuration.
+pub fn backpressure_policy(config: &Config) -> BackpressurePolicy {
+    let b = &config.backpressure;
+    let mut p = BackpressurePolicy::default()
+        .capacity(config.status.capacity)
+        .critical_event_types(b.critical_event_types.clone());
+    if let Some(n) = b.max_backlog {
+        p = p.max_backlog(n);
+    }
+    if let Some(d) = b.max_age {
+        p = p.max_age(d.0);
+    }
+    if let Some(d) = b.min_forecast {
+        p = p.min_forecast(d.0, config.status.capacity);
+    }
+    p
+}
+
+/// Refreshes gauges, backpressure and readiness every `relay.stats_interval`; logs a summary
+/// per minute when something moved.
+#[allow(clippy::too_many_arguments)]
+async fn monitor(
+    store: PostgresOutboxStore,
+    publisher: Arc<KafkaPublisher>,
+    pool: sqlx::PgPool,
+    prometheus: metrics_exporter_prometheus::PrometheusHandle,
+    health: Health,
+    gate: Arc<Backpressure>,
+    config: Config,
+    totals: Arc<Totals>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let interval = config
+        .relay
+        .stats_interval
+        .0
+        .max(Duration::from_millis(100));
+    let table = format!("{}.{}", config.outbox.schema, config.outbox.table);
+    let mut last_summary = tokio::time::Instant::now();
+    let mut last_published = 0u64;
+    let mut broker_checked = tokio::time::Instant::now();
+    loop {
+        match store.stats().await {
+            Ok(stats) => {
+                crate::metrics::record_stats(&stats);
+                let rate = store
+                    .publish_latency(config.status.window.0)
+                    .await
+                    .ok()
+                    .map(|l| {
+                        (l.created as f64 - l.count as f64) / config.status.window.0.as_secs_f64()
+                    });
+                gate.observe(
+                    BacklogSnapshot::new(stats.unpublished, stats.oldest_unpublished_age, rate),
+                    Utc::now(),
+                );
+                if let Ok(c) = store.conflict_counts().await {
+                    crate::metrics::record_conflicts(&c);
+                }
+                if !health.get().database.ok {
+                    info!("database reachable again");
+                }
+                health.database(true, "reachable; last stats read succeeded");
+            }
+            Err(e) => {
+                let was_ok = health.get().database.ok;
+                let detail = CliError::from_store(&e, &table).to_string();
+                if was_ok {
+                    warn!(error = %e, "cannot read outbox stats; /readyz reports the database");
+                }
+                health.database(false, detail);
+            }
+        }
+        crate::metrics::record_pool(&pool);
+        if broker_checked.elapsed() >= Duration::from_secs(30) {
+            broker_checked = tokio::time::Instant::now();
+            match publisher.check_topics().await {
+                Ok(_) => health.broker(true, "reachable; topics present"),
+                Err(e) => {
+                    let err = crate::kafka::topic_error(&e, &config.kafka.brokers);
+                    health.broker(false, err.to_string());
+                }
+            }
+        }
+        prometheus.run_upkeep();
+        if last_summary.elapsed() >= Duration::from_secs(60) {
+            last_summary = tokio::time::Instant::now();
+            let r = totals.report("");
+            if r.published != last_published {
+                info!(
+                    published = r.published,
+                    retried = r.retried,
+                    deferred = r.deferred,
+                    parked = r.parked,
+                    store_errors = r.store_errors,
+                    "relay totals"
+                );
+                last_published = r.published;
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(interval) => {}
+            () = stopped(&mut stop) => return,
+        }
+    }
+}
+
+/// Deletes finished rows older than `cleanup.retention` every `cleanup.interval`, in batches
+/// of `cleanup.batch_size` (one short transaction each).
+async fn cleanup_loop(
+    store: PostgresOutboxStore,
+    config: Config,
+    totals: Arc<Totals>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let c = &config.cleanup;
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(c.interval.0) => {}
+            () = stopped(&mut stop) => return,
+        }
+        match store.cleanup(c.retention.0, c.batch_size).await {
+            Ok(r) => {
+                totals.cleaned.fetch_add(r.removed, Ordering::Relaxed);
+                metrics::counter!("outbox_cleanup_removed_total").increment(r.removed);
+                if r.removed > 0 {
+                    info!(removed = r.removed, batches = r.batches, retention = %c.retention, archive = config.outbox.archive, "cleanup removed finished rows");
+                }
+            }
+            Err(e) => {
+                warn!(error = %e, "scheduled cleanup failed; it runs again at the next interval")
+            }
+        }
+    }
+}
+
+/// Completes once `rx` says stop (or its sender is gone).
+async fn stopped(rx: &mut watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
+}
+
+/// Completes on SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}

@@ -1,0 +1,135 @@
+//! `outbox replay`: re-publishes already published events, selected by aggregate, event type
+//! or creation time, in append order (each aggregate's versions in order), to the topic their
+//! route gives, with their own event ids and the header [`REPLAY_HEADER`] set to the replay's
+//! id. Inboxes deduplicate by event id, so a consumer that already applied an event ignores
+//! its replay; a replay serves consumers that lost their state or start fresh. A replay runs
+//! beside the relay and does not change delivery state; replayed records may interleave with
+//! live ones, so a consumer sees an old version after a newer one (its version check treats it
+//! as stale). Events older than `cleanup.retention` were cleaned up and cannot be replayed.
+
+use chrono::Utc;
+use outbox_core::Publisher;
+use outbox_postgres::PublishedFilter;
+use serde_json::json;
+
+use crate::config::Config;
+use crate::db;
+use crate::error::CliError;
+use crate::opt::ReplayOpts;
+use crate::output::Output;
+
+/// Header carried by every replayed record: the id of the replay run (a UUID).
+pub const REPLAY_HEADER: &str = "outbox_replay";
+
+/// Runs `outbox replay`.
+pub async fn run(config: &Config, opts: &ReplayOpts, out: &Output) -> Result<(), CliError> {
+    let now = Utc::now();
+    let mut filter = PublishedFilter::default();
+    filter.aggregate_type = opts.aggregate_type.clone();
+    filter.aggregate_id = opts.aggregate_id.clone();
+    filter.event_type = opts.event_type.clone();
+    filter.since = opts
+        .since
+        .as_deref()
+        .map(|s| super::parse_time("--since", s, now))
+        .transpose()?;
+    filter.until = opts
+        .until
+        .as_deref()
+        .map(|s| super::parse_time("--until", s, now))
+        .transpose()?;
+    if filter.aggregate_type.is_none()
+        && filter.aggregate_id.is_none()
+        && filter.event_type.is_none()
+        && filter.since.is_none()
+    {
+        return Err(CliError::config(
+            "replay needs a selection",
+            "pass --aggregate-type, --aggregate-id, --event-type or --since (and --until)",
+        ));
+    }
+    if let Some(since) = filter.since {
+        let window =
+            chrono::Duration::from_std(config.retention.replay_window.0).unwrap_or_default();
+        if since < now - window {
+            tracing::warn!(replay_window = %config.retention.replay_window, "--since is older than retention.replay_window: consumers' dedup windows may not cover it, so effects can repeat");
+        }
+    }
+    let (pool, _) = db::connect_outbox(config, 3).await?;
+    db::preflight(&pool, config).await?;
+    let store = db::outbox_store(config, pool)?;
+    let table = format!("{}.{}", config.outbox.schema, config.outbox.table);
+    let map = |e: outbox_core::StoreError| CliError::from_store(&e, &table);
+    let matched = store.count_published(&filter).await.map_err(map)?;
+    if opts.dry_run || matched == 0 {
+        if out.json {
+            out.json(&json!({"dry_run": opts.dry_run, "matched": matched, "replayed": 0}));
+        } else {
+            println!(
+                "{matched} published event(s) match{}",
+                if opts.dry_run {
+                    "; dry run, nothing published"
+                } else {
+                    ""
+                }
+            );
+        }
+        return Ok(());
+    }
+    out.confirm(
+        &format!("Re-publish {matched} event(s), marked with header {REPLAY_HEADER}?"),
+        opts.yes,
+    )?;
+    let recorded = store.recorded_topics().await.map_err(map)?;
+    let publisher = crate::kafka::start_publisher(config, &recorded).await?;
+    let replay_id = uuid::Uuid::new_v4().to_string();
+    let bar = out.progress(matched, "replay");
+    let (mut replayed, mut after) = (0u64, 0i64);
+    loop {
+        let rows = store
+            .published_events(&filter, after, opts.batch_size.max(1))
+            .await
+            .map_err(map)?;
+        let Some(last) = rows.last() else { break };
+        after = last.position;
+        let events: Vec<_> = rows
+            .into_iter()
+            .map(|r| {
+                let mut e = r.envelope;
+                e.headers
+                    .insert(REPLAY_HEADER.to_owned(), replay_id.clone());
+                e
+            })
+            .collect();
+        let results = publisher.publish(&events).await;
+        let failed: Vec<String> = events
+            .iter()
+            .zip(&results)
+            .filter_map(|(e, r)| r.as_ref().err().map(|err| format!("{}: {err}", e.event_id)))
+            .collect();
+        replayed += (events.len() - failed.len()) as u64;
+        bar.set_position(replayed);
+        if !failed.is_empty() {
+            bar.abandon();
+            return Err(CliError::failed(format!(
+                "replay {replay_id} stopped: {} of {matched} re-published, {} failed (first: {})",
+                replayed,
+                failed.len(),
+                failed[0]
+            ))
+            .with_hint("fix the broker problem and run the replay again (consumers dedupe what was already replayed)"));
+        }
+    }
+    bar.finish_and_clear();
+    if out.json {
+        out.json(&json!({
+            "dry_run": false, "matched": matched, "replayed": replayed,
+            "replay_id": replay_id, "header": REPLAY_HEADER,
+        }));
+    } else {
+        println!(
+            "replayed {replayed} of {matched} event(s); records carry {REPLAY_HEADER}={replay_id}"
+        );
+    }
+    Ok(())
+}

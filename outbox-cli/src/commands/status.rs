@@ -1,0 +1,297 @@
+//! `outbox status`: the backlog and its ages, parked events, version gaps held, publish latency
+//! percentiles over a window, the backlog's rate of change and forecast to capacity,
+//! backpressure, table health, and per consumer its lag and inbox.
+
+use std::time::Duration;
+
+use chrono::Utc;
+use outbox_core::backpressure::{forecast, BacklogSnapshot, Backpressure};
+use outbox_core::OutboxStore;
+use outbox_postgres::qualified;
+use serde_json::{json, Value};
+
+use crate::config::{Config, ConsumerConfig};
+use crate::db;
+use crate::error::CliError;
+use crate::opt::StatusOpts;
+use crate::output::{age, secs, Output};
+
+fn extra(stats: &outbox_core::OutboxStats, name: &str) -> Option<f64> {
+    stats.extra.iter().find(|(n, _)| n == name).map(|(_, v)| *v)
+}
+
+/// Runs `outbox status`.
+pub async fn run(config: &Config, opts: &StatusOpts, out: &Output) -> Result<(), CliError> {
+    let window = match &opts.window {
+        Some(w) => super::parse_duration("--window", w)?,
+        None => config.status.window,
+    };
+    let (pool, target) = db::connect_outbox(config, 3).await?;
+    db::preflight(&pool, config).await?;
+    let store = db::outbox_store(config, pool.clone())?;
+    let table = format!("{}.{}", config.outbox.schema, config.outbox.table);
+    let map = |e: outbox_core::StoreError| CliError::from_store(&e, &table);
+    let stats = store.stats().await.map_err(map)?;
+    let latency = store.publish_latency(window.0).await.map_err(map)?;
+    let w = window.0.as_secs_f64().max(1.0);
+    let rate = (latency.created as f64 - latency.count as f64) / w;
+    let capacity = config.status.capacity;
+    let until_full = forecast(capacity, stats.unpublished, Some(rate));
+    let gate = Backpressure::new(super::relay::backpressure_policy(config));
+    gate.observe(
+        BacklogSnapshot::new(stats.unpublished, stats.oldest_unpublished_age, Some(rate)),
+        Utc::now(),
+    );
+    let bp = gate.state(Utc::now());
+    let head_age = extra(&stats, "oldest_head_age_seconds").map(Duration::from_secs_f64);
+    let mut warnings: Vec<String> = Vec::new();
+    if stats.parked > 0 {
+        warnings.push(format!(
+            "{} parked event(s) block their aggregates: see `outbox parked list`",
+            stats.parked
+        ));
+    }
+    if stats.version_gaps_held > 0 {
+        warnings.push(format!(
+            "{} aggregate(s) wait for a missing version (parked as version gaps after \
+             outbox.gap_timeout)",
+            stats.version_gaps_held
+        ));
+    }
+    let mut consumers = Vec::new();
+    for c in &config.consumers {
+        consumers.push(consumer_status(config, c, &pool, opts.no_consumers, &mut warnings).await);
+    }
+    let doc = json!({
+        "database": target.to_string(),
+        "outbox": {"schema": config.outbox.schema, "table": config.outbox.table},
+        "backlog": {
+            "unpublished": stats.unpublished,
+            "in_flight": stats.in_flight,
+            "parked": stats.parked,
+            "version_gaps_held": stats.version_gaps_held,
+            "blocked": extra(&stats, "blocked_rows").map(|v| v as u64),
+            "oldest_unpublished_age_seconds": secs(stats.oldest_unpublished_age),
+            "oldest_claimable_age_seconds": secs(head_age),
+            "oldest_parked_age_seconds": secs(stats.oldest_parked_age),
+            "published_retained": stats.published_retained,
+        },
+        "latency": {
+            "window_seconds": window.0.as_secs_f64(),
+            "published": latency.count,
+            "p50_seconds": latency.p50,
+            "p90_seconds": latency.p90,
+            "p99_seconds": latency.p99,
+            "max_seconds": latency.max,
+        },
+        "flow": {
+            "window_seconds": window.0.as_secs_f64(),
+            "created": latency.created,
+            "published": latency.count,
+            "rate_per_second": rate,
+            "capacity": capacity,
+            "forecast_seconds": secs(until_full),
+        },
+        "backpressure": {
+            "enabled": gate.policy().is_enabled(),
+            "active": bp.active,
+            "reason": bp.reason,
+        },
+        "table": {
+            "total_bytes": extra(&stats, "total_bytes"),
+            "dead_tuples": extra(&stats, "dead_tuples"),
+            "last_autovacuum_age_seconds": extra(&stats, "last_autovacuum_age_seconds"),
+            "conditional_update_conflicts": extra(&stats, "conditional_update_conflicts"),
+        },
+        "consumers": consumers,
+        "warnings": warnings,
+    });
+    if out.json {
+        out.json(&doc);
+        return Ok(());
+    }
+    let fmt_s = |v: Option<f64>| v.map_or("-".to_owned(), |s| format!("{s:.3} s"));
+    let rows = vec![
+        vec![
+            "unpublished (backlog)".into(),
+            stats.unpublished.to_string(),
+        ],
+        vec!["  in flight".into(), stats.in_flight.to_string()],
+        vec![
+            "  oldest unpublished".into(),
+            age(stats.oldest_unpublished_age),
+        ],
+        vec!["  oldest claimable head".into(), age(head_age)],
+        vec!["parked".into(), stats.parked.to_string()],
+        vec!["  oldest parked".into(), age(stats.oldest_parked_age)],
+        vec![
+            "version gaps held".into(),
+            stats.version_gaps_held.to_string(),
+        ],
+        vec![
+            format!("published in the last {window}"),
+            latency.count.to_string(),
+        ],
+        vec![
+            "  latency p50 / p90 / p99 / max".into(),
+            format!(
+                "{} / {} / {} / {}",
+                fmt_s(latency.p50),
+                fmt_s(latency.p90),
+                fmt_s(latency.p99),
+                fmt_s(latency.max)
+            ),
+        ],
+        vec![
+            format!("created in the last {window}"),
+            latency.created.to_string(),
+        ],
+        vec![
+            "backlog rate of change".into(),
+            format!("{rate:+.3} events/s"),
+        ],
+        vec![
+            format!("forecast to capacity ({capacity})"),
+            match until_full {
+                None => "not growing".into(),
+                Some(d) => age(Some(d)),
+            },
+        ],
+        vec![
+            "backpressure".into(),
+            if !gate.policy().is_enabled() {
+                "not configured".into()
+            } else if bp.active {
+                format!("ON: {}", bp.reason.clone().unwrap_or_default())
+            } else {
+                "off".into()
+            },
+        ],
+        vec![
+            "table size / dead tuples".into(),
+            format!(
+                "{} bytes / {}",
+                extra(&stats, "total_bytes").map_or("-".into(), |v| format!("{v:.0}")),
+                extra(&stats, "dead_tuples").map_or("-".into(), |v| format!("{v:.0}"))
+            ),
+        ],
+    ];
+    println!("outbox {table} on {target}");
+    println!("{}", out.table(&["", "value"], rows));
+    if !consumers.is_empty() {
+        let rows = consumers
+            .iter()
+            .map(|c| {
+                vec![
+                    c["name"].as_str().unwrap_or("").to_owned(),
+                    c["group"].as_str().unwrap_or("").to_owned(),
+                    match &c["lag"] {
+                        Value::Null => c["lag_error"].as_str().unwrap_or("-").to_owned(),
+                        v => v.to_string(),
+                    },
+                    match &c["inbox_registrations"] {
+                        Value::Null => c["inbox_error"].as_str().unwrap_or("-").to_owned(),
+                        v => v.to_string(),
+                    },
+                    "n/a (needs consumer parking)".to_owned(),
+                ]
+            })
+            .collect();
+        println!(
+            "{}",
+            out.table(
+                &["consumer", "group", "lag", "inbox registrations", "parked"],
+                rows
+            )
+        );
+    }
+    for w in &warnings {
+        println!("warning: {w}");
+    }
+    Ok(())
+}
+
+async fn consumer_status(
+    config: &Config,
+    c: &ConsumerConfig,
+    outbox_pool: &sqlx::PgPool,
+    no_broker: bool,
+    warnings: &mut Vec<String>,
+) -> Value {
+    let topics = if c.topics.is_empty() {
+        config.topics()
+    } else {
+        c.topics.clone()
+    };
+    let (lag, partitions, lag_error) = if no_broker || config.kafka.brokers.trim().is_empty() {
+        (None, Vec::new(), Some("not read (no broker)".to_owned()))
+    } else {
+        match crate::kafka::consumer_lag(config, c.group(), &topics).await {
+            Ok(parts) => {
+                for p in parts.iter().filter(|p| p.below_retention) {
+                    warnings.push(format!(
+                        "consumer {} lost records to retention on {}[{}]: committed {} < earliest {}",
+                        c.name, p.topic, p.partition, p.committed.unwrap_or(-1), p.low
+                    ));
+                }
+                let total: i64 = parts.iter().map(|p| p.lag).sum();
+                (Some(total), parts, None)
+            }
+            Err(e) => (None, Vec::new(), Some(e.message)),
+        }
+    };
+    let (registrations, last_applied, inbox_error) = inbox_counts(config, c, outbox_pool).await;
+    json!({
+        "name": c.name,
+        "group": c.group(),
+        "topics": topics,
+        "lag": lag,
+        "lag_error": lag_error,
+        "partitions": partitions,
+        "inbox_registrations": registrations,
+        "last_applied_at": last_applied,
+        "inbox_error": inbox_error,
+        "parked": Value::Null,
+        "parked_note": "consumer-side parking is not part of this version; counts appear here once it is",
+    })
+}
+
+async fn inbox_counts(
+    config: &Config,
+    c: &ConsumerConfig,
+    outbox_pool: &sqlx::PgPool,
+) -> (Option<i64>, Option<String>, Option<String>) {
+    let pool = if c.database_url.is_empty() {
+        outbox_pool.clone()
+    } else {
+        match db::connect(
+            &c.database_url,
+            &crate::config::Secret::default(),
+            config.database.connect_timeout.0,
+            1,
+        )
+        .await
+        {
+            Ok((p, _)) => p,
+            Err(e) => return (None, None, Some(e.message)),
+        }
+    };
+    let t = qualified(&c.inbox_schema, &c.inbox_table);
+    match sqlx::query_as::<_, (i64, Option<chrono::DateTime<Utc>>)>(&format!(
+        "SELECT count(*), max(processed_at) FROM {t} WHERE consumer = $1"
+    ))
+    .bind(&c.name)
+    .fetch_one(&pool)
+    .await
+    {
+        Ok((n, last)) => (Some(n), last.map(|t| t.to_rfc3339()), None),
+        Err(e) => (
+            None,
+            None,
+            Some(format!(
+                "cannot read inbox {t}: {}",
+                outbox_postgres::map_sqlx_error(e).message
+            )),
+        ),
+    }
+}

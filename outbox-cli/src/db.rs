@@ -1,0 +1,300 @@
+//! Connecting to PostgreSQL: fail fast with host, port and cause, and the preflight check that
+//! tells "run `outbox migrate`" or "grant ..." apart from a transient failure.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use outbox_core::ClaimMode;
+use outbox_postgres::{qualified, PostgresOutboxStore};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, PgPool};
+
+use crate::config::{ClaimModeName, Config, DatabaseUrl, Secret};
+use crate::error::CliError;
+
+/// The latest outbox migration of `outbox-postgres` this CLI knows.
+pub const OUTBOX_SCHEMA_VERSION: i32 = 4;
+
+/// Where a database is, for messages (never the password).
+#[derive(Clone, Debug)]
+pub struct Target {
+    /// Host (or socket directory).
+    pub host: String,
+    /// Port.
+    pub port: u16,
+    /// Database name.
+    pub database: String,
+    /// User.
+    pub user: String,
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}@{}:{}/{}",
+            self.user, self.host, self.port, self.database
+        )
+    }
+}
+
+/// Parses the URL (with `password` replacing the URL's own) without printing either.
+pub fn connect_options(
+    url: &DatabaseUrl,
+    password: &Secret,
+) -> Result<(PgConnectOptions, Target), CliError> {
+    let mut opts = PgConnectOptions::from_str(url.expose()).map_err(|e| {
+        CliError::config(
+            format!(
+                "database URL {} is not valid: {}",
+                url.redacted(),
+                crate::config::redact_url(&e.to_string())
+            ),
+            "use postgres://user@host:port/database (put the password in \
+             OUTBOX_DATABASE__PASSWORD rather than in the URL)",
+        )
+    })?;
+    if !password.is_empty() {
+        opts = opts.password(password.expose());
+    }
+    // Statement logging would print bound values; the CLI logs its own summaries.
+    opts = opts.log_statements(tracing::log::LevelFilter::Trace);
+    let target = Target {
+        host: opts.get_host().to_owned(),
+        port: opts.get_port(),
+        database: opts.get_database().unwrap_or("").to_owned(),
+        user: opts.get_username().to_owned(),
+    };
+    Ok((opts, target))
+}
+
+/// Opens one connection within `timeout` (naming host, port and cause on failure), then a pool
+/// of `max` connections.
+pub async fn connect(
+    url: &DatabaseUrl,
+    password: &Secret,
+    timeout: Duration,
+    max: u32,
+) -> Result<(PgPool, Target), CliError> {
+    let (opts, target) = connect_options(url, password)?;
+    // One direct connection first: a pool would retry until its acquire timeout and then say
+    // only "pool timed out".
+    match tokio::time::timeout(timeout, sqlx::PgConnection::connect_with(&opts)).await {
+        Err(_) => {
+            return Err(CliError::unreachable(
+                format!(
+                    "cannot connect to PostgreSQL at {}:{} (database {:?}, user {:?}): no \
+                     answer within {}",
+                    target.host,
+                    target.port,
+                    target.database,
+                    target.user,
+                    humantime::format_duration(timeout)
+                ),
+                "check that the server runs and that host and port are right (a firewall \
+                 dropping packets looks like this); raise database.connect_timeout for a slow \
+                 network",
+            ))
+        }
+        Ok(Err(e)) => return Err(connect_error(&e, &target)),
+        Ok(Ok(conn)) => {
+            let _ = conn.close().await;
+        }
+    }
+    let pool = PgPoolOptions::new()
+        .max_connections(max.max(1))
+        .acquire_timeout(timeout.max(Duration::from_secs(5)))
+        .connect_lazy_with(opts);
+    Ok((pool, target))
+}
+
+fn connect_error(e: &sqlx::Error, t: &Target) -> CliError {
+    let cause = crate::config::redact_url(&e.to_string());
+    let at = format!("PostgreSQL at {}:{}", t.host, t.port);
+    match e {
+        sqlx::Error::Database(db) => {
+            let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
+            match code.as_str() {
+                "28P01" | "28000" => CliError::config(
+                    format!("{at} refused user {:?}: {cause}", t.user),
+                    "check the user and password (OUTBOX_DATABASE__PASSWORD) and pg_hba.conf",
+                ),
+                "3D000" => CliError::config(
+                    format!("{at} has no database {:?}: {cause}", t.database),
+                    "create the database or fix the URL's database name",
+                ),
+                _ => CliError::unreachable(
+                    format!("cannot connect to {at}: {cause}"),
+                    "check the server's log",
+                ),
+            }
+        }
+        sqlx::Error::Io(io) => CliError::unreachable(
+            format!(
+                "cannot connect to {at} (database {:?}): {} ({io})",
+                t.database,
+                match io.kind() {
+                    std::io::ErrorKind::ConnectionRefused => "connection refused",
+                    std::io::ErrorKind::NotFound => "host or socket not found",
+                    std::io::ErrorKind::TimedOut => "timed out",
+                    _ => "I/O error",
+                }
+            ),
+            "check that PostgreSQL is running and listening on that host and port",
+        ),
+        sqlx::Error::Tls(_) => CliError::unreachable(
+            format!("TLS to {at} failed: {cause}"),
+            "check sslmode and the server's certificate",
+        ),
+        _ => CliError::unreachable(
+            format!("cannot connect to {at}: {cause}"),
+            "check the database URL and that the server runs",
+        ),
+    }
+}
+
+/// Connects to the outbox's database, pool sized for `workers` relay loops.
+pub async fn connect_outbox(config: &Config, pool_size: u32) -> Result<(PgPool, Target), CliError> {
+    let url = config.database_url()?;
+    let max = if config.database.max_connections > 0 {
+        config.database.max_connections
+    } else {
+        pool_size
+    };
+    connect(
+        url,
+        &config.database.password,
+        config.database.connect_timeout.0,
+        max,
+    )
+    .await
+}
+
+/// The outbox store of the configuration.
+pub fn outbox_store(config: &Config, pool: PgPool) -> Result<PostgresOutboxStore, CliError> {
+    let o = &config.outbox;
+    let mode = match o.claim_mode {
+        ClaimModeName::Lease => ClaimMode::lease(o.lease.0).map_err(|e| {
+            CliError::config(format!("outbox.lease: {}", e.0), "use a lease of 1 s..=1 h")
+        })?,
+        ClaimModeName::Locked => ClaimMode::LockedTransaction,
+    };
+    PostgresOutboxStore::builder(pool)
+        .schema(o.schema.clone())
+        .table(o.table.clone())
+        .claim_mode(mode)
+        .locked_max_hold(o.locked_max_hold.0)
+        .gap_timeout(o.gap_timeout.0)
+        .archive(o.archive)
+        .build()
+        .map_err(|e| CliError::config(e.message, "fix the [outbox] section"))
+}
+
+/// What the preflight found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Readiness {
+    /// Tables present at the expected version, privileges in place.
+    Ready,
+    /// Not ready; the error says why and what to do.
+    NotReady(String),
+}
+
+/// Checks that the outbox tables exist at the version this CLI expects and that the current
+/// role may read and write them. A failure is a permanent configuration problem
+/// ([`CliError::not_ready`]) with the fix; a connection failure is [`CliError::unreachable`].
+pub async fn preflight(pool: &PgPool, config: &Config) -> Result<(), CliError> {
+    let o = &config.outbox;
+    let table = qualified(&o.schema, &o.table);
+    let map = |e: sqlx::Error| CliError::from_store(&outbox_postgres::map_sqlx_error(e), &table);
+    let migrations = qualified(&o.schema, "outbox_schema_migrations");
+    let exists: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
+        .bind(&migrations)
+        .fetch_one(pool)
+        .await
+        .map_err(map)?;
+    let version: Option<i32> = if exists.is_some() {
+        sqlx::query_scalar(&format!(
+            "SELECT max(version) FROM {migrations} WHERE object = $1"
+        ))
+        .bind(format!("outbox:{}", o.table))
+        .fetch_one(pool)
+        .await
+        .map_err(map)?
+    } else {
+        None
+    };
+    match version {
+        None => {
+            return Err(CliError::not_ready(
+                format!("the outbox table {table} does not exist"),
+                format!(
+                    "run `outbox migrate` (schema {:?}, table {:?}), or apply \
+                     outbox_postgres::outbox_schema_sql with your migration tool",
+                    o.schema, o.table
+                ),
+            ))
+        }
+        Some(v) if v < OUTBOX_SCHEMA_VERSION => {
+            return Err(CliError::not_ready(
+                format!(
+                    "the outbox table {table} is at schema version {v}, this outbox needs \
+                     {OUTBOX_SCHEMA_VERSION}"
+                ),
+                "run `outbox migrate` to apply the missing migrations",
+            ))
+        }
+        Some(_) => {}
+    }
+    let mut missing: Vec<(String, Vec<&str>)> = Vec::new();
+    for (suffix, privileges) in [
+        ("", &["SELECT", "INSERT", "UPDATE", "DELETE"][..]),
+        ("_aggregate", &["SELECT", "INSERT", "UPDATE", "DELETE"][..]),
+        ("_audit", &["SELECT", "INSERT"][..]),
+    ] {
+        let name = qualified(&o.schema, &format!("{}{suffix}", o.table));
+        let mut lacking = Vec::new();
+        for p in privileges {
+            let ok: Option<bool> =
+                sqlx::query_scalar("SELECT has_table_privilege(current_user, $1, $2)")
+                    .bind(&name)
+                    .bind(*p)
+                    .fetch_one(pool)
+                    .await
+                    .map_err(map)?;
+            if ok != Some(true) {
+                lacking.push(*p);
+            }
+        }
+        if !lacking.is_empty() {
+            missing.push((name, lacking));
+        }
+    }
+    if !missing.is_empty() {
+        let user: String = sqlx::query_scalar("SELECT current_user::text")
+            .fetch_one(pool)
+            .await
+            .map_err(map)?;
+        // A hint, not SQL that runs: quoted for copying.
+        let role = format!("\"{}\"", user.replace('"', "\"\""));
+        let listed: Vec<String> = missing
+            .iter()
+            .map(|(t, p)| format!("{} ON {t}", p.join(", ")))
+            .collect();
+        let grants: Vec<String> = missing
+            .iter()
+            .map(|(t, p)| format!("GRANT {} ON {t} TO {role};", p.join(", ")))
+            .collect();
+        return Err(CliError::not_ready(
+            format!(
+                "role {user:?} lacks privileges on the outbox: {}",
+                listed.join("; ")
+            ),
+            format!(
+                "as the tables' owner: GRANT USAGE ON SCHEMA {} TO {role}; {}",
+                outbox_postgres::quote_identifier(&o.schema),
+                grants.join(" ")
+            ),
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,194 @@
+//! Errors of the commands: each names the cause and the fix, and maps to a documented exit code.
+//!
+//! | exit code | meaning |
+//! |---|---|
+//! | 0 | success |
+//! | 1 | the command ran and found a problem: `check` violations, `reconcile` mismatches, a relay that stopped after failures, an operator action refused by the store |
+//! | 2 | bad usage or configuration (flags, file, environment, values) |
+//! | 3 | a service is unreachable (database or broker): host, port and cause are named |
+//! | 4 | the database is reachable but not ready: schema missing or out of date (`outbox migrate`), or a missing privilege (the `GRANT` is named) |
+//! | 5 | not available yet in this version (consumer-side operations that wait for consumer parking) |
+//! | 6 | aborted: a confirmation was declined |
+
+use std::fmt;
+
+use outbox_core::{StoreError, StoreErrorKind};
+
+/// Category of a [`CliError`], which decides the exit code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// Exit 1: the command found a problem or an action was refused.
+    Failed,
+    /// Exit 2: usage or configuration.
+    Config,
+    /// Exit 3: database or broker unreachable.
+    Unreachable,
+    /// Exit 4: schema missing/out of date or privilege missing.
+    NotReady,
+    /// Exit 5: not available yet.
+    NotAvailable,
+    /// Exit 6: aborted by the operator.
+    Aborted,
+}
+
+impl ErrorKind {
+    /// The process exit code.
+    pub const fn exit_code(self) -> u8 {
+        match self {
+            Self::Failed => 1,
+            Self::Config => 2,
+            Self::Unreachable => 3,
+            Self::NotReady => 4,
+            Self::NotAvailable => 5,
+            Self::Aborted => 6,
+        }
+    }
+
+    /// Stable name, used in `--json` errors.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Failed => "failed",
+            Self::Config => "config",
+            Self::Unreachable => "unreachable",
+            Self::NotReady => "not_ready",
+            Self::NotAvailable => "not_available",
+            Self::Aborted => "aborted",
+        }
+    }
+}
+
+/// An error with its cause and the fix. Never carries a secret: messages are built from
+/// redacted values.
+#[derive(Debug)]
+pub struct CliError {
+    /// Category (exit code).
+    pub kind: ErrorKind,
+    /// What went wrong.
+    pub message: String,
+    /// What to do about it.
+    pub hint: Option<String>,
+    /// The command already wrote its `--json` document (which carries the findings): no
+    /// second `{"error": ...}` document on stdout.
+    pub reported: bool,
+}
+
+impl CliError {
+    /// A new error.
+    pub fn new(kind: ErrorKind, message: impl Into<String>, hint: Option<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            hint,
+            reported: false,
+        }
+    }
+    /// Usage or configuration (exit 2).
+    pub fn config(message: impl Into<String>, hint: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Config, message, Some(hint.into()))
+    }
+    /// A finding or a refused action (exit 1).
+    pub fn failed(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Failed, message, None)
+    }
+    /// Unreachable service (exit 3).
+    pub fn unreachable(message: impl Into<String>, hint: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Unreachable, message, Some(hint.into()))
+    }
+    /// Schema or privilege missing (exit 4).
+    pub fn not_ready(message: impl Into<String>, hint: impl Into<String>) -> Self {
+        Self::new(ErrorKind::NotReady, message, Some(hint.into()))
+    }
+    /// Not available yet (exit 5).
+    pub fn not_available(message: impl Into<String>, hint: impl Into<String>) -> Self {
+        Self::new(ErrorKind::NotAvailable, message, Some(hint.into()))
+    }
+    /// Adds or replaces the hint.
+    pub fn with_hint(mut self, hint: impl Into<String>) -> Self {
+        self.hint = Some(hint.into());
+        self
+    }
+
+    /// Marks the findings as written already (see [`CliError::reported`]).
+    pub fn reported(mut self) -> Self {
+        self.reported = true;
+        self
+    }
+
+    /// The process exit code.
+    pub fn exit_code(&self) -> u8 {
+        self.kind.exit_code()
+    }
+
+    /// `{"error": {"kind", "message", "hint"}}` for `--json`.
+    pub fn to_json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "error": {
+                "kind": self.kind.as_str(),
+                "message": self.message,
+                "hint": self.hint,
+            }
+        })
+    }
+
+    /// Maps a store error of an operation on `what` (the outbox table, qualified) to an error
+    /// with a fix: a missing table says `outbox migrate`, a missing privilege names the grant.
+    pub fn from_store(err: &StoreError, what: &str) -> Self {
+        match err.kind {
+            StoreErrorKind::Schema => Self::not_ready(
+                format!(
+                    "the outbox schema is missing or out of date ({what}): {}",
+                    err.message
+                ),
+                "run `outbox migrate` (with the same [outbox] schema and table)",
+            ),
+            StoreErrorKind::Configuration if is_privilege(err) => Self::not_ready(
+                format!("permission denied on {what}: {}", err.message),
+                format!(
+                    "grant the relay's role its rights, e.g. GRANT USAGE ON SCHEMA <schema> TO \
+                     <role>; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \
+                     <schema> TO <role> (tables of {what})"
+                ),
+            ),
+            StoreErrorKind::Connection => Self::unreachable(
+                format!("database connection failed: {}", err.message),
+                "check that PostgreSQL is running and reachable from here",
+            ),
+            StoreErrorKind::NotFound => Self::failed(err.message.clone()),
+            StoreErrorKind::Conflict => {
+                Self::failed(format!("{} (a concurrent change; try again)", err.message))
+            }
+            _ => Self::failed(format!("{what}: {}", err.message)),
+        }
+    }
+}
+
+/// Whether a `Configuration` store error is PostgreSQL's "insufficient privilege".
+fn is_privilege(err: &StoreError) -> bool {
+    let mut source = std::error::Error::source(err);
+    while let Some(s) = source {
+        if let Some(sqlx::Error::Database(db)) = s.downcast_ref::<sqlx::Error>() {
+            return db.code().as_deref() == Some("42501");
+        }
+        source = s.source();
+    }
+    false
+}
+
+impl fmt::Display for CliError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "error: {}", self.message)?;
+        if let Some(h) = &self.hint {
+            write!(f, "\n  hint: {h}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for CliError {}
+
+impl From<outbox_core::ConfigError> for CliError {
+    fn from(e: outbox_core::ConfigError) -> Self {
+        Self::config(e.0, "fix the configuration value named above")
+    }
+}

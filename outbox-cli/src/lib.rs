@@ -1,0 +1,164 @@
+//! # outbox-cli: the `outbox` command
+//!
+//! The command teams deploy to operate a transactional outbox on PostgreSQL and Kafka: schema
+//! migrations, the relay daemon with `/metrics`, `/healthz` and `/readyz`, status, parked events,
+//! replay, cleanup, configuration checks and reconciliation. A library with the commands
+//! ([`commands`]) plus a thin binary (`src/bin/outbox.rs`), on the model of sqlx-cli; it depends
+//! on `outbox-core`, `outbox-postgres`, `outbox-kafka` and `outbox-inbox`, never on the testkit.
+//!
+//! ```sh
+//! cargo install --path outbox-cli
+//! outbox migrate
+//! outbox relay            # until SIGTERM; scrape http://127.0.0.1:9464/metrics
+//! outbox status
+//! outbox parked list
+//! ```
+//!
+#![doc = include_str!("../docs/commands.md")]
+//!
+#![doc = include_str!("../docs/config.md")]
+//!
+#![doc = include_str!("../docs/metrics.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod commands;
+pub mod config;
+pub mod db;
+pub mod error;
+pub mod health;
+pub mod kafka;
+pub mod logging;
+pub mod metered;
+pub mod metrics;
+pub mod opt;
+pub mod output;
+
+use serde_json::{json, Map, Value};
+
+pub use config::Config;
+pub use error::{CliError, ErrorKind};
+
+use opt::{Command, GlobalOpts, Opt};
+
+/// Flag values as a nested map for the configuration's top layer.
+fn overrides(g: &GlobalOpts, command: &Command) -> Value {
+    let mut root = Map::new();
+    let mut set = |path: &[&str], v: Value| {
+        let mut node = &mut root;
+        for key in &path[..path.len() - 1] {
+            node = node
+                .entry(key.to_string())
+                .or_insert_with(|| Value::Object(Map::new()))
+                .as_object_mut()
+                .expect("object");
+        }
+        node.insert(path[path.len() - 1].to_owned(), v);
+    };
+    if let Some(v) = &g.database_url {
+        set(&["database", "url"], json!(v));
+    }
+    if let Some(v) = &g.brokers {
+        set(&["kafka", "brokers"], json!(v));
+    }
+    if let Some(v) = &g.schema {
+        set(&["outbox", "schema"], json!(v));
+    }
+    if let Some(v) = &g.table {
+        set(&["outbox", "table"], json!(v));
+    }
+    if let Some(v) = &g.log_format {
+        set(&["log", "format"], json!(v));
+    }
+    if let Some(v) = &g.log_level {
+        set(&["log", "level"], json!(v));
+    }
+    if let Some(v) = &g.color {
+        set(&["log", "color"], json!(v));
+    }
+    if let Command::Relay(r) = command {
+        if let Some(v) = r.workers {
+            set(&["relay", "workers"], json!(v));
+        }
+        if let Some(v) = r.batch_size {
+            set(&["relay", "batch_size"], json!(v));
+        }
+        if let Some(v) = &r.topic {
+            set(&["kafka", "topic"], json!(v));
+        }
+        if let Some(v) = &r.claim_mode {
+            set(&["outbox", "claim_mode"], json!(v));
+        }
+        if let Some(v) = &r.lease {
+            set(&["outbox", "lease"], json!(v));
+        }
+        if let Some(v) = &r.delivery_timeout {
+            set(&["kafka", "delivery_timeout"], json!(v));
+        }
+        for (k, v) in &r.producer_properties {
+            set(&["kafka", "producer", k], json!(v));
+        }
+        if let Some(v) = &r.listen {
+            set(&["http", "listen"], json!(v));
+        }
+        if r.no_http {
+            set(&["http", "enabled"], json!(false));
+        }
+        if r.no_cleanup {
+            set(&["cleanup", "enabled"], json!(false));
+        }
+        if let Some(v) = &r.owner {
+            set(&["relay", "owner"], json!(v));
+        }
+        if r.no_prefetch {
+            set(&["relay", "prefetch"], json!(false));
+        }
+    }
+    Value::Object(root)
+}
+
+/// Runs one command: loads the configuration, sets up logging and calls the command. Returns
+/// the process exit code (see [`error`]). Errors go to stderr (and, with `--json`, as
+/// `{"error": ...}` to stdout).
+pub async fn run(opt: Opt) -> u8 {
+    let json = opt.global.json;
+    let loaded = config::Config::load(
+        opt.global.config.as_deref(),
+        &overrides(&opt.global, &opt.command),
+    );
+    let config = match loaded {
+        Ok((c, _)) => c,
+        Err(e) => return report(&e, json),
+    };
+    let level_given = opt.global.log_level.is_some() || !config.log.level.eq("info");
+    // librdkafka repeats a connection failure every few hundred milliseconds; the relay logs
+    // broker state changes itself (circuit breaker, readiness), once each.
+    let default_level = match opt.command {
+        Command::Relay(_) => "info,librdkafka=off,outbox_kafka::publisher=error",
+        _ => "warn,librdkafka=off,outbox_kafka=error",
+    };
+    logging::init(&config.log, level_given, default_level);
+    let out = output::Output::new(json, &config.log.color);
+    let result = match opt.command {
+        Command::Migrate(o) => commands::migrate::run(&config, &o, &out).await,
+        Command::Relay(_) => commands::relay::run(&config, &out).await,
+        Command::Status(o) => commands::status::run(&config, &o, &out).await,
+        Command::Parked(p) => commands::parked::run(&config, p, &out).await,
+        Command::Replay(o) => commands::replay::run(&config, &o, &out).await,
+        Command::Cleanup(o) => commands::cleanup::run(&config, &o, &out).await,
+        Command::Check(o) => commands::check::run(&config, &o, &out).await,
+        Command::Reconcile(o) => commands::reconcile::run(&config, &o, &out).await,
+        Command::Config => commands::show_config(&config, &out),
+    };
+    match result {
+        Ok(()) => 0,
+        Err(e) => report(&e, json),
+    }
+}
+
+fn report(e: &CliError, json: bool) -> u8 {
+    eprintln!("{e}");
+    if json && !e.reported {
+        println!("{}", e.to_json());
+    }
+    e.exit_code()
+}

@@ -1,0 +1,155 @@
+//! The Prometheus recorder of the relay daemon, and the gauges the daemon fills from the store
+//! and the pool. Every metric is listed in the crate docs (`docs/metrics.md`).
+
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use outbox_core::OutboxStats;
+
+use crate::error::CliError;
+
+/// Latency buckets (seconds): 1 ms to 10 min.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0, 600.0,
+];
+/// Batch size buckets (events).
+const BATCH_BUCKETS: &[f64] = &[
+    1.0, 2.0, 5.0, 10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1000.0, 5000.0,
+];
+
+/// Installs the global recorder; the handle renders `/metrics`.
+pub fn install() -> Result<PrometheusHandle, CliError> {
+    let err = |e: metrics_exporter_prometheus::BuildError| {
+        CliError::failed(format!("cannot install the metrics recorder: {e}"))
+    };
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
+        .map_err(err)?
+        .set_buckets_for_metric(
+            Matcher::Full("outbox_relay_batch_size".into()),
+            BATCH_BUCKETS,
+        )
+        .map_err(err)?
+        .install_recorder()
+        .map_err(err)?;
+    describe();
+    Ok(handle)
+}
+
+fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_gauge!("outbox_unpublished", "Unpublished events (backlog)");
+    describe_gauge!("outbox_oldest_unpublished_age_seconds", Unit::Seconds, "Age of the oldest unpublished event (claimable or queued behind its aggregate; parked apart)");
+    describe_gauge!(
+        "outbox_oldest_head_age_seconds",
+        Unit::Seconds,
+        "Age of the oldest claimable head (pending, not queued behind a lower version)"
+    );
+    describe_gauge!(
+        "outbox_oldest_parked_age_seconds",
+        Unit::Seconds,
+        "Age of the oldest parked event"
+    );
+    describe_gauge!("outbox_parked", "Parked events");
+    describe_gauge!(
+        "outbox_version_gaps_held",
+        "Aggregates whose head skips a version and is held"
+    );
+    describe_gauge!(
+        "outbox_backlog_forecast_seconds",
+        Unit::Seconds,
+        "Time until the backlog reaches status.capacity at the current rate (-1: not growing)"
+    );
+    describe_gauge!(
+        "outbox_backpressure_active",
+        "1 while appends of non-critical events are refused"
+    );
+    describe_histogram!(
+        "outbox_publish_latency_seconds",
+        Unit::Seconds,
+        "Created-to-acknowledged latency"
+    );
+    describe_counter!(
+        "outbox_published_total",
+        "Events acknowledged and marked published"
+    );
+    describe_counter!(
+        "outbox_republished_total",
+        "Published events that were sent more than once (after a failed attempt)"
+    );
+    describe_counter!(
+        "outbox_superseded_total",
+        "Outcomes refused by lease fencing (the events were possibly sent twice)"
+    );
+    describe_counter!(
+        "outbox_publish_failures_total",
+        "Failed publication attempts by class and kind"
+    );
+    describe_counter!("outbox_parked_total", "Events parked by kind");
+    describe_histogram!("outbox_claim_seconds", Unit::Seconds, "Duration of a claim");
+    describe_histogram!(
+        "outbox_complete_seconds",
+        Unit::Seconds,
+        "Duration of a completion (marking a batch)"
+    );
+    describe_gauge!(
+        "outbox_db_pool_connections",
+        "Database pool connections by state (in_use, idle)"
+    );
+    describe_gauge!(
+        "outbox_store_total_bytes",
+        Unit::Bytes,
+        "Outbox table size with indexes and TOAST"
+    );
+    describe_gauge!(
+        "outbox_store_dead_tuples",
+        "Dead tuples of the outbox table"
+    );
+    describe_gauge!(
+        "outbox_store_last_autovacuum_age_seconds",
+        Unit::Seconds,
+        "Time since the last autovacuum of the outbox table"
+    );
+    describe_counter!("outbox_conditional_update_conflicts_total", "Conflicts refused by the application's conditional update, by aggregate type (PostgresOutboxStore::record_conflict)");
+    describe_gauge!("outbox_relay_up", "1 while the relay's workers run");
+    describe_gauge!(
+        "outbox_relay_store_errors",
+        "Consecutive failed cycles (store errors) of the worst worker"
+    );
+    describe_counter!(
+        "outbox_cleanup_removed_total",
+        "Finished rows removed by the relay's scheduled cleanup"
+    );
+}
+
+/// Publishes a stats snapshot (core gauges plus the store's extra figures).
+pub fn record_stats(stats: &OutboxStats) {
+    outbox_core::telemetry::record_stats(stats);
+    for (name, value) in &stats.extra {
+        if name == "oldest_head_age_seconds" {
+            metrics::gauge!("outbox_oldest_head_age_seconds").set(*value);
+        }
+    }
+    if !stats
+        .extra
+        .iter()
+        .any(|(n, _)| n == "oldest_head_age_seconds")
+    {
+        metrics::gauge!("outbox_oldest_head_age_seconds").set(0.0);
+    }
+}
+
+/// Conflicts counted by the application, per aggregate type (absolute totals from the store).
+pub fn record_conflicts(counts: &[(String, u64)]) {
+    for (aggregate_type, n) in counts {
+        metrics::counter!("outbox_conditional_update_conflicts_total", "aggregate_type" => aggregate_type.clone())
+            .absolute(*n);
+    }
+}
+
+/// Pool connections in use and idle.
+pub fn record_pool(pool: &sqlx::PgPool) {
+    let size = pool.size() as f64;
+    let idle = pool.num_idle() as f64;
+    metrics::gauge!("outbox_db_pool_connections", "state" => "in_use").set((size - idle).max(0.0));
+    metrics::gauge!("outbox_db_pool_connections", "state" => "idle").set(idle);
+}

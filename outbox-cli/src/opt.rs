@@ -1,0 +1,280 @@
+//! Command-line options (clap derive). Flags override the environment, which overrides the
+//! configuration file.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+/// The `outbox` command: operate a transactional outbox on PostgreSQL and Kafka.
+#[derive(Debug, Parser)]
+#[command(name = "outbox", version, about, long_about = None, propagate_version = true)]
+pub struct Opt {
+    /// Global options.
+    #[command(flatten)]
+    pub global: GlobalOpts,
+    /// The command.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Options every command takes.
+#[derive(Debug, Args, Clone, Default)]
+pub struct GlobalOpts {
+    /// Configuration file (TOML). Default: ./outbox.toml when it exists.
+    #[arg(long, short = 'c', env = "OUTBOX_CONFIG", global = true)]
+    pub config: Option<PathBuf>,
+    /// PostgreSQL URL (overrides DATABASE_URL and the file; prefer OUTBOX_DATABASE__PASSWORD
+    /// for the password).
+    #[arg(long, global = true)]
+    pub database_url: Option<String>,
+    /// Kafka bootstrap servers (overrides KAFKA_BROKERS and the file).
+    #[arg(long, global = true)]
+    pub brokers: Option<String>,
+    /// Schema of the outbox tables (default `outbox`).
+    #[arg(long, global = true)]
+    pub schema: Option<String>,
+    /// Outbox table (default `outbox_events`).
+    #[arg(long, global = true)]
+    pub table: Option<String>,
+    /// Machine-readable output on stdout (one JSON document; see the crate docs for each
+    /// command's shape).
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// Log format on stderr: text or json.
+    #[arg(long, global = true, value_parser = ["text", "json"])]
+    pub log_format: Option<String>,
+    /// Log filter (RUST_LOG syntax; RUST_LOG wins when set).
+    #[arg(long, global = true)]
+    pub log_level: Option<String>,
+    /// Colour in logs and tables: auto (only on a terminal), always, never.
+    #[arg(long, global = true, value_parser = ["auto", "always", "never"])]
+    pub color: Option<String>,
+}
+
+/// The commands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Apply the schema: outbox, per-aggregate state, audit, archive; the inboxes of configured
+    /// consumers with --inbox.
+    Migrate(MigrateOpts),
+    /// Run the relay daemon until SIGTERM/SIGINT.
+    Relay(RelayOpts),
+    /// Backlog, ages, parked events, latency, forecast, backpressure and consumers.
+    Status(StatusOpts),
+    /// Inspect and work parked events.
+    #[command(subcommand)]
+    Parked(ParkedCommand),
+    /// Re-publish already published events, marked as replays.
+    Replay(ReplayOpts),
+    /// Delete (or archive) finished rows now, in bounded batches.
+    Cleanup(CleanupOpts),
+    /// Validate the configuration as a whole against the database and the broker.
+    Check(CheckOpts),
+    /// Compare state transitions, outbox events, broker offsets and consumers' effects per
+    /// interval and event type.
+    Reconcile(ReconcileOpts),
+    /// Print the effective configuration (secrets redacted).
+    Config,
+}
+
+/// `outbox migrate`
+#[derive(Debug, Args)]
+pub struct MigrateOpts {
+    /// Also migrate the inbox of every configured consumer (in its own database when set).
+    #[arg(long)]
+    pub inbox: bool,
+    /// Print the SQL instead of applying it (for your own migration tool).
+    #[arg(long)]
+    pub print_sql: bool,
+}
+
+/// `outbox relay`
+#[derive(Debug, Args, Default)]
+pub struct RelayOpts {
+    /// Relay loops in this process.
+    #[arg(long)]
+    pub workers: Option<u16>,
+    /// Most events per claim.
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// Default topic.
+    #[arg(long)]
+    pub topic: Option<String>,
+    /// Claim mode: lease or locked.
+    #[arg(long, value_parser = ["lease", "locked"])]
+    pub claim_mode: Option<String>,
+    /// Lease duration, e.g. 45s.
+    #[arg(long)]
+    pub lease: Option<String>,
+    /// Producer delivery timeout, e.g. 30s.
+    #[arg(long)]
+    pub delivery_timeout: Option<String>,
+    /// Extra producer property `key=value` (repeatable; allow-listed).
+    #[arg(long = "producer-property", value_parser = parse_kv)]
+    pub producer_properties: Vec<(String, String)>,
+    /// Address of /metrics, /healthz and /readyz (default 127.0.0.1:9464).
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// No HTTP endpoint.
+    #[arg(long)]
+    pub no_http: bool,
+    /// No scheduled cleanup in this relay.
+    #[arg(long)]
+    pub no_cleanup: bool,
+    /// Relay identity (default `<hostname>-<pid>`).
+    #[arg(long)]
+    pub owner: Option<String>,
+    /// Do not claim the next batch while a full one is published.
+    #[arg(long)]
+    pub no_prefetch: bool,
+}
+
+/// `outbox status`
+#[derive(Debug, Args)]
+pub struct StatusOpts {
+    /// Window of the latency percentiles and the rate of change, e.g. 15m.
+    #[arg(long)]
+    pub window: Option<String>,
+    /// Skip the consumers' lag (no broker connection).
+    #[arg(long)]
+    pub no_consumers: bool,
+}
+
+/// `outbox parked ...`
+#[derive(Debug, Subcommand)]
+pub enum ParkedCommand {
+    /// List parked events, oldest first.
+    List(ParkedListOpts),
+    /// One parked event with its error, earlier attempts and audit trail.
+    Show(ParkedTarget),
+    /// Make a parked event claimable again (after a fix).
+    Retry(ParkedActionOpts),
+    /// Remove a parked event from delivery; its aggregate's later events flow again.
+    Discard(ParkedActionOpts),
+    /// Replace a parked event by a copy with a new id (consumers dedupe the two as one).
+    Reissue(ParkedActionOpts),
+    /// End the claims (leases) of a relay that is gone.
+    ReleaseClaims(ReleaseClaimsOpts),
+}
+
+/// `outbox parked list`
+#[derive(Debug, Args)]
+pub struct ParkedListOpts {
+    /// Most events to list.
+    #[arg(long, default_value_t = 50)]
+    pub limit: usize,
+    /// A consumer's parked messages instead of the outbox's.
+    #[arg(long)]
+    pub consumer: Option<String>,
+}
+
+/// An event id, producer side or a consumer's.
+#[derive(Debug, Args)]
+pub struct ParkedTarget {
+    /// The event id (UUID).
+    pub event_id: String,
+    /// A consumer's parked message instead of the outbox's.
+    #[arg(long)]
+    pub consumer: Option<String>,
+}
+
+/// `outbox parked retry|discard|reissue`
+#[derive(Debug, Args)]
+pub struct ParkedActionOpts {
+    /// The event id (UUID).
+    pub event_id: String,
+    /// Why (required for discard and reissue; recorded in the audit trail).
+    #[arg(long)]
+    pub reason: Option<String>,
+    /// Who acts (recorded). Default: $OUTBOX_ACTOR, else $USER@host.
+    #[arg(long, env = "OUTBOX_ACTOR")]
+    pub actor: Option<String>,
+    /// Do not ask for confirmation.
+    #[arg(long, short = 'y')]
+    pub yes: bool,
+    /// A consumer's parked message instead of the outbox's.
+    #[arg(long)]
+    pub consumer: Option<String>,
+}
+
+/// `outbox parked release-claims`
+#[derive(Debug, Args)]
+pub struct ReleaseClaimsOpts {
+    /// The relay owner whose claims end (see `relay.owner`).
+    pub owner: String,
+    /// Who acts (recorded).
+    #[arg(long, env = "OUTBOX_ACTOR")]
+    pub actor: Option<String>,
+    /// Do not ask for confirmation.
+    #[arg(long, short = 'y')]
+    pub yes: bool,
+}
+
+/// `outbox replay`
+#[derive(Debug, Args)]
+pub struct ReplayOpts {
+    /// Only this aggregate type.
+    #[arg(long)]
+    pub aggregate_type: Option<String>,
+    /// Only this aggregate id.
+    #[arg(long)]
+    pub aggregate_id: Option<String>,
+    /// Only this event type.
+    #[arg(long)]
+    pub event_type: Option<String>,
+    /// Created at or after: a time (RFC 3339) or a duration ago (`24h`).
+    #[arg(long)]
+    pub since: Option<String>,
+    /// Created before: a time (RFC 3339) or a duration ago.
+    #[arg(long)]
+    pub until: Option<String>,
+    /// Events per publish batch.
+    #[arg(long, default_value_t = 500)]
+    pub batch_size: usize,
+    /// Count what would be replayed; publish nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Do not ask for confirmation.
+    #[arg(long, short = 'y')]
+    pub yes: bool,
+}
+
+/// `outbox cleanup`
+#[derive(Debug, Args)]
+pub struct CleanupOpts {
+    /// Keep finished rows this long (default: cleanup.retention).
+    #[arg(long)]
+    pub retention: Option<String>,
+    /// Rows per transaction (default: cleanup.batch_size).
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// Print what would go; delete nothing.
+    #[arg(long)]
+    pub dry_run: bool,
+}
+
+/// `outbox check`
+#[derive(Debug, Args)]
+pub struct CheckOpts {
+    /// Skip the broker checks (topics, replication, retention.ms).
+    #[arg(long)]
+    pub no_broker: bool,
+}
+
+/// `outbox reconcile`
+#[derive(Debug, Args)]
+pub struct ReconcileOpts {
+    /// Start: a time (RFC 3339) or a duration ago (`24h`).
+    #[arg(long)]
+    pub since: String,
+    /// Interval of the report (default: reconcile.interval).
+    #[arg(long)]
+    pub interval: Option<String>,
+}
+
+/// Parses `key=value`.
+pub fn parse_kv(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.trim().to_owned(), v.to_owned()))
+        .ok_or_else(|| format!("expected key=value, got {s:?}"))
+}

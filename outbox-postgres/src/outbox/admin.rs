@@ -1,0 +1,451 @@
+//! Operator reads and the application's conflict counter: what `outbox status`, `replay`,
+//! `reconcile` and the relay daemon's metrics need beyond the [`outbox_core::OutboxStore`]
+//! trait. Kept apart from the hot path: nothing here runs in a claim or a completion.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::{Executor, Postgres, Row};
+use uuid::Uuid;
+
+use outbox_core::{AckMetadata, Envelope, StoreError, StoreErrorKind};
+
+use super::claim::micros;
+use super::rows::envelope_from_row;
+use super::PostgresOutboxStore;
+use crate::error::db;
+use crate::schema::qualified;
+use crate::sql::ENVELOPE_COLS;
+
+/// Created-to-acknowledged latency of the events published in a window.
+#[derive(Clone, Debug, Default, PartialEq)]
+#[non_exhaustive]
+pub struct LatencySummary {
+    /// Events published in the window.
+    pub count: u64,
+    /// Median, seconds.
+    pub p50: Option<f64>,
+    /// 90th percentile, seconds.
+    pub p90: Option<f64>,
+    /// 99th percentile, seconds.
+    pub p99: Option<f64>,
+    /// Largest, seconds.
+    pub max: Option<f64>,
+    /// Events created in the window (any status): with `count`, the backlog's flow.
+    pub created: u64,
+}
+
+/// Which published events to select (every set field must match).
+#[derive(Clone, Debug, Default)]
+#[non_exhaustive]
+pub struct PublishedFilter {
+    /// Aggregate type.
+    pub aggregate_type: Option<String>,
+    /// Aggregate id.
+    pub aggregate_id: Option<String>,
+    /// Event type.
+    pub event_type: Option<String>,
+    /// Created at or after.
+    pub since: Option<DateTime<Utc>>,
+    /// Created before.
+    pub until: Option<DateTime<Utc>>,
+}
+
+/// A published event and where the broker stored it.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct PublishedRow {
+    /// Row position (keyset for paging; ascending = append order).
+    pub position: i64,
+    /// The event.
+    pub envelope: Envelope,
+    /// The acknowledgement recorded on publish.
+    pub ack: AckMetadata,
+}
+
+/// Counts of one interval and event type.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct IntervalCount {
+    /// Start of the interval.
+    pub start: DateTime<Utc>,
+    /// Event type.
+    pub event_type: String,
+    /// Events created in the interval (still retained).
+    pub events: u64,
+    /// Of those, published with the broker's offset recorded.
+    pub published: u64,
+    /// Of those, not yet published (pending) and older than the grace.
+    pub overdue: u64,
+    /// Of those, parked.
+    pub parked: u64,
+    /// Of those, discarded by an operator.
+    pub discarded: u64,
+}
+
+impl IntervalCount {
+    /// An interval with no events (for an event type expected there).
+    pub fn zero(start: DateTime<Utc>, event_type: impl Into<String>) -> Self {
+        Self {
+            start,
+            event_type: event_type.into(),
+            events: 0,
+            published: 0,
+            overdue: 0,
+            parked: 0,
+            discarded: 0,
+        }
+    }
+}
+
+/// A topic's facts as a relay recorded them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RecordedTopic {
+    /// Topic.
+    pub topic: String,
+    /// Partition count.
+    pub partitions: u32,
+    /// Partitioner name.
+    pub partitioner: String,
+    /// When.
+    pub recorded_at: DateTime<Utc>,
+}
+
+impl RecordedTopic {
+    /// A record.
+    pub fn new(topic: impl Into<String>, partitions: u32, partitioner: impl Into<String>) -> Self {
+        Self {
+            topic: topic.into(),
+            partitions,
+            partitioner: partitioner.into(),
+            recorded_at: Utc::now(),
+        }
+    }
+}
+
+impl PostgresOutboxStore {
+    fn admin_table(&self, suffix: &str) -> String {
+        let s = &self.inner.settings;
+        qualified(&s.schema, &format!("{}{suffix}", s.table))
+    }
+
+    /// Counts one conflict refused by the application's conditional update of an aggregate of
+    /// `aggregate_type` (e.g. `UPDATE orders SET version = version + 1 WHERE id = $1 AND
+    /// version = $2` changed no row). Run it on the pool or in a transaction that commits, not
+    /// in the business transaction that is rolled back. The relay daemon exports the totals as
+    /// `outbox_conditional_update_conflicts_total`.
+    pub async fn record_conflict<'e, E>(
+        &self,
+        executor: E,
+        aggregate_type: &str,
+    ) -> Result<(), StoreError>
+    where
+        E: Executor<'e, Database = Postgres>,
+    {
+        let t = self.admin_table("_conflicts");
+        sqlx::query(&format!(
+            "INSERT INTO {t} (aggregate_type, refused) VALUES ($1, 1) \
+             ON CONFLICT (aggregate_type) DO UPDATE \
+             SET refused = {t}.refused + 1, updated_at = now()"
+        ))
+        .bind(aggregate_type)
+        .execute(executor)
+        .await
+        .map_err(db)?;
+        Ok(())
+    }
+
+    /// Conflicts counted by [`record_conflict`](Self::record_conflict), per aggregate type.
+    pub async fn conflict_counts(&self) -> Result<Vec<(String, u64)>, StoreError> {
+        let t = self.admin_table("_conflicts");
+        let rows = sqlx::query(&format!(
+            "SELECT aggregate_type, refused FROM {t} ORDER BY aggregate_type"
+        ))
+        .fetch_all(&self.inner.pool)
+        .await
+        .map_err(db)?;
+        rows.iter()
+            .map(|r| {
+                Ok((
+                    r.try_get("aggregate_type").map_err(db)?,
+                    r.try_get::<i64, _>("refused").map_err(db)?.max(0) as u64,
+                ))
+            })
+            .collect()
+    }
+
+    /// Age of the oldest claimable head: a pending event that is not queued behind an
+    /// unfinished lower version of its aggregate (it may be in flight, waiting for a retry or
+    /// held for a version gap). `None` when there is none.
+    pub async fn oldest_head_age(&self) -> Result<Option<Duration>, StoreError> {
+        let t = self.admin_table("");
+        let age: Option<f64> = sqlx::query_scalar(&format!(
+            "SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8 FROM {t} \
+             WHERE status = 'pending' AND NOT blocked"
+        ))
+        .fetch_one(&self.inner.pool)
+        .await
+        .map_err(db)?;
+        Ok(age.map(|s| Duration::from_secs_f64(s.max(0.0))))
+    }
+
+    /// Publish latency percentiles of the events published within `window`, and how many
+    /// events were created in it.
+    pub async fn publish_latency(&self, window: Duration) -> Result<LatencySummary, StoreError> {
+        let t = self.admin_table("");
+        let row = sqlx::query(&format!(
+            "WITH p AS ( \
+               SELECT extract(epoch FROM published_at - created_at)::float8 AS s FROM {t} \
+               WHERE status = 'published' \
+                 AND published_at >= clock_timestamp() - $1::int8 * interval '1 microsecond') \
+             SELECT (SELECT count(*) FROM p) AS n, \
+                    (SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY s) FROM p) AS p50, \
+                    (SELECT percentile_cont(0.9) WITHIN GROUP (ORDER BY s) FROM p) AS p90, \
+                    (SELECT percentile_cont(0.99) WITHIN GROUP (ORDER BY s) FROM p) AS p99, \
+                    (SELECT max(s) FROM p) AS mx, \
+                    (SELECT count(*) FROM {t} \
+                       WHERE created_at >= clock_timestamp() - $1::int8 * interval '1 microsecond') \
+                      AS created"
+        ))
+        .bind(micros(window))
+        .fetch_one(&self.inner.pool)
+        .await
+        .map_err(db)?;
+        let s = LatencySummary {
+            count: row.try_get::<i64, _>("n").map_err(db)?.max(0) as u64,
+            p50: row.try_get("p50").map_err(db)?,
+            p90: row.try_get("p90").map_err(db)?,
+            p99: row.try_get("p99").map_err(db)?,
+            max: row.try_get("mx").map_err(db)?,
+            created: row.try_get::<i64, _>("created").map_err(db)?.max(0) as u64,
+        };
+        Ok(s)
+    }
+
+    /// Published and discarded rows that a cleanup with `retention` would remove now.
+    pub async fn cleanup_candidates(&self, retention: Duration) -> Result<u64, StoreError> {
+        let t = self.admin_table("");
+        let n: i64 = sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM {t} WHERE status IN ('published', 'discarded') \
+               AND finished_at < clock_timestamp() - $1::int8 * interval '1 microsecond'"
+        ))
+        .bind(micros(retention))
+        .fetch_one(&self.inner.pool)
+        .await
+        .map_err(db)?;
+        Ok(n.max(0) as u64)
+    }
+
+    const PUBLISHED_WHERE: &'static str = "status = 'published' \
+         AND ($1::text IS NULL OR aggregate_type = $1) \
+         AND ($2::text IS NULL OR aggregate_id = $2) \
+         AND ($3::text IS NULL OR event_type = $3) \
+         AND ($4::timestamptz IS NULL OR created_at >= $4) \
+         AND ($5::timestamptz IS NULL OR created_at < $5)";
+
+    /// How many retained published events match `filter`.
+    pub async fn count_published(&self, filter: &PublishedFilter) -> Result<u64, StoreError> {
+        let t = self.admin_table("");
+        let n: i64 = sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM {t} WHERE {}",
+            Self::PUBLISHED_WHERE
+        ))
+        .bind(filter.aggregate_type.as_deref())
+        .bind(filter.aggregate_id.as_deref())
+        .bind(filter.event_type.as_deref())
+        .bind(filter.since)
+        .bind(filter.until)
+        .fetch_one(&self.inner.pool)
+        .await
+        .map_err(db)?;
+        Ok(n.max(0) as u64)
+    }
+
+    /// Up to `limit` retained published events matching `filter` after position `after`, in
+    /// append order (each aggregate's versions in order).
+    pub async fn published_events(
+        &self,
+        filter: &PublishedFilter,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<PublishedRow>, StoreError> {
+        let t = self.admin_table("");
+        let rows = sqlx::query(&format!(
+            "SELECT id, {ENVELOPE_COLS}, ack_topic, ack_partition, ack_offset FROM {t} \
+             WHERE {} AND id > $6 ORDER BY id LIMIT $7",
+            Self::PUBLISHED_WHERE
+        ))
+        .bind(filter.aggregate_type.as_deref())
+        .bind(filter.aggregate_id.as_deref())
+        .bind(filter.event_type.as_deref())
+        .bind(filter.since)
+        .bind(filter.until)
+        .bind(after)
+        .bind(limit.clamp(1, 100_000) as i64)
+        .fetch_all(&self.inner.pool)
+        .await
+        .map_err(db)?;
+        rows.iter()
+            .map(|r| {
+                Ok(PublishedRow {
+                    position: r.try_get("id").map_err(db)?,
+                    envelope: envelope_from_row(r)?,
+                    ack: AckMetadata {
+                        topic: r.try_get("ack_topic").map_err(db)?,
+                        partition: r.try_get("ack_partition").map_err(db)?,
+                        offset: r.try_get("ack_offset").map_err(db)?,
+                    },
+                })
+            })
+            .collect()
+    }
+
+    /// Counts per interval of `interval` from `since` to now and per event type: events
+    /// created, published (with the broker's offset recorded), pending past `grace`, parked,
+    /// discarded.
+    pub async fn interval_counts(
+        &self,
+        since: DateTime<Utc>,
+        interval: Duration,
+        grace: Duration,
+    ) -> Result<Vec<IntervalCount>, StoreError> {
+        if interval.is_zero() {
+            return Err(StoreError::new(
+                StoreErrorKind::Configuration,
+                "interval must be greater than zero",
+            ));
+        }
+        let t = self.admin_table("");
+        let rows = sqlx::query(&format!(
+            "SELECT date_bin($2::int8 * interval '1 microsecond', created_at, $1) AS start, \
+                    event_type, count(*) AS events, \
+                    count(*) FILTER (WHERE status = 'published' AND ack_offset IS NOT NULL) \
+                      AS published, \
+                    count(*) FILTER (WHERE status = 'pending' AND created_at < \
+                      clock_timestamp() - $3::int8 * interval '1 microsecond') AS overdue, \
+                    count(*) FILTER (WHERE status = 'parked') AS parked, \
+                    count(*) FILTER (WHERE status = 'discarded') AS discarded \
+             FROM {t} WHERE created_at >= $1 GROUP BY 1, 2 ORDER BY 1, 2"
+        ))
+        .bind(since)
+        .bind(micros(interval))
+        .bind(micros(grace))
+        .fetch_all(&self.inner.pool)
+        .await
+        .map_err(db)?;
+        let n = |r: &sqlx::postgres::PgRow, c: &str| -> Result<u64, StoreError> {
+            Ok(r.try_get::<i64, _>(c).map_err(db)?.max(0) as u64)
+        };
+        rows.iter()
+            .map(|r| {
+                Ok(IntervalCount {
+                    start: r.try_get("start").map_err(db)?,
+                    event_type: r.try_get("event_type").map_err(db)?,
+                    events: n(r, "events")?,
+                    published: n(r, "published")?,
+                    overdue: n(r, "overdue")?,
+                    parked: n(r, "parked")?,
+                    discarded: n(r, "discarded")?,
+                })
+            })
+            .collect()
+    }
+
+    /// Ids of the events of `event_type` created in `[start, end)`, published to one of
+    /// `topics` (any topic when empty) at least `grace` ago: what every consumer of those
+    /// topics should have applied. Each entry is (event id, original id for a re-issued copy).
+    pub async fn published_ids(
+        &self,
+        event_type: &str,
+        start: DateTime<Utc>,
+        end: DateTime<Utc>,
+        topics: &[String],
+        grace: Duration,
+    ) -> Result<Vec<(Uuid, Option<Uuid>)>, StoreError> {
+        let t = self.admin_table("");
+        let rows = sqlx::query(&format!(
+            "SELECT event_id, headers->>'{orig}' AS original FROM {t} \
+             WHERE status = 'published' AND event_type = $1 AND created_at >= $2 \
+               AND created_at < $3 AND (cardinality($4::text[]) = 0 OR ack_topic = ANY($4)) \
+               AND published_at < clock_timestamp() - $5::int8 * interval '1 microsecond'",
+            orig = outbox_core::wire::ORIGINAL_EVENT_ID
+        ))
+        .bind(event_type)
+        .bind(start)
+        .bind(end)
+        .bind(topics)
+        .bind(micros(grace))
+        .fetch_all(&self.inner.pool)
+        .await
+        .map_err(db)?;
+        rows.iter()
+            .map(|r| {
+                let id: Uuid = r.try_get("event_id").map_err(db)?;
+                let original: Option<String> = r.try_get("original").map_err(db)?;
+                Ok((id, original.and_then(|o| o.parse().ok())))
+            })
+            .collect()
+    }
+
+    /// Topic facts recorded by [`record_topics`](Self::record_topics).
+    pub async fn recorded_topics(&self) -> Result<Vec<RecordedTopic>, StoreError> {
+        let t = self.admin_table("_topics");
+        let rows = sqlx::query(&format!(
+            "SELECT topic, partitions, partitioner, recorded_at FROM {t} ORDER BY topic"
+        ))
+        .fetch_all(&self.inner.pool)
+        .await
+        .map_err(db)?;
+        rows.iter()
+            .map(|r| {
+                Ok(RecordedTopic {
+                    topic: r.try_get("topic").map_err(db)?,
+                    partitions: r.try_get::<i32, _>("partitions").map_err(db)?.max(1) as u32,
+                    partitioner: r.try_get("partitioner").map_err(db)?,
+                    recorded_at: r.try_get("recorded_at").map_err(db)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Records topic facts (replacing earlier ones of the same topics).
+    pub async fn record_topics(&self, topics: &[RecordedTopic]) -> Result<(), StoreError> {
+        let t = self.admin_table("_topics");
+        let mut tx = self.inner.pool.begin().await.map_err(db)?;
+        for topic in topics {
+            sqlx::query(&format!(
+                "INSERT INTO {t} (topic, partitions, partitioner, recorded_at) \
+                 VALUES ($1, $2, $3, now()) ON CONFLICT (topic) DO UPDATE \
+                 SET partitions = EXCLUDED.partitions, partitioner = EXCLUDED.partitioner, \
+                     recorded_at = EXCLUDED.recorded_at"
+            ))
+            .bind(&topic.topic)
+            .bind(topic.partitions.min(i32::MAX as u32) as i32)
+            .bind(&topic.partitioner)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+        }
+        tx.commit().await.map_err(db)?;
+        Ok(())
+    }
+
+    /// Figures for [`outbox_core::OutboxStats::extra`] that come from this module.
+    pub(super) async fn admin_extra(&self) -> Result<Vec<(String, f64)>, StoreError> {
+        let mut extra = Vec::new();
+        if let Some(age) = self.oldest_head_age().await? {
+            extra.push(("oldest_head_age_seconds".to_owned(), age.as_secs_f64()));
+        }
+        match self.conflict_counts().await {
+            Ok(counts) => {
+                let total: u64 = counts.iter().map(|(_, n)| n).sum();
+                extra.push(("conditional_update_conflicts".to_owned(), total as f64));
+            }
+            // A schema before migration 4 has no counter table: nothing to report.
+            Err(e) if e.kind == StoreErrorKind::Schema => {}
+            Err(e) => return Err(e),
+        }
+        Ok(extra)
+    }
+}
