@@ -16,44 +16,18 @@ mod common;
 use std::time::Duration;
 
 use outbox_core::{
-    AckMetadata, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, Envelope, EnvelopeLimits,
-    ErrorClass, EventId, LastError, OperatorAction, OutboxStore, Outcome, ParkKind, ParkReason,
-    StoreErrorKind,
+    ClaimHandle, ClaimMode, ClaimRequest, Envelope, EnvelopeLimits, ErrorClass, EventId, LastError,
+    OperatorAction, OutboxStore, Outcome, ParkKind, StoreErrorKind,
 };
 use outbox_postgres::PostgresOutboxStore;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
-use common::{event, lease};
+use common::{claim, event, lease, park, publish_all, published, versions};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
 // ---------------------------------------------------------------------------------------------
-
-fn published(e: &Envelope, offset: i64) -> Outcome {
-    Outcome::Published {
-        event_id: e.event_id,
-        ack: AckMetadata {
-            topic: "orders".into(),
-            partition: 0,
-            offset,
-        },
-    }
-}
-
-fn park(e: &Envelope) -> Outcome {
-    Outcome::Park {
-        event_id: e.event_id,
-        reason: ParkReason {
-            kind: ParkKind::PermanentError,
-            error: LastError {
-                class: ErrorClass::Permanent,
-                kind: "invalid_record".into(),
-                message: "rejected".into(),
-            },
-        },
-    }
-}
 
 fn retry(e: &Envelope, delay: Duration) -> Outcome {
     Outcome::Retry {
@@ -79,45 +53,12 @@ fn defer(e: &Envelope, delay: Duration) -> Outcome {
     }
 }
 
-async fn claim(store: &PostgresOutboxStore, owner: &str) -> ClaimedBatch {
-    store
-        .claim(&ClaimRequest::new(owner, 100))
-        .await
-        .expect("claim")
-}
-
-fn versions(batch: &ClaimedBatch) -> Vec<(String, i64)> {
-    let mut v: Vec<_> = batch
-        .records
-        .iter()
-        .map(|r| {
-            (
-                r.envelope.aggregate_id.clone(),
-                r.envelope.aggregate_version,
-            )
-        })
-        .collect();
-    v.sort();
-    v
-}
-
-async fn publish_all(store: &PostgresOutboxStore, batch: &ClaimedBatch) {
-    let outs: Vec<_> = batch
-        .records
-        .iter()
-        .enumerate()
-        .map(|(i, r)| published(&r.envelope, i as i64))
-        .collect();
-    let rep = store.complete(&batch.handle, &outs).await.unwrap();
-    assert_eq!(rep.applied, outs.len(), "every publication applies");
-}
-
 /// Claims and publishes until a claim comes back empty (at most `rounds` claims); returns the
 /// events published, in publication order.
 async fn drain(store: &PostgresOutboxStore, rounds: usize) -> Vec<Envelope> {
     let mut out = Vec::new();
     for _ in 0..rounds {
-        let b = claim(store, "drain").await;
+        let b = claim(store, "drain", 100).await;
         if b.is_empty() && b.parked.is_empty() {
             // A claim that only parked (a stale duplicate) unblocked the next row: go on.
             break;
@@ -246,7 +187,7 @@ async fn reissue_with_a_blocked_duplicate_version_strands_the_aggregate() {
             .append_many(&ctx.pool, &[v1.clone(), twin.clone(), v2.clone()])
             .await
             .unwrap();
-        let b = claim(&store, "r").await;
+        let b = claim(&store, "r", 100).await;
         assert_eq!(versions(&b), vec![(agg.clone(), 1)]);
         assert_eq!(b.records[0].envelope.event_id, v1.event_id);
         let rep = store.complete(&b.handle, &[park(&v1)]).await.unwrap();
@@ -281,7 +222,7 @@ async fn a_chain_of_stale_duplicates_is_parked_one_by_one_and_the_next_version_f
     let store = ctx.store(ClaimMode::LockedTransaction).await;
     let v1 = event("chain", 1);
     store.append(&ctx.pool, &v1).await.unwrap();
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     assert_eq!(versions(&b), vec![("chain".into(), 1)]);
     // While v1 is in flight (its transaction holds the aggregate), two twins and v2 arrive.
     let (t1, t2, v2) = (event("chain", 1), event("chain", 1), event("chain", 2));
@@ -337,7 +278,7 @@ async fn a_discard_waiting_behind_a_claim_sees_what_the_claim_blocked() {
         let agg = format!("iso-{}", iso.replace(' ', "-"));
         let (v1, v2) = (event(&agg, 1), event(&agg, 2));
         store.append(&ctx.pool, &v1).await.unwrap();
-        let b = claim(&store, "r").await;
+        let b = claim(&store, "r", 100).await;
         assert_eq!(versions(&b), vec![(agg.clone(), 1)]);
         store.complete(&b.handle, &[park(&v1)]).await.unwrap();
         // v2 arrives behind the parked head (no claim has seen it yet: it is unblocked).
@@ -355,7 +296,7 @@ async fn a_discard_waiting_behind_a_claim_sees_what_the_claim_blocked() {
         .unwrap();
         let claiming = {
             let store = store.clone();
-            tokio::spawn(async move { claim(&store, "b").await })
+            tokio::spawn(async move { claim(&store, "b", 100).await })
         };
         let claim_pid = wait_blocked_by(&ctx.pool, holder_pid).await;
         // The operator discards v1 meanwhile: it waits for the aggregate lock the claim holds.
@@ -397,7 +338,7 @@ async fn release_claims_of_waits_for_a_completion_in_progress() {
         .append_many(&ctx.pool, &[v1.clone(), v2.clone()])
         .await
         .unwrap();
-    let b = claim(&store, "relay-gone").await;
+    let b = claim(&store, "relay-gone", 100).await;
     assert_eq!(versions(&b), vec![("gone".into(), 1)]);
     let mut holder = ctx.pool.begin().await.unwrap();
     let holder_pid = pid(&mut holder).await;
@@ -429,7 +370,7 @@ async fn release_claims_of_waits_for_a_completion_in_progress() {
     );
     assert!(store.audit_trail(None).await.unwrap().is_empty());
     assert_eq!(last_version(&ctx.pool, &ctx.schema, "gone").await, Some(1));
-    let b = claim(&store, "r2").await;
+    let b = claim(&store, "r2", 100).await;
     assert_eq!(versions(&b), vec![("gone".into(), 2)]);
     ctx.drop().await;
 }
@@ -448,27 +389,27 @@ async fn relays_of_both_modes_on_one_table_never_share_an_aggregate() {
         .append_many(&ctx.pool, &[a1.clone(), a2.clone()])
         .await
         .unwrap();
-    let la = claim(&leased, "lease-relay").await;
+    let la = claim(&leased, "lease-relay", 100).await;
     assert_eq!(versions(&la), vec![("ma".into(), 1)]);
     leased
         .append_many(&ctx.pool, &[b1.clone(), b2.clone()])
         .await
         .unwrap();
-    let kb = claim(&locked, "locked-relay").await;
+    let kb = claim(&locked, "locked-relay", 100).await;
     assert_eq!(
         versions(&kb),
         vec![("mb".into(), 1)],
         "the leased aggregate is skipped"
     );
     assert!(
-        claim(&leased, "lease-relay-2").await.is_empty(),
+        claim(&leased, "lease-relay-2", 100).await.is_empty(),
         "ma is leased and mb locked"
     );
     publish_all(&leased, &la).await;
     publish_all(&locked, &kb).await;
-    let next = claim(&locked, "locked-relay").await;
+    let next = claim(&locked, "locked-relay", 100).await;
     assert_eq!(versions(&next), vec![("ma".into(), 2), ("mb".into(), 2)]);
-    assert!(claim(&leased, "lease-relay").await.is_empty());
+    assert!(claim(&leased, "lease-relay", 100).await.is_empty());
     publish_all(&locked, &next).await;
     ctx.drop().await;
 }
@@ -491,7 +432,7 @@ async fn a_superseded_holder_applies_nothing_whatever_its_outcome() {
             .append_many(&ctx.pool, &[v1.clone(), v2.clone()])
             .await
             .unwrap();
-        let old = claim(&store, "slow").await;
+        let old = claim(&store, "slow", 100).await;
         assert_eq!(versions(&old), vec![(agg.clone(), 1)]);
         tokio::time::sleep(Duration::from_millis(300)).await;
         let new = store.claim(&ClaimRequest::new("fast", 100)).await.unwrap();
@@ -543,7 +484,7 @@ async fn a_superseded_holder_applies_nothing_whatever_its_outcome() {
             .await
             .unwrap();
         assert_eq!((rep.applied, rep.superseded), (1, 0), "{kind}");
-        let next = claim(&store, "fast").await;
+        let next = claim(&store, "fast", 100).await;
         assert_eq!(versions(&next), vec![(agg.clone(), 2)], "{kind}");
         publish_all(&store, &next).await;
     }
@@ -563,9 +504,9 @@ async fn a_replayed_completion_applies_nothing() {
         .append_many(&ctx.pool, &[v1.clone(), v2.clone()])
         .await
         .unwrap();
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     publish_all(&store, &b).await;
-    let next = claim(&store, "r2").await;
+    let next = claim(&store, "r2", 100).await;
     assert_eq!(versions(&next), vec![("replay".into(), 2)]);
     for s in [&store, &other] {
         let rep = s.complete(&b.handle, &[park(&v1)]).await.unwrap();
@@ -614,7 +555,7 @@ async fn reissuing_an_event_at_the_header_limit_does_not_stop_other_aggregates()
     let max = EnvelopeLimits::default().max_headers;
     let big = event_with_headers("full-headers", 1, max);
     store.append(&ctx.pool, &big).await.unwrap();
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     assert_eq!(b.records.len(), 1);
     store.complete(&b.handle, &[park(&big)]).await.unwrap();
     store
@@ -684,12 +625,12 @@ async fn operator_actions_respect_the_last_version() {
     let store = ctx.store(lease(30.0)).await;
     let v1 = event("ops", 1);
     store.append(&ctx.pool, &v1).await.unwrap();
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     publish_all(&store, &b).await;
     // A late duplicate of version 1 is parked out of order by the claim.
     let late = event("ops", 1);
     store.append(&ctx.pool, &late).await.unwrap();
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     assert!(b.is_empty());
     assert_eq!(b.parked.len(), 1);
     assert_eq!(b.parked[0].kind, ParkKind::OutOfOrder);
@@ -717,19 +658,19 @@ async fn operator_actions_respect_the_last_version() {
     // Copy of a copy: the header names the first original.
     let v2 = event("ops", 2);
     store.append(&ctx.pool, &v2).await.unwrap();
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     store.complete(&b.handle, &[park(&v2)]).await.unwrap();
     let c1 = store
         .reissue_parked(v2.event_id, "ops", "one")
         .await
         .unwrap();
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     assert_eq!(b.records[0].envelope.event_id, c1);
     assert_eq!(b.records[0].envelope.original_event_id(), Some(v2.event_id));
     let c1_env = b.records[0].envelope.clone();
     store.complete(&b.handle, &[park(&c1_env)]).await.unwrap();
     let c2 = store.reissue_parked(c1, "ops", "two").await.unwrap();
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     assert_eq!(b.records[0].envelope.event_id, c2);
     assert_eq!(b.records[0].envelope.original_event_id(), Some(v2.event_id));
     assert_eq!(b.records[0].envelope.dedup_id(), v2.event_id);
@@ -776,10 +717,10 @@ async fn an_operator_action_on_a_gap_never_parks_the_versions_that_filled_it() {
         let agg = format!("gap-{action}");
         let v2 = event(&agg, 2);
         store.append(&ctx.pool, &v2).await.unwrap();
-        let b = claim(&store, "r").await;
+        let b = claim(&store, "r", 100).await;
         assert_eq!(b.gaps_held, 1, "{action}");
         tokio::time::sleep(Duration::from_millis(150)).await;
-        let b = claim(&store, "r").await;
+        let b = claim(&store, "r", 100).await;
         assert_eq!(b.parked.len(), 1, "{action}");
         assert_eq!(b.parked[0].kind, ParkKind::VersionGap, "{action}");
         // The missing version arrives after all, then the operator acts on the parked v2.
@@ -827,16 +768,16 @@ async fn a_closed_gap_is_no_longer_counted_as_held() {
     let store = ctx.store(lease(30.0)).await;
     let v2 = event("g", 2);
     store.append(&ctx.pool, &v2).await.unwrap();
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     assert_eq!(b.gaps_held, 1);
     assert_eq!(store.stats().await.unwrap().version_gaps_held, 1);
     let v1 = event("g", 1);
     store.append(&ctx.pool, &v1).await.unwrap();
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     assert_eq!(versions(&b), vec![("g".into(), 1)]);
     publish_all(&store, &b).await;
     tokio::time::sleep(Duration::from_millis(1100)).await; // the held head's re-check
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     assert_eq!(versions(&b), vec![("g".into(), 2)]);
     let s = store.stats().await.unwrap();
     assert_eq!(s.in_flight, 1);
@@ -855,14 +796,14 @@ async fn list_parked_is_oldest_first_across_park_kinds() {
     let store = ctx.store(lease(30.0)).await;
     let a = event("lp-a", 1);
     store.append(&ctx.pool, &a).await.unwrap();
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     store.complete(&b.handle, &[park(&a)]).await.unwrap();
     let x = event("lp-x", 1);
     store.append(&ctx.pool, &x).await.unwrap();
-    publish_all(&store, &claim(&store, "r").await).await;
+    publish_all(&store, &claim(&store, "r", 100).await).await;
     let stale = event("lp-x", 1);
     store.append(&ctx.pool, &stale).await.unwrap();
-    assert_eq!(claim(&store, "r").await.parked.len(), 1);
+    assert_eq!(claim(&store, "r", 100).await.parked.len(), 1);
     let parked = store.list_parked(10).await.unwrap();
     let got: Vec<_> = parked
         .iter()
@@ -887,32 +828,6 @@ async fn list_parked_is_oldest_first_across_park_kinds() {
 // Migrations on a populated table
 // ---------------------------------------------------------------------------------------------
 
-/// The schema as migrations 1 and 2 left it (the version before the per-aggregate state).
-async fn version_2_schema(ctx: &common::Ctx) {
-    let render = |sql: &str| {
-        sql.replace("__SCHEMA__", &ctx.schema)
-            .replace("__TABLE__", "outbox_events")
-            .replace("__SEED__", "0")
-    };
-    let v1 = render(include_str!("../src/migrations/0001_outbox.sql"));
-    let v2 = render(include_str!("../src/migrations/0002_outbox.sql"));
-    sqlx::raw_sql(&format!("{v1}{v2}"))
-        .execute(&ctx.pool)
-        .await
-        .unwrap();
-    sqlx::raw_sql(&format!(
-        "CREATE TABLE \"{0}\".outbox_schema_migrations (object text NOT NULL, \
-           version integer NOT NULL, description text NOT NULL, \
-           applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (object, version)); \
-         INSERT INTO \"{0}\".outbox_schema_migrations (object, version, description) \
-           VALUES ('outbox:outbox_events', 1, 'v1'), ('outbox:outbox_events', 2, 'v2');",
-        ctx.schema
-    ))
-    .execute(&ctx.pool)
-    .await
-    .unwrap();
-}
-
 // Found in review (upgrade): migration 3 derives `last_version` from the retained rows (and
 // the archive). An aggregate none of whose rows is left (cleaned up without archiving before
 // the upgrade) gets no state, so its next event (version N > 1) is a version gap under the
@@ -921,7 +836,7 @@ async fn version_2_schema(ctx: &common::Ctx) {
 #[tokio::test]
 async fn migration_3_keeps_aggregates_whose_rows_were_cleaned_up_flowing() {
     let ctx = ctx!(4);
-    version_2_schema(&ctx).await;
+    common::version_2_schema(&ctx).await;
     let store = ctx.store_unmigrated(lease(30.0));
     // "quiet": versions 1..3 published long ago, then removed by cleanup (old version);
     // "kept": the same, but cleanup archived its rows.
@@ -944,7 +859,7 @@ async fn migration_3_keeps_aggregates_whose_rows_were_cleaned_up_flowing() {
     let (q4, k4) = (event("quiet", 4), event("kept", 4));
     store.append_many(&ctx.pool, &[q4, k4]).await.unwrap();
     // Strict default: the archived history is used; the lost one is a gap.
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     assert_eq!(
         versions(&b),
         vec![("kept".into(), 4)],
@@ -961,7 +876,7 @@ async fn migration_3_keeps_aggregates_whose_rows_were_cleaned_up_flowing() {
         .build()
         .unwrap();
     tokio::time::sleep(Duration::from_millis(1100)).await; // the held head's re-check
-    let b = claim(&lenient, "r").await;
+    let b = claim(&lenient, "r", 100).await;
     assert_eq!(versions(&b), vec![("quiet".into(), 4)]);
     publish_all(&lenient, &b).await;
     ctx.drop().await;
@@ -1018,15 +933,15 @@ async fn every_lease_and_operator_write_commits_synchronously() {
         .append_many(&pool, &[a1.clone(), b1.clone()])
         .await
         .unwrap();
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     log().await;
     store.release(&b.handle).await.unwrap();
     all_on("release", &log().await);
-    let b = claim(&store, "gone").await;
+    let b = claim(&store, "gone", 100).await;
     log().await;
     assert_eq!(store.release_claims_of("gone", "ops").await.unwrap(), 2);
     all_on("release_claims_of", &log().await);
-    let b2 = claim(&store, "r").await;
+    let b2 = claim(&store, "r", 100).await;
     store
         .complete(&b2.handle, &[park(&a1), park(&b1)])
         .await
@@ -1038,11 +953,11 @@ async fn every_lease_and_operator_write_commits_synchronously() {
     store.reissue_parked(b1.event_id, "ops", "y").await.unwrap();
     all_on("reissue", &log().await);
     // A lease claim that only parks (a stale duplicate) still commits synchronously.
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     publish_all(&store, &b).await;
     store.append(&pool, &event("d-b", 1)).await.unwrap();
     log().await;
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     assert_eq!(b.parked.len(), 1);
     all_on("claim that parks", &log().await);
     pool.close().await;
@@ -1065,20 +980,20 @@ async fn a_late_lower_version_never_overtakes_or_joins_a_leased_head() {
     // first; v2 commits and is claimed.
     let v1 = event("late", 1);
     store.append(&ctx.pool, &v1).await.unwrap();
-    publish_all(&store, &claim(&store, "r").await).await;
+    publish_all(&store, &claim(&store, "r", 100).await).await;
     let mut late = ctx.pool.begin().await.unwrap();
     let v2_late = event("late", 2);
     store.append(&mut *late, &v2_late).await.unwrap();
     let v2 = event("late", 2);
     store.append(&ctx.pool, &v2).await.unwrap();
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     assert_eq!(b.records.len(), 1);
     assert_eq!(b.records[0].envelope.event_id, v2.event_id);
     late.commit().await.unwrap();
     let v3 = event("late", 3);
     store.append(&ctx.pool, &v3).await.unwrap();
     assert!(
-        claim(&store, "other").await.is_empty(),
+        claim(&store, "other", 100).await.is_empty(),
         "the aggregate is leased"
     );
     publish_all(&store, &b).await;
@@ -1109,7 +1024,7 @@ async fn an_unknown_claim_handle_completes_nothing() {
         };
         let rep = store.complete(&forged, &[published(&e, 1)]).await.unwrap();
         assert_eq!((rep.applied, rep.superseded), (0, 1), "{mode:?}");
-        let b = claim(&store, "r").await;
+        let b = claim(&store, "r", 100).await;
         assert_eq!(b.records.len(), 1, "{mode:?}");
         publish_all(&store, &b).await;
     }
@@ -1174,7 +1089,7 @@ async fn a_locked_claim_locks_only_the_aggregates_it_decides_about() {
 #[tokio::test]
 async fn migration_3_unblocks_rows_behind_a_parked_row_below_the_last_version() {
     let ctx = ctx!(4);
-    version_2_schema(&ctx).await;
+    common::version_2_schema(&ctx).await;
     let store = ctx.store_unmigrated(lease(30.0));
     let evs: Vec<_> = [4, 5, 3, 6].iter().map(|v| event("old", *v)).collect();
     store.append_many(&ctx.pool, &evs).await.unwrap();
@@ -1194,7 +1109,7 @@ async fn migration_3_unblocks_rows_behind_a_parked_row_below_the_last_version() 
     .unwrap();
     assert_eq!(store.migrate().await.unwrap(), 2, "migrations 3 and 4 run");
     assert_eq!(last_version(&ctx.pool, &ctx.schema, "old").await, Some(5));
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     assert_eq!(
         versions(&b),
         vec![("old".into(), 6)],
@@ -1218,7 +1133,7 @@ async fn stats_in_flight_counts_locked_claims_of_other_instances() {
         .append_many(&ctx.pool, &[event("if-a", 1), event("if-b", 1)])
         .await
         .unwrap();
-    let b = claim(&relay, "r").await;
+    let b = claim(&relay, "r", 100).await;
     assert_eq!(b.records.len(), 2);
     assert_eq!(relay.stats().await.unwrap().in_flight, 2);
     let seen = monitor.stats().await.unwrap().in_flight;
@@ -1457,7 +1372,7 @@ async fn randomized_relays_outcomes_expiries_and_operators_keep_the_invariants()
                 .await
                 .unwrap();
         }
-        let b = claim(&store, "final").await;
+        let b = claim(&store, "final", 100).await;
         if b.is_empty() {
             let pending: i64 = sqlx::query_scalar(&format!(
                 "SELECT count(*) FROM \"{}\".outbox_events WHERE status IN ('pending', 'parked')",

@@ -9,57 +9,13 @@ mod common;
 use std::time::Duration;
 
 use outbox_core::{
-    AckMetadata, ClaimMode, ClaimRequest, ClaimedBatch, Envelope, ErrorClass, LastError,
-    OutboxStore, Outcome, ParkKind, ParkReason,
+    ClaimMode, ClaimRequest, Envelope, ErrorClass, LastError, OutboxStore, Outcome, ParkKind,
+    ParkReason,
 };
 use outbox_postgres::PostgresOutboxStore;
 use sqlx::PgPool;
 
-use common::{event, lease};
-
-fn published(e: &Envelope, offset: i64) -> Outcome {
-    Outcome::Published {
-        event_id: e.event_id,
-        ack: AckMetadata {
-            topic: "orders".into(),
-            partition: 0,
-            offset,
-        },
-    }
-}
-
-async fn claim(store: &PostgresOutboxStore, owner: &str) -> ClaimedBatch {
-    store
-        .claim(&ClaimRequest::new(owner, 100))
-        .await
-        .expect("claim")
-}
-
-fn versions(batch: &ClaimedBatch) -> Vec<(String, i64)> {
-    let mut v: Vec<_> = batch
-        .records
-        .iter()
-        .map(|r| {
-            (
-                r.envelope.aggregate_id.clone(),
-                r.envelope.aggregate_version,
-            )
-        })
-        .collect();
-    v.sort();
-    v
-}
-
-async fn publish_all(store: &PostgresOutboxStore, batch: &ClaimedBatch) {
-    let outs: Vec<_> = batch
-        .records
-        .iter()
-        .enumerate()
-        .map(|(i, r)| published(&r.envelope, i as i64))
-        .collect();
-    let rep = store.complete(&batch.handle, &outs).await.unwrap();
-    assert_eq!(rep.applied, outs.len());
-}
+use common::{claim, event, lease, publish_all, published, versions};
 
 async fn status(pool: &PgPool, schema: &str, e: &Envelope) -> String {
     sqlx::query_scalar(&format!(
@@ -106,16 +62,16 @@ async fn late_lower_version_is_published_first_in_both_modes() {
         let mut open = ctx.pool.begin().await.unwrap();
         store.append(&mut *open, &v1).await.unwrap();
         store.append(&ctx.pool, &v2).await.unwrap();
-        let held = claim(&store, "r1").await;
+        let held = claim(&store, "r1", 100).await;
         assert!(held.is_empty(), "{mode:?}: v2 went out while v1 was open");
         assert_eq!(held.gaps_held, 1, "{mode:?}");
         open.commit().await.unwrap();
-        let b = claim(&store, "r1").await;
+        let b = claim(&store, "r1", 100).await;
         assert_eq!(versions(&b), vec![(agg.clone(), 1)], "{mode:?}");
         publish_all(&store, &b).await;
         // The held head is re-checked within a second.
         tokio::time::sleep(Duration::from_millis(1100)).await;
-        let b = claim(&store, "r1").await;
+        let b = claim(&store, "r1", 100).await;
         assert_eq!(versions(&b), vec![(agg.clone(), 2)], "{mode:?}");
         publish_all(&store, &b).await;
     }
@@ -130,7 +86,7 @@ async fn a_blocked_duplicate_version_is_parked_and_the_chain_continues() {
     let store = ctx.store(lease(30.0)).await;
     let (v1, v2) = (event("dup", 1), event("dup", 2));
     store.append(&ctx.pool, &v1).await.unwrap();
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     assert_eq!(versions(&b), vec![("dup".into(), 1)]);
     // A second version 1 and version 2 arrive while v1 is in flight: both are queued.
     let twin = event("dup", 1);
@@ -139,9 +95,9 @@ async fn a_blocked_duplicate_version_is_parked_and_the_chain_continues() {
         .await
         .unwrap();
     let other = ctx.store(lease(30.0)).await;
-    assert!(claim(&other, "o").await.is_empty());
+    assert!(claim(&other, "o", 100).await.is_empty());
     publish_all(&store, &b).await;
-    let b = claim(&store, "r").await;
+    let b = claim(&store, "r", 100).await;
     assert!(
         b.records
             .iter()
@@ -151,7 +107,7 @@ async fn a_blocked_duplicate_version_is_parked_and_the_chain_continues() {
     assert_eq!(status(&ctx.pool, &ctx.schema, &twin).await, "parked");
     let mut got = versions(&b);
     if got.is_empty() {
-        got = versions(&claim(&store, "r").await);
+        got = versions(&claim(&store, "r", 100).await);
     }
     assert_eq!(got, vec![("dup".into(), 2)]);
     ctx.drop().await;
@@ -172,7 +128,7 @@ async fn a_park_or_retry_in_progress_is_never_overtaken_by_a_claim() {
         a.append_many(&ctx.pool, &[x1.clone(), x2.clone()])
             .await
             .unwrap();
-        let claimed = claim(&a, "relay-a").await;
+        let claimed = claim(&a, "relay-a", 100).await;
         assert_eq!(versions(&claimed), vec![("x".into(), 1)]);
         tokio::time::sleep(Duration::from_millis(300)).await; // A's lease has expired
         let outcome = match outcome_kind {
@@ -220,7 +176,7 @@ async fn a_park_or_retry_in_progress_is_never_overtaken_by_a_claim() {
         // A; either way it must not end up with X.)
         let racing = {
             let b = b.clone();
-            tokio::spawn(async move { claim(&b, "relay-b").await })
+            tokio::spawn(async move { claim(&b, "relay-b", 100).await })
         };
         tokio::time::sleep(Duration::from_millis(300)).await;
         blocker.commit().await.unwrap();
@@ -232,7 +188,7 @@ async fn a_park_or_retry_in_progress_is_never_overtaken_by_a_claim() {
         );
         let rep = completing.await.unwrap().unwrap();
         assert_eq!((rep.applied, rep.superseded), (1, 0), "{outcome_kind}");
-        let after = claim(&b, "relay-b").await;
+        let after = claim(&b, "relay-b", 100).await;
         assert!(
             after.is_empty(),
             "{outcome_kind}: X was handed out after its {outcome_kind}: {:?}",
@@ -242,7 +198,7 @@ async fn a_park_or_retry_in_progress_is_never_overtaken_by_a_claim() {
             assert_eq!(status(&ctx.pool, &ctx.schema, &x1).await, "parked");
         } else {
             tokio::time::sleep(Duration::from_millis(3200)).await;
-            let later = claim(&b, "relay-b").await;
+            let later = claim(&b, "relay-b", 100).await;
             assert_eq!(versions(&later), vec![("x".into(), 1)]);
             assert_eq!(later.records[0].attempts, 1);
         }
@@ -296,7 +252,7 @@ async fn durable_commits_do_not_depend_on_the_role_default() {
         .unwrap();
     let e = event("durable", 1);
     as_role.append(&pool, &e).await.unwrap();
-    let b = claim(&as_role, "r").await;
+    let b = claim(&as_role, "r", 100).await;
     let park = Outcome::Park {
         event_id: e.event_id,
         reason: ParkReason {
@@ -362,12 +318,12 @@ async fn abandoned_locked_claims_are_dropped_after_the_hold_limit() {
     store.migrate().await.unwrap();
     let e = event("leaky", 1);
     store.append(&ctx.pool, &e).await.unwrap();
-    let leaked = claim(&store, "r").await;
+    let leaked = claim(&store, "r", 100).await;
     assert_eq!(leaked.records.len(), 1);
     assert_eq!(store.open_locked_claims(), 1);
     tokio::time::sleep(Duration::from_millis(600)).await;
     // The server ended the idle transaction; the next claim forgets it and gets the row.
-    let again = claim(&store, "r").await;
+    let again = claim(&store, "r", 100).await;
     assert_eq!(versions(&again), vec![("leaky".into(), 1)]);
     assert_eq!(store.open_locked_claims(), 1, "the leaked claim is gone");
     let rep = store

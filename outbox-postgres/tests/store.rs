@@ -11,61 +11,13 @@ use std::time::Duration;
 
 use outbox_core::InboxStoreExt;
 use outbox_core::{
-    AckMetadata, ClaimMode, ClaimRequest, ClaimedBatch, Envelope, ErrorClass, EventId, InboxStore,
-    LastError, OperatorAction, OutboxStore, Outcome, ParkKind, ParkReason, Payload, Registration,
-    StoreError, StoreErrorKind,
+    ClaimMode, ClaimRequest, Envelope, ErrorClass, EventId, InboxStore, LastError, OperatorAction,
+    OutboxStore, Outcome, ParkKind, Payload, Registration, StoreError, StoreErrorKind,
 };
 use outbox_postgres::{AppendGuard, PostgresInboxStore, PostgresOutboxStore};
 use sqlx::Row;
 
-use common::{event, lease};
-
-fn published(e: &Envelope, offset: i64) -> Outcome {
-    Outcome::Published {
-        event_id: e.event_id,
-        ack: AckMetadata {
-            topic: "orders".into(),
-            partition: 3,
-            offset,
-        },
-    }
-}
-
-fn park(e: &Envelope) -> Outcome {
-    Outcome::Park {
-        event_id: e.event_id,
-        reason: ParkReason {
-            kind: ParkKind::PermanentError,
-            error: LastError {
-                class: ErrorClass::Permanent,
-                kind: "record_too_large".into(),
-                message: "too big".into(),
-            },
-        },
-    }
-}
-
-async fn claim(store: &PostgresOutboxStore, owner: &str, limit: usize) -> ClaimedBatch {
-    store
-        .claim(&ClaimRequest::new(owner, limit))
-        .await
-        .expect("claim")
-}
-
-fn versions(batch: &ClaimedBatch) -> Vec<(String, i64)> {
-    let mut v: Vec<_> = batch
-        .records
-        .iter()
-        .map(|r| {
-            (
-                r.envelope.aggregate_id.clone(),
-                r.envelope.aggregate_version,
-            )
-        })
-        .collect();
-    v.sort();
-    v
-}
+use common::{claim, event, lease, park, publish_all, published, versions};
 
 async fn count(ctx: &common::Ctx, filter: &str) -> i64 {
     sqlx::query_scalar(&format!(
@@ -86,17 +38,6 @@ async fn leases(ctx: &common::Ctx) -> i64 {
     .fetch_one(&ctx.pool)
     .await
     .unwrap()
-}
-
-async fn publish_all(store: &PostgresOutboxStore, batch: &ClaimedBatch) {
-    let outs: Vec<_> = batch
-        .records
-        .iter()
-        .enumerate()
-        .map(|(i, r)| published(&r.envelope, i as i64))
-        .collect();
-    let rep = store.complete(&batch.handle, &outs).await.unwrap();
-    assert_eq!(rep.applied, outs.len());
 }
 
 #[tokio::test]
@@ -1036,28 +977,7 @@ async fn listener_reconnects_after_its_connection_is_killed() {
 #[tokio::test]
 async fn migration_3_upgrades_a_version_2_table_in_use() {
     let ctx = ctx!(4);
-    let render = |sql: &str| {
-        sql.replace("__SCHEMA__", &ctx.schema)
-            .replace("__TABLE__", "outbox_events")
-            .replace("__SEED__", "0")
-    };
-    let v1 = render(include_str!("../src/migrations/0001_outbox.sql"));
-    let v2 = render(include_str!("../src/migrations/0002_outbox.sql"));
-    sqlx::raw_sql(&format!("{v1}{v2}"))
-        .execute(&ctx.pool)
-        .await
-        .unwrap();
-    sqlx::raw_sql(&format!(
-        "CREATE TABLE \"{0}\".outbox_schema_migrations (object text NOT NULL, \
-           version integer NOT NULL, description text NOT NULL, \
-           applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (object, version)); \
-         INSERT INTO \"{0}\".outbox_schema_migrations (object, version, description) \
-           VALUES ('outbox:outbox_events', 1, 'v1'), ('outbox:outbox_events', 2, 'v2');",
-        ctx.schema
-    ))
-    .execute(&ctx.pool)
-    .await
-    .unwrap();
+    common::version_2_schema(&ctx).await;
     // "up": v1, v2 published, v3 in flight under a live lease, v4 queued. "gone": its
     // published rows were cleaned up; v7 waits.
     let store = ctx.store_unmigrated(lease(30.0));

@@ -3,7 +3,10 @@
 
 use std::time::Duration;
 
-use outbox_core::{ClaimMode, Envelope};
+use outbox_core::{
+    AckMetadata, ClaimMode, ClaimRequest, ClaimedBatch, Envelope, ErrorClass, LastError,
+    OutboxStore, Outcome, ParkKind, ParkReason,
+};
 use outbox_postgres::{PostgresInboxStore, PostgresOutboxStore};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::PgPool;
@@ -145,4 +148,93 @@ macro_rules! ctx {
             None => return,
         }
     };
+}
+
+/// A publication outcome for `e` (topic `orders`, partition 3).
+pub fn published(e: &Envelope, offset: i64) -> Outcome {
+    Outcome::Published {
+        event_id: e.event_id,
+        ack: AckMetadata {
+            topic: "orders".into(),
+            partition: 3,
+            offset,
+        },
+    }
+}
+
+/// A park outcome for `e` (a permanent `record_too_large`).
+pub fn park(e: &Envelope) -> Outcome {
+    Outcome::Park {
+        event_id: e.event_id,
+        reason: ParkReason {
+            kind: ParkKind::PermanentError,
+            error: LastError {
+                class: ErrorClass::Permanent,
+                kind: "record_too_large".into(),
+                message: "too big".into(),
+            },
+        },
+    }
+}
+
+/// Claims at most `limit` events for `owner`.
+pub async fn claim(store: &PostgresOutboxStore, owner: &str, limit: usize) -> ClaimedBatch {
+    store
+        .claim(&ClaimRequest::new(owner, limit))
+        .await
+        .expect("claim")
+}
+
+/// The (aggregate, version) pairs of a batch, sorted.
+pub fn versions(batch: &ClaimedBatch) -> Vec<(String, i64)> {
+    let mut v: Vec<_> = batch
+        .records
+        .iter()
+        .map(|r| {
+            (
+                r.envelope.aggregate_id.clone(),
+                r.envelope.aggregate_version,
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// Completes every record of `batch` as published; every outcome must apply.
+pub async fn publish_all(store: &PostgresOutboxStore, batch: &ClaimedBatch) {
+    let outs: Vec<_> = batch
+        .records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| published(&r.envelope, i as i64))
+        .collect();
+    let rep = store.complete(&batch.handle, &outs).await.unwrap();
+    assert_eq!(rep.applied, outs.len(), "every publication applies");
+}
+
+/// The schema as migrations 1 and 2 left it (the version before the per-aggregate state).
+pub async fn version_2_schema(ctx: &Ctx) {
+    let render = |sql: &str| {
+        sql.replace("__SCHEMA__", &ctx.schema)
+            .replace("__TABLE__", "outbox_events")
+            .replace("__SEED__", "0")
+    };
+    let v1 = render(include_str!("../../src/migrations/0001_outbox.sql"));
+    let v2 = render(include_str!("../../src/migrations/0002_outbox.sql"));
+    sqlx::raw_sql(&format!("{v1}{v2}"))
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
+    sqlx::raw_sql(&format!(
+        "CREATE TABLE \"{0}\".outbox_schema_migrations (object text NOT NULL, \
+           version integer NOT NULL, description text NOT NULL, \
+           applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (object, version)); \
+         INSERT INTO \"{0}\".outbox_schema_migrations (object, version, description) \
+           VALUES ('outbox:outbox_events', 1, 'v1'), ('outbox:outbox_events', 2, 'v2');",
+        ctx.schema
+    ))
+    .execute(&ctx.pool)
+    .await
+    .unwrap();
 }
