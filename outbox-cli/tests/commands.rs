@@ -38,7 +38,11 @@ async fn migrate_is_idempotent_prints_sql_and_reports_json() {
     let (code, v, _) = env.json(&["migrate", "--inbox"]);
     assert_eq!(code, 0);
     assert_eq!(v["inboxes"][0]["consumer"], "billing");
-    assert_eq!(v["inboxes"][0]["applied"], 1);
+    // The inbox table and the consumer's parking tables: two migrations.
+    assert_eq!(v["inboxes"][0]["applied"], 2);
+    let (code, v, _) = env.json(&["migrate", "--inbox"]);
+    assert_eq!(code, 0);
+    assert_eq!(v["inboxes"][0]["applied"], 0, "second run changes nothing");
     env.drop_schema().await;
 }
 
