@@ -122,7 +122,8 @@ impl Backend for PostgresBackend {
         // wait (the simulation drives every transaction from one thread).
         let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1, hashtext($2))")
             .bind(BUSINESS_LOCK_CLASS)
-            .bind(aggregate)
+            // Advisory locks are database-wide: the schema keeps cases apart.
+            .bind(format!("{}/{aggregate}", self.schema))
             .fetch_one(&mut **tx)
             .await
             .map_err(|e| e.to_string())?;

@@ -153,6 +153,37 @@ impl<B: Backend, H> fmt::Debug for Simulation<B, H> {
     }
 }
 
+impl<B: Backend, H> Drop for Simulation<B, H> {
+    /// Ends what may still hold a database connection (relay tasks, the engine's
+    /// transactions, open business transactions, locked claims) inside the simulation's
+    /// runtime, where a connection can be handed back.
+    fn drop(&mut self) {
+        let _context = self.rt.enter();
+        for slot in &mut self.relays {
+            if let Some(task) = slot.task.take() {
+                task.abort();
+            }
+            slot.held = None;
+            slot.relay = None;
+        }
+        self.engine = None;
+        self.open.clear();
+        let claims: Vec<_> = self
+            .shared
+            .claims()
+            .values()
+            .map(|c| c.handle.clone())
+            .collect();
+        let backend = self.backend.clone();
+        self.rt.block_on(async move {
+            for handle in claims {
+                backend.abandon(&handle).await;
+            }
+            tokio::task::yield_now().await;
+        });
+    }
+}
+
 fn retry_policy(config: &SimConfig, base: Duration, max: Duration) -> RetryPolicy {
     RetryPolicy::builder()
         .base(base)
@@ -774,6 +805,8 @@ where
     // ---- consumer ----
 
     fn drop_engine(&mut self) {
+        // Its running transactions hand their connections back as they are dropped.
+        let _context = self.rt.enter();
         if let Some(e) = self.engine.take() {
             if e.in_flight() > 0 {
                 self.report.consumer_crashes_with_work += 1;

@@ -8,7 +8,10 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use outbox_sim::{describe, run_property, NoEffect, PostgresBackend, SimConfig, Simulation, Touch};
+use outbox_sim::{
+    describe, run_property, Modes, NoEffect, PostgresBackend, RecordAnswer, SimConfig, SimReport,
+    Simulation, Step, Touch,
+};
 use proptest::test_runner::TestError;
 use sqlx::postgres::PgPoolOptions;
 
@@ -57,6 +60,49 @@ fn drop_schemas(url: &str, ours: &[String]) {
     });
 }
 
+fn config(cases: u32) -> SimConfig {
+    SimConfig::default()
+        .timing(
+            Duration::from_secs(4),
+            Duration::from_millis(500),
+            (Duration::from_millis(10), Duration::from_millis(40)),
+        )
+        .fixed_cases(cases)
+        .max_steps(50)
+        .max_shrink_iters(20)
+}
+
+/// A simulation on a fresh schema (recorded in `schemas` for the drop at the end).
+fn simulation(
+    url: &str,
+    schemas: &Mutex<Vec<String>>,
+    config: &SimConfig,
+    modes: Modes,
+) -> Simulation<PostgresBackend, NoEffect> {
+    let schema = schema_name();
+    schemas.lock().expect("not poisoned").push(schema.clone());
+    let url = url.to_owned();
+    Simulation::new(
+        config.clone(),
+        modes,
+        move |rt, mode| {
+            rt.block_on(async {
+                let pool = PgPoolOptions::new()
+                    .max_connections(12)
+                    .acquire_timeout(Duration::from_secs(10))
+                    .connect(&url)
+                    .await
+                    .expect("PostgreSQL reachable");
+                PostgresBackend::new(pool, &schema, mode)
+                    .await
+                    .expect("schema created")
+            })
+        },
+        NoEffect,
+        vec![Box::new(Touch)],
+    )
+}
+
 #[test]
 fn simulation_holds_every_invariant_on_postgres() {
     let Some(url) =
@@ -67,41 +113,11 @@ fn simulation_holds_every_invariant_on_postgres() {
     let cases = std::env::var(CASES_ENV)
         .ok()
         .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(6);
-    let config = SimConfig::default()
-        .timing(
-            Duration::from_secs(4),
-            Duration::from_millis(500),
-            (Duration::from_millis(10), Duration::from_millis(40)),
-        )
-        .fixed_cases(cases)
-        .max_steps(40)
-        .max_shrink_iters(20);
+        .unwrap_or(10);
+    let config = config(cases);
     let schemas = Arc::new(Mutex::new(Vec::new()));
-    let c = config.clone();
     let result = run_property(&config, None, |modes| {
-        let schema = schema_name();
-        schemas.lock().expect("not poisoned").push(schema.clone());
-        let url = url.clone();
-        Simulation::new(
-            c.clone(),
-            modes,
-            move |rt, mode| {
-                rt.block_on(async {
-                    let pool = PgPoolOptions::new()
-                        .max_connections(12)
-                        .acquire_timeout(Duration::from_secs(10))
-                        .connect(&url)
-                        .await
-                        .expect("PostgreSQL reachable");
-                    PostgresBackend::new(pool, &schema, mode)
-                        .await
-                        .expect("schema created")
-                })
-            },
-            NoEffect,
-            vec![Box::new(Touch)],
-        )
+        simulation(&url, &schemas, &config, modes)
     });
     drop_schemas(&url, &schemas.lock().expect("not poisoned"));
     if let Err(e) = result {
@@ -109,5 +125,69 @@ fn simulation_holds_every_invariant_on_postgres() {
             TestError::Fail(reason, case) => panic!("{reason}\n{}", describe(case)),
             TestError::Abort(reason) => panic!("aborted: {reason}"),
         }
+    }
+}
+
+fn begin(aggregate: usize, events: usize) -> Step {
+    Step::Begin {
+        aggregate,
+        events,
+        command: 0,
+    }
+}
+
+fn answer(relay: usize, answers: &[RecordAnswer]) -> Step {
+    Step::Answer {
+        relay,
+        answers: answers.to_vec(),
+    }
+}
+
+#[test]
+fn crashes_mixed_batches_and_handler_faults_on_postgres() {
+    let Some(url) =
+        outbox_test_support::database_url("crashes_mixed_batches_and_handler_faults_on_postgres")
+    else {
+        return;
+    };
+    let schemas = Mutex::new(Vec::new());
+    let mut reports: Vec<(Modes, Result<SimReport, String>)> = Vec::new();
+    for lease in [false, true] {
+        for prefetch in [false, true] {
+            let modes = Modes { lease, prefetch };
+            let mut sim = simulation(&url, &schemas, &config(1), modes);
+            let steps = vec![
+                begin(0, 2),
+                begin(1, 2),
+                begin(2, 1),
+                Step::Commit(0),
+                Step::Commit(0),
+                Step::Commit(0),
+                Step::Relay(0), // a full batch: agg-0, agg-1 v1 (and a prefetch of agg-2)
+                answer(0, &[RecordAnswer::Ack, RecordAnswer::AckLost]),
+                Step::Relay(0),
+                Step::RelayCrash(0), // dies holding the next batch; a locked claim's connection drops
+                Step::HandlerFault(outbox_sim::HandlerFault::Permanent),
+                Step::Consumer(8),
+                Step::ConsumerCrash,
+                Step::Relay(1),
+                answer(1, &[RecordAnswer::Permanent, RecordAnswer::Ack]),
+                Step::Consumer(8),
+                Step::Rebalance,
+            ];
+            reports.push((modes, sim.run(&steps).map_err(|v| v.to_string())));
+        }
+    }
+    drop_schemas(&url, &schemas.lock().expect("not poisoned"));
+    for (modes, r) in reports {
+        let r = r.unwrap_or_else(|v| panic!("{modes:?}: {v}"));
+        assert_eq!(r.committed_events, 5, "{modes:?}: {r:?}");
+        assert_eq!(r.applied, 5, "{modes:?}: each event applied once: {r:?}");
+        assert!(r.relay_crashes_holding_work >= 1, "{modes:?}: {r:?}");
+        assert!(
+            r.duplicates_in_log >= 1,
+            "{modes:?}: the lost ack re-published: {r:?}"
+        );
+        assert!(r.parked >= 1, "{modes:?}: {r:?}");
     }
 }
