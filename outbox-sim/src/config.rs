@@ -124,6 +124,11 @@ impl SimConfig {
         self.max_steps = n;
         self
     }
+    /// Sets the events per claim.
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n.max(1);
+        self
+    }
     /// Sets the number of relays.
     pub fn relays(mut self, n: usize) -> Self {
         self.relays = n.max(1);

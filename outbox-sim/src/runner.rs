@@ -114,7 +114,7 @@ struct RelaySlot<B: Backend> {
 
 enum Waited<B: Backend> {
     Held(Option<HeldBatch>),
-    Done(Result<CycleResult<B>, tokio::task::JoinError>),
+    Done(Box<Result<CycleResult<B>, tokio::task::JoinError>>),
 }
 
 /// One simulated system: the system under test plus the reference model.
@@ -630,13 +630,22 @@ where
                 tokio::time::timeout(STEP_LIMIT, async {
                     tokio::select! {
                         b = handle.next_batch() => Waited::Held(b),
-                        r = task => Waited::Done(r),
+                        r = task => Waited::Done(Box::new(r)),
                     }
                 })
                 .await
             })
             .map_err(|_| format!("relay {i} hung"))?;
         match waited {
+            Waited::Done(done) => match *done {
+                Err(e) => Err(format!("relay {i}'s cycle panicked: {e}")),
+                Ok((relay, result)) => {
+                    let slot = &mut self.relays[i];
+                    slot.task = None;
+                    slot.relay = Some(relay);
+                    self.settle(i, result)
+                }
+            },
             Waited::Held(None) => Err(format!("relay {i}'s publisher went away")),
             Waited::Held(Some(mut batch)) => {
                 if self.config.has(SeededBug::SkipHead) {
@@ -645,13 +654,6 @@ where
                 self.check_send(i, &batch.records)?;
                 self.relays[i].held = Some(batch);
                 Ok(())
-            }
-            Waited::Done(Err(e)) => Err(format!("relay {i}'s cycle panicked: {e}")),
-            Waited::Done(Ok((relay, result))) => {
-                let slot = &mut self.relays[i];
-                slot.task = None;
-                slot.relay = Some(relay);
-                self.settle(i, result)
             }
         }
     }

@@ -137,13 +137,13 @@ fn a_relay_dying_with_its_batch_held_duplicates_but_loses_nothing() {
 #[test]
 fn a_batch_with_mixed_outcomes_is_recorded_per_record() {
     let mut sim = Simulation::memory(
-        SimConfig::default(),
+        SimConfig::default().batch_size(3),
         Modes {
             lease: true,
             prefetch: false,
         },
     );
-    let steps = vec![
+    let steps = [
         begin(0, 1),
         begin(1, 1),
         begin(2, 1),
