@@ -68,7 +68,7 @@ pub struct SimConfig {
     pub delivery_timeout: Duration,
     /// The relays' retry backoff: first delay and longest delay. Default 500 ms and 5 s.
     pub relay_retry: (Duration, Duration),
-    /// Events per claim. Default 3 (so full batches, and so prefetch, happen often).
+    /// Events per claim. Default 2 (so full batches, and so prefetch, happen often).
     pub batch_size: usize,
     /// Transient failures before parking. Default 3.
     pub max_attempts: u32,
@@ -95,7 +95,7 @@ impl Default for SimConfig {
             lease: Duration::from_secs(30),
             delivery_timeout: Duration::from_secs(5),
             relay_retry: (Duration::from_millis(500), Duration::from_secs(5)),
-            batch_size: 3,
+            batch_size: 2,
             max_attempts: 3,
             max_steps: 80,
             cases: 150,

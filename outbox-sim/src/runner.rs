@@ -896,9 +896,25 @@ where
 
     // ---- quiescence ----
 
+    fn has_prefetched(&self, i: usize) -> bool {
+        self.relays[i]
+            .relay
+            .as_ref()
+            .is_some_and(|r| r.prefetched().is_some())
+    }
+
     fn drain_relays(&mut self) -> Check {
+        // Every relay finishes its batch in flight and publishes what it claimed ahead (a
+        // locked claim would hold its aggregates until then).
         for i in 0..self.relays.len() {
             self.answer(i, &[RecordAnswer::Ack])?;
+            for _ in 0..100 {
+                if !self.has_prefetched(i) {
+                    break;
+                }
+                self.relay_step(i)?;
+                self.answer(i, &[RecordAnswer::Ack])?;
+            }
         }
         for _ in 0..500 {
             self.relay_step(0)?;
@@ -908,11 +924,7 @@ where
                 .last_cycle
                 .as_ref()
                 .is_some_and(CycleReport::is_idle);
-            let prefetched = self.relays[0]
-                .relay
-                .as_ref()
-                .is_some_and(|r| r.prefetched().is_some());
-            if idle && !prefetched {
+            if idle && !self.has_prefetched(0) {
                 return Ok(());
             }
         }

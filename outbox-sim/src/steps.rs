@@ -138,7 +138,7 @@ pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
         12 => (0..relays, proptest::collection::vec(answer(), 1..=3))
             .prop_map(|(relay, answers)| Step::Answer { relay, answers }),
         2 => (0..relays).prop_map(Step::RelayCrash),
-        3 => prop_oneof![Just(1u64), Just(10), Just(31), Just(120)]
+        4 => prop_oneof![Just(1u64), Just(10), Just(31), Just(31), Just(120)]
             .prop_map(|s| Step::Advance(Duration::from_secs(s))),
         1 => prop_oneof![
             Just(StoreFault::ClaimFails),
@@ -146,7 +146,7 @@ pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
             Just(StoreFault::CompleteReplyLost)
         ]
         .prop_map(Step::StoreFault),
-        3 => (
+        4 => (
             prop_oneof![
                 Just(OperatorStep::Retry),
                 Just(OperatorStep::Discard),
