@@ -74,7 +74,7 @@ pub struct SimConfig {
     pub max_attempts: u32,
     /// Largest number of steps per case. Default 80.
     pub max_steps: usize,
-    /// Cases run by [`crate::check`] unless `OUTBOX_SIM_CASES` is set. Default 150.
+    /// Cases run by [`crate::check_memory`] and [`crate::run_property`] unless `OUTBOX_SIM_CASES` is set. Default 150.
     pub cases: u32,
     /// Seed of the case generator unless `OUTBOX_SIM_SEED` is set.
     pub seed: u64,
