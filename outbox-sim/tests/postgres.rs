@@ -191,3 +191,33 @@ fn crashes_mixed_batches_and_handler_faults_on_postgres() {
         assert!(r.parked >= 1, "{modes:?}: {r:?}");
     }
 }
+
+#[test]
+fn a_seeded_bug_is_caught_on_postgres_too() {
+    // The invariants read PostgreSQL's real state: outcomes recorded one record off are found
+    // there as they are in memory.
+    let Some(url) = outbox_test_support::database_url("a_seeded_bug_is_caught_on_postgres_too")
+    else {
+        return;
+    };
+    let config = config(20)
+        .bug(outbox_sim::SeededBug::ShiftedOutcomes)
+        .max_shrink_iters(0);
+    let schemas = Arc::new(Mutex::new(Vec::new()));
+    let result = run_property(&config, None, |modes| {
+        simulation(&url, &schemas, &config, modes)
+    });
+    drop_schemas(&url, &schemas.lock().expect("not poisoned"));
+    match result {
+        Err(TestError::Fail(reason, case)) => {
+            let why = reason.message().to_owned();
+            eprintln!("caught on PostgreSQL: {why}\n{}", describe(&case));
+            assert!(
+                why.contains("but the log holds")
+                    || why.contains("was published without an operator action"),
+                "{why}"
+            );
+        }
+        other => panic!("the shifted outcomes were not caught on PostgreSQL: {other:?}"),
+    }
+}
