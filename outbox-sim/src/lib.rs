@@ -42,6 +42,15 @@
 //! doubles around the production code, nothing in the production code changes), and the
 //! crate's tests show each one caught.
 //!
+//! # Replaying a failure
+//!
+//! A failure prints the seed and the shrunk case (modes and steps); `OUTBOX_SIM_SEED` replays
+//! the generator, and [`Simulation::run`] replays a case by hand. The relays, the store and the
+//! log run on virtual time, so their side replays exactly; the consumer engine's retry backoff
+//! and poll timeouts are real milliseconds (the engine reads tokio's and the system's clock),
+//! so its interleaving with the other steps can differ slightly between runs of one case. On
+//! PostgreSQL everything runs on real time (see `PostgresBackend`, feature `postgres`).
+//!
 //! # Running it
 //!
 //! ```
