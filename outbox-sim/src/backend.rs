@@ -38,6 +38,9 @@ pub struct EffectsView {
     pub out_of_order: Vec<String>,
 }
 
+/// See [`Backend::short_claim_check`]: `(got, limit)` to a violation, if any.
+pub type ShortClaimCheck = Arc<dyn Fn(usize, usize) -> Option<String> + Send + Sync>;
+
 /// The outbox store, inbox and state a simulation runs against.
 #[async_trait]
 pub trait Backend: Send + Sync + 'static {
@@ -86,6 +89,13 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Every committed outbox row.
     async fn rows(&self) -> Result<Vec<RowView>, String>;
+    /// A check run right after every claim that returned fewer events than `limit`: that
+    /// no aggregate was left behind whose head was due, unclaimed and not blocked by a parked
+    /// version (parking blocks its own aggregate only; nothing claimable starves). `None` for
+    /// a store that does not promise it (one that claims from a bounded scan window).
+    fn short_claim_check(&self) -> Option<ShortClaimCheck> {
+        None
+    }
     /// The relay holding `claim` died: what its lost connection does to the claim (a locked
     /// claim's transaction rolls back; a lease stays until it expires).
     async fn abandon(&self, claim: &ClaimHandle);
@@ -227,6 +237,13 @@ impl Backend for MemoryBackend {
     async fn abandon(&self, claim: &ClaimHandle) {
         self.store.abandon(claim);
     }
+    fn short_claim_check(&self) -> Option<ShortClaimCheck> {
+        let store = self.store.clone();
+        let clock = self.clock.clone();
+        Some(Arc::new(move |got, limit| {
+            starved_head(&store, clock.now(), got, limit)
+        }))
+    }
 
     async fn record_effect(&self, tx: &mut MemoryTx, event: &Envelope) -> Result<(), StoreError> {
         let key = event.dedup_id().to_string();
@@ -271,4 +288,39 @@ impl Backend for MemoryBackend {
     async fn registered(&self, consumer: &str) -> Result<BTreeSet<EventId>, String> {
         Ok(self.inbox.registrations(consumer).into_iter().collect())
     }
+}
+
+fn starved_head(
+    store: &MemoryOutboxStore,
+    now: chrono::DateTime<chrono::Utc>,
+    got: usize,
+    limit: usize,
+) -> Option<String> {
+    if got >= limit {
+        return None;
+    }
+    let snap = store.snapshot();
+    let mut open: BTreeMap<&str, Vec<&outbox_testkit::OutboxRow>> = BTreeMap::new();
+    for row in &snap {
+        if matches!(row.status, DeliveryStatus::Pending | DeliveryStatus::Parked) {
+            open.entry(&row.envelope.aggregate_id)
+                .or_default()
+                .push(row);
+        }
+    }
+    for (agg, rows) in open {
+        let blocked = rows.iter().any(|r| {
+            r.status == DeliveryStatus::Parked || r.claim.as_ref().is_some_and(|c| c.live)
+        });
+        let head = rows
+            .iter()
+            .min_by_key(|r| (r.envelope.aggregate_version, r.seq))?;
+        if !blocked && head.next_attempt_at <= now {
+            return Some(format!(
+                "a claim returned {got} of {limit} events but {agg} v{} was due",
+                head.envelope.aggregate_version
+            ));
+        }
+    }
+    None
 }

@@ -28,6 +28,8 @@
 //! * a parked event is never published without an operator action; a record is sent only
 //!   under a live claim of its sender, and only as its aggregate's head;
 //! * no two relays hold one aggregate at once (a lease counts until it expires);
+//! * a claim that returns fewer events than its limit left no due, unblocked aggregate head
+//!   behind (parking blocks its own aggregate only; on the in-memory store, which promises it);
 //! * per aggregate, first deliveries in the log are in version order;
 //! * each effect committed at most once, in version order per aggregate;
 //! * the committed offset never passes a message whose outcome is not final.
@@ -121,7 +123,7 @@ mod relay;
 mod runner;
 mod steps;
 
-pub use backend::{Backend, EffectsView, MemoryBackend, RowView};
+pub use backend::{Backend, EffectsView, MemoryBackend, RowView, ShortClaimCheck};
 pub use config::{cases_from_env, SeededBug, SimConfig, CASES_ENV, SEED_ENV};
 pub use consumer::{InboxTx, NoEffect, SimHandler, SimSource};
 pub use invariants::Violations;

@@ -21,6 +21,7 @@ use outbox_core::{
 use outbox_testkit::fault::{Fault, FaultyStore};
 use uuid::Uuid;
 
+use crate::backend::ShortClaimCheck;
 use crate::config::SeededBug;
 use crate::invariants::Violations;
 
@@ -34,13 +35,22 @@ pub(crate) struct HeldClaim {
 }
 
 /// State shared by the relays' stores.
-#[derive(Debug)]
 pub(crate) struct RelayShared {
     claims: Mutex<BTreeMap<Uuid, HeldClaim>>,
     pub(crate) violations: Violations,
     clock: Arc<dyn Clock>,
     lease: Option<Duration>,
     bug: Option<SeededBug>,
+    short_claim_check: Option<ShortClaimCheck>,
+}
+
+impl std::fmt::Debug for RelayShared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayShared")
+            .field("lease", &self.lease)
+            .field("bug", &self.bug)
+            .finish_non_exhaustive()
+    }
 }
 
 impl RelayShared {
@@ -49,6 +59,7 @@ impl RelayShared {
         clock: Arc<dyn Clock>,
         mode: ClaimMode,
         bug: Option<SeededBug>,
+        short_claim_check: Option<ShortClaimCheck>,
     ) -> Self {
         Self {
             claims: Mutex::new(BTreeMap::new()),
@@ -59,6 +70,7 @@ impl RelayShared {
                 _ => None,
             },
             bug,
+            short_claim_check,
         }
     }
 
@@ -217,6 +229,11 @@ impl<S: OutboxStore> OutboxStore for SimStore<S> {
         let prefetch = !self.shared.claims_of(self.relay).is_empty();
         let requested_at = self.shared.clock.now();
         let batch = self.inner.claim(request).await?;
+        if let Some(check) = &self.shared.short_claim_check {
+            if let Some(v) = check(batch.records.len(), request.limit) {
+                self.shared.violations.push(v);
+            }
+        }
         if batch.is_empty() {
             return Ok(batch);
         }

@@ -251,6 +251,7 @@ where
             clock,
             mode,
             config.bug,
+            backend.short_claim_check(),
         ));
         let handler_fault = Arc::new(Mutex::new(None));
         let handler = SimHandler::new(
