@@ -72,15 +72,41 @@ fn config(cases: u32) -> SimConfig {
         .max_shrink_iters(20)
 }
 
+/// The schemas a test created, dropped when it ends (also when it panics).
+struct Schemas {
+    url: String,
+    names: Mutex<Vec<String>>,
+}
+
+impl Schemas {
+    fn new(url: &str) -> Arc<Self> {
+        Arc::new(Self {
+            url: url.to_owned(),
+            names: Mutex::new(Vec::new()),
+        })
+    }
+}
+
+impl Drop for Schemas {
+    fn drop(&mut self) {
+        let names = std::mem::take(&mut *self.names.lock().unwrap_or_else(|e| e.into_inner()));
+        drop_schemas(&self.url, &names);
+    }
+}
+
 /// A simulation on a fresh schema (recorded in `schemas` for the drop at the end).
 fn simulation(
     url: &str,
-    schemas: &Mutex<Vec<String>>,
+    schemas: &Schemas,
     config: &SimConfig,
     modes: Modes,
 ) -> Simulation<PostgresBackend, NoEffect> {
     let schema = schema_name();
-    schemas.lock().expect("not poisoned").push(schema.clone());
+    schemas
+        .names
+        .lock()
+        .expect("not poisoned")
+        .push(schema.clone());
     let url = url.to_owned();
     Simulation::new(
         config.clone(),
@@ -115,11 +141,11 @@ fn simulation_holds_every_invariant_on_postgres() {
         .and_then(|s| s.trim().parse().ok())
         .unwrap_or(10);
     let config = config(cases);
-    let schemas = Arc::new(Mutex::new(Vec::new()));
+    let schemas = Schemas::new(&url);
     let result = run_property(&config, None, |modes| {
         simulation(&url, &schemas, &config, modes)
     });
-    drop_schemas(&url, &schemas.lock().expect("not poisoned"));
+    drop(schemas);
     if let Err(e) = result {
         match &e {
             TestError::Fail(reason, case) => panic!("{reason}\n{}", describe(case)),
@@ -150,7 +176,7 @@ fn crashes_mixed_batches_and_handler_faults_on_postgres() {
     else {
         return;
     };
-    let schemas = Mutex::new(Vec::new());
+    let schemas = Schemas::new(&url);
     let mut reports: Vec<(Modes, Result<SimReport, String>)> = Vec::new();
     for lease in [false, true] {
         for prefetch in [false, true] {
@@ -178,7 +204,7 @@ fn crashes_mixed_batches_and_handler_faults_on_postgres() {
             reports.push((modes, sim.run(&steps).map_err(|v| v.to_string())));
         }
     }
-    drop_schemas(&url, &schemas.lock().expect("not poisoned"));
+    drop(schemas);
     for (modes, r) in reports {
         let r = r.unwrap_or_else(|v| panic!("{modes:?}: {v}"));
         assert_eq!(r.committed_events, 5, "{modes:?}: {r:?}");
@@ -198,11 +224,11 @@ fn a_seeded_bug_is_caught_on_postgres_too() {
     let config = config(20)
         .bug(outbox_sim::SeededBug::ShiftedOutcomes)
         .max_shrink_iters(0);
-    let schemas = Arc::new(Mutex::new(Vec::new()));
+    let schemas = Schemas::new(&url);
     let result = run_property(&config, None, |modes| {
         simulation(&url, &schemas, &config, modes)
     });
-    drop_schemas(&url, &schemas.lock().expect("not poisoned"));
+    drop(schemas);
     match result {
         Err(TestError::Fail(reason, case)) => {
             let why = reason.message().to_owned();
