@@ -24,10 +24,10 @@
 //! * [`fault`]: wrappers injecting transient and permanent errors, latency and lost
 //!   replies/acknowledgements into any store or publisher, driven by a script, a countdown or
 //!   a seed (`OUTBOX_SIM_SEED`).
-//! * [`sim`]: the crash-at-every-step simulation, a state-machine property test of the whole
-//!   pipeline with invariants after every step; plug in your own consumer handler with
-//!   [`sim::SimHandler`]. `OUTBOX_SIM_CASES` sets the number of cases, `OUTBOX_SIM_SEED`
-//!   replays a printed seed.
+//!
+//! The crash-at-every-step simulation, which drives the real relay and consumer engine over
+//! these backends (and over PostgreSQL), lives in its own crate, `outbox-sim`, because it
+//! runs `outbox-inbox`'s engine.
 //!
 //! ## Design notes
 //!
@@ -100,7 +100,6 @@ pub mod fault;
 pub mod inbox;
 pub mod log;
 pub mod outbox;
-pub mod sim;
 
 pub use clock::ManualClock;
 pub use db::{MemoryDb, MemoryTx, TxCounters};

@@ -1,0 +1,326 @@
+//! What the simulation needs from a backend: the outbox store and the inbox under test, the
+//! business transactions of the producer, and read access to the real state for the
+//! invariants. [`MemoryBackend`] runs on the testkit's in-memory backends;
+//! `PostgresBackend` (feature `postgres`) on a real server.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::{
+    async_trait, AckMetadata, ClaimHandle, ClaimMode, Clock, DeliveryStatus, Envelope, EventId,
+    InboxParking, InboxStore, OutboxStore, StoreError,
+};
+use outbox_testkit::{ManualClock, MemoryDb, MemoryInboxStore, MemoryOutboxStore, MemoryTx};
+use serde_json::Value;
+
+/// One outbox row as the invariants see it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RowView {
+    /// The event.
+    pub event_id: EventId,
+    /// Its aggregate.
+    pub aggregate_id: String,
+    /// Its version.
+    pub version: i64,
+    /// Delivery status.
+    pub status: DeliveryStatus,
+    /// The acknowledgement metadata stored on publish.
+    pub ack: Option<AckMetadata>,
+}
+
+/// The effects recorded by [`Backend::record_effect`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct EffectsView {
+    /// How often each event's effect (by dedup id) committed.
+    pub counts: BTreeMap<EventId, u64>,
+    /// Effects that committed after a higher version of their aggregate.
+    pub out_of_order: Vec<String>,
+}
+
+/// See [`Backend::short_claim_check`]: `(got, limit)` to a violation, if any.
+pub type ShortClaimCheck = Arc<dyn Fn(usize, usize) -> Option<String> + Send + Sync>;
+
+/// The outbox store, inbox and state a simulation runs against.
+#[async_trait]
+pub trait Backend: Send + Sync + 'static {
+    /// The outbox store under test.
+    type Store: OutboxStore + Clone + 'static;
+    /// A business transaction.
+    type BizTx: Send + 'static;
+    /// The inbox under test.
+    type Inbox: InboxParking + Clone + 'static;
+
+    /// The outbox store (one handle per relay and for the operator).
+    fn store(&self) -> Self::Store;
+    /// The inbox store.
+    fn inbox(&self) -> Self::Inbox;
+    /// The clock of the relays and the log (the store's own clock for a store that reads
+    /// it; a store that reads the database's clock gets the system clock here).
+    fn clock(&self) -> Arc<dyn Clock>;
+    /// Lets virtual time pass ([`crate::Step::Advance`]). A backend on real time ignores it.
+    fn advance(&self, by: Duration);
+    /// Waits (in virtual or real time) until every lease granted so far has expired.
+    async fn expire_leases(&self, lease: Duration);
+
+    /// Begins a business transaction.
+    async fn begin(&self) -> Result<Self::BizTx, String>;
+    /// The aggregate's version and state in `tx` (`Ok(None)`: another open transaction holds
+    /// the aggregate, the command is refused as a conflict).
+    async fn aggregate(
+        &self,
+        tx: &mut Self::BizTx,
+        aggregate: &str,
+    ) -> Result<Option<(i64, Value)>, String>;
+    /// Writes the aggregate's version and state in `tx`.
+    async fn set_aggregate(
+        &self,
+        tx: &mut Self::BizTx,
+        aggregate: &str,
+        version: i64,
+        state: Value,
+    ) -> Result<(), String>;
+    /// Appends `events` to the outbox in `tx` (the store's `append`).
+    async fn append(&self, tx: &mut Self::BizTx, events: &[Envelope]) -> Result<(), StoreError>;
+    /// Commits; `Ok(false)`: refused as a conflict (rolled back).
+    async fn commit(&self, tx: Self::BizTx) -> Result<bool, String>;
+    /// Rolls back.
+    async fn rollback(&self, tx: Self::BizTx);
+
+    /// Every committed outbox row.
+    async fn rows(&self) -> Result<Vec<RowView>, String>;
+    /// A check run right after every claim that returned fewer events than `limit`: that
+    /// no aggregate was left behind whose head was due, unclaimed and not blocked by a parked
+    /// version (parking blocks its own aggregate only; nothing claimable starves). `None` for
+    /// a store that does not promise it (one that claims from a bounded scan window).
+    fn short_claim_check(&self) -> Option<ShortClaimCheck> {
+        None
+    }
+    /// The relay holding `claim` died: what its lost connection does to the claim (a locked
+    /// claim's transaction rolls back; a lease stays until it expires).
+    async fn abandon(&self, claim: &ClaimHandle);
+
+    /// Records the simulation's own effect for `event` in the consumer's transaction: a
+    /// counter per dedup id, and an order check per aggregate.
+    async fn record_effect(
+        &self,
+        tx: &mut <Self::Inbox as InboxStore>::Tx,
+        event: &Envelope,
+    ) -> Result<(), StoreError>;
+    /// The committed effects.
+    async fn effects(&self) -> Result<EffectsView, String>;
+    /// The dedup ids registered by `consumer`.
+    async fn registered(&self, consumer: &str) -> Result<BTreeSet<EventId>, String>;
+}
+
+const EFFECTS: &str = "sim_effects";
+const EFFECT_ORDER: &str = "sim_effect_order";
+const EFFECT_DISORDER: &str = "sim_effect_disorder";
+const AGGREGATES: &str = "sim_aggregates";
+
+/// The in-memory backends of `outbox-testkit`.
+#[derive(Clone, Debug)]
+pub struct MemoryBackend {
+    clock: ManualClock,
+    db: MemoryDb,
+    store: MemoryOutboxStore,
+    inbox: MemoryInboxStore,
+}
+
+impl MemoryBackend {
+    /// A fresh database with the store in `mode`.
+    pub fn new(mode: ClaimMode) -> Self {
+        let clock = ManualClock::default();
+        let db = MemoryDb::new(clock.clone());
+        let store = MemoryOutboxStore::new(&db, mode);
+        let inbox = MemoryInboxStore::new(&db);
+        Self {
+            clock,
+            db,
+            store,
+            inbox,
+        }
+    }
+
+    /// The database (for inspection).
+    pub fn db(&self) -> &MemoryDb {
+        &self.db
+    }
+
+    /// The outbox store (for inspection).
+    pub fn memory_store(&self) -> &MemoryOutboxStore {
+        &self.store
+    }
+}
+
+#[async_trait]
+impl Backend for MemoryBackend {
+    type Store = MemoryOutboxStore;
+    type BizTx = MemoryTx;
+    type Inbox = MemoryInboxStore;
+
+    fn store(&self) -> MemoryOutboxStore {
+        self.store.clone()
+    }
+    fn inbox(&self) -> MemoryInboxStore {
+        self.inbox.clone()
+    }
+    fn clock(&self) -> Arc<dyn Clock> {
+        self.clock.shared()
+    }
+    fn advance(&self, by: Duration) {
+        self.clock.advance(by);
+    }
+    async fn expire_leases(&self, lease: Duration) {
+        self.clock.advance(lease + Duration::from_secs(60));
+    }
+
+    async fn begin(&self) -> Result<MemoryTx, String> {
+        Ok(self.db.begin())
+    }
+    async fn aggregate(
+        &self,
+        tx: &mut MemoryTx,
+        aggregate: &str,
+    ) -> Result<Option<(i64, Value)>, String> {
+        let row = tx.get(AGGREGATES, aggregate);
+        let version = row
+            .as_ref()
+            .and_then(|r| r.get("v"))
+            .and_then(Value::as_i64)
+            .unwrap_or(0);
+        let state = row.and_then(|r| r.get("s").cloned()).unwrap_or(Value::Null);
+        Ok(Some((version, state)))
+    }
+    async fn set_aggregate(
+        &self,
+        tx: &mut MemoryTx,
+        aggregate: &str,
+        version: i64,
+        state: Value,
+    ) -> Result<(), String> {
+        tx.put(
+            AGGREGATES,
+            aggregate,
+            serde_json::json!({ "v": version, "s": state }),
+        );
+        Ok(())
+    }
+    async fn append(&self, tx: &mut MemoryTx, events: &[Envelope]) -> Result<(), StoreError> {
+        self.store.append(tx, events).await
+    }
+    async fn commit(&self, tx: MemoryTx) -> Result<bool, String> {
+        match tx.commit() {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind == outbox_core::StoreErrorKind::Conflict => Ok(false),
+            Err(e) => Err(format!("business commit failed with {e}")),
+        }
+    }
+    async fn rollback(&self, tx: MemoryTx) {
+        tx.rollback();
+    }
+
+    async fn rows(&self) -> Result<Vec<RowView>, String> {
+        Ok(self
+            .store
+            .snapshot()
+            .into_iter()
+            .map(|r| RowView {
+                event_id: r.envelope.event_id,
+                aggregate_id: r.envelope.aggregate_id.clone(),
+                version: r.envelope.aggregate_version,
+                status: r.status,
+                ack: r.ack,
+            })
+            .collect())
+    }
+    async fn abandon(&self, claim: &ClaimHandle) {
+        self.store.abandon(claim);
+    }
+    fn short_claim_check(&self) -> Option<ShortClaimCheck> {
+        let store = self.store.clone();
+        let clock = self.clock.clone();
+        Some(Arc::new(move |got, limit| {
+            starved_head(&store, clock.now(), got, limit)
+        }))
+    }
+
+    async fn record_effect(&self, tx: &mut MemoryTx, event: &Envelope) -> Result<(), StoreError> {
+        let key = event.dedup_id().to_string();
+        let n = tx.get(EFFECTS, &key).and_then(|v| v.as_u64()).unwrap_or(0);
+        tx.put(EFFECTS, &key, (n + 1).into());
+        let last = tx
+            .get(EFFECT_ORDER, &event.aggregate_id)
+            .and_then(|v| v.as_i64())
+            .unwrap_or(0);
+        if event.aggregate_version <= last {
+            tx.put(
+                EFFECT_DISORDER,
+                &key,
+                format!(
+                    "{} v{} applied after v{last}",
+                    event.aggregate_id, event.aggregate_version
+                )
+                .into(),
+            );
+        }
+        tx.put(
+            EFFECT_ORDER,
+            &event.aggregate_id,
+            event.aggregate_version.max(last).into(),
+        );
+        Ok(())
+    }
+    async fn effects(&self) -> Result<EffectsView, String> {
+        let mut view = EffectsView::default();
+        for (key, v) in self.db.scan(EFFECTS) {
+            let id: EventId = key
+                .parse()
+                .map_err(|e| format!("effect key {key}: {e:?}"))?;
+            view.counts.insert(id, v.as_u64().unwrap_or(0));
+        }
+        for (_, v) in self.db.scan(EFFECT_DISORDER) {
+            view.out_of_order
+                .push(v.as_str().unwrap_or_default().to_owned());
+        }
+        Ok(view)
+    }
+    async fn registered(&self, consumer: &str) -> Result<BTreeSet<EventId>, String> {
+        Ok(self.inbox.registrations(consumer).into_iter().collect())
+    }
+}
+
+fn starved_head(
+    store: &MemoryOutboxStore,
+    now: chrono::DateTime<chrono::Utc>,
+    got: usize,
+    limit: usize,
+) -> Option<String> {
+    if got >= limit {
+        return None;
+    }
+    let snap = store.snapshot();
+    let mut open: BTreeMap<&str, Vec<&outbox_testkit::OutboxRow>> = BTreeMap::new();
+    for row in &snap {
+        if matches!(row.status, DeliveryStatus::Pending | DeliveryStatus::Parked) {
+            open.entry(&row.envelope.aggregate_id)
+                .or_default()
+                .push(row);
+        }
+    }
+    for (agg, rows) in open {
+        let blocked = rows.iter().any(|r| {
+            r.status == DeliveryStatus::Parked || r.claim.as_ref().is_some_and(|c| c.live)
+        });
+        let head = rows
+            .iter()
+            .min_by_key(|r| (r.envelope.aggregate_version, r.seq))?;
+        if !blocked && head.next_attempt_at <= now {
+            return Some(format!(
+                "a claim returned {got} of {limit} events but {agg} v{} was due",
+                head.envelope.aggregate_version
+            ));
+        }
+    }
+    None
+}

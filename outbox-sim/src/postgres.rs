@@ -1,0 +1,293 @@
+//! The simulation's backend on a real PostgreSQL server: `outbox-postgres`'s outbox store and
+//! inbox in a schema of the case's own.
+//!
+//! The store reads the database's clock, so this backend runs on real time: the relays get the
+//! system clock, [`Step::Advance`](crate::Step::Advance) does nothing, and leases expire by
+//! waiting (configure short leases and delivery timeouts, [`crate::SimConfig::timing`]). A
+//! relay's crash is a killed task plus, for a locked claim, its dropped connection (the store's
+//! `abandon_locked_claim`, which rolls the claim's transaction back as a closed connection
+//! would); the consumer's crash drops the engine and with it any open inbox transaction.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::{
+    async_trait, AckMetadata, ClaimHandle, ClaimMode, Clock, DeliveryStatus, Envelope, EventId,
+    OutboxStore, StoreError, SystemClock,
+};
+use outbox_postgres::{map_sqlx_error, PostgresInboxStore, PostgresOutboxStore};
+use serde_json::Value;
+use sqlx::{PgPool, Postgres, Row, Transaction};
+
+use crate::backend::{Backend, EffectsView, RowView};
+
+/// Advisory lock class of the simulation's business transactions (apart from the store's).
+const BUSINESS_LOCK_CLASS: i32 = 0x51_4d;
+
+/// `outbox-postgres` on a real server, in schema `schema`.
+#[derive(Clone, Debug)]
+pub struct PostgresBackend {
+    pool: PgPool,
+    schema: String,
+    store: PostgresOutboxStore,
+    inbox: PostgresInboxStore,
+}
+
+impl PostgresBackend {
+    /// Creates the schema (outbox, inbox and the simulation's own tables) and the stores.
+    pub async fn new(pool: PgPool, schema: &str, mode: ClaimMode) -> Result<Self, StoreError> {
+        let store = PostgresOutboxStore::builder(pool.clone())
+            .schema(schema)
+            .claim_mode(mode)
+            .build()?;
+        store.migrate().await?;
+        let inbox = PostgresInboxStore::builder(pool.clone())
+            .schema(schema)
+            .build()?;
+        inbox.migrate().await?;
+        for ddl in [
+            "CREATE TABLE IF NOT EXISTS \"{s}\".sim_aggregates (id text PRIMARY KEY, version bigint NOT NULL, state jsonb NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS \"{s}\".sim_effects (event_id uuid PRIMARY KEY, n bigint NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS \"{s}\".sim_effect_order (aggregate_id text PRIMARY KEY, version bigint NOT NULL)",
+            "CREATE TABLE IF NOT EXISTS \"{s}\".sim_effect_disorder (message text NOT NULL)",
+        ] {
+            sqlx::query(&ddl.replace("{s}", schema))
+                .execute(&pool)
+                .await
+                .map_err(map_sqlx_error)?;
+        }
+        Ok(Self {
+            pool,
+            schema: schema.to_owned(),
+            store,
+            inbox,
+        })
+    }
+
+    /// Drops the schema.
+    pub async fn drop_schema(&self) {
+        let _ = sqlx::query(&format!(
+            "DROP SCHEMA IF EXISTS \"{}\" CASCADE",
+            self.schema
+        ))
+        .execute(&self.pool)
+        .await;
+    }
+
+    fn table(&self, name: &str) -> String {
+        format!("\"{}\".{name}", self.schema)
+    }
+}
+
+fn status(s: &str) -> Result<DeliveryStatus, String> {
+    Ok(match s {
+        "pending" => DeliveryStatus::Pending,
+        "published" => DeliveryStatus::Published,
+        "parked" => DeliveryStatus::Parked,
+        "discarded" => DeliveryStatus::Discarded,
+        other => return Err(format!("unknown status {other}")),
+    })
+}
+
+#[async_trait]
+impl Backend for PostgresBackend {
+    type Store = PostgresOutboxStore;
+    type BizTx = Transaction<'static, Postgres>;
+    type Inbox = PostgresInboxStore;
+
+    fn store(&self) -> PostgresOutboxStore {
+        self.store.clone()
+    }
+    fn inbox(&self) -> PostgresInboxStore {
+        self.inbox.clone()
+    }
+    fn clock(&self) -> Arc<dyn Clock> {
+        Arc::new(SystemClock)
+    }
+    fn advance(&self, _by: Duration) {}
+    async fn expire_leases(&self, lease: Duration) {
+        tokio::time::sleep(lease + Duration::from_millis(200)).await;
+    }
+
+    async fn begin(&self) -> Result<Self::BizTx, String> {
+        self.pool.begin().await.map_err(|e| e.to_string())
+    }
+    async fn aggregate(
+        &self,
+        tx: &mut Self::BizTx,
+        aggregate: &str,
+    ) -> Result<Option<(i64, Value)>, String> {
+        // Another open transaction of the simulation holds the aggregate: a conflict, never a
+        // wait (the simulation drives every transaction from one thread).
+        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1, hashtext($2))")
+            .bind(BUSINESS_LOCK_CLASS)
+            // Advisory locks are database-wide: the schema keeps cases apart.
+            .bind(format!("{}/{aggregate}", self.schema))
+            .fetch_one(&mut **tx)
+            .await
+            .map_err(|e| e.to_string())?;
+        if !locked {
+            return Ok(None);
+        }
+        let row = sqlx::query(&format!(
+            "SELECT version, state FROM {} WHERE id = $1",
+            self.table("sim_aggregates")
+        ))
+        .bind(aggregate)
+        .fetch_optional(&mut **tx)
+        .await
+        .map_err(|e| e.to_string())?;
+        Ok(Some(match row {
+            Some(r) => (r.get::<i64, _>(0), r.get::<Value, _>(1)),
+            None => (0, Value::Null),
+        }))
+    }
+    async fn set_aggregate(
+        &self,
+        tx: &mut Self::BizTx,
+        aggregate: &str,
+        version: i64,
+        state: Value,
+    ) -> Result<(), String> {
+        sqlx::query(&format!(
+            "INSERT INTO {} (id, version, state) VALUES ($1, $2, $3) \
+             ON CONFLICT (id) DO UPDATE SET version = EXCLUDED.version, state = EXCLUDED.state",
+            self.table("sim_aggregates")
+        ))
+        .bind(aggregate)
+        .bind(version)
+        .bind(state)
+        .execute(&mut **tx)
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
+    }
+    async fn append(&self, tx: &mut Self::BizTx, events: &[Envelope]) -> Result<(), StoreError> {
+        OutboxStore::append(&self.store, &mut **tx, events).await
+    }
+    async fn commit(&self, tx: Self::BizTx) -> Result<bool, String> {
+        tx.commit().await.map(|()| true).map_err(|e| e.to_string())
+    }
+    async fn rollback(&self, tx: Self::BizTx) {
+        let _ = tx.rollback().await;
+    }
+
+    async fn rows(&self) -> Result<Vec<RowView>, String> {
+        let rows = sqlx::query(&format!(
+            "SELECT event_id, aggregate_id, aggregate_version, status, ack_topic, ack_partition, \
+             ack_offset FROM {} ORDER BY id",
+            self.table(outbox_postgres::DEFAULT_OUTBOX_TABLE)
+        ))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        rows.into_iter()
+            .map(|r| {
+                let topic: Option<String> = r.get(4);
+                let partition: Option<i32> = r.get(5);
+                let offset: Option<i64> = r.get(6);
+                Ok(RowView {
+                    event_id: EventId::from_uuid(r.get(0)),
+                    aggregate_id: r.get(1),
+                    version: r.get(2),
+                    status: status(r.get::<&str, _>(3))?,
+                    ack: match (topic, partition, offset) {
+                        (Some(topic), Some(partition), Some(offset)) => Some(AckMetadata {
+                            topic,
+                            partition,
+                            offset,
+                        }),
+                        _ => None,
+                    },
+                })
+            })
+            .collect()
+    }
+    async fn abandon(&self, claim: &ClaimHandle) {
+        self.store.abandon_locked_claim(claim).await;
+    }
+
+    async fn record_effect(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        event: &Envelope,
+    ) -> Result<(), StoreError> {
+        let id = event.dedup_id().as_uuid();
+        sqlx::query(&format!(
+            "INSERT INTO {t} (event_id, n) VALUES ($1, 1) \
+             ON CONFLICT (event_id) DO UPDATE SET n = {t}.n + 1",
+            t = self.table("sim_effects")
+        ))
+        .bind(id)
+        .execute(&mut **tx)
+        .await
+        .map_err(map_sqlx_error)?;
+        let last: Option<i64> = sqlx::query_scalar(&format!(
+            "SELECT version FROM {} WHERE aggregate_id = $1",
+            self.table("sim_effect_order")
+        ))
+        .bind(&event.aggregate_id)
+        .fetch_optional(&mut **tx)
+        .await
+        .map_err(map_sqlx_error)?;
+        let last = last.unwrap_or(0);
+        if event.aggregate_version <= last {
+            sqlx::query(&format!(
+                "INSERT INTO {} (message) VALUES ($1)",
+                self.table("sim_effect_disorder")
+            ))
+            .bind(format!(
+                "{} v{} applied after v{last}",
+                event.aggregate_id, event.aggregate_version
+            ))
+            .execute(&mut **tx)
+            .await
+            .map_err(map_sqlx_error)?;
+        }
+        sqlx::query(&format!(
+            "INSERT INTO {t} (aggregate_id, version) VALUES ($1, $2) \
+             ON CONFLICT (aggregate_id) DO UPDATE SET version = GREATEST({t}.version, EXCLUDED.version)",
+            t = self.table("sim_effect_order")
+        ))
+        .bind(&event.aggregate_id)
+        .bind(event.aggregate_version)
+        .execute(&mut **tx)
+        .await
+        .map_err(map_sqlx_error)?;
+        Ok(())
+    }
+    async fn effects(&self) -> Result<EffectsView, String> {
+        let mut view = EffectsView::default();
+        let rows = sqlx::query(&format!(
+            "SELECT event_id, n FROM {}",
+            self.table("sim_effects")
+        ))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        for r in rows {
+            view.counts
+                .insert(EventId::from_uuid(r.get(0)), r.get::<i64, _>(1) as u64);
+        }
+        view.out_of_order = sqlx::query_scalar(&format!(
+            "SELECT message FROM {}",
+            self.table("sim_effect_disorder")
+        ))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        Ok(view)
+    }
+    async fn registered(&self, consumer: &str) -> Result<BTreeSet<EventId>, String> {
+        let ids: Vec<uuid::Uuid> = sqlx::query_scalar(&format!(
+            "SELECT event_id FROM {} WHERE consumer = $1",
+            self.table(outbox_postgres::DEFAULT_INBOX_TABLE)
+        ))
+        .bind(consumer)
+        .fetch_all(&self.pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        Ok(ids.into_iter().map(EventId::from_uuid).collect())
+    }
+}

@@ -1,0 +1,389 @@
+//! The relay side: the real [`Relay::run_once`] over the store under test, wrapped in
+//! [`SimStore`] (claim bookkeeping for the invariants, injected store faults, and the relay's
+//! seeded bugs), publishing through the [`ScriptedPublisher`] double.
+//!
+//! A relay's cycle runs as a tokio task. [`Step::Relay`](crate::Step::Relay) starts it and runs
+//! it until the double holds its batch (or the cycle ends without publishing);
+//! [`Step::Answer`](crate::Step::Answer) answers the batch record by record and runs the cycle
+//! to its end (completion, and with prefetch the next claim); a crash aborts the task, so the
+//! relay loses its batch in flight and its prefetched claim like a killed process.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use outbox_core::{
+    async_trait, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, CleanupReport,
+    Clock, CompletionReport, Envelope, EventId, OutboxStats, OutboxStore, Outcome, ParkedEvent,
+    StoreError,
+};
+use outbox_testkit::fault::{Fault, FaultyStore};
+use uuid::Uuid;
+
+use crate::backend::ShortClaimCheck;
+use crate::config::SeededBug;
+use crate::invariants::Violations;
+
+/// A claim some relay holds, as the simulation tracks it.
+#[derive(Clone, Debug)]
+pub(crate) struct HeldClaim {
+    pub(crate) relay: usize,
+    pub(crate) handle: ClaimHandle,
+    pub(crate) granted_at: DateTime<Utc>,
+    pub(crate) events: Vec<(EventId, String)>,
+}
+
+/// State shared by the relays' stores.
+pub(crate) struct RelayShared {
+    claims: Mutex<BTreeMap<Uuid, HeldClaim>>,
+    pub(crate) violations: Violations,
+    clock: Arc<dyn Clock>,
+    lease: Option<Duration>,
+    bug: Option<SeededBug>,
+    short_claim_check: Option<ShortClaimCheck>,
+}
+
+impl std::fmt::Debug for RelayShared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayShared")
+            .field("lease", &self.lease)
+            .field("bug", &self.bug)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RelayShared {
+    pub(crate) fn new(
+        violations: Violations,
+        clock: Arc<dyn Clock>,
+        mode: ClaimMode,
+        bug: Option<SeededBug>,
+        short_claim_check: Option<ShortClaimCheck>,
+    ) -> Self {
+        Self {
+            claims: Mutex::new(BTreeMap::new()),
+            violations,
+            clock,
+            lease: match mode {
+                ClaimMode::Lease { duration } => Some(duration),
+                _ => None,
+            },
+            bug,
+            short_claim_check,
+        }
+    }
+
+    pub(crate) fn claims(&self) -> MutexGuard<'_, BTreeMap<Uuid, HeldClaim>> {
+        self.claims.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Whether `claim` still keeps others away: a locked claim until it ends, a lease until
+    /// it expires.
+    pub(crate) fn live(&self, claim: &HeldClaim) -> bool {
+        match self.lease {
+            None => true,
+            Some(d) => claim.granted_at + d > self.clock.now(),
+        }
+    }
+
+    pub(crate) fn is_lease(&self) -> bool {
+        self.lease.is_some()
+    }
+
+    /// The claims of `relay`.
+    pub(crate) fn claims_of(&self, relay: usize) -> Vec<HeldClaim> {
+        self.claims()
+            .values()
+            .filter(|c| c.relay == relay)
+            .cloned()
+            .collect()
+    }
+
+    pub(crate) fn forget(&self, token: Uuid) {
+        self.claims().remove(&token);
+    }
+}
+
+/// The store as relay `relay` sees it: the store under test behind two fault injectors (claim,
+/// completion), with the claims it holds tracked, and the relay-side seeded bugs.
+pub struct SimStore<S> {
+    inner: FaultyStore<FaultyStore<S>>,
+    relay: usize,
+    shared: Arc<RelayShared>,
+}
+
+impl<S> std::fmt::Debug for SimStore<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SimStore")
+            .field("relay", &self.relay)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: OutboxStore> SimStore<S> {
+    pub(crate) fn new(
+        inner: FaultyStore<FaultyStore<S>>,
+        relay: usize,
+        shared: Arc<RelayShared>,
+    ) -> Self {
+        Self {
+            inner,
+            relay,
+            shared,
+        }
+    }
+
+    fn bug(&self, bug: SeededBug) -> bool {
+        self.shared.bug == Some(bug)
+    }
+
+    /// Records a new claim requested at `requested_at` (a lease counts from before the
+    /// request, so the simulation never thinks a lease lives longer than the store does),
+    /// checking that no other relay holds one of its aggregates.
+    fn track(&self, batch: &ClaimedBatch, requested_at: DateTime<Utc>) {
+        let mut claims = self.shared.claims();
+        for rec in &batch.records {
+            let agg = &rec.envelope.aggregate_id;
+            for other in claims.values() {
+                if other.relay != self.relay
+                    && self.shared.live(other)
+                    && other.events.iter().any(|(_, a)| a == agg)
+                {
+                    self.shared.violations.push(format!(
+                        "relays {} and {} hold aggregate {agg} at once",
+                        other.relay, self.relay
+                    ));
+                }
+            }
+        }
+        claims.insert(
+            batch.handle.token,
+            HeldClaim {
+                relay: self.relay,
+                handle: batch.handle.clone(),
+                granted_at: requested_at,
+                events: batch
+                    .records
+                    .iter()
+                    .map(|r| (r.envelope.event_id, r.envelope.aggregate_id.clone()))
+                    .collect(),
+            },
+        );
+    }
+}
+
+/// Outcome `from`, about the event of `to`.
+fn retarget(from: &Outcome, to: EventId) -> Outcome {
+    match from.clone() {
+        Outcome::Published { ack, .. } => Outcome::Published { event_id: to, ack },
+        Outcome::Retry { delay, error, .. } => Outcome::Retry {
+            event_id: to,
+            delay,
+            error,
+        },
+        Outcome::Defer { delay, error, .. } => Outcome::Defer {
+            event_id: to,
+            delay,
+            error,
+        },
+        Outcome::Park { reason, .. } => Outcome::Park {
+            event_id: to,
+            reason,
+        },
+    }
+}
+
+fn shifted(outcomes: &[Outcome]) -> Vec<Outcome> {
+    let n = outcomes.len();
+    (0..n)
+        .map(|i| retarget(&outcomes[(i + 1) % n], outcomes[i].event_id()))
+        .collect()
+}
+
+fn swapped_acks(outcomes: &[Outcome]) -> Vec<Outcome> {
+    let acked: Vec<usize> = (0..outcomes.len())
+        .filter(|i| matches!(outcomes[*i], Outcome::Published { .. }))
+        .collect();
+    let mut out = outcomes.to_vec();
+    for (k, i) in acked.iter().enumerate() {
+        let from = acked[(k + 1) % acked.len()];
+        if let (Outcome::Published { ack, .. }, Outcome::Published { ack: mine, .. }) =
+            (&outcomes[from], &mut out[*i])
+        {
+            *mine = ack.clone();
+        }
+    }
+    out
+}
+
+#[async_trait]
+impl<S: OutboxStore> OutboxStore for SimStore<S> {
+    type Tx = S::Tx;
+
+    async fn append(&self, tx: &mut S::Tx, events: &[Envelope]) -> Result<(), StoreError> {
+        self.inner.append(tx, events).await
+    }
+
+    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
+        let prefetch = !self.shared.claims_of(self.relay).is_empty();
+        let requested_at = self.shared.clock.now();
+        let batch = self.inner.claim(request).await?;
+        if let Some(check) = &self.shared.short_claim_check {
+            if let Some(v) = check(batch.records.len(), request.limit) {
+                self.shared.violations.push(v);
+            }
+        }
+        if batch.is_empty() {
+            return Ok(batch);
+        }
+        self.track(&batch, requested_at);
+        if self.bug(SeededBug::MarkBeforeAck) {
+            let outcomes: Vec<Outcome> = batch
+                .records
+                .iter()
+                .map(|r| Outcome::Published {
+                    event_id: r.envelope.event_id,
+                    ack: outbox_core::AckMetadata {
+                        topic: crate::runner::TOPIC.into(),
+                        partition: 0,
+                        offset: -1,
+                    },
+                })
+                .collect();
+            let _ = self.inner.complete(&batch.handle, &outcomes).await;
+        }
+        if prefetch && self.bug(SeededBug::StalePrefetch) {
+            // The claim is given up at once, yet handed to the relay as if it held it.
+            self.inner.release(&batch.handle).await?;
+            self.shared.forget(batch.handle.token);
+        }
+        Ok(batch)
+    }
+
+    async fn complete(
+        &self,
+        claim: &ClaimHandle,
+        outcomes: &[Outcome],
+    ) -> Result<CompletionReport, StoreError> {
+        let outcomes = if self.bug(SeededBug::ShiftedOutcomes) && outcomes.len() > 1 {
+            shifted(outcomes)
+        } else if self.bug(SeededBug::SwappedAckMetadata) {
+            swapped_acks(outcomes)
+        } else {
+            outcomes.to_vec()
+        };
+        let injected_before = self.inner.faults().injected().len();
+        let result = self.inner.complete(claim, &outcomes).await;
+        // A completion whose reply was lost took effect: the claim is over all the same.
+        let took_effect = result.is_ok()
+            || self
+                .inner
+                .faults()
+                .injected()
+                .get(injected_before..)
+                .is_some_and(|new| new.iter().any(|(_, f)| *f == Fault::AckLost));
+        if took_effect {
+            self.shared.forget(claim.token);
+        }
+        result
+    }
+
+    async fn release(&self, claim: &ClaimHandle) -> Result<(), StoreError> {
+        let result = self.inner.release(claim).await;
+        if result.is_ok() {
+            self.shared.forget(claim.token);
+        }
+        result
+    }
+
+    async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedEvent>, StoreError> {
+        self.inner.list_parked(limit).await
+    }
+    async fn parked_event(&self, event_id: EventId) -> Result<ParkedEvent, StoreError> {
+        self.inner.parked_event(event_id).await
+    }
+    async fn retry_parked(&self, event_id: EventId, actor: &str) -> Result<(), StoreError> {
+        self.inner.retry_parked(event_id, actor).await
+    }
+    async fn discard_parked(
+        &self,
+        event_id: EventId,
+        actor: &str,
+        reason: &str,
+    ) -> Result<(), StoreError> {
+        self.inner.discard_parked(event_id, actor, reason).await
+    }
+    async fn reissue_parked(
+        &self,
+        event_id: EventId,
+        actor: &str,
+        reason: &str,
+    ) -> Result<EventId, StoreError> {
+        self.inner.reissue_parked(event_id, actor, reason).await
+    }
+    async fn audit_trail(&self, event_id: Option<EventId>) -> Result<Vec<AuditEntry>, StoreError> {
+        self.inner.audit_trail(event_id).await
+    }
+    async fn cleanup(
+        &self,
+        retention: Duration,
+        batch_size: usize,
+    ) -> Result<CleanupReport, StoreError> {
+        self.inner.cleanup(retention, batch_size).await
+    }
+    async fn stats(&self) -> Result<OutboxStats, StoreError> {
+        self.inner.stats().await
+    }
+    async fn release_claims_of(&self, owner: &str, actor: &str) -> Result<u64, StoreError> {
+        self.inner.release_claims_of(owner, actor).await
+    }
+    fn claim_mode(&self) -> ClaimMode {
+        self.inner.claim_mode()
+    }
+    fn locked_claim_timeout(&self) -> Option<Duration> {
+        self.inner.locked_claim_timeout()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox_core::AckMetadata;
+    use outbox_testkit::ManualClock;
+
+    fn published(n: u8) -> Outcome {
+        Outcome::Published {
+            event_id: EventId::from_parts(ManualClock::epoch(), u128::from(n) << 16),
+            ack: AckMetadata {
+                topic: "t".into(),
+                partition: 0,
+                offset: i64::from(n),
+            },
+        }
+    }
+
+    #[test]
+    fn shifting_moves_each_outcome_to_the_previous_record() {
+        let o = vec![published(1), published(2)];
+        let s = shifted(&o);
+        assert_eq!(s[0].event_id(), o[0].event_id());
+        assert!(matches!(&s[0], Outcome::Published { ack, .. } if ack.offset == 2));
+        assert!(matches!(&s[1], Outcome::Published { ack, .. } if ack.offset == 1));
+    }
+
+    #[test]
+    fn swapping_rotates_acks_among_acknowledged_records() {
+        let o = vec![published(1), published(2), published(3)];
+        let s = swapped_acks(&o);
+        let offsets: Vec<i64> = s
+            .iter()
+            .map(|x| match x {
+                Outcome::Published { ack, .. } => ack.offset,
+                _ => -1,
+            })
+            .collect();
+        assert_eq!(offsets, vec![2, 3, 1]);
+        assert_eq!(swapped_acks(&o[..1]), o[..1].to_vec(), "one ack stays put");
+    }
+}

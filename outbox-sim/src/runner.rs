@@ -1,0 +1,1184 @@
+//! [`Simulation`]: one system (backend, relays, log, consumer engine) plus the reference
+//! model; applies [`Step`]s, checks the invariants after each, drains and checks the quiescent
+//! invariants. [`run_property`] runs it as a seeded property test.
+
+use std::collections::BTreeSet;
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use outbox_core::{
+    ClaimMode, Classify, CycleReport, DeliveryStatus, Envelope, EventId, OutboxStore, ParkedFilter,
+    ParkedStatus, PublishError, PublishErrorKind, PublishResult, Publisher, Relay, RelayConfig,
+    RetryPolicy, StoreError, StoreErrorKind,
+};
+use outbox_inbox::{ConsumerEngine, EngineConfig, Handler, InboxProcessor, ParkedMessages};
+use outbox_testkit::fault::{Fault, FaultInjector, FaultSource, FaultyInbox, FaultyStore};
+use outbox_testkit::{MemoryConsumer, MemoryLog};
+use proptest::test_runner::{
+    Config, FileFailurePersistence, RngSeed, TestCaseError, TestError, TestRunner,
+};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use tokio::runtime::Runtime;
+use tokio::task::JoinHandle;
+
+use crate::backend::{Backend, MemoryBackend};
+use crate::config::{cases_from_env, SeededBug, SimConfig, SEED_ENV};
+use crate::consumer::{InboxTx, NoEffect, SimHandler, SimSource};
+use crate::invariants::{self, ensure, Check, Model, Observed, Violations};
+use crate::producer::{Command, Touch};
+use crate::publisher::{self, HeldBatch, PublisherHandle, ScriptedPublisher};
+use crate::relay::{RelayShared, SimStore};
+use crate::steps::{self, Case, HandlerFault, Modes, OperatorStep, RecordAnswer, Step, StoreFault};
+
+pub(crate) const TOPIC: &str = "events";
+/// The consumer group (and inbox consumer name) of the simulation.
+pub const GROUP: &str = "projection";
+/// Longest a single step may take in real time before the simulation calls it hung.
+const STEP_LIMIT: Duration = Duration::from_secs(20);
+
+/// An invariant violation, with the step at which it was detected.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Violation {
+    /// Index of the step after which the invariant failed (`None`: at quiescence).
+    pub step: Option<usize>,
+    /// What failed.
+    pub message: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.step {
+            Some(i) => write!(f, "after step {i}: {}", self.message),
+            None => write!(f, "at quiescence: {}", self.message),
+        }
+    }
+}
+
+impl std::error::Error for Violation {}
+
+/// What a run reached (coverage counters, so tests can prove the generator gets somewhere).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SimReport {
+    /// Steps applied.
+    pub steps: usize,
+    /// Events committed by business transactions.
+    pub committed_events: usize,
+    /// Records in the log (including duplicates).
+    pub log_records: usize,
+    /// Records in the log that repeat an earlier record's event.
+    pub duplicates_in_log: usize,
+    /// Events whose effect committed.
+    pub applied: usize,
+    /// Outcomes refused by fencing.
+    pub superseded: usize,
+    /// Events seen parked in the outbox.
+    pub parked: usize,
+    /// Batches answered with both acknowledgements and failures.
+    pub mixed_batches: usize,
+    /// Cycles that ended with a prefetched batch waiting.
+    pub prefetches: usize,
+    /// Operator actions on the outbox (during the steps).
+    pub operator_actions: usize,
+    /// Relay crashes while holding a claim.
+    pub relay_crashes_holding_work: usize,
+    /// Consumer crashes with messages in flight.
+    pub consumer_crashes_with_work: usize,
+    /// Duplicates the engine absorbed.
+    pub engine_duplicates: u64,
+    /// Messages parked on the consumer side.
+    pub consumer_parked: u64,
+    /// Business commits refused with a conflict.
+    pub conflicts: usize,
+    /// Rows removed by cleanup.
+    pub cleaned: u64,
+    /// Faults injected into the relays' store, the inbox and the handler.
+    pub faults: usize,
+}
+
+type SimRelay<B> = Relay<SimStore<<B as Backend>::Store>, ScriptedPublisher>;
+type CycleResult<B> = (SimRelay<B>, Result<CycleReport, StoreError>);
+type Engine<B, H> =
+    ConsumerEngine<SimSource<MemoryConsumer>, FaultyInbox<<B as Backend>::Inbox>, SimHandler<B, H>>;
+
+struct RelaySlot<B: Backend> {
+    relay: Option<SimRelay<B>>,
+    task: Option<JoinHandle<CycleResult<B>>>,
+    handle: PublisherHandle,
+    held: Option<HeldBatch>,
+    generation: u64,
+    last_cycle: Option<CycleReport>,
+}
+
+enum Waited<B: Backend> {
+    Held(Option<HeldBatch>),
+    Done(Box<Result<CycleResult<B>, tokio::task::JoinError>>),
+}
+
+/// One simulated system: the system under test plus the reference model.
+pub struct Simulation<B: Backend, H> {
+    config: SimConfig,
+    modes: Modes,
+    backend: Arc<B>,
+    log: MemoryLog,
+    shared: Arc<RelayShared>,
+    violations: Violations,
+    claim_faults: FaultInjector,
+    complete_faults: FaultInjector,
+    inbox_faults: FaultInjector,
+    handler_fault: Arc<Mutex<Option<HandlerFault>>>,
+    relays: Vec<RelaySlot<B>>,
+    handler: SimHandler<B, H>,
+    engine: Option<Engine<B, H>>,
+    engine_generation: u64,
+    parked_api: ParkedMessages<B::Inbox, SimHandler<B, H>>,
+    commands: Arc<Vec<Box<dyn Command>>>,
+    open: Vec<(B::BizTx, Vec<Envelope>)>,
+    model: Model,
+    report: SimReport,
+    next_id: u64,
+    // Dropped last: the tasks above run on it.
+    rt: Runtime,
+}
+
+impl<B: Backend, H> fmt::Debug for Simulation<B, H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Simulation")
+            .field("config", &self.config)
+            .field("modes", &self.modes)
+            .field("committed", &self.model.committed.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend, H> Drop for Simulation<B, H> {
+    /// Ends what may still hold a database connection (relay tasks, the engine's
+    /// transactions, open business transactions, locked claims) inside the simulation's
+    /// runtime, where a connection can be handed back.
+    fn drop(&mut self) {
+        let _context = self.rt.enter();
+        for slot in &mut self.relays {
+            if let Some(task) = slot.task.take() {
+                task.abort();
+            }
+            slot.held = None;
+            slot.relay = None;
+        }
+        self.engine = None;
+        self.open.clear();
+        let claims: Vec<_> = self
+            .shared
+            .claims()
+            .values()
+            .map(|c| c.handle.clone())
+            .collect();
+        let backend = self.backend.clone();
+        self.rt.block_on(async move {
+            for handle in claims {
+                backend.abandon(&handle).await;
+            }
+            tokio::task::yield_now().await;
+        });
+    }
+}
+
+fn retry_policy(config: &SimConfig, base: Duration, max: Duration) -> RetryPolicy {
+    RetryPolicy::builder()
+        .base(base)
+        .max_delay(max)
+        .max_attempts(config.max_attempts.max(1))
+        .build()
+        .expect("valid retry policy")
+}
+
+/// A current-thread runtime with time (the simulation's own).
+pub fn runtime() -> Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}
+
+impl Simulation<MemoryBackend, NoEffect> {
+    /// A simulation on the in-memory backends with the default command ([`Touch`]) and no
+    /// user effect.
+    pub fn memory(config: SimConfig, modes: Modes) -> Self {
+        Self::new(
+            config,
+            modes,
+            |_, mode| MemoryBackend::new(mode),
+            NoEffect,
+            vec![Box::new(Touch)],
+        )
+    }
+}
+
+impl<B, H> Simulation<B, H>
+where
+    B: Backend,
+    H: Handler<InboxTx<B>> + 'static,
+{
+    /// A fresh system. `make_backend` builds the backend for the case's claim mode on the
+    /// simulation's runtime; `user` is the consumer's handler (run by the real engine through
+    /// [`SimHandler`]); `commands` are the producer's commands.
+    pub fn new(
+        config: SimConfig,
+        modes: Modes,
+        make_backend: impl FnOnce(&Runtime, ClaimMode) -> B,
+        user: H,
+        commands: Vec<Box<dyn Command>>,
+    ) -> Self {
+        let rt = runtime();
+        let mode = if modes.lease {
+            ClaimMode::Lease {
+                duration: config.lease,
+            }
+        } else {
+            ClaimMode::LockedTransaction
+        };
+        let backend = Arc::new(make_backend(&rt, mode));
+        let clock = backend.clock();
+        let log = MemoryLog::builder()
+            .topic(TOPIC, config.partitions.max(1))
+            .default_topic(TOPIC)
+            .clock(clock.clone())
+            .build();
+        let violations = Violations::default();
+        let shared = Arc::new(RelayShared::new(
+            violations.clone(),
+            clock,
+            mode,
+            config.bug,
+            backend.short_claim_check(),
+        ));
+        let handler_fault = Arc::new(Mutex::new(None));
+        let handler = SimHandler::new(
+            backend.clone(),
+            Arc::new(user),
+            handler_fault.clone(),
+            config.bug,
+        );
+        let parked_api =
+            ParkedMessages::new(InboxProcessor::new(GROUP, backend.inbox(), handler.clone()));
+        let mut sim = Self {
+            modes,
+            backend,
+            log,
+            shared,
+            violations,
+            claim_faults: FaultInjector::new(FaultSource::None).only(&["claim"]),
+            complete_faults: FaultInjector::new(FaultSource::None).only(&["complete"]),
+            inbox_faults: FaultInjector::new(FaultSource::None).only(&["commit"]),
+            handler_fault,
+            relays: Vec::new(),
+            handler,
+            engine: None,
+            engine_generation: 0,
+            parked_api,
+            commands: Arc::new(if commands.is_empty() {
+                vec![Box::new(Touch) as Box<dyn Command>]
+            } else {
+                commands
+            }),
+            open: Vec::new(),
+            model: Model::default(),
+            report: SimReport::default(),
+            next_id: 0,
+            rt,
+            config,
+        };
+        for i in 0..sim.config.relays.max(1) {
+            let slot = sim.relay_slot(i, 0);
+            sim.relays.push(slot);
+        }
+        sim.engine = Some(sim.make_engine());
+        sim
+    }
+
+    /// The backend (for inspection).
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// The log (for inspection).
+    pub fn log(&self) -> &MemoryLog {
+        &self.log
+    }
+
+    fn relay_slot(&self, i: usize, generation: u64) -> RelaySlot<B> {
+        let store = SimStore::new(
+            FaultyStore::new(
+                FaultyStore::new(self.backend.store(), self.claim_faults.clone()),
+                self.complete_faults.clone(),
+            ),
+            i,
+            self.shared.clone(),
+        );
+        let (publisher, handle) = publisher::pair(self.config.delivery_timeout);
+        let cfg = RelayConfig::builder()
+            .owner(format!("relay-{i}-{generation}"))
+            .batch_size(self.config.batch_size.max(1))
+            .retry(retry_policy(
+                &self.config,
+                self.config.relay_retry.0,
+                self.config.relay_retry.1,
+            ))
+            .prefetch(self.modes.prefetch)
+            .build()
+            .expect("valid relay config");
+        let relay = Relay::new(
+            store,
+            publisher,
+            cfg,
+            self.backend.clock(),
+            Box::new(StdRng::seed_from_u64((i as u64) << 32 | generation)),
+        )
+        .expect("the lease outlives the delivery timeout");
+        RelaySlot {
+            relay: Some(relay),
+            task: None,
+            handle,
+            held: None,
+            generation,
+            last_cycle: None,
+        }
+    }
+
+    fn make_engine(&mut self) -> Engine<B, H> {
+        self.engine_generation += 1;
+        let source = SimSource::new(self.log.consumer(GROUP, &[TOPIC]), self.config.bug);
+        let inbox = FaultyInbox::new(self.backend.inbox(), self.inbox_faults.clone());
+        let processor = InboxProcessor::new(GROUP, inbox, self.handler.clone());
+        let config = EngineConfig::default()
+            .with_retry(retry_policy(
+                &self.config,
+                Duration::from_millis(1),
+                Duration::from_millis(4),
+            ))
+            .with_commit(2, Duration::from_secs(3600))
+            .with_max_batch(3)
+            .with_concurrency(2)
+            .with_max_in_flight(64)
+            .with_poll_timeout(Duration::from_millis(1));
+        ConsumerEngine::new(source, processor, config, self.engine_generation)
+            .expect("valid engine config")
+    }
+
+    fn block_on<T>(&self, f: impl std::future::Future<Output = T>) -> Result<T, String> {
+        self.rt
+            .block_on(async { tokio::time::timeout(STEP_LIMIT, f).await })
+            .map_err(|_| format!("a step did not finish within {STEP_LIMIT:?}"))
+    }
+
+    /// Applies every step, checking invariants after each, then drains and checks the
+    /// quiescent invariants.
+    pub fn run(&mut self, steps: &[Step]) -> Result<SimReport, Violation> {
+        for (i, s) in steps.iter().enumerate() {
+            self.apply(s)
+                .and_then(|()| self.check_invariants())
+                .map_err(|message| Violation {
+                    step: Some(i),
+                    message: format!("{message} (step {s:?})"),
+                })?;
+        }
+        self.quiesce().map_err(|message| Violation {
+            step: None,
+            message,
+        })?;
+        let records = self.log.all_records();
+        let distinct: BTreeSet<EventId> = records
+            .iter()
+            .filter_map(|r| r.decode().ok())
+            .map(|e| e.event_id)
+            .collect();
+        let effects = self
+            .block_on(self.backend.effects())
+            .and_then(|r| r)
+            .map_err(|message| Violation {
+                step: None,
+                message,
+            })?;
+        let mut report = self.report.clone();
+        report.steps = steps.len();
+        report.committed_events = self.model.committed.len();
+        report.log_records = records.len();
+        report.duplicates_in_log = records.len() - distinct.len();
+        report.applied = effects.counts.len();
+        report.parked = self.model.parked_seen.len();
+        if let Some(e) = &self.engine {
+            report.engine_duplicates += e.report().duplicates;
+            report.consumer_parked += e.report().parked;
+        }
+        Ok(report)
+    }
+
+    /// Applies one step (no invariant check).
+    pub fn apply(&mut self, step: &Step) -> Check {
+        match step {
+            Step::Begin {
+                aggregate,
+                events,
+                command,
+            } => self.begin(*aggregate, *events, *command),
+            Step::Commit(n) => self.commit_open(*n),
+            Step::Rollback(n) => {
+                if !self.open.is_empty() {
+                    let (tx, events) = self.open.remove(n % self.open.len());
+                    self.block_on(self.backend.rollback(tx))?;
+                    self.model
+                        .rolled_back
+                        .extend(events.iter().map(|e| e.event_id));
+                }
+                Ok(())
+            }
+            Step::Relay(i) => self.relay_step(i % self.relays.len()),
+            Step::Answer { relay, answers } => self.answer(relay % self.relays.len(), answers),
+            Step::RelayCrash(i) => self.relay_crash(i % self.relays.len()),
+            Step::Advance(d) => {
+                self.backend.advance(*d);
+                Ok(())
+            }
+            Step::StoreFault(f) => {
+                self.report.faults += 1;
+                let (injector, fault) = match f {
+                    StoreFault::ClaimFails => (&self.claim_faults, Fault::Transient),
+                    StoreFault::CompleteFails => (&self.complete_faults, Fault::Transient),
+                    StoreFault::CompleteReplyLost => (&self.complete_faults, Fault::AckLost),
+                };
+                injector.set_source(FaultSource::script([Some(fault)]));
+                Ok(())
+            }
+            Step::Operator(op, n) => self.operator(*op, *n),
+            Step::Consumer(n) => self.consumer_steps(*n).map(|_| ()),
+            Step::ConsumerCrash => {
+                self.drop_engine();
+                self.engine = Some(self.make_engine());
+                Ok(())
+            }
+            Step::Rebalance => {
+                // On revoke, a well-behaved member commits what is final, then hands over.
+                if let Some(engine) = self.engine.as_mut() {
+                    let r = self.rt.block_on(async {
+                        tokio::time::timeout(STEP_LIMIT, engine.commit_final()).await
+                    });
+                    match r {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => return Err(format!("commit on revoke failed: {e}")),
+                        Err(_) => return Err("commit on revoke hung".into()),
+                    }
+                }
+                self.drop_engine();
+                self.engine = Some(self.make_engine());
+                Ok(())
+            }
+            Step::HandlerFault(f) => {
+                self.report.faults += 1;
+                *self
+                    .handler_fault
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner) = Some(*f);
+                Ok(())
+            }
+            Step::InboxCommitFault { lost_reply } => {
+                self.report.faults += 1;
+                let f = if *lost_reply {
+                    Fault::AckLost
+                } else {
+                    Fault::Transient
+                };
+                self.inbox_faults.set_source(FaultSource::script([Some(f)]));
+                Ok(())
+            }
+            Step::ConsumerOperator(n) => self.consumer_operator(*n).map(|_| ()),
+            Step::Cleanup => {
+                let store = self.backend.store();
+                let rep = self
+                    .block_on(store.cleanup(Duration::ZERO, 2))?
+                    .map_err(|e| format!("cleanup failed: {e}"))?;
+                self.report.cleaned += rep.removed;
+                Ok(())
+            }
+        }
+    }
+
+    // ---- producer ----
+
+    fn begin(&mut self, aggregate: usize, events: usize, command: usize) -> Check {
+        let agg = format!("agg-{}", aggregate % self.config.aggregates.max(1));
+        let backend = self.backend.clone();
+        let mut tx = self.block_on(backend.begin())??;
+        let Some((mut version, mut state)) = self.block_on(backend.aggregate(&mut tx, &agg))??
+        else {
+            self.report.conflicts += 1;
+            self.block_on(backend.rollback(tx))?;
+            return Ok(());
+        };
+        let now = backend.clock().now();
+        let mut batch = Vec::new();
+        for k in 0..events {
+            let cmd = &self.commands[(command + k) % self.commands.len()];
+            if !cmd.guard(&state) {
+                continue;
+            }
+            let t = cmd.apply(&state);
+            version += 1;
+            self.next_id += 1;
+            let e = Envelope::builder("sim", &agg, version, &t.event_type)
+                .event_id(outbox_testkit::deterministic_event_id(now, self.next_id))
+                .created_at(now)
+                .json(&t.payload)
+                .map_err(|e| format!("command {}: {e}", cmd.name()))?
+                .build()
+                .map_err(|e| format!("command {}: {e}", cmd.name()))?;
+            batch.push(e);
+            state = t.state;
+        }
+        if batch.is_empty() {
+            self.block_on(backend.rollback(tx))?;
+            return Ok(());
+        }
+        self.block_on(backend.set_aggregate(&mut tx, &agg, version, state))??;
+        self.block_on(backend.append(&mut tx, &batch))?
+            .map_err(|e| format!("append failed: {e}"))?;
+        self.open.push((tx, batch));
+        Ok(())
+    }
+
+    fn commit_open(&mut self, n: usize) -> Check {
+        if self.open.is_empty() {
+            return Ok(());
+        }
+        let (tx, events) = self.open.remove(n % self.open.len());
+        if self.block_on(self.backend.commit(tx))?? {
+            for e in events {
+                self.model.committed.insert(e.event_id, e);
+            }
+        } else {
+            self.report.conflicts += 1;
+            self.model
+                .rolled_back
+                .extend(events.iter().map(|e| e.event_id));
+        }
+        Ok(())
+    }
+
+    fn operator(&mut self, op: OperatorStep, n: usize) -> Check {
+        let store = self.backend.store();
+        let parked = self
+            .block_on(store.list_parked(100))?
+            .map_err(|e| format!("list_parked failed: {e}"))?;
+        if parked.is_empty() {
+            return Ok(());
+        }
+        let id = parked[n % parked.len()].envelope.event_id;
+        self.report.operator_actions += 1;
+        match op {
+            OperatorStep::Retry => {
+                self.block_on(store.retry_parked(id, "sim-operator"))?
+                    .map_err(|e| format!("retry_parked failed: {e}"))?;
+                self.model.retried.insert(id);
+            }
+            OperatorStep::Discard => {
+                self.block_on(store.discard_parked(id, "sim-operator", "simulated"))?
+                    .map_err(|e| format!("discard_parked failed: {e}"))?;
+                self.model.discarded.insert(id);
+            }
+            OperatorStep::Reissue => {
+                let new_id = self
+                    .block_on(store.reissue_parked(id, "sim-operator", "simulated"))?
+                    .map_err(|e| format!("reissue_parked failed: {e}"))?;
+                self.model.discarded.insert(id);
+                self.model.reissued.insert(new_id, id);
+            }
+        }
+        let trail = self
+            .block_on(store.audit_trail(Some(id)))?
+            .map_err(|e| e.to_string())?;
+        ensure(!trail.is_empty(), || {
+            format!("operator action on {id} not audited")
+        })
+    }
+
+    // ---- relays ----
+
+    fn relay_step(&mut self, i: usize) -> Check {
+        if self.relays[i].held.is_some() {
+            return Ok(()); // the batch waits for the broker's answer
+        }
+        if self.relays[i].task.is_none() {
+            let mut relay = self.relays[i].relay.take().ok_or("relay missing")?;
+            let task = self.rt.spawn(async move {
+                let r = relay.run_once().await;
+                (relay, r)
+            });
+            self.relays[i].task = Some(task);
+        }
+        self.wait_relay(i)
+    }
+
+    /// Runs relay `i`'s cycle until the double holds its batch or the cycle ends.
+    fn wait_relay(&mut self, i: usize) -> Check {
+        let rt = &self.rt;
+        let slot = &mut self.relays[i];
+        let Some(task) = slot.task.as_mut() else {
+            return Ok(());
+        };
+        let handle = &mut slot.handle;
+        let waited: Waited<B> = rt
+            .block_on(async {
+                tokio::time::timeout(STEP_LIMIT, async {
+                    tokio::select! {
+                        b = handle.next_batch() => Waited::Held(b),
+                        r = task => Waited::Done(Box::new(r)),
+                    }
+                })
+                .await
+            })
+            .map_err(|_| format!("relay {i} hung"))?;
+        match waited {
+            Waited::Done(done) => match *done {
+                Err(e) => Err(format!("relay {i}'s cycle panicked: {e}")),
+                Ok((relay, result)) => {
+                    let slot = &mut self.relays[i];
+                    slot.task = None;
+                    slot.relay = Some(relay);
+                    self.settle(i, result)
+                }
+            },
+            Waited::Held(None) => Err(format!("relay {i}'s publisher went away")),
+            Waited::Held(Some(mut batch)) => {
+                if self.config.has(SeededBug::SkipHead) {
+                    self.skip_heads(&mut batch.records)?;
+                }
+                self.check_send(i, &batch.records)?;
+                self.relays[i].held = Some(batch);
+                Ok(())
+            }
+        }
+    }
+
+    /// The seeded bug: the next version of an aggregate goes out instead of the claimed head.
+    fn skip_heads(&self, records: &mut [Envelope]) -> Check {
+        let rows = self.block_on(self.backend.rows())??;
+        for e in records.iter_mut() {
+            let next = rows.iter().find(|r| {
+                r.status == DeliveryStatus::Pending
+                    && r.aggregate_id == e.aggregate_id
+                    && r.version == e.aggregate_version + 1
+            });
+            if let Some(env) = next.and_then(|r| self.model.committed.get(&r.event_id)) {
+                *e = env.clone();
+            }
+        }
+        Ok(())
+    }
+
+    /// At send time: every record is held by a live claim of its sender, and is its
+    /// aggregate's head.
+    fn check_send(&self, i: usize, records: &[Envelope]) -> Check {
+        let mine = self.shared.claims_of(i);
+        for e in records {
+            ensure(
+                mine.iter().any(|c| {
+                    self.shared.live(c) && c.events.iter().any(|(id, _)| *id == e.event_id)
+                }),
+                || format!("relay {i} sent {} without a live claim on it", e.event_id),
+            )?;
+        }
+        let rows = self.block_on(self.backend.rows())??;
+        invariants::check_send_order(&rows, records)
+    }
+
+    fn answer(&mut self, i: usize, answers: &[RecordAnswer]) -> Check {
+        let Some(batch) = self.relays[i].held.take() else {
+            return Ok(());
+        };
+        let mut results: Vec<PublishResult> = Vec::with_capacity(batch.records.len());
+        let (mut acked, mut failed) = (0, 0);
+        for (k, e) in batch.records.iter().enumerate() {
+            let a = answers
+                .get(k % answers.len().max(1))
+                .copied()
+                .unwrap_or(RecordAnswer::Ack);
+            let stored = matches!(a, RecordAnswer::Ack | RecordAnswer::AckLost);
+            let ack: Option<PublishResult> = if stored {
+                let mut r = self.block_on(self.log.publish(std::slice::from_ref(e)))?;
+                Some(r.pop().ok_or("the log answered nothing")?)
+            } else {
+                None
+            };
+            let result = match a {
+                RecordAnswer::Ack => ack.ok_or("no ack")?,
+                RecordAnswer::AckLost => Err(PublishError::new(
+                    PublishErrorKind::Timeout,
+                    "scripted: stored, acknowledgement lost",
+                )),
+                RecordAnswer::Transient => Err(PublishError::new(
+                    PublishErrorKind::Other,
+                    "scripted: transient failure of the record",
+                )),
+                RecordAnswer::Transport => Err(PublishError::new(
+                    PublishErrorKind::BrokerUnavailable,
+                    "scripted: broker unavailable",
+                )),
+                RecordAnswer::Permanent => Err(PublishError::new(
+                    PublishErrorKind::RecordTooLarge,
+                    "scripted: permanent failure",
+                )),
+            };
+            if result.is_ok() {
+                acked += 1;
+            } else {
+                failed += 1;
+            }
+            results.push(result);
+        }
+        if acked > 0 && failed > 0 {
+            self.report.mixed_batches += 1;
+        }
+        batch.answer(results);
+        self.wait_relay(i)
+    }
+
+    fn settle(&mut self, i: usize, result: Result<CycleReport, StoreError>) -> Check {
+        let prefetched = self.relays[i]
+            .relay
+            .as_ref()
+            .and_then(|r| r.prefetched())
+            .map(|b| b.handle.token);
+        match result {
+            Ok(report) => {
+                self.report.superseded += report.superseded;
+                if prefetched.is_some() {
+                    self.report.prefetches += 1;
+                }
+                self.relays[i].last_cycle = Some(report);
+                Ok(())
+            }
+            Err(e) => {
+                ensure(e.kind == StoreErrorKind::Connection, || {
+                    format!("relay {i}'s cycle failed: {e}")
+                })?;
+                self.relays[i].last_cycle = None;
+                // The connection failed: a locked claim's transaction rolled back; a lease
+                // stays until it expires.
+                for c in self.shared.claims_of(i) {
+                    if Some(c.handle.token) != prefetched {
+                        self.orphan(c.handle.clone())?;
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+
+    fn orphan(&self, handle: outbox_core::ClaimHandle) -> Check {
+        self.block_on(self.backend.abandon(&handle))?;
+        let mut claims = self.shared.claims();
+        if self.shared.is_lease() {
+            if let Some(c) = claims.get_mut(&handle.token) {
+                c.relay = usize::MAX; // nobody's, until it expires
+            }
+        } else {
+            claims.remove(&handle.token);
+        }
+        Ok(())
+    }
+
+    fn relay_crash(&mut self, i: usize) -> Check {
+        if let Some(task) = self.relays[i].task.take() {
+            task.abort();
+            let _ = self.rt.block_on(task);
+        }
+        self.relays[i].held = None;
+        let claims = self.shared.claims_of(i);
+        if !claims.is_empty() {
+            self.report.relay_crashes_holding_work += 1;
+        }
+        for c in claims {
+            self.orphan(c.handle)?;
+        }
+        let generation = self.relays[i].generation + 1;
+        self.relays[i] = self.relay_slot(i, generation);
+        Ok(())
+    }
+
+    // ---- consumer ----
+
+    fn drop_engine(&mut self) {
+        // Its running transactions hand their connections back as they are dropped.
+        let _context = self.rt.enter();
+        if let Some(e) = self.engine.take() {
+            if e.in_flight() > 0 {
+                self.report.consumer_crashes_with_work += 1;
+            }
+            self.report.engine_duplicates += e.report().duplicates;
+            self.report.consumer_parked += e.report().parked;
+        }
+    }
+
+    /// Runs `n` engine steps; returns how many made progress.
+    fn consumer_steps(&mut self, n: usize) -> Result<usize, String> {
+        let rt = &self.rt;
+        let Some(engine) = self.engine.as_mut() else {
+            return Ok(0);
+        };
+        let mut progressed = 0;
+        for _ in 0..n {
+            let r = rt
+                .block_on(async { tokio::time::timeout(STEP_LIMIT, engine.step()).await })
+                .map_err(|_| "the consumer engine hung".to_owned())?;
+            match r {
+                Ok(true) => progressed += 1,
+                Ok(false) => {}
+                Err(e) => return Err(format!("the consumer engine failed: {e}")),
+            }
+        }
+        Ok(progressed)
+    }
+
+    /// Retries the `n`-th open parked head of the consumer; whether there was one.
+    fn consumer_operator(&mut self, n: usize) -> Result<bool, String> {
+        let heads: Vec<_> = self
+            .block_on(self.parked_api.list(&ParkedFilter::default()))?
+            .map_err(|e| format!("listing parked messages failed: {e}"))?
+            .into_iter()
+            .filter(|m| m.status == ParkedStatus::Parked)
+            .collect();
+        if heads.is_empty() {
+            return Ok(false);
+        }
+        let id = heads[n % heads.len()].id;
+        match self.block_on(self.parked_api.retry(id, "sim-operator", "simulated"))? {
+            Ok(_) => Ok(true),
+            Err(outbox_inbox::OperatorError::Store(e)) if e.is_transient() => Ok(true),
+            Err(e) => Err(format!("retrying parked message {id} failed: {e}")),
+        }
+    }
+
+    // ---- invariants ----
+
+    fn observe(&self) -> Result<Observed, String> {
+        let rows = self.block_on(self.backend.rows())??;
+        let effects = self.block_on(self.backend.effects())??;
+        let registered = self.block_on(self.backend.registered(GROUP))??;
+        let mut filter = ParkedFilter::default();
+        filter.open_only = false;
+        filter.limit = 100_000;
+        let consumer_parked = self
+            .block_on(self.parked_api.list(&filter))?
+            .map_err(|e| format!("listing parked messages failed: {e}"))?
+            .into_iter()
+            .map(|m| m.record.position)
+            .collect();
+        let offsets = (0..self.config.partitions.max(1) as i32)
+            .map(|p| (p, self.log.committed(GROUP, TOPIC, p).unwrap_or(0)))
+            .collect();
+        Ok(Observed {
+            rows,
+            records: self.log.all_records(),
+            effects,
+            registered,
+            consumer_parked,
+            offsets,
+        })
+    }
+
+    /// Checks the invariants that hold after every step.
+    pub fn check_invariants(&mut self) -> Check {
+        if let Some(v) = self.violations.first() {
+            return Err(v);
+        }
+        let seen = self.observe()?;
+        invariants::check(&mut self.model, &self.log, &seen)
+    }
+
+    // ---- quiescence ----
+
+    fn has_prefetched(&self, i: usize) -> bool {
+        self.relays[i]
+            .relay
+            .as_ref()
+            .is_some_and(|r| r.prefetched().is_some())
+    }
+
+    fn drain_relays(&mut self) -> Check {
+        // Every relay finishes its batch in flight and publishes what it claimed ahead (a
+        // locked claim would hold its aggregates until then).
+        for i in 0..self.relays.len() {
+            self.answer(i, &[RecordAnswer::Ack])?;
+            for _ in 0..100 {
+                if !self.has_prefetched(i) {
+                    break;
+                }
+                self.relay_step(i)?;
+                self.answer(i, &[RecordAnswer::Ack])?;
+            }
+        }
+        for _ in 0..500 {
+            self.relay_step(0)?;
+            self.answer(0, &[RecordAnswer::Ack])?;
+            self.check_invariants()?;
+            let idle = self.relays[0]
+                .last_cycle
+                .as_ref()
+                .is_some_and(CycleReport::is_idle);
+            if idle && !self.has_prefetched(0) {
+                return Ok(());
+            }
+        }
+        Err("relay 0 never went idle".into())
+    }
+
+    fn drain_consumer(&mut self) -> Check {
+        let mut quiet = 0;
+        for _ in 0..5_000 {
+            let progressed = self.consumer_steps(1)?;
+            let in_flight = self.engine.as_ref().map_or(0, |e| e.in_flight());
+            if progressed == 0 && in_flight == 0 {
+                quiet += 1;
+                if quiet >= 3 {
+                    return self.check_invariants();
+                }
+            } else {
+                quiet = 0;
+            }
+        }
+        Err("the consumer never went quiet".into())
+    }
+
+    fn offsets_at_end(&self) -> Check {
+        for p in 0..self.config.partitions.max(1) as i32 {
+            let end = self.log.end_offset(TOPIC, p);
+            let committed = self.log.committed(GROUP, TOPIC, p).unwrap_or(0);
+            ensure(committed == end, || {
+                format!("partition {p}: committed offset {committed}, end {end}")
+            })?;
+        }
+        Ok(())
+    }
+
+    /// The first committed event that is neither published nor parked, if any.
+    fn unsettled(&self) -> Result<Option<String>, String> {
+        let rows = self.block_on(self.backend.rows())??;
+        for id in self.model.expected() {
+            let row = rows.iter().find(|r| r.event_id == id);
+            let status = row.map(|r| r.status);
+            // Parking blocks the aggregate's later versions: they wait, pending.
+            let behind_a_park = row.is_some_and(|me| {
+                rows.iter().any(|r| {
+                    r.aggregate_id == me.aggregate_id
+                        && r.version < me.version
+                        && r.status == DeliveryStatus::Parked
+                })
+            });
+            let settled = matches!(
+                status,
+                Some(DeliveryStatus::Published | DeliveryStatus::Parked)
+            ) || (status == Some(DeliveryStatus::Pending) && behind_a_park)
+                || (status.is_none() && self.model.published_ever.contains(&id));
+            if !settled {
+                return Ok(Some(format!(
+                    "committed event {id} is {status:?} after draining: neither published, nor parked, nor behind a parked version"
+                )));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Stops faults, lets everything drain, and checks the quiescent invariants.
+    pub fn quiesce(&mut self) -> Check {
+        self.log.clear_faults();
+        for f in [
+            &self.claim_faults,
+            &self.complete_faults,
+            &self.inbox_faults,
+        ] {
+            f.set_source(FaultSource::None);
+        }
+        *self
+            .handler_fault
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = None;
+        while !self.open.is_empty() {
+            self.commit_open(0)?;
+        }
+        let store = self.backend.store();
+        // 1. Without an operator, every committed event ends published or parked.
+        for _ in 0..10 {
+            self.drain_relays()?;
+            if self.unsettled()?.is_none() {
+                break;
+            }
+            self.block_on(self.backend.expire_leases(self.config.lease))?;
+        }
+        if let Some(message) = self.unsettled()? {
+            return Err(message);
+        }
+        // 2. The operator retries what is parked; everything gets published.
+        for round in 0..50 {
+            let parked = self
+                .block_on(store.list_parked(10_000))?
+                .map_err(|e| e.to_string())?;
+            for p in parked {
+                let id = p.envelope.event_id;
+                self.block_on(store.retry_parked(id, "drain"))?
+                    .map_err(|e| e.to_string())?;
+                self.model.retried.insert(id);
+            }
+            self.drain_relays()?;
+            let stats = self.block_on(store.stats())?.map_err(|e| e.to_string())?;
+            if stats.unpublished == 0 {
+                break;
+            }
+            ensure(round < 49, || {
+                format!("the outbox did not drain: {stats:?}")
+            })?;
+            self.block_on(self.backend.expire_leases(self.config.lease))?;
+        }
+        // 3. The consumer drains. Consumer-side parking holds only its aggregate: every
+        //    other aggregate's events are applied and the offsets reach the end.
+        self.drain_consumer()?;
+        self.offsets_at_end()?;
+        let open_parked = self
+            .block_on(self.parked_api.list(&ParkedFilter::default()))?
+            .map_err(|e| e.to_string())?;
+        let blocked: BTreeSet<String> = open_parked
+            .iter()
+            .filter_map(|m| m.record.aggregate.as_ref())
+            .map(|a| a.aggregate_id.clone())
+            .collect();
+        let effects = self.block_on(self.backend.effects())??;
+        for id in self.model.expected() {
+            let e = self
+                .model
+                .committed
+                .get(&id)
+                .map(|e| e.aggregate_id.clone())
+                .or_else(|| {
+                    let original = self.model.dedup(id);
+                    self.model
+                        .committed
+                        .get(&original)
+                        .map(|e| e.aggregate_id.clone())
+                });
+            let Some(agg) = e else { continue };
+            if blocked.contains(&agg) {
+                continue;
+            }
+            let dedup = self.model.dedup(id);
+            ensure(effects.counts.get(&dedup) == Some(&1), || {
+                format!(
+                    "event {id} of {agg} (not parked on the consumer side) was not applied once"
+                )
+            })?;
+        }
+        // 4. The operator retries the consumer's parked messages.
+        for round in 0..50 {
+            if !self.consumer_operator(0)? {
+                break;
+            }
+            self.drain_consumer()?;
+            ensure(round < 49, || {
+                "consumer-side parking never cleared".to_owned()
+            })?;
+        }
+        self.drain_consumer()?;
+        // 5. Every committed, not discarded event is published and applied exactly once;
+        //    the offsets are committed to the end.
+        let effects = self.block_on(self.backend.effects())??;
+        for id in self.model.expected() {
+            ensure(self.model.published_ever.contains(&id), || {
+                format!("event {id} is not published after draining")
+            })?;
+            let dedup = self.model.dedup(id);
+            ensure(effects.counts.get(&dedup) == Some(&1), || {
+                format!("committed event {id} was never applied by the consumer")
+            })?;
+        }
+        self.offsets_at_end()?;
+        self.check_invariants()
+    }
+}
+
+/// Runs the simulation as a property test and returns the shrunk failure, if any.
+///
+/// Each case picks the claim mode (lease or locked transaction), prefetch on or off, and a
+/// step sequence; `make` builds the system for a case. The case count comes from
+/// `OUTBOX_SIM_CASES` (else `config.cases`), the generator seed from `OUTBOX_SIM_SEED` (else
+/// `config.seed`); the seed is printed. `source_file` (usually `Some(file!())`) enables
+/// proptest's failure persistence in `proptest-regressions/simulation.txt` (relative to the
+/// package root), so a failure found once is replayed first on every later run.
+pub fn run_property<B, H, F>(
+    config: &SimConfig,
+    source_file: Option<&'static str>,
+    make: F,
+) -> Result<(), TestError<Case>>
+where
+    B: Backend,
+    H: Handler<InboxTx<B>> + 'static,
+    F: Fn(Modes) -> Simulation<B, H>,
+{
+    let seed = outbox_testkit::fault::seed_from_env(config.seed);
+    let cases = if config.cases_from_env {
+        cases_from_env(config.cases)
+    } else {
+        config.cases
+    };
+    eprintln!("simulation: {cases} cases, seed {seed} ({SEED_ENV}={seed} replays it)");
+    let mut pt = Config {
+        cases,
+        rng_seed: RngSeed::Fixed(seed),
+        max_shrink_iters: config.max_shrink_iters,
+        source_file,
+        ..Config::default()
+    };
+    pt.failure_persistence = match source_file {
+        Some(_) => Some(Box::new(FileFailurePersistence::Direct(
+            "proptest-regressions/simulation.txt",
+        ))),
+        None => None,
+    };
+    let mut runner = TestRunner::new(pt);
+    let result = runner.run(&steps::cases(config), |(modes, steps)| {
+        let mut sim = make(modes);
+        sim.run(&steps)
+            .map(|_| ())
+            .map_err(|v| TestCaseError::fail(v.to_string()))
+    });
+    if result.is_err() {
+        eprintln!("simulation failed with seed {seed} (replay with {SEED_ENV}={seed})");
+    }
+    result
+}
+
+/// Runs the property over the in-memory backends and panics with the shrunk failing case
+/// and the seed if an invariant fails.
+pub fn check_memory(config: &SimConfig) {
+    let c = config.clone();
+    if let Err(e) = run_property(config, None, |modes| Simulation::memory(c.clone(), modes)) {
+        panic!("{e}");
+    }
+}
+
+/// Generates `n` cases from `seed`, as [`run_property`] would; for coverage checks and for
+/// driving a [`Simulation`] by hand.
+pub fn sample_cases(config: &SimConfig, n: usize, seed: u64) -> Vec<Case> {
+    use proptest::strategy::{Strategy, ValueTree};
+    let mut runner = TestRunner::new(Config {
+        rng_seed: RngSeed::Fixed(seed),
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let strategy = steps::cases(config);
+    (0..n)
+        .map(|_| {
+            strategy
+                .new_tree(&mut runner)
+                .expect("the step strategy never rejects")
+                .current()
+        })
+        .collect()
+}

@@ -1,0 +1,194 @@
+//! Transitions and their generation.
+//!
+//! Steps address things by index (relay `i`, aggregate `k`, the `n`-th parked event) and are
+//! no-ops when they do not apply, so every sequence is valid and proptest shrinks failures to
+//! short, readable sequences.
+
+use std::time::Duration;
+
+use proptest::prelude::*;
+
+use crate::config::SimConfig;
+
+/// How the broker answers one record of a batch held by the publisher double.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordAnswer {
+    /// Stored and acknowledged with its metadata.
+    Ack,
+    /// The record's own transient failure (not stored; an attempt is spent).
+    Transient,
+    /// A transport failure (broker down; not stored; no attempt spent).
+    Transport,
+    /// A permanent failure (not stored; the event parks).
+    Permanent,
+    /// Stored, but the acknowledgement is lost (the relay sees a timeout).
+    AckLost,
+}
+
+/// A fault of the relays' database calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreFault {
+    /// The next claim fails (nothing claimed).
+    ClaimFails,
+    /// The next completion fails (nothing recorded).
+    CompleteFails,
+    /// The next completion is recorded but its reply is lost.
+    CompleteReplyLost,
+}
+
+/// An operator action on the `n`-th parked event of the outbox.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OperatorStep {
+    /// Retry it.
+    Retry,
+    /// Discard it.
+    Discard,
+    /// Re-issue it.
+    Reissue,
+}
+
+/// A fault of the consumer's handler, for the next event it applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HandlerFault {
+    /// Fails transiently (the engine retries with backoff).
+    Transient,
+    /// Fails permanently (the engine parks the message on the consumer side; its aggregate
+    /// waits, the others flow).
+    Permanent,
+}
+
+/// One transition.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Begin a business transaction running `events` commands on aggregate `aggregate`
+    /// (command `command` of the producer's commands, modulo their number).
+    Begin {
+        /// Aggregate index.
+        aggregate: usize,
+        /// Number of commands (events).
+        events: usize,
+        /// Which command.
+        command: usize,
+    },
+    /// Commit the `n`-th open business transaction.
+    Commit(usize),
+    /// Roll back the `n`-th open business transaction.
+    Rollback(usize),
+    /// Relay `n` runs `Relay::run_once` until the publisher double holds its batch, or the
+    /// cycle ends.
+    Relay(usize),
+    /// The broker answers the batch held for relay `relay`, record `k` with
+    /// `answers[k % len]`; the relay's cycle then runs to its end.
+    Answer {
+        /// Relay index.
+        relay: usize,
+        /// Per-record answers, cycled.
+        answers: Vec<RecordAnswer>,
+    },
+    /// Relay `n`'s process dies: its task is aborted (a locked claim's connection drops), and
+    /// a fresh relay takes its place.
+    RelayCrash(usize),
+    /// Virtual time passes.
+    Advance(Duration),
+    /// The relays' next database call of a kind fails.
+    StoreFault(StoreFault),
+    /// An operator acts on the `n`-th parked event of the outbox.
+    Operator(OperatorStep, usize),
+    /// The consumer engine makes `n` steps (`ConsumerEngine::step`).
+    Consumer(usize),
+    /// The consumer's process dies: the engine (with its running transactions) is dropped and
+    /// a fresh one resumes from the committed offsets.
+    ConsumerCrash,
+    /// The partitions move to a new member: the engine commits what is final and hands over.
+    Rebalance,
+    /// The next event the handler applies fails.
+    HandlerFault(HandlerFault),
+    /// The consumer's next inbox commit fails (`lost_reply: false`) or commits but reports a
+    /// failure (`lost_reply: true`).
+    InboxCommitFault {
+        /// Whether the commit happened.
+        lost_reply: bool,
+    },
+    /// An operator retries the `n`-th open parked message of the consumer.
+    ConsumerOperator(usize),
+    /// Cleanup deletes published and discarded outbox rows (retention zero, batches of 2).
+    Cleanup,
+}
+
+fn answer() -> impl Strategy<Value = RecordAnswer> {
+    prop_oneof![
+        10 => Just(RecordAnswer::Ack),
+        1 => Just(RecordAnswer::Transient),
+        1 => Just(RecordAnswer::Transport),
+        2 => Just(RecordAnswer::Permanent),
+        2 => Just(RecordAnswer::AckLost),
+    ]
+}
+
+/// The strategy of step sequences for `config`.
+pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
+    let relays = config.relays.max(1);
+    let aggs = config.aggregates.max(1);
+    let step = prop_oneof![
+        5 => (0..aggs, 1..=3usize, 0..4usize)
+            .prop_map(|(aggregate, events, command)| Step::Begin { aggregate, events, command }),
+        5 => (0..3usize).prop_map(Step::Commit),
+        1 => (0..3usize).prop_map(Step::Rollback),
+        12 => (0..relays).prop_map(Step::Relay),
+        12 => (0..relays, proptest::collection::vec(answer(), 1..=3))
+            .prop_map(|(relay, answers)| Step::Answer { relay, answers }),
+        2 => (0..relays).prop_map(Step::RelayCrash),
+        4 => prop_oneof![Just(1u64), Just(10), Just(31), Just(31), Just(120)]
+            .prop_map(|s| Step::Advance(Duration::from_secs(s))),
+        1 => prop_oneof![
+            Just(StoreFault::ClaimFails),
+            Just(StoreFault::CompleteFails),
+            Just(StoreFault::CompleteReplyLost)
+        ]
+        .prop_map(Step::StoreFault),
+        4 => (
+            prop_oneof![
+                Just(OperatorStep::Retry),
+                Just(OperatorStep::Discard),
+                Just(OperatorStep::Reissue)
+            ],
+            0..2usize
+        )
+            .prop_map(|(o, n)| Step::Operator(o, n)),
+        12 => (1..=4usize).prop_map(Step::Consumer),
+        2 => Just(Step::ConsumerCrash),
+        1 => Just(Step::Rebalance),
+        2 => prop_oneof![Just(HandlerFault::Transient), Just(HandlerFault::Permanent)]
+            .prop_map(Step::HandlerFault),
+        1 => any::<bool>().prop_map(|lost_reply| Step::InboxCommitFault { lost_reply }),
+        2 => (0..2usize).prop_map(Step::ConsumerOperator),
+        1 => Just(Step::Cleanup),
+    ];
+    proptest::collection::vec(step, 1..=config.max_steps.max(1))
+}
+
+/// The modes of one case: lease (else locked transaction) and prefetch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Modes {
+    /// `ClaimMode::Lease` (else `LockedTransaction`).
+    pub lease: bool,
+    /// `RelayConfig::prefetch`.
+    pub prefetch: bool,
+}
+
+/// One generated case.
+pub type Case = (Modes, Vec<Step>);
+
+/// The strategy of cases (modes and steps) for `config`.
+pub fn cases(config: &SimConfig) -> impl Strategy<Value = Case> {
+    (
+        (any::<bool>(), any::<bool>()).prop_map(|(lease, prefetch)| Modes { lease, prefetch }),
+        steps(config),
+    )
+}
+
+/// A replayable description of a case.
+pub fn describe(case: &Case) -> String {
+    let steps: Vec<String> = case.1.iter().map(|s| format!("{s:?}")).collect();
+    format!("modes: {:?}\nsteps:\n  {}", case.0, steps.join("\n  "))
+}

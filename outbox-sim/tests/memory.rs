@@ -1,0 +1,224 @@
+//! The simulation over the in-memory backends: the property, coverage of the states it must
+//! reach, and scripted crash scenarios.
+
+use std::time::Duration;
+
+use outbox_sim::{
+    describe, run_property, sample_cases, Modes, RecordAnswer, SimConfig, SimReport, Simulation,
+    Step,
+};
+use proptest::test_runner::TestError;
+
+#[test]
+fn simulation_holds_every_invariant() {
+    // OUTBOX_SIM_CASES=5000 for a long run; OUTBOX_SIM_SEED to replay a printed seed.
+    let config = SimConfig::default();
+    let c = config.clone();
+    let result = run_property(&config, Some(file!()), |modes| {
+        Simulation::memory(c.clone(), modes)
+    });
+    if let Err(e) = result {
+        match &e {
+            TestError::Fail(reason, case) => panic!("{reason}\n{}", describe(case)),
+            TestError::Abort(reason) => panic!("aborted: {reason}"),
+        }
+    }
+}
+
+#[test]
+fn the_generator_reaches_the_interesting_states() {
+    // Invariants that never meet a duplicate, a fenced relay, a mixed batch, a prefetch or a
+    // parked event prove little: check that generated cases get there.
+    let config = SimConfig::default();
+    let mut total = SimReport::default();
+    let mut modes = [0usize; 4];
+    for (m, steps) in sample_cases(&config, 60, 1) {
+        modes[usize::from(m.lease) * 2 + usize::from(m.prefetch)] += 1;
+        let r = Simulation::memory(config.clone(), m)
+            .run(&steps)
+            .unwrap_or_else(|v| panic!("{v}\n{}", describe(&(m, steps.clone()))));
+        total.committed_events += r.committed_events;
+        total.applied += r.applied;
+        total.duplicates_in_log += r.duplicates_in_log;
+        total.superseded += r.superseded;
+        total.parked += r.parked;
+        total.mixed_batches += r.mixed_batches;
+        total.prefetches += r.prefetches;
+        total.operator_actions += r.operator_actions;
+        total.relay_crashes_holding_work += r.relay_crashes_holding_work;
+        total.consumer_crashes_with_work += r.consumer_crashes_with_work;
+        total.engine_duplicates += r.engine_duplicates;
+        total.consumer_parked += r.consumer_parked;
+        total.conflicts += r.conflicts;
+        total.cleaned += r.cleaned;
+        total.faults += r.faults;
+    }
+    eprintln!("coverage over 60 cases: {total:?}, modes {modes:?}");
+    assert!(
+        modes.iter().all(|n| *n > 5),
+        "every mode combination: {modes:?}"
+    );
+    assert!(total.committed_events > 100, "{total:?}");
+    assert!(total.applied > 100, "{total:?}");
+    assert!(
+        total.duplicates_in_log > 0,
+        "no duplicate deliveries: {total:?}"
+    );
+    assert!(
+        total.engine_duplicates > 0,
+        "no duplicate reached the engine: {total:?}"
+    );
+    assert!(total.superseded > 0, "no stale relay was fenced: {total:?}");
+    assert!(total.parked > 0, "nothing parked: {total:?}");
+    assert!(
+        total.mixed_batches > 0,
+        "no batch with mixed outcomes: {total:?}"
+    );
+    assert!(total.prefetches > 0, "prefetch never happened: {total:?}");
+    assert!(total.operator_actions > 0, "no operator action: {total:?}");
+    assert!(
+        total.relay_crashes_holding_work > 0,
+        "no relay crashed mid-batch: {total:?}"
+    );
+    assert!(
+        total.consumer_parked > 0,
+        "nothing parked on the consumer side: {total:?}"
+    );
+    assert!(total.conflicts > 0, "no optimistic conflict: {total:?}");
+    assert!(total.cleaned > 0, "cleanup never removed a row: {total:?}");
+    assert!(total.faults > 0, "{total:?}");
+}
+
+fn begin(aggregate: usize, events: usize) -> Step {
+    Step::Begin {
+        aggregate,
+        events,
+        command: 0,
+    }
+}
+
+fn answer(relay: usize, answers: &[RecordAnswer]) -> Step {
+    Step::Answer {
+        relay,
+        answers: answers.to_vec(),
+    }
+}
+
+#[test]
+fn a_relay_dying_with_its_batch_held_duplicates_but_loses_nothing() {
+    for lease in [true, false] {
+        for prefetch in [true, false] {
+            let mut sim = Simulation::memory(SimConfig::default(), Modes { lease, prefetch });
+            let steps = vec![
+                begin(0, 2),
+                Step::Commit(0),
+                Step::Relay(0),                      // claims v1, the double holds it
+                answer(0, &[RecordAnswer::AckLost]), // stored, ack lost: retried later
+                Step::Advance(Duration::from_secs(31)),
+                Step::Relay(0),      // sends v1 again, held
+                Step::RelayCrash(0), // dies holding it
+                Step::Advance(Duration::from_secs(31)),
+                Step::Relay(1),
+                answer(1, &[RecordAnswer::Ack]),
+                Step::Consumer(10),
+            ];
+            let report = sim.run(&steps).expect("invariants hold");
+            assert_eq!(report.committed_events, 2);
+            assert_eq!(report.applied, 2, "each event applied once");
+            assert!(
+                report.duplicates_in_log >= 1,
+                "v1 was stored twice: {report:?}"
+            );
+            assert!(report.engine_duplicates >= 1, "{report:?}");
+        }
+    }
+}
+
+#[test]
+fn a_batch_with_mixed_outcomes_is_recorded_per_record() {
+    let mut sim = Simulation::memory(
+        SimConfig::default().batch_size(3),
+        Modes {
+            lease: true,
+            prefetch: false,
+        },
+    );
+    let steps = [
+        begin(0, 1),
+        begin(1, 1),
+        begin(2, 1),
+        Step::Commit(0),
+        Step::Commit(0),
+        Step::Commit(0),
+        Step::Relay(0),
+        answer(
+            0,
+            &[
+                RecordAnswer::Ack,
+                RecordAnswer::Permanent,
+                RecordAnswer::AckLost,
+            ],
+        ),
+    ];
+    for (i, s) in steps.iter().enumerate() {
+        sim.apply(s).unwrap_or_else(|e| panic!("step {i}: {e}"));
+        sim.check_invariants()
+            .unwrap_or_else(|e| panic!("step {i}: {e}"));
+    }
+    let rows = sim.backend().memory_store().snapshot();
+    let statuses: Vec<_> = rows
+        .iter()
+        .map(|r| (r.envelope.aggregate_id.clone(), r.status))
+        .collect();
+    use outbox_core::DeliveryStatus::*;
+    assert!(
+        statuses.iter().filter(|(_, s)| *s == Published).count() == 1,
+        "{statuses:?}"
+    );
+    assert!(
+        statuses.iter().filter(|(_, s)| *s == Parked).count() == 1,
+        "{statuses:?}"
+    );
+    assert!(
+        statuses.iter().filter(|(_, s)| *s == Pending).count() == 1,
+        "{statuses:?}"
+    );
+    assert_eq!(
+        sim.log().all_records().len(),
+        2,
+        "the ack and the lost ack are stored"
+    );
+    let report = sim.run(&[]).expect("drains");
+    assert_eq!(report.mixed_batches, 1);
+    assert_eq!(report.applied, 3);
+}
+
+#[test]
+fn a_prefetched_batch_survives_a_park_of_the_batch_before_it() {
+    // Two full batches: the first is published while the second is claimed ahead; the first
+    // batch's first record parks. The prefetched batch holds other aggregates only.
+    let config = SimConfig::default().relays(1);
+    let mut sim = Simulation::memory(
+        config,
+        Modes {
+            lease: false,
+            prefetch: true,
+        },
+    );
+    let mut steps = Vec::new();
+    for a in 0..4 {
+        steps.push(begin(a, 2));
+        steps.push(Step::Commit(0));
+    }
+    steps.extend([
+        Step::Relay(0),
+        answer(0, &[RecordAnswer::Permanent, RecordAnswer::Ack]),
+        Step::Relay(0), // the prefetched batch goes out
+        answer(0, &[RecordAnswer::Ack]),
+        Step::Consumer(20),
+    ]);
+    let report = sim.run(&steps).expect("invariants hold");
+    assert!(report.prefetches >= 1, "{report:?}");
+    assert!(report.parked >= 1, "{report:?}");
+    assert_eq!(report.applied, 8);
+}

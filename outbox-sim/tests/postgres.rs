@@ -1,0 +1,244 @@
+//! The same properties against a real PostgreSQL server: `outbox-postgres`'s outbox store and
+//! inbox, one schema per case, real time (short leases), fewer cases.
+//!
+//! Needs `DATABASE_URL` (default `postgres://postgres@127.0.0.1:5432/postgres`; `scripts/test`
+//! provides it). `OUTBOX_SIM_PG_CASES` sets the number of cases (default 6),
+//! `OUTBOX_SIM_SEED` replays a printed seed. Skipped only with `OUTBOX_SKIP_SERVICE_TESTS=1`.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outbox_sim::{
+    describe, run_property, Modes, NoEffect, PostgresBackend, RecordAnswer, SimConfig, SimReport,
+    Simulation, Step, Touch,
+};
+use proptest::test_runner::TestError;
+use sqlx::postgres::PgPoolOptions;
+
+const CASES_ENV: &str = "OUTBOX_SIM_PG_CASES";
+
+fn schema_name() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("time after 1970")
+        .as_secs();
+    format!(
+        "osim_{secs}_{}",
+        &uuid::Uuid::new_v4().simple().to_string()[..12]
+    )
+}
+
+/// Drops this test's schemas and those that interrupted runs left (older than an hour).
+fn drop_schemas(url: &str, ours: &[String]) {
+    let rt = outbox_sim::runtime();
+    rt.block_on(async {
+        let Ok(pool) = PgPoolOptions::new().max_connections(1).connect(url).await else {
+            return;
+        };
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("time after 1970")
+            .as_secs();
+        let names: Vec<String> = sqlx::query_scalar(
+            "SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'osim\\_%'",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap_or_default();
+        for name in names {
+            let stale = name
+                .split('_')
+                .nth(1)
+                .and_then(|s| s.parse::<u64>().ok())
+                .is_some_and(|t| now.saturating_sub(t) > 3600);
+            if stale || ours.contains(&name) {
+                let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS \"{name}\" CASCADE"))
+                    .execute(&pool)
+                    .await;
+            }
+        }
+    });
+}
+
+fn config(cases: u32) -> SimConfig {
+    SimConfig::default()
+        .timing(
+            Duration::from_secs(4),
+            Duration::from_millis(500),
+            (Duration::from_millis(10), Duration::from_millis(40)),
+        )
+        .fixed_cases(cases)
+        .max_steps(50)
+        .max_shrink_iters(20)
+}
+
+/// The schemas a test created, dropped when it ends (also when it panics).
+struct Schemas {
+    url: String,
+    names: Mutex<Vec<String>>,
+}
+
+impl Schemas {
+    fn new(url: &str) -> Arc<Self> {
+        Arc::new(Self {
+            url: url.to_owned(),
+            names: Mutex::new(Vec::new()),
+        })
+    }
+}
+
+impl Drop for Schemas {
+    fn drop(&mut self) {
+        let names = std::mem::take(&mut *self.names.lock().unwrap_or_else(|e| e.into_inner()));
+        drop_schemas(&self.url, &names);
+    }
+}
+
+/// A simulation on a fresh schema (recorded in `schemas` for the drop at the end).
+fn simulation(
+    url: &str,
+    schemas: &Schemas,
+    config: &SimConfig,
+    modes: Modes,
+) -> Simulation<PostgresBackend, NoEffect> {
+    let schema = schema_name();
+    schemas
+        .names
+        .lock()
+        .expect("not poisoned")
+        .push(schema.clone());
+    let url = url.to_owned();
+    Simulation::new(
+        config.clone(),
+        modes,
+        move |rt, mode| {
+            rt.block_on(async {
+                let pool = PgPoolOptions::new()
+                    .max_connections(12)
+                    .acquire_timeout(Duration::from_secs(10))
+                    .connect(&url)
+                    .await
+                    .expect("PostgreSQL reachable");
+                PostgresBackend::new(pool, &schema, mode)
+                    .await
+                    .expect("schema created")
+            })
+        },
+        NoEffect,
+        vec![Box::new(Touch)],
+    )
+}
+
+#[test]
+fn simulation_holds_every_invariant_on_postgres() {
+    let Some(url) =
+        outbox_test_support::database_url("simulation_holds_every_invariant_on_postgres")
+    else {
+        return;
+    };
+    let cases = std::env::var(CASES_ENV)
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(10);
+    let config = config(cases);
+    let schemas = Schemas::new(&url);
+    let result = run_property(&config, None, |modes| {
+        simulation(&url, &schemas, &config, modes)
+    });
+    drop(schemas);
+    if let Err(e) = result {
+        match &e {
+            TestError::Fail(reason, case) => panic!("{reason}\n{}", describe(case)),
+            TestError::Abort(reason) => panic!("aborted: {reason}"),
+        }
+    }
+}
+
+fn begin(aggregate: usize, events: usize) -> Step {
+    Step::Begin {
+        aggregate,
+        events,
+        command: 0,
+    }
+}
+
+fn answer(relay: usize, answers: &[RecordAnswer]) -> Step {
+    Step::Answer {
+        relay,
+        answers: answers.to_vec(),
+    }
+}
+
+#[test]
+fn crashes_mixed_batches_and_handler_faults_on_postgres() {
+    let Some(url) =
+        outbox_test_support::database_url("crashes_mixed_batches_and_handler_faults_on_postgres")
+    else {
+        return;
+    };
+    let schemas = Schemas::new(&url);
+    let mut reports: Vec<(Modes, Result<SimReport, String>)> = Vec::new();
+    for lease in [false, true] {
+        for prefetch in [false, true] {
+            let modes = Modes { lease, prefetch };
+            let mut sim = simulation(&url, &schemas, &config(1), modes);
+            let steps = vec![
+                begin(0, 2),
+                begin(1, 2),
+                begin(2, 1),
+                Step::Commit(0),
+                Step::Commit(0),
+                Step::Commit(0),
+                Step::Relay(0), // the first batch (how many heads depends on the claim's scan)
+                answer(0, &[RecordAnswer::Ack, RecordAnswer::AckLost]),
+                Step::Relay(0),
+                Step::RelayCrash(0), // dies holding the next batch; a locked claim's connection drops
+                Step::HandlerFault(outbox_sim::HandlerFault::Permanent),
+                Step::Consumer(8),
+                Step::ConsumerCrash,
+                Step::Relay(1),
+                answer(1, &[RecordAnswer::Permanent, RecordAnswer::Ack]),
+                Step::Consumer(8),
+                Step::Rebalance,
+            ];
+            reports.push((modes, sim.run(&steps).map_err(|v| v.to_string())));
+        }
+    }
+    drop(schemas);
+    for (modes, r) in reports {
+        let r = r.unwrap_or_else(|v| panic!("{modes:?}: {v}"));
+        assert_eq!(r.committed_events, 5, "{modes:?}: {r:?}");
+        assert_eq!(r.applied, 5, "{modes:?}: each event applied once: {r:?}");
+        assert!(r.relay_crashes_holding_work >= 1, "{modes:?}: {r:?}");
+    }
+}
+
+#[test]
+fn a_seeded_bug_is_caught_on_postgres_too() {
+    // The invariants read PostgreSQL's real state: outcomes recorded one record off are found
+    // there as they are in memory.
+    let Some(url) = outbox_test_support::database_url("a_seeded_bug_is_caught_on_postgres_too")
+    else {
+        return;
+    };
+    let config = config(20)
+        .bug(outbox_sim::SeededBug::ShiftedOutcomes)
+        .max_shrink_iters(0);
+    let schemas = Schemas::new(&url);
+    let result = run_property(&config, None, |modes| {
+        simulation(&url, &schemas, &config, modes)
+    });
+    drop(schemas);
+    match result {
+        Err(TestError::Fail(reason, case)) => {
+            let why = reason.message().to_owned();
+            eprintln!("caught on PostgreSQL: {why}\n{}", describe(&case));
+            assert!(
+                why.contains("but the log holds")
+                    || why.contains("was published without an operator action"),
+                "{why}"
+            );
+        }
+        other => panic!("the shifted outcomes were not caught on PostgreSQL: {other:?}"),
+    }
+}
