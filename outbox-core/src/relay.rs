@@ -1,8 +1,9 @@
 //! The relay: claim a bounded batch, publish it concurrently, record one outcome per event.
 //!
 //! The relay is a state machine whose steps are public ([`Relay::claim`], [`Relay::publish`],
-//! [`Relay::decide`], [`Relay::complete`]) so a simulation can crash it between any two of them.
-//! [`Relay::run_once`] chains them for one cycle; the tokio driver (feature `tokio`) loops over
+//! [`Relay::decide`], [`Relay::complete`]) for callers that drive a cycle themselves.
+//! [`Relay::run_once`] chains them for one cycle (the simulation in `outbox-sim` drives it
+//! through a scripted publisher and crashes it between any two effects); the tokio driver (feature `tokio`) loops over
 //! cycles with jittered idle backoff, a wake-up hook and graceful shutdown.
 //!
 //! # Prefetch
