@@ -265,6 +265,17 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
         let agg = item.msg.aggregate();
         let blocked = local.as_ref().is_some_and(|l| l.blocked);
         if blocked {
+            // A version at or below the applied one (a redelivery of an applied event) is
+            // stale whatever blocks the aggregate: never parked as waiting behind it.
+            if self.policy.tracks() {
+                if let (Ok(e), Some(a)) =
+                    (&item.msg.envelope, local.as_ref().and_then(|l| l.applied))
+                {
+                    if e.aggregate_version <= a {
+                        return Decision::Stale(a);
+                    }
+                }
+            }
             return if park {
                 Decision::Park(
                     ParkAs::Waiting,
