@@ -186,6 +186,8 @@ struct Effects {
     gates: Arc<Mutex<HashMap<String, Arc<Semaphore>>>>,
     entered: Arc<AtomicUsize>,
     swallow: Arc<AtomicBool>,
+    /// Every handler call takes this long (milliseconds), so batches are in flight.
+    delay_ms: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Effects {
@@ -195,6 +197,7 @@ impl Effects {
             gates: Arc::default(),
             entered: Arc::default(),
             swallow: Arc::new(AtomicBool::new(true)),
+            delay_ms: Arc::default(),
         }
     }
 
@@ -229,6 +232,10 @@ impl Handler<PgTx> for Effects {
             if fixed.is_none() {
                 return Err(HandlerError::permanent("unknown customer"));
             }
+        }
+        let delay = self.delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
         }
         let gate = self.gates.lock().unwrap().get(&e.aggregate_id).cloned();
         if let Some(g) = gate {
@@ -1200,4 +1207,181 @@ async fn discarding_a_waiting_message_does_not_make_its_head_stale() {
     assert_eq!(ctx.applied("poison-a").await, vec![1, 3, 4], "{rep:?}");
     assert!(open_parked(&inbox).await.is_empty());
     ctx.drop().await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The broker: rebalances with batches in flight
+// ---------------------------------------------------------------------------------------------
+
+async fn create_topic(brokers: &str, topic: &str, partitions: i32) {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .expect("admin client");
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    for r in admin
+        .create_topics(
+            [&NewTopic::new(
+                topic,
+                partitions,
+                TopicReplication::Fixed(1),
+            )],
+            &opts,
+        )
+        .await
+        .expect("create_topics")
+    {
+        r.unwrap_or_else(|(t, code)| panic!("creating topic {t}: {code}"));
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let md = admin
+            .inner()
+            .fetch_metadata(Some(topic), Duration::from_secs(5))
+            .expect("metadata");
+        if md.topics().iter().any(|t| {
+            t.name() == topic && t.error().is_none() && t.partitions().len() == partitions as usize
+        }) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "topic {topic} did not appear");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn kafka_source(brokers: &str, group: &str, topic: &str) -> outbox_kafka::KafkaSource {
+    outbox_kafka::KafkaSource::builder(brokers, group)
+        .topic(topic)
+        .session_timeout(Duration::from_secs(6))
+        .build()
+        .expect("source")
+}
+
+/// Two engines in one consumer group over the PostgreSQL inbox. The first runs alone with
+/// slow batches in flight; the second joins (partitions move while batches run), later the
+/// first leaves (they move again). Every event is applied once, each aggregate's versions in
+/// order, nothing is parked, and the group's committed offsets end at the partitions' ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_engines_in_one_group_with_batches_in_flight_across_rebalances() {
+    let Some(brokers) = outbox_test_support::brokers("two_engines_in_one_group") else {
+        return;
+    };
+    let ctx = ctx!("two_engines_in_one_group_with_batches_in_flight_across_rebalances");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    h.delay_ms.store(15, Ordering::SeqCst);
+    let topic = outbox_test_support::unique("cadv_t");
+    let group = outbox_test_support::unique("cadv_g");
+    create_topic(&brokers, &topic, 2).await;
+    let publisher = outbox_kafka::KafkaPublisher::builder(&brokers, &topic)
+        .delivery_timeout(Duration::from_secs(10))
+        .start()
+        .await
+        .expect("publisher");
+    let aggs: Vec<String> = (0..8).map(|i| format!("k{i}")).collect();
+    let mut ends: HashMap<i32, i64> = HashMap::new();
+    // One record per produce request (tansu cannot serve a fetch starting inside a batch).
+    for v in 1..=5 {
+        for a in &aggs {
+            let ack = publisher
+                .publish(&[ev(a, v)])
+                .await
+                .remove(0)
+                .expect("published");
+            let e = ends.entry(ack.partition).or_insert(0);
+            *e = (*e).max(ack.offset + 1);
+        }
+    }
+    assert_eq!(ends.len(), 2, "keys spread over both partitions: {ends:?}");
+    let cfg = || {
+        fast()
+            .with_max_batch(3)
+            .with_commit(5, Duration::from_millis(200))
+    };
+    let first = engine(
+        kafka_source(&brokers, &group, &topic),
+        &inbox,
+        &h,
+        VersionPolicy::Reject,
+        cfg(),
+    );
+    let (stop_first, first_task) = spawn_engine(first);
+    eventually("the first engine applied something", || async {
+        ctx.effects_once().await >= 5
+    })
+    .await;
+    // The second member joins while the first has batches in flight.
+    let second = engine(
+        kafka_source(&brokers, &group, &topic),
+        &inbox,
+        &h,
+        VersionPolicy::Reject,
+        cfg(),
+    );
+    let (stop_second, second_task) = spawn_engine(second);
+    eventually("more applied after the join", || async {
+        ctx.effects_once().await >= 20
+    })
+    .await;
+    // The first leaves: its partitions move to the second, again with batches in flight.
+    stop_first.send(()).unwrap();
+    let (first, r1) = first_task.await.unwrap();
+    tokio::task::spawn_blocking(move || drop(first))
+        .await
+        .unwrap();
+    eventually("every event applied", || async {
+        ctx.effects_once().await == 40
+    })
+    .await;
+    eventually("the group's offsets at the ends", || async {
+        let mut done = true;
+        for (p, end) in &ends {
+            let c = group_committed(&brokers, &group, &topic, *p).await;
+            done &= c == Some(*end);
+        }
+        done
+    })
+    .await;
+    stop_second.send(()).unwrap();
+    let (second, r2) = second_task.await.unwrap();
+    tokio::task::spawn_blocking(move || drop(second))
+        .await
+        .unwrap();
+    for a in &aggs {
+        assert_eq!(
+            ctx.applied(a).await,
+            vec![1, 2, 3, 4, 5],
+            "{a}: {r1:?} {r2:?}"
+        );
+    }
+    assert_eq!(ctx.effects_once().await, 40);
+    assert!(open_parked(&inbox).await.is_empty(), "{r1:?} {r2:?}");
+    assert_eq!(r1.parked + r2.parked + r1.waiting + r2.waiting, 0);
+    ctx.drop().await;
+}
+
+/// The committed offset of `group` (read with a plain client of that group id that never
+/// joins it).
+async fn group_committed(brokers: &str, group: &str, topic: &str, partition: i32) -> Option<i64> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let (brokers, group, topic) = (brokers.to_owned(), group.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let c: BaseConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .set("group.id", &group)
+            .set("enable.auto.commit", "false")
+            .create()
+            .expect("consumer");
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        tpl.add_partition(&topic, partition);
+        let got = c.committed_offsets(tpl, Duration::from_secs(5)).ok()?;
+        match got.elements()[0].offset() {
+            rdkafka::Offset::Offset(o) => Some(o),
+            _ => None,
+        }
+    })
+    .await
+    .unwrap()
 }
