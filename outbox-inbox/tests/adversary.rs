@@ -1359,6 +1359,7 @@ async fn two_engines_in_one_group_with_batches_in_flight_across_rebalances() {
     assert_eq!(ctx.effects_once().await, 40);
     assert!(open_parked(&inbox).await.is_empty(), "{r1:?} {r2:?}");
     assert_eq!(r1.parked + r2.parked + r1.waiting + r2.waiting, 0);
+    assert!(r1.applied > 0 && r2.applied > 0, "both members worked: {r1:?} {r2:?}");
     ctx.drop().await;
 }
 
