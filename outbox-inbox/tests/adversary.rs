@@ -508,6 +508,56 @@ async fn operator_retry_racing_the_engine_on_the_same_aggregate() {
     ctx.drop().await;
 }
 
+/// As above, but the retried head is the only open message, so the operator's step that the
+/// engine waits behind is the last one and unblocks the aggregate: the engine's attempt to
+/// park behind it must fail and be retried as an apply (after the head), never leave a
+/// message waiting behind an aggregate that nobody will release again.
+#[tokio::test]
+async fn the_engine_parking_behind_the_last_release_step_applies_instead() {
+    let ctx = ctx!("the_engine_parking_behind_the_last_release_step_applies_instead");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let log = MemoryLog::new("t", 1);
+    log.publish(&[ev("poison-a", 1)]).await;
+    let mut eng = engine(
+        log.consumer(GROUP, &["t"]),
+        &inbox,
+        &h,
+        VersionPolicy::Reject,
+        fast(),
+    );
+    let r = quiet(&mut eng).await;
+    assert_eq!(r.parked, 1, "{r:?}");
+    let head = open_parked(&inbox).await[0].id;
+    ctx.fix("poison-a").await;
+    let gate = h.gate("poison-a");
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let retry = tokio::spawn(async move { ops.retry(head, "alice", "fixed").await });
+    h.wait_entered(1).await;
+    let (stop, task) = spawn_engine(eng);
+    log.publish(&[ev("poison-a", 2)]).await;
+    ctx.wait_until_blocked().await;
+    gate.add_permits(1_000);
+    let rep = retry.await.unwrap().unwrap();
+    assert!(rep.released && rep.applied == 1, "{rep:?}");
+    eventually("v2 applied", || async {
+        ctx.applied("poison-a").await.len() == 2
+    })
+    .await;
+    eventually("offsets committed", || async {
+        log.committed(GROUP, "t", 0) == Some(2)
+    })
+    .await;
+    stop.send(()).unwrap();
+    let (_eng, r) = task.await.unwrap();
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 2]);
+    assert_eq!(r.waiting, 0, "{r:?}");
+    assert!(r.retries >= 1, "the park behind the released head was refused: {r:?}");
+    assert!(open_parked(&inbox).await.is_empty());
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
+
 /// Two operators retry the same parked head at the same moment; the second waits for the
 /// first. The effects are applied once, the release happens once, and both calls end
 /// cleanly (the second finds nothing left to do).
@@ -1359,7 +1409,10 @@ async fn two_engines_in_one_group_with_batches_in_flight_across_rebalances() {
     assert_eq!(ctx.effects_once().await, 40);
     assert!(open_parked(&inbox).await.is_empty(), "{r1:?} {r2:?}");
     assert_eq!(r1.parked + r2.parked + r1.waiting + r2.waiting, 0);
-    assert!(r1.applied > 0 && r2.applied > 0, "both members worked: {r1:?} {r2:?}");
+    assert!(
+        r1.applied > 0 && r2.applied > 0,
+        "both members worked: {r1:?} {r2:?}"
+    );
     ctx.drop().await;
 }
 
