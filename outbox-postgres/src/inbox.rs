@@ -57,6 +57,7 @@ pub(crate) struct Sql {
     lock_aggregate: String,
     block: String,
     insert_parked: String,
+    same_at_position: String,
     pub(crate) parked: String,
     pub(crate) aggs: String,
     pub(crate) audit: String,
@@ -143,6 +144,14 @@ impl PostgresInboxStoreBuilder {
                    dedup_id, aggregate_version, status, kind, reason, attempts) \
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) \
                  ON CONFLICT DO NOTHING RETURNING id"
+            ),
+            same_at_position: format!(
+                "SELECT record_key IS NOT DISTINCT FROM $5 \
+                   AND header_names IS NOT DISTINCT FROM $6::text[] \
+                   AND header_values IS NOT DISTINCT FROM $7::bytea[] \
+                   AND value IS NOT DISTINCT FROM $8 \
+                 FROM {parked} WHERE consumer = $1 AND topic = $2 AND \"partition\" = $3 \
+                   AND \"offset\" = $4 AND dedup_id IS NULL"
             ),
             parked,
             aggs,
@@ -235,27 +244,53 @@ impl PostgresInboxStore {
             .iter()
             .map(|h| (pg_text(&h.name), h.value.as_deref()))
             .unzip();
-        let id: Option<i64> = sqlx::query_scalar(&self.sql.insert_parked)
-            .bind(consumer)
-            .bind(pg_text(&r.position.topic))
-            .bind(r.position.partition)
-            .bind(r.position.offset)
-            .bind(r.key.as_deref())
-            .bind(&names)
-            .bind(&values)
-            .bind(r.value.as_deref())
-            .bind(r.aggregate.as_ref().map(|a| pg_text(&a.aggregate_type)))
-            .bind(r.aggregate.as_ref().map(|a| pg_text(&a.aggregate_id)))
-            .bind(r.event_id.map(|e| e.as_uuid()))
-            .bind(r.dedup_id.map(|e| e.as_uuid()))
-            .bind(r.aggregate_version)
-            .bind(status)
-            .bind(kind)
-            .bind(pg_text(&m.reason))
-            .bind(i32::try_from(m.attempts).unwrap_or(i32::MAX))
-            .fetch_optional(&mut **tx)
-            .await
-            .map_err(db)?;
+        // A record without a dedup id (undecodable) is parked once per position. Another
+        // record at a position parked before (the log was rewound: a topic recreated, data
+        // lost on the broker) is a different record: it is parked under an id derived from
+        // its position and content, so it is kept, and its own redeliveries are recognised.
+        let mut dedup = r.dedup_id.map(|e| e.as_uuid());
+        let id = loop {
+            let id: Option<i64> = sqlx::query_scalar(&self.sql.insert_parked)
+                .bind(consumer)
+                .bind(pg_text(&r.position.topic))
+                .bind(r.position.partition)
+                .bind(r.position.offset)
+                .bind(r.key.as_deref())
+                .bind(&names)
+                .bind(&values)
+                .bind(r.value.as_deref())
+                .bind(r.aggregate.as_ref().map(|a| pg_text(&a.aggregate_type)))
+                .bind(r.aggregate.as_ref().map(|a| pg_text(&a.aggregate_id)))
+                .bind(r.event_id.map(|e| e.as_uuid()))
+                .bind(dedup)
+                .bind(r.aggregate_version)
+                .bind(status)
+                .bind(kind)
+                .bind(pg_text(&m.reason))
+                .bind(i32::try_from(m.attempts).unwrap_or(i32::MAX))
+                .fetch_optional(&mut **tx)
+                .await
+                .map_err(db)?;
+            if id.is_some() || dedup.is_some() {
+                break id;
+            }
+            let same: Option<Option<bool>> = sqlx::query_scalar(&self.sql.same_at_position)
+                .bind(consumer)
+                .bind(pg_text(&r.position.topic))
+                .bind(r.position.partition)
+                .bind(r.position.offset)
+                .bind(r.key.as_deref())
+                .bind(&names)
+                .bind(&values)
+                .bind(r.value.as_deref())
+                .fetch_optional(&mut **tx)
+                .await
+                .map_err(db)?;
+            if same.flatten() != Some(false) {
+                break None;
+            }
+            dedup = Some(content_id(r, &names));
+        };
         let Some(id) = id else {
             return Ok(Parking::AlreadyParked);
         };
@@ -288,6 +323,34 @@ pub(crate) fn pg_text(s: &str) -> Cow<'_, str> {
     } else {
         Cow::Borrowed(s)
     }
+}
+
+/// Namespace of the ids of undecodable records parked after a rewind (a fixed, random UUID).
+const CONTENT_NAMESPACE: Uuid = Uuid::from_u128(0x3c5e_8d21_7a4f_4b96_a0e2_5f19_c6d8_0b73);
+
+/// An id for an undecodable record from its position and content (length-prefixed fields).
+fn content_id(r: &outbox_core::ParkedRecord, names: &[Cow<'_, str>]) -> Uuid {
+    fn field(buf: &mut Vec<u8>, b: Option<&[u8]>) {
+        match b {
+            Some(b) => {
+                buf.push(1);
+                buf.extend_from_slice(&(b.len() as u64).to_be_bytes());
+                buf.extend_from_slice(b);
+            }
+            None => buf.push(0),
+        }
+    }
+    let mut buf = Vec::new();
+    field(&mut buf, Some(r.position.topic.as_bytes()));
+    buf.extend_from_slice(&r.position.partition.to_be_bytes());
+    buf.extend_from_slice(&r.position.offset.to_be_bytes());
+    field(&mut buf, r.key.as_deref());
+    for (name, h) in names.iter().zip(&r.headers) {
+        field(&mut buf, Some(name.as_bytes()));
+        field(&mut buf, h.value.as_deref());
+    }
+    field(&mut buf, r.value.as_deref());
+    Uuid::new_v5(&CONTENT_NAMESPACE, &buf)
 }
 
 fn check_consumer(consumer: &str) -> Result<(), StoreError> {
