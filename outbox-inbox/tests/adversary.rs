@@ -1546,3 +1546,43 @@ async fn a_new_undecodable_record_at_a_rewound_offset_is_parked_too() {
     assert_eq!(values.len(), 2);
     ctx.drop().await;
 }
+
+// FOUND: a message the engine decided to park (hold expired, attempts exhausted) was parked
+// as its aggregate's head even when its version had meanwhile been applied by another
+// instance of the consumer (a second engine during a rebalance, a webhook through
+// `InboxProcessor::process`): the aggregate was blocked by an event already applied, and its
+// later messages waited for an operator. A version at or below the applied one is now stale
+// whatever was decided before.
+#[tokio::test]
+async fn a_message_due_for_parking_whose_version_was_applied_meanwhile_is_stale() {
+    let ctx = ctx!("a_message_due_for_parking_whose_version_was_applied_meanwhile_is_stale");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let log = MemoryLog::new("t", 1);
+    let policy = VersionPolicy::hold(10, Duration::from_millis(200));
+    let v3 = ev("a", 3);
+    log.publish(&[ev("a", 1), v3.clone()]).await;
+    let mut eng = engine(log.consumer(GROUP, &["t"]), &inbox, &h, policy, fast());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while eng.report().held == 0 {
+        assert!(Instant::now() < deadline);
+        eng.step().await.unwrap();
+    }
+    // Another instance of the consumer applies v2 and the same v3.
+    let other = processor(&inbox, &h, policy);
+    for e in [ev("a", 2), v3] {
+        let o = other.process(&e).await.unwrap();
+        assert_eq!(o, outbox_inbox::MessageOutcome::Applied);
+    }
+    // The hold expires while v3 is still held in the engine.
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    let r = quiet(&mut eng).await;
+    assert_eq!(r.parked, 0, "{r:?}");
+    assert!(open_parked(&inbox).await.is_empty(), "{r:?}");
+    log.publish(&[ev("a", 4)]).await;
+    let r = quiet(&mut eng).await;
+    assert_eq!(ctx.applied("a").await, vec![1, 2, 3, 4], "{r:?}");
+    assert_eq!(log.committed(GROUP, "t", 0), Some(3));
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
