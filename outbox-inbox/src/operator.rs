@@ -76,8 +76,9 @@ impl ReleaseReport {
 ///   version, then arrival). A message that fails again stops the release and becomes the
 ///   aggregate's parked head, with its attempts counted.
 /// * **discard** resolves the message without effect (registered, so a redelivery is a
-///   duplicate; its version counts as applied, so later versions may follow), with a recorded
-///   reason; then releases the waiting messages as retry does.
+///   duplicate; its version counts as applied, so later versions may follow, but only once
+///   the lower versions still open before it are released: they are applied, never skipped as
+///   stale), with a recorded reason; then releases the waiting messages as retry does.
 ///
 /// Each released message commits in its own transaction, which locks the aggregate against
 /// the engine parking more messages behind it at that moment; the engine's messages of that
@@ -259,7 +260,7 @@ where
         };
         let mut tx = store.begin().await?;
         let step = async {
-            let (open_rest, was_head) = match &target.record.aggregate {
+            let (open_rest, was_head, lower_open) = match &target.record.aggregate {
                 Some(key) => {
                     let open = store.open_parked_of(&mut tx, &consumer, key).await?;
                     let Some(me) = open.iter().find(|m| m.id == id) else {
@@ -268,15 +269,28 @@ where
                             status: ParkedStatus::Discarded,
                         });
                     };
-                    (open.len() - 1, me.status == ParkedStatus::Parked)
+                    // A lower version still open (or one whose version is unknown) is
+                    // released before this one counts as applied: skipping now would make
+                    // it stale, and an event nobody discarded would be lost.
+                    let lower_open = target.record.aggregate_version.is_none_or(|v| {
+                        open.iter()
+                            .any(|m| m.id != id && m.record.aggregate_version.is_none_or(|w| w < v))
+                    });
+                    (
+                        open.len() - 1,
+                        me.status == ParkedStatus::Parked,
+                        lower_open,
+                    )
                 }
-                None => (0, true),
+                None => (0, true, false),
             };
             if let Ok(event) = target.record.decode() {
                 self.processor
                     .register_without_effect(&mut tx, &event)
                     .await?;
-                self.processor.skip_version(&mut tx, &event).await?;
+                if !lower_open {
+                    self.processor.skip_version(&mut tx, &event).await?;
+                }
             }
             store
                 .change_parked(
@@ -405,6 +419,31 @@ where
         Ok(())
     }
 
+    /// Moves `key`'s applied version up to the highest version discarded below `below` (all
+    /// discarded versions when `None`), in `tx`; a no-op when it is there already.
+    async fn skip_discarded(
+        &self,
+        tx: &mut I::Tx,
+        key: &AggregateKey,
+        below: Option<i64>,
+    ) -> Result<(), StoreError> {
+        let mut filter = ParkedFilter::open().all().aggregate(key.clone());
+        filter.limit = 1_000_000;
+        let highest = self
+            .store()
+            .list_parked(self.consumer(), &filter)
+            .await?
+            .into_iter()
+            .filter(|m| m.status == ParkedStatus::Discarded)
+            .filter_map(|m| m.record.decode().ok())
+            .filter(|e| below.is_none_or(|b| e.aggregate_version < b))
+            .max_by_key(|e| e.aggregate_version);
+        match highest {
+            Some(e) => self.processor.skip_version(tx, &e).await,
+            None => Ok(()),
+        }
+    }
+
     /// Releases `key`'s open messages in order, one transaction each, until none is left or
     /// one fails again. `retried` is the message whose version gap the operator accepts. The
     /// audit entry of the action is written with the first step.
@@ -442,7 +481,11 @@ where
             }
             let Some(first) = open.first().cloned() else {
                 // Nothing open (someone else released it): make sure the mark is gone.
-                let r = store.unblock(&mut tx, &consumer, key).await;
+                let r = async {
+                    self.skip_discarded(&mut tx, key, None).await?;
+                    store.unblock(&mut tx, &consumer, key).await
+                }
+                .await;
                 match r {
                     Ok(()) => store.commit(tx).await?,
                     Err(e) => {
@@ -455,6 +498,14 @@ where
             };
             let allow_gap = retried == Some(first.id);
             let msg = to_message(&first);
+            // Versions discarded below this one count as applied now (not earlier: a lower
+            // version waiting before them would have been skipped as stale).
+            if let Some(v) = first.record.aggregate_version {
+                if let Err(e) = self.skip_discarded(&mut tx, key, Some(v)).await {
+                    let _ = store.rollback(tx).await;
+                    return Err(e.into());
+                }
+            }
             let applied = match self.processor.apply_parked(&mut tx, &msg, allow_gap).await {
                 Ok(a) => a,
                 Err(e) => {
@@ -482,6 +533,7 @@ where
                             .change_parked(&mut tx, &consumer, first.id, &change)
                             .await?;
                         if last {
+                            self.skip_discarded(&mut tx, key, None).await?;
                             store.unblock(&mut tx, &consumer, key).await?;
                         }
                         if audit_pending {

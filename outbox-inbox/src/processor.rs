@@ -265,6 +265,17 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
         let agg = item.msg.aggregate();
         let blocked = local.as_ref().is_some_and(|l| l.blocked);
         if blocked {
+            // A version at or below the applied one (a redelivery of an applied event) is
+            // stale whatever blocks the aggregate: never parked as waiting behind it.
+            if self.policy.tracks() {
+                if let (Ok(e), Some(a)) =
+                    (&item.msg.envelope, local.as_ref().and_then(|l| l.applied))
+                {
+                    if e.aggregate_version <= a {
+                        return Decision::Stale(a);
+                    }
+                }
+            }
             return if park {
                 Decision::Park(
                     ParkAs::Waiting,
@@ -293,6 +304,18 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
             }
             Ok(e) => e,
         };
+        // A version at or below the applied one is stale even when parking was decided
+        // before (hold expired, attempts exhausted): another instance of the consumer may
+        // have applied it meanwhile, and parking it would block the aggregate for nothing.
+        if self.policy.tracks() {
+            if let Some(a) = local
+                .as_ref()
+                .and_then(|l| l.applied)
+                .filter(|a| event.aggregate_version <= *a)
+            {
+                return Decision::Stale(a);
+            }
+        }
         if let Force::Park(kind, reason) = item.force {
             return park_head(local, *kind, reason.clone());
         }

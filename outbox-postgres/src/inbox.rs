@@ -1,6 +1,7 @@
 //! [`PostgresInboxStore`]: the consumer side on PostgreSQL: deduplication, per-aggregate
 //! versions and parked messages, in the effect's transaction.
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::time::Duration;
 
@@ -56,6 +57,7 @@ pub(crate) struct Sql {
     lock_aggregate: String,
     block: String,
     insert_parked: String,
+    same_at_position: String,
     pub(crate) parked: String,
     pub(crate) aggs: String,
     pub(crate) audit: String,
@@ -143,6 +145,14 @@ impl PostgresInboxStoreBuilder {
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) \
                  ON CONFLICT DO NOTHING RETURNING id"
             ),
+            same_at_position: format!(
+                "SELECT record_key IS NOT DISTINCT FROM $5 \
+                   AND header_names IS NOT DISTINCT FROM $6::text[] \
+                   AND header_values IS NOT DISTINCT FROM $7::bytea[] \
+                   AND value IS NOT DISTINCT FROM $8 \
+                 FROM {parked} WHERE consumer = $1 AND topic = $2 AND \"partition\" = $3 \
+                   AND \"offset\" = $4 AND dedup_id IS NULL"
+            ),
             parked,
             aggs,
             audit,
@@ -198,16 +208,16 @@ impl PostgresInboxStore {
             Some(a) => {
                 sqlx::query(&self.sql.ensure_aggregate)
                     .bind(consumer)
-                    .bind(&a.aggregate_type)
-                    .bind(&a.aggregate_id)
+                    .bind(pg_text(&a.aggregate_type))
+                    .bind(pg_text(&a.aggregate_id))
                     .execute(&mut **tx)
                     .await
                     .map_err(db)?;
                 // The row lock serializes this with an operator releasing the aggregate.
                 let blocked: bool = sqlx::query_scalar(&self.sql.lock_aggregate)
                     .bind(consumer)
-                    .bind(&a.aggregate_type)
-                    .bind(&a.aggregate_id)
+                    .bind(pg_text(&a.aggregate_type))
+                    .bind(pg_text(&a.aggregate_id))
                     .fetch_one(&mut **tx)
                     .await
                     .map_err(db)?;
@@ -229,32 +239,58 @@ impl PostgresInboxStore {
             (ParkAs::Waiting, true) | (ParkAs::Head(_), true) => ("waiting", None),
             (ParkAs::Head(kind), false) => ("parked", Some(kind.as_str())),
         };
-        let (names, values): (Vec<&str>, Vec<Option<&[u8]>>) = r
+        let (names, values): (Vec<Cow<'_, str>>, Vec<Option<&[u8]>>) = r
             .headers
             .iter()
-            .map(|h| (h.name.as_str(), h.value.as_deref()))
+            .map(|h| (pg_text(&h.name), h.value.as_deref()))
             .unzip();
-        let id: Option<i64> = sqlx::query_scalar(&self.sql.insert_parked)
-            .bind(consumer)
-            .bind(&r.position.topic)
-            .bind(r.position.partition)
-            .bind(r.position.offset)
-            .bind(r.key.as_deref())
-            .bind(&names)
-            .bind(&values)
-            .bind(r.value.as_deref())
-            .bind(r.aggregate.as_ref().map(|a| a.aggregate_type.as_str()))
-            .bind(r.aggregate.as_ref().map(|a| a.aggregate_id.as_str()))
-            .bind(r.event_id.map(|e| e.as_uuid()))
-            .bind(r.dedup_id.map(|e| e.as_uuid()))
-            .bind(r.aggregate_version)
-            .bind(status)
-            .bind(kind)
-            .bind(&m.reason)
-            .bind(i32::try_from(m.attempts).unwrap_or(i32::MAX))
-            .fetch_optional(&mut **tx)
-            .await
-            .map_err(db)?;
+        // A record without a dedup id (undecodable) is parked once per position. Another
+        // record at a position parked before (the log was rewound: a topic recreated, data
+        // lost on the broker) is a different record: it is parked under an id derived from
+        // its position and content, so it is kept, and its own redeliveries are recognised.
+        let mut dedup = r.dedup_id.map(|e| e.as_uuid());
+        let id = loop {
+            let id: Option<i64> = sqlx::query_scalar(&self.sql.insert_parked)
+                .bind(consumer)
+                .bind(pg_text(&r.position.topic))
+                .bind(r.position.partition)
+                .bind(r.position.offset)
+                .bind(r.key.as_deref())
+                .bind(&names)
+                .bind(&values)
+                .bind(r.value.as_deref())
+                .bind(r.aggregate.as_ref().map(|a| pg_text(&a.aggregate_type)))
+                .bind(r.aggregate.as_ref().map(|a| pg_text(&a.aggregate_id)))
+                .bind(r.event_id.map(|e| e.as_uuid()))
+                .bind(dedup)
+                .bind(r.aggregate_version)
+                .bind(status)
+                .bind(kind)
+                .bind(pg_text(&m.reason))
+                .bind(i32::try_from(m.attempts).unwrap_or(i32::MAX))
+                .fetch_optional(&mut **tx)
+                .await
+                .map_err(db)?;
+            if id.is_some() || dedup.is_some() {
+                break id;
+            }
+            let same: Option<Option<bool>> = sqlx::query_scalar(&self.sql.same_at_position)
+                .bind(consumer)
+                .bind(pg_text(&r.position.topic))
+                .bind(r.position.partition)
+                .bind(r.position.offset)
+                .bind(r.key.as_deref())
+                .bind(&names)
+                .bind(&values)
+                .bind(r.value.as_deref())
+                .fetch_optional(&mut **tx)
+                .await
+                .map_err(db)?;
+            if same.flatten() != Some(false) {
+                break None;
+            }
+            dedup = Some(content_id(r, &names));
+        };
         let Some(id) = id else {
             return Ok(Parking::AlreadyParked);
         };
@@ -263,8 +299,8 @@ impl PostgresInboxStore {
             if let Some(a) = &r.aggregate {
                 sqlx::query(&self.sql.block)
                     .bind(consumer)
-                    .bind(&a.aggregate_type)
-                    .bind(&a.aggregate_id)
+                    .bind(pg_text(&a.aggregate_type))
+                    .bind(pg_text(&a.aggregate_id))
                     .execute(&mut **tx)
                     .await
                     .map_err(db)?;
@@ -274,6 +310,47 @@ impl PostgresInboxStore {
             Ok(Parking::Waiting(id))
         }
     }
+}
+
+/// `s` as PostgreSQL text: a NUL character (which `text` cannot hold, and which a plain
+/// producer's header names and values may carry) becomes U+FFFD. Every string the inbox binds
+/// goes through it, so a record with such headers is parked (raw values are kept in `bytea`)
+/// instead of failing the statement on every redelivery, and an aggregate key is mapped the
+/// same way wherever it is written or read.
+pub(crate) fn pg_text(s: &str) -> Cow<'_, str> {
+    if s.contains('\0') {
+        Cow::Owned(s.replace('\0', "\u{FFFD}"))
+    } else {
+        Cow::Borrowed(s)
+    }
+}
+
+/// Namespace of the ids of undecodable records parked after a rewind (a fixed, random UUID).
+const CONTENT_NAMESPACE: Uuid = Uuid::from_u128(0x3c5e_8d21_7a4f_4b96_a0e2_5f19_c6d8_0b73);
+
+/// An id for an undecodable record from its position and content (length-prefixed fields).
+fn content_id(r: &outbox_core::ParkedRecord, names: &[Cow<'_, str>]) -> Uuid {
+    fn field(buf: &mut Vec<u8>, b: Option<&[u8]>) {
+        match b {
+            Some(b) => {
+                buf.push(1);
+                buf.extend_from_slice(&(b.len() as u64).to_be_bytes());
+                buf.extend_from_slice(b);
+            }
+            None => buf.push(0),
+        }
+    }
+    let mut buf = Vec::new();
+    field(&mut buf, Some(r.position.topic.as_bytes()));
+    buf.extend_from_slice(&r.position.partition.to_be_bytes());
+    buf.extend_from_slice(&r.position.offset.to_be_bytes());
+    field(&mut buf, r.key.as_deref());
+    for (name, h) in names.iter().zip(&r.headers) {
+        field(&mut buf, Some(name.as_bytes()));
+        field(&mut buf, h.value.as_deref());
+    }
+    field(&mut buf, r.value.as_deref());
+    Uuid::new_v5(&CONTENT_NAMESPACE, &buf)
 }
 
 fn check_consumer(consumer: &str) -> Result<(), StoreError> {
@@ -335,9 +412,9 @@ impl InboxStore for PostgresInboxStore {
         if aggregates.is_empty() {
             return Ok(Vec::new());
         }
-        let (types, ids): (Vec<&str>, Vec<&str>) = aggregates
+        let (types, ids): (Vec<Cow<'_, str>>, Vec<Cow<'_, str>>) = aggregates
             .iter()
-            .map(|a| (a.aggregate_type.as_str(), a.aggregate_id.as_str()))
+            .map(|a| (pg_text(&a.aggregate_type), pg_text(&a.aggregate_id)))
             .unzip();
         let rows = sqlx::query(&self.sql.aggregates)
             .bind(consumer)
@@ -366,13 +443,13 @@ impl InboxStore for PostgresInboxStore {
         if updates.is_empty() {
             return Ok(());
         }
-        let types: Vec<&str> = updates
+        let types: Vec<Cow<'_, str>> = updates
             .iter()
-            .map(|u| u.aggregate.aggregate_type.as_str())
+            .map(|u| pg_text(&u.aggregate.aggregate_type))
             .collect();
-        let ids: Vec<&str> = updates
+        let ids: Vec<Cow<'_, str>> = updates
             .iter()
-            .map(|u| u.aggregate.aggregate_id.as_str())
+            .map(|u| pg_text(&u.aggregate.aggregate_id))
             .collect();
         let expected: Vec<Option<i64>> = updates.iter().map(|u| u.expected).collect();
         let versions: Vec<i64> = updates.iter().map(|u| u.version).collect();
@@ -412,7 +489,23 @@ impl InboxStore for PostgresInboxStore {
         Ok(out)
     }
 
-    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
+    async fn commit(&self, mut tx: Self::Tx) -> Result<(), StoreError> {
+        // `COMMIT` of a transaction that a failed statement aborted rolls back *without an
+        // error*. A handler that ignored a database error (the "insert, and treat a unique
+        // violation as done" idiom) would then have its effect and registration rolled back
+        // while the engine counts the message applied and commits its offset: the message
+        // would be lost. Any statement fails in an aborted transaction, so probe first.
+        if let Err(e) = sqlx::query("SELECT 1").execute(&mut *tx).await {
+            let e = db(e);
+            let _ = tx.rollback().await;
+            return Err(StoreError::new(
+                e.kind,
+                format!(
+                    "nothing was committed: the transaction was aborted by a failed statement \
+                     (did the handler ignore a database error?): {e}"
+                ),
+            ));
+        }
         tx.commit().await.map_err(db)
     }
 

@@ -11,7 +11,7 @@ use outbox_core::{
 };
 
 use crate::error::db;
-use crate::inbox::PostgresInboxStore;
+use crate::inbox::{pg_text, PostgresInboxStore};
 
 const COLUMNS: &str = "id, consumer, topic, \"partition\", \"offset\", record_key, header_names, \
                        header_values, value, status, kind, reason, attempts, parked_at, resolved_at";
@@ -102,8 +102,13 @@ impl InboxParking for PostgresInboxStore {
         let rows = sqlx::query(&sql)
             .bind(consumer)
             .bind(filter.open_only)
-            .bind(filter.aggregate.as_ref().map(|a| a.aggregate_type.as_str()))
-            .bind(filter.aggregate.as_ref().map(|a| a.aggregate_id.as_str()))
+            .bind(
+                filter
+                    .aggregate
+                    .as_ref()
+                    .map(|a| pg_text(&a.aggregate_type)),
+            )
+            .bind(filter.aggregate.as_ref().map(|a| pg_text(&a.aggregate_id)))
             .bind(i64::try_from(filter.limit).unwrap_or(i64::MAX))
             .fetch_all(self.pool())
             .await
@@ -144,8 +149,8 @@ impl InboxParking for PostgresInboxStore {
             self.sql.aggs
         ))
         .bind(consumer)
-        .bind(&aggregate.aggregate_type)
-        .bind(&aggregate.aggregate_id)
+        .bind(pg_text(&aggregate.aggregate_type))
+        .bind(pg_text(&aggregate.aggregate_id))
         .fetch_optional(&mut **tx)
         .await
         .map_err(db)?;
@@ -156,8 +161,8 @@ impl InboxParking for PostgresInboxStore {
         );
         let rows = sqlx::query(&sql)
             .bind(consumer)
-            .bind(&aggregate.aggregate_type)
-            .bind(&aggregate.aggregate_id)
+            .bind(pg_text(&aggregate.aggregate_type))
+            .bind(pg_text(&aggregate.aggregate_id))
             .fetch_all(&mut **tx)
             .await
             .map_err(db)?;
@@ -225,7 +230,7 @@ impl InboxParking for PostgresInboxStore {
             .bind(consumer)
             .bind(id.0)
             .bind(kind.as_str())
-            .bind(reason)
+            .bind(pg_text(reason))
             .bind(i32::try_from(*attempts).unwrap_or(i32::MAX))
             .execute(&mut **tx)
             .await
@@ -254,8 +259,8 @@ impl InboxParking for PostgresInboxStore {
             self.sql.parked
         ))
         .bind(consumer)
-        .bind(&aggregate.aggregate_type)
-        .bind(&aggregate.aggregate_id)
+        .bind(pg_text(&aggregate.aggregate_type))
+        .bind(pg_text(&aggregate.aggregate_id))
         .fetch_one(&mut **tx)
         .await
         .map_err(db)?;
@@ -271,8 +276,8 @@ impl InboxParking for PostgresInboxStore {
             self.sql.aggs
         ))
         .bind(consumer)
-        .bind(&aggregate.aggregate_type)
-        .bind(&aggregate.aggregate_id)
+        .bind(pg_text(&aggregate.aggregate_type))
+        .bind(pg_text(&aggregate.aggregate_id))
         .execute(&mut **tx)
         .await
         .map_err(db)?;
@@ -293,9 +298,9 @@ impl InboxParking for PostgresInboxStore {
         .bind(&entry.consumer)
         .bind(entry.parked_id.0)
         .bind(entry.action.as_str())
-        .bind(&entry.actor)
-        .bind(&entry.reason)
-        .bind(&entry.outcome)
+        .bind(pg_text(&entry.actor))
+        .bind(pg_text(&entry.reason))
+        .bind(pg_text(&entry.outcome))
         .execute(&mut **tx)
         .await
         .map_err(db)?;
