@@ -35,7 +35,7 @@ pub(crate) struct AppendArgs {
     #[arg(long, default_value_t = 10_000)]
     orders: usize,
     /// Only these contenders (ids, comma-separated; default all): none, gate, notify,
-    /// no-channel, gate-10, gate-relay, notify-relay.
+    /// no-channel, gate-10, gate-relay, notify-relay, gate-no-created-idx.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 }
@@ -49,6 +49,9 @@ struct Contender {
     wake: Wake,
     /// A relay (instant acknowledgements, the driver with the listener) runs meanwhile.
     relay: bool,
+    /// Experiment: these indexes of the outbox table are dropped before the run (what each
+    /// costs the append).
+    drop_indexes: &'static [&'static str],
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,13 +61,14 @@ enum Wake {
     NoChannel,
 }
 
-const CONTENDERS: [Contender; 7] = [
+const CONTENDERS: [Contender; 8] = [
     Contender {
         id: "none",
         label: "no append (reference)",
         appends: 0,
         wake: Wake::NoChannel,
         relay: false,
+        drop_indexes: &[],
     },
     Contender {
         id: "gate",
@@ -72,6 +76,7 @@ const CONTENDERS: [Contender; 7] = [
         appends: 1,
         wake: Wake::Gate,
         relay: false,
+        drop_indexes: &[],
     },
     Contender {
         id: "notify",
@@ -79,6 +84,7 @@ const CONTENDERS: [Contender; 7] = [
         appends: 1,
         wake: Wake::NotifyEach,
         relay: false,
+        drop_indexes: &[],
     },
     Contender {
         id: "no-channel",
@@ -86,6 +92,7 @@ const CONTENDERS: [Contender; 7] = [
         appends: 1,
         wake: Wake::NoChannel,
         relay: false,
+        drop_indexes: &[],
     },
     Contender {
         id: "gate-10",
@@ -93,6 +100,7 @@ const CONTENDERS: [Contender; 7] = [
         appends: 10,
         wake: Wake::Gate,
         relay: false,
+        drop_indexes: &[],
     },
     Contender {
         id: "gate-relay",
@@ -100,6 +108,7 @@ const CONTENDERS: [Contender; 7] = [
         appends: 1,
         wake: Wake::Gate,
         relay: true,
+        drop_indexes: &[],
     },
     Contender {
         id: "notify-relay",
@@ -107,6 +116,15 @@ const CONTENDERS: [Contender; 7] = [
         appends: 1,
         wake: Wake::NotifyEach,
         relay: true,
+        drop_indexes: &[],
+    },
+    Contender {
+        id: "gate-no-created-idx",
+        label: "1 append, gate, without created_at index",
+        appends: 1,
+        wake: Wake::Gate,
+        relay: false,
+        drop_indexes: &["outbox_events_created_at_idx"],
     },
 ];
 
@@ -223,6 +241,11 @@ async fn run_one(
     };
     let store = b.build()?;
     store.migrate().await?;
+    for index in c.drop_indexes {
+        sqlx::raw_sql(&format!("DROP INDEX \"{schema}\".\"{index}\""))
+            .execute(&pool)
+            .await?;
+    }
     sqlx::raw_sql(&format!(
         "CREATE TABLE \"{schema}\".orders (id bigint PRIMARY KEY, total_cents bigint NOT NULL, \
              version bigint NOT NULL, updated_at timestamptz NOT NULL); \
@@ -230,12 +253,14 @@ async fn run_one(
          CREATE TABLE \"{schema}\".order_lines (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, \
              order_id bigint NOT NULL, sku text NOT NULL, qty integer NOT NULL, \
              price_cents bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now()); \
-         CREATE INDEX ON \"{schema}\".order_lines (order_id); \
-         VACUUM ANALYZE \"{schema}\".orders;",
+         CREATE INDEX ON \"{schema}\".order_lines (order_id);",
         args.orders
     ))
     .execute(&pool)
     .await?;
+    sqlx::raw_sql(&format!("VACUUM ANALYZE \"{schema}\".orders"))
+        .execute(&pool)
+        .await?;
 
     // The relay, when the contender has one: the real driver with the listener.
     let stop = Arc::new(tokio::sync::Notify::new());
