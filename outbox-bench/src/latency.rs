@@ -153,7 +153,7 @@ pub(crate) async fn run(env: &Env, args: &LatencyArgs, rounds: usize) -> anyhow:
     report.param("partitions", args.partitions);
     report.param(
         "relay",
-        "outbox_core::driver::run with RelayConfig defaults (batch 500, idle 10 ms..1 s, prefetch), lease 30 s, KafkaPublisher defaults",
+        "outbox_core::driver::run with RelayConfig defaults (batch 500, idle 10 ms..1 s, prefetch), lease 60 s, KafkaPublisher defaults",
     );
     let mut samples = Samples::default();
     for round in 0..rounds {
@@ -204,7 +204,7 @@ async fn run_one(
         .store(
             "latency",
             ClaimMode::Lease {
-                duration: Duration::from_secs(30),
+                duration: Duration::from_secs(60),
             },
             c.notify,
         )

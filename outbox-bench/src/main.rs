@@ -72,6 +72,14 @@ enum Scenario {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // Library logs (warnings by default; RUST_LOG=outbox_postgres=debug for the wake-up gate).
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
     anyhow::ensure!(cli.rounds >= 1, "--rounds must be at least 1");
     let env = env::Env::connect(cli.database_url.clone(), cli.brokers.clone(), 16).await?;
     println!("outbox-bench run {}", env.run);
