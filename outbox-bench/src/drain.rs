@@ -53,7 +53,7 @@ pub(crate) struct DrainArgs {
     await_each_fraction: usize,
     /// Only these contenders (comma-separated ids; default all): naive-sql, sql-lease,
     /// sql-locked, instant-lease, instant-locked, producer, minimal, lease-1, lease-2,
-    /// locked-1, locked-2, await-each.
+    /// locked-1, locked-2, lease-1-linger0, await-each.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Skip the contenders that need the broker (store-only figures).
@@ -69,6 +69,9 @@ enum Contender {
     Producer,
     Minimal,
     Relay(Mode, usize),
+    /// One lease relay with the producer's `linger.ms` at 0 (the latency scenario's tuning
+    /// candidate: what it costs in throughput).
+    RelayLinger0,
     AwaitEach,
 }
 
@@ -96,7 +99,7 @@ impl Mode {
 }
 
 impl Contender {
-    const ALL: [Contender; 12] = [
+    const ALL: [Contender; 13] = [
         Contender::NaiveSql,
         Contender::Sql(Mode::Lease),
         Contender::Sql(Mode::Locked),
@@ -108,6 +111,7 @@ impl Contender {
         Contender::Relay(Mode::Lease, 2),
         Contender::Relay(Mode::Locked, 1),
         Contender::Relay(Mode::Locked, 2),
+        Contender::RelayLinger0,
         Contender::AwaitEach,
     ];
 
@@ -119,6 +123,7 @@ impl Contender {
             Contender::Producer => "producer".into(),
             Contender::Minimal => "minimal".into(),
             Contender::Relay(m, n) => format!("{}-{n}", m.name()),
+            Contender::RelayLinger0 => "lease-1-linger0".into(),
             Contender::AwaitEach => "await-each".into(),
         }
     }
@@ -131,6 +136,7 @@ impl Contender {
             Contender::Producer => "broker: raw producer ceiling".into(),
             Contender::Minimal => "broker: minimal unordered relay".into(),
             Contender::Relay(m, n) => format!("broker: relay {} x{n}", m.name()),
+            Contender::RelayLinger0 => "broker: relay lease x1, linger.ms=0".into(),
             Contender::AwaitEach => "broker: relay awaiting each record".into(),
         }
     }
@@ -138,7 +144,11 @@ impl Contender {
     fn needs_broker(self) -> bool {
         matches!(
             self,
-            Contender::Producer | Contender::Minimal | Contender::Relay(..) | Contender::AwaitEach
+            Contender::Producer
+                | Contender::Minimal
+                | Contender::Relay(..)
+                | Contender::RelayLinger0
+                | Contender::AwaitEach
         )
     }
 }
@@ -191,9 +201,10 @@ pub(crate) async fn run(env: &Env, args: &DrainArgs, rounds: usize) -> anyhow::R
         for c in &contenders {
             let reference = match c {
                 Contender::Sql(_) | Contender::Instant(_) => Some(Contender::NaiveSql),
-                Contender::Producer | Contender::Relay(..) | Contender::AwaitEach => {
-                    Some(Contender::Minimal)
-                }
+                Contender::Producer
+                | Contender::Relay(..)
+                | Contender::RelayLinger0
+                | Contender::AwaitEach => Some(Contender::Minimal),
                 Contender::NaiveSql | Contender::Minimal => None,
             };
             if let Some(r) = reference.filter(|r| contenders.contains(r)) {
@@ -264,12 +275,20 @@ async fn run_one(
             check_drained(&store, args.events, r.0).await?;
             Ok(r)
         }
-        Contender::Relay(mode, relays) => {
+        Contender::Relay(..) | Contender::RelayLinger0 => {
+            let (mode, relays) = match c {
+                Contender::Relay(mode, relays) => (mode, relays),
+                _ => (Mode::Lease, 1),
+            };
             let store = env.store("relay", mode.claim_mode(), false).await?;
             env::preload(&store, args.events, aggregates).await?;
             let topic = env.topic("relay", args.partitions).await?;
+            let mut builder = KafkaPublisher::builder(env.brokers()?, &topic);
+            if c == Contender::RelayLinger0 {
+                builder = builder.set("linger.ms", "0");
+            }
             let publisher = Arc::new(
-                KafkaPublisher::builder(env.brokers()?, &topic)
+                builder
                     .start()
                     .await
                     .map_err(|e| anyhow::anyhow!("publisher: {e}"))?,
