@@ -79,6 +79,7 @@ async fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     anyhow::ensure!(cli.rounds >= 1, "--rounds must be at least 1");
     let env = env::Env::connect(cli.database_url.clone(), cli.brokers.clone(), 16).await?;

@@ -52,6 +52,10 @@ pub(crate) struct ScaleArgs {
     /// Offered load of the soak (single-event transactions per second).
     #[arg(long, default_value_t = 500)]
     soak_rate: u32,
+    /// Run `VACUUM` on the outbox table after each cleanup (for servers without autovacuum:
+    /// shows whether the table stays bounded when it is vacuumed).
+    #[arg(long)]
+    soak_vacuum: bool,
     /// Seconds between soak samples.
     #[arg(long, default_value_t = 10)]
     sample_every: u64,
@@ -66,6 +70,11 @@ pub(crate) async fn run(env: &Env, args: &ScaleArgs, rounds: usize) -> anyhow::R
     report.param("batch", 1000);
     report.param("soak_seconds", args.soak_seconds);
     report.param("soak_rate", args.soak_rate);
+    report.param("soak_vacuum", args.soak_vacuum);
+    let autovacuum: String = sqlx::query_scalar("SELECT current_setting('autovacuum')")
+        .fetch_one(&env.pool)
+        .await?;
+    report.param("server_autovacuum", autovacuum);
     let mut samples = Samples::default();
     let mut plans = serde_json::Map::new();
     for &size in &args.sizes {
@@ -309,12 +318,18 @@ async fn soak(env: &Env, args: &ScaleArgs) -> anyhow::Result<Vec<serde_json::Val
     // Cleanup every 5 s.
     let cleanup = {
         let (store, running) = (store.clone(), running.clone());
+        let vacuum = args
+            .soak_vacuum
+            .then(|| format!("VACUUM \"{}\".\"{}\"", s.schema, s.table));
         tokio::spawn(async move {
             let mut removed = 0u64;
             while running.load(Ordering::Relaxed) {
                 tokio::time::sleep(Duration::from_secs(5)).await;
                 // Deletes in transactions of at most 1,000 rows until none is due.
                 removed += store.cleanup(Duration::from_secs(5), 1000).await?.removed;
+                if let Some(v) = &vacuum {
+                    sqlx::raw_sql(v).execute(store.pool()).await?;
+                }
             }
             Ok::<_, anyhow::Error>(removed)
         })
