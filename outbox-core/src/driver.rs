@@ -93,6 +93,10 @@ where
                 report.published += c.published as u64;
                 report.parked += (c.parked + c.parked_at_claim) as u64;
                 let pause = c.pause.unwrap_or_default();
+                if signal.is_triggered() {
+                    // Shutdown already completed during the cycle: never poll it again.
+                    break;
+                }
                 tokio::select! {
                     () = tokio::time::sleep(pause) => {}
                     () = &mut shutdown => { signal.trigger(); }

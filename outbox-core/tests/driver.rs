@@ -144,3 +144,60 @@ async fn a_failed_completion_is_counted_backed_off_and_the_event_republished() {
     // Published by the broker in both cycles: a duplicate, never a loss.
     assert_eq!(log.all_records().len(), 2);
 }
+
+/// A broker that is down: every record of every batch fails in the transport after a delay.
+struct DownBroker;
+
+#[outbox_core::async_trait]
+impl outbox_core::Publisher for DownBroker {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<outbox_core::PublishResult> {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        batch
+            .iter()
+            .map(|_| {
+                Err(outbox_core::PublishError::new(
+                    outbox_core::PublishErrorKind::Timeout,
+                    "broker down",
+                )
+                .with_scope(outbox_core::FailureScope::Transport))
+            })
+            .collect()
+    }
+    fn delivery_timeout(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+}
+
+/// Shutdown that completes while a cycle publishes, and a cycle that opens the circuit breaker:
+/// the driver stops without waiting the pause and without polling the finished shutdown future
+/// again (an `async` block panics when resumed after completion).
+#[tokio::test]
+async fn shutdown_during_a_cycle_that_opens_the_circuit_stops_the_driver() {
+    let db = MemoryDb::new(SystemClock);
+    let store = MemoryOutboxStore::new(&db, ClaimMode::lease(Duration::from_secs(30)).unwrap());
+    append(&db, &store, "a", 1).await;
+    let cfg = RelayConfig::builder()
+        .owner("driver-test")
+        .circuit_breaker(Duration::from_secs(60), Duration::from_secs(60))
+        .build()
+        .unwrap();
+    let relay = Relay::new(
+        store.clone(),
+        DownBroker,
+        cfg,
+        Arc::new(SystemClock),
+        Box::new(StdRng::seed_from_u64(3)),
+    )
+    .unwrap();
+    let report = tokio::time::timeout(
+        Duration::from_secs(10),
+        outbox_core::driver::run(relay, None, async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }),
+    )
+    .await
+    .expect("the driver stops instead of waiting the 60 s pause");
+    assert_eq!(report.cycles, 1);
+    assert_eq!(report.published, 0);
+    assert_eq!(store.open_claims(), 0, "nothing left claimed");
+}

@@ -46,9 +46,20 @@ pub struct OutboxSettings {
     pub table: String,
     /// Claim mode. Default: a 30 s lease.
     pub claim_mode: ClaimMode,
-    /// `NOTIFY` channel raised by every append (delivered at commit). Default
+    /// `NOTIFY` channel raised by appends (delivered at commit). Default
     /// `<schema>_<table>`; `None` turns notifications off.
     pub notify_channel: Option<String>,
+    /// The wake-up gate: `true` (default) raises the `NOTIFY` only while a relay of this table
+    /// is idle and waiting for one (it holds the table's gate lock, see
+    /// [`crate::PostgresOutboxStore::wake_gate_armed`]); a busy relay claims again on its own.
+    /// `false`: every append notifies. PostgreSQL serializes the commits of notifying
+    /// transactions, so under load the gate keeps group commit for the business transactions.
+    /// Appenders and relays must agree: a relay of a version without the gate is never woken by
+    /// gated appends and falls back to polling.
+    pub wake_gate: bool,
+    /// How long an idle relay waits, when it arms the gate, for the appends in flight to end
+    /// (default 200 ms). When the wait runs out the relay stays unarmed and polls.
+    pub wake_gate_wait: Duration,
     /// Cleanup copies rows into `<table>_archive` before deleting them. Default `false`.
     pub archive: bool,
     /// Envelope limits checked on append. Default [`EnvelopeLimits::default`].
@@ -92,6 +103,8 @@ impl Default for OutboxSettings {
                 duration: Duration::from_secs(30),
             },
             notify_channel: Some(format!("{DEFAULT_SCHEMA}_{DEFAULT_OUTBOX_TABLE}")),
+            wake_gate: true,
+            wake_gate_wait: Duration::from_millis(200),
             archive: false,
             limits: EnvelopeLimits::default(),
             locked_max_hold: Duration::from_secs(300),

@@ -18,7 +18,7 @@
 //! | Per-aggregate order, several relays | yes: only the head at `last_version + 1`, the last published version kept per aggregate; gaps held then parked, out-of-order versions parked; see below |
 //! | Rows committing out of id order | never skipped (no high-water mark) |
 //! | Durability | lease claims and operator actions commit with `synchronous_commit = on` whatever the server default; completions asynchronously by default (see below) |
-//! | Wake-up | `NOTIFY` in every append, [`PostgresOutboxStore::spawn_listener`] for `outbox_core::driver::run` |
+//! | Wake-up | `NOTIFY` from appends while a relay is idle (the wake-up gate, [`OutboxSettings::wake_gate`]), [`PostgresOutboxStore::spawn_listener`] for `outbox_core::driver::run` |
 //! | Parking, retry/discard/re-issue, audit | yes, `<table>_audit` |
 //! | Cleanup | bounded batches (one transaction each), optional `<table>_archive` |
 //! | Stats | backlog, in flight, parked, version gaps held, oldest ages; oldest claimable head, table/index size, dead tuples, autovacuum age, conditional-update conflicts in `extra` |

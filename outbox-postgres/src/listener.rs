@@ -24,7 +24,9 @@ fn jitter(d: Duration) -> Duration {
 
 impl PostgresOutboxStore {
     /// Spawns a task that `LISTEN`s on the store's notify channel and wakes `notify` on every
-    /// notification (appends `NOTIFY` at commit), so a relay driver reacts within milliseconds:
+    /// notification (appends `NOTIFY` at commit), so a relay driver reacts within milliseconds.
+    /// From then on, a claim of this store that comes back empty arms the wake-up gate (see
+    /// [`crate::OutboxSettings::wake_gate`]): appends notify while this store's relay waits.
     ///
     /// ```no_run
     /// # async fn demo(store: outbox_postgres::PostgresOutboxStore) -> Result<(), outbox_core::StoreError> {
@@ -46,6 +48,7 @@ impl PostgresOutboxStore {
             .clone()
             .ok_or_else(|| config("the store has no notify channel"))?;
         let pool = self.pool().clone();
+        self.set_listening();
         Ok(tokio::spawn(async move {
             let mut delay = RECONNECT_MIN;
             loop {

@@ -98,7 +98,11 @@ impl OutboxSql {
                RETURNING 1) \
              SELECT (SELECT count(*) FROM ins) AS n, \
                     (SELECT count(*) FROM (SELECT pg_notify($11::text, '') \
-                                           WHERE $11::text IS NOT NULL) nn) AS notified"
+                                           WHERE $11::text IS NOT NULL \
+                                             AND ($12::int4 IS NULL \
+                                                  OR NOT pg_try_advisory_xact_lock_shared( \
+                                                           $12::int4, $13::int4))) nn) \
+                    AS notified"
         );
 
         // Step 1: the first candidates (pending, unblocked, due) in insertion order whose

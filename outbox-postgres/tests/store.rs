@@ -858,6 +858,8 @@ async fn listener_wakes_on_commit() {
         .expect("initial wake-up after connect");
     // It may also leave a permit for a driver between cycles; take it.
     let _ = tokio::time::timeout(Duration::from_millis(100), notify.notified()).await;
+    // The relay is idle: its empty claim arms the wake-up gate, so appends notify.
+    assert!(claim(&store, "idle", 10).await.is_empty());
     let mut tx = ctx.pool.begin().await.unwrap();
     store.append(&mut *tx, &event("n", 1)).await.unwrap();
     // Not before commit.
@@ -952,6 +954,7 @@ async fn listener_reconnects_after_its_connection_is_killed() {
     // Give the new LISTEN a moment, then a commit wakes it again.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let _ = tokio::time::timeout(Duration::from_millis(100), notify.notified()).await;
+    assert!(claim(&store, "idle", 10).await.is_empty());
     store.append(&ctx.pool, &event("n", 1)).await.unwrap();
     tokio::time::timeout(Duration::from_secs(5), notify.notified())
         .await

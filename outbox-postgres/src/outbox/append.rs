@@ -80,6 +80,8 @@ impl PostgresOutboxStore {
             );
             a.created.push(e.created_at);
         }
+        let (k1, k2) = super::wake_gate::gate_keys(self.inner.seed);
+        let gate = s.wake_gate.then_some((k1, k2));
         let row = sqlx::query(&self.inner.sql.append)
             .bind(a.ids)
             .bind(a.agg_types)
@@ -92,10 +94,16 @@ impl PostgresOutboxStore {
             .bind(a.headers)
             .bind(a.created)
             .bind(s.notify_channel.as_deref())
+            .bind(gate.map(|g| g.0))
+            .bind(gate.map(|g| g.1))
             .fetch_one(executor)
             .await
             .map_err(db)?;
         let n: i64 = row.try_get("n").map_err(db)?;
+        let notified: i64 = row.try_get("notified").map_err(db)?;
+        self.inner
+            .notifies
+            .fetch_add(notified as u64, std::sync::atomic::Ordering::Relaxed);
         if n as usize != events.len() {
             return Err(StoreError::new(
                 StoreErrorKind::Other,

@@ -45,6 +45,19 @@ impl PostgresOutboxStoreBuilder {
         self.channel_set = true;
         self
     }
+    /// The wake-up gate (default on): appends `NOTIFY` only while a relay of this table is
+    /// idle and waiting for one, instead of in every transaction. See
+    /// [`OutboxSettings::wake_gate`].
+    pub fn wake_gate(mut self, on: bool) -> Self {
+        self.settings.wake_gate = on;
+        self
+    }
+    /// How long an idle relay waits for the appends in flight when it arms the wake-up gate
+    /// (default 200 ms; 1 ms..=60 s).
+    pub fn wake_gate_wait(mut self, d: Duration) -> Self {
+        self.settings.wake_gate_wait = d;
+        self
+    }
     /// Archive rows into `<table>_archive` on cleanup (default off).
     pub fn archive(mut self, archive: bool) -> Self {
         self.settings.archive = archive;
@@ -126,6 +139,13 @@ impl PostgresOutboxStoreBuilder {
             ClaimMode::Lease { .. } | ClaimMode::LockedTransaction => {}
             other => return Err(config(format!("unsupported claim mode {other:?}"))),
         }
+        if s.wake_gate_wait < Duration::from_millis(1) || s.wake_gate_wait > Duration::from_secs(60)
+        {
+            return Err(config(format!(
+                "wake_gate_wait of {:?} is outside 1 ms..=60 s",
+                s.wake_gate_wait
+            )));
+        }
         if s.gap_timeout < Duration::from_millis(1) || s.gap_timeout > Duration::from_secs(86_400) {
             return Err(config(format!(
                 "gap_timeout of {:?} is outside 1 ms..=24 h",
@@ -154,6 +174,10 @@ impl PostgresOutboxStoreBuilder {
                 seed,
                 locked: Mutex::new(HashMap::new()),
                 leased: Mutex::new(HashMap::new()),
+                gate: super::wake_gate::WakeGate::default(),
+                gate_armed: std::sync::atomic::AtomicBool::new(false),
+                listening: std::sync::atomic::AtomicBool::new(false),
+                notifies: std::sync::atomic::AtomicU64::new(0),
             }),
         })
     }

@@ -8,8 +8,10 @@ mod complete;
 mod maintenance;
 mod operator;
 pub(crate) mod rows;
+mod wake_gate;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -51,6 +53,14 @@ struct Inner {
     locked: Mutex<HashMap<Uuid, LockedClaim>>,
     /// Rows of lease claims made by this instance, by token (saves a lookup on complete).
     leased: Mutex<HashMap<Uuid, (Vec<ClaimedRow>, Instant)>>,
+    /// The wake-up gate's connection (see `wake_gate`).
+    gate: wake_gate::WakeGate,
+    /// The gate is armed: appends notify.
+    gate_armed: AtomicBool,
+    /// [`PostgresOutboxStore::spawn_listener`] runs for this store: an empty claim arms the gate.
+    listening: AtomicBool,
+    /// Append statements through this instance that raised a `NOTIFY`.
+    notifies: AtomicU64,
 }
 
 impl std::fmt::Debug for PostgresOutboxStore {
@@ -114,7 +124,7 @@ impl OutboxStore for PostgresOutboxStore {
     }
 
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
-        self.claim_inner(request).await
+        self.claim_gated(request).await
     }
 
     async fn complete(

@@ -1,0 +1,376 @@
+//! Append overhead: a business transaction (update the order row, insert one order line) with no
+//! outbox append (the reference), with one, and with ten, at 1 and 8 clients; the wake-up
+//! variants side by side (the gate, a `NOTIFY` in every append, no channel), with and without a
+//! relay running against the same table.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use clap::Args;
+use outbox_core::{ClaimMode, Envelope, Relay, RelayConfig, SystemClock};
+use outbox_postgres::PostgresOutboxStore;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use sqlx::postgres::PgPoolOptions;
+
+use crate::drain::InstantAcks;
+use crate::env::{self, Env};
+use crate::report::{quantile_ms, Report, Samples};
+
+/// Options of `outbox-bench append`.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct AppendArgs {
+    /// Client counts (concurrent connections running the business transaction).
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    clients: Vec<usize>,
+    /// Measured seconds per contender and round (after the warm-up).
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Warm-up seconds per contender and round (not counted).
+    #[arg(long, default_value_t = 1.0)]
+    warmup: f64,
+    /// Order rows the transactions pick from at random.
+    #[arg(long, default_value_t = 10_000)]
+    orders: usize,
+    /// Only these contenders (ids, comma-separated; default all): none, gate, notify,
+    /// no-channel, gate-10, gate-relay, notify-relay, gate-no-created-idx.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Contender {
+    id: &'static str,
+    label: &'static str,
+    /// Outbox events appended per transaction.
+    appends: usize,
+    wake: Wake,
+    /// A relay (instant acknowledgements, the driver with the listener) runs meanwhile.
+    relay: bool,
+    /// Experiment: these indexes of the outbox table are dropped before the run (what each
+    /// costs the append).
+    drop_indexes: &'static [&'static str],
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Wake {
+    Gate,
+    NotifyEach,
+    NoChannel,
+}
+
+const CONTENDERS: [Contender; 8] = [
+    Contender {
+        id: "none",
+        label: "no append (reference)",
+        appends: 0,
+        wake: Wake::NoChannel,
+        relay: false,
+        drop_indexes: &[],
+    },
+    Contender {
+        id: "gate",
+        label: "1 append, wake-up gate (default)",
+        appends: 1,
+        wake: Wake::Gate,
+        relay: false,
+        drop_indexes: &[],
+    },
+    Contender {
+        id: "notify",
+        label: "1 append, NOTIFY in every append",
+        appends: 1,
+        wake: Wake::NotifyEach,
+        relay: false,
+        drop_indexes: &[],
+    },
+    Contender {
+        id: "no-channel",
+        label: "1 append, no NOTIFY channel",
+        appends: 1,
+        wake: Wake::NoChannel,
+        relay: false,
+        drop_indexes: &[],
+    },
+    Contender {
+        id: "gate-10",
+        label: "10 appends, wake-up gate",
+        appends: 10,
+        wake: Wake::Gate,
+        relay: false,
+        drop_indexes: &[],
+    },
+    Contender {
+        id: "gate-relay",
+        label: "1 append, gate, relay running",
+        appends: 1,
+        wake: Wake::Gate,
+        relay: true,
+        drop_indexes: &[],
+    },
+    Contender {
+        id: "notify-relay",
+        label: "1 append, NOTIFY each, relay running",
+        appends: 1,
+        wake: Wake::NotifyEach,
+        relay: true,
+        drop_indexes: &[],
+    },
+    Contender {
+        id: "gate-no-created-idx",
+        label: "1 append, gate, without created_at index",
+        appends: 1,
+        wake: Wake::Gate,
+        relay: false,
+        drop_indexes: &["outbox_events_created_at_idx"],
+    },
+];
+
+struct Outcome {
+    txns: u64,
+    seconds: f64,
+    latencies: Vec<Duration>,
+    notifies: u64,
+}
+
+/// Runs the append scenario.
+pub(crate) async fn run(env: &Env, args: &AppendArgs, rounds: usize) -> anyhow::Result<Report> {
+    let contenders: Vec<Contender> = CONTENDERS
+        .into_iter()
+        .filter(|c| args.only.is_empty() || args.only.iter().any(|o| o == c.id))
+        .collect();
+    anyhow::ensure!(!contenders.is_empty(), "no contender selected");
+    let mut report = Report::new("append", rounds);
+    report.param("clients", &args.clients);
+    report.param("seconds", args.seconds);
+    report.param("warmup", args.warmup);
+    report.param("orders", args.orders);
+    report.param("payload_bytes", serde_json::to_vec(&env::payload(0))?.len());
+    report.param(
+        "transaction",
+        "BEGIN; UPDATE orders (one row, random); INSERT order_lines (one row); \
+         [append_many(N events)]; COMMIT",
+    );
+    let mut samples = Samples::default();
+    for round in 0..rounds {
+        for &clients in &args.clients {
+            let n = contenders.len();
+            for k in 0..n {
+                let c = contenders[(k + round) % n];
+                let name = format!("{} [{clients} clients]", c.label);
+                let o = run_one(env, args, c, clients)
+                    .await
+                    .with_context(|| format!("round {}: {name}", round + 1))?;
+                env.cleanup().await?;
+                let mut lat = o.latencies;
+                lat.sort_unstable();
+                let tps = o.txns as f64 / o.seconds;
+                let (p50, p99) = (quantile_ms(&lat, 0.5), quantile_ms(&lat, 0.99));
+                println!(
+                    "round {}/{rounds}  {name:<52} {tps:>8.0} txn/s  p50 {p50:>6.2} ms  p99 {p99:>6.2} ms  notifies/txn {:.2}",
+                    round + 1,
+                    o.notifies as f64 / o.txns.max(1) as f64
+                );
+                samples.add(&name, "txn/s", tps);
+                samples.add(&name, "p50 ms", p50);
+                samples.add(&name, "p99 ms", p99);
+                samples.add(
+                    &name,
+                    "notifies/txn",
+                    o.notifies as f64 / o.txns.max(1) as f64,
+                );
+            }
+        }
+    }
+    for &clients in &args.clients {
+        let reference = format!("no append (reference) [{clients} clients]");
+        for c in &contenders {
+            if c.id == "none" {
+                continue;
+            }
+            let name = format!("{} [{clients} clients]", c.label);
+            for metric in ["txn/s", "p50 ms", "p99 ms"] {
+                samples.compare(&name, metric, &reference);
+            }
+        }
+        let ratio = |id: &str, metric: &str| {
+            let c = CONTENDERS.iter().find(|c| c.id == id)?;
+            let a = samples.median(&format!("{} [{clients} clients]", c.label), metric)?;
+            let b = samples.median(&reference, metric)?;
+            Some(a / b)
+        };
+        report.target(
+            &format!("[{clients} clients] 1 append (default store): p50 / reference <= 1.10"),
+            ratio("gate", "p50 ms"),
+            1.10,
+            false,
+        );
+        report.target(
+            &format!("[{clients} clients] 1 append (default store): txn/s / reference >= 0.90"),
+            ratio("gate", "txn/s"),
+            0.90,
+            true,
+        );
+    }
+    report.figures = samples.figures();
+    Ok(report)
+}
+
+async fn run_one(
+    env: &Env,
+    args: &AppendArgs,
+    c: Contender,
+    clients: usize,
+) -> anyhow::Result<Outcome> {
+    let schema = env.schema("append").await?;
+    let pool = PgPoolOptions::new()
+        .max_connections(clients as u32 + 4)
+        .connect(&env.database_url)
+        .await?;
+    let mut b = PostgresOutboxStore::builder(pool.clone())
+        .schema(&schema)
+        .claim_mode(ClaimMode::Lease {
+            duration: Duration::from_secs(30),
+        });
+    b = match c.wake {
+        Wake::Gate => b.wake_gate(true),
+        Wake::NotifyEach => b.wake_gate(false),
+        Wake::NoChannel => b.notify_channel(None),
+    };
+    let store = b.build()?;
+    store.migrate().await?;
+    for index in c.drop_indexes {
+        sqlx::raw_sql(&format!("DROP INDEX \"{schema}\".\"{index}\""))
+            .execute(&pool)
+            .await?;
+    }
+    sqlx::raw_sql(&format!(
+        "CREATE TABLE \"{schema}\".orders (id bigint PRIMARY KEY, total_cents bigint NOT NULL, \
+             version bigint NOT NULL, updated_at timestamptz NOT NULL); \
+         INSERT INTO \"{schema}\".orders SELECT g, 0, 0, now() FROM generate_series(1, {}) g; \
+         CREATE TABLE \"{schema}\".order_lines (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, \
+             order_id bigint NOT NULL, sku text NOT NULL, qty integer NOT NULL, \
+             price_cents bigint NOT NULL, created_at timestamptz NOT NULL DEFAULT now()); \
+         CREATE INDEX ON \"{schema}\".order_lines (order_id);",
+        args.orders
+    ))
+    .execute(&pool)
+    .await?;
+    sqlx::raw_sql(&format!("VACUUM ANALYZE \"{schema}\".orders"))
+        .execute(&pool)
+        .await?;
+
+    // The relay, when the contender has one: the real driver with the listener.
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let relay_task = if c.relay {
+        let wake = Arc::new(tokio::sync::Notify::new());
+        let listener = store.spawn_listener(wake.clone())?;
+        let relay = Relay::new(
+            store.clone(),
+            Arc::new(InstantAcks::default()),
+            RelayConfig::builder().owner("bench-relay").build()?,
+            Arc::new(SystemClock),
+            Box::new(StdRng::seed_from_u64(1)),
+        )?;
+        let stop = stop.clone();
+        Some((
+            listener,
+            tokio::spawn(outbox_core::driver::run(relay, Some(wake), async move {
+                stop.notified().await;
+            })),
+        ))
+    } else {
+        None
+    };
+
+    let update = format!(
+        "UPDATE \"{schema}\".orders SET total_cents = total_cents + $2, version = version + 1, \
+         updated_at = now() WHERE id = $1 RETURNING version"
+    );
+    let insert = format!(
+        "INSERT INTO \"{schema}\".order_lines (order_id, sku, qty, price_cents) VALUES ($1, $2, $3, $4)"
+    );
+    let measuring = Arc::new(AtomicBool::new(false));
+    let running = Arc::new(AtomicBool::new(true));
+    let txns = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    for client in 0..clients {
+        let (pool, store) = (pool.clone(), store.clone());
+        let (update, insert) = (update.clone(), insert.clone());
+        let (measuring, running, txns) = (measuring.clone(), running.clone(), txns.clone());
+        let (orders, appends) = (args.orders, c.appends);
+        tasks.push(tokio::spawn(async move {
+            let mut rng = StdRng::seed_from_u64(client as u64);
+            let mut latencies = Vec::new();
+            let mut i = client;
+            while running.load(Ordering::Relaxed) {
+                let order = rng.random_range(1..=orders as i64);
+                let started = Instant::now();
+                let mut tx = pool.begin().await?;
+                let version: i64 = sqlx::query_scalar(&update)
+                    .bind(order)
+                    .bind(199i64)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                sqlx::query(&insert)
+                    .bind(order)
+                    .bind("SKU-0042")
+                    .bind(1i32)
+                    .bind(199i64)
+                    .execute(&mut *tx)
+                    .await?;
+                if appends > 0 {
+                    let events: Vec<Envelope> = (0..appends)
+                        .map(|k| {
+                            Envelope::builder(
+                                "order",
+                                format!("order-{order}"),
+                                (version - 1) * appends as i64 + k as i64 + 1,
+                                "order.line_added",
+                            )
+                            .json(&env::payload(i))
+                            .and_then(|b| b.build())
+                            .expect("valid envelope")
+                        })
+                        .collect();
+                    store.append_many(&mut *tx, &events).await?;
+                }
+                tx.commit().await?;
+                i += clients;
+                if measuring.load(Ordering::Relaxed) {
+                    latencies.push(started.elapsed());
+                    txns.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Ok::<_, anyhow::Error>(latencies)
+        }));
+    }
+    tokio::time::sleep(Duration::from_secs_f64(args.warmup)).await;
+    let notifies_before = store.notifications_raised();
+    measuring.store(true, Ordering::Relaxed);
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_secs_f64(args.seconds)).await;
+    measuring.store(false, Ordering::Relaxed);
+    let seconds = started.elapsed().as_secs_f64();
+    let measured = txns.load(Ordering::Relaxed);
+    let notifies = store.notifications_raised() - notifies_before;
+    running.store(false, Ordering::Relaxed);
+    let mut latencies = Vec::new();
+    for t in tasks {
+        latencies.extend(t.await??);
+    }
+    if let Some((listener, task)) = relay_task {
+        stop.notify_one();
+        task.await?;
+        listener.abort();
+    }
+    pool.close().await;
+    Ok(Outcome {
+        txns: measured,
+        seconds,
+        latencies,
+        notifies,
+    })
+}

@@ -1,0 +1,104 @@
+//! `outbox-bench`: one benchmark program for the outbox's scenarios, each beside reference
+//! implementations measured in the same run.
+//!
+//! ```sh
+//! cargo build --release -p outbox-bench
+//! source scripts/services.sh && ensure_postgres && ensure_kafka   # sets DATABASE_URL, KAFKA_BROKERS
+//! target/release/outbox-bench drain --json drain.json
+//! target/release/outbox-bench append
+//! target/release/outbox-bench latency
+//! target/release/outbox-bench consumer
+//! target/release/outbox-bench scale
+//! ```
+//!
+//! Every scenario repeats `--rounds` rounds with the contenders in a rotating order (a slow
+//! phase of a shared machine hits all of them), prints each sample as it comes and then a
+//! table of medians with their spread (min–max) and the ratio of each contender to its
+//! reference, checks the targets of the performance issue, and writes the same figures to
+//! `--json FILE`. Each contender runs in its own schema and topic, named after the run and
+//! removed when it ends. Absolute numbers depend on the machine; compare ratios. See
+//! `BENCHMARKS.md` for the conditions and the latest figures.
+
+mod append;
+mod consumer;
+mod drain;
+mod env;
+mod latency;
+mod report;
+mod scale;
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand};
+
+/// Benchmarks of the outbox against the local PostgreSQL and Kafka-protocol broker.
+#[derive(Debug, Parser)]
+#[command(name = "outbox-bench", version)]
+struct Cli {
+    /// PostgreSQL URL.
+    #[arg(long, env = "DATABASE_URL", global = true)]
+    database_url: Option<String>,
+    /// Kafka bootstrap servers (the scenarios that use the broker require it).
+    #[arg(long, env = "KAFKA_BROKERS", global = true)]
+    brokers: Option<String>,
+    /// Rounds; the contenders alternate within each.
+    #[arg(long, default_value_t = 3, global = true)]
+    rounds: usize,
+    /// Also write the figures as JSON to this file.
+    #[arg(long, global = true)]
+    json: Option<PathBuf>,
+    #[command(subcommand)]
+    scenario: Scenario,
+}
+
+#[derive(Debug, Subcommand)]
+enum Scenario {
+    /// Drain a backlog: claim modes, 1 and 2 relays, beside the SQL ceiling, the producer
+    /// ceiling, a minimal unordered relay and a relay awaiting each record.
+    Drain(drain::DrainArgs),
+    /// Append overhead in a business transaction: 0, 1 and 10 appends, 1 and 8 clients, the
+    /// wake-up variants.
+    Append(append::AppendArgs),
+    /// End-to-end latency at a fixed offered load: commit to acknowledgement and to the
+    /// consumer's applied effect, NOTIFY wake-up vs polling.
+    Latency(latency::LatencyArgs),
+    /// Consumer: events/s applied through the inbox from a filled topic, 0% and 10% duplicates.
+    Consumer(consumer::ConsumerArgs),
+    /// Scale: the claim's cost at growing backlogs, and a soak with cleanup (size, dead
+    /// tuples, claim latency over time).
+    Scale(scale::ScaleArgs),
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    // Library logs (warnings by default; RUST_LOG=outbox_postgres=debug for the wake-up gate).
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    anyhow::ensure!(cli.rounds >= 1, "--rounds must be at least 1");
+    let env = env::Env::connect(cli.database_url.clone(), cli.brokers.clone(), 16).await?;
+    println!("outbox-bench run {}", env.run);
+    let result = match &cli.scenario {
+        Scenario::Drain(a) => drain::run(&env, a, cli.rounds).await,
+        Scenario::Append(a) => append::run(&env, a, cli.rounds).await,
+        Scenario::Latency(a) => latency::run(&env, a, cli.rounds).await,
+        Scenario::Consumer(a) => consumer::run(&env, a, cli.rounds).await,
+        Scenario::Scale(a) => scale::run(&env, a, cli.rounds).await,
+    };
+    // Remove what the run created, also after a failure.
+    let cleaned = env.cleanup().await;
+    let report = result?;
+    cleaned?;
+    report.print();
+    if let Some(path) = &cli.json {
+        report::write_json(path, std::slice::from_ref(&report))?;
+        println!("figures written to {}", path.display());
+    }
+    Ok(())
+}
