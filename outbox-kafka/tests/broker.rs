@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{brokers, create_topic, read_all, tansu_bin, unique, Tansu};
-use outbox_core::{wire, Envelope, ErrorClass, PublishErrorKind, PublishResult, Publisher};
+use outbox_core::{Envelope, ErrorClass, PublishErrorKind, PublishResult, Publisher};
 use outbox_kafka::{CleanupPolicy, KafkaPublisher, StartError, TopicCheckError};
 
 const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";

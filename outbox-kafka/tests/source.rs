@@ -20,7 +20,7 @@ use outbox_core::{
     ReceivedMessage, SourceErrorKind, TopicPartition,
 };
 use outbox_inbox::{ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor};
-use outbox_kafka::{KafkaPublisher, KafkaSource, KafkaSourceBuilder, StartFrom};
+use outbox_kafka::{KafkaPublisher, KafkaSource, KafkaSourceBuilder};
 use outbox_testkit::{MemoryDb, MemoryInboxStore, MemoryTx};
 use rdkafka::config::ClientConfig;
 use rdkafka::message::{Header, OwnedHeaders};
