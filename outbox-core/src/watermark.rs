@@ -305,6 +305,25 @@ mod tests {
         LogPosition::new("t", p, o)
     }
 
+    /// A ticket names the epoch of its partition entry, and a rewind moves to a new one.
+    #[test]
+    fn tickets_carry_their_partitions_epoch() {
+        let mut t = OffsetTracker::default();
+        let first = t.begin(&pos(0, 1));
+        let tp = TopicPartition::new("t", 0);
+        assert_eq!(first.epoch(), t.partition(&tp).unwrap().epoch());
+        assert_eq!(first.position(), &pos(0, 1));
+        let other = t.begin(&pos(1, 1));
+        assert_ne!(
+            other.epoch(),
+            first.epoch(),
+            "each partition entry its own epoch"
+        );
+        let rewound = t.begin(&pos(0, 0));
+        assert_ne!(rewound.epoch(), first.epoch());
+        assert_eq!(rewound.epoch(), t.partition(&tp).unwrap().epoch());
+    }
+
     #[test]
     fn table() {
         // (begun, finished, expected committable)
