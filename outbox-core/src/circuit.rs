@@ -133,7 +133,9 @@ mod tests {
         assert_eq!(b.on_cycle(5, 0, t(0)), None, "closed stays closed");
         assert_eq!(b.on_cycle(0, 4, t(1)), Some(CircuitChange::Opened));
         assert!(b.is_open());
+        assert_eq!(b.failures(), 1);
         assert_eq!(b.on_cycle(0, 4, t(2)), None, "no second report while open");
+        assert_eq!(b.failures(), 2, "each failed cycle counts");
         assert_eq!(b.on_cycle(0, 0, t(3)), None, "an empty cycle keeps it open");
         assert!(b.is_open());
         assert_eq!(

@@ -547,3 +547,78 @@ pub struct OutboxStats {
     /// Backend-specific figures (table size, dead tuples, ...), name to value.
     pub extra: Vec<(String, f64)>,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::{PublishError, PublishErrorKind};
+
+    /// The stored names are a storage format: each is fixed, and parsing gives the value back.
+    #[test]
+    fn stored_names_are_fixed_and_parse_back() {
+        let statuses = [
+            (DeliveryStatus::Pending, "pending"),
+            (DeliveryStatus::Published, "published"),
+            (DeliveryStatus::Parked, "parked"),
+            (DeliveryStatus::Discarded, "discarded"),
+        ];
+        for (v, name) in statuses {
+            assert_eq!(v.as_str(), name);
+            assert_eq!(DeliveryStatus::parse(name), Some(v));
+        }
+        let kinds = [
+            (ParkKind::PermanentError, "permanent_error"),
+            (ParkKind::AttemptsExhausted, "attempts_exhausted"),
+            (ParkKind::VersionGap, "version_gap"),
+            (ParkKind::Unprocessable, "unprocessable"),
+            (ParkKind::OutOfOrder, "out_of_order"),
+        ];
+        for (v, name) in kinds {
+            assert_eq!(v.as_str(), name);
+            assert_eq!(ParkKind::parse(name), Some(v));
+        }
+        let actions = [
+            (OperatorAction::Retry, "retry"),
+            (OperatorAction::Discard, "discard"),
+            (OperatorAction::Reissue, "reissue"),
+            (OperatorAction::ReleaseClaim, "release_claim"),
+        ];
+        for (v, name) in actions {
+            assert_eq!(v.as_str(), name);
+            assert_eq!(OperatorAction::parse(name), Some(v));
+        }
+        for unknown in ["", "Pending", "parked ", "other"] {
+            assert_eq!(DeliveryStatus::parse(unknown), None, "{unknown:?}");
+            assert_eq!(ParkKind::parse(unknown), None, "{unknown:?}");
+            assert_eq!(OperatorAction::parse(unknown), None, "{unknown:?}");
+        }
+    }
+
+    /// A stored last error keeps whether the broker may have the record: a refused record is
+    /// certain, a timeout is not, and a kind this version does not know counts as uncertain.
+    #[test]
+    fn last_error_tells_whether_delivery_is_uncertain() {
+        let of = |kind| LastError::from(&PublishError::new(kind, "x"));
+        assert!(!of(PublishErrorKind::RecordTooLarge).delivery_uncertain());
+        assert!(!of(PublishErrorKind::UnknownTopic).delivery_uncertain());
+        assert!(of(PublishErrorKind::Timeout).delivery_uncertain());
+        let unknown = LastError {
+            class: crate::error::ErrorClass::Transient,
+            kind: "from_a_newer_version".into(),
+            message: String::new(),
+        };
+        assert!(unknown.delivery_uncertain());
+    }
+
+    #[test]
+    fn lease_bounds_are_inclusive_of_the_maximum() {
+        assert_eq!(
+            ClaimMode::lease(MAX_LEASE).ok(),
+            Some(ClaimMode::Lease {
+                duration: MAX_LEASE
+            })
+        );
+        assert!(ClaimMode::lease(MAX_LEASE + Duration::from_nanos(1)).is_err());
+        assert!(ClaimMode::lease(Duration::ZERO).is_err());
+    }
+}

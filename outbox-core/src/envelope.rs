@@ -27,7 +27,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use chrono::{DateTime, SubsecRound, Utc};
+use chrono::{DateTime, Datelike, SubsecRound, Utc};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -243,6 +243,11 @@ impl Envelope {
                 self.payload.content_type.clone(),
             ));
         }
+        if !CREATED_AT_YEARS.contains(&self.created_at.year()) {
+            return Err(ValidationError::CreatedAtOutOfRange {
+                year: self.created_at.year(),
+            });
+        }
         if self.payload.bytes.len() > limits.max_payload_bytes {
             return Err(ValidationError::PayloadTooLarge {
                 size: self.payload.bytes.len(),
@@ -292,6 +297,10 @@ impl Envelope {
         Ok(())
     }
 }
+
+/// Years a `created_at` may fall in: what the wire format's RFC 3339 timestamp (four-digit
+/// year) can carry, so every envelope that is appended can be decoded by its consumers.
+pub const CREATED_AT_YEARS: std::ops::RangeInclusive<i32> = 0..=9999;
 
 /// Name of the W3C trace context header.
 pub const TRACEPARENT: &str = "traceparent";
@@ -420,6 +429,12 @@ pub enum ValidationError {
     /// The payload's content type is empty or malformed.
     #[error("invalid payload content type {0:?}")]
     InvalidContentType(String),
+    /// `created_at` lies outside [`CREATED_AT_YEARS`]: the wire format could not carry it.
+    #[error("created_at in year {year} is outside 0..=9999, which the wire format (RFC 3339) cannot carry")]
+    CreatedAtOutOfRange {
+        /// The year given.
+        year: i32,
+    },
     /// The payload exceeds the limit.
     #[error("payload is {size} bytes; the limit is {limit}")]
     PayloadTooLarge {
@@ -544,6 +559,34 @@ mod tests {
 
     fn base() -> EnvelopeBuilder {
         Envelope::builder("order", "o-1", 1, "order.created")
+    }
+
+    /// Found by the `envelope_build` fuzz target: an envelope created in year 10000 (or before
+    /// year 0) was built and appended, but its RFC 3339 `created_at` header could not be
+    /// decoded, so every consumer would have parked it as malformed.
+    #[test]
+    fn created_at_outside_the_wire_formats_years_is_rejected() {
+        use chrono::TimeZone;
+        for (at, year) in [
+            (Utc.with_ymd_and_hms(10000, 1, 1, 0, 0, 0).unwrap(), 10000),
+            (Utc.with_ymd_and_hms(-1, 12, 31, 23, 59, 59).unwrap(), -1),
+        ] {
+            assert_eq!(
+                base().created_at(at).build(),
+                Err(ValidationError::CreatedAtOutOfRange { year })
+            );
+        }
+        for at in [
+            Utc.with_ymd_and_hms(9999, 12, 31, 23, 59, 59).unwrap(),
+            Utc.with_ymd_and_hms(0, 1, 1, 0, 0, 0).unwrap(),
+        ] {
+            let e = base()
+                .created_at(at)
+                .build()
+                .expect("a year the wire format carries");
+            let decoded = crate::wire::decode(&crate::wire::encode_headers(&e), &e.payload.bytes);
+            assert_eq!(decoded, Ok(e), "the edge years round-trip");
+        }
     }
 
     #[test]

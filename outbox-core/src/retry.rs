@@ -223,6 +223,16 @@ mod tests {
     use rand::SeedableRng;
 
     #[test]
+    fn base_may_equal_max_delay() {
+        let p = RetryPolicy::builder()
+            .base(Duration::from_secs(1))
+            .max_delay(Duration::from_secs(1))
+            .build()
+            .expect("base == max_delay is a constant backoff");
+        assert_eq!(p.ceiling(3), Duration::from_secs(1));
+    }
+
+    #[test]
     fn ceiling_doubles_and_caps() {
         let p = RetryPolicy::builder()
             .base(Duration::from_millis(100))

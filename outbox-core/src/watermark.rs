@@ -305,6 +305,72 @@ mod tests {
         LogPosition::new("t", p, o)
     }
 
+    /// A ticket names the epoch of its partition entry, and a rewind moves to a new one.
+    #[test]
+    fn tickets_carry_their_partitions_epoch() {
+        let mut t = OffsetTracker::default();
+        let first = t.begin(&pos(0, 1));
+        let tp = TopicPartition::new("t", 0);
+        assert_eq!(first.epoch(), t.partition(&tp).unwrap().epoch());
+        assert_eq!(first.position(), &pos(0, 1));
+        let other = t.begin(&pos(1, 1));
+        assert_ne!(
+            other.epoch(),
+            first.epoch(),
+            "each partition entry its own epoch"
+        );
+        let rewound = t.begin(&pos(0, 0));
+        assert_ne!(rewound.epoch(), first.epoch());
+        assert_eq!(rewound.epoch(), t.partition(&tp).unwrap().epoch());
+    }
+
+    /// Rewinds are counted, the rewound partition's old tickets stop counting, and the tracker
+    /// lists what it tracks.
+    #[test]
+    fn rewinds_are_counted_and_old_tickets_stop_counting() {
+        let mut t = OffsetTracker::default();
+        assert_eq!(t.rewinds(), 0);
+        let old = t.begin(&pos(0, 5));
+        t.begin(&pos(1, 0));
+        assert!(t.is_current(&old));
+        let tracked: Vec<_> = t.partitions().map(|(tp, _)| tp.partition).collect();
+        assert_eq!(tracked, vec![0, 1]);
+        t.begin(&pos(0, 3));
+        assert!(!t.is_current(&old), "a ticket from before the rewind");
+        t.begin(&pos(0, 2));
+        assert_eq!(t.rewinds(), 2);
+    }
+
+    /// The shared handle's assign and lose forget a partition without committing it; revoke
+    /// hands out its final commit.
+    #[test]
+    fn shared_assign_lose_and_revoke() {
+        let shared = SharedOffsetTracker::new();
+        let p0 = TopicPartition::new("t", 0);
+        let p1 = TopicPartition::new("t", 1);
+        let p2 = TopicPartition::new("t", 2);
+        {
+            let mut t = shared.lock();
+            for p in 0..3 {
+                let ticket = t.begin(&pos(p, 4));
+                t.finish(&ticket);
+            }
+        }
+        shared.assign(std::slice::from_ref(&p0));
+        shared.lose(std::slice::from_ref(&p1));
+        {
+            let t = shared.lock();
+            assert!(
+                t.partition(&p0).is_none(),
+                "assign forgets the earlier entry"
+            );
+            assert!(t.partition(&p1).is_none(), "lose forgets the entry");
+        }
+        assert_eq!(shared.revoke(&[p0, p1, p2.clone()]), vec![p2.at_next(5)]);
+        assert!(shared.same_as(&shared.clone()));
+        assert!(!shared.same_as(&SharedOffsetTracker::new()));
+    }
+
     #[test]
     fn table() {
         // (begun, finished, expected committable)

@@ -663,3 +663,45 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
             .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Which outcomes let the offset move, and the metric label of each (killed surviving
+    /// mutants of `is_final`).
+    #[test]
+    fn outcomes_are_final_or_not_and_named() {
+        let table = [
+            (MessageOutcome::Applied, true, "applied"),
+            (MessageOutcome::Duplicate, true, "duplicate"),
+            (MessageOutcome::Stale { applied: 3 }, true, "stale"),
+            (
+                MessageOutcome::Parked {
+                    id: ParkedId(1),
+                    kind: ParkKind::Unprocessable,
+                },
+                true,
+                "parked",
+            ),
+            (MessageOutcome::Waiting(ParkedId(2)), true, "waiting"),
+            (MessageOutcome::AlreadyParked, true, "already_parked"),
+            (MessageOutcome::Held, false, "held"),
+            (MessageOutcome::Blocked, false, "blocked"),
+            (
+                MessageOutcome::VersionGap { expected: 4 },
+                false,
+                "version_gap",
+            ),
+            (
+                MessageOutcome::Failed(HandlerError::transient("x")),
+                false,
+                "failed",
+            ),
+        ];
+        for (outcome, is_final, name) in table {
+            assert_eq!(outcome.is_final(), is_final, "{outcome:?}");
+            assert_eq!(outcome.as_str(), name);
+        }
+    }
+}

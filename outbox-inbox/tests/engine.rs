@@ -500,6 +500,10 @@ async fn require_first_version_parks_an_aggregate_that_starts_late() {
             .await
             .unwrap();
         assert_eq!(rep.parked, parked_n, "require = {require}");
+        // The late starter is the one held; an aggregate that starts at version 1 applies.
+        let late: Vec<i64> = if require { vec![] } else { vec![3] };
+        assert_eq!(applied(&db, "a"), late, "require = {require}");
+        assert_eq!(applied(&db, "b"), vec![1], "require = {require}");
     }
 }
 

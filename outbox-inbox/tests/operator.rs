@@ -167,6 +167,42 @@ async fn discard_needs_a_reason_counts_the_version_and_releases_the_rest() {
     assert!(inbox.is_registered("proj", m.record.dedup_id.unwrap()));
 }
 
+/// Discarding a parked head counts its version as done: the aggregate's applied version moves
+/// up to it (from an applied predecessor, and from nothing), so the next version is no gap.
+#[tokio::test]
+async fn discard_moves_the_applied_version_up_to_the_discarded_one() {
+    let key = outbox_core::AggregateKey::new("order", "x");
+    let inbox = |s: &Setup| MemoryInboxStore::new(&s.db);
+    // From an applied predecessor: x1 applied, x2 parked and discarded.
+    let mut s = run(&[ev("x", 1)], VersionPolicy::Reject, &[]).await;
+    assert_eq!(inbox(&s).applied_version("proj", &key), Some(1));
+    s.script.broken.lock().unwrap().insert("x".to_owned());
+    for r in s.log.publish(&[ev("x", 2)]).await {
+        r.unwrap();
+    }
+    s.engine
+        .run_until_quiet(Duration::from_millis(30))
+        .await
+        .unwrap();
+    let id = head(&s).await;
+    s.engine
+        .parked()
+        .discard(id, "bob", "bad data")
+        .await
+        .unwrap();
+    assert_eq!(inbox(&s).applied_version("proj", &key), Some(2));
+    // From nothing: the aggregate's first message parked and discarded.
+    let s = run(&[ev("x", 1)], VersionPolicy::Reject, &["x"]).await;
+    assert_eq!(inbox(&s).applied_version("proj", &key), None);
+    let id = head(&s).await;
+    s.engine
+        .parked()
+        .discard(id, "bob", "bad data")
+        .await
+        .unwrap();
+    assert_eq!(inbox(&s).applied_version("proj", &key), Some(1));
+}
+
 #[tokio::test]
 async fn discarding_a_waiting_message_keeps_the_head() {
     let s = run(&[ev("x", 1), ev("x", 2)], VersionPolicy::Reject, &["x"]).await;

@@ -1,5 +1,6 @@
-//! Tests against a real Kafka-protocol broker (`KAFKA_BROKERS`; tansu in `scripts/test`).
-//! Every test uses its own topic and consumer group; the fault tests run a broker of their own.
+//! Tests against a real Kafka-protocol broker (`KAFKA_BROKERS`; tansu in `scripts/test`),
+//! beyond the shared publisher suite (`tests/conformance.rs`). Every test uses its own topic
+//! and consumer group; the fault tests run a broker of their own.
 
 mod common;
 
@@ -8,7 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{brokers, create_topic, read_all, tansu_bin, unique, Tansu};
-use outbox_core::{wire, Envelope, ErrorClass, PublishErrorKind, PublishResult, Publisher};
+use outbox_core::{Envelope, ErrorClass, PublishErrorKind, PublishResult, Publisher};
 use outbox_kafka::{CleanupPolicy, KafkaPublisher, StartError, TopicCheckError};
 
 const TRACEPARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
@@ -30,10 +31,12 @@ fn oks(results: &[PublishResult]) -> usize {
 // ---------------------------------------------------------------------------------------------
 // Publisher
 
+/// What `start` learns about the topic. Records, keys, headers, order and acknowledgements are
+/// the publisher suite's (`tests/conformance.rs`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn round_trip_keyed_order_headers_and_ack_metadata() {
-    let brokers = require!(brokers("round_trip"));
-    let topic = unique("rt");
+async fn start_reports_the_topic() {
+    let brokers = require!(brokers("start_report"));
+    let topic = unique("report");
     create_topic(&brokers, &topic, 3, &[]).await;
     let publisher = KafkaPublisher::builder(&brokers, &topic)
         .delivery_timeout(Duration::from_secs(10))
@@ -44,58 +47,6 @@ async fn round_trip_keyed_order_headers_and_ack_metadata() {
     assert_eq!(report.topic(&topic).unwrap().partitions, 3);
     assert!(report.compacted().next().is_none());
     assert_eq!(publisher.partition_counts().get(&topic), Some(&3));
-
-    // 6 aggregates x 4 versions, all in one batch, versions interleaved as they were appended.
-    let aggregates: Vec<String> = (0..6).map(|i| format!("order-{i}")).collect();
-    let mut batch = Vec::new();
-    for v in 1..=4 {
-        for a in &aggregates {
-            batch.push(event(a, v));
-        }
-    }
-    let results = publisher.publish(&batch).await;
-    assert_eq!(results.len(), batch.len());
-    let acks: Vec<_> = results
-        .iter()
-        .map(|r| r.as_ref().expect("published").clone())
-        .collect();
-
-    // One partition per aggregate, offsets increasing with the version.
-    for a in &aggregates {
-        let mine: Vec<_> = batch
-            .iter()
-            .zip(&acks)
-            .filter(|(e, _)| &e.aggregate_id == a)
-            .collect();
-        assert!(mine
-            .iter()
-            .all(|(_, ack)| ack.partition == mine[0].1.partition && ack.topic == topic));
-        assert!(
-            mine.windows(2).all(|w| w[0].1.offset < w[1].1.offset
-                && w[0].0.aggregate_version < w[1].0.aggregate_version),
-            "order broken for {a}: {mine:?}"
-        );
-    }
-
-    // A plain rdkafka consumer reads exactly what the delivery reports said, where they said.
-    let read = read_all(&brokers, &topic, 3, batch.len(), Duration::from_secs(20));
-    assert_eq!(read.len(), batch.len(), "records in the log");
-    let by_position: HashMap<(i32, i64), &common::Read> =
-        read.iter().map(|r| ((r.partition, r.offset), r)).collect();
-    for (e, ack) in batch.iter().zip(&acks) {
-        let r = by_position
-            .get(&(ack.partition, ack.offset))
-            .unwrap_or_else(|| panic!("no record at {ack:?}"));
-        assert_eq!(r.key.as_deref(), Some(e.aggregate_id.as_bytes()));
-        assert_eq!(r.header("event_id"), Some(e.event_id.to_string().as_str()));
-        assert_eq!(r.header("traceparent"), Some(TRACEPARENT));
-        assert_eq!(
-            r.header("aggregate_version"),
-            Some(e.aggregate_version.to_string().as_str())
-        );
-        let decoded = wire::decode(&r.headers, &r.payload).expect("decodes");
-        assert_eq!(&decoded, e, "every envelope field survives");
-    }
 }
 
 /// Routes are by aggregate type: an order's events go to the order topic whatever their event

@@ -1,8 +1,10 @@
 //! The consumer side against a real Kafka-protocol broker (`KAFKA_BROKERS`; tansu in
-//! `scripts/test`): explicit commits, the engine's tracker on revoke, lost assignments, start
-//! positions, malformed records from a plain producer parked by the engine while the partition
-//! continues, partitions in parallel under the watermark, lag and the topic's retention.
-//! Every test uses its own topic and consumer group.
+//! `scripts/test`), beyond the shared message source suite (`tests/conformance.rs`: no
+//! auto-commit, exact commits, resuming, revoke commits, start positions): a live rebalance
+//! between two members, a lost assignment's commit refused as a rebalance, malformed records
+//! from a plain producer parked by the engine while the partition continues, partitions in
+//! parallel under the watermark, lag and the topic's retention. Every test uses its own topic
+//! and consumer group.
 
 mod common;
 
@@ -18,7 +20,7 @@ use outbox_core::{
     ReceivedMessage, SourceErrorKind, TopicPartition,
 };
 use outbox_inbox::{ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor};
-use outbox_kafka::{KafkaPublisher, KafkaSource, KafkaSourceBuilder, StartFrom};
+use outbox_kafka::{KafkaPublisher, KafkaSource, KafkaSourceBuilder};
 use outbox_testkit::{MemoryDb, MemoryInboxStore, MemoryTx};
 use rdkafka::config::ClientConfig;
 use rdkafka::message::{Header, OwnedHeaders};
@@ -83,89 +85,6 @@ async fn committed(source: &KafkaSource, topic: &str, partition: i32) -> Option<
 
 // ---------------------------------------------------------------------------------------------
 // Commits and rebalances
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_source_commits_only_what_it_is_given_and_a_new_member_resumes_there() {
-    let brokers = require!(brokers("source_commit"));
-    let topic = unique("src");
-    let group = unique("group");
-    create_topic(&brokers, &topic, 1, &[]).await;
-    let events: Vec<Envelope> = (1..=8).map(|v| event("o-1", v)).collect();
-    publish_each(&brokers, &topic, &events).await;
-
-    let first = source(&brokers, &group, &topic).build().expect("source");
-    let got = poll_n(&first, 8, Duration::from_secs(30)).await;
-    for (m, e) in got.iter().zip(&events) {
-        assert_eq!(m.envelope.as_ref().expect("decodes"), e);
-        assert_eq!(m.key.as_deref(), Some(b"o-1".as_slice()));
-        assert!(m.timestamp.is_some(), "broker timestamp");
-    }
-    // Nothing is committed until the engine says so (auto-commit is off).
-    assert_eq!(committed(&first, &topic, 0).await, None);
-    let next = got[4].position.next();
-    first
-        .commit(std::slice::from_ref(&next))
-        .await
-        .expect("commit");
-    assert_eq!(committed(&first, &topic, 0).await, Some(next.next_offset));
-    // An offset of a partition this member does not own is not committed.
-    first
-        .commit(&[CommitOffset::new(topic.clone(), 7, 3)])
-        .await
-        .expect("skipped, not an error");
-    first.close().await;
-
-    // A new member of the group starts at the committed offset: 5..8 come again.
-    let second = source(&brokers, &group, &topic).build().expect("source");
-    let again = poll_n(&second, 3, Duration::from_secs(30)).await;
-    assert_eq!(again[0].position.offset, next.next_offset);
-    let ids: Vec<_> = again
-        .iter()
-        .map(|m| m.envelope.as_ref().unwrap().event_id)
-        .collect();
-    let expect: Vec<_> = events[5..].iter().map(|e| e.event_id).collect();
-    assert_eq!(ids, expect);
-    // Closing without an attached tracker commits nothing more.
-    second.close().await;
-    let third = source(&brokers, &group, &topic).build().unwrap();
-    assert_eq!(committed(&third, &topic, 0).await, Some(next.next_offset));
-}
-
-/// The engine hands its tracker to the source; on revoke the source commits the contiguous
-/// watermark, never past an unfinished message.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn revoke_commits_the_final_watermark_of_the_attached_tracker() {
-    let brokers = require!(brokers("source_revoke"));
-    let topic = unique("revoke");
-    let group = unique("group");
-    create_topic(&brokers, &topic, 1, &[]).await;
-    let events: Vec<Envelope> = (1..=6).map(|v| event("o-1", v)).collect();
-    publish_each(&brokers, &topic, &events).await;
-
-    let tracker = SharedOffsetTracker::new();
-    let first = source(&brokers, &group, &topic).build().unwrap();
-    first.attach_offsets(tracker.clone());
-    let got = poll_n(&first, 6, Duration::from_secs(30)).await;
-    {
-        let mut t = tracker.lock();
-        let tickets: Vec<_> = got.iter().map(|m| t.begin(&m.position)).collect();
-        // Handled out of order: 0, 1, 3 and 4 final; 2 still running, 5 not final.
-        for i in [0, 1, 3, 4] {
-            t.finish(&tickets[i]);
-        }
-    }
-    first.close().await;
-    let second = source(&brokers, &group, &topic).build().unwrap();
-    assert_eq!(
-        committed(&second, &topic, 0).await,
-        Some(got[2].position.offset)
-    );
-    let again = poll_n(&second, 1, Duration::from_secs(30)).await;
-    assert_eq!(
-        again[0].position.offset, got[2].position.offset,
-        "redelivery starts at the unfinished one"
-    );
-}
 
 /// A second member joins while the first is active: the first member's rebalance callback
 /// commits what its tracker holds final before the partitions move.
@@ -281,47 +200,6 @@ async fn a_commit_after_a_lost_assignment_is_refused_and_moves_nothing() {
         None,
         "the owner's position moved"
     );
-}
-
-/// `StartFrom::Latest`: a partition without a committed offset starts at its end when first
-/// assigned, and that start is committed, so a rebalance before anything was processed does
-/// not skip the records produced in between.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn start_from_latest_commits_its_start_and_a_rebalance_skips_nothing() {
-    let brokers = require!(brokers("source_latest"));
-    let topic = unique("latest");
-    let group = unique("group");
-    create_topic(&brokers, &topic, 1, &[]).await;
-    publish_each(&brokers, &topic, &[event("old", 1), event("old", 2)]).await;
-
-    let first = source(&brokers, &group, &topic)
-        .start_from(StartFrom::Latest)
-        .build()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while committed(&first, &topic, 0).await.is_none() {
-        assert!(Instant::now() < deadline, "start position never committed");
-        assert!(first
-            .poll(Duration::from_millis(200))
-            .await
-            .unwrap()
-            .is_none());
-    }
-    assert_eq!(committed(&first, &topic, 0).await, Some(2));
-    // Records arrive; the member leaves before processing them.
-    let fresh = [event("new", 1), event("new", 2)];
-    publish_each(&brokers, &topic, &fresh).await;
-    first.close().await;
-    let second = source(&brokers, &group, &topic)
-        .start_from(StartFrom::Latest)
-        .build()
-        .unwrap();
-    let got = poll_n(&second, 2, Duration::from_secs(30)).await;
-    let ids: Vec<_> = got
-        .iter()
-        .map(|m| m.envelope.as_ref().unwrap().event_id)
-        .collect();
-    assert_eq!(ids, vec![fresh[0].event_id, fresh[1].event_id]);
 }
 
 // ---------------------------------------------------------------------------------------------

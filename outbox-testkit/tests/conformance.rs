@@ -1,4 +1,6 @@
-//! The conformance suite against the in-memory backends.
+//! The conformance suite against the in-memory backends, and against the fault wrappers of
+//! `outbox_testkit::fault` around them with no fault scheduled (a wrapper that passes nothing
+//! through unchanged would fail here before it misleads a simulation).
 
 mod outbox {
     outbox_testkit::outbox_conformance_tests!(async {
@@ -18,6 +20,148 @@ mod publisher {
     });
 }
 
+mod source {
+    outbox_testkit::source_conformance_tests!(async {
+        outbox_testkit::conformance::MemorySourceHarness::new()
+    });
+}
+
+/// Harnesses that put a fault wrapper with an empty fault script around the in-memory ones.
+mod faultless {
+    use std::time::Duration;
+
+    use outbox_core::{async_trait, AckMetadata, ClaimHandle, ClaimMode, Envelope, StoreError};
+    use outbox_testkit::conformance::{
+        Capabilities, InboxHarness, MemoryInboxHarness, MemoryOutboxHarness,
+        MemoryPublisherHarness, OutboxHarness, PublisherHarness, ReadBack,
+    };
+    use outbox_testkit::fault::{
+        FaultInjector, FaultSource, FaultyInbox, FaultyPublisher, FaultyStore,
+    };
+    use outbox_testkit::{MemoryInboxStore, MemoryLog, MemoryOutboxStore, MemoryTx};
+
+    fn no_faults() -> FaultInjector {
+        FaultInjector::new(FaultSource::script([]))
+    }
+
+    pub(crate) struct Outbox(MemoryOutboxHarness);
+
+    impl Outbox {
+        pub(crate) fn new() -> Self {
+            Self(MemoryOutboxHarness::new())
+        }
+    }
+
+    #[async_trait]
+    impl OutboxHarness for Outbox {
+        type Store = FaultyStore<MemoryOutboxStore>;
+
+        fn capabilities(&self) -> Capabilities {
+            self.0.capabilities()
+        }
+
+        async fn store(&self, mode: ClaimMode) -> Self::Store {
+            FaultyStore::memory(self.0.store(mode).await, no_faults())
+        }
+
+        async fn begin(&self) -> MemoryTx {
+            self.0.begin().await
+        }
+
+        async fn commit(&self, tx: MemoryTx) -> Result<(), StoreError> {
+            self.0.commit(tx).await
+        }
+
+        async fn rollback(&self, tx: MemoryTx) {
+            self.0.rollback(tx).await;
+        }
+
+        async fn advance(&self, by: Duration) {
+            self.0.advance(by).await;
+        }
+
+        async fn abandon(&self, store: &Self::Store, claim: &ClaimHandle) -> bool {
+            self.0.abandon(store.inner(), claim).await
+        }
+    }
+
+    pub(crate) struct Inbox {
+        harness: MemoryInboxHarness,
+        store: FaultyInbox<MemoryInboxStore>,
+    }
+
+    impl Inbox {
+        pub(crate) fn new() -> Self {
+            let harness = MemoryInboxHarness::new();
+            let store = FaultyInbox::new(harness.inbox.clone(), no_faults());
+            Self { harness, store }
+        }
+    }
+
+    #[async_trait]
+    impl InboxHarness for Inbox {
+        type Store = FaultyInbox<MemoryInboxStore>;
+
+        fn capabilities(&self) -> Capabilities {
+            self.harness.capabilities()
+        }
+
+        fn store(&self) -> &Self::Store {
+            &self.store
+        }
+
+        async fn advance(&self, by: Duration) {
+            self.harness.advance(by).await;
+        }
+    }
+
+    pub(crate) struct Publisher {
+        harness: MemoryPublisherHarness,
+        publisher: FaultyPublisher<MemoryLog>,
+    }
+
+    impl Publisher {
+        pub(crate) fn new() -> Self {
+            let harness = MemoryPublisherHarness::new();
+            let publisher = FaultyPublisher::new(harness.log.clone(), no_faults());
+            Self { harness, publisher }
+        }
+    }
+
+    #[async_trait]
+    impl PublisherHarness for Publisher {
+        type Publisher = FaultyPublisher<MemoryLog>;
+
+        fn publisher(&self) -> &Self::Publisher {
+            &self.publisher
+        }
+
+        fn max_record_bytes(&self) -> Option<usize> {
+            self.harness.max_record_bytes()
+        }
+
+        fn unroutable_event(&self) -> Option<Envelope> {
+            self.harness.unroutable_event()
+        }
+
+        async fn read_back(&self, ack: &AckMetadata) -> Option<ReadBack> {
+            self.harness.read_back(ack).await
+        }
+    }
+
+    mod outbox {
+        outbox_testkit::outbox_conformance_tests!(async { super::Outbox::new() });
+    }
+
+    mod inbox {
+        outbox_testkit::inbox_conformance_tests!(async { super::Inbox::new() });
+    }
+
+    mod publisher {
+        outbox_testkit::publisher_conformance_tests!(async { super::Publisher::new() });
+    }
+}
+
 #[test]
 fn the_macros_emit_every_listed_check() {
     // Keeps the name lists (documentation for backend authors) in sync with the macros.
@@ -26,6 +170,7 @@ fn the_macros_emit_every_listed_check() {
         .iter()
         .chain(outbox_testkit::conformance::INBOX_CHECKS)
         .chain(outbox_testkit::conformance::PUBLISHER_CHECKS)
+        .chain(outbox_testkit::conformance::SOURCE_CHECKS)
     {
         assert!(
             source.matches(&format!("            {name},")).count() == 1,

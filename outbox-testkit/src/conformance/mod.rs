@@ -1,6 +1,6 @@
 //! The conformance suite: one plain generic `async fn` per contract clause of
-//! [`OutboxStore`], [`InboxStore`](outbox_core::InboxStore) and [`Publisher`], and
-//! macros that turn the suite into one named test per check.
+//! [`OutboxStore`], [`InboxStore`](outbox_core::InboxStore), [`Publisher`] and
+//! [`MessageSource`], and macros that turn the suite into one named test per check.
 //!
 //! A backend implements a small harness trait ([`OutboxHarness`], [`InboxHarness`]) that gives
 //! the suite what it needs: a store over a fresh, empty database, transactions, and a way to let
@@ -30,28 +30,36 @@
 //! evaluated once per test, so every test gets its own database. Each emitted test is a plain
 //! `#[test]` that runs the check on a current-thread tokio runtime with time and I/O enabled
 //! (what `#[tokio::test]` does), so the calling crate needs no tokio dependency of its own.
-//! The names of the emitted tests are those of the functions in [`outbox`], [`inbox`] and
-//! [`publisher`]; the lists are [`OUTBOX_CHECKS`], [`INBOX_CHECKS`] and [`PUBLISHER_CHECKS`].
+//! The names of the emitted tests are those of the functions in [`outbox`], [`inbox`],
+//! [`publisher`] and [`source`]; the lists are [`OUTBOX_CHECKS`], [`INBOX_CHECKS`],
+//! [`PUBLISHER_CHECKS`] and [`SOURCE_CHECKS`].
 //!
 //! The in-memory backends run the suite in this crate (`tests/conformance.rs`) through
-//! [`MemoryOutboxHarness`], [`MemoryInboxHarness`] and [`MemoryPublisherHarness`]; a
-//! [`Publisher`] runs [`publisher_conformance_tests!`](crate::publisher_conformance_tests)
-//! through a [`PublisherHarness`].
+//! [`MemoryOutboxHarness`], [`MemoryInboxHarness`], [`MemoryPublisherHarness`] and
+//! [`MemorySourceHarness`], and so do the fault wrappers of [`crate::fault`] with no fault
+//! scheduled; a [`Publisher`] runs
+//! [`publisher_conformance_tests!`](crate::publisher_conformance_tests) through a
+//! [`PublisherHarness`], a [`MessageSource`] runs
+//! [`source_conformance_tests!`](crate::source_conformance_tests) through a [`SourceHarness`]
+//! (outbox-kafka runs both against a real broker).
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use outbox_core::{
-    async_trait, AckMetadata, ClaimHandle, ClaimMode, Envelope, EventId, InboxParking, OutboxStore,
-    Publisher, StoreError,
+    async_trait, AckMetadata, ClaimHandle, ClaimMode, Envelope, EventId, InboxParking,
+    MessageSource, OutboxStore, Publisher, RecordHeader, StoreError,
 };
 
-use crate::{ManualClock, MemoryDb, MemoryInboxStore, MemoryLog, MemoryOutboxStore};
+use crate::{
+    ManualClock, MemoryConsumer, MemoryDb, MemoryInboxStore, MemoryLog, MemoryOutboxStore,
+};
 
 pub mod inbox;
 pub mod outbox;
 pub mod publisher;
+pub mod source;
 
 /// What a backend can do, for the checks that depend on it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -225,6 +233,228 @@ pub trait PublisherHarness: Send + Sync {
     async fn read_back(&self, ack: &AckMetadata) -> Option<ReadBack> {
         let _ = ack;
         None
+    }
+}
+
+/// A raw record for [`SourceHarness::produce`]: key, headers (in order; `None` values are
+/// null) and value (`None`: null).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RawRecord {
+    /// Key.
+    pub key: Option<Vec<u8>>,
+    /// Headers.
+    pub headers: Vec<RecordHeader>,
+    /// Value.
+    pub value: Option<Vec<u8>>,
+}
+
+impl RawRecord {
+    /// A record.
+    pub fn new(key: Option<Vec<u8>>, headers: Vec<RecordHeader>, value: Option<Vec<u8>>) -> Self {
+        Self {
+            key,
+            headers,
+            value,
+        }
+    }
+}
+
+/// What a [`MessageSource`] backend can do, for the source checks that depend on it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SourceCapabilities {
+    /// A member that leaves commits the attached tracker's final offsets (rebalance callbacks
+    /// with a revoke). `false`: leaving is a lost assignment and commits nothing.
+    pub commits_on_leave: bool,
+    /// The log stores null header values and null record values.
+    pub null_values: bool,
+    /// [`SourceHarness::delete_records_before`] works.
+    pub deletes_records: bool,
+    /// How long a check waits for a message (a broker's first group join included).
+    pub patience: Duration,
+    /// How long a check watches that nothing more arrives.
+    pub quiet: Duration,
+}
+
+impl SourceCapabilities {
+    /// An in-process log: no revoke commits, no null values, records can be deleted, 2 s
+    /// patience, 50 ms quiet.
+    pub fn in_process() -> Self {
+        Self {
+            commits_on_leave: false,
+            null_values: false,
+            deletes_records: true,
+            patience: Duration::from_secs(2),
+            quiet: Duration::from_millis(50),
+        }
+    }
+
+    /// A broker: revoke commits and null values, no record deletion, 60 s patience, 1 s quiet.
+    pub fn broker() -> Self {
+        Self {
+            commits_on_leave: true,
+            null_values: true,
+            deletes_records: false,
+            patience: Duration::from_secs(60),
+            quiet: Duration::from_secs(1),
+        }
+    }
+
+    /// Sets `commits_on_leave`.
+    pub fn with_commits_on_leave(mut self, yes: bool) -> Self {
+        self.commits_on_leave = yes;
+        self
+    }
+
+    /// Sets `null_values`.
+    pub fn with_null_values(mut self, yes: bool) -> Self {
+        self.null_values = yes;
+        self
+    }
+
+    /// Sets `deletes_records`.
+    pub fn with_deletes_records(mut self, yes: bool) -> Self {
+        self.deletes_records = yes;
+        self
+    }
+
+    /// Sets `patience`.
+    pub fn with_patience(mut self, d: Duration) -> Self {
+        self.patience = d;
+        self
+    }
+
+    /// Sets `quiet`.
+    pub fn with_quiet(mut self, d: Duration) -> Self {
+        self.quiet = d;
+        self
+    }
+}
+
+/// What the message source checks need from a backend.
+///
+/// Contract for implementors: every harness value (one per test) MUST own a fresh, empty topic
+/// of at least two partitions and a consumer group nobody else uses; every member it hands out
+/// subscribes to that topic in that group.
+#[async_trait]
+pub trait SourceHarness: Send + Sync {
+    /// The source under test.
+    type Source: MessageSource + 'static;
+
+    /// What the backend can do.
+    fn capabilities(&self) -> SourceCapabilities;
+
+    /// The harness's topic.
+    fn topic(&self) -> String;
+
+    /// Writes `record` to `partition` of the topic (one record per write) and returns its
+    /// offset once it is readable.
+    async fn produce(&self, partition: i32, record: RawRecord) -> i64;
+
+    /// A new member of the group, starting where the group committed (or at the earliest
+    /// offset). Checks let the previous member [`leave`](Self::leave) first, except
+    /// [`take_over`](Self::take_over).
+    async fn join(&self) -> Self::Source;
+
+    /// A new member that starts partitions without a committed offset at their end (`None`:
+    /// the source cannot; the check reports itself not applicable).
+    async fn join_from_latest(&self) -> Option<Self::Source> {
+        None
+    }
+
+    /// The member leaves the group cleanly (closes; its partitions are revoked).
+    async fn leave(&self, member: Self::Source);
+
+    /// Another member takes every partition of `member` away without a clean revoke (a lost
+    /// assignment: `member` stalled, or was fenced); returns the new member, which owns them.
+    async fn take_over(&self, member: &Self::Source) -> Self::Source;
+
+    /// The group's committed next offset of `partition` (`None`: nothing committed).
+    async fn committed(&self, partition: i32) -> Option<i64>;
+
+    /// Deletes the records of `partition` below `offset` (retention). Called only when
+    /// [`SourceCapabilities::deletes_records`] is set.
+    async fn delete_records_before(&self, partition: i32, offset: i64) {
+        let _ = (partition, offset);
+        panic!("delete_records_before called on a harness that does not declare it");
+    }
+}
+
+/// The in-memory source harness: a [`MemoryLog`] with topic `source` (2 partitions) and group
+/// `conformance`.
+#[derive(Clone, Debug)]
+pub struct MemorySourceHarness {
+    /// The log.
+    pub log: MemoryLog,
+}
+
+impl MemorySourceHarness {
+    /// A harness over a fresh log.
+    pub fn new() -> Self {
+        Self {
+            log: MemoryLog::new("source", 2),
+        }
+    }
+}
+
+impl Default for MemorySourceHarness {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[async_trait]
+impl SourceHarness for MemorySourceHarness {
+    type Source = MemoryConsumer;
+
+    fn capabilities(&self) -> SourceCapabilities {
+        SourceCapabilities::in_process()
+    }
+
+    fn topic(&self) -> String {
+        "source".into()
+    }
+
+    async fn produce(&self, partition: i32, record: RawRecord) -> i64 {
+        let headers = record
+            .headers
+            .into_iter()
+            .map(|h| {
+                let value = h
+                    .value
+                    .expect("the in-memory log has no null header values");
+                (h.name, value)
+            })
+            .collect();
+        let value = record
+            .value
+            .expect("the in-memory log has no null record values");
+        self.log
+            .append_raw("source", partition, record.key, headers, value)
+            .expect("append to the in-memory log")
+    }
+
+    async fn join(&self) -> MemoryConsumer {
+        self.log.consumer("conformance", &["source"])
+    }
+
+    async fn leave(&self, member: MemoryConsumer) {
+        drop(member);
+    }
+
+    async fn take_over(&self, member: &MemoryConsumer) -> MemoryConsumer {
+        let owner = self.log.consumer("conformance", &["source"]);
+        assert!(member.is_fenced(), "a new member fences the previous one");
+        owner
+    }
+
+    async fn committed(&self, partition: i32) -> Option<i64> {
+        self.log.committed("conformance", "source", partition)
+    }
+
+    async fn delete_records_before(&self, partition: i32, offset: i64) {
+        self.log.truncate_before("source", partition, offset);
     }
 }
 
@@ -456,11 +686,26 @@ pub const OUTBOX_CHECKS: &[&str] = &[
 /// Names of the publisher checks, in the order the macro emits them.
 pub const PUBLISHER_CHECKS: &[&str] = &[
     "publish_returns_one_result_per_event_in_order",
+    "mixed_outcomes_in_one_batch_map_to_their_records",
     "empty_batch_returns_no_results",
     "records_follow_the_wire_mapping",
     "oversize_record_is_a_permanent_error",
     "unknown_topic_is_a_permanent_error",
     "delivery_timeout_is_positive",
+];
+
+/// Names of the message source checks, in the order the macro emits them.
+pub const SOURCE_CHECKS: &[&str] = &[
+    "records_round_trip_key_headers_and_value",
+    "nothing_is_committed_without_a_commit_call",
+    "commit_moves_exactly_the_given_offsets",
+    "a_new_member_resumes_from_the_last_commit",
+    "leaving_commits_the_trackers_final_offsets",
+    "assignment_resets_the_attached_tracker",
+    "a_member_that_lost_its_partitions_commits_nothing",
+    "a_dropped_poll_loses_no_message",
+    "a_commit_below_the_earliest_offset_is_a_retention_gap",
+    "start_from_latest_skips_earlier_records_and_keeps_later_ones",
 ];
 
 /// Names of the inbox checks, in the order the macro emits them.
@@ -587,6 +832,10 @@ macro_rules! inbox_conformance_tests {
 /// expression: an expression evaluating to a future that yields a [`PublisherHarness`],
 /// evaluated once per test.
 ///
+/// With `optional` before it, the future yields an `Option` of the harness and a `None` ends
+/// the test at once: for backends whose service may be skipped on purpose (the setup reports
+/// the skip; it must fail when the service is required and missing).
+///
 /// ```
 /// mod suite {
 ///     outbox_testkit::publisher_conformance_tests!(async {
@@ -597,9 +846,16 @@ macro_rules! inbox_conformance_tests {
 /// ```
 #[macro_export]
 macro_rules! publisher_conformance_tests {
+    (optional $setup:expr) => {
+        $crate::publisher_conformance_tests!(@list (optional) ($setup));
+    };
     ($setup:expr) => {
-        $crate::publisher_conformance_tests!(@emit ($setup)
+        $crate::publisher_conformance_tests!(@list (required) ($setup));
+    };
+    (@list $mode:tt ($setup:expr)) => {
+        $crate::publisher_conformance_tests!(@emit $mode ($setup)
             publish_returns_one_result_per_event_in_order,
+            mixed_outcomes_in_one_batch_map_to_their_records,
             empty_batch_returns_no_results,
             records_follow_the_wire_mapping,
             oversize_record_is_a_permanent_error,
@@ -607,13 +863,86 @@ macro_rules! publisher_conformance_tests {
             delivery_timeout_is_positive,
         );
     };
-    (@emit ($setup:expr) $($check:ident),* $(,)?) => {
+    (@emit (required) ($setup:expr) $($check:ident),* $(,)?) => {
         $(
             #[test]
             fn $check() {
                 $crate::conformance::run(async {
                     let harness = $setup.await;
                     $crate::conformance::publisher::$check(&harness).await;
+                });
+            }
+        )*
+    };
+    (@emit (optional) ($setup:expr) $($check:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $check() {
+                $crate::conformance::run(async {
+                    if let Some(harness) = $setup.await {
+                        $crate::conformance::publisher::$check(&harness).await;
+                    }
+                });
+            }
+        )*
+    };
+}
+
+/// Emits one named test per message source check (see [`SOURCE_CHECKS`]) from a setup
+/// expression: an expression evaluating to a future that yields a [`SourceHarness`], evaluated
+/// once per test.
+///
+/// `optional` works as for [`publisher_conformance_tests!`](crate::publisher_conformance_tests).
+///
+/// ```
+/// mod suite {
+///     outbox_testkit::source_conformance_tests!(async {
+///         outbox_testkit::conformance::MemorySourceHarness::new()
+///     });
+/// }
+/// # fn main() {}
+/// ```
+#[macro_export]
+macro_rules! source_conformance_tests {
+    (optional $setup:expr) => {
+        $crate::source_conformance_tests!(@list (optional) ($setup));
+    };
+    ($setup:expr) => {
+        $crate::source_conformance_tests!(@list (required) ($setup));
+    };
+    (@list $mode:tt ($setup:expr)) => {
+        $crate::source_conformance_tests!(@emit $mode ($setup)
+            records_round_trip_key_headers_and_value,
+            nothing_is_committed_without_a_commit_call,
+            commit_moves_exactly_the_given_offsets,
+            a_new_member_resumes_from_the_last_commit,
+            leaving_commits_the_trackers_final_offsets,
+            assignment_resets_the_attached_tracker,
+            a_member_that_lost_its_partitions_commits_nothing,
+            a_dropped_poll_loses_no_message,
+            a_commit_below_the_earliest_offset_is_a_retention_gap,
+            start_from_latest_skips_earlier_records_and_keeps_later_ones,
+        );
+    };
+    (@emit (required) ($setup:expr) $($check:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $check() {
+                $crate::conformance::run(async {
+                    let harness = $setup.await;
+                    $crate::conformance::source::$check(&harness).await;
+                });
+            }
+        )*
+    };
+    (@emit (optional) ($setup:expr) $($check:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $check() {
+                $crate::conformance::run(async {
+                    if let Some(harness) = $setup.await {
+                        $crate::conformance::source::$check(&harness).await;
+                    }
                 });
             }
         )*

@@ -3,7 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use outbox_core::{Classify, Envelope, ErrorClass, Payload, PublishErrorKind, Publisher};
+use outbox_core::{
+    AckMetadata, Classify, Envelope, ErrorClass, Payload, PublishErrorKind, Publisher,
+};
 
 use super::{not_applicable, unique, PublisherHarness};
 
@@ -11,8 +13,29 @@ fn agg(name: &str) -> String {
     format!("{name}-{}", unique())
 }
 
+/// The record acknowledged as `ack` is `e` (when the harness can read records back): the
+/// acknowledgement metadata points at the record, not at a neighbour.
+async fn assert_ack_points_at<H: PublisherHarness>(h: &H, e: &Envelope, ack: &AckMetadata) -> bool {
+    let Some((key, headers, value)) = h.read_back(ack).await else {
+        return false;
+    };
+    assert_eq!(
+        key.as_deref(),
+        Some(e.aggregate_id.as_bytes()),
+        "record key at {ack:?}"
+    );
+    let decoded = outbox_core::wire::decode(&headers, &value)
+        .unwrap_or_else(|err| panic!("the record at {ack:?} does not decode: {err}"));
+    assert_eq!(
+        decoded.event_id, e.event_id,
+        "the acknowledgement of {} points at another record ({ack:?})",
+        e.event_id
+    );
+    true
+}
+
 /// One result per event, in input order; only acknowledged records are `Ok`; one aggregate's
-/// records land in one partition, in order.
+/// records land in one partition, in order; each acknowledgement points at its record.
 pub async fn publish_returns_one_result_per_event_in_order<H: PublisherHarness>(h: &H) {
     let aggs: Vec<String> = (0..3).map(|_| agg("pub")).collect();
     let batch: Vec<Envelope> = (1..=2)
@@ -40,6 +63,79 @@ pub async fn publish_returns_one_result_per_event_in_order<H: PublisherHarness>(
         last.insert(
             &e.aggregate_id,
             (ack.topic.clone(), ack.partition, ack.offset),
+        );
+    }
+    let mut read = 0;
+    for (e, r) in batch.iter().zip(&results) {
+        read += usize::from(assert_ack_points_at(h, e, r.as_ref().expect("published")).await);
+    }
+    if read == 0 {
+        not_applicable(
+            "publish_returns_one_result_per_event_in_order (read-back)",
+            "the harness cannot read records back",
+        );
+    }
+}
+
+/// A batch in which some records fail and others succeed: each result belongs to its own
+/// record (the failures at their places with their own kind and class, the successes
+/// acknowledged at their own records), and a failure does not fail its neighbours.
+pub async fn mixed_outcomes_in_one_batch_map_to_their_records<H: PublisherHarness>(h: &H) {
+    let Some(max) = h.max_record_bytes() else {
+        return not_applicable(
+            "mixed_outcomes_in_one_batch_map_to_their_records",
+            "the harness declares no record size limit, so no record can be made to fail",
+        );
+    };
+    let oversize = |name: &str| {
+        let mut e = h.event(&agg(name), 1);
+        e.payload = Payload::new("application/octet-stream", vec![1u8; max + 1]);
+        e
+    };
+    // Every record its own aggregate: a failure holds back only its aggregate's later records.
+    let mut batch = vec![
+        h.event(&agg("mixed-ok"), 1),
+        oversize("mixed-big"),
+        h.event(&agg("mixed-ok"), 1),
+        h.event(&agg("mixed-ok"), 1),
+        oversize("mixed-big"),
+    ];
+    let unroutable = h.unroutable_event();
+    if let Some(e) = unroutable.clone() {
+        batch.insert(3, e);
+    }
+    batch.push(h.event(&agg("mixed-ok"), 1));
+    let results = h.publisher().publish(&batch).await;
+    assert_eq!(results.len(), batch.len(), "one result per record");
+    let mut read = 0;
+    for (i, (e, r)) in batch.iter().zip(&results).enumerate() {
+        let big = e.payload.bytes.len() > max;
+        let missing = unroutable
+            .as_ref()
+            .is_some_and(|u| u.event_id == e.event_id);
+        match r {
+            Ok(ack) if !big && !missing => {
+                read += usize::from(assert_ack_points_at(h, e, ack).await);
+            }
+            Ok(ack) => panic!("record {i} should have failed, was acknowledged at {ack:?}"),
+            Err(err) if big => {
+                assert_eq!(
+                    err.kind,
+                    PublishErrorKind::RecordTooLarge,
+                    "record {i}: {err}"
+                );
+                assert_eq!(err.class(), ErrorClass::Permanent, "record {i}: {err}");
+            }
+            Err(err) if missing => {
+                assert_eq!(err.class(), ErrorClass::Permanent, "record {i}: {err}");
+            }
+            Err(err) => panic!("record {i} failed with its neighbours: {err}"),
+        }
+    }
+    if read == 0 {
+        not_applicable(
+            "mixed_outcomes_in_one_batch_map_to_their_records (read-back)",
+            "the harness cannot read records back",
         );
     }
 }
