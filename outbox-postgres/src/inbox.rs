@@ -50,6 +50,7 @@ pub struct PostgresInboxStore {
 pub(crate) struct Sql {
     register: String,
     cleanup: String,
+    cleanup_candidates: String,
     aggregates: String,
     advance: String,
     ensure_aggregate: String,
@@ -100,6 +101,10 @@ impl PostgresInboxStoreBuilder {
                    SELECT ctid FROM {t} \
                    WHERE processed_at < clock_timestamp() - $1::int8 * interval '1 microsecond' \
                    LIMIT $2)"
+            ),
+            cleanup_candidates: format!(
+                "SELECT count(*) FROM {t} \
+                 WHERE processed_at < clock_timestamp() - $1::int8 * interval '1 microsecond'"
             ),
             aggregates: format!(
                 "SELECT a.applied_version, coalesce(a.blocked, false) AS blocked \
@@ -180,6 +185,18 @@ impl PostgresInboxStore {
             &self.table,
         )
         .await
+    }
+
+    /// How many registrations (of every consumer in this table) are older than `retention`:
+    /// what [`InboxStore::cleanup`] with that retention would remove (a dry run).
+    pub async fn cleanup_candidates(&self, retention: Duration) -> Result<u64, StoreError> {
+        let retention_us = retention.as_micros().min(i64::MAX as u128) as i64;
+        let n: i64 = sqlx::query_scalar(&self.sql.cleanup_candidates)
+            .bind(retention_us)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db)?;
+        Ok(n.max(0) as u64)
     }
 
     /// The inbox schema as plain SQL.

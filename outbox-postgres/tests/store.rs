@@ -370,6 +370,64 @@ async fn expired_lease_is_reclaimed_and_the_stale_holder_is_fenced() {
 }
 
 #[tokio::test]
+async fn a_claim_that_ended_without_outcome_marks_the_next_claim_as_a_possible_resend() {
+    let ctx = ctx!(4);
+    let store = ctx.store(lease(1.0)).await;
+    store
+        .append_many(&ctx.pool, &[event("a", 1), event("b", 1), event("c", 1)])
+        .await
+        .unwrap();
+    let first = claim(&store, "crashed", 10).await;
+    assert_eq!(first.records.len(), 3);
+    assert!(
+        first
+            .records
+            .iter()
+            .all(|r| !r.maybe_sent_before && !r.is_resend()),
+        "a first claim sends nothing twice"
+    );
+    // The relay dies after sending (or its completion is lost): its leases expire.
+    drop(first);
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let second = claim(&store, "next", 10).await;
+    let mut seen: Vec<(String, bool)> = second
+        .records
+        .iter()
+        .map(|r| (r.envelope.aggregate_id.clone(), r.maybe_sent_before))
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        vec![("a".into(), true), ("b".into(), true), ("c".into(), true)],
+        "every row of the abandoned claim may have been sent"
+    );
+    assert!(second
+        .records
+        .iter()
+        .all(|r| r.attempts == 0 && r.is_resend()));
+    // That is kept with the row: a claim released in between does not make the next send a
+    // first one.
+    store.release(&second.handle).await.unwrap();
+    let third = claim(&store, "after-release", 10).await;
+    assert_eq!(third.records.len(), 3);
+    assert!(third.records.iter().all(|r| r.maybe_sent_before));
+    publish_all(&store, &third).await;
+    // A claim released without sending is not a possible re-send, nor is the next version of
+    // a published aggregate.
+    store
+        .append_many(&ctx.pool, &[event("a", 2), event("d", 1)])
+        .await
+        .unwrap();
+    let fourth = claim(&store, "later", 10).await;
+    assert_eq!(versions(&fourth), vec![("a".into(), 2), ("d".into(), 1)]);
+    store.release(&fourth.handle).await.unwrap();
+    let fifth = claim(&store, "later", 10).await;
+    assert_eq!(fifth.records.len(), 2);
+    assert!(fifth.records.iter().all(|r| !r.maybe_sent_before));
+    ctx.drop().await;
+}
+
+#[tokio::test]
 async fn completion_from_another_store_instance_is_fenced_by_token() {
     let ctx = ctx!(4);
     let store = ctx.store(lease(30.0)).await;
