@@ -130,7 +130,7 @@ async fn inboxes(
                 && o.inbox_schema == c.inbox_schema
                 && o.inbox_table == c.inbox_table
         };
-        match shared.iter_mut().find(|s| same(&**s)) {
+        match shared.iter_mut().find(|s| same(s)) {
             Some(s) => {
                 s.consumers.push(c);
                 s.retention = s.retention.max(c.dedup_retention);
