@@ -326,6 +326,50 @@ async fn check_passes_a_sound_configuration_and_names_each_violation() {
             .iter()
             .any(|f| f["check"] == check && f["severity"] == severity)
     };
+    let has = |v: &serde_json::Value, severity: &str, text: &str| {
+        v["findings"].as_array().unwrap().iter().any(|f| {
+            f["check"] == "retention"
+                && f["severity"] == severity
+                && f["message"].as_str().unwrap().contains(text)
+        })
+    };
+    // The retention chain by the library's rule: the topic does not report retention.ms, so
+    // Kafka's default (7 days) is assumed, with a warning; 7 d + 1 d lag + 3 d replay fit in
+    // the default 14 d dedup window. An outbox retention shorter than the replay window is a
+    // warning.
+    std::fs::write(
+        env.dir.join("outbox.toml"),
+        "[cleanup]\nretention = \"1d\"\n[[consumers]]\nname = \"billing\"\n",
+    )
+    .unwrap();
+    let (code, v, _) = env.json(&["check"]);
+    assert_eq!(code, 0, "{v}");
+    assert!(has(&v, "warning", "assuming Kafka's default of 7d"), "{v}");
+    assert!(
+        has(
+            &v,
+            "warning",
+            "outbox retention 1d is shorter than the replay window 3d"
+        ),
+        "{v}"
+    );
+    assert!(!has(&v, "error", ""), "{v}");
+    // A dedup window shorter than 7 d + 1 d + 3 d violates it.
+    std::fs::write(
+        env.dir.join("outbox.toml"),
+        "[[consumers]]\nname = \"billing\"\ndedup_retention = \"10d\"\n",
+    )
+    .unwrap();
+    let (code, v, _) = env.json(&["check"]);
+    assert_eq!(code, 1, "{v}");
+    assert!(
+        has(
+            &v,
+            "error",
+            "dedup retention 10d is shorter than the longest possible redelivery 11d"
+        ),
+        "{v}"
+    );
     // Unsafe producer property.
     std::fs::write(env.dir.join("outbox.toml"), "[kafka.producer]\nacks = 1\n").unwrap();
     let (code, v, _) = env.json(&["check"]);
