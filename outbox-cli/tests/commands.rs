@@ -1061,13 +1061,14 @@ async fn cleanup_inbox_removes_registrations_past_the_dedup_window_in_batches() 
     env.migrate();
     let s = env.schema.clone();
     let inbox = common::inbox(&env.pool, &s).await;
-    // Twelve old registrations of two consumers that share the table, three recent ones.
+    // Two consumers share the table: six registrations 20 days old and three 10 days old each.
     sqlx::raw_sql(&format!(
         "INSERT INTO \"{s}\".processed_events (consumer, event_id, processed_at) \
          SELECT CASE WHEN g % 2 = 0 THEN 'billing' ELSE 'shipping' END, gen_random_uuid(), \
                 now() - interval '20 days' FROM generate_series(1, 12) g; \
          INSERT INTO \"{s}\".processed_events (consumer, event_id, processed_at) \
-         SELECT 'billing', gen_random_uuid(), now() - interval '10 days' FROM generate_series(1, 3)"
+         SELECT c, gen_random_uuid(), now() - interval '10 days' \
+         FROM unnest(ARRAY['billing', 'shipping']) c, generate_series(1, 3)"
     ))
     .execute(&env.pool)
     .await
@@ -1086,36 +1087,55 @@ async fn cleanup_inbox_removes_registrations_past_the_dedup_window_in_batches() 
         "x",
     )
     .await;
-    // billing keeps 14 days, shipping 15: the shared table is cleaned with the longer window.
+    // billing keeps 9 days, shipping 15: each consumer cleans its own rows with its own window
+    // (billing all nine, shipping its six 20-day-old ones).
     std::fs::write(
         env.dir.join("outbox.toml"),
         format!(
-            "[[consumers]]\nname = \"billing\"\ninbox_schema = \"{s}\"\ndedup_retention = \"14d\"\n\
+            "[[consumers]]\nname = \"billing\"\ninbox_schema = \"{s}\"\ndedup_retention = \"9d\"\n\
              [[consumers]]\nname = \"shipping\"\ninbox_schema = \"{s}\"\ndedup_retention = \"15d\"\n"
         ),
     )
     .unwrap();
-    let count = || async {
-        sqlx::query_scalar::<_, i64>(&format!("SELECT count(*) FROM \"{s}\".processed_events"))
-            .fetch_one(&env.pool)
-            .await
-            .unwrap()
+    let count = |consumer: &'static str| {
+        let q = format!("SELECT count(*) FROM \"{s}\".processed_events WHERE consumer = $1");
+        let pool = env.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(&q)
+                .bind(consumer)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
     };
     let (code, v, stderr) = env.json(&["cleanup", "--inbox", "--dry-run"]);
     assert_eq!(code, 0, "{stderr}");
     assert_eq!(v["dry_run"], true);
     let inboxes = v["inboxes"].as_array().unwrap();
-    assert_eq!(inboxes.len(), 1, "one shared table: {v}");
+    assert_eq!(inboxes.len(), 2, "one entry per consumer: {v}");
     assert_eq!(
-        inboxes[0]["consumers"],
-        serde_json::json!(["billing", "shipping"])
+        (&inboxes[0]["consumer"], &inboxes[1]["consumer"]),
+        (
+            &serde_json::json!("billing"),
+            &serde_json::json!("shipping")
+        )
     );
-    assert_eq!(inboxes[0]["retention"], "15days");
-    assert_eq!(inboxes[0]["would_remove"], 12, "{v}");
-    assert_eq!(count().await, 15, "a dry run changes nothing");
+    assert_eq!(inboxes[0]["retention"], "9days");
+    assert_eq!(inboxes[1]["retention"], "15days");
+    assert_eq!(inboxes[0]["would_remove"], 9, "{v}");
+    assert_eq!(inboxes[1]["would_remove"], 6, "{v}");
+    assert_eq!(
+        (count("billing").await, count("shipping").await),
+        (9, 9),
+        "a dry run changes nothing"
+    );
     let human = env.run(&["cleanup", "--inbox", "--dry-run"]);
+    let human_out = String::from_utf8_lossy(&human.stdout);
     assert!(
-        String::from_utf8_lossy(&human.stdout).contains("12 registration(s)"),
+        human_out.contains("consumer billing")
+            && human_out.contains("9 registration(s)")
+            && human_out.contains("consumer shipping")
+            && human_out.contains("6 registration(s)"),
         "{}",
         text(&human)
     );
@@ -1124,9 +1144,15 @@ async fn cleanup_inbox_removes_registrations_past_the_dedup_window_in_batches() 
     assert_eq!(out.status.code(), Some(2), "{}", text(&out));
     let (code, v, _) = env.json(&["cleanup", "--inbox", "--batch-size", "5"]);
     assert_eq!(code, 0, "{v}");
-    assert_eq!(v["inboxes"][0]["removed"], 12, "{v}");
-    assert_eq!(v["inboxes"][0]["batches"], 3, "{v}");
-    assert_eq!(count().await, 3);
+    assert_eq!(v["inboxes"][0]["removed"], 9, "{v}");
+    assert_eq!(v["inboxes"][0]["batches"], 2, "{v}");
+    assert_eq!(v["inboxes"][1]["removed"], 6, "{v}");
+    assert_eq!(v["inboxes"][1]["batches"], 2, "{v}");
+    assert_eq!(
+        (count("billing").await, count("shipping").await),
+        (0, 3),
+        "shipping keeps the registrations inside its own, longer window"
+    );
     let (_, l, _) = env.json(&["parked", "list", "--consumer", "billing"]);
     assert_eq!(
         l["parked"].as_array().unwrap().len(),

@@ -793,8 +793,11 @@ impl ParkedStats {
 ///   transient `Conflict` when the aggregate is not blocked as `tx` commits (an operator
 ///   released it meanwhile). A message parked already (same consumer and dedup id; for an
 ///   undecodable one, same position) is reported as [`Parking::AlreadyParked`].
-/// * [`cleanup`](Self::cleanup) removes at most one batch of registrations older than the
-///   retention, in its own short transaction, and returns how many.
+/// * [`cleanup`](Self::cleanup) removes at most one batch of `consumer`'s registrations older
+///   than the retention, in its own short transaction, and returns how many. It MUST NOT
+///   remove another consumer's registrations: consumers sharing a table may keep different
+///   dedup windows, and a registration removed before its consumer's window ends lets a
+///   redelivered event be applied twice.
 #[async_trait]
 pub trait InboxStore: Send + Sync {
     /// The transaction in which registration and effect happen.
@@ -842,9 +845,14 @@ pub trait InboxStore: Send + Sync {
     /// Rolls `tx` back; nothing done in it remains.
     async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError>;
 
-    /// Removes at most `batch_size` registrations older than `retention` (the dedup window).
-    /// Returns the number removed.
-    async fn cleanup(&self, retention: Duration, batch_size: usize) -> Result<u64, StoreError>;
+    /// Removes at most `batch_size` of `consumer`'s registrations older than `retention` (its
+    /// dedup window); other consumers' registrations stay. Returns the number removed.
+    async fn cleanup(
+        &self,
+        consumer: &str,
+        retention: Duration,
+        batch_size: usize,
+    ) -> Result<u64, StoreError>;
 }
 
 /// Conveniences over any [`InboxStore`].
@@ -877,17 +885,18 @@ pub trait InboxStoreExt: InboxStore {
         self.register_one(tx, consumer, event.dedup_id()).await
     }
 
-    /// Runs [`InboxStore::cleanup`] batch after batch until a batch comes back short or
-    /// `max_batches` ran. Returns the number removed.
+    /// Runs [`InboxStore::cleanup`] for `consumer` batch after batch until a batch comes back
+    /// short or `max_batches` ran. Returns the number removed.
     async fn cleanup_batches(
         &self,
+        consumer: &str,
         retention: Duration,
         batch_size: usize,
         max_batches: usize,
     ) -> Result<u64, StoreError> {
         let mut removed = 0;
         for _ in 0..max_batches {
-            let n = self.cleanup(retention, batch_size).await?;
+            let n = self.cleanup(consumer, retention, batch_size).await?;
             removed += n;
             if n < batch_size as u64 {
                 break;

@@ -997,7 +997,7 @@ where
             .shared
             .processor
             .store()
-            .cleanup(schedule.retention, schedule.batch_size)
+            .cleanup(&consumer, schedule.retention, schedule.batch_size)
             .await
         {
             Ok(n) => {

@@ -779,8 +779,13 @@ impl outbox_core::InboxStore for LoggingInbox {
     async fn rollback(&self, tx: Self::Tx) -> Result<(), outbox_core::StoreError> {
         self.inner.rollback(tx).await
     }
-    async fn cleanup(&self, r: Duration, b: usize) -> Result<u64, outbox_core::StoreError> {
-        self.inner.cleanup(r, b).await
+    async fn cleanup(
+        &self,
+        c: &str,
+        r: Duration,
+        b: usize,
+    ) -> Result<u64, outbox_core::StoreError> {
+        self.inner.cleanup(c, r, b).await
     }
 }
 

@@ -99,12 +99,14 @@ impl PostgresInboxStoreBuilder {
             cleanup: format!(
                 "DELETE FROM {t} WHERE ctid IN ( \
                    SELECT ctid FROM {t} \
-                   WHERE processed_at < clock_timestamp() - $1::int8 * interval '1 microsecond' \
-                   LIMIT $2)"
+                   WHERE consumer = $1 \
+                     AND processed_at < clock_timestamp() - $2::int8 * interval '1 microsecond' \
+                   LIMIT $3)"
             ),
             cleanup_candidates: format!(
                 "SELECT count(*) FROM {t} \
-                 WHERE processed_at < clock_timestamp() - $1::int8 * interval '1 microsecond'"
+                 WHERE consumer = $1 \
+                   AND processed_at < clock_timestamp() - $2::int8 * interval '1 microsecond'"
             ),
             aggregates: format!(
                 "SELECT a.applied_version, coalesce(a.blocked, false) AS blocked \
@@ -187,11 +189,17 @@ impl PostgresInboxStore {
         .await
     }
 
-    /// How many registrations (of every consumer in this table) are older than `retention`:
-    /// what [`InboxStore::cleanup`] with that retention would remove (a dry run).
-    pub async fn cleanup_candidates(&self, retention: Duration) -> Result<u64, StoreError> {
+    /// How many of `consumer`'s registrations are older than `retention`: what
+    /// [`InboxStore::cleanup`] for that consumer and retention would remove (a dry run).
+    pub async fn cleanup_candidates(
+        &self,
+        consumer: &str,
+        retention: Duration,
+    ) -> Result<u64, StoreError> {
+        check_consumer(consumer)?;
         let retention_us = retention.as_micros().min(i64::MAX as u128) as i64;
         let n: i64 = sqlx::query_scalar(&self.sql.cleanup_candidates)
+            .bind(consumer)
             .bind(retention_us)
             .fetch_one(&self.pool)
             .await
@@ -437,7 +445,13 @@ impl InboxStore for PostgresInboxStore {
         tx.rollback().await.map_err(db)
     }
 
-    async fn cleanup(&self, retention: Duration, batch_size: usize) -> Result<u64, StoreError> {
+    async fn cleanup(
+        &self,
+        consumer: &str,
+        retention: Duration,
+        batch_size: usize,
+    ) -> Result<u64, StoreError> {
+        check_consumer(consumer)?;
         if batch_size == 0 {
             return Err(StoreError::new(
                 StoreErrorKind::Configuration,
@@ -447,6 +461,7 @@ impl InboxStore for PostgresInboxStore {
         let batch = batch_size.min(1_000_000) as i64;
         let retention_us = retention.as_micros().min(i64::MAX as u128) as i64;
         let n = sqlx::query(&self.sql.cleanup)
+            .bind(consumer)
             .bind(retention_us)
             .bind(batch)
             .execute(&self.pool)

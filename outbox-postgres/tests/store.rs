@@ -888,19 +888,109 @@ async fn inbox_registers_once_per_consumer_and_cleans_up() {
     );
     inbox.commit(tx).await.unwrap();
     assert_eq!(
-        inbox.cleanup(Duration::from_secs(3600), 10).await.unwrap(),
+        inbox
+            .cleanup("billing", Duration::from_secs(3600), 10)
+            .await
+            .unwrap(),
         0
     );
     tokio::time::sleep(Duration::from_millis(200)).await;
-    // One bounded batch per call.
+    // One bounded batch per call, of the cleaning consumer's registrations only.
     assert_eq!(
-        inbox.cleanup(Duration::from_millis(100), 1).await.unwrap(),
+        inbox
+            .cleanup("billing", Duration::from_millis(100), 1)
+            .await
+            .unwrap(),
         1
     );
     assert_eq!(
-        inbox.cleanup(Duration::from_millis(100), 10).await.unwrap(),
+        inbox
+            .cleanup("billing", Duration::from_millis(100), 10)
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        inbox
+            .cleanup("shipping", Duration::from_millis(100), 10)
+            .await
+            .unwrap(),
         1
     );
+    assert!(inbox
+        .cleanup("", Duration::ZERO, 10)
+        .await
+        .is_err_and(|e| e.kind == StoreErrorKind::Validation));
+    assert!(inbox
+        .cleanup("billing", Duration::ZERO, 0)
+        .await
+        .is_err_and(|e| e.kind == StoreErrorKind::Configuration));
+    ctx.drop().await;
+}
+
+/// Two consumers share one inbox table with different dedup windows: each one's cleanup
+/// removes only its own registrations, so the consumer with the longer window still sees a
+/// redelivered event as a duplicate (before cleanup took a consumer, the short window removed
+/// every consumer's registrations and the redelivery was applied twice).
+#[tokio::test]
+async fn inbox_cleanup_of_one_consumer_keeps_another_consumers_registrations() {
+    let ctx = ctx!(4);
+    let inbox = ctx.inbox().await;
+    let ids: Vec<EventId> = (0..5).map(|_| EventId::now_v7()).collect();
+    let mut tx = inbox.begin().await.unwrap();
+    inbox.register(&mut tx, "fast", &ids).await.unwrap();
+    inbox.register(&mut tx, "slow", &ids).await.unwrap();
+    inbox.commit(tx).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // "fast" keeps 100 ms, "slow" keeps an hour.
+    assert_eq!(
+        inbox
+            .cleanup_candidates("fast", Duration::from_millis(100))
+            .await
+            .unwrap(),
+        5
+    );
+    assert_eq!(
+        inbox
+            .cleanup_candidates("slow", Duration::from_secs(3600))
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        inbox
+            .cleanup_batches("fast", Duration::from_millis(100), 2, 10)
+            .await
+            .unwrap(),
+        5
+    );
+    assert_eq!(
+        inbox
+            .cleanup_batches("slow", Duration::from_secs(3600), 2, 10)
+            .await
+            .unwrap(),
+        0
+    );
+    let left: Vec<(String, i64)> = sqlx::query_as(&format!(
+        "SELECT consumer, count(*) FROM \"{}\".processed_events GROUP BY consumer",
+        ctx.schema
+    ))
+    .fetch_all(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(left, vec![("slow".to_owned(), 5)]);
+    let mut tx = inbox.begin().await.unwrap();
+    assert_eq!(
+        inbox.register(&mut tx, "slow", &ids).await.unwrap(),
+        vec![Registration::Duplicate; 5],
+        "a redelivery inside the slow consumer's window is still a duplicate"
+    );
+    assert_eq!(
+        inbox.register(&mut tx, "fast", &ids).await.unwrap(),
+        vec![Registration::Fresh; 5],
+        "the fast consumer's window has passed"
+    );
+    inbox.rollback(tx).await.unwrap();
     ctx.drop().await;
 }
 

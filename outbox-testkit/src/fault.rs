@@ -634,11 +634,16 @@ impl<I: InboxStore> InboxStore for FaultyInbox<I> {
     async fn rollback(&self, tx: I::Tx) -> Result<(), StoreError> {
         self.inner.rollback(tx).await
     }
-    async fn cleanup(&self, retention: Duration, batch_size: usize) -> Result<u64, StoreError> {
+    async fn cleanup(
+        &self,
+        consumer: &str,
+        retention: Duration,
+        batch_size: usize,
+    ) -> Result<u64, StoreError> {
         faulty!(
             self.faults,
             "cleanup",
-            self.inner.cleanup(retention, batch_size).await
+            self.inner.cleanup(consumer, retention, batch_size).await
         )
     }
 }

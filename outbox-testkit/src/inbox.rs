@@ -485,7 +485,12 @@ impl InboxStore for MemoryInboxStore {
         Ok(())
     }
 
-    async fn cleanup(&self, retention: Duration, batch_size: usize) -> Result<u64, StoreError> {
+    async fn cleanup(
+        &self,
+        consumer: &str,
+        retention: Duration,
+        batch_size: usize,
+    ) -> Result<u64, StoreError> {
         if batch_size == 0 {
             return Err(StoreError::new(
                 StoreErrorKind::Configuration,
@@ -498,7 +503,9 @@ impl InboxStore for MemoryInboxStore {
         let victims: Vec<(String, EventId)> = st
             .inbox
             .iter()
-            .filter(|(_, at)| at.checked_add_signed(retention).is_some_and(|d| d <= now))
+            .filter(|((c, _), at)| {
+                c == consumer && at.checked_add_signed(retention).is_some_and(|d| d <= now)
+            })
             .map(|(k, _)| k.clone())
             .take(batch_size)
             .collect();

@@ -4,17 +4,16 @@
 //!
 //! `--inbox` cleans the consumers' inboxes instead, through the library's inbox cleanup
 //! (`InboxStore::cleanup`, one bounded batch per transaction): registrations older than the
-//! consumer's `dedup_retention`. The library's cleanup removes old registrations of every
-//! consumer in the table, so consumers that share an inbox table are cleaned together, with
-//! the longest of their dedup windows. Parked messages, their audit trail and the applied
-//! versions are never touched.
+//! consumer's `dedup_retention`. Each consumer removes only its own registrations, with its
+//! own window, also when consumers share an inbox table. Parked messages, their audit trail
+//! and the applied versions are never touched.
 
 use std::time::Duration;
 
 use outbox_core::{InboxStore, OutboxStore};
 use serde_json::json;
 
-use crate::config::{Config, ConsumerConfig, Dur};
+use crate::config::{Config, Dur};
 use crate::db;
 use crate::error::CliError;
 use crate::opt::CleanupOpts;
@@ -103,13 +102,8 @@ pub async fn run(config: &Config, opts: &CleanupOpts, out: &Output) -> Result<()
     Ok(())
 }
 
-/// Consumers that share one inbox table (same database, schema and table).
-struct SharedInbox<'a> {
-    consumers: Vec<&'a ConsumerConfig>,
-    retention: Dur,
-}
-
-/// `outbox cleanup --inbox [--dry-run]`.
+/// `outbox cleanup --inbox [--dry-run]`: each consumer cleans its own registrations with its
+/// own dedup window.
 async fn inboxes(
     config: &Config,
     batch: usize,
@@ -122,44 +116,26 @@ async fn inboxes(
             "add [[consumers]] entries (name, inbox_schema, inbox_table, dedup_retention)",
         ));
     }
-    let mut shared: Vec<SharedInbox<'_>> = Vec::new();
-    for c in &config.consumers {
-        let same = |s: &SharedInbox<'_>| {
-            let o = s.consumers[0];
-            o.database_url.expose() == c.database_url.expose()
-                && o.inbox_schema == c.inbox_schema
-                && o.inbox_table == c.inbox_table
-        };
-        match shared.iter_mut().find(|s| same(s)) {
-            Some(s) => {
-                s.consumers.push(c);
-                s.retention = s.retention.max(c.dedup_retention);
-            }
-            None => shared.push(SharedInbox {
-                consumers: vec![c],
-                retention: c.dedup_retention,
-            }),
-        }
-    }
     let mut reports = Vec::new();
-    for s in &shared {
-        let c = s.consumers[0];
-        let names: Vec<&str> = s.consumers.iter().map(|c| c.name.as_str()).collect();
+    for c in &config.consumers {
+        let retention: Dur = c.dedup_retention;
         let (store, table) = db::inbox_store(config, c, 2).await?;
         let map = |e: outbox_core::StoreError| db::inbox_error(&e, c, &table);
-        let candidates = store.cleanup_candidates(s.retention.0).await.map_err(map)?;
+        let candidates = store
+            .cleanup_candidates(&c.name, retention.0)
+            .await
+            .map_err(map)?;
         if dry_run {
             if !out.json {
                 println!(
-                    "dry run: inbox {table} (consumer(s) {}): {candidates} registration(s) older \
-                     than {} would be deleted in batches of {batch}; nothing was changed",
-                    names.join(", "),
-                    s.retention
+                    "dry run: consumer {} (inbox {table}): {candidates} registration(s) older \
+                     than {retention} would be deleted in batches of {batch}; nothing was changed",
+                    c.name
                 );
             }
             reports.push(json!({
-                "consumers": names, "schema": c.inbox_schema, "table": c.inbox_table,
-                "retention": s.retention.to_string(), "would_remove": candidates,
+                "consumer": c.name, "schema": c.inbox_schema, "table": c.inbox_table,
+                "retention": retention.to_string(), "would_remove": candidates,
             }));
             continue;
         }
@@ -167,7 +143,10 @@ async fn inboxes(
         let mut removed = 0u64;
         let mut batches = 0u64;
         loop {
-            let n = store.cleanup(s.retention.0, batch).await.map_err(map)?;
+            let n = store
+                .cleanup(&c.name, retention.0, batch)
+                .await
+                .map_err(map)?;
             if n > 0 {
                 batches += 1;
             }
@@ -180,15 +159,14 @@ async fn inboxes(
         bar.finish_and_clear();
         if !out.json {
             println!(
-                "inbox {table} (consumer(s) {}): removed {removed} registration(s) older than {} \
-                 in {batches} batch(es)",
-                names.join(", "),
-                s.retention
+                "consumer {} (inbox {table}): removed {removed} registration(s) older than \
+                 {retention} in {batches} batch(es)",
+                c.name
             );
         }
         reports.push(json!({
-            "consumers": names, "schema": c.inbox_schema, "table": c.inbox_table,
-            "retention": s.retention.to_string(), "removed": removed, "batches": batches,
+            "consumer": c.name, "schema": c.inbox_schema, "table": c.inbox_table,
+            "retention": retention.to_string(), "removed": removed, "batches": batches,
         }));
     }
     if out.json {
