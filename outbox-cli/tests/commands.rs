@@ -38,8 +38,8 @@ async fn migrate_is_idempotent_prints_sql_and_reports_json() {
     let (code, v, _) = env.json(&["migrate", "--inbox"]);
     assert_eq!(code, 0);
     assert_eq!(v["inboxes"][0]["consumer"], "billing");
-    // The inbox table and the consumer's parking tables: two migrations.
-    assert_eq!(v["inboxes"][0]["applied"], 2);
+    // The inbox table, the consumer's parking tables, retry requests: three migrations.
+    assert_eq!(v["inboxes"][0]["applied"], 3);
     let (code, v, _) = env.json(&["migrate", "--inbox"]);
     assert_eq!(code, 0);
     assert_eq!(v["inboxes"][0]["applied"], 0, "second run changes nothing");
@@ -902,9 +902,9 @@ async fn a_consumers_parked_messages_are_listed_shown_discarded_and_counted() {
         "has no parked message 999999",
     );
     bad(
-        &["parked", "retry", &id1s, "--consumer", "billing"],
-        2,
-        "ParkedMessages",
+        &["parked", "retry", "999999", "--consumer", "billing"],
+        1,
+        "has no parked message 999999",
     );
     bad(
         &[
@@ -986,6 +986,11 @@ async fn a_consumers_parked_messages_are_listed_shown_discarded_and_counted() {
     assert_eq!(audit[0]["actor"], "alice");
     assert_eq!(audit[0]["reason"], "customer deleted");
     bad(
+        &["parked", "retry", &id3s, "--consumer", "billing"],
+        1,
+        "is discarded already",
+    );
+    bad(
         &[
             "parked",
             "discard",
@@ -1025,7 +1030,7 @@ async fn a_consumers_parked_messages_are_listed_shown_discarded_and_counted() {
         open[0]["reason"]
             .as_str()
             .unwrap()
-            .contains("retry it from the consumer service"),
+            .contains("request a retry (`outbox parked retry ID --consumer NAME`)"),
         "{l}"
     );
     let applied: i64 = sqlx::query_scalar(&format!(
@@ -1167,5 +1172,175 @@ async fn cleanup_inbox_removes_registrations_past_the_dedup_window_in_batches() 
         "no consumers configured: {}",
         text(&out)
     );
+    env.drop_schema().await;
+}
+
+/// The consumer's handler in the retry test: records what it applied, in the effect's
+/// transaction.
+struct Recorder {
+    schema: String,
+}
+
+#[outbox_core::async_trait]
+impl outbox_inbox::Handler<sqlx::Transaction<'static, sqlx::Postgres>> for Recorder {
+    async fn handle(
+        &self,
+        tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
+        e: &Envelope,
+    ) -> Result<(), outbox_inbox::HandlerError> {
+        sqlx::query(&format!(
+            "INSERT INTO \"{}\".applied (aggregate_id, version) VALUES ($1, $2)",
+            self.schema
+        ))
+        .bind(&e.aggregate_id)
+        .bind(e.aggregate_version)
+        .execute(&mut **tx)
+        .await
+        .map_err(|err| outbox_inbox::HandlerError::transient(err.to_string()))?;
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_retry_is_requested_and_performed_by_the_consumer_engine() {
+    use outbox_core::{ParkAs, ParkKind};
+    let env = env_or_skip!("retry_request", 0);
+    env.migrate();
+    let s = env.schema.clone();
+    let inbox = common::inbox(&env.pool, &s).await;
+    sqlx::raw_sql(&format!(
+        "CREATE TABLE \"{s}\".applied (n bigserial, aggregate_id text, version bigint)"
+    ))
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    std::fs::write(
+        env.dir.join("outbox.toml"),
+        format!("[[consumers]]\nname = \"billing\"\ninbox_schema = \"{s}\"\n"),
+    )
+    .unwrap();
+    let v1 = Envelope::builder("order", "o-9", 1, "order.placed")
+        .build()
+        .unwrap();
+    let v2 = Envelope::builder("order", "o-9", 2, "order.paid")
+        .build()
+        .unwrap();
+    let head = ParkAs::Head(ParkKind::Unprocessable);
+    let id1 =
+        common::park_consumer_message(&inbox, "billing", "orders", 0, &v1, head, "no customer")
+            .await;
+    let id2 = common::park_consumer_message(
+        &inbox,
+        "billing",
+        "orders",
+        1,
+        &v2,
+        ParkAs::Waiting,
+        "waits",
+    )
+    .await;
+    let id1s = id1.to_string();
+
+    // The command records the request, audited; nothing is applied yet.
+    let (code, r, stderr) = env.json(&[
+        "parked",
+        "retry",
+        &id1s,
+        "--consumer",
+        "billing",
+        "--actor",
+        "alice",
+        "--reason",
+        "customer created",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(r["action"], "request_retry", "{r}");
+    assert_eq!(r["id"], id1.0, "{r}");
+    let (_, sh, _) = env.json(&["parked", "show", &id1s, "--consumer", "billing"]);
+    assert_eq!(sh["parked"]["status"], "parked", "{sh}");
+    assert_eq!(
+        sh["parked"]["retry_request"]["requested_by"], "alice",
+        "{sh}"
+    );
+    assert_eq!(
+        sh["parked"]["retry_request"]["reason"], "customer created",
+        "{sh}"
+    );
+    assert_eq!(sh["audit"][0]["action"], "request_retry", "{sh}");
+    let human = env.run(&["parked", "show", &id1s, "--consumer", "billing"]);
+    assert!(
+        String::from_utf8_lossy(&human.stdout).contains("retry requested"),
+        "{}",
+        text(&human)
+    );
+    let human = env.run(&[
+        "parked",
+        "retry",
+        &id1s,
+        "--consumer",
+        "billing",
+        "--actor",
+        "alice",
+    ]);
+    assert!(
+        String::from_utf8_lossy(&human.stdout).contains("at its next check"),
+        "a second request replaces the first: {}",
+        text(&human)
+    );
+    let applied = || async {
+        sqlx::query_as::<_, (String, i64)>(&format!(
+            "SELECT aggregate_id, version FROM \"{s}\".applied ORDER BY n"
+        ))
+        .fetch_all(&env.pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(
+        applied().await,
+        vec![],
+        "a request applies nothing by itself"
+    );
+
+    // The consumer service's engine performs it at start, with its handler, in order.
+    let log = outbox_testkit::MemoryLog::new("orders", 1);
+    let processor =
+        outbox_inbox::InboxProcessor::new("billing", inbox.clone(), Recorder { schema: s.clone() });
+    let mut engine = outbox_inbox::ConsumerEngine::new(
+        log.consumer("billing", &["orders"]),
+        processor,
+        outbox_inbox::EngineConfig::default(),
+        7,
+    )
+    .unwrap();
+    let report = engine
+        .run_until_quiet(Duration::from_millis(200))
+        .await
+        .unwrap();
+    assert_eq!(report.requested_retries, 1, "{report:?}");
+    assert_eq!(
+        applied().await,
+        vec![("o-9".to_owned(), 1), ("o-9".to_owned(), 2)]
+    );
+    let (_, sh, _) = env.json(&["parked", "show", &id1s, "--consumer", "billing"]);
+    assert_eq!(sh["parked"]["status"], "applied", "{sh}");
+    assert!(sh["parked"]["retry_request"].is_null(), "cleared: {sh}");
+    let actions: Vec<&str> = sh["audit"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["action"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        actions,
+        vec!["request_retry", "request_retry", "retry"],
+        "{sh}"
+    );
+    assert_eq!(sh["audit"][2]["actor"], "alice", "{sh}");
+    let (_, sh2, _) = env.json(&["parked", "show", &id2.to_string(), "--consumer", "billing"]);
+    assert_eq!(sh2["parked"]["status"], "applied", "{sh2}");
+    // A resolved message takes no request.
+    let out = env.run(&["parked", "retry", &id1s, "--consumer", "billing"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("is applied already"), "{}", text(&out));
     env.drop_schema().await;
 }

@@ -582,6 +582,37 @@ pub struct ParkedMessage {
     pub parked_at: DateTime<Utc>,
     /// When it was resolved (applied, skipped or discarded).
     pub resolved_at: Option<DateTime<Utc>>,
+    /// A pending retry request (recorded by an operator, performed by the consumer service
+    /// that has the handler at its next check).
+    pub retry_request: Option<RetryRequest>,
+}
+
+/// An operator's request that a parked message be retried by the consumer service (which has
+/// the handler); see [`InboxParking::request_retry`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RetryRequest {
+    /// Who asked.
+    pub actor: String,
+    /// Why.
+    pub reason: String,
+    /// When (as stored; a store may round it).
+    pub requested_at: DateTime<Utc>,
+}
+
+impl RetryRequest {
+    /// A request.
+    pub fn new(
+        actor: impl Into<String>,
+        reason: impl Into<String>,
+        requested_at: DateTime<Utc>,
+    ) -> Self {
+        Self {
+            actor: actor.into(),
+            reason: reason.into(),
+            requested_at,
+        }
+    }
 }
 
 impl ParkedMessage {
@@ -608,7 +639,14 @@ impl ParkedMessage {
             attempts,
             parked_at,
             resolved_at,
+            retry_request: None,
         }
+    }
+
+    /// With a pending retry request (for store implementations).
+    pub fn with_retry_request(mut self, request: Option<RetryRequest>) -> Self {
+        self.retry_request = request;
+        self
     }
 }
 
@@ -681,6 +719,9 @@ pub enum InboxAction {
     Retry,
     /// Resolve without effect, with a reason, then release the waiting messages.
     Discard,
+    /// Ask the consumer service to retry the message at its next check (the retry itself is
+    /// audited as [`InboxAction::Retry`]).
+    RequestRetry,
 }
 
 impl InboxAction {
@@ -689,6 +730,7 @@ impl InboxAction {
         match self {
             Self::Retry => "retry",
             Self::Discard => "discard",
+            Self::RequestRetry => "request_retry",
         }
     }
 
@@ -697,6 +739,7 @@ impl InboxAction {
         Some(match s {
             "retry" => Self::Retry,
             "discard" => Self::Discard,
+            "request_retry" => Self::RequestRetry,
             _ => return None,
         })
     }
@@ -924,6 +967,12 @@ impl<T: InboxStore + ?Sized> InboxStoreExt for T {}
 ///   remain, and otherwise clear the aggregate's blocked mark in `tx`.
 /// * [`audit`](Self::audit) appends the entry in `tx`; [`audit_trail`](Self::audit_trail) lists
 ///   entries oldest first.
+/// * [`request_retry`](Self::request_retry) records a retry request on an open message in `tx`
+///   (replacing a pending one) and MUST fail with a `NotFound` error when the message is
+///   unknown or resolved; [`requested_retries`](Self::requested_retries) lists the open
+///   messages with a pending request, oldest request first, each with its
+///   [`ParkedMessage::retry_request`]; [`clear_retry_request`](Self::clear_retry_request)
+///   removes a request made at or before the given time in `tx` (a newer request stays).
 #[async_trait]
 pub trait InboxParking: InboxStore {
     /// Parked messages of `consumer`, oldest first.
@@ -985,6 +1034,27 @@ pub trait InboxParking: InboxStore {
 
     /// Counts for metrics.
     async fn parked_stats(&self, consumer: &str) -> Result<ParkedStats, StoreError>;
+
+    /// Records in `tx` that open message `id` is to be retried by the consumer service.
+    async fn request_retry(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        id: ParkedId,
+        request: &RetryRequest,
+    ) -> Result<(), StoreError>;
+
+    /// Open messages with a pending retry request, oldest request first.
+    async fn requested_retries(&self, consumer: &str) -> Result<Vec<ParkedMessage>, StoreError>;
+
+    /// Clears `id`'s retry request in `tx` if it was made at or before `requested_at`.
+    async fn clear_retry_request(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        id: ParkedId,
+        requested_at: DateTime<Utc>,
+    ) -> Result<(), StoreError>;
 }
 
 #[cfg(test)]
@@ -1073,7 +1143,11 @@ mod tests {
         }
         assert!(ParkedStatus::Parked.is_open() && !ParkedStatus::Applied.is_open());
         assert_eq!(ParkedStatus::parse("x"), None);
-        for a in [InboxAction::Retry, InboxAction::Discard] {
+        for a in [
+            InboxAction::Retry,
+            InboxAction::Discard,
+            InboxAction::RequestRetry,
+        ] {
             assert_eq!(InboxAction::parse(a.as_str()), Some(a));
         }
         assert_eq!(InboxAction::parse("x"), None);

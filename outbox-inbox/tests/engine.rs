@@ -858,6 +858,30 @@ impl InboxParking for LoggingInbox {
     ) -> Result<outbox_core::ParkedStats, outbox_core::StoreError> {
         self.inner.parked_stats(c).await
     }
+    async fn request_retry(
+        &self,
+        tx: &mut Self::Tx,
+        c: &str,
+        id: outbox_core::ParkedId,
+        request: &outbox_core::RetryRequest,
+    ) -> Result<(), outbox_core::StoreError> {
+        self.inner.request_retry(tx, c, id, request).await
+    }
+    async fn requested_retries(
+        &self,
+        c: &str,
+    ) -> Result<Vec<outbox_core::ParkedMessage>, outbox_core::StoreError> {
+        self.inner.requested_retries(c).await
+    }
+    async fn clear_retry_request(
+        &self,
+        tx: &mut Self::Tx,
+        c: &str,
+        id: outbox_core::ParkedId,
+        at: chrono::DateTime<chrono::Utc>,
+    ) -> Result<(), outbox_core::StoreError> {
+        self.inner.clear_retry_request(tx, c, id, at).await
+    }
 }
 
 type ScriptedEngine = ConsumerEngine<ScriptedSource, LoggingInbox, Script>;

@@ -15,8 +15,13 @@
 //!   have. That message becomes the aggregate's parked head, with a reason that says so, and is
 //!   retried from the consumer service. Nothing is applied out of order and nothing is lost.
 //! * **retry** applies the message's effect, which only the consumer's handler can do: the
-//!   command refuses it and names the library call the consumer service exposes
-//!   (`ConsumerEngine::parked().retry(id, actor, reason)`); the audited retry then shows here.
+//!   command records an audited retry *request* on the message
+//!   (`ParkedMessages::request_retry`); the consumer service's `ConsumerEngine` looks for
+//!   requests at start and then every `retry_requests_interval` (5 s by default), performs the
+//!   retry with its handler (audited as a retry, with its outcome), releases what waits behind
+//!   the message in order, and clears the request (also when the message fails again: it stays
+//!   parked with its attempts counted). Nothing happens while no engine of the consumer runs;
+//!   `show` displays a pending request.
 //! * **reissue** is a producer action (a copy of an outbox event with a new id) and is refused
 //!   for a consumer.
 
@@ -36,8 +41,8 @@ use crate::output::{age, Output};
 
 /// Why a released message stays parked after a discard from this command.
 pub const NEEDS_HANDLER: &str = "not applied: released by `outbox parked discard`, which cannot \
-                                 run this consumer's handler; retry it from the consumer \
-                                 service (ParkedMessages::retry)";
+                                 run this consumer's handler; request a retry (`outbox parked \
+                                 retry ID --consumer NAME`), which the consumer service performs";
 
 /// The handler of a command that has no consumer code: it applies nothing, so a released
 /// message that needs its effect stays parked (the library's rule for a message that fails
@@ -104,6 +109,11 @@ pub fn message_json(m: &ParkedMessage) -> Value {
         "dedup_id": r.dedup_id.map(|i| i.to_string()),
         "event_type": event.as_ref().map(|e| e.event_type.clone()),
         "payload_bytes": r.value.as_ref().map_or(0, Vec::len),
+        "retry_request": m.retry_request.as_ref().map(|q| json!({
+            "requested_by": q.actor,
+            "reason": q.reason,
+            "requested_at": q.requested_at.to_rfc3339(),
+        })),
     })
 }
 
@@ -301,6 +311,21 @@ pub async fn show(
     if let Some(t) = m.resolved_at {
         rows.push(vec!["resolved".into(), t.to_rfc3339()]);
     }
+    if let Some(q) = &m.retry_request {
+        rows.push(vec![
+            "retry requested".into(),
+            format!(
+                "by {} at {} ({}): pending until the consumer service's next check",
+                q.actor,
+                q.requested_at.to_rfc3339(),
+                if q.reason.is_empty() {
+                    "no reason given"
+                } else {
+                    q.reason.as_str()
+                }
+            ),
+        ]);
+    }
     if !behind.is_empty() {
         rows.push(vec![
             "same aggregate".into(),
@@ -424,21 +449,43 @@ pub async fn discard(
     Ok(())
 }
 
-/// `outbox parked retry ID --consumer NAME`: refused, with the way to do it.
-pub fn retry(name: &str, o: &ParkedActionOpts) -> CliError {
-    CliError::config(
-        format!(
-            "retry of parked message {} of consumer {name:?} is not possible from this command: \
-             a retry applies the message's effect, and only the consumer's own handler can do \
-             that",
-            o.event_id.trim()
-        ),
-        "retry it from the consumer service, which has the handler: \
-         `engine.parked().retry(id, actor, reason)` (outbox_inbox::ParkedMessages), e.g. behind \
-         an admin endpoint; `outbox parked show ID --consumer NAME` then shows the audited \
-         retry. To resolve it without effect: `outbox parked discard ID --consumer NAME \
-         --reason ...`",
-    )
+/// `outbox parked retry ID --consumer NAME [--reason R]`: records an audited retry request,
+/// which the consumer service performs with its handler at its next check.
+pub async fn retry(
+    config: &Config,
+    name: &str,
+    o: &ParkedActionOpts,
+    out: &Output,
+) -> Result<(), CliError> {
+    let id = parked_id(&o.event_id, name)?;
+    let reason = o.reason.as_deref().map(str::trim).unwrap_or("");
+    let actor = super::actor(o.actor.as_deref());
+    let (ops, c, table) = open(config, name).await?;
+    let request = ops
+        .request_retry(id, &actor, reason)
+        .await
+        .map_err(|e| operator_error(e, &c, &table))?;
+    if out.json {
+        out.json(&json!({
+            "side": "consumer",
+            "consumer": c.name,
+            "action": "request_retry",
+            "id": id.0,
+            "actor": actor,
+            "reason": reason,
+            "requested_at": request.requested_at.to_rfc3339(),
+        }));
+        return Ok(());
+    }
+    println!(
+        "retry of parked message {id} of consumer {} requested (audited as {actor}); the \
+         consumer service performs it with its handler at its next check (at start, then every \
+         retry_requests_interval, 5 s by default) and releases what waits behind it in order. \
+         Nothing happens while no engine of {} runs. See the outcome with `outbox parked show \
+         {id} --consumer {}`.",
+        c.name, c.name, c.name
+    );
+    Ok(())
 }
 
 /// `outbox parked reissue ID --consumer NAME`: refused.

@@ -295,7 +295,7 @@ async fn action(
     if let Some(c) = &o.consumer {
         return match what {
             Action::Discard => consumer_parked::discard(config, c, o, out).await,
-            Action::Retry => Err(consumer_parked::retry(c, o)),
+            Action::Retry => consumer_parked::retry(config, c, o, out).await,
             Action::Reissue => Err(consumer_parked::reissue(c)),
         };
     }
