@@ -1300,6 +1300,15 @@ async fn consumer_retry_is_requested_and_performed_by_the_consumer_engine() {
         vec![],
         "a request applies nothing by itself"
     );
+    let (code, st, stderr) = env.json(&["status", "--no-consumers"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(st["consumers"][0]["retry_requested"], 1, "{st}");
+    let human = env.run(&["status", "--no-consumers"]);
+    assert!(
+        String::from_utf8_lossy(&human.stdout).contains("1 retry requested"),
+        "{}",
+        text(&human)
+    );
 
     // The consumer service's engine performs it at start, with its handler, in order.
     let log = outbox_testkit::MemoryLog::new("orders", 1);
@@ -1336,6 +1345,8 @@ async fn consumer_retry_is_requested_and_performed_by_the_consumer_engine() {
         "{sh}"
     );
     assert_eq!(sh["audit"][2]["actor"], "alice", "{sh}");
+    let (_, st, _) = env.json(&["status", "--no-consumers"]);
+    assert_eq!(st["consumers"][0]["retry_requested"], 0, "{st}");
     let (_, sh2, _) = env.json(&["parked", "show", &id2.to_string(), "--consumer", "billing"]);
     assert_eq!(sh2["parked"]["status"], "applied", "{sh2}");
     // A resolved message takes no request.

@@ -197,7 +197,12 @@ pub async fn run(config: &Config, opts: &StatusOpts, out: &Output) -> Result<(),
                         (Value::Null, _) | (_, Value::Null) => {
                             c["parked_error"].as_str().unwrap_or("-").to_owned()
                         }
-                        (p, w) => format!("{p} (+{w} waiting)"),
+                        (p, w) => match c["retry_requested"].as_u64() {
+                            Some(r) if r > 0 => {
+                                format!("{p} (+{w} waiting; {r} retry requested)")
+                            }
+                            _ => format!("{p} (+{w} waiting)"),
+                        },
                     },
                     age(c["oldest_parked_age_seconds"]
                         .as_f64()
@@ -280,6 +285,7 @@ async fn consumer_status(
         "waiting": inbox.waiting,
         "oldest_parked_age_seconds": secs(inbox.oldest_parked_age),
         "parked_error": inbox.parked_error,
+        "retry_requested": inbox.retry_requested,
     })
 }
 
@@ -293,6 +299,8 @@ struct InboxStatus {
     waiting: Option<u64>,
     oldest_parked_age: Option<Duration>,
     parked_error: Option<String>,
+    /// Retries requested and not yet performed by the consumer service.
+    retry_requested: Option<usize>,
 }
 
 async fn inbox_status(
@@ -346,6 +354,8 @@ async fn inbox_status(
         Err(e) => status.parked_error = Some(e.message),
         Ok((store, table)) => match store.parked_stats(&c.name).await {
             Ok(p) => {
+                status.retry_requested =
+                    store.requested_retries(&c.name).await.ok().map(|r| r.len());
                 status.parked = Some(p.parked);
                 status.waiting = Some(p.waiting);
                 status.oldest_parked_age = p
