@@ -1012,14 +1012,14 @@ where
             self.next_metrics = Instant::now() + self.config.metrics_interval;
             self.refresh_gauges().await;
         }
-        self.retry_requests();
+        self.retry_requests().await;
         Ok(())
     }
 
     /// Collects a finished run of requested retries, and starts the next one when it is due.
     /// A run is a task of its own, beside the engine (as an operator's retry would be): it
     /// takes the aggregates' row locks, which the engine's own transactions may hold.
-    fn retry_requests(&mut self) {
+    async fn retry_requests(&mut self) {
         let consumer = self.shared.processor.consumer();
         if self.retry_task.as_ref().is_some_and(|t| t.is_finished()) {
             let finished = self.retry_task.take().and_then(|t| t.now_or_never());
@@ -1034,7 +1034,13 @@ where
                 None => {}
             }
         }
-        if self.retry_task.is_some() || Instant::now() < self.next_retry_check {
+        if self.retry_task.is_some() {
+            // Let the run make progress on a single-threaded runtime, even when the source
+            // and the store never wait.
+            tokio::task::yield_now().await;
+            return;
+        }
+        if Instant::now() < self.next_retry_check {
             return;
         }
         self.next_retry_check = Instant::now() + self.config.retry_requests_interval;
