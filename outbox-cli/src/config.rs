@@ -591,6 +591,24 @@ pub struct ConsumerConfig {
     pub inbox_table: String,
     /// Its inbox deduplication window (the inbox cleanup's retention). Default 14 days.
     pub dedup_retention: Dur,
+    /// Its version policy (`reject`, `hold` or `unchecked`), as the consumer's engine is
+    /// configured: an operator discard moves the aggregate's applied version only when the
+    /// consumer tracks versions. Default `reject`.
+    pub version_policy: VersionPolicyName,
+}
+
+/// A consumer's version policy (`outbox_inbox::VersionPolicy`), as far as operator actions
+/// need it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum VersionPolicyName {
+    /// Gaps are parked at once (versions tracked).
+    #[default]
+    Reject,
+    /// Gaps are held, then parked (versions tracked).
+    Hold,
+    /// No version tracking.
+    Unchecked,
 }
 
 impl Default for ConsumerConfig {
@@ -603,6 +621,7 @@ impl Default for ConsumerConfig {
             inbox_schema: outbox_postgres::DEFAULT_SCHEMA.to_owned(),
             inbox_table: outbox_postgres::DEFAULT_INBOX_TABLE.to_owned(),
             dedup_retention: Dur::secs(14 * 86_400),
+            version_policy: VersionPolicyName::Reject,
         }
     }
 }

@@ -5,11 +5,11 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use outbox_core::ClaimMode;
-use outbox_postgres::{qualified, PostgresOutboxStore};
+use outbox_postgres::{qualified, PostgresInboxStore, PostgresOutboxStore};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgPool};
 
-use crate::config::{ClaimModeName, Config, DatabaseUrl, Secret};
+use crate::config::{ClaimModeName, Config, ConsumerConfig, DatabaseUrl, Secret};
 use crate::error::CliError;
 
 /// The latest outbox migration of `outbox-postgres` this CLI knows.
@@ -297,4 +297,83 @@ pub async fn preflight(pool: &PgPool, config: &Config) -> Result<(), CliError> {
         ));
     }
     Ok(())
+}
+
+/// The `[[consumers]]` entry named `name`, or a usage error naming the configured ones.
+pub fn consumer<'a>(config: &'a Config, name: &str) -> Result<&'a ConsumerConfig, CliError> {
+    config
+        .consumers
+        .iter()
+        .find(|c| c.name == name)
+        .ok_or_else(|| {
+            let known: Vec<&str> = config.consumers.iter().map(|c| c.name.as_str()).collect();
+            CliError::config(
+                format!(
+                    "no consumer {name:?} in the configuration (configured: {})",
+                    if known.is_empty() {
+                        "none".to_owned()
+                    } else {
+                        known.join(", ")
+                    }
+                ),
+                "add a [[consumers]] entry with name, inbox_schema and inbox_table (and \
+                 database_url when its inbox is in another database), or fix --consumer",
+            )
+        })
+}
+
+/// The inbox store of consumer `c` with a fresh pool of `max` connections: its own database
+/// when `database_url` is set, else the outbox's. Returns the store and its qualified table.
+pub async fn inbox_store(
+    config: &Config,
+    c: &ConsumerConfig,
+    max: u32,
+) -> Result<(PostgresInboxStore, String), CliError> {
+    let pool = if c.database_url.is_empty() {
+        connect_outbox(config, max).await?.0
+    } else {
+        connect(
+            &c.database_url,
+            &Secret::default(),
+            config.database.connect_timeout.0,
+            max,
+        )
+        .await?
+        .0
+    };
+    inbox_store_on(c, pool)
+}
+
+/// The inbox store of consumer `c` on `pool`.
+pub fn inbox_store_on(
+    c: &ConsumerConfig,
+    pool: PgPool,
+) -> Result<(PostgresInboxStore, String), CliError> {
+    let store = PostgresInboxStore::builder(pool)
+        .schema(c.inbox_schema.clone())
+        .table(c.inbox_table.clone())
+        .build()
+        .map_err(|e| {
+            CliError::config(
+                format!("consumer {}: {}", c.name, e.message),
+                "fix inbox_schema / inbox_table in its [[consumers]] entry",
+            )
+        })?;
+    Ok((store, format!("{}.{}", c.inbox_schema, c.inbox_table)))
+}
+
+/// Maps a store error of consumer `c`'s inbox to an error with a fix: a missing table says
+/// `outbox migrate --inbox`.
+pub fn inbox_error(err: &outbox_core::StoreError, c: &ConsumerConfig, table: &str) -> CliError {
+    if err.kind == outbox_core::StoreErrorKind::Schema {
+        return CliError::not_ready(
+            format!(
+                "the inbox of consumer {} is missing or out of date ({table}): {}",
+                c.name, err.message
+            ),
+            "run `outbox migrate --inbox` (with the same [[consumers]] inbox_schema and \
+             inbox_table)",
+        );
+    }
+    CliError::from_store(err, table)
 }

@@ -7,7 +7,7 @@
 //! | 2 | bad usage or configuration (flags, file, environment, values) |
 //! | 3 | a service is unreachable (database or broker): host, port and cause are named |
 //! | 4 | the database is reachable but not ready: schema missing or out of date (`outbox migrate`), or a missing privilege (the `GRANT` is named) |
-//! | 5 | not available yet in this version (consumer-side operations that wait for consumer parking) |
+//! | 5 | not used (earlier versions: "not available yet", for consumer-side parking, which exists now) |
 //! | 6 | aborted: a confirmation was declined |
 
 use std::fmt;
@@ -26,8 +26,6 @@ pub enum ErrorKind {
     Unreachable,
     /// Exit 4: schema missing/out of date or privilege missing.
     NotReady,
-    /// Exit 5: not available yet.
-    NotAvailable,
     /// Exit 6: aborted by the operator.
     Aborted,
 }
@@ -40,7 +38,6 @@ impl ErrorKind {
             Self::Config => 2,
             Self::Unreachable => 3,
             Self::NotReady => 4,
-            Self::NotAvailable => 5,
             Self::Aborted => 6,
         }
     }
@@ -52,7 +49,6 @@ impl ErrorKind {
             Self::Config => "config",
             Self::Unreachable => "unreachable",
             Self::NotReady => "not_ready",
-            Self::NotAvailable => "not_available",
             Self::Aborted => "aborted",
         }
     }
@@ -98,10 +94,6 @@ impl CliError {
     /// Schema or privilege missing (exit 4).
     pub fn not_ready(message: impl Into<String>, hint: impl Into<String>) -> Self {
         Self::new(ErrorKind::NotReady, message, Some(hint.into()))
-    }
-    /// Not available yet (exit 5).
-    pub fn not_available(message: impl Into<String>, hint: impl Into<String>) -> Self {
-        Self::new(ErrorKind::NotAvailable, message, Some(hint.into()))
     }
     /// Adds or replaces the hint.
     pub fn with_hint(mut self, hint: impl Into<String>) -> Self {

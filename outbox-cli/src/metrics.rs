@@ -74,7 +74,7 @@ fn describe() {
     );
     describe_counter!(
         "outbox_republished_total",
-        "Published events that were sent more than once (after a failed attempt)"
+        "Published events that may have been sent before (a failed or uncertain attempt, or an earlier claim that ended without outcome: a crash, a lost mark, an expired lease)"
     );
     describe_counter!(
         "outbox_superseded_total",

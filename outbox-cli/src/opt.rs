@@ -166,12 +166,15 @@ pub struct ParkedListOpts {
     /// A consumer's parked messages instead of the outbox's.
     #[arg(long)]
     pub consumer: Option<String>,
+    /// With --consumer: resolved messages too (applied, skipped, discarded).
+    #[arg(long)]
+    pub all: bool,
 }
 
 /// An event id, producer side or a consumer's.
 #[derive(Debug, Args)]
 pub struct ParkedTarget {
-    /// The event id (UUID).
+    /// The event id (UUID); with --consumer, the parked message's id (a number).
     pub event_id: String,
     /// A consumer's parked message instead of the outbox's.
     #[arg(long)]
@@ -181,7 +184,7 @@ pub struct ParkedTarget {
 /// `outbox parked retry|discard|reissue`
 #[derive(Debug, Args)]
 pub struct ParkedActionOpts {
-    /// The event id (UUID).
+    /// The event id (UUID); with --consumer, the parked message's id (a number).
     pub event_id: String,
     /// Why (required for discard and reissue; recorded in the audit trail).
     #[arg(long)]
@@ -251,6 +254,11 @@ pub struct CleanupOpts {
     /// Print what would go; delete nothing.
     #[arg(long)]
     pub dry_run: bool,
+    /// Clean the inboxes of the configured consumers instead of the outbox: registrations
+    /// older than each consumer's dedup_retention (the longest one of the consumers that share
+    /// an inbox table).
+    #[arg(long)]
+    pub inbox: bool,
 }
 
 /// `outbox check`

@@ -38,8 +38,8 @@ async fn migrate_is_idempotent_prints_sql_and_reports_json() {
     let (code, v, _) = env.json(&["migrate", "--inbox"]);
     assert_eq!(code, 0);
     assert_eq!(v["inboxes"][0]["consumer"], "billing");
-    // The inbox table and the consumer's parking tables: two migrations.
-    assert_eq!(v["inboxes"][0]["applied"], 2);
+    // The inbox table, the consumer's parking tables, retry requests: three migrations.
+    assert_eq!(v["inboxes"][0]["applied"], 3);
     let (code, v, _) = env.json(&["migrate", "--inbox"]);
     assert_eq!(code, 0);
     assert_eq!(v["inboxes"][0]["applied"], 0, "second run changes nothing");
@@ -212,9 +212,14 @@ async fn parked_events_are_listed_shown_and_worked_with_an_audit_trail() {
         "{}",
         text(&out)
     );
-    // Consumer side: not available yet, said so, non-zero.
+    // Consumer side: a consumer that is not configured is a usage error naming the fix.
     let out = env.run(&["parked", "list", "--consumer", "billing"]);
-    assert_eq!(out.status.code(), Some(5), "{}", text(&out));
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no consumer \"billing\""),
+        "{}",
+        text(&out)
+    );
     // retry (it fails again and parks again), then discard with a reason.
     let out = env.run(&["parked", "retry", &id, "--actor", "alice"]);
     assert!(out.status.success(), "{}", text(&out));
@@ -321,6 +326,50 @@ async fn check_passes_a_sound_configuration_and_names_each_violation() {
             .iter()
             .any(|f| f["check"] == check && f["severity"] == severity)
     };
+    let has = |v: &serde_json::Value, severity: &str, text: &str| {
+        v["findings"].as_array().unwrap().iter().any(|f| {
+            f["check"] == "retention"
+                && f["severity"] == severity
+                && f["message"].as_str().unwrap().contains(text)
+        })
+    };
+    // The retention chain by the library's rule: the topic does not report retention.ms, so
+    // Kafka's default (7 days) is assumed, with a warning; 7 d + 1 d lag + 3 d replay fit in
+    // the default 14 d dedup window. An outbox retention shorter than the replay window is a
+    // warning.
+    std::fs::write(
+        env.dir.join("outbox.toml"),
+        "[cleanup]\nretention = \"1d\"\n[[consumers]]\nname = \"billing\"\n",
+    )
+    .unwrap();
+    let (code, v, _) = env.json(&["check"]);
+    assert_eq!(code, 0, "{v}");
+    assert!(has(&v, "warning", "assuming Kafka's default of 7d"), "{v}");
+    assert!(
+        has(
+            &v,
+            "warning",
+            "outbox retention 1d is shorter than the replay window 3d"
+        ),
+        "{v}"
+    );
+    assert!(!has(&v, "error", ""), "{v}");
+    // A dedup window shorter than 7 d + 1 d + 3 d violates it.
+    std::fs::write(
+        env.dir.join("outbox.toml"),
+        "[[consumers]]\nname = \"billing\"\ndedup_retention = \"10d\"\n",
+    )
+    .unwrap();
+    let (code, v, _) = env.json(&["check"]);
+    assert_eq!(code, 1, "{v}");
+    assert!(
+        has(
+            &v,
+            "error",
+            "dedup retention 10d is shorter than the longest possible redelivery 11d"
+        ),
+        "{v}"
+    );
     // Unsafe producer property.
     std::fs::write(env.dir.join("outbox.toml"), "[kafka.producer]\nacks = 1\n").unwrap();
     let (code, v, _) = env.json(&["check"]);
@@ -426,6 +475,7 @@ async fn reconcile_reports_mismatches_per_interval_and_type() {
     .unwrap();
     // Three orders placed, each with its event.
     let store = env.store();
+    let mut placed = Vec::new();
     for i in 0..3 {
         let mut tx = env.pool.begin().await.unwrap();
         sqlx::query(&format!("INSERT INTO \"{s}\".orders (id) VALUES ($1)"))
@@ -436,8 +486,12 @@ async fn reconcile_reports_mismatches_per_interval_and_type() {
         let e = Envelope::builder("order", format!("o-{i}"), 1, "order.placed")
             .build()
             .unwrap();
-        store.append_many(&mut *tx, &[e]).await.unwrap();
+        store
+            .append_many(&mut *tx, std::slice::from_ref(&e))
+            .await
+            .unwrap();
         tx.commit().await.unwrap();
+        placed.push(e);
     }
     let mut relay = env.spawn_relay(&["--no-cleanup"]);
     relay.wait_ready(Duration::from_secs(30));
@@ -498,9 +552,44 @@ async fn reconcile_reports_mismatches_per_interval_and_type() {
         v.to_string().contains("consumer billing applied 2 of 3"),
         "{v}"
     );
+    assert_eq!(v["rows"][0]["effects"][0]["parked"], 0, "{v}");
     let human = env.run(&["reconcile", "--since", "1h"]);
     assert_eq!(human.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&human.stdout).contains("MISMATCH"));
+    // The consumer parked the third event: shown beside the effects, not a mismatch.
+    common::park_consumer_message(
+        &inbox,
+        "billing",
+        &env.topic,
+        2,
+        &placed[2],
+        outbox_core::ParkAs::Head(outbox_core::ParkKind::Unprocessable),
+        "unknown customer",
+    )
+    .await;
+    let (code, v, _) = env.json(&["reconcile", "--since", "1d", "--interval", "1d"]);
+    assert_eq!(code, 0, "{v}");
+    let effects = &v["rows"][0]["effects"][0];
+    assert_eq!(
+        (
+            &effects["expected"],
+            &effects["applied"],
+            &effects["parked"]
+        ),
+        (
+            &serde_json::json!(3),
+            &serde_json::json!(2),
+            &serde_json::json!(1)
+        ),
+        "{v}"
+    );
+    let human = env.run(&["reconcile", "--since", "1d", "--interval", "1d"]);
+    assert!(human.status.success(), "{}", text(&human));
+    assert!(
+        String::from_utf8_lossy(&human.stdout).contains("billing: 2/3 (1 parked)"),
+        "{}",
+        text(&human)
+    );
     env.drop_schema().await;
 }
 
@@ -639,11 +728,630 @@ async fn status_reports_consumer_lag_from_committed_offsets_and_inbox_counts() {
     assert_eq!(c["inbox_registrations"], 2, "{v}");
     assert_eq!(c["partitions"][0]["committed"], 2, "{v}");
     assert!(c["lag"].as_i64().is_some(), "{v}");
-    assert!(
-        c["parked"].is_null(),
-        "consumer parking is not available yet: {v}"
-    );
+    assert_eq!(c["parked"], 0, "{v}");
+    assert_eq!(c["waiting"], 0, "{v}");
+    assert!(c["oldest_parked_age_seconds"].is_null(), "{v}");
     let human = env.run(&["status"]);
     assert!(String::from_utf8_lossy(&human.stdout).contains("billing"));
+    env.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumers_parked_messages_are_listed_shown_discarded_and_counted() {
+    use outbox_core::{ParkAs, ParkKind};
+    let env = env_or_skip!("consumer_parked", 0);
+    let s = env.schema.clone();
+    std::fs::write(
+        env.dir.join("outbox.toml"),
+        format!("[[consumers]]\nname = \"billing\"\ninbox_schema = \"{s}\"\n"),
+    )
+    .unwrap();
+    // Before its inbox exists: the fix is named.
+    env.migrate();
+    let out = env.run(&["parked", "list", "--consumer", "billing"]);
+    assert_eq!(out.status.code(), Some(4), "{}", text(&out));
+    assert!(
+        text(&out).contains("outbox migrate --inbox"),
+        "{}",
+        text(&out)
+    );
+    let out = env.run(&["migrate", "--inbox"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let inbox = common::inbox(&env.pool, &s).await;
+    // o-1 v1 could not be applied; v2 waits behind it. o-2 v1 could not be applied, alone.
+    let ev = |agg: &str, v: i64, t: &str| {
+        Envelope::builder("order", agg, v, t)
+            .json(&serde_json::json!({"v": v}))
+            .unwrap()
+            .build()
+            .unwrap()
+    };
+    let (o1v1, o1v2, o2v1) = (
+        ev("o-1", 1, "order.placed"),
+        ev("o-1", 2, "order.paid"),
+        ev("o-2", 1, "order.placed"),
+    );
+    let head = ParkAs::Head(ParkKind::Unprocessable);
+    let id1 = common::park_consumer_message(
+        &inbox,
+        "billing",
+        "orders",
+        0,
+        &o1v1,
+        head,
+        "unknown customer",
+    )
+    .await;
+    let id2 = common::park_consumer_message(
+        &inbox,
+        "billing",
+        "orders",
+        1,
+        &o1v2,
+        ParkAs::Waiting,
+        "waits behind its aggregate",
+    )
+    .await;
+    let id3 = common::park_consumer_message(
+        &inbox,
+        "billing",
+        "orders",
+        2,
+        &o2v1,
+        head,
+        "unknown customer",
+    )
+    .await;
+
+    // list: every open message, oldest first, never the payload.
+    let (code, l, stderr) = env.json(&["parked", "list", "--consumer", "billing"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(l["side"], "consumer");
+    let listed = l["parked"].as_array().unwrap();
+    let ids: Vec<i64> = listed.iter().map(|m| m["id"].as_i64().unwrap()).collect();
+    assert_eq!(ids, vec![id1.0, id2.0, id3.0]);
+    assert_eq!(listed[0]["status"], "parked");
+    assert_eq!(listed[0]["kind"], "unprocessable");
+    assert_eq!(listed[0]["reason"], "unknown customer");
+    assert_eq!(listed[0]["event_type"], "order.placed");
+    assert_eq!(listed[0]["event_id"], o1v1.event_id.to_string());
+    assert_eq!(listed[1]["status"], "waiting");
+    assert_eq!(listed[1]["aggregate_version"], 2);
+    assert!(listed.iter().all(|m| m.get("payload").is_none()));
+    let human = env.run(&["parked", "list", "--consumer", "billing"]);
+    assert!(human.status.success(), "{}", text(&human));
+    let human = String::from_utf8_lossy(&human.stdout).into_owned();
+    assert!(
+        human.contains("waiting") && human.contains("order/o-1"),
+        "{human}"
+    );
+
+    // status: parked and waiting counts and the oldest age, per consumer.
+    let (code, st, stderr) = env.json(&["status", "--no-consumers"]);
+    assert_eq!(code, 0, "{stderr}");
+    let c = &st["consumers"][0];
+    assert_eq!(
+        (c["parked"].as_u64(), c["waiting"].as_u64()),
+        (Some(2), Some(1)),
+        "{st}"
+    );
+    assert!(
+        c["oldest_parked_age_seconds"].as_f64().unwrap() >= 0.0,
+        "{st}"
+    );
+    assert!(
+        st["warnings"]
+            .to_string()
+            .contains("parked list --consumer billing"),
+        "{st}"
+    );
+    let human = env.run(&["status", "--no-consumers"]);
+    assert!(
+        String::from_utf8_lossy(&human.stdout).contains("2 (+1 waiting)"),
+        "{}",
+        text(&human)
+    );
+
+    // show: the message, what waits behind it, no audit yet.
+    let id1s = id1.to_string();
+    let (code, sh, _) = env.json(&["parked", "show", &id1s, "--consumer", "billing"]);
+    assert_eq!(code, 0, "{sh}");
+    assert_eq!(sh["parked"]["id"], id1.0);
+    assert_eq!(sh["same_aggregate_open"], serde_json::json!([id2.0]));
+    assert_eq!(sh["audit"], serde_json::json!([]));
+    let human = env.run(&["parked", "show", &id1s, "--consumer", "billing"]);
+    assert!(String::from_utf8_lossy(&human.stdout).contains("no operator action yet"));
+
+    // Bad inputs, each with its exit code and the fix.
+    let bad = |args: &[&str], code: i32, says: &str| {
+        let out = env.run(args);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {}", text(&out));
+        assert!(text(&out).contains(says), "{args:?}: {}", text(&out));
+    };
+    bad(
+        &["parked", "list", "--consumer", "shipping"],
+        2,
+        "no consumer \"shipping\" in the configuration (configured: billing)",
+    );
+    bad(
+        &["parked", "show", "999999", "--consumer", "billing"],
+        1,
+        "has no parked message 999999",
+    );
+    bad(
+        &["parked", "show", "not-a-number", "--consumer", "billing"],
+        2,
+        "not a parked message id",
+    );
+    bad(
+        &["parked", "discard", &id1s, "--consumer", "billing"],
+        2,
+        "discard needs a reason",
+    );
+    bad(
+        &[
+            "parked",
+            "discard",
+            "999999",
+            "--consumer",
+            "billing",
+            "--reason",
+            "x",
+        ],
+        1,
+        "has no parked message 999999",
+    );
+    bad(
+        &["parked", "retry", "999999", "--consumer", "billing"],
+        1,
+        "has no parked message 999999",
+    );
+    bad(
+        &[
+            "parked",
+            "reissue",
+            &id1s,
+            "--consumer",
+            "billing",
+            "--reason",
+            "x",
+            "--yes",
+        ],
+        2,
+        "reissue does not apply",
+    );
+    bad(
+        &["parked", "list", "--all"],
+        2,
+        "--all lists a consumer's resolved messages",
+    );
+    // Discarding a head with messages behind it asks first (no terminal here: refused).
+    bad(
+        &[
+            "parked",
+            "discard",
+            &id1s,
+            "--consumer",
+            "billing",
+            "--reason",
+            "x",
+        ],
+        6,
+        "--yes",
+    );
+    let (_, l, _) = env.json(&["parked", "list", "--consumer", "billing"]);
+    assert_eq!(
+        l["parked"].as_array().unwrap().len(),
+        3,
+        "nothing changed: {l}"
+    );
+
+    // discard of a head with nothing behind it: resolved, registered, aggregate released.
+    let id3s = id3.to_string();
+    let (code, d, stderr) = env.json(&[
+        "parked",
+        "discard",
+        &id3s,
+        "--consumer",
+        "billing",
+        "--reason",
+        "customer deleted",
+        "--actor",
+        "alice",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(d["action"], "discard");
+    assert_eq!(
+        (d["discarded"].as_u64(), d["released"].as_bool()),
+        (Some(1), Some(true)),
+        "{d}"
+    );
+    assert!(d["still_parked"].is_null(), "{d}");
+    let registered: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM \"{s}\".processed_events WHERE consumer = 'billing' AND event_id = $1"
+    ))
+    .bind(o2v1.event_id.as_uuid())
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        registered, 1,
+        "a discarded message is registered: a redelivery is a duplicate"
+    );
+    let (_, sh, _) = env.json(&["parked", "show", &id3s, "--consumer", "billing"]);
+    assert_eq!(sh["parked"]["status"], "discarded");
+    let audit = sh["audit"].as_array().unwrap();
+    assert_eq!(audit.len(), 1, "{sh}");
+    assert_eq!(audit[0]["action"], "discard");
+    assert_eq!(audit[0]["actor"], "alice");
+    assert_eq!(audit[0]["reason"], "customer deleted");
+    bad(
+        &["parked", "retry", &id3s, "--consumer", "billing"],
+        1,
+        "is discarded already",
+    );
+    bad(
+        &[
+            "parked",
+            "discard",
+            &id3s,
+            "--consumer",
+            "billing",
+            "--reason",
+            "again",
+        ],
+        1,
+        "is discarded already",
+    );
+
+    // discard of a head with a message behind it (confirmed): the waiting message needs the
+    // consumer's handler, so it becomes the parked head, saying so; nothing is applied.
+    let (code, d, stderr) = env.json(&[
+        "parked",
+        "discard",
+        &id1s,
+        "--consumer",
+        "billing",
+        "--reason",
+        "order voided",
+        "--yes",
+        "--actor",
+        "bob",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(d["still_parked"]["id"], id2.0, "{d}");
+    assert_eq!(d["released"], false, "{d}");
+    let (_, l, _) = env.json(&["parked", "list", "--consumer", "billing"]);
+    let open = l["parked"].as_array().unwrap();
+    assert_eq!(open.len(), 1, "{l}");
+    assert_eq!(open[0]["id"], id2.0);
+    assert_eq!(open[0]["status"], "parked");
+    assert!(
+        open[0]["reason"]
+            .as_str()
+            .unwrap()
+            .contains("request a retry (`outbox parked retry ID --consumer NAME`)"),
+        "{l}"
+    );
+    let applied: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM \"{s}\".processed_events WHERE consumer = 'billing' AND event_id = $1"
+    ))
+    .bind(o1v2.event_id.as_uuid())
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(applied, 0, "the waiting message was not applied");
+    // --all shows the resolved ones too.
+    let (_, all, _) = env.json(&["parked", "list", "--consumer", "billing", "--all"]);
+    let statuses: Vec<&str> = all["parked"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["status"].as_str().unwrap())
+        .collect();
+    assert_eq!(statuses, vec!["discarded", "parked", "discarded"], "{all}");
+    let (_, st, _) = env.json(&["status", "--no-consumers"]);
+    let c = &st["consumers"][0];
+    assert_eq!(
+        (c["parked"].as_u64(), c["waiting"].as_u64()),
+        (Some(1), Some(0)),
+        "{st}"
+    );
+    env.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cleanup_inbox_removes_registrations_past_the_dedup_window_in_batches() {
+    let env = env_or_skip!("cleanup_inbox", 0);
+    env.migrate();
+    let s = env.schema.clone();
+    let inbox = common::inbox(&env.pool, &s).await;
+    // Two consumers share the table: six registrations 20 days old and three 10 days old each.
+    sqlx::raw_sql(&format!(
+        "INSERT INTO \"{s}\".processed_events (consumer, event_id, processed_at) \
+         SELECT CASE WHEN g % 2 = 0 THEN 'billing' ELSE 'shipping' END, gen_random_uuid(), \
+                now() - interval '20 days' FROM generate_series(1, 12) g; \
+         INSERT INTO \"{s}\".processed_events (consumer, event_id, processed_at) \
+         SELECT c, gen_random_uuid(), now() - interval '10 days' \
+         FROM unnest(ARRAY['billing', 'shipping']) c, generate_series(1, 3)"
+    ))
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    // A parked message is never cleaned up.
+    let e = Envelope::builder("order", "o-1", 1, "order.placed")
+        .build()
+        .unwrap();
+    common::park_consumer_message(
+        &inbox,
+        "billing",
+        "orders",
+        0,
+        &e,
+        outbox_core::ParkAs::Head(outbox_core::ParkKind::Unprocessable),
+        "x",
+    )
+    .await;
+    // billing keeps 9 days, shipping 15: each consumer cleans its own rows with its own window
+    // (billing all nine, shipping its six 20-day-old ones).
+    std::fs::write(
+        env.dir.join("outbox.toml"),
+        format!(
+            "[[consumers]]\nname = \"billing\"\ninbox_schema = \"{s}\"\ndedup_retention = \"9d\"\n\
+             [[consumers]]\nname = \"shipping\"\ninbox_schema = \"{s}\"\ndedup_retention = \"15d\"\n"
+        ),
+    )
+    .unwrap();
+    let count = |consumer: &'static str| {
+        let q = format!("SELECT count(*) FROM \"{s}\".processed_events WHERE consumer = $1");
+        let pool = env.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(&q)
+                .bind(consumer)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let (code, v, stderr) = env.json(&["cleanup", "--inbox", "--dry-run"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(v["dry_run"], true);
+    let inboxes = v["inboxes"].as_array().unwrap();
+    assert_eq!(inboxes.len(), 2, "one entry per consumer: {v}");
+    assert_eq!(
+        (&inboxes[0]["consumer"], &inboxes[1]["consumer"]),
+        (
+            &serde_json::json!("billing"),
+            &serde_json::json!("shipping")
+        )
+    );
+    assert_eq!(inboxes[0]["retention"], "9days");
+    assert_eq!(inboxes[1]["retention"], "15days");
+    assert_eq!(inboxes[0]["would_remove"], 9, "{v}");
+    assert_eq!(inboxes[1]["would_remove"], 6, "{v}");
+    assert_eq!(
+        (count("billing").await, count("shipping").await),
+        (9, 9),
+        "a dry run changes nothing"
+    );
+    let human = env.run(&["cleanup", "--inbox", "--dry-run"]);
+    let human_out = String::from_utf8_lossy(&human.stdout);
+    assert!(
+        human_out.contains("consumer billing")
+            && human_out.contains("9 registration(s)")
+            && human_out.contains("consumer shipping")
+            && human_out.contains("6 registration(s)"),
+        "{}",
+        text(&human)
+    );
+    // Bad inputs.
+    let out = env.run(&["cleanup", "--inbox", "--retention", "1d"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let (code, v, _) = env.json(&["cleanup", "--inbox", "--batch-size", "5"]);
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(v["inboxes"][0]["removed"], 9, "{v}");
+    assert_eq!(v["inboxes"][0]["batches"], 2, "{v}");
+    assert_eq!(v["inboxes"][1]["removed"], 6, "{v}");
+    assert_eq!(v["inboxes"][1]["batches"], 2, "{v}");
+    assert_eq!(
+        (count("billing").await, count("shipping").await),
+        (0, 3),
+        "shipping keeps the registrations inside its own, longer window"
+    );
+    let (_, l, _) = env.json(&["parked", "list", "--consumer", "billing"]);
+    assert_eq!(
+        l["parked"].as_array().unwrap().len(),
+        1,
+        "parked messages stay: {l}"
+    );
+    std::fs::remove_file(env.dir.join("outbox.toml")).unwrap();
+    let out = env.run(&["cleanup", "--inbox"]);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "no consumers configured: {}",
+        text(&out)
+    );
+    env.drop_schema().await;
+}
+
+/// The consumer's handler in the retry test: records what it applied, in the effect's
+/// transaction.
+struct Recorder {
+    schema: String,
+}
+
+#[outbox_core::async_trait]
+impl outbox_inbox::Handler<sqlx::Transaction<'static, sqlx::Postgres>> for Recorder {
+    async fn handle(
+        &self,
+        tx: &mut sqlx::Transaction<'static, sqlx::Postgres>,
+        e: &Envelope,
+    ) -> Result<(), outbox_inbox::HandlerError> {
+        sqlx::query(&format!(
+            "INSERT INTO \"{}\".applied (aggregate_id, version) VALUES ($1, $2)",
+            self.schema
+        ))
+        .bind(&e.aggregate_id)
+        .bind(e.aggregate_version)
+        .execute(&mut **tx)
+        .await
+        .map_err(|err| outbox_inbox::HandlerError::transient(err.to_string()))?;
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_retry_is_requested_and_performed_by_the_consumer_engine() {
+    use outbox_core::{ParkAs, ParkKind};
+    let env = env_or_skip!("retry_request", 0);
+    env.migrate();
+    let s = env.schema.clone();
+    let inbox = common::inbox(&env.pool, &s).await;
+    sqlx::raw_sql(&format!(
+        "CREATE TABLE \"{s}\".applied (n bigserial, aggregate_id text, version bigint)"
+    ))
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    std::fs::write(
+        env.dir.join("outbox.toml"),
+        format!("[[consumers]]\nname = \"billing\"\ninbox_schema = \"{s}\"\n"),
+    )
+    .unwrap();
+    let v1 = Envelope::builder("order", "o-9", 1, "order.placed")
+        .build()
+        .unwrap();
+    let v2 = Envelope::builder("order", "o-9", 2, "order.paid")
+        .build()
+        .unwrap();
+    let head = ParkAs::Head(ParkKind::Unprocessable);
+    let id1 =
+        common::park_consumer_message(&inbox, "billing", "orders", 0, &v1, head, "no customer")
+            .await;
+    let id2 = common::park_consumer_message(
+        &inbox,
+        "billing",
+        "orders",
+        1,
+        &v2,
+        ParkAs::Waiting,
+        "waits",
+    )
+    .await;
+    let id1s = id1.to_string();
+
+    // The command records the request, audited; nothing is applied yet.
+    let (code, r, stderr) = env.json(&[
+        "parked",
+        "retry",
+        &id1s,
+        "--consumer",
+        "billing",
+        "--actor",
+        "alice",
+        "--reason",
+        "customer created",
+    ]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(r["action"], "request_retry", "{r}");
+    assert_eq!(r["id"], id1.0, "{r}");
+    let (_, sh, _) = env.json(&["parked", "show", &id1s, "--consumer", "billing"]);
+    assert_eq!(sh["parked"]["status"], "parked", "{sh}");
+    assert_eq!(
+        sh["parked"]["retry_request"]["requested_by"], "alice",
+        "{sh}"
+    );
+    assert_eq!(
+        sh["parked"]["retry_request"]["reason"], "customer created",
+        "{sh}"
+    );
+    assert_eq!(sh["audit"][0]["action"], "request_retry", "{sh}");
+    let human = env.run(&["parked", "show", &id1s, "--consumer", "billing"]);
+    assert!(
+        String::from_utf8_lossy(&human.stdout).contains("retry requested"),
+        "{}",
+        text(&human)
+    );
+    let human = env.run(&[
+        "parked",
+        "retry",
+        &id1s,
+        "--consumer",
+        "billing",
+        "--actor",
+        "alice",
+    ]);
+    assert!(
+        String::from_utf8_lossy(&human.stdout).contains("at its next check"),
+        "a second request replaces the first: {}",
+        text(&human)
+    );
+    let applied = || async {
+        sqlx::query_as::<_, (String, i64)>(&format!(
+            "SELECT aggregate_id, version FROM \"{s}\".applied ORDER BY n"
+        ))
+        .fetch_all(&env.pool)
+        .await
+        .unwrap()
+    };
+    assert_eq!(
+        applied().await,
+        vec![],
+        "a request applies nothing by itself"
+    );
+    let (code, st, stderr) = env.json(&["status", "--no-consumers"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(st["consumers"][0]["retry_requested"], 1, "{st}");
+    let human = env.run(&["status", "--no-consumers"]);
+    assert!(
+        String::from_utf8_lossy(&human.stdout).contains("1 retry requested"),
+        "{}",
+        text(&human)
+    );
+
+    // The consumer service's engine performs it at start, with its handler, in order.
+    let log = outbox_testkit::MemoryLog::new("orders", 1);
+    let processor =
+        outbox_inbox::InboxProcessor::new("billing", inbox.clone(), Recorder { schema: s.clone() });
+    let mut engine = outbox_inbox::ConsumerEngine::new(
+        log.consumer("billing", &["orders"]),
+        processor,
+        outbox_inbox::EngineConfig::default(),
+        7,
+    )
+    .unwrap();
+    let report = engine
+        .run_until_quiet(Duration::from_millis(200))
+        .await
+        .unwrap();
+    assert_eq!(report.requested_retries, 1, "{report:?}");
+    assert_eq!(
+        applied().await,
+        vec![("o-9".to_owned(), 1), ("o-9".to_owned(), 2)]
+    );
+    let (_, sh, _) = env.json(&["parked", "show", &id1s, "--consumer", "billing"]);
+    assert_eq!(sh["parked"]["status"], "applied", "{sh}");
+    assert!(sh["parked"]["retry_request"].is_null(), "cleared: {sh}");
+    let actions: Vec<&str> = sh["audit"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["action"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        actions,
+        vec!["request_retry", "request_retry", "retry"],
+        "{sh}"
+    );
+    assert_eq!(sh["audit"][2]["actor"], "alice", "{sh}");
+    let (_, st, _) = env.json(&["status", "--no-consumers"]);
+    assert_eq!(st["consumers"][0]["retry_requested"], 0, "{st}");
+    let (_, sh2, _) = env.json(&["parked", "show", &id2.to_string(), "--consumer", "billing"]);
+    assert_eq!(sh2["parked"]["status"], "applied", "{sh2}");
+    // A resolved message takes no request.
+    let out = env.run(&["parked", "retry", &id1s, "--consumer", "billing"]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("is applied already"), "{}", text(&out));
     env.drop_schema().await;
 }

@@ -69,11 +69,12 @@ async fn relay_drains_serves_health_and_metrics_and_stops_on_sigterm() {
         |v| v > 0.0,
         Duration::from_secs(10),
     );
+    // Marking rows published leaves dead tuples until a vacuum.
     relay.wait_metric(
         "outbox_store_dead_tuples",
         "",
-        |v| v >= 0.0,
-        Duration::from_secs(10),
+        |v| v > 0.0,
+        Duration::from_secs(15),
     );
     relay.wait_metric("outbox_relay_up", "", |v| v == 1.0, Duration::from_secs(10));
     sqlx::raw_sql(&format!("VACUUM \"{}\".outbox_events", env.schema))
@@ -86,6 +87,7 @@ async fn relay_drains_serves_health_and_metrics_and_stops_on_sigterm() {
         |v| v >= 0.0,
         Duration::from_secs(10),
     );
+
     // The application's conflict counter reaches the daemon.
     let store = env.store();
     store.record_conflict(&env.pool, "order").await.unwrap();
@@ -369,6 +371,41 @@ async fn sigterm_during_a_batch_finishes_or_releases_it_and_nothing_is_lost() {
     assert_eq!(env.count("parked").await, 0);
     let (code, _, _) = again.terminate(Duration::from_secs(30));
     assert_eq!(code, 0);
+    env.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_of_a_relay_that_died_mid_batch_count_as_republished() {
+    use outbox_core::{ClaimMode, ClaimRequest, OutboxStore};
+    let env = env_or_skip!("relay_resend", 1);
+    env.migrate();
+    let events = env.append(3, 1).await;
+    // A relay claims the batch and dies before marking it (sent or not, nobody knows): its
+    // claim is never completed nor released, and its one-second lease runs out.
+    let dying = outbox_postgres::PostgresOutboxStore::builder(env.pool.clone())
+        .schema(env.schema.clone())
+        .claim_mode(ClaimMode::lease(Duration::from_secs(1)).unwrap())
+        .build()
+        .unwrap();
+    let batch = dying
+        .claim(&ClaimRequest::new("dies-mid-batch", 10))
+        .await
+        .unwrap();
+    assert_eq!(batch.records.len(), events.len());
+    drop(batch);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut relay = env.spawn_relay(&["--no-cleanup"]);
+    relay.wait_ready(Duration::from_secs(30));
+    let t = Duration::from_secs(30);
+    let n = events.len() as f64;
+    relay.wait_metric("outbox_published_total", "", |v| v >= n, t);
+    relay.wait_metric("outbox_republished_total", "", |v| v == n, t);
+    // First sends of new events do not move it.
+    env.append_versions(3, 2..=2).await;
+    relay.wait_metric("outbox_published_total", "", |v| v >= 2.0 * n, t);
+    assert_eq!(relay.metric("outbox_republished_total", ""), Some(n));
+    let (code, _, stderr) = relay.terminate(Duration::from_secs(30));
+    assert_eq!(code, 0, "{stderr}");
     env.drop_schema().await;
 }
 

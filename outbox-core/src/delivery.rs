@@ -212,12 +212,33 @@ pub struct ClaimedRecord {
     pub envelope: Envelope,
     /// Failed attempts before this one.
     pub attempts: u32,
+    /// An earlier claim of this event ended without an outcome or a release (a relay that
+    /// crashed, a completion that was lost, a lease that expired under a slow relay): it may
+    /// have sent the event, so this publication may be a re-send. Stores that cannot tell
+    /// leave it `false`.
+    pub maybe_sent_before: bool,
 }
 
 impl ClaimedRecord {
     /// A claimed record.
     pub fn new(envelope: Envelope, attempts: u32) -> Self {
-        Self { envelope, attempts }
+        Self {
+            envelope,
+            attempts,
+            maybe_sent_before: false,
+        }
+    }
+
+    /// Sets [`maybe_sent_before`](Self::maybe_sent_before).
+    pub fn with_maybe_sent_before(mut self, yes: bool) -> Self {
+        self.maybe_sent_before = yes;
+        self
+    }
+
+    /// Whether publishing it now may send it more than once: a failed attempt before, or an
+    /// earlier claim that may have sent it.
+    pub fn is_resend(&self) -> bool {
+        self.attempts > 0 || self.maybe_sent_before
     }
 }
 

@@ -582,6 +582,37 @@ pub struct ParkedMessage {
     pub parked_at: DateTime<Utc>,
     /// When it was resolved (applied, skipped or discarded).
     pub resolved_at: Option<DateTime<Utc>>,
+    /// A pending retry request (recorded by an operator, performed by the consumer service
+    /// that has the handler at its next check).
+    pub retry_request: Option<RetryRequest>,
+}
+
+/// An operator's request that a parked message be retried by the consumer service (which has
+/// the handler); see [`InboxParking::request_retry`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RetryRequest {
+    /// Who asked.
+    pub actor: String,
+    /// Why.
+    pub reason: String,
+    /// When (as stored; a store may round it).
+    pub requested_at: DateTime<Utc>,
+}
+
+impl RetryRequest {
+    /// A request.
+    pub fn new(
+        actor: impl Into<String>,
+        reason: impl Into<String>,
+        requested_at: DateTime<Utc>,
+    ) -> Self {
+        Self {
+            actor: actor.into(),
+            reason: reason.into(),
+            requested_at,
+        }
+    }
 }
 
 impl ParkedMessage {
@@ -608,7 +639,14 @@ impl ParkedMessage {
             attempts,
             parked_at,
             resolved_at,
+            retry_request: None,
         }
+    }
+
+    /// With a pending retry request (for store implementations).
+    pub fn with_retry_request(mut self, request: Option<RetryRequest>) -> Self {
+        self.retry_request = request;
+        self
     }
 }
 
@@ -681,6 +719,9 @@ pub enum InboxAction {
     Retry,
     /// Resolve without effect, with a reason, then release the waiting messages.
     Discard,
+    /// Ask the consumer service to retry the message at its next check (the retry itself is
+    /// audited as [`InboxAction::Retry`]).
+    RequestRetry,
 }
 
 impl InboxAction {
@@ -689,6 +730,7 @@ impl InboxAction {
         match self {
             Self::Retry => "retry",
             Self::Discard => "discard",
+            Self::RequestRetry => "request_retry",
         }
     }
 
@@ -697,6 +739,7 @@ impl InboxAction {
         Some(match s {
             "retry" => Self::Retry,
             "discard" => Self::Discard,
+            "request_retry" => Self::RequestRetry,
             _ => return None,
         })
     }
@@ -793,8 +836,11 @@ impl ParkedStats {
 ///   transient `Conflict` when the aggregate is not blocked as `tx` commits (an operator
 ///   released it meanwhile). A message parked already (same consumer and dedup id; for an
 ///   undecodable one, same position) is reported as [`Parking::AlreadyParked`].
-/// * [`cleanup`](Self::cleanup) removes at most one batch of registrations older than the
-///   retention, in its own short transaction, and returns how many.
+/// * [`cleanup`](Self::cleanup) removes at most one batch of `consumer`'s registrations older
+///   than the retention, in its own short transaction, and returns how many. It MUST NOT
+///   remove another consumer's registrations: consumers sharing a table may keep different
+///   dedup windows, and a registration removed before its consumer's window ends lets a
+///   redelivered event be applied twice.
 #[async_trait]
 pub trait InboxStore: Send + Sync {
     /// The transaction in which registration and effect happen.
@@ -842,9 +888,14 @@ pub trait InboxStore: Send + Sync {
     /// Rolls `tx` back; nothing done in it remains.
     async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError>;
 
-    /// Removes at most `batch_size` registrations older than `retention` (the dedup window).
-    /// Returns the number removed.
-    async fn cleanup(&self, retention: Duration, batch_size: usize) -> Result<u64, StoreError>;
+    /// Removes at most `batch_size` of `consumer`'s registrations older than `retention` (its
+    /// dedup window); other consumers' registrations stay. Returns the number removed.
+    async fn cleanup(
+        &self,
+        consumer: &str,
+        retention: Duration,
+        batch_size: usize,
+    ) -> Result<u64, StoreError>;
 }
 
 /// Conveniences over any [`InboxStore`].
@@ -877,17 +928,18 @@ pub trait InboxStoreExt: InboxStore {
         self.register_one(tx, consumer, event.dedup_id()).await
     }
 
-    /// Runs [`InboxStore::cleanup`] batch after batch until a batch comes back short or
-    /// `max_batches` ran. Returns the number removed.
+    /// Runs [`InboxStore::cleanup`] for `consumer` batch after batch until a batch comes back
+    /// short or `max_batches` ran. Returns the number removed.
     async fn cleanup_batches(
         &self,
+        consumer: &str,
         retention: Duration,
         batch_size: usize,
         max_batches: usize,
     ) -> Result<u64, StoreError> {
         let mut removed = 0;
         for _ in 0..max_batches {
-            let n = self.cleanup(retention, batch_size).await?;
+            let n = self.cleanup(consumer, retention, batch_size).await?;
             removed += n;
             if n < batch_size as u64 {
                 break;
@@ -915,6 +967,12 @@ impl<T: InboxStore + ?Sized> InboxStoreExt for T {}
 ///   remain, and otherwise clear the aggregate's blocked mark in `tx`.
 /// * [`audit`](Self::audit) appends the entry in `tx`; [`audit_trail`](Self::audit_trail) lists
 ///   entries oldest first.
+/// * [`request_retry`](Self::request_retry) records a retry request on an open message in `tx`
+///   (replacing a pending one) and MUST fail with a `NotFound` error when the message is
+///   unknown or resolved; [`requested_retries`](Self::requested_retries) lists the open
+///   messages with a pending request, oldest request first, each with its
+///   [`ParkedMessage::retry_request`]; [`clear_retry_request`](Self::clear_retry_request)
+///   removes a request made at or before the given time in `tx` (a newer request stays).
 #[async_trait]
 pub trait InboxParking: InboxStore {
     /// Parked messages of `consumer`, oldest first.
@@ -976,6 +1034,27 @@ pub trait InboxParking: InboxStore {
 
     /// Counts for metrics.
     async fn parked_stats(&self, consumer: &str) -> Result<ParkedStats, StoreError>;
+
+    /// Records in `tx` that open message `id` is to be retried by the consumer service.
+    async fn request_retry(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        id: ParkedId,
+        request: &RetryRequest,
+    ) -> Result<(), StoreError>;
+
+    /// Open messages with a pending retry request, oldest request first.
+    async fn requested_retries(&self, consumer: &str) -> Result<Vec<ParkedMessage>, StoreError>;
+
+    /// Clears `id`'s retry request in `tx` if it was made at or before `requested_at`.
+    async fn clear_retry_request(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        id: ParkedId,
+        requested_at: DateTime<Utc>,
+    ) -> Result<(), StoreError>;
 }
 
 #[cfg(test)]
@@ -1064,7 +1143,11 @@ mod tests {
         }
         assert!(ParkedStatus::Parked.is_open() && !ParkedStatus::Applied.is_open());
         assert_eq!(ParkedStatus::parse("x"), None);
-        for a in [InboxAction::Retry, InboxAction::Discard] {
+        for a in [
+            InboxAction::Retry,
+            InboxAction::Discard,
+            InboxAction::RequestRetry,
+        ] {
             assert_eq!(InboxAction::parse(a.as_str()), Some(a));
         }
         assert_eq!(InboxAction::parse("x"), None);

@@ -75,7 +75,8 @@ pub use inbox::{
     AggregateKey, AggregateState, CommitOffset, InboxAction, InboxAuditEntry, InboxParking,
     InboxStore, InboxStoreExt, LogPosition, MessageSource, NewParkedMessage, ParkAs, ParkedChange,
     ParkedFilter, ParkedId, ParkedMessage, ParkedRecord, ParkedStats, ParkedStatus, Parking,
-    PartitionLag, ReceivedMessage, RecordHeader, Registration, TopicPartition, VersionAdvance,
+    PartitionLag, ReceivedMessage, RecordHeader, Registration, RetryRequest, TopicPartition,
+    VersionAdvance,
 };
 pub use publisher::{PublishResult, Publisher};
 pub use relay::{

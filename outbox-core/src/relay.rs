@@ -488,7 +488,7 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
             match outcome {
                 Outcome::Published { ack, .. } => {
                     report.published += 1;
-                    telemetry::record_published(e, rec.attempts, now);
+                    telemetry::record_published(e, rec.is_resend(), now);
                     debug!(event_id = %e.event_id, aggregate_id = %e.aggregate_id, event_type = %e.event_type, attempt, stage = "published", topic = %ack.topic, partition = ack.partition, offset = ack.offset, "event published");
                 }
                 Outcome::Retry { delay, error, .. } => {

@@ -4,7 +4,7 @@
 //! | name | type | labels | meaning |
 //! |---|---|---|---|
 //! | `outbox_published_total` | counter | | events acknowledged and marked published |
-//! | `outbox_republished_total` | counter | | published events that needed more than one attempt |
+//! | `outbox_republished_total` | counter | | published events that may have been sent more than once: after a failed attempt of their own, or after an earlier claim that ended without outcome or release (a crash, a lost completion, an expired lease; [`crate::ClaimedRecord::maybe_sent_before`]) |
 //! | `outbox_publish_failures_total` | counter | `class`, `kind` | failed publication attempts |
 //! | `outbox_parked_total` | counter | `kind` | events parked (by a failed publication, or by a claim for their version: `out_of_order`, `version_gap`) |
 //! | `outbox_version_gaps_held` | gauge | | aggregates whose head skips a version and is held (from [`record_stats`]) |
@@ -31,9 +31,9 @@ use chrono::{DateTime, Utc};
 use crate::delivery::{LastError, OutboxStats, ParkKind, ParkReason};
 use crate::envelope::Envelope;
 
-pub(crate) fn record_published(e: &Envelope, previous_attempts: u32, now: DateTime<Utc>) {
+pub(crate) fn record_published(e: &Envelope, resend: bool, now: DateTime<Utc>) {
     metrics::counter!("outbox_published_total").increment(1);
-    if previous_attempts > 0 {
+    if resend {
         metrics::counter!("outbox_republished_total").increment(1);
     }
     if let Ok(latency) = (now - e.created_at).to_std() {

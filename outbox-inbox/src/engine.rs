@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use futures::stream::{FuturesUnordered, StreamExt};
+use futures::FutureExt;
 use outbox_core::retention::{RetentionCheck, TopicRetention};
 use outbox_core::watermark::{BeginKind, SharedOffsetTracker, Ticket};
 use outbox_core::{
@@ -76,6 +77,7 @@ impl CleanupSchedule {
 /// | `cleanup` | none | scheduled inbox cleanup ([`CleanupSchedule`]) |
 /// | `metrics_interval` | 15 s | how often lag and parked counts are read for the gauges |
 /// | `shutdown_grace` | 10 s | how long [`ConsumerEngine::run`] waits for running transactions after the shutdown signal |
+/// | `retry_requests_interval` | 5 s | how often the engine looks for retries requested by an operator ([`ParkedMessages::request_retry`], `outbox parked retry --consumer`) and performs them with its handler (also right at start) |
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct EngineConfig {
@@ -99,6 +101,8 @@ pub struct EngineConfig {
     pub metrics_interval: Duration,
     /// Wait for running transactions at shutdown.
     pub shutdown_grace: Duration,
+    /// How often requested retries are looked for and performed.
+    pub retry_requests_interval: Duration,
 }
 
 impl Default for EngineConfig {
@@ -114,6 +118,7 @@ impl Default for EngineConfig {
             cleanup: None,
             metrics_interval: Duration::from_secs(15),
             shutdown_grace: Duration::from_secs(10),
+            retry_requests_interval: Duration::from_secs(5),
         }
     }
 }
@@ -165,6 +170,11 @@ impl EngineConfig {
         self.shutdown_grace = d;
         self
     }
+    /// Sets how often requested retries are looked for (and performed).
+    pub fn with_retry_requests_interval(mut self, d: Duration) -> Self {
+        self.retry_requests_interval = d;
+        self
+    }
     /// Validates.
     pub fn validate(&self) -> Result<(), ConfigError> {
         if self.commit_every == 0 {
@@ -188,6 +198,11 @@ impl EngineConfig {
         if self.metrics_interval.is_zero() {
             return Err(ConfigError::new(
                 "metrics_interval must be greater than zero",
+            ));
+        }
+        if self.retry_requests_interval.is_zero() {
+            return Err(ConfigError::new(
+                "retry_requests_interval must be greater than zero",
             ));
         }
         if let Some(c) = &self.cleanup {
@@ -259,6 +274,8 @@ pub struct EngineReport {
     pub rewinds: u64,
     /// Registrations removed by the scheduled cleanup.
     pub cleaned: u64,
+    /// Retries requested by an operator and performed (applied, or failed again and audited).
+    pub requested_retries: u64,
 }
 
 impl EngineReport {
@@ -480,8 +497,13 @@ pub struct ConsumerEngine<S, I, H> {
     next_cleanup: Option<Instant>,
     cleanup_running: bool,
     next_metrics: Instant,
+    next_retry_check: Instant,
+    retry_task: Option<RetryTask>,
     poll_failures: u32,
 }
+
+/// The background run of requested retries: how many were performed.
+type RetryTask = tokio::task::JoinHandle<Result<u64, StoreError>>;
 
 impl<S, I, H> std::fmt::Debug for ConsumerEngine<S, I, H> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -541,6 +563,8 @@ where
             next_cleanup,
             cleanup_running: false,
             next_metrics: Instant::now(),
+            next_retry_check: Instant::now(),
+            retry_task: None,
             poll_failures: 0,
             config,
         })
@@ -988,7 +1012,43 @@ where
             self.next_metrics = Instant::now() + self.config.metrics_interval;
             self.refresh_gauges().await;
         }
+        self.retry_requests().await;
         Ok(())
+    }
+
+    /// Collects a finished run of requested retries, and starts the next one when it is due.
+    /// A run is a task of its own, beside the engine (as an operator's retry would be): it
+    /// takes the aggregates' row locks, which the engine's own transactions may hold.
+    async fn retry_requests(&mut self) {
+        let consumer = self.shared.processor.consumer();
+        if self.retry_task.as_ref().is_some_and(|t| t.is_finished()) {
+            let finished = self.retry_task.take().and_then(|t| t.now_or_never());
+            match finished {
+                Some(Ok(Ok(n))) => self.report.requested_retries += n,
+                Some(Ok(Err(e))) => {
+                    warn!(consumer = %consumer, error = %e, "requested retries not read; trying again at the next check")
+                }
+                Some(Err(e)) => {
+                    error!(consumer = %consumer, error = %e, "requested retries run failed")
+                }
+                None => {}
+            }
+        }
+        if self.retry_task.is_some() {
+            // Let the run make progress on a single-threaded runtime, even when the source
+            // and the store never wait.
+            tokio::task::yield_now().await;
+            return;
+        }
+        if Instant::now() < self.next_retry_check {
+            return;
+        }
+        self.next_retry_check = Instant::now() + self.config.retry_requests_interval;
+        let ops = self.parked();
+        self.retry_task = Some(tokio::spawn(async move {
+            let done = ops.perform_requested_retries().await?;
+            Ok(done.iter().filter(|(_, r)| r.is_ok()).count() as u64)
+        }));
     }
 
     async fn cleanup_batch(&mut self, schedule: &CleanupSchedule) {
@@ -997,7 +1057,7 @@ where
             .shared
             .processor
             .store()
-            .cleanup(schedule.retention, schedule.batch_size)
+            .cleanup(&consumer, schedule.retention, schedule.batch_size)
             .await
         {
             Ok(n) => {
@@ -1085,6 +1145,17 @@ where
                 }
             }
         }
+        if let Some(task) = self.retry_task.take() {
+            match tokio::time::timeout_at(deadline, task).await {
+                Ok(Ok(Ok(n))) => self.report.requested_retries += n,
+                Ok(Ok(Err(e))) => warn!(error = %e, "requested retries not read at shutdown"),
+                Ok(Err(e)) => error!(error = %e, "requested retries run failed"),
+                Err(_) => warn!(
+                    "requested retries still running at shutdown; abandoning them (each step \
+                     commits on its own; a request not cleared is performed at the next start)"
+                ),
+            }
+        }
         for _ in 0..3 {
             self.commit_final().await?;
             if self.pending_commits.is_empty() {
@@ -1125,6 +1196,7 @@ where
                 && self.running.is_empty()
                 && self.ready.is_empty()
                 && self.queues.values().all(|q| q.retry_at.is_none())
+                && self.retry_task.is_none()
             {
                 break;
             }

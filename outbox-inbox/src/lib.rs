@@ -80,7 +80,7 @@
 //! | re-issued copies | registered by `dedup_id`: copy and original are one event |
 //! | order per aggregate | an aggregate in at most one batch at a time; versions tracked per aggregate ([`VersionPolicy`]) |
 //! | poison messages | parked durably with the raw record, reason and attempts; the aggregate's later messages wait; other aggregates flow |
-//! | operator actions | [`ParkedMessages`]: list, show, retry, discard (with reason), audited |
+//! | operator actions | [`ParkedMessages`]: list, show, retry, discard (with reason), audited; a retry *request* from a process without the handler (`request_retry`), performed by the engine every `retry_requests_interval` (5 s) |
 //! | parallelism | `concurrency` transactions at once, `max_batch` messages each, bounded by `max_in_flight`; a retrying or parked aggregate holds up nothing else |
 //! | offsets | contiguous watermark per partition; rewinds detected; tracker shared with the source |
 //! | rebalances | revoke commits what is final; commits refused by a rebalance are dropped |

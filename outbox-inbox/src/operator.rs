@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use outbox_core::{
     AggregateKey, InboxAction, InboxAuditEntry, InboxParking, ParkedChange, ParkedFilter, ParkedId,
-    ParkedMessage, ParkedStatus, ReceivedMessage, StoreError,
+    ParkedMessage, ParkedStatus, ReceivedMessage, RetryRequest, StoreError, StoreErrorKind,
 };
 use tracing::{info, warn};
 
@@ -235,6 +235,132 @@ where
         }
         info!(consumer = %self.consumer(), parked_id = %id, actor, outcome = %report.summary(), "operator retry");
         Ok(report)
+    }
+
+    /// Records, audited, that parked message `id` is to be retried by the consumer service: a
+    /// process that does not have the consumer's handler (the `outbox` command) asks, and the
+    /// [`ConsumerEngine`](crate::ConsumerEngine) of the consumer performs the retry at its next
+    /// check ([`EngineConfig::retry_requests_interval`](crate::EngineConfig)) through
+    /// [`retry`](Self::retry), then clears the request. A second request replaces a pending one.
+    /// Refused for an unknown or resolved message.
+    pub async fn request_retry(
+        &self,
+        id: ParkedId,
+        actor: &str,
+        reason: &str,
+    ) -> Result<RetryRequest, OperatorError> {
+        Self::check_actor(actor)?;
+        self.target(id).await?;
+        let store = self.store();
+        let consumer = self.consumer().to_owned();
+        let request = RetryRequest::new(actor, reason, chrono::Utc::now());
+        let mut tx = store.begin().await?;
+        let step = async {
+            let current = store.parked_in(&mut tx, &consumer, id).await?;
+            match current {
+                None => return Err(OperatorError::NotFound(id)),
+                Some(m) if !m.status.is_open() => {
+                    return Err(OperatorError::NotOpen {
+                        id,
+                        status: m.status,
+                    })
+                }
+                Some(_) => {}
+            }
+            store
+                .request_retry(&mut tx, &consumer, id, &request)
+                .await?;
+            store
+                .audit(
+                    &mut tx,
+                    &InboxAuditEntry::new(
+                        &consumer,
+                        id,
+                        InboxAction::RequestRetry,
+                        actor,
+                        reason,
+                        "retry requested; the consumer service performs it at its next check",
+                        request.requested_at,
+                    ),
+                )
+                .await?;
+            Ok::<(), OperatorError>(())
+        }
+        .await;
+        match step {
+            Ok(()) => store.commit(tx).await?,
+            Err(e) => {
+                let _ = store.rollback(tx).await;
+                return Err(e);
+            }
+        }
+        info!(consumer = %consumer, parked_id = %id, actor, reason, "operator retry requested");
+        Ok(request)
+    }
+
+    /// Open messages with a pending retry request, oldest request first.
+    pub async fn requested_retries(&self) -> Result<Vec<ParkedMessage>, StoreError> {
+        self.store().requested_retries(self.consumer()).await
+    }
+
+    /// Performs the pending retry requests, oldest first, each through [`retry`](Self::retry)
+    /// with the requester as the actor (the retry and its outcome are audited), and clears each
+    /// request that was acted on: after a retry, also one that failed again (the message stays
+    /// parked with its attempts counted), and for a message resolved meanwhile. A request whose
+    /// retry failed in the store stays, for the next check. Returns what each retry did.
+    pub async fn perform_requested_retries(
+        &self,
+    ) -> Result<Vec<(ParkedId, Result<ReleaseReport, OperatorError>)>, StoreError> {
+        let requested = self.requested_retries().await?;
+        let mut done = Vec::with_capacity(requested.len());
+        for m in requested {
+            let Some(request) = m.retry_request.clone() else {
+                continue;
+            };
+            let reason = if request.reason.trim().is_empty() {
+                "requested retry".to_owned()
+            } else {
+                format!("requested retry: {}", request.reason)
+            };
+            let r = self.retry(m.id, &request.actor, &reason).await;
+            let acted = match &r {
+                Ok(_) | Err(OperatorError::NotFound(_) | OperatorError::NotOpen { .. }) => true,
+                Err(OperatorError::Store(e)) => e.kind == StoreErrorKind::NotFound,
+                Err(_) => true,
+            };
+            match &r {
+                Ok(report) => {
+                    info!(consumer = %self.consumer(), parked_id = %m.id, actor = %request.actor, outcome = %report.summary(), "requested retry performed")
+                }
+                Err(e) => {
+                    warn!(consumer = %self.consumer(), parked_id = %m.id, error = %e, "requested retry failed")
+                }
+            }
+            if acted {
+                self.clear_request(m.id, request.requested_at).await?;
+            }
+            done.push((m.id, r));
+        }
+        Ok(done)
+    }
+
+    async fn clear_request(
+        &self,
+        id: ParkedId,
+        requested_at: chrono::DateTime<chrono::Utc>,
+    ) -> Result<(), StoreError> {
+        let store = self.store();
+        let mut tx = store.begin().await?;
+        match store
+            .clear_retry_request(&mut tx, self.consumer(), id, requested_at)
+            .await
+        {
+            Ok(()) => store.commit(tx).await,
+            Err(e) => {
+                let _ = store.rollback(tx).await;
+                Err(e)
+            }
+        }
     }
 
     /// Resolves parked message `id` without effect, with a reason, then releases its

@@ -783,8 +783,13 @@ impl outbox_core::InboxStore for LoggingInbox {
     async fn rollback(&self, tx: Self::Tx) -> Result<(), outbox_core::StoreError> {
         self.inner.rollback(tx).await
     }
-    async fn cleanup(&self, r: Duration, b: usize) -> Result<u64, outbox_core::StoreError> {
-        self.inner.cleanup(r, b).await
+    async fn cleanup(
+        &self,
+        c: &str,
+        r: Duration,
+        b: usize,
+    ) -> Result<u64, outbox_core::StoreError> {
+        self.inner.cleanup(c, r, b).await
     }
 }
 
@@ -856,6 +861,30 @@ impl InboxParking for LoggingInbox {
         c: &str,
     ) -> Result<outbox_core::ParkedStats, outbox_core::StoreError> {
         self.inner.parked_stats(c).await
+    }
+    async fn request_retry(
+        &self,
+        tx: &mut Self::Tx,
+        c: &str,
+        id: outbox_core::ParkedId,
+        request: &outbox_core::RetryRequest,
+    ) -> Result<(), outbox_core::StoreError> {
+        self.inner.request_retry(tx, c, id, request).await
+    }
+    async fn requested_retries(
+        &self,
+        c: &str,
+    ) -> Result<Vec<outbox_core::ParkedMessage>, outbox_core::StoreError> {
+        self.inner.requested_retries(c).await
+    }
+    async fn clear_retry_request(
+        &self,
+        tx: &mut Self::Tx,
+        c: &str,
+        id: outbox_core::ParkedId,
+        at: chrono::DateTime<chrono::Utc>,
+    ) -> Result<(), outbox_core::StoreError> {
+        self.inner.clear_retry_request(tx, c, id, at).await
     }
 }
 

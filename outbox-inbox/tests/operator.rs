@@ -31,8 +31,9 @@ async fn run(events: &[Envelope], policy: VersionPolicy, broken: &[&str]) -> Set
     }
     let processor = InboxProcessor::new("proj", MemoryInboxStore::new(&db), script.clone())
         .with_version_policy(policy);
+    let config = fast().with_retry_requests_interval(Duration::from_millis(20));
     let mut engine =
-        ConsumerEngine::new(log.consumer("proj", &["t"]), processor, fast(), 3).unwrap();
+        ConsumerEngine::new(log.consumer("proj", &["t"]), processor, config, 3).unwrap();
     engine
         .run_until_quiet(Duration::from_millis(30))
         .await
@@ -346,4 +347,120 @@ impl Handler<outbox_testkit::MemoryTx> for FailOnVersion {
         }
         self.1.handle(tx, e).await
     }
+}
+
+#[tokio::test]
+async fn a_requested_retry_is_performed_by_the_engine_and_cleared_also_when_it_fails_again() {
+    let mut s = run(
+        &[ev("x", 1), ev("x", 2), ev("x", 3), ev("y", 1)],
+        VersionPolicy::Reject,
+        &["x"],
+    )
+    .await;
+    let ops = s.engine.parked();
+    let id = head(&s).await;
+    // Still broken: the engine performs the request, the head stays parked, audited.
+    let req = ops.request_retry(id, "alice", "try").await.unwrap();
+    assert_eq!(req.actor, "alice");
+    assert_eq!(
+        ops.show(id).await.unwrap().unwrap().retry_request,
+        Some(req.clone())
+    );
+    let listed = ops.requested_retries().await.unwrap();
+    assert_eq!(listed.iter().map(|m| m.id).collect::<Vec<_>>(), vec![id]);
+    assert_eq!(
+        applied(&s.db, "x"),
+        Vec::<i64>::new(),
+        "a request applies nothing"
+    );
+    let rep = s
+        .engine
+        .run_until_quiet(Duration::from_millis(50))
+        .await
+        .unwrap();
+    assert_eq!(rep.requested_retries, 1);
+    let m = ops.show(id).await.unwrap().unwrap();
+    assert_eq!((m.status, m.attempts), (ParkedStatus::Parked, 2));
+    assert_eq!(m.retry_request, None, "cleared after the failed retry");
+    let trail = ops.audit_trail(Some(id)).await.unwrap();
+    assert_eq!(
+        trail.iter().map(|a| a.action).collect::<Vec<_>>(),
+        vec![InboxAction::RequestRetry, InboxAction::Retry]
+    );
+    assert!(trail[1].outcome.contains("failed again"), "{:?}", trail[1]);
+    assert_eq!(
+        (trail[1].actor.as_str(), trail[1].reason.as_str()),
+        ("alice", "requested retry: try")
+    );
+    // Fixed: the next request applies x v1, v2, v3 in order and releases the aggregate.
+    s.script.broken.lock().unwrap().clear();
+    ops.request_retry(id, "bob", "fixed").await.unwrap();
+    let rep = s
+        .engine
+        .run_until_quiet(Duration::from_millis(50))
+        .await
+        .unwrap();
+    assert_eq!(rep.requested_retries, 2);
+    assert_eq!(applied(&s.db, "x"), vec![1, 2, 3]);
+    assert!(open(&s).await.is_empty());
+    assert!(ops.requested_retries().await.unwrap().is_empty());
+    let m = ops.show(id).await.unwrap().unwrap();
+    assert_eq!((m.status, m.retry_request), (ParkedStatus::Applied, None));
+    let last = ops.audit_trail(Some(id)).await.unwrap().pop().unwrap();
+    assert_eq!(
+        (last.action, last.actor.as_str()),
+        (InboxAction::Retry, "bob")
+    );
+    effects_once(&s.db);
+    // Refused: resolved, unknown, no actor; nothing recorded.
+    assert!(matches!(
+        ops.request_retry(id, "alice", "again").await,
+        Err(OperatorError::NotOpen { .. })
+    ));
+    assert!(matches!(
+        ops.request_retry(ParkedId(999_999), "alice", "x").await,
+        Err(OperatorError::NotFound(_))
+    ));
+    assert!(matches!(
+        ops.request_retry(id, "", "x").await,
+        Err(OperatorError::Invalid(_))
+    ));
+    assert_eq!(ops.audit_trail(Some(id)).await.unwrap().len(), 4);
+}
+
+#[tokio::test]
+async fn a_request_for_a_message_resolved_meanwhile_is_cleared_without_effect() {
+    let mut s = run(&[ev("x", 1), ev("x", 2)], VersionPolicy::Reject, &["x"]).await;
+    let ops = s.engine.parked();
+    let id = head(&s).await;
+    ops.request_retry(id, "alice", "try").await.unwrap();
+    // Another operator discards it before the engine's next check.
+    ops.discard(id, "bob", "voided").await.unwrap();
+    s.engine
+        .run_until_quiet(Duration::from_millis(50))
+        .await
+        .unwrap();
+    let m = ops.show(id).await.unwrap().unwrap();
+    assert_eq!((m.status, m.retry_request), (ParkedStatus::Discarded, None));
+    assert!(ops.requested_retries().await.unwrap().is_empty());
+    assert_eq!(applied(&s.db, "x"), Vec::<i64>::new());
+}
+
+#[tokio::test]
+async fn the_retry_requests_interval_must_be_above_zero() {
+    let log = MemoryLog::new("t", 1);
+    let db = MemoryDb::default();
+    let processor = InboxProcessor::new("proj", MemoryInboxStore::new(&db), Script::new());
+    let err = ConsumerEngine::new(
+        log.consumer("proj", &["t"]),
+        processor,
+        fast().with_retry_requests_interval(Duration::ZERO),
+        1,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("retry_requests_interval"), "{err}");
+    assert_eq!(
+        EngineConfig::default().retry_requests_interval,
+        Duration::from_secs(5)
+    );
 }

@@ -77,3 +77,18 @@ CREATE TABLE IF NOT EXISTS "outbox"."processed_events_audit" (
 );
 CREATE INDEX IF NOT EXISTS "processed_events_audit_parked_idx"
     ON "outbox"."processed_events_audit" (consumer, parked_id);
+-- outbox-postgres inbox migration 3: operator retry requests, per-consumer cleanup.
+
+-- A retry requested by an operator (`outbox parked retry --consumer`): the consumer service,
+-- which has the handler, performs it at its next check and clears the request.
+ALTER TABLE "outbox"."processed_events_parked"
+    ADD COLUMN IF NOT EXISTS retry_requested_at     timestamptz,
+    ADD COLUMN IF NOT EXISTS retry_requested_by     text,
+    ADD COLUMN IF NOT EXISTS retry_requested_reason text;
+CREATE INDEX IF NOT EXISTS "processed_events_parked_retry_idx"
+    ON "outbox"."processed_events_parked" (consumer, retry_requested_at)
+    WHERE retry_requested_at IS NOT NULL;
+
+-- Cleanup removes one consumer's registrations past its own dedup window.
+CREATE INDEX IF NOT EXISTS "processed_events_consumer_at_idx"
+    ON "outbox"."processed_events" (consumer, processed_at);

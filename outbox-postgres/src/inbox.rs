@@ -51,6 +51,7 @@ pub struct PostgresInboxStore {
 pub(crate) struct Sql {
     register: String,
     cleanup: String,
+    cleanup_candidates: String,
     aggregates: String,
     advance: String,
     ensure_aggregate: String,
@@ -100,8 +101,14 @@ impl PostgresInboxStoreBuilder {
             cleanup: format!(
                 "DELETE FROM {t} WHERE ctid IN ( \
                    SELECT ctid FROM {t} \
-                   WHERE processed_at < clock_timestamp() - $1::int8 * interval '1 microsecond' \
-                   LIMIT $2)"
+                   WHERE consumer = $1 \
+                     AND processed_at < clock_timestamp() - $2::int8 * interval '1 microsecond' \
+                   LIMIT $3)"
+            ),
+            cleanup_candidates: format!(
+                "SELECT count(*) FROM {t} \
+                 WHERE consumer = $1 \
+                   AND processed_at < clock_timestamp() - $2::int8 * interval '1 microsecond'"
             ),
             aggregates: format!(
                 "SELECT a.applied_version, coalesce(a.blocked, false) AS blocked \
@@ -190,6 +197,24 @@ impl PostgresInboxStore {
             &self.table,
         )
         .await
+    }
+
+    /// How many of `consumer`'s registrations are older than `retention`: what
+    /// [`InboxStore::cleanup`] for that consumer and retention would remove (a dry run).
+    pub async fn cleanup_candidates(
+        &self,
+        consumer: &str,
+        retention: Duration,
+    ) -> Result<u64, StoreError> {
+        check_consumer(consumer)?;
+        let retention_us = retention.as_micros().min(i64::MAX as u128) as i64;
+        let n: i64 = sqlx::query_scalar(&self.sql.cleanup_candidates)
+            .bind(consumer)
+            .bind(retention_us)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db)?;
+        Ok(n.max(0) as u64)
     }
 
     /// The inbox schema as plain SQL.
@@ -513,7 +538,13 @@ impl InboxStore for PostgresInboxStore {
         tx.rollback().await.map_err(db)
     }
 
-    async fn cleanup(&self, retention: Duration, batch_size: usize) -> Result<u64, StoreError> {
+    async fn cleanup(
+        &self,
+        consumer: &str,
+        retention: Duration,
+        batch_size: usize,
+    ) -> Result<u64, StoreError> {
+        check_consumer(consumer)?;
         if batch_size == 0 {
             return Err(StoreError::new(
                 StoreErrorKind::Configuration,
@@ -523,6 +554,7 @@ impl InboxStore for PostgresInboxStore {
         let batch = batch_size.min(1_000_000) as i64;
         let retention_us = retention.as_micros().min(i64::MAX as u128) as i64;
         let n = sqlx::query(&self.sql.cleanup)
+            .bind(consumer)
             .bind(retention_us)
             .bind(batch)
             .execute(&self.pool)

@@ -7,14 +7,15 @@ use sqlx::{Postgres, Row, Transaction};
 use outbox_core::{
     async_trait, AggregateKey, InboxAction, InboxAuditEntry, InboxParking, LogPosition, ParkKind,
     ParkedChange, ParkedFilter, ParkedId, ParkedMessage, ParkedRecord, ParkedStats, ParkedStatus,
-    RecordHeader, StoreError, StoreErrorKind,
+    RecordHeader, RetryRequest, StoreError, StoreErrorKind,
 };
 
 use crate::error::db;
 use crate::inbox::{pg_text, PostgresInboxStore};
 
 const COLUMNS: &str = "id, consumer, topic, \"partition\", \"offset\", record_key, header_names, \
-                       header_values, value, status, kind, reason, attempts, parked_at, resolved_at";
+                       header_values, value, status, kind, reason, attempts, parked_at, resolved_at, \
+                       retry_requested_at, retry_requested_by, retry_requested_reason";
 const OPEN: &str = "status IN ('parked', 'waiting')";
 
 fn corrupt(what: &str, value: &str) -> StoreError {
@@ -45,6 +46,19 @@ fn to_parked(row: &PgRow) -> Result<ParkedMessage, StoreError> {
     let status: String = row.try_get("status").map_err(db)?;
     let kind: Option<String> = row.try_get("kind").map_err(db)?;
     let attempts: i32 = row.try_get("attempts").map_err(db)?;
+    let requested_at: Option<DateTime<Utc>> = row.try_get("retry_requested_at").map_err(db)?;
+    let retry_request = match requested_at {
+        Some(at) => Some(RetryRequest::new(
+            row.try_get::<Option<String>, _>("retry_requested_by")
+                .map_err(db)?
+                .unwrap_or_default(),
+            row.try_get::<Option<String>, _>("retry_requested_reason")
+                .map_err(db)?
+                .unwrap_or_default(),
+            at,
+        )),
+        None => None,
+    };
     Ok(ParkedMessage::new(
         ParkedId(row.try_get("id").map_err(db)?),
         row.try_get::<String, _>("consumer").map_err(db)?,
@@ -59,7 +73,8 @@ fn to_parked(row: &PgRow) -> Result<ParkedMessage, StoreError> {
         row.try_get::<DateTime<Utc>, _>("parked_at").map_err(db)?,
         row.try_get::<Option<DateTime<Utc>>, _>("resolved_at")
             .map_err(db)?,
-    ))
+    )
+    .with_retry_request(retry_request))
 }
 
 fn to_audit(row: &PgRow) -> Result<InboxAuditEntry, StoreError> {
@@ -206,7 +221,8 @@ impl InboxParking for PostgresInboxStore {
                     ));
                 }
                 sqlx::query(&format!(
-                    "UPDATE {} SET status = $3, resolved_at = now() \
+                    "UPDATE {} SET status = $3, resolved_at = now(), retry_requested_at = NULL, \
+                       retry_requested_by = NULL, retry_requested_reason = NULL \
                      WHERE consumer = $1 AND id = $2 AND {OPEN}",
                     self.sql.parked
                 ))
@@ -346,5 +362,75 @@ impl InboxParking for PostgresInboxStore {
             waiting as u64,
             row.try_get("oldest").map_err(db)?,
         ))
+    }
+
+    async fn request_retry(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        consumer: &str,
+        id: ParkedId,
+        request: &RetryRequest,
+    ) -> Result<(), StoreError> {
+        check_consumer(consumer)?;
+        let changed = sqlx::query(&format!(
+            "UPDATE {} SET retry_requested_at = $3, retry_requested_by = $4, \
+               retry_requested_reason = $5 \
+             WHERE consumer = $1 AND id = $2 AND {OPEN}",
+            self.sql.parked
+        ))
+        .bind(consumer)
+        .bind(id.0)
+        .bind(request.requested_at)
+        .bind(&request.actor)
+        .bind(&request.reason)
+        .execute(&mut **tx)
+        .await
+        .map_err(db)?
+        .rows_affected();
+        if changed == 0 {
+            return Err(StoreError::new(
+                StoreErrorKind::NotFound,
+                format!("no open parked message {id} for consumer {consumer}"),
+            ));
+        }
+        Ok(())
+    }
+
+    async fn requested_retries(&self, consumer: &str) -> Result<Vec<ParkedMessage>, StoreError> {
+        check_consumer(consumer)?;
+        let sql = format!(
+            "SELECT {COLUMNS} FROM {} WHERE consumer = $1 AND retry_requested_at IS NOT NULL \
+             AND {OPEN} ORDER BY retry_requested_at, id",
+            self.sql.parked
+        );
+        let rows = sqlx::query(&sql)
+            .bind(consumer)
+            .fetch_all(self.pool())
+            .await
+            .map_err(db)?;
+        rows.iter().map(to_parked).collect()
+    }
+
+    async fn clear_retry_request(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        consumer: &str,
+        id: ParkedId,
+        requested_at: DateTime<Utc>,
+    ) -> Result<(), StoreError> {
+        check_consumer(consumer)?;
+        sqlx::query(&format!(
+            "UPDATE {} SET retry_requested_at = NULL, retry_requested_by = NULL, \
+               retry_requested_reason = NULL \
+             WHERE consumer = $1 AND id = $2 AND retry_requested_at <= $3",
+            self.sql.parked
+        ))
+        .bind(consumer)
+        .bind(id.0)
+        .bind(requested_at)
+        .execute(&mut **tx)
+        .await
+        .map_err(db)?;
+        Ok(())
     }
 }

@@ -16,6 +16,7 @@ const OUTBOX_V3: &str = include_str!("migrations/0003_outbox.sql");
 const OUTBOX_V4: &str = include_str!("migrations/0004_outbox.sql");
 const INBOX_V1: &str = include_str!("migrations/0001_inbox.sql");
 const INBOX_V2: &str = include_str!("migrations/0002_inbox.sql");
+const INBOX_V3: &str = include_str!("migrations/0003_inbox.sql");
 
 /// Longest accepted table name: derived names (`<table>_audit_action_check`,
 /// `<table>_unfinished_idx`, `<table>_aggregate`) must stay within PostgreSQL's 63-byte
@@ -89,7 +90,11 @@ pub fn outbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError
 pub fn inbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError> {
     validate_identifier("schema", schema, MAX_IDENTIFIER_LEN)?;
     validate_identifier("table", table, MAX_TABLE_NAME_LEN)?;
-    Ok(render(&format!("{INBOX_V1}{INBOX_V2}"), schema, table))
+    Ok(render(
+        &format!("{INBOX_V1}{INBOX_V2}{INBOX_V3}"),
+        schema,
+        table,
+    ))
 }
 
 pub(crate) enum Component {
@@ -129,6 +134,7 @@ pub(crate) async fn migrate(
             &[
                 (1, "inbox table", INBOX_V1),
                 (2, "aggregate versions, parked messages, audit", INBOX_V2),
+                (3, "retry requests, per-consumer cleanup index", INBOX_V3),
             ],
         ),
     };

@@ -149,13 +149,14 @@ impl OutboxSql {
                    SELECT r.id, {cols}, r.attempts, r.held_since, {kr} AS k, \
                           r.next_attempt_at <= now() AS due, \
                           COALESCE(a.last_version, {unknown_last}) AS last, \
-                          COALESCE(a.lease_until > clock_timestamp(), false) AS leased \
+                          COALESCE(a.lease_until > clock_timestamp(), false) AS leased, \
+                          (COALESCE(a.lease_row = r.id, false) OR r.maybe_delivered) AS resend \
                    FROM UNNEST($1::int8[]) AS x(id) \
                    CROSS JOIN LATERAL (SELECT * FROM {t} r \
                                        WHERE r.id = x.id AND r.status = 'pending' \
                                          AND NOT r.blocked OFFSET 0) r \
-                   LEFT JOIN LATERAL (SELECT a.last_version, a.lease_until FROM {state} a \
-                                      WHERE {sr} LIMIT 1) a ON true), \
+                   LEFT JOIN LATERAL (SELECT a.last_version, a.lease_until, a.lease_row \
+                                      FROM {state} a WHERE {sr} LIMIT 1) a ON true), \
                  h AS MATERIALIZED ( \
                    SELECT c.*, CASE \
                      WHEN c.leased THEN 'wait' \
@@ -221,11 +222,14 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
             )
         };
         let outcome_cols = format!(
-            "h.id, h.action, {}, h.attempts, h.k, h.last",
+            "h.id, h.action, {}, h.attempts, h.k, h.last, h.resend",
             prefixed("h", ENVELOPE_COLS)
         );
         // Lease mode: the claimed heads get their leases in the aggregate-state row (created
         // at the aggregate's first claim). A released or expired lease is taken over in place.
+        // A lease that still names the row (`resend`: its claim ended without outcome or
+        // release) may have sent it: the row keeps that as `maybe_delivered`, so a later claim
+        // still counts its publication as a re-send.
         let claim_decide_lease = format!(
             "WITH {}, \
              ins AS ( \
@@ -241,7 +245,11 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                  WHERE a.lease_until IS NULL OR a.lease_until <= clock_timestamp() \
                RETURNING a.lease_row AS id, \
                  (extract(epoch FROM a.lease_until - clock_timestamp()) * 1000000)::int8 \
-                   AS remaining_us) \
+                   AS remaining_us), \
+             mark AS ( \
+               UPDATE {t} m SET maybe_delivered = true FROM h \
+               WHERE m.id = h.id AND h.action = 'claim' AND h.resend AND NOT m.maybe_delivered \
+               RETURNING 1) \
              SELECT {outcome_cols}, i.remaining_us, (i.id IS NOT NULL) AS claimed \
              FROM h LEFT JOIN ins i ON i.id = h.id \
              WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold')",

@@ -84,7 +84,7 @@ async fn setup(ctx: &common::Ctx) -> PostgresInboxStore {
     let inbox = ctx.inbox().await;
     let s = &ctx.schema;
     sqlx::raw_sql(&format!(
-        "CREATE TABLE \"{s}\".effects (dedup_id uuid PRIMARY KEY, aggregate_id text NOT NULL, version bigint NOT NULL);
+        "CREATE TABLE \"{s}\".effects (dedup_id uuid PRIMARY KEY, aggregate_id text NOT NULL, version bigint NOT NULL, n bigserial);
          CREATE TABLE \"{s}\".fixes (id text PRIMARY KEY);"
     ))
     .execute(&ctx.pool)
@@ -402,6 +402,130 @@ async fn a_separate_operator_process_releases_what_the_engine_parked() {
     inbox.rollback(tx).await.unwrap();
     assert_eq!(reg, vec![outbox_core::Registration::Duplicate]);
     assert_eq!(ops.audit_trail(Some(m.id)).await.unwrap().len(), 2);
+    drop(engine);
+    ctx.drop().await;
+}
+
+/// `outbox parked retry --consumer` from a process without the handler records a request; the
+/// consumer's engine performs it at start and then on its interval, with its handler: a retry
+/// that fails again leaves the message parked (attempts counted, audited) and clears the
+/// request; a fixed one applies the head and releases the waiting messages in order. Requests
+/// on unknown or resolved messages are refused.
+#[tokio::test]
+async fn requested_retries_are_performed_by_the_engine_with_its_handler() {
+    let ctx = ctx!(6);
+    let inbox = setup(&ctx).await;
+    let log = MemoryLog::new("orders", 1);
+    for r in log
+        .publish(&[ev("poison-r", 1), ev("poison-r", 2), ev("poison-r", 3)])
+        .await
+    {
+        r.unwrap();
+    }
+    let effects = || Effects {
+        schema: ctx.schema.clone(),
+    };
+    let processor = InboxProcessor::new("billing", inbox.clone(), effects());
+    let mut engine = ConsumerEngine::new(
+        log.consumer("billing", &["orders"]),
+        processor,
+        fast().with_retry_requests_interval(Duration::from_millis(20)),
+        1,
+    )
+    .unwrap();
+    engine
+        .run_until_quiet(Duration::from_millis(100))
+        .await
+        .unwrap();
+    assert_eq!((engine.report().parked, engine.report().waiting), (1, 2));
+    // The operator's side (the CLI): a processor whose handler is never run by a request.
+    let ops = ParkedMessages::new(InboxProcessor::new("billing", inbox.clone(), effects()));
+    let head = ops
+        .list(&ParkedFilter::open())
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|m| m.status == ParkedStatus::Parked)
+        .unwrap();
+    // Still broken: the requested retry fails again.
+    ops.request_retry(head.id, "alice", "try").await.unwrap();
+    let shown = ops.show(head.id).await.unwrap().unwrap();
+    let request = shown.retry_request.expect("pending request");
+    assert_eq!(
+        (request.actor.as_str(), request.reason.as_str()),
+        ("alice", "try")
+    );
+    assert_eq!(ops.requested_retries().await.unwrap().len(), 1);
+    engine
+        .run_until_quiet(Duration::from_millis(100))
+        .await
+        .unwrap();
+    assert_eq!(engine.report().requested_retries, 1);
+    let m = ops.show(head.id).await.unwrap().unwrap();
+    assert_eq!((m.status, m.attempts), (ParkedStatus::Parked, 2));
+    assert!(m.retry_request.is_none(), "cleared after a failed retry");
+    assert!(ops.requested_retries().await.unwrap().is_empty());
+    let trail = ops.audit_trail(Some(head.id)).await.unwrap();
+    let actions: Vec<&str> = trail.iter().map(|a| a.action.as_str()).collect();
+    assert_eq!(actions, vec!["request_retry", "retry"]);
+    assert!(trail[1].outcome.contains("failed again"), "{:?}", trail[1]);
+    assert_eq!(trail[1].actor, "alice");
+    assert!(versions(&ctx, "poison-r").await.is_empty());
+    // Fixed: the next request applies v1, v2, v3 in order.
+    sqlx::query(&format!(
+        "INSERT INTO \"{}\".fixes (id) VALUES ('poison-r')",
+        ctx.schema
+    ))
+    .execute(&ctx.pool)
+    .await
+    .unwrap();
+    ops.request_retry(head.id, "alice", "customer created")
+        .await
+        .unwrap();
+    engine
+        .run_until_quiet(Duration::from_millis(100))
+        .await
+        .unwrap();
+    assert_eq!(engine.report().requested_retries, 2);
+    let in_order: Vec<i64> = sqlx::query_scalar(&format!(
+        "SELECT version FROM \"{}\".effects ORDER BY n",
+        ctx.schema
+    ))
+    .fetch_all(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(in_order, vec![1, 2, 3]);
+    assert!(ops.list(&ParkedFilter::open()).await.unwrap().is_empty());
+    let m = ops.show(head.id).await.unwrap().unwrap();
+    assert_eq!(m.status, ParkedStatus::Applied);
+    assert!(m.retry_request.is_none());
+    // Refused: a resolved message, an unknown one, no actor.
+    assert!(matches!(
+        ops.request_retry(head.id, "alice", "again").await,
+        Err(outbox_inbox::OperatorError::NotOpen { .. })
+    ));
+    assert!(matches!(
+        ops.request_retry(outbox_core::ParkedId(999_999), "alice", "x")
+            .await,
+        Err(outbox_inbox::OperatorError::NotFound(_))
+    ));
+    assert!(matches!(
+        ops.request_retry(head.id, " ", "x").await,
+        Err(outbox_inbox::OperatorError::Invalid(_))
+    ));
+    // The store refuses a request on a resolved message itself (a race with the check above).
+    let mut tx = inbox.begin().await.unwrap();
+    let err = inbox
+        .request_retry(
+            &mut tx,
+            "billing",
+            head.id,
+            &outbox_core::RetryRequest::new("alice", "x", chrono::Utc::now()),
+        )
+        .await
+        .unwrap_err();
+    inbox.rollback(tx).await.unwrap();
+    assert_eq!(err.kind, outbox_core::StoreErrorKind::NotFound);
     drop(engine);
     ctx.drop().await;
 }

@@ -370,6 +370,64 @@ async fn expired_lease_is_reclaimed_and_the_stale_holder_is_fenced() {
 }
 
 #[tokio::test]
+async fn a_claim_that_ended_without_outcome_marks_the_next_claim_as_a_possible_resend() {
+    let ctx = ctx!(4);
+    let store = ctx.store(lease(1.0)).await;
+    store
+        .append_many(&ctx.pool, &[event("a", 1), event("b", 1), event("c", 1)])
+        .await
+        .unwrap();
+    let first = claim(&store, "crashed", 10).await;
+    assert_eq!(first.records.len(), 3);
+    assert!(
+        first
+            .records
+            .iter()
+            .all(|r| !r.maybe_sent_before && !r.is_resend()),
+        "a first claim sends nothing twice"
+    );
+    // The relay dies after sending (or its completion is lost): its leases expire.
+    drop(first);
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let second = claim(&store, "next", 10).await;
+    let mut seen: Vec<(String, bool)> = second
+        .records
+        .iter()
+        .map(|r| (r.envelope.aggregate_id.clone(), r.maybe_sent_before))
+        .collect();
+    seen.sort();
+    assert_eq!(
+        seen,
+        vec![("a".into(), true), ("b".into(), true), ("c".into(), true)],
+        "every row of the abandoned claim may have been sent"
+    );
+    assert!(second
+        .records
+        .iter()
+        .all(|r| r.attempts == 0 && r.is_resend()));
+    // That is kept with the row: a claim released in between does not make the next send a
+    // first one.
+    store.release(&second.handle).await.unwrap();
+    let third = claim(&store, "after-release", 10).await;
+    assert_eq!(third.records.len(), 3);
+    assert!(third.records.iter().all(|r| r.maybe_sent_before));
+    publish_all(&store, &third).await;
+    // A claim released without sending is not a possible re-send, nor is the next version of
+    // a published aggregate.
+    store
+        .append_many(&ctx.pool, &[event("a", 2), event("d", 1)])
+        .await
+        .unwrap();
+    let fourth = claim(&store, "later", 10).await;
+    assert_eq!(versions(&fourth), vec![("a".into(), 2), ("d".into(), 1)]);
+    store.release(&fourth.handle).await.unwrap();
+    let fifth = claim(&store, "later", 10).await;
+    assert_eq!(fifth.records.len(), 2);
+    assert!(fifth.records.iter().all(|r| !r.maybe_sent_before));
+    ctx.drop().await;
+}
+
+#[tokio::test]
 async fn completion_from_another_store_instance_is_fenced_by_token() {
     let ctx = ctx!(4);
     let store = ctx.store(lease(30.0)).await;
@@ -830,19 +888,109 @@ async fn inbox_registers_once_per_consumer_and_cleans_up() {
     );
     inbox.commit(tx).await.unwrap();
     assert_eq!(
-        inbox.cleanup(Duration::from_secs(3600), 10).await.unwrap(),
+        inbox
+            .cleanup("billing", Duration::from_secs(3600), 10)
+            .await
+            .unwrap(),
         0
     );
     tokio::time::sleep(Duration::from_millis(200)).await;
-    // One bounded batch per call.
+    // One bounded batch per call, of the cleaning consumer's registrations only.
     assert_eq!(
-        inbox.cleanup(Duration::from_millis(100), 1).await.unwrap(),
+        inbox
+            .cleanup("billing", Duration::from_millis(100), 1)
+            .await
+            .unwrap(),
         1
     );
     assert_eq!(
-        inbox.cleanup(Duration::from_millis(100), 10).await.unwrap(),
+        inbox
+            .cleanup("billing", Duration::from_millis(100), 10)
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        inbox
+            .cleanup("shipping", Duration::from_millis(100), 10)
+            .await
+            .unwrap(),
         1
     );
+    assert!(inbox
+        .cleanup("", Duration::ZERO, 10)
+        .await
+        .is_err_and(|e| e.kind == StoreErrorKind::Validation));
+    assert!(inbox
+        .cleanup("billing", Duration::ZERO, 0)
+        .await
+        .is_err_and(|e| e.kind == StoreErrorKind::Configuration));
+    ctx.drop().await;
+}
+
+/// Two consumers share one inbox table with different dedup windows: each one's cleanup
+/// removes only its own registrations, so the consumer with the longer window still sees a
+/// redelivered event as a duplicate (before cleanup took a consumer, the short window removed
+/// every consumer's registrations and the redelivery was applied twice).
+#[tokio::test]
+async fn inbox_cleanup_of_one_consumer_keeps_another_consumers_registrations() {
+    let ctx = ctx!(4);
+    let inbox = ctx.inbox().await;
+    let ids: Vec<EventId> = (0..5).map(|_| EventId::now_v7()).collect();
+    let mut tx = inbox.begin().await.unwrap();
+    inbox.register(&mut tx, "fast", &ids).await.unwrap();
+    inbox.register(&mut tx, "slow", &ids).await.unwrap();
+    inbox.commit(tx).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // "fast" keeps 100 ms, "slow" keeps an hour.
+    assert_eq!(
+        inbox
+            .cleanup_candidates("fast", Duration::from_millis(100))
+            .await
+            .unwrap(),
+        5
+    );
+    assert_eq!(
+        inbox
+            .cleanup_candidates("slow", Duration::from_secs(3600))
+            .await
+            .unwrap(),
+        0
+    );
+    assert_eq!(
+        inbox
+            .cleanup_batches("fast", Duration::from_millis(100), 2, 10)
+            .await
+            .unwrap(),
+        5
+    );
+    assert_eq!(
+        inbox
+            .cleanup_batches("slow", Duration::from_secs(3600), 2, 10)
+            .await
+            .unwrap(),
+        0
+    );
+    let left: Vec<(String, i64)> = sqlx::query_as(&format!(
+        "SELECT consumer, count(*) FROM \"{}\".processed_events GROUP BY consumer",
+        ctx.schema
+    ))
+    .fetch_all(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(left, vec![("slow".to_owned(), 5)]);
+    let mut tx = inbox.begin().await.unwrap();
+    assert_eq!(
+        inbox.register(&mut tx, "slow", &ids).await.unwrap(),
+        vec![Registration::Duplicate; 5],
+        "a redelivery inside the slow consumer's window is still a duplicate"
+    );
+    assert_eq!(
+        inbox.register(&mut tx, "fast", &ids).await.unwrap(),
+        vec![Registration::Fresh; 5],
+        "the fast consumer's window has passed"
+    );
+    inbox.rollback(tx).await.unwrap();
     ctx.drop().await;
 }
 

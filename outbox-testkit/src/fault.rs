@@ -634,11 +634,16 @@ impl<I: InboxStore> InboxStore for FaultyInbox<I> {
     async fn rollback(&self, tx: I::Tx) -> Result<(), StoreError> {
         self.inner.rollback(tx).await
     }
-    async fn cleanup(&self, retention: Duration, batch_size: usize) -> Result<u64, StoreError> {
+    async fn cleanup(
+        &self,
+        consumer: &str,
+        retention: Duration,
+        batch_size: usize,
+    ) -> Result<u64, StoreError> {
         faulty!(
             self.faults,
             "cleanup",
-            self.inner.cleanup(retention, batch_size).await
+            self.inner.cleanup(consumer, retention, batch_size).await
         )
     }
 }
@@ -705,6 +710,29 @@ impl<I: InboxParking> InboxParking for FaultyInbox<I> {
     }
     async fn parked_stats(&self, consumer: &str) -> Result<ParkedStats, StoreError> {
         self.inner.parked_stats(consumer).await
+    }
+    async fn request_retry(
+        &self,
+        tx: &mut I::Tx,
+        consumer: &str,
+        id: ParkedId,
+        request: &outbox_core::RetryRequest,
+    ) -> Result<(), StoreError> {
+        self.inner.request_retry(tx, consumer, id, request).await
+    }
+    async fn requested_retries(&self, consumer: &str) -> Result<Vec<ParkedMessage>, StoreError> {
+        self.inner.requested_retries(consumer).await
+    }
+    async fn clear_retry_request(
+        &self,
+        tx: &mut I::Tx,
+        consumer: &str,
+        id: ParkedId,
+        requested_at: chrono::DateTime<chrono::Utc>,
+    ) -> Result<(), StoreError> {
+        self.inner
+            .clear_retry_request(tx, consumer, id, requested_at)
+            .await
     }
 }
 

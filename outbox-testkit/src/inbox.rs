@@ -9,7 +9,7 @@ use chrono::{DateTime, Utc};
 use outbox_core::{
     async_trait, AggregateKey, AggregateState, EventId, InboxAuditEntry, InboxParking, InboxStore,
     NewParkedMessage, ParkAs, ParkedChange, ParkedFilter, ParkedId, ParkedMessage, ParkedStats,
-    ParkedStatus, Parking, Registration, StoreError, StoreErrorKind, VersionAdvance,
+    ParkedStatus, Parking, Registration, RetryRequest, StoreError, StoreErrorKind, VersionAdvance,
 };
 
 use crate::db::{MemoryDb, MemoryTx};
@@ -46,6 +46,8 @@ pub(crate) enum ConsumerOp {
     Change(String, i64, ParkedChange),
     Unblock(String, AggregateKey),
     Audit(InboxAuditEntry),
+    RequestRetry(String, i64, RetryRequest),
+    ClearRetryRequest(String, i64, DateTime<Utc>),
 }
 
 fn conflict(message: impl Into<String>) -> StoreError {
@@ -173,6 +175,7 @@ impl ConsumerState {
                     ParkedChange::Resolved(status) => {
                         p.status = *status;
                         p.resolved_at = Some(now);
+                        p.retry_request = None;
                     }
                     ParkedChange::Failed {
                         kind,
@@ -203,6 +206,24 @@ impl ConsumerState {
                 let mut e = entry.clone();
                 e.at = now;
                 self.audit.push(e);
+            }
+            ConsumerOp::RequestRetry(consumer, id, request) => {
+                let p = self
+                    .parked
+                    .get_mut(id)
+                    .filter(|p| p.consumer == *consumer && p.status.is_open())
+                    .ok_or_else(|| conflict(format!("parked message {id} is no longer open")))?;
+                p.retry_request = Some(request.clone());
+            }
+            ConsumerOp::ClearRetryRequest(consumer, id, at) => {
+                if let Some(p) = self.parked.get_mut(id).filter(|p| p.consumer == *consumer) {
+                    if p.retry_request
+                        .as_ref()
+                        .is_some_and(|r| r.requested_at <= *at)
+                    {
+                        p.retry_request = None;
+                    }
+                }
             }
         }
         Ok(())
@@ -485,7 +506,12 @@ impl InboxStore for MemoryInboxStore {
         Ok(())
     }
 
-    async fn cleanup(&self, retention: Duration, batch_size: usize) -> Result<u64, StoreError> {
+    async fn cleanup(
+        &self,
+        consumer: &str,
+        retention: Duration,
+        batch_size: usize,
+    ) -> Result<u64, StoreError> {
         if batch_size == 0 {
             return Err(StoreError::new(
                 StoreErrorKind::Configuration,
@@ -498,7 +524,9 @@ impl InboxStore for MemoryInboxStore {
         let victims: Vec<(String, EventId)> = st
             .inbox
             .iter()
-            .filter(|(_, at)| at.checked_add_signed(retention).is_some_and(|d| d <= now))
+            .filter(|((c, _), at)| {
+                c == consumer && at.checked_add_signed(retention).is_some_and(|d| d <= now)
+            })
             .map(|(k, _)| k.clone())
             .take(batch_size)
             .collect();
@@ -683,5 +711,64 @@ impl InboxParking for MemoryInboxStore {
                 .count() as u64,
             open.iter().map(|p| p.parked_at).min(),
         ))
+    }
+
+    async fn request_retry(
+        &self,
+        tx: &mut MemoryTx,
+        consumer: &str,
+        id: ParkedId,
+        request: &RetryRequest,
+    ) -> Result<(), StoreError> {
+        check_consumer(consumer)?;
+        self.check_tx(tx)?;
+        let open = self.with_view(tx, |s| {
+            s.parked
+                .get(&id.0)
+                .is_some_and(|p| p.consumer == consumer && p.status.is_open())
+        });
+        if !open {
+            return Err(StoreError::new(
+                StoreErrorKind::NotFound,
+                format!("no open parked message {id} for consumer {consumer}"),
+            ));
+        }
+        tx.consumer_ops.push(ConsumerOp::RequestRetry(
+            consumer.to_owned(),
+            id.0,
+            request.clone(),
+        ));
+        Ok(())
+    }
+
+    async fn requested_retries(&self, consumer: &str) -> Result<Vec<ParkedMessage>, StoreError> {
+        check_consumer(consumer)?;
+        let st = self.db.lock();
+        let mut out: Vec<ParkedMessage> = st
+            .consumer
+            .parked
+            .values()
+            .filter(|p| p.consumer == consumer && p.status.is_open() && p.retry_request.is_some())
+            .cloned()
+            .collect();
+        out.sort_by_key(|p| (p.retry_request.as_ref().map(|r| r.requested_at), p.id));
+        Ok(out)
+    }
+
+    async fn clear_retry_request(
+        &self,
+        tx: &mut MemoryTx,
+        consumer: &str,
+        id: ParkedId,
+        requested_at: DateTime<Utc>,
+    ) -> Result<(), StoreError> {
+        check_consumer(consumer)?;
+        self.check_tx(tx)?;
+        tx.consumer_ops.push(ConsumerOp::ClearRetryRequest(
+            consumer.to_owned(),
+            id.0,
+            requested_at,
+        ));
+        Ok(())
     }
 }

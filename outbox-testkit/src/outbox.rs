@@ -581,12 +581,20 @@ impl OutboxStore for MemoryOutboxStore {
         let mut records = Vec::with_capacity(heads.len());
         for seq in &heads {
             let row = out.rows.get_mut(seq).expect("open rows exist");
+            // A claim still on a claimable row is an expired lease whose relay neither
+            // completed nor released it: it may have sent the event.
+            if row.claim.is_some() {
+                row.maybe_delivered = true;
+            }
             row.claim = Some(RowClaim {
                 token,
                 owner: request.owner.clone(),
                 expires_at,
             });
-            records.push(ClaimedRecord::new(row.envelope.clone(), row.attempts));
+            records.push(
+                ClaimedRecord::new(row.envelope.clone(), row.attempts)
+                    .with_maybe_sent_before(row.maybe_delivered),
+            );
         }
         if !heads.is_empty() {
             out.claims.insert(token, ClaimState { seqs: heads });

@@ -513,10 +513,27 @@ async fn inbox_fresh_duplicate_rollback_and_conflict() {
     assert_eq!(inbox.registrations("c"), vec![id]);
     clock.advance(Duration::from_secs(100));
     assert_eq!(
-        inbox.cleanup(Duration::from_secs(200), 10).await.unwrap(),
+        inbox
+            .cleanup("c", Duration::from_secs(200), 10)
+            .await
+            .unwrap(),
         0
     );
-    assert_eq!(inbox.cleanup(Duration::from_secs(50), 10).await.unwrap(), 1);
+    assert_eq!(
+        inbox
+            .cleanup("other", Duration::from_secs(50), 10)
+            .await
+            .unwrap(),
+        0,
+        "another consumer's cleanup keeps c's registration"
+    );
+    assert_eq!(
+        inbox
+            .cleanup("c", Duration::from_secs(50), 10)
+            .await
+            .unwrap(),
+        1
+    );
     let mut tx = inbox.begin().await.unwrap();
     assert_eq!(
         inbox.register_one(&mut tx, "c", id).await.unwrap(),

@@ -9,10 +9,13 @@
 //! | `partitions` | partition count or partitioner differs from the one a relay recorded | |
 //! | `replication` | | a critical topic (`kafka.critical_topics`) on one replica, or with `min.insync.replicas` < 2 |
 //! | `compaction` | | a compacted topic (intermediate facts may vanish) |
-//! | `retention` | a consumer's dedup window shorter than topic `retention.ms` + `retention.max_consumer_lag` + `retention.replay_window`; `cleanup.retention` shorter than the replay window | `retention.ms` not reported by the broker |
+//! | `retention` | the library's rule ([`outbox_core::retention::RetentionCheck`]): a consumer's dedup window shorter than topic `retention.ms` + `retention.max_consumer_lag` + `retention.replay_window`, or finite while the topic keeps records forever | `retention.ms` not reported by the broker (Kafka's default of 7 days assumed); `cleanup.retention` shorter than the replay window |
 
 use std::time::Duration;
 
+use outbox_core::retention::{
+    RetentionCheck, Severity as RetentionSeverity, Strictness, TopicRetention,
+};
 use outbox_core::{ClaimMode, MAX_LEASE};
 use serde::Serialize;
 use serde_json::json;
@@ -183,18 +186,12 @@ pub fn static_checks(config: &Config) -> Vec<Finding> {
             }
         }
     }
-    if config.cleanup.retention < config.retention.replay_window {
-        out.push(f(
-            "retention",
-            Severity::Error,
-            format!(
-                "cleanup.retention {} is shorter than retention.replay_window {}: replays cannot \
-                 reach back that far",
-                config.cleanup.retention, config.retention.replay_window
-            ),
-            Some("raise cleanup.retention or shorten retention.replay_window"),
-        ));
-    }
+    // The outbox's retention against the replay window, by the library's rule (no topic or
+    // dedup window involved, so it holds without a broker).
+    let outbox_only = RetentionCheck::new(None, TopicRetention::Unlimited)
+        .replay_window(config.retention.replay_window.0)
+        .outbox_retention(Some(config.cleanup.retention.0));
+    retention_findings(&outbox_only, "outbox", None, &mut out);
     out
 }
 
@@ -331,6 +328,51 @@ async fn broker_checks(
     }
 }
 
+/// Maps the library's retention report onto findings: a violation is an error, a warning a
+/// warning; `ok` (when given) is reported when nothing was found.
+fn retention_findings(
+    check: &RetentionCheck,
+    subject: &str,
+    ok: Option<String>,
+    findings: &mut Vec<Finding>,
+) {
+    let report = match check.evaluate(Strictness::Warn) {
+        Ok(r) => r,
+        Err(e) => e.report,
+    };
+    for x in &report.findings {
+        let (severity, fix) = match x.severity {
+            RetentionSeverity::Violation => (
+                Severity::Error,
+                "raise the consumer's dedup_retention (its inbox cleanup) or shorten the \
+                 topic's retention.ms / retention.max_consumer_lag / retention.replay_window",
+            ),
+            _ => (
+                Severity::Warning,
+                "see the finding; set retention.ms on the topic explicitly, raise \
+                 cleanup.retention or shorten retention.replay_window",
+            ),
+        };
+        findings.push(f(
+            "retention",
+            severity,
+            format!("{subject}: {}", x.message),
+            Some(fix),
+        ));
+    }
+    if report.findings.is_empty() {
+        if let Some(ok) = ok {
+            findings.push(f("retention", Severity::Ok, ok, None));
+        }
+    }
+}
+
+/// The dedup window of every consumer of `topic` against the longest possible redelivery, by
+/// the library's single rule ([`outbox_core::retention`]). The topic's `retention.ms` comes
+/// from this command's own DescribeConfigs (which carries the `[kafka]` security settings);
+/// `TopicRetention::from_millis` reads it as the library does, and a topic that does not report
+/// it is `TopicRetention::Unknown` (Kafka's default assumed, with a warning). Compaction is
+/// the `compaction` check's finding, not repeated here.
 fn retention_checks(
     config: &Config,
     topic: &str,
@@ -339,37 +381,30 @@ fn retention_checks(
 ) {
     let lag = config.retention.max_consumer_lag.0;
     let replay = config.retention.replay_window.0;
-    let Some(ms) = retention_ms else {
-        findings.push(f("retention", Severity::Warning, format!("{topic}: the broker did not report retention.ms; the dedup windows cannot be checked against it"), Some("set retention.ms on the topic explicitly")));
-        return;
-    };
-    if ms < 0 {
-        if !config.consumers.is_empty() {
-            findings.push(f("retention", Severity::Warning, format!("{topic}: unlimited retention: a consumer reset to the beginning is redelivered events older than any dedup window"), Some("replay from a bounded point (--since) rather than from the beginning")));
-        }
-        return;
-    }
-    let topic_retention = Duration::from_millis(ms as u64);
-    let need = topic_retention + lag + replay;
+    let topic_retention = retention_ms.map_or(TopicRetention::Unknown, TopicRetention::from_millis);
     for c in &config.consumers {
         let reads = c.topics.is_empty() || c.topics.iter().any(|t| t == topic);
         if !reads {
             continue;
         }
-        if c.dedup_retention.0 < need {
-            findings.push(f("retention", Severity::Error, format!("consumer {}: dedup window {} is shorter than {topic}'s retention {} + max consumer lag {} + replay window {} = {}: a redelivery could apply an effect twice", c.name, c.dedup_retention, dur(topic_retention), dur(lag), dur(replay), dur(need)), Some("raise the consumer's dedup_retention (its inbox cleanup) or shorten the topic's retention.ms")));
-        } else {
-            findings.push(f(
-                "retention",
-                Severity::Ok,
-                format!(
-                    "consumer {}: dedup window {} covers {topic}'s retention + lag + replay ({})",
-                    c.name,
-                    c.dedup_retention,
-                    dur(need)
-                ),
-                None,
-            ));
-        }
+        let check = RetentionCheck::new(Some(c.dedup_retention.0), topic_retention)
+            .max_lag(lag)
+            .replay_window(replay);
+        let required = check
+            .evaluate(Strictness::Warn)
+            .ok()
+            .and_then(|r| r.required);
+        retention_findings(
+            &check,
+            &format!("consumer {} on {topic}", c.name),
+            Some(format!(
+                "consumer {}: dedup window {} covers {topic}'s retention + max consumer lag + \
+                 replay window ({})",
+                c.name,
+                c.dedup_retention,
+                required.map_or_else(|| "unbounded".into(), dur)
+            )),
+            findings,
+        );
     }
 }

@@ -1,13 +1,19 @@
 //! `outbox cleanup`: deletes (or archives, with `outbox.archive`) published and discarded rows
 //! older than the retention, in bounded batches of one short transaction each; `--dry-run`
 //! counts them. Never touches pending or parked rows, nor the per-aggregate state.
+//!
+//! `--inbox` cleans the consumers' inboxes instead, through the library's inbox cleanup
+//! (`InboxStore::cleanup`, one bounded batch per transaction): registrations older than the
+//! consumer's `dedup_retention`. Each consumer removes only its own registrations, with its
+//! own window, also when consumers share an inbox table. Parked messages, their audit trail
+//! and the applied versions are never touched.
 
 use std::time::Duration;
 
-use outbox_core::OutboxStore;
+use outbox_core::{InboxStore, OutboxStore};
 use serde_json::json;
 
-use crate::config::Config;
+use crate::config::{Config, Dur};
 use crate::db;
 use crate::error::CliError;
 use crate::opt::CleanupOpts;
@@ -20,6 +26,16 @@ pub async fn run(config: &Config, opts: &CleanupOpts, out: &Output) -> Result<()
         None => config.cleanup.retention,
     };
     let batch = opts.batch_size.unwrap_or(config.cleanup.batch_size).max(1);
+    if opts.inbox {
+        if opts.retention.is_some() {
+            return Err(CliError::config(
+                "--retention applies to the outbox; an inbox keeps registrations for its \
+                 consumer's dedup_retention",
+                "set dedup_retention in the [[consumers]] entry, or leave out --inbox",
+            ));
+        }
+        return inboxes(config, batch, opts.dry_run, out).await;
+    }
     let (pool, _) = db::connect_outbox(config, 3).await?;
     db::preflight(&pool, config).await?;
     let store = db::outbox_store(config, pool)?;
@@ -82,6 +98,79 @@ pub async fn run(config: &Config, opts: &CleanupOpts, out: &Output) -> Result<()
                 ""
             }
         );
+    }
+    Ok(())
+}
+
+/// `outbox cleanup --inbox [--dry-run]`: each consumer cleans its own registrations with its
+/// own dedup window.
+async fn inboxes(
+    config: &Config,
+    batch: usize,
+    dry_run: bool,
+    out: &Output,
+) -> Result<(), CliError> {
+    if config.consumers.is_empty() {
+        return Err(CliError::config(
+            "--inbox cleans the inboxes of the configured consumers, and none is configured",
+            "add [[consumers]] entries (name, inbox_schema, inbox_table, dedup_retention)",
+        ));
+    }
+    let mut reports = Vec::new();
+    for c in &config.consumers {
+        let retention: Dur = c.dedup_retention;
+        let (store, table) = db::inbox_store(config, c, 2).await?;
+        let map = |e: outbox_core::StoreError| db::inbox_error(&e, c, &table);
+        let candidates = store
+            .cleanup_candidates(&c.name, retention.0)
+            .await
+            .map_err(map)?;
+        if dry_run {
+            if !out.json {
+                println!(
+                    "dry run: consumer {} (inbox {table}): {candidates} registration(s) older \
+                     than {retention} would be deleted in batches of {batch}; nothing was changed",
+                    c.name
+                );
+            }
+            reports.push(json!({
+                "consumer": c.name, "schema": c.inbox_schema, "table": c.inbox_table,
+                "retention": retention.to_string(), "would_remove": candidates,
+            }));
+            continue;
+        }
+        let bar = out.progress(candidates, "inbox cleanup");
+        let mut removed = 0u64;
+        let mut batches = 0u64;
+        loop {
+            let n = store
+                .cleanup(&c.name, retention.0, batch)
+                .await
+                .map_err(map)?;
+            if n > 0 {
+                batches += 1;
+            }
+            removed += n;
+            bar.set_position(removed);
+            if n < batch as u64 {
+                break;
+            }
+        }
+        bar.finish_and_clear();
+        if !out.json {
+            println!(
+                "consumer {} (inbox {table}): removed {removed} registration(s) older than \
+                 {retention} in {batches} batch(es)",
+                c.name
+            );
+        }
+        reports.push(json!({
+            "consumer": c.name, "schema": c.inbox_schema, "table": c.inbox_table,
+            "retention": retention.to_string(), "removed": removed, "batches": batches,
+        }));
+    }
+    if out.json {
+        out.json(&json!({"dry_run": dry_run, "batch_size": batch, "inboxes": reports}));
     }
     Ok(())
 }

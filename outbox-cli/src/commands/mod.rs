@@ -2,6 +2,7 @@
 
 pub mod check;
 pub mod cleanup;
+pub mod consumer_parked;
 pub mod migrate;
 pub mod parked;
 pub mod reconcile;
@@ -75,19 +76,6 @@ pub fn actor(given: Option<&str>) -> String {
     } else {
         format!("{user}@{host}")
     }
-}
-
-/// The error of a consumer-side operation that needs consumer parking (not in this version).
-pub fn consumer_parking_unavailable(what: &str, consumer: &str) -> CliError {
-    CliError::not_available(
-        format!(
-            "{what} for consumer {consumer:?} is not available in this version: consumer-side \
-             parking is not part of the library yet, so there is nothing this command could \
-             read or change for a consumer"
-        ),
-        "producer-side parked events work now (leave out --consumer); consumer lag and inbox \
-         counts are in `outbox status`",
-    )
 }
 
 #[cfg(test)]

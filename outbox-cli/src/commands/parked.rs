@@ -1,11 +1,12 @@
 //! `outbox parked list|show|retry|discard|reissue|release-claims`: producer-side parked events,
-//! every action audited by the store. `--consumer` (a consumer's parked messages) is answered
-//! with exit code 5 until the library has consumer-side parking.
+//! every action audited by the store. With `--consumer NAME`, a consumer's parked messages
+//! ([`consumer_parked`]).
 
 use outbox_core::{AuditEntry, EventId, OutboxStore, ParkedEvent};
 use outbox_postgres::PostgresOutboxStore;
 use serde_json::{json, Value};
 
+use super::consumer_parked;
 use crate::config::Config;
 use crate::db;
 use crate::error::CliError;
@@ -88,9 +89,13 @@ pub async fn run(config: &Config, cmd: ParkedCommand, out: &Output) -> Result<()
     match cmd {
         ParkedCommand::List(o) => {
             if let Some(c) = &o.consumer {
-                return Err(super::consumer_parking_unavailable(
-                    "listing parked messages",
-                    c,
+                return consumer_parked::list(config, c, &o, out).await;
+            }
+            if o.all {
+                return Err(CliError::config(
+                    "--all lists a consumer's resolved messages too; the outbox keeps no \
+                     resolved parked events apart (see `parked show ID` for an event's trail)",
+                    "add --consumer NAME, or leave out --all",
                 ));
             }
             let (store, table) = open(config).await?;
@@ -150,10 +155,7 @@ pub async fn run(config: &Config, cmd: ParkedCommand, out: &Output) -> Result<()
         }
         ParkedCommand::Show(t) => {
             if let Some(c) = &t.consumer {
-                return Err(super::consumer_parking_unavailable(
-                    "showing a parked message",
-                    c,
-                ));
+                return consumer_parked::show(config, c, &t, out).await;
             }
             let id = event_id(&t.event_id)?;
             let (store, table) = open(config).await?;
@@ -291,10 +293,11 @@ async fn action(
         Action::Reissue => "reissue",
     };
     if let Some(c) = &o.consumer {
-        return Err(super::consumer_parking_unavailable(
-            &format!("{name} of a parked message"),
-            c,
-        ));
+        return match what {
+            Action::Discard => consumer_parked::discard(config, c, o, out).await,
+            Action::Retry => consumer_parked::retry(config, c, o, out).await,
+            Action::Reissue => Err(consumer_parked::reissue(c)),
+        };
     }
     let id = event_id(&o.event_id)?;
     let reason = o.reason.as_deref().map(str::trim).unwrap_or("");

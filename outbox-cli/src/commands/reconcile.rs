@@ -6,7 +6,10 @@
 //! 3. events published with the broker's offset recorded (and those still pending past
 //!    `reconcile.grace`, parked or discarded);
 //! 4. per configured consumer, effects applied: inbox registrations of the events published
-//!    to the consumer's topics (by event id, or the original id for a re-issued copy).
+//!    to the consumer's topics (by event id, or the original id for a re-issued copy), and
+//!    beside them the events the consumer parked (parked or waiting behind a parked message,
+//!    read through the library's parking API): a parked message is not applied yet, waits for
+//!    an operator, and is shown, not counted as a mismatch.
 //!
 //! Any difference is a mismatch, reported per row with its reason; the command then exits 1.
 //! Intervals older than `cleanup.retention` (outbox rows gone) or a consumer's
@@ -15,6 +18,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use chrono::{DateTime, Utc};
+use outbox_core::{InboxParking, ParkedFilter};
 use outbox_postgres::{qualified, IntervalCount};
 use serde::Serialize;
 use serde_json::json;
@@ -35,6 +39,9 @@ pub struct Effects {
     pub expected: u64,
     /// Of those, registered in its inbox.
     pub applied: u64,
+    /// Of those, parked by the consumer (parked or waiting behind a parked message): not
+    /// applied, waiting for an operator; shown, not a mismatch.
+    pub parked: u64,
 }
 
 /// One interval and event type.
@@ -139,7 +146,19 @@ pub async fn run(config: &Config, opts: &ReconcileOpts, out: &Output) -> Result<
             .await?
             .0
         };
-        consumer_pools.push((c, p));
+        // The consumer's open parked messages, by the ids its inbox deduplicates by, through
+        // the library's parking API.
+        let (inbox, inbox_table) = db::inbox_store_on(c, p.clone())?;
+        let parked: BTreeSet<Uuid> = inbox
+            .list_parked(&c.name, &ParkedFilter::open().limit(1_000_000))
+            .await
+            .map_err(|e| db::inbox_error(&e, c, &inbox_table))?
+            .iter()
+            .flat_map(|m| [m.record.dedup_id, m.record.event_id])
+            .flatten()
+            .map(|id| id.as_uuid())
+            .collect();
+        consumer_pools.push((c, p, parked));
     }
     let mut rows = Vec::new();
     for ((start, event_type), c) in by_key {
@@ -192,7 +211,7 @@ pub async fn run(config: &Config, opts: &ReconcileOpts, out: &Output) -> Result<
             row.mismatches
                 .push(format!("{} event(s) parked", row.parked));
         }
-        for (consumer, cpool) in &consumer_pools {
+        for (consumer, cpool, parked_ids) in &consumer_pools {
             let topics = if consumer.topics.is_empty() {
                 Vec::new()
             } else {
@@ -206,6 +225,12 @@ pub async fn run(config: &Config, opts: &ReconcileOpts, out: &Output) -> Result<
                 continue;
             }
             let applied = applied(cpool, consumer, &ids).await?;
+            let parked = ids
+                .iter()
+                .filter(|(own, original)| {
+                    parked_ids.contains(own) || original.is_some_and(|o| parked_ids.contains(&o))
+                })
+                .count() as u64;
             let dedup_cutoff =
                 now - chrono::Duration::from_std(consumer.dedup_retention.0).unwrap_or_default();
             if start < dedup_cutoff {
@@ -215,17 +240,23 @@ pub async fn run(config: &Config, opts: &ReconcileOpts, out: &Output) -> Result<
                         consumer.name
                     )
                 });
-            } else if applied < ids.len() as u64 {
+            } else if applied + parked < ids.len() as u64 {
                 row.mismatches.push(format!(
-                    "consumer {} applied {applied} of {} published event(s)",
+                    "consumer {} applied {applied} of {} published event(s){}",
                     consumer.name,
-                    ids.len()
+                    ids.len(),
+                    if parked > 0 {
+                        format!(" ({parked} parked)")
+                    } else {
+                        String::new()
+                    }
                 ));
             }
             row.effects.push(Effects {
                 consumer: consumer.name.clone(),
                 expected: ids.len() as u64,
                 applied,
+                parked,
             });
         }
         rows.push(row);
@@ -251,7 +282,16 @@ pub async fn run(config: &Config, opts: &ReconcileOpts, out: &Output) -> Result<
                     r.published.to_string(),
                     r.effects
                         .iter()
-                        .map(|e| format!("{}: {}/{}", e.consumer, e.applied, e.expected))
+                        .map(|e| {
+                            if e.parked > 0 {
+                                format!(
+                                    "{}: {}/{} ({} parked)",
+                                    e.consumer, e.applied, e.expected, e.parked
+                                )
+                            } else {
+                                format!("{}: {}/{}", e.consumer, e.applied, e.expected)
+                            }
+                        })
                         .collect::<Vec<_>>()
                         .join(", "),
                     if !r.mismatches.is_empty() {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use chrono::Utc;
 use outbox_core::backpressure::{forecast, BacklogSnapshot, Backpressure};
-use outbox_core::OutboxStore;
+use outbox_core::{InboxParking, OutboxStore};
 use outbox_postgres::qualified;
 use serde_json::{json, Value};
 
@@ -193,14 +193,34 @@ pub async fn run(config: &Config, opts: &StatusOpts, out: &Output) -> Result<(),
                         Value::Null => c["inbox_error"].as_str().unwrap_or("-").to_owned(),
                         v => v.to_string(),
                     },
-                    "n/a (needs consumer parking)".to_owned(),
+                    match (&c["parked"], &c["waiting"]) {
+                        (Value::Null, _) | (_, Value::Null) => {
+                            c["parked_error"].as_str().unwrap_or("-").to_owned()
+                        }
+                        (p, w) => match c["retry_requested"].as_u64() {
+                            Some(r) if r > 0 => {
+                                format!("{p} (+{w} waiting; {r} retry requested)")
+                            }
+                            _ => format!("{p} (+{w} waiting)"),
+                        },
+                    },
+                    age(c["oldest_parked_age_seconds"]
+                        .as_f64()
+                        .map(Duration::from_secs_f64)),
                 ]
             })
             .collect();
         println!(
             "{}",
             out.table(
-                &["consumer", "group", "lag", "inbox registrations", "parked"],
+                &[
+                    "consumer",
+                    "group",
+                    "lag",
+                    "inbox registrations",
+                    "parked",
+                    "oldest parked"
+                ],
                 rows
             )
         );
@@ -240,7 +260,17 @@ async fn consumer_status(
             Err(e) => (None, Vec::new(), Some(e.message)),
         }
     };
-    let (registrations, last_applied, inbox_error) = inbox_counts(config, c, outbox_pool).await;
+    let inbox = inbox_status(config, c, outbox_pool).await;
+    if inbox.parked.unwrap_or(0) + inbox.waiting.unwrap_or(0) > 0 {
+        warnings.push(format!(
+            "consumer {}: {} parked message(s) block their aggregates, {} wait behind them: see \
+             `outbox parked list --consumer {}`",
+            c.name,
+            inbox.parked.unwrap_or(0),
+            inbox.waiting.unwrap_or(0),
+            c.name
+        ));
+    }
     json!({
         "name": c.name,
         "group": c.group(),
@@ -248,19 +278,36 @@ async fn consumer_status(
         "lag": lag,
         "lag_error": lag_error,
         "partitions": partitions,
-        "inbox_registrations": registrations,
-        "last_applied_at": last_applied,
-        "inbox_error": inbox_error,
-        "parked": Value::Null,
-        "parked_note": "consumer-side parking is not part of this version; counts appear here once it is",
+        "inbox_registrations": inbox.registrations,
+        "last_applied_at": inbox.last_applied,
+        "inbox_error": inbox.error,
+        "parked": inbox.parked,
+        "waiting": inbox.waiting,
+        "oldest_parked_age_seconds": secs(inbox.oldest_parked_age),
+        "parked_error": inbox.parked_error,
+        "retry_requested": inbox.retry_requested,
     })
 }
 
-async fn inbox_counts(
+/// What `status` reads from a consumer's inbox.
+#[derive(Default)]
+struct InboxStatus {
+    registrations: Option<i64>,
+    last_applied: Option<String>,
+    error: Option<String>,
+    parked: Option<u64>,
+    waiting: Option<u64>,
+    oldest_parked_age: Option<Duration>,
+    parked_error: Option<String>,
+    /// Retries requested and not yet performed by the consumer service.
+    retry_requested: Option<usize>,
+}
+
+async fn inbox_status(
     config: &Config,
     c: &ConsumerConfig,
     outbox_pool: &sqlx::PgPool,
-) -> (Option<i64>, Option<String>, Option<String>) {
+) -> InboxStatus {
     let pool = if c.database_url.is_empty() {
         outbox_pool.clone()
     } else {
@@ -273,9 +320,16 @@ async fn inbox_counts(
         .await
         {
             Ok((p, _)) => p,
-            Err(e) => return (None, None, Some(e.message)),
+            Err(e) => {
+                return InboxStatus {
+                    error: Some(e.message.clone()),
+                    parked_error: Some(e.message),
+                    ..InboxStatus::default()
+                }
+            }
         }
     };
+    let mut status = InboxStatus::default();
     let t = qualified(&c.inbox_schema, &c.inbox_table);
     match sqlx::query_as::<_, (i64, Option<chrono::DateTime<Utc>>)>(&format!(
         "SELECT count(*), max(processed_at) FROM {t} WHERE consumer = $1"
@@ -284,14 +338,37 @@ async fn inbox_counts(
     .fetch_one(&pool)
     .await
     {
-        Ok((n, last)) => (Some(n), last.map(|t| t.to_rfc3339()), None),
-        Err(e) => (
-            None,
-            None,
-            Some(format!(
+        Ok((n, last)) => {
+            status.registrations = Some(n);
+            status.last_applied = last.map(|t| t.to_rfc3339());
+        }
+        Err(e) => {
+            status.error = Some(format!(
                 "cannot read inbox {t}: {}",
                 outbox_postgres::map_sqlx_error(e).message
-            )),
-        ),
+            ))
+        }
     }
+    // The parked counts through the library's parking API.
+    match db::inbox_store_on(c, pool) {
+        Err(e) => status.parked_error = Some(e.message),
+        Ok((store, table)) => match store.parked_stats(&c.name).await {
+            Ok(p) => {
+                status.retry_requested =
+                    store.requested_retries(&c.name).await.ok().map(|r| r.len());
+                status.parked = Some(p.parked);
+                status.waiting = Some(p.waiting);
+                status.oldest_parked_age = p
+                    .oldest_parked_at
+                    .and_then(|t| (Utc::now() - t).to_std().ok());
+            }
+            Err(e) => {
+                status.parked_error = Some(format!(
+                    "cannot read the parked messages of {table}: {} (run `outbox migrate --inbox`)",
+                    e.message
+                ))
+            }
+        },
+    }
+    status
 }

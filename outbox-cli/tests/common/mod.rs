@@ -472,3 +472,53 @@ pub fn read_topic(brokers: &str, topic: &str, partitions: i32, at_least: usize) 
     out.sort_by_key(|r| (r.partition, r.offset));
     out
 }
+
+/// The inbox store of `schema` (default table), migrated.
+pub async fn inbox(pool: &PgPool, schema: &str) -> outbox_postgres::PostgresInboxStore {
+    let inbox = outbox_postgres::PostgresInboxStore::builder(pool.clone())
+        .schema(schema.to_owned())
+        .build()
+        .unwrap();
+    inbox.migrate().await.unwrap();
+    inbox
+}
+
+/// Parks `e` for `consumer` as its engine does when it cannot apply it (`park_as` head or
+/// waiting), as read at `offset` of partition 0 of `topic`. Returns its id.
+pub async fn park_consumer_message(
+    inbox: &outbox_postgres::PostgresInboxStore,
+    consumer: &str,
+    topic: &str,
+    offset: i64,
+    e: &Envelope,
+    park_as: outbox_core::ParkAs,
+    reason: &str,
+) -> outbox_core::ParkedId {
+    use outbox_core::{
+        InboxStore, LogPosition, NewParkedMessage, ParkedRecord, Parking, RecordHeader,
+    };
+    let headers = outbox_core::wire::encode_headers(e)
+        .into_iter()
+        .map(|(name, value)| RecordHeader::new(name, value))
+        .collect();
+    let record = ParkedRecord::new(
+        LogPosition::new(topic, 0, offset),
+        Some(e.aggregate_id.clone().into_bytes()),
+        headers,
+        Some(e.payload.bytes.clone()),
+    );
+    let mut tx = inbox.begin().await.unwrap();
+    let parked = inbox
+        .park(
+            &mut tx,
+            consumer,
+            &[NewParkedMessage::new(record, park_as, reason, 1)],
+        )
+        .await
+        .unwrap();
+    inbox.commit(tx).await.unwrap();
+    match parked[0] {
+        Parking::Head(id) | Parking::Waiting(id) => id,
+        Parking::AlreadyParked => panic!("{} is parked already", e.event_id),
+    }
+}

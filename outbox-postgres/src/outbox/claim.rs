@@ -354,7 +354,12 @@ impl PostgresOutboxStore {
                     };
                     claimed.push((
                         claimed_row,
-                        ClaimedRecord::new(envelope, attempts.max(0) as u32),
+                        // Possibly sent before: the aggregate's lease still names this row (an
+                        // earlier claim ended without outcome or release: a crash, a lost
+                        // completion, an expired lease), or an earlier failure left delivery
+                        // uncertain (`maybe_delivered`).
+                        ClaimedRecord::new(envelope, attempts.max(0) as u32)
+                            .with_maybe_sent_before(row.try_get("resend").map_err(db)?),
                     ));
                 }
                 "stale" | "gap_park" => {

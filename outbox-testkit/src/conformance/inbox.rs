@@ -223,32 +223,37 @@ pub async fn concurrent_registrations_cannot_both_commit<H: InboxHarness>(h: &H)
     s.rollback(tx).await.expect("rollback");
 }
 
-/// Cleanup forgets registrations older than the retention, and only those, one bounded batch
-/// per call.
+/// Cleanup forgets the cleaning consumer's registrations older than the retention, and only
+/// those, one bounded batch per call; another consumer's registrations (sharing the store,
+/// with a longer window) stay, however old.
 pub async fn cleanup_forgets_registrations_past_retention<H: InboxHarness>(h: &H) {
     let s = h.store();
     let step = h.capabilities().time_step;
     let c = consumer("c");
+    let other = consumer("other");
     let old = [fresh_event_id(), fresh_event_id(), fresh_event_id()];
     let new = fresh_event_id();
     let mut tx = s.begin().await.expect("begin");
     s.register(&mut tx, &c, &old).await.expect("register");
+    s.register(&mut tx, &other, &old).await.expect("register");
     s.commit(tx).await.expect("commit");
     h.advance(step * 4).await;
     let mut tx = s.begin().await.expect("begin");
     s.register_one(&mut tx, &c, new).await.expect("register");
     s.commit(tx).await.expect("commit");
     assert_eq!(
-        s.cleanup(step * 2, 2).await.expect("cleanup"),
+        s.cleanup(&c, step * 2, 2).await.expect("cleanup"),
         2,
         "one call removes at most one batch"
     );
     assert_eq!(
-        s.cleanup_batches(step * 2, 2, 10).await.expect("cleanup"),
+        s.cleanup_batches(&c, step * 2, 2, 10)
+            .await
+            .expect("cleanup"),
         1,
-        "exactly the old registrations are past retention"
+        "exactly the consumer's old registrations are past retention"
     );
-    assert_eq!(s.cleanup(step * 2, 2).await.expect("cleanup"), 0);
+    assert_eq!(s.cleanup(&c, step * 2, 2).await.expect("cleanup"), 0);
     let mut tx = s.begin().await.expect("begin");
     use Registration::*;
     assert_eq!(
@@ -257,7 +262,22 @@ pub async fn cleanup_forgets_registrations_past_retention<H: InboxHarness>(h: &H
             .expect("register"),
         vec![Fresh, Fresh, Fresh, Duplicate]
     );
+    assert_eq!(
+        s.register(&mut tx, &other, &old).await.expect("register"),
+        vec![Duplicate, Duplicate, Duplicate],
+        "another consumer's registrations survive this consumer's cleanup"
+    );
     s.rollback(tx).await.expect("rollback");
+    assert_eq!(
+        s.cleanup(&other, step * 8, 10).await.expect("cleanup"),
+        0,
+        "the other consumer's own, longer window keeps them"
+    );
+    assert_eq!(
+        s.cleanup(&other, step * 2, 10).await.expect("cleanup"),
+        3,
+        "its own cleanup removes them"
+    );
 }
 
 /// An aggregate never written has no applied version and is not blocked; an advance is

@@ -281,7 +281,8 @@ pub async fn late_commit_with_lower_sequence_is_not_skipped<H: OutboxHarness>(h:
     );
 }
 
-/// An expired lease returns its rows to the pool; a live one excludes other relays.
+/// An expired lease returns its rows to the pool; a live one excludes other relays. The claim
+/// that takes them over reports them as possibly sent before.
 pub async fn lease_expiry_returns_rows_to_the_pool<H: OutboxHarness>(h: &H) {
     let caps = h.capabilities();
     if !caps.lease {
@@ -293,6 +294,10 @@ pub async fn lease_expiry_returns_rows_to_the_pool<H: OutboxHarness>(h: &H) {
     append_committed(h, &r1, std::slice::from_ref(&e)).await;
     let first = claim(&r1, "relay-1", 10).await;
     assert_eq!(ids(&first), set(&[&e]));
+    assert!(
+        !first.records[0].maybe_sent_before,
+        "a first claim is no re-send"
+    );
     let remaining = first
         .lease_remaining
         .expect("a lease claim reports its remaining time");
@@ -311,6 +316,10 @@ pub async fn lease_expiry_returns_rows_to_the_pool<H: OutboxHarness>(h: &H) {
     assert_eq!(
         second.records[0].attempts, 0,
         "expiry is not a failed attempt"
+    );
+    assert!(
+        second.records[0].maybe_sent_before && second.records[0].is_resend(),
+        "the expired claim may have sent it: publishing it again is a possible re-send"
     );
 }
 
