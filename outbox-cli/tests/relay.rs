@@ -58,12 +58,6 @@ async fn relay_drains_serves_health_and_metrics_and_stops_on_sigterm() {
         Duration::from_secs(10),
     );
     relay.wait_metric(
-        "outbox_db_pool_connections",
-        "state=\"in_use\"",
-        |v| v >= 0.0,
-        Duration::from_secs(10),
-    );
-    relay.wait_metric(
         "outbox_store_total_bytes",
         "",
         |v| v > 0.0,
@@ -81,10 +75,11 @@ async fn relay_drains_serves_health_and_metrics_and_stops_on_sigterm() {
         .execute(&env.pool)
         .await
         .unwrap();
+    // Just vacuumed: the age is that of this VACUUM, not of the table.
     relay.wait_metric(
         "outbox_store_last_vacuum_age_seconds",
         "",
-        |v| v >= 0.0,
+        |v| (0.0..60.0).contains(&v),
         Duration::from_secs(10),
     );
 
