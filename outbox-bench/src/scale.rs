@@ -63,6 +63,12 @@ pub(crate) struct ScaleArgs {
 
 /// Runs the scale scenario.
 pub(crate) async fn run(env: &Env, args: &ScaleArgs, rounds: usize) -> anyhow::Result<Report> {
+    if let Some(small) = args.sizes.iter().find(|&&s| s < 2000) {
+        anyhow::bail!(
+            "--sizes: {small} is too small; each size needs at least 2,000 rows (claims of \
+             1,000 and a naive select after them)"
+        );
+    }
     let mut report = Report::new("scale", rounds);
     report.param("sizes", &args.sizes);
     report.param("aggregates", args.aggregates);
@@ -98,8 +104,12 @@ pub(crate) async fn run(env: &Env, args: &ScaleArgs, rounds: usize) -> anyhow::R
         let claim_name = format!("store claim (lease) [{size} queued]");
         let complete_name = format!("store complete (lease) [{size} queued]");
         let naive_name = format!("naive SKIP LOCKED select [{size} queued]");
-        // Each measured claim publishes 1,000 rows: never more than the table holds.
-        let claims = args.claims.min(size / (1000 * rounds)).max(1);
+        // Each measured claim publishes 1,000 rows: never more than the table holds, and 1,000
+        // rows stay queued for the naive select that may follow the last claim.
+        let claims = args
+            .claims
+            .min((size / 1000).saturating_sub(1) / rounds)
+            .max(1);
         for round in 0..rounds {
             let (mut claim_ms, mut complete_ms, mut naive_ms) = (vec![], vec![], vec![]);
             for k in 0..claims {

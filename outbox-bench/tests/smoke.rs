@@ -117,3 +117,17 @@ fn every_scenario_runs_at_its_smallest() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn bad_arguments_are_refused_with_the_option_named() {
+    // No service is reached before the arguments are checked.
+    let out = Command::new(env!("CARGO_BIN_EXE_outbox-bench"))
+        .env("DATABASE_URL", "postgres://nobody@127.0.0.1:1/none")
+        .env("KAFKA_BROKERS", "127.0.0.1:1")
+        .args(["drain", "--events", "many"])
+        .output()
+        .expect("outbox-bench starts");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--events"), "{err}");
+}
