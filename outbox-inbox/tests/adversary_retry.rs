@@ -1,0 +1,688 @@
+//! Adversarial tests of operator retry requests (`ParkedMessages::request_retry`, performed by
+//! the engine's retry-request check) against a real PostgreSQL inbox: a request performed while
+//! the engine handles the aggregate, two engines performing one request, a request made while
+//! another is performed, a discard racing a performed request, the engine dropped mid-retry, and
+//! a request for a message resolved meanwhile.
+//!
+//! Setup copied from `adversary.rs` (the handler here waits on its gate *before* deciding to
+//! fail, so a retry that fails again can be held open).
+#![allow(dead_code)]
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use outbox_core::watermark::SharedOffsetTracker;
+use outbox_core::{
+    async_trait, CommitOffset, Envelope, InboxParking, LogPosition, MessageSource,
+    ParkedFilter, PartitionLag, Publisher, ReceivedMessage, RetryPolicy, SourceError,
+};
+use outbox_inbox::{
+    ConsumerEngine, EngineConfig, EngineReport, Handler, HandlerError, InboxProcessor,
+    ParkedMessages, VersionPolicy,
+};
+use outbox_postgres::{map_sqlx_error, PostgresInboxStore};
+use outbox_testkit::MemoryLog;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgPool, Postgres, Transaction};
+use tokio::sync::Semaphore;
+
+type PgTx = Transaction<'static, Postgres>;
+
+// ---------------------------------------------------------------------------------------------
+// Setup
+// ---------------------------------------------------------------------------------------------
+
+/// One test's schema, with its pool (connections named after the schema, so the test can see
+/// its own sessions waiting on locks).
+struct Ctx {
+    pool: PgPool,
+    schema: String,
+}
+
+impl Ctx {
+    async fn new(test: &str) -> Option<Self> {
+        let url = outbox_test_support::database_url(test)?;
+        let schema = outbox_test_support::unique("cadv");
+        let opts: PgConnectOptions = url.parse().expect("DATABASE_URL");
+        let pool = PgPoolOptions::new()
+            .max_connections(8)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect_with(opts.application_name(&schema))
+            .await
+            .expect("connect to PostgreSQL");
+        let ctx = Self { pool, schema };
+        let s = &ctx.schema;
+        sqlx::raw_sql(&format!(
+            "CREATE SCHEMA \"{s}\";
+             CREATE TABLE \"{s}\".effects (seq bigserial PRIMARY KEY, dedup_id uuid NOT NULL,
+                 aggregate_id text NOT NULL, version bigint NOT NULL);
+             CREATE TABLE \"{s}\".fixes (id text PRIMARY KEY);
+             CREATE TABLE \"{s}\".uniq (id int PRIMARY KEY);
+             INSERT INTO \"{s}\".uniq VALUES (1);"
+        ))
+        .execute(&ctx.pool)
+        .await
+        .expect("test tables");
+        Some(ctx)
+    }
+
+    async fn inbox(&self) -> PostgresInboxStore {
+        let inbox = PostgresInboxStore::builder(self.pool.clone())
+            .schema(&self.schema)
+            .build()
+            .expect("build");
+        inbox.migrate().await.expect("migrate");
+        inbox
+    }
+
+    /// Versions applied for `agg`, in the order they were applied.
+    async fn applied(&self, agg: &str) -> Vec<i64> {
+        sqlx::query_scalar(&format!(
+            "SELECT version FROM \"{}\".effects WHERE aggregate_id = $1 ORDER BY seq",
+            self.schema
+        ))
+        .bind(agg)
+        .fetch_all(&self.pool)
+        .await
+        .unwrap()
+    }
+
+    /// Asserts that no effect was applied twice; returns the number of effects.
+    async fn effects_once(&self) -> i64 {
+        let twice: Vec<(uuid::Uuid, i64)> = sqlx::query_as(&format!(
+            "SELECT dedup_id, count(*) FROM \"{}\".effects GROUP BY dedup_id HAVING count(*) > 1",
+            self.schema
+        ))
+        .fetch_all(&self.pool)
+        .await
+        .unwrap();
+        assert!(
+            twice.is_empty(),
+            "effects applied more than once: {twice:?}"
+        );
+        sqlx::query_scalar(&format!("SELECT count(*) FROM \"{}\".effects", self.schema))
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
+    async fn fix(&self, agg: &str) {
+        sqlx::query(&format!(
+            "INSERT INTO \"{}\".fixes VALUES ($1) ON CONFLICT DO NOTHING",
+            self.schema
+        ))
+        .bind(agg)
+        .execute(&self.pool)
+        .await
+        .unwrap();
+    }
+
+    /// Waits until one of this test's sessions waits on a lock held by another session.
+    async fn wait_until_blocked(&self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let n: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
+                 AND cardinality(pg_blocking_pids(pid)) > 0",
+            )
+            .bind(&self.schema)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap();
+            if n > 0 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no session of this test became blocked"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    async fn drop(self) {
+        let _ = sqlx::query(&format!("DROP SCHEMA \"{}\" CASCADE", self.schema))
+            .execute(&self.pool)
+            .await;
+        self.pool.close().await;
+    }
+}
+
+macro_rules! ctx {
+    ($test:expr) => {
+        match Ctx::new($test).await {
+            Some(c) => c,
+            None => return,
+        }
+    };
+}
+
+/// The handler: one effect row per event, in the effect's transaction.
+///
+/// * `poison*` aggregates fail permanently until a row in `fixes` names them;
+/// * an aggregate with a gate waits on it (counting in `entered`) before writing;
+/// * `swallow*` aggregates, while `swallow` is set, run a statement that fails and ignore the
+///   error (the "insert, and treat a unique violation as already done" idiom), which leaves
+///   PostgreSQL's transaction aborted.
+#[derive(Clone)]
+struct Effects {
+    schema: String,
+    gates: Arc<Mutex<HashMap<String, Arc<Semaphore>>>>,
+    entered: Arc<AtomicUsize>,
+    swallow: Arc<AtomicBool>,
+    /// Every handler call takes this long (milliseconds), so batches are in flight.
+    delay_ms: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Effects {
+    fn new(ctx: &Ctx) -> Self {
+        Self {
+            schema: ctx.schema.clone(),
+            gates: Arc::default(),
+            entered: Arc::default(),
+            swallow: Arc::new(AtomicBool::new(true)),
+            delay_ms: Arc::default(),
+        }
+    }
+
+    /// Closes a gate on `agg`; returns it (add permits to open it).
+    fn gate(&self, agg: &str) -> Arc<Semaphore> {
+        let g = Arc::new(Semaphore::new(0));
+        self.gates.lock().unwrap().insert(agg.to_owned(), g.clone());
+        g
+    }
+
+    async fn wait_entered(&self, n: usize) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.entered.load(Ordering::SeqCst) < n {
+            assert!(Instant::now() < deadline, "the handler was not entered");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+}
+
+#[async_trait]
+impl Handler<PgTx> for Effects {
+    async fn handle(&self, tx: &mut PgTx, e: &Envelope) -> Result<(), HandlerError> {
+        let s = &self.schema;
+        let err = |e: sqlx::Error| HandlerError::from(map_sqlx_error(e));
+        let delay = self.delay_ms.load(Ordering::SeqCst);
+        if delay > 0 {
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+        }
+        let gate = self.gates.lock().unwrap().get(&e.aggregate_id).cloned();
+        if let Some(g) = gate {
+            self.entered.fetch_add(1, Ordering::SeqCst);
+            g.acquire().await.expect("gate").forget();
+        }
+        if e.aggregate_id.starts_with("poison") {
+            let fixed: Option<i32> =
+                sqlx::query_scalar(&format!("SELECT 1 FROM \"{s}\".fixes WHERE id = $1"))
+                    .bind(&e.aggregate_id)
+                    .fetch_optional(&mut **tx)
+                    .await
+                    .map_err(err)?;
+            if fixed.is_none() {
+                return Err(HandlerError::permanent("unknown customer"));
+            }
+        }
+        sqlx::query(&format!(
+            "INSERT INTO \"{s}\".effects (dedup_id, aggregate_id, version) VALUES ($1, $2, $3)"
+        ))
+        .bind(e.dedup_id().as_uuid())
+        .bind(&e.aggregate_id)
+        .bind(e.aggregate_version)
+        .execute(&mut **tx)
+        .await
+        .map_err(err)?;
+        if e.aggregate_id.starts_with("swallow") && self.swallow.load(Ordering::SeqCst) {
+            // "Already there? Fine." The error is ignored; PostgreSQL aborted the transaction.
+            let _ = sqlx::query(&format!("INSERT INTO \"{s}\".uniq VALUES (1)"))
+                .execute(&mut **tx)
+                .await;
+        }
+        Ok(())
+    }
+}
+
+fn ev(agg: &str, v: i64) -> Envelope {
+    Envelope::builder("order", agg, v, "order.changed")
+        .json(&serde_json::json!({ "v": v }))
+        .unwrap()
+        .build()
+        .unwrap()
+}
+
+fn retry_fast(max_attempts: u32) -> RetryPolicy {
+    RetryPolicy::builder()
+        .base(Duration::from_millis(1))
+        .max_delay(Duration::from_millis(2))
+        .min_delay(Duration::from_millis(1))
+        .max_attempts(max_attempts)
+        .build()
+        .unwrap()
+}
+
+/// Commits after every final message; fast retries.
+fn fast() -> EngineConfig {
+    EngineConfig::default()
+        .with_commit(1, Duration::from_secs(60))
+        .with_poll_timeout(Duration::from_millis(5))
+        .with_retry(retry_fast(3))
+}
+
+const GROUP: &str = "proj";
+
+fn processor(
+    inbox: &PostgresInboxStore,
+    h: &Effects,
+    policy: VersionPolicy,
+) -> InboxProcessor<PostgresInboxStore, Effects> {
+    InboxProcessor::new(GROUP, inbox.clone(), h.clone()).with_version_policy(policy)
+}
+
+type Engine<S> = ConsumerEngine<S, PostgresInboxStore, Effects>;
+
+fn engine<S: MessageSource>(
+    source: S,
+    inbox: &PostgresInboxStore,
+    h: &Effects,
+    policy: VersionPolicy,
+    cfg: EngineConfig,
+) -> Engine<S> {
+    ConsumerEngine::new(source, processor(inbox, h, policy), cfg, 7).unwrap()
+}
+
+async fn quiet<S: MessageSource>(eng: &mut Engine<S>) -> EngineReport {
+    eng.run_until_quiet(Duration::from_millis(60))
+        .await
+        .unwrap()
+}
+
+fn operator(
+    inbox: &PostgresInboxStore,
+    h: &Effects,
+    policy: VersionPolicy,
+) -> ParkedMessages<PostgresInboxStore, Effects> {
+    ParkedMessages::new(processor(inbox, h, policy))
+}
+
+async fn open_parked(inbox: &PostgresInboxStore) -> Vec<outbox_core::ParkedMessage> {
+    inbox
+        .list_parked(GROUP, &ParkedFilter::open())
+        .await
+        .unwrap()
+}
+
+/// Runs `eng` in a task until the returned sender fires; the task hands the engine back.
+fn spawn_engine<S>(
+    mut eng: Engine<S>,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<(Engine<S>, EngineReport)>,
+)
+where
+    S: MessageSource + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        let report = eng
+            .run(async {
+                let _ = rx.await;
+            })
+            .await
+            .unwrap();
+        (eng, report)
+    });
+    (tx, task)
+}
+
+async fn eventually<F, Fut>(what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while !cond().await {
+        assert!(Instant::now() < deadline, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A source that delegates to `inner` but whose offset commits never return (the process dies
+/// in the middle of them), or fail transiently while `fail` is set.
+struct CommitControl<S> {
+    inner: S,
+    hang: bool,
+    fail: Arc<AtomicBool>,
+    commits: Arc<Mutex<Vec<CommitOffset>>>,
+}
+
+impl<S> CommitControl<S> {
+    fn hanging(inner: S) -> Self {
+        Self {
+            inner,
+            hang: true,
+            fail: Arc::default(),
+            commits: Arc::default(),
+        }
+    }
+}
+
+#[async_trait]
+impl<S: MessageSource> MessageSource for CommitControl<S> {
+    async fn poll(&self, timeout: Duration) -> Result<Option<ReceivedMessage>, SourceError> {
+        self.inner.poll(timeout).await
+    }
+    async fn commit(&self, offsets: &[CommitOffset]) -> Result<(), SourceError> {
+        if self.hang {
+            std::future::pending::<()>().await;
+        }
+        if self.fail.load(Ordering::SeqCst) {
+            return Err(SourceError::new(
+                outbox_core::ErrorClass::Transient,
+                "coordinator not available",
+            ));
+        }
+        self.commits.lock().unwrap().extend(offsets.iter().cloned());
+        self.inner.commit(offsets).await
+    }
+    fn attach_offsets(&self, offsets: SharedOffsetTracker) {
+        self.inner.attach_offsets(offsets);
+    }
+    async fn lag(&self) -> Result<Vec<PartitionLag>, SourceError> {
+        self.inner.lag().await
+    }
+}
+
+/// A source fed by the test (messages pushed at any time), recording successful commits.
+#[derive(Clone, Default)]
+struct Scripted {
+    queue: Arc<Mutex<VecDeque<ReceivedMessage>>>,
+}
+
+impl Scripted {
+    fn push(&self, offset: i64, e: &Envelope) {
+        self.queue.lock().unwrap().push_back(ReceivedMessage::new(
+            LogPosition::new("t", 0, offset),
+            None,
+            Ok(e.clone()),
+        ));
+    }
+}
+
+#[async_trait]
+impl MessageSource for Scripted {
+    async fn poll(&self, timeout: Duration) -> Result<Option<ReceivedMessage>, SourceError> {
+        let m = self.queue.lock().unwrap().pop_front();
+        if m.is_none() {
+            tokio::time::sleep(timeout.min(Duration::from_millis(2))).await;
+        }
+        Ok(m)
+    }
+    async fn commit(&self, _: &[CommitOffset]) -> Result<(), SourceError> {
+        Ok(())
+    }
+    fn attach_offsets(&self, _: SharedOffsetTracker) {}
+    async fn lag(&self) -> Result<Vec<PartitionLag>, SourceError> {
+        Ok(Vec::new())
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+// ---------------------------------------------------------------------------------------------
+// Retry requests
+// ---------------------------------------------------------------------------------------------
+
+fn cfg() -> EngineConfig {
+    fast().with_retry_requests_interval(Duration::from_millis(20))
+}
+
+/// `poison-a` v1 parked, v2 waiting behind it, `b` v1 applied; offsets committed to 3.
+async fn setup(ctx: &Ctx, h: &Effects) -> (PostgresInboxStore, MemoryLog, Engine<outbox_testkit::MemoryConsumer>, outbox_core::ParkedId) {
+    let inbox = ctx.inbox().await;
+    let log = MemoryLog::new("t", 1);
+    log.publish(&[ev("poison-a", 1), ev("poison-a", 2), ev("b", 1)])
+        .await;
+    let mut eng = engine(log.consumer(GROUP, &["t"]), &inbox, h, VersionPolicy::Reject, cfg());
+    let r = quiet(&mut eng).await;
+    assert_eq!((r.parked, r.waiting, r.applied), (1, 1, 1), "{r:?}");
+    assert_eq!(log.committed(GROUP, "t", 0), Some(3));
+    let head = open_parked(&inbox).await[0].id;
+    (inbox, log, eng, head)
+}
+
+async fn retries_audited(inbox: &PostgresInboxStore, id: outbox_core::ParkedId) -> usize {
+    inbox
+        .audit_trail(GROUP, Some(id))
+        .await
+        .unwrap()
+        .iter()
+        .filter(|a| a.action == outbox_core::InboxAction::Retry)
+        .count()
+}
+
+/// Waits up to `d` for `h`; `None` when still running.
+async fn within<T>(h: &mut tokio::task::JoinHandle<T>, d: Duration) -> Option<T> {
+    match tokio::time::timeout(d, h).await {
+        Ok(r) => Some(r.unwrap()),
+        Err(_) => None,
+    }
+}
+
+/// The engine's retry task holds the aggregate inside the handler; v3 of the aggregate arrives
+/// and the engine must wait behind it (seen through `pg_blocking_pids`), then apply v3 after
+/// the released v2; the offset is not committed past v3 before it is final.
+#[tokio::test]
+async fn a_request_performed_while_the_engine_receives_the_aggregate() {
+    let ctx = ctx!("a_request_performed_while_the_engine_receives_the_aggregate");
+    let h = Effects::new(&ctx);
+    let (inbox, log, eng, head) = setup(&ctx, &h).await;
+    ctx.fix("poison-a").await;
+    let gate = h.gate("poison-a");
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    ops.request_retry(head, "alice", "fixed").await.unwrap();
+    let (stop, task) = spawn_engine(eng);
+    h.wait_entered(1).await;
+    log.publish(&[ev("poison-a", 3)]).await;
+    ctx.wait_until_blocked().await;
+    assert_eq!(log.committed(GROUP, "t", 0), Some(3), "v3 not final yet");
+    gate.add_permits(1_000);
+    eventually("v3 applied", || async { ctx.applied("poison-a").await.len() == 3 }).await;
+    eventually("offsets committed", || async { log.committed(GROUP, "t", 0) == Some(4) }).await;
+    stop.send(()).unwrap();
+    let (_eng, report) = task.await.unwrap();
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 2, 3]);
+    assert_eq!(ctx.effects_once().await, 4);
+    assert!(open_parked(&inbox).await.is_empty());
+    assert_eq!(report.requested_retries, 1, "{report:?}");
+    assert_eq!(retries_audited(&inbox, head).await, 1);
+    assert!(ops.requested_retries().await.unwrap().is_empty());
+    ctx.drop().await;
+}
+
+/// Two instances of the consumer perform the same request at once (their retry tasks are
+/// `perform_requested_retries` of two operators over the same consumer).
+#[tokio::test]
+async fn two_instances_perform_the_same_request() {
+    let ctx = ctx!("two_instances_perform_the_same_request");
+    let h = Effects::new(&ctx);
+    let (inbox, _log, _eng, head) = setup(&ctx, &h).await;
+    ctx.fix("poison-a").await;
+    let gate = h.gate("poison-a");
+    let a = operator(&inbox, &h, VersionPolicy::Reject);
+    let b = operator(&inbox, &h, VersionPolicy::Reject);
+    a.request_retry(head, "alice", "fixed").await.unwrap();
+    let mut ta = tokio::spawn(async move { a.perform_requested_retries().await });
+    h.wait_entered(1).await;
+    let mut tb = tokio::spawn(async move { b.perform_requested_retries().await });
+    // The second either waits on the first's locks or is held in the handler as well.
+    let early = within(&mut tb, Duration::from_millis(300)).await;
+    let early_done = early.is_some();
+    if early.is_none() && h.entered.load(Ordering::SeqCst) < 2 {
+        ctx.wait_until_blocked().await;
+    }
+    gate.add_permits(1_000);
+    let ra = within(&mut ta, Duration::from_secs(10)).await.expect("a").unwrap();
+    let rb = match early {
+        Some(r) => r,
+        None => within(&mut tb, Duration::from_secs(10)).await.expect("b"),
+    }
+    .unwrap();
+    eprintln!("two instances: second early={} a={ra:?} b={rb:?}", early_done);
+    let ok = ra.iter().chain(rb.iter()).filter(|(_, r)| r.is_ok()).count();
+    assert_eq!(ok, 1, "performed once: a={ra:?} b={rb:?}");
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 2]);
+    assert_eq!(ctx.effects_once().await, 3);
+    assert_eq!(retries_audited(&inbox, head).await, 1);
+    assert!(open_parked(&inbox).await.is_empty());
+    ctx.drop().await;
+}
+
+/// A second request is made while the first is being performed, and that retry fails again:
+/// the message stays parked and the newer request must survive the clearing of the first.
+#[tokio::test]
+async fn a_request_made_while_the_previous_one_is_performed_survives() {
+    let ctx = ctx!("a_request_made_while_the_previous_one_is_performed_survives");
+    let h = Effects::new(&ctx);
+    let (inbox, _log, _eng, head) = setup(&ctx, &h).await;
+    let gate = h.gate("poison-a"); // not fixed: the retry fails again
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let first = ops.request_retry(head, "alice", "first").await.unwrap();
+    let performer = operator(&inbox, &h, VersionPolicy::Reject);
+    let mut perf = tokio::spawn(async move { performer.perform_requested_retries().await });
+    h.wait_entered(1).await;
+    let second_ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let mut second =
+        tokio::spawn(async move { second_ops.request_retry(head, "bob", "second").await });
+    let early = within(&mut second, Duration::from_millis(300)).await;
+    if early.is_none() {
+        ctx.wait_until_blocked().await;
+    }
+    gate.add_permits(1_000);
+    let done = within(&mut perf, Duration::from_secs(10)).await.expect("perform").unwrap();
+    assert_eq!(done.len(), 1);
+    let second = match early {
+        Some(r) => r,
+        None => within(&mut second, Duration::from_secs(10)).await.expect("second"),
+    }
+    .expect("the message is still open: the second request is accepted");
+    eprintln!("second request early={} perform={done:?}", false);
+    assert!(second.requested_at > first.requested_at);
+    let pending = ops.requested_retries().await.unwrap();
+    assert_eq!(pending.len(), 1, "the newer request survives: {pending:?}");
+    assert_eq!(
+        pending[0].retry_request.as_ref().unwrap().actor,
+        "bob",
+        "{pending:?}"
+    );
+    assert!(ctx.applied("poison-a").await.is_empty());
+    // Performed once more after the fix: applies in order, then nothing is pending.
+    ctx.fix("poison-a").await;
+    let done = ops.perform_requested_retries().await.unwrap();
+    assert!(done[0].1.is_ok(), "{done:?}");
+    assert!(ops.perform_requested_retries().await.unwrap().is_empty());
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 2]);
+    assert_eq!(ctx.effects_once().await, 3);
+    ctx.drop().await;
+}
+
+/// An operator discard of the head races the performed request (held inside the handler):
+/// exactly one of them resolves the message; the discarded version is never applied too.
+#[tokio::test]
+async fn a_discard_racing_a_performed_request() {
+    let ctx = ctx!("a_discard_racing_a_performed_request");
+    let h = Effects::new(&ctx);
+    let (inbox, _log, _eng, head) = setup(&ctx, &h).await;
+    ctx.fix("poison-a").await;
+    let gate = h.gate("poison-a");
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    ops.request_retry(head, "alice", "fixed").await.unwrap();
+    let performer = operator(&inbox, &h, VersionPolicy::Reject);
+    let mut perf = tokio::spawn(async move { performer.perform_requested_retries().await });
+    h.wait_entered(1).await;
+    let d_ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let mut disc = tokio::spawn(async move { d_ops.discard(head, "carol", "obsolete").await });
+    let early = within(&mut disc, Duration::from_millis(300)).await;
+    if early.is_none() {
+        ctx.wait_until_blocked().await;
+    }
+    gate.add_permits(1_000);
+    let done = within(&mut perf, Duration::from_secs(10)).await.expect("perform").unwrap();
+    let d = match early {
+        Some(r) => r,
+        None => within(&mut disc, Duration::from_secs(10)).await.expect("discard"),
+    };
+    let retried = done.iter().any(|(_, r)| r.is_ok());
+    eprintln!("discard race: retry={done:?} discard={d:?}");
+    assert!(
+        retried != d.is_ok(),
+        "exactly one resolves the head: retry={done:?} discard={d:?}"
+    );
+    let applied = ctx.applied("poison-a").await;
+    if retried {
+        assert_eq!(applied, vec![1, 2]);
+    } else {
+        assert_eq!(applied, vec![2], "discarded v1 never applied");
+    }
+    ctx.effects_once().await;
+    assert!(open_parked(&inbox).await.is_empty());
+    assert!(ops.requested_retries().await.unwrap().is_empty());
+    ctx.drop().await;
+}
+
+/// The engine is aborted while its retry task is inside the handler, then a new instance
+/// starts and performs the (still pending) request. The request must be performed once.
+#[tokio::test]
+async fn the_engine_aborted_mid_retry_then_restarted() {
+    let ctx = ctx!("the_engine_aborted_mid_retry_then_restarted");
+    let h = Effects::new(&ctx);
+    let (inbox, log, eng, head) = setup(&ctx, &h).await;
+    ctx.fix("poison-a").await;
+    let gate = h.gate("poison-a");
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    ops.request_retry(head, "alice", "fixed").await.unwrap();
+    let (_stop, task) = spawn_engine(eng);
+    h.wait_entered(1).await;
+    task.abort();
+    let _ = task.await;
+    let eng2 = engine(log.consumer(GROUP, &["t"]), &inbox, &h, VersionPolicy::Reject, cfg());
+    let (stop2, task2) = spawn_engine(eng2);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    gate.add_permits(1_000);
+    eventually("resolved", || async { open_parked(&inbox).await.is_empty() }).await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stop2.send(()).unwrap();
+    let (_e, rep2) = task2.await.unwrap();
+    eprintln!("restarted engine: {rep2:?}");
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 2]);
+    assert_eq!(ctx.effects_once().await, 3);
+    assert_eq!(retries_audited(&inbox, head).await, 1);
+    assert!(ops.requested_retries().await.unwrap().is_empty());
+    ctx.drop().await;
+}
+
+/// A request for a message discarded meanwhile: performing does nothing, no request stays,
+/// and a new request is refused.
+#[tokio::test]
+async fn a_request_for_a_message_resolved_meanwhile() {
+    let ctx = ctx!("a_request_for_a_message_resolved_meanwhile");
+    let h = Effects::new(&ctx);
+    let (inbox, _log, _eng, head) = setup(&ctx, &h).await;
+    ctx.fix("poison-a").await;
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    ops.request_retry(head, "alice", "fixed").await.unwrap();
+    ops.discard(head, "carol", "obsolete").await.unwrap();
+    let done = ops.perform_requested_retries().await.unwrap();
+    assert!(done.iter().all(|(_, r)| r.is_err()), "{done:?}");
+    assert!(ops.requested_retries().await.unwrap().is_empty());
+    assert!(ops.request_retry(head, "alice", "again").await.is_err());
+    assert_eq!(ctx.applied("poison-a").await, vec![2]);
+    assert_eq!(retries_audited(&inbox, head).await, 0);
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
