@@ -850,3 +850,84 @@ async fn redelivery_of_the_parked_messages_while_the_request_is_performed() {
     assert_eq!(retries_audited(&inbox, head).await, 1);
     ctx.drop().await;
 }
+
+/// A request for the *waiting* v2 (not the head) while the head v1 still fails: performing it
+/// must never apply v2 before v1; once v1 is fixed, a request for v2 applies 1 then 2.
+#[tokio::test]
+async fn a_request_for_a_waiting_message_never_applies_it_before_the_head() {
+    let ctx = ctx!("a_request_for_a_waiting_message_never_applies_it_before_the_head");
+    let h = Effects::new(&ctx);
+    let (inbox, _log, _eng, head) = setup(&ctx, &h).await;
+    let waiting = open_parked(&inbox)
+        .await
+        .into_iter()
+        .find(|m| m.id != head)
+        .unwrap()
+        .id;
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    ops.request_retry(waiting, "alice", "v2 please")
+        .await
+        .unwrap();
+    let done = ops.perform_requested_retries().await.unwrap();
+    eprintln!("waiting request, head unfixed: {done:?}");
+    assert!(
+        ctx.applied("poison-a").await.is_empty(),
+        "v2 applied before v1"
+    );
+    assert_eq!(open_parked(&inbox).await.len(), 2);
+    ctx.fix("poison-a").await;
+    ops.request_retry(waiting, "alice", "v2 please")
+        .await
+        .unwrap();
+    let done = ops.perform_requested_retries().await.unwrap();
+    eprintln!("waiting request, head fixed: {done:?}");
+    let applied = ctx.applied("poison-a").await;
+    assert_eq!(applied, vec![1, 2]);
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
+
+/// Two running engines of the same consumer (the second with an idle source) both check for
+/// requests every 20 ms while the first retry is held inside the handler.
+#[tokio::test]
+async fn two_running_engines_check_the_same_request() {
+    let ctx = ctx!("two_running_engines_check_the_same_request");
+    let h = Effects::new(&ctx);
+    let (inbox, _log, eng, head) = setup(&ctx, &h).await;
+    ctx.fix("poison-a").await;
+    let gate = h.gate("poison-a");
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    ops.request_retry(head, "alice", "fixed").await.unwrap();
+    let (stop_a, task_a) = spawn_engine(eng);
+    let eng_b = engine(
+        Scripted::default(),
+        &inbox,
+        &h,
+        VersionPolicy::Reject,
+        cfg(),
+    );
+    let (stop_b, task_b) = spawn_engine(eng_b);
+    h.wait_entered(1).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let entered = h.entered.load(Ordering::SeqCst);
+    gate.add_permits(1_000);
+    eventually("resolved", || async {
+        open_parked(&inbox).await.is_empty()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    stop_a.send(()).unwrap();
+    stop_b.send(()).unwrap();
+    let (_a, ra) = task_a.await.unwrap();
+    let (_b, rb) = task_b.await.unwrap();
+    eprintln!(
+        "two engines: entered while held={entered} a={} b={}",
+        ra.requested_retries, rb.requested_retries
+    );
+    assert_eq!(ra.requested_retries + rb.requested_retries, 1);
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 2]);
+    assert_eq!(ctx.effects_once().await, 3);
+    assert_eq!(retries_audited(&inbox, head).await, 1);
+    assert!(ops.requested_retries().await.unwrap().is_empty());
+    ctx.drop().await;
+}

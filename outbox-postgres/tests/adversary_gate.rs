@@ -100,7 +100,7 @@ async fn wait_for_waiter(ctx: &common::Ctx) {
 #[tokio::test]
 async fn an_open_append_never_blocks_and_the_relay_times_out() {
     let ctx = ctx!(8);
-    let wait = Duration::from_millis(300);
+    let wait = Duration::from_secs(2);
     let (store, _n, handle) = listening_store(&ctx, lease(30.0), wait).await;
     let mut long = ctx.pool.begin().await.unwrap();
     store.append(&mut *long, &event("long", 1)).await.unwrap();
@@ -130,7 +130,7 @@ async fn an_open_append_never_blocks_and_the_relay_times_out() {
             .unwrap();
         tx.commit().await.unwrap();
         assert!(
-            t.elapsed() < Duration::from_millis(250),
+            t.elapsed() < Duration::from_secs(1),
             "append {i} blocked on the gate: {:?}",
             t.elapsed()
         );
@@ -144,7 +144,7 @@ async fn an_open_append_never_blocks_and_the_relay_times_out() {
         "returned before the wait: {took:?}"
     );
     assert!(
-        took < wait + Duration::from_secs(2),
+        took < wait + Duration::from_secs(3),
         "blocked beyond the wait: {took:?}"
     );
     // It may have found the `during` rows on its first claim (before arming); never `long`.
@@ -174,7 +174,7 @@ async fn an_open_append_never_blocks_and_the_relay_times_out() {
 #[tokio::test]
 async fn two_relays_arming_at_once() {
     let ctx = ctx!(10);
-    let wait = Duration::from_millis(200);
+    let wait = Duration::from_secs(1);
     let (a, _na, ha) = listening_store(&ctx, lease(30.0), wait).await;
     let (b, _nb, hb) = listening_store(&ctx, lease(30.0), wait).await;
     let mut raw = raw_listener(&ctx, &a).await;
@@ -188,7 +188,10 @@ async fn two_relays_arming_at_once() {
     );
     let t = Instant::now();
     a.append(&ctx.pool, &event("x", 1)).await.unwrap();
-    assert!(t.elapsed() < Duration::from_millis(150));
+    assert!(
+        t.elapsed() < Duration::from_millis(500),
+        "the append blocked"
+    );
     assert_eq!(
         received_until_marker(&ctx, &a, &mut raw).await,
         ["", "marker"]
