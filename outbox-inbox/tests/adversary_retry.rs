@@ -606,7 +606,7 @@ async fn a_request_made_while_the_previous_one_is_performed_survives() {
             .expect("second"),
     }
     .expect("the message is still open: the second request is accepted");
-    eprintln!("second request early={} perform={done:?}", false);
+    eprintln!("second request: perform={done:?}");
     assert!(second.requested_at > first.requested_at);
     let pending = ops.requested_retries().await.unwrap();
     assert_eq!(pending.len(), 1, "the newer request survives: {pending:?}");
