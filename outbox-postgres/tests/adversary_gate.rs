@@ -414,3 +414,62 @@ async fn appends_under_read_committed_and_repeatable_read() {
     handle.abort();
     ctx.drop().await;
 }
+
+/// Appends inside savepoints: one rolled back to its savepoint while the relay is queued, one
+/// released into its transaction. Whatever the lock manager does with the subtransaction's
+/// shared lock, the released append's row is claimed by the relay going idle, and an append
+/// made after the relay armed notifies.
+#[tokio::test]
+async fn appends_inside_savepoints() {
+    let ctx = ctx!(8);
+    let (store, _n, handle) = listening_store(&ctx, lease(30.0), Duration::from_secs(10)).await;
+    let mut raw = raw_listener(&ctx, &store).await;
+    let mut tx = ctx.pool.begin().await.unwrap();
+    sqlx::query("SAVEPOINT a").execute(&mut *tx).await.unwrap();
+    store.append(&mut *tx, &event("gone", 1)).await.unwrap();
+    let relay = {
+        let store = store.clone();
+        tokio::spawn(async move { claim(&store, "r", 10).await })
+    };
+    wait_for_waiter(&ctx).await;
+    sqlx::query("ROLLBACK TO SAVEPOINT a")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    sqlx::query("SAVEPOINT b").execute(&mut *tx).await.unwrap();
+    store.append(&mut *tx, &event("kept", 1)).await.unwrap();
+    sqlx::query("RELEASE SAVEPOINT b")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let notified_in_tx = store.notifications_raised();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let relay_done_before_commit = relay.is_finished();
+    tx.commit().await.unwrap();
+    let b = tokio::time::timeout(Duration::from_secs(5), relay)
+        .await
+        .unwrap()
+        .unwrap();
+    eprintln!(
+        "savepoints: relay done before commit={relay_done_before_commit}, \
+         notified in tx={notified_in_tx}, claimed={:?}",
+        common::versions(&b)
+    );
+    let mut got = common::versions(&b);
+    if got.is_empty() {
+        // The relay armed before `kept` was appended, so `kept` notified: it is claimed now.
+        assert_eq!(notified_in_tx, 1, "kept neither claimed nor notified");
+        assert_eq!(
+            received_until_marker(&ctx, &store, &mut raw).await,
+            ["", "marker"]
+        );
+        let b2 = claim(&store, "r", 10).await;
+        got = common::versions(&b2);
+        publish_all(&store, &b2).await;
+    } else {
+        publish_all(&store, &b).await;
+    }
+    assert_eq!(got, [("kept".to_owned(), 1)]);
+    handle.abort();
+    ctx.drop().await;
+}
