@@ -11,6 +11,9 @@ use tracing::{info, warn};
 use crate::handler::Handler;
 use crate::processor::{InboxProcessor, MessageOutcome};
 
+/// Pauses before the second and third attempt of a requested retry that failed transiently.
+const REQUESTED_RETRY_BACKOFF_MS: [u64; 2] = [200, 800];
+
 /// Why an operator action was refused or failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -46,6 +49,9 @@ pub struct ReleaseReport {
     pub discarded: usize,
     /// The message that failed again and now blocks its aggregate, with why.
     pub still_parked: Option<(ParkedId, String)>,
+    /// Whether that failure was transient (a lost connection, a lock timeout): trying again
+    /// may succeed.
+    pub transient: bool,
     /// Whether the aggregate was released (nothing of it is parked any more).
     pub released: bool,
 }
@@ -306,8 +312,11 @@ where
     /// Performs the pending retry requests, oldest first, each through [`retry`](Self::retry)
     /// with the requester as the actor (the retry and its outcome are audited), and clears each
     /// request that was acted on: after a retry, also one that failed again (the message stays
-    /// parked with its attempts counted), and for a message resolved meanwhile. A request whose
-    /// retry failed in the store stays, for the next check. Returns what each retry did.
+    /// parked with its attempts counted), and for a message resolved meanwhile. A retry that
+    /// fails transiently (the handler's error is transient: a lost connection, a lock timeout)
+    /// is tried again at once, up to three attempts in all with a short backoff, before it
+    /// counts as failed again. A request whose retry failed in the store stays, for the next
+    /// check. Returns what each retry did.
     pub async fn perform_requested_retries(
         &self,
     ) -> Result<Vec<(ParkedId, Result<ReleaseReport, OperatorError>)>, StoreError> {
@@ -322,7 +331,17 @@ where
             } else {
                 format!("requested retry: {}", request.reason)
             };
-            let r = self.retry(m.id, &request.actor, &reason).await;
+            // A transient failure (a lost connection, a lock timeout) is tried again a few
+            // times with a short backoff before the request counts as performed; each attempt
+            // is audited and counted on the message.
+            let mut r = self.retry(m.id, &request.actor, &reason).await;
+            for pause_ms in REQUESTED_RETRY_BACKOFF_MS {
+                if !matches!(&r, Ok(report) if report.still_parked.is_some() && report.transient) {
+                    break;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(pause_ms)).await;
+                r = self.retry(m.id, &request.actor, &reason).await;
+            }
             let acted = match &r {
                 Ok(_) | Err(OperatorError::NotFound(_) | OperatorError::NotOpen { .. }) => true,
                 Err(OperatorError::Store(e)) => e.kind == StoreErrorKind::NotFound,
@@ -496,10 +515,11 @@ where
         let applied = self.processor.apply_parked(&mut tx, &msg, true).await;
         let (change, outcome) = match applied {
             Ok(Ok(o)) => (resolution(&o, report), o.as_str().to_owned()),
-            Ok(Err((kind, why))) => {
+            Ok(Err((kind, why, transient))) => {
                 let _ = store.rollback(tx).await;
                 tx = store.begin().await?;
                 report.still_parked = Some((target.id, why.clone()));
+                report.transient = transient;
                 (
                     ParkedChange::Failed {
                         kind,
@@ -691,8 +711,9 @@ where
                         return Ok(());
                     }
                 }
-                Err((kind, why)) => {
+                Err((kind, why, transient)) => {
                     let _ = store.rollback(tx).await;
+                    report.transient = transient;
                     warn!(consumer = %consumer, parked_id = %first.id, error = %why, "released message failed again; it now blocks its aggregate");
                     let mut tx = store.begin().await?;
                     let r = async {

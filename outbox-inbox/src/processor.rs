@@ -568,19 +568,21 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
     }
 
     /// Applies one parked message in `tx` for an operator: the same checks as the engine, a gap
-    /// accepted when `allow_gap`. `Ok(Err(..))` is a failure to record on the message.
+    /// accepted when `allow_gap`. `Ok(Err(..))` is a failure to record on the message (its
+    /// kind, why, and whether it was transient).
     pub(crate) async fn apply_parked(
         &self,
         tx: &mut I::Tx,
         msg: &ReceivedMessage,
         allow_gap: bool,
-    ) -> Result<Result<MessageOutcome, (ParkKind, String)>, StoreError> {
+    ) -> Result<Result<MessageOutcome, (ParkKind, String, bool)>, StoreError> {
         let event = match &msg.envelope {
             Ok(e) => e,
             Err(e) => {
                 return Ok(Err((
                     ParkKind::Unprocessable,
                     format!("cannot be decoded: {e}"),
+                    false,
                 )))
             }
         };
@@ -601,6 +603,7 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
                     return Ok(Err((
                         ParkKind::VersionGap,
                         format!("version gap: {key} expected version {expected}, got {v}"),
+                        false,
                     )));
                 }
             }
@@ -609,7 +612,8 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
             return Ok(Ok(MessageOutcome::Duplicate));
         }
         if let Err(e) = self.handler.handle(tx, event).await {
-            return Ok(Err((ParkKind::Unprocessable, e.to_string())));
+            let transient = e.class == outbox_core::ErrorClass::Transient;
+            return Ok(Err((ParkKind::Unprocessable, e.to_string(), transient)));
         }
         if self.policy.tracks() {
             self.store

@@ -737,16 +737,12 @@ async fn a_request_for_a_message_resolved_meanwhile() {
 }
 
 /// The retry's connection is lost while its retry task is inside the handler (terminated with
-/// `pg_terminate_backend`; the transaction rolls back). The failure is a store failure, which the
-/// docs of `perform_requested_retries` say leaves the request for the next check: the request
-/// must stay and be performed once by the next check; nothing is applied twice.
-///
-/// FOUND: the handler surfaces the lost connection as a transient `HandlerError`; the retry
-/// returns `Ok` with `still_parked` ("failed again: handler failed (transient): store error
-/// (connection, transient) ... terminating connection"), audits it as a Retry, counts an attempt,
-/// and the request is cleared. The message stays parked with no request: nothing retries it.
+/// `pg_terminate_backend`; the transaction rolls back). FOUND by the adversary pass: the handler
+/// surfaces the lost connection as a transient error, the retry counted as "failed again" and
+/// the request was cleared, so the message stayed parked with nothing to retry it. Now a
+/// transient failure is tried again at once (bounded): the second attempt applies it. Both
+/// attempts are audited; nothing is applied twice.
 #[tokio::test]
-#[ignore = "FOUND: a requested retry whose handler step loses its connection (transient store error) is recorded as 'failed again' and the request is cleared; the message stays parked, never retried"]
 async fn the_retry_connection_killed_mid_retry() {
     let ctx = ctx!("the_retry_connection_killed_mid_retry");
     let h = Effects::new(&ctx);
@@ -796,7 +792,11 @@ async fn the_retry_connection_killed_mid_retry() {
     eprintln!("killed mid-retry: {rep:?}");
     assert_eq!(ctx.applied("poison-a").await, vec![1, 2]);
     assert_eq!(ctx.effects_once().await, 3);
-    assert_eq!(retries_audited(&inbox, head).await, 1);
+    assert_eq!(
+        retries_audited(&inbox, head).await,
+        2,
+        "the failed attempt and the one that applied it"
+    );
     assert!(ops.requested_retries().await.unwrap().is_empty());
     ctx.drop().await;
 }

@@ -212,13 +212,12 @@ async fn two_relays_arming_at_once() {
     ctx.drop().await;
 }
 
-/// The gate's connection is killed (`pg_terminate_backend`) while armed. The lock goes with the
-/// session, but the store's `gate_armed` flag stays `true`, and an empty claim with the flag set
-/// neither re-arms nor checks the connection: appends take the shared lock, do not notify, and
-/// the idle relay waits for a wake-up that never comes (only its poll interval recovers it).
+/// The gate's connection is killed (`pg_terminate_backend`) while armed: the lock goes with the
+/// session. FOUND by the adversary pass: the store kept `gate_armed` set and its empty claims
+/// neither checked nor re-armed, so appends stopped notifying (a lost wake-up until the relay's
+/// next poll). Now the next empty claim (the relay is idle) finds the session gone and arms anew.
 #[tokio::test]
-#[ignore = "FOUND: gate connection killed while armed -> wake_gate_armed() stays true, empty claims do not re-arm, appends take the shared lock and do not NOTIFY (lost wake-up until the next poll)"]
-async fn gate_connection_killed_while_armed() {
+async fn a_gate_connection_killed_while_armed_is_armed_anew_by_the_next_idle_claim() {
     let ctx = ctx!(8);
     let (store, notify, handle) =
         listening_store(&ctx, lease(30.0), Duration::from_millis(200)).await;
@@ -251,52 +250,6 @@ async fn gate_connection_killed_while_armed() {
         before,
         store.notifications_raised()
     );
-    handle.abort();
-    ctx.drop().await;
-}
-
-/// Companion of the above that passes: records what does happen after the kill (no notify, the
-/// flag stays set) and that the next non-empty claim recovers (disarm drops the dead connection,
-/// the next idle claim arms a new one).
-#[tokio::test]
-async fn gate_connection_killed_recovers_after_work_is_found() {
-    let ctx = ctx!(8);
-    let (store, _notify, handle) =
-        listening_store(&ctx, lease(30.0), Duration::from_millis(200)).await;
-    assert!(claim(&store, "r", 10).await.is_empty());
-    let gate_pid = advisory(&ctx)
-        .await
-        .iter()
-        .find(|(_, m, g)| m == "ExclusiveLock" && *g)
-        .expect("the gate's lock")
-        .0;
-    sqlx::query("SELECT pg_terminate_backend($1)")
-        .bind(gate_pid)
-        .execute(&ctx.pool)
-        .await
-        .unwrap();
-    while advisory(&ctx).await.iter().any(|(p, _, _)| *p == gate_pid) {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(claim(&store, "r", 10).await.is_empty());
-    store.append(&ctx.pool, &event("k", 1)).await.unwrap();
-    assert_eq!(
-        store.notifications_raised(),
-        0,
-        "observed: the append does not notify"
-    );
-    assert!(
-        store.wake_gate_armed(),
-        "observed: the flag survives the dead session"
-    );
-    let b = claim(&store, "r", 10).await;
-    assert_eq!(b.records.len(), 1);
-    assert!(!store.wake_gate_armed());
-    publish_all(&store, &b).await;
-    assert!(claim(&store, "r", 10).await.is_empty());
-    assert!(store.wake_gate_armed(), "re-armed on a new connection");
-    store.append(&ctx.pool, &event("k", 2)).await.unwrap();
-    assert_eq!(store.notifications_raised(), 1);
     handle.abort();
     ctx.drop().await;
 }

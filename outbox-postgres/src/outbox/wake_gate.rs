@@ -81,7 +81,13 @@ impl PostgresOutboxStore {
             }
             return Ok(batch);
         }
-        if self.wake_gate_armed() || !self.inner.listening.load(Ordering::Acquire) {
+        if !self.inner.listening.load(Ordering::Acquire) {
+            return Ok(batch);
+        }
+        // Armed: the lock lives as long as the gate's session; a session ended under it (a
+        // terminated backend, a lost connection) took the lock with it, and appends stopped
+        // notifying. Check it on every empty claim (the relay is idle) and arm anew if gone.
+        if self.wake_gate_armed() && self.gate_alive().await {
             return Ok(batch);
         }
         if !self.arm().await {
@@ -131,6 +137,22 @@ impl PostgresOutboxStore {
                 false
             }
         }
+    }
+
+    /// Whether the armed gate's session still answers (it holds the lock while it lives);
+    /// disarms and drops the connection when it does not.
+    async fn gate_alive(&self) -> bool {
+        let mut guard = self.inner.gate.conn.lock().await;
+        let alive = match guard.as_mut() {
+            Some(conn) => conn.ping().await.is_ok(),
+            None => false,
+        };
+        if !alive {
+            warn!("wake-up gate: its connection was lost while armed; arming again");
+            *guard = None;
+            self.inner.gate_armed.store(false, Ordering::Release);
+        }
+        alive
     }
 
     async fn disarm(&self) {
