@@ -4,435 +4,21 @@
 //! another is performed, a discard racing a performed request, the engine dropped mid-retry, and
 //! a request for a message resolved meanwhile.
 //!
-//! Setup copied from `adversary.rs` (the handler here waits on its gate *before* deciding to
-//! fail, so a retry that fails again can be held open).
+//! Setup shared with `adversary.rs` (`adversary_common`); here the handler waits on its gate
+//! *before* deciding to fail, so a retry that fails again can be held open.
 #![allow(dead_code)]
 
-use std::collections::{HashMap, VecDeque};
-use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+#[macro_use]
+mod adversary_common;
+use adversary_common::*;
+
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use outbox_core::watermark::SharedOffsetTracker;
-use outbox_core::{
-    async_trait, CommitOffset, Envelope, InboxParking, LogPosition, MessageSource, ParkedFilter,
-    PartitionLag, Publisher, ReceivedMessage, RetryPolicy, SourceError,
-};
-use outbox_inbox::{
-    ConsumerEngine, EngineConfig, EngineReport, Handler, HandlerError, InboxProcessor,
-    ParkedMessages, VersionPolicy,
-};
-use outbox_postgres::{map_sqlx_error, PostgresInboxStore};
+use outbox_core::{InboxParking, Publisher};
+use outbox_inbox::{EngineConfig, VersionPolicy};
+use outbox_postgres::PostgresInboxStore;
 use outbox_testkit::MemoryLog;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{PgPool, Postgres, Transaction};
-use tokio::sync::Semaphore;
-
-type PgTx = Transaction<'static, Postgres>;
-
-// ---------------------------------------------------------------------------------------------
-// Setup
-// ---------------------------------------------------------------------------------------------
-
-/// One test's schema, with its pool (connections named after the schema, so the test can see
-/// its own sessions waiting on locks).
-struct Ctx {
-    pool: PgPool,
-    schema: String,
-}
-
-impl Ctx {
-    async fn new(test: &str) -> Option<Self> {
-        let url = outbox_test_support::database_url(test)?;
-        let schema = outbox_test_support::unique("cadv");
-        let opts: PgConnectOptions = url.parse().expect("DATABASE_URL");
-        let pool = PgPoolOptions::new()
-            .max_connections(8)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect_with(opts.application_name(&schema))
-            .await
-            .expect("connect to PostgreSQL");
-        let ctx = Self { pool, schema };
-        let s = &ctx.schema;
-        sqlx::raw_sql(&format!(
-            "CREATE SCHEMA \"{s}\";
-             CREATE TABLE \"{s}\".effects (seq bigserial PRIMARY KEY, dedup_id uuid NOT NULL,
-                 aggregate_id text NOT NULL, version bigint NOT NULL);
-             CREATE TABLE \"{s}\".fixes (id text PRIMARY KEY);
-             CREATE TABLE \"{s}\".uniq (id int PRIMARY KEY);
-             INSERT INTO \"{s}\".uniq VALUES (1);"
-        ))
-        .execute(&ctx.pool)
-        .await
-        .expect("test tables");
-        Some(ctx)
-    }
-
-    async fn inbox(&self) -> PostgresInboxStore {
-        let inbox = PostgresInboxStore::builder(self.pool.clone())
-            .schema(&self.schema)
-            .build()
-            .expect("build");
-        inbox.migrate().await.expect("migrate");
-        inbox
-    }
-
-    /// Versions applied for `agg`, in the order they were applied.
-    async fn applied(&self, agg: &str) -> Vec<i64> {
-        sqlx::query_scalar(&format!(
-            "SELECT version FROM \"{}\".effects WHERE aggregate_id = $1 ORDER BY seq",
-            self.schema
-        ))
-        .bind(agg)
-        .fetch_all(&self.pool)
-        .await
-        .unwrap()
-    }
-
-    /// Asserts that no effect was applied twice; returns the number of effects.
-    async fn effects_once(&self) -> i64 {
-        let twice: Vec<(uuid::Uuid, i64)> = sqlx::query_as(&format!(
-            "SELECT dedup_id, count(*) FROM \"{}\".effects GROUP BY dedup_id HAVING count(*) > 1",
-            self.schema
-        ))
-        .fetch_all(&self.pool)
-        .await
-        .unwrap();
-        assert!(
-            twice.is_empty(),
-            "effects applied more than once: {twice:?}"
-        );
-        sqlx::query_scalar(&format!("SELECT count(*) FROM \"{}\".effects", self.schema))
-            .fetch_one(&self.pool)
-            .await
-            .unwrap()
-    }
-
-    async fn fix(&self, agg: &str) {
-        sqlx::query(&format!(
-            "INSERT INTO \"{}\".fixes VALUES ($1) ON CONFLICT DO NOTHING",
-            self.schema
-        ))
-        .bind(agg)
-        .execute(&self.pool)
-        .await
-        .unwrap();
-    }
-
-    /// Waits until one of this test's sessions waits on a lock held by another session.
-    async fn wait_until_blocked(&self) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let n: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
-                 AND cardinality(pg_blocking_pids(pid)) > 0",
-            )
-            .bind(&self.schema)
-            .fetch_one(&self.pool)
-            .await
-            .unwrap();
-            if n > 0 {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no session of this test became blocked"
-            );
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    }
-
-    async fn drop(self) {
-        let _ = sqlx::query(&format!("DROP SCHEMA \"{}\" CASCADE", self.schema))
-            .execute(&self.pool)
-            .await;
-        self.pool.close().await;
-    }
-}
-
-macro_rules! ctx {
-    ($test:expr) => {
-        match Ctx::new($test).await {
-            Some(c) => c,
-            None => return,
-        }
-    };
-}
-
-/// The handler: one effect row per event, in the effect's transaction.
-///
-/// * `poison*` aggregates fail permanently until a row in `fixes` names them;
-/// * an aggregate with a gate waits on it (counting in `entered`) before writing;
-/// * `swallow*` aggregates, while `swallow` is set, run a statement that fails and ignore the
-///   error (the "insert, and treat a unique violation as already done" idiom), which leaves
-///   PostgreSQL's transaction aborted.
-#[derive(Clone)]
-struct Effects {
-    schema: String,
-    gates: Arc<Mutex<HashMap<String, Arc<Semaphore>>>>,
-    entered: Arc<AtomicUsize>,
-    swallow: Arc<AtomicBool>,
-    /// Every handler call takes this long (milliseconds), so batches are in flight.
-    delay_ms: Arc<std::sync::atomic::AtomicU64>,
-}
-
-impl Effects {
-    fn new(ctx: &Ctx) -> Self {
-        Self {
-            schema: ctx.schema.clone(),
-            gates: Arc::default(),
-            entered: Arc::default(),
-            swallow: Arc::new(AtomicBool::new(true)),
-            delay_ms: Arc::default(),
-        }
-    }
-
-    /// Closes a gate on `agg`; returns it (add permits to open it).
-    fn gate(&self, agg: &str) -> Arc<Semaphore> {
-        let g = Arc::new(Semaphore::new(0));
-        self.gates.lock().unwrap().insert(agg.to_owned(), g.clone());
-        g
-    }
-
-    async fn wait_entered(&self, n: usize) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while self.entered.load(Ordering::SeqCst) < n {
-            assert!(Instant::now() < deadline, "the handler was not entered");
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-    }
-}
-
-#[async_trait]
-impl Handler<PgTx> for Effects {
-    async fn handle(&self, tx: &mut PgTx, e: &Envelope) -> Result<(), HandlerError> {
-        let s = &self.schema;
-        let err = |e: sqlx::Error| HandlerError::from(map_sqlx_error(e));
-        let delay = self.delay_ms.load(Ordering::SeqCst);
-        if delay > 0 {
-            tokio::time::sleep(Duration::from_millis(delay)).await;
-        }
-        let gate = self.gates.lock().unwrap().get(&e.aggregate_id).cloned();
-        if let Some(g) = gate {
-            self.entered.fetch_add(1, Ordering::SeqCst);
-            g.acquire().await.expect("gate").forget();
-        }
-        if e.aggregate_id.starts_with("poison") {
-            let fixed: Option<i32> =
-                sqlx::query_scalar(&format!("SELECT 1 FROM \"{s}\".fixes WHERE id = $1"))
-                    .bind(&e.aggregate_id)
-                    .fetch_optional(&mut **tx)
-                    .await
-                    .map_err(err)?;
-            if fixed.is_none() {
-                return Err(HandlerError::permanent("unknown customer"));
-            }
-        }
-        sqlx::query(&format!(
-            "INSERT INTO \"{s}\".effects (dedup_id, aggregate_id, version) VALUES ($1, $2, $3)"
-        ))
-        .bind(e.dedup_id().as_uuid())
-        .bind(&e.aggregate_id)
-        .bind(e.aggregate_version)
-        .execute(&mut **tx)
-        .await
-        .map_err(err)?;
-        if e.aggregate_id.starts_with("swallow") && self.swallow.load(Ordering::SeqCst) {
-            // "Already there? Fine." The error is ignored; PostgreSQL aborted the transaction.
-            let _ = sqlx::query(&format!("INSERT INTO \"{s}\".uniq VALUES (1)"))
-                .execute(&mut **tx)
-                .await;
-        }
-        Ok(())
-    }
-}
-
-fn ev(agg: &str, v: i64) -> Envelope {
-    Envelope::builder("order", agg, v, "order.changed")
-        .json(&serde_json::json!({ "v": v }))
-        .unwrap()
-        .build()
-        .unwrap()
-}
-
-fn retry_fast(max_attempts: u32) -> RetryPolicy {
-    RetryPolicy::builder()
-        .base(Duration::from_millis(1))
-        .max_delay(Duration::from_millis(2))
-        .min_delay(Duration::from_millis(1))
-        .max_attempts(max_attempts)
-        .build()
-        .unwrap()
-}
-
-/// Commits after every final message; fast retries.
-fn fast() -> EngineConfig {
-    EngineConfig::default()
-        .with_commit(1, Duration::from_secs(60))
-        .with_poll_timeout(Duration::from_millis(5))
-        .with_retry(retry_fast(3))
-}
-
-const GROUP: &str = "proj";
-
-fn processor(
-    inbox: &PostgresInboxStore,
-    h: &Effects,
-    policy: VersionPolicy,
-) -> InboxProcessor<PostgresInboxStore, Effects> {
-    InboxProcessor::new(GROUP, inbox.clone(), h.clone()).with_version_policy(policy)
-}
-
-type Engine<S> = ConsumerEngine<S, PostgresInboxStore, Effects>;
-
-fn engine<S: MessageSource>(
-    source: S,
-    inbox: &PostgresInboxStore,
-    h: &Effects,
-    policy: VersionPolicy,
-    cfg: EngineConfig,
-) -> Engine<S> {
-    ConsumerEngine::new(source, processor(inbox, h, policy), cfg, 7).unwrap()
-}
-
-async fn quiet<S: MessageSource>(eng: &mut Engine<S>) -> EngineReport {
-    eng.run_until_quiet(Duration::from_millis(60))
-        .await
-        .unwrap()
-}
-
-fn operator(
-    inbox: &PostgresInboxStore,
-    h: &Effects,
-    policy: VersionPolicy,
-) -> ParkedMessages<PostgresInboxStore, Effects> {
-    ParkedMessages::new(processor(inbox, h, policy))
-}
-
-async fn open_parked(inbox: &PostgresInboxStore) -> Vec<outbox_core::ParkedMessage> {
-    inbox
-        .list_parked(GROUP, &ParkedFilter::open())
-        .await
-        .unwrap()
-}
-
-/// Runs `eng` in a task until the returned sender fires; the task hands the engine back.
-fn spawn_engine<S>(
-    mut eng: Engine<S>,
-) -> (
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<(Engine<S>, EngineReport)>,
-)
-where
-    S: MessageSource + Send + 'static,
-{
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        let report = eng
-            .run(async {
-                let _ = rx.await;
-            })
-            .await
-            .unwrap();
-        (eng, report)
-    });
-    (tx, task)
-}
-
-async fn eventually<F, Fut>(what: &str, mut cond: F)
-where
-    F: FnMut() -> Fut,
-    Fut: Future<Output = bool>,
-{
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !cond().await {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
-/// A source that delegates to `inner` but whose offset commits never return (the process dies
-/// in the middle of them), or fail transiently while `fail` is set.
-struct CommitControl<S> {
-    inner: S,
-    hang: bool,
-    fail: Arc<AtomicBool>,
-    commits: Arc<Mutex<Vec<CommitOffset>>>,
-}
-
-impl<S> CommitControl<S> {
-    fn hanging(inner: S) -> Self {
-        Self {
-            inner,
-            hang: true,
-            fail: Arc::default(),
-            commits: Arc::default(),
-        }
-    }
-}
-
-#[async_trait]
-impl<S: MessageSource> MessageSource for CommitControl<S> {
-    async fn poll(&self, timeout: Duration) -> Result<Option<ReceivedMessage>, SourceError> {
-        self.inner.poll(timeout).await
-    }
-    async fn commit(&self, offsets: &[CommitOffset]) -> Result<(), SourceError> {
-        if self.hang {
-            std::future::pending::<()>().await;
-        }
-        if self.fail.load(Ordering::SeqCst) {
-            return Err(SourceError::new(
-                outbox_core::ErrorClass::Transient,
-                "coordinator not available",
-            ));
-        }
-        self.commits.lock().unwrap().extend(offsets.iter().cloned());
-        self.inner.commit(offsets).await
-    }
-    fn attach_offsets(&self, offsets: SharedOffsetTracker) {
-        self.inner.attach_offsets(offsets);
-    }
-    async fn lag(&self) -> Result<Vec<PartitionLag>, SourceError> {
-        self.inner.lag().await
-    }
-}
-
-/// A source fed by the test (messages pushed at any time), recording successful commits.
-#[derive(Clone, Default)]
-struct Scripted {
-    queue: Arc<Mutex<VecDeque<ReceivedMessage>>>,
-}
-
-impl Scripted {
-    fn push(&self, offset: i64, e: &Envelope) {
-        self.queue.lock().unwrap().push_back(ReceivedMessage::new(
-            LogPosition::new("t", 0, offset),
-            None,
-            Ok(e.clone()),
-        ));
-    }
-}
-
-#[async_trait]
-impl MessageSource for Scripted {
-    async fn poll(&self, timeout: Duration) -> Result<Option<ReceivedMessage>, SourceError> {
-        let m = self.queue.lock().unwrap().pop_front();
-        if m.is_none() {
-            tokio::time::sleep(timeout.min(Duration::from_millis(2))).await;
-        }
-        Ok(m)
-    }
-    async fn commit(&self, _: &[CommitOffset]) -> Result<(), SourceError> {
-        Ok(())
-    }
-    fn attach_offsets(&self, _: SharedOffsetTracker) {}
-    async fn lag(&self) -> Result<Vec<PartitionLag>, SourceError> {
-        Ok(Vec::new())
-    }
-}
-
-// ---------------------------------------------------------------------------------------------
 
 // ---------------------------------------------------------------------------------------------
 // Retry requests
@@ -494,7 +80,7 @@ async fn within<T>(h: &mut tokio::task::JoinHandle<T>, d: Duration) -> Option<T>
 #[tokio::test]
 async fn a_request_performed_while_the_engine_receives_the_aggregate() {
     let ctx = ctx!("a_request_performed_while_the_engine_receives_the_aggregate");
-    let h = Effects::new(&ctx);
+    let h = Effects::gated_first(&ctx);
     let (inbox, log, eng, head) = setup(&ctx, &h).await;
     ctx.fix("poison-a").await;
     let gate = h.gate("poison-a");
@@ -530,7 +116,7 @@ async fn a_request_performed_while_the_engine_receives_the_aggregate() {
 #[tokio::test]
 async fn two_instances_perform_the_same_request() {
     let ctx = ctx!("two_instances_perform_the_same_request");
-    let h = Effects::new(&ctx);
+    let h = Effects::gated_first(&ctx);
     let (inbox, _log, _eng, head) = setup(&ctx, &h).await;
     ctx.fix("poison-a").await;
     let gate = h.gate("poison-a");
@@ -578,7 +164,7 @@ async fn two_instances_perform_the_same_request() {
 #[tokio::test]
 async fn a_request_made_while_the_previous_one_is_performed_survives() {
     let ctx = ctx!("a_request_made_while_the_previous_one_is_performed_survives");
-    let h = Effects::new(&ctx);
+    let h = Effects::gated_first(&ctx);
     let (inbox, _log, _eng, head) = setup(&ctx, &h).await;
     let gate = h.gate("poison-a"); // not fixed: the retry fails again
     let ops = operator(&inbox, &h, VersionPolicy::Reject);
@@ -631,7 +217,7 @@ async fn a_request_made_while_the_previous_one_is_performed_survives() {
 #[tokio::test]
 async fn a_discard_racing_a_performed_request() {
     let ctx = ctx!("a_discard_racing_a_performed_request");
-    let h = Effects::new(&ctx);
+    let h = Effects::gated_first(&ctx);
     let (inbox, _log, _eng, head) = setup(&ctx, &h).await;
     ctx.fix("poison-a").await;
     let gate = h.gate("poison-a");
@@ -680,7 +266,7 @@ async fn a_discard_racing_a_performed_request() {
 #[tokio::test]
 async fn the_engine_aborted_mid_retry_then_restarted() {
     let ctx = ctx!("the_engine_aborted_mid_retry_then_restarted");
-    let h = Effects::new(&ctx);
+    let h = Effects::gated_first(&ctx);
     let (inbox, log, eng, head) = setup(&ctx, &h).await;
     ctx.fix("poison-a").await;
     let gate = h.gate("poison-a");
@@ -720,7 +306,7 @@ async fn the_engine_aborted_mid_retry_then_restarted() {
 #[tokio::test]
 async fn a_request_for_a_message_resolved_meanwhile() {
     let ctx = ctx!("a_request_for_a_message_resolved_meanwhile");
-    let h = Effects::new(&ctx);
+    let h = Effects::gated_first(&ctx);
     let (inbox, _log, _eng, head) = setup(&ctx, &h).await;
     ctx.fix("poison-a").await;
     let ops = operator(&inbox, &h, VersionPolicy::Reject);
@@ -745,7 +331,7 @@ async fn a_request_for_a_message_resolved_meanwhile() {
 #[tokio::test]
 async fn the_retry_connection_killed_mid_retry() {
     let ctx = ctx!("the_retry_connection_killed_mid_retry");
-    let h = Effects::new(&ctx);
+    let h = Effects::gated_first(&ctx);
     let (inbox, _log, eng, head) = setup(&ctx, &h).await;
     ctx.fix("poison-a").await;
     let gate = h.gate("poison-a");
@@ -807,7 +393,7 @@ async fn the_retry_connection_killed_mid_retry() {
 #[tokio::test]
 async fn redelivery_of_the_parked_messages_while_the_request_is_performed() {
     let ctx = ctx!("redelivery_of_the_parked_messages_while_the_request_is_performed");
-    let h = Effects::new(&ctx);
+    let h = Effects::gated_first(&ctx);
     let inbox = ctx.inbox().await;
     let log = MemoryLog::new("t", 1);
     let (e1, e2) = (ev("poison-a", 1), ev("poison-a", 2));
@@ -856,7 +442,7 @@ async fn redelivery_of_the_parked_messages_while_the_request_is_performed() {
 #[tokio::test]
 async fn a_request_for_a_waiting_message_never_applies_it_before_the_head() {
     let ctx = ctx!("a_request_for_a_waiting_message_never_applies_it_before_the_head");
-    let h = Effects::new(&ctx);
+    let h = Effects::gated_first(&ctx);
     let (inbox, _log, _eng, head) = setup(&ctx, &h).await;
     let waiting = open_parked(&inbox)
         .await
@@ -892,7 +478,7 @@ async fn a_request_for_a_waiting_message_never_applies_it_before_the_head() {
 #[tokio::test]
 async fn two_running_engines_check_the_same_request() {
     let ctx = ctx!("two_running_engines_check_the_same_request");
-    let h = Effects::new(&ctx);
+    let h = Effects::gated_first(&ctx);
     let (inbox, _log, eng, head) = setup(&ctx, &h).await;
     ctx.fix("poison-a").await;
     let gate = h.gate("poison-a");

@@ -6,70 +6,11 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use outbox_core::ClaimMode;
-use outbox_postgres::PostgresOutboxStore;
-use sqlx::postgres::PgListener;
-
-use common::{claim, event, lease, publish_all};
-
-async fn listening_store(
-    ctx: &common::Ctx,
-    mode: ClaimMode,
-    wait: Duration,
-) -> (
-    PostgresOutboxStore,
-    Arc<tokio::sync::Notify>,
-    tokio::task::JoinHandle<()>,
-) {
-    let store = PostgresOutboxStore::builder(ctx.pool.clone())
-        .schema(&ctx.schema)
-        .claim_mode(mode)
-        .wake_gate_wait(wait)
-        .build()
-        .unwrap();
-    store.migrate().await.unwrap();
-    let notify = Arc::new(tokio::sync::Notify::new());
-    let handle = store.spawn_listener(notify.clone()).unwrap();
-    tokio::time::timeout(Duration::from_secs(5), notify.notified())
-        .await
-        .expect("initial wake-up after connect");
-    let _ = tokio::time::timeout(Duration::from_millis(100), notify.notified()).await;
-    (store, notify, handle)
-}
-
-async fn raw_listener(ctx: &common::Ctx, store: &PostgresOutboxStore) -> PgListener {
-    let mut l = PgListener::connect_with(&ctx.pool).await.unwrap();
-    l.listen(store.settings().notify_channel.as_deref().unwrap())
-        .await
-        .unwrap();
-    l
-}
-
-async fn received_until_marker(
-    ctx: &common::Ctx,
-    store: &PostgresOutboxStore,
-    l: &mut PgListener,
-) -> Vec<String> {
-    sqlx::query("SELECT pg_notify($1, 'marker')")
-        .bind(store.settings().notify_channel.as_deref().unwrap())
-        .execute(&ctx.pool)
-        .await
-        .unwrap();
-    let mut got = Vec::new();
-    loop {
-        let n = tokio::time::timeout(Duration::from_secs(5), l.recv())
-            .await
-            .expect("marker within 5 s")
-            .unwrap();
-        got.push(n.payload().to_owned());
-        if n.payload() == "marker" {
-            return got;
-        }
-    }
-}
+use common::{
+    claim, event, lease, listening_store, publish_all, raw_listener, received_until_marker,
+};
 
 /// Advisory locks in this database: (pid, mode, granted).
 async fn advisory(ctx: &common::Ctx) -> Vec<(i32, String, bool)> {

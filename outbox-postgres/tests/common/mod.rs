@@ -238,3 +238,69 @@ pub async fn version_2_schema(ctx: &Ctx) {
     .await
     .unwrap();
 }
+
+// The wake-up gate's tests (`wake_gate.rs`, `adversary_gate.rs`).
+
+/// A store over the test's schema with the gate on, its listener running (its first wake-up,
+/// after connecting, consumed).
+pub async fn listening_store(
+    ctx: &Ctx,
+    mode: ClaimMode,
+    wait: Duration,
+) -> (
+    PostgresOutboxStore,
+    std::sync::Arc<tokio::sync::Notify>,
+    tokio::task::JoinHandle<()>,
+) {
+    let store = PostgresOutboxStore::builder(ctx.pool.clone())
+        .schema(&ctx.schema)
+        .claim_mode(mode)
+        .wake_gate_wait(wait)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let notify = std::sync::Arc::new(tokio::sync::Notify::new());
+    let handle = store.spawn_listener(notify.clone()).unwrap();
+    tokio::time::timeout(Duration::from_secs(5), notify.notified())
+        .await
+        .expect("initial wake-up after connect");
+    let _ = tokio::time::timeout(Duration::from_millis(100), notify.notified()).await;
+    (store, notify, handle)
+}
+
+/// A raw listener on the store's channel, to see exactly which notifications were sent.
+pub async fn raw_listener(ctx: &Ctx, store: &PostgresOutboxStore) -> sqlx::postgres::PgListener {
+    let mut l = sqlx::postgres::PgListener::connect_with(&ctx.pool)
+        .await
+        .unwrap();
+    l.listen(store.settings().notify_channel.as_deref().unwrap())
+        .await
+        .unwrap();
+    l
+}
+
+/// Sends a marker notification on the channel and returns the payloads received up to and
+/// including it. Notifications arrive in commit order, so everything a commit before the marker
+/// sent is in the list: no timing involved.
+pub async fn received_until_marker(
+    ctx: &Ctx,
+    store: &PostgresOutboxStore,
+    l: &mut sqlx::postgres::PgListener,
+) -> Vec<String> {
+    sqlx::query("SELECT pg_notify($1, 'marker')")
+        .bind(store.settings().notify_channel.as_deref().unwrap())
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(5), l.recv())
+            .await
+            .expect("marker within 5 s")
+            .unwrap();
+        got.push(n.payload().to_owned());
+        if n.payload() == "marker" {
+            return got;
+        }
+    }
+}
