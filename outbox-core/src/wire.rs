@@ -71,38 +71,59 @@ pub fn is_reserved_header(name: &str) -> bool {
     RESERVED.iter().any(|r| r.eq_ignore_ascii_case(name))
 }
 
-/// The record headers for `e`, envelope fields first, then user headers.
+/// The record headers for `e`, envelope fields first, then user headers, as owned pairs.
+///
+/// Transports that copy headers into their own buffers (librdkafka does) should use
+/// [`for_each_header`] instead, which hands out borrowed names and values without copying.
 pub fn encode_headers(e: &Envelope) -> Vec<(String, Vec<u8>)> {
     let mut h = Vec::with_capacity(RESERVED.len() + e.headers.len());
-    h.push((EVENT_ID.to_owned(), e.event_id.to_string().into_bytes()));
-    h.push((EVENT_TYPE.to_owned(), e.event_type.clone().into_bytes()));
-    h.push((
-        AGGREGATE_TYPE.to_owned(),
-        e.aggregate_type.clone().into_bytes(),
-    ));
-    h.push((AGGREGATE_ID.to_owned(), e.aggregate_id.clone().into_bytes()));
-    h.push((
-        AGGREGATE_VERSION.to_owned(),
-        e.aggregate_version.to_string().into_bytes(),
-    ));
-    h.push((
-        SCHEMA_VERSION.to_owned(),
-        e.schema_version.to_string().into_bytes(),
-    ));
-    h.push((
-        CONTENT_TYPE.to_owned(),
-        e.payload.content_type.clone().into_bytes(),
-    ));
-    h.push((
-        CREATED_AT.to_owned(),
-        e.created_at
-            .to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
-            .into_bytes(),
-    ));
-    for (k, v) in &e.headers {
-        h.push((k.clone(), v.clone().into_bytes()));
-    }
+    for_each_header(e, |k, v| h.push((k.to_owned(), v.to_vec())));
     h
+}
+
+/// Calls `f` with each record header of `e` (name, value), in the order of
+/// [`encode_headers`]: envelope fields first, then user headers. Names and text fields are
+/// borrowed from the envelope and numbers are formatted on the stack, so nothing is allocated
+/// except the `created_at` text.
+///
+/// ```
+/// use outbox_core::{wire, Envelope};
+/// let e = Envelope::builder("order", "o-1", 2, "order.paid").build().unwrap();
+/// let mut names = Vec::new();
+/// wire::for_each_header(&e, |name, _value| names.push(name.to_owned()));
+/// assert_eq!(names[..2], ["event_id", "event_type"]);
+/// ```
+pub fn for_each_header(e: &Envelope, mut f: impl FnMut(&str, &[u8])) {
+    let mut id = uuid::Uuid::encode_buffer();
+    let id = e.event_id.as_uuid().hyphenated().encode_lower(&mut id);
+    f(EVENT_ID, id.as_bytes());
+    f(EVENT_TYPE, e.event_type.as_bytes());
+    f(AGGREGATE_TYPE, e.aggregate_type.as_bytes());
+    f(AGGREGATE_ID, e.aggregate_id.as_bytes());
+    let mut buf = [0u8; 20];
+    f(AGGREGATE_VERSION, decimal(e.aggregate_version, &mut buf));
+    f(
+        SCHEMA_VERSION,
+        decimal(i64::from(e.schema_version), &mut buf),
+    );
+    f(CONTENT_TYPE, e.payload.content_type.as_bytes());
+    let created = e
+        .created_at
+        .to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+    f(CREATED_AT, created.as_bytes());
+    for (k, v) in &e.headers {
+        f(k, v.as_bytes());
+    }
+}
+
+/// `v` in decimal, written into `buf` (20 bytes hold any `i64`).
+fn decimal(v: i64, buf: &mut [u8; 20]) -> &[u8] {
+    use std::io::Write;
+    let mut rest = &mut buf[..];
+    // Cannot fail: the longest i64 ("-9223372036854775808") is 20 bytes.
+    let _ = write!(rest, "{v}");
+    let len = 20 - rest.len();
+    &buf[..len]
 }
 
 /// Why a record could not be decoded into an envelope.
@@ -281,6 +302,50 @@ mod tests {
         let e = sample();
         let h = encode_headers(&e);
         assert_eq!(decode(&h, &e.payload.bytes).unwrap(), e);
+    }
+
+    #[test]
+    fn headers_are_the_fields_as_text_in_a_fixed_order() {
+        let e = sample();
+        let mut seen: Vec<(String, String)> = Vec::new();
+        for_each_header(&e, |k, v| {
+            seen.push((k.to_owned(), String::from_utf8(v.to_vec()).unwrap()))
+        });
+        let expected: Vec<(String, String)> = [
+            (EVENT_ID, e.event_id.to_string()),
+            (EVENT_TYPE, e.event_type.clone()),
+            (AGGREGATE_TYPE, e.aggregate_type.clone()),
+            (AGGREGATE_ID, e.aggregate_id.clone()),
+            (AGGREGATE_VERSION, "4".to_owned()),
+            (SCHEMA_VERSION, "2".to_owned()),
+            (CONTENT_TYPE, e.payload.content_type.clone()),
+            (
+                CREATED_AT,
+                e.created_at
+                    .to_rfc3339_opts(chrono::SecondsFormat::Micros, true),
+            ),
+            (
+                "traceparent",
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_owned(),
+            ),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect();
+        assert_eq!(seen, expected);
+        let owned: Vec<(String, String)> = encode_headers(&e)
+            .into_iter()
+            .map(|(k, v)| (k, String::from_utf8(v).unwrap()))
+            .collect();
+        assert_eq!(owned, expected, "encode_headers is the same list, owned");
+    }
+
+    #[test]
+    fn decimals_cover_the_whole_i64_range() {
+        let mut buf = [0u8; 20];
+        for v in [0, 1, -1, 9, 10, 4_294_967_296, i64::MAX, i64::MIN] {
+            assert_eq!(decimal(v, &mut buf), v.to_string().as_bytes());
+        }
     }
 
     #[test]

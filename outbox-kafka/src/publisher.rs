@@ -674,7 +674,7 @@ impl KafkaPublisher {
     /// until the topic is back.
     fn name_missing_topics(
         &self,
-        batch: &[Envelope],
+        batch: &[&Envelope],
         results: &mut [PublishResult],
         missing: &[String],
     ) {
@@ -771,23 +771,33 @@ fn create_admin(config: &KafkaPublisherConfig) -> Result<Admin, ConfigError> {
     Ok(Arc::new(admin))
 }
 
+/// The record headers of `e`, copied once: from the envelope straight into librdkafka's list.
 fn encode_headers(e: &Envelope) -> Result<OwnedHeaders, PublishError> {
-    let pairs = wire::encode_headers(e);
-    let mut headers = OwnedHeaders::new_with_capacity(pairs.len());
-    for (key, value) in &pairs {
+    // `insert` takes the list by value; the Option lets the closure move it through.
+    let mut headers = Some(OwnedHeaders::new_with_capacity(8 + e.headers.len()));
+    let mut bad_name = None;
+    wire::for_each_header(e, |key, value| {
         // librdkafka takes header names as C strings; a NUL would abort deep inside rdkafka.
         if key.contains('\0') {
-            return Err(PublishError::new(
-                PublishErrorKind::Serialization,
-                format!("header name {key:?} contains a NUL byte"),
-            ));
+            bad_name.get_or_insert_with(|| key.to_owned());
         }
-        headers = headers.insert(Header {
-            key: key.as_str(),
-            value: Some(value.as_slice()),
-        });
+        if bad_name.is_none() {
+            headers = headers.take().map(|h| {
+                h.insert(Header {
+                    key,
+                    value: Some(value),
+                })
+            });
+        }
+    });
+    match (bad_name, headers) {
+        (None, Some(headers)) => Ok(headers),
+        (Some(key), _) => Err(PublishError::new(
+            PublishErrorKind::Serialization,
+            format!("header name {key:?} contains a NUL byte"),
+        )),
+        (None, None) => unreachable!("the header list is put back after every insert"),
     }
-    Ok(headers)
 }
 
 enum Slot<'a> {
@@ -800,7 +810,7 @@ enum Slot<'a> {
 
 #[async_trait]
 impl Publisher for KafkaPublisher {
-    async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
+    async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult> {
         let (generation, producer) = self.current_producer();
         let started = Instant::now();
         let enqueue_deadline = started + self.delivery_timeout;
