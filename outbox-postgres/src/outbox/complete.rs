@@ -253,10 +253,30 @@ struct OutcomeArrays {
 impl OutcomeArrays {
     /// Outcomes of events that are not rows of the claim are left out (they are refused).
     fn new(outcomes: &[Outcome], claimed: &[ClaimedRow]) -> Self {
-        let mut by_event: HashMap<Uuid, &Outcome> = HashMap::with_capacity(outcomes.len());
-        for o in outcomes {
-            by_event.entry(o.event_id().as_uuid()).or_insert(o);
-        }
+        // The relay hands back one outcome per claimed row, in claim order: matched by
+        // position (each checked against its row's event id). Any other shape (a subset, another
+        // order, outcomes of other events) is matched by event id.
+        let in_order = outcomes.len() == claimed.len()
+            && outcomes
+                .iter()
+                .zip(claimed)
+                .all(|(o, row)| o.event_id().as_uuid() == row.event);
+        let by_event: HashMap<Uuid, &Outcome> = if in_order {
+            HashMap::new()
+        } else {
+            let mut by_event = HashMap::with_capacity(outcomes.len());
+            for o in outcomes {
+                by_event.entry(o.event_id().as_uuid()).or_insert(o);
+            }
+            by_event
+        };
+        let outcome_of = |i: usize, row: &ClaimedRow| {
+            if in_order {
+                outcomes.get(i)
+            } else {
+                by_event.get(&row.event).copied()
+            }
+        };
         let n = claimed.len();
         let mut a = Self {
             ids: Vec::with_capacity(n),
@@ -275,13 +295,13 @@ impl OutcomeArrays {
             pkind: Vec::with_capacity(n),
             uncertain: Vec::with_capacity(n),
         };
-        for row in claimed {
+        for (i, row) in claimed.iter().enumerate() {
             a.ids.push(row.id);
             a.keys.push(row.key);
             a.types.push(row.agg_type.clone());
             a.agg_ids.push(row.agg_id.clone());
             a.versions.push(row.version);
-            let (kind, ack, delay, err, park) = match by_event.get(&row.event) {
+            let (kind, ack, delay, err, park) = match outcome_of(i, row) {
                 None => ("release", None, None, None, None),
                 Some(Outcome::Published { ack, .. }) => ("published", Some(ack), None, None, None),
                 Some(Outcome::Retry { delay, error, .. }) => {
@@ -327,5 +347,106 @@ impl OutcomeArrays {
             .bind(self.emsg)
             .bind(self.pkind)
             .bind(self.uncertain)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use outbox_core::{AckMetadata, ErrorClass, EventId, LastError};
+
+    use super::*;
+
+    fn row(id: i64) -> ClaimedRow {
+        ClaimedRow {
+            id,
+            event: Uuid::now_v7(),
+            key: id * 10,
+            agg_type: "order".to_owned(),
+            agg_id: format!("o-{id}"),
+            version: 1,
+        }
+    }
+
+    fn published(row: &ClaimedRow) -> Outcome {
+        Outcome::Published {
+            event_id: EventId::from_uuid(row.event),
+            ack: AckMetadata {
+                topic: "t".to_owned(),
+                partition: 0,
+                offset: row.id * 100,
+            },
+        }
+    }
+
+    fn retry(row: &ClaimedRow) -> Outcome {
+        Outcome::Retry {
+            event_id: EventId::from_uuid(row.event),
+            delay: std::time::Duration::from_millis(5),
+            error: LastError {
+                class: ErrorClass::Transient,
+                kind: "timeout".to_owned(),
+                message: "slow".to_owned(),
+            },
+        }
+    }
+
+    /// (row id, kind, ack offset) per claimed row, in claim order.
+    fn mapped(outcomes: &[Outcome], rows: &[ClaimedRow]) -> Vec<(i64, &'static str, Option<i64>)> {
+        let a = OutcomeArrays::new(outcomes, rows);
+        a.ids
+            .iter()
+            .zip(&a.kinds)
+            .zip(&a.offsets)
+            .map(|((id, kind), off)| (*id, *kind, *off))
+            .collect()
+    }
+
+    #[test]
+    fn outcomes_reach_their_rows_in_order_shuffled_or_partial() {
+        let rows: Vec<ClaimedRow> = (1..=4).map(row).collect();
+        let in_order = vec![
+            published(&rows[0]),
+            retry(&rows[1]),
+            published(&rows[2]),
+            published(&rows[3]),
+        ];
+        let expected = vec![
+            (1, "published", Some(100)),
+            (2, "retry", None),
+            (3, "published", Some(300)),
+            (4, "published", Some(400)),
+        ];
+        assert_eq!(mapped(&in_order, &rows), expected);
+
+        let mut shuffled = in_order.clone();
+        shuffled.reverse();
+        assert_eq!(mapped(&shuffled, &rows), expected, "matched by event id");
+
+        // Same length, one outcome of an event that is not in the claim: that row gets no
+        // outcome (released), the others keep theirs.
+        let stranger = row(9);
+        let mut foreign = in_order.clone();
+        foreign[1] = published(&stranger);
+        assert_eq!(
+            mapped(&foreign, &rows),
+            vec![
+                (1, "published", Some(100)),
+                (2, "release", None),
+                (3, "published", Some(300)),
+                (4, "published", Some(400)),
+            ]
+        );
+
+        // A subset: the rows without an outcome are released.
+        let subset = vec![published(&rows[3]), published(&rows[0])];
+        assert_eq!(
+            mapped(&subset, &rows),
+            vec![
+                (1, "published", Some(100)),
+                (2, "release", None),
+                (3, "release", None),
+                (4, "published", Some(400)),
+            ]
+        );
     }
 }
