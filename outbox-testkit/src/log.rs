@@ -197,8 +197,8 @@ struct LogShared {
 /// let log = MemoryLog::new("orders", 3);
 /// let e = Envelope::builder("order", "o-1", 1, "order.created").build().unwrap();
 /// log.fail_next(1, PublishErrorKind::BrokerUnavailable);
-/// assert!(log.publish(&[e.clone()]).await[0].is_err());
-/// let ack = log.publish(&[e.clone()]).await.remove(0).unwrap();
+/// assert!(log.publish(&[&e]).await[0].is_err());
+/// let ack = log.publish(&[&e]).await.remove(0).unwrap();
 /// assert_eq!(ack.partition, MemoryLog::partition_for("o-1", 3));
 ///
 /// let consumer = log.consumer("projection", &["orders"]);
@@ -611,7 +611,7 @@ impl MemoryLog {
 
 #[async_trait]
 impl Publisher for MemoryLog {
-    async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
+    async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult> {
         let now = self.shared.clock.now();
         let results = {
             let mut st = self.lock();
@@ -804,13 +804,32 @@ impl MessageSource for MemoryConsumer {
 
     async fn commit(&self, offsets: &[CommitOffset]) -> Result<(), SourceError> {
         let mut st = self.log.lock();
-        let g = st.groups.entry(self.group.clone()).or_default();
-        if g.generation != self.generation {
+        let generation = st.groups.get(&self.group).map_or(0, |g| g.generation);
+        if generation != self.generation {
             return Err(SourceError::rebalanced(format!(
                 "consumer of group {} was fenced by a rebalance; its commits are dropped",
                 self.group
             )));
         }
+        // A commit for a partition this consumer does not read is a caller bug (an engine
+        // committing from the wrong message): refused as a whole, nothing committed.
+        for c in offsets {
+            let readable = self.topics.contains(&c.topic)
+                && st
+                    .topics
+                    .get(&c.topic)
+                    .is_some_and(|parts| c.partition >= 0 && (c.partition as usize) < parts.len());
+            if !readable {
+                return Err(SourceError::new(
+                    ErrorClass::Permanent,
+                    format!(
+                        "commit for {}/{}, which consumer of group {} does not read; nothing committed",
+                        c.topic, c.partition, self.group
+                    ),
+                ));
+            }
+        }
+        let g = st.groups.entry(self.group.clone()).or_default();
         for c in offsets {
             g.committed
                 .insert((c.topic.clone(), c.partition), c.next_offset);

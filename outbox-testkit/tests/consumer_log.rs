@@ -18,7 +18,11 @@ fn ev(agg: &str, v: i64) -> Envelope {
 
 async fn fill(log: &MemoryLog, n: i64) {
     let events: Vec<Envelope> = (1..=n).map(|v| ev("a", v)).collect();
-    assert!(log.publish(&events).await.iter().all(Result::is_ok));
+    assert!(log
+        .publish(&events.iter().collect::<Vec<_>>())
+        .await
+        .iter()
+        .all(Result::is_ok));
 }
 
 #[tokio::test]
@@ -113,4 +117,42 @@ async fn lag_is_the_distance_from_the_committed_offset_to_the_end() {
         .await
         .unwrap();
     assert_eq!(c.lag().await.unwrap()[0].lag(), 2);
+}
+
+#[tokio::test]
+async fn a_commit_for_a_partition_the_consumer_does_not_read_is_refused_whole() {
+    let log = MemoryLog::builder()
+        .topic("orders", 2)
+        .topic("audit", 1)
+        .default_topic("orders")
+        .build();
+    fill(&log, 3).await;
+    let c = log.consumer("g", &["orders"]);
+    for bad in [
+        CommitOffset::new("audit", 0, 1), // a topic it does not subscribe to
+        CommitOffset::new("orders", 2, 1), // a partition the topic does not have
+        CommitOffset::new("orders", -1, 1),
+        CommitOffset::new("nowhere", 0, 1),
+    ] {
+        let label = format!("{}/{}", bad.topic, bad.partition);
+        let err = c
+            .commit(&[CommitOffset::new("orders", 0, 2), bad])
+            .await
+            .unwrap_err();
+        assert!(
+            !err.is_transient(),
+            "{label}: a caller bug, not a retryable failure"
+        );
+        assert!(err.to_string().contains(&label), "{label}: {err}");
+        assert_eq!(
+            log.committed("g", "orders", 0),
+            None,
+            "{label}: nothing committed"
+        );
+    }
+    assert_eq!(log.committed("g", "audit", 0), None);
+    c.commit(&[CommitOffset::new("orders", 1, 1)])
+        .await
+        .unwrap();
+    assert_eq!(log.committed("g", "orders", 1), Some(1));
 }
