@@ -171,7 +171,7 @@ async fn the_projector_parks_malformed_records_and_continues_across_restarts() {
     let publish = |e: Envelope| {
         let publisher = &publisher;
         async move {
-            assert!(publisher.publish(&[e]).await[0].is_ok());
+            assert!(publisher.publish(&[&e]).await[0].is_ok());
         }
     };
     publish(event("a", 1)).await;

@@ -131,7 +131,7 @@ pub(crate) async fn run(env: &Env, args: &ConsumerArgs, rounds: usize) -> anyhow
                 .await
                 .map_err(|e| anyhow::anyhow!("publisher: {e}"))?;
             for chunk in records.chunks(1000) {
-                let r = publisher.publish(chunk).await;
+                let r = publisher.publish(&chunk.iter().collect::<Vec<_>>()).await;
                 anyhow::ensure!(r.iter().all(Result::is_ok), "filling the topic failed");
             }
             topics.push((topic, records.len(), dups));

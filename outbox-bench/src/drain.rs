@@ -527,7 +527,7 @@ pub(crate) struct InstantAcks(AtomicU64);
 
 #[outbox_core::async_trait]
 impl Publisher for InstantAcks {
-    async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
+    async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult> {
         batch
             .iter()
             .map(|_| {

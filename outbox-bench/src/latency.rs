@@ -95,7 +95,7 @@ struct Timed {
 
 #[outbox_core::async_trait]
 impl Publisher for Timed {
-    async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
+    async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult> {
         let started = Instant::now();
         let results = self.inner.publish(batch).await;
         let ended = Instant::now();

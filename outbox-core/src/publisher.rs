@@ -30,7 +30,11 @@ pub type PublishResult = Result<AckMetadata, PublishError>;
 #[async_trait]
 pub trait Publisher: Send + Sync {
     /// Publishes `batch` and returns one result per event, in order.
-    async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult>;
+    ///
+    /// The events are borrowed where they lie (the relay lends the records of its claimed
+    /// batch, so nothing is copied between the claim and the transport); a caller holding a
+    /// `Vec<Envelope>` passes `&events.iter().collect::<Vec<_>>()`.
+    async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult>;
 
     /// Upper bound on the time from send to a final delivery report.
     fn delivery_timeout(&self) -> Duration;
@@ -38,7 +42,7 @@ pub trait Publisher: Send + Sync {
 
 #[async_trait]
 impl<P: Publisher + ?Sized> Publisher for std::sync::Arc<P> {
-    async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
+    async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult> {
         (**self).publish(batch).await
     }
     fn delivery_timeout(&self) -> Duration {

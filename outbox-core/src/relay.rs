@@ -41,6 +41,7 @@ use crate::clock::Clock;
 use crate::delivery::{
     ClaimMode, ClaimRequest, ClaimedBatch, CompletionReport, LastError, Outcome, MAX_LEASE,
 };
+use crate::envelope::Envelope;
 use crate::error::{ConfigError, StoreError};
 use crate::publisher::{PublishResult, Publisher};
 use crate::retry::{IdleBackoff, RetryPolicy};
@@ -591,7 +592,8 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
 /// Publishes `batch` in one call; a publisher that returns the wrong number of results gets
 /// every record treated as a transient failure.
 async fn publish_batch<P: Publisher>(publisher: &P, batch: &ClaimedBatch) -> Vec<PublishResult> {
-    let envelopes: Vec<_> = batch.records.iter().map(|r| r.envelope.clone()).collect();
+    // Lent, not copied: the publisher reads the envelopes where the claim put them.
+    let envelopes: Vec<&Envelope> = batch.records.iter().map(|r| &r.envelope).collect();
     let results = publisher.publish(&envelopes).await;
     if results.len() != envelopes.len() {
         // A publisher that breaks its contract must not make us mark anything: treat every

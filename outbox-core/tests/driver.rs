@@ -150,7 +150,7 @@ struct DownBroker;
 
 #[outbox_core::async_trait]
 impl outbox_core::Publisher for DownBroker {
-    async fn publish(&self, batch: &[Envelope]) -> Vec<outbox_core::PublishResult> {
+    async fn publish(&self, batch: &[&Envelope]) -> Vec<outbox_core::PublishResult> {
         tokio::time::sleep(Duration::from_millis(200)).await;
         batch
             .iter()

@@ -51,8 +51,8 @@
 //! let log = MemoryLog::new("orders", 2);
 //! let event = Envelope::builder("order", "o-1", 1, "order.confirmed").build().unwrap();
 //! // The same event delivered twice (e.g. the relay lost the acknowledgement).
-//! log.publish(&[event.clone()]).await;
-//! log.publish(&[event]).await;
+//! log.publish(&[&event]).await;
+//! log.publish(&[&event]).await;
 //! // A record some other producer wrote without headers: parked, not a stop.
 //! log.append_raw("orders", 0, None, vec![], b"??".to_vec()).unwrap();
 //!

@@ -115,7 +115,7 @@ impl ReleaseReport {
 /// let broken = Envelope::builder("order", "o-1", 1, "order.broken").build().unwrap();
 /// let next = Envelope::builder("order", "o-1", 2, "order.paid").build().unwrap();
 /// let other = Envelope::builder("order", "o-2", 1, "order.paid").build().unwrap();
-/// log.publish(&[broken, next, other]).await;
+/// log.publish(&[&broken, &next, &other]).await;
 ///
 /// let processor = InboxProcessor::new("billing", MemoryInboxStore::new(&db), Strict);
 /// let mut engine = ConsumerEngine::new(

@@ -48,7 +48,7 @@ async fn operator_retry_racing_the_engine_on_the_same_aggregate() {
     let inbox = ctx.inbox().await;
     let h = Effects::new(&ctx);
     let log = MemoryLog::new("t", 1);
-    log.publish(&[ev("poison-a", 1), ev("poison-a", 2), ev("b", 1)])
+    log.publish(&[&ev("poison-a", 1), &ev("poison-a", 2), &ev("b", 1)])
         .await;
     let mut eng = engine(
         log.consumer(GROUP, &["t"]),
@@ -72,7 +72,7 @@ async fn operator_retry_racing_the_engine_on_the_same_aggregate() {
 
     // Meanwhile version 3 arrives; the engine parks it behind the head and must wait.
     let (stop, task) = spawn_engine(eng);
-    log.publish(&[ev("poison-a", 3)]).await;
+    log.publish(&[&ev("poison-a", 3)]).await;
     ctx.wait_until_blocked().await;
     gate.add_permits(1_000);
     let report = retry.await.unwrap().unwrap();
@@ -107,7 +107,7 @@ async fn the_engine_parking_behind_the_last_release_step_applies_instead() {
     let inbox = ctx.inbox().await;
     let h = Effects::new(&ctx);
     let log = MemoryLog::new("t", 1);
-    log.publish(&[ev("poison-a", 1)]).await;
+    log.publish(&[&ev("poison-a", 1)]).await;
     let mut eng = engine(
         log.consumer(GROUP, &["t"]),
         &inbox,
@@ -124,7 +124,7 @@ async fn the_engine_parking_behind_the_last_release_step_applies_instead() {
     let retry = tokio::spawn(async move { ops.retry(head, "alice", "fixed").await });
     h.wait_entered(1).await;
     let (stop, task) = spawn_engine(eng);
-    log.publish(&[ev("poison-a", 2)]).await;
+    log.publish(&[&ev("poison-a", 2)]).await;
     ctx.wait_until_blocked().await;
     gate.add_permits(1_000);
     let rep = retry.await.unwrap().unwrap();
@@ -159,7 +159,7 @@ async fn two_operator_retries_of_the_same_head() {
     let inbox = ctx.inbox().await;
     let h = Effects::new(&ctx);
     let log = MemoryLog::new("t", 1);
-    log.publish(&[ev("poison-a", 1), ev("poison-a", 2), ev("poison-a", 3)])
+    log.publish(&[&ev("poison-a", 1), &ev("poison-a", 2), &ev("poison-a", 3)])
         .await;
     let mut eng = engine(
         log.consumer(GROUP, &["t"]),
@@ -191,7 +191,7 @@ async fn two_operator_retries_of_the_same_head() {
     assert_eq!(ctx.effects_once().await, 3);
     assert!(open_parked(&inbox).await.is_empty());
     // The engine goes on with the aggregate.
-    log.publish(&[ev("poison-a", 4)]).await;
+    log.publish(&[&ev("poison-a", 4)]).await;
     quiet(&mut eng).await;
     assert_eq!(ctx.applied("poison-a").await, vec![1, 2, 3, 4]);
     ctx.drop().await;
@@ -206,7 +206,7 @@ async fn discard_of_a_waiting_message_racing_a_retry_of_its_head() {
     let inbox = ctx.inbox().await;
     let h = Effects::new(&ctx);
     let log = MemoryLog::new("t", 1);
-    log.publish(&[ev("poison-a", 1), ev("poison-a", 2), ev("poison-a", 3)])
+    log.publish(&[&ev("poison-a", 1), &ev("poison-a", 2), &ev("poison-a", 3)])
         .await;
     let mut eng = engine(
         log.consumer(GROUP, &["t"]),
@@ -272,11 +272,11 @@ async fn crash_between_effect_or_park_and_offset_commit() {
     let h = Effects::new(&ctx);
     let log = MemoryLog::new("t", 1);
     log.publish(&[
-        ev("a", 1),
-        ev("poison-p", 1),
-        ev("poison-p", 2),
-        ev("a", 2),
-        ev("g", 1),
+        &ev("a", 1),
+        &ev("poison-p", 1),
+        &ev("poison-p", 2),
+        &ev("a", 2),
+        &ev("g", 1),
     ])
     .await;
     let gate = h.gate("g");
@@ -344,7 +344,7 @@ async fn crash_after_parking_then_redelivery_while_still_parked() {
     let inbox = ctx.inbox().await;
     let h = Effects::new(&ctx);
     let log = MemoryLog::new("t", 1);
-    log.publish(&[ev("poison-p", 1), ev("poison-p", 2)]).await;
+    log.publish(&[&ev("poison-p", 1), &ev("poison-p", 2)]).await;
     log.append_raw("t", 0, None, vec![], b"not an event".to_vec())
         .unwrap();
     let eng = engine(
@@ -398,7 +398,7 @@ async fn a_transaction_aborted_behind_the_handlers_back_is_not_reported_committe
     let inbox = ctx.inbox().await;
     let h = Effects::new(&ctx);
     let log = MemoryLog::new("t", 1);
-    log.publish(&[ev("b", 1), ev("swallow-a", 1)]).await;
+    log.publish(&[&ev("b", 1), &ev("swallow-a", 1)]).await;
     for policy in [VersionPolicy::Unchecked, VersionPolicy::Reject] {
         h.swallow.store(true, Ordering::SeqCst);
         let group = format!("g-{policy:?}");
@@ -459,8 +459,7 @@ async fn duplicates_inside_one_batch_are_applied_once() {
         let log = MemoryLog::new("t", 1);
         let agg = format!("a{i}");
         let (e1, e2) = (ev(&agg, 1), ev(&agg, 2));
-        log.publish(&[e1.clone(), e1.clone(), e2.clone(), e1.clone(), e2.clone()])
-            .await;
+        log.publish(&[&e1, &e1, &e2, &e1, &e2]).await;
         let group = format!("g{i}");
         let mut eng = ConsumerEngine::new(
             log.consumer(&group, &["t"]),
@@ -490,12 +489,12 @@ async fn a_batch_failing_partway_applies_the_others_once() {
     let h = Effects::new(&ctx);
     let log = MemoryLog::new("t", 1);
     log.publish(&[
-        ev("a", 1),
-        ev("b", 1),
-        ev("poison-c", 1),
-        ev("a", 2),
-        ev("poison-c", 2),
-        ev("d", 1),
+        &ev("a", 1),
+        &ev("b", 1),
+        &ev("poison-c", 1),
+        &ev("a", 2),
+        &ev("poison-c", 2),
+        &ev("d", 1),
     ])
     .await;
     let mut eng = engine(
@@ -533,7 +532,7 @@ async fn discarding_a_gap_head_does_not_swallow_the_lower_version_waiting_behind
     let inbox = ctx.inbox().await;
     let h = Effects::new(&ctx);
     let log = MemoryLog::new("t", 1);
-    log.publish(&[ev("a", 1), ev("a", 3), ev("a", 2)]).await;
+    log.publish(&[&ev("a", 1), &ev("a", 3), &ev("a", 2)]).await;
     let mut eng = engine(
         log.consumer(GROUP, &["t"]),
         &inbox,
@@ -561,7 +560,7 @@ async fn discarding_a_gap_head_does_not_swallow_the_lower_version_waiting_behind
         "version 2 was never discarded: it must be applied ({rep:?})"
     );
     // Version 3 counts as done: version 4 follows without a gap.
-    log.publish(&[ev("a", 4)]).await;
+    log.publish(&[&ev("a", 4)]).await;
     let r = quiet(&mut eng).await;
     assert_eq!(r.parked, 1, "no new parking: {r:?}");
     assert_eq!(ctx.applied("a").await, vec![1, 2, 4]);
@@ -581,7 +580,7 @@ async fn hold_then_park_then_the_missing_version_arrives() {
     let h = Effects::new(&ctx);
     let log = MemoryLog::new("t", 1);
     let policy = VersionPolicy::hold(10, Duration::from_millis(300));
-    log.publish(&[ev("a", 1), ev("a", 3), ev("b", 1)]).await;
+    log.publish(&[&ev("a", 1), &ev("a", 3), &ev("b", 1)]).await;
     let mut eng = engine(log.consumer(GROUP, &["t"]), &inbox, &h, policy, fast());
     // While v3 is held, the committed offset stays at it.
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -604,7 +603,7 @@ async fn hold_then_park_then_the_missing_version_arrives() {
     let r = quiet(&mut eng).await;
     assert_eq!(r.parked, 1, "{r:?}");
     assert_eq!(log.committed(GROUP, "t", 0), Some(3));
-    log.publish(&[ev("a", 2)]).await;
+    log.publish(&[&ev("a", 2)]).await;
     let r = quiet(&mut eng).await;
     assert_eq!(r.waiting, 1, "{r:?}");
     assert_eq!(ctx.applied("a").await, vec![1]);
@@ -635,7 +634,7 @@ async fn malformed_records_from_a_plain_producer() {
     let inbox = ctx.inbox().await;
     let h = Effects::new(&ctx);
     let log = MemoryLog::new("t", 1);
-    log.publish(&[ev("a", 1)]).await;
+    log.publish(&[&ev("a", 1)]).await;
     // No headers at all.
     log.append_raw("t", 0, Some(b"k".to_vec()), vec![], b"{}".to_vec())
         .unwrap();
@@ -669,7 +668,7 @@ async fn malformed_records_from_a_plain_producer() {
     let empty = ev("e", 1);
     log.append_raw("t", 0, None, wire::encode_headers(&empty), Vec::new())
         .unwrap();
-    log.publish(&[ev("a", 3), ev("b", 1)]).await;
+    log.publish(&[&ev("a", 3), &ev("b", 1)]).await;
     // An aggregate id with a NUL character, and no other envelope field.
     log.append_raw(
         "t",
@@ -818,7 +817,7 @@ async fn discarding_a_waiting_message_does_not_make_its_head_stale() {
     let inbox = ctx.inbox().await;
     let h = Effects::new(&ctx);
     let log = MemoryLog::new("t", 1);
-    log.publish(&[ev("poison-a", 1), ev("poison-a", 2), ev("poison-a", 3)])
+    log.publish(&[&ev("poison-a", 1), &ev("poison-a", 2), &ev("poison-a", 3)])
         .await;
     let mut eng = engine(
         log.consumer(GROUP, &["t"]),
@@ -844,7 +843,7 @@ async fn discarding_a_waiting_message_does_not_make_its_head_stale() {
         vec![1, 3],
         "v1 was retried, not discarded: {r:?}"
     );
-    log.publish(&[ev("poison-a", 4)]).await;
+    log.publish(&[&ev("poison-a", 4)]).await;
     let rep = quiet(&mut eng).await;
     assert_eq!(ctx.applied("poison-a").await, vec![1, 3, 4], "{rep:?}");
     assert!(open_parked(&inbox).await.is_empty());
@@ -928,7 +927,7 @@ async fn two_engines_in_one_group_with_batches_in_flight_across_rebalances() {
     for v in 1..=5 {
         for a in &aggs {
             let ack = publisher
-                .publish(&[ev(a, v)])
+                .publish(&[&ev(a, v)])
                 .await
                 .remove(0)
                 .expect("published");
@@ -1043,7 +1042,7 @@ async fn a_partition_moves_while_its_batch_is_in_flight() {
     let inbox = ctx.inbox().await;
     let h = Effects::new(&ctx);
     let log = MemoryLog::new("t", 1);
-    log.publish(&[ev("g", 1), ev("b", 1)]).await;
+    log.publish(&[&ev("g", 1), &ev("b", 1)]).await;
     let gate = h.gate("g");
     let old = engine(
         log.consumer(GROUP, &["t"]),
@@ -1150,7 +1149,7 @@ async fn a_message_due_for_parking_whose_version_was_applied_meanwhile_is_stale(
     let log = MemoryLog::new("t", 1);
     let policy = VersionPolicy::hold(10, Duration::from_millis(200));
     let v3 = ev("a", 3);
-    log.publish(&[ev("a", 1), v3.clone()]).await;
+    log.publish(&[&ev("a", 1), &v3]).await;
     let mut eng = engine(log.consumer(GROUP, &["t"]), &inbox, &h, policy, fast());
     let deadline = Instant::now() + Duration::from_secs(5);
     while eng.report().held == 0 {
@@ -1168,7 +1167,7 @@ async fn a_message_due_for_parking_whose_version_was_applied_meanwhile_is_stale(
     let r = quiet(&mut eng).await;
     assert_eq!(r.parked, 0, "{r:?}");
     assert!(open_parked(&inbox).await.is_empty(), "{r:?}");
-    log.publish(&[ev("a", 4)]).await;
+    log.publish(&[&ev("a", 4)]).await;
     let r = quiet(&mut eng).await;
     assert_eq!(ctx.applied("a").await, vec![1, 2, 3, 4], "{r:?}");
     assert_eq!(log.committed(GROUP, "t", 0), Some(3));

@@ -40,7 +40,7 @@ async fn setup(
 ) {
     let inbox = ctx.inbox().await;
     let log = MemoryLog::new("t", 1);
-    log.publish(&[ev("poison-a", 1), ev("poison-a", 2), ev("b", 1)])
+    log.publish(&[&ev("poison-a", 1), &ev("poison-a", 2), &ev("b", 1)])
         .await;
     let mut eng = engine(
         log.consumer(GROUP, &["t"]),
@@ -88,7 +88,7 @@ async fn a_request_performed_while_the_engine_receives_the_aggregate() {
     ops.request_retry(head, "alice", "fixed").await.unwrap();
     let (stop, task) = spawn_engine(eng);
     h.wait_entered(1).await;
-    log.publish(&[ev("poison-a", 3)]).await;
+    log.publish(&[&ev("poison-a", 3)]).await;
     ctx.wait_until_blocked().await;
     assert_eq!(log.committed(GROUP, "t", 0), Some(3), "v3 not final yet");
     gate.add_permits(1_000);
@@ -397,7 +397,7 @@ async fn redelivery_of_the_parked_messages_while_the_request_is_performed() {
     let inbox = ctx.inbox().await;
     let log = MemoryLog::new("t", 1);
     let (e1, e2) = (ev("poison-a", 1), ev("poison-a", 2));
-    log.publish(&[e1.clone(), e2.clone(), ev("b", 1)]).await;
+    log.publish(&[&e1, &e2, &ev("b", 1)]).await;
     let mut eng = engine(
         log.consumer(GROUP, &["t"]),
         &inbox,
@@ -413,7 +413,7 @@ async fn redelivery_of_the_parked_messages_while_the_request_is_performed() {
     ops.request_retry(head, "alice", "fixed").await.unwrap();
     let (stop, task) = spawn_engine(eng);
     h.wait_entered(1).await;
-    log.publish(&[e1.clone(), e2.clone()]).await;
+    log.publish(&[&e1, &e2]).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
         log.committed(GROUP, "t", 0).unwrap_or(0) <= 5,

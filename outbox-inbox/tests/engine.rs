@@ -35,7 +35,7 @@ fn engine_on(
 }
 
 async fn publish(log: &MemoryLog, events: &[Envelope]) {
-    for r in log.publish(events).await {
+    for r in log.publish(&events.iter().collect::<Vec<_>>()).await {
         r.unwrap();
     }
 }

@@ -26,7 +26,7 @@ async fn run(events: &[Envelope], policy: VersionPolicy, broken: &[&str]) -> Set
     for b in broken {
         script.broken.lock().unwrap().insert((*b).to_owned());
     }
-    for r in log.publish(events).await {
+    for r in log.publish(&events.iter().collect::<Vec<_>>()).await {
         r.unwrap();
     }
     let processor = InboxProcessor::new("proj", MemoryInboxStore::new(&db), script.clone())
@@ -120,7 +120,7 @@ async fn the_aggregate_flows_again_after_a_release() {
     s.script.broken.lock().unwrap().clear();
     let id = head(&s).await;
     s.engine.parked().retry(id, "ops", "fixed").await.unwrap();
-    for r in s.log.publish(&[ev("x", 3)]).await {
+    for r in s.log.publish(&[&ev("x", 3)]).await {
         r.unwrap();
     }
     let rep = s
@@ -178,7 +178,7 @@ async fn discard_moves_the_applied_version_up_to_the_discarded_one() {
     let mut s = run(&[ev("x", 1)], VersionPolicy::Reject, &[]).await;
     assert_eq!(inbox(&s).applied_version("proj", &key), Some(1));
     s.script.broken.lock().unwrap().insert("x".to_owned());
-    for r in s.log.publish(&[ev("x", 2)]).await {
+    for r in s.log.publish(&[&ev("x", 2)]).await {
         r.unwrap();
     }
     s.engine

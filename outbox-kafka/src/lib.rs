@@ -96,7 +96,7 @@
 //!     eprintln!("warning: {} is compacted", t.name);
 //! }
 //! let event = Envelope::builder("order", "o-1", 1, "order.created").build()?;
-//! let results = publisher.publish(&[event]).await;
+//! let results = publisher.publish(&[&event]).await;
 //! let ack = results[0].as_ref().map_err(|e| e.to_string())?;
 //! println!("stored at {}/{}@{}", ack.topic, ack.partition, ack.offset);
 //!

@@ -87,7 +87,7 @@ async fn routes_keep_each_aggregate_on_one_topic_and_partition_in_order() {
             );
             expected.push((payments.clone(), format!("p-{i}"), version));
         }
-        let results = publisher.publish(&batch).await;
+        let results = publisher.publish(&batch.iter().collect::<Vec<_>>()).await;
         for (e, r) in batch.iter().zip(&results) {
             let ack = r.as_ref().expect("published");
             let topic = if e.aggregate_type == "payment" {
@@ -208,7 +208,7 @@ async fn default_partitioner_places_keys_like_the_java_client() {
     );
     let mut hot = Vec::new();
     for version in 1..=16 {
-        let results = publisher.publish(&[event("hot-aggregate", version)]).await;
+        let results = publisher.publish(&[&event("hot-aggregate", version)]).await;
         hot.push(results[0].as_ref().expect("published").clone());
     }
     assert!(
@@ -219,7 +219,7 @@ async fn default_partitioner_places_keys_like_the_java_client() {
     assert_eq!(hot[0].partition, java_partition("hot-aggregate", 4));
 
     let batch: Vec<Envelope> = (0..64).map(|i| event(&format!("agg-{i}"), 1)).collect();
-    let results = publisher.publish(&batch).await;
+    let results = publisher.publish(&batch.iter().collect::<Vec<_>>()).await;
     let mut used = std::collections::BTreeSet::new();
     for (e, r) in batch.iter().zip(&results) {
         let ack = r.as_ref().expect("published");
@@ -294,7 +294,7 @@ async fn a_full_local_queue_is_waited_out_not_reported() {
     let batch: Vec<Envelope> = (0..300)
         .map(|i| event(&format!("q-{}", i % 7), i + 1))
         .collect();
-    let results = publisher.publish(&batch).await;
+    let results = publisher.publish(&batch.iter().collect::<Vec<_>>()).await;
     assert_eq!(
         oks(&results),
         300,
@@ -412,7 +412,7 @@ async fn oversize_record_is_permanent_and_does_not_block_other_aggregates() {
         .unwrap();
     let next_of_big = event("big", 2);
     let results = publisher
-        .publish(&[event("small", 1), big, next_of_big, event("small", 2)])
+        .publish(&[&event("small", 1), &big, &next_of_big, &event("small", 2)])
         .await;
     let err = results[1].as_ref().expect_err("oversize");
     assert_eq!(err.kind, PublishErrorKind::RecordTooLarge, "{err}");
@@ -507,7 +507,7 @@ async fn broker_stopped_mid_batch_gives_transient_errors_and_no_false_acks() {
                         event(&format!("agg-{}", (n + i) % 17), n)
                     })
                     .collect();
-                let results = publisher.publish(&batch).await;
+                let results = publisher.publish(&batch.iter().collect::<Vec<_>>()).await;
                 all.extend(batch.into_iter().zip(results));
             }
             all
@@ -522,7 +522,7 @@ async fn broker_stopped_mid_batch_gives_transient_errors_and_no_false_acks() {
     let mut resumed = false;
     while Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let r = publisher.publish(&[event("probe", 1)]).await;
+        let r = publisher.publish(&[&event("probe", 1)]).await;
         if r[0].is_ok() {
             resumed = true;
             break;
@@ -580,13 +580,13 @@ async fn broker_killed_and_restarted_publishing_resumes() {
         .start()
         .await
         .expect("start");
-    let before = publisher.publish(&[event("a", 1), event("b", 1)]).await;
+    let before = publisher.publish(&[&event("a", 1), &event("b", 1)]).await;
     assert_eq!(oks(&before), 2, "{before:?}");
 
     broker.kill();
     let started = Instant::now();
     let down = publisher
-        .publish(&[event("a", 2), event("b", 2), event("c", 1)])
+        .publish(&[&event("a", 2), &event("b", 2), &event("c", 1)])
         .await;
     assert!(
         started.elapsed()
@@ -615,7 +615,7 @@ async fn broker_killed_and_restarted_publishing_resumes() {
     let mut results;
     loop {
         results = publisher
-            .publish(&[event("a", 2), event("b", 2), event("c", 1)])
+            .publish(&[&event("a", 2), &event("b", 2), &event("c", 1)])
             .await;
         if oks(&results) == 3 || Instant::now() > deadline {
             break;
@@ -657,7 +657,9 @@ async fn topic_deleted_mid_run_is_reported_as_unknown_topic_naming_it() {
         .start()
         .await
         .expect("start");
-    let before = publisher.publish(&[event("d-1", 1), event("d-2", 1)]).await;
+    let before = publisher
+        .publish(&[&event("d-1", 1), &event("d-2", 1)])
+        .await;
     assert_eq!(oks(&before), 2, "{before:?}");
 
     let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
@@ -680,7 +682,9 @@ async fn topic_deleted_mid_run_is_reported_as_unknown_topic_naming_it() {
     let results = loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let started = Instant::now();
-        let results = publisher.publish(&[event("d-1", 2), event("d-3", 1)]).await;
+        let results = publisher
+            .publish(&[&event("d-1", 2), &event("d-3", 1)])
+            .await;
         assert!(
             started.elapsed()
                 < Duration::from_secs(2) + outbox_kafka::REPORT_GRACE + Duration::from_secs(3),

@@ -56,7 +56,7 @@ struct Recording {
 
 #[async_trait]
 impl Publisher for Recording {
-    async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
+    async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult> {
         let phase = *self.phase.lock().unwrap();
         let results = self.inner.publish(batch).await;
         let errors = results

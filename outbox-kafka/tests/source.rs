@@ -50,7 +50,7 @@ async fn publish_each(brokers: &str, topic: &str, events: &[Envelope]) -> Vec<Ac
         .expect("start");
     let mut acks = Vec::new();
     for e in events {
-        let mut r = publisher.publish(std::slice::from_ref(e)).await;
+        let mut r = publisher.publish(&[e]).await;
         acks.push(r.remove(0).expect("published"));
     }
     acks

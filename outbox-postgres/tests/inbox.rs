@@ -169,11 +169,11 @@ async fn poison_and_malformed_messages_park_and_the_operator_releases_them() {
     let log = MemoryLog::new("orders", 1);
     for r in log
         .publish(&[
-            ev("a", 1),
-            ev("poison", 1),
-            ev("b", 1),
-            ev("poison", 2),
-            ev("a", 2),
+            &ev("a", 1),
+            &ev("poison", 1),
+            &ev("b", 1),
+            &ev("poison", 2),
+            &ev("a", 2),
         ])
         .await
     {
@@ -251,7 +251,7 @@ async fn poison_and_malformed_messages_park_and_the_operator_releases_them() {
     assert_eq!((stats.parked, stats.waiting), (0, 0));
 
     // The aggregate flows again.
-    for r in log.publish(&[ev("poison", 3)]).await {
+    for r in log.publish(&[&ev("poison", 3)]).await {
         r.unwrap();
     }
     let report = engine
@@ -276,7 +276,7 @@ async fn a_reissued_copy_is_deduplicated_with_its_original() {
         .build()
         .unwrap();
     let log = MemoryLog::new("orders", 1);
-    for r in log.publish(&[original, copy]).await {
+    for r in log.publish(&[&original, &copy]).await {
         r.unwrap();
     }
     let handler = Effects {
@@ -308,7 +308,7 @@ async fn version_gaps_park_or_wait_per_policy() {
     };
     // Reject: v3 parks as a gap, v4 waits.
     let log = MemoryLog::new("orders", 1);
-    for r in log.publish(&[ev("g", 1), ev("g", 3), ev("g", 4)]).await {
+    for r in log.publish(&[&ev("g", 1), &ev("g", 3), &ev("g", 4)]).await {
         r.unwrap();
     }
     let processor = InboxProcessor::new("reject", inbox.clone(), handler());
@@ -329,7 +329,7 @@ async fn version_gaps_park_or_wait_per_policy() {
     );
     // Hold: v3 waits until v2 arrives, then all apply in order.
     let log = MemoryLog::new("orders2", 1);
-    for r in log.publish(&[ev("h", 1), ev("h", 3)]).await {
+    for r in log.publish(&[&ev("h", 1), &ev("h", 3)]).await {
         r.unwrap();
     }
     let processor = InboxProcessor::new("hold", inbox.clone(), handler())
@@ -341,7 +341,7 @@ async fn version_gaps_park_or_wait_per_policy() {
     }
     assert_eq!(engine.report().held, 1);
     assert_eq!(versions(&ctx, "h").await, vec![1]);
-    for r in log.publish(&[ev("h", 2)]).await {
+    for r in log.publish(&[&ev("h", 2)]).await {
         r.unwrap();
     }
     engine
@@ -361,7 +361,7 @@ async fn a_separate_operator_process_releases_what_the_engine_parked() {
     let ctx = ctx!(6);
     let inbox = setup(&ctx).await;
     let log = MemoryLog::new("orders", 1);
-    for r in log.publish(&[ev("poison-x", 1)]).await {
+    for r in log.publish(&[&ev("poison-x", 1)]).await {
         r.unwrap();
     }
     let processor = InboxProcessor::new(
@@ -417,7 +417,7 @@ async fn requested_retries_are_performed_by_the_engine_with_its_handler() {
     let inbox = setup(&ctx).await;
     let log = MemoryLog::new("orders", 1);
     for r in log
-        .publish(&[ev("poison-r", 1), ev("poison-r", 2), ev("poison-r", 3)])
+        .publish(&[&ev("poison-r", 1), &ev("poison-r", 2), &ev("poison-r", 3)])
         .await
     {
         r.unwrap();

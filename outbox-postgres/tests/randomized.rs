@@ -662,7 +662,7 @@ impl FakePublisher {
 
 #[async_trait]
 impl Publisher for FakePublisher {
-    async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
+    async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult> {
         let world = &self.world;
         // Call-level decisions: the transport down for the whole call; the delivery delay
         // (beyond the delivery timeout now and then: nothing is delivered then); and a stall

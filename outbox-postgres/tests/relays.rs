@@ -40,7 +40,7 @@ struct RecordingPublisher {
 
 #[async_trait]
 impl Publisher for RecordingPublisher {
-    async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
+    async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult> {
         {
             let mut log = self.log.lock().unwrap();
             for e in batch {
@@ -255,7 +255,7 @@ struct HangingPublisher {
 
 #[async_trait]
 impl Publisher for HangingPublisher {
-    async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
+    async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult> {
         let _ = self
             .claimed
             .send(batch.iter().map(|e| e.event_id).collect());

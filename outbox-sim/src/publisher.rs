@@ -64,8 +64,8 @@ impl PublisherHandle {
 
 #[async_trait]
 impl Publisher for ScriptedPublisher {
-    async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
-        let records = batch.to_vec();
+    async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult> {
+        let records: Vec<Envelope> = batch.iter().map(|e| (*e).clone()).collect();
         let (reply, answer) = oneshot::channel();
         let failed = || {
             batch

@@ -25,7 +25,7 @@
 //! let publisher = FaultyPublisher::new(log.clone(), faults);
 //! let a = Envelope::builder("order", "a", 1, "e").build().unwrap();
 //! let b = Envelope::builder("order", "b", 1, "e").build().unwrap();
-//! let results = publisher.publish(&[a, b]).await;
+//! let results = publisher.publish(&[&a, &b]).await;
 //! assert!(results[0].is_ok());
 //! assert!(results[1].is_err());            // the caller sees a timeout...
 //! assert_eq!(log.all_records().len(), 2);  // ...but the broker has the record
@@ -758,7 +758,7 @@ impl<P> FaultyPublisher<P> {
 
 #[async_trait]
 impl<P: Publisher> Publisher for FaultyPublisher<P> {
-    async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
+    async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult> {
         let decisions: Vec<Option<Fault>> =
             batch.iter().map(|_| self.faults.next("publish")).collect();
         let delay = decisions
@@ -771,11 +771,11 @@ impl<P: Publisher> Publisher for FaultyPublisher<P> {
         if let Some(d) = delay {
             tokio::time::sleep(d).await;
         }
-        let sent: Vec<Envelope> = batch
+        let sent: Vec<&Envelope> = batch
             .iter()
             .zip(&decisions)
             .filter(|(_, d)| !matches!(d, Some(Fault::Transient | Fault::Permanent)))
-            .map(|(e, _)| e.clone())
+            .map(|(e, _)| *e)
             .collect();
         let mut results = if sent.is_empty() {
             Vec::new()
@@ -912,7 +912,7 @@ mod tests {
             .iter()
             .map(|a| ev(a))
             .collect();
-        let r = p.publish(&batch).await;
+        let r = p.publish(&batch.iter().collect::<Vec<_>>()).await;
         assert_eq!(r.len(), 5);
         assert_eq!(r[0].as_ref().unwrap_err().class, ErrorClass::Transient);
         assert!(r[1].is_ok());

@@ -381,7 +381,7 @@ async fn log_routes_partitions_and_faults() {
         ))
         .build()
         .unwrap();
-    let res = log.publish(&[e1.clone(), pay, ghost, big]).await;
+    let res = log.publish(&[&e1, &pay, &ghost, &big]).await;
     assert_eq!(res[0].as_ref().unwrap().topic, "orders");
     assert_eq!(
         res[0].as_ref().unwrap().partition,
@@ -400,21 +400,17 @@ async fn log_routes_partitions_and_faults() {
 
     // Same key, same partition, increasing offsets.
     let e2 = ev("a", 2, 2);
-    let r2 = log
-        .publish(std::slice::from_ref(&e2))
-        .await
-        .remove(0)
-        .unwrap();
+    let r2 = log.publish(&[&e2]).await.remove(0).unwrap();
     assert_eq!(r2.partition, res[0].as_ref().unwrap().partition);
     assert_eq!(r2.offset, res[0].as_ref().unwrap().offset + 1);
 
     log.fail_next(2, PublishErrorKind::NotEnoughReplicas);
-    let r = log.publish(&[e1.clone(), e1.clone(), e1.clone()]).await;
+    let r = log.publish(&[&e1, &e1, &e1]).await;
     assert!(r[0].is_err() && r[1].is_err() && r[2].is_ok());
 
     let before = log.all_records().len();
     log.lose_ack_next(1);
-    let r = log.publish(std::slice::from_ref(&e1)).await;
+    let r = log.publish(&[&e1]).await;
     let err = r[0].as_ref().unwrap_err();
     assert_eq!(
         (err.kind, err.class),
@@ -428,14 +424,14 @@ async fn log_routes_partitions_and_faults() {
 
     log.fail_event(e2.event_id, PublishErrorKind::Authorization);
     log.inject(LogFault::new(FaultMatch::Aggregate("zz".into()), FaultAction::LoseAck).times(1));
-    let r = log.publish(&[e2.clone(), e1.clone()]).await;
+    let r = log.publish(&[&e2, &e1]).await;
     assert_eq!(
         r[0].as_ref().unwrap_err().kind,
         PublishErrorKind::Authorization
     );
     assert!(r[1].is_ok());
     log.clear_faults();
-    assert!(log.publish(std::slice::from_ref(&e2)).await[0].is_ok());
+    assert!(log.publish(&[&e2]).await[0].is_ok());
     assert_eq!(log.delivery_timeout(), Duration::from_secs(5));
 }
 

@@ -101,7 +101,7 @@ pub async fn run(config: &Config, opts: &ReplayOpts, out: &Output) -> Result<(),
                 e
             })
             .collect();
-        let results = publisher.publish(&events).await;
+        let results = publisher.publish(&events.iter().collect::<Vec<_>>()).await;
         let failed: Vec<String> = events
             .iter()
             .zip(&results)

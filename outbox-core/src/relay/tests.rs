@@ -13,12 +13,22 @@ use crate::delivery::*;
 use crate::envelope::{Envelope, EventId};
 use crate::error::{PublishError, PublishErrorKind, StoreErrorKind};
 
+// The mock's methods are synchronous (mockall cannot mock `&[&Envelope]` through
+// async-trait's lifetimes); the trait impl forwards to them.
 mockall::mock! {
-    pub Pub {}
-    #[async_trait::async_trait]
-    impl Publisher for Pub {
-        async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult>;
+    pub Pub {
+        fn publish<'a>(&self, batch: &[&'a Envelope]) -> Vec<PublishResult>;
         fn delivery_timeout(&self) -> Duration;
+    }
+}
+
+#[async_trait::async_trait]
+impl Publisher for MockPub {
+    async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult> {
+        MockPub::publish(self, batch)
+    }
+    fn delivery_timeout(&self) -> Duration {
+        MockPub::delivery_timeout(self)
     }
 }
 
@@ -451,8 +461,8 @@ fn step_api_matches_run_once() {
     assert_eq!(rep.applied, 1);
 }
 
-fn failing(kind: PublishErrorKind) -> impl Fn(&[Envelope]) -> Vec<PublishResult> {
-    move |b: &[Envelope]| {
+fn failing(kind: PublishErrorKind) -> impl Fn(&[&Envelope]) -> Vec<PublishResult> {
+    move |b: &[&Envelope]| {
         b.iter()
             .map(|_| Err(PublishError::new(kind, "injected")))
             .collect()

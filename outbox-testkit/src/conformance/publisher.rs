@@ -42,7 +42,10 @@ pub async fn publish_returns_one_result_per_event_in_order<H: PublisherHarness>(
         .flat_map(|v| aggs.iter().map(move |a| (a.clone(), v)))
         .map(|(a, v)| h.event(&a, v))
         .collect();
-    let results = h.publisher().publish(&batch).await;
+    let results = h
+        .publisher()
+        .publish(&batch.iter().collect::<Vec<_>>())
+        .await;
     assert_eq!(results.len(), batch.len(), "one result per event");
     let mut last: BTreeMap<&str, (String, i32, i64)> = BTreeMap::new();
     for (e, r) in batch.iter().zip(&results) {
@@ -105,7 +108,10 @@ pub async fn mixed_outcomes_in_one_batch_map_to_their_records<H: PublisherHarnes
         batch.insert(3, e);
     }
     batch.push(h.event(&agg("mixed-ok"), 1));
-    let results = h.publisher().publish(&batch).await;
+    let results = h
+        .publisher()
+        .publish(&batch.iter().collect::<Vec<_>>())
+        .await;
     assert_eq!(results.len(), batch.len(), "one result per record");
     let mut read = 0;
     for (i, (e, r)) in batch.iter().zip(&results).enumerate() {
@@ -150,7 +156,7 @@ pub async fn records_follow_the_wire_mapping<H: PublisherHarness>(h: &H) {
     let e = h.event(&agg("wire"), 1);
     let ack = h
         .publisher()
-        .publish(std::slice::from_ref(&e))
+        .publish(&[&e])
         .await
         .remove(0)
         .expect("published");
@@ -181,7 +187,7 @@ pub async fn oversize_record_is_a_permanent_error<H: PublisherHarness>(h: &H) {
     let mut big = h.event(&agg("big"), 1);
     big.payload = Payload::new("application/octet-stream", vec![7u8; max + 1]);
     let small = h.event(&agg("small"), 1);
-    let results = h.publisher().publish(&[big, small]).await;
+    let results = h.publisher().publish(&[&big, &small]).await;
     assert_eq!(results.len(), 2);
     let err = results[0]
         .as_ref()
@@ -199,7 +205,7 @@ pub async fn unknown_topic_is_a_permanent_error<H: PublisherHarness>(h: &H) {
             "the harness cannot route an event to a missing topic",
         );
     };
-    let results = h.publisher().publish(std::slice::from_ref(&e)).await;
+    let results = h.publisher().publish(&[&e]).await;
     let err = results[0]
         .as_ref()
         .expect_err("a record for a missing topic was acknowledged");
