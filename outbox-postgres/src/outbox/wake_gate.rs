@@ -157,7 +157,13 @@ impl PostgresOutboxStore {
 
     async fn disarm(&self) {
         let mut guard = self.inner.gate.conn.lock().await;
-        self.inner.gate_armed.store(false, Ordering::Release);
+        // Claims through one store instance may run concurrently (a prefetch beside a probe,
+        // two relays sharing a store): a second claim that found work may come here after the
+        // first one disarmed. Session advisory locks do not stack across an unlock, so unlock
+        // only what this store holds (an unlock of a lock not held is refused with a notice).
+        if !self.inner.gate_armed.swap(false, Ordering::AcqRel) {
+            return;
+        }
         let Some(conn) = guard.as_mut() else {
             return;
         };
