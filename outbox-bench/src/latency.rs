@@ -42,7 +42,7 @@ pub(crate) struct LatencyArgs {
     #[arg(long, default_value_t = 6)]
     partitions: i32,
     /// Only these contenders (ids, comma-separated; default all): notify, polling,
-    /// notify-linger0.
+    /// notify-linger0, notify-linger0-fetch10.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 }
@@ -54,26 +54,38 @@ struct Contender {
     notify: bool,
     /// `linger.ms` set on the publisher (None: the library's default).
     linger_ms: Option<u32>,
+    /// `fetch.wait.max.ms` set on the consumer (None: librdkafka's default, 500 ms).
+    fetch_wait_ms: Option<u32>,
 }
 
-const CONTENDERS: [Contender; 3] = [
+const CONTENDERS: [Contender; 4] = [
     Contender {
         id: "notify",
         label: "NOTIFY wake-up (default)",
         notify: true,
         linger_ms: None,
+        fetch_wait_ms: None,
     },
     Contender {
         id: "polling",
         label: "polling only",
         notify: false,
         linger_ms: None,
+        fetch_wait_ms: None,
     },
     Contender {
         id: "notify-linger0",
         label: "NOTIFY, producer linger.ms=0",
         notify: true,
         linger_ms: Some(0),
+        fetch_wait_ms: None,
+    },
+    Contender {
+        id: "notify-linger0-fetch10",
+        label: "NOTIFY, linger.ms=0, consumer fetch.wait.max.ms=10",
+        notify: true,
+        linger_ms: Some(0),
+        fetch_wait_ms: Some(10),
     },
 ];
 
@@ -268,10 +280,13 @@ async fn run_one(
             handled: handled.clone(),
         },
     );
-    let source = outbox_kafka::KafkaSource::builder(&brokers, format!("bench-{topic}"))
+    let mut source = outbox_kafka::KafkaSource::builder(&brokers, format!("bench-{topic}"))
         .topic(&topic)
-        .session_timeout(Duration::from_secs(6))
-        .build()?;
+        .session_timeout(Duration::from_secs(6));
+    if let Some(ms) = c.fetch_wait_ms {
+        source = source.set("fetch.wait.max.ms", ms.to_string());
+    }
+    let source = source.build()?;
     let config = EngineConfig::default()
         .with_concurrency(1)
         .with_poll_timeout(Duration::from_millis(20));

@@ -704,7 +704,7 @@ where
                 .unwrap_or(RecordAnswer::Ack);
             let stored = matches!(a, RecordAnswer::Ack | RecordAnswer::AckLost);
             let ack: Option<PublishResult> = if stored {
-                let mut r = self.block_on(self.log.publish(&[&e]))?;
+                let mut r = self.block_on(self.log.publish(&[e]))?;
                 Some(r.pop().ok_or("the log answered nothing")?)
             } else {
                 None
