@@ -17,7 +17,8 @@ perf_pid=$!
 sleep 2
 "$B" --rounds 1 profile --modes "$MODE" --perf-ctl "$work/ctl" | tee "$OUT/perf-drain-$MODE.txt"
 kill -INT "$perf_pid"; wait "$perf_pid" || true
-perf script -i "$work/perf.data" --no-inline > "$work/perf.script" 2>/dev/null
+perf script -i "$work/perf.data" --no-inline -F comm,pid,tid,time,event,ip,sym,dso \
+    > "$work/perf.script" 2>/dev/null
 inferno-collapse-perf --all --pid < "$work/perf.script" > "$OUT/drain-$MODE-all.folded"
 # Per process: the relay (its pid; threads outbox-bench and tokio-runtime-w) and the run's
 # PostgreSQL backends (the pids the program printed); the rest is other work on the machine.

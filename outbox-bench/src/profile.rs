@@ -25,12 +25,16 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use clap::Args;
-use outbox_core::{AckMetadata, ClaimMode, ClaimRequest, OutboxStore, Outcome};
+use outbox_core::{
+    AckMetadata, ClaimMode, ClaimRequest, OutboxStore, Outcome, Relay, RelayConfig, SystemClock,
+};
 use outbox_postgres::PostgresOutboxStore;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Executor as _, PgPool, Row};
 
-use crate::drain::{drain_relay, InstantAcks};
+use crate::drain::InstantAcks;
 use crate::env::{self, Env};
 use crate::report::{Report, Samples};
 
@@ -66,6 +70,55 @@ pub(crate) struct ProfileArgs {
     /// before each drain and `disable` after it, so that perf samples the drains only.
     #[arg(long)]
     perf_ctl: Option<std::path::PathBuf>,
+}
+
+/// One relay (`Relay::run_once`, default prefetch, instant publisher) drains `events` events,
+/// as the drain scenario's instant contender does, with nothing else inside the clock (nor
+/// inside perf's window): the events are counted, not read from the store's statistics.
+async fn drain_profiled(
+    store: &PostgresOutboxStore,
+    batch: usize,
+    events: usize,
+    ctl: Option<&std::path::Path>,
+) -> anyhow::Result<(u64, Duration)> {
+    let config = RelayConfig::builder()
+        .owner("profile")
+        .batch_size(batch)
+        .build()?;
+    let mut relay = Relay::new(
+        store.clone(),
+        Arc::new(InstantAcks::default()),
+        config,
+        Arc::new(SystemClock),
+        Box::new(StdRng::seed_from_u64(0)),
+    )?;
+    perf_ctl(ctl, "enable")?;
+    let started = Instant::now();
+    let mut done = 0u64;
+    let result = async {
+        while done < events as u64 {
+            let report = relay.run_once().await?;
+            anyhow::ensure!(
+                report.retried == 0
+                    && report.parked == 0
+                    && report.superseded == 0
+                    && !report.released,
+                "publish failures, released or superseded claims: {report:?}"
+            );
+            if report.claimed == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+                continue;
+            }
+            done += report.published as u64;
+        }
+        Ok(())
+    }
+    .await;
+    let took = started.elapsed();
+    perf_ctl(ctl, "disable")?;
+    result?;
+    relay.release_prefetched().await?;
+    Ok((done, took))
 }
 
 /// Writes a command (`enable`, `disable`) to perf's control FIFO.
@@ -180,11 +233,9 @@ async fn profile_with(
                 // Only the drain's statements: reset after the preload, read after the drain.
                 reset_stats(&env.pool).await?;
                 let before = cpu_snapshot(&env.pool).await?;
-                perf_ctl(args.perf_ctl.as_deref(), "enable")?;
-                let drained =
-                    drain_relay(&store, Arc::new(InstantAcks::default()), args.batch, 1).await;
-                perf_ctl(args.perf_ctl.as_deref(), "disable")?;
-                let (n, took) = drained?;
+                let (n, took) =
+                    drain_profiled(&store, args.batch, args.events, args.perf_ctl.as_deref())
+                        .await?;
                 let after = cpu_snapshot(&env.pool).await?;
                 merge(&mut stmts, statements(&env.pool).await?);
                 cpu.add(&before, &after);
