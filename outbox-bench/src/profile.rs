@@ -365,14 +365,15 @@ async fn statements(pool: &PgPool) -> anyhow::Result<Vec<Stmt>> {
 /// A short name for a statement of the store (matched on its text).
 fn label(q: &str) -> &'static str {
     let has = |s: &str| q.contains(s);
-    if has("INSERT INTO") && has("UNNEST($1::uuid[]") || has("VACUUM") || has("CREATE SCHEMA") {
-        "(preload)"
-    } else if has("DROP SCHEMA") {
+    if has("INSERT INTO") && has("UNNEST($1::uuid[]")
+        || has("VACUUM")
+        || has("CREATE SCHEMA")
+        || has("DROP SCHEMA")
+    {
         "(preload)"
     } else if has("ORDER BY c.id LIMIT") {
         "claim 1: candidates + try-locks"
-    } else if has("c AS MATERIALIZED") && has("lease_owner, lease_token, lease_until, lease_row)")
-    {
+    } else if has("c AS MATERIALIZED") && has("lease_owner, lease_token, lease_until, lease_row)") {
         "claim 2: decide (lease)"
     } else if has("c AS MATERIALIZED") {
         "claim 2: decide (locked)"
