@@ -50,7 +50,8 @@ pub(crate) struct ProfileArgs {
     /// Claim batch size.
     #[arg(long, default_value_t = 1000)]
     batch: usize,
-    /// Claim modes to profile (lease, locked).
+    /// Claim modes to profile (lease, locked), and `naive`: the drain scenario's reference
+    /// (`SKIP LOCKED` select + one `UPDATE` per batch on the same table, no order).
     #[arg(long, value_delimiter = ',', default_value = "lease,locked")]
     modes: Vec<String>,
     /// Statements printed per mode (by total time).
@@ -139,8 +140,9 @@ fn mode_of(name: &str) -> anyhow::Result<ClaimMode> {
         "lease" => Ok(ClaimMode::Lease {
             duration: Duration::from_secs(60),
         }),
-        "locked" => Ok(ClaimMode::LockedTransaction),
-        other => anyhow::bail!("--modes: unknown claim mode {other:?} (lease, locked)"),
+        // The naive reference (the drain scenario's `naive-sql`) on a store's table.
+        "locked" | "naive" => Ok(ClaimMode::LockedTransaction),
+        other => anyhow::bail!("--modes: unknown claim mode {other:?} (lease, locked, naive)"),
     }
 }
 
@@ -233,9 +235,15 @@ async fn profile_with(
                 // Only the drain's statements: reset after the preload, read after the drain.
                 reset_stats(&env.pool).await?;
                 let before = cpu_snapshot(&env.pool).await?;
-                let (n, took) =
+                let (n, took) = if name == "naive" {
+                    perf_ctl(args.perf_ctl.as_deref(), "enable")?;
+                    let r = crate::drain::drain_naive_sql(&store, args.batch).await;
+                    perf_ctl(args.perf_ctl.as_deref(), "disable")?;
+                    r?
+                } else {
                     drain_profiled(&store, args.batch, args.events, args.perf_ctl.as_deref())
-                        .await?;
+                        .await?
+                };
                 let after = cpu_snapshot(&env.pool).await?;
                 merge(&mut stmts, statements(&env.pool).await?);
                 cpu.add(&before, &after);
@@ -247,13 +255,13 @@ async fn profile_with(
                 );
                 anyhow::ensure!(n == args.events as u64, "drained {n} of {}", args.events);
                 println!(
-                    "round {}/{rounds}  relay {name}, instant publisher: {n} events in {:.2} s = {:.0} events/s",
+                    "round {}/{rounds}  {name} drain, instant publisher: {n} events in {:.2} s = {:.0} events/s",
                     round + 1,
                     took.as_secs_f64(),
                     n as f64 / took.as_secs_f64()
                 );
                 samples.add(
-                    &format!("relay {name}, instant publisher"),
+                    &format!("{name} drain, instant publisher"),
                     "events/s",
                     n as f64 / took.as_secs_f64(),
                 );
@@ -267,7 +275,7 @@ async fn profile_with(
         }
     }
     if args.explain {
-        for (name, mode) in modes {
+        for (name, mode) in modes.iter().filter(|(n, _)| n != "naive") {
             explain_cycle(env, url, name, *mode, args).await?;
         }
     }
@@ -393,6 +401,10 @@ fn label(q: &str) -> &'static str {
         "SET LOCAL synchronous_commit"
     } else if q.starts_with("SET LOCAL") {
         "SET LOCAL (plan, jit, scan)"
+    } else if has("FOR UPDATE SKIP LOCKED") {
+        "naive: SKIP LOCKED select"
+    } else if has("AS u(id, p, o)") {
+        "naive: one UPDATE"
     } else if has("AS unpublished") {
         "stats"
     } else {
