@@ -646,7 +646,7 @@ async fn drain_store(store: &PostgresOutboxStore, batch: usize) -> anyhow::Resul
 
 /// The naive baseline on the outbox table: `SKIP LOCKED` claim and one `UPDATE` with ack
 /// metadata, no ordering.
-async fn drain_naive_sql(
+pub(crate) async fn drain_naive_sql(
     store: &PostgresOutboxStore,
     batch: usize,
 ) -> anyhow::Result<(u64, Duration)> {

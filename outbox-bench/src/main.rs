@@ -9,6 +9,7 @@
 //! target/release/outbox-bench latency
 //! target/release/outbox-bench consumer
 //! target/release/outbox-bench scale
+//! target/release/outbox-bench profile --explain
 //! ```
 //!
 //! Every scenario repeats `--rounds` rounds with the contenders in a rotating order (a slow
@@ -20,10 +21,12 @@
 //! `BENCHMARKS.md` for the conditions and the latest figures.
 
 mod append;
+mod autovac;
 mod consumer;
 mod drain;
 mod env;
 mod latency;
+mod profile;
 mod report;
 mod scale;
 
@@ -67,6 +70,10 @@ enum Scenario {
     /// Scale: the claim's cost at growing backlogs, and a soak with cleanup (size, dead
     /// tuples, claim latency over time).
     Scale(scale::ScaleArgs),
+    /// Profile a drain per claim mode: pg_stat_statements over the run (a database of its
+    /// own), the wall time inside vs outside statements, the CPU split; `--explain` for the
+    /// plans of one claim + completion (auto_explain).
+    Profile(profile::ProfileArgs),
 }
 
 #[tokio::main]
@@ -90,6 +97,7 @@ async fn main() -> anyhow::Result<()> {
         Scenario::Latency(a) => latency::run(&env, a, cli.rounds).await,
         Scenario::Consumer(a) => consumer::run(&env, a, cli.rounds).await,
         Scenario::Scale(a) => scale::run(&env, a, cli.rounds).await,
+        Scenario::Profile(a) => profile::run(&env, a, cli.rounds).await,
     };
     // Remove what the run created, also after a failure.
     let cleaned = env.cleanup().await;

@@ -56,6 +56,11 @@ pub(crate) struct ScaleArgs {
     /// shows whether the table stays bounded when it is vacuumed).
     #[arg(long)]
     soak_vacuum: bool,
+    /// Emulate autovacuum with the server's own thresholds and naptime on the outbox and its
+    /// aggregate-state table (for servers running with `autovacuum = off`): what a server with
+    /// the default autovacuum settings would do.
+    #[arg(long, conflicts_with = "soak_vacuum")]
+    soak_autovacuum: bool,
     /// Seconds between soak samples.
     #[arg(long, default_value_t = 10)]
     sample_every: u64,
@@ -77,6 +82,7 @@ pub(crate) async fn run(env: &Env, args: &ScaleArgs, rounds: usize) -> anyhow::R
     report.param("soak_seconds", args.soak_seconds);
     report.param("soak_rate", args.soak_rate);
     report.param("soak_vacuum", args.soak_vacuum);
+    report.param("soak_autovacuum_emulated", args.soak_autovacuum);
     let autovacuum: String = sqlx::query_scalar("SELECT current_setting('autovacuum')")
         .fetch_one(&env.pool)
         .await?;
@@ -344,12 +350,24 @@ async fn soak(env: &Env, args: &ScaleArgs) -> anyhow::Result<Vec<serde_json::Val
             Ok::<_, anyhow::Error>(removed)
         })
     };
+    let autovac = args.soak_autovacuum.then(|| {
+        tokio::spawn(crate::autovac::run(
+            store.pool().clone(),
+            vec![
+                (s.schema.clone(), s.table.clone()),
+                (s.schema.clone(), format!("{}_aggregate", s.table)),
+            ],
+            running.clone(),
+        ))
+    });
     let started = Instant::now();
     let mut series = Vec::new();
     let stats_sql = format!(
         "SELECT pg_total_relation_size(c.oid)::int8 AS total, pg_relation_size(c.oid)::int8 AS heap, \
                 pg_indexes_size(c.oid)::int8 AS idx, st.n_live_tup, st.n_dead_tup, \
-                st.autovacuum_count \
+                st.autovacuum_count, st.vacuum_count, \
+                pg_total_relation_size(format('%I.%I', n.nspname, c.relname || '_aggregate'))::int8 \
+                  AS state_total \
          FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
          JOIN pg_stat_user_tables st ON st.relid = c.oid \
          WHERE n.nspname = '{}' AND c.relname = '{}'",
@@ -371,6 +389,8 @@ async fn soak(env: &Env, args: &ScaleArgs) -> anyhow::Result<Vec<serde_json::Val
             "live_tuples": row.get::<i64, _>("n_live_tup"),
             "dead_tuples": row.get::<i64, _>("n_dead_tup"),
             "autovacuums": row.get::<i64, _>("autovacuum_count"),
+            "vacuums": row.get::<i64, _>("vacuum_count"),
+            "state_total_bytes": row.get::<i64, _>("state_total"),
             "backlog": backlog,
             "probe_claim_ms": probe_ms,
         });
@@ -383,6 +403,13 @@ async fn soak(env: &Env, args: &ScaleArgs) -> anyhow::Result<Vec<serde_json::Val
         appended += t.await??;
     }
     let removed = cleanup.await??;
+    if let Some(a) = autovac {
+        let c = a.await??;
+        println!(
+            "soak: autovacuum stand-in ran {} VACUUM and {} ANALYZE",
+            c.vacuums, c.analyzes
+        );
+    }
     stop.notify_one();
     relay_task.await?;
     listener.abort();
