@@ -68,3 +68,129 @@ async fn non_critical_appends_fail_fast_above_the_threshold_and_critical_ones_go
         .unwrap();
     assert_eq!(store.stats().await.unwrap().unpublished, 5);
 }
+
+/// `refresh` measures the backlog's growth between two refreshes and forecasts from it.
+#[tokio::test]
+async fn refresh_measures_growth_between_snapshots() {
+    let clock = ManualClock::default();
+    let db = MemoryDb::new(clock.clone());
+    let inner = MemoryOutboxStore::new(&db, ClaimMode::lease(Duration::from_secs(30)).unwrap());
+    let gate = Arc::new(Backpressure::new(
+        BackpressurePolicy::default().min_forecast(Duration::from_secs(5), 16),
+    ));
+    let store = BackpressureStore::new(inner, gate.clone());
+    assert!(Arc::ptr_eq(store.gate(), &gate));
+    let append = |aggs: std::ops::Range<usize>| {
+        let store = &store;
+        let db = &db;
+        async move {
+            let mut tx = db.begin();
+            let events: Vec<_> = aggs
+                .map(|i| event(&format!("g{i}"), 1, "order.viewed"))
+                .collect();
+            store.append(&mut tx, &events).await.unwrap();
+            tx.commit().unwrap();
+        }
+    };
+    let t0 = chrono::Utc::now();
+    append(0..2).await;
+    let first = gate.refresh(&store, t0).await.unwrap();
+    let snapshot = first.snapshot.expect("a snapshot");
+    assert_eq!(
+        (snapshot.backlog, snapshot.rate_per_sec),
+        (2, None),
+        "no rate yet"
+    );
+    assert!(!first.active);
+    // 4 more in 2 s: 2 events/s; 16 - 6 = 10 to go, 5 s: at the min_forecast bound.
+    append(2..6).await;
+    let second = gate
+        .refresh(&store, t0 + chrono::Duration::seconds(2))
+        .await
+        .unwrap();
+    assert_eq!(second.snapshot.as_ref().unwrap().rate_per_sec, Some(2.0));
+    assert_eq!(second.forecast, Some(Duration::from_secs(5)));
+    assert!(second.active, "{second:?}");
+    // No time passed: no rate can be measured.
+    let again = gate
+        .refresh(&store, t0 + chrono::Duration::seconds(2))
+        .await
+        .unwrap();
+    assert_eq!(again.snapshot.unwrap().rate_per_sec, None);
+    assert!(!again.active);
+    // Draining: a negative rate, no forecast.
+    let batch = store
+        .claim(&outbox_core::ClaimRequest::new("r", 100))
+        .await
+        .unwrap();
+    let outcomes: Vec<_> = batch
+        .records
+        .iter()
+        .map(|r| outbox_core::Outcome::Published {
+            event_id: r.envelope.event_id,
+            ack: outbox_core::AckMetadata {
+                topic: "t".into(),
+                partition: 0,
+                offset: 0,
+            },
+        })
+        .collect();
+    store.complete(&batch.handle, &outcomes).await.unwrap();
+    let drained = gate
+        .refresh(&store, t0 + chrono::Duration::seconds(4))
+        .await
+        .unwrap();
+    assert_eq!(drained.snapshot.unwrap().rate_per_sec, Some(-3.0));
+    assert_eq!(drained.forecast, None);
+}
+
+/// With backpressure off, a `BackpressureStore` is the store it wraps: the whole outbox
+/// conformance suite runs through the wrapper (every operation must reach the inner store
+/// unchanged, not just appends).
+mod conformance_through_the_wrapper {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use outbox_core::backpressure::{Backpressure, BackpressurePolicy, BackpressureStore};
+    use outbox_core::{async_trait, ClaimHandle, ClaimMode, StoreError};
+    use outbox_testkit::conformance::{Capabilities, MemoryOutboxHarness, OutboxHarness};
+    use outbox_testkit::{MemoryOutboxStore, MemoryTx};
+
+    pub(crate) struct Wrapped(MemoryOutboxHarness);
+
+    #[async_trait]
+    impl OutboxHarness for Wrapped {
+        type Store = BackpressureStore<MemoryOutboxStore>;
+
+        fn capabilities(&self) -> Capabilities {
+            self.0.capabilities()
+        }
+
+        async fn store(&self, mode: ClaimMode) -> Self::Store {
+            let gate = Arc::new(Backpressure::new(BackpressurePolicy::default()));
+            BackpressureStore::new(self.0.store(mode).await, gate)
+        }
+
+        async fn begin(&self) -> MemoryTx {
+            self.0.begin().await
+        }
+
+        async fn commit(&self, tx: MemoryTx) -> Result<(), StoreError> {
+            self.0.commit(tx).await
+        }
+
+        async fn rollback(&self, tx: MemoryTx) {
+            self.0.rollback(tx).await;
+        }
+
+        async fn advance(&self, by: Duration) {
+            self.0.advance(by).await;
+        }
+
+        async fn abandon(&self, store: &Self::Store, claim: &ClaimHandle) -> bool {
+            self.0.abandon(store.inner(), claim).await
+        }
+    }
+
+    outbox_testkit::outbox_conformance_tests!(async { Wrapped(MemoryOutboxHarness::new()) });
+}
