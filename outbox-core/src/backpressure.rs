@@ -695,6 +695,47 @@ mod tests {
         assert!(gate.check(&[not_marked]).is_err());
     }
 
+    /// The gauges of the telemetry table: `outbox_backpressure_active` and
+    /// `outbox_backlog_forecast_seconds` (-1 when the backlog does not grow).
+    #[test]
+    fn observe_sets_the_gauges() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        let gauges = |snapshot: BacklogSnapshot| {
+            let recorder = DebuggingRecorder::new();
+            let snapshotter = recorder.snapshotter();
+            let gate =
+                Backpressure::new(BackpressurePolicy::default().max_backlog(10).capacity(100));
+            metrics::with_local_recorder(&recorder, || gate.observe(snapshot, Utc::now()));
+            let mut out: Vec<(String, f64)> = snapshotter
+                .snapshot()
+                .into_vec()
+                .into_iter()
+                .filter_map(|(k, _, _, v)| match v {
+                    DebugValue::Gauge(g) => Some((k.key().name().to_owned(), g.into_inner())),
+                    _ => None,
+                })
+                .collect();
+            out.sort_by(|a, b| a.0.cmp(&b.0));
+            out
+        };
+        let name = |n: &str| n.to_owned();
+        assert_eq!(
+            gauges(BacklogSnapshot::new(5, None, None)),
+            [
+                (name("outbox_backlog_forecast_seconds"), -1.0),
+                (name("outbox_backpressure_active"), 0.0)
+            ]
+        );
+        // 80 to go at 4/s: 20 s.
+        assert_eq!(
+            gauges(BacklogSnapshot::new(20, None, Some(4.0))),
+            [
+                (name("outbox_backlog_forecast_seconds"), 20.0),
+                (name("outbox_backpressure_active"), 1.0)
+            ]
+        );
+    }
+
     trait TransientKind {
         fn is_transient_kind(&self) -> bool;
     }
