@@ -194,3 +194,60 @@ mod conformance_through_the_wrapper {
 
     outbox_testkit::outbox_conformance_tests!(async { Wrapped(MemoryOutboxHarness::new()) });
 }
+
+mockall::mock! {
+    HoldLimited {}
+    #[outbox_core::async_trait]
+    impl OutboxStore for HoldLimited {
+        type Tx = ();
+        async fn append(&self, tx: &mut (), events: &[Envelope]) -> Result<(), outbox_core::StoreError>;
+        async fn claim(&self, request: &outbox_core::ClaimRequest) -> Result<outbox_core::ClaimedBatch, outbox_core::StoreError>;
+        async fn complete(&self, claim: &outbox_core::ClaimHandle, outcomes: &[outbox_core::Outcome]) -> Result<outbox_core::CompletionReport, outbox_core::StoreError>;
+        async fn release(&self, claim: &outbox_core::ClaimHandle) -> Result<(), outbox_core::StoreError>;
+        async fn list_parked(&self, limit: usize) -> Result<Vec<outbox_core::ParkedEvent>, outbox_core::StoreError>;
+        async fn parked_event(&self, event_id: outbox_core::EventId) -> Result<outbox_core::ParkedEvent, outbox_core::StoreError>;
+        async fn retry_parked(&self, event_id: outbox_core::EventId, actor: &str) -> Result<(), outbox_core::StoreError>;
+        async fn discard_parked(&self, event_id: outbox_core::EventId, actor: &str, reason: &str) -> Result<(), outbox_core::StoreError>;
+        async fn reissue_parked(&self, event_id: outbox_core::EventId, actor: &str, reason: &str) -> Result<outbox_core::EventId, outbox_core::StoreError>;
+        async fn audit_trail(&self, event_id: Option<outbox_core::EventId>) -> Result<Vec<outbox_core::AuditEntry>, outbox_core::StoreError>;
+        async fn cleanup(&self, retention: Duration, batch_size: usize) -> Result<outbox_core::CleanupReport, outbox_core::StoreError>;
+        async fn stats(&self) -> Result<outbox_core::OutboxStats, outbox_core::StoreError>;
+        async fn release_claims_of(&self, owner: &str, actor: &str) -> Result<u64, outbox_core::StoreError>;
+        fn claim_mode(&self) -> ClaimMode;
+        fn locked_claim_timeout(&self) -> Option<Duration>;
+    }
+}
+
+/// The wrapper reports the inner store's hold limit for locked claims (PostgreSQL's
+/// `idle_in_transaction_session_timeout`), so `Relay::new` still refuses a publication that
+/// could outlive it when the store is wrapped.
+#[test]
+fn the_wrapper_reports_the_inner_stores_hold_limit() {
+    let mut inner = MockHoldLimited::new();
+    inner
+        .expect_claim_mode()
+        .return_const(ClaimMode::LockedTransaction);
+    inner
+        .expect_locked_claim_timeout()
+        .return_const(Some(Duration::from_secs(10)));
+    let store = BackpressureStore::new(
+        inner,
+        Arc::new(Backpressure::new(BackpressurePolicy::default())),
+    );
+    assert_eq!(store.locked_claim_timeout(), Some(Duration::from_secs(10)));
+    // A 30 s delivery timeout does not fit in a 10 s hold.
+    let log = outbox_testkit::MemoryLog::builder()
+        .topic("t", 1)
+        .default_topic("t")
+        .delivery_timeout(Duration::from_secs(30))
+        .build();
+    let relay = outbox_core::Relay::new(
+        store,
+        log,
+        outbox_core::RelayConfig::builder().build().unwrap(),
+        Arc::new(outbox_core::SystemClock),
+        Box::new(<rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(1)),
+    );
+    let err = relay.err().expect("the hold limit is checked");
+    assert!(err.to_string().contains("locked claim after 10s"), "{err}");
+}
