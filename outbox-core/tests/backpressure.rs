@@ -248,6 +248,6 @@ fn the_wrapper_reports_the_inner_stores_hold_limit() {
         Arc::new(outbox_core::SystemClock),
         Box::new(<rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(1)),
     );
-    let err = relay.err().expect("the hold limit is checked");
+    let err = relay.expect_err("the hold limit is checked");
     assert!(err.to_string().contains("locked claim after 10s"), "{err}");
 }
