@@ -532,6 +532,210 @@ mod tests {
         assert!(gate.check(&[critical]).is_ok());
     }
 
+    #[test]
+    fn enabled_only_with_a_threshold() {
+        let secs = Duration::from_secs;
+        assert!(!BackpressurePolicy::default().is_enabled());
+        assert!(!BackpressurePolicy::default()
+            .critical_event_types(["x"])
+            .capacity(5)
+            .stale_after(secs(1))
+            .is_enabled());
+        assert!(BackpressurePolicy::default().max_backlog(1).is_enabled());
+        assert!(BackpressurePolicy::default().max_age(secs(1)).is_enabled());
+        assert!(BackpressurePolicy::default()
+            .min_forecast(secs(1), 10)
+            .is_enabled());
+    }
+
+    #[test]
+    fn builder_sets_each_field() {
+        let secs = Duration::from_secs;
+        let p = BackpressurePolicy::default()
+            .max_backlog(7)
+            .max_age(secs(8))
+            .min_forecast(secs(9), 10)
+            .stale_after(secs(11));
+        assert_eq!(p.max_backlog, Some(7));
+        assert_eq!(p.max_age, Some(secs(8)));
+        assert_eq!((p.min_forecast, p.capacity), (Some(secs(9)), 10));
+        assert_eq!(p.stale_after, secs(11));
+        assert_eq!(p.clone().capacity(12).capacity, 12);
+        let d = BackpressurePolicy::default();
+        assert_eq!((d.capacity, d.stale_after), (1_000_000, secs(120)));
+    }
+
+    #[test]
+    fn forecast_edges() {
+        let secs = Duration::from_secs;
+        // At capacity: zero, whatever the rate.
+        assert_eq!(forecast(100, 100, None), Some(Duration::ZERO));
+        assert_eq!(forecast(100, 100, Some(-1.0)), Some(Duration::ZERO));
+        // Not growing, or a rate that is no number: no forecast.
+        for rate in [0.0, -0.5, f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+            assert_eq!(forecast(100, 99, Some(rate)), None, "{rate}");
+        }
+        assert_eq!(forecast(100, 99, None), None);
+        assert_eq!(forecast(100, 40, Some(3.0)), Some(secs(20)));
+        assert_eq!(forecast(100, 99, Some(0.5)), Some(secs(2)));
+        // A crawl is capped instead of overflowing.
+        assert_eq!(
+            forecast(u64::MAX, 0, Some(1e-9)),
+            Some(secs(1_000_000_000_000))
+        );
+    }
+
+    #[test]
+    fn thresholds_are_inclusive() {
+        let secs = Duration::from_secs;
+        let p = BackpressurePolicy::default().min_forecast(secs(600), 1000);
+        // 600 events to go at 1/s: exactly 600 s.
+        let at = p.evaluate(&BacklogSnapshot::new(400, None, Some(1.0)));
+        assert!(
+            at.as_deref()
+                .is_some_and(|r| r.contains("min_forecast 600s")),
+            "{at:?}"
+        );
+        assert_eq!(
+            p.evaluate(&BacklogSnapshot::new(399, None, Some(1.0))),
+            None
+        );
+        let p = BackpressurePolicy::default()
+            .max_backlog(100)
+            .max_age(secs(60));
+        assert_eq!(
+            p.evaluate(&BacklogSnapshot::new(99, Some(secs(59)), None)),
+            None
+        );
+        let age = p.evaluate(&BacklogSnapshot::new(99, Some(secs(60)), None));
+        assert!(
+            age.as_deref().is_some_and(|r| r.contains("60s old")),
+            "{age:?}"
+        );
+        let backlog = p.evaluate(&BacklogSnapshot::new(100, None, None));
+        assert!(
+            backlog
+                .as_deref()
+                .is_some_and(|r| r.contains("backlog of 100")),
+            "{backlog:?}"
+        );
+    }
+
+    #[test]
+    fn state_is_fresh_up_to_stale_after_and_reports_the_snapshot() {
+        let gate = Backpressure::new(
+            BackpressurePolicy::default()
+                .max_backlog(10)
+                .capacity(100)
+                .stale_after(Duration::from_secs(30)),
+        );
+        let at = Utc::now();
+        assert_eq!(
+            gate.state(at),
+            BackpressureState {
+                active: false,
+                reason: None,
+                snapshot: None,
+                observed_at: None,
+                forecast: None,
+            }
+        );
+        let snapshot = BacklogSnapshot::new(20, None, Some(4.0));
+        gate.observe(snapshot.clone(), at);
+        let fresh = gate.state(at + chrono::Duration::seconds(30));
+        assert!(fresh.active);
+        assert!(fresh
+            .reason
+            .as_deref()
+            .is_some_and(|r| r.contains("max_backlog 10")));
+        assert_eq!(fresh.snapshot, Some(snapshot.clone()));
+        assert_eq!(fresh.observed_at, Some(at));
+        // 80 to go at 4/s.
+        assert_eq!(fresh.forecast, Some(Duration::from_secs(20)));
+        let stale = gate.state(at + chrono::Duration::milliseconds(30_001));
+        assert!(!stale.active);
+        assert_eq!(stale.reason, None);
+        assert_eq!(
+            stale.snapshot,
+            Some(snapshot),
+            "a stale snapshot is still shown"
+        );
+        // Below the threshold again: off.
+        gate.observe(BacklogSnapshot::new(9, None, None), at);
+        assert!(!gate.state(at).active);
+        assert_eq!(gate.policy().max_backlog, Some(10));
+    }
+
+    #[test]
+    fn refusal_counts_the_non_critical_events_and_a_critical_batch_passes() {
+        let gate = Backpressure::new(
+            BackpressurePolicy::default()
+                .max_backlog(1)
+                .critical_event_types(["payment.*"]),
+        );
+        gate.observe(BacklogSnapshot::new(5, None, None), Utc::now());
+        let err = gate
+            .check(&[ev("payment.captured"), ev("order.viewed"), ev("order.paid")])
+            .unwrap_err();
+        assert!(
+            err.message.contains("2 of 3 events non-critical"),
+            "{}",
+            err.message
+        );
+        assert!(gate
+            .check(&[ev("payment.captured"), ev("payment.refunded")])
+            .is_ok());
+        assert!(gate.check(&[]).is_ok());
+        // Only the value `true` marks an event critical.
+        let not_marked = Envelope::builder("order", "o", 1, "order.viewed")
+            .header(CRITICAL_HEADER, "false")
+            .build()
+            .unwrap();
+        assert!(!gate.policy().is_critical(&not_marked));
+        assert!(gate.check(&[not_marked]).is_err());
+    }
+
+    /// The gauges of the telemetry table: `outbox_backpressure_active` and
+    /// `outbox_backlog_forecast_seconds` (-1 when the backlog does not grow).
+    #[test]
+    fn observe_sets_the_gauges() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        let gauges = |snapshot: BacklogSnapshot| {
+            let recorder = DebuggingRecorder::new();
+            let snapshotter = recorder.snapshotter();
+            let gate =
+                Backpressure::new(BackpressurePolicy::default().max_backlog(10).capacity(100));
+            metrics::with_local_recorder(&recorder, || gate.observe(snapshot, Utc::now()));
+            let mut out: Vec<(String, f64)> = snapshotter
+                .snapshot()
+                .into_vec()
+                .into_iter()
+                .filter_map(|(k, _, _, v)| match v {
+                    DebugValue::Gauge(g) => Some((k.key().name().to_owned(), g.into_inner())),
+                    _ => None,
+                })
+                .collect();
+            out.sort_by(|a, b| a.0.cmp(&b.0));
+            out
+        };
+        let name = |n: &str| n.to_owned();
+        assert_eq!(
+            gauges(BacklogSnapshot::new(5, None, None)),
+            [
+                (name("outbox_backlog_forecast_seconds"), -1.0),
+                (name("outbox_backpressure_active"), 0.0)
+            ]
+        );
+        // 80 to go at 4/s: 20 s.
+        assert_eq!(
+            gauges(BacklogSnapshot::new(20, None, Some(4.0))),
+            [
+                (name("outbox_backlog_forecast_seconds"), 20.0),
+                (name("outbox_backpressure_active"), 1.0)
+            ]
+        );
+    }
+
     trait TransientKind {
         fn is_transient_kind(&self) -> bool;
     }

@@ -24,3 +24,32 @@ impl<C: Clock + ?Sized> Clock for std::sync::Arc<C> {
         (**self).now()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Debug)]
+    struct Fixed(DateTime<Utc>);
+
+    impl Clock for Fixed {
+        fn now(&self) -> DateTime<Utc> {
+            self.0
+        }
+    }
+
+    #[test]
+    fn system_clock_reads_the_system_time() {
+        let before = Utc::now();
+        let now = SystemClock.now();
+        assert!(before <= now && now <= Utc::now(), "{now}");
+    }
+
+    #[test]
+    fn a_shared_clock_reads_the_clock_it_shares() {
+        let at = DateTime::from_timestamp(1_700_000_000, 0).unwrap();
+        let shared: std::sync::Arc<dyn Clock> = std::sync::Arc::new(Fixed(at));
+        assert_eq!(std::sync::Arc::clone(&shared).now(), at);
+        assert_eq!(std::sync::Arc::new(Fixed(at)).now(), at);
+    }
+}

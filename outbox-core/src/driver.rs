@@ -87,31 +87,28 @@ where
         };
         report.cycles += 1;
         let delay = match result {
-            Ok(c) if c.pause.is_some() => {
-                // The transport fails as a whole: wait it out (wake-ups do not shorten this).
+            Ok(c) => {
                 failures = 0;
+                // Counted whatever else the cycle did: a claim can park events (out of order,
+                // a version gap held too long) and hand out nothing else.
                 report.published += c.published as u64;
                 report.parked += (c.parked + c.parked_at_claim) as u64;
-                let pause = c.pause.unwrap_or_default();
-                if signal.is_triggered() {
-                    // Shutdown already completed during the cycle: never poll it again.
-                    break;
+                if let Some(pause) = c.pause {
+                    // The transport fails as a whole: wait it out (wake-ups do not shorten this).
+                    if signal.is_triggered() {
+                        // Shutdown already completed during the cycle: never poll it again.
+                        break;
+                    }
+                    tokio::select! {
+                        () = tokio::time::sleep(pause) => {}
+                        () = &mut shutdown => { signal.trigger(); }
+                    }
+                    continue;
                 }
-                tokio::select! {
-                    () = tokio::time::sleep(pause) => {}
-                    () = &mut shutdown => { signal.trigger(); }
+                if !c.is_idle() {
+                    relay.reset_idle();
+                    continue;
                 }
-                continue;
-            }
-            Ok(c) if !c.is_idle() => {
-                failures = 0;
-                report.published += c.published as u64;
-                report.parked += (c.parked + c.parked_at_claim) as u64;
-                relay.reset_idle();
-                continue;
-            }
-            Ok(_) => {
-                failures = 0;
                 relay.idle_delay()
             }
             Err(e) => {

@@ -748,6 +748,233 @@ mod tests {
         assert!(p.to_json::<serde_json::Value>().is_ok());
     }
 
+    /// Every limit is inclusive: a value exactly at it is accepted, one past it is refused.
+    #[test]
+    fn limits_accept_exactly_the_limit_and_refuse_one_more() {
+        let limits = EnvelopeLimits::default();
+        let name = |n: usize| "n".repeat(n);
+        // Payload.
+        let at = base().payload(Payload::new(
+            "text/plain",
+            vec![0u8; limits.max_payload_bytes],
+        ));
+        assert!(at.build().is_ok(), "a payload of exactly the limit");
+        // Names: aggregate type and id, event type.
+        let max = name(limits.max_name_len);
+        assert!(Envelope::builder(max.clone(), "a", 1, "t").build().is_ok());
+        assert!(Envelope::builder("x", max.clone(), 1, "t").build().is_ok());
+        assert!(Envelope::builder("x", "a", 1, max).build().is_ok());
+        assert_eq!(
+            Envelope::builder("x", "a", 1, name(256)).build(),
+            Err(ValidationError::TooLong {
+                field: "event_type",
+                len: 256,
+                limit: 255
+            })
+        );
+        // Content type.
+        let ct = |n: usize| base().payload(Payload::new(name(n), b"x".to_vec())).build();
+        assert!(ct(limits.max_name_len).is_ok());
+        assert!(matches!(
+            ct(limits.max_name_len + 1),
+            Err(ValidationError::InvalidContentType(_))
+        ));
+        // Header count.
+        let mut b = base();
+        for i in 0..limits.max_headers {
+            b = b.header(format!("h{i}"), "v");
+        }
+        assert!(b.build().is_ok(), "exactly max_headers headers");
+        // Header name length.
+        assert!(base().header(name(255), "v").build().is_ok());
+        assert!(matches!(
+            base().header(name(256), "v").build(),
+            Err(ValidationError::InvalidHeader { .. })
+        ));
+        // Header bytes: names and values together (2 + 16382 = 16384).
+        let value = |n: usize| "v".repeat(n);
+        let max = limits.max_header_bytes;
+        assert!(base().header("hh", value(max - 2)).build().is_ok());
+        assert_eq!(
+            base().header("hh", value(max - 1)).build(),
+            Err(ValidationError::HeadersTooLarge {
+                size: max + 1,
+                limit: max
+            })
+        );
+        // Two headers add up.
+        assert_eq!(
+            base()
+                .header("a", value(max / 2))
+                .header("b", value(max / 2))
+                .build(),
+            Err(ValidationError::HeadersTooLarge {
+                size: max + 2,
+                limit: max
+            })
+        );
+    }
+
+    #[test]
+    fn control_characters_and_blank_names_are_refused_everywhere() {
+        assert_eq!(
+            Envelope::builder("x", "a", 1, "t\n").build(),
+            Err(ValidationError::ControlCharacter("event_type"))
+        );
+        assert!(matches!(
+            base()
+                .payload(Payload::new("text/plain\r\n", vec![]))
+                .build(),
+            Err(ValidationError::InvalidContentType(_))
+        ));
+        assert!(matches!(
+            base().payload(Payload::new("  ", vec![])).build(),
+            Err(ValidationError::InvalidContentType(_))
+        ));
+        assert!(matches!(
+            base().header("", "v").build(),
+            Err(ValidationError::InvalidHeader { .. })
+        ));
+        // Visible ASCII names and values with spaces or non-ASCII text are fine.
+        let e = base()
+            .header("x-Tenant_1!", "caf\u{e9} au lait")
+            .build()
+            .unwrap();
+        assert_eq!(e.headers["x-Tenant_1!"], "caf\u{e9} au lait");
+        assert!(matches!(
+            base().header("caf\u{e9}", "v").build(),
+            Err(ValidationError::InvalidHeader { .. })
+        ));
+        // Reserved names are refused in any case.
+        assert!(matches!(
+            base().header("Event_ID", "x").build(),
+            Err(ValidationError::InvalidHeader { .. })
+        ));
+    }
+
+    #[test]
+    fn traceparent_table() {
+        let trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+        let parent = "00f067aa0ba902b7";
+        let zeros32 = "0".repeat(32);
+        let zeros16 = "0".repeat(16);
+        let cases: Vec<(String, bool)> = vec![
+            (format!("00-{trace}-{parent}-01"), true),
+            (format!("00-{trace}-{parent}-00"), true),
+            // Only digits in the ids (no letters) is still hex.
+            (format!("00-{}-{}-01", "1".repeat(32), "2".repeat(16)), true),
+            // A later version may append fields; version 00 may not.
+            (format!("01-{trace}-{parent}-01-extra"), true),
+            (format!("00-{trace}-{parent}-01-extra"), false),
+            (format!("01-{trace}-{parent}-01"), true),
+            // Version ff is invalid.
+            (format!("ff-{trace}-{parent}-01"), false),
+            // Uppercase hex, wrong lengths, non-hex.
+            (format!("00-{}-{parent}-01", trace.to_uppercase()), false),
+            (format!("0-{trace}-{parent}-01"), false),
+            (format!("000-{trace}-{parent}-01"), false),
+            (format!("00-{trace}0-{parent}-01"), false),
+            (format!("00-{}-{parent}-01", &trace[1..]), false),
+            (format!("00-{trace}-{parent}0-01"), false),
+            (format!("00-{trace}-{}-01", &parent[1..]), false),
+            (format!("00-{trace}-{parent}-1"), false),
+            (format!("00-{trace}-{parent}-001"), false),
+            (format!("00-{trace}-{parent}-0g"), false),
+            (format!("0g-{trace}-{parent}-01"), false),
+            (format!("00-{}g-{parent}-01", &trace[1..]), false),
+            (format!("00-{trace}-{}g-01", &parent[1..]), false),
+            // All-zero ids.
+            (format!("00-{zeros32}-{parent}-01"), false),
+            (format!("00-{trace}-{zeros16}-01"), false),
+            // Too few fields.
+            (format!("00-{trace}-{parent}"), false),
+            (String::new(), false),
+        ];
+        for (value, valid) in cases {
+            assert_eq!(is_traceparent(&value), valid, "{value:?}");
+            // The header is checked under any capitalisation of its name.
+            let built = base().header("TraceParent", value.clone()).build();
+            assert_eq!(built.is_ok(), valid, "{value:?}: {built:?}");
+        }
+        // Other headers may hold anything printable.
+        assert!(base().header("x-trace", "00-zz").build().is_ok());
+    }
+
+    #[test]
+    fn a_reissued_copy_deduplicates_as_its_original() {
+        let original = EventId::from_parts(Utc::now(), 7);
+        let copy = base()
+            .header(crate::wire::ORIGINAL_EVENT_ID, original.to_string())
+            .build()
+            .unwrap();
+        assert_eq!(copy.original_event_id(), Some(original));
+        assert_eq!(copy.dedup_id(), original);
+        assert_ne!(copy.event_id, original);
+
+        let plain = base().build().unwrap();
+        assert_eq!(plain.original_event_id(), None);
+        assert_eq!(plain.dedup_id(), plain.event_id);
+
+        let garbled = base()
+            .header(crate::wire::ORIGINAL_EVENT_ID, "not-a-uuid")
+            .build()
+            .unwrap();
+        assert_eq!(garbled.original_event_id(), None);
+        assert_eq!(garbled.dedup_id(), garbled.event_id);
+    }
+
+    #[test]
+    fn unlimited_limits_lift_the_sizes_but_not_the_rules() {
+        let huge = EnvelopeLimits::default().max_payload_bytes + 1;
+        let mut e = base().build().unwrap();
+        e.payload = Payload::new("application/octet-stream", vec![0u8; huge]);
+        for i in 0..40 {
+            e.headers.insert(format!("h{i}"), "v".repeat(1024));
+        }
+        e.aggregate_id = "a".repeat(1000);
+        assert!(e.validate(&EnvelopeLimits::default()).is_err());
+        assert_eq!(e.validate(&EnvelopeLimits::unlimited()), Ok(()));
+        e.headers.insert("event_type".into(), "x".into());
+        assert!(matches!(
+            e.validate(&EnvelopeLimits::unlimited()),
+            Err(ValidationError::InvalidHeader { .. })
+        ));
+        assert_eq!(
+            EnvelopeLimits::default()
+                .with_max_payload_bytes(10)
+                .max_payload_bytes,
+            10
+        );
+    }
+
+    #[test]
+    fn builder_fields_reach_the_envelope() {
+        use chrono::TimeZone;
+        let at = Utc.with_ymd_and_hms(2024, 5, 1, 12, 0, 0).unwrap()
+            + chrono::Duration::nanoseconds(123_456_789);
+        let id = EventId::from_parts(at, 1);
+        let e = base()
+            .event_id(id)
+            .schema_version(4)
+            .created_at(at)
+            .build()
+            .unwrap();
+        assert_eq!(e.event_id, id);
+        assert_eq!(e.schema_version, 4);
+        // Truncated to microseconds, what PostgreSQL and the wire format keep.
+        assert_eq!(e.created_at, at.trunc_subsecs(6));
+        assert_eq!(e.created_at.timestamp_subsec_nanos(), 123_456_000);
+        // A payload limit set on the builder applies.
+        let small = EnvelopeLimits::default().with_max_payload_bytes(3);
+        assert_eq!(
+            base().limits(small).build(),
+            Err(ValidationError::PayloadTooLarge { size: 4, limit: 3 })
+        );
+        // The default payload is JSON null.
+        let v: serde_json::Value = base().build().unwrap().payload.to_json().unwrap();
+        assert_eq!(v, serde_json::Value::Null);
+    }
+
     #[test]
     fn event_id_from_parts_is_deterministic_and_ordered() {
         let t0 = DateTime::from_timestamp_millis(1_700_000_000_000).unwrap();

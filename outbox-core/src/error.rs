@@ -500,6 +500,99 @@ mod tests {
         }
     }
 
+    /// The names are metric labels and stored values: fixed.
+    #[test]
+    fn names_are_fixed() {
+        assert_eq!(ErrorClass::Transient.as_str(), "transient");
+        assert_eq!(ErrorClass::Permanent.to_string(), "permanent");
+        assert_eq!(FailureScope::Record.as_str(), "record");
+        assert_eq!(FailureScope::Transport.as_str(), "transport");
+        let store_kinds = [
+            (StoreErrorKind::Connection, "connection"),
+            (StoreErrorKind::Conflict, "conflict"),
+            (StoreErrorKind::Constraint, "constraint"),
+            (StoreErrorKind::Validation, "validation"),
+            (StoreErrorKind::Backpressure, "backpressure"),
+            (StoreErrorKind::NotFound, "not_found"),
+            (StoreErrorKind::LeaseLost, "lease_lost"),
+            (StoreErrorKind::Configuration, "configuration"),
+            (StoreErrorKind::Schema, "schema"),
+            (StoreErrorKind::Other, "other"),
+        ];
+        for (kind, name) in store_kinds {
+            assert_eq!(kind.as_str(), name);
+        }
+        let source_kinds = [
+            (SourceErrorKind::Other, "other"),
+            (SourceErrorKind::Rebalanced, "rebalanced"),
+            (SourceErrorKind::RetentionGap, "retention_gap"),
+        ];
+        for (kind, name) in source_kinds {
+            assert_eq!(kind.as_str(), name);
+        }
+        let publish_kinds = [
+            (PublishErrorKind::Timeout, "timeout"),
+            (PublishErrorKind::BrokerUnavailable, "broker_unavailable"),
+            (PublishErrorKind::NotEnoughReplicas, "not_enough_replicas"),
+            (PublishErrorKind::LeaderMoved, "leader_moved"),
+            (PublishErrorKind::QueueFull, "queue_full"),
+            (PublishErrorKind::RecordTooLarge, "record_too_large"),
+            (PublishErrorKind::UnknownTopic, "unknown_topic"),
+            (PublishErrorKind::Authorization, "authorization"),
+            (PublishErrorKind::InvalidRecord, "invalid_record"),
+            (PublishErrorKind::Serialization, "serialization"),
+            (PublishErrorKind::Fatal, "fatal"),
+            (PublishErrorKind::Other, "other"),
+        ];
+        for (kind, name) in publish_kinds {
+            assert_eq!(kind.as_str(), name);
+            assert_eq!(PublishErrorKind::parse(name), Some(kind));
+        }
+    }
+
+    #[test]
+    fn messages_name_kind_and_class() {
+        let e = PublishError::new(PublishErrorKind::QueueFull, "local queue full");
+        assert_eq!(
+            e.to_string(),
+            "publish failed (queue_full, transient): local queue full"
+        );
+        let e = StoreError::new(StoreErrorKind::LeaseLost, "token gone")
+            .with_class(ErrorClass::Permanent);
+        assert_eq!(e.class(), ErrorClass::Permanent);
+        assert!(!e.is_transient());
+        assert_eq!(
+            e.to_string(),
+            "store error (lease_lost, permanent): token gone"
+        );
+        let e = SourceError::rebalanced("generation moved");
+        assert_eq!(
+            (e.kind, e.class(), e.is_transient()),
+            (SourceErrorKind::Rebalanced, ErrorClass::Transient, true)
+        );
+        assert_eq!(
+            e.to_string(),
+            "message source error (transient, rebalanced): generation moved"
+        );
+        let e = SourceError::retention_gap("t/0 lost 3 records");
+        assert_eq!(
+            (e.kind, e.class()),
+            (SourceErrorKind::RetentionGap, ErrorClass::Permanent)
+        );
+        let e = SourceError::new(ErrorClass::Transient, "poll failed")
+            .with_source(std::io::Error::other("reset"));
+        assert_eq!(e.kind, SourceErrorKind::Other);
+        assert_eq!(SourceErrorKind::default(), SourceErrorKind::Other);
+        assert_eq!(
+            std::error::Error::source(&e).map(ToString::to_string),
+            Some("reset".to_string())
+        );
+        assert_eq!(
+            ConfigError::new("batch_size must be positive").to_string(),
+            "invalid configuration: batch_size must be positive"
+        );
+    }
+
     #[test]
     fn validation_becomes_permanent_store_error() {
         let e: StoreError = crate::ValidationError::Empty("event_type").into();

@@ -1131,6 +1131,64 @@ mod tests {
     }
 
     #[test]
+    fn committed_offset_at_the_log_start_lost_nothing() {
+        let tp = TopicPartition::new("t", 0);
+        assert_eq!(
+            PartitionLag::new(tp.clone(), Some(5), 5, 9).lost_to_retention(),
+            None
+        );
+        assert_eq!(
+            PartitionLag::new(tp.clone(), Some(4), 5, 9).lost_to_retention(),
+            Some(1)
+        );
+        assert_eq!(PartitionLag::new(tp, None, 5, 9).lost_to_retention(), None);
+    }
+
+    #[test]
+    fn keys_ids_and_values_display_and_carry_their_fields() {
+        let key = AggregateKey::new("order", "o-1");
+        assert_eq!(key.to_string(), "order/o-1");
+        let e = Envelope::builder("order", "o-1", 2, "order.paid")
+            .build()
+            .unwrap();
+        assert_eq!(AggregateKey::of(&e), key);
+        let m = ReceivedMessage::new(LogPosition::new("t", 1, 7), None, Ok(e.clone()));
+        assert_eq!(m.aggregate(), Some(key));
+        // The headers are the envelope's wire mapping, so the record decodes back.
+        assert_eq!(m.to_record().decode(), Ok(e));
+        assert_eq!(TopicPartition::new("t", 3).to_string(), "t/3");
+        assert_eq!(ParkedId(12).to_string(), "12");
+        assert_eq!(
+            AggregateState::new(Some(3), true),
+            AggregateState {
+                applied_version: Some(3),
+                blocked: true
+            }
+        );
+        assert_eq!(
+            ParkedStats::new(2, 5, None),
+            ParkedStats {
+                parked: 2,
+                waiting: 5,
+                oldest_parked_at: None
+            }
+        );
+        assert_eq!(RecordHeader::null("h").value, None);
+    }
+
+    #[test]
+    fn parked_filter_builder() {
+        let open = ParkedFilter::open();
+        assert_eq!(
+            (open.open_only, open.aggregate.clone(), open.limit),
+            (true, None, 100)
+        );
+        let key = AggregateKey::new("order", "o-1");
+        let f = ParkedFilter::open().all().aggregate(key.clone()).limit(5);
+        assert_eq!((f.open_only, f.aggregate, f.limit), (false, Some(key), 5));
+    }
+
+    #[test]
     fn names_round_trip() {
         for s in [
             ParkedStatus::Parked,

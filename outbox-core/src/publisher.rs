@@ -49,3 +49,48 @@ impl<P: Publisher + ?Sized> Publisher for std::sync::Arc<P> {
         (**self).delivery_timeout()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::PublishErrorKind;
+
+    /// Acknowledges even aggregate versions at offset = version, fails odd ones.
+    struct Parity;
+
+    #[async_trait]
+    impl Publisher for Parity {
+        async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
+            batch
+                .iter()
+                .map(|e| {
+                    if e.aggregate_version % 2 == 0 {
+                        Ok(AckMetadata {
+                            topic: "t".into(),
+                            partition: 0,
+                            offset: e.aggregate_version,
+                        })
+                    } else {
+                        Err(PublishError::new(PublishErrorKind::Timeout, "odd"))
+                    }
+                })
+                .collect()
+        }
+        fn delivery_timeout(&self) -> Duration {
+            Duration::from_secs(7)
+        }
+    }
+
+    #[test]
+    fn a_shared_publisher_is_the_publisher_it_shares() {
+        let shared = std::sync::Arc::new(Parity);
+        let batch: Vec<Envelope> = (1..=3)
+            .map(|v| Envelope::builder("o", "o-1", v, "t").build().unwrap())
+            .collect();
+        let results = futures::executor::block_on(shared.publish(&batch));
+        assert_eq!(results.len(), 3);
+        assert!(results[0].is_err() && results[2].is_err());
+        assert_eq!(results[1].as_ref().unwrap().offset, 2);
+        assert_eq!(shared.delivery_timeout(), Duration::from_secs(7));
+    }
+}

@@ -412,6 +412,100 @@ mod tests {
     }
 
     #[test]
+    fn durations_read_as_an_operator_writes_them() {
+        let s = Duration::from_secs;
+        let table = [
+            (Duration::from_millis(1500), "1.5s"),
+            (s(59), "59s"),
+            (s(60), "1m0s"),
+            (s(90), "1m30s"),
+            (s(3_599), "59m59s"),
+            (s(3_600), "1h0m"),
+            (s(3_601), "60m1s"),
+            (s(5_400), "1h30m"),
+            (s(86_340), "23h59m"),
+            (s(86_400), "1d"),
+            (s(86_401), "1440m1s"),
+            (s(86_460), "24h1m"),
+            (s(90_000), "1d1h"),
+            (s(30 * 86_400), "30d"),
+        ];
+        for (d, text) in table {
+            assert_eq!(human(d), text, "{d:?}");
+        }
+    }
+
+    #[test]
+    fn retention_ms_zero_is_limited_and_negative_unlimited() {
+        assert_eq!(
+            TopicRetention::from_millis(0),
+            TopicRetention::Limited(Duration::ZERO)
+        );
+        assert_eq!(TopicRetention::from_millis(-1), TopicRetention::Unlimited);
+        assert_eq!(TopicRetention::from_millis(-2), TopicRetention::Unlimited);
+    }
+
+    #[test]
+    fn outbox_retention_may_equal_the_replay_window() {
+        let check = |outbox: Duration| {
+            RetentionCheck::new(None, TopicRetention::Unlimited)
+                .replay_window(DAY)
+                .outbox_retention(Some(outbox))
+                .evaluate(Strictness::Refuse)
+                .unwrap()
+        };
+        assert!(check(DAY).findings.is_empty());
+        let short = check(DAY - Duration::from_secs(1));
+        assert_eq!(short.findings.len(), 1);
+        assert_eq!(short.findings[0].severity, Severity::Warning);
+        assert!(short.findings[0].message.contains("replay window 1d"));
+        assert!(!check(2 * DAY).has_violation());
+    }
+
+    #[test]
+    fn the_report_reads_back_what_was_given() {
+        let report = RetentionCheck::new(Some(8 * DAY), TopicRetention::Limited(7 * DAY))
+            .max_lag(HOUR)
+            .outbox_retention(Some(2 * DAY))
+            .evaluate(Strictness::Refuse)
+            .unwrap();
+        assert_eq!(report.dedup_retention, Some(8 * DAY));
+        assert_eq!(report.required, Some(7 * DAY + HOUR));
+        assert_eq!(report.outbox_retention, Some(2 * DAY));
+        assert_eq!(
+            report.to_string(),
+            "dedup retention 8d, longest redelivery 7d1h, outbox retention 2d"
+        );
+        let forever = RetentionCheck::new(None, TopicRetention::Unlimited)
+            .evaluate(Strictness::Refuse)
+            .unwrap();
+        assert_eq!(forever.required, None);
+        assert_eq!(
+            forever.to_string(),
+            "dedup retention forever, longest redelivery unbounded, outbox retention not given"
+        );
+        // Under `Warn` a violation is reported, tagged, instead of refused.
+        let warned = RetentionCheck::new(Some(DAY), TopicRetention::Unlimited)
+            .compacted(true)
+            .evaluate(Strictness::Warn)
+            .unwrap();
+        let text = warned.to_string();
+        assert!(
+            text.contains("; violation: dedup retention 1d is finite"),
+            "{text}"
+        );
+        assert!(text.contains("; warning: the topic is compacted"), "{text}");
+        assert_eq!(
+            warned
+                .findings
+                .iter()
+                .map(|f| f.severity)
+                .collect::<Vec<_>>(),
+            [Severity::Violation, Severity::Warning]
+        );
+    }
+
+    #[test]
     fn the_error_names_the_figures() {
         let err = RetentionCheck::new(Some(DAY), TopicRetention::Limited(7 * DAY))
             .max_lag(HOUR)

@@ -93,3 +93,198 @@ pub fn record_inbox(consumer: &str, result: &'static str) {
     metrics::counter!("outbox_inbox_processed_total", "consumer" => consumer.to_owned(), "result" => result)
         .increment(1);
 }
+
+#[cfg(test)]
+mod tests {
+    //! The series are a documented interface (the table above): names, labels and values.
+
+    use super::*;
+    use crate::delivery::ParkReason;
+    use crate::error::ErrorClass;
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    use metrics_util::MetricKind;
+
+    type Series = Vec<(MetricKind, String, Vec<String>, DebugValue)>;
+
+    /// Runs `f` under a local recorder and returns what it recorded.
+    fn recorded(f: impl FnOnce()) -> Series {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, f);
+        let mut out: Series = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .map(|(k, _, _, v)| {
+                let labels = k
+                    .key()
+                    .labels()
+                    .map(|l| format!("{}={}", l.key(), l.value()))
+                    .collect();
+                (k.kind(), k.key().name().to_owned(), labels, v)
+            })
+            .collect();
+        out.sort_by(|a, b| a.1.cmp(&b.1));
+        out
+    }
+
+    fn counter(
+        name: &str,
+        labels: &[&str],
+        n: u64,
+    ) -> (MetricKind, String, Vec<String>, DebugValue) {
+        (
+            MetricKind::Counter,
+            name.to_owned(),
+            labels.iter().map(|l| (*l).to_owned()).collect(),
+            DebugValue::Counter(n),
+        )
+    }
+
+    fn gauges(series: &Series) -> Vec<(String, f64)> {
+        series
+            .iter()
+            .filter_map(|(kind, name, _, v)| match (kind, v) {
+                (MetricKind::Gauge, DebugValue::Gauge(g)) => Some((name.clone(), g.into_inner())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn histogram(series: &Series, name: &str) -> Vec<f64> {
+        series
+            .iter()
+            .find(|(kind, n, _, _)| *kind == MetricKind::Histogram && n == name)
+            .map(|(_, _, _, v)| match v {
+                DebugValue::Histogram(h) => h.iter().map(|x| x.into_inner()).collect(),
+                _ => unreachable!(),
+            })
+            .unwrap_or_default()
+    }
+
+    #[test]
+    fn published_counts_resends_and_latency() {
+        let e = Envelope::builder("o", "o-1", 1, "t").build().unwrap();
+        let now = e.created_at + chrono::Duration::milliseconds(1500);
+        let s = recorded(|| record_published(&e, false, now));
+        assert_eq!(s.len(), 2, "{s:?}");
+        assert!(
+            s.contains(&counter("outbox_published_total", &[], 1)),
+            "{s:?}"
+        );
+        assert_eq!(histogram(&s, "outbox_publish_latency_seconds"), [1.5]);
+        let s = recorded(|| record_published(&e, true, now));
+        assert!(
+            s.contains(&counter("outbox_republished_total", &[], 1)),
+            "{s:?}"
+        );
+        // A clock behind the event's creation records no latency.
+        let s =
+            recorded(|| record_published(&e, false, e.created_at - chrono::Duration::seconds(1)));
+        assert_eq!(s, [counter("outbox_published_total", &[], 1)]);
+    }
+
+    #[test]
+    fn failures_and_parking_carry_their_labels() {
+        let error = LastError {
+            class: ErrorClass::Permanent,
+            kind: "record_too_large".into(),
+            message: "x".into(),
+        };
+        let s = recorded(|| record_failure(&error));
+        assert_eq!(
+            s,
+            [counter(
+                "outbox_publish_failures_total",
+                &["class=permanent", "kind=record_too_large"],
+                1
+            )]
+        );
+        let reason = ParkReason {
+            kind: ParkKind::AttemptsExhausted,
+            error,
+        };
+        let s = recorded(|| record_parked(&reason));
+        assert_eq!(
+            s,
+            [counter(
+                "outbox_parked_total",
+                &["kind=attempts_exhausted"],
+                1
+            )]
+        );
+        let s = recorded(|| record_parked_kind(ParkKind::OutOfOrder));
+        assert_eq!(
+            s,
+            [counter("outbox_parked_total", &["kind=out_of_order"], 1)]
+        );
+    }
+
+    #[test]
+    fn circuit_superseded_and_cycle() {
+        let s = recorded(|| record_circuit(true));
+        assert!(
+            s.contains(&counter("outbox_relay_circuit_opened_total", &[], 1)),
+            "{s:?}"
+        );
+        assert_eq!(gauges(&s), [("outbox_relay_circuit_open".to_owned(), 1.0)]);
+        let s = recorded(|| record_circuit(false));
+        assert_eq!(gauges(&s), [("outbox_relay_circuit_open".to_owned(), 0.0)]);
+        assert_eq!(s.len(), 1, "closing counts nothing: {s:?}");
+        let s = recorded(|| record_superseded(3));
+        assert_eq!(s, [counter("outbox_superseded_total", &[], 3)]);
+        let s = recorded(|| record_cycle(7, Duration::from_millis(250)));
+        assert_eq!(histogram(&s, "outbox_relay_batch_size"), [7.0]);
+        assert_eq!(histogram(&s, "outbox_relay_cycle_seconds"), [0.25]);
+    }
+
+    #[test]
+    fn stats_become_gauges() {
+        let stats = OutboxStats {
+            unpublished: 5,
+            in_flight: 2,
+            parked: 1,
+            published_retained: 9,
+            oldest_unpublished_age: Some(Duration::from_millis(2500)),
+            oldest_parked_age: Some(Duration::from_secs(60)),
+            version_gaps_held: 3,
+            extra: vec![("dead_tuples".into(), 42.0)],
+        };
+        let mut g = gauges(&recorded(|| record_stats(&stats)));
+        g.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(
+            g,
+            [
+                ("outbox_in_flight".to_owned(), 2.0),
+                ("outbox_oldest_parked_age_seconds".to_owned(), 60.0),
+                ("outbox_oldest_unpublished_age_seconds".to_owned(), 2.5),
+                ("outbox_parked".to_owned(), 1.0),
+                ("outbox_store_dead_tuples".to_owned(), 42.0),
+                ("outbox_unpublished".to_owned(), 5.0),
+                ("outbox_version_gaps_held".to_owned(), 3.0),
+            ]
+        );
+        // No backlog: the ages read zero.
+        let g = gauges(&recorded(|| record_stats(&OutboxStats::default())));
+        assert!(g
+            .iter()
+            .filter(|(n, _)| n.contains("age"))
+            .all(|(_, v)| *v == 0.0));
+    }
+
+    #[test]
+    fn inbox_outcomes_are_labelled_by_consumer_and_result() {
+        let s = recorded(|| {
+            record_inbox("billing", "applied");
+            record_inbox("billing", "applied");
+        });
+        assert_eq!(
+            s,
+            [counter(
+                "outbox_inbox_processed_total",
+                &["consumer=billing", "result=applied"],
+                2
+            )]
+        );
+    }
+}

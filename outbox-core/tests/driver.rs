@@ -201,3 +201,43 @@ async fn shutdown_during_a_cycle_that_opens_the_circuit_stops_the_driver() {
     assert_eq!(report.published, 0);
     assert_eq!(store.open_claims(), 0, "nothing left claimed");
 }
+
+/// The report counts every event parked: by a failed publication and by a claim (a version at
+/// or below the last published one is parked out of order when claimed).
+#[tokio::test]
+async fn the_report_counts_events_parked_by_publication_and_by_claim() {
+    let db = MemoryDb::new(SystemClock);
+    let store = MemoryOutboxStore::new(&db, ClaimMode::lease(Duration::from_secs(30)).unwrap());
+    let log = MemoryLog::new("t", 1);
+    append(&db, &store, "a", 1).await;
+    let bad = Envelope::builder("t", "bad", 1, "t.happened")
+        .build()
+        .unwrap();
+    log.fail_event(bad.event_id, outbox_core::PublishErrorKind::RecordTooLarge);
+    let mut tx = db.begin();
+    store.append(&mut tx, &[bad]).await.unwrap();
+    tx.commit().unwrap();
+    let r = relay(&store, &log, Duration::from_millis(5));
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(outbox_core::driver::run(r, None, async move {
+        let _ = stop_rx.await;
+    }));
+    let parked = || {
+        store
+            .snapshot()
+            .iter()
+            .filter(|r| r.status == outbox_core::DeliveryStatus::Parked)
+            .count()
+    };
+    wait_for(|| parked() == 1 && log.all_records().len() == 1).await;
+    // A second version 1 of "a" arrives after version 1 was published: out of order.
+    append(&db, &store, "a", 1).await;
+    wait_for(|| parked() == 2).await;
+    stop_tx.send(()).unwrap();
+    let report = tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("driver stops on shutdown")
+        .unwrap();
+    assert_eq!((report.published, report.parked, report.errors), (1, 2, 0));
+    assert!(report.cycles >= 2);
+}
