@@ -60,7 +60,7 @@ mod tests {
 
     #[async_trait]
     impl Publisher for Parity {
-        async fn publish(&self, batch: &[Envelope]) -> Vec<PublishResult> {
+        async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult> {
             batch
                 .iter()
                 .map(|e| {
@@ -87,7 +87,7 @@ mod tests {
         let batch: Vec<Envelope> = (1..=3)
             .map(|v| Envelope::builder("o", "o-1", v, "t").build().unwrap())
             .collect();
-        let results = futures::executor::block_on(shared.publish(&batch));
+        let results = futures::executor::block_on(shared.publish(&batch.iter().collect::<Vec<_>>()));
         assert_eq!(results.len(), 3);
         assert!(results[0].is_err() && results[2].is_err());
         assert_eq!(results[1].as_ref().unwrap().offset, 2);
