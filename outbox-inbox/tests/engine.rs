@@ -434,6 +434,31 @@ async fn hold_is_bounded_in_time_then_parks_the_gap() {
     assert_eq!(log.committed("proj", "t", 0), Some(4));
 }
 
+/// Held versions that arrived out of order are released lowest first: when the gap expires,
+/// the lowest held version is the parked head and the higher one waits behind it (killed
+/// surviving mutant: `Work::version` returning a constant, which left them in arrival order).
+#[tokio::test]
+async fn an_expired_gap_parks_the_lowest_held_version_first() {
+    let log = MemoryLog::new("t", 1);
+    let db = MemoryDb::default();
+    publish(&log, &[ev("a", 1), ev("a", 4), ev("a", 3)]).await;
+    let policy = VersionPolicy::hold(100, Duration::from_millis(40));
+    let mut eng = engine_on(&log, &db, &Script::new(), policy, fast());
+    let rep = eng
+        .run_until_quiet(Duration::from_millis(80))
+        .await
+        .unwrap();
+    assert_eq!((rep.parked, rep.waiting, rep.held), (1, 1, 0));
+    let p = parked(&db).await;
+    let head = p.iter().find(|m| m.status == ParkedStatus::Parked).unwrap();
+    let waiting = p.iter().find(|m| m.status == ParkedStatus::Waiting).unwrap();
+    assert_eq!(
+        (head.record.aggregate_version, waiting.record.aggregate_version),
+        (Some(3), Some(4))
+    );
+    assert_eq!(head.kind, Some(ParkKind::VersionGap));
+}
+
 #[tokio::test]
 async fn hold_is_bounded_in_count() {
     let log = MemoryLog::new("t", 1);
