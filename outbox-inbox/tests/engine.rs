@@ -150,6 +150,12 @@ fn bad_config_is_rejected() {
         assert!(cfg.validate().is_err(), "{cfg:?}");
     }
     assert!(EngineConfig::default().validate().is_ok());
+    // The bound is inclusive: room for exactly one full batch is enough.
+    assert!(EngineConfig::default()
+        .with_max_batch(100)
+        .with_max_in_flight(100)
+        .validate()
+        .is_ok());
     let log = MemoryLog::new("t", 1);
     let db = MemoryDb::default();
     let p = InboxProcessor::new("proj", MemoryInboxStore::new(&db), Script::new())
@@ -601,6 +607,94 @@ async fn aggregates_run_in_parallel_and_the_commit_waits_for_the_unfinished_offs
         .unwrap();
     assert_eq!(rep.applied, 41);
     assert_eq!(log.committed("proj", "t", 0), Some(41));
+}
+
+/// `concurrency` bounds the batch transactions running at once: with handlers that wait, the
+/// most running at any time is exactly the configured number.
+#[tokio::test]
+async fn concurrency_bounds_the_transactions_running_at_once() {
+    for concurrency in [1, 2] {
+        let log = MemoryLog::new("t", 1);
+        let db = MemoryDb::default();
+        let script = Script::new();
+        let events: Vec<Envelope> = (0..6).map(|i| ev(&format!("d{i}"), 1)).collect();
+        for e in &events {
+            script
+                .delay
+                .lock()
+                .unwrap()
+                .insert(e.aggregate_id.clone(), Duration::from_millis(15));
+        }
+        publish(&log, &events).await;
+        let cfg = fast().with_concurrency(concurrency).with_max_batch(1);
+        let mut eng = engine_on(&log, &db, &script, VersionPolicy::Reject, cfg);
+        let rep = eng
+            .run_until_quiet(Duration::from_millis(30))
+            .await
+            .unwrap();
+        assert_eq!(rep.applied, 6);
+        assert_eq!(
+            script.max_running.load(Ordering::SeqCst),
+            concurrency,
+            "concurrency {concurrency}"
+        );
+    }
+}
+
+/// `max_in_flight` bounds what is received and not final: with every transaction stuck, the
+/// engine stops polling at the bound; `in_flight` counts those messages and drops to zero
+/// once they are final.
+#[tokio::test]
+async fn max_in_flight_stops_polling_until_messages_are_final() {
+    let log = MemoryLog::new("t", 1);
+    let db = MemoryDb::default();
+    let script = Script::new();
+    let events: Vec<Envelope> = (0..5).map(|i| ev(&format!("gate{i}"), 1)).collect();
+    publish(&log, &events).await;
+    let cfg = fast()
+        .with_concurrency(4)
+        .with_max_batch(2)
+        .with_max_in_flight(2);
+    let mut eng = engine_on(&log, &db, &script, VersionPolicy::Reject, cfg);
+    for _ in 0..20 {
+        eng.step().await.unwrap();
+    }
+    assert_eq!(eng.report().received, 2, "polled past max_in_flight");
+    assert_eq!(eng.in_flight(), 2);
+    script.open_gate();
+    let rep = eng
+        .run_until_quiet(Duration::from_millis(30))
+        .await
+        .unwrap();
+    assert_eq!((rep.received, rep.applied), (5, 5));
+    assert_eq!(eng.in_flight(), 0);
+    assert_eq!(log.committed("proj", "t", 0), Some(5));
+}
+
+/// At shutdown, `run` waits for a hanging transaction only for `shutdown_grace`, then
+/// abandons it: its offset is not committed (it is redelivered), the report is returned.
+#[tokio::test]
+async fn run_abandons_a_hanging_transaction_after_the_shutdown_grace() {
+    let log = MemoryLog::new("t", 1);
+    let db = MemoryDb::default();
+    let script = Script::new();
+    publish(&log, &[ev("a", 1), ev("gate", 1)]).await;
+    let cfg = fast()
+        .with_max_batch(1)
+        .with_shutdown_grace(Duration::from_millis(100));
+    let mut eng = engine_on(&log, &db, &script, VersionPolicy::Reject, cfg);
+    let started = std::time::Instant::now();
+    let rep = eng
+        .run(tokio::time::sleep(Duration::from_millis(100)))
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(200) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+    assert_eq!((rep.received, rep.applied), (2, 1));
+    assert_eq!(log.committed("proj", "t", 0), Some(1), "a applied, gate not");
 }
 
 /// Several partitions, many aggregates, random handler delays, duplicates: every effect once,
