@@ -457,9 +457,15 @@ async fn an_expired_gap_parks_the_lowest_held_version_first() {
     assert_eq!((rep.parked, rep.waiting, rep.held), (1, 1, 0));
     let p = parked(&db).await;
     let head = p.iter().find(|m| m.status == ParkedStatus::Parked).unwrap();
-    let waiting = p.iter().find(|m| m.status == ParkedStatus::Waiting).unwrap();
+    let waiting = p
+        .iter()
+        .find(|m| m.status == ParkedStatus::Waiting)
+        .unwrap();
     assert_eq!(
-        (head.record.aggregate_version, waiting.record.aggregate_version),
+        (
+            head.record.aggregate_version,
+            waiting.record.aggregate_version
+        ),
         (Some(3), Some(4))
     );
     assert_eq!(head.kind, Some(ParkKind::VersionGap));
@@ -694,7 +700,11 @@ async fn run_abandons_a_hanging_transaction_after_the_shutdown_grace() {
         "{took:?}"
     );
     assert_eq!((rep.received, rep.applied), (2, 1));
-    assert_eq!(log.committed("proj", "t", 0), Some(1), "a applied, gate not");
+    assert_eq!(
+        log.committed("proj", "t", 0),
+        Some(1),
+        "a applied, gate not"
+    );
 }
 
 /// Several partitions, many aggregates, random handler delays, duplicates: every effect once,
@@ -1250,6 +1260,68 @@ async fn scheduled_cleanup_removes_registrations_past_the_dedup_window_in_batche
     }
     assert_eq!(eng.report().cleaned, 25, "three batches of at most 10");
     assert!(inbox.registrations("proj").is_empty());
+}
+
+/// A cleanup run removes batch after batch, one per step, until a batch comes back short,
+/// without waiting for the next interval in between.
+#[tokio::test]
+async fn a_cleanup_run_continues_while_batches_come_back_full() {
+    let clock = ManualClock::default();
+    let db = MemoryDb::new(clock.clone());
+    let log = MemoryLog::new("t", 1);
+    let events: Vec<Envelope> = (0..25).map(|i| ev(&format!("c{i}"), 1)).collect();
+    publish(&log, &events).await;
+    let mut eng = engine_on(&log, &db, &Script::new(), VersionPolicy::Unchecked, fast());
+    eng.run_until_quiet(Duration::from_millis(20))
+        .await
+        .unwrap();
+    clock.advance(Duration::from_secs(7200));
+    // A fresh engine whose next run is an hour away once this one finishes.
+    let cfg = fast().with_cleanup(
+        CleanupSchedule::new(Duration::from_secs(3600))
+            .batch_size(10)
+            .every(Duration::from_secs(3600)),
+    );
+    let mut eng = engine_on(&log, &db, &Script::new(), VersionPolicy::Unchecked, cfg);
+    for _ in 0..5 {
+        eng.step().await.unwrap();
+    }
+    assert_eq!(eng.report().cleaned, 25, "10 + 10 + 5 in consecutive steps");
+    assert!(MemoryInboxStore::new(&db).registrations("proj").is_empty());
+}
+
+/// The engine refreshes the lag and parked gauges by itself every `metrics_interval`.
+#[test]
+fn gauges_are_refreshed_on_the_metrics_interval() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    ::metrics::with_local_recorder(&recorder, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(async {
+                let (mut eng, _, _) = scripted_engine(vec![msg(0, &ev("poison", 1))], vec![]);
+                eng.run_until_quiet(Duration::from_millis(20))
+                    .await
+                    .unwrap();
+            });
+    });
+    let snap = snapshotter.snapshot().into_vec();
+    let gauge = |name: &str| {
+        snap.iter()
+            .find(|(k, _, _, _)| k.key().name() == name)
+            .and_then(|(_, _, _, v)| match v {
+                DebugValue::Gauge(g) => Some(g.into_inner()),
+                _ => None,
+            })
+    };
+    // Read by the first step (the message received, not applied yet, nothing parked) and not
+    // again within the 15 s interval: the gauges show the state after the first poll.
+    assert_eq!(gauge("outbox_inbox_lag"), Some(7.0));
+    assert_eq!(gauge("outbox_inbox_parked"), Some(0.0));
+    assert_eq!(gauge("outbox_inbox_in_flight"), Some(1.0));
 }
 
 #[tokio::test]
