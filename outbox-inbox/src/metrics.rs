@@ -91,7 +91,10 @@ mod tests {
     use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
     use outbox_core::TopicPartition;
 
-    fn recorded(f: impl FnOnce()) -> Vec<(String, Vec<(String, String)>, DebugValue)> {
+    /// A recorded series: name, labels, value.
+    type Series = (String, Vec<(String, String)>, DebugValue);
+
+    fn recorded(f: impl FnOnce()) -> Vec<Series> {
         let recorder = DebuggingRecorder::new();
         let snapshotter: Snapshotter = recorder.snapshotter();
         ::metrics::with_local_recorder(&recorder, f);
