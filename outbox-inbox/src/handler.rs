@@ -122,3 +122,51 @@ pub fn idempotency_key(consumer: &str, event_id: EventId) -> uuid::Uuid {
     name.extend_from_slice(event_id.as_uuid().as_bytes());
     uuid::Uuid::new_v5(&KEY_NAMESPACE, &name)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The key is a UUID v5 of `(consumer, event)`: stable, and different when either differs
+    /// (the doc test says so too, but the mutation run's test tool, nextest, skips doc tests).
+    #[test]
+    fn idempotency_keys_are_stable_per_consumer_and_event() {
+        let (a, b) = (EventId::now_v7(), EventId::now_v7());
+        let key = idempotency_key("billing", a);
+        assert_eq!(key, idempotency_key("billing", a));
+        assert_eq!(key.get_version_num(), 5);
+        assert_ne!(key, idempotency_key("mailer", a));
+        assert_ne!(key, idempotency_key("billing", b));
+        // The separator keeps ("ab", ..) and ("a", "b"..) apart; so does the namespace.
+        assert_eq!(
+            key,
+            uuid::Uuid::new_v5(
+                &KEY_NAMESPACE,
+                &[b"billing".as_slice(), &[0], a.as_uuid().as_bytes()].concat()
+            )
+        );
+    }
+
+    #[test]
+    fn handler_errors_keep_their_class() {
+        assert_eq!(HandlerError::transient("t").class(), ErrorClass::Transient);
+        assert_eq!(HandlerError::permanent("p").class(), ErrorClass::Permanent);
+        for (kind, class) in [
+            (
+                outbox_core::StoreErrorKind::Connection,
+                ErrorClass::Transient,
+            ),
+            (
+                outbox_core::StoreErrorKind::Constraint,
+                ErrorClass::Permanent,
+            ),
+        ] {
+            let store = outbox_core::StoreError::new(kind, "from the store");
+            let text = store.to_string();
+            let e = HandlerError::from(store);
+            assert_eq!((e.class(), e.message), (class, text));
+        }
+        let b = BatchHandlerError::new(3, HandlerError::permanent("bad"));
+        assert_eq!((b.index, b.error.class), (3, ErrorClass::Permanent));
+    }
+}

@@ -81,3 +81,146 @@ pub(crate) fn record_gauges(consumer: &str, held: usize, in_flight: usize) {
 pub(crate) fn record_counter(name: &'static str, consumer: &str, n: u64) {
     metrics::counter!(name, "consumer" => consumer.to_owned()).increment(n);
 }
+
+#[cfg(test)]
+mod tests {
+    //! Each recorder function writes its series with the consumer label and the value it was
+    //! given (killed surviving mutants: `record_gauges`, `record_counter` and `record_parked`
+    //! replaced by `()`, which the engine tests did not read).
+    use super::*;
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+    use outbox_core::TopicPartition;
+
+    /// A recorded series: name, labels, value.
+    type Series = (String, Vec<(String, String)>, DebugValue);
+
+    fn recorded(f: impl FnOnce()) -> Vec<Series> {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter: Snapshotter = recorder.snapshotter();
+        ::metrics::with_local_recorder(&recorder, f);
+        snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .map(|(k, _, _, v)| {
+                let key = k.key();
+                let labels = key
+                    .labels()
+                    .map(|l| (l.key().to_owned(), l.value().to_owned()))
+                    .collect();
+                (key.name().to_owned(), labels, v)
+            })
+            .collect()
+    }
+
+    fn gauge(v: &DebugValue) -> f64 {
+        match v {
+            DebugValue::Gauge(g) => g.into_inner(),
+            other => panic!("not a gauge: {other:?}"),
+        }
+    }
+
+    fn label<'a>(labels: &'a [(String, String)], name: &str) -> Option<&'a str> {
+        labels
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    #[test]
+    fn gauges_carry_the_held_and_in_flight_counts() {
+        let snap = recorded(|| record_gauges("c1", 3, 17));
+        let value = |name: &str| {
+            snap.iter()
+                .find(|(n, l, _)| n == name && label(l, "consumer") == Some("c1"))
+                .map(|(_, _, v)| gauge(v))
+        };
+        assert_eq!(value("outbox_inbox_held"), Some(3.0));
+        assert_eq!(value("outbox_inbox_in_flight"), Some(17.0));
+    }
+
+    #[test]
+    fn counters_add_the_given_amount_under_their_name() {
+        let snap = recorded(|| {
+            record_counter("outbox_inbox_rewinds_total", "c1", 2);
+            record_counter("outbox_inbox_rewinds_total", "c1", 3);
+            record_counter("outbox_inbox_cleaned_total", "c2", 40);
+        });
+        let counter = |name: &str, consumer: &str| {
+            snap.iter()
+                .find(|(n, l, _)| n == name && label(l, "consumer") == Some(consumer))
+                .map(|(_, _, v)| v)
+        };
+        assert_eq!(
+            counter("outbox_inbox_rewinds_total", "c1"),
+            Some(&DebugValue::Counter(5))
+        );
+        assert_eq!(
+            counter("outbox_inbox_cleaned_total", "c2"),
+            Some(&DebugValue::Counter(40))
+        );
+    }
+
+    #[test]
+    fn parked_gauges_and_the_age_of_the_oldest() {
+        let now = chrono::Utc::now();
+        let stats = ParkedStats::new(2, 5, Some(now - chrono::Duration::seconds(90)));
+        let snap = recorded(|| record_parked("c1", &stats, now));
+        let value = |name: &str| {
+            snap.iter()
+                .find(|(n, _, _)| n == name)
+                .map(|(_, _, v)| gauge(v))
+        };
+        assert_eq!(value("outbox_inbox_parked"), Some(2.0));
+        assert_eq!(value("outbox_inbox_waiting"), Some(5.0));
+        assert_eq!(value("outbox_inbox_oldest_parked_age_seconds"), Some(90.0));
+        // Nothing parked: the age is zero, not left at an old value.
+        let snap = recorded(|| record_parked("c1", &ParkedStats::default(), now));
+        assert!(snap
+            .iter()
+            .any(|(n, _, v)| n == "outbox_inbox_oldest_parked_age_seconds" && gauge(v) == 0.0));
+    }
+
+    #[test]
+    fn lag_per_partition_and_latency_from_creation() {
+        let lags = [
+            PartitionLag::new(TopicPartition::new("t", 0), Some(3), 0, 10),
+            PartitionLag::new(TopicPartition::new("t", 1), None, 4, 6),
+        ];
+        let event = Envelope::builder("order", "o-1", 1, "order.paid")
+            .build()
+            .unwrap();
+        let later = event.created_at + chrono::Duration::milliseconds(1500);
+        let earlier = event.created_at - chrono::Duration::seconds(1);
+        let snap = recorded(|| {
+            record_lag("c1", &lags);
+            record_latency("c1", &event, later);
+            // A clock behind the event's creation records nothing (no negative latency).
+            record_latency("c2", &event, earlier);
+        });
+        for l in &lags {
+            let p = l.partition.partition.to_string();
+            let v = snap
+                .iter()
+                .find(|(n, ls, _)| {
+                    n == "outbox_inbox_lag"
+                        && label(ls, "topic") == Some("t")
+                        && label(ls, "partition") == Some(p.as_str())
+                })
+                .map(|(_, _, v)| gauge(v));
+            assert_eq!(v, Some(l.lag() as f64), "partition {p}");
+        }
+        let latencies: Vec<_> = snap
+            .iter()
+            .filter(|(n, _, _)| n == "outbox_inbox_apply_latency_seconds")
+            .collect();
+        assert_eq!(latencies.len(), 1, "{latencies:?}");
+        assert_eq!(label(&latencies[0].1, "consumer"), Some("c1"));
+        match &latencies[0].2 {
+            DebugValue::Histogram(h) => {
+                assert_eq!(h.iter().map(|v| v.into_inner()).collect::<Vec<_>>(), [1.5]);
+            }
+            other => panic!("not a histogram: {other:?}"),
+        }
+    }
+}

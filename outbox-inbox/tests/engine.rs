@@ -150,6 +150,12 @@ fn bad_config_is_rejected() {
         assert!(cfg.validate().is_err(), "{cfg:?}");
     }
     assert!(EngineConfig::default().validate().is_ok());
+    // The bound is inclusive: room for exactly one full batch is enough.
+    assert!(EngineConfig::default()
+        .with_max_batch(100)
+        .with_max_in_flight(100)
+        .validate()
+        .is_ok());
     let log = MemoryLog::new("t", 1);
     let db = MemoryDb::default();
     let p = InboxProcessor::new("proj", MemoryInboxStore::new(&db), Script::new())
@@ -434,6 +440,37 @@ async fn hold_is_bounded_in_time_then_parks_the_gap() {
     assert_eq!(log.committed("proj", "t", 0), Some(4));
 }
 
+/// Held versions that arrived out of order are released lowest first: when the gap expires,
+/// the lowest held version is the parked head and the higher one waits behind it (killed
+/// surviving mutant: `Work::version` returning a constant, which left them in arrival order).
+#[tokio::test]
+async fn an_expired_gap_parks_the_lowest_held_version_first() {
+    let log = MemoryLog::new("t", 1);
+    let db = MemoryDb::default();
+    publish(&log, &[ev("a", 1), ev("a", 4), ev("a", 3)]).await;
+    let policy = VersionPolicy::hold(100, Duration::from_millis(40));
+    let mut eng = engine_on(&log, &db, &Script::new(), policy, fast());
+    let rep = eng
+        .run_until_quiet(Duration::from_millis(80))
+        .await
+        .unwrap();
+    assert_eq!((rep.parked, rep.waiting, rep.held), (1, 1, 0));
+    let p = parked(&db).await;
+    let head = p.iter().find(|m| m.status == ParkedStatus::Parked).unwrap();
+    let waiting = p
+        .iter()
+        .find(|m| m.status == ParkedStatus::Waiting)
+        .unwrap();
+    assert_eq!(
+        (
+            head.record.aggregate_version,
+            waiting.record.aggregate_version
+        ),
+        (Some(3), Some(4))
+    );
+    assert_eq!(head.kind, Some(ParkKind::VersionGap));
+}
+
 #[tokio::test]
 async fn hold_is_bounded_in_count() {
     let log = MemoryLog::new("t", 1);
@@ -576,6 +613,98 @@ async fn aggregates_run_in_parallel_and_the_commit_waits_for_the_unfinished_offs
         .unwrap();
     assert_eq!(rep.applied, 41);
     assert_eq!(log.committed("proj", "t", 0), Some(41));
+}
+
+/// `concurrency` bounds the batch transactions running at once: with handlers that wait, the
+/// most running at any time is exactly the configured number.
+#[tokio::test]
+async fn concurrency_bounds_the_transactions_running_at_once() {
+    for concurrency in [1, 2] {
+        let log = MemoryLog::new("t", 1);
+        let db = MemoryDb::default();
+        let script = Script::new();
+        let events: Vec<Envelope> = (0..6).map(|i| ev(&format!("d{i}"), 1)).collect();
+        for e in &events {
+            script
+                .delay
+                .lock()
+                .unwrap()
+                .insert(e.aggregate_id.clone(), Duration::from_millis(15));
+        }
+        publish(&log, &events).await;
+        let cfg = fast().with_concurrency(concurrency).with_max_batch(1);
+        let mut eng = engine_on(&log, &db, &script, VersionPolicy::Reject, cfg);
+        let rep = eng
+            .run_until_quiet(Duration::from_millis(30))
+            .await
+            .unwrap();
+        assert_eq!(rep.applied, 6);
+        assert_eq!(
+            script.max_running.load(Ordering::SeqCst),
+            concurrency,
+            "concurrency {concurrency}"
+        );
+    }
+}
+
+/// `max_in_flight` bounds what is received and not final: with every transaction stuck, the
+/// engine stops polling at the bound; `in_flight` counts those messages and drops to zero
+/// once they are final.
+#[tokio::test]
+async fn max_in_flight_stops_polling_until_messages_are_final() {
+    let log = MemoryLog::new("t", 1);
+    let db = MemoryDb::default();
+    let script = Script::new();
+    let events: Vec<Envelope> = (0..5).map(|i| ev(&format!("gate{i}"), 1)).collect();
+    publish(&log, &events).await;
+    let cfg = fast()
+        .with_concurrency(4)
+        .with_max_batch(2)
+        .with_max_in_flight(2);
+    let mut eng = engine_on(&log, &db, &script, VersionPolicy::Reject, cfg);
+    for _ in 0..20 {
+        eng.step().await.unwrap();
+    }
+    assert_eq!(eng.report().received, 2, "polled past max_in_flight");
+    assert_eq!(eng.in_flight(), 2);
+    script.open_gate();
+    let rep = eng
+        .run_until_quiet(Duration::from_millis(30))
+        .await
+        .unwrap();
+    assert_eq!((rep.received, rep.applied), (5, 5));
+    assert_eq!(eng.in_flight(), 0);
+    assert_eq!(log.committed("proj", "t", 0), Some(5));
+}
+
+/// At shutdown, `run` waits for a hanging transaction only for `shutdown_grace`, then
+/// abandons it: its offset is not committed (it is redelivered), the report is returned.
+#[tokio::test]
+async fn run_abandons_a_hanging_transaction_after_the_shutdown_grace() {
+    let log = MemoryLog::new("t", 1);
+    let db = MemoryDb::default();
+    let script = Script::new();
+    publish(&log, &[ev("a", 1), ev("gate", 1)]).await;
+    let cfg = fast()
+        .with_max_batch(1)
+        .with_shutdown_grace(Duration::from_millis(100));
+    let mut eng = engine_on(&log, &db, &script, VersionPolicy::Reject, cfg);
+    let started = std::time::Instant::now();
+    let rep = eng
+        .run(tokio::time::sleep(Duration::from_millis(100)))
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(200) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+    assert_eq!((rep.received, rep.applied), (2, 1));
+    assert_eq!(
+        log.committed("proj", "t", 0),
+        Some(1),
+        "a applied, gate not"
+    );
 }
 
 /// Several partitions, many aggregates, random handler delays, duplicates: every effect once,
@@ -1131,6 +1260,68 @@ async fn scheduled_cleanup_removes_registrations_past_the_dedup_window_in_batche
     }
     assert_eq!(eng.report().cleaned, 25, "three batches of at most 10");
     assert!(inbox.registrations("proj").is_empty());
+}
+
+/// A cleanup run removes batch after batch, one per step, until a batch comes back short,
+/// without waiting for the next interval in between.
+#[tokio::test]
+async fn a_cleanup_run_continues_while_batches_come_back_full() {
+    let clock = ManualClock::default();
+    let db = MemoryDb::new(clock.clone());
+    let log = MemoryLog::new("t", 1);
+    let events: Vec<Envelope> = (0..25).map(|i| ev(&format!("c{i}"), 1)).collect();
+    publish(&log, &events).await;
+    let mut eng = engine_on(&log, &db, &Script::new(), VersionPolicy::Unchecked, fast());
+    eng.run_until_quiet(Duration::from_millis(20))
+        .await
+        .unwrap();
+    clock.advance(Duration::from_secs(7200));
+    // A fresh engine whose next run is an hour away once this one finishes.
+    let cfg = fast().with_cleanup(
+        CleanupSchedule::new(Duration::from_secs(3600))
+            .batch_size(10)
+            .every(Duration::from_secs(3600)),
+    );
+    let mut eng = engine_on(&log, &db, &Script::new(), VersionPolicy::Unchecked, cfg);
+    for _ in 0..5 {
+        eng.step().await.unwrap();
+    }
+    assert_eq!(eng.report().cleaned, 25, "10 + 10 + 5 in consecutive steps");
+    assert!(MemoryInboxStore::new(&db).registrations("proj").is_empty());
+}
+
+/// The engine refreshes the lag and parked gauges by itself every `metrics_interval`.
+#[test]
+fn gauges_are_refreshed_on_the_metrics_interval() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    ::metrics::with_local_recorder(&recorder, || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(async {
+                let (mut eng, _, _) = scripted_engine(vec![msg(0, &ev("poison", 1))], vec![]);
+                eng.run_until_quiet(Duration::from_millis(20))
+                    .await
+                    .unwrap();
+            });
+    });
+    let snap = snapshotter.snapshot().into_vec();
+    let gauge = |name: &str| {
+        snap.iter()
+            .find(|(k, _, _, _)| k.key().name() == name)
+            .and_then(|(_, _, _, v)| match v {
+                DebugValue::Gauge(g) => Some(g.into_inner()),
+                _ => None,
+            })
+    };
+    // Read by the first step (the message received, not applied yet, nothing parked) and not
+    // again within the 15 s interval: the gauges show the state after the first poll.
+    assert_eq!(gauge("outbox_inbox_lag"), Some(7.0));
+    assert_eq!(gauge("outbox_inbox_parked"), Some(0.0));
+    assert_eq!(gauge("outbox_inbox_in_flight"), Some(1.0));
 }
 
 #[tokio::test]
