@@ -87,7 +87,8 @@ mod tests {
         let batch: Vec<Envelope> = (1..=3)
             .map(|v| Envelope::builder("o", "o-1", v, "t").build().unwrap())
             .collect();
-        let results = futures::executor::block_on(shared.publish(&batch.iter().collect::<Vec<_>>()));
+        let results =
+            futures::executor::block_on(shared.publish(&batch.iter().collect::<Vec<_>>()));
         assert_eq!(results.len(), 3);
         assert!(results[0].is_err() && results[2].is_err());
         assert_eq!(results[1].as_ref().unwrap().offset, 2);
