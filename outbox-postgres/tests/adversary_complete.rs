@@ -147,6 +147,7 @@ async fn outcomes_of_another_claim_are_refused() {
         assert_eq!(rep.applied, 2, "{m}: claim 2 untouched by claim 1's completion");
         assert_eq!(row(&ctx, &theirs[0]).await, ("published".into(), Some(20)));
         assert_eq!(row(&ctx, &theirs[1]).await, ("published".into(), Some(21)));
+        assert_eq!(drain(&store).await, 2, "{m}: claim 1's rows were released");
 
         // Same length, one slot foreign: the foreign one refused, its slot's row released.
         let (evs, b) = claim_fresh(&ctx, &store, &format!("mixed-{m}"), 2).await;
