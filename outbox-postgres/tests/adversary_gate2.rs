@@ -12,6 +12,9 @@ use std::time::{Duration, Instant};
 
 use common::{claim, event, lease, listening_store, publish_all};
 
+/// The tests of this file count gate locks database-wide: one at a time.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 /// Granted exclusive gate locks (two-key advisory) in this database.
 async fn exclusive_held(ctx: &common::Ctx) -> usize {
     let n: i64 = sqlx::query_scalar(
@@ -56,6 +59,7 @@ async fn settle(ctx: &common::Ctx, want: usize) -> usize {
 /// during the round is left unclaimed.
 #[tokio::test]
 async fn concurrent_claims_through_one_store_keep_the_gate_consistent() {
+    let _serial = SERIAL.lock().await;
     let ctx = ctx!(16);
     let (store, _n, handle) = listening_store(&ctx, lease(30.0), Duration::from_secs(2)).await;
     let mut published = 0usize;
@@ -131,6 +135,7 @@ async fn concurrent_claims_through_one_store_keep_the_gate_consistent() {
 /// (and another relay process could never arm).
 #[tokio::test]
 async fn a_claim_cancelled_while_arming_leaves_no_lock_behind() {
+    let _serial = SERIAL.lock().await;
     let ctx = ctx!(10);
     let (store, _n, handle) = listening_store(&ctx, lease(30.0), Duration::from_secs(5)).await;
     let mut long = ctx.pool.begin().await.unwrap();
