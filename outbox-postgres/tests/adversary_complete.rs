@@ -80,12 +80,24 @@ async fn duplicate_event_ids_do_not_reach_another_row() {
         ];
         let rep = store.complete(&b.handle, &outs).await.unwrap();
         assert_eq!(rep.applied, 2, "{m}: two rows recorded");
-        assert_eq!(row(&ctx, &evs[0]).await, ("published".into(), Some(10)), "{m}");
+        assert_eq!(
+            row(&ctx, &evs[0]).await,
+            ("published".into(), Some(10)),
+            "{m}"
+        );
         assert_eq!(row(&ctx, &evs[1]).await, ("pending".into(), None), "{m}");
-        assert_eq!(row(&ctx, &evs[2]).await, ("published".into(), Some(12)), "{m}");
+        assert_eq!(
+            row(&ctx, &evs[2]).await,
+            ("published".into(), Some(12)),
+            "{m}"
+        );
         // The released row is claimable at once (released, not left leased/locked).
         let again = claim(&store, "again", 100).await;
-        assert_eq!(again.records.len(), 1, "{m}: the row without outcome was released");
+        assert_eq!(
+            again.records.len(),
+            1,
+            "{m}: the row without outcome was released"
+        );
         assert_eq!(again.records[0].envelope.event_id, evs[1].event_id);
         common::publish_all(&store, &again).await;
         assert_eq!(drain(&store).await, 0);
@@ -144,7 +156,10 @@ async fn outcomes_of_another_claim_are_refused() {
         // Claim 2 still owns its rows and records its own outcomes.
         let own = vec![published(&theirs[1], 21), published(&theirs[0], 20)];
         let rep = store.complete(&b2.handle, &own).await.unwrap();
-        assert_eq!(rep.applied, 2, "{m}: claim 2 untouched by claim 1's completion");
+        assert_eq!(
+            rep.applied, 2,
+            "{m}: claim 2 untouched by claim 1's completion"
+        );
         assert_eq!(row(&ctx, &theirs[0]).await, ("published".into(), Some(20)));
         assert_eq!(row(&ctx, &theirs[1]).await, ("published".into(), Some(21)));
         assert_eq!(drain(&store).await, 2, "{m}: claim 1's rows were released");
@@ -239,7 +254,10 @@ async fn an_empty_list_releases_the_whole_claim() {
         }
         let outs: Vec<_> = evs.iter().map(|e| published(e, 5)).collect();
         let rep = store.complete(&b.handle, &outs).await.unwrap();
-        assert_eq!(rep.applied, 0, "{m}: the handle ended with the empty completion");
+        assert_eq!(
+            rep.applied, 0,
+            "{m}: the handle ended with the empty completion"
+        );
         for e in &evs {
             assert_eq!(row(&ctx, e).await, ("pending".into(), None), "{m}");
         }

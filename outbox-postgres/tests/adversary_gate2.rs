@@ -110,7 +110,10 @@ async fn concurrent_claims_through_one_store_keep_the_gate_consistent() {
         assert!(store.wake_gate_armed(), "round {round}: idle, armed");
         assert_eq!(settle(&ctx, 1).await, 1, "round {round}: armed, held");
         // Work appears, a claim finds it and disarms: nothing may stay held.
-        store.append(&ctx.pool, &event(&format!("w{round}"), 1)).await.unwrap();
+        store
+            .append(&ctx.pool, &event(&format!("w{round}"), 1))
+            .await
+            .unwrap();
         let b = claim(&store, "w", 10).await;
         assert_eq!(b.records.len(), 1, "round {round}");
         published += 1;
@@ -151,7 +154,10 @@ async fn a_claim_cancelled_while_arming_leaves_no_lock_behind() {
         assert!(Instant::now() < deadline, "the arm never queued");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    assert!(cancelled.await.unwrap().is_err(), "the claim was dropped while arming");
+    assert!(
+        cancelled.await.unwrap().is_err(),
+        "the claim was dropped while arming"
+    );
     long.commit().await.unwrap();
     assert!(!store.wake_gate_armed());
     // The relay's next cycles: work found (no disarm: not armed), then idle (armed), then work
