@@ -812,13 +812,23 @@ impl MessageSource for MemoryConsumer {
             )));
         }
         // A commit for a partition this consumer does not read is a caller bug (an engine
-        // committing from the wrong message): refused as a whole, nothing committed.
-        for c in offsets {
-            let readable = self.topics.contains(&c.topic)
-                && st
-                    .topics
-                    .get(&c.topic)
-                    .is_some_and(|parts| c.partition >= 0 && (c.partition as usize) < parts.len());
+        // committing from the wrong message): refused as a whole, nothing committed. A
+        // partition it did read that its topic no longer has (recreated with fewer partitions
+        // since) is legitimate: the engine commits what it made final there; skipped (the
+        // partition went with its offsets).
+        let positions = self.positions.lock().unwrap_or_else(|e| e.into_inner());
+        let mut gone = Vec::new();
+        for (i, c) in offsets.iter().enumerate() {
+            let exists = st
+                .topics
+                .get(&c.topic)
+                .is_some_and(|parts| c.partition >= 0 && (c.partition as usize) < parts.len());
+            let was_read = positions.contains_key(&(c.topic.clone(), c.partition));
+            if self.topics.contains(&c.topic) && !exists && was_read {
+                gone.push(i);
+                continue;
+            }
+            let readable = self.topics.contains(&c.topic) && exists;
             if !readable {
                 return Err(SourceError::new(
                     ErrorClass::Permanent,
@@ -829,8 +839,13 @@ impl MessageSource for MemoryConsumer {
                 ));
             }
         }
+        drop(positions);
         let g = st.groups.entry(self.group.clone()).or_default();
-        for c in offsets {
+        for (_, c) in offsets
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !gone.contains(i))
+        {
             g.committed
                 .insert((c.topic.clone(), c.partition), c.next_offset);
         }

@@ -115,15 +115,20 @@ impl PostgresOutboxStore {
                 }
             }
         }
-        let conn = guard.as_mut().expect("just set");
+        // Taken out of the guard while the lock is requested: a claim dropped meanwhile (a
+        // caller's timeout) drops the connection with it, and its session ends with whatever
+        // the server granted, instead of staying here holding the lock with the gate unarmed
+        // (the next arm would then lock it twice, and the disarm leave it held).
+        let mut conn = guard.take().expect("just set");
         let (k1, k2) = gate_keys(self.inner.seed);
         match sqlx::query("SELECT pg_advisory_lock($1, $2)")
             .bind(k1)
             .bind(k2)
-            .execute(&mut *conn)
+            .execute(&mut conn)
             .await
         {
             Ok(_) => {
+                *guard = Some(conn);
                 self.inner.gate_armed.store(true, Ordering::Release);
                 true
             }
@@ -131,8 +136,8 @@ impl PostgresOutboxStore {
                 // lock_timeout: appends in flight for longer than the wait, or another relay
                 // holds the gate. Either way appends notify meanwhile; this relay polls.
                 debug!(error = %e, "wake-up gate not armed");
-                if !is_lock_timeout(&e) {
-                    *guard = None;
+                if is_lock_timeout(&e) {
+                    *guard = Some(conn);
                 }
                 false
             }
@@ -164,19 +169,21 @@ impl PostgresOutboxStore {
         if !self.inner.gate_armed.swap(false, Ordering::AcqRel) {
             return;
         }
-        let Some(conn) = guard.as_mut() else {
+        // Out of the guard while unlocking: dropped mid-way (a cancelled claim), the connection
+        // goes and its session ends with the lock, rather than staying here holding it unarmed.
+        let Some(mut conn) = guard.take() else {
             return;
         };
         let (k1, k2) = gate_keys(self.inner.seed);
-        if let Err(e) = sqlx::query("SELECT pg_advisory_unlock($1, $2)")
+        match sqlx::query("SELECT pg_advisory_unlock($1, $2)")
             .bind(k1)
             .bind(k2)
-            .execute(&mut *conn)
+            .execute(&mut conn)
             .await
         {
+            Ok(_) => *guard = Some(conn),
             // Dropping the connection ends the session, and the lock with it.
-            warn!(error = %e, "wake-up gate: unlock failed; closing its connection");
-            *guard = None;
+            Err(e) => warn!(error = %e, "wake-up gate: unlock failed; closing its connection"),
         }
     }
 
