@@ -25,9 +25,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use clap::Args;
-use outbox_core::{
-    AckMetadata, ClaimMode, ClaimRequest, OutboxStore, Outcome, Relay, RelayConfig, SystemClock,
-};
+use outbox_core::{ClaimMode, ClaimRequest, OutboxStore, Relay, RelayConfig, SystemClock};
 use outbox_postgres::PostgresOutboxStore;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -99,20 +97,14 @@ async fn drain_profiled(
     let result = async {
         while done < events as u64 {
             let report = relay.run_once().await?;
-            anyhow::ensure!(
-                report.retried == 0
-                    && report.parked == 0
-                    && report.superseded == 0
-                    && !report.released,
-                "publish failures, released or superseded claims: {report:?}"
-            );
+            crate::drain::ensure_clean_cycle(&report)?;
             if report.claimed == 0 {
                 tokio::time::sleep(Duration::from_millis(1)).await;
                 continue;
             }
             done += report.published as u64;
         }
-        Ok(())
+        anyhow::Ok(())
     }
     .await;
     let took = started.elapsed();
@@ -580,7 +572,9 @@ async fn explain_cycle(
     let req = ClaimRequest::new("explain", args.batch);
     for _ in 0..args.explain_warmup {
         let b = store.claim(&req).await?;
-        store.complete(&b.handle, &published(&b)).await?;
+        store
+            .complete(&b.handle, &crate::scale::published(&b))
+            .await?;
     }
     sqlx::raw_sql(&format!(
         "ANALYZE \"{}\".\"{}\"",
@@ -626,7 +620,9 @@ async fn explain_cycle(
         t.elapsed().as_secs_f64() * 1e3
     );
     let t = Instant::now();
-    let r = b.complete(&batch.handle, &published(&batch)).await?;
+    let r = b
+        .complete(&batch.handle, &crate::scale::published(&batch))
+        .await?;
     eprintln!(
         "==== explain {name}: completed {} in {:.1} ms ====",
         r.applied,
@@ -635,19 +631,4 @@ async fn explain_cycle(
     pool.close().await;
     env.cleanup().await?;
     Ok(())
-}
-
-fn published(b: &outbox_core::ClaimedBatch) -> Vec<Outcome> {
-    b.records
-        .iter()
-        .enumerate()
-        .map(|(i, r)| Outcome::Published {
-            event_id: r.envelope.event_id,
-            ack: AckMetadata {
-                topic: "bench".into(),
-                partition: 0,
-                offset: i as i64,
-            },
-        })
-        .collect()
 }

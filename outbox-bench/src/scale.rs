@@ -247,7 +247,8 @@ async fn claim_complete(store: &PostgresOutboxStore) -> anyhow::Result<(f64, f64
     Ok((claim, started.elapsed().as_secs_f64() * 1e3))
 }
 
-fn published(b: &outbox_core::ClaimedBatch) -> Vec<Outcome> {
+/// Every record of `b` acknowledged (offsets by position), for the bare store loops.
+pub(crate) fn published(b: &outbox_core::ClaimedBatch) -> Vec<Outcome> {
     b.records
         .iter()
         .enumerate()

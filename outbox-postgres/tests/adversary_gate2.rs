@@ -31,36 +31,31 @@ fn gate_lock_keys(ctx: &common::Ctx) -> (i64, i64) {
     (i64::from(k1 as u32), i64::from(k2 as u32))
 }
 
-/// Granted exclusive locks on this test's gate (two-key advisory), in this database.
-async fn exclusive_held(ctx: &common::Ctx) -> usize {
+/// Locks on this test's gate (two-key advisory) in this database: granted exclusive ones, or
+/// requests still waiting.
+async fn gate_locks(ctx: &common::Ctx, granted: bool) -> usize {
     let (k1, k2) = gate_lock_keys(ctx);
     let n: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 \
-         AND classid::int8 = $1 AND objid::int8 = $2 \
-         AND mode = 'ExclusiveLock' AND granted \
+         AND classid::int8 = $1 AND objid::int8 = $2 AND granted = $3 \
+         AND (NOT granted OR mode = 'ExclusiveLock') \
          AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
     )
     .bind(k1)
     .bind(k2)
+    .bind(granted)
     .fetch_one(&ctx.pool)
     .await
     .unwrap();
     n as usize
 }
 
+async fn exclusive_held(ctx: &common::Ctx) -> usize {
+    gate_locks(ctx, true).await
+}
+
 async fn waiter_queued(ctx: &common::Ctx) -> bool {
-    let (k1, k2) = gate_lock_keys(ctx);
-    let n: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 \
-         AND classid::int8 = $1 AND objid::int8 = $2 AND NOT granted \
-         AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-    )
-    .bind(k1)
-    .bind(k2)
-    .fetch_one(&ctx.pool)
-    .await
-    .unwrap();
-    n > 0
+    gate_locks(ctx, false).await > 0
 }
 
 /// Waits (at most 5 s) until the gate's lock state in `pg_locks` is `want` held.
