@@ -817,15 +817,14 @@ impl MessageSource for MemoryConsumer {
         // since) is legitimate: the engine commits what it made final there; skipped (the
         // partition went with its offsets).
         let positions = self.positions.lock().unwrap_or_else(|e| e.into_inner());
-        let mut gone = Vec::new();
-        for (i, c) in offsets.iter().enumerate() {
+        let mut kept = Vec::with_capacity(offsets.len());
+        for c in offsets {
             let exists = st
                 .topics
                 .get(&c.topic)
                 .is_some_and(|parts| c.partition >= 0 && (c.partition as usize) < parts.len());
             let was_read = positions.contains_key(&(c.topic.clone(), c.partition));
             if self.topics.contains(&c.topic) && !exists && was_read {
-                gone.push(i);
                 continue;
             }
             let readable = self.topics.contains(&c.topic) && exists;
@@ -838,14 +837,11 @@ impl MessageSource for MemoryConsumer {
                     ),
                 ));
             }
+            kept.push(c);
         }
         drop(positions);
         let g = st.groups.entry(self.group.clone()).or_default();
-        for (_, c) in offsets
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| !gone.contains(i))
-        {
+        for c in kept {
             g.committed
                 .insert((c.topic.clone(), c.partition), c.next_offset);
         }
