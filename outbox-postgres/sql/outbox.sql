@@ -261,3 +261,12 @@ CREATE INDEX IF NOT EXISTS "outbox_events_published_at_idx"
 -- Rows by creation time: reconciliation per interval and replay by time range.
 CREATE INDEX IF NOT EXISTS "outbox_events_created_at_idx"
     ON "outbox"."outbox_events" (created_at);
+-- outbox-postgres migration 5: one index entry fewer per completed event.
+--
+-- A completion changes `status`, which the partial indexes' predicates read, so its update is
+-- never HOT: every index whose predicate the published row matches gets a new entry. The
+-- published rows had two such time indexes, `finished_idx` (retention, cleanup) and
+-- `published_at_idx` (publish latency over a recent window). A completion now writes one time
+-- into both `published_at` and `finished_at`, so the window queries filter published rows on
+-- `finished_at` through `finished_idx`, and `published_at_idx` goes.
+DROP INDEX IF EXISTS "outbox"."outbox_events_published_at_idx";

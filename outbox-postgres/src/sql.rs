@@ -300,10 +300,12 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
 
         // The completion: one row per claimed event, in `OutcomeArrays` order ($1..$15);
         // `release` marks a claimed row without outcome (its claim just ends).
-        let outcomes = "o AS MATERIALIZED (SELECT * FROM UNNEST($1::int8[], $2::int8[], \
-               $3::text[], $4::text[], $5::int8[], $6::text[], $7::text[], $8::int4[], \
-               $9::int8[], $10::int8[], $11::text[], $12::text[], $13::text[], $14::text[], \
-               $15::bool[]) \
+        // `ts`: the one time of an outcome (a published row's `published_at` and `finished_at`
+        // are equal, so the publication-time queries use `finished_idx`; migration 5).
+        let outcomes = "o AS MATERIALIZED (SELECT *, clock_timestamp() AS ts FROM UNNEST( \
+               $1::int8[], $2::int8[], $3::text[], $4::text[], $5::int8[], $6::text[], \
+               $7::text[], $8::int4[], $9::int8[], $10::int8[], $11::text[], $12::text[], \
+               $13::text[], $14::text[], $15::bool[]) \
              AS o(id, k, at, ai, v, kind, topic, part, off, delay_us, eclass, ekind, emsg, \
                   pkind, uncertain))";
         let set = "status = CASE o.kind WHEN 'published' THEN 'published' \
@@ -311,10 +313,10 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
              attempts = CASE WHEN o.kind IN ('retry', 'park') THEN t.attempts + 1 \
                              ELSE t.attempts END, \
              next_attempt_at = CASE WHEN o.kind IN ('retry', 'defer') \
-                 THEN clock_timestamp() + o.delay_us * interval '1 microsecond' \
+                 THEN o.ts + o.delay_us * interval '1 microsecond' \
                  ELSE t.next_attempt_at END, \
-             published_at = CASE WHEN o.kind = 'published' THEN clock_timestamp() END, \
-             finished_at = CASE WHEN o.kind = 'published' THEN clock_timestamp() END, \
+             published_at = CASE WHEN o.kind = 'published' THEN o.ts END, \
+             finished_at = CASE WHEN o.kind = 'published' THEN o.ts END, \
              ack_topic = o.topic, ack_partition = o.part, ack_offset = o.off, \
              last_error_class = CASE WHEN o.kind = 'published' THEN t.last_error_class \
                                      ELSE o.eclass END, \
@@ -323,7 +325,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
              last_error_message = CASE WHEN o.kind = 'published' THEN t.last_error_message \
                                        ELSE o.emsg END, \
              park_kind = CASE WHEN o.kind = 'park' THEN o.pkind END, \
-             parked_at = CASE WHEN o.kind = 'park' THEN clock_timestamp() END, \
+             parked_at = CASE WHEN o.kind = 'park' THEN o.ts END, \
              maybe_delivered = t.maybe_delivered OR COALESCE(o.uncertain, false)";
         // Lease mode: only rows whose aggregate's lease still carries this claim's token
         // (`$16`) get their outcome (fencing); every such lease is released, and a publication

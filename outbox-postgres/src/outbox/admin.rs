@@ -198,7 +198,7 @@ impl PostgresOutboxStore {
             "WITH p AS ( \
                SELECT extract(epoch FROM published_at - created_at)::float8 AS s FROM {t} \
                WHERE status = 'published' \
-                 AND published_at >= clock_timestamp() - $1::int8 * interval '1 microsecond') \
+                 AND finished_at >= clock_timestamp() - $1::int8 * interval '1 microsecond') \
              SELECT (SELECT count(*) FROM p) AS n, \
                     (SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY s) FROM p) AS p50, \
                     (SELECT percentile_cont(0.9) WITHIN GROUP (ORDER BY s) FROM p) AS p90, \
