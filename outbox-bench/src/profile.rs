@@ -49,7 +49,9 @@ pub(crate) struct ProfileArgs {
     #[arg(long, default_value_t = 1000)]
     batch: usize,
     /// Claim modes to profile (lease, locked), and `naive`: the drain scenario's reference
-    /// (`SKIP LOCKED` select + one `UPDATE` per batch on the same table, no order).
+    /// (`SKIP LOCKED` select + one `UPDATE` per batch on the same table, no order). A mode
+    /// with the suffix `+published-at-idx` (e.g. `lease+published-at-idx`) puts back the
+    /// index that migration 5 dropped, to price it in the same run.
     #[arg(long, value_delimiter = ',', default_value = "lease,locked")]
     modes: Vec<String>,
     /// Statements printed per mode (by total time).
@@ -128,7 +130,7 @@ fn perf_ctl(fifo: Option<&std::path::Path>, command: &str) -> anyhow::Result<()>
 }
 
 fn mode_of(name: &str) -> anyhow::Result<ClaimMode> {
-    match name {
+    match name.strip_suffix(PUBLISHED_AT_IDX).unwrap_or(name) {
         "lease" => Ok(ClaimMode::Lease {
             duration: Duration::from_secs(60),
         }),
@@ -137,6 +139,9 @@ fn mode_of(name: &str) -> anyhow::Result<ClaimMode> {
         other => anyhow::bail!("--modes: unknown claim mode {other:?} (lease, locked, naive)"),
     }
 }
+
+/// Mode suffix: the store's table gets migration 4's `published_at_idx` back.
+const PUBLISHED_AT_IDX: &str = "+published-at-idx";
 
 /// Runs the profile scenario.
 pub(crate) async fn run(env: &Env, args: &ProfileArgs, rounds: usize) -> anyhow::Result<Report> {
@@ -222,7 +227,19 @@ async fn profile_with(
             let mut cpu = CpuSplit::default();
             let mut stmts: Vec<Stmt> = Vec::new();
             for round in 0..rounds {
-                let store = env.store(&format!("prof_{name}"), *mode, false).await?;
+                let tag = format!("prof_{}", name.replace(PUBLISHED_AT_IDX, "_pidx"));
+                let store = env.store(&tag, *mode, false).await?;
+                if name.ends_with(PUBLISHED_AT_IDX) {
+                    let s = store.settings();
+                    sqlx::raw_sql(&format!(
+                        "CREATE INDEX \"{t}_published_at_idx\" ON \"{sc}\".\"{t}\" \
+                         (published_at) WHERE status = 'published'",
+                        sc = s.schema,
+                        t = s.table
+                    ))
+                    .execute(&env.pool)
+                    .await?;
+                }
                 env::preload(&store, args.events, args.aggregates).await?;
                 // Only the drain's statements: reset after the preload, read after the drain.
                 reset_stats(&env.pool).await?;
