@@ -280,8 +280,8 @@ impl FaultInjector {
     }
 
     /// Restricts faults to the named operations (method names such as `"claim"`,
-    /// `"complete"`, `"publish"`, `"register"`, `"commit"`); other calls pass and do not
-    /// consume the source.
+    /// `"complete"`, `"publish"`, `"register"`, `"commit"`, `"poll"`); other calls pass and do
+    /// not consume the source.
     pub fn only(self, operations: &[&'static str]) -> Self {
         self.lock().only = Some(operations.iter().copied().collect());
         self
@@ -558,6 +558,10 @@ impl<I> FaultyInbox<I> {
     pub fn inner(&self) -> &I {
         &self.inner
     }
+    /// The injector.
+    pub fn faults(&self) -> &FaultInjector {
+        &self.faults
+    }
 }
 
 #[async_trait]
@@ -755,6 +759,10 @@ impl<P> FaultyPublisher<P> {
     /// The wrapped publisher.
     pub fn inner(&self) -> &P {
         &self.inner
+    }
+    /// The injector.
+    pub fn faults(&self) -> &FaultInjector {
+        &self.faults
     }
 }
 
