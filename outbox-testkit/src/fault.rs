@@ -1,4 +1,5 @@
-//! Fault-injecting wrappers around any [`OutboxStore`], [`Publisher`] or [`InboxStore`].
+//! Fault-injecting wrappers around any [`OutboxStore`], [`Publisher`], [`InboxStore`] or
+//! [`MessageSource`].
 //!
 //! A [`FaultInjector`] decides, call by call, whether to inject a [`Fault`]. It is driven by a
 //! [`FaultSource`]:
@@ -37,13 +38,14 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use outbox_core::watermark::SharedOffsetTracker;
 use outbox_core::{
     async_trait, AggregateKey, AggregateState, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest,
-    ClaimedBatch, CleanupReport, CompletionReport, Envelope, EventId, InboxAuditEntry,
-    InboxParking, InboxStore, NewParkedMessage, OutboxStats, OutboxStore, Outcome, ParkedChange,
-    ParkedEvent, ParkedFilter, ParkedId, ParkedMessage, ParkedStats, Parking, PublishError,
-    PublishErrorKind, PublishResult, Publisher, Registration, StoreError, StoreErrorKind,
-    VersionAdvance,
+    ClaimedBatch, CleanupReport, CommitOffset, CompletionReport, Envelope, ErrorClass, EventId,
+    InboxAuditEntry, InboxParking, InboxStore, MessageSource, NewParkedMessage, OutboxStats,
+    OutboxStore, Outcome, ParkedChange, ParkedEvent, ParkedFilter, ParkedId, ParkedMessage,
+    ParkedStats, Parking, PartitionLag, PublishError, PublishErrorKind, PublishResult, Publisher,
+    ReceivedMessage, Registration, SourceError, StoreError, StoreErrorKind, VersionAdvance,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -278,8 +280,8 @@ impl FaultInjector {
     }
 
     /// Restricts faults to the named operations (method names such as `"claim"`,
-    /// `"complete"`, `"publish"`, `"register"`, `"commit"`); other calls pass and do not
-    /// consume the source.
+    /// `"complete"`, `"publish"`, `"register"`, `"commit"`, `"poll"`); other calls pass and do
+    /// not consume the source.
     pub fn only(self, operations: &[&'static str]) -> Self {
         self.lock().only = Some(operations.iter().copied().collect());
         self
@@ -556,6 +558,10 @@ impl<I> FaultyInbox<I> {
     pub fn inner(&self) -> &I {
         &self.inner
     }
+    /// The injector.
+    pub fn faults(&self) -> &FaultInjector {
+        &self.faults
+    }
 }
 
 #[async_trait]
@@ -754,6 +760,10 @@ impl<P> FaultyPublisher<P> {
     pub fn inner(&self) -> &P {
         &self.inner
     }
+    /// The injector.
+    pub fn faults(&self) -> &FaultInjector {
+        &self.faults
+    }
 }
 
 #[async_trait]
@@ -813,6 +823,137 @@ impl<P: Publisher> Publisher for FaultyPublisher<P> {
 
     fn delivery_timeout(&self) -> Duration {
         self.inner.delivery_timeout()
+    }
+}
+
+fn source_error(fault: Fault, op: &str) -> SourceError {
+    match fault {
+        Fault::Permanent => SourceError::new(
+            ErrorClass::Permanent,
+            format!("injected permanent fault in {op}"),
+        ),
+        Fault::AckLost => SourceError::new(
+            ErrorClass::Transient,
+            format!("injected: {op} took effect but its acknowledgement was lost"),
+        ),
+        _ => SourceError::new(
+            ErrorClass::Transient,
+            format!("injected transient fault in {op}"),
+        ),
+    }
+}
+
+/// A [`MessageSource`] whose broker calls fail as the [`FaultInjector`] decides (not to be
+/// confused with [`FaultSource`], which drives the injector).
+///
+/// Operations, as named to the injector (and to [`FaultInjector::only`]):
+///
+/// * `"poll"`: the decision is taken *before* the inner source is asked, so a failed poll
+///   consumes nothing: the message that was due comes with the next poll, nothing is lost or
+///   reordered. [`Fault::Transient`] and [`Fault::Permanent`] fail the poll with a
+///   [`SourceError`] of that class; [`Fault::AckLost`] acts as [`Fault::Transient`] (a fetch
+///   whose response was lost is fetched again from the same position; a source never hands a
+///   message out with an error); [`Fault::Latency`] waits, then polls (both cancellation safe,
+///   so the poll stays cancellation safe).
+/// * `"commit"`: [`Fault::Transient`] and [`Fault::Permanent`] fail without committing (the
+///   group's offsets do not move); [`Fault::AckLost`] commits in the inner source, then reports
+///   a transient error (the broker stored the offsets, the reply was lost); an error of the
+///   inner commit is returned as it is. [`Fault::Latency`] waits, then commits.
+/// * `"lag"`: as `"commit"` (a lost reply of a read is only an error).
+///
+/// [`attach_offsets`](MessageSource::attach_offsets) cannot fail and is always forwarded.
+/// Injected errors are of kind [`SourceErrorKind::Other`](outbox_core::SourceErrorKind::Other);
+/// errors of the inner source (rebalances, retention gaps) pass through unchanged.
+///
+/// ```
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+/// use std::time::Duration;
+/// use outbox_core::{ErrorClass, MessageSource};
+/// use outbox_testkit::fault::{Fault, FaultInjector, FaultSource, FaultySource};
+/// use outbox_testkit::MemoryLog;
+///
+/// let log = MemoryLog::new("orders", 1);
+/// log.append_raw("orders", 0, None, vec![], b"a".to_vec()).unwrap();
+/// let faults = FaultInjector::new(FaultSource::script([Some(Fault::Transient), None]));
+/// let source = FaultySource::new(log.consumer("g", &["orders"]), faults);
+/// let err = source.poll(Duration::ZERO).await.unwrap_err();
+/// assert_eq!(err.class, ErrorClass::Transient);
+/// // The failed poll consumed nothing: the message that was due comes next.
+/// let m = source.poll(Duration::ZERO).await.unwrap().expect("the message");
+/// assert_eq!(m.position.offset, 0);
+/// # });
+/// ```
+#[derive(Clone, Debug)]
+pub struct FaultySource<S> {
+    inner: S,
+    faults: FaultInjector,
+}
+
+impl<S> FaultySource<S> {
+    /// Wraps `inner`.
+    pub fn new(inner: S, faults: FaultInjector) -> Self {
+        Self { inner, faults }
+    }
+    /// The wrapped source.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+    /// The injector.
+    pub fn faults(&self) -> &FaultInjector {
+        &self.faults
+    }
+    /// Unwraps the inner source (e.g. to close it).
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+#[async_trait]
+impl<S: MessageSource> MessageSource for FaultySource<S> {
+    async fn poll(&self, timeout: Duration) -> Result<Option<ReceivedMessage>, SourceError> {
+        match self.faults.next("poll") {
+            None => self.inner.poll(timeout).await,
+            Some(Fault::Latency(d)) => {
+                tokio::time::sleep(d).await;
+                self.inner.poll(timeout).await
+            }
+            // Never forwarded, so no message is taken from the inner source.
+            Some(f) => Err(source_error(f, "poll")),
+        }
+    }
+
+    async fn commit(&self, offsets: &[CommitOffset]) -> Result<(), SourceError> {
+        match self.faults.next("commit") {
+            None => self.inner.commit(offsets).await,
+            Some(Fault::Latency(d)) => {
+                tokio::time::sleep(d).await;
+                self.inner.commit(offsets).await
+            }
+            Some(f @ (Fault::Transient | Fault::Permanent)) => Err(source_error(f, "commit")),
+            Some(f) => {
+                self.inner.commit(offsets).await?;
+                Err(source_error(f, "commit"))
+            }
+        }
+    }
+
+    fn attach_offsets(&self, offsets: SharedOffsetTracker) {
+        self.inner.attach_offsets(offsets);
+    }
+
+    async fn lag(&self) -> Result<Vec<PartitionLag>, SourceError> {
+        match self.faults.next("lag") {
+            None => self.inner.lag().await,
+            Some(Fault::Latency(d)) => {
+                tokio::time::sleep(d).await;
+                self.inner.lag().await
+            }
+            Some(f @ (Fault::Transient | Fault::Permanent)) => Err(source_error(f, "lag")),
+            Some(f) => {
+                self.inner.lag().await?;
+                Err(source_error(f, "lag"))
+            }
+        }
     }
 }
 

@@ -22,8 +22,8 @@
 //!   [`publisher_conformance_tests!`] from a setup expression; backends describe their
 //!   differences as [`conformance::Capabilities`].
 //! * [`fault`]: wrappers injecting transient and permanent errors, latency and lost
-//!   replies/acknowledgements into any store or publisher, driven by a script, a countdown or
-//!   a seed (`OUTBOX_SIM_SEED`).
+//!   replies/acknowledgements into any store, publisher or message source, driven by a
+//!   script, a countdown or a seed (`OUTBOX_SIM_SEED`).
 //!
 //! The crash-at-every-step simulation, which drives the real relay and consumer engine over
 //! these backends (and over PostgreSQL), lives in its own crate, `outbox-sim`, because it

@@ -33,12 +33,15 @@ mod faultless {
     use outbox_core::{async_trait, AckMetadata, ClaimHandle, ClaimMode, Envelope, StoreError};
     use outbox_testkit::conformance::{
         Capabilities, InboxHarness, MemoryInboxHarness, MemoryOutboxHarness,
-        MemoryPublisherHarness, OutboxHarness, PublisherHarness, ReadBack,
+        MemoryPublisherHarness, MemorySourceHarness, OutboxHarness, PublisherHarness, RawRecord,
+        ReadBack, SourceCapabilities, SourceHarness,
     };
     use outbox_testkit::fault::{
-        FaultInjector, FaultSource, FaultyInbox, FaultyPublisher, FaultyStore,
+        FaultInjector, FaultSource, FaultyInbox, FaultyPublisher, FaultySource, FaultyStore,
     };
-    use outbox_testkit::{MemoryInboxStore, MemoryLog, MemoryOutboxStore, MemoryTx};
+    use outbox_testkit::{
+        MemoryConsumer, MemoryInboxStore, MemoryLog, MemoryOutboxStore, MemoryTx,
+    };
 
     fn no_faults() -> FaultInjector {
         FaultInjector::new(FaultSource::script([]))
@@ -149,6 +152,61 @@ mod faultless {
         }
     }
 
+    /// Every member it hands out is a [`FaultySource`] around the in-memory member; checks
+    /// that reach the log itself (producing, reading the group's offsets, deleting records,
+    /// fencing) go to the in-memory harness.
+    pub(crate) struct Source(MemorySourceHarness);
+
+    impl Source {
+        pub(crate) fn new() -> Self {
+            Self(MemorySourceHarness::new())
+        }
+    }
+
+    #[async_trait]
+    impl SourceHarness for Source {
+        type Source = FaultySource<MemoryConsumer>;
+
+        fn capabilities(&self) -> SourceCapabilities {
+            self.0.capabilities()
+        }
+
+        fn topic(&self) -> String {
+            self.0.topic()
+        }
+
+        async fn produce(&self, partition: i32, record: RawRecord) -> i64 {
+            self.0.produce(partition, record).await
+        }
+
+        async fn join(&self) -> Self::Source {
+            FaultySource::new(self.0.join().await, no_faults())
+        }
+
+        async fn join_from_latest(&self) -> Option<Self::Source> {
+            self.0
+                .join_from_latest()
+                .await
+                .map(|member| FaultySource::new(member, no_faults()))
+        }
+
+        async fn leave(&self, member: Self::Source) {
+            self.0.leave(member.into_inner()).await;
+        }
+
+        async fn take_over(&self, member: &Self::Source) -> Self::Source {
+            FaultySource::new(self.0.take_over(member.inner()).await, no_faults())
+        }
+
+        async fn committed(&self, partition: i32) -> Option<i64> {
+            self.0.committed(partition).await
+        }
+
+        async fn delete_records_before(&self, partition: i32, offset: i64) {
+            self.0.delete_records_before(partition, offset).await;
+        }
+    }
+
     mod outbox {
         outbox_testkit::outbox_conformance_tests!(async { super::Outbox::new() });
     }
@@ -159,6 +217,10 @@ mod faultless {
 
     mod publisher {
         outbox_testkit::publisher_conformance_tests!(async { super::Publisher::new() });
+    }
+
+    mod source {
+        outbox_testkit::source_conformance_tests!(async { super::Source::new() });
     }
 }
 
