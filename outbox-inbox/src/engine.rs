@@ -932,8 +932,11 @@ where
                             self.receive(m);
                             taken += 1;
                         }
-                        // A poll error here shows up again on the next poll.
-                        Ok(None) | Err(_) => break,
+                        Ok(None) => break,
+                        // Handled as any poll error, after the messages already taken: a
+                        // source may report an error once (a retention gap found at
+                        // assignment), so it is never dropped here.
+                        Err(e) => return self.on_poll_error(e, true).await,
                     }
                 }
                 Ok(true)
@@ -942,20 +945,36 @@ where
                 self.poll_failures = 0;
                 Ok(false)
             }
-            Err(e) if e.kind == SourceErrorKind::RetentionGap => {
+            Err(e) => self.on_poll_error(e, false).await,
+        }
+    }
+
+    /// A failed poll. `progressed`: messages were taken in the same round (a transient error
+    /// then needs no pause: the engine has work).
+    async fn on_poll_error(
+        &mut self,
+        e: SourceError,
+        progressed: bool,
+    ) -> Result<bool, EngineError> {
+        match e {
+            e if e.kind == SourceErrorKind::RetentionGap => {
                 error!(consumer = %self.shared.processor.consumer(), error = %e, "records were lost to retention; stopping");
                 let _ = self.commit_final().await;
                 Err(e.into())
             }
-            Err(e) if e.is_transient() => {
+            e if e.is_transient() => {
                 self.poll_failures = self.poll_failures.saturating_add(1);
+                if progressed {
+                    warn!(error = %e, "poll failed after taking messages; polling again later");
+                    return Ok(true);
+                }
                 let d = self.config.retry.backoff(self.poll_failures, &mut self.rng);
                 warn!(error = %e, delay_ms = d.as_millis() as u64, "poll failed; retrying");
                 // Never a hot loop on a failing source.
                 tokio::time::sleep(d).await;
                 Ok(false)
             }
-            Err(e) => Err(e.into()),
+            e => Err(e.into()),
         }
     }
 

@@ -313,3 +313,60 @@ async fn a_permanent_commit_error_stops_the_engine_and_moves_no_offset() {
     assert_eq!(effects_once(&db), 3);
     assert_committed_at_end(&log, 1);
 }
+
+/// A permanent error reported once, by the poll that takes further buffered messages after a
+/// successful one, stops the engine: it is not dropped because later polls succeed.
+#[tokio::test]
+async fn a_one_off_permanent_error_while_taking_buffered_messages_stops_the_engine() {
+    let log = MemoryLog::new("t", 1);
+    let db = MemoryDb::default();
+    let script = Script::new();
+    publish(&log, &[ev("a", 1), ev("b", 1), ev("c", 1)]).await;
+    // Poll 1 returns a message; poll 2 (the engine taking what else is buffered, without
+    // waiting) fails permanently, once; every later poll would succeed.
+    let source = faulty(
+        &log,
+        FaultSource::script([None, Some(Fault::Permanent)]),
+        FaultSource::None,
+    );
+    let mut eng = engine(source, &db, &script, fast());
+    let err = tokio::time::timeout(
+        Duration::from_secs(10),
+        eng.run_until_quiet(Duration::from_millis(50)),
+    )
+    .await
+    .expect("the engine stops")
+    .unwrap_err();
+    match &err {
+        EngineError::Source(e) => assert_eq!(e.class, ErrorClass::Permanent, "{e}"),
+        other => panic!("expected a source error, got {other:?}"),
+    }
+    assert_eq!(poll_faults(eng.source()), vec![("poll", Fault::Permanent)]);
+}
+
+/// A transient error while taking buffered messages costs nothing: the messages taken before
+/// it are applied, the rest arrive with the next polls, each effect once.
+#[tokio::test]
+async fn a_transient_error_while_taking_buffered_messages_loses_nothing() {
+    let log = MemoryLog::new("t", 1);
+    let db = MemoryDb::default();
+    let script = Script::new();
+    script.open_gate();
+    publish(&log, &[ev("a", 1), ev("b", 1), ev("c", 1), ev("d", 1)]).await;
+    let source = faulty(
+        &log,
+        FaultSource::script([None, Some(Fault::Transient)]),
+        FaultSource::None,
+    );
+    let mut eng = engine(source, &db, &script, fast());
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        eng.run_until_quiet(Duration::from_millis(50)),
+    )
+    .await
+    .expect("the engine finishes")
+    .unwrap();
+    assert_eq!(poll_faults(eng.source()), vec![("poll", Fault::Transient)]);
+    assert_eq!(effects_once(&db), 4);
+    assert_committed_at_end(&log, 1);
+}
