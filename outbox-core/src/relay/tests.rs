@@ -443,6 +443,35 @@ fn config_builder_rejects_bad_values() {
         .is_err());
 }
 
+/// Each bound of `RelayConfigBuilder::build`, on both sides of its edge.
+#[test]
+fn config_builder_bounds_are_inclusive_where_documented() {
+    let b = RelayConfig::builder;
+    let (s1, s2) = (Duration::from_secs(1), Duration::from_secs(2));
+    // batch_size: 1..=100000.
+    assert_eq!(b().batch_size(1).build().unwrap().batch_size, 1);
+    assert_eq!(b().batch_size(100_000).build().unwrap().batch_size, 100_000);
+    assert!(b().batch_size(100_001).build().is_err());
+    // idle: min > 0 and min <= max (equal is a constant idle sleep).
+    let c = b().idle(s1, s1).build().unwrap();
+    assert_eq!((c.idle_min, c.idle_max), (s1, s1));
+    // lease margin: at least MIN_LEASE_MARGIN.
+    let m = b().lease_margin(MIN_LEASE_MARGIN).build().unwrap();
+    assert_eq!(m.lease_margin, MIN_LEASE_MARGIN);
+    let short = b()
+        .lease_margin(MIN_LEASE_MARGIN - Duration::from_millis(1))
+        .build()
+        .unwrap_err();
+    assert!(short.to_string().contains("lease_margin"), "{short}");
+    // circuit breaker: base > 0 and base <= max.
+    let c = b().circuit_breaker(s1, s1).build().unwrap();
+    assert_eq!((c.circuit_base, c.circuit_max), (s1, s1));
+    assert!(b().circuit_breaker(s2, s1).build().is_err());
+    assert!(b().circuit_breaker(Duration::ZERO, s1).build().is_err());
+    // Every default is valid.
+    assert!(b().build().is_ok());
+}
+
 #[test]
 fn step_api_matches_run_once() {
     let store = FakeStore::with(&[("a", 1)]);
@@ -621,4 +650,29 @@ fn claims_that_cannot_outlive_a_publication_are_rejected() {
         .circuit_breaker(Duration::ZERO, Duration::from_secs(1))
         .build()
         .is_err());
+}
+
+#[test]
+fn a_cycle_is_idle_only_when_it_claimed_nothing() {
+    assert!(CycleReport::default().is_idle());
+    let busy = CycleReport {
+        claimed: 1,
+        ..CycleReport::default()
+    };
+    assert!(!busy.is_idle());
+}
+
+#[test]
+fn the_relay_hands_out_its_own_configuration() {
+    let store = FakeStore::with(&[]);
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    let cfg = RelayConfig::builder()
+        .owner("relay-7")
+        .batch_size(17)
+        .build()
+        .unwrap();
+    let r = Relay::new(store, p, cfg, clock(), Box::new(StdRng::seed_from_u64(1))).unwrap();
+    assert_eq!((r.config().owner.as_str(), r.config().batch_size), ("relay-7", 17));
 }
