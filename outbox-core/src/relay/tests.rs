@@ -66,6 +66,8 @@ struct FakeStore {
     /// The clock moves this much while a claim runs (a slow claim or commit).
     claim_takes: Option<(Arc<FixedClock>, Duration)>,
     locked_timeout: Option<Duration>,
+    /// Parking notices handed out by the claims, one list per claim call (then none).
+    parks_at_claim: Mutex<std::collections::VecDeque<Vec<ParkedAtClaim>>>,
 }
 
 impl FakeStore {
@@ -123,14 +125,21 @@ impl OutboxStore for FakeStore {
         for (i, _) in &out {
             rows[*i].1 = St::Claimed;
         }
-        Ok(ClaimedBatch::new(
+        let mut batch = ClaimedBatch::new(
             ClaimHandle {
                 token: uuid::Uuid::nil(),
                 owner: req.owner.clone(),
             },
             out.into_iter().map(|(_, r)| r).collect(),
             self.lease_remaining,
-        ))
+        );
+        batch.parked = self
+            .parks_at_claim
+            .lock()
+            .unwrap()
+            .pop_front()
+            .unwrap_or_default();
+        Ok(batch)
     }
     async fn complete(
         &self,
@@ -675,4 +684,53 @@ fn the_relay_hands_out_its_own_configuration() {
         .unwrap();
     let r = Relay::new(store, p, cfg, clock(), Box::new(StdRng::seed_from_u64(1))).unwrap();
     assert_eq!((r.config().owner.as_str(), r.config().batch_size), ("relay-7", 17));
+}
+
+/// The lease must leave strictly more than delivery timeout + margin: exactly that much is
+/// too little (the last delivery report could land when the lease ends).
+#[test]
+fn a_lease_leaving_exactly_the_time_needed_is_released() {
+    let clk = clock();
+    let mut store = FakeStore::with(&[("a", 1)]);
+    store.mode = Some(ClaimMode::lease(Duration::from_secs(60)).unwrap());
+    // 5 s delivery timeout + 2 s default margin.
+    store.lease_remaining = Some(Duration::from_secs(7));
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    p.expect_publish().times(0);
+    let cfg = RelayConfig::builder().owner("r1").build().unwrap();
+    assert_eq!(cfg.lease_margin, Duration::from_secs(2));
+    let mut r = Relay::new(store, p, cfg, clk, Box::new(StdRng::seed_from_u64(5))).unwrap();
+    let rep = block_on(r.run_once()).unwrap();
+    assert!(rep.released);
+    assert_eq!(*r.store().releases.lock().unwrap(), 1);
+}
+
+/// A prefetch claim that hands out nothing but parks events (version checks) still counts
+/// them in the cycle's report.
+#[test]
+fn events_parked_by_an_empty_prefetch_claim_are_counted() {
+    let store = FakeStore::with(&[("a", 1)]);
+    let parked = ParkedAtClaim::new(ev("z", 3).event_id, "t", "z", 3, ParkKind::OutOfOrder);
+    {
+        let mut q = store.parks_at_claim.lock().unwrap();
+        q.push_back(vec![]);
+        q.push_back(vec![parked]);
+    }
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    p.expect_publish()
+        .returning(|b| (0..b.len() as i64).map(ack).collect());
+    // Batch size 1: the first batch is full, so the next claim runs as a prefetch.
+    let cfg = RelayConfig::builder()
+        .owner("r1")
+        .batch_size(1)
+        .build()
+        .unwrap();
+    let mut r = Relay::new(store, p, cfg, clock(), Box::new(StdRng::seed_from_u64(3))).unwrap();
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!((rep.published, rep.parked_at_claim), (1, 1));
+    assert!(r.prefetched().is_none());
 }
