@@ -734,3 +734,76 @@ fn events_parked_by_an_empty_prefetch_claim_are_counted() {
     assert_eq!((rep.published, rep.parked_at_claim), (1, 1));
     assert!(r.prefetched().is_none());
 }
+
+/// Idle sleeps start at `idle_min`, grow while idle, and start over after work; failed cycles
+/// wait the retry policy's backoff.
+#[test]
+fn idle_and_error_delays_follow_the_configuration() {
+    let ms = Duration::from_millis;
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    let cfg = RelayConfig::builder()
+        .owner("r1")
+        .idle(ms(10), ms(1000))
+        .retry(
+            RetryPolicy::builder()
+                .min_delay(ms(5))
+                .base(ms(10))
+                .max_delay(ms(20))
+                .build()
+                .unwrap(),
+        )
+        .build()
+        .unwrap();
+    let mut r = Relay::new(
+        FakeStore::with(&[]),
+        p,
+        cfg,
+        clock(),
+        Box::new(StdRng::seed_from_u64(9)),
+    )
+    .unwrap();
+    assert_eq!(r.idle_delay(), ms(10), "the first idle sleep is idle_min");
+    let later: Vec<Duration> = (0..12).map(|_| r.idle_delay()).collect();
+    assert!(later.iter().all(|d| (ms(10)..=ms(1000)).contains(d)), "{later:?}");
+    assert!(later.iter().any(|d| *d > ms(20)), "idle sleeps grow: {later:?}");
+    r.reset_idle();
+    assert_eq!(r.idle_delay(), ms(10), "work resets the idle backoff");
+    for failures in 1..6 {
+        let d = r.error_delay(failures);
+        assert!((ms(5)..=ms(20)).contains(&d), "{failures}: {d:?}");
+    }
+}
+
+/// `outbox_superseded_total` counts the outcomes a superseded claim could not record, and
+/// is not touched by a cycle without any.
+#[test]
+fn superseded_outcomes_are_counted_in_their_metric() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let run = |refuse: bool| {
+        let store = FakeStore::with(&[("a", 1), ("b", 1)]);
+        if refuse {
+            let b_id = store.rows.lock().unwrap()[1].0.event_id;
+            store.refuse.lock().unwrap().insert(b_id);
+        }
+        let mut p = MockPub::new();
+        p.expect_delivery_timeout()
+            .return_const(Duration::from_secs(5));
+        p.expect_publish()
+            .returning(|b| (0..b.len() as i64).map(ack).collect());
+        let mut r = relay(store, p);
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, || block_on(r.run_once()).unwrap());
+        snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter(|(k, _, _, _)| k.key().name() == "outbox_superseded_total")
+            .map(|(_, _, _, v)| v)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(run(true), vec![DebugValue::Counter(1)]);
+    assert_eq!(run(false), Vec::<DebugValue>::new());
+}
