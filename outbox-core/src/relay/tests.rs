@@ -683,7 +683,10 @@ fn the_relay_hands_out_its_own_configuration() {
         .build()
         .unwrap();
     let r = Relay::new(store, p, cfg, clock(), Box::new(StdRng::seed_from_u64(1))).unwrap();
-    assert_eq!((r.config().owner.as_str(), r.config().batch_size), ("relay-7", 17));
+    assert_eq!(
+        (r.config().owner.as_str(), r.config().batch_size),
+        ("relay-7", 17)
+    );
 }
 
 /// The lease must leave strictly more than delivery timeout + margin: exactly that much is
@@ -766,8 +769,14 @@ fn idle_and_error_delays_follow_the_configuration() {
     .unwrap();
     assert_eq!(r.idle_delay(), ms(10), "the first idle sleep is idle_min");
     let later: Vec<Duration> = (0..12).map(|_| r.idle_delay()).collect();
-    assert!(later.iter().all(|d| (ms(10)..=ms(1000)).contains(d)), "{later:?}");
-    assert!(later.iter().any(|d| *d > ms(20)), "idle sleeps grow: {later:?}");
+    assert!(
+        later.iter().all(|d| (ms(10)..=ms(1000)).contains(d)),
+        "{later:?}"
+    );
+    assert!(
+        later.iter().any(|d| *d > ms(20)),
+        "idle sleeps grow: {later:?}"
+    );
     r.reset_idle();
     assert_eq!(r.idle_delay(), ms(10), "work resets the idle backoff");
     for failures in 1..6 {
