@@ -24,12 +24,15 @@ use outbox_testkit::{MemoryConsumer, MemoryDb, MemoryInboxStore, MemoryLog};
 /// is the poll's result (the inner source is not polled).
 type Hook = Box<dyn Fn(usize, Duration) -> Option<SourceError> + Send + Sync>;
 
+/// One poll: its timeout, and the error's kind and class when it failed.
+type PollRecord = (Duration, Option<SourceErrorKind>, Option<ErrorClass>);
+
 /// Counts polls (and records each poll's timeout and whether it failed); runs `hook` before
 /// forwarding each.
 struct Counting<S> {
     inner: S,
     polls: AtomicUsize,
-    log: Mutex<Vec<(Duration, Option<SourceErrorKind>, Option<ErrorClass>)>>,
+    log: Mutex<Vec<PollRecord>>,
     hook: Option<Hook>,
 }
 
