@@ -683,7 +683,10 @@ fn the_relay_hands_out_its_own_configuration() {
         .build()
         .unwrap();
     let r = Relay::new(store, p, cfg, clock(), Box::new(StdRng::seed_from_u64(1))).unwrap();
-    assert_eq!((r.config().owner.as_str(), r.config().batch_size), ("relay-7", 17));
+    assert_eq!(
+        (r.config().owner.as_str(), r.config().batch_size),
+        ("relay-7", 17)
+    );
 }
 
 /// The lease must leave strictly more than delivery timeout + margin: exactly that much is
