@@ -341,7 +341,9 @@ pub enum Outcome {
         ack: AckMetadata,
     },
     /// Failed transiently: count the attempt, make it claimable again after `delay` (on the
-    /// store's clock), keep the error.
+    /// store's clock, counted from when the completion writes the row; a store may count from
+    /// the start of its completion when another transaction held the row meanwhile, as
+    /// PostgreSQL does after waiting on a row lock), keep the error.
     Retry {
         /// The event.
         event_id: EventId,

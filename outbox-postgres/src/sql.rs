@@ -301,7 +301,10 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
         // The completion: one row per claimed event, in `OutcomeArrays` order ($1..$15);
         // `release` marks a claimed row without outcome (its claim just ends).
         // `ts`: the one time of an outcome (a published row's `published_at` and `finished_at`
-        // are equal, so the publication-time queries use `finished_idx`; migration 5).
+        // are equal, so the publication-time queries use `finished_idx`; migration 5). A
+        // retry's delay is counted from the row's own `clock_timestamp()` instead: evaluated
+        // again after a wait on a concurrent update of the row (EvalPlanQual), it does not
+        // count that wait as part of the delay, as `ts` (read before any wait) would.
         let outcomes = "o AS MATERIALIZED (SELECT *, clock_timestamp() AS ts FROM UNNEST( \
                $1::int8[], $2::int8[], $3::text[], $4::text[], $5::int8[], $6::text[], \
                $7::text[], $8::int4[], $9::int8[], $10::int8[], $11::text[], $12::text[], \
@@ -313,7 +316,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
              attempts = CASE WHEN o.kind IN ('retry', 'park') THEN t.attempts + 1 \
                              ELSE t.attempts END, \
              next_attempt_at = CASE WHEN o.kind IN ('retry', 'defer') \
-                 THEN o.ts + o.delay_us * interval '1 microsecond' \
+                 THEN clock_timestamp() + o.delay_us * interval '1 microsecond' \
                  ELSE t.next_attempt_at END, \
              published_at = CASE WHEN o.kind = 'published' THEN o.ts END, \
              finished_at = CASE WHEN o.kind = 'published' THEN o.ts END, \

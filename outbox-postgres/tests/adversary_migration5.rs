@@ -259,11 +259,48 @@ async fn a_retry_delay_is_not_eaten_by_waiting_on_a_concurrent_update() {
     retry_delay_after_lock_wait("UPDATE {t} SET attempts = attempts WHERE event_id = $1").await;
 }
 
-/// The blocker only locked the row (`FOR UPDATE`): no EvalPlanQual, the SET is computed before
-/// the wait, with the old code too (not a regression of ec96db8, the same contract broken).
+/// The blocker only locked the row (`FOR UPDATE`, no change): PostgreSQL computes the new row
+/// before waiting and does not compute it again, so the wait counts toward the delay (as it
+/// did before migration 5). Documented limit (`Outcome::Retry`): the delay counts from the
+/// completion statement's start at the earliest; the row is never due before that.
 #[tokio::test]
-async fn a_retry_delay_is_not_eaten_by_waiting_on_a_row_lock() {
-    retry_delay_after_lock_wait("SELECT 1 FROM {t} WHERE event_id = $1 FOR UPDATE").await;
+async fn a_row_lock_held_by_another_transaction_counts_toward_the_delay() {
+    let ctx = ctx!(6);
+    let delay = Duration::from_millis(1000);
+    let hold = Duration::from_millis(1500);
+    let store = ctx.store(lease(30.0)).await;
+    let e = event("rowlock", 1);
+    store.append(&ctx.pool, &e).await.unwrap();
+    let b = claim(&store, "r", 100).await;
+    assert_eq!(b.records.len(), 1);
+    let mut tx = ctx.pool.begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM \"{}\".outbox_events WHERE event_id = $1 FOR UPDATE",
+        ctx.schema
+    ))
+    .bind(e.event_id.as_uuid())
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(hold).await;
+        tx.commit().await.unwrap();
+    });
+    let start = db_now(&ctx).await;
+    let rep = store
+        .complete(&b.handle, &[retry(&e, delay)])
+        .await
+        .unwrap();
+    assert_eq!(rep.applied, 1);
+    release.await.unwrap();
+    let done = db_now(&ctx).await;
+    assert!(done - start >= us(hold) - chrono::Duration::milliseconds(100));
+    let next = times(&ctx, &e).await.4.expect("a finite next_attempt_at");
+    assert!(
+        next >= start + us(delay) && next < done + us(delay),
+        "next_attempt_at {next}: not within [start + delay, end + delay) ({start}, {done})"
+    );
+    ctx.drop().await;
 }
 
 /// Attack A2: many rounds of mixed outcomes in one statement each (publish, retry 0, defer 0,
