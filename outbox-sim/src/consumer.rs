@@ -2,19 +2,109 @@
 //! the simulation's effect recorded in the same transaction as the user's handler
 //! ([`SimHandler`]), and the source wrapped for the consumer-side seeded bugs ([`SimSource`]).
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use outbox_core::watermark::SharedOffsetTracker;
 use outbox_core::{
-    async_trait, CommitOffset, Envelope, InboxStore, MessageSource, PartitionLag, ReceivedMessage,
-    SourceError,
+    async_trait, CommitOffset, Envelope, EventId, InboxStore, MessageSource, PartitionLag,
+    ReceivedMessage, SourceError,
 };
 use outbox_inbox::{BatchHandlerError, Handler, HandlerError};
 
 use crate::backend::Backend;
 use crate::config::SeededBug;
+use crate::invariants::Violations;
 use crate::steps::HandlerFault;
+
+/// What the handler was asked to do, per event and engine generation (a restarted engine
+/// starts over: its attempt counts are in memory). Checks the engine's handling of handler
+/// failures, which the effects alone do not show:
+/// * after a permanent failure, or after `max_attempts` transient ones, the engine parks the
+///   event: it never hands it to the handler again in that generation (an operator's retry
+///   may, and is not counted);
+/// * a message parked because its handler failed had a permanent failure or `max_attempts`
+///   transient ones in one generation ([`Ledger::may_park`], checked against the inbox's
+///   parked messages).
+#[derive(Debug, Default)]
+pub(crate) struct Ledger {
+    generation: u64,
+    operator: bool,
+    /// (generation, event) → (transient failures, permanent failure).
+    failures: HashMap<(u64, EventId), (u32, bool)>,
+    /// Events that reached the parking threshold in some generation.
+    may_park: std::collections::HashSet<EventId>,
+    /// The event a [`HandlerFault::Stuck`] fails on every call, until an operator retries it.
+    stuck: Option<EventId>,
+}
+
+impl Ledger {
+    /// A new engine generation (the engine was rebuilt).
+    pub(crate) fn new_generation(&mut self) {
+        self.generation += 1;
+    }
+
+    /// Handler calls made by an operator's retry (between `true` and `false`) are not checked.
+    pub(crate) fn set_operator(&mut self, on: bool) {
+        self.operator = on;
+    }
+
+    /// Whether the handler's failures of `event` allowed the engine to park it.
+    pub(crate) fn may_park(&self, event: &EventId) -> bool {
+        self.may_park.contains(event)
+    }
+
+    /// A handler call for `event`, with the fault about to be injected (if any). Returns a
+    /// violation when the engine should not have made the call.
+    fn call(
+        &mut self,
+        event: EventId,
+        fault: Option<HandlerFault>,
+        max: u32,
+    ) -> (Option<HandlerFault>, Option<String>) {
+        if self.operator {
+            // An operator's retry: a stuck event is released, the call is not checked.
+            if self.stuck == Some(event) {
+                self.stuck = None;
+            }
+            return (fault.filter(|f| *f != HandlerFault::Stuck), None);
+        }
+        let fault = match fault {
+            Some(HandlerFault::Stuck) => {
+                self.stuck = Some(event);
+                Some(HandlerFault::Transient)
+            }
+            None if self.stuck == Some(event) => Some(HandlerFault::Transient),
+            other => other,
+        };
+        let gen = self.generation;
+        let entry = self.failures.entry((gen, event)).or_insert((0, false));
+        let violation = if entry.1 {
+            Some(format!(
+                "the engine handed event {event} to the handler again after its permanent \
+                 failure (engine generation {gen}); it must park it"
+            ))
+        } else if entry.0 >= max {
+            Some(format!(
+                "the engine handed event {event} to the handler after {} transient failures \
+                 (max_attempts {max}, engine generation {gen}); it must park it",
+                entry.0
+            ))
+        } else {
+            None
+        };
+        match fault {
+            Some(HandlerFault::Transient) => entry.0 += 1,
+            Some(HandlerFault::Permanent) => entry.1 = true,
+            Some(HandlerFault::Stuck) | None => {}
+        }
+        if entry.1 || entry.0 >= max {
+            self.may_park.insert(event);
+        }
+        (fault, violation)
+    }
+}
 
 /// The transaction type of backend `B`'s inbox.
 pub type InboxTx<B> = <<B as Backend>::Inbox as InboxStore>::Tx;
@@ -29,6 +119,9 @@ pub struct SimHandler<B, H> {
     user: Arc<H>,
     fault: Arc<Mutex<Option<HandlerFault>>>,
     skip_second: bool,
+    ledger: Arc<Mutex<Ledger>>,
+    violations: Violations,
+    max_attempts: u32,
 }
 
 impl<B, H> Clone for SimHandler<B, H> {
@@ -38,6 +131,9 @@ impl<B, H> Clone for SimHandler<B, H> {
             user: self.user.clone(),
             fault: self.fault.clone(),
             skip_second: self.skip_second,
+            ledger: self.ledger.clone(),
+            violations: self.violations.clone(),
+            max_attempts: self.max_attempts,
         }
     }
 }
@@ -54,12 +150,18 @@ impl<B, H> SimHandler<B, H> {
         user: Arc<H>,
         fault: Arc<Mutex<Option<HandlerFault>>>,
         bug: Option<SeededBug>,
+        ledger: Arc<Mutex<Ledger>>,
+        violations: Violations,
+        max_attempts: u32,
     ) -> Self {
         Self {
             backend,
             user,
             fault,
             skip_second: bug == Some(SeededBug::FallbackSkipsRecord),
+            ledger,
+            violations,
+            max_attempts,
         }
     }
 }
@@ -76,8 +178,16 @@ where
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
+        let (fault, violation) = self
+            .ledger
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .call(event.event_id, fault, self.max_attempts);
+        if let Some(v) = violation {
+            self.violations.push(v);
+        }
         match fault {
-            Some(HandlerFault::Transient) => {
+            Some(HandlerFault::Transient | HandlerFault::Stuck) => {
                 return Err(HandlerError::transient("scripted transient handler fault"))
             }
             Some(HandlerFault::Permanent) => {

@@ -25,7 +25,7 @@ use tokio::task::JoinHandle;
 
 use crate::backend::{Backend, MemoryBackend};
 use crate::config::{cases_from_env, SeededBug, SimConfig, SEED_ENV};
-use crate::consumer::{InboxTx, NoEffect, SimHandler, SimSource};
+use crate::consumer::{InboxTx, Ledger, NoEffect, SimHandler, SimSource};
 use crate::invariants::{self, ensure, Check, Model, Observed, Violations};
 use crate::producer::{Command, Touch};
 use crate::publisher::{self, HeldBatch, PublisherHandle, ScriptedPublisher};
@@ -129,6 +129,7 @@ pub struct Simulation<B: Backend, H> {
     complete_faults: FaultInjector,
     inbox_faults: FaultInjector,
     handler_fault: Arc<Mutex<Option<HandlerFault>>>,
+    ledger: Arc<Mutex<Ledger>>,
     relays: Vec<RelaySlot<B>>,
     handler: SimHandler<B, H>,
     engine: Option<Engine<B, H>>,
@@ -254,11 +255,15 @@ where
             backend.short_claim_check(),
         ));
         let handler_fault = Arc::new(Mutex::new(None));
+        let ledger = Arc::new(Mutex::new(Ledger::default()));
         let handler = SimHandler::new(
             backend.clone(),
             Arc::new(user),
             handler_fault.clone(),
             config.bug,
+            ledger.clone(),
+            violations.clone(),
+            config.max_attempts.max(1),
         );
         let parked_api =
             ParkedMessages::new(InboxProcessor::new(GROUP, backend.inbox(), handler.clone()));
@@ -272,6 +277,7 @@ where
             complete_faults: FaultInjector::new(FaultSource::None).only(&["complete"]),
             inbox_faults: FaultInjector::new(FaultSource::None).only(&["commit"]),
             handler_fault,
+            ledger,
             relays: Vec::new(),
             handler,
             engine: None,
@@ -348,6 +354,10 @@ where
 
     fn make_engine(&mut self) -> Engine<B, H> {
         self.engine_generation += 1;
+        self.ledger
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .new_generation();
         let source = SimSource::new(self.log.consumer(GROUP, &[TOPIC]), self.config.bug);
         let inbox = FaultyInbox::new(self.backend.inbox(), self.inbox_faults.clone());
         let processor = InboxProcessor::new(GROUP, inbox, self.handler.clone());
@@ -851,7 +861,16 @@ where
             return Ok(false);
         }
         let id = heads[n % heads.len()].id;
-        match self.block_on(self.parked_api.retry(id, "sim-operator", "simulated"))? {
+        let lock = |on: bool| {
+            self.ledger
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .set_operator(on);
+        };
+        lock(true);
+        let r = self.block_on(self.parked_api.retry(id, "sim-operator", "simulated"));
+        lock(false);
+        match r? {
             Ok(_) => Ok(true),
             Err(outbox_inbox::OperatorError::Store(e)) if e.is_transient() => Ok(true),
             Err(e) => Err(format!("retrying parked message {id} failed: {e}")),
@@ -867,12 +886,28 @@ where
         let mut filter = ParkedFilter::default();
         filter.open_only = false;
         filter.limit = 100_000;
-        let consumer_parked = self
+        let parked = self
             .block_on(self.parked_api.list(&filter))?
-            .map_err(|e| format!("listing parked messages failed: {e}"))?
-            .into_iter()
-            .map(|m| m.record.position)
-            .collect();
+            .map_err(|e| format!("listing parked messages failed: {e}"))?;
+        // A message the engine parked because its handler failed must have failed enough.
+        {
+            let ledger = self.ledger.lock().unwrap_or_else(PoisonError::into_inner);
+            for m in &parked {
+                let by_handler = m.kind == Some(outbox_core::ParkKind::Unprocessable)
+                    && m.reason.starts_with("handler failed");
+                if let (true, Some(id)) = (by_handler, m.record.event_id) {
+                    if !ledger.may_park(&id) {
+                        return Err(format!(
+                            "event {id} was parked on the consumer side ({}) without a \
+                             permanent handler failure or max_attempts ({}) transient ones \
+                             in one engine generation",
+                            m.reason, self.config.max_attempts
+                        ));
+                    }
+                }
+            }
+        }
+        let consumer_parked = parked.into_iter().map(|m| m.record.position).collect();
         let offsets = (0..self.config.partitions.max(1) as i32)
             .map(|p| (p, self.log.committed(GROUP, TOPIC, p).unwrap_or(0)))
             .collect();
@@ -936,6 +971,11 @@ where
         let mut quiet = 0;
         for _ in 0..5_000 {
             let progressed = self.consumer_steps(1)?;
+            // A violation recorded by a double (e.g. a handler call the engine should not
+            // have made) ends the drain: an engine that retries forever never goes quiet.
+            if let Some(v) = self.violations.first() {
+                return Err(v);
+            }
             let in_flight = self.engine.as_ref().map_or(0, |e| e.in_flight());
             if progressed == 0 && in_flight == 0 {
                 quiet += 1;

@@ -55,6 +55,9 @@ pub enum HandlerFault {
     /// Fails permanently (the engine parks the message on the consumer side; its aggregate
     /// waits, the others flow).
     Permanent,
+    /// Fails transiently, and keeps failing for that event until an operator retries it: the
+    /// engine must park it after `max_attempts` attempts.
+    Stuck,
 }
 
 /// One transition.
@@ -158,8 +161,12 @@ pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
         12 => (1..=4usize).prop_map(Step::Consumer),
         2 => Just(Step::ConsumerCrash),
         1 => Just(Step::Rebalance),
-        2 => prop_oneof![Just(HandlerFault::Transient), Just(HandlerFault::Permanent)]
-            .prop_map(Step::HandlerFault),
+        2 => prop_oneof![
+            Just(HandlerFault::Transient),
+            Just(HandlerFault::Permanent),
+            Just(HandlerFault::Stuck)
+        ]
+        .prop_map(Step::HandlerFault),
         1 => any::<bool>().prop_map(|lost_reply| Step::InboxCommitFault { lost_reply }),
         2 => (0..2usize).prop_map(Step::ConsumerOperator),
         1 => Just(Step::Cleanup),

@@ -32,7 +32,7 @@ fn the_generator_reaches_the_interesting_states() {
     let config = SimConfig::default();
     let mut total = SimReport::default();
     let mut modes = [0usize; 4];
-    for (m, steps) in sample_cases(&config, 60, 1) {
+    for (m, steps) in sample_cases(&config, 80, 2) {
         modes[usize::from(m.lease) * 2 + usize::from(m.prefetch)] += 1;
         let r = Simulation::memory(config.clone(), m)
             .run(&steps)
@@ -53,7 +53,7 @@ fn the_generator_reaches_the_interesting_states() {
         total.cleaned += r.cleaned;
         total.faults += r.faults;
     }
-    eprintln!("coverage over 60 cases: {total:?}, modes {modes:?}");
+    eprintln!("coverage over 80 cases: {total:?}, modes {modes:?}");
     assert!(
         modes.iter().all(|n| *n > 5),
         "every mode combination: {modes:?}"
