@@ -907,6 +907,31 @@ where
                 }
             }
         }
+        // A version gap parked on the consumer side is real: a lower version of its aggregate
+        // was never committed, or was discarded (the outbox publishes the rest in order).
+        for m in &parked {
+            if m.kind != Some(outbox_core::ParkKind::VersionGap) {
+                continue;
+            }
+            let (Some(agg), Some(v)) = (&m.record.aggregate, m.record.aggregate_version) else {
+                continue;
+            };
+            let present: BTreeSet<i64> = self
+                .model
+                .expected()
+                .iter()
+                .filter_map(|id| self.model.committed.get(&self.model.dedup(*id)))
+                .filter(|e| e.aggregate_id == agg.aggregate_id)
+                .map(|e| e.aggregate_version)
+                .collect();
+            ensure((1..v).any(|u| !present.contains(&u)), || {
+                format!(
+                    "{} v{v} was parked on the consumer side as a version gap although \
+                     versions 1..{v} of its aggregate were all committed and not discarded",
+                    agg.aggregate_id
+                )
+            })?;
+        }
         let consumer_parked = parked.into_iter().map(|m| m.record.position).collect();
         let offsets = (0..self.config.partitions.max(1) as i32)
             .map(|p| (p, self.log.committed(GROUP, TOPIC, p).unwrap_or(0)))
