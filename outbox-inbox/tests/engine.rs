@@ -1605,3 +1605,55 @@ async fn a_set_based_handler_names_the_failing_event() {
         assert_eq!(log.committed("proj", "t", 0), Some(4));
     }
 }
+
+/// The share of duplicates among final, not parked outcomes: (duplicates + stale) / (applied
+/// + duplicates + stale), 0 when nothing finished.
+#[test]
+fn duplicate_share_counts_duplicates_and_stale_among_finished_messages() {
+    let mut r = EngineReport::default();
+    assert_eq!(r.duplicate_share(), 0.0);
+    r.applied = 6;
+    r.duplicates = 3;
+    r.stale = 1;
+    assert!(
+        (r.duplicate_share() - 0.4).abs() < 1e-12,
+        "{}",
+        r.duplicate_share()
+    );
+    r.applied = 0;
+    assert!((r.duplicate_share() - 1.0).abs() < 1e-12);
+}
+
+/// A transient handler failure waits out the retry policy's backoff (at least `min_delay`)
+/// before the next attempt: the engine never retries at once.
+#[tokio::test]
+async fn a_transient_failure_waits_for_its_backoff_before_the_retry() {
+    let log = MemoryLog::new("t", 1);
+    let db = MemoryDb::default();
+    let script = Script::new();
+    *script.flaky_left.lock().unwrap() = 1;
+    publish(&log, &[ev("flaky", 1)]).await;
+    let min = Duration::from_millis(300);
+    let cfg = fast().with_retry(
+        RetryPolicy::builder()
+            .min_delay(min)
+            .base(min)
+            .max_delay(min)
+            .max_attempts(4)
+            .build()
+            .unwrap(),
+    );
+    let mut eng = engine_on(&log, &db, &script, VersionPolicy::Reject, cfg);
+    let started = std::time::Instant::now();
+    // A quiet period shorter than the backoff: the run cannot last `min` without it.
+    let rep = eng
+        .run_until_quiet(Duration::from_millis(50))
+        .await
+        .unwrap();
+    assert_eq!((rep.applied, rep.retries), (1, 1));
+    assert!(
+        started.elapsed() >= min,
+        "applied {:?} after the start, before the {min:?} backoff",
+        started.elapsed()
+    );
+}
