@@ -5,36 +5,14 @@
 
 mod common;
 
-use common::{cycle, setup, SECRET};
-use std::io::Write;
-use std::sync::{Arc, Mutex};
-
-#[derive(Clone, Default)]
-struct Buf(Arc<Mutex<Vec<u8>>>);
-impl Write for Buf {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
+use common::{capture_logs, cycle, setup, SECRET};
 
 #[test]
 fn logs_carry_ids_and_stages_but_never_the_payload() {
-    let buf = Buf::default();
-    let writer = buf.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::DEBUG)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
     let (store, log, db) = setup();
-    tracing::subscriber::with_default(subscriber, || {
+    let out = capture_logs(tracing::Level::DEBUG, || {
         futures::executor::block_on(cycle(&store, &log, &db));
     });
-    let out = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
     assert!(out.contains("stage=\"parked\""), "{out}");
     assert!(out.contains("stage=\"retry\""), "{out}");
     assert!(out.contains("stage=\"published\""), "{out}");

@@ -4,9 +4,11 @@
 //!
 //! Alone in its test binary (one test): tracing caches callsite interest process-wide.
 
-use std::io::Write;
-use std::sync::{Arc, Mutex};
+mod common;
 
+use std::sync::Arc;
+
+use common::capture_logs;
 use outbox_core::{
     ClaimMode, Envelope, OutboxStore, PublishErrorKind, Relay, RelayConfig, SystemClock,
 };
@@ -14,31 +16,12 @@ use outbox_testkit::{MemoryDb, MemoryLog, MemoryOutboxStore};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-#[derive(Clone, Default)]
-struct Buf(Arc<Mutex<Vec<u8>>>);
-impl Write for Buf {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 const RETRIED: &str = "events of the batch failed on their own and will be retried";
 const PARTLY: &str = "part of the batch failed in the transport";
 
 /// One relay cycle over three events of three aggregates; `fail[i]` makes event `i` fail
 /// with that kind. Returns the cycle's WARN lines.
 fn warnings(fail: [Option<PublishErrorKind>; 3]) -> Vec<String> {
-    let buf = Buf::default();
-    let writer = buf.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::WARN)
-        .with_ansi(false)
-        .with_writer(move || writer.clone())
-        .finish();
     let db = MemoryDb::new(SystemClock);
     let store = MemoryOutboxStore::new(&db, ClaimMode::LockedTransaction);
     let log = MemoryLog::builder()
@@ -69,10 +52,9 @@ fn warnings(fail: [Option<PublishErrorKind>; 3]) -> Vec<String> {
         Box::new(StdRng::seed_from_u64(3)),
     )
     .unwrap();
-    tracing::subscriber::with_default(subscriber, || {
+    let out = capture_logs(tracing::Level::WARN, || {
         futures::executor::block_on(relay.run_once()).unwrap();
     });
-    let out = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
     out.lines().map(str::to_owned).collect()
 }
 

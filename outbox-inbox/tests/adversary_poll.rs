@@ -10,15 +10,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use common::{applied, effects_once, ev, fast, Script};
+use common::{applied, effects_once, engine_over, ev, fast, publish, Script};
 use outbox_core::watermark::SharedOffsetTracker;
 use outbox_core::{
-    async_trait, CommitOffset, Envelope, ErrorClass, MessageSource, PartitionLag, Publisher,
-    ReceivedMessage, SourceError, SourceErrorKind,
+    async_trait, CommitOffset, Envelope, ErrorClass, MessageSource, PartitionLag, ReceivedMessage,
+    SourceError, SourceErrorKind,
 };
 use outbox_inbox::*;
 use outbox_testkit::fault::{Fault, FaultInjector, FaultSource, FaultySource};
-use outbox_testkit::{MemoryConsumer, MemoryDb, MemoryInboxStore, MemoryLog};
+use outbox_testkit::{MemoryConsumer, MemoryDb, MemoryLog};
 
 /// Runs before a poll is forwarded, with its number (1-based) and timeout; an error it returns
 /// is the poll's result (the inner source is not polled).
@@ -87,22 +87,6 @@ impl<S: MessageSource> MessageSource for Counting<S> {
     }
 }
 
-fn engine<S: MessageSource>(
-    source: S,
-    db: &MemoryDb,
-    script: &Script,
-    cfg: EngineConfig,
-) -> ConsumerEngine<S, MemoryInboxStore, Script> {
-    let processor = InboxProcessor::new("proj", MemoryInboxStore::new(db), script.clone());
-    ConsumerEngine::new(source, processor, cfg, 11).unwrap()
-}
-
-async fn publish(log: &MemoryLog, events: &[Envelope]) {
-    for r in log.publish(&events.iter().collect::<Vec<_>>()).await {
-        r.unwrap();
-    }
-}
-
 /// Polls faulted by `polls` (only polls), counted outside the faults.
 fn faulty(log: &MemoryLog, polls: FaultSource) -> Counting<FaultySource<MemoryConsumer>> {
     Counting::new(
@@ -162,7 +146,7 @@ async fn transient_errors_on_every_other_poll_lose_nothing_and_do_not_spin() {
         .with_max_batch(8)
         .with_concurrency(4)
         .with_commit(5, Duration::from_millis(20));
-    let mut eng = engine(source, &db, &script, cfg);
+    let mut eng = engine_over(source, &db, &script, cfg);
     let started = std::time::Instant::now();
     let rep = tokio::time::timeout(
         Duration::from_secs(60),
@@ -262,7 +246,7 @@ async fn a_permanent_error_in_the_extra_take_with_batches_in_flight_stops_withou
         .with_max_batch(4)
         .with_concurrency(4)
         .with_commit(1, Duration::from_millis(5));
-    let mut eng = engine(source, &db, &script, cfg);
+    let mut eng = engine_over(source, &db, &script, cfg);
     let err = tokio::time::timeout(
         Duration::from_secs(10),
         eng.run_until_quiet(Duration::from_millis(100)),
@@ -305,7 +289,7 @@ async fn a_permanent_error_in_the_extra_take_with_batches_in_flight_stops_withou
     // Restart with the gate open: everything once, committed at the end.
     script.open_gate();
     let source = faulty(&log, FaultSource::None);
-    let mut eng = engine(source, &db, &script, fast().with_max_batch(4));
+    let mut eng = engine_over(source, &db, &script, fast().with_max_batch(4));
     eng.run_until_quiet(Duration::from_millis(100))
         .await
         .unwrap();
@@ -340,7 +324,7 @@ async fn a_retention_gap_in_the_extra_take_stops_the_engine() {
     });
     let source = Counting::new(log.consumer("proj", &["t"]), Some(hook));
     let cfg = fast().with_max_batch(4);
-    let mut eng = engine(source, &db, &script, cfg);
+    let mut eng = engine_over(source, &db, &script, cfg);
     let err = tokio::time::timeout(
         Duration::from_secs(10),
         eng.run_until_quiet(Duration::from_millis(100)),
@@ -364,7 +348,7 @@ async fn a_retention_gap_in_the_extra_take_stops_the_engine() {
     drop(eng);
 
     // A restart meets the gap again (nothing was skipped silently).
-    let mut eng = engine(
+    let mut eng = engine_over(
         log.consumer("proj", &["t"]),
         &db,
         &script,

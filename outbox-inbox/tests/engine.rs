@@ -9,12 +9,12 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{applied, effects_once, ev, fast, Script};
+use common::{applied, effects_once, ev, fast, publish, Script};
 use outbox_core::retention::{Strictness, TopicRetention};
 use outbox_core::watermark::SharedOffsetTracker;
 use outbox_core::{
     async_trait, wire, CommitOffset, Envelope, ErrorClass, InboxParking, LogPosition,
-    MessageSource, ParkKind, ParkedFilter, ParkedStatus, PartitionLag, Publisher, ReceivedMessage,
+    MessageSource, ParkKind, ParkedFilter, ParkedStatus, PartitionLag, ReceivedMessage,
     RetryPolicy, SourceError, TopicPartition,
 };
 use outbox_inbox::*;
@@ -32,12 +32,6 @@ fn engine_on(
     let processor = InboxProcessor::new("proj", MemoryInboxStore::new(db), script.clone())
         .with_version_policy(policy);
     ConsumerEngine::new(log.consumer("proj", &["t"]), processor, cfg, 7).unwrap()
-}
-
-async fn publish(log: &MemoryLog, events: &[Envelope]) {
-    for r in log.publish(&events.iter().collect::<Vec<_>>()).await {
-        r.unwrap();
-    }
 }
 
 async fn parked(db: &MemoryDb) -> Vec<outbox_core::ParkedMessage> {

@@ -7,11 +7,11 @@ mod common;
 
 use std::time::Duration;
 
-use common::{applied, effects_once, ev, fast, Script};
-use outbox_core::{Envelope, ErrorClass, MessageSource, Publisher};
+use common::{applied, effects_once, engine_over, ev, fast, publish, Script};
+use outbox_core::{Envelope, ErrorClass};
 use outbox_inbox::*;
 use outbox_testkit::fault::{Fault, FaultInjector, FaultRates, FaultSource, FaultySource};
-use outbox_testkit::{MemoryConsumer, MemoryDb, MemoryInboxStore, MemoryLog};
+use outbox_testkit::{MemoryConsumer, MemoryDb, MemoryLog};
 
 /// Faults on commits around faults on polls, each with its own injector (so the scripts do not
 /// depend on how the engine interleaves the two).
@@ -33,22 +33,6 @@ fn poll_faults(source: &Faulty) -> Vec<(&'static str, Fault)> {
 
 fn commit_faults(source: &Faulty) -> Vec<(&'static str, Fault)> {
     source.faults().injected()
-}
-
-fn engine<S: MessageSource>(
-    source: S,
-    db: &MemoryDb,
-    script: &Script,
-    cfg: EngineConfig,
-) -> ConsumerEngine<S, MemoryInboxStore, Script> {
-    let processor = InboxProcessor::new("proj", MemoryInboxStore::new(db), script.clone());
-    ConsumerEngine::new(source, processor, cfg, 7).unwrap()
-}
-
-async fn publish(log: &MemoryLog, events: &[Envelope]) {
-    for r in log.publish(&events.iter().collect::<Vec<_>>()).await {
-        r.unwrap();
-    }
 }
 
 /// `aggregates` × `versions` events, interleaved by version.
@@ -105,7 +89,7 @@ async fn transient_poll_and_commit_faults_lose_nothing_and_apply_once() {
     );
     // One message per poll and per transaction: many polls and commits, so both scripts run
     // to their end during the run.
-    let mut eng = engine(source, &db, &script, fast().with_max_batch(1));
+    let mut eng = engine_over(source, &db, &script, fast().with_max_batch(1));
     let rep = eng
         .run_until_quiet(Duration::from_millis(50))
         .await
@@ -153,7 +137,7 @@ async fn seeded_transient_source_faults_lose_nothing_and_apply_once() {
         FaultSource::seeded(seed, rates),
         FaultSource::seeded(seed.wrapping_add(1), rates),
     );
-    let mut eng = engine(source, &db, &script, fast().with_max_batch(2));
+    let mut eng = engine_over(source, &db, &script, fast().with_max_batch(2));
     let rep = eng
         .run_until_quiet(Duration::from_millis(50))
         .await
@@ -208,7 +192,7 @@ async fn a_permanent_poll_error_stops_the_engine_without_committing_past_unfinis
         FaultSource::from_call(3, Fault::Permanent),
         FaultSource::None,
     );
-    let mut eng = engine(source, &db, &script, fast());
+    let mut eng = engine_over(source, &db, &script, fast());
     let err = tokio::time::timeout(
         Duration::from_secs(10),
         eng.run_until_quiet(Duration::from_millis(50)),
@@ -250,7 +234,7 @@ async fn a_permanent_poll_error_stops_the_engine_without_committing_past_unfinis
 
     // A restart without faults finishes everything, each effect once.
     script.open_gate();
-    let mut eng = engine(log.consumer("proj", &["t"]), &db, &script, fast());
+    let mut eng = engine_over(log.consumer("proj", &["t"]), &db, &script, fast());
     eng.run_until_quiet(Duration::from_millis(50))
         .await
         .unwrap();
@@ -272,7 +256,7 @@ async fn a_permanent_commit_error_stops_the_engine_and_moves_no_offset() {
         FaultSource::None,
         FaultSource::countdown(0, Fault::Permanent),
     );
-    let mut eng = engine(source, &db, &script, fast());
+    let mut eng = engine_over(source, &db, &script, fast());
     let err = eng
         .run_until_quiet(Duration::from_millis(50))
         .await
@@ -301,7 +285,7 @@ async fn a_permanent_commit_error_stops_the_engine_and_moves_no_offset() {
     drop(eng);
 
     // The restart gets every message again; what was applied is absorbed as a duplicate.
-    let mut eng = engine(log.consumer("proj", &["t"]), &db, &script, fast());
+    let mut eng = engine_over(log.consumer("proj", &["t"]), &db, &script, fast());
     let rep = eng
         .run_until_quiet(Duration::from_millis(50))
         .await
@@ -329,7 +313,7 @@ async fn a_one_off_permanent_error_while_taking_buffered_messages_stops_the_engi
         FaultSource::script([None, Some(Fault::Permanent)]),
         FaultSource::None,
     );
-    let mut eng = engine(source, &db, &script, fast());
+    let mut eng = engine_over(source, &db, &script, fast());
     let err = tokio::time::timeout(
         Duration::from_secs(10),
         eng.run_until_quiet(Duration::from_millis(50)),
@@ -358,7 +342,7 @@ async fn a_transient_error_while_taking_buffered_messages_loses_nothing() {
         FaultSource::script([None, Some(Fault::Transient)]),
         FaultSource::None,
     );
-    let mut eng = engine(source, &db, &script, fast());
+    let mut eng = engine_over(source, &db, &script, fast());
     tokio::time::timeout(
         Duration::from_secs(10),
         eng.run_until_quiet(Duration::from_millis(50)),

@@ -202,17 +202,25 @@ async fn delays_count_from_the_completion_and_one_time_per_outcome() {
     ctx.drop().await;
 }
 
+/// What a completion that waited for another transaction's lock on the row recorded.
+struct LockWait {
+    /// Database clock before the completion and after it returned.
+    start: DateTime<Utc>,
+    done: DateTime<Utc>,
+    /// The retried row's `next_attempt_at`.
+    next: DateTime<Utc>,
+    /// What another relay could claim right after the completion.
+    claimable_now: BTreeSet<String>,
+}
+
+const LOCK_WAIT_DELAY: Duration = Duration::from_millis(1000);
+
 /// Attack A1 under a lock wait: another transaction holds the outbox row of a retried event
-/// (`blocker`: its SQL on the row) while the completion runs, so the completion's UPDATE
-/// waits for it. The retry's delay must count from when the completion took effect, so the row
-/// must not be claimable right after the completion returns. With `ts` read once in the
-/// materialized CTE at the statement's start, the wait is counted as part of the delay.
-async fn retry_delay_after_lock_wait(blocker: &str) {
-    let ctx = ctx!(6);
-    let delay = Duration::from_millis(1000);
-    let hold = Duration::from_millis(2000);
-    // Lease mode only: in locked mode the claim's own transaction holds the row, so another
-    // transaction's lock would wait on the claim, never the reverse.
+/// (`blocker`: its SQL on the row, `{t}` the table) for `hold` while the completion retries it
+/// with [`LOCK_WAIT_DELAY`], so the completion's UPDATE waits for it. Lease mode only: in
+/// locked mode the claim's own transaction holds the row, so another transaction's lock
+/// would wait on the claim, never the reverse.
+async fn retry_after_lock_wait(ctx: &common::Ctx, blocker: &str, hold: Duration) -> LockWait {
     let store = ctx.store(lease(30.0)).await;
     let e = event("lockwait", 1);
     store.append(&ctx.pool, &e).await.unwrap();
@@ -228,35 +236,52 @@ async fn retry_delay_after_lock_wait(blocker: &str) {
         tokio::time::sleep(hold).await;
         tx.commit().await.unwrap();
     });
-    let start = db_now(&ctx).await;
+    let start = db_now(ctx).await;
     let rep = store
-        .complete(&b.handle, &[retry(&e, delay)])
+        .complete(&b.handle, &[retry(&e, LOCK_WAIT_DELAY)])
         .await
         .unwrap();
     assert_eq!(rep.applied, 1);
     release.await.unwrap();
-    let done = db_now(&ctx).await;
+    let done = db_now(ctx).await;
     assert!(done - start >= us(hold) - chrono::Duration::milliseconds(100));
-    let next = times(&ctx, &e).await.4.expect("a finite next_attempt_at");
+    let next = times(ctx, &e).await.4.expect("a finite next_attempt_at");
     let claimable_now = claim_ids(&store, "other").await;
-    assert!(
-        next >= done - chrono::Duration::milliseconds(200) + us(delay) && claimable_now.is_empty(),
-        "retried with a {delay:?} delay, but next_attempt_at = {next} is {:?} after the \
-         completion's start ({start}) and {:?} before its end ({done}); the row was claimable \
-         right after: {claimable_now:?}",
-        (next - start).to_std().unwrap_or_default(),
-        (done - next).to_std().unwrap_or_default(),
-    );
-    ctx.drop().await;
+    LockWait {
+        start,
+        done,
+        next,
+        claimable_now,
+    }
 }
 
 /// The blocker updated the row (a no-op write): the completion's UPDATE re-evaluates its SET
-/// on the new row version after the wait (EvalPlanQual). Before migration 5's change the SET's
-/// `clock_timestamp()` was evaluated again then (after the wait); `o.ts` of the materialized
-/// CTE is not: a regression of ec96db8.
+/// on the new row version after the wait (EvalPlanQual), and the retry's `next_attempt_at`
+/// comes from the row's own `clock_timestamp()`, so the delay counts from after the wait and
+/// the row is not claimable right after the completion (a regression of ec96db8, which took
+/// the time of the outcomes CTE, read before the wait).
 #[tokio::test]
 async fn a_retry_delay_is_not_eaten_by_waiting_on_a_concurrent_update() {
-    retry_delay_after_lock_wait("UPDATE {t} SET attempts = attempts WHERE event_id = $1").await;
+    let ctx = ctx!(6);
+    let w = retry_after_lock_wait(
+        &ctx,
+        "UPDATE {t} SET attempts = attempts WHERE event_id = $1",
+        Duration::from_millis(2000),
+    )
+    .await;
+    assert!(
+        w.next >= w.done - chrono::Duration::milliseconds(200) + us(LOCK_WAIT_DELAY)
+            && w.claimable_now.is_empty(),
+        "retried with a {LOCK_WAIT_DELAY:?} delay, but next_attempt_at = {} is {:?} after the \
+         completion's start ({}) and {:?} before its end ({}); claimable right after: {:?}",
+        w.next,
+        (w.next - w.start).to_std().unwrap_or_default(),
+        w.start,
+        (w.done - w.next).to_std().unwrap_or_default(),
+        w.done,
+        w.claimable_now,
+    );
+    ctx.drop().await;
 }
 
 /// The blocker only locked the row (`FOR UPDATE`, no change): PostgreSQL computes the new row
@@ -266,39 +291,18 @@ async fn a_retry_delay_is_not_eaten_by_waiting_on_a_concurrent_update() {
 #[tokio::test]
 async fn a_row_lock_held_by_another_transaction_counts_toward_the_delay() {
     let ctx = ctx!(6);
-    let delay = Duration::from_millis(1000);
-    let hold = Duration::from_millis(1500);
-    let store = ctx.store(lease(30.0)).await;
-    let e = event("rowlock", 1);
-    store.append(&ctx.pool, &e).await.unwrap();
-    let b = claim(&store, "r", 100).await;
-    assert_eq!(b.records.len(), 1);
-    let mut tx = ctx.pool.begin().await.unwrap();
-    sqlx::query(&format!(
-        "SELECT 1 FROM \"{}\".outbox_events WHERE event_id = $1 FOR UPDATE",
-        ctx.schema
-    ))
-    .bind(e.event_id.as_uuid())
-    .execute(&mut *tx)
-    .await
-    .unwrap();
-    let release = tokio::spawn(async move {
-        tokio::time::sleep(hold).await;
-        tx.commit().await.unwrap();
-    });
-    let start = db_now(&ctx).await;
-    let rep = store
-        .complete(&b.handle, &[retry(&e, delay)])
-        .await
-        .unwrap();
-    assert_eq!(rep.applied, 1);
-    release.await.unwrap();
-    let done = db_now(&ctx).await;
-    assert!(done - start >= us(hold) - chrono::Duration::milliseconds(100));
-    let next = times(&ctx, &e).await.4.expect("a finite next_attempt_at");
+    let w = retry_after_lock_wait(
+        &ctx,
+        "SELECT 1 FROM {t} WHERE event_id = $1 FOR UPDATE",
+        Duration::from_millis(1500),
+    )
+    .await;
     assert!(
-        next >= start + us(delay) && next < done + us(delay),
-        "next_attempt_at {next}: not within [start + delay, end + delay) ({start}, {done})"
+        w.next >= w.start + us(LOCK_WAIT_DELAY) && w.next < w.done + us(LOCK_WAIT_DELAY),
+        "next_attempt_at {}: not within [start + delay, end + delay) ({}, {})",
+        w.next,
+        w.start,
+        w.done
     );
     ctx.drop().await;
 }

@@ -1,5 +1,6 @@
 //! Shared by the telemetry and logs tests: one relay cycle with a published, a retried and a
-//! parked event.
+//! parked event, and a log capture.
+#![allow(dead_code)]
 
 use std::sync::Arc;
 
@@ -52,4 +53,29 @@ pub(crate) async fn cycle(store: &MemoryOutboxStore, log: &MemoryLog, db: &Memor
     .unwrap();
     let report = relay.run_once().await.unwrap();
     assert_eq!((report.published, report.retried, report.parked), (1, 1, 1));
+}
+
+/// Runs `f` with a `fmt` subscriber at `level` writing into a buffer; returns what it wrote.
+pub(crate) fn capture_logs(level: tracing::Level, f: impl FnOnce()) -> String {
+    #[derive(Clone, Default)]
+    struct Buf(Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Buf {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let buf = Buf::default();
+    let writer = buf.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish();
+    tracing::subscriber::with_default(subscriber, f);
+    let out = buf.0.lock().unwrap().clone();
+    String::from_utf8(out).unwrap()
 }

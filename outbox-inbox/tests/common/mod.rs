@@ -137,3 +137,26 @@ pub fn effects_once(db: &outbox_testkit::MemoryDb) -> usize {
     }
     effects.len()
 }
+
+/// Publishes `events` to the in-memory log (each must be accepted).
+pub async fn publish(log: &outbox_testkit::MemoryLog, events: &[Envelope]) {
+    use outbox_core::Publisher as _;
+    for r in log.publish(&events.iter().collect::<Vec<_>>()).await {
+        r.unwrap();
+    }
+}
+
+/// An engine of consumer `proj` over `source`, applying through [`Script`] into `db`.
+pub fn engine_over<S: outbox_core::MessageSource>(
+    source: S,
+    db: &outbox_testkit::MemoryDb,
+    script: &Script,
+    cfg: EngineConfig,
+) -> outbox_inbox::ConsumerEngine<S, outbox_testkit::MemoryInboxStore, Script> {
+    let processor = outbox_inbox::InboxProcessor::new(
+        "proj",
+        outbox_testkit::MemoryInboxStore::new(db),
+        script.clone(),
+    );
+    outbox_inbox::ConsumerEngine::new(source, processor, cfg, 7).unwrap()
+}
