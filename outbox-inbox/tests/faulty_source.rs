@@ -27,6 +27,18 @@ fn faulty(log: &MemoryLog, polls: FaultSource, commits: FaultSource) -> Faulty {
     )
 }
 
+/// `err` is the permanent source error injected into `operation`.
+fn assert_injected_permanent(err: &EngineError, operation: &str) {
+    match err {
+        EngineError::Source(e) => {
+            assert_eq!(e.class, ErrorClass::Permanent, "{e}");
+            let expected = format!("injected permanent fault in {operation}");
+            assert!(e.message.contains(&expected), "{e}");
+        }
+        other => panic!("expected a source error, got {other:?}"),
+    }
+}
+
 fn poll_faults(source: &Faulty) -> Vec<(&'static str, Fault)> {
     source.inner().faults().injected()
 }
@@ -200,16 +212,7 @@ async fn a_permanent_poll_error_stops_the_engine_without_committing_past_unfinis
     .await
     .expect("the engine stops on a permanent source error")
     .unwrap_err();
-    match &err {
-        EngineError::Source(e) => {
-            assert_eq!(e.class, ErrorClass::Permanent, "{e}");
-            assert!(
-                e.message.contains("injected permanent fault in poll"),
-                "{e}"
-            );
-        }
-        other => panic!("expected a source error, got {other:?}"),
-    }
+    assert_injected_permanent(&err, "poll");
     assert!(
         poll_faults(eng.source())
             .iter()
@@ -261,16 +264,7 @@ async fn a_permanent_commit_error_stops_the_engine_and_moves_no_offset() {
         .run_until_quiet(Duration::from_millis(50))
         .await
         .unwrap_err();
-    match &err {
-        EngineError::Source(e) => {
-            assert_eq!(e.class, ErrorClass::Permanent, "{e}");
-            assert!(
-                e.message.contains("injected permanent fault in commit"),
-                "{e}"
-            );
-        }
-        other => panic!("expected a source error, got {other:?}"),
-    }
+    assert_injected_permanent(&err, "commit");
     assert_eq!(
         commit_faults(eng.source()),
         vec![("commit", Fault::Permanent)]
