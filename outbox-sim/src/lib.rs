@@ -32,7 +32,13 @@
 //!   behind (parking blocks its own aggregate only; on the in-memory store, which promises it);
 //! * per aggregate, first deliveries in the log are in version order;
 //! * each effect committed at most once, in version order per aggregate;
-//! * the committed offset never passes a message whose outcome is not final.
+//! * the committed offset never passes a message whose outcome is not final;
+//! * the engine handles handler failures as documented: it never hands an event to the
+//!   handler again after a permanent failure, or after `max_attempts` transient ones, in one
+//!   engine generation (it parks it), and a message parked because its handler failed had one
+//!   of those ([`HandlerFault::Stuck`] keeps failing one event until an operator retries it);
+//! * a version gap parked on the consumer side is a real one: a lower version of the aggregate
+//!   was never committed, or was discarded.
 //!
 //! At quiescence (faults stop, open transactions commit): every committed event ends
 //! published or parked without an operator; consumer-side parking holds only its aggregate
@@ -42,7 +48,11 @@
 //!
 //! The simulation proves it catches bugs: [`SeededBug`] lists deliberate bugs (wrappers and
 //! doubles around the production code, nothing in the production code changes), and the
-//! crate's tests show each one caught.
+//! crate's tests show each one caught. Bugs *in* the production code are the other half:
+//! cargo-mutants mutates the engine's batch and fallback, the processor's batch, the relay's
+//! result mapping and the offset watermark, and runs this crate's property test alone against
+//! each mutant (`docs/mutants.md`, "Caught by the simulation alone"); the last two invariants
+//! above were added for mutants it missed.
 //!
 //! # Replaying a failure
 //!
