@@ -37,6 +37,9 @@ pub(crate) struct Ledger {
     may_park: std::collections::HashSet<EventId>,
     /// The event a [`HandlerFault::Stuck`] fails on every call, until an operator retries it.
     stuck: Option<EventId>,
+    /// (generation, event) → when its last transient failure happened: the engine waits at
+    /// least the retry policy's `min_delay` before handing it to the handler again.
+    failed_at: HashMap<(u64, EventId), std::time::Instant>,
 }
 
 impl Ledger {
@@ -62,6 +65,7 @@ impl Ledger {
         event: EventId,
         fault: Option<HandlerFault>,
         max: u32,
+        min_delay: Duration,
     ) -> (Option<HandlerFault>, Option<String>) {
         if self.operator {
             // An operator's retry: a stuck event is released, the call is not checked.
@@ -79,8 +83,20 @@ impl Ledger {
             other => other,
         };
         let gen = self.generation;
+        let now = std::time::Instant::now();
+        let early = self
+            .failed_at
+            .get(&(gen, event))
+            .map(|at| now.duration_since(*at))
+            .filter(|since| *since < min_delay);
         let entry = self.failures.entry((gen, event)).or_insert((0, false));
-        let violation = if entry.1 {
+        let violation = if let Some(since) = early {
+            Some(format!(
+                "the engine handed event {event} to the handler again {since:?} after its \
+                 transient failure, before the retry policy's min_delay ({min_delay:?}) \
+                 (engine generation {gen})"
+            ))
+        } else if entry.1 {
             Some(format!(
                 "the engine handed event {event} to the handler again after its permanent \
                  failure (engine generation {gen}); it must park it"
@@ -95,7 +111,10 @@ impl Ledger {
             None
         };
         match fault {
-            Some(HandlerFault::Transient) => entry.0 += 1,
+            Some(HandlerFault::Transient) => {
+                entry.0 += 1;
+                self.failed_at.insert((gen, event), now);
+            }
             Some(HandlerFault::Permanent) => entry.1 = true,
             Some(HandlerFault::Stuck) | None => {}
         }
@@ -122,6 +141,7 @@ pub struct SimHandler<B, H> {
     ledger: Arc<Mutex<Ledger>>,
     violations: Violations,
     max_attempts: u32,
+    min_delay: Duration,
 }
 
 impl<B, H> Clone for SimHandler<B, H> {
@@ -134,6 +154,7 @@ impl<B, H> Clone for SimHandler<B, H> {
             ledger: self.ledger.clone(),
             violations: self.violations.clone(),
             max_attempts: self.max_attempts,
+            min_delay: self.min_delay,
         }
     }
 }
@@ -152,7 +173,7 @@ impl<B, H> SimHandler<B, H> {
         bug: Option<SeededBug>,
         ledger: Arc<Mutex<Ledger>>,
         violations: Violations,
-        max_attempts: u32,
+        retry: &outbox_core::RetryPolicy,
     ) -> Self {
         Self {
             backend,
@@ -161,7 +182,8 @@ impl<B, H> SimHandler<B, H> {
             skip_second: bug == Some(SeededBug::FallbackSkipsRecord),
             ledger,
             violations,
-            max_attempts,
+            max_attempts: retry.max_attempts,
+            min_delay: retry.min_delay,
         }
     }
 }
@@ -182,7 +204,7 @@ where
             .ledger
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .call(event.event_id, fault, self.max_attempts);
+            .call(event.event_id, fault, self.max_attempts, self.min_delay);
         if let Some(v) = violation {
             self.violations.push(v);
         }

@@ -35,8 +35,9 @@
 //! * the committed offset never passes a message whose outcome is not final;
 //! * the engine handles handler failures as documented: it never hands an event to the
 //!   handler again after a permanent failure, or after `max_attempts` transient ones, in one
-//!   engine generation (it parks it), and a message parked because its handler failed had one
-//!   of those ([`HandlerFault::Stuck`] keeps failing one event until an operator retries it);
+//!   engine generation (it parks it), nor before the retry policy's `min_delay` after a
+//!   transient one; a message parked because its handler failed had one of those
+//!   ([`HandlerFault::Stuck`] keeps failing one event until an operator retries it);
 //! * a version gap parked on the consumer side is a real one: a lower version of the aggregate
 //!   was never committed, or was discarded.
 //!

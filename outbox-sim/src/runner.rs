@@ -194,6 +194,11 @@ fn retry_policy(config: &SimConfig, base: Duration, max: Duration) -> RetryPolic
         .expect("valid retry policy")
 }
 
+/// The consumer engine's retry policy (the handler double checks the engine against it).
+fn engine_retry(config: &SimConfig) -> RetryPolicy {
+    retry_policy(config, Duration::from_millis(1), Duration::from_millis(4))
+}
+
 /// A current-thread runtime with time (the simulation's own).
 pub fn runtime() -> Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -263,7 +268,7 @@ where
             config.bug,
             ledger.clone(),
             violations.clone(),
-            config.max_attempts.max(1),
+            &engine_retry(&config),
         );
         let parked_api =
             ParkedMessages::new(InboxProcessor::new(GROUP, backend.inbox(), handler.clone()));
@@ -362,11 +367,7 @@ where
         let inbox = FaultyInbox::new(self.backend.inbox(), self.inbox_faults.clone());
         let processor = InboxProcessor::new(GROUP, inbox, self.handler.clone());
         let config = EngineConfig::default()
-            .with_retry(retry_policy(
-                &self.config,
-                Duration::from_millis(1),
-                Duration::from_millis(4),
-            ))
+            .with_retry(engine_retry(&self.config))
             .with_commit(2, Duration::from_secs(3600))
             .with_max_batch(3)
             .with_concurrency(2)
