@@ -1718,3 +1718,37 @@ async fn a_batch_filled_from_several_queues_never_exceeds_max_batch() {
     assert_eq!(effects_once(&db), 6);
     assert_eq!(applied(&db, "b"), vec![1, 2, 3]);
 }
+
+/// Messages whose partition was lost while they waited are dropped at dispatch (the new owner
+/// delivers them) and no longer count as in flight: the engine's bound on messages in flight
+/// does not shrink with every lost assignment.
+#[tokio::test]
+async fn messages_of_a_lost_partition_leave_the_in_flight_count() {
+    let log = MemoryLog::new("t", 1);
+    let db = MemoryDb::default();
+    let script = Script::new();
+    publish(&log, &[ev("gate", 1)]).await;
+    let cfg = fast().with_max_batch(3).with_concurrency(1);
+    let mut eng = engine_on(&log, &db, &script, VersionPolicy::Reject, cfg);
+    while eng.report().received < 1 {
+        eng.step().await.unwrap();
+    }
+    publish(&log, &[ev("a", 1), ev("a", 2), ev("b", 1)]).await;
+    while eng.report().received < 4 {
+        eng.step().await.unwrap();
+    }
+    assert_eq!(eng.in_flight(), 4);
+    eng.offset_tracker()
+        .lose(&[outbox_core::TopicPartition::new("t", 0)]);
+    script.open_gate();
+    // The gate's batch finishes (its ticket is stale too: it is not final); the three queued
+    // messages are dropped at dispatch.
+    for _ in 0..20 {
+        eng.step().await.unwrap();
+        if eng.in_flight() == 0 {
+            break;
+        }
+    }
+    assert_eq!(eng.in_flight(), 0);
+    assert!(applied(&db, "a").is_empty() && applied(&db, "b").is_empty());
+}
