@@ -241,3 +241,37 @@ async fn the_report_counts_events_parked_by_publication_and_by_claim() {
     assert_eq!((report.published, report.parked, report.errors), (1, 2, 0));
     assert!(report.cycles >= 2);
 }
+
+/// The driver reads the store's statistics into the gauges when it starts (and every 5 s
+/// after): a relay's dashboards have figures from its first cycle.
+#[tokio::test(flavor = "current_thread")]
+async fn the_driver_records_the_outbox_gauges_at_start() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    // Thread-local: the current-thread runtime runs the driver on this thread.
+    let _guard = metrics::set_default_local_recorder(&recorder);
+    let db = MemoryDb::new(SystemClock);
+    let store = MemoryOutboxStore::new(&db, ClaimMode::LockedTransaction);
+    let log = MemoryLog::new("t", 1);
+    for v in 1..=3 {
+        append(&db, &store, &format!("g{v}"), 1).await;
+    }
+    let r = relay(&store, &log, Duration::from_millis(10));
+    let report =
+        outbox_core::driver::run(r, None, tokio::time::sleep(Duration::from_millis(100))).await;
+    assert_eq!(report.published, 3);
+    let unpublished: Vec<DebugValue> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(k, _, _, _)| k.key().name() == "outbox_unpublished")
+        .map(|(_, _, _, v)| v)
+        .collect();
+    // Read before the first cycle: the three events were still unpublished.
+    assert_eq!(unpublished.len(), 1, "{unpublished:?}");
+    assert!(
+        matches!(unpublished[0], DebugValue::Gauge(g) if g.into_inner() == 3.0),
+        "{unpublished:?}"
+    );
+}
