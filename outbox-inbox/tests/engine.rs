@@ -1762,3 +1762,32 @@ async fn messages_of_a_lost_partition_leave_the_in_flight_count() {
         .unwrap();
     assert_eq!(applied(&db, "a"), vec![3]);
 }
+
+/// When the first of several messages of one aggregate in a batch fails transiently, all of
+/// them wait for its retry and then apply in their order.
+#[tokio::test]
+async fn messages_handed_back_for_a_retry_keep_their_order() {
+    let log = MemoryLog::new("t", 1);
+    let db = MemoryDb::default();
+    let script = Script::new();
+    *script.flaky_left.lock().unwrap() = 1;
+    publish(
+        &log,
+        &[
+            ev("flaky", 1),
+            ev("flaky", 2),
+            ev("flaky", 3),
+            ev("other", 1),
+        ],
+    )
+    .await;
+    let cfg = fast().with_max_batch(4).with_concurrency(1);
+    let mut eng = engine_on(&log, &db, &script, VersionPolicy::Reject, cfg);
+    let rep = eng
+        .run_until_quiet(Duration::from_millis(50))
+        .await
+        .unwrap();
+    assert_eq!((rep.applied, rep.retries, rep.parked), (4, 1, 0));
+    assert_eq!(applied(&db, "flaky"), vec![1, 2, 3]);
+    assert_eq!(applied(&db, "other"), vec![1]);
+}
