@@ -577,21 +577,6 @@ fn a_partial_transport_failure_defers_its_records_without_opening_the_circuit() 
 }
 
 #[test]
-fn superseded_outcomes_are_not_counted_as_published() {
-    let store = FakeStore::with(&[("a", 1), ("b", 1), ("c", 1)]);
-    let b_id = store.rows.lock().unwrap()[1].0.event_id;
-    store.refuse.lock().unwrap().insert(b_id);
-    let mut p = MockPub::new();
-    p.expect_delivery_timeout()
-        .return_const(Duration::from_secs(5));
-    p.expect_publish()
-        .returning(|b| (0..b.len() as i64).map(ack).collect());
-    let mut r = relay(store, p);
-    let rep = block_on(r.run_once()).unwrap();
-    assert_eq!((rep.published, rep.superseded), (2, 1));
-}
-
-#[test]
 fn lease_time_is_counted_from_before_the_claim() {
     // The lease has 10 s left when granted; the claim itself took 4 s (a slow commit), so only
     // 6 s are left, less than the 5 s delivery timeout plus the 2 s margin.
@@ -785,13 +770,13 @@ fn idle_and_error_delays_follow_the_configuration() {
     }
 }
 
-/// `outbox_superseded_total` counts the outcomes a superseded claim could not record, and
-/// is not touched by a cycle without any.
+/// Outcomes a superseded claim could not record are not counted as published;
+/// `outbox_superseded_total` counts them, and a cycle without any does not touch it.
 #[test]
-fn superseded_outcomes_are_counted_in_their_metric() {
+fn superseded_outcomes_are_not_published_and_are_counted_in_their_metric() {
     use metrics_util::debugging::{DebugValue, DebuggingRecorder};
     let run = |refuse: bool| {
-        let store = FakeStore::with(&[("a", 1), ("b", 1)]);
+        let store = FakeStore::with(&[("a", 1), ("b", 1), ("c", 1)]);
         if refuse {
             let b_id = store.rows.lock().unwrap()[1].0.event_id;
             store.refuse.lock().unwrap().insert(b_id);
@@ -804,15 +789,17 @@ fn superseded_outcomes_are_counted_in_their_metric() {
         let mut r = relay(store, p);
         let recorder = DebuggingRecorder::new();
         let snapshotter = recorder.snapshotter();
-        metrics::with_local_recorder(&recorder, || block_on(r.run_once()).unwrap());
-        snapshotter
+        let rep = metrics::with_local_recorder(&recorder, || block_on(r.run_once()).unwrap());
+        let values = snapshotter
             .snapshot()
             .into_vec()
             .into_iter()
             .filter(|(k, _, _, _)| k.key().name() == "outbox_superseded_total")
             .map(|(_, _, _, v)| v)
-            .collect::<Vec<_>>()
+            .collect::<Vec<_>>();
+        ((rep.published, rep.superseded), values)
     };
-    assert_eq!(run(true), vec![DebugValue::Counter(1)]);
-    assert_eq!(run(false), Vec::<DebugValue>::new());
+    // A superseded outcome is neither published nor silent.
+    assert_eq!(run(true), ((2, 1), vec![DebugValue::Counter(1)]));
+    assert_eq!(run(false), ((3, 0), Vec::<DebugValue>::new()));
 }
