@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use outbox_core::{Envelope, EventId, InboxStore, InboxStoreExt, Registration};
+use outbox_core::{Classify, Envelope, EventId, InboxStore, InboxStoreExt, Registration};
+use outbox_testkit::fault::{Fault, FaultInjector, FaultSource, FaultyInbox};
 use outbox_testkit::{ManualClock, MemoryDb, MemoryInboxStore};
 
 fn event() -> Envelope {
@@ -99,4 +100,34 @@ async fn cleanup_batches_runs_until_a_short_batch_or_the_bound() {
         0
     );
     assert_eq!(inbox.registrations("c").len(), 2);
+}
+
+#[tokio::test]
+async fn cleanup_batches_stops_at_the_first_short_batch() {
+    // A short batch means nothing more is due: the loop must not run another statement. Every
+    // cleanup call after the first fails, so one more call shows as an error.
+    let clock = ManualClock::default();
+    let db = MemoryDb::new(clock.clone());
+    let memory = MemoryInboxStore::new(&db);
+    register_many(&memory, "c", 3).await;
+    clock.advance(Duration::from_secs(61));
+    let faults = FaultInjector::new(FaultSource::from_call(1, Fault::Permanent)).only(&["cleanup"]);
+    let inbox = FaultyInbox::new(memory, faults);
+    assert_eq!(
+        inbox
+            .cleanup_batches("c", Duration::from_secs(60), 5, 10)
+            .await
+            .unwrap(),
+        3
+    );
+    assert!(inbox.faults().injected().is_empty());
+    // A full batch does continue (and meets the injected failure).
+    register_many(inbox.inner(), "c", 2).await;
+    clock.advance(Duration::from_secs(61));
+    let err = inbox
+        .cleanup_batches("c", Duration::from_secs(60), 2, 10)
+        .await
+        .unwrap_err();
+    assert!(!err.is_transient());
+    assert_eq!(inbox.faults().injected().len(), 1);
 }

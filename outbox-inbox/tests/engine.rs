@@ -5,7 +5,7 @@
 mod common;
 
 use std::collections::VecDeque;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -815,12 +815,22 @@ struct ScriptedSource {
     commit_errors: Mutex<VecDeque<SourceError>>,
     commits: Arc<Mutex<Vec<Vec<CommitOffset>>>>,
     attached: Mutex<Option<SharedOffsetTracker>>,
+    /// Returned once by a poll that finds the queue empty after a transaction has committed.
+    error_after_tx: Mutex<Option<SourceError>>,
 }
 
 #[async_trait]
 impl MessageSource for ScriptedSource {
     async fn poll(&self, _: Duration) -> Result<Option<ReceivedMessage>, SourceError> {
-        Ok(self.queue.lock().unwrap().pop_front())
+        if let Some(m) = self.queue.lock().unwrap().pop_front() {
+            return Ok(Some(m));
+        }
+        if self.log.lock().unwrap().iter().any(|l| l == "tx-commit") {
+            if let Some(e) = self.error_after_tx.lock().unwrap().take() {
+                return Err(e);
+            }
+        }
+        Ok(None)
     }
     async fn commit(&self, offsets: &[CommitOffset]) -> Result<(), SourceError> {
         self.commits.lock().unwrap().push(offsets.to_vec());
@@ -853,11 +863,15 @@ fn msg(offset: i64, e: &Envelope) -> ReceivedMessage {
 }
 
 /// Logs "tx-commit" for every committed transaction of the inbox, in the same log as the
-/// source's offset commits.
+/// source's offset commits; counts the engine's housekeeping calls (`cleanup`,
+/// `requested_retries`), and fails every cleanup when `failing_cleanup` is set.
 #[derive(Clone)]
 struct LoggingInbox {
     inner: MemoryInboxStore,
     log: Arc<Mutex<Vec<String>>>,
+    cleanups: Arc<AtomicUsize>,
+    retry_reads: Arc<AtomicUsize>,
+    failing_cleanup: bool,
 }
 
 #[async_trait]
@@ -912,6 +926,13 @@ impl outbox_core::InboxStore for LoggingInbox {
         r: Duration,
         b: usize,
     ) -> Result<u64, outbox_core::StoreError> {
+        self.cleanups.fetch_add(1, Ordering::SeqCst);
+        if self.failing_cleanup {
+            return Err(outbox_core::StoreError::new(
+                outbox_core::StoreErrorKind::Connection,
+                "connection reset",
+            ));
+        }
         self.inner.cleanup(c, r, b).await
     }
 }
@@ -998,6 +1019,7 @@ impl InboxParking for LoggingInbox {
         &self,
         c: &str,
     ) -> Result<Vec<outbox_core::ParkedMessage>, outbox_core::StoreError> {
+        self.retry_reads.fetch_add(1, Ordering::SeqCst);
         self.inner.requested_retries(c).await
     }
     async fn clear_retry_request(
@@ -1019,22 +1041,37 @@ fn scripted_engine(
     msgs: Vec<ReceivedMessage>,
     errors: Vec<SourceError>,
 ) -> (ScriptedEngine, CallLog, Commits) {
+    scripted_engine_with(
+        ScriptedSource {
+            queue: Mutex::new(msgs.into()),
+            commit_errors: Mutex::new(errors.into()),
+            ..ScriptedSource::default()
+        },
+        fast(),
+        false,
+    )
+}
+
+/// An engine over `source` (its log is replaced by the shared one) with `cfg`.
+fn scripted_engine_with(
+    mut source: ScriptedSource,
+    cfg: EngineConfig,
+    failing_cleanup: bool,
+) -> (ScriptedEngine, CallLog, Commits) {
     let log = Arc::new(Mutex::new(Vec::new()));
-    let source = ScriptedSource {
-        queue: Mutex::new(msgs.into()),
-        log: log.clone(),
-        commit_errors: Mutex::new(errors.into()),
-        ..ScriptedSource::default()
-    };
+    source.log = log.clone();
     let commits = source.commits.clone();
     let inbox = LoggingInbox {
         inner: MemoryInboxStore::new(&MemoryDb::default()),
         log: log.clone(),
+        cleanups: Arc::default(),
+        retry_reads: Arc::default(),
+        failing_cleanup,
     };
     let engine = ConsumerEngine::new(
         source,
         InboxProcessor::new("proj", inbox, Script::new()),
-        fast(),
+        cfg,
         1,
     )
     .unwrap();
@@ -1790,4 +1827,170 @@ async fn messages_handed_back_for_a_retry_keep_their_order() {
     assert_eq!((rep.applied, rep.retries, rep.parked), (4, 1, 0));
     assert_eq!(applied(&db, "flaky"), vec![1, 2, 3]);
     assert_eq!(applied(&db, "other"), vec![1]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Poll rounds and housekeeping timing
+
+/// One poll round takes what the source has buffered, up to `max_batch` messages, and stops
+/// taking at `max_in_flight`: never one message past either bound.
+#[tokio::test]
+async fn a_poll_round_takes_at_most_max_batch_and_never_passes_max_in_flight() {
+    let log = MemoryLog::new("t", 1);
+    let db = MemoryDb::default();
+    let script = Script::new();
+    let events: Vec<Envelope> = (0..10).map(|i| ev(&format!("gate{i}"), 1)).collect();
+    publish(&log, &events).await;
+    let cfg = fast()
+        .with_concurrency(1)
+        .with_max_batch(3)
+        .with_max_in_flight(5);
+    let mut eng = engine_on(&log, &db, &script, VersionPolicy::Reject, cfg);
+    for _ in 0..20 {
+        eng.step().await.unwrap();
+        if eng.report().received > 0 {
+            break;
+        }
+    }
+    assert_eq!(eng.report().received, 3, "the first round takes max_batch");
+    // The first three are stuck in their transaction: the next round may take two more.
+    for _ in 0..20 {
+        eng.step().await.unwrap();
+        if eng.report().received > 3 {
+            break;
+        }
+    }
+    assert_eq!(eng.report().received, 5, "a round stops at max_in_flight");
+    for _ in 0..5 {
+        eng.step().await.unwrap();
+    }
+    assert_eq!((eng.report().received, eng.in_flight()), (5, 5));
+    script.open_gate();
+    let rep = eng
+        .run_until_quiet(Duration::from_millis(30))
+        .await
+        .unwrap();
+    assert_eq!(rep.applied, 10);
+}
+
+/// A retention gap found by a poll stops the engine, but what was applied before it is
+/// committed first: a restart must not redo it.
+#[tokio::test]
+async fn a_retention_gap_commits_what_was_finished_before_stopping() {
+    let source = ScriptedSource {
+        queue: Mutex::new(vec![msg(4, &ev("a", 1))].into()),
+        error_after_tx: Mutex::new(Some(SourceError::retention_gap("t/0: 3 records lost"))),
+        ..ScriptedSource::default()
+    };
+    // Neither the count nor the interval commits here: only the final commit can.
+    let cfg = fast().with_commit(1000, Duration::from_secs(3600));
+    let (mut eng, log, _) = scripted_engine_with(source, cfg, false);
+    let mut err = None;
+    for _ in 0..50 {
+        if let Err(e) = eng.step().await {
+            err = Some(e);
+            break;
+        }
+    }
+    let err = err.expect("the engine stopped");
+    assert!(matches!(err, EngineError::RetentionGap(_)), "{err:?}");
+    assert_eq!(
+        *log.lock().unwrap(),
+        vec!["tx-commit".to_string(), "offset-commit 5".to_string()]
+    );
+}
+
+/// While messages keep coming, offsets are committed after every `commit_every` final
+/// messages; the rest when the engine falls quiet, not before.
+#[tokio::test]
+async fn a_busy_engine_commits_after_every_commit_every_messages() {
+    let msgs: Vec<ReceivedMessage> = (0..7).map(|i| msg(i, &ev(&format!("a{i}"), 1))).collect();
+    let source = ScriptedSource {
+        queue: Mutex::new(msgs.into()),
+        ..ScriptedSource::default()
+    };
+    let cfg = fast()
+        .with_commit(2, Duration::from_secs(3600))
+        .with_max_batch(1)
+        .with_concurrency(1);
+    let (mut eng, _, commits) = scripted_engine_with(source, cfg, false);
+    let rep = eng
+        .run_until_quiet(Duration::from_millis(20))
+        .await
+        .unwrap();
+    assert_eq!(rep.applied, 7);
+    let next: Vec<i64> = commits
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            assert_eq!(c.len(), 1, "{c:?}");
+            c[0].next_offset
+        })
+        .collect();
+    assert_eq!(next, vec![2, 4, 6, 7]);
+}
+
+/// A transaction that takes long does not hold back the commit of the messages finished
+/// before it: once `commit_interval` has passed, their offsets are committed while it runs.
+#[tokio::test]
+async fn finished_offsets_are_committed_on_the_interval_while_a_batch_still_runs() {
+    let source = ScriptedSource {
+        queue: Mutex::new(vec![msg(0, &ev("a", 1)), msg(1, &ev("gate1", 1))].into()),
+        ..ScriptedSource::default()
+    };
+    let cfg = fast()
+        .with_commit(1000, Duration::from_millis(5))
+        .with_max_batch(1)
+        .with_concurrency(2);
+    let (mut eng, _, commits) = scripted_engine_with(source, cfg, false);
+    for _ in 0..400 {
+        eng.step().await.unwrap();
+        if !commits.lock().unwrap().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(
+        *commits.lock().unwrap(),
+        vec![vec![CommitOffset::new("t", 0, 1)]]
+    );
+    assert_eq!(eng.in_flight(), 1, "the gated message still runs");
+}
+
+/// After a cleanup run ends (a short batch) or fails, the next one waits for `every`.
+#[tokio::test]
+async fn a_cleanup_run_is_not_repeated_before_its_interval() {
+    for failing in [false, true] {
+        let cfg = fast().with_cleanup(
+            CleanupSchedule::new(Duration::from_secs(3600))
+                .batch_size(10)
+                .every(Duration::from_secs(3600)),
+        );
+        let (mut eng, _, _) = scripted_engine_with(ScriptedSource::default(), cfg, failing);
+        for _ in 0..20 {
+            eng.step().await.unwrap();
+        }
+        assert_eq!(
+            eng.processor().store().cleanups.load(Ordering::SeqCst),
+            1,
+            "failing cleanup: {failing}"
+        );
+        assert_eq!(eng.report().cleaned, 0);
+    }
+}
+
+/// Requested retries are read at the first step, then once per `retry_requests_interval`.
+#[tokio::test]
+async fn requested_retries_are_read_once_per_interval() {
+    let cfg = fast().with_retry_requests_interval(Duration::from_secs(3600));
+    let (mut eng, _, _) = scripted_engine_with(ScriptedSource::default(), cfg, false);
+    for _ in 0..20 {
+        eng.step().await.unwrap();
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        eng.processor().store().retry_reads.load(Ordering::SeqCst),
+        1
+    );
 }

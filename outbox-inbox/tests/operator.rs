@@ -446,6 +446,36 @@ async fn a_request_for_a_message_resolved_meanwhile_is_cleared_without_effect() 
     assert_eq!(applied(&s.db, "x"), Vec::<i64>::new());
 }
 
+/// A requested retry that fails in the store (here every transaction fails to begin, as on a
+/// lost connection) was not performed: its request stays for the next check.
+#[tokio::test]
+async fn a_requested_retry_that_fails_in_the_store_keeps_its_request() {
+    use outbox_core::Classify;
+    use outbox_testkit::fault::{Fault, FaultInjector, FaultSource, FaultyInbox};
+    let s = run(&[ev("x", 1)], VersionPolicy::Reject, &["x"]).await;
+    let ops = s.engine.parked();
+    let id = head(&s).await;
+    ops.request_retry(id, "alice", "try").await.unwrap();
+    let faults = FaultInjector::new(FaultSource::from_call(0, Fault::Transient)).only(&["begin"]);
+    let faulty = ParkedMessages::new(InboxProcessor::new(
+        "proj",
+        FaultyInbox::new(MemoryInboxStore::new(&s.db), faults.clone()),
+        s.script.clone(),
+    ));
+    let done = faulty.perform_requested_retries().await.unwrap();
+    assert_eq!(done.len(), 1);
+    assert!(
+        matches!(&done[0].1, Err(OperatorError::Store(e)) if e.is_transient()),
+        "{:?}",
+        done[0].1
+    );
+    assert!(!faults.injected().is_empty());
+    let kept = ops.requested_retries().await.unwrap();
+    assert_eq!(kept.iter().map(|m| m.id).collect::<Vec<_>>(), vec![id]);
+    let m = ops.show(id).await.unwrap().unwrap();
+    assert_eq!((m.status, m.attempts), (ParkedStatus::Parked, 1));
+}
+
 #[tokio::test]
 async fn the_retry_requests_interval_must_be_above_zero() {
     let log = MemoryLog::new("t", 1);
