@@ -1914,11 +1914,12 @@ async fn a_busy_engine_commits_after_every_commit_every_messages() {
         .with_max_batch(1)
         .with_concurrency(1);
     let (mut eng, _, commits) = scripted_engine_with(source, cfg, false);
-    let rep = eng
-        .run_until_quiet(Duration::from_millis(20))
-        .await
-        .unwrap();
-    assert_eq!(rep.applied, 7);
+    // Steps only (no `run_until_quiet`, which commits at its end): the last offset must be
+    // committed by the first step that finds the engine quiet.
+    for _ in 0..40 {
+        eng.step().await.unwrap();
+    }
+    assert_eq!(eng.report().applied, 7);
     let next: Vec<i64> = commits
         .lock()
         .unwrap()
@@ -1929,6 +1930,36 @@ async fn a_busy_engine_commits_after_every_commit_every_messages() {
         })
         .collect();
     assert_eq!(next, vec![2, 4, 6, 7]);
+}
+
+/// A commit that failed transiently is kept, but a quiet engine does not send it again at
+/// every idle poll: it goes with the next commit (by count, by interval, or the first quiet
+/// step after new progress), not in a loop against a failing coordinator.
+#[tokio::test]
+async fn a_failed_commit_is_not_retried_at_every_idle_step() {
+    let source = ScriptedSource {
+        queue: Mutex::new(vec![msg(0, &ev("a", 1))].into()),
+        commit_errors: Mutex::new(
+            vec![SourceError::new(ErrorClass::Transient, "coordinator moved")].into(),
+        ),
+        ..ScriptedSource::default()
+    };
+    let cfg = fast().with_commit(1000, Duration::from_secs(3600));
+    let (mut eng, _, commits) = scripted_engine_with(source, cfg, false);
+    for _ in 0..30 {
+        eng.step().await.unwrap();
+    }
+    assert_eq!(eng.report().applied, 1);
+    assert_eq!(
+        *commits.lock().unwrap(),
+        vec![vec![CommitOffset::new("t", 0, 1)]],
+        "one attempt, failed, not repeated while idle"
+    );
+    assert_eq!(eng.report().commits, 0);
+    // The next commit carries it.
+    eng.commit_final().await.unwrap();
+    assert_eq!(commits.lock().unwrap().len(), 2);
+    assert_eq!(eng.report().commits, 1);
 }
 
 /// A transaction that takes long does not hold back the commit of the messages finished
