@@ -414,12 +414,15 @@ where
                             status: ParkedStatus::Discarded,
                         });
                     };
-                    // A lower version still open (or one whose version is unknown) is
-                    // released before this one counts as applied: skipping now would make
-                    // it stale, and an event nobody discarded would be lost.
+                    // Another message still open at this version or below (or one whose
+                    // version is unknown) is released before this one counts as applied:
+                    // skipping now would make it stale, and an event nobody discarded would
+                    // be lost. At the same version too: the outbox does not forbid two events
+                    // of one aggregate with one version, and the other one was not discarded.
                     let lower_open = target.record.aggregate_version.is_none_or(|v| {
-                        open.iter()
-                            .any(|m| m.id != id && m.record.aggregate_version.is_none_or(|w| w < v))
+                        open.iter().any(|m| {
+                            m.id != id && m.record.aggregate_version.is_none_or(|w| w <= v)
+                        })
                     });
                     (
                         open.len() - 1,

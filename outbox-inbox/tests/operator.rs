@@ -220,6 +220,68 @@ async fn discarding_a_waiting_message_keeps_the_head() {
     assert!(applied(&s.db, "x").is_empty());
 }
 
+/// Discarding a later version while a lower one of its aggregate is still open must not move
+/// the applied version past the lower one: that one would turn stale and be lost. After the
+/// fix, the head and the versions nobody discarded apply, in order.
+#[tokio::test]
+async fn discarding_a_later_version_leaves_the_lower_open_ones_applicable() {
+    let s = run(
+        &[ev("x", 1), ev("x", 2), ev("x", 3), ev("x", 4)],
+        VersionPolicy::Reject,
+        &["x"],
+    )
+    .await;
+    let ops = s.engine.parked();
+    let v3 = open(&s)
+        .await
+        .into_iter()
+        .find(|m| m.record.aggregate_version == Some(3))
+        .expect("v3 waits behind the head")
+        .id;
+    let r = ops.discard(v3, "bob", "superseded").await.unwrap();
+    assert_eq!((r.discarded, r.released), (1, false));
+    s.script.broken.lock().unwrap().clear();
+    let r = ops.retry(head(&s).await, "carol", "fixed").await.unwrap();
+    assert_eq!((r.applied, r.released), (3, true), "{r:?}");
+    assert_eq!(applied(&s.db, "x"), vec![1, 2, 4]);
+    assert!(open(&s).await.is_empty());
+    effects_once(&s.db);
+}
+
+/// Two events of one aggregate with the same version (the outbox does not forbid it): the
+/// head is parked and the other waits. Discarding the waiting one must not make the head
+/// stale: the head was not discarded, and applies after the fix.
+#[tokio::test]
+async fn discarding_a_waiting_copy_of_the_heads_version_keeps_the_head_applicable() {
+    let s = run(&[ev("x", 2), ev("x", 2)], VersionPolicy::Reject, &["x"]).await;
+    let ops = s.engine.parked();
+    let head_id = head(&s).await;
+    let waiting = open(&s)
+        .await
+        .into_iter()
+        .find(|m| m.status == ParkedStatus::Waiting)
+        .expect("the second v2 waits")
+        .id;
+    ops.discard(waiting, "bob", "duplicate version")
+        .await
+        .unwrap();
+    s.script.broken.lock().unwrap().clear();
+    let r = ops.retry(head_id, "carol", "fixed").await.unwrap();
+    assert_eq!((r.applied, r.released), (1, true), "{r:?}");
+    assert_eq!(applied(&s.db, "x"), vec![2]);
+    // The mirror case: discarding the head releases the waiting copy, which applies.
+    let s = run(&[ev("x", 2), ev("x", 2)], VersionPolicy::Reject, &["x"]).await;
+    let ops = s.engine.parked();
+    s.script.broken.lock().unwrap().clear();
+    let r = ops
+        .discard(head(&s).await, "bob", "duplicate version")
+        .await
+        .unwrap();
+    assert_eq!((r.discarded, r.applied, r.released), (1, 1, true), "{r:?}");
+    assert_eq!(applied(&s.db, "x"), vec![2]);
+    assert!(open(&s).await.is_empty());
+}
+
 #[tokio::test]
 async fn retry_of_a_version_gap_accepts_the_gap_but_never_a_stale_version() {
     let s = run(
