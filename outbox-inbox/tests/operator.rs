@@ -225,25 +225,47 @@ async fn discarding_a_waiting_message_keeps_the_head() {
 /// fix, the head and the versions nobody discarded apply, in order.
 #[tokio::test]
 async fn discarding_a_later_version_leaves_the_lower_open_ones_applicable() {
+    // x: v3 is discarded between open versions; y: the last version is discarded.
     let s = run(
-        &[ev("x", 1), ev("x", 2), ev("x", 3), ev("x", 4)],
+        &[
+            ev("x", 1),
+            ev("x", 2),
+            ev("x", 3),
+            ev("x", 4),
+            ev("y", 1),
+            ev("y", 2),
+            ev("y", 3),
+        ],
         VersionPolicy::Reject,
-        &["x"],
+        &["x", "y"],
     )
     .await;
     let ops = s.engine.parked();
-    let v3 = open(&s)
-        .await
-        .into_iter()
-        .find(|m| m.record.aggregate_version == Some(3))
-        .expect("v3 waits behind the head")
-        .id;
-    let r = ops.discard(v3, "bob", "superseded").await.unwrap();
-    assert_eq!((r.discarded, r.released), (1, false));
+    let find = |all: &[outbox_core::ParkedMessage], agg: &str, v: i64| {
+        all.iter()
+            .find(|m| {
+                m.record.aggregate_version == Some(v)
+                    && m.record
+                        .aggregate
+                        .as_ref()
+                        .is_some_and(|k| k.aggregate_id == agg)
+            })
+            .expect("parked")
+            .id
+    };
+    let all = open(&s).await;
+    let heads = (find(&all, "x", 1), find(&all, "y", 1));
+    for id in [find(&all, "x", 3), find(&all, "y", 3)] {
+        let r = ops.discard(id, "bob", "superseded").await.unwrap();
+        assert_eq!((r.discarded, r.released), (1, false));
+    }
     s.script.broken.lock().unwrap().clear();
-    let r = ops.retry(head(&s).await, "carol", "fixed").await.unwrap();
+    let r = ops.retry(heads.0, "carol", "fixed").await.unwrap();
     assert_eq!((r.applied, r.released), (3, true), "{r:?}");
+    let r = ops.retry(heads.1, "carol", "fixed").await.unwrap();
+    assert_eq!((r.applied, r.released), (2, true), "{r:?}");
     assert_eq!(applied(&s.db, "x"), vec![1, 2, 4]);
+    assert_eq!(applied(&s.db, "y"), vec![1, 2]);
     assert!(open(&s).await.is_empty());
     effects_once(&s.db);
 }
