@@ -401,6 +401,34 @@ mod tests {
             .collect()
     }
 
+    /// A retry delay beyond a year (a policy bug) is recorded as one year, so the retry time
+    /// cannot overflow; shorter delays are recorded as they are.
+    #[test]
+    fn retry_delays_are_capped_at_one_year() {
+        let rows: Vec<ClaimedRow> = (1..=3).map(row).collect();
+        let with_delay = |row: &ClaimedRow, delay: std::time::Duration| match retry(row) {
+            Outcome::Retry {
+                event_id, error, ..
+            } => Outcome::Retry {
+                event_id,
+                delay,
+                error,
+            },
+            _ => unreachable!(),
+        };
+        let year = std::time::Duration::from_secs(365 * 24 * 3600);
+        let outcomes = vec![
+            with_delay(&rows[0], year * 10),
+            with_delay(&rows[1], year - std::time::Duration::from_secs(1)),
+            published(&rows[2]),
+        ];
+        let a = OutcomeArrays::new(&outcomes, &rows);
+        assert_eq!(
+            a.delays,
+            vec![Some(31_536_000_000_000), Some(31_535_999_000_000), None]
+        );
+    }
+
     #[test]
     fn outcomes_reach_their_rows_in_order_shuffled_or_partial() {
         let rows: Vec<ClaimedRow> = (1..=4).map(row).collect();
