@@ -456,8 +456,11 @@ where
             }
             let outcome = if open_rest == 0 {
                 "discarded; nothing waits behind it".to_owned()
-            } else {
+            } else if was_head {
                 format!("discarded; releasing {open_rest} waiting message(s)")
+            } else {
+                // Not the head: nothing is released, the head stays where it is.
+                format!("discarded; {open_rest} other message(s) of its aggregate stay open")
             };
             store
                 .audit(

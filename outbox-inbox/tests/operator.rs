@@ -160,8 +160,16 @@ async fn discard_needs_a_reason_counts_the_version_and_releases_the_rest() {
     let trail = ops.audit_trail(Some(id)).await.unwrap();
     assert_eq!(trail.len(), 1);
     assert_eq!(
-        (trail[0].action, trail[0].reason.as_str()),
-        (InboxAction::Discard, "duplicate order")
+        (
+            trail[0].action,
+            trail[0].reason.as_str(),
+            trail[0].outcome.as_str()
+        ),
+        (
+            InboxAction::Discard,
+            "duplicate order",
+            "discarded; releasing 2 waiting message(s)"
+        )
     );
     // The discarded event is registered: a redelivery is not applied.
     let inbox = MemoryInboxStore::new(&s.db);
@@ -302,6 +310,72 @@ async fn discarding_a_waiting_copy_of_the_heads_version_keeps_the_head_applicabl
     assert_eq!((r.discarded, r.applied, r.released), (1, 1, true), "{r:?}");
     assert_eq!(applied(&s.db, "x"), vec![2]);
     assert!(open(&s).await.is_empty());
+}
+
+/// A discard of the only open message of its aggregate releases it at once, and says so in
+/// the audit trail.
+#[tokio::test]
+async fn discarding_a_lone_message_releases_its_aggregate() {
+    let s = run(&[ev("x", 1)], VersionPolicy::Reject, &["x"]).await;
+    let ops = s.engine.parked();
+    let id = head(&s).await;
+    let r = ops.discard(id, "bob", "voided").await.unwrap();
+    assert_eq!((r.discarded, r.applied, r.released), (1, 0, true));
+    let trail = ops.audit_trail(Some(id)).await.unwrap();
+    assert_eq!(trail.len(), 1);
+    assert_eq!(trail[0].outcome, "discarded; nothing waits behind it");
+    assert!(open(&s).await.is_empty());
+}
+
+/// Discarding a waiting message leaves the head alone: the head is not retried, even when
+/// its handler would now succeed (only an operator's retry or discard of the head does that).
+#[tokio::test]
+async fn discarding_a_waiting_message_does_not_retry_the_head() {
+    let s = run(
+        &[ev("x", 1), ev("x", 2), ev("x", 3)],
+        VersionPolicy::Reject,
+        &["x"],
+    )
+    .await;
+    let ops = s.engine.parked();
+    let head_id = head(&s).await;
+    let attempts = ops.show(head_id).await.unwrap().unwrap().attempts;
+    let v3 = open(&s)
+        .await
+        .into_iter()
+        .find(|m| m.record.aggregate_version == Some(3))
+        .unwrap()
+        .id;
+    s.script.broken.lock().unwrap().clear();
+    let r = ops.discard(v3, "bob", "superseded").await.unwrap();
+    assert_eq!((r.discarded, r.applied, r.released), (1, 0, false));
+    let head = ops.show(head_id).await.unwrap().unwrap();
+    assert_eq!(
+        (head.status, head.attempts),
+        (ParkedStatus::Parked, attempts)
+    );
+    assert!(applied(&s.db, "x").is_empty());
+    assert_eq!(
+        ops.audit_trail(Some(v3)).await.unwrap()[0].outcome,
+        "discarded; 2 other message(s) of its aggregate stay open"
+    );
+}
+
+/// A release applies what is due and skips what turned stale (a second event with a version
+/// already applied), and counts each.
+#[tokio::test]
+async fn a_release_counts_the_stale_messages_it_skips() {
+    let s = run(
+        &[ev("x", 1), ev("x", 2), ev("x", 2)],
+        VersionPolicy::Reject,
+        &["x"],
+    )
+    .await;
+    let ops = s.engine.parked();
+    s.script.broken.lock().unwrap().clear();
+    let r = ops.retry(head(&s).await, "carol", "fixed").await.unwrap();
+    assert_eq!((r.applied, r.skipped, r.released), (2, 1, true), "{r:?}");
+    assert_eq!(applied(&s.db, "x"), vec![1, 2]);
 }
 
 #[tokio::test]
