@@ -168,39 +168,6 @@ impl PostgresOutboxStore {
             }
         }
     }
-
-    /// Runs the completion statement of `claim` under `EXPLAIN (ANALYZE, BUFFERS)` in a
-    /// transaction that is rolled back (lease mode only; nothing is recorded).
-    #[doc(hidden)]
-    pub async fn explain_complete(
-        &self,
-        claim: &ClaimHandle,
-        outcomes: &[Outcome],
-    ) -> Result<String, StoreError> {
-        let rows = self.lease_rows(claim.token).await?;
-        self.inner
-            .leased
-            .lock()
-            .expect("poisoned")
-            .insert(claim.token, (rows.clone(), std::time::Instant::now()));
-        let mut tx = self.inner.pool.begin_with(BEGIN_CLAIM).await.map_err(db)?;
-        let sql = format!(
-            "EXPLAIN (ANALYZE, BUFFERS) {}",
-            self.inner.sql.complete_lease
-        );
-        let lines: Vec<String> = OutcomeArrays::new(outcomes, &rows)
-            .bind(sqlx::query(&sql))
-            .bind(claim.token)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(db)?
-            .iter()
-            .map(|r| r.try_get::<String, _>(0))
-            .collect::<Result<_, _>>()
-            .map_err(db)?;
-        tx.rollback().await.map_err(db)?;
-        Ok(lines.join("\n"))
-    }
 }
 
 /// The completion report: outcomes whose row was not updated were refused.
