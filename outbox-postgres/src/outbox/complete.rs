@@ -368,6 +368,20 @@ mod tests {
             .collect()
     }
 
+    /// A connection lost under a locked claim means the claim is gone (its locks went with
+    /// the session); any other failure keeps its kind.
+    #[test]
+    fn a_lost_connection_under_a_locked_claim_is_a_lost_lease() {
+        let e = lost_claim(StoreError::new(StoreErrorKind::Connection, "reset by peer"));
+        assert_eq!(e.kind, StoreErrorKind::LeaseLost);
+        assert!(e.message.contains("reset by peer"), "{}", e.message);
+        let e = lost_claim(StoreError::new(StoreErrorKind::Conflict, "serialization"));
+        assert_eq!(
+            (e.kind, e.message.as_str()),
+            (StoreErrorKind::Conflict, "serialization")
+        );
+    }
+
     /// A retry delay beyond a year (a policy bug) is recorded as one year, so the retry time
     /// cannot overflow; shorter delays are recorded as they are.
     #[test]
