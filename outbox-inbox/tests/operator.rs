@@ -634,6 +634,48 @@ async fn a_requested_retry_that_fails_in_the_store_keeps_its_request() {
     assert_eq!((m.status, m.attempts), (ParkedStatus::Parked, 1));
 }
 
+/// A message resolved between a retry request's first look and its transaction is refused
+/// inside the transaction: no request is recorded on a resolved message. (The request's
+/// transaction is held back by an injected latency while another operator discards.)
+#[tokio::test]
+async fn a_retry_request_for_a_message_resolved_meanwhile_is_refused() {
+    use outbox_testkit::fault::{Fault, FaultInjector, FaultSource, FaultyInbox};
+    let s = run(&[ev("x", 1)], VersionPolicy::Reject, &["x"]).await;
+    let ops = s.engine.parked();
+    let id = head(&s).await;
+    let faults = FaultInjector::new(FaultSource::script([Some(Fault::Latency(
+        Duration::from_millis(200),
+    ))]))
+    .only(&["begin"]);
+    let slow = ParkedMessages::new(InboxProcessor::new(
+        "proj",
+        FaultyInbox::new(MemoryInboxStore::new(&s.db), faults.clone()),
+        s.script.clone(),
+    ));
+    let request = tokio::spawn(async move { slow.request_retry(id, "alice", "try").await });
+    // The request has looked at the message and waits to begin its transaction.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(faults.injected().len(), 1, "the request is held at begin");
+    ops.discard(id, "bob", "voided").await.unwrap();
+    let r = request.await.unwrap();
+    assert!(
+        matches!(
+            r,
+            Err(OperatorError::NotOpen {
+                status: ParkedStatus::Discarded,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(ops.requested_retries().await.unwrap().is_empty());
+    let trail = ops.audit_trail(Some(id)).await.unwrap();
+    assert_eq!(
+        trail.iter().map(|a| a.action).collect::<Vec<_>>(),
+        vec![InboxAction::Discard]
+    );
+}
+
 #[tokio::test]
 async fn the_retry_requests_interval_must_be_above_zero() {
     let log = MemoryLog::new("t", 1);
