@@ -383,7 +383,9 @@ where
     }
 
     /// Resolves parked message `id` without effect, with a reason, then releases its
-    /// aggregate's waiting messages.
+    /// aggregate's waiting messages (only when `id` was the head: discarding a waiting message
+    /// leaves the head parked). The discarded version counts as applied once no other open
+    /// message of the aggregate at or below it waits, so none of those turns stale.
     pub async fn discard(
         &self,
         id: ParkedId,
