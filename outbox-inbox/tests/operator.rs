@@ -50,6 +50,28 @@ async fn open(s: &Setup) -> Vec<outbox_core::ParkedMessage> {
     s.engine.parked().list(&ParkedFilter::open()).await.unwrap()
 }
 
+/// Aggregate `x` with these versions, its handler failing: the first is parked, the rest wait.
+async fn broken_x(versions: &[i64]) -> Setup {
+    let events: Vec<Envelope> = versions.iter().map(|v| ev("x", *v)).collect();
+    run(&events, VersionPolicy::Reject, &["x"]).await
+}
+
+/// The open parked message of aggregate `agg` at version `v`.
+async fn parked_version(s: &Setup, agg: &str, v: i64) -> ParkedId {
+    open(s)
+        .await
+        .into_iter()
+        .find(|m| {
+            m.record.aggregate_version == Some(v)
+                && m.record
+                    .aggregate
+                    .as_ref()
+                    .is_some_and(|k| k.aggregate_id == agg)
+        })
+        .expect("an open parked message at that version")
+        .id
+}
+
 async fn head(s: &Setup) -> ParkedId {
     open(s)
         .await
@@ -116,7 +138,7 @@ async fn retry_applies_the_head_then_releases_the_waiting_messages_in_order() {
 
 #[tokio::test]
 async fn the_aggregate_flows_again_after_a_release() {
-    let mut s = run(&[ev("x", 1), ev("x", 2)], VersionPolicy::Reject, &["x"]).await;
+    let mut s = broken_x(&[1, 2]).await;
     s.script.broken.lock().unwrap().clear();
     let id = head(&s).await;
     s.engine.parked().retry(id, "ops", "fixed").await.unwrap();
@@ -134,12 +156,7 @@ async fn the_aggregate_flows_again_after_a_release() {
 
 #[tokio::test]
 async fn discard_needs_a_reason_counts_the_version_and_releases_the_rest() {
-    let s = run(
-        &[ev("x", 1), ev("x", 2), ev("x", 3)],
-        VersionPolicy::Reject,
-        &["x"],
-    )
-    .await;
+    let s = broken_x(&[1, 2, 3]).await;
     let ops = s.engine.parked();
     let id = head(&s).await;
     assert!(matches!(
@@ -201,7 +218,7 @@ async fn discard_moves_the_applied_version_up_to_the_discarded_one() {
         .unwrap();
     assert_eq!(inbox(&s).applied_version("proj", &key), Some(2));
     // From nothing: the aggregate's first message parked and discarded.
-    let s = run(&[ev("x", 1)], VersionPolicy::Reject, &["x"]).await;
+    let s = broken_x(&[1]).await;
     assert_eq!(inbox(&s).applied_version("proj", &key), None);
     let id = head(&s).await;
     s.engine
@@ -214,7 +231,7 @@ async fn discard_moves_the_applied_version_up_to_the_discarded_one() {
 
 #[tokio::test]
 async fn discarding_a_waiting_message_keeps_the_head() {
-    let s = run(&[ev("x", 1), ev("x", 2)], VersionPolicy::Reject, &["x"]).await;
+    let s = broken_x(&[1, 2]).await;
     let ops = s.engine.parked();
     let waiting = open(&s)
         .await
@@ -249,21 +266,14 @@ async fn discarding_a_later_version_leaves_the_lower_open_ones_applicable() {
     )
     .await;
     let ops = s.engine.parked();
-    let find = |all: &[outbox_core::ParkedMessage], agg: &str, v: i64| {
-        all.iter()
-            .find(|m| {
-                m.record.aggregate_version == Some(v)
-                    && m.record
-                        .aggregate
-                        .as_ref()
-                        .is_some_and(|k| k.aggregate_id == agg)
-            })
-            .expect("parked")
-            .id
-    };
-    let all = open(&s).await;
-    let heads = (find(&all, "x", 1), find(&all, "y", 1));
-    for id in [find(&all, "x", 3), find(&all, "y", 3)] {
+    let heads = (
+        parked_version(&s, "x", 1).await,
+        parked_version(&s, "y", 1).await,
+    );
+    for id in [
+        parked_version(&s, "x", 3).await,
+        parked_version(&s, "y", 3).await,
+    ] {
         let r = ops.discard(id, "bob", "superseded").await.unwrap();
         assert_eq!((r.discarded, r.released), (1, false));
     }
@@ -283,7 +293,7 @@ async fn discarding_a_later_version_leaves_the_lower_open_ones_applicable() {
 /// stale: the head was not discarded, and applies after the fix.
 #[tokio::test]
 async fn discarding_a_waiting_copy_of_the_heads_version_keeps_the_head_applicable() {
-    let s = run(&[ev("x", 2), ev("x", 2)], VersionPolicy::Reject, &["x"]).await;
+    let s = broken_x(&[2, 2]).await;
     let ops = s.engine.parked();
     let head_id = head(&s).await;
     let waiting = open(&s)
@@ -300,7 +310,7 @@ async fn discarding_a_waiting_copy_of_the_heads_version_keeps_the_head_applicabl
     assert_eq!((r.applied, r.released), (1, true), "{r:?}");
     assert_eq!(applied(&s.db, "x"), vec![2]);
     // The mirror case: discarding the head releases the waiting copy, which applies.
-    let s = run(&[ev("x", 2), ev("x", 2)], VersionPolicy::Reject, &["x"]).await;
+    let s = broken_x(&[2, 2]).await;
     let ops = s.engine.parked();
     s.script.broken.lock().unwrap().clear();
     let r = ops
@@ -316,7 +326,7 @@ async fn discarding_a_waiting_copy_of_the_heads_version_keeps_the_head_applicabl
 /// the audit trail.
 #[tokio::test]
 async fn discarding_a_lone_message_releases_its_aggregate() {
-    let s = run(&[ev("x", 1)], VersionPolicy::Reject, &["x"]).await;
+    let s = broken_x(&[1]).await;
     let ops = s.engine.parked();
     let id = head(&s).await;
     let r = ops.discard(id, "bob", "voided").await.unwrap();
@@ -331,21 +341,11 @@ async fn discarding_a_lone_message_releases_its_aggregate() {
 /// its handler would now succeed (only an operator's retry or discard of the head does that).
 #[tokio::test]
 async fn discarding_a_waiting_message_does_not_retry_the_head() {
-    let s = run(
-        &[ev("x", 1), ev("x", 2), ev("x", 3)],
-        VersionPolicy::Reject,
-        &["x"],
-    )
-    .await;
+    let s = broken_x(&[1, 2, 3]).await;
     let ops = s.engine.parked();
     let head_id = head(&s).await;
     let attempts = ops.show(head_id).await.unwrap().unwrap().attempts;
-    let v3 = open(&s)
-        .await
-        .into_iter()
-        .find(|m| m.record.aggregate_version == Some(3))
-        .unwrap()
-        .id;
+    let v3 = parked_version(&s, "x", 3).await;
     s.script.broken.lock().unwrap().clear();
     let r = ops.discard(v3, "bob", "superseded").await.unwrap();
     assert_eq!((r.discarded, r.applied, r.released), (1, 0, false));
@@ -365,12 +365,7 @@ async fn discarding_a_waiting_message_does_not_retry_the_head() {
 /// already applied), and counts each.
 #[tokio::test]
 async fn a_release_counts_the_stale_messages_it_skips() {
-    let s = run(
-        &[ev("x", 1), ev("x", 2), ev("x", 2)],
-        VersionPolicy::Reject,
-        &["x"],
-    )
-    .await;
+    let s = broken_x(&[1, 2, 2]).await;
     let ops = s.engine.parked();
     s.script.broken.lock().unwrap().clear();
     let r = ops.retry(head(&s).await, "carol", "fixed").await.unwrap();
@@ -452,22 +447,12 @@ async fn an_undecodable_message_can_only_be_discarded() {
 
 #[tokio::test]
 async fn a_release_that_fails_half_way_leaves_the_failing_message_as_the_head() {
-    let s = run(
-        &[ev("x", 1), ev("x", 2), ev("x", 3)],
-        VersionPolicy::Reject,
-        &["x"],
-    )
-    .await;
+    let s = broken_x(&[1, 2, 3]).await;
     let ops = s.engine.parked();
     let id = head(&s).await;
     // Make only v2 fail: a handler that fails on version 2.
     s.script.broken.lock().unwrap().clear();
-    let two = open(&s)
-        .await
-        .into_iter()
-        .find(|m| m.record.aggregate_version == Some(2))
-        .unwrap()
-        .id;
+    let two = parked_version(&s, "x", 2).await;
     // Fails again on v2 because "x" is broken for v2 only: emulate by re-breaking after v1.
     let processor = InboxProcessor::new(
         "proj",
@@ -588,7 +573,7 @@ async fn a_requested_retry_is_performed_by_the_engine_and_cleared_also_when_it_f
 
 #[tokio::test]
 async fn a_request_for_a_message_resolved_meanwhile_is_cleared_without_effect() {
-    let mut s = run(&[ev("x", 1), ev("x", 2)], VersionPolicy::Reject, &["x"]).await;
+    let mut s = broken_x(&[1, 2]).await;
     let ops = s.engine.parked();
     let id = head(&s).await;
     ops.request_retry(id, "alice", "try").await.unwrap();
@@ -610,7 +595,7 @@ async fn a_request_for_a_message_resolved_meanwhile_is_cleared_without_effect() 
 async fn a_requested_retry_that_fails_in_the_store_keeps_its_request() {
     use outbox_core::Classify;
     use outbox_testkit::fault::{Fault, FaultInjector, FaultSource, FaultyInbox};
-    let s = run(&[ev("x", 1)], VersionPolicy::Reject, &["x"]).await;
+    let s = broken_x(&[1]).await;
     let ops = s.engine.parked();
     let id = head(&s).await;
     ops.request_retry(id, "alice", "try").await.unwrap();
@@ -640,7 +625,7 @@ async fn a_requested_retry_that_fails_in_the_store_keeps_its_request() {
 #[tokio::test]
 async fn a_retry_request_for_a_message_resolved_meanwhile_is_refused() {
     use outbox_testkit::fault::{Fault, FaultInjector, FaultSource, FaultyInbox};
-    let s = run(&[ev("x", 1)], VersionPolicy::Reject, &["x"]).await;
+    let s = broken_x(&[1]).await;
     let ops = s.engine.parked();
     let id = head(&s).await;
     let faults = FaultInjector::new(FaultSource::script([Some(Fault::Latency(
