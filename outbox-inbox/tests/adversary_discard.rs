@@ -601,3 +601,91 @@ async fn discarding_the_head_of_three_same_version_copies() {
     ctx.effects_once().await;
     ctx.drop().await;
 }
+
+/// Attack 6: the head is a version gap (v3 after v1) and a copy of v3 waits. Discarding the
+/// head must not skip v3 (the copy was not discarded): the copy is released, is a gap itself,
+/// and stays parked as the new head (not stale, not lost) until the operator retries it.
+#[tokio::test]
+async fn discarding_a_gap_head_with_a_same_version_copy_keeps_the_copy() {
+    let ctx = ctx!("discarding_a_gap_head_with_a_same_version_copy_keeps_the_copy");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let log = MemoryLog::new("t", 1);
+    log.publish(&[&ev("a", 1), &ev("a", 3), &ev("a", 3)]).await;
+    let mut eng = engine(
+        log.consumer(GROUP, &["t"]),
+        &inbox,
+        &h,
+        VersionPolicy::Reject,
+        fast(),
+    );
+    let r = quiet(&mut eng).await;
+    assert_eq!((r.applied, r.parked, r.waiting), (1, 1, 1), "{r:?}");
+    let open = open_parked(&inbox).await;
+    let (head, copy) = (open[0].id, open[1].id);
+    assert_eq!(open[0].status, ParkedStatus::Parked);
+    let ops = eng.parked();
+    let d = ops.discard(head, "bob", "dup v3").await.unwrap();
+    assert_eq!(d.applied + d.skipped, 0, "{d:?}");
+    assert_eq!(d.still_parked.as_ref().map(|(id, _)| *id), Some(copy), "{d:?}");
+    assert_eq!(status(&inbox, copy).await, ParkedStatus::Parked);
+    assert_eq!(agg_state(&ctx, "a").await, (Some(1), true));
+    let r = ops.retry(copy, "alice", "v2 will not come").await.unwrap();
+    assert_eq!((r.applied, r.released), (1, true), "{r:?}");
+    log.publish(&[&ev("a", 4)]).await;
+    let r = quiet(&mut eng).await;
+    assert_eq!(r.parked, 1, "{r:?}");
+    assert_eq!(ctx.applied("a").await, vec![1, 3, 4]);
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
+
+/// Attack 7: the operator process dies (its task is aborted) after the discard of the head
+/// committed, while its release holds the waiting copy in the handler. The copy is left
+/// waiting with no parked head; it stays listed, and a retry of it applies it once; the
+/// next version follows.
+#[tokio::test]
+async fn operator_dies_between_the_discard_and_its_release() {
+    let ctx = ctx!("operator_dies_between_the_discard_and_its_release");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let (log, mut eng, head, copy) = two_copies(&ctx, &inbox, &h, 2).await;
+    ctx.fix("poison-a").await;
+    let gate = h.gate("poison-a");
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let o = ops.clone();
+    let discard = tokio::spawn(async move { o.discard(head, "alice", "dup head").await });
+    h.wait_entered(1).await;
+    discard.abort();
+    assert!(discard.await.unwrap_err().is_cancelled());
+    h.gates.lock().unwrap().clear();
+    gate.add_permits(1_000);
+    // The aborted release's transaction is rolled back when its connection is reused/closed.
+    eventually("the aborted transaction ended", || async {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
+             AND state LIKE 'idle in transaction%'",
+        )
+        .bind(&ctx.schema)
+        .fetch_one(&ctx.pool)
+        .await
+        .unwrap();
+        n == 0
+    })
+    .await;
+    assert_eq!(status(&inbox, head).await, ParkedStatus::Discarded);
+    assert_eq!(status(&inbox, copy).await, ParkedStatus::Waiting);
+    assert_eq!(ctx.applied("poison-a").await, vec![1]);
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(1), true));
+    // v3 arrives meanwhile: it waits (the aggregate is still blocked), not applied before v2.
+    log.publish(&[&ev("poison-a", 3)]).await;
+    let r = quiet(&mut eng).await;
+    assert_eq!(r.waiting, 2, "{r:?}");
+    assert_eq!(ctx.applied("poison-a").await, vec![1]);
+    let r = ops.retry(copy, "carol", "finish the release").await.unwrap();
+    assert_eq!((r.applied, r.released), (2, true), "{r:?}");
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 2, 3]);
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(3), false));
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
