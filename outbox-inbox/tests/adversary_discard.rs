@@ -794,3 +794,71 @@ async fn release_failure_after_a_concurrent_discard_of_the_copy() {
     assert_eq!(r1.discarded, 1, "{r1:?}");
     ctx.drop().await;
 }
+
+/// Attack 10: the discard of a lone parked head (v2) races the running engine receiving a
+/// same-version copy and v3 (both queued behind a test lock on the aggregate). Whoever wins,
+/// the head is never applied, the copy at most once (applied if it was parked behind the head
+/// before the discard; a stale copy of a counted version otherwise), v3 exactly once, last,
+/// and nothing stays parked or blocked.
+#[tokio::test]
+async fn discard_of_a_lone_head_racing_the_engine_parking_a_copy() {
+    let ctx = ctx!("discard_of_a_lone_head_racing_the_engine_parking_a_copy");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let src = Scripted::default();
+    ctx.fix("poison-a").await;
+    src.push(0, &ev("poison-a", 1));
+    let eng = engine(src.clone(), &inbox, &h, VersionPolicy::Reject, fast());
+    let (stop, task) = spawn_engine(eng);
+    eventually("v1 applied", || async {
+        ctx.applied("poison-a").await == vec![1]
+    })
+    .await;
+    sqlx::query(&format!("DELETE FROM \"{}\".fixes", ctx.schema))
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
+    let a = ev("poison-a", 2);
+    src.push(1, &a);
+    eventually("v2 parked", || async { open_parked(&inbox).await.len() == 1 }).await;
+    let head = open_parked(&inbox).await[0].id;
+    ctx.fix("poison-a").await;
+    let lock = lock_aggregate(&ctx, "poison-a").await;
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let o = ops.clone();
+    let d = tokio::spawn(async move { o.discard(head, "alice", "void v2").await });
+    let b = ev("poison-a", 2);
+    src.push(2, &b);
+    src.push(3, &ev("poison-a", 3));
+    wait_blocked(&ctx, 2).await;
+    lock.commit().await.unwrap();
+    let d = d.await.unwrap().unwrap();
+    assert_eq!(d.discarded, 1, "{d:?}");
+    eventually("v3 applied", || async {
+        ctx.applied("poison-a").await.last() == Some(&3)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    stop.send(()).unwrap();
+    task.await.unwrap();
+    let applied = ctx.applied("poison-a").await;
+    assert!(
+        applied == vec![1, 3] || applied == vec![1, 2, 3],
+        "{applied:?} {d:?}"
+    );
+    if applied.len() == 3 {
+        let v2: uuid::Uuid = sqlx::query_scalar(&format!(
+            "SELECT dedup_id FROM \"{}\".effects WHERE version = 2",
+            ctx.schema
+        ))
+        .fetch_one(&ctx.pool)
+        .await
+        .unwrap();
+        assert_eq!(v2, b.dedup_id().as_uuid(), "the copy, never the head");
+    }
+    assert_eq!(status(&inbox, head).await, ParkedStatus::Discarded);
+    assert!(open_parked(&inbox).await.is_empty());
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(3), false));
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
