@@ -40,7 +40,9 @@ async fn status(inbox: &outbox_postgres::PostgresInboxStore, id: ParkedId) -> Pa
         .status
 }
 
-async fn all_parked(inbox: &outbox_postgres::PostgresInboxStore) -> Vec<outbox_core::ParkedMessage> {
+async fn all_parked(
+    inbox: &outbox_postgres::PostgresInboxStore,
+) -> Vec<outbox_core::ParkedMessage> {
     inbox
         .list_parked(GROUP, &ParkedFilter::open().all())
         .await
@@ -95,7 +97,12 @@ async fn two_copies(
     inbox: &outbox_postgres::PostgresInboxStore,
     h: &Effects,
     v: i64,
-) -> (MemoryLog, Engine<outbox_testkit::MemoryConsumer>, ParkedId, ParkedId) {
+) -> (
+    MemoryLog,
+    Engine<outbox_testkit::MemoryConsumer>,
+    ParkedId,
+    ParkedId,
+) {
     let log = MemoryLog::new("t", 1);
     let mut evs = Vec::new();
     for i in 1..v {
@@ -162,7 +169,10 @@ async fn concurrent_discards_of_both_same_version_copies() {
             Err(e) => panic!("a discard of an open message failed: {e} ({r1:?} {r2:?})"),
         }
     }
-    assert_eq!(r1.as_ref().unwrap().applied + r2.as_ref().unwrap().applied, 0);
+    assert_eq!(
+        r1.as_ref().unwrap().applied + r2.as_ref().unwrap().applied,
+        0
+    );
     assert_eq!(status(&inbox, head).await, ParkedStatus::Discarded);
     assert_eq!(status(&inbox, copy).await, ParkedStatus::Discarded);
     assert_eq!(ctx.applied("poison-a").await, vec![1]);
@@ -374,7 +384,11 @@ async fn discard_of_the_head_while_the_copy_is_released_and_redelivered() {
     .fetch_all(&ctx.pool)
     .await
     .unwrap();
-    assert_eq!(dedups, vec![b.dedup_id().as_uuid()], "the copy, not the head");
+    assert_eq!(
+        dedups,
+        vec![b.dedup_id().as_uuid()],
+        "the copy, not the head"
+    );
     assert_eq!(status(&inbox, head).await, ParkedStatus::Discarded);
     assert_eq!(status(&inbox, copy).await, ParkedStatus::Applied);
     assert_eq!(agg_state(&ctx, "poison-a").await, (Some(2), false));
@@ -636,7 +650,11 @@ async fn discarding_a_gap_head_with_a_same_version_copy_keeps_the_copy() {
     let ops = eng.parked();
     let d = ops.discard(head, "bob", "dup v3").await.unwrap();
     assert_eq!(d.applied + d.skipped, 0, "{d:?}");
-    assert_eq!(d.still_parked.as_ref().map(|(id, _)| *id), Some(copy), "{d:?}");
+    assert_eq!(
+        d.still_parked.as_ref().map(|(id, _)| *id),
+        Some(copy),
+        "{d:?}"
+    );
     assert_eq!(status(&inbox, copy).await, ParkedStatus::Parked);
     assert_eq!(agg_state(&ctx, "a").await, (Some(1), true));
     let r = ops.retry(copy, "alice", "v2 will not come").await.unwrap();
@@ -691,7 +709,10 @@ async fn operator_dies_between_the_discard_and_its_release() {
     let r = quiet(&mut eng).await;
     assert_eq!(r.waiting, 2, "{r:?}");
     assert_eq!(ctx.applied("poison-a").await, vec![1]);
-    let r = ops.retry(copy, "carol", "finish the release").await.unwrap();
+    let r = ops
+        .retry(copy, "carol", "finish the release")
+        .await
+        .unwrap();
     assert_eq!((r.applied, r.released), (2, true), "{r:?}");
     assert_eq!(ctx.applied("poison-a").await, vec![1, 2, 3]);
     assert_eq!(agg_state(&ctx, "poison-a").await, (Some(3), false));
@@ -820,7 +841,10 @@ async fn discard_of_a_lone_head_racing_the_engine_parking_a_copy() {
         .unwrap();
     let a = ev("poison-a", 2);
     src.push(1, &a);
-    eventually("v2 parked", || async { open_parked(&inbox).await.len() == 1 }).await;
+    eventually("v2 parked", || async {
+        open_parked(&inbox).await.len() == 1
+    })
+    .await;
     let head = open_parked(&inbox).await[0].id;
     ctx.fix("poison-a").await;
     let lock = lock_aggregate(&ctx, "poison-a").await;
