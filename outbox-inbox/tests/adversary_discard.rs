@@ -1,0 +1,888 @@
+//! Adversarial tests of `ParkedMessages::discard` against a real PostgreSQL inbox, aimed at
+//! the hold-back of the skip when another open message of the aggregate has a version at or
+//! below the discarded one (two events of one aggregate may share a version).
+//!
+//! Invariants attacked: an event nobody discarded is never lost, none is applied twice, and
+//! parking holds only its aggregate (once everything parked is resolved, the next version
+//! applies: no gap, no stale).
+
+#[macro_use]
+mod adversary_common;
+use adversary_common::*;
+
+use std::time::Duration;
+
+use outbox_core::{InboxParking, ParkedFilter, ParkedId, ParkedStatus, Publisher};
+use outbox_inbox::{OperatorError, VersionPolicy};
+use outbox_testkit::MemoryLog;
+
+/// The aggregate row of `agg` for this test's consumer: (applied version, blocked).
+async fn agg_state(ctx: &Ctx, agg: &str) -> (Option<i64>, bool) {
+    sqlx::query_as(&format!(
+        "SELECT applied_version, blocked FROM \"{}\".processed_events_aggregates \
+         WHERE consumer = $1 AND aggregate_type = 'order' AND aggregate_id = $2",
+        ctx.schema
+    ))
+    .bind(GROUP)
+    .bind(agg)
+    .fetch_optional(&ctx.pool)
+    .await
+    .unwrap()
+    .unwrap_or((None, false))
+}
+
+async fn status(inbox: &outbox_postgres::PostgresInboxStore, id: ParkedId) -> ParkedStatus {
+    inbox
+        .parked_message(GROUP, id)
+        .await
+        .unwrap()
+        .expect("parked message")
+        .status
+}
+
+async fn all_parked(
+    inbox: &outbox_postgres::PostgresInboxStore,
+) -> Vec<outbox_core::ParkedMessage> {
+    inbox
+        .list_parked(GROUP, &ParkedFilter::open().all())
+        .await
+        .unwrap()
+}
+
+/// Holds the aggregate row of `agg` locked (FOR UPDATE) in a test transaction, so operator
+/// transactions queue behind it and start together when it ends.
+async fn lock_aggregate(ctx: &Ctx, agg: &str) -> PgTx {
+    let mut tx = ctx.pool.begin().await.unwrap();
+    let n: Option<i32> = sqlx::query_scalar(&format!(
+        "SELECT 1 FROM \"{}\".processed_events_aggregates \
+         WHERE consumer = $1 AND aggregate_type = 'order' AND aggregate_id = $2 FOR UPDATE",
+        ctx.schema
+    ))
+    .bind(GROUP)
+    .bind(agg)
+    .fetch_optional(&mut *tx)
+    .await
+    .unwrap();
+    assert!(n.is_some(), "the aggregate row exists");
+    tx
+}
+
+/// Waits until `n` sessions of this test wait on a lock.
+async fn wait_blocked(ctx: &Ctx, n: usize) -> Vec<i32> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let found: Vec<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = $1 \
+             AND cardinality(pg_blocking_pids(pid)) > 0",
+        )
+        .bind(&ctx.schema)
+        .fetch_all(&ctx.pool)
+        .await
+        .unwrap();
+        if found.len() >= n {
+            return found;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{n} sessions did not become blocked"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Parks `poison-a` v`v` twice (two distinct events, one version): the first is the parked
+/// head, the second waits. Returns the engine's log, the engine and (head, copy).
+async fn two_copies(
+    ctx: &Ctx,
+    inbox: &outbox_postgres::PostgresInboxStore,
+    h: &Effects,
+    v: i64,
+) -> (
+    MemoryLog,
+    Engine<outbox_testkit::MemoryConsumer>,
+    ParkedId,
+    ParkedId,
+) {
+    let log = MemoryLog::new("t", 1);
+    let mut evs = Vec::new();
+    for i in 1..v {
+        evs.push(ev("poison-a", i));
+    }
+    let mut eng = engine(
+        log.consumer(GROUP, &["t"]),
+        inbox,
+        h,
+        VersionPolicy::Reject,
+        fast(),
+    );
+    if !evs.is_empty() {
+        ctx.fix("poison-a").await;
+        log.publish(&evs.iter().collect::<Vec<_>>()).await;
+        quiet(&mut eng).await;
+        sqlx::query(&format!("DELETE FROM \"{}\".fixes", ctx.schema))
+            .execute(&ctx.pool)
+            .await
+            .unwrap();
+    }
+    let (a, b) = (ev("poison-a", v), ev("poison-a", v));
+    assert_ne!(a.dedup_id(), b.dedup_id(), "two distinct events");
+    log.publish(&[&a, &b, &ev("c", 1)]).await;
+    let r = quiet(&mut eng).await;
+    assert_eq!((r.parked, r.waiting), (1, 1), "{r:?}");
+    let open = open_parked(inbox).await;
+    assert_eq!(open.len(), 2);
+    let head = open
+        .iter()
+        .find(|m| m.status == ParkedStatus::Parked)
+        .unwrap()
+        .id;
+    let copy = open
+        .iter()
+        .find(|m| m.status == ParkedStatus::Waiting)
+        .unwrap()
+        .id;
+    assert_eq!(ctx.applied("c").await, vec![1], "other aggregates flow");
+    (log, eng, head, copy)
+}
+
+/// Attack 1: two operators discard both open same-version copies; their transactions are
+/// queued behind a test lock and start together. Neither is applied, both are discarded, the
+/// aggregate is released and counts the version: the next version applies.
+#[tokio::test]
+async fn concurrent_discards_of_both_same_version_copies() {
+    let ctx = ctx!("concurrent_discards_of_both_same_version_copies");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let (log, mut eng, head, copy) = two_copies(&ctx, &inbox, &h, 2).await;
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(1), true));
+    let lock = lock_aggregate(&ctx, "poison-a").await;
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let (o1, o2) = (ops.clone(), ops.clone());
+    let d1 = tokio::spawn(async move { o1.discard(head, "alice", "dup head").await });
+    let d2 = tokio::spawn(async move { o2.discard(copy, "bob", "dup copy").await });
+    wait_blocked(&ctx, 2).await;
+    lock.commit().await.unwrap();
+    let (r1, r2) = (d1.await.unwrap(), d2.await.unwrap());
+    for r in [&r1, &r2] {
+        match r {
+            Ok(rep) => assert_eq!(rep.discarded, 1, "{rep:?}"),
+            Err(e) => panic!("a discard of an open message failed: {e} ({r1:?} {r2:?})"),
+        }
+    }
+    assert_eq!(
+        r1.as_ref().unwrap().applied + r2.as_ref().unwrap().applied,
+        0
+    );
+    assert_eq!(status(&inbox, head).await, ParkedStatus::Discarded);
+    assert_eq!(status(&inbox, copy).await, ParkedStatus::Discarded);
+    assert_eq!(ctx.applied("poison-a").await, vec![1]);
+    assert!(open_parked(&inbox).await.is_empty());
+    assert_eq!(
+        agg_state(&ctx, "poison-a").await,
+        (Some(2), false),
+        "{r1:?} {r2:?}"
+    );
+    for (id, reason) in [(head, "dup head"), (copy, "dup copy")] {
+        let trail = inbox.audit_trail(GROUP, Some(id)).await.unwrap();
+        assert_eq!(trail.len(), 1, "{trail:?}");
+        assert_eq!(trail[0].reason, reason);
+    }
+    // v3 follows: no gap, not stale.
+    ctx.fix("poison-a").await;
+    log.publish(&[&ev("poison-a", 3)]).await;
+    let r = quiet(&mut eng).await;
+    assert_eq!(r.parked, 1, "no new parking: {r:?}");
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 3]);
+    assert_eq!(ctx.effects_once().await, 3);
+    ctx.drop().await;
+}
+
+/// Attack 1b: the same, the two discards started together without a lock (plain spawn),
+/// repeated on fresh aggregates: whatever the order, both are discarded and the version
+/// counts.
+#[tokio::test]
+async fn racing_discards_of_same_version_copies_unforced() {
+    let ctx = ctx!("racing_discards_of_same_version_copies_unforced");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let (log, mut eng, head, copy) = two_copies(&ctx, &inbox, &h, 1).await;
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(2));
+    let (o1, o2, b1, b2) = (ops.clone(), ops.clone(), barrier.clone(), barrier.clone());
+    let d1 = tokio::spawn(async move {
+        b1.wait().await;
+        o1.discard(copy, "bob", "dup copy").await
+    });
+    let d2 = tokio::spawn(async move {
+        b2.wait().await;
+        o2.discard(head, "alice", "dup head").await
+    });
+    let (r1, r2) = (d1.await.unwrap(), d2.await.unwrap());
+    assert!(r1.is_ok(), "{r1:?} {r2:?}");
+    // The head's discard commits, then its release fails on the (unfixed) copy; when the
+    // copy's discard slips in between, the release reports a store NotFound although the
+    // discard was done: see `release_failure_after_a_concurrent_discard_of_the_copy` (FOUND).
+    // The state must be right either way.
+    match &r2 {
+        Ok(_) => {}
+        Err(OperatorError::Store(e)) if e.kind == outbox_core::StoreErrorKind::NotFound => {}
+        Err(e) => panic!("{e} ({r1:?})"),
+    }
+    assert_eq!(status(&inbox, head).await, ParkedStatus::Discarded);
+    assert_eq!(status(&inbox, copy).await, ParkedStatus::Discarded);
+    assert!(ctx.applied("poison-a").await.is_empty());
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(1), false));
+    ctx.fix("poison-a").await;
+    log.publish(&[&ev("poison-a", 2)]).await;
+    let r = quiet(&mut eng).await;
+    assert_eq!(r.parked, 1, "no new parking: {r:?}");
+    assert_eq!(ctx.applied("poison-a").await, vec![2]);
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
+
+/// Attack 2: the discard of the waiting copy races an operator retry of the head whose
+/// handler is held on a gate (the retry's transaction holds the aggregate). The head is
+/// applied once; the copy is never applied (discarded, or resolved by the retry's release
+/// as stale and then the discard is refused cleanly).
+#[tokio::test]
+async fn discard_of_the_copy_racing_a_retry_of_the_head() {
+    let ctx = ctx!("discard_of_the_copy_racing_a_retry_of_the_head");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let (log, mut eng, head, copy) = two_copies(&ctx, &inbox, &h, 2).await;
+    ctx.fix("poison-a").await;
+    let gate = h.gate("poison-a");
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let o1 = ops.clone();
+    let retry = tokio::spawn(async move { o1.retry(head, "alice", "fixed").await });
+    h.wait_entered(1).await;
+    let o2 = ops.clone();
+    let discard = tokio::spawn(async move { o2.discard(copy, "bob", "dup copy").await });
+    ctx.wait_until_blocked().await;
+    gate.add_permits(1_000);
+    let r = retry.await.unwrap().unwrap();
+    let d = discard.await.unwrap();
+    assert_eq!(r.applied, 1, "the head applies once: {r:?}");
+    assert!(r.released, "{r:?}");
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 2], "{r:?} {d:?}");
+    assert_eq!(status(&inbox, head).await, ParkedStatus::Applied);
+    match &d {
+        Ok(rep) => {
+            assert_eq!(rep.discarded, 1);
+            assert_eq!(status(&inbox, copy).await, ParkedStatus::Discarded);
+        }
+        Err(OperatorError::NotOpen { .. }) => {
+            assert_eq!(status(&inbox, copy).await, ParkedStatus::Skipped)
+        }
+        Err(e) => panic!("discard failed: {e}"),
+    }
+    assert!(open_parked(&inbox).await.is_empty());
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(2), false));
+    log.publish(&[&ev("poison-a", 3)]).await;
+    let rep = quiet(&mut eng).await;
+    assert_eq!(rep.parked, 1, "{rep:?}");
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 2, 3]);
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
+
+/// Attack 2b: the reverse: the discard of the waiting copy holds the aggregate first (a
+/// test lock queued in front of both), the retry of the head queues behind it. The head must
+/// still apply (it was not discarded), exactly once.
+#[tokio::test]
+async fn discard_of_the_copy_then_retry_of_the_head_queued_together() {
+    let ctx = ctx!("discard_of_the_copy_then_retry_of_the_head_queued_together");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let (_log, _eng, head, copy) = two_copies(&ctx, &inbox, &h, 2).await;
+    ctx.fix("poison-a").await;
+    let lock = lock_aggregate(&ctx, "poison-a").await;
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let o2 = ops.clone();
+    let discard = tokio::spawn(async move { o2.discard(copy, "bob", "dup copy").await });
+    wait_blocked(&ctx, 1).await;
+    let o1 = ops.clone();
+    let retry = tokio::spawn(async move { o1.retry(head, "alice", "fixed").await });
+    wait_blocked(&ctx, 2).await;
+    lock.commit().await.unwrap();
+    let d = discard.await.unwrap().unwrap();
+    let r = retry.await.unwrap().unwrap();
+    assert_eq!((d.discarded, d.released), (1, false), "{d:?}");
+    assert_eq!((r.applied, r.released), (1, true), "{r:?}");
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 2]);
+    assert_eq!(status(&inbox, head).await, ParkedStatus::Applied);
+    assert_eq!(status(&inbox, copy).await, ParkedStatus::Discarded);
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(2), false));
+    let trail = inbox.audit_trail(GROUP, Some(copy)).await.unwrap();
+    assert_eq!(
+        trail[0].outcome,
+        "discarded; 1 other message(s) of its aggregate stay open"
+    );
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
+
+/// Attack 3: the running engine; the head is discarded while the waiting copy is released
+/// (its handler held on a gate), and meanwhile the log redelivers the copy and delivers the
+/// next version. The copy applies exactly once, then the next version, in order.
+#[tokio::test]
+async fn discard_of_the_head_while_the_copy_is_released_and_redelivered() {
+    let ctx = ctx!("discard_of_the_head_while_the_copy_is_released_and_redelivered");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let src = Scripted::default();
+    let (a, b) = (ev("poison-a", 1), ev("poison-a", 1));
+    src.push(0, &a);
+    src.push(1, &b);
+    src.push(2, &ev("c", 1));
+    let eng = engine(src.clone(), &inbox, &h, VersionPolicy::Reject, fast());
+    let (stop, task) = spawn_engine(eng);
+    eventually("head parked, copy waiting, c applied", || async {
+        open_parked(&inbox).await.len() == 2 && ctx.applied("c").await == vec![1]
+    })
+    .await;
+    let open = open_parked(&inbox).await;
+    let head = open
+        .iter()
+        .find(|m| m.status == ParkedStatus::Parked)
+        .unwrap()
+        .id;
+    let copy = open
+        .iter()
+        .find(|m| m.status == ParkedStatus::Waiting)
+        .unwrap()
+        .id;
+    ctx.fix("poison-a").await;
+    let gate = h.gate("poison-a");
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let o = ops.clone();
+    let discard = tokio::spawn(async move { o.discard(head, "alice", "dup head").await });
+    h.wait_entered(1).await;
+    // The release holds the aggregate applying the copy; the copy comes again, and v2.
+    src.push(1, &b);
+    src.push(3, &ev("poison-a", 2));
+    src.push(4, &ev("c", 2));
+    // (The engine may wait on the aggregate lock of the release meanwhile: documented.)
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    gate.add_permits(1_000);
+    let d = discard.await.unwrap().unwrap();
+    assert_eq!(d.discarded, 1, "{d:?}");
+    eventually("the copy then v2 applied", || async {
+        ctx.applied("poison-a").await.len() >= 2 && open_parked(&inbox).await.is_empty()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    stop.send(()).unwrap();
+    task.await.unwrap();
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 2], "{d:?}");
+    assert_eq!(ctx.applied("c").await, vec![1, 2]);
+    let dedups: Vec<uuid::Uuid> = sqlx::query_scalar(&format!(
+        "SELECT dedup_id FROM \"{}\".effects WHERE aggregate_id = 'poison-a' AND version = 1",
+        ctx.schema
+    ))
+    .fetch_all(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        dedups,
+        vec![b.dedup_id().as_uuid()],
+        "the copy, not the head"
+    );
+    assert_eq!(status(&inbox, head).await, ParkedStatus::Discarded);
+    assert_eq!(status(&inbox, copy).await, ParkedStatus::Applied);
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(2), false));
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
+
+/// Attack 4: the discard's connection is killed while its transaction waits on the
+/// aggregate lock held by a test transaction. Nothing of it is written; a second discard
+/// succeeds and releases the copy.
+#[tokio::test]
+async fn discard_killed_mid_transaction_rolls_back() {
+    let ctx = ctx!("discard_killed_mid_transaction_rolls_back");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let (_log, _eng, head, copy) = two_copies(&ctx, &inbox, &h, 2).await;
+    let before = agg_state(&ctx, "poison-a").await;
+    let lock = lock_aggregate(&ctx, "poison-a").await;
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let o = ops.clone();
+    let discard = tokio::spawn(async move { o.discard(copy, "bob", "dup copy").await });
+    let pids = wait_blocked(&ctx, 1).await;
+    assert_eq!(pids.len(), 1);
+    let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pids[0])
+        .fetch_one(&ctx.pool)
+        .await
+        .unwrap();
+    assert!(killed);
+    let d = discard.await.unwrap();
+    assert!(matches!(d, Err(OperatorError::Store(_))), "{d:?}");
+    lock.commit().await.unwrap();
+    assert_eq!(status(&inbox, head).await, ParkedStatus::Parked);
+    assert_eq!(status(&inbox, copy).await, ParkedStatus::Waiting);
+    assert!(inbox.audit_trail(GROUP, None).await.unwrap().is_empty());
+    assert_eq!(agg_state(&ctx, "poison-a").await, before);
+    // Again, this time the head, with the fix: the copy is applied.
+    ctx.fix("poison-a").await;
+    let d = ops.discard(head, "bob", "dup head").await.unwrap();
+    assert_eq!((d.discarded, d.applied, d.released), (1, 1, true), "{d:?}");
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 2]);
+    assert_eq!(status(&inbox, copy).await, ParkedStatus::Applied);
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(2), false));
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
+
+/// Attack 4b: killed while the discard of the head is in its release step (the copy's
+/// handler held on a gate): the discard committed, the release's step rolls back; a retry of
+/// the copy (now the only open message) applies it once.
+#[tokio::test]
+async fn discard_killed_in_its_release_step() {
+    let ctx = ctx!("discard_killed_in_its_release_step");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let (log, mut eng, head, copy) = two_copies(&ctx, &inbox, &h, 2).await;
+    ctx.fix("poison-a").await;
+    let gate = h.gate("poison-a");
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let o = ops.clone();
+    let discard = tokio::spawn(async move { o.discard(head, "alice", "dup head").await });
+    h.wait_entered(1).await;
+    // The session in the handler (the one that inserted nothing yet but holds the lock).
+    let pid: i32 = sqlx::query_scalar(
+        "SELECT pid FROM pg_stat_activity WHERE application_name = $1 \
+         AND state = 'idle in transaction' ORDER BY xact_start LIMIT 1",
+    )
+    .bind(&ctx.schema)
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap();
+    let _: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(pid)
+        .fetch_one(&ctx.pool)
+        .await
+        .unwrap();
+    gate.add_permits(1_000);
+    let d = discard.await.unwrap();
+    // The handler saw the lost connection: a transient failure, the copy now the head.
+    match &d {
+        Ok(rep) => assert!(
+            rep.transient && rep.still_parked.as_ref().is_some_and(|(id, _)| *id == copy),
+            "{rep:?}"
+        ),
+        Err(OperatorError::Store(_)) => {}
+        Err(e) => panic!("{e}"),
+    }
+    assert_eq!(status(&inbox, head).await, ParkedStatus::Discarded);
+    assert!(ctx.applied("poison-a").await == vec![1], "nothing applied");
+    assert_eq!(open_parked(&inbox).await.len(), 1);
+    // The aggregate still counts the version as not applied, so the copy is not stale.
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(1), true));
+    let r = ops.retry(copy, "carol", "finish").await.unwrap();
+    assert_eq!((r.applied, r.released), (1, true), "{r:?}");
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 2]);
+    log.publish(&[&ev("poison-a", 3)]).await;
+    quiet(&mut eng).await;
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 2, 3]);
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
+
+/// Attack 5: every open message of the aggregate is discarded, the waiting ones (two copies
+/// of v2) first, the head (v1) last. Each waiting discard held its skip back (the head was
+/// below); the last discard must then count the highest discarded version: v3 follows
+/// without a gap.
+//
+// FOUND: the discard of the last open message (open_rest == 0) only skips its own version
+// and unblocks; it never applies the skips the earlier discards held back
+// (`skip_discarded(None)` runs only in `release`). The aggregate stays at v1, v3 is parked
+// as a version gap.
+#[tokio::test]
+#[ignore = "FOUND: discarding the last open message forgets the held-back skips of earlier discards; the next version parks as a gap"]
+async fn discarding_everything_waiting_first_counts_the_highest_version() {
+    let ctx = ctx!("discarding_everything_waiting_first_counts_the_highest_version");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let log = MemoryLog::new("t", 1);
+    log.publish(&[&ev("poison-a", 1), &ev("poison-a", 2), &ev("poison-a", 2)])
+        .await;
+    let mut eng = engine(
+        log.consumer(GROUP, &["t"]),
+        &inbox,
+        &h,
+        VersionPolicy::Reject,
+        fast(),
+    );
+    let r = quiet(&mut eng).await;
+    assert_eq!((r.parked, r.waiting), (1, 2), "{r:?}");
+    let open = open_parked(&inbox).await;
+    let ops = eng.parked();
+    for m in open.iter().filter(|m| m.status == ParkedStatus::Waiting) {
+        let d = ops.discard(m.id, "bob", "sent by mistake").await.unwrap();
+        assert_eq!((d.discarded, d.released), (1, false), "{d:?}");
+    }
+    let head = open
+        .iter()
+        .find(|m| m.status == ParkedStatus::Parked)
+        .unwrap()
+        .id;
+    let d = ops.discard(head, "bob", "sent by mistake").await.unwrap();
+    assert!(d.released, "{d:?}");
+    assert!(open_parked(&inbox).await.is_empty());
+    let state = agg_state(&ctx, "poison-a").await;
+    ctx.fix("poison-a").await;
+    log.publish(&[&ev("poison-a", 3)]).await;
+    let r = quiet(&mut eng).await;
+    assert_eq!(
+        (r.parked, ctx.applied("poison-a").await),
+        (1, vec![3]),
+        "v2 was discarded (twice), so v3 is no gap; aggregate after the discards: {state:?}; \
+         open now: {:?}",
+        open_parked(&inbox)
+            .await
+            .iter()
+            .map(|m| (m.record.aggregate_version, m.status, m.reason.clone()))
+            .collect::<Vec<_>>()
+    );
+    ctx.drop().await;
+}
+
+/// Attack 5b: the same with a retry instead of the last discard: the head (v1) is retried
+/// after both v2 copies were discarded: v1 applies, and v3 follows (control for 5).
+#[tokio::test]
+async fn discarding_both_waiting_copies_then_retrying_the_head() {
+    let ctx = ctx!("discarding_both_waiting_copies_then_retrying_the_head");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let log = MemoryLog::new("t", 1);
+    log.publish(&[&ev("poison-a", 1), &ev("poison-a", 2), &ev("poison-a", 2)])
+        .await;
+    let mut eng = engine(
+        log.consumer(GROUP, &["t"]),
+        &inbox,
+        &h,
+        VersionPolicy::Reject,
+        fast(),
+    );
+    quiet(&mut eng).await;
+    let open = open_parked(&inbox).await;
+    let ops = eng.parked();
+    for m in open.iter().filter(|m| m.status == ParkedStatus::Waiting) {
+        ops.discard(m.id, "bob", "sent by mistake").await.unwrap();
+    }
+    ctx.fix("poison-a").await;
+    let r = ops.retry(open[0].id, "alice", "fixed").await.unwrap();
+    assert_eq!((r.applied, r.released), (1, true), "{r:?}");
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(2), false));
+    log.publish(&[&ev("poison-a", 3)]).await;
+    let r = quiet(&mut eng).await;
+    assert_eq!(r.parked, 1, "{r:?}");
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 3]);
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
+
+/// Attack 5c: three copies of one version (head parked, two waiting); the head is discarded:
+/// the first waiting copy applies, the second one is a stale same-version copy (as the engine
+/// treats one arriving after its version applied) and is skipped, never applied twice.
+#[tokio::test]
+async fn discarding_the_head_of_three_same_version_copies() {
+    let ctx = ctx!("discarding_the_head_of_three_same_version_copies");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let log = MemoryLog::new("t", 1);
+    log.publish(&[&ev("poison-a", 1), &ev("poison-a", 1), &ev("poison-a", 1)])
+        .await;
+    let mut eng = engine(
+        log.consumer(GROUP, &["t"]),
+        &inbox,
+        &h,
+        VersionPolicy::Reject,
+        fast(),
+    );
+    quiet(&mut eng).await;
+    let open = open_parked(&inbox).await;
+    assert_eq!(open.len(), 3);
+    ctx.fix("poison-a").await;
+    let d = eng
+        .parked()
+        .discard(open[0].id, "bob", "dup")
+        .await
+        .unwrap();
+    assert_eq!(
+        (d.discarded, d.applied, d.skipped, d.released),
+        (1, 1, 1, true),
+        "{d:?}"
+    );
+    assert_eq!(ctx.applied("poison-a").await, vec![1]);
+    assert_eq!(status(&inbox, open[1].id).await, ParkedStatus::Applied);
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(1), false));
+    assert_eq!(all_parked(&inbox).await.len(), 3);
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
+
+/// Attack 6: the head is a version gap (v3 after v1) and a copy of v3 waits. Discarding the
+/// head must not skip v3 (the copy was not discarded): the copy is released, is a gap itself,
+/// and stays parked as the new head (not stale, not lost) until the operator retries it.
+#[tokio::test]
+async fn discarding_a_gap_head_with_a_same_version_copy_keeps_the_copy() {
+    let ctx = ctx!("discarding_a_gap_head_with_a_same_version_copy_keeps_the_copy");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let log = MemoryLog::new("t", 1);
+    log.publish(&[&ev("a", 1), &ev("a", 3), &ev("a", 3)]).await;
+    let mut eng = engine(
+        log.consumer(GROUP, &["t"]),
+        &inbox,
+        &h,
+        VersionPolicy::Reject,
+        fast(),
+    );
+    let r = quiet(&mut eng).await;
+    assert_eq!((r.applied, r.parked, r.waiting), (1, 1, 1), "{r:?}");
+    let open = open_parked(&inbox).await;
+    let (head, copy) = (open[0].id, open[1].id);
+    assert_eq!(open[0].status, ParkedStatus::Parked);
+    let ops = eng.parked();
+    let d = ops.discard(head, "bob", "dup v3").await.unwrap();
+    assert_eq!(d.applied + d.skipped, 0, "{d:?}");
+    assert_eq!(
+        d.still_parked.as_ref().map(|(id, _)| *id),
+        Some(copy),
+        "{d:?}"
+    );
+    assert_eq!(status(&inbox, copy).await, ParkedStatus::Parked);
+    assert_eq!(agg_state(&ctx, "a").await, (Some(1), true));
+    let r = ops.retry(copy, "alice", "v2 will not come").await.unwrap();
+    assert_eq!((r.applied, r.released), (1, true), "{r:?}");
+    log.publish(&[&ev("a", 4)]).await;
+    let r = quiet(&mut eng).await;
+    assert_eq!(r.parked, 1, "{r:?}");
+    assert_eq!(ctx.applied("a").await, vec![1, 3, 4]);
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
+
+/// Attack 7: the operator process dies (its task is aborted) after the discard of the head
+/// committed, while its release holds the waiting copy in the handler. The copy is left
+/// waiting with no parked head; it stays listed, and a retry of it applies it once; the
+/// next version follows.
+#[tokio::test]
+async fn operator_dies_between_the_discard_and_its_release() {
+    let ctx = ctx!("operator_dies_between_the_discard_and_its_release");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let (log, mut eng, head, copy) = two_copies(&ctx, &inbox, &h, 2).await;
+    ctx.fix("poison-a").await;
+    let gate = h.gate("poison-a");
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let o = ops.clone();
+    let discard = tokio::spawn(async move { o.discard(head, "alice", "dup head").await });
+    h.wait_entered(1).await;
+    discard.abort();
+    assert!(discard.await.unwrap_err().is_cancelled());
+    h.gates.lock().unwrap().clear();
+    gate.add_permits(1_000);
+    // The aborted release's transaction is rolled back when its connection is reused/closed.
+    eventually("the aborted transaction ended", || async {
+        let n: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 \
+             AND state LIKE 'idle in transaction%'",
+        )
+        .bind(&ctx.schema)
+        .fetch_one(&ctx.pool)
+        .await
+        .unwrap();
+        n == 0
+    })
+    .await;
+    assert_eq!(status(&inbox, head).await, ParkedStatus::Discarded);
+    assert_eq!(status(&inbox, copy).await, ParkedStatus::Waiting);
+    assert_eq!(ctx.applied("poison-a").await, vec![1]);
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(1), true));
+    // v3 arrives meanwhile: it waits (the aggregate is still blocked), not applied before v2.
+    log.publish(&[&ev("poison-a", 3)]).await;
+    let r = quiet(&mut eng).await;
+    assert_eq!(r.waiting, 2, "{r:?}");
+    assert_eq!(ctx.applied("poison-a").await, vec![1]);
+    let r = ops
+        .retry(copy, "carol", "finish the release")
+        .await
+        .unwrap();
+    assert_eq!((r.applied, r.released), (2, true), "{r:?}");
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 2, 3]);
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(3), false));
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
+
+/// Attack 8: two operators clean up an aggregate concurrently: one discards the waiting v2,
+/// the other the parked head v1; the waiting discard's transaction is queued first (behind a
+/// test lock). Both succeed, and the next version (v3) must follow without a gap.
+//
+// FOUND (same defect as attack 5, reached by a race): the waiting discard holds its skip
+// back (v1 is open below it); the head's discard then finds itself alone, skips only v1 and
+// unblocks. The aggregate stays at v1: v3 is parked as a gap although v1 and v2 were both
+// discarded.
+#[tokio::test]
+#[ignore = "FOUND: concurrent discards of waiting v2 then head v1 leave applied_version at 1; v3 parks as a gap"]
+async fn concurrent_discards_of_head_and_waiting_count_both_versions() {
+    let ctx = ctx!("concurrent_discards_of_head_and_waiting_count_both_versions");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let log = MemoryLog::new("t", 1);
+    log.publish(&[&ev("poison-a", 1), &ev("poison-a", 2)]).await;
+    let mut eng = engine(
+        log.consumer(GROUP, &["t"]),
+        &inbox,
+        &h,
+        VersionPolicy::Reject,
+        fast(),
+    );
+    quiet(&mut eng).await;
+    let open = open_parked(&inbox).await;
+    let (head, v2) = (open[0].id, open[1].id);
+    let lock = lock_aggregate(&ctx, "poison-a").await;
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let (o1, o2) = (ops.clone(), ops.clone());
+    let d2 = tokio::spawn(async move { o2.discard(v2, "bob", "void v2").await });
+    wait_blocked(&ctx, 1).await;
+    let d1 = tokio::spawn(async move { o1.discard(head, "alice", "void v1").await });
+    wait_blocked(&ctx, 2).await;
+    lock.commit().await.unwrap();
+    let (r2, r1) = (d2.await.unwrap().unwrap(), d1.await.unwrap().unwrap());
+    assert_eq!((r1.discarded, r2.discarded), (1, 1));
+    assert!(open_parked(&inbox).await.is_empty());
+    assert!(ctx.applied("poison-a").await.is_empty());
+    let state = agg_state(&ctx, "poison-a").await;
+    ctx.fix("poison-a").await;
+    log.publish(&[&ev("poison-a", 3)]).await;
+    let r = quiet(&mut eng).await;
+    assert_eq!(
+        (r.parked, ctx.applied("poison-a").await),
+        (1, vec![3]),
+        "v1 and v2 discarded: v3 is no gap (aggregate after the discards: {state:?}; {r1:?} {r2:?})"
+    );
+    ctx.drop().await;
+}
+
+/// Attack 9: the head's discard commits and its release takes the waiting copy, whose handler
+/// (held on a gate, before it fails: the aggregate is not fixed) fails again; meanwhile a
+/// second operator's discard of the copy queues on the aggregate. The release rolls back and
+/// records the failure in a new transaction, but the copy's discard got the aggregate in
+/// between. Expected: the head's discard reports success (its discard committed; the copy is
+/// resolved by someone else), like a release that finds nothing open.
+//
+// FOUND: the release's "failed again" transaction calls `open_parked_of` and ignores the
+// result, then `change_parked(Failed)` on the copy, which is no longer open: the discard of
+// the head returns `Err(Store(NotFound "no open parked message N"))` although it committed
+// (audited, head Discarded). The data is right; the operator is told the discard failed.
+// The same path hits `retry` (a retry that fails again while another operator discards).
+#[tokio::test]
+#[ignore = "FOUND: a discard whose release fails again while the copy is discarded concurrently returns Err(Store NotFound) though it committed"]
+async fn release_failure_after_a_concurrent_discard_of_the_copy() {
+    let ctx = ctx!("release_failure_after_a_concurrent_discard_of_the_copy");
+    let inbox = ctx.inbox().await;
+    let h = Effects::gated_first(&ctx);
+    let (log, mut eng, head, copy) = two_copies(&ctx, &inbox, &h, 2).await;
+    let gate = h.gate("poison-a");
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let o1 = ops.clone();
+    let d1 = tokio::spawn(async move { o1.discard(head, "alice", "dup head").await });
+    h.wait_entered(1).await;
+    let o2 = ops.clone();
+    let d2 = tokio::spawn(async move { o2.discard(copy, "bob", "dup copy").await });
+    ctx.wait_until_blocked().await;
+    gate.add_permits(1_000);
+    let (r1, r2) = (d1.await.unwrap(), d2.await.unwrap());
+    // The state is right.
+    assert_eq!(status(&inbox, head).await, ParkedStatus::Discarded);
+    assert_eq!(status(&inbox, copy).await, ParkedStatus::Discarded);
+    assert_eq!(ctx.applied("poison-a").await, vec![1]);
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(2), false));
+    ctx.fix("poison-a").await;
+    log.publish(&[&ev("poison-a", 3)]).await;
+    quiet(&mut eng).await;
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 3]);
+    // The report is not.
+    let r2 = r2.expect("the copy's discard");
+    assert_eq!((r2.discarded, r2.released), (1, true), "{r2:?}");
+    let r1 = r1.expect("the head's discard committed: it must not report a store error");
+    assert_eq!(r1.discarded, 1, "{r1:?}");
+    ctx.drop().await;
+}
+
+/// Attack 10: the discard of a lone parked head (v2) races the running engine receiving a
+/// same-version copy and v3 (both queued behind a test lock on the aggregate). Whoever wins,
+/// the head is never applied, the copy at most once (applied if it was parked behind the head
+/// before the discard; a stale copy of a counted version otherwise), v3 exactly once, last,
+/// and nothing stays parked or blocked.
+#[tokio::test]
+async fn discard_of_a_lone_head_racing_the_engine_parking_a_copy() {
+    let ctx = ctx!("discard_of_a_lone_head_racing_the_engine_parking_a_copy");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let src = Scripted::default();
+    ctx.fix("poison-a").await;
+    src.push(0, &ev("poison-a", 1));
+    let eng = engine(src.clone(), &inbox, &h, VersionPolicy::Reject, fast());
+    let (stop, task) = spawn_engine(eng);
+    eventually("v1 applied", || async {
+        ctx.applied("poison-a").await == vec![1]
+    })
+    .await;
+    sqlx::query(&format!("DELETE FROM \"{}\".fixes", ctx.schema))
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
+    let a = ev("poison-a", 2);
+    src.push(1, &a);
+    eventually("v2 parked", || async {
+        open_parked(&inbox).await.len() == 1
+    })
+    .await;
+    let head = open_parked(&inbox).await[0].id;
+    ctx.fix("poison-a").await;
+    let lock = lock_aggregate(&ctx, "poison-a").await;
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let o = ops.clone();
+    let d = tokio::spawn(async move { o.discard(head, "alice", "void v2").await });
+    let b = ev("poison-a", 2);
+    src.push(2, &b);
+    src.push(3, &ev("poison-a", 3));
+    wait_blocked(&ctx, 2).await;
+    lock.commit().await.unwrap();
+    let d = d.await.unwrap().unwrap();
+    assert_eq!(d.discarded, 1, "{d:?}");
+    eventually("v3 applied", || async {
+        ctx.applied("poison-a").await.last() == Some(&3)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    stop.send(()).unwrap();
+    task.await.unwrap();
+    let applied = ctx.applied("poison-a").await;
+    assert!(
+        applied == vec![1, 3] || applied == vec![1, 2, 3],
+        "{applied:?} {d:?}"
+    );
+    if applied.len() == 3 {
+        let v2: uuid::Uuid = sqlx::query_scalar(&format!(
+            "SELECT dedup_id FROM \"{}\".effects WHERE version = 2",
+            ctx.schema
+        ))
+        .fetch_one(&ctx.pool)
+        .await
+        .unwrap();
+        assert_eq!(v2, b.dedup_id().as_uuid(), "the copy, never the head");
+    }
+    assert_eq!(status(&inbox, head).await, ParkedStatus::Discarded);
+    assert!(open_parked(&inbox).await.is_empty());
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(3), false));
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
