@@ -452,6 +452,9 @@ where
                 .await?;
             if open_rest == 0 {
                 if let Some(key) = &target.record.aggregate {
+                    // Earlier discards of this aggregate that held their skip back (a lower
+                    // version was open then) count now: nothing is open any more.
+                    self.skip_discarded(&mut tx, key, None).await?;
                     store.unblock(&mut tx, &consumer, key).await?;
                 }
                 report.released = true;
@@ -724,8 +727,22 @@ where
                     report.transient = transient;
                     warn!(consumer = %consumer, parked_id = %first.id, error = %why, "released message failed again; it now blocks its aggregate");
                     let mut tx = store.begin().await?;
+                    // The message may have been resolved meanwhile (another operator discarded
+                    // it while its handler ran): then it is not failed again; the release goes
+                    // on with what is open now.
+                    let still_open = match store.open_parked_of(&mut tx, &consumer, key).await {
+                        Ok(open) => open.iter().any(|m| m.id == first.id),
+                        Err(e) => {
+                            let _ = store.rollback(tx).await;
+                            return Err(e.into());
+                        }
+                    };
+                    if !still_open {
+                        let _ = store.rollback(tx).await;
+                        report.transient = false;
+                        continue;
+                    }
                     let r = async {
-                        store.open_parked_of(&mut tx, &consumer, key).await?;
                         store
                             .change_parked(
                                 &mut tx,

@@ -218,16 +218,10 @@ async fn racing_discards_of_same_version_copies_unforced() {
         o2.discard(head, "alice", "dup head").await
     });
     let (r1, r2) = (d1.await.unwrap(), d2.await.unwrap());
-    assert!(r1.is_ok(), "{r1:?} {r2:?}");
     // The head's discard commits, then its release fails on the (unfixed) copy; when the
-    // copy's discard slips in between, the release reports a store NotFound although the
-    // discard was done: see `release_failure_after_a_concurrent_discard_of_the_copy` (FOUND).
-    // The state must be right either way.
-    match &r2 {
-        Ok(_) => {}
-        Err(OperatorError::Store(e)) if e.kind == outbox_core::StoreErrorKind::NotFound => {}
-        Err(e) => panic!("{e} ({r1:?})"),
-    }
+    // copy's discard slips in between, the release goes on (it reported a store NotFound
+    // before the fix: see `release_failure_after_a_concurrent_discard_of_the_copy`).
+    assert!(r1.is_ok() && r2.is_ok(), "{r1:?} {r2:?}");
     assert_eq!(status(&inbox, head).await, ParkedStatus::Discarded);
     assert_eq!(status(&inbox, copy).await, ParkedStatus::Discarded);
     assert!(ctx.applied("poison-a").await.is_empty());
@@ -496,12 +490,11 @@ async fn discard_killed_in_its_release_step() {
 /// below); the last discard must then count the highest discarded version: v3 follows
 /// without a gap.
 //
-// FOUND: the discard of the last open message (open_rest == 0) only skips its own version
-// and unblocks; it never applies the skips the earlier discards held back
-// (`skip_discarded(None)` runs only in `release`). The aggregate stays at v1, v3 is parked
+// FOUND here, fixed: the discard of the last open message (open_rest == 0) only skipped its
+// own version and unblocked; it never applied the skips the earlier discards held back
+// (`skip_discarded(None)` ran only in `release`). The aggregate stayed at v1, v3 was parked
 // as a version gap.
 #[tokio::test]
-#[ignore = "FOUND: discarding the last open message forgets the held-back skips of earlier discards; the next version parks as a gap"]
 async fn discarding_everything_waiting_first_counts_the_highest_version() {
     let ctx = ctx!("discarding_everything_waiting_first_counts_the_highest_version");
     let inbox = ctx.inbox().await;
@@ -724,12 +717,11 @@ async fn operator_dies_between_the_discard_and_its_release() {
 /// the other the parked head v1; the waiting discard's transaction is queued first (behind a
 /// test lock). Both succeed, and the next version (v3) must follow without a gap.
 //
-// FOUND (same defect as attack 5, reached by a race): the waiting discard holds its skip
-// back (v1 is open below it); the head's discard then finds itself alone, skips only v1 and
-// unblocks. The aggregate stays at v1: v3 is parked as a gap although v1 and v2 were both
-// discarded.
+// FOUND here, fixed (same defect as attack 5, reached by a race): the waiting discard holds
+// its skip back (v1 is open below it); the head's discard then found itself alone, skipped
+// only v1 and unblocked. The aggregate stayed at v1: v3 was parked as a gap although v1 and
+// v2 were both discarded.
 #[tokio::test]
-#[ignore = "FOUND: concurrent discards of waiting v2 then head v1 leave applied_version at 1; v3 parks as a gap"]
 async fn concurrent_discards_of_head_and_waiting_count_both_versions() {
     let ctx = ctx!("concurrent_discards_of_head_and_waiting_count_both_versions");
     let inbox = ctx.inbox().await;
@@ -777,13 +769,12 @@ async fn concurrent_discards_of_head_and_waiting_count_both_versions() {
 /// between. Expected: the head's discard reports success (its discard committed; the copy is
 /// resolved by someone else), like a release that finds nothing open.
 //
-// FOUND: the release's "failed again" transaction calls `open_parked_of` and ignores the
-// result, then `change_parked(Failed)` on the copy, which is no longer open: the discard of
-// the head returns `Err(Store(NotFound "no open parked message N"))` although it committed
-// (audited, head Discarded). The data is right; the operator is told the discard failed.
-// The same path hits `retry` (a retry that fails again while another operator discards).
+// FOUND here, fixed: the release's "failed again" transaction called `open_parked_of` and
+// ignored the result, then `change_parked(Failed)` on the copy, which was no longer open: the
+// discard of the head returned `Err(Store(NotFound "no open parked message N"))` although it
+// committed (audited, head Discarded). The same path was taken by `retry` (a retry that fails
+// again while another operator discards).
 #[tokio::test]
-#[ignore = "FOUND: a discard whose release fails again while the copy is discarded concurrently returns Err(Store NotFound) though it committed"]
 async fn release_failure_after_a_concurrent_discard_of_the_copy() {
     let ctx = ctx!("release_failure_after_a_concurrent_discard_of_the_copy");
     let inbox = ctx.inbox().await;

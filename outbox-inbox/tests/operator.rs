@@ -322,6 +322,34 @@ async fn discarding_a_waiting_copy_of_the_heads_version_keeps_the_head_applicabl
     assert!(open(&s).await.is_empty());
 }
 
+/// Discards that held their skip back (a lower version was open) count once the last open
+/// message is discarded: the next version applies, no gap.
+#[tokio::test]
+async fn discarding_the_waiting_messages_then_the_head_counts_the_highest_version() {
+    let mut s = broken_x(&[1, 2, 3]).await;
+    let ops = s.engine.parked();
+    for v in [3, 2, 1] {
+        let id = parked_version(&s, "x", v).await;
+        ops.discard(id, "bob", "voided").await.unwrap();
+    }
+    assert!(open(&s).await.is_empty());
+    let key = outbox_core::AggregateKey::new("order", "x");
+    assert_eq!(
+        MemoryInboxStore::new(&s.db).applied_version("proj", &key),
+        Some(3)
+    );
+    s.script.broken.lock().unwrap().clear();
+    for r in s.log.publish(&[&ev("x", 4)]).await {
+        r.unwrap();
+    }
+    s.engine
+        .run_until_quiet(Duration::from_millis(30))
+        .await
+        .unwrap();
+    assert_eq!(applied(&s.db, "x"), vec![4]);
+    assert!(open(&s).await.is_empty());
+}
+
 /// A discard of the only open message of its aggregate releases it at once, and says so in
 /// the audit trail.
 #[tokio::test]
