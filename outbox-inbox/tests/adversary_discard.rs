@@ -877,3 +877,216 @@ async fn discard_of_a_lone_head_racing_the_engine_parking_a_copy() {
     ctx.effects_once().await;
     ctx.drop().await;
 }
+
+/// Parks `poison-a` v1..=n (nothing fixed): v1 is the parked head, the rest wait.
+async fn park_versions(
+    inbox: &outbox_postgres::PostgresInboxStore,
+    h: &Effects,
+    n: i64,
+) -> (MemoryLog, Engine<outbox_testkit::MemoryConsumer>, Vec<ParkedId>) {
+    let log = MemoryLog::new("t", 1);
+    let evs: Vec<_> = (1..=n).map(|v| ev("poison-a", v)).collect();
+    log.publish(&evs.iter().collect::<Vec<_>>()).await;
+    let mut eng = engine(
+        log.consumer(GROUP, &["t"]),
+        inbox,
+        h,
+        VersionPolicy::Reject,
+        fast(),
+    );
+    quiet(&mut eng).await;
+    let open = open_parked(inbox).await;
+    assert_eq!(open.len() as i64, n);
+    let ids = open.iter().map(|m| m.id).collect();
+    (log, eng, ids)
+}
+
+const BOUND: Duration = Duration::from_secs(40);
+
+/// Attack 11 (fix 2): a retry of a lone head whose handler fails again (held on a gate before
+/// the check) while a second operator's discard of that head queues on the aggregate. The
+/// retry must not loop, nothing is applied, the head is Discarded, the aggregate counts v1 and
+/// is released; if the retry reports NotOpen, the status it reports is the real one.
+#[tokio::test]
+async fn retry_failing_again_while_another_operator_discards_the_lone_head() {
+    let ctx = ctx!("retry_failing_again_while_another_operator_discards_the_lone_head");
+    let inbox = ctx.inbox().await;
+    let h = Effects::gated_first(&ctx);
+    let (log, mut eng, ids) = park_versions(&inbox, &h, 1).await;
+    let head = ids[0];
+    let gate = h.gate("poison-a");
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let o1 = ops.clone();
+    let retry = tokio::spawn(async move { o1.retry(head, "alice", "try again").await });
+    h.wait_entered(1).await;
+    let o2 = ops.clone();
+    let discard = tokio::spawn(async move { o2.discard(head, "bob", "void v1").await });
+    ctx.wait_until_blocked().await;
+    gate.add_permits(1_000);
+    let r = tokio::time::timeout(BOUND, retry)
+        .await
+        .expect("the retry hangs")
+        .unwrap();
+    let d = tokio::time::timeout(BOUND, discard)
+        .await
+        .expect("the discard hangs")
+        .unwrap();
+    let d = d.expect("the discard of an open head");
+    assert_eq!((d.discarded, d.released), (1, true), "{d:?}");
+    assert_eq!(status(&inbox, head).await, ParkedStatus::Discarded);
+    assert!(open_parked(&inbox).await.is_empty());
+    assert!(ctx.applied("poison-a").await.is_empty());
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(1), false), "{r:?}");
+    match &r {
+        Ok(rep) => assert_eq!(rep.applied, 0, "{rep:?}"),
+        Err(OperatorError::NotOpen { status: s, .. }) => {
+            assert_eq!(*s, ParkedStatus::Discarded, "the retry misreports: {r:?}")
+        }
+        Err(e) => panic!("retry failed: {e}"),
+    }
+    ctx.fix("poison-a").await;
+    log.publish(&[&ev("poison-a", 2)]).await;
+    let rep = quiet(&mut eng).await;
+    assert_eq!(rep.parked, 0, "{rep:?}");
+    assert_eq!(ctx.applied("poison-a").await, vec![2]);
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
+
+/// Attack 12 (fix 2): as attack 11, with v2 waiting behind the head: the discard's release
+/// takes v2, which fails again (nothing fixed) and becomes the head. Nothing applied twice,
+/// v2 stays parked and blocks; fixed and retried it applies, then v3, no gap.
+#[tokio::test]
+async fn retry_failing_again_while_another_operator_discards_the_head_with_one_waiting() {
+    let ctx =
+        ctx!("retry_failing_again_while_another_operator_discards_the_head_with_one_waiting");
+    let inbox = ctx.inbox().await;
+    let h = Effects::gated_first(&ctx);
+    let (log, mut eng, ids) = park_versions(&inbox, &h, 2).await;
+    let (head, v2) = (ids[0], ids[1]);
+    let gate = h.gate("poison-a");
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let o1 = ops.clone();
+    let retry = tokio::spawn(async move { o1.retry(head, "alice", "try again").await });
+    h.wait_entered(1).await;
+    let o2 = ops.clone();
+    let discard = tokio::spawn(async move { o2.discard(head, "bob", "void v1").await });
+    ctx.wait_until_blocked().await;
+    gate.add_permits(1_000);
+    let r = tokio::time::timeout(BOUND, retry)
+        .await
+        .expect("the retry hangs")
+        .unwrap();
+    let d = tokio::time::timeout(BOUND, discard)
+        .await
+        .expect("the discard hangs")
+        .unwrap()
+        .expect("the discard of an open head");
+    assert_eq!(d.discarded, 1, "{d:?}");
+    assert_eq!(status(&inbox, head).await, ParkedStatus::Discarded);
+    assert_eq!(status(&inbox, v2).await, ParkedStatus::Parked, "{d:?} {r:?}");
+    assert!(ctx.applied("poison-a").await.is_empty());
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(1), true), "{r:?}");
+    match &r {
+        Ok(rep) => assert_eq!(rep.applied, 0, "{rep:?}"),
+        Err(OperatorError::NotOpen { status: s, .. }) => {
+            assert_eq!(*s, ParkedStatus::Discarded, "the retry misreports: {r:?}")
+        }
+        Err(e) => panic!("retry failed: {e}"),
+    }
+    gate.add_permits(1_000);
+    ctx.fix("poison-a").await;
+    let r2 = tokio::time::timeout(BOUND, ops.retry(v2, "alice", "fixed"))
+        .await
+        .expect("hang")
+        .unwrap();
+    assert_eq!((r2.applied, r2.released), (1, true), "{r2:?}");
+    log.publish(&[&ev("poison-a", 3)]).await;
+    quiet(&mut eng).await;
+    assert_eq!(ctx.applied("poison-a").await, vec![2, 3]);
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(3), false));
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
+
+/// Attack 13 (fix 1 and 2 together): v1 head, v2 and v3 waiting, nothing fixed; three
+/// operators discard v1, v3 and v2, queued in that order behind a test lock. v1's discard
+/// releases v2, which fails again while v2's own discard is queued (the `continue` path).
+/// All three end Discarded, none applied, the aggregate counts v3 and is released, v4 applies.
+#[tokio::test]
+async fn three_queued_discards_with_a_release_failing_in_between() {
+    let ctx = ctx!("three_queued_discards_with_a_release_failing_in_between");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let (log, mut eng, ids) = park_versions(&inbox, &h, 3).await;
+    let lock = lock_aggregate(&ctx, "poison-a").await;
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let mut tasks = Vec::new();
+    for (n, i) in [0usize, 2, 1].into_iter().enumerate() {
+        let o = ops.clone();
+        let id = ids[i];
+        tasks.push(tokio::spawn(async move {
+            o.discard(id, "op", &format!("void v{}", i + 1)).await
+        }));
+        wait_blocked(&ctx, n + 1).await;
+    }
+    lock.commit().await.unwrap();
+    let mut reps = Vec::new();
+    for t in tasks {
+        let r = tokio::time::timeout(BOUND, t)
+            .await
+            .expect("a discard hangs")
+            .unwrap();
+        reps.push(r.expect("the discard of an open message"));
+    }
+    for id in &ids {
+        assert_eq!(status(&inbox, *id).await, ParkedStatus::Discarded, "{reps:?}");
+    }
+    assert!(ctx.applied("poison-a").await.is_empty());
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(3), false), "{reps:?}");
+    ctx.fix("poison-a").await;
+    log.publish(&[&ev("poison-a", 4)]).await;
+    let r = quiet(&mut eng).await;
+    assert_eq!(ctx.applied("poison-a").await, vec![4], "{r:?}");
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
+
+/// Attack 14 (fix 1's second connection): the operator's store runs on a pool of one
+/// connection. The discard of the last open message holds that connection in its transaction
+/// and `skip_discarded` reads the parked history through the store (not the transaction): it
+/// waits for a second connection that never comes.
+#[tokio::test]
+async fn discard_of_the_last_open_message_on_a_one_connection_pool() {
+    let ctx = ctx!("discard_of_the_last_open_message_on_a_one_connection_pool");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let (_log, _eng, ids) = park_versions(&inbox, &h, 2).await;
+    let url = outbox_test_support::database_url("one_conn").unwrap();
+    let opts: sqlx::postgres::PgConnectOptions = url.parse().unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(opts.application_name(&ctx.schema))
+        .await
+        .unwrap();
+    let small = outbox_postgres::PostgresInboxStore::builder(pool)
+        .schema(&ctx.schema)
+        .build()
+        .unwrap();
+    let ops = operator(&small, &h, VersionPolicy::Reject);
+    // v2 (waiting) first: not the last open message, one connection is enough.
+    let d2 = tokio::time::timeout(BOUND, ops.discard(ids[1], "op", "void v2"))
+        .await
+        .expect("hang")
+        .expect("the discard of the waiting v2");
+    assert_eq!(d2.discarded, 1);
+    // v1, now the last open message.
+    let d1 = tokio::time::timeout(BOUND, ops.discard(ids[0], "op", "void v1"))
+        .await
+        .expect("hang");
+    let d1 = d1.expect("the discard of the last open message on a one-connection pool");
+    assert!(d1.released, "{d1:?}");
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(2), false));
+    ctx.drop().await;
+}
