@@ -1187,3 +1187,59 @@ async fn retry_of_a_lone_head_on_a_one_connection_pool() {
     assert_eq!(ctx.applied("poison-a").await, vec![1]);
     ctx.drop().await;
 }
+
+/// Attack 15 (fix 2, the resolved message the last open one, with the retry's audit already
+/// written): a retry of the fixed head v1 applies it, then takes v2, whose handler (held on a
+/// gate) fails again (the fix removed meanwhile) while a second operator's discard of v2
+/// queues on the aggregate. The release must end released (not spin, not NotFound), v1
+/// applied once, v2 Discarded, the aggregate at v2 and unblocked; v3 applies.
+#[tokio::test]
+async fn retry_whose_last_waiting_message_fails_again_while_discarded() {
+    let ctx = ctx!("retry_whose_last_waiting_message_fails_again_while_discarded");
+    let inbox = ctx.inbox().await;
+    let h = Effects::gated_first(&ctx);
+    let (log, mut eng, ids) = park_versions(&inbox, &h, 2).await;
+    let (head, v2) = (ids[0], ids[1]);
+    ctx.fix("poison-a").await;
+    let gate = h.gate("poison-a");
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let o1 = ops.clone();
+    let retry = tokio::spawn(async move { o1.retry(head, "alice", "fixed").await });
+    h.wait_entered(1).await;
+    gate.add_permits(1);
+    h.wait_entered(2).await;
+    assert_eq!(ctx.applied("poison-a").await, vec![1]);
+    sqlx::query(&format!("DELETE FROM \"{}\".fixes", ctx.schema))
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
+    let o2 = ops.clone();
+    let discard = tokio::spawn(async move { o2.discard(v2, "bob", "void v2").await });
+    ctx.wait_until_blocked().await;
+    gate.add_permits(1_000);
+    let r = tokio::time::timeout(BOUND, retry)
+        .await
+        .expect("the retry hangs")
+        .unwrap()
+        .expect("the retry applied v1: it must not fail");
+    let d = tokio::time::timeout(BOUND, discard)
+        .await
+        .expect("the discard hangs")
+        .unwrap()
+        .expect("the discard of an open v2");
+    assert_eq!((r.applied, r.released), (1, true), "{r:?}");
+    assert!(r.still_parked.is_none(), "{r:?}");
+    assert_eq!((d.discarded, d.released), (1, true), "{d:?}");
+    assert_eq!(status(&inbox, head).await, ParkedStatus::Applied);
+    assert_eq!(status(&inbox, v2).await, ParkedStatus::Discarded);
+    assert!(open_parked(&inbox).await.is_empty());
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(2), false));
+    let trail = inbox.audit_trail(GROUP, Some(head)).await.unwrap();
+    assert_eq!(trail.len(), 1, "{trail:?}");
+    ctx.fix("poison-a").await;
+    log.publish(&[&ev("poison-a", 3)]).await;
+    quiet(&mut eng).await;
+    assert_eq!(ctx.applied("poison-a").await, vec![1, 3]);
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
