@@ -1243,3 +1243,71 @@ async fn retry_whose_last_waiting_message_fails_again_while_discarded() {
     ctx.effects_once().await;
     ctx.drop().await;
 }
+
+/// Attack 16 (fix 2, three operators): v1 head, v2 and v3 waiting, nothing fixed. A retry of
+/// v1 is held in its handler (it will fail again); a discard of v1 and then a discard of v2
+/// queue on the aggregate. Then v1's discard releases the rest, which fails again. Whatever
+/// the order: v1 and v2 Discarded, v3 the parked head, the aggregate at v2 and blocked, nothing
+/// applied; fixed and retried, v3 applies, then v4.
+#[tokio::test]
+async fn retry_failing_again_while_the_head_and_the_next_are_discarded() {
+    let ctx = ctx!("retry_failing_again_while_the_head_and_the_next_are_discarded");
+    let inbox = ctx.inbox().await;
+    let h = Effects::gated_first(&ctx);
+    let (log, mut eng, ids) = park_versions(&inbox, &h, 3).await;
+    let gate = h.gate("poison-a");
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    let o = ops.clone();
+    let head = ids[0];
+    let retry = tokio::spawn(async move { o.retry(head, "alice", "try again").await });
+    h.wait_entered(1).await;
+    let o = ops.clone();
+    let d1 = tokio::spawn(async move { o.discard(head, "bob", "void v1").await });
+    wait_blocked(&ctx, 1).await;
+    let o = ops.clone();
+    let v2 = ids[1];
+    let d2 = tokio::spawn(async move { o.discard(v2, "carol", "void v2").await });
+    wait_blocked(&ctx, 2).await;
+    gate.add_permits(10_000);
+    let r = tokio::time::timeout(BOUND, retry)
+        .await
+        .expect("the retry hangs")
+        .unwrap();
+    let r1 = tokio::time::timeout(BOUND, d1)
+        .await
+        .expect("hang")
+        .unwrap()
+        .expect("the discard of v1");
+    let r2 = tokio::time::timeout(BOUND, d2)
+        .await
+        .expect("hang")
+        .unwrap()
+        .expect("the discard of v2");
+    match &r {
+        Ok(rep) => assert_eq!(rep.applied, 0, "{rep:?}"),
+        Err(OperatorError::NotOpen { .. }) => {}
+        Err(e) => panic!("retry failed: {e}"),
+    }
+    assert_eq!((r1.discarded, r2.discarded), (1, 1));
+    assert_eq!(status(&inbox, ids[0]).await, ParkedStatus::Discarded);
+    assert_eq!(status(&inbox, ids[1]).await, ParkedStatus::Discarded);
+    assert_eq!(
+        status(&inbox, ids[2]).await,
+        ParkedStatus::Parked,
+        "{r:?} {r1:?} {r2:?}"
+    );
+    assert!(ctx.applied("poison-a").await.is_empty());
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(2), true));
+    ctx.fix("poison-a").await;
+    let r3 = tokio::time::timeout(BOUND, ops.retry(ids[2], "alice", "fixed"))
+        .await
+        .expect("hang")
+        .unwrap();
+    assert_eq!((r3.applied, r3.released), (1, true), "{r3:?}");
+    log.publish(&[&ev("poison-a", 4)]).await;
+    quiet(&mut eng).await;
+    assert_eq!(ctx.applied("poison-a").await, vec![3, 4]);
+    assert_eq!(agg_state(&ctx, "poison-a").await, (Some(4), false));
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
