@@ -1112,7 +1112,9 @@ async fn discard_of_the_last_open_message_on_a_one_connection_pool() {
 /// Attack 11b: the report of attack 11. The retry's head was discarded by another operator
 /// while the retry's handler failed; the retry reports NotOpen with the head's real status.
 //
-// FOUND: the retry returns `NotOpen { status: Applied }` for a head that is Discarded: after
+// FOUND (fails ~5 runs in 6; passes when the retry's "failed again" transaction wins the
+// aggregate lock before the discard): the retry returns `NotOpen { status: Applied }` for a
+// head that is Discarded: after
 // the "failed again" path `continue`s, the next loop iteration finds the retried id no longer
 // open and returns `NotOpen` with a hard-coded `ParkedStatus::Applied` (operator.rs, the
 // `retried.filter(|_| audit_pending)` check in `release`). An operator (or the engine's
