@@ -997,6 +997,26 @@ pub trait InboxParking: InboxStore {
         aggregate: &AggregateKey,
     ) -> Result<Vec<ParkedMessage>, StoreError>;
 
+    /// The discarded messages of `aggregate`, read in `tx`. The default reads committed state
+    /// outside `tx` with [`list_parked`](Self::list_parked); a store whose transaction holds a
+    /// pooled connection overrides it, so that an operator action needs one connection and
+    /// not two (with a pool of N, N concurrent actions would otherwise wait on each other).
+    async fn discarded_of(
+        &self,
+        _tx: &mut Self::Tx,
+        consumer: &str,
+        aggregate: &AggregateKey,
+    ) -> Result<Vec<ParkedMessage>, StoreError> {
+        let mut filter = ParkedFilter::open().all().aggregate(aggregate.clone());
+        filter.limit = usize::MAX;
+        Ok(self
+            .list_parked(consumer, &filter)
+            .await?
+            .into_iter()
+            .filter(|m| m.status == ParkedStatus::Discarded)
+            .collect())
+    }
+
     /// One parked message, read in `tx` (for messages without an aggregate).
     async fn parked_in(
         &self,

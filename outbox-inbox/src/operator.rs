@@ -584,14 +584,11 @@ where
         key: &AggregateKey,
         below: Option<i64>,
     ) -> Result<(), StoreError> {
-        let mut filter = ParkedFilter::open().all().aggregate(key.clone());
-        filter.limit = 1_000_000;
         let highest = self
             .store()
-            .list_parked(self.consumer(), &filter)
+            .discarded_of(tx, self.consumer(), key)
             .await?
             .into_iter()
-            .filter(|m| m.status == ParkedStatus::Discarded)
             .filter_map(|m| m.record.decode().ok())
             .filter(|e| below.is_none_or(|b| e.aggregate_version < b))
             .max_by_key(|e| e.aggregate_version);
@@ -629,11 +626,21 @@ where
             };
             if let Some(id) = retried.filter(|_| audit_pending) {
                 if !open.iter().any(|m| m.id == id) {
+                    // Resolved by someone else meanwhile (applied, or discarded by another
+                    // operator): say which.
+                    let status = match store.parked_in(&mut tx, &consumer, id).await {
+                        Ok(Some(m)) => m.status,
+                        Ok(None) => {
+                            let _ = store.rollback(tx).await;
+                            return Err(OperatorError::NotFound(id));
+                        }
+                        Err(e) => {
+                            let _ = store.rollback(tx).await;
+                            return Err(e.into());
+                        }
+                    };
                     let _ = store.rollback(tx).await;
-                    return Err(OperatorError::NotOpen {
-                        id,
-                        status: ParkedStatus::Applied,
-                    });
+                    return Err(OperatorError::NotOpen { id, status });
                 }
             }
             let Some(first) = open.first().cloned() else {

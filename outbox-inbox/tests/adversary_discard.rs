@@ -1075,12 +1075,11 @@ async fn three_queued_discards_with_a_release_failing_in_between() {
 /// and `skip_discarded` reads the parked history through the store (not the transaction): it
 /// waits for a second connection that never comes.
 //
-// FOUND: `Err(Store(PoolTimedOut))` after the pool's acquire timeout; the discard rolls back
-// (v1 stays parked, the aggregate blocked), and every retry of it fails the same way. New
-// with fix 1 for `discard` (before it, a discard never read outside its transaction); the
-// same starvation hits `N` concurrent operator actions on a pool of `N`.
+// FOUND here, fixed (`InboxParking::discarded_of` reads in the transaction): it failed with
+// `Err(Store(PoolTimedOut))` after the pool's acquire timeout; the discard rolled back (v1
+// stayed parked, the aggregate blocked), and every retry of it failed the same way; the same
+// starvation hit `N` concurrent operator actions on a pool of `N`.
 #[tokio::test]
-#[ignore = "FOUND: discard of the last open message needs a second pool connection inside its transaction (skip_discarded via list_parked): PoolTimedOut on a one-connection pool"]
 async fn discard_of_the_last_open_message_on_a_one_connection_pool() {
     let ctx = ctx!("discard_of_the_last_open_message_on_a_one_connection_pool");
     let inbox = ctx.inbox().await;
@@ -1112,15 +1111,11 @@ async fn discard_of_the_last_open_message_on_a_one_connection_pool() {
 /// Attack 11b: the report of attack 11. The retry's head was discarded by another operator
 /// while the retry's handler failed; the retry reports NotOpen with the head's real status.
 //
-// FOUND (fails ~5 runs in 6; passes when the retry's "failed again" transaction wins the
-// aggregate lock before the discard): the retry returns `NotOpen { status: Applied }` for a
-// head that is Discarded: after
-// the "failed again" path `continue`s, the next loop iteration finds the retried id no longer
-// open and returns `NotOpen` with a hard-coded `ParkedStatus::Applied` (operator.rs, the
-// `retried.filter(|_| audit_pending)` check in `release`). An operator (or the engine's
-// requested-retry path) is told the event was applied when it was discarded with no effect.
+// FOUND here, fixed (failed ~5 runs in 6; passes when the retry's "failed again"
+// transaction wins the aggregate lock before the discard): the retry returned `NotOpen {
+// status: Applied }` for a head that is Discarded: the `retried.filter(|_| audit_pending)`
+// check in `release` hard-coded `ParkedStatus::Applied`; it now reads the real status.
 #[tokio::test]
-#[ignore = "FOUND: a retry whose head another operator discarded meanwhile reports NotOpen { status: Applied }"]
 async fn retry_reports_the_real_status_of_a_head_discarded_meanwhile() {
     let ctx = ctx!("retry_reports_the_real_status_of_a_head_discarded_meanwhile");
     let inbox = ctx.inbox().await;
@@ -1170,9 +1165,8 @@ async fn one_connection_store(ctx: &Ctx) -> outbox_postgres::PostgresInboxStore 
 
 /// Attack 14b: scope of attack 14: a retry of a fixed lone head on a one-connection pool
 /// (the release's `skip_discarded` reads through the store while its transaction holds the
-/// only connection; this path predates the fix).
+/// only connection; this path predated the fix). FOUND here, fixed with attack 14.
 #[tokio::test]
-#[ignore = "FOUND: retry/release needs a second pool connection inside its transaction (skip_discarded reads via the store): PoolTimedOut on a one-connection pool"]
 async fn retry_of_a_lone_head_on_a_one_connection_pool() {
     let ctx = ctx!("retry_of_a_lone_head_on_a_one_connection_pool");
     let inbox = ctx.inbox().await;

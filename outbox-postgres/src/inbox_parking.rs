@@ -184,6 +184,28 @@ impl InboxParking for PostgresInboxStore {
         rows.iter().map(to_parked).collect()
     }
 
+    async fn discarded_of(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        consumer: &str,
+        aggregate: &AggregateKey,
+    ) -> Result<Vec<ParkedMessage>, StoreError> {
+        check_consumer(consumer)?;
+        let sql = format!(
+            "SELECT {COLUMNS} FROM {} WHERE consumer = $1 AND aggregate_type = $2 \
+             AND aggregate_id = $3 AND status = 'discarded' ORDER BY id",
+            self.sql.parked
+        );
+        let rows = sqlx::query(&sql)
+            .bind(consumer)
+            .bind(pg_text(&aggregate.aggregate_type))
+            .bind(pg_text(&aggregate.aggregate_id))
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(db)?;
+        rows.iter().map(to_parked).collect()
+    }
+
     async fn parked_in(
         &self,
         tx: &mut Transaction<'static, Postgres>,

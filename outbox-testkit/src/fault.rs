@@ -679,6 +679,14 @@ impl<I: InboxParking> InboxParking for FaultyInbox<I> {
     ) -> Result<Vec<ParkedMessage>, StoreError> {
         self.inner.open_parked_of(tx, consumer, aggregate).await
     }
+    async fn discarded_of(
+        &self,
+        tx: &mut I::Tx,
+        consumer: &str,
+        aggregate: &AggregateKey,
+    ) -> Result<Vec<ParkedMessage>, StoreError> {
+        self.inner.discarded_of(tx, consumer, aggregate).await
+    }
     async fn parked_in(
         &self,
         tx: &mut I::Tx,
