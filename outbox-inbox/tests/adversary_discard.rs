@@ -12,7 +12,7 @@ use adversary_common::*;
 
 use std::time::Duration;
 
-use outbox_core::{InboxParking, ParkedFilter, ParkedId, ParkedStatus, Publisher};
+use outbox_core::{Envelope, InboxParking, ParkedFilter, ParkedId, ParkedStatus, Publisher};
 use outbox_inbox::{OperatorError, VersionPolicy};
 use outbox_testkit::MemoryLog;
 
@@ -88,6 +88,46 @@ async fn wait_blocked(ctx: &Ctx, n: usize) -> Vec<i32> {
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// Publishes `events` to a one-partition log and runs an engine over them until quiet.
+async fn parked_log(
+    inbox: &outbox_postgres::PostgresInboxStore,
+    h: &Effects,
+    events: &[Envelope],
+) -> (
+    MemoryLog,
+    Engine<outbox_testkit::MemoryConsumer>,
+    outbox_inbox::EngineReport,
+) {
+    let log = MemoryLog::new("t", 1);
+    log.publish(&events.iter().collect::<Vec<_>>()).await;
+    let mut eng = engine(
+        log.consumer(GROUP, &["t"]),
+        inbox,
+        h,
+        VersionPolicy::Reject,
+        fast(),
+    );
+    let r = quiet(&mut eng).await;
+    (log, eng, r)
+}
+
+/// Publishes version `v` of `agg`, runs the engine until quiet, and checks that `agg`'s
+/// applied versions are then `applied` and that no effect ran twice.
+async fn next_version_applies(
+    ctx: &Ctx,
+    log: &MemoryLog,
+    eng: &mut Engine<outbox_testkit::MemoryConsumer>,
+    agg: &str,
+    v: i64,
+    applied: &[i64],
+) -> outbox_inbox::EngineReport {
+    log.publish(&[&ev(agg, v)]).await;
+    let r = quiet(eng).await;
+    assert_eq!(ctx.applied(agg).await, applied, "{r:?}");
+    ctx.effects_once().await;
+    r
 }
 
 /// Parks `poison-a` v`v` twice (two distinct events, one version): the first is the parked
@@ -189,10 +229,8 @@ async fn concurrent_discards_of_both_same_version_copies() {
     }
     // v3 follows: no gap, not stale.
     ctx.fix("poison-a").await;
-    log.publish(&[&ev("poison-a", 3)]).await;
-    let r = quiet(&mut eng).await;
+    let r = next_version_applies(&ctx, &log, &mut eng, "poison-a", 3, &[1, 3]).await;
     assert_eq!(r.parked, 1, "no new parking: {r:?}");
-    assert_eq!(ctx.applied("poison-a").await, vec![1, 3]);
     assert_eq!(ctx.effects_once().await, 3);
     ctx.drop().await;
 }
@@ -227,11 +265,8 @@ async fn racing_discards_of_same_version_copies_unforced() {
     assert!(ctx.applied("poison-a").await.is_empty());
     assert_eq!(agg_state(&ctx, "poison-a").await, (Some(1), false));
     ctx.fix("poison-a").await;
-    log.publish(&[&ev("poison-a", 2)]).await;
-    let r = quiet(&mut eng).await;
+    let r = next_version_applies(&ctx, &log, &mut eng, "poison-a", 2, &[2]).await;
     assert_eq!(r.parked, 1, "no new parking: {r:?}");
-    assert_eq!(ctx.applied("poison-a").await, vec![2]);
-    ctx.effects_once().await;
     ctx.drop().await;
 }
 
@@ -273,11 +308,8 @@ async fn discard_of_the_copy_racing_a_retry_of_the_head() {
     }
     assert!(open_parked(&inbox).await.is_empty());
     assert_eq!(agg_state(&ctx, "poison-a").await, (Some(2), false));
-    log.publish(&[&ev("poison-a", 3)]).await;
-    let rep = quiet(&mut eng).await;
+    let rep = next_version_applies(&ctx, &log, &mut eng, "poison-a", 3, &[1, 2, 3]).await;
     assert_eq!(rep.parked, 1, "{rep:?}");
-    assert_eq!(ctx.applied("poison-a").await, vec![1, 2, 3]);
-    ctx.effects_once().await;
     ctx.drop().await;
 }
 
@@ -478,10 +510,7 @@ async fn discard_killed_in_its_release_step() {
     let r = ops.retry(copy, "carol", "finish").await.unwrap();
     assert_eq!((r.applied, r.released), (1, true), "{r:?}");
     assert_eq!(ctx.applied("poison-a").await, vec![1, 2]);
-    log.publish(&[&ev("poison-a", 3)]).await;
-    quiet(&mut eng).await;
-    assert_eq!(ctx.applied("poison-a").await, vec![1, 2, 3]);
-    ctx.effects_once().await;
+    next_version_applies(&ctx, &log, &mut eng, "poison-a", 3, &[1, 2, 3]).await;
     ctx.drop().await;
 }
 
@@ -499,17 +528,12 @@ async fn discarding_everything_waiting_first_counts_the_highest_version() {
     let ctx = ctx!("discarding_everything_waiting_first_counts_the_highest_version");
     let inbox = ctx.inbox().await;
     let h = Effects::new(&ctx);
-    let log = MemoryLog::new("t", 1);
-    log.publish(&[&ev("poison-a", 1), &ev("poison-a", 2), &ev("poison-a", 2)])
-        .await;
-    let mut eng = engine(
-        log.consumer(GROUP, &["t"]),
+    let (log, mut eng, r) = parked_log(
         &inbox,
         &h,
-        VersionPolicy::Reject,
-        fast(),
-    );
-    let r = quiet(&mut eng).await;
+        &[ev("poison-a", 1), ev("poison-a", 2), ev("poison-a", 2)],
+    )
+    .await;
     assert_eq!((r.parked, r.waiting), (1, 2), "{r:?}");
     let open = open_parked(&inbox).await;
     let ops = eng.parked();
@@ -550,17 +574,12 @@ async fn discarding_both_waiting_copies_then_retrying_the_head() {
     let ctx = ctx!("discarding_both_waiting_copies_then_retrying_the_head");
     let inbox = ctx.inbox().await;
     let h = Effects::new(&ctx);
-    let log = MemoryLog::new("t", 1);
-    log.publish(&[&ev("poison-a", 1), &ev("poison-a", 2), &ev("poison-a", 2)])
-        .await;
-    let mut eng = engine(
-        log.consumer(GROUP, &["t"]),
+    let (log, mut eng, _) = parked_log(
         &inbox,
         &h,
-        VersionPolicy::Reject,
-        fast(),
-    );
-    quiet(&mut eng).await;
+        &[ev("poison-a", 1), ev("poison-a", 2), ev("poison-a", 2)],
+    )
+    .await;
     let open = open_parked(&inbox).await;
     let ops = eng.parked();
     for m in open.iter().filter(|m| m.status == ParkedStatus::Waiting) {
@@ -570,11 +589,8 @@ async fn discarding_both_waiting_copies_then_retrying_the_head() {
     let r = ops.retry(open[0].id, "alice", "fixed").await.unwrap();
     assert_eq!((r.applied, r.released), (1, true), "{r:?}");
     assert_eq!(agg_state(&ctx, "poison-a").await, (Some(2), false));
-    log.publish(&[&ev("poison-a", 3)]).await;
-    let r = quiet(&mut eng).await;
+    let r = next_version_applies(&ctx, &log, &mut eng, "poison-a", 3, &[1, 3]).await;
     assert_eq!(r.parked, 1, "{r:?}");
-    assert_eq!(ctx.applied("poison-a").await, vec![1, 3]);
-    ctx.effects_once().await;
     ctx.drop().await;
 }
 
@@ -586,17 +602,12 @@ async fn discarding_the_head_of_three_same_version_copies() {
     let ctx = ctx!("discarding_the_head_of_three_same_version_copies");
     let inbox = ctx.inbox().await;
     let h = Effects::new(&ctx);
-    let log = MemoryLog::new("t", 1);
-    log.publish(&[&ev("poison-a", 1), &ev("poison-a", 1), &ev("poison-a", 1)])
-        .await;
-    let mut eng = engine(
-        log.consumer(GROUP, &["t"]),
+    let (_log, eng, _) = parked_log(
         &inbox,
         &h,
-        VersionPolicy::Reject,
-        fast(),
-    );
-    quiet(&mut eng).await;
+        &[ev("poison-a", 1), ev("poison-a", 1), ev("poison-a", 1)],
+    )
+    .await;
     let open = open_parked(&inbox).await;
     assert_eq!(open.len(), 3);
     ctx.fix("poison-a").await;
@@ -626,16 +637,7 @@ async fn discarding_a_gap_head_with_a_same_version_copy_keeps_the_copy() {
     let ctx = ctx!("discarding_a_gap_head_with_a_same_version_copy_keeps_the_copy");
     let inbox = ctx.inbox().await;
     let h = Effects::new(&ctx);
-    let log = MemoryLog::new("t", 1);
-    log.publish(&[&ev("a", 1), &ev("a", 3), &ev("a", 3)]).await;
-    let mut eng = engine(
-        log.consumer(GROUP, &["t"]),
-        &inbox,
-        &h,
-        VersionPolicy::Reject,
-        fast(),
-    );
-    let r = quiet(&mut eng).await;
+    let (log, mut eng, r) = parked_log(&inbox, &h, &[ev("a", 1), ev("a", 3), ev("a", 3)]).await;
     assert_eq!((r.applied, r.parked, r.waiting), (1, 1, 1), "{r:?}");
     let open = open_parked(&inbox).await;
     let (head, copy) = (open[0].id, open[1].id);
@@ -652,11 +654,8 @@ async fn discarding_a_gap_head_with_a_same_version_copy_keeps_the_copy() {
     assert_eq!(agg_state(&ctx, "a").await, (Some(1), true));
     let r = ops.retry(copy, "alice", "v2 will not come").await.unwrap();
     assert_eq!((r.applied, r.released), (1, true), "{r:?}");
-    log.publish(&[&ev("a", 4)]).await;
-    let r = quiet(&mut eng).await;
+    let r = next_version_applies(&ctx, &log, &mut eng, "a", 4, &[1, 3, 4]).await;
     assert_eq!(r.parked, 1, "{r:?}");
-    assert_eq!(ctx.applied("a").await, vec![1, 3, 4]);
-    ctx.effects_once().await;
     ctx.drop().await;
 }
 
@@ -726,16 +725,7 @@ async fn concurrent_discards_of_head_and_waiting_count_both_versions() {
     let ctx = ctx!("concurrent_discards_of_head_and_waiting_count_both_versions");
     let inbox = ctx.inbox().await;
     let h = Effects::new(&ctx);
-    let log = MemoryLog::new("t", 1);
-    log.publish(&[&ev("poison-a", 1), &ev("poison-a", 2)]).await;
-    let mut eng = engine(
-        log.consumer(GROUP, &["t"]),
-        &inbox,
-        &h,
-        VersionPolicy::Reject,
-        fast(),
-    );
-    quiet(&mut eng).await;
+    let (log, mut eng, _) = parked_log(&inbox, &h, &[ev("poison-a", 1), ev("poison-a", 2)]).await;
     let open = open_parked(&inbox).await;
     let (head, v2) = (open[0].id, open[1].id);
     let lock = lock_aggregate(&ctx, "poison-a").await;
@@ -888,17 +878,8 @@ async fn park_versions(
     Engine<outbox_testkit::MemoryConsumer>,
     Vec<ParkedId>,
 ) {
-    let log = MemoryLog::new("t", 1);
     let evs: Vec<_> = (1..=n).map(|v| ev("poison-a", v)).collect();
-    log.publish(&evs.iter().collect::<Vec<_>>()).await;
-    let mut eng = engine(
-        log.consumer(GROUP, &["t"]),
-        inbox,
-        h,
-        VersionPolicy::Reject,
-        fast(),
-    );
-    quiet(&mut eng).await;
+    let (log, eng, _) = parked_log(inbox, h, &evs).await;
     let open = open_parked(inbox).await;
     assert_eq!(open.len() as i64, n);
     let ids = open.iter().map(|m| m.id).collect();
@@ -1233,10 +1214,7 @@ async fn retry_whose_last_waiting_message_fails_again_while_discarded() {
     let trail = inbox.audit_trail(GROUP, Some(head)).await.unwrap();
     assert_eq!(trail.len(), 1, "{trail:?}");
     ctx.fix("poison-a").await;
-    log.publish(&[&ev("poison-a", 3)]).await;
-    quiet(&mut eng).await;
-    assert_eq!(ctx.applied("poison-a").await, vec![1, 3]);
-    ctx.effects_once().await;
+    next_version_applies(&ctx, &log, &mut eng, "poison-a", 3, &[1, 3]).await;
     ctx.drop().await;
 }
 
