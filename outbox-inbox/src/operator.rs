@@ -731,8 +731,6 @@ where
                 }
                 Err((kind, why, transient)) => {
                     let _ = store.rollback(tx).await;
-                    report.transient = transient;
-                    warn!(consumer = %consumer, parked_id = %first.id, error = %why, "released message failed again; it now blocks its aggregate");
                     let mut tx = store.begin().await?;
                     // The message may have been resolved meanwhile (another operator discarded
                     // it while its handler ran): then it is not failed again; the release goes
@@ -746,9 +744,10 @@ where
                     };
                     if !still_open {
                         let _ = store.rollback(tx).await;
-                        report.transient = false;
                         continue;
                     }
+                    report.transient = transient;
+                    warn!(consumer = %consumer, parked_id = %first.id, error = %why, "released message failed again; it now blocks its aggregate");
                     let r = async {
                         store
                             .change_parked(

@@ -100,6 +100,32 @@ fn check_consumer(consumer: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
+impl PostgresInboxStore {
+    /// `aggregate`'s parked messages of `consumer` matching `condition` (an SQL predicate
+    /// followed by its `ORDER BY`), read in `tx`.
+    async fn parked_of_in(
+        &self,
+        tx: &mut Transaction<'static, Postgres>,
+        consumer: &str,
+        aggregate: &AggregateKey,
+        condition: &str,
+    ) -> Result<Vec<ParkedMessage>, StoreError> {
+        let sql = format!(
+            "SELECT {COLUMNS} FROM {} WHERE consumer = $1 AND aggregate_type = $2 \
+             AND aggregate_id = $3 AND {condition}",
+            self.sql.parked
+        );
+        let rows = sqlx::query(&sql)
+            .bind(consumer)
+            .bind(pg_text(&aggregate.aggregate_type))
+            .bind(pg_text(&aggregate.aggregate_id))
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(db)?;
+        rows.iter().map(to_parked).collect()
+    }
+}
+
 #[async_trait]
 impl InboxParking for PostgresInboxStore {
     async fn list_parked(
@@ -169,19 +195,13 @@ impl InboxParking for PostgresInboxStore {
         .fetch_optional(&mut **tx)
         .await
         .map_err(db)?;
-        let sql = format!(
-            "SELECT {COLUMNS} FROM {} WHERE consumer = $1 AND aggregate_type = $2 \
-             AND aggregate_id = $3 AND {OPEN} ORDER BY aggregate_version NULLS FIRST, id",
-            self.sql.parked
-        );
-        let rows = sqlx::query(&sql)
-            .bind(consumer)
-            .bind(pg_text(&aggregate.aggregate_type))
-            .bind(pg_text(&aggregate.aggregate_id))
-            .fetch_all(&mut **tx)
-            .await
-            .map_err(db)?;
-        rows.iter().map(to_parked).collect()
+        self.parked_of_in(
+            tx,
+            consumer,
+            aggregate,
+            &format!("{OPEN} ORDER BY aggregate_version NULLS FIRST, id"),
+        )
+        .await
     }
 
     async fn discarded_of(
@@ -191,19 +211,8 @@ impl InboxParking for PostgresInboxStore {
         aggregate: &AggregateKey,
     ) -> Result<Vec<ParkedMessage>, StoreError> {
         check_consumer(consumer)?;
-        let sql = format!(
-            "SELECT {COLUMNS} FROM {} WHERE consumer = $1 AND aggregate_type = $2 \
-             AND aggregate_id = $3 AND status = 'discarded' ORDER BY id",
-            self.sql.parked
-        );
-        let rows = sqlx::query(&sql)
-            .bind(consumer)
-            .bind(pg_text(&aggregate.aggregate_type))
-            .bind(pg_text(&aggregate.aggregate_id))
-            .fetch_all(&mut **tx)
+        self.parked_of_in(tx, consumer, aggregate, "status = 'discarded' ORDER BY id")
             .await
-            .map_err(db)?;
-        rows.iter().map(to_parked).collect()
     }
 
     async fn parked_in(
