@@ -555,3 +555,69 @@ async fn accept_first_version_lets_the_deployed_relay_publish_an_aggregate_that_
     assert_eq!(records[0].version, 5);
     env.drop_schema().await;
 }
+
+/// A topic that accepts smaller record batches (`max.message.bytes`) than the producer builds
+/// (`batch.size`, librdkafka's default 1,000,000): the broker would refuse whole batches of
+/// small records. `outbox check` names it as a violation with the fix, and the relay refuses to
+/// start (exit 2); with `batch.size` within the limit both pass and the relay publishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_and_the_relay_refuse_producer_batches_larger_than_the_topic_accepts() {
+    let env = env_or_skip!("relay_batch_vs_topic_limit", 0);
+    common::create_topic(
+        &env.brokers,
+        &env.topic,
+        1,
+        &[("max.message.bytes", "50000")],
+    )
+    .await;
+    env.migrate();
+    let batch_finding = |v: &serde_json::Value, severity: &str| {
+        v["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["check"] == "batch_size" && f["severity"] == severity)
+            .cloned()
+    };
+    let (code, v, _) = env.json(&["check"]);
+    assert_eq!(code, 1, "{v}");
+    let found = batch_finding(&v, "error").unwrap_or_else(|| panic!("{v}"));
+    assert!(
+        found["message"]
+            .as_str()
+            .unwrap()
+            .contains("at most 50000 bytes"),
+        "{found}"
+    );
+    assert!(
+        found["fix"]
+            .as_str()
+            .unwrap()
+            .contains("\"batch.size\" = 50000"),
+        "{found}"
+    );
+    let out = env.run(&["relay", "--no-http"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("max.message.bytes") && err.contains("\"batch.size\" = 50000"),
+        "{err}"
+    );
+
+    std::fs::write(
+        env.dir.join("outbox.toml"),
+        "[kafka.producer]\n\"batch.size\" = 50000\n",
+    )
+    .unwrap();
+    let (code, v, _) = env.json(&["check"]);
+    assert_eq!(code, 0, "{v}");
+    assert!(batch_finding(&v, "ok").is_some(), "{v}");
+    let events = env.append(3, 1).await;
+    let mut relay = env.spawn_relay(&["--no-cleanup"]);
+    relay.wait_ready(Duration::from_secs(30));
+    env.wait_count("published", events.len() as i64, Duration::from_secs(30))
+        .await;
+    let (code, _, stderr) = relay.terminate(Duration::from_secs(30));
+    assert_eq!(code, 0, "{stderr}");
+    env.drop_schema().await;
+}
