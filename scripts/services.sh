@@ -1,4 +1,5 @@
-# Sourced by scripts/test and scripts/demo-real: start PostgreSQL and a Kafka-protocol broker.
+# Sourced by scripts/test and scripts/demo-real: start PostgreSQL and a Kafka-protocol broker,
+# and install PgBouncer (tests start their own, in front of PostgreSQL).
 TANSU_VERSION=0.6.0
 OUTBOX_STATE_DIR="${OUTBOX_STATE_DIR:-$PWD/target/services}"
 mkdir -p "$OUTBOX_STATE_DIR"
@@ -69,6 +70,26 @@ ensure_kafka() {
         exit 1
     fi
     export KAFKA_BROKERS="127.0.0.1:$port"
+}
+
+ensure_pgbouncer() {
+    if [[ -n "${PGBOUNCER_BIN:-}" && -x "$PGBOUNCER_BIN" ]]; then return; fi
+    local bin
+    bin="$(command -v pgbouncer || true)"
+    if [[ -z "$bin" && -x /usr/sbin/pgbouncer ]]; then bin=/usr/sbin/pgbouncer; fi
+    if [[ -z "$bin" ]]; then
+        if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+            log "installing PgBouncer (Debian package; tests start their own instances)"
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -q pgbouncer >&2 \
+                || { apt-get update -q >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -q pgbouncer >&2; }
+            bin=/usr/sbin/pgbouncer
+        else
+            echo "error: PgBouncer is not installed (the wake-up gate's pooler tests start it)." >&2
+            echo "       Install it (apt-get install pgbouncer) or set PGBOUNCER_BIN." >&2
+            exit 1
+        fi
+    fi
+    export PGBOUNCER_BIN="$bin"
 }
 
 stop_services() {

@@ -350,6 +350,11 @@ pub struct OutboxConfig {
     pub locked_max_hold: Dur,
     /// How long a head that skips a version is held before it is parked. Default 5 min.
     pub gap_timeout: Dur,
+    /// Accept the lowest pending version of an aggregate the store has no state for as its
+    /// first, instead of holding it as a version gap unless it is version 1 (for aggregates
+    /// adopted with a history, and after the upgrade to migration 3 when cleanup had removed
+    /// every row of quiet aggregates). Default false.
+    pub accept_first_version: bool,
     /// Cleanup copies rows into `<table>_archive` before deleting them. Default false.
     pub archive: bool,
 }
@@ -363,6 +368,7 @@ impl Default for OutboxConfig {
             lease: Dur::secs(45),
             locked_max_hold: Dur::secs(300),
             gap_timeout: Dur::secs(300),
+            accept_first_version: false,
             archive: false,
         }
     }

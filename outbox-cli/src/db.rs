@@ -185,6 +185,7 @@ pub fn outbox_store(config: &Config, pool: PgPool) -> Result<PostgresOutboxStore
         .claim_mode(mode)
         .locked_max_hold(o.locked_max_hold.0)
         .gap_timeout(o.gap_timeout.0)
+        .accept_first_version(o.accept_first_version)
         .archive(o.archive)
         .build()
         .map_err(|e| CliError::config(e.message, "fix the [outbox] section"))

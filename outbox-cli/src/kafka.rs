@@ -1,6 +1,6 @@
 //! The broker side: the publisher from the configuration (errors with host and fix), topic
 //! facts through the admin API (partitions, replication, `min.insync.replicas`,
-//! `retention.ms`, `cleanup.policy`) and consumer groups' lag through a plain consumer.
+//! `retention.ms`, `cleanup.policy`, `max.message.bytes`) and consumer groups' lag through a plain consumer.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -94,6 +94,17 @@ pub fn topic_error(t: &TopicCheckError, brokers: &str) -> CliError {
             "create them with their partition count and retention (automatic topic creation \
              is not used), or fix kafka.topic / kafka.routes",
         ),
+        TopicCheckError::BatchTooLarge {
+            topic,
+            max_message_bytes,
+            ..
+        } => CliError::config(
+            format!("broker at {brokers}: {t}"),
+            format!(
+                "set kafka.producer \"batch.size\" = {max_message_bytes} (or less), or raise \
+                 max.message.bytes of topic {topic:?}"
+            ),
+        ),
         TopicCheckError::Unreachable { message } => CliError::unreachable(
             format!("cannot reach the Kafka broker(s) at {brokers}: {message}"),
             "check that the brokers run and that kafka.brokers (KAFKA_BROKERS) names them; \
@@ -118,6 +129,8 @@ pub struct TopicFacts {
     pub retention_ms: Option<i64>,
     /// `cleanup.policy` if reported.
     pub cleanup_policy: Option<String>,
+    /// `max.message.bytes` if reported.
+    pub max_message_bytes: Option<u64>,
 }
 
 /// Facts of `topics`; `Ok(None)` entries are topics the broker does not know.
@@ -163,6 +176,7 @@ pub async fn describe_topics(
                     min_insync_replicas: None,
                     retention_ms: None,
                     cleanup_policy: None,
+                    max_message_bytes: None,
                 })
             });
         if facts.is_some() {
@@ -189,6 +203,8 @@ pub async fn describe_topics(
                     f.min_insync_replicas = get("min.insync.replicas").and_then(|v| v.parse().ok());
                     f.retention_ms = get("retention.ms").and_then(|v| v.parse().ok());
                     f.cleanup_policy = get("cleanup.policy");
+                    f.max_message_bytes =
+                        get("max.message.bytes").and_then(|v| v.trim().parse().ok());
                 }
             }
         }

@@ -497,3 +497,127 @@ async fn a_broker_outage_parks_nothing_and_drains_when_it_returns() {
     assert!(warns < 20, "{warns} warnings for 10 events: {stderr}");
     env.drop_schema().await;
 }
+
+/// The upgrade note's answer for aggregates whose earlier rows are gone (adopted with a history,
+/// or cleaned up without archiving before migration 3): `outbox.accept_first_version`. Without
+/// it the deployed relay holds such an aggregate's first stored version as a version gap; with
+/// it (file or environment) the relay publishes it. A value that is not a boolean is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accept_first_version_lets_the_deployed_relay_publish_an_aggregate_that_starts_late() {
+    let env = env_or_skip!("relay_accept_first_version", 1);
+    env.migrate();
+    let late = env.append_versions(1, 5..=5).await;
+    let t = Duration::from_secs(30);
+
+    // Default: version 5 of an aggregate without state skips 1..=4, and is held.
+    let mut relay = env.spawn_relay(&["--no-cleanup"]);
+    relay.wait_ready(t);
+    relay.wait_metric("outbox_version_gaps_held", "", |v| v == 1.0, t);
+    assert_eq!(env.count("published").await, 0);
+    let (code, _, stderr) = relay.terminate(t);
+    assert_eq!(code, 0, "{stderr}");
+
+    // A bad value: exit 2 naming the key, before anything runs.
+    let out = env
+        .cmd()
+        .env("OUTBOX_OUTBOX__ACCEPT_FIRST_VERSION", "maybe")
+        .args(["relay", "--no-http"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("outbox.accept_first_version") && err.contains("expected a boolean"),
+        "{}",
+        text(&out)
+    );
+    // The file form is read and shown by `outbox config`.
+    std::fs::write(
+        env.dir.join("outbox.toml"),
+        "[outbox]\naccept_first_version = true\n",
+    )
+    .unwrap();
+    let (code, shown, stderr) = env.json(&["config"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(shown["outbox"]["accept_first_version"], true, "{shown}");
+    std::fs::remove_file(env.dir.join("outbox.toml")).unwrap();
+
+    // On (from the environment): the lowest pending version is the aggregate's first.
+    let mut relay = env.spawn_relay_env(&[("OUTBOX_OUTBOX__ACCEPT_FIRST_VERSION", "true")], &[]);
+    relay.wait_ready(t);
+    env.wait_count("published", 1, t).await;
+    assert_eq!(env.count("parked").await, 0);
+    let (code, _, stderr) = relay.terminate(t);
+    assert_eq!(code, 0, "{stderr}");
+    let records = common::read_topic(&env.brokers, &env.topic, 1, 1);
+    assert_eq!(records.len(), 1, "{records:?}");
+    assert_eq!(records[0].event_id, late[0].event_id.to_string());
+    assert_eq!(records[0].version, 5);
+    env.drop_schema().await;
+}
+
+/// A topic that accepts smaller record batches (`max.message.bytes`) than the producer builds
+/// (`batch.size`, librdkafka's default 1,000,000): the broker would refuse whole batches of
+/// small records. `outbox check` names it as a violation with the fix, and the relay refuses to
+/// start (exit 2); with `batch.size` within the limit both pass and the relay publishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_and_the_relay_refuse_producer_batches_larger_than_the_topic_accepts() {
+    let env = env_or_skip!("relay_batch_vs_topic_limit", 0);
+    common::create_topic(
+        &env.brokers,
+        &env.topic,
+        1,
+        &[("max.message.bytes", "50000")],
+    )
+    .await;
+    env.migrate();
+    let batch_finding = |v: &serde_json::Value, severity: &str| {
+        v["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["check"] == "batch_size" && f["severity"] == severity)
+            .cloned()
+    };
+    let (code, v, _) = env.json(&["check"]);
+    assert_eq!(code, 1, "{v}");
+    let found = batch_finding(&v, "error").unwrap_or_else(|| panic!("{v}"));
+    assert!(
+        found["message"]
+            .as_str()
+            .unwrap()
+            .contains("at most 50000 bytes"),
+        "{found}"
+    );
+    assert!(
+        found["fix"]
+            .as_str()
+            .unwrap()
+            .contains("\"batch.size\" = 50000"),
+        "{found}"
+    );
+    let out = env.run(&["relay", "--no-http"]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("max.message.bytes") && err.contains("\"batch.size\" = 50000"),
+        "{err}"
+    );
+
+    std::fs::write(
+        env.dir.join("outbox.toml"),
+        "[kafka.producer]\n\"batch.size\" = 50000\n",
+    )
+    .unwrap();
+    let (code, v, _) = env.json(&["check"]);
+    assert_eq!(code, 0, "{v}");
+    assert!(batch_finding(&v, "ok").is_some(), "{v}");
+    let events = env.append(3, 1).await;
+    let mut relay = env.spawn_relay(&["--no-cleanup"]);
+    relay.wait_ready(Duration::from_secs(30));
+    env.wait_count("published", events.len() as i64, Duration::from_secs(30))
+        .await;
+    let (code, _, stderr) = relay.terminate(Duration::from_secs(30));
+    assert_eq!(code, 0, "{stderr}");
+    env.drop_schema().await;
+}

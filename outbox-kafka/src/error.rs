@@ -19,6 +19,13 @@
 //! record held back behind its aggregate's failed predecessor. **Record** (the record's own;
 //! it spends an attempt and is parked when permanent or past the limit): too large, invalid,
 //! not serializable, configuration errors and anything unknown.
+//!
+//! "Too large" in a **delivery report** (`MSG_SIZE_TOO_LARGE`, `MESSAGE_BATCH_TOO_LARGE`) may be
+//! the record's batch rather than the record: librdkafka fails every record of a batch the
+//! broker refuses. [`crate::KafkaPublisher`] classes those by the record's own size against the
+//! topic's `max.message.bytes` instead of by this table ([`crate::size`]); the table's
+//! permanent class stays for a record librdkafka refuses before sending (over the producer's
+//! `message.max.bytes`).
 
 use outbox_core::{ErrorClass, FailureScope, PublishError, PublishErrorKind, SourceError};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};

@@ -33,6 +33,8 @@
 //! | fatal producer errors | handled | affected records fail transiently, the producer is rebuilt |
 //! | stuck idempotent producer | handled | rebuilt after consecutive all-timed-out batches ([`KafkaPublisherBuilder::rebuild_after_timeouts`]) |
 //! | missing topic | error at start | [`KafkaPublisher::check_topics`] / [`KafkaPublisherBuilder::start`] |
+//! | batches larger than a topic accepts | error at start | the producer's largest batch (`batch.size`, `message.max.bytes`) against each topic's `max.message.bytes` ([`TopicCheckError::BatchTooLarge`]) |
+//! | "too large" refusals | by the record's own size | a record over its topic's `max.message.bytes` is permanent; one that fits alone (its batch was refused) is transient, the transport's ([`size`]) |
 //! | partition count change | surfaced | [`TopicReport::partition_changes`], warning log, metric `outbox_kafka_partition_count_changes_total` |
 //! | compacted topics | reported | `cleanup.policy` via DescribeConfigs; [`CleanupPolicy::Unavailable`] with a warning when the broker cannot describe configs |
 //! | consumer auto-commit | off, enforced | `enable.auto.commit=false`, `enable.auto.offset.store=false` |
@@ -151,6 +153,7 @@ pub mod error;
 pub mod partitioner;
 mod publisher;
 mod retention;
+pub mod size;
 mod source;
 mod topics;
 
@@ -166,5 +169,6 @@ pub use source::{
     KafkaSource, KafkaSourceBuilder, KafkaSourceConfig, StartFrom, DEFAULT_SESSION_TIMEOUT,
 };
 pub use topics::{
-    CleanupPolicy, PartitionChange, PartitionerChange, TopicCheckError, TopicInfo, TopicReport,
+    check_batch_fits, CleanupPolicy, PartitionChange, PartitionerChange, TopicCheckError,
+    TopicInfo, TopicReport,
 };

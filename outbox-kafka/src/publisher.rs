@@ -22,9 +22,13 @@ use tokio::time::Instant;
 use crate::config::{check_producer_overrides, connection_properties, Properties, PRODUCER_FORCED};
 use crate::error::{publish_error, publish_error_to, unknown_topic};
 use crate::partitioner::Partitioner;
+use crate::size::{
+    envelope_batch_bytes, is_size_refusal, producer_batch_bytes, producer_compresses,
+    size_refusal_error,
+};
 use crate::topics::{
-    describe_topics, missing_topics, Admin, PartitionChange, PartitionerChange, TopicCheckError,
-    TopicReport,
+    check_batch_fits, describe_topics, missing_topics, Admin, PartitionChange, PartitionerChange,
+    TopicCheckError, TopicReport,
 };
 
 /// Default delivery timeout (`message.timeout.ms`): 30 s.
@@ -117,6 +121,13 @@ impl KafkaPublisherConfig {
     /// else [`crate::DEFAULT_PARTITIONER`].
     pub fn partitioner(&self) -> Result<Partitioner, ConfigError> {
         Ok(check_producer_overrides(&self.properties)?.partitioner)
+    }
+
+    /// The largest record batch the producer builds: the smaller of the `batch.size` and
+    /// `message.max.bytes` properties (librdkafka's defaults, 1,000,000 bytes each, when
+    /// unset). Every topic's `max.message.bytes` must be at least this (see [`crate::size`]).
+    pub fn max_batch_bytes(&self) -> u64 {
+        producer_batch_bytes(&self.properties)
     }
 
     /// Every topic this configuration can publish to.
@@ -411,6 +422,10 @@ pub struct KafkaPublisher {
     producer: RwLock<(u64, Producer_)>,
     admin: Admin,
     partitions: Mutex<BTreeMap<String, usize>>,
+    /// `max.message.bytes` of the topics that report it, from the last topic check.
+    size_limits: Mutex<BTreeMap<String, u64>>,
+    /// The producer compresses batches (the broker compares sizes after compression).
+    compressed: bool,
     last_report: Mutex<Option<TopicReport>>,
     timeout_streak: AtomicU32,
 }
@@ -451,6 +466,8 @@ impl KafkaPublisher {
             producer: RwLock::new((0, producer)),
             admin,
             partitions: Mutex::new(config.expected_partitions.clone()),
+            size_limits: Mutex::new(BTreeMap::new()),
+            compressed: producer_compresses(&config.properties),
             config,
             last_report: Mutex::new(None),
             timeout_streak: AtomicU32::new(0),
@@ -474,13 +491,27 @@ impl KafkaPublisher {
     /// [`TopicReport::partitioner_change`] (logged, counted; once); compacted topics are
     /// logged. The cleanup policy is
     /// [`CleanupPolicy::Unavailable`](crate::CleanupPolicy::Unavailable) with a warning when the
-    /// broker cannot describe topic configurations.
+    /// broker cannot describe topic configurations. A topic whose `max.message.bytes` is below
+    /// the producer's largest batch ([`KafkaPublisherConfig::max_batch_bytes`]) fails the check
+    /// ([`TopicCheckError::BatchTooLarge`]); the limits read are kept to class "too large"
+    /// refusals by the record's own size (see [`crate::size`]).
     ///
     /// Call it at start (see [`KafkaPublisherBuilder::start`]) and, if partition changes
     /// matter to you, periodically.
     pub async fn check_topics(&self) -> Result<TopicReport, TopicCheckError> {
         let topics = self.config.topics();
         let infos = describe_topics(&self.admin, &topics, self.config.metadata_timeout).await?;
+        *self
+            .size_limits
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = infos
+            .iter()
+            .filter_map(|i| Some((i.name.clone(), i.max_message_bytes?)))
+            .collect();
+        check_batch_fits(
+            infos.iter().map(|i| (i.name.as_str(), i.max_message_bytes)),
+            self.config.max_batch_bytes(),
+        )?;
         let mut changes = Vec::new();
         {
             let mut known = self
@@ -696,6 +727,29 @@ impl KafkaPublisher {
         }
     }
 
+    /// The error of `record` refused by the broker as too large: classed by the record's own
+    /// size against its topic's `max.message.bytes` (see [`crate::size`]), since librdkafka
+    /// fails every record of a refused batch alike.
+    fn size_refusal(&self, topic: &str, record: &Envelope, err: &KafkaError) -> PublishError {
+        let limit = self
+            .size_limits
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(topic)
+            .copied();
+        let e = size_refusal_error(
+            topic,
+            err,
+            envelope_batch_bytes(record),
+            limit,
+            self.compressed,
+        );
+        if e.scope == FailureScope::Transport {
+            tracing::warn!(event_id = %record.event_id, topic, max_batch_bytes = self.config.max_batch_bytes(), max_message_bytes = limit, "the broker refused a record batch as too large, though its records fit the topic alone: lower the producer's batch.size (the relay retries without spending attempts)");
+        }
+        e
+    }
+
     /// Records partitions seen in delivery reports; a partition beyond the known count means the
     /// topic grew.
     fn note_partitions(&self, acks: &[&AckMetadata]) {
@@ -804,6 +858,7 @@ enum Slot<'a> {
     Done(PublishResult),
     Waiting {
         topic: &'a str,
+        record: &'a Envelope,
         report: DeliveryFuture,
     },
 }
@@ -846,7 +901,13 @@ impl Publisher for KafkaPublisher {
                 .headers(headers);
             let slot = loop {
                 match producer.send_result(record) {
-                    Ok(report) => break Slot::Waiting { topic, report },
+                    Ok(report) => {
+                        break Slot::Waiting {
+                            topic,
+                            record: e,
+                            report,
+                        }
+                    }
                     Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
                         if Instant::now() < enqueue_deadline =>
                     {
@@ -886,23 +947,26 @@ impl Publisher for KafkaPublisher {
         let reports = join_all(slots.into_iter().map(|slot| async move {
             match slot {
                 Slot::Done(result) => result,
-                Slot::Waiting { topic, report } => {
-                    match tokio::time::timeout_at(report_deadline, report).await {
-                        Ok(Ok(Ok(delivery))) => Ok(AckMetadata {
-                            topic: topic.to_owned(),
-                            partition: delivery.partition,
-                            offset: delivery.offset,
-                        }),
-                        Ok(Ok(Err((err, _message)))) => Err(publish_error_to(topic, &err)),
-                        Ok(Err(_canceled)) => Err(publish_error_to(topic, &KafkaError::Canceled)),
-                        Err(_elapsed) => Err(PublishError::new(
-                            PublishErrorKind::Timeout,
-                            format!(
-                                "topic {topic:?}: no delivery report within the delivery timeout"
-                            ),
-                        )),
+                Slot::Waiting {
+                    topic,
+                    record,
+                    report,
+                } => match tokio::time::timeout_at(report_deadline, report).await {
+                    Ok(Ok(Ok(delivery))) => Ok(AckMetadata {
+                        topic: topic.to_owned(),
+                        partition: delivery.partition,
+                        offset: delivery.offset,
+                    }),
+                    Ok(Ok(Err((err, _message)))) if is_size_refusal(&err) => {
+                        Err(self.size_refusal(topic, record, &err))
                     }
-                }
+                    Ok(Ok(Err((err, _message)))) => Err(publish_error_to(topic, &err)),
+                    Ok(Err(_canceled)) => Err(publish_error_to(topic, &KafkaError::Canceled)),
+                    Err(_elapsed) => Err(PublishError::new(
+                        PublishErrorKind::Timeout,
+                        format!("topic {topic:?}: no delivery report within the delivery timeout"),
+                    )),
+                },
             }
         }));
         // Reports still missing when the delivery timeout is up: ask whether their topics
@@ -1200,6 +1264,47 @@ mod tests {
             never.after_batch(g, &pr, &[timeout()]);
         }
         assert_eq!(never.producer_generation(), 0);
+    }
+
+    /// A "too large" delivery report is classed by the record's own size against the limit the
+    /// last topic check read (librdkafka fails every record of a refused batch alike).
+    #[test]
+    fn too_large_reports_are_classed_by_the_records_own_size_against_the_checked_limit() {
+        let p = builder().build().unwrap();
+        let small = Envelope::builder("order", "o-1", 1, "order.placed")
+            .build()
+            .unwrap();
+        let big = Envelope::builder("order", "o-2", 1, "order.placed")
+            .payload(outbox_core::Payload::new(
+                "application/octet-stream",
+                vec![7u8; 5_000],
+            ))
+            .build()
+            .unwrap();
+        let err = KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge);
+        let classed = |e: &Envelope| {
+            let r = p.size_refusal("orders", e, &err);
+            assert_eq!(r.kind, PublishErrorKind::RecordTooLarge);
+            (r.class, r.scope)
+        };
+        // No topic check yet: the limit is unknown, retried as the record's own failure.
+        assert_eq!(
+            classed(&small),
+            (ErrorClass::Transient, FailureScope::Record)
+        );
+        p.size_limits.lock().unwrap().insert("orders".into(), 2_000);
+        assert_eq!(
+            classed(&small),
+            (ErrorClass::Transient, FailureScope::Transport),
+            "a small record of a refused batch"
+        );
+        assert_eq!(classed(&big), (ErrorClass::Permanent, FailureScope::Record));
+        // Another topic's limit says nothing about this one.
+        let r = p.size_refusal("payments", &big, &err);
+        assert_eq!(
+            (r.class, r.scope),
+            (ErrorClass::Transient, FailureScope::Record)
+        );
     }
 
     #[test]

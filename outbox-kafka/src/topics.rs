@@ -1,4 +1,5 @@
-//! Topic checks on start: existence, partition count, partitioner, cleanup policy.
+//! Topic checks on start: existence, partition count, partitioner, cleanup policy, and the
+//! producer's batch size against the topic's `max.message.bytes` (see [`crate::size`]).
 //!
 //! A publisher whose topic does not exist would otherwise wait for metadata until the delivery
 //! timeout of every record; [`crate::KafkaPublisher::check_topics`] turns that into a clear error
@@ -76,6 +77,9 @@ pub struct TopicInfo {
     pub partitions: usize,
     /// Cleanup policy.
     pub cleanup_policy: CleanupPolicy,
+    /// `max.message.bytes` (the largest record batch the topic accepts), when the broker
+    /// reports it (tansu 0.6 reports it only when it was set at creation).
+    pub max_message_bytes: Option<u64>,
 }
 
 /// A partition count that differs from the one recorded earlier.
@@ -149,6 +153,16 @@ pub enum TopicCheckError {
         /// Detail.
         message: String,
     },
+    /// The producer builds record batches larger than the topic accepts: the broker would
+    /// refuse a whole batch of records that each fit (see [`crate::size`]).
+    BatchTooLarge {
+        /// Topic name.
+        topic: String,
+        /// The topic's `max.message.bytes`.
+        max_message_bytes: u64,
+        /// The producer's largest batch ([`crate::size::producer_batch_bytes`]).
+        batch_bytes: u64,
+    },
 }
 
 impl fmt::Display for TopicCheckError {
@@ -165,6 +179,19 @@ impl fmt::Display for TopicCheckError {
             Self::Unreachable { message } => {
                 write!(f, "could not read topic metadata: {message}")
             }
+            Self::BatchTooLarge {
+                topic,
+                max_message_bytes,
+                batch_bytes,
+            } => write!(
+                f,
+                "topic {topic:?} accepts record batches of at most {max_message_bytes} bytes \
+                 (max.message.bytes), but the producer builds batches of up to {batch_bytes} \
+                 bytes (the smaller of batch.size and message.max.bytes): the broker would \
+                 refuse a whole batch of small records, and librdkafka fails every record of it. \
+                 Set the producer property batch.size to at most {max_message_bytes}, or raise \
+                 the topic's max.message.bytes"
+            ),
         }
     }
 }
@@ -175,7 +202,7 @@ impl TopicCheckError {
     /// `true` if retrying later can succeed without a change by a person.
     pub fn is_transient(&self) -> bool {
         match self {
-            Self::Missing { .. } => false,
+            Self::Missing { .. } | Self::BatchTooLarge { .. } => false,
             Self::Topic { code, .. } => crate::error::classify_code(*code)
                 .1
                 .eq(&outbox_core::ErrorClass::Transient),
@@ -186,7 +213,8 @@ impl TopicCheckError {
 
 pub(crate) type Admin = Arc<AdminClient<DefaultClientContext>>;
 
-/// Reads partition counts (metadata) and cleanup policies (DescribeConfigs) of `topics`.
+/// Reads partition counts (metadata), cleanup policies and `max.message.bytes`
+/// (DescribeConfigs) of `topics`.
 pub(crate) async fn describe_topics(
     admin: &Admin,
     topics: &[String],
@@ -198,18 +226,18 @@ pub(crate) async fn describe_topics(
     if !missing.is_empty() {
         return Err(TopicCheckError::Missing { topics: missing });
     }
-    let policies = describe_cleanup_policies(admin, topics, timeout).await;
+    let mut configs = describe_topic_configs(admin, topics, timeout).await;
     Ok(counts
         .into_iter()
         .map(|(name, partitions)| {
-            let cleanup_policy = policies
-                .get(&name)
-                .cloned()
-                .unwrap_or(CleanupPolicy::NotReported);
+            let (cleanup_policy, max_message_bytes) = configs
+                .remove(&name)
+                .unwrap_or((CleanupPolicy::NotReported, None));
             TopicInfo {
                 name,
                 partitions,
                 cleanup_policy,
+                max_message_bytes,
             }
         })
         .collect())
@@ -282,28 +310,35 @@ where
     Ok((counts, missing))
 }
 
-/// Cleanup policies by topic. Never fails: a broker without DescribeConfigs (or a failed
-/// request) yields [`CleanupPolicy::Unavailable`] and a warning, because the policy is advice
-/// to the operator, not a precondition of publishing.
-async fn describe_cleanup_policies(
+/// Cleanup policies and `max.message.bytes` by topic. Never fails: a broker without
+/// DescribeConfigs (or a failed request) yields [`CleanupPolicy::Unavailable`] (and no size
+/// limit) with a warning, because the policy is advice to the operator, not a precondition of
+/// publishing, and an unknown limit only leaves "too large" refusals unclassified
+/// ([`crate::size::SizeVerdict::Unknown`]).
+async fn describe_topic_configs(
     admin: &Admin,
     topics: &[String],
     timeout: Duration,
-) -> BTreeMap<String, CleanupPolicy> {
+) -> BTreeMap<String, (CleanupPolicy, Option<u64>)> {
     let specs: Vec<ResourceSpecifier<'_>> = topics
         .iter()
         .map(|t| ResourceSpecifier::Topic(t.as_str()))
         .collect();
     let opts = AdminOptions::new().request_timeout(Some(timeout));
-    let unavailable = |reason: String| -> BTreeMap<String, CleanupPolicy> {
+    let unavailable = |reason: String| -> BTreeMap<String, (CleanupPolicy, Option<u64>)> {
         tracing::warn!(
             reason = %reason,
-            "could not read cleanup.policy of the outbox topics (DescribeConfigs); compacted \
-             topics cannot be reported"
+            "could not read the configuration of the outbox topics (DescribeConfigs); \
+             compacted topics cannot be reported, and max.message.bytes is unknown"
         );
         topics
             .iter()
-            .map(|t| (t.clone(), CleanupPolicy::Unavailable(reason.clone())))
+            .map(|t| {
+                (
+                    t.clone(),
+                    (CleanupPolicy::Unavailable(reason.clone()), None),
+                )
+            })
             .collect()
     };
     let results = match tokio::time::timeout(
@@ -318,18 +353,24 @@ async fn describe_cleanup_policies(
     };
     let mut out = BTreeMap::new();
     for (topic, result) in topics.iter().zip(results) {
-        let policy = match result {
-            Ok(resource) => match resource
-                .get("cleanup.policy")
-                .and_then(|e| e.value.as_deref())
-            {
-                Some(v) => CleanupPolicy::parse(v),
-                None => CleanupPolicy::NotReported,
-            },
+        let (policy, max_message_bytes) = match result {
+            Ok(resource) => (
+                match resource
+                    .get("cleanup.policy")
+                    .and_then(|e| e.value.as_deref())
+                {
+                    Some(v) => CleanupPolicy::parse(v),
+                    None => CleanupPolicy::NotReported,
+                },
+                resource
+                    .get("max.message.bytes")
+                    .and_then(|e| e.value.as_deref())
+                    .and_then(|v| v.trim().parse().ok()),
+            ),
             Err(code) => {
                 let reason = format!("DescribeConfigs failed for {topic:?}: {code}");
-                tracing::warn!(topic = %topic, reason = %reason, "cleanup.policy unknown");
-                CleanupPolicy::Unavailable(reason)
+                tracing::warn!(topic = %topic, reason = %reason, "cleanup.policy and max.message.bytes unknown");
+                (CleanupPolicy::Unavailable(reason), None)
             }
         };
         if policy.is_compacted() {
@@ -339,9 +380,29 @@ async fn describe_cleanup_policies(
                  compaction, so consumers replaying the topic can miss intermediate facts"
             );
         }
-        out.insert(topic.clone(), policy);
+        out.insert(topic.clone(), (policy, max_message_bytes));
     }
     out
+}
+
+/// [`TopicCheckError::BatchTooLarge`] for the first topic of `limits` (name and
+/// `max.message.bytes`, as [`TopicInfo`] holds them) whose limit is below `batch_bytes` (the
+/// producer's largest batch, [`crate::size::producer_batch_bytes`]); topics that report no
+/// limit pass.
+pub fn check_batch_fits<'a>(
+    limits: impl IntoIterator<Item = (&'a str, Option<u64>)>,
+    batch_bytes: u64,
+) -> Result<(), TopicCheckError> {
+    for (topic, limit) in limits {
+        if let Some(limit) = limit.filter(|l| batch_bytes > *l) {
+            return Err(TopicCheckError::BatchTooLarge {
+                topic: topic.to_owned(),
+                max_message_bytes: limit,
+                batch_bytes,
+            });
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -378,14 +439,44 @@ mod tests {
                 .unwrap(),
         );
         let topics = vec!["a".to_string(), "b".to_string()];
-        let policies = describe_cleanup_policies(&admin, &topics, Duration::from_millis(300)).await;
-        assert_eq!(policies.len(), 2);
-        for (topic, policy) in policies {
+        let configs = describe_topic_configs(&admin, &topics, Duration::from_millis(300)).await;
+        assert_eq!(configs.len(), 2);
+        for (topic, (policy, limit)) in configs {
+            assert_eq!(limit, None, "{topic}");
             match policy {
                 CleanupPolicy::Unavailable(reason) => assert!(!reason.is_empty(), "{topic}"),
                 other => panic!("{topic}: {other:?}"),
             }
         }
+    }
+
+    #[test]
+    fn the_producer_batch_must_fit_every_topic_that_reports_a_limit() {
+        let topics = [
+            ("unreported", None),
+            ("roomy", Some(2_000_000)),
+            ("small", Some(50_000)),
+        ];
+        assert_eq!(check_batch_fits(topics, 50_000), Ok(()));
+        assert_eq!(
+            check_batch_fits(topics[..2].iter().copied(), 1_000_000),
+            Ok(())
+        );
+        let err = check_batch_fits(topics, 1_000_000).unwrap_err();
+        assert_eq!(
+            err,
+            TopicCheckError::BatchTooLarge {
+                topic: "small".into(),
+                max_message_bytes: 50_000,
+                batch_bytes: 1_000_000
+            }
+        );
+        assert!(!err.is_transient());
+        let shown = err.to_string();
+        assert!(
+            shown.contains("\"small\"") && shown.contains("batch.size to at most 50000"),
+            "{shown}"
+        );
     }
 
     #[test]

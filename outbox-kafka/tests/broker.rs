@@ -426,6 +426,65 @@ async fn oversize_record_is_permanent_and_does_not_block_other_aggregates() {
     assert_eq!(read.len(), 2, "only the two small records are in the log");
 }
 
+/// A topic that accepts smaller record batches than the producer builds: the broker would
+/// refuse a whole batch of small records (and librdkafka fail every record of it), so the
+/// publisher refuses to start, naming both sizes and the fix. With `batch.size` within the
+/// limit it starts, keeps the limit (to class "too large" refusals by the record's own size)
+/// and publishes. (tansu reports the `max.message.bytes` a topic was created with, though it
+/// does not enforce it, so the refusal itself is table-tested in `size`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_producer_batch_larger_than_the_topics_max_message_bytes_is_refused_at_start() {
+    let brokers = require!(brokers("batch_vs_topic_limit"));
+    let topic = unique("small_batches");
+    create_topic(&brokers, &topic, 1, &[("max.message.bytes", "50000")]).await;
+    let err = KafkaPublisher::builder(&brokers, &topic)
+        .start()
+        .await
+        .expect_err("the default batch.size (1000000) exceeds the topic's limit");
+    match &err {
+        StartError::Topics(TopicCheckError::BatchTooLarge {
+            topic: t,
+            max_message_bytes: 50_000,
+            batch_bytes: 1_000_000,
+        }) if *t == topic => {}
+        other => panic!("{other}"),
+    }
+    assert!(
+        err.to_string().contains("batch.size to at most 50000"),
+        "{err}"
+    );
+    // message.max.bytes bounds batches too.
+    let err = KafkaPublisher::builder(&brokers, &topic)
+        .set("batch.size", "2000000")
+        .set("message.max.bytes", "60000")
+        .start()
+        .await
+        .expect_err("60000 > 50000");
+    assert!(
+        matches!(
+            err,
+            StartError::Topics(TopicCheckError::BatchTooLarge {
+                batch_bytes: 60_000,
+                ..
+            })
+        ),
+        "{err}"
+    );
+    let publisher = KafkaPublisher::builder(&brokers, &topic)
+        .set("batch.size", "50000")
+        .delivery_timeout(Duration::from_secs(10))
+        .start()
+        .await
+        .expect("batches within the topic's limit");
+    let report = publisher.topic_report().unwrap();
+    assert_eq!(
+        report.topic(&topic).unwrap().max_message_bytes,
+        Some(50_000)
+    );
+    let results = publisher.publish(&[&event("a", 1), &event("b", 1)]).await;
+    assert_eq!(oks(&results), 2, "{results:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn topic_checks_report_compaction_and_partition_changes() {
     let brokers = require!(brokers("topic_checks"));

@@ -18,7 +18,7 @@
 //! | Per-aggregate order, several relays | yes: only the head at `last_version + 1`, the last published version kept per aggregate; gaps held then parked, out-of-order versions parked; see below |
 //! | Rows committing out of id order | never skipped (no high-water mark) |
 //! | Durability | lease claims and operator actions commit with `synchronous_commit = on` whatever the server default; completions asynchronously by default (see below) |
-//! | Wake-up | `NOTIFY` from appends while a relay is idle (the wake-up gate, [`OutboxSettings::wake_gate`]), [`PostgresOutboxStore::spawn_listener`] for `outbox_core::driver::run` |
+//! | Wake-up | `NOTIFY` from appends while a relay is idle (the wake-up gate, [`OutboxSettings::wake_gate`]), [`PostgresOutboxStore::spawn_listener`] for `outbox_core::driver::run`; needs server sessions (see [Connections](#connections)): behind a pooler in transaction mode the gate turns itself off with a warning and the relay polls |
 //! | Parking, retry/discard/re-issue, audit | yes, `<table>_audit` |
 //! | Cleanup | bounded batches (one transaction each), optional `<table>_archive` |
 //! | Stats | backlog, in flight, parked, version gaps held, oldest ages; oldest claimable head, table/index size, dead tuples, autovacuum age, conditional-update conflicts in `extra` |
@@ -64,6 +64,26 @@
 //! ```
 //!
 //! The mechanism, its durability and its cost are described below (`docs/claims.md`).
+//!
+//! ## Connections
+//!
+//! **Applications** may append through any pool, a transaction-mode pooler included: an append
+//! is one statement in the caller's transaction and takes only transaction-level locks.
+//!
+//! **The relay** (the store a relay claims through, and its listener) needs connections that
+//! each keep one server session: connect it **directly**, or through a pooler in **session
+//! mode** (PgBouncer `pool_mode = session`). Its wake-up gate holds a session advisory lock
+//! across transactions and its listener a `LISTEN`, which belong to the server session that
+//! took them; behind a pooler in transaction mode (PgBouncer `pool_mode = transaction`) the
+//! next transaction of the same connection may run on another session. The gate checks this
+//! (`pg_backend_pid()` of every gate statement, a second pool connection's pid when it opens,
+//! and `pg_advisory_unlock`'s result; see [`PostgresOutboxStore::wake_gate_disabled`]) and turns
+//! itself off with one warning: the relay then polls at its idle backoff (`idle_max`, 1 s in
+//! the `outbox` relay) instead of being woken, and its `LISTEN` notifications may be lost.
+//! Nothing is lost or held either way; only the wake-up latency grows. Note also that sqlx
+//! prepares every statement with parameters under a name, and PgBouncer before 1.21 (or later
+//! with `max_prepared_statements = 0`) cannot carry named prepared statements in transaction
+//! mode: such a statement fails when its next use lands on another server session.
 //!
 //! ## Tests
 //!

@@ -41,6 +41,11 @@ impl PostgresOutboxStore {
     /// after every (re)connect, since notifications sent while it was away are lost. Polling in
     /// the driver stays the fallback. Abort the handle to stop it. Fails with `Configuration`
     /// when the store has no notify channel.
+    ///
+    /// `LISTEN` belongs to the server session that ran it: the store's pool must keep one
+    /// session per connection (a direct connection, or a pooler in session mode; see the crate
+    /// docs). Behind a pooler in transaction mode notifications may never arrive; the wake-up
+    /// gate then turns itself off with a warning and the relay polls.
     pub fn spawn_listener(&self, notify: Arc<Notify>) -> Result<JoinHandle<()>, StoreError> {
         let channel = self
             .settings()

@@ -10,45 +10,10 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{claim, event, lease, listening_store, publish_all};
+use common::{claim, event, gate_locks, lease, listening_store, publish_all};
 
 /// The tests of this file count gate locks database-wide: one at a time.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// The gate's two advisory keys for this test's table, as `pg_locks` shows them (`classid`,
-/// `objid`: the keys' bits as unsigned 32-bit numbers). The store derives them from an FNV-1a
-/// hash of `schema.table` (`sql::seed`, `wake_gate::gate_keys`); computed the same way here so
-/// that gate locks of other tests, in this or in another process, are never counted.
-fn gate_lock_keys(ctx: &common::Ctx) -> (i64, i64) {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let table = outbox_postgres::DEFAULT_OUTBOX_TABLE;
-    for b in ctx.schema.bytes().chain([b'.']).chain(table.bytes()) {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    let seed = h as i64;
-    let (k1, k2) = ((seed >> 32) as i32, seed as i32);
-    (i64::from(k1 as u32), i64::from(k2 as u32))
-}
-
-/// Locks on this test's gate (two-key advisory) in this database: granted exclusive ones, or
-/// requests still waiting.
-async fn gate_locks(ctx: &common::Ctx, granted: bool) -> usize {
-    let (k1, k2) = gate_lock_keys(ctx);
-    let n: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 \
-         AND classid::int8 = $1 AND objid::int8 = $2 AND granted = $3 \
-         AND (NOT granted OR mode = 'ExclusiveLock') \
-         AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-    )
-    .bind(k1)
-    .bind(k2)
-    .bind(granted)
-    .fetch_one(&ctx.pool)
-    .await
-    .unwrap();
-    n as usize
-}
 
 async fn exclusive_held(ctx: &common::Ctx) -> usize {
     gate_locks(ctx, true).await

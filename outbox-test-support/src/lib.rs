@@ -9,6 +9,9 @@
 //! * **Isolation.** [`unique`] names (schemas, topics, groups) per test and run.
 //! * **A broker of a test's own.** [`Tansu`] starts tansu on a free port with memory storage,
 //!   for tests that stop and restart the broker; it is killed when dropped.
+//! * **A connection pooler of a test's own.** [`PgBouncer`] starts PgBouncer (`PGBOUNCER_BIN`,
+//!   else `pgbouncer` on the `PATH` or in `/usr/sbin`; `scripts/services.sh` installs it) on a
+//!   free port in front of `DATABASE_URL`, in the pool mode the test asks for.
 //!
 //! No dependencies beyond std: any crate's tests can use it.
 
@@ -235,6 +238,142 @@ impl Drop for Tansu {
     }
 }
 
+/// The PgBouncer binary: `PGBOUNCER_BIN`, else `pgbouncer` on the `PATH` or in `/usr/sbin`
+/// (skip or panic as [`required_var`]).
+pub fn pgbouncer_bin(test: &str) -> Option<PathBuf> {
+    if let Ok(b) = std::env::var("PGBOUNCER_BIN") {
+        if !b.trim().is_empty() {
+            return Some(PathBuf::from(b));
+        }
+    }
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let found = std::env::split_paths(&path)
+        .chain([PathBuf::from("/usr/sbin")])
+        .map(|d| d.join("pgbouncer"))
+        .find(|p| p.is_file());
+    if found.is_some() {
+        return found;
+    }
+    if skip_allowed() {
+        report_skip(
+            test,
+            "PgBouncer is not installed and PGBOUNCER_BIN is not set",
+        );
+        return None;
+    }
+    panic!(
+        "{test}: PgBouncer is not installed and PGBOUNCER_BIN is not set; run `scripts/test` (it \
+         installs it: `apt-get install pgbouncer`) or set PGBOUNCER_BIN, or set {SKIP_VAR}=1 to \
+         skip on purpose"
+    )
+}
+
+/// User, password, host, port and database of a PostgreSQL URL (defaults: `postgres`, none,
+/// `127.0.0.1`, 5432, `postgres`).
+fn url_parts(url: &str) -> (String, Option<String>, String, u16, String) {
+    let (host, port) = host_port(url).unwrap_or(("127.0.0.1".into(), 5432));
+    let rest = url.split_once("://").map_or(url, |r| r.1);
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let (user, password) = match authority.rsplit_once('@') {
+        Some((info, _)) => match info.split_once(':') {
+            Some((u, p)) => (u.to_owned(), Some(p.to_owned())),
+            None => (info.to_owned(), None),
+        },
+        None => ("postgres".to_owned(), None),
+    };
+    let db = path.split('?').next().unwrap_or_default();
+    let db = if db.is_empty() { "postgres" } else { db };
+    (user, password, host, port, db.to_owned())
+}
+
+/// A PgBouncer of a test's own in front of the server at a PostgreSQL URL (free port, no
+/// authentication towards the client, the URL's user and password towards the server), killed
+/// on drop. When the test runs as root it switches to `nobody` (PgBouncer refuses root).
+#[derive(Debug)]
+pub struct PgBouncer {
+    port: u16,
+    user: String,
+    db: String,
+    dir: PathBuf,
+    child: Child,
+}
+
+impl PgBouncer {
+    /// Starts `bin` in `pool_mode` (`session` or `transaction`) with at most `pool_size`
+    /// server connections, in front of `database_url`, and waits for its port.
+    pub fn start(
+        bin: &std::path::Path,
+        database_url: &str,
+        pool_mode: &str,
+        pool_size: u32,
+    ) -> Self {
+        let (user, password, host, server_port, db) = url_parts(database_url);
+        let port = free_port();
+        let dir = std::env::temp_dir().join(unique("pgbouncer"));
+        std::fs::create_dir_all(&dir).expect("pgbouncer directory");
+        let password = password
+            .map(|p| format!(" password={p}"))
+            .unwrap_or_default();
+        let ini = format!(
+            "[databases]\n* = host={host} port={server_port} user={user}{password}\n\
+             [pgbouncer]\nlisten_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n\
+             auth_type = any\npool_mode = {pool_mode}\ndefault_pool_size = {pool_size}\n\
+             max_client_conn = 200\nignore_startup_parameters = extra_float_digits,options\n"
+        );
+        let config = dir.join("pgbouncer.ini");
+        std::fs::write(&config, ini).expect("pgbouncer.ini");
+        let log = std::fs::File::create(dir.join("pgbouncer.log")).expect("pgbouncer.log");
+        let root = Command::new("id")
+            .arg("-u")
+            .output()
+            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "0");
+        let mut cmd = Command::new(bin);
+        if root {
+            cmd.args(["-u", "nobody"]);
+        }
+        let child = cmd
+            .arg(&config)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start PgBouncer at {}: {e}", bin.display()));
+        let bouncer = Self {
+            port,
+            user,
+            db,
+            dir,
+            child,
+        };
+        assert!(
+            wait_port(&format!("127.0.0.1:{port}"), Duration::from_secs(10)),
+            "PgBouncer did not open port {port}: {}",
+            bouncer.log()
+        );
+        bouncer
+    }
+
+    /// The URL clients connect to (the server's user and database, through the pooler).
+    pub fn url(&self) -> String {
+        format!(
+            "postgres://{}@127.0.0.1:{}/{}",
+            self.user, self.port, self.db
+        )
+    }
+
+    /// What PgBouncer logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("pgbouncer.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for PgBouncer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -247,6 +386,30 @@ mod tests {
         assert!(a
             .bytes()
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_'));
+    }
+
+    #[test]
+    fn pooler_settings_come_from_the_url() {
+        assert_eq!(
+            url_parts("postgres://app:pw@db.example:6543/shop?sslmode=disable"),
+            (
+                "app".into(),
+                Some("pw".into()),
+                "db.example".into(),
+                6543,
+                "shop".into()
+            )
+        );
+        assert_eq!(
+            url_parts("postgres://127.0.0.1"),
+            (
+                "postgres".into(),
+                None,
+                "127.0.0.1".into(),
+                5432,
+                "postgres".into()
+            )
+        );
     }
 
     #[test]

@@ -6,6 +6,7 @@
 //! | `lease` | lease (or locked_max_hold) not above delivery timeout + lease margin (twice that in locked mode with prefetch) | |
 //! | `database` | unreachable, schema missing or outdated, privileges missing | |
 //! | `topic` | a topic missing | |
+//! | `batch_size` | a topic's `max.message.bytes` below the producer's largest batch (the smaller of `batch.size` and `message.max.bytes`): the broker would refuse whole batches of records that each fit | the topic does not report `max.message.bytes` (nothing to compare) |
 //! | `partitions` | partition count or partitioner differs from the one a relay recorded | |
 //! | `replication` | | a critical topic (`kafka.critical_topics`) on one replica, or with `min.insync.replicas` < 2 |
 //! | `compaction` | | a compacted topic (intermediate facts may vanish) |
@@ -287,6 +288,7 @@ async fn broker_checks(
         p
     };
     let configured = pc.partitioner().ok();
+    let batch_bytes = pc.max_batch_bytes();
     for topic in &topics {
         let Some(Some(t)) = facts.get(topic) else {
             findings.push(f("topic", Severity::Error, format!("topic {topic:?} does not exist"), Some("create it (automatic topic creation is not used) or fix kafka.topic / kafka.routes")));
@@ -301,6 +303,7 @@ async fn broker_checks(
             ),
             None,
         ));
+        batch_size_findings(topic, t.max_message_bytes, batch_bytes, findings);
         if let Some(r) = recorded.iter().find(|r| &r.topic == topic) {
             if r.partitions as usize != t.partitions {
                 findings.push(f("partitions", Severity::Error, format!("{topic}: {} partitions now, {} recorded by the relay on {}: keys moved to other partitions", t.partitions, r.partitions, r.recorded_at.to_rfc3339()), Some("expect reordering for aggregates in flight across the change; restart the relays to record the new count once consumers are ready")));
@@ -325,6 +328,51 @@ async fn broker_checks(
             }
         }
         retention_checks(config, topic, t.retention_ms, findings);
+    }
+}
+
+/// The producer's largest batch against `topic`'s `max.message.bytes`, by the library's rule
+/// ([`outbox_kafka::check_batch_fits`], which the relay applies at start).
+fn batch_size_findings(
+    topic: &str,
+    max_message_bytes: Option<u64>,
+    batch_bytes: u64,
+    findings: &mut Vec<Finding>,
+) {
+    let Some(limit) = max_message_bytes else {
+        findings.push(f(
+            "batch_size",
+            Severity::Warning,
+            format!(
+                "{topic}: the broker does not report max.message.bytes, so the producer's batches \
+                 (up to {batch_bytes} bytes) cannot be compared with it"
+            ),
+            Some("set max.message.bytes on the topic explicitly (Kafka's default is 1048588)"),
+        ));
+        return;
+    };
+    match outbox_kafka::check_batch_fits([(topic, Some(limit))], batch_bytes) {
+        Ok(()) => findings.push(f(
+            "batch_size",
+            Severity::Ok,
+            format!(
+                "{topic}: producer batches of up to {batch_bytes} bytes fit max.message.bytes \
+                 {limit}"
+            ),
+            None,
+        )),
+        Err(e) => findings.push(f(
+            "batch_size",
+            Severity::Error,
+            e.to_string(),
+            Some(
+                format!(
+                    "set kafka.producer \"batch.size\" = {limit} (or less), or raise the \
+                     topic's max.message.bytes"
+                )
+                .as_str(),
+            ),
+        )),
     }
 }
 
