@@ -53,6 +53,8 @@ async fn one_slow_aggregate_holds_up_only_its_own_partition() {
     let (mut parts, mut ends) = (HashMap::new(), HashMap::new());
     let slow: Vec<_> = (1..=16).map(|v| ev("slow", v)).collect();
     publish_each(&publisher, &slow, &mut parts, &mut ends).await;
+    // The first version of the aggregate that will have a gap (its baseline).
+    publish_each(&publisher, &[ev("gap", 1)], &mut parts, &mut ends).await;
     let slow_part = parts["slow"];
     let cfg = || {
         fast()
@@ -76,12 +78,12 @@ async fn one_slow_aggregate_holds_up_only_its_own_partition() {
     h.wait_entered(1).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     // Many other aggregates, published now; some land beside the slow one, some on the other
-    // partition. One of them arrives with a version gap: v2..=10 first, the missing v1 last.
+    // partition. One of them arrives with a version gap: v3..=11 first, the missing v2 last.
     let mut others: Vec<_> = (0..8)
         .flat_map(|i| (1..=3).map(move |v| ev(&format!("k{i}"), v)))
         .collect();
-    others.extend((2..=10).map(|v| ev("gap", v)));
-    others.push(ev("gap", 1));
+    others.extend((3..=11).map(|v| ev("gap", v)));
+    others.push(ev("gap", 2));
     publish_each(&publisher, &others, &mut parts, &mut ends).await;
     let other_part = 1 - slow_part;
     let flowing: Vec<String> = parts
@@ -95,7 +97,7 @@ async fn one_slow_aggregate_holds_up_only_its_own_partition() {
     );
     for a in &flowing {
         let want: Vec<i64> = if a == "gap" {
-            (1..=10).collect()
+            (1..=11).collect()
         } else {
             vec![1, 2, 3]
         };
@@ -141,7 +143,7 @@ async fn one_slow_aggregate_holds_up_only_its_own_partition() {
     }
     // Release the slow aggregate: its partition resumes exactly where it stopped.
     gate.add_permits(1_000);
-    let total = slow.len() + others.len() + late.len();
+    let total = slow.len() + 1 + others.len() + late.len();
     eventually("every event applied", || async {
         ctx.effects_once().await == total as i64
     })

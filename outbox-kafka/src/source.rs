@@ -890,6 +890,7 @@ impl KafkaSource {
         let assigned = consumer.assignment()?;
         let mut done = Vec::new();
         let mut to_commit = Vec::new();
+        let mut starts = Vec::new();
         for e in committed.elements() {
             let (topic, partition) = (e.topic(), e.partition());
             if assigned.find_partition(topic, partition).is_none() {
@@ -926,15 +927,69 @@ impl KafkaSource {
                 }
             };
             if let Some(offset) = target {
-                consumer.seek(topic, partition, offset, CALLBACK_TIMEOUT)?;
+                starts.push((TopicPartition::new(topic, partition), offset));
                 done.push(format!("{topic}/{partition} started at {offset:?}"));
             }
+        }
+        if !starts.is_empty() {
+            Self::restart_at(consumer, &starts)?;
         }
         if !to_commit.is_empty() {
             consumer.commit(&to_tpl(&to_commit)?, CommitMode::Sync)?;
         }
         tracing::info!(started = ?done, "partitions without a known position started");
         Ok(done)
+    }
+
+    /// Starts fetching each partition of `starts` at its offset. A partition stopped by
+    /// `auto.offset.reset=error` is not being fetched, and librdkafka refuses to seek it; it
+    /// is assigned again with the offset instead: alone under the cooperative protocol; under
+    /// the eager one with the whole assignment, every other partition at its current position
+    /// (where delivery goes on: nothing skipped, nothing delivered twice).
+    fn restart_at(
+        consumer: &StreamConsumer<SourceContext>,
+        starts: &[(TopicPartition, Offset)],
+    ) -> Result<(), KafkaError> {
+        let mut stopped = Vec::new();
+        for (p, offset) in starts {
+            if let Err(e) = consumer.seek(&p.topic, p.partition, *offset, CALLBACK_TIMEOUT) {
+                tracing::debug!(partition = %p, error = %e, "seek refused; assigning the partition again");
+                stopped.push((p, *offset));
+            }
+        }
+        if stopped.is_empty() {
+            return Ok(());
+        }
+        if matches!(
+            consumer.rebalance_protocol(),
+            RebalanceProtocol::Cooperative
+        ) {
+            let mut tpl = TopicPartitionList::with_capacity(stopped.len());
+            for (p, offset) in &stopped {
+                tpl.add_partition_offset(&p.topic, p.partition, *offset)?;
+            }
+            consumer.incremental_unassign(&tpl)?;
+            return consumer.incremental_assign(&tpl);
+        }
+        let assigned = consumer.assignment()?;
+        let positions = consumer.position()?;
+        let mut tpl = TopicPartitionList::with_capacity(assigned.count());
+        for e in assigned.elements() {
+            let (topic, partition) = (e.topic(), e.partition());
+            let offset = match stopped
+                .iter()
+                .find(|(p, _)| p.topic == topic && p.partition == partition)
+            {
+                Some((_, o)) => *o,
+                None => positions
+                    .find_partition(topic, partition)
+                    .map(|p| p.offset())
+                    .filter(|o| matches!(o, Offset::Offset(_)))
+                    .unwrap_or(Offset::Invalid),
+            };
+            tpl.add_partition_offset(topic, partition, offset)?;
+        }
+        consumer.assign(&tpl)
     }
 
     /// Finds the start of the partitions whose committed offset could not be read on
