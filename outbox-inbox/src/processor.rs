@@ -644,8 +644,8 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
     ) -> Vec<usize> {
         let mut stopped: Vec<&AggregateKey> = Vec::new();
         let mut deferred = Vec::new();
-        for i in 0..items.len() {
-            let Some(k) = &aggs[i] else { continue };
+        for (i, agg) in aggs.iter().enumerate().take(items.len()) {
+            let Some(k) = agg else { continue };
             if stopped.contains(&k) {
                 deferred.push(i);
             } else if unapplied(i) {

@@ -961,9 +961,6 @@ async fn two_engines_in_one_group_with_batches_in_flight_across_rebalances() {
     ctx.drop().await;
 }
 
-/// The committed offset of `group` (read with a plain client of that group id that never
-/// joins it).
-
 /// A member's batch is in flight (its transaction registered the event and waits in the
 /// handler) when the group gives the partition to a new member, which receives the same
 /// message and tries to register it: it must wait for the first transaction and then see a

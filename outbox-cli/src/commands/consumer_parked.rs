@@ -152,7 +152,9 @@ fn operator_error(e: OperatorError, c: &ConsumerConfig, table: &str) -> CliError
             c.name,
             status.as_str()
         )),
-        OperatorError::Invalid(m) => CliError::config(m, "pass --reason and --actor"),
+        OperatorError::Invalid(m) => {
+            CliError::config(m, "check --reason, --actor and --skip-to (see --help)")
+        }
         OperatorError::Store(e) => db::inbox_error(&e, c, table),
         other => CliError::failed(other.to_string()),
     }

@@ -499,7 +499,8 @@ pub(crate) fn kafka_source(brokers: &str, group: &str, topic: &str) -> outbox_ka
         .expect("source")
 }
 
-/// The group's committed next offset of one partition (`None`: nothing committed).
+/// The group's committed next offset of one partition (`None`: nothing committed), read with a
+/// plain client of that group id that never joins it.
 pub(crate) async fn group_committed(
     brokers: &str,
     group: &str,
