@@ -198,6 +198,12 @@ pub struct ParkedActionOpts {
     /// A consumer's parked message instead of the outbox's.
     #[arg(long)]
     pub consumer: Option<String>,
+    /// Discard of a consumer's message only: also declare that the aggregate's versions up to
+    /// and including VERSION that were never seen will never come (the applied version moves
+    /// there; a later message at or below it is stale). Audited with the number of versions
+    /// it swallows. Without it a discard never moves over a version that was not seen.
+    #[arg(long, value_name = "VERSION")]
+    pub skip_to: Option<i64>,
 }
 
 /// `outbox parked release-claims`

@@ -1355,3 +1355,89 @@ async fn consumer_retry_is_requested_and_performed_by_the_consumer_engine() {
     assert!(text(&out).contains("is applied already"), "{}", text(&out));
     env.drop_schema().await;
 }
+
+/// `outbox parked discard --consumer --skip-to`: a discard never moves over versions that were
+/// not seen unless the operator says how far; with `--skip-to` the applied version moves there
+/// and the number of unseen versions swallowed is reported and audited. A skip below the
+/// message's version, or on the producer side, is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_discard_skips_versions_only_when_told_how_far() {
+    use outbox_core::{ParkAs, ParkKind};
+    let env = env_or_skip!("consumer_skip_to", 0);
+    let s = env.schema.clone();
+    std::fs::write(
+        env.dir.join("outbox.toml"),
+        format!("[[consumers]]\nname = \"billing\"\ninbox_schema = \"{s}\"\n"),
+    )
+    .unwrap();
+    env.migrate();
+    let out = env.run(&["migrate", "--inbox"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let inbox = common::inbox(&env.pool, &s).await;
+    let v5 = Envelope::builder("order", "o-3", 5, "order.paid")
+        .build()
+        .unwrap();
+    let id = common::park_consumer_message(
+        &inbox,
+        "billing",
+        "orders",
+        0,
+        &v5,
+        ParkAs::Head(ParkKind::VersionGap),
+        "version gap",
+    )
+    .await
+    .to_string();
+    let args = |to: &str| {
+        vec![
+            "parked".to_owned(),
+            "discard".to_owned(),
+            id.clone(),
+            "--consumer".to_owned(),
+            "billing".to_owned(),
+            "--reason".to_owned(),
+            "v1..v4 lost upstream".to_owned(),
+            "--skip-to".to_owned(),
+            to.to_owned(),
+        ]
+    };
+    let below: Vec<String> = args("3");
+    let out = env.run(&below.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("below"), "{}", text(&out));
+    let out = env.run(&[
+        "parked",
+        "discard",
+        &v5.event_id.to_string(),
+        "--reason",
+        "x",
+        "--skip-to",
+        "7",
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("--skip-to is for a consumer"),
+        "{}",
+        text(&out)
+    );
+    let ok: Vec<String> = args("7");
+    let (code, d, stderr) = env.json(&ok.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(code, 0, "{stderr}");
+    // Versions 1..=4, 6 and 7 were never seen: six swallowed.
+    assert_eq!(d["skipped_versions"].as_i64(), Some(6), "{d}");
+    let applied: Option<i64> = sqlx::query_scalar(&format!(
+        "SELECT applied_version FROM \"{s}\".processed_events_aggregates \
+         WHERE consumer = 'billing' AND aggregate_id = 'o-3'"
+    ))
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(applied, Some(7));
+    let (_, sh, _) = env.json(&["parked", "show", &id, "--consumer", "billing"]);
+    let outcome = sh["audit"][0]["outcome"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(outcome.contains("6 version(s) never seen"), "{sh}");
+    env.drop_schema().await;
+}

@@ -24,6 +24,52 @@ pub enum Registration {
     Duplicate,
 }
 
+/// Result of registering an event **for its aggregate** ([`InboxStore::register_for`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AggregateRegistration {
+    /// Not registered before: registered now, for this aggregate.
+    Fresh,
+    /// Registered before for the same aggregate (or without an aggregate, by
+    /// [`InboxStore::register`]): a duplicate.
+    Duplicate,
+    /// Registered before for **another** aggregate: not this event (a record whose original-id
+    /// header names another aggregate's event, which only a foreign or buggy producer sends).
+    /// Nothing was recorded for it.
+    OtherAggregate,
+}
+
+impl From<Registration> for AggregateRegistration {
+    fn from(r: Registration) -> Self {
+        match r {
+            Registration::Fresh => Self::Fresh,
+            Registration::Duplicate => Self::Duplicate,
+        }
+    }
+}
+
+/// Namespace of [`scoped_dedup_id`] (a fixed, random UUID).
+const SCOPED_NAMESPACE: uuid::Uuid =
+    uuid::Uuid::from_u128(0x6f0b_2c4e_91d3_4a57_b8e6_0d2f_7a13_c945);
+
+/// The id under which an event of `aggregate` is registered when its dedup id was registered
+/// before by another aggregate's event ([`AggregateRegistration::OtherAggregate`]): a UUID v5
+/// of the aggregate and the id, the same for every store and every redelivery, so the event
+/// is still deduplicated against itself (and against other copies naming the same original in
+/// the same aggregate) and never against the other aggregate's event.
+pub fn scoped_dedup_id(aggregate: &AggregateKey, id: EventId) -> EventId {
+    let mut name =
+        Vec::with_capacity(aggregate.aggregate_type.len() + aggregate.aggregate_id.len() + 32);
+    for part in [
+        aggregate.aggregate_type.as_bytes(),
+        aggregate.aggregate_id.as_bytes(),
+    ] {
+        name.extend_from_slice(&(part.len() as u64).to_be_bytes());
+        name.extend_from_slice(part);
+    }
+    name.extend_from_slice(id.as_uuid().as_bytes());
+    EventId::from_uuid(uuid::Uuid::new_v5(&SCOPED_NAMESPACE, &name))
+}
+
 /// A partition of a topic.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct TopicPartition {
@@ -353,6 +399,19 @@ impl PartitionLag {
 ///   offsets ([`SharedOffsetTracker::revoke`]); on assignment call
 ///   [`SharedOffsetTracker::assign`]; on a lost assignment call [`SharedOffsetTracker::lose`]
 ///   and commit nothing.
+/// * [`pause`](Self::pause) and [`resume`](Self::resume) hold back and restart delivery of
+///   some partitions (the engine pauses a partition whose messages fill its buffer, so one
+///   slow aggregate does not stop the others, and keeps polling, which serves rebalances). A
+///   source that returns `Ok(true)` from `pause` MUST, for a paused partition: deliver no
+///   message of it from a later poll until it is resumed (at most the messages already handed
+///   out before the call); keep its position exactly: after `resume`, delivery continues with
+///   the first message not yet delivered (nothing skipped, nothing delivered twice, so order
+///   is kept); keep serving the other partitions and the group (rebalances, commits) while
+///   it is paused. Pausing a partition the member does not own (any more) is not an error.
+///   After a rebalance, a newly assigned partition starts unpaused. A transport without
+///   partitions (per-message acknowledgements) maps "partition" to its unit of ordered
+///   delivery and MUST keep the same promises, or keep the default, which pauses nothing
+///   (the engine then stops polling altogether while it is full).
 #[async_trait]
 pub trait MessageSource: Send + Sync {
     /// Waits up to `timeout` for the next message. `Ok(None)` when none arrived.
@@ -368,6 +427,19 @@ pub trait MessageSource: Send + Sync {
     /// sources over a broker SHOULD implement it.
     async fn lag(&self) -> Result<Vec<PartitionLag>, SourceError> {
         Ok(Vec::new())
+    }
+
+    /// Holds back delivery of `partitions` (see the contract). Returns whether the source can
+    /// pause; the default cannot (`Ok(false)`, nothing paused).
+    async fn pause(&self, partitions: &[TopicPartition]) -> Result<bool, SourceError> {
+        let _ = partitions;
+        Ok(false)
+    }
+
+    /// Restarts delivery of paused `partitions` where each stopped. The default does nothing.
+    async fn resume(&self, partitions: &[TopicPartition]) -> Result<(), SourceError> {
+        let _ = partitions;
+        Ok(())
     }
 }
 
@@ -825,6 +897,14 @@ impl ParkedStats {
 ///   then sees a duplicate, or fails with a transient `Conflict`. Callers register by
 ///   [`Envelope::dedup_id`] ([`InboxStoreExt::register_event`]), so a re-issued copy and its
 ///   original are one event.
+/// * [`register_for`](Self::register_for) is `register` with each id's aggregate recorded:
+///   an id registered before for the same aggregate, or without one (by `register`), is
+///   [`AggregateRegistration::Duplicate`]; one registered before for another aggregate is
+///   [`AggregateRegistration::OtherAggregate`] and nothing is written for it (the caller
+///   registers it under [`scoped_dedup_id`] instead). A re-issued copy names its original by
+///   id, and only an event of its own aggregate can be its original: a record naming another
+///   aggregate's event MUST NOT be deduplicated against it (its effect would be applied zero
+///   times). Repeats inside one call answer as if registered one after the other.
 /// * [`aggregates`](Self::aggregates) MUST return one state per key, in order, as seen by
 ///   `tx`; an aggregate never written is `AggregateState::default()`.
 /// * [`advance_versions`](Self::advance_versions) MUST set each aggregate's applied version in
@@ -857,6 +937,25 @@ pub trait InboxStore: Send + Sync {
         consumer: &str,
         ids: &[EventId],
     ) -> Result<Vec<Registration>, StoreError>;
+
+    /// Registers each id **for its aggregate** in `tx` (see the contract). The default keeps
+    /// no aggregate: it answers through [`register`](Self::register), so an id registered by
+    /// any aggregate is a duplicate; stores SHOULD override it (the conformance suite holds
+    /// them to the scoped answer).
+    async fn register_for(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        events: &[(EventId, AggregateKey)],
+    ) -> Result<Vec<AggregateRegistration>, StoreError> {
+        let ids: Vec<EventId> = events.iter().map(|(id, _)| *id).collect();
+        Ok(self
+            .register(tx, consumer, &ids)
+            .await?
+            .into_iter()
+            .map(AggregateRegistration::from)
+            .collect())
+    }
 
     /// The states of `aggregates` for `consumer`, as seen by `tx`.
     async fn aggregates(
@@ -917,15 +1016,92 @@ pub trait InboxStoreExt: InboxStore {
         })
     }
 
-    /// Registers an event by its [`Envelope::dedup_id`]: a re-issued copy and its original are
-    /// one event.
+    /// Registers an event by its [`Envelope::dedup_id`], for its aggregate: a re-issued copy
+    /// and its original are one event; a record naming another aggregate's event as its
+    /// original is not a copy of it ([`register_events`](Self::register_events)).
     async fn register_event(
         &self,
         tx: &mut Self::Tx,
         consumer: &str,
         event: &Envelope,
     ) -> Result<Registration, StoreError> {
-        self.register_one(tx, consumer, event.dedup_id()).await
+        let mut r = self.register_events(tx, consumer, &[event]).await?;
+        r.pop().ok_or_else(|| {
+            StoreError::new(
+                crate::StoreErrorKind::Other,
+                "register returned no registration",
+            )
+        })
+    }
+
+    /// Registers events by their [`Envelope::dedup_id`], each for its aggregate
+    /// ([`InboxStore::register_for`]), answering one [`Registration`] per event in order. An
+    /// event whose dedup id another aggregate's event holds is registered under
+    /// [`scoped_dedup_id`] (a second round trip, only then): it is deduplicated against its own
+    /// redeliveries, never against the other aggregate's event.
+    async fn register_events(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        events: &[&Envelope],
+    ) -> Result<Vec<Registration>, StoreError> {
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let first: Vec<(EventId, AggregateKey)> = events
+            .iter()
+            .map(|e| (e.dedup_id(), AggregateKey::of(e)))
+            .collect();
+        let answers = self.register_for(tx, consumer, &first).await?;
+        if answers.len() != events.len() {
+            return Err(StoreError::new(
+                crate::StoreErrorKind::Other,
+                format!(
+                    "the inbox answered {} registrations for {} ids",
+                    answers.len(),
+                    events.len()
+                ),
+            ));
+        }
+        let others: Vec<usize> = (0..events.len())
+            .filter(|i| answers[*i] == AggregateRegistration::OtherAggregate)
+            .collect();
+        let mut out: Vec<Registration> = answers
+            .iter()
+            .map(|a| match a {
+                AggregateRegistration::Fresh => Registration::Fresh,
+                _ => Registration::Duplicate,
+            })
+            .collect();
+        if !others.is_empty() {
+            let scoped: Vec<(EventId, AggregateKey)> = others
+                .iter()
+                .map(|i| {
+                    let (id, key) = &first[*i];
+                    (scoped_dedup_id(key, *id), key.clone())
+                })
+                .collect();
+            let again = self.register_for(tx, consumer, &scoped).await?;
+            if again.len() != others.len() {
+                return Err(StoreError::new(
+                    crate::StoreErrorKind::Other,
+                    "the inbox answered the wrong number of scoped registrations",
+                ));
+            }
+            for (i, a) in others.into_iter().zip(again) {
+                out[i] = match a {
+                    AggregateRegistration::Fresh => Registration::Fresh,
+                    AggregateRegistration::Duplicate => Registration::Duplicate,
+                    AggregateRegistration::OtherAggregate => {
+                        return Err(StoreError::new(
+                            crate::StoreErrorKind::Other,
+                            format!("scoped id of {} is held by another aggregate", first[i].1),
+                        ))
+                    }
+                };
+            }
+        }
+        Ok(out)
     }
 
     /// Runs [`InboxStore::cleanup`] for `consumer` batch after batch until a batch comes back

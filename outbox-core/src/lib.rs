@@ -72,11 +72,11 @@ pub use error::{
     SourceErrorKind, StoreError, StoreErrorKind,
 };
 pub use inbox::{
-    AggregateKey, AggregateState, CommitOffset, InboxAction, InboxAuditEntry, InboxParking,
-    InboxStore, InboxStoreExt, LogPosition, MessageSource, NewParkedMessage, ParkAs, ParkedChange,
-    ParkedFilter, ParkedId, ParkedMessage, ParkedRecord, ParkedStats, ParkedStatus, Parking,
-    PartitionLag, ReceivedMessage, RecordHeader, Registration, RetryRequest, TopicPartition,
-    VersionAdvance,
+    AggregateKey, AggregateRegistration, AggregateState, CommitOffset, InboxAction,
+    InboxAuditEntry, InboxParking, InboxStore, InboxStoreExt, LogPosition, MessageSource,
+    NewParkedMessage, ParkAs, ParkedChange, ParkedFilter, ParkedId, ParkedMessage, ParkedRecord,
+    ParkedStats, ParkedStatus, Parking, PartitionLag, ReceivedMessage, RecordHeader, Registration,
+    RetryRequest, TopicPartition, VersionAdvance,
 };
 pub use publisher::{PublishResult, Publisher};
 pub use relay::{

@@ -2,7 +2,7 @@
 //! at most one batch at a time, so in order), parks what cannot be applied, and commits offsets
 //! along the contiguous watermark.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -73,7 +73,8 @@ impl CleanupSchedule {
 /// | `commit_every` | 500 | commit after this many final messages |
 /// | `max_batch` | 100 | most messages applied in one database transaction |
 /// | `concurrency` | 4 | batch transactions in flight at once (an aggregate is in at most one) |
-/// | `max_in_flight` | 5,000 | most messages received and not final (queued, running or held) before polling pauses |
+/// | `max_in_flight` | 5,000 | most messages received and not final (queued or running; held messages are bounded apart, by [`VersionPolicy::Hold`]'s `max_held`) before the engine pauses the partitions that hold them (a source that cannot pause: before polling stops) |
+/// | `max_in_flight_per_partition` | 1,000 | most messages of one partition received and not final (held ones apart; at most `max_in_flight`) before that partition alone is paused (resumed at half); the others, and polling, go on |
 /// | `cleanup` | none | scheduled inbox cleanup ([`CleanupSchedule`]) |
 /// | `metrics_interval` | 15 s | how often lag and parked counts are read for the gauges |
 /// | `shutdown_grace` | 10 s | how long [`ConsumerEngine::run`] waits for running transactions after the shutdown signal |
@@ -93,8 +94,10 @@ pub struct EngineConfig {
     pub max_batch: usize,
     /// Batch transactions in flight at once.
     pub concurrency: usize,
-    /// Most messages not final.
+    /// Most messages not final (held ones apart).
     pub max_in_flight: usize,
+    /// Most messages of one partition not final (held ones apart) before it is paused.
+    pub max_in_flight_per_partition: usize,
     /// Scheduled cleanup.
     pub cleanup: Option<CleanupSchedule>,
     /// Gauge refresh interval.
@@ -115,6 +118,7 @@ impl Default for EngineConfig {
             max_batch: 100,
             concurrency: 4,
             max_in_flight: 5_000,
+            max_in_flight_per_partition: 1_000,
             cleanup: None,
             metrics_interval: Duration::from_secs(15),
             shutdown_grace: Duration::from_secs(10),
@@ -155,6 +159,12 @@ impl EngineConfig {
         self.max_in_flight = n;
         self
     }
+    /// Sets the most messages of one partition received and not final before that partition
+    /// is paused.
+    pub fn with_max_in_flight_per_partition(mut self, n: usize) -> Self {
+        self.max_in_flight_per_partition = n;
+        self
+    }
     /// Schedules inbox cleanup.
     pub fn with_cleanup(mut self, schedule: CleanupSchedule) -> Self {
         self.cleanup = Some(schedule);
@@ -191,6 +201,11 @@ impl EngineConfig {
                 "max_in_flight ({}) must be at least max_batch ({})",
                 self.max_in_flight, self.max_batch
             )));
+        }
+        if self.max_in_flight_per_partition == 0 {
+            return Err(ConfigError::new(
+                "max_in_flight_per_partition must be at least 1",
+            ));
         }
         if self.poll_timeout.is_zero() {
             return Err(ConfigError::new("poll_timeout must be greater than zero"));
@@ -288,6 +303,11 @@ impl EngineReport {
             (self.duplicates + self.stale) as f64 / total as f64
         }
     }
+}
+
+/// The partition a message was read from.
+fn msg_partition(m: &ReceivedMessage) -> TopicPartition {
+    m.position.topic_partition()
 }
 
 /// What orders messages: an aggregate (its messages apply one batch at a time, in order), or a
@@ -389,6 +409,20 @@ where
             Ok(BatchResult::Committed(outcomes)) => {
                 done.results.extend(items.drain(..).zip(outcomes));
             }
+            Ok(BatchResult::Split { deferred }) => {
+                // Decided on a premise that did not hold: handed back (in order, they are the
+                // tail of their keys in this batch) and decided again on what is committed.
+                store_failures = 0;
+                let mut keep = Vec::with_capacity(items.len());
+                for (i, w) in items.drain(..).enumerate() {
+                    if deferred.contains(&i) {
+                        done.returned.push(w);
+                    } else {
+                        keep.push(w);
+                    }
+                }
+                items = keep;
+            }
             Ok(BatchResult::HandlerFailed { index, error: e }) => {
                 store_failures = 0;
                 let w = &mut items[index];
@@ -488,6 +522,12 @@ pub struct ConsumerEngine<S, I, H> {
     held: HashMap<AggregateKey, Vec<Work>>,
     held_count: usize,
     in_flight: usize,
+    /// Per partition: messages received and not final, held ones apart.
+    pending: HashMap<TopicPartition, usize>,
+    /// Partitions this engine paused and has not resumed.
+    paused: BTreeSet<TopicPartition>,
+    /// Whether the source can pause (`None`: not asked yet).
+    can_pause: Option<bool>,
     next_alone: u64,
     pending_commits: BTreeMap<TopicPartition, CommitOffset>,
     rng: StdRng,
@@ -554,6 +594,9 @@ where
             held: HashMap::new(),
             held_count: 0,
             in_flight: 0,
+            pending: HashMap::new(),
+            paused: BTreeSet::new(),
+            can_pause: None,
             next_alone: 0,
             pending_commits: BTreeMap::new(),
             rng: StdRng::seed_from_u64(seed),
@@ -624,6 +667,7 @@ where
     }
 
     fn receive(&mut self, msg: ReceivedMessage) {
+        let tp = msg_partition(&msg);
         let (ticket, kind) = self.tracker.lock().begin_checked(&msg.position);
         if let BeginKind::Rewind { highest_seen } = kind {
             self.report.rewinds += 1;
@@ -655,10 +699,103 @@ where
         }
         self.in_flight += 1;
         self.report.received += 1;
+
+        // A message of a partition paused by this engine: the source resumed it (a new
+        // assignment starts unpaused) or handed out what it held before the pause. Paused
+        // again below if it is still full.
+        self.paused.remove(&tp);
+        *self.pending.entry(tp).or_default() += 1;
+    }
+
+    fn unpend(&mut self, tp: &TopicPartition, n: usize) {
+        if let Some(c) = self.pending.get_mut(tp) {
+            *c = c.saturating_sub(n);
+            if *c == 0 {
+                self.pending.remove(tp);
+            }
+        }
+    }
+
+    /// Messages received and not final, held ones apart.
+    fn unsettled(&self) -> usize {
+        self.in_flight - self.held_count
+    }
+
+    /// Pauses the partitions that are full (their own bound, or all that hold messages while
+    /// the total bound is reached) and resumes those that drained (to half their bound, and
+    /// the total under three quarters of its own), so one slow aggregate holds up its own
+    /// partition at most, and polling (which serves rebalances) never stops.
+    async fn adjust_pauses(&mut self) {
+        if self.can_pause == Some(false) {
+            return;
+        }
+        let per = self
+            .config
+            .max_in_flight_per_partition
+            .min(self.config.max_in_flight);
+        let total = self.unsettled();
+        let over_total = total >= self.config.max_in_flight;
+        let to_pause: Vec<TopicPartition> = self
+            .pending
+            .iter()
+            .filter(|(tp, n)| !self.paused.contains(*tp) && (**n >= per || (over_total && **n > 0)))
+            .map(|(tp, _)| tp.clone())
+            .collect();
+        let low_total = total <= self.config.max_in_flight - self.config.max_in_flight / 4;
+        let to_resume: Vec<TopicPartition> = self
+            .paused
+            .iter()
+            .filter(|tp| low_total && self.pending.get(*tp).copied().unwrap_or(0) <= per / 2)
+            .cloned()
+            .collect();
+        let consumer = self.shared.processor.consumer().to_owned();
+        if !to_pause.is_empty() {
+            match self.source.pause(&to_pause).await {
+                Ok(true) => {
+                    self.can_pause = Some(true);
+                    info!(consumer = %consumer, partitions = ?to_pause, unsettled = total, "partitions full; paused (polling goes on)");
+                    metrics::record_counter(
+                        "outbox_inbox_partition_pauses_total",
+                        &consumer,
+                        to_pause.len() as u64,
+                    );
+                    self.paused.extend(to_pause);
+                }
+                Ok(false) => {
+                    self.can_pause = Some(false);
+                    info!(consumer = %consumer, "the source cannot pause partitions; polling stops while the engine is full");
+                }
+                Err(e) => {
+                    warn!(consumer = %consumer, error = %e, "pausing partitions failed; trying again")
+                }
+            }
+        }
+        if !to_resume.is_empty() {
+            match self.source.resume(&to_resume).await {
+                Ok(()) => {
+                    info!(consumer = %consumer, partitions = ?to_resume, "partitions drained; resumed");
+                    for tp in &to_resume {
+                        self.paused.remove(tp);
+                    }
+                }
+                Err(e) => {
+                    warn!(consumer = %consumer, error = %e, "resuming partitions failed; trying again")
+                }
+            }
+        }
+        metrics::record_paused(&consumer, self.paused.len());
     }
 
     /// Starts batches while transaction slots are free and keys are ready.
     fn dispatch(&mut self) {
+        let mut dropped: Vec<TopicPartition> = Vec::new();
+        self.dispatch_batches(&mut dropped);
+        for tp in dropped {
+            self.unpend(&tp, 1);
+        }
+    }
+
+    fn dispatch_batches(&mut self, dropped: &mut Vec<TopicPartition>) {
         while self.running.len() < self.config.concurrency && !self.ready.is_empty() {
             let mut batch: Vec<Work> = Vec::new();
             let mut keys: Vec<Key> = Vec::new();
@@ -685,6 +822,7 @@ where
                         // Revoked, lost or rewound since it was received: the partition's
                         // owner (or the rewound log) delivers it again.
                         self.in_flight -= 1;
+                        dropped.push(msg_partition(&w.msg));
                     }
                 }
                 if took > 0 {
@@ -749,6 +887,9 @@ where
             return;
         };
         self.held_count -= items.len();
+        for w in &items {
+            *self.pending.entry(msg_partition(&w.msg)).or_default() += 1;
+        }
         items.sort_by_key(Work::version);
         if let (Some(reason), Some(first)) = (park_reason, items.first_mut()) {
             first.force = Force::Park(ParkKind::VersionGap, reason);
@@ -828,12 +969,14 @@ where
                     unreachable!("only decodable messages are held");
                 };
                 w.held_since.get_or_insert_with(Instant::now);
+                self.unpend(&msg_partition(&w.msg), 1);
                 self.held.entry(key).or_default().push(w);
                 self.held_count += 1;
                 continue;
             }
             self.tracker.lock().finish(&w.ticket);
             self.in_flight -= 1;
+            self.unpend(&msg_partition(&w.msg), 1);
             self.since_commit += 1;
             match &outcome {
                 MessageOutcome::Applied => {
@@ -926,7 +1069,8 @@ where
                 self.receive(m);
                 // Take what else is already buffered, without waiting.
                 let mut taken = 1;
-                while taken < self.config.max_batch && self.in_flight < self.config.max_in_flight {
+                while taken < self.config.max_batch && self.unsettled() < self.config.max_in_flight
+                {
                     match self.source.poll(Duration::ZERO).await {
                         Ok(Some(m)) => {
                             self.receive(m);
@@ -984,7 +1128,11 @@ where
     /// or a timer fired).
     pub async fn step(&mut self) -> Result<bool, EngineError> {
         self.dispatch();
-        let capacity = self.in_flight < self.config.max_in_flight;
+        self.adjust_pauses().await;
+        // With partitions paused, polling goes on whatever the engine holds (it serves
+        // rebalances and reads the partitions that are not full); a source that cannot pause
+        // stops being polled at the bound.
+        let capacity = self.can_pause == Some(true) || self.unsettled() < self.config.max_in_flight;
         let timer = self.next_timer();
         let event = {
             let running = &mut self.running;

@@ -81,7 +81,7 @@
 //! | order per aggregate | an aggregate in at most one batch at a time; versions tracked per aggregate ([`VersionPolicy`]) |
 //! | poison messages | parked durably with the raw record, reason and attempts; the aggregate's later messages wait; other aggregates flow |
 //! | operator actions | [`ParkedMessages`]: list, show, retry, discard (with reason), audited; a retry *request* from a process without the handler (`request_retry`), performed by the engine every `retry_requests_interval` (5 s) |
-//! | parallelism | `concurrency` transactions at once, `max_batch` messages each, bounded by `max_in_flight`; a retrying or parked aggregate holds up nothing else |
+//! | parallelism | `concurrency` transactions at once, `max_batch` messages each, bounded by `max_in_flight` (and `max_in_flight_per_partition`: a partition whose messages fill it is paused alone, and polling, which serves rebalances, goes on; held messages are bounded apart by `max_held`); a parked aggregate holds up nothing else, and a retrying or slow one holds up at most the rest of its own partition once that partition's bound is full (a log is read in order) |
 //! | offsets | contiguous watermark per partition; rewinds detected; tracker shared with the source |
 //! | rebalances | revoke commits what is final; commits refused by a rebalance are dropped |
 //! | retention | a gap below the earliest offset stops the engine ([`EngineError::RetentionGap`]); [`ConsumerEngine::retention_check`] |

@@ -15,6 +15,9 @@
 //! | `outbox_inbox_rewinds_total` | counter | | log rewinds seen (offsets at or below the highest seen) |
 //! | `outbox_inbox_dropped_commits_total` | counter | | offset commits dropped because the group rebalanced |
 //! | `outbox_inbox_cleaned_total` | counter | | registrations removed by the scheduled cleanup |
+//! | `outbox_inbox_paused_partitions` | gauge | | partitions the engine paused because their messages filled their bound (`EngineConfig::max_in_flight_per_partition`) |
+//! | `outbox_inbox_partition_pauses_total` | counter | | partitions paused so far |
+//! | `outbox_inbox_baselines_total` | counter | | aggregates whose first applied version was above 1 (taken as the baseline: lower versions are stale for this consumer) |
 //!
 //! The duplicate share is `rate(outbox_inbox_processed_total{result="duplicate"}) /
 //! rate(outbox_inbox_processed_total)`; the engine's [`crate::EngineReport`] carries the same
@@ -76,6 +79,11 @@ pub(crate) fn record_gauges(consumer: &str, held: usize, in_flight: usize) {
     metrics::gauge!("outbox_inbox_held", "consumer" => consumer.to_owned()).set(held as f64);
     metrics::gauge!("outbox_inbox_in_flight", "consumer" => consumer.to_owned())
         .set(in_flight as f64);
+}
+
+pub(crate) fn record_paused(consumer: &str, paused: usize) {
+    metrics::gauge!("outbox_inbox_paused_partitions", "consumer" => consumer.to_owned())
+        .set(paused as f64);
 }
 
 pub(crate) fn record_counter(name: &'static str, consumer: &str, n: u64) {

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use outbox_core::{
     AggregateKey, InboxAction, InboxAuditEntry, InboxParking, ParkedChange, ParkedFilter, ParkedId,
     ParkedMessage, ParkedStatus, ReceivedMessage, RetryRequest, StoreError, StoreErrorKind,
+    VersionAdvance,
 };
 use tracing::{info, warn};
 
@@ -54,6 +55,9 @@ pub struct ReleaseReport {
     pub transient: bool,
     /// Whether the aggregate was released (nothing of it is parked any more).
     pub released: bool,
+    /// Versions never seen that the operator declared never to come
+    /// ([`ParkedMessages::discard_skipping_to`]); 0 for every other action.
+    pub skipped_versions: i64,
 }
 
 impl ReleaseReport {
@@ -64,6 +68,12 @@ impl ReleaseReport {
         );
         if let Some((id, why)) = &self.still_parked {
             s.push_str(&format!("; {id} still parked: {why}"));
+        }
+        if self.skipped_versions > 0 {
+            s.push_str(&format!(
+                "; {} unseen version(s) skipped by the operator",
+                self.skipped_versions
+            ));
         }
         if self.released {
             s.push_str("; aggregate released");
@@ -82,9 +92,12 @@ impl ReleaseReport {
 ///   version, then arrival). A message that fails again stops the release and becomes the
 ///   aggregate's parked head, with its attempts counted.
 /// * **discard** resolves the message without effect (registered, so a redelivery is a
-///   duplicate; its version counts as applied, so later versions may follow, but only once
-///   the lower versions still open before it are released: they are applied, never skipped as
-///   stale), with a recorded reason; then releases the waiting messages as retry does.
+///   duplicate), with a recorded reason; then releases the waiting messages as retry does. Its
+///   version counts as applied only as far as that skips nothing: when every version below it
+///   was applied or discarded and no lower one is still open. A discard never moves the
+///   applied version over a version that was not seen; an operator who knows missing versions
+///   will never come says so explicitly, and how far, with
+///   [`discard_skipping_to`](ParkedMessages::discard_skipping_to) (audited).
 ///
 /// Each released message commits in its own transaction, which locks the aggregate against
 /// the engine parking more messages behind it at that moment; the engine's messages of that
@@ -384,13 +397,51 @@ where
 
     /// Resolves parked message `id` without effect, with a reason, then releases its
     /// aggregate's waiting messages (only when `id` was the head: discarding a waiting message
-    /// leaves the head parked). The discarded version counts as applied once no other open
-    /// message of the aggregate at or below it waits, so none of those turns stale.
+    /// leaves the head parked).
+    ///
+    /// A discard never moves the aggregate's applied version over a version that was not seen:
+    /// the discarded version counts as applied only when every version between the applied one
+    /// and it was applied or discarded too (counted from version 1 when nothing was applied
+    /// yet), and no other open message of the aggregate waits at or below it. A discarded
+    /// version above a missing one (a bogus record with a far-future version, or one after a
+    /// version that never came) counts as nothing: the missing versions still apply when they
+    /// come. To declare that versions which were never seen will never come, use
+    /// [`discard_skipping_to`](Self::discard_skipping_to).
     pub async fn discard(
         &self,
         id: ParkedId,
         actor: &str,
         reason: &str,
+    ) -> Result<ReleaseReport, OperatorError> {
+        self.discard_inner(id, actor, reason, None).await
+    }
+
+    /// [`discard`](Self::discard), and the operator's explicit declaration that the versions of
+    /// the aggregate up to and including `skip_to` that were not seen will never come: the
+    /// applied version moves up to `skip_to` in the discard's transaction, so a later message
+    /// at or below it is stale (never applied). The audit entry and
+    /// [`ReleaseReport::skipped_versions`] say how many versions were swallowed.
+    ///
+    /// Refused ([`OperatorError::Invalid`], nothing written) when the message has no readable
+    /// version, when `skip_to` is below its version, or when another open message of the
+    /// aggregate (or one whose version is unknown) waits at or below `skip_to` (it would turn
+    /// stale: discard or retry it first).
+    pub async fn discard_skipping_to(
+        &self,
+        id: ParkedId,
+        actor: &str,
+        reason: &str,
+        skip_to: i64,
+    ) -> Result<ReleaseReport, OperatorError> {
+        self.discard_inner(id, actor, reason, Some(skip_to)).await
+    }
+
+    async fn discard_inner(
+        &self,
+        id: ParkedId,
+        actor: &str,
+        reason: &str,
+        skip_to: Option<i64>,
     ) -> Result<ReleaseReport, OperatorError> {
         Self::check_actor(actor)?;
         if reason.trim().is_empty() {
@@ -399,6 +450,13 @@ where
             ));
         }
         let target = self.target(id).await?;
+        if skip_to.is_some() && !self.processor.version_policy().tracks() {
+            return Err(OperatorError::Invalid(
+                "this consumer keeps no versions (VersionPolicy::Unchecked): there is nothing to \
+                 skip"
+                    .into(),
+            ));
+        }
         let store = self.store();
         let consumer = self.consumer().to_owned();
         let mut report = ReleaseReport {
@@ -407,7 +465,7 @@ where
         };
         let mut tx = store.begin().await?;
         let step = async {
-            let (open_rest, was_head, lower_open) = match &target.record.aggregate {
+            let (open_rest, was_head, lowest_other) = match &target.record.aggregate {
                 Some(key) => {
                     let open = store.open_parked_of(&mut tx, &consumer, key).await?;
                     let Some(me) = open.iter().find(|m| m.id == id) else {
@@ -416,31 +474,51 @@ where
                             status: ParkedStatus::Discarded,
                         });
                     };
-                    // Another message still open at this version or below (or one whose
-                    // version is unknown) is released before this one counts as applied:
-                    // skipping now would make it stale, and an event nobody discarded would
-                    // be lost. At the same version too: the outbox does not forbid two events
-                    // of one aggregate with one version, and the other one was not discarded.
-                    let lower_open = target.record.aggregate_version.is_none_or(|v| {
-                        open.iter().any(|m| {
-                            m.id != id && m.record.aggregate_version.is_none_or(|w| w <= v)
-                        })
-                    });
+                    // The lowest version still open besides this one (unknown versions sort
+                    // first): no version at or above it may count as applied yet, or that
+                    // message, which nobody discarded, would turn stale and be lost. At the
+                    // same version too: the outbox does not forbid two events of one aggregate
+                    // with one version.
+                    let lowest_other = open
+                        .iter()
+                        .filter(|m| m.id != id)
+                        .map(|m| m.record.aggregate_version.unwrap_or(i64::MIN))
+                        .min();
                     (
                         open.len() - 1,
                         me.status == ParkedStatus::Parked,
-                        lower_open,
+                        lowest_other,
                     )
                 }
-                None => (0, true, false),
+                None => (0, true, None),
             };
+            if let Some(to) = skip_to {
+                let v = target.record.aggregate_version.ok_or_else(|| {
+                    OperatorError::Invalid(format!(
+                        "parked message {id} has no readable version: there is nothing to skip to"
+                    ))
+                })?;
+                if to < v {
+                    return Err(OperatorError::Invalid(format!(
+                        "--skip-to {to} is below the discarded message's version {v}"
+                    )));
+                }
+                if let Some(w) = lowest_other.filter(|w| *w <= to) {
+                    return Err(OperatorError::Invalid(format!(
+                        "another open message of the aggregate waits at version {} (at or below \
+                         {to}): skipping would make it stale; retry or discard it first",
+                        if w == i64::MIN {
+                            "unknown".to_owned()
+                        } else {
+                            w.to_string()
+                        }
+                    )));
+                }
+            }
             if let Ok(event) = target.record.decode() {
                 self.processor
                     .register_without_effect(&mut tx, &event)
                     .await?;
-                if !lower_open {
-                    self.processor.skip_version(&mut tx, &event).await?;
-                }
             }
             store
                 .change_parked(
@@ -450,16 +528,23 @@ where
                     &ParkedChange::Resolved(ParkedStatus::Discarded),
                 )
                 .await?;
-            if open_rest == 0 {
-                if let Some(key) = &target.record.aggregate {
-                    // Earlier discards of this aggregate that held their skip back (a lower
-                    // version was open then) count now: nothing is open any more.
-                    self.skip_discarded(&mut tx, key, None).await?;
+            let mut skipped = None;
+            if let Some(key) = &target.record.aggregate {
+                if let Some(to) = skip_to {
+                    skipped = self
+                        .skip_to(&mut tx, key, to, target.record.aggregate_version)
+                        .await?;
+                }
+                self.count_discarded(&mut tx, key, lowest_other, target.record.aggregate_version)
+                    .await?;
+                if open_rest == 0 {
                     store.unblock(&mut tx, &consumer, key).await?;
                 }
+            }
+            if open_rest == 0 {
                 report.released = true;
             }
-            let outcome = if open_rest == 0 {
+            let mut outcome = if open_rest == 0 {
                 "discarded; nothing waits behind it".to_owned()
             } else if was_head {
                 format!("discarded; releasing {open_rest} waiting message(s)")
@@ -467,6 +552,17 @@ where
                 // Not the head: nothing is released, the head stays where it is.
                 format!("discarded; {open_rest} other message(s) of its aggregate stay open")
             };
+            if let (Some(to), Some((from, unseen))) = (skip_to, skipped) {
+                outcome.push_str(&format!(
+                    "; versions skipped by the operator: applied version moved from {} to {to}, \
+                     {unseen} version(s) never seen declared never to come",
+                    from.map_or_else(|| "none".to_owned(), |f| f.to_string())
+                ));
+            } else if let Some(to) = skip_to {
+                outcome.push_str(&format!(
+                    "; --skip-to {to}: the applied version was there already, nothing skipped"
+                ));
+            }
             store
                 .audit(
                     &mut tx,
@@ -481,13 +577,16 @@ where
                     ),
                 )
                 .await?;
-            Ok::<(usize, bool), OperatorError>((open_rest, was_head))
+            Ok::<(usize, bool, Option<(Option<i64>, i64)>), OperatorError>((
+                open_rest, was_head, skipped,
+            ))
         }
         .await;
         let (open_rest, was_head) = match step {
-            Ok(n) => {
+            Ok((n, head, skipped)) => {
                 store.commit(tx).await?;
-                n
+                report.skipped_versions = skipped.map_or(0, |(_, n)| n);
+                (n, head)
             }
             Err(e) => {
                 let _ = store.rollback(tx).await;
@@ -500,7 +599,7 @@ where
             self.release(key, None, InboxAction::Discard, actor, reason, &mut report)
                 .await?;
         }
-        info!(consumer = %consumer, parked_id = %id, actor, reason, outcome = %report.summary(), "operator discard");
+        info!(consumer = %consumer, parked_id = %id, actor, reason, skip_to, outcome = %report.summary(), "operator discard");
         Ok(report)
     }
 
@@ -576,26 +675,110 @@ where
         Ok(())
     }
 
-    /// Moves `key`'s applied version up to the highest version discarded below `below` (all
-    /// discarded versions when `None`), in `tx`; a no-op when it is there already.
-    async fn skip_discarded(
+    /// Counts discarded versions of `key` (and `also`, discarded in `tx`) as applied, in `tx`,
+    /// as far as that skips nothing:
+    /// from the applied version (0 when none yet) up through each next version that was
+    /// discarded, and never to `below` or beyond (the lowest version still open, `None` when
+    /// nothing of the aggregate is open any more). A discarded version above a version that
+    /// was never seen stays uncounted, so the missing version still applies when it comes.
+    async fn count_discarded(
         &self,
         tx: &mut I::Tx,
         key: &AggregateKey,
         below: Option<i64>,
+        also: Option<i64>,
     ) -> Result<(), StoreError> {
-        let highest = self
+        if !self.processor.version_policy().tracks() {
+            return Ok(());
+        }
+        let mut discarded: std::collections::BTreeSet<i64> = self
             .store()
             .discarded_of(tx, self.consumer(), key)
             .await?
             .into_iter()
             .filter_map(|m| m.record.decode().ok())
-            .filter(|e| below.is_none_or(|b| e.aggregate_version < b))
-            .max_by_key(|e| e.aggregate_version);
-        match highest {
-            Some(e) => self.processor.skip_version(tx, &e).await,
-            None => Ok(()),
+            .map(|e| e.aggregate_version)
+            .collect();
+        // The version discarded in `tx` itself (a store may read committed state only).
+        discarded.extend(also);
+        if discarded.is_empty() {
+            return Ok(());
         }
+        let state = self.state_of(tx, key).await?;
+        let mut next = state.applied_version.unwrap_or(0);
+        while next < i64::MAX
+            && discarded.contains(&(next + 1))
+            && below.is_none_or(|b| next + 1 < b)
+        {
+            next += 1;
+        }
+        if state.applied_version.unwrap_or(0) < next {
+            self.store()
+                .advance_versions(
+                    tx,
+                    self.consumer(),
+                    &[VersionAdvance {
+                        aggregate: key.clone(),
+                        expected: state.applied_version,
+                        version: next,
+                    }],
+                )
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// An operator's skip: moves `key`'s applied version up to `to` in `tx`. Returns the
+    /// version it moved from and how many versions it swallowed without anyone seeing them
+    /// (the versions between, less the discarded ones); `None` when it was there already.
+    async fn skip_to(
+        &self,
+        tx: &mut I::Tx,
+        key: &AggregateKey,
+        to: i64,
+        discarded_now: Option<i64>,
+    ) -> Result<Option<(Option<i64>, i64)>, StoreError> {
+        let state = self.state_of(tx, key).await?;
+        if state.applied_version.is_some_and(|a| a >= to) {
+            return Ok(None);
+        }
+        let from = state.applied_version;
+        let mut seen: std::collections::BTreeSet<i64> = self
+            .store()
+            .discarded_of(tx, self.consumer(), key)
+            .await?
+            .into_iter()
+            .filter_map(|m| m.record.aggregate_version)
+            .collect();
+        seen.extend(discarded_now);
+        let lo = from.unwrap_or(0) + 1;
+        let unseen = (to - lo + 1) - seen.range(lo..=to).count() as i64;
+        self.store()
+            .advance_versions(
+                tx,
+                self.consumer(),
+                &[VersionAdvance {
+                    aggregate: key.clone(),
+                    expected: from,
+                    version: to,
+                }],
+            )
+            .await?;
+        warn!(consumer = %self.consumer(), aggregate = %key, from = ?from, to, unseen, "operator skip: versions never seen declared never to come");
+        Ok(Some((from, unseen)))
+    }
+
+    async fn state_of(
+        &self,
+        tx: &mut I::Tx,
+        key: &AggregateKey,
+    ) -> Result<outbox_core::AggregateState, StoreError> {
+        Ok(self
+            .store()
+            .aggregates(tx, self.consumer(), std::slice::from_ref(key))
+            .await?
+            .pop()
+            .unwrap_or_default())
     }
 
     /// Releases `key`'s open messages in order, one transaction each, until none is left or
@@ -646,7 +829,7 @@ where
             let Some(first) = open.first().cloned() else {
                 // Nothing open (someone else released it): make sure the mark is gone.
                 let r = async {
-                    self.skip_discarded(&mut tx, key, None).await?;
+                    self.count_discarded(&mut tx, key, None, None).await?;
                     store.unblock(&mut tx, &consumer, key).await
                 }
                 .await;
@@ -663,12 +846,12 @@ where
             let allow_gap = retried == Some(first.id);
             let msg = to_message(&first);
             // Versions discarded below this one count as applied now (not earlier: a lower
-            // version waiting before them would have been skipped as stale).
-            if let Some(v) = first.record.aggregate_version {
-                if let Err(e) = self.skip_discarded(&mut tx, key, Some(v)).await {
-                    let _ = store.rollback(tx).await;
-                    return Err(e.into());
-                }
+            // version waiting before them would have been skipped as stale), as far as that
+            // skips no version that was never seen.
+            let below = first.record.aggregate_version.unwrap_or(i64::MIN);
+            if let Err(e) = self.count_discarded(&mut tx, key, Some(below), None).await {
+                let _ = store.rollback(tx).await;
+                return Err(e.into());
             }
             let applied = match self.processor.apply_parked(&mut tx, &msg, allow_gap).await {
                 Ok(a) => a,
@@ -697,7 +880,7 @@ where
                             .change_parked(&mut tx, &consumer, first.id, &change)
                             .await?;
                         if last {
-                            self.skip_discarded(&mut tx, key, None).await?;
+                            self.count_discarded(&mut tx, key, None, None).await?;
                             store.unblock(&mut tx, &consumer, key).await?;
                         }
                         if audit_pending {

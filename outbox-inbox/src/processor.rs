@@ -141,6 +141,10 @@ pub(crate) enum BatchResult {
     Committed(Vec<MessageOutcome>),
     /// The handler failed on item `index`; everything was rolled back.
     HandlerFailed { index: usize, error: HandlerError },
+    /// Items `deferred` were decided on a premise that did not hold (a message before them of
+    /// their aggregate was not applied after all); everything was rolled back. Run the batch
+    /// again without them, and them after it.
+    Split { deferred: Vec<usize> },
 }
 
 #[derive(Clone, Debug)]
@@ -250,6 +254,10 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
                 metrics::record_outcome(&self.consumer, &MessageOutcome::Failed(error.clone()));
                 Ok(MessageOutcome::Failed(error))
             }
+            BatchResult::Split { .. } => Err(StoreError::new(
+                outbox_core::StoreErrorKind::Other,
+                "a batch of one message cannot be split",
+            )),
         }
     }
 
@@ -367,14 +375,15 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
     ) -> Result<BatchResult, StoreError> {
         let mut tx = self.store.begin().await?;
         match self.batch_in(&mut tx, items, park).await {
-            Ok(BatchResult::Committed(outcomes)) => {
+            Ok((BatchResult::Committed(outcomes), baselines)) => {
                 self.store.commit(tx).await?;
                 for o in &outcomes {
                     metrics::record_outcome(&self.consumer, o);
                 }
+                self.record_baselines(&baselines);
                 Ok(BatchResult::Committed(outcomes))
             }
-            Ok(failed) => {
+            Ok((failed, _)) => {
                 self.store.rollback(tx).await?;
                 Ok(failed)
             }
@@ -385,12 +394,28 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
         }
     }
 
+    /// Logs and counts the baselines taken: an aggregate's first applied version above 1 (the
+    /// versions below it are never applied by this consumer; see
+    /// [`require_first_version`](Self::require_first_version)).
+    fn record_baselines(&self, baselines: &[(AggregateKey, i64)]) {
+        for (aggregate, version) in baselines {
+            tracing::warn!(consumer = %self.consumer, aggregate = %aggregate, version, "first version of an aggregate above 1 taken as its baseline: earlier versions will be treated as stale");
+        }
+        if !baselines.is_empty() {
+            metrics::record_counter(
+                "outbox_inbox_baselines_total",
+                &self.consumer,
+                baselines.len() as u64,
+            );
+        }
+    }
+
     async fn batch_in(
         &self,
         tx: &mut I::Tx,
         items: &[Item<'_>],
         park: bool,
-    ) -> Result<BatchResult, StoreError> {
+    ) -> Result<(BatchResult, Vec<(AggregateKey, i64)>), StoreError> {
         // 1. What the inbox knows about the batch's aggregates (one round trip).
         let mut keys: Vec<AggregateKey> = Vec::new();
         let mut index: HashMap<AggregateKey, usize> = HashMap::new();
@@ -423,35 +448,52 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
                 self.decide(item, local, park)
             })
             .collect();
-        // 3. Register what is to be applied, and the stale versions (one round trip): a stale
-        //    message registered before is a duplicate of an applied event; one that was not is
-        //    another event at an old version, registered now so it is never applied. Then run
-        //    the handler on what is fresh, in order.
+        // 3. Register what is to be applied, and the stale versions (one round trip; a second
+        //    only for an id that another aggregate's event holds): a stale message registered
+        //    before is a duplicate of an applied event; one that was not is another event at an
+        //    old version, registered now so it is never applied. Each event is registered for
+        //    its aggregate: a record naming another aggregate's event as its original is not
+        //    deduplicated against it.
         let apply: Vec<usize> = (0..items.len())
             .filter(|i| matches!(decisions[*i], Decision::Apply | Decision::Stale(_)))
+            .filter(|i| items[*i].msg.envelope.is_ok())
             .collect();
-        let ids: Vec<_> = apply
+        let events: Vec<&Envelope> = apply
             .iter()
-            .filter_map(|i| items[*i].msg.envelope.as_ref().ok().map(Envelope::dedup_id))
+            .map(|i| items[*i].msg.envelope.as_ref().expect("filtered above"))
             .collect();
-        let registrations = if ids.is_empty() {
+        let registrations = if events.is_empty() {
             Vec::new()
         } else {
-            self.store.register(tx, &self.consumer, &ids).await?
+            self.store
+                .register_events(tx, &self.consumer, &events)
+                .await?
         };
-        if registrations.len() != ids.len() {
+        if registrations.len() != events.len() {
             return Err(StoreError::new(
                 outbox_core::StoreErrorKind::Other,
                 format!(
                     "the inbox answered {} registrations for {} ids",
                     registrations.len(),
-                    ids.len()
+                    events.len()
                 ),
             ));
         }
         let mut fresh: HashMap<usize, Registration> = HashMap::new();
         for (i, r) in apply.iter().zip(registrations) {
             fresh.insert(*i, r);
+        }
+        // A duplicate decided as the next version is not applied, so its version does not
+        // count: the later messages of its aggregate in this batch were decided as if it did.
+        // They are handed back and decided again on what is committed.
+        if self.policy.tracks() {
+            let deferred = self.after_unapplied(items, &aggs, |i| {
+                matches!(decisions[i], Decision::Apply)
+                    && fresh.get(&i) == Some(&Registration::Duplicate)
+            });
+            if !deferred.is_empty() {
+                return Ok((BatchResult::Split { deferred }, Vec::new()));
+            }
         }
         let to_apply: Vec<usize> = apply
             .iter()
@@ -474,17 +516,32 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
                     );
                     to_apply[0]
                 });
-                return Ok(BatchResult::HandlerFailed { index, error });
+                return Ok((BatchResult::HandlerFailed { index, error }, Vec::new()));
             }
         }
-        // 4. Versions that moved (one round trip).
+        // 4. Versions that moved (one round trip): only an applied message moves its
+        //    aggregate's version (a duplicate or a stale one never does), to the version of the
+        //    last one applied.
+        let mut baselines = Vec::new();
         if self.policy.tracks() {
+            let mut applied: Vec<Option<i64>> =
+                locals.iter().map(|l| l.read.applied_version).collect();
+            for i in &to_apply {
+                let Some(k) = &aggs[*i] else { continue };
+                let e = items[*i].msg.envelope.as_ref().expect("decided Apply");
+                let slot = &mut applied[index[k]];
+                if slot.is_none() && e.aggregate_version > 1 {
+                    baselines.push((k.clone(), e.aggregate_version));
+                }
+                *slot = Some(e.aggregate_version);
+            }
             let advances: Vec<VersionAdvance> = keys
                 .iter()
                 .zip(&locals)
-                .filter(|(_, l)| l.applied != l.read.applied_version)
-                .filter_map(|(k, l)| {
-                    l.applied.map(|v| VersionAdvance {
+                .zip(&applied)
+                .filter(|((_, l), a)| **a != l.read.applied_version)
+                .filter_map(|((k, l), a)| {
+                    a.map(|v| VersionAdvance {
                         aggregate: k.clone(),
                         expected: l.read.applied_version,
                         version: v,
@@ -497,30 +554,49 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
                     .await?;
             }
         }
-        // 5. Parking (one round trip).
-        let parks: Vec<(usize, NewParkedMessage)> = decisions
-            .iter()
-            .enumerate()
-            .filter_map(|(i, d)| match d {
-                Decision::Park(park_as, reason) => Some((
-                    i,
-                    NewParkedMessage::new(
-                        items[i].msg.to_record(),
-                        *park_as,
-                        reason.clone(),
-                        // A head was tried (decoded, checked or handled) at least once; a
-                        // waiting message was not.
-                        match park_as {
-                            ParkAs::Head(_) => items[i].attempts.max(1),
-                            ParkAs::Waiting => items[i].attempts,
-                        },
-                    ),
-                )),
-                _ => None,
-            })
-            .collect();
+        // 5. Parking: the heads first, then the messages waiting behind them (one round trip
+        //    each). A head parked before and resolved since (an operator discarded it; a
+        //    redelivery) comes back `AlreadyParked` and blocks nothing: the messages decided
+        //    to wait behind it are handed back and decided again.
+        let park_of = |i: usize, park_as: ParkAs, reason: &str| {
+            NewParkedMessage::new(
+                items[i].msg.to_record(),
+                park_as,
+                reason.to_owned(),
+                // A head was tried (decoded, checked or handled) at least once; a waiting
+                // message was not.
+                match park_as {
+                    ParkAs::Head(_) => items[i].attempts.max(1),
+                    ParkAs::Waiting => items[i].attempts,
+                },
+            )
+        };
         let mut parked: HashMap<usize, Parking> = HashMap::new();
-        if !parks.is_empty() {
+        for heads in [true, false] {
+            let parks: Vec<(usize, NewParkedMessage)> = decisions
+                .iter()
+                .enumerate()
+                .filter_map(|(i, d)| match d {
+                    Decision::Park(park_as, reason)
+                        if matches!(park_as, ParkAs::Head(_)) == heads =>
+                    {
+                        Some((i, park_of(i, *park_as, reason)))
+                    }
+                    _ => None,
+                })
+                .collect();
+            if parks.is_empty() {
+                continue;
+            }
+            if !heads {
+                let deferred = self.after_unapplied(items, &aggs, |i| {
+                    matches!(decisions[i], Decision::Park(ParkAs::Head(_), _))
+                        && parked.get(&i) == Some(&Parking::AlreadyParked)
+                });
+                if !deferred.is_empty() {
+                    return Ok((BatchResult::Split { deferred }, Vec::new()));
+                }
+            }
             let messages: Vec<NewParkedMessage> = parks.iter().map(|(_, m)| m.clone()).collect();
             let results = self.store.park(tx, &self.consumer, &messages).await?;
             for ((i, _), r) in parks.iter().zip(results) {
@@ -555,7 +631,28 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
                 },
             })
             .collect();
-        Ok(BatchResult::Committed(outcomes))
+        Ok((BatchResult::Committed(outcomes), baselines))
+    }
+
+    /// The items after the first one (in batch order) of each aggregate for which `unapplied`
+    /// holds: decided on a premise that did not hold, they are handed back.
+    fn after_unapplied(
+        &self,
+        items: &[Item<'_>],
+        aggs: &[Option<AggregateKey>],
+        unapplied: impl Fn(usize) -> bool,
+    ) -> Vec<usize> {
+        let mut stopped: Vec<&AggregateKey> = Vec::new();
+        let mut deferred = Vec::new();
+        for (i, agg) in aggs.iter().enumerate().take(items.len()) {
+            let Some(k) = agg else { continue };
+            if stopped.contains(&k) {
+                deferred.push(i);
+            } else if unapplied(i) {
+                stopped.push(k);
+            }
+        }
+        deferred
     }
 
     /// Registers `event` without effect (an operator discard), in `tx`.
@@ -616,55 +713,23 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
             return Ok(Err((ParkKind::Unprocessable, e.to_string(), transient)));
         }
         if self.policy.tracks() {
+            let baseline = state.applied_version.is_none() && v > 1;
             self.store
                 .advance_versions(
                     tx,
                     &self.consumer,
                     &[VersionAdvance {
-                        aggregate: key,
+                        aggregate: key.clone(),
                         expected: state.applied_version,
                         version: v,
                     }],
                 )
                 .await?;
+            if baseline {
+                self.record_baselines(&[(key, v)]);
+            }
         }
         Ok(Ok(MessageOutcome::Applied))
-    }
-
-    /// Moves the applied version of `event`'s aggregate up to its version (an operator
-    /// discard: later versions may follow), in `tx`.
-    pub(crate) async fn skip_version(
-        &self,
-        tx: &mut I::Tx,
-        event: &Envelope,
-    ) -> Result<(), StoreError> {
-        if !self.policy.tracks() {
-            return Ok(());
-        }
-        let key = AggregateKey::of(event);
-        let state = self
-            .store
-            .aggregates(tx, &self.consumer, std::slice::from_ref(&key))
-            .await?
-            .pop()
-            .unwrap_or_default();
-        if state
-            .applied_version
-            .is_some_and(|a| a >= event.aggregate_version)
-        {
-            return Ok(());
-        }
-        self.store
-            .advance_versions(
-                tx,
-                &self.consumer,
-                &[VersionAdvance {
-                    aggregate: key,
-                    expected: state.applied_version,
-                    version: event.aggregate_version,
-                }],
-            )
-            .await
     }
 }
 

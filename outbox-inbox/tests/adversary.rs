@@ -854,52 +854,6 @@ async fn discarding_a_waiting_message_does_not_make_its_head_stale() {
 // The broker: rebalances with batches in flight
 // ---------------------------------------------------------------------------------------------
 
-async fn create_topic(brokers: &str, topic: &str, partitions: i32) {
-    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-    use rdkafka::client::DefaultClientContext;
-    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()
-        .expect("admin client");
-    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
-    for r in admin
-        .create_topics(
-            [&NewTopic::new(
-                topic,
-                partitions,
-                TopicReplication::Fixed(1),
-            )],
-            &opts,
-        )
-        .await
-        .expect("create_topics")
-    {
-        r.unwrap_or_else(|(t, code)| panic!("creating topic {t}: {code}"));
-    }
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let md = admin
-            .inner()
-            .fetch_metadata(Some(topic), Duration::from_secs(5))
-            .expect("metadata");
-        if md.topics().iter().any(|t| {
-            t.name() == topic && t.error().is_none() && t.partitions().len() == partitions as usize
-        }) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "topic {topic} did not appear");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
-fn kafka_source(brokers: &str, group: &str, topic: &str) -> outbox_kafka::KafkaSource {
-    outbox_kafka::KafkaSource::builder(brokers, group)
-        .topic(topic)
-        .session_timeout(Duration::from_secs(6))
-        .build()
-        .expect("source")
-}
-
 /// Two engines in one consumer group over the PostgreSQL inbox. The first runs alone with
 /// slow batches in flight; the second joins (partitions move while batches run), later the
 /// first leaves (they move again). Every event is applied once, each aggregate's versions in
@@ -1005,30 +959,6 @@ async fn two_engines_in_one_group_with_batches_in_flight_across_rebalances() {
         "both members worked: {r1:?} {r2:?}"
     );
     ctx.drop().await;
-}
-
-/// The committed offset of `group` (read with a plain client of that group id that never
-/// joins it).
-async fn group_committed(brokers: &str, group: &str, topic: &str, partition: i32) -> Option<i64> {
-    use rdkafka::consumer::{BaseConsumer, Consumer};
-    let (brokers, group, topic) = (brokers.to_owned(), group.to_owned(), topic.to_owned());
-    tokio::task::spawn_blocking(move || {
-        let c: BaseConsumer = rdkafka::ClientConfig::new()
-            .set("bootstrap.servers", &brokers)
-            .set("group.id", &group)
-            .set("enable.auto.commit", "false")
-            .create()
-            .expect("consumer");
-        let mut tpl = rdkafka::TopicPartitionList::new();
-        tpl.add_partition(&topic, partition);
-        let got = c.committed_offsets(tpl, Duration::from_secs(5)).ok()?;
-        match got.elements()[0].offset() {
-            rdkafka::Offset::Offset(o) => Some(o),
-            _ => None,
-        }
-    })
-    .await
-    .unwrap()
 }
 
 /// A member's batch is in flight (its transaction registered the event and waits in the

@@ -168,6 +168,7 @@ impl KafkaSourceConfig {
 #[derive(Debug)]
 pub struct KafkaSourceBuilder {
     config: KafkaSourceConfig,
+    failing_assign_reads: u32,
 }
 
 impl KafkaSourceBuilder {
@@ -207,11 +208,23 @@ impl KafkaSourceBuilder {
         &self.config
     }
 
+    /// Test seam (fault injection): the next `n` committed-offsets reads made when partitions
+    /// are assigned fail without reaching the broker. Not for production use.
+    #[doc(hidden)]
+    pub fn fail_committed_reads_on_assignment(mut self, n: u32) -> Self {
+        self.failing_assign_reads = n;
+        self
+    }
+
     /// Validates the configuration, creates the consumer and subscribes. Must be called inside
     /// a tokio runtime.
     pub fn build(self) -> Result<KafkaSource, ConfigError> {
         let cc = self.config.consumer_config()?;
         let shared = Arc::new(Shared::default());
+        shared.failing_assign_reads.store(
+            self.failing_assign_reads,
+            std::sync::atomic::Ordering::SeqCst,
+        );
         let context = SourceContext {
             shared: Arc::clone(&shared),
             start_from: self.config.start_from,
@@ -240,6 +253,13 @@ struct Shared {
     revoke_log: Mutex<VecDeque<CommitOffset>>,
     /// An error found in a callback, returned by the next poll.
     pending_error: Mutex<Option<SourceError>>,
+    /// Assigned partitions whose committed offset could not be read on assignment: the poll
+    /// finds their start (committed offset, or the configured start) and seeks there.
+    unresolved: Mutex<Vec<TopicPartition>>,
+    /// When the poll last tried to resolve them.
+    last_resolve: Mutex<Option<std::time::Instant>>,
+    /// Test seam: committed-offsets reads on assignment that fail before reaching the broker.
+    failing_assign_reads: std::sync::atomic::AtomicU32,
 }
 
 impl Shared {
@@ -250,6 +270,12 @@ impl Shared {
             .clone()
     }
 
+    fn unresolved(&self) -> std::sync::MutexGuard<'_, Vec<TopicPartition>> {
+        self.unresolved
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
     fn fail(&self, e: SourceError) {
         *self
             .pending_error
@@ -257,6 +283,12 @@ impl Shared {
             .unwrap_or_else(PoisonError::into_inner) = Some(e);
     }
 }
+
+/// Attempts of the committed-offsets read made on assignment, and the pauses between them.
+const ASSIGN_READ_PAUSES_MS: [u64; 2] = [100, 400];
+
+/// How often a poll tries again to find the start of partitions whose start is unknown.
+const RESOLVE_EVERY: Duration = Duration::from_millis(500);
 
 /// Consumer context: logs, sets start offsets and checks retention on assignment, and
 /// commits final offsets on revoke.
@@ -294,11 +326,19 @@ impl ConsumerContext for SourceContext {
                     t.assign(&partitions);
                 }
                 self.set_start_offsets(consumer, tpl);
-                if cooperative {
+                let assigned = if cooperative {
                     consumer.incremental_assign(tpl)
                 } else {
                     consumer.assign(tpl)
+                };
+                // A new assignment starts unpaused (librdkafka keeps a partition paused across
+                // a revoke and a re-assignment): the engine pauses what it needs again.
+                if assigned.is_ok() {
+                    if let Err(e) = consumer.resume(tpl) {
+                        tracing::warn!(error = %e, "cannot resume newly assigned partitions");
+                    }
                 }
+                assigned
             }
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
                 tracing::info!(partitions = ?partitions, lost = consumer.assignment_lost(), "partitions revoked");
@@ -364,16 +404,48 @@ impl SourceContext {
     /// Sets an explicit start offset on every assigned partition without a committed offset
     /// and checks the committed ones against the earliest available offset.
     fn set_start_offsets(&self, consumer: &BaseConsumer<Self>, tpl: &mut TopicPartitionList) {
-        let committed = match consumer.committed_offsets(tpl.clone(), CALLBACK_TIMEOUT) {
-            Ok(c) => c,
-            Err(e) => {
-                // Reading resumes at the committed offsets anyway (librdkafka fetches them);
-                // only partitions without one would then hit auto.offset.reset=error, which
-                // the poll reports.
-                tracing::warn!(error = %e, "cannot read committed offsets on assignment");
-                return;
+        let mut attempt = 0;
+        let committed = loop {
+            let read = if self
+                .shared
+                .failing_assign_reads
+                .fetch_update(
+                    std::sync::atomic::Ordering::SeqCst,
+                    std::sync::atomic::Ordering::SeqCst,
+                    |n| n.checked_sub(1),
+                )
+                .is_ok()
+            {
+                Err(KafkaError::MetadataFetch(
+                    RDKafkaErrorCode::OperationTimedOut,
+                ))
+            } else {
+                consumer.committed_offsets(tpl.clone(), CALLBACK_TIMEOUT)
+            };
+            match read {
+                Ok(c) => break c,
+                Err(e) if attempt < ASSIGN_READ_PAUSES_MS.len() => {
+                    tracing::warn!(error = %e, attempt = attempt + 1, "cannot read committed offsets on assignment; trying again");
+                    std::thread::sleep(Duration::from_millis(ASSIGN_READ_PAUSES_MS[attempt]));
+                    attempt += 1;
+                }
+                Err(e) => {
+                    // The partitions keep no explicit start: librdkafka fetches their committed
+                    // offsets itself, and one without a committed offset would stop at
+                    // auto.offset.reset=error. The poll finds their start (the committed
+                    // offset, or the configured start) and seeks there.
+                    let partitions = partitions_of(tpl);
+                    tracing::warn!(error = %e, partitions = ?partitions, "cannot read committed offsets on assignment; the next polls find the start of these partitions");
+                    self.shared.unresolved().extend(partitions);
+                    return;
+                }
             }
         };
+        // These are resolved now (a re-assignment of a partition whose start was unknown).
+        {
+            let now = partitions_of(tpl);
+            self.shared.unresolved().retain(|p| !now.contains(p));
+        }
         let mut gaps = Vec::new();
         let mut to_commit = Vec::new();
         for e in committed.elements() {
@@ -487,6 +559,14 @@ fn partitions_of(tpl: &TopicPartitionList) -> Vec<TopicPartition> {
         .iter()
         .map(|e| TopicPartition::new(e.topic(), e.partition()))
         .collect()
+}
+
+fn tpl_of(partitions: &[TopicPartition]) -> Result<TopicPartitionList, KafkaError> {
+    let mut tpl = TopicPartitionList::with_capacity(partitions.len());
+    for p in partitions {
+        tpl.add_partition(&p.topic, p.partition);
+    }
+    Ok(tpl)
 }
 
 fn to_tpl(offsets: &[CommitOffset]) -> Result<TopicPartitionList, KafkaError> {
@@ -636,6 +716,7 @@ impl KafkaSource {
     /// A builder for a source in consumer group `group_id`.
     pub fn builder(brokers: impl Into<String>, group_id: impl Into<String>) -> KafkaSourceBuilder {
         KafkaSourceBuilder {
+            failing_assign_reads: 0,
             config: KafkaSourceConfig::new(brokers, group_id),
         }
     }
@@ -710,14 +791,23 @@ impl KafkaSource {
 
     /// Answers `auto.offset.reset=error`: a partition below its earliest offset is a retention
     /// gap; one beyond its end is read again from its earliest offset.
-    fn out_of_range(consumer: &StreamConsumer<SourceContext>) -> SourceError {
+    fn out_of_range(
+        consumer: &StreamConsumer<SourceContext>,
+        start_from: StartFrom,
+    ) -> SourceError {
         let positions = match consumer.position() {
             Ok(p) => p,
             Err(e) => return source_error("offset out of range; positions unknown", e),
         };
         let mut lost = Vec::new();
+        let mut actions = Vec::new();
+        let mut no_position = Vec::new();
         for e in positions.elements() {
             let Offset::Offset(pos) = e.offset() else {
+                // No position: a partition without a committed offset (or whose committed
+                // offset could not be read) stopped at auto.offset.reset=error. It is started
+                // where the configuration says, below.
+                no_position.push(TopicPartition::new(e.topic(), e.partition()));
                 continue;
             };
             let (topic, partition) = (e.topic(), e.partition());
@@ -733,19 +823,45 @@ impl KafkaSource {
                 )),
                 OutOfRange::Beyond { earliest } => {
                     tracing::warn!(topic, partition, position = pos, end = high, earliest, "offset beyond the end of the partition (records lost on the broker or topic recreated); reading again from the earliest offset");
-                    if let Err(err) =
-                        consumer.seek(topic, partition, Offset::Offset(earliest), CALLBACK_TIMEOUT)
-                    {
-                        tracing::warn!(topic, partition, error = %err, "seek failed");
+                    match consumer.seek(
+                        topic,
+                        partition,
+                        Offset::Offset(earliest),
+                        CALLBACK_TIMEOUT,
+                    ) {
+                        Ok(()) => actions.push(format!(
+                            "{topic}/{partition} read again from its earliest offset {earliest}"
+                        )),
+                        Err(err) => {
+                            tracing::warn!(topic, partition, error = %err, "seek failed")
+                        }
                     }
                 }
                 OutOfRange::InRange { .. } => {}
             }
         }
+        if !no_position.is_empty() {
+            match Self::start_unresolved(consumer, &no_position, start_from) {
+                Ok(mut done) => actions.append(&mut done),
+                Err(e) => {
+                    tracing::warn!(error = %e, partitions = ?no_position, "cannot find where these partitions start; trying again at a later poll");
+                    consumer.context().shared.unresolved().extend(no_position);
+                }
+            }
+        }
         if lost.is_empty() {
             SourceError::new(
                 ErrorClass::Transient,
-                "an offset was out of range and has been reset; polling again",
+                if actions.is_empty() {
+                    "an offset was out of range; nothing could be started yet (see the \
+                     warnings); polling again"
+                        .to_owned()
+                } else {
+                    format!(
+                        "an offset was out of range: {}; polling again",
+                        actions.join("; ")
+                    )
+                },
             )
         } else {
             SourceError::retention_gap(format!(
@@ -753,6 +869,184 @@ impl KafkaSource {
                 lost.join("; ")
             ))
         }
+    }
+}
+
+impl KafkaSource {
+    /// Starts `partitions`, assigned without a known position, where they belong: at the
+    /// committed offset when the group has one, else where [`StartFrom`] says (the start
+    /// position committed for [`StartFrom::Latest`]). A committed offset below the earliest
+    /// available one is a retention gap, reported by the next poll. Returns what it did.
+    fn start_unresolved(
+        consumer: &StreamConsumer<SourceContext>,
+        partitions: &[TopicPartition],
+        start_from: StartFrom,
+    ) -> Result<Vec<String>, KafkaError> {
+        let mut tpl = TopicPartitionList::with_capacity(partitions.len());
+        for p in partitions {
+            tpl.add_partition(&p.topic, p.partition);
+        }
+        let committed = consumer.committed_offsets(tpl, CALLBACK_TIMEOUT)?;
+        let assigned = consumer.assignment()?;
+        let mut done = Vec::new();
+        let mut to_commit = Vec::new();
+        let mut starts = Vec::new();
+        for e in committed.elements() {
+            let (topic, partition) = (e.topic(), e.partition());
+            if assigned.find_partition(topic, partition).is_none() {
+                continue; // revoked meanwhile
+            }
+            let c = match e.offset() {
+                Offset::Offset(o) => Some(o),
+                _ => None,
+            };
+            let watermarks = consumer
+                .fetch_watermarks(topic, partition, CALLBACK_TIMEOUT)
+                .ok();
+            let target = match decide_start(c, watermarks, start_from) {
+                StartDecision::Committed => c.map(Offset::Offset),
+                StartDecision::Beginning => Some(Offset::Beginning),
+                StartDecision::EndCommitted(high) if high >= 0 => {
+                    to_commit.push(CommitOffset::new(topic, partition, high));
+                    Some(Offset::Offset(high))
+                }
+                StartDecision::EndCommitted(_) => Some(Offset::End),
+                StartDecision::Gap {
+                    committed,
+                    earliest,
+                } => {
+                    consumer
+                        .context()
+                        .shared
+                        .fail(SourceError::retention_gap(format!(
+                            "{topic}/{partition}: committed next offset {committed} < earliest \
+                         available {earliest} ({} records lost to retention)",
+                            earliest - committed
+                        )));
+                    None
+                }
+            };
+            if let Some(offset) = target {
+                starts.push((TopicPartition::new(topic, partition), offset));
+                done.push(format!("{topic}/{partition} started at {offset:?}"));
+            }
+        }
+        if !starts.is_empty() {
+            Self::restart_at(consumer, &starts)?;
+        }
+        if !to_commit.is_empty() {
+            consumer.commit(&to_tpl(&to_commit)?, CommitMode::Sync)?;
+        }
+        tracing::info!(started = ?done, "partitions without a known position started");
+        Ok(done)
+    }
+
+    /// Starts fetching each partition of `starts` at its offset. A partition stopped by
+    /// `auto.offset.reset=error` is not being fetched, and librdkafka refuses to seek it; it
+    /// is assigned again with the offset instead: alone under the cooperative protocol; under
+    /// the eager one with the whole assignment, every other partition at its current position
+    /// (where delivery goes on: nothing skipped, nothing delivered twice).
+    fn restart_at(
+        consumer: &StreamConsumer<SourceContext>,
+        starts: &[(TopicPartition, Offset)],
+    ) -> Result<(), KafkaError> {
+        let mut stopped = Vec::new();
+        for (p, offset) in starts {
+            if let Err(e) = consumer.seek(&p.topic, p.partition, *offset, CALLBACK_TIMEOUT) {
+                tracing::debug!(partition = %p, error = %e, "seek refused; assigning the partition again");
+                stopped.push((p, *offset));
+            }
+        }
+        if stopped.is_empty() {
+            return Ok(());
+        }
+        if matches!(
+            consumer.rebalance_protocol(),
+            RebalanceProtocol::Cooperative
+        ) {
+            let mut tpl = TopicPartitionList::with_capacity(stopped.len());
+            for (p, offset) in &stopped {
+                tpl.add_partition_offset(&p.topic, p.partition, *offset)?;
+            }
+            consumer.incremental_unassign(&tpl)?;
+            return consumer.incremental_assign(&tpl);
+        }
+        let assigned = consumer.assignment()?;
+        let positions = consumer.position()?;
+        let mut tpl = TopicPartitionList::with_capacity(assigned.count());
+        for e in assigned.elements() {
+            let (topic, partition) = (e.topic(), e.partition());
+            let offset = match stopped
+                .iter()
+                .find(|(p, _)| p.topic == topic && p.partition == partition)
+            {
+                Some((_, o)) => *o,
+                None => positions
+                    .find_partition(topic, partition)
+                    .map(|p| p.offset())
+                    .filter(|o| matches!(o, Offset::Offset(_)))
+                    .unwrap_or(Offset::Invalid),
+            };
+            tpl.add_partition_offset(topic, partition, offset)?;
+        }
+        consumer.assign(&tpl)
+    }
+
+    /// Finds the start of the partitions whose committed offset could not be read on
+    /// assignment, at most every [`RESOLVE_EVERY`]. librdkafka may have found a position for
+    /// some of them by itself; those are left alone.
+    async fn resolve_unresolved(&self) {
+        let due = {
+            let mut last = self
+                .shared
+                .last_resolve
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if self.shared.unresolved().is_empty()
+                || last.is_some_and(|l| l.elapsed() < RESOLVE_EVERY)
+            {
+                false
+            } else {
+                *last = Some(std::time::Instant::now());
+                true
+            }
+        };
+        if !due {
+            return;
+        }
+        let consumer = Arc::clone(&self.consumer);
+        let start_from = self.config.start_from;
+        let _ = tokio::task::spawn_blocking(move || {
+            let waiting: Vec<TopicPartition> =
+                std::mem::take(&mut *consumer.context().shared.unresolved());
+            let positions = match consumer.position() {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(error = %e, "positions unknown; trying again later");
+                    consumer.context().shared.unresolved().extend(waiting);
+                    return;
+                }
+            };
+            let without: Vec<TopicPartition> = waiting
+                .into_iter()
+                .filter(|p| {
+                    !matches!(
+                        positions
+                            .find_partition(&p.topic, p.partition)
+                            .map(|e| e.offset()),
+                        Some(Offset::Offset(_))
+                    )
+                })
+                .collect();
+            if without.is_empty() {
+                return;
+            }
+            if let Err(e) = Self::start_unresolved(&consumer, &without, start_from) {
+                tracing::warn!(error = %e, partitions = ?without, "cannot find where these partitions start; trying again later");
+                consumer.context().shared.unresolved().extend(without);
+            }
+        })
+        .await;
     }
 }
 
@@ -768,15 +1062,18 @@ impl MessageSource for KafkaSource {
         {
             return Err(e);
         }
+        self.resolve_unresolved().await;
         // recv() is cancellation safe: a timeout loses no message.
         match tokio::time::timeout(timeout, self.consumer.recv()).await {
             Err(_elapsed) => Ok(None),
             Ok(Ok(msg)) => Ok(Some(to_received(&msg))),
             Ok(Err(KafkaError::MessageConsumption(RDKafkaErrorCode::AutoOffsetReset))) => {
                 let consumer = Arc::clone(&self.consumer);
-                let e = tokio::task::spawn_blocking(move || Self::out_of_range(&consumer))
-                    .await
-                    .map_err(|e| SourceError::new(ErrorClass::Transient, e.to_string()))?;
+                let start_from = self.config.start_from;
+                let e =
+                    tokio::task::spawn_blocking(move || Self::out_of_range(&consumer, start_from))
+                        .await
+                        .map_err(|e| SourceError::new(ErrorClass::Transient, e.to_string()))?;
                 Err(e)
             }
             Ok(Err(e)) => Err(source_error("poll", e)),
@@ -825,6 +1122,24 @@ impl MessageSource for KafkaSource {
         })
         .await
         .map_err(|e| SourceError::new(ErrorClass::Transient, format!("commit task failed: {e}")))?
+    }
+
+    /// Pauses with librdkafka's `pause`: it drops what it fetched of those partitions and
+    /// remembers the position after the last message handed out, so `resume` fetches from
+    /// exactly there. A partition not assigned is ignored by librdkafka.
+    async fn pause(&self, partitions: &[TopicPartition]) -> Result<bool, SourceError> {
+        let tpl = tpl_of(partitions).map_err(|e| source_error("pause", e))?;
+        self.consumer
+            .pause(&tpl)
+            .map_err(|e| source_error("pause", e))?;
+        Ok(true)
+    }
+
+    async fn resume(&self, partitions: &[TopicPartition]) -> Result<(), SourceError> {
+        let tpl = tpl_of(partitions).map_err(|e| source_error("resume", e))?;
+        self.consumer
+            .resume(&tpl)
+            .map_err(|e| source_error("resume", e))
     }
 
     fn attach_offsets(&self, offsets: SharedOffsetTracker) {

@@ -9,8 +9,8 @@ use sqlx::{PgPool, Postgres, Row, Transaction};
 use uuid::Uuid;
 
 use outbox_core::{
-    async_trait, AggregateKey, AggregateState, EventId, InboxStore, NewParkedMessage, ParkAs,
-    Parking, Registration, StoreError, StoreErrorKind, VersionAdvance,
+    async_trait, AggregateKey, AggregateRegistration, AggregateState, EventId, InboxStore,
+    NewParkedMessage, ParkAs, Parking, Registration, StoreError, StoreErrorKind, VersionAdvance,
 };
 
 use crate::config::{DEFAULT_INBOX_TABLE, DEFAULT_SCHEMA};
@@ -29,7 +29,9 @@ pub(crate) const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; \
 ///   effect's transaction, one statement per batch. A returned id means "apply"; a missing one
 ///   means the pair was registered by a committed transaction (or earlier in this one). A
 ///   concurrent registration of the same pair blocks on the unique index until the first
-///   transaction ends.
+///   transaction ends. [`InboxStore::register_for`] also writes a hash of the aggregate
+///   (column `aggregate`, migration 4) and, for ids it did not insert, reads who holds them: a
+///   holder of another aggregate is [`AggregateRegistration::OtherAggregate`].
 /// * **Versions and blocking:** table `<table>_aggregates`, read for a batch in one statement;
 ///   advanced in one statement that matches the expected version, so a concurrent advance (a
 ///   second consumer instance during a rebalance) is a `Conflict`, never a lost update.
@@ -50,6 +52,8 @@ pub struct PostgresInboxStore {
 #[derive(Clone, Debug)]
 pub(crate) struct Sql {
     register: String,
+    register_for: String,
+    registered_aggregates: String,
     cleanup: String,
     cleanup_candidates: String,
     aggregates: String,
@@ -97,6 +101,14 @@ impl PostgresInboxStoreBuilder {
             register: format!(
                 "INSERT INTO {t} (consumer, event_id) SELECT $1, u FROM unnest($2::uuid[]) AS u \
                  ON CONFLICT DO NOTHING RETURNING event_id"
+            ),
+            register_for: format!(
+                "INSERT INTO {t} (consumer, event_id, aggregate) \
+                 SELECT $1, u, a FROM unnest($2::uuid[], $3::uuid[]) AS x(u, a) \
+                 ON CONFLICT DO NOTHING RETURNING event_id"
+            ),
+            registered_aggregates: format!(
+                "SELECT event_id, aggregate FROM {t} WHERE consumer = $1 AND event_id = ANY($2)"
             ),
             cleanup: format!(
                 "DELETE FROM {t} WHERE ctid IN ( \
@@ -350,6 +362,19 @@ pub(crate) fn pg_text(s: &str) -> Cow<'_, str> {
     }
 }
 
+/// Namespace of the aggregate hashes kept beside registrations (a fixed, random UUID).
+const AGGREGATE_NAMESPACE: Uuid = Uuid::from_u128(0x9a41_6e0c_2f7b_4d18_8c53_e1b0_47d9_62af);
+
+/// The hash of an aggregate kept beside a registration (length-prefixed type and id).
+fn aggregate_hash(a: &AggregateKey) -> Uuid {
+    let mut buf = Vec::with_capacity(a.aggregate_type.len() + a.aggregate_id.len() + 16);
+    for part in [a.aggregate_type.as_bytes(), a.aggregate_id.as_bytes()] {
+        buf.extend_from_slice(&(part.len() as u64).to_be_bytes());
+        buf.extend_from_slice(part);
+    }
+    Uuid::new_v5(&AGGREGATE_NAMESPACE, &buf)
+}
+
 /// Namespace of the ids of undecodable records parked after a rewind (a fixed, random UUID).
 const CONTENT_NAMESPACE: Uuid = Uuid::from_u128(0x3c5e_8d21_7a4f_4b96_a0e2_5f19_c6d8_0b73);
 
@@ -422,6 +447,68 @@ impl InboxStore for PostgresInboxStore {
                     Registration::Fresh
                 } else {
                     Registration::Duplicate
+                }
+            })
+            .collect())
+    }
+
+    async fn register_for(
+        &self,
+        tx: &mut Self::Tx,
+        consumer: &str,
+        events: &[(EventId, AggregateKey)],
+    ) -> Result<Vec<AggregateRegistration>, StoreError> {
+        check_consumer(consumer)?;
+        if events.is_empty() {
+            return Ok(Vec::new());
+        }
+        let uuids: Vec<Uuid> = events.iter().map(|(i, _)| i.as_uuid()).collect();
+        let hashes: Vec<Uuid> = events.iter().map(|(_, a)| aggregate_hash(a)).collect();
+        let inserted: Vec<Uuid> = sqlx::query_scalar(&self.sql.register_for)
+            .bind(consumer)
+            .bind(&uuids)
+            .bind(&hashes)
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(db)?;
+        let mut fresh: HashSet<Uuid> = inserted.into_iter().collect();
+        let firsts: Vec<bool> = uuids.iter().map(|u| fresh.remove(u)).collect();
+        if firsts.iter().all(|f| *f) {
+            return Ok(vec![AggregateRegistration::Fresh; events.len()]);
+        }
+        // Who holds the others: a statement of its own, so it sees a registration that a
+        // concurrent transaction committed while the insert waited on it.
+        let held: Vec<Uuid> = uuids
+            .iter()
+            .zip(&firsts)
+            .filter(|(_, f)| !**f)
+            .map(|(u, _)| *u)
+            .collect();
+        let rows = sqlx::query(&self.sql.registered_aggregates)
+            .bind(consumer)
+            .bind(&held)
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(db)?;
+        let mut holders: std::collections::HashMap<Uuid, Option<Uuid>> =
+            std::collections::HashMap::with_capacity(rows.len());
+        for r in &rows {
+            holders.insert(
+                r.try_get("event_id").map_err(db)?,
+                r.try_get("aggregate").map_err(db)?,
+            );
+        }
+        Ok(uuids
+            .iter()
+            .zip(&hashes)
+            .zip(firsts)
+            .map(|((u, h), first)| {
+                if first {
+                    return AggregateRegistration::Fresh;
+                }
+                match holders.get(u) {
+                    Some(Some(holder)) if holder != h => AggregateRegistration::OtherAggregate,
+                    _ => AggregateRegistration::Duplicate,
                 }
             })
             .collect())

@@ -18,6 +18,7 @@ const OUTBOX_V5: &str = include_str!("migrations/0005_outbox.sql");
 const INBOX_V1: &str = include_str!("migrations/0001_inbox.sql");
 const INBOX_V2: &str = include_str!("migrations/0002_inbox.sql");
 const INBOX_V3: &str = include_str!("migrations/0003_inbox.sql");
+const INBOX_V4: &str = include_str!("migrations/0004_inbox.sql");
 
 /// Longest accepted table name: derived names (`<table>_audit_action_check`,
 /// `<table>_unfinished_idx`, `<table>_aggregate`) must stay within PostgreSQL's 63-byte
@@ -92,7 +93,7 @@ pub fn inbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError>
     validate_identifier("schema", schema, MAX_IDENTIFIER_LEN)?;
     validate_identifier("table", table, MAX_TABLE_NAME_LEN)?;
     Ok(render(
-        &format!("{INBOX_V1}{INBOX_V2}{INBOX_V3}"),
+        &format!("{INBOX_V1}{INBOX_V2}{INBOX_V3}{INBOX_V4}"),
         schema,
         table,
     ))
@@ -137,6 +138,7 @@ pub(crate) async fn migrate(
                 (1, "inbox table", INBOX_V1),
                 (2, "aggregate versions, parked messages, audit", INBOX_V2),
                 (3, "retry requests, per-consumer cleanup index", INBOX_V3),
+                (4, "the aggregate of each registration", INBOX_V4),
             ],
         ),
     };

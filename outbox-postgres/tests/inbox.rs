@@ -200,10 +200,11 @@ async fn poison_and_malformed_messages_park_and_the_operator_releases_them() {
     assert_eq!(versions(&ctx, "a").await, vec![1, 2]);
     assert!(versions(&ctx, "poison").await.is_empty());
 
-    // What the operator sees, straight from the tables.
+    // What the operator sees, straight from the tables (in log order: a batch parks its heads
+    // before the messages waiting behind them, so ids follow that, not the offsets).
     let rows = sqlx::query(&format!(
         "SELECT status, kind, reason, attempts, \"offset\", value, cardinality(header_names) AS headers \
-         FROM \"{}\".processed_events_parked ORDER BY id",
+         FROM \"{}\".processed_events_parked ORDER BY \"offset\"",
         ctx.schema
     ))
     .fetch_all(&ctx.pool)
@@ -222,8 +223,16 @@ async fn poison_and_malformed_messages_park_and_the_operator_releases_them() {
 
     let ops = engine.parked();
     let open = ops.list(&ParkedFilter::open()).await.unwrap();
-    let poison = open[0].id;
-    let junk = open[2].id;
+    let poison = open
+        .iter()
+        .find(|m| m.status == outbox_core::ParkedStatus::Parked && m.record.aggregate.is_some())
+        .unwrap()
+        .id;
+    let junk = open
+        .iter()
+        .find(|m| m.record.aggregate.is_none())
+        .unwrap()
+        .id;
     sqlx::query(&format!(
         "INSERT INTO \"{}\".fixes VALUES ('poison')",
         ctx.schema

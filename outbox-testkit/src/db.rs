@@ -35,6 +35,8 @@ pub(crate) struct DbState {
     pub(crate) outbox: OutboxState,
     /// Committed inbox registrations: (consumer, event id) -> registration time.
     pub(crate) inbox: BTreeMap<(String, EventId), DateTime<Utc>>,
+    /// The aggregate each registration was made for (absent: registered without one).
+    pub(crate) inbox_aggregates: BTreeMap<(String, EventId), outbox_core::AggregateKey>,
     /// Consumer versions, parked messages and their audit.
     pub(crate) consumer: crate::inbox::ConsumerState,
     counters: TxCounters,
@@ -141,6 +143,7 @@ impl MemoryDb {
             writes: BTreeMap::new(),
             outbox: Vec::new(),
             inbox: Vec::new(),
+            inbox_aggregates: Vec::new(),
             consumer_ops: Vec::new(),
             consumer_locks: Vec::new(),
             finished: false,
@@ -187,6 +190,8 @@ pub struct MemoryTx {
     writes: BTreeMap<(String, String), Option<Value>>,
     pub(crate) outbox: Vec<StagedRow>,
     pub(crate) inbox: Vec<(String, EventId)>,
+    /// The aggregate of each staged registration made for one.
+    pub(crate) inbox_aggregates: Vec<((String, EventId), outbox_core::AggregateKey)>,
     pub(crate) consumer_ops: Vec<crate::inbox::ConsumerOp>,
     pub(crate) consumer_locks: Vec<(String, outbox_core::AggregateKey, u64)>,
     finished: bool,
@@ -297,6 +302,9 @@ impl MemoryTx {
         }
         for key in std::mem::take(&mut self.inbox) {
             st.inbox.insert(key, now);
+        }
+        for (key, aggregate) in std::mem::take(&mut self.inbox_aggregates) {
+            st.inbox_aggregates.insert(key, aggregate);
         }
         for row in std::mem::take(&mut self.outbox) {
             st.outbox.insert_committed(row, now);

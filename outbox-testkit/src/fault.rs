@@ -583,6 +583,18 @@ impl<I: InboxStore> InboxStore for FaultyInbox<I> {
             self.inner.register(tx, consumer, ids).await
         )
     }
+    async fn register_for(
+        &self,
+        tx: &mut I::Tx,
+        consumer: &str,
+        events: &[(outbox_core::EventId, outbox_core::AggregateKey)],
+    ) -> Result<Vec<outbox_core::AggregateRegistration>, StoreError> {
+        faulty!(
+            self.faults,
+            "register",
+            self.inner.register_for(tx, consumer, events).await
+        )
+    }
     async fn aggregates(
         &self,
         tx: &mut I::Tx,

@@ -7,9 +7,10 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use outbox_core::{
-    async_trait, AggregateKey, AggregateState, EventId, InboxAuditEntry, InboxParking, InboxStore,
-    NewParkedMessage, ParkAs, ParkedChange, ParkedFilter, ParkedId, ParkedMessage, ParkedStats,
-    ParkedStatus, Parking, Registration, RetryRequest, StoreError, StoreErrorKind, VersionAdvance,
+    async_trait, AggregateKey, AggregateRegistration, AggregateState, EventId, InboxAuditEntry,
+    InboxParking, InboxStore, NewParkedMessage, ParkAs, ParkedChange, ParkedFilter, ParkedId,
+    ParkedMessage, ParkedStats, ParkedStatus, Parking, Registration, RetryRequest, StoreError,
+    StoreErrorKind, VersionAdvance,
 };
 
 use crate::db::{MemoryDb, MemoryTx};
@@ -261,6 +262,8 @@ pub(crate) fn commit_ops(
 ///
 /// * A pair committed before is [`Registration::Duplicate`]; so is a pair this same transaction
 ///   registered already (as PostgreSQL's `ON CONFLICT DO NOTHING` reports for its own row).
+/// * [`InboxStore::register_for`] keeps each registration's aggregate beside it: an id held by
+///   another aggregate is [`AggregateRegistration::OtherAggregate`].
 /// * Two open transactions may both see a pair as fresh; the second to commit fails with a
 ///   transient `Conflict`, so only one effect is ever committed. Version advances, parking and
 ///   operator writes are validated the same way (optimistically, at commit).
@@ -393,6 +396,39 @@ impl InboxStore for MemoryInboxStore {
                 } else {
                     tx.inbox.push(key);
                     Registration::Fresh
+                }
+            })
+            .collect())
+    }
+
+    async fn register_for(
+        &self,
+        tx: &mut MemoryTx,
+        consumer: &str,
+        events: &[(EventId, AggregateKey)],
+    ) -> Result<Vec<AggregateRegistration>, StoreError> {
+        check_consumer(consumer)?;
+        self.check_tx(tx)?;
+        let st = self.db.lock();
+        Ok(events
+            .iter()
+            .map(|(id, aggregate)| {
+                let key = (consumer.to_owned(), *id);
+                let registered = st.inbox.contains_key(&key) || tx.inbox.contains(&key);
+                if !registered {
+                    tx.inbox.push(key.clone());
+                    tx.inbox_aggregates.push((key, aggregate.clone()));
+                    return AggregateRegistration::Fresh;
+                }
+                let holder = tx
+                    .inbox_aggregates
+                    .iter()
+                    .find(|(k, _)| *k == key)
+                    .map(|(_, a)| a)
+                    .or_else(|| st.inbox_aggregates.get(&key));
+                match holder {
+                    Some(a) if a != aggregate => AggregateRegistration::OtherAggregate,
+                    _ => AggregateRegistration::Duplicate,
                 }
             })
             .collect())
@@ -532,6 +568,7 @@ impl InboxStore for MemoryInboxStore {
             .collect();
         for k in &victims {
             st.inbox.remove(k);
+            st.inbox_aggregates.remove(k);
         }
         Ok(victims.len() as u64)
     }

@@ -538,6 +538,7 @@ impl MemoryLog {
             cursor: Mutex::new(0),
             tracker: Mutex::new(None),
             generations: Mutex::new(BTreeMap::new()),
+            paused: Mutex::default(),
         }
     }
 
@@ -642,6 +643,8 @@ pub struct MemoryConsumer {
     tracker: Mutex<Option<SharedOffsetTracker>>,
     /// Topic generations this member read at.
     generations: Mutex<BTreeMap<String, u64>>,
+    /// Partitions paused by [`MessageSource::pause`]: skipped by reads, positions kept.
+    paused: Mutex<std::collections::BTreeSet<(String, i32)>>,
 }
 
 impl fmt::Debug for MemoryConsumer {
@@ -737,8 +740,12 @@ impl MemoryConsumer {
         }
         let mut cursor = self.cursor.lock().unwrap_or_else(|e| e.into_inner());
         let mut gaps = Vec::new();
+        let paused = self.paused.lock().unwrap_or_else(|e| e.into_inner());
         for i in 0..slots.len() {
             let slot = &slots[(*cursor + i) % slots.len()];
+            if paused.contains(slot) {
+                continue;
+            }
             let earliest = st.earliest.get(slot).copied().unwrap_or(0);
             let part = &st.topics[&slot.0][slot.1 as usize];
             let pos = match positions.get(slot) {
@@ -850,6 +857,22 @@ impl MessageSource for MemoryConsumer {
 
     fn attach_offsets(&self, offsets: SharedOffsetTracker) {
         *self.tracker.lock().unwrap_or_else(|e| e.into_inner()) = Some(offsets);
+    }
+
+    /// Pauses: a paused partition is skipped by reads; its position stays where it is, so
+    /// [`resume`](MessageSource::resume) continues with the next record exactly.
+    async fn pause(&self, partitions: &[TopicPartition]) -> Result<bool, SourceError> {
+        let mut paused = self.paused.lock().unwrap_or_else(|e| e.into_inner());
+        paused.extend(partitions.iter().map(|p| (p.topic.clone(), p.partition)));
+        Ok(true)
+    }
+
+    async fn resume(&self, partitions: &[TopicPartition]) -> Result<(), SourceError> {
+        let mut paused = self.paused.lock().unwrap_or_else(|e| e.into_inner());
+        for p in partitions {
+            paused.remove(&(p.topic.clone(), p.partition));
+        }
+        Ok(())
     }
 
     async fn lag(&self) -> Result<Vec<PartitionLag>, SourceError> {

@@ -7,8 +7,10 @@
 //!
 //! * **list / show**: everything the consumer parked, with the reason, the attempts, the
 //!   messages waiting behind a head and the audit trail.
-//! * **discard** resolves the message without effect (registered as processed, its version
-//!   counted as applied) with a recorded reason, then releases the messages waiting behind it
+//! * **discard** resolves the message without effect (registered as processed; its version
+//!   counted as applied only when that skips no version that was never seen; `--skip-to
+//!   VERSION` declares, audited, that the unseen versions up to VERSION will never come) with
+//!   a recorded reason, then releases the messages waiting behind it
 //!   in order, as the library does. Released messages that turn out to be duplicates or stale
 //!   are resolved without effect. The first one that needs its effect applied stops the
 //!   release: applying an effect needs the consumer's own handler, which this command does not
@@ -150,7 +152,9 @@ fn operator_error(e: OperatorError, c: &ConsumerConfig, table: &str) -> CliError
             c.name,
             status.as_str()
         )),
-        OperatorError::Invalid(m) => CliError::config(m, "pass --reason and --actor"),
+        OperatorError::Invalid(m) => {
+            CliError::config(m, "check --reason, --actor and --skip-to (see --help)")
+        }
         OperatorError::Store(e) => db::inbox_error(&e, c, table),
         other => CliError::failed(other.to_string()),
     }
@@ -405,10 +409,11 @@ pub async fn discard(
             }
         }
     }
-    let report = ops
-        .discard(id, &actor, reason)
-        .await
-        .map_err(|e| operator_error(e, &c, &table))?;
+    let report = match o.skip_to {
+        Some(to) => ops.discard_skipping_to(id, &actor, reason, to).await,
+        None => ops.discard(id, &actor, reason).await,
+    }
+    .map_err(|e| operator_error(e, &c, &table))?;
     if out.json {
         out.json(&json!({
             "side": "consumer",
@@ -422,6 +427,8 @@ pub async fn discard(
             "discarded": report.discarded,
             "still_parked": report.still_parked.as_ref().map(|(i, why)| json!({"id": i.0, "reason": why})),
             "released": report.released,
+            "skip_to": o.skip_to,
+            "skipped_versions": report.skipped_versions,
         }));
         return Ok(());
     }
@@ -429,6 +436,14 @@ pub async fn discard(
         "discarded parked message {id} of consumer {} (audited as {actor})",
         c.name
     );
+    if report.skipped_versions > 0 {
+        println!(
+            "versions up to {} skipped: {} version(s) never seen will never be applied \
+             (audited)",
+            o.skip_to.unwrap_or_default(),
+            report.skipped_versions
+        );
+    }
     if report.skipped > 0 {
         println!(
             "{} released message(s) were duplicates or stale: resolved without effect",

@@ -295,9 +295,21 @@ async fn action(
     if let Some(c) = &o.consumer {
         return match what {
             Action::Discard => consumer_parked::discard(config, c, o, out).await,
+            Action::Retry if o.skip_to.is_some() => Err(CliError::config(
+                "--skip-to goes with discard",
+                "a retry applies the message and accepts its version gap; to skip versions \
+                 without applying it, discard it with --skip-to",
+            )),
             Action::Retry => consumer_parked::retry(config, c, o, out).await,
             Action::Reissue => Err(consumer_parked::reissue(c)),
         };
+    }
+    if o.skip_to.is_some() {
+        return Err(CliError::config(
+            "--skip-to is for a consumer's parked message",
+            "pass --consumer NAME with it (the outbox never skips versions: retry, discard or \
+             reissue the parked event)",
+        ));
     }
     let id = event_id(&o.event_id)?;
     let reason = o.reason.as_deref().map(str::trim).unwrap_or("");

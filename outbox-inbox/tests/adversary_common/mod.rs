@@ -447,3 +447,83 @@ impl MessageSource for Scripted {
         Ok(Vec::new())
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The broker (tests that need `KAFKA_BROKERS`)
+// ---------------------------------------------------------------------------------------------
+
+/// Creates `topic` with `partitions` and waits until its metadata shows them.
+pub(crate) async fn create_topic(brokers: &str, topic: &str, partitions: i32) {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use rdkafka::client::DefaultClientContext;
+    let admin: AdminClient<DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .expect("admin client");
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+    for r in admin
+        .create_topics(
+            [&NewTopic::new(
+                topic,
+                partitions,
+                TopicReplication::Fixed(1),
+            )],
+            &opts,
+        )
+        .await
+        .expect("create_topics")
+    {
+        r.unwrap_or_else(|(t, code)| panic!("creating topic {t}: {code}"));
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let md = admin
+            .inner()
+            .fetch_metadata(Some(topic), Duration::from_secs(5))
+            .expect("metadata");
+        if md.topics().iter().any(|t| {
+            t.name() == topic && t.error().is_none() && t.partitions().len() == partitions as usize
+        }) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "topic {topic} did not appear");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+pub(crate) fn kafka_source(brokers: &str, group: &str, topic: &str) -> outbox_kafka::KafkaSource {
+    outbox_kafka::KafkaSource::builder(brokers, group)
+        .topic(topic)
+        .session_timeout(Duration::from_secs(6))
+        .build()
+        .expect("source")
+}
+
+/// The group's committed next offset of one partition (`None`: nothing committed), read with a
+/// plain client of that group id that never joins it.
+pub(crate) async fn group_committed(
+    brokers: &str,
+    group: &str,
+    topic: &str,
+    partition: i32,
+) -> Option<i64> {
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    let (brokers, group, topic) = (brokers.to_owned(), group.to_owned(), topic.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let c: BaseConsumer = rdkafka::ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .set("group.id", &group)
+            .set("enable.auto.commit", "false")
+            .create()
+            .expect("consumer");
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        tpl.add_partition(&topic, partition);
+        let got = c.committed_offsets(tpl, Duration::from_secs(5)).ok()?;
+        match got.elements()[0].offset() {
+            rdkafka::Offset::Offset(o) => Some(o),
+            _ => None,
+        }
+    })
+    .await
+    .unwrap()
+}

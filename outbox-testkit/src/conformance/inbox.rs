@@ -863,3 +863,98 @@ async fn state<S: InboxStore>(s: &S, c: &str, a: &AggregateKey) -> AggregateStat
     s.rollback(tx).await.expect("rollback");
     st[0]
 }
+
+/// The original-id dedupe is scoped to the aggregate ([`InboxStore::register_for`]): an id
+/// registered for one aggregate is a duplicate for that aggregate (and for one registered
+/// without an aggregate), and [`outbox_core::AggregateRegistration::OtherAggregate`] for
+/// another, with nothing written. Through [`InboxStoreExt::register_events`], a record naming
+/// another aggregate's event as its original is fresh once (under its scoped id) and then a
+/// duplicate of itself, and the named event stays a duplicate of itself only.
+pub async fn original_id_dedupe_is_scoped_to_the_aggregate<H: InboxHarness>(h: &H) {
+    use outbox_core::AggregateRegistration as R;
+    let s = h.store();
+    let c = consumer("c");
+    let (a, b) = (
+        AggregateKey::new("order", format!("a-{}", unique())),
+        AggregateKey::new("order", format!("b-{}", unique())),
+    );
+    let (x, y) = (fresh_event_id(), fresh_event_id());
+    let mut tx = s.begin().await.expect("begin");
+    assert_eq!(
+        s.register_for(
+            &mut tx,
+            &c,
+            &[(x, a.clone()), (x, b.clone()), (x, a.clone())]
+        )
+        .await
+        .expect("register_for"),
+        vec![R::Fresh, R::OtherAggregate, R::Duplicate],
+        "repeats inside one call answer as if registered one after the other"
+    );
+    s.register_one(&mut tx, &c, y).await.expect("register");
+    s.commit(tx).await.expect("commit");
+    let mut tx = s.begin().await.expect("begin");
+    assert_eq!(
+        s.register_for(
+            &mut tx,
+            &c,
+            &[(x, b.clone()), (x, a.clone()), (y, b.clone())]
+        )
+        .await
+        .expect("register_for"),
+        vec![R::OtherAggregate, R::Duplicate, R::Duplicate],
+        "an id held by another aggregate is not a duplicate; one registered without an \
+         aggregate is a duplicate of any"
+    );
+    s.rollback(tx).await.expect("rollback");
+    // Through the extension: the real event of `a`, and a foreign record of `b` naming it.
+    let real = Envelope::builder(
+        a.aggregate_type.clone(),
+        a.aggregate_id.clone(),
+        1,
+        "order.changed",
+    )
+    .event_id(fresh_event_id())
+    .build()
+    .expect("valid");
+    let foreign = Envelope::builder(
+        b.aggregate_type.clone(),
+        b.aggregate_id.clone(),
+        2,
+        "order.changed",
+    )
+    .event_id(fresh_event_id())
+    .header(wire::ORIGINAL_EVENT_ID, real.event_id.to_string())
+    .build()
+    .expect("valid");
+    for (first, second) in [(&real, &foreign), (&foreign, &real)] {
+        let c = consumer("c");
+        let mut tx = s.begin().await.expect("begin");
+        assert_eq!(
+            s.register_event(&mut tx, &c, first)
+                .await
+                .expect("register"),
+            Registration::Fresh
+        );
+        s.commit(tx).await.expect("commit");
+        let mut tx = s.begin().await.expect("begin");
+        assert_eq!(
+            s.register_event(&mut tx, &c, second)
+                .await
+                .expect("register"),
+            Registration::Fresh,
+            "a record of another aggregate was deduplicated against it: its effect would be \
+             applied zero times"
+        );
+        s.commit(tx).await.expect("commit");
+        let mut tx = s.begin().await.expect("begin");
+        assert_eq!(
+            s.register_events(&mut tx, &c, &[first, second])
+                .await
+                .expect("register"),
+            vec![Registration::Duplicate, Registration::Duplicate],
+            "each is a duplicate of itself"
+        );
+        s.rollback(tx).await.expect("rollback");
+    }
+}
