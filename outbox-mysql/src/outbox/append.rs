@@ -1,0 +1,197 @@
+//! Append (the application's role): validation, the backpressure hook, multi-row INSERTs in
+//! the caller's transaction.
+
+use chrono::Datelike;
+use sqlx::{Acquire, MySql};
+
+use outbox_core::{Envelope, StoreError, StoreErrorKind};
+
+use super::rows::{headers_json, ENVELOPE_COLS};
+use super::MySqlOutboxStore;
+use crate::error::db;
+
+/// Rows per INSERT statement (10 placeholders each, far below the protocol's 65,535).
+const ROWS_PER_STATEMENT: usize = 500;
+/// Payload and header bytes per INSERT statement, well below the default `max_allowed_packet`
+/// (16 MiB on MariaDB, 64 MiB on MySQL 8).
+const BYTES_PER_STATEMENT: usize = 4 * 1024 * 1024;
+
+impl MySqlOutboxStore {
+    /// Appends one event through `conn`: `&mut *tx` of your `sqlx::Transaction`, a
+    /// `&mut MySqlConnection`, or `&MySqlPool` (then in a transaction of its own).
+    pub async fn append<'a, A>(&self, conn: A, event: &Envelope) -> Result<(), StoreError>
+    where
+        A: Acquire<'a, Database = MySql>,
+    {
+        self.append_many(conn, std::slice::from_ref(event)).await
+    }
+
+    /// Appends many events: one multi-row INSERT for a batch of up to 500 events and 4 MiB
+    /// (one round trip); a larger batch is split, the parts written in a savepoint of the
+    /// caller's transaction (or a transaction of their own with a pool), so it is all or
+    /// nothing.
+    ///
+    /// Validates every envelope first (a `Validation` error writes nothing; MySQL's DATETIME
+    /// also refuses a `created_at` before the year 1000), then asks the
+    /// [`crate::AppendGuard`] (a `Backpressure` error writes nothing). A duplicate event id is
+    /// a `Constraint` error; MySQL rolls back that statement only, so the caller's
+    /// transaction stays usable.
+    ///
+    /// Append takes no lock and never waits for a relay. Append an aggregate's events in
+    /// version order, each version once, under the aggregate's own row lock (or a conditional
+    /// update of its version) in the business transaction: then version N+1 never commits
+    /// before N. If it does anyway, the relay holds N+1 until N arrives (and parks it as a
+    /// version gap after the store's gap timeout), and parks a version that arrives after a
+    /// higher one was published as out of order; it never publishes out of order.
+    ///
+    /// A relay of this process is woken only through [`Self::commit_and_wake`] (or
+    /// [`Self::wake_relays`] after your commit); others poll.
+    pub async fn append_many<'a, A>(&self, conn: A, events: &[Envelope]) -> Result<(), StoreError>
+    where
+        A: Acquire<'a, Database = MySql>,
+    {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let headers = self.validate(events)?;
+        let mut conn = conn.acquire().await.map_err(db)?;
+        self.append_validated(&mut conn, events, &headers).await
+    }
+
+    /// Appends validated events on `conn` (the path of `OutboxStore::append`).
+    pub(super) async fn append_on(
+        &self,
+        conn: &mut sqlx::MySqlConnection,
+        events: &[Envelope],
+    ) -> Result<(), StoreError> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let headers = self.validate(events)?;
+        self.append_validated(conn, events, &headers).await
+    }
+
+    async fn append_validated(
+        &self,
+        conn: &mut sqlx::MySqlConnection,
+        events: &[Envelope],
+        headers: &[String],
+    ) -> Result<(), StoreError> {
+        let chunks = chunks(events, headers);
+        if chunks.len() == 1 {
+            return self.insert(conn, events, headers).await;
+        }
+        // Several statements: a savepoint in the caller's transaction, or a transaction.
+        let mut tx = sqlx::Connection::begin(conn).await.map_err(db)?;
+        for (from, to) in chunks {
+            self.insert(&mut tx, &events[from..to], &headers[from..to])
+                .await?;
+        }
+        tx.commit().await.map_err(db)
+    }
+
+    /// Validates `events` and asks the append guard; returns their stored headers.
+    fn validate(&self, events: &[Envelope]) -> Result<Vec<String>, StoreError> {
+        let s = &self.inner.settings;
+        let mut headers = Vec::with_capacity(events.len());
+        for e in events {
+            e.validate(&s.limits)?;
+            if e.created_at.year() < 1000 {
+                return Err(StoreError::new(
+                    StoreErrorKind::Validation,
+                    format!(
+                        "created_at {} is before the year 1000, which MySQL's DATETIME cannot \
+                         hold",
+                        e.created_at
+                    ),
+                ));
+            }
+            headers.push(headers_json(e)?);
+        }
+        if let Some(guard) = &s.append_guard {
+            guard.check(events)?;
+        }
+        Ok(headers)
+    }
+
+    async fn insert(
+        &self,
+        conn: &mut sqlx::MySqlConnection,
+        events: &[Envelope],
+        headers: &[String],
+    ) -> Result<(), StoreError> {
+        let values = vec!["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, UTC_TIMESTAMP(6))"; events.len()];
+        let sql = format!(
+            "INSERT INTO {} ({ENVELOPE_COLS}, inserted_at) VALUES {}",
+            self.inner.tables.events,
+            values.join(", ")
+        );
+        let mut q = sqlx::query(&sql);
+        for (e, h) in events.iter().zip(headers) {
+            q = q
+                .bind(e.event_id.as_uuid())
+                .bind(&e.aggregate_type)
+                .bind(&e.aggregate_id)
+                .bind(e.aggregate_version)
+                .bind(&e.event_type)
+                .bind(e.schema_version)
+                .bind(&e.payload.content_type)
+                .bind(&e.payload.bytes)
+                .bind(h)
+                .bind(e.created_at.naive_utc());
+        }
+        let n = q.execute(conn).await.map_err(db)?.rows_affected();
+        if n as usize != events.len() {
+            return Err(StoreError::new(
+                StoreErrorKind::Other,
+                format!("appended {n} of {} events", events.len()),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// `[from, to)` ranges of `events` for one INSERT each.
+fn chunks(events: &[Envelope], headers: &[String]) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    let (mut from, mut bytes) = (0, 0);
+    for (i, (e, h)) in events.iter().zip(headers).enumerate() {
+        let size = e.payload.bytes.len() + h.len() + e.aggregate_id.len() + 256;
+        if i > from && (i - from >= ROWS_PER_STATEMENT || bytes + size > BYTES_PER_STATEMENT) {
+            out.push((from, i));
+            from = i;
+            bytes = 0;
+        }
+        bytes += size;
+    }
+    out.push((from, events.len()));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(payload: usize) -> Envelope {
+        Envelope::builder("order", "o-1", 1, "t")
+            .payload(outbox_core::Payload::new("application/octet-stream", vec![0u8; payload]))
+            .build()
+            .unwrap()
+    }
+
+    #[test]
+    fn batches_split_by_rows_and_bytes() {
+        let small: Vec<Envelope> = (0..1200).map(|_| event(10)).collect();
+        let h = vec!["{}".to_owned(); small.len()];
+        assert_eq!(chunks(&small, &h), vec![(0, 500), (500, 1000), (1000, 1200)]);
+        let big: Vec<Envelope> = (0..10).map(|_| event(900 * 1024)).collect();
+        let h = vec!["{}".to_owned(); big.len()];
+        let c = chunks(&big, &h);
+        assert_eq!(c.first(), Some(&(0, 4)));
+        assert_eq!(c.last().map(|r| r.1), Some(10));
+        assert!(c.windows(2).all(|w| w[0].1 == w[1].0));
+        // One oversized event still goes alone.
+        let huge = vec![event(5 * 1024 * 1024)];
+        assert_eq!(chunks(&huge, &["{}".to_owned()]), vec![(0, 1)]);
+    }
+}
