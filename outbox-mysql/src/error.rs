@@ -210,6 +210,37 @@ pub(crate) fn is_lock_conflict(err: &StoreError) -> bool {
     }
 }
 
+/// A text column. Read as bytes: the store's tables are `utf8mb4_bin` (byte-wise comparison
+/// whatever the server's default collation), and MySQL flags binary-collated columns as
+/// BINARY, which sqlx will not decode as `String`.
+pub(crate) fn text(row: &sqlx::mysql::MySqlRow, column: &str) -> Result<String, StoreError> {
+    opt_text(row, column)?.ok_or_else(|| {
+        StoreError::new(
+            StoreErrorKind::Schema,
+            format!("column {column} is NULL where text was expected"),
+        )
+    })
+}
+
+/// A nullable text column (see [`text`]).
+pub(crate) fn opt_text(
+    row: &sqlx::mysql::MySqlRow,
+    column: &str,
+) -> Result<Option<String>, StoreError> {
+    use sqlx::Row;
+    let bytes: Option<Vec<u8>> = row.try_get(column).map_err(db)?;
+    bytes
+        .map(|b| {
+            String::from_utf8(b).map_err(|e| {
+                StoreError::new(
+                    StoreErrorKind::Schema,
+                    format!("column {column} holds text that is not UTF-8: {e}"),
+                )
+            })
+        })
+        .transpose()
+}
+
 pub(crate) fn db(err: sqlx::Error) -> StoreError {
     map_sqlx_error(err)
 }

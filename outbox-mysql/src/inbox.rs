@@ -469,8 +469,8 @@ impl InboxStore for MySqlInboxStore {
         for r in &rows {
             found.insert(
                 (
-                    r.try_get("aggregate_type").map_err(db)?,
-                    r.try_get("aggregate_id").map_err(db)?,
+                    crate::error::text(r, "aggregate_type")?,
+                    crate::error::text(r, "aggregate_id")?,
                 ),
                 AggregateState::new(
                     r.try_get("applied_version").map_err(db)?,

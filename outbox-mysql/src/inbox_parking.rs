@@ -81,7 +81,7 @@ fn to_parked(row: &MySqlRow) -> Result<ParkedMessage, StoreError> {
     let headers = decode_headers(&raw).ok_or_else(|| corrupt("headers", "<bytes>"))?;
     let record = ParkedRecord::new(
         LogPosition::new(
-            row.try_get::<String, _>("topic").map_err(db)?,
+            crate::error::text(row, "topic")?,
             row.try_get("partition").map_err(db)?,
             row.try_get("offset").map_err(db)?,
         ),
@@ -89,17 +89,15 @@ fn to_parked(row: &MySqlRow) -> Result<ParkedMessage, StoreError> {
         headers,
         row.try_get("value").map_err(db)?,
     );
-    let status: String = row.try_get("status").map_err(db)?;
-    let kind: Option<String> = row.try_get("kind").map_err(db)?;
+    let status: String = crate::error::text(row, "status")?;
+    let kind: Option<String> = crate::error::opt_text(row, "kind")?;
     let attempts: i32 = row.try_get("attempts").map_err(db)?;
     let requested_at: Option<NaiveDateTime> = row.try_get("retry_requested_at").map_err(db)?;
     let retry_request = match requested_at {
         Some(at) => Some(RetryRequest::new(
-            row.try_get::<Option<String>, _>("retry_requested_by")
-                .map_err(db)?
+            crate::error::opt_text(row, "retry_requested_by")?
                 .unwrap_or_default(),
-            row.try_get::<Option<String>, _>("retry_requested_reason")
-                .map_err(db)?
+            crate::error::opt_text(row, "retry_requested_reason")?
                 .unwrap_or_default(),
             at.and_utc(),
         )),
@@ -107,14 +105,14 @@ fn to_parked(row: &MySqlRow) -> Result<ParkedMessage, StoreError> {
     };
     Ok(ParkedMessage::new(
         ParkedId(row.try_get("id").map_err(db)?),
-        row.try_get::<String, _>("consumer").map_err(db)?,
+        crate::error::text(row, "consumer")?,
         record,
         ParkedStatus::parse(&status).ok_or_else(|| corrupt("status", &status))?,
         match kind {
             Some(k) => Some(ParkKind::parse(&k).ok_or_else(|| corrupt("kind", &k))?),
             None => None,
         },
-        row.try_get::<String, _>("reason").map_err(db)?,
+        crate::error::text(row, "reason")?,
         u32::try_from(attempts).unwrap_or(0),
         row.try_get::<NaiveDateTime, _>("parked_at")
             .map_err(db)?
@@ -127,14 +125,14 @@ fn to_parked(row: &MySqlRow) -> Result<ParkedMessage, StoreError> {
 }
 
 fn to_audit(row: &MySqlRow) -> Result<InboxAuditEntry, StoreError> {
-    let action: String = row.try_get("action").map_err(db)?;
+    let action: String = crate::error::text(row, "action")?;
     Ok(InboxAuditEntry::new(
-        row.try_get::<String, _>("consumer").map_err(db)?,
+        crate::error::text(row, "consumer")?,
         ParkedId(row.try_get("parked_id").map_err(db)?),
         InboxAction::parse(&action).ok_or_else(|| corrupt("action", &action))?,
-        row.try_get::<String, _>("actor").map_err(db)?,
-        row.try_get::<String, _>("reason").map_err(db)?,
-        row.try_get::<String, _>("outcome").map_err(db)?,
+        crate::error::text(row, "actor")?,
+        crate::error::text(row, "reason")?,
+        crate::error::text(row, "outcome")?,
         row.try_get::<NaiveDateTime, _>("at").map_err(db)?.and_utc(),
     ))
 }

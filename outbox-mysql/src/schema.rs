@@ -299,7 +299,7 @@ mod tests {
         let stmts = statements(&sql);
         assert_eq!(stmts.len(), 4, "{stmts:#?}");
         assert!(stmts[0].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events` ("));
-        assert!(stmts[1].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events_aggregate`"));
+        assert!(stmts[1].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events_aggregate` ("));
         let unqualified = inbox_schema_sql(None, "processed").unwrap();
         let stmts = statements(&unqualified);
         assert_eq!(stmts.len(), 4, "{stmts:#?}");

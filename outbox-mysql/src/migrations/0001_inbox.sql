@@ -5,7 +5,7 @@
 -- aggregate named by a record's headers, of any length, fits an index key.
 
 -- What a consumer has applied, for deduplication inside the effect's transaction.
-CREATE TABLE IF NOT EXISTS __Q____TABLE__ (
+CREATE TABLE IF NOT EXISTS __Q__`__TABLE__` (
     consumer     VARCHAR(255) NOT NULL,
     event_id     BINARY(16)   NOT NULL,
     processed_at DATETIME(6)  NOT NULL,
@@ -16,7 +16,7 @@ CREATE TABLE IF NOT EXISTS __Q____TABLE__ (
 
 -- What a consumer knows about each aggregate: the last version it applied (or an operator
 -- discarded) and whether a parked message blocks the aggregate's later messages.
-CREATE TABLE IF NOT EXISTS __Q____TABLE___aggregates (
+CREATE TABLE IF NOT EXISTS __Q__`__TABLE___aggregates` (
     consumer        VARCHAR(255) NOT NULL,
     aggregate_key   BINARY(32)   NOT NULL,
     aggregate_type  TEXT         NOT NULL,
@@ -29,7 +29,7 @@ CREATE TABLE IF NOT EXISTS __Q____TABLE___aggregates (
 
 -- Messages a consumer could not apply ('parked') and those waiting behind them ('waiting'),
 -- with the raw record; kept after resolution ('applied', 'skipped', 'discarded').
-CREATE TABLE IF NOT EXISTS __Q____TABLE___parked (
+CREATE TABLE IF NOT EXISTS __Q__`__TABLE___parked` (
     id                BIGINT       NOT NULL AUTO_INCREMENT,
     consumer          VARCHAR(255) NOT NULL,
     topic             TEXT         NOT NULL,
@@ -70,7 +70,7 @@ CREATE TABLE IF NOT EXISTS __Q____TABLE___parked (
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
 
 -- Every operator action on a parked message.
-CREATE TABLE IF NOT EXISTS __Q____TABLE___audit (
+CREATE TABLE IF NOT EXISTS __Q__`__TABLE___audit` (
     id        BIGINT       NOT NULL AUTO_INCREMENT,
     consumer  VARCHAR(255) NOT NULL,
     parked_id BIGINT       NOT NULL,

@@ -5,7 +5,7 @@
 --
 -- Text that identifies (types, ids, statuses) is utf8mb4_bin: compared byte for byte, so
 -- `Order-1` and `order-1` are two aggregates whatever the server's default collation.
-CREATE TABLE IF NOT EXISTS __Q____TABLE__ (
+CREATE TABLE IF NOT EXISTS __Q__`__TABLE__` (
     -- Insertion order: "oldest first" and the tie-breaker inside one aggregate version.
     id                 BIGINT       NOT NULL AUTO_INCREMENT,
 
@@ -85,7 +85,7 @@ CREATE TABLE IF NOT EXISTS __Q____TABLE__ (
 --     event must then be version 1, or with accept_first_version the lowest one pending). It
 --     survives cleanup of old event rows;
 --   * the lease of the lease claim mode: owner, token, expiry (database clock), the row.
-CREATE TABLE IF NOT EXISTS __Q____TABLE___aggregate (
+CREATE TABLE IF NOT EXISTS __Q__`__TABLE___aggregate` (
     aggregate_key   BINARY(32)   NOT NULL,
     aggregate_type  TEXT         NOT NULL,
     aggregate_id    TEXT         NOT NULL,
@@ -101,7 +101,7 @@ CREATE TABLE IF NOT EXISTS __Q____TABLE___aggregate (
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
 
 -- Operator actions on parked events, and on the claims of a relay that is gone.
-CREATE TABLE IF NOT EXISTS __Q____TABLE___audit (
+CREATE TABLE IF NOT EXISTS __Q__`__TABLE___audit` (
     id           BIGINT       NOT NULL AUTO_INCREMENT,
     event_id     BINARY(16)   NOT NULL,
     action       VARCHAR(32)  NOT NULL,
@@ -117,7 +117,7 @@ CREATE TABLE IF NOT EXISTS __Q____TABLE___audit (
 
 -- Optional destination of cleanup: the table's columns without its constraints; the aggregate
 -- key is a plain column here (cleanup copies it).
-CREATE TABLE IF NOT EXISTS __Q____TABLE___archive (
+CREATE TABLE IF NOT EXISTS __Q__`__TABLE___archive` (
     id                 BIGINT       NOT NULL,
     event_id           BINARY(16)   NOT NULL,
     aggregate_type     TEXT         NOT NULL,

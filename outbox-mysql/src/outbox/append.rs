@@ -175,6 +175,7 @@ mod tests {
     fn event(payload: usize) -> Envelope {
         Envelope::builder("order", "o-1", 1, "t")
             .payload(outbox_core::Payload::new("application/octet-stream", vec![0u8; payload]))
+            .limits(outbox_core::EnvelopeLimits::unlimited())
             .build()
             .unwrap()
     }

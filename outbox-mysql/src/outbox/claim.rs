@@ -380,8 +380,8 @@ impl MySqlOutboxStore {
             let id: i64 = r.try_get("id").map_err(db)?;
             let meta = (
                 r.try_get::<Uuid, _>("event_id").map_err(db)?,
-                r.try_get::<String, _>("aggregate_type").map_err(db)?,
-                r.try_get::<String, _>("aggregate_id").map_err(db)?,
+                crate::error::text(r, "aggregate_type")?,
+                crate::error::text(r, "aggregate_id")?,
                 r.try_get::<i64, _>("aggregate_version").map_err(db)?,
             );
             out.insert(id, (envelope_from_row(r).map_err(|e| e.message), meta));

@@ -264,14 +264,14 @@ impl MySqlOutboxStore {
         let mut heads: HashMap<Key, Head> = HashMap::new();
         let mut below_ids = Vec::new();
         for r in &rows {
-            let part: String = r.try_get("part").map_err(db)?;
+            let part: String = crate::error::text(r, "part")?;
             let id: i64 = r.try_get("id").map_err(db)?;
             if part == "s" {
                 below_ids.push(id);
                 continue;
             }
             let key: Vec<u8> = r.try_get("aggregate_key").map_err(db)?;
-            let status: String = r.try_get("status").map_err(db)?;
+            let status: String = crate::error::text(r, "status")?;
             let h = Head {
                 id,
                 version: r.try_get("aggregate_version").map_err(db)?,

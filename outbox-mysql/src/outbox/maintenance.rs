@@ -167,7 +167,7 @@ impl MySqlOutboxStore {
         .map_err(db)?;
         let mut class = std::collections::HashMap::new();
         for r in &by_class {
-            let name: String = r.try_get("class").map_err(db)?;
+            let name: String = crate::error::text(r, "class")?;
             let n: i64 = r.try_get("n").map_err(db)?;
             let us: Option<i64> = r.try_get("age_us").map_err(db)?;
             class.insert(

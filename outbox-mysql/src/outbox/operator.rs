@@ -58,8 +58,8 @@ impl MySqlOutboxStore {
             conn,
             &[(
                 key.clone(),
-                before.try_get("aggregate_type").map_err(db)?,
-                before.try_get("aggregate_id").map_err(db)?,
+                crate::error::text(&before, "aggregate_type")?,
+                crate::error::text(&before, "aggregate_id")?,
             )],
         )
         .await?;
@@ -80,7 +80,7 @@ impl MySqlOutboxStore {
         .await
         .map_err(db)?
         .ok_or_else(|| not_parked(event_id))?;
-        let status: String = row.try_get("status").map_err(db)?;
+        let status: String = crate::error::text(&row, "status")?;
         if status != "parked" {
             return Err(not_parked(event_id));
         }
@@ -505,14 +505,14 @@ impl MySqlOutboxStore {
 }
 
 fn audit_from_row(row: &MySqlRow) -> Result<AuditEntry, StoreError> {
-    let action: String = row.try_get("action").map_err(db)?;
+    let action: String = crate::error::text(row, "action")?;
     Ok(AuditEntry::new(
         EventId::from_uuid(row.try_get("event_id").map_err(db)?),
         OperatorAction::parse(&action).ok_or_else(|| {
             StoreError::new(StoreErrorKind::Schema, format!("unknown action {action}"))
         })?,
-        row.try_get::<String, _>("actor").map_err(db)?,
-        row.try_get::<String, _>("reason").map_err(db)?,
+        crate::error::text(row, "actor")?,
+        crate::error::text(row, "reason")?,
         row.try_get::<Option<Uuid>, _>("new_event_id")
             .map_err(db)?
             .map(EventId::from_uuid),
@@ -522,7 +522,7 @@ fn audit_from_row(row: &MySqlRow) -> Result<AuditEntry, StoreError> {
 
 /// The headers of a re-issued copy: the original's, with the id of the first original.
 fn copy_headers(original: &MySqlRow, event_id: EventId) -> Result<String, StoreError> {
-    let headers: String = original.try_get("headers").map_err(db)?;
+    let headers: String = crate::error::text(original, "headers")?;
     let mut map: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&headers)
         .map_err(|e| StoreError::new(StoreErrorKind::Schema, format!("stored headers: {e}")))?;
     map.entry(outbox_core::wire::ORIGINAL_EVENT_ID.to_owned())

@@ -30,7 +30,7 @@ pub(crate) fn utc(t: NaiveDateTime) -> DateTime<Utc> {
 /// change of limits (or the header a re-issue adds) must not make it unreadable.
 pub(crate) fn envelope_from_row(row: &MySqlRow) -> Result<Envelope, StoreError> {
     let event_id: Uuid = row.try_get("event_id").map_err(db)?;
-    let headers: String = row.try_get("headers").map_err(db)?;
+    let headers: String = crate::error::text(row, "headers")?;
     let headers: serde_json::Value = serde_json::from_str(&headers).map_err(|e| {
         StoreError::new(
             StoreErrorKind::Schema,
@@ -39,15 +39,15 @@ pub(crate) fn envelope_from_row(row: &MySqlRow) -> Result<Envelope, StoreError> 
     })?;
     let created: NaiveDateTime = row.try_get("created_at").map_err(db)?;
     let mut b = Envelope::builder(
-        row.try_get::<String, _>("aggregate_type").map_err(db)?,
-        row.try_get::<String, _>("aggregate_id").map_err(db)?,
+        crate::error::text(row, "aggregate_type")?,
+        crate::error::text(row, "aggregate_id")?,
         row.try_get::<i64, _>("aggregate_version").map_err(db)?,
-        row.try_get::<String, _>("event_type").map_err(db)?,
+        crate::error::text(row, "event_type")?,
     )
     .event_id(EventId::from_uuid(event_id))
     .schema_version(row.try_get("schema_version").map_err(db)?)
     .payload(Payload::new(
-        row.try_get::<String, _>("content_type").map_err(db)?,
+        crate::error::text(row, "content_type")?,
         row.try_get::<Vec<u8>, _>("payload").map_err(db)?,
     ))
     .created_at(utc(created))
@@ -72,8 +72,8 @@ pub(crate) fn envelope_from_row(row: &MySqlRow) -> Result<Envelope, StoreError> 
 pub(crate) fn parked_from_row(row: &MySqlRow) -> Result<ParkedEvent, StoreError> {
     let envelope = envelope_from_row(row)?;
     let attempts: i32 = row.try_get("attempts").map_err(db)?;
-    let kind: Option<String> = row.try_get("park_kind").map_err(db)?;
-    let class: Option<String> = row.try_get("last_error_class").map_err(db)?;
+    let kind: Option<String> = crate::error::opt_text(row, "park_kind")?;
+    let class: Option<String> = crate::error::opt_text(row, "last_error_class")?;
     let reason = ParkReason {
         kind: kind
             .as_deref()
@@ -85,13 +85,9 @@ pub(crate) fn parked_from_row(row: &MySqlRow) -> Result<ParkedEvent, StoreError>
             } else {
                 ErrorClass::Permanent
             },
-            kind: row
-                .try_get::<Option<String>, _>("last_error_kind")
-                .map_err(db)?
+            kind: crate::error::opt_text(row, "last_error_kind")?
                 .unwrap_or_default(),
-            message: row
-                .try_get::<Option<String>, _>("last_error_message")
-                .map_err(db)?
+            message: crate::error::opt_text(row, "last_error_message")?
                 .unwrap_or_default(),
         },
     };
