@@ -10,6 +10,10 @@ use super::rows::{headers_json, ENVELOPE_COLS};
 use super::MySqlOutboxStore;
 use crate::error::db;
 
+/// Longest type, id or content type the TEXT columns hold (bytes). Aggregate ids up to it are
+/// fine for every index and lock (those use the 32-byte aggregate key).
+pub(crate) const MAX_TEXT_BYTES: usize = 65_535;
+
 /// Rows per INSERT statement (10 placeholders each, far below the protocol's 65,535).
 const ROWS_PER_STATEMENT: usize = 500;
 /// Payload and header bytes per INSERT statement, well below the default `max_allowed_packet`
@@ -105,6 +109,23 @@ impl MySqlOutboxStore {
                         e.created_at
                     ),
                 ));
+            }
+            for (field, value) in [
+                ("aggregate_type", &e.aggregate_type),
+                ("aggregate_id", &e.aggregate_id),
+                ("event_type", &e.event_type),
+                ("content_type", &e.payload.content_type),
+            ] {
+                if value.len() > MAX_TEXT_BYTES {
+                    return Err(StoreError::new(
+                        StoreErrorKind::Validation,
+                        format!(
+                            "{field} is {} bytes; MySQL's TEXT column holds at most \
+                             {MAX_TEXT_BYTES}",
+                            value.len()
+                        ),
+                    ));
+                }
             }
             headers.push(headers_json(e)?);
         }
