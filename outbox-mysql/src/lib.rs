@@ -10,8 +10,8 @@
 //!
 //! | Capability | Support |
 //! |---|---|
-//! | Append in the caller's transaction | yes: `OutboxStore::append(&mut *tx, ..)` (`Tx = MySqlConnection`) or the inherent [`MySqlOutboxStore::append`] / [`MySqlOutboxStore::append_many`], generic over sqlx's MySQL connections, transactions and pools (`Acquire`) |
-//! | Batch append | one multi-row INSERT per 500 events / 4 MiB; larger batches in a savepoint, all or nothing |
+//! | Append in the caller's transaction | yes: `OutboxStore::append(&mut *tx, ..)` (`Tx = MySqlConnection`) or the inherent [`MySqlOutboxStore::append`] / [`MySqlOutboxStore::append_many`], generic over sqlx's MySQL executors; [`MySqlOutboxStore::append_many_in`] on a connection for batches of any size |
+//! | Batch append | one multi-row INSERT (up to 500 events / 4 MiB, one round trip); `append_many_in` splits larger batches inside a savepoint, all or nothing |
 //! | Validation at append | envelope limits, and `created_at` from the year 1000 (MySQL's `DATETIME`), before anything is written |
 //! | Backpressure hook | [`AppendGuard`] (thresholds are the caller's) |
 //! | Claim: lease with fencing | `ClaimMode::Lease { duration }` (at most an hour): owner, unique token, expiry on the database clock in the aggregate's state row; `complete` applies only where the token matches, the rest is `superseded_events`; `release_claims_of` ends the leases of a relay that is gone |

@@ -302,8 +302,8 @@ async fn hostile_names_and_unstorable_times_are_refused() {
     ctx.drop().await;
 }
 
-/// A batch larger than one statement (500 events) is written all or nothing: a duplicate
-/// event id in its last part leaves none of it.
+/// A batch larger than one statement (500 events) is refused by `append_many` and written all
+/// or nothing by `append_many_in`: a duplicate event id in its last part leaves none of it.
 #[tokio::test]
 async fn a_batch_split_into_statements_is_all_or_nothing() {
     let ctx = ctx!(2);
@@ -313,11 +313,16 @@ async fn a_batch_split_into_statements_is_all_or_nothing() {
     events.push(events[0].clone());
     let mut tx = ctx.pool.begin().await.unwrap();
     let err = store.append_many(&mut *tx, &events[1..]).await.unwrap_err();
+    assert_eq!(err.kind, StoreErrorKind::Validation, "one statement at most: {err}");
+    let err = store
+        .append_many_in(&mut *tx, &events[1..])
+        .await
+        .unwrap_err();
     assert_eq!(err.kind, StoreErrorKind::Constraint, "{err}");
     tx.commit().await.unwrap();
     assert_eq!(store.stats().await.unwrap().unpublished, 1, "none of the batch");
     let mut tx = ctx.pool.begin().await.unwrap();
-    store.append_many(&mut *tx, &events[1..1200]).await.unwrap();
+    store.append_many_in(&mut *tx, &events[1..1200]).await.unwrap();
     tx.commit().await.unwrap();
     assert_eq!(store.stats().await.unwrap().unpublished, 1200);
     ctx.drop().await;

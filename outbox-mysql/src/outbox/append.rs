@@ -2,7 +2,7 @@
 //! the caller's transaction.
 
 use chrono::Datelike;
-use sqlx::{Acquire, MySql};
+use sqlx::{Executor, MySql};
 
 use outbox_core::{Envelope, StoreError, StoreErrorKind};
 
@@ -21,25 +21,25 @@ const ROWS_PER_STATEMENT: usize = 500;
 const BYTES_PER_STATEMENT: usize = 4 * 1024 * 1024;
 
 impl MySqlOutboxStore {
-    /// Appends one event through `conn`: `&mut *tx` of your `sqlx::Transaction`, a
-    /// `&mut MySqlConnection`, or `&MySqlPool` (then in a transaction of its own).
-    pub async fn append<'a, A>(&self, conn: A, event: &Envelope) -> Result<(), StoreError>
+    /// Appends one event through any executor (`&mut *tx` of your `sqlx::Transaction`, a
+    /// `&mut MySqlConnection`, `&MySqlPool`).
+    pub async fn append<'e, E>(&self, executor: E, event: &Envelope) -> Result<(), StoreError>
     where
-        A: Acquire<'a, Database = MySql>,
+        E: Executor<'e, Database = MySql>,
     {
-        self.append_many(conn, std::slice::from_ref(event)).await
+        self.append_many(executor, std::slice::from_ref(event))
+            .await
     }
 
-    /// Appends many events: one multi-row INSERT for a batch of up to 500 events and 4 MiB
-    /// (one round trip); a larger batch is split, the parts written in a savepoint of the
-    /// caller's transaction (or a transaction of their own with a pool), so it is all or
-    /// nothing.
+    /// Appends many events in one multi-row INSERT (one round trip) through any executor.
     ///
     /// Validates every envelope first (a `Validation` error writes nothing; MySQL's DATETIME
-    /// also refuses a `created_at` before the year 1000), then asks the
-    /// [`crate::AppendGuard`] (a `Backpressure` error writes nothing). A duplicate event id is
-    /// a `Constraint` error; MySQL rolls back that statement only, so the caller's
-    /// transaction stays usable.
+    /// also refuses a `created_at` before the year 1000, and its TEXT columns a type or id over
+    /// 65,535 bytes), then asks the [`crate::AppendGuard`] (a `Backpressure` error writes
+    /// nothing). A duplicate event id is a `Constraint` error; MySQL rolls back that statement
+    /// only, so the caller's transaction stays usable. One statement holds up to 500 events and
+    /// 4 MiB (below the default `max_allowed_packet`); a larger batch is a `Validation` error
+    /// here: [`append_many_in`](Self::append_many_in) splits it inside a savepoint.
     ///
     /// Append takes no lock and never waits for a relay. Append an aggregate's events in
     /// version order, each version once, under the aggregate's own row lock (or a conditional
@@ -50,20 +50,32 @@ impl MySqlOutboxStore {
     ///
     /// A relay of this process is woken only through [`Self::commit_and_wake`] (or
     /// [`Self::wake_relays`] after your commit); others poll.
-    pub async fn append_many<'a, A>(&self, conn: A, events: &[Envelope]) -> Result<(), StoreError>
+    pub async fn append_many<'e, E>(&self, executor: E, events: &[Envelope]) -> Result<(), StoreError>
     where
-        A: Acquire<'a, Database = MySql>,
+        E: Executor<'e, Database = MySql>,
     {
         if events.is_empty() {
             return Ok(());
         }
         let headers = self.validate(events)?;
-        let mut conn = conn.acquire().await.map_err(db)?;
-        self.append_validated(&mut conn, events, &headers).await
+        if chunks(events, &headers).len() > 1 {
+            return Err(StoreError::new(
+                StoreErrorKind::Validation,
+                format!(
+                    "{} events do not fit one statement ({ROWS_PER_STATEMENT} events, \
+                     {BYTES_PER_STATEMENT} bytes): append them with append_many_in, which \
+                     splits a batch inside a savepoint of your transaction",
+                    events.len()
+                ),
+            ));
+        }
+        self.insert(executor, events, &headers).await
     }
 
-    /// Appends validated events on `conn` (the path of `OutboxStore::append`).
-    pub(super) async fn append_on(
+    /// Appends a batch of any size on `conn` (your transaction's connection: `&mut *tx`): one
+    /// INSERT per 500 events / 4 MiB, inside a savepoint when it takes more than one, so the
+    /// batch is all or nothing. The path of `OutboxStore::append`.
+    pub async fn append_many_in(
         &self,
         conn: &mut sqlx::MySqlConnection,
         events: &[Envelope],
@@ -83,12 +95,12 @@ impl MySqlOutboxStore {
     ) -> Result<(), StoreError> {
         let chunks = chunks(events, headers);
         if chunks.len() == 1 {
-            return self.insert(conn, events, headers).await;
+            return self.insert(&mut *conn, events, headers).await;
         }
         // Several statements: a savepoint in the caller's transaction, or a transaction.
         let mut tx = sqlx::Connection::begin(conn).await.map_err(db)?;
         for (from, to) in chunks {
-            self.insert(&mut tx, &events[from..to], &headers[from..to])
+            self.insert(&mut *tx, &events[from..to], &headers[from..to])
                 .await?;
         }
         tx.commit().await.map_err(db)
@@ -135,12 +147,15 @@ impl MySqlOutboxStore {
         Ok(headers)
     }
 
-    async fn insert(
+    async fn insert<'e, E>(
         &self,
-        conn: &mut sqlx::MySqlConnection,
+        executor: E,
         events: &[Envelope],
         headers: &[String],
-    ) -> Result<(), StoreError> {
+    ) -> Result<(), StoreError>
+    where
+        E: Executor<'e, Database = MySql>,
+    {
         let values = vec!["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, UTC_TIMESTAMP(6))"; events.len()];
         let sql = format!(
             "INSERT INTO {} ({ENVELOPE_COLS}, inserted_at) VALUES {}",
@@ -161,7 +176,7 @@ impl MySqlOutboxStore {
                 .bind(h)
                 .bind(e.created_at.naive_utc());
         }
-        let n = q.execute(conn).await.map_err(db)?.rows_affected();
+        let n = q.execute(executor).await.map_err(db)?.rows_affected();
         if n as usize != events.len() {
             return Err(StoreError::new(
                 StoreErrorKind::Other,

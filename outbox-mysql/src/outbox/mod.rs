@@ -39,7 +39,8 @@ use claim::{ClaimedRow, LockedClaim};
 ///
 /// * `append` joins the caller's transaction: `Tx = MySqlConnection`, so pass `&mut *tx` of
 ///   your own `sqlx::Transaction`; or use the inherent [`append`](Self::append) /
-///   [`append_many`](Self::append_many), generic over any sqlx MySQL executor.
+///   [`append_many`](Self::append_many), generic over any sqlx MySQL executor (one statement),
+///   or [`append_many_in`](Self::append_many_in) for a batch of any size.
 /// * Claims follow the configured [`ClaimMode`]; see the crate docs for the mechanism.
 #[derive(Clone)]
 pub struct MySqlOutboxStore {
@@ -146,7 +147,7 @@ impl OutboxStore for MySqlOutboxStore {
         tx: &mut MySqlConnection,
         events: &[Envelope],
     ) -> Result<(), StoreError> {
-        self.append_on(tx, events).await
+        self.append_many_in(tx, events).await
     }
 
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {

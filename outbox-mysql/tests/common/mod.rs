@@ -223,6 +223,6 @@ pub async fn publish_all(store: &MySqlOutboxStore, batch: &ClaimedBatch) {
 /// Appends `events` in a transaction of their own and commits.
 pub async fn append(ctx: &Ctx, store: &MySqlOutboxStore, events: &[Envelope]) {
     let mut tx = ctx.pool.begin().await.unwrap();
-    store.append_many(&mut *tx, events).await.unwrap();
+    store.append_many_in(&mut tx, events).await.unwrap();
     tx.commit().await.unwrap();
 }
