@@ -152,18 +152,17 @@ pub async fn check_durability(
     .map_err(db)?;
     // MariaDB names it tx_isolation (transaction_isolation from 11.1), MySQL 8
     // transaction_isolation.
-    let isolation: String = match sqlx::query_scalar::<_, String>(
-        "SELECT CAST(@@transaction_isolation AS CHAR)",
-    )
-    .fetch_one(pool)
-    .await
-    {
-        Ok(v) => v,
-        Err(_) => sqlx::query_scalar("SELECT CAST(@@tx_isolation AS CHAR)")
+    let isolation: String =
+        match sqlx::query_scalar::<_, String>("SELECT CAST(@@transaction_isolation AS CHAR)")
             .fetch_one(pool)
             .await
-            .map_err(db)?,
-    };
+        {
+            Ok(v) => v,
+            Err(_) => sqlx::query_scalar("SELECT CAST(@@tx_isolation AS CHAR)")
+                .fetch_one(pool)
+                .await
+                .map_err(db)?,
+        };
     let mut non_innodb = Vec::new();
     if !tables.is_empty() {
         let marks = vec!["?"; tables.len()].join(", ");
@@ -198,7 +197,11 @@ pub async fn check_durability(
 fn parse_version(v: &str) -> Option<(u32, u32, u32)> {
     let core = v.split(['-', '+', ' ']).next()?;
     let mut parts = core.split('.').map(|p| p.parse::<u32>().ok());
-    Some((parts.next()??, parts.next()??, parts.next().flatten().unwrap_or(0)))
+    Some((
+        parts.next()??,
+        parts.next()??,
+        parts.next().flatten().unwrap_or(0),
+    ))
 }
 
 /// Judges server settings (pure: the table-driven tests call it directly).
@@ -309,7 +312,7 @@ pub fn judge(s: &ServerSettings) -> DurabilityReport {
             s.isolation
         ),
     );
-    f.sort_by(|a, b| b.severity.cmp(&a.severity));
+    f.sort_by_key(|x| std::cmp::Reverse(x.severity));
     DurabilityReport {
         flavor,
         version: s.version.clone(),
@@ -336,7 +339,11 @@ mod tests {
 
     #[test]
     fn judgement_table() {
-        type Case = (&'static str, fn(&mut ServerSettings), Option<(Check, Severity)>);
+        type Case = (
+            &'static str,
+            fn(&mut ServerSettings),
+            Option<(Check, Severity)>,
+        );
         let table: Vec<Case> = vec![
             ("defaults", |_| {}, None),
             ("mysql 8.0.36", |s| s.version = "8.0.36".into(), None),

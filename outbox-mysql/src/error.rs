@@ -118,22 +118,45 @@ pub fn classify_mysql_error(number: u16, sqlstate: Option<&str>) -> (StoreErrorK
     use StoreErrorKind as K;
     let class = |k: K| (k, k.default_class());
     match number {
-        DUP_KEY | DUP_ENTRY | DUP_UNIQUE | DUP_ENTRY_WITH_KEY_NAME | DUP_UNKNOWN_IN_INDEX
-        | BAD_NULL | NO_DEFAULT_FOR_FIELD | NO_REFERENCED_ROW_2 | ROW_IS_REFERENCED_2
-        | CHECK_CONSTRAINT_VIOLATED | MARIADB_CONSTRAINT_FAILED | DATA_TOO_LONG => {
-            class(K::Constraint)
-        }
-        LOCK_DEADLOCK | LOCK_WAIT_TIMEOUT | LOCK_NOWAIT | CHECKREAD | ERROR_DURING_COMMIT
+        DUP_KEY
+        | DUP_ENTRY
+        | DUP_UNIQUE
+        | DUP_ENTRY_WITH_KEY_NAME
+        | DUP_UNKNOWN_IN_INDEX
+        | BAD_NULL
+        | NO_DEFAULT_FOR_FIELD
+        | NO_REFERENCED_ROW_2
+        | ROW_IS_REFERENCED_2
+        | CHECK_CONSTRAINT_VIOLATED
+        | MARIADB_CONSTRAINT_FAILED
+        | DATA_TOO_LONG => class(K::Constraint),
+        LOCK_DEADLOCK
+        | LOCK_WAIT_TIMEOUT
+        | LOCK_NOWAIT
+        | CHECKREAD
+        | ERROR_DURING_COMMIT
         | TOO_MANY_CONCURRENT_TRXS => (K::Conflict, ErrorClass::Transient),
-        CON_COUNT | TOO_MANY_USER_CONNECTIONS | USER_LIMIT_REACHED | SERVER_SHUTDOWN
-        | ABORTING_CONNECTION | NET_READ_ERROR | NET_READ_INTERRUPTED | NET_ERROR_ON_WRITE
-        | NET_WRITE_INTERRUPTED | CONNECTION_KILLED | CLIENT_INTERACTION_TIMEOUT
-        | CR_SERVER_GONE | CR_SERVER_LOST => (K::Connection, ErrorClass::Transient),
+        CON_COUNT
+        | TOO_MANY_USER_CONNECTIONS
+        | USER_LIMIT_REACHED
+        | SERVER_SHUTDOWN
+        | ABORTING_CONNECTION
+        | NET_READ_ERROR
+        | NET_READ_INTERRUPTED
+        | NET_ERROR_ON_WRITE
+        | NET_WRITE_INTERRUPTED
+        | CONNECTION_KILLED
+        | CLIENT_INTERACTION_TIMEOUT
+        | CR_SERVER_GONE
+        | CR_SERVER_LOST => (K::Connection, ErrorClass::Transient),
         QUERY_INTERRUPTED | MARIADB_STATEMENT_TIMEOUT | QUERY_TIMEOUT | LOCK_TABLE_FULL => {
             (K::Other, ErrorClass::Transient)
         }
         BAD_DB | BAD_FIELD | NO_SUCH_TABLE | SP_DOES_NOT_EXIST => class(K::Schema),
-        DBACCESS_DENIED | ACCESS_DENIED | TABLEACCESS_DENIED | SPECIFIC_ACCESS_DENIED
+        DBACCESS_DENIED
+        | ACCESS_DENIED
+        | TABLEACCESS_DENIED
+        | SPECIFIC_ACCESS_DENIED
         | BINLOG_LOGGING_IMPOSSIBLE => class(K::Configuration),
         _ => match sqlstate.unwrap_or("") {
             s if s.starts_with("40") => (K::Conflict, ErrorClass::Transient),
@@ -280,7 +303,12 @@ mod tests {
             (ABORTING_CONNECTION, "08S01", K::Connection, Transient),
             (NET_READ_INTERRUPTED, "08S01", K::Connection, Transient),
             (CONNECTION_KILLED, "70100", K::Connection, Transient),
-            (CLIENT_INTERACTION_TIMEOUT, "HY000", K::Connection, Transient),
+            (
+                CLIENT_INTERACTION_TIMEOUT,
+                "HY000",
+                K::Connection,
+                Transient,
+            ),
             (CR_SERVER_GONE, "HY000", K::Connection, Transient),
             (CR_SERVER_LOST, "HY000", K::Connection, Transient),
             (QUERY_INTERRUPTED, "70100", K::Other, Transient),
@@ -295,7 +323,12 @@ mod tests {
             (DBACCESS_DENIED, "42000", K::Configuration, Permanent),
             (TABLEACCESS_DENIED, "42000", K::Configuration, Permanent),
             (SPECIFIC_ACCESS_DENIED, "42000", K::Configuration, Permanent),
-            (BINLOG_LOGGING_IMPOSSIBLE, "HY000", K::Configuration, Permanent),
+            (
+                BINLOG_LOGGING_IMPOSSIBLE,
+                "HY000",
+                K::Configuration,
+                Permanent,
+            ),
             // A syntax error, a bad value: permanent.
             (1064, "42000", K::Other, Permanent),
             (1366, "HY000", K::Other, Permanent),

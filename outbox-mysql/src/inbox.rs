@@ -280,7 +280,7 @@ impl MySqlInboxStore {
                         break None;
                     }
                     // Same position: the same record, or another one after a rewind.
-                    let same: Option<(Option<Vec<u8>>, Vec<u8>, Option<Vec<u8>>)> =
+                    let same: Option<RawRecord> =
                         sqlx::query_as(&format!(
                             "SELECT record_key, headers, value FROM {} WHERE consumer = ? \
                                AND topic = ? AND `partition` = ? AND `offset` = ? \
@@ -328,6 +328,9 @@ impl MySqlInboxStore {
         }
     }
 }
+
+/// A parked record's key, headers and value as stored.
+type RawRecord = (Option<Vec<u8>>, Vec<u8>, Option<Vec<u8>>);
 
 fn micros(d: Duration) -> i64 {
     d.as_micros().min(i64::MAX as u128) as i64
@@ -402,8 +405,12 @@ impl InboxStore for MySqlInboxStore {
             for u in &unique {
                 q = q.bind(u);
             }
-            let existing: HashSet<Uuid> =
-                q.fetch_all(&mut **tx).await.map_err(db)?.into_iter().collect();
+            let existing: HashSet<Uuid> = q
+                .fetch_all(&mut **tx)
+                .await
+                .map_err(db)?
+                .into_iter()
+                .collect();
             let missing: Vec<Uuid> = unique
                 .iter()
                 .filter(|u| !existing.contains(u))

@@ -95,10 +95,8 @@ fn to_parked(row: &MySqlRow) -> Result<ParkedMessage, StoreError> {
     let requested_at: Option<NaiveDateTime> = row.try_get("retry_requested_at").map_err(db)?;
     let retry_request = match requested_at {
         Some(at) => Some(RetryRequest::new(
-            crate::error::opt_text(row, "retry_requested_by")?
-                .unwrap_or_default(),
-            crate::error::opt_text(row, "retry_requested_reason")?
-                .unwrap_or_default(),
+            crate::error::opt_text(row, "retry_requested_by")?.unwrap_or_default(),
+            crate::error::opt_text(row, "retry_requested_reason")?.unwrap_or_default(),
             at.and_utc(),
         )),
         None => None,
@@ -190,11 +188,7 @@ impl InboxParking for MySqlInboxStore {
         if let Some(a) = agg {
             q = q.bind(&a.aggregate_type).bind(&a.aggregate_id);
         }
-        let rows = q
-            .bind(limit)
-            .fetch_all(self.pool())
-            .await
-            .map_err(db)?;
+        let rows = q.bind(limit).fetch_all(self.pool()).await.map_err(db)?;
         rows.iter().map(to_parked).collect()
     }
 
@@ -514,7 +508,10 @@ mod tests {
     fn headers_round_trip_with_null_and_binary_values() {
         let cases = vec![
             vec![],
-            vec![RecordHeader::new("a", b"1".to_vec()), RecordHeader::null("n")],
+            vec![
+                RecordHeader::new("a", b"1".to_vec()),
+                RecordHeader::null("n"),
+            ],
             vec![
                 RecordHeader::new("", Vec::new()),
                 RecordHeader::new("bin", vec![0, 255, 10, 0]),

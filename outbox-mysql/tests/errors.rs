@@ -24,7 +24,10 @@ async fn deadlock(ctx: &common::Ctx, victim: &mut MySqlConnection) -> sqlx::Erro
         .execute(&mut *victim)
         .await
         .unwrap();
-    sqlx::query("START TRANSACTION").execute(&mut heavy).await.unwrap();
+    sqlx::query("START TRANSACTION")
+        .execute(&mut heavy)
+        .await
+        .unwrap();
     sqlx::query(&format!(
         "INSERT INTO {} (id) WITH RECURSIVE s (n) AS \
            (SELECT 1000 UNION ALL SELECT n + 1 FROM s WHERE n < 1100) SELECT n FROM s",
@@ -48,7 +51,10 @@ async fn deadlock(ctx: &common::Ctx, victim: &mut MySqlConnection) -> sqlx::Erro
         .execute(&mut *victim)
         .await
         .expect_err("one side of the cycle is rolled back");
-    heavy_side.await.unwrap().expect("the heavier transaction survives");
+    heavy_side
+        .await
+        .unwrap()
+        .expect("the heavier transaction survives");
     err
 }
 
@@ -80,29 +86,49 @@ async fn server_errors_are_classified_by_number() {
 
     // A deadlock: transient conflict (the store runs such a transaction again).
     let mut victim = conn(&ctx).await;
-    sqlx::query("START TRANSACTION").execute(&mut victim).await.unwrap();
+    sqlx::query("START TRANSACTION")
+        .execute(&mut victim)
+        .await
+        .unwrap();
     let err = map_sqlx_error(deadlock(&ctx, &mut victim).await);
-    assert_eq!((err.kind, err.class), (StoreErrorKind::Conflict, ErrorClass::Transient), "{err}");
+    assert_eq!(
+        (err.kind, err.class),
+        (StoreErrorKind::Conflict, ErrorClass::Transient),
+        "{err}"
+    );
     assert!(err.message.contains("1213"), "{err}");
 
     // A lock wait timeout: transient conflict.
     let mut holder = conn(&ctx).await;
-    sqlx::query("START TRANSACTION").execute(&mut holder).await.unwrap();
-    sqlx::query(&format!("UPDATE {} SET v = 0 WHERE id = 1", ctx.table("dl")))
+    sqlx::query("START TRANSACTION")
         .execute(&mut holder)
         .await
         .unwrap();
+    sqlx::query(&format!(
+        "UPDATE {} SET v = 0 WHERE id = 1",
+        ctx.table("dl")
+    ))
+    .execute(&mut holder)
+    .await
+    .unwrap();
     let mut waiter = conn(&ctx).await;
     sqlx::query("SET SESSION innodb_lock_wait_timeout = 1")
         .execute(&mut waiter)
         .await
         .unwrap();
-    let e = sqlx::query(&format!("UPDATE {} SET v = 0 WHERE id = 1", ctx.table("dl")))
-        .execute(&mut waiter)
-        .await
-        .unwrap_err();
+    let e = sqlx::query(&format!(
+        "UPDATE {} SET v = 0 WHERE id = 1",
+        ctx.table("dl")
+    ))
+    .execute(&mut waiter)
+    .await
+    .unwrap_err();
     let err = map_sqlx_error(e);
-    assert_eq!((err.kind, err.class), (StoreErrorKind::Conflict, ErrorClass::Transient), "{err}");
+    assert_eq!(
+        (err.kind, err.class),
+        (StoreErrorKind::Conflict, ErrorClass::Transient),
+        "{err}"
+    );
     assert!(err.message.contains("1205"), "{err}");
     let _ = holder.close().await;
 
@@ -112,7 +138,11 @@ async fn server_errors_are_classified_by_number() {
         .await
         .unwrap_err();
     let err = map_sqlx_error(e);
-    assert_eq!((err.kind, err.class), (StoreErrorKind::Constraint, ErrorClass::Permanent), "{err}");
+    assert_eq!(
+        (err.kind, err.class),
+        (StoreErrorKind::Constraint, ErrorClass::Permanent),
+        "{err}"
+    );
 
     // An unknown table: schema.
     let e = sqlx::query(&format!("SELECT * FROM {}", ctx.table("missing")))
@@ -126,10 +156,20 @@ async fn server_errors_are_classified_by_number() {
         .fetch_one(&mut waiter)
         .await
         .unwrap();
-    sqlx::query(&format!("KILL {id}")).execute(&ctx.pool).await.unwrap();
-    let e = sqlx::query("SELECT 1").execute(&mut waiter).await.unwrap_err();
+    sqlx::query(&format!("KILL {id}"))
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
+    let e = sqlx::query("SELECT 1")
+        .execute(&mut waiter)
+        .await
+        .unwrap_err();
     let err = map_sqlx_error(e);
-    assert_eq!((err.kind, err.class), (StoreErrorKind::Connection, ErrorClass::Transient), "{err}");
+    assert_eq!(
+        (err.kind, err.class),
+        (StoreErrorKind::Connection, ErrorClass::Transient),
+        "{err}"
+    );
     ctx.drop().await;
 }
 
@@ -188,7 +228,7 @@ async fn an_inbox_transaction_the_server_rolled_back_does_not_commit() {
         vec![Registration::Fresh]
     );
     // The handler's statement is the deadlock's victim; the handler ignores the error.
-    let _ignored = deadlock(&ctx, &mut *tx).await;
+    let _ignored = deadlock(&ctx, &mut tx).await;
     let err = inbox.commit(tx).await.expect_err("the transaction is gone");
     assert_eq!(err.kind, StoreErrorKind::Conflict, "{err}");
     let mut tx = inbox.begin().await.unwrap();

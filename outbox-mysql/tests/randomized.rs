@@ -180,7 +180,14 @@ impl RandomizedBackend for MyBackend {
     }
 
     async fn final_rows(&self) -> Result<Vec<FinalRow>, StoreError> {
-        type Row = (Uuid, String, Option<String>, Option<String>, Option<i32>, Option<i64>);
+        type Row = (
+            Uuid,
+            String,
+            Option<String>,
+            Option<String>,
+            Option<i32>,
+            Option<i64>,
+        );
         let rows: Vec<Row> = sqlx::query_as(&format!(
             "SELECT event_id, CAST(status AS CHAR), \
                     CAST(JSON_UNQUOTE(JSON_EXTRACT(headers, '$.\"{LABEL}\"')) AS CHAR), \

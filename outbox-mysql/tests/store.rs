@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use chrono::Utc;
 use outbox_core::{
-    ClaimMode, ClaimRequest, Envelope, EnvelopeLimits, ErrorClass, LastError, OutboxStore,
-    Outcome, RelayConfig, StoreErrorKind,
+    ClaimMode, ClaimRequest, Envelope, EnvelopeLimits, ErrorClass, LastError, OutboxStore, Outcome,
+    RelayConfig, StoreErrorKind,
 };
 use outbox_mysql::MySqlOutboxStore;
 
@@ -82,7 +82,10 @@ async fn accept_first_version_survives_claims_that_do_not_publish() {
     );
     assert_eq!(b.gaps_held, 0);
     assert!(b.parked.is_empty(), "{:?}", b.parked);
-    assert!(b.records[0].maybe_sent_before, "an expired claim may have sent it");
+    assert!(
+        b.records[0].maybe_sent_before,
+        "an expired claim may have sent it"
+    );
     publish_all(&store, &b).await;
     let b = claim(&store, "r2", 10).await;
     assert_eq!(versions(&b), vec![("legacy".into(), 6)]);
@@ -136,7 +139,9 @@ async fn stats_ages_come_from_insertion_and_gaps_and_parked_are_apart() {
     assert_eq!(extra("blocked_by_parked_rows"), Some(1.0));
     assert!(extra("oldest_gap_held_age_seconds").is_some_and(|a| a >= 1.0));
     assert!(extra("oldest_blocked_by_parked_age_seconds").is_some_and(|a| a >= 1.0));
-    assert!(s.oldest_parked_age.is_some_and(|a| a >= Duration::from_secs(1)));
+    assert!(s
+        .oldest_parked_age
+        .is_some_and(|a| a >= Duration::from_secs(1)));
     ctx.drop().await;
 }
 
@@ -150,12 +155,16 @@ async fn aggregate_ids_at_and_past_the_index_key_limit_flow() {
     let ctx = ctx!(4);
     let mut limits = EnvelopeLimits::default();
     limits.max_name_len = 200_000;
-    let store = ctx.builder(lease(30.0)).limits(limits.clone()).build().unwrap();
+    let store = ctx
+        .builder(lease(30.0))
+        .limits(limits.clone())
+        .build()
+        .unwrap();
     store.migrate().await.unwrap();
     let ids = [
         "a".repeat(768),
         "b".repeat(769),
-        "é".repeat(1537), // 3074 bytes
+        "é".repeat(1537),   // 3074 bytes
         "ü".repeat(32_767), // 65,534 bytes
     ];
     let build = |id: &str, v: i64| {
@@ -187,13 +196,24 @@ async fn aggregate_ids_at_and_past_the_index_key_limit_flow() {
     assert_eq!(got, want, "every event goes out once");
     for id in &ids {
         let pos = |v: i64| seen.iter().position(|s| s.0 == *id && s.1 == v).unwrap();
-        assert!(pos(1) < pos(2), "version order for an id of {} bytes", id.len());
+        assert!(
+            pos(1) < pos(2),
+            "version order for an id of {} bytes",
+            id.len()
+        );
     }
     // Two ids that differ only past the 768th character are two aggregates.
-    let (x, y) = (format!("{}x", "c".repeat(800)), format!("{}y", "c".repeat(800)));
+    let (x, y) = (
+        format!("{}x", "c".repeat(800)),
+        format!("{}y", "c".repeat(800)),
+    );
     append(&ctx, &store, &[build(&x, 1), build(&y, 1)]).await;
     let b = claim(&store, "r", 10).await;
-    assert_eq!(b.records.len(), 2, "both heads at once: distinct aggregates");
+    assert_eq!(
+        b.records.len(),
+        2,
+        "both heads at once: distinct aggregates"
+    );
     let mut tx = ctx.pool.begin().await.unwrap();
     let err = store
         .append_many(&mut *tx, &[build(&"ü".repeat(32_768), 1)])
@@ -257,7 +277,11 @@ async fn a_locked_claim_held_past_its_hold_is_ended_by_the_server() {
     assert!(claim(&r2, "r2", 10).await.is_empty(), "held while alive");
     tokio::time::sleep(Duration::from_millis(2600)).await;
     let b2 = claim(&r2, "r2", 10).await;
-    assert_eq!(versions(&b2), vec![("hung".into(), 1)], "the server ended the claim");
+    assert_eq!(
+        versions(&b2),
+        vec![("hung".into(), 1)],
+        "the server ended the claim"
+    );
     let late = r1.complete(&b1.handle, &[published(&e, 1)]).await;
     assert!(
         matches!(&late, Err(err) if err.kind == StoreErrorKind::LeaseLost),
@@ -298,7 +322,11 @@ async fn hostile_names_and_unstorable_times_are_refused() {
         .unwrap_err();
     assert_eq!(err.kind, StoreErrorKind::Validation, "{err}");
     tx.commit().await.unwrap();
-    assert_eq!(store.stats().await.unwrap().unpublished, 0, "nothing written");
+    assert_eq!(
+        store.stats().await.unwrap().unpublished,
+        0,
+        "nothing written"
+    );
     ctx.drop().await;
 }
 
@@ -313,16 +341,27 @@ async fn a_batch_split_into_statements_is_all_or_nothing() {
     events.push(events[0].clone());
     let mut tx = ctx.pool.begin().await.unwrap();
     let err = store.append_many(&mut *tx, &events[1..]).await.unwrap_err();
-    assert_eq!(err.kind, StoreErrorKind::Validation, "one statement at most: {err}");
+    assert_eq!(
+        err.kind,
+        StoreErrorKind::Validation,
+        "one statement at most: {err}"
+    );
     let err = store
-        .append_many_in(&mut *tx, &events[1..])
+        .append_many_in(&mut tx, &events[1..])
         .await
         .unwrap_err();
     assert_eq!(err.kind, StoreErrorKind::Constraint, "{err}");
     tx.commit().await.unwrap();
-    assert_eq!(store.stats().await.unwrap().unpublished, 1, "none of the batch");
+    assert_eq!(
+        store.stats().await.unwrap().unpublished,
+        1,
+        "none of the batch"
+    );
     let mut tx = ctx.pool.begin().await.unwrap();
-    store.append_many_in(&mut *tx, &events[1..1200]).await.unwrap();
+    store
+        .append_many_in(&mut tx, &events[1..1200])
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     assert_eq!(store.stats().await.unwrap().unpublished, 1200);
     ctx.drop().await;

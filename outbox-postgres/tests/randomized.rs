@@ -182,7 +182,14 @@ impl RandomizedBackend for PgBackend {
     }
 
     async fn final_rows(&self) -> Result<Vec<FinalRow>, StoreError> {
-        type Row = (Uuid, String, Option<String>, Option<String>, Option<i32>, Option<i64>);
+        type Row = (
+            Uuid,
+            String,
+            Option<String>,
+            Option<String>,
+            Option<i32>,
+            Option<i64>,
+        );
         let rows: Vec<Row> = sqlx::query_as(&format!(
             "SELECT event_id, status, headers->>'{LABEL}', ack_topic, ack_partition, ack_offset \
              FROM {} ORDER BY id",
@@ -212,7 +219,9 @@ impl RandomizedBackend for PgBackend {
     }
 
     fn replay_command(&self, test: &str, seed: u64) -> String {
-        format!("{PREFIX}_RANDOM_SEED={seed} cargo test -p outbox-postgres --test randomized {test}")
+        format!(
+            "{PREFIX}_RANDOM_SEED={seed} cargo test -p outbox-postgres --test randomized {test}"
+        )
     }
 
     async fn finish(&self) {

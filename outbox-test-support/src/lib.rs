@@ -102,7 +102,10 @@ pub fn mysql_url(test: &str) -> Option<String> {
         return Some(url);
     }
     if skip_allowed() {
-        report_skip(test, &format!("MySQL/MariaDB at {host}:{port} is unreachable"));
+        report_skip(
+            test,
+            &format!("MySQL/MariaDB at {host}:{port} is unreachable"),
+        );
         return None;
     }
     panic!(

@@ -50,7 +50,11 @@ impl MySqlOutboxStore {
     ///
     /// A relay of this process is woken only through [`Self::commit_and_wake`] (or
     /// [`Self::wake_relays`] after your commit); others poll.
-    pub async fn append_many<'e, E>(&self, executor: E, events: &[Envelope]) -> Result<(), StoreError>
+    pub async fn append_many<'e, E>(
+        &self,
+        executor: E,
+        events: &[Envelope],
+    ) -> Result<(), StoreError>
     where
         E: Executor<'e, Database = MySql>,
     {
@@ -210,7 +214,10 @@ mod tests {
 
     fn event(payload: usize) -> Envelope {
         Envelope::builder("order", "o-1", 1, "t")
-            .payload(outbox_core::Payload::new("application/octet-stream", vec![0u8; payload]))
+            .payload(outbox_core::Payload::new(
+                "application/octet-stream",
+                vec![0u8; payload],
+            ))
             .limits(outbox_core::EnvelopeLimits::unlimited())
             .build()
             .unwrap()
@@ -220,7 +227,10 @@ mod tests {
     fn batches_split_by_rows_and_bytes() {
         let small: Vec<Envelope> = (0..1200).map(|_| event(10)).collect();
         let h = vec!["{}".to_owned(); small.len()];
-        assert_eq!(chunks(&small, &h), vec![(0, 500), (500, 1000), (1000, 1200)]);
+        assert_eq!(
+            chunks(&small, &h),
+            vec![(0, 500), (500, 1000), (1000, 1200)]
+        );
         let big: Vec<Envelope> = (0..10).map(|_| event(900 * 1024)).collect();
         let h = vec!["{}".to_owned(); big.len()];
         let c = chunks(&big, &h);

@@ -25,8 +25,8 @@ use tracing::warn;
 use uuid::Uuid;
 
 use outbox_core::{
-    ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, ClaimedRecord, Envelope, EventId,
-    ParkKind, ParkedAtClaim, StoreError,
+    ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, ClaimedRecord, Envelope, EventId, ParkKind,
+    ParkedAtClaim, StoreError,
 };
 
 use super::decide::{decide, Action, Candidate};
@@ -85,8 +85,7 @@ impl MySqlOutboxStore {
         }
         self.sweep_locked_claims();
         let mode = self.inner.settings.claim_mode;
-        let decided =
-            tx::retry_lock_conflicts!(self.claim_round(request, token, mode).await)?;
+        let decided = tx::retry_lock_conflicts!(self.claim_round(request, token, mode).await)?;
         let Decided {
             claimed,
             parked,
@@ -107,8 +106,10 @@ impl MySqlOutboxStore {
                         },
                     );
                 }
-                Ok(ClaimedBatch::new(handle, records, None)
-                    .with_version_notices(parked, gaps_held))
+                Ok(
+                    ClaimedBatch::new(handle, records, None)
+                        .with_version_notices(parked, gaps_held),
+                )
             }
             _ => {
                 let duration = match mode {
@@ -297,7 +298,10 @@ impl MySqlOutboxStore {
         let notice_ids: Vec<i64> = notices.iter().map(|n| n.0).collect();
         let claim_ids: Vec<i64> = to_claim.iter().map(|c| c.0).collect();
         let mut rows = self
-            .envelopes(conn, &[claim_ids.as_slice(), notice_ids.as_slice()].concat())
+            .envelopes(
+                conn,
+                &[claim_ids.as_slice(), notice_ids.as_slice()].concat(),
+            )
             .await?;
         for (id, action, ..) in &notices {
             let kind = if *action == Action::Stale {
@@ -485,7 +489,10 @@ impl MySqlOutboxStore {
             t.state,
             marks(claimed.len())
         );
-        let mut q = sqlx::query(&sql).bind(&request.owner).bind(token).bind(until);
+        let mut q = sqlx::query(&sql)
+            .bind(&request.owner)
+            .bind(token)
+            .bind(until);
         for (r, _) in claimed {
             q = q.bind(&r.key).bind(r.id);
         }
@@ -561,7 +568,12 @@ impl MySqlOutboxStore {
         for id in &ids {
             q = q.bind(id);
         }
-        let rows: HashSet<i64> = q.fetch_all(&mut *conn).await.map_err(db)?.into_iter().collect();
+        let rows: HashSet<i64> = q
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(db)?
+            .into_iter()
+            .collect();
         let mut keys: Vec<Key> = claimed
             .iter()
             .filter(|(r, _)| rows.contains(&r.id))
@@ -580,7 +592,11 @@ impl MySqlOutboxStore {
             .candidates(conn, &ids)
             .await?
             .into_iter()
-            .filter(|(c, key, ..)| views.get(key).is_some_and(|v| decide(c, v) == Action::Claim))
+            .filter(|(c, key, ..)| {
+                views
+                    .get(key)
+                    .is_some_and(|v| decide(c, v) == Action::Claim)
+            })
             .map(|(c, ..)| c.id)
             .collect();
         Ok(claimed

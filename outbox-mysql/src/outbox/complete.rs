@@ -6,9 +6,7 @@ use std::collections::{HashMap, HashSet};
 use sqlx::{MySqlConnection, Row};
 use uuid::Uuid;
 
-use outbox_core::{
-    ClaimHandle, ClaimMode, CompletionReport, Outcome, StoreError, StoreErrorKind,
-};
+use outbox_core::{ClaimHandle, ClaimMode, CompletionReport, Outcome, StoreError, StoreErrorKind};
 
 use super::claim::ClaimedRow;
 use super::head::{marks, Key};
@@ -117,7 +115,8 @@ impl MySqlOutboxStore {
         let mut tx = begin(&self.inner.pool).await?;
         let done = async {
             let owned = self.owned_rows(&mut tx, rows, token).await?;
-            self.end_leases(&mut tx, rows, &owned, &HashSet::new()).await
+            self.end_leases(&mut tx, rows, &owned, &HashSet::new())
+                .await
         }
         .await;
         finish(tx, done).await

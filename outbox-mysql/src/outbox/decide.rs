@@ -94,34 +94,88 @@ mod tests {
     fn decision_table() {
         use Action::*;
         let table: Vec<(&str, Candidate, AggView, Action)> = vec![
-            ("head at last + 1", cand(7, 3), view(2, Some((7, 3, false)), false), Claim),
-            ("first event of a new aggregate", cand(1, 1), view(0, Some((1, 1, false)), false), Claim),
-            ("live lease", cand(7, 3), view(2, Some((7, 3, false)), true), Wait),
-            ("duplicate of the last", cand(9, 2), view(2, Some((7, 3, false)), false), Stale),
+            (
+                "head at last + 1",
+                cand(7, 3),
+                view(2, Some((7, 3, false)), false),
+                Claim,
+            ),
+            (
+                "first event of a new aggregate",
+                cand(1, 1),
+                view(0, Some((1, 1, false)), false),
+                Claim,
+            ),
+            (
+                "live lease",
+                cand(7, 3),
+                view(2, Some((7, 3, false)), true),
+                Wait,
+            ),
+            (
+                "duplicate of the last",
+                cand(9, 2),
+                view(2, Some((7, 3, false)), false),
+                Stale,
+            ),
             ("below the last", cand(9, 1), view(2, None, false), Stale),
-            ("behind a pending head", cand(9, 4), view(2, Some((7, 3, false)), false), Follower),
-            ("behind a parked head", cand(9, 4), view(2, Some((5, 3, true)), false), Follower),
-            ("same version, later id", cand(9, 3), view(2, Some((7, 3, false)), false), Follower),
-            ("gap", cand(7, 5), view(2, Some((7, 5, false)), false), GapHold),
+            (
+                "behind a pending head",
+                cand(9, 4),
+                view(2, Some((7, 3, false)), false),
+                Follower,
+            ),
+            (
+                "behind a parked head",
+                cand(9, 4),
+                view(2, Some((5, 3, true)), false),
+                Follower,
+            ),
+            (
+                "same version, later id",
+                cand(9, 3),
+                view(2, Some((7, 3, false)), false),
+                Follower,
+            ),
+            (
+                "gap",
+                cand(7, 5),
+                view(2, Some((7, 5, false)), false),
+                GapHold,
+            ),
             (
                 "gap past its timeout",
-                Candidate { gap_expired: true, ..cand(7, 5) },
+                Candidate {
+                    gap_expired: true,
+                    ..cand(7, 5)
+                },
                 view(2, Some((7, 5, false)), false),
                 GapPark,
             ),
             (
                 "not due",
-                Candidate { due: false, ..cand(7, 3) },
+                Candidate {
+                    due: false,
+                    ..cand(7, 3)
+                },
                 view(2, Some((7, 3, false)), false),
                 Wait,
             ),
             (
                 "moved since the scan",
-                Candidate { open: false, ..cand(7, 3) },
+                Candidate {
+                    open: false,
+                    ..cand(7, 3)
+                },
                 view(2, Some((7, 3, false)), false),
                 Wait,
             ),
-            ("no head seen (raced)", cand(7, 3), view(2, None, false), Follower),
+            (
+                "no head seen (raced)",
+                cand(7, 3),
+                view(2, None, false),
+                Follower,
+            ),
         ];
         for (name, c, v, want) in table {
             assert_eq!(decide(&c, &v), want, "{name}");

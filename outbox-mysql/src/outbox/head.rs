@@ -303,7 +303,12 @@ impl MySqlOutboxStore {
             return Ok(());
         }
         let (heads, mut ids) = self.probe(conn, lasts, true).await?;
-        ids.extend(heads.values().filter(|h| !h.parked && h.blocked).map(|h| h.id));
+        ids.extend(
+            heads
+                .values()
+                .filter(|h| !h.parked && h.blocked)
+                .map(|h| h.id),
+        );
         if ids.is_empty() {
             return Ok(());
         }

@@ -192,7 +192,10 @@ impl MySqlOutboxStore {
         stats.oldest_parked_age = age("oldest_parked_us")?;
         let mut extra = vec![
             ("blocked_rows".to_owned(), get("blocked")? as f64),
-            ("blocked_by_parked_rows".to_owned(), class_of("parked").0 as f64),
+            (
+                "blocked_by_parked_rows".to_owned(),
+                class_of("parked").0 as f64,
+            ),
         ];
         if let Some(a) = class_of("gap").1 {
             extra.push(("oldest_gap_held_age_seconds".to_owned(), a.as_secs_f64()));

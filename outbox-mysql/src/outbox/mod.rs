@@ -243,4 +243,3 @@ impl MySqlOutboxStore {
 
 pub(crate) use head::marks;
 pub(crate) use tx::BEGIN_RC;
-

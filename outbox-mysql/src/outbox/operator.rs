@@ -290,8 +290,11 @@ impl MySqlOutboxStore {
         .await
         .map_err(db)?;
         self.raise_last(conn, &s.key, s.version).await?;
-        self.audit(conn, (event_id, OperatorAction::Discard, actor, reason, None))
-            .await
+        self.audit(
+            conn,
+            (event_id, OperatorAction::Discard, actor, reason, None),
+        )
+        .await
     }
 
     pub(super) async fn reissue_parked_inner(
@@ -462,14 +465,12 @@ impl MySqlOutboxStore {
         .execute(&mut *conn)
         .await
         .map_err(db)?;
-        let event: Option<Uuid> = sqlx::query_scalar(&format!(
-            "SELECT event_id FROM {} WHERE id = ?",
-            t.events
-        ))
-        .bind(row)
-        .fetch_optional(&mut *conn)
-        .await
-        .map_err(db)?;
+        let event: Option<Uuid> =
+            sqlx::query_scalar(&format!("SELECT event_id FROM {} WHERE id = ?", t.events))
+                .bind(row)
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(db)?;
         if let Some(event) = event {
             self.audit(
                 conn,

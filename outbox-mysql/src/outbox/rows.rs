@@ -85,10 +85,8 @@ pub(crate) fn parked_from_row(row: &MySqlRow) -> Result<ParkedEvent, StoreError>
             } else {
                 ErrorClass::Permanent
             },
-            kind: crate::error::opt_text(row, "last_error_kind")?
-                .unwrap_or_default(),
-            message: crate::error::opt_text(row, "last_error_message")?
-                .unwrap_or_default(),
+            kind: crate::error::opt_text(row, "last_error_kind")?.unwrap_or_default(),
+            message: crate::error::opt_text(row, "last_error_message")?.unwrap_or_default(),
         },
     };
     let parked_at: Option<NaiveDateTime> = row.try_get("parked_at").map_err(db)?;

@@ -186,7 +186,10 @@ mod tests {
         let mut calls = 0;
         let r: Result<(), StoreError> = retry_lock_conflicts!({
             calls += 1;
-            Err(StoreError::new(StoreErrorKind::Conflict, "not a lock conflict"))
+            Err(StoreError::new(
+                StoreErrorKind::Conflict,
+                "not a lock conflict",
+            ))
         });
         assert!(r.is_err());
         assert_eq!(calls, 1);

@@ -14,7 +14,9 @@ use rand::rngs::StdRng;
 use rand::Rng;
 
 use super::history::{Ack, World};
-use super::{label_of, mix, roll, RandomizedBackend, DELIVERY_TIMEOUT, PARTITIONS, SALT_VERDICT, TOPIC};
+use super::{
+    label_of, mix, roll, RandomizedBackend, DELIVERY_TIMEOUT, PARTITIONS, SALT_VERDICT, TOPIC,
+};
 
 pub(crate) struct FakePublisher<B> {
     pub(crate) relay: String,
@@ -96,9 +98,7 @@ impl<B: RandomizedBackend> Publisher for FakePublisher<B> {
                 }
                 (Some(d), Some(statuses)) if checked_at < d => {
                     checked += 1;
-                    let status = statuses
-                        .get(&e.event_id)
-                        .map_or("<no row>", |s| s.as_str());
+                    let status = statuses.get(&e.event_id).map_or("<no row>", |s| s.as_str());
                     if status != "pending" {
                         world.violation(format!(
                             "check 1 (at hand-over): {} ({}) was handed to {} at {} while its \

@@ -31,7 +31,6 @@ use outbox_core::{
 
 use super::{is_injected_duplicate, MIN_ACKS, PARTITIONS, TOPIC};
 
-
 /// A claim as the recording wrapper saw it.
 pub(crate) struct ClaimRec {
     pub(crate) owner: String,
@@ -169,7 +168,13 @@ impl World {
         self.violations.lock().unwrap().push(v);
     }
 
-    pub(crate) fn record_claim(&self, owner: &str, before: Instant, start: Instant, batch: &ClaimedBatch) {
+    pub(crate) fn record_claim(
+        &self,
+        owner: &str,
+        before: Instant,
+        start: Instant,
+        batch: &ClaimedBatch,
+    ) {
         let mut log = self.claims.lock().unwrap();
         log.parks_by_claim += batch.parked.len();
         log.gaps_held += batch.gaps_held;
@@ -695,4 +700,3 @@ pub(crate) fn digest(failures: &[String]) -> String {
     }
     out
 }
-

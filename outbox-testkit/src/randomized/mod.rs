@@ -170,9 +170,7 @@ pub(crate) fn production_secs(prefix: &str) -> f64 {
             .parse::<f64>()
             .ok()
             .filter(|v| v.is_finite() && *v > 0.0 && *v <= 3600.0)
-            .unwrap_or_else(|| {
-                panic!("{var}={s:?} is not a number of seconds in (0, 3600]")
-            }),
+            .unwrap_or_else(|| panic!("{var}={s:?} is not a number of seconds in (0, 3600]")),
         Err(_) => 15.0,
     }
 }
@@ -188,9 +186,7 @@ pub(crate) fn seed_for(spec: &Spec, prefix: &str) -> u64 {
                 Some(hex) => u64::from_str_radix(hex, 16).ok(),
                 None => t.parse::<u64>().ok(),
             };
-            parsed.unwrap_or_else(|| {
-                panic!("{var}={s:?} is not a u64 (decimal, or hex with 0x)")
-            })
+            parsed.unwrap_or_else(|| panic!("{var}={s:?} is not a u64 (decimal, or hex with 0x)"))
         }
         Err(_) => {
             let nanos = std::time::SystemTime::now()
@@ -323,7 +319,15 @@ pub async fn run<B: RandomizedBackend>(backend: B, spec: Spec) {
 
     let until = Instant::now() + spec.produce;
     let producers: Vec<_> = (0..PRODUCERS)
-        .map(|i| tokio::spawn(produce(world.clone(), backend.clone(), env.store(), i, until)))
+        .map(|i| {
+            tokio::spawn(produce(
+                world.clone(),
+                backend.clone(),
+                env.store(),
+                i,
+                until,
+            ))
+        })
         .collect();
 
     // The operator, while the producers run: parked events, and now and then a relay killed.
@@ -460,7 +464,6 @@ impl StallWatch {
     }
 }
 
-
 fn summary(
     world: &World,
     st: &OperatorState,
@@ -543,4 +546,3 @@ fn summary(
         st.connection_errors + st.uncertain_releases,
     )
 }
-
