@@ -280,20 +280,19 @@ impl MySqlInboxStore {
                         break None;
                     }
                     // Same position: the same record, or another one after a rewind.
-                    let same: Option<RawRecord> =
-                        sqlx::query_as(&format!(
-                            "SELECT record_key, headers, value FROM {} WHERE consumer = ? \
+                    let same: Option<RawRecord> = sqlx::query_as(&format!(
+                        "SELECT record_key, headers, value FROM {} WHERE consumer = ? \
                                AND topic = ? AND `partition` = ? AND `offset` = ? \
                                AND dedup_id IS NULL",
-                            self.tables.parked
-                        ))
-                        .bind(consumer)
-                        .bind(&r.position.topic)
-                        .bind(r.position.partition)
-                        .bind(r.position.offset)
-                        .fetch_optional(&mut *tx)
-                        .await
-                        .map_err(db)?;
+                        self.tables.parked
+                    ))
+                    .bind(consumer)
+                    .bind(&r.position.topic)
+                    .bind(r.position.partition)
+                    .bind(r.position.offset)
+                    .fetch_optional(&mut *tx)
+                    .await
+                    .map_err(db)?;
                     match same {
                         Some((k, h, v)) if k != r.key || h != headers || v != r.value => {
                             dedup = Some(content_id(r));

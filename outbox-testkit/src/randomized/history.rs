@@ -700,3 +700,179 @@ pub(crate) fn digest(failures: &[String]) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    //! The checker finds what it is for: each check is fed a history that breaks it (and the
+    //! same history without the break passes it).
+
+    use super::*;
+
+    fn world() -> World {
+        World {
+            test: "history",
+            seed: 1,
+            location: "nowhere".into(),
+            t0: Instant::now(),
+            locked_hold: None,
+            claim_life: Duration::from_secs(2),
+            claims: Mutex::default(),
+            broker: Mutex::default(),
+            ops: Mutex::default(),
+            violations: Mutex::default(),
+            tally: Mutex::default(),
+            committed: Mutex::default(),
+            rolled_back: Mutex::default(),
+            op_counts: Mutex::default(),
+        }
+    }
+
+    fn ack(w: &World, at: Instant, event: EventId, agg: &str, version: i64, offset: i64) -> Ack {
+        let _ = w;
+        Ack {
+            at,
+            event,
+            dedup: event,
+            label: format!("{agg}/v{version}/next{offset}"),
+            agg: agg.into(),
+            version,
+            relay: "r".into(),
+            partition: 0,
+            offset,
+            reported: true,
+        }
+    }
+
+    /// Commits `events` (aggregate, version) and returns their ids, with the final rows of
+    /// their publication (each acknowledged at its offset) and the deliveries.
+    fn published(w: &World, events: &[(&str, i64)]) -> (Vec<EventId>, Vec<FinalRow>) {
+        let mut ids = Vec::new();
+        let mut rows = Vec::new();
+        let mut broker = w.broker.lock().unwrap();
+        for (i, (agg, v)) in events.iter().enumerate() {
+            let id = EventId::now_v7();
+            ids.push(id);
+            w.committed.lock().unwrap().push(Committed {
+                id,
+                label: format!("{agg}/v{v}"),
+            });
+            broker
+                .acks
+                .push(ack(w, Instant::now(), id, agg, *v, i as i64));
+            rows.push(FinalRow::new(
+                id,
+                "published",
+                Some(format!("{agg}/v{v}")),
+                Some((TOPIC.to_owned(), 0, i as i64)),
+            ));
+        }
+        (ids, rows)
+    }
+
+    /// The findings of `check` other than the coverage ones (a synthetic history is small).
+    fn findings(w: &World, rows: &[FinalRow], audit: &[AuditEntry]) -> Vec<String> {
+        let mut failures = Vec::new();
+        check(w, rows, audit, (0, 0), &mut failures);
+        failures.retain(|f| !f.starts_with("coverage"));
+        failures
+    }
+
+    #[test]
+    fn a_clean_history_passes() {
+        let w = world();
+        let (_, rows) = published(&w, &[("a", 1), ("a", 2), ("b", 1)]);
+        assert_eq!(findings(&w, &rows, &[]), Vec::<String>::new());
+    }
+
+    #[test]
+    fn check_3_finds_a_first_delivery_out_of_version_order() {
+        let w = world();
+        let (_, rows) = published(&w, &[("a", 2), ("a", 1)]);
+        let f = findings(&w, &rows, &[]);
+        assert!(f.iter().any(|f| f.starts_with("check 3")), "{f:?}");
+    }
+
+    #[test]
+    fn check_2_finds_a_lost_and_an_invented_event() {
+        let w = world();
+        let (_, mut rows) = published(&w, &[("a", 1), ("b", 1)]);
+        rows.remove(0);
+        let stranger = FinalRow::new(EventId::now_v7(), "pending", None, None);
+        rows.push(stranger);
+        let f = findings(&w, &rows, &[]);
+        assert!(f.iter().any(|f| f.starts_with("check 2 (lost)")), "{f:?}");
+        assert!(
+            f.iter().any(|f| f.starts_with("check 2 (invented)")),
+            "{f:?}"
+        );
+    }
+
+    #[test]
+    fn check_1_finds_a_parked_event_delivered_without_a_retry() {
+        let w = world();
+        let parked_at = Instant::now();
+        std::thread::sleep(Duration::from_millis(2));
+        let (ids, rows) = published(&w, &[("a", 1)]);
+        w.claims.lock().unwrap().parks.insert(
+            ids[0],
+            vec![Window {
+                call: parked_at,
+                ret: parked_at,
+            }],
+        );
+        let f = findings(&w, &rows, &[]);
+        assert!(f.iter().any(|f| f.starts_with("check 1")), "{f:?}");
+        // With an operator retry in between, the delivery is allowed.
+        w.ops.lock().unwrap().push(OpRecord {
+            event: ids[0],
+            label: "a/v1".into(),
+            action: "retry",
+            window: Window {
+                call: parked_at + Duration::from_micros(1),
+                ret: parked_at + Duration::from_micros(2),
+            },
+            result: "ok",
+            new_id: None,
+        });
+        let audit = vec![AuditEntry::new(
+            ids[0],
+            OperatorAction::Retry,
+            "op",
+            "",
+            None,
+            chrono::Utc::now(),
+        )];
+        assert_eq!(findings(&w, &rows, &audit), Vec::<String>::new());
+    }
+
+    #[test]
+    fn check_4_finds_two_relays_holding_one_aggregate() {
+        let w = world();
+        let now = Instant::now();
+        let claim = |owner: &str| ClaimRec {
+            owner: owner.into(),
+            before: now,
+            start: now,
+            deadline: now + Duration::from_secs(2),
+            end: None,
+            records: vec![(EventId::now_v7(), "a".into(), 1)],
+            provisional_parks: Vec::new(),
+        };
+        w.claims
+            .lock()
+            .unwrap()
+            .claims
+            .extend([claim("r1"), claim("r2")]);
+        let f = findings(&w, &[], &[]);
+        assert!(f.iter().any(|f| f.starts_with("check 4")), "{f:?}");
+    }
+
+    #[test]
+    fn check_5_finds_ack_metadata_the_broker_never_reported() {
+        let w = world();
+        let (_, mut rows) = published(&w, &[("a", 1)]);
+        rows[0].ack = Some((TOPIC.to_owned(), 0, 99));
+        let f = findings(&w, &rows, &[]);
+        assert!(f.iter().any(|f| f.starts_with("check 5")), "{f:?}");
+    }
+}
