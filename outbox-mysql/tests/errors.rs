@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use outbox_core::{ErrorClass, EventId, InboxStore, Registration, StoreErrorKind};
+use outbox_core::{ErrorClass, EventId, InboxStore, OutboxStore, Registration, StoreErrorKind};
 use outbox_mysql::{map_sqlx_error, Check, Flavor, Severity};
 use sqlx::{Connection, MySqlConnection};
 
@@ -238,5 +238,81 @@ async fn an_inbox_transaction_the_server_rolled_back_does_not_commit() {
         "nothing of the rolled-back transaction remains"
     );
     inbox.rollback(tx).await.unwrap();
+    ctx.drop().await;
+}
+
+/// A completion that a deadlock rolls back is run again by the store, not handed to the relay
+/// as an error: the completion waits for aggregate B while holding A; another transaction
+/// (made the heavier one, so InnoDB picks the completion as the victim) holds B and asks for
+/// A. (Without the store's retry the completion failed with the deadlock: verified by
+/// removing it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_rolled_back_by_a_deadlock_is_run_again() {
+    let ctx = ctx!(8);
+    setup(&ctx).await;
+    let store = ctx.store(common::lease(30.0)).await;
+    let (a, b) = (common::event("dl-a", 1), common::event("dl-b", 1));
+    common::append(&ctx, &store, &[a.clone(), b.clone()]).await;
+    let batch = common::claim(&store, "r", 10).await;
+    assert_eq!(batch.records.len(), 2);
+    let state = ctx.table("outbox_events_aggregate");
+    let keys: Vec<Vec<u8>> = sqlx::query_scalar(&format!(
+        "SELECT aggregate_key FROM {state} ORDER BY aggregate_key"
+    ))
+    .fetch_all(&ctx.pool)
+    .await
+    .unwrap();
+    let (first, second) = (keys[0].clone(), keys[1].clone());
+    let deadlocks = || async {
+        let (_, n): (String, String) = sqlx::query_as("SHOW GLOBAL STATUS LIKE 'Innodb_deadlocks'")
+            .fetch_one(&ctx.pool)
+            .await
+            .unwrap();
+        n.parse::<u64>().unwrap()
+    };
+    let before = deadlocks().await;
+    let mut other = conn(&ctx).await;
+    sqlx::query("START TRANSACTION")
+        .execute(&mut other)
+        .await
+        .unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO {} (id) WITH RECURSIVE s (n) AS \
+           (SELECT 1 UNION ALL SELECT n + 1 FROM s WHERE n < 200) SELECT n FROM s",
+        ctx.table("ballast")
+    ))
+    .execute(&mut other)
+    .await
+    .unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM {state} WHERE aggregate_key = ? FOR UPDATE"
+    ))
+    .bind(&second)
+    .execute(&mut other)
+    .await
+    .unwrap();
+    let completing = {
+        let store = store.clone();
+        let handle = batch.handle.clone();
+        let outcomes = vec![common::published(&a, 1), common::published(&b, 2)];
+        tokio::spawn(async move { store.complete(&handle, &outcomes).await })
+    };
+    // The completion holds the first key and waits for the second.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    sqlx::query(&format!(
+        "SELECT 1 FROM {state} WHERE aggregate_key = ? FOR UPDATE"
+    ))
+    .bind(&first)
+    .execute(&mut other)
+    .await
+    .expect("the heavier transaction is not the victim");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    sqlx::query("COMMIT").execute(&mut other).await.unwrap();
+    let report = completing
+        .await
+        .unwrap()
+        .expect("the store ran the completion again after the deadlock");
+    assert_eq!(report.applied, 2, "{report:?}");
+    assert!(deadlocks().await > before, "a deadlock happened");
     ctx.drop().await;
 }
