@@ -1,6 +1,12 @@
 //! [`MySqlOutboxStore`]: the outbox on MySQL 8 / MariaDB, one module per concern, grouped by
-//! the role that calls it (the application appends; the relay claims, completes and
-//! releases; operators act on parked events; maintenance cleans up and reports).
+//! the role that calls it, so that a split of `OutboxStore` into role traits maps onto files:
+//!
+//! * append (the application): `append`, `wake`;
+//! * relay (claim, complete, release): `claim`, `decide`, `head`, `complete`;
+//! * operator (parked events, claims of a relay that is gone, audit): `operator`;
+//! * maintenance (cleanup): `maintenance`;
+//! * read-only reporting (stats): `reporting`;
+//! * shared: `builder`, `rows`, `tx`.
 
 mod append;
 mod builder;
@@ -10,6 +16,7 @@ mod decide;
 mod head;
 mod maintenance;
 mod operator;
+mod reporting;
 pub(crate) mod rows;
 pub(crate) mod tx;
 mod wake;
