@@ -3,7 +3,6 @@
 
 use std::time::Duration;
 
-
 use outbox_core::{CleanupReport, StoreError};
 
 use super::head::marks;
