@@ -1,5 +1,5 @@
-# Sourced by scripts/test and scripts/demo-real: start PostgreSQL and a Kafka-protocol broker,
-# and install PgBouncer (tests start their own, in front of PostgreSQL).
+# Sourced by scripts/test and scripts/demo-real: start PostgreSQL, MySQL/MariaDB and a
+# Kafka-protocol broker, and install PgBouncer (tests start their own, in front of PostgreSQL).
 TANSU_VERSION=0.6.0
 OUTBOX_STATE_DIR="${OUTBOX_STATE_DIR:-$PWD/target/services}"
 mkdir -p "$OUTBOX_STATE_DIR"
@@ -22,6 +22,40 @@ ensure_postgres() {
     fi
     echo "error: no PostgreSQL reachable. Set DATABASE_URL to a server where the user may" >&2
     echo "       create databases (tests create one database per test), or install PostgreSQL." >&2
+    exit 1
+}
+
+# MySQL or MariaDB for outbox-mysql: $MYSQL_URL when set (nothing is started then); otherwise
+# the local server on 127.0.0.1:3306 (root, empty password, database `test`), started when it
+# is installed but stopped. Fails with what to do when nothing answers.
+mysql_answers() {
+    if command -v mariadb-admin >/dev/null; then
+        mariadb-admin --protocol=tcp -h 127.0.0.1 -P 3306 -u root ping >/dev/null 2>&1
+    elif command -v mysqladmin >/dev/null; then
+        mysqladmin --protocol=tcp -h 127.0.0.1 -P 3306 -u root ping >/dev/null 2>&1
+    else
+        (exec 3<>/dev/tcp/127.0.0.1/3306) 2>/dev/null
+    fi
+}
+
+ensure_mysql() {
+    if [[ -n "${MYSQL_URL:-}" ]]; then
+        export MYSQL_URL
+        log "using MySQL/MariaDB at \$MYSQL_URL"
+        return
+    fi
+    export MYSQL_URL="mysql://root@127.0.0.1:3306/test"
+    if mysql_answers; then
+        return
+    fi
+    if [[ -x /usr/sbin/mariadbd ]]; then
+        log "starting the local MariaDB server"
+        start-stop-daemon --start --oknodo --background --exec /usr/sbin/mariadbd
+        for _ in $(seq 1 100); do mysql_answers && return; sleep 0.2; done
+    fi
+    echo "error: no MySQL or MariaDB reachable on 127.0.0.1:3306. Set MYSQL_URL to a MySQL 8.0.13+" >&2
+    echo "       or MariaDB 10.6+ server where the user may create databases (tests create one" >&2
+    echo "       database per test), or install MariaDB (apt-get install mariadb-server)." >&2
     exit 1
 }
 

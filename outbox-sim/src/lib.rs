@@ -17,7 +17,7 @@
 //!   resumes from the committed offsets) and hands partitions over on rebalances.
 //! * **The stores** are generic ([`Backend`]): [`MemoryBackend`] runs on the testkit's
 //!   in-memory backends; `PostgresBackend` (feature `postgres`) on a real server, one schema
-//!   per case.
+//!   per case; `MySqlBackend` (feature `mysql`) on MySQL 8 / MariaDB, one database per case.
 //!
 //! Every step ([`Step`]) is followed by the invariants, checked against the real state:
 //!
@@ -126,6 +126,8 @@ mod backend;
 mod config;
 mod consumer;
 mod invariants;
+#[cfg(feature = "mysql")]
+mod mysql;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod producer;
@@ -138,6 +140,8 @@ pub use backend::{Backend, EffectsView, MemoryBackend, RowView, ShortClaimCheck}
 pub use config::{cases_from_env, SeededBug, SimConfig, CASES_ENV, SEED_ENV};
 pub use consumer::{InboxTx, NoEffect, SimHandler, SimSource};
 pub use invariants::Violations;
+#[cfg(feature = "mysql")]
+pub use mysql::MySqlBackend;
 #[cfg(feature = "postgres")]
 pub use postgres::PostgresBackend;
 pub use producer::{Command, Touch, Transition};

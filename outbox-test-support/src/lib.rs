@@ -1,8 +1,9 @@
 //! Test-only helpers shared by the workspace's tests, so that each policy exists once:
 //!
 //! * **How tests find services.** PostgreSQL from `DATABASE_URL` (default
-//!   `postgres://postgres@127.0.0.1:5432/postgres`), the broker from `KAFKA_BROKERS`, the tansu
-//!   binary from `TANSU_BIN` or `~/.cargo/bin/tansu`. `scripts/test` provides all three.
+//!   `postgres://postgres@127.0.0.1:5432/postgres`), MySQL or MariaDB from `MYSQL_URL` (default
+//!   `mysql://root@127.0.0.1:3306/test`), the broker from `KAFKA_BROKERS`, the tansu binary from
+//!   `TANSU_BIN` or `~/.cargo/bin/tansu`. `scripts/test` provides them all.
 //! * **The skip switch.** A test whose service is missing fails with what to do, unless
 //!   `OUTBOX_SKIP_SERVICE_TESTS=1`; then it prints `SKIPPED` on stderr (past the harness's
 //!   output capture, so a skip is never silent) and returns.
@@ -26,6 +27,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 pub const SKIP_VAR: &str = "OUTBOX_SKIP_SERVICE_TESTS";
 /// The default PostgreSQL URL of tests.
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+
+/// The default MySQL / MariaDB URL of tests.
+pub const DEFAULT_MYSQL_URL: &str = "mysql://root@127.0.0.1:3306/test";
 
 /// Whether service tests may be skipped (`OUTBOX_SKIP_SERVICE_TESTS=1`).
 pub fn skip_allowed() -> bool {
@@ -51,7 +55,7 @@ pub fn required_var(test: &str, var: &str) -> Option<String> {
         }
         _ => panic!(
             "{test}: {var} is not set. Run `scripts/test` (it starts the services and exports \
-             DATABASE_URL, KAFKA_BROKERS and TANSU_BIN), set {var} yourself, or set {SKIP_VAR}=1 \
+             DATABASE_URL, MYSQL_URL, KAFKA_BROKERS and TANSU_BIN), set {var} yourself, or set {SKIP_VAR}=1 \
              to skip the service tests on purpose"
         ),
     }
@@ -89,13 +93,50 @@ pub fn database_url(test: &str) -> Option<String> {
     )
 }
 
+/// MySQL / MariaDB URL: `MYSQL_URL`, else the local default. Checks that something listens
+/// there; otherwise skip (with the switch) or panic, as [`database_url`] does for PostgreSQL.
+pub fn mysql_url(test: &str) -> Option<String> {
+    let url = std::env::var("MYSQL_URL")
+        .ok()
+        .filter(|u| !u.trim().is_empty())
+        .unwrap_or_else(|| DEFAULT_MYSQL_URL.to_owned());
+    let (host, port) = host_port_or(&url, 3306).unwrap_or(("127.0.0.1".into(), 3306));
+    if reachable(&host, port) {
+        return Some(url);
+    }
+    if skip_allowed() {
+        report_skip(
+            test,
+            &format!("MySQL/MariaDB at {host}:{port} is unreachable"),
+        );
+        return None;
+    }
+    panic!(
+        "{test}: MySQL or MariaDB is required but {host}:{port} is unreachable. Start it \
+         (scripts/test does) or set MYSQL_URL; set {SKIP_VAR}=1 to skip on purpose"
+    )
+}
+
+fn reachable(host: &str, port: u16) -> bool {
+    use std::net::ToSocketAddrs;
+    (host, port)
+        .to_socket_addrs()
+        .ok()
+        .and_then(|mut a| a.next())
+        .is_some_and(|addr| TcpStream::connect_timeout(&addr, Duration::from_secs(3)).is_ok())
+}
+
 fn host_port(url: &str) -> Option<(String, u16)> {
+    host_port_or(url, 5432)
+}
+
+fn host_port_or(url: &str, default_port: u16) -> Option<(String, u16)> {
     let rest = url.split_once("://")?.1;
     let authority = rest.split(['/', '?']).next()?;
     let hostport = authority.rsplit('@').next()?;
     let (host, port) = match hostport.rsplit_once(':') {
         Some((h, p)) => (h.to_owned(), p.parse().ok()?),
-        None => (hostport.to_owned(), 5432),
+        None => (hostport.to_owned(), default_port),
     };
     let host = if host.is_empty() || host == "localhost" {
         "127.0.0.1".to_owned()
@@ -421,6 +462,14 @@ mod tests {
         assert_eq!(
             host_port("postgres://localhost/x"),
             Some(("127.0.0.1".into(), 5432))
+        );
+        assert_eq!(
+            host_port_or("mysql://root@127.0.0.1/test", 3306),
+            Some(("127.0.0.1".into(), 3306))
+        );
+        assert_eq!(
+            host_port_or("mysql://u:p@db:3307/x?ssl-mode=disabled", 3306),
+            Some(("db".into(), 3307))
         );
     }
 }

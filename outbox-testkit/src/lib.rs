@@ -100,6 +100,7 @@ pub mod fault;
 pub mod inbox;
 pub mod log;
 pub mod outbox;
+pub mod randomized;
 
 pub use clock::ManualClock;
 pub use db::{MemoryDb, MemoryTx, TxCounters};

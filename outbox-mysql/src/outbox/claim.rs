@@ -1,0 +1,694 @@
+//! Claims (the relay's role). One transaction decides, under the aggregates' state-row locks:
+//!
+//! 1. **Candidates**: pending, unblocked, due rows in id order, `FOR UPDATE SKIP LOCKED`, so
+//!    concurrent claims take disjoint candidates and skip rows another claim holds.
+//! 2. **State rows**: the missing ones are created (short inserts), then the candidates'
+//!    aggregates are locked with `FOR UPDATE SKIP LOCKED` (a busy aggregate is skipped, never
+//!    waited for).
+//! 3. **Decision**, in statements that start after the locks (READ COMMITTED): each candidate
+//!    is claimed, blocked, held, parked or left ([`super::decide`]).
+//!
+//! Lease mode writes the lease into the state row (owner, token, expiry on the database
+//! clock, the row) and makes the row due again only when the lease ends (`next_attempt_at`),
+//! so other claims' candidate scans pass over it; then commits. Locked mode commits what it
+//! decided (parks, holds, blocks) and then, in a second transaction on a connection of its own
+//! (the claim's), locks the claimed rows and their aggregates again with SKIP LOCKED, checks
+//! each decision again, and keeps that transaction open until the completion. What a locked
+//! claim reports as parked is therefore committed, whatever becomes of the claim.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use chrono::NaiveDateTime;
+use sqlx::{MySqlConnection, Row};
+use tracing::warn;
+use uuid::Uuid;
+
+use outbox_core::{
+    ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, ClaimedRecord, Envelope, EventId, ParkKind,
+    ParkedAtClaim, StoreError,
+};
+
+use super::decide::{decide, Action, Candidate};
+use super::head::{marks, AggView, Key};
+use super::rows::{envelope_from_row, ENVELOPE_COLS};
+use super::tx::{self, begin, finish, micros, HeldConnection};
+use super::MySqlOutboxStore;
+use crate::error::db;
+
+/// Longest time a version-gap head waits before it is checked again.
+const GAP_RECHECK: Duration = Duration::from_secs(1);
+
+/// One claimed row, carried from the claim to its completion.
+#[derive(Clone, Debug)]
+pub(crate) struct ClaimedRow {
+    pub(crate) id: i64,
+    pub(crate) event: Uuid,
+    pub(crate) key: Key,
+    pub(crate) version: i64,
+}
+
+/// A claim of [`ClaimMode::LockedTransaction`]: its connection's transaction holds the locks.
+pub(crate) struct LockedClaim {
+    pub(crate) held: HeldConnection,
+    pub(crate) rows: Vec<ClaimedRow>,
+    pub(crate) since: Instant,
+}
+
+/// A candidate row as scanned.
+struct Scanned {
+    id: i64,
+    key: Key,
+}
+
+/// What one decision round produced.
+#[derive(Default)]
+struct Decided {
+    /// Claimed heads, oldest first, with the record handed out.
+    claimed: Vec<(ClaimedRow, ClaimedRecord)>,
+    parked: Vec<ParkedAtClaim>,
+    gaps_held: usize,
+}
+
+impl MySqlOutboxStore {
+    pub(super) async fn claim_inner(
+        &self,
+        request: &ClaimRequest,
+    ) -> Result<ClaimedBatch, StoreError> {
+        let token = Uuid::now_v7();
+        let handle = ClaimHandle {
+            token,
+            owner: request.owner.clone(),
+        };
+        if request.limit == 0 {
+            return Ok(ClaimedBatch::new(handle, Vec::new(), None));
+        }
+        self.sweep_locked_claims();
+        let mode = self.inner.settings.claim_mode;
+        let decided = tx::retry_lock_conflicts!(self.claim_round(request, token, mode).await)?;
+        let Decided {
+            claimed,
+            parked,
+            gaps_held,
+        } = decided;
+        match mode {
+            ClaimMode::LockedTransaction => {
+                let (held, claimed) = self.lock_claimed(claimed).await?;
+                let (rows, records): (Vec<ClaimedRow>, Vec<ClaimedRecord>) =
+                    claimed.into_iter().unzip();
+                if let Some(held) = held {
+                    self.inner.locked.lock().expect("poisoned").insert(
+                        token,
+                        LockedClaim {
+                            held,
+                            rows,
+                            since: Instant::now(),
+                        },
+                    );
+                }
+                Ok(
+                    ClaimedBatch::new(handle, records, None)
+                        .with_version_notices(parked, gaps_held),
+                )
+            }
+            _ => {
+                let duration = match mode {
+                    ClaimMode::Lease { duration } => Some(duration),
+                    _ => None,
+                };
+                let (rows, records): (Vec<ClaimedRow>, Vec<ClaimedRecord>) =
+                    claimed.into_iter().unzip();
+                if let (Some(duration), false) = (duration, rows.is_empty()) {
+                    let mut leased = self.inner.leased.lock().expect("poisoned");
+                    // Forget claims that were never completed (crashed relay tasks).
+                    let horizon = duration * 2 + Duration::from_secs(60);
+                    leased.retain(|_, (_, at)| at.elapsed() < horizon);
+                    leased.insert(token, (rows, Instant::now()));
+                }
+                let remaining = duration.filter(|_| !records.is_empty());
+                Ok(ClaimedBatch::new(handle, records, remaining)
+                    .with_version_notices(parked, gaps_held))
+            }
+        }
+    }
+
+    /// One claim transaction: scan, lock, decide, write, commit.
+    async fn claim_round(
+        &self,
+        request: &ClaimRequest,
+        token: Uuid,
+        mode: ClaimMode,
+    ) -> Result<Decided, StoreError> {
+        let limit = request.limit.min(10_000) as i64;
+        let mut tx = begin(&self.inner.pool).await?;
+        let result = async {
+            let scanned = self.scan(&mut tx, limit).await?;
+            if scanned.is_empty() {
+                return Ok(Decided::default());
+            }
+            let ids: Vec<i64> = scanned.iter().map(|s| s.id).collect();
+            self.ensure_state_rows(&mut tx, &ids).await?;
+            let mut keys: Vec<Key> = scanned.iter().map(|s| s.key.clone()).collect();
+            keys.sort();
+            keys.dedup();
+            let locked: HashSet<Key> = self.try_lock(&mut tx, &keys).await?.into_iter().collect();
+            let ids: Vec<i64> = scanned
+                .iter()
+                .filter(|s| locked.contains(&s.key))
+                .map(|s| s.id)
+                .collect();
+            let locked: Vec<Key> = locked.into_iter().collect();
+            let views = self.views(&mut tx, &locked).await?;
+            self.decide_and_write(&mut tx, &ids, &views, request, token, mode)
+                .await
+        }
+        .await;
+        finish(tx, result).await
+    }
+
+    /// Step 1: candidate rows in id order, locked (rows another claim holds are skipped).
+    async fn scan(
+        &self,
+        conn: &mut MySqlConnection,
+        limit: i64,
+    ) -> Result<Vec<Scanned>, StoreError> {
+        let sql = format!(
+            "SELECT id, aggregate_key FROM {} \
+             WHERE status = 'pending' AND blocked = 0 AND next_attempt_at <= UTC_TIMESTAMP(6) \
+             ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED",
+            self.inner.tables.events
+        );
+        let rows = sqlx::query(&sql)
+            .bind(limit)
+            .fetch_all(conn)
+            .await
+            .map_err(db)?;
+        rows.iter()
+            .map(|r| {
+                Ok(Scanned {
+                    id: r.try_get("id").map_err(db)?,
+                    key: r.try_get("aggregate_key").map_err(db)?,
+                })
+            })
+            .collect()
+    }
+
+    /// The candidates `ids` (their aggregates locked, `views` read after the locks), read
+    /// again and decided.
+    async fn candidates(
+        &self,
+        conn: &mut MySqlConnection,
+        ids: &[i64],
+    ) -> Result<Vec<(Candidate, Key, i64, bool)>, StoreError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let gap_us = micros(self.inner.settings.gap_timeout);
+        let sql = format!(
+            "SELECT id, aggregate_key, aggregate_version, attempts, maybe_delivered, \
+                    (status = 'pending' AND blocked = 0) AS open, \
+                    (next_attempt_at <= UTC_TIMESTAMP(6)) AS due, \
+                    (held_since IS NOT NULL \
+                     AND held_since <= UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND) AS gap_expired \
+             FROM {} WHERE id IN ({}) ORDER BY id",
+            self.inner.tables.events,
+            marks(ids.len())
+        );
+        let mut q = sqlx::query(&sql).bind(gap_us);
+        for id in ids {
+            q = q.bind(id);
+        }
+        let rows = q.fetch_all(conn).await.map_err(db)?;
+        rows.iter()
+            .map(|r| {
+                let flag = |name: &str| -> Result<bool, StoreError> {
+                    Ok(r.try_get::<Option<i64>, _>(name).map_err(db)?.unwrap_or(0) != 0)
+                };
+                Ok((
+                    Candidate {
+                        id: r.try_get("id").map_err(db)?,
+                        version: r.try_get("aggregate_version").map_err(db)?,
+                        open: flag("open")?,
+                        due: flag("due")?,
+                        gap_expired: flag("gap_expired")?,
+                    },
+                    r.try_get::<Vec<u8>, _>("aggregate_key").map_err(db)?,
+                    i64::from(r.try_get::<i32, _>("attempts").map_err(db)?),
+                    r.try_get::<bool, _>("maybe_delivered").map_err(db)?,
+                ))
+            })
+            .collect()
+    }
+
+    /// Step 3: decides on `ids` and writes the decisions (parks, holds, blocks; in lease mode
+    /// the leases).
+    async fn decide_and_write(
+        &self,
+        conn: &mut MySqlConnection,
+        ids: &[i64],
+        views: &HashMap<Key, AggView>,
+        request: &ClaimRequest,
+        token: Uuid,
+        mode: ClaimMode,
+    ) -> Result<Decided, StoreError> {
+        let mut out = Decided::default();
+        let mut blocks = Vec::new();
+        let mut to_claim: Vec<(i64, Key, i64, bool)> = Vec::new();
+        let mut notices: Vec<(i64, Action, i64, i64)> = Vec::new();
+        for (c, key, attempts, maybe) in self.candidates(conn, ids).await? {
+            let Some(view) = views.get(&key) else {
+                continue;
+            };
+            match decide(&c, view) {
+                Action::Claim => {
+                    let resend = view.lease_row == Some(c.id) || maybe;
+                    to_claim.push((c.id, key, attempts, resend));
+                }
+                Action::Follower => blocks.push(c.id),
+                Action::Stale => {
+                    self.park_at_claim(conn, c.id, ParkKind::OutOfOrder, view.last_eff, c.version)
+                        .await?;
+                    notices.push((c.id, Action::Stale, c.version, view.last_eff));
+                }
+                Action::GapPark => {
+                    self.park_at_claim(conn, c.id, ParkKind::VersionGap, view.last_eff, c.version)
+                        .await?;
+                    notices.push((c.id, Action::GapPark, c.version, view.last_eff));
+                }
+                Action::GapHold => {
+                    self.hold_gap(conn, c.id, view.last_eff).await?;
+                    out.gaps_held += 1;
+                }
+                Action::Wait => {}
+            }
+        }
+        if !blocks.is_empty() {
+            let sql = format!(
+                "UPDATE {} SET blocked = 1 WHERE id IN ({}) AND status = 'pending'",
+                self.inner.tables.events,
+                marks(blocks.len())
+            );
+            let mut q = sqlx::query(&sql);
+            for id in &blocks {
+                q = q.bind(id);
+            }
+            q.execute(&mut *conn).await.map_err(db)?;
+        }
+        // The events handed out, and the notices, need the envelope columns.
+        let notice_ids: Vec<i64> = notices.iter().map(|n| n.0).collect();
+        let claim_ids: Vec<i64> = to_claim.iter().map(|c| c.0).collect();
+        let mut rows = self
+            .envelopes(
+                conn,
+                &[claim_ids.as_slice(), notice_ids.as_slice()].concat(),
+            )
+            .await?;
+        for (id, action, ..) in &notices {
+            let kind = if *action == Action::Stale {
+                ParkKind::OutOfOrder
+            } else {
+                ParkKind::VersionGap
+            };
+            if let Some((_, meta)) = rows.get(id) {
+                out.parked.push(notice(meta, kind));
+            }
+        }
+        let mut claimed: Vec<(ClaimedRow, ClaimedRecord)> = Vec::new();
+        let mut undecodable: Vec<(i64, String, ParkedAtClaim)> = Vec::new();
+        for (id, key, attempts, resend) in to_claim {
+            let Some((decoded, meta)) = rows.remove(&id) else {
+                continue;
+            };
+            match decoded {
+                Ok(envelope) => {
+                    let row = ClaimedRow {
+                        id,
+                        event: envelope.event_id.as_uuid(),
+                        key,
+                        version: envelope.aggregate_version,
+                    };
+                    let record = ClaimedRecord::new(envelope, attempts.max(0) as u32)
+                        .with_maybe_sent_before(resend);
+                    claimed.push((row, record));
+                }
+                // A stored row that no longer decodes is parked alone: it must not stop the
+                // claims of other aggregates.
+                Err(why) => undecodable.push((id, why, notice(&meta, ParkKind::PermanentError))),
+            }
+        }
+        for (id, why, n) in undecodable {
+            sqlx::query(&format!(
+                "UPDATE {} SET status = 'parked', park_kind = 'permanent_error', \
+                   parked_at = UTC_TIMESTAMP(6), last_error_class = 'permanent', \
+                   last_error_kind = 'invalid_record', last_error_message = ?, \
+                   attempts = attempts WHERE id = ? AND status = 'pending'",
+                self.inner.tables.events
+            ))
+            .bind(format!("stored event does not decode: {why}"))
+            .bind(id)
+            .execute(&mut *conn)
+            .await
+            .map_err(db)?;
+            out.parked.push(n);
+        }
+        if let ClaimMode::Lease { duration } = mode {
+            self.write_leases(conn, &claimed, request, token, duration)
+                .await?;
+        }
+        claimed.sort_by_key(|(r, _)| r.id);
+        out.claimed = claimed;
+        Ok(out)
+    }
+
+    /// The envelopes of `ids`, decoded (or why not, with the event's id, type, id and version).
+    async fn envelopes(
+        &self,
+        conn: &mut MySqlConnection,
+        ids: &[i64],
+    ) -> Result<HashMap<i64, (Result<Envelope, String>, Meta)>, StoreError> {
+        if ids.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let sql = format!(
+            "SELECT id, {ENVELOPE_COLS} FROM {} WHERE id IN ({})",
+            self.inner.tables.events,
+            marks(ids.len())
+        );
+        let mut q = sqlx::query(&sql);
+        for id in ids {
+            q = q.bind(id);
+        }
+        let rows = q.fetch_all(conn).await.map_err(db)?;
+        let mut out = HashMap::with_capacity(rows.len());
+        for r in &rows {
+            let id: i64 = r.try_get("id").map_err(db)?;
+            let meta = (
+                r.try_get::<Uuid, _>("event_id").map_err(db)?,
+                crate::error::text(r, "aggregate_type")?,
+                crate::error::text(r, "aggregate_id")?,
+                r.try_get::<i64, _>("aggregate_version").map_err(db)?,
+            );
+            out.insert(id, (envelope_from_row(r).map_err(|e| e.message), meta));
+        }
+        Ok(out)
+    }
+
+    /// Parks a candidate for its version (out of order, or a gap past its timeout).
+    async fn park_at_claim(
+        &self,
+        conn: &mut MySqlConnection,
+        id: i64,
+        kind: ParkKind,
+        last: i64,
+        version: i64,
+    ) -> Result<(), StoreError> {
+        let message = match kind {
+            ParkKind::OutOfOrder => format!(
+                "version {version} is at or below {last}, the last version published or \
+                 discarded for its aggregate"
+            ),
+            _ => format!(
+                "version {version} follows {last}: the versions between did not arrive within \
+                 {:?}",
+                self.inner.settings.gap_timeout
+            ),
+        };
+        sqlx::query(&format!(
+            "UPDATE {} SET status = 'parked', parked_at = UTC_TIMESTAMP(6), park_kind = ?, \
+               last_error_class = 'permanent', last_error_kind = ?, last_error_message = ? \
+             WHERE id = ? AND status = 'pending'",
+            self.inner.tables.events
+        ))
+        .bind(kind.as_str())
+        .bind(kind.as_str())
+        .bind(message)
+        .bind(id)
+        .execute(conn)
+        .await
+        .map_err(db)?;
+        Ok(())
+    }
+
+    /// Holds a head that skips a version: checked again within a second, parked once it has
+    /// waited the gap timeout (counted from the first hold).
+    async fn hold_gap(
+        &self,
+        conn: &mut MySqlConnection,
+        id: i64,
+        last: i64,
+    ) -> Result<(), StoreError> {
+        let gap = self.inner.settings.gap_timeout;
+        sqlx::query(&format!(
+            "UPDATE {} SET held_since = COALESCE(held_since, UTC_TIMESTAMP(6)), \
+               next_attempt_at = LEAST( \
+                 COALESCE(held_since, UTC_TIMESTAMP(6)) + INTERVAL ? MICROSECOND, \
+                 UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND), \
+               last_error_class = 'transient', last_error_kind = 'version_gap', \
+               last_error_message = ? \
+             WHERE id = ? AND status = 'pending'",
+            self.inner.tables.events
+        ))
+        .bind(micros(gap))
+        .bind(micros(gap.min(GAP_RECHECK)))
+        .bind(format!(
+            "waiting for version {} of the aggregate (the last published or discarded is {last})",
+            last + 1
+        ))
+        .bind(id)
+        .execute(conn)
+        .await
+        .map_err(db)?;
+        Ok(())
+    }
+
+    /// Lease mode: the leases of the claimed heads in their state rows, and the rows made due
+    /// again only when their lease ends.
+    async fn write_leases(
+        &self,
+        conn: &mut MySqlConnection,
+        claimed: &[(ClaimedRow, ClaimedRecord)],
+        request: &ClaimRequest,
+        token: Uuid,
+        duration: Duration,
+    ) -> Result<(), StoreError> {
+        if claimed.is_empty() {
+            return Ok(());
+        }
+        let until: NaiveDateTime =
+            sqlx::query_scalar("SELECT UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND")
+                .bind(micros(duration))
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(db)?;
+        let t = &self.inner.tables;
+        let cases = vec!["WHEN ? THEN ?"; claimed.len()].join(" ");
+        let sql = format!(
+            "UPDATE {} SET lease_owner = ?, lease_token = ?, lease_until = ?, \
+               lease_row = CASE aggregate_key {cases} END, updated_at = UTC_TIMESTAMP(6) \
+             WHERE aggregate_key IN ({})",
+            t.state,
+            marks(claimed.len())
+        );
+        let mut q = sqlx::query(&sql)
+            .bind(&request.owner)
+            .bind(token)
+            .bind(until);
+        for (r, _) in claimed {
+            q = q.bind(&r.key).bind(r.id);
+        }
+        for (r, _) in claimed {
+            q = q.bind(&r.key);
+        }
+        q.execute(&mut *conn).await.map_err(db)?;
+        // A lease that still named the row (its claim ended without outcome or release) may
+        // have sent it: the row keeps that as `maybe_delivered`.
+        let resend: Vec<i64> = claimed
+            .iter()
+            .filter(|(_, rec)| rec.maybe_sent_before)
+            .map(|(r, _)| r.id)
+            .collect();
+        let resend_clause = if resend.is_empty() {
+            "maybe_delivered".to_owned()
+        } else {
+            format!("maybe_delivered OR id IN ({})", marks(resend.len()))
+        };
+        let sql = format!(
+            "UPDATE {} SET next_attempt_at = ?, maybe_delivered = {resend_clause} \
+             WHERE id IN ({})",
+            t.events,
+            marks(claimed.len())
+        );
+        let mut q = sqlx::query(&sql).bind(until);
+        for id in &resend {
+            q = q.bind(id);
+        }
+        for (r, _) in claimed {
+            q = q.bind(r.id);
+        }
+        q.execute(conn).await.map_err(db)?;
+        Ok(())
+    }
+
+    /// Locked mode, after the decision committed: a transaction of the claim's own that locks
+    /// the claimed rows and their aggregates again (skipping any another claim took meanwhile)
+    /// and checks each decision again; it stays open until the completion.
+    #[allow(clippy::type_complexity)]
+    async fn lock_claimed(
+        &self,
+        claimed: Vec<(ClaimedRow, ClaimedRecord)>,
+    ) -> Result<(Option<HeldConnection>, Vec<(ClaimedRow, ClaimedRecord)>), StoreError> {
+        if claimed.is_empty() {
+            return Ok((None, claimed));
+        }
+        let mut held =
+            HeldConnection::begin(&self.inner.pool, self.inner.settings.locked_max_hold).await?;
+        match self.relock(held.conn(), claimed).await {
+            Ok(kept) if kept.is_empty() => {
+                held.end(false).await?;
+                Ok((None, kept))
+            }
+            Ok(kept) => Ok((Some(held), kept)),
+            // Dropping the held connection closes it: nothing stays locked.
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn relock(
+        &self,
+        conn: &mut MySqlConnection,
+        claimed: Vec<(ClaimedRow, ClaimedRecord)>,
+    ) -> Result<Vec<(ClaimedRow, ClaimedRecord)>, StoreError> {
+        let ids: Vec<i64> = claimed.iter().map(|(r, _)| r.id).collect();
+        let sql = format!(
+            "SELECT id FROM {} WHERE id IN ({}) ORDER BY id FOR UPDATE SKIP LOCKED",
+            self.inner.tables.events,
+            marks(ids.len())
+        );
+        let mut q = sqlx::query_scalar::<_, i64>(&sql);
+        for id in &ids {
+            q = q.bind(id);
+        }
+        let rows: HashSet<i64> = q
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(db)?
+            .into_iter()
+            .collect();
+        let mut keys: Vec<Key> = claimed
+            .iter()
+            .filter(|(r, _)| rows.contains(&r.id))
+            .map(|(r, _)| r.key.clone())
+            .collect();
+        keys.sort();
+        keys.dedup();
+        let locked = self.try_lock(conn, &keys).await?;
+        let views = self.views(conn, &locked).await?;
+        let ids: Vec<i64> = claimed
+            .iter()
+            .filter(|(r, _)| rows.contains(&r.id) && views.contains_key(&r.key))
+            .map(|(r, _)| r.id)
+            .collect();
+        let still: HashSet<i64> = self
+            .candidates(conn, &ids)
+            .await?
+            .into_iter()
+            .filter(|(c, key, ..)| {
+                views
+                    .get(key)
+                    .is_some_and(|v| decide(c, v) == Action::Claim)
+            })
+            .map(|(c, ..)| c.id)
+            .collect();
+        Ok(claimed
+            .into_iter()
+            .filter(|(r, _)| still.contains(&r.id))
+            .collect())
+    }
+
+    /// Drops locked claims held longer than the server allows (`locked_max_hold`: the server
+    /// has closed their sessions), so a relay that never completes nor releases a claim does
+    /// not leak its connection here.
+    fn sweep_locked_claims(&self) {
+        if self.inner.settings.claim_mode != ClaimMode::LockedTransaction {
+            return;
+        }
+        let hold = Duration::from_secs(tx::hold_secs(self.inner.settings.locked_max_hold));
+        let expired: Vec<LockedClaim> = {
+            let mut locked = self.inner.locked.lock().expect("poisoned");
+            let tokens: Vec<Uuid> = locked
+                .iter()
+                .filter(|(_, c)| c.since.elapsed() > hold)
+                .map(|(t, _)| *t)
+                .collect();
+            tokens.iter().filter_map(|t| locked.remove(t)).collect()
+        };
+        if !expired.is_empty() {
+            warn!(
+                claims = expired.len(),
+                "dropping locked claims that were neither completed nor released within locked_max_hold"
+            );
+        }
+        // Dropping a held connection closes it; the server rolls back.
+        drop(expired);
+    }
+
+    /// Number of locked claims held by this store instance (not completed or released).
+    #[doc(hidden)]
+    pub fn open_locked_claims(&self) -> usize {
+        self.inner.locked.lock().expect("poisoned").len()
+    }
+
+    /// Test support: ends a locked claim as a crash would (its connection is closed, so the
+    /// server rolls it back and its locks go), without the relay calling `complete` or
+    /// `release`. Returns `false` when the store holds no such claim.
+    #[doc(hidden)]
+    pub async fn abandon_locked_claim(&self, claim: &ClaimHandle) -> bool {
+        let taken = self
+            .inner
+            .locked
+            .lock()
+            .expect("poisoned")
+            .remove(&claim.token);
+        match taken {
+            Some(mut claim) => {
+                let id: Option<u64> = sqlx::query_scalar("SELECT CONNECTION_ID()")
+                    .fetch_one(claim.held.conn())
+                    .await
+                    .ok();
+                drop(claim);
+                // The server ends the session when it sees the socket close; wait until it is
+                // gone (and its locks with it), as after a crash.
+                if let Some(id) = id {
+                    for _ in 0..200 {
+                        let alive: Option<i64> = sqlx::query_scalar(
+                            "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = ?",
+                        )
+                        .bind(id)
+                        .fetch_one(&self.inner.pool)
+                        .await
+                        .ok();
+                        if alive == Some(0) {
+                            break;
+                        }
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                }
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// The event's id, type, id and version, as read with its envelope.
+type Meta = (Uuid, String, String, i64);
+
+fn notice(meta: &Meta, kind: ParkKind) -> ParkedAtClaim {
+    ParkedAtClaim::new(
+        EventId::from_uuid(meta.0),
+        meta.1.clone(),
+        meta.2.clone(),
+        meta.3,
+        kind,
+    )
+}

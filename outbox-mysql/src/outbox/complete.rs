@@ -1,0 +1,400 @@
+//! Completions and releases (the relay's role): outcomes applied under the claimed
+//! aggregates' state-row locks, only where the claim still owns the row (fencing).
+
+use std::collections::{HashMap, HashSet};
+
+use sqlx::{MySqlConnection, Row};
+use uuid::Uuid;
+
+use outbox_core::{ClaimHandle, ClaimMode, CompletionReport, Outcome, StoreError, StoreErrorKind};
+
+use super::claim::ClaimedRow;
+use super::head::{marks, Key};
+use super::tx::{self, begin, finish, micros};
+use super::MySqlOutboxStore;
+use crate::error::db;
+
+/// Longest delay a completion records.
+const MAX_DELAY: std::time::Duration = std::time::Duration::from_secs(365 * 24 * 3600);
+
+impl MySqlOutboxStore {
+    pub(super) async fn complete_inner(
+        &self,
+        claim: &ClaimHandle,
+        outcomes: &[Outcome],
+    ) -> Result<CompletionReport, StoreError> {
+        match self.inner.settings.claim_mode {
+            ClaimMode::LockedTransaction => {
+                let taken = self
+                    .inner
+                    .locked
+                    .lock()
+                    .expect("poisoned")
+                    .remove(&claim.token);
+                let Some(mut held) = taken else {
+                    // Unknown token: the claim ended (released, timed out) or belongs to
+                    // another store instance. Nothing applied; every outcome is refused.
+                    return Ok(CompletionReport::new(
+                        0,
+                        outcomes.iter().map(Outcome::event_id).collect(),
+                    ));
+                };
+                // The claim's transaction holds the aggregates' locks since the claim.
+                let rows = std::mem::take(&mut held.rows);
+                let owned: HashSet<i64> = rows.iter().map(|r| r.id).collect();
+                let applied = self
+                    .apply(held.held.conn(), &rows, outcomes, &owned)
+                    .await
+                    .map_err(lost_claim);
+                match applied {
+                    Ok(applied) => {
+                        held.held.end(true).await.map_err(lost_claim)?;
+                        Ok(report(outcomes, &rows, &applied))
+                    }
+                    // Dropping the claim closes its connection: the server rolls back.
+                    Err(e) => Err(e),
+                }
+            }
+            _ => {
+                let rows = self.lease_rows(claim.token).await?;
+                let applied = tx::retry_lock_conflicts!(
+                    self.complete_lease(&rows, outcomes, claim.token).await
+                )?;
+                Ok(report(outcomes, &rows, &applied))
+            }
+        }
+    }
+
+    pub(super) async fn release_inner(&self, claim: &ClaimHandle) -> Result<(), StoreError> {
+        match self.inner.settings.claim_mode {
+            ClaimMode::LockedTransaction => {
+                let taken = self
+                    .inner
+                    .locked
+                    .lock()
+                    .expect("poisoned")
+                    .remove(&claim.token);
+                if let Some(held) = taken {
+                    if let Err(e) = held.held.end(false).await {
+                        // The connection is closed, and its locks are gone with it.
+                        tracing::warn!(error = %e, "rollback of a released claim failed");
+                    }
+                }
+                Ok(())
+            }
+            _ => {
+                let rows = self.lease_rows(claim.token).await?;
+                if rows.is_empty() {
+                    return Ok(());
+                }
+                tx::retry_lock_conflicts!(self.release_lease(&rows, claim.token).await)
+            }
+        }
+    }
+
+    /// One transaction of a lease completion.
+    async fn complete_lease(
+        &self,
+        rows: &[ClaimedRow],
+        outcomes: &[Outcome],
+        token: Uuid,
+    ) -> Result<Vec<i64>, StoreError> {
+        let mut tx = begin(&self.inner.pool).await?;
+        let applied = async {
+            // Serialized with claims and operator actions on the same aggregates: a claim
+            // decides after it holds these locks.
+            let owned = self.owned_rows(&mut tx, rows, token).await?;
+            self.apply(&mut tx, rows, outcomes, &owned).await
+        }
+        .await;
+        finish(tx, applied).await
+    }
+
+    /// One transaction of a lease release.
+    async fn release_lease(&self, rows: &[ClaimedRow], token: Uuid) -> Result<(), StoreError> {
+        let mut tx = begin(&self.inner.pool).await?;
+        let done = async {
+            let owned = self.owned_rows(&mut tx, rows, token).await?;
+            self.end_leases(&mut tx, rows, &owned, &HashSet::new())
+                .await
+        }
+        .await;
+        finish(tx, done).await
+    }
+
+    /// Locks the aggregates of `rows` (blocking, in key order) and returns the rows whose
+    /// aggregate's lease still carries `token` and names the row.
+    async fn owned_rows(
+        &self,
+        conn: &mut MySqlConnection,
+        rows: &[ClaimedRow],
+        token: Uuid,
+    ) -> Result<HashSet<i64>, StoreError> {
+        if rows.is_empty() {
+            return Ok(HashSet::new());
+        }
+        let mut keys: Vec<&Key> = rows.iter().map(|r| &r.key).collect();
+        keys.sort();
+        keys.dedup();
+        let sql = format!(
+            "SELECT aggregate_key, lease_token, lease_row FROM {} \
+             WHERE aggregate_key IN ({}) ORDER BY aggregate_key FOR UPDATE",
+            self.inner.tables.state,
+            marks(keys.len())
+        );
+        let mut q = sqlx::query(&sql);
+        for k in &keys {
+            q = q.bind(*k);
+        }
+        let states = q.fetch_all(&mut *conn).await.map_err(db)?;
+        let mut owned = HashSet::new();
+        for s in &states {
+            let t: Option<Uuid> = s.try_get("lease_token").map_err(db)?;
+            let row: Option<i64> = s.try_get("lease_row").map_err(db)?;
+            if t == Some(token) {
+                if let Some(row) = row {
+                    owned.insert(row);
+                }
+            }
+        }
+        Ok(owned)
+    }
+
+    /// Applies each outcome to its row where the claim owns it (`owned`) and the row is still
+    /// pending; ends the leases of the owned rows; advances the last version on a publication
+    /// and unblocks what follows. Returns the ids of the rows an outcome was applied to.
+    async fn apply(
+        &self,
+        conn: &mut MySqlConnection,
+        rows: &[ClaimedRow],
+        outcomes: &[Outcome],
+        owned: &HashSet<i64>,
+    ) -> Result<Vec<i64>, StoreError> {
+        let by_event: HashMap<Uuid, &Outcome> = outcomes
+            .iter()
+            .rev()
+            .map(|o| (o.event_id().as_uuid(), o))
+            .collect();
+        let t = &self.inner.tables;
+        let mut applied = Vec::new();
+        let mut published: Vec<&ClaimedRow> = Vec::new();
+        let published_sql = format!(
+            "UPDATE {} SET status = 'published', published_at = UTC_TIMESTAMP(6), \
+               finished_at = UTC_TIMESTAMP(6), ack_topic = ?, ack_partition = ?, \
+               ack_offset = ? WHERE id = ? AND status = 'pending'",
+            t.events
+        );
+        let retry_sql = format!(
+            "UPDATE {} SET attempts = attempts + ?, \
+               next_attempt_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, \
+               last_error_class = ?, last_error_kind = ?, last_error_message = ?, \
+               maybe_delivered = maybe_delivered OR ? \
+             WHERE id = ? AND status = 'pending'",
+            t.events
+        );
+        let park_sql = format!(
+            "UPDATE {} SET status = 'parked', attempts = attempts + 1, \
+               parked_at = UTC_TIMESTAMP(6), park_kind = ?, last_error_class = ?, \
+               last_error_kind = ?, last_error_message = ?, \
+               maybe_delivered = maybe_delivered OR ? \
+             WHERE id = ? AND status = 'pending'",
+            t.events
+        );
+        for row in rows.iter().filter(|r| owned.contains(&r.id)) {
+            let Some(outcome) = by_event.get(&row.event) else {
+                continue;
+            };
+            let q = match outcome {
+                Outcome::Published { ack, .. } => sqlx::query(&published_sql)
+                    .bind(&ack.topic)
+                    .bind(ack.partition)
+                    .bind(ack.offset),
+                Outcome::Retry { delay, error, .. } | Outcome::Defer { delay, error, .. } => {
+                    let count = i32::from(matches!(outcome, Outcome::Retry { .. }));
+                    sqlx::query(&retry_sql)
+                        .bind(count)
+                        // A delay beyond a year is a policy bug; capped so the time cannot
+                        // overflow.
+                        .bind(micros((*delay).min(MAX_DELAY)))
+                        .bind(error.class.as_str())
+                        .bind(&error.kind)
+                        .bind(&error.message)
+                        .bind(error.delivery_uncertain())
+                }
+                Outcome::Park { reason, .. } => sqlx::query(&park_sql)
+                    .bind(reason.kind.as_str())
+                    .bind(reason.error.class.as_str())
+                    .bind(&reason.error.kind)
+                    .bind(&reason.error.message)
+                    .bind(reason.error.delivery_uncertain()),
+            };
+            let n = q
+                .bind(row.id)
+                .execute(&mut *conn)
+                .await
+                .map_err(db)?
+                .rows_affected();
+            if n == 1 {
+                applied.push(row.id);
+                if matches!(outcome, Outcome::Published { .. }) {
+                    published.push(row);
+                }
+            }
+        }
+        let done: HashSet<i64> = applied.iter().copied().collect();
+        self.end_leases(conn, rows, owned, &done).await?;
+        if !published.is_empty() {
+            // The last version moves to the published one (never down), then the aggregate's
+            // next row becomes a candidate.
+            let mut lasts: Vec<(Key, i64)> = Vec::with_capacity(published.len());
+            for row in &published {
+                let last: Option<i64> = sqlx::query_scalar(&format!(
+                    "SELECT last_version FROM {} WHERE aggregate_key = ?",
+                    t.state
+                ))
+                .bind(&row.key)
+                .fetch_optional(&mut *conn)
+                .await
+                .map_err(db)?
+                .flatten();
+                let new_last = last.unwrap_or(0).max(row.version);
+                sqlx::query(&format!(
+                    "UPDATE {} SET last_version = ?, updated_at = UTC_TIMESTAMP(6) \
+                     WHERE aggregate_key = ?",
+                    t.state
+                ))
+                .bind(new_last)
+                .bind(&row.key)
+                .execute(&mut *conn)
+                .await
+                .map_err(db)?;
+                lasts.push((row.key.clone(), new_last));
+            }
+            self.promote(conn, &lasts).await?;
+        }
+        Ok(applied)
+    }
+
+    /// Ends the leases of the owned rows (lease mode). An owned row that got no outcome
+    /// (`done`) was made to wait for its lease by the claim: it is due again now.
+    async fn end_leases(
+        &self,
+        conn: &mut MySqlConnection,
+        rows: &[ClaimedRow],
+        owned: &HashSet<i64>,
+        done: &HashSet<i64>,
+    ) -> Result<(), StoreError> {
+        if !matches!(self.inner.settings.claim_mode, ClaimMode::Lease { .. }) {
+            return Ok(());
+        }
+        let mine: Vec<&ClaimedRow> = rows.iter().filter(|r| owned.contains(&r.id)).collect();
+        if mine.is_empty() {
+            return Ok(());
+        }
+        let t = &self.inner.tables;
+        let sql = format!(
+            "UPDATE {} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL, \
+               lease_row = NULL, updated_at = UTC_TIMESTAMP(6) WHERE aggregate_key IN ({})",
+            t.state,
+            marks(mine.len())
+        );
+        let mut q = sqlx::query(&sql);
+        for r in &mine {
+            q = q.bind(&r.key);
+        }
+        q.execute(&mut *conn).await.map_err(db)?;
+        let back: Vec<i64> = mine
+            .iter()
+            .filter(|r| !done.contains(&r.id))
+            .map(|r| r.id)
+            .collect();
+        if !back.is_empty() {
+            let sql = format!(
+                "UPDATE {} SET next_attempt_at = UTC_TIMESTAMP(6) \
+                 WHERE id IN ({}) AND status = 'pending'",
+                t.events,
+                marks(back.len())
+            );
+            let mut q = sqlx::query(&sql);
+            for id in &back {
+                q = q.bind(id);
+            }
+            q.execute(&mut *conn).await.map_err(db)?;
+        }
+        Ok(())
+    }
+
+    /// The rows of a lease claim: from memory (claimed here), else from the database.
+    pub(super) async fn lease_rows(&self, token: Uuid) -> Result<Vec<ClaimedRow>, StoreError> {
+        let known = self.inner.leased.lock().expect("poisoned").remove(&token);
+        if let Some((rows, _)) = known {
+            return Ok(rows);
+        }
+        let t = &self.inner.tables;
+        let rows = sqlx::query(&format!(
+            "SELECT e.id, e.event_id, e.aggregate_key, e.aggregate_version \
+             FROM {} a JOIN {} e ON e.id = a.lease_row WHERE a.lease_token = ?",
+            t.state, t.events
+        ))
+        .bind(token)
+        .fetch_all(&self.inner.pool)
+        .await
+        .map_err(db)?;
+        rows.iter()
+            .map(|r| {
+                Ok(ClaimedRow {
+                    id: r.try_get("id")?,
+                    event: r.try_get("event_id")?,
+                    key: r.try_get("aggregate_key")?,
+                    version: r.try_get("aggregate_version")?,
+                })
+            })
+            .collect::<Result<_, sqlx::Error>>()
+            .map_err(db)
+    }
+}
+
+/// The completion report: outcomes whose row was not updated were refused.
+fn report(outcomes: &[Outcome], rows: &[ClaimedRow], applied: &[i64]) -> CompletionReport {
+    let applied: HashSet<i64> = applied.iter().copied().collect();
+    let applied_events: HashSet<Uuid> = rows
+        .iter()
+        .filter(|r| applied.contains(&r.id))
+        .map(|r| r.event)
+        .collect();
+    let refused = outcomes
+        .iter()
+        .map(Outcome::event_id)
+        .filter(|e| !applied_events.contains(&e.as_uuid()))
+        .collect();
+    CompletionReport::new(applied.len(), refused)
+}
+
+/// A lost connection under a locked claim means the claim is gone (the server rolled it back).
+pub(super) fn lost_claim(e: StoreError) -> StoreError {
+    if e.kind == StoreErrorKind::Connection {
+        StoreError::new(
+            StoreErrorKind::LeaseLost,
+            format!("the locked claim's connection was lost: {}", e.message),
+        )
+        .with_source(e)
+    } else {
+        e
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connection lost under a locked claim means the claim is gone; any other failure
+    /// keeps its kind.
+    #[test]
+    fn a_lost_connection_under_a_locked_claim_is_a_lost_lease() {
+        let e = lost_claim(StoreError::new(StoreErrorKind::Connection, "reset by peer"));
+        assert_eq!(e.kind, StoreErrorKind::LeaseLost);
+        assert!(e.message.contains("reset by peer"), "{}", e.message);
+        let e = lost_claim(StoreError::new(StoreErrorKind::Conflict, "deadlock"));
+        assert_eq!(e.kind, StoreErrorKind::Conflict);
+    }
+}

@@ -1,0 +1,327 @@
+//! Aggregate state under its lock: the state rows (`<table>_aggregate`), their row locks, the
+//! aggregate's head, and the unblocking of the rows that became candidates again.
+//!
+//! An aggregate's state row is its lock: every writer of its delivery state locks the row
+//! (`FOR UPDATE`, or `FOR UPDATE SKIP LOCKED` in claims) and reads what it decides on in a
+//! later statement (READ COMMITTED: a new snapshot per statement, taken after the lock).
+
+use std::collections::HashMap;
+
+use sqlx::{MySqlConnection, Row};
+
+use outbox_core::StoreError;
+
+use super::MySqlOutboxStore;
+use crate::error::{db, is_duplicate};
+
+/// An aggregate key (SHA-256 of type, U+001F, id; computed by the server).
+pub(crate) type Key = Vec<u8>;
+
+/// `?, ?, ...` for `n` values.
+pub(crate) fn marks(n: usize) -> String {
+    vec!["?"; n].join(", ")
+}
+
+/// The first unfinished row of an aggregate above its last version.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Head {
+    pub(crate) id: i64,
+    pub(crate) version: i64,
+    pub(crate) parked: bool,
+    pub(crate) blocked: bool,
+}
+
+/// An aggregate's delivery state as read after its lock.
+#[derive(Clone, Debug)]
+pub(crate) struct AggView {
+    /// The last version the version rule counts from: `last`, or for an aggregate without one
+    /// 0 (its first event must be version 1) or, with `accept_first_version`, one below its
+    /// lowest unfinished version.
+    pub(crate) last_eff: i64,
+    /// A live lease (the database clock says it has not expired).
+    pub(crate) leased: bool,
+    pub(crate) lease_row: Option<i64>,
+    /// The head: first unfinished (pending or parked) row above `last_eff` in (version, id).
+    pub(crate) head: Option<Head>,
+}
+
+impl MySqlOutboxStore {
+    /// Creates the missing state rows of `keys` (`ids`: event rows of those aggregates, where
+    /// the type and id come from). New rows are locked by this transaction; an existing row is
+    /// neither read with a lock nor waited for. A row inserted concurrently by another
+    /// transaction is waited for (inserts happen in short transactions only) and then taken
+    /// as existing.
+    pub(crate) async fn ensure_state_rows(
+        &self,
+        conn: &mut MySqlConnection,
+        ids: &[i64],
+    ) -> Result<(), StoreError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let t = &self.inner.tables;
+        let sql = format!(
+            "INSERT INTO {state} (aggregate_key, aggregate_type, aggregate_id, updated_at) \
+             SELECT e.aggregate_key, MIN(e.aggregate_type), MIN(e.aggregate_id), \
+                    UTC_TIMESTAMP(6) \
+             FROM {events} e \
+             WHERE e.id IN ({}) \
+               AND NOT EXISTS (SELECT 1 FROM {state} a WHERE a.aggregate_key = e.aggregate_key) \
+             GROUP BY e.aggregate_key",
+            marks(ids.len()),
+            state = t.state,
+            events = t.events,
+        );
+        for attempt in 0..3 {
+            let mut q = sqlx::query(&sql);
+            for id in ids {
+                q = q.bind(id);
+            }
+            match q.execute(&mut *conn).await {
+                Ok(_) => return Ok(()),
+                // Another transaction inserted one of them meanwhile: the statement was rolled
+                // back alone; the next attempt sees that row as existing.
+                Err(e) if is_duplicate(&e) && attempt < 2 => continue,
+                Err(e) => return Err(db(e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Locks the state rows of `keys` that no other transaction holds; returns those locked.
+    pub(crate) async fn try_lock(
+        &self,
+        conn: &mut MySqlConnection,
+        keys: &[Key],
+    ) -> Result<Vec<Key>, StoreError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let sql = format!(
+            "SELECT aggregate_key FROM {} WHERE aggregate_key IN ({}) \
+             ORDER BY aggregate_key FOR UPDATE SKIP LOCKED",
+            self.inner.tables.state,
+            marks(keys.len())
+        );
+        let mut q = sqlx::query_scalar::<_, Vec<u8>>(&sql);
+        for k in keys {
+            q = q.bind(k);
+        }
+        q.fetch_all(conn).await.map_err(db)
+    }
+
+    /// Locks the state rows of `keys` (creating missing ones from `(key, type, id)`), waiting
+    /// for other holders, in key order (so two lockers of the same keys never deadlock).
+    pub(crate) async fn lock_keys(
+        &self,
+        conn: &mut MySqlConnection,
+        aggregates: &[(Key, String, String)],
+    ) -> Result<(), StoreError> {
+        let mut sorted: Vec<&(Key, String, String)> = aggregates.iter().collect();
+        sorted.sort_by(|a, b| a.0.cmp(&b.0));
+        sorted.dedup_by(|a, b| a.0 == b.0);
+        for (key, agg_type, agg_id) in sorted {
+            // Creates the row or locks the existing one (an upsert takes the row's lock).
+            sqlx::query(&format!(
+                "INSERT INTO {} (aggregate_key, aggregate_type, aggregate_id, updated_at) \
+                 VALUES (?, ?, ?, UTC_TIMESTAMP(6)) \
+                 ON DUPLICATE KEY UPDATE aggregate_key = aggregate_key",
+                self.inner.tables.state
+            ))
+            .bind(key)
+            .bind(agg_type)
+            .bind(agg_id)
+            .execute(&mut *conn)
+            .await
+            .map_err(db)?;
+        }
+        Ok(())
+    }
+
+    /// The state of `keys` (locked by this transaction), read in a statement after the locks.
+    pub(crate) async fn views(
+        &self,
+        conn: &mut MySqlConnection,
+        keys: &[Key],
+    ) -> Result<HashMap<Key, AggView>, StoreError> {
+        if keys.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let t = &self.inner.tables;
+        let accept_first = self.inner.settings.accept_first_version;
+        // The lowest unfinished version, for aggregates without a last version (one probe of
+        // the aggregate index per status).
+        let mins = if accept_first {
+            format!(
+                "(SELECT MIN(u.aggregate_version) FROM {e} u \
+                  WHERE u.aggregate_key = a.aggregate_key AND u.status = 'pending') AS min_pending, \
+                 (SELECT MIN(u.aggregate_version) FROM {e} u \
+                  WHERE u.aggregate_key = a.aggregate_key AND u.status = 'parked') AS min_parked",
+                e = t.events
+            )
+        } else {
+            "NULL AS min_pending, NULL AS min_parked".to_owned()
+        };
+        let sql = format!(
+            "SELECT a.aggregate_key, a.last_version, a.lease_row, \
+                    COALESCE(a.lease_until > UTC_TIMESTAMP(6), 0) AS leased, \
+                    {mins} \
+             FROM {} a WHERE a.aggregate_key IN ({})",
+            t.state,
+            marks(keys.len())
+        );
+        let mut q = sqlx::query(&sql);
+        for k in keys {
+            q = q.bind(k);
+        }
+        let rows = q.fetch_all(&mut *conn).await.map_err(db)?;
+        let mut views = HashMap::with_capacity(rows.len());
+        for r in &rows {
+            let key: Vec<u8> = r.try_get("aggregate_key").map_err(db)?;
+            let last: Option<i64> = r.try_get("last_version").map_err(db)?;
+            let min_pending: Option<i64> = r.try_get("min_pending").map_err(db)?;
+            let min_parked: Option<i64> = r.try_get("min_parked").map_err(db)?;
+            let last_eff = match last {
+                Some(l) => l,
+                None if accept_first => match (min_pending, min_parked) {
+                    (None, None) => 0,
+                    (a, b) => a.into_iter().chain(b).min().unwrap_or(1) - 1,
+                },
+                None => 0,
+            };
+            views.insert(
+                key,
+                AggView {
+                    last_eff,
+                    leased: r.try_get::<i64, _>("leased").map_err(db)? != 0,
+                    lease_row: r.try_get("lease_row").map_err(db)?,
+                    head: None,
+                },
+            );
+        }
+        let lasts: Vec<(Key, i64)> = views.iter().map(|(k, v)| (k.clone(), v.last_eff)).collect();
+        for (key, head) in self.heads(conn, &lasts).await? {
+            if let Some(v) = views.get_mut(&key) {
+                v.head = Some(head);
+            }
+        }
+        Ok(views)
+    }
+
+    /// The head of each aggregate above the given last version: its first pending or parked
+    /// row in (version, id). Two index probes per aggregate, in one statement.
+    pub(crate) async fn heads(
+        &self,
+        conn: &mut MySqlConnection,
+        lasts: &[(Key, i64)],
+    ) -> Result<HashMap<Key, Head>, StoreError> {
+        Ok(self.probe(conn, lasts, false).await?.0)
+    }
+
+    /// The heads, and (with `stale`) the blocked pending rows at or below each last version.
+    async fn probe(
+        &self,
+        conn: &mut MySqlConnection,
+        lasts: &[(Key, i64)],
+        stale: bool,
+    ) -> Result<(HashMap<Key, Head>, Vec<i64>), StoreError> {
+        if lasts.is_empty() {
+            return Ok((HashMap::new(), Vec::new()));
+        }
+        let e = &self.inner.tables.events;
+        let head = |status: &str| {
+            format!(
+                "(SELECT 'h' AS part, id, aggregate_key, aggregate_version, status, blocked \
+                  FROM {e} WHERE aggregate_key = ? AND status = '{status}' \
+                    AND aggregate_version > ? \
+                  ORDER BY aggregate_version, id LIMIT 1)"
+            )
+        };
+        // Pending rows at or below the last version: an index range that is empty unless a
+        // duplicate or late version waits there.
+        let below = format!(
+            "(SELECT 's' AS part, id, aggregate_key, aggregate_version, status, blocked \
+              FROM {e} WHERE aggregate_key = ? AND status = 'pending' \
+                AND aggregate_version <= ? AND blocked = 1)"
+        );
+        let mut parts: Vec<String> = Vec::with_capacity(lasts.len() * 3);
+        for _ in lasts {
+            parts.push(head("pending"));
+            parts.push(head("parked"));
+            if stale {
+                parts.push(below.clone());
+            }
+        }
+        let sql = parts.join(" UNION ALL ");
+        let mut q = sqlx::query(&sql);
+        for (k, last) in lasts {
+            q = q.bind(k).bind(last).bind(k).bind(last);
+            if stale {
+                q = q.bind(k).bind(last);
+            }
+        }
+        let rows = q.fetch_all(conn).await.map_err(db)?;
+        let mut heads: HashMap<Key, Head> = HashMap::new();
+        let mut below_ids = Vec::new();
+        for r in &rows {
+            let part: String = crate::error::text(r, "part")?;
+            let id: i64 = r.try_get("id").map_err(db)?;
+            if part == "s" {
+                below_ids.push(id);
+                continue;
+            }
+            let key: Vec<u8> = r.try_get("aggregate_key").map_err(db)?;
+            let status: String = crate::error::text(r, "status")?;
+            let h = Head {
+                id,
+                version: r.try_get("aggregate_version").map_err(db)?,
+                parked: status == "parked",
+                blocked: r.try_get("blocked").map_err(db)?,
+            };
+            match heads.get(&key) {
+                Some(old) if (old.version, old.id) <= (h.version, h.id) => {}
+                _ => {
+                    heads.insert(key, h);
+                }
+            }
+        }
+        Ok((heads, below_ids))
+    }
+
+    /// After the last version of these aggregates moved to the given values (under their
+    /// locks): unblocks each one's new head, and every pending row at or below its last
+    /// version (a duplicate or late version, which the next claim parks as out of order).
+    /// Rows are blocked only while an earlier unfinished row exists; every change that can
+    /// end that state calls this in the same transaction, so no aggregate is left with only
+    /// blocked rows.
+    pub(crate) async fn promote(
+        &self,
+        conn: &mut MySqlConnection,
+        lasts: &[(Key, i64)],
+    ) -> Result<(), StoreError> {
+        if lasts.is_empty() {
+            return Ok(());
+        }
+        let (heads, mut ids) = self.probe(conn, lasts, true).await?;
+        ids.extend(
+            heads
+                .values()
+                .filter(|h| !h.parked && h.blocked)
+                .map(|h| h.id),
+        );
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let sql = format!(
+            "UPDATE {} SET blocked = 0 WHERE id IN ({}) AND status = 'pending' AND blocked = 1",
+            self.inner.tables.events,
+            marks(ids.len())
+        );
+        let mut q = sqlx::query(&sql);
+        for id in &ids {
+            q = q.bind(id);
+        }
+        q.execute(conn).await.map_err(db)?;
+        Ok(())
+    }
+}
