@@ -171,6 +171,11 @@ mod conformance_through_the_wrapper {
             BackpressureStore::new(self.0.store(mode).await, gate)
         }
 
+        async fn store_accepting_first_version(&self, mode: ClaimMode) -> Self::Store {
+            let gate = Arc::new(Backpressure::new(BackpressurePolicy::default()));
+            BackpressureStore::new(self.0.store_accepting_first_version(mode).await, gate)
+        }
+
         async fn begin(&self) -> MemoryTx {
             self.0.begin().await
         }

@@ -15,6 +15,7 @@ const OUTBOX_V2: &str = include_str!("migrations/0002_outbox.sql");
 const OUTBOX_V3: &str = include_str!("migrations/0003_outbox.sql");
 const OUTBOX_V4: &str = include_str!("migrations/0004_outbox.sql");
 const OUTBOX_V5: &str = include_str!("migrations/0005_outbox.sql");
+const OUTBOX_V6: &str = include_str!("migrations/0006_outbox.sql");
 const INBOX_V1: &str = include_str!("migrations/0001_inbox.sql");
 const INBOX_V2: &str = include_str!("migrations/0002_inbox.sql");
 const INBOX_V3: &str = include_str!("migrations/0003_inbox.sql");
@@ -81,7 +82,7 @@ pub fn outbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError
     validate_identifier("schema", schema, MAX_IDENTIFIER_LEN)?;
     validate_identifier("table", table, MAX_TABLE_NAME_LEN)?;
     Ok(render(
-        &format!("{OUTBOX_V1}{OUTBOX_V2}{OUTBOX_V3}{OUTBOX_V4}{OUTBOX_V5}"),
+        &format!("{OUTBOX_V1}{OUTBOX_V2}{OUTBOX_V3}{OUTBOX_V4}{OUTBOX_V5}{OUTBOX_V6}"),
         schema,
         table,
     ))
@@ -129,6 +130,11 @@ pub(crate) async fn migrate(
                     OUTBOX_V4,
                 ),
                 (5, "one time index for published rows", OUTBOX_V5),
+                (
+                    6,
+                    "unknown last version until a publication or discard",
+                    OUTBOX_V6,
+                ),
             ],
         ),
         Component::Inbox => (

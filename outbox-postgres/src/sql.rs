@@ -130,25 +130,15 @@ impl OutboxSql {
         //   gap_hold  the head skips a version: held, re-checked after a short delay
         //   wait      the head is under a live lease (a mixed-mode relay) or not due
         //   claim     the head, version last + 1, due: claimed (lease mode: the lease)
-        // The last version of an aggregate without state: 0 (its first event must be version
-        // 1), or, with `accept_first_version`, one below its lowest unfinished version.
-        let unknown_last = if accept_first_version {
-            format!(
-                "(SELECT min(u.aggregate_version) - 1 FROM {t} u \
-                  WHERE {ku} = {kr} AND u.status IN ('pending', 'parked') \
-                    AND u.aggregate_type = r.aggregate_type AND u.aggregate_id = r.aggregate_id)",
-                ku = agg("u"),
-                kr = agg("r"),
-            )
-        } else {
-            "0".to_owned()
-        };
+        // The last version of an aggregate without state (no row, or a row whose
+        // `last_version` is still NULL: nothing published or discarded, migration 6).
+        let unknown_r = unknown_last(&t, "r", accept_first_version);
         let decide = |gap: u8, recheck: u8| {
             format!(
                 "c AS MATERIALIZED ( \
                    SELECT r.id, {cols}, r.attempts, r.held_since, {kr} AS k, \
                           r.next_attempt_at <= now() AS due, \
-                          COALESCE(a.last_version, {unknown_last}) AS last, \
+                          COALESCE(a.last_version, {unknown_r}) AS last, \
                           COALESCE(a.lease_until > clock_timestamp(), false) AS leased, \
                           (COALESCE(a.lease_row = r.id, false) OR r.maybe_delivered) AS resend \
                    FROM UNNEST($1::int8[]) AS x(id) \
@@ -216,7 +206,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                 ku = agg("u"),
                 kb = agg("b"),
                 sr = state_of("a", "r"),
-                unknown_last = unknown_last,
+                unknown_r = unknown_r,
                 gap_i = micros(gap),
                 recheck_i = micros(recheck),
             )
@@ -226,7 +216,9 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
             prefixed("h", ENVELOPE_COLS)
         );
         // Lease mode: the claimed heads get their leases in the aggregate-state row (created
-        // at the aggregate's first claim). A released or expired lease is taken over in place.
+        // at the aggregate's first claim, with `last_version` left NULL: a claim publishes
+        // nothing, so the aggregate still has no last version until its completion or an
+        // operator sets one). A released or expired lease is taken over in place.
         // A lease that still names the row (`resend`: its claim ended without outcome or
         // release) may have sent it: the row keeps that as `maybe_delivered`, so a later claim
         // still counts its publication as a re-send.
@@ -534,7 +526,8 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                (SELECT count(*) FROM {t} e WHERE e.status = 'pending' AND NOT e.blocked \
                   AND e.last_error_kind = 'version_gap' \
                   AND e.aggregate_version > 1 + COALESCE( \
-                    (SELECT a.last_version FROM {state} a WHERE {se}), 0)) AS gaps_held, \
+                    (SELECT a.last_version FROM {state} a WHERE {se}), {unknown_e})) \
+                  AS gaps_held, \
                (SELECT count(DISTINCT l.k) FROM {t} e \
                   JOIN (SELECT DISTINCT (l.classid::int8 << 32) | l.objid::int8 AS k \
                         FROM pg_locks l \
@@ -550,6 +543,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                   WHERE status = 'parked') AS oldest_parked",
             se = state_of("a", "e"),
             ke = agg("e"),
+            unknown_e = unknown_last(&t, "e", accept_first_version),
         );
         let table_stats = "SELECT pg_total_relation_size(c.oid)::float8 AS total_bytes, \
                     pg_relation_size(c.oid)::float8 AS table_bytes, \
@@ -590,6 +584,22 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
             stats,
             table_stats,
         }
+    }
+}
+
+/// The last version of row alias `r`'s aggregate when it has no state: 0 (its first event must
+/// be version 1), or, with `accept_first_version`, one below its lowest unfinished version.
+fn unknown_last(t: &str, r: &str, accept_first_version: bool) -> String {
+    if accept_first_version {
+        format!(
+            "(SELECT min(u.aggregate_version) - 1 FROM {t} u \
+              WHERE {ku} = {kr} AND u.status IN ('pending', 'parked') \
+                AND u.aggregate_type = {r}.aggregate_type AND u.aggregate_id = {r}.aggregate_id)",
+            ku = agg("u"),
+            kr = agg(r),
+        )
+    } else {
+        "0".to_owned()
     }
 }
 

@@ -91,7 +91,10 @@ impl PostgresOutboxStoreBuilder {
     /// already have a history, or after upgrading from a version before migration 3 whose
     /// cleanup removed (without archiving) every row of quiet aggregates. The price: for an
     /// aggregate without state, a lower version that commits after a higher one is parked as
-    /// out of order instead of going out first.
+    /// out of order instead of going out first. An aggregate has state once one of its events
+    /// was published or discarded; a claim that ends without a publication (a release, a
+    /// deferral during a broker outage, a retry, a relay's crash) leaves it without state, so
+    /// its first version is accepted again by the next claim (migration 6).
     pub fn accept_first_version(mut self, on: bool) -> Self {
         self.settings.accept_first_version = on;
         self

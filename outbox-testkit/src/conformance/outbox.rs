@@ -1076,3 +1076,136 @@ pub async fn operator_action_on_a_filling_gap_is_refused<H: OutboxHarness>(h: &H
     store.retry_parked(v2.event_id, "ops").await.expect("retry");
     assert_eq!(ids(&claim(&store, "r", 10).await), set(&[&v2]));
 }
+
+/// With `accept_first_version`, an aggregate without state accepts its lowest unfinished
+/// version as its first, and keeps accepting it after a claim that ends without a
+/// publication: a release, a deferral (a broker outage), a retry, or the relay's crash (an
+/// expired lease, a dropped locked claim). Its head is never held as a version gap for that,
+/// so nothing is parked. Once a version is published the aggregate has state: a later gap is
+/// held as usual.
+pub async fn first_version_is_accepted_again_after_a_claim_that_did_not_publish<
+    H: OutboxHarness,
+>(
+    h: &H,
+) {
+    let caps = h.capabilities();
+    if !caps.accept_first_version {
+        return not_applicable(
+            "first_version_is_accepted_again_after_a_claim_that_did_not_publish",
+            "the backend cannot accept a first version above 1",
+        );
+    }
+    let modes: Vec<ClaimMode> = [
+        caps.lease.then(|| caps.lease_mode()),
+        caps.locked_transaction
+            .then_some(ClaimMode::LockedTransaction),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let transient = |kind: &str| LastError {
+        class: ErrorClass::Transient,
+        kind: kind.into(),
+        message: "injected by the conformance suite".into(),
+    };
+    for mode in modes {
+        let store = h.store_accepting_first_version(mode).await;
+        for end in ["release", "defer", "retry", "crash"] {
+            // An aggregate with a history from before the outbox: its first event here is 3.
+            let a = agg(&format!("first-{end}"));
+            let (v3, v4) = (event(&a, 3), event(&a, 4));
+            append_committed(h, &store, &[v3.clone(), v4.clone()]).await;
+            let first = claim(&store, "r", 10).await;
+            assert_eq!(ids(&first), set(&[&v3]), "{mode:?} {end}: the first claim");
+            let attempts = match end {
+                "release" => {
+                    store.release(&first.handle).await.expect("release");
+                    0
+                }
+                "defer" | "retry" => {
+                    let outcome = if end == "defer" {
+                        Outcome::Defer {
+                            event_id: v3.event_id,
+                            delay: std::time::Duration::ZERO,
+                            error: transient("broker_unavailable"),
+                        }
+                    } else {
+                        Outcome::Retry {
+                            event_id: v3.event_id,
+                            delay: std::time::Duration::ZERO,
+                            error: transient("timeout"),
+                        }
+                    };
+                    let rep = store
+                        .complete(&first.handle, &[outcome])
+                        .await
+                        .expect("complete");
+                    assert_eq!(rep.applied, 1, "{mode:?} {end}");
+                    u32::from(end == "retry")
+                }
+                _ => {
+                    if mode == ClaimMode::LockedTransaction {
+                        if !h.abandon(&store, &first.handle).await {
+                            eprintln!(
+                                "conformance: {mode:?} crash skipped: the harness cannot drop \
+                                 a relay's connection (OutboxHarness::abandon)"
+                            );
+                            store.release(&first.handle).await.expect("release");
+                        }
+                    } else {
+                        h.advance(caps.lease_duration + caps.time_step).await;
+                    }
+                    0
+                }
+            };
+            let again = claim(&store, "r", 10).await;
+            assert_eq!(
+                ids(&again),
+                set(&[&v3]),
+                "{mode:?} {end}: the first version must be accepted again (held: {}, \
+                 parked: {:?})",
+                again.gaps_held,
+                again.parked
+            );
+            assert_eq!(again.gaps_held, 0, "{mode:?} {end}");
+            assert_eq!(again.records[0].attempts, attempts, "{mode:?} {end}");
+            assert_eq!(
+                store.stats().await.expect("stats").version_gaps_held,
+                0,
+                "{mode:?} {end}: no gap is held"
+            );
+            store
+                .complete(&again.handle, &publish_all(&again))
+                .await
+                .expect("complete");
+            let next = claim(&store, "r", 10).await;
+            assert_eq!(ids(&next), set(&[&v4]), "{mode:?} {end}: then version 4");
+            store
+                .complete(&next.handle, &publish_all(&next))
+                .await
+                .expect("complete");
+            if end != "crash" {
+                continue;
+            }
+            // The aggregate has state now: version 6 skips 5 and is held.
+            let v6 = event(&a, 6);
+            append_committed(h, &store, std::slice::from_ref(&v6)).await;
+            let held = claim(&store, "r", 10).await;
+            assert!(held.is_empty(), "{mode:?}: version 6 went out after 4");
+            assert_eq!(held.gaps_held, 1, "{mode:?}");
+            // Filled, so that the next mode starts from an empty backlog.
+            let v5 = event(&a, 5);
+            append_committed(h, &store, std::slice::from_ref(&v5)).await;
+            for expected in [&v5, &v6] {
+                h.advance(caps.gap_timeout.min(std::time::Duration::from_secs(1)) + caps.time_step)
+                    .await;
+                let b = claim(&store, "r", 10).await;
+                assert_eq!(ids(&b), set(&[expected]), "{mode:?}");
+                store
+                    .complete(&b.handle, &publish_all(&b))
+                    .await
+                    .expect("complete");
+            }
+        }
+    }
+}
