@@ -25,7 +25,7 @@
 //! | Operator reads | publish latency percentiles and flow over a window, published events by aggregate/type/time for replay, counts per interval and event type for reconciliation, recorded topic facts ([`PostgresOutboxStore::publish_latency`] and neighbours) |
 //! | Conflict counter | [`PostgresOutboxStore::record_conflict`]: the application counts updates its version check refused; exported by the relay daemon |
 //! | Error mapping | SQLSTATE / sqlx variants to transient or permanent ([`map_sqlx_error`]) |
-//! | Schema | embedded migrations ([`PostgresOutboxStore::migrate`]) or plain SQL (`sql/*.sql`, [`outbox_schema_sql`]); schema and table names configurable, validated and quoted |
+//! | Schema | embedded migrations ([`PostgresOutboxStore::migrate`]) or plain SQL (`sql/*.sql`, [`outbox_schema_sql`]); schema and table names configurable, validated and quoted; upgrades run beside relays of the previous version (see "Upgrading" below) |
 //! | CDC (logical replication) | not yet |
 //!
 //! ## Example
