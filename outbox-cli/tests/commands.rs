@@ -462,6 +462,42 @@ async fn replay_republishes_selected_events_marked_as_replays() {
     env.drop_schema().await;
 }
 
+// FOUND (issue 20, item 3, reproduced end to end): replay re-published an aggregate's events
+// in insertion order, so a lower version that committed after a higher one (and was published
+// first, the higher one held until it arrived) was replayed after the higher one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_sends_an_aggregate_in_the_order_it_was_published() {
+    let env = env_or_skip!("replay_order", 1);
+    env.migrate();
+    // o-0 version 2 commits first, version 1 after it.
+    let mut events = env.append_versions(1, 2..=2).await;
+    events.extend(env.append_versions(1, 1..=1).await);
+    let mut relay = env.spawn_relay(&["--no-cleanup"]);
+    relay.wait_ready(Duration::from_secs(30));
+    env.wait_count("published", 2, Duration::from_secs(30))
+        .await;
+    let (code, _, _) = relay.terminate(Duration::from_secs(30));
+    assert_eq!(code, 0);
+    let live = common::read_topic(&env.brokers, &env.topic, 1, 2);
+    assert_eq!(
+        live.iter().map(|r| r.version).collect::<Vec<_>>(),
+        [1, 2],
+        "the relay published version 1 first"
+    );
+    let (code, v, stderr) = env.json(&["replay", "--aggregate-id", "o-0", "--yes"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(v["replayed"], 2);
+    let replay_id = v["replay_id"].as_str().unwrap().to_owned();
+    let records = common::read_topic(&env.brokers, &env.topic, 1, 4);
+    let replayed: Vec<i64> = records
+        .iter()
+        .filter(|r| r.headers.get("outbox_replay") == Some(&replay_id))
+        .map(|r| r.version)
+        .collect();
+    assert_eq!(replayed, [1, 2], "replayed in the order it was published");
+    env.drop_schema().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reconcile_reports_mismatches_per_interval_and_type() {
     let env = env_or_skip!("reconcile", 1);

@@ -91,7 +91,7 @@ pub use error::{classify_sqlstate, map_sqlx_error};
 pub use inbox::{PostgresInboxStore, PostgresInboxStoreBuilder};
 pub use outbox::{
     IntervalCount, LatencySummary, PostgresOutboxStore, PostgresOutboxStoreBuilder,
-    PublishedFilter, PublishedRow, RecordedTopic,
+    PublishedFilter, PublishedPosition, PublishedRow, RecordedTopic,
 };
 pub use schema::{
     inbox_schema_sql, outbox_schema_sql, qualified, quote_identifier, validate_identifier,
