@@ -10,7 +10,7 @@
 //! |---|---|
 //! | Append in the caller's transaction | yes: `OutboxStore::append(&mut *tx, ..)` (`Tx = PgConnection`) or the inherent [`PostgresOutboxStore::append`] / [`PostgresOutboxStore::append_many`], generic over any sqlx executor |
 //! | Batch append | one statement, one round trip (`INSERT .. SELECT FROM UNNEST(arrays)`) |
-//! | Validation at append | envelope limits, before anything is written |
+//! | Validation at append | envelope limits, before anything is written; aggregate type and id at most [`outbox_core::MAX_AGGREGATE_NAME_BYTES`] (1,024 bytes) each whatever the name limit, so their state row can be indexed |
 //! | Backpressure hook | [`AppendGuard`] (thresholds are the caller's) |
 //! | Claim: locked transaction | `ClaimMode::LockedTransaction`: aggregate advisory locks taken with `pg_try_advisory_xact_lock` (busy aggregates are skipped), held by the claim's transaction until `complete`/`release`; every other writer of an aggregate's state takes its lock first |
 //! | Claim: lease with fencing | `ClaimMode::Lease { duration }` (at most an hour): owner, unique token, expiry on the database clock, in the aggregate's state row (`<table>_aggregate`); `complete` applies only where the token matches, the rest is reported as `superseded_events`; `lease_remaining` tells the relay its deadline; `release_claims_of` ends the leases of a relay that is gone |

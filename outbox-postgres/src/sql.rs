@@ -124,6 +124,10 @@ impl OutboxSql {
         // Step 2, in a snapshot taken after the locks: every writer of these aggregates' state
         // takes the same locks first, so what this statement reads stays true until commit.
         // Each candidate gets one action:
+        //   bad_key   its aggregate type or id is longer than MAX_AGGREGATE_NAME_BYTES (a row
+        //             written by other means, or by a version without the bound): its state
+        //             row could not be indexed, and writing it would fail the whole claim;
+        //             parked as a permanent error
         //   stale     version <= last: would go out after a later version; parked out of order
         //   follower  an unfinished row of the aggregate above `last` precedes it: blocked
         //   gap_park  the head skips a version for longer than the gap timeout: parked
@@ -149,6 +153,8 @@ impl OutboxSql {
                                       FROM {state} a WHERE {sr} LIMIT 1) a ON true), \
                  h AS MATERIALIZED ( \
                    SELECT c.*, CASE \
+                     WHEN octet_length(c.aggregate_type) > {max_name} \
+                       OR octet_length(c.aggregate_id) > {max_name} THEN 'bad_key' \
                      WHEN c.leased THEN 'wait' \
                      WHEN c.aggregate_version <= c.last THEN 'stale' \
                      WHEN EXISTS (SELECT 1 FROM {t} u \
@@ -171,16 +177,23 @@ impl OutboxSql {
                  prk AS ( \
                    UPDATE {t} p SET status = 'parked', parked_at = clock_timestamp(), \
                           park_kind = x.kind, last_error_class = 'permanent', \
-                          last_error_kind = x.kind, last_error_message = x.msg \
+                          last_error_kind = CASE x.kind WHEN 'permanent_error' \
+                                                THEN 'invalid_record' ELSE x.kind END, \
+                          last_error_message = x.msg \
                    FROM (SELECT h.id, \
                                 CASE h.action WHEN 'stale' THEN 'out_of_order' \
+                                              WHEN 'bad_key' THEN 'permanent_error' \
                                               ELSE 'version_gap' END AS kind, \
                                 CASE h.action \
                                   WHEN 'stale' THEN format('version %s is at or below %s, the \
 last version published or discarded for its aggregate', h.aggregate_version, h.last) \
+                                  WHEN 'bad_key' THEN format('aggregate_type (%s bytes) or \
+aggregate_id (%s bytes) is longer than {max_name} bytes, the most a store can key an aggregate \
+by: discard it and append the event again under shorter names', \
+                                    octet_length(h.aggregate_type), octet_length(h.aggregate_id)) \
                                   ELSE format('version %s follows %s: the versions between did \
 not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
-                         FROM h WHERE h.action IN ('stale', 'gap_park')) x \
+                         FROM h WHERE h.action IN ('stale', 'gap_park', 'bad_key')) x \
                    WHERE p.id = x.id RETURNING 1), \
                  hold AS ( \
                    UPDATE {t} g SET \
@@ -199,7 +212,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                                    AND b.blocked AND b.aggregate_type = h.aggregate_type \
                                    AND b.aggregate_id = h.aggregate_id AND b.id <> h.id \
                                  ORDER BY b.aggregate_version, b.id LIMIT 1) AS id \
-                         FROM h WHERE h.action = 'stale') nx \
+                         FROM h WHERE h.action IN ('stale', 'bad_key')) nx \
                    WHERE s.id = nx.id AND s.blocked RETURNING 1)",
                 cols = prefixed("r", ENVELOPE_COLS),
                 kr = agg("r"),
@@ -209,6 +222,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                 unknown_r = unknown_r,
                 gap_i = micros(gap),
                 recheck_i = micros(recheck),
+                max_name = outbox_core::MAX_AGGREGATE_NAME_BYTES,
             )
         };
         let outcome_cols = format!(
@@ -244,7 +258,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                RETURNING 1) \
              SELECT {outcome_cols}, i.remaining_us, (i.id IS NOT NULL) AS claimed \
              FROM h LEFT JOIN ins i ON i.id = h.id \
-             WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold')",
+             WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold', 'bad_key')",
             decide(5, 6),
             lease_i = micros(4),
         );
@@ -252,7 +266,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
         let claim_decide_locked = format!(
             "WITH {} \
              SELECT {outcome_cols}, NULL::int8 AS remaining_us, (h.action = 'claim') AS claimed \
-             FROM h WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold')",
+             FROM h WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold', 'bad_key')",
             decide(2, 3),
         );
 
@@ -430,12 +444,16 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
             ku = agg("u"),
             se = state_of("a", "e"),
         );
-        // Raises the aggregate's last version to at least `$5` ($2..$4 key, type, id).
+        let max_name = outbox_core::MAX_AGGREGATE_NAME_BYTES;
+        // Raises the aggregate's last version to at least `$5` ($2..$4 key, type, id). An
+        // aggregate whose names are too long to key has no state (its events are parked as
+        // they are met; a discard must still work).
         let raise_last = format!(
             "st AS ( \
                INSERT INTO {state} AS a (aggregate_key, aggregate_type, aggregate_id, \
                                          last_version) \
-               VALUES ($2, $3, $4, $5) \
+               SELECT $2, $3, $4, $5 \
+               WHERE octet_length($3::text) <= {max_name} AND octet_length($4::text) <= {max_name} \
                ON CONFLICT (aggregate_key, aggregate_type, aggregate_id) DO UPDATE \
                  SET last_version = GREATEST(a.last_version, EXCLUDED.last_version), \
                      updated_at = clock_timestamp() \

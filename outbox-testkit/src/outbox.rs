@@ -385,7 +385,9 @@ impl MemoryOutboxStore {
         )
     }
 
-    /// Overrides the validation limits applied on append.
+    /// Overrides the validation limits applied on append. Appends fail with a `Configuration`
+    /// error while `max_aggregate_name_bytes` is above [`outbox_core::MAX_AGGREGATE_NAME_BYTES`]
+    /// (as the PostgreSQL store's `build()` refuses such limits).
     pub fn limits(mut self, limits: EnvelopeLimits) -> Self {
         self.limits = limits;
         self
@@ -454,6 +456,11 @@ impl OutboxStore for MemoryOutboxStore {
                 "the transaction belongs to another MemoryDb",
             ));
         }
+        // As the PostgreSQL store refuses to be built with them: no store can key longer
+        // aggregate names.
+        self.limits
+            .check_storable()
+            .map_err(|e| StoreError::new(StoreErrorKind::Configuration, e.0))?;
         for e in events {
             e.validate(&self.limits)?;
         }

@@ -63,7 +63,10 @@ impl PostgresOutboxStoreBuilder {
         self.settings.archive = archive;
         self
     }
-    /// Envelope limits checked on append.
+    /// Envelope limits checked on append. `build()` refuses limits whose
+    /// `max_aggregate_name_bytes` is above [`outbox_core::MAX_AGGREGATE_NAME_BYTES`] (the
+    /// aggregate's state row is keyed by its type and id, and a B-tree entry is limited to
+    /// about 2,700 bytes); raising `max_name_len` leaves the aggregate names at that bound.
     pub fn limits(mut self, limits: EnvelopeLimits) -> Self {
         self.settings.limits = limits;
         self
@@ -126,6 +129,8 @@ impl PostgresOutboxStoreBuilder {
         if let Some(ch) = &s.notify_channel {
             validate_identifier("notify channel", ch, MAX_IDENTIFIER_LEN)?;
         }
+        // The aggregate's state is keyed by its type and id: longer names could not be indexed.
+        s.limits.check_storable().map_err(|e| config(e.0))?;
         match s.claim_mode {
             ClaimMode::Lease { duration } if duration < Duration::from_millis(1) => {
                 return Err(config("lease duration must be at least 1 ms"));
