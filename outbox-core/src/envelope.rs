@@ -832,8 +832,10 @@ mod tests {
         b = b.limits(EnvelopeLimits::unlimited());
         assert!(b.build().is_ok());
         assert!(EnvelopeLimits::unlimited().check_storable().is_err());
-        let mut above = EnvelopeLimits::default();
-        above.max_aggregate_name_bytes = MAX_AGGREGATE_NAME_BYTES + 1;
+        let above = EnvelopeLimits {
+            max_aggregate_name_bytes: MAX_AGGREGATE_NAME_BYTES + 1,
+            ..EnvelopeLimits::default()
+        };
         assert!(above.check_storable().is_err());
     }
 

@@ -21,7 +21,7 @@
 //! | Wake-up | `NOTIFY` from appends while a relay is idle (the wake-up gate, [`OutboxSettings::wake_gate`]), [`PostgresOutboxStore::spawn_listener`] for `outbox_core::driver::run` |
 //! | Parking, retry/discard/re-issue, audit | yes, `<table>_audit` |
 //! | Cleanup | bounded batches (one transaction each), optional `<table>_archive` |
-//! | Stats | backlog, in flight, parked, version gaps held, oldest ages; oldest claimable head, table/index size, dead tuples, autovacuum age, conditional-update conflicts in `extra` |
+//! | Stats | backlog, in flight, blocked behind parked events, gap-held, parked, version gaps held; oldest claimable, blocked and parked ages from the insertion time (`inserted_at`, the database clock); table/index size, dead tuples, autovacuum age, queued rows, conditional-update conflicts in `extra` |
 //! | Operator reads | publish latency percentiles and flow over a window, published events by aggregate/type/time for replay, counts per interval and event type for reconciliation, recorded topic facts ([`PostgresOutboxStore::publish_latency`] and neighbours) |
 //! | Conflict counter | [`PostgresOutboxStore::record_conflict`]: the application counts updates its version check refused; exported by the relay daemon |
 //! | Error mapping | SQLSTATE / sqlx variants to transient or permanent ([`map_sqlx_error`]) |

@@ -531,38 +531,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
              ar AS (INSERT INTO {archive} SELECT * FROM d WHERE $3::bool RETURNING 1) \
              SELECT (SELECT count(*) FROM d) AS removed, (SELECT count(*) FROM ar) AS archived"
         );
-        let stats = format!(
-            "SELECT \
-               (SELECT count(*) FROM {t} WHERE status = 'pending') AS unpublished, \
-               (SELECT count(*) FROM {t} e \
-                  WHERE e.status = 'pending' AND NOT e.blocked \
-                    AND EXISTS (SELECT 1 FROM {state} a WHERE {se} AND a.lease_row = e.id \
-                                  AND a.lease_until > clock_timestamp())) AS leased, \
-               (SELECT count(*) FROM {t} WHERE status = 'parked') AS parked, \
-               (SELECT count(*) FROM {t} WHERE status = 'published') AS published, \
-               (SELECT count(*) FROM {t} WHERE status = 'pending' AND blocked) AS blocked, \
-               (SELECT count(*) FROM {t} e WHERE e.status = 'pending' AND NOT e.blocked \
-                  AND e.last_error_kind = 'version_gap' \
-                  AND e.aggregate_version > 1 + COALESCE( \
-                    (SELECT a.last_version FROM {state} a WHERE {se}), {unknown_e})) \
-                  AS gaps_held, \
-               (SELECT count(DISTINCT l.k) FROM {t} e \
-                  JOIN (SELECT DISTINCT (l.classid::int8 << 32) | l.objid::int8 AS k \
-                        FROM pg_locks l \
-                        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
-                          AND l.database = (SELECT oid FROM pg_database \
-                                            WHERE datname = current_database())) l \
-                    ON l.k = ({ke} # ({seed})) \
-                  WHERE e.status = 'pending' AND NOT e.blocked \
-                    AND e.next_attempt_at <= now()) AS locked, \
-               (SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8 FROM {t} \
-                  WHERE status = 'pending') AS oldest_pending, \
-               (SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8 FROM {t} \
-                  WHERE status = 'parked') AS oldest_parked",
-            se = state_of("a", "e"),
-            ke = agg("e"),
-            unknown_e = unknown_last(&t, "e", accept_first_version),
-        );
+        let stats = stats_sql(&t, &state, seed, accept_first_version);
         let table_stats = "SELECT pg_total_relation_size(c.oid)::float8 AS total_bytes, \
                     pg_relation_size(c.oid)::float8 AS table_bytes, \
                     pg_indexes_size(c.oid)::float8 AS index_bytes, \
@@ -603,6 +572,95 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
             table_stats,
         }
     }
+}
+
+/// The monitoring snapshot (`OutboxStats`): counts, and where each pending event stands.
+///
+/// Blocked: a parked event of its aggregate above the last version comes before it (`lp`, the
+/// first such parked event per aggregate, few by nature; the events after it, one range of the
+/// unfinished index each). Gap-held: its aggregate's head is held as a version gap (`gh`: a
+/// pending event a claim held, `held_since`, still above `last + 1`, with no unfinished event
+/// above the last version before it) and it is that head or after it, unless blocked. The
+/// oldest claimable age is taken over the other pending events. Ages count from
+/// `inserted_at` (the insert's `now()`), never from the producer's `created_at`.
+fn stats_sql(t: &str, state: &str, seed: i64, accept_first_version: bool) -> String {
+    let last_of = |a: &str| {
+        format!(
+            "COALESCE((SELECT s.last_version FROM {state} s WHERE {}), {})",
+            state_of("s", a),
+            unknown_last(t, a, accept_first_version)
+        )
+    };
+    let age = "extract(epoch FROM clock_timestamp() - min(inserted_at))::float8";
+    format!(
+        "WITH lp AS MATERIALIZED ( \
+           SELECT DISTINCT ON ({kp}, p.aggregate_type, p.aggregate_id) \
+                  {kp} AS k, p.aggregate_type, p.aggregate_id, p.aggregate_version AS v, p.id \
+           FROM {t} p \
+           WHERE p.status = 'parked' AND p.aggregate_version > {last_p} \
+           ORDER BY {kp}, p.aggregate_type, p.aggregate_id, p.aggregate_version, p.id), \
+         blk AS MATERIALIZED ( \
+           SELECT r.id, r.inserted_at FROM lp CROSS JOIN LATERAL ( \
+             SELECT r.id, r.inserted_at FROM {t} r \
+             WHERE {kr} = lp.k AND r.status = 'pending' \
+               AND (r.aggregate_version, r.id) > (lp.v, lp.id) \
+               AND r.aggregate_type = lp.aggregate_type \
+               AND r.aggregate_id = lp.aggregate_id) r), \
+         gh AS MATERIALIZED ( \
+           SELECT g.id, g.k, g.aggregate_type, g.aggregate_id, g.aggregate_version AS v \
+           FROM (SELECT g.id, {kg} AS k, g.aggregate_type, g.aggregate_id, \
+                        g.aggregate_version, {last_g} AS l \
+                 FROM {t} g WHERE g.status = 'pending' AND g.held_since IS NOT NULL) g \
+           WHERE g.aggregate_version > g.l + 1 \
+             AND NOT EXISTS (SELECT 1 FROM {t} u \
+                             WHERE {ku} = g.k AND u.status IN ('pending', 'parked') \
+                               AND u.aggregate_version > g.l \
+                               AND (u.aggregate_version, u.id) < (g.aggregate_version, g.id) \
+                               AND u.aggregate_type = g.aggregate_type \
+                               AND u.aggregate_id = g.aggregate_id)), \
+         gap AS MATERIALIZED ( \
+           SELECT r.id FROM gh CROSS JOIN LATERAL ( \
+             SELECT r.id FROM {t} r \
+             WHERE {kr} = gh.k AND r.status = 'pending' \
+               AND (r.aggregate_version, r.id) >= (gh.v, gh.id) \
+               AND r.aggregate_type = gh.aggregate_type \
+               AND r.aggregate_id = gh.aggregate_id) r \
+           WHERE NOT EXISTS (SELECT 1 FROM blk b WHERE b.id = r.id)) \
+         SELECT \
+           (SELECT count(*) FROM {t} WHERE status = 'pending') AS unpublished, \
+           (SELECT count(*) FROM {t} e \
+              WHERE e.status = 'pending' AND NOT e.blocked \
+                AND EXISTS (SELECT 1 FROM {state} a WHERE {se} AND a.lease_row = e.id \
+                              AND a.lease_until > clock_timestamp())) AS leased, \
+           (SELECT count(*) FROM {t} WHERE status = 'parked') AS parked, \
+           (SELECT count(*) FROM {t} WHERE status = 'published') AS published, \
+           (SELECT count(*) FROM {t} WHERE status = 'pending' AND blocked) AS queued, \
+           (SELECT count(*) FROM blk) AS blocked, \
+           (SELECT count(*) FROM gap) AS gap_held, \
+           (SELECT count(*) FROM gh) AS gaps_held, \
+           (SELECT count(DISTINCT l.k) FROM {t} e \
+              JOIN (SELECT DISTINCT (l.classid::int8 << 32) | l.objid::int8 AS k \
+                    FROM pg_locks l \
+                    WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+                      AND l.database = (SELECT oid FROM pg_database \
+                                        WHERE datname = current_database())) l \
+                ON l.k = ({ke} # ({seed})) \
+              WHERE e.status = 'pending' AND NOT e.blocked \
+                AND e.next_attempt_at <= now()) AS locked, \
+           (SELECT {age} FROM {t} e WHERE e.status = 'pending' \
+              AND NOT EXISTS (SELECT 1 FROM blk b WHERE b.id = e.id) \
+              AND NOT EXISTS (SELECT 1 FROM gap x WHERE x.id = e.id)) AS oldest_claimable, \
+           (SELECT {age} FROM blk) AS oldest_blocked, \
+           (SELECT {age} FROM {t} WHERE status = 'parked') AS oldest_parked",
+        kp = agg("p"),
+        kr = agg("r"),
+        kg = agg("g"),
+        ku = agg("u"),
+        ke = agg("e"),
+        se = state_of("a", "e"),
+        last_p = last_of("p"),
+        last_g = last_of("g"),
+    )
 }
 
 /// The last version of row alias `r`'s aggregate when it has no state: 0 (its first event must

@@ -367,7 +367,7 @@ async fn cleanup_in_batches_and_stats_ages() {
     append(&store, &[ev("z", 1, 99)]).await;
     clock.advance(Duration::from_secs(10));
     let stats = store.stats().await.unwrap();
-    assert_eq!(stats.oldest_unpublished_age, Some(Duration::from_secs(10)));
+    assert_eq!(stats.oldest_claimable_age, Some(Duration::from_secs(10)));
     let batch = store.claim(&ClaimRequest::new("r", 5)).await.unwrap();
     let outcomes: Vec<Outcome> = batch
         .records

@@ -187,21 +187,6 @@ impl PostgresOutboxStore {
             .collect()
     }
 
-    /// Age of the oldest claimable head: a pending event that is not queued behind an
-    /// unfinished lower version of its aggregate (it may be in flight, waiting for a retry or
-    /// held for a version gap). `None` when there is none.
-    pub async fn oldest_head_age(&self) -> Result<Option<Duration>, StoreError> {
-        let t = self.admin_table("");
-        let age: Option<f64> = sqlx::query_scalar(&format!(
-            "SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8 FROM {t} \
-             WHERE status = 'pending' AND NOT blocked"
-        ))
-        .fetch_one(&self.inner.pool)
-        .await
-        .map_err(db)?;
-        Ok(age.map(|s| Duration::from_secs_f64(s.max(0.0))))
-    }
-
     /// Publish latency percentiles of the events published within `window`, and how many
     /// events were created in it.
     pub async fn publish_latency(&self, window: Duration) -> Result<LatencySummary, StoreError> {
@@ -458,9 +443,6 @@ impl PostgresOutboxStore {
     /// Figures for [`outbox_core::OutboxStats::extra`] that come from this module.
     pub(super) async fn admin_extra(&self) -> Result<Vec<(String, f64)>, StoreError> {
         let mut extra = Vec::new();
-        if let Some(age) = self.oldest_head_age().await? {
-            extra.push(("oldest_head_age_seconds".to_owned(), age.as_secs_f64()));
-        }
         match self.conflict_counts().await {
             Ok(counts) => {
                 let total: u64 = counts.iter().map(|(_, n)| n).sum();
