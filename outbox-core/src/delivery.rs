@@ -565,9 +565,10 @@ impl CleanupReport {
 ///   broker outage, in flight, or queued behind its aggregate's claimable head.
 ///
 /// **Ages** are measured from the event's insertion into the store, on the store's clock
-/// (PostgreSQL: the insert's `now()`), never from the envelope's `created_at`, which the
-/// producer's clock wrote (a producer whose clock runs behind, or an import that keeps the
-/// original times, would otherwise look like a stuck outbox).
+/// (PostgreSQL: `inserted_at`, the inserting transaction's `now()`), never from the
+/// envelope's `created_at`, which the producer's clock wrote (a producer whose clock runs
+/// behind, or an import that keeps the original times, would otherwise look like a stuck
+/// outbox).
 ///
 /// The main health signal (and the backpressure gate's age) is
 /// [`oldest_claimable_age`](Self::oldest_claimable_age): it grows while the relay does not
