@@ -580,9 +580,12 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
 /// first such parked event per aggregate, few by nature; the events after it, one range of the
 /// unfinished index each). Gap-held: its aggregate's head is held as a version gap (`gh`: a
 /// pending event a claim held, `held_since`, still above `last + 1`, with no unfinished event
-/// above the last version before it) and it is that head or after it, unless blocked. The
-/// oldest claimable age is taken over the other pending events. Ages count from
-/// `inserted_at` (the insert's `now()`), never from the producer's `created_at`.
+/// above the last version before it) and it is that head or after it, before the aggregate's
+/// first parked event (after it, blocked). The oldest claimable age is taken over the other
+/// pending events. Ages count from `inserted_at` (the insert's `now()`), never from the
+/// producer's `created_at`. The ranges are read through the unfinished index per aggregate
+/// (`OFFSET 0` keeps the planner from hashing every pending row instead), so the cost beyond
+/// the counts grows with the parked and held aggregates, not with the backlog.
 fn stats_sql(t: &str, state: &str, seed: i64, accept_first_version: bool) -> String {
     let last_of = |a: &str| {
         format!(
@@ -605,27 +608,31 @@ fn stats_sql(t: &str, state: &str, seed: i64, accept_first_version: bool) -> Str
              WHERE {kr} = lp.k AND r.status = 'pending' \
                AND (r.aggregate_version, r.id) > (lp.v, lp.id) \
                AND r.aggregate_type = lp.aggregate_type \
-               AND r.aggregate_id = lp.aggregate_id) r), \
+               AND r.aggregate_id = lp.aggregate_id OFFSET 0) r), \
          gh AS MATERIALIZED ( \
            SELECT g.id, g.k, g.aggregate_type, g.aggregate_id, g.aggregate_version AS v \
            FROM (SELECT g.id, {kg} AS k, g.aggregate_type, g.aggregate_id, \
                         g.aggregate_version, {last_g} AS l \
-                 FROM {t} g WHERE g.status = 'pending' AND g.held_since IS NOT NULL) g \
+                 FROM {t} g WHERE g.status = 'pending' AND g.held_since IS NOT NULL \
+                 OFFSET 0) g \
            WHERE g.aggregate_version > g.l + 1 \
-             AND NOT EXISTS (SELECT 1 FROM {t} u \
-                             WHERE {ku} = g.k AND u.status IN ('pending', 'parked') \
-                               AND u.aggregate_version > g.l \
-                               AND (u.aggregate_version, u.id) < (g.aggregate_version, g.id) \
-                               AND u.aggregate_type = g.aggregate_type \
-                               AND u.aggregate_id = g.aggregate_id)), \
+             AND (SELECT count(*) FROM (SELECT FROM {t} u \
+                    WHERE {ku} = g.k AND u.status IN ('pending', 'parked') \
+                      AND u.aggregate_version > g.l \
+                      AND (u.aggregate_version, u.id) < (g.aggregate_version, g.id) \
+                      AND u.aggregate_type = g.aggregate_type \
+                      AND u.aggregate_id = g.aggregate_id LIMIT 1) x) = 0), \
          gap AS MATERIALIZED ( \
-           SELECT r.id FROM gh CROSS JOIN LATERAL ( \
+           SELECT r.id FROM gh \
+           LEFT JOIN lp ON lp.k = gh.k AND lp.aggregate_type = gh.aggregate_type \
+                       AND lp.aggregate_id = gh.aggregate_id \
+           CROSS JOIN LATERAL ( \
              SELECT r.id FROM {t} r \
              WHERE {kr} = gh.k AND r.status = 'pending' \
                AND (r.aggregate_version, r.id) >= (gh.v, gh.id) \
+               AND (lp.v IS NULL OR (r.aggregate_version, r.id) < (lp.v, lp.id)) \
                AND r.aggregate_type = gh.aggregate_type \
-               AND r.aggregate_id = gh.aggregate_id) r \
-           WHERE NOT EXISTS (SELECT 1 FROM blk b WHERE b.id = r.id)) \
+               AND r.aggregate_id = gh.aggregate_id OFFSET 0) r) \
          SELECT \
            (SELECT count(*) FROM {t} WHERE status = 'pending') AS unpublished, \
            (SELECT count(*) FROM {t} e \
