@@ -113,8 +113,10 @@ pub struct DemoSummary {
     pub parked: Vec<ParkedEvent>,
     /// Events not published (waiting, in flight, or behind a parked event of their aggregate).
     pub unpublished: u64,
-    /// Age of the oldest unpublished event.
-    pub oldest_unpublished_age: Option<Duration>,
+    /// Of those, waiting behind a parked event of their aggregate.
+    pub blocked: u64,
+    /// Age of the oldest claimable event (neither blocked nor held behind a version gap).
+    pub oldest_claimable_age: Option<Duration>,
     /// Age of the oldest parked event.
     pub oldest_parked_age: Option<Duration>,
     /// Consumer totals.
@@ -357,7 +359,8 @@ where
         relay_cycles,
         parked,
         unpublished: stats.unpublished,
-        oldest_unpublished_age: stats.oldest_unpublished_age,
+        blocked: stats.blocked,
+        oldest_claimable_age: stats.oldest_claimable_age,
         oldest_parked_age: stats.oldest_parked_age,
         consumer,
         projection_rows,
@@ -408,13 +411,13 @@ impl std::fmt::Display for DemoSummary {
         }
         writeln!(
             f,
-            "  unpublished: {} (waiting behind the parked event of their aggregate)",
-            self.unpublished
+            "  unpublished: {} ({} waiting behind the parked event of their aggregate)",
+            self.unpublished, self.blocked
         )?;
         writeln!(
             f,
-            "  oldest unpublished age: {}; oldest parked age: {}",
-            age(self.oldest_unpublished_age),
+            "  oldest claimable age: {}; oldest parked age: {}",
+            age(self.oldest_claimable_age),
             age(self.oldest_parked_age)
         )?;
         writeln!(

@@ -548,7 +548,8 @@ impl Default for StatusConfig {
 pub struct BackpressureConfig {
     /// Refuse non-critical events while the backlog is at least this. Default none.
     pub max_backlog: Option<u64>,
-    /// ... while the oldest unpublished event is at least this old. Default none.
+    /// ... while the oldest claimable event (`OutboxStats::oldest_claimable_age`) is at least
+    /// this old. Default none.
     pub max_age: Option<Dur>,
     /// ... while the backlog reaches `status.capacity` within this at the current rate.
     /// Default none.

@@ -38,11 +38,19 @@ pub fn install() -> Result<PrometheusHandle, CliError> {
 fn describe() {
     use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
     describe_gauge!("outbox_unpublished", "Unpublished events (backlog)");
-    describe_gauge!("outbox_oldest_unpublished_age_seconds", Unit::Seconds, "Age of the oldest unpublished event (claimable or queued behind its aggregate; parked apart)");
+    describe_gauge!("outbox_oldest_claimable_age_seconds", Unit::Seconds, "Age of the oldest claimable event since its insertion (in flight and waiting for a retry included; blocked and gap-held events apart): the main signal");
     describe_gauge!(
-        "outbox_oldest_head_age_seconds",
+        "outbox_blocked",
+        "Unpublished events waiting behind a parked event of their aggregate"
+    );
+    describe_gauge!(
+        "outbox_oldest_blocked_age_seconds",
         Unit::Seconds,
-        "Age of the oldest claimable head (pending, not queued behind a lower version)"
+        "Age of the oldest event waiting behind a parked event"
+    );
+    describe_gauge!(
+        "outbox_gap_held",
+        "Unpublished events of aggregates whose head is held as a version gap"
     );
     describe_gauge!(
         "outbox_oldest_parked_age_seconds",
@@ -121,21 +129,10 @@ fn describe() {
     );
 }
 
-/// Publishes a stats snapshot (core gauges plus the store's extra figures).
+/// Publishes a stats snapshot (core gauges plus the store's extra figures as
+/// `outbox_store_<name>`).
 pub fn record_stats(stats: &OutboxStats) {
     outbox_core::telemetry::record_stats(stats);
-    for (name, value) in &stats.extra {
-        if name == "oldest_head_age_seconds" {
-            metrics::gauge!("outbox_oldest_head_age_seconds").set(*value);
-        }
-    }
-    if !stats
-        .extra
-        .iter()
-        .any(|(n, _)| n == "oldest_head_age_seconds")
-    {
-        metrics::gauge!("outbox_oldest_head_age_seconds").set(0.0);
-    }
 }
 
 /// Conflicts counted by the application, per aggregate type (absolute totals from the store).

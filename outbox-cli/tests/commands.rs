@@ -14,7 +14,7 @@ async fn migrate_is_idempotent_prints_sql_and_reports_json() {
     let env = env_or_skip!("migrate", 0);
     let (code, v, _) = env.json(&["migrate"]);
     assert_eq!(code, 0);
-    assert_eq!(v["outbox"]["applied"], 5);
+    assert_eq!(v["outbox"]["applied"], 6);
     assert_eq!(v["outbox"]["schema"], env.schema.as_str());
     let (code, v, _) = env.json(&["migrate"]);
     assert_eq!(code, 0);
@@ -164,8 +164,11 @@ async fn parked_events_are_listed_shown_and_worked_with_an_audit_trail() {
         t,
     );
     relay.wait_metric("outbox_oldest_parked_age_seconds", "", |v| v > 0.0, t);
-    relay.wait_metric("outbox_oldest_unpublished_age_seconds", "", |v| v > 0.0, t);
-    relay.wait_metric("outbox_oldest_head_age_seconds", "", |v| v > 0.0, t);
+    // The follower waits behind the parked event, the gap head is held: nothing is claimable.
+    relay.wait_metric("outbox_blocked", "", |v| v == 1.0, t);
+    relay.wait_metric("outbox_oldest_blocked_age_seconds", "", |v| v > 0.0, t);
+    relay.wait_metric("outbox_gap_held", "", |v| v == 1.0, t);
+    relay.wait_metric("outbox_oldest_claimable_age_seconds", "", |v| v == 0.0, t);
     relay.wait_metric("outbox_version_gaps_held", "", |v| v == 1.0, t);
     relay.wait_metric("outbox_unpublished", "", |v| v == 2.0, t);
     relay.wait_metric("outbox_backpressure_active", "", |v| v == 1.0, t);
@@ -176,13 +179,15 @@ async fn parked_events_are_listed_shown_and_worked_with_an_audit_trail() {
     assert_eq!(code, 0);
     assert_eq!(s["backlog"]["parked"], 1);
     assert_eq!(s["backlog"]["version_gaps_held"], 1);
+    assert_eq!(s["backlog"]["blocked"], 1, "{s}");
+    assert_eq!(s["backlog"]["gap_held"], 1, "{s}");
     assert!(s["backlog"]["oldest_parked_age_seconds"].as_f64().unwrap() > 0.0);
     assert!(s["flow"]["rate_per_second"].as_f64().unwrap() > 0.0, "{s}");
     assert!(s["flow"]["forecast_seconds"].as_f64().is_some(), "{s}");
     let human = env.run(&["status", "--no-consumers"]);
     let human = String::from_utf8_lossy(&human.stdout);
     assert!(
-        human.contains("parked") && human.contains("version gaps held"),
+        human.contains("parked") && human.contains("held behind version gaps"),
         "{human}"
     );
 
@@ -459,6 +464,125 @@ async fn replay_republishes_selected_events_marked_as_replays() {
     assert!(replays.iter().all(|r| r.aggregate_id == "o-1"));
     assert_eq!(replays[0].version, 1);
     assert_eq!(replays[1].version, 2);
+    env.drop_schema().await;
+}
+
+// FOUND (issue 20, items 4 and 5, reproduced): one parked event with one more of its
+// aggregate behind it made the main age (and backpressure by age) grow without bound, and an
+// event whose producer's clock ran behind (or an import keeping its original time) looked
+// decades old. The daemon's metrics and `outbox status` now report the oldest claimable age,
+// from the insertion time, with blocked and gap-held events apart; backpressure by age stays
+// off for them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_keeps_blocked_and_held_events_out_of_the_main_age() {
+    let env = env_or_skip!("status_ages", 1);
+    env.migrate();
+    let store = env.store();
+    let poison = Envelope::builder("order", "big", 1, "order.placed")
+        .json(&serde_json::json!({"note": "x".repeat(4096)}))
+        .unwrap()
+        .build()
+        .unwrap();
+    let follower = Envelope::builder("order", "big", 2, "order.paid")
+        .build()
+        .unwrap();
+    let gap = Envelope::builder("order", "gappy", 2, "order.paid")
+        .build()
+        .unwrap();
+    store
+        .append_many(&env.pool, &[poison, follower, gap])
+        .await
+        .unwrap();
+    let max_age = [("OUTBOX_BACKPRESSURE__MAX_AGE", "2s")];
+    let mut relay = env.spawn_relay_env(
+        &max_age,
+        &[
+            "--no-cleanup",
+            "--producer-property",
+            "message.max.bytes=2048",
+        ],
+    );
+    relay.wait_ready(Duration::from_secs(30));
+    env.wait_count("parked", 1, Duration::from_secs(30)).await;
+    let t = Duration::from_secs(15);
+    relay.wait_metric("outbox_oldest_blocked_age_seconds", "", |v| v > 2.5, t);
+    relay.wait_metric("outbox_blocked", "", |v| v == 1.0, t);
+    relay.wait_metric("outbox_gap_held", "", |v| v == 1.0, t);
+    relay.wait_metric("outbox_oldest_claimable_age_seconds", "", |v| v == 0.0, t);
+    relay.wait_metric("outbox_backpressure_active", "", |v| v == 0.0, t);
+    let (code, _, stderr) = relay.terminate(Duration::from_secs(30));
+    assert_eq!(code, 0, "{stderr}");
+    // An event from a producer whose clock is decades behind, with no relay running.
+    let mut imported = Envelope::builder("order", "imported", 1, "order.placed")
+        .build()
+        .unwrap();
+    imported.created_at = "2000-01-01T00:00:00Z".parse().unwrap();
+    store.append(&env.pool, &imported).await.unwrap();
+    let (code, s, stderr) = env.json_env(&max_age, &["status", "--no-consumers"]);
+    assert_eq!(code, 0, "{stderr}");
+    let b = &s["backlog"];
+    assert_eq!(b["unpublished"], 3, "{s}");
+    assert_eq!(b["blocked"], 1, "{s}");
+    assert_eq!(b["gap_held"], 1, "{s}");
+    let claimable = b["oldest_claimable_age_seconds"]
+        .as_f64()
+        .expect("the imported event is claimable");
+    assert!(
+        claimable < 60.0,
+        "aged from its insertion, not from its created_at in 2000: {s}"
+    );
+    assert!(
+        b["oldest_blocked_age_seconds"].as_f64().unwrap() > 2.5,
+        "{s}"
+    );
+    assert_eq!(s["backpressure"]["active"], false, "{s}");
+    let human = env
+        .cmd()
+        .envs(max_age.iter().copied())
+        .args(["status", "--no-consumers"])
+        .output()
+        .unwrap();
+    let human = String::from_utf8_lossy(&human.stdout);
+    assert!(
+        human.contains("oldest claimable") && human.contains("blocked behind parked events"),
+        "{human}"
+    );
+    env.drop_schema().await;
+}
+
+// FOUND (issue 20, item 3, reproduced end to end): replay re-published an aggregate's events
+// in insertion order, so a lower version that committed after a higher one (and was published
+// first, the higher one held until it arrived) was replayed after the higher one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_sends_an_aggregate_in_the_order_it_was_published() {
+    let env = env_or_skip!("replay_order", 1);
+    env.migrate();
+    // o-0 version 2 commits first, version 1 after it.
+    let mut events = env.append_versions(1, 2..=2).await;
+    events.extend(env.append_versions(1, 1..=1).await);
+    let mut relay = env.spawn_relay(&["--no-cleanup"]);
+    relay.wait_ready(Duration::from_secs(30));
+    env.wait_count("published", 2, Duration::from_secs(30))
+        .await;
+    let (code, _, _) = relay.terminate(Duration::from_secs(30));
+    assert_eq!(code, 0);
+    let live = common::read_topic(&env.brokers, &env.topic, 1, 2);
+    assert_eq!(
+        live.iter().map(|r| r.version).collect::<Vec<_>>(),
+        [1, 2],
+        "the relay published version 1 first"
+    );
+    let (code, v, stderr) = env.json(&["replay", "--aggregate-id", "o-0", "--yes"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(v["replayed"], 2);
+    let replay_id = v["replay_id"].as_str().unwrap().to_owned();
+    let records = common::read_topic(&env.brokers, &env.topic, 1, 4);
+    let replayed: Vec<i64> = records
+        .iter()
+        .filter(|r| r.headers.get("outbox_replay") == Some(&replay_id))
+        .map(|r| r.version)
+        .collect();
+    assert_eq!(replayed, [1, 2], "replayed in the order it was published");
     env.drop_schema().await;
 }
 

@@ -18,8 +18,12 @@
 //! with one non-critical event is refused whole while backpressure is on.
 //!
 //! **When it is on.** When any configured threshold is reached: the backlog (unpublished
-//! events) at or above `max_backlog`, the oldest unpublished event at least `max_age` old, or
-//! the backlog reaching `capacity` within `min_forecast` at its current rate of growth. A
+//! events) at or above `max_backlog`, the oldest claimable event at least `max_age` old
+//! ([`OutboxStats::oldest_claimable_age`]: events blocked behind a parked event, or held behind
+//! a version gap, do not count, so one parked event does not refuse the appends of every
+//! aggregate; ages are counted from the insertion into the store, not from the producer's
+//! `created_at`), or the backlog reaching `capacity` within `min_forecast` at its current rate
+//! of growth. A
 //! snapshot older than `stale_after` turns it off (fail open: backpressure protects the
 //! outbox, it is not a correctness rule, and a relay that stopped refreshing must not stop the
 //! business).
@@ -66,7 +70,8 @@ pub const CRITICAL_HEADER: &str = "outbox_critical";
 pub struct BackpressurePolicy {
     /// On at or above this many unpublished events.
     pub max_backlog: Option<u64>,
-    /// On while the oldest unpublished event is at least this old.
+    /// On while the oldest claimable event ([`OutboxStats::oldest_claimable_age`]) is at least
+    /// this old.
     pub max_age: Option<Duration>,
     /// On while the backlog reaches `capacity` within this at its current growth.
     pub min_forecast: Option<Duration>,
@@ -162,7 +167,7 @@ impl BackpressurePolicy {
         if let (Some(max), Some(age)) = (self.max_age, snapshot.oldest_age) {
             if age >= max {
                 return Some(format!(
-                    "oldest unpublished event is {}s old, at or above max_age {}s",
+                    "oldest claimable event is {}s old, at or above max_age {}s",
                     age.as_secs(),
                     max.as_secs()
                 ));
@@ -206,7 +211,7 @@ pub fn forecast(capacity: u64, backlog: u64, rate_per_sec: Option<f64>) -> Optio
 pub struct BacklogSnapshot {
     /// Unpublished events.
     pub backlog: u64,
-    /// Age of the oldest unpublished event.
+    /// Age of the oldest claimable event ([`OutboxStats::oldest_claimable_age`]).
     pub oldest_age: Option<Duration>,
     /// Growth of the backlog, events per second (negative: draining); `None`: unknown.
     pub rate_per_sec: Option<f64>,
@@ -220,6 +225,11 @@ impl BacklogSnapshot {
             oldest_age,
             rate_per_sec,
         }
+    }
+
+    /// The snapshot of a store's stats: the unpublished events and the oldest claimable age.
+    pub fn from_stats(stats: &OutboxStats, rate_per_sec: Option<f64>) -> Self {
+        Self::new(stats.unpublished, stats.oldest_claimable_age, rate_per_sec)
     }
 }
 
@@ -315,10 +325,7 @@ impl Backpressure {
                 _ => None,
             }
         };
-        self.observe(
-            BacklogSnapshot::new(stats.unpublished, stats.oldest_unpublished_age, rate),
-            now,
-        );
+        self.observe(BacklogSnapshot::from_stats(&stats, rate), now);
         Ok(self.state(now))
     }
 

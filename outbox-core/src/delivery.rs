@@ -548,24 +548,59 @@ impl CleanupReport {
     }
 }
 
-/// A snapshot of the outbox for monitoring.
+/// A snapshot of the outbox for monitoring, the same for every store.
+///
+/// **Where an unpublished event stands.** Per aggregate, let *last* be the highest version
+/// published or discarded (see [`crate::OutboxStore`]'s version rule) and the *head* its first
+/// unfinished (pending or parked) event above *last*, in (version, insertion) order. Every
+/// unpublished event is in exactly one of three places:
+///
+/// * **blocked**: a parked event of its aggregate above *last* comes before it. It moves only
+///   after an operator acted on that event; its age says how long the aggregate has been
+///   stuck, not how far behind the relay is.
+/// * **gap-held**: its aggregate's head skips a version (above *last* + 1), a claim found it so
+///   and holds it (it is parked as a version gap after the gap timeout), and it is that head
+///   or comes after it.
+/// * **claimable**: everything else: claimable now, waiting for a retry or the end of a
+///   broker outage, in flight, or queued behind its aggregate's claimable head.
+///
+/// **Ages** are measured from the event's insertion into the store, on the store's clock
+/// (PostgreSQL: `inserted_at`, the inserting transaction's `now()`), never from the
+/// envelope's `created_at`, which the producer's clock wrote (a producer whose clock runs
+/// behind, or an import that keeps the original times, would otherwise look like a stuck
+/// outbox).
+///
+/// The main health signal (and the backpressure gate's age) is
+/// [`oldest_claimable_age`](Self::oldest_claimable_age): it grows while the relay does not
+/// keep up (a broker outage, too few relays), and one parked event with events of its
+/// aggregate behind it does not move it.
 #[derive(Clone, Debug, Default, PartialEq)]
 #[non_exhaustive]
 pub struct OutboxStats {
-    /// Events not yet published, parked or discarded (claimable, waiting for a retry, or in
-    /// flight).
+    /// Events not yet published, parked or discarded: claimable, in flight, waiting for a
+    /// retry, blocked or gap-held.
     pub unpublished: u64,
     /// Of those, claimed right now.
     pub in_flight: u64,
+    /// Of those, blocked: waiting behind a parked event of their aggregate.
+    pub blocked: u64,
+    /// Of those, gap-held: their aggregate's head is held as a version gap (the head and the
+    /// events after it).
+    pub gap_held: u64,
     /// Parked events.
     pub parked: u64,
     /// Published rows still retained.
     pub published_retained: u64,
-    /// Age of the oldest unpublished (non-parked) event: the main health signal.
-    pub oldest_unpublished_age: Option<Duration>,
-    /// Age of the oldest parked event.
+    /// Age of the oldest claimable event (neither blocked nor gap-held; in flight and waiting
+    /// for a retry included), since its insertion: the main health signal. `None` when no
+    /// event is claimable.
+    pub oldest_claimable_age: Option<Duration>,
+    /// Age of the oldest blocked event, since its insertion.
+    pub oldest_blocked_age: Option<Duration>,
+    /// Age of the oldest parked event, since its insertion.
     pub oldest_parked_age: Option<Duration>,
-    /// Aggregates whose head skips a version and is held, waiting for the missing one.
+    /// Aggregates whose head a claim found skipping a version and holds, waiting for the
+    /// missing one.
     pub version_gaps_held: u64,
     /// Backend-specific figures (table size, dead tuples, ...), name to value.
     pub extra: Vec<(String, f64)>,

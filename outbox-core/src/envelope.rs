@@ -220,8 +220,9 @@ impl Envelope {
     /// Checks the envelope against `limits`. Stores call this on append, so an envelope that was
     /// altered after building is still rejected before it is written.
     pub fn validate(&self, limits: &EnvelopeLimits) -> Result<(), ValidationError> {
-        validate_name("aggregate_type", &self.aggregate_type, limits.max_name_len)?;
-        validate_name("aggregate_id", &self.aggregate_id, limits.max_name_len)?;
+        let aggregate_limit = limits.max_name_len.min(limits.max_aggregate_name_bytes);
+        validate_name("aggregate_type", &self.aggregate_type, aggregate_limit)?;
+        validate_name("aggregate_id", &self.aggregate_id, aggregate_limit)?;
         validate_name("event_type", &self.event_type, limits.max_name_len)?;
         if self.aggregate_version < 1 {
             return Err(ValidationError::InvalidVersion {
@@ -352,6 +353,22 @@ fn is_traceparent(value: &str) -> bool {
         && (parts[0] != "00" || parts.len() == 4)
 }
 
+/// Longest `aggregate_type`, and longest `aggregate_id`, in UTF-8 bytes, that every store can
+/// key an aggregate by: the ceiling of [`EnvelopeLimits::max_aggregate_name_bytes`], whatever
+/// [`EnvelopeLimits::max_name_len`] allows for other names.
+///
+/// Stores keep per-aggregate state (the last version published, a lease; at the consumer, the
+/// last version applied) under a unique index of the aggregate's type and id, next to a 64-bit
+/// hash of them or the consumer's name. An index entry has a hard size limit: PostgreSQL's
+/// B-tree takes at most about 2,700 bytes (a third of an 8 KiB page; one entry above it makes
+/// the statement that writes it fail, and with it every claim that meets the event), InnoDB
+/// 3,072 bytes per key. Two names of at most 1,024 bytes each, with the hash or a consumer name
+/// of up to 255 bytes, stay below both, uncompressed, with room for the entry's overhead.
+/// Bounding the names (rather than keying the state by a hash of them) keeps the state
+/// readable and its uniqueness exact, and costs nothing at claim time; an aggregate id needs
+/// far less in practice (a UUID is 36 bytes).
+pub const MAX_AGGREGATE_NAME_BYTES: usize = 1024;
+
 /// Limits enforced on every envelope at append time.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -359,8 +376,14 @@ pub struct EnvelopeLimits {
     /// Largest payload in bytes. Default: 900 KiB, under Kafka's default 1 MiB message limit
     /// with room for headers.
     pub max_payload_bytes: usize,
-    /// Longest type, id, content type or header name, in bytes. Default: 255.
+    /// Longest type, id, content type or header name, in bytes. Default: 255. The aggregate
+    /// type and id are also bounded by `max_aggregate_name_bytes`.
     pub max_name_len: usize,
+    /// Longest aggregate type and longest aggregate id, in bytes (the smaller of this and
+    /// `max_name_len` applies to them). Default [`MAX_AGGREGATE_NAME_BYTES`], also the
+    /// largest value a store accepts ([`Self::check_storable`]): raising `max_name_len` does
+    /// not raise it.
+    pub max_aggregate_name_bytes: usize,
     /// Most headers per event. Default: 32.
     pub max_headers: usize,
     /// Largest total size of header names and values. Default: 16 KiB.
@@ -372,6 +395,7 @@ impl Default for EnvelopeLimits {
         Self {
             max_payload_bytes: 900 * 1024,
             max_name_len: 255,
+            max_aggregate_name_bytes: MAX_AGGREGATE_NAME_BYTES,
             max_headers: 32,
             max_header_bytes: 16 * 1024,
         }
@@ -386,6 +410,7 @@ impl EnvelopeLimits {
         Self {
             max_payload_bytes: usize::MAX,
             max_name_len: usize::MAX,
+            max_aggregate_name_bytes: usize::MAX,
             max_headers: usize::MAX,
             max_header_bytes: usize::MAX,
         }
@@ -395,6 +420,28 @@ impl EnvelopeLimits {
     pub fn with_max_payload_bytes(mut self, bytes: usize) -> Self {
         self.max_payload_bytes = bytes;
         self
+    }
+
+    /// Sets the name limit (type, id, content type, header names; the aggregate type and id
+    /// stay within `max_aggregate_name_bytes`).
+    pub fn with_max_name_len(mut self, bytes: usize) -> Self {
+        self.max_name_len = bytes;
+        self
+    }
+
+    /// Whether a store may validate appends with these limits: `max_aggregate_name_bytes` at
+    /// most [`MAX_AGGREGATE_NAME_BYTES`] (a store could not key a longer aggregate). Stores
+    /// call it when they are configured ([`Self::unlimited`], for reading stored events back,
+    /// is not for appends and fails it).
+    pub fn check_storable(&self) -> Result<(), crate::error::ConfigError> {
+        if self.max_aggregate_name_bytes > MAX_AGGREGATE_NAME_BYTES {
+            return Err(crate::error::ConfigError::new(format!(
+                "max_aggregate_name_bytes {} is above {MAX_AGGREGATE_NAME_BYTES}, the longest \
+                 aggregate type or id a store can key its state by",
+                self.max_aggregate_name_bytes
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -746,6 +793,50 @@ mod tests {
         ));
         let p = Payload::new("application/vnd.x+json; charset=utf-8", b"{}".to_vec());
         assert!(p.to_json::<serde_json::Value>().is_ok());
+    }
+
+    /// Issue 20, item 6: raising the name limit does not raise the aggregate type's and id's,
+    /// which stay within what every store can key (exactly the ceiling passes, one more byte
+    /// is refused, in bytes not characters); reading back (`unlimited`) lifts it; a store
+    /// refuses limits above the ceiling.
+    #[test]
+    fn aggregate_names_stay_within_what_stores_can_key() {
+        let raised = EnvelopeLimits::default().with_max_name_len(8192);
+        assert_eq!(raised.check_storable(), Ok(()));
+        let build = |t: &str, id: &str, et: &str| {
+            let mut b = Envelope::builder(t, id, 1, et);
+            b = b.limits(raised.clone());
+            b.build()
+        };
+        let at = "a".repeat(MAX_AGGREGATE_NAME_BYTES);
+        let past = "a".repeat(MAX_AGGREGATE_NAME_BYTES + 1);
+        assert!(build(&at, &at, "t").is_ok(), "both names at the ceiling");
+        for (t, id, field) in [(&past, &at, "aggregate_type"), (&at, &past, "aggregate_id")] {
+            assert_eq!(
+                build(t, id, "t"),
+                Err(ValidationError::TooLong {
+                    field,
+                    len: MAX_AGGREGATE_NAME_BYTES + 1,
+                    limit: MAX_AGGREGATE_NAME_BYTES
+                })
+            );
+        }
+        // Counted in bytes: 512 two-byte characters are at the ceiling, one more is past it.
+        let wide = "é".repeat(MAX_AGGREGATE_NAME_BYTES / 2);
+        assert!(build("t", &wide, "t").is_ok());
+        assert!(build("t", &format!("{wide}a"), "t").is_err());
+        // Other names follow max_name_len.
+        assert!(build("t", "a", &"e".repeat(8192)).is_ok());
+        // Reading back stored events: no limit.
+        let mut b = Envelope::builder("t", "x".repeat(2700), 1, "t");
+        b = b.limits(EnvelopeLimits::unlimited());
+        assert!(b.build().is_ok());
+        assert!(EnvelopeLimits::unlimited().check_storable().is_err());
+        let above = EnvelopeLimits {
+            max_aggregate_name_bytes: MAX_AGGREGATE_NAME_BYTES + 1,
+            ..EnvelopeLimits::default()
+        };
+        assert!(above.check_storable().is_err());
     }
 
     /// Every limit is inclusive: a value exactly at it is accepted, one past it is refused.

@@ -65,7 +65,7 @@ pub use delivery::{
 };
 pub use envelope::{
     Envelope, EnvelopeBuilder, EnvelopeLimits, EventId, Payload, PayloadError, ValidationError,
-    CONTENT_TYPE_JSON, CREATED_AT_YEARS,
+    CONTENT_TYPE_JSON, CREATED_AT_YEARS, MAX_AGGREGATE_NAME_BYTES,
 };
 pub use error::{
     Classify, ConfigError, ErrorClass, FailureScope, PublishError, PublishErrorKind, SourceError,

@@ -8,6 +8,7 @@
 //! | `outbox_publish_failures_total` | counter | `class`, `kind` | failed publication attempts |
 //! | `outbox_parked_total` | counter | `kind` | events parked (by a failed publication, or by a claim for their version: `out_of_order`, `version_gap`) |
 //! | `outbox_version_gaps_held` | gauge | | aggregates whose head skips a version and is held (from [`record_stats`]) |
+//! | `outbox_gap_held` | gauge | | unpublished events of those aggregates (the held head and the events after it) |
 //! | `outbox_relay_circuit_open` | gauge | | 1 while the relay pauses because the transport fails as a whole |
 //! | `outbox_relay_circuit_opened_total` | counter | | times the circuit breaker opened |
 //! | `outbox_superseded_total` | counter | | outcomes refused by lease fencing |
@@ -17,7 +18,9 @@
 //! | `outbox_unpublished` | gauge | | backlog (from [`record_stats`]) |
 //! | `outbox_in_flight` | gauge | | claimed right now |
 //! | `outbox_parked` | gauge | | parked events |
-//! | `outbox_oldest_unpublished_age_seconds` | gauge | | **main health signal** |
+//! | `outbox_oldest_claimable_age_seconds` | gauge | | **main health signal**: age of the oldest claimable event ([`OutboxStats::oldest_claimable_age`]: in flight and waiting for a retry included; blocked and gap-held events apart), since its insertion into the store |
+//! | `outbox_blocked` | gauge | | unpublished events waiting behind a parked event of their aggregate |
+//! | `outbox_oldest_blocked_age_seconds` | gauge | | age of the oldest of them |
 //! | `outbox_oldest_parked_age_seconds` | gauge | | age of the oldest parked event |
 //! | `outbox_backpressure_active` | gauge | | 1 while appends of non-critical events are refused ([`crate::backpressure`]) |
 //! | `outbox_backlog_forecast_seconds` | gauge | | time until the backlog reaches its configured capacity at the current rate (-1: not growing) |
@@ -76,11 +79,12 @@ pub fn record_stats(stats: &OutboxStats) {
     metrics::gauge!("outbox_in_flight").set(stats.in_flight as f64);
     metrics::gauge!("outbox_parked").set(stats.parked as f64);
     metrics::gauge!("outbox_version_gaps_held").set(stats.version_gaps_held as f64);
-    metrics::gauge!("outbox_oldest_unpublished_age_seconds").set(
-        stats
-            .oldest_unpublished_age
-            .map_or(0.0, |d| d.as_secs_f64()),
-    );
+    metrics::gauge!("outbox_gap_held").set(stats.gap_held as f64);
+    metrics::gauge!("outbox_blocked").set(stats.blocked as f64);
+    metrics::gauge!("outbox_oldest_claimable_age_seconds")
+        .set(stats.oldest_claimable_age.map_or(0.0, |d| d.as_secs_f64()));
+    metrics::gauge!("outbox_oldest_blocked_age_seconds")
+        .set(stats.oldest_blocked_age.map_or(0.0, |d| d.as_secs_f64()));
     metrics::gauge!("outbox_oldest_parked_age_seconds")
         .set(stats.oldest_parked_age.map_or(0.0, |d| d.as_secs_f64()));
     for (name, value) in &stats.extra {
@@ -243,9 +247,12 @@ mod tests {
         let stats = OutboxStats {
             unpublished: 5,
             in_flight: 2,
+            blocked: 2,
+            gap_held: 1,
             parked: 1,
             published_retained: 9,
-            oldest_unpublished_age: Some(Duration::from_millis(2500)),
+            oldest_claimable_age: Some(Duration::from_millis(2500)),
+            oldest_blocked_age: Some(Duration::from_secs(30)),
             oldest_parked_age: Some(Duration::from_secs(60)),
             version_gaps_held: 3,
             extra: vec![("dead_tuples".into(), 42.0)],
@@ -255,9 +262,12 @@ mod tests {
         assert_eq!(
             g,
             [
+                ("outbox_blocked".to_owned(), 2.0),
+                ("outbox_gap_held".to_owned(), 1.0),
                 ("outbox_in_flight".to_owned(), 2.0),
+                ("outbox_oldest_blocked_age_seconds".to_owned(), 30.0),
+                ("outbox_oldest_claimable_age_seconds".to_owned(), 2.5),
                 ("outbox_oldest_parked_age_seconds".to_owned(), 60.0),
-                ("outbox_oldest_unpublished_age_seconds".to_owned(), 2.5),
                 ("outbox_parked".to_owned(), 1.0),
                 ("outbox_store_dead_tuples".to_owned(), 42.0),
                 ("outbox_unpublished".to_owned(), 5.0),

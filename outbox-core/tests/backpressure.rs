@@ -69,6 +69,69 @@ async fn non_critical_appends_fail_fast_above_the_threshold_and_critical_ones_go
     assert_eq!(store.stats().await.unwrap().unpublished, 5);
 }
 
+/// FOUND (issue 20, item 4, reproduced on the in-memory store and PostgreSQL): one parked event
+/// with one more event of its aggregate behind it turned backpressure by age on for every
+/// aggregate once the waiting event was older than `max_age` (the age counted events blocked
+/// behind a parked one, which grow old without bound). The gate now reads the oldest claimable
+/// age: it stays off, other aggregates' non-critical appends go in; it turns on when a
+/// claimable event is that old (the relay does not keep up), whatever its `created_at`.
+#[tokio::test]
+async fn a_parked_event_with_one_behind_it_does_not_turn_backpressure_by_age_on() {
+    let clock = ManualClock::default();
+    let db = MemoryDb::new(clock.clone());
+    let inner = MemoryOutboxStore::new(&db, ClaimMode::lease(Duration::from_secs(30)).unwrap());
+    let gate = Arc::new(Backpressure::new(
+        BackpressurePolicy::default().max_age(Duration::from_secs(60)),
+    ));
+    let store = BackpressureStore::new(inner, gate.clone());
+    let append = |events: Vec<Envelope>| {
+        let store = &store;
+        let db = &db;
+        async move {
+            let mut tx = db.begin();
+            store.append(&mut tx, &events).await?;
+            tx.commit()
+        }
+    };
+    let (p1, p2) = (
+        event("poison", 1, "order.viewed"),
+        event("poison", 2, "order.viewed"),
+    );
+    append(vec![p1.clone(), p2]).await.unwrap();
+    let batch = store
+        .claim(&outbox_core::ClaimRequest::new("r", 10))
+        .await
+        .unwrap();
+    assert_eq!(batch.records.len(), 1);
+    let park = outbox_core::Outcome::Park {
+        event_id: p1.event_id,
+        reason: outbox_core::ParkReason {
+            kind: outbox_core::ParkKind::PermanentError,
+            error: outbox_core::LastError {
+                class: outbox_core::ErrorClass::Permanent,
+                kind: "record_too_large".into(),
+                message: "too big".into(),
+            },
+        },
+    };
+    store.complete(&batch.handle, &[park]).await.unwrap();
+    // An hour later the event behind the parked one is an hour old; nothing else waits.
+    clock.advance(Duration::from_secs(3600));
+    let state = gate.refresh(&store, chrono::Utc::now()).await.unwrap();
+    assert!(!state.active, "{state:?}");
+    append(vec![event("other", 1, "order.viewed")])
+        .await
+        .expect("another aggregate's non-critical append goes in");
+    // A claimable event older than max_age (the relay is behind): on.
+    clock.advance(Duration::from_secs(61));
+    let state = gate.refresh(&store, chrono::Utc::now()).await.unwrap();
+    assert!(state.active, "{state:?}");
+    let err = append(vec![event("third", 1, "order.viewed")])
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, StoreErrorKind::Backpressure);
+}
+
 /// `refresh` measures the backlog's growth between two refreshes and forecasts from it.
 #[tokio::test]
 async fn refresh_measures_growth_between_snapshots() {
@@ -169,6 +232,11 @@ mod conformance_through_the_wrapper {
         async fn store(&self, mode: ClaimMode) -> Self::Store {
             let gate = Arc::new(Backpressure::new(BackpressurePolicy::default()));
             BackpressureStore::new(self.0.store(mode).await, gate)
+        }
+
+        async fn store_accepting_first_version(&self, mode: ClaimMode) -> Self::Store {
+            let gate = Arc::new(Backpressure::new(BackpressurePolicy::default()));
+            BackpressureStore::new(self.0.store_accepting_first_version(mode).await, gate)
         }
 
         async fn begin(&self) -> MemoryTx {

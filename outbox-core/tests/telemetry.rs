@@ -75,7 +75,7 @@ fn a_cycle_emits_the_documented_metrics() {
         matches!(find("outbox_unpublished", MetricKind::Gauge)[..], [(_, DebugValue::Gauge(v))] if v.into_inner() == 1.0)
     );
     assert_eq!(
-        find("outbox_oldest_unpublished_age_seconds", MetricKind::Gauge).len(),
+        find("outbox_oldest_claimable_age_seconds", MetricKind::Gauge).len(),
         1
     );
 }

@@ -10,7 +10,7 @@
 //! |---|---|
 //! | Append in the caller's transaction | yes: `OutboxStore::append(&mut *tx, ..)` (`Tx = PgConnection`) or the inherent [`PostgresOutboxStore::append`] / [`PostgresOutboxStore::append_many`], generic over any sqlx executor |
 //! | Batch append | one statement, one round trip (`INSERT .. SELECT FROM UNNEST(arrays)`) |
-//! | Validation at append | envelope limits, before anything is written |
+//! | Validation at append | envelope limits, before anything is written; aggregate type and id at most [`outbox_core::MAX_AGGREGATE_NAME_BYTES`] (1,024 bytes) each whatever the name limit, so their state row can be indexed |
 //! | Backpressure hook | [`AppendGuard`] (thresholds are the caller's) |
 //! | Claim: locked transaction | `ClaimMode::LockedTransaction`: aggregate advisory locks taken with `pg_try_advisory_xact_lock` (busy aggregates are skipped), held by the claim's transaction until `complete`/`release`; every other writer of an aggregate's state takes its lock first |
 //! | Claim: lease with fencing | `ClaimMode::Lease { duration }` (at most an hour): owner, unique token, expiry on the database clock, in the aggregate's state row (`<table>_aggregate`); `complete` applies only where the token matches, the rest is reported as `superseded_events`; `lease_remaining` tells the relay its deadline; `release_claims_of` ends the leases of a relay that is gone |
@@ -21,11 +21,11 @@
 //! | Wake-up | `NOTIFY` from appends while a relay is idle (the wake-up gate, [`OutboxSettings::wake_gate`]), [`PostgresOutboxStore::spawn_listener`] for `outbox_core::driver::run`; needs server sessions (see [Connections](#connections)): behind a pooler in transaction mode the gate turns itself off with a warning and the relay polls |
 //! | Parking, retry/discard/re-issue, audit | yes, `<table>_audit` |
 //! | Cleanup | bounded batches (one transaction each), optional `<table>_archive` |
-//! | Stats | backlog, in flight, parked, version gaps held, oldest ages; oldest claimable head, table/index size, dead tuples, autovacuum age, conditional-update conflicts in `extra` |
+//! | Stats | backlog, in flight, blocked behind parked events, gap-held, parked, version gaps held; oldest claimable, blocked and parked ages from the insertion time (`inserted_at`, the database clock); table/index size, dead tuples, autovacuum age, queued rows, conditional-update conflicts in `extra` |
 //! | Operator reads | publish latency percentiles and flow over a window, published events by aggregate/type/time for replay, counts per interval and event type for reconciliation, recorded topic facts ([`PostgresOutboxStore::publish_latency`] and neighbours) |
 //! | Conflict counter | [`PostgresOutboxStore::record_conflict`]: the application counts updates its version check refused; exported by the relay daemon |
 //! | Error mapping | SQLSTATE / sqlx variants to transient or permanent ([`map_sqlx_error`]) |
-//! | Schema | embedded migrations ([`PostgresOutboxStore::migrate`]) or plain SQL (`sql/*.sql`, [`outbox_schema_sql`]); schema and table names configurable, validated and quoted |
+//! | Schema | embedded migrations ([`PostgresOutboxStore::migrate`]) or plain SQL (`sql/*.sql`, [`outbox_schema_sql`]); schema and table names configurable, validated and quoted; upgrades run beside relays of the previous version (see "Upgrading" below) |
 //! | CDC (logical replication) | not yet |
 //!
 //! ## Example
@@ -111,7 +111,7 @@ pub use error::{classify_sqlstate, map_sqlx_error};
 pub use inbox::{PostgresInboxStore, PostgresInboxStoreBuilder};
 pub use outbox::{
     IntervalCount, LatencySummary, PostgresOutboxStore, PostgresOutboxStoreBuilder,
-    PublishedFilter, PublishedRow, RecordedTopic,
+    PublishedFilter, PublishedPosition, PublishedRow, RecordedTopic,
 };
 pub use schema::{
     inbox_schema_sql, outbox_schema_sql, qualified, quote_identifier, validate_identifier,

@@ -15,6 +15,7 @@ const OUTBOX_V2: &str = include_str!("migrations/0002_outbox.sql");
 const OUTBOX_V3: &str = include_str!("migrations/0003_outbox.sql");
 const OUTBOX_V4: &str = include_str!("migrations/0004_outbox.sql");
 const OUTBOX_V5: &str = include_str!("migrations/0005_outbox.sql");
+const OUTBOX_V6: &str = include_str!("migrations/0006_outbox.sql");
 const INBOX_V1: &str = include_str!("migrations/0001_inbox.sql");
 const INBOX_V2: &str = include_str!("migrations/0002_inbox.sql");
 const INBOX_V3: &str = include_str!("migrations/0003_inbox.sql");
@@ -82,7 +83,7 @@ pub fn outbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError
     validate_identifier("schema", schema, MAX_IDENTIFIER_LEN)?;
     validate_identifier("table", table, MAX_TABLE_NAME_LEN)?;
     Ok(render(
-        &format!("{OUTBOX_V1}{OUTBOX_V2}{OUTBOX_V3}{OUTBOX_V4}{OUTBOX_V5}"),
+        &format!("{OUTBOX_V1}{OUTBOX_V2}{OUTBOX_V3}{OUTBOX_V4}{OUTBOX_V5}{OUTBOX_V6}"),
         schema,
         table,
     ))
@@ -104,45 +105,150 @@ pub(crate) enum Component {
     Inbox,
 }
 
+/// One embedded migration.
+struct Migration {
+    version: i32,
+    description: &'static str,
+    template: &'static str,
+    /// Tables (`<table><suffix>`) the migration rewrites from what it reads, or that relays
+    /// of the previous version write while it reads them. They are locked (`ACCESS
+    /// EXCLUSIVE`) before its first statement, so it reads every committed write of a relay
+    /// of the previous version running beside it and none lands meanwhile (issue 20, item 7:
+    /// migration 3 used to derive `last_version` and copy leases from a snapshot taken
+    /// before such a relay's completion or release committed).
+    locks: &'static [&'static str],
+}
+
+const fn m(
+    version: i32,
+    description: &'static str,
+    template: &'static str,
+    locks: &'static [&'static str],
+) -> Migration {
+    Migration {
+        version,
+        description,
+        template,
+        locks,
+    }
+}
+
+const OUTBOX_MIGRATIONS: &[Migration] = &[
+    m(1, "outbox table, audit, archive", OUTBOX_V1, &[]),
+    // Re-keys the leases from their event rows.
+    m(
+        2,
+        "one index of unfinished rows per aggregate",
+        OUTBOX_V2,
+        &["", "_lease"],
+    ),
+    // Derives each aggregate's last version from the rows (and the archive, which cleanup
+    // fills from the table), unblocks rows, copies live leases.
+    m(
+        3,
+        "per-aggregate delivery state: last version, lease",
+        OUTBOX_V3,
+        &["", "_archive", "_lease"],
+    ),
+    m(
+        4,
+        "conflict counters, recorded topics, time indexes",
+        OUTBOX_V4,
+        &[],
+    ),
+    m(5, "one time index for published rows", OUTBOX_V5, &[]),
+    // Rewrites last versions that claims write.
+    m(
+        6,
+        "unknown last version until a publication or discard",
+        OUTBOX_V6,
+        &["_aggregate"],
+    ),
+];
+
+const INBOX_MIGRATIONS: &[Migration] = &[
+    m(1, "inbox table", INBOX_V1, &[]),
+    m(
+        2,
+        "aggregate versions, parked messages, audit",
+        INBOX_V2,
+        &[],
+    ),
+    m(
+        3,
+        "retry requests, per-consumer cleanup index",
+        INBOX_V3,
+        &[],
+    ),
+    m(4, "the aggregate of each registration", INBOX_V4, &[]),
+];
+
+/// How many times [`migrate`] runs its transaction when it fails on a lock conflict (a
+/// deadlock with a relay of the previous version that took the tables in the other order: the
+/// server aborts one of the two, here perhaps the migration, which then starts again).
+const MIGRATE_ATTEMPTS: u32 = 5;
+
 /// Applies the embedded migrations of `component` for `schema.table` that are not applied yet,
 /// in one transaction, serialized across processes by an advisory lock. Returns the number of
-/// migrations applied.
+/// migrations applied. A migration that rewrites data relays write first locks those tables
+/// (see `Migration::locks`), so it is safe to run beside relays of the previous version: they
+/// wait for it (it runs while no transaction of theirs holds those tables); a deadlock with
+/// one of them rolls the migration back, and it is run again (up to `MIGRATE_ATTEMPTS`
+/// times).
 pub(crate) async fn migrate(
     pool: &PgPool,
     component: Component,
     schema: &str,
     table: &str,
 ) -> Result<usize, StoreError> {
-    let (name, migrations): (&str, &[(i32, &str, &str)]) = match component {
-        Component::Outbox => (
-            "outbox",
-            &[
-                (1, "outbox table, audit, archive", OUTBOX_V1),
-                (2, "one index of unfinished rows per aggregate", OUTBOX_V2),
-                (
-                    3,
-                    "per-aggregate delivery state: last version, lease",
-                    OUTBOX_V3,
-                ),
-                (
-                    4,
-                    "conflict counters, recorded topics, time indexes",
-                    OUTBOX_V4,
-                ),
-                (5, "one time index for published rows", OUTBOX_V5),
-            ],
-        ),
-        Component::Inbox => (
-            "inbox",
-            &[
-                (1, "inbox table", INBOX_V1),
-                (2, "aggregate versions, parked messages, audit", INBOX_V2),
-                (3, "retry requests, per-consumer cleanup index", INBOX_V3),
-                (4, "the aggregate of each registration", INBOX_V4),
-            ],
-        ),
-    };
+    let mut attempt = 1;
+    loop {
+        match migrate_once(pool, &component, schema, table).await {
+            Err(e)
+                if e.kind == outbox_core::StoreErrorKind::Conflict
+                    && attempt < MIGRATE_ATTEMPTS =>
+            {
+                tracing::warn!(attempt, error = %e, "migration rolled back on a lock conflict; running it again");
+                attempt += 1;
+            }
+            other => return other,
+        }
+    }
+}
+
+async fn migrate_once(
+    pool: &PgPool,
+    component: &Component,
+    schema: &str,
+    table: &str,
+) -> Result<usize, StoreError> {
     let mut tx = pool.begin().await.map_err(db)?;
+    match apply(&mut tx, component, schema, table).await {
+        Ok(count) => {
+            tx.commit().await.map_err(db)?;
+            Ok(count)
+        }
+        Err(e) => {
+            // At once: a transaction merely dropped keeps its locks (the migration lock among
+            // them) until its pooled connection is used again.
+            if let Err(rollback) = tx.rollback().await {
+                tracing::warn!(error = %rollback, "rollback of a failed migration failed; the connection is dropped");
+            }
+            Err(e)
+        }
+    }
+}
+
+async fn apply(
+    tx: &mut sqlx::PgConnection,
+    component: &Component,
+    schema: &str,
+    table: &str,
+) -> Result<usize, StoreError> {
+    let (name, migrations) = match component {
+        Component::Outbox => ("outbox", OUTBOX_MIGRATIONS),
+        Component::Inbox => ("inbox", INBOX_MIGRATIONS),
+    };
     sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended('outbox-postgres:migrate', 0))")
         .execute(&mut *tx)
         .await
@@ -170,25 +276,34 @@ pub(crate) async fn migrate(
     .map_err(db)?;
     let applied = applied.unwrap_or(0);
     let mut count = 0;
-    for (version, description, template) in migrations {
-        if *version <= applied {
-            continue;
+    for migration in migrations.iter().filter(|m| m.version > applied) {
+        if !migration.locks.is_empty() {
+            let tables: Vec<String> = migration
+                .locks
+                .iter()
+                .map(|suffix| qualified(schema, &format!("{table}{suffix}")))
+                .collect();
+            (&mut *tx)
+                .execute(
+                    format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", tables.join(", ")).as_str(),
+                )
+                .await
+                .map_err(db)?;
         }
-        let sql = render(template, schema, table);
+        let sql = render(migration.template, schema, table);
         (&mut *tx).execute(sql.as_str()).await.map_err(db)?;
         sqlx::query(&format!(
             "INSERT INTO {} (object, version, description) VALUES ($1, $2, $3)",
             qualified(schema, "outbox_schema_migrations")
         ))
         .bind(&object)
-        .bind(version)
-        .bind(description)
+        .bind(migration.version)
+        .bind(migration.description)
         .execute(&mut *tx)
         .await
         .map_err(db)?;
         count += 1;
     }
-    tx.commit().await.map_err(db)?;
     Ok(count)
 }
 

@@ -124,31 +124,25 @@ impl OutboxSql {
         // Step 2, in a snapshot taken after the locks: every writer of these aggregates' state
         // takes the same locks first, so what this statement reads stays true until commit.
         // Each candidate gets one action:
+        //   bad_key   its aggregate type or id is longer than MAX_AGGREGATE_NAME_BYTES (a row
+        //             written by other means, or by a version without the bound): its state
+        //             row could not be indexed, and writing it would fail the whole claim;
+        //             parked as a permanent error
         //   stale     version <= last: would go out after a later version; parked out of order
         //   follower  an unfinished row of the aggregate above `last` precedes it: blocked
         //   gap_park  the head skips a version for longer than the gap timeout: parked
         //   gap_hold  the head skips a version: held, re-checked after a short delay
         //   wait      the head is under a live lease (a mixed-mode relay) or not due
         //   claim     the head, version last + 1, due: claimed (lease mode: the lease)
-        // The last version of an aggregate without state: 0 (its first event must be version
-        // 1), or, with `accept_first_version`, one below its lowest unfinished version.
-        let unknown_last = if accept_first_version {
-            format!(
-                "(SELECT min(u.aggregate_version) - 1 FROM {t} u \
-                  WHERE {ku} = {kr} AND u.status IN ('pending', 'parked') \
-                    AND u.aggregate_type = r.aggregate_type AND u.aggregate_id = r.aggregate_id)",
-                ku = agg("u"),
-                kr = agg("r"),
-            )
-        } else {
-            "0".to_owned()
-        };
+        // The last version of an aggregate without state (no row, or a row whose
+        // `last_version` is still NULL: nothing published or discarded, migration 6).
+        let unknown_r = unknown_last(&t, "r", accept_first_version);
         let decide = |gap: u8, recheck: u8| {
             format!(
                 "c AS MATERIALIZED ( \
                    SELECT r.id, {cols}, r.attempts, r.held_since, {kr} AS k, \
                           r.next_attempt_at <= now() AS due, \
-                          COALESCE(a.last_version, {unknown_last}) AS last, \
+                          COALESCE(a.last_version, {unknown_r}) AS last, \
                           COALESCE(a.lease_until > clock_timestamp(), false) AS leased, \
                           (COALESCE(a.lease_row = r.id, false) OR r.maybe_delivered) AS resend \
                    FROM UNNEST($1::int8[]) AS x(id) \
@@ -159,6 +153,8 @@ impl OutboxSql {
                                       FROM {state} a WHERE {sr} LIMIT 1) a ON true), \
                  h AS MATERIALIZED ( \
                    SELECT c.*, CASE \
+                     WHEN octet_length(c.aggregate_type) > {max_name} \
+                       OR octet_length(c.aggregate_id) > {max_name} THEN 'bad_key' \
                      WHEN c.leased THEN 'wait' \
                      WHEN c.aggregate_version <= c.last THEN 'stale' \
                      WHEN EXISTS (SELECT 1 FROM {t} u \
@@ -181,16 +177,23 @@ impl OutboxSql {
                  prk AS ( \
                    UPDATE {t} p SET status = 'parked', parked_at = clock_timestamp(), \
                           park_kind = x.kind, last_error_class = 'permanent', \
-                          last_error_kind = x.kind, last_error_message = x.msg \
+                          last_error_kind = CASE x.kind WHEN 'permanent_error' \
+                                                THEN 'invalid_record' ELSE x.kind END, \
+                          last_error_message = x.msg \
                    FROM (SELECT h.id, \
                                 CASE h.action WHEN 'stale' THEN 'out_of_order' \
+                                              WHEN 'bad_key' THEN 'permanent_error' \
                                               ELSE 'version_gap' END AS kind, \
                                 CASE h.action \
                                   WHEN 'stale' THEN format('version %s is at or below %s, the \
 last version published or discarded for its aggregate', h.aggregate_version, h.last) \
+                                  WHEN 'bad_key' THEN format('aggregate_type (%s bytes) or \
+aggregate_id (%s bytes) is longer than {max_name} bytes, the most a store can key an aggregate \
+by: discard it and append the event again under shorter names', \
+                                    octet_length(h.aggregate_type), octet_length(h.aggregate_id)) \
                                   ELSE format('version %s follows %s: the versions between did \
 not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
-                         FROM h WHERE h.action IN ('stale', 'gap_park')) x \
+                         FROM h WHERE h.action IN ('stale', 'gap_park', 'bad_key')) x \
                    WHERE p.id = x.id RETURNING 1), \
                  hold AS ( \
                    UPDATE {t} g SET \
@@ -209,16 +212,17 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                                    AND b.blocked AND b.aggregate_type = h.aggregate_type \
                                    AND b.aggregate_id = h.aggregate_id AND b.id <> h.id \
                                  ORDER BY b.aggregate_version, b.id LIMIT 1) AS id \
-                         FROM h WHERE h.action = 'stale') nx \
+                         FROM h WHERE h.action IN ('stale', 'bad_key')) nx \
                    WHERE s.id = nx.id AND s.blocked RETURNING 1)",
                 cols = prefixed("r", ENVELOPE_COLS),
                 kr = agg("r"),
                 ku = agg("u"),
                 kb = agg("b"),
                 sr = state_of("a", "r"),
-                unknown_last = unknown_last,
+                unknown_r = unknown_r,
                 gap_i = micros(gap),
                 recheck_i = micros(recheck),
+                max_name = outbox_core::MAX_AGGREGATE_NAME_BYTES,
             )
         };
         let outcome_cols = format!(
@@ -226,7 +230,9 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
             prefixed("h", ENVELOPE_COLS)
         );
         // Lease mode: the claimed heads get their leases in the aggregate-state row (created
-        // at the aggregate's first claim). A released or expired lease is taken over in place.
+        // at the aggregate's first claim, with `last_version` left NULL: a claim publishes
+        // nothing, so the aggregate still has no last version until its completion or an
+        // operator sets one). A released or expired lease is taken over in place.
         // A lease that still names the row (`resend`: its claim ended without outcome or
         // release) may have sent it: the row keeps that as `maybe_delivered`, so a later claim
         // still counts its publication as a re-send.
@@ -252,7 +258,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                RETURNING 1) \
              SELECT {outcome_cols}, i.remaining_us, (i.id IS NOT NULL) AS claimed \
              FROM h LEFT JOIN ins i ON i.id = h.id \
-             WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold')",
+             WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold', 'bad_key')",
             decide(5, 6),
             lease_i = micros(4),
         );
@@ -260,7 +266,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
         let claim_decide_locked = format!(
             "WITH {} \
              SELECT {outcome_cols}, NULL::int8 AS remaining_us, (h.action = 'claim') AS claimed \
-             FROM h WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold')",
+             FROM h WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold', 'bad_key')",
             decide(2, 3),
         );
 
@@ -438,12 +444,16 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
             ku = agg("u"),
             se = state_of("a", "e"),
         );
-        // Raises the aggregate's last version to at least `$5` ($2..$4 key, type, id).
+        let max_name = outbox_core::MAX_AGGREGATE_NAME_BYTES;
+        // Raises the aggregate's last version to at least `$5` ($2..$4 key, type, id). An
+        // aggregate whose names are too long to key has no state (its events are parked as
+        // they are met; a discard must still work).
         let raise_last = format!(
             "st AS ( \
                INSERT INTO {state} AS a (aggregate_key, aggregate_type, aggregate_id, \
                                          last_version) \
-               VALUES ($2, $3, $4, $5) \
+               SELECT $2, $3, $4, $5 \
+               WHERE octet_length($3::text) <= {max_name} AND octet_length($4::text) <= {max_name} \
                ON CONFLICT (aggregate_key, aggregate_type, aggregate_id) DO UPDATE \
                  SET last_version = GREATEST(a.last_version, EXCLUDED.last_version), \
                      updated_at = clock_timestamp() \
@@ -521,36 +531,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
              ar AS (INSERT INTO {archive} SELECT * FROM d WHERE $3::bool RETURNING 1) \
              SELECT (SELECT count(*) FROM d) AS removed, (SELECT count(*) FROM ar) AS archived"
         );
-        let stats = format!(
-            "SELECT \
-               (SELECT count(*) FROM {t} WHERE status = 'pending') AS unpublished, \
-               (SELECT count(*) FROM {t} e \
-                  WHERE e.status = 'pending' AND NOT e.blocked \
-                    AND EXISTS (SELECT 1 FROM {state} a WHERE {se} AND a.lease_row = e.id \
-                                  AND a.lease_until > clock_timestamp())) AS leased, \
-               (SELECT count(*) FROM {t} WHERE status = 'parked') AS parked, \
-               (SELECT count(*) FROM {t} WHERE status = 'published') AS published, \
-               (SELECT count(*) FROM {t} WHERE status = 'pending' AND blocked) AS blocked, \
-               (SELECT count(*) FROM {t} e WHERE e.status = 'pending' AND NOT e.blocked \
-                  AND e.last_error_kind = 'version_gap' \
-                  AND e.aggregate_version > 1 + COALESCE( \
-                    (SELECT a.last_version FROM {state} a WHERE {se}), 0)) AS gaps_held, \
-               (SELECT count(DISTINCT l.k) FROM {t} e \
-                  JOIN (SELECT DISTINCT (l.classid::int8 << 32) | l.objid::int8 AS k \
-                        FROM pg_locks l \
-                        WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
-                          AND l.database = (SELECT oid FROM pg_database \
-                                            WHERE datname = current_database())) l \
-                    ON l.k = ({ke} # ({seed})) \
-                  WHERE e.status = 'pending' AND NOT e.blocked \
-                    AND e.next_attempt_at <= now()) AS locked, \
-               (SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8 FROM {t} \
-                  WHERE status = 'pending') AS oldest_pending, \
-               (SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8 FROM {t} \
-                  WHERE status = 'parked') AS oldest_parked",
-            se = state_of("a", "e"),
-            ke = agg("e"),
-        );
+        let stats = stats_sql(&t, &state, seed, accept_first_version);
         let table_stats = "SELECT pg_total_relation_size(c.oid)::float8 AS total_bytes, \
                     pg_relation_size(c.oid)::float8 AS table_bytes, \
                     pg_indexes_size(c.oid)::float8 AS index_bytes, \
@@ -590,6 +571,118 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
             stats,
             table_stats,
         }
+    }
+}
+
+/// The monitoring snapshot (`OutboxStats`): counts, and where each pending event stands.
+///
+/// Blocked: a parked event of its aggregate above the last version comes before it (`lp`, the
+/// first such parked event per aggregate, few by nature; the events after it, one range of the
+/// unfinished index each). Gap-held: its aggregate's head is held as a version gap (`gh`: a
+/// pending event a claim held, `held_since`, still above `last + 1`, with no unfinished event
+/// above the last version before it) and it is that head or after it, before the aggregate's
+/// first parked event (after it, blocked). The oldest claimable age is taken over the other
+/// pending events. Ages count from `inserted_at` (the insert's `now()`), never from the
+/// producer's `created_at`. The ranges are read through the unfinished index per aggregate
+/// (`OFFSET 0` keeps the planner from hashing every pending row instead), so the cost beyond
+/// the counts grows with the parked and held aggregates, not with the backlog.
+fn stats_sql(t: &str, state: &str, seed: i64, accept_first_version: bool) -> String {
+    let last_of = |a: &str| {
+        format!(
+            "COALESCE((SELECT s.last_version FROM {state} s WHERE {}), {})",
+            state_of("s", a),
+            unknown_last(t, a, accept_first_version)
+        )
+    };
+    let age = "extract(epoch FROM clock_timestamp() - min(inserted_at))::float8";
+    format!(
+        "WITH lp AS MATERIALIZED ( \
+           SELECT DISTINCT ON ({kp}, p.aggregate_type, p.aggregate_id) \
+                  {kp} AS k, p.aggregate_type, p.aggregate_id, p.aggregate_version AS v, p.id \
+           FROM {t} p \
+           WHERE p.status = 'parked' AND p.aggregate_version > {last_p} \
+           ORDER BY {kp}, p.aggregate_type, p.aggregate_id, p.aggregate_version, p.id), \
+         blk AS MATERIALIZED ( \
+           SELECT r.id, r.inserted_at FROM lp CROSS JOIN LATERAL ( \
+             SELECT r.id, r.inserted_at FROM {t} r \
+             WHERE {kr} = lp.k AND r.status = 'pending' \
+               AND (r.aggregate_version, r.id) > (lp.v, lp.id) \
+               AND r.aggregate_type = lp.aggregate_type \
+               AND r.aggregate_id = lp.aggregate_id OFFSET 0) r), \
+         gh AS MATERIALIZED ( \
+           SELECT g.id, g.k, g.aggregate_type, g.aggregate_id, g.aggregate_version AS v \
+           FROM (SELECT g.id, {kg} AS k, g.aggregate_type, g.aggregate_id, \
+                        g.aggregate_version, {last_g} AS l \
+                 FROM {t} g WHERE g.status = 'pending' AND g.held_since IS NOT NULL \
+                 OFFSET 0) g \
+           WHERE g.aggregate_version > g.l + 1 \
+             AND (SELECT count(*) FROM (SELECT FROM {t} u \
+                    WHERE {ku} = g.k AND u.status IN ('pending', 'parked') \
+                      AND u.aggregate_version > g.l \
+                      AND (u.aggregate_version, u.id) < (g.aggregate_version, g.id) \
+                      AND u.aggregate_type = g.aggregate_type \
+                      AND u.aggregate_id = g.aggregate_id LIMIT 1) x) = 0), \
+         gap AS MATERIALIZED ( \
+           SELECT r.id FROM gh \
+           LEFT JOIN lp ON lp.k = gh.k AND lp.aggregate_type = gh.aggregate_type \
+                       AND lp.aggregate_id = gh.aggregate_id \
+           CROSS JOIN LATERAL ( \
+             SELECT r.id FROM {t} r \
+             WHERE {kr} = gh.k AND r.status = 'pending' \
+               AND (r.aggregate_version, r.id) >= (gh.v, gh.id) \
+               AND (lp.v IS NULL OR (r.aggregate_version, r.id) < (lp.v, lp.id)) \
+               AND r.aggregate_type = gh.aggregate_type \
+               AND r.aggregate_id = gh.aggregate_id OFFSET 0) r) \
+         SELECT \
+           (SELECT count(*) FROM {t} WHERE status = 'pending') AS unpublished, \
+           (SELECT count(*) FROM {t} e \
+              WHERE e.status = 'pending' AND NOT e.blocked \
+                AND EXISTS (SELECT 1 FROM {state} a WHERE {se} AND a.lease_row = e.id \
+                              AND a.lease_until > clock_timestamp())) AS leased, \
+           (SELECT count(*) FROM {t} WHERE status = 'parked') AS parked, \
+           (SELECT count(*) FROM {t} WHERE status = 'published') AS published, \
+           (SELECT count(*) FROM {t} WHERE status = 'pending' AND blocked) AS queued, \
+           (SELECT count(*) FROM blk) AS blocked, \
+           (SELECT count(*) FROM gap) AS gap_held, \
+           (SELECT count(*) FROM gh) AS gaps_held, \
+           (SELECT count(DISTINCT l.k) FROM {t} e \
+              JOIN (SELECT DISTINCT (l.classid::int8 << 32) | l.objid::int8 AS k \
+                    FROM pg_locks l \
+                    WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+                      AND l.database = (SELECT oid FROM pg_database \
+                                        WHERE datname = current_database())) l \
+                ON l.k = ({ke} # ({seed})) \
+              WHERE e.status = 'pending' AND NOT e.blocked \
+                AND e.next_attempt_at <= now()) AS locked, \
+           (SELECT {age} FROM {t} e WHERE e.status = 'pending' \
+              AND NOT EXISTS (SELECT 1 FROM blk b WHERE b.id = e.id) \
+              AND NOT EXISTS (SELECT 1 FROM gap x WHERE x.id = e.id)) AS oldest_claimable, \
+           (SELECT {age} FROM blk) AS oldest_blocked, \
+           (SELECT {age} FROM {t} WHERE status = 'parked') AS oldest_parked",
+        kp = agg("p"),
+        kr = agg("r"),
+        kg = agg("g"),
+        ku = agg("u"),
+        ke = agg("e"),
+        se = state_of("a", "e"),
+        last_p = last_of("p"),
+        last_g = last_of("g"),
+    )
+}
+
+/// The last version of row alias `r`'s aggregate when it has no state: 0 (its first event must
+/// be version 1), or, with `accept_first_version`, one below its lowest unfinished version.
+fn unknown_last(t: &str, r: &str, accept_first_version: bool) -> String {
+    if accept_first_version {
+        format!(
+            "(SELECT min(u.aggregate_version) - 1 FROM {t} u \
+              WHERE {ku} = {kr} AND u.status IN ('pending', 'parked') \
+                AND u.aggregate_type = {r}.aggregate_type AND u.aggregate_id = {r}.aggregate_id)",
+            ku = agg("u"),
+            kr = agg(r),
+        )
+    } else {
+        "0".to_owned()
     }
 }
 

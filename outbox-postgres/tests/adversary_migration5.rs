@@ -482,7 +482,7 @@ async fn index_defs(ctx: &common::Ctx, schema: &str) -> Vec<String> {
 
 /// Attack A4: a version 4 schema in use (published rows, some two hours old, a parked and a
 /// pending one, `published_at_idx` present) is upgraded by two stores migrating at once: both
-/// succeed, one applies migration 5, the other nothing; the index is gone and the latency
+/// succeed, one applies migrations 5 and 6, the other nothing; the index is gone and the latency
 /// window still counts the recent old rows (not the old ones), over `finished_at`.
 #[tokio::test]
 async fn upgrade_from_version_4_concurrently() {
@@ -509,14 +509,14 @@ async fn upgrade_from_version_4_concurrently() {
     let idx = &v4[idx_start.expect("migration 4 creates published_at_idx")..];
     let idx = &idx[..idx.find(';').unwrap() + 1];
     let deleted = sqlx::query(&format!(
-        "DELETE FROM \"{}\".outbox_schema_migrations WHERE version = 5",
+        "DELETE FROM \"{}\".outbox_schema_migrations WHERE version >= 5",
         ctx.schema
     ))
     .execute(&ctx.pool)
     .await
     .unwrap()
     .rows_affected();
-    assert_eq!(deleted, 1);
+    assert_eq!(deleted, 2, "the records of migrations 5 and 6");
     sqlx::raw_sql(&format!(
         "{}; \
          UPDATE \"{s}\".outbox_events SET finished_at = published_at + interval '7 microseconds' \
@@ -557,7 +557,11 @@ async fn upgrade_from_version_4_concurrently() {
     let s2 = ctx.store_unmigrated(ClaimMode::LockedTransaction);
     let (r1, r2) = tokio::join!(s1.migrate(), s2.migrate());
     let (r1, r2) = (r1.unwrap(), r2.unwrap());
-    assert_eq!(r1 + r2, 1, "one store applies migration 5 ({r1}, {r2})");
+    assert_eq!(
+        r1 + r2,
+        2,
+        "one store applies migrations 5 and 6 ({r1}, {r2})"
+    );
     assert_eq!(has_idx(&ctx).await, 0, "migration 5 drops published_at_idx");
     let versions: Vec<i32> = sqlx::query_scalar(&format!(
         "SELECT version FROM \"{}\".outbox_schema_migrations \
@@ -567,7 +571,7 @@ async fn upgrade_from_version_4_concurrently() {
     .fetch_all(&ctx.pool)
     .await
     .unwrap();
-    assert_eq!(versions, [1, 2, 3, 4, 5]);
+    assert_eq!(versions, [1, 2, 3, 4, 5, 6]);
     assert_eq!(s1.migrate().await.unwrap(), 0);
     let after = s1.publish_latency(Duration::from_secs(3600)).await.unwrap();
     assert_eq!(after.count, 10, "the recent old rows are in the window");
@@ -589,7 +593,7 @@ async fn upgrade_from_version_4_concurrently() {
     ctx.drop().await;
 }
 
-/// Attack A4 on a fresh schema: three stores migrate it at once; all succeed, 5 migrations in
+/// Attack A4 on a fresh schema: three stores migrate it at once; all succeed, 6 migrations in
 /// total, one record per version.
 #[tokio::test]
 async fn concurrent_migrations_of_a_fresh_schema() {
@@ -597,7 +601,7 @@ async fn concurrent_migrations_of_a_fresh_schema() {
     let s: Vec<_> = (0..3).map(|_| ctx.store_unmigrated(lease(30.0))).collect();
     let (a, b, c) = tokio::join!(s[0].migrate(), s[1].migrate(), s[2].migrate());
     let total = a.unwrap() + b.unwrap() + c.unwrap();
-    assert_eq!(total, 5);
+    assert_eq!(total, 6);
     let n: i64 = sqlx::query_scalar(&format!(
         "SELECT count(*) FROM \"{}\".outbox_schema_migrations",
         ctx.schema
@@ -605,7 +609,7 @@ async fn concurrent_migrations_of_a_fresh_schema() {
     .fetch_one(&ctx.pool)
     .await
     .unwrap();
-    assert_eq!(n, 5);
+    assert_eq!(n, 6);
     ctx.drop().await;
 }
 

@@ -32,10 +32,25 @@ impl PgHarness {
     }
 }
 
+impl PgHarness {
+    async fn build(&self, mode: ClaimMode, accept_first_version: bool) -> PostgresOutboxStore {
+        let store = PostgresOutboxStore::builder(self.pool.clone())
+            .schema(&self.schema)
+            .claim_mode(mode)
+            .gap_timeout(capabilities().gap_timeout)
+            .accept_first_version(accept_first_version)
+            .build()
+            .expect("store");
+        store.migrate().await.expect("migrate");
+        store
+    }
+}
+
 fn capabilities() -> Capabilities {
     Capabilities::real_time()
         .with_lease_duration(Duration::from_millis(1500))
         .with_time_step(Duration::from_millis(300))
+        .with_accept_first_version(true)
 }
 
 #[async_trait]
@@ -47,14 +62,11 @@ impl OutboxHarness for PgHarness {
     }
 
     async fn store(&self, mode: ClaimMode) -> PostgresOutboxStore {
-        let store = PostgresOutboxStore::builder(self.pool.clone())
-            .schema(&self.schema)
-            .claim_mode(mode)
-            .gap_timeout(capabilities().gap_timeout)
-            .build()
-            .expect("store");
-        store.migrate().await.expect("migrate");
-        store
+        self.build(mode, false).await
+    }
+
+    async fn store_accepting_first_version(&self, mode: ClaimMode) -> PostgresOutboxStore {
+        self.build(mode, true).await
     }
 
     async fn begin(&self) -> PgConnection {

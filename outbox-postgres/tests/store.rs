@@ -209,7 +209,7 @@ async fn hostile_identifiers_are_configuration_errors() {
         .table("shop_outbox")
         .build()
         .unwrap();
-    assert_eq!(store.migrate().await.unwrap(), 5);
+    assert_eq!(store.migrate().await.unwrap(), 6);
     assert_eq!(
         store.migrate().await.unwrap(),
         0,
@@ -732,7 +732,7 @@ async fn stats_report_backlog_ages_and_table_figures() {
     let store = ctx.store(lease(30.0)).await;
     let empty = store.stats().await.unwrap();
     assert_eq!(empty.unpublished, 0);
-    assert_eq!(empty.oldest_unpublished_age, None);
+    assert_eq!(empty.oldest_claimable_age, None);
     let evs: Vec<_> = (1..=3).map(|v| event("s", v)).collect();
     let p = event("parked", 1);
     let done = event("done", 1);
@@ -753,7 +753,7 @@ async fn stats_report_backlog_ages_and_table_figures() {
     assert_eq!(s.in_flight, 1);
     assert_eq!(s.parked, 1);
     assert_eq!(s.published_retained, 1);
-    assert!(s.oldest_unpublished_age.unwrap() >= Duration::from_millis(200));
+    assert!(s.oldest_claimable_age.unwrap() >= Duration::from_millis(200));
     assert!(s.oldest_parked_age.unwrap() >= Duration::from_millis(200));
     let keys: Vec<&str> = s.extra.iter().map(|(k, _)| k.as_str()).collect();
     for k in [
@@ -762,8 +762,7 @@ async fn stats_report_backlog_ages_and_table_figures() {
         "index_bytes",
         "dead_tuples",
         "live_tuples",
-        "blocked_rows",
-        "oldest_head_age_seconds",
+        "queued_rows",
         "conditional_update_conflicts",
     ] {
         assert!(keys.contains(&k), "missing {k} in {keys:?}");
@@ -773,10 +772,11 @@ async fn stats_report_backlog_ages_and_table_figures() {
     ctx.drop().await;
 }
 
-/// An event blocked behind its aggregate's parked head is unpublished and counts for the
-/// oldest-unpublished age (as in the in-memory store), even when nothing else is pending.
+/// An event behind its aggregate's parked head is unpublished and blocked: it counts for the
+/// blocked figures, not for the oldest claimable age (issue 20, item 4; this test asserted the
+/// opposite before), in both modes.
 #[tokio::test]
-async fn oldest_unpublished_age_includes_events_behind_a_parked_head() {
+async fn an_event_behind_a_parked_head_is_blocked_not_claimable() {
     let ctx = ctx!(4);
     for mode in [lease(30.0), ClaimMode::LockedTransaction] {
         let store = ctx.store(mode).await;
@@ -801,22 +801,35 @@ async fn oldest_unpublished_age_includes_events_behind_a_parked_head() {
             (1, 1, 0),
             "{mode:?}"
         );
+        assert_eq!(s.blocked, 1, "{mode:?}");
         let age = s
-            .oldest_unpublished_age
-            .unwrap_or_else(|| panic!("{mode:?}: v2 is unpublished, its age must be reported"));
+            .oldest_blocked_age
+            .unwrap_or_else(|| panic!("{mode:?}: v2 is blocked, its age must be reported"));
         assert!(age >= Duration::from_millis(150), "{mode:?}: {age:?}");
+        assert_eq!(
+            s.oldest_claimable_age, None,
+            "{mode:?}: nothing is claimable"
+        );
         assert!(s.oldest_parked_age.unwrap() >= Duration::from_millis(150));
-        // Discarding the parked head leaves v2 claimable; once published, no age is left.
+        // Discarding the parked head leaves v2 claimable, with its age since insertion; once
+        // published, no age is left.
         store
             .discard_parked(v1.event_id, "ops", "test")
             .await
             .unwrap();
+        let s = store.stats().await.unwrap();
+        assert_eq!((s.blocked, s.oldest_blocked_age), (0, None), "{mode:?}");
+        assert!(
+            s.oldest_claimable_age
+                .is_some_and(|a| a >= Duration::from_millis(150)),
+            "{mode:?}: {s:?}"
+        );
         let b = claim(&store, "r", 10).await;
         assert_eq!(versions(&b), vec![(agg.clone(), 2)]);
         publish_all(&store, &b).await;
         let s = store.stats().await.unwrap();
         assert_eq!(
-            (s.unpublished, s.oldest_unpublished_age),
+            (s.unpublished, s.oldest_claimable_age),
             (0, None),
             "{mode:?}"
         );
@@ -1154,8 +1167,8 @@ async fn migration_3_upgrades_a_version_2_table_in_use() {
     .unwrap();
     assert_eq!(
         store.migrate().await.unwrap(),
-        3,
-        "only migrations 3, 4 and 5 run"
+        4,
+        "only migrations 3 to 6 run"
     );
     let state: Vec<(String, i64, Option<String>)> = sqlx::query_as(&format!(
         "SELECT aggregate_id, last_version, lease_owner FROM \"{}\".outbox_events_aggregate \

@@ -385,7 +385,9 @@ impl MemoryOutboxStore {
         )
     }
 
-    /// Overrides the validation limits applied on append.
+    /// Overrides the validation limits applied on append. Appends fail with a `Configuration`
+    /// error while `max_aggregate_name_bytes` is above [`outbox_core::MAX_AGGREGATE_NAME_BYTES`]
+    /// (as the PostgreSQL store's `build()` refuses such limits).
     pub fn limits(mut self, limits: EnvelopeLimits) -> Self {
         self.limits = limits;
         self
@@ -454,6 +456,11 @@ impl OutboxStore for MemoryOutboxStore {
                 "the transaction belongs to another MemoryDb",
             ));
         }
+        // As the PostgreSQL store refuses to be built with them: no store can key longer
+        // aggregate names.
+        self.limits
+            .check_storable()
+            .map_err(|e| StoreError::new(StoreErrorKind::Configuration, e.0))?;
         for e in events {
             e.validate(&self.limits)?;
         }
@@ -853,7 +860,9 @@ impl OutboxStore for MemoryOutboxStore {
         let now = self.db.now();
         let st = self.lock();
         let mut s = OutboxStats::default();
-        let age = |t: DateTime<Utc>| (now - t).to_std().unwrap_or(Duration::ZERO);
+        // Ages from the commit on the store's clock (`appended_at`), never from `created_at`.
+        let age = |r: &Row| (now - r.appended_at).to_std().unwrap_or(Duration::ZERO);
+        let older = |o: Option<Duration>, a: Duration| Some(o.map_or(a, |o| o.max(a)));
         for r in st.outbox.rows.values() {
             match r.status {
                 DeliveryStatus::Pending => {
@@ -861,27 +870,44 @@ impl OutboxStore for MemoryOutboxStore {
                     if r.claim.as_ref().is_some_and(|c| c.live(now)) {
                         s.in_flight += 1;
                     }
-                    let a = age(r.appended_at);
-                    s.oldest_unpublished_age =
-                        Some(s.oldest_unpublished_age.map_or(a, |o| o.max(a)));
                 }
                 DeliveryStatus::Parked => {
                     s.parked += 1;
-                    let a = age(r.appended_at);
-                    s.oldest_parked_age = Some(s.oldest_parked_age.map_or(a, |o| o.max(a)));
+                    s.oldest_parked_age = older(s.oldest_parked_age, age(r));
                 }
                 DeliveryStatus::Published => s.published_retained += 1,
                 _ => {}
             }
         }
+        // Where each pending event stands (see `OutboxStats`): walk each aggregate's
+        // unfinished events in (version, sequence) order.
         for (key, set) in &st.outbox.open {
             let last = st.outbox.last_version(key);
             let head = set
                 .iter()
                 .find(|(v, _)| *v > last)
                 .map(|(v, seq)| (*v, &st.outbox.rows[seq]));
-            if head.is_some_and(|(v, r)| r.status == DeliveryStatus::Pending && v > last + 1) {
+            let held = head.is_some_and(|(v, r)| {
+                r.status == DeliveryStatus::Pending && v > last + 1 && r.held_since.is_some()
+            });
+            if held {
                 s.version_gaps_held += 1;
+            }
+            let mut behind_parked = false;
+            for (v, seq) in set {
+                let r = &st.outbox.rows[seq];
+                match r.status {
+                    DeliveryStatus::Parked if *v > last => behind_parked = true,
+                    DeliveryStatus::Pending if behind_parked => {
+                        s.blocked += 1;
+                        s.oldest_blocked_age = older(s.oldest_blocked_age, age(r));
+                    }
+                    DeliveryStatus::Pending if held && *v > last => s.gap_held += 1,
+                    DeliveryStatus::Pending => {
+                        s.oldest_claimable_age = older(s.oldest_claimable_age, age(r));
+                    }
+                    _ => {}
+                }
             }
         }
         s.extra

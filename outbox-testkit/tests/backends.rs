@@ -46,6 +46,38 @@ fn ids(batch: &outbox_core::ClaimedBatch) -> Vec<EventId> {
     batch.records.iter().map(|r| r.envelope.event_id).collect()
 }
 
+/// Issue 20, item 6: the memory store accepts what the PostgreSQL store accepts. With a raised
+/// name limit, aggregate names of exactly `MAX_AGGREGATE_NAME_BYTES` go in and one byte more is
+/// a validation error; limits above that bound make every append a configuration error (the
+/// PostgreSQL store refuses to be built with them).
+#[tokio::test]
+async fn aggregate_names_are_bounded_as_in_every_store() {
+    use outbox_core::{EnvelopeLimits, MAX_AGGREGATE_NAME_BYTES};
+    let db = MemoryDb::default();
+    let raised = EnvelopeLimits::default().with_max_name_len(8192);
+    let store = MemoryOutboxStore::new(&db, lease()).limits(raised.clone());
+    let named = |id: String, n: u64| {
+        let mut e = ev("a", 1, n);
+        e.aggregate_id = id;
+        e
+    };
+    append(&store, &[named("x".repeat(MAX_AGGREGATE_NAME_BYTES), 1)]).await;
+    let mut tx = db.begin();
+    let err = store
+        .append(
+            &mut tx,
+            &[named("x".repeat(MAX_AGGREGATE_NAME_BYTES + 1), 2)],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind, StoreErrorKind::Validation, "{err}");
+    let mut above = raised;
+    above.max_aggregate_name_bytes = MAX_AGGREGATE_NAME_BYTES + 1;
+    let store = MemoryOutboxStore::new(&db, lease()).limits(above);
+    let err = store.append(&mut tx, &[ev("b", 1, 3)]).await.unwrap_err();
+    assert_eq!(err.kind, StoreErrorKind::Configuration, "{err}");
+}
+
 #[tokio::test]
 async fn append_validates_and_rejects_duplicates() {
     let db = MemoryDb::default();
@@ -335,7 +367,7 @@ async fn cleanup_in_batches_and_stats_ages() {
     append(&store, &[ev("z", 1, 99)]).await;
     clock.advance(Duration::from_secs(10));
     let stats = store.stats().await.unwrap();
-    assert_eq!(stats.oldest_unpublished_age, Some(Duration::from_secs(10)));
+    assert_eq!(stats.oldest_claimable_age, Some(Duration::from_secs(10)));
     let batch = store.claim(&ClaimRequest::new("r", 5)).await.unwrap();
     let outcomes: Vec<Outcome> = batch
         .records

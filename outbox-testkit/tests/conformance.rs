@@ -67,6 +67,13 @@ mod faultless {
             FaultyStore::memory(self.0.store(mode).await, no_faults())
         }
 
+        async fn store_accepting_first_version(&self, mode: ClaimMode) -> Self::Store {
+            FaultyStore::memory(
+                self.0.store_accepting_first_version(mode).await,
+                no_faults(),
+            )
+        }
+
         async fn begin(&self) -> MemoryTx {
             self.0.begin().await
         }

@@ -482,10 +482,7 @@ async fn monitor(
                     .map(|l| {
                         (l.created as f64 - l.count as f64) / config.status.window.0.as_secs_f64()
                     });
-                gate.observe(
-                    BacklogSnapshot::new(stats.unpublished, stats.oldest_unpublished_age, rate),
-                    Utc::now(),
-                );
+                gate.observe(BacklogSnapshot::from_stats(&stats, rate), Utc::now());
                 if let Ok(c) = store.conflict_counts().await {
                     crate::metrics::record_conflicts(&c);
                 }

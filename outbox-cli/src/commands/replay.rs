@@ -1,11 +1,13 @@
 //! `outbox replay`: re-publishes already published events, selected by aggregate, event type
-//! or creation time, in append order (each aggregate's versions in order), to the topic their
-//! route gives, with their own event ids and the header [`REPLAY_HEADER`] set to the replay's
-//! id. Inboxes deduplicate by event id, so a consumer that already applied an event ignores
-//! its replay; a replay serves consumers that lost their state or start fresh. A replay runs
-//! beside the relay and does not change delivery state; replayed records may interleave with
-//! live ones, so a consumer sees an old version after a newer one (its version check treats it
-//! as stale). Events older than `cleanup.retention` were cleaned up and cannot be replayed.
+//! or creation time, in the order they were published (each aggregate's versions in the order
+//! its consumers first received them, also where a lower version committed after a higher one
+//! and went out first), to the topic their route gives, with their own event ids and the
+//! header [`REPLAY_HEADER`] set to the replay's id. Inboxes deduplicate by event id, so a
+//! consumer that already applied an event ignores its replay; a replay serves consumers that
+//! lost their state or start fresh. A replay runs beside the relay and does not change delivery
+//! state; replayed records may interleave with live ones, so a consumer sees an old version
+//! after a newer one (its version check treats it as stale). Events older than
+//! `cleanup.retention` were cleaned up and cannot be replayed.
 
 use chrono::Utc;
 use outbox_core::Publisher;
@@ -84,14 +86,14 @@ pub async fn run(config: &Config, opts: &ReplayOpts, out: &Output) -> Result<(),
     let publisher = crate::kafka::start_publisher(config, &recorded).await?;
     let replay_id = uuid::Uuid::new_v4().to_string();
     let bar = out.progress(matched, "replay");
-    let (mut replayed, mut after) = (0u64, 0i64);
+    let (mut replayed, mut after) = (0u64, None);
     loop {
         let rows = store
             .published_events(&filter, after, opts.batch_size.max(1))
             .await
             .map_err(map)?;
         let Some(last) = rows.last() else { break };
-        after = last.position;
+        after = Some(last.position);
         let events: Vec<_> = rows
             .into_iter()
             .map(|r| {

@@ -38,24 +38,21 @@ pub async fn run(config: &Config, opts: &StatusOpts, out: &Output) -> Result<(),
     let capacity = config.status.capacity;
     let until_full = forecast(capacity, stats.unpublished, Some(rate));
     let gate = Backpressure::new(super::relay::backpressure_policy(config));
-    gate.observe(
-        BacklogSnapshot::new(stats.unpublished, stats.oldest_unpublished_age, Some(rate)),
-        Utc::now(),
-    );
+    gate.observe(BacklogSnapshot::from_stats(&stats, Some(rate)), Utc::now());
     let bp = gate.state(Utc::now());
-    let head_age = extra(&stats, "oldest_head_age_seconds").map(Duration::from_secs_f64);
     let mut warnings: Vec<String> = Vec::new();
     if stats.parked > 0 {
         warnings.push(format!(
-            "{} parked event(s) block their aggregates: see `outbox parked list`",
-            stats.parked
+            "{} parked event(s) block their aggregates ({} event(s) wait behind them): see \
+             `outbox parked list`",
+            stats.parked, stats.blocked
         ));
     }
     if stats.version_gaps_held > 0 {
         warnings.push(format!(
-            "{} aggregate(s) wait for a missing version (parked as version gaps after \
-             outbox.gap_timeout)",
-            stats.version_gaps_held
+            "{} aggregate(s) wait for a missing version ({} event(s) held; parked as version \
+             gaps after outbox.gap_timeout)",
+            stats.version_gaps_held, stats.gap_held
         ));
     }
     let mut consumers = Vec::new();
@@ -69,10 +66,11 @@ pub async fn run(config: &Config, opts: &StatusOpts, out: &Output) -> Result<(),
             "unpublished": stats.unpublished,
             "in_flight": stats.in_flight,
             "parked": stats.parked,
+            "blocked": stats.blocked,
+            "gap_held": stats.gap_held,
             "version_gaps_held": stats.version_gaps_held,
-            "blocked": extra(&stats, "blocked_rows").map(|v| v as u64),
-            "oldest_unpublished_age_seconds": secs(stats.oldest_unpublished_age),
-            "oldest_claimable_age_seconds": secs(head_age),
+            "oldest_claimable_age_seconds": secs(stats.oldest_claimable_age),
+            "oldest_blocked_age_seconds": secs(stats.oldest_blocked_age),
             "oldest_parked_age_seconds": secs(stats.oldest_parked_age),
             "published_retained": stats.published_retained,
         },
@@ -118,16 +116,23 @@ pub async fn run(config: &Config, opts: &StatusOpts, out: &Output) -> Result<(),
         ],
         vec!["  in flight".into(), stats.in_flight.to_string()],
         vec![
-            "  oldest unpublished".into(),
-            age(stats.oldest_unpublished_age),
+            "  oldest claimable (main signal)".into(),
+            age(stats.oldest_claimable_age),
         ],
-        vec!["  oldest claimable head".into(), age(head_age)],
+        vec![
+            "  blocked behind parked events".into(),
+            stats.blocked.to_string(),
+        ],
+        vec!["    oldest blocked".into(), age(stats.oldest_blocked_age)],
+        vec![
+            "  held behind version gaps".into(),
+            format!(
+                "{} ({} aggregate(s))",
+                stats.gap_held, stats.version_gaps_held
+            ),
+        ],
         vec!["parked".into(), stats.parked.to_string()],
         vec!["  oldest parked".into(), age(stats.oldest_parked_age)],
-        vec![
-            "version gaps held".into(),
-            stats.version_gaps_held.to_string(),
-        ],
         vec![
             format!("published in the last {window}"),
             latency.count.to_string(),

@@ -104,23 +104,13 @@ impl MySqlOutboxStore {
         stats.parked = get("parked")?;
         stats.published_retained = get("published")?;
         stats.version_gaps_held = class_of("gap").0;
-        stats.oldest_unpublished_age = class_of("flowing").1;
+        (stats.gap_held, _) = class_of("gap");
+        (stats.blocked, stats.oldest_blocked_age) = class_of("parked");
+        stats.oldest_claimable_age = class_of("flowing").1;
         stats.oldest_parked_age = age("oldest_parked_us")?;
-        let mut extra = vec![
-            ("blocked_rows".to_owned(), get("blocked")? as f64),
-            (
-                "blocked_by_parked_rows".to_owned(),
-                class_of("parked").0 as f64,
-            ),
-        ];
+        let mut extra = vec![("queued_rows".to_owned(), get("blocked")? as f64)];
         if let Some(a) = class_of("gap").1 {
             extra.push(("oldest_gap_held_age_seconds".to_owned(), a.as_secs_f64()));
-        }
-        if let Some(a) = class_of("parked").1 {
-            extra.push((
-                "oldest_blocked_by_parked_age_seconds".to_owned(),
-                a.as_secs_f64(),
-            ));
         }
         extra.extend(self.table_extra().await?);
         stats.extra = extra;

@@ -51,12 +51,24 @@ pub struct PublishedFilter {
     pub until: Option<DateTime<Utc>>,
 }
 
+/// Where a published event stands in publication order: the keyset for paging through
+/// [`PostgresOutboxStore::published_events`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
+pub struct PublishedPosition {
+    /// When the event was marked published (`finished_at`, the publication time).
+    pub published_at: DateTime<Utc>,
+    /// Row id (ties).
+    pub id: i64,
+}
+
 /// A published event and where the broker stored it.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct PublishedRow {
-    /// Row position (keyset for paging; ascending = append order).
-    pub position: i64,
+    /// Its place in publication order (ascending: the order the events were published, so
+    /// each aggregate's versions in the order its consumers first received them).
+    pub position: PublishedPosition,
     /// The event.
     pub envelope: Envelope,
     /// The acknowledgement recorded on publish.
@@ -175,21 +187,6 @@ impl PostgresOutboxStore {
             .collect()
     }
 
-    /// Age of the oldest claimable head: a pending event that is not queued behind an
-    /// unfinished lower version of its aggregate (it may be in flight, waiting for a retry or
-    /// held for a version gap). `None` when there is none.
-    pub async fn oldest_head_age(&self) -> Result<Option<Duration>, StoreError> {
-        let t = self.admin_table("");
-        let age: Option<f64> = sqlx::query_scalar(&format!(
-            "SELECT extract(epoch FROM clock_timestamp() - min(created_at))::float8 FROM {t} \
-             WHERE status = 'pending' AND NOT blocked"
-        ))
-        .fetch_one(&self.inner.pool)
-        .await
-        .map_err(db)?;
-        Ok(age.map(|s| Duration::from_secs_f64(s.max(0.0))))
-    }
-
     /// Publish latency percentiles of the events published within `window`, and how many
     /// events were created in it.
     pub async fn publish_latency(&self, window: Duration) -> Result<LatencySummary, StoreError> {
@@ -262,18 +259,26 @@ impl PostgresOutboxStore {
         Ok(n.max(0) as u64)
     }
 
-    /// Up to `limit` retained published events matching `filter` after position `after`, in
-    /// append order (each aggregate's versions in order).
+    /// Up to `limit` retained published events matching `filter` after position `after` (from
+    /// the first when `None`), in the order they were published: an aggregate's versions come
+    /// in the order the broker got them, also where a lower version committed after a higher
+    /// one and was published first (insertion order would send them the other way round).
+    /// The order is by publication time (`finished_at`, which a completion sets to the
+    /// publication time; an aggregate's next version is only claimed after its previous one's
+    /// completion committed, so its time is later), through the index of finished rows.
     pub async fn published_events(
         &self,
         filter: &PublishedFilter,
-        after: i64,
+        after: Option<PublishedPosition>,
         limit: usize,
     ) -> Result<Vec<PublishedRow>, StoreError> {
         let t = self.admin_table("");
         let rows = sqlx::query(&format!(
-            "SELECT id, {ENVELOPE_COLS}, ack_topic, ack_partition, ack_offset FROM {t} \
-             WHERE {} AND id > $6 ORDER BY id LIMIT $7",
+            "SELECT id, finished_at, {ENVELOPE_COLS}, ack_topic, ack_partition, ack_offset \
+             FROM {t} \
+             WHERE {} AND status IN ('published', 'discarded') \
+               AND ($6::timestamptz IS NULL OR (finished_at, id) > ($6, $7)) \
+             ORDER BY finished_at, id LIMIT $8",
             Self::PUBLISHED_WHERE
         ))
         .bind(filter.aggregate_type.as_deref())
@@ -281,7 +286,8 @@ impl PostgresOutboxStore {
         .bind(filter.event_type.as_deref())
         .bind(filter.since)
         .bind(filter.until)
-        .bind(after)
+        .bind(after.map(|p| p.published_at))
+        .bind(after.map_or(0, |p| p.id))
         .bind(limit.clamp(1, 100_000) as i64)
         .fetch_all(&self.inner.pool)
         .await
@@ -289,7 +295,10 @@ impl PostgresOutboxStore {
         rows.iter()
             .map(|r| {
                 Ok(PublishedRow {
-                    position: r.try_get("id").map_err(db)?,
+                    position: PublishedPosition {
+                        published_at: r.try_get("finished_at").map_err(db)?,
+                        id: r.try_get("id").map_err(db)?,
+                    },
                     envelope: envelope_from_row(r)?,
                     ack: AckMetadata {
                         topic: r.try_get("ack_topic").map_err(db)?,
@@ -434,9 +443,6 @@ impl PostgresOutboxStore {
     /// Figures for [`outbox_core::OutboxStats::extra`] that come from this module.
     pub(super) async fn admin_extra(&self) -> Result<Vec<(String, f64)>, StoreError> {
         let mut extra = Vec::new();
-        if let Some(age) = self.oldest_head_age().await? {
-            extra.push(("oldest_head_age_seconds".to_owned(), age.as_secs_f64()));
-        }
         match self.conflict_counts().await {
             Ok(counts) => {
                 let total: u64 = counts.iter().map(|(_, n)| n).sum();

@@ -63,7 +63,10 @@ impl PostgresOutboxStoreBuilder {
         self.settings.archive = archive;
         self
     }
-    /// Envelope limits checked on append.
+    /// Envelope limits checked on append. `build()` refuses limits whose
+    /// `max_aggregate_name_bytes` is above [`outbox_core::MAX_AGGREGATE_NAME_BYTES`] (the
+    /// aggregate's state row is keyed by its type and id, and a B-tree entry is limited to
+    /// about 2,700 bytes); raising `max_name_len` leaves the aggregate names at that bound.
     pub fn limits(mut self, limits: EnvelopeLimits) -> Self {
         self.settings.limits = limits;
         self
@@ -91,7 +94,10 @@ impl PostgresOutboxStoreBuilder {
     /// already have a history, or after upgrading from a version before migration 3 whose
     /// cleanup removed (without archiving) every row of quiet aggregates. The price: for an
     /// aggregate without state, a lower version that commits after a higher one is parked as
-    /// out of order instead of going out first.
+    /// out of order instead of going out first. An aggregate has state once one of its events
+    /// was published or discarded; a claim that ends without a publication (a release, a
+    /// deferral during a broker outage, a retry, a relay's crash) leaves it without state, so
+    /// its first version is accepted again by the next claim (migration 6).
     pub fn accept_first_version(mut self, on: bool) -> Self {
         self.settings.accept_first_version = on;
         self
@@ -123,6 +129,8 @@ impl PostgresOutboxStoreBuilder {
         if let Some(ch) = &s.notify_channel {
             validate_identifier("notify channel", ch, MAX_IDENTIFIER_LEN)?;
         }
+        // The aggregate's state is keyed by its type and id: longer names could not be indexed.
+        s.limits.check_storable().map_err(|e| config(e.0))?;
         match s.claim_mode {
             ClaimMode::Lease { duration } if duration < Duration::from_millis(1) => {
                 return Err(config("lease duration must be at least 1 ms"));

@@ -362,11 +362,11 @@ impl PostgresOutboxStore {
                             .with_maybe_sent_before(row.try_get("resend").map_err(db)?),
                     ));
                 }
-                "stale" | "gap_park" => {
-                    let kind = if action == "stale" {
-                        ParkKind::OutOfOrder
-                    } else {
-                        ParkKind::VersionGap
+                "stale" | "gap_park" | "bad_key" => {
+                    let kind = match action.as_str() {
+                        "stale" => ParkKind::OutOfOrder,
+                        "gap_park" => ParkKind::VersionGap,
+                        _ => ParkKind::PermanentError,
                     };
                     out.parked.push(ParkedAtClaim::new(
                         EventId::from_uuid(row.try_get("event_id").map_err(db)?),

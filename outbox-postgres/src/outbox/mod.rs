@@ -24,7 +24,9 @@ use outbox_core::{
     StoreError,
 };
 
-pub use admin::{IntervalCount, LatencySummary, PublishedFilter, PublishedRow, RecordedTopic};
+pub use admin::{
+    IntervalCount, LatencySummary, PublishedFilter, PublishedPosition, PublishedRow, RecordedTopic,
+};
 pub use builder::PostgresOutboxStoreBuilder;
 
 use crate::config::OutboxSettings;

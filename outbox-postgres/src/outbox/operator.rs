@@ -166,6 +166,7 @@ impl PostgresOutboxStore {
         actor: &str,
         s: &EventState,
     ) -> Result<(), StoreError> {
+        refuse_unkeyable(event_id, s)?;
         if s.version <= s.last {
             return Err(out_of_order(event_id, s.version, s.last));
         }
@@ -242,6 +243,7 @@ impl PostgresOutboxStore {
         reason: &str,
         s: &EventState,
     ) -> Result<EventId, StoreError> {
+        refuse_unkeyable(event_id, s)?;
         if s.version <= s.last {
             return Err(out_of_order(event_id, s.version, s.last));
         }
@@ -389,6 +391,26 @@ fn versions_waiting(event_id: EventId, s: &EventState) -> StoreError {
         ),
     )
     .with_class(ErrorClass::Permanent)
+}
+
+/// A stored event whose aggregate names are longer than a store can key (written by other
+/// means, or before the bound) can never be published: retrying or re-issuing it (a copy has
+/// the same names) is refused; discarding it works.
+fn refuse_unkeyable(event_id: EventId, s: &EventState) -> Result<(), StoreError> {
+    let max = outbox_core::MAX_AGGREGATE_NAME_BYTES;
+    if s.agg_type.len() > max || s.agg_id.len() > max {
+        return Err(StoreError::new(
+            StoreErrorKind::Validation,
+            format!(
+                "event {event_id} has an aggregate_type of {} bytes and an aggregate_id of {} \
+                 bytes; at most {max} bytes each can be published: discard it and append the \
+                 event again under shorter names",
+                s.agg_type.len(),
+                s.agg_id.len()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn out_of_order(event_id: EventId, version: i64, last: i64) -> StoreError {

@@ -215,28 +215,73 @@ pub async fn publish_all(store: &PostgresOutboxStore, batch: &ClaimedBatch) {
 
 /// The schema as migrations 1 and 2 left it (the version before the per-aggregate state).
 pub async fn version_2_schema(ctx: &Ctx) {
+    schema_at_version(ctx, 2).await;
+}
+
+/// The outbox migrations in order (the files, as embedded by the crate).
+pub const OUTBOX_MIGRATIONS: [&str; 6] = [
+    include_str!("../../src/migrations/0001_outbox.sql"),
+    include_str!("../../src/migrations/0002_outbox.sql"),
+    include_str!("../../src/migrations/0003_outbox.sql"),
+    include_str!("../../src/migrations/0004_outbox.sql"),
+    include_str!("../../src/migrations/0005_outbox.sql"),
+    include_str!("../../src/migrations/0006_outbox.sql"),
+];
+
+/// The schema as migrations 1 to `version` left it (table `outbox_events`), recorded as applied,
+/// so that `migrate()` applies the rest: a table of a previous version.
+pub async fn schema_at_version(ctx: &Ctx, version: usize) {
     let render = |sql: &str| {
         sql.replace("__SCHEMA__", &ctx.schema)
             .replace("__TABLE__", "outbox_events")
             .replace("__SEED__", "0")
     };
-    let v1 = render(include_str!("../../src/migrations/0001_outbox.sql"));
-    let v2 = render(include_str!("../../src/migrations/0002_outbox.sql"));
-    sqlx::raw_sql(&format!("{v1}{v2}"))
-        .execute(&ctx.pool)
-        .await
-        .unwrap();
+    let sql: String = OUTBOX_MIGRATIONS[..version]
+        .iter()
+        .map(|m| render(m))
+        .collect();
+    sqlx::raw_sql(&sql).execute(&ctx.pool).await.unwrap();
+    let records: Vec<String> = (1..=version)
+        .map(|v| format!("('outbox:outbox_events', {v}, 'v{v}')"))
+        .collect();
     sqlx::raw_sql(&format!(
         "CREATE TABLE \"{0}\".outbox_schema_migrations (object text NOT NULL, \
            version integer NOT NULL, description text NOT NULL, \
            applied_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (object, version)); \
          INSERT INTO \"{0}\".outbox_schema_migrations (object, version, description) \
-           VALUES ('outbox:outbox_events', 1, 'v1'), ('outbox:outbox_events', 2, 'v2');",
-        ctx.schema
+           VALUES {1};",
+        ctx.schema,
+        records.join(", ")
     ))
     .execute(&ctx.pool)
     .await
     .unwrap();
+}
+
+/// Waits (up to 10 s) until a session waits for a lock on a table of the test's schema: the
+/// point where a migration stands behind a transaction of the test.
+pub async fn wait_for_lock_wait(ctx: &Ctx) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks l JOIN pg_class c ON c.oid = l.relation \
+             JOIN pg_namespace n ON n.oid = c.relnamespace \
+             WHERE NOT l.granted AND n.nspname = $1",
+        )
+        .bind(&ctx.schema)
+        .fetch_one(&ctx.pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no session waits for a lock on schema {}",
+            ctx.schema
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 // The wake-up gate's tests (`wake_gate.rs`, `adversary_gate.rs`).

@@ -80,6 +80,9 @@ pub struct Capabilities {
     /// The gap timeout of the harness's stores: how long a head that skips a version is held
     /// before it is parked. Harnesses MUST build their stores with it.
     pub gap_timeout: Duration,
+    /// The backend can accept an aggregate's lowest unfinished version as its first when the
+    /// aggregate has no state ([`OutboxHarness::store_accepting_first_version`] works).
+    pub accept_first_version: bool,
 }
 
 impl Capabilities {
@@ -92,6 +95,7 @@ impl Capabilities {
             lease_duration: Duration::from_secs(30),
             time_step: Duration::from_secs(1),
             gap_timeout: Duration::from_secs(60),
+            accept_first_version: false,
         }
     }
 
@@ -105,6 +109,7 @@ impl Capabilities {
             lease_duration: Duration::from_millis(1500),
             time_step: Duration::from_millis(300),
             gap_timeout: Duration::from_millis(600),
+            accept_first_version: false,
         }
     }
 
@@ -138,6 +143,12 @@ impl Capabilities {
         self
     }
 
+    /// Sets `accept_first_version`.
+    pub fn with_accept_first_version(mut self, yes: bool) -> Self {
+        self.accept_first_version = yes;
+        self
+    }
+
     /// The lease claim mode of these capabilities.
     pub fn lease_mode(&self) -> ClaimMode {
         ClaimMode::Lease {
@@ -161,6 +172,18 @@ pub trait OutboxHarness: Send + Sync {
 
     /// A store over this harness's database, handing out work in `mode`.
     async fn store(&self, mode: ClaimMode) -> Self::Store;
+
+    /// A store like [`store`](Self::store) that accepts the lowest unfinished version of an
+    /// aggregate without state as its first (instead of requiring version 1). Called only when
+    /// [`Capabilities::accept_first_version`] is declared; a harness that declares it MUST
+    /// implement this (the default panics).
+    async fn store_accepting_first_version(&self, mode: ClaimMode) -> Self::Store {
+        let _ = mode;
+        panic!(
+            "Capabilities::accept_first_version is declared but \
+             OutboxHarness::store_accepting_first_version is not implemented"
+        );
+    }
 
     /// Begins a business transaction for [`OutboxStore::append`].
     async fn begin(&self) -> <Self::Store as OutboxStore>::Tx;
@@ -539,11 +562,15 @@ impl OutboxHarness for MemoryOutboxHarness {
     type Store = MemoryOutboxStore;
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::virtual_time()
+        Capabilities::virtual_time().with_accept_first_version(true)
     }
 
     async fn store(&self, mode: ClaimMode) -> MemoryOutboxStore {
         MemoryOutboxStore::new(&self.db, mode).gap_timeout(self.capabilities().gap_timeout)
+    }
+
+    async fn store_accepting_first_version(&self, mode: ClaimMode) -> MemoryOutboxStore {
+        self.store(mode).await.accept_first_version(true)
     }
 
     async fn begin(&self) -> crate::MemoryTx {
@@ -681,6 +708,8 @@ pub const OUTBOX_CHECKS: &[&str] = &[
     "reissued_copy_carries_the_original_id",
     "release_claims_of_a_gone_relay",
     "operator_action_on_a_filling_gap_is_refused",
+    "first_version_is_accepted_again_after_a_claim_that_did_not_publish",
+    "stats_keep_blocked_and_gap_held_events_out_of_the_claimable_age",
 ];
 
 /// Names of the publisher checks, in the order the macro emits them.
@@ -771,6 +800,8 @@ macro_rules! outbox_conformance_tests {
             reissued_copy_carries_the_original_id,
             release_claims_of_a_gone_relay,
             operator_action_on_a_filling_gap_is_refused,
+            first_version_is_accepted_again_after_a_claim_that_did_not_publish,
+            stats_keep_blocked_and_gap_held_events_out_of_the_claimable_age,
         );
     };
     (@emit ($setup:expr) $($check:ident),* $(,)?) => {

@@ -631,13 +631,13 @@ pub async fn stats_report_backlog_and_ages<H: OutboxHarness>(h: &H) {
         (empty.unpublished, empty.parked, empty.in_flight),
         (0, 0, 0)
     );
-    assert_eq!(empty.oldest_unpublished_age, None);
+    assert_eq!(empty.oldest_claimable_age, None);
     let events: Vec<Envelope> = (0..4).map(|_| event(&agg("stats"), 1)).collect();
     append_committed(h, &store, &events).await;
     h.advance(caps.time_step).await;
     let s = store.stats().await.expect("stats");
     assert_eq!(s.unpublished, 4);
-    let age = s.oldest_unpublished_age.expect("an unpublished age");
+    let age = s.oldest_claimable_age.expect("a claimable age");
     assert!(
         age >= caps.time_step,
         "oldest age {age:?} below the time that passed"
@@ -1075,4 +1075,224 @@ pub async fn operator_action_on_a_filling_gap_is_refused<H: OutboxHarness>(h: &H
         .expect("complete");
     store.retry_parked(v2.event_id, "ops").await.expect("retry");
     assert_eq!(ids(&claim(&store, "r", 10).await), set(&[&v2]));
+}
+
+/// With `accept_first_version`, an aggregate without state accepts its lowest unfinished
+/// version as its first, and keeps accepting it after a claim that ends without a
+/// publication: a release, a deferral (a broker outage), a retry, or the relay's crash (an
+/// expired lease, a dropped locked claim). Its head is never held as a version gap for that,
+/// so nothing is parked. Once a version is published the aggregate has state: a later gap is
+/// held as usual.
+pub async fn first_version_is_accepted_again_after_a_claim_that_did_not_publish<
+    H: OutboxHarness,
+>(
+    h: &H,
+) {
+    let caps = h.capabilities();
+    if !caps.accept_first_version {
+        return not_applicable(
+            "first_version_is_accepted_again_after_a_claim_that_did_not_publish",
+            "the backend cannot accept a first version above 1",
+        );
+    }
+    let modes: Vec<ClaimMode> = [
+        caps.lease.then(|| caps.lease_mode()),
+        caps.locked_transaction
+            .then_some(ClaimMode::LockedTransaction),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let transient = |kind: &str| LastError {
+        class: ErrorClass::Transient,
+        kind: kind.into(),
+        message: "injected by the conformance suite".into(),
+    };
+    for mode in modes {
+        let store = h.store_accepting_first_version(mode).await;
+        for end in ["release", "defer", "retry", "crash"] {
+            // An aggregate with a history from before the outbox: its first event here is 3.
+            let a = agg(&format!("first-{end}"));
+            let (v3, v4) = (event(&a, 3), event(&a, 4));
+            append_committed(h, &store, &[v3.clone(), v4.clone()]).await;
+            let first = claim(&store, "r", 10).await;
+            assert_eq!(ids(&first), set(&[&v3]), "{mode:?} {end}: the first claim");
+            let attempts = match end {
+                "release" => {
+                    store.release(&first.handle).await.expect("release");
+                    0
+                }
+                "defer" | "retry" => {
+                    let outcome = if end == "defer" {
+                        Outcome::Defer {
+                            event_id: v3.event_id,
+                            delay: std::time::Duration::ZERO,
+                            error: transient("broker_unavailable"),
+                        }
+                    } else {
+                        Outcome::Retry {
+                            event_id: v3.event_id,
+                            delay: std::time::Duration::ZERO,
+                            error: transient("timeout"),
+                        }
+                    };
+                    let rep = store
+                        .complete(&first.handle, &[outcome])
+                        .await
+                        .expect("complete");
+                    assert_eq!(rep.applied, 1, "{mode:?} {end}");
+                    u32::from(end == "retry")
+                }
+                _ => {
+                    if mode == ClaimMode::LockedTransaction {
+                        if !h.abandon(&store, &first.handle).await {
+                            eprintln!(
+                                "conformance: {mode:?} crash skipped: the harness cannot drop \
+                                 a relay's connection (OutboxHarness::abandon)"
+                            );
+                            store.release(&first.handle).await.expect("release");
+                        }
+                    } else {
+                        h.advance(caps.lease_duration + caps.time_step).await;
+                    }
+                    0
+                }
+            };
+            let again = claim(&store, "r", 10).await;
+            assert_eq!(
+                ids(&again),
+                set(&[&v3]),
+                "{mode:?} {end}: the first version must be accepted again (held: {}, \
+                 parked: {:?})",
+                again.gaps_held,
+                again.parked
+            );
+            assert_eq!(again.gaps_held, 0, "{mode:?} {end}");
+            assert_eq!(again.records[0].attempts, attempts, "{mode:?} {end}");
+            assert_eq!(
+                store.stats().await.expect("stats").version_gaps_held,
+                0,
+                "{mode:?} {end}: no gap is held"
+            );
+            store
+                .complete(&again.handle, &publish_all(&again))
+                .await
+                .expect("complete");
+            let next = claim(&store, "r", 10).await;
+            assert_eq!(ids(&next), set(&[&v4]), "{mode:?} {end}: then version 4");
+            store
+                .complete(&next.handle, &publish_all(&next))
+                .await
+                .expect("complete");
+            if end != "crash" {
+                continue;
+            }
+            // The aggregate has state now: version 6 skips 5 and is held.
+            let v6 = event(&a, 6);
+            append_committed(h, &store, std::slice::from_ref(&v6)).await;
+            let held = claim(&store, "r", 10).await;
+            assert!(held.is_empty(), "{mode:?}: version 6 went out after 4");
+            assert_eq!(held.gaps_held, 1, "{mode:?}");
+            // Filled, so that the next mode starts from an empty backlog.
+            let v5 = event(&a, 5);
+            append_committed(h, &store, std::slice::from_ref(&v5)).await;
+            for expected in [&v5, &v6] {
+                h.advance(caps.gap_timeout.min(std::time::Duration::from_secs(1)) + caps.time_step)
+                    .await;
+                let b = claim(&store, "r", 10).await;
+                assert_eq!(ids(&b), set(&[expected]), "{mode:?}");
+                store
+                    .complete(&b.handle, &publish_all(&b))
+                    .await
+                    .expect("complete");
+            }
+        }
+    }
+}
+
+/// Where unpublished events stand is reported apart (issue 20, items 4 and 5): an event
+/// waiting behind a parked event of its aggregate is blocked, an aggregate whose head a claim
+/// holds as a version gap is gap-held, and neither counts for the oldest claimable age, the
+/// main signal (one parked event with one more of its aggregate behind it must not make it
+/// grow without bound). Ages count from the insertion into the store on its clock, not from
+/// the producer's `created_at` (here a year 2000 time, as a history import keeps it).
+pub async fn stats_keep_blocked_and_gap_held_events_out_of_the_claimable_age<H: OutboxHarness>(
+    h: &H,
+) {
+    let caps = h.capabilities();
+    let store = default_store(h).await;
+    let (a, g, c) = (agg("st-parked"), agg("st-gap"), agg("st-fresh"));
+    let (a1, a2) = (event(&a, 1), event(&a, 2));
+    append_committed(h, &store, &[a1.clone(), a2.clone()]).await;
+    park_head::<H>(&store, &a1).await;
+    h.advance(caps.time_step * 3).await;
+    let mut c1 = event(&c, 1);
+    c1.created_at = "2000-01-01T00:00:00Z".parse().expect("a time");
+    append_committed(h, &store, std::slice::from_ref(&c1)).await;
+    let s = store.stats().await.expect("stats");
+    assert_eq!((s.unpublished, s.parked), (2, 1), "{s:?}");
+    assert_eq!(
+        (s.blocked, s.gap_held, s.version_gaps_held),
+        (1, 0, 0),
+        "{s:?}"
+    );
+    assert!(
+        s.oldest_blocked_age
+            .is_some_and(|a| a >= caps.time_step * 3),
+        "{s:?}"
+    );
+    let fresh = s.oldest_claimable_age.expect("c1 is claimable");
+    assert!(
+        fresh < caps.time_step * 3,
+        "the claimable age {fresh:?} must be c1's, counted from its insertion (not from its \
+         created_at in 2000, nor from the blocked event): {s:?}"
+    );
+    // c1 in flight still counts; once published, nothing claimable is left: no claimable
+    // age, however long a2 waits behind the parked a1.
+    let b = claim(&store, "r", 10).await;
+    assert_eq!(ids(&b), set(&[&c1]));
+    h.advance(caps.time_step).await;
+    let s = store.stats().await.expect("stats");
+    assert_eq!(s.in_flight, 1);
+    assert!(
+        s.oldest_claimable_age.is_some_and(|a| a >= caps.time_step),
+        "{s:?}"
+    );
+    store
+        .complete(&b.handle, &publish_all(&b))
+        .await
+        .expect("complete");
+    // A head that skips a version, held by the claim that meets it (checked well within the
+    // gap timeout): gap-held, not claimable either.
+    let g2 = event(&g, 2);
+    append_committed(h, &store, std::slice::from_ref(&g2)).await;
+    let b = claim(&store, "r", 10).await;
+    assert_eq!((b.records.len(), b.gaps_held), (0, 1));
+    let s = store.stats().await.expect("stats");
+    assert_eq!(
+        s.oldest_claimable_age, None,
+        "only a blocked and a gap-held event are left: {s:?}"
+    );
+    assert_eq!(
+        (s.unpublished, s.blocked, s.gap_held, s.version_gaps_held),
+        (2, 1, 1, 1),
+        "{s:?}"
+    );
+    assert!(
+        s.oldest_blocked_age
+            .is_some_and(|a| a >= caps.time_step * 4),
+        "{s:?}"
+    );
+    // Once the parked event is discarded, a2 is claimable, with its age since insertion.
+    store
+        .discard_parked(a1.event_id, "ops", "test")
+        .await
+        .expect("discard");
+    let s = store.stats().await.expect("stats");
+    assert_eq!((s.blocked, s.oldest_blocked_age), (0, None), "{s:?}");
+    assert!(
+        s.oldest_claimable_age
+            .is_some_and(|a| a >= caps.time_step * 4),
+        "{s:?}"
+    );
 }
