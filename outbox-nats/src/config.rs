@@ -186,7 +186,9 @@ impl NatsPublisherConfig {
             )));
         }
         if self.connect_timeout.is_zero() {
-            return Err(ConfigError::new("connect timeout must be greater than zero"));
+            return Err(ConfigError::new(
+                "connect timeout must be greater than zero",
+            ));
         }
         if self.max_in_flight == 0 {
             return Err(ConfigError::new("max_in_flight must be at least 1"));
@@ -302,10 +304,7 @@ mod tests {
             .build()
             .unwrap();
         assert_eq!(c.subject_for("order", "o-1").unwrap(), "outbox.order");
-        assert_eq!(
-            c.subject_for("payment", "p-1").unwrap(),
-            "payments.events"
-        );
+        assert_eq!(c.subject_for("payment", "p-1").unwrap(), "payments.events");
         assert!(c.subject_for("order.line", "x").is_err());
         assert_eq!(c.subject_spaces(), vec!["outbox.>", "payments.events"]);
 
@@ -328,7 +327,10 @@ mod tests {
     #[test]
     fn unsafe_or_invalid_settings_are_refused() {
         let cases: Vec<(NatsPublisherBuilder, &str)> = vec![
-            (builder().delivery_timeout(Duration::ZERO), "delivery timeout"),
+            (
+                builder().delivery_timeout(Duration::ZERO),
+                "delivery timeout",
+            ),
             (
                 builder().delivery_timeout(Duration::from_secs(7200)),
                 "delivery timeout",

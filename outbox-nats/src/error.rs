@@ -142,7 +142,12 @@ mod tests {
     #[test]
     fn publish_error_kind_table() {
         let table: Vec<(NatsPublishError, PublishErrorKind, ErrorClass, FailureScope)> = vec![
-            (NatsPublishError::new(K::TimedOut), P::Timeout, Transient, Transport),
+            (
+                NatsPublishError::new(K::TimedOut),
+                P::Timeout,
+                Transient,
+                Transport,
+            ),
             (
                 NatsPublishError::new(K::BrokenPipe),
                 P::BrokerUnavailable,

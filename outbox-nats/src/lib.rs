@@ -17,11 +17,11 @@ pub use config::{
     DEFAULT_MAX_IN_FLIGHT,
 };
 pub use publisher::{NatsPublisher, StartError, REPORT_GRACE};
-pub use streams::{
-    check_streams, Retention, Storage, StreamCheckError, StreamInfo, StreamReport, StreamWarning,
-};
 pub use source::{
     NatsSource, NatsSourceBuilder, NatsSourceConfig, StartFrom, DEFAULT_ACK_WAIT,
     DEFAULT_MAX_ACK_PENDING, DEFAULT_PULL_BATCH,
+};
+pub use streams::{
+    check_streams, Retention, Storage, StreamCheckError, StreamInfo, StreamReport, StreamWarning,
 };
 pub use subject::SubjectMapping;

@@ -239,8 +239,8 @@ impl NatsPublisher {
             .min(self.config.connect_timeout);
         let mut missing: HashSet<&str> = HashSet::new();
         for subject in suspects {
-            let found = tokio::time::timeout(budget, self.js.stream_by_subject(subject.to_owned()))
-                .await;
+            let found =
+                tokio::time::timeout(budget, self.js.stream_by_subject(subject.to_owned())).await;
             if let Ok(Err(e)) = found {
                 if matches!(e.kind(), GetStreamByNameErrorKind::NotFound) {
                     missing.insert(subject);
@@ -420,8 +420,8 @@ impl Publisher for NatsPublisher {
             subjects.push(Some(subject));
         }
 
-        let mut results: Vec<PublishResult> =
-            join_all(slots.into_iter().zip(&subjects).map(|(slot, subject)| async move {
+        let mut results: Vec<PublishResult> = join_all(slots.into_iter().zip(&subjects).map(
+            |(slot, subject)| async move {
                 let subject = subject.as_deref().unwrap_or("");
                 match slot {
                     Slot::Done(r) => r,
@@ -442,8 +442,9 @@ impl Publisher for NatsPublisher {
                         }
                     }
                 }
-            }))
-            .await;
+            },
+        ))
+        .await;
         self.confirm_missing_streams(&subjects, &mut results, ack_deadline)
             .await;
         results
@@ -493,6 +494,8 @@ mod tests {
         assert!(with("x-ok", "fine").is_ok());
         assert!(with("bad:name", "v").unwrap_err().contains("bad:name"));
         assert!(with("bad name", "v").is_err());
-        assert!(with("x-v", "line\r\nbreak").unwrap_err().contains("line break"));
+        assert!(with("x-v", "line\r\nbreak")
+            .unwrap_err()
+            .contains("line break"));
     }
 }

@@ -37,7 +37,7 @@ use std::time::Duration;
 
 use async_nats::jetstream::consumer::pull::{Config as PullConfig, Stream as PullStream};
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer};
-use async_nats::jetstream::message::{Acker, AckKind};
+use async_nats::jetstream::message::{AckKind, Acker};
 use async_nats::jetstream::{self, Context};
 use chrono::{DateTime, Utc};
 use futures::future::join_all;
@@ -217,9 +217,17 @@ impl NatsSourceBuilder {
     }
 }
 
-async fn bind_consumer(js: &Context, config: &NatsSourceConfig) -> Result<PullConsumer, SourceError> {
+async fn bind_consumer(
+    js: &Context,
+    config: &NatsSourceConfig,
+) -> Result<PullConsumer, SourceError> {
     let t = config.connect_timeout;
-    let timed_out = |what: &str| SourceError::new(ErrorClass::Transient, format!("{what} timed out after {t:?}"));
+    let timed_out = |what: &str| {
+        SourceError::new(
+            ErrorClass::Transient,
+            format!("{what} timed out after {t:?}"),
+        )
+    };
     let stream = tokio::time::timeout(t, js.get_stream(&config.stream))
         .await
         .map_err(|_| timed_out("stream lookup"))?
@@ -462,16 +470,14 @@ impl NatsSource {
             .flat_map(|h| h.iter())
             .filter(|(name, _)| AsRef::<str>::as_ref(*name) != "Nats-Msg-Id")
             .flat_map(|(name, values)| {
-                values
-                    .iter()
-                    .map(move |v| RecordHeader::new(AsRef::<str>::as_ref(name), v.as_str().as_bytes()))
+                values.iter().map(move |v| {
+                    RecordHeader::new(AsRef::<str>::as_ref(name), v.as_str().as_bytes())
+                })
             })
             .collect();
         headers.sort_by(|a, b| a.name.cmp(&b.name));
-        let timestamp = DateTime::<Utc>::from_timestamp(
-            published.unix_timestamp(),
-            published.nanosecond(),
-        );
+        let timestamp =
+            DateTime::<Utc>::from_timestamp(published.unix_timestamp(), published.nanosecond());
         tracing::trace!(stream = %self.tp.topic, seq, delivery, "message handed out");
         let position = LogPosition::new(
             self.tp.topic.clone(),
@@ -588,14 +594,62 @@ mod tests {
         let base = || NatsSource::builder("nats://h:1", "S", "d").config;
         assert!(base().validate().is_ok());
         let cases: Vec<(NatsSourceConfig, &str)> = vec![
-            (NatsSourceConfig { ack_wait: Duration::from_millis(500), ..base() }, "ack wait"),
-            (NatsSourceConfig { max_ack_pending: 0, ..base() }, "max_ack_pending"),
-            (NatsSourceConfig { pull_batch: 0, ..base() }, "pull_batch"),
-            (NatsSourceConfig { pull_batch: 2_000, ..base() }, "pull_batch"),
-            (NatsSourceConfig { stream: "a.b".into(), ..base() }, "stream name"),
-            (NatsSourceConfig { durable: "".into(), ..base() }, "durable name"),
-            (NatsSourceConfig { filter_subject: Some("a..b".into()), ..base() }, "filter subject"),
-            (NatsSourceConfig { servers: "".into(), ..base() }, "servers"),
+            (
+                NatsSourceConfig {
+                    ack_wait: Duration::from_millis(500),
+                    ..base()
+                },
+                "ack wait",
+            ),
+            (
+                NatsSourceConfig {
+                    max_ack_pending: 0,
+                    ..base()
+                },
+                "max_ack_pending",
+            ),
+            (
+                NatsSourceConfig {
+                    pull_batch: 0,
+                    ..base()
+                },
+                "pull_batch",
+            ),
+            (
+                NatsSourceConfig {
+                    pull_batch: 2_000,
+                    ..base()
+                },
+                "pull_batch",
+            ),
+            (
+                NatsSourceConfig {
+                    stream: "a.b".into(),
+                    ..base()
+                },
+                "stream name",
+            ),
+            (
+                NatsSourceConfig {
+                    durable: "".into(),
+                    ..base()
+                },
+                "durable name",
+            ),
+            (
+                NatsSourceConfig {
+                    filter_subject: Some("a..b".into()),
+                    ..base()
+                },
+                "filter subject",
+            ),
+            (
+                NatsSourceConfig {
+                    servers: "".into(),
+                    ..base()
+                },
+                "servers",
+            ),
         ];
         for (c, expected) in cases {
             let err = c.validate().expect_err(expected).to_string();

@@ -91,7 +91,11 @@ pub enum StreamWarning {
 impl fmt::Display for StreamWarning {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::DuplicateWindowShorterThanLease { stream, window, lease } => write!(
+            Self::DuplicateWindowShorterThanLease {
+                stream,
+                window,
+                lease,
+            } => write!(
                 f,
                 "stream {stream:?}: duplicate window {window:?} is shorter than the relay's \
                  lease {lease:?}; re-sends after a lost PubAck may be stored twice"
@@ -157,7 +161,10 @@ impl StreamCheckError {
 impl fmt::Display for StreamCheckError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Self::MissingStream { subject, partial: None } => write!(
+            Self::MissingStream {
+                subject,
+                partial: None,
+            } => write!(
                 f,
                 "no JetStream stream captures {subject:?}: create one (e.g. `nats stream add \
                  --subjects '{subject}'`) before starting the relay"
@@ -171,7 +178,10 @@ impl fmt::Display for StreamCheckError {
                  have no stream; widen its subjects"
             ),
             Self::Unreachable { detail } => {
-                write!(f, "the NATS server's JetStream API did not answer: {detail}")
+                write!(
+                    f,
+                    "the NATS server's JetStream API did not answer: {detail}"
+                )
             }
         }
     }
@@ -191,9 +201,12 @@ pub async fn check_streams(
     let unreachable = |detail: String| StreamCheckError::Unreachable { detail };
     let mut streams: Vec<StreamInfo> = Vec::new();
     for space in subject_spaces {
-        let name = match tokio::time::timeout(timeout, js.stream_by_subject(space.clone())).await
-        {
-            Err(_) => return Err(unreachable(format!("stream lookup timed out after {timeout:?}"))),
+        let name = match tokio::time::timeout(timeout, js.stream_by_subject(space.clone())).await {
+            Err(_) => {
+                return Err(unreachable(format!(
+                    "stream lookup timed out after {timeout:?}"
+                )))
+            }
             Ok(Ok(name)) => name,
             Ok(Err(e)) if matches!(e.kind(), GetStreamByNameErrorKind::NotFound) => {
                 return Err(StreamCheckError::MissingStream {
@@ -234,9 +247,7 @@ pub async fn check_streams(
                 RetentionPolicy::WorkQueue => Retention::WorkQueue,
                 _ => Retention::Limits,
             },
-            max_message_size: usize::try_from(c.max_message_size)
-                .ok()
-                .filter(|n| *n > 0),
+            max_message_size: usize::try_from(c.max_message_size).ok().filter(|n| *n > 0),
             messages: info.state.messages,
         });
     }

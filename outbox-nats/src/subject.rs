@@ -139,7 +139,11 @@ mod tests {
             ("a.*.c", "a.b.>", false),
         ];
         for (filter, subject, expected) in table {
-            assert_eq!(covers(filter, subject), expected, "{filter} covers {subject}");
+            assert_eq!(
+                covers(filter, subject),
+                expected,
+                "{filter} covers {subject}"
+            );
         }
     }
 

@@ -80,7 +80,10 @@ impl PublisherHarness for PublisherSuite {
     }
 
     async fn read_back(&self, ack: &AckMetadata) -> Option<ReadBack> {
-        assert_eq!(ack.topic, self.stream.name, "acknowledged by another stream");
+        assert_eq!(
+            ack.topic, self.stream.name,
+            "acknowledged by another stream"
+        );
         assert_eq!(ack.partition, 0);
         let (subject, mut headers, value) = self.stream.read(ack.offset as u64).await;
         // NATS has no record key: the aggregate id is the subject's last token.

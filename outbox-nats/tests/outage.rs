@@ -28,8 +28,7 @@ struct Call {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn server_killed_and_restarted_mid_batch_gives_transient_transport_errors_and_no_false_ack()
-{
+async fn server_killed_and_restarted_mid_batch_gives_transient_transport_errors_and_no_false_ack() {
     common::init_tracing();
     let bin = require!(nats_server_bin("nats_outage"));
     let mut server = NatsServer::start(bin);
@@ -120,7 +119,10 @@ async fn server_killed_and_restarted_mid_batch_gives_transient_transport_errors_
         errors += call.errors.len();
         acked += call.acked.len();
     }
-    assert!(errors > 0, "the outage produced no error: it was not mid-batch");
+    assert!(
+        errors > 0,
+        "the outage produced no error: it was not mid-batch"
+    );
     // No false acknowledgement: every acknowledged record is stored where its PubAck said.
     for call in &calls {
         for (id, ack) in &call.acked {

@@ -26,10 +26,16 @@ async fn a_resend_within_the_duplicate_window_is_dropped_and_still_acknowledged(
         .expect("start");
     let e = event("order", "o-1", 1);
     let other = event("order", "o-2", 1);
-    let first = publisher.publish(&[&e]).await.remove(0).expect("first send");
+    let first = publisher
+        .publish(&[&e])
+        .await
+        .remove(0)
+        .expect("first send");
     // The same event again, beside a new one, as a relay re-sending a batch would.
     let again = publisher.publish(&[&e, &other]).await;
-    let resent = again[0].as_ref().expect("a duplicate PubAck is an acknowledgement");
+    let resent = again[0]
+        .as_ref()
+        .expect("a duplicate PubAck is an acknowledgement");
     assert_eq!(resent, &first, "acknowledged at the stored copy");
     let new = again[1].as_ref().expect("the new event");
     assert!(new.offset > first.offset);
@@ -79,8 +85,7 @@ async fn start_fails_permanently_when_no_stream_captures_the_subjects() {
     assert!(shown.contains("nats stream add"), "{shown}");
 
     // A stream that captures one aggregate type only leaves the others without a stream.
-    let _stream =
-        TestStream::create(&url, &prefix, &[format!("{prefix}.order")], None, None).await;
+    let _stream = TestStream::create(&url, &prefix, &[format!("{prefix}.order")], None, None).await;
     let err = NatsPublisher::builder(&url, &prefix)
         .start()
         .await
@@ -116,7 +121,9 @@ async fn start_reports_the_streams_and_warns_about_a_short_duplicate_window() {
         .await
         .expect("start");
     let report = publisher.stream_report().expect("checked at start");
-    let s = report.stream_of(&format!("{prefix}.>")).expect("main stream");
+    let s = report
+        .stream_of(&format!("{prefix}.>"))
+        .expect("main stream");
     assert_eq!(s.name, main.name);
     assert_eq!(
         (s.duplicate_window, s.storage, s.replicas, s.retention),
@@ -149,7 +156,11 @@ async fn an_unreachable_server_is_a_transient_start_error_within_the_timeout() {
         .await
         .expect_err("nothing listens there");
     assert!(err.is_transient(), "{err}");
-    assert!(started.elapsed() < Duration::from_secs(3), "{:?}", started.elapsed());
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
 }
 
 /// The server's `max_payload` (1 MiB by default) would close the connection on a bigger

@@ -40,7 +40,9 @@ use common::{require, unique, TestStream};
 use futures::StreamExt;
 use outbox_core::watermark::SharedOffsetTracker;
 use outbox_core::{async_trait, Envelope, MessageSource, Publisher};
-use outbox_inbox::{ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor, VersionPolicy};
+use outbox_inbox::{
+    ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor, VersionPolicy,
+};
 use outbox_nats::{NatsPublisher, NatsSource, StartFrom};
 use outbox_postgres::{map_sqlx_error, PostgresInboxStore};
 use outbox_testkit::conformance::{RawRecord, SourceCapabilities, SourceHarness};
@@ -260,7 +262,10 @@ async fn nothing_is_acknowledged_without_a_commit() {
     let member = s.member(StartFrom::Earliest).await;
     let got = poll_n(&member, 3).await;
     assert_eq!(s.committed(0).await, None, "polling acknowledged");
-    member.commit(&[got[1].position.clone().next()]).await.unwrap();
+    member
+        .commit(&[got[1].position.clone().next()])
+        .await
+        .unwrap();
     assert_eq!(
         s.committed(0).await,
         Some(got[1].position.offset + 1),
@@ -338,7 +343,10 @@ async fn a_redelivery_of_a_message_in_flight_is_not_handed_out_again() {
         }
     }
     // The ack of the one message (through its newest delivery) settles it.
-    member.commit(&[got[0].position.clone().next()]).await.unwrap();
+    member
+        .commit(&[got[0].position.clone().next()])
+        .await
+        .unwrap();
     let stream = s.stream.js.get_stream(&s.stream.name).await.unwrap();
     let info = stream.consumer_info(&s.durable).await.unwrap();
     assert_eq!((info.num_ack_pending, info.num_pending), (0, 0), "{info:?}");
@@ -546,11 +554,17 @@ async fn engine_applies_each_event_once_in_order_across_a_crash() {
     let deadline = Instant::now() + Duration::from_secs(60);
     while (db.effects_once().await as usize) < total {
         assert!(Instant::now() < deadline, "not all effects applied");
-        engine.run_until_quiet(Duration::from_millis(300)).await.unwrap();
+        engine
+            .run_until_quiet(Duration::from_millis(300))
+            .await
+            .unwrap();
     }
     // Redeliveries of what the crashed member held arrive after the ack wait: let them come.
     tokio::time::sleep(ACK_WAIT + Duration::from_millis(500)).await;
-    engine.run_until_quiet(Duration::from_secs(1)).await.unwrap();
+    engine
+        .run_until_quiet(Duration::from_secs(1))
+        .await
+        .unwrap();
     assert_eq!(db.effects_once().await as usize, total);
     for a in &aggregates {
         assert_eq!(db.applied(a).await, (1..=6).collect::<Vec<i64>>(), "{a}");
@@ -625,7 +639,10 @@ async fn redelivered_head_is_applied_before_its_successors() {
         assert!(Instant::now() < deadline, "version 1 never came back");
         engine.step().await.unwrap();
     }
-    engine.run_until_quiet(Duration::from_millis(300)).await.unwrap();
+    engine
+        .run_until_quiet(Duration::from_millis(300))
+        .await
+        .unwrap();
     assert_eq!(db.applied("a-1").await, vec![1, 2, 3]);
     assert_eq!(engine.report().applied, 3);
     assert_eq!(tracker.lock().in_flight(), 0);

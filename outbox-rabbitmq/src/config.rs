@@ -143,7 +143,11 @@ impl RabbitPublisherConfig {
     }
 
     /// The routing key of an event of `aggregate_type` about `aggregate_id`.
-    pub fn routing_key_for<'a>(&'a self, aggregate_type: &'a str, aggregate_id: &'a str) -> &'a str {
+    pub fn routing_key_for<'a>(
+        &'a self,
+        aggregate_type: &'a str,
+        aggregate_id: &'a str,
+    ) -> &'a str {
         match self.routing_key {
             RoutingKey::AggregateType => self
                 .aggregate_routes
@@ -197,7 +201,9 @@ impl RabbitPublisherConfig {
             )));
         }
         if self.connect_timeout.is_zero() {
-            return Err(ConfigError::new("connect timeout must be greater than zero"));
+            return Err(ConfigError::new(
+                "connect timeout must be greater than zero",
+            ));
         }
         if self.max_message_bytes == 0 || self.max_message_bytes > 512 * 1024 * 1024 {
             return Err(ConfigError::new(
@@ -297,10 +303,16 @@ mod tests {
 
     #[test]
     fn routing_keys() {
-        let c = builder().route_aggregate("payment", "payments").build().unwrap();
+        let c = builder()
+            .route_aggregate("payment", "payments")
+            .build()
+            .unwrap();
         assert_eq!(c.routing_key_for("order", "o-1"), "order");
         assert_eq!(c.routing_key_for("payment", "p-1"), "payments");
-        let c = builder().routing_key(RoutingKey::AggregateId).build().unwrap();
+        let c = builder()
+            .routing_key(RoutingKey::AggregateId)
+            .build()
+            .unwrap();
         assert_eq!(c.routing_key_for("order", "o-1"), "o-1");
     }
 
@@ -316,7 +328,10 @@ mod tests {
                 "predefined",
             ),
             (crate::RabbitPublisher::builder(" ", "x"), "uri"),
-            (builder().delivery_timeout(Duration::ZERO), "delivery timeout"),
+            (
+                builder().delivery_timeout(Duration::ZERO),
+                "delivery timeout",
+            ),
             (builder().connect_timeout(Duration::ZERO), "connect timeout"),
             (builder().max_message_bytes(0), "max_message_bytes"),
             (

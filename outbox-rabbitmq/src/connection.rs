@@ -20,18 +20,24 @@ pub(crate) fn redact_uri(uri: &str) -> String {
 }
 
 /// Opens a connection named `name` to `uri` within `timeout`.
-pub(crate) async fn connect(uri: &str, name: &str, timeout: Duration) -> Result<Connection, lapin::Error> {
+pub(crate) async fn connect(
+    uri: &str,
+    name: &str,
+    timeout: Duration,
+) -> Result<Connection, lapin::Error> {
     let props = ConnectionProperties::default()
         .with_executor(tokio_executor_trait::Tokio::current())
         .with_reactor(tokio_reactor_trait::Tokio)
         .with_connection_name(name.into());
     match tokio::time::timeout(timeout, Connection::connect(uri, props)).await {
         Ok(r) => r,
-        Err(_) => Err(lapin::ErrorKind::IOError(std::sync::Arc::new(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("no AMQP connection within {timeout:?}"),
-        )))
-        .into()),
+        Err(_) => Err(
+            lapin::ErrorKind::IOError(std::sync::Arc::new(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("no AMQP connection within {timeout:?}"),
+            )))
+            .into(),
+        ),
     }
 }
 

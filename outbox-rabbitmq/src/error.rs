@@ -61,7 +61,12 @@ pub fn publish_error(exchange: &str, err: &lapin::Error) -> PublishError {
 }
 
 /// The outbox error of a message the broker returned (`basic.return`) for `routing_key`.
-pub fn returned(exchange: &str, routing_key: &str, reply_code: u16, reply_text: &str) -> PublishError {
+pub fn returned(
+    exchange: &str,
+    routing_key: &str,
+    reply_code: u16,
+    reply_text: &str,
+) -> PublishError {
     let (kind, class) = classify_reply_code(reply_code);
     PublishError::new(
         kind,
@@ -170,8 +175,7 @@ mod tests {
                 Transport,
             ),
             (
-                ErrorKind::InvalidChannelState(lapin::ChannelState::Closed, "basic.publish")
-                    .into(),
+                ErrorKind::InvalidChannelState(lapin::ChannelState::Closed, "basic.publish").into(),
                 P::BrokerUnavailable,
                 Transient,
                 Transport,
@@ -240,7 +244,10 @@ mod tests {
             (P::UnknownTopic, Permanent, Transport)
         );
         assert!(e.message.contains("\"order\"") && e.message.contains("NO_ROUTE"));
-        assert!(!e.kind.delivery_uncertain(), "a returned message was not stored");
+        assert!(
+            !e.kind.delivery_uncertain(),
+            "a returned message was not stored"
+        );
         let e = nacked("orders");
         assert_eq!(
             (e.kind, e.class, e.scope),

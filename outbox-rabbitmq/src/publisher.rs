@@ -6,6 +6,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use futures::future::join_all;
+use lapin::message::BasicReturnMessage;
 use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
 use lapin::publisher_confirm::{Confirmation, PublisherConfirm};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
@@ -83,29 +84,50 @@ struct Link {
     connection: Connection,
     channel: Channel,
     next_tag: u64,
+    /// A batch started on this channel and has not seen all its confirms.
+    dirty: bool,
 }
 
 impl Link {
     fn usable(&self) -> bool {
         self.connection.status().connected() && self.channel.status().connected()
     }
+
+    /// Closes the connection if it still works (bounded: a broker that went away never
+    /// answers), else just drops it.
+    async fn discard(self) {
+        if self.connection.status().connected() {
+            let _ = tokio::time::timeout(
+                Duration::from_secs(1),
+                self.connection.close(200, "replaced"),
+            )
+            .await;
+        }
+    }
 }
 
 /// The outbox [`Publisher`] for RabbitMQ.
 ///
 /// * One connection with one channel in confirm mode; a batch is published as a whole (every
-///   `basic.publish` written), then every confirm is awaited together. A result is `Ok` only
+///   `basic.publish` written), then every confirm is awaited together. Batches on one
+///   publisher run one at a time (returned messages are matched to their messages within a
+///   batch, see below). A result is `Ok` only
 ///   from a positive confirm without a `basic.return`: the message is stored in every queue it
 ///   was routed to (persistent, in durable queues: on disk).
 /// * Every message is `mandatory`: a message no queue is bound for comes back as
 ///   `basic.return` and is reported as `unknown_topic` (permanent) naming the exchange and
 ///   routing key, never dropped silently. A `basic.nack` is `broker_unavailable` (transient).
+///   lapin hands a returned message to whichever confirm completes next (not necessarily its
+///   own), so returns are matched to messages by their `message_id` (the event id); a return
+///   that matches no message of the batch fails the whole batch transiently rather than risk
+///   acknowledging a message that was dropped. A channel whose batch ended with confirms
+///   pending (timed out or cancelled) is replaced, so a late confirm cannot carry a return
+///   into the next batch.
 /// * Persistent (`delivery_mode = 2`), the event id as `message_id`, the content type as
 ///   `content_type`, the creation time as `timestamp`, and the envelope's wire headers
 ///   ([`outbox_core::wire`]) as AMQP headers (long strings), exactly as on Kafka.
 /// * One channel delivers its messages to a queue in publish order, so one aggregate's events
-///   are stored in order; a batch is written under a lock, so concurrent `publish` calls do not
-///   interleave. If writing a message fails, later events of its aggregate in the batch are not
+///   are stored in order; batches do not interleave. If writing a message fails, later events of its aggregate in the batch are not
 ///   sent.
 /// * A message over `max_message_bytes` fails as `record_too_large` before it is sent: the
 ///   broker closes the channel on an oversize message, which would fail the whole batch.
@@ -159,7 +181,7 @@ impl RabbitPublisher {
                 detail: e.to_string(),
             })?;
         let report = check_exchange(&conn, &c.exchange, c.exchange_kind, c.connect_timeout).await;
-        let _ = conn.close(200, "checked").await;
+        let _ = tokio::time::timeout(c.connect_timeout, conn.close(200, "checked")).await;
         let report = report?;
         tracing::info!(exchange = %report.name, kind = report.kind.as_str(), durable = report.durable, confirms = report.confirms, mandatory = report.mandatory, "outbox exchange checked");
         *self
@@ -185,7 +207,7 @@ impl RabbitPublisher {
     ) -> Result<&'a mut Link, PublishError> {
         if !guard.as_ref().is_some_and(Link::usable) {
             if let Some(old) = guard.take() {
-                let _ = old.connection.close(200, "replaced").await;
+                old.discard().await;
             }
             let c = &self.config;
             let budget = deadline
@@ -202,6 +224,7 @@ impl RabbitPublisher {
                     connection,
                     channel,
                     next_tag: 1,
+                    dirty: false,
                 })
             };
             match tokio::time::timeout(budget, fresh).await {
@@ -243,12 +266,63 @@ enum Slot {
     Waiting { tag: u64, confirm: PublisherConfirm },
 }
 
+/// For each message id of the batch, the reply of the returned message that carries it (if
+/// any), and how many returned messages match no id of the batch. lapin attaches a returned
+/// message to whichever confirm completes next, not to its own, so the confirm a return came
+/// with says nothing about which message it was: the return's `message_id` (the event id)
+/// does.
+fn match_returns(ids: &[String], returns: &[Returned]) -> (Vec<Option<(u16, String)>>, usize) {
+    let mut matched: Vec<Option<(u16, String)>> = vec![None; ids.len()];
+    let mut unmatched = 0;
+    for r in returns {
+        match r
+            .message_id
+            .as_ref()
+            .and_then(|id| ids.iter().position(|x| x == id))
+        {
+            Some(i) => matched[i] = Some((r.reply_code, r.reply_text.clone())),
+            None => unmatched += 1,
+        }
+    }
+    (matched, unmatched)
+}
+
+/// What a returned message says: its message id and the broker's reply.
+#[derive(Clone, Debug)]
+struct Returned {
+    message_id: Option<String>,
+    reply_code: u16,
+    reply_text: String,
+}
+
+impl From<BasicReturnMessage> for Returned {
+    fn from(r: BasicReturnMessage) -> Self {
+        Self {
+            message_id: r
+                .delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|m| m.as_str().to_owned()),
+            reply_code: r.reply_code,
+            reply_text: r.reply_text.as_str().to_owned(),
+        }
+    }
+}
+
 /// A header name AMQP cannot carry (a short string holds at most 255 bytes).
 fn header_problem(e: &Envelope) -> Option<String> {
     e.headers
         .keys()
         .find(|k| k.len() > 255)
         .map(|k| format!("header name of {} bytes exceeds AMQP's 255", k.len()))
+}
+
+/// What a confirm said about one message, before returns are matched to messages.
+enum Confirmed {
+    Ack,
+    Nack,
+    Failed(PublishError),
 }
 
 #[async_trait]
@@ -258,142 +332,197 @@ impl Publisher for RabbitPublisher {
             return Vec::new();
         }
         let c = &self.config;
+        let exchange = c.exchange.as_str();
         let started = Instant::now();
         let send_deadline = started + c.delivery_timeout;
         let ack_deadline = send_deadline + REPORT_GRACE;
+        // The whole batch, confirms included, runs under the lock: lapin hands a returned
+        // message to whichever confirm completes next, so returns are matched to messages
+        // here, by message id, among this batch's messages only (see below).
+        let mut guard = self.link.lock().await;
+        if guard.as_ref().is_some_and(|l| l.dirty) {
+            // A previous batch was cancelled or timed out with confirms pending: a late
+            // confirm could take this batch's returns. Start on a fresh channel.
+            if let Some(old) = guard.take() {
+                old.discard().await;
+            }
+        }
+        let link = match self.link(&mut guard, send_deadline).await {
+            Ok(link) => link,
+            Err(err) => {
+                tracing::warn!(error = %err, "no RabbitMQ channel for the batch");
+                return batch.iter().map(|_| Err(err.clone())).collect();
+            }
+        };
+        link.dirty = true;
         let mut slots: Vec<Slot> = Vec::with_capacity(batch.len());
         let mut keys: Vec<&str> = Vec::with_capacity(batch.len());
-        {
-            let mut guard = self.link.lock().await;
-            let link = match self.link(&mut guard, send_deadline).await {
-                Ok(link) => link,
-                Err(err) => {
-                    tracing::warn!(error = %err, "no RabbitMQ channel for the batch");
-                    return batch.iter().map(|_| Err(err.clone())).collect();
-                }
+        let mut failed_aggregates: HashSet<&str> = HashSet::new();
+        for e in batch {
+            let key = c.routing_key_for(&e.aggregate_type, &e.aggregate_id);
+            keys.push(key);
+            if failed_aggregates.contains(e.aggregate_id.as_str()) {
+                slots.push(Slot::Done(Err(PublishError::new(
+                    PublishErrorKind::Other,
+                    "not sent: an earlier event of the same aggregate in this batch failed",
+                )
+                .with_class(ErrorClass::Transient)
+                .with_scope(FailureScope::Transport))));
+                continue;
+            }
+            let refused = if key.len() > 255 {
+                Some(PublishError::new(
+                    PublishErrorKind::Serialization,
+                    format!("routing key of {} bytes exceeds AMQP's 255", key.len()),
+                ))
+            } else if let Some(problem) = header_problem(e) {
+                Some(PublishError::new(PublishErrorKind::Serialization, problem))
+            } else if e.payload.bytes.len() > c.max_message_bytes {
+                Some(PublishError::new(
+                    PublishErrorKind::RecordTooLarge,
+                    format!(
+                        "exchange {exchange:?}: message of {} bytes exceeds max_message_bytes {}",
+                        e.payload.bytes.len(),
+                        c.max_message_bytes
+                    ),
+                ))
+            } else {
+                None
             };
-            let mut failed_aggregates: HashSet<&str> = HashSet::new();
-            for e in batch {
-                let key = c.routing_key_for(&e.aggregate_type, &e.aggregate_id);
-                keys.push(key);
-                if failed_aggregates.contains(e.aggregate_id.as_str()) {
-                    slots.push(Slot::Done(Err(PublishError::new(
-                        PublishErrorKind::Other,
-                        "not sent: an earlier event of the same aggregate in this batch failed",
-                    )
-                    .with_class(ErrorClass::Transient)
-                    .with_scope(FailureScope::Transport))));
-                    continue;
+            if let Some(err) = refused {
+                failed_aggregates.insert(&e.aggregate_id);
+                slots.push(Slot::Done(Err(err)));
+                continue;
+            }
+            let options = BasicPublishOptions {
+                mandatory: true,
+                immediate: false,
+            };
+            let sent = tokio::time::timeout_at(
+                send_deadline,
+                link.channel.basic_publish(
+                    exchange,
+                    key,
+                    options,
+                    &e.payload.bytes,
+                    Self::properties(e),
+                ),
+            )
+            .await;
+            match sent {
+                Ok(Ok(confirm)) => {
+                    let tag = link.next_tag;
+                    link.next_tag += 1;
+                    slots.push(Slot::Waiting { tag, confirm });
                 }
-                if key.len() > 255 {
+                Ok(Err(err)) => {
+                    failed_aggregates.insert(&e.aggregate_id);
+                    tracing::warn!(event_id = %e.event_id, aggregate_id = %e.aggregate_id, event_type = %e.event_type, routing_key = key, error = %err, stage = "send", "message not written");
+                    slots.push(Slot::Done(Err(publish_error(exchange, &err))));
+                }
+                Err(_elapsed) => {
                     failed_aggregates.insert(&e.aggregate_id);
                     slots.push(Slot::Done(Err(PublishError::new(
-                        PublishErrorKind::Serialization,
-                        format!("routing key of {} bytes exceeds AMQP's 255", key.len()),
-                    ))));
-                    continue;
-                }
-                if let Some(problem) = header_problem(e) {
-                    failed_aggregates.insert(&e.aggregate_id);
-                    slots.push(Slot::Done(Err(PublishError::new(
-                        PublishErrorKind::Serialization,
-                        problem,
-                    ))));
-                    continue;
-                }
-                if e.payload.bytes.len() > c.max_message_bytes {
-                    failed_aggregates.insert(&e.aggregate_id);
-                    slots.push(Slot::Done(Err(PublishError::new(
-                        PublishErrorKind::RecordTooLarge,
+                        PublishErrorKind::Timeout,
                         format!(
-                            "exchange {:?}: message of {} bytes exceeds max_message_bytes {}",
-                            c.exchange,
-                            e.payload.bytes.len(),
-                            c.max_message_bytes
+                            "exchange {exchange:?}: the channel did not take the message within \
+                             the delivery timeout"
                         ),
                     ))));
-                    continue;
-                }
-                let options = BasicPublishOptions {
-                    mandatory: true,
-                    immediate: false,
-                };
-                let sent = tokio::time::timeout_at(
-                    send_deadline,
-                    link.channel.basic_publish(
-                        &c.exchange,
-                        key,
-                        options,
-                        &e.payload.bytes,
-                        Self::properties(e),
-                    ),
-                )
-                .await;
-                match sent {
-                    Ok(Ok(confirm)) => {
-                        let tag = link.next_tag;
-                        link.next_tag += 1;
-                        slots.push(Slot::Waiting { tag, confirm });
-                    }
-                    Ok(Err(err)) => {
-                        failed_aggregates.insert(&e.aggregate_id);
-                        tracing::warn!(event_id = %e.event_id, aggregate_id = %e.aggregate_id, event_type = %e.event_type, routing_key = key, error = %err, stage = "send", "message not written");
-                        slots.push(Slot::Done(Err(publish_error(&c.exchange, &err))));
-                    }
-                    Err(_elapsed) => {
-                        failed_aggregates.insert(&e.aggregate_id);
-                        slots.push(Slot::Done(Err(PublishError::new(
-                            PublishErrorKind::Timeout,
-                            format!(
-                                "exchange {:?}: the channel did not take the message within \
-                                 the delivery timeout",
-                                c.exchange
-                            ),
-                        ))));
-                    }
                 }
             }
         }
-        let exchange = c.exchange.as_str();
-        let results: Vec<PublishResult> = join_all(slots.into_iter().zip(&keys).map(
-            |(slot, key)| async move {
-                match slot {
-                    Slot::Done(r) => r,
-                    Slot::Waiting { tag, confirm } => {
-                        match tokio::time::timeout_at(ack_deadline, confirm).await {
-                            Ok(Ok(Confirmation::Ack(None))) => {
-                                Ok(crate::ack::from_confirm(exchange, tag))
-                            }
-                            Ok(Ok(Confirmation::Ack(Some(r)) | Confirmation::Nack(Some(r)))) => {
-                                Err(returned(exchange, key, r.reply_code, r.reply_text.as_str()))
-                            }
-                            Ok(Ok(Confirmation::Nack(None))) => Err(nacked(exchange)),
-                            // Confirms are always selected; never report an unconfirmed
-                            // message as stored.
-                            Ok(Ok(Confirmation::NotRequested)) => Err(PublishError::new(
+        // Await every confirm; collect the returned messages they carry, whichever they are.
+        let outcomes: Vec<(
+            Option<u64>,
+            Result<Confirmed, PublishResult>,
+            Option<Returned>,
+        )> = join_all(slots.into_iter().map(|slot| async move {
+            match slot {
+                Slot::Done(r) => (None, Err(r), None),
+                Slot::Waiting { tag, confirm } => {
+                    match tokio::time::timeout_at(ack_deadline, confirm).await {
+                        Ok(Ok(Confirmation::Ack(r))) => {
+                            (Some(tag), Ok(Confirmed::Ack), r.map(|r| Returned::from(*r)))
+                        }
+                        Ok(Ok(Confirmation::Nack(r))) => (
+                            Some(tag),
+                            Ok(Confirmed::Nack),
+                            r.map(|r| Returned::from(*r)),
+                        ),
+                        // Confirms are always selected; never report an unconfirmed
+                        // message as stored.
+                        Ok(Ok(Confirmation::NotRequested)) => (
+                            Some(tag),
+                            Ok(Confirmed::Failed(PublishError::new(
                                 PublishErrorKind::Other,
                                 "no publisher confirm was requested for this message",
-                            )),
-                            Ok(Err(err)) => Err(publish_error(exchange, &err)),
-                            Err(_elapsed) => Err(PublishError::new(
+                            ))),
+                            None,
+                        ),
+                        Ok(Err(err)) => (
+                            Some(tag),
+                            Ok(Confirmed::Failed(publish_error(exchange, &err))),
+                            None,
+                        ),
+                        Err(_elapsed) => (
+                            Some(tag),
+                            Ok(Confirmed::Failed(PublishError::new(
                                 PublishErrorKind::Timeout,
                                 format!(
                                     "exchange {exchange:?}: no confirm within the delivery \
-                                     timeout"
+                                         timeout"
                                 ),
-                            )),
-                        }
+                            ))),
+                            None,
+                        ),
                     }
                 }
-            },
-        ))
+            }
+        }))
         .await;
-        // A broken channel is replaced before the next batch (its unconfirmed messages are
-        // reported above; the relay re-sends them).
-        let mut guard = self.link.lock().await;
-        if guard.as_ref().is_some_and(|l| !l.usable()) {
-            if let Some(old) = guard.take() {
-                let _ = old.connection.close(200, "replaced").await;
+        let all_confirmed = outcomes
+            .iter()
+            .all(|(_, o, _)| !matches!(o, Ok(Confirmed::Failed(_))));
+        let returns: Vec<Returned> = outcomes.iter().filter_map(|(_, _, r)| r.clone()).collect();
+        let ids: Vec<String> = batch.iter().map(|e| e.event_id.to_string()).collect();
+        let (matched, unmatched) = match_returns(&ids, &returns);
+        if unmatched > 0 {
+            tracing::error!(unmatched, "returned messages that match no message of the batch; no message of the batch is reported stored");
+        }
+        let results = outcomes
+            .into_iter()
+            .enumerate()
+            .map(|(i, (tag, outcome, _))| match outcome {
+                Err(done) => done,
+                Ok(_) if matched[i].is_some() => {
+                    let (code, text) = matched[i].clone().expect("checked");
+                    Err(returned(exchange, keys[i], code, &text))
+                }
+                Ok(Confirmed::Ack) if unmatched > 0 => Err(PublishError::new(
+                    PublishErrorKind::Other,
+                    format!(
+                        "exchange {exchange:?}: a returned message of this batch could not be \
+                         matched to its message, so no acknowledgement of the batch is trusted"
+                    ),
+                )),
+                Ok(Confirmed::Ack) => Ok(crate::ack::from_confirm(
+                    exchange,
+                    tag.expect("a confirmed message has a tag"),
+                )),
+                Ok(Confirmed::Nack) => Err(nacked(exchange)),
+                Ok(Confirmed::Failed(err)) => Err(err),
+            })
+            .collect();
+        match guard.as_mut() {
+            // Every confirm came back: nothing of this batch can reach a later one.
+            Some(link) if link.usable() && all_confirmed => link.dirty = false,
+            // A broken channel, or confirms still pending: replaced before the next batch
+            // (its unconfirmed messages are reported above; the relay re-sends them).
+            _ => {
+                if let Some(old) = guard.take() {
+                    old.discard().await;
+                }
             }
         }
         results
@@ -433,5 +562,26 @@ mod tests {
             })
             .collect();
         assert_eq!(wire::decode(&pairs, &e.payload.bytes).unwrap(), e);
+    }
+
+    fn returned_with(id: Option<&str>) -> Returned {
+        Returned {
+            message_id: id.map(str::to_owned),
+            reply_code: 312,
+            reply_text: "NO_ROUTE".into(),
+        }
+    }
+
+    /// Returns are matched by message id whatever confirm carried them; one that matches no
+    /// message of the batch is counted, so the batch's acknowledgements are not trusted.
+    #[test]
+    fn returns_are_matched_by_message_id() {
+        let ids: Vec<String> = ["a", "b", "c"].map(String::from).to_vec();
+        let (m, unmatched) = match_returns(&ids, &[returned_with(Some("c"))]);
+        assert_eq!(m, vec![None, None, Some((312, "NO_ROUTE".into()))]);
+        assert_eq!(unmatched, 0);
+        let (m, unmatched) = match_returns(&ids, &[returned_with(Some("z")), returned_with(None)]);
+        assert_eq!(m, vec![None, None, None]);
+        assert_eq!(unmatched, 2);
     }
 }

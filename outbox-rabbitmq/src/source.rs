@@ -30,6 +30,7 @@ use lapin::message::Delivery;
 use lapin::options::{BasicAckOptions, BasicConsumeOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, Consumer};
+
 use outbox_core::watermark::SharedOffsetTracker;
 use outbox_core::{
     async_trait, CommitOffset, ConfigError, ErrorClass, LogPosition, MessageSource, PartitionLag,
@@ -123,7 +124,7 @@ impl RabbitSourceBuilder {
             .await
             .map_err(|e| source_error("connect", e))?;
         let report = check_queue(&conn, &c.queue, c.connect_timeout).await;
-        let _ = conn.close(200, "checked").await;
+        let _ = tokio::time::timeout(c.connect_timeout, conn.close(200, "checked")).await;
         let report = report.map_err(|e| {
             let class = if e.is_transient() {
                 ErrorClass::Transient
@@ -151,8 +152,8 @@ impl RabbitSourceBuilder {
         Ok((
             RabbitSource {
                 tp: TopicPartition::new(c.queue.clone(), 0),
-                config: c,
-                link: tokio::sync::Mutex::new(None),
+                config: c.clone(),
+                link: tokio::sync::Mutex::new(LinkState::Opening(spawn_open(c.clone()))),
                 state: Mutex::new(ChannelState::default()),
                 tracker: Mutex::new(None),
             },
@@ -165,6 +166,48 @@ struct Link {
     connection: Connection,
     channel: Channel,
     consumer: Consumer,
+}
+
+/// The consuming channel, or the task opening one. Opening runs as a task of its own, so a
+/// poll dropped while the connection is being made (polls are cancellation safe) does not
+/// throw the attempt away: the next poll awaits the same task.
+enum LinkState {
+    Closed,
+    Opening(tokio::task::JoinHandle<Result<Link, lapin::Error>>),
+    Open(Link),
+}
+
+impl LinkState {
+    fn open(&self) -> Option<&Link> {
+        match self {
+            Self::Open(l) => Some(l),
+            _ => None,
+        }
+    }
+}
+
+/// Opens a connection, a channel with the prefetch, and the consumer.
+fn spawn_open(c: RabbitSourceConfig) -> tokio::task::JoinHandle<Result<Link, lapin::Error>> {
+    tokio::spawn(async move {
+        let connection = connect(&c.uri, "outbox-consumer", c.connect_timeout).await?;
+        let channel = connection.create_channel().await?;
+        channel
+            .basic_qos(c.prefetch, BasicQosOptions::default())
+            .await?;
+        let consumer = channel
+            .basic_consume(
+                &c.queue,
+                "",
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await?;
+        Ok(Link {
+            connection,
+            channel,
+            consumer,
+        })
+    })
 }
 
 /// What the current channel handed out and acknowledged.
@@ -186,7 +229,7 @@ struct ChannelState {
 pub struct RabbitSource {
     config: RabbitSourceConfig,
     tp: TopicPartition,
-    link: tokio::sync::Mutex<Option<Link>>,
+    link: tokio::sync::Mutex<LinkState>,
     state: Mutex<ChannelState>,
     tracker: Mutex<Option<SharedOffsetTracker>>,
 }
@@ -234,29 +277,21 @@ impl RabbitSource {
         self.state().generation
     }
 
-    async fn open(&self) -> Result<Link, lapin::Error> {
-        let c = &self.config;
-        let connection = connect(&c.uri, "outbox-consumer", c.connect_timeout).await?;
-        let channel = connection.create_channel().await?;
-        channel
-            .basic_qos(c.prefetch, BasicQosOptions::default())
-            .await?;
-        let consumer = channel
-            .basic_consume(
-                &c.queue,
-                "",
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await?;
-        Ok(consumer_link(connection, channel, consumer))
-    }
-
     /// Drops the current channel (its unacked deliveries go back to the queue) and tells the
     /// tracker that the "partition" was lost.
-    async fn drop_link(&self, guard: &mut Option<Link>) {
-        if let Some(old) = guard.take() {
-            let _ = old.connection.close(200, "reconnecting").await;
+    async fn drop_link(&self, guard: &mut LinkState) {
+        match std::mem::replace(guard, LinkState::Closed) {
+            LinkState::Open(old) => {
+                if old.connection.status().connected() {
+                    let _ = tokio::time::timeout(
+                        Duration::from_secs(1),
+                        old.connection.close(200, "reconnecting"),
+                    )
+                    .await;
+                }
+            }
+            LinkState::Opening(task) => task.abort(),
+            LinkState::Closed => {}
         }
         self.state().open = false;
         if let Some(t) = self.tracker() {
@@ -276,6 +311,7 @@ impl RabbitSource {
             .map(|t| {
                 t.inner()
                     .iter()
+                    .filter(|(k, _)| !is_broker_annotation(k.as_str()))
                     .map(|(k, v)| match amqp_bytes(v) {
                         Some(b) => RecordHeader::new(k.as_str(), b),
                         None => RecordHeader::null(k.as_str()),
@@ -311,9 +347,14 @@ impl RabbitSource {
                 tracing::warn!(error = %e, "final ack at close failed; those deliveries are redelivered");
             }
         }
-        if let Some(link) = self.link.lock().await.take() {
-            let _ = link.channel.close(200, "leaving").await;
-            let _ = link.connection.close(200, "leaving").await;
+        match std::mem::replace(&mut *self.link.lock().await, LinkState::Closed) {
+            LinkState::Open(link) => {
+                let t = self.config.connect_timeout;
+                let _ = tokio::time::timeout(t, link.channel.close(200, "leaving")).await;
+                let _ = tokio::time::timeout(t, link.connection.close(200, "leaving")).await;
+            }
+            LinkState::Opening(task) => task.abort(),
+            LinkState::Closed => {}
         }
     }
 
@@ -344,7 +385,7 @@ impl RabbitSource {
         let guard = self.link.lock().await;
         let tag = {
             let st = self.state();
-            if !st.open || guard.is_none() {
+            if !st.open || guard.open().is_none() {
                 return Err(SourceError::rebalanced(format!(
                     "the channel of {} is closed: its unacknowledged deliveries go back to the \
                      queue",
@@ -357,7 +398,7 @@ impl RabbitSource {
             }
             tag
         };
-        let link = guard.as_ref().expect("checked open");
+        let link = guard.open().expect("checked open");
         match link
             .channel
             .basic_ack(tag, BasicAckOptions { multiple: true })
@@ -376,12 +417,14 @@ impl RabbitSource {
     }
 }
 
-fn consumer_link(connection: Connection, channel: Channel, consumer: Consumer) -> Link {
-    Link {
-        connection,
-        channel,
-        consumer,
-    }
+/// Headers RabbitMQ itself adds to a delivery (quorum queues count redeliveries; dead
+/// lettering records its history): not part of the record as published, so they are left out
+/// of the headers the envelope is decoded from (a redelivered message decodes to the same
+/// envelope as its first delivery).
+pub(crate) fn is_broker_annotation(name: &str) -> bool {
+    matches!(name, "x-delivery-count" | "x-death" | "x-received-from")
+        || name.starts_with("x-first-death-")
+        || name.starts_with("x-last-death-")
 }
 
 /// The bytes of a header value: strings as they are, other AMQP values in their text form;
@@ -396,12 +439,65 @@ fn amqp_bytes(v: &AMQPValue) -> Option<Vec<u8>> {
     }
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broker_annotations_are_not_record_headers() {
+        for name in [
+            "x-delivery-count",
+            "x-death",
+            "x-first-death-queue",
+            "x-last-death-reason",
+            "x-received-from",
+        ] {
+            assert!(is_broker_annotation(name), "{name}");
+        }
+        for name in ["event_id", "traceparent", "x-tenant", "x-deathly"] {
+            assert!(!is_broker_annotation(name), "{name}");
+        }
+        assert_eq!(
+            amqp_bytes(&AMQPValue::LongString("v".into())),
+            Some(b"v".to_vec())
+        );
+        assert_eq!(amqp_bytes(&AMQPValue::Void), None);
+    }
+}
+
 #[async_trait]
 impl MessageSource for RabbitSource {
     async fn poll(&self, timeout: Duration) -> Result<Option<ReceivedMessage>, SourceError> {
         let mut guard = self.link.lock().await;
-        if guard.is_none() {
-            let link = self.open().await.map_err(|e| source_error("consume", e))?;
+        if matches!(*guard, LinkState::Closed) {
+            *guard = LinkState::Opening(spawn_open(self.config.clone()));
+        }
+        if let LinkState::Opening(task) = &mut *guard {
+            let opened = if timeout.is_zero() {
+                match futures::FutureExt::now_or_never(&mut *task) {
+                    None => return Ok(None),
+                    Some(r) => r,
+                }
+            } else {
+                match tokio::time::timeout(timeout, &mut *task).await {
+                    Err(_) => return Ok(None),
+                    Ok(r) => r,
+                }
+            };
+            let link = match opened {
+                Ok(Ok(link)) => link,
+                Ok(Err(e)) => {
+                    *guard = LinkState::Closed;
+                    return Err(source_error("consume", e));
+                }
+                Err(join) => {
+                    *guard = LinkState::Closed;
+                    return Err(SourceError::new(
+                        ErrorClass::Transient,
+                        format!("opening the consumer failed: {join}"),
+                    ));
+                }
+            };
             {
                 let mut st = self.state();
                 st.generation += 1;
@@ -413,9 +509,12 @@ impl MessageSource for RabbitSource {
                 // Tags start at 1 again: a fresh watermark, earlier tickets do not count.
                 t.assign(std::slice::from_ref(&self.tp));
             }
-            *guard = Some(link);
+            *guard = LinkState::Open(link);
         }
-        let consumer = &mut guard.as_mut().expect("set above").consumer;
+        let LinkState::Open(link) = &mut *guard else {
+            return Ok(None);
+        };
+        let consumer = &mut link.consumer;
         let next = if timeout.is_zero() {
             match futures::FutureExt::now_or_never(consumer.next()) {
                 None => return Ok(None),
@@ -456,7 +555,7 @@ impl MessageSource for RabbitSource {
     /// means something).
     async fn lag(&self) -> Result<Vec<PartitionLag>, SourceError> {
         let guard = self.link.lock().await;
-        let Some(link) = guard.as_ref() else {
+        let Some(link) = guard.open() else {
             return Ok(Vec::new());
         };
         let q = link

@@ -135,12 +135,19 @@ pub async fn check_exchange(
     kind: ExchangeKind,
     timeout: Duration,
 ) -> Result<ExchangeReport, TopologyError> {
-    let ch = timed(timeout, conn.create_channel()).await?.map_err(unreachable)?;
+    let ch = timed(timeout, conn.create_channel())
+        .await?
+        .map_err(unreachable)?;
     let passive = ExchangeDeclareOptions {
         passive: true,
         ..Default::default()
     };
-    match timed(timeout, ch.exchange_declare(name, kind.lapin(), passive, FieldTable::default())).await? {
+    match timed(
+        timeout,
+        ch.exchange_declare(name, kind.lapin(), passive, FieldTable::default()),
+    )
+    .await?
+    {
         Ok(()) => {}
         Err(e) if reply_code(&e) == Some(404) => {
             return Err(TopologyError::Missing {
@@ -150,15 +157,22 @@ pub async fn check_exchange(
         }
         Err(e) => return Err(unreachable(e)),
     }
-    let _ = ch.close(200, "checked").await;
-    let ch = timed(timeout, conn.create_channel()).await?.map_err(unreachable)?;
+    let _ = tokio::time::timeout(timeout, ch.close(200, "checked")).await;
+    let ch = timed(timeout, conn.create_channel())
+        .await?
+        .map_err(unreachable)?;
     let durable = ExchangeDeclareOptions {
         durable: true,
         ..Default::default()
     };
-    match timed(timeout, ch.exchange_declare(name, kind.lapin(), durable, FieldTable::default())).await? {
+    match timed(
+        timeout,
+        ch.exchange_declare(name, kind.lapin(), durable, FieldTable::default()),
+    )
+    .await?
+    {
         Ok(()) => {
-            let _ = ch.close(200, "checked").await;
+            let _ = tokio::time::timeout(timeout, ch.close(200, "checked")).await;
             Ok(ExchangeReport {
                 name: name.to_owned(),
                 kind,
@@ -180,7 +194,10 @@ pub async fn check_exchange(
 /// The arguments of a durable quorum queue, with single active consumer when `sac`.
 pub fn quorum_arguments(sac: bool) -> FieldTable {
     let mut args = FieldTable::default();
-    args.insert("x-queue-type".into(), AMQPValue::LongString("quorum".into()));
+    args.insert(
+        "x-queue-type".into(),
+        AMQPValue::LongString("quorum".into()),
+    );
     if sac {
         args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
     }
@@ -194,12 +211,19 @@ pub async fn check_queue(
     name: &str,
     timeout: Duration,
 ) -> Result<QueueReport, TopologyError> {
-    let ch = timed(timeout, conn.create_channel()).await?.map_err(unreachable)?;
+    let ch = timed(timeout, conn.create_channel())
+        .await?
+        .map_err(unreachable)?;
     let passive = QueueDeclareOptions {
         passive: true,
         ..Default::default()
     };
-    let q = match timed(timeout, ch.queue_declare(name, passive, FieldTable::default())).await? {
+    let q = match timed(
+        timeout,
+        ch.queue_declare(name, passive, FieldTable::default()),
+    )
+    .await?
+    {
         Ok(q) => q,
         Err(e) if reply_code(&e) == Some(404) => {
             return Err(TopologyError::Missing {
@@ -209,17 +233,24 @@ pub async fn check_queue(
         }
         Err(e) => return Err(unreachable(e)),
     };
-    let _ = ch.close(200, "checked").await;
+    let _ = tokio::time::timeout(timeout, ch.close(200, "checked")).await;
     let durable = QueueDeclareOptions {
         durable: true,
         ..Default::default()
     };
     let mut last = None;
     for sac in [true, false] {
-        let ch = timed(timeout, conn.create_channel()).await?.map_err(unreachable)?;
-        match timed(timeout, ch.queue_declare(name, durable, quorum_arguments(sac))).await? {
+        let ch = timed(timeout, conn.create_channel())
+            .await?
+            .map_err(unreachable)?;
+        match timed(
+            timeout,
+            ch.queue_declare(name, durable, quorum_arguments(sac)),
+        )
+        .await?
+        {
             Ok(_) => {
-                let _ = ch.close(200, "checked").await;
+                let _ = tokio::time::timeout(timeout, ch.close(200, "checked")).await;
                 return Ok(QueueReport {
                     name: name.to_owned(),
                     quorum: true,

@@ -79,7 +79,7 @@ mod suite {
 async fn acknowledgements_follow_the_publish_order_of_their_messages() {
     let url = require!(common::amqp_url("rabbit_ack_order"));
     let mut t = Topology::exchange(&url, "ackorder", LapinKind::Topic, true).await;
-    let q = t.queue("order", quorum_arguments(true)).await;
+    let q = t.queue("order", quorum_arguments(false)).await;
     let publisher = RabbitPublisher::builder(&url, &t.exchange)
         .start()
         .await
@@ -98,7 +98,10 @@ async fn acknowledgements_follow_the_publish_order_of_their_messages() {
     for (i, (e, r)) in batch.iter().zip(&results).enumerate() {
         match r {
             Ok(ack) => {
-                assert_eq!((ack.topic.as_str(), ack.partition), (t.exchange.as_str(), 0));
+                assert_eq!(
+                    (ack.topic.as_str(), ack.partition),
+                    (t.exchange.as_str(), 0)
+                );
                 acked.push((ack.offset, e));
             }
             Err(err) => assert_eq!(i, 2, "{err}"),
@@ -124,7 +127,7 @@ async fn acknowledgements_follow_the_publish_order_of_their_messages() {
 async fn an_unroutable_message_is_a_clear_permanent_error() {
     let url = require!(common::amqp_url("rabbit_unroutable"));
     let mut t = Topology::exchange(&url, "unroutable", LapinKind::Direct, true).await;
-    let q = t.queue("order", quorum_arguments(true)).await;
+    let q = t.queue("order", quorum_arguments(false)).await;
     let publisher = RabbitPublisher::builder(&url, &t.exchange)
         .exchange_kind(ExchangeKind::Direct)
         .start()
@@ -156,7 +159,7 @@ async fn an_unroutable_message_is_a_clear_permanent_error() {
 async fn an_oversize_message_fails_alone_before_it_is_sent() {
     let url = require!(common::amqp_url("rabbit_oversize"));
     let mut t = Topology::exchange(&url, "oversize", LapinKind::Topic, true).await;
-    let q = t.queue("#", quorum_arguments(true)).await;
+    let q = t.queue("#", quorum_arguments(false)).await;
     let publisher = RabbitPublisher::builder(&url, &t.exchange)
         .max_message_bytes(1000)
         .start()
@@ -186,7 +189,7 @@ async fn an_oversize_message_fails_alone_before_it_is_sent() {
 async fn routing_by_aggregate_id_uses_the_id_as_routing_key() {
     let url = require!(common::amqp_url("rabbit_route_by_id"));
     let mut t = Topology::exchange(&url, "byid", LapinKind::Direct, true).await;
-    let q = t.queue("o-7", quorum_arguments(true)).await;
+    let q = t.queue("o-7", quorum_arguments(false)).await;
     let publisher = RabbitPublisher::builder(&url, &t.exchange)
         .exchange_kind(ExchangeKind::Direct)
         .routing_key(RoutingKey::AggregateId)

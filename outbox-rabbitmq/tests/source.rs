@@ -23,7 +23,9 @@ use lapin::types::FieldTable;
 use lapin::ExchangeKind as LapinKind;
 use outbox_core::watermark::{BeginKind, SharedOffsetTracker};
 use outbox_core::{async_trait, Envelope, MessageSource, Publisher, ReceivedMessage};
-use outbox_inbox::{ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor, VersionPolicy};
+use outbox_inbox::{
+    ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor, VersionPolicy,
+};
 use outbox_postgres::{map_sqlx_error, PostgresInboxStore};
 use outbox_rabbitmq::{quorum_arguments, RabbitPublisher, RabbitSource};
 use sqlx::postgres::PgPoolOptions;
@@ -55,7 +57,11 @@ impl Setup {
 
     async fn fill(&self, agg: &str, versions: std::ops::RangeInclusive<i64>) -> Vec<Envelope> {
         let events: Vec<Envelope> = versions.map(|v| event("order", agg, v)).collect();
-        for r in self.publisher.publish(&events.iter().collect::<Vec<_>>()).await {
+        for r in self
+            .publisher
+            .publish(&events.iter().collect::<Vec<_>>())
+            .await
+        {
             r.expect("published");
         }
         events
@@ -95,7 +101,9 @@ async fn quiet(source: &RabbitSource) -> Vec<ReceivedMessage> {
 }
 
 fn ids(ms: &[ReceivedMessage]) -> Vec<outbox_core::EventId> {
-    ms.iter().map(|m| m.envelope.as_ref().unwrap().event_id).collect()
+    ms.iter()
+        .map(|m| m.envelope.as_ref().unwrap().event_id)
+        .collect()
 }
 
 /// Polling acks nothing; a commit acks exactly the deliveries below its offset (ack multiple);
@@ -106,7 +114,10 @@ async fn a_commit_acks_exactly_up_to_its_offset() {
     let events = s.fill("o-1", 1..=5).await;
     let first = s.member().await;
     let got = poll_n(&first, 5).await;
-    assert_eq!(ids(&got), events.iter().map(|e| e.event_id).collect::<Vec<_>>());
+    assert_eq!(
+        ids(&got),
+        events.iter().map(|e| e.event_id).collect::<Vec<_>>()
+    );
     assert_eq!(
         got.iter().map(|m| m.position.offset).collect::<Vec<_>>(),
         vec![1, 2, 3, 4, 5],
@@ -186,16 +197,21 @@ async fn a_dropped_poll_loses_no_message() {
     while got.len() < 3 {
         assert!(Instant::now() < deadline);
         n += 1;
-        if let Ok(polled) =
-            tokio::time::timeout(Duration::from_millis(n % 5 + 1), member.poll(Duration::from_secs(5)))
-                .await
+        if let Ok(polled) = tokio::time::timeout(
+            Duration::from_millis(n % 5 + 1),
+            member.poll(Duration::from_secs(5)),
+        )
+        .await
         {
             if let Some(m) = polled.unwrap() {
                 got.push(m);
             }
         }
     }
-    assert_eq!(ids(&got), events.iter().map(|e| e.event_id).collect::<Vec<_>>());
+    assert_eq!(
+        ids(&got),
+        events.iter().map(|e| e.event_id).collect::<Vec<_>>()
+    );
     assert!(quiet(&member).await.is_empty());
     member.close().await;
 }
@@ -207,11 +223,17 @@ async fn start_checks_the_queue() {
     let url = require!(common::amqp_url("rabbit_queue_check"));
     let mut t = Topology::exchange(&url, "qcheck", LapinKind::Topic, true).await;
     let classic = t.queue("classic", FieldTable::default()).await;
-    let err = RabbitSource::builder(&url, &classic).start().await.unwrap_err();
+    let err = RabbitSource::builder(&url, &classic)
+        .start()
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("quorum"), "{err}");
     assert!(!outbox_core::Classify::is_transient(&err));
     let plain = t.queue("plain", quorum_arguments(false)).await;
-    let err = RabbitSource::builder(&url, &plain).start().await.unwrap_err();
+    let err = RabbitSource::builder(&url, &plain)
+        .start()
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("single-active-consumer"), "{err}");
     let (_, report) = RabbitSource::builder(&url, &plain)
         .require_single_active_consumer(false)
@@ -347,10 +369,7 @@ async fn engine_applies_each_event_once_in_order_across_a_crash() {
     let aggregates: Vec<String> = (0..10).map(|i| format!("agg-{i}")).collect();
     let mut total = 0;
     for v in 1..=6 {
-        let round: Vec<Envelope> = aggregates
-            .iter()
-            .map(|a| event("order", a, v))
-            .collect();
+        let round: Vec<Envelope> = aggregates.iter().map(|a| event("order", a, v)).collect();
         let copies = if v % 2 == 0 { 2 } else { 1 };
         for _ in 0..copies {
             for r in s.publisher.publish(&round.iter().collect::<Vec<_>>()).await {
@@ -391,14 +410,24 @@ async fn engine_applies_each_event_once_in_order_across_a_crash() {
     let deadline = Instant::now() + Duration::from_secs(60);
     while (db.effects_once().await as usize) < total {
         assert!(Instant::now() < deadline, "not all effects applied");
-        engine.run_until_quiet(Duration::from_millis(300)).await.unwrap();
+        engine
+            .run_until_quiet(Duration::from_millis(300))
+            .await
+            .unwrap();
     }
-    engine.run_until_quiet(Duration::from_millis(500)).await.unwrap();
+    engine
+        .run_until_quiet(Duration::from_millis(500))
+        .await
+        .unwrap();
     assert_eq!(db.effects_once().await as usize, total);
     for a in &aggregates {
         assert_eq!(db.applied(a).await, (1..=6).collect::<Vec<i64>>(), "{a}");
     }
     assert!(engine.report().duplicates > 0, "the copies were seen");
     assert_eq!(engine.report().parked, 0);
-    assert_eq!(s.topology.depth(&s.queue).await, 0, "everything acknowledged");
+    assert_eq!(
+        s.topology.depth(&s.queue).await,
+        0,
+        "everything acknowledged"
+    );
 }

@@ -25,8 +25,7 @@ pub(crate) use require;
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
         .with_test_writer()
         .try_init();
@@ -114,7 +113,8 @@ impl TestStream {
             .iter()
             .flat_map(|(k, vs)| {
                 let k: &str = k.as_ref();
-                vs.iter().map(move |v| (k.to_owned(), v.as_str().as_bytes().to_vec()))
+                vs.iter()
+                    .map(move |v| (k.to_owned(), v.as_str().as_bytes().to_vec()))
             })
             .collect();
         headers.sort();

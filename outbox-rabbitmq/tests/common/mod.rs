@@ -28,8 +28,7 @@ pub(crate) use require;
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| "warn".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
         )
         .with_test_writer()
         .try_init();
@@ -139,6 +138,8 @@ impl Topology {
                 .map(|t| {
                     t.inner()
                         .iter()
+                        // The broker's own annotations (x-delivery-count) are not the record's.
+                        .filter(|(k, _)| !k.as_str().starts_with("x-delivery-count"))
                         .map(|(k, v)| match v {
                             AMQPValue::LongString(s) => {
                                 (k.as_str().to_owned(), s.as_bytes().to_vec())
@@ -175,24 +176,24 @@ impl Topology {
 
 impl Drop for Topology {
     fn drop(&mut self) {
-        let (url, exchange, queues) = (self.url.clone(), self.exchange.clone(), self.queues.clone());
+        let (url, exchange, queues) =
+            (self.url.clone(), self.exchange.clone(), self.queues.clone());
         let _ = std::thread::spawn(move || {
             tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .unwrap()
                 .block_on(async move {
-                    let Ok(Ok(conn)) =
-                        tokio::time::timeout(Duration::from_secs(5), async {
-                            Connection::connect(
-                                &url,
-                                ConnectionProperties::default()
-                                    .with_executor(tokio_executor_trait::Tokio::current())
-                                    .with_reactor(tokio_reactor_trait::Tokio),
-                            )
-                            .await
-                        })
+                    let Ok(Ok(conn)) = tokio::time::timeout(Duration::from_secs(5), async {
+                        Connection::connect(
+                            &url,
+                            ConnectionProperties::default()
+                                .with_executor(tokio_executor_trait::Tokio::current())
+                                .with_reactor(tokio_reactor_trait::Tokio),
+                        )
                         .await
+                    })
+                    .await
                     else {
                         return;
                     };
