@@ -1,5 +1,5 @@
 //! Mapping of async-nats' typed errors onto [`PublishErrorKind`], [`ErrorClass`] and
-//! [`FailureScope`], from error kinds and JetStream API error codes only, never message text.
+//! [`FailureScope`](outbox_core::FailureScope), from error kinds and JetStream API error codes only, never message text.
 //!
 //! | async-nats signal | kind | class | scope |
 //! |---|---|---|---|

@@ -301,7 +301,7 @@ impl InFlight {
 
 /// The outbox [`MessageSource`] for JetStream: a durable pull consumer, explicit acks sent
 /// only through [`commit`](MessageSource::commit) (after the effects' transactions committed)
-/// and [`close`](Self::close). See the [module docs](self) for how acks map to offsets.
+/// and [`close`](Self::close). See the [module docs](crate::source) for how acks map to offsets.
 pub struct NatsSource {
     config: NatsSourceConfig,
     tp: TopicPartition,

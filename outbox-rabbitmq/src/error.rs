@@ -1,5 +1,5 @@
 //! Mapping of lapin's typed errors and AMQP reply codes onto [`PublishErrorKind`],
-//! [`ErrorClass`] and [`FailureScope`], from error kinds and reply codes only, never text.
+//! [`ErrorClass`] and [`FailureScope`](outbox_core::FailureScope), from error kinds and reply codes only, never text.
 //!
 //! | signal | kind | class | scope |
 //! |---|---|---|---|

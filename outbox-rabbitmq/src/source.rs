@@ -174,7 +174,7 @@ struct Link {
 enum LinkState {
     Closed,
     Opening(tokio::task::JoinHandle<Result<Link, lapin::Error>>),
-    Open(Link),
+    Open(Box<Link>),
 }
 
 impl LinkState {
@@ -224,7 +224,7 @@ struct ChannelState {
 /// The outbox [`MessageSource`] for RabbitMQ: a consumer on a durable quorum queue with manual
 /// acks sent only through [`commit`](MessageSource::commit) (after the effects' transactions
 /// committed) and [`close`](Self::close), at most `prefetch` deliveries unacknowledged. See the
-/// [module docs](self) for how acks map to offsets; a redelivery after a crash is a duplicate
+/// [module docs](crate::source) for how acks map to offsets; a redelivery after a crash is a duplicate
 /// the inbox absorbs.
 pub struct RabbitSource {
     config: RabbitSourceConfig,
@@ -439,32 +439,6 @@ fn amqp_bytes(v: &AMQPValue) -> Option<Vec<u8>> {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn broker_annotations_are_not_record_headers() {
-        for name in [
-            "x-delivery-count",
-            "x-death",
-            "x-first-death-queue",
-            "x-last-death-reason",
-            "x-received-from",
-        ] {
-            assert!(is_broker_annotation(name), "{name}");
-        }
-        for name in ["event_id", "traceparent", "x-tenant", "x-deathly"] {
-            assert!(!is_broker_annotation(name), "{name}");
-        }
-        assert_eq!(
-            amqp_bytes(&AMQPValue::LongString("v".into())),
-            Some(b"v".to_vec())
-        );
-        assert_eq!(amqp_bytes(&AMQPValue::Void), None);
-    }
-}
-
 #[async_trait]
 impl MessageSource for RabbitSource {
     async fn poll(&self, timeout: Duration) -> Result<Option<ReceivedMessage>, SourceError> {
@@ -509,7 +483,7 @@ impl MessageSource for RabbitSource {
                 // Tags start at 1 again: a fresh watermark, earlier tickets do not count.
                 t.assign(std::slice::from_ref(&self.tp));
             }
-            *guard = LinkState::Open(link);
+            *guard = LinkState::Open(Box::new(link));
         }
         let LinkState::Open(link) = &mut *guard else {
             return Ok(None);
@@ -576,5 +550,31 @@ impl MessageSource for RabbitSource {
         };
         let end = i64::from(q.message_count()) + i64::try_from(unacked).unwrap_or(i64::MAX);
         Ok(vec![PartitionLag::new(self.tp.clone(), Some(0), 0, end)])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn broker_annotations_are_not_record_headers() {
+        for name in [
+            "x-delivery-count",
+            "x-death",
+            "x-first-death-queue",
+            "x-last-death-reason",
+            "x-received-from",
+        ] {
+            assert!(is_broker_annotation(name), "{name}");
+        }
+        for name in ["event_id", "traceparent", "x-tenant", "x-deathly"] {
+            assert!(!is_broker_annotation(name), "{name}");
+        }
+        assert_eq!(
+            amqp_bytes(&AMQPValue::LongString("v".into())),
+            Some(b"v".to_vec())
+        );
+        assert_eq!(amqp_bytes(&AMQPValue::Void), None);
     }
 }
