@@ -13,8 +13,7 @@ use std::time::{Duration, Instant};
 
 use common::{require, unique, TestStream};
 use outbox_core::{
-    ClaimMode, DeliveryStatus, Envelope, OutboxStore, Relay, RelayConfig, RetryPolicy,
-    SystemClock,
+    ClaimMode, DeliveryStatus, Envelope, OutboxStore, Relay, RelayConfig, RetryPolicy, SystemClock,
 };
 use outbox_nats::NatsPublisher;
 use outbox_test_support::{nats_server_bin, NatsServer};

@@ -647,3 +647,95 @@ async fn redelivered_head_is_applied_before_its_successors() {
     assert_eq!(engine.report().applied, 3);
     assert_eq!(tracker.lock().in_flight(), 0);
 }
+
+/// The server goes away under a running engine (a nats-server of this test's own, killed and
+/// started again with its file storage): polls fail transiently, the pull stream is opened
+/// again, unacknowledged messages come again after their ack wait, and every effect is applied
+/// once, in order, with nothing left unacknowledged at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_survives_a_server_restart_with_each_effect_once() {
+    let bin = require!(outbox_test_support::nats_server_bin("nats_source_restart"));
+    let db = require!(Db::new("nats_source_restart").await);
+    let mut server = outbox_test_support::NatsServer::start(bin);
+    let url = server.url();
+    let prefix = unique("srcrestart");
+    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
+    let durable = unique("inbox");
+    let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
+    let aggregates: Vec<String> = (0..10).map(|i| format!("agg-{i}")).collect();
+    for v in 1..=6 {
+        let round: Vec<Envelope> = aggregates
+            .iter()
+            .map(|a| common::event("order", a, v))
+            .collect();
+        for r in publisher.publish(&round.iter().collect::<Vec<_>>()).await {
+            r.unwrap();
+        }
+    }
+    let total = aggregates.len() * 6;
+    let applied = Arc::new(AtomicUsize::new(0));
+    let processor = InboxProcessor::new(
+        "nats-restart",
+        db.inbox().await,
+        Effects {
+            schema: db.schema.clone(),
+            applied: applied.clone(),
+        },
+    )
+    .with_version_policy(VersionPolicy::hold(100, Duration::from_secs(30)))
+    .require_first_version(true);
+    let source = NatsSource::builder(&url, &stream.name, &durable)
+        .ack_wait(ACK_WAIT)
+        .pull_batch(10)
+        .connect_timeout(Duration::from_millis(500))
+        .start()
+        .await
+        .unwrap();
+    let config = EngineConfig::default()
+        .with_commit(10, Duration::from_millis(100))
+        .with_max_batch(5);
+    let mut engine = ConsumerEngine::new(source, processor, config, 12).unwrap();
+    while applied.load(Ordering::Relaxed) < total / 3 {
+        engine.step().await.unwrap();
+    }
+    server.stop();
+    let down = Instant::now();
+    while down.elapsed() < Duration::from_secs(3) {
+        engine.step().await.unwrap();
+    }
+    server.restart();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while (db.effects_once().await as usize) < total {
+        assert!(
+            Instant::now() < deadline,
+            "not all effects applied after the restart"
+        );
+        engine
+            .run_until_quiet(Duration::from_millis(300))
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(ACK_WAIT + Duration::from_millis(500)).await;
+    engine
+        .run_until_quiet(Duration::from_secs(1))
+        .await
+        .unwrap();
+    assert_eq!(db.effects_once().await as usize, total);
+    for a in &aggregates {
+        assert_eq!(db.applied(a).await, (1..=6).collect::<Vec<i64>>(), "{a}");
+    }
+    assert_eq!(engine.report().parked, 0);
+    let js = common::js(&url).await;
+    let info = js
+        .get_stream(&stream.name)
+        .await
+        .unwrap()
+        .consumer_info(&durable)
+        .await
+        .unwrap();
+    assert_eq!(
+        (info.num_ack_pending, info.num_pending),
+        (0, 0),
+        "everything acknowledged: {info:?}"
+    );
+}

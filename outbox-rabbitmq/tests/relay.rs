@@ -197,8 +197,8 @@ async fn a_consistent_hash_exchange_keeps_each_aggregate_in_one_queue_in_order()
                     .unwrap()
             })
             .collect();
-        for r in outbox_core::Publisher::publish(&publisher, &round.iter().collect::<Vec<_>>())
-            .await
+        for r in
+            outbox_core::Publisher::publish(&publisher, &round.iter().collect::<Vec<_>>()).await
         {
             r.expect("confirmed");
         }

@@ -431,3 +431,87 @@ async fn engine_applies_each_event_once_in_order_across_a_crash() {
         "everything acknowledged"
     );
 }
+
+/// The broker goes away under a running engine (a node of this test's own, stopped and
+/// started again): polls fail transiently, the source opens a new channel (a new assignment
+/// for the watermark; nothing of the old channel is acked on it), the requeued deliveries come
+/// again, and every effect is applied once, in order, with the queue empty at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_survives_a_broker_restart_with_each_effect_once() {
+    let mut node = require!(outbox_test_support::RabbitNode::start(
+        "rabbit_source_restart",
+        &[]
+    ));
+    let db = require!(Db::new("rabbit_source_restart").await);
+    let url = node.url();
+    let mut t = Topology::exchange(&url, "srcrestart", LapinKind::Topic, true).await;
+    let queue = t.queue("#", quorum_arguments(true)).await;
+    let publisher = RabbitPublisher::builder(&url, &t.exchange)
+        .start()
+        .await
+        .unwrap();
+    let aggregates: Vec<String> = (0..10).map(|i| format!("agg-{i}")).collect();
+    for v in 1..=6 {
+        let round: Vec<Envelope> = aggregates.iter().map(|a| event("order", a, v)).collect();
+        for r in publisher.publish(&round.iter().collect::<Vec<_>>()).await {
+            r.unwrap();
+        }
+    }
+    let total = aggregates.len() * 6;
+    let applied = Arc::new(AtomicUsize::new(0));
+    let processor = InboxProcessor::new(
+        "rabbit-restart",
+        db.inbox().await,
+        Effects {
+            schema: db.schema.clone(),
+            applied: applied.clone(),
+        },
+    )
+    .require_first_version(true);
+    let (source, _) = RabbitSource::builder(&url, &queue)
+        .prefetch(20)
+        .connect_timeout(Duration::from_millis(500))
+        .start()
+        .await
+        .unwrap();
+    let config = EngineConfig::default()
+        .with_commit(10, Duration::from_millis(100))
+        .with_max_batch(5);
+    let mut engine = ConsumerEngine::new(source, processor, config, 11).unwrap();
+    while applied.load(Ordering::Relaxed) < total / 3 {
+        engine.step().await.unwrap();
+    }
+    node.stop_gracefully();
+    let down = Instant::now();
+    while down.elapsed() < Duration::from_secs(3) {
+        engine.step().await.unwrap();
+    }
+    node.restart();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while (db.effects_once().await as usize) < total {
+        assert!(
+            Instant::now() < deadline,
+            "not all effects applied after the restart"
+        );
+        engine
+            .run_until_quiet(Duration::from_millis(300))
+            .await
+            .unwrap();
+    }
+    engine
+        .run_until_quiet(Duration::from_millis(500))
+        .await
+        .unwrap();
+    assert_eq!(db.effects_once().await as usize, total);
+    for a in &aggregates {
+        assert_eq!(db.applied(a).await, (1..=6).collect::<Vec<i64>>(), "{a}");
+    }
+    assert!(
+        engine.source().channel_generation() >= 2,
+        "the source did not open a new channel"
+    );
+    assert_eq!(engine.report().parked, 0);
+    let reader = Topology::exchange(&url, "reader", LapinKind::Topic, true).await;
+    assert_eq!(reader.depth(&queue).await, 0, "everything acknowledged");
+    drop(t);
+}
