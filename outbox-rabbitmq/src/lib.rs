@@ -31,6 +31,7 @@
 //! | capability | status | how |
 //! |---|---|---|
 //! | batch sent whole, all confirms awaited | yes | every `basic.publish` written, then every confirm future together |
+//! | concurrent batches | one at a time per publisher | returns are matched to messages within a batch (see [`RabbitPublisher`]); relay workers that publish in parallel each need their own publisher (its own connection and channel) |
 //! | `Ok` only from a confirm | yes | `basic.ack` for the message and no `basic.return` for it |
 //! | acknowledgement metadata | temporary mapping | exchange, `0`, the channel's publish sequence number ([`ack`]; a confirm names no stored position) |
 //! | unroutable message | clear permanent error | `mandatory`: `basic.return` 312 → `unknown_topic` naming exchange and routing key |
