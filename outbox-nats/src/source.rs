@@ -203,11 +203,12 @@ impl NatsSourceBuilder {
         let client = connect_client(&config.servers, "outbox-consumer", config.connect_timeout)
             .await
             .map_err(|e| SourceError::new(ErrorClass::Permanent, e))?;
-        let js = jetstream::new(client);
+        let js = jetstream::new(client.clone());
         let consumer = bind_consumer(&js, &config).await?;
         Ok(NatsSource {
             tp: TopicPartition::new(config.stream.clone(), 0),
             config,
+            client,
             consumer,
             messages: tokio::sync::Mutex::new(None),
             state: Mutex::new(InFlight::default()),
@@ -305,6 +306,7 @@ impl InFlight {
 pub struct NatsSource {
     config: NatsSourceConfig,
     tp: TopicPartition,
+    client: async_nats::Client,
     consumer: PullConsumer,
     messages: tokio::sync::Mutex<Option<PullStream>>,
     state: Mutex<InFlight>,
@@ -380,6 +382,8 @@ impl NatsSource {
             .map(|(_, _, a)| a)
             .collect();
         join_all(rest.iter().map(|a| a.ack_with(AckKind::Nak(None)))).await;
+        // The naks are only queued on the connection: flush before the client goes.
+        let _ = tokio::time::timeout(self.config.connect_timeout, self.client.flush()).await;
         drop(self.messages.lock().await.take());
     }
 
