@@ -12,7 +12,6 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{event, require, unique, Topology};
-use lapin::types::FieldTable;
 use lapin::ExchangeKind as LapinKind;
 use outbox_core::{
     async_trait, wire, Envelope, ErrorClass, FailureScope, Payload, PublishErrorKind, Publisher,
@@ -272,5 +271,4 @@ async fn an_unreachable_broker_is_a_transient_start_error_within_the_timeout() {
         (ErrorClass::Transient, FailureScope::Transport),
         "{r}"
     );
-    let _ = FieldTable::default();
 }
