@@ -1,5 +1,6 @@
-# Sourced by scripts/test and scripts/demo-real: start PostgreSQL, MySQL/MariaDB and a
-# Kafka-protocol broker, and install PgBouncer (tests start their own, in front of PostgreSQL).
+# Sourced by scripts/test and scripts/demo-real: start PostgreSQL, MySQL/MariaDB, a
+# Kafka-protocol broker, NATS with JetStream and RabbitMQ, and install PgBouncer (tests start
+# their own, in front of PostgreSQL).
 TANSU_VERSION=0.6.0
 OUTBOX_STATE_DIR="${OUTBOX_STATE_DIR:-$PWD/target/services}"
 mkdir -p "$OUTBOX_STATE_DIR"
@@ -124,6 +125,66 @@ ensure_pgbouncer() {
         fi
     fi
     export PGBOUNCER_BIN="$bin"
+
+# host and port of a URL (scheme://[user[:password]@]host[:port][/...]); $2 is the default port.
+url_host_port() {
+    local rest=${1#*://}
+    rest=${rest%%/*}
+    rest=${rest##*@}
+    local host=${rest%%:*} port=$2
+    [[ "$rest" == *:* ]] && port=${rest##*:}
+    [[ -z "$host" || "$host" == localhost ]] && host=127.0.0.1
+    echo "$host $port"
+}
+
+answers() { (exec 3<>"/dev/tcp/$1/$2") 2>/dev/null; }
+
+# NATS with JetStream: $NATS_URL when set (it must answer), else the local server on
+# 127.0.0.1:4222, started with JetStream if it is installed and stopped.
+ensure_nats() {
+    local hp
+    if [[ -n "${NATS_URL:-}" ]]; then
+        read -r -a hp <<<"$(url_host_port "$NATS_URL" 4222)"
+        answers "${hp[0]}" "${hp[1]}" && { log "using NATS at \$NATS_URL"; return; }
+        echo "error: nothing answers at \$NATS_URL (${hp[0]}:${hp[1]}); start NATS with JetStream (-js) there or unset NATS_URL" >&2
+        exit 1
+    fi
+    export NATS_URL="nats://127.0.0.1:4222"
+    answers 127.0.0.1 4222 && return
+    local bin
+    bin="$(command -v nats-server || echo /usr/sbin/nats-server)"
+    if [[ -x "$bin" ]]; then
+        log "starting nats-server with JetStream on 127.0.0.1:4222"
+        mkdir -p "$OUTBOX_STATE_DIR/nats"
+        start-stop-daemon --start --oknodo --background --exec "$bin" -- \
+            -a 127.0.0.1 -p 4222 -js -sd "$OUTBOX_STATE_DIR/nats" -l "$OUTBOX_STATE_DIR/nats.log"
+        for _ in $(seq 1 50); do answers 127.0.0.1 4222 && return; sleep 0.2; done
+    fi
+    echo "error: no NATS server answers on 127.0.0.1:4222. Install nats-server (apt-get install" >&2
+    echo "       nats-server) or set NATS_URL to a server with JetStream enabled." >&2
+    exit 1
+}
+
+# RabbitMQ: $AMQP_URL when set (it must answer), else the local broker on 127.0.0.1:5672
+# (guest/guest), started if it is installed and stopped.
+ensure_rabbitmq() {
+    local hp
+    if [[ -n "${AMQP_URL:-}" ]]; then
+        read -r -a hp <<<"$(url_host_port "$AMQP_URL" 5672)"
+        answers "${hp[0]}" "${hp[1]}" && { log "using RabbitMQ at \$AMQP_URL"; return; }
+        echo "error: nothing answers at \$AMQP_URL (${hp[0]}:${hp[1]}); start RabbitMQ there or unset AMQP_URL" >&2
+        exit 1
+    fi
+    export AMQP_URL="amqp://guest:guest@127.0.0.1:5672/%2f"
+    answers 127.0.0.1 5672 && return
+    if command -v rabbitmq-server >/dev/null; then
+        log "starting RabbitMQ on 127.0.0.1:5672"
+        rabbitmq-server -detached
+        for _ in $(seq 1 150); do answers 127.0.0.1 5672 && return; sleep 0.2; done
+    fi
+    echo "error: no RabbitMQ answers on 127.0.0.1:5672. Install rabbitmq-server (apt-get install" >&2
+    echo "       rabbitmq-server) or set AMQP_URL (e.g. amqp://user:pass@host:5672/%2f)." >&2
+    exit 1
 }
 
 stop_services() {

@@ -4,12 +4,18 @@
 //!   `postgres://postgres@127.0.0.1:5432/postgres`), MySQL or MariaDB from `MYSQL_URL` (default
 //!   `mysql://root@127.0.0.1:3306/test`), the broker from `KAFKA_BROKERS`, the tansu binary from
 //!   `TANSU_BIN` or `~/.cargo/bin/tansu`. `scripts/test` provides them all.
+//!   NATS with JetStream from `NATS_URL` (default `nats://127.0.0.1:4222`) and RabbitMQ from
+//!   `AMQP_URL` (default `amqp://guest:guest@127.0.0.1:5672/%2f`), each checked for a listener
+//!   before a test uses it ([`nats_url`], [`amqp_url`]).
 //! * **The skip switch.** A test whose service is missing fails with what to do, unless
 //!   `OUTBOX_SKIP_SERVICE_TESTS=1`; then it prints `SKIPPED` on stderr (past the harness's
 //!   output capture, so a skip is never silent) and returns.
 //! * **Isolation.** [`unique`] names (schemas, topics, groups) per test and run.
 //! * **A broker of a test's own.** [`Tansu`] starts tansu on a free port with memory storage,
-//!   for tests that stop and restart the broker; it is killed when dropped.
+//!   for tests that stop and restart the broker; it is killed when dropped. [`NatsServer`] and
+//!   [`RabbitNode`] do the same for NATS (JetStream, file storage in a directory of its own) and
+//!   RabbitMQ (a second node with its own name, ports and data directory): outage tests stop
+//!   and restart those, never the shared servers other tests use at the same time.
 //! * **A connection pooler of a test's own.** [`PgBouncer`] starts PgBouncer (`PGBOUNCER_BIN`,
 //!   else `pgbouncer` on the `PATH` or in `/usr/sbin`; `scripts/services.sh` installs it) on a
 //!   free port in front of `DATABASE_URL`, in the pool mode the test asks for.
@@ -144,6 +150,62 @@ fn host_port_or(url: &str, default_port: u16) -> Option<(String, u16)> {
         host
     };
     Some((host, port))
+}
+
+/// The default NATS URL of tests (the local server with JetStream).
+pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
+/// The default AMQP URL of tests (the local RabbitMQ, guest/guest, default vhost).
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// `var` if set, else `default`; `Some(url)` when something listens at its host and port
+/// (`default_port` when the URL names none). Otherwise skip (with the switch) or panic naming
+/// the service, the address and what to do.
+fn reachable_service(
+    test: &str,
+    service: &str,
+    var: &str,
+    default: &str,
+    default_port: u16,
+) -> Option<String> {
+    let url = std::env::var(var)
+        .ok()
+        .filter(|u| !u.trim().is_empty())
+        .unwrap_or_else(|| default.to_owned());
+    let (host, port) =
+        host_port_or(&url, default_port).unwrap_or(("127.0.0.1".into(), default_port));
+    let reachable = std::net::ToSocketAddrs::to_socket_addrs(&(host.as_str(), port))
+        .ok()
+        .and_then(|mut addrs| addrs.next())
+        .is_some_and(|addr| TcpStream::connect_timeout(&addr, Duration::from_secs(3)).is_ok());
+    if reachable {
+        return Some(url);
+    }
+    if skip_allowed() {
+        report_skip(test, &format!("{service} at {host}:{port} is unreachable"));
+        return None;
+    }
+    panic!(
+        "{test}: {service} is required but nothing answers at {host}:{port}. Start it \
+         (`source scripts/services.sh && ensure_{}` does) or set {var}; set {SKIP_VAR}=1 to skip \
+         on purpose",
+        service
+            .split_whitespace()
+            .next()
+            .unwrap_or(service)
+            .to_lowercase()
+    )
+}
+
+/// The NATS URL (JetStream enabled): `NATS_URL`, else [`DEFAULT_NATS_URL`], checked for a
+/// listener; skip (with the switch) or panic.
+pub fn nats_url(test: &str) -> Option<String> {
+    reachable_service(test, "NATS", "NATS_URL", DEFAULT_NATS_URL, 4222)
+}
+
+/// The AMQP URL of a RabbitMQ: `AMQP_URL`, else [`DEFAULT_AMQP_URL`], checked for a listener;
+/// skip (with the switch) or panic.
+pub fn amqp_url(test: &str) -> Option<String> {
+    reachable_service(test, "RabbitMQ", "AMQP_URL", DEFAULT_AMQP_URL, 5672)
 }
 
 /// Kafka bootstrap servers from `KAFKA_BROKERS` (skip or panic as [`required_var`]).
@@ -415,6 +477,257 @@ impl Drop for PgBouncer {
     }
 }
 
+/// The nats-server binary: `NATS_SERVER_BIN`, else `nats-server` on the `PATH`, else
+/// `/usr/sbin/nats-server` (Debian's package). Skip (with the switch) or panic.
+pub fn nats_server_bin(test: &str) -> Option<PathBuf> {
+    if let Ok(b) = std::env::var("NATS_SERVER_BIN") {
+        if !b.trim().is_empty() {
+            return Some(PathBuf::from(b));
+        }
+    }
+    let on_path = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|p| p.join("nats-server"))
+            .find(|p| p.is_file())
+    });
+    if let Some(p) = on_path.or_else(|| {
+        let debian = PathBuf::from("/usr/sbin/nats-server");
+        debian.is_file().then_some(debian)
+    }) {
+        return Some(p);
+    }
+    if skip_allowed() {
+        report_skip(
+            test,
+            "no nats-server binary (NATS_SERVER_BIN, PATH, /usr/sbin)",
+        );
+        return None;
+    }
+    panic!(
+        "{test}: no nats-server binary: install it (`apt-get install nats-server`) or set \
+         NATS_SERVER_BIN; set {SKIP_VAR}=1 to skip on purpose"
+    )
+}
+
+/// A nats-server of a test's own: JetStream with file storage in a directory of its own, on a
+/// free port; killed (SIGKILL) on drop, its directory removed. Streams survive
+/// [`restart`](Self::restart) (file storage), as on a production server.
+#[derive(Debug)]
+pub struct NatsServer {
+    bin: PathBuf,
+    port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl NatsServer {
+    /// Starts the server and waits for its port.
+    pub fn start(bin: PathBuf) -> Self {
+        let dir = std::env::temp_dir().join(unique("outbox_nats"));
+        std::fs::create_dir_all(&dir).expect("nats storage directory");
+        let mut s = Self {
+            bin,
+            port: free_port(),
+            dir,
+            child: None,
+        };
+        s.restart();
+        s
+    }
+
+    /// `nats://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server (SIGKILL): what it stored stays in its directory.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts it again on the same port and directory.
+    pub fn restart(&mut self) {
+        self.stop();
+        let port = self.port.to_string();
+        let child = Command::new(&self.bin)
+            .args(["-a", "127.0.0.1", "-p", &port, "-js", "-sd"])
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", self.bin.display()));
+        self.child = Some(child);
+        assert!(
+            wait_port(&format!("127.0.0.1:{}", self.port), Duration::from_secs(10)),
+            "nats-server did not open port {}",
+            self.port
+        );
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A RabbitMQ node of a test's own, beside the shared one: its own node name, AMQP and
+/// distribution ports, data and log directories, and configuration file (so the system's
+/// listener setting does not apply), run by the `rabbitmq-server` script in the foreground.
+/// Stopping it kills the Erlang VM (SIGKILL, by its pid file); durable exchanges, queues and
+/// persistent messages survive [`restart`](Self::restart). Killed on drop, its directory
+/// removed. A node takes a few seconds to start.
+///
+/// Plugins named in `plugins` (e.g. `rabbitmq_consistent_hash_exchange`) are enabled on it.
+#[derive(Debug)]
+pub struct RabbitNode {
+    name: String,
+    port: u16,
+    dist_port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl RabbitNode {
+    /// Starts a node with `plugins` enabled (skip or panic when `rabbitmq-server` is missing)
+    /// and waits until it accepts AMQP connections.
+    pub fn start(test: &str, plugins: &[&str]) -> Option<Self> {
+        if !PathBuf::from("/usr/sbin/rabbitmq-server").is_file() {
+            if skip_allowed() {
+                report_skip(test, "rabbitmq-server is not installed");
+                return None;
+            }
+            panic!(
+                "{test}: /usr/sbin/rabbitmq-server is missing: install it (`apt-get install \
+                 rabbitmq-server`); set {SKIP_VAR}=1 to skip on purpose"
+            );
+        }
+        let name = unique("outboxrmq");
+        let dir = std::env::temp_dir().join(&name);
+        std::fs::create_dir_all(&dir).expect("rabbitmq directory");
+        let port = free_port();
+        let mut dist_port = free_port();
+        while dist_port == port {
+            dist_port = free_port();
+        }
+        std::fs::write(
+            dir.join("rabbitmq.conf"),
+            format!("listeners.tcp.local = 127.0.0.1:{port}\nloopback_users = none\n"),
+        )
+        .expect("rabbitmq.conf");
+        std::fs::write(
+            dir.join("enabled_plugins"),
+            format!("[{}].\n", plugins.join(",")),
+        )
+        .expect("enabled_plugins");
+        // The script runs the node as the `rabbitmq` user, who must own the directory.
+        let _ = Command::new("chown")
+            .args(["-R", "rabbitmq:rabbitmq"])
+            .arg(&dir)
+            .status();
+        let mut node = Self {
+            name,
+            port,
+            dist_port,
+            dir,
+            child: None,
+        };
+        node.restart();
+        Some(node)
+    }
+
+    /// `amqp://guest:guest@127.0.0.1:<port>/%2f`.
+    pub fn url(&self) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f", self.port)
+    }
+
+    /// Kills the node's Erlang VM (SIGKILL) and the script around it.
+    pub fn stop(&mut self) {
+        self.signal("-KILL");
+    }
+
+    /// Stops the node as an operator or an orchestrator would (SIGTERM: the Erlang VM shuts
+    /// down in order, closing client connections with `CONNECTION_FORCED`), waiting up to 30 s.
+    ///
+    /// Seen with RabbitMQ 3.10 here: after a SIGKILL shortly after a quorum queue was declared,
+    /// the restarted node no longer knows the queue's Raft member (its registration was not
+    /// yet on disk), and the queue has no leader ("leader not known") for good. Outage tests
+    /// that need the queue afterwards stop the node this way.
+    pub fn stop_gracefully(&mut self) {
+        self.signal("-TERM");
+    }
+
+    fn signal(&mut self, signal: &str) {
+        if let Ok(pid) = std::fs::read_to_string(self.dir.join("pid")) {
+            let pid = pid.trim();
+            if !pid.is_empty() {
+                let _ = Command::new("kill").args([signal, pid]).status();
+                // The VM is gone when its pid no longer answers signal 0.
+                let deadline = Instant::now() + Duration::from_secs(30);
+                while Command::new("kill")
+                    .args(["-0", pid])
+                    .stderr(Stdio::null())
+                    .status()
+                    .is_ok_and(|s| s.success())
+                    && Instant::now() < deadline
+                {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+        let _ = std::fs::remove_file(self.dir.join("pid"));
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        // The node's port is free once the VM is gone.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(format!("127.0.0.1:{}", self.port)).is_ok()
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Starts the node again (same name, ports and data), waiting up to 60 s for AMQP.
+    pub fn restart(&mut self) {
+        self.stop();
+        let d = |sub: &str| self.dir.join(sub);
+        let child = Command::new("/usr/sbin/rabbitmq-server")
+            .env("RABBITMQ_NODENAME", format!("{}@localhost", self.name))
+            .env("RABBITMQ_NODE_PORT", self.port.to_string())
+            .env("RABBITMQ_DIST_PORT", self.dist_port.to_string())
+            .env("RABBITMQ_MNESIA_BASE", d("mnesia"))
+            .env("RABBITMQ_LOG_BASE", d("log"))
+            .env("RABBITMQ_CONFIG_FILE", d("rabbitmq.conf"))
+            .env("RABBITMQ_ENABLED_PLUGINS_FILE", d("enabled_plugins"))
+            .env("RABBITMQ_PID_FILE", d("pid"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start rabbitmq-server");
+        self.child = Some(child);
+        assert!(
+            wait_port(&format!("127.0.0.1:{}", self.port), Duration::from_secs(60)),
+            "the RabbitMQ node {} did not open port {} (log: {})",
+            self.name,
+            self.port,
+            d("log").display()
+        );
+    }
+}
+
+impl Drop for RabbitNode {
+    fn drop(&mut self) {
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -450,6 +763,14 @@ mod tests {
                 5432,
                 "postgres".into()
             )
+        );
+        assert_eq!(
+            host_port_or("amqp://guest:guest@127.0.0.1/%2f", 5672),
+            Some(("127.0.0.1".into(), 5672))
+        );
+        assert_eq!(
+            host_port_or("nats://127.0.0.1:4333", 4222),
+            Some(("127.0.0.1".into(), 4333))
         );
     }
 

@@ -1,0 +1,663 @@
+//! [`NatsSource`]: the consumer side, a durable JetStream pull consumer with explicit acks
+//! behind today's offset-shaped [`MessageSource`].
+//!
+//! # How JetStream is fitted to the offset model (temporary, see `docs/transports.md`)
+//!
+//! JetStream acknowledges **per message** and redelivers an unacknowledged message after its
+//! ack wait, *after* later messages were delivered; the engine commits a **contiguous
+//! watermark** ([`outbox_core::watermark`]) over offsets that only grow. The stream sequence
+//! does not fit that watermark: a redelivered message's stream sequence is below ones already
+//! handed out, which the watermark must treat as a rewind (forgetting every message in flight),
+//! and a cumulative ack after such a rewind could cover messages still being applied.
+//!
+//! So a message's position is `(stream, 0, consumer delivery sequence)`: the sequence JetStream
+//! gives each *delivery* of the durable consumer, which grows with every delivery, redeliveries
+//! included (`redelivery_gets_a_new_delivery_sequence` checks this against the server).
+//! [`commit`](MessageSource::commit) turns "next offset `n`" into one confirmed ack (`+ACK`,
+//! answered by the server) for every delivery this member handed out below `n`.
+//!
+//! * **Redelivery of a message still in flight here** (its ack wait ran out while the engine
+//!   was applying or holding it): the copy is not handed out again; its newer delivery's reply
+//!   subject replaces the old one, and the one ack covers the message.
+//! * **Redelivery of a message this member does not hold** (another member crashed holding
+//!   it, or this process restarted): a new, higher position; the engine applies it or finds it
+//!   a duplicate, and an aggregate whose later version arrived first waits for it under
+//!   `VersionPolicy::Hold` with `require_first_version` (the test `redelivered_head_*`).
+//!
+//! What the offset model costs here, and per-message acknowledgement (phase 2) removes: a
+//! message that is final but behind an unfinished one is not acked until the watermark passes
+//! it (and may be redelivered meanwhile); the stored position of a parked message is the
+//! delivery sequence, not the stream sequence (the stream sequence is logged).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use async_nats::jetstream::consumer::pull::{Config as PullConfig, Stream as PullStream};
+use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer};
+use async_nats::jetstream::message::{AckKind, Acker};
+use async_nats::jetstream::{self, Context};
+use chrono::{DateTime, Utc};
+use futures::future::join_all;
+use futures::StreamExt;
+use outbox_core::watermark::SharedOffsetTracker;
+use outbox_core::{
+    async_trait, CommitOffset, ConfigError, ErrorClass, LogPosition, MessageSource, PartitionLag,
+    ReceivedMessage, RecordHeader, SourceError, TopicPartition,
+};
+use tokio::time::Instant;
+
+use crate::error::source_error;
+use crate::publisher::connect_client;
+
+/// Default ack wait: 30 s before JetStream redelivers an unacknowledged message.
+pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
+/// Default most messages delivered and not acknowledged (the consumer's `max_ack_pending`).
+pub const DEFAULT_MAX_ACK_PENDING: i64 = 1_000;
+/// Default messages asked for per pull request.
+pub const DEFAULT_PULL_BATCH: usize = 100;
+
+/// Where a durable consumer that does not exist yet starts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum StartFrom {
+    /// The first message of the stream (`DeliverPolicy::All`).
+    #[default]
+    Earliest,
+    /// Messages published after the consumer is created (`DeliverPolicy::New`). The consumer
+    /// is durable: a later member resumes where it is, whatever this says.
+    Latest,
+}
+
+/// Configuration of a [`NatsSource`]. Build it with [`NatsSource::builder`].
+///
+/// | field | default | meaning |
+/// |---|---|---|
+/// | `servers` | (required) | NATS URLs |
+/// | `stream` | (required) | the stream to read |
+/// | `durable` | (required) | durable consumer name (one per consumer service; members share it) |
+/// | `filter_subject` | none | only these subjects (e.g. `outbox.order`) |
+/// | `ack_wait` | 30 s | redelivery of a message not acknowledged in time; must exceed the engine's apply + commit time |
+/// | `max_ack_pending` | 1,000 | messages delivered and not acknowledged (bounds what a member holds) |
+/// | `pull_batch` | 100 | messages per pull request |
+/// | `start_from` | `Earliest` | where a consumer that does not exist yet starts |
+/// | `connect_timeout` | 5 s | connecting and each management request |
+///
+/// Always: explicit acks, unlimited deliveries (`max_deliver = -1`: JetStream would otherwise
+/// drop a message silently after N deliveries). An existing consumer with other acks or a
+/// delivery limit is refused at start.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct NatsSourceConfig {
+    /// Servers.
+    pub servers: String,
+    /// Stream.
+    pub stream: String,
+    /// Durable consumer name.
+    pub durable: String,
+    /// Subject filter.
+    pub filter_subject: Option<String>,
+    /// Ack wait.
+    pub ack_wait: Duration,
+    /// Max ack pending.
+    pub max_ack_pending: i64,
+    /// Messages per pull request.
+    pub pull_batch: usize,
+    /// Start of a new consumer.
+    pub start_from: StartFrom,
+    /// Connect timeout.
+    pub connect_timeout: Duration,
+}
+
+impl NatsSourceConfig {
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.servers.trim().is_empty() {
+            return Err(ConfigError::new("servers must not be empty"));
+        }
+        for (what, name) in [("stream", &self.stream), ("durable", &self.durable)] {
+            if name.is_empty()
+                || name
+                    .chars()
+                    .any(|c| matches!(c, '.' | '*' | '>' | '/' | '\\') || c.is_whitespace())
+            {
+                return Err(ConfigError::new(format!(
+                    "{what} name {name:?} is not a valid JetStream name"
+                )));
+            }
+        }
+        if let Some(f) = &self.filter_subject {
+            if f.is_empty() || f.split('.').any(str::is_empty) || f.contains(char::is_whitespace) {
+                return Err(ConfigError::new(format!(
+                    "filter subject {f:?} is not a subject"
+                )));
+            }
+        }
+        if self.ack_wait < Duration::from_secs(1) {
+            return Err(ConfigError::new(format!(
+                "ack wait {:?} is below 1 s: messages would be redelivered while the engine \
+                 applies them",
+                self.ack_wait
+            )));
+        }
+        if self.max_ack_pending < 1 || self.pull_batch == 0 {
+            return Err(ConfigError::new(
+                "max_ack_pending and pull_batch must be at least 1",
+            ));
+        }
+        if self.pull_batch as i64 > self.max_ack_pending {
+            return Err(ConfigError::new(
+                "pull_batch must not exceed max_ack_pending",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Builder of a [`NatsSource`].
+#[derive(Debug)]
+pub struct NatsSourceBuilder {
+    config: NatsSourceConfig,
+}
+
+impl NatsSourceBuilder {
+    /// Reads only `subject` (a filter; wildcards allowed).
+    pub fn filter_subject(mut self, subject: impl Into<String>) -> Self {
+        self.config.filter_subject = Some(subject.into());
+        self
+    }
+    /// Sets the ack wait. Default 30 s.
+    pub fn ack_wait(mut self, d: Duration) -> Self {
+        self.config.ack_wait = d;
+        self
+    }
+    /// Sets `max_ack_pending`. Default 1,000.
+    pub fn max_ack_pending(mut self, n: i64) -> Self {
+        self.config.max_ack_pending = n;
+        self
+    }
+    /// Sets the messages per pull request. Default 100.
+    pub fn pull_batch(mut self, n: usize) -> Self {
+        self.config.pull_batch = n;
+        self
+    }
+    /// Where a consumer that does not exist yet starts. Default [`StartFrom::Earliest`].
+    pub fn start_from(mut self, s: StartFrom) -> Self {
+        self.config.start_from = s;
+        self
+    }
+    /// Sets the connect timeout. Default 5 s.
+    pub fn connect_timeout(mut self, d: Duration) -> Self {
+        self.config.connect_timeout = d;
+        self
+    }
+
+    /// Connects, creates the durable consumer if it does not exist (or checks the existing
+    /// one) and returns the source. Reading starts at the first [`MessageSource::poll`].
+    pub async fn start(self) -> Result<NatsSource, SourceError> {
+        let config = self.config;
+        config
+            .validate()
+            .map_err(|e| SourceError::new(ErrorClass::Permanent, e.to_string()))?;
+        let client = connect_client(&config.servers, "outbox-consumer", config.connect_timeout)
+            .await
+            .map_err(|e| SourceError::new(ErrorClass::Permanent, e))?;
+        let js = jetstream::new(client.clone());
+        let consumer = bind_consumer(&js, &config).await?;
+        Ok(NatsSource {
+            tp: TopicPartition::new(config.stream.clone(), 0),
+            config,
+            client,
+            consumer,
+            messages: tokio::sync::Mutex::new(None),
+            state: Mutex::new(InFlight::default()),
+            tracker: Mutex::new(None),
+            assigned: AtomicBool::new(false),
+        })
+    }
+}
+
+async fn bind_consumer(
+    js: &Context,
+    config: &NatsSourceConfig,
+) -> Result<PullConsumer, SourceError> {
+    let t = config.connect_timeout;
+    let timed_out = |what: &str| {
+        SourceError::new(
+            ErrorClass::Transient,
+            format!("{what} timed out after {t:?}"),
+        )
+    };
+    let stream = tokio::time::timeout(t, js.get_stream(&config.stream))
+        .await
+        .map_err(|_| timed_out("stream lookup"))?
+        .map_err(|e| {
+            let missing = matches!(e.kind(), async_nats::jetstream::context::GetStreamErrorKind::JetStream(ref j) if j.error_code().0 == 10059);
+            source_error(&format!("stream {:?}", config.stream), e, missing)
+        })?;
+    let wanted = PullConfig {
+        durable_name: Some(config.durable.clone()),
+        ack_policy: AckPolicy::Explicit,
+        ack_wait: config.ack_wait,
+        max_ack_pending: config.max_ack_pending,
+        max_deliver: -1,
+        deliver_policy: match config.start_from {
+            StartFrom::Earliest => DeliverPolicy::All,
+            StartFrom::Latest => DeliverPolicy::New,
+        },
+        filter_subject: config.filter_subject.clone().unwrap_or_default(),
+        ..Default::default()
+    };
+    let mut consumer: PullConsumer =
+        tokio::time::timeout(t, stream.get_or_create_consumer(&config.durable, wanted))
+            .await
+            .map_err(|_| timed_out("consumer lookup"))?
+            .map_err(|e| source_error(&format!("consumer {:?}", config.durable), e, false))?;
+    let info = tokio::time::timeout(t, consumer.info())
+        .await
+        .map_err(|_| timed_out("consumer info"))?
+        .map_err(|e| source_error("consumer info", e, false))?;
+    let c = &info.config;
+    if c.ack_policy != AckPolicy::Explicit || c.max_deliver > 0 {
+        return Err(SourceError::new(
+            ErrorClass::Permanent,
+            format!(
+                "durable consumer {:?} exists with ack policy {:?} and max_deliver {}: the \
+                 inbox needs explicit acks and unlimited deliveries (a delivery limit drops \
+                 messages silently); delete or fix it",
+                config.durable, c.ack_policy, c.max_deliver
+            ),
+        ));
+    }
+    Ok(consumer)
+}
+
+/// Deliveries handed out and not acknowledged, by delivery sequence, with the stream
+/// sequence of each (to recognise a redelivery of a message still in flight).
+#[derive(Default)]
+struct InFlight {
+    ackers: BTreeMap<u64, (u64, Acker)>,
+    by_stream_seq: BTreeMap<u64, u64>,
+}
+
+impl InFlight {
+    /// Removes and returns the deliveries below `limit`.
+    fn take_below(&mut self, limit: u64) -> Vec<(u64, u64, Acker)> {
+        let keep = self.ackers.split_off(&limit);
+        let due = std::mem::replace(&mut self.ackers, keep);
+        due.into_iter()
+            .map(|(d, (s, a))| {
+                self.by_stream_seq.remove(&s);
+                (d, s, a)
+            })
+            .collect()
+    }
+
+    fn put_back(&mut self, delivery: u64, stream_seq: u64, acker: Acker) {
+        self.by_stream_seq.entry(stream_seq).or_insert(delivery);
+        self.ackers.entry(delivery).or_insert((stream_seq, acker));
+    }
+}
+
+/// The outbox [`MessageSource`] for JetStream: a durable pull consumer, explicit acks sent
+/// only through [`commit`](MessageSource::commit) (after the effects' transactions committed)
+/// and [`close`](Self::close). See the [module docs](crate::source) for how acks map to offsets.
+pub struct NatsSource {
+    config: NatsSourceConfig,
+    tp: TopicPartition,
+    client: async_nats::Client,
+    consumer: PullConsumer,
+    messages: tokio::sync::Mutex<Option<PullStream>>,
+    state: Mutex<InFlight>,
+    tracker: Mutex<Option<SharedOffsetTracker>>,
+    assigned: AtomicBool,
+}
+
+impl fmt::Debug for NatsSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsSource")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NatsSource {
+    /// A builder for a source reading `stream` through the durable consumer `durable`.
+    pub fn builder(
+        servers: impl Into<String>,
+        stream: impl Into<String>,
+        durable: impl Into<String>,
+    ) -> NatsSourceBuilder {
+        NatsSourceBuilder {
+            config: NatsSourceConfig {
+                servers: servers.into(),
+                stream: stream.into(),
+                durable: durable.into(),
+                filter_subject: None,
+                ack_wait: DEFAULT_ACK_WAIT,
+                max_ack_pending: DEFAULT_MAX_ACK_PENDING,
+                pull_batch: DEFAULT_PULL_BATCH,
+                start_from: StartFrom::Earliest,
+                connect_timeout: crate::DEFAULT_CONNECT_TIMEOUT,
+            },
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &NatsSourceConfig {
+        &self.config
+    }
+
+    /// Deliveries handed out and not acknowledged.
+    pub fn unacknowledged(&self) -> usize {
+        self.state().ackers.len()
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, InFlight> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn tracker(&self) -> Option<SharedOffsetTracker> {
+        self.tracker
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Leaves cleanly: acknowledges what the attached tracker holds final (its revoke commit),
+    /// and gives every other message it holds back to the stream at once (`-NAK`), so another
+    /// member gets it without waiting for the ack wait.
+    pub async fn close(self) {
+        if let Some(t) = self.tracker() {
+            let commits = t.revoke(std::slice::from_ref(&self.tp));
+            if let Err(e) = self.ack_below(&commits, false).await {
+                tracing::warn!(error = %e, "final acks at close failed; those messages are redelivered");
+            }
+        }
+        let rest: Vec<Acker> = self
+            .state()
+            .take_below(u64::MAX)
+            .into_iter()
+            .map(|(_, _, a)| a)
+            .collect();
+        join_all(rest.iter().map(|a| a.ack_with(AckKind::Nak(None)))).await;
+        // The naks are only queued on the connection: flush before the client goes.
+        let _ = tokio::time::timeout(self.config.connect_timeout, self.client.flush()).await;
+        drop(self.messages.lock().await.take());
+    }
+
+    /// Acks every message handed out below the commits' next offsets (clamped to the
+    /// tracker's committable offset when `clamp`).
+    async fn ack_below(&self, commits: &[CommitOffset], clamp: bool) -> Result<(), SourceError> {
+        let Some(next) = commits
+            .iter()
+            .filter(|c| c.topic_partition() == self.tp)
+            .map(|c| c.next_offset)
+            .max()
+        else {
+            return Ok(());
+        };
+        let limit = if clamp {
+            match self.tracker() {
+                None => Some(next),
+                Some(t) => {
+                    let t = t.lock();
+                    t.partition(&self.tp)
+                        .and_then(|w| w.committable())
+                        .map(|c| c.min(next))
+                }
+            }
+        } else {
+            Some(next)
+        };
+        let Some(limit) = limit.and_then(|l| u64::try_from(l).ok()) else {
+            return Ok(());
+        };
+        let due = self.state().take_below(limit);
+        if due.is_empty() {
+            return Ok(());
+        }
+        let t = self.config.connect_timeout;
+        let acked = join_all(due.iter().map(|(_, _, a)| async move {
+            matches!(tokio::time::timeout(t, a.double_ack()).await, Ok(Ok(())))
+        }))
+        .await;
+        let mut failed = 0usize;
+        {
+            let mut st = self.state();
+            for ((delivery, stream_seq, acker), ok) in due.into_iter().zip(acked) {
+                if !ok {
+                    failed += 1;
+                    st.put_back(delivery, stream_seq, acker);
+                }
+            }
+        }
+        if failed > 0 {
+            return Err(SourceError::new(
+                ErrorClass::Transient,
+                format!(
+                    "{failed} acks on {} were not confirmed; retried at the next commit (or \
+                     redelivered)",
+                    self.tp
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The message to hand out for a delivery, or `None` when it is a redelivery of one
+    /// still in flight here (its acker is replaced by the newer delivery's).
+    fn accept(&self, msg: jetstream::Message) -> Result<Option<ReceivedMessage>, SourceError> {
+        let (seq, delivery, published) = {
+            let info = msg.info().map_err(|e| {
+                SourceError::new(ErrorClass::Transient, format!("message metadata: {e}"))
+            })?;
+            (info.stream_sequence, info.consumer_sequence, info.published)
+        };
+        let (message, acker) = msg.split();
+        {
+            let mut st = self.state();
+            if let Some(held) = st.by_stream_seq.get(&seq).copied() {
+                if let Some(slot) = st.ackers.get_mut(&held) {
+                    slot.1 = acker;
+                }
+                tracing::debug!(stream = %self.tp.topic, seq, delivery, held, "redelivery of a message still in flight; not handed out again");
+                return Ok(None);
+            }
+            st.ackers.insert(delivery, (seq, acker));
+            st.by_stream_seq.insert(seq, delivery);
+        }
+        let mut headers: Vec<RecordHeader> = message
+            .headers
+            .iter()
+            .flat_map(|h| h.iter())
+            .filter(|(name, _)| AsRef::<str>::as_ref(*name) != "Nats-Msg-Id")
+            .flat_map(|(name, values)| {
+                values.iter().map(move |v| {
+                    RecordHeader::new(AsRef::<str>::as_ref(name), v.as_str().as_bytes())
+                })
+            })
+            .collect();
+        headers.sort_by(|a, b| a.name.cmp(&b.name));
+        let timestamp =
+            DateTime::<Utc>::from_timestamp(published.unix_timestamp(), published.nanosecond());
+        tracing::trace!(stream = %self.tp.topic, seq, delivery, "message handed out");
+        let position = LogPosition::new(
+            self.tp.topic.clone(),
+            0,
+            i64::try_from(delivery).unwrap_or(i64::MAX),
+        );
+        Ok(Some(ReceivedMessage::from_record(
+            position,
+            None,
+            headers,
+            Some(message.payload.to_vec()),
+            timestamp,
+        )))
+    }
+}
+
+#[async_trait]
+impl MessageSource for NatsSource {
+    async fn poll(&self, timeout: Duration) -> Result<Option<ReceivedMessage>, SourceError> {
+        if !self.assigned.swap(true, Ordering::SeqCst) {
+            if let Some(t) = self.tracker() {
+                t.assign(std::slice::from_ref(&self.tp));
+            }
+        }
+        let deadline = Instant::now() + timeout;
+        let mut guard = self.messages.lock().await;
+        loop {
+            if guard.is_none() {
+                let stream = self
+                    .consumer
+                    .stream()
+                    .max_messages_per_batch(self.config.pull_batch)
+                    .heartbeat(Duration::from_secs(5))
+                    .expires(Duration::from_secs(30))
+                    .messages()
+                    .await
+                    .map_err(|e| source_error("pull request", e, false))?;
+                *guard = Some(stream);
+            }
+            let stream = guard.as_mut().expect("set above");
+            let next = if timeout.is_zero() {
+                futures::FutureExt::now_or_never(stream.next()).flatten()
+            } else {
+                match tokio::time::timeout_at(deadline, stream.next()).await {
+                    Ok(n) => n,
+                    Err(_) => return Ok(None),
+                }
+            };
+            match next {
+                None if timeout.is_zero() => return Ok(None),
+                None => {
+                    *guard = None;
+                    if Instant::now() >= deadline {
+                        return Ok(None);
+                    }
+                }
+                Some(Ok(msg)) => {
+                    if let Some(m) = self.accept(msg)? {
+                        return Ok(Some(m));
+                    }
+                    if Instant::now() >= deadline && !timeout.is_zero() {
+                        return Ok(None);
+                    }
+                }
+                Some(Err(e)) => {
+                    use async_nats::jetstream::consumer::pull::MessagesErrorKind as M;
+                    let permanent = matches!(e.kind(), M::ConsumerDeleted | M::PushBasedConsumer);
+                    *guard = None;
+                    return Err(source_error(&format!("reading {}", self.tp), e, permanent));
+                }
+            }
+        }
+    }
+
+    async fn commit(&self, offsets: &[CommitOffset]) -> Result<(), SourceError> {
+        self.ack_below(offsets, true).await
+    }
+
+    fn attach_offsets(&self, offsets: SharedOffsetTracker) {
+        *self.tracker.lock().unwrap_or_else(PoisonError::into_inner) = Some(offsets);
+    }
+
+    /// Lag from the consumer's own counters, in delivery sequences like the positions:
+    /// `committed` is the ack floor + 1, `end` the last delivery + 1 plus the messages not
+    /// delivered yet. JetStream skips messages deleted by retention without telling a consumer,
+    /// so `earliest` is the ack floor too and no retention gap is reported (see
+    /// `docs/transports.md`).
+    async fn lag(&self) -> Result<Vec<PartitionLag>, SourceError> {
+        let mut c = self.consumer.clone();
+        let info = tokio::time::timeout(self.config.connect_timeout, c.info())
+            .await
+            .map_err(|_| SourceError::new(ErrorClass::Transient, "consumer info timed out"))?
+            .map_err(|e| source_error("consumer info", e, false))?;
+        let seq = |n: u64| i64::try_from(n).unwrap_or(i64::MAX);
+        let committed = seq(info.ack_floor.consumer_sequence).saturating_add(1);
+        let end = seq(info.delivered.consumer_sequence)
+            .saturating_add(1)
+            .saturating_add(seq(info.num_pending));
+        Ok(vec![PartitionLag::new(
+            self.tp.clone(),
+            Some(committed),
+            committed,
+            end.max(committed),
+        )])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unsafe_source_settings_are_refused() {
+        let base = || NatsSource::builder("nats://h:1", "S", "d").config;
+        assert!(base().validate().is_ok());
+        let cases: Vec<(NatsSourceConfig, &str)> = vec![
+            (
+                NatsSourceConfig {
+                    ack_wait: Duration::from_millis(500),
+                    ..base()
+                },
+                "ack wait",
+            ),
+            (
+                NatsSourceConfig {
+                    max_ack_pending: 0,
+                    ..base()
+                },
+                "max_ack_pending",
+            ),
+            (
+                NatsSourceConfig {
+                    pull_batch: 0,
+                    ..base()
+                },
+                "pull_batch",
+            ),
+            (
+                NatsSourceConfig {
+                    pull_batch: 2_000,
+                    ..base()
+                },
+                "pull_batch",
+            ),
+            (
+                NatsSourceConfig {
+                    stream: "a.b".into(),
+                    ..base()
+                },
+                "stream name",
+            ),
+            (
+                NatsSourceConfig {
+                    durable: "".into(),
+                    ..base()
+                },
+                "durable name",
+            ),
+            (
+                NatsSourceConfig {
+                    filter_subject: Some("a..b".into()),
+                    ..base()
+                },
+                "filter subject",
+            ),
+            (
+                NatsSourceConfig {
+                    servers: "".into(),
+                    ..base()
+                },
+                "servers",
+            ),
+        ];
+        for (c, expected) in cases {
+            let err = c.validate().expect_err(expected).to_string();
+            assert!(err.contains(expected), "{expected}: {err}");
+        }
+    }
+}
