@@ -16,8 +16,29 @@ use outbox_core::StoreError;
 
 use crate::error::{config, db};
 
-const OUTBOX_V1: &str = include_str!("migrations/0001_outbox.sql");
-const INBOX_V1: &str = include_str!("migrations/0001_inbox.sql");
+/// A migration: its version, what it does, and its template.
+type Migration = (i32, &'static str, &'static str);
+
+/// The outbox's migrations, in order.
+const OUTBOX_MIGRATIONS: &[Migration] = &[(
+    1,
+    "outbox table, per-aggregate state, audit, archive",
+    include_str!("migrations/0001_outbox.sql"),
+)];
+
+/// The inbox's migrations, in order.
+const INBOX_MIGRATIONS: &[Migration] = &[
+    (
+        1,
+        "inbox table, aggregate versions, parked messages, audit",
+        include_str!("migrations/0001_inbox.sql"),
+    ),
+    (
+        2,
+        "registrations keep their aggregate",
+        include_str!("migrations/0002_inbox.sql"),
+    ),
+];
 
 /// Longest accepted table name: derived names (`<table>_aggregates`,
 /// `<table>_parked_status_chk`) must stay within MySQL's 64-character identifier limit.
@@ -91,17 +112,29 @@ fn validate_names(database: Option<&str>, table: &str) -> Result<(), StoreError>
     validate_identifier("table", table, MAX_TABLE_NAME_LEN)
 }
 
-/// The outbox schema (table, per-aggregate state, audit and archive tables) as plain SQL for
-/// the given names, for teams that run their own migration tool. Validates the names.
-pub fn outbox_schema_sql(database: Option<&str>, table: &str) -> Result<String, StoreError> {
-    validate_names(database, table)?;
-    Ok(render(OUTBOX_V1, database, table))
+/// Every migration of `migrations`, rendered for the names, one after the other.
+fn render_all(migrations: &[Migration], database: Option<&str>, table: &str) -> String {
+    migrations
+        .iter()
+        .map(|(_, _, template)| render(template, database, table))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
-/// The inbox schema as plain SQL for the given names. Validates the names.
+/// The outbox schema (table, per-aggregate state, audit and archive tables; every migration
+/// in order) as plain SQL for the given names, for teams that run their own migration tool.
+/// Validates the names.
+pub fn outbox_schema_sql(database: Option<&str>, table: &str) -> Result<String, StoreError> {
+    validate_names(database, table)?;
+    Ok(render_all(OUTBOX_MIGRATIONS, database, table))
+}
+
+/// The inbox schema (every migration in order) as plain SQL for the given names. Validates
+/// the names. Its `ALTER TABLE` statements are not idempotent on MySQL: apply each migration
+/// once, as migration tools do.
 pub fn inbox_schema_sql(database: Option<&str>, table: &str) -> Result<String, StoreError> {
     validate_names(database, table)?;
-    Ok(render(INBOX_V1, database, table))
+    Ok(render_all(INBOX_MIGRATIONS, database, table))
 }
 
 /// The statements of a rendered migration (comments dropped, split at `;` line ends).
@@ -144,23 +177,9 @@ pub(crate) async fn migrate(
     database: Option<&str>,
     table: &str,
 ) -> Result<usize, StoreError> {
-    let (name, migrations): (&str, &[(i32, &str, &str)]) = match component {
-        Component::Outbox => (
-            "outbox",
-            &[(
-                1,
-                "outbox table, per-aggregate state, audit, archive",
-                OUTBOX_V1,
-            )],
-        ),
-        Component::Inbox => (
-            "inbox",
-            &[(
-                1,
-                "inbox table, aggregate versions, parked messages, audit",
-                INBOX_V1,
-            )],
-        ),
+    let (name, migrations) = match component {
+        Component::Outbox => ("outbox", OUTBOX_MIGRATIONS),
+        Component::Inbox => ("inbox", INBOX_MIGRATIONS),
     };
     let mut conn = pool.acquire().await.map_err(db)?;
     let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
@@ -193,7 +212,7 @@ pub(crate) async fn migrate(
 async fn run_migrations(
     conn: &mut sqlx::MySqlConnection,
     name: &str,
-    migrations: &[(i32, &str, &str)],
+    migrations: &[Migration],
     database: Option<&str>,
     table: &str,
 ) -> Result<usize, StoreError> {
@@ -229,7 +248,13 @@ async fn run_migrations(
             continue;
         }
         for stmt in statements(&render(template, database, table)) {
-            conn.execute(stmt.as_str()).await.map_err(db)?;
+            match conn.execute(stmt.as_str()).await {
+                Ok(_) => {}
+                // Applied by an earlier run that failed before it was logged (DDL commits at
+                // once; MySQL has no ADD COLUMN / ADD INDEX IF NOT EXISTS).
+                Err(e) if already_applied(&stmt, &e) => {}
+                Err(e) => return Err(db(e)),
+            }
         }
         let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(db)?;
         sqlx::query(&format!(
@@ -246,6 +271,18 @@ async fn run_migrations(
         count += 1;
     }
     Ok(count)
+}
+
+/// An `ALTER TABLE` that failed because what it adds exists already: a duplicate column
+/// (1060) or index (1061).
+fn already_applied(stmt: &str, e: &sqlx::Error) -> bool {
+    stmt.trim_start()
+        .get(..11)
+        .is_some_and(|p| p.eq_ignore_ascii_case("ALTER TABLE"))
+        && matches!(
+            crate::error::error_number(e),
+            Some(crate::error::codes::DUP_FIELDNAME | crate::error::codes::DUP_KEYNAME)
+        )
 }
 
 #[cfg(test)]
@@ -302,7 +339,8 @@ mod tests {
         assert!(stmts[1].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events_aggregate` ("));
         let unqualified = inbox_schema_sql(None, "processed").unwrap();
         let stmts = statements(&unqualified);
-        assert_eq!(stmts.len(), 4, "{stmts:#?}");
+        assert_eq!(stmts.len(), 5, "{stmts:#?}");
+        assert!(stmts[4].starts_with("ALTER TABLE `processed` ADD COLUMN aggregate"));
         assert!(stmts[0].starts_with("CREATE TABLE IF NOT EXISTS `processed` ("));
         assert!(outbox_schema_sql(Some("Shop"), "events").is_err());
         assert!(inbox_schema_sql(None, &"t".repeat(41)).is_err());
