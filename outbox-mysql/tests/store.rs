@@ -194,7 +194,11 @@ async fn concurrent_migrations_apply_once_and_release_the_lock() {
         outbox_applied += o.expect("outbox migrate");
         inbox_applied += i.expect("inbox migrate");
     }
-    assert_eq!((outbox_applied, inbox_applied), (1, 2), "each migration once");
+    assert_eq!(
+        (outbox_applied, inbox_applied),
+        (1, 2),
+        "each migration once"
+    );
     let holder: Option<i64> = sqlx::query_scalar("SELECT IS_USED_LOCK(?)")
         .bind(outbox_mysql::MIGRATION_LOCK)
         .fetch_one(&ctx.pool)
