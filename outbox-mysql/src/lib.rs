@@ -12,13 +12,13 @@
 //! |---|---|
 //! | Append in the caller's transaction | yes: `OutboxStore::append(&mut *tx, ..)` (`Tx = MySqlConnection`) or the inherent [`MySqlOutboxStore::append`] / [`MySqlOutboxStore::append_many`], generic over sqlx's MySQL executors; [`MySqlOutboxStore::append_many_in`] on a connection for batches of any size |
 //! | Batch append | one multi-row INSERT (up to 500 events / 4 MiB, one round trip); `append_many_in` splits larger batches inside a savepoint, all or nothing |
-//! | Validation at append | envelope limits, and `created_at` from the year 1000 (MySQL's `DATETIME`), before anything is written |
+//! | Validation at append | envelope limits, before anything is written; aggregate type and id at most [`outbox_core::MAX_AGGREGATE_NAME_BYTES`] (1,024 bytes) each whatever the name limit (the bound of every store; `build()` refuses a higher one), and `created_at` from the year 1000 (MySQL's `DATETIME`) |
 //! | Backpressure hook | [`AppendGuard`] (thresholds are the caller's) |
 //! | Claim: lease with fencing | `ClaimMode::Lease { duration }` (at most an hour): owner, unique token, expiry on the database clock in the aggregate's state row; `complete` applies only where the token matches, the rest is `superseded_events`; `release_claims_of` ends the leases of a relay that is gone |
 //! | Claim: locked transaction | `ClaimMode::LockedTransaction`: the claim's own connection keeps the aggregates' state rows and the claimed rows locked until `complete`/`release`; the session's `wait_timeout` (`locked_max_hold`, whole seconds) ends a claim a stuck relay never finishes; a crash closes the connection and InnoDB rolls back |
 //! | Per-aggregate order, several relays | yes: only the head at `last_version + 1`; gaps held then parked, out-of-order versions parked (the same rule as PostgreSQL) |
 //! | Rows committing out of id order | never skipped (no high-water mark) |
-//! | Aggregate ids of any length | yes: every index and lock uses a 32-byte SHA-256 key (a stored generated column), never the id itself (InnoDB keys stop at 3072 bytes) |
+//! | Aggregate names up to the bound | yes, 1,024 bytes each: every index and lock uses a 32-byte SHA-256 key (a stored generated column), never the names (two of 1,024 bytes do not fit an InnoDB key, 3,072 bytes); a stored event past the bound (written by other means) is parked by the claim before any state of its aggregate is written, and can be discarded, not retried or re-issued |
 //! | Durability | the server's (`innodb_flush_log_at_trx_commit = 1`): checked by [`check_durability`] / [`MySqlOutboxStore::check_durability`], which refuse any other value |
 //! | Wake-up | no LISTEN/NOTIFY: relays poll with jittered backoff; in-process wake-up of subscribed relays after [`MySqlOutboxStore::commit_and_wake`] |
 //! | Deadlocks, lock wait timeouts | transient `Conflict`; the store runs the whole transaction again (a few times) |

@@ -1,7 +1,7 @@
 //! MySQL/MariaDB-specific behaviour of the outbox store, beyond the conformance suite: the
 //! fixes of the concurrent correctness pass carried into this store (`accept_first_version`
-//! kept across claims that do not publish, aggregate ids past InnoDB's key limit, serialized
-//! migrations; the stats are in `stats.rs`), the
+//! kept across claims that do not publish, serialized migrations; the stats are in `stats.rs`,
+//! aggregate names at their bound in `aggregate_names.rs`), the
 //! locked claim's server-side hold, the in-process wake-up, validation of names and values.
 //! Each test has its own database on the server at `MYSQL_URL`.
 
@@ -10,10 +10,9 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chrono::Utc;
 use outbox_core::{
-    ClaimMode, ClaimRequest, Envelope, EnvelopeLimits, ErrorClass, LastError, OutboxStore, Outcome,
-    RelayConfig, StoreErrorKind,
+    ClaimMode, ClaimRequest, Envelope, ErrorClass, LastError, OutboxStore, Outcome, RelayConfig,
+    StoreErrorKind,
 };
 use outbox_mysql::MySqlOutboxStore;
 
@@ -91,84 +90,6 @@ async fn accept_first_version_survives_claims_that_do_not_publish() {
     assert_eq!(versions(&b), vec![("legacy".into(), 6)]);
     publish_all(&store, &b).await;
     assert_eq!(store.stats().await.unwrap().parked, 0);
-    ctx.drop().await;
-}
-
-/// Issue 20 (c), carried: InnoDB index keys stop at 3072 bytes (768 utf8mb4 characters). An
-/// aggregate id at and past that boundary, up to the 65,535 bytes of a TEXT column, is
-/// appended, claimed in version order and published, and never stops the claims of other
-/// aggregates: every index and lock uses the 32-byte aggregate key. A longer one is refused at
-/// append with a validation error.
-#[tokio::test]
-async fn aggregate_ids_at_and_past_the_index_key_limit_flow() {
-    let ctx = ctx!(4);
-    let mut limits = EnvelopeLimits::default();
-    limits.max_name_len = 200_000;
-    let store = ctx
-        .builder(lease(30.0))
-        .limits(limits.clone())
-        .build()
-        .unwrap();
-    store.migrate().await.unwrap();
-    let ids = [
-        "a".repeat(768),
-        "b".repeat(769),
-        "é".repeat(1537),   // 3074 bytes
-        "ü".repeat(32_767), // 65,534 bytes
-    ];
-    let build = |id: &str, v: i64| {
-        Envelope::builder("order", id, v, "order.changed")
-            .limits(limits.clone())
-            .build()
-            .unwrap()
-    };
-    let mut events = vec![event("short", 1)];
-    for id in &ids {
-        events.push(build(id, 1));
-        events.push(build(id, 2));
-    }
-    append(&ctx, &store, &events).await;
-    let mut seen: Vec<(String, i64)> = Vec::new();
-    for _ in 0..4 {
-        let b = claim(&store, "r", 100).await;
-        seen.extend(versions(&b));
-        publish_all(&store, &b).await;
-    }
-    let mut want: Vec<(String, i64)> = vec![("short".into(), 1)];
-    for id in &ids {
-        want.push((id.clone(), 1));
-        want.push((id.clone(), 2));
-    }
-    want.sort();
-    let mut got = seen.clone();
-    got.sort();
-    assert_eq!(got, want, "every event goes out once");
-    for id in &ids {
-        let pos = |v: i64| seen.iter().position(|s| s.0 == *id && s.1 == v).unwrap();
-        assert!(
-            pos(1) < pos(2),
-            "version order for an id of {} bytes",
-            id.len()
-        );
-    }
-    // Two ids that differ only past the 768th character are two aggregates.
-    let (x, y) = (
-        format!("{}x", "c".repeat(800)),
-        format!("{}y", "c".repeat(800)),
-    );
-    append(&ctx, &store, &[build(&x, 1), build(&y, 1)]).await;
-    let b = claim(&store, "r", 10).await;
-    assert_eq!(
-        b.records.len(),
-        2,
-        "both heads at once: distinct aggregates"
-    );
-    let mut tx = ctx.pool.begin().await.unwrap();
-    let err = store
-        .append_many(&mut *tx, &[build(&"ü".repeat(32_768), 1)])
-        .await
-        .unwrap_err();
-    assert_eq!(err.kind, StoreErrorKind::Validation, "{err}");
     ctx.drop().await;
 }
 
