@@ -24,7 +24,8 @@
 //! | Deadlocks, lock wait timeouts | transient `Conflict`; the store runs the whole transaction again (a few times) |
 //! | Parking, retry/discard/re-issue, audit | yes, `<table>_audit` |
 //! | Cleanup | bounded batches (one transaction each, `SKIP LOCKED`), optional `<table>_archive` |
-//! | Stats | backlog, in flight, parked, gaps held, oldest ages from the insertion time on the database clock; gap-held rows and rows behind a parked event apart; table size in `extra` |
+//! | Stats | backlog, in flight, parked, blocked (behind a parked event), gap-held (a held head and what follows it), aggregates with a gap held, oldest claimable/blocked/parked ages from the insertion time on the database clock, counted as outbox-postgres counts them; queued rows and table size in `extra` |
+//! | Operator reads | [`MySqlOutboxStore::publish_latency`] (percentiles over a window), [`MySqlOutboxStore::published_events`] (publication order, paged by position) and [`MySqlOutboxStore::count_published`] for replay, [`MySqlOutboxStore::cleanup_candidates`], [`MySqlOutboxStore::interval_counts`] and [`MySqlOutboxStore::published_ids`] for reconciliation: outbox-postgres's signatures and value types. Not here: its conditional-update conflict counter and recorded topic facts (tables of their own) |
 //! | Error mapping | server error numbers / SQLSTATE / sqlx variants to transient or permanent ([`map_sqlx_error`], [`classify_mysql_error`]) |
 //! | Schema | embedded migrations serialized by a named lock ([`MySqlOutboxStore::migrate`]) or plain SQL ([`outbox_schema_sql`]); database and table names configurable, validated and quoted |
 //! | CDC (binlog) | not yet |
@@ -86,7 +87,10 @@ pub use durability::{
 };
 pub use error::{classify_mysql_error, codes, map_sqlx_error};
 pub use inbox::{MySqlInboxStore, MySqlInboxStoreBuilder, MAX_CONSUMER_LEN};
-pub use outbox::{MySqlOutboxStore, MySqlOutboxStoreBuilder, WakeSubscription};
+pub use outbox::{
+    IntervalCount, LatencySummary, MySqlOutboxStore, MySqlOutboxStoreBuilder, PublishedFilter,
+    PublishedPosition, PublishedRow, WakeSubscription,
+};
 pub use schema::{
     inbox_schema_sql, outbox_schema_sql, qualified, quote_identifier, validate_identifier,
     MAX_IDENTIFIER_LEN, MAX_TABLE_NAME_LEN, MIGRATION_LOCK,
