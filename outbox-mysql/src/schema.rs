@@ -52,6 +52,14 @@ pub const MIGRATION_LOCK: &str = "outbox-mysql:migrate";
 /// How long a `migrate` waits for another one to finish.
 const MIGRATION_LOCK_WAIT_SECS: i64 = 120;
 
+/// How long a migration's DDL statement waits for the metadata lock of its table (the
+/// session's `lock_wait_timeout` during a `migrate`). An `ALTER TABLE` waits for the
+/// transactions open on the table at its start, and every later statement on the table waits
+/// behind it: with the server's default (a year), one transaction a client left open would
+/// stall every relay or consumer on the table for as long. With this bound the migration fails
+/// (a transient `Conflict`, run it again) and the traffic goes on.
+pub const MIGRATION_DDL_WAIT_SECS: u32 = 10;
+
 /// Databases that are never an outbox's.
 const SYSTEM_DATABASES: &[&str] = &["mysql", "information_schema", "performance_schema", "sys"];
 
@@ -197,13 +205,22 @@ pub(crate) async fn migrate(
             ),
         ));
     }
-    let result = run_migrations(&mut conn, name, migrations, database, table).await;
+    // A SET cannot take a bind parameter; the value is a constant integer.
+    let bounded = format!("SET SESSION lock_wait_timeout = {MIGRATION_DDL_WAIT_SECS}");
+    let result = match conn.execute(bounded.as_str()).await {
+        Ok(_) => run_migrations(&mut conn, name, migrations, database, table).await,
+        Err(e) => Err(db(e)),
+    };
     let released: Result<Option<i64>, _> = sqlx::query_scalar("SELECT RELEASE_LOCK(?)")
         .bind(MIGRATION_LOCK)
         .fetch_one(&mut *conn)
         .await;
-    if !matches!(released, Ok(Some(1))) {
-        // The session may still hold the lock: it must not go back to the pool.
+    let reset = conn
+        .execute("SET SESSION lock_wait_timeout = DEFAULT")
+        .await;
+    if !matches!(released, Ok(Some(1))) || reset.is_err() {
+        // The session may still hold the lock, or a short lock wait: it must not go back to
+        // the pool.
         let _ = conn.detach().close().await;
     }
     result

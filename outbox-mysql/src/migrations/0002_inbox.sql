@@ -10,7 +10,8 @@
 -- Beside consumers of the previous version: the column is nullable and added at the end, so
 -- the change is metadata only (instant on MariaDB 10.3+ and MySQL 8.0.12+) and rewrites no
 -- row; there is no data to repair, hence nothing to lock beyond the server's own metadata
--- lock. Their inserts name their columns and leave it NULL: registrations "without an
+-- lock, which the ALTER waits for at most MIGRATION_DDL_WAIT_SECS (10 s; then `migrate` fails
+-- with a transient Conflict and the consumers go on). Their inserts name their columns and leave it NULL: registrations "without an
 -- aggregate", which the new code reads as duplicates of any aggregate (the old rule). MySQL has
 -- no ADD COLUMN IF NOT EXISTS: the runner takes "duplicate column" (1060) as applied, so the
 -- migration can run again after a failure.
