@@ -129,21 +129,23 @@ impl MySqlOutboxStore {
 }
 
 /// The stats statement: PostgreSQL's classes (outbox-postgres, `stats_sql`) in MySQL 8 /
-/// MariaDB SQL (CTEs and window functions, no `LATERAL`, no `DISTINCT ON`). Per aggregate,
+/// MariaDB SQL (CTEs and window functions; no `LATERAL`, no `DISTINCT ON`). Per aggregate,
 /// with `last` its last version published or discarded (for an aggregate without one: 0, or
 /// with `accept_first_version` one below its lowest unfinished version, as the claim counts):
 ///
 /// * `lp`: its first parked event above `last` (in version, insertion order);
-/// * `blk` (**blocked**): the pending events after `lp`; the parked event itself is not one;
 /// * `gh`: its head held as a version gap: a pending event a claim held (`held_since`), above
-///   `last + 1`, with no unfinished event above `last` before it; `version_gaps_held` counts
-///   these, one per aggregate;
-/// * `gap` (**gap-held**): the pending events from `gh` on, before `lp` when there is one;
-/// * the oldest **claimable** age is taken over the other pending events.
+///   `last + 1`, with no unfinished event above `last` before it (so before `lp`);
+///   `version_gaps_held` counts these, one per aggregate;
+/// * then each pending event is, by where it stands in its aggregate: **blocked** after `lp`
+///   (the parked event itself is not one), **gap-held** from `gh` on (before `lp`), else
+///   **claimable**: the oldest claimable age is taken over those.
 ///
-/// The ranges are read through the aggregate index (`aggregate_key`, status, version, id), so
-/// their cost grows with the parked and held aggregates; the counts and the claimable age
-/// read every pending row once, as PostgreSQL's do.
+/// `lp` and `gh` are small (one row per parked or held aggregate) and grouped into one row per
+/// aggregate (`b`); the pending events are then read once, each joined with its aggregate's
+/// row, so every class, count and age comes out of that one pass. (Written as anti-joins on the
+/// blocked and gap-held sets, MariaDB evaluated them once per pending event: 2.3-2.9 s instead
+/// of 0.2-0.4 s at 100,000 pending events.)
 fn stats_sql(ev: &str, st: &str, accept_first_version: bool) -> String {
     let last_of = |x: &str| {
         if accept_first_version {
@@ -156,9 +158,7 @@ fn stats_sql(ev: &str, st: &str, accept_first_version: bool) -> String {
             "COALESCE(a.last_version, 0)".to_owned()
         }
     };
-    let age = |from: &str| {
-        format!("TIMESTAMPDIFF(MICROSECOND, MIN({from}inserted_at), UTC_TIMESTAMP(6))")
-    };
+    let age = |expr: &str| format!("TIMESTAMPDIFF(MICROSECOND, MIN({expr}), UTC_TIMESTAMP(6))");
     format!(
         "WITH lp AS ( \
            SELECT x.k, x.v, x.id FROM ( \
@@ -168,11 +168,6 @@ fn stats_sql(ev: &str, st: &str, accept_first_version: bool) -> String {
              FROM {ev} p LEFT JOIN {st} a ON a.aggregate_key = p.aggregate_key \
              WHERE p.status = 'parked' AND p.aggregate_version > {last_p}) x \
            WHERE x.rn = 1), \
-         blk AS ( \
-           SELECT r.id, r.inserted_at FROM lp JOIN {ev} r ON r.aggregate_key = lp.k \
-           WHERE r.status = 'pending' \
-             AND (r.aggregate_version > lp.v \
-                  OR (r.aggregate_version = lp.v AND r.id > lp.id))), \
          gh AS ( \
            SELECT g.id, g.k, g.v FROM ( \
              SELECT g.id, g.aggregate_key AS k, g.aggregate_version AS v, {last_g} AS l \
@@ -185,35 +180,42 @@ fn stats_sql(ev: &str, st: &str, accept_first_version: bool) -> String {
                                AND u.aggregate_version > g.l \
                                AND (u.aggregate_version < g.v \
                                     OR (u.aggregate_version = g.v AND u.id < g.id)))), \
-         gap AS ( \
-           SELECT r.id, r.inserted_at FROM gh \
-           LEFT JOIN lp ON lp.k = gh.k \
-           JOIN {ev} r ON r.aggregate_key = gh.k \
-           WHERE r.status = 'pending' \
-             AND (r.aggregate_version > gh.v \
-                  OR (r.aggregate_version = gh.v AND r.id >= gh.id)) \
-             AND (lp.k IS NULL OR r.aggregate_version < lp.v \
-                  OR (r.aggregate_version = lp.v AND r.id < lp.id))) \
+         b AS ( \
+           SELECT u.k, MAX(u.gv) AS gv, MAX(u.gid) AS gid, MAX(u.pv) AS pv, MAX(u.pid) AS pid \
+           FROM (SELECT gh.k, gh.v AS gv, gh.id AS gid, \
+                        CAST(NULL AS SIGNED) AS pv, CAST(NULL AS SIGNED) AS pid FROM gh \
+                 UNION ALL SELECT lp.k, NULL, NULL, lp.v, lp.id FROM lp) u \
+           GROUP BY u.k), \
+         c AS ( \
+           SELECT e.id, e.inserted_at, e.blocked, b.gid, \
+                  CASE WHEN b.pv IS NOT NULL \
+                            AND (e.aggregate_version > b.pv \
+                                 OR (e.aggregate_version = b.pv AND e.id > b.pid)) THEN 'b' \
+                       WHEN b.gv IS NOT NULL \
+                            AND (e.aggregate_version > b.gv \
+                                 OR (e.aggregate_version = b.gv AND e.id >= b.gid)) THEN 'g' \
+                       ELSE 'c' END AS cls \
+           FROM {ev} e LEFT JOIN b ON b.k = e.aggregate_key \
+           WHERE e.status = 'pending') \
          SELECT \
-           (SELECT COUNT(*) FROM {ev} WHERE status = 'pending') AS unpublished, \
+           COUNT(*) AS unpublished, \
+           COUNT(CASE WHEN c.blocked = 1 THEN 1 END) AS queued, \
+           COUNT(CASE WHEN c.cls = 'b' THEN 1 END) AS blocked, \
+           COUNT(CASE WHEN c.cls = 'g' THEN 1 END) AS gap_held, \
+           COUNT(CASE WHEN c.id = c.gid THEN 1 END) AS gaps_held, \
+           {oldest_blocked} AS oldest_blocked_us, \
+           {oldest_claimable} AS oldest_claimable_us, \
            (SELECT COUNT(*) FROM {ev} WHERE status = 'parked') AS parked, \
            (SELECT COUNT(*) FROM {ev} WHERE status = 'published') AS published, \
-           (SELECT COUNT(*) FROM {ev} WHERE status = 'pending' AND blocked = 1) AS queued, \
            (SELECT COUNT(*) FROM {st} a JOIN {ev} e ON e.id = a.lease_row \
               WHERE a.lease_until > UTC_TIMESTAMP(6) AND e.status = 'pending' \
                 AND e.blocked = 0) AS leased, \
-           (SELECT COUNT(*) FROM blk) AS blocked, \
-           (SELECT COUNT(*) FROM gap) AS gap_held, \
-           (SELECT COUNT(*) FROM gh) AS gaps_held, \
-           (SELECT {age_any} FROM blk) AS oldest_blocked_us, \
-           (SELECT {age_any} FROM {ev} WHERE status = 'parked') AS oldest_parked_us, \
-           (SELECT {age_e} FROM {ev} e \
-              WHERE e.status = 'pending' \
-                AND e.id NOT IN (SELECT b.id FROM blk b) \
-                AND e.id NOT IN (SELECT x.id FROM gap x)) AS oldest_claimable_us",
+           (SELECT {oldest_parked} FROM {ev} WHERE status = 'parked') AS oldest_parked_us \
+         FROM c",
         last_p = last_of("p"),
         last_g = last_of("g"),
-        age_any = age(""),
-        age_e = age("e."),
+        oldest_blocked = age("CASE WHEN c.cls = 'b' THEN c.inserted_at END"),
+        oldest_claimable = age("CASE WHEN c.cls = 'c' THEN c.inserted_at END"),
+        oldest_parked = age("inserted_at"),
     )
 }
