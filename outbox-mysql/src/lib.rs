@@ -27,7 +27,8 @@
 //! | Stats | backlog, in flight, parked, blocked (behind a parked event), gap-held (a held head and what follows it), aggregates with a gap held, oldest claimable/blocked/parked ages from the insertion time on the database clock, counted as outbox-postgres counts them; queued rows and table size in `extra` |
 //! | Operator reads | [`MySqlOutboxStore::publish_latency`] (percentiles over a window), [`MySqlOutboxStore::published_events`] (publication order, paged by position) and [`MySqlOutboxStore::count_published`] for replay, [`MySqlOutboxStore::cleanup_candidates`], [`MySqlOutboxStore::interval_counts`] and [`MySqlOutboxStore::published_ids`] for reconciliation: outbox-postgres's signatures and value types. Not here: its conditional-update conflict counter and recorded topic facts (tables of their own) |
 //! | Error mapping | server error numbers / SQLSTATE / sqlx variants to transient or permanent ([`map_sqlx_error`], [`classify_mysql_error`]) |
-//! | Schema | embedded migrations serialized by a named lock ([`MySqlOutboxStore::migrate`]) or plain SQL ([`outbox_schema_sql`]); database and table names configurable, validated and quoted |
+//! | Schema | embedded migrations serialized by a named lock ([`MySqlOutboxStore::migrate`]) or plain SQL ([`outbox_schema_sql`]); database and table names configurable, validated and quoted; each migration safe beside processes of the previous version, its DDL waiting at most [`MIGRATION_DDL_WAIT_SECS`] for its table (see "Migrations beside running processes") |
+//! | Inbox deduplication | in the effect's transaction; the original-id dedupe of a re-issued copy scoped to its aggregate ([`outbox_core::InboxStore::register_for`]: each registration keeps a hash of its aggregate, inbox migration 2) |
 //! | CDC (binlog) | not yet |
 //!
 //! ## Example
