@@ -2,6 +2,8 @@
 //!
 //! 1. **Candidates**: pending, unblocked, due rows in id order, `FOR UPDATE SKIP LOCKED`, so
 //!    concurrent claims take disjoint candidates and skip rows another claim holds.
+//!    Candidates whose aggregate type or id is past [`outbox_core::MAX_AGGREGATE_NAME_BYTES`]
+//!    (stored by other means) are parked here, before any state of their aggregate is written.
 //! 2. **State rows**: the missing ones are created (short inserts), then the candidates'
 //!    aggregates are locked with `FOR UPDATE SKIP LOCKED` (a busy aggregate is skipped, never
 //!    waited for).
