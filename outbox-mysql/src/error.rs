@@ -16,6 +16,10 @@ pub mod codes {
     pub const DUP_ENTRY_WITH_KEY_NAME: u16 = 1586;
     /// `ER_DUP_UNKNOWN_IN_INDEX`.
     pub const DUP_UNKNOWN_IN_INDEX: u16 = 1859;
+    /// `ER_DUP_FIELDNAME`: a column of that name exists (an `ALTER TABLE` run twice).
+    pub const DUP_FIELDNAME: u16 = 1060;
+    /// `ER_DUP_KEYNAME`: an index of that name exists.
+    pub const DUP_KEYNAME: u16 = 1061;
     /// `ER_BAD_NULL_ERROR`.
     pub const BAD_NULL: u16 = 1048;
     /// `ER_NO_DEFAULT_FOR_FIELD`.

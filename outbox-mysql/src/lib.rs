@@ -12,21 +12,23 @@
 //! |---|---|
 //! | Append in the caller's transaction | yes: `OutboxStore::append(&mut *tx, ..)` (`Tx = MySqlConnection`) or the inherent [`MySqlOutboxStore::append`] / [`MySqlOutboxStore::append_many`], generic over sqlx's MySQL executors; [`MySqlOutboxStore::append_many_in`] on a connection for batches of any size |
 //! | Batch append | one multi-row INSERT (up to 500 events / 4 MiB, one round trip); `append_many_in` splits larger batches inside a savepoint, all or nothing |
-//! | Validation at append | envelope limits, and `created_at` from the year 1000 (MySQL's `DATETIME`), before anything is written |
+//! | Validation at append | envelope limits, before anything is written; aggregate type and id at most [`outbox_core::MAX_AGGREGATE_NAME_BYTES`] (1,024 bytes) each whatever the name limit (the bound of every store; `build()` refuses a higher one), and `created_at` from the year 1000 (MySQL's `DATETIME`) |
 //! | Backpressure hook | [`AppendGuard`] (thresholds are the caller's) |
 //! | Claim: lease with fencing | `ClaimMode::Lease { duration }` (at most an hour): owner, unique token, expiry on the database clock in the aggregate's state row; `complete` applies only where the token matches, the rest is `superseded_events`; `release_claims_of` ends the leases of a relay that is gone |
 //! | Claim: locked transaction | `ClaimMode::LockedTransaction`: the claim's own connection keeps the aggregates' state rows and the claimed rows locked until `complete`/`release`; the session's `wait_timeout` (`locked_max_hold`, whole seconds) ends a claim a stuck relay never finishes; a crash closes the connection and InnoDB rolls back |
 //! | Per-aggregate order, several relays | yes: only the head at `last_version + 1`; gaps held then parked, out-of-order versions parked (the same rule as PostgreSQL) |
 //! | Rows committing out of id order | never skipped (no high-water mark) |
-//! | Aggregate ids of any length | yes: every index and lock uses a 32-byte SHA-256 key (a stored generated column), never the id itself (InnoDB keys stop at 3072 bytes) |
+//! | Aggregate names up to the bound | yes, 1,024 bytes each: every index and lock uses a 32-byte SHA-256 key (a stored generated column), never the names (two of 1,024 bytes do not fit an InnoDB key, 3,072 bytes); a stored event past the bound (written by other means) is parked by the claim before any state of its aggregate is written, and can be discarded, not retried or re-issued |
 //! | Durability | the server's (`innodb_flush_log_at_trx_commit = 1`): checked by [`check_durability`] / [`MySqlOutboxStore::check_durability`], which refuse any other value |
 //! | Wake-up | no LISTEN/NOTIFY: relays poll with jittered backoff; in-process wake-up of subscribed relays after [`MySqlOutboxStore::commit_and_wake`] |
 //! | Deadlocks, lock wait timeouts | transient `Conflict`; the store runs the whole transaction again (a few times) |
 //! | Parking, retry/discard/re-issue, audit | yes, `<table>_audit` |
 //! | Cleanup | bounded batches (one transaction each, `SKIP LOCKED`), optional `<table>_archive` |
-//! | Stats | backlog, in flight, parked, gaps held, oldest ages from the insertion time on the database clock; gap-held rows and rows behind a parked event apart; table size in `extra` |
+//! | Stats | backlog, in flight, parked, blocked (behind a parked event), gap-held (a held head and what follows it), aggregates with a gap held, oldest claimable/blocked/parked ages from the insertion time on the database clock, counted as outbox-postgres counts them; queued rows and table size in `extra` |
+//! | Operator reads | [`MySqlOutboxStore::publish_latency`] (percentiles over a window), [`MySqlOutboxStore::published_events`] (publication order, paged by position) and [`MySqlOutboxStore::count_published`] for replay, [`MySqlOutboxStore::cleanup_candidates`], [`MySqlOutboxStore::interval_counts`] and [`MySqlOutboxStore::published_ids`] for reconciliation: outbox-postgres's signatures and value types. Not here: its conditional-update conflict counter and recorded topic facts (tables of their own) |
 //! | Error mapping | server error numbers / SQLSTATE / sqlx variants to transient or permanent ([`map_sqlx_error`], [`classify_mysql_error`]) |
-//! | Schema | embedded migrations serialized by a named lock ([`MySqlOutboxStore::migrate`]) or plain SQL ([`outbox_schema_sql`]); database and table names configurable, validated and quoted |
+//! | Schema | embedded migrations serialized by a named lock ([`MySqlOutboxStore::migrate`]) or plain SQL ([`outbox_schema_sql`]); database and table names configurable, validated and quoted; each migration safe beside processes of the previous version, its DDL waiting at most [`MIGRATION_DDL_WAIT_SECS`] for its table (see "Migrations beside running processes") |
+//! | Inbox deduplication | in the effect's transaction; the original-id dedupe of a re-issued copy scoped to its aggregate ([`outbox_core::InboxStore::register_for`]: each registration keeps a hash of its aggregate, inbox migration 2) |
 //! | CDC (binlog) | not yet |
 //!
 //! ## Example
@@ -86,10 +88,13 @@ pub use durability::{
 };
 pub use error::{classify_mysql_error, codes, map_sqlx_error};
 pub use inbox::{MySqlInboxStore, MySqlInboxStoreBuilder, MAX_CONSUMER_LEN};
-pub use outbox::{MySqlOutboxStore, MySqlOutboxStoreBuilder, WakeSubscription};
+pub use outbox::{
+    IntervalCount, LatencySummary, MySqlOutboxStore, MySqlOutboxStoreBuilder, PublishedFilter,
+    PublishedPosition, PublishedRow, WakeSubscription,
+};
 pub use schema::{
     inbox_schema_sql, outbox_schema_sql, qualified, quote_identifier, validate_identifier,
-    MAX_IDENTIFIER_LEN, MAX_TABLE_NAME_LEN, MIGRATION_LOCK,
+    MAX_IDENTIFIER_LEN, MAX_TABLE_NAME_LEN, MIGRATION_DDL_WAIT_SECS, MIGRATION_LOCK,
 };
 
 /// The sqlx version this crate is built against, re-exported for callers' transactions.

@@ -16,8 +16,29 @@ use outbox_core::StoreError;
 
 use crate::error::{config, db};
 
-const OUTBOX_V1: &str = include_str!("migrations/0001_outbox.sql");
-const INBOX_V1: &str = include_str!("migrations/0001_inbox.sql");
+/// A migration: its version, what it does, and its template.
+type Migration = (i32, &'static str, &'static str);
+
+/// The outbox's migrations, in order.
+const OUTBOX_MIGRATIONS: &[Migration] = &[(
+    1,
+    "outbox table, per-aggregate state, audit, archive",
+    include_str!("migrations/0001_outbox.sql"),
+)];
+
+/// The inbox's migrations, in order.
+const INBOX_MIGRATIONS: &[Migration] = &[
+    (
+        1,
+        "inbox table, aggregate versions, parked messages, audit",
+        include_str!("migrations/0001_inbox.sql"),
+    ),
+    (
+        2,
+        "registrations keep their aggregate",
+        include_str!("migrations/0002_inbox.sql"),
+    ),
+];
 
 /// Longest accepted table name: derived names (`<table>_aggregates`,
 /// `<table>_parked_status_chk`) must stay within MySQL's 64-character identifier limit.
@@ -30,6 +51,14 @@ pub const MIGRATION_LOCK: &str = "outbox-mysql:migrate";
 
 /// How long a `migrate` waits for another one to finish.
 const MIGRATION_LOCK_WAIT_SECS: i64 = 120;
+
+/// How long a migration's DDL statement waits for the metadata lock of its table (the
+/// session's `lock_wait_timeout` during a `migrate`). An `ALTER TABLE` waits for the
+/// transactions open on the table at its start, and every later statement on the table waits
+/// behind it: with the server's default (a year), one transaction a client left open would
+/// stall every relay or consumer on the table for as long. With this bound the migration fails
+/// (a transient `Conflict`, run it again) and the traffic goes on.
+pub const MIGRATION_DDL_WAIT_SECS: u32 = 10;
 
 /// Databases that are never an outbox's.
 const SYSTEM_DATABASES: &[&str] = &["mysql", "information_schema", "performance_schema", "sys"];
@@ -91,17 +120,29 @@ fn validate_names(database: Option<&str>, table: &str) -> Result<(), StoreError>
     validate_identifier("table", table, MAX_TABLE_NAME_LEN)
 }
 
-/// The outbox schema (table, per-aggregate state, audit and archive tables) as plain SQL for
-/// the given names, for teams that run their own migration tool. Validates the names.
-pub fn outbox_schema_sql(database: Option<&str>, table: &str) -> Result<String, StoreError> {
-    validate_names(database, table)?;
-    Ok(render(OUTBOX_V1, database, table))
+/// Every migration of `migrations`, rendered for the names, one after the other.
+fn render_all(migrations: &[Migration], database: Option<&str>, table: &str) -> String {
+    migrations
+        .iter()
+        .map(|(_, _, template)| render(template, database, table))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
-/// The inbox schema as plain SQL for the given names. Validates the names.
+/// The outbox schema (table, per-aggregate state, audit and archive tables; every migration
+/// in order) as plain SQL for the given names, for teams that run their own migration tool.
+/// Validates the names.
+pub fn outbox_schema_sql(database: Option<&str>, table: &str) -> Result<String, StoreError> {
+    validate_names(database, table)?;
+    Ok(render_all(OUTBOX_MIGRATIONS, database, table))
+}
+
+/// The inbox schema (every migration in order) as plain SQL for the given names. Validates
+/// the names. Its `ALTER TABLE` statements are not idempotent on MySQL: apply each migration
+/// once, as migration tools do.
 pub fn inbox_schema_sql(database: Option<&str>, table: &str) -> Result<String, StoreError> {
     validate_names(database, table)?;
-    Ok(render(INBOX_V1, database, table))
+    Ok(render_all(INBOX_MIGRATIONS, database, table))
 }
 
 /// The statements of a rendered migration (comments dropped, split at `;` line ends).
@@ -144,23 +185,9 @@ pub(crate) async fn migrate(
     database: Option<&str>,
     table: &str,
 ) -> Result<usize, StoreError> {
-    let (name, migrations): (&str, &[(i32, &str, &str)]) = match component {
-        Component::Outbox => (
-            "outbox",
-            &[(
-                1,
-                "outbox table, per-aggregate state, audit, archive",
-                OUTBOX_V1,
-            )],
-        ),
-        Component::Inbox => (
-            "inbox",
-            &[(
-                1,
-                "inbox table, aggregate versions, parked messages, audit",
-                INBOX_V1,
-            )],
-        ),
+    let (name, migrations) = match component {
+        Component::Outbox => ("outbox", OUTBOX_MIGRATIONS),
+        Component::Inbox => ("inbox", INBOX_MIGRATIONS),
     };
     let mut conn = pool.acquire().await.map_err(db)?;
     let locked: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
@@ -178,13 +205,22 @@ pub(crate) async fn migrate(
             ),
         ));
     }
-    let result = run_migrations(&mut conn, name, migrations, database, table).await;
+    // A SET cannot take a bind parameter; the value is a constant integer.
+    let bounded = format!("SET SESSION lock_wait_timeout = {MIGRATION_DDL_WAIT_SECS}");
+    let result = match conn.execute(bounded.as_str()).await {
+        Ok(_) => run_migrations(&mut conn, name, migrations, database, table).await,
+        Err(e) => Err(db(e)),
+    };
     let released: Result<Option<i64>, _> = sqlx::query_scalar("SELECT RELEASE_LOCK(?)")
         .bind(MIGRATION_LOCK)
         .fetch_one(&mut *conn)
         .await;
-    if !matches!(released, Ok(Some(1))) {
-        // The session may still hold the lock: it must not go back to the pool.
+    let reset = conn
+        .execute("SET SESSION lock_wait_timeout = DEFAULT")
+        .await;
+    if !matches!(released, Ok(Some(1))) || reset.is_err() {
+        // The session may still hold the lock, or a short lock wait: it must not go back to
+        // the pool.
         let _ = conn.detach().close().await;
     }
     result
@@ -193,7 +229,7 @@ pub(crate) async fn migrate(
 async fn run_migrations(
     conn: &mut sqlx::MySqlConnection,
     name: &str,
-    migrations: &[(i32, &str, &str)],
+    migrations: &[Migration],
     database: Option<&str>,
     table: &str,
 ) -> Result<usize, StoreError> {
@@ -229,7 +265,13 @@ async fn run_migrations(
             continue;
         }
         for stmt in statements(&render(template, database, table)) {
-            conn.execute(stmt.as_str()).await.map_err(db)?;
+            match conn.execute(stmt.as_str()).await {
+                Ok(_) => {}
+                // Applied by an earlier run that failed before it was logged (DDL commits at
+                // once; MySQL has no ADD COLUMN / ADD INDEX IF NOT EXISTS).
+                Err(e) if already_applied(&stmt, &e) => {}
+                Err(e) => return Err(db(e)),
+            }
         }
         let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(db)?;
         sqlx::query(&format!(
@@ -246,6 +288,18 @@ async fn run_migrations(
         count += 1;
     }
     Ok(count)
+}
+
+/// An `ALTER TABLE` that failed because what it adds exists already: a duplicate column
+/// (1060) or index (1061).
+fn already_applied(stmt: &str, e: &sqlx::Error) -> bool {
+    stmt.trim_start()
+        .get(..11)
+        .is_some_and(|p| p.eq_ignore_ascii_case("ALTER TABLE"))
+        && matches!(
+            crate::error::error_number(e),
+            Some(crate::error::codes::DUP_FIELDNAME | crate::error::codes::DUP_KEYNAME)
+        )
 }
 
 #[cfg(test)]
@@ -302,7 +356,8 @@ mod tests {
         assert!(stmts[1].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events_aggregate` ("));
         let unqualified = inbox_schema_sql(None, "processed").unwrap();
         let stmts = statements(&unqualified);
-        assert_eq!(stmts.len(), 4, "{stmts:#?}");
+        assert_eq!(stmts.len(), 5, "{stmts:#?}");
+        assert!(stmts[4].starts_with("ALTER TABLE `processed` ADD COLUMN aggregate"));
         assert!(stmts[0].starts_with("CREATE TABLE IF NOT EXISTS `processed` ("));
         assert!(outbox_schema_sql(Some("Shop"), "events").is_err());
         assert!(inbox_schema_sql(None, &"t".repeat(41)).is_err());

@@ -10,8 +10,9 @@ use super::rows::{headers_json, ENVELOPE_COLS};
 use super::MySqlOutboxStore;
 use crate::error::db;
 
-/// Longest type, id or content type the TEXT columns hold (bytes). Aggregate ids up to it are
-/// fine for every index and lock (those use the 32-byte aggregate key).
+/// Longest event type or content type the TEXT columns hold (bytes), for a raised
+/// `max_name_len`. The aggregate type and id are bounded far lower, by
+/// [`outbox_core::MAX_AGGREGATE_NAME_BYTES`], as in every store.
 pub(crate) const MAX_TEXT_BYTES: usize = 65_535;
 
 /// Rows per INSERT statement (10 placeholders each, far below the protocol's 65,535).
@@ -33,9 +34,11 @@ impl MySqlOutboxStore {
 
     /// Appends many events in one multi-row INSERT (one round trip) through any executor.
     ///
-    /// Validates every envelope first (a `Validation` error writes nothing; MySQL's DATETIME
-    /// also refuses a `created_at` before the year 1000, and its TEXT columns a type or id over
-    /// 65,535 bytes), then asks the [`crate::AppendGuard`] (a `Backpressure` error writes
+    /// Validates every envelope first (a `Validation` error writes nothing): the envelope
+    /// limits, with the aggregate type and id at most [`outbox_core::MAX_AGGREGATE_NAME_BYTES`]
+    /// (1,024) bytes each whatever `max_name_len` allows; MySQL's DATETIME also refuses a
+    /// `created_at` before the year 1000, and its TEXT columns an event or content type over
+    /// 65,535 bytes. Then it asks the [`crate::AppendGuard`] (a `Backpressure` error writes
     /// nothing). A duplicate event id is a `Constraint` error; MySQL rolls back that statement
     /// only, so the caller's transaction stays usable. One statement holds up to 500 events and
     /// 4 MiB (below the default `max_allowed_packet`); a larger batch is a `Validation` error
@@ -127,8 +130,6 @@ impl MySqlOutboxStore {
                 ));
             }
             for (field, value) in [
-                ("aggregate_type", &e.aggregate_type),
-                ("aggregate_id", &e.aggregate_id),
                 ("event_type", &e.event_type),
                 ("content_type", &e.payload.content_type),
             ] {

@@ -43,7 +43,10 @@ impl MySqlOutboxStoreBuilder {
         self.settings.archive = archive;
         self
     }
-    /// Envelope limits checked on append.
+    /// Envelope limits checked on append. `build()` refuses limits whose
+    /// `max_aggregate_name_bytes` is above [`outbox_core::MAX_AGGREGATE_NAME_BYTES`] (1,024
+    /// bytes, the bound of every store: an event this store takes is one any other store
+    /// takes); raising `max_name_len` leaves the aggregate names at that bound.
     pub fn limits(mut self, limits: EnvelopeLimits) -> Self {
         self.settings.limits = limits;
         self
@@ -92,6 +95,7 @@ impl MySqlOutboxStoreBuilder {
             validate_identifier("database", d, MAX_IDENTIFIER_LEN)?;
         }
         validate_identifier("table", &s.table, MAX_TABLE_NAME_LEN)?;
+        s.limits.check_storable().map_err(|e| config(e.0))?;
         match s.claim_mode {
             ClaimMode::Lease { duration } if duration < Duration::from_millis(1) => {
                 return Err(config("lease duration must be at least 1 ms"));

@@ -2,6 +2,8 @@
 //!
 //! 1. **Candidates**: pending, unblocked, due rows in id order, `FOR UPDATE SKIP LOCKED`, so
 //!    concurrent claims take disjoint candidates and skip rows another claim holds.
+//!    Candidates whose aggregate type or id is past [`outbox_core::MAX_AGGREGATE_NAME_BYTES`]
+//!    (stored by other means) are parked here, before any state of their aggregate is written.
 //! 2. **State rows**: the missing ones are created (short inserts), then the candidates'
 //!    aggregates are locked with `FOR UPDATE SKIP LOCKED` (a busy aggregate is skipped, never
 //!    waited for).
@@ -59,6 +61,8 @@ pub(crate) struct LockedClaim {
 struct Scanned {
     id: i64,
     key: Key,
+    /// Its aggregate type or id is longer than [`outbox_core::MAX_AGGREGATE_NAME_BYTES`].
+    unkeyable: bool,
 }
 
 /// What one decision round produced.
@@ -146,6 +150,17 @@ impl MySqlOutboxStore {
             if scanned.is_empty() {
                 return Ok(Decided::default());
             }
+            // Rows past the name bound are parked before any state of their aggregate is
+            // written; every row of such an aggregate is one (its names are the same).
+            let (unkeyable, scanned): (Vec<Scanned>, Vec<Scanned>) =
+                scanned.into_iter().partition(|s| s.unkeyable);
+            let parked = self.park_unkeyable(&mut tx, &unkeyable).await?;
+            if scanned.is_empty() {
+                return Ok(Decided {
+                    parked,
+                    ..Decided::default()
+                });
+            }
             let ids: Vec<i64> = scanned.iter().map(|s| s.id).collect();
             self.ensure_state_rows(&mut tx, &ids).await?;
             let mut keys: Vec<Key> = scanned.iter().map(|s| s.key.clone()).collect();
@@ -159,8 +174,11 @@ impl MySqlOutboxStore {
                 .collect();
             let locked: Vec<Key> = locked.into_iter().collect();
             let views = self.views(&mut tx, &locked).await?;
-            self.decide_and_write(&mut tx, &ids, &views, request, token, mode)
-                .await
+            let mut decided = self
+                .decide_and_write(&mut tx, &ids, &views, request, token, mode)
+                .await?;
+            decided.parked.splice(0..0, parked);
+            Ok(decided)
         }
         .await;
         finish(tx, result).await
@@ -173,10 +191,13 @@ impl MySqlOutboxStore {
         limit: i64,
     ) -> Result<Vec<Scanned>, StoreError> {
         let sql = format!(
-            "SELECT id, aggregate_key FROM {} \
+            "SELECT id, aggregate_key, \
+                    (LENGTH(aggregate_type) > {max} OR LENGTH(aggregate_id) > {max}) AS unkeyable \
+             FROM {} \
              WHERE status = 'pending' AND blocked = 0 AND next_attempt_at <= UTC_TIMESTAMP(6) \
              ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED",
-            self.inner.tables.events
+            self.inner.tables.events,
+            max = outbox_core::MAX_AGGREGATE_NAME_BYTES,
         );
         let rows = sqlx::query(&sql)
             .bind(limit)
@@ -188,7 +209,83 @@ impl MySqlOutboxStore {
                 Ok(Scanned {
                     id: r.try_get("id").map_err(db)?,
                     key: r.try_get("aggregate_key").map_err(db)?,
+                    unkeyable: r.try_get::<i64, _>("unkeyable").map_err(db)? != 0,
                 })
+            })
+            .collect()
+    }
+
+    /// Parks the scanned rows whose aggregate type or id is longer than
+    /// [`outbox_core::MAX_AGGREGATE_NAME_BYTES`] (written by other means, or by an earlier
+    /// version of this crate, which took up to 65,535 bytes): no store publishes them, so an
+    /// event of such an aggregate would be published by this store and refused by another.
+    /// They are parked as permanent errors under their own row locks (the scan's), without
+    /// any state of their aggregate: every row of the aggregate is parked the same way
+    /// whichever claim meets it, and only a discard acts on them. Rows of theirs a previous
+    /// version blocked are unblocked, so the next claims park them too.
+    async fn park_unkeyable(
+        &self,
+        conn: &mut MySqlConnection,
+        rows: &[Scanned],
+    ) -> Result<Vec<ParkedAtClaim>, StoreError> {
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        let t = &self.inner.tables;
+        let max = outbox_core::MAX_AGGREGATE_NAME_BYTES;
+        let ids: Vec<i64> = rows.iter().map(|s| s.id).collect();
+        let sql = format!(
+            "UPDATE {} SET status = 'parked', park_kind = 'permanent_error', \
+               parked_at = UTC_TIMESTAMP(6), last_error_class = 'permanent', \
+               last_error_kind = 'invalid_record', \
+               last_error_message = CONCAT('aggregate_type (', LENGTH(aggregate_type), \
+                 ' bytes) or aggregate_id (', LENGTH(aggregate_id), ' bytes) is longer than \
+{max} bytes, the most a store can key an aggregate by: discard it and append the event again \
+under shorter names') \
+             WHERE id IN ({}) AND status = 'pending'",
+            t.events,
+            marks(ids.len())
+        );
+        let mut q = sqlx::query(&sql);
+        for id in &ids {
+            q = q.bind(id);
+        }
+        q.execute(&mut *conn).await.map_err(db)?;
+        let mut keys: Vec<&Key> = rows.iter().map(|s| &s.key).collect();
+        keys.sort();
+        keys.dedup();
+        let sql = format!(
+            "UPDATE {} SET blocked = 0 \
+             WHERE aggregate_key IN ({}) AND status = 'pending' AND blocked = 1",
+            t.events,
+            marks(keys.len())
+        );
+        let mut q = sqlx::query(&sql);
+        for k in &keys {
+            q = q.bind(k);
+        }
+        q.execute(&mut *conn).await.map_err(db)?;
+        let sql = format!(
+            "SELECT event_id, aggregate_type, aggregate_id, aggregate_version FROM {} \
+             WHERE id IN ({}) AND status = 'parked' ORDER BY id",
+            t.events,
+            marks(ids.len())
+        );
+        let mut q = sqlx::query(&sql);
+        for id in &ids {
+            q = q.bind(id);
+        }
+        let parked = q.fetch_all(&mut *conn).await.map_err(db)?;
+        parked
+            .iter()
+            .map(|r| {
+                let meta = (
+                    r.try_get::<Uuid, _>("event_id").map_err(db)?,
+                    crate::error::text(r, "aggregate_type")?,
+                    crate::error::text(r, "aggregate_id")?,
+                    r.try_get::<i64, _>("aggregate_version").map_err(db)?,
+                );
+                Ok(notice(&meta, ParkKind::PermanentError))
             })
             .collect()
     }

@@ -5,9 +5,11 @@
 //! * relay (claim, complete, release): `claim`, `decide`, `head`, `complete`;
 //! * operator (parked events, claims of a relay that is gone, audit): `operator`;
 //! * maintenance (cleanup): `maintenance`;
-//! * read-only reporting (stats): `reporting`;
+//! * read-only reporting (stats; the operator's reads: publish latency, published events in
+//!   publication order for replay, reconciliation counts): `reporting`, `admin`;
 //! * shared: `builder`, `rows`, `tx`.
 
+mod admin;
 mod append;
 mod builder;
 mod claim;
@@ -34,6 +36,7 @@ use outbox_core::{
     StoreError,
 };
 
+pub use admin::{IntervalCount, LatencySummary, PublishedFilter, PublishedPosition, PublishedRow};
 pub use builder::MySqlOutboxStoreBuilder;
 pub use wake::WakeSubscription;
 

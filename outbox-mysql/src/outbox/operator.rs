@@ -33,6 +33,8 @@ struct EventState {
     last: i64,
     /// Unfinished rows of the aggregate between `last` and this event's version.
     waiting_below: i64,
+    /// Byte lengths of the aggregate type and id.
+    name_bytes: (usize, usize),
 }
 
 impl MySqlOutboxStore {
@@ -54,15 +56,13 @@ impl MySqlOutboxStore {
         .map_err(db)?
         .ok_or_else(|| not_parked(event_id))?;
         let key: Vec<u8> = before.try_get("aggregate_key").map_err(db)?;
-        self.lock_keys(
-            conn,
-            &[(
-                key.clone(),
-                crate::error::text(&before, "aggregate_type")?,
-                crate::error::text(&before, "aggregate_id")?,
-            )],
-        )
-        .await?;
+        let (agg_type, agg_id) = (
+            crate::error::text(&before, "aggregate_type")?,
+            crate::error::text(&before, "aggregate_id")?,
+        );
+        let name_bytes = (agg_type.len(), agg_id.len());
+        self.lock_keys(conn, &[(key.clone(), agg_type, agg_id)])
+            .await?;
         let row = sqlx::query(&format!(
             "SELECT e.id, e.status, e.aggregate_version, COALESCE(a.last_version, 0) AS last, \
                     (SELECT COUNT(*) FROM {ev} u \
@@ -90,6 +90,7 @@ impl MySqlOutboxStore {
             version: row.try_get("aggregate_version").map_err(db)?,
             last: row.try_get("last").map_err(db)?,
             waiting_below: row.try_get("waiting_below").map_err(db)?,
+            name_bytes,
         };
         if state.waiting_below > 0 {
             // Lower versions arrived after this event was parked (a gap that is filling):
@@ -239,6 +240,7 @@ impl MySqlOutboxStore {
         actor: &str,
         s: &EventState,
     ) -> Result<(), StoreError> {
+        refuse_unkeyable(event_id, s)?;
         if s.version <= s.last {
             return Err(out_of_order(event_id, s.version, s.last));
         }
@@ -318,6 +320,7 @@ impl MySqlOutboxStore {
         reason: &str,
         s: &EventState,
     ) -> Result<EventId, StoreError> {
+        refuse_unkeyable(event_id, s)?;
         if s.version <= s.last {
             return Err(out_of_order(event_id, s.version, s.last));
         }
@@ -550,6 +553,25 @@ fn versions_waiting(event_id: EventId, s: &EventState) -> StoreError {
         ),
     )
     .with_class(ErrorClass::Permanent)
+}
+
+/// A stored event whose aggregate names are longer than any store keys (written by other
+/// means, or by an earlier version of this crate) can never be published: retrying or
+/// re-issuing it (a copy has the same names) is refused; discarding it works.
+fn refuse_unkeyable(event_id: EventId, s: &EventState) -> Result<(), StoreError> {
+    let max = outbox_core::MAX_AGGREGATE_NAME_BYTES;
+    let (type_bytes, id_bytes) = s.name_bytes;
+    if type_bytes > max || id_bytes > max {
+        return Err(StoreError::new(
+            StoreErrorKind::Validation,
+            format!(
+                "event {event_id} has an aggregate_type of {type_bytes} bytes and an \
+                 aggregate_id of {id_bytes} bytes; at most {max} bytes each can be published: \
+                 discard it and append the event again under shorter names"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn out_of_order(event_id: EventId, version: i64, last: i64) -> StoreError {

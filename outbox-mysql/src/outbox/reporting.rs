@@ -14,51 +14,21 @@ use crate::error::db;
 const IN_FLIGHT_PROBE: i64 = 10_000;
 
 impl MySqlOutboxStore {
-    /// The monitoring snapshot.
+    /// The monitoring snapshot, in one statement (one consistent read), with the classes of
+    /// [`OutboxStats`] as outbox-postgres counts them ([`stats_sql`]).
     ///
     /// Ages are measured on the database clock from each row's insertion time (`inserted_at`,
-    /// written by the server at append), never from the producer's `created_at`. The oldest
-    /// unpublished age covers the rows that are claimable or in flight; rows held as version
-    /// gaps and rows blocked behind a parked event of their aggregate are reported apart in
-    /// `extra` (`oldest_gap_held_age_seconds`, `oldest_blocked_by_parked_age_seconds`,
-    /// `blocked_by_parked_rows`), so that a parked head or a missing version does not read as
-    /// a stalled relay.
+    /// written by the server at append), never from the producer's `created_at`; the parked
+    /// age too. `extra` holds `queued_rows` (pending rows a claim took out of the candidates
+    /// because an earlier unfinished event of their aggregate comes first) and the table's
+    /// size from `information_schema` (`table_bytes`, `index_bytes`, `free_bytes`,
+    /// `estimated_rows`).
     pub(super) async fn stats_inner(&self) -> Result<OutboxStats, StoreError> {
         let t = &self.inner.tables;
-        // Each pending row falls in one class:
-        //   gap       the head of its aggregate, held for a missing version
-        //   parked    behind a parked event of its aggregate (above its last version)
-        //   flowing   everything else: claimable, in flight, waiting for a retry, or queued
-        //             behind a head that is itself flowing
-        let classes = format!(
-            "SELECT CASE \
-               WHEN e.held_since IS NOT NULL \
-                    AND e.aggregate_version > COALESCE(a.last_version, 0) + 1 THEN 'gap' \
-               WHEN EXISTS (SELECT 1 FROM {ev} p \
-                            WHERE p.aggregate_key = e.aggregate_key AND p.status = 'parked' \
-                              AND p.aggregate_version > COALESCE(a.last_version, 0) \
-                              AND (p.aggregate_version < e.aggregate_version \
-                                   OR (p.aggregate_version = e.aggregate_version \
-                                       AND p.id < e.id))) THEN 'parked' \
-               ELSE 'flowing' END AS class, \
-               e.inserted_at \
-             FROM {ev} e LEFT JOIN {st} a ON a.aggregate_key = e.aggregate_key \
-             WHERE e.status = 'pending'",
-            ev = t.events,
-            st = t.state
-        );
-        let sql = format!(
-            "SELECT \
-               (SELECT COUNT(*) FROM {ev} WHERE status = 'pending') AS unpublished, \
-               (SELECT COUNT(*) FROM {ev} WHERE status = 'parked') AS parked, \
-               (SELECT COUNT(*) FROM {ev} WHERE status = 'published') AS published, \
-               (SELECT COUNT(*) FROM {ev} WHERE status = 'pending' AND blocked = 1) AS blocked, \
-               (SELECT COUNT(*) FROM {st} WHERE lease_until > UTC_TIMESTAMP(6) \
-                  AND lease_row IS NOT NULL) AS leased, \
-               (SELECT TIMESTAMPDIFF(MICROSECOND, MIN(parked_at), UTC_TIMESTAMP(6)) \
-                  FROM {ev} WHERE status = 'parked') AS oldest_parked_us",
-            ev = t.events,
-            st = t.state
+        let sql = stats_sql(
+            &t.events,
+            &t.state,
+            self.inner.settings.accept_first_version,
         );
         let row = sqlx::query(&sql)
             .fetch_one(&self.inner.pool)
@@ -73,45 +43,23 @@ impl MySqlOutboxStore {
                 .map_err(db)?
                 .map(|us| Duration::from_micros(us.max(0) as u64)))
         };
-        let by_class = sqlx::query(&format!(
-            "SELECT c.class, COUNT(*) AS n, \
-                    TIMESTAMPDIFF(MICROSECOND, MIN(c.inserted_at), UTC_TIMESTAMP(6)) AS age_us \
-             FROM ({classes}) c GROUP BY c.class"
-        ))
-        .fetch_all(&self.inner.pool)
-        .await
-        .map_err(db)?;
-        let mut class = std::collections::HashMap::new();
-        for r in &by_class {
-            let name: String = crate::error::text(r, "class")?;
-            let n: i64 = r.try_get("n").map_err(db)?;
-            let us: Option<i64> = r.try_get("age_us").map_err(db)?;
-            class.insert(
-                name,
-                (
-                    n.max(0) as u64,
-                    us.map(|us| Duration::from_micros(us.max(0) as u64)),
-                ),
-            );
-        }
-        let class_of = |name: &str| class.get(name).copied().unwrap_or((0, None));
         let mut stats = OutboxStats::default();
         stats.unpublished = get("unpublished")?;
+        // Lease mode: live leases on pending rows. Locked mode: those (a relay of the other
+        // mode) and the due candidates other transactions hold locked (the claims).
         stats.in_flight = match self.inner.settings.claim_mode {
-            ClaimMode::LockedTransaction => self.locked_in_flight().await?,
+            ClaimMode::LockedTransaction => get("leased")? + self.locked_in_flight().await?,
             _ => get("leased")?,
         };
         stats.parked = get("parked")?;
         stats.published_retained = get("published")?;
-        stats.version_gaps_held = class_of("gap").0;
-        (stats.gap_held, _) = class_of("gap");
-        (stats.blocked, stats.oldest_blocked_age) = class_of("parked");
-        stats.oldest_claimable_age = class_of("flowing").1;
+        stats.blocked = get("blocked")?;
+        stats.gap_held = get("gap_held")?;
+        stats.version_gaps_held = get("gaps_held")?;
+        stats.oldest_claimable_age = age("oldest_claimable_us")?;
+        stats.oldest_blocked_age = age("oldest_blocked_us")?;
         stats.oldest_parked_age = age("oldest_parked_us")?;
-        let mut extra = vec![("queued_rows".to_owned(), get("blocked")? as f64)];
-        if let Some(a) = class_of("gap").1 {
-            extra.push(("oldest_gap_held_age_seconds".to_owned(), a.as_secs_f64()));
-        }
+        let mut extra = vec![("queued_rows".to_owned(), get("queued")? as f64)];
         extra.extend(self.table_extra().await?);
         stats.extra = extra;
         Ok(stats)
@@ -178,4 +126,96 @@ impl MySqlOutboxStore {
         }
         Ok(extra)
     }
+}
+
+/// The stats statement: PostgreSQL's classes (outbox-postgres, `stats_sql`) in MySQL 8 /
+/// MariaDB SQL (CTEs and window functions; no `LATERAL`, no `DISTINCT ON`). Per aggregate,
+/// with `last` its last version published or discarded (for an aggregate without one: 0, or
+/// with `accept_first_version` one below its lowest unfinished version, as the claim counts):
+///
+/// * `lp`: its first parked event above `last` (in version, insertion order);
+/// * `gh`: its head held as a version gap: a pending event a claim held (`held_since`), above
+///   `last + 1`, with no unfinished event above `last` before it (so before `lp`);
+///   `version_gaps_held` counts these, one per aggregate;
+/// * then each pending event is, by where it stands in its aggregate: **blocked** after `lp`
+///   (the parked event itself is not one), **gap-held** from `gh` on (before `lp`), else
+///   **claimable**: the oldest claimable age is taken over those.
+///
+/// `lp` and `gh` are small (one row per parked or held aggregate) and grouped into one row per
+/// aggregate (`b`); the pending events are then read once, each joined with its aggregate's
+/// row, so every class, count and age comes out of that one pass. (Written as anti-joins on the
+/// blocked and gap-held sets, MariaDB evaluated them once per pending event: 2.3-2.9 s instead
+/// of 0.2-0.4 s at 100,000 pending events.)
+fn stats_sql(ev: &str, st: &str, accept_first_version: bool) -> String {
+    let last_of = |x: &str| {
+        if accept_first_version {
+            format!(
+                "COALESCE(a.last_version, (SELECT MIN(m.aggregate_version) - 1 FROM {ev} m \
+                   WHERE m.aggregate_key = {x}.aggregate_key \
+                     AND m.status IN ('pending', 'parked')))"
+            )
+        } else {
+            "COALESCE(a.last_version, 0)".to_owned()
+        }
+    };
+    let age = |expr: &str| format!("TIMESTAMPDIFF(MICROSECOND, MIN({expr}), UTC_TIMESTAMP(6))");
+    format!(
+        "WITH lp AS ( \
+           SELECT x.k, x.v, x.id FROM ( \
+             SELECT p.aggregate_key AS k, p.aggregate_version AS v, p.id, \
+                    ROW_NUMBER() OVER (PARTITION BY p.aggregate_key \
+                                       ORDER BY p.aggregate_version, p.id) AS rn \
+             FROM {ev} p LEFT JOIN {st} a ON a.aggregate_key = p.aggregate_key \
+             WHERE p.status = 'parked' AND p.aggregate_version > {last_p}) x \
+           WHERE x.rn = 1), \
+         gh AS ( \
+           SELECT g.id, g.k, g.v FROM ( \
+             SELECT g.id, g.aggregate_key AS k, g.aggregate_version AS v, {last_g} AS l \
+             FROM {ev} g LEFT JOIN {st} a ON a.aggregate_key = g.aggregate_key \
+             WHERE g.status = 'pending' AND g.held_since IS NOT NULL) g \
+           WHERE g.v > g.l + 1 \
+             AND NOT EXISTS (SELECT 1 FROM {ev} u \
+                             WHERE u.aggregate_key = g.k \
+                               AND u.status IN ('pending', 'parked') \
+                               AND u.aggregate_version > g.l \
+                               AND (u.aggregate_version < g.v \
+                                    OR (u.aggregate_version = g.v AND u.id < g.id)))), \
+         b AS ( \
+           SELECT u.k, MAX(u.gv) AS gv, MAX(u.gid) AS gid, MAX(u.pv) AS pv, MAX(u.pid) AS pid \
+           FROM (SELECT gh.k, gh.v AS gv, gh.id AS gid, \
+                        CAST(NULL AS SIGNED) AS pv, CAST(NULL AS SIGNED) AS pid FROM gh \
+                 UNION ALL SELECT lp.k, NULL, NULL, lp.v, lp.id FROM lp) u \
+           GROUP BY u.k), \
+         c AS ( \
+           SELECT e.id, e.inserted_at, e.blocked, b.gid, \
+                  CASE WHEN b.pv IS NOT NULL \
+                            AND (e.aggregate_version > b.pv \
+                                 OR (e.aggregate_version = b.pv AND e.id > b.pid)) THEN 'b' \
+                       WHEN b.gv IS NOT NULL \
+                            AND (e.aggregate_version > b.gv \
+                                 OR (e.aggregate_version = b.gv AND e.id >= b.gid)) THEN 'g' \
+                       ELSE 'c' END AS cls \
+           FROM {ev} e LEFT JOIN b ON b.k = e.aggregate_key \
+           WHERE e.status = 'pending') \
+         SELECT \
+           COUNT(*) AS unpublished, \
+           COUNT(CASE WHEN c.blocked = 1 THEN 1 END) AS queued, \
+           COUNT(CASE WHEN c.cls = 'b' THEN 1 END) AS blocked, \
+           COUNT(CASE WHEN c.cls = 'g' THEN 1 END) AS gap_held, \
+           COUNT(CASE WHEN c.id = c.gid THEN 1 END) AS gaps_held, \
+           {oldest_blocked} AS oldest_blocked_us, \
+           {oldest_claimable} AS oldest_claimable_us, \
+           (SELECT COUNT(*) FROM {ev} WHERE status = 'parked') AS parked, \
+           (SELECT COUNT(*) FROM {ev} WHERE status = 'published') AS published, \
+           (SELECT COUNT(*) FROM {st} a JOIN {ev} e ON e.id = a.lease_row \
+              WHERE a.lease_until > UTC_TIMESTAMP(6) AND e.status = 'pending' \
+                AND e.blocked = 0) AS leased, \
+           (SELECT {oldest_parked} FROM {ev} WHERE status = 'parked') AS oldest_parked_us \
+         FROM c",
+        last_p = last_of("p"),
+        last_g = last_of("g"),
+        oldest_blocked = age("CASE WHEN c.cls = 'b' THEN c.inserted_at END"),
+        oldest_claimable = age("CASE WHEN c.cls = 'c' THEN c.inserted_at END"),
+        oldest_parked = age("inserted_at"),
+    )
 }

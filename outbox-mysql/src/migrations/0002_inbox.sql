@@ -1,0 +1,18 @@
+-- outbox-mysql inbox migration 2: each registration keeps the aggregate it was made for.
+--
+-- A re-issued copy is deduplicated by its original's id, but only against an event of its own
+-- aggregate: a record naming another aggregate's event as its original is not a copy of it.
+-- `aggregate` is a UUID v5 of the length-prefixed aggregate type and id, computed by the store
+-- (the same value as outbox-postgres's column of the same name); NULL for registrations made
+-- before this migration or without an aggregate (`register`), which stay duplicates of any
+-- later copy.
+--
+-- Beside consumers of the previous version: the column is nullable and added at the end, so
+-- the change is metadata only (instant on MariaDB 10.3+ and MySQL 8.0.12+) and rewrites no
+-- row; there is no data to repair, hence nothing to lock beyond the server's own metadata
+-- lock, which the ALTER waits for at most MIGRATION_DDL_WAIT_SECS (10 s; then `migrate` fails
+-- with a transient Conflict and the consumers go on). Their inserts name their columns and leave it NULL: registrations "without an
+-- aggregate", which the new code reads as duplicates of any aggregate (the old rule). MySQL has
+-- no ADD COLUMN IF NOT EXISTS: the runner takes "duplicate column" (1060) as applied, so the
+-- migration can run again after a failure.
+ALTER TABLE __Q__`__TABLE__` ADD COLUMN aggregate BINARY(16) NULL;
