@@ -88,10 +88,14 @@ impl OutboxSql {
         let state = qualified(schema, &format!("{table}_aggregate"));
         let seed = seed(schema, table);
 
+        // `inserted_at` (what the stats age events from) is the statement's clock, not the
+        // column default `now()`, the start of the business transaction: an event appended
+        // at the end of a long transaction must not look that old at its commit, before the
+        // relay can even see it (it would turn the backpressure gate on by age).
         let append = format!(
             "WITH ins AS ( \
-               INSERT INTO {t} ({ENVELOPE_COLS}) \
-               SELECT e, at, ai, av, et, sv, ct, p, h::jsonb, ca \
+               INSERT INTO {t} ({ENVELOPE_COLS}, inserted_at) \
+               SELECT e, at, ai, av, et, sv, ct, p, h::jsonb, ca, clock_timestamp() \
                FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::int8[], $5::text[], \
                            $6::int4[], $7::text[], $8::bytea[], $9::text[], $10::timestamptz[]) \
                     AS u(e, at, ai, av, et, sv, ct, p, h, ca) \
@@ -590,7 +594,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
 /// pending event a claim held, `held_since`, still above `last + 1`, with no unfinished event
 /// above the last version before it) and it is that head or after it, before the aggregate's
 /// first parked event (after it, blocked). The oldest claimable age is taken over the other
-/// pending events. Ages count from `inserted_at` (the insert's `now()`), never from the
+/// pending events. Ages count from `inserted_at` (the append statement's clock), never from the
 /// producer's `created_at`. The ranges are read through the unfinished index per aggregate
 /// (`OFFSET 0` keeps the planner from hashing every pending row instead), so the cost beyond
 /// the counts grows with the parked and held aggregates, not with the backlog.
