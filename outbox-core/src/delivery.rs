@@ -565,10 +565,13 @@ impl CleanupReport {
 ///   broker outage, in flight, or queued behind its aggregate's claimable head.
 ///
 /// **Ages** are measured from the event's insertion into the store, on the store's clock
-/// (PostgreSQL: `inserted_at`, the inserting transaction's `now()`), never from the
-/// envelope's `created_at`, which the producer's clock wrote (a producer whose clock runs
-/// behind, or an import that keeps the original times, would otherwise look like a stuck
-/// outbox).
+/// (PostgreSQL: `inserted_at`, the clock of the append statement, so an event appended at the
+/// end of a long business transaction does not look as old as the transaction; a row inserted
+/// by plain SQL gets the column default, its transaction's start), never from the envelope's
+/// `created_at`, which the producer's clock wrote (a producer whose clock runs behind, or an
+/// import that keeps the original times, would otherwise look like a stuck outbox). Events
+/// that waited behind a parked event become claimable with the age they have when an operator
+/// acts on it: the main age rises until the relay has sent them (one at a time per aggregate).
 ///
 /// The main health signal (and the backpressure gate's age) is
 /// [`oldest_claimable_age`](Self::oldest_claimable_age): it grows while the relay does not

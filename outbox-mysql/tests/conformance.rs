@@ -37,6 +37,21 @@ fn capabilities() -> Capabilities {
     Capabilities::real_time()
         .with_lease_duration(Duration::from_millis(1500))
         .with_time_step(Duration::from_millis(300))
+        .with_accept_first_version(true)
+}
+
+impl MyHarness {
+    async fn build(&self, mode: ClaimMode, accept_first_version: bool) -> MySqlOutboxStore {
+        let store = MySqlOutboxStore::builder(self.pool.clone())
+            .database(&self.database)
+            .claim_mode(mode)
+            .gap_timeout(capabilities().gap_timeout)
+            .accept_first_version(accept_first_version)
+            .build()
+            .expect("store");
+        store.migrate().await.expect("migrate");
+        store
+    }
 }
 
 #[async_trait]
@@ -48,14 +63,11 @@ impl OutboxHarness for MyHarness {
     }
 
     async fn store(&self, mode: ClaimMode) -> MySqlOutboxStore {
-        let store = MySqlOutboxStore::builder(self.pool.clone())
-            .database(&self.database)
-            .claim_mode(mode)
-            .gap_timeout(capabilities().gap_timeout)
-            .build()
-            .expect("store");
-        store.migrate().await.expect("migrate");
-        store
+        self.build(mode, false).await
+    }
+
+    async fn store_accepting_first_version(&self, mode: ClaimMode) -> MySqlOutboxStore {
+        self.build(mode, true).await
     }
 
     async fn begin(&self) -> MySqlConnection {

@@ -88,10 +88,14 @@ impl OutboxSql {
         let state = qualified(schema, &format!("{table}_aggregate"));
         let seed = seed(schema, table);
 
+        // `inserted_at` (what the stats age events from) is the statement's clock, not the
+        // column default `now()`, the start of the business transaction: an event appended
+        // at the end of a long transaction must not look that old at its commit, before the
+        // relay can even see it (it would turn the backpressure gate on by age).
         let append = format!(
             "WITH ins AS ( \
-               INSERT INTO {t} ({ENVELOPE_COLS}) \
-               SELECT e, at, ai, av, et, sv, ct, p, h::jsonb, ca \
+               INSERT INTO {t} ({ENVELOPE_COLS}, inserted_at) \
+               SELECT e, at, ai, av, et, sv, ct, p, h::jsonb, ca, clock_timestamp() \
                FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::int8[], $5::text[], \
                            $6::int4[], $7::text[], $8::bytea[], $9::text[], $10::timestamptz[]) \
                     AS u(e, at, ai, av, et, sv, ct, p, h, ca) \
@@ -136,13 +140,14 @@ impl OutboxSql {
         //   claim     the head, version last + 1, due: claimed (lease mode: the lease)
         // The last version of an aggregate without state (no row, or a row whose
         // `last_version` is still NULL: nothing published or discarded, migration 6).
-        let unknown_r = unknown_last(&t, "r", accept_first_version);
+        let unknown_r = unknown_last(&t, &state, "r", accept_first_version);
         let decide = |gap: u8, recheck: u8| {
             format!(
                 "c AS MATERIALIZED ( \
                    SELECT r.id, {cols}, r.attempts, r.held_since, {kr} AS k, \
                           r.next_attempt_at <= now() AS due, \
                           COALESCE(a.last_version, {unknown_r}) AS last, \
+                          (a.last_version IS NOT NULL) AS known, \
                           COALESCE(a.lease_until > clock_timestamp(), false) AS leased, \
                           (COALESCE(a.lease_row = r.id, false) OR r.maybe_delivered) AS resend \
                    FROM UNNEST($1::int8[]) AS x(id) \
@@ -185,8 +190,11 @@ impl OutboxSql {
                                               WHEN 'bad_key' THEN 'permanent_error' \
                                               ELSE 'version_gap' END AS kind, \
                                 CASE h.action \
-                                  WHEN 'stale' THEN format('version %s is at or below %s, the \
-last version published or discarded for its aggregate', h.aggregate_version, h.last) \
+                                  WHEN 'stale' THEN CASE WHEN h.known THEN format('version %s \
+is at or below %s, the last version published or discarded for its aggregate', \
+                                    h.aggregate_version, h.last) ELSE format('version %s is below \
+%s, the first version of its aggregate (nothing of it published or discarded yet), which may \
+have reached the broker already', h.aggregate_version, h.last + 1) END \
                                   WHEN 'bad_key' THEN format('aggregate_type (%s bytes) or \
 aggregate_id (%s bytes) is longer than {max_name} bytes, the most a store can key an aggregate \
 by: discard it and append the event again under shorter names', \
@@ -427,22 +435,26 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                AND lease_owner = $4 AND lease_until > clock_timestamp() RETURNING 1"
         );
 
-        // Operator actions: the event's aggregate and state, read again after its lock.
+        // Operator actions: the event's aggregate and state, read again after its lock. `last`
+        // is the one the claims count from (for an aggregate without state, what
+        // `unknown_last` says), so an operator accepts or refuses what a claim would.
         let event_state = format!(
             "SELECT e.status, e.aggregate_type, e.aggregate_id, e.aggregate_version, \
-                    {ke} AS k, COALESCE(a.last_version, 0) AS last, \
+                    {ke} AS k, l.last, \
                     (SELECT count(*) FROM {t} u \
                       WHERE {ku} = {ke} AND u.status IN ('pending', 'parked') \
                         AND u.aggregate_type = e.aggregate_type \
                         AND u.aggregate_id = e.aggregate_id AND u.id <> e.id \
-                        AND u.aggregate_version > COALESCE(a.last_version, 0) \
+                        AND u.aggregate_version > l.last \
                         AND u.aggregate_version < e.aggregate_version) AS waiting_below \
              FROM {t} e LEFT JOIN LATERAL (SELECT a.last_version FROM {state} a \
                                            WHERE {se} LIMIT 1) a ON true \
+             CROSS JOIN LATERAL (SELECT COALESCE(a.last_version, {unknown_e}) AS last) l \
              WHERE e.event_id = $1",
             ke = agg("e"),
             ku = agg("u"),
             se = state_of("a", "e"),
+            unknown_e = unknown_last(&t, &state, "e", accept_first_version),
         );
         let max_name = outbox_core::MAX_AGGREGATE_NAME_BYTES;
         // Raises the aggregate's last version to at least `$5` ($2..$4 key, type, id). An
@@ -582,7 +594,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
 /// pending event a claim held, `held_since`, still above `last + 1`, with no unfinished event
 /// above the last version before it) and it is that head or after it, before the aggregate's
 /// first parked event (after it, blocked). The oldest claimable age is taken over the other
-/// pending events. Ages count from `inserted_at` (the insert's `now()`), never from the
+/// pending events. Ages count from `inserted_at` (the append statement's clock), never from the
 /// producer's `created_at`. The ranges are read through the unfinished index per aggregate
 /// (`OFFSET 0` keeps the planner from hashing every pending row instead), so the cost beyond
 /// the counts grows with the parked and held aggregates, not with the backlog.
@@ -591,7 +603,7 @@ fn stats_sql(t: &str, state: &str, seed: i64, accept_first_version: bool) -> Str
         format!(
             "COALESCE((SELECT s.last_version FROM {state} s WHERE {}), {})",
             state_of("s", a),
-            unknown_last(t, a, accept_first_version)
+            unknown_last(t, state, a, accept_first_version)
         )
     };
     let age = "extract(epoch FROM clock_timestamp() - min(inserted_at))::float8";
@@ -671,15 +683,26 @@ fn stats_sql(t: &str, state: &str, seed: i64, accept_first_version: bool) -> Str
 }
 
 /// The last version of row alias `r`'s aggregate when it has no state: 0 (its first event must
-/// be version 1), or, with `accept_first_version`, one below its lowest unfinished version.
-fn unknown_last(t: &str, r: &str, accept_first_version: bool) -> String {
+/// be version 1), or, with `accept_first_version`, one below its first version: its lowest
+/// unfinished version that may have been sent already (`maybe_delivered`, or the row of a
+/// lease that ended without an outcome or a release: a relay that crashed after sending, a
+/// timeout), or else its lowest unfinished version. A version that may be at the broker is
+/// the first for good: a lower one that commits later would reach consumers after it, so it
+/// is out of order (issue 20, item 1: without this, a claim that ended so let a late lower
+/// version go out after it).
+fn unknown_last(t: &str, state: &str, r: &str, accept_first_version: bool) -> String {
     if accept_first_version {
         format!(
-            "(SELECT min(u.aggregate_version) - 1 FROM {t} u \
+            "(SELECT COALESCE(min(u.aggregate_version) FILTER ( \
+                                WHERE u.maybe_delivered \
+                                   OR u.id = (SELECT s.lease_row FROM {state} s WHERE {sr})), \
+                              min(u.aggregate_version)) - 1 \
+              FROM {t} u \
               WHERE {ku} = {kr} AND u.status IN ('pending', 'parked') \
                 AND u.aggregate_type = {r}.aggregate_type AND u.aggregate_id = {r}.aggregate_id)",
             ku = agg("u"),
             kr = agg(r),
+            sr = state_of("s", r),
         )
     } else {
         "0".to_owned()

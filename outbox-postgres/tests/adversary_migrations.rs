@@ -146,6 +146,14 @@ async fn a_migration_aborted_by_a_deadlock_with_an_old_relay_runs_again() {
     let store = ctx.store_unmigrated(lease(30.0));
     store.append(&ctx.pool, &event("dl", 1)).await.unwrap();
     let mut old = ctx.pool.begin().await.unwrap();
+    // The server aborts the transaction whose deadlock check runs first: each waiter checks
+    // once it has waited `deadlock_timeout` (1 s). The migration waits first, by milliseconds,
+    // which a loaded machine can undo; the old relay checks much later, so the migration is
+    // the one aborted, every time.
+    sqlx::query("SET LOCAL deadlock_timeout = '20s'")
+        .execute(&mut *old)
+        .await
+        .unwrap();
     sqlx::query(&format!(
         "UPDATE \"{}\".outbox_events_lease SET lease_until = clock_timestamp()",
         ctx.schema
@@ -160,7 +168,7 @@ async fn a_migration_aborted_by_a_deadlock_with_an_old_relay_runs_again() {
     // The migration holds the event table and waits for the lease table.
     common::wait_for_lock_wait(&ctx).await;
     // The old relay now reads the event table: a cycle. The server aborts the transaction
-    // whose deadlock check runs first, the migration's (it waited first).
+    // whose deadlock check runs first, the migration's.
     let read = sqlx::query(&format!(
         "SELECT count(*) FROM \"{}\".outbox_events",
         ctx.schema

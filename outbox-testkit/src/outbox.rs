@@ -140,14 +140,26 @@ impl OutboxState {
         );
     }
 
+    /// The version the aggregate's next must follow: the last published or discarded; for an
+    /// aggregate without one, 0, or with `accept_first_version` one below its first version:
+    /// its lowest unfinished version that may have been sent (a failure that left delivery
+    /// uncertain, or a claim that ended without an outcome or a release), or else its lowest
+    /// unfinished version.
     fn last_version(&self, key: &AggKey) -> i64 {
         match self.last.get(key) {
             Some(last) => *last,
-            None if self.accept_first_version => self
-                .open
-                .get(key)
-                .and_then(|set| set.first())
-                .map_or(0, |(v, _)| v - 1),
+            None if self.accept_first_version => {
+                let open = self.open.get(key);
+                let maybe_sent = open.and_then(|set| {
+                    set.iter().find(|(_, seq)| {
+                        let row = &self.rows[seq];
+                        row.maybe_delivered || row.claim.is_some()
+                    })
+                });
+                maybe_sent
+                    .or_else(|| open.and_then(|set| set.first()))
+                    .map_or(0, |(v, _)| v - 1)
+            }
             None => 0,
         }
     }
@@ -733,8 +745,11 @@ impl OutboxStore for MemoryOutboxStore {
             agg_key(&row.envelope),
             row.envelope.aggregate_version,
         );
+        // Never below what claims count from (a discarded out-of-order version of an aggregate
+        // without state is below its first version, which stays next).
+        let last = st.outbox.last_version(&key);
         st.outbox.close(seq);
-        st.outbox.advance_last(key, version);
+        st.outbox.advance_last(key, version.max(last));
         st.outbox.audit.push(AuditEntry::new(
             event_id,
             OperatorAction::Discard,

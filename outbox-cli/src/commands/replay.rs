@@ -6,8 +6,12 @@
 //! consumer that already applied an event ignores its replay; a replay serves consumers that
 //! lost their state or start fresh. A replay runs beside the relay and does not change delivery
 //! state; replayed records may interleave with live ones, so a consumer sees an old version
-//! after a newer one (its version check treats it as stale). Events older than
-//! `cleanup.retention` were cleaned up and cannot be replayed.
+//! after a newer one (its version check treats it as stale). Events the relay publishes while
+//! the replay runs are replayed too when they match and their publication has committed before
+//! the replay reaches its time (one whose completion commits later lies behind the replay's
+//! position and is not; it went out live anyway), so a replay beside a busy relay can replay
+//! more than it counted at the start. Events older than `cleanup.retention` were cleaned up
+//! and cannot be replayed.
 
 use chrono::Utc;
 use outbox_core::Publisher;

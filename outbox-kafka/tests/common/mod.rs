@@ -230,14 +230,24 @@ pub fn free_port() -> u16 {
 pub struct Tansu {
     bin: String,
     pub port: u16,
+    /// The port clients are told to connect to (a proxy in front of `port`, or `port`).
+    advertised: u16,
     child: Option<Child>,
 }
 
 impl Tansu {
     pub fn start(bin: &str) -> Self {
+        let port = free_port();
+        Self::start_advertising(bin, port, port)
+    }
+
+    /// A broker listening on `port` that tells clients to connect to `advertised` (where a
+    /// proxy of the test forwards to `port`).
+    pub fn start_advertising(bin: &str, port: u16, advertised: u16) -> Self {
         let mut t = Tansu {
             bin: bin.to_owned(),
-            port: free_port(),
+            port,
+            advertised,
             child: None,
         };
         t.spawn();
@@ -250,13 +260,14 @@ impl Tansu {
 
     fn spawn(&mut self) {
         let url = format!("tcp://127.0.0.1:{}", self.port);
+        let advertised = format!("tcp://127.0.0.1:{}", self.advertised);
         let child = Command::new(&self.bin)
             .args([
                 "broker",
                 "--listener-url",
                 &url,
                 "--advertised-listener-url",
-                &url,
+                &advertised,
                 "--storage-engine",
                 "memory://tansu/",
             ])

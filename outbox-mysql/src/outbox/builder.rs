@@ -70,6 +70,9 @@ impl MySqlOutboxStoreBuilder {
     /// lower version that commits after a higher one is parked as out of order instead of
     /// going out first. The acceptance holds until a version is published or discarded:
     /// a claim that does not publish (a retry, a deferral, a release, a crash) forgets nothing.
+    /// Once a version may have reached the broker (a failure that left its delivery uncertain,
+    /// or a lease that ended without an outcome or a release), it stays the first: a lower
+    /// version that commits later is parked as out of order.
     pub fn accept_first_version(mut self, on: bool) -> Self {
         self.settings.accept_first_version = on;
         self

@@ -36,7 +36,8 @@ pub(crate) struct Head {
 pub(crate) struct AggView {
     /// The last version the version rule counts from: `last`, or for an aggregate without one
     /// 0 (its first event must be version 1) or, with `accept_first_version`, one below its
-    /// lowest unfinished version.
+    /// first version: its lowest unfinished version that may have been sent already, or else
+    /// its lowest unfinished version.
     pub(crate) last_eff: i64,
     /// A live lease (the database clock says it has not expired).
     pub(crate) leased: bool,
@@ -151,16 +152,22 @@ impl MySqlOutboxStore {
         let accept_first = self.inner.settings.accept_first_version;
         // The lowest unfinished version, for aggregates without a last version (one probe of
         // the aggregate index per status).
+        // A version that may have been sent already (`maybe_delivered`, or the row of a lease
+        // that ended without an outcome or a release) is the first for good: a lower version
+        // committed later would reach consumers after it, so it is out of order.
         let mins = if accept_first {
             format!(
                 "(SELECT MIN(u.aggregate_version) FROM {e} u \
                   WHERE u.aggregate_key = a.aggregate_key AND u.status = 'pending') AS min_pending, \
                  (SELECT MIN(u.aggregate_version) FROM {e} u \
-                  WHERE u.aggregate_key = a.aggregate_key AND u.status = 'parked') AS min_parked",
+                  WHERE u.aggregate_key = a.aggregate_key AND u.status = 'parked') AS min_parked, \
+                 (SELECT MIN(u.aggregate_version) FROM {e} u \
+                  WHERE u.aggregate_key = a.aggregate_key AND u.status IN ('pending', 'parked') \
+                    AND (u.maybe_delivered = 1 OR u.id = a.lease_row)) AS min_sent",
                 e = t.events
             )
         } else {
-            "NULL AS min_pending, NULL AS min_parked".to_owned()
+            "NULL AS min_pending, NULL AS min_parked, NULL AS min_sent".to_owned()
         };
         let sql = format!(
             "SELECT a.aggregate_key, a.last_version, a.lease_row, \
@@ -181,11 +188,13 @@ impl MySqlOutboxStore {
             let last: Option<i64> = r.try_get("last_version").map_err(db)?;
             let min_pending: Option<i64> = r.try_get("min_pending").map_err(db)?;
             let min_parked: Option<i64> = r.try_get("min_parked").map_err(db)?;
+            let min_sent: Option<i64> = r.try_get("min_sent").map_err(db)?;
             let last_eff = match last {
                 Some(l) => l,
-                None if accept_first => match (min_pending, min_parked) {
-                    (None, None) => 0,
-                    (a, b) => a.into_iter().chain(b).min().unwrap_or(1) - 1,
+                None if accept_first => match (min_sent, min_pending, min_parked) {
+                    (Some(sent), _, _) => sent - 1,
+                    (None, None, None) => 0,
+                    (None, a, b) => a.into_iter().chain(b).min().unwrap_or(1) - 1,
                 },
                 None => 0,
             };

@@ -29,7 +29,8 @@ struct EventState {
     id: i64,
     key: Key,
     version: i64,
-    /// The aggregate's last version published or discarded (0 before any).
+    /// The last version the claims count from: published or discarded, or for an aggregate
+    /// without one 0 or (`accept_first_version`) one below its first version.
     last: i64,
     /// Unfinished rows of the aggregate between `last` and this event's version.
     waiting_below: i64,
@@ -63,18 +64,26 @@ impl MySqlOutboxStore {
         let name_bytes = (agg_type.len(), agg_id.len());
         self.lock_keys(conn, &[(key.clone(), agg_type, agg_id)])
             .await?;
+        // The last version the claims count from (for an aggregate without one, what
+        // `views` derives), so an operator accepts or refuses what a claim would.
+        let last = self
+            .views(conn, std::slice::from_ref(&key))
+            .await?
+            .get(&key)
+            .map_or(0, |v| v.last_eff);
         let row = sqlx::query(&format!(
-            "SELECT e.id, e.status, e.aggregate_version, COALESCE(a.last_version, 0) AS last, \
+            "SELECT e.id, e.status, e.aggregate_version, \
                     (SELECT COUNT(*) FROM {ev} u \
                       WHERE u.aggregate_key = e.aggregate_key \
                         AND u.status IN ('pending', 'parked') AND u.id <> e.id \
-                        AND u.aggregate_version > COALESCE(a.last_version, 0) \
+                        AND u.aggregate_version > ? \
                         AND u.aggregate_version < e.aggregate_version) AS waiting_below \
              FROM {ev} e JOIN {st} a ON a.aggregate_key = e.aggregate_key \
              WHERE e.event_id = ?",
             ev = t.events,
             st = t.state
         ))
+        .bind(last)
         .bind(event_id.as_uuid())
         .fetch_optional(&mut *conn)
         .await
@@ -88,7 +97,7 @@ impl MySqlOutboxStore {
             id: row.try_get("id").map_err(db)?,
             key,
             version: row.try_get("aggregate_version").map_err(db)?,
-            last: row.try_get("last").map_err(db)?,
+            last,
             waiting_below: row.try_get("waiting_below").map_err(db)?,
             name_bytes,
         };
@@ -291,7 +300,9 @@ impl MySqlOutboxStore {
         .execute(&mut *conn)
         .await
         .map_err(db)?;
-        self.raise_last(conn, &s.key, s.version).await?;
+        // Never below what the claims count from (a discarded out-of-order version of an
+        // aggregate without state is below its first version, which stays next).
+        self.raise_last(conn, &s.key, s.version.max(s.last)).await?;
         self.audit(
             conn,
             (event_id, OperatorAction::Discard, actor, reason, None),

@@ -97,7 +97,11 @@ impl PostgresOutboxStoreBuilder {
     /// out of order instead of going out first. An aggregate has state once one of its events
     /// was published or discarded; a claim that ends without a publication (a release, a
     /// deferral during a broker outage, a retry, a relay's crash) leaves it without state, so
-    /// its first version is accepted again by the next claim (migration 6).
+    /// its first version is accepted again by the next claim (migration 6). Once that version
+    /// may have reached the broker (a failure that left its delivery uncertain, or a lease
+    /// that ended without an outcome or a release), it stays the first: a lower version that
+    /// commits later is parked as out of order. A locked claim whose relay crashed after the
+    /// broker stored the record leaves no trace of it (see `docs/claims.md`).
     pub fn accept_first_version(mut self, on: bool) -> Self {
         self.settings.accept_first_version = on;
         self

@@ -211,7 +211,10 @@ impl PostgresOutboxStore {
             .bind(s.key)
             .bind(&s.agg_type)
             .bind(&s.agg_id)
-            .bind(s.version)
+            // Never below what the claims count from: a discarded out-of-order version of an
+            // aggregate without state is below its first version (`unknown_last`), which must
+            // stay next.
+            .bind(s.version.max(s.last))
             .bind(reason)
             .fetch_one(&mut *tx)
             .await

@@ -709,6 +709,7 @@ pub const OUTBOX_CHECKS: &[&str] = &[
     "release_claims_of_a_gone_relay",
     "operator_action_on_a_filling_gap_is_refused",
     "first_version_is_accepted_again_after_a_claim_that_did_not_publish",
+    "a_late_lower_version_never_follows_a_first_version_that_may_have_been_sent",
     "stats_keep_blocked_and_gap_held_events_out_of_the_claimable_age",
 ];
 
@@ -801,6 +802,7 @@ macro_rules! outbox_conformance_tests {
             release_claims_of_a_gone_relay,
             operator_action_on_a_filling_gap_is_refused,
             first_version_is_accepted_again_after_a_claim_that_did_not_publish,
+            a_late_lower_version_never_follows_a_first_version_that_may_have_been_sent,
             stats_keep_blocked_and_gap_held_events_out_of_the_claimable_age,
         );
     };

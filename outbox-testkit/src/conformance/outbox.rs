@@ -1210,6 +1210,120 @@ pub async fn first_version_is_accepted_again_after_a_claim_that_did_not_publish<
     }
 }
 
+/// With `accept_first_version`, the first version of an aggregate without state is accepted
+/// again after a claim that did not publish, but once that version may have reached the broker
+/// (its lease ran out under a relay that may have sent it, or a failure left its delivery
+/// uncertain) it stays the first: a lower version that commits afterwards is parked as out of
+/// order, never sent after it, and an operator cannot send it either; discarding it keeps the
+/// first version next. When the claim certainly sent nothing (a release), the lower versions
+/// come first and go out before it.
+pub async fn a_late_lower_version_never_follows_a_first_version_that_may_have_been_sent<
+    H: OutboxHarness,
+>(
+    h: &H,
+) {
+    let caps = h.capabilities();
+    if !caps.accept_first_version {
+        return not_applicable(
+            "a_late_lower_version_never_follows_a_first_version_that_may_have_been_sent",
+            "the backend cannot accept a first version above 1",
+        );
+    }
+    let mut cases: Vec<(ClaimMode, &str)> = Vec::new();
+    if caps.lease {
+        for end in ["expiry", "uncertain", "release"] {
+            cases.push((caps.lease_mode(), end));
+        }
+    }
+    if caps.locked_transaction {
+        for end in ["uncertain", "release"] {
+            cases.push((ClaimMode::LockedTransaction, end));
+        }
+    }
+    for (mode, end) in cases {
+        let store = h.store_accepting_first_version(mode).await;
+        let a = agg(&format!("maybe-sent-{end}"));
+        let v5 = event(&a, 5);
+        append_committed(h, &store, std::slice::from_ref(&v5)).await;
+        let first = claim(&store, "r", 10).await;
+        assert_eq!(ids(&first), set(&[&v5]), "{mode:?} {end}");
+        match end {
+            "expiry" => h.advance(caps.lease_duration + caps.time_step).await,
+            "uncertain" => {
+                let outcome = Outcome::Defer {
+                    event_id: v5.event_id,
+                    delay: std::time::Duration::ZERO,
+                    error: LastError {
+                        class: ErrorClass::Transient,
+                        kind: "timeout".into(),
+                        message: "injected by the conformance suite".into(),
+                    },
+                };
+                let rep = store
+                    .complete(&first.handle, &[outcome])
+                    .await
+                    .expect("complete");
+                assert_eq!(rep.applied, 1, "{mode:?} {end}");
+            }
+            _ => store.release(&first.handle).await.expect("release"),
+        }
+        let (v3, v4) = (event(&a, 3), event(&a, 4));
+        if end == "release" {
+            // Nothing was sent: version 3 is the first, and 3, 4, 5 go out in order.
+            append_committed(h, &store, &[v3.clone(), v4.clone()]).await;
+            for expected in [&v3, &v4, &v5] {
+                let b = claim(&store, "r", 10).await;
+                assert_eq!(ids(&b), set(&[expected]), "{mode:?} {end}");
+                assert!(b.parked.is_empty(), "{mode:?} {end}: {:?}", b.parked);
+                store
+                    .complete(&b.handle, &publish_all(&b))
+                    .await
+                    .expect("complete");
+            }
+            continue;
+        }
+        append_committed(h, &store, std::slice::from_ref(&v3)).await;
+        let again = claim(&store, "r", 10).await;
+        assert_eq!(
+            ids(&again),
+            set(&[&v5]),
+            "{mode:?} {end}: version 5 may be at the broker; 3 must not go out after it"
+        );
+        assert!(again.records[0].is_resend(), "{mode:?} {end}");
+        assert_eq!(
+            again
+                .parked
+                .iter()
+                .map(|p| (p.event_id, p.kind))
+                .collect::<Vec<_>>(),
+            vec![(v3.event_id, ParkKind::OutOfOrder)],
+            "{mode:?} {end}"
+        );
+        store.release(&again.handle).await.expect("release");
+        let retry = store
+            .retry_parked(v3.event_id, "ops")
+            .await
+            .expect_err("retry of a version below the first must be refused");
+        assert_eq!(retry.kind, StoreErrorKind::Conflict, "{mode:?} {end}");
+        store
+            .discard_parked(v3.event_id, "ops", "arrived after version 5")
+            .await
+            .expect("discard");
+        let next = claim(&store, "r", 10).await;
+        assert_eq!(
+            ids(&next),
+            set(&[&v5]),
+            "{mode:?} {end}: after the discard, 5 is still next (held {}, parked {:?})",
+            next.gaps_held,
+            next.parked
+        );
+        store
+            .complete(&next.handle, &publish_all(&next))
+            .await
+            .expect("complete");
+    }
+}
+
 /// Where unpublished events stand is reported apart (issue 20, items 4 and 5): an event
 /// waiting behind a parked event of its aggregate is blocked, an aggregate whose head a claim
 /// holds as a version gap is gap-held, and neither counts for the oldest claimable age, the
