@@ -403,7 +403,9 @@ where
                     force: &w.force,
                 })
                 .collect();
-            processor.run_batch(&batch, true).await
+            processor
+                .run_batch(&batch, true, Some(processor.store()))
+                .await
         };
         match result {
             Ok(BatchResult::Committed(outcomes)) => {

@@ -15,7 +15,7 @@ use adversary_common::*;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use outbox_core::{wire, Envelope, InboxParking, ParkedStatus, Publisher};
+use outbox_core::{wire, Envelope, ParkedStatus, Publisher};
 use outbox_inbox::VersionPolicy;
 use outbox_testkit::MemoryLog;
 
