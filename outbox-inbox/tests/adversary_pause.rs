@@ -303,3 +303,287 @@ async fn a_takeover_while_a_partition_is_paused() {
     assert_eq!(r1.parked + r2.parked, 0, "{r1:?} {r2:?}");
     ctx.drop().await;
 }
+
+/// A two-level source for the engine: per partition a fixed list of messages and a read
+/// position; pause and resume as the contract says; and `reassign`, which does what a
+/// rebalance that gives a partition back to the same member does (the tracker hears of the
+/// assignment, reading restarts at the partition's committed offset, unpaused).
+#[derive(Clone, Default)]
+struct Reassigning {
+    inner: std::sync::Arc<std::sync::Mutex<ReassigningState>>,
+}
+
+#[derive(Default)]
+struct ReassigningState {
+    logs: Vec<Vec<Envelope>>,
+    positions: Vec<usize>,
+    committed: Vec<usize>,
+    paused: std::collections::BTreeSet<i32>,
+    cursor: usize,
+    tracker: Option<outbox_core::watermark::SharedOffsetTracker>,
+}
+
+impl Reassigning {
+    fn new(partitions: usize) -> Self {
+        let s = Self::default();
+        {
+            let mut st = s.inner.lock().unwrap();
+            st.logs = vec![Vec::new(); partitions];
+            st.positions = vec![0; partitions];
+            st.committed = vec![0; partitions];
+        }
+        s
+    }
+
+    fn push(&self, partition: usize, events: &[Envelope]) {
+        self.inner.lock().unwrap().logs[partition].extend_from_slice(events);
+    }
+
+    fn reassign(&self, partition: i32) {
+        let mut st = self.inner.lock().unwrap();
+        let tp = outbox_core::TopicPartition::new("t", partition);
+        st.tracker.as_ref().expect("attached").assign(&[tp]);
+        let p = partition as usize;
+        st.positions[p] = st.committed[p];
+        st.paused.remove(&partition);
+    }
+
+    fn committed(&self, partition: usize) -> usize {
+        self.inner.lock().unwrap().committed[partition]
+    }
+}
+
+#[outbox_core::async_trait]
+impl outbox_core::MessageSource for Reassigning {
+    async fn poll(
+        &self,
+        timeout: Duration,
+    ) -> Result<Option<outbox_core::ReceivedMessage>, outbox_core::SourceError> {
+        let next = {
+            let mut st = self.inner.lock().unwrap();
+            let n = st.logs.len();
+            let mut found = None;
+            for i in 0..n {
+                let p = (st.cursor + i) % n;
+                if st.paused.contains(&(p as i32)) || st.positions[p] >= st.logs[p].len() {
+                    continue;
+                }
+                let offset = st.positions[p];
+                st.positions[p] += 1;
+                st.cursor = p + 1;
+                found = Some(outbox_core::ReceivedMessage::new(
+                    outbox_core::LogPosition::new("t", p as i32, offset as i64),
+                    None,
+                    Ok(st.logs[p][offset].clone()),
+                ));
+                break;
+            }
+            found
+        };
+        if next.is_none() {
+            tokio::time::sleep(timeout.min(Duration::from_millis(2))).await;
+        }
+        Ok(next)
+    }
+
+    async fn commit(
+        &self,
+        offsets: &[outbox_core::CommitOffset],
+    ) -> Result<(), outbox_core::SourceError> {
+        let mut st = self.inner.lock().unwrap();
+        for c in offsets {
+            st.committed[c.partition as usize] = c.next_offset as usize;
+        }
+        Ok(())
+    }
+
+    fn attach_offsets(&self, offsets: outbox_core::watermark::SharedOffsetTracker) {
+        self.inner.lock().unwrap().tracker = Some(offsets);
+    }
+
+    async fn pause(
+        &self,
+        partitions: &[outbox_core::TopicPartition],
+    ) -> Result<bool, outbox_core::SourceError> {
+        let mut st = self.inner.lock().unwrap();
+        st.paused.extend(partitions.iter().map(|p| p.partition));
+        Ok(true)
+    }
+
+    async fn resume(
+        &self,
+        partitions: &[outbox_core::TopicPartition],
+    ) -> Result<(), outbox_core::SourceError> {
+        let mut st = self.inner.lock().unwrap();
+        for p in partitions {
+            st.paused.remove(&p.partition);
+        }
+        Ok(())
+    }
+}
+
+/// Attack 4: the slow aggregate's partition is paused, then given back to the same member by
+/// rebalances (three times), each time read again from its committed offset (below the slow
+/// message in its handler). The messages of the earlier assignments are no longer this
+/// member's to apply; they must stop counting toward the engine's bounds at once, or they pile
+/// up behind the busy aggregate, fill the total bound, and pause every partition until the
+/// slow aggregate finishes: the healthy partition must keep flowing.
+//
+// FOUND here, fixed: messages of a revoked (or rewound) epoch were dropped only when
+// dispatched, and a busy or retrying aggregate's queue is not dispatched: after a rebalance
+// they stayed counted in `in_flight` and in their partition's pending count, the total bound
+// was reached, every partition holding messages was paused, and the healthy partition was
+// never resumed while the slow aggregate was held (seen first on the broker in
+// adversary_pause_broker.rs, attack 1, about one run in two).
+#[tokio::test]
+async fn a_paused_partition_given_back_by_rebalances_holds_up_nothing_else() {
+    let ctx = ctx!("a_paused_partition_given_back_by_rebalances_holds_up_nothing_else");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let gate = h.gate("slow");
+    let source = Reassigning::new(2);
+    source.push(1, &versions("slow", 1..=8));
+    let mut eng = engine(
+        source.clone(),
+        &inbox,
+        &h,
+        VersionPolicy::Reject,
+        fast()
+            .with_max_batch(2)
+            .with_concurrency(2)
+            .with_max_in_flight(8)
+            .with_max_in_flight_per_partition(4),
+    );
+    let mut rounds = 0;
+    while h.entered.load(std::sync::atomic::Ordering::SeqCst) < 1 {
+        eng.step().await.unwrap();
+        rounds += 1;
+        assert!(rounds < 5_000);
+    }
+    steps(&mut eng, 50).await;
+    for _ in 0..3 {
+        assert_eq!(
+            source.committed(1),
+            0,
+            "nothing of the slow partition is final"
+        );
+        source.reassign(1);
+        steps(&mut eng, 50).await;
+    }
+    // The healthy partition: many aggregates, published now.
+    let others: Vec<Envelope> = (1..=3)
+        .flat_map(|v| (0..6).map(move |i| ev(&format!("k{i}"), v)))
+        .collect();
+    source.push(0, &others);
+    let mut rounds = 0;
+    while source.committed(0) < others.len() {
+        eng.step().await.unwrap();
+        rounds += 1;
+        assert!(
+            rounds < 3_000,
+            "the healthy partition stalled at {} of {} (in flight {}): {:?}",
+            source.committed(0),
+            others.len(),
+            eng.in_flight(),
+            eng.report()
+        );
+    }
+    for i in 0..6 {
+        assert_eq!(ctx.applied(&format!("k{i}")).await, vec![1, 2, 3]);
+    }
+    assert!(ctx.applied("slow").await.is_empty());
+    gate.add_permits(1_000);
+    let r = quiet(&mut eng).await;
+    assert_eq!(
+        ctx.applied("slow").await,
+        (1..=8).collect::<Vec<i64>>(),
+        "{r:?}"
+    );
+    assert_eq!(
+        (source.committed(0), source.committed(1)),
+        (others.len(), 8)
+    );
+    assert_eq!(eng.in_flight(), 0, "{r:?}");
+    ctx.effects_once().await;
+    ctx.drop().await;
+}
+
+/// Attack 5: `max_in_flight` lowered below the per-partition bound (here 8, with the default
+/// per-partition bound of 1,000; also an equal one), a slow aggregate's partition fills the
+/// whole total bound by itself. The other partition must still flow while it is held.
+//
+// FOUND here, fixed: a partition could take the whole total bound (the per-partition bound
+// was capped at `max_in_flight` only, and one poll round took up to `max_batch` messages of
+// a partition past its bound); the total bound then paused every partition, and resuming
+// needs the total under three quarters of it, which the held partition alone exceeded: one
+// slow aggregate stopped the whole consumer again. Now one partition takes at most half the
+// total bound, and a poll round stops taking messages at the bound of their partition.
+#[tokio::test]
+async fn a_slow_partition_never_takes_the_whole_total_bound() {
+    let ctx = ctx!("a_slow_partition_never_takes_the_whole_total_bound");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let slows = names_on("slow", 0, 2, 3);
+    let there = names_on("p1-", 1, 2, 4);
+    // (per-partition bound, max_batch): the default bound; one equal to the total; and a
+    // poll round as large as the total bound, which must stop at the partition's bound.
+    for (round, (per, max_batch)) in [(None, 4), (Some(8), 4), (None, 8)].into_iter().enumerate() {
+        let slow = &slows[round];
+        let gate = h.gate(slow);
+        let group = format!("g{round}");
+        let log = MemoryLog::new("t", 2);
+        log.publish(&versions(slow, 1..=12).iter().collect::<Vec<_>>())
+            .await;
+        let mut cfg = fast()
+            .with_max_batch(max_batch)
+            .with_concurrency(2)
+            .with_max_in_flight(8);
+        if let Some(per) = per {
+            cfg = cfg.with_max_in_flight_per_partition(per);
+        }
+        let mut eng = outbox_inbox::ConsumerEngine::new(
+            log.consumer(&group, &["t"]),
+            outbox_inbox::InboxProcessor::new(group.clone(), inbox.clone(), h.clone()),
+            cfg,
+            7,
+        )
+        .unwrap();
+        let mut rounds = 0;
+        while h.entered.load(std::sync::atomic::Ordering::SeqCst) < round + 1 {
+            eng.step().await.unwrap();
+            rounds += 1;
+            assert!(rounds < 5_000);
+        }
+        steps(&mut eng, 50).await;
+        let others: Vec<Envelope> = (1..=3)
+            .flat_map(|v| there.iter().map(move |a| ev(a, v)))
+            .collect();
+        log.publish(&others.iter().collect::<Vec<_>>()).await;
+        let mut rounds = 0;
+        while log.committed(&group, "t", 1) != Some(others.len() as i64) {
+            eng.step().await.unwrap();
+            rounds += 1;
+            assert!(
+                rounds < 3_000,
+                "per={per:?} max_batch={max_batch}: the other partition stalled (in flight {}): \
+                 {:?}",
+                eng.in_flight(),
+                eng.report()
+            );
+        }
+        assert!(ctx.applied(slow).await.is_empty(), "per={per:?}");
+        gate.add_permits(1_000);
+        let r = quiet(&mut eng).await;
+        assert_eq!(
+            log.committed(&group, "t", 0),
+            Some(12),
+            "per={per:?}: {r:?}"
+        );
+        assert_eq!(
+            ctx.applied(slow).await,
+            (1..=12).collect::<Vec<i64>>(),
+            "per={per:?}: {r:?}"
+        );
+    }
+    ctx.drop().await;
+}
