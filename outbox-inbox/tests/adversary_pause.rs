@@ -587,3 +587,49 @@ async fn a_slow_partition_never_takes_the_whole_total_bound() {
     }
     ctx.drop().await;
 }
+
+/// Attack 6 (the limit, as documented): a slow aggregate's handler holds its batch's
+/// transaction, so an aggregate of the other partition that shares that batch waits with it
+/// (with its later messages); an aggregate that does not share it flows.
+#[tokio::test]
+async fn a_slow_aggregate_holds_up_the_aggregates_of_its_batch_only() {
+    let ctx = ctx!("a_slow_aggregate_holds_up_the_aggregates_of_its_batch_only");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let slow = names_on("slow", 0, 2, 1).remove(0);
+    let mut there = names_on("p1-", 1, 2, 2);
+    let (shared, free) = (there.remove(0), there.remove(0));
+    let gate = h.gate(&slow);
+    let log = MemoryLog::new("t", 2);
+    log.publish(&[&ev(&slow, 1), &ev(&shared, 1)]).await;
+    let mut eng = engine(
+        log.consumer(GROUP, &["t"]),
+        &inbox,
+        &h,
+        VersionPolicy::Reject,
+        fast().with_max_batch(2).with_concurrency(2),
+    );
+    let mut rounds = 0;
+    while h.entered.load(std::sync::atomic::Ordering::SeqCst) < 1 {
+        eng.step().await.unwrap();
+        rounds += 1;
+        assert!(rounds < 5_000);
+    }
+    log.publish(&[&ev(&shared, 2), &ev(&free, 1), &ev(&free, 2)])
+        .await;
+    let mut rounds = 0;
+    while ctx.applied(&free).await != vec![1, 2] {
+        eng.step().await.unwrap();
+        rounds += 1;
+        assert!(rounds < 3_000, "{:?}", eng.report());
+    }
+    assert!(
+        ctx.applied(&shared).await.is_empty(),
+        "it shares the slow aggregate's transaction"
+    );
+    gate.add_permits(1_000);
+    let r = quiet(&mut eng).await;
+    assert_eq!(ctx.applied(&shared).await, vec![1, 2], "{r:?}");
+    assert_eq!(ctx.applied(&slow).await, vec![1], "{r:?}");
+    ctx.drop().await;
+}
