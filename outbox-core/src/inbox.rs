@@ -580,8 +580,8 @@ pub enum Parking {
     /// Stored as waiting behind the head. A head requested for an aggregate that is already
     /// blocked is stored as waiting.
     Waiting(ParkedId),
-    /// The same message (same dedup id, or for an undecodable message the same position) is
-    /// parked already: nothing stored.
+    /// The same message (same aggregate and dedup id, or for an undecodable message the same
+    /// position) is parked already: nothing stored.
     AlreadyParked,
 }
 
@@ -914,8 +914,13 @@ impl ParkedStats {
 ///   and attempts. A [`ParkAs::Head`] with a known aggregate MUST mark the aggregate blocked
 ///   (stored as waiting when it is blocked already). A [`ParkAs::Waiting`] MUST fail with a
 ///   transient `Conflict` when the aggregate is not blocked as `tx` commits (an operator
-///   released it meanwhile). A message parked already (same consumer and dedup id; for an
-///   undecodable one, same position) is reported as [`Parking::AlreadyParked`].
+///   released it meanwhile). A message parked already (same consumer, aggregate and dedup
+///   id; for an undecodable one, same position) is reported as [`Parking::AlreadyParked`].
+///   A message whose dedup id a parked message of **another** aggregate holds (a record whose
+///   original-id header names another aggregate's event, or the event such a record named)
+///   is not that message: it MUST be parked, under [`scoped_dedup_id`] (as
+///   [`register_for`](Self::register_for) registers it), whichever of the two came first;
+///   taking it for parked already would lose it (its offset final, nothing of it kept).
 /// * [`cleanup`](Self::cleanup) removes at most one batch of `consumer`'s registrations older
 ///   than the retention, in its own short transaction, and returns how many. It MUST NOT
 ///   remove another consumer's registrations: consumers sharing a table may keep different

@@ -134,6 +134,8 @@ pub struct OffsetTracker {
     partitions: BTreeMap<TopicPartition, PartitionWatermark>,
     next_epoch: u64,
     rewinds: u64,
+    /// Bumped whenever tickets of a partition stop being current.
+    changes: u64,
 }
 
 impl OffsetTracker {
@@ -160,6 +162,7 @@ impl OffsetTracker {
         if let Some(highest_seen) = rewound {
             kind = BeginKind::Rewind { highest_seen };
             self.rewinds += 1;
+            self.changes += 1;
             let epoch = self.fresh_epoch();
             tracing::warn!(partition = %tp, offset = position.offset, highest_seen, "offset at or below the highest seen: the log was rewound; forgetting the partition's pending offsets");
             self.partitions
@@ -214,6 +217,7 @@ impl OffsetTracker {
     /// Messages still pending there are delivered again to the next owner.
     pub fn revoke(&mut self, partition: &TopicPartition) -> Option<CommitOffset> {
         let mut w = self.partitions.remove(partition)?;
+        self.changes += 1;
         w.take_commit().map(|o| partition.at_next(o))
     }
 
@@ -221,6 +225,7 @@ impl OffsetTracker {
     /// tracked for it belongs to an earlier assignment and is forgotten.
     pub fn assign(&mut self, partition: &TopicPartition) {
         if self.partitions.remove(partition).is_some() {
+            self.changes += 1;
             tracing::debug!(partition = %partition, "assigned again; earlier entries forgotten");
         }
     }
@@ -228,7 +233,9 @@ impl OffsetTracker {
     /// The assignment of a partition was lost (the group gave it away without a clean revoke):
     /// forgets it without committing.
     pub fn lose(&mut self, partition: &TopicPartition) {
-        self.partitions.remove(partition);
+        if self.partitions.remove(partition).is_some() {
+            self.changes += 1;
+        }
     }
 
     /// Offsets not final across all partitions.
@@ -252,6 +259,14 @@ impl OffsetTracker {
     /// Rewinds seen so far.
     pub fn rewinds(&self) -> u64 {
         self.rewinds
+    }
+
+    /// A counter that moves whenever tickets stop being current (a revoke, a lost or new
+    /// assignment of a tracked partition, a rewind): a holder of tickets compares it with the
+    /// value it last saw to know when to look for tickets that are not
+    /// [`current`](Self::is_current) any more, without checking each ticket every time.
+    pub fn changes(&self) -> u64 {
+        self.changes
     }
 }
 
@@ -465,5 +480,33 @@ mod tests {
         );
         assert!(shared.same_as(&shared.clone()));
         assert!(!shared.same_as(&SharedOffsetTracker::new()));
+    }
+
+    /// `changes` moves exactly when tickets stop being current: a revoke, an assignment or a
+    /// loss of a tracked partition, a rewind; never for a new partition's first message, a
+    /// finish, or an untracked partition.
+    #[test]
+    fn changes_move_when_tickets_stop_being_current() {
+        let mut t = OffsetTracker::default();
+        let a = t.begin(&pos(0, 1));
+        let b = t.begin(&pos(1, 1));
+        t.finish(&b);
+        t.assign(&TopicPartition::new("t", 9));
+        t.lose(&TopicPartition::new("t", 9));
+        assert_eq!(t.revoke(&TopicPartition::new("t", 9)), None);
+        assert_eq!(t.changes(), 0, "nothing stopped being current");
+        t.begin(&pos(0, 0));
+        assert_eq!(t.changes(), 1, "rewind");
+        t.assign(&TopicPartition::new("t", 0));
+        assert_eq!(t.changes(), 2, "assign");
+        assert_eq!(
+            t.revoke(&TopicPartition::new("t", 1)),
+            Some(CommitOffset::new("t", 1, 2))
+        );
+        assert_eq!(t.changes(), 3, "revoke");
+        t.begin(&pos(0, 5));
+        t.lose(&TopicPartition::new("t", 0));
+        assert_eq!(t.changes(), 4, "lose");
+        assert!(!t.is_current(&a));
     }
 }

@@ -74,7 +74,7 @@ impl CleanupSchedule {
 /// | `max_batch` | 100 | most messages applied in one database transaction |
 /// | `concurrency` | 4 | batch transactions in flight at once (an aggregate is in at most one) |
 /// | `max_in_flight` | 5,000 | most messages received and not final (queued or running; held messages are bounded apart, by [`VersionPolicy::Hold`]'s `max_held`) before the engine pauses the partitions that hold them (a source that cannot pause: before polling stops) |
-/// | `max_in_flight_per_partition` | 1,000 | most messages of one partition received and not final (held ones apart; at most `max_in_flight`) before that partition alone is paused (resumed at half); the others, and polling, go on |
+/// | `max_in_flight_per_partition` | 1,000 | most messages of one partition received and not final (held ones apart; at most half of `max_in_flight`, so that one full partition never holds up the others) before that partition alone is paused (resumed at half); the others, and polling, go on |
 /// | `cleanup` | none | scheduled inbox cleanup ([`CleanupSchedule`]) |
 /// | `metrics_interval` | 15 s | how often lag and parked counts are read for the gauges |
 /// | `shutdown_grace` | 10 s | how long [`ConsumerEngine::run`] waits for running transactions after the shutdown signal |
@@ -403,7 +403,9 @@ where
                     force: &w.force,
                 })
                 .collect();
-            processor.run_batch(&batch, true).await
+            processor
+                .run_batch(&batch, true, Some(processor.store()))
+                .await
         };
         match result {
             Ok(BatchResult::Committed(outcomes)) => {
@@ -528,6 +530,9 @@ pub struct ConsumerEngine<S, I, H> {
     paused: BTreeSet<TopicPartition>,
     /// Whether the source can pause (`None`: not asked yet).
     can_pause: Option<bool>,
+    /// The tracker's [`changes`](outbox_core::watermark::OffsetTracker::changes) when stale
+    /// messages were last dropped.
+    seen_changes: u64,
     next_alone: u64,
     pending_commits: BTreeMap<TopicPartition, CommitOffset>,
     rng: StdRng,
@@ -597,6 +602,7 @@ where
             pending: HashMap::new(),
             paused: BTreeSet::new(),
             can_pause: None,
+            seen_changes: 0,
             next_alone: 0,
             pending_commits: BTreeMap::new(),
             rng: StdRng::seed_from_u64(seed),
@@ -707,6 +713,15 @@ where
         *self.pending.entry(tp).or_default() += 1;
     }
 
+    /// [`receive`](Self::receive); returns whether the message's partition reached its bound
+    /// (a source that can pause then pauses it before anything else of it is taken).
+    fn receive_bounded(&mut self, msg: ReceivedMessage) -> bool {
+        let tp = msg_partition(&msg);
+        self.receive(msg);
+        self.can_pause == Some(true)
+            && self.pending.get(&tp).copied().unwrap_or(0) >= self.partition_bound()
+    }
+
     fn unpend(&mut self, tp: &TopicPartition, n: usize) {
         if let Some(c) = self.pending.get_mut(tp) {
             *c = c.saturating_sub(n);
@@ -714,6 +729,18 @@ where
                 self.pending.remove(tp);
             }
         }
+    }
+
+    /// The bound of one partition: `max_in_flight_per_partition`, at most half of
+    /// `max_in_flight`. A partition that could take the whole total bound would pause every
+    /// other partition whenever it is full (the total bound pauses all that hold messages,
+    /// and resumes them only under three quarters of it): one slow aggregate would stop the
+    /// consumer.
+    fn partition_bound(&self) -> usize {
+        self.config
+            .max_in_flight_per_partition
+            .min(self.config.max_in_flight / 2)
+            .max(1)
     }
 
     /// Messages received and not final, held ones apart.
@@ -726,13 +753,24 @@ where
     /// the total under three quarters of its own), so one slow aggregate holds up its own
     /// partition at most, and polling (which serves rebalances) never stops.
     async fn adjust_pauses(&mut self) {
+        if self.can_pause.is_none() {
+            // Whether the source can pause, asked once before the first poll (pausing no
+            // partition changes nothing), so the first poll round already stops at a
+            // partition's bound.
+            match self.source.pause(&[]).await {
+                Ok(can) => {
+                    self.can_pause = Some(can);
+                    if !can {
+                        info!(consumer = %self.shared.processor.consumer(), "the source cannot pause partitions; polling stops while the engine is full");
+                    }
+                }
+                Err(e) => debug!(error = %e, "the source did not say whether it can pause"),
+            }
+        }
         if self.can_pause == Some(false) {
             return;
         }
-        let per = self
-            .config
-            .max_in_flight_per_partition
-            .min(self.config.max_in_flight);
+        let per = self.partition_bound();
         let total = self.unsettled();
         let over_total = total >= self.config.max_in_flight;
         let to_pause: Vec<TopicPartition> = self
@@ -784,6 +822,52 @@ where
             }
         }
         metrics::record_paused(&consumer, self.paused.len());
+    }
+
+    /// Drops the messages, queued or held, whose partition was revoked, lost, assigned again
+    /// or rewound since they were received (their tickets are no longer current: the
+    /// partition's owner, or the rewound log, delivers them again), as soon as the tracker
+    /// says tickets changed. Dispatch drops them too, but the queue of a busy or retrying
+    /// aggregate is not dispatched: left there, they would keep counting toward the bounds
+    /// (and pile up with each rebalance) until a slow aggregate finishes, pausing every
+    /// partition. Messages in running batches come back with their batch.
+    fn drop_stale(&mut self) {
+        let tracker = self.tracker.lock();
+        let changes = tracker.changes();
+        if changes == self.seen_changes {
+            return;
+        }
+        self.seen_changes = changes;
+        let mut dropped: Vec<TopicPartition> = Vec::new();
+        for q in self.queues.values_mut() {
+            q.items.retain(|w| {
+                let current = tracker.is_current(&w.ticket);
+                if !current {
+                    dropped.push(msg_partition(&w.msg));
+                }
+                current
+            });
+        }
+        let mut held_dropped = 0;
+        for items in self.held.values_mut() {
+            items.retain(|w| {
+                let current = tracker.is_current(&w.ticket);
+                held_dropped += usize::from(!current);
+                current
+            });
+        }
+        drop(tracker);
+        self.held.retain(|_, items| !items.is_empty());
+        self.queues
+            .retain(|_, q| q.busy || q.retry_at.is_some() || !q.items.is_empty());
+        self.held_count -= held_dropped;
+        self.in_flight -= dropped.len() + held_dropped;
+        if !dropped.is_empty() || held_dropped > 0 {
+            debug!(consumer = %self.shared.processor.consumer(), queued = dropped.len(), held = held_dropped, "messages of revoked or rewound partitions dropped");
+        }
+        for tp in dropped {
+            self.unpend(&tp, 1);
+        }
     }
 
     /// Starts batches while transaction slots are free and keys are ready.
@@ -1066,14 +1150,17 @@ where
         match polled {
             Ok(Some(m)) => {
                 self.poll_failures = 0;
-                self.receive(m);
-                // Take what else is already buffered, without waiting.
+                let mut full = self.receive_bounded(m);
+                // Take what else is already buffered, without waiting, until a partition
+                // reaches its bound (paused at the next step) or the total bound is reached.
                 let mut taken = 1;
-                while taken < self.config.max_batch && self.unsettled() < self.config.max_in_flight
+                while !full
+                    && taken < self.config.max_batch
+                    && self.unsettled() < self.config.max_in_flight
                 {
                     match self.source.poll(Duration::ZERO).await {
                         Ok(Some(m)) => {
-                            self.receive(m);
+                            full = self.receive_bounded(m);
                             taken += 1;
                         }
                         Ok(None) => break,
@@ -1127,6 +1214,7 @@ where
     /// gauges when due. Returns whether anything happened (a message arrived, a batch finished
     /// or a timer fired).
     pub async fn step(&mut self) -> Result<bool, EngineError> {
+        self.drop_stale();
         self.dispatch();
         self.adjust_pauses().await;
         // With partitions paused, polling goes on whatever the engine holds (it serves

@@ -94,7 +94,8 @@ impl ReleaseReport {
 /// * **discard** resolves the message without effect (registered, so a redelivery is a
 ///   duplicate), with a recorded reason; then releases the waiting messages as retry does. Its
 ///   version counts as applied only as far as that skips nothing: when every version below it
-///   was applied or discarded and no lower one is still open. A discard never moves the
+///   was applied or discarded and no lower one is still open (so once a missing lower version
+///   is applied, the engine counts it). A discard never moves the
 ///   applied version over a version that was not seen; an operator who knows missing versions
 ///   will never come says so explicitly, and how far, with
 ///   [`discard_skipping_to`](ParkedMessages::discard_skipping_to) (audited).
@@ -405,7 +406,9 @@ where
     /// yet), and no other open message of the aggregate waits at or below it. A discarded
     /// version above a missing one (a bogus record with a far-future version, or one after a
     /// version that never came) counts as nothing: the missing versions still apply when they
-    /// come. To declare that versions which were never seen will never come, use
+    /// come, and once they are applied it counts (the engine reads the discarded versions of
+    /// an aggregate in which it finds a gap), so the version after it is no gap. To declare
+    /// that versions which were never seen will never come, use
     /// [`discard_skipping_to`](Self::discard_skipping_to).
     pub async fn discard(
         &self,
@@ -469,10 +472,13 @@ where
                 Some(key) => {
                     let open = store.open_parked_of(&mut tx, &consumer, key).await?;
                     let Some(me) = open.iter().find(|m| m.id == id) else {
-                        return Err(OperatorError::NotOpen {
-                            id,
-                            status: ParkedStatus::Discarded,
-                        });
+                        // Resolved meanwhile (another operator retried or discarded it): say
+                        // how, as read under the aggregate's lock.
+                        let status = store
+                            .parked_in(&mut tx, &consumer, id)
+                            .await?
+                            .map_or(ParkedStatus::Discarded, |m| m.status);
+                        return Err(OperatorError::NotOpen { id, status });
                     };
                     // The lowest version still open besides this one (unknown versions sort
                     // first): no version at or above it may count as applied yet, or that

@@ -12,6 +12,39 @@ use outbox_core::{
 use crate::handler::{BatchHandlerError, Handler, HandlerError};
 use crate::metrics;
 
+/// Reads, in a batch's transaction, the versions of an aggregate's messages that an operator
+/// discarded (the engine's store; [`InboxProcessor::process`] has none). A discard counts its
+/// version as applied only when that skips no unseen version; one made while a lower version
+/// was still unseen counts once that version is applied, which the batch that finds the next
+/// version a "gap" checks here.
+#[async_trait::async_trait]
+pub(crate) trait DiscardedVersions<Tx: Send>: Send + Sync {
+    /// The discarded versions of `aggregate` (decodable messages only, as the operator counts).
+    async fn discarded_versions(
+        &self,
+        tx: &mut Tx,
+        consumer: &str,
+        aggregate: &AggregateKey,
+    ) -> Result<Vec<i64>, StoreError>;
+}
+
+#[async_trait::async_trait]
+impl<I: outbox_core::InboxParking> DiscardedVersions<I::Tx> for I {
+    async fn discarded_versions(
+        &self,
+        tx: &mut I::Tx,
+        consumer: &str,
+        aggregate: &AggregateKey,
+    ) -> Result<Vec<i64>, StoreError> {
+        Ok(self
+            .discarded_of(tx, consumer, aggregate)
+            .await?
+            .into_iter()
+            .filter_map(|m| m.record.decode().ok().map(|e| e.aggregate_version))
+            .collect())
+    }
+}
+
 /// What to do with a message whose `aggregate_version` skips ahead of the last version this
 /// consumer applied for its aggregate. Versions at or below the applied one are never applied
 /// again, whatever the policy (they are duplicates or stale; counted as `stale`), except under
@@ -157,11 +190,16 @@ enum Decision {
     Blocked,
 }
 
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 struct Local {
     read: AggregateState,
     applied: Option<i64>,
     blocked: bool,
+    /// Versions of the aggregate an operator discarded (read only for an aggregate found with
+    /// a gap): the next ones count as applied when a gap is found.
+    discarded: Option<std::collections::BTreeSet<i64>>,
+    /// The highest discarded version counted as applied by this batch.
+    counted: Option<i64>,
 }
 
 /// Register-and-apply in one transaction, with version checks and parking. The building block
@@ -248,7 +286,7 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
             attempts: 0,
             force: &force,
         }];
-        match self.run_batch(&items, false).await? {
+        match self.run_batch(&items, false, None).await? {
             BatchResult::Committed(mut o) => Ok(o.pop().unwrap_or(MessageOutcome::Duplicate)),
             BatchResult::HandlerFailed { error, .. } => {
                 metrics::record_outcome(&self.consumer, &MessageOutcome::Failed(error.clone()));
@@ -337,6 +375,18 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
         if let Some(a) = local.applied.filter(|a| v <= *a) {
             return Decision::Stale(a);
         }
+        // Versions below this one that an operator discarded while a lower version was
+        // unseen (applied since) count as applied now: they skip nothing any more. Never this
+        // version itself: another event of it may have been sent, and nobody discarded that.
+        if let (Some(set), Some(mut a)) = (&local.discarded, local.applied) {
+            while a < v - 1 && set.contains(&(a + 1)) {
+                a += 1;
+            }
+            if Some(a) != local.applied {
+                local.applied = Some(a);
+                local.counted = Some(a);
+            }
+        }
         if let Some(expected) = self.gap(local.applied, v) {
             if *item.force == Force::AllowGap {
                 local.applied = Some(v);
@@ -368,13 +418,16 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
     /// Runs `items` in one transaction. With `park`, messages that cannot be applied are
     /// parked (and held under [`VersionPolicy::Hold`]); without it, they come back as
     /// `Blocked`/`VersionGap` and nothing is written for them.
+    ///
+    /// `discarded` reads the versions an operator discarded: a gap they fill is no gap.
     pub(crate) async fn run_batch(
         &self,
         items: &[Item<'_>],
         park: bool,
+        discarded: Option<&dyn DiscardedVersions<I::Tx>>,
     ) -> Result<BatchResult, StoreError> {
         let mut tx = self.store.begin().await?;
-        match self.batch_in(&mut tx, items, park).await {
+        match self.batch_in(&mut tx, items, park, discarded).await {
             Ok((BatchResult::Committed(outcomes), baselines)) => {
                 self.store.commit(tx).await?;
                 for o in &outcomes {
@@ -415,6 +468,7 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
         tx: &mut I::Tx,
         items: &[Item<'_>],
         park: bool,
+        discarded: Option<&dyn DiscardedVersions<I::Tx>>,
     ) -> Result<(BatchResult, Vec<(AggregateKey, i64)>), StoreError> {
         // 1. What the inbox knows about the batch's aggregates (one round trip).
         let mut keys: Vec<AggregateKey> = Vec::new();
@@ -437,17 +491,54 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
                 read: *s,
                 applied: s.applied_version,
                 blocked: s.blocked,
+                ..Local::default()
             })
             .collect();
         // 2. Decide each message in order, as if the ones before it were applied.
-        let decisions: Vec<Decision> = items
-            .iter()
-            .zip(&aggs)
-            .map(|(item, agg)| {
-                let local = agg.as_ref().map(|k| &mut locals[index[k]]);
-                self.decide(item, local, park)
-            })
-            .collect();
+        let decide_all = |locals: &mut [Local]| -> Vec<Decision> {
+            items
+                .iter()
+                .zip(&aggs)
+                .map(|(item, agg)| {
+                    let local = agg.as_ref().map(|k| &mut locals[index[k]]);
+                    self.decide(item, local, park)
+                })
+                .collect()
+        };
+        let initial: Vec<Local> = locals.clone();
+        let mut decisions = decide_all(&mut locals);
+        // 2b. An aggregate found with a version gap: read the versions an operator discarded
+        //     (one round trip each; rare) and decide again. A discard made while a lower
+        //     version was unseen counts once that version is applied, as the operator's own
+        //     release counts it: the next version is then no gap.
+        if let (Some(reader), true) = (discarded, self.policy.tracks()) {
+            let mut gapped: Vec<usize> = Vec::new();
+            for (d, agg) in decisions.iter().zip(&aggs) {
+                let gap = matches!(
+                    d,
+                    Decision::Gap(_)
+                        | Decision::Hold
+                        | Decision::Park(ParkAs::Head(ParkKind::VersionGap), _)
+                );
+                if let (true, Some(k)) = (gap, agg) {
+                    if !gapped.contains(&index[k]) {
+                        gapped.push(index[k]);
+                    }
+                }
+            }
+            if !gapped.is_empty() {
+                locals = initial;
+                for ki in gapped {
+                    let versions = reader
+                        .discarded_versions(tx, &self.consumer, &keys[ki])
+                        .await?;
+                    if !versions.is_empty() {
+                        locals[ki].discarded = Some(versions.into_iter().collect());
+                    }
+                }
+                decisions = decide_all(&mut locals);
+            }
+        }
         // 3. Register what is to be applied, and the stale versions (one round trip; a second
         //    only for an id that another aggregate's event holds): a stale message registered
         //    before is a duplicate of an applied event; one that was not is another event at an
@@ -534,6 +625,13 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
                     baselines.push((k.clone(), e.aggregate_version));
                 }
                 *slot = Some(e.aggregate_version);
+            }
+            // Discarded versions counted in step 2b move the version even when nothing after
+            // them is applied (versions only grow, so the highest wins).
+            for (slot, l) in applied.iter_mut().zip(&locals) {
+                if l.counted > *slot {
+                    *slot = l.counted;
+                }
             }
             let advances: Vec<VersionAdvance> = keys
                 .iter()

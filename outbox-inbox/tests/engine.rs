@@ -642,8 +642,9 @@ async fn concurrency_bounds_the_transactions_running_at_once() {
 }
 
 /// `max_in_flight` bounds what is received and not final: with every transaction stuck, the
-/// engine stops polling at the bound; `in_flight` counts those messages and drops to zero
-/// once they are final.
+/// engine stops polling at the bound (a source that cannot pause; one that can has the
+/// partitions holding messages paused: `adversary_pause.rs`); `in_flight` counts those
+/// messages and drops to zero once they are final.
 #[tokio::test]
 async fn max_in_flight_stops_polling_until_messages_are_final() {
     let log = MemoryLog::new("t", 1);
@@ -655,7 +656,12 @@ async fn max_in_flight_stops_polling_until_messages_are_final() {
         .with_concurrency(4)
         .with_max_batch(2)
         .with_max_in_flight(2);
-    let mut eng = engine_on(&log, &db, &script, VersionPolicy::Reject, cfg);
+    let mut eng = common::engine_over(
+        common::NoPause(log.consumer("proj", &["t"])),
+        &db,
+        &script,
+        cfg,
+    );
     for _ in 0..20 {
         eng.step().await.unwrap();
     }
@@ -1833,7 +1839,8 @@ async fn messages_handed_back_for_a_retry_keep_their_order() {
 // Poll rounds and housekeeping timing
 
 /// One poll round takes what the source has buffered, up to `max_batch` messages, and stops
-/// taking at `max_in_flight`: never one message past either bound.
+/// taking at `max_in_flight`: never one message past either bound (a source that cannot
+/// pause; with one that can, a round also stops at a partition's bound).
 #[tokio::test]
 async fn a_poll_round_takes_at_most_max_batch_and_never_passes_max_in_flight() {
     let log = MemoryLog::new("t", 1);
@@ -1845,7 +1852,12 @@ async fn a_poll_round_takes_at_most_max_batch_and_never_passes_max_in_flight() {
         .with_concurrency(1)
         .with_max_batch(3)
         .with_max_in_flight(5);
-    let mut eng = engine_on(&log, &db, &script, VersionPolicy::Reject, cfg);
+    let mut eng = common::engine_over(
+        common::NoPause(log.consumer("proj", &["t"])),
+        &db,
+        &script,
+        cfg,
+    );
     for _ in 0..20 {
         eng.step().await.unwrap();
         if eng.report().received > 0 {

@@ -33,6 +33,13 @@ async fn publish_each(
     }
 }
 
+async fn wait_applied_gap_baseline(ctx: &Ctx) {
+    eventually("gap v1 applied", || async {
+        ctx.applied("gap").await == vec![1]
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_slow_aggregate_holds_up_only_its_own_partition() {
     let Some(brokers) = outbox_test_support::brokers("one_slow_aggregate") else {
@@ -51,11 +58,10 @@ async fn one_slow_aggregate_holds_up_only_its_own_partition() {
         .await
         .expect("publisher");
     let (mut parts, mut ends) = (HashMap::new(), HashMap::new());
-    let slow: Vec<_> = (1..=16).map(|v| ev("slow", v)).collect();
-    publish_each(&publisher, &slow, &mut parts, &mut ends).await;
-    // The first version of the aggregate that will have a gap (its baseline).
+    // The first version of the aggregate that will have a gap (its baseline), applied before
+    // the slow aggregate arrives: a batch takes messages of several aggregates, and one that
+    // shared the slow aggregate's transaction would wait with it (whatever its partition).
     publish_each(&publisher, &[ev("gap", 1)], &mut parts, &mut ends).await;
-    let slow_part = parts["slow"];
     let cfg = || {
         fast()
             .with_max_batch(2)
@@ -73,6 +79,10 @@ async fn one_slow_aggregate_holds_up_only_its_own_partition() {
         cfg(),
     );
     let (stop_first, first_task) = spawn_engine(first);
+    wait_applied_gap_baseline(&ctx).await;
+    let slow: Vec<_> = (1..=16).map(|v| ev("slow", v)).collect();
+    publish_each(&publisher, &slow, &mut parts, &mut ends).await;
+    let slow_part = parts["slow"];
     // The slow aggregate's first batch is in its handler; the engine reads on until the slow
     // partition's bound is full.
     h.wait_entered(1).await;

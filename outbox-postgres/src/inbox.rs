@@ -8,6 +8,7 @@ use std::time::Duration;
 use sqlx::{PgPool, Postgres, Row, Transaction};
 use uuid::Uuid;
 
+use outbox_core::inbox::scoped_dedup_id;
 use outbox_core::{
     async_trait, AggregateKey, AggregateRegistration, AggregateState, EventId, InboxStore,
     NewParkedMessage, ParkAs, Parking, Registration, StoreError, StoreErrorKind, VersionAdvance,
@@ -38,7 +39,9 @@ pub(crate) const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; \
 /// * **Parking:** table `<table>_parked` keeps the raw record (key, headers with null values,
 ///   value), position, reason and attempts; `<table>_audit` keeps every operator action.
 ///   Parking locks the aggregate's row, as the operator's release does, so a message never
-///   waits behind an aggregate that is being released.
+///   waits behind an aggregate that is being released. A message is parked once per dedup
+///   id and aggregate: one whose dedup id a parked message of another aggregate holds is
+///   parked under [`outbox_core::inbox::scoped_dedup_id`].
 /// * **Durability:** every transaction begins with `SET LOCAL synchronous_commit TO on`.
 #[derive(Clone, Debug)]
 pub struct PostgresInboxStore {
@@ -62,6 +65,8 @@ pub(crate) struct Sql {
     lock_aggregate: String,
     block: String,
     insert_parked: String,
+    /// Whether the parked message holding a dedup id is of the given aggregate.
+    parked_same_aggregate: String,
     same_at_position: String,
     pub(crate) parked: String,
     pub(crate) aggs: String,
@@ -163,6 +168,11 @@ impl PostgresInboxStoreBuilder {
                    dedup_id, aggregate_version, status, kind, reason, attempts) \
                  VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) \
                  ON CONFLICT DO NOTHING RETURNING id"
+            ),
+            parked_same_aggregate: format!(
+                "SELECT aggregate_type IS NOT DISTINCT FROM $3 \
+                   AND aggregate_id IS NOT DISTINCT FROM $4 \
+                 FROM {parked} WHERE consumer = $1 AND dedup_id = $2"
             ),
             same_at_position: format!(
                 "SELECT record_key IS NOT DISTINCT FROM $5 \
@@ -285,7 +295,11 @@ impl PostgresInboxStore {
         // record at a position parked before (the log was rewound: a topic recreated, data
         // lost on the broker) is a different record: it is parked under an id derived from
         // its position and content, so it is kept, and its own redeliveries are recognised.
+        // A record whose dedup id a parked message of another aggregate holds (a record
+        // naming another aggregate's event as its original, or the event such a record
+        // named) is not that message either: it is parked under its aggregate-scoped id.
         let mut dedup = r.dedup_id.map(|e| e.as_uuid());
+        let mut scoped = false;
         let id = loop {
             let id: Option<i64> = sqlx::query_scalar(&self.sql.insert_parked)
                 .bind(consumer)
@@ -308,8 +322,29 @@ impl PostgresInboxStore {
                 .fetch_optional(&mut **tx)
                 .await
                 .map_err(db)?;
-            if id.is_some() || dedup.is_some() {
+            if id.is_some() {
                 break id;
+            }
+            if let Some(held) = dedup {
+                let (Some(a), Some(original), false) = (&r.aggregate, r.dedup_id, scoped) else {
+                    break None;
+                };
+                // A statement of its own: it sees the holder that a concurrent transaction
+                // committed while the insert waited on it.
+                let same: Option<bool> = sqlx::query_scalar(&self.sql.parked_same_aggregate)
+                    .bind(consumer)
+                    .bind(held)
+                    .bind(pg_text(&a.aggregate_type))
+                    .bind(pg_text(&a.aggregate_id))
+                    .fetch_optional(&mut **tx)
+                    .await
+                    .map_err(db)?;
+                if same != Some(false) {
+                    break None;
+                }
+                dedup = Some(scoped_dedup_id(a, original).as_uuid());
+                scoped = true;
+                continue;
             }
             let same: Option<Option<bool>> = sqlx::query_scalar(&self.sql.same_at_position)
                 .bind(consumer)

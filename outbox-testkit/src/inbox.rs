@@ -73,6 +73,24 @@ impl ConsumerState {
             .or_default()
     }
 
+    /// `m` as it is parked: under its aggregate-scoped dedup id when a parked message of
+    /// another aggregate holds its dedup id (a record naming another aggregate's event as its
+    /// original, or the event such a record named), as the PostgreSQL store does.
+    fn as_parked(&self, consumer: &str, m: &NewParkedMessage) -> NewParkedMessage {
+        let mut m = m.clone();
+        if let (Some(id), Some(key)) = (m.record.dedup_id, &m.record.aggregate) {
+            let other = self.parked.values().any(|p| {
+                p.consumer == consumer
+                    && p.record.dedup_id == Some(id)
+                    && p.record.aggregate.as_ref() != Some(key)
+            });
+            if other {
+                m.record.dedup_id = Some(outbox_core::inbox::scoped_dedup_id(key, id));
+            }
+        }
+        m
+    }
+
     fn already_parked(&self, consumer: &str, m: &NewParkedMessage) -> bool {
         self.parked.values().any(|p| {
             p.consumer == consumer
@@ -492,6 +510,7 @@ impl InboxStore for MemoryInboxStore {
         let mut out = Vec::with_capacity(messages.len());
         for m in messages {
             let view = self.view(tx);
+            let m = &view.as_parked(consumer, m);
             if view.already_parked(consumer, m) {
                 out.push(Parking::AlreadyParked);
                 continue;

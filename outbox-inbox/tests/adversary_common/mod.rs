@@ -155,6 +155,83 @@ macro_rules! ctx {
     };
 }
 
+/// The aggregate row of `agg` for this test's consumer: (applied version, blocked).
+pub(crate) async fn agg_state(ctx: &Ctx, agg: &str) -> (Option<i64>, bool) {
+    sqlx::query_as(&format!(
+        "SELECT applied_version, blocked FROM \"{}\".processed_events_aggregates \
+         WHERE consumer = $1 AND aggregate_type = 'order' AND aggregate_id = $2",
+        ctx.schema
+    ))
+    .bind(GROUP)
+    .bind(agg)
+    .fetch_optional(&ctx.pool)
+    .await
+    .unwrap()
+    .unwrap_or((None, false))
+}
+
+pub(crate) async fn status(
+    inbox: &outbox_postgres::PostgresInboxStore,
+    id: outbox_core::ParkedId,
+) -> ParkedStatus {
+    inbox
+        .parked_message(GROUP, id)
+        .await
+        .unwrap()
+        .expect("parked message")
+        .status
+}
+
+pub(crate) async fn all_parked(
+    inbox: &outbox_postgres::PostgresInboxStore,
+) -> Vec<outbox_core::ParkedMessage> {
+    inbox
+        .list_parked(GROUP, &ParkedFilter::open().all())
+        .await
+        .unwrap()
+}
+
+/// Holds the aggregate row of `agg` locked (FOR UPDATE) in a test transaction, so operator
+/// transactions queue behind it and start together when it ends.
+pub(crate) async fn lock_aggregate(ctx: &Ctx, agg: &str) -> PgTx {
+    let mut tx = ctx.pool.begin().await.unwrap();
+    let n: Option<i32> = sqlx::query_scalar(&format!(
+        "SELECT 1 FROM \"{}\".processed_events_aggregates \
+         WHERE consumer = $1 AND aggregate_type = 'order' AND aggregate_id = $2 FOR UPDATE",
+        ctx.schema
+    ))
+    .bind(GROUP)
+    .bind(agg)
+    .fetch_optional(&mut *tx)
+    .await
+    .unwrap();
+    assert!(n.is_some(), "the aggregate row exists");
+    tx
+}
+
+/// Waits until `n` sessions of this test wait on a lock.
+pub(crate) async fn wait_blocked(ctx: &Ctx, n: usize) -> Vec<i32> {
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let found: Vec<i32> = sqlx::query_scalar(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = $1 \
+             AND cardinality(pg_blocking_pids(pid)) > 0",
+        )
+        .bind(&ctx.schema)
+        .fetch_all(&ctx.pool)
+        .await
+        .unwrap();
+        if found.len() >= n {
+            return found;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{n} sessions did not become blocked"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// The handler: one effect row per event, in the effect's transaction.
 ///
 /// * `poison*` aggregates fail permanently until a row in `fixes` names them;

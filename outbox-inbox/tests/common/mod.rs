@@ -160,3 +160,29 @@ pub fn engine_over<S: outbox_core::MessageSource>(
     );
     outbox_inbox::ConsumerEngine::new(source, processor, cfg, 7).unwrap()
 }
+
+/// A source that cannot pause partitions (the trait's default), over `S`: the engine then
+/// stops polling at `max_in_flight` instead of pausing the partitions that hold messages.
+pub struct NoPause<S>(pub S);
+
+#[async_trait]
+impl<S: outbox_core::MessageSource> outbox_core::MessageSource for NoPause<S> {
+    async fn poll(
+        &self,
+        timeout: Duration,
+    ) -> Result<Option<outbox_core::ReceivedMessage>, outbox_core::SourceError> {
+        self.0.poll(timeout).await
+    }
+    async fn commit(
+        &self,
+        offsets: &[outbox_core::CommitOffset],
+    ) -> Result<(), outbox_core::SourceError> {
+        self.0.commit(offsets).await
+    }
+    fn attach_offsets(&self, offsets: outbox_core::watermark::SharedOffsetTracker) {
+        self.0.attach_offsets(offsets);
+    }
+    async fn lag(&self) -> Result<Vec<outbox_core::PartitionLag>, outbox_core::SourceError> {
+        self.0.lag().await
+    }
+}

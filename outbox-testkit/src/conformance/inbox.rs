@@ -958,3 +958,60 @@ pub async fn original_id_dedupe_is_scoped_to_the_aggregate<H: InboxHarness>(h: &
         s.rollback(tx).await.expect("rollback");
     }
 }
+
+/// Parking is deduplicated per aggregate too: a message parked before with the same dedup id
+/// (a redelivery, a re-issued copy) is [`Parking::AlreadyParked`] only when it is of the same
+/// aggregate. A record of another aggregate whose original-id header names a parked event (or
+/// whose event a parked foreign record names) is a different message: it is parked (under
+/// [`outbox_core::inbox::scoped_dedup_id`]), whichever of the two was parked first, and its own
+/// redeliveries are then parked already.
+pub async fn park_dedupe_is_scoped_to_the_aggregate<H: InboxHarness>(h: &H) {
+    let s = h.store();
+    let (a, b) = (agg("a"), agg("b"));
+    let real = event_of(&a, 1);
+    let foreign = Envelope::builder(
+        b.aggregate_type.clone(),
+        b.aggregate_id.clone(),
+        1,
+        "conformance.happened",
+    )
+    .event_id(fresh_event_id())
+    .header(wire::ORIGINAL_EVENT_ID, real.event_id.to_string())
+    .build()
+    .expect("valid");
+    assert_eq!(foreign.dedup_id(), real.dedup_id());
+    let head = || ParkAs::Head(ParkKind::Unprocessable);
+    for (first, second) in [(&foreign, &real), (&real, &foreign)] {
+        let c = consumer("c");
+        let p1 = park_one(s, &c, record_of(first, 1), head()).await;
+        assert!(matches!(p1, Parking::Head(_)), "{p1:?}");
+        let p2 = park_one(s, &c, record_of(second, 2), head()).await;
+        assert!(
+            matches!(p2, Parking::Head(_)),
+            "a message of another aggregate sharing the dedup id was taken for parked already \
+             (it would be lost): {p2:?}"
+        );
+        for (e, offset) in [(first, 3), (second, 4)] {
+            assert_eq!(
+                park_one(s, &c, record_of(e, offset), head()).await,
+                Parking::AlreadyParked,
+                "a redelivery of {}",
+                e.aggregate_id
+            );
+        }
+        let open = s
+            .list_parked(&c, &ParkedFilter::open())
+            .await
+            .expect("list");
+        assert_eq!(open.len(), 2, "{open:?}");
+        for key in [&a, &b] {
+            assert_eq!(
+                open.iter()
+                    .filter(|m| m.record.aggregate.as_ref() == Some(key))
+                    .count(),
+                1,
+                "one parked message of {key}"
+            );
+        }
+    }
+}
