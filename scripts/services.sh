@@ -125,6 +125,7 @@ ensure_pgbouncer() {
         fi
     fi
     export PGBOUNCER_BIN="$bin"
+}
 
 # host and port of a URL (scheme://[user[:password]@]host[:port][/...]); $2 is the default port.
 url_host_port() {
