@@ -619,34 +619,89 @@ async fn consumers_sharing_a_table_scope_their_dedupe_apart() {
 /// foreign record would be registered under (a UUID v5 of a public namespace: only a producer
 /// that computes it on purpose can send it), then that foreign record. The foreign record can
 /// be registered neither under the named id (another aggregate's event holds it) nor under its
-/// scoped id (the crafted record holds it). It must be parked (or applied), never stop the
-/// consumer: a record must not be able to stop a consumer for good.
+/// scoped id (the crafted record holds it). It must never stop the consumer: it is parked as
+/// unprocessable (it can never be deduplicated, so it is never applied), its aggregate's later
+/// messages wait behind it, other aggregates keep flowing, and its redeliveries are parked
+/// already. An operator's retry records the same failure; a discard releases the aggregate.
 //
-// FOUND here, NOT fixed (reported): `register_events` fails with a permanent `Other` store
-// error ("scoped id of .. is held by another aggregate"), the engine stops, and stops again on
-// the same batch after a restart: the record stops the consumer for good. Deciding what such
-// a record becomes (parked as unprocessable, most likely) is left to the maintainers.
+// FOUND here, fixed: `register_events` failed with a permanent `Other` store error ("scoped id
+// of .. is held by another aggregate"), the engine stopped, and stopped again on the same
+// batch after a restart: the record stopped the consumer for good.
 #[tokio::test]
-#[ignore = "FOUND, not fixed: a crafted scoped-id collision stops the consumer (see comment)"]
 async fn a_crafted_scoped_id_collision_does_not_stop_the_consumer() {
     let ctx = ctx!("a_crafted_scoped_id_collision_does_not_stop_the_consumer");
     let inbox = ctx.inbox().await;
     let h = Effects::new(&ctx);
-    let real = ev("a", 1);
-    let foreign = naming("b", 1, &real);
-    let scoped = outbox_core::inbox::scoped_dedup_id(
-        &outbox_core::AggregateKey::new("order", "b"),
-        real.event_id,
-    );
-    let crafted = Envelope::builder("order", "c", 1, "order.changed")
-        .event_id(scoped)
-        .build()
-        .unwrap();
-    let log = MemoryLog::new("t", 1);
-    log.publish(&[&real, &crafted, &foreign]).await;
-    let mut eng = mem_engine(&log, &inbox, &h, VersionPolicy::Reject);
-    let r = eng.run_until_quiet(Duration::from_millis(60)).await;
-    assert!(r.is_ok(), "the consumer stopped: {r:?}");
-    assert_eq!(log.committed(GROUP, "t", 0), Some(3));
+    for max_batch in [100, 1] {
+        let [a, b, c, d] = ["a", "b", "c", "d"].map(|x| format!("{x}{max_batch}"));
+        let real = ev(&a, 1);
+        let foreign = naming(&b, 1, &real);
+        let scoped = outbox_core::inbox::scoped_dedup_id(
+            &outbox_core::AggregateKey::new("order", b.as_str()),
+            real.event_id,
+        );
+        let crafted = Envelope::builder("order", c.as_str(), 1, "order.changed")
+            .event_id(scoped)
+            .build()
+            .unwrap();
+        let log = MemoryLog::new("t", 1);
+        log.publish(&[&real, &crafted, &foreign, &ev(&b, 2), &ev(&d, 1)])
+            .await;
+        let mut eng = mem_engine(&log, &inbox, &h, VersionPolicy::Reject);
+        let r = eng.run_until_quiet(Duration::from_millis(60)).await;
+        let r = r.unwrap_or_else(|e| panic!("max_batch {max_batch}: the consumer stopped: {e:?}"));
+        assert_eq!(
+            log.committed(GROUP, "t", 0),
+            Some(5),
+            "max_batch {max_batch}"
+        );
+        assert_eq!(
+            (r.applied, r.parked, r.waiting),
+            (3, 1, 1),
+            "max_batch {max_batch}: {r:?}"
+        );
+        let open = open_of(&inbox, &b).await;
+        assert_eq!(open.len(), 2, "{open:?}");
+        let head = open
+            .iter()
+            .find(|m| m.status == ParkedStatus::Parked)
+            .expect("b's head");
+        assert_eq!(head.record.aggregate_version, Some(1));
+        assert!(
+            head.reason.contains("cannot be deduplicated"),
+            "{}",
+            head.reason
+        );
+        // Redeliveries: the foreign record is parked already, the others duplicates.
+        let before = eng.report().clone();
+        log.publish(&[&foreign, &real, &crafted]).await;
+        let r = eng
+            .run_until_quiet(Duration::from_millis(60))
+            .await
+            .unwrap();
+        assert_eq!(
+            (
+                r.already_parked - before.already_parked,
+                r.duplicates + r.stale - before.duplicates - before.stale,
+                r.applied - before.applied
+            ),
+            (1, 2, 0),
+            "{r:?}"
+        );
+        // An operator's retry records the failure again; a discard releases b's v2.
+        let ops = eng.parked();
+        let retried = ops.retry(head.id, "alice", "try").await.unwrap();
+        assert_eq!(
+            (retried.applied, retried.released),
+            (0, false),
+            "{retried:?}"
+        );
+        ops.discard(head.id, "alice", "crafted").await.unwrap();
+        assert_eq!(ctx.applied(&b).await, vec![2]);
+        for agg in [&a, &c, &d] {
+            assert_eq!(ctx.applied(agg).await, vec![1], "{agg}");
+        }
+        assert!(open_parked(&inbox).await.is_empty());
+    }
     ctx.drop().await;
 }
