@@ -474,10 +474,8 @@ impl InboxStore for MySqlInboxStore {
     type Tx = Transaction<'static, MySql>;
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        self.pool
-            .begin_with(crate::outbox::BEGIN_RC)
-            .await
-            .map_err(db)
+        // Cancel-safe: see `outbox::tx::begin`.
+        crate::outbox::begin(&self.pool).await
     }
 
     async fn register(
