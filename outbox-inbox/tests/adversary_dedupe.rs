@@ -705,3 +705,110 @@ async fn a_crafted_scoped_id_collision_does_not_stop_the_consumer() {
     }
     ctx.drop().await;
 }
+
+/// Attack 7b (adversary pass on the fix of attack 7): two instances of the consumer (one inbox
+/// consumer name, as during a rebalance overlap) race the same records, the crafted one and the
+/// foreign one among them, in batches of one and of all, each running several aggregates at
+/// once; then a redelivery of the foreign record races the operator's discard of its parked
+/// message (when it was parked). Neither instance stops, and each event takes effect at most
+/// once: which of the crafted and the foreign record is registered first depends on the race
+/// (the foreign one first: its scoped id is free, it is applied, and the crafted one is then
+/// registered under its own scoped id), so the foreign record is either applied once or
+/// parked once with `b`'s next version waiting behind it, never both, never lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_race_a_crafted_collision_and_a_discard() {
+    let ctx = ctx!("two_instances_race_a_crafted_collision_and_a_discard");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let real = ev("a", 1);
+    let foreign = naming("b", 1, &real);
+    let scoped = outbox_core::inbox::scoped_dedup_id(
+        &outbox_core::AggregateKey::new("order", "b"),
+        real.event_id,
+    );
+    let crafted = Envelope::builder("order", "c", 1, "order.changed")
+        .event_id(scoped)
+        .build()
+        .unwrap();
+    let b2 = ev("b", 2);
+    let log = MemoryLog::new("t", 1);
+    log.publish(&[&real, &crafted, &foreign, &b2, &ev("d", 1)])
+        .await;
+    let instances: Vec<_> = [("i1", 1), ("i2", 100)]
+        .into_iter()
+        .map(|(group, max_batch)| {
+            let eng = outbox_inbox::ConsumerEngine::new(
+                log.consumer(group, &["t"]),
+                outbox_inbox::InboxProcessor::new(GROUP, inbox.clone(), h.clone()),
+                fast().with_max_batch(max_batch).with_concurrency(4),
+                7,
+            )
+            .unwrap();
+            (group, spawn_engine(eng))
+        })
+        .collect();
+    let l = &log;
+    eventually("both instances through the log", || async move {
+        l.committed("i1", "t", 0) == Some(5) && l.committed("i2", "t", 0) == Some(5)
+    })
+    .await;
+    for agg in ["a", "c", "d"] {
+        assert_eq!(ctx.applied(agg).await, vec![1], "{agg}");
+    }
+    let open = open_of(&inbox, "b").await;
+    let parked = match (ctx.applied("b").await.as_slice(), open.len()) {
+        ([1, 2], 0) => false,
+        ([], 2) => true,
+        (applied, _) => panic!("b applied {applied:?} with open {open:?}"),
+    };
+    eprintln!(
+        "the foreign record was {}",
+        if parked { "parked" } else { "applied" }
+    );
+    let redelivered = [&foreign, &b2];
+    if parked {
+        let head = open
+            .iter()
+            .find(|m| m.status == ParkedStatus::Parked)
+            .expect("b's head");
+        assert!(
+            head.reason.contains("cannot be deduplicated"),
+            "{}",
+            head.reason
+        );
+        let ops = outbox_inbox::ParkedMessages::new(outbox_inbox::InboxProcessor::new(
+            GROUP,
+            inbox.clone(),
+            h.clone(),
+        ));
+        let (discard, _) = tokio::join!(
+            ops.discard(head.id, "alice", "crafted"),
+            log.publish(&redelivered)
+        );
+        discard.unwrap();
+    } else {
+        log.publish(&redelivered).await;
+    }
+    eventually("redeliveries committed", || async {
+        l.committed("i1", "t", 0) == Some(7) && l.committed("i2", "t", 0) == Some(7)
+    })
+    .await;
+    let c = &ctx;
+    let expected = if parked { vec![2] } else { vec![1, 2] };
+    let e = &expected;
+    eventually("b's versions applied once", || async move {
+        &c.applied("b").await == e
+    })
+    .await;
+    for (group, (stop, task)) in instances {
+        stop.send(()).unwrap();
+        let (_eng, r) = task.await.unwrap();
+        assert_eq!(r.received, 7, "{group}: {r:?}");
+    }
+    for agg in ["a", "c", "d"] {
+        assert_eq!(ctx.applied(agg).await, vec![1], "{agg}");
+    }
+    assert_eq!(ctx.applied("b").await, expected);
+    assert!(open_parked(&inbox).await.is_empty());
+    ctx.drop().await;
+}
