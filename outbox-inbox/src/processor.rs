@@ -706,6 +706,8 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
         //    aggregate's version (a duplicate or a stale one never does), to the version of the
         //    last one applied.
         let mut baselines = Vec::new();
+        // Each aggregate's applied version as this transaction leaves it.
+        let mut written: Vec<Option<i64>> = locals.iter().map(|l| l.read.applied_version).collect();
         if self.policy.tracks() {
             let mut applied: Vec<Option<i64>> =
                 locals.iter().map(|l| l.read.applied_version).collect();
@@ -743,6 +745,7 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
                     .advance_versions(tx, &self.consumer, &advances)
                     .await?;
             }
+            written = applied;
         }
         // 5. Parking: the heads first, then the messages waiting behind them (one round trip
         //    each). A head parked before and resolved since (an operator discarded it; a
@@ -791,6 +794,37 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
             let results = self.store.park(tx, &self.consumer, &messages).await?;
             for ((i, _), r) in parks.iter().zip(results) {
                 parked.insert(*i, r);
+            }
+            // A head was parked on the aggregate's state as read at the start of the batch.
+            // Parking took the aggregate's row lock, so a transaction that applied a version of
+            // it meanwhile (another instance of the consumer on the same records, during a
+            // rebalance) has committed by now, and a read now sees it: the message may have
+            // been applied there (or is stale now), and parking it would block the aggregate
+            // behind an applied event. Then everything is run again on what is committed.
+            if heads && self.policy.tracks() {
+                let mut moved: Vec<AggregateKey> = Vec::new();
+                for (i, _) in &parks {
+                    if let (Some(Parking::Head(_)), Some(k)) = (parked.get(i), &aggs[*i]) {
+                        if !moved.contains(k) {
+                            moved.push(k.clone());
+                        }
+                    }
+                }
+                if !moved.is_empty() {
+                    let now = self.store.aggregates(tx, &self.consumer, &moved).await?;
+                    let changed = moved
+                        .iter()
+                        .zip(&now)
+                        .any(|(k, state)| state.applied_version != written[index[k]]);
+                    if changed {
+                        return Ok((
+                            BatchResult::Split {
+                                deferred: Vec::new(),
+                            },
+                            Vec::new(),
+                        ));
+                    }
+                }
             }
         }
         let outcomes = decisions

@@ -812,3 +812,70 @@ async fn two_instances_race_a_crafted_collision_and_a_discard() {
     assert!(open_parked(&inbox).await.is_empty());
     ctx.drop().await;
 }
+
+/// Attack 8 (found by attack 7b on MariaDB, 1 run in 8): a message parked on the aggregate's
+/// state as read at the start of its batch, while another instance of the consumer applied it
+/// meanwhile. Instance Y's batch holds `poison-g` v1 (its handler fails: it is to be parked)
+/// and `slow` v1 (held on a gate in the handler, after the batch read its aggregates). While
+/// Y waits, the fix lands and instance X applies `poison-g` v1. Y must not park it (it was
+/// applied: parking it would block `poison-g` behind an applied event until an operator acts):
+/// its parking waits on the aggregate's row lock, reads the state again, and runs the batch
+/// again, where the message is a duplicate.
+//
+// FOUND here, fixed: Y parked the applied message and blocked the aggregate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_applied_by_another_instance_meanwhile_is_not_parked() {
+    let ctx = ctx!("a_message_applied_by_another_instance_meanwhile_is_not_parked");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let gate = h.gate("slow");
+    let g1 = ev("poison-g", 1);
+    let log = MemoryLog::new("t", 1);
+    log.publish(&[&g1, &ev("slow", 1)]).await;
+    let eng = engine(
+        log.consumer(GROUP, &["t"]),
+        &inbox,
+        &h,
+        VersionPolicy::Reject,
+        fast(),
+    );
+    let (stop, task) = spawn_engine(eng);
+    // Y's second run of the batch (poison-g forced to park) is in `slow`'s handler.
+    h.wait_entered(1).await;
+    ctx.fix("poison-g").await;
+    let x = processor(&inbox, &h, VersionPolicy::Reject);
+    assert!(matches!(
+        x.process(&g1).await.unwrap(),
+        outbox_inbox::MessageOutcome::Applied
+    ));
+    gate.add_permits(1_000);
+    let l = &log;
+    eventually("Y through the log", || async move {
+        l.committed(GROUP, "t", 0) == Some(2)
+    })
+    .await;
+    stop.send(()).unwrap();
+    let (_eng, r) = task.await.unwrap();
+    assert_eq!(ctx.applied("poison-g").await, vec![1]);
+    assert_eq!(ctx.applied("slow").await, vec![1]);
+    assert!(
+        open_parked(&inbox).await.is_empty(),
+        "an applied message parked: {:?} ({r:?})",
+        open_parked(&inbox).await
+    );
+    assert!(!agg_blocked(&ctx, "poison-g").await, "poison-g blocked");
+    ctx.drop().await;
+}
+
+async fn agg_blocked(ctx: &Ctx, agg: &str) -> bool {
+    sqlx::query_scalar(&format!(
+        "SELECT blocked FROM \"{}\".processed_events_aggregates WHERE consumer = $1 \
+         AND aggregate_id = $2",
+        ctx.schema
+    ))
+    .bind(GROUP)
+    .bind(agg)
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap()
+}

@@ -223,3 +223,135 @@ async fn a_crafted_scoped_id_collision_does_not_stop_the_consumer() {
     }
     ctx.drop().await;
 }
+
+async fn eventually<F, Fut>(what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !cond().await {
+        assert!(std::time::Instant::now() < deadline, "not reached: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Adversary pass on the MariaDB side: two instances of the consumer (one inbox consumer name)
+/// race the same records, a crafted collision among them, in batches of one and of all with
+/// several aggregates at once; then a redelivery races the discard of the parked foreign
+/// record (when parked). Neither instance stops; the foreign record is applied once or parked
+/// once with `b`'s next version behind it (which one depends on whether its scoped id was free
+/// when it registered), never both, never lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_race_a_crafted_collision_and_a_discard() {
+    let ctx = ctx!(12);
+    let (inbox, h) = setup(&ctx).await;
+    let real = ev("a", 1);
+    let foreign = naming("b", 1, &real);
+    let scoped = outbox_core::inbox::scoped_dedup_id(
+        &outbox_core::AggregateKey::new("order", "b"),
+        real.event_id,
+    );
+    let crafted = Envelope::builder("order", "c", 1, "order.changed")
+        .event_id(scoped)
+        .build()
+        .unwrap();
+    let b2 = ev("b", 2);
+    let log = MemoryLog::new("t", 1);
+    log.publish(&[&real, &crafted, &foreign, &b2, &ev("d", 1)])
+        .await;
+    let instances: Vec<_> = [("i1", 1usize), ("i2", 100)]
+        .into_iter()
+        .map(|(group, max_batch)| {
+            let retry = outbox_core::RetryPolicy::builder()
+                .base(Duration::from_millis(1))
+                .max_delay(Duration::from_millis(2))
+                .min_delay(Duration::from_millis(1))
+                .max_attempts(3)
+                .build()
+                .unwrap();
+            let mut eng = ConsumerEngine::new(
+                log.consumer(group, &["t"]),
+                InboxProcessor::new(GROUP, inbox.clone(), h.clone()),
+                EngineConfig::default()
+                    .with_commit(1, Duration::from_secs(60))
+                    .with_poll_timeout(Duration::from_millis(5))
+                    .with_retry(retry)
+                    .with_max_batch(max_batch)
+                    .with_concurrency(4),
+                7,
+            )
+            .unwrap();
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let task = tokio::spawn(async move {
+                let r = eng
+                    .run(async {
+                        let _ = stopped.await;
+                    })
+                    .await;
+                (group, r)
+            });
+            (stop, task)
+        })
+        .collect();
+    let l = &log;
+    eventually("both instances through the log", || async move {
+        l.committed("i1", "t", 0) == Some(5) && l.committed("i2", "t", 0) == Some(5)
+    })
+    .await;
+    for agg in ["a", "c", "d"] {
+        assert_eq!(applied(&ctx.pool, &h, agg).await, vec![1], "{agg}");
+    }
+    let open = open_of(&inbox, "b").await;
+    let parked = match (applied(&ctx.pool, &h, "b").await.as_slice(), open.len()) {
+        ([1, 2], 0) => false,
+        ([], 2) => true,
+        (got, _) => panic!("b applied {got:?} with open {open:?}"),
+    };
+    eprintln!(
+        "the foreign record was {}",
+        if parked { "parked" } else { "applied" }
+    );
+    let redelivered = [&foreign, &b2];
+    if parked {
+        let head = open
+            .iter()
+            .find(|m| m.status == ParkedStatus::Parked)
+            .expect("b's head");
+        let ops =
+            outbox_inbox::ParkedMessages::new(InboxProcessor::new(GROUP, inbox.clone(), h.clone()));
+        let (discard, _) = tokio::join!(
+            ops.discard(head.id, "alice", "crafted"),
+            log.publish(&redelivered)
+        );
+        discard.unwrap();
+    } else {
+        log.publish(&redelivered).await;
+    }
+    eventually("redeliveries committed", || async {
+        l.committed("i1", "t", 0) == Some(7) && l.committed("i2", "t", 0) == Some(7)
+    })
+    .await;
+    let expected = if parked { vec![2] } else { vec![1, 2] };
+    let (pool, hh, e) = (&ctx.pool, &h, &expected);
+    eventually("b's versions applied once", || async move {
+        &applied(pool, hh, "b").await == e
+    })
+    .await;
+    for (stop, task) in instances {
+        stop.send(()).unwrap();
+        let (group, r) = task.await.unwrap();
+        let r = r.unwrap_or_else(|e| panic!("{group} stopped: {e:?}"));
+        assert_eq!(r.received, 7, "{group}: {r:?}");
+    }
+    for agg in ["a", "c", "d"] {
+        assert_eq!(applied(&ctx.pool, &h, agg).await, vec![1], "{agg}");
+    }
+    assert_eq!(applied(&ctx.pool, &h, "b").await, expected);
+    assert!(inbox
+        .list_parked(GROUP, &ParkedFilter::open())
+        .await
+        .unwrap()
+        .is_empty());
+    ctx.drop().await;
+}
