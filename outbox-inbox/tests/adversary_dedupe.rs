@@ -647,7 +647,15 @@ async fn a_crafted_scoped_id_collision_does_not_stop_the_consumer() {
         let log = MemoryLog::new("t", 1);
         log.publish(&[&real, &crafted, &foreign, &ev(&b, 2), &ev(&d, 1)])
             .await;
-        let mut eng = mem_engine(&log, &inbox, &h, VersionPolicy::Reject);
+        // One batch in flight: the crafted record registers before the foreign one (with
+        // several, the foreign one may register first and is then applied: attack 7b).
+        let mut eng = engine(
+            log.consumer(GROUP, &["t"]),
+            &inbox,
+            &h,
+            VersionPolicy::Reject,
+            fast().with_concurrency(1).with_max_batch(max_batch),
+        );
         let r = eng.run_until_quiet(Duration::from_millis(60)).await;
         let r = r.unwrap_or_else(|e| panic!("max_batch {max_batch}: the consumer stopped: {e:?}"));
         assert_eq!(
@@ -878,4 +886,45 @@ async fn agg_blocked(ctx: &Ctx, agg: &str) -> bool {
     .fetch_one(&ctx.pool)
     .await
     .unwrap()
+}
+
+/// Attack 9: the crafted collision of attack 7 at parking: the crafted record (its event id the
+/// foreign record's scoped id) and the real event are parked, then the foreign record naming
+/// the real event is parked. Its dedup id is held by the real event (another aggregate) and its
+/// scoped id by the crafted record (another aggregate): it must still be parked, never taken
+/// for parked already (its offset final, nothing of it kept: lost); its redelivery at the
+/// same position is parked already.
+//
+// FOUND here, fixed: `park` answered `AlreadyParked`.
+#[tokio::test]
+async fn a_crafted_collision_at_parking_does_not_lose_the_foreign_record() {
+    use outbox_core::{InboxStore, Parking};
+    let ctx = ctx!("a_crafted_collision_at_parking_does_not_lose_the_foreign_record");
+    let inbox = ctx.inbox().await;
+    let real = ev("a", 1);
+    let foreign = naming("b", 1, &real);
+    let scoped = outbox_core::inbox::scoped_dedup_id(
+        &outbox_core::AggregateKey::new("order", "b"),
+        real.event_id,
+    );
+    let crafted = Envelope::builder("order", "c", 1, "order.changed")
+        .event_id(scoped)
+        .build()
+        .unwrap();
+    let park = |e: &Envelope, offset: i64| {
+        let (inbox, m) = (inbox.clone(), head_of(e, offset));
+        async move {
+            let mut tx = inbox.begin().await.unwrap();
+            let p = inbox.park(&mut tx, GROUP, &[m]).await.unwrap();
+            inbox.commit(tx).await.unwrap();
+            p[0]
+        }
+    };
+    assert!(matches!(park(&crafted, 1).await, Parking::Head(_)));
+    assert!(matches!(park(&real, 2).await, Parking::Head(_)));
+    let p = park(&foreign, 3).await;
+    assert!(matches!(p, Parking::Head(_)), "the foreign record: {p:?}");
+    assert_eq!(park(&foreign, 3).await, Parking::AlreadyParked);
+    assert_eq!(open_of(&inbox, "b").await.len(), 1);
+    ctx.drop().await;
 }

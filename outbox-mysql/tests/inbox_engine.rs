@@ -7,7 +7,9 @@ mod common;
 
 use std::time::Duration;
 
-use outbox_core::{wire, Envelope, InboxParking, ParkedFilter, ParkedStatus, Publisher};
+use outbox_core::{
+    wire, Envelope, InboxParking, InboxStore, ParkedFilter, ParkedStatus, Publisher,
+};
 use outbox_inbox::{ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor};
 use outbox_mysql::MySqlInboxStore;
 use outbox_testkit::{MemoryConsumer, MemoryLog};
@@ -83,6 +85,7 @@ fn engine(
     inbox: &MySqlInboxStore,
     h: &Effects,
     max_batch: usize,
+    concurrency: usize,
 ) -> ConsumerEngine<MemoryConsumer, MySqlInboxStore, Effects> {
     let retry = outbox_core::RetryPolicy::builder()
         .base(Duration::from_millis(1))
@@ -98,7 +101,8 @@ fn engine(
             .with_commit(1, Duration::from_secs(60))
             .with_poll_timeout(Duration::from_millis(5))
             .with_retry(retry)
-            .with_max_batch(max_batch),
+            .with_max_batch(max_batch)
+            .with_concurrency(concurrency),
         7,
     )
     .unwrap()
@@ -142,7 +146,7 @@ async fn a_foreign_record_parked_first_does_not_swallow_a_waiting_event() {
     let foreign = naming("poison-b", 1, &a2);
     let log = MemoryLog::new("t", 1);
     log.publish(&[&a1, &foreign]).await;
-    let mut eng = engine(&log, &inbox, &h, 100);
+    let mut eng = engine(&log, &inbox, &h, 100, 4);
     let r = eng
         .run_until_quiet(Duration::from_millis(60))
         .await
@@ -190,7 +194,9 @@ async fn a_crafted_scoped_id_collision_does_not_stop_the_consumer() {
         let log = MemoryLog::new("t", 1);
         log.publish(&[&real, &crafted, &foreign, &ev(&b, 2), &ev(&d, 1)])
             .await;
-        let mut eng = engine(&log, &inbox, &h, max_batch);
+        // One batch in flight: the crafted record registers before the foreign one (with
+        // several, the foreign one may register first and is then applied: see the race).
+        let mut eng = engine(&log, &inbox, &h, max_batch, 1);
         let r = eng.run_until_quiet(Duration::from_millis(60)).await;
         let r = r.unwrap_or_else(|e| panic!("max_batch {max_batch}: the consumer stopped: {e:?}"));
         assert_eq!(log.committed(GROUP, "t", 0), Some(5));
@@ -353,5 +359,45 @@ async fn two_instances_race_a_crafted_collision_and_a_discard() {
         .await
         .unwrap()
         .is_empty());
+    ctx.drop().await;
+}
+
+/// The crafted collision at parking: the crafted record (its event id the foreign record's
+/// scoped id) and the real event are parked, then the foreign record naming the real event:
+/// it is parked (the unique key holds the aggregate itself, so no id of another aggregate's
+/// message stands in its way), and its redelivery is parked already.
+#[tokio::test]
+async fn a_crafted_collision_at_parking_does_not_lose_the_foreign_record() {
+    use outbox_core::{LogPosition, NewParkedMessage, ParkAs, ParkKind, Parking, ReceivedMessage};
+    let ctx = ctx!(4);
+    let (inbox, _h) = setup(&ctx).await;
+    let real = ev("a", 1);
+    let foreign = naming("b", 1, &real);
+    let scoped = outbox_core::inbox::scoped_dedup_id(
+        &outbox_core::AggregateKey::new("order", "b"),
+        real.event_id,
+    );
+    let crafted = Envelope::builder("order", "c", 1, "order.changed")
+        .event_id(scoped)
+        .build()
+        .unwrap();
+    let park = |e: &Envelope, offset: i64| {
+        let record =
+            ReceivedMessage::new(LogPosition::new("t", 0, offset), None, Ok(e.clone())).to_record();
+        let m = NewParkedMessage::new(record, ParkAs::Head(ParkKind::Unprocessable), "fails", 1);
+        let inbox = inbox.clone();
+        async move {
+            let mut tx = inbox.begin().await.unwrap();
+            let p = inbox.park(&mut tx, GROUP, &[m]).await.unwrap();
+            inbox.commit(tx).await.unwrap();
+            p[0]
+        }
+    };
+    assert!(matches!(park(&crafted, 1).await, Parking::Head(_)));
+    assert!(matches!(park(&real, 2).await, Parking::Head(_)));
+    let p = park(&foreign, 3).await;
+    assert!(matches!(p, Parking::Head(_)), "the foreign record: {p:?}");
+    assert_eq!(park(&foreign, 4).await, Parking::AlreadyParked);
+    assert_eq!(open_of(&inbox, "b").await.len(), 1);
     ctx.drop().await;
 }
