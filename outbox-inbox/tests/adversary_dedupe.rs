@@ -928,3 +928,60 @@ async fn a_crafted_collision_at_parking_does_not_lose_the_foreign_record() {
     assert_eq!(open_of(&inbox, "b").await.len(), 1);
     ctx.drop().await;
 }
+
+/// Attack 7c (adversary pass on the fix of attack 7): a crash between the registrations and the
+/// commit of the batch run again after the collision (the foreign record forced to park, the
+/// others registered and their effects written, the transaction open on a gated handler).
+/// A new instance starts from the last committed offset: each effect once, the foreign record
+/// parked once, `b`'s next version waiting behind it, nothing lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_while_the_collision_batch_runs_again() {
+    let ctx = ctx!("a_crash_while_the_collision_batch_runs_again");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let gate = h.gate("slow");
+    let real = ev("a", 1);
+    let foreign = naming("b", 1, &real);
+    let scoped = outbox_core::inbox::scoped_dedup_id(
+        &outbox_core::AggregateKey::new("order", "b"),
+        real.event_id,
+    );
+    let crafted = Envelope::builder("order", "c", 1, "order.changed")
+        .event_id(scoped)
+        .build()
+        .unwrap();
+    let log = MemoryLog::new("t", 1);
+    log.publish(&[&real, &crafted, &foreign, &ev("slow", 1), &ev("b", 2)])
+        .await;
+    let cfg = || fast().with_concurrency(1);
+    let eng = engine(
+        log.consumer(GROUP, &["t"]),
+        &inbox,
+        &h,
+        VersionPolicy::Reject,
+        cfg(),
+    );
+    let (_stop, task) = spawn_engine(eng);
+    h.wait_entered(1).await;
+    // The crash: the task is dropped wherever it is, its transaction with it.
+    task.abort();
+    let _ = task.await;
+    assert_eq!(log.committed(GROUP, "t", 0), None, "nothing was committed");
+    gate.add_permits(1_000);
+    let mut eng = engine(
+        log.consumer(GROUP, &["t"]),
+        &inbox,
+        &h,
+        VersionPolicy::Reject,
+        cfg(),
+    );
+    let r = quiet(&mut eng).await;
+    assert_eq!(log.committed(GROUP, "t", 0), Some(5));
+    assert_eq!((r.applied, r.parked, r.waiting), (3, 1, 1), "{r:?}");
+    for agg in ["a", "c", "slow"] {
+        assert_eq!(ctx.applied(agg).await, vec![1], "{agg}");
+    }
+    assert!(ctx.applied("b").await.is_empty());
+    assert_eq!(open_of(&inbox, "b").await.len(), 2);
+    ctx.drop().await;
+}
