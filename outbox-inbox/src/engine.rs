@@ -425,6 +425,14 @@ where
                 }
                 items = keep;
             }
+            Ok(BatchResult::Unregistrable { index, reason }) => {
+                store_failures = 0;
+                let w = &mut items[index];
+                let pos = &w.msg.position;
+                metrics::record_error(&consumer, "unregistrable");
+                error!(consumer = %consumer, topic = %pos.topic, partition = pos.partition, offset = pos.offset, reason = %reason, stage = "register", "message cannot be deduplicated; parking it");
+                w.force = Force::Park(ParkKind::Unprocessable, reason);
+            }
             Ok(BatchResult::HandlerFailed { index, error: e }) => {
                 store_failures = 0;
                 let w = &mut items[index];

@@ -4,7 +4,7 @@
 //! | name | type | extra labels | meaning |
 //! |---|---|---|---|
 //! | `outbox_inbox_processed_total` | counter | `result` | outcomes: `applied`, `duplicate`, `stale`, `parked`, `waiting`, `already_parked`, `failed` (a [`crate::InboxProcessor::process`] call whose handler failed) |
-//! | `outbox_inbox_apply_errors_total` | counter | `kind` | failed attempts: `handler_transient`, `handler_permanent`, `store`, `decode` |
+//! | `outbox_inbox_apply_errors_total` | counter | `kind` | failed attempts: `handler_transient`, `handler_permanent`, `store`, `decode`, `unregistrable` (an event id made to collide: parked) |
 //! | `outbox_inbox_apply_latency_seconds` | histogram | | `created_at` of the event to its effect's commit |
 //! | `outbox_inbox_lag` | gauge | `topic`, `partition` | committed offset to the end of the partition ([`outbox_core::MessageSource::lag`]) |
 //! | `outbox_inbox_parked` | gauge | | messages parked as an aggregate's head (or standalone) |

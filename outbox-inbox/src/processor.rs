@@ -4,9 +4,10 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use outbox_core::inbox::scoped_dedup_id;
 use outbox_core::{
-    AggregateKey, AggregateState, Envelope, InboxStore, InboxStoreExt, NewParkedMessage, ParkAs,
-    ParkKind, ParkedId, Parking, ReceivedMessage, Registration, StoreError, VersionAdvance,
+    AggregateKey, AggregateRegistration, AggregateState, Envelope, InboxStore, NewParkedMessage,
+    ParkAs, ParkKind, ParkedId, Parking, ReceivedMessage, Registration, StoreError, VersionAdvance,
 };
 
 use crate::handler::{BatchHandlerError, Handler, HandlerError};
@@ -178,6 +179,68 @@ pub(crate) enum BatchResult {
     /// their aggregate was not applied after all); everything was rolled back. Run the batch
     /// again without them, and them after it.
     Split { deferred: Vec<usize> },
+    /// Item `index`, to be applied, can be registered neither under its dedup id nor under its
+    /// aggregate-scoped id ([`register_scoped`]); everything was rolled back. It can never be
+    /// deduplicated, so it is never applied: park it (`reason`) and run the batch again.
+    Unregistrable { index: usize, reason: String },
+}
+
+/// Registers `events` by their dedup ids, each for its aggregate, as
+/// [`outbox_core::InboxStoreExt::register_events`] does (an event whose dedup id another
+/// aggregate's event holds is registered under [`scoped_dedup_id`]), answering `None` for an
+/// event whose scoped id another aggregate's event holds too. Only a record whose event id was
+/// computed on purpose to be that scoped id can hold it, so such an event cannot be told apart
+/// from its own redeliveries by any id the inbox keeps: the caller parks it rather than fail
+/// the whole batch on it (which would stop the consumer on that record for good).
+pub(crate) async fn register_scoped<I: InboxStore>(
+    store: &I,
+    tx: &mut I::Tx,
+    consumer: &str,
+    events: &[&Envelope],
+) -> Result<Vec<Option<Registration>>, StoreError> {
+    if events.is_empty() {
+        return Ok(Vec::new());
+    }
+    let first: Vec<(outbox_core::EventId, AggregateKey)> = events
+        .iter()
+        .map(|e| (e.dedup_id(), AggregateKey::of(e)))
+        .collect();
+    let answers = store.register_for(tx, consumer, &first).await?;
+    let wrong = |n: usize, of: usize| {
+        StoreError::new(
+            outbox_core::StoreErrorKind::Other,
+            format!("the inbox answered {n} registrations for {of} ids"),
+        )
+    };
+    if answers.len() != events.len() {
+        return Err(wrong(answers.len(), events.len()));
+    }
+    let as_registration = |a: AggregateRegistration| match a {
+        AggregateRegistration::Fresh => Some(Registration::Fresh),
+        AggregateRegistration::Duplicate => Some(Registration::Duplicate),
+        _ => None,
+    };
+    let others: Vec<usize> = (0..events.len())
+        .filter(|i| answers[*i] == AggregateRegistration::OtherAggregate)
+        .collect();
+    let mut out: Vec<Option<Registration>> = answers.into_iter().map(as_registration).collect();
+    if !others.is_empty() {
+        let scoped: Vec<(outbox_core::EventId, AggregateKey)> = others
+            .iter()
+            .map(|i| {
+                let (id, key) = &first[*i];
+                (scoped_dedup_id(key, *id), key.clone())
+            })
+            .collect();
+        let again = store.register_for(tx, consumer, &scoped).await?;
+        if again.len() != others.len() {
+            return Err(wrong(again.len(), others.len()));
+        }
+        for (i, a) in others.into_iter().zip(again) {
+            out[i] = as_registration(a);
+        }
+    }
+    Ok(out)
 }
 
 #[derive(Clone, Debug)]
@@ -289,6 +352,11 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
         match self.run_batch(&items, false, None).await? {
             BatchResult::Committed(mut o) => Ok(o.pop().unwrap_or(MessageOutcome::Duplicate)),
             BatchResult::HandlerFailed { error, .. } => {
+                metrics::record_outcome(&self.consumer, &MessageOutcome::Failed(error.clone()));
+                Ok(MessageOutcome::Failed(error))
+            }
+            BatchResult::Unregistrable { reason, .. } => {
+                let error = HandlerError::permanent(reason);
                 metrics::record_outcome(&self.consumer, &MessageOutcome::Failed(error.clone()));
                 Ok(MessageOutcome::Failed(error))
             }
@@ -556,9 +624,7 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
         let registrations = if events.is_empty() {
             Vec::new()
         } else {
-            self.store
-                .register_events(tx, &self.consumer, &events)
-                .await?
+            register_scoped(&self.store, tx, &self.consumer, &events).await?
         };
         if registrations.len() != events.len() {
             return Err(StoreError::new(
@@ -572,7 +638,30 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
         }
         let mut fresh: HashMap<usize, Registration> = HashMap::new();
         for (i, r) in apply.iter().zip(registrations) {
-            fresh.insert(*i, r);
+            match r {
+                Some(r) => {
+                    fresh.insert(*i, r);
+                }
+                // A stale one is not applied anyway: nothing registered, stale again when it
+                // comes back. One to apply is handed back to be parked.
+                None if matches!(decisions[*i], Decision::Apply) => {
+                    let e = items[*i].msg.envelope.as_ref().expect("filtered above");
+                    return Ok((
+                        BatchResult::Unregistrable {
+                            index: *i,
+                            reason: format!(
+                                "cannot be deduplicated: its dedup id {} and its id scoped to \
+                                 {} are both held by other aggregates' events (an event id \
+                                 made to collide)",
+                                e.dedup_id(),
+                                AggregateKey::of(e)
+                            ),
+                        },
+                        Vec::new(),
+                    ));
+                }
+                None => {}
+            }
         }
         // A duplicate decided as the next version is not applied, so its version does not
         // count: the later messages of its aggregate in this batch were decided as if it did.
@@ -589,7 +678,10 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
         let to_apply: Vec<usize> = apply
             .iter()
             .copied()
-            .filter(|i| fresh[i] == Registration::Fresh && matches!(decisions[*i], Decision::Apply))
+            .filter(|i| {
+                fresh.get(i) == Some(&Registration::Fresh)
+                    && matches!(decisions[*i], Decision::Apply)
+            })
             .collect();
         if !to_apply.is_empty() {
             let events: Vec<&Envelope> = to_apply
@@ -614,6 +706,8 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
         //    aggregate's version (a duplicate or a stale one never does), to the version of the
         //    last one applied.
         let mut baselines = Vec::new();
+        // Each aggregate's applied version as this transaction leaves it.
+        let mut written: Vec<Option<i64>> = locals.iter().map(|l| l.read.applied_version).collect();
         if self.policy.tracks() {
             let mut applied: Vec<Option<i64>> =
                 locals.iter().map(|l| l.read.applied_version).collect();
@@ -651,6 +745,7 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
                     .advance_versions(tx, &self.consumer, &advances)
                     .await?;
             }
+            written = applied;
         }
         // 5. Parking: the heads first, then the messages waiting behind them (one round trip
         //    each). A head parked before and resolved since (an operator discarded it; a
@@ -700,6 +795,37 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
             for ((i, _), r) in parks.iter().zip(results) {
                 parked.insert(*i, r);
             }
+            // A head was parked on the aggregate's state as read at the start of the batch.
+            // Parking took the aggregate's row lock, so a transaction that applied a version of
+            // it meanwhile (another instance of the consumer on the same records, during a
+            // rebalance) has committed by now, and a read now sees it: the message may have
+            // been applied there (or is stale now), and parking it would block the aggregate
+            // behind an applied event. Then everything is run again on what is committed.
+            if heads && self.policy.tracks() {
+                let mut moved: Vec<AggregateKey> = Vec::new();
+                for (i, _) in &parks {
+                    if let (Some(Parking::Head(_)), Some(k)) = (parked.get(i), &aggs[*i]) {
+                        if !moved.contains(k) {
+                            moved.push(k.clone());
+                        }
+                    }
+                }
+                if !moved.is_empty() {
+                    let now = self.store.aggregates(tx, &self.consumer, &moved).await?;
+                    let changed = moved
+                        .iter()
+                        .zip(&now)
+                        .any(|(k, state)| state.applied_version != written[index[k]]);
+                    if changed {
+                        return Ok((
+                            BatchResult::Split {
+                                deferred: Vec::new(),
+                            },
+                            Vec::new(),
+                        ));
+                    }
+                }
+            }
         }
         let outcomes = decisions
             .into_iter()
@@ -709,9 +835,9 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
                     Registration::Fresh => MessageOutcome::Applied,
                     Registration::Duplicate => MessageOutcome::Duplicate,
                 },
-                Decision::Stale(applied) => match fresh[&i] {
-                    Registration::Fresh => MessageOutcome::Stale { applied },
-                    Registration::Duplicate => MessageOutcome::Duplicate,
+                Decision::Stale(applied) => match fresh.get(&i) {
+                    Some(Registration::Duplicate) => MessageOutcome::Duplicate,
+                    _ => MessageOutcome::Stale { applied },
                 },
                 Decision::Hold => MessageOutcome::Held,
                 Decision::Gap(expected) => MessageOutcome::VersionGap { expected },
@@ -753,13 +879,16 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
         deferred
     }
 
-    /// Registers `event` without effect (an operator discard), in `tx`.
+    /// Registers `event` without effect (an operator discard), in `tx`. One that cannot be
+    /// registered ([`register_scoped`]) is left unregistered: its parked message, discarded,
+    /// keeps answering its redeliveries as parked already.
     pub(crate) async fn register_without_effect(
         &self,
         tx: &mut I::Tx,
         event: &Envelope,
-    ) -> Result<Registration, StoreError> {
-        self.store.register_event(tx, &self.consumer, event).await
+    ) -> Result<(), StoreError> {
+        register_scoped(&self.store, tx, &self.consumer, &[event]).await?;
+        Ok(())
     }
 
     /// Applies one parked message in `tx` for an operator: the same checks as the engine, a gap
@@ -803,8 +932,24 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
                 }
             }
         }
-        if self.store.register_event(tx, &self.consumer, event).await? == Registration::Duplicate {
-            return Ok(Ok(MessageOutcome::Duplicate));
+        match register_scoped(&self.store, tx, &self.consumer, &[event])
+            .await?
+            .pop()
+            .flatten()
+        {
+            Some(Registration::Fresh) => {}
+            Some(Registration::Duplicate) => return Ok(Ok(MessageOutcome::Duplicate)),
+            None => {
+                return Ok(Err((
+                    ParkKind::Unprocessable,
+                    format!(
+                        "cannot be deduplicated: its dedup id {} and its id scoped to {key} are \
+                         both held by other aggregates' events (an event id made to collide)",
+                        event.dedup_id()
+                    ),
+                    false,
+                )))
+            }
         }
         if let Err(e) = self.handler.handle(tx, event).await {
             let transient = e.class == outbox_core::ErrorClass::Transient;

@@ -619,17 +619,113 @@ async fn consumers_sharing_a_table_scope_their_dedupe_apart() {
 /// foreign record would be registered under (a UUID v5 of a public namespace: only a producer
 /// that computes it on purpose can send it), then that foreign record. The foreign record can
 /// be registered neither under the named id (another aggregate's event holds it) nor under its
-/// scoped id (the crafted record holds it). It must be parked (or applied), never stop the
-/// consumer: a record must not be able to stop a consumer for good.
+/// scoped id (the crafted record holds it). It must never stop the consumer: it is parked as
+/// unprocessable (it can never be deduplicated, so it is never applied), its aggregate's later
+/// messages wait behind it, other aggregates keep flowing, and its redeliveries are parked
+/// already. An operator's retry records the same failure; a discard releases the aggregate.
 //
-// FOUND here, NOT fixed (reported): `register_events` fails with a permanent `Other` store
-// error ("scoped id of .. is held by another aggregate"), the engine stops, and stops again on
-// the same batch after a restart: the record stops the consumer for good. Deciding what such
-// a record becomes (parked as unprocessable, most likely) is left to the maintainers.
+// FOUND here, fixed: `register_events` failed with a permanent `Other` store error ("scoped id
+// of .. is held by another aggregate"), the engine stopped, and stopped again on the same
+// batch after a restart: the record stopped the consumer for good.
 #[tokio::test]
-#[ignore = "FOUND, not fixed: a crafted scoped-id collision stops the consumer (see comment)"]
 async fn a_crafted_scoped_id_collision_does_not_stop_the_consumer() {
     let ctx = ctx!("a_crafted_scoped_id_collision_does_not_stop_the_consumer");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    for max_batch in [100, 1] {
+        let [a, b, c, d] = ["a", "b", "c", "d"].map(|x| format!("{x}{max_batch}"));
+        let real = ev(&a, 1);
+        let foreign = naming(&b, 1, &real);
+        let scoped = outbox_core::inbox::scoped_dedup_id(
+            &outbox_core::AggregateKey::new("order", b.as_str()),
+            real.event_id,
+        );
+        let crafted = Envelope::builder("order", c.as_str(), 1, "order.changed")
+            .event_id(scoped)
+            .build()
+            .unwrap();
+        let log = MemoryLog::new("t", 1);
+        log.publish(&[&real, &crafted, &foreign, &ev(&b, 2), &ev(&d, 1)])
+            .await;
+        // One batch in flight: the crafted record registers before the foreign one (with
+        // several, the foreign one may register first and is then applied: attack 7b).
+        let mut eng = engine(
+            log.consumer(GROUP, &["t"]),
+            &inbox,
+            &h,
+            VersionPolicy::Reject,
+            fast().with_concurrency(1).with_max_batch(max_batch),
+        );
+        let r = eng.run_until_quiet(Duration::from_millis(60)).await;
+        let r = r.unwrap_or_else(|e| panic!("max_batch {max_batch}: the consumer stopped: {e:?}"));
+        assert_eq!(
+            log.committed(GROUP, "t", 0),
+            Some(5),
+            "max_batch {max_batch}"
+        );
+        assert_eq!(
+            (r.applied, r.parked, r.waiting),
+            (3, 1, 1),
+            "max_batch {max_batch}: {r:?}"
+        );
+        let open = open_of(&inbox, &b).await;
+        assert_eq!(open.len(), 2, "{open:?}");
+        let head = open
+            .iter()
+            .find(|m| m.status == ParkedStatus::Parked)
+            .expect("b's head");
+        assert_eq!(head.record.aggregate_version, Some(1));
+        assert!(
+            head.reason.contains("cannot be deduplicated"),
+            "{}",
+            head.reason
+        );
+        // Redeliveries: the foreign record is parked already, the others duplicates.
+        let before = eng.report().clone();
+        log.publish(&[&foreign, &real, &crafted]).await;
+        let r = eng
+            .run_until_quiet(Duration::from_millis(60))
+            .await
+            .unwrap();
+        assert_eq!(
+            (
+                r.already_parked - before.already_parked,
+                r.duplicates + r.stale - before.duplicates - before.stale,
+                r.applied - before.applied
+            ),
+            (1, 2, 0),
+            "{r:?}"
+        );
+        // An operator's retry records the failure again; a discard releases b's v2.
+        let ops = eng.parked();
+        let retried = ops.retry(head.id, "alice", "try").await.unwrap();
+        assert_eq!(
+            (retried.applied, retried.released),
+            (0, false),
+            "{retried:?}"
+        );
+        ops.discard(head.id, "alice", "crafted").await.unwrap();
+        assert_eq!(ctx.applied(&b).await, vec![2]);
+        for agg in [&a, &c, &d] {
+            assert_eq!(ctx.applied(agg).await, vec![1], "{agg}");
+        }
+        assert!(open_parked(&inbox).await.is_empty());
+    }
+    ctx.drop().await;
+}
+
+/// Attack 7b (adversary pass on the fix of attack 7): two instances of the consumer (one inbox
+/// consumer name, as during a rebalance overlap) race the same records, the crafted one and the
+/// foreign one among them, in batches of one and of all, each running several aggregates at
+/// once; then a redelivery of the foreign record races the operator's discard of its parked
+/// message (when it was parked). Neither instance stops, and each event takes effect at most
+/// once: which of the crafted and the foreign record is registered first depends on the race
+/// (the foreign one first: its scoped id is free, it is applied, and the crafted one is then
+/// registered under its own scoped id), so the foreign record is either applied once or
+/// parked once with `b`'s next version waiting behind it, never both, never lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_instances_race_a_crafted_collision_and_a_discard() {
+    let ctx = ctx!("two_instances_race_a_crafted_collision_and_a_discard");
     let inbox = ctx.inbox().await;
     let h = Effects::new(&ctx);
     let real = ev("a", 1);
@@ -642,11 +738,250 @@ async fn a_crafted_scoped_id_collision_does_not_stop_the_consumer() {
         .event_id(scoped)
         .build()
         .unwrap();
+    let b2 = ev("b", 2);
     let log = MemoryLog::new("t", 1);
-    log.publish(&[&real, &crafted, &foreign]).await;
-    let mut eng = mem_engine(&log, &inbox, &h, VersionPolicy::Reject);
-    let r = eng.run_until_quiet(Duration::from_millis(60)).await;
-    assert!(r.is_ok(), "the consumer stopped: {r:?}");
-    assert_eq!(log.committed(GROUP, "t", 0), Some(3));
+    log.publish(&[&real, &crafted, &foreign, &b2, &ev("d", 1)])
+        .await;
+    let instances: Vec<_> = [("i1", 1), ("i2", 100)]
+        .into_iter()
+        .map(|(group, max_batch)| {
+            let eng = outbox_inbox::ConsumerEngine::new(
+                log.consumer(group, &["t"]),
+                outbox_inbox::InboxProcessor::new(GROUP, inbox.clone(), h.clone()),
+                fast().with_max_batch(max_batch).with_concurrency(4),
+                7,
+            )
+            .unwrap();
+            (group, spawn_engine(eng))
+        })
+        .collect();
+    let l = &log;
+    eventually("both instances through the log", || async move {
+        l.committed("i1", "t", 0) == Some(5) && l.committed("i2", "t", 0) == Some(5)
+    })
+    .await;
+    for agg in ["a", "c", "d"] {
+        assert_eq!(ctx.applied(agg).await, vec![1], "{agg}");
+    }
+    let open = open_of(&inbox, "b").await;
+    let parked = match (ctx.applied("b").await.as_slice(), open.len()) {
+        ([1, 2], 0) => false,
+        ([], 2) => true,
+        (applied, _) => panic!("b applied {applied:?} with open {open:?}"),
+    };
+    eprintln!(
+        "the foreign record was {}",
+        if parked { "parked" } else { "applied" }
+    );
+    let redelivered = [&foreign, &b2];
+    if parked {
+        let head = open
+            .iter()
+            .find(|m| m.status == ParkedStatus::Parked)
+            .expect("b's head");
+        assert!(
+            head.reason.contains("cannot be deduplicated"),
+            "{}",
+            head.reason
+        );
+        let ops = outbox_inbox::ParkedMessages::new(outbox_inbox::InboxProcessor::new(
+            GROUP,
+            inbox.clone(),
+            h.clone(),
+        ));
+        let (discard, _) = tokio::join!(
+            ops.discard(head.id, "alice", "crafted"),
+            log.publish(&redelivered)
+        );
+        discard.unwrap();
+    } else {
+        log.publish(&redelivered).await;
+    }
+    eventually("redeliveries committed", || async {
+        l.committed("i1", "t", 0) == Some(7) && l.committed("i2", "t", 0) == Some(7)
+    })
+    .await;
+    let c = &ctx;
+    let expected = if parked { vec![2] } else { vec![1, 2] };
+    let e = &expected;
+    eventually("b's versions applied once", || async move {
+        &c.applied("b").await == e
+    })
+    .await;
+    for (group, (stop, task)) in instances {
+        stop.send(()).unwrap();
+        let (_eng, r) = task.await.unwrap();
+        assert_eq!(r.received, 7, "{group}: {r:?}");
+    }
+    for agg in ["a", "c", "d"] {
+        assert_eq!(ctx.applied(agg).await, vec![1], "{agg}");
+    }
+    assert_eq!(ctx.applied("b").await, expected);
+    assert!(open_parked(&inbox).await.is_empty());
+    ctx.drop().await;
+}
+
+/// Attack 8 (found by attack 7b on MariaDB, 1 run in 8): a message parked on the aggregate's
+/// state as read at the start of its batch, while another instance of the consumer applied it
+/// meanwhile. Instance Y's batch holds `poison-g` v1 (its handler fails: it is to be parked)
+/// and `slow` v1 (held on a gate in the handler, after the batch read its aggregates). While
+/// Y waits, the fix lands and instance X applies `poison-g` v1. Y must not park it (it was
+/// applied: parking it would block `poison-g` behind an applied event until an operator acts):
+/// its parking waits on the aggregate's row lock, reads the state again, and runs the batch
+/// again, where the message is a duplicate.
+//
+// FOUND here, fixed: Y parked the applied message and blocked the aggregate.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_applied_by_another_instance_meanwhile_is_not_parked() {
+    let ctx = ctx!("a_message_applied_by_another_instance_meanwhile_is_not_parked");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let gate = h.gate("slow");
+    let g1 = ev("poison-g", 1);
+    let log = MemoryLog::new("t", 1);
+    log.publish(&[&g1, &ev("slow", 1)]).await;
+    let eng = engine(
+        log.consumer(GROUP, &["t"]),
+        &inbox,
+        &h,
+        VersionPolicy::Reject,
+        fast(),
+    );
+    let (stop, task) = spawn_engine(eng);
+    // Y's second run of the batch (poison-g forced to park) is in `slow`'s handler.
+    h.wait_entered(1).await;
+    ctx.fix("poison-g").await;
+    let x = processor(&inbox, &h, VersionPolicy::Reject);
+    assert!(matches!(
+        x.process(&g1).await.unwrap(),
+        outbox_inbox::MessageOutcome::Applied
+    ));
+    gate.add_permits(1_000);
+    let l = &log;
+    eventually("Y through the log", || async move {
+        l.committed(GROUP, "t", 0) == Some(2)
+    })
+    .await;
+    stop.send(()).unwrap();
+    let (_eng, r) = task.await.unwrap();
+    assert_eq!(ctx.applied("poison-g").await, vec![1]);
+    assert_eq!(ctx.applied("slow").await, vec![1]);
+    assert!(
+        open_parked(&inbox).await.is_empty(),
+        "an applied message parked: {:?} ({r:?})",
+        open_parked(&inbox).await
+    );
+    assert!(!agg_blocked(&ctx, "poison-g").await, "poison-g blocked");
+    ctx.drop().await;
+}
+
+async fn agg_blocked(ctx: &Ctx, agg: &str) -> bool {
+    sqlx::query_scalar(&format!(
+        "SELECT blocked FROM \"{}\".processed_events_aggregates WHERE consumer = $1 \
+         AND aggregate_id = $2",
+        ctx.schema
+    ))
+    .bind(GROUP)
+    .bind(agg)
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap()
+}
+
+/// Attack 9: the crafted collision of attack 7 at parking: the crafted record (its event id the
+/// foreign record's scoped id) and the real event are parked, then the foreign record naming
+/// the real event is parked. Its dedup id is held by the real event (another aggregate) and its
+/// scoped id by the crafted record (another aggregate): it must still be parked, never taken
+/// for parked already (its offset final, nothing of it kept: lost); its redelivery at the
+/// same position is parked already.
+//
+// FOUND here, fixed: `park` answered `AlreadyParked`.
+#[tokio::test]
+async fn a_crafted_collision_at_parking_does_not_lose_the_foreign_record() {
+    use outbox_core::{InboxStore, Parking};
+    let ctx = ctx!("a_crafted_collision_at_parking_does_not_lose_the_foreign_record");
+    let inbox = ctx.inbox().await;
+    let real = ev("a", 1);
+    let foreign = naming("b", 1, &real);
+    let scoped = outbox_core::inbox::scoped_dedup_id(
+        &outbox_core::AggregateKey::new("order", "b"),
+        real.event_id,
+    );
+    let crafted = Envelope::builder("order", "c", 1, "order.changed")
+        .event_id(scoped)
+        .build()
+        .unwrap();
+    let park = |e: &Envelope, offset: i64| {
+        let (inbox, m) = (inbox.clone(), head_of(e, offset));
+        async move {
+            let mut tx = inbox.begin().await.unwrap();
+            let p = inbox.park(&mut tx, GROUP, &[m]).await.unwrap();
+            inbox.commit(tx).await.unwrap();
+            p[0]
+        }
+    };
+    assert!(matches!(park(&crafted, 1).await, Parking::Head(_)));
+    assert!(matches!(park(&real, 2).await, Parking::Head(_)));
+    let p = park(&foreign, 3).await;
+    assert!(matches!(p, Parking::Head(_)), "the foreign record: {p:?}");
+    assert_eq!(park(&foreign, 3).await, Parking::AlreadyParked);
+    assert_eq!(open_of(&inbox, "b").await.len(), 1);
+    ctx.drop().await;
+}
+
+/// Attack 7c (adversary pass on the fix of attack 7): a crash between the registrations and the
+/// commit of the batch run again after the collision (the foreign record forced to park, the
+/// others registered and their effects written, the transaction open on a gated handler).
+/// A new instance starts from the last committed offset: each effect once, the foreign record
+/// parked once, `b`'s next version waiting behind it, nothing lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_while_the_collision_batch_runs_again() {
+    let ctx = ctx!("a_crash_while_the_collision_batch_runs_again");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let gate = h.gate("slow");
+    let real = ev("a", 1);
+    let foreign = naming("b", 1, &real);
+    let scoped = outbox_core::inbox::scoped_dedup_id(
+        &outbox_core::AggregateKey::new("order", "b"),
+        real.event_id,
+    );
+    let crafted = Envelope::builder("order", "c", 1, "order.changed")
+        .event_id(scoped)
+        .build()
+        .unwrap();
+    let log = MemoryLog::new("t", 1);
+    log.publish(&[&real, &crafted, &foreign, &ev("slow", 1), &ev("b", 2)])
+        .await;
+    let cfg = || fast().with_concurrency(1);
+    let eng = engine(
+        log.consumer(GROUP, &["t"]),
+        &inbox,
+        &h,
+        VersionPolicy::Reject,
+        cfg(),
+    );
+    let (_stop, task) = spawn_engine(eng);
+    h.wait_entered(1).await;
+    // The crash: the task is dropped wherever it is, its transaction with it.
+    task.abort();
+    let _ = task.await;
+    assert_eq!(log.committed(GROUP, "t", 0), None, "nothing was committed");
+    gate.add_permits(1_000);
+    let mut eng = engine(
+        log.consumer(GROUP, &["t"]),
+        &inbox,
+        &h,
+        VersionPolicy::Reject,
+        cfg(),
+    );
+    let r = quiet(&mut eng).await;
+    assert_eq!(log.committed(GROUP, "t", 0), Some(5));
+    assert_eq!((r.applied, r.parked, r.waiting), (3, 1, 1), "{r:?}");
+    for agg in ["a", "c", "slow"] {
+        assert_eq!(ctx.applied(agg).await, vec![1], "{agg}");
+    }
+    assert!(ctx.applied("b").await.is_empty());
+    assert_eq!(open_of(&inbox, "b").await.len(), 2);
     ctx.drop().await;
 }

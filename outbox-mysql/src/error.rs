@@ -20,6 +20,8 @@ pub mod codes {
     pub const DUP_FIELDNAME: u16 = 1060;
     /// `ER_DUP_KEYNAME`: an index of that name exists.
     pub const DUP_KEYNAME: u16 = 1061;
+    /// `ER_CANT_DROP_FIELD_OR_KEY`: a dropped column or index does not exist.
+    pub const CANT_DROP_FIELD_OR_KEY: u16 = 1091;
     /// `ER_BAD_NULL_ERROR`.
     pub const BAD_NULL: u16 = 1048;
     /// `ER_NO_DEFAULT_FOR_FIELD`.

@@ -38,7 +38,11 @@ pub const MAX_CONSUMER_LEN: usize = 255;
 ///   advance is a `Conflict`, never a lost update.
 /// * **Parking:** `<table>_parked` keeps the raw record (key, headers with null values,
 ///   value), position, reason and attempts; `<table>_audit` keeps every operator action.
-///   Parking locks the aggregate's row, as the operator's release does.
+///   Parking locks the aggregate's row, as the operator's release does. A message is parked
+///   once per dedup id *and aggregate* (unique key `dedup_scope_key`, inbox migration 3): a
+///   record naming another aggregate's parked event as its original (or that event, after
+///   such a record) is parked, not taken for parked already. The aggregate is part of the key
+///   itself, not of a derived id, so no record can be crafted to take another's place.
 /// * **Transactions:** READ COMMITTED, whatever the server default (no gap locks between
 ///   consumers; each statement sees the latest committed state). Durability is the server's
 ///   (`innodb_flush_log_at_trx_commit = 1`, checked by [`crate::check_durability`]).
@@ -319,9 +323,11 @@ impl MySqlInboxStore {
             (ParkAs::Head(kind), false) => ("parked", Some(kind.as_str())),
         };
         let headers = encode_headers(&r.headers);
-        // A record without a dedup id (undecodable) is parked once per position. Another
-        // record at a position parked before (the log was rewound) is a different record: it
-        // is parked under an id derived from its position and content.
+        // A record is parked once per dedup id and aggregate (the unique key includes the
+        // aggregate key, migration 3), so a duplicate key on the dedup id is this message
+        // parked before. A record without a dedup id (undecodable) is parked once per
+        // position. Another record at a position parked before (the log was rewound) is a
+        // different record: it is parked under an id derived from its position and content.
         let mut dedup = r.dedup_id.map(|e| e.as_uuid());
         let (key_sql, agg) = match &r.aggregate {
             Some(a) => (KEY_EXPR, Some(a)),
@@ -468,10 +474,8 @@ impl InboxStore for MySqlInboxStore {
     type Tx = Transaction<'static, MySql>;
 
     async fn begin(&self) -> Result<Self::Tx, StoreError> {
-        self.pool
-            .begin_with(crate::outbox::BEGIN_RC)
-            .await
-            .map_err(db)
+        // Cancel-safe: see `outbox::tx::begin`.
+        crate::outbox::begin(&self.pool).await
     }
 
     async fn register(

@@ -22,7 +22,7 @@
 //! | Durability | the server's (`innodb_flush_log_at_trx_commit = 1`): checked by [`check_durability`] / [`MySqlOutboxStore::check_durability`], which refuse any other value |
 //! | Wake-up | no LISTEN/NOTIFY: relays poll with jittered backoff; in-process wake-up of subscribed relays after [`MySqlOutboxStore::commit_and_wake`] |
 //! | Deadlocks, lock wait timeouts | transient `Conflict`; the store runs the whole transaction again (a few times) |
-//! | Parking, retry/discard/re-issue, audit | yes, `<table>_audit` |
+//! | Parking, retry/discard/re-issue, audit | yes, `<table>_audit`; a message parked once per dedup id and aggregate (inbox migration 3) |
 //! | Cleanup | bounded batches (one transaction each, `SKIP LOCKED`), optional `<table>_archive` |
 //! | Stats | backlog, in flight, parked, blocked (behind a parked event), gap-held (a held head and what follows it), aggregates with a gap held, oldest claimable/blocked/parked ages from the insertion time on the database clock, counted as outbox-postgres counts them; queued rows and table size in `extra` |
 //! | Operator reads | [`MySqlOutboxStore::publish_latency`] (percentiles over a window), [`MySqlOutboxStore::published_events`] (publication order, paged by position) and [`MySqlOutboxStore::count_published`] for replay, [`MySqlOutboxStore::cleanup_candidates`], [`MySqlOutboxStore::interval_counts`] and [`MySqlOutboxStore::published_ids`] for reconciliation: outbox-postgres's signatures and value types. Not here: its conditional-update conflict counter and recorded topic facts (tables of their own) |

@@ -38,6 +38,11 @@ const INBOX_MIGRATIONS: &[Migration] = &[
         "registrations keep their aggregate",
         include_str!("migrations/0002_inbox.sql"),
     ),
+    (
+        3,
+        "parked messages deduplicated per aggregate",
+        include_str!("migrations/0003_inbox.sql"),
+    ),
 ];
 
 /// Longest accepted table name: derived names (`<table>_aggregates`,
@@ -290,15 +295,19 @@ async fn run_migrations(
     Ok(count)
 }
 
-/// An `ALTER TABLE` that failed because what it adds exists already: a duplicate column
-/// (1060) or index (1061).
+/// An `ALTER TABLE` that failed because what it adds exists already (a duplicate column, 1060,
+/// or index, 1061) or what it drops is gone already (1091).
 fn already_applied(stmt: &str, e: &sqlx::Error) -> bool {
     stmt.trim_start()
         .get(..11)
         .is_some_and(|p| p.eq_ignore_ascii_case("ALTER TABLE"))
         && matches!(
             crate::error::error_number(e),
-            Some(crate::error::codes::DUP_FIELDNAME | crate::error::codes::DUP_KEYNAME)
+            Some(
+                crate::error::codes::DUP_FIELDNAME
+                    | crate::error::codes::DUP_KEYNAME
+                    | crate::error::codes::CANT_DROP_FIELD_OR_KEY
+            )
         )
 }
 
@@ -356,8 +365,9 @@ mod tests {
         assert!(stmts[1].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events_aggregate` ("));
         let unqualified = inbox_schema_sql(None, "processed").unwrap();
         let stmts = statements(&unqualified);
-        assert_eq!(stmts.len(), 5, "{stmts:#?}");
+        assert_eq!(stmts.len(), 8, "{stmts:#?}");
         assert!(stmts[4].starts_with("ALTER TABLE `processed` ADD COLUMN aggregate"));
+        assert!(stmts[7].starts_with("ALTER TABLE `processed_parked` DROP KEY dedup_key"));
         assert!(stmts[0].starts_with("CREATE TABLE IF NOT EXISTS `processed` ("));
         assert!(outbox_schema_sql(Some("Shop"), "events").is_err());
         assert!(inbox_schema_sql(None, &"t".repeat(41)).is_err());

@@ -14,6 +14,7 @@ use outbox_core::{AggregateKey, AggregateRegistration, EventId, InboxStore};
 /// Turns the inbox of `ctx` back into its migration-1 shape (the column of migration 2 gone,
 /// the migration log at version 1).
 async fn back_to_inbox_v1(ctx: &common::Ctx) {
+    back_to_inbox_v2(ctx).await;
     sqlx::query(&format!(
         "ALTER TABLE {} DROP COLUMN aggregate",
         ctx.table("processed_events")
@@ -24,15 +25,36 @@ async fn back_to_inbox_v1(ctx: &common::Ctx) {
     forget_inbox_v2(ctx).await;
 }
 
-/// Removes migration 2 from the log (as a run that failed after its DDL committed leaves it).
+/// Removes migrations 2 and later from the log (as a run that failed after migration 2's DDL
+/// committed leaves it).
 async fn forget_inbox_v2(ctx: &common::Ctx) {
+    forget_inbox_from(ctx, 2).await;
+}
+
+/// Removes migrations `version` and later from the log.
+async fn forget_inbox_from(ctx: &common::Ctx, version: i32) {
     sqlx::query(&format!(
-        "DELETE FROM {} WHERE object = 'inbox:processed_events' AND version = 2",
+        "DELETE FROM {} WHERE object = 'inbox:processed_events' AND version >= ?",
         ctx.table("outbox_schema_migrations")
     ))
+    .bind(version)
     .execute(&ctx.pool)
     .await
     .unwrap();
+}
+
+/// Turns the inbox of `ctx` back into its migration-2 shape (parked messages unique by
+/// consumer and dedup id, the migration log at version 2).
+async fn back_to_inbox_v2(ctx: &common::Ctx) {
+    let parked = ctx.table("processed_events_parked");
+    for ddl in [
+        format!("ALTER TABLE {parked} ADD UNIQUE KEY dedup_key (consumer, dedup_id)"),
+        format!("ALTER TABLE {parked} DROP KEY dedup_scope_key"),
+        format!("ALTER TABLE {parked} DROP COLUMN dedup_scope"),
+    ] {
+        sqlx::query(&ddl).execute(&ctx.pool).await.unwrap();
+    }
+    forget_inbox_from(ctx, 3).await;
 }
 
 /// Inbox migration 2 on a database of migration 1 with registrations of the previous version,
@@ -57,7 +79,11 @@ async fn inbox_migration_2_upgrades_beside_consumers_of_the_previous_version() {
         .execute(&ctx.pool)
         .await
         .unwrap();
-    assert_eq!(inbox.migrate().await.unwrap(), 1, "migration 2 applies");
+    assert_eq!(
+        inbox.migrate().await.unwrap(),
+        2,
+        "migrations 2 and 3 apply"
+    );
     // The consumer of the previous version, after the upgrade.
     sqlx::query(&old_insert)
         .bind("c")
@@ -89,7 +115,7 @@ async fn inbox_migration_2_upgrades_beside_consumers_of_the_previous_version() {
     forget_inbox_v2(&ctx).await;
     assert_eq!(
         inbox.migrate().await.expect("the column exists: applied"),
-        1
+        2
     );
     assert_eq!(inbox.migrate().await.unwrap(), 0);
     let mut tx = inbox.begin().await.unwrap();
@@ -138,7 +164,7 @@ async fn inbox_migration_2_runs_beside_registering_consumers() {
         })
         .collect();
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    assert_eq!(inbox.migrate().await.unwrap(), 1);
+    assert_eq!(inbox.migrate().await.unwrap(), 2);
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let mut total = 0i64;
     for w in workers {
@@ -228,5 +254,131 @@ async fn an_open_transaction_makes_the_migration_give_up_not_stall_consumers() {
     let inbox = ctx.inbox().await;
     assert_eq!(inbox.migrate().await.unwrap(), 0, "applied by ctx.inbox()");
     one.close().await;
+    ctx.drop().await;
+}
+
+/// The raw record of `e` at `offset` of topic `t`, as the engine parks it.
+fn record_of(e: &outbox_core::Envelope, offset: i64) -> outbox_core::ParkedRecord {
+    outbox_core::ParkedRecord::new(
+        outbox_core::LogPosition::new("t", 0, offset),
+        Some(e.aggregate_id.clone().into_bytes()),
+        outbox_core::wire::encode_headers(e)
+            .into_iter()
+            .map(|(k, v)| outbox_core::RecordHeader::new(k, v))
+            .collect(),
+        Some(e.payload.bytes.clone()),
+    )
+}
+
+/// Parks `record` as a head for consumer `c`, in a transaction of its own.
+async fn park(
+    inbox: &outbox_mysql::MySqlInboxStore,
+    record: outbox_core::ParkedRecord,
+) -> outbox_core::Parking {
+    let mut tx = inbox.begin().await.unwrap();
+    let mut p = inbox
+        .park(
+            &mut tx,
+            "c",
+            &[outbox_core::NewParkedMessage::new(
+                record,
+                outbox_core::ParkAs::Head(outbox_core::ParkKind::Unprocessable),
+                "fails",
+                1,
+            )],
+        )
+        .await
+        .unwrap();
+    inbox.commit(tx).await.unwrap();
+    p.pop().unwrap()
+}
+
+/// Inbox migration 3 on a database of migration 2 holding parked messages of the previous
+/// version: an event of `a`, an undecodable record, and an undecodable record parked under a
+/// content id after a rewind (a dedup id without an aggregate). After the upgrade a record of
+/// `b` naming `a`'s parked event as its original is parked (before it, it came back "parked
+/// already" and was lost); the redeliveries of every message parked before the upgrade, and
+/// of the new one, are parked already; and a run that failed after its DDL committed applies
+/// again without error.
+#[tokio::test]
+async fn inbox_migration_3_scopes_the_parked_messages_of_the_previous_version() {
+    use outbox_core::{wire, Envelope, LogPosition, ParkedRecord, Parking, RecordHeader};
+    let ctx = ctx!(4);
+    let inbox = ctx.inbox().await;
+    back_to_inbox_v2(&ctx).await;
+    let real = Envelope::builder("order", "a", 1, "order.changed")
+        .build()
+        .unwrap();
+    let foreign = Envelope::builder("order", "b", 1, "order.changed")
+        .header(wire::ORIGINAL_EVENT_ID, real.event_id.to_string())
+        .build()
+        .unwrap();
+    let garbled = |offset: i64, value: u8| {
+        ParkedRecord::new(
+            LogPosition::new("t", 0, offset),
+            None,
+            vec![RecordHeader::new("garbage", vec![0xff])],
+            Some(vec![value]),
+        )
+    };
+    // The previous version's rows.
+    assert!(matches!(
+        park(&inbox, record_of(&real, 1)).await,
+        Parking::Head(_)
+    ));
+    assert!(matches!(
+        park(&inbox, garbled(2, 1)).await,
+        Parking::Head(_)
+    ));
+    // Another record at offset 2 (the log was rewound): parked under its content id.
+    assert!(matches!(
+        park(&inbox, garbled(2, 2)).await,
+        Parking::Head(_)
+    ));
+    assert_eq!(
+        park(&inbox, record_of(&foreign, 3)).await,
+        Parking::AlreadyParked,
+        "the shape of migration 2 takes the foreign record for parked already"
+    );
+    assert_eq!(inbox.migrate().await.unwrap(), 1, "migration 3 applies");
+    let upgraded = |inbox: outbox_mysql::MySqlInboxStore| {
+        let real = real.clone();
+        async move {
+            for (what, record) in [
+                ("the event", record_of(&real, 10)),
+                ("an undecodable record", garbled(2, 1)),
+                ("a record parked after a rewind", garbled(2, 2)),
+            ] {
+                assert_eq!(
+                    park(&inbox, record).await,
+                    Parking::AlreadyParked,
+                    "a redelivery of {what} parked before the upgrade"
+                );
+            }
+        }
+    };
+    upgraded(inbox.clone()).await;
+    let p = park(&inbox, record_of(&foreign, 3)).await;
+    assert!(matches!(p, Parking::Head(_)), "{p:?}");
+    assert_eq!(
+        park(&inbox, record_of(&foreign, 4)).await,
+        Parking::AlreadyParked
+    );
+    // A run whose DDL committed but whose log entry did not.
+    forget_inbox_from(&ctx, 3).await;
+    assert_eq!(inbox.migrate().await.expect("applied again"), 1);
+    assert_eq!(inbox.migrate().await.unwrap(), 0);
+    upgraded(inbox.clone()).await;
+    let mut keys: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT CAST(index_name AS CHAR) FROM information_schema.statistics \
+         WHERE table_schema = ? AND table_name = 'processed_events_parked' \
+           AND non_unique = 0",
+    )
+    .bind(&ctx.database)
+    .fetch_all(&ctx.pool)
+    .await
+    .unwrap();
+    keys.sort();
+    assert_eq!(keys, ["PRIMARY", "dedup_scope_key", "position_key"]);
     ctx.drop().await;
 }

@@ -117,7 +117,7 @@ async fn concurrent_migrations_apply_once_and_release_the_lock() {
     }
     assert_eq!(
         (outbox_applied, inbox_applied),
-        (1, 2),
+        (1, 3),
         "each migration once"
     );
     let holder: Option<i64> = sqlx::query_scalar("SELECT IS_USED_LOCK(?)")

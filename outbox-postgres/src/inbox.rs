@@ -41,7 +41,9 @@ pub(crate) const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; \
 ///   Parking locks the aggregate's row, as the operator's release does, so a message never
 ///   waits behind an aggregate that is being released. A message is parked once per dedup
 ///   id and aggregate: one whose dedup id a parked message of another aggregate holds is
-///   parked under [`outbox_core::inbox::scoped_dedup_id`].
+///   parked under [`outbox_core::inbox::scoped_dedup_id`] (and, when a parked message of
+///   another aggregate holds that too, a record made to collide, under an id of its position
+///   and content: kept, never taken for parked already).
 /// * **Durability:** every transaction begins with `SET LOCAL synchronous_commit TO on`.
 #[derive(Clone, Debug)]
 pub struct PostgresInboxStore {
@@ -298,8 +300,13 @@ impl PostgresInboxStore {
         // A record whose dedup id a parked message of another aggregate holds (a record
         // naming another aggregate's event as its original, or the event such a record
         // named) is not that message either: it is parked under its aggregate-scoped id.
+        // A record whose scoped id is held by a parked message of another aggregate too (only
+        // a record whose event id was made to be that id can hold it) is parked under an id
+        // derived from its position and content: kept, and its redeliveries at that position
+        // recognised (one at another position is parked again: kept twice, never lost).
         let mut dedup = r.dedup_id.map(|e| e.as_uuid());
         let mut scoped = false;
+        let mut by_content = false;
         let id = loop {
             let id: Option<i64> = sqlx::query_scalar(&self.sql.insert_parked)
                 .bind(consumer)
@@ -326,7 +333,8 @@ impl PostgresInboxStore {
                 break id;
             }
             if let Some(held) = dedup {
-                let (Some(a), Some(original), false) = (&r.aggregate, r.dedup_id, scoped) else {
+                let (Some(a), Some(original), false) = (&r.aggregate, r.dedup_id, by_content)
+                else {
                     break None;
                 };
                 // A statement of its own: it sees the holder that a concurrent transaction
@@ -341,6 +349,11 @@ impl PostgresInboxStore {
                     .map_err(db)?;
                 if same != Some(false) {
                     break None;
+                }
+                if scoped {
+                    dedup = Some(content_id(r, &names));
+                    by_content = true;
+                    continue;
                 }
                 dedup = Some(scoped_dedup_id(a, original).as_uuid());
                 scoped = true;

@@ -252,4 +252,4 @@ impl MySqlOutboxStore {
 }
 
 pub(crate) use head::marks;
-pub(crate) use tx::BEGIN_RC;
+pub(crate) use tx::begin;

@@ -26,8 +26,24 @@ pub(crate) const BEGIN_RC: &str =
 pub(crate) const LOCK_CONFLICT_ATTEMPTS: u32 = 6;
 
 /// A READ COMMITTED transaction from `pool`.
+///
+/// Begun in a task of its own, so that it is cancel-safe: sqlx counts a transaction as open
+/// only once its `BEGIN` statement answered, so a caller cancelled while the statement is in
+/// flight (a relay task aborted, a timeout around a store call) would drop a connection whose
+/// transaction the server has started, and the pool would hand it out again with the
+/// transaction open: the next `SET TRANSACTION` there fails (1568, "Transaction
+/// characteristics can't be changed while a transaction is in progress") and a plain
+/// statement there never commits. The task always runs the begin to its end; a transaction
+/// nobody takes any more is dropped, which rolls it back before the connection is used again.
 pub(crate) async fn begin(pool: &MySqlPool) -> Result<Transaction<'static, MySql>, StoreError> {
-    pool.begin_with(BEGIN_RC).await.map_err(db)
+    let pool = pool.clone();
+    match tokio::spawn(async move { pool.begin_with(BEGIN_RC).await }).await {
+        Ok(begun) => begun.map_err(db),
+        Err(e) => Err(StoreError::new(
+            outbox_core::StoreErrorKind::Other,
+            format!("the task beginning a transaction did not finish: {e}"),
+        )),
+    }
 }
 
 /// Commits `tx` after `result` succeeded, else rolls it back at once.
@@ -122,17 +138,20 @@ pub(crate) struct HeldConnection {
 impl HeldConnection {
     /// Acquires a connection and begins a READ COMMITTED transaction whose session closes
     /// after `hold` of idleness.
+    ///
+    /// Cancel-safe: the connection is held (closed when dropped) from before the statement is
+    /// sent, so a caller cancelled while it is in flight never returns it to the pool.
     pub(crate) async fn begin(pool: &MySqlPool, hold: Duration) -> Result<Self, StoreError> {
-        let mut conn = pool.acquire().await.map_err(db)?;
+        let mut held = Self {
+            conn: Some(pool.acquire().await.map_err(db)?),
+        };
         // A SET cannot take a bind parameter; the value is an integer formatted here.
         let begin = format!("SET SESSION wait_timeout = {}; {BEGIN_RC}", hold_secs(hold));
-        match sqlx::Executor::execute(&mut *conn, begin.as_str()).await {
-            Ok(_) => Ok(Self { conn: Some(conn) }),
-            Err(e) => {
-                drop(conn.detach());
-                Err(db(e))
-            }
-        }
+        // On failure `held` is dropped: the connection is closed.
+        sqlx::Executor::execute(held.conn(), begin.as_str())
+            .await
+            .map_err(db)?;
+        Ok(held)
     }
 
     /// The connection.
@@ -142,17 +161,19 @@ impl HeldConnection {
 
     /// Commits (or rolls back) and gives the connection back to the pool with the server's
     /// `wait_timeout`. On failure the connection is closed (its transaction goes with it).
+    /// Cancel-safe: the connection stays held until the statement answered, so a caller
+    /// cancelled meanwhile closes it (a commit that did not answer is then in doubt, as after
+    /// a crash) instead of returning it to the pool mid-transaction.
     pub(crate) async fn end(mut self, commit: bool) -> Result<(), StoreError> {
-        let mut conn = self.conn.take().expect("a held connection until it ends");
         let end = if commit { "COMMIT" } else { "ROLLBACK" };
         let sql = format!("{end}; SET SESSION wait_timeout = DEFAULT");
-        match sqlx::Executor::execute(&mut *conn, sql.as_str()).await {
-            Ok(_) => Ok(()),
-            Err(e) => {
-                drop(conn.detach());
-                Err(db(e))
-            }
-        }
+        // On failure `self` is dropped: the connection is closed.
+        sqlx::Executor::execute(self.conn(), sql.as_str())
+            .await
+            .map_err(db)?;
+        // Back to the pool, with the server's `wait_timeout` and no transaction.
+        drop(self.conn.take());
+        Ok(())
     }
 }
 

@@ -1,8 +1,8 @@
 //! The message source checks, one per contract clause of [`MessageSource`]. Each takes a fresh
 //! [`SourceHarness`]: its own topic and consumer group.
 //!
-//! Polls wait at most [`SourceCapabilities::patience`] for a message (a broker's first group
-//! join takes seconds); "nothing more arrives" is watched for [`SourceCapabilities::quiet`].
+//! Polls wait at most [`SourceCapabilities::patience`](super::SourceCapabilities::patience) for a message (a broker's first group
+//! join takes seconds); "nothing more arrives" is watched for [`SourceCapabilities::quiet`](super::SourceCapabilities::quiet).
 
 use std::time::Duration;
 

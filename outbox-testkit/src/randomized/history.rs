@@ -2,7 +2,7 @@
 //! with the window in which each was certainly live, the fake broker's deliveries, operator
 //! actions, commits and rollbacks) and the invariants judged on that history and on the
 //! outbox's final rows. Store-neutral (core types only): every backend's randomized run
-//! (`outbox-postgres`, `outbox-mysql`) is judged by this one [`check`], never by a copy.
+//! (`outbox-postgres`, `outbox-mysql`) is judged by this one `check`, never by a copy.
 //!
 //! The checks, each reported with its number:
 //!
@@ -326,7 +326,7 @@ impl World {
 }
 
 // ---------------------------------------------------------------------------------------------
-/// A final row of the outbox table, as a backend reads it for [`check`].
+/// A final row of the outbox table, as a backend reads it for the checker.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct FinalRow {
@@ -334,7 +334,7 @@ pub struct FinalRow {
     pub event_id: EventId,
     /// Its status as stored (`pending`, `published`, `parked`, `discarded`).
     pub status: String,
-    /// The producer's label of the event (header [`LABEL`]).
+    /// The producer's label of the event (header [`LABEL`](super::LABEL)).
     pub label: Option<String>,
     /// The acknowledgement recorded with a publication: topic, partition, offset.
     pub ack: Option<(String, i32, i64)>,

@@ -34,7 +34,7 @@
 //!
 //! # How the checks stay exact under a slow machine
 //!
-//! Every claim goes through a recording wrapper of the store ([`recorded`]), which notes, per
+//! Every claim goes through a recording wrapper of the store (module `recorded`), which notes, per
 //! claim, a window that is certainly inside the claim's real life: from the moment `claim`
 //! returned (the lease is committed, the locks are held) to the earliest moment it could have
 //! ended: the lease deadline measured from *before* the claim request (`before +
