@@ -170,6 +170,16 @@ pub async fn connect_outbox(config: &Config, pool_size: u32) -> Result<(PgPool, 
     .await
 }
 
+/// A pool of the outbox's database that has not connected yet (nor will until used): for
+/// checks of the configuration that must not touch the network.
+pub fn lazy_outbox_pool(config: &Config) -> Result<PgPool, CliError> {
+    let url = config.database_url()?;
+    let (opts, _) = connect_options(url, &config.database.password)?;
+    Ok(PgPoolOptions::new()
+        .max_connections(1)
+        .connect_lazy_with(opts))
+}
+
 /// The outbox store of the configuration.
 pub fn outbox_store(config: &Config, pool: PgPool) -> Result<PostgresOutboxStore, CliError> {
     let o = &config.outbox;

@@ -1,7 +1,8 @@
 //! `outbox relay`: the daemon.
 //!
-//! Start-up fails fast, with a non-zero exit and the fix, on what no retry can cure: an
-//! unreachable database (host, port and cause, within `database.connect_timeout`), a missing or
+//! Start-up fails fast, with a non-zero exit and the fix, on what no retry can cure. What needs
+//! no network is checked first (values, producer properties, the lease against the delivery
+//! timeout: exit 2 even while the database or the broker is down); then an unreachable database (host, port and cause, within `database.connect_timeout`), a missing or
 //! outdated schema (`outbox migrate`), a missing privilege (the `GRANT`), a missing topic, an
 //! unsafe producer setting, a lease that does not outlive the delivery timeout. While running,
 //! a permanent store error (the table dropped, a privilege revoked) stops the relay the same
@@ -107,6 +108,7 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
     // Per worker a claim (prefetch included) and a completion at once; plus the listener,
     // stats, cleanup and readiness.
     let pool_size = 2 * u32::from(workers) + 4;
+    validate_offline(config)?;
     let (pool, target) = db::connect_outbox(config, pool_size).await?;
     db::preflight(&pool, config).await?;
     let store = db::outbox_store(config, pool.clone())?;
@@ -251,6 +253,18 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
         Some(e) => Err(e),
         None => Ok(()),
     }
+}
+
+/// Checks everything that needs no network before the relay touches the database or the
+/// broker, so that a configuration error exits 2 with its fix even while a service is down
+/// (which would otherwise exit 3 and hide it): the database URL and the claim mode, every
+/// producer property, the retry and relay settings, and the lease (or locked hold) against the
+/// delivery timeout, checked by the very constructors the running relay uses, on a database
+/// pool that has not connected and a producer that has not contacted the broker.
+fn validate_offline(config: &Config) -> Result<(), CliError> {
+    let store = db::outbox_store(config, db::lazy_outbox_pool(config)?)?;
+    let publisher = Arc::new(crate::kafka::build_publisher(config)?);
+    build_relay(config, &store, &publisher, &config.owner()).map(drop)
 }
 
 async fn record_topics(
