@@ -136,11 +136,8 @@ impl CliError {
             ),
             StoreErrorKind::Configuration if is_privilege(err) => Self::not_ready(
                 format!("permission denied on {what}: {}", err.message),
-                format!(
-                    "grant the relay's role its rights, e.g. GRANT USAGE ON SCHEMA <schema> TO \
-                     <role>; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \
-                     <schema> TO <role> (tables of {what})"
-                ),
+                "run `outbox check` (or start `outbox relay`) as this role: it prints the \
+                 exact GRANT statements for the tables it lacks rights on",
             ),
             StoreErrorKind::Connection => Self::unreachable(
                 format!("database connection failed: {}", err.message),
@@ -156,7 +153,7 @@ impl CliError {
 }
 
 /// Whether a `Configuration` store error is PostgreSQL's "insufficient privilege".
-fn is_privilege(err: &StoreError) -> bool {
+pub fn is_privilege(err: &StoreError) -> bool {
     let mut source = std::error::Error::source(err);
     while let Some(s) = source {
         if let Some(sqlx::Error::Database(db)) = s.downcast_ref::<sqlx::Error>() {

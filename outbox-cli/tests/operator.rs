@@ -90,3 +90,134 @@ async fn configuration_errors_exit_2_before_any_service_is_contacted() {
     }
     env.drop_schema().await;
 }
+
+/// The statements of a hint: each line of stderr that starts with `GRANT`.
+fn grants(stderr: &str) -> Vec<String> {
+    stderr
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.starts_with("GRANT "))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// A role without its grants is told the exact statements for its schema, tables and name
+/// (no `<schema>`/`<role>` template, every table it lacks, none it has); running them as the
+/// owner is enough for the relay to get past the database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_lacking_grants_is_given_the_exact_statements() {
+    let env = env_or_skip!("op_exact_grants", 0);
+    env.migrate();
+    let role = format!("r_{}", env.schema);
+    sqlx::raw_sql(&format!("CREATE ROLE {role} LOGIN"))
+        .execute(&env.pool)
+        .await
+        .unwrap();
+    let url = env.url.replacen("postgres@", &format!("{role}@"), 1);
+    let as_role = [("DATABASE_URL", url.as_str())];
+    let s = &env.schema;
+
+    // Nothing granted, not even the schema.
+    let out = relay_without_broker(&env, &as_role, &[]);
+    assert_eq!(out.status.code(), Some(4), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !err.contains("<schema>") && !err.contains("<role>"),
+        "{err}"
+    );
+    let all = grants(&err);
+    let expected = [
+        format!("GRANT USAGE ON SCHEMA \"{s}\" TO \"{role}\";"),
+        format!("GRANT SELECT ON \"{s}\".\"outbox_schema_migrations\" TO \"{role}\";"),
+        format!("GRANT SELECT, INSERT, UPDATE, DELETE ON \"{s}\".\"outbox_events\" TO \"{role}\";"),
+        format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON \"{s}\".\"outbox_events_aggregate\" TO \"{role}\";"
+        ),
+        format!("GRANT SELECT, INSERT ON \"{s}\".\"outbox_events_audit\" TO \"{role}\";"),
+        format!("GRANT SELECT, INSERT, UPDATE ON \"{s}\".\"outbox_events_topics\" TO \"{role}\";"),
+        format!("GRANT SELECT ON \"{s}\".\"outbox_events_conflicts\" TO \"{role}\";"),
+    ];
+    assert_eq!(all, expected, "{err}");
+
+    // Schema and reads granted: only the writes are asked for, table by table.
+    sqlx::raw_sql(&format!(
+        "GRANT USAGE ON SCHEMA \"{s}\" TO {role}; GRANT SELECT ON ALL TABLES IN SCHEMA \"{s}\" TO {role};"
+    ))
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    let out = relay_without_broker(&env, &as_role, &[]);
+    assert_eq!(out.status.code(), Some(4), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let writes = grants(&err);
+    assert_eq!(
+        writes,
+        [
+            format!("GRANT INSERT, UPDATE, DELETE ON \"{s}\".\"outbox_events\" TO \"{role}\";"),
+            format!(
+                "GRANT INSERT, UPDATE, DELETE ON \"{s}\".\"outbox_events_aggregate\" TO \"{role}\";"
+            ),
+            format!("GRANT INSERT ON \"{s}\".\"outbox_events_audit\" TO \"{role}\";"),
+            format!("GRANT INSERT, UPDATE ON \"{s}\".\"outbox_events_topics\" TO \"{role}\";"),
+        ],
+        "{err}"
+    );
+
+    // The printed statements, run as the owner, are all it takes: the relay gets past the
+    // database and stops at the (unreachable) broker.
+    for g in &writes {
+        sqlx::raw_sql(g).execute(&env.pool).await.unwrap();
+    }
+    let out = relay_without_broker(&env, &as_role, &[]);
+    assert_eq!(out.status.code(), Some(3), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(NO_BROKER),
+        "{}",
+        text(&out)
+    );
+    let _ = sqlx::raw_sql(&format!("DROP OWNED BY {role}; DROP ROLE {role};"))
+        .execute(&env.pool)
+        .await;
+    env.drop_schema().await;
+}
+
+/// A privilege revoked while the relay runs stops it (exit 4) with the statement for the table
+/// that lost it, not a template naming the outbox table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_privilege_revoked_while_running_is_named_with_its_table() {
+    let env = env_or_skip!("op_grant_revoked", 1);
+    env.migrate();
+    let role = format!("r_{}", env.schema);
+    let s = &env.schema;
+    sqlx::raw_sql(&format!(
+        "CREATE ROLE {role} LOGIN; GRANT USAGE ON SCHEMA \"{s}\" TO {role}; \
+         GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \"{s}\" TO {role};"
+    ))
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    let url = env.url.replacen("postgres@", &format!("{role}@"), 1);
+    let mut relay = env.spawn_relay_env(&[("DATABASE_URL", url.as_str())], &["--no-cleanup"]);
+    relay.wait_ready(std::time::Duration::from_secs(30));
+    sqlx::raw_sql(&format!(
+        "REVOKE UPDATE ON \"{s}\".outbox_events_aggregate FROM {role}"
+    ))
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    env.append(2, 1).await;
+    let (code, _, stderr) = relay.wait(std::time::Duration::from_secs(60));
+    let _ = sqlx::raw_sql(&format!("DROP OWNED BY {role}; DROP ROLE {role};"))
+        .execute(&env.pool)
+        .await;
+    assert_eq!(code, 4, "{stderr}");
+    assert!(!stderr.contains("<schema>"), "{stderr}");
+    assert_eq!(
+        grants(&stderr),
+        [format!(
+            "GRANT UPDATE ON \"{s}\".\"outbox_events_aggregate\" TO \"{role}\";"
+        )],
+        "{stderr}"
+    );
+    env.drop_schema().await;
+}

@@ -2,12 +2,13 @@
 //!
 //! Start-up fails fast, with a non-zero exit and the fix, on what no retry can cure. What needs
 //! no network is checked first (values, producer properties, the lease against the delivery
-//! timeout: exit 2 even while the database or the broker is down); then an unreachable database (host, port and cause, within `database.connect_timeout`), a missing or
-//! outdated schema (`outbox migrate`), a missing privilege (the `GRANT`), a missing topic, an
-//! unsafe producer setting, a lease that does not outlive the delivery timeout. While running,
-//! a permanent store error (the table dropped, a privilege revoked) stops the relay the same
-//! way and `/readyz` says why until it exits; transient errors (database or broker briefly
-//! gone) are retried with backoff and logged once per change of state, never once per event.
+//! timeout: exit 2 even while the database or the broker is down); then an unreachable
+//! database (host, port and cause, within `database.connect_timeout`), a missing or outdated
+//! schema (`outbox migrate`), a missing privilege (the exact `GRANT` statements for the
+//! schema, tables and role), a missing topic. While running, a permanent store error (the table
+//! dropped, a privilege revoked: the exact `GRANT` again) stops the relay the same way and
+//! `/readyz` says why until it exits; transient errors (database or broker briefly gone) are
+//! retried with backoff and logged once per change of state, never once per event.
 //!
 //! SIGTERM or SIGINT: each worker finishes the batch it is publishing (bounded by the delivery
 //! timeout) and records it, releases a batch it claimed but has not sent, and releases its
@@ -100,7 +101,15 @@ impl Totals {
 }
 
 /// A permanent error seen by a worker: the relay stops with it.
-type Fatal = Arc<std::sync::Mutex<Option<CliError>>>;
+type Fatal = Arc<std::sync::Mutex<Option<FatalError>>>;
+
+/// The error a worker stopped the relay with.
+#[derive(Debug)]
+struct FatalError {
+    error: CliError,
+    /// A missing privilege: the exit names the exact grants, read from the catalogs.
+    privilege: bool,
+}
 
 /// Runs the daemon until SIGTERM/SIGINT or a permanent error.
 pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
@@ -199,7 +208,7 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .as_ref()
-        .map(ToString::to_string);
+        .map(|f| f.error.to_string());
     // Until the process exits, /readyz says why it stops.
     health.update(|r| {
         r.relaying = false;
@@ -250,7 +259,15 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
     }
     let fatal = fatal.lock().unwrap_or_else(|p| p.into_inner()).take();
     match fatal {
-        Some(e) => Err(e),
+        Some(FatalError {
+            error,
+            privilege: true,
+        }) => match db::privilege_error(&pool, config).await {
+            // The statements for what this role lacks now, table by table.
+            Ok(Some(exact)) => Err(exact),
+            _ => Err(error),
+        },
+        Some(f) => Err(f.error),
         None => Ok(()),
     }
 }
@@ -410,7 +427,10 @@ async fn worker(
                 totals.store_errors.fetch_add(1, Ordering::Relaxed);
                 let err = CliError::from_store(&e, &table);
                 error!(owner = %owner, error = %e, "permanent store error; the relay stops");
-                *fatal.lock().unwrap_or_else(|p| p.into_inner()) = Some(err);
+                *fatal.lock().unwrap_or_else(|p| p.into_inner()) = Some(FatalError {
+                    error: err,
+                    privilege: crate::error::is_privilege(&e),
+                });
                 let _ = stop_all.send(true);
                 break;
             }
