@@ -65,7 +65,7 @@ fn describe() {
     describe_gauge!(
         "outbox_backlog_forecast_seconds",
         Unit::Seconds,
-        "Time until the backlog reaches status.capacity at the current rate (-1: not growing)"
+        "Time until the backlog reaches status.capacity at its current trend (slope over status.trend_window; -1: not growing)"
     );
     describe_gauge!(
         "outbox_backpressure_active",

@@ -5,6 +5,8 @@
 
 mod common;
 
+use std::time::{Duration, Instant};
+
 use common::text;
 
 /// A broker address where nothing listens.
@@ -219,5 +221,54 @@ async fn a_privilege_revoked_while_running_is_named_with_its_table() {
         )],
         "{stderr}"
     );
+    env.drop_schema().await;
+}
+
+/// The forecast follows the backlog's current trend: after a drain of 2,000 older events (which
+/// dominates any 15-minute average of created minus published), a backlog that grows now is
+/// forecast to reach capacity (not -1, "not growing").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_backlog_forecast_follows_the_current_trend() {
+    let env = env_or_skip!("op_forecast_trend", 1);
+    env.migrate();
+    let old = env.append(500, 4).await;
+    sqlx::raw_sql(&format!(
+        "UPDATE \"{}\".outbox_events SET created_at = created_at - interval '20 minutes'",
+        env.schema
+    ))
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    let mut relay =
+        env.spawn_relay_env(&[("OUTBOX_STATUS__CAPACITY", "100000")], &["--no-cleanup"]);
+    relay.wait_ready(Duration::from_secs(30));
+    env.wait_count("published", old.len() as i64, Duration::from_secs(120))
+        .await;
+    relay.wait_metric(
+        "outbox_unpublished",
+        "",
+        |v| v == 0.0,
+        Duration::from_secs(10),
+    );
+    // Now the backlog grows: heads that skip a version are held, unpublished, in rounds.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut version = 2;
+    let forecast = loop {
+        env.append_versions(20, version..=version).await;
+        version += 1;
+        let f = relay.metric("outbox_backlog_forecast_seconds", "");
+        if let Some(f) = f.filter(|f| *f > 0.0) {
+            break f;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the backlog grows but the forecast reads {f:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    // Growing by about 100 a second towards 100,000: far from full, but not "never".
+    assert!(forecast < 100_000.0, "{forecast}");
+    let (code, _, stderr) = relay.terminate(Duration::from_secs(30));
+    assert_eq!(code, 0, "{stderr}");
     env.drop_schema().await;
 }

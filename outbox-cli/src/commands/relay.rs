@@ -38,6 +38,7 @@ use crate::error::CliError;
 use crate::health::Health;
 use crate::metered::MeteredStore;
 use crate::output::Output;
+use crate::trend::BacklogTrend;
 
 /// Totals over the daemon's life, shared by the workers.
 #[derive(Debug, Default)]
@@ -505,17 +506,15 @@ async fn monitor(
     let mut last_summary = tokio::time::Instant::now();
     let mut last_published = 0u64;
     let mut broker_checked = tokio::time::Instant::now();
+    // The current trend, not an average over status.window: a drain of older events must not
+    // cancel a backlog that grows now (see `crate::trend`).
+    let mut trend = BacklogTrend::new(config.status.trend_window.0);
     loop {
         match store.stats().await {
             Ok(stats) => {
                 crate::metrics::record_stats(&stats);
-                let rate = store
-                    .publish_latency(config.status.window.0)
-                    .await
-                    .ok()
-                    .map(|l| {
-                        (l.created as f64 - l.count as f64) / config.status.window.0.as_secs_f64()
-                    });
+                trend.observe(std::time::Instant::now(), stats.unpublished);
+                let rate = trend.rate_per_sec();
                 gate.observe(BacklogSnapshot::from_stats(&stats, rate), Utc::now());
                 if let Ok(c) = store.conflict_counts().await {
                     crate::metrics::record_conflicts(&c);
