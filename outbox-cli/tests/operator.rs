@@ -8,6 +8,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::text;
+use outbox_core::Envelope;
 
 /// A broker address where nothing listens.
 const NO_BROKER: &str = "127.0.0.1:1";
@@ -270,5 +271,45 @@ async fn the_backlog_forecast_follows_the_current_trend() {
     assert!(forecast < 100_000.0, "{forecast}");
     let (code, _, stderr) = relay.terminate(Duration::from_secs(30));
     assert_eq!(code, 0, "{stderr}");
+    env.drop_schema().await;
+}
+
+/// A poison event larger than the producer accepts, and one behind it.
+async fn append_poison(env: &common::TestEnv) {
+    let poison = Envelope::builder("order", "big", 1, "order.placed")
+        .json(&serde_json::json!({"note": "x".repeat(4096)}))
+        .unwrap()
+        .build()
+        .unwrap();
+    env.store().append_many(&env.pool, &[poison]).await.unwrap();
+}
+
+/// Exit 0 after a signal means nothing waits for an operator; a relay that parked events in
+/// its run exits 1 and says where to look, as the exit-code table says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_parked_events_exits_1_after_a_signal() {
+    let env = env_or_skip!("op_exit_after_parking", 1);
+    env.migrate();
+    let events = env.append(3, 1).await;
+    let mut relay = env.spawn_relay(&["--no-cleanup"]);
+    relay.wait_ready(Duration::from_secs(30));
+    env.wait_count("published", events.len() as i64, Duration::from_secs(30))
+        .await;
+    let (code, _, stderr) = relay.terminate(Duration::from_secs(30));
+    assert_eq!(code, 0, "nothing left for an operator: {stderr}");
+
+    append_poison(&env).await;
+    let mut relay = env.spawn_relay(&[
+        "--no-cleanup",
+        "--producer-property",
+        "message.max.bytes=2048",
+    ]);
+    relay.wait_ready(Duration::from_secs(30));
+    env.wait_count("parked", 1, Duration::from_secs(30)).await;
+    let (code, stdout, stderr) = relay.terminate(Duration::from_secs(30));
+    assert_eq!(code, 1, "a parked event waits for an operator: {stderr}");
+    assert!(stdout.is_empty(), "{stdout}");
+    assert!(stderr.contains("1 parked"), "{stderr}");
+    assert!(stderr.contains("outbox parked list"), "{stderr}");
     env.drop_schema().await;
 }

@@ -12,7 +12,10 @@
 //!
 //! SIGTERM or SIGINT: each worker finishes the batch it is publishing (bounded by the delivery
 //! timeout) and records it, releases a batch it claimed but has not sent, and releases its
-//! prefetched batch; the exit report counts what happened, failures included.
+//! prefetched batch; the exit report counts what happened, failures included. The exit code
+//! says whether an operator is needed (see [`crate::error`]): 0 when nothing is left for one
+//! (failures that recovered during the run included), 1 when events the run parked are still
+//! parked or it was still failing when it stopped.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -220,13 +223,22 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
         "relay stopping: finishing or releasing the batches in flight"
     );
     let deadline = config.relay.shutdown_timeout.0;
+    // Whether a worker was still failing (store errors, the circuit open) when it stopped.
+    let mut failing_at_stop = false;
     for t in tasks {
         match tokio::time::timeout(deadline, t).await {
-            Ok(_) => {}
-            Err(_) => warn!(
-                "a worker did not finish within relay.shutdown_timeout; its claims end with \
-                 their lease (or transaction)"
-            ),
+            Ok(Ok(failing)) => failing_at_stop |= failing,
+            Ok(Err(e)) => {
+                error!(error = %e, "a worker ended abnormally");
+                failing_at_stop = true;
+            }
+            Err(_) => {
+                warn!(
+                    "a worker did not finish within relay.shutdown_timeout; its claims end with \
+                     their lease (or transaction)"
+                );
+                failing_at_stop = true;
+            }
         }
     }
     monitor.abort();
@@ -258,6 +270,16 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
     if out.json {
         out.json(&serde_json::to_value(&report).unwrap_or_default());
     }
+    // Of what this run parked, is anything still parked (an operator may have acted already)?
+    let still_parked = if report.parked == 0 {
+        0
+    } else {
+        match tokio::time::timeout(Duration::from_secs(5), store.stats()).await {
+            Ok(Ok(s)) => s.parked,
+            // Unknown: say what this run parked.
+            _ => report.parked,
+        }
+    };
     let fatal = fatal.lock().unwrap_or_else(|p| p.into_inner()).take();
     match fatal {
         Some(FatalError {
@@ -269,7 +291,12 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
             _ => Err(error),
         },
         Some(f) => Err(f.error),
-        None => Ok(()),
+        None => match needs_operator(&report, still_parked, failing_at_stop) {
+            // The report is the --json document already.
+            Some(e) if out.json => Err(e.reported()),
+            Some(e) => Err(e),
+            None => Ok(()),
+        },
     }
 }
 
@@ -283,6 +310,43 @@ fn validate_offline(config: &Config) -> Result<(), CliError> {
     let store = db::outbox_store(config, db::lazy_outbox_pool(config)?)?;
     let publisher = Arc::new(crate::kafka::build_publisher(config)?);
     build_relay(config, &store, &publisher, &config.owner()).map(drop)
+}
+
+/// Exit 1 after a signal when the run left something for an operator: events it parked that
+/// are still parked (they block their aggregates until someone acts), or workers still failing
+/// when it stopped (the database or the broker unreachable, a worker that did not finish).
+/// Retries, deferrals and store errors that recovered during the run are not, nor events an
+/// operator resolved before the stop: `None`, exit 0.
+fn needs_operator(
+    report: &RelayReport,
+    still_parked: u64,
+    failing_at_stop: bool,
+) -> Option<CliError> {
+    let mut what = Vec::new();
+    if report.parked > 0 && still_parked > 0 {
+        what.push(format!(
+            "it parked {} event(s) during this run and {still_parked} event(s) are parked now, \
+             blocking their aggregates",
+            report.parked
+        ));
+    }
+    if failing_at_stop {
+        what.push(
+            "it was still failing when it stopped (database or broker unreachable, or a worker \
+             that did not finish)"
+                .to_owned(),
+        );
+    }
+    (!what.is_empty()).then(|| {
+        CliError::failed(format!(
+            "the relay stopped with work for an operator: {}",
+            what.join("; ")
+        ))
+        .with_hint(
+            "`outbox parked list` shows parked events and why (then retry, discard or reissue \
+             them); `outbox status` shows the backlog; restarting the relay is safe",
+        )
+    })
 }
 
 async fn record_topics(
@@ -369,10 +433,12 @@ async fn worker(
     fatal: Fatal,
     stop_all: watch::Sender<bool>,
     table: String,
-) {
+) -> bool {
     let owner = relay.config().owner.clone();
     let signal = relay.shutdown_signal();
     let mut failures = 0u32;
+    // The last cycle failed (a store error) or the circuit is open: still failing.
+    let mut failing = false;
     loop {
         if *stop.borrow() {
             signal.trigger();
@@ -389,6 +455,10 @@ async fn worker(
             }
         };
         totals.cycles.fetch_add(1, Ordering::Relaxed);
+        failing = match &result {
+            Ok(c) => c.pause.is_some(),
+            Err(_) => true,
+        };
         let delay = match result {
             Ok(c) => {
                 if failures > 0 {
@@ -463,6 +533,7 @@ async fn worker(
             warn!(owner = %owner, error = %e, "could not release the prefetched batch; its claim expires")
         }
     }
+    failing
 }
 
 /// The backpressure policy of the configuration.
