@@ -313,3 +313,63 @@ async fn a_relay_that_parked_events_exits_1_after_a_signal() {
     assert!(stderr.contains("outbox parked list"), "{stderr}");
     env.drop_schema().await;
 }
+
+/// `/readyz` answers what the relay sees now: 503 soon after the broker goes away, 503 naming
+/// the topic while it is missing after a restart, 200 soon after it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_follows_the_broker_both_ways() {
+    let env = env_or_skip!("op_readyz_follows", 0);
+    let Some(bin) = outbox_test_support::tansu_bin("op_readyz_follows") else {
+        return;
+    };
+    let mut tansu = outbox_test_support::Tansu::start(bin);
+    let brokers = tansu.brokers();
+    common::create_topic(&brokers, &env.topic, 1, &[]).await;
+    env.migrate();
+    let mut relay = env.spawn_relay_env(
+        &[
+            ("KAFKA_BROKERS", brokers.as_str()),
+            ("OUTBOX_KAFKA__METADATA_TIMEOUT", "1s"),
+        ],
+        &["--no-cleanup"],
+    );
+    relay.wait_ready(Duration::from_secs(30));
+    // Well within the 30 s the readiness used to lag by.
+    let bound = Duration::from_secs(10);
+    let wait_readyz =
+        |relay: &common::Daemon, want: u16, ok: &dyn Fn(&serde_json::Value) -> bool| {
+            let deadline = Instant::now() + bound;
+            loop {
+                let got = relay.get("/readyz");
+                if let Some((code, body)) = &got {
+                    let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+                    if *code == want && ok(&v) {
+                        return;
+                    }
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "/readyz never answered {want} as expected within {bound:?}: {got:?}"
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        };
+    tansu.stop();
+    wait_readyz(&relay, 503, &|v| v["broker"]["ok"] == false);
+    // Back, but its memory storage lost the topic: not ready, and the topic is named.
+    tansu.restart();
+    let topic = env.topic.clone();
+    wait_readyz(&relay, 503, &|v| {
+        v["broker"]["ok"] == false
+            && v["broker"]["detail"]
+                .as_str()
+                .is_some_and(|d| d.contains(&topic))
+    });
+    common::create_topic(&brokers, &env.topic, 1, &[]).await;
+    wait_readyz(&relay, 200, &|v| {
+        v["ready"] == true && v["broker"]["ok"] == true
+    });
+    let (code, _, stderr) = relay.terminate(Duration::from_secs(30));
+    assert_eq!(code, 0, "{stderr}");
+    env.drop_schema().await;
+}

@@ -182,9 +182,14 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
     metrics::gauge!("outbox_relay_up").set(1.0);
 
     let gate = Arc::new(Backpressure::new(backpressure_policy(config)));
+    let broker_watch = tokio::spawn(watch_broker(
+        publisher.clone(),
+        health.clone(),
+        config.clone(),
+        stop_rx.clone(),
+    ));
     let monitor = tokio::spawn(monitor(
         store.clone(),
-        publisher.clone(),
         pool.clone(),
         prometheus,
         health.clone(),
@@ -242,6 +247,7 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
         }
     }
     monitor.abort();
+    broker_watch.abort();
     if let Some(c) = cleanup {
         c.abort();
     }
@@ -559,7 +565,6 @@ pub fn backpressure_policy(config: &Config) -> BackpressurePolicy {
 #[allow(clippy::too_many_arguments)]
 async fn monitor(
     store: PostgresOutboxStore,
-    publisher: Arc<KafkaPublisher>,
     pool: sqlx::PgPool,
     prometheus: metrics_exporter_prometheus::PrometheusHandle,
     health: Health,
@@ -576,7 +581,6 @@ async fn monitor(
     let table = format!("{}.{}", config.outbox.schema, config.outbox.table);
     let mut last_summary = tokio::time::Instant::now();
     let mut last_published = 0u64;
-    let mut broker_checked = tokio::time::Instant::now();
     // The current trend, not an average over status.window: a drain of older events must not
     // cancel a backlog that grows now (see `crate::trend`).
     let mut trend = BacklogTrend::new(config.status.trend_window.0);
@@ -605,16 +609,6 @@ async fn monitor(
             }
         }
         crate::metrics::record_pool(&pool);
-        if broker_checked.elapsed() >= Duration::from_secs(30) {
-            broker_checked = tokio::time::Instant::now();
-            match publisher.check_topics().await {
-                Ok(_) => health.broker(true, "reachable; topics present"),
-                Err(e) => {
-                    let err = crate::kafka::topic_error(&e, &config.kafka.brokers);
-                    health.broker(false, err.to_string());
-                }
-            }
-        }
         prometheus.run_upkeep();
         if last_summary.elapsed() >= Duration::from_secs(60) {
             last_summary = tokio::time::Instant::now();
@@ -629,6 +623,61 @@ async fn monitor(
                     "relay totals"
                 );
                 last_published = r.published;
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(interval) => {}
+            () = stopped(&mut stop) => return,
+        }
+    }
+}
+
+/// Keeps the broker's side of `/readyz` to what the relay sees now: the topics are checked
+/// through the admin API every `relay.stats_interval` (each check bounded by
+/// `kafka.metadata_timeout`), in a task of its own so that a broker that does not answer
+/// delays neither the backlog gauges nor the database's readiness. An outage shows within one
+/// interval plus the metadata timeout, and so does the return of the broker or of its topics.
+async fn watch_broker(
+    publisher: Arc<KafkaPublisher>,
+    health: Health,
+    config: Config,
+    mut stop: watch::Receiver<bool>,
+) {
+    let interval = config
+        .relay
+        .stats_interval
+        .0
+        .max(Duration::from_millis(100));
+    let bound = config.kafka.metadata_timeout.0 + Duration::from_secs(1);
+    loop {
+        let check = tokio::time::timeout(bound, publisher.check_topics()).await;
+        let was_ok = health.get().broker.ok;
+        match check {
+            Ok(Ok(_)) => {
+                if !was_ok {
+                    info!("broker reachable and topics present again; /readyz reports ready");
+                }
+                health.broker(true, "reachable; topics present");
+            }
+            Ok(Err(e)) => {
+                let err = crate::kafka::topic_error(&e, &config.kafka.brokers);
+                if was_ok {
+                    warn!(error = %err.message, "broker check failed; /readyz reports the broker");
+                }
+                health.broker(false, err.to_string());
+            }
+            Err(_) => {
+                if was_ok {
+                    warn!("broker check got no answer; /readyz reports the broker");
+                }
+                health.broker(
+                    false,
+                    format!(
+                        "no answer from the broker(s) at {} within {}",
+                        config.kafka.brokers,
+                        humantime::format_duration(bound)
+                    ),
+                );
             }
         }
         tokio::select! {
