@@ -90,7 +90,7 @@ fn describe() {
     );
     describe_counter!(
         "outbox_publish_failures_total",
-        "Failed publication attempts by class and kind"
+        "Failed publication attempts by what the relay did (action: retried, deferred, parked, superseded; class: transient or permanent as the relay treated it) and the error's kind"
     );
     describe_counter!("outbox_parked_total", "Events parked by kind");
     describe_histogram!("outbox_claim_seconds", Unit::Seconds, "Duration of a claim");

@@ -373,3 +373,72 @@ async fn readyz_follows_the_broker_both_ways() {
     assert_eq!(code, 0, "{stderr}");
     env.drop_schema().await;
 }
+
+/// When every record of a batch fails on a missing topic the relay defers them as a transport
+/// failure (no attempt spent); the failure counter says so instead of "permanent".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failure_metrics_say_what_the_relay_did() {
+    let env = env_or_skip!("op_failure_labels", 0);
+    let Some(bin) = outbox_test_support::tansu_bin("op_failure_labels") else {
+        return;
+    };
+    let mut tansu = outbox_test_support::Tansu::start(bin);
+    let brokers = tansu.brokers();
+    common::create_topic(&brokers, &env.topic, 1, &[]).await;
+    env.migrate();
+    let mut relay = env.spawn_relay_env(
+        &[
+            ("KAFKA_BROKERS", brokers.as_str()),
+            ("OUTBOX_KAFKA__DELIVERY_TIMEOUT", "2s"),
+            ("OUTBOX_OUTBOX__LEASE", "8s"),
+            ("OUTBOX_RELAY__CIRCUIT_MAX", "1s"),
+        ],
+        &["--no-cleanup"],
+    );
+    relay.wait_ready(Duration::from_secs(30));
+    // The broker restarts without the topic (memory storage); events keep coming.
+    tansu.restart();
+    env.append(5, 1).await;
+    let t = Duration::from_secs(60);
+    let deadline = Instant::now() + t;
+    let deferred = loop {
+        let (_, body) = relay.get("/metrics").unwrap_or_default();
+        let found = failure_samples(&body)
+            .into_iter()
+            .find(|l| {
+                l.contains("kind=\"unknown_topic\"")
+                    && l.contains("action=\"deferred\"")
+                    && l.contains("class=\"transient\"")
+            })
+            .map(str::to_owned);
+        if let Some(f) = found {
+            break f;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no deferred unknown_topic failure: {body}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(!deferred.ends_with(" 0"), "{deferred}");
+    assert_eq!(env.count("parked").await, 0);
+    // Nothing was counted as a permanent failure: no record was parked or given up on.
+    let (_, body) = relay.get("/metrics").unwrap();
+    let permanent: Vec<&str> = failure_samples(&body)
+        .into_iter()
+        .filter(|l| l.contains("permanent"))
+        .collect();
+    assert!(permanent.is_empty(), "{permanent:?}");
+    common::create_topic(&brokers, &env.topic, 1, &[]).await;
+    env.wait_count("published", 5, t).await;
+    let (code, _, stderr) = relay.terminate(Duration::from_secs(30));
+    assert_eq!(code, 0, "{stderr}");
+    env.drop_schema().await;
+}
+
+/// The samples of `outbox_publish_failures_total` in a scrape.
+fn failure_samples(body: &str) -> Vec<&str> {
+    body.lines()
+        .filter(|l| l.starts_with("outbox_publish_failures_total{"))
+        .collect()
+}
