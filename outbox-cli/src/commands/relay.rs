@@ -443,7 +443,8 @@ async fn worker(
     let owner = relay.config().owner.clone();
     let signal = relay.shutdown_signal();
     let mut failures = 0u32;
-    // The last cycle failed (a store error) or the circuit is open: still failing.
+    // The last cycle failed: a store error, or a batch the transport refused as a whole (an
+    // idle cycle fails nothing, whatever the circuit says: the work went elsewhere).
     let mut failing = false;
     loop {
         if *stop.borrow() {
@@ -462,7 +463,7 @@ async fn worker(
         };
         totals.cycles.fetch_add(1, Ordering::Relaxed);
         failing = match &result {
-            Ok(c) => c.pause.is_some(),
+            Ok(c) => c.deferred > 0 && c.published == 0,
             Err(_) => true,
         };
         let delay = match result {
