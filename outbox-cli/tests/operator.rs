@@ -240,8 +240,14 @@ async fn the_backlog_forecast_follows_the_current_trend() {
     .execute(&env.pool)
     .await
     .unwrap();
-    let mut relay =
-        env.spawn_relay_env(&[("OUTBOX_STATUS__CAPACITY", "100000")], &["--no-cleanup"]);
+    // A short trend window, so that the slope is the current growth within seconds.
+    let mut relay = env.spawn_relay_env(
+        &[
+            ("OUTBOX_STATUS__CAPACITY", "100000"),
+            ("OUTBOX_STATUS__TREND_WINDOW", "5s"),
+        ],
+        &["--no-cleanup"],
+    );
     relay.wait_ready(Duration::from_secs(30));
     env.wait_count("published", old.len() as i64, Duration::from_secs(120))
         .await;
@@ -251,24 +257,32 @@ async fn the_backlog_forecast_follows_the_current_trend() {
         |v| v == 0.0,
         Duration::from_secs(10),
     );
-    // Now the backlog grows: heads that skip a version are held, unpublished, in rounds.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut version = 2;
-    let forecast = loop {
-        env.append_versions(20, version..=version).await;
-        version += 1;
-        let f = relay.metric("outbox_backlog_forecast_seconds", "");
-        if let Some(f) = f.filter(|f| *f > 0.0) {
-            break f;
+    // Now the backlog grows, 20 events a round (heads that skip a version are held,
+    // unpublished): at least 10 a second, so the forecast must come under 10,000 s, and before
+    // 2,000 events were appended (100 rounds, 20 s at least): until then an average of created
+    // minus published over 15 minutes still reads the drain (-1).
+    let store = env.store();
+    let mut forecast = None;
+    for round in 0..100 {
+        // New aggregates whose first stored version is 2: held as version gaps.
+        let held: Vec<Envelope> = (0..20)
+            .map(|a| {
+                Envelope::builder("order", format!("held-{round}-{a}"), 2, "order.paid")
+                    .build()
+                    .unwrap()
+            })
+            .collect();
+        store.append_many(&env.pool, &held).await.unwrap();
+        forecast = relay.metric("outbox_backlog_forecast_seconds", "");
+        if forecast.is_some_and(|f| f > 0.0 && f < 10_000.0) {
+            break;
         }
-        assert!(
-            Instant::now() < deadline,
-            "the backlog grows but the forecast reads {f:?}"
-        );
         tokio::time::sleep(Duration::from_millis(200)).await;
-    };
-    // Growing by about 100 a second towards 100,000: far from full, but not "never".
-    assert!(forecast < 100_000.0, "{forecast}");
+    }
+    assert!(
+        forecast.is_some_and(|f| f > 0.0 && f < 10_000.0),
+        "2,000 events appended, the backlog grows, but the forecast reads {forecast:?}"
+    );
     let (code, _, stderr) = relay.terminate(Duration::from_secs(30));
     assert_eq!(code, 0, "{stderr}");
     env.drop_schema().await;
@@ -374,8 +388,11 @@ async fn readyz_follows_the_broker_both_ways() {
     env.drop_schema().await;
 }
 
-/// When every record of a batch fails on a missing topic the relay defers them as a transport
-/// failure (no attempt spent); the failure counter says so instead of "permanent".
+/// While the broker is down every record is deferred as a transport failure, no attempt
+/// spent: the failure counter says `action="deferred"`, `class="transient"`, whatever the
+/// record's own error (the trial saw `class="permanent", kind="unknown_topic"` for a broker back
+/// without its topics; that mapping is unit-tested in outbox-core's telemetry, since tansu
+/// creates a topic on produce and does not reproduce it reliably).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failure_metrics_say_what_the_relay_did() {
     let env = env_or_skip!("op_failure_labels", 0);
@@ -396,41 +413,30 @@ async fn failure_metrics_say_what_the_relay_did() {
         &["--no-cleanup"],
     );
     relay.wait_ready(Duration::from_secs(30));
-    // The broker restarts without the topic (memory storage); events keep coming.
-    tansu.restart();
+    tansu.stop();
     env.append(5, 1).await;
     let t = Duration::from_secs(60);
-    let deadline = Instant::now() + t;
-    let deferred = loop {
-        let (_, body) = relay.get("/metrics").unwrap_or_default();
-        let found = failure_samples(&body)
-            .into_iter()
-            .find(|l| {
-                l.contains("kind=\"unknown_topic\"")
-                    && l.contains("action=\"deferred\"")
-                    && l.contains("class=\"transient\"")
-            })
-            .map(str::to_owned);
-        if let Some(f) = found {
-            break f;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no deferred unknown_topic failure: {body}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    assert!(!deferred.ends_with(" 0"), "{deferred}");
-    assert_eq!(env.count("parked").await, 0);
-    // Nothing was counted as a permanent failure: no record was parked or given up on.
+    relay.wait_metric("outbox_relay_circuit_open", "", |v| v == 1.0, t);
     let (_, body) = relay.get("/metrics").unwrap();
-    let permanent: Vec<&str> = failure_samples(&body)
-        .into_iter()
-        .filter(|l| l.contains("permanent"))
-        .collect();
-    assert!(permanent.is_empty(), "{permanent:?}");
+    let samples = failure_samples(&body);
+    assert!(!samples.is_empty(), "{body}");
+    for sample in &samples {
+        assert!(
+            sample.contains("action=\"deferred\"") && sample.contains("class=\"transient\""),
+            "{samples:?}"
+        );
+    }
+    assert_eq!(env.count("parked").await, 0);
+    tansu.restart();
     common::create_topic(&brokers, &env.topic, 1, &[]).await;
     env.wait_count("published", 5, t).await;
+    relay.wait_metric("outbox_relay_circuit_open", "", |v| v == 0.0, t);
+    let (_, body) = relay.get("/metrics").unwrap();
+    let other: Vec<&str> = failure_samples(&body)
+        .into_iter()
+        .filter(|l| !l.contains("action=\"deferred\"") || l.contains("permanent"))
+        .collect();
+    assert!(other.is_empty(), "nothing but deferrals: {other:?}");
     let (code, _, stderr) = relay.terminate(Duration::from_secs(30));
     assert_eq!(code, 0, "{stderr}");
     env.drop_schema().await;
