@@ -328,6 +328,42 @@ async fn a_relay_that_parked_events_exits_1_after_a_signal() {
     env.drop_schema().await;
 }
 
+/// Stopped while the broker is down and events wait: exit 1, still failing, not 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_stopped_during_an_outage_exits_1() {
+    let env = env_or_skip!("op_exit_during_outage", 0);
+    let Some(bin) = outbox_test_support::tansu_bin("op_exit_during_outage") else {
+        return;
+    };
+    let mut tansu = outbox_test_support::Tansu::start(bin);
+    let brokers = tansu.brokers();
+    common::create_topic(&brokers, &env.topic, 1, &[]).await;
+    env.migrate();
+    let mut relay = env.spawn_relay_env(
+        &[
+            ("KAFKA_BROKERS", brokers.as_str()),
+            ("OUTBOX_KAFKA__DELIVERY_TIMEOUT", "2s"),
+            ("OUTBOX_OUTBOX__LEASE", "8s"),
+            ("OUTBOX_RELAY__CIRCUIT_MAX", "1s"),
+        ],
+        &["--no-cleanup"],
+    );
+    relay.wait_ready(Duration::from_secs(30));
+    tansu.stop();
+    env.append(3, 1).await;
+    relay.wait_metric(
+        "outbox_relay_circuit_open",
+        "",
+        |v| v == 1.0,
+        Duration::from_secs(30),
+    );
+    let (code, _, stderr) = relay.terminate(Duration::from_secs(30));
+    assert_eq!(code, 1, "{stderr}");
+    assert!(stderr.contains("still failing"), "{stderr}");
+    assert_eq!(env.count("parked").await, 0);
+    env.drop_schema().await;
+}
+
 /// `/readyz` answers what the relay sees now: 503 soon after the broker goes away, 503 naming
 /// the topic while it is missing after a restart, 200 soon after it is back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -430,7 +466,6 @@ async fn failure_metrics_say_what_the_relay_did() {
     tansu.restart();
     common::create_topic(&brokers, &env.topic, 1, &[]).await;
     env.wait_count("published", 5, t).await;
-    relay.wait_metric("outbox_relay_circuit_open", "", |v| v == 0.0, t);
     let (_, body) = relay.get("/metrics").unwrap();
     let other: Vec<&str> = failure_samples(&body)
         .into_iter()

@@ -17,7 +17,7 @@
 //! (failures that recovered during the run included), 1 when events the run parked are still
 //! parked or it was still failing when it stopped.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -56,6 +56,12 @@ pub struct Totals {
     released_batches: AtomicU64,
     store_errors: AtomicU64,
     cleaned: AtomicU64,
+    /// The latest cycle of any worker failed with a store error (reset by any cycle the store
+    /// answered).
+    store_failing: AtomicBool,
+    /// The latest batch of any worker that reached the broker was refused by the transport as
+    /// a whole (reset by any batch with a publication).
+    transport_failing: AtomicBool,
 }
 
 /// The exit report.
@@ -228,11 +234,11 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
         "relay stopping: finishing or releasing the batches in flight"
     );
     let deadline = config.relay.shutdown_timeout.0;
-    // Whether a worker was still failing (store errors, the circuit open) when it stopped.
+    // A worker that ended abnormally or did not finish counts as failing at the stop.
     let mut failing_at_stop = false;
     for t in tasks {
         match tokio::time::timeout(deadline, t).await {
-            Ok(Ok(failing)) => failing_at_stop |= failing,
+            Ok(Ok(())) => {}
             Ok(Err(e)) => {
                 error!(error = %e, "a worker ended abnormally");
                 failing_at_stop = true;
@@ -256,6 +262,8 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
         h.abort();
     }
     metrics::gauge!("outbox_relay_up").set(0.0);
+    failing_at_stop |= totals.store_failing.load(Ordering::Relaxed)
+        || totals.transport_failing.load(Ordering::Relaxed);
     let report = totals.report(stopped_by);
     let failures = report.retried + report.deferred + report.parked + report.store_errors;
     eprintln!(
@@ -439,13 +447,10 @@ async fn worker(
     fatal: Fatal,
     stop_all: watch::Sender<bool>,
     table: String,
-) -> bool {
+) {
     let owner = relay.config().owner.clone();
     let signal = relay.shutdown_signal();
     let mut failures = 0u32;
-    // The last cycle failed: a store error, or a batch the transport refused as a whole (an
-    // idle cycle fails nothing, whatever the circuit says: the work went elsewhere).
-    let mut failing = false;
     loop {
         if *stop.borrow() {
             signal.trigger();
@@ -462,10 +467,20 @@ async fn worker(
             }
         };
         totals.cycles.fetch_add(1, Ordering::Relaxed);
-        failing = match &result {
-            Ok(c) => c.deferred > 0 && c.published == 0,
-            Err(_) => true,
-        };
+        // Still failing at a stop? The latest answers of the store and of the transport, over
+        // every worker: an idle cycle says nothing about the broker (the work went elsewhere),
+        // and the events of a deferred batch are published later by some cycle, which resets it.
+        match &result {
+            Ok(c) => {
+                totals.store_failing.store(false, Ordering::Relaxed);
+                if c.published > 0 {
+                    totals.transport_failing.store(false, Ordering::Relaxed);
+                } else if c.deferred > 0 {
+                    totals.transport_failing.store(true, Ordering::Relaxed);
+                }
+            }
+            Err(_) => totals.store_failing.store(true, Ordering::Relaxed),
+        }
         let delay = match result {
             Ok(c) => {
                 if failures > 0 {
@@ -540,7 +555,6 @@ async fn worker(
             warn!(owner = %owner, error = %e, "could not release the prefetched batch; its claim expires")
         }
     }
-    failing
 }
 
 /// The backpressure policy of the configuration.
