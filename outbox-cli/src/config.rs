@@ -522,9 +522,13 @@ impl Default for CleanupConfig {
 #[serde(default, deny_unknown_fields)]
 #[non_exhaustive]
 pub struct StatusConfig {
-    /// Window of the publish latency percentiles and of the backlog's rate of change.
-    /// Default 15 min.
+    /// Window of the publish latency percentiles and of the rate of change that `outbox
+    /// status` shows. Default 15 min.
     pub window: Dur,
+    /// Window of the relay's backlog trend, from which `outbox_backlog_forecast_seconds` and
+    /// `backpressure.min_forecast` are computed (least-squares slope of the backlog sampled
+    /// every `relay.stats_interval`; see `trend`). Default 1 min.
+    pub trend_window: Dur,
     /// Backlog (events) at which the outbox is considered full: the forecast says when it is
     /// reached at the current rate. Default 1,000,000.
     pub capacity: u64,
@@ -534,6 +538,7 @@ impl Default for StatusConfig {
     fn default() -> Self {
         Self {
             window: Dur::secs(900),
+            trend_window: Dur::secs(60),
             capacity: 1_000_000,
         }
     }

@@ -170,6 +170,16 @@ pub async fn connect_outbox(config: &Config, pool_size: u32) -> Result<(PgPool, 
     .await
 }
 
+/// A pool of the outbox's database that has not connected yet (nor will until used): for
+/// checks of the configuration that must not touch the network.
+pub fn lazy_outbox_pool(config: &Config) -> Result<PgPool, CliError> {
+    let url = config.database_url()?;
+    let (opts, _) = connect_options(url, &config.database.password)?;
+    Ok(PgPoolOptions::new()
+        .max_connections(1)
+        .connect_lazy_with(opts))
+}
+
 /// The outbox store of the configuration.
 pub fn outbox_store(config: &Config, pool: PgPool) -> Result<PostgresOutboxStore, CliError> {
     let o = &config.outbox;
@@ -202,102 +212,158 @@ pub enum Readiness {
 
 /// Checks that the outbox tables exist at the version this CLI expects and that the current
 /// role may read and write them. A failure is a permanent configuration problem
-/// ([`CliError::not_ready`]) with the fix; a connection failure is [`CliError::unreachable`].
+/// ([`CliError::not_ready`]) with the fix (for privileges, the exact `GRANT` statements); a
+/// connection failure is [`CliError::unreachable`].
 pub async fn preflight(pool: &PgPool, config: &Config) -> Result<(), CliError> {
     let o = &config.outbox;
     let table = qualified(&o.schema, &o.table);
     let map = |e: sqlx::Error| CliError::from_store(&outbox_postgres::map_sqlx_error(e), &table);
-    let migrations = qualified(&o.schema, "outbox_schema_migrations");
-    let exists: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
-        .bind(&migrations)
-        .fetch_one(pool)
-        .await
-        .map_err(map)?;
-    let version: Option<i32> = if exists.is_some() {
-        sqlx::query_scalar(&format!(
-            "SELECT max(version) FROM {migrations} WHERE object = $1"
-        ))
-        .bind(format!("outbox:{}", o.table))
-        .fetch_one(pool)
-        .await
-        .map_err(map)?
-    } else {
-        None
+    let migrate = || {
+        CliError::not_ready(
+            format!("the outbox table {table} does not exist"),
+            format!(
+                "run `outbox migrate` (schema {:?}, table {:?}), or apply \
+                 outbox_postgres::outbox_schema_sql with your migration tool",
+                o.schema, o.table
+            ),
+        )
     };
-    match version {
-        None => {
-            return Err(CliError::not_ready(
-                format!("the outbox table {table} does not exist"),
-                format!(
-                    "run `outbox migrate` (schema {:?}, table {:?}), or apply \
-                     outbox_postgres::outbox_schema_sql with your migration tool",
-                    o.schema, o.table
-                ),
-            ))
-        }
-        Some(v) if v < OUTBOX_SCHEMA_VERSION => {
-            return Err(CliError::not_ready(
-                format!(
-                    "the outbox table {table} is at schema version {v}, this outbox needs \
-                     {OUTBOX_SCHEMA_VERSION}"
-                ),
-                "run `outbox migrate` to apply the missing migrations",
-            ))
-        }
-        Some(_) => {}
+    // From the catalogs, which a role without any privilege on the schema may read.
+    let migrations_exist: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+         WHERE n.nspname = $1 AND c.relname = 'outbox_schema_migrations')",
+    )
+    .bind(&o.schema)
+    .fetch_one(pool)
+    .await
+    .map_err(map)?;
+    if !migrations_exist {
+        return Err(migrate());
     }
-    let mut missing: Vec<(String, Vec<&str>)> = Vec::new();
-    for (suffix, privileges) in [
-        ("", &["SELECT", "INSERT", "UPDATE", "DELETE"][..]),
-        ("_aggregate", &["SELECT", "INSERT", "UPDATE", "DELETE"][..]),
-        ("_audit", &["SELECT", "INSERT"][..]),
-    ] {
-        let name = qualified(&o.schema, &format!("{}{suffix}", o.table));
+    if let Some(e) = privilege_error(pool, config).await? {
+        return Err(e);
+    }
+    let migrations = qualified(&o.schema, "outbox_schema_migrations");
+    let version: Option<i32> = sqlx::query_scalar(&format!(
+        "SELECT max(version) FROM {migrations} WHERE object = $1"
+    ))
+    .bind(format!("outbox:{}", o.table))
+    .fetch_one(pool)
+    .await
+    .map_err(map)?;
+    match version {
+        None => Err(migrate()),
+        Some(v) if v < OUTBOX_SCHEMA_VERSION => Err(CliError::not_ready(
+            format!(
+                "the outbox table {table} is at schema version {v}, this outbox needs \
+                 {OUTBOX_SCHEMA_VERSION}"
+            ),
+            "run `outbox migrate` to apply the missing migrations",
+        )),
+        Some(_) => Ok(()),
+    }
+}
+
+/// The privileges the relay (and every command that runs [`preflight`]) needs on one table of
+/// the outbox, by table suffix.
+const TABLE_PRIVILEGES: &[(&str, &[&str])] = &[
+    ("", &["SELECT", "INSERT", "UPDATE", "DELETE"]),
+    ("_aggregate", &["SELECT", "INSERT", "UPDATE", "DELETE"]),
+    ("_audit", &["SELECT", "INSERT"]),
+    // Topic facts recorded at each start (partition counts, partitioner).
+    ("_topics", &["SELECT", "INSERT", "UPDATE"]),
+    // Conflicts counted by the application, read for the metrics.
+    ("_conflicts", &["SELECT"]),
+];
+
+/// What the role lacks on the outbox's schema and tables, as `(object, privileges)`; tables
+/// that do not exist (yet) are left to the schema check. Reads only the catalogs, which needs
+/// no privilege on the schema itself.
+async fn missing_privileges(
+    pool: &PgPool,
+    config: &Config,
+) -> Result<Vec<(String, Vec<&'static str>)>, sqlx::Error> {
+    let o = &config.outbox;
+    let mut missing = Vec::new();
+    let usage: Option<bool> = sqlx::query_scalar(
+        "SELECT has_schema_privilege(current_user, oid, 'USAGE') FROM pg_namespace WHERE nspname = $1",
+    )
+    .bind(&o.schema)
+    .fetch_optional(pool)
+    .await?;
+    if usage == Some(false) {
+        missing.push((
+            format!("SCHEMA {}", outbox_postgres::quote_identifier(&o.schema)),
+            vec!["USAGE"],
+        ));
+    }
+    let mut tables: Vec<(String, Vec<&'static str>)> =
+        vec![("outbox_schema_migrations".to_owned(), vec!["SELECT"])];
+    for (suffix, privileges) in TABLE_PRIVILEGES {
+        tables.push((format!("{}{suffix}", o.table), privileges.to_vec()));
+    }
+    if o.archive && config.cleanup.enabled {
+        tables.push((format!("{}_archive", o.table), vec!["SELECT", "INSERT"]));
+    }
+    for (table, privileges) in tables {
         let mut lacking = Vec::new();
         for p in privileges {
-            let ok: Option<bool> =
-                sqlx::query_scalar("SELECT has_table_privilege(current_user, $1, $2)")
-                    .bind(&name)
-                    .bind(*p)
-                    .fetch_one(pool)
-                    .await
-                    .map_err(map)?;
-            if ok != Some(true) {
-                lacking.push(*p);
+            let ok: Option<bool> = sqlx::query_scalar(
+                "SELECT has_table_privilege(current_user, c.oid, $3) FROM pg_class c \
+                 JOIN pg_namespace n ON n.oid = c.relnamespace \
+                 WHERE n.nspname = $1 AND c.relname = $2",
+            )
+            .bind(&o.schema)
+            .bind(&table)
+            .bind(p)
+            .fetch_optional(pool)
+            .await?
+            .flatten();
+            if ok == Some(false) {
+                lacking.push(p);
             }
         }
         if !lacking.is_empty() {
-            missing.push((name, lacking));
+            missing.push((outbox_postgres::qualified(&o.schema, &table), lacking));
         }
     }
-    if !missing.is_empty() {
-        let user: String = sqlx::query_scalar("SELECT current_user::text")
-            .fetch_one(pool)
-            .await
-            .map_err(map)?;
-        // A hint, not SQL that runs: quoted for copying.
-        let role = format!("\"{}\"", user.replace('"', "\"\""));
-        let listed: Vec<String> = missing
-            .iter()
-            .map(|(t, p)| format!("{} ON {t}", p.join(", ")))
-            .collect();
-        let grants: Vec<String> = missing
-            .iter()
-            .map(|(t, p)| format!("GRANT {} ON {t} TO {role};", p.join(", ")))
-            .collect();
-        return Err(CliError::not_ready(
-            format!(
-                "role {user:?} lacks privileges on the outbox: {}",
-                listed.join("; ")
-            ),
-            format!(
-                "as the tables' owner: GRANT USAGE ON SCHEMA {} TO {role}; {}",
-                outbox_postgres::quote_identifier(&o.schema),
-                grants.join(" ")
-            ),
-        ));
+    Ok(missing)
+}
+
+/// The error for a role that lacks privileges on the outbox, with the exact statements to run
+/// (for its schema, tables and name), or `None` when it lacks none.
+pub async fn privilege_error(pool: &PgPool, config: &Config) -> Result<Option<CliError>, CliError> {
+    let o = &config.outbox;
+    let table = qualified(&o.schema, &o.table);
+    let map = |e: sqlx::Error| CliError::from_store(&outbox_postgres::map_sqlx_error(e), &table);
+    let missing = missing_privileges(pool, config).await.map_err(map)?;
+    if missing.is_empty() {
+        return Ok(None);
     }
-    Ok(())
+    let user: String = sqlx::query_scalar("SELECT current_user::text")
+        .fetch_one(pool)
+        .await
+        .map_err(map)?;
+    // Quoted for copying (a role's name need not be a plain identifier).
+    let role = format!("\"{}\"", user.replace('"', "\"\""));
+    let listed: Vec<String> = missing
+        .iter()
+        .map(|(t, p)| format!("{} ON {t}", p.join(", ")))
+        .collect();
+    let grants: Vec<String> = missing
+        .iter()
+        .map(|(t, p)| format!("    GRANT {} ON {t} TO {role};", p.join(", ")))
+        .collect();
+    Ok(Some(CliError::not_ready(
+        format!(
+            "role {user:?} lacks privileges on the outbox: {}",
+            listed.join("; ")
+        ),
+        format!(
+            "run as the owner of the tables (or a superuser):\n{}",
+            grants.join("\n")
+        ),
+    )))
 }
 
 /// The `[[consumers]]` entry named `name`, or a usage error naming the configured ones.

@@ -1,14 +1,14 @@
 //! Errors of the commands: each names the cause and the fix, and maps to a documented exit code.
 //!
-//! | exit code | meaning |
-//! |---|---|
-//! | 0 | success |
-//! | 1 | the command ran and found a problem: `check` violations, `reconcile` mismatches, a relay that stopped after failures, an operator action refused by the store |
-//! | 2 | bad usage or configuration (flags, file, environment, values) |
-//! | 3 | a service is unreachable (database or broker): host, port and cause are named |
-//! | 4 | the database is reachable but not ready: schema missing or out of date (`outbox migrate`), or a missing privilege (the `GRANT` is named) |
-//! | 5 | not used (earlier versions: "not available yet", for consumer-side parking, which exists now) |
-//! | 6 | aborted: a confirmation was declined |
+//! | exit code | meaning | what a supervisor of `outbox relay` should do |
+//! |---|---|---|
+//! | 0 | success; for the relay: stopped by SIGTERM/SIGINT with nothing left for an operator (retries, transport deferrals and store errors that recovered during the run are not failures of the run) | nothing; restart it if it should run |
+//! | 1 | the command ran and found a problem: `check` violations, `reconcile` mismatches, an operator action refused by the store; for the relay: stopped by a signal after it parked events in this run that are still parked, or while it was still failing (database or broker unreachable, a worker that did not finish) | restart it (safe: nothing is lost) and alert a human: `outbox parked list`, `outbox status` |
+//! | 2 | bad usage or configuration (flags, file, environment, values), checked before any service is contacted | do not restart in a loop: the same configuration fails the same way; alert a human to fix it |
+//! | 3 | a service is unreachable (database or broker): host, port and cause are named | restart with a growing backoff; alert if it lasts |
+//! | 4 | the database is reachable but not ready: schema missing or out of date (`outbox migrate`), a missing privilege (the exact `GRANT` statements are printed), a missing topic; for the relay also a permanent store error while running (table dropped, privilege revoked) | do not restart in a loop: run the printed fix (migrate, grant, create the topic), then restart |
+//! | 5 | not used (earlier versions: "not available yet", for consumer-side parking, which exists now) | |
+//! | 6 | aborted: a confirmation was declined | |
 
 use std::fmt;
 
@@ -136,11 +136,8 @@ impl CliError {
             ),
             StoreErrorKind::Configuration if is_privilege(err) => Self::not_ready(
                 format!("permission denied on {what}: {}", err.message),
-                format!(
-                    "grant the relay's role its rights, e.g. GRANT USAGE ON SCHEMA <schema> TO \
-                     <role>; GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA \
-                     <schema> TO <role> (tables of {what})"
-                ),
+                "run `outbox check` (or start `outbox relay`) as this role: it prints the \
+                 exact GRANT statements for the tables it lacks rights on",
             ),
             StoreErrorKind::Connection => Self::unreachable(
                 format!("database connection failed: {}", err.message),
@@ -156,7 +153,7 @@ impl CliError {
 }
 
 /// Whether a `Configuration` store error is PostgreSQL's "insufficient privilege".
-fn is_privilege(err: &StoreError) -> bool {
+pub fn is_privilege(err: &StoreError) -> bool {
     let mut source = std::error::Error::source(err);
     while let Some(s) = source {
         if let Some(sqlx::Error::Database(db)) = s.downcast_ref::<sqlx::Error>() {

@@ -44,12 +44,33 @@ pub fn client_config(config: &Config) -> Result<ClientConfig, CliError> {
     Ok(cc)
 }
 
+/// Builds the publisher without contacting the broker: every producer setting is checked
+/// (allow-list, guarded values, routes), so that a configuration error is reported as one even
+/// while the broker is down.
+pub fn build_publisher(config: &Config) -> Result<KafkaPublisher, CliError> {
+    let brokers = config.brokers()?;
+    publisher_builder(config, &[])?
+        .build()
+        .map_err(|e| start_error(StartError::Config(e), brokers))
+}
+
 /// Builds and starts the publisher (topic check included), comparing with `recorded` facts so
 /// that a partition count or partitioner change is reported.
 pub async fn start_publisher(
     config: &Config,
     recorded: &[RecordedTopic],
 ) -> Result<KafkaPublisher, CliError> {
+    let brokers = config.brokers()?;
+    publisher_builder(config, recorded)?
+        .start()
+        .await
+        .map_err(|e| start_error(e, brokers))
+}
+
+fn publisher_builder(
+    config: &Config,
+    recorded: &[RecordedTopic],
+) -> Result<outbox_kafka::KafkaPublisherBuilder, CliError> {
     let k = &config.kafka;
     let brokers = config.brokers()?;
     let mut b = KafkaPublisher::builder(brokers, &k.topic)
@@ -71,7 +92,7 @@ pub async fn start_publisher(
     {
         b = b.expect_partitioner(p);
     }
-    b.start().await.map_err(|e| start_error(e, brokers))
+    Ok(b)
 }
 
 fn start_error(e: StartError, brokers: &str) -> CliError {

@@ -32,6 +32,7 @@ pub mod metered;
 pub mod metrics;
 pub mod opt;
 pub mod output;
+pub mod trend;
 
 use serde_json::{json, Map, Value};
 

@@ -65,7 +65,7 @@ fn describe() {
     describe_gauge!(
         "outbox_backlog_forecast_seconds",
         Unit::Seconds,
-        "Time until the backlog reaches status.capacity at the current rate (-1: not growing)"
+        "Time until the backlog reaches status.capacity at its current trend (slope over status.trend_window; -1: not growing)"
     );
     describe_gauge!(
         "outbox_backpressure_active",
@@ -90,7 +90,7 @@ fn describe() {
     );
     describe_counter!(
         "outbox_publish_failures_total",
-        "Failed publication attempts by class and kind"
+        "Failed publication attempts by what the relay did (action: retried, deferred, parked, superseded; class: transient or permanent as the relay treated it) and the error's kind"
     );
     describe_counter!("outbox_parked_total", "Events parked by kind");
     describe_histogram!("outbox_claim_seconds", Unit::Seconds, "Duration of a claim");

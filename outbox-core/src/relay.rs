@@ -46,7 +46,7 @@ use crate::error::{ConfigError, StoreError};
 use crate::publisher::{PublishResult, Publisher};
 use crate::retry::{IdleBackoff, RetryPolicy};
 use crate::store::OutboxStore;
-use crate::telemetry;
+use crate::telemetry::{self, FailureAction};
 
 /// Relay configuration. Build with [`RelayConfig::builder`].
 #[derive(Clone, Debug)]
@@ -476,10 +476,20 @@ impl<S: OutboxStore, P: Publisher> Relay<S, P> {
                 acknowledged += 1;
             }
             if let Err(err) = res {
-                telemetry::record_failure(&LastError::from(err));
                 if !failure_kinds.contains(&err.kind.as_str()) {
                     failure_kinds.push(err.kind.as_str());
                 }
+                // Labelled with what the relay did with it (below), not the record's own class.
+                let action = if refused.contains(&e.event_id) {
+                    FailureAction::Superseded
+                } else {
+                    match outcome {
+                        Outcome::Defer { .. } => FailureAction::Deferred,
+                        Outcome::Park { .. } => FailureAction::Parked,
+                        _ => FailureAction::Retried,
+                    }
+                };
+                telemetry::record_failure(&LastError::from(err), action);
             }
             if refused.contains(&e.event_id) {
                 // Not recorded: the claim was superseded (the lease expired and another

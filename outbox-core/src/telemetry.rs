@@ -5,7 +5,7 @@
 //! |---|---|---|---|
 //! | `outbox_published_total` | counter | | events acknowledged and marked published |
 //! | `outbox_republished_total` | counter | | published events that may have been sent more than once: after a failed attempt of their own, or after an earlier claim that ended without outcome or release (a crash, a lost completion, an expired lease; [`crate::ClaimedRecord::maybe_sent_before`]) |
-//! | `outbox_publish_failures_total` | counter | `class`, `kind` | failed publication attempts |
+//! | `outbox_publish_failures_total` | counter | `class`, `kind`, `action` | failed publication attempts, labelled with what the relay did: `action` is `retried` (an attempt spent, class `transient`), `deferred` (a transport failure put back without spending an attempt, class `transient`, whatever the record's own error class), `parked` (class `permanent`) or `superseded` (the claim was lost; the error's own class); `kind` is the error's kind (e.g. `unknown_topic`, `record_too_large`) |
 //! | `outbox_parked_total` | counter | `kind` | events parked (by a failed publication, or by a claim for their version: `out_of_order`, `version_gap`) |
 //! | `outbox_version_gaps_held` | gauge | | aggregates whose head skips a version and is held (from [`record_stats`]) |
 //! | `outbox_gap_held` | gauge | | unpublished events of those aggregates (the held head and the events after it) |
@@ -44,8 +44,39 @@ pub(crate) fn record_published(e: &Envelope, resend: bool, now: DateTime<Utc>) {
     }
 }
 
-pub(crate) fn record_failure(error: &LastError) {
-    metrics::counter!("outbox_publish_failures_total", "class" => error.class.as_str(), "kind" => error.kind.clone())
+/// What the relay did with a failed publication, for `outbox_publish_failures_total`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum FailureAction {
+    /// Scheduled again, an attempt spent.
+    Retried,
+    /// Put back after a transport failure, no attempt spent.
+    Deferred,
+    /// Parked.
+    Parked,
+    /// Not recorded: the claim was superseded.
+    Superseded,
+}
+
+impl FailureAction {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Retried => "retried",
+            Self::Deferred => "deferred",
+            Self::Parked => "parked",
+            Self::Superseded => "superseded",
+        }
+    }
+}
+
+/// Counts a failed publication with the class the relay treated it as (a deferral is
+/// transient whatever the record's own error said), its kind, and the action taken.
+pub(crate) fn record_failure(error: &LastError, action: FailureAction) {
+    let class = match action {
+        FailureAction::Retried | FailureAction::Deferred => "transient",
+        FailureAction::Parked => "permanent",
+        FailureAction::Superseded => error.class.as_str(),
+    };
+    metrics::counter!("outbox_publish_failures_total", "class" => class, "kind" => error.kind.clone(), "action" => action.as_str())
         .increment(1);
 }
 
@@ -195,12 +226,28 @@ mod tests {
             kind: "record_too_large".into(),
             message: "x".into(),
         };
-        let s = recorded(|| record_failure(&error));
+        let s = recorded(|| record_failure(&error, FailureAction::Parked));
         assert_eq!(
             s,
             [counter(
                 "outbox_publish_failures_total",
-                &["class=permanent", "kind=record_too_large"],
+                &["class=permanent", "kind=record_too_large", "action=parked"],
+                1
+            )]
+        );
+        // A record error the relay deferred as a transport failure is counted as what the
+        // relay did, not as the record's own (permanent) class.
+        let unknown_topic = LastError {
+            class: ErrorClass::Permanent,
+            kind: "unknown_topic".into(),
+            message: "x".into(),
+        };
+        let s = recorded(|| record_failure(&unknown_topic, FailureAction::Deferred));
+        assert_eq!(
+            s,
+            [counter(
+                "outbox_publish_failures_total",
+                &["class=transient", "kind=unknown_topic", "action=deferred"],
                 1
             )]
         );

@@ -1,18 +1,23 @@
 //! `outbox relay`: the daemon.
 //!
-//! Start-up fails fast, with a non-zero exit and the fix, on what no retry can cure: an
-//! unreachable database (host, port and cause, within `database.connect_timeout`), a missing or
-//! outdated schema (`outbox migrate`), a missing privilege (the `GRANT`), a missing topic, an
-//! unsafe producer setting, a lease that does not outlive the delivery timeout. While running,
-//! a permanent store error (the table dropped, a privilege revoked) stops the relay the same
-//! way and `/readyz` says why until it exits; transient errors (database or broker briefly
-//! gone) are retried with backoff and logged once per change of state, never once per event.
+//! Start-up fails fast, with a non-zero exit and the fix, on what no retry can cure. What needs
+//! no network is checked first (values, producer properties, the lease against the delivery
+//! timeout: exit 2 even while the database or the broker is down); then an unreachable
+//! database (host, port and cause, within `database.connect_timeout`), a missing or outdated
+//! schema (`outbox migrate`), a missing privilege (the exact `GRANT` statements for the
+//! schema, tables and role), a missing topic. While running, a permanent store error (the table
+//! dropped, a privilege revoked: the exact `GRANT` again) stops the relay the same way and
+//! `/readyz` says why until it exits; transient errors (database or broker briefly gone) are
+//! retried with backoff and logged once per change of state, never once per event.
 //!
 //! SIGTERM or SIGINT: each worker finishes the batch it is publishing (bounded by the delivery
 //! timeout) and records it, releases a batch it claimed but has not sent, and releases its
-//! prefetched batch; the exit report counts what happened, failures included.
+//! prefetched batch; the exit report counts what happened, failures included. The exit code
+//! says whether an operator is needed (see [`crate::error`]): 0 when nothing is left for one
+//! (failures that recovered during the run included), 1 when events the run parked are still
+//! parked or it was still failing when it stopped.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,6 +41,7 @@ use crate::error::CliError;
 use crate::health::Health;
 use crate::metered::MeteredStore;
 use crate::output::Output;
+use crate::trend::BacklogTrend;
 
 /// Totals over the daemon's life, shared by the workers.
 #[derive(Debug, Default)]
@@ -50,6 +56,12 @@ pub struct Totals {
     released_batches: AtomicU64,
     store_errors: AtomicU64,
     cleaned: AtomicU64,
+    /// The latest cycle of any worker failed with a store error (reset by any cycle the store
+    /// answered).
+    store_failing: AtomicBool,
+    /// The latest batch of any worker that reached the broker was refused by the transport as
+    /// a whole (reset by any batch with a publication).
+    transport_failing: AtomicBool,
 }
 
 /// The exit report.
@@ -99,7 +111,15 @@ impl Totals {
 }
 
 /// A permanent error seen by a worker: the relay stops with it.
-type Fatal = Arc<std::sync::Mutex<Option<CliError>>>;
+type Fatal = Arc<std::sync::Mutex<Option<FatalError>>>;
+
+/// The error a worker stopped the relay with.
+#[derive(Debug)]
+struct FatalError {
+    error: CliError,
+    /// A missing privilege: the exit names the exact grants, read from the catalogs.
+    privilege: bool,
+}
 
 /// Runs the daemon until SIGTERM/SIGINT or a permanent error.
 pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
@@ -107,6 +127,7 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
     // Per worker a claim (prefetch included) and a completion at once; plus the listener,
     // stats, cleanup and readiness.
     let pool_size = 2 * u32::from(workers) + 4;
+    validate_offline(config)?;
     let (pool, target) = db::connect_outbox(config, pool_size).await?;
     db::preflight(&pool, config).await?;
     let store = db::outbox_store(config, pool.clone())?;
@@ -167,9 +188,14 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
     metrics::gauge!("outbox_relay_up").set(1.0);
 
     let gate = Arc::new(Backpressure::new(backpressure_policy(config)));
+    let broker_watch = tokio::spawn(watch_broker(
+        publisher.clone(),
+        health.clone(),
+        config.clone(),
+        stop_rx.clone(),
+    ));
     let monitor = tokio::spawn(monitor(
         store.clone(),
-        publisher.clone(),
         pool.clone(),
         prometheus,
         health.clone(),
@@ -197,7 +223,7 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .as_ref()
-        .map(ToString::to_string);
+        .map(|f| f.error.to_string());
     // Until the process exits, /readyz says why it stops.
     health.update(|r| {
         r.relaying = false;
@@ -208,16 +234,26 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
         "relay stopping: finishing or releasing the batches in flight"
     );
     let deadline = config.relay.shutdown_timeout.0;
+    // A worker that ended abnormally or did not finish counts as failing at the stop.
+    let mut failing_at_stop = false;
     for t in tasks {
         match tokio::time::timeout(deadline, t).await {
-            Ok(_) => {}
-            Err(_) => warn!(
-                "a worker did not finish within relay.shutdown_timeout; its claims end with \
-                 their lease (or transaction)"
-            ),
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                error!(error = %e, "a worker ended abnormally");
+                failing_at_stop = true;
+            }
+            Err(_) => {
+                warn!(
+                    "a worker did not finish within relay.shutdown_timeout; its claims end with \
+                     their lease (or transaction)"
+                );
+                failing_at_stop = true;
+            }
         }
     }
     monitor.abort();
+    broker_watch.abort();
     if let Some(c) = cleanup {
         c.abort();
     }
@@ -226,6 +262,8 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
         h.abort();
     }
     metrics::gauge!("outbox_relay_up").set(0.0);
+    failing_at_stop |= totals.store_failing.load(Ordering::Relaxed)
+        || totals.transport_failing.load(Ordering::Relaxed);
     let report = totals.report(stopped_by);
     let failures = report.retried + report.deferred + report.parked + report.store_errors;
     eprintln!(
@@ -246,11 +284,83 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
     if out.json {
         out.json(&serde_json::to_value(&report).unwrap_or_default());
     }
+    // Of what this run parked, is anything still parked (an operator may have acted already)?
+    let still_parked = if report.parked == 0 {
+        0
+    } else {
+        match tokio::time::timeout(Duration::from_secs(5), store.stats()).await {
+            Ok(Ok(s)) => s.parked,
+            // Unknown: say what this run parked.
+            _ => report.parked,
+        }
+    };
     let fatal = fatal.lock().unwrap_or_else(|p| p.into_inner()).take();
     match fatal {
-        Some(e) => Err(e),
-        None => Ok(()),
+        Some(FatalError {
+            error,
+            privilege: true,
+        }) => match db::privilege_error(&pool, config).await {
+            // The statements for what this role lacks now, table by table.
+            Ok(Some(exact)) => Err(exact),
+            _ => Err(error),
+        },
+        Some(f) => Err(f.error),
+        None => match needs_operator(&report, still_parked, failing_at_stop) {
+            // The report is the --json document already.
+            Some(e) if out.json => Err(e.reported()),
+            Some(e) => Err(e),
+            None => Ok(()),
+        },
     }
+}
+
+/// Checks everything that needs no network before the relay touches the database or the
+/// broker, so that a configuration error exits 2 with its fix even while a service is down
+/// (which would otherwise exit 3 and hide it): the database URL and the claim mode, every
+/// producer property, the retry and relay settings, and the lease (or locked hold) against the
+/// delivery timeout, checked by the very constructors the running relay uses, on a database
+/// pool that has not connected and a producer that has not contacted the broker.
+fn validate_offline(config: &Config) -> Result<(), CliError> {
+    let store = db::outbox_store(config, db::lazy_outbox_pool(config)?)?;
+    let publisher = Arc::new(crate::kafka::build_publisher(config)?);
+    build_relay(config, &store, &publisher, &config.owner()).map(drop)
+}
+
+/// Exit 1 after a signal when the run left something for an operator: events it parked that
+/// are still parked (they block their aggregates until someone acts), or workers still failing
+/// when it stopped (the database or the broker unreachable, a worker that did not finish).
+/// Retries, deferrals and store errors that recovered during the run are not, nor events an
+/// operator resolved before the stop: `None`, exit 0.
+fn needs_operator(
+    report: &RelayReport,
+    still_parked: u64,
+    failing_at_stop: bool,
+) -> Option<CliError> {
+    let mut what = Vec::new();
+    if report.parked > 0 && still_parked > 0 {
+        what.push(format!(
+            "it parked {} event(s) during this run and {still_parked} event(s) are parked now, \
+             blocking their aggregates",
+            report.parked
+        ));
+    }
+    if failing_at_stop {
+        what.push(
+            "it was still failing when it stopped (database or broker unreachable, or a worker \
+             that did not finish)"
+                .to_owned(),
+        );
+    }
+    (!what.is_empty()).then(|| {
+        CliError::failed(format!(
+            "the relay stopped with work for an operator: {}",
+            what.join("; ")
+        ))
+        .with_hint(
+            "`outbox parked list` shows parked events and why (then retry, discard or reissue \
+             them); `outbox status` shows the backlog; restarting the relay is safe",
+        )
+    })
 }
 
 async fn record_topics(
@@ -357,6 +467,20 @@ async fn worker(
             }
         };
         totals.cycles.fetch_add(1, Ordering::Relaxed);
+        // Still failing at a stop? The latest answers of the store and of the transport, over
+        // every worker: an idle cycle says nothing about the broker (the work went elsewhere),
+        // and the events of a deferred batch are published later by some cycle, which resets it.
+        match &result {
+            Ok(c) => {
+                totals.store_failing.store(false, Ordering::Relaxed);
+                if c.published > 0 {
+                    totals.transport_failing.store(false, Ordering::Relaxed);
+                } else if c.deferred > 0 {
+                    totals.transport_failing.store(true, Ordering::Relaxed);
+                }
+            }
+            Err(_) => totals.store_failing.store(true, Ordering::Relaxed),
+        }
         let delay = match result {
             Ok(c) => {
                 if failures > 0 {
@@ -396,7 +520,10 @@ async fn worker(
                 totals.store_errors.fetch_add(1, Ordering::Relaxed);
                 let err = CliError::from_store(&e, &table);
                 error!(owner = %owner, error = %e, "permanent store error; the relay stops");
-                *fatal.lock().unwrap_or_else(|p| p.into_inner()) = Some(err);
+                *fatal.lock().unwrap_or_else(|p| p.into_inner()) = Some(FatalError {
+                    error: err,
+                    privilege: crate::error::is_privilege(&e),
+                });
                 let _ = stop_all.send(true);
                 break;
             }
@@ -453,7 +580,6 @@ pub fn backpressure_policy(config: &Config) -> BackpressurePolicy {
 #[allow(clippy::too_many_arguments)]
 async fn monitor(
     store: PostgresOutboxStore,
-    publisher: Arc<KafkaPublisher>,
     pool: sqlx::PgPool,
     prometheus: metrics_exporter_prometheus::PrometheusHandle,
     health: Health,
@@ -470,18 +596,15 @@ async fn monitor(
     let table = format!("{}.{}", config.outbox.schema, config.outbox.table);
     let mut last_summary = tokio::time::Instant::now();
     let mut last_published = 0u64;
-    let mut broker_checked = tokio::time::Instant::now();
+    // The current trend, not an average over status.window: a drain of older events must not
+    // cancel a backlog that grows now (see `crate::trend`).
+    let mut trend = BacklogTrend::new(config.status.trend_window.0);
     loop {
         match store.stats().await {
             Ok(stats) => {
                 crate::metrics::record_stats(&stats);
-                let rate = store
-                    .publish_latency(config.status.window.0)
-                    .await
-                    .ok()
-                    .map(|l| {
-                        (l.created as f64 - l.count as f64) / config.status.window.0.as_secs_f64()
-                    });
+                trend.observe(std::time::Instant::now(), stats.unpublished);
+                let rate = trend.rate_per_sec();
                 gate.observe(BacklogSnapshot::from_stats(&stats, rate), Utc::now());
                 if let Ok(c) = store.conflict_counts().await {
                     crate::metrics::record_conflicts(&c);
@@ -501,16 +624,6 @@ async fn monitor(
             }
         }
         crate::metrics::record_pool(&pool);
-        if broker_checked.elapsed() >= Duration::from_secs(30) {
-            broker_checked = tokio::time::Instant::now();
-            match publisher.check_topics().await {
-                Ok(_) => health.broker(true, "reachable; topics present"),
-                Err(e) => {
-                    let err = crate::kafka::topic_error(&e, &config.kafka.brokers);
-                    health.broker(false, err.to_string());
-                }
-            }
-        }
         prometheus.run_upkeep();
         if last_summary.elapsed() >= Duration::from_secs(60) {
             last_summary = tokio::time::Instant::now();
@@ -525,6 +638,61 @@ async fn monitor(
                     "relay totals"
                 );
                 last_published = r.published;
+            }
+        }
+        tokio::select! {
+            () = tokio::time::sleep(interval) => {}
+            () = stopped(&mut stop) => return,
+        }
+    }
+}
+
+/// Keeps the broker's side of `/readyz` to what the relay sees now: the topics are checked
+/// through the admin API every `relay.stats_interval` (each check bounded by
+/// `kafka.metadata_timeout`), in a task of its own so that a broker that does not answer
+/// delays neither the backlog gauges nor the database's readiness. An outage shows within one
+/// interval plus the metadata timeout, and so does the return of the broker or of its topics.
+async fn watch_broker(
+    publisher: Arc<KafkaPublisher>,
+    health: Health,
+    config: Config,
+    mut stop: watch::Receiver<bool>,
+) {
+    let interval = config
+        .relay
+        .stats_interval
+        .0
+        .max(Duration::from_millis(100));
+    let bound = config.kafka.metadata_timeout.0 + Duration::from_secs(1);
+    loop {
+        let check = tokio::time::timeout(bound, publisher.check_topics()).await;
+        let was_ok = health.get().broker.ok;
+        match check {
+            Ok(Ok(_)) => {
+                if !was_ok {
+                    info!("broker reachable and topics present again; /readyz reports ready");
+                }
+                health.broker(true, "reachable; topics present");
+            }
+            Ok(Err(e)) => {
+                let err = crate::kafka::topic_error(&e, &config.kafka.brokers);
+                if was_ok {
+                    warn!(error = %err.message, "broker check failed; /readyz reports the broker");
+                }
+                health.broker(false, err.to_string());
+            }
+            Err(_) => {
+                if was_ok {
+                    warn!("broker check got no answer; /readyz reports the broker");
+                }
+                health.broker(
+                    false,
+                    format!(
+                        "no answer from the broker(s) at {} within {}",
+                        config.kafka.brokers,
+                        humantime::format_duration(bound)
+                    ),
+                );
             }
         }
         tokio::select! {

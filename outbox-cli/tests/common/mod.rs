@@ -65,9 +65,15 @@ impl TestEnv {
     }
 
     /// The `outbox` binary with this test's database, broker, schema and topic in its
-    /// environment, run in an empty directory (no `outbox.toml`).
+    /// environment, run in an empty directory (no `outbox.toml`). `OUTBOX_TEST_BIN` names
+    /// another build of the binary to run instead (e.g. an earlier commit's, to see a new test
+    /// fail against it).
     pub fn cmd(&self) -> Command {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_outbox"));
+        let bin = std::env::var("OUTBOX_TEST_BIN")
+            .ok()
+            .filter(|b| !b.trim().is_empty())
+            .unwrap_or_else(|| env!("CARGO_BIN_EXE_outbox").to_owned());
+        let mut c = Command::new(bin);
         c.current_dir(&self.dir)
             .env_remove("RUST_LOG")
             .env_remove("OUTBOX_CONFIG")
