@@ -10,7 +10,7 @@
 //!
 //! | Capability | Support |
 //! |---|---|
-//! | Append in the caller's transaction | yes: `OutboxStore::append(&mut *tx, ..)` (`Tx = MySqlConnection`) or the inherent [`MySqlOutboxStore::append`] / [`MySqlOutboxStore::append_many`], generic over sqlx's MySQL executors; [`MySqlOutboxStore::append_many_in`] on a connection for batches of any size |
+//! | Append in the caller's transaction | yes: `AppendStore::append(&mut *tx, ..)` (`Tx = MySqlConnection`) or the inherent [`MySqlOutboxStore::append`] / [`MySqlOutboxStore::append_many`], generic over sqlx's MySQL executors; [`MySqlOutboxStore::append_many_in`] on a connection for batches of any size |
 //! | Batch append | one multi-row INSERT (up to 500 events / 4 MiB, one round trip); `append_many_in` splits larger batches inside a savepoint, all or nothing |
 //! | Validation at append | envelope limits, before anything is written; aggregate type and id at most [`outbox_core::MAX_AGGREGATE_NAME_BYTES`] (1,024 bytes) each whatever the name limit (the bound of every store; `build()` refuses a higher one), and `created_at` from the year 1000 (MySQL's `DATETIME`) |
 //! | Backpressure hook | [`AppendGuard`] (thresholds are the caller's) |
@@ -35,7 +35,8 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use outbox_core::{ClaimMode, ClaimRequest, Envelope, OutboxStore};
+//! use outbox_core::prelude::*;
+//! use outbox_core::{ClaimMode, ClaimRequest, Envelope};
 //! use outbox_mysql::{MySqlInboxStore, MySqlOutboxStore};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {

@@ -9,7 +9,8 @@ mod common;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use outbox_core::{Envelope, OutboxStore, StoreErrorKind};
+use outbox_core::prelude::*;
+use outbox_core::{Envelope, StoreErrorKind};
 use outbox_mysql::{MySqlOutboxStore, PublishedFilter};
 
 use common::{append, claim, lease, park, publish_all};

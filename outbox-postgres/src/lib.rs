@@ -8,7 +8,7 @@
 //!
 //! | Capability | Support |
 //! |---|---|
-//! | Append in the caller's transaction | yes: `OutboxStore::append(&mut *tx, ..)` (`Tx = PgConnection`) or the inherent [`PostgresOutboxStore::append`] / [`PostgresOutboxStore::append_many`], generic over any sqlx executor |
+//! | Append in the caller's transaction | yes: `AppendStore::append(&mut *tx, ..)` (`Tx = PgConnection`) or the inherent [`PostgresOutboxStore::append`] / [`PostgresOutboxStore::append_many`], generic over any sqlx executor |
 //! | Batch append | one statement, one round trip (`INSERT .. SELECT FROM UNNEST(arrays)`) |
 //! | Validation at append | envelope limits, before anything is written; aggregate type and id at most [`outbox_core::MAX_AGGREGATE_NAME_BYTES`] (1,024 bytes) each whatever the name limit, so their state row can be indexed |
 //! | Backpressure hook | [`AppendGuard`] (thresholds are the caller's) |
@@ -32,7 +32,8 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use outbox_core::{ClaimMode, ClaimRequest, Envelope, OutboxStore};
+//! use outbox_core::prelude::*;
+//! use outbox_core::{ClaimMode, ClaimRequest, Envelope};
 //! use outbox_postgres::{PostgresInboxStore, PostgresOutboxStore};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use chrono::Utc;
 use outbox_core::backpressure::{forecast, BacklogSnapshot, Backpressure};
-use outbox_core::{InboxParking, OutboxStore};
+use outbox_core::prelude::*;
+use outbox_core::InboxParking;
 use outbox_postgres::qualified;
 use serde_json::{json, Value};
 

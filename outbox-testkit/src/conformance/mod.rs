@@ -47,9 +47,10 @@ use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use outbox_core::prelude::*;
 use outbox_core::{
     async_trait, AckMetadata, ClaimHandle, ClaimMode, Envelope, EventId, InboxParking,
-    MessageSource, OutboxStore, Publisher, RecordHeader, StoreError,
+    MessageSource, Publisher, RecordHeader, StoreError,
 };
 
 use crate::{
@@ -185,14 +186,14 @@ pub trait OutboxHarness: Send + Sync {
         );
     }
 
-    /// Begins a business transaction for [`OutboxStore::append`].
-    async fn begin(&self) -> <Self::Store as OutboxStore>::Tx;
+    /// Begins a business transaction for [`AppendStore::append`].
+    async fn begin(&self) -> <Self::Store as AppendStore>::Tx;
 
     /// Commits a transaction.
-    async fn commit(&self, tx: <Self::Store as OutboxStore>::Tx) -> Result<(), StoreError>;
+    async fn commit(&self, tx: <Self::Store as AppendStore>::Tx) -> Result<(), StoreError>;
 
     /// Rolls a transaction back.
-    async fn rollback(&self, tx: <Self::Store as OutboxStore>::Tx);
+    async fn rollback(&self, tx: <Self::Store as AppendStore>::Tx);
 
     /// Lets `by` pass on the store's clock (virtual time: at once; real time: sleeps).
     async fn advance(&self, by: Duration);
