@@ -80,6 +80,9 @@ struct Row {
     maybe_delivered: bool,
     /// When a claim first held this row as a version gap.
     held_since: Option<DateTime<Utc>>,
+    /// Place in publication order (0 until published): the reporting view's tie-breaker,
+    /// since completions in one instant of the manual clock share their time.
+    published_order: u64,
 }
 
 #[derive(Debug)]
@@ -102,6 +105,8 @@ pub(crate) struct OutboxState {
     audit: Vec<AuditEntry>,
     token_counter: u64,
     superseded_total: u64,
+    /// Publications so far.
+    publications: u64,
 }
 
 fn agg_key(e: &Envelope) -> AggKey {
@@ -138,6 +143,7 @@ impl OutboxState {
                 finished_at: None,
                 maybe_delivered: false,
                 held_since: None,
+                published_order: 0,
             },
         );
     }
@@ -653,6 +659,8 @@ impl RelayStore for MemoryOutboxStore {
                     row.published_at = Some(now);
                     row.finished_at = Some(now);
                     row.ack = Some(ack.clone());
+                    out.publications += 1;
+                    row.published_order = out.publications;
                     closes = true;
                 }
                 Outcome::Retry { delay, error, .. } | Outcome::Defer { delay, error, .. } => {
@@ -1082,7 +1090,8 @@ impl ReportingStore for MemoryOutboxStore {
             .filter_map(|r| {
                 let at = r.published_at?;
                 let ack = r.ack.clone()?;
-                let pos = PublishedPosition::new(at, i64::try_from(r.seq).unwrap_or(i64::MAX));
+                let order = i64::try_from(r.published_order).unwrap_or(i64::MAX);
+                let pos = PublishedPosition::new(at, order);
                 Some(PublishedRow::new(pos, r.envelope.clone(), ack))
             })
             .filter(|r| after.is_none_or(|a| r.position > a))
