@@ -1,7 +1,8 @@
 //! # outbox-postgres
 //!
 //! The transactional outbox and the consumer inbox on PostgreSQL (sqlx 0.8):
-//! [`PostgresOutboxStore`] implements [`outbox_core::OutboxStore`] and [`PostgresInboxStore`]
+//! [`PostgresOutboxStore`] implements [`outbox_core::OutboxStore`] (every store role) and
+//! [`outbox_core::ReportingStore`], and [`PostgresInboxStore`]
 //! implements [`outbox_core::InboxStore`].
 //!
 //! ## Capabilities
@@ -22,7 +23,7 @@
 //! | Parking, retry/discard/re-issue, audit | yes, `<table>_audit` |
 //! | Cleanup | bounded batches (one transaction each), optional `<table>_archive` |
 //! | Stats | backlog, in flight, blocked behind parked events, gap-held, parked, version gaps held; oldest claimable, blocked and parked ages from the insertion time (`inserted_at`, the database clock); table/index size, dead tuples, autovacuum age, queued rows, conditional-update conflicts in `extra` |
-//! | Operator reads | publish latency percentiles and flow over a window, published events by aggregate/type/time for replay, counts per interval and event type for reconciliation, recorded topic facts ([`PostgresOutboxStore::publish_latency`] and neighbours) |
+//! | Operator reads | [`outbox_core::ReportingStore`] (held to the reporting conformance suite): publish latency percentiles and flow over a window, published events by aggregate/type/time for replay, counts per interval and event type for reconciliation, recorded topic facts ([`PostgresOutboxStore::publish_latency`] and neighbours) |
 //! | Conflict counter | [`PostgresOutboxStore::record_conflict`]: the application counts updates its version check refused; exported by the relay daemon |
 //! | Error mapping | SQLSTATE / sqlx variants to transient or permanent ([`map_sqlx_error`]) |
 //! | Schema | embedded migrations ([`PostgresOutboxStore::migrate`]) or plain SQL (`sql/*.sql`, [`outbox_schema_sql`]); schema and table names configurable, validated and quoted; upgrades run beside relays of the previous version (see "Upgrading" below) |
