@@ -10,9 +10,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use outbox_core::prelude::*;
 use outbox_core::{
-    Clock, EventId, InboxParking, MessageSource, OutboxStore, ParkedEvent, Publisher, Relay,
-    RelayConfig, RetryPolicy, StoreError, SystemClock,
+    Clock, EventId, InboxParking, MessageSource, ParkedEvent, Publisher, Relay, RelayConfig,
+    RetryPolicy, StoreError, SystemClock,
 };
 use outbox_inbox::{ConsumerEngine, EngineConfig, EngineReport, Handler, InboxProcessor};
 use outbox_testkit::fault::{Fault, FaultInjector, FaultSource, FaultyPublisher};

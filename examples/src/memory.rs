@@ -78,7 +78,7 @@ impl MemoryOrderService {
         let id = event.event_id;
         tx.put("orders", &order.id, to_value(&order));
         // A validation or backpressure error here fails the business change too.
-        outbox_core::OutboxStore::append(&self.outbox, &mut tx, &[event]).await?;
+        outbox_core::AppendStore::append(&self.outbox, &mut tx, &[event]).await?;
         tx.commit()?;
         Ok(Transition::Applied(id))
     }

@@ -17,9 +17,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use clap::Args;
+use outbox_core::prelude::*;
 use outbox_core::{
-    AckMetadata, ClaimMode, ClaimRequest, Envelope, OutboxStore, Outcome, PublishResult, Publisher,
-    Relay, RelayConfig, SystemClock,
+    AckMetadata, ClaimMode, ClaimRequest, Envelope, Outcome, PublishResult, Publisher, Relay,
+    RelayConfig, SystemClock,
 };
 use outbox_kafka::KafkaPublisher;
 use outbox_postgres::PostgresOutboxStore;

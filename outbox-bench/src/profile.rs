@@ -25,7 +25,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
 use clap::Args;
-use outbox_core::{ClaimMode, ClaimRequest, OutboxStore, Relay, RelayConfig, SystemClock};
+use outbox_core::prelude::*;
+use outbox_core::{ClaimMode, ClaimRequest, Relay, RelayConfig, SystemClock};
 use outbox_postgres::PostgresOutboxStore;
 use rand::rngs::StdRng;
 use rand::SeedableRng;

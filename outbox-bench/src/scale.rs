@@ -19,9 +19,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Args;
+use outbox_core::prelude::*;
 use outbox_core::{
-    AckMetadata, ClaimMode, ClaimRequest, Envelope, OutboxStore, Outcome, Relay, RelayConfig,
-    SystemClock,
+    AckMetadata, ClaimMode, ClaimRequest, Envelope, Outcome, Relay, RelayConfig, SystemClock,
 };
 use outbox_postgres::PostgresOutboxStore;
 use rand::rngs::StdRng;

@@ -19,7 +19,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use outbox_core::{async_trait, ClaimMode, Envelope, OutboxStore};
+use outbox_core::prelude::*;
+use outbox_core::{async_trait, ClaimMode, Envelope};
 use outbox_inbox::{ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor};
 use outbox_kafka::KafkaSource;
 use outbox_postgres::{map_sqlx_error, qualified, PostgresInboxStore, PostgresOutboxStore};

@@ -371,7 +371,8 @@ async fn sigterm_during_a_batch_finishes_or_releases_it_and_nothing_is_lost() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn events_of_a_relay_that_died_mid_batch_count_as_republished() {
-    use outbox_core::{ClaimMode, ClaimRequest, OutboxStore};
+    use outbox_core::prelude::*;
+    use outbox_core::{ClaimMode, ClaimRequest};
     let env = env_or_skip!("relay_resend", 1);
     env.migrate();
     let events = env.append(3, 1).await;

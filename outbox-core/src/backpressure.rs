@@ -4,7 +4,7 @@
 //!
 //! Works with every store: [`BackpressureStore`] wraps any [`OutboxStore`] and checks its
 //! appends against a shared [`Backpressure`] gate. The gate decides from a backlog snapshot fed
-//! periodically ([`Backpressure::refresh`] reads [`OutboxStore::stats`];
+//! periodically ([`Backpressure::refresh`] reads [`MaintenanceStore::stats`];
 //! [`Backpressure::observe`] takes a snapshot from elsewhere), never from a query inside the
 //! business transaction, so an append costs no extra round trip. Stores with their own append
 //! path (e.g. `PostgresOutboxStore::append_many`) can ask the same gate
@@ -53,13 +53,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 
-use crate::delivery::{
-    AuditEntry, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, CleanupReport,
-    CompletionReport, OutboxStats, Outcome, ParkedEvent,
-};
-use crate::envelope::{Envelope, EventId};
+use crate::delivery::OutboxStats;
+use crate::envelope::Envelope;
 use crate::error::{StoreError, StoreErrorKind};
-use crate::store::OutboxStore;
+use crate::store::{AppendStore, MaintenanceStore};
 
 /// Header that marks one event critical (value `true`).
 pub const CRITICAL_HEADER: &str = "outbox_critical";
@@ -309,7 +306,7 @@ impl Backpressure {
 
     /// Reads `store`'s stats and feeds them, with the growth rate measured against the previous
     /// snapshot.
-    pub async fn refresh<S: OutboxStore + ?Sized>(
+    pub async fn refresh<S: MaintenanceStore + ?Sized>(
         &self,
         store: &S,
         now: DateTime<Utc>,
@@ -398,7 +395,7 @@ impl<S> BackpressureStore<S> {
 }
 
 #[async_trait]
-impl<S: OutboxStore> OutboxStore for BackpressureStore<S> {
+impl<S: AppendStore> AppendStore for BackpressureStore<S> {
     type Tx = S::Tx;
 
     async fn append(&self, tx: &mut Self::Tx, events: &[Envelope]) -> Result<(), StoreError> {
@@ -407,67 +404,9 @@ impl<S: OutboxStore> OutboxStore for BackpressureStore<S> {
         self.gate.check(events)?;
         self.inner.append(tx, events).await
     }
-    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
-        self.inner.claim(request).await
-    }
-    async fn complete(
-        &self,
-        claim: &ClaimHandle,
-        outcomes: &[Outcome],
-    ) -> Result<CompletionReport, StoreError> {
-        self.inner.complete(claim, outcomes).await
-    }
-    async fn release(&self, claim: &ClaimHandle) -> Result<(), StoreError> {
-        self.inner.release(claim).await
-    }
-    async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedEvent>, StoreError> {
-        self.inner.list_parked(limit).await
-    }
-    async fn parked_event(&self, event_id: EventId) -> Result<ParkedEvent, StoreError> {
-        self.inner.parked_event(event_id).await
-    }
-    async fn retry_parked(&self, event_id: EventId, actor: &str) -> Result<(), StoreError> {
-        self.inner.retry_parked(event_id, actor).await
-    }
-    async fn discard_parked(
-        &self,
-        event_id: EventId,
-        actor: &str,
-        reason: &str,
-    ) -> Result<(), StoreError> {
-        self.inner.discard_parked(event_id, actor, reason).await
-    }
-    async fn reissue_parked(
-        &self,
-        event_id: EventId,
-        actor: &str,
-        reason: &str,
-    ) -> Result<EventId, StoreError> {
-        self.inner.reissue_parked(event_id, actor, reason).await
-    }
-    async fn audit_trail(&self, event_id: Option<EventId>) -> Result<Vec<AuditEntry>, StoreError> {
-        self.inner.audit_trail(event_id).await
-    }
-    async fn cleanup(
-        &self,
-        retention: Duration,
-        batch_size: usize,
-    ) -> Result<CleanupReport, StoreError> {
-        self.inner.cleanup(retention, batch_size).await
-    }
-    async fn stats(&self) -> Result<OutboxStats, StoreError> {
-        self.inner.stats().await
-    }
-    async fn release_claims_of(&self, owner: &str, actor: &str) -> Result<u64, StoreError> {
-        self.inner.release_claims_of(owner, actor).await
-    }
-    fn claim_mode(&self) -> ClaimMode {
-        self.inner.claim_mode()
-    }
-    fn locked_claim_timeout(&self) -> Option<Duration> {
-        self.inner.locked_claim_timeout()
-    }
 }
+
+crate::forward_store_roles!(BackpressureStore<S>.inner => relay, operator, maintenance, reporting);
 
 #[cfg(test)]
 mod tests {

@@ -156,7 +156,7 @@ pub enum ClaimMode {
 }
 
 /// Longest accepted lease: a relay that dies holding a lease keeps its aggregates unpublished
-/// until the lease expires (or an operator releases it, `OutboxStore::release_claims_of`).
+/// until the lease expires (or an operator releases it, `OperatorStore::release_claims_of`).
 pub const MAX_LEASE: Duration = Duration::from_secs(3600);
 
 impl ClaimMode {
@@ -465,7 +465,7 @@ pub enum OperatorAction {
     /// Replaced by a copy with a new event id at the same aggregate version.
     Reissue,
     /// The claim of a relay that is gone was ended by an operator
-    /// (`OutboxStore::release_claims_of`).
+    /// (`OperatorStore::release_claims_of`).
     ReleaseClaim,
 }
 

@@ -27,7 +27,7 @@ use tracing::{debug, warn};
 
 use crate::publisher::Publisher;
 use crate::relay::Relay;
-use crate::store::OutboxStore;
+use crate::store::{MaintenanceStore, RelayStore};
 
 /// Totals over a driver's life.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -53,7 +53,7 @@ pub async fn run<S, P, F>(
     shutdown: F,
 ) -> DriverReport
 where
-    S: OutboxStore + 'static,
+    S: RelayStore + MaintenanceStore + 'static,
     P: Publisher + 'static,
     F: Future<Output = ()> + Send,
 {

@@ -8,7 +8,9 @@
 //! aggregate. Nothing here claims exactly-once.
 //!
 //! * [`Envelope`]: the event as consumers see it, validated at append time.
-//! * [`OutboxStore`], [`Publisher`], [`InboxStore`], [`MessageSource`]: the traits adapters
+//! * [`OutboxStore`] (the umbrella of the store roles [`AppendStore`], [`RelayStore`],
+//!   [`OperatorStore`], [`MaintenanceStore`]; and the read-only [`ReportingStore`]),
+//!   [`Publisher`], [`InboxStore`], [`MessageSource`]: the traits adapters
 //!   implement, each with its contract in MUST/SHOULD terms.
 //! * [`RetryPolicy`]: transient/permanent classification, exponential backoff with full jitter,
 //!   parking after the attempt limit.
@@ -83,5 +85,13 @@ pub use relay::{
     CycleReport, Relay, RelayConfig, RelayConfigBuilder, ShutdownSignal, MIN_LEASE_MARGIN,
 };
 pub use retry::{IdleBackoff, RetryPolicy, RetryPolicyBuilder};
-pub use store::OutboxStore;
+pub use store::{
+    AppendStore, IntervalCount, LatencySummary, MaintenanceStore, OperatorStore, OutboxStore,
+    PublishedFilter, PublishedId, PublishedPosition, PublishedRow, RelayStore, ReportingStore,
+};
+
+/// The store role traits, to bring their methods into scope: `use outbox_core::prelude::*;`.
+pub mod prelude {
+    pub use crate::store::prelude::*;
+}
 pub use wire::DecodeError;

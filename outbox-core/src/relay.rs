@@ -45,7 +45,7 @@ use crate::envelope::Envelope;
 use crate::error::{ConfigError, StoreError};
 use crate::publisher::{PublishResult, Publisher};
 use crate::retry::{IdleBackoff, RetryPolicy};
-use crate::store::OutboxStore;
+use crate::store::RelayStore;
 use crate::telemetry::{self, FailureAction};
 
 /// Relay configuration. Build with [`RelayConfig::builder`].
@@ -248,13 +248,13 @@ impl<S, P> std::fmt::Debug for Relay<S, P> {
     }
 }
 
-impl<S: OutboxStore, P: Publisher> Relay<S, P> {
+impl<S: RelayStore, P: Publisher> Relay<S, P> {
     /// A relay. Rejects a claim that could end while the broker still holds a record, which
     /// would let a second relay send version N+1 before N is acknowledged:
     ///
     /// * a lease that does not outlive the publisher's delivery timeout plus the lease margin;
     /// * in locked-transaction mode, a store-side hold limit
-    ///   ([`OutboxStore::locked_claim_timeout`]) shorter than what a claim really lives: one
+    ///   ([`RelayStore::locked_claim_timeout`]) shorter than what a claim really lives: one
     ///   publication (delivery timeout plus margin), or two with prefetch, since a prefetched
     ///   claim waits for the batch before it and is then published itself.
     pub fn new(

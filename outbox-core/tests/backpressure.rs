@@ -8,7 +8,8 @@ use std::time::Duration;
 use outbox_core::backpressure::{
     Backpressure, BackpressurePolicy, BackpressureStore, CRITICAL_HEADER,
 };
-use outbox_core::{ClaimMode, Envelope, OutboxStore, StoreErrorKind};
+use outbox_core::prelude::*;
+use outbox_core::{ClaimMode, Envelope, StoreErrorKind};
 use outbox_testkit::{ManualClock, MemoryDb, MemoryOutboxStore};
 
 fn event(agg: &str, v: i64, t: &str) -> Envelope {
@@ -266,23 +267,32 @@ mod conformance_through_the_wrapper {
 mockall::mock! {
     HoldLimited {}
     #[outbox_core::async_trait]
-    impl OutboxStore for HoldLimited {
+    impl AppendStore for HoldLimited {
         type Tx = ();
         async fn append(&self, tx: &mut (), events: &[Envelope]) -> Result<(), outbox_core::StoreError>;
+    }
+    #[outbox_core::async_trait]
+    impl RelayStore for HoldLimited {
         async fn claim(&self, request: &outbox_core::ClaimRequest) -> Result<outbox_core::ClaimedBatch, outbox_core::StoreError>;
         async fn complete(&self, claim: &outbox_core::ClaimHandle, outcomes: &[outbox_core::Outcome]) -> Result<outbox_core::CompletionReport, outbox_core::StoreError>;
         async fn release(&self, claim: &outbox_core::ClaimHandle) -> Result<(), outbox_core::StoreError>;
+        fn claim_mode(&self) -> ClaimMode;
+        fn locked_claim_timeout(&self) -> Option<Duration>;
+    }
+    #[outbox_core::async_trait]
+    impl OperatorStore for HoldLimited {
         async fn list_parked(&self, limit: usize) -> Result<Vec<outbox_core::ParkedEvent>, outbox_core::StoreError>;
         async fn parked_event(&self, event_id: outbox_core::EventId) -> Result<outbox_core::ParkedEvent, outbox_core::StoreError>;
         async fn retry_parked(&self, event_id: outbox_core::EventId, actor: &str) -> Result<(), outbox_core::StoreError>;
         async fn discard_parked(&self, event_id: outbox_core::EventId, actor: &str, reason: &str) -> Result<(), outbox_core::StoreError>;
         async fn reissue_parked(&self, event_id: outbox_core::EventId, actor: &str, reason: &str) -> Result<outbox_core::EventId, outbox_core::StoreError>;
         async fn audit_trail(&self, event_id: Option<outbox_core::EventId>) -> Result<Vec<outbox_core::AuditEntry>, outbox_core::StoreError>;
+        async fn release_claims_of(&self, owner: &str, actor: &str) -> Result<u64, outbox_core::StoreError>;
+    }
+    #[outbox_core::async_trait]
+    impl MaintenanceStore for HoldLimited {
         async fn cleanup(&self, retention: Duration, batch_size: usize) -> Result<outbox_core::CleanupReport, outbox_core::StoreError>;
         async fn stats(&self) -> Result<outbox_core::OutboxStats, outbox_core::StoreError>;
-        async fn release_claims_of(&self, owner: &str, actor: &str) -> Result<u64, outbox_core::StoreError>;
-        fn claim_mode(&self) -> ClaimMode;
-        fn locked_claim_timeout(&self) -> Option<Duration>;
     }
 }
 

@@ -6,7 +6,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{ClaimMode, Envelope, OutboxStore, Relay, RelayConfig, SystemClock};
+use outbox_core::prelude::*;
+use outbox_core::{ClaimMode, Envelope, Relay, RelayConfig, SystemClock};
 use outbox_testkit::{MemoryDb, MemoryLog, MemoryOutboxStore};
 use rand::rngs::StdRng;
 use rand::SeedableRng;

@@ -9,9 +9,8 @@ mod common;
 use std::sync::Arc;
 
 use common::capture_logs;
-use outbox_core::{
-    ClaimMode, Envelope, OutboxStore, PublishErrorKind, Relay, RelayConfig, SystemClock,
-};
+use outbox_core::prelude::*;
+use outbox_core::{ClaimMode, Envelope, PublishErrorKind, Relay, RelayConfig, SystemClock};
 use outbox_testkit::{MemoryDb, MemoryLog, MemoryOutboxStore};
 use rand::rngs::StdRng;
 use rand::SeedableRng;

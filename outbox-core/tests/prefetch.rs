@@ -8,9 +8,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use outbox_core::prelude::*;
 use outbox_core::{
-    ClaimMode, DeliveryStatus, Envelope, OutboxStore, PublishErrorKind, Relay, RelayConfig,
-    RetryPolicy, SystemClock,
+    ClaimMode, DeliveryStatus, Envelope, PublishErrorKind, Relay, RelayConfig, RetryPolicy,
+    SystemClock,
 };
 use outbox_testkit::fault::{Fault, FaultInjector, FaultSource, FaultyPublisher, FaultyStore};
 use outbox_testkit::{MemoryDb, MemoryLog, MemoryOutboxStore};

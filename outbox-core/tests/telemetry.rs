@@ -4,7 +4,7 @@
 mod common;
 
 use common::{cycle, setup};
-use outbox_core::OutboxStore;
+use outbox_core::prelude::*;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use metrics_util::MetricKind;

@@ -13,10 +13,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{create_topic, read_all, tansu_bin, unique, Tansu};
+use outbox_core::prelude::*;
 use outbox_core::{
-    async_trait, ClaimMode, DeliveryStatus, Envelope, EventId, FailureScope, OutboxStore,
-    PublishError, PublishErrorKind, PublishResult, Publisher, Relay, RelayConfig, RetryPolicy,
-    SystemClock,
+    async_trait, ClaimMode, DeliveryStatus, Envelope, EventId, FailureScope, PublishError,
+    PublishErrorKind, PublishResult, Publisher, Relay, RelayConfig, RetryPolicy, SystemClock,
 };
 use outbox_kafka::KafkaPublisher;
 use outbox_testkit::{MemoryDb, MemoryOutboxStore};

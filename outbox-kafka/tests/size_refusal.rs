@@ -21,8 +21,9 @@ use std::time::Duration;
 
 use common::{create_topic, free_port, tansu_bin, unique, Tansu};
 
+use outbox_core::prelude::*;
 use outbox_core::{
-    async_trait, AckMetadata, ClaimMode, DeliveryStatus, Envelope, OutboxStore, ParkKind, Payload,
+    async_trait, AckMetadata, ClaimMode, DeliveryStatus, Envelope, ParkKind, Payload,
     PublishResult, Publisher, Relay, RelayConfig, RetryPolicy, SystemClock,
 };
 use outbox_kafka::size::{envelope_batch_bytes, size_refusal_error};

@@ -10,7 +10,7 @@
 //!
 //! | Capability | Support |
 //! |---|---|
-//! | Append in the caller's transaction | yes: `OutboxStore::append(&mut *tx, ..)` (`Tx = MySqlConnection`) or the inherent [`MySqlOutboxStore::append`] / [`MySqlOutboxStore::append_many`], generic over sqlx's MySQL executors; [`MySqlOutboxStore::append_many_in`] on a connection for batches of any size |
+//! | Append in the caller's transaction | yes: `AppendStore::append(&mut *tx, ..)` (`Tx = MySqlConnection`) or the inherent [`MySqlOutboxStore::append`] / [`MySqlOutboxStore::append_many`], generic over sqlx's MySQL executors; [`MySqlOutboxStore::append_many_in`] on a connection for batches of any size |
 //! | Batch append | one multi-row INSERT (up to 500 events / 4 MiB, one round trip); `append_many_in` splits larger batches inside a savepoint, all or nothing |
 //! | Validation at append | envelope limits, before anything is written; aggregate type and id at most [`outbox_core::MAX_AGGREGATE_NAME_BYTES`] (1,024 bytes) each whatever the name limit (the bound of every store; `build()` refuses a higher one), and `created_at` from the year 1000 (MySQL's `DATETIME`) |
 //! | Backpressure hook | [`AppendGuard`] (thresholds are the caller's) |
@@ -25,7 +25,7 @@
 //! | Parking, retry/discard/re-issue, audit | yes, `<table>_audit`; a message parked once per dedup id and aggregate (inbox migration 3) |
 //! | Cleanup | bounded batches (one transaction each, `SKIP LOCKED`), optional `<table>_archive` |
 //! | Stats | backlog, in flight, parked, blocked (behind a parked event), gap-held (a held head and what follows it), aggregates with a gap held, oldest claimable/blocked/parked ages from the insertion time on the database clock, counted as outbox-postgres counts them; queued rows and table size in `extra` |
-//! | Operator reads | [`MySqlOutboxStore::publish_latency`] (percentiles over a window), [`MySqlOutboxStore::published_events`] (publication order, paged by position) and [`MySqlOutboxStore::count_published`] for replay, [`MySqlOutboxStore::cleanup_candidates`], [`MySqlOutboxStore::interval_counts`] and [`MySqlOutboxStore::published_ids`] for reconciliation: outbox-postgres's signatures and value types. Not here: its conditional-update conflict counter and recorded topic facts (tables of their own) |
+//! | Operator reads | [`outbox_core::ReportingStore`] (held to the reporting conformance suite; `outbox status` reads it on a `mysql://` URL), over [`MySqlOutboxStore::publish_latency`] (percentiles over a window), [`MySqlOutboxStore::published_events`] (publication order, paged by position) and [`MySqlOutboxStore::count_published`] for replay, [`MySqlOutboxStore::cleanup_candidates`], [`MySqlOutboxStore::interval_counts`] and [`MySqlOutboxStore::published_ids`] for reconciliation: the value types are outbox-core's. Not here: its conditional-update conflict counter and recorded topic facts (tables of their own) |
 //! | Error mapping | server error numbers / SQLSTATE / sqlx variants to transient or permanent ([`map_sqlx_error`], [`classify_mysql_error`]) |
 //! | Schema | embedded migrations serialized by a named lock ([`MySqlOutboxStore::migrate`]) or plain SQL ([`outbox_schema_sql`]); database and table names configurable, validated and quoted; each migration safe beside processes of the previous version, its DDL waiting at most [`MIGRATION_DDL_WAIT_SECS`] for its table (see "Migrations beside running processes") |
 //! | Inbox deduplication | in the effect's transaction; the original-id dedupe of a re-issued copy scoped to its aggregate ([`outbox_core::InboxStore::register_for`]: each registration keeps a hash of its aggregate, inbox migration 2) |
@@ -35,7 +35,8 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use outbox_core::{ClaimMode, ClaimRequest, Envelope, OutboxStore};
+//! use outbox_core::prelude::*;
+//! use outbox_core::{ClaimMode, ClaimRequest, Envelope};
 //! use outbox_mysql::{MySqlInboxStore, MySqlOutboxStore};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {

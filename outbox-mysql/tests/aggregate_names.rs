@@ -11,9 +11,9 @@
 
 mod common;
 
+use outbox_core::prelude::*;
 use outbox_core::{
-    ClaimMode, Envelope, EnvelopeLimits, OutboxStore, ParkKind, StoreErrorKind,
-    MAX_AGGREGATE_NAME_BYTES,
+    ClaimMode, Envelope, EnvelopeLimits, ParkKind, StoreErrorKind, MAX_AGGREGATE_NAME_BYTES,
 };
 use outbox_mysql::MySqlOutboxStore;
 use rand::{Rng, SeedableRng};

@@ -141,3 +141,8 @@ mod outbox {
 mod inbox {
     outbox_testkit::inbox_conformance_tests!(async { super::MyInboxHarness::new().await });
 }
+
+/// The reporting view (`outbox status`, `replay`, `reconcile`) against the same server.
+mod reporting {
+    outbox_testkit::reporting_conformance_tests!(async { super::MyHarness::new().await });
+}

@@ -7,7 +7,8 @@ mod common;
 
 use std::time::Duration;
 
-use outbox_core::{ErrorClass, EventId, InboxStore, OutboxStore, Registration, StoreErrorKind};
+use outbox_core::prelude::*;
+use outbox_core::{ErrorClass, EventId, InboxStore, Registration, StoreErrorKind};
 use outbox_mysql::{map_sqlx_error, Check, Flavor, Severity};
 use sqlx::{Connection, MySqlConnection};
 

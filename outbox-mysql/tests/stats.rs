@@ -1,4 +1,4 @@
-//! The monitoring snapshot ([`OutboxStore::stats`]) on MySQL/MariaDB, beyond the conformance
+//! The monitoring snapshot ([`MaintenanceStore::stats`]) on MySQL/MariaDB, beyond the conformance
 //! clause: the classes of unpublished events as outbox-postgres counts them. Per aggregate:
 //!
 //! * **gap-held**: its head (first unfinished event above the last version) is held by a claim
@@ -17,7 +17,8 @@ mod common;
 use std::time::Duration;
 
 use chrono::Utc;
-use outbox_core::{Envelope, OutboxStats, OutboxStore};
+use outbox_core::prelude::*;
+use outbox_core::{Envelope, OutboxStats};
 use outbox_mysql::MySqlOutboxStore;
 
 use common::{append, claim, event, lease, versions};

@@ -10,9 +10,9 @@ mod common;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use outbox_core::prelude::*;
 use outbox_core::{
-    ClaimMode, ClaimRequest, Envelope, ErrorClass, LastError, OutboxStore, Outcome, RelayConfig,
-    StoreErrorKind,
+    ClaimMode, ClaimRequest, Envelope, ErrorClass, LastError, Outcome, RelayConfig, StoreErrorKind,
 };
 use outbox_mysql::MySqlOutboxStore;
 

@@ -12,8 +12,9 @@ use std::collections::{BTreeMap, HashSet};
 use std::time::{Duration, Instant};
 
 use common::{require, unique, TestStream};
+use outbox_core::prelude::*;
 use outbox_core::{
-    ClaimMode, DeliveryStatus, Envelope, OutboxStore, Relay, RelayConfig, RetryPolicy, SystemClock,
+    ClaimMode, DeliveryStatus, Envelope, Relay, RelayConfig, RetryPolicy, SystemClock,
 };
 use outbox_nats::NatsPublisher;
 use outbox_test_support::{nats_server_bin, NatsServer};

@@ -18,7 +18,7 @@ pub const DEFAULT_INBOX_TABLE: &str = "processed_events";
 /// after validation and before the INSERT. Return a `Backpressure` error
 /// (`StoreError::new(StoreErrorKind::Backpressure, ..)`, transient) to refuse. The check is
 /// synchronous on purpose: it runs inside the caller's business transaction and must not add a
-/// round trip; feed it from a periodic [`outbox_core::OutboxStore::stats`] reading (an atomic
+/// round trip; feed it from a periodic [`outbox_core::MaintenanceStore::stats`] reading (an atomic
 /// backlog gauge) and decide there, e.g. "refuse non-critical events above N".
 pub trait AppendGuard: Send + Sync + std::fmt::Debug {
     /// `Ok(())` lets the append go ahead.

@@ -1,14 +1,15 @@
 //! # outbox-postgres
 //!
 //! The transactional outbox and the consumer inbox on PostgreSQL (sqlx 0.8):
-//! [`PostgresOutboxStore`] implements [`outbox_core::OutboxStore`] and [`PostgresInboxStore`]
+//! [`PostgresOutboxStore`] implements [`outbox_core::OutboxStore`] (every store role) and
+//! [`outbox_core::ReportingStore`], and [`PostgresInboxStore`]
 //! implements [`outbox_core::InboxStore`].
 //!
 //! ## Capabilities
 //!
 //! | Capability | Support |
 //! |---|---|
-//! | Append in the caller's transaction | yes: `OutboxStore::append(&mut *tx, ..)` (`Tx = PgConnection`) or the inherent [`PostgresOutboxStore::append`] / [`PostgresOutboxStore::append_many`], generic over any sqlx executor |
+//! | Append in the caller's transaction | yes: `AppendStore::append(&mut *tx, ..)` (`Tx = PgConnection`) or the inherent [`PostgresOutboxStore::append`] / [`PostgresOutboxStore::append_many`], generic over any sqlx executor |
 //! | Batch append | one statement, one round trip (`INSERT .. SELECT FROM UNNEST(arrays)`) |
 //! | Validation at append | envelope limits, before anything is written; aggregate type and id at most [`outbox_core::MAX_AGGREGATE_NAME_BYTES`] (1,024 bytes) each whatever the name limit, so their state row can be indexed |
 //! | Backpressure hook | [`AppendGuard`] (thresholds are the caller's) |
@@ -22,7 +23,7 @@
 //! | Parking, retry/discard/re-issue, audit | yes, `<table>_audit` |
 //! | Cleanup | bounded batches (one transaction each), optional `<table>_archive` |
 //! | Stats | backlog, in flight, blocked behind parked events, gap-held, parked, version gaps held; oldest claimable, blocked and parked ages from the insertion time (`inserted_at`, the database clock); table/index size, dead tuples, autovacuum age, queued rows, conditional-update conflicts in `extra` |
-//! | Operator reads | publish latency percentiles and flow over a window, published events by aggregate/type/time for replay, counts per interval and event type for reconciliation, recorded topic facts ([`PostgresOutboxStore::publish_latency`] and neighbours) |
+//! | Operator reads | [`outbox_core::ReportingStore`] (held to the reporting conformance suite): publish latency percentiles and flow over a window, published events by aggregate/type/time for replay, counts per interval and event type for reconciliation, recorded topic facts ([`PostgresOutboxStore::publish_latency`] and neighbours) |
 //! | Conflict counter | [`PostgresOutboxStore::record_conflict`]: the application counts updates its version check refused; exported by the relay daemon |
 //! | Error mapping | SQLSTATE / sqlx variants to transient or permanent ([`map_sqlx_error`]) |
 //! | Schema | embedded migrations ([`PostgresOutboxStore::migrate`]) or plain SQL (`sql/*.sql`, [`outbox_schema_sql`]); schema and table names configurable, validated and quoted; upgrades run beside relays of the previous version (see "Upgrading" below) |
@@ -32,7 +33,8 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use outbox_core::{ClaimMode, ClaimRequest, Envelope, OutboxStore};
+//! use outbox_core::prelude::*;
+//! use outbox_core::{ClaimMode, ClaimRequest, Envelope};
 //! use outbox_postgres::{PostgresInboxStore, PostgresOutboxStore};
 //!
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {

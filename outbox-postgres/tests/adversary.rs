@@ -15,9 +15,10 @@ mod common;
 
 use std::time::Duration;
 
+use outbox_core::prelude::*;
 use outbox_core::{
     ClaimHandle, ClaimMode, ClaimRequest, Envelope, EnvelopeLimits, ErrorClass, EventId, LastError,
-    OperatorAction, OutboxStore, Outcome, ParkKind, StoreErrorKind,
+    OperatorAction, Outcome, ParkKind, StoreErrorKind,
 };
 use outbox_postgres::PostgresOutboxStore;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};

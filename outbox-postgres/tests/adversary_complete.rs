@@ -1,6 +1,6 @@
 //! Adversarial tests of completion's outcome matching (`OutcomeArrays::new`: by position when
 //! the outcomes come back in claim order, by event id otherwise) through
-//! `OutboxStore::complete` against the real PostgreSQL, in both claim modes: duplicate event
+//! `RelayStore::complete` against the real PostgreSQL, in both claim modes: duplicate event
 //! ids, same length but permuted, outcomes of another claim's events, a superseded lease, an
 //! empty list. Each row's status and ack offset are read back with SQL.
 //!
@@ -10,7 +10,8 @@ mod common;
 
 use std::time::Duration;
 
-use outbox_core::{ClaimMode, ClaimedBatch, Envelope, OutboxStore};
+use outbox_core::prelude::*;
+use outbox_core::{ClaimMode, ClaimedBatch, Envelope};
 use outbox_postgres::PostgresOutboxStore;
 
 use common::{claim, event, lease, published};

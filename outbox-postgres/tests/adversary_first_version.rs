@@ -17,9 +17,8 @@ mod common;
 
 use std::time::Duration;
 
-use outbox_core::{
-    ClaimMode, Envelope, ErrorClass, LastError, OutboxStore, Outcome, ParkKind, StoreErrorKind,
-};
+use outbox_core::prelude::*;
+use outbox_core::{ClaimMode, Envelope, ErrorClass, LastError, Outcome, ParkKind, StoreErrorKind};
 use outbox_postgres::PostgresOutboxStore;
 
 use common::{claim, event, lease, park, publish_all, versions};

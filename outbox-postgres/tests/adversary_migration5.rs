@@ -12,7 +12,8 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use outbox_core::{ClaimMode, Envelope, ErrorClass, LastError, OutboxStore, Outcome};
+use outbox_core::prelude::*;
+use outbox_core::{ClaimMode, Envelope, ErrorClass, LastError, Outcome};
 use outbox_postgres::PostgresOutboxStore;
 
 use common::{claim, event, lease, park, published};

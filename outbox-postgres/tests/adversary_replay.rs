@@ -8,7 +8,7 @@
 
 mod common;
 
-use outbox_core::OutboxStore;
+use outbox_core::prelude::*;
 use outbox_postgres::{PostgresOutboxStore, PublishedFilter, PublishedRow};
 
 use common::{claim, event, lease, park, publish_all, versions};

@@ -17,7 +17,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::backpressure::{Backpressure, BackpressurePolicy};
-use outbox_core::{ClaimMode, Envelope, OutboxStats, OutboxStore, StoreErrorKind};
+use outbox_core::prelude::*;
+use outbox_core::{ClaimMode, Envelope, OutboxStats, StoreErrorKind};
 use outbox_postgres::PostgresOutboxStore;
 
 use common::{claim, event, lease, park, publish_all, versions};

@@ -142,3 +142,8 @@ mod outbox {
 mod inbox {
     outbox_testkit::inbox_conformance_tests!(async { super::PgInboxHarness::new().await });
 }
+
+/// The reporting view (`outbox status`, `replay`, `reconcile`) against the same server.
+mod reporting {
+    outbox_testkit::reporting_conformance_tests!(async { super::PgHarness::new().await });
+}

@@ -8,9 +8,9 @@ mod common;
 
 use std::time::Duration;
 
+use outbox_core::prelude::*;
 use outbox_core::{
-    ClaimMode, ClaimRequest, Envelope, ErrorClass, LastError, OutboxStore, Outcome, ParkKind,
-    ParkReason,
+    ClaimMode, ClaimRequest, Envelope, ErrorClass, LastError, Outcome, ParkKind, ParkReason,
 };
 use outbox_postgres::PostgresOutboxStore;
 use sqlx::PgPool;

@@ -22,9 +22,10 @@ mod common;
 use std::collections::HashMap;
 use std::time::Duration;
 
+use outbox_core::prelude::*;
 use outbox_core::{
-    async_trait, AckMetadata, ClaimMode, ClaimRequest, DeliveryStatus, Envelope, EventId,
-    OutboxStore, Outcome, StoreError, StoreErrorKind,
+    async_trait, AckMetadata, ClaimMode, ClaimRequest, DeliveryStatus, Envelope, EventId, Outcome,
+    StoreError, StoreErrorKind,
 };
 use outbox_postgres::{map_sqlx_error, PostgresOutboxStore};
 use outbox_testkit::randomized::{run, FinalRow, RandomizedBackend, Spec, StoreParams, LABEL};

@@ -8,10 +8,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use outbox_core::prelude::*;
 use outbox_core::{
-    async_trait, AckMetadata, ClaimMode, ClaimedBatch, Envelope, EventId, OutboxStore,
-    PublishError, PublishErrorKind, PublishResult, Publisher, Relay, RelayConfig, RetryPolicy,
-    SystemClock,
+    async_trait, AckMetadata, ClaimMode, ClaimedBatch, Envelope, EventId, PublishError,
+    PublishErrorKind, PublishResult, Publisher, Relay, RelayConfig, RetryPolicy, SystemClock,
 };
 use outbox_postgres::PostgresOutboxStore;
 use rand::SeedableRng;

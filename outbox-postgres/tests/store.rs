@@ -9,10 +9,11 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
+use outbox_core::prelude::*;
 use outbox_core::InboxStoreExt;
 use outbox_core::{
     ClaimMode, ClaimRequest, Envelope, ErrorClass, EventId, InboxStore, LastError, OperatorAction,
-    OutboxStore, Outcome, ParkKind, Payload, Registration, StoreError, StoreErrorKind,
+    Outcome, ParkKind, Payload, Registration, StoreError, StoreErrorKind,
 };
 use outbox_postgres::{AppendGuard, PostgresInboxStore, PostgresOutboxStore};
 use sqlx::Row;
@@ -50,7 +51,7 @@ async fn rolled_back_append_leaves_nothing_and_commit_keeps_all() {
         .await
         .unwrap();
     // The trait method joins the same transaction.
-    OutboxStore::append(&store, &mut tx, &[event("b", 1)])
+    AppendStore::append(&store, &mut tx, &[event("b", 1)])
         .await
         .unwrap();
     tx.rollback().await.unwrap();
@@ -59,7 +60,7 @@ async fn rolled_back_append_leaves_nothing_and_commit_keeps_all() {
 
     let mut tx = ctx.pool.begin().await.unwrap();
     store.append(&mut *tx, &event("a", 1)).await.unwrap();
-    OutboxStore::append(&store, &mut tx, &[event("b", 1), event("c", 1)])
+    AppendStore::append(&store, &mut tx, &[event("b", 1), event("c", 1)])
         .await
         .unwrap();
     tx.commit().await.unwrap();

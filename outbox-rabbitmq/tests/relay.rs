@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 
 use common::{require, Topology};
 use lapin::ExchangeKind as LapinKind;
+use outbox_core::prelude::*;
 use outbox_core::{
-    wire, ClaimMode, DeliveryStatus, Envelope, OutboxStore, Relay, RelayConfig, RetryPolicy,
-    SystemClock,
+    wire, ClaimMode, DeliveryStatus, Envelope, Relay, RelayConfig, RetryPolicy, SystemClock,
 };
 use outbox_rabbitmq::{quorum_arguments, RabbitPublisher};
 use outbox_test_support::RabbitNode;

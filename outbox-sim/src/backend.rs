@@ -7,9 +7,10 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use outbox_core::prelude::*;
 use outbox_core::{
     async_trait, AckMetadata, ClaimHandle, ClaimMode, Clock, DeliveryStatus, Envelope, EventId,
-    InboxParking, InboxStore, OutboxStore, StoreError,
+    InboxParking, InboxStore, StoreError,
 };
 use outbox_testkit::{ManualClock, MemoryDb, MemoryInboxStore, MemoryOutboxStore, MemoryTx};
 use serde_json::Value;

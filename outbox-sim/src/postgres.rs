@@ -12,9 +12,10 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
+use outbox_core::prelude::*;
 use outbox_core::{
     async_trait, AckMetadata, ClaimHandle, ClaimMode, Clock, DeliveryStatus, Envelope, EventId,
-    OutboxStore, StoreError, SystemClock,
+    StoreError, SystemClock,
 };
 use outbox_postgres::{map_sqlx_error, PostgresInboxStore, PostgresOutboxStore};
 use serde_json::Value;
@@ -164,7 +165,7 @@ impl Backend for PostgresBackend {
         .map_err(|e| e.to_string())
     }
     async fn append(&self, tx: &mut Self::BizTx, events: &[Envelope]) -> Result<(), StoreError> {
-        OutboxStore::append(&self.store, &mut **tx, events).await
+        AppendStore::append(&self.store, &mut **tx, events).await
     }
     async fn commit(&self, tx: Self::BizTx) -> Result<bool, String> {
         tx.commit().await.map(|()| true).map_err(|e| e.to_string())

@@ -13,10 +13,10 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use outbox_core::prelude::*;
 use outbox_core::{
-    async_trait, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, CleanupReport,
-    Clock, CompletionReport, Envelope, EventId, OutboxStats, OutboxStore, Outcome, ParkedEvent,
-    StoreError,
+    async_trait, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, Clock, CompletionReport,
+    EventId, Outcome, StoreError,
 };
 use outbox_testkit::fault::{Fault, FaultyStore};
 use uuid::Uuid;
@@ -121,7 +121,7 @@ impl<S> std::fmt::Debug for SimStore<S> {
     }
 }
 
-impl<S: OutboxStore> SimStore<S> {
+impl<S: RelayStore> SimStore<S> {
     pub(crate) fn new(
         inner: FaultyStore<FaultyStore<S>>,
         relay: usize,
@@ -218,13 +218,7 @@ fn swapped_acks(outcomes: &[Outcome]) -> Vec<Outcome> {
 }
 
 #[async_trait]
-impl<S: OutboxStore> OutboxStore for SimStore<S> {
-    type Tx = S::Tx;
-
-    async fn append(&self, tx: &mut S::Tx, events: &[Envelope]) -> Result<(), StoreError> {
-        self.inner.append(tx, events).await
-    }
-
+impl<S: RelayStore> RelayStore for SimStore<S> {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
         let prefetch = !self.shared.claims_of(self.relay).is_empty();
         let requested_at = self.shared.clock.now();
@@ -296,48 +290,6 @@ impl<S: OutboxStore> OutboxStore for SimStore<S> {
         }
         result
     }
-
-    async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedEvent>, StoreError> {
-        self.inner.list_parked(limit).await
-    }
-    async fn parked_event(&self, event_id: EventId) -> Result<ParkedEvent, StoreError> {
-        self.inner.parked_event(event_id).await
-    }
-    async fn retry_parked(&self, event_id: EventId, actor: &str) -> Result<(), StoreError> {
-        self.inner.retry_parked(event_id, actor).await
-    }
-    async fn discard_parked(
-        &self,
-        event_id: EventId,
-        actor: &str,
-        reason: &str,
-    ) -> Result<(), StoreError> {
-        self.inner.discard_parked(event_id, actor, reason).await
-    }
-    async fn reissue_parked(
-        &self,
-        event_id: EventId,
-        actor: &str,
-        reason: &str,
-    ) -> Result<EventId, StoreError> {
-        self.inner.reissue_parked(event_id, actor, reason).await
-    }
-    async fn audit_trail(&self, event_id: Option<EventId>) -> Result<Vec<AuditEntry>, StoreError> {
-        self.inner.audit_trail(event_id).await
-    }
-    async fn cleanup(
-        &self,
-        retention: Duration,
-        batch_size: usize,
-    ) -> Result<CleanupReport, StoreError> {
-        self.inner.cleanup(retention, batch_size).await
-    }
-    async fn stats(&self) -> Result<OutboxStats, StoreError> {
-        self.inner.stats().await
-    }
-    async fn release_claims_of(&self, owner: &str, actor: &str) -> Result<u64, StoreError> {
-        self.inner.release_claims_of(owner, actor).await
-    }
     fn claim_mode(&self) -> ClaimMode {
         self.inner.claim_mode()
     }
@@ -345,6 +297,8 @@ impl<S: OutboxStore> OutboxStore for SimStore<S> {
         self.inner.locked_claim_timeout()
     }
 }
+
+outbox_core::forward_store_roles!(SimStore<S>.inner => append, operator, maintenance, reporting);
 
 #[cfg(test)]
 mod tests {

@@ -7,8 +7,9 @@ use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use outbox_core::prelude::*;
 use outbox_core::{
-    ClaimMode, Classify, CycleReport, DeliveryStatus, Envelope, EventId, OutboxStore, ParkedFilter,
+    ClaimMode, Classify, CycleReport, DeliveryStatus, Envelope, EventId, ParkedFilter,
     ParkedStatus, PublishError, PublishErrorKind, PublishResult, Publisher, Relay, RelayConfig,
     RetryPolicy, StoreError, StoreErrorKind,
 };

@@ -38,13 +38,14 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use outbox_core::prelude::*;
 use outbox_core::watermark::SharedOffsetTracker;
 use outbox_core::{
     async_trait, AggregateKey, AggregateState, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest,
     ClaimedBatch, CleanupReport, CommitOffset, CompletionReport, Envelope, ErrorClass, EventId,
     InboxAuditEntry, InboxParking, InboxStore, MessageSource, NewParkedMessage, OutboxStats,
-    OutboxStore, Outcome, ParkedChange, ParkedEvent, ParkedFilter, ParkedId, ParkedMessage,
-    ParkedStats, Parking, PartitionLag, PublishError, PublishErrorKind, PublishResult, Publisher,
+    Outcome, ParkedChange, ParkedEvent, ParkedFilter, ParkedId, ParkedMessage, ParkedStats,
+    Parking, PartitionLag, PublishError, PublishErrorKind, PublishResult, Publisher,
     ReceivedMessage, Registration, SourceError, StoreError, StoreErrorKind, VersionAdvance,
 };
 use rand::rngs::StdRng;
@@ -419,12 +420,16 @@ impl<S> FaultyStore<S> {
 }
 
 #[async_trait]
-impl<S: OutboxStore> OutboxStore for FaultyStore<S> {
+impl<S: AppendStore> AppendStore for FaultyStore<S> {
     type Tx = S::Tx;
 
     async fn append(&self, tx: &mut S::Tx, events: &[Envelope]) -> Result<(), StoreError> {
         faulty!(self.faults, "append", self.inner.append(tx, events).await)
     }
+}
+
+#[async_trait]
+impl<S: RelayStore> RelayStore for FaultyStore<S> {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
         match self.faults.next("claim") {
             None => self.inner.claim(request).await,
@@ -459,6 +464,16 @@ impl<S: OutboxStore> OutboxStore for FaultyStore<S> {
     async fn release(&self, claim: &ClaimHandle) -> Result<(), StoreError> {
         faulty!(self.faults, "release", self.inner.release(claim).await)
     }
+    fn claim_mode(&self) -> ClaimMode {
+        self.inner.claim_mode()
+    }
+    fn locked_claim_timeout(&self) -> Option<Duration> {
+        self.inner.locked_claim_timeout()
+    }
+}
+
+#[async_trait]
+impl<S: OperatorStore> OperatorStore for FaultyStore<S> {
     async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedEvent>, StoreError> {
         faulty!(
             self.faults,
@@ -518,6 +533,10 @@ impl<S: OutboxStore> OutboxStore for FaultyStore<S> {
             self.inner.audit_trail(event_id).await
         )
     }
+}
+
+#[async_trait]
+impl<S: MaintenanceStore> MaintenanceStore for FaultyStore<S> {
     async fn cleanup(
         &self,
         retention: Duration,
@@ -532,13 +551,10 @@ impl<S: OutboxStore> OutboxStore for FaultyStore<S> {
     async fn stats(&self) -> Result<OutboxStats, StoreError> {
         faulty!(self.faults, "stats", self.inner.stats().await)
     }
-    fn claim_mode(&self) -> ClaimMode {
-        self.inner.claim_mode()
-    }
-    fn locked_claim_timeout(&self) -> Option<Duration> {
-        self.inner.locked_claim_timeout()
-    }
 }
+
+// Reads are not fault-injected.
+outbox_core::forward_store_roles!(FaultyStore<S>.inner => reporting);
 
 /// An [`InboxStore`] whose calls fail as the [`FaultInjector`] decides. An `AckLost` on
 /// `commit` commits and then reports a transient error: the classic "did my transaction

@@ -46,7 +46,7 @@
 //! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
 //! use std::time::Duration;
 //! use outbox_core::{
-//!     ClaimMode, Envelope, InboxStore, InboxStoreExt, MessageSource, OutboxStore, Registration,
+//!     AppendStore, ClaimMode, Envelope, InboxStore, InboxStoreExt, MessageSource, Registration,
 //!     Relay, RelayConfig,
 //! };
 //! use outbox_testkit::{ManualClock, MemoryDb, MemoryInboxStore, MemoryLog, MemoryOutboxStore};

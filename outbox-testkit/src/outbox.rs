@@ -15,7 +15,7 @@
 //! # Claim modes
 //!
 //! * [`ClaimMode::Lease`]: a claim records owner, a unique token and an expiry on the injected
-//!   clock. An expired lease returns the row to the pool. [`OutboxStore::complete`] applies an
+//!   clock. An expired lease returns the row to the pool. [`RelayStore::complete`] applies an
 //!   outcome only while the row still carries the claim's token (a lease that expired but was not
 //!   taken over by another claim still owns its rows: applying its ack avoids a needless
 //!   duplicate); outcomes for rows taken over are counted as `superseded`.
@@ -28,11 +28,13 @@ use std::fmt;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
+use outbox_core::prelude::*;
 use outbox_core::{
     async_trait, AckMetadata, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch,
     ClaimedRecord, CleanupReport, CompletionReport, DeliveryStatus, Envelope, EnvelopeLimits,
-    ErrorClass, EventId, LastError, OperatorAction, OutboxStats, OutboxStore, Outcome, ParkKind,
-    ParkReason, ParkedAtClaim, ParkedEvent, StoreError, StoreErrorKind,
+    ErrorClass, EventId, IntervalCount, LastError, LatencySummary, OperatorAction, OutboxStats,
+    Outcome, ParkKind, ParkReason, ParkedAtClaim, ParkedEvent, PublishedFilter, PublishedId,
+    PublishedPosition, PublishedRow, StoreError, StoreErrorKind,
 };
 use uuid::Uuid;
 
@@ -78,6 +80,9 @@ struct Row {
     maybe_delivered: bool,
     /// When a claim first held this row as a version gap.
     held_since: Option<DateTime<Utc>>,
+    /// Place in publication order (0 until published): the reporting view's tie-breaker,
+    /// since completions in one instant of the manual clock share their time.
+    published_order: u64,
 }
 
 #[derive(Debug)]
@@ -100,6 +105,8 @@ pub(crate) struct OutboxState {
     audit: Vec<AuditEntry>,
     token_counter: u64,
     superseded_total: u64,
+    /// Publications so far.
+    publications: u64,
 }
 
 fn agg_key(e: &Envelope) -> AggKey {
@@ -136,6 +143,7 @@ impl OutboxState {
                 finished_at: None,
                 maybe_delivered: false,
                 held_since: None,
+                published_order: 0,
             },
         );
     }
@@ -458,7 +466,7 @@ impl MemoryOutboxStore {
 }
 
 #[async_trait]
-impl OutboxStore for MemoryOutboxStore {
+impl AppendStore for MemoryOutboxStore {
     type Tx = MemoryTx;
 
     async fn append(&self, tx: &mut MemoryTx, events: &[Envelope]) -> Result<(), StoreError> {
@@ -501,7 +509,10 @@ impl OutboxStore for MemoryOutboxStore {
         }
         Ok(())
     }
+}
 
+#[async_trait]
+impl RelayStore for MemoryOutboxStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
         let now = self.db.now();
         let lease = self.lease_duration();
@@ -648,6 +659,8 @@ impl OutboxStore for MemoryOutboxStore {
                     row.published_at = Some(now);
                     row.finished_at = Some(now);
                     row.ack = Some(ack.clone());
+                    out.publications += 1;
+                    row.published_order = out.publications;
                     closes = true;
                 }
                 Outcome::Retry { delay, error, .. } | Outcome::Defer { delay, error, .. } => {
@@ -688,6 +701,13 @@ impl OutboxStore for MemoryOutboxStore {
         Ok(())
     }
 
+    fn claim_mode(&self) -> ClaimMode {
+        self.mode
+    }
+}
+
+#[async_trait]
+impl OperatorStore for MemoryOutboxStore {
     async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedEvent>, StoreError> {
         let st = self.lock();
         let mut parked: Vec<&Row> = st
@@ -824,6 +844,41 @@ impl OutboxStore for MemoryOutboxStore {
             .collect())
     }
 
+    async fn release_claims_of(&self, owner: &str, actor: &str) -> Result<u64, StoreError> {
+        if self.lease_duration().is_none() {
+            // A locked claim ends with its relay's connection.
+            return Ok(0);
+        }
+        let now = self.db.now();
+        let mut st = self.lock();
+        let out = &mut st.outbox;
+        let mut released = Vec::new();
+        for row in out.rows.values_mut() {
+            if row
+                .claim
+                .as_ref()
+                .is_some_and(|c| c.owner == owner && c.live(now))
+            {
+                row.claim = None;
+                released.push(row.envelope.event_id);
+            }
+        }
+        for id in &released {
+            out.audit.push(AuditEntry::new(
+                *id,
+                OperatorAction::ReleaseClaim,
+                actor,
+                format!("claims of relay {owner} released"),
+                None,
+                now,
+            ));
+        }
+        Ok(released.len() as u64)
+    }
+}
+
+#[async_trait]
+impl MaintenanceStore for MemoryOutboxStore {
     async fn cleanup(
         &self,
         retention: Duration,
@@ -931,42 +986,6 @@ impl OutboxStore for MemoryOutboxStore {
             .push(("audit_entries".to_owned(), st.outbox.audit.len() as f64));
         Ok(s)
     }
-
-    async fn release_claims_of(&self, owner: &str, actor: &str) -> Result<u64, StoreError> {
-        if self.lease_duration().is_none() {
-            // A locked claim ends with its relay's connection.
-            return Ok(0);
-        }
-        let now = self.db.now();
-        let mut st = self.lock();
-        let out = &mut st.outbox;
-        let mut released = Vec::new();
-        for row in out.rows.values_mut() {
-            if row
-                .claim
-                .as_ref()
-                .is_some_and(|c| c.owner == owner && c.live(now))
-            {
-                row.claim = None;
-                released.push(row.envelope.event_id);
-            }
-        }
-        for id in &released {
-            out.audit.push(AuditEntry::new(
-                *id,
-                OperatorAction::ReleaseClaim,
-                actor,
-                format!("claims of relay {owner} released"),
-                None,
-                now,
-            ));
-        }
-        Ok(released.len() as u64)
-    }
-
-    fn claim_mode(&self) -> ClaimMode {
-        self.mode
-    }
 }
 
 fn parked_event(r: &Row) -> ParkedEvent {
@@ -999,4 +1018,161 @@ fn require_reason(reason: &str) -> Result<(), StoreError> {
         ));
     }
     Ok(())
+}
+
+/// The reporting role in memory, on the store's clock: publication times are the completions'
+/// `published_at`, the row sequence breaks ties, and the windows end at [`MemoryDb::now`].
+#[async_trait]
+impl ReportingStore for MemoryOutboxStore {
+    async fn backlog(&self) -> Result<OutboxStats, StoreError> {
+        MaintenanceStore::stats(self).await
+    }
+
+    async fn publish_latency(&self, window: Duration) -> Result<LatencySummary, StoreError> {
+        let now = self.db.now();
+        let from = now - chrono::Duration::from_std(window).unwrap_or(chrono::Duration::MAX);
+        let st = self.lock();
+        let rows = st.outbox.rows.values();
+        let latencies: Vec<f64> = rows
+            .clone()
+            .filter(|r| r.status == DeliveryStatus::Published)
+            .filter_map(|r| r.published_at.map(|p| (p, r)))
+            .filter(|(p, _)| *p >= from)
+            .map(|(p, r)| (p - r.envelope.created_at).as_seconds_f64())
+            .collect();
+        let created = rows.filter(|r| r.envelope.created_at >= from).count() as u64;
+        Ok(LatencySummary::from_latencies(latencies, created))
+    }
+
+    async fn cleanup_candidates(&self, retention: Duration) -> Result<u64, StoreError> {
+        let now = self.db.now();
+        let retention = chrono::Duration::from_std(retention).unwrap_or(chrono::Duration::MAX);
+        let st = self.lock();
+        // The rule `cleanup` removes by.
+        let n = st
+            .outbox
+            .rows
+            .values()
+            .filter(|r| {
+                matches!(
+                    r.status,
+                    DeliveryStatus::Published | DeliveryStatus::Discarded
+                ) && r
+                    .finished_at
+                    .is_some_and(|t| t.checked_add_signed(retention).is_some_and(|d| d <= now))
+            })
+            .count();
+        Ok(n as u64)
+    }
+
+    async fn count_published(&self, filter: &PublishedFilter) -> Result<u64, StoreError> {
+        let st = self.lock();
+        Ok(st
+            .outbox
+            .rows
+            .values()
+            .filter(|r| r.status == DeliveryStatus::Published && filter.matches(&r.envelope))
+            .count() as u64)
+    }
+
+    async fn published_events(
+        &self,
+        filter: &PublishedFilter,
+        after: Option<PublishedPosition>,
+        limit: usize,
+    ) -> Result<Vec<PublishedRow>, StoreError> {
+        let st = self.lock();
+        let mut rows: Vec<PublishedRow> = st
+            .outbox
+            .rows
+            .values()
+            .filter(|r| r.status == DeliveryStatus::Published && filter.matches(&r.envelope))
+            .filter_map(|r| {
+                let at = r.published_at?;
+                let ack = r.ack.clone()?;
+                let order = i64::try_from(r.published_order).unwrap_or(i64::MAX);
+                let pos = PublishedPosition::new(at, order);
+                Some(PublishedRow::new(pos, r.envelope.clone(), ack))
+            })
+            .filter(|r| after.is_none_or(|a| r.position > a))
+            .collect();
+        rows.sort_by_key(|r| r.position);
+        rows.truncate(limit.max(1));
+        Ok(rows)
+    }
+
+    async fn interval_counts(
+        &self,
+        since: DateTime<Utc>,
+        interval: Duration,
+        grace: Duration,
+    ) -> Result<Vec<IntervalCount>, StoreError> {
+        if interval.is_zero() {
+            return Err(StoreError::new(
+                StoreErrorKind::Configuration,
+                "interval must be greater than zero",
+            ));
+        }
+        let now = self.db.now();
+        let grace = chrono::Duration::from_std(grace).unwrap_or(chrono::Duration::MAX);
+        let step = i64::try_from(interval.as_micros()).unwrap_or(i64::MAX);
+        let st = self.lock();
+        let mut counts: BTreeMap<(DateTime<Utc>, String), IntervalCount> = BTreeMap::new();
+        for r in st.outbox.rows.values() {
+            let created = r.envelope.created_at;
+            if created < since {
+                continue;
+            }
+            let offset = (created - since).num_microseconds().unwrap_or(i64::MAX);
+            let start = since + chrono::Duration::microseconds(offset / step * step);
+            let key = (start, r.envelope.event_type.clone());
+            let c = counts
+                .entry(key)
+                .or_insert_with(|| IntervalCount::zero(start, r.envelope.event_type.clone()));
+            c.events += 1;
+            match r.status {
+                DeliveryStatus::Published if r.ack.is_some() => c.published += 1,
+                DeliveryStatus::Pending
+                    if created.checked_add_signed(grace).is_some_and(|d| d < now) =>
+                {
+                    c.overdue += 1
+                }
+                DeliveryStatus::Parked => c.parked += 1,
+                DeliveryStatus::Discarded => c.discarded += 1,
+                _ => {}
+            }
+        }
+        Ok(counts.into_values().collect())
+    }
+
+    async fn published_ids(
+        &self,
+        event_type: &str,
+        start: DateTime<Utc>,
+        end: DateTime<Utc>,
+        topics: &[String],
+        grace: Duration,
+    ) -> Result<Vec<PublishedId>, StoreError> {
+        let now = self.db.now();
+        let grace = chrono::Duration::from_std(grace).unwrap_or(chrono::Duration::MAX);
+        let st = self.lock();
+        Ok(st
+            .outbox
+            .rows
+            .values()
+            .filter(|r| {
+                let e = &r.envelope;
+                r.status == DeliveryStatus::Published
+                    && e.event_type == event_type
+                    && e.created_at >= start
+                    && e.created_at < end
+                    && (topics.is_empty()
+                        || r.ack.as_ref().is_some_and(|a| topics.contains(&a.topic)))
+                    && r.published_at
+                        .and_then(|p| p.checked_add_signed(grace))
+                        .is_some_and(|d| d < now)
+            })
+            .map(|r| PublishedId::new(r.envelope.event_id, r.envelope.original_event_id()))
+            .collect())
+    }
 }

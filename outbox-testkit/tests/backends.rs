@@ -3,10 +3,11 @@
 
 use std::time::Duration;
 
+use outbox_core::prelude::*;
 use outbox_core::{
     AckMetadata, ClaimMode, ClaimRequest, DeliveryStatus, Envelope, ErrorClass, EventId,
-    InboxStore, InboxStoreExt, LastError, MessageSource, OperatorAction, OutboxStore, Outcome,
-    ParkKind, ParkReason, PublishErrorKind, Publisher, Registration, StoreErrorKind,
+    InboxStore, InboxStoreExt, LastError, MessageSource, OperatorAction, Outcome, ParkKind,
+    ParkReason, PublishErrorKind, Publisher, Registration, StoreErrorKind,
 };
 use outbox_testkit::{
     FaultAction, FaultMatch, LogFault, ManualClock, MemoryDb, MemoryInboxStore, MemoryLog,

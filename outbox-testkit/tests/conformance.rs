@@ -247,3 +247,9 @@ fn the_macros_emit_every_listed_check() {
         );
     }
 }
+
+mod reporting {
+    outbox_testkit::reporting_conformance_tests!(async {
+        outbox_testkit::conformance::MemoryOutboxHarness::new()
+    });
+}

@@ -4,9 +4,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use outbox_core::{
-    ClaimMode, DeliveryStatus, Envelope, OutboxStore, Relay, RelayConfig, RetryPolicy,
-};
+use outbox_core::prelude::*;
+use outbox_core::{ClaimMode, DeliveryStatus, Envelope, Relay, RelayConfig, RetryPolicy};
 use outbox_testkit::fault::{
     seed_from_env, FaultInjector, FaultRates, FaultSource, FaultyPublisher, FaultyStore,
 };

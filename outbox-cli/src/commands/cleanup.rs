@@ -10,7 +10,8 @@
 
 use std::time::Duration;
 
-use outbox_core::{InboxStore, OutboxStore};
+use outbox_core::prelude::*;
+use outbox_core::InboxStore;
 use serde_json::json;
 
 use crate::config::{Config, Dur};

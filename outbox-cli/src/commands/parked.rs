@@ -2,7 +2,8 @@
 //! every action audited by the store. With `--consumer NAME`, a consumer's parked messages
 //! ([`consumer_parked`]).
 
-use outbox_core::{AuditEntry, EventId, OutboxStore, ParkedEvent};
+use outbox_core::prelude::*;
+use outbox_core::{AuditEntry, EventId, ParkedEvent};
 use outbox_postgres::PostgresOutboxStore;
 use serde_json::{json, Value};
 

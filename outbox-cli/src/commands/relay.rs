@@ -23,9 +23,9 @@ use std::time::Duration;
 
 use chrono::Utc;
 use outbox_core::backpressure::{BacklogSnapshot, Backpressure, BackpressurePolicy};
+use outbox_core::prelude::*;
 use outbox_core::{
-    Classify, ErrorClass, OutboxStore, Relay, RelayConfig, RetryPolicy, StoreError, StoreErrorKind,
-    SystemClock,
+    Classify, ErrorClass, Relay, RelayConfig, RetryPolicy, StoreError, StoreErrorKind, SystemClock,
 };
 use outbox_kafka::KafkaPublisher;
 use outbox_postgres::{PostgresOutboxStore, RecordedTopic};

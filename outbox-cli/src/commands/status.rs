@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use chrono::Utc;
 use outbox_core::backpressure::{forecast, BacklogSnapshot, Backpressure};
-use outbox_core::{InboxParking, OutboxStore};
+use outbox_core::prelude::*;
+use outbox_core::{InboxParking, LatencySummary, OutboxStats};
 use outbox_postgres::qualified;
 use serde_json::{json, Value};
 
@@ -26,13 +27,151 @@ pub async fn run(config: &Config, opts: &StatusOpts, out: &Output) -> Result<(),
         Some(w) => super::parse_duration("--window", w)?,
         None => config.status.window,
     };
+    if is_mysql(config.database_url()?.expose()) {
+        return run_mysql(config, opts, out, window).await;
+    }
     let (pool, target) = db::connect_outbox(config, 3).await?;
     db::preflight(&pool, config).await?;
     let store = db::outbox_store(config, pool.clone())?;
     let table = format!("{}.{}", config.outbox.schema, config.outbox.table);
-    let map = |e: outbox_core::StoreError| CliError::from_store(&e, &table);
-    let stats = store.stats().await.map_err(map)?;
-    let latency = store.publish_latency(window.0).await.map_err(map)?;
+    let (stats, latency) = read(&store, window.0, &table).await?;
+    let mut warnings: Vec<String> = Vec::new();
+    let mut consumers = Vec::new();
+    for c in &config.consumers {
+        consumers.push(consumer_status(config, c, &pool, opts.no_consumers, &mut warnings).await);
+    }
+    render(
+        config,
+        out,
+        Report {
+            window,
+            target: target.to_string(),
+            table,
+            stats,
+            latency,
+            consumers,
+            warnings,
+        },
+    )
+}
+
+/// Whether `url` names a MySQL or MariaDB server.
+fn is_mysql(url: &str) -> bool {
+    let url = url.trim_start();
+    url.starts_with("mysql://") || url.starts_with("mariadb://")
+}
+
+/// What `status` reads through the reporting role, whatever the store.
+async fn read<R: ReportingStore>(
+    store: &R,
+    window: Duration,
+    table: &str,
+) -> Result<(OutboxStats, LatencySummary), CliError> {
+    let map = |e: outbox_core::StoreError| CliError::from_store(&e, table);
+    let stats = store.backlog().await.map_err(map)?;
+    let latency = store.publish_latency(window).await.map_err(map)?;
+    Ok((stats, latency))
+}
+
+/// `outbox status` on MySQL / MariaDB: the outbox through [`ReportingStore`]; `outbox.schema`
+/// names the database when it is set (else the URL's). The consumers' inboxes are read on
+/// PostgreSQL only, so they are reported as not read here.
+async fn run_mysql(
+    config: &Config,
+    opts: &StatusOpts,
+    out: &Output,
+    window: crate::config::Dur,
+) -> Result<(), CliError> {
+    use outbox_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
+    let url = config.database_url()?;
+    let target = url.redacted();
+    let mut options: MySqlConnectOptions = url.expose().trim().parse().map_err(|e| {
+        CliError::config(
+            format!(
+                "invalid MySQL URL {target}: {}",
+                crate::config::redact_url(&format!("{e}"))
+            ),
+            "use mysql://user:password@host:port/database",
+        )
+    })?;
+    if !config.database.password.is_empty() {
+        options = options.password(config.database.password.expose());
+    }
+    let pool = MySqlPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(
+            config
+                .database
+                .connect_timeout
+                .0
+                .max(Duration::from_secs(1)),
+        )
+        .connect_with(options)
+        .await
+        .map_err(|e| {
+            CliError::unreachable(
+                format!(
+                    "cannot connect to MySQL at {target}: {}",
+                    crate::config::redact_url(&e.to_string())
+                ),
+                "check the database URL and that the server runs",
+            )
+        })?;
+    let o = &config.outbox;
+    let mut builder = outbox_mysql::MySqlOutboxStore::builder(pool).table(o.table.clone());
+    let table = if o.schema != outbox_postgres::DEFAULT_SCHEMA {
+        builder = builder.database(o.schema.clone());
+        format!("{}.{}", o.schema, o.table)
+    } else {
+        o.table.clone()
+    };
+    let store = builder
+        .build()
+        .map_err(|e| CliError::config(e.message, "fix the [outbox] section"))?;
+    let (stats, latency) = read(&store, window.0, &table).await?;
+    let mut warnings = Vec::new();
+    if !config.consumers.is_empty() && !opts.no_consumers {
+        warnings.push(format!(
+            "{} consumer(s) configured: their lag and inboxes are not read for a MySQL outbox              yet (PostgreSQL inboxes only)",
+            config.consumers.len()
+        ));
+    }
+    render(
+        config,
+        out,
+        Report {
+            window,
+            target,
+            table,
+            stats,
+            latency,
+            consumers: Vec::new(),
+            warnings,
+        },
+    )
+}
+
+/// What `status` shows.
+struct Report {
+    window: crate::config::Dur,
+    target: String,
+    table: String,
+    stats: OutboxStats,
+    latency: LatencySummary,
+    consumers: Vec<Value>,
+    warnings: Vec<String>,
+}
+
+fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError> {
+    let Report {
+        window,
+        target,
+        table,
+        stats,
+        latency,
+        consumers,
+        mut warnings,
+    } = report;
     let w = window.0.as_secs_f64().max(1.0);
     let rate = (latency.created as f64 - latency.count as f64) / w;
     let capacity = config.status.capacity;
@@ -40,7 +179,6 @@ pub async fn run(config: &Config, opts: &StatusOpts, out: &Output) -> Result<(),
     let gate = Backpressure::new(super::relay::backpressure_policy(config));
     gate.observe(BacklogSnapshot::from_stats(&stats, Some(rate)), Utc::now());
     let bp = gate.state(Utc::now());
-    let mut warnings: Vec<String> = Vec::new();
     if stats.parked > 0 {
         warnings.push(format!(
             "{} parked event(s) block their aggregates ({} event(s) wait behind them): see \
@@ -55,12 +193,8 @@ pub async fn run(config: &Config, opts: &StatusOpts, out: &Output) -> Result<(),
             stats.version_gaps_held, stats.gap_held
         ));
     }
-    let mut consumers = Vec::new();
-    for c in &config.consumers {
-        consumers.push(consumer_status(config, c, &pool, opts.no_consumers, &mut warnings).await);
-    }
     let doc = json!({
-        "database": target.to_string(),
+        "database": target,
         "outbox": {"schema": config.outbox.schema, "table": config.outbox.table},
         "backlog": {
             "unpublished": stats.unpublished,

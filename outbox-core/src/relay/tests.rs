@@ -12,6 +12,7 @@ use super::*;
 use crate::delivery::*;
 use crate::envelope::{Envelope, EventId};
 use crate::error::{PublishError, PublishErrorKind, StoreErrorKind};
+use crate::store::prelude::*;
 
 // The mock's methods are synchronous (mockall cannot mock `&[&Envelope]` through
 // async-trait's lifetimes); the trait impl forwards to them.
@@ -95,11 +96,15 @@ fn ev(agg: &str, v: i64) -> Envelope {
 }
 
 #[async_trait::async_trait]
-impl OutboxStore for FakeStore {
+impl AppendStore for FakeStore {
     type Tx = ();
     async fn append(&self, _: &mut (), _: &[Envelope]) -> Result<(), StoreError> {
         Ok(())
     }
+}
+
+#[async_trait::async_trait]
+impl RelayStore for FakeStore {
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
         if let Some((clock, d)) = &self.claim_takes {
             let mut now = clock.0.lock().unwrap();
@@ -183,6 +188,16 @@ impl OutboxStore for FakeStore {
         }
         Ok(())
     }
+    fn claim_mode(&self) -> ClaimMode {
+        self.mode.unwrap_or(ClaimMode::LockedTransaction)
+    }
+    fn locked_claim_timeout(&self) -> Option<Duration> {
+        self.locked_timeout
+    }
+}
+
+#[async_trait::async_trait]
+impl OperatorStore for FakeStore {
     async fn list_parked(&self, _: usize) -> Result<Vec<ParkedEvent>, StoreError> {
         Ok(vec![])
     }
@@ -204,17 +219,15 @@ impl OutboxStore for FakeStore {
     async fn audit_trail(&self, _: Option<EventId>) -> Result<Vec<AuditEntry>, StoreError> {
         Ok(vec![])
     }
+}
+
+#[async_trait::async_trait]
+impl MaintenanceStore for FakeStore {
     async fn cleanup(&self, _: Duration, _: usize) -> Result<CleanupReport, StoreError> {
         Ok(CleanupReport::default())
     }
     async fn stats(&self) -> Result<OutboxStats, StoreError> {
         Ok(OutboxStats::default())
-    }
-    fn claim_mode(&self) -> ClaimMode {
-        self.mode.unwrap_or(ClaimMode::LockedTransaction)
-    }
-    fn locked_claim_timeout(&self) -> Option<Duration> {
-        self.locked_timeout
     }
 }
 

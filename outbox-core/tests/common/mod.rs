@@ -4,9 +4,8 @@
 
 use std::sync::Arc;
 
-use outbox_core::{
-    ClaimMode, Envelope, OutboxStore, PublishErrorKind, Relay, RelayConfig, SystemClock,
-};
+use outbox_core::prelude::*;
+use outbox_core::{ClaimMode, Envelope, PublishErrorKind, Relay, RelayConfig, SystemClock};
 use outbox_testkit::{MemoryDb, MemoryLog, MemoryOutboxStore};
 use rand::rngs::StdRng;
 use rand::SeedableRng;

@@ -16,7 +16,10 @@ use sqlx::mysql::MySqlRow;
 use sqlx::Row;
 use uuid::Uuid;
 
-use outbox_core::{AckMetadata, Envelope, StoreError, StoreErrorKind};
+use outbox_core::{AckMetadata, StoreError, StoreErrorKind};
+pub use outbox_core::{
+    IntervalCount, LatencySummary, PublishedFilter, PublishedPosition, PublishedRow,
+};
 
 use super::head::marks;
 use super::rows::{envelope_from_row, utc, ENVELOPE_COLS};
@@ -24,99 +27,6 @@ use super::tx::micros;
 use super::MySqlOutboxStore;
 use crate::error::db;
 use crate::inbox::KEY_EXPR;
-
-/// Created-to-acknowledged latency of the events published in a window.
-#[derive(Clone, Debug, Default, PartialEq)]
-#[non_exhaustive]
-pub struct LatencySummary {
-    /// Events published in the window.
-    pub count: u64,
-    /// Median, seconds.
-    pub p50: Option<f64>,
-    /// 90th percentile, seconds.
-    pub p90: Option<f64>,
-    /// 99th percentile, seconds.
-    pub p99: Option<f64>,
-    /// Largest, seconds.
-    pub max: Option<f64>,
-    /// Events created in the window (any status): with `count`, the backlog's flow.
-    pub created: u64,
-}
-
-/// Which published events to select (every set field must match).
-#[derive(Clone, Debug, Default)]
-#[non_exhaustive]
-pub struct PublishedFilter {
-    /// Aggregate type.
-    pub aggregate_type: Option<String>,
-    /// Aggregate id.
-    pub aggregate_id: Option<String>,
-    /// Event type.
-    pub event_type: Option<String>,
-    /// Created at or after.
-    pub since: Option<DateTime<Utc>>,
-    /// Created before.
-    pub until: Option<DateTime<Utc>>,
-}
-
-/// Where a published event stands in publication order: the keyset for paging through
-/// [`MySqlOutboxStore::published_events`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-#[non_exhaustive]
-pub struct PublishedPosition {
-    /// When the event was marked published (`finished_at`, the publication time).
-    pub published_at: DateTime<Utc>,
-    /// Row id (ties).
-    pub id: i64,
-}
-
-/// A published event and where the broker stored it.
-#[derive(Clone, Debug)]
-#[non_exhaustive]
-pub struct PublishedRow {
-    /// Its place in publication order (ascending: the order the events were published, so
-    /// each aggregate's versions in the order its consumers first received them).
-    pub position: PublishedPosition,
-    /// The event.
-    pub envelope: Envelope,
-    /// The acknowledgement recorded on publish.
-    pub ack: AckMetadata,
-}
-
-/// Counts of one interval and event type.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct IntervalCount {
-    /// Start of the interval.
-    pub start: DateTime<Utc>,
-    /// Event type.
-    pub event_type: String,
-    /// Events created in the interval (still retained).
-    pub events: u64,
-    /// Of those, published with the broker's offset recorded.
-    pub published: u64,
-    /// Of those, not yet published (pending) and older than the grace.
-    pub overdue: u64,
-    /// Of those, parked.
-    pub parked: u64,
-    /// Of those, discarded by an operator.
-    pub discarded: u64,
-}
-
-impl IntervalCount {
-    /// An interval with no events (for an event type expected there).
-    pub fn zero(start: DateTime<Utc>, event_type: impl Into<String>) -> Self {
-        Self {
-            start,
-            event_type: event_type.into(),
-            events: 0,
-            published: 0,
-            overdue: 0,
-            parked: 0,
-            discarded: 0,
-        }
-    }
-}
 
 /// The percentiles of [`LatencySummary`], in thousandths.
 const PERCENTILES: [i64; 3] = [500, 900, 990];
@@ -255,7 +165,7 @@ impl MySqlOutboxStore {
             };
         }
         if let Some(p) = after {
-            q = q.bind(p.id);
+            q = q.bind(p.seq);
         }
         let rows = q
             .bind(limit.clamp(1, 100_000) as i64)
@@ -318,15 +228,13 @@ impl MySqlOutboxStore {
                     .ok_or_else(|| {
                         StoreError::new(StoreErrorKind::Other, "interval start out of range")
                     })?;
-                Ok(IntervalCount {
-                    start: offset,
-                    event_type: crate::error::text(r, "event_type")?,
-                    events: n(r, "events")?,
-                    published: n(r, "published")?,
-                    overdue: n(r, "overdue")?,
-                    parked: n(r, "parked")?,
-                    discarded: n(r, "discarded")?,
-                })
+                let mut c = IntervalCount::zero(offset, crate::error::text(r, "event_type")?);
+                c.events = n(r, "events")?;
+                c.published = n(r, "published")?;
+                c.overdue = n(r, "overdue")?;
+                c.parked = n(r, "parked")?;
+                c.discarded = n(r, "discarded")?;
+                Ok(c)
             })
             .collect()
     }
@@ -411,18 +319,15 @@ fn published_where(filter: &PublishedFilter) -> (String, Vec<Bind>) {
 
 fn published_row(r: &MySqlRow) -> Result<PublishedRow, StoreError> {
     let at: NaiveDateTime = r.try_get("finished_at").map_err(db)?;
-    Ok(PublishedRow {
-        position: PublishedPosition {
-            published_at: utc(at),
-            id: r.try_get("id").map_err(db)?,
-        },
-        envelope: envelope_from_row(r)?,
-        ack: AckMetadata {
+    Ok(PublishedRow::new(
+        PublishedPosition::new(utc(at), r.try_get("id").map_err(db)?),
+        envelope_from_row(r)?,
+        AckMetadata {
             topic: crate::error::text(r, "ack_topic")?,
             partition: r.try_get("ack_partition").map_err(db)?,
             offset: r.try_get("ack_offset").map_err(db)?,
         },
-    })
+    ))
 }
 
 /// The continuous percentile `p` (thousandths) of `n` ranked values, from the values at the
@@ -437,6 +342,60 @@ fn percentile(at: &HashMap<i64, f64>, n: i64, p: i64) -> Option<f64> {
     }
     let high = *at.get(&(lo + 1))?;
     Some(low + frac * (high - low))
+}
+
+/// The reporting role over the reads above (the inherent methods stay for callers that name
+/// this store).
+#[outbox_core::async_trait]
+impl outbox_core::ReportingStore for MySqlOutboxStore {
+    async fn backlog(&self) -> Result<outbox_core::OutboxStats, StoreError> {
+        outbox_core::MaintenanceStore::stats(self).await
+    }
+    async fn publish_latency(&self, window: Duration) -> Result<LatencySummary, StoreError> {
+        MySqlOutboxStore::publish_latency(self, window).await
+    }
+    async fn cleanup_candidates(&self, retention: Duration) -> Result<u64, StoreError> {
+        MySqlOutboxStore::cleanup_candidates(self, retention).await
+    }
+    async fn count_published(&self, filter: &PublishedFilter) -> Result<u64, StoreError> {
+        MySqlOutboxStore::count_published(self, filter).await
+    }
+    async fn published_events(
+        &self,
+        filter: &PublishedFilter,
+        after: Option<PublishedPosition>,
+        limit: usize,
+    ) -> Result<Vec<PublishedRow>, StoreError> {
+        MySqlOutboxStore::published_events(self, filter, after, limit).await
+    }
+    async fn interval_counts(
+        &self,
+        since: DateTime<Utc>,
+        interval: Duration,
+        grace: Duration,
+    ) -> Result<Vec<IntervalCount>, StoreError> {
+        MySqlOutboxStore::interval_counts(self, since, interval, grace).await
+    }
+    async fn published_ids(
+        &self,
+        event_type: &str,
+        start: DateTime<Utc>,
+        end: DateTime<Utc>,
+        topics: &[String],
+        grace: Duration,
+    ) -> Result<Vec<outbox_core::PublishedId>, StoreError> {
+        let ids =
+            MySqlOutboxStore::published_ids(self, event_type, start, end, topics, grace).await?;
+        Ok(ids
+            .into_iter()
+            .map(|(id, original)| {
+                outbox_core::PublishedId::new(
+                    outbox_core::EventId::from_uuid(id),
+                    original.map(outbox_core::EventId::from_uuid),
+                )
+            })
+            .collect())
+    }
 }
 
 #[cfg(test)]

@@ -81,7 +81,7 @@ impl MySqlOutboxStore {
 
     /// Appends a batch of any size on `conn` (your transaction's connection: `&mut *tx`): one
     /// INSERT per 500 events / 4 MiB, inside a savepoint when it takes more than one, so the
-    /// batch is all or nothing. The path of `OutboxStore::append`.
+    /// batch is all or nothing. The path of `AppendStore::append`.
     pub async fn append_many_in(
         &self,
         conn: &mut sqlx::MySqlConnection,

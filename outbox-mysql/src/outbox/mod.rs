@@ -30,10 +30,10 @@ use std::time::{Duration, Instant};
 use sqlx::{MySqlConnection, MySqlPool};
 use uuid::Uuid;
 
+use outbox_core::prelude::*;
 use outbox_core::{
     async_trait, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, CleanupReport,
-    CompletionReport, Envelope, EventId, OutboxStats, OutboxStore, Outcome, ParkedEvent,
-    StoreError,
+    CompletionReport, Envelope, EventId, OutboxStats, Outcome, ParkedEvent, StoreError,
 };
 
 pub use admin::{IntervalCount, LatencySummary, PublishedFilter, PublishedPosition, PublishedRow};
@@ -149,7 +149,7 @@ impl Tables {
 }
 
 #[async_trait]
-impl OutboxStore for MySqlOutboxStore {
+impl AppendStore for MySqlOutboxStore {
     type Tx = MySqlConnection;
 
     async fn append(
@@ -159,7 +159,10 @@ impl OutboxStore for MySqlOutboxStore {
     ) -> Result<(), StoreError> {
         self.append_many_in(tx, events).await
     }
+}
 
+#[async_trait]
+impl RelayStore for MySqlOutboxStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
         self.claim_inner(request).await
     }
@@ -176,6 +179,19 @@ impl OutboxStore for MySqlOutboxStore {
         self.release_inner(claim).await
     }
 
+    fn claim_mode(&self) -> ClaimMode {
+        self.inner.settings.claim_mode
+    }
+
+    fn locked_claim_timeout(&self) -> Option<Duration> {
+        (self.inner.settings.claim_mode == ClaimMode::LockedTransaction)
+            .then(|| tx::hold_secs(self.inner.settings.locked_max_hold))
+            .map(Duration::from_secs)
+    }
+}
+
+#[async_trait]
+impl OperatorStore for MySqlOutboxStore {
     async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedEvent>, StoreError> {
         self.list_parked_inner(limit).await
     }
@@ -210,6 +226,13 @@ impl OutboxStore for MySqlOutboxStore {
         self.audit_trail_inner(event_id).await
     }
 
+    async fn release_claims_of(&self, owner: &str, actor: &str) -> Result<u64, StoreError> {
+        self.release_claims_of_inner(owner, actor).await
+    }
+}
+
+#[async_trait]
+impl MaintenanceStore for MySqlOutboxStore {
     async fn cleanup(
         &self,
         retention: Duration,
@@ -220,20 +243,6 @@ impl OutboxStore for MySqlOutboxStore {
 
     async fn stats(&self) -> Result<OutboxStats, StoreError> {
         self.stats_inner().await
-    }
-
-    async fn release_claims_of(&self, owner: &str, actor: &str) -> Result<u64, StoreError> {
-        self.release_claims_of_inner(owner, actor).await
-    }
-
-    fn claim_mode(&self) -> ClaimMode {
-        self.inner.settings.claim_mode
-    }
-
-    fn locked_claim_timeout(&self) -> Option<Duration> {
-        (self.inner.settings.claim_mode == ClaimMode::LockedTransaction)
-            .then(|| tx::hold_secs(self.inner.settings.locked_max_hold))
-            .map(Duration::from_secs)
     }
 }
 

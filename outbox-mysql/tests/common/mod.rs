@@ -4,9 +4,10 @@
 
 use std::time::Duration;
 
+use outbox_core::prelude::*;
 use outbox_core::{
-    AckMetadata, ClaimMode, ClaimRequest, ClaimedBatch, Envelope, ErrorClass, LastError,
-    OutboxStore, Outcome, ParkKind, ParkReason,
+    AckMetadata, ClaimMode, ClaimRequest, ClaimedBatch, Envelope, ErrorClass, LastError, Outcome,
+    ParkKind, ParkReason,
 };
 use outbox_mysql::{MySqlInboxStore, MySqlOutboxStore};
 use sqlx::mysql::MySqlPoolOptions;

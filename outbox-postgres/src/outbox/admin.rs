@@ -8,7 +8,10 @@ use chrono::{DateTime, Utc};
 use sqlx::{Executor, Postgres, Row};
 use uuid::Uuid;
 
-use outbox_core::{AckMetadata, Envelope, StoreError, StoreErrorKind};
+use outbox_core::{AckMetadata, StoreError, StoreErrorKind};
+pub use outbox_core::{
+    IntervalCount, LatencySummary, PublishedFilter, PublishedPosition, PublishedRow,
+};
 
 use super::claim::micros;
 use super::rows::envelope_from_row;
@@ -16,99 +19,6 @@ use super::PostgresOutboxStore;
 use crate::error::db;
 use crate::schema::qualified;
 use crate::sql::ENVELOPE_COLS;
-
-/// Created-to-acknowledged latency of the events published in a window.
-#[derive(Clone, Debug, Default, PartialEq)]
-#[non_exhaustive]
-pub struct LatencySummary {
-    /// Events published in the window.
-    pub count: u64,
-    /// Median, seconds.
-    pub p50: Option<f64>,
-    /// 90th percentile, seconds.
-    pub p90: Option<f64>,
-    /// 99th percentile, seconds.
-    pub p99: Option<f64>,
-    /// Largest, seconds.
-    pub max: Option<f64>,
-    /// Events created in the window (any status): with `count`, the backlog's flow.
-    pub created: u64,
-}
-
-/// Which published events to select (every set field must match).
-#[derive(Clone, Debug, Default)]
-#[non_exhaustive]
-pub struct PublishedFilter {
-    /// Aggregate type.
-    pub aggregate_type: Option<String>,
-    /// Aggregate id.
-    pub aggregate_id: Option<String>,
-    /// Event type.
-    pub event_type: Option<String>,
-    /// Created at or after.
-    pub since: Option<DateTime<Utc>>,
-    /// Created before.
-    pub until: Option<DateTime<Utc>>,
-}
-
-/// Where a published event stands in publication order: the keyset for paging through
-/// [`PostgresOutboxStore::published_events`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-#[non_exhaustive]
-pub struct PublishedPosition {
-    /// When the event was marked published (`finished_at`, the publication time).
-    pub published_at: DateTime<Utc>,
-    /// Row id (ties).
-    pub id: i64,
-}
-
-/// A published event and where the broker stored it.
-#[derive(Clone, Debug)]
-#[non_exhaustive]
-pub struct PublishedRow {
-    /// Its place in publication order (ascending: the order the events were published, so
-    /// each aggregate's versions in the order its consumers first received them).
-    pub position: PublishedPosition,
-    /// The event.
-    pub envelope: Envelope,
-    /// The acknowledgement recorded on publish.
-    pub ack: AckMetadata,
-}
-
-/// Counts of one interval and event type.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct IntervalCount {
-    /// Start of the interval.
-    pub start: DateTime<Utc>,
-    /// Event type.
-    pub event_type: String,
-    /// Events created in the interval (still retained).
-    pub events: u64,
-    /// Of those, published with the broker's offset recorded.
-    pub published: u64,
-    /// Of those, not yet published (pending) and older than the grace.
-    pub overdue: u64,
-    /// Of those, parked.
-    pub parked: u64,
-    /// Of those, discarded by an operator.
-    pub discarded: u64,
-}
-
-impl IntervalCount {
-    /// An interval with no events (for an event type expected there).
-    pub fn zero(start: DateTime<Utc>, event_type: impl Into<String>) -> Self {
-        Self {
-            start,
-            event_type: event_type.into(),
-            events: 0,
-            published: 0,
-            overdue: 0,
-            parked: 0,
-            discarded: 0,
-        }
-    }
-}
 
 /// A topic's facts as a relay recorded them.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -209,14 +119,13 @@ impl PostgresOutboxStore {
         .fetch_one(&self.inner.pool)
         .await
         .map_err(db)?;
-        let s = LatencySummary {
-            count: row.try_get::<i64, _>("n").map_err(db)?.max(0) as u64,
-            p50: row.try_get("p50").map_err(db)?,
-            p90: row.try_get("p90").map_err(db)?,
-            p99: row.try_get("p99").map_err(db)?,
-            max: row.try_get("mx").map_err(db)?,
-            created: row.try_get::<i64, _>("created").map_err(db)?.max(0) as u64,
-        };
+        let mut s = LatencySummary::default();
+        s.count = row.try_get::<i64, _>("n").map_err(db)?.max(0) as u64;
+        s.p50 = row.try_get("p50").map_err(db)?;
+        s.p90 = row.try_get("p90").map_err(db)?;
+        s.p99 = row.try_get("p99").map_err(db)?;
+        s.max = row.try_get("mx").map_err(db)?;
+        s.created = row.try_get::<i64, _>("created").map_err(db)?.max(0) as u64;
         Ok(s)
     }
 
@@ -287,25 +196,25 @@ impl PostgresOutboxStore {
         .bind(filter.since)
         .bind(filter.until)
         .bind(after.map(|p| p.published_at))
-        .bind(after.map_or(0, |p| p.id))
+        .bind(after.map_or(0, |p| p.seq))
         .bind(limit.clamp(1, 100_000) as i64)
         .fetch_all(&self.inner.pool)
         .await
         .map_err(db)?;
         rows.iter()
             .map(|r| {
-                Ok(PublishedRow {
-                    position: PublishedPosition {
-                        published_at: r.try_get("finished_at").map_err(db)?,
-                        id: r.try_get("id").map_err(db)?,
-                    },
-                    envelope: envelope_from_row(r)?,
-                    ack: AckMetadata {
+                Ok(PublishedRow::new(
+                    PublishedPosition::new(
+                        r.try_get("finished_at").map_err(db)?,
+                        r.try_get("id").map_err(db)?,
+                    ),
+                    envelope_from_row(r)?,
+                    AckMetadata {
                         topic: r.try_get("ack_topic").map_err(db)?,
                         partition: r.try_get("ack_partition").map_err(db)?,
                         offset: r.try_get("ack_offset").map_err(db)?,
                     },
-                })
+                ))
             })
             .collect()
     }
@@ -348,15 +257,16 @@ impl PostgresOutboxStore {
         };
         rows.iter()
             .map(|r| {
-                Ok(IntervalCount {
-                    start: r.try_get("start").map_err(db)?,
-                    event_type: r.try_get("event_type").map_err(db)?,
-                    events: n(r, "events")?,
-                    published: n(r, "published")?,
-                    overdue: n(r, "overdue")?,
-                    parked: n(r, "parked")?,
-                    discarded: n(r, "discarded")?,
-                })
+                let mut c = IntervalCount::zero(
+                    r.try_get("start").map_err(db)?,
+                    r.try_get::<String, _>("event_type").map_err(db)?,
+                );
+                c.events = n(r, "events")?;
+                c.published = n(r, "published")?;
+                c.overdue = n(r, "overdue")?;
+                c.parked = n(r, "parked")?;
+                c.discarded = n(r, "discarded")?;
+                Ok(c)
             })
             .collect()
     }
@@ -453,5 +363,59 @@ impl PostgresOutboxStore {
             Err(e) => return Err(e),
         }
         Ok(extra)
+    }
+}
+
+/// The reporting role over the reads above (the inherent methods stay for callers that name
+/// this store).
+#[outbox_core::async_trait]
+impl outbox_core::ReportingStore for PostgresOutboxStore {
+    async fn backlog(&self) -> Result<outbox_core::OutboxStats, StoreError> {
+        outbox_core::MaintenanceStore::stats(self).await
+    }
+    async fn publish_latency(&self, window: Duration) -> Result<LatencySummary, StoreError> {
+        PostgresOutboxStore::publish_latency(self, window).await
+    }
+    async fn cleanup_candidates(&self, retention: Duration) -> Result<u64, StoreError> {
+        PostgresOutboxStore::cleanup_candidates(self, retention).await
+    }
+    async fn count_published(&self, filter: &PublishedFilter) -> Result<u64, StoreError> {
+        PostgresOutboxStore::count_published(self, filter).await
+    }
+    async fn published_events(
+        &self,
+        filter: &PublishedFilter,
+        after: Option<PublishedPosition>,
+        limit: usize,
+    ) -> Result<Vec<PublishedRow>, StoreError> {
+        PostgresOutboxStore::published_events(self, filter, after, limit).await
+    }
+    async fn interval_counts(
+        &self,
+        since: DateTime<Utc>,
+        interval: Duration,
+        grace: Duration,
+    ) -> Result<Vec<IntervalCount>, StoreError> {
+        PostgresOutboxStore::interval_counts(self, since, interval, grace).await
+    }
+    async fn published_ids(
+        &self,
+        event_type: &str,
+        start: DateTime<Utc>,
+        end: DateTime<Utc>,
+        topics: &[String],
+        grace: Duration,
+    ) -> Result<Vec<outbox_core::PublishedId>, StoreError> {
+        let ids =
+            PostgresOutboxStore::published_ids(self, event_type, start, end, topics, grace).await?;
+        Ok(ids
+            .into_iter()
+            .map(|(id, original)| {
+                outbox_core::PublishedId::new(
+                    outbox_core::EventId::from_uuid(id),
+                    original.map(outbox_core::EventId::from_uuid),
+                )
+            })
+            .collect())
     }
 }

@@ -18,10 +18,10 @@ use std::time::{Duration, Instant};
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
+use outbox_core::prelude::*;
 use outbox_core::{
     async_trait, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, CleanupReport,
-    CompletionReport, Envelope, EventId, OutboxStats, OutboxStore, Outcome, ParkedEvent,
-    StoreError,
+    CompletionReport, Envelope, EventId, OutboxStats, Outcome, ParkedEvent, StoreError,
 };
 
 pub use admin::{
@@ -118,13 +118,16 @@ impl PostgresOutboxStore {
 }
 
 #[async_trait]
-impl OutboxStore for PostgresOutboxStore {
+impl AppendStore for PostgresOutboxStore {
     type Tx = PgConnection;
 
     async fn append(&self, tx: &mut PgConnection, events: &[Envelope]) -> Result<(), StoreError> {
         self.append_many(&mut *tx, events).await
     }
+}
 
+#[async_trait]
+impl RelayStore for PostgresOutboxStore {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
         self.claim_gated(request).await
     }
@@ -141,6 +144,18 @@ impl OutboxStore for PostgresOutboxStore {
         self.release_inner(claim).await
     }
 
+    fn claim_mode(&self) -> ClaimMode {
+        self.inner.settings.claim_mode
+    }
+
+    fn locked_claim_timeout(&self) -> Option<Duration> {
+        (self.inner.settings.claim_mode == ClaimMode::LockedTransaction)
+            .then_some(self.inner.settings.locked_max_hold)
+    }
+}
+
+#[async_trait]
+impl OperatorStore for PostgresOutboxStore {
     async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedEvent>, StoreError> {
         self.list_parked_inner(limit).await
     }
@@ -175,6 +190,13 @@ impl OutboxStore for PostgresOutboxStore {
         self.audit_trail_inner(event_id).await
     }
 
+    async fn release_claims_of(&self, owner: &str, actor: &str) -> Result<u64, StoreError> {
+        self.release_claims_of_inner(owner, actor).await
+    }
+}
+
+#[async_trait]
+impl MaintenanceStore for PostgresOutboxStore {
     async fn cleanup(
         &self,
         retention: Duration,
@@ -185,18 +207,5 @@ impl OutboxStore for PostgresOutboxStore {
 
     async fn stats(&self) -> Result<OutboxStats, StoreError> {
         self.stats_inner().await
-    }
-
-    async fn release_claims_of(&self, owner: &str, actor: &str) -> Result<u64, StoreError> {
-        self.release_claims_of_inner(owner, actor).await
-    }
-
-    fn claim_mode(&self) -> ClaimMode {
-        self.inner.settings.claim_mode
-    }
-
-    fn locked_claim_timeout(&self) -> Option<Duration> {
-        (self.inner.settings.claim_mode == ClaimMode::LockedTransaction)
-            .then_some(self.inner.settings.locked_max_hold)
     }
 }

@@ -3,9 +3,10 @@
 
 use std::time::Duration;
 
+use outbox_core::prelude::*;
 use outbox_core::{
-    AckMetadata, ClaimMode, ClaimRequest, ClaimedBatch, Envelope, ErrorClass, LastError,
-    OutboxStore, Outcome, ParkKind, ParkReason,
+    AckMetadata, ClaimMode, ClaimRequest, ClaimedBatch, Envelope, ErrorClass, LastError, Outcome,
+    ParkKind, ParkReason,
 };
 use outbox_postgres::{PostgresInboxStore, PostgresOutboxStore};
 use sqlx::postgres::PgPoolOptions;

@@ -42,14 +42,20 @@
 //! [`PublisherHarness`], a [`MessageSource`] runs
 //! [`source_conformance_tests!`](crate::source_conformance_tests) through a [`SourceHarness`]
 //! (outbox-kafka runs both against a real broker).
+//!
+//! A store that implements [`outbox_core::ReportingStore`] also runs
+//! [`reporting_conformance_tests!`](crate::reporting_conformance_tests) with its
+//! [`OutboxHarness`] ([`REPORTING_CHECKS`]; the in-memory store, outbox-postgres and
+//! outbox-mysql do), so the `outbox` command reads the same answers from every store.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use outbox_core::prelude::*;
 use outbox_core::{
     async_trait, AckMetadata, ClaimHandle, ClaimMode, Envelope, EventId, InboxParking,
-    MessageSource, OutboxStore, Publisher, RecordHeader, StoreError,
+    MessageSource, Publisher, RecordHeader, StoreError,
 };
 
 use crate::{
@@ -59,6 +65,7 @@ use crate::{
 pub mod inbox;
 pub mod outbox;
 pub mod publisher;
+pub mod reporting;
 pub mod source;
 
 /// What a backend can do, for the checks that depend on it.
@@ -185,17 +192,23 @@ pub trait OutboxHarness: Send + Sync {
         );
     }
 
-    /// Begins a business transaction for [`OutboxStore::append`].
-    async fn begin(&self) -> <Self::Store as OutboxStore>::Tx;
+    /// Begins a business transaction for [`AppendStore::append`].
+    async fn begin(&self) -> <Self::Store as AppendStore>::Tx;
 
     /// Commits a transaction.
-    async fn commit(&self, tx: <Self::Store as OutboxStore>::Tx) -> Result<(), StoreError>;
+    async fn commit(&self, tx: <Self::Store as AppendStore>::Tx) -> Result<(), StoreError>;
 
     /// Rolls a transaction back.
-    async fn rollback(&self, tx: <Self::Store as OutboxStore>::Tx);
+    async fn rollback(&self, tx: <Self::Store as AppendStore>::Tx);
 
     /// Lets `by` pass on the store's clock (virtual time: at once; real time: sleeps).
     async fn advance(&self, by: Duration);
+
+    /// The store's clock now, to place events in time (default: the system clock, which a
+    /// database on the same machine shares).
+    async fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        chrono::Utc::now()
+    }
 
     /// Models the crash of the relay holding `claim` in `LockedTransaction` mode: its
     /// connection drops and its locks go. Returns `false` if the harness cannot do that (the
@@ -589,6 +602,10 @@ impl OutboxHarness for MemoryOutboxHarness {
         self.clock.advance(by);
     }
 
+    async fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        outbox_core::Clock::now(&self.clock)
+    }
+
     async fn abandon(&self, store: &MemoryOutboxStore, claim: &ClaimHandle) -> bool {
         store.abandon(claim);
         true
@@ -756,6 +773,53 @@ pub const INBOX_CHECKS: &[&str] = &[
     "parked_messages_resolve_in_release_order_and_are_audited",
     "release_and_waiting_park_serialize",
 ];
+
+/// The names of the reporting checks (module [`reporting`]).
+pub const REPORTING_CHECKS: &[&str] = &[
+    "backlog_is_the_monitoring_snapshot",
+    "publish_latency_percentiles_over_a_window",
+    "published_events_come_in_publication_order_and_page_by_position",
+    "cleanup_candidates_count_what_a_cleanup_removes",
+    "interval_counts_per_interval_and_event_type",
+    "published_ids_name_the_original_of_a_copy",
+];
+
+/// Emits one named test per reporting check (see [`REPORTING_CHECKS`]) from a setup
+/// expression: an expression evaluating to a future that yields an [`OutboxHarness`] whose
+/// store implements [`outbox_core::ReportingStore`], evaluated once per test.
+///
+/// ```
+/// mod suite {
+///     outbox_testkit::reporting_conformance_tests!(async {
+///         outbox_testkit::conformance::MemoryOutboxHarness::new()
+///     });
+/// }
+/// # fn main() {}
+/// ```
+#[macro_export]
+macro_rules! reporting_conformance_tests {
+    ($setup:expr) => {
+        $crate::reporting_conformance_tests!(@emit ($setup)
+            backlog_is_the_monitoring_snapshot,
+            publish_latency_percentiles_over_a_window,
+            published_events_come_in_publication_order_and_page_by_position,
+            cleanup_candidates_count_what_a_cleanup_removes,
+            interval_counts_per_interval_and_event_type,
+            published_ids_name_the_original_of_a_copy,
+        );
+    };
+    (@emit ($setup:expr) $($check:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $check() {
+                $crate::conformance::run(async {
+                    let harness = $setup.await;
+                    $crate::conformance::reporting::$check(&harness).await;
+                });
+            }
+        )*
+    };
+}
 
 /// Emits one named test per outbox check (see [`OUTBOX_CHECKS`]) from a setup expression: an
 /// expression evaluating to a future that yields an [`OutboxHarness`], evaluated once per test.

@@ -3,9 +3,10 @@
 
 use std::collections::BTreeSet;
 
+use outbox_core::prelude::*;
 use outbox_core::{
     AckMetadata, ClaimMode, ClaimRequest, ClaimedBatch, Classify, Envelope, ErrorClass, EventId,
-    LastError, OperatorAction, OutboxStore, Outcome, ParkKind, ParkReason, StoreErrorKind,
+    LastError, OperatorAction, Outcome, ParkKind, ParkReason, StoreErrorKind,
 };
 
 use super::{event, not_applicable, unique, OutboxHarness};

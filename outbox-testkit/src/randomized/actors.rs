@@ -4,9 +4,10 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use outbox_core::prelude::*;
 use outbox_core::{
-    ClaimMode, Envelope, EventId, OutboxStore, Relay, RelayConfig, RetryPolicy, ShutdownSignal,
-    StoreErrorKind, SystemClock,
+    ClaimMode, Envelope, EventId, Relay, RelayConfig, RetryPolicy, ShutdownSignal, StoreErrorKind,
+    SystemClock,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

@@ -56,9 +56,8 @@ use std::io::Write as _;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outbox_core::{
-    async_trait, ClaimMode, DeliveryStatus, Envelope, EventId, OutboxStore, StoreError,
-};
+use outbox_core::prelude::*;
+use outbox_core::{async_trait, ClaimMode, DeliveryStatus, Envelope, EventId, StoreError};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 

@@ -4,9 +4,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use outbox_core::prelude::*;
 use outbox_core::{
-    async_trait, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, CleanupReport,
-    CompletionReport, Envelope, EventId, OutboxStats, OutboxStore, Outcome, ParkedEvent,
+    async_trait, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, CompletionReport, Outcome,
     StoreError,
 };
 
@@ -21,13 +21,7 @@ pub(crate) struct Recorded<S> {
 }
 
 #[async_trait]
-impl<S: OutboxStore> OutboxStore for Recorded<S> {
-    type Tx = S::Tx;
-
-    async fn append(&self, tx: &mut S::Tx, events: &[Envelope]) -> Result<(), StoreError> {
-        OutboxStore::append(&self.inner, tx, events).await
-    }
-
+impl<S: RelayStore> RelayStore for Recorded<S> {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
         let before = Instant::now();
         let batch = self.inner.claim(request).await?;
@@ -65,56 +59,6 @@ impl<S: OutboxStore> OutboxStore for Recorded<S> {
         self.inner.release(claim).await
     }
 
-    async fn list_parked(&self, limit: usize) -> Result<Vec<ParkedEvent>, StoreError> {
-        self.inner.list_parked(limit).await
-    }
-
-    async fn parked_event(&self, event_id: EventId) -> Result<ParkedEvent, StoreError> {
-        self.inner.parked_event(event_id).await
-    }
-
-    async fn retry_parked(&self, event_id: EventId, actor: &str) -> Result<(), StoreError> {
-        self.inner.retry_parked(event_id, actor).await
-    }
-
-    async fn discard_parked(
-        &self,
-        event_id: EventId,
-        actor: &str,
-        reason: &str,
-    ) -> Result<(), StoreError> {
-        self.inner.discard_parked(event_id, actor, reason).await
-    }
-
-    async fn reissue_parked(
-        &self,
-        event_id: EventId,
-        actor: &str,
-        reason: &str,
-    ) -> Result<EventId, StoreError> {
-        self.inner.reissue_parked(event_id, actor, reason).await
-    }
-
-    async fn audit_trail(&self, event_id: Option<EventId>) -> Result<Vec<AuditEntry>, StoreError> {
-        self.inner.audit_trail(event_id).await
-    }
-
-    async fn cleanup(
-        &self,
-        retention: Duration,
-        batch_size: usize,
-    ) -> Result<CleanupReport, StoreError> {
-        self.inner.cleanup(retention, batch_size).await
-    }
-
-    async fn stats(&self) -> Result<OutboxStats, StoreError> {
-        self.inner.stats().await
-    }
-
-    async fn release_claims_of(&self, owner: &str, actor: &str) -> Result<u64, StoreError> {
-        self.inner.release_claims_of(owner, actor).await
-    }
-
     fn claim_mode(&self) -> ClaimMode {
         self.inner.claim_mode()
     }
@@ -123,3 +67,5 @@ impl<S: OutboxStore> OutboxStore for Recorded<S> {
         self.inner.locked_claim_timeout()
     }
 }
+
+outbox_core::forward_store_roles!(Recorded<S>.inner => append, operator, maintenance, reporting);
