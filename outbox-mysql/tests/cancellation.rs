@@ -89,7 +89,7 @@ async fn an_inbox_begin_cancelled_leaves_no_open_transaction_on_the_pool() {
 /// the pooled connection usable, with no transaction open and the server's `wait_timeout`.
 #[tokio::test]
 async fn an_outbox_claim_cancelled_while_it_begins_leaves_the_pool_clean() {
-    use outbox_core::{ClaimMode, ClaimRequest, OutboxStore};
+    use outbox_core::{ClaimMode, ClaimRequest, RelayStore};
     let ctx = ctx!(2);
     let pool = one_connection().await;
     let default_wait: u64 = sqlx::query_scalar("SELECT @@GLOBAL.wait_timeout")
