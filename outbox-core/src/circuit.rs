@@ -98,6 +98,17 @@ impl CircuitBreaker {
         None
     }
 
+    /// Closes the breaker without an acknowledgement of its own, when the caller learned
+    /// otherwise that the transport answers again (the relay does so while it has nothing to
+    /// send and another relay of the process had a record acknowledged since this relay last
+    /// failed). Reports [`CircuitChange::Closed`] if it was open.
+    pub fn close(&mut self, now: DateTime<Utc>) -> Option<CircuitChange> {
+        self.failures = 0;
+        self.open_since.take().map(|since| CircuitChange::Closed {
+            open_for: (now - since).to_std().unwrap_or_default(),
+        })
+    }
+
     /// While open: how long to pause before the next cycle, uniform in `[c/2, c]` where
     /// `c = min(max, base * 2^(failures-1))` (jittered so that relays that failed together do
     /// not probe together, never shorter than half the ceiling so a pause is a pause).
@@ -147,6 +158,24 @@ mod tests {
         );
         assert!(!b.is_open());
         assert_eq!(b.failures(), 0);
+    }
+
+    #[test]
+    fn close_reports_only_an_open_breaker_and_resets_the_pauses() {
+        let mut b = CircuitBreaker::new(Duration::from_millis(100), Duration::from_secs(2));
+        assert_eq!(b.close(t(0)), None, "closed stays closed");
+        b.on_cycle(0, 1, t(1));
+        b.on_cycle(0, 1, t(2));
+        assert_eq!(
+            b.close(t(4)),
+            Some(CircuitChange::Closed {
+                open_for: Duration::from_secs(3)
+            })
+        );
+        assert!(!b.is_open());
+        assert_eq!(b.failures(), 0);
+        assert_eq!(b.close(t(5)), None, "reported once");
+        assert_eq!(b.on_cycle(0, 1, t(6)), Some(CircuitChange::Opened));
     }
 
     #[test]

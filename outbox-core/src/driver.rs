@@ -3,7 +3,9 @@
 //! Loops over [`Relay::run_once`]: right after a cycle that found work, sleeps with jittered,
 //! growing backoff after an idle one, and wakes early when the wake-up hook fires (e.g. a
 //! PostgreSQL `NOTIFY` after a commit). While the relay's circuit breaker is open (the
-//! transport fails as a whole) it waits for the breaker's pause instead. Shutdown finishes the batch in flight (bounded by the
+//! transport fails as a whole) it waits for the breaker's pause instead; a relay with nothing to
+//! send closes its breaker once another relay of the process is acknowledged again
+//! ([`crate::telemetry`], circuit gauge). Shutdown finishes the batch in flight (bounded by the
 //! publisher's delivery timeout) and releases a batch claimed but not yet sent.
 //!
 //! ```no_run

@@ -238,6 +238,44 @@ pub struct Relay<S, P> {
     /// A batch claimed ahead by the previous cycle, with the relay clock before its claim.
     prefetched: Option<(ClaimedBatch, chrono::DateTime<chrono::Utc>)>,
     breaker: CircuitBreaker,
+    gauge: CircuitMember,
+}
+
+/// A relay's share of the `outbox_relay_circuit_open` gauge: counted in its tally while the
+/// relay's breaker is open, and no longer once the relay is dropped.
+#[derive(Debug)]
+struct CircuitMember {
+    tally: telemetry::CircuitTally,
+    counted: bool,
+    /// The tally's acknowledgements when this relay's last cycle failed as a whole.
+    acks_at_failure: u64,
+}
+
+impl CircuitMember {
+    fn new(tally: telemetry::CircuitTally) -> Self {
+        Self {
+            tally,
+            counted: false,
+            acks_at_failure: 0,
+        }
+    }
+
+    fn set_open(&mut self, open: bool) {
+        if open != self.counted {
+            self.counted = open;
+            if open {
+                self.tally.opened();
+            } else {
+                self.tally.closed();
+            }
+        }
+    }
+}
+
+impl Drop for CircuitMember {
+    fn drop(&mut self) {
+        self.set_open(false);
+    }
 }
 
 impl<S, P> std::fmt::Debug for Relay<S, P> {
@@ -317,6 +355,7 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
             shutdown: ShutdownSignal::default(),
             prefetched: None,
             breaker,
+            gauge: CircuitMember::new(telemetry::CircuitTally::process()),
         })
     }
 
@@ -338,6 +377,15 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
     /// A handle to request shutdown.
     pub fn shutdown_signal(&self) -> ShutdownSignal {
         self.shutdown.clone()
+    }
+
+    /// Shares the circuit gauge with the relays holding `tally` instead of the process.
+    #[cfg(test)]
+    pub(crate) fn with_circuit_tally(mut self, tally: telemetry::CircuitTally) -> Self {
+        self.gauge.set_open(false);
+        self.gauge = CircuitMember::new(tally);
+        self.gauge.set_open(self.breaker.is_open());
+        self
     }
 
     /// The circuit breaker (open while the transport fails as a whole).
@@ -408,6 +456,7 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         };
         self.note_claim(&batch, &mut report);
         if batch.is_empty() {
+            self.note_idle_circuit();
             report.pause = self.breaker.pause(&mut self.rng);
             return Ok(report);
         }
@@ -552,16 +601,37 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         kinds: &[&str],
         now: chrono::DateTime<chrono::Utc>,
     ) {
+        if acknowledged > 0 {
+            self.gauge.tally.note_acknowledged();
+        } else if transport_failures > 0 {
+            self.gauge.acks_at_failure = self.gauge.tally.acknowledgements();
+        }
         match self.breaker.on_cycle(acknowledged, transport_failures, now) {
             Some(CircuitChange::Opened) => {
-                telemetry::record_circuit(true);
+                self.gauge.set_open(true);
                 warn!(owner = %self.config.owner, failed = transport_failures, kinds = ?kinds, "the transport failed for the whole batch (broker down, topic or leader missing?); pausing publication with growing backoff, no attempts spent");
             }
             Some(CircuitChange::Closed { open_for }) => {
-                telemetry::record_circuit(false);
+                self.gauge.set_open(false);
                 info!(owner = %self.config.owner, open_for_ms = open_for.as_millis() as u64, "the broker acknowledges again; publication resumed");
             }
             None => {}
+        }
+    }
+
+    /// A cycle with nothing to send never tries the broker, so an open breaker would stay open
+    /// (and counted in `outbox_relay_circuit_open`) until work arrives. It closes instead when
+    /// another relay sharing the gauge had a record acknowledged since this relay last failed:
+    /// the transport answers again.
+    fn note_idle_circuit(&mut self) {
+        if !self.breaker.is_open()
+            || self.gauge.tally.acknowledgements() == self.gauge.acks_at_failure
+        {
+            return;
+        }
+        if let Some(CircuitChange::Closed { open_for }) = self.breaker.close(self.clock.now()) {
+            self.gauge.set_open(false);
+            info!(owner = %self.config.owner, open_for_ms = open_for.as_millis() as u64, "another relay's records are acknowledged again and this one has nothing to send; circuit closed");
         }
     }
 

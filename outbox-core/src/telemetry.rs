@@ -9,8 +9,8 @@
 //! | `outbox_parked_total` | counter | `kind` | events parked (by a failed publication, or by a claim for their version: `out_of_order`, `version_gap`) |
 //! | `outbox_version_gaps_held` | gauge | | aggregates whose head skips a version and is held (from [`record_stats`]) |
 //! | `outbox_gap_held` | gauge | | unpublished events of those aggregates (the held head and the events after it) |
-//! | `outbox_relay_circuit_open` | gauge | | 1 while the relay pauses because the transport fails as a whole |
-//! | `outbox_relay_circuit_opened_total` | counter | | times the circuit breaker opened |
+//! | `outbox_relay_circuit_open` | gauge | | 1 while the circuit breaker of at least one relay of the process is open (it pauses because the transport failed as a whole); see [Circuit gauge](#circuit-gauge) |
+//! | `outbox_relay_circuit_opened_total` | counter | | times a relay's circuit breaker opened (each relay of the process counts its own) |
 //! | `outbox_superseded_total` | counter | | outcomes refused by lease fencing |
 //! | `outbox_publish_latency_seconds` | histogram | | created-to-acknowledged latency |
 //! | `outbox_relay_batch_size` | histogram | | events per claimed batch |
@@ -26,7 +26,21 @@
 //! | `outbox_backlog_forecast_seconds` | gauge | | time until the backlog reaches its configured capacity at the current rate (-1: not growing) |
 //! | `outbox_backpressure_refused_total` | counter | | non-critical events refused by backpressure |
 //! | `outbox_inbox_processed_total` | counter | `consumer`, `result` | consumer outcomes (`applied`, `duplicate`, `failed`, `parked`) |
+//!
+//! # Circuit gauge
+//!
+//! Every relay has its own circuit breaker ([`crate::circuit`]); several relays in one process
+//! (`outbox relay --workers N`) share one unlabelled `outbox_relay_circuit_open`, which counts
+//! the open breakers and reads 1 while any is open, 0 when none is (no `worker` label: one
+//! series per process whatever the number of workers). A relay that is dropped no longer
+//! counts. A relay with nothing to send never tries the broker, so its breaker would stay open
+//! after the broker returns; it closes on its next empty cycle once another relay of the
+//! process had a record acknowledged since this relay last failed. A relay alone in its process
+//! (or whose fellow relays have nothing to send either) learns it only from its own next
+//! publication: with no events to publish, the gauge stays at 1 until one is acknowledged.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -88,11 +102,52 @@ pub(crate) fn record_parked_kind(kind: ParkKind) {
     metrics::counter!("outbox_parked_total", "kind" => kind.as_str()).increment(1);
 }
 
-pub(crate) fn record_circuit(open: bool) {
-    if open {
-        metrics::counter!("outbox_relay_circuit_opened_total").increment(1);
+/// The relays that share one `outbox_relay_circuit_open` gauge (all the relays of a process,
+/// [`CircuitTally::process`], unless a test gives them their own): it reads 1 while the breaker
+/// of at least one of them is open. Each relay writes it only when its own breaker changes, so
+/// it is set from the count, under the lock, never from one relay's state alone.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct CircuitTally(Arc<TallyState>);
+
+#[derive(Debug, Default)]
+struct TallyState {
+    /// Relays whose breaker is open.
+    open: Mutex<usize>,
+    /// Cycles, of any relay sharing the tally, in which the broker acknowledged a record.
+    acknowledged: AtomicU64,
+}
+
+impl CircuitTally {
+    /// The tally of the process.
+    pub(crate) fn process() -> Self {
+        static PROCESS: OnceLock<CircuitTally> = OnceLock::new();
+        PROCESS.get_or_init(Self::default).clone()
     }
-    metrics::gauge!("outbox_relay_circuit_open").set(if open { 1.0 } else { 0.0 });
+
+    /// One more breaker opened.
+    pub(crate) fn opened(&self) {
+        let mut open = self.0.open.lock().unwrap_or_else(PoisonError::into_inner);
+        *open += 1;
+        metrics::counter!("outbox_relay_circuit_opened_total").increment(1);
+        metrics::gauge!("outbox_relay_circuit_open").set(1.0);
+    }
+
+    /// A breaker counted by [`Self::opened`] closed (or its relay went away).
+    pub(crate) fn closed(&self) {
+        let mut open = self.0.open.lock().unwrap_or_else(PoisonError::into_inner);
+        *open = open.saturating_sub(1);
+        metrics::gauge!("outbox_relay_circuit_open").set(if *open > 0 { 1.0 } else { 0.0 });
+    }
+
+    /// A relay's cycle had a record acknowledged: the transport answers.
+    pub(crate) fn note_acknowledged(&self) {
+        self.0.acknowledged.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many cycles had an acknowledgement so far (compared, never interpreted).
+    pub(crate) fn acknowledgements(&self) -> u64 {
+        self.0.acknowledged.load(Ordering::Relaxed)
+    }
 }
 
 pub(crate) fn record_superseded(n: usize) {
@@ -273,15 +328,31 @@ mod tests {
 
     #[test]
     fn circuit_superseded_and_cycle() {
-        let s = recorded(|| record_circuit(true));
+        let tally = CircuitTally::default();
+        let s = recorded(|| tally.opened());
         assert!(
             s.contains(&counter("outbox_relay_circuit_opened_total", &[], 1)),
             "{s:?}"
         );
         assert_eq!(gauges(&s), [("outbox_relay_circuit_open".to_owned(), 1.0)]);
-        let s = recorded(|| record_circuit(false));
+        // Two open, one closes: still open; the other closes: closed.
+        let s = recorded(|| {
+            tally.opened();
+            tally.closed();
+        });
+        assert_eq!(gauges(&s), [("outbox_relay_circuit_open".to_owned(), 1.0)]);
+        let s = recorded(|| tally.closed());
         assert_eq!(gauges(&s), [("outbox_relay_circuit_open".to_owned(), 0.0)]);
         assert_eq!(s.len(), 1, "closing counts nothing: {s:?}");
+        let s = recorded(|| tally.closed());
+        assert_eq!(
+            gauges(&s),
+            [("outbox_relay_circuit_open".to_owned(), 0.0)],
+            "an extra close never goes below zero"
+        );
+        assert_eq!(tally.acknowledgements(), 0);
+        tally.clone().note_acknowledged();
+        assert_eq!(tally.acknowledgements(), 1, "clones share the tally");
         let s = recorded(|| record_superseded(3));
         assert_eq!(s, [counter("outbox_superseded_total", &[], 3)]);
         let s = recorded(|| record_cycle(7, Duration::from_millis(250)));

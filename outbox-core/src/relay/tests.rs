@@ -816,3 +816,187 @@ fn superseded_outcomes_are_not_published_and_are_counted_in_their_metric() {
     assert_eq!(run(true), ((2, 1), vec![DebugValue::Counter(1)]));
     assert_eq!(run(false), ((3, 0), Vec::<DebugValue>::new()));
 }
+
+/// A recorder that keeps the last value of each gauge and the total of each counter (the
+/// debugging recorder's snapshots reset them), by name.
+#[derive(Clone, Default)]
+struct Latest(Arc<Mutex<std::collections::HashMap<String, f64>>>);
+
+struct LatestCell(Latest, String);
+
+impl metrics::GaugeFn for LatestCell {
+    fn increment(&self, v: f64) {
+        *(self.0)
+            .0
+            .lock()
+            .unwrap()
+            .entry(self.1.clone())
+            .or_default() += v;
+    }
+    fn decrement(&self, v: f64) {
+        self.increment(-v);
+    }
+    fn set(&self, v: f64) {
+        (self.0).0.lock().unwrap().insert(self.1.clone(), v);
+    }
+}
+
+impl metrics::CounterFn for LatestCell {
+    fn increment(&self, v: u64) {
+        metrics::GaugeFn::increment(self, v as f64);
+    }
+    fn absolute(&self, v: u64) {
+        metrics::GaugeFn::set(self, v as f64);
+    }
+}
+
+impl metrics::Recorder for Latest {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        metrics::Counter::from_arc(Arc::new(LatestCell(self.clone(), key.name().to_owned())))
+    }
+    fn register_gauge(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::from_arc(Arc::new(LatestCell(self.clone(), key.name().to_owned())))
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+impl Latest {
+    fn get(&self, name: &str) -> Option<f64> {
+        self.0.lock().unwrap().get(name).copied()
+    }
+}
+
+/// The last value of `outbox_relay_circuit_open`.
+fn circuit_gauge(s: &Latest) -> f64 {
+    s.get("outbox_relay_circuit_open")
+        .expect("the gauge was written")
+}
+
+fn add_pending(r: &Relay<FakeStore, MockPub>, agg: &str, v: i64) {
+    r.store()
+        .rows
+        .lock()
+        .unwrap()
+        .push((ev(agg, v), St::Pending, 0));
+}
+
+/// Another worker published the relay's records: it has nothing left to send.
+fn drain(r: &Relay<FakeStore, MockPub>) {
+    for row in r.store().rows.lock().unwrap().iter_mut() {
+        row.1 = St::Published;
+    }
+}
+
+#[test]
+fn the_circuit_gauge_says_whether_any_relay_sharing_it_is_open() {
+    let tally = telemetry::CircuitTally::default();
+    let ack_all = |b: &[&Envelope]| (0..b.len() as i64).map(ack).collect();
+    let fail = || failing(PublishErrorKind::BrokerUnavailable);
+    let mut pa = MockPub::new();
+    pa.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    let mut seq = mockall::Sequence::new();
+    for ok in [false, false, false, true] {
+        let call = pa.expect_publish().times(1).in_sequence(&mut seq);
+        if ok {
+            call.returning(ack_all);
+        } else {
+            call.returning(fail());
+        }
+    }
+    let mut pb = MockPub::new();
+    pb.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    let mut seq = mockall::Sequence::new();
+    for ok in [true, false, true] {
+        let call = pb.expect_publish().times(1).in_sequence(&mut seq);
+        if ok {
+            call.returning(ack_all);
+        } else {
+            call.returning(fail());
+        }
+    }
+    let mut a = relay(FakeStore::with(&[("a", 1)]), pa).with_circuit_tally(tally.clone());
+    let mut b = relay(FakeStore::with(&[("b", 1)]), pb).with_circuit_tally(tally.clone());
+    let s = Latest::default();
+    metrics::with_local_recorder(&s, || {
+        // The broker fails while `a` has work and `b` has none yet: `a` opens.
+        assert!(block_on(a.run_once()).unwrap().pause.is_some());
+        assert_eq!(circuit_gauge(&s), 1.0);
+        // It comes back; `b` publishes everything (its own record and, say, `a`'s), and `a`
+        // is left idle with its breaker open. An idle relay never tries the broker, so it
+        // learns from `b`'s acknowledgement that the transport answers again.
+        drain(&a);
+        assert_eq!(block_on(b.run_once()).unwrap().published, 1);
+        let idle = block_on(a.run_once()).unwrap();
+        assert!(idle.is_idle());
+        assert_eq!(idle.pause, None, "the idle relay closes and polls normally");
+        assert!(!a.circuit().is_open());
+        assert_eq!(
+            circuit_gauge(&s),
+            0.0,
+            "stuck at 1 after the broker came back"
+        );
+
+        // Both open; `b` recovers first while `a` has not learned it yet: still open.
+        add_pending(&a, "a", 2);
+        add_pending(&b, "b", 2);
+        assert!(block_on(a.run_once()).unwrap().pause.is_some());
+        assert!(block_on(b.run_once()).unwrap().pause.is_some());
+        add_pending(&b, "b", 3);
+        assert_eq!(block_on(b.run_once()).unwrap().published, 1);
+        assert!(!b.circuit().is_open());
+        assert!(a.circuit().is_open());
+        assert_eq!(circuit_gauge(&s), 1.0, "one circuit is still open");
+        // `a` fails again after `b`'s acknowledgement: idle, it stays open (nothing since its
+        // own failure says the transport answers).
+        assert!(block_on(a.run_once()).unwrap().pause.is_some());
+        drain(&a);
+        assert!(block_on(a.run_once()).unwrap().pause.is_some());
+        assert!(a.circuit().is_open());
+        assert_eq!(circuit_gauge(&s), 1.0);
+        add_pending(&a, "a", 3);
+        assert_eq!(block_on(a.run_once()).unwrap().published, 1);
+        assert_eq!(circuit_gauge(&s), 0.0);
+
+        // A relay dropped with its circuit open no longer counts.
+        let mut pc = MockPub::new();
+        pc.expect_delivery_timeout()
+            .return_const(Duration::from_secs(5));
+        pc.expect_publish().times(1).returning(fail());
+        let mut c = relay(FakeStore::with(&[("c", 1)]), pc).with_circuit_tally(tally.clone());
+        assert!(block_on(c.run_once()).unwrap().pause.is_some());
+        assert_eq!(circuit_gauge(&s), 1.0);
+        drop(c);
+        assert_eq!(circuit_gauge(&s), 0.0);
+    });
+    let opened = s.get("outbox_relay_circuit_opened_total");
+    assert_eq!(opened, Some(4.0), "each opening once: a, a and b, c");
+}
