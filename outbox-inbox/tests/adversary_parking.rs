@@ -106,3 +106,82 @@ async fn a_stale_read_does_not_apply_behind_a_head_parked_meanwhile_hold() {
     )
     .await;
 }
+
+fn head_at(e: &outbox_core::Envelope, offset: i64) -> outbox_core::NewParkedMessage {
+    let record = outbox_core::ReceivedMessage::new(
+        outbox_core::LogPosition::new("t", 0, offset),
+        None,
+        Ok(e.clone()),
+    )
+    .to_record();
+    outbox_core::NewParkedMessage::new(
+        record,
+        outbox_core::ParkAs::Head(outbox_core::ParkKind::Unprocessable),
+        "fails",
+        1,
+    )
+}
+
+/// Attack: the record parked under an id of its position and content (its dedup id and scoped
+/// id both held by parked messages of other aggregates) is delivered again at the same offset
+/// (parked already) and at another offset after a rewind (parked again, waiting behind the
+/// first: kept twice). The operator retries the real event, then the foreign record's head:
+/// the foreign record is applied once, and its copy from the other offset is released as a
+/// duplicate, never applied a second time; the aggregate is unblocked.
+//
+// Held.
+#[tokio::test]
+async fn a_record_parked_by_content_twice_after_a_rewind_is_applied_once() {
+    use outbox_core::{InboxStore, Parking};
+    let ctx = ctx!("a_record_parked_by_content_twice_after_a_rewind_is_applied_once");
+    let inbox = ctx.inbox().await;
+    let h = Effects::new(&ctx);
+    let real = ev("a", 1);
+    let foreign = outbox_core::Envelope::builder("order", "b", 1, "order.changed")
+        .header(
+            outbox_core::wire::ORIGINAL_EVENT_ID,
+            real.event_id.to_string(),
+        )
+        .json(&serde_json::json!({ "v": 1 }))
+        .unwrap()
+        .build()
+        .unwrap();
+    let crafted = outbox_core::Envelope::builder("order", "c", 1, "order.changed")
+        .event_id(outbox_core::inbox::scoped_dedup_id(
+            &outbox_core::AggregateKey::new("order", "b"),
+            real.event_id,
+        ))
+        .build()
+        .unwrap();
+    let park = |e: &outbox_core::Envelope, offset: i64| {
+        let (inbox, m) = (inbox.clone(), head_at(e, offset));
+        async move {
+            let mut tx = inbox.begin().await.unwrap();
+            let p = inbox.park(&mut tx, GROUP, &[m]).await.unwrap();
+            inbox.commit(tx).await.unwrap();
+            p[0]
+        }
+    };
+    assert!(matches!(park(&crafted, 1).await, Parking::Head(_)));
+    let Parking::Head(real_head) = park(&real, 2).await else {
+        panic!("real not parked")
+    };
+    let Parking::Head(foreign_head) = park(&foreign, 3).await else {
+        panic!("foreign not parked")
+    };
+    assert_eq!(park(&foreign, 3).await, Parking::AlreadyParked);
+    assert!(matches!(park(&foreign, 7).await, Parking::Waiting(_)));
+    let ops = operator(&inbox, &h, VersionPolicy::Reject);
+    ops.retry(real_head, "alice", "fixed").await.unwrap();
+    ops.retry(foreign_head, "alice", "fixed").await.unwrap();
+    assert_eq!(ctx.applied("a").await, vec![1]);
+    assert_eq!(ctx.applied("b").await, vec![1], "the foreign record once");
+    let open: Vec<_> = open_parked(&inbox)
+        .await
+        .into_iter()
+        .filter(|m| m.record.aggregate.as_ref().map(|a| a.aggregate_id.as_str()) != Some("c"))
+        .collect();
+    assert!(open.is_empty(), "{open:?}");
+    assert!(!agg_state(&ctx, "b").await.1, "b unblocked");
+    ctx.drop().await;
+}
