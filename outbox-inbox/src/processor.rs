@@ -349,7 +349,16 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
             attempts: 0,
             force: &force,
         }];
-        match self.run_batch(&items, false, None).await? {
+        let mut result = self.run_batch(&items, false, None).await?;
+        // Run again when the aggregate was blocked by another instance while this ran: the
+        // run again reads it blocked and applies nothing.
+        for _ in 0..3 {
+            if !matches!(&result, BatchResult::Split { deferred } if deferred.is_empty()) {
+                break;
+            }
+            result = self.run_batch(&items, false, None).await?;
+        }
+        match result {
             BatchResult::Committed(mut o) => Ok(o.pop().unwrap_or(MessageOutcome::Duplicate)),
             BatchResult::HandlerFailed { error, .. } => {
                 metrics::record_outcome(&self.consumer, &MessageOutcome::Failed(error.clone()));
@@ -744,6 +753,28 @@ impl<I: InboxStore, H: Handler<I::Tx>> InboxProcessor<I, H> {
                 self.store
                     .advance_versions(tx, &self.consumer, &advances)
                     .await?;
+                // The batch decided on the aggregates as read at its start. Writing a version
+                // took the aggregate's row lock, which parking takes too: a message of it that
+                // another instance of the consumer parked meanwhile (during a rebalance) has
+                // committed by now and a read now sees the aggregate blocked. Applying behind
+                // that head would break its order (and apply the head itself when this batch
+                // holds it): everything is run again on what is committed. A park that comes
+                // after this point waits on the row lock and sees the version moved.
+                let moved: Vec<AggregateKey> =
+                    advances.iter().map(|a| a.aggregate.clone()).collect();
+                let now = self.store.aggregates(tx, &self.consumer, &moved).await?;
+                let blocked_meanwhile = moved
+                    .iter()
+                    .zip(&now)
+                    .any(|(k, state)| state.blocked && !locals[index[k]].read.blocked);
+                if blocked_meanwhile {
+                    return Ok((
+                        BatchResult::Split {
+                            deferred: Vec::new(),
+                        },
+                        Vec::new(),
+                    ));
+                }
             }
             written = applied;
         }

@@ -17,12 +17,19 @@ use sqlx::{MySql, MySqlPool, Transaction};
 
 const GROUP: &str = "proj";
 
+/// An aggregate, a version, and the semaphore its events wait on.
+type Gate = (String, i64, std::sync::Arc<tokio::sync::Semaphore>);
+
 /// Writes each effect to `effects` (aggregate id, version) in the inbox transaction; the
 /// events of `poison*` aggregates fail permanently until the aggregate is in `fixed`.
 #[derive(Clone)]
 struct Effects {
     table: String,
     fixed: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    /// Events of this aggregate and version wait on the semaphore in the handler (counted in
+    /// `entered`) before writing their effect.
+    gate: std::sync::Arc<std::sync::Mutex<Option<Gate>>>,
+    entered: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 #[outbox_core::async_trait]
@@ -36,6 +43,14 @@ impl Handler<Transaction<'static, MySql>> for Effects {
             && !self.fixed.lock().unwrap().contains(&e.aggregate_id)
         {
             return Err(HandlerError::permanent("poison"));
+        }
+        let gate = self.gate.lock().unwrap().clone();
+        if let Some((agg, v, g)) = gate {
+            if agg == e.aggregate_id && v == e.aggregate_version {
+                self.entered
+                    .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                g.acquire().await.expect("gate").forget();
+            }
         }
         sqlx::query(&format!(
             "INSERT INTO {} (aggregate_id, version) VALUES (?, ?)",
@@ -65,6 +80,8 @@ async fn setup(ctx: &common::Ctx) -> (MySqlInboxStore, Effects) {
         Effects {
             table,
             fixed: Default::default(),
+            gate: Default::default(),
+            entered: Default::default(),
         },
     )
 }
@@ -399,5 +416,82 @@ async fn a_crafted_collision_at_parking_does_not_lose_the_foreign_record() {
     assert!(matches!(p, Parking::Head(_)), "the foreign record: {p:?}");
     assert_eq!(park(&foreign, 4).await, Parking::AlreadyParked);
     assert_eq!(open_of(&inbox, "b").await.len(), 1);
+    ctx.drop().await;
+}
+
+/// Adversary pass on the stale-read apply (MariaDB): `g` v1 is applied; instance A reads `g`
+/// (not blocked) for its batch [v2, v3] and waits in v2's handler; instance B, on the same
+/// partition from v3 only, parks v3 as a version gap and commits. A must not then apply v2 and
+/// v3 behind the parked head (v3 applied and parked): writing the version takes the row lock,
+/// A reads `g` blocked, runs again, and v2 waits. The operator's retry then applies v2 and v3
+/// once each and unblocks `g`.
+//
+// FOUND here (as on PostgreSQL), fixed in the processor: A applied v2 and v3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_read_does_not_apply_behind_a_head_parked_meanwhile() {
+    let ctx = ctx!(12);
+    let (inbox, h) = setup(&ctx).await;
+    let (g1, g2, g3) = (ev("g", 1), ev("g", 2), ev("g", 3));
+    assert!(matches!(
+        InboxProcessor::new(GROUP, inbox.clone(), h.clone())
+            .process(&g1)
+            .await
+            .unwrap(),
+        outbox_inbox::MessageOutcome::Applied
+    ));
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    *h.gate.lock().unwrap() = Some(("g".into(), 2, gate.clone()));
+    let log_a = MemoryLog::new("t", 1);
+    log_a.publish(&[&g2, &g3]).await;
+    let log_b = MemoryLog::new("t", 1);
+    log_b.publish(&[&g3]).await;
+    let mut eng_a = engine(&log_a, &inbox, &h, 100, 1);
+    let (stop_a, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task_a = tokio::spawn(async move {
+        eng_a
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    eventually("A in v2's handler", || async {
+        h.entered.load(std::sync::atomic::Ordering::SeqCst) == 1
+    })
+    .await;
+    let mut eng_b = engine(&log_b, &inbox, &h, 100, 1);
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        eng_b.run_until_quiet(Duration::from_millis(60)),
+    )
+    .await
+    .expect("B quiet")
+    .unwrap();
+    let open = open_of(&inbox, "g").await;
+    assert_eq!(open.len(), 1, "B parked v3: {open:?}");
+    let head = open[0].id;
+    gate.add_permits(1_000);
+    let l = &log_a;
+    eventually("A through its log", || async move {
+        l.committed(GROUP, "t", 0) == Some(2)
+    })
+    .await;
+    stop_a.send(()).unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(20), task_a)
+        .await
+        .expect("A stops")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        applied(&ctx.pool, &h, "g").await,
+        vec![1],
+        "applied behind a parked head ({r:?}); open: {:?}",
+        open_of(&inbox, "g").await
+    );
+    assert_eq!(open_of(&inbox, "g").await.len(), 2);
+    let ops =
+        outbox_inbox::ParkedMessages::new(InboxProcessor::new(GROUP, inbox.clone(), h.clone()));
+    ops.retry(head, "alice", "v2 came").await.unwrap();
+    assert_eq!(applied(&ctx.pool, &h, "g").await, vec![1, 2, 3]);
+    assert!(open_of(&inbox, "g").await.is_empty());
     ctx.drop().await;
 }

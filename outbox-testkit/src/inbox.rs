@@ -75,17 +75,26 @@ impl ConsumerState {
 
     /// `m` as it is parked: under its aggregate-scoped dedup id when a parked message of
     /// another aggregate holds its dedup id (a record naming another aggregate's event as its
-    /// original, or the event such a record named), as the PostgreSQL store does.
+    /// original, or the event such a record named), and under an id of its position and
+    /// content when a parked message of another aggregate holds that too (a record whose event
+    /// id was made to be that scoped id), as the PostgreSQL store does.
     fn as_parked(&self, consumer: &str, m: &NewParkedMessage) -> NewParkedMessage {
         let mut m = m.clone();
-        if let (Some(id), Some(key)) = (m.record.dedup_id, &m.record.aggregate) {
-            let other = self.parked.values().any(|p| {
-                p.consumer == consumer
-                    && p.record.dedup_id == Some(id)
-                    && p.record.aggregate.as_ref() != Some(key)
-            });
-            if other {
-                m.record.dedup_id = Some(outbox_core::inbox::scoped_dedup_id(key, id));
+        if let (Some(id), Some(key)) = (m.record.dedup_id, m.record.aggregate.clone()) {
+            let other = |id: EventId| {
+                self.parked.values().any(|p| {
+                    p.consumer == consumer
+                        && p.record.dedup_id == Some(id)
+                        && p.record.aggregate.as_ref() != Some(&key)
+                })
+            };
+            if other(id) {
+                let scoped = outbox_core::inbox::scoped_dedup_id(&key, id);
+                m.record.dedup_id = Some(if other(scoped) {
+                    content_id(&m.record)
+                } else {
+                    scoped
+                });
             }
         }
         m
@@ -827,4 +836,31 @@ impl InboxParking for MemoryInboxStore {
         ));
         Ok(())
     }
+}
+
+/// An id for a parked record from its position and content (length-prefixed fields).
+fn content_id(r: &outbox_core::ParkedRecord) -> EventId {
+    fn field(buf: &mut Vec<u8>, b: Option<&[u8]>) {
+        match b {
+            Some(b) => {
+                buf.push(1);
+                buf.extend_from_slice(&(b.len() as u64).to_be_bytes());
+                buf.extend_from_slice(b);
+            }
+            None => buf.push(0),
+        }
+    }
+    let mut buf = Vec::new();
+    field(&mut buf, Some(r.position.topic.as_bytes()));
+    buf.extend_from_slice(&r.position.partition.to_be_bytes());
+    buf.extend_from_slice(&r.position.offset.to_be_bytes());
+    field(&mut buf, r.key.as_deref());
+    for h in &r.headers {
+        field(&mut buf, Some(h.name.as_bytes()));
+        field(&mut buf, h.value.as_deref());
+    }
+    field(&mut buf, r.value.as_deref());
+    const CONTENT_NAMESPACE: uuid::Uuid =
+        uuid::Uuid::from_u128(0x3c5e_8d21_7a4f_4b96_a0e2_5f19_c6d8_0b73);
+    EventId::from_uuid(uuid::Uuid::new_v5(&CONTENT_NAMESPACE, &buf))
 }

@@ -959,6 +959,67 @@ pub async fn original_id_dedupe_is_scoped_to_the_aggregate<H: InboxHarness>(h: &
     }
 }
 
+/// A record whose dedup id and aggregate-scoped id are both held by parked messages of other
+/// aggregates (a record naming another aggregate's parked event, after a record whose event id
+/// was made to be that scoped id was parked) is still parked, never taken for parked already
+/// (its offset would be final and nothing of it kept: lost); its redelivery at the same
+/// position is parked already.
+pub async fn park_keeps_a_crafted_scoped_id_collision<H: InboxHarness>(h: &H) {
+    let s = h.store();
+    let (a, b, c) = (agg("a"), agg("b"), agg("c"));
+    let real = event_of(&a, 1);
+    let foreign = Envelope::builder(
+        b.aggregate_type.clone(),
+        b.aggregate_id.clone(),
+        1,
+        "conformance.happened",
+    )
+    .event_id(fresh_event_id())
+    .header(wire::ORIGINAL_EVENT_ID, real.event_id.to_string())
+    .build()
+    .expect("valid");
+    let crafted = Envelope::builder(
+        c.aggregate_type.clone(),
+        c.aggregate_id.clone(),
+        1,
+        "conformance.happened",
+    )
+    .event_id(outbox_core::inbox::scoped_dedup_id(&b, real.event_id))
+    .build()
+    .expect("valid");
+    let con = consumer("c");
+    let head = || ParkAs::Head(ParkKind::Unprocessable);
+    for (e, offset) in [(&crafted, 1), (&real, 2)] {
+        let p = park_one(s, &con, record_of(e, offset), head()).await;
+        assert!(matches!(p, Parking::Head(_)), "{p:?}");
+    }
+    let p = park_one(s, &con, record_of(&foreign, 3), head()).await;
+    assert!(
+        matches!(p, Parking::Head(_)),
+        "the record whose dedup id and scoped id other aggregates hold was taken for parked \
+         already (it would be lost): {p:?}"
+    );
+    assert_eq!(
+        park_one(s, &con, record_of(&foreign, 3), head()).await,
+        Parking::AlreadyParked,
+        "its redelivery at the same position"
+    );
+    let open = s
+        .list_parked(&con, &ParkedFilter::open())
+        .await
+        .expect("list");
+    assert_eq!(open.len(), 3, "{open:?}");
+    for key in [&a, &b, &c] {
+        assert_eq!(
+            open.iter()
+                .filter(|m| m.record.aggregate.as_ref() == Some(key))
+                .count(),
+            1,
+            "one parked message of {key}"
+        );
+    }
+}
+
 /// Parking is deduplicated per aggregate too: a message parked before with the same dedup id
 /// (a redelivery, a re-issued copy) is [`Parking::AlreadyParked`] only when it is of the same
 /// aggregate. A record of another aggregate whose original-id header names a parked event (or
