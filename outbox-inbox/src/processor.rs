@@ -71,6 +71,13 @@ pub enum VersionPolicy {
         max_wait: Duration,
     },
     /// No version tracking.
+    ///
+    /// A message parked by this instance blocks its aggregate here as under every policy. One
+    /// limit is specific to this policy: with no version written, a batch takes no lock on the
+    /// aggregate's row, so while two instances overlap (a rebalance), one may apply a message of
+    /// an aggregate whose earlier message the other parks at the same moment. Nothing is applied
+    /// twice; the parked message stays parked, and an operator's retry applies it (or answers a
+    /// duplicate).
     Unchecked,
 }
 
