@@ -183,7 +183,10 @@ async fn stats_racing_claims_completions_and_operators_stay_consistent() {
                 let b = claim(&store, &format!("r{r}"), 5).await;
                 if b.is_empty() {
                     store.release(&b.handle).await.unwrap();
-                    if store.stats().await.unwrap().unpublished == 0 {
+                    // Parked events are not unpublished: stop only when neither is left
+                    // (another relay may have parked one after this relay's last discards).
+                    let s = store.stats().await.unwrap();
+                    if s.unpublished == 0 && s.parked == 0 {
                         break;
                     }
                     // Parked heads: the operator discards them.
