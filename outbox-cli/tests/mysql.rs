@@ -1,5 +1,7 @@
-//! `outbox status` against MariaDB: the binary reads the outbox through the reporting role
-//! (`outbox_core::ReportingStore`) of `outbox-mysql`, as a user runs it with a `mysql://` URL.
+//! The `outbox` binary against MariaDB, as a user runs it with a `mysql://` URL: `status` reads
+//! the outbox through the reporting role (`outbox_core::ReportingStore`) of `outbox-mysql`,
+//! `cleanup` counts through it and removes through the maintenance role; the commands that run
+//! on PostgreSQL only refuse a MySQL URL (exit 2) before any driver sees it.
 //!
 //! Needs `MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`); each test creates its own
 //! database and drops it at the end.
@@ -233,5 +235,215 @@ async fn status_on_mariadb_without_the_outbox_fails_clearly() {
     assert!(!out.status.success(), "{}", text(&out));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("cannot connect to MySQL"), "{}", text(&out));
+    db.drop().await;
+}
+
+/// A migrated outbox in `db` with four events of aggregates a..d: a and b published, c parked,
+/// d pending.
+async fn four_events(db: &Db) -> (MySqlPool, [Envelope; 4]) {
+    let pool = MySqlPoolOptions::new()
+        .max_connections(2)
+        .connect(&db.url())
+        .await
+        .expect("connect");
+    let store = MySqlOutboxStore::builder(pool.clone())
+        .claim_mode(ClaimMode::lease(Duration::from_secs(30)).unwrap())
+        .build()
+        .expect("store");
+    store.migrate().await.expect("migrate");
+    let event = |agg: &str| {
+        Envelope::builder("order", agg, 1, "order.created")
+            .build()
+            .unwrap()
+    };
+    let events = [event("a"), event("b"), event("c"), event("d")];
+    let mut tx = pool.begin().await.expect("begin");
+    store.append_many(&mut *tx, &events).await.expect("append");
+    tx.commit().await.expect("commit");
+    let batch = store
+        .claim(&ClaimRequest::new("relay-1", 10))
+        .await
+        .expect("claim");
+    assert_eq!(batch.records.len(), 4);
+    let published = |e: &Envelope, offset| Outcome::Published {
+        event_id: e.event_id,
+        ack: AckMetadata {
+            topic: "orders".into(),
+            partition: 0,
+            offset,
+        },
+    };
+    let outcomes = [
+        published(&events[0], 1),
+        published(&events[1], 2),
+        Outcome::Park {
+            event_id: events[2].event_id,
+            reason: ParkReason {
+                kind: ParkKind::PermanentError,
+                error: LastError {
+                    class: ErrorClass::Permanent,
+                    kind: "invalid_record".into(),
+                    message: "test".into(),
+                },
+            },
+        },
+    ];
+    store
+        .complete(&batch.handle, &outcomes)
+        .await
+        .expect("complete");
+    (pool, events)
+}
+
+/// Moves the finish time of `event` two hours back.
+async fn finished_long_ago(pool: &MySqlPool, event: &Envelope) {
+    let n = sqlx::query(
+        "UPDATE outbox_events SET finished_at = UTC_TIMESTAMP(6) - INTERVAL 2 HOUR \
+         WHERE event_id = ?",
+    )
+    .bind(event.event_id.as_uuid().as_bytes().to_vec())
+    .execute(pool)
+    .await
+    .expect("backdate")
+    .rows_affected();
+    assert_eq!(n, 1, "one row backdated");
+}
+
+async fn count(pool: &MySqlPool, sql: &str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(pool).await.expect(sql)
+}
+
+/// `cleanup --dry-run` counts only the published row finished before the retention and
+/// changes nothing; `cleanup` removes exactly it (not the recent published row, the parked or
+/// the pending one); with `outbox.archive` the next one is archived first.
+#[tokio::test]
+async fn cleanup_on_mariadb_removes_only_finished_rows_past_the_retention() {
+    let Some(db) =
+        Db::new("cleanup_on_mariadb_removes_only_finished_rows_past_the_retention").await
+    else {
+        return;
+    };
+    let (pool, events) = four_events(&db).await;
+    finished_long_ago(&pool, &events[0]).await;
+    let total = "SELECT COUNT(*) FROM outbox_events";
+
+    let dry = json(&db.outbox(
+        &db.url(),
+        &[],
+        &["--json", "cleanup", "--dry-run", "--retention", "1h"],
+    ));
+    assert_eq!(dry["dry_run"], true, "{dry:#}");
+    assert_eq!(dry["would_remove"], 1, "{dry:#}");
+    assert_eq!(count(&pool, total).await, 4, "a dry run changes nothing");
+    let out = db.outbox(
+        &db.url(),
+        &[],
+        &["cleanup", "--dry-run", "--retention", "1h"],
+    );
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("dry run: 1 finished row(s)"),
+        "{}",
+        text(&out)
+    );
+
+    let done = json(&db.outbox(
+        &db.url(),
+        &[],
+        &[
+            "--json",
+            "cleanup",
+            "--retention",
+            "1h",
+            "--batch-size",
+            "1",
+        ],
+    ));
+    assert_eq!(done["dry_run"], false, "{done:#}");
+    assert_eq!(done["removed"], 1, "{done:#}");
+    assert_eq!(done["batches"], 1, "{done:#}");
+    let left: Vec<String> =
+        sqlx::query_scalar("SELECT LOWER(HEX(event_id)) FROM outbox_events ORDER BY id")
+            .fetch_all(&pool)
+            .await
+            .expect("rows");
+    let expected: Vec<String> = events[1..]
+        .iter()
+        .map(|e| e.event_id.as_uuid().simple().to_string())
+        .collect();
+    assert_eq!(left, expected, "only the old published row went");
+
+    // With outbox.archive, the removed row is copied to <table>_archive first.
+    finished_long_ago(&pool, &events[1]).await;
+    let archived = json(&db.outbox(
+        &db.url(),
+        &[("OUTBOX_OUTBOX__ARCHIVE", "true")],
+        &["--json", "cleanup", "--retention", "1h"],
+    ));
+    assert_eq!(archived["removed"], 1, "{archived:#}");
+    assert_eq!(archived["archive"], true, "{archived:#}");
+    assert_eq!(count(&pool, total).await, 2, "parked and pending stay");
+    let in_archive: Vec<String> =
+        sqlx::query_scalar("SELECT LOWER(HEX(event_id)) FROM outbox_events_archive")
+            .fetch_all(&pool)
+            .await
+            .expect("archive");
+    assert_eq!(
+        in_archive,
+        vec![events[1].event_id.as_uuid().simple().to_string()]
+    );
+    db.drop().await;
+}
+
+/// A command that runs on PostgreSQL only, given a MySQL URL, fails with exit 2 naming the
+/// command and that MySQL support is not there yet, never with a PostgreSQL driver error; the
+/// outbox is left untouched.
+#[tokio::test]
+async fn postgres_only_commands_refuse_a_mysql_url() {
+    let Some(db) = Db::new("postgres_only_commands_refuse_a_mysql_url").await else {
+        return;
+    };
+    let (pool, _) = four_events(&db).await;
+    let cases: &[(&[&str], &str)] = &[
+        (&["migrate"], "outbox migrate"),
+        (&["relay", "--no-http"], "outbox relay"),
+        (&["parked", "list"], "outbox parked"),
+        (&["check", "--no-broker"], "outbox check"),
+        (
+            &["cleanup", "--inbox", "--dry-run"],
+            "outbox cleanup --inbox",
+        ),
+        (&["reconcile", "--since", "1h"], "outbox reconcile"),
+        (&["replay", "--since", "1h", "--dry-run"], "outbox replay"),
+    ];
+    for (args, name) in cases {
+        for url in [db.url(), db.url().replace("mysql://", "mariadb://")] {
+            let out = db.outbox(&url, &[], args);
+            assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out));
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                stderr.contains(&format!("`{name}` does not support MySQL / MariaDB yet")),
+                "{args:?}: {}",
+                text(&out)
+            );
+            assert!(
+                !stderr.to_lowercase().contains("postgres://")
+                    && !stderr.contains("cannot connect"),
+                "{args:?}: {}",
+                text(&out)
+            );
+            let mut with_json = vec!["--json"];
+            with_json.extend_from_slice(args);
+            let out = db.outbox(&url, &[], &with_json);
+            let doc: serde_json::Value = serde_json::from_slice(&out.stdout)
+                .unwrap_or_else(|e| panic!("not JSON ({e}): {}", text(&out)));
+            assert_eq!(doc["error"]["kind"], "config", "{doc:#}");
+        }
+    }
+    assert_eq!(
+        count(&pool, "SELECT COUNT(*) FROM outbox_events").await,
+        4,
+        "nothing was touched"
+    );
     db.drop().await;
 }
