@@ -171,9 +171,8 @@ fn postgres_only(command: &Command) -> Option<&'static str> {
         Command::Parked(_) => Some("parked"),
         Command::Check(_) => Some("check"),
         Command::Cleanup(o) if o.inbox => Some("cleanup --inbox"),
-        Command::Reconcile(_) => Some("reconcile"),
         Command::Replay(_) => Some("replay"),
-        Command::Status(_) | Command::Cleanup(_) | Command::Config => None,
+        Command::Status(_) | Command::Cleanup(_) | Command::Reconcile(_) | Command::Config => None,
     }
 }
 

@@ -43,7 +43,8 @@ pub fn postgres_only(config: &Config, command: &str) -> Result<(), CliError> {
                 "`outbox {command}` does not support MySQL / MariaDB yet (the database URL is \
                  mysql://); it runs on PostgreSQL only"
             ),
-            "on MySQL run `outbox status` or `outbox cleanup` (the outbox, not --inbox); see \
+            "on MySQL run `outbox status`, `outbox cleanup` (the outbox, not --inbox) or \
+             `outbox reconcile` (the outbox side); see \
              outbox-cli/docs/commands.md for which command works on which store",
         )),
         _ => Ok(()),

@@ -1,6 +1,7 @@
 //! The `outbox` binary against MariaDB, as a user runs it with a `mysql://` URL: `status` reads
 //! the outbox through the reporting role (`outbox_core::ReportingStore`) of `outbox-mysql`,
-//! `cleanup` counts through it and removes through the maintenance role; the commands that run
+//! `cleanup` counts through it and removes through the maintenance role, `reconcile` compares
+//! the outbox side through it; the commands that run
 //! on PostgreSQL only refuse a MySQL URL (exit 2) before any driver sees it.
 //!
 //! Needs `MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`); each test creates its own
@@ -413,7 +414,6 @@ async fn postgres_only_commands_refuse_a_mysql_url() {
             &["cleanup", "--inbox", "--dry-run"],
             "outbox cleanup --inbox",
         ),
-        (&["reconcile", "--since", "1h"], "outbox reconcile"),
         (&["replay", "--since", "1h", "--dry-run"], "outbox replay"),
     ];
     for (args, name) in cases {
@@ -445,5 +445,104 @@ async fn postgres_only_commands_refuse_a_mysql_url() {
         4,
         "nothing was touched"
     );
+    db.drop().await;
+}
+
+/// Moves the creation time of `event` `hours` back.
+async fn created_hours_ago(pool: &MySqlPool, event: &Envelope, hours: i64) {
+    let n = sqlx::query(
+        "UPDATE outbox_events SET created_at = UTC_TIMESTAMP(6) - INTERVAL ? HOUR \
+         WHERE event_id = ?",
+    )
+    .bind(hours)
+    .bind(event.event_id.as_uuid().as_bytes().to_vec())
+    .execute(pool)
+    .await
+    .expect("backdate")
+    .rows_affected();
+    assert_eq!(n, 1, "one row backdated");
+}
+
+/// `reconcile` on a MySQL outbox: the last hour (a and b, published) reconciles (exit 0); from
+/// four hours back, the interval three hours ago holds the parked c and the overdue d and is
+/// a mismatch (exit 1) with both reasons; checks or consumers in the configuration are refused
+/// with exit 2 instead of being left out silently.
+#[tokio::test]
+async fn reconcile_on_mariadb_compares_the_outbox_side() {
+    let Some(db) = Db::new("reconcile_on_mariadb_compares_the_outbox_side").await else {
+        return;
+    };
+    let (pool, events) = four_events(&db).await;
+    created_hours_ago(&pool, &events[2], 3).await;
+    created_hours_ago(&pool, &events[3], 3).await;
+    let grace = [("OUTBOX_RECONCILE__GRACE", "1m")];
+
+    let recent = json(&db.outbox(
+        &db.url(),
+        &grace,
+        &["--json", "reconcile", "--since", "1h", "--interval", "1h"],
+    ));
+    assert_eq!(recent["ok"], true, "{recent:#}");
+    let rows = recent["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 1, "{recent:#}");
+    assert_eq!(rows[0]["event_type"], "order.created", "{recent:#}");
+    assert_eq!(rows[0]["events"], 2, "{recent:#}");
+    assert_eq!(rows[0]["published"], 2, "{recent:#}");
+
+    let out = db.outbox(
+        &db.url(),
+        &grace,
+        &["--json", "reconcile", "--since", "4h", "--interval", "1h"],
+    );
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(doc["ok"], false, "{doc:#}");
+    assert_eq!(doc["mismatched_rows"], 1, "{doc:#}");
+    let rows = doc["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 2, "{doc:#}");
+    let old = &rows[0];
+    assert_eq!(old["events"], 2, "{doc:#}");
+    assert_eq!(old["published"], 0, "{doc:#}");
+    assert_eq!(old["parked"], 1, "{doc:#}");
+    assert_eq!(old["overdue"], 1, "{doc:#}");
+    let reasons = old["mismatches"].to_string();
+    assert!(reasons.contains("1 event(s) parked"), "{doc:#}");
+    assert!(
+        reasons.contains("1 event(s) not published after 1m"),
+        "{doc:#}"
+    );
+    assert_eq!(rows[1]["mismatches"].as_array().map(Vec::len), Some(0));
+
+    // Checks and consumers run on PostgreSQL only: refused, not skipped.
+    for (file, says) in [
+        (
+            "[[reconcile.checks]]\nevent_type = \"order.created\"\nquery = \"SELECT 1\"\n",
+            "does not run [[reconcile.checks]] yet",
+        ),
+        (
+            "[[consumers]]\nname = \"billing\"\n",
+            "does not compare the consumers' effects yet",
+        ),
+    ] {
+        let path = db.dir.join("outbox.toml");
+        std::fs::write(&path, file).expect("config");
+        let out = db.outbox(
+            &db.url(),
+            &[],
+            &[
+                "--config",
+                path.to_str().unwrap(),
+                "reconcile",
+                "--since",
+                "1h",
+            ],
+        );
+        assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains(says),
+            "{}",
+            text(&out)
+        );
+    }
     db.drop().await;
 }
