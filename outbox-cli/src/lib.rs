@@ -171,8 +171,11 @@ fn postgres_only(command: &Command) -> Option<&'static str> {
         Command::Parked(_) => Some("parked"),
         Command::Check(_) => Some("check"),
         Command::Cleanup(o) if o.inbox => Some("cleanup --inbox"),
-        Command::Replay(_) => Some("replay"),
-        Command::Status(_) | Command::Cleanup(_) | Command::Reconcile(_) | Command::Config => None,
+        Command::Status(_)
+        | Command::Cleanup(_)
+        | Command::Reconcile(_)
+        | Command::Replay(_)
+        | Command::Config => None,
     }
 }
 

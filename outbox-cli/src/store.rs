@@ -15,7 +15,8 @@ pub enum Backend {
     /// PostgreSQL (`outbox-postgres`): every command.
     Postgres,
     /// MySQL / MariaDB (`outbox-mysql`): the commands that read through
-    /// [`outbox_core::ReportingStore`] and the outbox cleanup.
+    /// [`outbox_core::ReportingStore`] (`status`, `reconcile`, `replay`, `cleanup --dry-run`)
+    /// and the outbox cleanup.
     MySql,
 }
 
@@ -43,8 +44,8 @@ pub fn postgres_only(config: &Config, command: &str) -> Result<(), CliError> {
                 "`outbox {command}` does not support MySQL / MariaDB yet (the database URL is \
                  mysql://); it runs on PostgreSQL only"
             ),
-            "on MySQL run `outbox status`, `outbox cleanup` (the outbox, not --inbox) or \
-             `outbox reconcile` (the outbox side); see \
+            "on MySQL run `outbox status`, `outbox cleanup` (the outbox, not --inbox), \
+             `outbox reconcile` (the outbox side) or `outbox replay`; see \
              outbox-cli/docs/commands.md for which command works on which store",
         )),
         _ => Ok(()),

@@ -1,11 +1,15 @@
 //! The `outbox` binary against MariaDB, as a user runs it with a `mysql://` URL: `status` reads
 //! the outbox through the reporting role (`outbox_core::ReportingStore`) of `outbox-mysql`,
 //! `cleanup` counts through it and removes through the maintenance role, `reconcile` compares
-//! the outbox side through it; the commands that run
+//! the outbox side through it,
+//! `replay` pages the published events through it to Kafka (the replay test also needs
+//! `KAFKA_BROKERS`); the commands that run
 //! on PostgreSQL only refuse a MySQL URL (exit 2) before any driver sees it.
 //!
 //! Needs `MYSQL_URL` (default `mysql://root@127.0.0.1:3306/test`); each test creates its own
 //! database and drops it at the end.
+
+mod common;
 
 use std::path::PathBuf;
 use std::process::{Command, Output, Stdio};
@@ -414,7 +418,6 @@ async fn postgres_only_commands_refuse_a_mysql_url() {
             &["cleanup", "--inbox", "--dry-run"],
             "outbox cleanup --inbox",
         ),
-        (&["replay", "--since", "1h", "--dry-run"], "outbox replay"),
     ];
     for (args, name) in cases {
         for url in [db.url(), db.url().replace("mysql://", "mariadb://")] {
@@ -544,5 +547,75 @@ async fn reconcile_on_mariadb_compares_the_outbox_side() {
             text(&out)
         );
     }
+    db.drop().await;
+}
+
+/// `replay` on a MySQL outbox: the dry run counts the two published events; the replay sends
+/// exactly them (not the parked or the pending one), in publication order, to the configured
+/// topic, each with its own event id and the replay's header; a selection of the parked
+/// aggregate matches nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_on_mariadb_republishes_the_published_events() {
+    let test = "replay_on_mariadb_republishes_the_published_events";
+    let Some(brokers) = outbox_test_support::brokers(test) else {
+        return;
+    };
+    let Some(db) = Db::new(test).await else {
+        return;
+    };
+    let (_pool, events) = four_events(&db).await;
+    let topic = outbox_test_support::unique("replay");
+    common::create_topic(&brokers, &topic, 1, &[]).await;
+    let kafka = [
+        ("KAFKA_BROKERS", brokers.as_str()),
+        ("OUTBOX_KAFKA__TOPIC", topic.as_str()),
+        ("OUTBOX_KAFKA__DELIVERY_TIMEOUT", "10s"),
+    ];
+
+    let dry = json(&db.outbox(
+        &db.url(),
+        &kafka,
+        &["--json", "replay", "--since", "1h", "--dry-run"],
+    ));
+    assert_eq!(dry["matched"], 2, "{dry:#}");
+    assert_eq!(dry["replayed"], 0, "{dry:#}");
+    let parked = json(&db.outbox(
+        &db.url(),
+        &kafka,
+        &["--json", "replay", "--aggregate-id", "c", "--yes"],
+    ));
+    assert_eq!(
+        parked["matched"], 0,
+        "parked events are not replayed: {parked:#}"
+    );
+
+    let done = json(&db.outbox(
+        &db.url(),
+        &kafka,
+        &[
+            "--json",
+            "replay",
+            "--since",
+            "1h",
+            "--yes",
+            "--batch-size",
+            "1",
+        ],
+    ));
+    assert_eq!(done["matched"], 2, "{done:#}");
+    assert_eq!(done["replayed"], 2, "{done:#}");
+    let replay_id = done["replay_id"].as_str().expect("replay id").to_owned();
+    let records = common::read_topic(&brokers, &topic, 1, 2);
+    assert_eq!(records.len(), 2, "{records:#?}");
+    let ids: Vec<&str> = records.iter().map(|r| r.event_id.as_str()).collect();
+    let expected: Vec<String> = events[..2].iter().map(|e| e.event_id.to_string()).collect();
+    assert_eq!(ids, expected, "a then b, as published");
+    assert!(
+        records
+            .iter()
+            .all(|r| r.headers.get("outbox_replay") == Some(&replay_id)),
+        "{records:#?}"
+    );
+    assert_eq!(records[0].aggregate_id, "a");
     db.drop().await;
 }
