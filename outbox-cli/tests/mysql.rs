@@ -208,6 +208,25 @@ async fn status_reads_a_mariadb_outbox_through_the_reporting_role() {
         );
     }
 
+    // A configured consumer is said not to be read, in one plain sentence.
+    let path = db.dir.join("outbox.toml");
+    std::fs::write(&path, "[[consumers]]\nname = \"billing\"\n").expect("config");
+    let with_consumer = json(&db.outbox(
+        &db.url(),
+        &[],
+        &["--json", "--config", path.to_str().unwrap(), "status"],
+    ));
+    assert!(
+        with_consumer["warnings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|w| w
+                == "1 consumer(s) configured: their lag and inboxes are not read for a MySQL \
+                outbox yet (PostgreSQL inboxes only)"),
+        "{with_consumer:#}"
+    );
+
     // The table for people.
     let out = db.outbox(&db.url(), &[], &["status"]);
     assert!(out.status.success(), "{}", text(&out));

@@ -85,7 +85,8 @@ async fn run_mysql(
     let mut warnings = Vec::new();
     if !config.consumers.is_empty() && !opts.no_consumers {
         warnings.push(format!(
-            "{} consumer(s) configured: their lag and inboxes are not read for a MySQL outbox              yet (PostgreSQL inboxes only)",
+            "{} consumer(s) configured: their lag and inboxes are not read for a MySQL outbox \
+             yet (PostgreSQL inboxes only)",
             config.consumers.len()
         ));
     }
