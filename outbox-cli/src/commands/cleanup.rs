@@ -37,13 +37,43 @@ pub async fn run(config: &Config, opts: &CleanupOpts, out: &Output) -> Result<()
         }
         return inboxes(config, batch, opts.dry_run, out).await;
     }
+    if crate::store::backend(config)? == crate::store::Backend::MySql {
+        let m = crate::store::connect_mysql(config, 3).await?;
+        return outbox(
+            m.store,
+            &m.table,
+            config,
+            retention,
+            batch,
+            opts.dry_run,
+            out,
+        )
+        .await;
+    }
     let (pool, _) = db::connect_outbox(config, 3).await?;
     db::preflight(&pool, config).await?;
     let store = db::outbox_store(config, pool)?;
     let table = format!("{}.{}", config.outbox.schema, config.outbox.table);
-    let map = |e: outbox_core::StoreError| CliError::from_store(&e, &table);
+    outbox(store, &table, config, retention, batch, opts.dry_run, out).await
+}
+
+/// `outbox cleanup [--dry-run]` on the outbox, whatever the store: counts through the
+/// reporting role, removes through the maintenance role.
+async fn outbox<S>(
+    store: S,
+    table: &str,
+    config: &Config,
+    retention: Dur,
+    batch: usize,
+    dry_run: bool,
+    out: &Output,
+) -> Result<(), CliError>
+where
+    S: ReportingStore + MaintenanceStore + Clone + 'static,
+{
+    let map = |e: outbox_core::StoreError| CliError::from_store(&e, table);
     let candidates = store.cleanup_candidates(retention.0).await.map_err(map)?;
-    if opts.dry_run {
+    if dry_run {
         if out.json {
             out.json(&json!({
                 "dry_run": true, "would_remove": candidates, "retention": retention.to_string(),

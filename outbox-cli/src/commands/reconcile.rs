@@ -18,8 +18,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use chrono::{DateTime, Utc};
-use outbox_core::{InboxParking, ParkedFilter};
-use outbox_postgres::{qualified, IntervalCount};
+use outbox_core::{InboxParking, IntervalCount, ParkedFilter, ReportingStore};
+use outbox_postgres::qualified;
 use serde::Serialize;
 use serde_json::json;
 use uuid::Uuid;
@@ -97,41 +97,22 @@ pub async fn run(config: &Config, opts: &ReconcileOpts, out: &Output) -> Result<
         ));
     }
     let grace = config.reconcile.grace.0;
+    let window = Window {
+        since,
+        now,
+        step,
+        grace,
+    };
+    if crate::store::backend(config)? == crate::store::Backend::MySql {
+        mysql_limits(config)?;
+        let m = crate::store::connect_mysql(config, 3).await?;
+        let rows = compare(&m.store, &m.table, config, None, &[], &window).await?;
+        return render(rows, since, interval, out);
+    }
     let (pool, _) = db::connect_outbox(config, 3).await?;
     db::preflight(&pool, config).await?;
     let store = db::outbox_store(config, pool.clone())?;
     let table = format!("{}.{}", config.outbox.schema, config.outbox.table);
-    let map = |e: outbox_core::StoreError| CliError::from_store(&e, &table);
-    // Bucket starts aligned on `since`, as date_bin aligns them.
-    let counts = store
-        .interval_counts(since, interval.0, grace)
-        .await
-        .map_err(map)?;
-    let mut by_key: BTreeMap<(DateTime<Utc>, String), IntervalCount> = counts
-        .into_iter()
-        .map(|c| ((c.start, c.event_type.clone()), c))
-        .collect();
-    let checked: BTreeSet<String> = config
-        .reconcile
-        .checks
-        .iter()
-        .map(|c| c.event_type.clone())
-        .collect();
-    let mut starts = Vec::new();
-    let mut t = since;
-    while t < now {
-        starts.push(t);
-        t += step;
-    }
-    for s in &starts {
-        for et in &checked {
-            by_key
-                .entry((*s, et.clone()))
-                .or_insert_with(|| IntervalCount::zero(*s, et));
-        }
-    }
-    let outbox_cutoff =
-        now - chrono::Duration::from_std(config.cleanup.retention.0).unwrap_or_default();
     let mut consumer_pools = Vec::new();
     for c in &config.consumers {
         let p = if c.database_url.is_empty() {
@@ -160,6 +141,100 @@ pub async fn run(config: &Config, opts: &ReconcileOpts, out: &Output) -> Result<
             .collect();
         consumer_pools.push((c, p, parked));
     }
+    let rows = compare(
+        &store,
+        &table,
+        config,
+        Some(&pool),
+        &consumer_pools,
+        &window,
+    )
+    .await?;
+    render(rows, since, interval, out)
+}
+
+/// What `reconcile` covers: intervals of `step` from `since` to `now`.
+#[derive(Clone, Copy)]
+struct Window {
+    since: DateTime<Utc>,
+    now: DateTime<Utc>,
+    step: chrono::Duration,
+    grace: std::time::Duration,
+}
+
+/// A consumer, its inbox's pool and its open parked ids.
+type ConsumerInbox<'a> = (&'a ConsumerConfig, sqlx::PgPool, BTreeSet<Uuid>);
+
+/// On MySQL the outbox side is compared; what lives in PostgreSQL (the transition queries of
+/// `[[reconcile.checks]]`, written for it, and the consumers' inboxes) is not there yet: a
+/// configuration with them is refused rather than reported as reconciled without them.
+fn mysql_limits(config: &Config) -> Result<(), CliError> {
+    if !config.reconcile.checks.is_empty() {
+        return Err(CliError::config(
+            "`outbox reconcile` on MySQL / MariaDB does not run [[reconcile.checks]] yet \
+             (their transition queries run on PostgreSQL only)",
+            "remove [[reconcile.checks]] to compare the outbox alone on MySQL, or run against \
+             a PostgreSQL outbox",
+        ));
+    }
+    if !config.consumers.is_empty() {
+        return Err(CliError::config(
+            "`outbox reconcile` on MySQL / MariaDB does not compare the consumers' effects yet \
+             (their inboxes are read on PostgreSQL only)",
+            "run it with a configuration without [[consumers]] to compare the outbox alone",
+        ));
+    }
+    Ok(())
+}
+
+/// The rows, read through the reporting role of `store` (the transitions and inboxes on
+/// PostgreSQL through `pool` and `consumers`).
+async fn compare<S: ReportingStore>(
+    store: &S,
+    table: &str,
+    config: &Config,
+    pool: Option<&sqlx::PgPool>,
+    consumer_pools: &[ConsumerInbox<'_>],
+    window: &Window,
+) -> Result<Vec<Row>, CliError> {
+    let Window {
+        since,
+        now,
+        step,
+        grace,
+    } = *window;
+    let interval = step.to_std().unwrap_or_default();
+    let map = |e: outbox_core::StoreError| CliError::from_store(&e, table);
+    // Bucket starts aligned on `since`, as date_bin aligns them.
+    let counts = store
+        .interval_counts(since, interval, grace)
+        .await
+        .map_err(map)?;
+    let mut by_key: BTreeMap<(DateTime<Utc>, String), IntervalCount> = counts
+        .into_iter()
+        .map(|c| ((c.start, c.event_type.clone()), c))
+        .collect();
+    let checked: BTreeSet<String> = config
+        .reconcile
+        .checks
+        .iter()
+        .map(|c| c.event_type.clone())
+        .collect();
+    let mut starts = Vec::new();
+    let mut t = since;
+    while t < now {
+        starts.push(t);
+        t += step;
+    }
+    for s in &starts {
+        for et in &checked {
+            by_key
+                .entry((*s, et.clone()))
+                .or_insert_with(|| IntervalCount::zero(*s, et));
+        }
+    }
+    let outbox_cutoff =
+        now - chrono::Duration::from_std(config.cleanup.retention.0).unwrap_or_default();
     let mut rows = Vec::new();
     for ((start, event_type), c) in by_key {
         let end = start + step;
@@ -188,7 +263,13 @@ pub async fn run(config: &Config, opts: &ReconcileOpts, out: &Output) -> Result<
             .iter()
             .filter(|k| k.event_type == event_type)
         {
-            let n = transitions(&pool, &check.query, start, end).await?;
+            let pool = pool.ok_or_else(|| {
+                CliError::config(
+                    "[[reconcile.checks]] run on PostgreSQL only",
+                    "remove [[reconcile.checks]]",
+                )
+            })?;
+            let n = transitions(pool, &check.query, start, end).await?;
             row.transitions = Some(row.transitions.unwrap_or(0) + n);
         }
         if row.incomplete.is_none() {
@@ -211,16 +292,19 @@ pub async fn run(config: &Config, opts: &ReconcileOpts, out: &Output) -> Result<
             row.mismatches
                 .push(format!("{} event(s) parked", row.parked));
         }
-        for (consumer, cpool, parked_ids) in &consumer_pools {
+        for (consumer, cpool, parked_ids) in consumer_pools {
             let topics = if consumer.topics.is_empty() {
                 Vec::new()
             } else {
                 consumer.topics.clone()
             };
-            let ids = store
+            let ids: Vec<(Uuid, Option<Uuid>)> = store
                 .published_ids(&event_type, start, end, &topics, grace)
                 .await
-                .map_err(map)?;
+                .map_err(map)?
+                .into_iter()
+                .map(|p| (p.event_id.as_uuid(), p.original.map(|o| o.as_uuid())))
+                .collect();
             if ids.is_empty() {
                 continue;
             }
@@ -261,6 +345,15 @@ pub async fn run(config: &Config, opts: &ReconcileOpts, out: &Output) -> Result<
         }
         rows.push(row);
     }
+    Ok(rows)
+}
+
+fn render(
+    rows: Vec<Row>,
+    since: DateTime<Utc>,
+    interval: crate::config::Dur,
+    out: &Output,
+) -> Result<(), CliError> {
     let mismatched = rows.iter().filter(|r| !r.mismatches.is_empty()).count();
     if out.json {
         out.json(&json!({

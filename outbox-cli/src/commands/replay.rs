@@ -15,7 +15,8 @@
 
 use chrono::Utc;
 use outbox_core::Publisher;
-use outbox_postgres::PublishedFilter;
+use outbox_core::{PublishedFilter, ReportingStore};
+use outbox_postgres::RecordedTopic;
 use serde_json::json;
 
 use crate::config::Config;
@@ -61,12 +62,48 @@ pub async fn run(config: &Config, opts: &ReplayOpts, out: &Output) -> Result<(),
             tracing::warn!(replay_window = %config.retention.replay_window, "--since is older than retention.replay_window: consumers' dedup windows may not cover it, so effects can repeat");
         }
     }
+    if crate::store::backend(config)? == crate::store::Backend::MySql {
+        // MySQL keeps no record of the topics' partition counts and partitioner (the relay
+        // that records them runs on PostgreSQL only): nothing to compare the broker with.
+        let m = crate::store::connect_mysql(config, 3).await?;
+        return replay(
+            &m.store,
+            &m.table,
+            async { Ok(Vec::new()) },
+            config,
+            opts,
+            &filter,
+            out,
+        )
+        .await;
+    }
     let (pool, _) = db::connect_outbox(config, 3).await?;
     db::preflight(&pool, config).await?;
     let store = db::outbox_store(config, pool)?;
     let table = format!("{}.{}", config.outbox.schema, config.outbox.table);
-    let map = |e: outbox_core::StoreError| CliError::from_store(&e, &table);
-    let matched = store.count_published(&filter).await.map_err(map)?;
+    let recorded = async {
+        store
+            .recorded_topics()
+            .await
+            .map_err(|e| CliError::from_store(&e, &table))
+    };
+    replay(&store, &table, recorded, config, opts, &filter, out).await
+}
+
+/// Counts and pages the events through the reporting role of `store`; `recorded` (the
+/// topics' recorded partition counts and partitioner, read once something is to be replayed)
+/// is what the publisher checks the broker against.
+async fn replay<S: ReportingStore>(
+    store: &S,
+    table: &str,
+    recorded: impl std::future::Future<Output = Result<Vec<RecordedTopic>, CliError>>,
+    config: &Config,
+    opts: &ReplayOpts,
+    filter: &PublishedFilter,
+    out: &Output,
+) -> Result<(), CliError> {
+    let map = |e: outbox_core::StoreError| CliError::from_store(&e, table);
+    let matched = store.count_published(filter).await.map_err(map)?;
     if opts.dry_run || matched == 0 {
         if out.json {
             out.json(&json!({"dry_run": opts.dry_run, "matched": matched, "replayed": 0}));
@@ -86,14 +123,14 @@ pub async fn run(config: &Config, opts: &ReplayOpts, out: &Output) -> Result<(),
         &format!("Re-publish {matched} event(s), marked with header {REPLAY_HEADER}?"),
         opts.yes,
     )?;
-    let recorded = store.recorded_topics().await.map_err(map)?;
+    let recorded = recorded.await?;
     let publisher = crate::kafka::start_publisher(config, &recorded).await?;
     let replay_id = uuid::Uuid::new_v4().to_string();
     let bar = out.progress(matched, "replay");
     let (mut replayed, mut after) = (0u64, None);
     loop {
         let rows = store
-            .published_events(&filter, after, opts.batch_size.max(1))
+            .published_events(filter, after, opts.batch_size.max(1))
             .await
             .map_err(map)?;
         let Some(last) = rows.last() else { break };

@@ -27,7 +27,7 @@ pub async fn run(config: &Config, opts: &StatusOpts, out: &Output) -> Result<(),
         Some(w) => super::parse_duration("--window", w)?,
         None => config.status.window,
     };
-    if is_mysql(config.database_url()?.expose()) {
+    if crate::store::backend(config)? == crate::store::Backend::MySql {
         return run_mysql(config, opts, out, window).await;
     }
     let (pool, target) = db::connect_outbox(config, 3).await?;
@@ -55,12 +55,6 @@ pub async fn run(config: &Config, opts: &StatusOpts, out: &Output) -> Result<(),
     )
 }
 
-/// Whether `url` names a MySQL or MariaDB server.
-fn is_mysql(url: &str) -> bool {
-    let url = url.trim_start();
-    url.starts_with("mysql://") || url.starts_with("mariadb://")
-}
-
 /// What `status` reads through the reporting role, whatever the store.
 async fn read<R: ReportingStore>(
     store: &R,
@@ -82,57 +76,17 @@ async fn run_mysql(
     out: &Output,
     window: crate::config::Dur,
 ) -> Result<(), CliError> {
-    use outbox_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
-    let url = config.database_url()?;
-    let target = url.redacted();
-    let mut options: MySqlConnectOptions = url.expose().trim().parse().map_err(|e| {
-        CliError::config(
-            format!(
-                "invalid MySQL URL {target}: {}",
-                crate::config::redact_url(&format!("{e}"))
-            ),
-            "use mysql://user:password@host:port/database",
-        )
-    })?;
-    if !config.database.password.is_empty() {
-        options = options.password(config.database.password.expose());
-    }
-    let pool = MySqlPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(
-            config
-                .database
-                .connect_timeout
-                .0
-                .max(Duration::from_secs(1)),
-        )
-        .connect_with(options)
-        .await
-        .map_err(|e| {
-            CliError::unreachable(
-                format!(
-                    "cannot connect to MySQL at {target}: {}",
-                    crate::config::redact_url(&e.to_string())
-                ),
-                "check the database URL and that the server runs",
-            )
-        })?;
-    let o = &config.outbox;
-    let mut builder = outbox_mysql::MySqlOutboxStore::builder(pool).table(o.table.clone());
-    let table = if o.schema != outbox_postgres::DEFAULT_SCHEMA {
-        builder = builder.database(o.schema.clone());
-        format!("{}.{}", o.schema, o.table)
-    } else {
-        o.table.clone()
-    };
-    let store = builder
-        .build()
-        .map_err(|e| CliError::config(e.message, "fix the [outbox] section"))?;
+    let crate::store::MySqlOutbox {
+        store,
+        target,
+        table,
+    } = crate::store::connect_mysql(config, 2).await?;
     let (stats, latency) = read(&store, window.0, &table).await?;
     let mut warnings = Vec::new();
     if !config.consumers.is_empty() && !opts.no_consumers {
         warnings.push(format!(
-            "{} consumer(s) configured: their lag and inboxes are not read for a MySQL outbox              yet (PostgreSQL inboxes only)",
+            "{} consumer(s) configured: their lag and inboxes are not read for a MySQL outbox \
+             yet (PostgreSQL inboxes only)",
             config.consumers.len()
         ));
     }

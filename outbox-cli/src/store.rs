@@ -1,0 +1,139 @@
+//! Which store a command works on, chosen once from the database URL's scheme: `mysql://` or
+//! `mariadb://` is MySQL / MariaDB (`outbox-mysql`), anything else PostgreSQL. Every command
+//! asks here; none matches on the URL itself.
+
+use std::time::Duration;
+
+use outbox_mysql::MySqlOutboxStore;
+
+use crate::config::Config;
+use crate::error::CliError;
+
+/// The store behind the configured database URL.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// PostgreSQL (`outbox-postgres`): every command.
+    Postgres,
+    /// MySQL / MariaDB (`outbox-mysql`): the commands that read through
+    /// [`outbox_core::ReportingStore`] (`status`, `reconcile`, `replay`, `cleanup --dry-run`)
+    /// and the outbox cleanup.
+    MySql,
+}
+
+/// Whether `url` names a MySQL or MariaDB server.
+pub fn is_mysql(url: &str) -> bool {
+    let url = url.trim_start();
+    url.starts_with("mysql://") || url.starts_with("mariadb://")
+}
+
+/// The backend of the configuration's database URL.
+pub fn backend(config: &Config) -> Result<Backend, CliError> {
+    Ok(if is_mysql(config.database_url()?.expose()) {
+        Backend::MySql
+    } else {
+        Backend::Postgres
+    })
+}
+
+/// Fails (exit 2) when `command` is run on a MySQL URL, before any driver sees the URL. A
+/// missing URL is left to the command to report.
+pub fn postgres_only(config: &Config, command: &str) -> Result<(), CliError> {
+    match backend(config) {
+        Ok(Backend::MySql) => Err(CliError::config(
+            format!(
+                "`outbox {command}` does not support MySQL / MariaDB yet (the database URL is \
+                 mysql://); it runs on PostgreSQL only"
+            ),
+            "on MySQL run `outbox status`, `outbox cleanup` (the outbox, not --inbox), \
+             `outbox reconcile` (the outbox side) or `outbox replay`; see \
+             outbox-cli/docs/commands.md for which command works on which store",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The MySQL outbox of the configuration, with what the reports name it by.
+pub struct MySqlOutbox {
+    /// The store (`outbox.table`, `outbox.archive`; `outbox.schema` names the database when
+    /// it is not the PostgreSQL default).
+    pub store: MySqlOutboxStore,
+    /// The URL, password redacted.
+    pub target: String,
+    /// `database.table`, or `table` in the URL's database.
+    pub table: String,
+}
+
+/// Connects to the MySQL / MariaDB outbox of the configuration.
+pub async fn connect_mysql(config: &Config, pool_size: u32) -> Result<MySqlOutbox, CliError> {
+    use outbox_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
+    let url = config.database_url()?;
+    let target = url.redacted();
+    let mut options: MySqlConnectOptions = url.expose().trim().parse().map_err(|e| {
+        CliError::config(
+            format!(
+                "invalid MySQL URL {target}: {}",
+                crate::config::redact_url(&format!("{e}"))
+            ),
+            "use mysql://user:password@host:port/database",
+        )
+    })?;
+    if !config.database.password.is_empty() {
+        options = options.password(config.database.password.expose());
+    }
+    let max = if config.database.max_connections > 0 {
+        config.database.max_connections
+    } else {
+        pool_size
+    };
+    let pool = MySqlPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(
+            config
+                .database
+                .connect_timeout
+                .0
+                .max(Duration::from_secs(1)),
+        )
+        .connect_with(options)
+        .await
+        .map_err(|e| {
+            CliError::unreachable(
+                format!(
+                    "cannot connect to MySQL at {target}: {}",
+                    crate::config::redact_url(&e.to_string())
+                ),
+                "check the database URL and that the server runs",
+            )
+        })?;
+    let o = &config.outbox;
+    let mut builder = MySqlOutboxStore::builder(pool)
+        .table(o.table.clone())
+        .archive(o.archive);
+    let table = if o.schema != outbox_postgres::DEFAULT_SCHEMA {
+        builder = builder.database(o.schema.clone());
+        format!("{}.{}", o.schema, o.table)
+    } else {
+        o.table.clone()
+    };
+    let store = builder
+        .build()
+        .map_err(|e| CliError::config(e.message, "fix the [outbox] section"))?;
+    Ok(MySqlOutbox {
+        store,
+        target,
+        table,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_scheme_chooses_the_store() {
+        assert!(is_mysql("mysql://root@h/db"));
+        assert!(is_mysql("  mariadb://root@h/db"));
+        assert!(!is_mysql("postgres://u@h/db"));
+        assert!(!is_mysql("postgresql://u@h/mysql"));
+    }
+}
