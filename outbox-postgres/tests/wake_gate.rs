@@ -90,16 +90,10 @@ async fn an_append_that_did_not_notify_is_claimed_by_the_relay_going_idle() {
         tokio::spawn(async move { claim(&store, "r", 10).await })
     };
     // Wait until the relay's arm is queued behind the open append (the lock is not granted).
+    // Only this test's gate counts: tests running beside it wait on gates of their own.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
-             AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
-        )
-        .fetch_one(&ctx.pool)
-        .await
-        .unwrap();
-        if waiting > 0 {
+        if common::gate_locks(&ctx, false).await > 0 {
             break;
         }
         assert!(
