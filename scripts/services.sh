@@ -188,6 +188,24 @@ ensure_rabbitmq() {
     exit 1
 }
 
+# Clients the SQL-append tests drive (outbox-postgres/tests/sql_append.rs): psql, and python3
+# with psycopg 3 for the README's Python example (installed with pip once when missing).
+ensure_sql_clients() {
+    if ! command -v psql >/dev/null; then
+        echo "error: psql is not installed (apt-get install postgresql-client)." >&2
+        exit 1
+    fi
+    if ! command -v python3 >/dev/null; then
+        echo "error: python3 is not installed (the README's Python example is tested)." >&2
+        exit 1
+    fi
+    if ! python3 -c 'import psycopg' 2>/dev/null; then
+        log "installing psycopg 3 for python3 (the README's Python example is tested)"
+        python3 -m pip install --quiet --disable-pip-version-check "psycopg[binary]>=3.1,<3.3" >&2 \
+            || python3 -m pip install --quiet --user "psycopg[binary]>=3.1,<3.3" >&2
+    fi
+}
+
 stop_services() {
     if [[ -n "$TANSU_PID" ]]; then
         kill "$TANSU_PID" 2>/dev/null || true

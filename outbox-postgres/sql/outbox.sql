@@ -293,3 +293,185 @@ ALTER TABLE "outbox"."outbox_events_aggregate" ALTER COLUMN last_version DROP DE
 -- `accept_first_version` the two mean the same; with it, aggregates held as a gap for this
 -- reason flow again (those already parked as a version gap need an operator's retry).
 UPDATE "outbox"."outbox_events_aggregate" SET last_version = NULL WHERE last_version = 0;
+-- outbox-postgres migration 7: append from SQL, for services not written in Rust.
+--
+-- `"outbox"."outbox_events_append"(...)` appends one event to this outbox inside the caller's
+-- transaction, exactly as `PostgresOutboxStore::append` does with the default
+-- `EnvelopeLimits`: it accepts and rejects the same envelopes (SQLSTATE 22023 with the Rust
+-- error's text, nothing written), writes the same row, and takes part in the relay's wake-up
+-- the same way (a NOTIFY on the default channel `<schema>_<table>` only while an idle relay
+-- holds the wake-up gate; the shared gate lock it takes otherwise is released at the end of
+-- the caller's transaction). It returns the event id.
+--
+-- What it does not do: the in-process backpressure hook (`AppendGuard`) of a Rust service
+-- is not consulted; limits other than the defaults and a custom notify channel are not known
+-- to it. See outbox-postgres/docs/sql-append.md.
+CREATE OR REPLACE FUNCTION "outbox"."outbox_events_append"(
+    aggregate_type    text,
+    aggregate_id      text,
+    aggregate_version bigint,
+    event_type        text,
+    payload           bytea,
+    content_type      text        DEFAULT 'application/json',
+    headers           jsonb       DEFAULT '{}'::jsonb,
+    schema_version    integer     DEFAULT 1,
+    event_id          uuid        DEFAULT gen_random_uuid(),
+    created_at        timestamptz DEFAULT now()
+) RETURNS uuid
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $append$
+#variable_conflict use_variable
+DECLARE
+    -- EnvelopeLimits::default(): names (and aggregate names, the smaller of max_name_len and
+    -- max_aggregate_name_bytes) 255 bytes, payload 900 KiB, 32 headers of 16 KiB in all.
+    max_name    constant integer := 255;
+    max_payload constant integer := 921600;
+    max_headers constant integer := 32;
+    max_hbytes  constant integer := 16384;
+    -- Rust's char::is_control (Unicode Cc) and char::is_whitespace (White_Space).
+    control     constant text := '[\u0001-\u001f\u007f-\u009f]';
+    blank       constant text :=
+        '^[\u0009-\u000d\u0020\u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]*$';
+    field   text;
+    val     text;
+    n       integer;
+    yr      integer;
+    hkey    text;
+    hval    jsonb;
+    hbytes  integer := 0;
+    parts   text[];
+BEGIN
+    IF aggregate_type IS NULL OR aggregate_id IS NULL OR aggregate_version IS NULL
+       OR event_type IS NULL OR payload IS NULL OR content_type IS NULL OR headers IS NULL
+       OR schema_version IS NULL OR event_id IS NULL OR created_at IS NULL THEN
+        RAISE EXCEPTION USING ERRCODE = '22004',
+            MESSAGE = 'no argument of outbox_events_append may be NULL (defaults apply when an '
+                      'argument is left out)';
+    END IF;
+    FOREACH field IN ARRAY ARRAY['aggregate_type', 'aggregate_id', 'event_type'] LOOP
+        val := CASE field WHEN 'aggregate_type' THEN aggregate_type
+                          WHEN 'aggregate_id' THEN aggregate_id
+                          ELSE event_type END;
+        IF val ~ blank THEN
+            RAISE EXCEPTION USING ERRCODE = '22023', MESSAGE = field || ' must not be empty';
+        END IF;
+        n := octet_length(val);
+        IF n > max_name THEN
+            RAISE EXCEPTION USING ERRCODE = '22023',
+                MESSAGE = format('%s is %s bytes long; the limit is %s', field, n, max_name);
+        END IF;
+        IF val ~ control THEN
+            RAISE EXCEPTION USING ERRCODE = '22023',
+                MESSAGE = field || ' must not contain control characters';
+        END IF;
+    END LOOP;
+    IF aggregate_version < 1 THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = format('aggregate_version must be at least 1, got %s', aggregate_version);
+    END IF;
+    IF schema_version < 1 THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = format('schema_version must be at least 1, got %s', schema_version);
+    END IF;
+    IF content_type ~ blank OR octet_length(content_type) > max_name OR content_type ~ control THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = format('invalid payload content type %s', to_json(content_type));
+    END IF;
+    -- The year in UTC as chrono counts it (1 BC is year 0; PostgreSQL has no year 0).
+    yr := extract(year FROM created_at AT TIME ZONE 'UTC')::integer;
+    IF yr < 0 THEN
+        yr := yr + 1;
+    END IF;
+    IF yr < 0 OR yr > 9999 THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = format('created_at in year %s is outside 0..=9999, which the wire format '
+                             '(RFC 3339) cannot carry', yr);
+    END IF;
+    IF octet_length(payload) > max_payload THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = format('payload is %s bytes; the limit is %s', octet_length(payload),
+                             max_payload);
+    END IF;
+    IF jsonb_typeof(headers) <> 'object' THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = 'headers must be a JSON object of string values, got a JSON '
+                      || jsonb_typeof(headers);
+    END IF;
+    SELECT count(*) INTO n FROM jsonb_object_keys(headers);
+    IF n > max_headers THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = format('%s headers; the limit is %s', n, max_headers);
+    END IF;
+    -- In the order Rust checks them (a BTreeMap: by the names' bytes), so that the first
+    -- fault found is the one Rust reports.
+    FOR hkey, hval IN SELECT key, value FROM jsonb_each(headers) ORDER BY key COLLATE "C" LOOP
+        IF jsonb_typeof(hval) <> 'string' THEN
+            RAISE EXCEPTION USING ERRCODE = '22023',
+                MESSAGE = format('invalid header %s: header values must be JSON strings',
+                                 to_json(hkey));
+        END IF;
+        val := hval #>> '{}';
+        IF octet_length(hkey) = 0 OR octet_length(hkey) > max_name
+           OR hkey !~ '^[\u0021-\u007e]+$' THEN
+            RAISE EXCEPTION USING ERRCODE = '22023',
+                MESSAGE = format('invalid header %s: header names are 1..=max_name_len visible '
+                                 'ASCII characters', to_json(hkey));
+        END IF;
+        IF lower(hkey) IN ('event_id', 'event_type', 'aggregate_type', 'aggregate_id',
+                           'aggregate_version', 'schema_version', 'content_type',
+                           'created_at') THEN
+            RAISE EXCEPTION USING ERRCODE = '22023',
+                MESSAGE = format('invalid header %s: the name is reserved for envelope fields',
+                                 to_json(hkey));
+        END IF;
+        IF val ~ control THEN
+            RAISE EXCEPTION USING ERRCODE = '22023',
+                MESSAGE = format('invalid header %s: header values must not contain control '
+                                 'characters', to_json(hkey));
+        END IF;
+        IF lower(hkey) = 'traceparent' THEN
+            -- W3C: version-traceid-parentid-flags, lowercase hex, ids not all zero; version
+            -- ff is invalid, version 00 has exactly four parts.
+            parts := string_to_array(val, '-');
+            IF coalesce(array_length(parts, 1), 0) < 4
+               OR parts[1] !~ '^[0-9a-f]{2}$' OR parts[1] = 'ff'
+               OR parts[2] !~ '^[0-9a-f]{32}$' OR parts[2] ~ '^0*$'
+               OR parts[3] !~ '^[0-9a-f]{16}$' OR parts[3] ~ '^0*$'
+               OR parts[4] !~ '^[0-9a-f]{2}$'
+               OR (parts[1] = '00' AND array_length(parts, 1) <> 4) THEN
+                RAISE EXCEPTION USING ERRCODE = '22023',
+                    MESSAGE = format('invalid header %s: not a W3C traceparent '
+                                     '(version-traceid-parentid-flags)', to_json(hkey));
+            END IF;
+        END IF;
+        hbytes := hbytes + octet_length(hkey) + octet_length(val);
+    END LOOP;
+    IF hbytes > max_hbytes THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = format('headers take %s bytes; the limit is %s', hbytes, max_hbytes);
+    END IF;
+
+    INSERT INTO "outbox"."outbox_events"
+        (event_id, aggregate_type, aggregate_id, aggregate_version, event_type, schema_version,
+         content_type, payload, headers, created_at, inserted_at)
+    VALUES (event_id, aggregate_type, aggregate_id, aggregate_version, event_type,
+            schema_version, content_type, payload, headers, created_at, clock_timestamp());
+
+    -- The wake-up, as the Rust append does it: notify only while an idle relay holds the
+    -- gate exclusively; otherwise hold the gate's shared lock to the end of this transaction,
+    -- so a relay arming the gate waits for this append to end and then claims it.
+    IF 'outbox_outbox_events'::text IS NOT NULL
+       AND NOT pg_try_advisory_xact_lock_shared(732909875, 624970837) THEN
+        PERFORM pg_notify('outbox_outbox_events'::text, '');
+    END IF;
+    RETURN event_id;
+END
+$append$;
+
+COMMENT ON FUNCTION "outbox"."outbox_events_append"(text, text, bigint, text, bytea, text,
+    jsonb, integer, uuid, timestamptz) IS
+    'Appends one event to "outbox"."outbox_events" in the caller''s transaction, validated as '
+    'the Rust envelope is (default limits); returns its event id. See '
+    'outbox-postgres/docs/sql-append.md.';

@@ -16,6 +16,7 @@ const OUTBOX_V3: &str = include_str!("migrations/0003_outbox.sql");
 const OUTBOX_V4: &str = include_str!("migrations/0004_outbox.sql");
 const OUTBOX_V5: &str = include_str!("migrations/0005_outbox.sql");
 const OUTBOX_V6: &str = include_str!("migrations/0006_outbox.sql");
+const OUTBOX_V7: &str = include_str!("migrations/0007_outbox.sql");
 const INBOX_V1: &str = include_str!("migrations/0001_inbox.sql");
 const INBOX_V2: &str = include_str!("migrations/0002_inbox.sql");
 const INBOX_V3: &str = include_str!("migrations/0003_inbox.sql");
@@ -71,10 +72,24 @@ pub fn qualified(schema: &str, name: &str) -> String {
 }
 
 fn render(template: &str, schema: &str, table: &str) -> String {
+    let seed = crate::sql::seed(schema, table);
+    let (k1, k2) = crate::outbox::gate_keys(seed);
+    // The store's default notify channel (`OutboxStoreBuilder::build`): `<schema>_<table>`
+    // when that is a valid channel name, else none. Both names are validated identifiers, so
+    // the literal needs no escaping.
+    let channel = format!("{schema}_{table}");
+    let channel = if channel.len() <= MAX_IDENTIFIER_LEN {
+        format!("'{channel}'")
+    } else {
+        "NULL".to_owned()
+    };
     template
         .replace("__SCHEMA__", schema)
         .replace("__TABLE__", table)
-        .replace("__SEED__", &crate::sql::seed(schema, table).to_string())
+        .replace("__SEED__", &seed.to_string())
+        .replace("__CHANNEL__", &channel)
+        .replace("__GATE_K1__", &k1.to_string())
+        .replace("__GATE_K2__", &k2.to_string())
 }
 
 /// The outbox schema (table, indexes, audit and archive tables) as plain SQL for the given
@@ -83,7 +98,7 @@ pub fn outbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError
     validate_identifier("schema", schema, MAX_IDENTIFIER_LEN)?;
     validate_identifier("table", table, MAX_TABLE_NAME_LEN)?;
     Ok(render(
-        &format!("{OUTBOX_V1}{OUTBOX_V2}{OUTBOX_V3}{OUTBOX_V4}{OUTBOX_V5}{OUTBOX_V6}"),
+        &format!("{OUTBOX_V1}{OUTBOX_V2}{OUTBOX_V3}{OUTBOX_V4}{OUTBOX_V5}{OUTBOX_V6}{OUTBOX_V7}"),
         schema,
         table,
     ))
@@ -164,6 +179,7 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         OUTBOX_V6,
         &["_aggregate"],
     ),
+    m(7, "append from SQL: <table>_append()", OUTBOX_V7, &[]),
 ];
 
 const INBOX_MIGRATIONS: &[Migration] = &[

@@ -9,6 +9,7 @@ mod maintenance;
 mod operator;
 pub(crate) mod rows;
 mod wake_gate;
+pub(crate) use wake_gate::gate_keys;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64};
