@@ -1027,3 +1027,79 @@ async fn reconcile_on_mariadb_compares_the_consumers_effects() {
     );
     db.drop().await;
 }
+
+/// `status` on MySQL reads a consumer's lag from its group's committed offsets, as on
+/// PostgreSQL (`status_reports_consumer_lag_from_committed_offsets_and_inbox_counts`): four
+/// records in the topic, the group committed offset 2: lag 2, committed 2 on partition 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_on_mariadb_reports_consumer_lag_from_committed_offsets() {
+    use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let test = "status_on_mariadb_reports_consumer_lag_from_committed_offsets";
+    let Some(brokers) = outbox_test_support::brokers(test) else {
+        return;
+    };
+    let Some(db) = Db::new(test).await else {
+        return;
+    };
+    let side = MyInbox::new(&db).await;
+    side.insert_registrations("billing", 2, 0).await;
+    let topic = outbox_test_support::unique("lag").replace('_', "-");
+    common::create_topic(&brokers, &topic, 1, &[]).await;
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .create()
+        .unwrap();
+    for i in 0..4 {
+        producer
+            .send(
+                FutureRecord::to(&topic).key("k").payload(&format!("{i}")),
+                Duration::from_secs(10),
+            )
+            .await
+            .expect("produce");
+    }
+    let group = format!("g-{topic}");
+    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .set("group.id", &group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    tpl.add_partition_offset(&topic, 0, rdkafka::Offset::Offset(2))
+        .unwrap();
+    consumer.commit(&tpl, CommitMode::Sync).unwrap();
+    drop(consumer);
+    std::fs::write(
+        db.dir.join("outbox.toml"),
+        format!("[[consumers]]\nname = \"billing\"\ngroup = \"{group}\"\ntopics = [\"{topic}\"]\n"),
+    )
+    .unwrap();
+    let out = db.outbox(
+        &db.url(),
+        &[("KAFKA_BROKERS", brokers.as_str())],
+        &["--json", "status"],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let v = json(&out);
+    let c = &v["consumers"][0];
+    assert_eq!(c["name"], "billing", "{v}");
+    assert_eq!(c["group"], group.as_str(), "{v}");
+    assert_eq!(c["inbox_registrations"], 2, "{v}");
+    assert_eq!(c["partitions"][0]["committed"], 2, "{v}");
+    assert_eq!(c["lag"], 2, "{v}");
+    assert!(c["lag_error"].is_null(), "{v}");
+    assert_eq!(c["parked"], 0, "{v}");
+    let human = db.outbox(
+        &db.url(),
+        &[("KAFKA_BROKERS", brokers.as_str())],
+        &["status"],
+    );
+    assert!(
+        String::from_utf8_lossy(&human.stdout).contains(&group),
+        "{}",
+        text(&human)
+    );
+    db.drop().await;
+}
