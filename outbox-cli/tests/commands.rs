@@ -1000,6 +1000,16 @@ async fn a_consumer_discard_skips_versions_only_when_told_how_far() {
     env.drop_schema().await;
 }
 
+/// Operators racing on a consumer's parked messages: each action lands once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_consumer_actions_land_once() {
+    let env = env_or_skip!("consumer_race", 0);
+    env.migrate();
+    let side = PgInbox::new(&env).await;
+    consumer_ops::concurrent_consumer_actions_land_once(&side).await;
+    env.drop_schema().await;
+}
+
 /// A consumer's discard without `--skip-to` never moves the applied version over versions that
 /// were never seen.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

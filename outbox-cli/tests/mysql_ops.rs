@@ -714,8 +714,8 @@ impl<'a> MyInbox<'a> {
 impl InboxSide for MyInbox<'_> {
     type Inbox = MySqlInboxStore;
 
-    fn run(&self, args: &[&str]) -> Output {
-        self.db.outbox(&self.db.url(), &[], args)
+    fn command(&self, args: &[&str]) -> std::process::Command {
+        self.db.command(&self.db.url(), &[], args)
     }
 
     fn inbox(&self) -> &Self::Inbox {
@@ -797,6 +797,16 @@ async fn a_consumer_discard_on_mariadb_never_skips_unseen_versions() {
     };
     let side = MyInbox::new(&db).await;
     consumer_ops::a_discard_never_skips_unseen_versions(&side).await;
+    db.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_consumer_actions_on_mariadb_land_once() {
+    let Some(db) = Db::new("concurrent_consumer_actions_on_mariadb").await else {
+        return;
+    };
+    let side = MyInbox::new(&db).await;
+    consumer_ops::concurrent_consumer_actions_land_once(&side).await;
     db.drop().await;
 }
 

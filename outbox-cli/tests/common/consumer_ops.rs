@@ -4,7 +4,7 @@
 //! gives the binary its URL and configuration (one consumer `billing` on a migrated inbox) and
 //! answers the few questions asked of its tables directly.
 
-use std::process::Output;
+use std::process::{Command, Output, Stdio};
 
 use outbox_core::{Envelope, EventId, InboxStore, ParkAs, ParkKind, ParkedId};
 use serde_json::{json, Value};
@@ -17,8 +17,31 @@ pub trait InboxSide: Sync {
     /// The consumer's inbox store.
     type Inbox: InboxStore + Sync;
 
-    /// `outbox <args>` with this test's database and `outbox.toml`.
-    fn run(&self, args: &[&str]) -> Output;
+    /// `outbox <args>` with this test's database and `outbox.toml`, not started.
+    fn command(&self, args: &[&str]) -> Command;
+
+    /// `outbox <args>` run to completion.
+    fn run(&self, args: &[&str]) -> Output {
+        self.command(args).output().expect("run outbox")
+    }
+
+    /// Starts every `runs` at once, then waits for each.
+    fn run_at_once(&self, runs: &[Vec<&str>]) -> Vec<Output> {
+        let children: Vec<_> = runs
+            .iter()
+            .map(|args| {
+                self.command(args)
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .expect("spawn outbox")
+            })
+            .collect();
+        children
+            .into_iter()
+            .map(|c| c.wait_with_output().expect("wait"))
+            .collect()
+    }
 
     /// The migrated inbox of consumer `billing`.
     fn inbox(&self) -> &Self::Inbox;
@@ -656,6 +679,104 @@ pub async fn cleanup_inbox_removes_registrations_past_the_dedup_window<S: InboxS
     );
 }
 
+/// Operators racing on consumer messages: two discards of one message at once, and a discard
+/// beside a retry request on another: one discard lands (exit 0), the other is told the
+/// message is discarded already (exit 1), with one discard in the audit trail; the request
+/// either lands before the discard (and is refused after it) or is refused: never a request
+/// left pending on a resolved message. Each action changes only its own aggregate.
+pub async fn concurrent_consumer_actions_land_once<S: InboxSide>(side: &S) {
+    let (a, b, c) = (
+        event("c-a", 1, "order.placed"),
+        event("c-b", 1, "order.placed"),
+        event("c-c", 1, "order.placed"),
+    );
+    let head = ParkAs::Head(ParkKind::Unprocessable);
+    let ida = park(side, 0, &a, head, "a").await.to_string();
+    let idb = park(side, 1, &b, head, "b").await.to_string();
+    let idc = park(side, 2, &c, head, "c").await.to_string();
+    fn discard<'a>(id: &'a str, actor: &'a str) -> Vec<&'a str> {
+        vec![
+            "parked",
+            "discard",
+            id,
+            "--consumer",
+            "billing",
+            "--reason",
+            "dup",
+            "--actor",
+            actor,
+        ]
+    }
+    let outs = side.run_at_once(&[discard(&ida, "alice"), discard(&ida, "bob")]);
+    let mut codes: Vec<Option<i32>> = outs.iter().map(|o| o.status.code()).collect();
+    codes.sort();
+    assert_eq!(
+        codes,
+        vec![Some(0), Some(1)],
+        "{}\n{}",
+        text(&outs[0]),
+        text(&outs[1])
+    );
+    let loser = outs.iter().find(|o| o.status.code() == Some(1)).unwrap();
+    assert!(
+        text(loser).contains("is discarded already"),
+        "{}",
+        text(loser)
+    );
+    let (_, sh, _) = side.json(&["parked", "show", &ida, "--consumer", "billing"]);
+    assert_eq!(sh["parked"]["status"], "discarded", "{sh}");
+    assert_eq!(sh["audit"].as_array().map(Vec::len), Some(1), "{sh}");
+    assert_eq!(side.registered("billing", a.event_id).await, 1);
+
+    let outs = side.run_at_once(&[
+        discard(&idb, "carol"),
+        vec![
+            "parked",
+            "retry",
+            &idb,
+            "--consumer",
+            "billing",
+            "--actor",
+            "dave",
+        ],
+    ]);
+    assert_eq!(outs[0].status.code(), Some(0), "{}", text(&outs[0]));
+    let (_, sh, _) = side.json(&["parked", "show", &idb, "--consumer", "billing"]);
+    assert_eq!(sh["parked"]["status"], "discarded", "{sh}");
+    assert!(
+        sh["parked"]["retry_request"].is_null(),
+        "no request left on a resolved message: {sh}"
+    );
+    match outs[1].status.code() {
+        Some(0) => {}
+        Some(1) => assert!(
+            text(&outs[1]).contains("is discarded already"),
+            "{}",
+            text(&outs[1])
+        ),
+        other => panic!("retry request exited {other:?}: {}", text(&outs[1])),
+    }
+    let (_, st, _) = side.json(&["status", "--no-consumers"]);
+    assert_eq!(st["consumers"][0]["retry_requested"], 0, "{st}");
+    // The same in sequence: a request, then a discard: the discard clears the request.
+    let d = event("c-d", 1, "order.placed");
+    let idd = park(side, 3, &d, head, "d").await.to_string();
+    let out = side.run(&["parked", "retry", &idd, "--consumer", "billing"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let out = side.run(&discard(&idd, "erin"));
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    let (_, sh, _) = side.json(&["parked", "show", &idd, "--consumer", "billing"]);
+    assert_eq!(sh["parked"]["status"], "discarded", "{sh}");
+    assert!(sh["parked"]["retry_request"].is_null(), "{sh}");
+    let (_, st, _) = side.json(&["status", "--no-consumers"]);
+    assert_eq!(st["consumers"][0]["retry_requested"], 0, "{st}");
+    // c-c was never acted on.
+    let (_, sh, _) = side.json(&["parked", "show", &idc, "--consumer", "billing"]);
+    assert_eq!(sh["parked"]["status"], "parked", "{sh}");
+    assert_eq!(sh["audit"], json!([]), "{sh}");
+    assert_eq!(side.registered("billing", c.event_id).await, 0);
+}
+
 /// The PostgreSQL side: the test's schema holds the outbox and consumer `billing`'s inbox.
 pub struct PgInbox<'a> {
     /// The test's services.
@@ -698,8 +819,10 @@ impl<'a> PgInbox<'a> {
 impl InboxSide for PgInbox<'_> {
     type Inbox = outbox_postgres::PostgresInboxStore;
 
-    fn run(&self, args: &[&str]) -> Output {
-        self.env.run(args)
+    fn command(&self, args: &[&str]) -> Command {
+        let mut c = self.env.cmd();
+        c.args(args);
+        c
     }
 
     fn inbox(&self) -> &Self::Inbox {
