@@ -576,6 +576,15 @@ async fn release_claims_on_mariadb_ends_a_gone_relays_leases() {
         vec![a.event_id],
         "a is claimable again, b stays relay-alive's"
     );
+    // The release is in a's audit trail; b has none (and is not parked).
+    let (code, sh) = run_json(&db, &["parked", "show", &a.event_id.to_string()]);
+    assert_eq!(code, 0, "{sh}");
+    assert!(sh["parked"].is_null(), "{sh}");
+    assert_eq!(sh["audit"][0]["action"], "release_claim", "{sh}");
+    assert_eq!(sh["audit"][0]["actor"], "carol", "{sh}");
+    let out = db.outbox(&db.url(), &[], &["parked", "show", &b.event_id.to_string()]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(text(&out).contains("has no audit trail"), "{}", text(&out));
     db.drop().await;
 }
 
