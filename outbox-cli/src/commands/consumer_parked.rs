@@ -1,7 +1,8 @@
 //! `outbox parked list|show|discard --consumer NAME`: a consumer's parked messages, through the
 //! library's operator API ([`outbox_inbox::ParkedMessages`]) over the consumer's inbox
-//! (`<inbox_table>_parked`, `<inbox_table>_audit`). Every action is audited by the library in
-//! the transaction of its first effect.
+//! (`<inbox_table>_parked`, `<inbox_table>_audit`), on PostgreSQL or MySQL / MariaDB
+//! ([`crate::consumer_inbox`]): the same code over either store's `InboxParking`. Every action
+//! is audited by the library in the transaction of its first effect.
 //!
 //! What this command can and cannot do for a consumer:
 //!
