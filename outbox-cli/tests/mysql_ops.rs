@@ -1122,3 +1122,70 @@ async fn status_on_mariadb_reports_consumer_lag_from_committed_offsets() {
     );
     db.drop().await;
 }
+
+/// A MariaDB user that may read the outbox but not change it: a retry or discard fails with
+/// exit 4 "permission denied", as a missing privilege does on PostgreSQL (before: exit 1, as if
+/// the store had refused the action), and changes nothing; reading works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mariadb_user_without_write_privileges_is_told_so() {
+    let Some(db) = Db::new("a_mariadb_user_without_write_privileges_is_told_so").await else {
+        return;
+    };
+    let pool = db.pool().await;
+    let store = store(&pool);
+    store.migrate().await.expect("migrate");
+    let e = ev("a", 1, "order.placed");
+    store
+        .append_many(&pool, std::slice::from_ref(&e))
+        .await
+        .expect("append");
+    relay_round(&store, "relay-1", |e| {
+        Some(park(
+            e,
+            ParkKind::PermanentError,
+            ErrorClass::Permanent,
+            "invalid_record",
+        ))
+    })
+    .await;
+    // A user of this test only, dropped at the end.
+    let user = format!("ro_{}", &db.name[db.name.len().saturating_sub(20)..]);
+    for sql in [
+        format!("CREATE USER '{user}'@'%' IDENTIFIED BY 'pw-{user}'"),
+        format!("GRANT SELECT ON `{}`.* TO '{user}'@'%'", db.name),
+    ] {
+        sqlx::query(&sql).execute(&db.admin).await.expect(&sql);
+    }
+    let url = db.url().replacen("root@", &format!("{user}:pw-{user}@"), 1);
+    assert_ne!(url, db.url(), "MYSQL_URL names root: {}", db.url());
+    let id = e.event_id.to_string();
+    let out = db.outbox(&url, &[], &["--json", "parked", "list"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
+    assert_eq!(json(&out)["parked"].as_array().map(Vec::len), Some(1));
+    let outs: Vec<(Vec<&str>, Output)> = [
+        vec!["parked", "retry", &id],
+        vec!["parked", "discard", &id, "--reason", "x"],
+    ]
+    .into_iter()
+    .map(|args| {
+        let out = db.outbox(&url, &[], &args);
+        (args, out)
+    })
+    .collect();
+    // Dropped before any assertion, so that a failure leaves no user behind.
+    sqlx::query(&format!("DROP USER '{user}'@'%'"))
+        .execute(&db.admin)
+        .await
+        .expect("drop user");
+    for (args, out) in outs {
+        assert_eq!(out.status.code(), Some(4), "{args:?}: {}", text(&out));
+        assert!(
+            text(&out).contains("permission denied") && !text(&out).contains(&format!("pw-{user}")),
+            "{args:?}: {}",
+            text(&out)
+        );
+    }
+    let (_, l) = run_json(&db, &["parked", "list"]);
+    assert_eq!(l["parked"].as_array().map(Vec::len), Some(1), "unchanged");
+    db.drop().await;
+}
