@@ -141,7 +141,7 @@ impl CliError {
             ),
             StoreErrorKind::Connection => Self::unreachable(
                 format!("database connection failed: {}", err.message),
-                "check that PostgreSQL is running and reachable from here",
+                "check that the database server is running and reachable from here",
             ),
             StoreErrorKind::NotFound => Self::failed(err.message.clone()),
             StoreErrorKind::Conflict => {
@@ -152,11 +152,22 @@ impl CliError {
     }
 }
 
-/// Whether a `Configuration` store error is PostgreSQL's "insufficient privilege".
+/// Whether a `Configuration` store error is a missing privilege: PostgreSQL's "insufficient
+/// privilege", or MySQL's / MariaDB's access denied to a database, table or operation.
 pub fn is_privilege(err: &StoreError) -> bool {
+    use outbox_mysql::codes;
     let mut source = std::error::Error::source(err);
     while let Some(s) = source {
         if let Some(sqlx::Error::Database(db)) = s.downcast_ref::<sqlx::Error>() {
+            if let Some(my) = db.try_downcast_ref::<outbox_mysql::sqlx::mysql::MySqlDatabaseError>()
+            {
+                return matches!(
+                    my.number(),
+                    codes::DBACCESS_DENIED
+                        | codes::TABLEACCESS_DENIED
+                        | codes::SPECIFIC_ACCESS_DENIED
+                );
+            }
             return db.code().as_deref() == Some("42501");
         }
         source = s.source();

@@ -23,6 +23,7 @@
 
 pub mod commands;
 pub mod config;
+pub mod consumer_inbox;
 pub mod db;
 pub mod error;
 pub mod health;
@@ -168,10 +169,9 @@ fn postgres_only(command: &Command) -> Option<&'static str> {
     match command {
         Command::Migrate(_) => Some("migrate"),
         Command::Relay(_) => Some("relay"),
-        Command::Parked(_) => Some("parked"),
         Command::Check(_) => Some("check"),
-        Command::Cleanup(o) if o.inbox => Some("cleanup --inbox"),
         Command::Status(_)
+        | Command::Parked(_)
         | Command::Cleanup(_)
         | Command::Reconcile(_)
         | Command::Replay(_)

@@ -4,9 +4,10 @@
 
 use std::time::Duration;
 
+use outbox_mysql::sqlx::MySqlPool;
 use outbox_mysql::MySqlOutboxStore;
 
-use crate::config::Config;
+use crate::config::{Config, DatabaseUrl, Secret};
 use crate::error::CliError;
 
 /// The store behind the configured database URL.
@@ -15,8 +16,9 @@ pub enum Backend {
     /// PostgreSQL (`outbox-postgres`): every command.
     Postgres,
     /// MySQL / MariaDB (`outbox-mysql`): the commands that read through
-    /// [`outbox_core::ReportingStore`] (`status`, `reconcile`, `replay`, `cleanup --dry-run`)
-    /// and the outbox cleanup.
+    /// [`outbox_core::ReportingStore`] (`status`, `reconcile`, `replay`, `cleanup --dry-run`),
+    /// the outbox cleanup, `parked` (through [`outbox_core::OperatorStore`]) and the
+    /// consumers' inboxes ([`crate::consumer_inbox`]).
     MySql,
 }
 
@@ -44,9 +46,9 @@ pub fn postgres_only(config: &Config, command: &str) -> Result<(), CliError> {
                 "`outbox {command}` does not support MySQL / MariaDB yet (the database URL is \
                  mysql://); it runs on PostgreSQL only"
             ),
-            "on MySQL run `outbox status`, `outbox cleanup` (the outbox, not --inbox), \
-             `outbox reconcile` (the outbox side) or `outbox replay`; see \
-             outbox-cli/docs/commands.md for which command works on which store",
+            "on MySQL run `outbox status`, `outbox parked`, `outbox cleanup`, `outbox \
+             reconcile` or `outbox replay`; see outbox-cli/docs/commands.md for which command \
+             works on which store",
         )),
         _ => Ok(()),
     }
@@ -63,10 +65,15 @@ pub struct MySqlOutbox {
     pub table: String,
 }
 
-/// Connects to the MySQL / MariaDB outbox of the configuration.
-pub async fn connect_mysql(config: &Config, pool_size: u32) -> Result<MySqlOutbox, CliError> {
+/// A pool on the MySQL / MariaDB server of `url` (`password`, when set, replaces the URL's),
+/// with the configuration's connection settings; and the URL, password redacted.
+pub async fn mysql_pool(
+    config: &Config,
+    url: &DatabaseUrl,
+    password: &Secret,
+    pool_size: u32,
+) -> Result<(MySqlPool, String), CliError> {
     use outbox_mysql::sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
-    let url = config.database_url()?;
     let target = url.redacted();
     let mut options: MySqlConnectOptions = url.expose().trim().parse().map_err(|e| {
         CliError::config(
@@ -77,8 +84,8 @@ pub async fn connect_mysql(config: &Config, pool_size: u32) -> Result<MySqlOutbo
             "use mysql://user:password@host:port/database",
         )
     })?;
-    if !config.database.password.is_empty() {
-        options = options.password(config.database.password.expose());
+    if !password.is_empty() {
+        options = options.password(password.expose());
     }
     let max = if config.database.max_connections > 0 {
         config.database.max_connections
@@ -105,6 +112,18 @@ pub async fn connect_mysql(config: &Config, pool_size: u32) -> Result<MySqlOutbo
                 "check the database URL and that the server runs",
             )
         })?;
+    Ok((pool, target))
+}
+
+/// Connects to the MySQL / MariaDB outbox of the configuration.
+pub async fn connect_mysql(config: &Config, pool_size: u32) -> Result<MySqlOutbox, CliError> {
+    let (pool, target) = mysql_pool(
+        config,
+        config.database_url()?,
+        &config.database.password,
+        pool_size,
+    )
+    .await?;
     let o = &config.outbox;
     let mut builder = MySqlOutboxStore::builder(pool)
         .table(o.table.clone())

@@ -6,6 +6,7 @@ mod common;
 
 use std::time::Duration;
 
+use common::consumer_ops::{self, PgInbox};
 use common::text;
 use outbox_core::Envelope;
 
@@ -865,7 +866,6 @@ async fn status_reports_consumer_lag_from_committed_offsets_and_inbox_counts() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumers_parked_messages_are_listed_shown_discarded_and_counted() {
-    use outbox_core::{ParkAs, ParkKind};
     let env = env_or_skip!("consumer_parked", 0);
     let s = env.schema.clone();
     std::fs::write(
@@ -884,306 +884,8 @@ async fn a_consumers_parked_messages_are_listed_shown_discarded_and_counted() {
     );
     let out = env.run(&["migrate", "--inbox"]);
     assert!(out.status.success(), "{}", text(&out));
-    let inbox = common::inbox(&env.pool, &s).await;
-    // o-1 v1 could not be applied; v2 waits behind it. o-2 v1 could not be applied, alone.
-    let ev = |agg: &str, v: i64, t: &str| {
-        Envelope::builder("order", agg, v, t)
-            .json(&serde_json::json!({"v": v}))
-            .unwrap()
-            .build()
-            .unwrap()
-    };
-    let (o1v1, o1v2, o2v1) = (
-        ev("o-1", 1, "order.placed"),
-        ev("o-1", 2, "order.paid"),
-        ev("o-2", 1, "order.placed"),
-    );
-    let head = ParkAs::Head(ParkKind::Unprocessable);
-    let id1 = common::park_consumer_message(
-        &inbox,
-        "billing",
-        "orders",
-        0,
-        &o1v1,
-        head,
-        "unknown customer",
-    )
-    .await;
-    let id2 = common::park_consumer_message(
-        &inbox,
-        "billing",
-        "orders",
-        1,
-        &o1v2,
-        ParkAs::Waiting,
-        "waits behind its aggregate",
-    )
-    .await;
-    let id3 = common::park_consumer_message(
-        &inbox,
-        "billing",
-        "orders",
-        2,
-        &o2v1,
-        head,
-        "unknown customer",
-    )
-    .await;
-
-    // list: every open message, oldest first, never the payload.
-    let (code, l, stderr) = env.json(&["parked", "list", "--consumer", "billing"]);
-    assert_eq!(code, 0, "{stderr}");
-    assert_eq!(l["side"], "consumer");
-    let listed = l["parked"].as_array().unwrap();
-    let ids: Vec<i64> = listed.iter().map(|m| m["id"].as_i64().unwrap()).collect();
-    assert_eq!(ids, vec![id1.0, id2.0, id3.0]);
-    assert_eq!(listed[0]["status"], "parked");
-    assert_eq!(listed[0]["kind"], "unprocessable");
-    assert_eq!(listed[0]["reason"], "unknown customer");
-    assert_eq!(listed[0]["event_type"], "order.placed");
-    assert_eq!(listed[0]["event_id"], o1v1.event_id.to_string());
-    assert_eq!(listed[1]["status"], "waiting");
-    assert_eq!(listed[1]["aggregate_version"], 2);
-    assert!(listed.iter().all(|m| m.get("payload").is_none()));
-    let human = env.run(&["parked", "list", "--consumer", "billing"]);
-    assert!(human.status.success(), "{}", text(&human));
-    let human = String::from_utf8_lossy(&human.stdout).into_owned();
-    assert!(
-        human.contains("waiting") && human.contains("order/o-1"),
-        "{human}"
-    );
-
-    // status: parked and waiting counts and the oldest age, per consumer.
-    let (code, st, stderr) = env.json(&["status", "--no-consumers"]);
-    assert_eq!(code, 0, "{stderr}");
-    let c = &st["consumers"][0];
-    assert_eq!(
-        (c["parked"].as_u64(), c["waiting"].as_u64()),
-        (Some(2), Some(1)),
-        "{st}"
-    );
-    assert!(
-        c["oldest_parked_age_seconds"].as_f64().unwrap() >= 0.0,
-        "{st}"
-    );
-    assert!(
-        st["warnings"]
-            .to_string()
-            .contains("parked list --consumer billing"),
-        "{st}"
-    );
-    let human = env.run(&["status", "--no-consumers"]);
-    assert!(
-        String::from_utf8_lossy(&human.stdout).contains("2 (+1 waiting)"),
-        "{}",
-        text(&human)
-    );
-
-    // show: the message, what waits behind it, no audit yet.
-    let id1s = id1.to_string();
-    let (code, sh, _) = env.json(&["parked", "show", &id1s, "--consumer", "billing"]);
-    assert_eq!(code, 0, "{sh}");
-    assert_eq!(sh["parked"]["id"], id1.0);
-    assert_eq!(sh["same_aggregate_open"], serde_json::json!([id2.0]));
-    assert_eq!(sh["audit"], serde_json::json!([]));
-    let human = env.run(&["parked", "show", &id1s, "--consumer", "billing"]);
-    assert!(String::from_utf8_lossy(&human.stdout).contains("no operator action yet"));
-
-    // Bad inputs, each with its exit code and the fix.
-    let bad = |args: &[&str], code: i32, says: &str| {
-        let out = env.run(args);
-        assert_eq!(out.status.code(), Some(code), "{args:?}: {}", text(&out));
-        assert!(text(&out).contains(says), "{args:?}: {}", text(&out));
-    };
-    bad(
-        &["parked", "list", "--consumer", "shipping"],
-        2,
-        "no consumer \"shipping\" in the configuration (configured: billing)",
-    );
-    bad(
-        &["parked", "show", "999999", "--consumer", "billing"],
-        1,
-        "has no parked message 999999",
-    );
-    bad(
-        &["parked", "show", "not-a-number", "--consumer", "billing"],
-        2,
-        "not a parked message id",
-    );
-    bad(
-        &["parked", "discard", &id1s, "--consumer", "billing"],
-        2,
-        "discard needs a reason",
-    );
-    bad(
-        &[
-            "parked",
-            "discard",
-            "999999",
-            "--consumer",
-            "billing",
-            "--reason",
-            "x",
-        ],
-        1,
-        "has no parked message 999999",
-    );
-    bad(
-        &["parked", "retry", "999999", "--consumer", "billing"],
-        1,
-        "has no parked message 999999",
-    );
-    bad(
-        &[
-            "parked",
-            "reissue",
-            &id1s,
-            "--consumer",
-            "billing",
-            "--reason",
-            "x",
-            "--yes",
-        ],
-        2,
-        "reissue does not apply",
-    );
-    bad(
-        &["parked", "list", "--all"],
-        2,
-        "--all lists a consumer's resolved messages",
-    );
-    // Discarding a head with messages behind it asks first (no terminal here: refused).
-    bad(
-        &[
-            "parked",
-            "discard",
-            &id1s,
-            "--consumer",
-            "billing",
-            "--reason",
-            "x",
-        ],
-        6,
-        "--yes",
-    );
-    let (_, l, _) = env.json(&["parked", "list", "--consumer", "billing"]);
-    assert_eq!(
-        l["parked"].as_array().unwrap().len(),
-        3,
-        "nothing changed: {l}"
-    );
-
-    // discard of a head with nothing behind it: resolved, registered, aggregate released.
-    let id3s = id3.to_string();
-    let (code, d, stderr) = env.json(&[
-        "parked",
-        "discard",
-        &id3s,
-        "--consumer",
-        "billing",
-        "--reason",
-        "customer deleted",
-        "--actor",
-        "alice",
-    ]);
-    assert_eq!(code, 0, "{stderr}");
-    assert_eq!(d["action"], "discard");
-    assert_eq!(
-        (d["discarded"].as_u64(), d["released"].as_bool()),
-        (Some(1), Some(true)),
-        "{d}"
-    );
-    assert!(d["still_parked"].is_null(), "{d}");
-    let registered: i64 = sqlx::query_scalar(&format!(
-        "SELECT count(*) FROM \"{s}\".processed_events WHERE consumer = 'billing' AND event_id = $1"
-    ))
-    .bind(o2v1.event_id.as_uuid())
-    .fetch_one(&env.pool)
-    .await
-    .unwrap();
-    assert_eq!(
-        registered, 1,
-        "a discarded message is registered: a redelivery is a duplicate"
-    );
-    let (_, sh, _) = env.json(&["parked", "show", &id3s, "--consumer", "billing"]);
-    assert_eq!(sh["parked"]["status"], "discarded");
-    let audit = sh["audit"].as_array().unwrap();
-    assert_eq!(audit.len(), 1, "{sh}");
-    assert_eq!(audit[0]["action"], "discard");
-    assert_eq!(audit[0]["actor"], "alice");
-    assert_eq!(audit[0]["reason"], "customer deleted");
-    bad(
-        &["parked", "retry", &id3s, "--consumer", "billing"],
-        1,
-        "is discarded already",
-    );
-    bad(
-        &[
-            "parked",
-            "discard",
-            &id3s,
-            "--consumer",
-            "billing",
-            "--reason",
-            "again",
-        ],
-        1,
-        "is discarded already",
-    );
-
-    // discard of a head with a message behind it (confirmed): the waiting message needs the
-    // consumer's handler, so it becomes the parked head, saying so; nothing is applied.
-    let (code, d, stderr) = env.json(&[
-        "parked",
-        "discard",
-        &id1s,
-        "--consumer",
-        "billing",
-        "--reason",
-        "order voided",
-        "--yes",
-        "--actor",
-        "bob",
-    ]);
-    assert_eq!(code, 0, "{stderr}");
-    assert_eq!(d["still_parked"]["id"], id2.0, "{d}");
-    assert_eq!(d["released"], false, "{d}");
-    let (_, l, _) = env.json(&["parked", "list", "--consumer", "billing"]);
-    let open = l["parked"].as_array().unwrap();
-    assert_eq!(open.len(), 1, "{l}");
-    assert_eq!(open[0]["id"], id2.0);
-    assert_eq!(open[0]["status"], "parked");
-    assert!(
-        open[0]["reason"]
-            .as_str()
-            .unwrap()
-            .contains("request a retry (`outbox parked retry ID --consumer NAME`)"),
-        "{l}"
-    );
-    let applied: i64 = sqlx::query_scalar(&format!(
-        "SELECT count(*) FROM \"{s}\".processed_events WHERE consumer = 'billing' AND event_id = $1"
-    ))
-    .bind(o1v2.event_id.as_uuid())
-    .fetch_one(&env.pool)
-    .await
-    .unwrap();
-    assert_eq!(applied, 0, "the waiting message was not applied");
-    // --all shows the resolved ones too.
-    let (_, all, _) = env.json(&["parked", "list", "--consumer", "billing", "--all"]);
-    let statuses: Vec<&str> = all["parked"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["status"].as_str().unwrap())
-        .collect();
-    assert_eq!(statuses, vec!["discarded", "parked", "discarded"], "{all}");
-    let (_, st, _) = env.json(&["status", "--no-consumers"]);
-    let c = &st["consumers"][0];
-    assert_eq!(
-        (c["parked"].as_u64(), c["waiting"].as_u64()),
-        (Some(1), Some(0)),
-        "{st}"
-    );
+    let side = PgInbox::new(&env).await;
+    consumer_ops::parked_messages_are_listed_shown_discarded_and_counted(&side).await;
     env.drop_schema().await;
 }
 
@@ -1191,114 +893,11 @@ async fn a_consumers_parked_messages_are_listed_shown_discarded_and_counted() {
 async fn cleanup_inbox_removes_registrations_past_the_dedup_window_in_batches() {
     let env = env_or_skip!("cleanup_inbox", 0);
     env.migrate();
-    let s = env.schema.clone();
-    let inbox = common::inbox(&env.pool, &s).await;
-    // Two consumers share the table: six registrations 20 days old and three 10 days old each.
-    sqlx::raw_sql(&format!(
-        "INSERT INTO \"{s}\".processed_events (consumer, event_id, processed_at) \
-         SELECT CASE WHEN g % 2 = 0 THEN 'billing' ELSE 'shipping' END, gen_random_uuid(), \
-                now() - interval '20 days' FROM generate_series(1, 12) g; \
-         INSERT INTO \"{s}\".processed_events (consumer, event_id, processed_at) \
-         SELECT c, gen_random_uuid(), now() - interval '10 days' \
-         FROM unnest(ARRAY['billing', 'shipping']) c, generate_series(1, 3)"
-    ))
-    .execute(&env.pool)
-    .await
-    .unwrap();
-    // A parked message is never cleaned up.
-    let e = Envelope::builder("order", "o-1", 1, "order.placed")
-        .build()
-        .unwrap();
-    common::park_consumer_message(
-        &inbox,
-        "billing",
-        "orders",
-        0,
-        &e,
-        outbox_core::ParkAs::Head(outbox_core::ParkKind::Unprocessable),
-        "x",
-    )
+    let side = PgInbox::new(&env).await;
+    consumer_ops::cleanup_inbox_removes_registrations_past_the_dedup_window(&side, |c| {
+        side.write_config(c)
+    })
     .await;
-    // billing keeps 9 days, shipping 15: each consumer cleans its own rows with its own window
-    // (billing all nine, shipping its six 20-day-old ones).
-    std::fs::write(
-        env.dir.join("outbox.toml"),
-        format!(
-            "[[consumers]]\nname = \"billing\"\ninbox_schema = \"{s}\"\ndedup_retention = \"9d\"\n\
-             [[consumers]]\nname = \"shipping\"\ninbox_schema = \"{s}\"\ndedup_retention = \"15d\"\n"
-        ),
-    )
-    .unwrap();
-    let count = |consumer: &'static str| {
-        let q = format!("SELECT count(*) FROM \"{s}\".processed_events WHERE consumer = $1");
-        let pool = env.pool.clone();
-        async move {
-            sqlx::query_scalar::<_, i64>(&q)
-                .bind(consumer)
-                .fetch_one(&pool)
-                .await
-                .unwrap()
-        }
-    };
-    let (code, v, stderr) = env.json(&["cleanup", "--inbox", "--dry-run"]);
-    assert_eq!(code, 0, "{stderr}");
-    assert_eq!(v["dry_run"], true);
-    let inboxes = v["inboxes"].as_array().unwrap();
-    assert_eq!(inboxes.len(), 2, "one entry per consumer: {v}");
-    assert_eq!(
-        (&inboxes[0]["consumer"], &inboxes[1]["consumer"]),
-        (
-            &serde_json::json!("billing"),
-            &serde_json::json!("shipping")
-        )
-    );
-    assert_eq!(inboxes[0]["retention"], "9days");
-    assert_eq!(inboxes[1]["retention"], "15days");
-    assert_eq!(inboxes[0]["would_remove"], 9, "{v}");
-    assert_eq!(inboxes[1]["would_remove"], 6, "{v}");
-    assert_eq!(
-        (count("billing").await, count("shipping").await),
-        (9, 9),
-        "a dry run changes nothing"
-    );
-    let human = env.run(&["cleanup", "--inbox", "--dry-run"]);
-    let human_out = String::from_utf8_lossy(&human.stdout);
-    assert!(
-        human_out.contains("consumer billing")
-            && human_out.contains("9 registration(s)")
-            && human_out.contains("consumer shipping")
-            && human_out.contains("6 registration(s)"),
-        "{}",
-        text(&human)
-    );
-    // Bad inputs.
-    let out = env.run(&["cleanup", "--inbox", "--retention", "1d"]);
-    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
-    let (code, v, _) = env.json(&["cleanup", "--inbox", "--batch-size", "5"]);
-    assert_eq!(code, 0, "{v}");
-    assert_eq!(v["inboxes"][0]["removed"], 9, "{v}");
-    assert_eq!(v["inboxes"][0]["batches"], 2, "{v}");
-    assert_eq!(v["inboxes"][1]["removed"], 6, "{v}");
-    assert_eq!(v["inboxes"][1]["batches"], 2, "{v}");
-    assert_eq!(
-        (count("billing").await, count("shipping").await),
-        (0, 3),
-        "shipping keeps the registrations inside its own, longer window"
-    );
-    let (_, l, _) = env.json(&["parked", "list", "--consumer", "billing"]);
-    assert_eq!(
-        l["parked"].as_array().unwrap().len(),
-        1,
-        "parked messages stay: {l}"
-    );
-    std::fs::remove_file(env.dir.join("outbox.toml")).unwrap();
-    let out = env.run(&["cleanup", "--inbox"]);
-    assert_eq!(
-        out.status.code(),
-        Some(2),
-        "no consumers configured: {}",
-        text(&out)
-    );
     env.drop_schema().await;
 }
 
@@ -1330,90 +929,18 @@ impl outbox_inbox::Handler<sqlx::Transaction<'static, sqlx::Postgres>> for Recor
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consumer_retry_is_requested_and_performed_by_the_consumer_engine() {
-    use outbox_core::{ParkAs, ParkKind};
     let env = env_or_skip!("retry_request", 0);
     env.migrate();
     let s = env.schema.clone();
-    let inbox = common::inbox(&env.pool, &s).await;
+    let side = PgInbox::new(&env).await;
+    let inbox = side.inbox.clone();
     sqlx::raw_sql(&format!(
         "CREATE TABLE \"{s}\".applied (n bigserial, aggregate_id text, version bigint)"
     ))
     .execute(&env.pool)
     .await
     .unwrap();
-    std::fs::write(
-        env.dir.join("outbox.toml"),
-        format!("[[consumers]]\nname = \"billing\"\ninbox_schema = \"{s}\"\n"),
-    )
-    .unwrap();
-    let v1 = Envelope::builder("order", "o-9", 1, "order.placed")
-        .build()
-        .unwrap();
-    let v2 = Envelope::builder("order", "o-9", 2, "order.paid")
-        .build()
-        .unwrap();
-    let head = ParkAs::Head(ParkKind::Unprocessable);
-    let id1 =
-        common::park_consumer_message(&inbox, "billing", "orders", 0, &v1, head, "no customer")
-            .await;
-    let id2 = common::park_consumer_message(
-        &inbox,
-        "billing",
-        "orders",
-        1,
-        &v2,
-        ParkAs::Waiting,
-        "waits",
-    )
-    .await;
-    let id1s = id1.to_string();
-
-    // The command records the request, audited; nothing is applied yet.
-    let (code, r, stderr) = env.json(&[
-        "parked",
-        "retry",
-        &id1s,
-        "--consumer",
-        "billing",
-        "--actor",
-        "alice",
-        "--reason",
-        "customer created",
-    ]);
-    assert_eq!(code, 0, "{stderr}");
-    assert_eq!(r["action"], "request_retry", "{r}");
-    assert_eq!(r["id"], id1.0, "{r}");
-    let (_, sh, _) = env.json(&["parked", "show", &id1s, "--consumer", "billing"]);
-    assert_eq!(sh["parked"]["status"], "parked", "{sh}");
-    assert_eq!(
-        sh["parked"]["retry_request"]["requested_by"], "alice",
-        "{sh}"
-    );
-    assert_eq!(
-        sh["parked"]["retry_request"]["reason"], "customer created",
-        "{sh}"
-    );
-    assert_eq!(sh["audit"][0]["action"], "request_retry", "{sh}");
-    let human = env.run(&["parked", "show", &id1s, "--consumer", "billing"]);
-    assert!(
-        String::from_utf8_lossy(&human.stdout).contains("retry requested"),
-        "{}",
-        text(&human)
-    );
-    let human = env.run(&[
-        "parked",
-        "retry",
-        &id1s,
-        "--consumer",
-        "billing",
-        "--actor",
-        "alice",
-    ]);
-    assert!(
-        String::from_utf8_lossy(&human.stdout).contains("at its next check"),
-        "a second request replaces the first: {}",
-        text(&human)
-    );
+    let (id1, id2, _) = consumer_ops::retry_is_requested(&side).await;
     let applied = || async {
         sqlx::query_as::<_, (String, i64)>(&format!(
             "SELECT aggregate_id, version FROM \"{s}\".applied ORDER BY n"
@@ -1426,15 +953,6 @@ async fn consumer_retry_is_requested_and_performed_by_the_consumer_engine() {
         applied().await,
         vec![],
         "a request applies nothing by itself"
-    );
-    let (code, st, stderr) = env.json(&["status", "--no-consumers"]);
-    assert_eq!(code, 0, "{stderr}");
-    assert_eq!(st["consumers"][0]["retry_requested"], 1, "{st}");
-    let human = env.run(&["status", "--no-consumers"]);
-    assert!(
-        String::from_utf8_lossy(&human.stdout).contains("1 retry requested"),
-        "{}",
-        text(&human)
     );
 
     // The consumer service's engine performs it at start, with its handler, in order.
@@ -1457,29 +975,7 @@ async fn consumer_retry_is_requested_and_performed_by_the_consumer_engine() {
         applied().await,
         vec![("o-9".to_owned(), 1), ("o-9".to_owned(), 2)]
     );
-    let (_, sh, _) = env.json(&["parked", "show", &id1s, "--consumer", "billing"]);
-    assert_eq!(sh["parked"]["status"], "applied", "{sh}");
-    assert!(sh["parked"]["retry_request"].is_null(), "cleared: {sh}");
-    let actions: Vec<&str> = sh["audit"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|a| a["action"].as_str().unwrap())
-        .collect();
-    assert_eq!(
-        actions,
-        vec!["request_retry", "request_retry", "retry"],
-        "{sh}"
-    );
-    assert_eq!(sh["audit"][2]["actor"], "alice", "{sh}");
-    let (_, st, _) = env.json(&["status", "--no-consumers"]);
-    assert_eq!(st["consumers"][0]["retry_requested"], 0, "{st}");
-    let (_, sh2, _) = env.json(&["parked", "show", &id2.to_string(), "--consumer", "billing"]);
-    assert_eq!(sh2["parked"]["status"], "applied", "{sh2}");
-    // A resolved message takes no request.
-    let out = env.run(&["parked", "retry", &id1s, "--consumer", "billing"]);
-    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
-    assert!(text(&out).contains("is applied already"), "{}", text(&out));
+    consumer_ops::retry_was_performed(&side, id1, id2).await;
     env.drop_schema().await;
 }
 
@@ -1489,7 +985,6 @@ async fn consumer_retry_is_requested_and_performed_by_the_consumer_engine() {
 /// message's version, or on the producer side, is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_discard_skips_versions_only_when_told_how_far() {
-    use outbox_core::{ParkAs, ParkKind};
     let env = env_or_skip!("consumer_skip_to", 0);
     let s = env.schema.clone();
     std::fs::write(
@@ -1500,71 +995,28 @@ async fn a_consumer_discard_skips_versions_only_when_told_how_far() {
     env.migrate();
     let out = env.run(&["migrate", "--inbox"]);
     assert!(out.status.success(), "{}", text(&out));
-    let inbox = common::inbox(&env.pool, &s).await;
-    let v5 = Envelope::builder("order", "o-3", 5, "order.paid")
-        .build()
-        .unwrap();
-    let id = common::park_consumer_message(
-        &inbox,
-        "billing",
-        "orders",
-        0,
-        &v5,
-        ParkAs::Head(ParkKind::VersionGap),
-        "version gap",
-    )
-    .await
-    .to_string();
-    let args = |to: &str| {
-        vec![
-            "parked".to_owned(),
-            "discard".to_owned(),
-            id.clone(),
-            "--consumer".to_owned(),
-            "billing".to_owned(),
-            "--reason".to_owned(),
-            "v1..v4 lost upstream".to_owned(),
-            "--skip-to".to_owned(),
-            to.to_owned(),
-        ]
-    };
-    let below: Vec<String> = args("3");
-    let out = env.run(&below.iter().map(String::as_str).collect::<Vec<_>>());
-    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
-    assert!(text(&out).contains("below"), "{}", text(&out));
-    let out = env.run(&[
-        "parked",
-        "discard",
-        &v5.event_id.to_string(),
-        "--reason",
-        "x",
-        "--skip-to",
-        "7",
-    ]);
-    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
-    assert!(
-        text(&out).contains("--skip-to is for a consumer"),
-        "{}",
-        text(&out)
-    );
-    let ok: Vec<String> = args("7");
-    let (code, d, stderr) = env.json(&ok.iter().map(String::as_str).collect::<Vec<_>>());
-    assert_eq!(code, 0, "{stderr}");
-    // Versions 1..=4, 6 and 7 were never seen: six swallowed.
-    assert_eq!(d["skipped_versions"].as_i64(), Some(6), "{d}");
-    let applied: Option<i64> = sqlx::query_scalar(&format!(
-        "SELECT applied_version FROM \"{s}\".processed_events_aggregates \
-         WHERE consumer = 'billing' AND aggregate_id = 'o-3'"
-    ))
-    .fetch_one(&env.pool)
-    .await
-    .unwrap();
-    assert_eq!(applied, Some(7));
-    let (_, sh, _) = env.json(&["parked", "show", &id, "--consumer", "billing"]);
-    let outcome = sh["audit"][0]["outcome"]
-        .as_str()
-        .unwrap_or_default()
-        .to_owned();
-    assert!(outcome.contains("6 version(s) never seen"), "{sh}");
+    let side = PgInbox::new(&env).await;
+    consumer_ops::a_discard_skips_versions_only_when_told_how_far(&side).await;
+    env.drop_schema().await;
+}
+
+/// Operators racing on a consumer's parked messages: each action lands once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_consumer_actions_land_once() {
+    let env = env_or_skip!("consumer_race", 0);
+    env.migrate();
+    let side = PgInbox::new(&env).await;
+    consumer_ops::concurrent_consumer_actions_land_once(&side).await;
+    env.drop_schema().await;
+}
+
+/// A consumer's discard without `--skip-to` never moves the applied version over versions that
+/// were never seen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_discard_never_skips_unseen_versions() {
+    let env = env_or_skip!("consumer_no_skip", 0);
+    env.migrate();
+    let side = PgInbox::new(&env).await;
+    consumer_ops::a_discard_never_skips_unseen_versions(&side).await;
     env.drop_schema().await;
 }

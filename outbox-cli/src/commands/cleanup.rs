@@ -6,7 +6,8 @@
 //! (`InboxStore::cleanup`, one bounded batch per transaction): registrations older than the
 //! consumer's `dedup_retention`. Each consumer removes only its own registrations, with its
 //! own window, also when consumers share an inbox table. Parked messages, their audit trail
-//! and the applied versions are never touched.
+//! and the applied versions are never touched. Each consumer's inbox is on PostgreSQL or
+//! MySQL / MariaDB ([`crate::consumer_inbox`]).
 
 use std::time::Duration;
 
@@ -15,6 +16,7 @@ use outbox_core::InboxStore;
 use serde_json::json;
 
 use crate::config::{Config, Dur};
+use crate::consumer_inbox::on_inbox;
 use crate::db;
 use crate::error::CliError;
 use crate::opt::CleanupOpts;
@@ -150,12 +152,12 @@ async fn inboxes(
     let mut reports = Vec::new();
     for c in &config.consumers {
         let retention: Dur = c.dedup_retention;
-        let (store, table) = db::inbox_store(config, c, 2).await?;
+        let (inbox, table) = crate::consumer_inbox::open(config, c, 2).await?;
         let map = |e: outbox_core::StoreError| db::inbox_error(&e, c, &table);
-        let candidates = store
+        let candidates = on_inbox!(&inbox, |store| store
             .cleanup_candidates(&c.name, retention.0)
             .await
-            .map_err(map)?;
+            .map_err(map)?);
         if dry_run {
             if !out.json {
                 println!(
@@ -174,10 +176,10 @@ async fn inboxes(
         let mut removed = 0u64;
         let mut batches = 0u64;
         loop {
-            let n = store
+            let n = on_inbox!(&inbox, |store| store
                 .cleanup(&c.name, retention.0, batch)
                 .await
-                .map_err(map)?;
+                .map_err(map)?);
             if n > 0 {
                 batches += 1;
             }

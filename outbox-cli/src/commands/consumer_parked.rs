@@ -1,7 +1,8 @@
 //! `outbox parked list|show|discard --consumer NAME`: a consumer's parked messages, through the
 //! library's operator API ([`outbox_inbox::ParkedMessages`]) over the consumer's inbox
-//! (`<inbox_table>_parked`, `<inbox_table>_audit`). Every action is audited by the library in
-//! the transaction of its first effect.
+//! (`<inbox_table>_parked`, `<inbox_table>_audit`), on PostgreSQL or MySQL / MariaDB
+//! ([`crate::consumer_inbox`]): the same code over either store's `InboxParking`. Every action
+//! is audited by the library in the transaction of its first effect.
 //!
 //! What this command can and cannot do for a consumer:
 //!
@@ -27,15 +28,16 @@
 //! * **reissue** is a producer action (a copy of an outbox event with a new id) and is refused
 //!   for a consumer.
 
-use outbox_core::{async_trait, Envelope, InboxAuditEntry, ParkedFilter, ParkedId, ParkedMessage};
+use outbox_core::{
+    async_trait, Envelope, InboxAuditEntry, InboxParking, ParkedFilter, ParkedId, ParkedMessage,
+};
 use outbox_inbox::{
     Handler, HandlerError, InboxProcessor, OperatorError, ParkedMessages, VersionPolicy,
 };
-use outbox_postgres::PostgresInboxStore;
 use serde_json::{json, Value};
-use sqlx::{Postgres, Transaction};
 
 use crate::config::{Config, ConsumerConfig, VersionPolicyName};
+use crate::consumer_inbox::{on_inbox, ConsumerInbox};
 use crate::db;
 use crate::error::CliError;
 use crate::opt::{ParkedActionOpts, ParkedListOpts, ParkedTarget};
@@ -52,29 +54,34 @@ pub const NEEDS_HANDLER: &str = "not applied: released by `outbox parked discard
 struct NoEffect;
 
 #[async_trait]
-impl Handler<Transaction<'static, Postgres>> for NoEffect {
-    async fn handle(
-        &self,
-        _tx: &mut Transaction<'static, Postgres>,
-        _event: &Envelope,
-    ) -> Result<(), HandlerError> {
+impl<Tx: Send> Handler<Tx> for NoEffect {
+    async fn handle(&self, _tx: &mut Tx, _event: &Envelope) -> Result<(), HandlerError> {
         Err(HandlerError::permanent(NEEDS_HANDLER))
     }
 }
 
-type Ops = ParkedMessages<PostgresInboxStore, NoEffect>;
+type Ops<I> = ParkedMessages<I, NoEffect>;
 
-async fn open(config: &Config, name: &str) -> Result<(Ops, ConsumerConfig, String), CliError> {
+/// Consumer `name`'s inbox (PostgreSQL or MySQL, see [`crate::consumer_inbox`]).
+async fn open(
+    config: &Config,
+    name: &str,
+) -> Result<(ConsumerInbox, ConsumerConfig, String), CliError> {
     let c = db::consumer(config, name)?.clone();
-    let (store, table) = db::inbox_store(config, &c, 2).await?;
+    let (inbox, table) = crate::consumer_inbox::open(config, &c, 2).await?;
+    Ok((inbox, c, table))
+}
+
+/// The operator API over `store` for consumer `c`, with its version policy.
+fn ops<I: InboxParking>(store: I, c: &ConsumerConfig) -> Ops<I> {
     let policy = match c.version_policy {
         VersionPolicyName::Unchecked => VersionPolicy::Unchecked,
         // Hold and Reject both track versions; their bounds matter to the engine only.
         VersionPolicyName::Reject | VersionPolicyName::Hold => VersionPolicy::Reject,
     };
-    let processor =
-        InboxProcessor::new(c.name.clone(), store, NoEffect).with_version_policy(policy);
-    Ok((ParkedMessages::new(processor), c, table))
+    ParkedMessages::new(
+        InboxProcessor::new(c.name.clone(), store, NoEffect).with_version_policy(policy),
+    )
 }
 
 fn parked_id(s: &str, consumer: &str) -> Result<ParkedId, CliError> {
@@ -167,7 +174,18 @@ pub async fn list(
     o: &ParkedListOpts,
     out: &Output,
 ) -> Result<(), CliError> {
-    let (ops, c, table) = open(config, name).await?;
+    let (inbox, c, table) = open(config, name).await?;
+    on_inbox!(inbox, |store| list_on(&ops(store, &c), &c, &table, o, out)
+        .await)
+}
+
+async fn list_on<I: InboxParking>(
+    ops: &Ops<I>,
+    c: &ConsumerConfig,
+    table: &str,
+    o: &ParkedListOpts,
+    out: &Output,
+) -> Result<(), CliError> {
     let mut filter = ParkedFilter::open().limit(o.limit.max(1));
     if o.all {
         filter = filter.all();
@@ -175,7 +193,7 @@ pub async fn list(
     let parked = ops
         .list(&filter)
         .await
-        .map_err(|e| db::inbox_error(&e, &c, &table))?;
+        .map_err(|e| db::inbox_error(&e, c, table))?;
     if out.json {
         out.json(&json!({
             "side": "consumer",
@@ -247,10 +265,21 @@ pub async fn show(
     out: &Output,
 ) -> Result<(), CliError> {
     let id = parked_id(&t.event_id, name)?;
-    let (ops, c, table) = open(config, name).await?;
-    let map = |e: outbox_core::StoreError| db::inbox_error(&e, &c, &table);
+    let (inbox, c, table) = open(config, name).await?;
+    on_inbox!(inbox, |store| show_on(&ops(store, &c), &c, &table, id, out)
+        .await)
+}
+
+async fn show_on<I: InboxParking>(
+    ops: &Ops<I>,
+    c: &ConsumerConfig,
+    table: &str,
+    id: ParkedId,
+    out: &Output,
+) -> Result<(), CliError> {
+    let map = |e: outbox_core::StoreError| db::inbox_error(&e, c, table);
     let Some(m) = ops.show(id).await.map_err(map)? else {
-        return Err(operator_error(OperatorError::NotFound(id), &c, &table));
+        return Err(operator_error(OperatorError::NotFound(id), c, table));
     };
     let trail = ops.audit_trail(Some(id)).await.map_err(map)?;
     // What waits behind it (for an open message of a known aggregate).
@@ -384,10 +413,26 @@ pub async fn discard(
         ));
     }
     let actor = super::actor(o.actor.as_deref());
-    let (ops, c, table) = open(config, name).await?;
-    let map = |e: outbox_core::StoreError| db::inbox_error(&e, &c, &table);
+    let (inbox, c, table) = open(config, name).await?;
+    on_inbox!(inbox, |store| {
+        discard_on(&ops(store, &c), &c, &table, id, &actor, reason, o, out).await
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn discard_on<I: InboxParking>(
+    ops: &Ops<I>,
+    c: &ConsumerConfig,
+    table: &str,
+    id: ParkedId,
+    actor: &str,
+    reason: &str,
+    o: &ParkedActionOpts,
+    out: &Output,
+) -> Result<(), CliError> {
+    let map = |e: outbox_core::StoreError| db::inbox_error(&e, c, table);
     let Some(m) = ops.show(id).await.map_err(map)? else {
-        return Err(operator_error(OperatorError::NotFound(id), &c, &table));
+        return Err(operator_error(OperatorError::NotFound(id), c, table));
     };
     if m.status == outbox_core::ParkedStatus::Parked {
         if let Some(a) = &m.record.aggregate {
@@ -410,10 +455,10 @@ pub async fn discard(
         }
     }
     let report = match o.skip_to {
-        Some(to) => ops.discard_skipping_to(id, &actor, reason, to).await,
-        None => ops.discard(id, &actor, reason).await,
+        Some(to) => ops.discard_skipping_to(id, actor, reason, to).await,
+        None => ops.discard(id, actor, reason).await,
     }
-    .map_err(|e| operator_error(e, &c, &table))?;
+    .map_err(|e| operator_error(e, c, table))?;
     if out.json {
         out.json(&json!({
             "side": "consumer",
@@ -475,11 +520,25 @@ pub async fn retry(
     let id = parked_id(&o.event_id, name)?;
     let reason = o.reason.as_deref().map(str::trim).unwrap_or("");
     let actor = super::actor(o.actor.as_deref());
-    let (ops, c, table) = open(config, name).await?;
+    let (inbox, c, table) = open(config, name).await?;
+    on_inbox!(inbox, |store| {
+        retry_on(&ops(store, &c), &c, &table, id, &actor, reason, out).await
+    })
+}
+
+async fn retry_on<I: InboxParking>(
+    ops: &Ops<I>,
+    c: &ConsumerConfig,
+    table: &str,
+    id: ParkedId,
+    actor: &str,
+    reason: &str,
+    out: &Output,
+) -> Result<(), CliError> {
     let request = ops
-        .request_retry(id, &actor, reason)
+        .request_retry(id, actor, reason)
         .await
-        .map_err(|e| operator_error(e, &c, &table))?;
+        .map_err(|e| operator_error(e, c, table))?;
     if out.json {
         out.json(&json!({
             "side": "consumer",

@@ -1,27 +1,56 @@
 //! `outbox parked list|show|retry|discard|reissue|release-claims`: producer-side parked events,
 //! every action audited by the store. With `--consumer NAME`, a consumer's parked messages
 //! ([`consumer_parked`]).
+//!
+//! The producer side runs on any store through the operator role
+//! ([`outbox_core::OperatorStore`]): PostgreSQL, or MySQL / MariaDB for a `mysql://` URL
+//! ([`crate::store`]). The flags are checked before the store is opened.
 
 use outbox_core::prelude::*;
 use outbox_core::{AuditEntry, EventId, ParkedEvent};
-use outbox_postgres::PostgresOutboxStore;
 use serde_json::{json, Value};
 
 use super::consumer_parked;
 use crate::config::Config;
 use crate::db;
 use crate::error::CliError;
-use crate::opt::{ParkedActionOpts, ParkedCommand};
+use crate::opt::{ParkedActionOpts, ParkedCommand, ReleaseClaimsOpts};
 use crate::output::{age, Output};
+use crate::store::Backend;
 
-async fn open(config: &Config) -> Result<(PostgresOutboxStore, String), CliError> {
-    let (pool, _) = db::connect_outbox(config, 2).await?;
-    db::preflight(&pool, config).await?;
-    let store = db::outbox_store(config, pool)?;
-    Ok((
-        store,
-        format!("{}.{}", config.outbox.schema, config.outbox.table),
-    ))
+/// What the producer side does, once the flags are checked.
+enum Op {
+    List { limit: usize },
+    Show { id: EventId },
+    Act(Act),
+    ReleaseClaims(ReleaseClaimsOpts),
+}
+
+/// A retry, discard or re-issue with its checked inputs.
+struct Act {
+    what: Action,
+    id: EventId,
+    reason: String,
+    actor: String,
+    yes: bool,
+}
+
+/// Opens the outbox of the configuration (PostgreSQL after its preflight, or MySQL) and runs
+/// `op` through the operator role.
+async fn on_outbox(config: &Config, op: Op, out: &Output) -> Result<(), CliError> {
+    match crate::store::backend(config)? {
+        Backend::MySql => {
+            let m = crate::store::connect_mysql(config, 2).await?;
+            exec(&m.store, &m.table, op, out).await
+        }
+        Backend::Postgres => {
+            let (pool, _) = db::connect_outbox(config, 2).await?;
+            db::preflight(&pool, config).await?;
+            let store = db::outbox_store(config, pool)?;
+            let table = format!("{}.{}", config.outbox.schema, config.outbox.table);
+            exec(&store, &table, op, out).await
+        }
+    }
 }
 
 fn event_id(s: &str) -> Result<EventId, CliError> {
@@ -87,7 +116,7 @@ fn attempts_note(p: &ParkedEvent) -> String {
 
 /// Runs `outbox parked ...`.
 pub async fn run(config: &Config, cmd: ParkedCommand, out: &Output) -> Result<(), CliError> {
-    match cmd {
+    let op = match cmd {
         ParkedCommand::List(o) => {
             if let Some(c) = &o.consumer {
                 return consumer_parked::list(config, c, &o, out).await;
@@ -99,11 +128,46 @@ pub async fn run(config: &Config, cmd: ParkedCommand, out: &Output) -> Result<()
                     "add --consumer NAME, or leave out --all",
                 ));
             }
-            let (store, table) = open(config).await?;
-            let parked = store
-                .list_parked(o.limit.max(1))
-                .await
-                .map_err(|e| CliError::from_store(&e, &table))?;
+            Op::List {
+                limit: o.limit.max(1),
+            }
+        }
+        ParkedCommand::Show(t) => {
+            if let Some(c) = &t.consumer {
+                return consumer_parked::show(config, c, &t, out).await;
+            }
+            Op::Show {
+                id: event_id(&t.event_id)?,
+            }
+        }
+        ParkedCommand::Retry(o) => match action(config, Action::Retry, &o, out).await? {
+            Some(act) => Op::Act(act),
+            None => return Ok(()),
+        },
+        ParkedCommand::Discard(o) => match action(config, Action::Discard, &o, out).await? {
+            Some(act) => Op::Act(act),
+            None => return Ok(()),
+        },
+        ParkedCommand::Reissue(o) => match action(config, Action::Reissue, &o, out).await? {
+            Some(act) => Op::Act(act),
+            None => return Ok(()),
+        },
+        ParkedCommand::ReleaseClaims(o) => Op::ReleaseClaims(o),
+    };
+    on_outbox(config, op, out).await
+}
+
+/// Runs a checked producer-side operation on `store`, whatever the store.
+async fn exec<S: OperatorStore>(
+    store: &S,
+    table: &str,
+    op: Op,
+    out: &Output,
+) -> Result<(), CliError> {
+    let map = |e: outbox_core::StoreError| CliError::from_store(&e, table);
+    match op {
+        Op::List { limit } => {
+            let parked = store.list_parked(limit).await.map_err(map)?;
             if out.json {
                 out.json(&json!({
                     "side": "producer",
@@ -154,20 +218,12 @@ pub async fn run(config: &Config, cmd: ParkedCommand, out: &Output) -> Result<()
             );
             Ok(())
         }
-        ParkedCommand::Show(t) => {
-            if let Some(c) = &t.consumer {
-                return consumer_parked::show(config, c, &t, out).await;
-            }
-            let id = event_id(&t.event_id)?;
-            let (store, table) = open(config).await?;
-            let trail = store
-                .audit_trail(Some(id))
-                .await
-                .map_err(|e| CliError::from_store(&e, &table))?;
+        Op::Show { id } => {
+            let trail = store.audit_trail(Some(id)).await.map_err(map)?;
             let parked = match store.parked_event(id).await {
                 Ok(p) => Some(p),
                 Err(e) if e.kind == outbox_core::StoreErrorKind::NotFound => None,
-                Err(e) => return Err(CliError::from_store(&e, &table)),
+                Err(e) => return Err(map(e)),
             };
             if parked.is_none() && trail.is_empty() {
                 return Err(CliError::failed(format!(
@@ -244,11 +300,8 @@ pub async fn run(config: &Config, cmd: ParkedCommand, out: &Output) -> Result<()
             }
             Ok(())
         }
-        ParkedCommand::Retry(o) => action(config, Action::Retry, &o, out).await,
-        ParkedCommand::Discard(o) => action(config, Action::Discard, &o, out).await,
-        ParkedCommand::Reissue(o) => action(config, Action::Reissue, &o, out).await,
-        ParkedCommand::ReleaseClaims(o) => {
-            let (store, table) = open(config).await?;
+        Op::Act(act) => act_on(store, table, act, out).await,
+        Op::ReleaseClaims(o) => {
             out.confirm(
                 &format!(
                     "End every claim of relay {:?}? Only for a relay that is gone: if it still \
@@ -261,7 +314,7 @@ pub async fn run(config: &Config, cmd: ParkedCommand, out: &Output) -> Result<()
             let n = store
                 .release_claims_of(&o.owner, &actor)
                 .await
-                .map_err(|e| CliError::from_store(&e, &table))?;
+                .map_err(map)?;
             if out.json {
                 out.json(&json!({"owner": o.owner, "released_aggregates": n, "actor": actor}));
             } else {
@@ -282,28 +335,39 @@ enum Action {
     Reissue,
 }
 
+impl Action {
+    fn name(self) -> &'static str {
+        match self {
+            Action::Retry => "retry",
+            Action::Discard => "discard",
+            Action::Reissue => "reissue",
+        }
+    }
+}
+
+/// Checks a retry, discard or re-issue; a consumer's is run here (`None`), the outbox's is
+/// returned to run on the store.
 async fn action(
     config: &Config,
     what: Action,
     o: &ParkedActionOpts,
     out: &Output,
-) -> Result<(), CliError> {
-    let name = match what {
-        Action::Retry => "retry",
-        Action::Discard => "discard",
-        Action::Reissue => "reissue",
-    };
+) -> Result<Option<Act>, CliError> {
+    let name = what.name();
     if let Some(c) = &o.consumer {
-        return match what {
-            Action::Discard => consumer_parked::discard(config, c, o, out).await,
-            Action::Retry if o.skip_to.is_some() => Err(CliError::config(
-                "--skip-to goes with discard",
-                "a retry applies the message and accepts its version gap; to skip versions \
-                 without applying it, discard it with --skip-to",
-            )),
-            Action::Retry => consumer_parked::retry(config, c, o, out).await,
-            Action::Reissue => Err(consumer_parked::reissue(c)),
-        };
+        match what {
+            Action::Discard => consumer_parked::discard(config, c, o, out).await?,
+            Action::Retry if o.skip_to.is_some() => {
+                return Err(CliError::config(
+                    "--skip-to goes with discard",
+                    "a retry applies the message and accepts its version gap; to skip versions \
+                     without applying it, discard it with --skip-to",
+                ))
+            }
+            Action::Retry => consumer_parked::retry(config, c, o, out).await?,
+            Action::Reissue => return Err(consumer_parked::reissue(c)),
+        }
+        return Ok(None);
     }
     if o.skip_to.is_some() {
         return Err(CliError::config(
@@ -320,9 +384,32 @@ async fn action(
             "pass --reason \"...\" (recorded in the audit trail with the actor)",
         ));
     }
-    let actor = super::actor(o.actor.as_deref());
-    let (store, table) = open(config).await?;
-    let map = |e: outbox_core::StoreError| CliError::from_store(&e, &table);
+    Ok(Some(Act {
+        what,
+        id,
+        reason: reason.to_owned(),
+        actor: super::actor(o.actor.as_deref()),
+        yes: o.yes,
+    }))
+}
+
+/// Runs a checked retry, discard or re-issue on `store`.
+async fn act_on<S: OperatorStore>(
+    store: &S,
+    table: &str,
+    act: Act,
+    out: &Output,
+) -> Result<(), CliError> {
+    let Act {
+        what,
+        id,
+        reason,
+        actor,
+        yes,
+    } = act;
+    let reason = reason.as_str();
+    let name = what.name();
+    let map = |e: outbox_core::StoreError| CliError::from_store(&e, table);
     let parked = store.parked_event(id).await.map_err(map)?;
     if what == Action::Reissue {
         // Show what is known of the earlier attempts before asking.
@@ -337,7 +424,7 @@ async fn action(
         );
         out.confirm(
             "Replace it by a copy with a new event id (the original is marked discarded)?",
-            o.yes,
+            yes,
         )?;
     }
     let result = match what {

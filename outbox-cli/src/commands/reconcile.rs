@@ -19,16 +19,17 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use chrono::{DateTime, Utc};
 use outbox_core::{InboxParking, IntervalCount, ParkedFilter, ReportingStore};
-use outbox_postgres::qualified;
 use serde::Serialize;
 use serde_json::json;
 use uuid::Uuid;
 
 use crate::config::{Config, ConsumerConfig};
+use crate::consumer_inbox::{on_inbox, ConsumerInbox};
 use crate::db;
 use crate::error::CliError;
 use crate::opt::ReconcileOpts;
 use crate::output::Output;
+use crate::store::Backend;
 
 /// One consumer's effects in a row.
 #[derive(Clone, Debug, Serialize)]
@@ -106,51 +107,51 @@ pub async fn run(config: &Config, opts: &ReconcileOpts, out: &Output) -> Result<
     if crate::store::backend(config)? == crate::store::Backend::MySql {
         mysql_limits(config)?;
         let m = crate::store::connect_mysql(config, 3).await?;
-        let rows = compare(&m.store, &m.table, config, None, &[], &window).await?;
+        let consumers = consumers(config, None).await?;
+        let rows = compare(&m.store, &m.table, config, None, &consumers, &window).await?;
         return render(rows, since, interval, out);
     }
     let (pool, _) = db::connect_outbox(config, 3).await?;
     db::preflight(&pool, config).await?;
     let store = db::outbox_store(config, pool.clone())?;
     let table = format!("{}.{}", config.outbox.schema, config.outbox.table);
-    let mut consumer_pools = Vec::new();
+    let consumers = consumers(config, Some(&pool)).await?;
+    let rows = compare(&store, &table, config, Some(&pool), &consumers, &window).await?;
+    render(rows, since, interval, out)
+}
+
+/// The configured consumers with their inboxes (PostgreSQL or MySQL; one in the PostgreSQL
+/// outbox's database shares `outbox_pool`) and their open parked ids.
+async fn consumers<'a>(
+    config: &'a Config,
+    outbox_pool: Option<&sqlx::PgPool>,
+) -> Result<Vec<Consumer<'a>>, CliError> {
+    let mut consumers = Vec::new();
     for c in &config.consumers {
-        let p = if c.database_url.is_empty() {
-            pool.clone()
-        } else {
-            db::connect(
-                &c.database_url,
-                &crate::config::Secret::default(),
-                config.database.connect_timeout.0,
-                2,
-            )
-            .await?
-            .0
+        let (inbox, inbox_table) = match outbox_pool {
+            Some(pool)
+                if c.database_url.is_empty()
+                    && crate::consumer_inbox::backend(config, c)? == Backend::Postgres =>
+            {
+                let (store, table) = db::inbox_store_on(c, pool.clone())?;
+                (ConsumerInbox::Postgres(store), table)
+            }
+            _ => crate::consumer_inbox::open(config, c, 2).await?,
         };
         // The consumer's open parked messages, by the ids its inbox deduplicates by, through
         // the library's parking API.
-        let (inbox, inbox_table) = db::inbox_store_on(c, p.clone())?;
-        let parked: BTreeSet<Uuid> = inbox
+        let parked: BTreeSet<Uuid> = on_inbox!(&inbox, |store| store
             .list_parked(&c.name, &ParkedFilter::open().limit(1_000_000))
-            .await
-            .map_err(|e| db::inbox_error(&e, c, &inbox_table))?
-            .iter()
-            .flat_map(|m| [m.record.dedup_id, m.record.event_id])
-            .flatten()
-            .map(|id| id.as_uuid())
-            .collect();
-        consumer_pools.push((c, p, parked));
+            .await)
+        .map_err(|e| db::inbox_error(&e, c, &inbox_table))?
+        .iter()
+        .flat_map(|m| [m.record.dedup_id, m.record.event_id])
+        .flatten()
+        .map(|id| id.as_uuid())
+        .collect();
+        consumers.push((c, inbox, inbox_table, parked));
     }
-    let rows = compare(
-        &store,
-        &table,
-        config,
-        Some(&pool),
-        &consumer_pools,
-        &window,
-    )
-    .await?;
-    render(rows, since, interval, out)
+    Ok(consumers)
 }
 
 /// What `reconcile` covers: intervals of `step` from `since` to `now`.
@@ -162,12 +163,12 @@ struct Window {
     grace: std::time::Duration,
 }
 
-/// A consumer, its inbox's pool and its open parked ids.
-type ConsumerInbox<'a> = (&'a ConsumerConfig, sqlx::PgPool, BTreeSet<Uuid>);
+/// A consumer, its inbox (and its table, for messages) and its open parked ids.
+type Consumer<'a> = (&'a ConsumerConfig, ConsumerInbox, String, BTreeSet<Uuid>);
 
-/// On MySQL the outbox side is compared; what lives in PostgreSQL (the transition queries of
-/// `[[reconcile.checks]]`, written for it, and the consumers' inboxes) is not there yet: a
-/// configuration with them is refused rather than reported as reconciled without them.
+/// On MySQL the outbox and the consumers' inboxes are compared; the transition queries of
+/// `[[reconcile.checks]]` (written for PostgreSQL) are not run yet: a configuration with them
+/// is refused rather than reported as reconciled without them.
 fn mysql_limits(config: &Config) -> Result<(), CliError> {
     if !config.reconcile.checks.is_empty() {
         return Err(CliError::config(
@@ -175,13 +176,6 @@ fn mysql_limits(config: &Config) -> Result<(), CliError> {
              (their transition queries run on PostgreSQL only)",
             "remove [[reconcile.checks]] to compare the outbox alone on MySQL, or run against \
              a PostgreSQL outbox",
-        ));
-    }
-    if !config.consumers.is_empty() {
-        return Err(CliError::config(
-            "`outbox reconcile` on MySQL / MariaDB does not compare the consumers' effects yet \
-             (their inboxes are read on PostgreSQL only)",
-            "run it with a configuration without [[consumers]] to compare the outbox alone",
         ));
     }
     Ok(())
@@ -194,7 +188,7 @@ async fn compare<S: ReportingStore>(
     table: &str,
     config: &Config,
     pool: Option<&sqlx::PgPool>,
-    consumer_pools: &[ConsumerInbox<'_>],
+    consumers: &[Consumer<'_>],
     window: &Window,
 ) -> Result<Vec<Row>, CliError> {
     let Window {
@@ -292,7 +286,7 @@ async fn compare<S: ReportingStore>(
             row.mismatches
                 .push(format!("{} event(s) parked", row.parked));
         }
-        for (consumer, cpool, parked_ids) in consumer_pools {
+        for (consumer, inbox, inbox_table, parked_ids) in consumers {
             let topics = if consumer.topics.is_empty() {
                 Vec::new()
             } else {
@@ -308,7 +302,17 @@ async fn compare<S: ReportingStore>(
             if ids.is_empty() {
                 continue;
             }
-            let applied = applied(cpool, consumer, &ids).await?;
+            let applied = inbox.applied_of(consumer, &ids).await.map_err(|e| {
+                let err = db::inbox_error(&e, consumer, inbox_table);
+                if e.kind == outbox_core::StoreErrorKind::Schema {
+                    return err;
+                }
+                err.with_hint(format!(
+                    "check the inbox of consumer {} ([[consumers]] inbox_schema, inbox_table, \
+                     database_url)",
+                    consumer.name
+                ))
+            })?;
             let parked = ids
                 .iter()
                 .filter(|(own, original)| {
@@ -454,30 +458,5 @@ async fn transitions(
         .await
         .map_err(fail)?;
     let _ = tx.rollback().await;
-    Ok(n.max(0) as u64)
-}
-
-async fn applied(
-    pool: &sqlx::PgPool,
-    c: &ConsumerConfig,
-    ids: &[(Uuid, Option<Uuid>)],
-) -> Result<u64, CliError> {
-    let t = qualified(&c.inbox_schema, &c.inbox_table);
-    let own: Vec<Uuid> = ids.iter().map(|(i, _)| *i).collect();
-    let original: Vec<Uuid> = ids.iter().map(|(i, o)| o.unwrap_or(*i)).collect();
-    let n: i64 = sqlx::query_scalar(&format!(
-        "SELECT count(*) FROM UNNEST($2::uuid[], $3::uuid[]) AS e(own, original) \
-         WHERE EXISTS (SELECT 1 FROM {t} i WHERE i.consumer = $1 \
-                       AND i.event_id IN (e.own, e.original))"
-    ))
-    .bind(&c.name)
-    .bind(&own)
-    .bind(&original)
-    .fetch_one(pool)
-    .await
-    .map_err(|e| {
-        CliError::from_store(&outbox_postgres::map_sqlx_error(e), &t)
-            .with_hint(format!("check the inbox of consumer {} ([[consumers]] inbox_schema, inbox_table, database_url)", c.name))
-    })?;
     Ok(n.max(0) as u64)
 }

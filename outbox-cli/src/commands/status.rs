@@ -8,10 +8,10 @@ use chrono::Utc;
 use outbox_core::backpressure::{forecast, BacklogSnapshot, Backpressure};
 use outbox_core::prelude::*;
 use outbox_core::{InboxParking, LatencySummary, OutboxStats};
-use outbox_postgres::qualified;
 use serde_json::{json, Value};
 
 use crate::config::{Config, ConsumerConfig};
+use crate::consumer_inbox::{on_inbox, ConsumerInbox};
 use crate::db;
 use crate::error::CliError;
 use crate::opt::StatusOpts;
@@ -38,7 +38,8 @@ pub async fn run(config: &Config, opts: &StatusOpts, out: &Output) -> Result<(),
     let mut warnings: Vec<String> = Vec::new();
     let mut consumers = Vec::new();
     for c in &config.consumers {
-        consumers.push(consumer_status(config, c, &pool, opts.no_consumers, &mut warnings).await);
+        consumers
+            .push(consumer_status(config, c, Some(&pool), opts.no_consumers, &mut warnings).await);
     }
     render(
         config,
@@ -68,8 +69,9 @@ async fn read<R: ReportingStore>(
 }
 
 /// `outbox status` on MySQL / MariaDB: the outbox through [`ReportingStore`]; `outbox.schema`
-/// names the database when it is set (else the URL's). The consumers' inboxes are read on
-/// PostgreSQL only, so they are reported as not read here.
+/// names the database when it is set (else the URL's). The consumers as on PostgreSQL: the
+/// lag from the broker, the inbox (MySQL, or PostgreSQL by the consumer's `database_url`)
+/// through the inbox roles.
 async fn run_mysql(
     config: &Config,
     opts: &StatusOpts,
@@ -83,12 +85,9 @@ async fn run_mysql(
     } = crate::store::connect_mysql(config, 2).await?;
     let (stats, latency) = read(&store, window.0, &table).await?;
     let mut warnings = Vec::new();
-    if !config.consumers.is_empty() && !opts.no_consumers {
-        warnings.push(format!(
-            "{} consumer(s) configured: their lag and inboxes are not read for a MySQL outbox \
-             yet (PostgreSQL inboxes only)",
-            config.consumers.len()
-        ));
+    let mut consumers = Vec::new();
+    for c in &config.consumers {
+        consumers.push(consumer_status(config, c, None, opts.no_consumers, &mut warnings).await);
     }
     render(
         config,
@@ -99,7 +98,7 @@ async fn run_mysql(
             table,
             stats,
             latency,
-            consumers: Vec::new(),
+            consumers,
             warnings,
         },
     )
@@ -324,10 +323,12 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
     Ok(())
 }
 
+/// One consumer's lag and inbox; `outbox_pool` is the PostgreSQL outbox's pool, which an
+/// inbox in the outbox's database shares.
 async fn consumer_status(
     config: &Config,
     c: &ConsumerConfig,
-    outbox_pool: &sqlx::PgPool,
+    outbox_pool: Option<&sqlx::PgPool>,
     no_broker: bool,
     warnings: &mut Vec<String>,
 ) -> Value {
@@ -399,69 +400,47 @@ struct InboxStatus {
 async fn inbox_status(
     config: &Config,
     c: &ConsumerConfig,
-    outbox_pool: &sqlx::PgPool,
+    outbox_pool: Option<&sqlx::PgPool>,
 ) -> InboxStatus {
-    let pool = if c.database_url.is_empty() {
-        outbox_pool.clone()
-    } else {
-        match db::connect(
-            &c.database_url,
-            &crate::config::Secret::default(),
-            config.database.connect_timeout.0,
-            1,
-        )
-        .await
-        {
-            Ok((p, _)) => p,
-            Err(e) => {
-                return InboxStatus {
-                    error: Some(e.message.clone()),
-                    parked_error: Some(e.message),
-                    ..InboxStatus::default()
-                }
+    let opened = match (outbox_pool, c.database_url.is_empty()) {
+        (Some(pool), true) => db::inbox_store_on(c, pool.clone())
+            .map(|(store, table)| (ConsumerInbox::Postgres(store), table)),
+        _ => crate::consumer_inbox::open(config, c, 1).await,
+    };
+    let (inbox, table) = match opened {
+        Ok(o) => o,
+        Err(e) => {
+            return InboxStatus {
+                error: Some(e.message.clone()),
+                parked_error: Some(e.message),
+                ..InboxStatus::default()
             }
         }
     };
     let mut status = InboxStatus::default();
-    let t = qualified(&c.inbox_schema, &c.inbox_table);
-    match sqlx::query_as::<_, (i64, Option<chrono::DateTime<Utc>>)>(&format!(
-        "SELECT count(*), max(processed_at) FROM {t} WHERE consumer = $1"
-    ))
-    .bind(&c.name)
-    .fetch_one(&pool)
-    .await
-    {
+    match inbox.registrations(c).await {
         Ok((n, last)) => {
             status.registrations = Some(n);
             status.last_applied = last.map(|t| t.to_rfc3339());
         }
-        Err(e) => {
-            status.error = Some(format!(
-                "cannot read inbox {t}: {}",
-                outbox_postgres::map_sqlx_error(e).message
-            ))
-        }
+        Err(e) => status.error = Some(format!("cannot read inbox {table}: {}", e.message)),
     }
     // The parked counts through the library's parking API.
-    match db::inbox_store_on(c, pool) {
-        Err(e) => status.parked_error = Some(e.message),
-        Ok((store, table)) => match store.parked_stats(&c.name).await {
-            Ok(p) => {
-                status.retry_requested =
-                    store.requested_retries(&c.name).await.ok().map(|r| r.len());
-                status.parked = Some(p.parked);
-                status.waiting = Some(p.waiting);
-                status.oldest_parked_age = p
-                    .oldest_parked_at
-                    .and_then(|t| (Utc::now() - t).to_std().ok());
-            }
-            Err(e) => {
-                status.parked_error = Some(format!(
-                    "cannot read the parked messages of {table}: {} (run `outbox migrate --inbox`)",
-                    e.message
-                ))
-            }
-        },
-    }
+    on_inbox!(&inbox, |store| match store.parked_stats(&c.name).await {
+        Ok(p) => {
+            status.retry_requested = store.requested_retries(&c.name).await.ok().map(|r| r.len());
+            status.parked = Some(p.parked);
+            status.waiting = Some(p.waiting);
+            status.oldest_parked_age = p
+                .oldest_parked_at
+                .and_then(|t| (Utc::now() - t).to_std().ok());
+        }
+        Err(e) => {
+            status.parked_error = Some(format!(
+                "cannot read the parked messages of {table}: {} (run `outbox migrate --inbox`)",
+                e.message
+            ))
+        }
+    });
     status
 }

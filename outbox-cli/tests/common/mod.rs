@@ -3,6 +3,9 @@
 //! skip switch), and drives the binary as a user would.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod consumer_ops;
+pub mod mysql;
+
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -491,8 +494,8 @@ pub async fn inbox(pool: &PgPool, schema: &str) -> outbox_postgres::PostgresInbo
 
 /// Parks `e` for `consumer` as its engine does when it cannot apply it (`park_as` head or
 /// waiting), as read at `offset` of partition 0 of `topic`. Returns its id.
-pub async fn park_consumer_message(
-    inbox: &outbox_postgres::PostgresInboxStore,
+pub async fn park_consumer_message<I: outbox_core::InboxStore>(
+    inbox: &I,
     consumer: &str,
     topic: &str,
     offset: i64,
@@ -500,9 +503,7 @@ pub async fn park_consumer_message(
     park_as: outbox_core::ParkAs,
     reason: &str,
 ) -> outbox_core::ParkedId {
-    use outbox_core::{
-        InboxStore, LogPosition, NewParkedMessage, ParkedRecord, Parking, RecordHeader,
-    };
+    use outbox_core::{LogPosition, NewParkedMessage, ParkedRecord, Parking, RecordHeader};
     let headers = outbox_core::wire::encode_headers(e)
         .into_iter()
         .map(|(name, value)| RecordHeader::new(name, value))
