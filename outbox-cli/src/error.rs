@@ -152,17 +152,32 @@ impl CliError {
     }
 }
 
-/// Whether a `Configuration` store error is PostgreSQL's "insufficient privilege".
+/// Whether a `Configuration` store error is a missing privilege: PostgreSQL's "insufficient
+/// privilege", or MySQL's "access denied" to a database, table or operation.
 pub fn is_privilege(err: &StoreError) -> bool {
+    use outbox_mysql::codes;
     let mut source = std::error::Error::source(err);
     while let Some(s) = source {
         if let Some(sqlx::Error::Database(db)) = s.downcast_ref::<sqlx::Error>() {
+            if let Some(my) = db.try_downcast_ref::<outbox_mysql::sqlx::mysql::MySqlDatabaseError>()
+            {
+                return matches!(
+                    my.number(),
+                    codes::DBACCESS_DENIED
+                        | codes::TABLEACCESS_DENIED
+                        | codes::SPECIFIC_ACCESS_DENIED
+                        | COLUMNACCESS_DENIED
+                );
+            }
             return db.code().as_deref() == Some("42501");
         }
         source = s.source();
     }
     false
 }
+
+/// MySQL's "command denied to user for column" (not among `outbox_mysql::codes`).
+const COLUMNACCESS_DENIED: u16 = 1143;
 
 impl fmt::Display for CliError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -30,6 +30,7 @@ pub mod kafka;
 pub mod logging;
 pub mod metered;
 pub mod metrics;
+pub mod mysql;
 pub mod opt;
 pub mod output;
 pub mod store;
@@ -166,12 +167,12 @@ pub async fn run(opt: Opt) -> u8 {
 /// their store with [`store::backend`].
 fn postgres_only(command: &Command) -> Option<&'static str> {
     match command {
-        Command::Migrate(_) => Some("migrate"),
-        Command::Relay(_) => Some("relay"),
         Command::Parked(_) => Some("parked"),
-        Command::Check(_) => Some("check"),
         Command::Cleanup(o) if o.inbox => Some("cleanup --inbox"),
-        Command::Status(_)
+        Command::Migrate(_)
+        | Command::Relay(_)
+        | Command::Check(_)
+        | Command::Status(_)
         | Command::Cleanup(_)
         | Command::Reconcile(_)
         | Command::Replay(_)

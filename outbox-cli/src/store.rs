@@ -15,8 +15,9 @@ pub enum Backend {
     /// PostgreSQL (`outbox-postgres`): every command.
     Postgres,
     /// MySQL / MariaDB (`outbox-mysql`): the commands that read through
-    /// [`outbox_core::ReportingStore`] (`status`, `reconcile`, `replay`, `cleanup --dry-run`)
-    /// and the outbox cleanup.
+    /// [`outbox_core::ReportingStore`] (`status`, `reconcile`, `replay`, `cleanup --dry-run`),
+    /// the outbox cleanup, `migrate` (the outbox), the `relay` daemon and `check` (with the
+    /// server's durability settings; see [`crate::mysql`]).
     MySql,
 }
 
@@ -44,8 +45,9 @@ pub fn postgres_only(config: &Config, command: &str) -> Result<(), CliError> {
                 "`outbox {command}` does not support MySQL / MariaDB yet (the database URL is \
                  mysql://); it runs on PostgreSQL only"
             ),
-            "on MySQL run `outbox status`, `outbox cleanup` (the outbox, not --inbox), \
-             `outbox reconcile` (the outbox side) or `outbox replay`; see \
+            "on MySQL run `outbox migrate`, `outbox relay`, `outbox check`, `outbox status`, \
+             `outbox cleanup` (the outbox, not --inbox), `outbox reconcile` (the outbox side) \
+             or `outbox replay`; see \
              outbox-cli/docs/commands.md for which command works on which store",
         )),
         _ => Ok(()),
