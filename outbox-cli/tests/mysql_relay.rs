@@ -487,6 +487,26 @@ async fn relay_on_mariadb_fails_fast_with_the_fix() {
         "{}",
         text(&out)
     );
+    // A user that may not even read the migration log: denied there (not "missing"), and
+    // given every statement, the log's first.
+    let (other, no_log) = db
+        .user(&["GRANT SELECT ON `{db}`.`outbox_events` TO {user}"])
+        .await;
+    let out = db.outbox(&no_log, &broker, &["relay", "--no-http"]);
+    assert_eq!(out.status.code(), Some(4), "{}", text(&out));
+    let stated = grants(&String::from_utf8_lossy(&out.stderr));
+    assert_eq!(stated.len(), 4, "{}", text(&out));
+    assert_eq!(
+        stated[0],
+        format!(
+            "GRANT SELECT ON `{}`.`outbox_schema_migrations` TO '{other}'@'%'",
+            db.name
+        )
+    );
+    assert!(
+        stated[1].starts_with("GRANT INSERT, UPDATE, DELETE ON "),
+        "{stated:?}"
+    );
     db.drop().await;
 }
 
