@@ -512,18 +512,28 @@ async fn relay_on_mariadb_fails_fast_with_the_fix() {
 
 /// The daemon of a `mysql://` URL, relaying to the broker of `KAFKA_BROKERS`.
 fn spawn_relay(db: &Db, url: &str, brokers: &str, topic: &str, args: &[&str]) -> Daemon {
+    spawn_relay_env(db, url, brokers, topic, &[], args)
+}
+
+/// [`spawn_relay`] with extra environment variables.
+fn spawn_relay_env(
+    db: &Db,
+    url: &str,
+    brokers: &str,
+    topic: &str,
+    envs: &[(&str, &str)],
+    args: &[&str],
+) -> Daemon {
     let port = outbox_test_support::free_port();
     let listen = format!("127.0.0.1:{port}");
+    let mut all = vec![
+        ("KAFKA_BROKERS", brokers),
+        ("OUTBOX_KAFKA__TOPIC", topic),
+        ("OUTBOX_RELAY__STATS_INTERVAL", "500ms"),
+    ];
+    all.extend_from_slice(envs);
     let child = db
-        .cmd(
-            url,
-            &[
-                ("KAFKA_BROKERS", brokers),
-                ("OUTBOX_KAFKA__TOPIC", topic),
-                ("OUTBOX_RELAY__STATS_INTERVAL", "500ms"),
-            ],
-            &["relay", "--listen", &listen],
-        )
+        .cmd(url, &all, &["relay", "--listen", &listen])
         .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -667,6 +677,71 @@ async fn a_table_dropped_under_the_relay_on_mariadb_stops_it_with_the_fix() {
     assert!(
         stderr.contains("outbox schema is missing or out of date")
             && stderr.contains("run `outbox migrate`"),
+        "{stderr}"
+    );
+    db.drop().await;
+}
+
+/// The locked-transaction claim of `outbox-mysql` and the scheduled cleanup with archiving,
+/// through the daemon on MariaDB: every event published, then archived and removed by the
+/// relay's own cleanup in batches; the exit report counts them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_on_mariadb_in_locked_mode_publishes_then_archives_and_cleans_up() {
+    let test = "relay_on_mariadb_in_locked_mode_publishes_then_archives_and_cleans_up";
+    let Some(brokers) = outbox_test_support::brokers(test) else {
+        return;
+    };
+    let Some(db) = Db::new(test).await else {
+        return;
+    };
+    let topic = db.name.replace('_', "-");
+    common::create_topic(&brokers, &topic, 2, &[]).await;
+    assert!(db.outbox(&db.url(), &[], &["migrate"]).status.success());
+    let pool = db.pool().await;
+    let events = append(&pool, 5, 2).await;
+    let mut relay = spawn_relay_env(
+        &db,
+        &db.url(),
+        &brokers,
+        &topic,
+        &[
+            ("OUTBOX_OUTBOX__ARCHIVE", "true"),
+            ("OUTBOX_CLEANUP__INTERVAL", "300ms"),
+            ("OUTBOX_CLEANUP__RETENTION", "0s"),
+            ("OUTBOX_CLEANUP__BATCH_SIZE", "3"),
+        ],
+        &["--claim-mode", "locked", "--delivery-timeout", "5s"],
+    );
+    relay.wait_ready(Duration::from_secs(30));
+    let n = events.len() as f64;
+    relay.wait_metric(
+        "outbox_published_total",
+        "",
+        |v| v >= n,
+        Duration::from_secs(30),
+    );
+    relay.wait_metric(
+        "outbox_cleanup_removed_total",
+        "",
+        |v| v >= n,
+        Duration::from_secs(30),
+    );
+    let left: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM outbox_events")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 0);
+    let archived: i64 =
+        sqlx::query_scalar("SELECT COUNT(*) FROM outbox_events_archive WHERE status = 'published'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(archived as usize, events.len());
+    let (code, _, stderr) = relay.terminate(Duration::from_secs(30));
+    assert_eq!(code, 0, "{stderr}");
+    assert!(
+        stderr.contains(&format!("{} published", events.len()))
+            && stderr.contains(&format!("{} rows cleaned up", events.len())),
         "{stderr}"
     );
     db.drop().await;
