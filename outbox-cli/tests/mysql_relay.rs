@@ -746,3 +746,49 @@ async fn relay_on_mariadb_in_locked_mode_publishes_then_archives_and_cleans_up()
     );
     db.drop().await;
 }
+
+/// A privilege revoked under the running relay on MariaDB: it stops with exit 4 and the exact
+/// `GRANT` statement for what the user lacks now (read when it stops), as on PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_privilege_revoked_under_the_relay_on_mariadb_is_named_with_its_grant() {
+    let test = "a_privilege_revoked_under_the_relay_on_mariadb_is_named_with_its_grant";
+    let Some(brokers) = outbox_test_support::brokers(test) else {
+        return;
+    };
+    let Some(mut db) = Db::new(test).await else {
+        return;
+    };
+    let topic = db.name.replace('_', "-");
+    common::create_topic(&brokers, &topic, 1, &[]).await;
+    assert!(db.outbox(&db.url(), &[], &["migrate"]).status.success());
+    let (user, url) = db
+        .user(&[
+            "GRANT SELECT ON `{db}`.`outbox_schema_migrations` TO {user}",
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON `{db}`.`outbox_events` TO {user}",
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON `{db}`.`outbox_events_aggregate` TO {user}",
+            "GRANT SELECT, INSERT ON `{db}`.`outbox_events_audit` TO {user}",
+        ])
+        .await;
+    let mut relay = spawn_relay(&db, &url, &brokers, &topic, &[]);
+    relay.wait_ready(Duration::from_secs(30));
+    sqlx::query(&format!(
+        "REVOKE INSERT, UPDATE ON `{}`.`outbox_events_aggregate` FROM '{user}'@'%'",
+        db.name
+    ))
+    .execute(&db.admin)
+    .await
+    .expect("revoke");
+    let pool = db.pool().await;
+    append(&pool, 1, 1).await;
+    let (code, _, stderr) = relay.wait(Duration::from_secs(30));
+    assert_eq!(code, 4, "{stderr}");
+    assert_eq!(
+        grants(&stderr),
+        [format!(
+            "GRANT INSERT, UPDATE ON `{}`.`outbox_events_aggregate` TO '{user}'@'%'",
+            db.name
+        )],
+        "{stderr}"
+    );
+    db.drop().await;
+}
