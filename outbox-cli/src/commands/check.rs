@@ -298,24 +298,7 @@ async fn mysql_checks(config: &Config, findings: &mut Vec<Finding>) {
         Err(e) => findings.push(f("database", Severity::Error, e.message, e.hint.as_deref())),
     }
     match store.check_durability().await {
-        Ok(report) => {
-            for x in &report.findings {
-                let severity = match x.severity {
-                    outbox_mysql::Severity::Refuse => Severity::Error,
-                    outbox_mysql::Severity::Warn => Severity::Warning,
-                    _ => Severity::Ok,
-                };
-                let fix = (severity != Severity::Ok)
-                    .then(|| crate::mysql::durability_fix(x))
-                    .flatten();
-                findings.push(f(
-                    "durability",
-                    severity,
-                    format!("{}: {}", x.check.as_str(), x.message),
-                    fix.as_deref(),
-                ));
-            }
-        }
+        Ok(report) => findings.extend(durability_findings(&report)),
         Err(e) => {
             let e = crate::mysql::store_error(&e, &crate::mysql::table_label(config));
             findings.push(f(
@@ -326,6 +309,31 @@ async fn mysql_checks(config: &Config, findings: &mut Vec<Finding>) {
             ));
         }
     }
+}
+
+/// The `durability` findings of a MySQL server's report: a refusal is a violation, a warning
+/// a warning, each with the statement that fixes it; what is in order is reported ok.
+pub fn durability_findings(report: &outbox_mysql::DurabilityReport) -> Vec<Finding> {
+    report
+        .findings
+        .iter()
+        .map(|x| {
+            let severity = match x.severity {
+                outbox_mysql::Severity::Refuse => Severity::Error,
+                outbox_mysql::Severity::Warn => Severity::Warning,
+                _ => Severity::Ok,
+            };
+            let fix = (severity != Severity::Ok)
+                .then(|| crate::mysql::durability_fix(x))
+                .flatten();
+            f(
+                "durability",
+                severity,
+                format!("{}: {}", x.check.as_str(), x.message),
+                fix.as_deref(),
+            )
+        })
+        .collect()
 }
 
 async fn broker_checks(
@@ -525,6 +533,57 @@ fn retention_checks(
                 required.map_or_else(|| "unbounded".into(), dur)
             )),
             findings,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox_mysql::{judge, ServerSettings};
+
+    /// What `check` makes of a server's settings (read, never set on a shared server): each
+    /// unsafe one a violation or a warning with the statement that fixes it.
+    #[test]
+    fn durability_findings_name_the_fix() {
+        let settings = ServerSettings {
+            version: "8.0.36".into(),
+            flush_at_commit: 2,
+            log_bin: true,
+            binlog_format: "ROW".into(),
+            sync_binlog: 0,
+            lock_wait_timeout: 50,
+            isolation: "REPEATABLE-READ".into(),
+            non_innodb_tables: Vec::new(),
+        };
+        let findings = durability_findings(&judge(&settings));
+        let of = |severity| {
+            findings
+                .iter()
+                .filter(|x| x.severity == severity)
+                .collect::<Vec<_>>()
+        };
+        let errors = of(Severity::Error);
+        assert_eq!(errors.len(), 1, "{findings:#?}");
+        assert!(errors[0]
+            .message
+            .starts_with("innodb_flush_log_at_trx_commit: innodb_flush_log_at_trx_commit = 2"));
+        assert!(errors[0]
+            .fix
+            .as_deref()
+            .unwrap()
+            .starts_with("SET GLOBAL innodb_flush_log_at_trx_commit = 1;"));
+        let warnings = of(Severity::Warning);
+        assert_eq!(warnings.len(), 1, "{findings:#?}");
+        assert!(warnings[0]
+            .fix
+            .as_deref()
+            .unwrap()
+            .starts_with("SET GLOBAL sync_binlog = 1;"));
+        assert!(of(Severity::Ok).iter().all(|x| x.fix.is_none()));
+        assert!(
+            !of(Severity::Ok).is_empty(),
+            "version and isolation reported"
         );
     }
 }
