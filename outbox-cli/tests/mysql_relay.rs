@@ -588,6 +588,30 @@ async fn relay_on_mariadb_drains_serves_health_and_metrics_and_stops_on_sigterm(
     let topic = db.name.replace('_', "-");
     common::create_topic(&brokers, &topic, 3, &[]).await;
     assert!(db.outbox(&db.url(), &[], &["migrate"]).status.success());
+    // The whole check, the broker's side included (no topic facts recorded on MySQL).
+    let checked = db.outbox(
+        &db.url(),
+        &[
+            ("KAFKA_BROKERS", brokers.as_str()),
+            ("OUTBOX_KAFKA__TOPIC", topic.as_str()),
+        ],
+        &["--json", "check"],
+    );
+    assert_eq!(checked.status.code(), Some(0), "{}", text(&checked));
+    let doc = json(&checked);
+    assert!(
+        doc["findings"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|f| f["check"] == "topic"
+                && f["severity"] == "ok"
+                && f["message"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with(&format!("{topic}: 3 partition(s)"))),
+        "{doc:#}"
+    );
     let pool = db.pool().await;
     let events = append(&pool, 20, 3).await;
     let mut relay = spawn_relay(
