@@ -166,6 +166,7 @@ pub fn is_privilege(err: &StoreError) -> bool {
                     codes::DBACCESS_DENIED
                         | codes::TABLEACCESS_DENIED
                         | codes::SPECIFIC_ACCESS_DENIED
+                        | COLUMNACCESS_DENIED
                 );
             }
             return db.code().as_deref() == Some("42501");
@@ -174,6 +175,9 @@ pub fn is_privilege(err: &StoreError) -> bool {
     }
     false
 }
+
+/// MySQL's "command denied to user for column" (not among `outbox_mysql::codes`).
+const COLUMNACCESS_DENIED: u16 = 1143;
 
 impl fmt::Display for CliError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -31,6 +31,7 @@ pub mod kafka;
 pub mod logging;
 pub mod metered;
 pub mod metrics;
+pub mod mysql;
 pub mod opt;
 pub mod output;
 pub mod store;
@@ -141,11 +142,6 @@ pub async fn run(opt: Opt) -> u8 {
     };
     logging::init(&config.log, level_given, default_level);
     let out = output::Output::new(json, &config.log.color);
-    if let Some(name) = postgres_only(&opt.command) {
-        if let Err(e) = store::postgres_only(&config, name) {
-            return report(&e, json);
-        }
-    }
     let result = match opt.command {
         Command::Migrate(o) => commands::migrate::run(&config, &o, &out).await,
         Command::Relay(_) => commands::relay::run(&config, &out).await,
@@ -160,22 +156,6 @@ pub async fn run(opt: Opt) -> u8 {
     match result {
         Ok(()) => 0,
         Err(e) => report(&e, json),
-    }
-}
-
-/// The commands (by the name the user typed) that run on PostgreSQL only; the others choose
-/// their store with [`store::backend`].
-fn postgres_only(command: &Command) -> Option<&'static str> {
-    match command {
-        Command::Migrate(_) => Some("migrate"),
-        Command::Relay(_) => Some("relay"),
-        Command::Check(_) => Some("check"),
-        Command::Status(_)
-        | Command::Parked(_)
-        | Command::Cleanup(_)
-        | Command::Reconcile(_)
-        | Command::Replay(_)
-        | Command::Config => None,
     }
 }
 

@@ -145,8 +145,13 @@ pub fn record_conflicts(counts: &[(String, u64)]) {
 
 /// Pool connections in use and idle.
 pub fn record_pool(pool: &sqlx::PgPool) {
-    let size = pool.size() as f64;
-    let idle = pool.num_idle() as f64;
+    record_pool_counts(pool.size(), pool.num_idle());
+}
+
+/// Pool connections in use and idle, from the pool's size and idle count (any driver).
+pub fn record_pool_counts(size: u32, idle: usize) {
+    let size = f64::from(size);
+    let idle = idle as f64;
     metrics::gauge!("outbox_db_pool_connections", "state" => "in_use").set((size - idle).max(0.0));
     metrics::gauge!("outbox_db_pool_connections", "state" => "idle").set(idle);
 }

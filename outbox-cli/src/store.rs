@@ -17,8 +17,9 @@ pub enum Backend {
     Postgres,
     /// MySQL / MariaDB (`outbox-mysql`): the commands that read through
     /// [`outbox_core::ReportingStore`] (`status`, `reconcile`, `replay`, `cleanup --dry-run`),
-    /// the outbox cleanup, `parked` (through [`outbox_core::OperatorStore`]) and the
-    /// consumers' inboxes ([`crate::consumer_inbox`]).
+    /// the outbox cleanup, `parked` (through [`outbox_core::OperatorStore`]), the consumers'
+    /// inboxes ([`crate::consumer_inbox`]), `migrate` (the outbox), the `relay` daemon and
+    /// `check` (with the server's durability settings; see [`crate::mysql`]).
     MySql,
 }
 
@@ -35,23 +36,6 @@ pub fn backend(config: &Config) -> Result<Backend, CliError> {
     } else {
         Backend::Postgres
     })
-}
-
-/// Fails (exit 2) when `command` is run on a MySQL URL, before any driver sees the URL. A
-/// missing URL is left to the command to report.
-pub fn postgres_only(config: &Config, command: &str) -> Result<(), CliError> {
-    match backend(config) {
-        Ok(Backend::MySql) => Err(CliError::config(
-            format!(
-                "`outbox {command}` does not support MySQL / MariaDB yet (the database URL is \
-                 mysql://); it runs on PostgreSQL only"
-            ),
-            "on MySQL run `outbox status`, `outbox parked`, `outbox cleanup`, `outbox \
-             reconcile` or `outbox replay`; see outbox-cli/docs/commands.md for which command \
-             works on which store",
-        )),
-        _ => Ok(()),
-    }
 }
 
 /// The MySQL outbox of the configuration, with what the reports name it by.

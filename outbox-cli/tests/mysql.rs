@@ -421,48 +421,70 @@ async fn cleanup_on_mariadb_removes_only_finished_rows_past_the_retention() {
     db.drop().await;
 }
 
-/// A command that runs on PostgreSQL only, given a MySQL URL, fails with exit 2 naming the
-/// command and that MySQL support is not there yet, never with a PostgreSQL driver error; the
-/// outbox is left untouched.
+/// `outbox migrate --inbox` on a MySQL URL migrates each configured consumer's inbox there
+/// (once: a second run applies nothing), prints its SQL with `--print-sql`, and the inbox then
+/// reads as present in `status`. Every command runs on MySQL now; none refuses the URL.
 #[tokio::test]
-async fn postgres_only_commands_refuse_a_mysql_url() {
-    let Some(db) = Db::new("postgres_only_commands_refuse_a_mysql_url").await else {
+async fn migrate_inbox_on_mariadb_migrates_each_consumers_inbox() {
+    let Some(db) = Db::new("migrate_inbox_on_mariadb_migrates_each_consumers_inbox").await else {
         return;
     };
     let (pool, _) = four_events(&db).await;
-    let cases: &[(&[&str], &str)] = &[
-        (&["migrate"], "outbox migrate"),
-        (&["relay", "--no-http"], "outbox relay"),
-        (&["check", "--no-broker"], "outbox check"),
-    ];
-    for (args, name) in cases {
-        for url in [db.url(), db.url().replace("mysql://", "mariadb://")] {
-            let out = db.outbox(&url, &[], args);
-            assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out));
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            assert!(
-                stderr.contains(&format!("`{name}` does not support MySQL / MariaDB yet")),
-                "{args:?}: {}",
-                text(&out)
-            );
-            assert!(
-                !stderr.to_lowercase().contains("postgres://")
-                    && !stderr.contains("cannot connect"),
-                "{args:?}: {}",
-                text(&out)
-            );
-            let mut with_json = vec!["--json"];
-            with_json.extend_from_slice(args);
-            let out = db.outbox(&url, &[], &with_json);
-            let doc: serde_json::Value = serde_json::from_slice(&out.stdout)
-                .unwrap_or_else(|e| panic!("not JSON ({e}): {}", text(&out)));
-            assert_eq!(doc["error"]["kind"], "config", "{doc:#}");
-        }
-    }
+    let path = db.dir.join("outbox.toml");
+    std::fs::write(&path, "[[consumers]]\nname = \"billing\"\n").expect("config");
+    let config = path.to_str().unwrap();
+    let tables = "SELECT COUNT(*) FROM information_schema.tables \
+                  WHERE table_schema = DATABASE() AND table_name LIKE 'processed\\_events%'";
+    assert_eq!(count(&pool, tables).await, 0, "no inbox before");
+
+    let sql = db.outbox(
+        &db.url(),
+        &[],
+        &["--config", config, "migrate", "--inbox", "--print-sql"],
+    );
+    assert!(sql.status.success(), "{}", text(&sql));
+    assert!(
+        String::from_utf8_lossy(&sql.stdout).contains("processed_events"),
+        "{}",
+        text(&sql)
+    );
+    assert_eq!(count(&pool, tables).await, 0, "--print-sql changes nothing");
+
+    let first = json(&db.outbox(
+        &db.url(),
+        &[],
+        &["--json", "--config", config, "migrate", "--inbox"],
+    ));
+    assert_eq!(
+        first["outbox"]["applied"], 0,
+        "the outbox was migrated already: {first:#}"
+    );
+    assert_eq!(first["inboxes"][0]["consumer"], "billing", "{first:#}");
+    assert!(
+        first["inboxes"][0]["applied"].as_u64().unwrap_or(0) >= 1,
+        "{first:#}"
+    );
+    assert!(count(&pool, tables).await >= 1, "the inbox's tables exist");
+    let again = json(&db.outbox(
+        &db.url(),
+        &[],
+        &["--json", "--config", config, "migrate", "--inbox"],
+    ));
+    assert_eq!(
+        again["inboxes"][0]["applied"], 0,
+        "second run changes nothing: {again:#}"
+    );
+
+    let status = json(&db.outbox(&db.url(), &[], &["--json", "--config", config, "status"]));
+    assert_eq!(status["consumers"][0]["name"], "billing", "{status:#}");
+    assert!(
+        status["consumers"][0]["parked_error"].is_null(),
+        "the migrated inbox is read: {status:#}"
+    );
     assert_eq!(
         count(&pool, "SELECT COUNT(*) FROM outbox_events").await,
         4,
-        "nothing was touched"
+        "the outbox was not touched"
     );
     db.drop().await;
 }

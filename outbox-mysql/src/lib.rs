@@ -94,8 +94,9 @@ pub use outbox::{
     PublishedPosition, PublishedRow, WakeSubscription,
 };
 pub use schema::{
-    inbox_schema_sql, outbox_schema_sql, qualified, quote_identifier, validate_identifier,
-    MAX_IDENTIFIER_LEN, MAX_TABLE_NAME_LEN, MIGRATION_DDL_WAIT_SECS, MIGRATION_LOCK,
+    inbox_schema_sql, outbox_migrations, outbox_schema_sql, qualified, quote_identifier,
+    validate_identifier, MigrationStatus, MAX_IDENTIFIER_LEN, MAX_TABLE_NAME_LEN,
+    MIGRATION_DDL_WAIT_SECS, MIGRATION_LOCK,
 };
 
 /// The sqlx version this crate is built against, re-exported for callers' transactions.

@@ -295,6 +295,67 @@ async fn run_migrations(
     Ok(count)
 }
 
+/// The outbox's migrations this crate brings, in order: (version, what it does).
+pub fn outbox_migrations() -> Vec<(i32, &'static str)> {
+    OUTBOX_MIGRATIONS.iter().map(|m| (m.0, m.1)).collect()
+}
+
+/// Where a store's schema stands on the server: what `migrate` has applied and what it would
+/// still apply ([`crate::MySqlOutboxStore::migration_status`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MigrationStatus {
+    /// The latest version applied (0: none, also when the migration log does not exist).
+    pub applied: i32,
+    /// The latest version this crate brings.
+    pub expected: i32,
+    /// The migrations not applied yet, in order: (version, what it does).
+    pub pending: Vec<(i32, &'static str)>,
+}
+
+impl MigrationStatus {
+    /// `true` when every migration this crate brings is applied.
+    pub fn up_to_date(&self) -> bool {
+        self.pending.is_empty()
+    }
+}
+
+/// Reads the migration log of `component` for `database.table`. A missing log
+/// (`NO_SUCH_TABLE`) is "nothing applied"; any other error (a missing privilege, the server
+/// gone) is returned.
+pub(crate) async fn migration_status(
+    pool: &MySqlPool,
+    component: Component,
+    database: Option<&str>,
+    table: &str,
+) -> Result<MigrationStatus, StoreError> {
+    let (name, migrations) = match component {
+        Component::Outbox => ("outbox", OUTBOX_MIGRATIONS),
+        Component::Inbox => ("inbox", INBOX_MIGRATIONS),
+    };
+    let log = qualified(database, "outbox_schema_migrations");
+    let applied: i32 = match sqlx::query_scalar::<_, Option<i32>>(&format!(
+        "SELECT MAX(version) FROM {log} WHERE object = ?"
+    ))
+    .bind(format!("{name}:{table}"))
+    .fetch_one(pool)
+    .await
+    {
+        Ok(v) => v.unwrap_or(0),
+        Err(e) if crate::error::error_number(&e) == Some(crate::error::codes::NO_SUCH_TABLE) => 0,
+        Err(e) => return Err(db(e)),
+    };
+    Ok(MigrationStatus {
+        applied,
+        expected: migrations.last().map_or(0, |m| m.0),
+        pending: migrations
+            .iter()
+            .filter(|m| m.0 > applied)
+            .map(|m| (m.0, m.1))
+            .collect(),
+    })
+}
+
 /// An `ALTER TABLE` that failed because what it adds exists already (a duplicate column, 1060,
 /// or index, 1061) or what it drops is gone already (1091).
 fn already_applied(stmt: &str, e: &sqlx::Error) -> bool {

@@ -10,6 +10,7 @@
 //! | `partitions` | partition count or partitioner differs from the one a relay recorded | |
 //! | `replication` | | a critical topic (`kafka.critical_topics`) on one replica, or with `min.insync.replicas` < 2 |
 //! | `compaction` | | a compacted topic (intermediate facts may vanish) |
+//! | `durability` (MySQL / MariaDB) | a setting `outbox_mysql::judge` refuses: `innodb_flush_log_at_trx_commit` other than 1, `binlog_format = STATEMENT` with the binary log on, a table not on InnoDB, a server older than MySQL 8.0.13 / MariaDB 10.6; each with the statement that fixes it | `sync_binlog` other than 1 with the binary log on; `innodb_lock_wait_timeout` below 5 s (the server's default isolation and the READ COMMITTED the store's transactions use are reported as ok) |
 //! | `retention` | the library's rule ([`outbox_core::retention::RetentionCheck`]): a consumer's dedup window shorter than topic `retention.ms` + `retention.max_consumer_lag` + `retention.replay_window`, or finite while the topic keeps records forever | `retention.ms` not reported by the broker (Kafka's default of 7 days assumed); `cleanup.retention` shorter than the replay window |
 
 use std::time::Duration;
@@ -200,22 +201,28 @@ pub fn static_checks(config: &Config) -> Vec<Finding> {
 pub async fn run(config: &Config, opts: &CheckOpts, out: &Output) -> Result<(), CliError> {
     let mut findings = static_checks(config);
     let mut recorded = Vec::new();
-    match db::connect_outbox(config, 2).await {
-        Err(e) => findings.push(f("database", Severity::Error, e.message, e.hint.as_deref())),
-        Ok((pool, target)) => match db::preflight(&pool, config).await {
+    if crate::store::backend(config)? == crate::store::Backend::MySql {
+        mysql_checks(config, &mut findings).await;
+    } else {
+        match db::connect_outbox(config, 2).await {
             Err(e) => findings.push(f("database", Severity::Error, e.message, e.hint.as_deref())),
-            Ok(()) => {
-                findings.push(f(
-                    "database",
-                    Severity::Ok,
-                    format!("{target}: schema and privileges in place"),
-                    None,
-                ));
-                if let Ok(store) = db::outbox_store(config, pool) {
-                    recorded = store.recorded_topics().await.unwrap_or_default();
+            Ok((pool, target)) => match db::preflight(&pool, config).await {
+                Err(e) => {
+                    findings.push(f("database", Severity::Error, e.message, e.hint.as_deref()))
                 }
-            }
-        },
+                Ok(()) => {
+                    findings.push(f(
+                        "database",
+                        Severity::Ok,
+                        format!("{target}: schema and privileges in place"),
+                        None,
+                    ));
+                    if let Ok(store) = db::outbox_store(config, pool) {
+                        recorded = store.recorded_topics().await.unwrap_or_default();
+                    }
+                }
+            },
+        }
     }
     if !opts.no_broker {
         broker_checks(config, &recorded, &mut findings).await;
@@ -254,6 +261,79 @@ pub async fn run(config: &Config, opts: &CheckOpts, out: &Output) -> Result<(), 
             .count();
         Err(CliError::new(ErrorKind::Failed, format!("{n} violation(s) found"), None).reported())
     }
+}
+
+/// The database checks on MySQL / MariaDB: reachable, schema at the version `outbox-mysql`
+/// brings (pending migrations named), the privileges the relay needs (the exact `GRANT`
+/// statements), and the server's durability settings judged by `outbox_mysql::judge`, each
+/// unsafe one with the statement that fixes it. No topic facts are recorded on MySQL, so the
+/// `partitions` check has nothing to compare with.
+async fn mysql_checks(config: &Config, findings: &mut Vec<Finding>) {
+    let (pool, target) = match crate::mysql::connect(config, 2).await {
+        Ok(c) => c,
+        Err(e) => {
+            findings.push(f("database", Severity::Error, e.message, e.hint.as_deref()));
+            return;
+        }
+    };
+    let store = match crate::mysql::outbox_store(config, pool.clone()) {
+        Ok(s) => s,
+        Err(e) => {
+            findings.push(f("database", Severity::Error, e.message, e.hint.as_deref()));
+            return;
+        }
+    };
+    match crate::mysql::preflight(&pool, &store, config).await {
+        Ok(status) => findings.push(f(
+            "database",
+            Severity::Ok,
+            format!(
+                "{target}: outbox {} at schema version {} of {}, privileges in place",
+                crate::mysql::table_label(config),
+                status.applied,
+                status.expected
+            ),
+            None,
+        )),
+        Err(e) => findings.push(f("database", Severity::Error, e.message, e.hint.as_deref())),
+    }
+    match store.check_durability().await {
+        Ok(report) => findings.extend(durability_findings(&report)),
+        Err(e) => {
+            let e = crate::mysql::store_error(&e, &crate::mysql::table_label(config));
+            findings.push(f(
+                "durability",
+                Severity::Error,
+                e.message,
+                e.hint.as_deref(),
+            ));
+        }
+    }
+}
+
+/// The `durability` findings of a MySQL server's report: a refusal is a violation, a warning
+/// a warning, each with the statement that fixes it; what is in order is reported ok.
+pub fn durability_findings(report: &outbox_mysql::DurabilityReport) -> Vec<Finding> {
+    report
+        .findings
+        .iter()
+        .map(|x| {
+            let severity = match x.severity {
+                outbox_mysql::Severity::Refuse => Severity::Error,
+                outbox_mysql::Severity::Warn => Severity::Warning,
+                _ => Severity::Ok,
+            };
+            let fix = (severity != Severity::Ok)
+                .then(|| crate::mysql::durability_fix(x))
+                .flatten();
+            f(
+                "durability",
+                severity,
+                format!("{}: {}", x.check.as_str(), x.message),
+                fix.as_deref(),
+            )
+        })
+        .collect()
 }
 
 async fn broker_checks(
@@ -453,6 +533,57 @@ fn retention_checks(
                 required.map_or_else(|| "unbounded".into(), dur)
             )),
             findings,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox_mysql::{judge, ServerSettings};
+
+    /// What `check` makes of a server's settings (read, never set on a shared server): each
+    /// unsafe one a violation or a warning with the statement that fixes it.
+    #[test]
+    fn durability_findings_name_the_fix() {
+        let settings = ServerSettings {
+            version: "8.0.36".into(),
+            flush_at_commit: 2,
+            log_bin: true,
+            binlog_format: "ROW".into(),
+            sync_binlog: 0,
+            lock_wait_timeout: 50,
+            isolation: "REPEATABLE-READ".into(),
+            non_innodb_tables: Vec::new(),
+        };
+        let findings = durability_findings(&judge(&settings));
+        let of = |severity| {
+            findings
+                .iter()
+                .filter(|x| x.severity == severity)
+                .collect::<Vec<_>>()
+        };
+        let errors = of(Severity::Error);
+        assert_eq!(errors.len(), 1, "{findings:#?}");
+        assert!(errors[0]
+            .message
+            .starts_with("innodb_flush_log_at_trx_commit: innodb_flush_log_at_trx_commit = 2"));
+        assert!(errors[0]
+            .fix
+            .as_deref()
+            .unwrap()
+            .starts_with("SET GLOBAL innodb_flush_log_at_trx_commit = 1;"));
+        let warnings = of(Severity::Warning);
+        assert_eq!(warnings.len(), 1, "{findings:#?}");
+        assert!(warnings[0]
+            .fix
+            .as_deref()
+            .unwrap()
+            .starts_with("SET GLOBAL sync_binlog = 1;"));
+        assert!(of(Severity::Ok).iter().all(|x| x.fix.is_none()));
+        assert!(
+            !of(Severity::Ok).is_empty(),
+            "version and isolation reported"
         );
     }
 }

@@ -16,6 +16,16 @@
 //! says whether an operator is needed (see [`crate::error`]): 0 when nothing is left for one
 //! (failures that recovered during the run included), 1 when events the run parked are still
 //! parked or it was still failing when it stopped.
+//!
+//! The same daemon runs on MySQL / MariaDB when the database URL is `mysql://` or
+//! `mariadb://`: the relay, the metrics, `/healthz` and `/readyz`, the scheduled cleanup, the
+//! signals and the exit codes are the same code, over `outbox-mysql`'s store. What differs:
+//! the start-up also reads the server's durability settings (`outbox_mysql::check_durability`:
+//! refused with exit 4 and the statement that fixes each unsafe one, warnings logged); there is
+//! no LISTEN/NOTIFY, so the workers poll with their jittered idle backoff
+//! (`relay.idle_min`..`relay.idle_max`) and say so once at start; MySQL keeps no record of the
+//! topics' partition counts, so a change is not reported; the table gauges are the row count
+//! and size `outbox-mysql` reports (no dead tuples, no vacuum ages, no conflict counter).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -25,14 +35,17 @@ use chrono::Utc;
 use outbox_core::backpressure::{BacklogSnapshot, Backpressure, BackpressurePolicy};
 use outbox_core::prelude::*;
 use outbox_core::{
-    Classify, ErrorClass, Relay, RelayConfig, RetryPolicy, StoreError, StoreErrorKind, SystemClock,
+    async_trait, Classify, ErrorClass, Relay, RelayConfig, RetryPolicy, StoreError, StoreErrorKind,
+    SystemClock,
 };
 use outbox_kafka::KafkaPublisher;
+use outbox_mysql::MySqlOutboxStore;
 use outbox_postgres::{PostgresOutboxStore, RecordedTopic};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use serde::Serialize;
 use tokio::sync::{watch, Notify};
+use tokio::task::JoinHandle;
 use tracing::{debug, error, info, warn};
 
 use crate::config::Config;
@@ -121,16 +134,75 @@ struct FatalError {
     privilege: bool,
 }
 
-/// Runs the daemon until SIGTERM/SIGINT or a permanent error.
+/// What the daemon needs of a store besides the relay and maintenance roles: the pool's
+/// gauges, the application's conflict counter where the store keeps one, and the exact grants
+/// for a privilege that went missing while running.
+#[async_trait]
+pub trait DaemonStore:
+    RelayStore + MaintenanceStore + Clone + std::fmt::Debug + Send + Sync + 'static
+{
+    /// Sets `outbox_db_pool_connections`.
+    fn record_pool(&self);
+    /// Conflicts counted by the application per aggregate type (`None`: not kept).
+    async fn conflict_counts(&self) -> Option<Vec<(String, u64)>>;
+    /// The error naming the exact `GRANT` statements for what the user lacks now (`None`:
+    /// nothing found lacking, or the catalogs could not be read).
+    async fn privilege_error(&self, config: &Config) -> Option<CliError>;
+}
+
+#[async_trait]
+impl DaemonStore for PostgresOutboxStore {
+    fn record_pool(&self) {
+        crate::metrics::record_pool(self.pool());
+    }
+    async fn conflict_counts(&self) -> Option<Vec<(String, u64)>> {
+        PostgresOutboxStore::conflict_counts(self).await.ok()
+    }
+    async fn privilege_error(&self, config: &Config) -> Option<CliError> {
+        db::privilege_error(self.pool(), config)
+            .await
+            .ok()
+            .flatten()
+    }
+}
+
+#[async_trait]
+impl DaemonStore for MySqlOutboxStore {
+    fn record_pool(&self) {
+        crate::metrics::record_pool_counts(self.pool().size(), self.pool().num_idle());
+    }
+    async fn conflict_counts(&self) -> Option<Vec<(String, u64)>> {
+        None
+    }
+    async fn privilege_error(&self, config: &Config) -> Option<CliError> {
+        crate::mysql::privilege_error(self.pool(), config)
+            .await
+            .ok()
+            .flatten()
+    }
+}
+
+/// Runs the daemon until SIGTERM/SIGINT or a permanent error, on the store the database URL
+/// names ([`crate::store::backend`]).
 pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
     let workers = config.relay.workers;
     // Per worker a claim (prefetch included) and a completion at once; plus the listener,
     // stats, cleanup and readiness.
     let pool_size = 2 * u32::from(workers) + 4;
-    validate_offline(config)?;
+    match crate::store::backend(config)? {
+        crate::store::Backend::Postgres => run_postgres(config, out, pool_size).await,
+        crate::store::Backend::MySql => run_mysql(config, out, pool_size).await,
+    }
+}
+
+async fn run_postgres(config: &Config, out: &Output, pool_size: u32) -> Result<(), CliError> {
+    validate_offline(
+        config,
+        db::outbox_store(config, db::lazy_outbox_pool(config)?)?,
+    )?;
     let (pool, target) = db::connect_outbox(config, pool_size).await?;
     db::preflight(&pool, config).await?;
-    let store = db::outbox_store(config, pool.clone())?;
+    let store = db::outbox_store(config, pool)?;
     let table = format!("{}.{}", config.outbox.schema, config.outbox.table);
     let recorded = store
         .recorded_topics()
@@ -138,6 +210,75 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
         .map_err(|e| CliError::from_store(&e, &table))?;
     let publisher = Arc::new(crate::kafka::start_publisher(config, &recorded).await?);
     record_topics(&store, &publisher, &table).await?;
+    let listen = store.clone();
+    let listen_table = table.clone();
+    daemon(
+        config,
+        out,
+        store,
+        publisher,
+        target.to_string(),
+        table,
+        move |wake| {
+            listen
+                .spawn_listener(wake)
+                .map(Some)
+                .map_err(|e| CliError::from_store(&e, &listen_table))
+        },
+    )
+    .await
+}
+
+async fn run_mysql(config: &Config, out: &Output, pool_size: u32) -> Result<(), CliError> {
+    validate_offline(
+        config,
+        crate::mysql::outbox_store(config, crate::mysql::lazy_pool(config)?)?,
+    )?;
+    let (pool, target) = crate::mysql::connect(config, pool_size).await?;
+    let store = crate::mysql::outbox_store(config, pool.clone())?;
+    let table = crate::mysql::table_label(config);
+    crate::mysql::preflight(&pool, &store, config).await?;
+    let report = store
+        .check_durability()
+        .await
+        .map_err(|e| crate::mysql::store_error(&e, &table))?;
+    for warning in crate::mysql::durability_decision(&report)? {
+        warn!("{warning}");
+    }
+    // No recorded topic facts on MySQL: the publisher compares the broker with none.
+    let publisher = Arc::new(crate::kafka::start_publisher(config, &[]).await?);
+    daemon(
+        config,
+        out,
+        store,
+        publisher,
+        target.to_string(),
+        table,
+        |_| {
+            info!(
+                idle_min = %config.relay.idle_min,
+                idle_max = %config.relay.idle_max,
+                "MySQL / MariaDB has no LISTEN/NOTIFY: idle workers poll with jittered backoff \
+                 (no wake-up on commit)"
+            );
+            Ok(None)
+        },
+    )
+    .await
+}
+
+/// The daemon over a connected, checked store and a started publisher; `listen` starts the
+/// store's wake-up listener, if it has one, once every worker is built.
+async fn daemon<S: DaemonStore>(
+    config: &Config,
+    out: &Output,
+    store: S,
+    publisher: Arc<KafkaPublisher>,
+    target: String,
+    table: String,
+    listen: impl FnOnce(Arc<Notify>) -> Result<Option<JoinHandle<()>>, CliError>,
+) -> Result<(), CliError> {
+    let workers = config.relay.workers;
     info!(database = %target, outbox = %table, brokers = %config.kafka.brokers, topics = ?config.topics(), workers, "relay starting");
 
     let health = Health::default();
@@ -169,9 +310,7 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
     let fatal: Fatal = Arc::default();
     let (stop_tx, stop_rx) = watch::channel(false);
     let wake = Arc::new(Notify::new());
-    let listener = store
-        .spawn_listener(wake.clone())
-        .map_err(|e| CliError::from_store(&e, &table))?;
+    let listener = listen(wake.clone())?;
     let mut tasks = Vec::new();
     for relay in relays {
         tasks.push(tokio::spawn(worker(
@@ -196,7 +335,7 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
     ));
     let monitor = tokio::spawn(monitor(
         store.clone(),
-        pool.clone(),
+        table.clone(),
         prometheus,
         health.clone(),
         gate,
@@ -257,7 +396,9 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
     if let Some(c) = cleanup {
         c.abort();
     }
-    listener.abort();
+    if let Some(l) = listener {
+        l.abort();
+    }
     if let Some(h) = http {
         h.abort();
     }
@@ -299,10 +440,10 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
         Some(FatalError {
             error,
             privilege: true,
-        }) => match db::privilege_error(&pool, config).await {
+        }) => match store.privilege_error(config).await {
             // The statements for what this role lacks now, table by table.
-            Ok(Some(exact)) => Err(exact),
-            _ => Err(error),
+            Some(exact) => Err(exact),
+            None => Err(error),
         },
         Some(f) => Err(f.error),
         None => match needs_operator(&report, still_parked, failing_at_stop) {
@@ -320,8 +461,7 @@ pub async fn run(config: &Config, out: &Output) -> Result<(), CliError> {
 /// producer property, the retry and relay settings, and the lease (or locked hold) against the
 /// delivery timeout, checked by the very constructors the running relay uses, on a database
 /// pool that has not connected and a producer that has not contacted the broker.
-fn validate_offline(config: &Config) -> Result<(), CliError> {
-    let store = db::outbox_store(config, db::lazy_outbox_pool(config)?)?;
+fn validate_offline<S: DaemonStore>(config: &Config, store: S) -> Result<(), CliError> {
     let publisher = Arc::new(crate::kafka::build_publisher(config)?);
     build_relay(config, &store, &publisher, &config.owner()).map(drop)
 }
@@ -388,14 +528,14 @@ async fn record_topics(
         .map_err(|e| CliError::from_store(&e, table))
 }
 
-type CliRelay = Relay<MeteredStore<PostgresOutboxStore>, Arc<KafkaPublisher>>;
+type CliRelay<S> = Relay<MeteredStore<S>, Arc<KafkaPublisher>>;
 
-fn build_relay(
+fn build_relay<S: DaemonStore>(
     config: &Config,
-    store: &PostgresOutboxStore,
+    store: &S,
     publisher: &Arc<KafkaPublisher>,
     owner: &str,
-) -> Result<CliRelay, CliError> {
+) -> Result<CliRelay<S>, CliError> {
     let r = &config.relay;
     let retry = RetryPolicy::builder()
         .base(r.retry_base.0)
@@ -439,8 +579,8 @@ fn is_permanent(e: &StoreError) -> bool {
         )
 }
 
-async fn worker(
-    mut relay: CliRelay,
+async fn worker<S: DaemonStore>(
+    mut relay: CliRelay<S>,
     wake: Arc<Notify>,
     mut stop: watch::Receiver<bool>,
     totals: Arc<Totals>,
@@ -578,9 +718,9 @@ pub fn backpressure_policy(config: &Config) -> BackpressurePolicy {
 /// Refreshes gauges, backpressure and readiness every `relay.stats_interval`; logs a summary
 /// per minute when something moved.
 #[allow(clippy::too_many_arguments)]
-async fn monitor(
-    store: PostgresOutboxStore,
-    pool: sqlx::PgPool,
+async fn monitor<S: DaemonStore>(
+    store: S,
+    table: String,
     prometheus: metrics_exporter_prometheus::PrometheusHandle,
     health: Health,
     gate: Arc<Backpressure>,
@@ -593,7 +733,6 @@ async fn monitor(
         .stats_interval
         .0
         .max(Duration::from_millis(100));
-    let table = format!("{}.{}", config.outbox.schema, config.outbox.table);
     let mut last_summary = tokio::time::Instant::now();
     let mut last_published = 0u64;
     // The current trend, not an average over status.window: a drain of older events must not
@@ -606,7 +745,7 @@ async fn monitor(
                 trend.observe(std::time::Instant::now(), stats.unpublished);
                 let rate = trend.rate_per_sec();
                 gate.observe(BacklogSnapshot::from_stats(&stats, rate), Utc::now());
-                if let Ok(c) = store.conflict_counts().await {
+                if let Some(c) = store.conflict_counts().await {
                     crate::metrics::record_conflicts(&c);
                 }
                 if !health.get().database.ok {
@@ -623,7 +762,7 @@ async fn monitor(
                 health.database(false, detail);
             }
         }
-        crate::metrics::record_pool(&pool);
+        store.record_pool();
         prometheus.run_upkeep();
         if last_summary.elapsed() >= Duration::from_secs(60) {
             last_summary = tokio::time::Instant::now();
@@ -704,8 +843,8 @@ async fn watch_broker(
 
 /// Deletes finished rows older than `cleanup.retention` every `cleanup.interval`, in batches
 /// of `cleanup.batch_size` (one short transaction each).
-async fn cleanup_loop(
-    store: PostgresOutboxStore,
+async fn cleanup_loop<S: DaemonStore>(
+    store: S,
     config: Config,
     totals: Arc<Totals>,
     mut stop: watch::Receiver<bool>,

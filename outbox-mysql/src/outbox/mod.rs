@@ -129,6 +129,19 @@ impl MySqlOutboxStore {
         .await
     }
 
+    /// What [`migrate`](Self::migrate) has applied for this store's table and what it would
+    /// still apply; reads the migration log only (a missing log: nothing applied).
+    pub async fn migration_status(&self) -> Result<crate::MigrationStatus, StoreError> {
+        let s = &self.inner.settings;
+        schema::migration_status(
+            &self.inner.pool,
+            schema::Component::Outbox,
+            s.database.as_deref(),
+            &s.table,
+        )
+        .await
+    }
+
     /// The schema of this store as plain SQL (for your own migration tool).
     pub fn schema_sql(&self) -> String {
         let s = &self.inner.settings;
