@@ -224,11 +224,11 @@ async fn migrate_on_mariadb_applies_each_migration_once_and_names_it() {
     );
     assert_eq!(db.tables(&other).await.len(), 5);
 
+    // `--inbox` without consumers migrates the outbox only (tests/mysql.rs migrates one).
     let inbox = db.outbox(&db.url(), &[], &["migrate", "--inbox"]);
-    assert_eq!(inbox.status.code(), Some(2), "{}", text(&inbox));
+    assert!(inbox.status.success(), "{}", text(&inbox));
     assert!(
-        String::from_utf8_lossy(&inbox.stderr)
-            .contains("`outbox migrate --inbox` does not support MySQL"),
+        String::from_utf8_lossy(&inbox.stdout).contains("(up to date"),
         "{}",
         text(&inbox)
     );
