@@ -24,20 +24,21 @@ use crate::report::{quantile_ms, Report, Samples};
 pub(crate) struct AppendArgs {
     /// Client counts (concurrent connections running the business transaction).
     #[arg(long, value_delimiter = ',', default_value = "1,8")]
-    clients: Vec<usize>,
+    pub(crate) clients: Vec<usize>,
     /// Measured seconds per contender and round (after the warm-up).
     #[arg(long, default_value_t = 5.0)]
-    seconds: f64,
+    pub(crate) seconds: f64,
     /// Warm-up seconds per contender and round (not counted).
     #[arg(long, default_value_t = 1.0)]
-    warmup: f64,
+    pub(crate) warmup: f64,
     /// Order rows the transactions pick from at random.
     #[arg(long, default_value_t = 10_000)]
-    orders: usize,
+    pub(crate) orders: usize,
     /// Only these contenders (ids, comma-separated; default all): none, gate, notify,
-    /// no-channel, gate-10, gate-relay, notify-relay, gate-no-created-idx.
+    /// no-channel, gate-10, gate-relay, notify-relay, gate-no-created-idx. On a mysql:// URL:
+    /// none, bare, append, bare-10, append-10.
     #[arg(long, value_delimiter = ',')]
-    only: Vec<String>,
+    pub(crate) only: Vec<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

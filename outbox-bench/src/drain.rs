@@ -39,27 +39,29 @@ use crate::report::{Report, Samples};
 pub(crate) struct DrainArgs {
     /// Events in the backlog of each contender.
     #[arg(long, default_value_t = 100_000)]
-    events: usize,
+    pub(crate) events: usize,
     /// Aggregates the backlog is spread over (round robin); a list runs each.
     #[arg(long, value_delimiter = ',', default_value = "1000,20000")]
-    aggregates: Vec<usize>,
+    pub(crate) aggregates: Vec<usize>,
     /// Claim batch size (relays and references).
     #[arg(long, default_value_t = 1000)]
-    batch: usize,
+    pub(crate) batch: usize,
     /// Partitions of each topic.
     #[arg(long, default_value_t = 6)]
-    partitions: i32,
+    pub(crate) partitions: i32,
     /// The relay awaiting each record drains events / this (it is slow).
     #[arg(long, default_value_t = 50)]
     await_each_fraction: usize,
     /// Only these contenders (comma-separated ids; default all): naive-sql, sql-lease,
     /// sql-locked, instant-lease, instant-locked, producer, minimal, lease-1, lease-2,
-    /// locked-1, locked-2, lease-1-linger0, await-each.
+    /// locked-1, locked-2, lease-1-linger0, await-each. On a mysql:// URL: naive-instant,
+    /// lease-instant, locked-instant, naive-kafka, lease-kafka, locked-kafka, sql-lease,
+    /// sql-locked.
     #[arg(long, value_delimiter = ',')]
-    only: Vec<String>,
+    pub(crate) only: Vec<String>,
     /// Skip the contenders that need the broker (store-only figures).
     #[arg(long)]
-    no_broker: bool,
+    pub(crate) no_broker: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -548,13 +550,14 @@ impl Publisher for InstantAcks {
 
 /// `relays` relays (`Relay::run_once` with the default prefetch) over one store until the
 /// backlog is empty. The clock stops when the last event is completed.
-pub(crate) async fn drain_relay<P>(
-    store: &PostgresOutboxStore,
+pub(crate) async fn drain_relay<S, P>(
+    store: &S,
     publisher: Arc<P>,
     batch: usize,
     relays: usize,
 ) -> anyhow::Result<(u64, Duration)>
 where
+    S: RelayStore + MaintenanceStore + Clone + 'static,
     P: Publisher + 'static,
 {
     let target = store.stats().await?.unpublished;
@@ -607,7 +610,10 @@ where
 
 /// The store's own claim and completion statements with fake acknowledgements: the SQL
 /// ceiling of a relay over this store.
-async fn drain_store(store: &PostgresOutboxStore, batch: usize) -> anyhow::Result<(u64, Duration)> {
+pub(crate) async fn drain_store<S: RelayStore>(
+    store: &S,
+    batch: usize,
+) -> anyhow::Result<(u64, Duration)> {
     let req = ClaimRequest::new("bench-sql", batch);
     let started = Instant::now();
     let mut total = 0u64;

@@ -152,7 +152,7 @@ impl Env {
     }
 }
 
-fn admin(brokers: &str) -> anyhow::Result<AdminClient<DefaultClientContext>> {
+pub(crate) fn admin(brokers: &str) -> anyhow::Result<AdminClient<DefaultClientContext>> {
     Ok(ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .create()?)

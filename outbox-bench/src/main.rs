@@ -10,6 +10,9 @@
 //! target/release/outbox-bench consumer
 //! target/release/outbox-bench scale
 //! target/release/outbox-bench profile --explain
+//! # MySQL 8 / MariaDB (outbox-mysql): drain and append, beside hand-written references
+//! target/release/outbox-bench --database-url mysql://root@127.0.0.1:3306/test drain
+//! target/release/outbox-bench --database-url mysql://root@127.0.0.1:3306/test append
 //! ```
 //!
 //! Every scenario repeats `--rounds` rounds with the contenders in a rotating order (a slow
@@ -26,6 +29,7 @@ mod consumer;
 mod drain;
 mod env;
 mod latency;
+mod mysql;
 mod profile;
 mod report;
 mod scale;
@@ -38,7 +42,8 @@ use clap::{Parser, Subcommand};
 #[derive(Debug, Parser)]
 #[command(name = "outbox-bench", version)]
 struct Cli {
-    /// PostgreSQL URL.
+    /// PostgreSQL URL; a `mysql://` (or `mariadb://`) URL runs `drain` and `append` on
+    /// MySQL 8 / MariaDB (outbox-mysql) instead.
     #[arg(long, env = "DATABASE_URL", global = true)]
     database_url: Option<String>,
     /// Kafka bootstrap servers (the scenarios that use the broker require it).
@@ -89,6 +94,13 @@ async fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     anyhow::ensure!(cli.rounds >= 1, "--rounds must be at least 1");
+    if let Some(url) = cli
+        .database_url
+        .as_deref()
+        .filter(|u| mysql::is_mysql_url(u))
+    {
+        return run_mysql(&cli, url).await;
+    }
     let env = env::Env::connect(cli.database_url.clone(), cli.brokers.clone(), 16).await?;
     println!("outbox-bench run {}", env.run);
     let result = match &cli.scenario {
@@ -100,6 +112,29 @@ async fn main() -> anyhow::Result<()> {
         Scenario::Profile(a) => profile::run(&env, a, cli.rounds).await,
     };
     // Remove what the run created, also after a failure.
+    let cleaned = env.cleanup().await;
+    let report = result?;
+    cleaned?;
+    report.print();
+    if let Some(path) = &cli.json {
+        report::write_json(path, std::slice::from_ref(&report))?;
+        println!("figures written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// `drain` and `append` on MySQL / MariaDB; the other scenarios are PostgreSQL's.
+async fn run_mysql(cli: &Cli, url: &str) -> anyhow::Result<()> {
+    let env = mysql::MyEnv::connect(url, cli.brokers.clone()).await?;
+    println!("outbox-bench run {} (mysql)", env.run);
+    let result = match &cli.scenario {
+        Scenario::Drain(a) => mysql::drain(&env, a, cli.rounds).await,
+        Scenario::Append(a) => mysql::append(&env, a, cli.rounds).await,
+        _ => Err(anyhow::anyhow!(
+            "only `drain` and `append` run on a mysql:// URL; the other scenarios measure \
+             PostgreSQL"
+        )),
+    };
     let cleaned = env.cleanup().await;
     let report = result?;
     cleaned?;

@@ -50,33 +50,8 @@ async fn wait_until_blocked_on(pool: &PgPool, xid: &str) {
     }
 }
 
-/// A version that commits after a higher one of its aggregate goes out first: version 2 is
-/// held while version 1's transaction is open, in both claim modes.
-#[tokio::test]
-async fn late_lower_version_is_published_first_in_both_modes() {
-    let ctx = ctx!(6);
-    for mode in [lease(30.0), ClaimMode::LockedTransaction] {
-        let store = ctx.store(mode).await;
-        let agg = format!("late-{}", matches!(mode, ClaimMode::Lease { .. }));
-        let (v1, v2) = (event(&agg, 1), event(&agg, 2));
-        let mut open = ctx.pool.begin().await.unwrap();
-        store.append(&mut *open, &v1).await.unwrap();
-        store.append(&ctx.pool, &v2).await.unwrap();
-        let held = claim(&store, "r1", 100).await;
-        assert!(held.is_empty(), "{mode:?}: v2 went out while v1 was open");
-        assert_eq!(held.gaps_held, 1, "{mode:?}");
-        open.commit().await.unwrap();
-        let b = claim(&store, "r1", 100).await;
-        assert_eq!(versions(&b), vec![(agg.clone(), 1)], "{mode:?}");
-        publish_all(&store, &b).await;
-        // The held head is re-checked within a second.
-        tokio::time::sleep(Duration::from_millis(1100)).await;
-        let b = claim(&store, "r1", 100).await;
-        assert_eq!(versions(&b), vec![(agg.clone(), 2)], "{mode:?}");
-        publish_all(&store, &b).await;
-    }
-    ctx.drop().await;
-}
+// A version that commits after a higher one goes out first: the shared scenario
+// `late_lower_version_is_published_first_in_both_modes` in `relays.rs`.
 
 /// A duplicate of a version that became stale while it was blocked behind its in-flight twin
 /// is parked as out of order, and the versions after it still flow.

@@ -6,10 +6,12 @@ use std::collections::{HashMap, HashSet};
 use sqlx::{MySqlConnection, Row};
 use uuid::Uuid;
 
-use outbox_core::{ClaimHandle, ClaimMode, CompletionReport, Outcome, StoreError, StoreErrorKind};
+use outbox_core::{
+    AckMetadata, ClaimHandle, ClaimMode, CompletionReport, Outcome, StoreError, StoreErrorKind,
+};
 
 use super::claim::ClaimedRow;
-use super::head::{marks, Key};
+use super::head::{hex, marks, Key};
 use super::tx::{self, begin, finish, micros};
 use super::MySqlOutboxStore;
 use crate::error::db;
@@ -177,13 +179,6 @@ impl MySqlOutboxStore {
             .collect();
         let t = &self.inner.tables;
         let mut applied = Vec::new();
-        let mut published: Vec<&ClaimedRow> = Vec::new();
-        let published_sql = format!(
-            "UPDATE {} SET status = 'published', published_at = UTC_TIMESTAMP(6), \
-               finished_at = UTC_TIMESTAMP(6), ack_topic = ?, ack_partition = ?, \
-               ack_offset = ? WHERE id = ? AND status = 'pending'",
-            t.events
-        );
         let retry_sql = format!(
             "UPDATE {} SET attempts = attempts + ?, \
                next_attempt_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, \
@@ -200,15 +195,18 @@ impl MySqlOutboxStore {
              WHERE id = ? AND status = 'pending'",
             t.events
         );
+        // Publications, the common outcome, are applied in a fixed number of statements
+        // whatever the batch size (`mark_published`); retries and parks row by row.
+        let mut publications: Vec<(&ClaimedRow, &AckMetadata)> = Vec::new();
         for row in rows.iter().filter(|r| owned.contains(&r.id)) {
             let Some(outcome) = by_event.get(&row.event) else {
                 continue;
             };
             let q = match outcome {
-                Outcome::Published { ack, .. } => sqlx::query(&published_sql)
-                    .bind(&ack.topic)
-                    .bind(ack.partition)
-                    .bind(ack.offset),
+                Outcome::Published { ack, .. } => {
+                    publications.push((row, ack));
+                    continue;
+                }
                 Outcome::Retry { delay, error, .. } | Outcome::Defer { delay, error, .. } => {
                     let count = i32::from(matches!(outcome, Outcome::Retry { .. }));
                     sqlx::query(&retry_sql)
@@ -236,43 +234,169 @@ impl MySqlOutboxStore {
                 .rows_affected();
             if n == 1 {
                 applied.push(row.id);
-                if matches!(outcome, Outcome::Published { .. }) {
-                    published.push(row);
-                }
             }
         }
+        let published = self.mark_published(conn, &publications).await?;
+        applied.extend(published.iter().map(|r| r.id));
         let done: HashSet<i64> = applied.iter().copied().collect();
         self.end_leases(conn, rows, owned, &done).await?;
         if !published.is_empty() {
             // The last version moves to the published one (never down), then the aggregate's
             // next row becomes a candidate.
-            let mut lasts: Vec<(Key, i64)> = Vec::with_capacity(published.len());
-            for row in &published {
-                let last: Option<i64> = sqlx::query_scalar(&format!(
-                    "SELECT last_version FROM {} WHERE aggregate_key = ?",
-                    t.state
-                ))
-                .bind(&row.key)
-                .fetch_optional(&mut *conn)
-                .await
-                .map_err(db)?
-                .flatten();
-                let new_last = last.unwrap_or(0).max(row.version);
-                sqlx::query(&format!(
-                    "UPDATE {} SET last_version = ?, updated_at = UTC_TIMESTAMP(6) \
-                     WHERE aggregate_key = ?",
-                    t.state
-                ))
-                .bind(new_last)
-                .bind(&row.key)
-                .execute(&mut *conn)
-                .await
-                .map_err(db)?;
-                lasts.push((row.key.clone(), new_last));
-            }
+            let lasts = self.advance_last_versions(conn, &published).await?;
             self.promote(conn, &lasts).await?;
         }
         Ok(applied)
+    }
+
+    /// Marks the rows of `publications` that are still pending as published with their
+    /// acknowledgements, and returns them. Two statements whatever the batch size: their
+    /// status is read (a plain read: the caller holds the locks every writer of these rows
+    /// takes first, the aggregates' state rows, or in locked mode the rows themselves, so the
+    /// status cannot change meanwhile; a locking read would also lock the record after the
+    /// last id to end its range, and wait there on another claim's row), then one `UPDATE` joins
+    /// the acknowledgements as a table (`JSON_TABLE`, MySQL 8.0.4+ / MariaDB 10.6+), on the
+    /// rows found pending only, named by primary key alone (`id IN (..)`): whatever plan the
+    /// optimizer picks, it reads no other row through an index on `status` (a scan of the
+    /// claim index would wait on other claims' rows). Same rows, same values and the same
+    /// `status = 'pending'` rule as one `UPDATE .. WHERE id = ? AND status = 'pending'` per
+    /// row.
+    async fn mark_published<'r>(
+        &self,
+        conn: &mut MySqlConnection,
+        publications: &[(&'r ClaimedRow, &AckMetadata)],
+    ) -> Result<Vec<&'r ClaimedRow>, StoreError> {
+        if publications.is_empty() {
+            return Ok(Vec::new());
+        }
+        let t = &self.inner.tables;
+        // A plain read after the locks (READ COMMITTED: the latest committed status), by
+        // primary key only.
+        let sql = format!(
+            "SELECT id, CAST(status AS CHAR) FROM {} WHERE id IN ({})",
+            t.events,
+            marks(publications.len())
+        );
+        let mut q = sqlx::query_as::<_, (i64, String)>(&sql);
+        for (row, _) in publications {
+            q = q.bind(row.id);
+        }
+        let pending: HashSet<i64> = q
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(db)?
+            .into_iter()
+            .filter(|(_, status)| status == "pending")
+            .map(|(id, _)| id)
+            .collect();
+        let marked: Vec<(&'r ClaimedRow, &AckMetadata)> = publications
+            .iter()
+            .filter(|(row, _)| pending.contains(&row.id))
+            .copied()
+            .collect();
+        if marked.is_empty() {
+            return Ok(Vec::new());
+        }
+        let acks: Vec<serde_json::Value> = marked
+            .iter()
+            .map(|(row, ack)| serde_json::json!([row.id, ack.topic, ack.partition, ack.offset]))
+            .collect();
+        let sql = format!(
+            "UPDATE {} e JOIN JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$[0]', \
+               topic TEXT PATH '$[1]', part INT PATH '$[2]', off BIGINT PATH '$[3]')) a \
+               ON e.id = a.id \
+             SET e.status = 'published', e.published_at = UTC_TIMESTAMP(6), \
+               e.finished_at = UTC_TIMESTAMP(6), e.ack_topic = a.topic, \
+               e.ack_partition = a.part, e.ack_offset = a.off \
+             WHERE e.id IN ({})",
+            t.events,
+            marks(marked.len())
+        );
+        let mut q = sqlx::query(&sql).bind(serde_json::Value::Array(acks).to_string());
+        for (row, _) in &marked {
+            q = q.bind(row.id);
+        }
+        let n = q.execute(&mut *conn).await.map_err(db)?.rows_affected();
+        if n != marked.len() as u64 {
+            // Cannot happen under the locks taken above; refuse rather than report a
+            // publication that was not recorded.
+            return Err(StoreError::new(
+                StoreErrorKind::Other,
+                format!(
+                    "marked {n} of {} locked pending rows published",
+                    marked.len()
+                ),
+            ));
+        }
+        Ok(marked.into_iter().map(|(row, _)| row).collect())
+    }
+
+    /// Moves each published aggregate's last version to the highest version published (never
+    /// down; an aggregate without a state row is left alone, as before). Two statements
+    /// whatever the batch size: the current last versions (the rows are locked by the
+    /// caller), then one `UPDATE` joined with the new values (`JSON_TABLE`, keys in hex),
+    /// kept on these rows by an `aggregate_key IN (..)` list.
+    /// Returns the new last version of each aggregate, for `promote`.
+    async fn advance_last_versions(
+        &self,
+        conn: &mut MySqlConnection,
+        published: &[&ClaimedRow],
+    ) -> Result<Vec<(Key, i64)>, StoreError> {
+        let t = &self.inner.tables;
+        let mut highest: HashMap<&Key, i64> = HashMap::new();
+        for row in published {
+            let v = highest.entry(&row.key).or_insert(row.version);
+            *v = (*v).max(row.version);
+        }
+        let keys: Vec<&Key> = highest.keys().copied().collect();
+        let sql = format!(
+            "SELECT aggregate_key, last_version FROM {} WHERE aggregate_key IN ({})",
+            t.state,
+            marks(keys.len())
+        );
+        let mut q = sqlx::query_as::<_, (Vec<u8>, Option<i64>)>(&sql);
+        for k in &keys {
+            q = q.bind(*k);
+        }
+        let current: HashMap<Vec<u8>, Option<i64>> = q
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(db)?
+            .into_iter()
+            .collect();
+        let lasts: Vec<(Key, i64)> = keys
+            .iter()
+            .map(|k| {
+                let last = current.get(*k).copied().flatten().unwrap_or(0);
+                ((*k).clone(), last.max(highest[*k]))
+            })
+            .collect();
+        let updated: Vec<&Key> = lasts
+            .iter()
+            .filter(|(k, _)| current.contains_key(k))
+            .map(|(k, _)| k)
+            .collect();
+        let values: Vec<serde_json::Value> = lasts
+            .iter()
+            .filter(|(k, _)| current.contains_key(k))
+            .map(|(k, v)| serde_json::json!([hex(k), v]))
+            .collect();
+        if !values.is_empty() {
+            let sql = format!(
+                "UPDATE {} s JOIN JSON_TABLE(?, '$[*]' COLUMNS (k VARCHAR(64) PATH '$[0]', \
+                   v BIGINT PATH '$[1]')) n ON s.aggregate_key = UNHEX(n.k) \
+                 SET s.last_version = n.v, s.updated_at = UTC_TIMESTAMP(6) \
+                 WHERE s.aggregate_key IN ({})",
+                t.state,
+                marks(updated.len())
+            );
+            let mut q = sqlx::query(&sql).bind(serde_json::Value::Array(values).to_string());
+            for k in &updated {
+                q = q.bind(*k);
+            }
+            q.execute(&mut *conn).await.map_err(db)?;
+        }
+        Ok(lasts)
     }
 
     /// Ends the leases of the owned rows (lease mode). An owned row that got no outcome

@@ -17,6 +17,17 @@ use crate::error::{db, is_duplicate};
 /// An aggregate key (SHA-256 of type, U+001F, id; computed by the server).
 pub(crate) type Key = Vec<u8>;
 
+/// Lower-case hex of `bytes` (an aggregate key in a JSON document; `UNHEX` reads it back).
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write as _;
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
+}
+
 /// `?, ?, ...` for `n` values.
 pub(crate) fn marks(n: usize) -> String {
     vec!["?"; n].join(", ")
@@ -218,7 +229,7 @@ impl MySqlOutboxStore {
     }
 
     /// The head of each aggregate above the given last version: its first pending or parked
-    /// row in (version, id). Two index probes per aggregate, in one statement.
+    /// row in (version, id). Two index probes per aggregate in one statement, then the rows.
     pub(crate) async fn heads(
         &self,
         conn: &mut MySqlConnection,
@@ -238,36 +249,72 @@ impl MySqlOutboxStore {
             return Ok((HashMap::new(), Vec::new()));
         }
         let e = &self.inner.tables.events;
-        let head = |status: &str| {
+        // The aggregates and their last versions as a table (keys in hex). One statement
+        // finds each aggregate's first pending and first parked row above its last version:
+        // two correlated index probes per aggregate (`aggregate_idx`: key, status, then
+        // version order, `LIMIT 1`), prepared once, where a UNION ALL of one subquery per
+        // aggregate and status made the server parse and plan thousands of them per call.
+        let json = serde_json::Value::Array(
+            lasts
+                .iter()
+                .map(|(k, last)| serde_json::json!([hex(k), last]))
+                .collect(),
+        )
+        .to_string();
+        let table = "JSON_TABLE(?, '$[*]' COLUMNS (k VARCHAR(64) PATH '$[0]', \
+                     lv BIGINT PATH '$[1]')) j";
+        let first = |status: &str| {
             format!(
-                "(SELECT 'h' AS part, id, aggregate_key, aggregate_version, status, blocked \
-                  FROM {e} WHERE aggregate_key = ? AND status = '{status}' \
-                    AND aggregate_version > ? \
-                  ORDER BY aggregate_version, id LIMIT 1)"
+                "(SELECT u.id FROM {e} u WHERE u.aggregate_key = UNHEX(j.k) \
+                   AND u.status = '{status}' AND u.aggregate_version > j.lv \
+                   ORDER BY u.aggregate_version, u.id LIMIT 1)"
             )
         };
-        // Pending rows at or below the last version: an index range that is empty unless a
-        // duplicate or late version waits there.
-        let below = format!(
-            "(SELECT 's' AS part, id, aggregate_key, aggregate_version, status, blocked \
-              FROM {e} WHERE aggregate_key = ? AND status = 'pending' \
-                AND aggregate_version <= ? AND blocked = 1)"
+        let sql = format!(
+            "SELECT {} AS pending_id, {} AS parked_id FROM {table}",
+            first("pending"),
+            first("parked")
         );
-        let mut parts: Vec<String> = Vec::with_capacity(lasts.len() * 3);
-        for _ in lasts {
-            parts.push(head("pending"));
-            parts.push(head("parked"));
-            if stale {
-                parts.push(below.clone());
-            }
+        let found: Vec<(Option<i64>, Option<i64>)> = sqlx::query_as(&sql)
+            .bind(&json)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(db)?;
+        let ids: Vec<i64> = found
+            .iter()
+            .flat_map(|(a, b)| a.iter().chain(b))
+            .copied()
+            .collect();
+        // Then the heads' rows by id and, with `stale`, the pending rows at or below each
+        // last version: an index range that is empty unless a duplicate or late version
+        // waits there.
+        let mut parts = Vec::new();
+        if !ids.is_empty() {
+            parts.push(format!(
+                "(SELECT 'h' AS part, id, aggregate_key, aggregate_version, status, blocked \
+                  FROM {e} WHERE id IN ({}))",
+                marks(ids.len())
+            ));
+        }
+        if stale {
+            parts.push(format!(
+                "(SELECT 's' AS part, u.id, u.aggregate_key, u.aggregate_version, u.status, \
+                         u.blocked \
+                  FROM {table} JOIN {e} u ON u.aggregate_key = UNHEX(j.k) \
+                   AND u.status = 'pending' AND u.aggregate_version <= j.lv \
+                   AND u.blocked = 1)"
+            ));
+        }
+        if parts.is_empty() {
+            return Ok((HashMap::new(), Vec::new()));
         }
         let sql = parts.join(" UNION ALL ");
         let mut q = sqlx::query(&sql);
-        for (k, last) in lasts {
-            q = q.bind(k).bind(last).bind(k).bind(last);
-            if stale {
-                q = q.bind(k).bind(last);
-            }
+        for id in &ids {
+            q = q.bind(id);
+        }
+        if stale {
+            q = q.bind(&json);
         }
         let rows = q.fetch_all(conn).await.map_err(db)?;
         let mut heads: HashMap<Key, Head> = HashMap::new();

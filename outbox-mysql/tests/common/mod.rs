@@ -2,6 +2,8 @@
 //! (default `mysql://root@127.0.0.1:3306/test`).
 #![allow(dead_code, unreachable_pub)]
 
+pub mod backend;
+
 use std::time::Duration;
 
 use outbox_core::prelude::*;

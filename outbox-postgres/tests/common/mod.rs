@@ -1,6 +1,8 @@
 //! Shared setup of the integration tests: one schema per test on the server at `DATABASE_URL`.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod backend;
+
 use std::time::Duration;
 
 use outbox_core::prelude::*;
