@@ -72,6 +72,9 @@ pub struct SimConfig {
     pub batch_size: usize,
     /// Transient failures before parking. Default 3.
     pub max_attempts: u32,
+    /// How long the in-memory store holds a version gap before it parks it. Default 20 s (of
+    /// virtual time: a few [`crate::Step::Advance`]s), as the PostgreSQL backend's.
+    pub gap_timeout: Duration,
     /// Largest number of steps per case. Default 80.
     pub max_steps: usize,
     /// Cases run by [`crate::check_memory`] and [`crate::run_property`] unless `OUTBOX_SIM_CASES` is set. Default 150.
@@ -97,6 +100,7 @@ impl Default for SimConfig {
             relay_retry: (Duration::from_millis(500), Duration::from_secs(5)),
             batch_size: 2,
             max_attempts: 3,
+            gap_timeout: Duration::from_secs(20),
             max_steps: 80,
             cases: 150,
             seed: 388_816,

@@ -150,5 +150,6 @@ pub use runner::{
     check_memory, run_property, runtime, sample_cases, SimReport, Simulation, Violation, GROUP,
 };
 pub use steps::{
-    cases, describe, steps, Case, HandlerFault, Modes, OperatorStep, RecordAnswer, Step, StoreFault,
+    cases, describe, steps, Case, HandlerFault, Modes, OperatorStep, Policy, RaceOp, RecordAnswer,
+    Skew, Step, StoreFault,
 };

@@ -134,6 +134,7 @@ fn the_guards_decide_which_events_exist_and_the_projection_follows() {
         Modes {
             lease: true,
             prefetch: true,
+            ..Modes::default()
         },
         OrderProjection::default(),
     );
