@@ -115,6 +115,7 @@ pub struct SimReport {
     pub operator_refused: usize,
 }
 
+type OpTask = JoinHandle<Result<Option<EventId>, StoreError>>;
 type SimRelay<B> = Relay<SimStore<<B as Backend>::Store>, ScriptedPublisher>;
 type CycleResult<B> = (SimRelay<B>, Result<CycleReport, StoreError>);
 type Engine<B, H> =
@@ -663,40 +664,14 @@ where
         // The store refuses (a conflict) to accept or drop a version while lower ones of its
         // aggregate still wait, and to retry or re-issue one at or below the last published:
         // a refusal changes nothing.
-        let refused = |r: Result<(), StoreError>, what: &str| -> Result<bool, String> {
-            match r {
-                Ok(()) => Ok(false),
-                Err(e) if e.kind == StoreErrorKind::Conflict => Ok(true),
-                Err(e) => Err(format!("{what} failed: {e}")),
+        let task = self.spawn_operator(op, id);
+        let was_refused = match self.await_operator(task)? {
+            Ok(new_id) => {
+                self.operator_done(op, id, new_id);
+                false
             }
-        };
-        let was_refused = match op {
-            OperatorStep::Retry => {
-                let r = self.block_on(store.retry_parked(id, "sim-operator"))?;
-                let no = refused(r, "retry_parked")?;
-                if !no {
-                    self.model.retry(id);
-                }
-                no
-            }
-            OperatorStep::Discard => {
-                let r = self.block_on(store.discard_parked(id, "sim-operator", "simulated"))?;
-                let no = refused(r, "discard_parked")?;
-                if !no {
-                    self.model.discarded.insert(id);
-                }
-                no
-            }
-            OperatorStep::Reissue => {
-                match self.block_on(store.reissue_parked(id, "sim-operator", "simulated"))? {
-                    Ok(new_id) => {
-                        self.model.discarded.insert(id);
-                        self.model.reissued.insert(new_id, id);
-                        false
-                    }
-                    Err(e) => refused(Err(e), "reissue_parked")?,
-                }
-            }
+            Err(e) if e.kind == StoreErrorKind::Conflict => true,
+            Err(e) => return Err(format!("{op:?} of {id} failed: {e}")),
         };
         if was_refused {
             self.report.operator_refused += 1;
@@ -708,6 +683,72 @@ where
         ensure(!trail.is_empty(), || {
             format!("operator action on {id} not audited")
         })
+    }
+
+    /// Starts an operator action on the outbox as a task of its own.
+    fn spawn_operator(&self, op: OperatorStep, id: EventId) -> OpTask {
+        let store = self.backend.store();
+        self.rt.spawn(async move {
+            match op {
+                OperatorStep::Retry => store.retry_parked(id, "sim-operator").await.map(|()| None),
+                OperatorStep::Discard => store
+                    .discard_parked(id, "sim-operator", "simulated")
+                    .await
+                    .map(|()| None),
+                OperatorStep::Reissue => store
+                    .reissue_parked(id, "sim-operator", "simulated")
+                    .await
+                    .map(Some),
+            }
+        })
+    }
+
+    /// Waits for an operator action. One that waits for its aggregate's lock (a locked claim
+    /// of a relay holds it, as a re-appended version parked out of order can share its
+    /// aggregate with a claimed head) waits as it does in production: until the relays finish
+    /// what they hold (their batches acknowledged, what they claimed ahead published).
+    fn await_operator(
+        &mut self,
+        mut task: OpTask,
+    ) -> Result<Result<Option<EventId>, StoreError>, String> {
+        for round in 0..40 {
+            let waited = self.rt.block_on(async {
+                tokio::time::timeout(Duration::from_millis(300), &mut task).await
+            });
+            if let Ok(joined) = waited {
+                return joined.map_err(|e| format!("operator task panicked: {e}"));
+            }
+            let mut moved = false;
+            for i in 0..self.relays.len() {
+                if self.relays[i].held.is_some() {
+                    self.answer(i, &[RecordAnswer::Ack])?;
+                    moved = true;
+                } else if self.relays[i].task.is_some() || self.has_prefetched(i) {
+                    self.relay_step(i)?;
+                    moved = true;
+                }
+            }
+            if !moved && round >= 5 {
+                break;
+            }
+        }
+        task.abort();
+        Err("an operator action hung with no relay holding work".into())
+    }
+
+    fn operator_done(&mut self, op: OperatorStep, id: EventId, new_id: Option<EventId>) {
+        match op {
+            OperatorStep::Retry => self.model.retry(id),
+            OperatorStep::Discard => {
+                self.model.discarded.insert(id);
+            }
+            OperatorStep::Reissue => {
+                self.model.discarded.insert(id);
+                if let Some(n) = new_id {
+                    self.model.reissued.insert(n, id);
+                }
+            }
+        }
     }
 
     // ---- relays ----
@@ -873,7 +914,6 @@ where
     /// actions are awaited first, so that the sends checked afterwards are judged with their
     /// outcome known.
     fn race(&mut self, ops: &[RaceOp], stagger: u8) -> Check {
-        type OpTask = JoinHandle<Result<Option<EventId>, StoreError>>;
         let store = self.backend.store();
         let parked = self
             .block_on(store.list_parked(100))?
@@ -926,23 +966,8 @@ where
                     if operators.iter().any(|(_, other, _)| *other == id) {
                         continue;
                     }
-                    let store = store.clone();
                     let op = *op;
-                    let task: OpTask = self.rt.spawn(async move {
-                        match op {
-                            OperatorStep::Retry => {
-                                store.retry_parked(id, "sim-operator").await.map(|()| None)
-                            }
-                            OperatorStep::Discard => store
-                                .discard_parked(id, "sim-operator", "simulated")
-                                .await
-                                .map(|()| None),
-                            OperatorStep::Reissue => store
-                                .reissue_parked(id, "sim-operator", "simulated")
-                                .await
-                                .map(Some),
-                        }
-                    });
+                    let task = self.spawn_operator(op, id);
                     operators.push((op, id, task));
                 }
             }
@@ -952,22 +977,8 @@ where
         }
         for (op, id, task) in operators {
             self.report.operator_actions += 1;
-            let r = self
-                .block_on(task)?
-                .map_err(|e| format!("operator task panicked: {e}"))?;
-            match r {
-                Ok(new_id) => match op {
-                    OperatorStep::Retry => self.model.retry(id),
-                    OperatorStep::Discard => {
-                        self.model.discarded.insert(id);
-                    }
-                    OperatorStep::Reissue => {
-                        self.model.discarded.insert(id);
-                        if let Some(n) = new_id {
-                            self.model.reissued.insert(n, id);
-                        }
-                    }
-                },
+            match self.await_operator(task)? {
+                Ok(new_id) => self.operator_done(op, id, new_id),
                 // Refused (lower versions wait, out of order), or the event is no longer
                 // parked (another action of the race took it).
                 Err(e) if matches!(e.kind, StoreErrorKind::Conflict | StoreErrorKind::NotFound) => {
