@@ -83,6 +83,9 @@ pub struct SimConfig {
     pub seed: u64,
     /// A deliberate bug (for tests of the simulation itself).
     pub bug: Option<SeededBug>,
+    /// Whether the producer also appends versions out of order ([`crate::Skew`]). Default
+    /// `true`; off for a user's handler that cannot take an event outside its commands.
+    pub skew: bool,
     /// Whether `OUTBOX_SIM_CASES` overrides `cases`. Default `true`.
     pub cases_from_env: bool,
     /// Most shrinking iterations after a failure. Default 1000.
@@ -105,6 +108,7 @@ impl Default for SimConfig {
             cases: 150,
             seed: 388_816,
             bug: None,
+            skew: true,
             cases_from_env: true,
             max_shrink_iters: 1000,
         }
@@ -159,6 +163,11 @@ impl SimConfig {
     /// Sets the most shrinking iterations after a failure.
     pub fn max_shrink_iters(mut self, n: u32) -> Self {
         self.max_shrink_iters = n;
+        self
+    }
+    /// No versions out of order from the producer (only the user's commands append).
+    pub fn without_skew(mut self) -> Self {
+        self.skew = false;
         self
     }
     /// Injects a deliberate bug.

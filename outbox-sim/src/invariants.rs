@@ -249,10 +249,8 @@ pub(crate) fn check(model: &mut Model, log: &MemoryLog, seen: &Observed) -> Chec
                     || format!("parked event {id} was published without an operator action"),
                 )?;
             }
-            DeliveryStatus::Parked => {
-                if model.parked_seen.insert(id) {
-                    check_park(model, seen, row)?;
-                }
+            DeliveryStatus::Parked if model.parked_seen.insert(id) => {
+                check_park(model, seen, row)?;
             }
             _ => {}
         }

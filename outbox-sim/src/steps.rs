@@ -215,6 +215,7 @@ fn race_op(relays: usize) -> impl Strategy<Value = RaceOp> {
 pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
     let relays = config.relays.max(1);
     let aggs = config.aggregates.max(1);
+    let skew = config.skew;
     let step = prop_oneof![
         5 => (0..aggs, 1..=3usize, 0..4usize)
             .prop_map(|(aggregate, events, command)| Step::Begin { aggregate, events, command }),
@@ -226,7 +227,12 @@ pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
                 2 => (0..=1i64).prop_map(Skew::Lower),
             ]
         )
-            .prop_map(|(aggregate, skew)| Step::Skew { aggregate, skew }),
+            // Without skew, an ordinary transaction in its place.
+            .prop_map(move |(aggregate, s)| if skew {
+                Step::Skew { aggregate, skew: s }
+            } else {
+                Step::Begin { aggregate, events: 1, command: 0 }
+            }),
         5 => (0..3usize).prop_map(Step::Commit),
         1 => (0..3usize).prop_map(Step::Rollback),
         12 => (0..relays).prop_map(Step::Relay),
@@ -255,10 +261,10 @@ pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
         12 => (1..=4usize).prop_map(Step::Consumer),
         2 => Just(Step::ConsumerCrash),
         1 => Just(Step::Rebalance),
-        2 => prop_oneof![
-            Just(HandlerFault::Transient),
-            Just(HandlerFault::Permanent),
-            Just(HandlerFault::Stuck)
+        4 => prop_oneof![
+            1 => Just(HandlerFault::Transient),
+            2 => Just(HandlerFault::Permanent),
+            1 => Just(HandlerFault::Stuck)
         ]
         .prop_map(Step::HandlerFault),
         1 => any::<bool>().prop_map(|lost_reply| Step::InboxCommitFault { lost_reply }),
