@@ -6,10 +6,11 @@
 //! provides it). `OUTBOX_SIM_PG_CASES` sets the number of cases, `OUTBOX_SIM_SEED` replays a
 //! printed seed. Skipped only with `OUTBOX_SKIP_SERVICE_TESTS=1`.
 //!
-//! The default, 40 cases, is above the most cases a seeded bug of `scripts/seeded-bugs` needed
-//! to be caught with the default seed (the claim's gap rule: case 21; attempts spent on
-//! deferral: case 2); about 50 s on a loaded 2-core machine (~1.25 s a case at load 7). Long
-//! mode: `OUTBOX_SIM_PG_CASES=1000` (~20 minutes there).
+//! The default, 60 cases, is above the most cases a seeded bug of `scripts/seeded-bugs` needed
+//! to be caught with the default seed (`Unchecked` past a parked message: case 56; the claim's
+//! gap rule: case 21; attempts spent on deferral: case 2); about 75 s on a loaded 2-core
+//! machine (~1.25 s a case at load 8). Long mode: `OUTBOX_SIM_PG_CASES=1000` (~20 minutes
+//! there).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -145,7 +146,7 @@ fn simulation_holds_every_invariant_on_postgres() {
     let cases = std::env::var(CASES_ENV)
         .ok()
         .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(40);
+        .unwrap_or(60);
     let config = config(cases);
     let schemas = Schemas::new(&url);
     let result = run_property(&config, None, |modes| {
