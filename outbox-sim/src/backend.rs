@@ -10,7 +10,7 @@ use std::time::Duration;
 use outbox_core::prelude::*;
 use outbox_core::{
     async_trait, AckMetadata, ClaimHandle, ClaimMode, Clock, DeliveryStatus, Envelope, EventId,
-    InboxParking, InboxStore, StoreError,
+    InboxParking, InboxStore, ParkKind, StoreError,
 };
 use outbox_testkit::{ManualClock, MemoryDb, MemoryInboxStore, MemoryOutboxStore, MemoryTx};
 use serde_json::Value;
@@ -28,6 +28,10 @@ pub struct RowView {
     pub status: DeliveryStatus,
     /// The acknowledgement metadata stored on publish.
     pub ack: Option<AckMetadata>,
+    /// Attempts spent (record-scoped failures counted by the store).
+    pub attempts: u32,
+    /// Why it is parked, while it is.
+    pub park_kind: Option<ParkKind>,
 }
 
 /// The effects recorded by [`Backend::record_effect`].
@@ -37,6 +41,8 @@ pub struct EffectsView {
     pub counts: BTreeMap<EventId, u64>,
     /// Effects that committed after a higher version of their aggregate.
     pub out_of_order: Vec<String>,
+    /// The highest version applied per aggregate.
+    pub last_applied: BTreeMap<String, i64>,
 }
 
 /// See [`Backend::short_claim_check`]: `(got, limit)` to a violation, if any.
@@ -59,8 +65,11 @@ pub trait Backend: Send + Sync + 'static {
     /// The clock of the relays and the log (the store's own clock for a store that reads
     /// it; a store that reads the database's clock gets the system clock here).
     fn clock(&self) -> Arc<dyn Clock>;
-    /// Lets virtual time pass ([`crate::Step::Advance`]). A backend on real time ignores it.
-    fn advance(&self, by: Duration);
+    /// Lets virtual time pass ([`crate::Step::Advance`]). A backend on real time ignores it;
+    /// one whose store reads the database's clock may move the stored times back instead.
+    async fn advance(&self, by: Duration) -> Result<(), String>;
+    /// How long the store holds a version gap before it parks it.
+    fn gap_timeout(&self) -> Duration;
     /// Waits (in virtual or real time) until every lease granted so far has expired.
     async fn expire_leases(&self, lease: Duration);
 
@@ -126,20 +135,28 @@ pub struct MemoryBackend {
     db: MemoryDb,
     store: MemoryOutboxStore,
     inbox: MemoryInboxStore,
+    gap_timeout: Duration,
 }
 
 impl MemoryBackend {
-    /// A fresh database with the store in `mode`.
+    /// A fresh database with the store in `mode` (the store's default gap timeout).
     pub fn new(mode: ClaimMode) -> Self {
+        Self::with_gap_timeout(mode, outbox_testkit::DEFAULT_GAP_TIMEOUT)
+    }
+
+    /// A fresh database with the store in `mode`, holding a version gap for `gap_timeout`
+    /// before it parks it.
+    pub fn with_gap_timeout(mode: ClaimMode, gap_timeout: Duration) -> Self {
         let clock = ManualClock::default();
         let db = MemoryDb::new(clock.clone());
-        let store = MemoryOutboxStore::new(&db, mode);
+        let store = MemoryOutboxStore::new(&db, mode).gap_timeout(gap_timeout);
         let inbox = MemoryInboxStore::new(&db);
         Self {
             clock,
             db,
             store,
             inbox,
+            gap_timeout,
         }
     }
 
@@ -169,8 +186,12 @@ impl Backend for MemoryBackend {
     fn clock(&self) -> Arc<dyn Clock> {
         self.clock.shared()
     }
-    fn advance(&self, by: Duration) {
+    async fn advance(&self, by: Duration) -> Result<(), String> {
         self.clock.advance(by);
+        Ok(())
+    }
+    fn gap_timeout(&self) -> Duration {
+        self.gap_timeout
     }
     async fn expire_leases(&self, lease: Duration) {
         self.clock.advance(lease + Duration::from_secs(60));
@@ -232,6 +253,8 @@ impl Backend for MemoryBackend {
                 version: r.envelope.aggregate_version,
                 status: r.status,
                 ack: r.ack,
+                attempts: r.attempts,
+                park_kind: r.park_reason.map(|p| p.kind),
             })
             .collect())
     }
@@ -280,6 +303,9 @@ impl Backend for MemoryBackend {
                 .map_err(|e| format!("effect key {key}: {e:?}"))?;
             view.counts.insert(id, v.as_u64().unwrap_or(0));
         }
+        for (agg, v) in self.db.scan(EFFECT_ORDER) {
+            view.last_applied.insert(agg, v.as_i64().unwrap_or(0));
+        }
         for (_, v) in self.db.scan(EFFECT_DISORDER) {
             view.out_of_order
                 .push(v.as_str().unwrap_or_default().to_owned());
@@ -309,13 +335,34 @@ fn starved_head(
                 .push(row);
         }
     }
+    // The last version done per aggregate, as far as the rows still show it (cleanup may
+    // have removed some: then a head looks like a gap and is not judged, never the reverse).
+    let mut last: BTreeMap<&str, i64> = BTreeMap::new();
+    for row in &snap {
+        if matches!(
+            row.status,
+            DeliveryStatus::Published | DeliveryStatus::Discarded
+        ) {
+            let l = last.entry(&row.envelope.aggregate_id).or_insert(0);
+            *l = (*l).max(row.envelope.aggregate_version);
+        }
+    }
     for (agg, rows) in open {
         let blocked = rows.iter().any(|r| {
             r.status == DeliveryStatus::Parked || r.claim.as_ref().is_some_and(|c| c.live)
         });
-        let head = rows
+        let done = last.get(agg).copied().unwrap_or(0);
+        let Some(head) = rows
             .iter()
-            .min_by_key(|r| (r.envelope.aggregate_version, r.seq))?;
+            .filter(|r| r.envelope.aggregate_version > done)
+            .min_by_key(|r| (r.envelope.aggregate_version, r.seq))
+        else {
+            continue;
+        };
+        // A head that skips a version is held (the gap rule), not claimable.
+        if head.envelope.aggregate_version > done + 1 {
+            continue;
+        }
         if !blocked && head.next_attempt_at <= now {
             return Some(format!(
                 "a claim returned {got} of {limit} events but {agg} v{} was due",

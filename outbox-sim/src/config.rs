@@ -72,6 +72,9 @@ pub struct SimConfig {
     pub batch_size: usize,
     /// Transient failures before parking. Default 3.
     pub max_attempts: u32,
+    /// How long the in-memory store holds a version gap before it parks it. Default 20 s (of
+    /// virtual time: a few [`crate::Step::Advance`]s), as the PostgreSQL backend's.
+    pub gap_timeout: Duration,
     /// Largest number of steps per case. Default 80.
     pub max_steps: usize,
     /// Cases run by [`crate::check_memory`] and [`crate::run_property`] unless `OUTBOX_SIM_CASES` is set. Default 150.
@@ -80,6 +83,9 @@ pub struct SimConfig {
     pub seed: u64,
     /// A deliberate bug (for tests of the simulation itself).
     pub bug: Option<SeededBug>,
+    /// Whether the producer also appends versions out of order ([`crate::Skew`]). Default
+    /// `true`; off for a user's handler that cannot take an event outside its commands.
+    pub skew: bool,
     /// Whether `OUTBOX_SIM_CASES` overrides `cases`. Default `true`.
     pub cases_from_env: bool,
     /// Most shrinking iterations after a failure. Default 1000.
@@ -97,10 +103,12 @@ impl Default for SimConfig {
             relay_retry: (Duration::from_millis(500), Duration::from_secs(5)),
             batch_size: 2,
             max_attempts: 3,
+            gap_timeout: Duration::from_secs(20),
             max_steps: 80,
             cases: 150,
             seed: 388_816,
             bug: None,
+            skew: true,
             cases_from_env: true,
             max_shrink_iters: 1000,
         }
@@ -155,6 +163,11 @@ impl SimConfig {
     /// Sets the most shrinking iterations after a failure.
     pub fn max_shrink_iters(mut self, n: u32) -> Self {
         self.max_shrink_iters = n;
+        self
+    }
+    /// No versions out of order from the producer (only the user's commands append).
+    pub fn without_skew(mut self) -> Self {
+        self.skew = false;
         self
     }
     /// Injects a deliberate bug.

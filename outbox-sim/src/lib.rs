@@ -18,6 +18,15 @@
 //! * **The stores** are generic ([`Backend`]): [`MemoryBackend`] runs on the testkit's
 //!   in-memory backends; `PostgresBackend` (feature `postgres`) on a real server, one schema
 //!   per case; `MySqlBackend` (feature `mysql`) on MySQL 8 / MariaDB, one database per case.
+//! * **The producer** runs business transactions of the user's [`Command`]s, and also leaves
+//!   its aggregates' versions out of order ([`Skew`]): a version past the next (a gap, filled
+//!   late or never), the lowest missing one (a late fill, committed after a higher version), a
+//!   version the aggregate already has (a re-append).
+//! * **What runs concurrently in production runs concurrently** ([`Step::Race`]): claims of
+//!   several relays, completions and operator actions start together, in the order and at the
+//!   stagger the case chose, and their statements interleave on the server.
+//! * **Every consumer version policy** ([`Policy`]: `Reject`, `Hold`, `Unchecked`) is a mode of
+//!   the case.
 //!
 //! Every step ([`Step`]) is followed by the invariants, checked against the real state:
 //!
@@ -26,12 +35,24 @@
 //!   log (same event id at that topic, partition and offset), so a batch with mixed
 //!   per-record outcomes cannot be recorded crosswise;
 //! * a parked event is never published without an operator action; a record is sent only
-//!   under a live claim of its sender, and only as its aggregate's head;
+//!   under a live claim of its sender, and only as its aggregate's next version (the one after
+//!   the last published, discarded or accepted by an operator): nothing goes out past a gap,
+//!   nothing at or below a version already done;
+//! * a version-gap park is a real gap, made no earlier than the store's gap timeout after the
+//!   commit; an out-of-order park is at or below the last version done; a refused operator
+//!   action changes nothing;
+//! * attempts are spent only by record-scoped failures: a row shows at most as many as its own
+//!   transient or permanent failures since its last retry (a broker that is down, a lost
+//!   acknowledgement, defer without spending one);
+//! * a completion under a claim that another claim superseded applies nothing (fencing);
 //! * no two relays hold one aggregate at once (a lease counts until it expires);
 //! * a claim that returns fewer events than its limit left no due, unblocked aggregate head
 //!   behind (parking blocks its own aggregate only; on the in-memory store, which promises it);
-//! * per aggregate, first deliveries in the log are in version order;
-//! * each effect committed at most once, in version order per aggregate;
+//! * per aggregate, first deliveries in the log strictly increase in version (the rule of
+//!   `outbox_testkit::rules`, which the randomized runs judge by too);
+//! * each effect committed at most once, in version order per aggregate; while a message is
+//!   parked on the consumer side, nothing of a higher version of its aggregate is applied,
+//!   under every version policy;
 //! * the committed offset never passes a message whose outcome is not final;
 //! * the engine handles handler failures as documented: it never hands an event to the
 //!   handler again after a permanent failure, or after `max_attempts` transient ones, in one
@@ -49,7 +70,11 @@
 //!
 //! The simulation proves it catches bugs: [`SeededBug`] lists deliberate bugs (wrappers and
 //! doubles around the production code, nothing in the production code changes), and the
-//! crate's tests show each one caught. Bugs *in* the production code are the other half:
+//! crate's tests show each one caught. Bugs planted *in* the PostgreSQL store and the inbox
+//! engine (the claim's gap rule, the completion's locks, attempts spent on deferral, fencing,
+//! `Unchecked` applying past a parked message) are patches in `scripts/seeded-bugs`, applied
+//! one at a time by `scripts/seeded-bugs/run`, which runs the PostgreSQL simulation against
+//! each and reports the case that caught it. Bugs *in* the production code are the other half:
 //! cargo-mutants mutates the engine's batch and fallback, the processor's batch, the relay's
 //! result mapping and the offset watermark, and runs this crate's property test alone against
 //! each mutant (`docs/mutants.md`, "Caught by the simulation alone"); the last two invariants
@@ -150,5 +175,6 @@ pub use runner::{
     check_memory, run_property, runtime, sample_cases, SimReport, Simulation, Violation, GROUP,
 };
 pub use steps::{
-    cases, describe, steps, Case, HandlerFault, Modes, OperatorStep, RecordAnswer, Step, StoreFault,
+    cases, describe, steps, Case, HandlerFault, Modes, OperatorStep, Policy, RaceOp, RecordAnswer,
+    Skew, Step, StoreFault,
 };

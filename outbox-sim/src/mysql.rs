@@ -19,13 +19,17 @@ use std::time::Duration;
 use outbox_core::prelude::*;
 use outbox_core::{
     async_trait, AckMetadata, ClaimHandle, ClaimMode, Clock, DeliveryStatus, Envelope, EventId,
-    StoreError, SystemClock,
+    ParkKind, StoreError, SystemClock,
 };
 use outbox_mysql::{map_sqlx_error, MySqlInboxStore, MySqlOutboxStore};
 use serde_json::Value;
 use sqlx::{MySql, MySqlPool, Row, Transaction};
 
 use crate::backend::{Backend, EffectsView, RowView};
+
+/// The MySQL store's gap timeout in the simulation: it runs on real time, so a gap the
+/// producer leaves must park within a run.
+const MYSQL_GAP_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// `outbox-mysql` on a real server, in database `database`.
 #[derive(Clone, Debug)]
@@ -42,6 +46,7 @@ impl MySqlBackend {
         let store = MySqlOutboxStore::builder(pool.clone())
             .database(database)
             .claim_mode(mode)
+            .gap_timeout(MYSQL_GAP_TIMEOUT)
             .build()?;
         store.migrate().await?;
         let inbox = MySqlInboxStore::builder(pool.clone())
@@ -98,7 +103,12 @@ impl Backend for MySqlBackend {
     fn clock(&self) -> Arc<dyn Clock> {
         Arc::new(SystemClock)
     }
-    fn advance(&self, _by: Duration) {}
+    async fn advance(&self, _by: Duration) -> Result<(), String> {
+        Ok(())
+    }
+    fn gap_timeout(&self) -> Duration {
+        MYSQL_GAP_TIMEOUT
+    }
     async fn expire_leases(&self, lease: Duration) {
         tokio::time::sleep(lease + Duration::from_millis(200)).await;
     }
@@ -187,7 +197,8 @@ impl Backend for MySqlBackend {
     async fn rows(&self) -> Result<Vec<RowView>, String> {
         let rows = sqlx::query(&format!(
             "SELECT event_id, CAST(aggregate_id AS CHAR), aggregate_version, \
-                    CAST(status AS CHAR), CAST(ack_topic AS CHAR), ack_partition, ack_offset \
+                    CAST(status AS CHAR), CAST(ack_topic AS CHAR), ack_partition, ack_offset, \
+                    attempts, CAST(park_kind AS CHAR) \
              FROM {} ORDER BY id",
             self.table(outbox_mysql::DEFAULT_OUTBOX_TABLE)
         ))
@@ -212,6 +223,11 @@ impl Backend for MySqlBackend {
                         }),
                         _ => None,
                     },
+                    attempts: r.get::<i32, _>(7).max(0) as u32,
+                    park_kind: r
+                        .get::<Option<String>, _>(8)
+                        .as_deref()
+                        .and_then(ParkKind::parse),
                 })
             })
             .collect()
@@ -288,6 +304,14 @@ impl Backend for MySqlBackend {
         .fetch_all(&self.pool)
         .await
         .map_err(|e| e.to_string())?;
+        let last: Vec<(String, i64)> = sqlx::query_as(&format!(
+            "SELECT CAST(aggregate_id AS CHAR), version FROM {}",
+            self.table("sim_effect_order")
+        ))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        view.last_applied = last.into_iter().collect();
         Ok(view)
     }
     async fn registered(&self, consumer: &str) -> Result<BTreeSet<EventId>, String> {

@@ -1,21 +1,28 @@
 //! The simulation's backend on a real PostgreSQL server: `outbox-postgres`'s outbox store and
 //! inbox in a schema of the case's own.
 //!
-//! The store reads the database's clock, so this backend runs on real time: the relays get the
-//! system clock, [`Step::Advance`](crate::Step::Advance) does nothing, and leases expire by
-//! waiting (configure short leases and delivery timeouts, [`crate::SimConfig::timing`]). A
+//! The store reads the database's clock, so time cannot be faked in the server; virtual time is
+//! made the other way round: [`Step::Advance`](crate::Step::Advance) by `d` moves every stored
+//! deadline of the outbox back by `d` (pending rows' `next_attempt_at` and `held_since`, the
+//! aggregates' `lease_until`) and moves the clock the relays and the simulation read
+//! ([`PostgresBackend::clock`], the system clock plus every advance so far) forward by `d`. So
+//! leases expire, retries come due and version gaps reach their timeout in a step, as on the
+//! in-memory store, and both sides agree on what is live. Rows under a locked claim's
+//! transaction are skipped (`SKIP LOCKED`): their deadlines are written when the claim ends.
+//! Real time still passes too (configure short leases and delivery timeouts,
+//! [`crate::SimConfig::timing`]). A
 //! relay's crash is a killed task plus, for a locked claim, its dropped connection (the store's
 //! `abandon_locked_claim`, which rolls the claim's transaction back as a closed connection
 //! would); the consumer's crash drops the engine and with it any open inbox transaction.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use outbox_core::prelude::*;
 use outbox_core::{
     async_trait, AckMetadata, ClaimHandle, ClaimMode, Clock, DeliveryStatus, Envelope, EventId,
-    StoreError, SystemClock,
+    ParkKind, StoreError, SystemClock,
 };
 use outbox_postgres::{map_sqlx_error, PostgresInboxStore, PostgresOutboxStore};
 use serde_json::Value;
@@ -26,6 +33,20 @@ use crate::backend::{Backend, EffectsView, RowView};
 /// Advisory lock class of the simulation's business transactions (apart from the store's).
 const BUSINESS_LOCK_CLASS: i32 = 0x51_4d;
 
+/// The store's gap timeout in the simulation (virtual time reaches it in a few advances).
+pub(crate) const PG_GAP_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The system clock plus the virtual time the simulation let pass.
+#[derive(Debug, Default)]
+struct ShiftedClock(Mutex<Duration>);
+
+impl Clock for ShiftedClock {
+    fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        let by = *self.0.lock().unwrap_or_else(PoisonError::into_inner);
+        SystemClock.now() + chrono::Duration::from_std(by).unwrap_or(chrono::Duration::zero())
+    }
+}
+
 /// `outbox-postgres` on a real server, in schema `schema`.
 #[derive(Clone, Debug)]
 pub struct PostgresBackend {
@@ -33,6 +54,7 @@ pub struct PostgresBackend {
     schema: String,
     store: PostgresOutboxStore,
     inbox: PostgresInboxStore,
+    clock: Arc<ShiftedClock>,
 }
 
 impl PostgresBackend {
@@ -41,6 +63,7 @@ impl PostgresBackend {
         let store = PostgresOutboxStore::builder(pool.clone())
             .schema(schema)
             .claim_mode(mode)
+            .gap_timeout(PG_GAP_TIMEOUT)
             .build()?;
         store.migrate().await?;
         let inbox = PostgresInboxStore::builder(pool.clone())
@@ -63,6 +86,7 @@ impl PostgresBackend {
             schema: schema.to_owned(),
             store,
             inbox,
+            clock: Arc::default(),
         })
     }
 
@@ -104,11 +128,45 @@ impl Backend for PostgresBackend {
         self.inbox.clone()
     }
     fn clock(&self) -> Arc<dyn Clock> {
-        Arc::new(SystemClock)
+        self.clock.clone()
     }
-    fn advance(&self, _by: Duration) {}
+    async fn advance(&self, by: Duration) -> Result<(), String> {
+        let t = self.table(outbox_postgres::DEFAULT_OUTBOX_TABLE);
+        let a = self.table(&format!(
+            "{}_aggregate",
+            outbox_postgres::DEFAULT_OUTBOX_TABLE
+        ));
+        let us = i64::try_from(by.as_micros()).unwrap_or(i64::MAX);
+        let mut tx = self.pool.begin().await.map_err(|e| e.to_string())?;
+        sqlx::query(&format!(
+            "UPDATE {t} SET next_attempt_at = next_attempt_at - $1 * interval '1 microsecond', \
+                    held_since = held_since - $1 * interval '1 microsecond' \
+             WHERE id IN (SELECT id FROM {t} WHERE status = 'pending' FOR UPDATE SKIP LOCKED)"
+        ))
+        .bind(us)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| format!("advancing the outbox's time: {e}"))?;
+        sqlx::query(&format!(
+            "UPDATE {a} SET lease_until = lease_until - $1 * interval '1 microsecond' \
+             WHERE ctid IN (SELECT ctid FROM {a} WHERE lease_until IS NOT NULL \
+                            FOR UPDATE SKIP LOCKED)"
+        ))
+        .bind(us)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| format!("advancing the leases' time: {e}"))?;
+        tx.commit().await.map_err(|e| e.to_string())?;
+        // The simulation drives its steps one by one: nothing reads a deadline between the
+        // commit and this.
+        *self.clock.0.lock().unwrap_or_else(PoisonError::into_inner) += by;
+        Ok(())
+    }
+    fn gap_timeout(&self) -> Duration {
+        PG_GAP_TIMEOUT
+    }
     async fn expire_leases(&self, lease: Duration) {
-        tokio::time::sleep(lease + Duration::from_millis(200)).await;
+        let _ = self.advance(lease + Duration::from_secs(60)).await;
     }
 
     async fn begin(&self) -> Result<Self::BizTx, String> {
@@ -177,7 +235,7 @@ impl Backend for PostgresBackend {
     async fn rows(&self) -> Result<Vec<RowView>, String> {
         let rows = sqlx::query(&format!(
             "SELECT event_id, aggregate_id, aggregate_version, status, ack_topic, ack_partition, \
-             ack_offset FROM {} ORDER BY id",
+             ack_offset, attempts, park_kind FROM {} ORDER BY id",
             self.table(outbox_postgres::DEFAULT_OUTBOX_TABLE)
         ))
         .fetch_all(&self.pool)
@@ -201,6 +259,11 @@ impl Backend for PostgresBackend {
                         }),
                         _ => None,
                     },
+                    attempts: r.get::<i32, _>(7).max(0) as u32,
+                    park_kind: r
+                        .get::<Option<String>, _>(8)
+                        .as_deref()
+                        .and_then(ParkKind::parse),
                 })
             })
             .collect()
@@ -278,6 +341,14 @@ impl Backend for PostgresBackend {
         .fetch_all(&self.pool)
         .await
         .map_err(|e| e.to_string())?;
+        let last: Vec<(String, i64)> = sqlx::query_as(&format!(
+            "SELECT aggregate_id, version FROM {}",
+            self.table("sim_effect_order")
+        ))
+        .fetch_all(&self.pool)
+        .await
+        .map_err(|e| e.to_string())?;
+        view.last_applied = last.into_iter().collect();
         Ok(view)
     }
     async fn registered(&self, consumer: &str) -> Result<BTreeSet<EventId>, String> {

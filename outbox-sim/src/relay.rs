@@ -32,11 +32,17 @@ pub(crate) struct HeldClaim {
     pub(crate) handle: ClaimHandle,
     pub(crate) granted_at: DateTime<Utc>,
     pub(crate) events: Vec<(EventId, String)>,
+    /// Its completion is running (in a race, another relay's claim may see the aggregate free
+    /// before this completion returns).
+    pub(crate) ending: bool,
 }
 
 /// State shared by the relays' stores.
 pub(crate) struct RelayShared {
     claims: Mutex<BTreeMap<Uuid, HeldClaim>>,
+    /// The latest claim (token) that handed out each event: a completion under an older one
+    /// is superseded and must apply nothing to that event (fencing).
+    latest_claim: Mutex<BTreeMap<EventId, Uuid>>,
     pub(crate) violations: Violations,
     clock: Arc<dyn Clock>,
     lease: Option<Duration>,
@@ -63,6 +69,7 @@ impl RelayShared {
     ) -> Self {
         Self {
             claims: Mutex::new(BTreeMap::new()),
+            latest_claim: Mutex::new(BTreeMap::new()),
             violations,
             clock,
             lease: match mode {
@@ -98,6 +105,12 @@ impl RelayShared {
             .filter(|c| c.relay == relay)
             .cloned()
             .collect()
+    }
+
+    fn set_ending(&self, token: Uuid, on: bool) {
+        if let Some(c) = self.claims().get_mut(&token) {
+            c.ending = on;
+        }
     }
 
     pub(crate) fn forget(&self, token: Uuid) {
@@ -142,11 +155,22 @@ impl<S: RelayStore> SimStore<S> {
     /// request, so the simulation never thinks a lease lives longer than the store does),
     /// checking that no other relay holds one of its aggregates.
     fn track(&self, batch: &ClaimedBatch, requested_at: DateTime<Utc>) {
+        {
+            let mut latest = self
+                .shared
+                .latest_claim
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            for rec in &batch.records {
+                latest.insert(rec.envelope.event_id, batch.handle.token);
+            }
+        }
         let mut claims = self.shared.claims();
         for rec in &batch.records {
             let agg = &rec.envelope.aggregate_id;
             for other in claims.values() {
                 if other.relay != self.relay
+                    && !other.ending
                     && self.shared.live(other)
                     && other.events.iter().any(|(_, a)| a == agg)
                 {
@@ -168,6 +192,7 @@ impl<S: RelayStore> SimStore<S> {
                     .iter()
                     .map(|r| (r.envelope.event_id, r.envelope.aggregate_id.clone()))
                     .collect(),
+                ending: false,
             },
         );
     }
@@ -268,7 +293,33 @@ impl<S: RelayStore> RelayStore for SimStore<S> {
             outcomes.to_vec()
         };
         let injected_before = self.inner.faults().injected().len();
+        // Events another claim took before this completion started: it must apply nothing to
+        // them (fencing).
+        let superseded: Vec<EventId> = {
+            let latest = self
+                .shared
+                .latest_claim
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            outcomes
+                .iter()
+                .map(Outcome::event_id)
+                .filter(|id| latest.get(id).is_some_and(|t| *t != claim.token))
+                .collect()
+        };
+        self.shared.set_ending(claim.token, true);
         let result = self.inner.complete(claim, &outcomes).await;
+        if let Ok(report) = &result {
+            for id in superseded {
+                if !report.superseded_events.contains(&id) {
+                    self.shared.violations.push(format!(
+                        "relay {}'s completion of {id} under a claim that another claim \
+                         superseded was applied (fencing)",
+                        self.relay
+                    ));
+                }
+            }
+        }
         // A completion whose reply was lost took effect: the claim is over all the same.
         let took_effect = result.is_ok()
             || self
@@ -279,6 +330,8 @@ impl<S: RelayStore> RelayStore for SimStore<S> {
                 .is_some_and(|new| new.iter().any(|(_, f)| *f == Fault::AckLost));
         if took_effect {
             self.shared.forget(claim.token);
+        } else {
+            self.shared.set_ending(claim.token, false);
         }
         result
     }

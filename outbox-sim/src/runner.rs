@@ -13,7 +13,9 @@ use outbox_core::{
     ParkedStatus, PublishError, PublishErrorKind, PublishResult, Publisher, Relay, RelayConfig,
     RetryPolicy, StoreError, StoreErrorKind,
 };
-use outbox_inbox::{ConsumerEngine, EngineConfig, Handler, InboxProcessor, ParkedMessages};
+use outbox_inbox::{
+    ConsumerEngine, EngineConfig, Handler, InboxProcessor, ParkedMessages, VersionPolicy,
+};
 use outbox_testkit::fault::{Fault, FaultInjector, FaultSource, FaultyInbox, FaultyStore};
 use outbox_testkit::{MemoryConsumer, MemoryLog};
 use proptest::test_runner::{
@@ -31,7 +33,10 @@ use crate::invariants::{self, ensure, Check, Model, Observed, Violations};
 use crate::producer::{Command, Touch};
 use crate::publisher::{self, HeldBatch, PublisherHandle, ScriptedPublisher};
 use crate::relay::{RelayShared, SimStore};
-use crate::steps::{self, Case, HandlerFault, Modes, OperatorStep, RecordAnswer, Step, StoreFault};
+use crate::steps::{
+    self, Case, HandlerFault, Modes, OperatorStep, Policy, RaceOp, RecordAnswer, Skew, Step,
+    StoreFault,
+};
 
 pub(crate) const TOPIC: &str = "events";
 /// The consumer group (and inbox consumer name) of the simulation.
@@ -97,8 +102,20 @@ pub struct SimReport {
     pub cleaned: u64,
     /// Faults injected into the relays' store, the inbox and the handler.
     pub faults: usize,
+    /// Events appended out of their aggregate's order (gaps, late fills, re-appends).
+    pub skewed: usize,
+    /// Steps that ran two or more claims, completions or operator actions at once.
+    pub races: usize,
+    /// Events the outbox parked as version gaps.
+    pub gap_parked: usize,
+    /// Events the outbox parked as out of order.
+    pub out_of_order_parked: usize,
+    /// Operator actions the store refused (a version at or below the last, lower versions
+    /// still waiting).
+    pub operator_refused: usize,
 }
 
+type OpTask = JoinHandle<Result<Option<EventId>, StoreError>>;
 type SimRelay<B> = Relay<SimStore<<B as Backend>::Store>, ScriptedPublisher>;
 type CycleResult<B> = (SimRelay<B>, Result<CycleReport, StoreError>);
 type Engine<B, H> =
@@ -200,6 +217,16 @@ fn engine_retry(config: &SimConfig) -> RetryPolicy {
     retry_policy(config, Duration::from_millis(1), Duration::from_millis(4))
 }
 
+/// The consumer's version policy of a case. `Hold` waits a few real milliseconds (the engine
+/// reads the real clock) and holds few messages, so both of its bounds are reached.
+fn version_policy(policy: Policy) -> VersionPolicy {
+    match policy {
+        Policy::Reject => VersionPolicy::Reject,
+        Policy::Hold => VersionPolicy::hold(3, Duration::from_millis(20)),
+        Policy::Unchecked => VersionPolicy::Unchecked,
+    }
+}
+
 /// A current-thread runtime with time (the simulation's own).
 pub fn runtime() -> Runtime {
     tokio::runtime::Builder::new_current_thread()
@@ -212,10 +239,11 @@ impl Simulation<MemoryBackend, NoEffect> {
     /// A simulation on the in-memory backends with the default command ([`Touch`]) and no
     /// user effect.
     pub fn memory(config: SimConfig, modes: Modes) -> Self {
+        let gap_timeout = config.gap_timeout;
         Self::new(
             config,
             modes,
-            |_, mode| MemoryBackend::new(mode),
+            |_, mode| MemoryBackend::with_gap_timeout(mode, gap_timeout),
             NoEffect,
             vec![Box::new(Touch)],
         )
@@ -271,8 +299,10 @@ where
             violations.clone(),
             &engine_retry(&config),
         );
-        let parked_api =
-            ParkedMessages::new(InboxProcessor::new(GROUP, backend.inbox(), handler.clone()));
+        let parked_api = ParkedMessages::new(
+            InboxProcessor::new(GROUP, backend.inbox(), handler.clone())
+                .with_version_policy(version_policy(modes.policy)),
+        );
         let mut sim = Self {
             modes,
             backend,
@@ -366,7 +396,8 @@ where
             .new_generation();
         let source = SimSource::new(self.log.consumer(GROUP, &[TOPIC]), self.config.bug);
         let inbox = FaultyInbox::new(self.backend.inbox(), self.inbox_faults.clone());
-        let processor = InboxProcessor::new(GROUP, inbox, self.handler.clone());
+        let processor = InboxProcessor::new(GROUP, inbox, self.handler.clone())
+            .with_version_policy(version_policy(self.modes.policy));
         let config = EngineConfig::default()
             .with_retry(engine_retry(&self.config))
             .with_commit(2, Duration::from_secs(3600))
@@ -419,6 +450,8 @@ where
         report.duplicates_in_log = records.len() - distinct.len();
         report.applied = effects.counts.len();
         report.parked = self.model.parked_seen.len();
+        report.gap_parked = self.model.gap_parked;
+        report.out_of_order_parked = self.model.out_of_order_parked;
         if let Some(e) = &self.engine {
             report.engine_duplicates += e.report().duplicates;
             report.consumer_parked += e.report().parked;
@@ -434,6 +467,8 @@ where
                 events,
                 command,
             } => self.begin(*aggregate, *events, *command),
+            Step::Skew { aggregate, skew } => self.skew(*aggregate, *skew),
+            Step::Race { ops, stagger } => self.race(ops, *stagger),
             Step::Commit(n) => self.commit_open(*n),
             Step::Rollback(n) => {
                 if !self.open.is_empty() {
@@ -448,10 +483,7 @@ where
             Step::Relay(i) => self.relay_step(i % self.relays.len()),
             Step::Answer { relay, answers } => self.answer(relay % self.relays.len(), answers),
             Step::RelayCrash(i) => self.relay_crash(i % self.relays.len()),
-            Step::Advance(d) => {
-                self.backend.advance(*d);
-                Ok(())
-            }
+            Step::Advance(d) => self.block_on(self.backend.advance(*d))?,
             Step::StoreFault(f) => {
                 self.report.faults += 1;
                 let (injector, fault) = match f {
@@ -558,13 +590,56 @@ where
         Ok(())
     }
 
+    /// A business transaction that appends one event out of its aggregate's order.
+    fn skew(&mut self, aggregate: usize, skew: Skew) -> Check {
+        let agg = format!("agg-{}", aggregate % self.config.aggregates.max(1));
+        let backend = self.backend.clone();
+        let mut tx = self.block_on(backend.begin())??;
+        let Some((version, state)) = self.block_on(backend.aggregate(&mut tx, &agg))?? else {
+            self.report.conflicts += 1;
+            self.block_on(backend.rollback(tx))?;
+            return Ok(());
+        };
+        let v = match skew {
+            Skew::Gap(n) => version + 1 + n.max(1),
+            Skew::Fill => match self.model.lowest_hole(&agg) {
+                Some(h) => h,
+                None => version + 1,
+            },
+            Skew::Lower(n) => version - n,
+        };
+        if v < 1 {
+            self.block_on(backend.rollback(tx))?;
+            return Ok(());
+        }
+        if v > version {
+            self.block_on(backend.set_aggregate(&mut tx, &agg, v, state))??;
+        }
+        let now = backend.clock().now();
+        self.next_id += 1;
+        let e = Envelope::builder("sim", &agg, v, "sim.skewed")
+            .event_id(outbox_testkit::deterministic_event_id(now, self.next_id))
+            .created_at(now)
+            .json(&serde_json::json!({ "skew": format!("{skew:?}") }))
+            .map_err(|e| e.to_string())?
+            .build()
+            .map_err(|e| e.to_string())?;
+        self.report.skewed += 1;
+        self.block_on(backend.append(&mut tx, std::slice::from_ref(&e)))?
+            .map_err(|e| format!("append failed: {e}"))?;
+        self.open.push((tx, vec![e]));
+        Ok(())
+    }
+
     fn commit_open(&mut self, n: usize) -> Check {
         if self.open.is_empty() {
             return Ok(());
         }
         let (tx, events) = self.open.remove(n % self.open.len());
         if self.block_on(self.backend.commit(tx))?? {
+            let now = self.backend.clock().now();
             for e in events {
+                self.model.committed_at.insert(e.event_id, now);
                 self.model.committed.insert(e.event_id, e);
             }
         } else {
@@ -586,24 +661,21 @@ where
         }
         let id = parked[n % parked.len()].envelope.event_id;
         self.report.operator_actions += 1;
-        match op {
-            OperatorStep::Retry => {
-                self.block_on(store.retry_parked(id, "sim-operator"))?
-                    .map_err(|e| format!("retry_parked failed: {e}"))?;
-                self.model.retried.insert(id);
+        // The store refuses (a conflict) to accept or drop a version while lower ones of its
+        // aggregate still wait, and to retry or re-issue one at or below the last published:
+        // a refusal changes nothing.
+        let task = self.spawn_operator(op, id);
+        let was_refused = match self.await_operator(task)? {
+            Ok(new_id) => {
+                self.operator_done(op, id, new_id);
+                false
             }
-            OperatorStep::Discard => {
-                self.block_on(store.discard_parked(id, "sim-operator", "simulated"))?
-                    .map_err(|e| format!("discard_parked failed: {e}"))?;
-                self.model.discarded.insert(id);
-            }
-            OperatorStep::Reissue => {
-                let new_id = self
-                    .block_on(store.reissue_parked(id, "sim-operator", "simulated"))?
-                    .map_err(|e| format!("reissue_parked failed: {e}"))?;
-                self.model.discarded.insert(id);
-                self.model.reissued.insert(new_id, id);
-            }
+            Err(e) if e.kind == StoreErrorKind::Conflict => true,
+            Err(e) => return Err(format!("{op:?} of {id} failed: {e}")),
+        };
+        if was_refused {
+            self.report.operator_refused += 1;
+            return Ok(());
         }
         let trail = self
             .block_on(store.audit_trail(Some(id)))?
@@ -611,6 +683,72 @@ where
         ensure(!trail.is_empty(), || {
             format!("operator action on {id} not audited")
         })
+    }
+
+    /// Starts an operator action on the outbox as a task of its own.
+    fn spawn_operator(&self, op: OperatorStep, id: EventId) -> OpTask {
+        let store = self.backend.store();
+        self.rt.spawn(async move {
+            match op {
+                OperatorStep::Retry => store.retry_parked(id, "sim-operator").await.map(|()| None),
+                OperatorStep::Discard => store
+                    .discard_parked(id, "sim-operator", "simulated")
+                    .await
+                    .map(|()| None),
+                OperatorStep::Reissue => store
+                    .reissue_parked(id, "sim-operator", "simulated")
+                    .await
+                    .map(Some),
+            }
+        })
+    }
+
+    /// Waits for an operator action. One that waits for its aggregate's lock (a locked claim
+    /// of a relay holds it, as a re-appended version parked out of order can share its
+    /// aggregate with a claimed head) waits as it does in production: until the relays finish
+    /// what they hold (their batches acknowledged, what they claimed ahead published).
+    fn await_operator(
+        &mut self,
+        mut task: OpTask,
+    ) -> Result<Result<Option<EventId>, StoreError>, String> {
+        for round in 0..40 {
+            let waited = self.rt.block_on(async {
+                tokio::time::timeout(Duration::from_millis(300), &mut task).await
+            });
+            if let Ok(joined) = waited {
+                return joined.map_err(|e| format!("operator task panicked: {e}"));
+            }
+            let mut moved = false;
+            for i in 0..self.relays.len() {
+                if self.relays[i].held.is_some() {
+                    self.answer(i, &[RecordAnswer::Ack])?;
+                    moved = true;
+                } else if self.relays[i].task.is_some() || self.has_prefetched(i) {
+                    self.relay_step(i)?;
+                    moved = true;
+                }
+            }
+            if !moved && round >= 5 {
+                break;
+            }
+        }
+        task.abort();
+        Err("an operator action hung with no relay holding work".into())
+    }
+
+    fn operator_done(&mut self, op: OperatorStep, id: EventId, new_id: Option<EventId>) {
+        match op {
+            OperatorStep::Retry => self.model.retry(id),
+            OperatorStep::Discard => {
+                self.model.discarded.insert(id);
+            }
+            OperatorStep::Reissue => {
+                self.model.discarded.insert(id);
+                if let Some(n) = new_id {
+                    self.model.reissued.insert(n, id);
+                }
+            }
+        }
     }
 
     // ---- relays ----
@@ -700,13 +838,25 @@ where
             )?;
         }
         let rows = self.block_on(self.backend.rows())??;
-        invariants::check_send_order(&rows, records)
+        invariants::check_send_order(&self.model, &rows, records)
     }
 
     fn answer(&mut self, i: usize, answers: &[RecordAnswer]) -> Check {
         let Some(batch) = self.relays[i].held.take() else {
             return Ok(());
         };
+        let results = self.broker_answers(&batch, answers)?;
+        batch.answer(results);
+        self.wait_relay(i)
+    }
+
+    /// The broker's answers to `batch`, record `k` answered with `answers[k % len]` (the
+    /// records stored in the log as they are answered).
+    fn broker_answers(
+        &mut self,
+        batch: &HeldBatch,
+        answers: &[RecordAnswer],
+    ) -> Result<Vec<PublishResult>, String> {
         let mut results: Vec<PublishResult> = Vec::with_capacity(batch.records.len());
         let (mut acked, mut failed) = (0, 0);
         for (k, e) in batch.records.iter().enumerate() {
@@ -721,6 +871,10 @@ where
             } else {
                 None
             };
+            if matches!(a, RecordAnswer::Transient | RecordAnswer::Permanent) {
+                // A record-scoped failure: the only kind that may spend an attempt.
+                *self.model.record_failures.entry(e.event_id).or_default() += 1;
+            }
             let result = match a {
                 RecordAnswer::Ack => ack.ok_or("no ack")?,
                 RecordAnswer::AckLost => Err(PublishError::new(
@@ -750,8 +904,95 @@ where
         if acked > 0 && failed > 0 {
             self.report.mixed_batches += 1;
         }
-        batch.answer(results);
-        self.wait_relay(i)
+        Ok(results)
+    }
+
+    /// Runs `ops` at once: relays' claims and completions are their cycles' tasks, operator
+    /// actions tasks of their own, all on the simulation's runtime, so their statements
+    /// interleave on the server. They start in the order given, `stagger` apart (0: all
+    /// before any runs, 1: one scheduler turn, 2: a millisecond, 3: five). The operator
+    /// actions are awaited first, so that the sends checked afterwards are judged with their
+    /// outcome known.
+    fn race(&mut self, ops: &[RaceOp], stagger: u8) -> Check {
+        let store = self.backend.store();
+        let parked = self
+            .block_on(store.list_parked(100))?
+            .map_err(|e| format!("list_parked failed: {e}"))?;
+        let mut relays: Vec<usize> = Vec::new();
+        let mut operators: Vec<(OperatorStep, EventId, OpTask)> = Vec::new();
+        for (k, op) in ops.iter().enumerate() {
+            if k > 0 {
+                match stagger % 4 {
+                    0 => {}
+                    1 => self.block_on(tokio::task::yield_now())?,
+                    2 => {
+                        self.block_on(async { tokio::time::sleep(Duration::from_millis(1)).await })?
+                    }
+                    _ => {
+                        self.block_on(async { tokio::time::sleep(Duration::from_millis(5)).await })?
+                    }
+                }
+            }
+            match op {
+                RaceOp::Claim(i) => {
+                    let i = i % self.relays.len();
+                    let slot = &mut self.relays[i];
+                    if slot.held.is_some() || slot.task.is_some() {
+                        continue;
+                    }
+                    let Some(mut relay) = slot.relay.take() else {
+                        continue;
+                    };
+                    slot.task = Some(self.rt.spawn(async move {
+                        let r = relay.run_once().await;
+                        (relay, r)
+                    }));
+                    relays.push(i);
+                }
+                RaceOp::Answer { relay, answers } => {
+                    let i = relay % self.relays.len();
+                    let Some(batch) = self.relays[i].held.take() else {
+                        continue;
+                    };
+                    let results = self.broker_answers(&batch, answers)?;
+                    batch.answer(results);
+                    relays.push(i);
+                }
+                RaceOp::Operator(op, n) => {
+                    if parked.is_empty() {
+                        continue;
+                    }
+                    let id = parked[n % parked.len()].envelope.event_id;
+                    if operators.iter().any(|(_, other, _)| *other == id) {
+                        continue;
+                    }
+                    let op = *op;
+                    let task = self.spawn_operator(op, id);
+                    operators.push((op, id, task));
+                }
+            }
+        }
+        if relays.len() + operators.len() > 1 {
+            self.report.races += 1;
+        }
+        for (op, id, task) in operators {
+            self.report.operator_actions += 1;
+            match self.await_operator(task)? {
+                Ok(new_id) => self.operator_done(op, id, new_id),
+                // Refused (lower versions wait, out of order), or the event is no longer
+                // parked (another action of the race took it).
+                Err(e) if matches!(e.kind, StoreErrorKind::Conflict | StoreErrorKind::NotFound) => {
+                    self.report.operator_refused += 1;
+                }
+                Err(e) => return Err(format!("{op:?} of {id} failed: {e}")),
+            }
+        }
+        relays.sort_unstable();
+        relays.dedup();
+        for i in relays {
+            self.wait_relay(i)?;
+        }
+        Ok(())
     }
 
     fn settle(&mut self, i: usize, result: Result<CycleReport, StoreError>) -> Check {
@@ -934,6 +1175,19 @@ where
                 )
             })?;
         }
+        // Open consumer-side parking (head or waiting behind it), per aggregate.
+        let consumer_open = parked
+            .iter()
+            .filter(|m| matches!(m.status, ParkedStatus::Parked | ParkedStatus::Waiting))
+            .filter_map(|m| {
+                let agg = m.record.aggregate.as_ref()?;
+                Some((
+                    agg.aggregate_id.clone(),
+                    m.record.aggregate_version?,
+                    m.record.event_id,
+                ))
+            })
+            .collect();
         let consumer_parked = parked.into_iter().map(|m| m.record.position).collect();
         let offsets = (0..self.config.partitions.max(1) as i32)
             .map(|p| (p, self.log.committed(GROUP, TOPIC, p).unwrap_or(0)))
@@ -944,7 +1198,10 @@ where
             effects,
             registered,
             consumer_parked,
+            consumer_open,
             offsets,
+            now: self.backend.clock().now(),
+            gap_timeout: self.backend.gap_timeout(),
         })
     }
 
@@ -1033,11 +1290,13 @@ where
         for id in self.model.expected() {
             let row = rows.iter().find(|r| r.event_id == id);
             let status = row.map(|r| r.status);
-            // Parking blocks the aggregate's later versions: they wait, pending.
+            // Parking blocks the aggregate's later versions (and another event of the same
+            // version, appended again): they wait, pending.
             let behind_a_park = row.is_some_and(|me| {
                 rows.iter().any(|r| {
                     r.aggregate_id == me.aggregate_id
-                        && r.version < me.version
+                        && r.event_id != me.event_id
+                        && r.version <= me.version
                         && r.status == DeliveryStatus::Parked
                 })
             });
@@ -1091,13 +1350,32 @@ where
                 .map_err(|e| e.to_string())?;
             for p in parked {
                 let id = p.envelope.event_id;
-                self.block_on(store.retry_parked(id, "drain"))?
-                    .map_err(|e| e.to_string())?;
-                self.model.retried.insert(id);
+                match self.block_on(store.retry_parked(id, "drain"))? {
+                    Ok(()) => self.model.retry(id),
+                    // Refused: at or below the last version published (out of order, for
+                    // good: the operator discards it), or lower versions still wait (next
+                    // round).
+                    Err(e) if e.kind == StoreErrorKind::Conflict => {
+                        self.report.operator_refused += 1;
+                        let rows = self.block_on(self.backend.rows())??;
+                        if p.envelope.aggregate_version
+                            <= self.model.floor(&rows, &p.envelope.aggregate_id)
+                        {
+                            self.block_on(store.discard_parked(id, "drain", "out of order"))?
+                                .map_err(|e| format!("discarding {id} failed: {e}"))?;
+                            self.model.discarded.insert(id);
+                        }
+                    }
+                    Err(e) => return Err(format!("retrying {id} failed: {e}")),
+                }
             }
             self.drain_relays()?;
             let stats = self.block_on(store.stats())?.map_err(|e| e.to_string())?;
-            if stats.unpublished == 0 {
+            let still_parked = !self
+                .block_on(store.list_parked(1))?
+                .map_err(|e| e.to_string())?
+                .is_empty();
+            if stats.unpublished == 0 && !still_parked {
                 break;
             }
             ensure(round < 49, || {
@@ -1209,13 +1487,27 @@ where
         None => None,
     };
     let mut runner = TestRunner::new(pt);
+    // How many cases ran until the first failure (the shrinking runs more after it).
+    let ran = std::cell::Cell::new(0u32);
+    let first_failure = std::cell::Cell::new(None::<u32>);
     let result = runner.run(&steps::cases(config), |(modes, steps)| {
+        if first_failure.get().is_none() {
+            ran.set(ran.get() + 1);
+        }
         let mut sim = make(modes);
-        sim.run(&steps)
+        let r = sim
+            .run(&steps)
             .map(|_| ())
-            .map_err(|v| TestCaseError::fail(v.to_string()))
+            .map_err(|v| TestCaseError::fail(v.to_string()));
+        if r.is_err() && first_failure.get().is_none() {
+            first_failure.set(Some(ran.get()));
+        }
+        r
     });
     if result.is_err() {
+        if let Some(n) = first_failure.get() {
+            eprintln!("simulation: first failing case: {n} of {cases}");
+        }
         eprintln!("simulation failed with seed {seed} (replay with {SEED_ENV}={seed})");
     }
     result

@@ -60,6 +60,55 @@ pub enum HandlerFault {
     Stuck,
 }
 
+/// A producer that does not keep its aggregate's versions in order: what a business
+/// transaction appends instead of the next version (see [`Step::Skew`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Skew {
+    /// Appends the version `n` (1 or 2) past the next one: the versions between are missing
+    /// until a [`Skew::Fill`] appends them (or never). The outbox must hold the head, park it
+    /// as a version gap after the gap timeout, and publish nothing past the gap.
+    Gap(i64),
+    /// Appends the lowest version still missing (a late fill, committed after a higher
+    /// version): the outbox publishes it in order when the gap was not yet parked, and parks it
+    /// as out of order when a higher version went out first.
+    Fill,
+    /// Appends a version the aggregate already has (a re-append, the `n`-th from its last):
+    /// the outbox publishes at most one event of a version, and parks a version at or below
+    /// the last one published as out of order.
+    Lower(i64),
+}
+
+/// The version policy of the consumer (`outbox_inbox::VersionPolicy`) a case runs with.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Policy {
+    /// `VersionPolicy::Reject` (the default): a gap parks at once.
+    #[default]
+    Reject,
+    /// `VersionPolicy::Hold`: a gap is held in memory, bounded, then parked.
+    Hold,
+    /// `VersionPolicy::Unchecked`: no versions kept; a parked message still blocks its
+    /// aggregate.
+    Unchecked,
+}
+
+/// One operation of a [`Step::Race`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RaceOp {
+    /// Relay `n` starts a cycle: its claim (a relay that holds a batch or runs a cycle
+    /// already is left alone).
+    Claim(usize),
+    /// The broker answers relay `relay`'s held batch; its completion (and, with prefetch, its
+    /// next claim) runs.
+    Answer {
+        /// Relay index.
+        relay: usize,
+        /// Per-record answers, cycled.
+        answers: Vec<RecordAnswer>,
+    },
+    /// An operator action on the `n`-th parked event of the outbox.
+    Operator(OperatorStep, usize),
+}
+
 /// One transition.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Step {
@@ -72,6 +121,14 @@ pub enum Step {
         events: usize,
         /// Which command.
         command: usize,
+    },
+    /// Begin a business transaction on aggregate `aggregate` that appends one event out of
+    /// the aggregate's order ([`Skew`]), under the aggregate's lock as [`Step::Begin`].
+    Skew {
+        /// Aggregate index.
+        aggregate: usize,
+        /// What it appends.
+        skew: Skew,
     },
     /// Commit the `n`-th open business transaction.
     Commit(usize),
@@ -87,6 +144,15 @@ pub enum Step {
         relay: usize,
         /// Per-record answers, cycled.
         answers: Vec<RecordAnswer>,
+    },
+    /// What production runs concurrently runs concurrently: claims of several relays,
+    /// completions and operator actions start together (in this order, `stagger` apart) and
+    /// their statements interleave on the server.
+    Race {
+        /// The operations, in their order of start.
+        ops: Vec<RaceOp>,
+        /// How far apart they start (see `Simulation`'s race: 0 to 3).
+        stagger: u8,
     },
     /// Relay `n`'s process dies: its task is aborted (a locked claim's connection drops), and
     /// a fresh relay takes its place.
@@ -128,18 +194,52 @@ fn answer() -> impl Strategy<Value = RecordAnswer> {
     ]
 }
 
+fn race_op(relays: usize) -> impl Strategy<Value = RaceOp> {
+    prop_oneof![
+        3 => (0..relays).prop_map(RaceOp::Claim),
+        3 => (0..relays, proptest::collection::vec(answer(), 1..=3))
+            .prop_map(|(relay, answers)| RaceOp::Answer { relay, answers }),
+        2 => (
+            prop_oneof![
+                Just(OperatorStep::Retry),
+                Just(OperatorStep::Discard),
+                Just(OperatorStep::Reissue)
+            ],
+            0..2usize
+        )
+            .prop_map(|(o, n)| RaceOp::Operator(o, n)),
+    ]
+}
+
 /// The strategy of step sequences for `config`.
 pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
     let relays = config.relays.max(1);
     let aggs = config.aggregates.max(1);
+    let skew = config.skew;
     let step = prop_oneof![
         5 => (0..aggs, 1..=3usize, 0..4usize)
             .prop_map(|(aggregate, events, command)| Step::Begin { aggregate, events, command }),
+        2 => (
+            0..aggs,
+            prop_oneof![
+                2 => (1..=2i64).prop_map(Skew::Gap),
+                2 => Just(Skew::Fill),
+                2 => (0..=1i64).prop_map(Skew::Lower),
+            ]
+        )
+            // Without skew, an ordinary transaction in its place.
+            .prop_map(move |(aggregate, s)| if skew {
+                Step::Skew { aggregate, skew: s }
+            } else {
+                Step::Begin { aggregate, events: 1, command: 0 }
+            }),
         5 => (0..3usize).prop_map(Step::Commit),
         1 => (0..3usize).prop_map(Step::Rollback),
         12 => (0..relays).prop_map(Step::Relay),
         12 => (0..relays, proptest::collection::vec(answer(), 1..=3))
             .prop_map(|(relay, answers)| Step::Answer { relay, answers }),
+        4 => (proptest::collection::vec(race_op(relays), 2..=3), 0..4u8)
+            .prop_map(|(ops, stagger)| Step::Race { ops, stagger }),
         2 => (0..relays).prop_map(Step::RelayCrash),
         4 => prop_oneof![Just(1u64), Just(10), Just(31), Just(31), Just(120)]
             .prop_map(|s| Step::Advance(Duration::from_secs(s))),
@@ -161,10 +261,10 @@ pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
         12 => (1..=4usize).prop_map(Step::Consumer),
         2 => Just(Step::ConsumerCrash),
         1 => Just(Step::Rebalance),
-        2 => prop_oneof![
-            Just(HandlerFault::Transient),
-            Just(HandlerFault::Permanent),
-            Just(HandlerFault::Stuck)
+        4 => prop_oneof![
+            1 => Just(HandlerFault::Transient),
+            2 => Just(HandlerFault::Permanent),
+            1 => Just(HandlerFault::Stuck)
         ]
         .prop_map(Step::HandlerFault),
         1 => any::<bool>().prop_map(|lost_reply| Step::InboxCommitFault { lost_reply }),
@@ -174,13 +274,16 @@ pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
     proptest::collection::vec(step, 1..=config.max_steps.max(1))
 }
 
-/// The modes of one case: lease (else locked transaction) and prefetch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// The modes of one case: lease (else locked transaction), prefetch, and the consumer's
+/// version policy.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Modes {
     /// `ClaimMode::Lease` (else `LockedTransaction`).
     pub lease: bool,
     /// `RelayConfig::prefetch`.
     pub prefetch: bool,
+    /// The consumer's version policy.
+    pub policy: Policy,
 }
 
 /// One generated case.
@@ -189,7 +292,20 @@ pub type Case = (Modes, Vec<Step>);
 /// The strategy of cases (modes and steps) for `config`.
 pub fn cases(config: &SimConfig) -> impl Strategy<Value = Case> {
     (
-        (any::<bool>(), any::<bool>()).prop_map(|(lease, prefetch)| Modes { lease, prefetch }),
+        (
+            any::<bool>(),
+            any::<bool>(),
+            prop_oneof![
+                Just(Policy::Reject),
+                Just(Policy::Hold),
+                Just(Policy::Unchecked)
+            ],
+        )
+            .prop_map(|(lease, prefetch, policy)| Modes {
+                lease,
+                prefetch,
+                policy,
+            }),
         steps(config),
     )
 }

@@ -32,6 +32,7 @@ fn the_generator_reaches_the_interesting_states() {
     let config = SimConfig::default();
     let mut total = SimReport::default();
     let mut modes = [0usize; 4];
+    let mut policies = [0usize; 3];
     for (m, steps) in sample_cases(&config, 80, 2) {
         modes[usize::from(m.lease) * 2 + usize::from(m.prefetch)] += 1;
         let r = Simulation::memory(config.clone(), m)
@@ -52,6 +53,12 @@ fn the_generator_reaches_the_interesting_states() {
         total.conflicts += r.conflicts;
         total.cleaned += r.cleaned;
         total.faults += r.faults;
+        total.skewed += r.skewed;
+        total.gap_parked += r.gap_parked;
+        total.out_of_order_parked += r.out_of_order_parked;
+        total.operator_refused += r.operator_refused;
+        total.races += r.races;
+        policies[m.policy as usize] += 1;
     }
     eprintln!("coverage over 80 cases: {total:?}, modes {modes:?}");
     assert!(
@@ -87,6 +94,25 @@ fn the_generator_reaches_the_interesting_states() {
     assert!(total.conflicts > 0, "no optimistic conflict: {total:?}");
     assert!(total.cleaned > 0, "cleanup never removed a row: {total:?}");
     assert!(total.faults > 0, "{total:?}");
+    // The producer leaves gaps and re-appends, and the store's answers to them are seen.
+    assert!(
+        total.skewed > 0,
+        "no version appended out of order: {total:?}"
+    );
+    assert!(total.gap_parked > 0, "no version gap parked: {total:?}");
+    assert!(
+        total.out_of_order_parked > 0,
+        "nothing parked as out of order: {total:?}"
+    );
+    assert!(
+        total.operator_refused > 0,
+        "no operator action refused: {total:?}"
+    );
+    assert!(total.races > 0, "nothing ran at once: {total:?}");
+    assert!(
+        policies.iter().all(|n| *n > 5),
+        "every consumer version policy: {policies:?}"
+    );
 }
 
 fn begin(aggregate: usize, events: usize) -> Step {
@@ -108,7 +134,14 @@ fn answer(relay: usize, answers: &[RecordAnswer]) -> Step {
 fn a_relay_dying_with_its_batch_held_duplicates_but_loses_nothing() {
     for lease in [true, false] {
         for prefetch in [true, false] {
-            let mut sim = Simulation::memory(SimConfig::default(), Modes { lease, prefetch });
+            let mut sim = Simulation::memory(
+                SimConfig::default(),
+                Modes {
+                    lease,
+                    prefetch,
+                    ..Modes::default()
+                },
+            );
             let steps = vec![
                 begin(0, 2),
                 Step::Commit(0),
@@ -141,6 +174,7 @@ fn a_batch_with_mixed_outcomes_is_recorded_per_record() {
         Modes {
             lease: true,
             prefetch: false,
+            ..Modes::default()
         },
     );
     let steps = [
@@ -203,6 +237,7 @@ fn a_prefetched_batch_survives_a_park_of_the_batch_before_it() {
         Modes {
             lease: false,
             prefetch: true,
+            ..Modes::default()
         },
     );
     let mut steps = Vec::new();

@@ -184,7 +184,11 @@ fn crashes_mixed_batches_and_handler_faults_on_mysql() {
     let mut reports: Vec<(Modes, Result<SimReport, String>)> = Vec::new();
     for lease in [false, true] {
         for prefetch in [false, true] {
-            let modes = Modes { lease, prefetch };
+            let modes = Modes {
+                lease,
+                prefetch,
+                ..Modes::default()
+            };
             let mut sim = simulation(&url, &databases, &config(1), modes);
             let steps = vec![
                 begin(0, 2),

@@ -101,6 +101,7 @@ pub mod inbox;
 pub mod log;
 pub mod outbox;
 pub mod randomized;
+pub mod rules;
 pub mod scenarios;
 
 pub use clock::ManualClock;

@@ -539,38 +539,31 @@ pub(crate) fn check(
 
     // 3. First deliveries per aggregate, in delivery order: versions strictly increase (equal
     //    only between an injected duplicate and the event it duplicates).
-    let mut first_seen: HashSet<EventId> = HashSet::new();
-    let mut highest: HashMap<&str, (i64, &Ack)> = HashMap::new();
-    let mut first_deliveries = 0usize;
-    for a in &broker.acks {
-        if !first_seen.insert(a.dedup) {
-            continue;
-        }
-        first_deliveries += 1;
-        if let Some(&(v, prev)) = highest.get(a.agg.as_str()) {
-            let equal_allowed = a.version == v
-                && (is_injected_duplicate(&a.label) || is_injected_duplicate(&prev.label));
-            if a.version < v || (a.version == v && !equal_allowed) {
-                failures.push(format!(
-                    "check 3 (version order): aggregate {}: version {} ({}, by {} at {}) was first \
-                     delivered after version {v} ({}, by {} at {})",
-                    a.agg,
-                    a.version,
-                    a.label,
-                    a.relay,
-                    world.ms(a.at),
-                    prev.label,
-                    prev.relay,
-                    world.ms(prev.at)
-                ));
-            }
-        }
-        if highest
-            .get(a.agg.as_str())
-            .is_none_or(|&(v, _)| a.version > v)
-        {
-            highest.insert(a.agg.as_str(), (a.version, a));
-        }
+    let deliveries = broker.acks.iter().map(|a| crate::rules::Delivery {
+        dedup: a.dedup,
+        aggregate: &a.agg,
+        version: a.version,
+        injected_duplicate: is_injected_duplicate(&a.label),
+    });
+    let first_deliveries = {
+        let mut seen: HashSet<EventId> = HashSet::new();
+        broker.acks.iter().filter(|a| seen.insert(a.dedup)).count()
+    };
+    for d in crate::rules::first_delivery_disorder(deliveries) {
+        let (a, prev) = (&broker.acks[d.at], &broker.acks[d.after]);
+        failures.push(format!(
+            "check 3 (version order): aggregate {}: version {} ({}, by {} at {}) was first \
+             delivered after version {} ({}, by {} at {})",
+            a.agg,
+            a.version,
+            a.label,
+            a.relay,
+            world.ms(a.at),
+            prev.version,
+            prev.label,
+            prev.relay,
+            world.ms(prev.at)
+        ));
     }
 
     // 4. No two relays held one aggregate with live claims at once.
