@@ -81,8 +81,19 @@ BEGIN
             MESSAGE = format('schema_version must be at least 1, got %s', schema_version);
     END IF;
     IF content_type ~ blank OR octet_length(content_type) > max_name OR content_type ~ control THEN
+        -- Quoted as Rust's `{:?}` quotes it, as far as these rules can meet: `\"`, `\\`, `\t`,
+        -- `\r`, `\n`, and other control characters and white space but ' ' as `\u{hex}` (JSON
+        -- would leave DEL, U+0085 and the Unicode spaces raw). Rust also escapes format
+        -- characters, combining marks and unassigned code points; those stay raw here.
         RAISE EXCEPTION USING ERRCODE = '22023',
-            MESSAGE = format('invalid payload content type %s', to_json(content_type));
+            MESSAGE = 'invalid payload content type ' || '"' || coalesce((SELECT string_agg(CASE
+                WHEN c = '"' THEN '\"' WHEN c = '\' THEN '\\'
+                WHEN c = E'\t' THEN '\t' WHEN c = E'\r' THEN '\r' WHEN c = E'\n' THEN '\n'
+                WHEN c ~ control OR (c <> ' ' AND c ~ blank)
+                    THEN '\u{' || to_hex(ascii(c)) || '}'
+                ELSE c END, '' ORDER BY i)
+            FROM unnest(regexp_split_to_array(content_type, '')) WITH ORDINALITY AS q(c, i) WHERE c <> ''), '')
+            || '"';
     END IF;
     -- The year in UTC as chrono counts it (1 BC is year 0; PostgreSQL has no year 0).
     yr := extract(year FROM created_at AT TIME ZONE 'UTC')::integer;
@@ -121,10 +132,20 @@ BEGIN
         IF octet_length(hkey) = 0 OR octet_length(hkey) > max_name
            OR hkey !~ '^[\u0021-\u007e]+$' THEN
             RAISE EXCEPTION USING ERRCODE = '22023',
-                MESSAGE = format('invalid header %s: header names are 1..=max_name_len visible '
-                                 'ASCII characters', to_json(hkey));
+                -- Quoted as the content type is, above.
+                MESSAGE = 'invalid header ' || '"' || coalesce((SELECT string_agg(CASE
+                WHEN c = '"' THEN '\"' WHEN c = '\' THEN '\\'
+                WHEN c = E'\t' THEN '\t' WHEN c = E'\r' THEN '\r' WHEN c = E'\n' THEN '\n'
+                WHEN c ~ control OR (c <> ' ' AND c ~ blank)
+                    THEN '\u{' || to_hex(ascii(c)) || '}'
+                ELSE c END, '' ORDER BY i)
+            FROM unnest(regexp_split_to_array(hkey, '')) WITH ORDINALITY AS q(c, i) WHERE c <> ''), '')
+            || '"'
+                          || ': header names are 1..=max_name_len visible ASCII characters';
         END IF;
-        IF lower(hkey) IN ('event_id', 'event_type', 'aggregate_type', 'aggregate_id',
+        -- lower() in the C collation: with the caller's collation (an argument's COLLATE, or a
+        -- database whose default is Turkish) 'EVENT_ID' would lower to 'event_ıd' and pass.
+        IF lower(hkey COLLATE "C") IN ('event_id', 'event_type', 'aggregate_type', 'aggregate_id',
                            'aggregate_version', 'schema_version', 'content_type',
                            'created_at') THEN
             RAISE EXCEPTION USING ERRCODE = '22023',
@@ -136,7 +157,7 @@ BEGIN
                 MESSAGE = format('invalid header %s: header values must not contain control '
                                  'characters', to_json(hkey));
         END IF;
-        IF lower(hkey) = 'traceparent' THEN
+        IF lower(hkey COLLATE "C") = 'traceparent' THEN
             -- W3C: version-traceid-parentid-flags, lowercase hex, ids not all zero; version
             -- ff is invalid, version 00 has exactly four parts.
             parts := string_to_array(val, '-');

@@ -1,0 +1,140 @@
+//! Adversary of the SQL append (`<schema>.<table>_append(...)`, migration 7): inputs on which
+//! the PL/pgSQL validation and `Envelope::validate` (default limits) could disagree.
+//!
+//! Each test uses its own schema. Needs PostgreSQL at `DATABASE_URL` built with ICU (the
+//! Debian and official images are).
+
+mod common;
+
+use outbox_core::{Envelope, EnvelopeLimits};
+
+use common::{event, lease};
+
+/// The SQL append of `e` with the caller's text arguments in `collation`, rolled back. `Err`
+/// carries (SQLSTATE, message).
+async fn sql_append_collated(
+    ctx: &common::Ctx,
+    e: &Envelope,
+    collation: &str,
+) -> Result<(), (String, String)> {
+    let mut tx = ctx.pool.begin().await.unwrap();
+    let r = sqlx::query(&format!(
+        "SELECT \"{}\".outbox_events_append(\
+           aggregate_type => $1 COLLATE \"{collation}\", aggregate_id => $2, \
+           aggregate_version => $3, event_type => $4, payload => $5, content_type => $6, \
+           headers => $7, schema_version => $8, event_id => $9, created_at => $10)",
+        ctx.schema
+    ))
+    .bind(&e.aggregate_type)
+    .bind(&e.aggregate_id)
+    .bind(e.aggregate_version)
+    .bind(&e.event_type)
+    .bind(&e.payload.bytes)
+    .bind(&e.payload.content_type)
+    .bind(serde_json::to_value(&e.headers).unwrap())
+    .bind(e.schema_version)
+    .bind(e.event_id.as_uuid())
+    .bind(e.created_at)
+    .execute(&mut *tx)
+    .await;
+    tx.rollback().await.unwrap();
+    match r {
+        Ok(_) => Ok(()),
+        Err(sqlx::Error::Database(d)) => Err((
+            d.code().map(|c| c.into_owned()).unwrap_or_default(),
+            d.message().to_owned(),
+        )),
+        Err(other) => panic!("unexpected error: {other}"),
+    }
+}
+
+/// The reserved envelope names are refused in any case whatever the caller's collation: a
+/// caller whose text is in a Turkish collation (an argument's `COLLATE`, or a database whose
+/// default collation is Turkish) lowers `EVENT_ID` to `event_ıd` (dotless i), which the
+/// function compared with `event_id` and let through, while Rust refuses it (and a consumer
+/// would then meet a user header beside the envelope's own `event_id`). Failed before the fix
+/// (`EVENT_ID` accepted by SQL).
+#[tokio::test]
+async fn reserved_headers_are_refused_under_a_turkish_collation() {
+    let ctx = ctx!(2);
+    let _store = ctx.store(lease(30.0)).await;
+    let turkish: Option<String> = sqlx::query_scalar(
+        "SELECT collname::text FROM pg_collation WHERE collname = 'tr-TR-x-icu'",
+    )
+    .fetch_optional(&ctx.pool)
+    .await
+    .unwrap();
+    assert!(
+        turkish.is_some(),
+        "this test needs a PostgreSQL built with ICU (collation tr-TR-x-icu)"
+    );
+    let limits = EnvelopeLimits::default();
+    for name in [
+        "EVENT_ID",
+        "AGGREGATE_ID",
+        "SCHEMA_VERSION",
+        "Event_Id",
+        "TRACEPARENT",
+    ] {
+        let mut e = event("tr", 1);
+        e.headers.insert(name.into(), "x".into());
+        let rust = e.validate(&limits).expect_err(name);
+        let sql = sql_append_collated(&ctx, &e, "tr-TR-x-icu").await;
+        assert_eq!(
+            sql,
+            Err(("22023".to_owned(), rust.to_string())),
+            "header {name} under a Turkish collation"
+        );
+        // The same call in the C collation, as the control: refused with the same text.
+        let sql = sql_append_collated(&ctx, &e, "C").await;
+        assert_eq!(sql, Err(("22023".to_owned(), rust.to_string())), "{name} in C");
+    }
+    ctx.drop().await;
+}
+
+/// A refused content type or header name is quoted in the error as Rust's `{:?}` quotes it
+/// (`\u{7f}`, `\u{a0}`, `\u{2028}`, ...), not as JSON (`to_json` leaves DEL, U+0085, the
+/// Unicode spaces and line separators raw and writes `\u0001` for U+0001): the function
+/// promises the Rust error's text. Failed before the fix (e.g. `"a<DEL>"` for `"a\u{7f}"`).
+#[tokio::test]
+async fn refused_names_are_quoted_as_rust_quotes_them() {
+    let ctx = ctx!(2);
+    let _store = ctx.store(lease(30.0)).await;
+    let limits = EnvelopeLimits::default();
+    let odd = [
+        "a\u{7f}",
+        "\u{1}x",
+        "\t\u{b}\u{c}",
+        "\r\n",
+        "x\u{85}",
+        "\u{a0}",
+        "\u{2028}\u{2029}",
+        "\u{1680}\u{2000}\u{200a}\u{202f}\u{205f}\u{3000}",
+        "q\"b\\",
+        " ",
+        "",
+    ];
+    let mut refused = 0;
+    for s in odd {
+        for what in ["content type", "header name"] {
+            let mut e = event("q", 1);
+            if what == "content type" {
+                e.payload.content_type = s.to_owned();
+            } else {
+                e.headers.insert(s.to_owned(), "v".to_owned());
+            }
+            let Err(rust) = e.validate(&limits) else {
+                continue;
+            };
+            refused += 1;
+            let sql = sql_append_collated(&ctx, &e, "C").await;
+            assert_eq!(
+                sql,
+                Err(("22023".to_owned(), rust.to_string())),
+                "{what} {s:?}"
+            );
+        }
+    }
+    assert!(refused >= 20, "the cases are refused by Rust: {refused}");
+    ctx.drop().await;
+}
