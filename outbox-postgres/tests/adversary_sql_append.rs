@@ -87,7 +87,11 @@ async fn reserved_headers_are_refused_under_a_turkish_collation() {
         );
         // The same call in the C collation, as the control: refused with the same text.
         let sql = sql_append_collated(&ctx, &e, "C").await;
-        assert_eq!(sql, Err(("22023".to_owned(), rust.to_string())), "{name} in C");
+        assert_eq!(
+            sql,
+            Err(("22023".to_owned(), rust.to_string())),
+            "{name} in C"
+        );
     }
     ctx.drop().await;
 }
