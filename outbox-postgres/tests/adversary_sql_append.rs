@@ -142,3 +142,35 @@ async fn refused_names_are_quoted_as_rust_quotes_them() {
     assert!(refused >= 20, "the cases are refused by Rust: {refused}");
     ctx.drop().await;
 }
+
+/// `created_at => 'infinity'` (which no Rust envelope can hold) is refused as every other
+/// invalid argument is, with SQLSTATE 22023 and nothing written, not with 22003 ("cannot
+/// convert infinity to integer") from the year check. Failed before the fix (22003).
+#[tokio::test]
+async fn an_infinite_created_at_is_an_invalid_parameter() {
+    let ctx = ctx!(2);
+    let _store = ctx.store(lease(30.0)).await;
+    for at in ["infinity", "-infinity"] {
+        let err = sqlx::query(&format!(
+            "SELECT \"{}\".outbox_events_append('order', 'inf', 1, 't', ''::bytea, \
+                    created_at => $1::timestamptz)",
+            ctx.schema
+        ))
+        .bind(at)
+        .execute(&ctx.pool)
+        .await
+        .expect_err(at);
+        let d = err.as_database_error().expect("a database error");
+        assert_eq!(d.code().as_deref(), Some("22023"), "{at}: {d}");
+        assert!(d.message().contains("created_at"), "{at}: {d}");
+    }
+    let n: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM \"{}\".outbox_events",
+        ctx.schema
+    ))
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(n, 0);
+    ctx.drop().await;
+}

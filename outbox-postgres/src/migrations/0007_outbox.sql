@@ -95,6 +95,13 @@ BEGIN
             FROM unnest(regexp_split_to_array(content_type, '')) WITH ORDINALITY AS q(c, i) WHERE c <> ''), '')
             || '"';
     END IF;
+    -- 'infinity' has no year (and no Rust envelope holds it): refused like any other year
+    -- the wire format cannot carry, not by the integer cast below (SQLSTATE 22003).
+    IF NOT isfinite(created_at) THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = format('created_at in year %s is outside 0..=9999, which the wire format '
+                             '(RFC 3339) cannot carry', created_at);
+    END IF;
     -- The year in UTC as chrono counts it (1 BC is year 0; PostgreSQL has no year 0).
     yr := extract(year FROM created_at AT TIME ZONE 'UTC')::integer;
     IF yr < 0 THEN
