@@ -1302,3 +1302,81 @@ async fn release_claims_on_mariadb_matches_the_owner_exactly() {
     assert_eq!(r["released_aggregates"], 1, "{r}");
     db.drop().await;
 }
+
+/// Adversary: aggregates whose ids differ only by case or a trailing space (`a`, `A`, `a `:
+/// equal or not under MariaDB's collations, three aggregates on PostgreSQL). Each has v1
+/// parked and v2 blocked behind it; a discard of `a` v1 releases `a` v2 only, a retry of `A`
+/// v1 makes `A` v1 claimable only, and `a ` stays parked and blocked throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_actions_on_mariadb_change_only_their_own_look_alike_aggregate() {
+    let Some(db) = Db::new("look_alike_aggregates_on_mariadb").await else {
+        return;
+    };
+    let pool = db.pool().await;
+    let store = store(&pool);
+    store.migrate().await.expect("migrate");
+    let ids = ["a", "A", "a "];
+    let v1: Vec<Envelope> = ids.iter().map(|id| ev(id, 1, "order.placed")).collect();
+    let v2: Vec<Envelope> = ids.iter().map(|id| ev(id, 2, "order.paid")).collect();
+    store
+        .append_many(&pool, &[v1.clone(), v2.clone()].concat())
+        .await
+        .expect("append");
+    let claimed = relay_round(&store, "relay-1", |e| {
+        Some(park(
+            e,
+            ParkKind::PermanentError,
+            ErrorClass::Permanent,
+            "invalid_record",
+        ))
+    })
+    .await;
+    let mut want: Vec<EventId> = v1.iter().map(|e| e.event_id).collect();
+    let mut got = claimed.clone();
+    want.sort();
+    got.sort();
+    assert_eq!(got, want, "the three heads, each its own aggregate");
+
+    let (code, r) = run_json(
+        &db,
+        &[
+            "parked",
+            "discard",
+            &v1[0].event_id.to_string(),
+            "--reason",
+            "x",
+            "--yes",
+        ],
+    );
+    assert_eq!(code, 0, "{r}");
+    let claimed = relay_round(&store, "relay-1", |e| Some(published(e, 1))).await;
+    assert_eq!(claimed, vec![v2[0].event_id], "a v2 alone is released");
+
+    let (code, r) = run_json(&db, &["parked", "retry", &v1[1].event_id.to_string()]);
+    assert_eq!(code, 0, "{r}");
+    let claimed = relay_round(&store, "relay-1", |e| Some(published(e, 2))).await;
+    assert_eq!(claimed, vec![v1[1].event_id], "A v1 alone is claimable");
+    let claimed = relay_round(&store, "relay-1", |e| Some(published(e, 3))).await;
+    assert_eq!(claimed, vec![v2[1].event_id], "then A v2");
+
+    let (code, l) = run_json(&db, &["parked", "list"]);
+    assert_eq!(code, 0, "{l}");
+    let parked: Vec<&str> = l["parked"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["event_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        parked,
+        vec![v1[2].event_id.to_string()],
+        "'a ' v1 stays parked"
+    );
+    assert!(
+        relay_round(&store, "relay-1", |e| Some(published(e, 4)))
+            .await
+            .is_empty(),
+        "'a ' v2 stays behind its parked head"
+    );
+    db.drop().await;
+}
