@@ -6,9 +6,11 @@
 
 mod common;
 
+use std::time::Duration;
+
 use outbox_core::{Envelope, EnvelopeLimits};
 
-use common::{event, lease};
+use common::{claim, event, lease, listening_store, raw_listener, received_until_marker};
 
 /// The SQL append of `e` with the caller's text arguments in `collation`, rolled back. `Err`
 /// carries (SQLSTATE, message).
@@ -172,5 +174,89 @@ async fn an_infinite_created_at_is_an_invalid_parameter() {
     .await
     .unwrap();
     assert_eq!(n, 0);
+    ctx.drop().await;
+}
+
+/// The relay arms the gate while an SQL append is inside the function, between its INSERT and
+/// its gate probe: the INSERT is held (pg_stat_activity shows it waiting) on a uncommitted
+/// row of the same event id written without the function, so the append holds no gate lock
+/// and the relay's arm is granted; then the blocker rolls back. The append's probe then fails
+/// (the gate is held), so it notifies at its commit: the idle relay is woken, and the event
+/// is claimed. No timing: each step waits for the state it needs.
+#[tokio::test]
+async fn a_relay_arming_inside_an_sql_append_is_woken_by_it() {
+    let ctx = ctx!(6);
+    let (store, notify, handle) = listening_store(&ctx, lease(30.0), Duration::from_secs(5)).await;
+    let mut raw = raw_listener(&ctx, &store).await;
+    let e = event("inside", 1);
+    let mut blocker = ctx.pool.begin().await.unwrap();
+    sqlx::query(&format!(
+        "INSERT INTO \"{}\".outbox_events (event_id, aggregate_type, aggregate_id, \
+           aggregate_version, event_type, schema_version, content_type, payload, created_at) \
+         VALUES ($1, 'order', 'blocker', 1, 't', 1, 'application/json', ''::bytea, now())",
+        ctx.schema
+    ))
+    .bind(e.event_id.as_uuid())
+    .execute(&mut *blocker)
+    .await
+    .unwrap();
+    let appender = {
+        let pool = ctx.pool.clone();
+        let schema = ctx.schema.clone();
+        let id = e.event_id.as_uuid();
+        tokio::spawn(async move {
+            let mut tx = pool.begin().await.unwrap();
+            sqlx::query(&format!(
+                "SELECT \"{schema}\".outbox_events_append('order', 'inside', 1, 't', \
+                        ''::bytea, event_id => $1)"
+            ))
+            .bind(id)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+            tx.commit().await.unwrap();
+        })
+    };
+    // The append waits inside the function, on the blocker's row.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+             AND datname = current_database() AND query LIKE '%' || $1 || '%outbox_events_append%'",
+        )
+        .bind(&ctx.schema)
+        .fetch_one(&ctx.pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the append never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(claim(&store, "r", 10).await.is_empty());
+    assert!(
+        store.wake_gate_armed(),
+        "armed beside the append, which holds no gate lock yet"
+    );
+    blocker.rollback().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), appender)
+        .await
+        .expect("the append ends")
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(2), notify.notified())
+        .await
+        .expect("the idle relay is woken by the append that met the armed gate");
+    assert_eq!(
+        received_until_marker(&ctx, &store, &mut raw).await,
+        ["", "marker"]
+    );
+    let b = claim(&store, "r", 10).await;
+    assert_eq!(b.records.len(), 1);
+    assert_eq!(b.records[0].envelope.event_id, e.event_id);
+    handle.abort();
     ctx.drop().await;
 }
