@@ -260,3 +260,63 @@ async fn a_relay_arming_inside_an_sql_append_is_woken_by_it() {
     handle.abort();
     ctx.drop().await;
 }
+
+/// The rights a service's role needs, as the docs state them: `USAGE` on the schema and
+/// `INSERT` on the outbox table (plus `EXECUTE`, granted to `PUBLIC`). With them it appends
+/// (no sequence, audit or state table is touched; the gate lock and `NOTIFY` need no grant);
+/// without `INSERT` the call is refused with 42501 and nothing is written; without `USAGE` on
+/// the schema the function cannot be reached at all.
+#[tokio::test]
+async fn a_role_with_only_insert_on_the_table_appends() {
+    let ctx = ctx!(2);
+    let _store = ctx.store(lease(30.0)).await;
+    let role = format!("{}_svc", ctx.schema);
+    let s = &ctx.schema;
+    sqlx::query(&format!("CREATE ROLE \"{role}\" LOGIN"))
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
+    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| common::DEFAULT_URL.to_owned());
+    let mut as_role = url.parse::<sqlx::postgres::PgConnectOptions>().unwrap();
+    as_role = as_role.username(&role).password("");
+    let call = format!("SELECT \"{s}\".outbox_events_append('order', 'priv', 1, 't', ''::bytea)");
+    let attempt = |opts: sqlx::postgres::PgConnectOptions, call: String| async move {
+        use sqlx::Connection;
+        let mut c = sqlx::PgConnection::connect_with(&opts).await.unwrap();
+        let r = sqlx::query(&call).execute(&mut c).await;
+        let _ = c.close().await;
+        r.err().and_then(|e| {
+            e.as_database_error()
+                .and_then(|d| d.code().map(|c| c.into_owned()))
+        })
+    };
+    let no_usage = attempt(as_role.clone(), call.clone()).await;
+    sqlx::query(&format!("GRANT USAGE ON SCHEMA \"{s}\" TO \"{role}\""))
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
+    let no_insert = attempt(as_role.clone(), call.clone()).await;
+    sqlx::query(&format!(
+        "GRANT INSERT ON \"{s}\".outbox_events TO \"{role}\""
+    ))
+    .execute(&ctx.pool)
+    .await
+    .unwrap();
+    let granted = attempt(as_role.clone(), call.clone()).await;
+    let n: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM \"{s}\".outbox_events"))
+        .fetch_one(&ctx.pool)
+        .await
+        .unwrap();
+    // Dropped before any assertion, so that a failure leaves no role behind.
+    for sql in [
+        format!("DROP OWNED BY \"{role}\""),
+        format!("DROP ROLE \"{role}\""),
+    ] {
+        sqlx::query(&sql).execute(&ctx.pool).await.unwrap();
+    }
+    assert_eq!(no_usage.as_deref(), Some("42501"), "without USAGE");
+    assert_eq!(no_insert.as_deref(), Some("42501"), "without INSERT");
+    assert_eq!(granted, None, "USAGE + INSERT suffice");
+    assert_eq!(n, 1);
+    ctx.drop().await;
+}
