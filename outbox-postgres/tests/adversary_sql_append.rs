@@ -12,8 +12,8 @@ use outbox_core::{Envelope, EnvelopeLimits};
 
 use common::{claim, event, lease, listening_store, raw_listener, received_until_marker};
 
-/// The SQL append of `e` with the caller's text arguments in `collation`, rolled back. `Err`
-/// carries (SQLSTATE, message).
+/// The SQL append of `e` with the caller's text arguments in `collation` (an SQL collation
+/// name, quoted), rolled back. `Err` carries (SQLSTATE, message).
 async fn sql_append_collated(
     ctx: &common::Ctx,
     e: &Envelope,
@@ -22,9 +22,10 @@ async fn sql_append_collated(
     let mut tx = ctx.pool.begin().await.unwrap();
     let r = sqlx::query(&format!(
         "SELECT \"{}\".outbox_events_append(\
-           aggregate_type => $1 COLLATE \"{collation}\", aggregate_id => $2, \
-           aggregate_version => $3, event_type => $4, payload => $5, content_type => $6, \
-           headers => $7, schema_version => $8, event_id => $9, created_at => $10)",
+           aggregate_type => $1 COLLATE {collation}, aggregate_id => $2 COLLATE {collation}, \
+           aggregate_version => $3, event_type => $4 COLLATE {collation}, payload => $5, \
+           content_type => $6 COLLATE {collation}, headers => $7, schema_version => $8, \
+           event_id => $9, created_at => $10)",
         ctx.schema
     ))
     .bind(&e.aggregate_type)
@@ -81,14 +82,14 @@ async fn reserved_headers_are_refused_under_a_turkish_collation() {
         let mut e = event("tr", 1);
         e.headers.insert(name.into(), "x".into());
         let rust = e.validate(&limits).expect_err(name);
-        let sql = sql_append_collated(&ctx, &e, "tr-TR-x-icu").await;
+        let sql = sql_append_collated(&ctx, &e, "\"tr-TR-x-icu\"").await;
         assert_eq!(
             sql,
             Err(("22023".to_owned(), rust.to_string())),
             "header {name} under a Turkish collation"
         );
         // The same call in the C collation, as the control: refused with the same text.
-        let sql = sql_append_collated(&ctx, &e, "C").await;
+        let sql = sql_append_collated(&ctx, &e, "\"C\"").await;
         assert_eq!(
             sql,
             Err(("22023".to_owned(), rust.to_string())),
@@ -133,7 +134,7 @@ async fn refused_names_are_quoted_as_rust_quotes_them() {
                 continue;
             };
             refused += 1;
-            let sql = sql_append_collated(&ctx, &e, "C").await;
+            let sql = sql_append_collated(&ctx, &e, "\"C\"").await;
             assert_eq!(
                 sql,
                 Err(("22023".to_owned(), rust.to_string())),
@@ -318,5 +319,52 @@ async fn a_role_with_only_insert_on_the_table_appends() {
     assert_eq!(no_insert.as_deref(), Some("42501"), "without INSERT");
     assert_eq!(granted, None, "USAGE + INSERT suffice");
     assert_eq!(n, 1);
+    ctx.drop().await;
+}
+
+/// A service whose ids live in a case-insensitive column (a nondeterministic ICU collation,
+/// PostgreSQL's replacement for citext) passes them to the function as they are: the
+/// function's regular expressions then ran in that collation, which PostgreSQL refuses
+/// ("nondeterministic collations are not supported for regular expressions", 0A000), so a
+/// valid envelope was refused. The function now validates in the C collation whatever the
+/// caller's, and accepts and refuses as Rust does. Failed before the fix (0A000 on a valid
+/// envelope).
+#[tokio::test]
+async fn a_callers_nondeterministic_collation_changes_nothing() {
+    let ctx = ctx!(2);
+    let _store = ctx.store(lease(30.0)).await;
+    sqlx::query(&format!(
+        "CREATE COLLATION \"{}\".ci (provider = icu, locale = 'und-u-ks-level2', \
+         deterministic = false)",
+        ctx.schema
+    ))
+    .execute(&ctx.pool)
+    .await
+    .unwrap();
+    let ci = format!("\"{}\".ci", ctx.schema);
+    let limits = EnvelopeLimits::default();
+    let mut cases = Vec::new();
+    let mut e = event("Order-42", 1);
+    e.headers.insert(
+        "traceparent".into(),
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+    );
+    cases.push(e);
+    let mut e = event("ci", 1);
+    e.headers.insert("Event_ID".into(), "x".into());
+    cases.push(e);
+    let mut e = event("ci", 1);
+    e.payload.content_type = "\u{a0}".into();
+    cases.push(e);
+    let mut e = event("ci", 1);
+    e.aggregate_id = "a\u{85}".into();
+    cases.push(e);
+    for (i, e) in cases.iter().enumerate() {
+        let rust = e
+            .validate(&limits)
+            .map_err(|r| ("22023".to_owned(), r.to_string()));
+        let sql = sql_append_collated(&ctx, e, &ci).await;
+        assert_eq!(sql, rust, "case {i}");
+    }
     ctx.drop().await;
 }

@@ -36,17 +36,21 @@ DECLARE
     max_headers constant integer := 32;
     max_hbytes  constant integer := 16384;
     -- Rust's char::is_control (Unicode Cc) and char::is_whitespace (White_Space).
-    control     constant text := '[\u0001-\u001f\u007f-\u009f]';
-    blank       constant text :=
+    -- Everything is validated in the C collation, whatever the caller's: a nondeterministic
+    -- one (a case-insensitive column passed as an argument) refuses regular expressions, a
+    -- Turkish one lowers 'I' to 'ı'.
+    control     constant text COLLATE "C" := '[\u0001-\u001f\u007f-\u009f]';
+    blank       constant text COLLATE "C" :=
         '^[\u0009-\u000d\u0020\u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]*$';
     field   text;
-    val     text;
+    val     text COLLATE "C";
+    ctype   text COLLATE "C" := content_type;
     n       integer;
     yr      integer;
-    hkey    text;
+    hkey    text COLLATE "C";
     hval    jsonb;
     hbytes  integer := 0;
-    parts   text[];
+    parts   text[] COLLATE "C";
 BEGIN
     IF aggregate_type IS NULL OR aggregate_id IS NULL OR aggregate_version IS NULL
        OR event_type IS NULL OR payload IS NULL OR content_type IS NULL OR headers IS NULL
@@ -80,7 +84,7 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = '22023',
             MESSAGE = format('schema_version must be at least 1, got %s', schema_version);
     END IF;
-    IF content_type ~ blank OR octet_length(content_type) > max_name OR content_type ~ control THEN
+    IF ctype ~ blank OR octet_length(ctype) > max_name OR ctype ~ control THEN
         -- Quoted as Rust's `{:?}` quotes it, as far as these rules can meet: `\"`, `\\`, `\t`,
         -- `\r`, `\n`, and other control characters and white space but ' ' as `\u{hex}` (JSON
         -- would leave DEL, U+0085 and the Unicode spaces raw). Rust also escapes format
@@ -92,7 +96,7 @@ BEGIN
                 WHEN c ~ control OR (c <> ' ' AND c ~ blank)
                     THEN '\u{' || to_hex(ascii(c)) || '}'
                 ELSE c END, '' ORDER BY i)
-            FROM unnest(regexp_split_to_array(content_type, '')) WITH ORDINALITY AS q(c, i) WHERE c <> ''), '')
+            FROM unnest(regexp_split_to_array(ctype, '')) WITH ORDINALITY AS q(c, i) WHERE c <> ''), '')
             || '"';
     END IF;
     -- 'infinity' has no year (and no Rust envelope holds it): refused like any other year
