@@ -89,6 +89,13 @@ pub fn mysql_on(
     c: &ConsumerConfig,
     pool: outbox_mysql::sqlx::MySqlPool,
 ) -> Result<(ConsumerInbox, String), CliError> {
+    // Before anything is read or changed: a name MySQL cannot tell from another consumer's.
+    outbox_mysql::check_consumer_name(&c.name).map_err(|e| {
+        CliError::config(
+            e.message,
+            "rename the consumer in its [[consumers]] entry (no trailing space)",
+        )
+    })?;
     let mut builder = MySqlInboxStore::builder(pool).table(c.inbox_table.clone());
     let table = if c.inbox_schema != outbox_postgres::DEFAULT_SCHEMA {
         builder = builder.database(c.inbox_schema.clone());

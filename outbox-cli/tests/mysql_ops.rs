@@ -1189,3 +1189,194 @@ async fn a_mariadb_user_without_write_privileges_is_told_so() {
     assert_eq!(l["parked"].as_array().map(Vec::len), Some(1), "unchanged");
     db.drop().await;
 }
+
+/// Registrations of exactly `consumer` (a binary comparison: `=` on MariaDB's `utf8mb4_bin`
+/// ignores trailing spaces).
+async fn registrations_exactly(pool: &MySqlPool, consumer: &str) -> i64 {
+    sqlx::query_scalar("SELECT COUNT(*) FROM processed_events WHERE BINARY consumer = BINARY ?")
+        .bind(consumer)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Adversary: two consumers whose names differ only by a trailing space, `billing` and
+/// `billing ` (distinct consumers on PostgreSQL). MariaDB's `utf8mb4_bin` is a PAD SPACE
+/// collation, so `consumer = 'billing '` matched `billing`'s rows: `parked list --consumer
+/// 'billing '` listed `billing`'s parked message (and a discard by its id would have
+/// resolved it), and `cleanup --inbox` removed `billing`'s registrations with `billing `'s
+/// shorter window (duplicate effects for `billing` on redelivery). A consumer name the store
+/// cannot tell apart is now refused on MySQL (exit 2) before anything is read or changed.
+/// Failed before the fix: the list showed `billing`'s message and cleanup removed its three
+/// registrations.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_named_with_a_trailing_space_never_acts_on_another_consumer() {
+    let Some(db) = Db::new("consumer_trailing_space_on_mariadb").await else {
+        return;
+    };
+    let side = MyInbox::new(&db).await;
+    side.insert_registrations("billing", 3, 5).await;
+    let e = ev("o-1", 1, "order.placed");
+    common::park_consumer_message(
+        side.inbox(),
+        "billing",
+        "orders",
+        0,
+        &e,
+        outbox_core::ParkAs::Head(ParkKind::Unprocessable),
+        "x",
+    )
+    .await;
+    side.write_config(&[("billing", "30d"), ("billing ", "1d")]);
+
+    let out = side.run(&["--json", "parked", "list", "--consumer", "billing "]);
+    let listed_others = out.status.code() == Some(0)
+        && json(&out)["parked"]
+            .as_array()
+            .is_some_and(|a| !a.is_empty());
+    assert!(
+        !listed_others,
+        "'billing ' listed billing's parked message: {}",
+        text(&out)
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(text(&out).contains("trailing space"), "{}", text(&out));
+
+    let out = side.run(&["cleanup", "--inbox"]);
+    assert_eq!(
+        registrations_exactly(&side.pool, "billing").await,
+        3,
+        "cleanup for 'billing ' (1d) must not remove billing's registrations (30d): {}",
+        text(&out)
+    );
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+
+    // Without the look-alike, billing's own actions are unaffected.
+    side.write_config(&[("billing", "30d")]);
+    let (code, l, stderr) = side.json(&["parked", "list", "--consumer", "billing"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert_eq!(l["parked"].as_array().map(Vec::len), Some(1), "{l}");
+    db.drop().await;
+}
+
+/// Adversary: `parked release-claims 'relay-1 '` (a trailing space, another owner on
+/// PostgreSQL) ended the live leases of `relay-1`: MariaDB compared `lease_owner` in the PAD
+/// SPACE collation `utf8mb4_bin`. Then another relay could claim `relay-1`'s aggregate while
+/// `relay-1` still publishes it. Owners are now compared byte for byte. Failed before the fix
+/// (`released_aggregates` 1, the aggregate claimable by another relay).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn release_claims_on_mariadb_matches_the_owner_exactly() {
+    let Some(db) = Db::new("release_claims_owner_exactly").await else {
+        return;
+    };
+    let pool = db.pool().await;
+    let store = store(&pool);
+    store.migrate().await.expect("migrate");
+    let a = ev("a", 1, "order.placed");
+    store
+        .append_many(&pool, std::slice::from_ref(&a))
+        .await
+        .expect("append");
+    let held = store
+        .claim(&ClaimRequest::new("relay-1", 10))
+        .await
+        .expect("claim");
+    assert_eq!(held.records.len(), 1);
+    for other in ["relay-1 ", "relay-1  "] {
+        let (code, r) = run_json(&db, &["parked", "release-claims", other, "--yes"]);
+        assert_eq!(code, 0, "{r}");
+        assert_eq!(r["released_aggregates"], 0, "{other:?} is not relay-1: {r}");
+    }
+    let stolen = store
+        .claim(&ClaimRequest::new("relay-2", 10))
+        .await
+        .expect("claim");
+    assert!(
+        stolen.is_empty(),
+        "relay-1's lease stays: {:?}",
+        stolen.records.len()
+    );
+    // The owner itself still releases.
+    let (code, r) = run_json(&db, &["parked", "release-claims", "relay-1", "--yes"]);
+    assert_eq!(code, 0, "{r}");
+    assert_eq!(r["released_aggregates"], 1, "{r}");
+    db.drop().await;
+}
+
+/// Adversary: aggregates whose ids differ only by case or a trailing space (`a`, `A`, `a `:
+/// equal or not under MariaDB's collations, three aggregates on PostgreSQL). Each has v1
+/// parked and v2 blocked behind it; a discard of `a` v1 releases `a` v2 only, a retry of `A`
+/// v1 makes `A` v1 claimable only, and `a ` stays parked and blocked throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_actions_on_mariadb_change_only_their_own_look_alike_aggregate() {
+    let Some(db) = Db::new("look_alike_aggregates_on_mariadb").await else {
+        return;
+    };
+    let pool = db.pool().await;
+    let store = store(&pool);
+    store.migrate().await.expect("migrate");
+    let ids = ["a", "A", "a "];
+    let v1: Vec<Envelope> = ids.iter().map(|id| ev(id, 1, "order.placed")).collect();
+    let v2: Vec<Envelope> = ids.iter().map(|id| ev(id, 2, "order.paid")).collect();
+    store
+        .append_many(&pool, &[v1.clone(), v2.clone()].concat())
+        .await
+        .expect("append");
+    let claimed = relay_round(&store, "relay-1", |e| {
+        Some(park(
+            e,
+            ParkKind::PermanentError,
+            ErrorClass::Permanent,
+            "invalid_record",
+        ))
+    })
+    .await;
+    let mut want: Vec<EventId> = v1.iter().map(|e| e.event_id).collect();
+    let mut got = claimed.clone();
+    want.sort();
+    got.sort();
+    assert_eq!(got, want, "the three heads, each its own aggregate");
+
+    let (code, r) = run_json(
+        &db,
+        &[
+            "parked",
+            "discard",
+            &v1[0].event_id.to_string(),
+            "--reason",
+            "x",
+            "--yes",
+        ],
+    );
+    assert_eq!(code, 0, "{r}");
+    let claimed = relay_round(&store, "relay-1", |e| Some(published(e, 1))).await;
+    assert_eq!(claimed, vec![v2[0].event_id], "a v2 alone is released");
+
+    let (code, r) = run_json(&db, &["parked", "retry", &v1[1].event_id.to_string()]);
+    assert_eq!(code, 0, "{r}");
+    let claimed = relay_round(&store, "relay-1", |e| Some(published(e, 2))).await;
+    assert_eq!(claimed, vec![v1[1].event_id], "A v1 alone is claimable");
+    let claimed = relay_round(&store, "relay-1", |e| Some(published(e, 3))).await;
+    assert_eq!(claimed, vec![v2[1].event_id], "then A v2");
+
+    let (code, l) = run_json(&db, &["parked", "list"]);
+    assert_eq!(code, 0, "{l}");
+    let parked: Vec<&str> = l["parked"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["event_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        parked,
+        vec![v1[2].event_id.to_string()],
+        "'a ' v1 stays parked"
+    );
+    assert!(
+        relay_round(&store, "relay-1", |e| Some(published(e, 4)))
+            .await
+            .is_empty(),
+        "'a ' v2 stays behind its parked head"
+    );
+    db.drop().await;
+}

@@ -106,11 +106,30 @@ impl MySqlInboxStoreBuilder {
     }
 }
 
+/// Checks a consumer name for this store: not blank, at most [`MAX_CONSUMER_LEN`]
+/// characters, and not ending with a space. MySQL's and MariaDB's `utf8mb4_bin` is a PAD
+/// SPACE collation: `'billing '` equals `'billing'`, so a consumer named with a trailing
+/// space would share the registrations, versions and parked messages of the name without it
+/// (on PostgreSQL they are two consumers). `Validation` error otherwise.
+pub fn check_consumer_name(consumer: &str) -> Result<(), StoreError> {
+    check_consumer(consumer)
+}
+
 pub(crate) fn check_consumer(consumer: &str) -> Result<(), StoreError> {
     if consumer.trim().is_empty() {
         return Err(StoreError::new(
             StoreErrorKind::Validation,
             "consumer name must not be empty",
+        ));
+    }
+    if consumer.ends_with(' ') {
+        return Err(StoreError::new(
+            StoreErrorKind::Validation,
+            format!(
+                "consumer name {consumer:?} ends with a trailing space: MySQL and MariaDB \
+                 compare names ignoring trailing spaces, so it would act on the consumer \
+                 named without them"
+            ),
         ));
     }
     if consumer.chars().count() > MAX_CONSUMER_LEN {

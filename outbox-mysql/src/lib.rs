@@ -29,6 +29,7 @@
 //! | Error mapping | server error numbers / SQLSTATE / sqlx variants to transient or permanent ([`map_sqlx_error`], [`classify_mysql_error`]) |
 //! | Schema | embedded migrations serialized by a named lock ([`MySqlOutboxStore::migrate`]) or plain SQL ([`outbox_schema_sql`]); database and table names configurable, validated and quoted; each migration safe beside processes of the previous version, its DDL waiting at most [`MIGRATION_DDL_WAIT_SECS`] for its table (see "Migrations beside running processes") |
 //! | Inbox deduplication | in the effect's transaction; the original-id dedupe of a re-issued copy scoped to its aggregate ([`outbox_core::InboxStore::register_for`]: each registration keeps a hash of its aggregate, inbox migration 2) |
+//! | Names compared by the server | consumer names and relay owners: `utf8mb4_bin` is a PAD SPACE collation (`'a ' = 'a'`), so a consumer name ending with a space is refused ([`check_consumer_name`]; on PostgreSQL it would be another consumer) and `release_claims_of` compares the owner byte for byte |
 //! | CDC (binlog) | not yet |
 //!
 //! ## Example
@@ -88,7 +89,7 @@ pub use durability::{
     check_durability, judge, Check, DurabilityReport, Finding, Flavor, ServerSettings, Severity,
 };
 pub use error::{classify_mysql_error, codes, map_sqlx_error};
-pub use inbox::{MySqlInboxStore, MySqlInboxStoreBuilder, MAX_CONSUMER_LEN};
+pub use inbox::{check_consumer_name, MySqlInboxStore, MySqlInboxStoreBuilder, MAX_CONSUMER_LEN};
 pub use outbox::{
     IntervalCount, LatencySummary, MySqlOutboxStore, MySqlOutboxStoreBuilder, PublishedFilter,
     PublishedPosition, PublishedRow, WakeSubscription,

@@ -331,17 +331,21 @@ DECLARE
     max_headers constant integer := 32;
     max_hbytes  constant integer := 16384;
     -- Rust's char::is_control (Unicode Cc) and char::is_whitespace (White_Space).
-    control     constant text := '[\u0001-\u001f\u007f-\u009f]';
-    blank       constant text :=
+    -- Everything is validated in the C collation, whatever the caller's: a nondeterministic
+    -- one (a case-insensitive column passed as an argument) refuses regular expressions, a
+    -- Turkish one lowers 'I' to 'ı'.
+    control     constant text COLLATE "C" := '[\u0001-\u001f\u007f-\u009f]';
+    blank       constant text COLLATE "C" :=
         '^[\u0009-\u000d\u0020\u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]*$';
     field   text;
-    val     text;
+    val     text COLLATE "C";
+    ctype   text COLLATE "C" := content_type;
     n       integer;
     yr      integer;
-    hkey    text;
+    hkey    text COLLATE "C";
     hval    jsonb;
     hbytes  integer := 0;
-    parts   text[];
+    parts   text[] COLLATE "C";
 BEGIN
     IF aggregate_type IS NULL OR aggregate_id IS NULL OR aggregate_version IS NULL
        OR event_type IS NULL OR payload IS NULL OR content_type IS NULL OR headers IS NULL
@@ -375,9 +379,27 @@ BEGIN
         RAISE EXCEPTION USING ERRCODE = '22023',
             MESSAGE = format('schema_version must be at least 1, got %s', schema_version);
     END IF;
-    IF content_type ~ blank OR octet_length(content_type) > max_name OR content_type ~ control THEN
+    IF ctype ~ blank OR octet_length(ctype) > max_name OR ctype ~ control THEN
+        -- Quoted as Rust's `{:?}` quotes it, as far as these rules can meet: `\"`, `\\`, `\t`,
+        -- `\r`, `\n`, and other control characters and white space but ' ' as `\u{hex}` (JSON
+        -- would leave DEL, U+0085 and the Unicode spaces raw). Rust also escapes format
+        -- characters, combining marks and unassigned code points; those stay raw here.
         RAISE EXCEPTION USING ERRCODE = '22023',
-            MESSAGE = format('invalid payload content type %s', to_json(content_type));
+            MESSAGE = 'invalid payload content type ' || '"' || coalesce((SELECT string_agg(CASE
+                WHEN c = '"' THEN '\"' WHEN c = '\' THEN '\\'
+                WHEN c = E'\t' THEN '\t' WHEN c = E'\r' THEN '\r' WHEN c = E'\n' THEN '\n'
+                WHEN c ~ control OR (c <> ' ' AND c ~ blank)
+                    THEN '\u{' || to_hex(ascii(c)) || '}'
+                ELSE c END, '' ORDER BY i)
+            FROM unnest(regexp_split_to_array(ctype, '')) WITH ORDINALITY AS q(c, i) WHERE c <> ''), '')
+            || '"';
+    END IF;
+    -- 'infinity' has no year (and no Rust envelope holds it): refused like any other year
+    -- the wire format cannot carry, not by the integer cast below (SQLSTATE 22003).
+    IF NOT isfinite(created_at) THEN
+        RAISE EXCEPTION USING ERRCODE = '22023',
+            MESSAGE = format('created_at in year %s is outside 0..=9999, which the wire format '
+                             '(RFC 3339) cannot carry', created_at);
     END IF;
     -- The year in UTC as chrono counts it (1 BC is year 0; PostgreSQL has no year 0).
     yr := extract(year FROM created_at AT TIME ZONE 'UTC')::integer;
@@ -416,10 +438,20 @@ BEGIN
         IF octet_length(hkey) = 0 OR octet_length(hkey) > max_name
            OR hkey !~ '^[\u0021-\u007e]+$' THEN
             RAISE EXCEPTION USING ERRCODE = '22023',
-                MESSAGE = format('invalid header %s: header names are 1..=max_name_len visible '
-                                 'ASCII characters', to_json(hkey));
+                -- Quoted as the content type is, above.
+                MESSAGE = 'invalid header ' || '"' || coalesce((SELECT string_agg(CASE
+                WHEN c = '"' THEN '\"' WHEN c = '\' THEN '\\'
+                WHEN c = E'\t' THEN '\t' WHEN c = E'\r' THEN '\r' WHEN c = E'\n' THEN '\n'
+                WHEN c ~ control OR (c <> ' ' AND c ~ blank)
+                    THEN '\u{' || to_hex(ascii(c)) || '}'
+                ELSE c END, '' ORDER BY i)
+            FROM unnest(regexp_split_to_array(hkey, '')) WITH ORDINALITY AS q(c, i) WHERE c <> ''), '')
+            || '"'
+                          || ': header names are 1..=max_name_len visible ASCII characters';
         END IF;
-        IF lower(hkey) IN ('event_id', 'event_type', 'aggregate_type', 'aggregate_id',
+        -- lower() in the C collation: with the caller's collation (an argument's COLLATE, or a
+        -- database whose default is Turkish) 'EVENT_ID' would lower to 'event_ıd' and pass.
+        IF lower(hkey COLLATE "C") IN ('event_id', 'event_type', 'aggregate_type', 'aggregate_id',
                            'aggregate_version', 'schema_version', 'content_type',
                            'created_at') THEN
             RAISE EXCEPTION USING ERRCODE = '22023',
@@ -431,7 +463,7 @@ BEGIN
                 MESSAGE = format('invalid header %s: header values must not contain control '
                                  'characters', to_json(hkey));
         END IF;
-        IF lower(hkey) = 'traceparent' THEN
+        IF lower(hkey COLLATE "C") = 'traceparent' THEN
             -- W3C: version-traceid-parentid-flags, lowercase hex, ids not all zero; version
             -- ff is invalid, version 00 has exactly four parts.
             parts := string_to_array(val, '-');

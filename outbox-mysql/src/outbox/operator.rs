@@ -397,9 +397,12 @@ impl MySqlOutboxStore {
             return Ok(0);
         }
         let t = &self.inner.tables;
+        // Byte for byte: `utf8mb4_bin` is a PAD SPACE collation, so `lease_owner = 'r '`
+        // would match the live leases of relay `r` (a binary string compares every byte).
         let leases: Vec<(Vec<u8>, i64)> = sqlx::query_as(&format!(
             "SELECT aggregate_key, lease_row FROM {} \
-             WHERE lease_owner = ? AND lease_until > UTC_TIMESTAMP(6) AND lease_row IS NOT NULL",
+             WHERE lease_owner = CAST(? AS BINARY) AND lease_until > UTC_TIMESTAMP(6) \
+               AND lease_row IS NOT NULL",
             t.state
         ))
         .bind(owner)
@@ -447,7 +450,7 @@ impl MySqlOutboxStore {
     ) -> Result<bool, StoreError> {
         let t = &self.inner.tables;
         let live: Option<i64> = sqlx::query_scalar(&format!(
-            "SELECT lease_row FROM {} WHERE aggregate_key = ? AND lease_owner = ? \
+            "SELECT lease_row FROM {} WHERE aggregate_key = ? AND lease_owner = CAST(? AS BINARY) \
                AND lease_until > UTC_TIMESTAMP(6) AND lease_row = ? FOR UPDATE",
             t.state
         ))
