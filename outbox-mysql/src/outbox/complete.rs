@@ -19,6 +19,10 @@ use crate::error::db;
 /// Longest delay a completion records.
 const MAX_DELAY: std::time::Duration = std::time::Duration::from_secs(365 * 24 * 3600);
 
+/// Longest acknowledged topic (bytes) passed through a `JSON_TABLE` `TEXT` column, its
+/// capacity: a longer value would be cut there silently.
+const MAX_JSON_TOPIC: usize = 65_535;
+
 impl MySqlOutboxStore {
     pub(super) async fn complete_inner(
         &self,
@@ -289,13 +293,36 @@ impl MySqlOutboxStore {
             .filter(|(_, status)| status == "pending")
             .map(|(id, _)| id)
             .collect();
-        let marked: Vec<(&'r ClaimedRow, &AckMetadata)> = publications
+        let (marked, long): (Vec<(&'r ClaimedRow, &AckMetadata)>, Vec<_>) = publications
             .iter()
             .filter(|(row, _)| pending.contains(&row.id))
             .copied()
-            .collect();
+            .partition(|(_, ack)| ack.topic.len() <= MAX_JSON_TOPIC);
+        // A topic longer than a `JSON_TABLE` `TEXT` column would be cut there without an
+        // error: such a row gets its own `UPDATE`, where the server refuses (strict mode) or
+        // truncates (otherwise) a value too long for `ack_topic` as it always did.
+        let mut done: Vec<&'r ClaimedRow> = Vec::new();
+        for (row, ack) in long {
+            let n = sqlx::query(&format!(
+                "UPDATE {} SET status = 'published', published_at = UTC_TIMESTAMP(6), \
+                   finished_at = UTC_TIMESTAMP(6), ack_topic = ?, ack_partition = ?, \
+                   ack_offset = ? WHERE id = ? AND status = 'pending'",
+                t.events
+            ))
+            .bind(&ack.topic)
+            .bind(ack.partition)
+            .bind(ack.offset)
+            .bind(row.id)
+            .execute(&mut *conn)
+            .await
+            .map_err(db)?
+            .rows_affected();
+            if n == 1 {
+                done.push(row);
+            }
+        }
         if marked.is_empty() {
-            return Ok(Vec::new());
+            return Ok(done);
         }
         let acks: Vec<serde_json::Value> = marked
             .iter()
@@ -328,7 +355,8 @@ impl MySqlOutboxStore {
                 ),
             ));
         }
-        Ok(marked.into_iter().map(|(row, _)| row).collect())
+        done.extend(marked.into_iter().map(|(row, _)| row));
+        Ok(done)
     }
 
     /// Moves each published aggregate's last version to the highest version published (never
