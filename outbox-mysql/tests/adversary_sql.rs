@@ -412,3 +412,175 @@ async fn an_overlong_ack_topic_is_never_recorded_truncated() {
         ctx.drop().await;
     }
 }
+
+/// Waits until an `UPDATE` of this test's database is held up in the server (as
+/// `information_schema.PROCESSLIST` shows it), like `tests/order.rs`.
+async fn wait_until_update_waits(ctx: &common::Ctx) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
+             WHERE ID <> CONNECTION_ID() AND INSTR(INFO, ?) > 0 AND INFO LIKE 'UPDATE%'",
+        )
+        .bind(&ctx.database)
+        .fetch_one(&ctx.pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "nothing on {} ever waited for a lock",
+            ctx.database
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// A batch of publications held up between its plain status read and its joined `UPDATE`
+/// (a test transaction holds one of the rows), while its leases expire: another relay's claim
+/// meanwhile gets none of the aggregates (their state rows are the completion's), and once
+/// the completion finishes every row is published once, each last version is 1, and the next
+/// claim hands out the versions 2.
+#[tokio::test]
+async fn a_publication_held_up_past_its_lease_is_never_overtaken() {
+    let ctx = ctx!(8);
+    let a = ctx.store(lease(0.3)).await;
+    let b = ctx.store(lease(30.0)).await;
+    let v1: Vec<Envelope> = (0..5).map(|i| event(&format!("p{i}"), 1)).collect();
+    let v2: Vec<Envelope> = (0..5).map(|i| event(&format!("p{i}"), 2)).collect();
+    common::append(&ctx, &a, &v1).await;
+    common::append(&ctx, &a, &v2).await;
+    let claimed = claim(&a, "relay-a", 100).await;
+    assert_eq!(claimed.records.len(), 5);
+    let mut blocker = ctx.pool.begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM {} WHERE event_id = ? FOR UPDATE",
+        ctx.table("outbox_events")
+    ))
+    .bind(v1[4].event_id.as_uuid())
+    .execute(&mut *blocker)
+    .await
+    .unwrap();
+    let completing = {
+        let (a, handle) = (a.clone(), claimed.handle.clone());
+        let outs: Vec<Outcome> = claimed
+            .records
+            .iter()
+            .map(|r| published(&r.envelope, 5))
+            .collect();
+        tokio::spawn(async move { a.complete(&handle, &outs).await })
+    };
+    wait_until_update_waits(&ctx).await;
+    tokio::time::sleep(Duration::from_millis(500)).await; // A's leases have expired
+    let during = claim(&b, "relay-b", 100).await;
+    assert!(
+        during.is_empty(),
+        "relay B was handed {:?} while A's completion was in progress",
+        versions(&during)
+    );
+    blocker.commit().await.unwrap();
+    let rep = completing.await.unwrap().unwrap();
+    assert_eq!((rep.applied, rep.superseded), (5, 0));
+    for e in &v1 {
+        assert_eq!(row(&ctx, e).await.0, "published");
+        assert_eq!(last_version(&ctx, &e.aggregate_id).await, Some(1));
+    }
+    let next = claim(&b, "relay-b", 100).await;
+    let mut want: Vec<(String, i64)> = (0..5).map(|i| (format!("p{i}"), 2)).collect();
+    want.sort();
+    assert_eq!(versions(&next), want);
+    ctx.drop().await;
+}
+
+/// Two locked relays: B holds a locked claim (its transaction keeps the event and state rows
+/// of its aggregates) while A claims the other aggregates, whose rows lie before, between and
+/// after B's next rows, and completes them with publications, retries and parks. Neither A's
+/// claim (joined head probe) nor its completion (joined `UPDATE`s) waits on B's rows.
+#[tokio::test]
+async fn a_locked_completion_never_waits_on_another_locked_claim() {
+    let ctx = ctx!(10);
+    let a = ctx.store(ClaimMode::LockedTransaction).await;
+    let b = ctx.store(ClaimMode::LockedTransaction).await;
+    let others: Vec<Envelope> = (0..30).map(|i| event(&format!("other{i:02}"), 1)).collect();
+    common::append(&ctx, &a, &others).await;
+    let held = claim(&b, "relay-b", 30).await;
+    assert_eq!(held.records.len(), 30);
+    let mut evs = Vec::new();
+    for i in 0..30 {
+        evs.push(event(&format!("other{i:02}"), 2));
+        evs.push(event(&format!("mine{i:02}"), 1));
+    }
+    common::append(&ctx, &a, &evs).await;
+    let batch = tokio::time::timeout(Duration::from_secs(20), claim(&a, "relay-a", 1000))
+        .await
+        .expect("A's claim waited on B's locked claim");
+    assert_eq!(batch.records.len(), 30, "{:?}", versions(&batch));
+    assert!(batch
+        .records
+        .iter()
+        .all(|r| r.envelope.aggregate_id.starts_with("mine")));
+    let outs: Vec<Outcome> = batch
+        .records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| match i % 3 {
+            0 | 1 => published(&r.envelope, i as i64),
+            _ => park(&r.envelope),
+        })
+        .collect();
+    let rep = tokio::time::timeout(Duration::from_secs(20), a.complete(&batch.handle, &outs))
+        .await
+        .expect("A's completion waited on B's locked claim")
+        .unwrap();
+    assert_eq!(rep.applied, 30);
+    common::publish_all(&b, &held).await;
+    let next = claim(&a, "relay-a", 1000).await;
+    assert_eq!(
+        next.records.len(),
+        30,
+        "the others' versions 2: {:?}",
+        versions(&next)
+    );
+    assert!(next
+        .records
+        .iter()
+        .all(|r| r.envelope.aggregate_version == 2));
+    a.release(&next.handle).await.unwrap();
+    ctx.drop().await;
+}
+
+/// A batch whose acknowledgements together exceed the server's `max_allowed_packet` (16 MiB
+/// by default; 2,000 publications with 9,000-byte topics: 18 MB) completes: the per-row
+/// statements never came near the limit, a single JSON document of them all would be
+/// refused by the server on every attempt (the batch could never complete, and its events
+/// would be claimed and sent again forever).
+#[tokio::test]
+async fn a_batch_of_acks_larger_than_a_packet_completes() {
+    let ctx = ctx!(8);
+    let s = ctx.store(lease(120.0)).await;
+    let n = 2_000;
+    let evs: Vec<Envelope> = (0..n).map(|i| event(&format!("big{i:04}"), 1)).collect();
+    common::append(&ctx, &s, &evs).await;
+    let batch = claim(&s, "relay", n).await;
+    assert_eq!(batch.records.len(), n);
+    let topic = "t".repeat(9_000);
+    let outs: Vec<Outcome> = batch
+        .records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| ack(&r.envelope, &topic, 0, i as i64))
+        .collect();
+    let rep = s.complete(&batch.handle, &outs).await.unwrap();
+    assert_eq!(rep.applied, n);
+    let (published, shortest): (i64, Option<i64>) = sqlx::query_as(&format!(
+        "SELECT COUNT(*), MIN(LENGTH(ack_topic)) FROM {} WHERE status = 'published'",
+        ctx.table("outbox_events")
+    ))
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!((published, shortest), (n as i64, Some(9_000)));
+    ctx.drop().await;
+}

@@ -23,6 +23,10 @@ const MAX_DELAY: std::time::Duration = std::time::Duration::from_secs(365 * 24 *
 /// capacity: a longer value would be cut there silently.
 const MAX_JSON_TOPIC: usize = 65_535;
 
+/// Bytes of acknowledgements per joined `UPDATE` (a quarter of the default
+/// `max_allowed_packet`, as appends do).
+const MAX_ACK_DOCUMENT: usize = 4 * 1024 * 1024;
+
 impl MySqlOutboxStore {
     pub(super) async fn complete_inner(
         &self,
@@ -324,26 +328,48 @@ impl MySqlOutboxStore {
         if marked.is_empty() {
             return Ok(done);
         }
-        let acks: Vec<serde_json::Value> = marked
-            .iter()
-            .map(|(row, ack)| serde_json::json!([row.id, ack.topic, ack.partition, ack.offset]))
-            .collect();
-        let sql = format!(
-            "UPDATE {} e JOIN JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$[0]', \
-               topic TEXT PATH '$[1]', part INT PATH '$[2]', off BIGINT PATH '$[3]')) a \
-               ON e.id = a.id \
-             SET e.status = 'published', e.published_at = UTC_TIMESTAMP(6), \
-               e.finished_at = UTC_TIMESTAMP(6), e.ack_topic = a.topic, \
-               e.ack_partition = a.part, e.ack_offset = a.off \
-             WHERE e.id IN ({})",
-            t.events,
-            marks(marked.len())
-        );
-        let mut q = sqlx::query(&sql).bind(serde_json::Value::Array(acks).to_string());
-        for (row, _) in &marked {
-            q = q.bind(row.id);
+        // One statement per 4 MiB of acknowledgements (the topics are the broker's, of any
+        // length): a single document of a large batch could exceed the server's
+        // `max_allowed_packet` (16 MiB by default) and be refused on every attempt.
+        let mut chunks: Vec<(String, Vec<i64>)> = Vec::new();
+        let (mut doc, mut ids) = (String::from("["), Vec::new());
+        for (row, ack) in &marked {
+            let item =
+                serde_json::json!([row.id, ack.topic, ack.partition, ack.offset]).to_string();
+            if !ids.is_empty() && doc.len() + item.len() + 2 > MAX_ACK_DOCUMENT {
+                doc.push(']');
+                chunks.push((
+                    std::mem::replace(&mut doc, String::from("[")),
+                    std::mem::take(&mut ids),
+                ));
+            }
+            if !ids.is_empty() {
+                doc.push(',');
+            }
+            doc.push_str(&item);
+            ids.push(row.id);
         }
-        let n = q.execute(&mut *conn).await.map_err(db)?.rows_affected();
+        doc.push(']');
+        chunks.push((doc, ids));
+        let mut n = 0;
+        for (doc, ids) in chunks {
+            let sql = format!(
+                "UPDATE {} e JOIN JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$[0]', \
+                   topic TEXT PATH '$[1]', part INT PATH '$[2]', off BIGINT PATH '$[3]')) a \
+                   ON e.id = a.id \
+                 SET e.status = 'published', e.published_at = UTC_TIMESTAMP(6), \
+                   e.finished_at = UTC_TIMESTAMP(6), e.ack_topic = a.topic, \
+                   e.ack_partition = a.part, e.ack_offset = a.off \
+                 WHERE e.id IN ({})",
+                t.events,
+                marks(ids.len())
+            );
+            let mut q = sqlx::query(&sql).bind(doc);
+            for id in &ids {
+                q = q.bind(id);
+            }
+            n += q.execute(&mut *conn).await.map_err(db)?.rows_affected();
+        }
         if n != marked.len() as u64 {
             // Cannot happen under the locks taken above; refuse rather than report a
             // publication that was not recorded.
