@@ -584,3 +584,39 @@ async fn a_batch_of_acks_larger_than_a_packet_completes() {
     assert_eq!((published, shortest), (n as i64, Some(9_000)));
     ctx.drop().await;
 }
+
+/// A duplicate version appended while the original is in flight, over many aggregates in one
+/// batch (the stale rows come from the join of the JSON table with the events): once the
+/// originals are published, every duplicate is parked as out of order by the next claim,
+/// never handed out, and the versions 2 follow; in both modes.
+#[tokio::test]
+async fn duplicates_below_the_last_version_are_parked_never_published() {
+    for mode in [lease(30.0), ClaimMode::LockedTransaction] {
+        let ctx = ctx!(8);
+        let s = ctx.store(mode).await;
+        let n = 12;
+        let v1: Vec<Envelope> = (0..n).map(|i| event(&format!("d{i:02}"), 1)).collect();
+        let v2: Vec<Envelope> = (0..n).map(|i| event(&format!("d{i:02}"), 2)).collect();
+        common::append(&ctx, &s, &v1).await;
+        let first = claim(&s, "relay", 100).await;
+        assert_eq!(first.records.len(), n);
+        let dups: Vec<Envelope> = (0..n).map(|i| event(&format!("d{i:02}"), 1)).collect();
+        common::append(&ctx, &s, &dups).await;
+        common::append(&ctx, &s, &v2).await;
+        common::publish_all(&s, &first).await;
+        let next = claim(&s, "relay", 100).await;
+        let mut want: Vec<(String, i64)> = (0..n).map(|i| (format!("d{i:02}"), 2)).collect();
+        want.sort();
+        assert_eq!(versions(&next), want, "parked: {}", next.parked.len());
+        s.release(&next.handle).await.unwrap();
+        for d in &dups {
+            assert_eq!(
+                row(&ctx, d).await.0,
+                "parked",
+                "duplicate of {}",
+                d.aggregate_id
+            );
+        }
+        ctx.drop().await;
+    }
+}
