@@ -620,3 +620,48 @@ async fn duplicates_below_the_last_version_are_parked_never_published() {
         ctx.drop().await;
     }
 }
+
+/// A lease claim completed through another store instance (its rows read back by the lease
+/// token) with mixed outcomes applies them exactly; the same completion sent again, through
+/// either instance, applies nothing and moves no last version again.
+#[tokio::test]
+async fn a_completion_through_another_instance_and_its_replay() {
+    let ctx = ctx!(8);
+    let a = ctx.store(lease(30.0)).await;
+    let c = ctx.store(lease(30.0)).await;
+    let v1: Vec<Envelope> = (0..9).map(|i| event(&format!("c{i}"), 1)).collect();
+    let v2: Vec<Envelope> = (0..9).map(|i| event(&format!("c{i}"), 2)).collect();
+    common::append(&ctx, &a, &v1).await;
+    common::append(&ctx, &a, &v2).await;
+    let batch = claim(&a, "relay-a", 100).await;
+    assert_eq!(batch.records.len(), 9);
+    let outs: Vec<Outcome> = batch
+        .records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| match i % 3 {
+            0 => published(&r.envelope, i as i64),
+            1 => retry(&r.envelope, Duration::from_secs(60)),
+            _ => park(&r.envelope),
+        })
+        .collect();
+    let rep = c.complete(&batch.handle, &outs).await.unwrap();
+    assert_eq!((rep.applied, rep.superseded), (9, 0));
+    for again in [&c, &a] {
+        let rep = again.complete(&batch.handle, &outs).await.unwrap();
+        assert_eq!((rep.applied, rep.superseded), (0, 9));
+    }
+    for (i, r) in batch.records.iter().enumerate() {
+        let want = ["published", "pending", "parked"][i % 3];
+        assert_eq!(row(&ctx, &r.envelope).await.0, want, "row {i}");
+        let last = last_version(&ctx, &r.envelope.aggregate_id).await;
+        assert_eq!(last, if i % 3 == 0 { Some(1) } else { None }, "row {i}");
+    }
+    let next = claim(&a, "relay-a", 100).await;
+    assert_eq!(next.records.len(), 3, "{:?}", versions(&next));
+    assert!(next
+        .records
+        .iter()
+        .all(|r| r.envelope.aggregate_version == 2));
+    ctx.drop().await;
+}
