@@ -258,7 +258,8 @@ impl MySqlOutboxStore {
     }
 
     /// Marks the rows of `publications` that are still pending as published with their
-    /// acknowledgements, and returns them. Two statements whatever the batch size: their
+    /// acknowledgements, and returns them. Two statements for a batch whose acknowledgements
+    /// take up to 4 MiB (one more per further 4 MiB, and one per topic over 65,535 bytes): their
     /// status is read (a plain read: the caller holds the locks every writer of these rows
     /// takes first, the aggregates' state rows, or in locked mode the rows themselves, so the
     /// status cannot change meanwhile; a locking read would also lock the record after the
