@@ -19,6 +19,14 @@ use crate::error::db;
 /// Longest delay a completion records.
 const MAX_DELAY: std::time::Duration = std::time::Duration::from_secs(365 * 24 * 3600);
 
+/// Longest acknowledged topic (bytes) passed through a `JSON_TABLE` `TEXT` column, its
+/// capacity: a longer value would be cut there silently.
+const MAX_JSON_TOPIC: usize = 65_535;
+
+/// Bytes of acknowledgements per joined `UPDATE` (a quarter of the default
+/// `max_allowed_packet`, as appends do).
+const MAX_ACK_DOCUMENT: usize = 4 * 1024 * 1024;
+
 impl MySqlOutboxStore {
     pub(super) async fn complete_inner(
         &self,
@@ -250,7 +258,8 @@ impl MySqlOutboxStore {
     }
 
     /// Marks the rows of `publications` that are still pending as published with their
-    /// acknowledgements, and returns them. Two statements whatever the batch size: their
+    /// acknowledgements, and returns them. Two statements for a batch whose acknowledgements
+    /// take up to 4 MiB (one more per further 4 MiB, and one per topic over 65,535 bytes): their
     /// status is read (a plain read: the caller holds the locks every writer of these rows
     /// takes first, the aggregates' state rows, or in locked mode the rows themselves, so the
     /// status cannot change meanwhile; a locking read would also lock the record after the
@@ -289,34 +298,79 @@ impl MySqlOutboxStore {
             .filter(|(_, status)| status == "pending")
             .map(|(id, _)| id)
             .collect();
-        let marked: Vec<(&'r ClaimedRow, &AckMetadata)> = publications
+        let (marked, long): (Vec<(&'r ClaimedRow, &AckMetadata)>, Vec<_>) = publications
             .iter()
             .filter(|(row, _)| pending.contains(&row.id))
             .copied()
-            .collect();
+            .partition(|(_, ack)| ack.topic.len() <= MAX_JSON_TOPIC);
+        // A topic longer than a `JSON_TABLE` `TEXT` column would be cut there without an
+        // error: such a row gets its own `UPDATE`, where the server refuses (strict mode) or
+        // truncates (otherwise) a value too long for `ack_topic` as it always did.
+        let mut done: Vec<&'r ClaimedRow> = Vec::new();
+        for (row, ack) in long {
+            let n = sqlx::query(&format!(
+                "UPDATE {} SET status = 'published', published_at = UTC_TIMESTAMP(6), \
+                   finished_at = UTC_TIMESTAMP(6), ack_topic = ?, ack_partition = ?, \
+                   ack_offset = ? WHERE id = ? AND status = 'pending'",
+                t.events
+            ))
+            .bind(&ack.topic)
+            .bind(ack.partition)
+            .bind(ack.offset)
+            .bind(row.id)
+            .execute(&mut *conn)
+            .await
+            .map_err(db)?
+            .rows_affected();
+            if n == 1 {
+                done.push(row);
+            }
+        }
         if marked.is_empty() {
-            return Ok(Vec::new());
+            return Ok(done);
         }
-        let acks: Vec<serde_json::Value> = marked
-            .iter()
-            .map(|(row, ack)| serde_json::json!([row.id, ack.topic, ack.partition, ack.offset]))
-            .collect();
-        let sql = format!(
-            "UPDATE {} e JOIN JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$[0]', \
-               topic TEXT PATH '$[1]', part INT PATH '$[2]', off BIGINT PATH '$[3]')) a \
-               ON e.id = a.id \
-             SET e.status = 'published', e.published_at = UTC_TIMESTAMP(6), \
-               e.finished_at = UTC_TIMESTAMP(6), e.ack_topic = a.topic, \
-               e.ack_partition = a.part, e.ack_offset = a.off \
-             WHERE e.id IN ({})",
-            t.events,
-            marks(marked.len())
-        );
-        let mut q = sqlx::query(&sql).bind(serde_json::Value::Array(acks).to_string());
-        for (row, _) in &marked {
-            q = q.bind(row.id);
+        // One statement per 4 MiB of acknowledgements (the topics are the broker's, of any
+        // length): a single document of a large batch could exceed the server's
+        // `max_allowed_packet` (16 MiB by default) and be refused on every attempt.
+        let mut chunks: Vec<(String, Vec<i64>)> = Vec::new();
+        let (mut doc, mut ids) = (String::from("["), Vec::new());
+        for (row, ack) in &marked {
+            let item =
+                serde_json::json!([row.id, ack.topic, ack.partition, ack.offset]).to_string();
+            if !ids.is_empty() && doc.len() + item.len() + 2 > MAX_ACK_DOCUMENT {
+                doc.push(']');
+                chunks.push((
+                    std::mem::replace(&mut doc, String::from("[")),
+                    std::mem::take(&mut ids),
+                ));
+            }
+            if !ids.is_empty() {
+                doc.push(',');
+            }
+            doc.push_str(&item);
+            ids.push(row.id);
         }
-        let n = q.execute(&mut *conn).await.map_err(db)?.rows_affected();
+        doc.push(']');
+        chunks.push((doc, ids));
+        let mut n = 0;
+        for (doc, ids) in chunks {
+            let sql = format!(
+                "UPDATE {} e JOIN JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$[0]', \
+                   topic TEXT PATH '$[1]', part INT PATH '$[2]', off BIGINT PATH '$[3]')) a \
+                   ON e.id = a.id \
+                 SET e.status = 'published', e.published_at = UTC_TIMESTAMP(6), \
+                   e.finished_at = UTC_TIMESTAMP(6), e.ack_topic = a.topic, \
+                   e.ack_partition = a.part, e.ack_offset = a.off \
+                 WHERE e.id IN ({})",
+                t.events,
+                marks(ids.len())
+            );
+            let mut q = sqlx::query(&sql).bind(doc);
+            for id in &ids {
+                q = q.bind(id);
+            }
+            n += q.execute(&mut *conn).await.map_err(db)?.rows_affected();
+        }
         if n != marked.len() as u64 {
             // Cannot happen under the locks taken above; refuse rather than report a
             // publication that was not recorded.
@@ -328,7 +382,8 @@ impl MySqlOutboxStore {
                 ),
             ));
         }
-        Ok(marked.into_iter().map(|(row, _)| row).collect())
+        done.extend(marked.into_iter().map(|(row, _)| row));
+        Ok(done)
     }
 
     /// Moves each published aggregate's last version to the highest version published (never
