@@ -38,7 +38,7 @@
 //! `tests/outage.rs` (a false acknowledgement, a permanent error, a record-scoped error, a
 //! `publish` that outlives its timeout): each must make it fail.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -113,6 +113,8 @@ pub struct OutageReport {
     pub errors: usize,
     /// The longest `publish` call.
     pub slowest: Duration,
+    /// Errors by [`PublishErrorKind`] name.
+    pub error_kinds: BTreeMap<&'static str, usize>,
 }
 
 /// One `publish` call as the driver made it.
@@ -231,6 +233,9 @@ pub async fn publisher_outage<H: OutageHarness>(mut harness: H) -> OutageReport 
                 "publish call {i}: an outage error that is not transient and the transport's: \
                  {err}"
             );
+        }
+        for err in &call.errors {
+            *report.error_kinds.entry(err.kind.as_str()).or_default() += 1;
         }
         report.errors += call.errors.len();
         report.slowest = report.slowest.max(call.elapsed);
