@@ -35,7 +35,7 @@ impl OutageHarness for NatsOutage {
     type Publisher = NatsPublisher;
 
     async fn publisher(&self) -> NatsPublisher {
-        NatsPublisher::builder(&self.server.url(), &self.prefix)
+        NatsPublisher::builder(self.server.url(), &self.prefix)
             .delivery_timeout(DELIVERY_TIMEOUT)
             .connect_timeout(Duration::from_secs(1))
             .start()

@@ -40,7 +40,7 @@ impl OutageHarness for RabbitOutage {
     type Publisher = RabbitPublisher;
 
     async fn publisher(&self) -> RabbitPublisher {
-        RabbitPublisher::builder(&self.node.url(), &self.topology.exchange)
+        RabbitPublisher::builder(self.node.url(), &self.topology.exchange)
             .delivery_timeout(DELIVERY_TIMEOUT)
             .connect_timeout(Duration::from_secs(1))
             .start()
