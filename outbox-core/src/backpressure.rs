@@ -46,6 +46,8 @@
 //! assert!(gate.check(&[pay]).is_ok()); // critical events still go in
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+//!
+//! [`OutboxStore`]: crate::OutboxStore
 
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
@@ -373,6 +375,8 @@ impl Backpressure {
 
 /// Any [`OutboxStore`] whose appends go through a [`Backpressure`] gate; everything else is
 /// passed through unchanged.
+///
+/// [`OutboxStore`]: crate::OutboxStore
 #[derive(Clone, Debug)]
 pub struct BackpressureStore<S> {
     inner: S,

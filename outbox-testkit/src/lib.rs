@@ -20,7 +20,8 @@
 //!   `Publisher`, turned into one named test each by
 //!   [`outbox_conformance_tests!`], [`inbox_conformance_tests!`] and
 //!   [`publisher_conformance_tests!`] from a setup expression; backends describe their
-//!   differences as [`conformance::Capabilities`].
+//!   differences as [`conformance::Capabilities`]; [`conformance::outage`] is the publisher
+//!   outage suite (a server stopped mid-batch and restarted) that every transport runs.
 //! * [`fault`]: wrappers injecting transient and permanent errors, latency and lost
 //!   replies/acknowledgements into any store, publisher or message source, driven by a
 //!   script, a countdown or a seed (`OUTBOX_SIM_SEED`).

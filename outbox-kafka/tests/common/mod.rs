@@ -176,16 +176,9 @@ fn to_read(m: &OwnedMessage) -> Read {
     }
 }
 
-/// Reads `topic` from the beginning of all `partitions` with a plain rdkafka consumer (no group,
-/// manual assignment) until `expect` records arrived or `timeout` passed. Counts records rather
-/// than trusting the high watermark (tansu understates it).
-pub fn read_all(
-    brokers: &str,
-    topic: &str,
-    partitions: i32,
-    expect: usize,
-    timeout: Duration,
-) -> Vec<Read> {
+/// A plain rdkafka consumer (no group, manual assignment) at the beginning of all
+/// `partitions` of `topic`.
+fn reader(brokers: &str, topic: &str, partitions: i32) -> BaseConsumer {
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("group.id", unique("reader"))
@@ -199,6 +192,20 @@ pub fn read_all(
             .unwrap();
     }
     consumer.assign(&tpl).expect("assign");
+    consumer
+}
+
+/// Reads `topic` from the beginning of all `partitions` with a plain rdkafka consumer (no group,
+/// manual assignment) until `expect` records arrived or `timeout` passed. Counts records rather
+/// than trusting the high watermark (tansu understates it).
+pub fn read_all(
+    brokers: &str,
+    topic: &str,
+    partitions: i32,
+    expect: usize,
+    timeout: Duration,
+) -> Vec<Read> {
+    let consumer = reader(brokers, topic, partitions);
     let deadline = Instant::now() + timeout;
     let mut out = Vec::new();
     while out.len() < expect && Instant::now() < deadline {
@@ -216,6 +223,35 @@ pub fn read_all(
         }
     }
     out
+}
+
+/// Reads `topic` from the beginning of all `partitions` (as [`read_all`]) until every event id
+/// of `wanted` was seen in an `event_id` header or `timeout` passed; returns those seen.
+/// Duplicates and other records are read past.
+pub fn read_event_ids(
+    brokers: &str,
+    topic: &str,
+    partitions: i32,
+    wanted: &std::collections::HashSet<String>,
+    timeout: Duration,
+) -> std::collections::HashSet<String> {
+    let consumer = reader(brokers, topic, partitions);
+    let deadline = Instant::now() + timeout;
+    let mut seen = std::collections::HashSet::new();
+    while seen.len() < wanted.len() && Instant::now() < deadline {
+        match consumer.poll(Duration::from_millis(200)) {
+            Some(Ok(m)) => {
+                if let Some(id) = to_read(&m.detach()).header("event_id") {
+                    if wanted.contains(id) {
+                        seen.insert(id.to_owned());
+                    }
+                }
+            }
+            Some(Err(e)) => eprintln!("reader: {e}"),
+            None => {}
+        }
+    }
+    seen
 }
 
 pub fn free_port() -> u16 {

@@ -43,6 +43,11 @@
 //! [`source_conformance_tests!`](crate::source_conformance_tests) through a [`SourceHarness`]
 //! (outbox-kafka runs both against a real broker).
 //!
+//! A [`Publisher`] over a server the test can stop and restart also runs the outage suite,
+//! [`outage::publisher_outage`], through an [`outage::OutageHarness`]: what a broker outage
+//! must look like from any publisher (outbox-kafka, outbox-nats and outbox-rabbitmq run it
+//! against server instances of their own).
+//!
 //! A store that implements [`outbox_core::ReportingStore`] also runs
 //! [`reporting_conformance_tests!`](crate::reporting_conformance_tests) with its
 //! [`OutboxHarness`] ([`REPORTING_CHECKS`]; the in-memory store, outbox-postgres and
@@ -63,6 +68,7 @@ use crate::{
 };
 
 pub mod inbox;
+pub mod outage;
 pub mod outbox;
 pub mod publisher;
 pub mod reporting;
