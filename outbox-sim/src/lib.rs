@@ -25,6 +25,13 @@
 //! * **What runs concurrently in production runs concurrently** ([`Step::Race`]): claims of
 //!   several relays, completions and operator actions start together, in the order and at the
 //!   stagger the case chose, and their statements interleave on the server.
+//! * **Interleavings too rare to meet by chance are forced** ([`Step::Overtake`]): a lease
+//!   expires between a relay's send and its answer, another relay claims the aggregate, and
+//!   the late completion runs after that claim committed, or, on PostgreSQL, while that claim
+//!   stands mid-transaction after its decision's snapshot, holding the aggregate's lock (a
+//!   row lock of the simulation's own stops it there, and the lock waits are read from
+//!   `pg_blocking_pids`: the completion must queue behind the claim). The seed chooses the
+//!   relays, the answers and the variant, so a failing seed replays the same interleaving.
 //! * **Every consumer version policy** ([`Policy`]: `Reject`, `Hold`, `Unchecked`) is a mode of
 //!   the case.
 //!
@@ -154,6 +161,8 @@ mod invariants;
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]
+mod pg_hold;
+#[cfg(feature = "postgres")]
 mod postgres;
 mod producer;
 pub mod publisher;
@@ -161,7 +170,7 @@ mod relay;
 mod runner;
 mod steps;
 
-pub use backend::{Backend, EffectsView, MemoryBackend, RowView, ShortClaimCheck};
+pub use backend::{Backend, EffectsView, Hold, MemoryBackend, RowView, ShortClaimCheck};
 pub use config::{cases_from_env, SeededBug, SimConfig, CASES_ENV, SEED_ENV};
 pub use consumer::{InboxTx, NoEffect, SimHandler, SimSource};
 pub use invariants::Violations;

@@ -224,6 +224,61 @@ fn crashes_mixed_batches_and_handler_faults_on_postgres() {
     }
 }
 
+/// The interleavings the store's completion guards against, forced on the server: a lease
+/// expires between a relay's send and its answer; another relay claims the aggregate, its
+/// claim held mid-transaction (after its decision's snapshot, holding the aggregate's lock)
+/// while the late completion starts, or committed before it. The late completion must apply
+/// nothing (fencing), and must wait for the claim (its aggregate locks) rather than mark done
+/// a version the claim is about to send again.
+#[test]
+fn a_late_completion_meets_a_claim_mid_transaction_on_postgres() {
+    let Some(url) = outbox_test_support::database_url(
+        "a_late_completion_meets_a_claim_mid_transaction_on_postgres",
+    ) else {
+        return;
+    };
+    let schemas = Schemas::new(&url);
+    let mut reports = Vec::new();
+    for hold in [true, false] {
+        for prefetch in [false, true] {
+            let modes = Modes {
+                lease: true,
+                prefetch,
+                ..Modes::default()
+            };
+            let mut sim = simulation(&url, &schemas, &config(1), modes);
+            let steps = vec![
+                begin(0, 2),
+                begin(1, 1),
+                Step::Commit(0),
+                Step::Commit(0),
+                Step::Relay(0),
+                Step::Overtake {
+                    relay: 0,
+                    by: 1,
+                    answers: vec![RecordAnswer::Ack],
+                    hold,
+                },
+                answer(1, &[RecordAnswer::Ack]),
+                Step::Consumer(8),
+            ];
+            reports.push(((hold, prefetch), sim.run(&steps).map_err(|v| v.to_string())));
+        }
+    }
+    drop(schemas);
+    for ((hold, prefetch), r) in reports {
+        let r = r.unwrap_or_else(|v| panic!("hold {hold}, prefetch {prefetch}: {v}"));
+        assert_eq!(r.overtaken, 1, "hold {hold}, prefetch {prefetch}: {r:?}");
+        assert_eq!(
+            r.overtaken_mid_claim,
+            usize::from(hold),
+            "hold {hold}, prefetch {prefetch}: {r:?}"
+        );
+        assert!(r.superseded >= 1, "hold {hold}, prefetch {prefetch}: {r:?}");
+        assert_eq!(r.applied, 3, "hold {hold}, prefetch {prefetch}: {r:?}");
+    }
+}
+
 #[test]
 fn a_seeded_bug_is_caught_on_postgres_too() {
     // The invariants read PostgreSQL's real state: outcomes recorded one record off are found
