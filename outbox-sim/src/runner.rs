@@ -88,6 +88,8 @@ pub struct SimReport {
     pub overtaken: usize,
     /// Of those, the ones that started while that claim stood mid-transaction on the server.
     pub overtaken_mid_claim: usize,
+    /// Commits made while the store's wake-up gate was armed, whose wake-up was checked.
+    pub wake_ups: usize,
     /// Events seen parked in the outbox.
     pub parked: usize,
     /// Batches answered with both acknowledgements and failures.
@@ -691,6 +693,7 @@ where
             // The gate's promise: an event appended while a relay was idle and waiting wakes
             // it (else it sleeps until its idle poll: a lost wake-up).
             if !gated.is_empty() {
+                self.report.wake_ups += 1;
                 ensure(self.block_on(self.backend.wake_up(WAKE_BOUND))?, || {
                     format!(
                         "lost wake-up: {gated:?} committed while the wake-up gate was armed \

@@ -279,6 +279,44 @@ fn a_late_completion_meets_a_claim_mid_transaction_on_postgres() {
     }
 }
 
+/// The wake-up gate's promise, on the server: a relay whose claim came back empty arms the gate
+/// (it waits for a wake-up); an event committed meanwhile wakes its listener within the bound.
+#[test]
+fn a_commit_wakes_an_idle_relay_on_postgres() {
+    let Some(url) = outbox_test_support::database_url("a_commit_wakes_an_idle_relay_on_postgres")
+    else {
+        return;
+    };
+    let schemas = Schemas::new(&url);
+    let mut reports = Vec::new();
+    for lease in [false, true] {
+        let modes = Modes {
+            lease,
+            ..Modes::default()
+        };
+        let mut sim = simulation(&url, &schemas, &config(1), modes);
+        let steps = vec![
+            Step::Relay(0), // nothing to claim: the gate arms
+            begin(0, 1),
+            Step::Commit(0), // must wake the idle relay
+            Step::Relay(1),
+            answer(1, &[RecordAnswer::Ack]),
+            Step::Relay(0), // idle again
+            begin(1, 2),
+            begin(2, 1),
+            Step::Commit(1),
+            Step::Commit(0),
+        ];
+        reports.push((lease, sim.run(&steps).map_err(|v| v.to_string())));
+    }
+    drop(schemas);
+    for (lease, r) in reports {
+        let r = r.unwrap_or_else(|v| panic!("lease {lease}: {v}"));
+        assert!(r.wake_ups >= 2, "lease {lease}: {r:?}");
+        assert_eq!(r.applied, 4, "lease {lease}: {r:?}");
+    }
+}
+
 #[test]
 fn a_seeded_bug_is_caught_on_postgres_too() {
     // The invariants read PostgreSQL's real state: outcomes recorded one record off are found
