@@ -384,6 +384,12 @@ fn starved_head(
             r.status == DeliveryStatus::Parked || r.claim.as_ref().is_some_and(|c| c.live)
         });
         let done = last.get(agg).copied().unwrap_or(0);
+        // An open row at or below the last version done (a re-issued copy of a discarded
+        // version, which the store publishes before the next; a stale duplicate it parks) is
+        // the store's head, whatever its delay: the aggregate is not judged (never the reverse).
+        if rows.iter().any(|r| r.envelope.aggregate_version <= done) {
+            continue;
+        }
         let Some(head) = rows
             .iter()
             .filter(|r| r.envelope.aggregate_version > done)

@@ -6,11 +6,12 @@
 //! provides it). `OUTBOX_SIM_PG_CASES` sets the number of cases, `OUTBOX_SIM_SEED` replays a
 //! printed seed. Skipped only with `OUTBOX_SKIP_SERVICE_TESTS=1`.
 //!
-//! The default, 60 cases, is above the most cases a seeded bug of `scripts/seeded-bugs` needed
-//! to be caught with the default seed (`Unchecked` past a parked message: case 56; the claim's
-//! gap rule: case 21; attempts spent on deferral: case 2); about 75 s on a loaded 2-core
-//! machine (~1.25 s a case at load 8). Long mode: `OUTBOX_SIM_PG_CASES=1000` (~20 minutes
-//! there).
+//! The default, 100 cases, is above the most cases a seeded bug of `scripts/seeded-bugs` needed
+//! to be caught with the default seed (`Unchecked` past a parked message: case 91; an attempt
+//! spent on deferral: 39; a completion without its aggregate locks, and one that does not check
+//! its token: 26, both by a forced `Step::Overtake`; a lost wake-up: 6; the claim's gap rule:
+//! 2); about 90 s on a loaded 2-core machine (~0.9 s a case at load 9; 60 cases took 55 s).
+//! Long mode: `OUTBOX_SIM_PG_CASES=1000` (~15 minutes there by that rate; not timed).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -146,7 +147,7 @@ fn simulation_holds_every_invariant_on_postgres() {
     let cases = std::env::var(CASES_ENV)
         .ok()
         .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(60);
+        .unwrap_or(100);
     let config = config(cases);
     let schemas = Schemas::new(&url);
     let result = run_property(&config, None, |modes| {
