@@ -10,8 +10,9 @@
 //! to be caught with the default seed (`Unchecked` past a parked message: case 91; an attempt
 //! spent on deferral: 39; a completion without its aggregate locks, and one that does not check
 //! its token: 26, both by a forced `Step::Overtake`; a lost wake-up: 6; the claim's gap rule:
-//! 2); about 90 s on a loaded 2-core machine (~0.9 s a case at load 9; 60 cases took 55 s).
-//! Long mode: `OUTBOX_SIM_PG_CASES=1000` (~15 minutes there by that rate; not timed).
+//! 2); 136 s for the property test alone on a loaded 2-core machine (load 9-10, ~1.35 s a
+//! case; the earlier 60 cases took ~75 s at load 8). Long mode: `OUTBOX_SIM_PG_CASES=1000`
+//! (~23 minutes there by that rate; not timed).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
