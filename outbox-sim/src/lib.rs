@@ -60,6 +60,9 @@
 //! * each effect committed at most once, in version order per aggregate; while a message is
 //!   parked on the consumer side, nothing of a higher version of its aggregate is applied,
 //!   under every version policy;
+//! * on PostgreSQL, where the store runs its wake-up gate and listener: an event appended while
+//!   the gate was armed (a relay idle and waiting) wakes the listener within 2 s of its commit
+//!   (the gate's promise: no lost wake-up);
 //! * the committed offset never passes a message whose outcome is not final;
 //! * the engine handles handler failures as documented: it never hands an event to the
 //!   handler again after a permanent failure, or after `max_attempts` transient ones, in one
@@ -79,7 +82,7 @@
 //! doubles around the production code, nothing in the production code changes), and the
 //! crate's tests show each one caught. Bugs planted *in* the PostgreSQL store and the inbox
 //! engine (the claim's gap rule, the completion's locks, attempts spent on deferral, fencing,
-//! `Unchecked` applying past a parked message) are patches in `scripts/seeded-bugs`, applied
+//! a lost wake-up, `Unchecked` applying past a parked message) are patches in `scripts/seeded-bugs`, applied
 //! one at a time by `scripts/seeded-bugs/run`, which runs the PostgreSQL simulation against
 //! each and reports the case that caught it. Bugs *in* the production code are the other half:
 //! cargo-mutants mutates the engine's batch and fallback, the processor's batch, the relay's
