@@ -45,6 +45,17 @@ pub struct EffectsView {
     pub last_applied: BTreeMap<String, i64>,
 }
 
+/// A lock held on the server by a session of the simulation's own ([`Backend::hold_head`]), so
+/// that a claim stops mid-decision while another statement is started against it.
+#[async_trait]
+pub trait Hold: Send {
+    /// How many sessions wait on the hold, directly or behind one that does (a session that
+    /// waits for a lock the waiting claim holds counts).
+    async fn waiting(&mut self) -> Result<usize, String>;
+    /// Ends the hold (nothing was written): the waiters go on, the first in line first.
+    async fn release(self: Box<Self>) -> Result<(), String>;
+}
+
 /// See [`Backend::short_claim_check`]: `(got, limit)` to a violation, if any.
 pub type ShortClaimCheck = Arc<dyn Fn(usize, usize) -> Option<String> + Send + Sync>;
 
@@ -105,6 +116,27 @@ pub trait Backend: Send + Sync + 'static {
     /// a store that does not promise it (one that claims from a bounded scan window).
     fn short_claim_check(&self) -> Option<ShortClaimCheck> {
         None
+    }
+    /// Locks what the next claim of `event`'s aggregate must write after its decision's
+    /// snapshot is taken (while it holds the aggregate's lock), so that claim stops there until
+    /// the hold is released ([`crate::Step::Overtake`]). `None`: the backend cannot hold a
+    /// claim mid-transaction (the step then runs its operations one after another).
+    async fn hold_head(&self, event: EventId) -> Result<Option<Box<dyn Hold>>, String> {
+        let _ = event;
+        Ok(None)
+    }
+    /// Whether an idle relay waits for a wake-up right now (the store's wake-up gate is
+    /// armed: an append made meanwhile must wake it). `None`: the store has no gate.
+    fn wake_gate_armed(&self) -> Option<bool> {
+        None
+    }
+    /// Forgets the wake-ups the store's listener received so far.
+    async fn clear_wake_ups(&self) {}
+    /// Waits up to `within` for a wake-up of the store's listener (since the last
+    /// [`Self::clear_wake_ups`]); whether one came. A store without a listener: `true`.
+    async fn wake_up(&self, within: Duration) -> bool {
+        let _ = within;
+        true
     }
     /// The relay holding `claim` died: what its lost connection does to the claim (a locked
     /// claim's transaction rolls back; a lease stays until it expires).
@@ -352,6 +384,12 @@ fn starved_head(
             r.status == DeliveryStatus::Parked || r.claim.as_ref().is_some_and(|c| c.live)
         });
         let done = last.get(agg).copied().unwrap_or(0);
+        // An open row at or below the last version done (a re-issued copy of a discarded
+        // version, which the store publishes before the next; a stale duplicate it parks) is
+        // the store's head, whatever its delay: the aggregate is not judged (never the reverse).
+        if rows.iter().any(|r| r.envelope.aggregate_version <= done) {
+            continue;
+        }
         let Some(head) = rows
             .iter()
             .filter(|r| r.envelope.aggregate_version > done)

@@ -25,6 +25,13 @@
 //! * **What runs concurrently in production runs concurrently** ([`Step::Race`]): claims of
 //!   several relays, completions and operator actions start together, in the order and at the
 //!   stagger the case chose, and their statements interleave on the server.
+//! * **Interleavings too rare to meet by chance are forced** ([`Step::Overtake`]): a lease
+//!   expires between a relay's send and its answer, another relay claims the aggregate, and
+//!   the late completion runs after that claim committed, or, on PostgreSQL, while that claim
+//!   stands mid-transaction after its decision's snapshot, holding the aggregate's lock (a
+//!   row lock of the simulation's own stops it there, and the lock waits are read from
+//!   `pg_blocking_pids`: the completion must queue behind the claim). The seed chooses the
+//!   relays, the answers and the variant, so a failing seed replays the same interleaving.
 //! * **Every consumer version policy** ([`Policy`]: `Reject`, `Hold`, `Unchecked`) is a mode of
 //!   the case.
 //!
@@ -53,6 +60,9 @@
 //! * each effect committed at most once, in version order per aggregate; while a message is
 //!   parked on the consumer side, nothing of a higher version of its aggregate is applied,
 //!   under every version policy;
+//! * on PostgreSQL, where the store runs its wake-up gate and listener: an event appended while
+//!   the gate was armed (a relay idle and waiting) wakes the listener within 2 s of its commit
+//!   (the gate's promise: no lost wake-up);
 //! * the committed offset never passes a message whose outcome is not final;
 //! * the engine handles handler failures as documented: it never hands an event to the
 //!   handler again after a permanent failure, or after `max_attempts` transient ones, in one
@@ -72,7 +82,7 @@
 //! doubles around the production code, nothing in the production code changes), and the
 //! crate's tests show each one caught. Bugs planted *in* the PostgreSQL store and the inbox
 //! engine (the claim's gap rule, the completion's locks, attempts spent on deferral, fencing,
-//! `Unchecked` applying past a parked message) are patches in `scripts/seeded-bugs`, applied
+//! a lost wake-up, `Unchecked` applying past a parked message) are patches in `scripts/seeded-bugs`, applied
 //! one at a time by `scripts/seeded-bugs/run`, which runs the PostgreSQL simulation against
 //! each and reports the case that caught it. Bugs *in* the production code are the other half:
 //! cargo-mutants mutates the engine's batch and fallback, the processor's batch, the relay's
@@ -154,6 +164,8 @@ mod invariants;
 #[cfg(feature = "mysql")]
 mod mysql;
 #[cfg(feature = "postgres")]
+mod pg_hold;
+#[cfg(feature = "postgres")]
 mod postgres;
 mod producer;
 pub mod publisher;
@@ -161,7 +173,7 @@ mod relay;
 mod runner;
 mod steps;
 
-pub use backend::{Backend, EffectsView, MemoryBackend, RowView, ShortClaimCheck};
+pub use backend::{Backend, EffectsView, Hold, MemoryBackend, RowView, ShortClaimCheck};
 pub use config::{cases_from_env, SeededBug, SimConfig, CASES_ENV, SEED_ENV};
 pub use consumer::{InboxTx, NoEffect, SimHandler, SimSource};
 pub use invariants::Violations;

@@ -28,13 +28,17 @@ use outbox_postgres::{map_sqlx_error, PostgresInboxStore, PostgresOutboxStore};
 use serde_json::Value;
 use sqlx::{PgPool, Postgres, Row, Transaction};
 
-use crate::backend::{Backend, EffectsView, RowView};
+use crate::backend::{Backend, EffectsView, Hold, RowView};
 
 /// Advisory lock class of the simulation's business transactions (apart from the store's).
 const BUSINESS_LOCK_CLASS: i32 = 0x51_4d;
 
 /// The store's gap timeout in the simulation (virtual time reaches it in a few advances).
 pub(crate) const PG_GAP_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// How long an idle relay's arm of the wake-up gate waits for the appends in flight (the
+/// simulation keeps business transactions open across steps: a short wait keeps claims quick).
+const WAKE_GATE_WAIT: Duration = Duration::from_millis(20);
 
 /// The system clock plus the virtual time the simulation let pass.
 #[derive(Debug, Default)]
@@ -55,6 +59,8 @@ pub struct PostgresBackend {
     store: PostgresOutboxStore,
     inbox: PostgresInboxStore,
     clock: Arc<ShiftedClock>,
+    /// Woken by the store's listener on every `NOTIFY` of the outbox's channel.
+    wake: Arc<tokio::sync::Notify>,
 }
 
 impl PostgresBackend {
@@ -64,8 +70,12 @@ impl PostgresBackend {
             .schema(schema)
             .claim_mode(mode)
             .gap_timeout(PG_GAP_TIMEOUT)
+            .wake_gate_wait(WAKE_GATE_WAIT)
             .build()?;
         store.migrate().await?;
+        // The gate arms only for a store that listens (an idle relay waiting for a wake-up).
+        let wake = Arc::new(tokio::sync::Notify::new());
+        store.spawn_listener(wake.clone())?;
         let inbox = PostgresInboxStore::builder(pool.clone())
             .schema(schema)
             .build()?;
@@ -87,6 +97,7 @@ impl PostgresBackend {
             store,
             inbox,
             clock: Arc::default(),
+            wake,
         })
     }
 
@@ -270,6 +281,21 @@ impl Backend for PostgresBackend {
     }
     async fn abandon(&self, claim: &ClaimHandle) {
         self.store.abandon_locked_claim(claim).await;
+    }
+    fn wake_gate_armed(&self) -> Option<bool> {
+        Some(self.store.wake_gate_armed())
+    }
+    async fn clear_wake_ups(&self) {
+        // A stored permit is taken by the first poll.
+        let _ = tokio::time::timeout(Duration::ZERO, self.wake.notified()).await;
+    }
+    async fn wake_up(&self, within: Duration) -> bool {
+        tokio::time::timeout(within, self.wake.notified())
+            .await
+            .is_ok()
+    }
+    async fn hold_head(&self, event: EventId) -> Result<Option<Box<dyn Hold>>, String> {
+        crate::pg_hold::hold_head(&self.pool, &self.schema, event).await
     }
 
     async fn record_effect(

@@ -26,7 +26,7 @@ use rand::SeedableRng;
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
-use crate::backend::{Backend, MemoryBackend};
+use crate::backend::{Backend, Hold, MemoryBackend};
 use crate::config::{cases_from_env, SeededBug, SimConfig, SEED_ENV};
 use crate::consumer::{InboxTx, Ledger, NoEffect, SimHandler, SimSource};
 use crate::invariants::{self, ensure, Check, Model, Observed, Violations};
@@ -41,6 +41,9 @@ use crate::steps::{
 pub(crate) const TOPIC: &str = "events";
 /// The consumer group (and inbox consumer name) of the simulation.
 pub const GROUP: &str = "projection";
+/// The wake-up bound: how soon after its commit an event appended while a relay was idle
+/// (the wake-up gate armed) must wake that relay's listener.
+const WAKE_BOUND: Duration = Duration::from_secs(2);
 /// Longest a single step may take in real time before the simulation calls it hung.
 const STEP_LIMIT: Duration = Duration::from_secs(20);
 
@@ -80,6 +83,13 @@ pub struct SimReport {
     pub applied: usize,
     /// Outcomes refused by fencing.
     pub superseded: usize,
+    /// Late completions that ran after another relay claimed an aggregate of theirs
+    /// ([`Step::Overtake`]).
+    pub overtaken: usize,
+    /// Of those, the ones that started while that claim stood mid-transaction on the server.
+    pub overtaken_mid_claim: usize,
+    /// Commits made while the store's wake-up gate was armed, whose wake-up was checked.
+    pub wake_ups: usize,
     /// Events seen parked in the outbox.
     pub parked: usize,
     /// Batches answered with both acknowledgements and failures.
@@ -133,7 +143,15 @@ struct RelaySlot<B: Backend> {
 enum Waited<B: Backend> {
     Held(Option<HeldBatch>),
     Done(Box<Result<CycleResult<B>, tokio::task::JoinError>>),
+    /// The relay's cycle waits on a [`Hold`].
+    Blocked,
 }
+
+/// How often a wait on the server's locks looks again.
+const LOCK_POLL: Duration = Duration::from_millis(5);
+/// Longest the simulation waits for a statement to queue behind a hold before it lets the
+/// hold go anyway.
+const LOCK_WAIT: Duration = Duration::from_secs(3);
 
 /// One simulated system: the system under test plus the reference model.
 pub struct Simulation<B: Backend, H> {
@@ -155,6 +173,9 @@ pub struct Simulation<B: Backend, H> {
     parked_api: ParkedMessages<B::Inbox, SimHandler<B, H>>,
     commands: Arc<Vec<Box<dyn Command>>>,
     open: Vec<(B::BizTx, Vec<Envelope>)>,
+    /// Events appended while the store's wake-up gate was armed throughout the append (an
+    /// idle relay waited for a wake-up): their commit must wake it.
+    gated: BTreeSet<EventId>,
     model: Model,
     report: SimReport,
     next_id: u64,
@@ -325,6 +346,7 @@ where
                 commands
             }),
             open: Vec::new(),
+            gated: BTreeSet::new(),
             model: Model::default(),
             report: SimReport::default(),
             next_id: 0,
@@ -469,6 +491,17 @@ where
             } => self.begin(*aggregate, *events, *command),
             Step::Skew { aggregate, skew } => self.skew(*aggregate, *skew),
             Step::Race { ops, stagger } => self.race(ops, *stagger),
+            Step::Overtake {
+                relay,
+                by,
+                answers,
+                hold,
+            } => self.overtake(
+                relay % self.relays.len(),
+                by % self.relays.len(),
+                answers,
+                *hold,
+            ),
             Step::Commit(n) => self.commit_open(*n),
             Step::Rollback(n) => {
                 if !self.open.is_empty() {
@@ -584,8 +617,10 @@ where
             return Ok(());
         }
         self.block_on(backend.set_aggregate(&mut tx, &agg, version, state))??;
+        let armed = backend.wake_gate_armed();
         self.block_on(backend.append(&mut tx, &batch))?
             .map_err(|e| format!("append failed: {e}"))?;
+        self.note_gate(armed, &batch);
         self.open.push((tx, batch));
         Ok(())
     }
@@ -625,10 +660,20 @@ where
             .build()
             .map_err(|e| e.to_string())?;
         self.report.skewed += 1;
+        let armed = backend.wake_gate_armed();
         self.block_on(backend.append(&mut tx, std::slice::from_ref(&e)))?
             .map_err(|e| format!("append failed: {e}"))?;
+        self.note_gate(armed, std::slice::from_ref(&e));
         self.open.push((tx, vec![e]));
         Ok(())
+    }
+
+    /// Remembers `events` when the wake-up gate was armed before their append (`armed`) and
+    /// still is: an idle relay waited for them all along.
+    fn note_gate(&mut self, armed: Option<bool>, events: &[Envelope]) {
+        if armed == Some(true) && self.backend.wake_gate_armed() == Some(true) {
+            self.gated.extend(events.iter().map(|e| e.event_id));
+        }
     }
 
     fn commit_open(&mut self, n: usize) -> Check {
@@ -636,7 +681,27 @@ where
             return Ok(());
         }
         let (tx, events) = self.open.remove(n % self.open.len());
+        let gated: Vec<EventId> = events
+            .iter()
+            .map(|e| e.event_id)
+            .filter(|id| self.gated.remove(id))
+            .collect();
+        if !gated.is_empty() {
+            self.block_on(self.backend.clear_wake_ups())?;
+        }
         if self.block_on(self.backend.commit(tx))?? {
+            // The gate's promise: an event appended while a relay was idle and waiting wakes
+            // it (else it sleeps until its idle poll: a lost wake-up).
+            if !gated.is_empty() {
+                self.report.wake_ups += 1;
+                ensure(self.block_on(self.backend.wake_up(WAKE_BOUND))?, || {
+                    format!(
+                        "lost wake-up: {gated:?} committed while the wake-up gate was armed \
+                         (a relay idle and waiting), and no wake-up reached the listener \
+                         within {WAKE_BOUND:?}"
+                    )
+                })?;
+            }
             let now = self.backend.clock().now();
             for e in events {
                 self.model.committed_at.insert(e.event_id, now);
@@ -770,31 +835,55 @@ where
 
     /// Runs relay `i`'s cycle until the double holds its batch or the cycle ends.
     fn wait_relay(&mut self, i: usize) -> Check {
+        self.wait_relay_or_blocked(i, None).map(|_| ())
+    }
+
+    /// As [`Self::wait_relay`], and with `hold`, also returns (`true`) as soon as a session
+    /// waits on the hold (the cycle's claim, stopped mid-transaction).
+    fn wait_relay_or_blocked(
+        &mut self,
+        i: usize,
+        hold: Option<&mut dyn Hold>,
+    ) -> Result<bool, String> {
         let rt = &self.rt;
         let slot = &mut self.relays[i];
         let Some(task) = slot.task.as_mut() else {
-            return Ok(());
+            return Ok(false);
         };
         let handle = &mut slot.handle;
         let waited: Waited<B> = rt
             .block_on(async {
                 tokio::time::timeout(STEP_LIMIT, async {
+                    let blocked = async {
+                        let Some(hold) = hold else {
+                            return std::future::pending().await;
+                        };
+                        loop {
+                            match hold.waiting().await {
+                                Ok(n) if n > 0 => return Ok(()),
+                                Ok(_) => tokio::time::sleep(LOCK_POLL).await,
+                                Err(e) => return Err(e),
+                            }
+                        }
+                    };
                     tokio::select! {
-                        b = handle.next_batch() => Waited::Held(b),
-                        r = task => Waited::Done(Box::new(r)),
+                        b = handle.next_batch() => Ok(Waited::Held(b)),
+                        r = task => Ok(Waited::Done(Box::new(r))),
+                        w = blocked => w.map(|()| Waited::Blocked),
                     }
                 })
                 .await
             })
-            .map_err(|_| format!("relay {i} hung"))?;
+            .map_err(|_| format!("relay {i} hung"))??;
         match waited {
+            Waited::Blocked => Ok(true),
             Waited::Done(done) => match *done {
                 Err(e) => Err(format!("relay {i}'s cycle panicked: {e}")),
                 Ok((relay, result)) => {
                     let slot = &mut self.relays[i];
                     slot.task = None;
                     slot.relay = Some(relay);
-                    self.settle(i, result)
+                    self.settle(i, result).map(|()| false)
                 }
             },
             Waited::Held(None) => Err(format!("relay {i}'s publisher went away")),
@@ -804,9 +893,115 @@ where
                 }
                 self.check_send(i, &batch.records)?;
                 self.relays[i].held = Some(batch);
-                Ok(())
+                Ok(false)
             }
         }
+    }
+
+    /// [`Step::Overtake`]: relay `a`'s lease expires while the double holds its batch; relay
+    /// `b` claims until it takes one of `a`'s aggregates (with `hold`, its claim is stopped
+    /// mid-transaction on the server); then `a`'s batch is answered and its completion runs.
+    fn overtake(&mut self, a: usize, b: usize, answers: &[RecordAnswer], hold: bool) -> Check {
+        if a == b || !self.shared.is_lease() {
+            return Ok(());
+        }
+        let Some(held) = self.relays[a].held.as_ref() else {
+            return Ok(());
+        };
+        let head = held.records[0].event_id;
+        let aggregates: BTreeSet<String> = held
+            .records
+            .iter()
+            .map(|e| e.aggregate_id.clone())
+            .collect();
+        self.block_on(
+            self.backend
+                .advance(self.config.lease + Duration::from_secs(1)),
+        )??;
+        for _ in 0..4 {
+            // Relay `b` ends what it holds, then starts a cycle: its claim.
+            if self.relays[b].held.is_some() {
+                self.answer(b, &[RecordAnswer::Ack])?;
+            }
+            if self.relays[b].held.is_some() || self.relays[b].task.is_some() {
+                break;
+            }
+            let mut holder = if hold {
+                self.block_on(self.backend.hold_head(head))??
+            } else {
+                None
+            };
+            let mut relay = self.relays[b].relay.take().ok_or("relay missing")?;
+            self.relays[b].task = Some(self.rt.spawn(async move {
+                let r = relay.run_once().await;
+                (relay, r)
+            }));
+            let blocked = match holder.as_mut() {
+                Some(h) => self.wait_relay_or_blocked(b, Some(h.as_mut())),
+                None => self.wait_relay(b).map(|()| false),
+            };
+            if let Ok(true) = blocked {
+                let h = holder.take().ok_or("hold missing")?;
+                self.report.overtaken += 1;
+                self.report.overtaken_mid_claim += 1;
+                return self.late_answer_mid_claim(a, b, answers, h);
+            }
+            if let Some(h) = holder.take() {
+                self.block_on(h.release())??;
+            }
+            blocked?;
+            let took = self.relays[b].held.as_ref().is_some_and(|h| {
+                h.records
+                    .iter()
+                    .any(|e| aggregates.contains(&e.aggregate_id))
+            });
+            if took {
+                self.report.overtaken += 1;
+                break;
+            }
+            if self.relays[b].held.is_none() {
+                break; // nothing (more) to claim
+            }
+        }
+        self.answer(a, answers)
+    }
+
+    /// Answers relay `a`'s batch while another relay's claim waits on `hold`; lets the hold go
+    /// once `a`'s completion waits too (or ended), then runs both cycles on.
+    fn late_answer_mid_claim(
+        &mut self,
+        a: usize,
+        b: usize,
+        answers: &[RecordAnswer],
+        mut hold: Box<dyn Hold>,
+    ) -> Check {
+        let answered = self.relays[a].held.take().map(|batch| {
+            self.broker_answers(&batch, answers)
+                .map(|results| batch.answer(results))
+        });
+        if let Some(Err(e)) = answered {
+            self.block_on(hold.release())??;
+            return Err(e);
+        }
+        let task = self.relays[a].task.as_ref();
+        let waited = self.rt.block_on(async {
+            let deadline = tokio::time::Instant::now() + LOCK_WAIT;
+            while tokio::time::Instant::now() < deadline
+                && !task.is_some_and(JoinHandle::is_finished)
+            {
+                match hold.waiting().await {
+                    Ok(n) if n >= 2 => break,
+                    Ok(_) => tokio::time::sleep(LOCK_POLL).await,
+                    Err(e) => return Err(e),
+                }
+            }
+            Ok(())
+        });
+        self.block_on(hold.release())??;
+        waited?;
+        // The completion first, so that the claim's send is judged with it known.
+        self.wait_relay(a)?;
+        self.wait_relay(b)
     }
 
     /// The seeded bug: the next version of an aggregate goes out instead of the claimed head.

@@ -154,6 +154,25 @@ pub enum Step {
         /// How far apart they start (see `Simulation`'s race: 0 to 3).
         stagger: u8,
     },
+    /// A lease expires between relay `relay`'s send and its answer while relay `by` claims:
+    /// virtual time passes beyond the lease, relay `by` claims (its batches answered, up to a
+    /// few claims) until it takes an aggregate of `relay`'s batch, then that batch is answered
+    /// with `answers` and its late completion runs: it must apply nothing to what `by` took
+    /// (fencing). With `hold`, on a backend that can stop a claim mid-transaction
+    /// ([`crate::Backend::hold_head`]), the late completion starts while `by`'s claim stands
+    /// after its decision's snapshot, holding the aggregate's lock: the completion must wait
+    /// for that claim to commit (the store's completion locks), or `by` re-sends a version
+    /// the completion marked done. Only in lease mode; otherwise a no-op.
+    Overtake {
+        /// The relay whose lease expires (it must hold a batch).
+        relay: usize,
+        /// The relay that claims meanwhile.
+        by: usize,
+        /// Per-record answers to `relay`'s batch, cycled.
+        answers: Vec<RecordAnswer>,
+        /// Whether `by`'s claim is held mid-transaction while the completion starts.
+        hold: bool,
+    },
     /// Relay `n`'s process dies: its task is aborted (a locked claim's connection drops), and
     /// a fresh relay takes its place.
     RelayCrash(usize),
@@ -240,6 +259,18 @@ pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
             .prop_map(|(relay, answers)| Step::Answer { relay, answers }),
         4 => (proptest::collection::vec(race_op(relays), 2..=3), 0..4u8)
             .prop_map(|(ops, stagger)| Step::Race { ops, stagger }),
+        4 => (
+            0..relays,
+            1..relays.max(2),
+            proptest::collection::vec(answer(), 1..=3),
+            prop_oneof![2 => Just(true), 1 => Just(false)]
+        )
+            .prop_map(move |(relay, d, answers, hold)| Step::Overtake {
+                relay,
+                by: (relay + d) % relays,
+                answers,
+                hold
+            }),
         2 => (0..relays).prop_map(Step::RelayCrash),
         4 => prop_oneof![Just(1u64), Just(10), Just(31), Just(31), Just(120)]
             .prop_map(|s| Step::Advance(Duration::from_secs(s))),

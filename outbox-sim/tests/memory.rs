@@ -58,6 +58,7 @@ fn the_generator_reaches_the_interesting_states() {
         total.out_of_order_parked += r.out_of_order_parked;
         total.operator_refused += r.operator_refused;
         total.races += r.races;
+        total.overtaken += r.overtaken;
         policies[m.policy as usize] += 1;
     }
     eprintln!("coverage over 80 cases: {total:?}, modes {modes:?}");
@@ -109,6 +110,10 @@ fn the_generator_reaches_the_interesting_states() {
         "no operator action refused: {total:?}"
     );
     assert!(total.races > 0, "nothing ran at once: {total:?}");
+    assert!(
+        total.overtaken > 0,
+        "no late completion after another relay's claim: {total:?}"
+    );
     assert!(
         policies.iter().all(|n| *n > 5),
         "every consumer version policy: {policies:?}"

@@ -6,11 +6,13 @@
 //! provides it). `OUTBOX_SIM_PG_CASES` sets the number of cases, `OUTBOX_SIM_SEED` replays a
 //! printed seed. Skipped only with `OUTBOX_SKIP_SERVICE_TESTS=1`.
 //!
-//! The default, 60 cases, is above the most cases a seeded bug of `scripts/seeded-bugs` needed
-//! to be caught with the default seed (`Unchecked` past a parked message: case 56; the claim's
-//! gap rule: case 21; attempts spent on deferral: case 2); about 75 s on a loaded 2-core
-//! machine (~1.25 s a case at load 8). Long mode: `OUTBOX_SIM_PG_CASES=1000` (~20 minutes
-//! there).
+//! The default, 100 cases, is above the most cases a seeded bug of `scripts/seeded-bugs` needed
+//! to be caught with the default seed (`Unchecked` past a parked message: case 91; an attempt
+//! spent on deferral: 39; a completion without its aggregate locks, and one that does not check
+//! its token: 26, both by a forced `Step::Overtake`; a lost wake-up: 6; the claim's gap rule:
+//! 2); 136 s for the property test alone on a loaded 2-core machine (load 9-10, ~1.35 s a
+//! case; the earlier 60 cases took ~75 s at load 8). Long mode: `OUTBOX_SIM_PG_CASES=1000`
+//! (~23 minutes there by that rate; not timed).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -146,7 +148,7 @@ fn simulation_holds_every_invariant_on_postgres() {
     let cases = std::env::var(CASES_ENV)
         .ok()
         .and_then(|s| s.trim().parse().ok())
-        .unwrap_or(60);
+        .unwrap_or(100);
     let config = config(cases);
     let schemas = Schemas::new(&url);
     let result = run_property(&config, None, |modes| {
@@ -221,6 +223,99 @@ fn crashes_mixed_batches_and_handler_faults_on_postgres() {
         assert_eq!(r.committed_events, 5, "{modes:?}: {r:?}");
         assert_eq!(r.applied, 5, "{modes:?}: each event applied once: {r:?}");
         assert!(r.relay_crashes_holding_work >= 1, "{modes:?}: {r:?}");
+    }
+}
+
+/// The interleavings the store's completion guards against, forced on the server: a lease
+/// expires between a relay's send and its answer; another relay claims the aggregate, its
+/// claim held mid-transaction (after its decision's snapshot, holding the aggregate's lock)
+/// while the late completion starts, or committed before it. The late completion must apply
+/// nothing (fencing), and must wait for the claim (its aggregate locks) rather than mark done
+/// a version the claim is about to send again.
+#[test]
+fn a_late_completion_meets_a_claim_mid_transaction_on_postgres() {
+    let Some(url) = outbox_test_support::database_url(
+        "a_late_completion_meets_a_claim_mid_transaction_on_postgres",
+    ) else {
+        return;
+    };
+    let schemas = Schemas::new(&url);
+    let mut reports = Vec::new();
+    for hold in [true, false] {
+        for prefetch in [false, true] {
+            let modes = Modes {
+                lease: true,
+                prefetch,
+                ..Modes::default()
+            };
+            let mut sim = simulation(&url, &schemas, &config(1), modes);
+            let steps = vec![
+                begin(0, 2),
+                begin(1, 1),
+                Step::Commit(0),
+                Step::Commit(0),
+                Step::Relay(0),
+                Step::Overtake {
+                    relay: 0,
+                    by: 1,
+                    answers: vec![RecordAnswer::Ack],
+                    hold,
+                },
+                answer(1, &[RecordAnswer::Ack]),
+                Step::Consumer(8),
+            ];
+            reports.push(((hold, prefetch), sim.run(&steps).map_err(|v| v.to_string())));
+        }
+    }
+    drop(schemas);
+    for ((hold, prefetch), r) in reports {
+        let r = r.unwrap_or_else(|v| panic!("hold {hold}, prefetch {prefetch}: {v}"));
+        assert_eq!(r.overtaken, 1, "hold {hold}, prefetch {prefetch}: {r:?}");
+        assert_eq!(
+            r.overtaken_mid_claim,
+            usize::from(hold),
+            "hold {hold}, prefetch {prefetch}: {r:?}"
+        );
+        assert!(r.superseded >= 1, "hold {hold}, prefetch {prefetch}: {r:?}");
+        assert_eq!(r.applied, 3, "hold {hold}, prefetch {prefetch}: {r:?}");
+    }
+}
+
+/// The wake-up gate's promise, on the server: a relay whose claim came back empty arms the gate
+/// (it waits for a wake-up); an event committed meanwhile wakes its listener within the bound.
+#[test]
+fn a_commit_wakes_an_idle_relay_on_postgres() {
+    let Some(url) = outbox_test_support::database_url("a_commit_wakes_an_idle_relay_on_postgres")
+    else {
+        return;
+    };
+    let schemas = Schemas::new(&url);
+    let mut reports = Vec::new();
+    for lease in [false, true] {
+        let modes = Modes {
+            lease,
+            ..Modes::default()
+        };
+        let mut sim = simulation(&url, &schemas, &config(1), modes);
+        let steps = vec![
+            Step::Relay(0), // nothing to claim: the gate arms
+            begin(0, 1),
+            Step::Commit(0), // must wake the idle relay
+            Step::Relay(1),
+            answer(1, &[RecordAnswer::Ack]),
+            Step::Relay(0), // idle again
+            begin(1, 2),
+            begin(2, 1),
+            Step::Commit(1),
+            Step::Commit(0),
+        ];
+        reports.push((lease, sim.run(&steps).map_err(|v| v.to_string())));
+    }
+    drop(schemas);
+    for (lease, r) in reports {
+        let r = r.unwrap_or_else(|v| panic!("lease {lease}: {v}"));
+        assert!(r.wake_ups >= 2, "lease {lease}: {r:?}");
+        assert_eq!(r.applied, 4, "lease {lease}: {r:?}");
     }
 }
 
