@@ -15,7 +15,7 @@ mod kill_support;
 mod transport_support;
 
 use std::collections::HashSet;
-use std::path::PathBuf;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use kill_support::{Business, Load, Proc};
@@ -80,7 +80,7 @@ impl PgOutbox {
     }
 
     /// `outbox relay` arguments with the transport from `config` (a file), a 6 s lease.
-    fn relay_args(&self, config: &PathBuf) -> Vec<String> {
+    fn relay_args(&self, config: &Path) -> Vec<String> {
         [
             "--database-url",
             &self.url,
