@@ -285,8 +285,14 @@ pub struct Config {
     pub outbox: OutboxConfig,
     /// `[relay]`
     pub relay: RelayConfig,
+    /// `[transport]`: which broker the relay publishes to.
+    pub transport: TransportSection,
     /// `[kafka]`
     pub kafka: KafkaConfig,
+    /// `[nats]` (read when `transport.kind = "nats"`)
+    pub nats: NatsConfig,
+    /// `[rabbitmq]` (read when `transport.kind = "rabbitmq"`)
+    pub rabbitmq: RabbitConfig,
     /// `[http]`
     pub http: HttpConfig,
     /// `[cleanup]`
@@ -428,6 +434,213 @@ impl Default for RelayConfig {
             shutdown_timeout: Dur::secs(60),
             stats_interval: Dur::secs(5),
         }
+    }
+}
+
+/// The transport the relay publishes through.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum TransportKind {
+    /// Kafka (`[kafka]`), the default.
+    #[default]
+    Kafka,
+    /// NATS JetStream (`[nats]`).
+    Nats,
+    /// RabbitMQ (`[rabbitmq]`).
+    #[serde(rename = "rabbitmq")]
+    RabbitMq,
+}
+
+impl TransportKind {
+    /// The name as written in the configuration.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Kafka => "kafka",
+            Self::Nats => "nats",
+            Self::RabbitMq => "rabbitmq",
+        }
+    }
+}
+
+impl fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// `[transport]`
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
+pub struct TransportSection {
+    /// `kafka` (default), `nats` or `rabbitmq`. Env: `OUTBOX_TRANSPORT__KIND`.
+    pub kind: TransportKind,
+}
+
+/// Where a NATS subject carries the aggregate id (`outbox_nats::SubjectMapping`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SubjectMappingName {
+    /// `<prefix>.<aggregate_type>` (or the route).
+    #[default]
+    AggregateType,
+    /// `<prefix>.<aggregate_type>.<aggregate_id>` (or `<route>.<aggregate_id>`).
+    AggregateTypeAndId,
+}
+
+/// `[nats]`
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
+pub struct NatsConfig {
+    /// Server URLs, comma-separated (required when `transport.kind = "nats"`). Env: `NATS_URL`
+    /// or `OUTBOX_NATS__SERVERS`. Passwords in them are never printed.
+    pub servers: ServerList,
+    /// Subject of aggregate types without a route: `<prefix>.<aggregate_type>`. Default
+    /// `outbox`.
+    pub subject_prefix: String,
+    /// `aggregate_type` (default) or `aggregate_type_and_id`.
+    pub subject_mapping: SubjectMappingName,
+    /// Aggregate type → subject.
+    pub routes: BTreeMap<String, String>,
+    /// From the start of a batch to its last `PubAck`. Default 10 s.
+    pub delivery_timeout: Dur,
+    /// Connecting and each request of the stream check. Default 5 s.
+    pub connect_timeout: Dur,
+}
+
+impl Default for NatsConfig {
+    fn default() -> Self {
+        Self {
+            servers: ServerList::default(),
+            subject_prefix: "outbox".to_owned(),
+            subject_mapping: SubjectMappingName::AggregateType,
+            routes: BTreeMap::new(),
+            delivery_timeout: Dur::secs(10),
+            connect_timeout: Dur::secs(5),
+        }
+    }
+}
+
+/// What a RabbitMQ routing key is (`outbox_rabbitmq::RoutingKey`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RoutingKeyName {
+    /// The aggregate type (or its route).
+    #[default]
+    AggregateType,
+    /// The aggregate id (for an `x-consistent-hash` exchange).
+    AggregateId,
+}
+
+/// The exchange type `check` and the relay expect (`outbox_rabbitmq::ExchangeKind`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExchangeKindName {
+    /// `topic`.
+    #[default]
+    Topic,
+    /// `direct`.
+    Direct,
+    /// `fanout`.
+    Fanout,
+    /// `headers`.
+    Headers,
+    /// `x-consistent-hash`.
+    #[serde(rename = "x-consistent-hash")]
+    ConsistentHash,
+}
+
+/// `[rabbitmq]`
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
+pub struct RabbitConfig {
+    /// AMQP URI (required when `transport.kind = "rabbitmq"`). Env: `AMQP_URL` or
+    /// `OUTBOX_RABBITMQ__URI`. Its password is never printed.
+    pub uri: DatabaseUrl,
+    /// A named, durable exchange. Default `outbox`.
+    pub exchange: String,
+    /// The exchange type expected: `topic` (default), `direct`, `fanout`, `headers`,
+    /// `x-consistent-hash`.
+    pub exchange_kind: ExchangeKindName,
+    /// `aggregate_type` (default) or `aggregate_id`.
+    pub routing_key: RoutingKeyName,
+    /// Aggregate type → routing key.
+    pub routes: BTreeMap<String, String>,
+    /// From the start of a batch to its last confirm. Default 10 s.
+    pub delivery_timeout: Dur,
+    /// Connecting and each request of the exchange check. Default 5 s.
+    pub connect_timeout: Dur,
+    /// Larger messages fail as `record_too_large` before they are sent. Default 16 MiB.
+    pub max_message_bytes: usize,
+}
+
+impl Default for RabbitConfig {
+    fn default() -> Self {
+        Self {
+            uri: DatabaseUrl::default(),
+            exchange: "outbox".to_owned(),
+            exchange_kind: ExchangeKindName::Topic,
+            routing_key: RoutingKeyName::AggregateType,
+            routes: BTreeMap::new(),
+            delivery_timeout: Dur::secs(10),
+            connect_timeout: Dur::secs(5),
+            max_message_bytes: 16 * 1024 * 1024,
+        }
+    }
+}
+
+/// Comma-separated server URLs that may carry passwords: shown only with each password
+/// replaced by `***`.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct ServerList(String);
+
+impl ServerList {
+    /// Wraps a list.
+    pub fn new(v: impl Into<String>) -> Self {
+        Self(v.into())
+    }
+    /// The list, for the connection only.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+    /// Whether no server is configured.
+    pub fn is_empty(&self) -> bool {
+        self.0.trim().is_empty()
+    }
+    /// Each URL redacted.
+    pub fn redacted(&self) -> String {
+        self.0
+            .split(',')
+            .map(|u| redact_url(u.trim()))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+}
+
+impl fmt::Debug for ServerList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", self.redacted())
+    }
+}
+
+impl fmt::Display for ServerList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.redacted())
+    }
+}
+
+impl Serialize for ServerList {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.redacted())
+    }
+}
+
+impl<'de> Deserialize<'de> for ServerList {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(Self(Scalar::deserialize(d)?.0))
     }
 }
 
@@ -754,6 +967,16 @@ impl Config {
                     .only(&["KAFKA_BROKERS"])
                     .map(|_| "kafka.brokers".into()),
             )
+            .merge(
+                Env::raw()
+                    .only(&["NATS_URL"])
+                    .map(|_| "nats.servers".into()),
+            )
+            .merge(
+                Env::raw()
+                    .only(&["AMQP_URL"])
+                    .map(|_| "rabbitmq.uri".into()),
+            )
             // Only nested keys (`OUTBOX_RELAY__WORKERS`): other `OUTBOX_*` variables (test
             // switches, `OUTBOX_CONFIG`) are not configuration keys.
             .merge(
@@ -856,7 +1079,9 @@ impl Config {
                 "set cleanup.batch_size (e.g. 1000)",
             ));
         }
-        Ok(())
+        // Only the chosen transport's section must be complete: a `[nats]` section beside
+        // `kind = "kafka"` is kept for a later switch.
+        crate::transport::validate(self)
     }
 
     /// The database URL, or a configuration error saying how to set it.

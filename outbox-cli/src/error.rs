@@ -4,9 +4,9 @@
 //! |---|---|---|
 //! | 0 | success; for the relay: stopped by SIGTERM/SIGINT with nothing left for an operator (retries, transport deferrals and store errors that recovered during the run are not failures of the run) | nothing; restart it if it should run |
 //! | 1 | the command ran and found a problem: `check` violations, `reconcile` mismatches, an operator action refused by the store; for the relay: stopped by a signal after it parked events in this run that are still parked, or while it was still failing (database or broker unreachable, a worker that did not finish) | restart it (safe: nothing is lost) and alert a human: `outbox parked list`, `outbox status` |
-//! | 2 | bad usage or configuration (flags, file, environment, values), checked before any service is contacted | do not restart in a loop: the same configuration fails the same way; alert a human to fix it |
-//! | 3 | a service is unreachable (database or broker): host, port and cause are named | restart with a growing backoff; alert if it lasts |
-//! | 4 | the database is reachable but not ready: schema missing or out of date (`outbox migrate`), a missing privilege (the exact `GRANT` statements are printed), a missing topic; for the relay also a permanent store error while running (table dropped, privilege revoked) | do not restart in a loop: run the printed fix (migrate, grant, create the topic), then restart |
+//! | 2 | bad usage or configuration (flags, file, environment, values; an unknown `transport.kind`, the chosen transport's address missing or not a URL), checked before any service is contacted | do not restart in a loop: the same configuration fails the same way; alert a human to fix it |
+//! | 3 | a service is unreachable (database, or the transport's broker: Kafka, NATS, RabbitMQ): host, port and cause are named | restart with a growing backoff; alert if it lasts |
+//! | 4 | the database is reachable but not ready: schema missing or out of date (`outbox migrate`), a missing privilege (the exact `GRANT` statements are printed), a missing topic, a NATS subject no stream captures, a RabbitMQ exchange missing or not durable or of another type; for the relay also a permanent store error while running (table dropped, privilege revoked) | do not restart in a loop: run the printed fix (migrate, grant, create the topic), then restart |
 //! | 5 | not used (earlier versions: "not available yet", for consumer-side parking, which exists now) | |
 //! | 6 | aborted: a confirmation was declined | |
 

@@ -1,10 +1,13 @@
 //! # outbox-cli: the `outbox` command
 //!
-//! The command teams deploy to operate a transactional outbox on PostgreSQL and Kafka: schema
-//! migrations, the relay daemon with `/metrics`, `/healthz` and `/readyz`, status, parked events,
-//! replay, cleanup, configuration checks and reconciliation. A library with the commands
-//! ([`commands`]) plus a thin binary (`src/bin/outbox.rs`), on the model of sqlx-cli; it depends
-//! on `outbox-core`, `outbox-postgres`, `outbox-kafka` and `outbox-inbox`, never on the testkit.
+//! The command teams deploy to operate a transactional outbox on PostgreSQL (or MySQL /
+//! MariaDB) and Kafka, NATS JetStream or RabbitMQ (`[transport] kind`, see [`transport`]):
+//! schema migrations, the relay daemon with `/metrics`, `/healthz` and `/readyz`, status, parked
+//! events, replay, cleanup, configuration checks and reconciliation. A library with the
+//! commands ([`commands`]) plus a thin binary (`src/bin/outbox.rs`), on the model of sqlx-cli;
+//! it depends on `outbox-core`, the store crates, `outbox-kafka`, `outbox-nats` and
+//! `outbox-rabbitmq` (cargo features `nats` and `rabbitmq`, on by default) and `outbox-inbox`,
+//! never on the testkit.
 //!
 //! ```sh
 //! cargo install --path outbox-cli
@@ -35,6 +38,7 @@ pub mod mysql;
 pub mod opt;
 pub mod output;
 pub mod store;
+pub mod transport;
 pub mod trend;
 
 use serde_json::{json, Map, Value};
@@ -96,7 +100,10 @@ fn overrides(g: &GlobalOpts, command: &Command) -> Value {
             set(&["outbox", "lease"], json!(v));
         }
         if let Some(v) = &r.delivery_timeout {
-            set(&["kafka", "delivery_timeout"], json!(v));
+            // The chosen transport's; the others' are not read.
+            for section in ["kafka", "nats", "rabbitmq"] {
+                set(&[section, "delivery_timeout"], json!(v));
+            }
         }
         for (k, v) in &r.producer_properties {
             set(&["kafka", "producer", k], json!(v));
@@ -134,11 +141,15 @@ pub async fn run(opt: Opt) -> u8 {
         Err(e) => return report(&e, json),
     };
     let level_given = opt.global.log_level.is_some() || !config.log.level.eq("info");
-    // librdkafka repeats a connection failure every few hundred milliseconds; the relay logs
-    // broker state changes itself (circuit breaker, readiness), once each.
+    // librdkafka repeats a connection failure every few hundred milliseconds, and the adapters
+    // log each destination check (run for /readyz every stats interval); the relay logs broker
+    // state changes itself (circuit breaker, readiness), once each, and the start-up warnings.
     let default_level = match opt.command {
-        Command::Relay(_) => "info,librdkafka=off,outbox_kafka::publisher=error",
-        _ => "warn,librdkafka=off,outbox_kafka=error",
+        Command::Relay(_) => {
+            "info,librdkafka=off,outbox_kafka::publisher=error,outbox_nats::publisher=error,\
+             outbox_rabbitmq::publisher=error"
+        }
+        _ => "warn,librdkafka=off,outbox_kafka=error,outbox_nats=error,outbox_rabbitmq=error",
     };
     logging::init(&config.log, level_given, default_level);
     let out = output::Output::new(json, &config.log.color);

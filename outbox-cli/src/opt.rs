@@ -106,7 +106,8 @@ pub struct RelayOpts {
     /// Lease duration, e.g. 45s.
     #[arg(long)]
     pub lease: Option<String>,
-    /// Producer delivery timeout, e.g. 30s.
+    /// Delivery timeout of the transport (`kafka.`, `nats.` or `rabbitmq.delivery_timeout`),
+    /// e.g. 30s.
     #[arg(long)]
     pub delivery_timeout: Option<String>,
     /// Extra producer property `key=value` (repeatable; allow-listed).

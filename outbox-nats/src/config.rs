@@ -154,6 +154,16 @@ impl NatsPublisherConfig {
         if self.servers.trim().is_empty() {
             return Err(ConfigError::new("servers must not be empty"));
         }
+        for server in self.servers.split(',').map(str::trim) {
+            // Parsed as the client parses it when it connects, so a malformed URL is a
+            // configuration error before anything touches the network.
+            if let Err(e) = server.parse::<async_nats::ServerAddr>() {
+                return Err(ConfigError::new(format!(
+                    "servers: {:?} is not a NATS server URL: {e}",
+                    redact_urls(server)
+                )));
+            }
+        }
         validate_subject("subject_prefix", &self.subject_prefix)?;
         for (aggregate_type, subject) in &self.aggregate_routes {
             if aggregate_type.trim().is_empty() {
@@ -360,6 +370,14 @@ mod tests {
                 "subject_prefix",
             ),
             (crate::NatsPublisher::builder(" ", "outbox"), "servers"),
+            (
+                crate::NatsPublisher::builder("http://u:pw@h:4222", "outbox"),
+                "not a NATS server URL",
+            ),
+            (
+                crate::NatsPublisher::builder("nats://h:99999", "outbox"),
+                "not a NATS server URL",
+            ),
         ];
         for (b, expected) in cases {
             let err = b.build().expect_err(expected).to_string();

@@ -162,6 +162,14 @@ impl RabbitPublisherConfig {
         if self.uri.trim().is_empty() {
             return Err(ConfigError::new("uri must not be empty"));
         }
+        // Parsed as lapin parses it when it connects, so a malformed URI is a configuration
+        // error before anything touches the network.
+        if let Err(e) = self.uri.parse::<lapin::uri::AMQPUri>() {
+            return Err(ConfigError::new(format!(
+                "uri {:?} is not an AMQP URI: {e}",
+                redact_uri(&self.uri)
+            )));
+        }
         if self.exchange.is_empty() {
             return Err(ConfigError::new(
                 "exchange: the default exchange (\"\") cannot be checked for durability and \
@@ -328,6 +336,14 @@ mod tests {
                 "predefined",
             ),
             (crate::RabbitPublisher::builder(" ", "x"), "uri"),
+            (
+                crate::RabbitPublisher::builder("http://u:pw@h:5672/%2f", "x"),
+                "not an AMQP URI",
+            ),
+            (
+                crate::RabbitPublisher::builder("amqp://h:99999/%2f", "x"),
+                "not an AMQP URI",
+            ),
             (
                 builder().delivery_timeout(Duration::ZERO),
                 "delivery timeout",

@@ -2,7 +2,14 @@
 //!
 //! | check | violation (exit 1) | warning |
 //! |---|---|---|
-//! | `producer` | a producer property the publisher refuses (idempotence, acks, in-flight, a keyless partitioner, anything off the allow-list) | |
+//! | `transport` | | (always ok: names the transport, its address and destinations) |
+//! | `publisher` (NATS, RabbitMQ) | a `[nats]` / `[rabbitmq]` value the adapter refuses | |
+//! | `stream` (NATS) | no stream captures a subject space, or the server does not answer | |
+//! | `duplicate_window` (NATS) | | a stream's duplicate window shorter than the claim (`outbox.lease`, or `locked_max_hold`): re-sends stored twice |
+//! | `storage`, `replication`, `stream_retention` (NATS) | | memory storage; one replica; interest or work-queue retention |
+//! | `exchange` (RabbitMQ) | missing, not durable or of another type than `rabbitmq.exchange_kind`, or the broker does not answer | |
+//! | `confirms` (RabbitMQ) | | (ok: publisher confirms and mandatory routing, always on) |
+//! | `producer` (Kafka) | a producer property the publisher refuses (idempotence, acks, in-flight, a keyless partitioner, anything off the allow-list) | |
 //! | `lease` | lease (or locked_max_hold) not above delivery timeout + lease margin (twice that in locked mode with prefetch) | |
 //! | `database` | unreachable, schema missing or outdated, privileges missing | |
 //! | `topic` | a topic missing | |
@@ -22,7 +29,7 @@ use outbox_core::{ClaimMode, MAX_LEASE};
 use serde::Serialize;
 use serde_json::json;
 
-use crate::config::{ClaimModeName, Config};
+use crate::config::{ClaimModeName, Config, TransportKind};
 use crate::db;
 use crate::error::{CliError, ErrorKind};
 use crate::opt::CheckOpts;
@@ -74,6 +81,31 @@ fn dur(d: Duration) -> String {
 /// The checks that need no connection.
 pub fn static_checks(config: &Config) -> Vec<Finding> {
     let mut out = Vec::new();
+    out.push(f(
+        "transport",
+        Severity::Ok,
+        crate::transport::describe(config),
+        None,
+    ));
+    let delivery = match config.transport.kind {
+        #[cfg(feature = "nats")]
+        TransportKind::Nats => crate::transport::nats_static(config, &mut out),
+        #[cfg(feature = "rabbitmq")]
+        TransportKind::RabbitMq => crate::transport::rabbit_static(config, &mut out),
+        _ => kafka_static(config, &mut out),
+    };
+    claim_checks(config, delivery, &mut out);
+    // The outbox's retention against the replay window, by the library's rule (no topic or
+    // dedup window involved, so it holds without a broker).
+    let outbox_only = RetentionCheck::new(None, TopicRetention::Unlimited)
+        .replay_window(config.retention.replay_window.0)
+        .outbox_retention(Some(config.cleanup.retention.0));
+    retention_findings(&outbox_only, "outbox", None, &mut out);
+    out
+}
+
+/// The Kafka producer's safety (allow-list, guarded values); returns its delivery timeout.
+fn kafka_static(config: &Config, out: &mut Vec<Finding>) -> Duration {
     let k = &config.kafka;
     // Producer safety: the publisher's own build applies the allow-list and the guarded values.
     let mut b = outbox_kafka::KafkaPublisher::builder(
@@ -91,7 +123,7 @@ pub fn static_checks(config: &Config) -> Vec<Finding> {
     for (key, v) in &k.producer.0 {
         b = b.set(key, v);
     }
-    let delivery = match b.config().partitioner() {
+    match b.config().partitioner() {
         Err(e) => {
             out.push(f(
                 "producer",
@@ -125,7 +157,11 @@ pub fn static_checks(config: &Config) -> Vec<Finding> {
                 k.delivery_timeout.0
             }
         },
-    };
+    }
+}
+
+/// The lease (or the locked claim's hold) against the transport's delivery timeout.
+fn claim_checks(config: &Config, delivery: Duration, out: &mut Vec<Finding>) {
     let margin = config.relay.lease_margin.0;
     let need = delivery + margin;
     match config.outbox.claim_mode {
@@ -147,7 +183,7 @@ pub fn static_checks(config: &Config) -> Vec<Finding> {
                     dur(delivery),
                     dur(margin)
                 ),
-                Some("raise outbox.lease above the sum, or lower kafka.delivery_timeout"),
+                Some("raise outbox.lease above the sum, or lower the transport's delivery_timeout"),
             )),
             Ok(_) => out.push(f(
                 "lease",
@@ -173,7 +209,7 @@ pub fn static_checks(config: &Config) -> Vec<Finding> {
                         "outbox.locked_max_hold {} does not outlive {claims} x (delivery timeout {} + margin {})",
                         config.outbox.locked_max_hold, dur(delivery), dur(margin)
                     ),
-                    Some("raise outbox.locked_max_hold, lower kafka.delivery_timeout, or set relay.prefetch = false"),
+                    Some("raise outbox.locked_max_hold, lower the transport's delivery_timeout, or set relay.prefetch = false"),
                 ));
             } else {
                 out.push(f(
@@ -188,13 +224,6 @@ pub fn static_checks(config: &Config) -> Vec<Finding> {
             }
         }
     }
-    // The outbox's retention against the replay window, by the library's rule (no topic or
-    // dedup window involved, so it holds without a broker).
-    let outbox_only = RetentionCheck::new(None, TopicRetention::Unlimited)
-        .replay_window(config.retention.replay_window.0)
-        .outbox_retention(Some(config.cleanup.retention.0));
-    retention_findings(&outbox_only, "outbox", None, &mut out);
-    out
 }
 
 /// Runs `outbox check`.
@@ -225,7 +254,13 @@ pub async fn run(config: &Config, opts: &CheckOpts, out: &Output) -> Result<(), 
         }
     }
     if !opts.no_broker {
-        broker_checks(config, &recorded, &mut findings).await;
+        match config.transport.kind {
+            #[cfg(feature = "nats")]
+            TransportKind::Nats => crate::transport::nats_checks(config, &mut findings).await,
+            #[cfg(feature = "rabbitmq")]
+            TransportKind::RabbitMq => crate::transport::rabbit_checks(config, &mut findings).await,
+            _ => broker_checks(config, &recorded, &mut findings).await,
+        }
     }
     let ok = !findings.iter().any(|x| x.severity == Severity::Error);
     if out.json {

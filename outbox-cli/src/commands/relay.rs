@@ -35,8 +35,8 @@ use chrono::Utc;
 use outbox_core::backpressure::{BacklogSnapshot, Backpressure, BackpressurePolicy};
 use outbox_core::prelude::*;
 use outbox_core::{
-    async_trait, Classify, ErrorClass, Relay, RelayConfig, RetryPolicy, StoreError, StoreErrorKind,
-    SystemClock,
+    async_trait, Classify, ErrorClass, Publisher, Relay, RelayConfig, RetryPolicy, StoreError,
+    StoreErrorKind, SystemClock,
 };
 use outbox_kafka::KafkaPublisher;
 use outbox_mysql::MySqlOutboxStore;
@@ -54,6 +54,7 @@ use crate::error::CliError;
 use crate::health::Health;
 use crate::metered::MeteredStore;
 use crate::output::Output;
+use crate::transport::{AnyPublisher, Transport};
 use crate::trend::BacklogTrend;
 
 /// Totals over the daemon's life, shared by the workers.
@@ -208,15 +209,17 @@ async fn run_postgres(config: &Config, out: &Output, pool_size: u32) -> Result<(
         .recorded_topics()
         .await
         .map_err(|e| CliError::from_store(&e, &table))?;
-    let publisher = Arc::new(crate::kafka::start_publisher(config, &recorded).await?);
-    record_topics(&store, &publisher, &table).await?;
+    let transport = crate::transport::start(config, &recorded).await?;
+    if let Some(kafka) = transport.kafka() {
+        record_topics(&store, kafka, &table).await?;
+    }
     let listen = store.clone();
     let listen_table = table.clone();
     daemon(
         config,
         out,
         store,
-        publisher,
+        transport,
         target.to_string(),
         table,
         move |wake| {
@@ -245,13 +248,13 @@ async fn run_mysql(config: &Config, out: &Output, pool_size: u32) -> Result<(), 
     for warning in crate::mysql::durability_decision(&report)? {
         warn!("{warning}");
     }
-    // No recorded topic facts on MySQL: the publisher compares the broker with none.
-    let publisher = Arc::new(crate::kafka::start_publisher(config, &[]).await?);
+    // No recorded topic facts on MySQL: a Kafka publisher compares the broker with none.
+    let transport = crate::transport::start(config, &[]).await?;
     daemon(
         config,
         out,
         store,
-        publisher,
+        transport,
         target.to_string(),
         table,
         |_| {
@@ -273,17 +276,18 @@ async fn daemon<S: DaemonStore>(
     config: &Config,
     out: &Output,
     store: S,
-    publisher: Arc<KafkaPublisher>,
+    transport: Transport,
     target: String,
     table: String,
     listen: impl FnOnce(Arc<Notify>) -> Result<Option<JoinHandle<()>>, CliError>,
 ) -> Result<(), CliError> {
     let workers = config.relay.workers;
-    info!(database = %target, outbox = %table, brokers = %config.kafka.brokers, topics = ?config.topics(), workers, "relay starting");
+    let transport_line = crate::transport::describe(config);
+    info!(database = %target, outbox = %table, transport = %transport_line, workers, "relay starting");
 
     let health = Health::default();
     health.database(true, format!("{target}: schema and privileges in place"));
-    health.broker(true, format!("{}: topics present", config.kafka.brokers));
+    health.broker(true, format!("{transport_line}: destinations present"));
     let prometheus = crate::metrics::install()?;
     let http = if config.http.enabled {
         let (addr, task) =
@@ -301,7 +305,7 @@ async fn daemon<S: DaemonStore>(
         relays.push(build_relay(
             config,
             &store,
-            &publisher,
+            transport.worker_publisher(w)?,
             &format!("{owner}-{w}"),
         )?);
     }
@@ -328,7 +332,7 @@ async fn daemon<S: DaemonStore>(
 
     let gate = Arc::new(Backpressure::new(backpressure_policy(config)));
     let broker_watch = tokio::spawn(watch_broker(
-        publisher.clone(),
+        Arc::new(transport),
         health.clone(),
         config.clone(),
         stop_rx.clone(),
@@ -462,8 +466,14 @@ async fn daemon<S: DaemonStore>(
 /// delivery timeout, checked by the very constructors the running relay uses, on a database
 /// pool that has not connected and a producer that has not contacted the broker.
 fn validate_offline<S: DaemonStore>(config: &Config, store: S) -> Result<(), CliError> {
-    let publisher = Arc::new(crate::kafka::build_publisher(config)?);
-    build_relay(config, &store, &publisher, &config.owner()).map(drop)
+    let delivery = crate::transport::validate_offline(config)?;
+    build_relay(
+        config,
+        &store,
+        crate::transport::OfflinePublisher(delivery),
+        &config.owner(),
+    )
+    .map(drop)
 }
 
 /// Exit 1 after a signal when the run left something for an operator: events it parked that
@@ -528,14 +538,14 @@ async fn record_topics(
         .map_err(|e| CliError::from_store(&e, table))
 }
 
-type CliRelay<S> = Relay<MeteredStore<S>, Arc<KafkaPublisher>>;
+type CliRelay<S> = Relay<MeteredStore<S>, AnyPublisher>;
 
-fn build_relay<S: DaemonStore>(
+fn build_relay<S: DaemonStore, P: Publisher>(
     config: &Config,
     store: &S,
-    publisher: &Arc<KafkaPublisher>,
+    publisher: P,
     owner: &str,
-) -> Result<CliRelay<S>, CliError> {
+) -> Result<Relay<MeteredStore<S>, P>, CliError> {
     let r = &config.relay;
     let retry = RetryPolicy::builder()
         .base(r.retry_base.0)
@@ -555,7 +565,7 @@ fn build_relay<S: DaemonStore>(
         .map_err(|e| CliError::config(format!("[relay]: {}", e.0), "fix [relay]"))?;
     Relay::new(
         MeteredStore(store.clone()),
-        publisher.clone(),
+        publisher,
         relay_config,
         Arc::new(SystemClock),
         Box::new(StdRng::from_os_rng()),
@@ -564,8 +574,9 @@ fn build_relay<S: DaemonStore>(
         CliError::config(
             format!("relay configuration refused: {}", e.0),
             "the lease (outbox.lease, lease mode) or outbox.locked_max_hold (locked mode) must \
-             outlive kafka.delivery_timeout plus relay.lease_margin: raise the lease or lower \
-             the delivery timeout",
+             outlive the transport's delivery timeout (kafka.delivery_timeout, \
+             nats.delivery_timeout or rabbitmq.delivery_timeout) plus relay.lease_margin: raise \
+             the lease or lower the delivery timeout",
         )
     })
 }
@@ -786,13 +797,14 @@ async fn monitor<S: DaemonStore>(
     }
 }
 
-/// Keeps the broker's side of `/readyz` to what the relay sees now: the topics are checked
-/// through the admin API every `relay.stats_interval` (each check bounded by
-/// `kafka.metadata_timeout`), in a task of its own so that a broker that does not answer
-/// delays neither the backlog gauges nor the database's readiness. An outage shows within one
-/// interval plus the metadata timeout, and so does the return of the broker or of its topics.
+/// Keeps the broker's side of `/readyz` to what the relay sees now: the transport's
+/// destinations (Kafka topics through the admin API, NATS streams through the JetStream API,
+/// the RabbitMQ exchange through a passive declare) are checked every `relay.stats_interval`,
+/// each check bounded, in a task of its own so that a broker that does not answer delays
+/// neither the backlog gauges nor the database's readiness. An outage shows within one
+/// interval plus the bound, and so does the return of the broker or of its destinations.
 async fn watch_broker(
-    publisher: Arc<KafkaPublisher>,
+    transport: Arc<Transport>,
     health: Health,
     config: Config,
     mut stop: watch::Receiver<bool>,
@@ -802,19 +814,19 @@ async fn watch_broker(
         .stats_interval
         .0
         .max(Duration::from_millis(100));
-    let bound = config.kafka.metadata_timeout.0 + Duration::from_secs(1);
+    let bound = crate::transport::check_bound(&config);
+    let target = crate::transport::describe(&config);
     loop {
-        let check = tokio::time::timeout(bound, publisher.check_topics()).await;
+        let check = tokio::time::timeout(bound, transport.health(&config)).await;
         let was_ok = health.get().broker.ok;
         match check {
-            Ok(Ok(_)) => {
+            Ok(Ok(detail)) => {
                 if !was_ok {
-                    info!("broker reachable and topics present again; /readyz reports ready");
+                    info!("broker reachable and destinations present again; /readyz reports ready");
                 }
-                health.broker(true, "reachable; topics present");
+                health.broker(true, detail);
             }
-            Ok(Err(e)) => {
-                let err = crate::kafka::topic_error(&e, &config.kafka.brokers);
+            Ok(Err(err)) => {
                 if was_ok {
                     warn!(error = %err.message, "broker check failed; /readyz reports the broker");
                 }
@@ -827,8 +839,7 @@ async fn watch_broker(
                 health.broker(
                     false,
                     format!(
-                        "no answer from the broker(s) at {} within {}",
-                        config.kafka.brokers,
+                        "no answer from {target} within {}",
                         humantime::format_duration(bound)
                     ),
                 );

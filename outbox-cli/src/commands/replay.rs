@@ -124,7 +124,11 @@ async fn replay<S: ReportingStore>(
         opts.yes,
     )?;
     let recorded = recorded.await?;
-    let publisher = crate::kafka::start_publisher(config, &recorded).await?;
+    // Through the configured transport. On NATS a replay inside the stream's duplicate
+    // window is dropped by the server as a re-send of the same `Nats-Msg-Id` (event id).
+    let publisher = crate::transport::start(config, &recorded)
+        .await?
+        .worker_publisher(0)?;
     let replay_id = uuid::Uuid::new_v4().to_string();
     let bar = out.progress(matched, "replay");
     let (mut replayed, mut after) = (0u64, None);

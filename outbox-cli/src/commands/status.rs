@@ -10,7 +10,7 @@ use outbox_core::prelude::*;
 use outbox_core::{InboxParking, LatencySummary, OutboxStats};
 use serde_json::{json, Value};
 
-use crate::config::{Config, ConsumerConfig};
+use crate::config::{Config, ConsumerConfig, TransportKind};
 use crate::consumer_inbox::{on_inbox, ConsumerInbox};
 use crate::db;
 use crate::error::CliError;
@@ -148,6 +148,7 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
     }
     let doc = json!({
         "database": target,
+        "transport": crate::transport::describe_json(config),
         "outbox": {"schema": config.outbox.schema, "table": config.outbox.table},
         "backlog": {
             "unpublished": stats.unpublished,
@@ -269,6 +270,7 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
         ],
     ];
     println!("outbox {table} on {target}");
+    println!("transport: {}", crate::transport::describe(config));
     println!("{}", out.table(&["", "value"], rows));
     if !consumers.is_empty() {
         let rows = consumers
@@ -337,7 +339,16 @@ async fn consumer_status(
     } else {
         c.topics.clone()
     };
-    let (lag, partitions, lag_error) = if no_broker || config.kafka.brokers.trim().is_empty() {
+    let (lag, partitions, lag_error) = if config.transport.kind != TransportKind::Kafka {
+        (
+            None,
+            Vec::new(),
+            Some(format!(
+                "not read: consumer lag is read from Kafka consumer groups only (transport {})",
+                config.transport.kind
+            )),
+        )
+    } else if no_broker || config.kafka.brokers.trim().is_empty() {
         (None, Vec::new(), Some("not read (no broker)".to_owned()))
     } else {
         match crate::kafka::consumer_lag(config, c.group(), &topics).await {

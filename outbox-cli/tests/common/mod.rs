@@ -67,6 +67,25 @@ impl TestEnv {
         })
     }
 
+    /// Like [`new`](Self::new) without Kafka: for the relay on another transport
+    /// (`KAFKA_BROKERS` is left empty; the test sets `[transport]` in the environment).
+    pub async fn without_kafka(test: &str) -> Option<Self> {
+        let url = outbox_test_support::database_url(test)?;
+        let schema = outbox_test_support::unique("cli");
+        let topic = schema.replace('_', "-");
+        let pool = PgPool::connect(&url).await.expect("PostgreSQL");
+        let dir = std::env::temp_dir().join(&schema);
+        std::fs::create_dir_all(&dir).unwrap();
+        Some(Self {
+            url,
+            brokers: String::new(),
+            schema,
+            topic,
+            pool,
+            dir,
+        })
+    }
+
     /// The `outbox` binary with this test's database, broker, schema and topic in its
     /// environment, run in an empty directory (no `outbox.toml`). `OUTBOX_TEST_BIN` names
     /// another build of the binary to run instead (e.g. an earlier commit's, to see a new test
@@ -85,6 +104,8 @@ impl TestEnv {
             .env("OUTBOX_OUTBOX__SCHEMA", &self.schema)
             .env("OUTBOX_KAFKA__TOPIC", &self.topic)
             .env("OUTBOX_KAFKA__DELIVERY_TIMEOUT", "5s")
+            .env("OUTBOX_NATS__DELIVERY_TIMEOUT", "5s")
+            .env("OUTBOX_RABBITMQ__DELIVERY_TIMEOUT", "5s")
             .env("OUTBOX_OUTBOX__LEASE", "10s")
             .env("OUTBOX_RELAY__STATS_INTERVAL", "200ms")
             .env("OUTBOX_RELAY__IDLE_MAX", "100ms")

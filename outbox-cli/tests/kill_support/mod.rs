@@ -217,15 +217,36 @@ pub fn relay_args(database: &[&str], brokers: &str, topic: &str) -> Vec<String> 
     args
 }
 
-/// Runs the load with kills for the chaos duration, drains, and checks every invariant.
-pub async fn run(
-    system: &impl System,
-    mut procs: Vec<Proc>,
-    brokers: &str,
-    topic: &str,
+/// What the load needs of a store: the business transaction.
+#[async_trait]
+pub trait Business: Sync {
+    /// As [`System::business`].
+    async fn business(&self, event: &Envelope, rollback: bool);
+}
+
+#[async_trait]
+impl<T: System> Business for T {
+    async fn business(&self, event: &Envelope, rollback: bool) {
+        System::business(self, event, rollback).await
+    }
+}
+
+/// What the load did: the committed events (id, aggregate, version) in commit order and the
+/// rolled-back ones.
+pub struct Load {
+    pub committed: Vec<(EventId, String, i64)>,
+    pub rolled_back: HashSet<EventId>,
+}
+
+/// Runs business transactions (a tenth rolled back) over [`AGGREGATES`] aggregates for the
+/// chaos duration, killing one of `procs` with SIGKILL and restarting it at seeded random
+/// moments.
+pub async fn load_with_kills(
+    system: &impl Business,
+    procs: &mut [Proc],
     seed: u64,
     chaos: Duration,
-) {
+) -> Load {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut versions: HashMap<String, i64> = HashMap::new();
     let mut committed: Vec<(EventId, String, i64)> = vec![];
@@ -242,7 +263,7 @@ pub async fn run(
             .build()
             .unwrap();
         let rollback = rng.random_bool(0.1);
-        system.business(&e, rollback).await;
+        Business::business(system, &e, rollback).await;
         if rollback {
             rolled_back.insert(e.event_id);
         } else {
@@ -267,6 +288,25 @@ pub async fn run(
         committed.len(),
         rolled_back.len()
     );
+    Load {
+        committed,
+        rolled_back,
+    }
+}
+
+/// Runs the load with kills for the chaos duration, drains, and checks every invariant.
+pub async fn run(
+    system: &impl System,
+    mut procs: Vec<Proc>,
+    brokers: &str,
+    topic: &str,
+    seed: u64,
+    chaos: Duration,
+) {
+    let Load {
+        committed,
+        rolled_back,
+    } = load_with_kills(system, &mut procs, seed, chaos).await;
 
     // Drain: everything published and applied.
     let deadline = Instant::now() + Duration::from_secs(120);
