@@ -552,51 +552,6 @@ async fn a_locked_completion_never_waits_on_another_locked_claim() {
     ctx.drop().await;
 }
 
-/// Two locked claims over a small table complete at the same time. The optimizer scans a
-/// small table whole for a joined `UPDATE` whatever its `IN (..)` list (MariaDB 10.11: 12
-/// state rows, 5 keys), and a multi-table `UPDATE` waits on every row it reads: each
-/// completion waited on the other claim's state and event rows, a deadlock (1213) that rolled
-/// one of the claims back (seen in the randomized locked run). The joined `UPDATE`s name the
-/// primary key (`FORCE INDEX (PRIMARY)`): both complete, each on its own rows.
-#[tokio::test]
-async fn locked_completions_over_a_small_table_never_wait_on_each_other() {
-    let ctx = ctx!(10);
-    let a = ctx.store(ClaimMode::LockedTransaction).await;
-    let b = ctx.store(ClaimMode::LockedTransaction).await;
-    let evs: Vec<Envelope> = (0..12).map(|i| event(&format!("small{i:02}"), 1)).collect();
-    common::append(&ctx, &a, &evs).await;
-    for v in 2..=3 {
-        let next: Vec<Envelope> = (0..12).map(|i| event(&format!("small{i:02}"), v)).collect();
-        let ca = claim(&a, "relay-a", 5).await;
-        let cb = claim(&b, "relay-b", 7).await;
-        assert_eq!((ca.records.len(), cb.records.len()), (5, 7));
-        let outs = |batch: &outbox_core::ClaimedBatch| -> Vec<Outcome> {
-            batch
-                .records
-                .iter()
-                .enumerate()
-                .map(|(i, r)| published(&r.envelope, i as i64))
-                .collect()
-        };
-        let (oa, ob) = (outs(&ca), outs(&cb));
-        let (ra, rb) = tokio::time::timeout(Duration::from_secs(20), async {
-            tokio::join!(a.complete(&ca.handle, &oa), b.complete(&cb.handle, &ob))
-        })
-        .await
-        .expect("a locked completion waited on the other claim's rows");
-        assert_eq!(ra.expect("completion of A").applied, 5);
-        assert_eq!(rb.expect("completion of B").applied, 7);
-        for i in 0..12 {
-            assert_eq!(
-                last_version(&ctx, &format!("small{i:02}")).await,
-                Some(v - 1)
-            );
-        }
-        common::append(&ctx, &a, &next).await;
-    }
-    ctx.drop().await;
-}
-
 /// A batch whose acknowledgements together exceed the server's `max_allowed_packet` (16 MiB
 /// by default; 2,000 publications with 9,000-byte topics: 18 MB) completes: the per-row
 /// statements never came near the limit, a single JSON document of them all would be
