@@ -86,7 +86,11 @@ impl MySqlOutboxStore {
             state = t.state,
             events = t.events,
         );
-        for attempt in 0..3 {
+        // Each duplicate is a row another transaction committed meanwhile, which the next
+        // attempt sees as existing: one attempt per aggregate (at most one per row) and one
+        // more end it, however many other claims create these rows at the same time.
+        let attempts = ids.len() + 1;
+        for attempt in 1..=attempts {
             let mut q = sqlx::query(&sql);
             for id in ids {
                 q = q.bind(id);
@@ -95,7 +99,7 @@ impl MySqlOutboxStore {
                 Ok(_) => return Ok(()),
                 // Another transaction inserted one of them meanwhile: the statement was rolled
                 // back alone; the next attempt sees that row as existing.
-                Err(e) if is_duplicate(&e) && attempt < 2 => continue,
+                Err(e) if is_duplicate(&e) && attempt < attempts => continue,
                 Err(e) => return Err(db(e)),
             }
         }

@@ -1,0 +1,248 @@
+//! Adversarial checks of the MySQL/MariaDB store's lock-first claim and its one-statement
+//! lease write, head probes and completions (the `mysql-drain` rewrite), against the real
+//! server: interleavings forced with held transactions on other connections, waited for in
+//! `information_schema`.
+//!
+//! Each test uses its own database. Needs MySQL/MariaDB at `MYSQL_URL`; see `common`.
+
+mod common;
+
+use std::time::Duration;
+
+use outbox_core::prelude::*;
+use outbox_core::{ClaimMode, Envelope};
+use sqlx::Executor;
+
+use common::{claim, event, lease, published};
+
+/// `maybe_delivered` of an event's row.
+async fn maybe_delivered(ctx: &common::Ctx, e: &Envelope) -> bool {
+    sqlx::query_scalar::<_, bool>(&format!(
+        "SELECT maybe_delivered FROM {} WHERE event_id = ?",
+        ctx.table("outbox_events")
+    ))
+    .bind(e.event_id.as_uuid())
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap()
+}
+
+/// A lease that ended without outcome or release may have sent its row: the claim that takes
+/// the row over hands it out as maybe sent before and records that in the row (the lease
+/// write's `resend` column), so it stays known after that claim is released.
+#[tokio::test]
+async fn a_taken_over_lease_marks_the_row_maybe_delivered_for_good() {
+    let ctx = ctx!(6);
+    let a = ctx.store(lease(0.3)).await;
+    let b = ctx.store(lease(30.0)).await;
+    let e = event("resend", 1);
+    common::append(&ctx, &a, std::slice::from_ref(&e)).await;
+    let first = claim(&a, "relay-a", 10).await;
+    assert_eq!(first.records.len(), 1);
+    assert!(!first.records[0].maybe_sent_before);
+    assert!(!maybe_delivered(&ctx, &e).await);
+    tokio::time::sleep(Duration::from_millis(500)).await; // A's lease expired
+    let taken = claim(&b, "relay-b", 10).await;
+    assert_eq!(taken.records.len(), 1);
+    assert!(
+        taken.records[0].maybe_sent_before,
+        "the expired lease named the row: it may have been sent"
+    );
+    assert!(
+        maybe_delivered(&ctx, &e).await,
+        "the takeover's lease write records it in the row"
+    );
+    // Released: the lease no longer names the row; the row still says it.
+    b.release(&taken.handle).await.unwrap();
+    let again = claim(&b, "relay-b", 10).await;
+    assert_eq!(again.records.len(), 1);
+    assert!(again.records[0].maybe_sent_before, "kept after a release");
+    // A plain claim of a fresh row does not mark it.
+    let f = event("fresh", 1);
+    common::append(&ctx, &a, std::slice::from_ref(&f)).await;
+    let fresh = claim(&b, "relay-b", 10).await;
+    assert_eq!(fresh.records.len(), 1);
+    assert!(!fresh.records[0].maybe_sent_before);
+    assert!(!maybe_delivered(&ctx, &f).await);
+    ctx.drop().await;
+}
+
+/// Waits until this test's database has a statement inserting state rows that has run for
+/// 300 ms (waiting on a lock: MariaDB 10.11 lists such a wait in neither `INNODB_LOCK_WAITS`
+/// nor `INNODB_TRX`); `false` when `done` finished first.
+async fn insert_waits(ctx: &common::Ctx, done: &tokio::task::JoinHandle<impl Send>) -> bool {
+    let pattern = format!("INSERT INTO `{}`.`outbox_events_aggregate`%", ctx.database);
+    for _ in 0..2000 {
+        if done.is_finished() {
+            return false;
+        }
+        let n: i64 = sqlx::query_scalar(
+            "SELECT COUNT(*) FROM information_schema.PROCESSLIST \
+             WHERE INFO LIKE ? AND TIME_MS > 300",
+        )
+        .bind(&pattern)
+        .fetch_one(&ctx.pool)
+        .await
+        .unwrap();
+        if n > 0 {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the claim neither finished nor waited on an insert within 20 s");
+}
+
+/// Relays racing to create the same missing state rows: three other claims have each
+/// inserted the state row of one new aggregate and not committed yet, while this claim meets
+/// rows of all three. Its insert waits on each in turn, and each commits while it waits
+/// (every wait ends in a duplicate key). The claim must take the three aggregates, not fail
+/// with the duplicate of the last one.
+#[tokio::test]
+async fn a_claim_racing_three_inserters_of_its_missing_state_rows_succeeds() {
+    for mode in [lease(30.0), ClaimMode::LockedTransaction] {
+        let ctx = ctx!(10);
+        let store = ctx.store(mode).await;
+        let aggs = ["race1", "race2", "race3"];
+        let events: Vec<Envelope> = aggs.iter().map(|a| event(a, 1)).collect();
+        common::append(&ctx, &store, &events).await;
+        // The other claims: one uncommitted insert of a state row each.
+        let mut held = Vec::new();
+        for agg in aggs {
+            let mut conn = ctx.pool.acquire().await.unwrap();
+            conn.execute("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION")
+                .await
+                .unwrap();
+            sqlx::query(&format!(
+                "INSERT INTO {} (aggregate_key, aggregate_type, aggregate_id, updated_at) \
+                 SELECT aggregate_key, aggregate_type, aggregate_id, UTC_TIMESTAMP(6) \
+                 FROM {} WHERE aggregate_id = ?",
+                ctx.table("outbox_events_aggregate"),
+                ctx.table("outbox_events")
+            ))
+            .bind(agg)
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+            let key: Vec<u8> = sqlx::query_scalar(&format!(
+                "SELECT aggregate_key FROM {} WHERE aggregate_id = ?",
+                ctx.table("outbox_events")
+            ))
+            .bind(agg)
+            .fetch_one(&ctx.pool)
+            .await
+            .unwrap();
+            held.push((key, conn));
+        }
+        // The claim inserts in key order, so it waits on the inserters in that order.
+        held.sort_by(|a, b| a.0.cmp(&b.0));
+        let s = store.clone();
+        let task =
+            tokio::spawn(
+                async move { s.claim(&outbox_core::ClaimRequest::new("relay", 10)).await },
+            );
+        // Commit each inserter while the claim waits on it.
+        let mut commits = 0;
+        let mut open = held.into_iter();
+        while insert_waits(&ctx, &task).await {
+            let (_, mut conn) = open.next().expect("a wait on an inserter");
+            conn.execute("COMMIT").await.unwrap();
+            commits += 1;
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // Inserters the claim did not wait on are closed (the server rolls them back).
+        open.for_each(|(_, conn)| drop(conn.detach()));
+        let batch = task
+            .await
+            .unwrap()
+            .expect("a claim racing other claims' inserts of its state rows");
+        assert_eq!(commits, 3, "the claim waited on each inserter");
+        assert_eq!(
+            common::versions(&batch),
+            vec![
+                ("race1".to_owned(), 1),
+                ("race2".to_owned(), 1),
+                ("race3".to_owned(), 1)
+            ]
+        );
+        common::publish_all(&store, &batch).await;
+        ctx.drop().await;
+    }
+}
+
+/// The head probes' numbers near `i64::MAX` (read through `JSON_ARRAY` and written through
+/// `JSON_TABLE` `BIGINT` columns): an aggregate whose first version is `i64::MAX - 2`
+/// (`accept_first_version`) is delivered in order up to `i64::MAX`, with a duplicate of the
+/// last version parked as out of order.
+#[tokio::test]
+async fn versions_near_i64_max_are_delivered_in_order() {
+    for mode in [lease(30.0), ClaimMode::LockedTransaction] {
+        let ctx = ctx!(6);
+        let store = ctx
+            .builder(mode)
+            .accept_first_version(true)
+            .build()
+            .unwrap();
+        store.migrate().await.unwrap();
+        let top = i64::MAX;
+        let events: Vec<Envelope> = [top, top - 1, top - 2]
+            .iter()
+            .map(|v| event("huge", *v))
+            .collect();
+        common::append(&ctx, &store, &events).await;
+        for want in [top - 2, top - 1, top] {
+            let batch = claim(&store, "relay", 10).await;
+            assert_eq!(
+                common::versions(&batch),
+                vec![("huge".to_owned(), want)],
+                "{mode:?}"
+            );
+            common::publish_all(&store, &batch).await;
+        }
+        let dup = event("huge", top);
+        common::append(&ctx, &store, std::slice::from_ref(&dup)).await;
+        let batch = claim(&store, "relay", 10).await;
+        assert!(batch.records.is_empty(), "{:?}", common::versions(&batch));
+        assert_eq!(batch.parked.len(), 1, "the duplicate is parked");
+        ctx.drop().await;
+    }
+}
+
+/// A lease release after a publication keeps the aggregate's last version (the joined state
+/// update writes `COALESCE(new, last_version)` and a release passes no new one), and a
+/// replayed completion changes nothing.
+#[tokio::test]
+async fn release_and_replayed_completion_keep_the_last_version() {
+    let ctx = ctx!(6);
+    let store = ctx.store(lease(30.0)).await;
+    let v1 = event("keep", 1);
+    let v2 = event("keep", 2);
+    common::append(&ctx, &store, &[v1.clone(), v2.clone()]).await;
+    let b1 = claim(&store, "relay", 10).await;
+    assert_eq!(common::versions(&b1), vec![("keep".to_owned(), 1)]);
+    let outs = vec![published(&b1.records[0].envelope, 7)];
+    assert_eq!(store.complete(&b1.handle, &outs).await.unwrap().applied, 1);
+    // Replayed: refused, nothing moves.
+    let rep = store.complete(&b1.handle, &outs).await.unwrap();
+    assert_eq!((rep.applied, rep.superseded), (0, 1));
+    let b2 = claim(&store, "relay", 10).await;
+    assert_eq!(common::versions(&b2), vec![("keep".to_owned(), 2)]);
+    store.release(&b2.handle).await.unwrap();
+    let last: Option<i64> = sqlx::query_scalar(&format!(
+        "SELECT last_version FROM {} WHERE aggregate_id = 'keep'",
+        ctx.table("outbox_events_aggregate")
+    ))
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(last, Some(1), "a release keeps the last version");
+    let b3 = claim(&store, "relay", 10).await;
+    assert_eq!(common::versions(&b3), vec![("keep".to_owned(), 2)]);
+    common::publish_all(&store, &b3).await;
+    // v1 again (a duplicate of a published version) is parked, not sent.
+    let dup = event("keep", 1);
+    common::append(&ctx, &store, std::slice::from_ref(&dup)).await;
+    let b4 = claim(&store, "relay", 10).await;
+    assert!(b4.records.is_empty());
+    assert_eq!(b4.parked.len(), 1);
+    ctx.drop().await;
+}
