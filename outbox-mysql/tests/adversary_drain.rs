@@ -342,3 +342,50 @@ async fn locked_completions_on_a_small_table_do_not_deadlock() {
     }
     ctx.drop().await;
 }
+
+/// An aggregate with no last version whose only unfinished row is parked
+/// (`accept_first_version`, first version 5 parked by its relay): a later version waits
+/// behind it (the head probe reads the parked row), and after the operator retries the
+/// parked one both go out in order.
+#[tokio::test]
+async fn a_parked_first_version_without_a_last_version_holds_its_followers() {
+    use outbox_core::OperatorStore;
+    for mode in [lease(30.0), ClaimMode::LockedTransaction] {
+        let ctx = ctx!(6);
+        let store = ctx
+            .builder(mode)
+            .accept_first_version(true)
+            .build()
+            .unwrap();
+        store.migrate().await.unwrap();
+        let v5 = event("only-parked", 5);
+        common::append(&ctx, &store, std::slice::from_ref(&v5)).await;
+        let b = claim(&store, "relay", 10).await;
+        assert_eq!(common::versions(&b), vec![("only-parked".to_owned(), 5)]);
+        let rep = store
+            .complete(&b.handle, &[common::park(&b.records[0].envelope)])
+            .await
+            .unwrap();
+        assert_eq!(rep.applied, 1);
+        let v6 = event("only-parked", 6);
+        common::append(&ctx, &store, std::slice::from_ref(&v6)).await;
+        let held = claim(&store, "relay", 10).await;
+        assert!(
+            held.records.is_empty(),
+            "{mode:?}: v6 waits behind the parked v5: {:?}",
+            common::versions(&held)
+        );
+        assert!(held.parked.is_empty(), "{:?}", held.parked);
+        store.retry_parked(v5.event_id, "ops").await.unwrap();
+        for want in [5, 6] {
+            let b = claim(&store, "relay", 10).await;
+            assert_eq!(
+                common::versions(&b),
+                vec![("only-parked".to_owned(), want)],
+                "{mode:?}"
+            );
+            common::publish_all(&store, &b).await;
+        }
+        ctx.drop().await;
+    }
+}
