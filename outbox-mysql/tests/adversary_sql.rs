@@ -1,7 +1,8 @@
 //! Adversarial checks of the batch SQL of the MySQL/MariaDB store's claim and completion
 //! (`JSON_TABLE` joins: the publications marked by one joined `UPDATE` after a plain read of
-//! their status, the last versions written by one joined `UPDATE`, the head probe over a JSON
-//! table of (key, last version), the lease write joined with the claimed heads).
+//! their status, the last versions written by one joined `UPDATE` (in lease mode the one that
+//! also ends the leases), the head probe over a JSON table of (key, last version), the lease
+//! write joined with the claimed heads, state rows and event rows in one `UPDATE`).
 //!
 //! Each test uses its own database. Needs MySQL/MariaDB at `MYSQL_URL`; see `common`.
 

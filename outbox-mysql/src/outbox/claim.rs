@@ -4,9 +4,9 @@
 //!    concurrent claims take disjoint candidates and skip rows another claim holds.
 //!    Candidates whose aggregate type or id is past [`outbox_core::MAX_AGGREGATE_NAME_BYTES`]
 //!    (stored by other means) are parked here, before any state of their aggregate is written.
-//! 2. **State rows**: the missing ones are created (short inserts), then the candidates'
-//!    aggregates are locked with `FOR UPDATE SKIP LOCKED` (a busy aggregate is skipped, never
-//!    waited for).
+//! 2. **State rows**: the candidates' aggregates are locked with `FOR UPDATE SKIP LOCKED` (a
+//!    busy aggregate is skipped, never waited for); the missing ones are then created (short
+//!    inserts) and locked the same way.
 //! 3. **Decision**, in statements that start after the locks (READ COMMITTED): each candidate
 //!    is claimed, blocked, held, parked or left ([`super::decide`]).
 //!
@@ -21,7 +21,6 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use chrono::NaiveDateTime;
 use sqlx::{MySqlConnection, Row};
 use tracing::warn;
 use uuid::Uuid;
@@ -54,6 +53,9 @@ pub(crate) struct ClaimedRow {
 pub(crate) struct LockedClaim {
     pub(crate) held: HeldConnection,
     pub(crate) rows: Vec<ClaimedRow>,
+    /// The claimed aggregates' `last_version`, read under the locks this claim still holds
+    /// (so still current at its completion).
+    pub(crate) lasts: HashMap<Key, Option<i64>>,
     pub(crate) since: Instant,
 }
 
@@ -97,7 +99,7 @@ impl MySqlOutboxStore {
         } = decided;
         match mode {
             ClaimMode::LockedTransaction => {
-                let (held, claimed) = self.lock_claimed(claimed).await?;
+                let (held, claimed, lasts) = self.lock_claimed(claimed).await?;
                 let (rows, records): (Vec<ClaimedRow>, Vec<ClaimedRecord>) =
                     claimed.into_iter().unzip();
                 if let Some(held) = held {
@@ -106,6 +108,7 @@ impl MySqlOutboxStore {
                         LockedClaim {
                             held,
                             rows,
+                            lasts,
                             since: Instant::now(),
                         },
                     );
@@ -161,12 +164,25 @@ impl MySqlOutboxStore {
                     ..Decided::default()
                 });
             }
-            let ids: Vec<i64> = scanned.iter().map(|s| s.id).collect();
-            self.ensure_state_rows(&mut tx, &ids).await?;
             let mut keys: Vec<Key> = scanned.iter().map(|s| s.key.clone()).collect();
             keys.sort();
             keys.dedup();
-            let locked: HashSet<Key> = self.try_lock(&mut tx, &keys).await?.into_iter().collect();
+            // The state rows that exist and no other transaction holds are locked at once;
+            // the others are missing (created now, locked by their insert) or held elsewhere
+            // (skipped by the second lock). A batch of aggregates met before takes one
+            // statement here.
+            let mut locked: HashSet<Key> =
+                self.try_lock(&mut tx, &keys).await?.into_iter().collect();
+            let missing: Vec<Key> = keys.into_iter().filter(|k| !locked.contains(k)).collect();
+            if !missing.is_empty() {
+                let ids: Vec<i64> = scanned
+                    .iter()
+                    .filter(|s| missing.binary_search(&s.key).is_ok())
+                    .map(|s| s.id)
+                    .collect();
+                self.ensure_state_rows(&mut tx, &ids).await?;
+                locked.extend(self.try_lock(&mut tx, &missing).await?);
+            }
             let ids: Vec<i64> = scanned
                 .iter()
                 .filter(|s| locked.contains(&s.key))
@@ -291,15 +307,22 @@ under shorter names') \
     }
 
     /// The candidates `ids` (their aggregates locked, `views` read after the locks), read
-    /// again and decided.
+    /// again and decided; with `envelopes`, in the same statement, their envelopes (decoded,
+    /// or why not, with the event's id, type, id and version).
     async fn candidates(
         &self,
         conn: &mut MySqlConnection,
         ids: &[i64],
-    ) -> Result<Vec<(Candidate, Key, i64, bool)>, StoreError> {
+        envelopes: bool,
+    ) -> Result<(Vec<(Candidate, Key, i64, bool)>, Envelopes), StoreError> {
         if ids.is_empty() {
-            return Ok(Vec::new());
+            return Ok((Vec::new(), HashMap::new()));
         }
+        let envelope_cols = if envelopes {
+            format!(", {ENVELOPE_COLS}")
+        } else {
+            String::new()
+        };
         let gap_us = micros(self.inner.settings.gap_timeout);
         let sql = format!(
             "SELECT id, aggregate_key, aggregate_version, attempts, maybe_delivered, \
@@ -307,6 +330,7 @@ under shorter names') \
                     (next_attempt_at <= UTC_TIMESTAMP(6)) AS due, \
                     (held_since IS NOT NULL \
                      AND held_since <= UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND) AS gap_expired \
+                    {envelope_cols} \
              FROM {} WHERE id IN ({}) ORDER BY id",
             self.inner.tables.events,
             marks(ids.len())
@@ -316,7 +340,21 @@ under shorter names') \
             q = q.bind(id);
         }
         let rows = q.fetch_all(conn).await.map_err(db)?;
-        rows.iter()
+        let mut decoded = HashMap::new();
+        if envelopes {
+            for r in &rows {
+                let id: i64 = r.try_get("id").map_err(db)?;
+                let meta = (
+                    r.try_get::<Uuid, _>("event_id").map_err(db)?,
+                    crate::error::text(r, "aggregate_type")?,
+                    crate::error::text(r, "aggregate_id")?,
+                    r.try_get::<i64, _>("aggregate_version").map_err(db)?,
+                );
+                decoded.insert(id, (envelope_from_row(r).map_err(|e| e.message), meta));
+            }
+        }
+        let candidates = rows
+            .iter()
             .map(|r| {
                 let flag = |name: &str| -> Result<bool, StoreError> {
                     Ok(r.try_get::<Option<i64>, _>(name).map_err(db)?.unwrap_or(0) != 0)
@@ -334,7 +372,8 @@ under shorter names') \
                     r.try_get::<bool, _>("maybe_delivered").map_err(db)?,
                 ))
             })
-            .collect()
+            .collect::<Result<Vec<_>, StoreError>>()?;
+        Ok((candidates, decoded))
     }
 
     /// Step 3: decides on `ids` and writes the decisions (parks, holds, blocks; in lease mode
@@ -352,7 +391,11 @@ under shorter names') \
         let mut blocks = Vec::new();
         let mut to_claim: Vec<(i64, Key, i64, bool)> = Vec::new();
         let mut notices: Vec<(i64, Action, i64, i64)> = Vec::new();
-        for (c, key, attempts, maybe) in self.candidates(conn, ids).await? {
+        // The envelopes come with the candidates: the events handed out, and the notices,
+        // need them (one read of the rows, after the locks; the decisions below change no
+        // envelope column).
+        let (candidates, mut rows) = self.candidates(conn, ids, true).await?;
+        for (c, key, attempts, maybe) in candidates {
             let Some(view) = views.get(&key) else {
                 continue;
             };
@@ -391,15 +434,6 @@ under shorter names') \
             }
             q.execute(&mut *conn).await.map_err(db)?;
         }
-        // The events handed out, and the notices, need the envelope columns.
-        let notice_ids: Vec<i64> = notices.iter().map(|n| n.0).collect();
-        let claim_ids: Vec<i64> = to_claim.iter().map(|c| c.0).collect();
-        let mut rows = self
-            .envelopes(
-                conn,
-                &[claim_ids.as_slice(), notice_ids.as_slice()].concat(),
-            )
-            .await?;
         for (id, action, ..) in &notices {
             let kind = if *action == Action::Stale {
                 ParkKind::OutOfOrder
@@ -454,39 +488,6 @@ under shorter names') \
         }
         claimed.sort_by_key(|(r, _)| r.id);
         out.claimed = claimed;
-        Ok(out)
-    }
-
-    /// The envelopes of `ids`, decoded (or why not, with the event's id, type, id and version).
-    async fn envelopes(
-        &self,
-        conn: &mut MySqlConnection,
-        ids: &[i64],
-    ) -> Result<HashMap<i64, (Result<Envelope, String>, Meta)>, StoreError> {
-        if ids.is_empty() {
-            return Ok(HashMap::new());
-        }
-        let sql = format!(
-            "SELECT id, {ENVELOPE_COLS} FROM {} WHERE id IN ({})",
-            self.inner.tables.events,
-            marks(ids.len())
-        );
-        let mut q = sqlx::query(&sql);
-        for id in ids {
-            q = q.bind(id);
-        }
-        let rows = q.fetch_all(conn).await.map_err(db)?;
-        let mut out = HashMap::with_capacity(rows.len());
-        for r in &rows {
-            let id: i64 = r.try_get("id").map_err(db)?;
-            let meta = (
-                r.try_get::<Uuid, _>("event_id").map_err(db)?,
-                crate::error::text(r, "aggregate_type")?,
-                crate::error::text(r, "aggregate_id")?,
-                r.try_get::<i64, _>("aggregate_version").map_err(db)?,
-            );
-            out.insert(id, (envelope_from_row(r).map_err(|e| e.message), meta));
-        }
         Ok(out)
     }
 
@@ -571,63 +572,51 @@ under shorter names') \
         if claimed.is_empty() {
             return Ok(());
         }
-        let until: NaiveDateTime =
-            sqlx::query_scalar("SELECT UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND")
-                .bind(micros(duration))
-                .fetch_one(&mut *conn)
-                .await
-                .map_err(db)?;
         let t = &self.inner.tables;
-        // The claimed heads joined as a table (keys in hex, `JSON_TABLE`): one statement
-        // whatever the batch size, where a `CASE` with one branch per aggregate cost the
-        // server time growing with the square of the batch. The `IN (..)` list keeps it on
-        // these state rows whatever the join order (a scan would wait on other claims' rows).
+        // One multi-table `UPDATE` writes the leases into the state rows and makes the rows
+        // due again only when their lease ends: the claimed heads joined as a table (key in
+        // hex, row id, whether a lease that still named the row, whose claim ended without
+        // outcome or release, may have sent it: the row keeps that as `maybe_delivered`).
+        // `UTC_TIMESTAMP(6)` is one value within a statement, so each row's `next_attempt_at`
+        // is its lease's `lease_until`. One statement whatever the batch size, where a `CASE`
+        // with one branch per aggregate cost the server time growing with the square of the
+        // batch. The claimed heads drive (`STRAIGHT_JOIN`), each row found by primary key,
+        // and the `IN (..)` lists keep it on these state and event rows (all locked by this
+        // transaction): a scan would wait on other claims' rows (see `super::tx`).
         let heads = serde_json::Value::Array(
             claimed
                 .iter()
-                .map(|(r, _)| serde_json::json!([hex(&r.key), r.id]))
+                .map(|(r, rec)| {
+                    serde_json::json!([hex(&r.key), r.id, i32::from(rec.maybe_sent_before)])
+                })
                 .collect(),
         )
         .to_string();
         let sql = format!(
-            "UPDATE {} s JOIN JSON_TABLE(?, '$[*]' COLUMNS (k VARCHAR(64) PATH '$[0]', \
-               row_id BIGINT PATH '$[1]')) h ON s.aggregate_key = UNHEX(h.k) \
-             SET s.lease_owner = ?, s.lease_token = ?, s.lease_until = ?, \
-               s.lease_row = h.row_id, s.updated_at = UTC_TIMESTAMP(6) \
-             WHERE s.aggregate_key IN ({})",
+            "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (k VARCHAR(64) PATH '$[0]', \
+               row_id BIGINT PATH '$[1]', resend INT PATH '$[2]')) h \
+             STRAIGHT_JOIN {} s FORCE INDEX (PRIMARY) ON s.aggregate_key = UNHEX(h.k) \
+             STRAIGHT_JOIN {} e FORCE INDEX (PRIMARY) ON e.id = h.row_id \
+             SET s.lease_owner = ?, s.lease_token = ?, \
+               s.lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, \
+               s.lease_row = h.row_id, s.updated_at = UTC_TIMESTAMP(6), \
+               e.next_attempt_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, \
+               e.maybe_delivered = e.maybe_delivered OR h.resend = 1 \
+             WHERE s.aggregate_key IN ({}) AND e.id IN ({})",
             t.state,
+            t.events,
+            marks(claimed.len()),
             marks(claimed.len())
         );
+        let until = micros(duration);
         let mut q = sqlx::query(&sql)
             .bind(heads)
             .bind(&request.owner)
             .bind(token)
+            .bind(until)
             .bind(until);
         for (r, _) in claimed {
             q = q.bind(&r.key);
-        }
-        q.execute(&mut *conn).await.map_err(db)?;
-        // A lease that still named the row (its claim ended without outcome or release) may
-        // have sent it: the row keeps that as `maybe_delivered`.
-        let resend: Vec<i64> = claimed
-            .iter()
-            .filter(|(_, rec)| rec.maybe_sent_before)
-            .map(|(r, _)| r.id)
-            .collect();
-        let resend_clause = if resend.is_empty() {
-            "maybe_delivered".to_owned()
-        } else {
-            format!("maybe_delivered OR id IN ({})", marks(resend.len()))
-        };
-        let sql = format!(
-            "UPDATE {} SET next_attempt_at = ?, maybe_delivered = {resend_clause} \
-             WHERE id IN ({})",
-            t.events,
-            marks(claimed.len())
-        );
-        let mut q = sqlx::query(&sql).bind(until);
-        for id in &resend {
-            q = q.bind(id);
         }
         for (r, _) in claimed {
             q = q.bind(r.id);
@@ -643,18 +632,25 @@ under shorter names') \
     async fn lock_claimed(
         &self,
         claimed: Vec<(ClaimedRow, ClaimedRecord)>,
-    ) -> Result<(Option<HeldConnection>, Vec<(ClaimedRow, ClaimedRecord)>), StoreError> {
+    ) -> Result<
+        (
+            Option<HeldConnection>,
+            Vec<(ClaimedRow, ClaimedRecord)>,
+            HashMap<Key, Option<i64>>,
+        ),
+        StoreError,
+    > {
         if claimed.is_empty() {
-            return Ok((None, claimed));
+            return Ok((None, claimed, HashMap::new()));
         }
         let mut held =
             HeldConnection::begin(&self.inner.pool, self.inner.settings.locked_max_hold).await?;
         match self.relock(held.conn(), claimed).await {
-            Ok(kept) if kept.is_empty() => {
+            Ok((kept, _)) if kept.is_empty() => {
                 held.end(false).await?;
-                Ok((None, kept))
+                Ok((None, kept, HashMap::new()))
             }
-            Ok(kept) => Ok((Some(held), kept)),
+            Ok((kept, lasts)) => Ok((Some(held), kept, lasts)),
             // Dropping the held connection closes it: nothing stays locked.
             Err(e) => Err(e),
         }
@@ -664,7 +660,7 @@ under shorter names') \
         &self,
         conn: &mut MySqlConnection,
         claimed: Vec<(ClaimedRow, ClaimedRecord)>,
-    ) -> Result<Vec<(ClaimedRow, ClaimedRecord)>, StoreError> {
+    ) -> Result<(Vec<(ClaimedRow, ClaimedRecord)>, HashMap<Key, Option<i64>>), StoreError> {
         let ids: Vec<i64> = claimed.iter().map(|(r, _)| r.id).collect();
         let sql = format!(
             "SELECT id FROM {} WHERE id IN ({}) ORDER BY id FOR UPDATE SKIP LOCKED",
@@ -696,8 +692,9 @@ under shorter names') \
             .map(|(r, _)| r.id)
             .collect();
         let still: HashSet<i64> = self
-            .candidates(conn, &ids)
+            .candidates(conn, &ids, false)
             .await?
+            .0
             .into_iter()
             .filter(|(c, key, ..)| {
                 views
@@ -706,10 +703,14 @@ under shorter names') \
             })
             .map(|(c, ..)| c.id)
             .collect();
-        Ok(claimed
-            .into_iter()
-            .filter(|(r, _)| still.contains(&r.id))
-            .collect())
+        let lasts = views.iter().map(|(k, v)| (k.clone(), v.last)).collect();
+        Ok((
+            claimed
+                .into_iter()
+                .filter(|(r, _)| still.contains(&r.id))
+                .collect(),
+            lasts,
+        ))
     }
 
     /// Drops locked claims held longer than the server allows (`locked_max_hold`: the server
@@ -789,6 +790,9 @@ under shorter names') \
 
 /// The event's id, type, id and version, as read with its envelope.
 type Meta = (Uuid, String, String, i64);
+
+/// Envelopes by row id, decoded (or why not), with their [`Meta`].
+type Envelopes = HashMap<i64, (Result<Envelope, String>, Meta)>;
 
 fn notice(meta: &Meta, kind: ParkKind) -> ParkedAtClaim {
     ParkedAtClaim::new(

@@ -51,9 +51,10 @@ impl MySqlOutboxStore {
                 };
                 // The claim's transaction holds the aggregates' locks since the claim.
                 let rows = std::mem::take(&mut held.rows);
+                let lasts = std::mem::take(&mut held.lasts);
                 let owned: HashSet<i64> = rows.iter().map(|r| r.id).collect();
                 let applied = self
-                    .apply(held.held.conn(), &rows, outcomes, &owned)
+                    .apply(held.held.conn(), &rows, outcomes, &owned, &lasts)
                     .await
                     .map_err(lost_claim);
                 match applied {
@@ -113,8 +114,8 @@ impl MySqlOutboxStore {
         let applied = async {
             // Serialized with claims and operator actions on the same aggregates: a claim
             // decides after it holds these locks.
-            let owned = self.owned_rows(&mut tx, rows, token).await?;
-            self.apply(&mut tx, rows, outcomes, &owned).await
+            let (owned, lasts) = self.owned_rows(&mut tx, rows, token).await?;
+            self.apply(&mut tx, rows, outcomes, &owned, &lasts).await
         }
         .await;
         finish(tx, applied).await
@@ -124,8 +125,8 @@ impl MySqlOutboxStore {
     async fn release_lease(&self, rows: &[ClaimedRow], token: Uuid) -> Result<(), StoreError> {
         let mut tx = begin(&self.inner.pool).await?;
         let done = async {
-            let owned = self.owned_rows(&mut tx, rows, token).await?;
-            self.end_leases(&mut tx, rows, &owned, &HashSet::new())
+            let (owned, _) = self.owned_rows(&mut tx, rows, token).await?;
+            self.end_leases(&mut tx, rows, &owned, &HashSet::new(), &HashMap::new())
                 .await
         }
         .await;
@@ -133,21 +134,24 @@ impl MySqlOutboxStore {
     }
 
     /// Locks the aggregates of `rows` (blocking, in key order) and returns the rows whose
-    /// aggregate's lease still carries `token` and names the row.
+    /// aggregate's lease still carries `token` and names the row, and the aggregates'
+    /// `last_version` (read by the locking read itself: the latest committed value, which
+    /// nobody else changes while the lock is held).
     async fn owned_rows(
         &self,
         conn: &mut MySqlConnection,
         rows: &[ClaimedRow],
         token: Uuid,
-    ) -> Result<HashSet<i64>, StoreError> {
+    ) -> Result<(HashSet<i64>, HashMap<Key, Option<i64>>), StoreError> {
         if rows.is_empty() {
-            return Ok(HashSet::new());
+            return Ok((HashSet::new(), HashMap::new()));
         }
         let mut keys: Vec<&Key> = rows.iter().map(|r| &r.key).collect();
         keys.sort();
         keys.dedup();
         let sql = format!(
-            "SELECT aggregate_key, lease_token, lease_row FROM {} \
+            "SELECT aggregate_key, lease_token, lease_row, last_version \
+             FROM {} FORCE INDEX (PRIMARY) \
              WHERE aggregate_key IN ({}) ORDER BY aggregate_key FOR UPDATE",
             self.inner.tables.state,
             marks(keys.len())
@@ -158,6 +162,7 @@ impl MySqlOutboxStore {
         }
         let states = q.fetch_all(&mut *conn).await.map_err(db)?;
         let mut owned = HashSet::new();
+        let mut lasts = HashMap::with_capacity(states.len());
         for s in &states {
             let t: Option<Uuid> = s.try_get("lease_token").map_err(db)?;
             let row: Option<i64> = s.try_get("lease_row").map_err(db)?;
@@ -166,19 +171,26 @@ impl MySqlOutboxStore {
                     owned.insert(row);
                 }
             }
+            lasts.insert(
+                s.try_get::<Vec<u8>, _>("aggregate_key").map_err(db)?,
+                s.try_get::<Option<i64>, _>("last_version").map_err(db)?,
+            );
         }
-        Ok(owned)
+        Ok((owned, lasts))
     }
 
     /// Applies each outcome to its row where the claim owns it (`owned`) and the row is still
-    /// pending; ends the leases of the owned rows; advances the last version on a publication
-    /// and unblocks what follows. Returns the ids of the rows an outcome was applied to.
+    /// pending; ends the leases of the owned rows and advances the last version on a
+    /// publication (one state-row update); unblocks what follows. `lasts`: the aggregates'
+    /// `last_version` as read under the locks this transaction holds (an aggregate missing
+    /// there is read again). Returns the ids of the rows an outcome was applied to.
     async fn apply(
         &self,
         conn: &mut MySqlConnection,
         rows: &[ClaimedRow],
         outcomes: &[Outcome],
         owned: &HashSet<i64>,
+        lasts: &HashMap<Key, Option<i64>>,
     ) -> Result<Vec<i64>, StoreError> {
         let by_event: HashMap<Uuid, &Outcome> = outcomes
             .iter()
@@ -247,13 +259,17 @@ impl MySqlOutboxStore {
         let published = self.mark_published(conn, &publications).await?;
         applied.extend(published.iter().map(|r| r.id));
         let done: HashSet<i64> = applied.iter().copied().collect();
-        self.end_leases(conn, rows, owned, &done).await?;
-        if !published.is_empty() {
-            // The last version moves to the published one (never down), then the aggregate's
-            // next row becomes a candidate.
-            let lasts = self.advance_last_versions(conn, &published).await?;
-            self.promote(conn, &lasts).await?;
+        // The last version moves to the highest one published (never down), in the same
+        // state-row update that ends the leases; then the aggregate's next row becomes a
+        // candidate.
+        let advanced = self.new_last_versions(conn, &published, lasts).await?;
+        let moved: HashMap<Key, i64> = advanced.iter().cloned().collect();
+        if matches!(self.inner.settings.claim_mode, ClaimMode::Lease { .. }) {
+            self.end_leases(conn, rows, owned, &done, &moved).await?;
+        } else {
+            self.write_last_versions(conn, &moved).await?;
         }
+        self.promote(conn, &advanced).await?;
         Ok(applied)
     }
 
@@ -265,9 +281,9 @@ impl MySqlOutboxStore {
     /// status cannot change meanwhile; a locking read would also lock the record after the
     /// last id to end its range, and wait there on another claim's row), then one `UPDATE` joins
     /// the acknowledgements as a table (`JSON_TABLE`, MySQL 8.0.4+ / MariaDB 10.6+), on the
-    /// rows found pending only, named by primary key alone (`id IN (..)`): whatever plan the
-    /// optimizer picks, it reads no other row through an index on `status` (a scan of the
-    /// claim index would wait on other claims' rows). Same rows, same values and the same
+    /// rows found pending only, named by primary key alone (`id IN (..)` and
+    /// `FORCE INDEX (PRIMARY)`, see [`super::tx`]): it reads no other row (a scan would wait
+    /// on other claims' rows). Same rows, same values and the same
     /// `status = 'pending'` rule as one `UPDATE .. WHERE id = ? AND status = 'pending'` per
     /// row.
     async fn mark_published<'r>(
@@ -355,9 +371,9 @@ impl MySqlOutboxStore {
         let mut n = 0;
         for (doc, ids) in chunks {
             let sql = format!(
-                "UPDATE {} e JOIN JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$[0]', \
+                "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$[0]', \
                    topic TEXT PATH '$[1]', part INT PATH '$[2]', off BIGINT PATH '$[3]')) a \
-                   ON e.id = a.id \
+                 STRAIGHT_JOIN {} e FORCE INDEX (PRIMARY) ON e.id = a.id \
                  SET e.status = 'published', e.published_at = UTC_TIMESTAMP(6), \
                    e.finished_at = UTC_TIMESTAMP(6), e.ack_topic = a.topic, \
                    e.ack_partition = a.part, e.ack_offset = a.off \
@@ -386,82 +402,100 @@ impl MySqlOutboxStore {
         Ok(done)
     }
 
-    /// Moves each published aggregate's last version to the highest version published (never
-    /// down; an aggregate without a state row is left alone, as before). Two statements
-    /// whatever the batch size: the current last versions (the rows are locked by the
-    /// caller), then one `UPDATE` joined with the new values (`JSON_TABLE`, keys in hex),
-    /// kept on these rows by an `aggregate_key IN (..)` list.
-    /// Returns the new last version of each aggregate, for `promote`.
-    async fn advance_last_versions(
+    /// The new last version of each published aggregate that has a state row: the highest
+    /// version published, never below its current one (`known`, read under the locks held;
+    /// aggregates missing there are read now, in one statement). For `promote` and the
+    /// state-row update.
+    async fn new_last_versions(
         &self,
         conn: &mut MySqlConnection,
         published: &[&ClaimedRow],
+        known: &HashMap<Key, Option<i64>>,
     ) -> Result<Vec<(Key, i64)>, StoreError> {
-        let t = &self.inner.tables;
+        if published.is_empty() {
+            return Ok(Vec::new());
+        }
         let mut highest: HashMap<&Key, i64> = HashMap::new();
         for row in published {
             let v = highest.entry(&row.key).or_insert(row.version);
             *v = (*v).max(row.version);
         }
-        let keys: Vec<&Key> = highest.keys().copied().collect();
+        let missing: Vec<&Key> = highest
+            .keys()
+            .copied()
+            .filter(|k| !known.contains_key(*k))
+            .collect();
+        let mut read: HashMap<Vec<u8>, Option<i64>> = HashMap::new();
+        if !missing.is_empty() {
+            let sql = format!(
+                "SELECT aggregate_key, last_version FROM {} WHERE aggregate_key IN ({})",
+                self.inner.tables.state,
+                marks(missing.len())
+            );
+            let mut q = sqlx::query_as::<_, (Vec<u8>, Option<i64>)>(&sql);
+            for k in &missing {
+                q = q.bind(*k);
+            }
+            read = q
+                .fetch_all(&mut *conn)
+                .await
+                .map_err(db)?
+                .into_iter()
+                .collect();
+        }
+        // An aggregate without a state row is left alone, as before.
+        Ok(highest
+            .iter()
+            .filter_map(|(k, v)| {
+                let current = known.get(*k).or_else(|| read.get(*k))?;
+                Some(((*k).clone(), current.unwrap_or(0).max(*v)))
+            })
+            .collect())
+    }
+
+    /// Locked mode: writes the new last versions (one `UPDATE` joined with them as
+    /// `JSON_TABLE`, keys in hex, kept on these rows by an `aggregate_key IN (..)` list).
+    async fn write_last_versions(
+        &self,
+        conn: &mut MySqlConnection,
+        moved: &HashMap<Key, i64>,
+    ) -> Result<(), StoreError> {
+        if moved.is_empty() {
+            return Ok(());
+        }
+        let keys: Vec<&Key> = moved.keys().collect();
+        let values: Vec<serde_json::Value> = keys
+            .iter()
+            .map(|k| serde_json::json!([hex(k), moved[*k]]))
+            .collect();
         let sql = format!(
-            "SELECT aggregate_key, last_version FROM {} WHERE aggregate_key IN ({})",
-            t.state,
+            "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (k VARCHAR(64) PATH '$[0]', \
+               v BIGINT PATH '$[1]')) n \
+             STRAIGHT_JOIN {} s FORCE INDEX (PRIMARY) ON s.aggregate_key = UNHEX(n.k) \
+             SET s.last_version = n.v, s.updated_at = UTC_TIMESTAMP(6) \
+             WHERE s.aggregate_key IN ({})",
+            self.inner.tables.state,
             marks(keys.len())
         );
-        let mut q = sqlx::query_as::<_, (Vec<u8>, Option<i64>)>(&sql);
+        let mut q = sqlx::query(&sql).bind(serde_json::Value::Array(values).to_string());
         for k in &keys {
             q = q.bind(*k);
         }
-        let current: HashMap<Vec<u8>, Option<i64>> = q
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(db)?
-            .into_iter()
-            .collect();
-        let lasts: Vec<(Key, i64)> = keys
-            .iter()
-            .map(|k| {
-                let last = current.get(*k).copied().flatten().unwrap_or(0);
-                ((*k).clone(), last.max(highest[*k]))
-            })
-            .collect();
-        let updated: Vec<&Key> = lasts
-            .iter()
-            .filter(|(k, _)| current.contains_key(k))
-            .map(|(k, _)| k)
-            .collect();
-        let values: Vec<serde_json::Value> = lasts
-            .iter()
-            .filter(|(k, _)| current.contains_key(k))
-            .map(|(k, v)| serde_json::json!([hex(k), v]))
-            .collect();
-        if !values.is_empty() {
-            let sql = format!(
-                "UPDATE {} s JOIN JSON_TABLE(?, '$[*]' COLUMNS (k VARCHAR(64) PATH '$[0]', \
-                   v BIGINT PATH '$[1]')) n ON s.aggregate_key = UNHEX(n.k) \
-                 SET s.last_version = n.v, s.updated_at = UTC_TIMESTAMP(6) \
-                 WHERE s.aggregate_key IN ({})",
-                t.state,
-                marks(updated.len())
-            );
-            let mut q = sqlx::query(&sql).bind(serde_json::Value::Array(values).to_string());
-            for k in &updated {
-                q = q.bind(*k);
-            }
-            q.execute(&mut *conn).await.map_err(db)?;
-        }
-        Ok(lasts)
+        q.execute(&mut *conn).await.map_err(db)?;
+        Ok(())
     }
 
-    /// Ends the leases of the owned rows (lease mode). An owned row that got no outcome
-    /// (`done`) was made to wait for its lease by the claim: it is due again now.
+    /// Ends the leases of the owned rows (lease mode) and, in the same joined `UPDATE` of
+    /// their state rows, moves the last version of the aggregates in `moved` (their keys are
+    /// among the owned rows': only an owned row is published). An owned row that got no
+    /// outcome (`done`) was made to wait for its lease by the claim: it is due again now.
     async fn end_leases(
         &self,
         conn: &mut MySqlConnection,
         rows: &[ClaimedRow],
         owned: &HashSet<i64>,
         done: &HashSet<i64>,
+        moved: &HashMap<Key, i64>,
     ) -> Result<(), StoreError> {
         if !matches!(self.inner.settings.claim_mode, ClaimMode::Lease { .. }) {
             return Ok(());
@@ -471,13 +505,29 @@ impl MySqlOutboxStore {
             return Ok(());
         }
         let t = &self.inner.tables;
+        // Each owned aggregate as `[key]`, or `[key, new last version]` (a missing path is
+        // NULL: the last version stays).
+        let doc = serde_json::Value::Array(
+            mine.iter()
+                .map(|r| match moved.get(&r.key) {
+                    Some(v) => serde_json::json!([hex(&r.key), v]),
+                    None => serde_json::json!([hex(&r.key)]),
+                })
+                .collect(),
+        )
+        .to_string();
         let sql = format!(
-            "UPDATE {} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL, \
-               lease_row = NULL, updated_at = UTC_TIMESTAMP(6) WHERE aggregate_key IN ({})",
+            "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (k VARCHAR(64) PATH '$[0]', \
+               v BIGINT PATH '$[1]')) n \
+             STRAIGHT_JOIN {} s FORCE INDEX (PRIMARY) ON s.aggregate_key = UNHEX(n.k) \
+             SET s.lease_owner = NULL, s.lease_token = NULL, s.lease_until = NULL, \
+               s.lease_row = NULL, s.last_version = COALESCE(n.v, s.last_version), \
+               s.updated_at = UTC_TIMESTAMP(6) \
+             WHERE s.aggregate_key IN ({})",
             t.state,
             marks(mine.len())
         );
-        let mut q = sqlx::query(&sql);
+        let mut q = sqlx::query(&sql).bind(doc);
         for r in &mine {
             q = q.bind(&r.key);
         }

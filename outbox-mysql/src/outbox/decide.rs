@@ -69,6 +69,7 @@ mod tests {
     fn view(last: i64, head: Option<(i64, i64, bool)>, leased: bool) -> AggView {
         AggView {
             last_eff: last,
+            last: Some(last),
             leased,
             lease_row: None,
             head: head.map(|(id, version, parked)| Head {

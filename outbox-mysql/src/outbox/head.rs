@@ -50,6 +50,8 @@ pub(crate) struct AggView {
     /// first version: its lowest unfinished version that may have been sent already, or else
     /// its lowest unfinished version.
     pub(crate) last_eff: i64,
+    /// The state row's `last_version` as read (the completion moves it from there).
+    pub(crate) last: Option<i64>,
     /// A live lease (the database clock says it has not expired).
     pub(crate) leased: bool,
     pub(crate) lease_row: Option<i64>,
@@ -84,7 +86,11 @@ impl MySqlOutboxStore {
             state = t.state,
             events = t.events,
         );
-        for attempt in 0..3 {
+        // Each duplicate is a row another transaction committed meanwhile, which the next
+        // attempt sees as existing: one attempt per aggregate (at most one per row) and one
+        // more end it, however many other claims create these rows at the same time.
+        let attempts = ids.len() + 1;
+        for attempt in 1..=attempts {
             let mut q = sqlx::query(&sql);
             for id in ids {
                 q = q.bind(id);
@@ -93,7 +99,7 @@ impl MySqlOutboxStore {
                 Ok(_) => return Ok(()),
                 // Another transaction inserted one of them meanwhile: the statement was rolled
                 // back alone; the next attempt sees that row as existing.
-                Err(e) if is_duplicate(&e) && attempt < 2 => continue,
+                Err(e) if is_duplicate(&e) && attempt < attempts => continue,
                 Err(e) => return Err(db(e)),
             }
         }
@@ -151,6 +157,12 @@ impl MySqlOutboxStore {
     }
 
     /// The state of `keys` (locked by this transaction), read in a statement after the locks.
+    ///
+    /// One statement: the state rows and, for each, its first pending and first parked row
+    /// above the last version (two correlated probes of `aggregate_idx`, each row packed as a
+    /// `JSON_ARRAY` of id, version, blocked). With `accept_first_version` the last version the
+    /// rule counts from depends on the unfinished rows, so the heads are probed in a second
+    /// statement ([`Self::heads`]).
     pub(crate) async fn views(
         &self,
         conn: &mut MySqlConnection,
@@ -166,7 +178,7 @@ impl MySqlOutboxStore {
         // A version that may have been sent already (`maybe_delivered`, or the row of a lease
         // that ended without an outcome or a release) is the first for good: a lower version
         // committed later would reach consumers after it, so it is out of order.
-        let mins = if accept_first {
+        let extra = if accept_first {
             format!(
                 "(SELECT MIN(u.aggregate_version) FROM {e} u \
                   WHERE u.aggregate_key = a.aggregate_key AND u.status = 'pending') AS min_pending, \
@@ -174,16 +186,32 @@ impl MySqlOutboxStore {
                   WHERE u.aggregate_key = a.aggregate_key AND u.status = 'parked') AS min_parked, \
                  (SELECT MIN(u.aggregate_version) FROM {e} u \
                   WHERE u.aggregate_key = a.aggregate_key AND u.status IN ('pending', 'parked') \
-                    AND (u.maybe_delivered = 1 OR u.id = a.lease_row)) AS min_sent",
+                    AND (u.maybe_delivered = 1 OR u.id = a.lease_row)) AS min_sent, \
+                 NULL AS pending_head, NULL AS parked_head",
                 e = t.events
             )
         } else {
-            "NULL AS min_pending, NULL AS min_parked, NULL AS min_sent".to_owned()
+            format!(
+                "NULL AS min_pending, NULL AS min_parked, NULL AS min_sent, \
+                 {} AS pending_head, {} AS parked_head",
+                first_row(
+                    &t.events,
+                    "pending",
+                    "a.aggregate_key",
+                    "COALESCE(a.last_version, 0)"
+                ),
+                first_row(
+                    &t.events,
+                    "parked",
+                    "a.aggregate_key",
+                    "COALESCE(a.last_version, 0)"
+                ),
+            )
         };
         let sql = format!(
             "SELECT a.aggregate_key, a.last_version, a.lease_row, \
                     COALESCE(a.lease_until > UTC_TIMESTAMP(6), 0) AS leased, \
-                    {mins} \
+                    {extra} \
              FROM {} a WHERE a.aggregate_key IN ({})",
             t.state,
             marks(keys.len())
@@ -213,23 +241,27 @@ impl MySqlOutboxStore {
                 key,
                 AggView {
                     last_eff,
+                    last,
                     leased: r.try_get::<i64, _>("leased").map_err(db)? != 0,
                     lease_row: r.try_get("lease_row").map_err(db)?,
-                    head: None,
+                    head: head_of(r)?,
                 },
             );
         }
-        let lasts: Vec<(Key, i64)> = views.iter().map(|(k, v)| (k.clone(), v.last_eff)).collect();
-        for (key, head) in self.heads(conn, &lasts).await? {
-            if let Some(v) = views.get_mut(&key) {
-                v.head = Some(head);
+        if accept_first {
+            let lasts: Vec<(Key, i64)> =
+                views.iter().map(|(k, v)| (k.clone(), v.last_eff)).collect();
+            for (key, head) in self.heads(conn, &lasts).await? {
+                if let Some(v) = views.get_mut(&key) {
+                    v.head = Some(head);
+                }
             }
         }
         Ok(views)
     }
 
     /// The head of each aggregate above the given last version: its first pending or parked
-    /// row in (version, id). Two index probes per aggregate in one statement, then the rows.
+    /// row in (version, id). Two index probes per aggregate, in one statement.
     pub(crate) async fn heads(
         &self,
         conn: &mut MySqlConnection,
@@ -238,7 +270,8 @@ impl MySqlOutboxStore {
         Ok(self.probe(conn, lasts, false).await?.0)
     }
 
-    /// The heads, and (with `stale`) the blocked pending rows at or below each last version.
+    /// The heads, and (with `stale`) the blocked pending rows at or below each last version,
+    /// in one statement.
     async fn probe(
         &self,
         conn: &mut MySqlConnection,
@@ -249,11 +282,13 @@ impl MySqlOutboxStore {
             return Ok((HashMap::new(), Vec::new()));
         }
         let e = &self.inner.tables.events;
-        // The aggregates and their last versions as a table (keys in hex). One statement
-        // finds each aggregate's first pending and first parked row above its last version:
-        // two correlated index probes per aggregate (`aggregate_idx`: key, status, then
-        // version order, `LIMIT 1`), prepared once, where a UNION ALL of one subquery per
-        // aggregate and status made the server parse and plan thousands of them per call.
+        // The aggregates and their last versions as a table (keys in hex). Each aggregate's
+        // first pending and first parked row above its last version: two correlated index
+        // probes per aggregate (`aggregate_idx`: key, status, then version order, `LIMIT 1`),
+        // prepared once, each returning the row's id, version and blocked flag as a
+        // `JSON_ARRAY`, where a UNION ALL of one subquery per aggregate and status made the
+        // server parse and plan thousands of them per call, and a second statement read the
+        // rows by id.
         let json = serde_json::Value::Array(
             lasts
                 .iter()
@@ -263,56 +298,25 @@ impl MySqlOutboxStore {
         .to_string();
         let table = "JSON_TABLE(?, '$[*]' COLUMNS (k VARCHAR(64) PATH '$[0]', \
                      lv BIGINT PATH '$[1]')) j";
-        let first = |status: &str| {
-            format!(
-                "(SELECT u.id FROM {e} u WHERE u.aggregate_key = UNHEX(j.k) \
-                   AND u.status = '{status}' AND u.aggregate_version > j.lv \
-                   ORDER BY u.aggregate_version, u.id LIMIT 1)"
-            )
-        };
-        let sql = format!(
-            "SELECT {} AS pending_id, {} AS parked_id FROM {table}",
-            first("pending"),
-            first("parked")
+        let mut sql = format!(
+            "SELECT 'h' AS part, UNHEX(j.k) AS aggregate_key, {} AS pending_head, \
+                    {} AS parked_head, NULL AS stale_id \
+             FROM {table}",
+            first_row(e, "pending", "UNHEX(j.k)", "j.lv"),
+            first_row(e, "parked", "UNHEX(j.k)", "j.lv"),
         );
-        let found: Vec<(Option<i64>, Option<i64>)> = sqlx::query_as(&sql)
-            .bind(&json)
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(db)?;
-        let ids: Vec<i64> = found
-            .iter()
-            .flat_map(|(a, b)| a.iter().chain(b))
-            .copied()
-            .collect();
-        // Then the heads' rows by id and, with `stale`, the pending rows at or below each
-        // last version: an index range that is empty unless a duplicate or late version
-        // waits there.
-        let mut parts = Vec::new();
-        if !ids.is_empty() {
-            parts.push(format!(
-                "(SELECT 'h' AS part, id, aggregate_key, aggregate_version, status, blocked \
-                  FROM {e} WHERE id IN ({}))",
-                marks(ids.len())
-            ));
-        }
+        // With `stale`, the pending rows at or below each last version: an index range that
+        // is empty unless a duplicate or late version waits there.
         if stale {
-            parts.push(format!(
-                "(SELECT 's' AS part, u.id, u.aggregate_key, u.aggregate_version, u.status, \
-                         u.blocked \
-                  FROM {table} JOIN {e} u ON u.aggregate_key = UNHEX(j.k) \
+            sql.push_str(&format!(
+                " UNION ALL \
+                 SELECT 's', u.aggregate_key, NULL, NULL, u.id \
+                 FROM {table} JOIN {e} u ON u.aggregate_key = UNHEX(j.k) \
                    AND u.status = 'pending' AND u.aggregate_version <= j.lv \
-                   AND u.blocked = 1)"
+                   AND u.blocked = 1"
             ));
         }
-        if parts.is_empty() {
-            return Ok((HashMap::new(), Vec::new()));
-        }
-        let sql = parts.join(" UNION ALL ");
-        let mut q = sqlx::query(&sql);
-        for id in &ids {
-            q = q.bind(id);
-        }
+        let mut q = sqlx::query(&sql).bind(&json);
         if stale {
             q = q.bind(&json);
         }
@@ -321,24 +325,13 @@ impl MySqlOutboxStore {
         let mut below_ids = Vec::new();
         for r in &rows {
             let part: String = crate::error::text(r, "part")?;
-            let id: i64 = r.try_get("id").map_err(db)?;
             if part == "s" {
-                below_ids.push(id);
+                below_ids.push(r.try_get::<i64, _>("stale_id").map_err(db)?);
                 continue;
             }
             let key: Vec<u8> = r.try_get("aggregate_key").map_err(db)?;
-            let status: String = crate::error::text(r, "status")?;
-            let h = Head {
-                id,
-                version: r.try_get("aggregate_version").map_err(db)?,
-                parked: status == "parked",
-                blocked: r.try_get("blocked").map_err(db)?,
-            };
-            match heads.get(&key) {
-                Some(old) if (old.version, old.id) <= (h.version, h.id) => {}
-                _ => {
-                    heads.insert(key, h);
-                }
+            if let Some(h) = head_of(r)? {
+                heads.insert(key, h);
             }
         }
         Ok((heads, below_ids))
@@ -380,4 +373,43 @@ impl MySqlOutboxStore {
         q.execute(conn).await.map_err(db)?;
         Ok(())
     }
+}
+
+/// A correlated subquery: the first row of `status` of the aggregate `key` above version
+/// `last`, in (version, id), as `JSON_ARRAY(id, version, blocked)` (NULL when none).
+fn first_row(events: &str, status: &str, key: &str, last: &str) -> String {
+    format!(
+        "(SELECT JSON_ARRAY(u.id, u.aggregate_version, u.blocked + 0) FROM {events} u \
+           WHERE u.aggregate_key = {key} AND u.status = '{status}' \
+             AND u.aggregate_version > {last} \
+           ORDER BY u.aggregate_version, u.id LIMIT 1)"
+    )
+}
+
+/// The head of a row carrying `pending_head` and `parked_head` ([`first_row`]): the first of
+/// the two in (version, id).
+fn head_of(r: &sqlx::mysql::MySqlRow) -> Result<Option<Head>, StoreError> {
+    let mut best: Option<Head> = None;
+    for (column, parked) in [("pending_head", false), ("parked_head", true)] {
+        let Some(text) = crate::error::opt_text(r, column)? else {
+            continue;
+        };
+        let (id, version, blocked): (i64, i64, i64) = serde_json::from_str(&text).map_err(|e| {
+            outbox_core::StoreError::new(
+                outbox_core::StoreErrorKind::Other,
+                format!("unexpected head probe result {text:?}: {e}"),
+            )
+        })?;
+        let h = Head {
+            id,
+            version,
+            parked,
+            blocked: blocked != 0,
+        };
+        match &best {
+            Some(old) if (old.version, old.id) <= (h.version, h.id) => {}
+            _ => best = Some(h),
+        }
+    }
+    Ok(best)
 }

@@ -6,6 +6,15 @@
 //! data (InnoDB's REPEATABLE READ default would read the transaction's first snapshot, taken
 //! before the lock, and add gap locks that make claimers deadlock on each other), so the
 //! isolation level is set for each transaction, never left to the server.
+//!
+//! Every multi-table `UPDATE` (the batch writes joined with a `JSON_TABLE`) is driven by its
+//! `JSON_TABLE` (`STRAIGHT_JOIN`) and finds each row by primary key (`FORCE INDEX (PRIMARY)`),
+//! and the blocking locking read of a list of state rows names the primary key too. Left to
+//! the optimizer, a small table is scanned whole whatever the `IN (..)` list (MariaDB 10.11:
+//! 12 state rows, 5 keys), and such a statement waits on every row it reads, not only the ones
+//! it changes (a multi-table `UPDATE` gets no semi-consistent read): two locked claims
+//! completing at once each waited on the other's state rows, a deadlock (1213) that rolled one
+//! claim back.
 
 use std::time::Duration;
 
