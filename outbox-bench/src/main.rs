@@ -33,6 +33,7 @@ mod mysql;
 mod profile;
 mod report;
 mod scale;
+mod transports;
 
 use std::path::PathBuf;
 
