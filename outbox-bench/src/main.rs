@@ -13,6 +13,9 @@
 //! # MySQL 8 / MariaDB (outbox-mysql): drain and append, beside hand-written references
 //! target/release/outbox-bench --database-url mysql://root@127.0.0.1:3306/test drain
 //! target/release/outbox-bench --database-url mysql://root@127.0.0.1:3306/test append
+//! # Into NATS JetStream and RabbitMQ, each beside a minimal relay written for it
+//! NATS_URL=nats://127.0.0.1:4222 AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f \
+//!     target/release/outbox-bench drain --transport nats,rabbitmq
 //! ```
 //!
 //! Every scenario repeats `--rounds` rounds with the contenders in a rotating order (a slow
