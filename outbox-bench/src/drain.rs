@@ -80,7 +80,7 @@ pub(crate) struct DrainArgs {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Contender {
+pub(crate) enum Contender {
     NaiveSql,
     Sql(Mode),
     Instant(Mode),
@@ -209,8 +209,12 @@ impl Contender {
     }
 }
 
-/// Runs the drain scenario.
-pub(crate) async fn run(env: &Env, args: &DrainArgs, rounds: usize) -> anyhow::Result<Report> {
+/// The contenders `args` select and the transports they use, each transport's server checked
+/// (`brokers`: the Kafka bootstrap servers): called before connecting to anything.
+pub(crate) fn select(
+    args: &DrainArgs,
+    brokers: Option<&str>,
+) -> anyhow::Result<(Vec<Contender>, Vec<Transport>)> {
     let transports = transports::selected(&args.transports)?;
     let contenders: Vec<Contender> = Contender::all(&transports)
         .into_iter()
@@ -223,10 +227,16 @@ pub(crate) async fn run(env: &Env, args: &DrainArgs, rounds: usize) -> anyhow::R
     used.dedup();
     transports::check_servers(
         &used,
-        env.brokers().ok(),
+        brokers,
         args.nats_url.as_deref(),
         args.amqp_url.as_deref(),
     )?;
+    Ok((contenders, used))
+}
+
+/// Runs the drain scenario.
+pub(crate) async fn run(env: &Env, args: &DrainArgs, rounds: usize) -> anyhow::Result<Report> {
+    let (contenders, used) = select(args, env.brokers().ok())?;
     let mut report = Report::new("drain", rounds);
     report.param("events", args.events);
     report.param("aggregates", &args.aggregates);

@@ -105,6 +105,10 @@ async fn main() -> anyhow::Result<()> {
     {
         return run_mysql(&cli, url).await;
     }
+    if let Scenario::Drain(a) = &cli.scenario {
+        // A bad transport or a missing server is refused before any work.
+        drain::select(a, cli.brokers.as_deref())?;
+    }
     let env = env::Env::connect(cli.database_url.clone(), cli.brokers.clone(), 16).await?;
     println!("outbox-bench run {}", env.run);
     let result = match &cli.scenario {
