@@ -33,6 +33,7 @@ use sqlx::{PgPool, Row};
 
 use crate::env::{self, Env};
 use crate::report::{Report, Samples};
+use crate::transports::{self, Transport};
 
 /// Options of `outbox-bench drain`.
 #[derive(Debug, Clone, Args)]
@@ -62,10 +63,24 @@ pub(crate) struct DrainArgs {
     /// Skip the contenders that need the broker (store-only figures).
     #[arg(long)]
     pub(crate) no_broker: bool,
+    /// Brokers of the broker contenders (comma-separated): kafka, nats, rabbitmq, or all.
+    /// Kafka runs every broker contender above; NATS and RabbitMQ run minimal, lease-1,
+    /// lease-2, locked-1, locked-2 (ids prefixed `nats-` / `rabbitmq-`), each beside a minimal
+    /// relay written for that transport.
+    #[arg(long = "transport", value_delimiter = ',', default_value = "kafka")]
+    pub(crate) transports: Vec<String>,
+    /// NATS server with JetStream (for `--transport nats`); the bench creates and deletes its
+    /// own streams.
+    #[arg(long, env = "NATS_URL")]
+    pub(crate) nats_url: Option<String>,
+    /// RabbitMQ broker (for `--transport rabbitmq`); the bench declares and deletes its own
+    /// durable exchange and quorum queue.
+    #[arg(long, env = "AMQP_URL")]
+    pub(crate) amqp_url: Option<String>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Contender {
+pub(crate) enum Contender {
     NaiveSql,
     Sql(Mode),
     Instant(Mode),
@@ -76,16 +91,20 @@ enum Contender {
     /// candidate: what it costs in throughput).
     RelayLinger0,
     AwaitEach,
+    /// The minimal relay written for NATS or RabbitMQ.
+    OtherMinimal(Transport),
+    /// The relay over the store into NATS or RabbitMQ: mode, relays.
+    OtherRelay(Transport, Mode, usize),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Mode {
+pub(crate) enum Mode {
     Lease,
     Locked,
 }
 
 impl Mode {
-    fn claim_mode(self) -> ClaimMode {
+    pub(crate) fn claim_mode(self) -> ClaimMode {
         match self {
             Mode::Lease => ClaimMode::Lease {
                 duration: Duration::from_secs(60),
@@ -102,7 +121,7 @@ impl Mode {
 }
 
 impl Contender {
-    const ALL: [Contender; 13] = [
+    const KAFKA_AND_STORE: [Contender; 13] = [
         Contender::NaiveSql,
         Contender::Sql(Mode::Lease),
         Contender::Sql(Mode::Locked),
@@ -118,6 +137,34 @@ impl Contender {
         Contender::AwaitEach,
     ];
 
+    /// Every contender of the selected transports (the store's own always).
+    fn all(transports: &[Transport]) -> Vec<Contender> {
+        let mut all: Vec<Contender> = Contender::KAFKA_AND_STORE
+            .into_iter()
+            .filter(|c| !c.needs_broker() || transports.contains(&Transport::Kafka))
+            .collect();
+        for &t in transports.iter().filter(|t| **t != Transport::Kafka) {
+            all.push(Contender::OtherMinimal(t));
+            for (m, n) in [
+                (Mode::Lease, 1),
+                (Mode::Lease, 2),
+                (Mode::Locked, 1),
+                (Mode::Locked, 2),
+            ] {
+                all.push(Contender::OtherRelay(t, m, n));
+            }
+        }
+        all
+    }
+
+    fn transport(self) -> Option<Transport> {
+        match self {
+            Contender::OtherMinimal(t) | Contender::OtherRelay(t, ..) => Some(t),
+            c if c.needs_broker() => Some(Transport::Kafka),
+            _ => None,
+        }
+    }
+
     fn id(self) -> String {
         match self {
             Contender::NaiveSql => "naive-sql".into(),
@@ -128,6 +175,8 @@ impl Contender {
             Contender::Relay(m, n) => format!("{}-{n}", m.name()),
             Contender::RelayLinger0 => "lease-1-linger0".into(),
             Contender::AwaitEach => "await-each".into(),
+            Contender::OtherMinimal(t) => format!("{}-minimal", t.name()),
+            Contender::OtherRelay(t, m, n) => format!("{}-{}-{n}", t.name(), m.name()),
         }
     }
 
@@ -141,6 +190,8 @@ impl Contender {
             Contender::Relay(m, n) => format!("broker: relay {} x{n}", m.name()),
             Contender::RelayLinger0 => "broker: relay lease x1, linger.ms=0".into(),
             Contender::AwaitEach => "broker: relay awaiting each record".into(),
+            Contender::OtherMinimal(t) => format!("{}: minimal unordered relay", t.name()),
+            Contender::OtherRelay(t, m, n) => format!("{}: relay {} x{n}", t.name(), m.name()),
         }
     }
 
@@ -152,26 +203,49 @@ impl Contender {
                 | Contender::Relay(..)
                 | Contender::RelayLinger0
                 | Contender::AwaitEach
+                | Contender::OtherMinimal(_)
+                | Contender::OtherRelay(..)
         )
     }
 }
 
-/// Runs the drain scenario.
-pub(crate) async fn run(env: &Env, args: &DrainArgs, rounds: usize) -> anyhow::Result<Report> {
-    let contenders: Vec<Contender> = Contender::ALL
+/// The contenders `args` select and the transports they use, each transport's server checked
+/// (`brokers`: the Kafka bootstrap servers): called before connecting to anything.
+pub(crate) fn select(
+    args: &DrainArgs,
+    brokers: Option<&str>,
+) -> anyhow::Result<(Vec<Contender>, Vec<Transport>)> {
+    let transports = transports::selected(&args.transports)?;
+    let contenders: Vec<Contender> = Contender::all(&transports)
         .into_iter()
         .filter(|c| args.only.is_empty() || args.only.iter().any(|o| *o == c.id()))
         .filter(|c| !(args.no_broker && c.needs_broker()))
         .collect();
     anyhow::ensure!(!contenders.is_empty(), "no contender selected");
-    if contenders.iter().any(|c| c.needs_broker()) {
-        env.brokers()?;
-    }
+    let mut used: Vec<Transport> = contenders.iter().filter_map(|c| c.transport()).collect();
+    used.sort();
+    used.dedup();
+    transports::check_servers(
+        &used,
+        brokers,
+        args.nats_url.as_deref(),
+        args.amqp_url.as_deref(),
+    )?;
+    Ok((contenders, used))
+}
+
+/// Runs the drain scenario.
+pub(crate) async fn run(env: &Env, args: &DrainArgs, rounds: usize) -> anyhow::Result<Report> {
+    let (contenders, used) = select(args, env.brokers().ok())?;
     let mut report = Report::new("drain", rounds);
     report.param("events", args.events);
     report.param("aggregates", &args.aggregates);
     report.param("batch", args.batch);
     report.param("partitions", args.partitions);
+    report.param(
+        "transports",
+        used.iter().map(|t| t.name()).collect::<Vec<_>>(),
+    );
     report.param("payload_bytes", serde_json::to_vec(&env::payload(0))?.len());
     report.param(
         "contenders",
@@ -208,7 +282,8 @@ pub(crate) async fn run(env: &Env, args: &DrainArgs, rounds: usize) -> anyhow::R
                 | Contender::Relay(..)
                 | Contender::RelayLinger0
                 | Contender::AwaitEach => Some(Contender::Minimal),
-                Contender::NaiveSql | Contender::Minimal => None,
+                Contender::OtherRelay(t, ..) => Some(Contender::OtherMinimal(*t)),
+                Contender::NaiveSql | Contender::Minimal | Contender::OtherMinimal(_) => None,
             };
             if let Some(r) = reference.filter(|r| contenders.contains(r)) {
                 samples.compare(&name(*c), "events/s", &name(r));
@@ -243,6 +318,21 @@ pub(crate) async fn run(env: &Env, args: &DrainArgs, rounds: usize) -> anyhow::R
             100.0,
             true,
         );
+        for &t in used.iter().filter(|t| **t != Transport::Kafka) {
+            report.target(
+                &format!(
+                    "[{aggregates} aggs] {}: 1 relay (lease) / minimal {} relay >= 0.85",
+                    t.name(),
+                    t.name()
+                ),
+                ratio(
+                    m(Contender::OtherRelay(t, default, 1)),
+                    m(Contender::OtherMinimal(t)),
+                ),
+                0.85,
+                true,
+            );
+        }
     }
     report.figures = samples.figures();
     Ok(report)
@@ -255,6 +345,10 @@ async fn run_one(
     aggregates: usize,
 ) -> anyhow::Result<(u64, Duration)> {
     match c {
+        Contender::OtherMinimal(t) => transports::run_one(env, args, t, None, aggregates).await,
+        Contender::OtherRelay(t, mode, relays) => {
+            transports::run_one(env, args, t, Some((mode, relays)), aggregates).await
+        }
         Contender::NaiveSql => {
             let store = env
                 .store("naive", ClaimMode::LockedTransaction, false)
@@ -331,7 +425,7 @@ async fn run_one(
     }
 }
 
-async fn check_drained(
+pub(crate) async fn check_drained(
     store: &PostgresOutboxStore,
     events: usize,
     drained: u64,

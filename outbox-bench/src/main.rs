@@ -13,6 +13,9 @@
 //! # MySQL 8 / MariaDB (outbox-mysql): drain and append, beside hand-written references
 //! target/release/outbox-bench --database-url mysql://root@127.0.0.1:3306/test drain
 //! target/release/outbox-bench --database-url mysql://root@127.0.0.1:3306/test append
+//! # Into NATS JetStream and RabbitMQ, each beside a minimal relay written for it
+//! NATS_URL=nats://127.0.0.1:4222 AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f \
+//!     target/release/outbox-bench drain --transport nats,rabbitmq
 //! ```
 //!
 //! Every scenario repeats `--rounds` rounds with the contenders in a rotating order (a slow
@@ -33,6 +36,7 @@ mod mysql;
 mod profile;
 mod report;
 mod scale;
+mod transports;
 
 use std::path::PathBuf;
 
@@ -100,6 +104,10 @@ async fn main() -> anyhow::Result<()> {
         .filter(|u| mysql::is_mysql_url(u))
     {
         return run_mysql(&cli, url).await;
+    }
+    if let Scenario::Drain(a) = &cli.scenario {
+        // A bad transport or a missing server is refused before any work.
+        drain::select(a, cli.brokers.as_deref())?;
     }
     let env = env::Env::connect(cli.database_url.clone(), cli.brokers.clone(), 16).await?;
     println!("outbox-bench run {}", env.run);
