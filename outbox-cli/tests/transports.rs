@@ -123,6 +123,26 @@ async fn relay_drains_postgres_into_nats_jetstream() {
     assert!(stderr.contains("transport=nats"), "{stderr}");
     let records = stream.read_settled(committed.len()).await;
     check_invariants(&records, &committed, &rolled_back, "nats");
+    // An operator replay inside the stream's duplicate window (120 s here) reaches the stream:
+    // the window must not take it for the relay's re-send of the same event.
+    let (code, doc, err) = env.json_env(
+        &borrowed(&vars),
+        &["replay", "--aggregate-id", "o-1", "--yes"],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(doc["replayed"], 4, "{doc}");
+    let after = stream.read_settled(committed.len() + 4).await;
+    assert_eq!(after.len(), committed.len() + 4, "replayed records stored");
+    let replayed: Vec<_> = after[committed.len()..].to_vec();
+    assert!(
+        replayed.iter().all(|(agg, _, _)| agg == "o-1"),
+        "{replayed:?}"
+    );
+    assert_eq!(
+        replayed.iter().map(|r| r.2).collect::<Vec<_>>(),
+        vec![1, 2, 3, 4],
+        "a replay keeps the published order"
+    );
     env.drop_schema().await;
 }
 

@@ -14,6 +14,7 @@
 //! | `content_type` | MIME type of the value |
 //! | `created_at` | RFC 3339 timestamp |
 //! | `outbox_original_event_id` | on a re-issued copy only: the id of the parked event it replaces ([`ORIGINAL_EVENT_ID`]) |
+//! | `outbox_replay` | on an operator replay only (`outbox replay`): the id of the replay run ([`REPLAY_HEADER`]) |
 //! | any user header | as given (e.g. `traceparent`) |
 //!
 //! The record value is the payload bytes, unchanged.
@@ -27,6 +28,12 @@
 //! ```
 
 use std::collections::BTreeMap;
+
+/// Header carried by every record an operator replay re-publishes (`outbox replay`): the id of
+/// the replay run. A transport that drops re-sends by event id (JetStream's duplicate window)
+/// must not drop a replay: it is a deliberate second delivery, and the inbox on the consuming
+/// side still deduplicates its effect by event id.
+pub const REPLAY_HEADER: &str = "outbox_replay";
 
 use chrono::{DateTime, Utc};
 

@@ -103,7 +103,10 @@ impl NatsPublisherBuilder {
 ///   ([`crate::ack`]). A `PubAck` marked duplicate (the stream already held this
 ///   `Nats-Msg-Id`, a re-send) is an acknowledgement too: the event is stored.
 /// * Every message carries the event id as `Nats-Msg-Id`, so re-sends inside the stream's
-///   duplicate window are dropped by the server.
+///   duplicate window are dropped by the server. An operator replay (an envelope carrying
+///   [`wire::REPLAY_HEADER`]) is sent as `<event id>:<replay id>` instead: a replay is a
+///   deliberate second delivery that the window must not drop, while a retry within one replay
+///   run still is.
 /// * Messages of one connection reach the server in order, so one aggregate's events are
 ///   stored in order. If handing a message to the connection fails, later events of the same
 ///   aggregate in the batch are not sent (they fail transiently).
@@ -287,8 +290,8 @@ pub(crate) async fn connect_client(
         .map_err(|e| format!("{}: {e}", redact_urls(servers)))
 }
 
-/// The NATS headers of `e`: the wire mapping plus `Nats-Msg-Id` = event id. `Err` when a name
-/// or value cannot travel as a NATS header (permanent, the record's own).
+/// The NATS headers of `e`: the wire mapping plus `Nats-Msg-Id` ([`message_id`]). `Err` when a
+/// name or value cannot travel as a NATS header (permanent, the record's own).
 pub(crate) fn headers_of(e: &Envelope) -> Result<(HeaderMap, usize), String> {
     let mut headers = HeaderMap::new();
     let mut size = 0;
@@ -320,10 +323,18 @@ pub(crate) fn headers_of(e: &Envelope) -> Result<(HeaderMap, usize), String> {
     if let Some(bad) = bad {
         return Err(bad);
     }
-    let id = e.event_id.to_string();
+    let id = message_id(e);
     size += "Nats-Msg-Id".len() + id.len() + 4;
     headers.insert(NATS_MESSAGE_ID, id.as_str());
     Ok((headers, size + HEADER_OVERHEAD))
+}
+
+/// The `Nats-Msg-Id` of `e`: its event id, or `<event id>:<replay id>` for an operator replay.
+pub(crate) fn message_id(e: &Envelope) -> String {
+    match e.headers.get(wire::REPLAY_HEADER) {
+        Some(replay) => format!("{}:{replay}", e.event_id),
+        None => e.event_id.to_string(),
+    }
 }
 
 enum Slot {
@@ -458,6 +469,28 @@ impl Publisher for NatsPublisher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_replay_gets_a_message_id_of_its_own() {
+        let e = Envelope::builder("order", "o-1", 3, "order.paid")
+            .build()
+            .unwrap();
+        assert_eq!(message_id(&e), e.event_id.to_string());
+        let mut replayed = e.clone();
+        replayed
+            .headers
+            .insert(wire::REPLAY_HEADER.to_owned(), "r-1".to_owned());
+        let (h, _) = headers_of(&replayed).unwrap();
+        let id = h.get(NATS_MESSAGE_ID).unwrap().as_str().to_owned();
+        assert_eq!(id, format!("{}:r-1", e.event_id));
+        // A second replay run is a new message; the same run's retry is the same one.
+        let mut again = e.clone();
+        again
+            .headers
+            .insert(wire::REPLAY_HEADER.to_owned(), "r-2".to_owned());
+        assert_ne!(message_id(&again), id);
+        assert_eq!(message_id(&replayed), id);
+    }
 
     #[test]
     fn headers_follow_the_wire_mapping_and_carry_the_message_id() {

@@ -26,7 +26,7 @@ use crate::opt::ReplayOpts;
 use crate::output::Output;
 
 /// Header carried by every replayed record: the id of the replay run (a UUID).
-pub const REPLAY_HEADER: &str = "outbox_replay";
+pub use outbox_core::wire::REPLAY_HEADER;
 
 /// Runs `outbox replay`.
 pub async fn run(config: &Config, opts: &ReplayOpts, out: &Output) -> Result<(), CliError> {
@@ -124,8 +124,8 @@ async fn replay<S: ReportingStore>(
         opts.yes,
     )?;
     let recorded = recorded.await?;
-    // Through the configured transport. On NATS a replay inside the stream's duplicate
-    // window is dropped by the server as a re-send of the same `Nats-Msg-Id` (event id).
+    // Through the configured transport. On NATS the replay header makes the `Nats-Msg-Id`
+    // the replay's own, so the stream's duplicate window does not drop it.
     let publisher = crate::transport::start(config, &recorded)
         .await?
         .worker_publisher(0)?;
