@@ -115,6 +115,9 @@ async fn one_call_exports_the_consumer_metrics_that_the_alerts_read() {
     engine.refresh_gauges().await;
 
     let (code, body) = get(addr, "/metrics");
+    if std::env::var_os("OUTBOX_PRINT_SCRAPE").is_some() {
+        eprintln!("{body}");
+    }
     assert_eq!(code, 200, "{body}");
     assert!(endpoint.render().contains("outbox_inbox_parked{"), "{body}");
     let c = "consumer=\"projector\"";
