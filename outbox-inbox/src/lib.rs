@@ -91,10 +91,10 @@
 mod engine;
 mod handler;
 pub mod metrics;
-#[cfg(feature = "prometheus")]
-pub mod prometheus;
 mod operator;
 mod processor;
+#[cfg(feature = "prometheus")]
+pub mod prometheus;
 
 pub use engine::{CleanupSchedule, ConsumerEngine, EngineConfig, EngineError, EngineReport};
 pub use handler::{idempotency_key, BatchHandlerError, Handler, HandlerError};
