@@ -206,6 +206,42 @@ ensure_sql_clients() {
     fi
 }
 
+# promtool checks and unit-tests deploy/prometheus/alerts.yml (outbox-cli/tests/ops_kit.rs).
+# Only the tool is taken from Debian's `prometheus` package (`apt-get download`, unpacked into
+# the state directory), so no Prometheus server is installed or started.
+ensure_promtool() {
+    if [[ -n "${PROMTOOL:-}" && -x "$PROMTOOL" ]]; then return; fi
+    local bin
+    bin="$(command -v promtool || true)"
+    local cached="$OUTBOX_STATE_DIR/promtool/usr/bin/promtool"
+    if [[ -z "$bin" && -x "$cached" ]]; then bin="$cached"; fi
+    if [[ -z "$bin" ]]; then
+        if command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null; then
+            log "fetching promtool (Debian's prometheus package, unpacked; no server installed)"
+            local tmp
+            tmp="$(mktemp -d)"
+            if ! (cd "$tmp" && apt-get download prometheus >&2); then
+                if [[ "$(id -u)" == 0 ]]; then
+                    apt-get update -q >&2
+                    (cd "$tmp" && apt-get download prometheus >&2)
+                fi
+            fi
+            if ls "$tmp"/prometheus_*.deb >/dev/null 2>&1; then
+                dpkg-deb -x "$tmp"/prometheus_*.deb "$OUTBOX_STATE_DIR/promtool"
+                bin="$cached"
+            fi
+            rm -rf "$tmp"
+        fi
+        if [[ -z "$bin" || ! -x "$bin" ]]; then
+            echo "error: promtool is not installed (it checks deploy/prometheus/alerts.yml)." >&2
+            echo "       Install it (apt-get install prometheus, or the release archive from" >&2
+            echo "       prometheus.io) or set PROMTOOL." >&2
+            exit 1
+        fi
+    fi
+    export PROMTOOL="$bin"
+}
+
 stop_services() {
     if [[ -n "$TANSU_PID" ]]; then
         kill "$TANSU_PID" 2>/dev/null || true

@@ -43,6 +43,13 @@ pub struct Readiness {
     pub fatal: Option<String>,
 }
 
+impl Readiness {
+    /// Database and broker fine, workers running, nothing fatal.
+    pub fn is_ready(&self) -> bool {
+        self.database.ok && self.broker.ok && self.relaying && self.fatal.is_none()
+    }
+}
+
 /// Shared, updated by the daemon's tasks.
 #[derive(Clone, Debug)]
 pub struct Health(Arc<RwLock<Readiness>>);
@@ -59,13 +66,15 @@ impl Default for Health {
 }
 
 impl Health {
-    /// Updates with `f`.
+    /// Updates with `f`, and `outbox_relay_ready` (what `/readyz` answers, as a series
+    /// that alert rules can use) with it.
     pub fn update(&self, f: impl FnOnce(&mut Readiness)) {
         let mut r = self
             .0
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         f(&mut r);
+        metrics::gauge!("outbox_relay_ready").set(if r.is_ready() { 1.0 } else { 0.0 });
     }
     /// A copy of the state.
     pub fn get(&self) -> Readiness {
@@ -76,8 +85,7 @@ impl Health {
     }
     /// Ready: database and broker fine, workers running, nothing fatal.
     pub fn is_ready(&self) -> bool {
-        let r = self.get();
-        r.database.ok && r.broker.ok && r.relaying && r.fatal.is_none()
+        self.get().is_ready()
     }
     /// Sets a database check.
     pub fn database(&self, ok: bool, detail: impl Into<String>) {

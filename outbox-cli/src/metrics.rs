@@ -32,7 +32,27 @@ pub fn install() -> Result<PrometheusHandle, CliError> {
         .install_recorder()
         .map_err(err)?;
     describe();
+    zero();
     Ok(handle)
+}
+
+/// Series that alert rules read are there from the first scrape, at their true starting
+/// value: a counter that appears only at its first increment hides that increment from
+/// `rate()` and `increase()`, and a gauge that appears only on a failure cannot be told
+/// from a relay that does not report it (`deploy/prometheus/alerts.yml`).
+fn zero() {
+    for counter in [
+        "outbox_published_total",
+        "outbox_republished_total",
+        "outbox_superseded_total",
+        "outbox_relay_circuit_opened_total",
+        "outbox_cleanup_removed_total",
+    ] {
+        metrics::counter!(counter).increment(0);
+    }
+    metrics::gauge!("outbox_relay_store_errors").set(0.0);
+    metrics::gauge!("outbox_relay_circuit_open").set(0.0);
+    metrics::gauge!("outbox_relay_ready").set(0.0);
 }
 
 fn describe() {
@@ -119,6 +139,10 @@ fn describe() {
     );
     describe_counter!("outbox_conditional_update_conflicts_total", "Conflicts refused by the application's conditional update, by aggregate type (PostgresOutboxStore::record_conflict)");
     describe_gauge!("outbox_relay_up", "1 while the relay's workers run");
+    describe_gauge!(
+        "outbox_relay_ready",
+        "1 while /readyz answers 200 (database and broker usable, workers running, nothing fatal)"
+    );
     describe_gauge!(
         "outbox_relay_store_errors",
         "Consecutive failed cycles (store errors) of the worst worker"

@@ -86,13 +86,15 @@
 //! | rebalances | revoke commits what is final; commits refused by a rebalance are dropped |
 //! | retention | a gap below the earliest offset stops the engine ([`EngineError::RetentionGap`]); [`ConsumerEngine::retention_check`] |
 //! | cleanup | [`CleanupSchedule`], bounded batches between transactions |
-//! | metrics | [`metrics`] |
+//! | metrics | [`metrics`]; with feature `prometheus`, [`prometheus::serve`] exports them on `/metrics` in one call |
 
 mod engine;
 mod handler;
 pub mod metrics;
 mod operator;
 mod processor;
+#[cfg(feature = "prometheus")]
+pub mod prometheus;
 
 pub use engine::{CleanupSchedule, ConsumerEngine, EngineConfig, EngineError, EngineReport};
 pub use handler::{idempotency_key, BatchHandlerError, Handler, HandlerError};

@@ -29,6 +29,51 @@ use outbox_core::{Envelope, ParkedStats, PartitionLag};
 
 use crate::processor::MessageOutcome;
 
+/// Descriptions of the series, for exporters that publish them (`# HELP`).
+#[cfg_attr(not(feature = "prometheus"), allow(dead_code))]
+pub(crate) fn describe() {
+    use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+    describe_counter!(
+        "outbox_inbox_processed_total",
+        "Consumer outcomes by result (applied, duplicate, stale, parked, waiting, already_parked, failed)"
+    );
+    describe_counter!(
+        "outbox_inbox_apply_errors_total",
+        "Failed attempts by kind (handler_transient, handler_permanent, store, decode, unregistrable)"
+    );
+    describe_histogram!(
+        "outbox_inbox_apply_latency_seconds",
+        Unit::Seconds,
+        "Event creation to the commit of its effect"
+    );
+    describe_gauge!(
+        "outbox_inbox_lag",
+        "Committed offset to the end of the partition"
+    );
+    describe_gauge!(
+        "outbox_inbox_parked",
+        "Messages parked as their aggregate's head (or standalone)"
+    );
+    describe_gauge!(
+        "outbox_inbox_waiting",
+        "Messages waiting behind a parked one"
+    );
+    describe_gauge!(
+        "outbox_inbox_oldest_parked_age_seconds",
+        Unit::Seconds,
+        "Age of the oldest open parked message"
+    );
+    describe_gauge!("outbox_inbox_held", "Messages held for a version gap");
+    describe_gauge!(
+        "outbox_inbox_in_flight",
+        "Messages received whose outcome is not final"
+    );
+    describe_gauge!(
+        "outbox_inbox_paused_partitions",
+        "Partitions paused because their messages filled their bound"
+    );
+}
+
 pub(crate) fn record_outcome(consumer: &str, outcome: &MessageOutcome) {
     metrics::counter!("outbox_inbox_processed_total", "consumer" => consumer.to_owned(), "result" => outcome.as_str())
         .increment(1);
