@@ -182,6 +182,10 @@ pub enum Step {
     StoreFault(StoreFault),
     /// An operator acts on the `n`-th parked event of the outbox.
     Operator(OperatorStep, usize),
+    /// Relay `n`'s process dies (as [`Step::RelayCrash`]) and an operator releases its claims
+    /// (`release_claims_of` its owner): in lease mode its leases end at once instead of at
+    /// their expiry.
+    ReleaseClaims(usize),
     /// The consumer engine makes `n` steps (`ConsumerEngine::step`).
     Consumer(usize),
     /// The consumer's process dies: the engine (with its running transactions) is dropped and
@@ -208,7 +212,7 @@ fn answer() -> impl Strategy<Value = RecordAnswer> {
         10 => Just(RecordAnswer::Ack),
         1 => Just(RecordAnswer::Transient),
         1 => Just(RecordAnswer::Transport),
-        2 => Just(RecordAnswer::Permanent),
+        3 => Just(RecordAnswer::Permanent),
         2 => Just(RecordAnswer::AckLost),
     ]
 }
@@ -232,6 +236,18 @@ fn race_op(relays: usize) -> impl Strategy<Value = RaceOp> {
 
 /// The strategy of step sequences for `config`.
 pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
+    steps_weighted(config, HANDLER_FAULTS)
+}
+
+/// Weight of [`Step::HandlerFault`] among the steps.
+const HANDLER_FAULTS: u32 = 4;
+/// Its weight in a case whose consumer runs [`Policy::Unchecked`]: the one policy that keeps
+/// no versions, so consumer-side parking (a handler's failure) is all that blocks an
+/// aggregate there, and it must happen often enough for a later version to meet it.
+const UNCHECKED_HANDLER_FAULTS: u32 = 12;
+
+/// The step sequences, [`Step::HandlerFault`] weighted `handler_faults`.
+fn steps_weighted(config: &SimConfig, handler_faults: u32) -> impl Strategy<Value = Vec<Step>> {
     let relays = config.relays.max(1);
     let aggs = config.aggregates.max(1);
     let skew = config.skew;
@@ -272,6 +288,7 @@ pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
                 hold
             }),
         2 => (0..relays).prop_map(Step::RelayCrash),
+        2 => (0..relays).prop_map(Step::ReleaseClaims),
         4 => prop_oneof![Just(1u64), Just(10), Just(31), Just(31), Just(120)]
             .prop_map(|s| Step::Advance(Duration::from_secs(s))),
         1 => prop_oneof![
@@ -280,7 +297,7 @@ pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
             Just(StoreFault::CompleteReplyLost)
         ]
         .prop_map(Step::StoreFault),
-        4 => (
+        6 => (
             prop_oneof![
                 Just(OperatorStep::Retry),
                 Just(OperatorStep::Discard),
@@ -292,7 +309,7 @@ pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
         12 => (1..=4usize).prop_map(Step::Consumer),
         2 => Just(Step::ConsumerCrash),
         1 => Just(Step::Rebalance),
-        4 => prop_oneof![
+        handler_faults => prop_oneof![
             1 => Just(HandlerFault::Transient),
             2 => Just(HandlerFault::Permanent),
             1 => Just(HandlerFault::Stuck)
@@ -322,23 +339,29 @@ pub type Case = (Modes, Vec<Step>);
 
 /// The strategy of cases (modes and steps) for `config`.
 pub fn cases(config: &SimConfig) -> impl Strategy<Value = Case> {
+    let config = config.clone();
     (
-        (
-            any::<bool>(),
-            any::<bool>(),
-            prop_oneof![
-                Just(Policy::Reject),
-                Just(Policy::Hold),
-                Just(Policy::Unchecked)
-            ],
-        )
-            .prop_map(|(lease, prefetch, policy)| Modes {
-                lease,
-                prefetch,
-                policy,
-            }),
-        steps(config),
+        any::<bool>(),
+        any::<bool>(),
+        prop_oneof![
+            Just(Policy::Reject),
+            Just(Policy::Hold),
+            Just(Policy::Unchecked)
+        ],
     )
+        .prop_map(|(lease, prefetch, policy)| Modes {
+            lease,
+            prefetch,
+            policy,
+        })
+        .prop_flat_map(move |modes| {
+            let handler_faults = if modes.policy == Policy::Unchecked {
+                UNCHECKED_HANDLER_FAULTS
+            } else {
+                HANDLER_FAULTS
+            };
+            (Just(modes), steps_weighted(&config, handler_faults))
+        })
 }
 
 /// A replayable description of a case.

@@ -348,3 +348,60 @@ fn a_seeded_bug_is_caught_on_postgres_too() {
         other => panic!("the shifted outcomes were not caught on PostgreSQL: {other:?}"),
     }
 }
+
+/// Operator actions on parked events of several aggregates, and the release of a crashed
+/// relay's claims, on the server: each is checked for its scope (the store's whole delivery
+/// state, every column of the events and of the aggregates' state, before and after: nothing
+/// outside its target changed, the target only as promised).
+#[test]
+fn operator_actions_change_only_their_target_on_postgres() {
+    use outbox_sim::OperatorStep::{Discard, Reissue, Retry};
+    let Some(url) =
+        outbox_test_support::database_url("operator_actions_change_only_their_target_on_postgres")
+    else {
+        return;
+    };
+    let schemas = Schemas::new(&url);
+    let mut reports = Vec::new();
+    for lease in [false, true] {
+        let modes = Modes {
+            lease,
+            ..Modes::default()
+        };
+        let mut steps = Vec::new();
+        for a in 0..4 {
+            steps.push(begin(a, 2));
+            steps.push(Step::Commit(0));
+        }
+        steps.extend([
+            // Heads of several aggregates park (a permanent failure each).
+            Step::Relay(0),
+            answer(0, &[RecordAnswer::Permanent]),
+            Step::Relay(1),
+            answer(1, &[RecordAnswer::Permanent]),
+            Step::Operator(Retry, 0),
+            Step::Operator(Discard, 0),
+            Step::Operator(Reissue, 0),
+            // A relay holds a batch (a lease in lease mode), dies, and its claims are released.
+            Step::Relay(0),
+            Step::ReleaseClaims(0),
+            Step::Relay(1),
+            answer(1, &[RecordAnswer::Ack]),
+            Step::Consumer(20),
+        ]);
+        let mut sim = simulation(&url, &schemas, &config(1), modes);
+        reports.push((lease, sim.run(&steps).map_err(|v| v.to_string())));
+    }
+    drop(schemas);
+    for (lease, r) in reports {
+        let r = r.unwrap_or_else(|v| panic!("lease {lease}: {v}"));
+        // Three actions on parked events, one release, and the drain's retries.
+        assert!(r.operator_scope_checked >= 4, "lease {lease}: {r:?}");
+        assert_eq!(r.claim_releases, 1, "lease {lease}: {r:?}");
+        assert_eq!(
+            r.claims_released > 0,
+            lease,
+            "a lease is released on PostgreSQL, a locked claim ends with its connection: {r:?}"
+        );
+    }
+}
