@@ -315,6 +315,7 @@ fn operator_actions_change_only_their_target() {
             .run(&operator_steps())
             .unwrap_or_else(|v| panic!("lease {lease}: {v}"));
         // Three actions on parked events, one release, and the drain's retries.
+        assert_eq!(report.operator_actions, 3, "{report:?}");
         assert!(report.operator_scope_checked >= 4, "{report:?}");
         assert_eq!(report.claim_releases, 1, "{report:?}");
         assert_eq!(

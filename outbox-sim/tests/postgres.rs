@@ -395,8 +395,13 @@ fn operator_actions_change_only_their_target_on_postgres() {
     drop(schemas);
     for (lease, r) in reports {
         let r = r.unwrap_or_else(|v| panic!("lease {lease}: {v}"));
-        // Three actions on parked events, one release, and the drain's retries.
-        assert!(r.operator_scope_checked >= 4, "lease {lease}: {r:?}");
+        // The actions on parked events (how many events park depends on the claim's
+        // scan) and the release, each checked.
+        assert!(r.operator_actions >= 2, "lease {lease}: {r:?}");
+        assert!(
+            r.operator_scope_checked > r.operator_actions,
+            "lease {lease}: {r:?}"
+        );
         assert_eq!(r.claim_releases, 1, "lease {lease}: {r:?}");
         assert_eq!(
             r.claims_released > 0,
