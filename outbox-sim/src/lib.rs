@@ -33,8 +33,8 @@
 //!   `pg_blocking_pids`: the completion must queue behind the claim). The seed chooses the
 //!   relays, the answers and the variant, so a failing seed replays the same interleaving.
 //! * **Every consumer version policy** ([`Policy`]: `Reject`, `Hold`, `Unchecked`) is a mode of
-//!   the case (an `Unchecked` case gets handler failures three times as often: consumer-side
-//!   parking is all that blocks an aggregate there).
+//!   the case; `Unchecked` in half the cases (only a handler's failure parks a message there,
+//!   so its cases must be many for a parked message to meet a later version).
 //! * **Operators act** on the outbox's parked events (retry, discard, re-issue:
 //!   [`Step::Operator`], and inside races) and release the claims of a relay that died
 //!   ([`Step::ReleaseClaims`]: `release_claims_of` its owner, which ends its leases at once).

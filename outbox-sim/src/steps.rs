@@ -236,18 +236,6 @@ fn race_op(relays: usize) -> impl Strategy<Value = RaceOp> {
 
 /// The strategy of step sequences for `config`.
 pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
-    steps_weighted(config, HANDLER_FAULTS)
-}
-
-/// Weight of [`Step::HandlerFault`] among the steps.
-const HANDLER_FAULTS: u32 = 4;
-/// Its weight in a case whose consumer runs [`Policy::Unchecked`]: the one policy that keeps
-/// no versions, so consumer-side parking (a handler's failure) is all that blocks an
-/// aggregate there, and it must happen often enough for a later version to meet it.
-const UNCHECKED_HANDLER_FAULTS: u32 = 12;
-
-/// The step sequences, [`Step::HandlerFault`] weighted `handler_faults`.
-fn steps_weighted(config: &SimConfig, handler_faults: u32) -> impl Strategy<Value = Vec<Step>> {
     let relays = config.relays.max(1);
     let aggs = config.aggregates.max(1);
     let skew = config.skew;
@@ -309,7 +297,7 @@ fn steps_weighted(config: &SimConfig, handler_faults: u32) -> impl Strategy<Valu
         12 => (1..=4usize).prop_map(Step::Consumer),
         2 => Just(Step::ConsumerCrash),
         1 => Just(Step::Rebalance),
-        handler_faults => prop_oneof![
+        4 => prop_oneof![
             1 => Just(HandlerFault::Transient),
             2 => Just(HandlerFault::Permanent),
             1 => Just(HandlerFault::Stuck)
@@ -339,29 +327,26 @@ pub type Case = (Modes, Vec<Step>);
 
 /// The strategy of cases (modes and steps) for `config`.
 pub fn cases(config: &SimConfig) -> impl Strategy<Value = Case> {
-    let config = config.clone();
     (
-        any::<bool>(),
-        any::<bool>(),
-        prop_oneof![
-            Just(Policy::Reject),
-            Just(Policy::Hold),
-            Just(Policy::Unchecked)
-        ],
+        (
+            any::<bool>(),
+            any::<bool>(),
+            // `Unchecked` in half the cases: the one policy that keeps no versions, so only a
+            // handler's failure parks a message there, and a case must also bring a later
+            // version of that aggregate while it is parked.
+            prop_oneof![
+                1 => Just(Policy::Reject),
+                1 => Just(Policy::Hold),
+                2 => Just(Policy::Unchecked)
+            ],
+        )
+            .prop_map(|(lease, prefetch, policy)| Modes {
+                lease,
+                prefetch,
+                policy,
+            }),
+        steps(config),
     )
-        .prop_map(|(lease, prefetch, policy)| Modes {
-            lease,
-            prefetch,
-            policy,
-        })
-        .prop_flat_map(move |modes| {
-            let handler_faults = if modes.policy == Policy::Unchecked {
-                UNCHECKED_HANDLER_FAULTS
-            } else {
-                HANDLER_FAULTS
-            };
-            (Just(modes), steps_weighted(&config, handler_faults))
-        })
 }
 
 /// A replayable description of a case.
