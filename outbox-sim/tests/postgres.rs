@@ -14,7 +14,8 @@
 //! deferral 39, a completion without its aggregate locks and one that does not check its token
 //! 26, both by a forced `Step::Overtake`, a lost wake-up 6, the claim's gap rule 2. 136 s for
 //! the property test alone on a loaded 2-core machine (load 9-10, ~1.35 s a case; the earlier
-//! 60 cases took ~75 s at load 8). Long mode: `OUTBOX_SIM_PG_CASES=1000`
+//! 60 cases took ~75 s at load 8); with the operator checks and the current step mix, 313 s
+//! beside 310 s for the previous one, run side by side at load 16. Long mode: `OUTBOX_SIM_PG_CASES=1000`
 //! (~23 minutes there by that rate; not timed).
 
 use std::sync::{Arc, Mutex};
