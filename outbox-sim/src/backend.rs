@@ -34,6 +34,32 @@ pub struct RowView {
     pub park_kind: Option<ParkKind>,
 }
 
+/// One stored outbox row, as [`Backend::delivery_snapshot`] reads it: the row's view and every
+/// column the store keeps for it, by name (values as text; a store without columns, the
+/// in-memory one, names its row's fields).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoredRow {
+    /// The row as the invariants see it.
+    pub view: RowView,
+    /// Every stored column (or field) of the row, by name.
+    pub raw: BTreeMap<String, String>,
+}
+
+/// One aggregate's delivery state as the store keeps it: its rows, and what the store keeps
+/// for the aggregate itself (its last version, its lease) by column name.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoredAggregate {
+    /// The aggregate's own state row, by column (empty for a store that keeps none, or none
+    /// yet).
+    pub state: BTreeMap<String, String>,
+    /// Its rows, by event id.
+    pub rows: BTreeMap<EventId, StoredRow>,
+}
+
+/// The delivery state of every aggregate, by aggregate id (the simulation appends one
+/// aggregate type).
+pub type DeliverySnapshot = BTreeMap<String, StoredAggregate>;
+
 /// The effects recorded by [`Backend::record_effect`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct EffectsView {
@@ -110,6 +136,13 @@ pub trait Backend: Send + Sync + 'static {
 
     /// Every committed outbox row.
     async fn rows(&self) -> Result<Vec<RowView>, String>;
+    /// The whole delivery state, per aggregate: every column of every row and of the
+    /// aggregates' own state (last version, lease). Read before and after each operator
+    /// action, which must change nothing outside its target. `None`: the backend cannot read
+    /// it (the check is skipped).
+    async fn delivery_snapshot(&self) -> Result<Option<DeliverySnapshot>, String> {
+        Ok(None)
+    }
     /// A check run right after every claim that returned fewer events than `limit`: that
     /// no aggregate was left behind whose head was due, unclaimed and not blocked by a parked
     /// version (parking blocks its own aggregate only; nothing claimable starves). `None` for
@@ -153,6 +186,51 @@ pub trait Backend: Send + Sync + 'static {
     async fn effects(&self) -> Result<EffectsView, String>;
     /// The dedup ids registered by `consumer`.
     async fn registered(&self, consumer: &str) -> Result<BTreeSet<EventId>, String>;
+}
+
+/// A snapshot from rows read apart: their views, their columns, and the aggregates' own state
+/// rows (aggregate id, columns). Every row must have both.
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+pub(crate) fn assemble_snapshot(
+    views: Vec<RowView>,
+    mut raws: BTreeMap<EventId, BTreeMap<String, String>>,
+    states: Vec<(String, BTreeMap<String, String>)>,
+) -> Result<DeliverySnapshot, String> {
+    let mut snap = DeliverySnapshot::new();
+    for view in views {
+        let raw = raws
+            .remove(&view.event_id)
+            .ok_or_else(|| format!("row {} read without its columns", view.event_id))?;
+        snap.entry(view.aggregate_id.clone())
+            .or_default()
+            .rows
+            .insert(view.event_id, StoredRow { view, raw });
+    }
+    if let Some(id) = raws.keys().next() {
+        return Err(format!("row {id} read without its view"));
+    }
+    for (aggregate, state) in states {
+        snap.entry(aggregate).or_default().state = state;
+    }
+    Ok(snap)
+}
+
+/// A JSON object's members as text (a string's own text, anything else as JSON).
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+pub(crate) fn json_columns(v: Value) -> Result<BTreeMap<String, String>, String> {
+    match v {
+        Value::Object(map) => Ok(map
+            .into_iter()
+            .map(|(k, v)| {
+                let text = match v {
+                    Value::String(s) => s,
+                    other => other.to_string(),
+                };
+                (k, text)
+            })
+            .collect()),
+        other => Err(format!("a row read as {other}, not an object")),
+    }
 }
 
 const EFFECTS: &str = "sim_effects";
@@ -289,6 +367,42 @@ impl Backend for MemoryBackend {
                 park_kind: r.park_reason.map(|p| p.kind),
             })
             .collect())
+    }
+    async fn delivery_snapshot(&self) -> Result<Option<DeliverySnapshot>, String> {
+        let mut snap = DeliverySnapshot::new();
+        for r in self.store.snapshot() {
+            let mut raw = BTreeMap::new();
+            let mut put = |k: &str, v: String| {
+                raw.insert(k.to_owned(), v);
+            };
+            put("status", format!("{:?}", r.status));
+            put("attempts", r.attempts.to_string());
+            put("next_attempt_at", r.next_attempt_at.to_rfc3339());
+            put("last_error", format!("{:?}", r.last_error));
+            put("claim", format!("{:?}", r.claim));
+            if let Some(c) = &r.claim {
+                put("claim_owner", c.owner.clone());
+            }
+            put("published_at", format!("{:?}", r.published_at));
+            put("ack", format!("{:?}", r.ack));
+            put("park_reason", format!("{:?}", r.park_reason));
+            put("parked_at", format!("{:?}", r.parked_at));
+            put("envelope", format!("{:?}", r.envelope));
+            let view = RowView {
+                event_id: r.envelope.event_id,
+                aggregate_id: r.envelope.aggregate_id.clone(),
+                version: r.envelope.aggregate_version,
+                status: r.status,
+                ack: r.ack,
+                attempts: r.attempts,
+                park_kind: r.park_reason.map(|p| p.kind),
+            };
+            snap.entry(view.aggregate_id.clone())
+                .or_default()
+                .rows
+                .insert(view.event_id, StoredRow { view, raw });
+        }
+        Ok(Some(snap))
     }
     async fn abandon(&self, claim: &ClaimHandle) {
         self.store.abandon(claim);

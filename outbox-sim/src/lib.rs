@@ -33,7 +33,11 @@
 //!   `pg_blocking_pids`: the completion must queue behind the claim). The seed chooses the
 //!   relays, the answers and the variant, so a failing seed replays the same interleaving.
 //! * **Every consumer version policy** ([`Policy`]: `Reject`, `Hold`, `Unchecked`) is a mode of
-//!   the case.
+//!   the case; `Unchecked` in half the cases (only a handler's failure parks a message there,
+//!   so its cases must be many for a parked message to meet a later version).
+//! * **Operators act** on the outbox's parked events (retry, discard, re-issue:
+//!   [`Step::Operator`], and inside races) and release the claims of a relay that died
+//!   ([`Step::ReleaseClaims`]: `release_claims_of` its owner, which ends its leases at once).
 //!
 //! Every step ([`Step`]) is followed by the invariants, checked against the real state:
 //!
@@ -46,8 +50,19 @@
 //!   the last published, discarded or accepted by an operator): nothing goes out past a gap,
 //!   nothing at or below a version already done;
 //! * a version-gap park is a real gap, made no earlier than the store's gap timeout after the
-//!   commit; an out-of-order park is at or below the last version done; a refused operator
-//!   action changes nothing;
+//!   commit; an out-of-order park is at or below the last version done;
+//! * **an operator action changes only its aggregate**: around every operator step (and every
+//!   retry and discard of the drain) the store's whole delivery state is read
+//!   ([`Backend::delivery_snapshot`]: every column of every outbox row and of the aggregates'
+//!   own state, their last version and lease) once the relays' store calls under way have
+//!   ended, and compared: every other aggregate is exactly as it was; a retry makes its event
+//!   pending with no attempts, a discard or re-issue marks it discarded (a re-issue adds one
+//!   fresh pending copy of the same version), the aggregate's last version becomes exactly
+//!   the greater of what it was and what the action accepts, and its lease and other rows'
+//!   delivery stay; a release of a dead relay's claims ends that owner's leases and nothing
+//!   else; a refused action changes nothing at all (actions inside a [`Step::Race`], and
+//!   one that had to wait for the relays to finish their batches, are not compared: other
+//!   writers ran meanwhile);
 //! * attempts are spent only by record-scoped failures: a row shows at most as many as its own
 //!   transient or permanent failures since its last retry (a broker that is down, a lost
 //!   acknowledgement, defer without spending one);
@@ -80,11 +95,14 @@
 //!
 //! The simulation proves it catches bugs: [`SeededBug`] lists deliberate bugs (wrappers and
 //! doubles around the production code, nothing in the production code changes), and the
-//! crate's tests show each one caught. Bugs planted *in* the PostgreSQL store and the inbox
-//! engine (the claim's gap rule, the completion's locks, attempts spent on deferral, fencing,
-//! a lost wake-up, `Unchecked` applying past a parked message) are patches in `scripts/seeded-bugs`, applied
-//! one at a time by `scripts/seeded-bugs/run`, which runs the PostgreSQL simulation against
-//! each and reports the case that caught it. Bugs *in* the production code are the other half:
+//! crate's tests show each one caught. Bugs planted *in* the PostgreSQL and MariaDB stores and
+//! the inbox engine (the claim's gap rule, the completion's locks, attempts spent on deferral,
+//! fencing, a lost wake-up, `Unchecked` applying past a parked message, an operator retry
+//! that retries every parked event of the aggregate type, an operator action that raises
+//! every aggregate's last version) are patches in `scripts/seeded-bugs`, applied one at a
+//! time by `scripts/seeded-bugs/run`, which runs the PostgreSQL (or, for a `mysql-` patch,
+//! the MariaDB) simulation against each and reports the case that caught it
+//! (`docs/simulation.md` has the figures). Bugs *in* the production code are the other half:
 //! cargo-mutants mutates the engine's batch and fallback, the processor's batch, the relay's
 //! result mapping and the offset watermark, and runs this crate's property test alone against
 //! each mutant (`docs/mutants.md`, "Caught by the simulation alone"); the last two invariants
@@ -163,6 +181,7 @@ mod consumer;
 mod invariants;
 #[cfg(feature = "mysql")]
 mod mysql;
+mod operator_scope;
 #[cfg(feature = "postgres")]
 mod pg_hold;
 #[cfg(feature = "postgres")]
@@ -173,7 +192,10 @@ mod relay;
 mod runner;
 mod steps;
 
-pub use backend::{Backend, EffectsView, Hold, MemoryBackend, RowView, ShortClaimCheck};
+pub use backend::{
+    Backend, DeliverySnapshot, EffectsView, Hold, MemoryBackend, RowView, ShortClaimCheck,
+    StoredAggregate, StoredRow,
+};
 pub use config::{cases_from_env, SeededBug, SimConfig, CASES_ENV, SEED_ENV};
 pub use consumer::{InboxTx, NoEffect, SimHandler, SimSource};
 pub use invariants::Violations;

@@ -12,7 +12,7 @@
 //! a conflict: the command is refused), the row having been created beforehand in a statement
 //! of its own.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,9 +23,9 @@ use outbox_core::{
 };
 use outbox_mysql::{map_sqlx_error, MySqlInboxStore, MySqlOutboxStore};
 use serde_json::Value;
-use sqlx::{MySql, MySqlPool, Row, Transaction};
+use sqlx::{MySql, MySqlConnection, MySqlPool, Row, Transaction};
 
-use crate::backend::{Backend, EffectsView, RowView};
+use crate::backend::{assemble_snapshot, Backend, DeliverySnapshot, EffectsView, RowView};
 
 /// The MySQL store's gap timeout in the simulation: it runs on real time, so a gap the
 /// producer leaves must park within a run.
@@ -81,6 +81,62 @@ impl MySqlBackend {
 
     fn table(&self, name: &str) -> String {
         format!("`{}`.`{name}`", self.database)
+    }
+
+    /// Every row of `table` with every column as text (binary columns in hex), and the
+    /// values of `key_col` (as text) apart.
+    async fn columns_of(
+        &self,
+        conn: &mut MySqlConnection,
+        table: &str,
+        key_col: &str,
+    ) -> Result<Vec<(String, BTreeMap<String, String>)>, String> {
+        let cols: Vec<(String, String)> = sqlx::query_as(
+            "SELECT CAST(COLUMN_NAME AS CHAR), CAST(DATA_TYPE AS CHAR) \
+             FROM information_schema.COLUMNS WHERE TABLE_SCHEMA = ? AND TABLE_NAME = ? \
+             ORDER BY ORDINAL_POSITION",
+        )
+        .bind(&self.database)
+        .bind(table)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(|e| e.to_string())?;
+        if cols.is_empty() {
+            return Err(format!("table {table} has no columns"));
+        }
+        let text = |(name, ty): &(String, String)| {
+            if ty.contains("binary") || ty.contains("blob") {
+                format!("HEX(`{name}`)")
+            } else {
+                format!("CAST(`{name}` AS CHAR)")
+            }
+        };
+        let key_type = cols
+            .iter()
+            .find(|(n, _)| n == key_col)
+            .ok_or_else(|| format!("table {table} has no column {key_col}"))?;
+        let select: Vec<String> = std::iter::once(text(key_type))
+            .chain(cols.iter().map(text))
+            .collect();
+        let rows = sqlx::query(&format!(
+            "SELECT {} FROM {}",
+            select.join(", "),
+            self.table(table)
+        ))
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(|e| e.to_string())?;
+        rows.into_iter()
+            .map(|r| {
+                let key: Option<String> = r.try_get(0).map_err(|e| e.to_string())?;
+                let mut raw = BTreeMap::new();
+                for (i, (name, _)) in cols.iter().enumerate() {
+                    let v: Option<String> = r.try_get(i + 1).map_err(|e| e.to_string())?;
+                    raw.insert(name.clone(), v.unwrap_or_else(|| "null".to_owned()));
+                }
+                Ok((key.unwrap_or_default(), raw))
+            })
+            .collect()
     }
 }
 
@@ -231,6 +287,30 @@ impl Backend for MySqlBackend {
                 })
             })
             .collect()
+    }
+    async fn delivery_snapshot(&self) -> Result<Option<DeliverySnapshot>, String> {
+        // Nothing else writes while the simulation reads it (operator steps run alone); one
+        // snapshot of both tables all the same.
+        let views = self.rows().await?;
+        let mut tx = self
+            .pool
+            .begin_with("START TRANSACTION WITH CONSISTENT SNAPSHOT")
+            .await
+            .map_err(|e| e.to_string())?;
+        let events = outbox_mysql::DEFAULT_OUTBOX_TABLE;
+        let rows = self.columns_of(&mut tx, events, "event_id").await?;
+        let states = self
+            .columns_of(&mut tx, &format!("{events}_aggregate"), "aggregate_id")
+            .await?;
+        tx.rollback().await.map_err(|e| e.to_string())?;
+        let raws = rows
+            .into_iter()
+            .map(|(hex, raw)| {
+                let id = uuid::Uuid::parse_str(&hex).map_err(|e| format!("event id {hex}: {e}"))?;
+                Ok((EventId::from_uuid(id), raw))
+            })
+            .collect::<Result<_, String>>()?;
+        assemble_snapshot(views, raws, states).map(Some)
     }
     async fn abandon(&self, claim: &ClaimHandle) {
         self.store.abandon_locked_claim(claim).await;

@@ -28,7 +28,9 @@ use outbox_postgres::{map_sqlx_error, PostgresInboxStore, PostgresOutboxStore};
 use serde_json::Value;
 use sqlx::{PgPool, Postgres, Row, Transaction};
 
-use crate::backend::{Backend, EffectsView, Hold, RowView};
+use crate::backend::{
+    assemble_snapshot, json_columns, Backend, DeliverySnapshot, EffectsView, Hold, RowView,
+};
 
 /// Advisory lock class of the simulation's business transactions (apart from the store's).
 const BUSINESS_LOCK_CLASS: i32 = 0x51_4d;
@@ -278,6 +280,41 @@ impl Backend for PostgresBackend {
                 })
             })
             .collect()
+    }
+    async fn delivery_snapshot(&self) -> Result<Option<DeliverySnapshot>, String> {
+        // Nothing else writes while the simulation reads it (operator steps run alone); one
+        // snapshot of both tables all the same.
+        let views = self.rows().await?;
+        let mut tx = self
+            .pool
+            .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            .await
+            .map_err(|e| e.to_string())?;
+        let t = self.table(outbox_postgres::DEFAULT_OUTBOX_TABLE);
+        let a = self.table(&format!(
+            "{}_aggregate",
+            outbox_postgres::DEFAULT_OUTBOX_TABLE
+        ));
+        let rows: Vec<(uuid::Uuid, Value)> =
+            sqlx::query_as(&format!("SELECT event_id, to_jsonb(t) FROM {t} t"))
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(|e| e.to_string())?;
+        let states: Vec<(String, Value)> =
+            sqlx::query_as(&format!("SELECT aggregate_id, to_jsonb(a) FROM {a} a"))
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(|e| e.to_string())?;
+        tx.rollback().await.map_err(|e| e.to_string())?;
+        let raws = rows
+            .into_iter()
+            .map(|(id, v)| Ok((EventId::from_uuid(id), json_columns(v)?)))
+            .collect::<Result<_, String>>()?;
+        let states = states
+            .into_iter()
+            .map(|(agg, v)| Ok((agg, json_columns(v)?)))
+            .collect::<Result<_, String>>()?;
+        assemble_snapshot(views, raws, states).map(Some)
     }
     async fn abandon(&self, claim: &ClaimHandle) {
         self.store.abandon_locked_claim(claim).await;

@@ -9,6 +9,7 @@
 //! relay loses its batch in flight and its prefetched claim like a killed process.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -48,6 +49,25 @@ pub(crate) struct RelayShared {
     lease: Option<Duration>,
     bug: Option<SeededBug>,
     short_claim_check: Option<ShortClaimCheck>,
+    /// Store calls of the relays under way (a prefetch claim runs beside its batch's publish,
+    /// so it may still be running when the batch is held).
+    in_flight: Arc<AtomicUsize>,
+}
+
+/// Counts a relay's store call as under way until dropped (also when its task is aborted).
+struct InFlight(Arc<AtomicUsize>);
+
+impl InFlight {
+    fn start(counter: &Arc<AtomicUsize>) -> Self {
+        counter.fetch_add(1, Ordering::SeqCst);
+        Self(counter.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl std::fmt::Debug for RelayShared {
@@ -78,7 +98,13 @@ impl RelayShared {
             },
             bug,
             short_claim_check,
+            in_flight: Arc::default(),
         }
+    }
+
+    /// How many store calls of the relays are under way.
+    pub(crate) fn calls_in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::SeqCst)
     }
 
     pub(crate) fn claims(&self) -> MutexGuard<'_, BTreeMap<Uuid, HeldClaim>> {
@@ -115,6 +141,11 @@ impl RelayShared {
 
     pub(crate) fn forget(&self, token: Uuid) {
         self.claims().remove(&token);
+    }
+
+    /// An operator released every claim of `owner`.
+    pub(crate) fn forget_owner(&self, owner: &str) {
+        self.claims().retain(|_, c| c.handle.owner != owner);
     }
 }
 
@@ -245,6 +276,7 @@ fn swapped_acks(outcomes: &[Outcome]) -> Vec<Outcome> {
 #[async_trait]
 impl<S: RelayStore> RelayStore for SimStore<S> {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
+        let _call = InFlight::start(&self.shared.in_flight);
         let prefetch = !self.shared.claims_of(self.relay).is_empty();
         let requested_at = self.shared.clock.now();
         let batch = self.inner.claim(request).await?;
@@ -285,6 +317,7 @@ impl<S: RelayStore> RelayStore for SimStore<S> {
         claim: &ClaimHandle,
         outcomes: &[Outcome],
     ) -> Result<CompletionReport, StoreError> {
+        let _call = InFlight::start(&self.shared.in_flight);
         let outcomes = if self.bug(SeededBug::ShiftedOutcomes) && outcomes.len() > 1 {
             shifted(outcomes)
         } else if self.bug(SeededBug::SwappedAckMetadata) {
@@ -337,6 +370,7 @@ impl<S: RelayStore> RelayStore for SimStore<S> {
     }
 
     async fn release(&self, claim: &ClaimHandle) -> Result<(), StoreError> {
+        let _call = InFlight::start(&self.shared.in_flight);
         let result = self.inner.release(claim).await;
         if result.is_ok() {
             self.shared.forget(claim.token);

@@ -26,10 +26,11 @@ use rand::SeedableRng;
 use tokio::runtime::Runtime;
 use tokio::task::JoinHandle;
 
-use crate::backend::{Backend, Hold, MemoryBackend};
+use crate::backend::{Backend, DeliverySnapshot, Hold, MemoryBackend};
 use crate::config::{cases_from_env, SeededBug, SimConfig, SEED_ENV};
 use crate::consumer::{InboxTx, Ledger, NoEffect, SimHandler, SimSource};
 use crate::invariants::{self, ensure, Check, Model, Observed, Violations};
+use crate::operator_scope;
 use crate::producer::{Command, Touch};
 use crate::publisher::{self, HeldBatch, PublisherHandle, ScriptedPublisher};
 use crate::relay::{RelayShared, SimStore};
@@ -123,6 +124,14 @@ pub struct SimReport {
     /// Operator actions the store refused (a version at or below the last, lower versions
     /// still waiting).
     pub operator_refused: usize,
+    /// Operator actions (on parked events, or releases of an owner's claims, during the steps
+    /// and the drain) whose scope was checked: the store's whole delivery state read before
+    /// and after, only the target changed, and only as promised.
+    pub operator_scope_checked: usize,
+    /// Of those, releases of a crashed relay's claims ([`Step::ReleaseClaims`]).
+    pub claim_releases: usize,
+    /// Leases those releases ended.
+    pub claims_released: u64,
 }
 
 type OpTask = JoinHandle<Result<Option<EventId>, StoreError>>;
@@ -222,6 +231,11 @@ impl<B: Backend, H> Drop for Simulation<B, H> {
             tokio::task::yield_now().await;
         });
     }
+}
+
+/// The owner name of relay `i`'s `generation`-th process.
+fn relay_owner(i: usize, generation: u64) -> String {
+    format!("relay-{i}-{generation}")
 }
 
 fn retry_policy(config: &SimConfig, base: Duration, max: Duration) -> RetryPolicy {
@@ -382,7 +396,7 @@ where
         );
         let (publisher, handle) = publisher::pair(self.config.delivery_timeout);
         let cfg = RelayConfig::builder()
-            .owner(format!("relay-{i}-{generation}"))
+            .owner(relay_owner(i, generation))
             .batch_size(self.config.batch_size.max(1))
             .retry(retry_policy(
                 &self.config,
@@ -528,6 +542,7 @@ where
                 Ok(())
             }
             Step::Operator(op, n) => self.operator(*op, *n),
+            Step::ReleaseClaims(i) => self.release_claims(i % self.relays.len()),
             Step::Consumer(n) => self.consumer_steps(*n).map(|_| ()),
             Step::ConsumerCrash => {
                 self.drop_engine();
@@ -726,20 +741,33 @@ where
         }
         let id = parked[n % parked.len()].envelope.event_id;
         self.report.operator_actions += 1;
+        let before = self.scope_snapshot()?;
         // The store refuses (a conflict) to accept or drop a version while lower ones of its
         // aggregate still wait, and to retry or re-issue one at or below the last published:
         // a refusal changes nothing.
         let task = self.spawn_operator(op, id);
-        let was_refused = match self.await_operator(task)? {
+        let (result, relays_moved) = self.await_operator(task)?;
+        let action = match result {
             Ok(new_id) => {
                 self.operator_done(op, id, new_id);
-                false
+                operator_scope::Action::Parked {
+                    op,
+                    event: id,
+                    copy: new_id,
+                }
             }
-            Err(e) if e.kind == StoreErrorKind::Conflict => true,
+            Err(e) if e.kind == StoreErrorKind::Conflict => {
+                self.report.operator_refused += 1;
+                operator_scope::Action::Refused(format!("{op:?} of {id}"))
+            }
             Err(e) => return Err(format!("{op:?} of {id} failed: {e}")),
         };
-        if was_refused {
-            self.report.operator_refused += 1;
+        // The relays had to finish what they held for the action to get its lock: they
+        // changed other aggregates meanwhile, and the comparison would blame the operator.
+        if !relays_moved {
+            self.check_scope(before, &action)?;
+        }
+        if matches!(action, operator_scope::Action::Refused(_)) {
             return Ok(());
         }
         let trail = self
@@ -748,6 +776,58 @@ where
         ensure(!trail.is_empty(), || {
             format!("operator action on {id} not audited")
         })
+    }
+
+    /// [`Step::ReleaseClaims`]: relay `i` dies, and the operator releases its owner's claims.
+    fn release_claims(&mut self, i: usize) -> Check {
+        let owner = relay_owner(i, self.relays[i].generation);
+        self.relay_crash(i)?;
+        let before = self.scope_snapshot()?;
+        let store = self.backend.store();
+        let released = self
+            .block_on(store.release_claims_of(&owner, "sim-operator"))?
+            .map_err(|e| format!("releasing the claims of {owner} failed: {e}"))?;
+        // The leases are over: no longer the relay's (which is gone), nor anybody's.
+        self.shared.forget_owner(&owner);
+        self.report.claim_releases += 1;
+        self.report.claims_released += released;
+        self.check_scope(before, &operator_scope::Action::ReleaseClaims { owner })
+    }
+
+    /// The store's whole delivery state, read once the relays' store calls under way (a
+    /// prefetch claim beside a held batch) have ended, so that nothing but the operator
+    /// writes until the next read. `None`: the backend cannot read it, or a call did not end.
+    fn scope_snapshot(&mut self) -> Result<Option<DeliverySnapshot>, String> {
+        let shared = self.shared.clone();
+        let settled = self.block_on(async move {
+            for _ in 0..400 {
+                if shared.calls_in_flight() == 0 {
+                    return true;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            false
+        })?;
+        if !settled {
+            return Ok(None);
+        }
+        self.block_on(self.backend.delivery_snapshot())?
+    }
+
+    /// Checks the operator-action invariant for `action`, taken since `before` was read.
+    fn check_scope(
+        &mut self,
+        before: Option<DeliverySnapshot>,
+        action: &operator_scope::Action,
+    ) -> Check {
+        let Some(before) = before else {
+            return Ok(());
+        };
+        let Some(after) = self.block_on(self.backend.delivery_snapshot())?? else {
+            return Ok(());
+        };
+        self.report.operator_scope_checked += 1;
+        operator_scope::check(action, &before, &after)
     }
 
     /// Starts an operator action on the outbox as a task of its own.
@@ -772,16 +852,20 @@ where
     /// of a relay holds it, as a re-appended version parked out of order can share its
     /// aggregate with a claimed head) waits as it does in production: until the relays finish
     /// what they hold (their batches acknowledged, what they claimed ahead published).
+    /// Returns the action's result, and whether the relays were moved meanwhile.
     fn await_operator(
         &mut self,
         mut task: OpTask,
-    ) -> Result<Result<Option<EventId>, StoreError>, String> {
+    ) -> Result<(Result<Option<EventId>, StoreError>, bool), String> {
+        let mut relays_moved = false;
         for round in 0..40 {
             let waited = self.rt.block_on(async {
                 tokio::time::timeout(Duration::from_millis(300), &mut task).await
             });
             if let Ok(joined) = waited {
-                return joined.map_err(|e| format!("operator task panicked: {e}"));
+                return joined
+                    .map(|r| (r, relays_moved))
+                    .map_err(|e| format!("operator task panicked: {e}"));
             }
             let mut moved = false;
             for i in 0..self.relays.len() {
@@ -793,6 +877,7 @@ where
                     moved = true;
                 }
             }
+            relays_moved |= moved;
             if !moved && round >= 5 {
                 break;
             }
@@ -1172,7 +1257,7 @@ where
         }
         for (op, id, task) in operators {
             self.report.operator_actions += 1;
-            match self.await_operator(task)? {
+            match self.await_operator(task)?.0 {
                 Ok(new_id) => self.operator_done(op, id, new_id),
                 // Refused (lower versions wait, out of order), or the event is no longer
                 // parked (another action of the race took it).
@@ -1545,20 +1630,38 @@ where
                 .map_err(|e| e.to_string())?;
             for p in parked {
                 let id = p.envelope.event_id;
+                let before = self.scope_snapshot()?;
                 match self.block_on(store.retry_parked(id, "drain"))? {
-                    Ok(()) => self.model.retry(id),
+                    Ok(()) => {
+                        self.model.retry(id);
+                        let action = operator_scope::Action::Parked {
+                            op: OperatorStep::Retry,
+                            event: id,
+                            copy: None,
+                        };
+                        self.check_scope(before, &action)?;
+                    }
                     // Refused: at or below the last version published (out of order, for
                     // good: the operator discards it), or lower versions still wait (next
                     // round).
                     Err(e) if e.kind == StoreErrorKind::Conflict => {
                         self.report.operator_refused += 1;
+                        let refused = operator_scope::Action::Refused(format!("retry of {id}"));
+                        self.check_scope(before, &refused)?;
                         let rows = self.block_on(self.backend.rows())??;
                         if p.envelope.aggregate_version
                             <= self.model.floor(&rows, &p.envelope.aggregate_id)
                         {
+                            let before = self.scope_snapshot()?;
                             self.block_on(store.discard_parked(id, "drain", "out of order"))?
                                 .map_err(|e| format!("discarding {id} failed: {e}"))?;
                             self.model.discarded.insert(id);
+                            let action = operator_scope::Action::Parked {
+                                op: OperatorStep::Discard,
+                                event: id,
+                                copy: None,
+                            };
+                            self.check_scope(before, &action)?;
                         }
                     }
                     Err(e) => return Err(format!("retrying {id} failed: {e}")),
@@ -1685,6 +1788,8 @@ where
     // How many cases ran until the first failure (the shrinking runs more after it).
     let ran = std::cell::Cell::new(0u32);
     let first_failure = std::cell::Cell::new(None::<u32>);
+    // Operator actions checked for their scope, and leases an operator released.
+    let scoped = std::cell::Cell::new((0usize, 0u64));
     let result = runner.run(&steps::cases(config), |(modes, steps)| {
         if first_failure.get().is_none() {
             ran.set(ran.get() + 1);
@@ -1692,13 +1797,26 @@ where
         let mut sim = make(modes);
         let r = sim
             .run(&steps)
-            .map(|_| ())
+            .map(|report| {
+                if first_failure.get().is_none() {
+                    let (s, c) = scoped.get();
+                    scoped.set((
+                        s + report.operator_scope_checked,
+                        c + report.claims_released,
+                    ));
+                }
+            })
             .map_err(|v| TestCaseError::fail(v.to_string()));
         if r.is_err() && first_failure.get().is_none() {
             first_failure.set(Some(ran.get()));
         }
         r
     });
+    let (checked, released) = scoped.get();
+    eprintln!(
+        "simulation: {checked} operator actions checked for their scope ({released} leases \
+         released by an operator) in the cases that passed"
+    );
     if result.is_err() {
         if let Some(n) = first_failure.get() {
             eprintln!("simulation: first failing case: {n} of {cases}");

@@ -182,6 +182,10 @@ pub enum Step {
     StoreFault(StoreFault),
     /// An operator acts on the `n`-th parked event of the outbox.
     Operator(OperatorStep, usize),
+    /// Relay `n`'s process dies (as [`Step::RelayCrash`]) and an operator releases its claims
+    /// (`release_claims_of` its owner): in lease mode its leases end at once instead of at
+    /// their expiry.
+    ReleaseClaims(usize),
     /// The consumer engine makes `n` steps (`ConsumerEngine::step`).
     Consumer(usize),
     /// The consumer's process dies: the engine (with its running transactions) is dropped and
@@ -208,7 +212,7 @@ fn answer() -> impl Strategy<Value = RecordAnswer> {
         10 => Just(RecordAnswer::Ack),
         1 => Just(RecordAnswer::Transient),
         1 => Just(RecordAnswer::Transport),
-        2 => Just(RecordAnswer::Permanent),
+        3 => Just(RecordAnswer::Permanent),
         2 => Just(RecordAnswer::AckLost),
     ]
 }
@@ -272,6 +276,7 @@ pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
                 hold
             }),
         2 => (0..relays).prop_map(Step::RelayCrash),
+        2 => (0..relays).prop_map(Step::ReleaseClaims),
         4 => prop_oneof![Just(1u64), Just(10), Just(31), Just(31), Just(120)]
             .prop_map(|s| Step::Advance(Duration::from_secs(s))),
         1 => prop_oneof![
@@ -280,7 +285,7 @@ pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
             Just(StoreFault::CompleteReplyLost)
         ]
         .prop_map(Step::StoreFault),
-        4 => (
+        6 => (
             prop_oneof![
                 Just(OperatorStep::Retry),
                 Just(OperatorStep::Discard),
@@ -326,10 +331,13 @@ pub fn cases(config: &SimConfig) -> impl Strategy<Value = Case> {
         (
             any::<bool>(),
             any::<bool>(),
+            // `Unchecked` in half the cases: the one policy that keeps no versions, so only a
+            // handler's failure parks a message there, and a case must also bring a later
+            // version of that aggregate while it is parked.
             prop_oneof![
-                Just(Policy::Reject),
-                Just(Policy::Hold),
-                Just(Policy::Unchecked)
+                1 => Just(Policy::Reject),
+                1 => Just(Policy::Hold),
+                2 => Just(Policy::Unchecked)
             ],
         )
             .prop_map(|(lease, prefetch, policy)| Modes {

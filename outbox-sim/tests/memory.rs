@@ -59,6 +59,9 @@ fn the_generator_reaches_the_interesting_states() {
         total.operator_refused += r.operator_refused;
         total.races += r.races;
         total.overtaken += r.overtaken;
+        total.operator_scope_checked += r.operator_scope_checked;
+        total.claim_releases += r.claim_releases;
+        total.claims_released += r.claims_released;
         policies[m.policy as usize] += 1;
     }
     eprintln!("coverage over 80 cases: {total:?}, modes {modes:?}");
@@ -110,6 +113,15 @@ fn the_generator_reaches_the_interesting_states() {
         "no operator action refused: {total:?}"
     );
     assert!(total.races > 0, "nothing ran at once: {total:?}");
+    // Operator actions are checked for their scope, releases of a dead relay's leases too.
+    assert!(
+        total.operator_scope_checked > 20,
+        "few operator actions checked for their scope: {total:?}"
+    );
+    assert!(
+        total.claims_released > 0,
+        "no lease released by an operator: {total:?}"
+    );
     assert!(
         total.overtaken > 0,
         "no late completion after another relay's claim: {total:?}"
@@ -261,4 +273,55 @@ fn a_prefetched_batch_survives_a_park_of_the_batch_before_it() {
     assert!(report.prefetches >= 1, "{report:?}");
     assert!(report.parked >= 1, "{report:?}");
     assert_eq!(report.applied, 8);
+}
+
+/// Operator actions on parked events of several aggregates, and the release of a crashed
+/// relay's claims: each is checked for its scope (the store's whole delivery state before and
+/// after: nothing outside its target changed, the target only as promised).
+fn operator_steps() -> Vec<Step> {
+    use outbox_sim::OperatorStep::{Discard, Reissue, Retry};
+    let mut steps = Vec::new();
+    for a in 0..4 {
+        steps.push(begin(a, 2));
+        steps.push(Step::Commit(0));
+    }
+    steps.extend([
+        // Heads of several aggregates park (a permanent failure each).
+        Step::Relay(0),
+        answer(0, &[RecordAnswer::Permanent]),
+        Step::Relay(1),
+        answer(1, &[RecordAnswer::Permanent]),
+        Step::Operator(Retry, 0),
+        Step::Operator(Discard, 0),
+        Step::Operator(Reissue, 0),
+        // A relay holds a batch (a lease in lease mode), dies, and its claims are released.
+        Step::Relay(0),
+        Step::ReleaseClaims(0),
+        Step::Relay(1),
+        answer(1, &[RecordAnswer::Ack]),
+        Step::Consumer(20),
+    ]);
+    steps
+}
+
+#[test]
+fn operator_actions_change_only_their_target() {
+    for lease in [true, false] {
+        let modes = Modes {
+            lease,
+            ..Modes::default()
+        };
+        let report = Simulation::memory(SimConfig::default(), modes)
+            .run(&operator_steps())
+            .unwrap_or_else(|v| panic!("lease {lease}: {v}"));
+        // Three actions on parked events, one release, and the drain's retries.
+        assert_eq!(report.operator_actions, 3, "{report:?}");
+        assert!(report.operator_scope_checked >= 4, "{report:?}");
+        assert_eq!(report.claim_releases, 1, "{report:?}");
+        assert_eq!(
+            report.claims_released > 0,
+            lease,
+            "a lease is released, a locked claim ends with its connection: {report:?}"
+        );
+    }
 }
