@@ -946,3 +946,65 @@ async fn config_prints_text_by_default_and_json_with_the_flag_secrets_redacted_i
     assert_eq!(again, doc);
     env.drop_schema().await;
 }
+
+/// The widest line of `out`'s stdout, in characters.
+fn widest(out: &std::process::Output) -> usize {
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| l.chars().count())
+        .max()
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wide_tables_fit_80_columns_unless_wide_is_asked_for() {
+    let test = "wide_tables_fit_80_columns_unless_wide_is_asked_for";
+    let env = require!(TestEnv::without_kafka(test).await);
+    env.migrate();
+    append_new(&env, 2).await;
+    let parked = park_all(&env.store()).await;
+    // Not a terminal, no $COLUMNS: 80 columns; the event ids stay whole for copying.
+    for args in [&["parked", "list"][..], &["check", "--no-broker"]] {
+        let out = env.cmd().env_remove("COLUMNS").args(args).output().unwrap();
+        assert!(
+            widest(&out) <= 80,
+            "{args:?} is {} wide:\n{}",
+            widest(&out),
+            text(&out)
+        );
+    }
+    let out = env
+        .cmd()
+        .env_remove("COLUMNS")
+        .args(["parked", "list"])
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&out.stdout);
+    for id in &parked {
+        assert!(shown.contains(&id.to_string()), "{id} broken:\n{shown}");
+    }
+    // $COLUMNS narrows or widens it.
+    let out = env
+        .cmd()
+        .env("COLUMNS", "120")
+        .args(["parked", "list"])
+        .output()
+        .unwrap();
+    assert!(widest(&out) <= 120, "{}", text(&out));
+    // --wide: full width, one line per event.
+    let out = env
+        .cmd()
+        .env_remove("COLUMNS")
+        .args(["--wide", "parked", "list"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(widest(&out) > 80, "{}", text(&out));
+    let rows = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| parked.iter().any(|id| l.contains(&id.to_string())))
+        .filter(|l| l.contains("invalid_record: schema mismatch"))
+        .count();
+    assert_eq!(rows, 2, "{}", text(&out));
+    env.drop_schema().await;
+}
