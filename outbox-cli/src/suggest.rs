@@ -70,7 +70,7 @@ mod tests {
                 "orders_outbox".into(),
             ],
         );
-        assert_eq!(ordered, ["orders_outbox", "audit", "payments_outbox"]);
+        assert_eq!(ordered, ["orders_outbox", "payments_outbox", "audit"]);
     }
 
     #[test]
