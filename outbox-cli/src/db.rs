@@ -240,6 +240,9 @@ pub async fn preflight(pool: &PgPool, config: &Config) -> Result<(), CliError> {
     if !migrations_exist {
         return Err(migrate());
     }
+    let others = other_outboxes(pool, &o.schema, &o.table)
+        .await
+        .map_err(map)?;
     if let Some(e) = privilege_error(pool, config).await? {
         return Err(e);
     }
@@ -252,6 +255,11 @@ pub async fn preflight(pool: &PgPool, config: &Config) -> Result<(), CliError> {
     .await
     .map_err(map)?;
     match version {
+        None if !others.is_empty() => Err(crate::suggest::missing_table(
+            &format!("schema {:?}", o.schema),
+            &o.table,
+            others,
+        )),
         None => Err(migrate()),
         Some(v) if v < OUTBOX_SCHEMA_VERSION => Err(CliError::not_ready(
             format!(
@@ -261,6 +269,34 @@ pub async fn preflight(pool: &PgPool, config: &Config) -> Result<(), CliError> {
             "run `outbox migrate` to apply the missing migrations",
         )),
         Some(_) => Ok(()),
+    }
+}
+
+/// The outbox tables of `schema` other than `table`: logged by a migration and present.
+/// Read before the privilege check (a mistyped table would otherwise be reported as a
+/// missing grant on it), from the log, which `outbox migrate` creates readable by the owner;
+/// a role that may not read it sees none.
+async fn other_outboxes(
+    pool: &PgPool,
+    schema: &str,
+    table: &str,
+) -> Result<Vec<String>, sqlx::Error> {
+    let log = qualified(schema, "outbox_schema_migrations");
+    let rows = sqlx::query_scalar::<_, String>(&format!(
+        "SELECT DISTINCT substr(m.object, 8) FROM {log} m \
+         WHERE m.object LIKE 'outbox:%' AND m.object <> $2 AND EXISTS ( \
+           SELECT 1 FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
+           WHERE n.nspname = $1 AND c.relname = substr(m.object, 8) AND c.relkind IN ('r', 'p'))"
+    ))
+    .bind(schema)
+    .bind(format!("outbox:{table}"))
+    .fetch_all(pool)
+    .await;
+    match rows {
+        Ok(r) => Ok(r),
+        // No privilege on the log: the privilege check below says what to grant.
+        Err(sqlx::Error::Database(d)) if d.code().as_deref() == Some("42501") => Ok(Vec::new()),
+        Err(e) => Err(e),
     }
 }
 

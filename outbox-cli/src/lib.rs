@@ -38,6 +38,7 @@ pub mod mysql;
 pub mod opt;
 pub mod output;
 pub mod store;
+pub mod suggest;
 pub mod transport;
 pub mod trend;
 
@@ -132,6 +133,18 @@ fn overrides(g: &GlobalOpts, command: &Command) -> Value {
 /// `{"error": ...}` to stdout).
 pub async fn run(opt: Opt) -> u8 {
     let json = opt.global.json;
+    // Generated from the command line's definition: no configuration to load.
+    let generated = match &opt.command {
+        Command::Completions(o) => Some(commands::help::completions(o.shell)),
+        Command::Man(o) => Some(commands::help::man(o.dir.as_deref())),
+        _ => None,
+    };
+    if let Some(result) = generated {
+        return match result {
+            Ok(()) => 0,
+            Err(e) => report(&e, json),
+        };
+    }
     let loaded = config::Config::load(
         opt.global.config.as_deref(),
         &overrides(&opt.global, &opt.command),
@@ -152,7 +165,7 @@ pub async fn run(opt: Opt) -> u8 {
         _ => "warn,librdkafka=off,outbox_kafka=error,outbox_nats=error,outbox_rabbitmq=error",
     };
     logging::init(&config.log, level_given, default_level);
-    let out = output::Output::new(json, &config.log.color);
+    let out = output::Output::new(json, &config.log.color).wide(opt.global.wide);
     let result = match opt.command {
         Command::Migrate(o) => commands::migrate::run(&config, &o, &out).await,
         Command::Relay(_) => commands::relay::run(&config, &out).await,
@@ -163,6 +176,7 @@ pub async fn run(opt: Opt) -> u8 {
         Command::Check(o) => commands::check::run(&config, &o, &out).await,
         Command::Reconcile(o) => commands::reconcile::run(&config, &o, &out).await,
         Command::Config => commands::show_config(&config, &out),
+        Command::Completions(_) | Command::Man(_) => Ok(()),
     };
     match result {
         Ok(()) => 0,

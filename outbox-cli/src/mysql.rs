@@ -402,6 +402,11 @@ pub async fn preflight(
         }
         Err(e) => return Err(store_error(&e, &table)),
     };
+    if status.applied == 0 {
+        if let Some(e) = mistyped_table(pool, config).await {
+            return Err(e);
+        }
+    }
     if let Some(e) = schema_error(&status, &table) {
         return Err(e);
     }
@@ -409,6 +414,59 @@ pub async fn preflight(
         return Err(e);
     }
     Ok(status)
+}
+
+/// The outbox tables in the outbox's database (`outbox.schema`, else the URL's) other than
+/// the configured one: logged by a migration and present. Empty when the log cannot be read.
+pub async fn other_outboxes(pool: &MySqlPool, config: &Config) -> Vec<String> {
+    let database = database(config);
+    let log = outbox_mysql::qualified(database.as_deref(), "outbox_schema_migrations");
+    // The log is utf8mb4_bin (reported as binary) and information_schema has a collation of
+    // its own: the names are read as text and looked up one by one.
+    let logged = sqlx::query_scalar::<_, String>(&format!(
+        "SELECT DISTINCT CAST(SUBSTRING(object, 8) AS CHAR CHARACTER SET utf8mb4) FROM {log} \
+         WHERE object LIKE 'outbox:%' AND object <> ?"
+    ))
+    .bind(format!("outbox:{}", config.outbox.table))
+    .fetch_all(pool)
+    .await
+    .unwrap_or_default();
+    let mut present = Vec::new();
+    for name in logged {
+        let exists: Option<i64> = sqlx::query_scalar(
+            "SELECT 1 FROM information_schema.tables \
+             WHERE table_schema = COALESCE(?, DATABASE()) AND table_name = ?",
+        )
+        .bind(database.as_deref())
+        .bind(&name)
+        .fetch_optional(pool)
+        .await
+        .ok()
+        .flatten();
+        if exists.is_some() {
+            present.push(name);
+        }
+    }
+    present
+}
+
+/// For an outbox table that has no migration applied: the error naming the outbox tables
+/// that do exist beside it ([`crate::suggest`]), or `None` when there are none (then
+/// `outbox migrate` is the fix).
+pub async fn mistyped_table(pool: &MySqlPool, config: &Config) -> Option<CliError> {
+    let others = other_outboxes(pool, config).await;
+    if others.is_empty() {
+        return None;
+    }
+    let place = match database(config) {
+        Some(d) => format!("database {d:?}"),
+        None => "the URL's database".to_owned(),
+    };
+    Some(crate::suggest::missing_table(
+        &place,
+        &config.outbox.table,
+        others,
+    ))
 }
 
 /// The statement that fixes a durability finding (server settings are global: they go in the

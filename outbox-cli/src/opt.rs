@@ -46,6 +46,10 @@ pub struct GlobalOpts {
     /// Log filter (RUST_LOG syntax; RUST_LOG wins when set).
     #[arg(long, global = true)]
     pub log_level: Option<String>,
+    /// Tables at their full width (no wrapping). By default tables fit the terminal, else
+    /// $COLUMNS, else 80 columns, wrapping long cells (ids are never broken).
+    #[arg(long, global = true)]
+    pub wide: bool,
     /// Colour in logs and tables: auto (only on a terminal), always, never.
     #[arg(long, global = true, value_parser = ["auto", "always", "never"])]
     pub color: Option<String>,
@@ -75,17 +79,58 @@ pub enum Command {
     Reconcile(ReconcileOpts),
     /// Print the effective configuration (secrets redacted).
     Config,
+    /// Print a shell completion script to stdout (no configuration or database needed).
+    Completions(CompletionsOpts),
+    /// Print the man page (roff) to stdout, or write one page per command into --dir.
+    Man(ManOpts),
+}
+
+/// `outbox completions`
+#[derive(Debug, Args)]
+pub struct CompletionsOpts {
+    /// The shell.
+    #[arg(value_enum)]
+    pub shell: clap_complete::Shell,
+}
+
+/// `outbox man`
+#[derive(Debug, Args)]
+pub struct ManOpts {
+    /// Write `outbox.1` and one page per command (`outbox-migrate.1`, `outbox-parked-list.1`,
+    /// ...) into this directory instead of printing `outbox.1`.
+    #[arg(long, value_name = "DIR")]
+    pub dir: Option<PathBuf>,
 }
 
 /// `outbox migrate`
 #[derive(Debug, Args)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct MigrateOpts {
+    /// `info`: report instead of applying.
+    #[command(subcommand)]
+    pub action: Option<MigrateAction>,
     /// Also migrate the inbox of every configured consumer (in its own database when set).
     #[arg(long)]
     pub inbox: bool,
     /// Print the SQL instead of applying it (for your own migration tool).
     #[arg(long)]
     pub print_sql: bool,
+}
+
+/// `outbox migrate <action>`
+#[derive(Debug, Subcommand)]
+pub enum MigrateAction {
+    /// Applied and pending migrations (version, description, applied at); changes nothing.
+    /// Exit 0 when up to date, 4 when a migration is pending.
+    Info(MigrateInfoOpts),
+}
+
+/// `outbox migrate info`
+#[derive(Debug, Args)]
+pub struct MigrateInfoOpts {
+    /// Also the inbox of every configured consumer.
+    #[arg(long)]
+    pub inbox: bool,
 }
 
 /// `outbox relay`
@@ -139,6 +184,10 @@ pub struct StatusOpts {
     /// Skip the consumers' lag (no broker connection).
     #[arg(long)]
     pub no_consumers: bool,
+    /// Redraw every INTERVAL (default 2s) until SIGINT (Ctrl-C) or SIGTERM, which end it with
+    /// exit 0. With --json, one document per refresh.
+    #[arg(long, value_name = "INTERVAL", num_args = 0..=1, default_missing_value = "2s")]
+    pub watch: Option<String>,
 }
 
 /// `outbox parked ...`
@@ -187,7 +236,8 @@ pub struct ParkedTarget {
 pub struct ParkedActionOpts {
     /// The event id (UUID); with --consumer, the parked message's id (a number).
     pub event_id: String,
-    /// Why (required for discard and reissue; recorded in the audit trail).
+    /// Why: what was fixed, or why it goes (required for discard and reissue, optional for
+    /// retry; recorded in the audit trail with the actor).
     #[arg(long)]
     pub reason: Option<String>,
     /// Who acts (recorded). Default: $OUTBOX_ACTOR, else $USER@host.

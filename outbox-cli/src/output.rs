@@ -5,7 +5,7 @@ use std::io::{BufRead, IsTerminal, Write};
 use std::time::Duration;
 
 use comfy_table::presets::UTF8_FULL_CONDENSED;
-use comfy_table::{ContentArrangement, Table};
+use comfy_table::{ColumnConstraint, ContentArrangement, Table};
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::error::{CliError, ErrorKind};
@@ -16,7 +16,12 @@ pub struct Output {
     /// `--json`: one JSON document on stdout.
     pub json: bool,
     progress: bool,
+    /// `--wide`: tables at their full width.
+    wide: bool,
 }
+
+/// The width tables fit when stdout is no terminal and `$COLUMNS` is not set.
+pub const DEFAULT_WIDTH: u16 = 80;
 
 impl Output {
     /// Output for `--json` or human text.
@@ -25,7 +30,34 @@ impl Output {
         Self {
             json,
             progress: !json && terminal && color != "never",
+            wide: false,
         }
+    }
+
+    /// With `wide`, tables are printed at their full width instead of fitting the screen.
+    pub fn wide(mut self, wide: bool) -> Self {
+        self.wide = wide;
+        self
+    }
+
+    /// The width tables fit: the terminal's, else `$COLUMNS`, else [`DEFAULT_WIDTH`];
+    /// `None` with `--wide`.
+    pub fn width(&self) -> Option<u16> {
+        if self.wide {
+            return None;
+        }
+        if std::io::stdout().is_terminal() {
+            if let Some((w, _)) = terminal_width() {
+                return Some(w);
+            }
+        }
+        Some(
+            std::env::var("COLUMNS")
+                .ok()
+                .and_then(|c| c.trim().parse::<u16>().ok())
+                .filter(|w| *w >= 20)
+                .unwrap_or(DEFAULT_WIDTH),
+        )
     }
 
     /// Prints one JSON document.
@@ -42,14 +74,38 @@ impl Output {
         }
     }
 
-    /// A table with `header` (human output).
+    /// A table with `header` (human output), fitting [`width`](Self::width).
     pub fn table(&self, header: &[&str], rows: Vec<Vec<String>>) -> String {
+        self.table_keeping(header, rows, &[])
+    }
+
+    /// [`table`](Self::table) whose columns `whole` (indexes) are never wrapped: ids an
+    /// operator copies into the next command.
+    pub fn table_keeping(
+        &self,
+        header: &[&str],
+        rows: Vec<Vec<String>>,
+        whole: &[usize],
+    ) -> String {
         let mut t = Table::new();
         t.load_preset(UTF8_FULL_CONDENSED)
-            .set_content_arrangement(ContentArrangement::Dynamic)
             .set_header(header.to_vec());
+        match self.width() {
+            Some(w) => {
+                t.set_content_arrangement(ContentArrangement::Dynamic)
+                    .set_width(w);
+            }
+            None => {
+                t.set_content_arrangement(ContentArrangement::Disabled);
+            }
+        }
         for r in rows {
             t.add_row(r);
+        }
+        for i in whole {
+            if let Some(c) = t.column_mut(*i) {
+                c.set_constraint(ColumnConstraint::ContentWidth);
+            }
         }
         t.to_string()
     }
@@ -97,6 +153,13 @@ impl Output {
             ))
         }
     }
+}
+
+/// The terminal's size (columns, rows), when stdout is one.
+fn terminal_width() -> Option<(u16, u16)> {
+    let t = Table::new();
+    // comfy-table asks the terminal (through crossterm) when it is one.
+    t.width().map(|w| (w, 0))
 }
 
 /// `1.234 s`, `3 min 4 s`, or `-` for none.

@@ -121,6 +121,15 @@ pub async fn connect_mysql(config: &Config, pool_size: u32) -> Result<MySqlOutbo
     let store = builder
         .build()
         .map_err(|e| CliError::config(e.message, "fix the [outbox] section"))?;
+    // A table without any migration where other outbox tables exist is most likely a typo:
+    // name those rather than let the command fail with "run `outbox migrate`".
+    if let Ok(status) = store.migration_status().await {
+        if status.applied == 0 {
+            if let Some(e) = crate::mysql::mistyped_table(store.pool(), config).await {
+                return Err(e);
+            }
+        }
+    }
     Ok(MySqlOutbox {
         store,
         target,

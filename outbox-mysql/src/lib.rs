@@ -95,8 +95,8 @@ pub use outbox::{
     PublishedPosition, PublishedRow, WakeSubscription,
 };
 pub use schema::{
-    inbox_schema_sql, outbox_migrations, outbox_schema_sql, qualified, quote_identifier,
-    validate_identifier, MigrationStatus, MAX_IDENTIFIER_LEN, MAX_TABLE_NAME_LEN,
+    inbox_migrations, inbox_schema_sql, outbox_migrations, outbox_schema_sql, qualified,
+    quote_identifier, validate_identifier, MigrationStatus, MAX_IDENTIFIER_LEN, MAX_TABLE_NAME_LEN,
     MIGRATION_DDL_WAIT_SECS, MIGRATION_LOCK,
 };
 

@@ -300,6 +300,11 @@ pub fn outbox_migrations() -> Vec<(i32, &'static str)> {
     OUTBOX_MIGRATIONS.iter().map(|m| (m.0, m.1)).collect()
 }
 
+/// The inbox's migrations this crate brings, in order: (version, what it does).
+pub fn inbox_migrations() -> Vec<(i32, &'static str)> {
+    INBOX_MIGRATIONS.iter().map(|m| (m.0, m.1)).collect()
+}
+
 /// Where a store's schema stands on the server: what `migrate` has applied and what it would
 /// still apply ([`crate::MySqlOutboxStore::migration_status`]).
 #[derive(Clone, Debug, PartialEq, Eq)]

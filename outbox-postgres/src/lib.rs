@@ -116,8 +116,8 @@ pub use outbox::{
     PublishedFilter, PublishedPosition, PublishedRow, RecordedTopic,
 };
 pub use schema::{
-    inbox_schema_sql, outbox_schema_sql, qualified, quote_identifier, validate_identifier,
-    MAX_IDENTIFIER_LEN, MAX_TABLE_NAME_LEN,
+    inbox_migrations, inbox_schema_sql, outbox_migrations, outbox_schema_sql, qualified,
+    quote_identifier, validate_identifier, MAX_IDENTIFIER_LEN, MAX_TABLE_NAME_LEN,
 };
 
 /// The sqlx version this crate is built against, re-exported for callers' transactions.

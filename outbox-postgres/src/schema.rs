@@ -199,6 +199,25 @@ const INBOX_MIGRATIONS: &[Migration] = &[
     m(4, "the aggregate of each registration", INBOX_V4, &[]),
 ];
 
+/// The outbox's migrations this crate brings, in order: (version, what it does). `outbox
+/// migrate info` compares them with the migration log (`outbox_schema_migrations`, object
+/// `outbox:<table>`).
+pub fn outbox_migrations() -> Vec<(i32, &'static str)> {
+    OUTBOX_MIGRATIONS
+        .iter()
+        .map(|m| (m.version, m.description))
+        .collect()
+}
+
+/// The inbox's migrations this crate brings, in order: (version, what it does); logged as
+/// object `inbox:<table>`.
+pub fn inbox_migrations() -> Vec<(i32, &'static str)> {
+    INBOX_MIGRATIONS
+        .iter()
+        .map(|m| (m.version, m.description))
+        .collect()
+}
+
 /// How many times [`migrate`] runs its transaction when it fails on a lock conflict (a
 /// deadlock with a relay of the previous version that took the tables in the other order: the
 /// server aborts one of the two, here perhaps the migration, which then starts again).

@@ -502,6 +502,20 @@ impl<S: OperatorStore> OperatorStore for FaultyStore<S> {
             self.inner.retry_parked(event_id, actor).await
         )
     }
+    async fn retry_parked_with_reason(
+        &self,
+        event_id: EventId,
+        actor: &str,
+        reason: &str,
+    ) -> Result<(), StoreError> {
+        faulty!(
+            self.faults,
+            "retry_parked",
+            self.inner
+                .retry_parked_with_reason(event_id, actor, reason)
+                .await
+        )
+    }
     async fn discard_parked(
         &self,
         event_id: EventId,

@@ -726,6 +726,15 @@ impl OperatorStore for MemoryOutboxStore {
     }
 
     async fn retry_parked(&self, event_id: EventId, actor: &str) -> Result<(), StoreError> {
+        self.retry_parked_with_reason(event_id, actor, "").await
+    }
+
+    async fn retry_parked_with_reason(
+        &self,
+        event_id: EventId,
+        actor: &str,
+        reason: &str,
+    ) -> Result<(), StoreError> {
         let now = self.db.now();
         let mut st = self.lock();
         st.outbox.accept_version(event_id)?;
@@ -739,7 +748,7 @@ impl OperatorStore for MemoryOutboxStore {
             event_id,
             OperatorAction::Retry,
             actor,
-            "",
+            reason.trim(),
             None,
             now,
         ));

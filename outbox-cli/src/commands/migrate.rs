@@ -17,6 +17,9 @@ use crate::output::Output;
 
 /// Runs `outbox migrate`.
 pub async fn run(config: &Config, opts: &MigrateOpts, out: &Output) -> Result<(), CliError> {
+    if let Some(crate::opt::MigrateAction::Info(info)) = &opts.action {
+        return super::migrate_info::run(config, info.inbox, out).await;
+    }
     if crate::store::backend(config)? == crate::store::Backend::MySql {
         return run_mysql(config, opts, out).await;
     }

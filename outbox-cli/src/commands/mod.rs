@@ -3,7 +3,9 @@
 pub mod check;
 pub mod cleanup;
 pub mod consumer_parked;
+pub mod help;
 pub mod migrate;
+pub mod migrate_info;
 pub mod parked;
 pub mod reconcile;
 pub mod relay;
@@ -16,18 +18,93 @@ use crate::config::{Config, Dur};
 use crate::error::CliError;
 use crate::output::Output;
 
-/// `outbox config`: the effective configuration, secrets redacted.
+/// `outbox config`: the effective configuration, secrets redacted: as text in the layout of
+/// `outbox.toml` (sections, `key = value`; a value that is not set is shown as a comment), or
+/// with `--json` as one JSON document.
 pub fn show_config(config: &Config, out: &Output) -> Result<(), CliError> {
     let value = serde_json::to_value(config).map_err(|e| CliError::failed(e.to_string()))?;
     if out.json {
         out.json(&value);
     } else {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&value).unwrap_or_default()
-        );
+        print!("{}", config_text(&value));
     }
     Ok(())
+}
+
+/// The configuration as text laid out like `outbox.toml`: top-level values first, then one
+/// `[section]` per table (nested ones as `[a.b]`), arrays of tables as `[[name]]`.
+pub fn config_text(value: &serde_json::Value) -> String {
+    use serde_json::Value;
+    fn key(k: &str) -> String {
+        if !k.is_empty()
+            && k.chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
+        {
+            k.to_owned()
+        } else {
+            Value::String(k.to_owned()).to_string()
+        }
+    }
+    fn is_table(v: &Value) -> bool {
+        v.is_object()
+    }
+    fn is_table_array(v: &Value) -> bool {
+        matches!(v, Value::Array(a) if !a.is_empty() && a.iter().all(Value::is_object))
+    }
+    fn scalar(v: &Value) -> String {
+        match v {
+            Value::Array(a) => format!("[{}]", a.iter().map(scalar).collect::<Vec<_>>().join(", ")),
+            Value::Object(m) => format!(
+                "{{ {} }}",
+                m.iter()
+                    .map(|(k, v)| format!("{} = {}", key(k), scalar(v)))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            other => other.to_string(),
+        }
+    }
+    fn section(path: &str, map: &serde_json::Map<String, Value>, text: &mut String) {
+        for (k, v) in map {
+            if is_table(v) || is_table_array(v) {
+                continue;
+            }
+            match v {
+                Value::Null => text.push_str(&format!("# {} is not set\n", key(k))),
+                v => text.push_str(&format!("{} = {}\n", key(k), scalar(v))),
+            }
+        }
+        for (k, v) in map {
+            let name = if path.is_empty() {
+                key(k)
+            } else {
+                format!("{path}.{}", key(k))
+            };
+            match v {
+                Value::Object(m) => {
+                    text.push_str(&format!("\n[{name}]\n"));
+                    section(&name, m, text);
+                }
+                Value::Array(items) if is_table_array(v) => {
+                    for item in items {
+                        text.push_str(&format!("\n[[{name}]]\n"));
+                        if let Value::Object(m) = item {
+                            section(&name, m, text);
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    let mut text = String::from(
+        "# the effective configuration (file, environment, flags); secrets shown as ***\n",
+    );
+    match value {
+        Value::Object(m) => section("", m, &mut text),
+        other => text.push_str(&format!("{}\n", scalar(other))),
+    }
+    text
 }
 
 /// Parses a duration flag (`30s`, `5m`).
@@ -81,6 +158,34 @@ pub fn actor(given: Option<&str>) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_configuration_text_is_laid_out_like_the_file() {
+        let v = serde_json::json!({
+            "top": 1,
+            "database": {"url": "postgres://u:***@h/db", "password": "***", "max": null},
+            "kafka": {"producer": {"linger.ms": "5"}},
+            "consumers": [{"name": "a"}, {"name": "b"}],
+            "empty": [],
+        });
+        let text = config_text(&v);
+        for line in [
+            "top = 1",
+            "empty = []",
+            "[database]",
+            "url = \"postgres://u:***@h/db\"",
+            "# max is not set",
+            "[kafka]",
+            "[kafka.producer]",
+            "\"linger.ms\" = \"5\"",
+            "[[consumers]]",
+            "name = \"a\"",
+            "name = \"b\"",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line:?} missing: {text}");
+        }
+        assert_eq!(text.matches("[[consumers]]").count(), 2, "{text}");
+    }
 
     #[test]
     fn times_parse_as_rfc3339_or_durations_ago() {

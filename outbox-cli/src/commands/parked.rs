@@ -198,7 +198,7 @@ async fn exec<S: OperatorStore>(
                 .collect();
             println!(
                 "{}",
-                out.table(
+                out.table_keeping(
                     &[
                         "event id",
                         "aggregate",
@@ -209,7 +209,8 @@ async fn exec<S: OperatorStore>(
                         "attempts",
                         "parked for"
                     ],
-                    rows
+                    rows,
+                    &[0],
                 )
             );
             println!(
@@ -428,7 +429,10 @@ async fn act_on<S: OperatorStore>(
         )?;
     }
     let result = match what {
-        Action::Retry => store.retry_parked(id, &actor).await.map(|()| None),
+        Action::Retry => store
+            .retry_parked_with_reason(id, &actor, reason)
+            .await
+            .map(|()| None),
         Action::Discard => store
             .discard_parked(id, &actor, reason)
             .await

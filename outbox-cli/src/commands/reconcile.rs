@@ -43,6 +43,12 @@ pub struct Effects {
     /// Of those, parked by the consumer (parked or waiting behind a parked message): not
     /// applied, waiting for an operator; shown, not a mismatch.
     pub parked: u64,
+    /// Published to its topics less than `reconcile.grace` ago: not expected yet, so not
+    /// compared, but shown (with how many of them it applied already), so a consumer is never
+    /// missing from the row.
+    pub within_grace: u64,
+    /// Of those, registered in its inbox already.
+    pub within_grace_applied: u64,
 }
 
 /// One interval and event type.
@@ -292,17 +298,34 @@ async fn compare<S: ReportingStore>(
             } else {
                 consumer.topics.clone()
             };
-            let ids: Vec<(Uuid, Option<Uuid>)> = store
-                .published_ids(&event_type, start, end, &topics, grace)
-                .await
-                .map_err(map)?
+            let as_uuids = |rows: Vec<outbox_core::PublishedId>| -> Vec<(Uuid, Option<Uuid>)> {
+                rows.into_iter()
+                    .map(|p| (p.event_id.as_uuid(), p.original.map(|o| o.as_uuid())))
+                    .collect()
+            };
+            let ids = as_uuids(
+                store
+                    .published_ids(&event_type, start, end, &topics, grace)
+                    .await
+                    .map_err(map)?,
+            );
+            // Published, but less than the grace ago: not judged yet. Without them a consumer
+            // that applied everything seconds ago had no entry in the row at all.
+            let expected: BTreeSet<Uuid> = ids.iter().map(|(id, _)| *id).collect();
+            let recent: Vec<(Uuid, Option<Uuid>)> = if grace.is_zero() {
+                Vec::new()
+            } else {
+                as_uuids(
+                    store
+                        .published_ids(&event_type, start, end, &topics, std::time::Duration::ZERO)
+                        .await
+                        .map_err(map)?,
+                )
                 .into_iter()
-                .map(|p| (p.event_id.as_uuid(), p.original.map(|o| o.as_uuid())))
-                .collect();
-            if ids.is_empty() {
-                continue;
-            }
-            let applied = inbox.applied_of(consumer, &ids).await.map_err(|e| {
+                .filter(|(id, _)| !expected.contains(id))
+                .collect()
+            };
+            let inbox_failed = |e: outbox_core::StoreError| {
                 let err = db::inbox_error(&e, consumer, inbox_table);
                 if e.kind == outbox_core::StoreErrorKind::Schema {
                     return err;
@@ -312,7 +335,23 @@ async fn compare<S: ReportingStore>(
                      database_url)",
                     consumer.name
                 ))
-            })?;
+            };
+            let applied = if ids.is_empty() {
+                0
+            } else {
+                inbox
+                    .applied_of(consumer, &ids)
+                    .await
+                    .map_err(inbox_failed)?
+            };
+            let within_grace_applied = if recent.is_empty() {
+                0
+            } else {
+                inbox
+                    .applied_of(consumer, &recent)
+                    .await
+                    .map_err(inbox_failed)?
+            };
             let parked = ids
                 .iter()
                 .filter(|(own, original)| {
@@ -345,11 +384,29 @@ async fn compare<S: ReportingStore>(
                 expected: ids.len() as u64,
                 applied,
                 parked,
+                within_grace: recent.len() as u64,
+                within_grace_applied,
             });
         }
         rows.push(row);
     }
     Ok(rows)
+}
+
+/// One consumer's effects in the human table: `name: applied/expected`, then what is parked
+/// and what was published within the grace (not compared yet).
+fn effects_text(e: &Effects) -> String {
+    let mut text = format!("{}: {}/{}", e.consumer, e.applied, e.expected);
+    if e.parked > 0 {
+        text.push_str(&format!(" ({} parked)", e.parked));
+    }
+    if e.within_grace > 0 {
+        text.push_str(&format!(
+            " +{} recent ({} applied)",
+            e.within_grace, e.within_grace_applied
+        ));
+    }
+    text
 }
 
 fn render(
@@ -379,16 +436,7 @@ fn render(
                     r.published.to_string(),
                     r.effects
                         .iter()
-                        .map(|e| {
-                            if e.parked > 0 {
-                                format!(
-                                    "{}: {}/{} ({} parked)",
-                                    e.consumer, e.applied, e.expected, e.parked
-                                )
-                            } else {
-                                format!("{}: {}/{}", e.consumer, e.applied, e.expected)
-                            }
-                        })
+                        .map(effects_text)
                         .collect::<Vec<_>>()
                         .join(", "),
                     if !r.mismatches.is_empty() {

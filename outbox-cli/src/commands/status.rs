@@ -9,6 +9,7 @@ use outbox_core::backpressure::{forecast, BacklogSnapshot, Backpressure};
 use outbox_core::prelude::*;
 use outbox_core::{InboxParking, LatencySummary, OutboxStats};
 use serde_json::{json, Value};
+use tokio::signal::unix::{signal, SignalKind};
 
 use crate::config::{Config, ConsumerConfig, TransportKind};
 use crate::consumer_inbox::{on_inbox, ConsumerInbox};
@@ -21,8 +22,84 @@ fn extra(stats: &outbox_core::OutboxStats, name: &str) -> Option<f64> {
     stats.extra.iter().find(|(n, _)| n == name).map(|(_, v)| *v)
 }
 
-/// Runs `outbox status`.
+/// The shortest `--watch` interval.
+const MIN_WATCH: Duration = Duration::from_millis(200);
+
+/// Runs `outbox status`, once or, with `--watch`, every interval until SIGINT or SIGTERM
+/// (exit 0). On a terminal each refresh clears the screen; otherwise (a pipe, a log) the
+/// refreshes follow one another, each headed by its time. A failure of the first refresh
+/// ends the command with its exit code (nothing to watch: bad configuration, no schema); a
+/// later one (the database gone for a while) is shown in place of the report, and the next
+/// refresh tries again.
 pub async fn run(config: &Config, opts: &StatusOpts, out: &Output) -> Result<(), CliError> {
+    let Some(every) = &opts.watch else {
+        return run_once(config, opts, out).await;
+    };
+    let every = super::parse_duration("--watch", every)?;
+    if every.0 < MIN_WATCH {
+        return Err(CliError::config(
+            format!("--watch {every} is too short"),
+            format!(
+                "use at least {} (each refresh queries the database)",
+                humantime::format_duration(MIN_WATCH)
+            ),
+        ));
+    }
+    let terminal = !out.json && std::io::IsTerminal::is_terminal(&std::io::stdout());
+    // Registered now, before the first refresh, so that a signal at any time ends the watch
+    // with exit 0 rather than by the signal's default action.
+    let listen = |kind: SignalKind| {
+        signal(kind)
+            .map_err(|e| CliError::failed(format!("cannot listen for signals ({kind:?}): {e}")))
+    };
+    let (mut term, mut int) = (
+        listen(SignalKind::terminate())?,
+        listen(SignalKind::interrupt())?,
+    );
+    let mut stop = std::pin::pin!(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    });
+    let mut first = true;
+    loop {
+        if terminal {
+            // Home and clear: the report is drawn in place.
+            print!("\x1b[H\x1b[2J");
+        } else if !first {
+            out.line("");
+        }
+        out.line(format!(
+            "{} every {every} (Ctrl-C to stop)",
+            Utc::now().format("%Y-%m-%d %H:%M:%S UTC")
+        ));
+        let result = tokio::select! {
+            r = run_once(config, opts, out) => r,
+            () = &mut stop => return Ok(()),
+        };
+        match result {
+            Ok(()) => {}
+            Err(e) if first => return Err(e),
+            Err(e) => {
+                if out.json {
+                    out.json(&e.to_json());
+                } else {
+                    println!("{e}");
+                }
+            }
+        }
+        first = false;
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+        tokio::select! {
+            () = tokio::time::sleep(every.0) => {}
+            () = &mut stop => return Ok(()),
+        }
+    }
+}
+
+/// One `outbox status` report.
+async fn run_once(config: &Config, opts: &StatusOpts, out: &Output) -> Result<(), CliError> {
     let window = match &opts.window {
         Some(w) => super::parse_duration("--window", w)?,
         None => config.status.window,

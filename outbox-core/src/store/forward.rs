@@ -105,6 +105,15 @@ macro_rules! forward_store_roles {
             ) -> ::core::result::Result<(), $crate::StoreError> {
                 $crate::OperatorStore::retry_parked(&self.$field, event_id, actor).await
             }
+            async fn retry_parked_with_reason(
+                &self,
+                event_id: $crate::EventId,
+                actor: &str,
+                reason: &str,
+            ) -> ::core::result::Result<(), $crate::StoreError> {
+                $crate::OperatorStore::retry_parked_with_reason(&self.$field, event_id, actor, reason)
+                    .await
+            }
             async fn discard_parked(
                 &self,
                 event_id: $crate::EventId,

@@ -150,6 +150,26 @@ pub trait OperatorStore: Send + Sync {
     /// wait (lower versions that arrived after it was parked go out first). MUST be audited.
     async fn retry_parked(&self, event_id: EventId, actor: &str) -> Result<(), StoreError>;
 
+    /// [`retry_parked`](Self::retry_parked) with the operator's `reason` (what was fixed)
+    /// recorded in the audit trail beside the actor; an empty reason records none, as
+    /// `retry_parked` does. Stores that keep an audit trail MUST override it so the reason is
+    /// recorded; wrappers MUST forward it. The default never drops a reason: it refuses a
+    /// non-empty one (`Configuration`) and forwards an empty one to `retry_parked`.
+    async fn retry_parked_with_reason(
+        &self,
+        event_id: EventId,
+        actor: &str,
+        reason: &str,
+    ) -> Result<(), StoreError> {
+        if !reason.trim().is_empty() {
+            return Err(StoreError::new(
+                crate::StoreErrorKind::Configuration,
+                "this store does not record the reason of a retry",
+            ));
+        }
+        self.retry_parked(event_id, actor).await
+    }
+
     /// Removes a parked event from delivery; the aggregate's later events flow again (`last`
     /// becomes at least the event's version, so the version after it is the next one).
     /// MUST require a non-empty reason, MUST fail with `NotFound` unless the event is parked,

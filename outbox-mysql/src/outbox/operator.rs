@@ -19,7 +19,7 @@ use crate::error::db;
 
 /// An operator action on a parked event.
 enum ParkedAction<'a> {
-    Retry { actor: &'a str },
+    Retry { actor: &'a str, reason: &'a str },
     Discard { actor: &'a str, reason: &'a str },
     Reissue { actor: &'a str, reason: &'a str },
 }
@@ -128,8 +128,9 @@ impl MySqlOutboxStore {
         let done = async {
             let s = self.lock_parked(&mut tx, event_id).await?;
             match action {
-                ParkedAction::Retry { actor } => {
-                    self.retry_locked(&mut tx, event_id, actor, &s).await?;
+                ParkedAction::Retry { actor, reason } => {
+                    self.retry_locked(&mut tx, event_id, (actor, reason), &s)
+                        .await?;
                     Ok(None)
                 }
                 ParkedAction::Discard { actor, reason } => {
@@ -236,8 +237,9 @@ impl MySqlOutboxStore {
         &self,
         event_id: EventId,
         actor: &str,
+        reason: &str,
     ) -> Result<(), StoreError> {
-        self.on_parked(event_id, &ParkedAction::Retry { actor })
+        self.on_parked(event_id, &ParkedAction::Retry { actor, reason })
             .await
             .map(|_| ())
     }
@@ -246,7 +248,7 @@ impl MySqlOutboxStore {
         &self,
         conn: &mut MySqlConnection,
         event_id: EventId,
-        actor: &str,
+        (actor, reason): (&str, &str),
         s: &EventState,
     ) -> Result<(), StoreError> {
         refuse_unkeyable(event_id, s)?;
@@ -266,7 +268,7 @@ impl MySqlOutboxStore {
         .map_err(db)?;
         // The operator's answer to a gap: this version is the aggregate's next.
         self.raise_last(conn, &s.key, s.version - 1).await?;
-        self.audit(conn, (event_id, OperatorAction::Retry, actor, "", None))
+        self.audit(conn, (event_id, OperatorAction::Retry, actor, reason, None))
             .await
     }
 

@@ -166,7 +166,17 @@ impl OperatorStore for PostgresOutboxStore {
     }
 
     async fn retry_parked(&self, event_id: EventId, actor: &str) -> Result<(), StoreError> {
-        self.retry_parked_inner(event_id, actor).await
+        self.retry_parked_inner(event_id, actor, "").await
+    }
+
+    async fn retry_parked_with_reason(
+        &self,
+        event_id: EventId,
+        actor: &str,
+        reason: &str,
+    ) -> Result<(), StoreError> {
+        self.retry_parked_inner(event_id, actor, reason.trim())
+            .await
     }
 
     async fn discard_parked(

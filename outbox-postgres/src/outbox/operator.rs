@@ -153,9 +153,12 @@ impl PostgresOutboxStore {
         &self,
         event_id: EventId,
         actor: &str,
+        reason: &str,
     ) -> Result<(), StoreError> {
         let (mut tx, s) = self.lock_parked(event_id).await?;
-        let done = self.retry_locked(&mut tx, event_id, actor, &s).await;
+        let done = self
+            .retry_locked(&mut tx, event_id, (actor, reason), &s)
+            .await;
         finish(tx, done).await
     }
 
@@ -163,7 +166,7 @@ impl PostgresOutboxStore {
         &self,
         tx: &mut PgConnection,
         event_id: EventId,
-        actor: &str,
+        (actor, reason): (&str, &str),
         s: &EventState,
     ) -> Result<(), StoreError> {
         refuse_unkeyable(event_id, s)?;
@@ -179,7 +182,7 @@ impl PostgresOutboxStore {
             .fetch_one(&mut *tx)
             .await
             .map_err(db)?;
-        self.audit(tx, (event_id, OperatorAction::Retry, actor, "", None))
+        self.audit(tx, (event_id, OperatorAction::Retry, actor, reason, None))
             .await?;
         self.notify_after(tx).await
     }
