@@ -10,7 +10,9 @@
 //! JSON of `OUTBOX_SQL_MUTANT`) and prints one JSON line per mutant: where it applies in each
 //! variant (`null`: that code is not in the variant), or `error` when it applies nowhere, and,
 //! with `DATABASE_URL` set, `invalid`: PostgreSQL's refusal to prepare the mutated statement
-//! (its parse and analysis), per variant, on tables migrated in the canonical schema.
+//! (its parse and analysis), per variant, on tables migrated in the canonical schema; a
+//! parameter whose type only a removed predicate gave is not counted (the store binds typed
+//! values).
 use std::io::BufRead;
 
 use outbox_postgres::sql_mutation::{self, Mutant, Variant};
@@ -89,7 +91,11 @@ async fn check() -> Result<(), Box<dyn std::error::Error>> {
                             v == Variant::FirstVersion,
                         )?;
                         let text = &texts.iter().find(|(n, _)| *n == m.statement).unwrap().1;
-                        let refused = (&mut **conn).prepare(text.as_str()).await.err();
+                        // A parameter that only a removed predicate typed (42P18) is typed by
+                        // the store's binds when it runs: not a refusal.
+                        let refused = (&mut **conn).prepare(text.as_str()).await.err().filter(|e| {
+                            e.as_database_error().and_then(|d| d.code()).as_deref() != Some("42P18")
+                        });
                         invalid.insert(name.to_owned(), json!(refused.map(|e| e.to_string())));
                     }
                 }
