@@ -93,9 +93,15 @@ async fn check() -> Result<(), Box<dyn std::error::Error>> {
                         let text = &texts.iter().find(|(n, _)| *n == m.statement).unwrap().1;
                         // A parameter that only a removed predicate typed (42P18) is typed by
                         // the store's binds when it runs: not a refusal.
-                        let refused = (&mut **conn).prepare(text.as_str()).await.err().filter(|e| {
-                            e.as_database_error().and_then(|d| d.code()).as_deref() != Some("42P18")
-                        });
+                        let refused =
+                            (&mut **conn)
+                                .prepare(text.as_str())
+                                .await
+                                .err()
+                                .filter(|e| {
+                                    e.as_database_error().and_then(|d| d.code()).as_deref()
+                                        != Some("42P18")
+                                });
                         invalid.insert(name.to_owned(), json!(refused.map(|e| e.to_string())));
                     }
                 }

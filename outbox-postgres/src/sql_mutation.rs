@@ -153,7 +153,7 @@ pub fn locate(m: &Mutant, variant: Variant) -> Result<Option<usize>, String> {
             m.original,
             m.offset,
             m.statement,
-            own.get(m.offset..own.len().min(m.offset + 40))
+            own.get(m.offset..own.len().min(m.offset.saturating_add(40)))
                 .unwrap_or("")
         ));
     }
