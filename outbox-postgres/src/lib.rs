@@ -104,6 +104,9 @@ mod listener;
 mod outbox;
 mod schema;
 mod sql;
+#[cfg(feature = "sql-mutation")]
+#[doc(hidden)]
+pub mod sql_mutation;
 
 pub use config::{
     AppendGuard, OutboxSettings, DEFAULT_GAP_TIMEOUT, DEFAULT_INBOX_TABLE, DEFAULT_OUTBOX_TABLE,

@@ -177,6 +177,8 @@ impl PostgresOutboxStoreBuilder {
             }
         }
         let sql = OutboxSql::new(&s.schema, &s.table, s.accept_first_version);
+        #[cfg(feature = "sql-mutation")]
+        let sql = crate::sql_mutation::from_env(sql, &s.schema, &s.table, s.accept_first_version)?;
         let seed = seed(&s.schema, &s.table);
         Ok(PostgresOutboxStore {
             inner: Arc::new(Inner {
