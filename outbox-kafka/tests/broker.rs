@@ -95,7 +95,7 @@ async fn routes_keep_each_aggregate_on_one_topic_and_partition_in_order() {
             } else {
                 &orders
             };
-            assert_eq!(&ack.topic, topic, "{} {}", e.aggregate_id, e.event_type);
+            assert_eq!(ack.destination(), topic.as_str(), "{} {}", e.aggregate_id, e.event_type);
         }
     }
     // What a consumer of both topics reads: every aggregate on one topic and one partition,
@@ -223,13 +223,14 @@ async fn default_partitioner_places_keys_like_the_java_client() {
     let mut used = std::collections::BTreeSet::new();
     for (e, r) in batch.iter().zip(&results) {
         let ack = r.as_ref().expect("published");
+        let partition = ack.as_kafka().expect("a Kafka acknowledgement").1;
         assert_eq!(
-            ack.partition,
+            partition,
             java_partition(&e.aggregate_id, 4),
             "{} is not where a Java producer puts it",
             e.aggregate_id
         );
-        used.insert(ack.partition);
+        used.insert(partition);
     }
     assert_eq!(used.len(), 4, "64 keys over 4 partitions use them all");
 }
@@ -618,7 +619,7 @@ async fn broker_stopped_mid_batch_gives_transient_errors_and_no_false_acks() {
         read.iter().map(|r| ((r.partition, r.offset), r)).collect();
     for (e, ack) in &acked {
         let r = by_position
-            .get(&(ack.partition, ack.offset))
+            .get(&ack.as_kafka().map(|(_, p, o)| (p, o)).unwrap())
             .unwrap_or_else(|| panic!("acknowledged record missing from the log: {ack:?}"));
         assert_eq!(r.header("event_id"), Some(e.event_id.to_string().as_str()));
     }
@@ -696,7 +697,7 @@ async fn broker_killed_and_restarted_publishing_resumes() {
     for r in &results {
         let ack = r.as_ref().unwrap();
         assert!(
-            read.iter().any(|x| x.offset == ack.offset),
+            read.iter().any(|x| Some(x.offset) == ack.as_kafka().map(|k| k.2)),
             "{ack:?} not in the log"
         );
     }
