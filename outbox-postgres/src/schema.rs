@@ -17,6 +17,8 @@ const OUTBOX_V4: &str = include_str!("migrations/0004_outbox.sql");
 const OUTBOX_V5: &str = include_str!("migrations/0005_outbox.sql");
 const OUTBOX_V6: &str = include_str!("migrations/0006_outbox.sql");
 const OUTBOX_V7: &str = include_str!("migrations/0007_outbox.sql");
+const OUTBOX_V8: &str = include_str!("migrations/0008_outbox.sql");
+const OUTBOX_V8_AFTER: &str = include_str!("migrations/0008_outbox_validate.sql");
 const INBOX_V1: &str = include_str!("migrations/0001_inbox.sql");
 const INBOX_V2: &str = include_str!("migrations/0002_inbox.sql");
 const INBOX_V3: &str = include_str!("migrations/0003_inbox.sql");
@@ -98,7 +100,10 @@ pub fn outbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError
     validate_identifier("schema", schema, MAX_IDENTIFIER_LEN)?;
     validate_identifier("table", table, MAX_TABLE_NAME_LEN)?;
     Ok(render(
-        &format!("{OUTBOX_V1}{OUTBOX_V2}{OUTBOX_V3}{OUTBOX_V4}{OUTBOX_V5}{OUTBOX_V6}{OUTBOX_V7}"),
+        &format!(
+            "{OUTBOX_V1}{OUTBOX_V2}{OUTBOX_V3}{OUTBOX_V4}{OUTBOX_V5}{OUTBOX_V6}{OUTBOX_V7}\
+             {OUTBOX_V8}{OUTBOX_V8_AFTER}"
+        ),
         schema,
         table,
     ))
@@ -127,11 +132,16 @@ struct Migration {
     template: &'static str,
     /// Tables (`<table><suffix>`) the migration rewrites from what it reads, or that relays
     /// of the previous version write while it reads them. They are locked (`ACCESS
-    /// EXCLUSIVE`) before its first statement, so it reads every committed write of a relay
+    /// EXCLUSIVE`, with those of every other pending migration, before the first one runs),
+    /// so it reads every committed write of a relay
     /// of the previous version running beside it and none lands meanwhile (issue 20, item 7:
     /// migration 3 used to derive `last_version` and copy leases from a snapshot taken
     /// before such a relay's completion or release committed).
     locks: &'static [&'static str],
+    /// Run after the migrations' transaction committed, each time [`migrate`] succeeds (so
+    /// it MUST be idempotent): work that should not hold the transaction's locks, such as
+    /// validating a constraint added `NOT VALID`.
+    after: Option<&'static str>,
 }
 
 const fn m(
@@ -145,6 +155,7 @@ const fn m(
         description,
         template,
         locks,
+        after: None,
     }
 }
 
@@ -180,6 +191,17 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         &["_aggregate"],
     ),
     m(7, "append from SQL: <table>_append()", OUTBOX_V7, &[]),
+    // Renames and adds columns of the table and its archive (ALTER TABLE takes both anyway;
+    // locked first so the order is fixed).
+    Migration {
+        after: Some(OUTBOX_V8_AFTER),
+        ..m(
+            8,
+            "transport-neutral acknowledgement columns",
+            OUTBOX_V8,
+            &["", "_archive"],
+        )
+    },
 ];
 
 const INBOX_MIGRATIONS: &[Migration] = &[
@@ -220,6 +242,10 @@ pub(crate) async fn migrate(
     let mut attempt = 1;
     loop {
         match migrate_once(pool, &component, schema, table).await {
+            Ok(count) => {
+                after_migrations(pool, &component, schema, table).await?;
+                return Ok(count);
+            }
             Err(e)
                 if e.kind == outbox_core::StoreErrorKind::Conflict
                     && attempt < MIGRATE_ATTEMPTS =>
@@ -230,6 +256,26 @@ pub(crate) async fn migrate(
             other => return other,
         }
     }
+}
+
+/// Runs the `after` step of every migration (all are applied once [`migrate_once`]
+/// succeeded), each in its own transaction.
+async fn after_migrations(
+    pool: &PgPool,
+    component: &Component,
+    schema: &str,
+    table: &str,
+) -> Result<(), StoreError> {
+    let migrations = match component {
+        Component::Outbox => OUTBOX_MIGRATIONS,
+        Component::Inbox => INBOX_MIGRATIONS,
+    };
+    for after in migrations.iter().filter_map(|m| m.after) {
+        pool.execute(render(after, schema, table).as_str())
+            .await
+            .map_err(db)?;
+    }
+    Ok(())
 }
 
 async fn migrate_once(
@@ -292,20 +338,38 @@ async fn apply(
     .map_err(db)?;
     let applied = applied.unwrap_or(0);
     let mut count = 0;
+    // The tables of every pending migration are locked at once, before the first one runs:
+    // taken one migration after another, a relay of the previous version holding a table of a
+    // later migration (its claim's row locks) while it waits for one an earlier migration
+    // took would deadlock with the migration. A table an earlier pending migration creates
+    // is not there yet (and invisible to others until the commit).
+    let mut locked: Vec<String> = Vec::new();
     for migration in migrations.iter().filter(|m| m.version > applied) {
-        if !migration.locks.is_empty() {
-            let tables: Vec<String> = migration
-                .locks
-                .iter()
-                .map(|suffix| qualified(schema, &format!("{table}{suffix}")))
-                .collect();
-            (&mut *tx)
-                .execute(
-                    format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", tables.join(", ")).as_str(),
-                )
-                .await
-                .map_err(db)?;
+        for suffix in migration.locks {
+            let name = qualified(schema, &format!("{table}{suffix}"));
+            if !locked.contains(&name) {
+                locked.push(name);
+            }
         }
+    }
+    let mut tables = Vec::with_capacity(locked.len());
+    for name in locked {
+        let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+            .bind(&name)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+        if exists {
+            tables.push(name);
+        }
+    }
+    if !tables.is_empty() {
+        (&mut *tx)
+            .execute(format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", tables.join(", ")).as_str())
+            .await
+            .map_err(db)?;
+    }
+    for migration in migrations.iter().filter(|m| m.version > applied) {
         let sql = render(migration.template, schema, table);
         (&mut *tx).execute(sql.as_str()).await.map_err(db)?;
         sqlx::query(&format!(
