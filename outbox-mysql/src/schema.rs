@@ -20,11 +20,18 @@ use crate::error::{config, db};
 type Migration = (i32, &'static str, &'static str);
 
 /// The outbox's migrations, in order.
-const OUTBOX_MIGRATIONS: &[Migration] = &[(
-    1,
-    "outbox table, per-aggregate state, audit, archive",
-    include_str!("migrations/0001_outbox.sql"),
-)];
+const OUTBOX_MIGRATIONS: &[Migration] = &[
+    (
+        1,
+        "outbox table, per-aggregate state, audit, archive",
+        include_str!("migrations/0001_outbox.sql"),
+    ),
+    (
+        2,
+        "transport-neutral acknowledgement columns",
+        include_str!("migrations/0002_outbox.sql"),
+    ),
+];
 
 /// The inbox's migrations, in order.
 const INBOX_MIGRATIONS: &[Migration] = &[
@@ -359,17 +366,27 @@ pub(crate) async fn migration_status(
 /// An `ALTER TABLE` that failed because what it adds exists already (a duplicate column, 1060,
 /// or index, 1061) or what it drops is gone already (1091).
 fn already_applied(stmt: &str, e: &sqlx::Error) -> bool {
-    stmt.trim_start()
+    use crate::error::codes;
+    let alter = stmt
+        .trim_start()
         .get(..11)
-        .is_some_and(|p| p.eq_ignore_ascii_case("ALTER TABLE"))
-        && matches!(
-            crate::error::error_number(e),
+        .is_some_and(|p| p.eq_ignore_ascii_case("ALTER TABLE"));
+    let code = crate::error::error_number(e);
+    alter
+        && (matches!(
+            code,
             Some(
-                crate::error::codes::DUP_FIELDNAME
-                    | crate::error::codes::DUP_KEYNAME
-                    | crate::error::codes::CANT_DROP_FIELD_OR_KEY
+                codes::DUP_FIELDNAME
+                    | codes::DUP_KEYNAME
+                    | codes::CANT_DROP_FIELD_OR_KEY
+                    | codes::CONSTRAINT_NOT_FOUND
+                    | codes::CHECK_CONSTRAINT_DUP_NAME
+                    | codes::DUP_CONSTRAINT_NAME
             )
         )
+            // A rename that ran before: the old column is gone (only ever a rename's error:
+            // another statement naming a missing column is a bug to report).
+            || (code == Some(codes::BAD_FIELD_ERROR) && stmt.contains("RENAME COLUMN")))
 }
 
 #[cfg(test)]
