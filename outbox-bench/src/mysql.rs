@@ -483,8 +483,9 @@ async fn drain_naive<P: Publisher + ?Sized>(
             .iter()
             .zip(&acks)
             .map(|(id, a)| {
-                let (topic, partition, offset) =
-                    a.as_kafka().expect("the bench publisher acknowledges as Kafka");
+                let (topic, partition, offset) = a
+                    .as_kafka()
+                    .expect("the bench publisher acknowledges as Kafka");
                 serde_json::json!([id, topic, partition, offset])
             })
             .collect();

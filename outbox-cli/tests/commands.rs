@@ -505,7 +505,10 @@ async fn a_refused_replay_names_where_the_event_was_first_stored() {
     let out = env.run(&["replay", "--aggregate-id", "big", "--yes"]);
     let shown = text(&out);
     assert_ne!(out.status.code(), Some(0), "{shown}");
-    let first = format!("{} (first stored at {}/{partition}@{offset})", big.event_id, env.topic);
+    let first = format!(
+        "{} (first stored at {}/{partition}@{offset})",
+        big.event_id, env.topic
+    );
     assert!(shown.contains(&first), "{first:?} not in: {shown}");
     env.drop_schema().await;
 }

@@ -959,7 +959,11 @@ impl Publisher for KafkaPublisher {
                     record,
                     report,
                 } => match tokio::time::timeout_at(report_deadline, report).await {
-                    Ok(Ok(Ok(delivery))) => Ok(AckMetadata::kafka(topic.to_owned(), delivery.partition, delivery.offset)),
+                    Ok(Ok(Ok(delivery))) => Ok(AckMetadata::kafka(
+                        topic.to_owned(),
+                        delivery.partition,
+                        delivery.offset,
+                    )),
                     Ok(Ok(Err((err, _message)))) if is_size_refusal(&err) => {
                         Err(self.size_refusal(topic, record, &err))
                     }
@@ -1227,9 +1231,7 @@ mod tests {
         let p = builder().build().unwrap();
         let timeout =
             || -> PublishResult { Err(PublishError::new(PublishErrorKind::Timeout, "t")) };
-        let ok = || -> PublishResult {
-            Ok(AckMetadata::kafka("orders", 0, 1))
-        };
+        let ok = || -> PublishResult { Ok(AckMetadata::kafka("orders", 0, 1)) };
         let step = |results: &[PublishResult]| {
             let (generation, producer) = p.current_producer();
             p.after_batch(generation, &producer, results);

@@ -95,7 +95,13 @@ async fn routes_keep_each_aggregate_on_one_topic_and_partition_in_order() {
             } else {
                 &orders
             };
-            assert_eq!(ack.destination(), topic.as_str(), "{} {}", e.aggregate_id, e.event_type);
+            assert_eq!(
+                ack.destination(),
+                topic.as_str(),
+                "{} {}",
+                e.aggregate_id,
+                e.event_type
+            );
         }
     }
     // What a consumer of both topics reads: every aggregate on one topic and one partition,
@@ -697,7 +703,8 @@ async fn broker_killed_and_restarted_publishing_resumes() {
     for r in &results {
         let ack = r.as_ref().unwrap();
         assert!(
-            read.iter().any(|x| Some(x.offset) == ack.as_kafka().map(|k| k.2)),
+            read.iter()
+                .any(|x| Some(x.offset) == ack.as_kafka().map(|k| k.2)),
             "{ack:?} not in the log"
         );
     }

@@ -274,7 +274,10 @@ async fn the_check_refuses_a_published_row_without_a_complete_acknowledgement() 
         .await
         .expect_err("an unknown transport");
     assert_eq!(err.kind, StoreErrorKind::Schema);
-    assert!(err.message.contains("unknown transport \"pulsar\""), "{err}");
+    assert!(
+        err.message.contains("unknown transport \"pulsar\""),
+        "{err}"
+    );
     ctx.drop().await;
 }
 

@@ -50,7 +50,10 @@ mod tests {
         };
         assert!(matches!(
             from_pub_ack(&huge, "s"),
-            AckMetadata::JetStream { sequence: u64::MAX, .. }
+            AckMetadata::JetStream {
+                sequence: u64::MAX,
+                ..
+            }
         ));
     }
 }

@@ -99,7 +99,11 @@ async fn without_a_duplicate_window_a_resend_is_stored_again() {
     tokio::time::sleep(Duration::from_millis(400)).await;
     let second = publisher.publish(&[&e]).await.remove(0).expect("second");
     assert_ne!(first.position(), second.position());
-    assert_eq!(second.duplicate(), Some(false), "stored again, not a duplicate");
+    assert_eq!(
+        second.duplicate(),
+        Some(false),
+        "stored again, not a duplicate"
+    );
     assert_eq!(stream.count().await, 2);
 }
 

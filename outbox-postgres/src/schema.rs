@@ -341,19 +341,20 @@ async fn apply(
     // The tables of every pending migration are locked at once, before the first one runs:
     // taken one migration after another, a relay of the previous version holding a table of a
     // later migration (its claim's row locks) while it waits for one an earlier migration
-    // took would deadlock with the migration. A table an earlier pending migration creates
-    // is not there yet (and invisible to others until the commit).
-    let mut locked: Vec<String> = Vec::new();
-    for migration in migrations.iter().filter(|m| m.version > applied) {
-        for suffix in migration.locks {
-            let name = qualified(schema, &format!("{table}{suffix}"));
-            if !locked.contains(&name) {
-                locked.push(name);
-            }
-        }
-    }
-    let mut tables = Vec::with_capacity(locked.len());
-    for name in locked {
+    // took would deadlock with the migration. The event table comes first, then the others by
+    // name: relays take the event table before the state tables, so a relay that has the event
+    // table gets what it waits for before the migration takes it. A table an earlier pending
+    // migration creates is not there yet (and invisible to others until the commit).
+    let mut suffixes: Vec<&str> = migrations
+        .iter()
+        .filter(|m| m.version > applied)
+        .flat_map(|m| m.locks.iter().copied())
+        .collect();
+    suffixes.sort_unstable();
+    suffixes.dedup();
+    let mut tables = Vec::with_capacity(suffixes.len());
+    for suffix in suffixes {
+        let name = qualified(schema, &format!("{table}{suffix}"));
         let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
             .bind(&name)
             .fetch_one(&mut *tx)

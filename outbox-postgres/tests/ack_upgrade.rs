@@ -109,7 +109,10 @@ async fn rows_published_under_version_7_read_back_as_kafka_acknowledgements() {
         .collect();
     assert_eq!(
         acks,
-        [("p1".into(), "orders/3@41".into()), ("p2".into(), "orders/3@42".to_owned())],
+        [
+            ("p1".into(), "orders/3@41".into()),
+            ("p2".into(), "orders/3@42".to_owned())
+        ],
     );
     assert_eq!(rows[0].ack, AckMetadata::kafka("orders", 3, 41));
 
@@ -235,7 +238,10 @@ async fn the_check_refuses_a_published_row_without_a_complete_acknowledgement() 
         .await
         .expect_err("an unknown transport");
     assert_eq!(err.kind, StoreErrorKind::Schema);
-    assert!(err.message.contains("unknown transport \"pulsar\""), "{err}");
+    assert!(
+        err.message.contains("unknown transport \"pulsar\""),
+        "{err}"
+    );
     ctx.drop().await;
 }
 

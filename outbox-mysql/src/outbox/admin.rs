@@ -16,10 +16,10 @@ use sqlx::mysql::MySqlRow;
 use sqlx::Row;
 use uuid::Uuid;
 
-use outbox_core::{StoreError, StoreErrorKind};
 pub use outbox_core::{
     IntervalCount, LatencySummary, PublishedFilter, PublishedPosition, PublishedRow,
 };
+use outbox_core::{StoreError, StoreErrorKind};
 
 use super::head::marks;
 use super::rows::{ack_from_row, envelope_from_row, utc, ACK_COLS, ENVELOPE_COLS};

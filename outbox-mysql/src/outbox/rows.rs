@@ -6,8 +6,8 @@ use sqlx::Row;
 use uuid::Uuid;
 
 use outbox_core::{
-    AckMetadata, Envelope, EnvelopeLimits, ErrorClass, EventId, LastError, ParkKind, ParkReason, ParkedEvent,
-    Payload, StoreError, StoreErrorKind,
+    AckMetadata, Envelope, EnvelopeLimits, ErrorClass, EventId, LastError, ParkKind, ParkReason,
+    ParkedEvent, Payload, StoreError, StoreErrorKind,
 };
 
 use crate::error::db;

@@ -8,10 +8,10 @@ use chrono::{DateTime, Utc};
 use sqlx::{Executor, Postgres, Row};
 use uuid::Uuid;
 
-use outbox_core::{StoreError, StoreErrorKind};
 pub use outbox_core::{
     IntervalCount, LatencySummary, PublishedFilter, PublishedPosition, PublishedRow,
 };
+use outbox_core::{StoreError, StoreErrorKind};
 
 use super::claim::micros;
 use super::rows::{ack_from_row, envelope_from_row, ACK_COLS};

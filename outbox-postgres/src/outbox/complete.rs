@@ -6,7 +6,8 @@ use sqlx::{Postgres, Row};
 use uuid::Uuid;
 
 use outbox_core::{
-    AckMetadata, ClaimHandle, ClaimMode, CompletionReport, Outcome, ParkKind, StoreError, StoreErrorKind,
+    AckMetadata, ClaimHandle, ClaimMode, CompletionReport, Outcome, ParkKind, StoreError,
+    StoreErrorKind,
 };
 
 use super::claim::{finish, ClaimedRow, ASYNC_COMMIT, BEGIN_CLAIM, SYNC_COMMIT};
@@ -293,7 +294,8 @@ impl OutcomeArrays {
             a.destinations.push(ack.map(|a| a.destination().to_owned()));
             a.parts.push(position.and_then(|p| p.partition));
             a.offsets.push(position.map(|p| p.offset));
-            a.routes.push(ack.and_then(|a| a.route().map(str::to_owned)));
+            a.routes
+                .push(ack.and_then(|a| a.route().map(str::to_owned)));
             a.duplicates.push(ack.and_then(AckMetadata::duplicate));
             // A delay beyond a year is a policy bug; capped so the timestamp cannot overflow.
             a.delays

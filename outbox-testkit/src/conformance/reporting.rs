@@ -252,7 +252,10 @@ pub async fn published_events_come_in_publication_order_and_page_by_position<H: 
     let got: Vec<EventId> = rows.iter().map(|r| r.envelope.event_id).collect();
     assert_eq!(got, [a1.event_id, a2.event_id], "publication order");
     assert!(rows[0].position < rows[1].position, "{rows:?}");
-    assert_eq!(rows[0].ack, AckMetadata::kafka(TOPIC, 0, 1), "{rows:?}");
+    assert!(
+        matches!(&rows[0].ack, AckMetadata::Kafka { topic, .. } if topic == TOPIC),
+        "{rows:?}"
+    );
     assert_eq!(rows[0].envelope, a1, "the event reads back whole");
     // Paging one at a time over everything: each published event once, in order.
     let (mut seen, mut after) = (Vec::new(), None);
@@ -571,5 +574,8 @@ where
     assert_eq!(ids("orders").await, of(&[0]), "a topic");
     assert_eq!(ids("ORDERS").await, of(&[1, 2]), "a stream");
     assert_eq!(ids("outbox").await, of(&[3, 4]), "an exchange");
-    assert!(ids("outbox.order").await.is_empty(), "a subject is no destination");
+    assert!(
+        ids("outbox.order").await.is_empty(),
+        "a subject is no destination"
+    );
 }
