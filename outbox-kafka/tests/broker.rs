@@ -218,11 +218,13 @@ async fn default_partitioner_places_keys_like_the_java_client() {
         hot.push(results[0].as_ref().expect("published").clone());
     }
     assert!(
-        hot.iter().all(|a| a.partition == hot[0].partition),
+        hot.iter().all(|a| kafka_at(a).0 == kafka_at(&hot[0]).0),
         "one aggregate on several partitions: {hot:?}"
     );
-    assert!(hot.windows(2).all(|w| w[0].offset < w[1].offset));
-    assert_eq!(hot[0].partition, java_partition("hot-aggregate", 4));
+    assert!(hot
+        .windows(2)
+        .all(|w| kafka_at(&w[0]).1 < kafka_at(&w[1]).1));
+    assert_eq!(kafka_at(&hot[0]).0, java_partition("hot-aggregate", 4));
 
     let batch: Vec<Envelope> = (0..64).map(|i| event(&format!("agg-{i}"), 1)).collect();
     let results = publisher.publish(&batch.iter().collect::<Vec<_>>()).await;
@@ -308,7 +310,10 @@ async fn a_full_local_queue_is_waited_out_not_reported() {
         "{:?}",
         results.iter().find(|r| r.is_err())
     );
-    let offsets: Vec<i64> = results.iter().map(|r| r.as_ref().unwrap().offset).collect();
+    let offsets: Vec<i64> = results
+        .iter()
+        .map(|r| kafka_at(r.as_ref().unwrap()).1)
+        .collect();
     assert!(
         offsets.windows(2).all(|w| w[0] < w[1]),
         "input order kept in one partition"
@@ -772,4 +777,10 @@ async fn topic_deleted_mid_run_is_reported_as_unknown_topic_naming_it() {
         assert_eq!(e.scope, FailureScope::Transport, "{e}");
         assert!(e.message.contains(&topic), "the topic is not named: {e}");
     }
+}
+
+/// The partition and offset of a Kafka acknowledgement.
+fn kafka_at(ack: &outbox_core::AckMetadata) -> (i32, i64) {
+    let (_, partition, offset) = ack.as_kafka().expect("a Kafka acknowledgement");
+    (partition, offset)
 }

@@ -16,7 +16,7 @@ use common::{brokers, create_topic, unique};
 use outbox_core::retention::{Strictness, TopicRetention};
 use outbox_core::watermark::SharedOffsetTracker;
 use outbox_core::{
-    async_trait, wire, AckMetadata, CommitOffset, DecodeError, Envelope, MessageSource, Publisher,
+    async_trait, wire, CommitOffset, DecodeError, Envelope, MessageSource, Publisher,
     ReceivedMessage, SourceErrorKind, TopicPartition,
 };
 use outbox_inbox::{ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor};
@@ -40,8 +40,6 @@ fn source(brokers: &str, group: &str, topic: &str) -> KafkaSourceBuilder {
         .session_timeout(Duration::from_secs(6))
 }
 
-/// Publishes one record per produce request (tansu 0.6 cannot serve a fetch that starts
-/// inside a multi-record batch, see the crate docs, and these tests resume mid-stream).
 /// Where a record was stored: the partition and offset of its Kafka acknowledgement.
 #[derive(Clone, Debug)]
 struct Stored {
@@ -49,6 +47,8 @@ struct Stored {
     offset: i64,
 }
 
+/// Publishes one record per produce request (tansu 0.6 cannot serve a fetch that starts
+/// inside a multi-record batch, see the crate docs, and these tests resume mid-stream).
 async fn publish_each(brokers: &str, topic: &str, events: &[Envelope]) -> Vec<Stored> {
     let publisher = KafkaPublisher::builder(brokers, topic)
         .delivery_timeout(Duration::from_secs(10))
