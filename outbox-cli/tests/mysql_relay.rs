@@ -313,7 +313,7 @@ async fn check_on_mariadb_reports_schema_grants_and_durability() {
     assert_eq!(doc["ok"], true, "{doc:#}");
     let database = finding(&doc, "database", "ok");
     assert!(
-        database[0].contains("at schema version 1 of 1, privileges in place"),
+        database[0].contains("at schema version 2 of 2, privileges in place"),
         "{database:?}"
     );
     // This server flushes at each commit (read, never changed by the tests): ok; the unsafe
