@@ -229,10 +229,11 @@ const MIGRATE_ATTEMPTS: u32 = 5;
 /// Applies the embedded migrations of `component` for `schema.table` that are not applied yet,
 /// in one transaction, serialized across processes by an advisory lock. Returns the number of
 /// migrations applied. A migration that rewrites data relays write first locks those tables
-/// (see `Migration::locks`), so it is safe to run beside relays of the previous version: they
-/// wait for it (it runs while no transaction of theirs holds those tables); a deadlock with
-/// one of them rolls the migration back, and it is run again (up to `MIGRATE_ATTEMPTS`
-/// times).
+/// (see `Migration::locks`, taken by `lock_tables` without waiting while it holds one), so it
+/// is safe to run beside relays of the previous version: they wait for it (it runs while no
+/// transaction of theirs holds those tables); claims of this version wait for it on
+/// [`migration_lock_key`]. A deadlock that still happens rolls the migration back, and it is
+/// run again (up to `MIGRATE_ATTEMPTS` times).
 pub(crate) async fn migrate(
     pool: &PgPool,
     component: Component,
@@ -301,6 +302,95 @@ async fn migrate_once(
     }
 }
 
+/// The per-table advisory lock key that [`migrate`] holds exclusively while it applies
+/// migrations, and that every claim of this version takes shared first: a claim waits for
+/// pending migrations before it reads a table, instead of queueing for a table lock the
+/// migration needs while holding another one, or running on the old schema.
+pub(crate) fn migration_lock_key(seed: i64) -> i64 {
+    // Apart from the aggregate keys (`hash ^ seed`) of the same table.
+    seed.rotate_left(29) ^ 0x6d69_6772_6174_696f
+}
+
+/// Rounds of [`lock_tables`] that wait for one busy table alone before it falls back to
+/// waiting for every table in order.
+const LOCK_ROUNDS: u32 = 20;
+
+/// Takes `ACCESS EXCLUSIVE` locks on `tables` without ever waiting while it holds one: each
+/// round tries every table with `NOWAIT` inside a savepoint; when one is busy, the savepoint
+/// is rolled back (every lock of the round released), and the next round first waits for that
+/// table alone, then tries the others again. A relay of the previous version may hold one
+/// table and want another (a locked claim reads the state table, its completion then writes
+/// the event table): waiting for a second table while holding the first would deadlock with
+/// it, and the server would abort one of the two, possibly the relay's completion (a
+/// publication recorded nowhere, sent again). While the runner waits for a table, only that
+/// table is queued behind it (appends wait as long as the transaction holding it lasts).
+///
+/// After [`LOCK_ROUNDS`] rounds (relays that keep the tables busy in turn), it waits for all
+/// of them in order, as a plain `LOCK TABLE` does; a deadlock is then resolved by the server
+/// (the migration runs again, or an old relay's transaction is rolled back: a duplicate, never
+/// a loss), so the migration finishes.
+async fn lock_tables(tx: &mut sqlx::PgConnection, tables: &[String]) -> Result<(), StoreError> {
+    if tables.is_empty() {
+        return Ok(());
+    }
+    let mut busy: Option<usize> = None;
+    for round in 1..=LOCK_ROUNDS {
+        tx.execute("SAVEPOINT outbox_migrate_locks")
+            .await
+            .map_err(db)?;
+        if let Some(b) = busy {
+            tx.execute(format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", tables[b]).as_str())
+                .await
+                .map_err(db)?;
+        }
+        let mut refused = None;
+        for (i, name) in tables.iter().enumerate() {
+            if busy == Some(i) {
+                continue;
+            }
+            let nowait = format!("LOCK TABLE {name} IN ACCESS EXCLUSIVE MODE NOWAIT");
+            match tx.execute(nowait.as_str()).await {
+                Ok(_) => {}
+                Err(e) if lock_not_available(&e) => {
+                    refused = Some(i);
+                    break;
+                }
+                Err(e) => return Err(db(e)),
+            }
+        }
+        match refused {
+            None => {
+                tx.execute("RELEASE SAVEPOINT outbox_migrate_locks")
+                    .await
+                    .map_err(db)?;
+                return Ok(());
+            }
+            Some(i) => {
+                tx.execute("ROLLBACK TO SAVEPOINT outbox_migrate_locks")
+                    .await
+                    .map_err(db)?;
+                tracing::debug!(round, table = %tables[i], "migration: table busy, waiting for it alone");
+                busy = Some(i);
+            }
+        }
+    }
+    tracing::warn!(
+        rounds = LOCK_ROUNDS,
+        "migration: tables kept busy in turn; waiting for all of them in order"
+    );
+    tx.execute(format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", tables.join(", ")).as_str())
+        .await
+        .map_err(db)?;
+    Ok(())
+}
+
+/// `55P03`: a `NOWAIT` lock request found the lock held.
+fn lock_not_available(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|c| c == "55P03")
+}
+
 async fn apply(
     tx: &mut sqlx::PgConnection,
     component: &Component,
@@ -338,13 +428,22 @@ async fn apply(
     .map_err(db)?;
     let applied = applied.unwrap_or(0);
     let mut count = 0;
-    // The tables of every pending migration are locked at once, before the first one runs:
-    // taken one migration after another, a relay of the previous version holding a table of a
-    // later migration (its claim's row locks) while it waits for one an earlier migration
-    // took would deadlock with the migration. The event table comes first, then the others by
-    // name: relays take the event table before the state tables, so a relay that has the event
-    // table gets what it waits for before the migration takes it. A table an earlier pending
-    // migration creates is not there yet (and invisible to others until the commit).
+    let pending = migrations.iter().any(|m| m.version > applied);
+    if pending {
+        // Claims of this version wait for the migrations (`claim::begin_claim` takes this key
+        // shared before it reads a table): none runs on the old schema meanwhile, and none
+        // holds a table the migrations are waiting for.
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(migration_lock_key(crate::sql::seed(schema, table)))
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+    }
+    // The tables of every pending migration are locked before the first one runs (taken one
+    // migration after another, a relay of the previous version holding a table of a later
+    // migration while it waits for one an earlier migration took would deadlock with the
+    // migration). The event table comes first, then the others by name. A table an earlier
+    // pending migration creates is not there yet (and invisible to others until the commit).
     let mut suffixes: Vec<&str> = migrations
         .iter()
         .filter(|m| m.version > applied)
@@ -364,12 +463,7 @@ async fn apply(
             tables.push(name);
         }
     }
-    if !tables.is_empty() {
-        (&mut *tx)
-            .execute(format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", tables.join(", ")).as_str())
-            .await
-            .map_err(db)?;
-    }
+    lock_tables(&mut *tx, &tables).await?;
     for migration in migrations.iter().filter(|m| m.version > applied) {
         let sql = render(migration.template, schema, table);
         (&mut *tx).execute(sql.as_str()).await.map_err(db)?;
