@@ -431,6 +431,12 @@ async fn migration_8_waits_for_a_busy_table_holding_no_other() {
     store.append(&ctx.pool, &event("a", 1)).await.unwrap();
     let s = &ctx.schema;
     let mut old = ctx.pool.begin().await.unwrap();
+    // This session checks for a deadlock first (the migration's waits after the server's
+    // default of 1 s), so a deadlock would abort the old transaction, as it can abort a relay.
+    sqlx::query("SET LOCAL deadlock_timeout = '100ms'")
+        .execute(&mut *old)
+        .await
+        .unwrap();
     sqlx::query(&format!(
         "SELECT count(*) FROM \"{s}\".outbox_events_archive"
     ))
