@@ -1064,7 +1064,9 @@ async fn a_locked_claim_locks_only_the_aggregates_it_decides_about() {
         let b = store.claim(&ClaimRequest::new("r", 3)).await.unwrap();
         assert_eq!(b.records.len(), 3);
         let held: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_locks WHERE pid = $1 AND locktype = 'advisory' AND granted",
+            // Exclusive: the aggregates (the migration key every claim takes is shared).
+            "SELECT count(*) FROM pg_locks WHERE pid = $1 AND locktype = 'advisory' AND granted \
+               AND mode = 'ExclusiveLock'",
         )
         .bind(claim_pid)
         .fetch_one(&ctx.pool)
