@@ -629,11 +629,7 @@ impl Publisher for InstantAcks {
             .iter()
             .map(|_| {
                 let offset = self.0.fetch_add(1, Ordering::Relaxed) as i64;
-                Ok(AckMetadata {
-                    topic: "bench".into(),
-                    partition: (offset % 12) as i32,
-                    offset,
-                })
+                Ok(AckMetadata::kafka("bench", (offset % 12) as i32, offset))
             })
             .collect()
     }
@@ -724,11 +720,7 @@ pub(crate) async fn drain_store<S: RelayStore>(
                 offset += 1;
                 Outcome::Published {
                     event_id: rec.envelope.event_id,
-                    ack: AckMetadata {
-                        topic: "bench".into(),
-                        partition: (offset % 12) as i32,
-                        offset,
-                    },
+                    ack: AckMetadata::kafka("bench", (offset % 12) as i32, offset),
                 }
             })
             .collect();
@@ -755,8 +747,8 @@ pub(crate) async fn drain_naive_sql(
     );
     let update = format!(
         "UPDATE {t} x SET status = 'published', published_at = clock_timestamp(), \
-                finished_at = clock_timestamp(), ack_topic = 'bench', ack_partition = u.p, \
-                ack_offset = u.o \
+                finished_at = clock_timestamp(), ack_transport = 'kafka', ack_destination = 'bench', ack_partition = u.p, \
+                ack_position = u.o \
          FROM UNNEST($1::int8[], $2::int4[], $3::int8[]) AS u(id, p, o) WHERE x.id = u.id"
     );
     let pool = store.pool();

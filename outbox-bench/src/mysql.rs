@@ -450,8 +450,8 @@ async fn drain_naive<P: Publisher + ?Sized>(
            topic TEXT PATH '$[1]', part INT PATH '$[2]', off BIGINT PATH '$[3]')) v \
            ON e.id = v.id \
          SET e.status = 'published', e.published_at = UTC_TIMESTAMP(6), \
-             e.finished_at = UTC_TIMESTAMP(6), e.ack_topic = v.topic, \
-             e.ack_partition = v.part, e.ack_offset = v.off"
+             e.finished_at = UTC_TIMESTAMP(6), e.ack_transport = 'kafka', \
+             e.ack_destination = v.topic, e.ack_partition = v.part, e.ack_position = v.off"
     );
     let pool = store.pool();
     let started = Instant::now();
@@ -482,7 +482,12 @@ async fn drain_naive<P: Publisher + ?Sized>(
         let marks: Vec<serde_json::Value> = ids
             .iter()
             .zip(&acks)
-            .map(|(id, a)| serde_json::json!([id, a.topic, a.partition, a.offset]))
+            .map(|(id, a)| {
+                let (topic, partition, offset) = a
+                    .as_kafka()
+                    .expect("the bench publisher acknowledges as Kafka");
+                serde_json::json!([id, topic, partition, offset])
+            })
             .collect();
         let q = sqlx::query(&update).bind(serde_json::to_string(&marks)?);
         let n = q.execute(&mut *tx).await?.rows_affected();

@@ -254,11 +254,7 @@ pub(crate) fn published(b: &outbox_core::ClaimedBatch) -> Vec<Outcome> {
         .enumerate()
         .map(|(i, r)| Outcome::Published {
             event_id: r.envelope.event_id,
-            ack: AckMetadata {
-                topic: "bench".into(),
-                partition: 0,
-                offset: i as i64,
-            },
+            ack: AckMetadata::kafka("bench", 0, i as i64),
         })
         .collect()
 }

@@ -15,7 +15,7 @@ async fn migrate_is_idempotent_prints_sql_and_reports_json() {
     let env = env_or_skip!("migrate", 0);
     let (code, v, _) = env.json(&["migrate"]);
     assert_eq!(code, 0);
-    assert_eq!(v["outbox"]["applied"], 7);
+    assert_eq!(v["outbox"]["applied"], 8);
     assert_eq!(v["outbox"]["schema"], env.schema.as_str());
     let (code, v, _) = env.json(&["migrate"]);
     assert_eq!(code, 0);
@@ -298,7 +298,7 @@ async fn cleanup_dry_run_counts_and_the_real_run_removes_in_batches() {
     let events = env.append(10, 2).await;
     sqlx::raw_sql(&format!(
         "UPDATE \"{}\".outbox_events SET status = 'published', published_at = now() - interval '2 days', \
-         finished_at = now() - interval '2 days', ack_topic = 't', ack_partition = 0, ack_offset = id",
+         finished_at = now() - interval '2 days', ack_transport = 'kafka', ack_destination = 't', ack_partition = 0, ack_position = id",
         env.schema
     ))
     .execute(&env.pool)
@@ -467,6 +467,49 @@ async fn replay_republishes_selected_events_marked_as_replays() {
     assert!(replays.iter().all(|r| r.aggregate_id == "o-1"));
     assert_eq!(replays[0].version, 1);
     assert_eq!(replays[1].version, 2);
+    env.drop_schema().await;
+}
+
+/// A replay the broker refuses names, for the refused event, where it was first stored in its
+/// transport's own form (here Kafka's `topic/partition@offset`, as the relay recorded it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_replay_names_where_the_event_was_first_stored() {
+    let env = env_or_skip!("replay_refused", 1);
+    env.migrate();
+    let big = Envelope::builder("order", "big", 1, "order.placed")
+        .json(&serde_json::json!({"note": "x".repeat(4096)}))
+        .unwrap()
+        .build()
+        .unwrap();
+    env.store().append(&env.pool, &big).await.unwrap();
+    let mut relay = env.spawn_relay(&["--no-cleanup"]);
+    relay.wait_ready(Duration::from_secs(30));
+    env.wait_count("published", 1, Duration::from_secs(30))
+        .await;
+    let (code, _, stderr) = relay.terminate(Duration::from_secs(30));
+    assert_eq!(code, 0, "{stderr}");
+    let (transport, partition, offset): (String, i32, i64) = sqlx::query_as(&format!(
+        "SELECT ack_transport, ack_partition, ack_position FROM \"{}\".outbox_events",
+        env.schema
+    ))
+    .fetch_one(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(transport, "kafka");
+    // The replay's producer refuses the 4 KiB record.
+    std::fs::write(
+        env.dir.join("outbox.toml"),
+        "[kafka.producer]\n\"message.max.bytes\" = 2048\n",
+    )
+    .unwrap();
+    let out = env.run(&["replay", "--aggregate-id", "big", "--yes"]);
+    let shown = text(&out);
+    assert_ne!(out.status.code(), Some(0), "{shown}");
+    let first = format!(
+        "{} (first stored at {}/{partition}@{offset})",
+        big.event_id, env.topic
+    );
+    assert!(shown.contains(&first), "{first:?} not in: {shown}");
     env.drop_schema().await;
 }
 

@@ -141,11 +141,7 @@ async fn status_reads_a_mariadb_outbox_through_the_reporting_role() {
     let outcomes = [
         Outcome::Published {
             event_id: a.event_id,
-            ack: AckMetadata {
-                topic: "orders".into(),
-                partition: 0,
-                offset: 41,
-            },
+            ack: AckMetadata::kafka("orders", 0, 41),
         },
         Outcome::Park {
             event_id: b.event_id,
@@ -293,11 +289,7 @@ async fn four_events(db: &Db) -> (MySqlPool, [Envelope; 4]) {
     assert_eq!(batch.records.len(), 4);
     let published = |e: &Envelope, offset| Outcome::Published {
         event_id: e.event_id,
-        ack: AckMetadata {
-            topic: "orders".into(),
-            partition: 0,
-            offset,
-        },
+        ack: AckMetadata::kafka("orders", 0, offset),
     };
     let outcomes = [
         published(&events[0], 1),

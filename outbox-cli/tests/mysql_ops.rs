@@ -62,11 +62,7 @@ fn park(event: &Envelope, kind: ParkKind, class: ErrorClass, error: &str) -> Out
 fn published(event: &Envelope, offset: i64) -> Outcome {
     Outcome::Published {
         event_id: event.event_id,
-        ack: AckMetadata {
-            topic: "orders".into(),
-            partition: 0,
-            offset,
-        },
+        ack: AckMetadata::kafka("orders", 0, offset),
     }
 }
 

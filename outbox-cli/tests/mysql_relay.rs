@@ -183,10 +183,11 @@ async fn migrate_on_mariadb_applies_each_migration_once_and_names_it() {
     let first = db.outbox(&db.url(), &[], &["--json", "migrate"]);
     assert!(first.status.success(), "{}", text(&first));
     let doc = json(&first);
-    assert_eq!(doc["outbox"]["applied"], 1, "{doc:#}");
-    assert_eq!(doc["outbox"]["version"], 1, "{doc:#}");
+    assert_eq!(doc["outbox"]["applied"], 2, "{doc:#}");
+    assert_eq!(doc["outbox"]["version"], 2, "{doc:#}");
     assert_eq!(doc["outbox"]["schema"], db.name.as_str(), "{doc:#}");
     assert_eq!(doc["outbox"]["migrations"][0]["version"], 1, "{doc:#}");
+    assert_eq!(doc["outbox"]["migrations"][1]["version"], 2, "{doc:#}");
     assert_eq!(
         db.tables(&db.name).await,
         [
@@ -201,7 +202,7 @@ async fn migrate_on_mariadb_applies_each_migration_once_and_names_it() {
     assert!(again.status.success(), "{}", text(&again));
     assert!(
         String::from_utf8_lossy(&again.stdout)
-            .contains("0 migration(s) applied (up to date at version 1)"),
+            .contains("0 migration(s) applied (up to date at version 2)"),
         "{}",
         text(&again)
     );
@@ -218,8 +219,9 @@ async fn migrate_on_mariadb_applies_each_migration_once_and_names_it() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         stdout.contains(&format!("outbox {other}.outbox_events on "))
-            && stdout.contains("1 migration(s) applied")
-            && stdout.contains("applied 1: outbox table, per-aggregate state, audit, archive"),
+            && stdout.contains("2 migration(s) applied")
+            && stdout.contains("applied 1: outbox table, per-aggregate state, audit, archive")
+            && stdout.contains("applied 2: transport-neutral acknowledgement columns"),
         "{stdout}"
     );
     assert_eq!(db.tables(&other).await.len(), 5);
@@ -311,7 +313,7 @@ async fn check_on_mariadb_reports_schema_grants_and_durability() {
     assert_eq!(doc["ok"], true, "{doc:#}");
     let database = finding(&doc, "database", "ok");
     assert!(
-        database[0].contains("at schema version 1 of 1, privileges in place"),
+        database[0].contains("at schema version 2 of 2, privileges in place"),
         "{database:?}"
     );
     // This server flushes at each commit (read, never changed by the tests): ok; the unsafe

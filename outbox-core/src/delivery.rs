@@ -1,5 +1,6 @@
 //! Delivery state: relay mechanics that are stored beside the envelope and never published.
 
+use std::fmt;
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
@@ -46,16 +47,299 @@ impl DeliveryStatus {
     }
 }
 
-/// Where the broker stored a record: returned by the delivery report.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-pub struct AckMetadata {
-    /// Topic written to.
-    pub topic: String,
-    /// Partition written to.
-    pub partition: i32,
-    /// Offset assigned by the broker.
+/// The transport that acknowledged a record: the `ack_transport` column of the stores.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum TransportKind {
+    /// Apache Kafka (and its protocol: Redpanda, tansu).
+    Kafka,
+    /// NATS JetStream.
+    Nats,
+    /// RabbitMQ (AMQP 0-9-1 with publisher confirms).
+    #[serde(rename = "rabbitmq")]
+    RabbitMq,
+}
+
+impl TransportKind {
+    /// Stable lowercase name, as stored.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::Kafka => "kafka",
+            Self::Nats => "nats",
+            Self::RabbitMq => "rabbitmq",
+        }
+    }
+
+    /// Parses the stored name; `None` for a name this version does not know.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "kafka" => Self::Kafka,
+            "nats" => Self::Nats,
+            "rabbitmq" => Self::RabbitMq,
+            _ => return None,
+        })
+    }
+}
+
+impl fmt::Display for TransportKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A stored, addressable position: a Kafka partition and offset, or a JetStream stream
+/// sequence (no partition). The `ack_partition` and `ack_position` columns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct StoredPosition {
+    /// The Kafka partition; `None` for a transport without partitions.
+    pub partition: Option<i32>,
+    /// The Kafka offset or the JetStream stream sequence.
     pub offset: i64,
 }
+
+/// Where the broker stored a record, as the transport itself says it: returned by the
+/// transport's acknowledgement (delivery report, `PubAck`, publisher confirm) and stored with
+/// the outbox row. A transport fills only its own variant; nothing is padded with zeros.
+///
+/// ```
+/// use outbox_core::{AckMetadata, TransportKind};
+///
+/// let ack = AckMetadata::kafka("orders", 3, 41);
+/// assert_eq!(ack.transport(), TransportKind::Kafka);
+/// assert_eq!(ack.destination(), "orders");
+/// assert_eq!(ack.to_string(), "orders/3@41");
+/// let ack = AckMetadata::RabbitMq { exchange: "outbox".into(), routing_key: "order.created".into() };
+/// assert_eq!(ack.position(), None);
+/// assert_eq!(ack.to_string(), "outbox -> order.created");
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(tag = "transport", rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum AckMetadata {
+    /// A Kafka delivery report.
+    Kafka {
+        /// Topic written to.
+        topic: String,
+        /// Partition written to.
+        partition: i32,
+        /// Offset assigned by the broker.
+        offset: i64,
+    },
+    /// A JetStream `PubAck`.
+    #[serde(rename = "nats")]
+    JetStream {
+        /// The stream that stored the message.
+        stream: String,
+        /// Its stream sequence (for a duplicate: the sequence of the copy stored before).
+        sequence: u64,
+        /// The subject published to.
+        subject: String,
+        /// The stream already held a message with this id (`Nats-Msg-Id`) within its
+        /// duplicate window and stored nothing new: the record was delivered before.
+        duplicate: bool,
+    },
+    /// A RabbitMQ publisher confirm. A confirm names no stored position: it says the message
+    /// is stored in every queue the exchange routed it to.
+    #[serde(rename = "rabbitmq")]
+    RabbitMq {
+        /// The exchange published to.
+        exchange: String,
+        /// The routing key published with.
+        routing_key: String,
+    },
+}
+
+impl AckMetadata {
+    /// A Kafka acknowledgement.
+    pub fn kafka(topic: impl Into<String>, partition: i32, offset: i64) -> Self {
+        Self::Kafka {
+            topic: topic.into(),
+            partition,
+            offset,
+        }
+    }
+
+    /// `(topic, partition, offset)` of a Kafka acknowledgement; `None` for the others.
+    pub fn as_kafka(&self) -> Option<(&str, i32, i64)> {
+        match self {
+            Self::Kafka {
+                topic,
+                partition,
+                offset,
+            } => Some((topic, *partition, *offset)),
+            _ => None,
+        }
+    }
+
+    /// The transport that acknowledged the record.
+    pub const fn transport(&self) -> TransportKind {
+        match self {
+            Self::Kafka { .. } => TransportKind::Kafka,
+            Self::JetStream { .. } => TransportKind::Nats,
+            Self::RabbitMq { .. } => TransportKind::RabbitMq,
+        }
+    }
+
+    /// Topic, stream or exchange: what `outbox parked/reconcile --topic` filters on (the
+    /// `ack_destination` column).
+    pub fn destination(&self) -> &str {
+        match self {
+            Self::Kafka { topic, .. } => topic,
+            Self::JetStream { stream, .. } => stream,
+            Self::RabbitMq { exchange, .. } => exchange,
+        }
+    }
+
+    /// Partition and offset, or stream sequence, when the transport stores the record at an
+    /// addressable position (RabbitMQ does not). A stream sequence above `i64::MAX` (2^63
+    /// messages in one stream) does not fit the stores' `bigint` and is given as `i64::MAX`.
+    pub fn position(&self) -> Option<StoredPosition> {
+        match self {
+            Self::Kafka {
+                partition, offset, ..
+            } => Some(StoredPosition {
+                partition: Some(*partition),
+                offset: *offset,
+            }),
+            Self::JetStream { sequence, .. } => Some(StoredPosition {
+                partition: None,
+                offset: i64::try_from(*sequence).unwrap_or(i64::MAX),
+            }),
+            Self::RabbitMq { .. } => None,
+        }
+    }
+
+    /// The subject or routing key the record was published with (the `ack_route` column);
+    /// `None` for Kafka.
+    pub fn route(&self) -> Option<&str> {
+        match self {
+            Self::Kafka { .. } => None,
+            Self::JetStream { subject, .. } => Some(subject),
+            Self::RabbitMq { routing_key, .. } => Some(routing_key),
+        }
+    }
+
+    /// Whether JetStream reported the publication a duplicate (the `ack_duplicate` column);
+    /// `None` for the other transports.
+    pub const fn duplicate(&self) -> Option<bool> {
+        match self {
+            Self::JetStream { duplicate, .. } => Some(*duplicate),
+            _ => None,
+        }
+    }
+
+    /// Maps the stored columns `(ack_transport, ack_destination, ack_partition, ack_position,
+    /// ack_route, ack_duplicate)` back. No destination and no transport: no acknowledgement
+    /// (`Ok(None)`). Refuses (instead of guessing) an unknown transport, a destination without
+    /// a transport, and a column its transport needs that is missing or out of range.
+    pub fn from_columns(
+        transport: Option<&str>,
+        destination: Option<String>,
+        partition: Option<i32>,
+        position: Option<i64>,
+        route: Option<String>,
+        duplicate: Option<bool>,
+    ) -> Result<Option<Self>, AckColumnsError> {
+        let (transport, destination) = match (transport, destination) {
+            (None, None) => return Ok(None),
+            (Some(t), Some(d)) => (t, d),
+            (None, Some(d)) => {
+                return Err(AckColumnsError::new(format!(
+                    "an acknowledgement at {d:?} names no transport"
+                )))
+            }
+            (Some(t), None) => {
+                return Err(AckColumnsError::new(format!(
+                    "a {t:?} acknowledgement names no destination"
+                )))
+            }
+        };
+        let kind = TransportKind::parse(transport).ok_or_else(|| {
+            AckColumnsError::new(format!(
+                "unknown transport {transport:?} (this version knows kafka, nats, rabbitmq)"
+            ))
+        })?;
+        let missing =
+            |what: &str| AckColumnsError::new(format!("a {kind} acknowledgement without {what}"));
+        Ok(Some(match kind {
+            TransportKind::Kafka => Self::Kafka {
+                topic: destination,
+                partition: partition.ok_or_else(|| missing("a partition"))?,
+                offset: position.ok_or_else(|| missing("an offset"))?,
+            },
+            TransportKind::Nats => Self::JetStream {
+                stream: destination,
+                sequence: position
+                    .ok_or_else(|| missing("a stream sequence"))
+                    .and_then(|p| {
+                        u64::try_from(p).map_err(|_| {
+                            AckColumnsError::new(format!("a negative stream sequence {p}"))
+                        })
+                    })?,
+                subject: route.ok_or_else(|| missing("a subject"))?,
+                duplicate: duplicate.ok_or_else(|| missing("its duplicate flag"))?,
+            },
+            TransportKind::RabbitMq => Self::RabbitMq {
+                exchange: destination,
+                routing_key: route.ok_or_else(|| missing("a routing key"))?,
+            },
+        }))
+    }
+}
+
+/// The transport's own form: `orders/3@41` (topic/partition@offset), `ORDERS#41` (stream
+/// #sequence, with ` (duplicate)` for a duplicate `PubAck`), `outbox -> order.created`
+/// (exchange -> routing key).
+impl fmt::Display for AckMetadata {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Kafka {
+                topic,
+                partition,
+                offset,
+            } => write!(f, "{topic}/{partition}@{offset}"),
+            Self::JetStream {
+                stream,
+                sequence,
+                duplicate,
+                ..
+            } => {
+                write!(f, "{stream}#{sequence}")?;
+                if *duplicate {
+                    f.write_str(" (duplicate)")?;
+                }
+                Ok(())
+            }
+            Self::RabbitMq {
+                exchange,
+                routing_key,
+            } => write!(f, "{exchange} -> {routing_key}"),
+        }
+    }
+}
+
+/// Stored acknowledgement columns that do not describe an acknowledgement this version can
+/// read ([`AckMetadata::from_columns`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AckColumnsError {
+    message: String,
+}
+
+impl AckColumnsError {
+    fn new(message: String) -> Self {
+        Self { message }
+    }
+}
+
+impl fmt::Display for AckColumnsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "stored acknowledgement: {}", self.message)
+    }
+}
+
+impl std::error::Error for AckColumnsError {}
 
 /// The last failure recorded for an event.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -613,6 +897,227 @@ pub struct OutboxStats {
 mod tests {
     use super::*;
     use crate::error::{PublishError, PublishErrorKind};
+
+    fn jet(sequence: u64, duplicate: bool) -> AckMetadata {
+        AckMetadata::JetStream {
+            stream: "ORDERS".into(),
+            sequence,
+            subject: "outbox.order".into(),
+            duplicate,
+        }
+    }
+
+    fn rabbit() -> AckMetadata {
+        AckMetadata::RabbitMq {
+            exchange: "outbox".into(),
+            routing_key: "order.created".into(),
+        }
+    }
+
+    /// Each transport's acknowledgement goes to the columns and back unchanged, and prints in
+    /// the transport's own form.
+    #[test]
+    fn acks_round_trip_through_columns_and_print_per_transport() {
+        let table = [
+            (
+                AckMetadata::kafka("orders", 3, 41),
+                TransportKind::Kafka,
+                "orders",
+                Some((Some(3), 41)),
+                None,
+                None,
+                "orders/3@41",
+            ),
+            (
+                jet(41, false),
+                TransportKind::Nats,
+                "ORDERS",
+                Some((None, 41)),
+                Some("outbox.order"),
+                Some(false),
+                "ORDERS#41",
+            ),
+            (
+                jet(7, true),
+                TransportKind::Nats,
+                "ORDERS",
+                Some((None, 7)),
+                Some("outbox.order"),
+                Some(true),
+                "ORDERS#7 (duplicate)",
+            ),
+            (
+                rabbit(),
+                TransportKind::RabbitMq,
+                "outbox",
+                None,
+                Some("order.created"),
+                None,
+                "outbox -> order.created",
+            ),
+        ];
+        for (ack, kind, destination, position, route, duplicate, shown) in table {
+            assert_eq!(ack.transport(), kind, "{ack:?}");
+            assert_eq!(ack.destination(), destination, "{ack:?}");
+            assert_eq!(
+                ack.position().map(|p| (p.partition, p.offset)),
+                position,
+                "{ack:?}"
+            );
+            assert_eq!(ack.route(), route, "{ack:?}");
+            assert_eq!(ack.duplicate(), duplicate, "{ack:?}");
+            assert_eq!(ack.to_string(), shown);
+            let back = AckMetadata::from_columns(
+                Some(ack.transport().as_str()),
+                Some(ack.destination().to_owned()),
+                ack.position().and_then(|p| p.partition),
+                ack.position().map(|p| p.offset),
+                ack.route().map(str::to_owned),
+                ack.duplicate(),
+            );
+            assert_eq!(back, Ok(Some(ack.clone())), "{ack:?}");
+            assert_eq!(TransportKind::parse(kind.as_str()), Some(kind));
+            // The JSON form names the transport as stored.
+            let json = serde_json::to_value(&ack).unwrap();
+            assert_eq!(json["transport"], kind.as_str(), "{json}");
+            assert_eq!(serde_json::from_value::<AckMetadata>(json).unwrap(), ack);
+        }
+        // 2^63 messages in one stream do not fit a bigint: the largest one is given.
+        assert_eq!(jet(u64::MAX, false).position().unwrap().offset, i64::MAX);
+    }
+
+    /// No columns: no acknowledgement. Anything else that does not describe an
+    /// acknowledgement is refused with a reason, never guessed.
+    #[test]
+    fn from_columns_refuses_what_it_cannot_read() {
+        let s = |v: &str| Some(v.to_owned());
+        assert_eq!(
+            AckMetadata::from_columns(None, None, None, None, None, None),
+            Ok(None)
+        );
+        let refused = [
+            (
+                Some("pulsar"),
+                s("t"),
+                Some(0),
+                Some(1),
+                None,
+                None,
+                "unknown transport \"pulsar\"",
+            ),
+            (
+                Some("Kafka"),
+                s("t"),
+                Some(0),
+                Some(1),
+                None,
+                None,
+                "unknown transport \"Kafka\"",
+            ),
+            (
+                Some(""),
+                s("t"),
+                Some(0),
+                Some(1),
+                None,
+                None,
+                "unknown transport",
+            ),
+            (
+                None,
+                s("t"),
+                Some(0),
+                Some(1),
+                None,
+                None,
+                "names no transport",
+            ),
+            (
+                Some("kafka"),
+                None,
+                Some(0),
+                Some(1),
+                None,
+                None,
+                "names no destination",
+            ),
+            (
+                Some("kafka"),
+                s("t"),
+                None,
+                Some(1),
+                None,
+                None,
+                "kafka acknowledgement without a partition",
+            ),
+            (
+                Some("kafka"),
+                s("t"),
+                Some(0),
+                None,
+                None,
+                None,
+                "kafka acknowledgement without an offset",
+            ),
+            (
+                Some("nats"),
+                s("S"),
+                None,
+                None,
+                s("x"),
+                Some(false),
+                "without a stream sequence",
+            ),
+            (
+                Some("nats"),
+                s("S"),
+                None,
+                Some(-1),
+                s("x"),
+                Some(false),
+                "negative stream sequence -1",
+            ),
+            (
+                Some("nats"),
+                s("S"),
+                None,
+                Some(1),
+                None,
+                Some(false),
+                "without a subject",
+            ),
+            (
+                Some("nats"),
+                s("S"),
+                None,
+                Some(1),
+                s("x"),
+                None,
+                "without its duplicate flag",
+            ),
+            (
+                Some("rabbitmq"),
+                s("x"),
+                None,
+                None,
+                None,
+                None,
+                "rabbitmq acknowledgement without a routing key",
+            ),
+        ];
+        for (transport, destination, partition, position, route, duplicate, reason) in refused {
+            let err = AckMetadata::from_columns(
+                transport,
+                destination,
+                partition,
+                position,
+                route,
+                duplicate,
+            )
+            .expect_err(reason);
+            assert!(err.to_string().contains(reason), "{err} / {reason}");
+        }
+    }
 
     /// The stored names are a storage format: each is fixed, and parsing gives the value back.
     #[test]

@@ -61,9 +61,10 @@ pub mod driver;
 pub use async_trait::async_trait;
 pub use clock::{Clock, SystemClock};
 pub use delivery::{
-    AckMetadata, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, ClaimedRecord,
-    CleanupReport, CompletionReport, DeliveryStatus, LastError, OperatorAction, OutboxStats,
-    Outcome, ParkKind, ParkReason, ParkedAtClaim, ParkedEvent, MAX_LEASE,
+    AckColumnsError, AckMetadata, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch,
+    ClaimedRecord, CleanupReport, CompletionReport, DeliveryStatus, LastError, OperatorAction,
+    OutboxStats, Outcome, ParkKind, ParkReason, ParkedAtClaim, ParkedEvent, StoredPosition,
+    TransportKind, MAX_LEASE,
 };
 pub use envelope::{
     Envelope, EnvelopeBuilder, EnvelopeLimits, EventId, Payload, PayloadError, ValidationError,

@@ -65,11 +65,7 @@ mod tests {
                 .iter()
                 .map(|e| {
                     if e.aggregate_version % 2 == 0 {
-                        Ok(AckMetadata {
-                            topic: "t".into(),
-                            partition: 0,
-                            offset: e.aggregate_version,
-                        })
+                        Ok(AckMetadata::kafka("t", 0, e.aggregate_version))
                     } else {
                         Err(PublishError::new(PublishErrorKind::Timeout, "odd"))
                     }
@@ -91,7 +87,7 @@ mod tests {
             futures::executor::block_on(shared.publish(&batch.iter().collect::<Vec<_>>()));
         assert_eq!(results.len(), 3);
         assert!(results[0].is_err() && results[2].is_err());
-        assert_eq!(results[1].as_ref().unwrap().offset, 2);
+        assert_eq!(results[1].as_ref().unwrap().position().unwrap().offset, 2);
         assert_eq!(shared.delivery_timeout(), Duration::from_secs(7));
     }
 }

@@ -549,7 +549,7 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
                 Outcome::Published { ack, .. } => {
                     report.published += 1;
                     telemetry::record_published(e, rec.is_resend(), now);
-                    debug!(event_id = %e.event_id, aggregate_id = %e.aggregate_id, event_type = %e.event_type, attempt, stage = "published", topic = %ack.topic, partition = ack.partition, offset = ack.offset, "event published");
+                    debug!(event_id = %e.event_id, aggregate_id = %e.aggregate_id, event_type = %e.event_type, attempt, stage = "published", transport = %ack.transport(), ack = %ack, "event published");
                 }
                 Outcome::Retry { delay, error, .. } => {
                     report.retried += 1;

@@ -303,11 +303,7 @@ mod tests {
                 attempts,
             )
         };
-        let ack = AckMetadata {
-            topic: "t".into(),
-            partition: 0,
-            offset: 5,
-        };
+        let ack = AckMetadata::kafka("t", 0, 5);
         let transient = PublishError::new(PublishErrorKind::Other, "flaky");
         let permanent = PublishError::new(PublishErrorKind::RecordTooLarge, "big");
         // Transport failures never spend attempts, whatever the count so far.

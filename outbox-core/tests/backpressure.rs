@@ -192,11 +192,7 @@ async fn refresh_measures_growth_between_snapshots() {
         .iter()
         .map(|r| outbox_core::Outcome::Published {
             event_id: r.envelope.event_id,
-            ack: outbox_core::AckMetadata {
-                topic: "t".into(),
-                partition: 0,
-                offset: 0,
-            },
+            ack: outbox_core::AckMetadata::kafka("t", 0, 0),
         })
         .collect();
     store.complete(&batch.handle, &outcomes).await.unwrap();

@@ -885,8 +885,9 @@ async fn two_engines_in_one_group_with_batches_in_flight_across_rebalances() {
                 .await
                 .remove(0)
                 .expect("published");
-            let e = ends.entry(ack.partition).or_insert(0);
-            *e = (*e).max(ack.offset + 1);
+            let (_, partition, offset) = ack.as_kafka().expect("a Kafka acknowledgement");
+            let e = ends.entry(partition).or_insert(0);
+            *e = (*e).max(offset + 1);
         }
     }
     assert_eq!(ends.len(), 2, "keys spread over both partitions: {ends:?}");

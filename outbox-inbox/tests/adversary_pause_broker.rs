@@ -35,9 +35,10 @@ impl Published {
     async fn publish(&mut self, publisher: &outbox_kafka::KafkaPublisher, events: &[Envelope]) {
         for e in events {
             let ack = publisher.publish(&[e]).await.remove(0).expect("published");
-            self.parts.insert(e.aggregate_id.clone(), ack.partition);
-            let end = self.ends.entry(ack.partition).or_insert(0);
-            *end = (*end).max(ack.offset + 1);
+            let (_, partition, offset) = ack.as_kafka().expect("a Kafka acknowledgement");
+            self.parts.insert(e.aggregate_id.clone(), partition);
+            let end = self.ends.entry(partition).or_insert(0);
+            *end = (*end).max(offset + 1);
             self.count += 1;
         }
     }

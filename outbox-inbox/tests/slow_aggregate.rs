@@ -27,9 +27,10 @@ async fn publish_each(
 ) {
     for e in events {
         let ack = publisher.publish(&[e]).await.remove(0).expect("published");
-        parts.insert(e.aggregate_id.clone(), ack.partition);
-        let end = ends.entry(ack.partition).or_insert(0);
-        *end = (*end).max(ack.offset + 1);
+        let (_, partition, offset) = ack.as_kafka().expect("a Kafka acknowledgement");
+        parts.insert(e.aggregate_id.clone(), partition);
+        let end = ends.entry(partition).or_insert(0);
+        *end = (*end).max(offset + 1);
     }
 }
 

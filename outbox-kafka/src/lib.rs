@@ -100,7 +100,7 @@
 //! let event = Envelope::builder("order", "o-1", 1, "order.created").build()?;
 //! let results = publisher.publish(&[&event]).await;
 //! let ack = results[0].as_ref().map_err(|e| e.to_string())?;
-//! println!("stored at {}/{}@{}", ack.topic, ack.partition, ack.offset);
+//! println!("stored at {ack}"); // topic/partition@offset
 //!
 //! // Consumer side: normally `outbox_inbox::ConsumerEngine` does this; by hand, the tracker
 //! // is handed to the source once, so a revoke commits exactly what is final.

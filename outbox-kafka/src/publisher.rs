@@ -760,13 +760,20 @@ impl KafkaPublisher {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner);
             for ack in acks {
-                let Ok(p) = usize::try_from(ack.partition) else {
+                // This publisher fills only Kafka acknowledgements.
+                let AckMetadata::Kafka {
+                    topic, partition, ..
+                } = ack
+                else {
                     continue;
                 };
-                if let Some(count) = known.get_mut(&ack.topic) {
+                let Ok(p) = usize::try_from(*partition) else {
+                    continue;
+                };
+                if let Some(count) = known.get_mut(topic) {
                     if p >= *count {
                         changes.push(PartitionChange {
-                            topic: ack.topic.clone(),
+                            topic: topic.clone(),
                             before: *count,
                             after: p + 1,
                         });
@@ -952,11 +959,11 @@ impl Publisher for KafkaPublisher {
                     record,
                     report,
                 } => match tokio::time::timeout_at(report_deadline, report).await {
-                    Ok(Ok(Ok(delivery))) => Ok(AckMetadata {
-                        topic: topic.to_owned(),
-                        partition: delivery.partition,
-                        offset: delivery.offset,
-                    }),
+                    Ok(Ok(Ok(delivery))) => Ok(AckMetadata::kafka(
+                        topic.to_owned(),
+                        delivery.partition,
+                        delivery.offset,
+                    )),
                     Ok(Ok(Err((err, _message)))) if is_size_refusal(&err) => {
                         Err(self.size_refusal(topic, record, &err))
                     }
@@ -1212,11 +1219,7 @@ mod tests {
     fn partition_growth_seen_in_delivery_reports_is_recorded() {
         let p = builder().expect_partitions("orders", 2).build().unwrap();
         assert_eq!(p.partition_counts().get("orders"), Some(&2));
-        let ack = |partition| AckMetadata {
-            topic: "orders".into(),
-            partition,
-            offset: 0,
-        };
+        let ack = |partition| AckMetadata::kafka("orders", partition, 0);
         p.note_partitions(&[&ack(1)]);
         assert_eq!(p.partition_counts().get("orders"), Some(&2));
         p.note_partitions(&[&ack(4)]);
@@ -1228,13 +1231,7 @@ mod tests {
         let p = builder().build().unwrap();
         let timeout =
             || -> PublishResult { Err(PublishError::new(PublishErrorKind::Timeout, "t")) };
-        let ok = || -> PublishResult {
-            Ok(AckMetadata {
-                topic: "orders".into(),
-                partition: 0,
-                offset: 1,
-            })
-        };
+        let ok = || -> PublishResult { Ok(AckMetadata::kafka("orders", 0, 1)) };
         let step = |results: &[PublishResult]| {
             let (generation, producer) = p.current_producer();
             p.after_batch(generation, &producer, results);

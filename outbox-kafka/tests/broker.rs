@@ -95,7 +95,13 @@ async fn routes_keep_each_aggregate_on_one_topic_and_partition_in_order() {
             } else {
                 &orders
             };
-            assert_eq!(&ack.topic, topic, "{} {}", e.aggregate_id, e.event_type);
+            assert_eq!(
+                ack.destination(),
+                topic.as_str(),
+                "{} {}",
+                e.aggregate_id,
+                e.event_type
+            );
         }
     }
     // What a consumer of both topics reads: every aggregate on one topic and one partition,
@@ -212,24 +218,27 @@ async fn default_partitioner_places_keys_like_the_java_client() {
         hot.push(results[0].as_ref().expect("published").clone());
     }
     assert!(
-        hot.iter().all(|a| a.partition == hot[0].partition),
+        hot.iter().all(|a| kafka_at(a).0 == kafka_at(&hot[0]).0),
         "one aggregate on several partitions: {hot:?}"
     );
-    assert!(hot.windows(2).all(|w| w[0].offset < w[1].offset));
-    assert_eq!(hot[0].partition, java_partition("hot-aggregate", 4));
+    assert!(hot
+        .windows(2)
+        .all(|w| kafka_at(&w[0]).1 < kafka_at(&w[1]).1));
+    assert_eq!(kafka_at(&hot[0]).0, java_partition("hot-aggregate", 4));
 
     let batch: Vec<Envelope> = (0..64).map(|i| event(&format!("agg-{i}"), 1)).collect();
     let results = publisher.publish(&batch.iter().collect::<Vec<_>>()).await;
     let mut used = std::collections::BTreeSet::new();
     for (e, r) in batch.iter().zip(&results) {
         let ack = r.as_ref().expect("published");
+        let partition = ack.as_kafka().expect("a Kafka acknowledgement").1;
         assert_eq!(
-            ack.partition,
+            partition,
             java_partition(&e.aggregate_id, 4),
             "{} is not where a Java producer puts it",
             e.aggregate_id
         );
-        used.insert(ack.partition);
+        used.insert(partition);
     }
     assert_eq!(used.len(), 4, "64 keys over 4 partitions use them all");
 }
@@ -301,7 +310,10 @@ async fn a_full_local_queue_is_waited_out_not_reported() {
         "{:?}",
         results.iter().find(|r| r.is_err())
     );
-    let offsets: Vec<i64> = results.iter().map(|r| r.as_ref().unwrap().offset).collect();
+    let offsets: Vec<i64> = results
+        .iter()
+        .map(|r| kafka_at(r.as_ref().unwrap()).1)
+        .collect();
     assert!(
         offsets.windows(2).all(|w| w[0] < w[1]),
         "input order kept in one partition"
@@ -618,7 +630,7 @@ async fn broker_stopped_mid_batch_gives_transient_errors_and_no_false_acks() {
         read.iter().map(|r| ((r.partition, r.offset), r)).collect();
     for (e, ack) in &acked {
         let r = by_position
-            .get(&(ack.partition, ack.offset))
+            .get(&ack.as_kafka().map(|(_, p, o)| (p, o)).unwrap())
             .unwrap_or_else(|| panic!("acknowledged record missing from the log: {ack:?}"));
         assert_eq!(r.header("event_id"), Some(e.event_id.to_string().as_str()));
     }
@@ -696,7 +708,8 @@ async fn broker_killed_and_restarted_publishing_resumes() {
     for r in &results {
         let ack = r.as_ref().unwrap();
         assert!(
-            read.iter().any(|x| x.offset == ack.offset),
+            read.iter()
+                .any(|x| Some(x.offset) == ack.as_kafka().map(|k| k.2)),
             "{ack:?} not in the log"
         );
     }
@@ -764,4 +777,10 @@ async fn topic_deleted_mid_run_is_reported_as_unknown_topic_naming_it() {
         assert_eq!(e.scope, FailureScope::Transport, "{e}");
         assert!(e.message.contains(&topic), "the topic is not named: {e}");
     }
+}
+
+/// The partition and offset of a Kafka acknowledgement.
+fn kafka_at(ack: &outbox_core::AckMetadata) -> (i32, i64) {
+    let (_, partition, offset) = ack.as_kafka().expect("a Kafka acknowledgement");
+    (partition, offset)
 }

@@ -63,14 +63,15 @@ fn read_at(brokers: &str, ack: &AckMetadata) -> Option<ReadBack> {
         .set("enable.partition.eof", "false")
         .create()
         .expect("reader");
+    let (topic, partition, offset) = ack.as_kafka()?;
     let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(&ack.topic, ack.partition, Offset::Beginning)
+    tpl.add_partition_offset(topic, partition, Offset::Beginning)
         .expect("partition");
     consumer.assign(&tpl).expect("assign");
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
         match consumer.poll(Duration::from_millis(200)) {
-            Some(Ok(m)) if m.offset() == ack.offset => {
+            Some(Ok(m)) if m.offset() == offset => {
                 let headers = m
                     .headers()
                     .map(|h| {
@@ -85,7 +86,7 @@ fn read_at(brokers: &str, ack: &AckMetadata) -> Option<ReadBack> {
                     m.payload().unwrap_or_default().to_vec(),
                 ));
             }
-            Some(Ok(m)) if m.offset() > ack.offset => return None,
+            Some(Ok(m)) if m.offset() > offset => return None,
             Some(Ok(_)) | None => {}
             Some(Err(e)) => eprintln!("read-back: {e}"),
         }

@@ -94,11 +94,7 @@ impl Publisher for Scripted {
             } else {
                 let mut offset = broker.offset.lock().unwrap();
                 for i in members {
-                    results[i] = Some(Ok(AckMetadata {
-                        topic: TOPIC.into(),
-                        partition: 0,
-                        offset: *offset,
-                    }));
+                    results[i] = Some(Ok(AckMetadata::kafka(TOPIC, 0, *offset)));
                     *offset += 1;
                 }
             }

@@ -16,7 +16,7 @@ use common::{brokers, create_topic, unique};
 use outbox_core::retention::{Strictness, TopicRetention};
 use outbox_core::watermark::SharedOffsetTracker;
 use outbox_core::{
-    async_trait, wire, AckMetadata, CommitOffset, DecodeError, Envelope, MessageSource, Publisher,
+    async_trait, wire, CommitOffset, DecodeError, Envelope, MessageSource, Publisher,
     ReceivedMessage, SourceErrorKind, TopicPartition,
 };
 use outbox_inbox::{ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor};
@@ -40,9 +40,16 @@ fn source(brokers: &str, group: &str, topic: &str) -> KafkaSourceBuilder {
         .session_timeout(Duration::from_secs(6))
 }
 
+/// Where a record was stored: the partition and offset of its Kafka acknowledgement.
+#[derive(Clone, Debug)]
+struct Stored {
+    partition: i32,
+    offset: i64,
+}
+
 /// Publishes one record per produce request (tansu 0.6 cannot serve a fetch that starts
 /// inside a multi-record batch, see the crate docs, and these tests resume mid-stream).
-async fn publish_each(brokers: &str, topic: &str, events: &[Envelope]) -> Vec<AckMetadata> {
+async fn publish_each(brokers: &str, topic: &str, events: &[Envelope]) -> Vec<Stored> {
     let publisher = KafkaPublisher::builder(brokers, topic)
         .delivery_timeout(Duration::from_secs(10))
         .start()
@@ -51,7 +58,9 @@ async fn publish_each(brokers: &str, topic: &str, events: &[Envelope]) -> Vec<Ac
     let mut acks = Vec::new();
     for e in events {
         let mut r = publisher.publish(&[e]).await;
-        acks.push(r.remove(0).expect("published"));
+        let ack = r.remove(0).expect("published");
+        let (_, partition, offset) = ack.as_kafka().expect("a Kafka acknowledgement");
+        acks.push(Stored { partition, offset });
     }
     acks
 }

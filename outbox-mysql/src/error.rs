@@ -22,6 +22,14 @@ pub mod codes {
     pub const DUP_KEYNAME: u16 = 1061;
     /// `ER_CANT_DROP_FIELD_OR_KEY`: a dropped column or index does not exist.
     pub const CANT_DROP_FIELD_OR_KEY: u16 = 1091;
+    /// `ER_BAD_FIELD_ERROR`: unknown column.
+    pub const BAD_FIELD_ERROR: u16 = 1054;
+    /// `ER_CONSTRAINT_NOT_FOUND` (MySQL): `DROP CONSTRAINT` of a missing one.
+    pub const CONSTRAINT_NOT_FOUND: u16 = 3940;
+    /// `ER_CHECK_CONSTRAINT_DUP_NAME` (MySQL): a CHECK of that name exists.
+    pub const CHECK_CONSTRAINT_DUP_NAME: u16 = 3822;
+    /// `ER_DUP_CONSTRAINT_NAME` (MariaDB): a constraint of that name exists.
+    pub const DUP_CONSTRAINT_NAME: u16 = 1826;
     /// `ER_BAD_NULL_ERROR`.
     pub const BAD_NULL: u16 = 1048;
     /// `ER_NO_DEFAULT_FOR_FIELD`.

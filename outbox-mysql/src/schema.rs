@@ -20,11 +20,18 @@ use crate::error::{config, db};
 type Migration = (i32, &'static str, &'static str);
 
 /// The outbox's migrations, in order.
-const OUTBOX_MIGRATIONS: &[Migration] = &[(
-    1,
-    "outbox table, per-aggregate state, audit, archive",
-    include_str!("migrations/0001_outbox.sql"),
-)];
+const OUTBOX_MIGRATIONS: &[Migration] = &[
+    (
+        1,
+        "outbox table, per-aggregate state, audit, archive",
+        include_str!("migrations/0001_outbox.sql"),
+    ),
+    (
+        2,
+        "transport-neutral acknowledgement columns",
+        include_str!("migrations/0002_outbox.sql"),
+    ),
+];
 
 /// The inbox's migrations, in order.
 const INBOX_MIGRATIONS: &[Migration] = &[
@@ -364,17 +371,27 @@ pub(crate) async fn migration_status(
 /// An `ALTER TABLE` that failed because what it adds exists already (a duplicate column, 1060,
 /// or index, 1061) or what it drops is gone already (1091).
 fn already_applied(stmt: &str, e: &sqlx::Error) -> bool {
-    stmt.trim_start()
+    use crate::error::codes;
+    let alter = stmt
+        .trim_start()
         .get(..11)
-        .is_some_and(|p| p.eq_ignore_ascii_case("ALTER TABLE"))
-        && matches!(
-            crate::error::error_number(e),
+        .is_some_and(|p| p.eq_ignore_ascii_case("ALTER TABLE"));
+    let code = crate::error::error_number(e);
+    alter
+        && (matches!(
+            code,
             Some(
-                crate::error::codes::DUP_FIELDNAME
-                    | crate::error::codes::DUP_KEYNAME
-                    | crate::error::codes::CANT_DROP_FIELD_OR_KEY
+                codes::DUP_FIELDNAME
+                    | codes::DUP_KEYNAME
+                    | codes::CANT_DROP_FIELD_OR_KEY
+                    | codes::CONSTRAINT_NOT_FOUND
+                    | codes::CHECK_CONSTRAINT_DUP_NAME
+                    | codes::DUP_CONSTRAINT_NAME
             )
         )
+            // A rename that ran before: the old column is gone (only ever a rename's error:
+            // another statement naming a missing column is a bug to report).
+            || (code == Some(codes::BAD_FIELD_ERROR) && stmt.contains("RENAME COLUMN")))
 }
 
 #[cfg(test)]
@@ -426,9 +443,14 @@ mod tests {
         let sql = outbox_schema_sql(Some("shop"), "events").unwrap();
         assert!(!sql.contains("__"), "placeholders left: {sql}");
         let stmts = statements(&sql);
-        assert_eq!(stmts.len(), 4, "{stmts:#?}");
+        // Migration 1: 4 statements; migration 2 (acknowledgement columns): 10.
+        assert_eq!(stmts.len(), 14, "{stmts:#?}");
         assert!(stmts[0].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events` ("));
         assert!(stmts[1].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events_aggregate` ("));
+        assert!(stmts[4]
+            .starts_with("ALTER TABLE `shop`.`events` DROP CONSTRAINT events_published_chk"));
+        assert!(stmts[13]
+            .starts_with("ALTER TABLE `shop`.`events` ADD CONSTRAINT events_published_chk CHECK"));
         let unqualified = inbox_schema_sql(None, "processed").unwrap();
         let stmts = statements(&unqualified);
         assert_eq!(stmts.len(), 8, "{stmts:#?}");

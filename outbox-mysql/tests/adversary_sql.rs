@@ -42,7 +42,7 @@ async fn row(
     e: &Envelope,
 ) -> (String, Option<String>, Option<i32>, Option<i64>) {
     sqlx::query_as(&format!(
-        "SELECT CAST(status AS CHAR), CAST(ack_topic AS CHAR), ack_partition, ack_offset \
+        "SELECT CAST(status AS CHAR), CAST(ack_destination AS CHAR), ack_partition, ack_position \
          FROM {} WHERE event_id = ?",
         ctx.table("outbox_events")
     ))
@@ -55,11 +55,7 @@ async fn row(
 fn ack(e: &Envelope, topic: &str, partition: i32, offset: i64) -> Outcome {
     Outcome::Published {
         event_id: e.event_id,
-        ack: AckMetadata {
-            topic: topic.into(),
-            partition,
-            offset,
-        },
+        ack: AckMetadata::kafka(topic, partition, offset),
     }
 }
 
@@ -576,7 +572,7 @@ async fn a_batch_of_acks_larger_than_a_packet_completes() {
     let rep = s.complete(&batch.handle, &outs).await.unwrap();
     assert_eq!(rep.applied, n);
     let (published, shortest): (i64, Option<i64>) = sqlx::query_as(&format!(
-        "SELECT COUNT(*), MIN(LENGTH(ack_topic)) FROM {} WHERE status = 'published'",
+        "SELECT COUNT(*), MIN(LENGTH(ack_destination)) FROM {} WHERE status = 'published'",
         ctx.table("outbox_events")
     ))
     .fetch_one(&ctx.pool)

@@ -1,23 +1,22 @@
-//! **Temporary**: the mapping of a JetStream `PubAck` into today's Kafka-shaped
-//! [`AckMetadata`] `(topic, partition, offset)`, kept in this one module so that phase 2 of the
-//! transport seam (backend-neutral acknowledgement metadata in `outbox-core`, see
-//! `docs/transports.md`) replaces it in one place.
+//! The acknowledgement metadata of a JetStream `PubAck`: [`AckMetadata::JetStream`].
 //!
-//! | `AckMetadata` field | filled with | what is lost |
-//! |---|---|---|
-//! | `topic` | the stream name of the `PubAck` | the subject (it is derived from the envelope) |
-//! | `partition` | always `0`: a stream is one ordered log | nothing |
-//! | `offset` | the stream sequence of the `PubAck` (`u64`, saturated to `i64::MAX`) | whether the `PubAck` was a duplicate (the stream already held this `Nats-Msg-Id`; the sequence is then the stored copy's) |
+//! | field | filled with |
+//! |---|---|
+//! | `stream` | the stream that stored the message (named by the `PubAck`) |
+//! | `sequence` | its stream sequence (for a duplicate: the sequence of the copy stored before) |
+//! | `subject` | the subject the message was published to (the `PubAck` does not repeat it) |
+//! | `duplicate` | the stream already held this `Nats-Msg-Id` within its duplicate window and stored nothing new |
 
 use async_nats::jetstream::publish::PublishAck;
 use outbox_core::AckMetadata;
 
-/// The acknowledgement metadata of a `PubAck`.
-pub(crate) fn from_pub_ack(ack: &PublishAck) -> AckMetadata {
-    AckMetadata {
-        topic: ack.stream.clone(),
-        partition: 0,
-        offset: i64::try_from(ack.sequence).unwrap_or(i64::MAX),
+/// The acknowledgement metadata of the `PubAck` of a message published to `subject`.
+pub(crate) fn from_pub_ack(ack: &PublishAck, subject: &str) -> AckMetadata {
+    AckMetadata::JetStream {
+        stream: ack.stream.clone(),
+        sequence: ack.sequence,
+        subject: subject.to_owned(),
+        duplicate: ack.duplicate,
     }
 }
 
@@ -26,25 +25,35 @@ mod tests {
     use super::*;
 
     #[test]
-    fn stream_and_sequence_become_topic_and_offset() {
-        let ack = PublishAck {
-            stream: "ORDERS".into(),
-            sequence: 42,
-            duplicate: true,
+    fn stream_sequence_subject_and_the_duplicate_flag_are_kept() {
+        for duplicate in [false, true] {
+            let ack = PublishAck {
+                stream: "ORDERS".into(),
+                sequence: 42,
+                duplicate,
+                ..Default::default()
+            };
+            assert_eq!(
+                from_pub_ack(&ack, "outbox.order"),
+                AckMetadata::JetStream {
+                    stream: "ORDERS".into(),
+                    sequence: 42,
+                    subject: "outbox.order".into(),
+                    duplicate,
+                }
+            );
+        }
+        let huge = PublishAck {
+            stream: "S".into(),
+            sequence: u64::MAX,
             ..Default::default()
         };
-        assert_eq!(
-            from_pub_ack(&ack),
-            AckMetadata {
-                topic: "ORDERS".into(),
-                partition: 0,
-                offset: 42
+        assert!(matches!(
+            from_pub_ack(&huge, "s"),
+            AckMetadata::JetStream {
+                sequence: u64::MAX,
+                ..
             }
-        );
-        let huge = PublishAck {
-            sequence: u64::MAX,
-            ..ack
-        };
-        assert_eq!(from_pub_ack(&huge).offset, i64::MAX);
+        ));
     }
 }

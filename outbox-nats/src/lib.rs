@@ -28,7 +28,7 @@
 //! |---|---|---|
 //! | batch sent whole, all acks awaited | yes | every message handed to the connection (each its own request), then every `PubAck` future together |
 //! | `Ok` only from an acknowledgement | yes | a `PubAck` without error; a duplicate `PubAck` (re-send inside the window) is an acknowledgement of the stored copy |
-//! | acknowledgement metadata | temporary mapping | stream, `0`, stream sequence ([`ack`], until `outbox-core` has neutral metadata) |
+//! | acknowledgement metadata | exact | [`AckMetadata::JetStream`](outbox_core::AckMetadata::JetStream): stream, stream sequence, subject and the `PubAck`'s duplicate flag ([`ack`]) |
 //! | duplicate suppression | `Nats-Msg-Id` = event id | the stream's duplicate window; [`StreamWarning::DuplicateWindowShorterThanLease`] when shorter than [`NatsPublisherBuilder::relay_lease`] |
 //! | subjects | per aggregate type or route | see [Subjects](#subjects); [`SubjectMapping::AggregateTypeAndId`] adds the id |
 //! | ordering | per aggregate | one connection keeps publish order; one stream is one ordered log; a failed send holds back the aggregate's later events in the batch |
@@ -70,7 +70,7 @@
 //! }
 //! let event = Envelope::builder("order", "o-1", 1, "order.created").build()?;
 //! let ack = publisher.publish(&[&event]).await.remove(0)?;
-//! println!("stored in stream {} at sequence {}", ack.topic, ack.offset);
+//! println!("stored at {ack}"); // e.g. ORDERS#41
 //! # Ok(()) }
 //! ```
 

@@ -438,7 +438,7 @@ impl Publisher for NatsPublisher {
                     Slot::Done(r) => r,
                     Slot::Waiting(ack) => {
                         match tokio::time::timeout_at(ack_deadline, ack.into_future()).await {
-                            Ok(Ok(ack)) => Ok(crate::ack::from_pub_ack(&ack)),
+                            Ok(Ok(ack)) => Ok(crate::ack::from_pub_ack(&ack, subject)),
                             Ok(Err(err)) if err.kind() == NatsKind::TimedOut => Err(error_on(
                                 subject,
                                 PublishErrorKind::Timeout,

@@ -75,12 +75,18 @@ impl PublisherHarness for PublisherSuite {
     }
 
     async fn read_back(&self, ack: &AckMetadata) -> Option<ReadBack> {
-        assert_eq!(
-            ack.topic, self.stream.name,
-            "acknowledged by another stream"
-        );
-        assert_eq!(ack.partition, 0);
-        let (subject, mut headers, value) = self.stream.read(ack.offset as u64).await;
+        let AckMetadata::JetStream {
+            stream,
+            sequence,
+            subject: acked,
+            ..
+        } = ack
+        else {
+            panic!("not a JetStream acknowledgement: {ack:?}");
+        };
+        assert_eq!(stream, &self.stream.name, "acknowledged by another stream");
+        let (subject, mut headers, value) = self.stream.read(*sequence).await;
+        assert_eq!(&subject, acked, "stored under another subject");
         // NATS has no record key: the aggregate id is the subject's last token.
         let key = subject.rsplit('.').next().map(|k| k.as_bytes().to_vec());
         // The message id is the transport's copy of the event id; the record is the rest.

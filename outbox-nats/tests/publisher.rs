@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{event, require, unique, TestStream};
-use outbox_core::{ErrorClass, FailureScope, Payload, PublishErrorKind, Publisher};
+use outbox_core::{AckMetadata, ErrorClass, FailureScope, Payload, PublishErrorKind, Publisher};
 use outbox_nats::{
     NatsPublisher, Retention, Storage, StreamCheckError, StreamWarning, SubjectMapping,
 };
@@ -14,7 +14,8 @@ use outbox_nats::{
 /// The relay re-sends an event whose outcome it did not learn (a lost `PubAck`, an expired
 /// lease): inside the stream's duplicate window the server drops the copy, answers with a
 /// duplicate `PubAck` for the stored one, and the publisher reports that as an
-/// acknowledgement at the same place.
+/// acknowledgement at the same place, flagged a duplicate. Each acknowledgement names the
+/// stream, the stream sequence and the subject the server stored the message under.
 #[tokio::test]
 async fn a_resend_within_the_duplicate_window_is_dropped_and_still_acknowledged() {
     let url = require!(common::nats_url("duplicate_window"));
@@ -36,11 +37,41 @@ async fn a_resend_within_the_duplicate_window_is_dropped_and_still_acknowledged(
     let resent = again[0]
         .as_ref()
         .expect("a duplicate PubAck is an acknowledgement");
-    assert_eq!(resent, &first, "acknowledged at the stored copy");
+    let AckMetadata::JetStream {
+        stream: stored_in,
+        sequence,
+        subject,
+        duplicate,
+    } = &first
+    else {
+        panic!("not a JetStream acknowledgement: {first:?}");
+    };
+    assert_eq!(
+        (stored_in, *duplicate),
+        (&stream.name, false),
+        "the first send stored it"
+    );
+    assert_eq!(first.to_string(), format!("{}#{sequence}", stream.name));
+    assert_eq!(
+        resent,
+        &AckMetadata::JetStream {
+            stream: stream.name.clone(),
+            sequence: *sequence,
+            subject: subject.clone(),
+            duplicate: true,
+        },
+        "acknowledged at the stored copy, as a duplicate"
+    );
     let new = again[1].as_ref().expect("the new event");
-    assert!(new.offset > first.offset);
+    assert!(
+        matches!(new, AckMetadata::JetStream { sequence: s, duplicate: false, .. } if s > sequence),
+        "{new:?}"
+    );
     assert_eq!(stream.count().await, 2, "the copy was not stored");
-    let (_, headers, _) = stream.read(first.offset as u64).await;
+    // The server holds the event at that sequence, under that subject.
+    let (stored_subject, headers, _) = stream.read(*sequence).await;
+    assert_eq!(&stored_subject, subject);
+    assert_eq!(stored_subject, format!("{prefix}.order"));
     let id = headers.iter().find(|(k, _)| k == "Nats-Msg-Id").unwrap();
     assert_eq!(id.1, e.event_id.to_string().into_bytes());
 }
@@ -67,7 +98,12 @@ async fn without_a_duplicate_window_a_resend_is_stored_again() {
     let first = publisher.publish(&[&e]).await.remove(0).expect("first");
     tokio::time::sleep(Duration::from_millis(400)).await;
     let second = publisher.publish(&[&e]).await.remove(0).expect("second");
-    assert_ne!(first.offset, second.offset);
+    assert_ne!(first.position(), second.position());
+    assert_eq!(
+        second.duplicate(),
+        Some(false),
+        "stored again, not a duplicate"
+    );
     assert_eq!(stream.count().await, 2);
 }
 
@@ -253,6 +289,15 @@ async fn an_id_that_is_not_a_subject_token_is_a_serialization_error() {
         "{err}"
     );
     let ack = results[1].as_ref().expect("good id");
-    let (subject, _, _) = stream.read(ack.offset as u64).await;
+    let AckMetadata::JetStream {
+        sequence,
+        subject: acked,
+        ..
+    } = ack
+    else {
+        panic!("not a JetStream acknowledgement: {ack:?}");
+    };
+    let (subject, _, _) = stream.read(*sequence).await;
+    assert_eq!(&subject, acked);
     assert_eq!(subject, format!("{prefix}.order.o-2"));
 }

@@ -26,7 +26,7 @@
 //! | Operator reads | [`outbox_core::ReportingStore`] (held to the reporting conformance suite): publish latency percentiles and flow over a window, published events by aggregate/type/time for replay, counts per interval and event type for reconciliation, recorded topic facts ([`PostgresOutboxStore::publish_latency`] and neighbours) |
 //! | Conflict counter | [`PostgresOutboxStore::record_conflict`]: the application counts updates its version check refused; exported by the relay daemon |
 //! | Error mapping | SQLSTATE / sqlx variants to transient or permanent ([`map_sqlx_error`]) |
-//! | Schema | embedded migrations ([`PostgresOutboxStore::migrate`]) or plain SQL (`sql/*.sql`, [`outbox_schema_sql`]); schema and table names configurable, validated and quoted; upgrades run beside relays of the previous version (see "Upgrading" below) |
+//! | Schema | embedded migrations ([`PostgresOutboxStore::migrate`]) or plain SQL (`sql/*.sql`, [`outbox_schema_sql`]); schema and table names configurable, validated and quoted; upgrades run beside relays of the previous version (the migration runner locks what a migration rewrites), except that migration 8 renames the acknowledgement columns: a relay of version 7 fails its completions until it is upgraded, and its events are published again (duplicates, no loss; docs/transports.md §2) |
 //! | CDC (logical replication) | not yet |
 //!
 //! ## Example

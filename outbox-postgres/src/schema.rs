@@ -17,6 +17,8 @@ const OUTBOX_V4: &str = include_str!("migrations/0004_outbox.sql");
 const OUTBOX_V5: &str = include_str!("migrations/0005_outbox.sql");
 const OUTBOX_V6: &str = include_str!("migrations/0006_outbox.sql");
 const OUTBOX_V7: &str = include_str!("migrations/0007_outbox.sql");
+const OUTBOX_V8: &str = include_str!("migrations/0008_outbox.sql");
+const OUTBOX_V8_AFTER: &str = include_str!("migrations/0008_outbox_validate.sql");
 const INBOX_V1: &str = include_str!("migrations/0001_inbox.sql");
 const INBOX_V2: &str = include_str!("migrations/0002_inbox.sql");
 const INBOX_V3: &str = include_str!("migrations/0003_inbox.sql");
@@ -98,7 +100,10 @@ pub fn outbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError
     validate_identifier("schema", schema, MAX_IDENTIFIER_LEN)?;
     validate_identifier("table", table, MAX_TABLE_NAME_LEN)?;
     Ok(render(
-        &format!("{OUTBOX_V1}{OUTBOX_V2}{OUTBOX_V3}{OUTBOX_V4}{OUTBOX_V5}{OUTBOX_V6}{OUTBOX_V7}"),
+        &format!(
+            "{OUTBOX_V1}{OUTBOX_V2}{OUTBOX_V3}{OUTBOX_V4}{OUTBOX_V5}{OUTBOX_V6}{OUTBOX_V7}\
+             {OUTBOX_V8}{OUTBOX_V8_AFTER}"
+        ),
         schema,
         table,
     ))
@@ -127,11 +132,16 @@ struct Migration {
     template: &'static str,
     /// Tables (`<table><suffix>`) the migration rewrites from what it reads, or that relays
     /// of the previous version write while it reads them. They are locked (`ACCESS
-    /// EXCLUSIVE`) before its first statement, so it reads every committed write of a relay
+    /// EXCLUSIVE`, with those of every other pending migration, before the first one runs),
+    /// so it reads every committed write of a relay
     /// of the previous version running beside it and none lands meanwhile (issue 20, item 7:
     /// migration 3 used to derive `last_version` and copy leases from a snapshot taken
     /// before such a relay's completion or release committed).
     locks: &'static [&'static str],
+    /// Run after the migrations' transaction committed, each time [`migrate`] succeeds (so
+    /// it MUST be idempotent): work that should not hold the transaction's locks, such as
+    /// validating a constraint added `NOT VALID`.
+    after: Option<&'static str>,
 }
 
 const fn m(
@@ -145,6 +155,7 @@ const fn m(
         description,
         template,
         locks,
+        after: None,
     }
 }
 
@@ -180,6 +191,17 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         &["_aggregate"],
     ),
     m(7, "append from SQL: <table>_append()", OUTBOX_V7, &[]),
+    // Renames and adds columns of the table and its archive (ALTER TABLE takes both anyway;
+    // locked first so the order is fixed).
+    Migration {
+        after: Some(OUTBOX_V8_AFTER),
+        ..m(
+            8,
+            "transport-neutral acknowledgement columns",
+            OUTBOX_V8,
+            &["", "_archive"],
+        )
+    },
 ];
 
 const INBOX_MIGRATIONS: &[Migration] = &[
@@ -226,10 +248,11 @@ const MIGRATE_ATTEMPTS: u32 = 5;
 /// Applies the embedded migrations of `component` for `schema.table` that are not applied yet,
 /// in one transaction, serialized across processes by an advisory lock. Returns the number of
 /// migrations applied. A migration that rewrites data relays write first locks those tables
-/// (see `Migration::locks`), so it is safe to run beside relays of the previous version: they
-/// wait for it (it runs while no transaction of theirs holds those tables); a deadlock with
-/// one of them rolls the migration back, and it is run again (up to `MIGRATE_ATTEMPTS`
-/// times).
+/// (see `Migration::locks`, taken by `lock_tables` without waiting while it holds one), so it
+/// is safe to run beside relays of the previous version: they wait for it (it runs while no
+/// transaction of theirs holds those tables); claims of this version wait for it on
+/// [`migration_lock_key`]. A deadlock that still happens rolls the migration back, and it is
+/// run again (up to `MIGRATE_ATTEMPTS` times).
 pub(crate) async fn migrate(
     pool: &PgPool,
     component: Component,
@@ -239,6 +262,10 @@ pub(crate) async fn migrate(
     let mut attempt = 1;
     loop {
         match migrate_once(pool, &component, schema, table).await {
+            Ok(count) => {
+                after_migrations(pool, &component, schema, table).await?;
+                return Ok(count);
+            }
             Err(e)
                 if e.kind == outbox_core::StoreErrorKind::Conflict
                     && attempt < MIGRATE_ATTEMPTS =>
@@ -249,6 +276,26 @@ pub(crate) async fn migrate(
             other => return other,
         }
     }
+}
+
+/// Runs the `after` step of every migration (all are applied once [`migrate_once`]
+/// succeeded), each in its own transaction.
+async fn after_migrations(
+    pool: &PgPool,
+    component: &Component,
+    schema: &str,
+    table: &str,
+) -> Result<(), StoreError> {
+    let migrations = match component {
+        Component::Outbox => OUTBOX_MIGRATIONS,
+        Component::Inbox => INBOX_MIGRATIONS,
+    };
+    for after in migrations.iter().filter_map(|m| m.after) {
+        pool.execute(render(after, schema, table).as_str())
+            .await
+            .map_err(db)?;
+    }
+    Ok(())
 }
 
 async fn migrate_once(
@@ -272,6 +319,95 @@ async fn migrate_once(
             Err(e)
         }
     }
+}
+
+/// The per-table advisory lock key that [`migrate`] holds exclusively while it applies
+/// migrations, and that every claim of this version takes shared first: a claim waits for
+/// pending migrations before it reads a table, instead of queueing for a table lock the
+/// migration needs while holding another one, or running on the old schema.
+pub(crate) fn migration_lock_key(seed: i64) -> i64 {
+    // Apart from the aggregate keys (`hash ^ seed`) of the same table.
+    seed.rotate_left(29) ^ 0x6d69_6772_6174_696f
+}
+
+/// Rounds of [`lock_tables`] that wait for one busy table alone before it falls back to
+/// waiting for every table in order.
+const LOCK_ROUNDS: u32 = 20;
+
+/// Takes `ACCESS EXCLUSIVE` locks on `tables` without ever waiting while it holds one: each
+/// round tries every table with `NOWAIT` inside a savepoint; when one is busy, the savepoint
+/// is rolled back (every lock of the round released), and the next round first waits for that
+/// table alone, then tries the others again. A relay of the previous version may hold one
+/// table and want another (a locked claim reads the state table, its completion then writes
+/// the event table): waiting for a second table while holding the first would deadlock with
+/// it, and the server would abort one of the two, possibly the relay's completion (a
+/// publication recorded nowhere, sent again). While the runner waits for a table, only that
+/// table is queued behind it (appends wait as long as the transaction holding it lasts).
+///
+/// After [`LOCK_ROUNDS`] rounds (relays that keep the tables busy in turn), it waits for all
+/// of them in order, as a plain `LOCK TABLE` does; a deadlock is then resolved by the server
+/// (the migration runs again, or an old relay's transaction is rolled back: a duplicate, never
+/// a loss), so the migration finishes.
+async fn lock_tables(tx: &mut sqlx::PgConnection, tables: &[String]) -> Result<(), StoreError> {
+    if tables.is_empty() {
+        return Ok(());
+    }
+    let mut busy: Option<usize> = None;
+    for round in 1..=LOCK_ROUNDS {
+        tx.execute("SAVEPOINT outbox_migrate_locks")
+            .await
+            .map_err(db)?;
+        if let Some(b) = busy {
+            tx.execute(format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", tables[b]).as_str())
+                .await
+                .map_err(db)?;
+        }
+        let mut refused = None;
+        for (i, name) in tables.iter().enumerate() {
+            if busy == Some(i) {
+                continue;
+            }
+            let nowait = format!("LOCK TABLE {name} IN ACCESS EXCLUSIVE MODE NOWAIT");
+            match tx.execute(nowait.as_str()).await {
+                Ok(_) => {}
+                Err(e) if lock_not_available(&e) => {
+                    refused = Some(i);
+                    break;
+                }
+                Err(e) => return Err(db(e)),
+            }
+        }
+        match refused {
+            None => {
+                tx.execute("RELEASE SAVEPOINT outbox_migrate_locks")
+                    .await
+                    .map_err(db)?;
+                return Ok(());
+            }
+            Some(i) => {
+                tx.execute("ROLLBACK TO SAVEPOINT outbox_migrate_locks")
+                    .await
+                    .map_err(db)?;
+                tracing::debug!(round, table = %tables[i], "migration: table busy, waiting for it alone");
+                busy = Some(i);
+            }
+        }
+    }
+    tracing::warn!(
+        rounds = LOCK_ROUNDS,
+        "migration: tables kept busy in turn; waiting for all of them in order"
+    );
+    tx.execute(format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", tables.join(", ")).as_str())
+        .await
+        .map_err(db)?;
+    Ok(())
+}
+
+/// `55P03`: a `NOWAIT` lock request found the lock held.
+fn lock_not_available(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|d| d.code())
+        .is_some_and(|c| c == "55P03")
 }
 
 async fn apply(
@@ -311,20 +447,43 @@ async fn apply(
     .map_err(db)?;
     let applied = applied.unwrap_or(0);
     let mut count = 0;
-    for migration in migrations.iter().filter(|m| m.version > applied) {
-        if !migration.locks.is_empty() {
-            let tables: Vec<String> = migration
-                .locks
-                .iter()
-                .map(|suffix| qualified(schema, &format!("{table}{suffix}")))
-                .collect();
-            (&mut *tx)
-                .execute(
-                    format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", tables.join(", ")).as_str(),
-                )
-                .await
-                .map_err(db)?;
+    let pending = migrations.iter().any(|m| m.version > applied);
+    if pending {
+        // Claims of this version wait for the migrations (`claim::begin_claim` takes this key
+        // shared before it reads a table): none runs on the old schema meanwhile, and none
+        // holds a table the migrations are waiting for.
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind(migration_lock_key(crate::sql::seed(schema, table)))
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?;
+    }
+    // The tables of every pending migration are locked before the first one runs (taken one
+    // migration after another, a relay of the previous version holding a table of a later
+    // migration while it waits for one an earlier migration took would deadlock with the
+    // migration). The event table comes first, then the others by name. A table an earlier
+    // pending migration creates is not there yet (and invisible to others until the commit).
+    let mut suffixes: Vec<&str> = migrations
+        .iter()
+        .filter(|m| m.version > applied)
+        .flat_map(|m| m.locks.iter().copied())
+        .collect();
+    suffixes.sort_unstable();
+    suffixes.dedup();
+    let mut tables = Vec::with_capacity(suffixes.len());
+    for suffix in suffixes {
+        let name = qualified(schema, &format!("{table}{suffix}"));
+        let exists: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NOT NULL")
+            .bind(&name)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(db)?;
+        if exists {
+            tables.push(name);
         }
+    }
+    lock_tables(&mut *tx, &tables).await?;
+    for migration in migrations.iter().filter(|m| m.version > applied) {
         let sql = render(migration.template, schema, table);
         (&mut *tx).execute(sql.as_str()).await.map_err(db)?;
         sqlx::query(&format!(

@@ -312,7 +312,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
             )
         };
 
-        // The completion: one row per claimed event, in `OutcomeArrays` order ($1..$15);
+        // The completion: one row per claimed event, in `OutcomeArrays` order ($1..$18);
         // `release` marks a claimed row without outcome (its claim just ends).
         // `ts`: the one time of an outcome (a published row's `published_at` and `finished_at`
         // are equal, so the publication-time queries use `finished_idx`; migration 5). A
@@ -322,9 +322,9 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
         let outcomes = "o AS MATERIALIZED (SELECT *, clock_timestamp() AS ts FROM UNNEST( \
                $1::int8[], $2::int8[], $3::text[], $4::text[], $5::int8[], $6::text[], \
                $7::text[], $8::int4[], $9::int8[], $10::int8[], $11::text[], $12::text[], \
-               $13::text[], $14::text[], $15::bool[]) \
-             AS o(id, k, at, ai, v, kind, topic, part, off, delay_us, eclass, ekind, emsg, \
-                  pkind, uncertain))";
+               $13::text[], $14::text[], $15::bool[], $16::text[], $17::text[], $18::bool[]) \
+             AS o(id, k, at, ai, v, kind, dest, part, pos, delay_us, eclass, ekind, emsg, \
+                  pkind, uncertain, transport, route, dup))";
         let set = "status = CASE o.kind WHEN 'published' THEN 'published' \
                                 WHEN 'park' THEN 'parked' ELSE 'pending' END, \
              attempts = CASE WHEN o.kind IN ('retry', 'park') THEN t.attempts + 1 \
@@ -334,7 +334,8 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                  ELSE t.next_attempt_at END, \
              published_at = CASE WHEN o.kind = 'published' THEN o.ts END, \
              finished_at = CASE WHEN o.kind = 'published' THEN o.ts END, \
-             ack_topic = o.topic, ack_partition = o.part, ack_offset = o.off, \
+             ack_transport = o.transport, ack_destination = o.dest, ack_partition = o.part, \
+             ack_position = o.pos, ack_route = o.route, ack_duplicate = o.dup, \
              last_error_class = CASE WHEN o.kind = 'published' THEN t.last_error_class \
                                      ELSE o.eclass END, \
              last_error_kind = CASE WHEN o.kind = 'published' THEN t.last_error_kind \
@@ -345,7 +346,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
              parked_at = CASE WHEN o.kind = 'park' THEN o.ts END, \
              maybe_delivered = t.maybe_delivered OR COALESCE(o.uncertain, false)";
         // Lease mode: only rows whose aggregate's lease still carries this claim's token
-        // (`$16`) get their outcome (fencing); every such lease is released, and a publication
+        // (`$19`) get their outcome (fencing); every such lease is released, and a publication
         // advances the aggregate's last version in the same write.
         let complete_lease = format!(
             "WITH {outcomes}, \
@@ -353,7 +354,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                SELECT o.* FROM o \
                WHERE EXISTS (SELECT 1 FROM {state} a \
                              WHERE a.aggregate_key = o.k AND a.aggregate_type = o.at \
-                               AND a.aggregate_id = o.ai AND a.lease_token = $16 \
+                               AND a.aggregate_id = o.ai AND a.lease_token = $19 \
                                AND a.lease_row = o.id)), \
              upd AS ( \
                UPDATE {t} t SET {set} FROM f o \
@@ -369,7 +370,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                       updated_at = clock_timestamp() \
                FROM f \
                WHERE a.aggregate_key = f.k AND a.aggregate_type = f.at \
-                 AND a.aggregate_id = f.ai AND a.lease_token = $16 \
+                 AND a.aggregate_id = f.ai AND a.lease_token = $19 \
                RETURNING 1), \
              {} \
              SELECT ARRAY(SELECT id FROM upd) AS applied",

@@ -883,7 +883,7 @@ async fn migration_3_keeps_aggregates_whose_rows_were_cleaned_up_flowing() {
     .execute(&ctx.pool)
     .await
     .unwrap();
-    assert_eq!(store.migrate().await.unwrap(), 5, "migrations 3 to 7 run");
+    assert_eq!(store.migrate().await.unwrap(), 6, "migrations 3 to 8 run");
     let (q4, k4) = (event("quiet", 4), event("kept", 4));
     store.append_many(&ctx.pool, &[q4, k4]).await.unwrap();
     // Strict default: the archived history is used; the lost one is a gap.
@@ -1091,7 +1091,9 @@ async fn a_locked_claim_locks_only_the_aggregates_it_decides_about() {
         let b = store.claim(&ClaimRequest::new("r", 3)).await.unwrap();
         assert_eq!(b.records.len(), 3);
         let held: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_locks WHERE pid = $1 AND locktype = 'advisory' AND granted",
+            // Exclusive: the aggregates (the migration key every claim takes is shared).
+            "SELECT count(*) FROM pg_locks WHERE pid = $1 AND locktype = 'advisory' AND granted \
+               AND mode = 'ExclusiveLock'",
         )
         .bind(claim_pid)
         .fetch_one(&ctx.pool)
@@ -1135,7 +1137,7 @@ async fn migration_3_unblocks_rows_behind_a_parked_row_below_the_last_version() 
     .execute(&ctx.pool)
     .await
     .unwrap();
-    assert_eq!(store.migrate().await.unwrap(), 5, "migrations 3 to 7 run");
+    assert_eq!(store.migrate().await.unwrap(), 6, "migrations 3 to 8 run");
     assert_eq!(last_version(&ctx.pool, &ctx.schema, "old").await, Some(5));
     let b = claim(&store, "r", 100).await;
     assert_eq!(

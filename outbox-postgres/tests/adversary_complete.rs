@@ -25,10 +25,10 @@ fn mode(name: &str) -> ClaimMode {
     }
 }
 
-/// (status, ack_offset) of the row of `e`.
+/// (status, ack_position) of the row of `e`.
 async fn row(ctx: &common::Ctx, e: &Envelope) -> (String, Option<i64>) {
     sqlx::query_as(&format!(
-        "SELECT status, ack_offset FROM \"{}\".outbox_events WHERE event_id = $1",
+        "SELECT status, ack_position FROM \"{}\".outbox_events WHERE event_id = $1",
         ctx.schema
     ))
     .bind(e.event_id.as_uuid())

@@ -69,13 +69,29 @@ async fn lock_waiters(ctx: &common::Ctx) -> Vec<i32> {
     .unwrap()
 }
 
+/// Whether a claim's transaction (its `BEGIN` takes the migration key shared) waits for
+/// backend `migration`.
+async fn claim_waits_for(ctx: &common::Ctx, migration: i32) -> bool {
+    sqlx::query_scalar(
+        "SELECT count(*) > 0 FROM pg_stat_activity \
+          WHERE $1 = ANY(pg_blocking_pids(pid)) AND wait_event_type = 'Lock' \
+            AND query LIKE '%pg_advisory_xact_lock_shared%'",
+    )
+    .bind(migration)
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap()
+}
+
 /// A locked claim of a version 5 relay reads the state table (its decision) and holds it
 /// until its completion commits; migration 6 waits for it. The completion then writes the
 /// state table (a stronger lock than it held) without deadlocking with the waiting migration
 /// (the server grants it ahead of the migration, whose request conflicts with what the relay
-/// already holds), and the migration keeps the version it wrote. A claim that starts while the
-/// migration waits queues behind the migration (the stall lasts as long as the old relay's
-/// transaction) and then runs on the new schema.
+/// already holds), and the migration keeps the version it wrote. The migration waits for the
+/// state table alone (it holds no other table meanwhile, so the completion's write of the event
+/// table does not wait). A claim that starts while the migration waits queues behind the
+/// migration (the stall lasts as long as the old relay's transaction) and then runs on the new
+/// schema.
 #[tokio::test]
 async fn migration_6_beside_a_locked_claim_of_version_5_that_completes() {
     let ctx = ctx!(8);
@@ -101,13 +117,17 @@ async fn migration_6_beside_a_locked_claim_of_version_5_that_completes() {
         tokio::spawn(async move { store.migrate().await })
     };
     common::wait_for_lock_wait(&ctx).await;
-    // A new relay's claim starts now: it waits behind the migration.
+    let waiters = lock_waiters(&ctx).await;
+    assert_eq!(waiters.len(), 1, "only the migration waits: {waiters:?}");
+    let migration = waiters[0];
+    // A new relay's claim starts now: it waits for the migration (on the migration key, before
+    // it reads a table).
     let new_claim = {
         let store = store.clone();
         tokio::spawn(async move { claim(&store, "new", 10).await })
     };
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while lock_waiters(&ctx).await.len() < 2 {
+    while !claim_waits_for(&ctx, migration).await {
         assert!(
             std::time::Instant::now() < deadline,
             "the claim never queued"
@@ -141,7 +161,7 @@ async fn migration_6_beside_a_locked_claim_of_version_5_that_completes() {
         "the migration waits for the old relay"
     );
     old.commit().await.unwrap();
-    assert_eq!(migrating.await.unwrap().unwrap(), 2, "migrations 6 and 7");
+    assert_eq!(migrating.await.unwrap().unwrap(), 3, "migrations 6 to 8");
     assert_eq!(
         last(&ctx, "locked").await,
         Some(Some(1)),
@@ -187,7 +207,7 @@ async fn a_statement_of_version_5_prepared_before_migration_6_writes_no_zero_aft
         .await
         .unwrap();
     assert_eq!(last(&ctx, "before").await, Some(Some(0)));
-    assert_eq!(store.migrate().await.unwrap(), 2, "migrations 6 and 7");
+    assert_eq!(store.migrate().await.unwrap(), 3, "migrations 6 to 8");
     assert_eq!(last(&ctx, "before").await, Some(None), "repaired");
     // The same prepared statement (sqlx's statement cache on this connection).
     sqlx::query(&v5_claim)
@@ -263,8 +283,8 @@ async fn a_migration_terminated_while_it_waits_runs_again() {
     let again = tokio::time::timeout(Duration::from_secs(30), store.migrate())
         .await
         .expect("the migration lock was left behind");
-    assert_eq!(again.unwrap(), 5, "migrations 3 to 7 run again");
-    assert_eq!(applied(&ctx).await, [1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(again.unwrap(), 6, "migrations 3 to 8 run again");
+    assert_eq!(applied(&ctx).await, [1, 2, 3, 4, 5, 6, 7, 8]);
     assert_eq!(last(&ctx, "killed").await, Some(Some(1)));
     let b = claim(&store, "new", 10).await;
     assert_eq!(versions(&b), vec![("killed".into(), 2)]);

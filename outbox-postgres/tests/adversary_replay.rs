@@ -171,7 +171,7 @@ async fn a_replay_while_the_relay_publishes_further_versions() {
     let mut tx = ctx.pool.begin().await.unwrap();
     sqlx::query(&format!(
         "UPDATE \"{}\".outbox_events SET status = 'published', published_at = clock_timestamp(), \
-            finished_at = clock_timestamp(), ack_topic = 't', ack_partition = 0, ack_offset = 8 \
+            finished_at = clock_timestamp(), ack_transport = 'kafka', ack_destination = 't', ack_partition = 0, ack_position = 8 \
           WHERE aggregate_id = 'live' AND aggregate_version = 8",
         ctx.schema
     ))

@@ -331,7 +331,7 @@ async fn a_claim_locks_only_the_candidates_it_takes() {
     let locks: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
          WHERE l.locktype = 'advisory' AND l.granted AND a.datname = current_database() \
-           AND a.state = 'idle in transaction'",
+           AND a.state = 'idle in transaction' AND l.mode = 'ExclusiveLock'",
     )
     .fetch_one(&ctx.pool)
     .await

@@ -80,11 +80,7 @@ async fn regression_completion_of_a_locked_claim_ended_by_the_server_is_lease_lo
     tokio::time::sleep(Duration::from_millis(900)).await;
     let ack = Outcome::Published {
         event_id: e.event_id,
-        ack: AckMetadata {
-            topic: "orders".into(),
-            partition: 0,
-            offset: 0,
-        },
+        ack: AckMetadata::kafka("orders", 0, 0),
     };
     let err = store
         .complete(&batch.handle, &[ack])

@@ -210,7 +210,7 @@ async fn hostile_identifiers_are_configuration_errors() {
         .table("shop_outbox")
         .build()
         .unwrap();
-    assert_eq!(store.migrate().await.unwrap(), 7);
+    assert_eq!(store.migrate().await.unwrap(), 8);
     assert_eq!(
         store.migrate().await.unwrap(),
         0,
@@ -311,7 +311,7 @@ async fn lease_claim_records_owner_token_expiry_and_ack_metadata() {
         .unwrap();
     assert_eq!((rep.applied, rep.superseded), (2, 0));
     let row = sqlx::query(&format!(
-        "SELECT status, ack_topic, ack_partition, ack_offset, published_at IS NOT NULL AS p, \
+        "SELECT status, ack_transport, ack_destination, ack_partition, ack_position, published_at IS NOT NULL AS p, \
                 NOT EXISTS (SELECT 1 FROM \"{0}\".outbox_events_aggregate l \
                             WHERE l.lease_row = e.id AND l.lease_token IS NOT NULL) AS cleared \
          FROM \"{0}\".outbox_events e WHERE event_id = $1",
@@ -322,9 +322,10 @@ async fn lease_claim_records_owner_token_expiry_and_ack_metadata() {
     .await
     .unwrap();
     assert_eq!(row.get::<String, _>("status"), "published");
-    assert_eq!(row.get::<String, _>("ack_topic"), "orders");
+    assert_eq!(row.get::<String, _>("ack_transport"), "kafka");
+    assert_eq!(row.get::<String, _>("ack_destination"), "orders");
     assert_eq!(row.get::<i32, _>("ack_partition"), 3);
-    assert_eq!(row.get::<i64, _>("ack_offset"), 41);
+    assert_eq!(row.get::<i64, _>("ack_position"), 41);
     assert!(row.get::<bool, _>("p") && row.get::<bool, _>("cleared"));
     let next = claim(&store, "relay-2", 10).await;
     assert_eq!(versions(&next), vec![("a".into(), 2)]);
@@ -360,7 +361,7 @@ async fn expired_lease_is_reclaimed_and_the_stale_holder_is_fenced() {
         .unwrap();
     assert_eq!((rep.applied, rep.superseded), (1, 0));
     let off: i64 = sqlx::query_scalar(&format!(
-        "SELECT ack_offset FROM \"{}\".outbox_events",
+        "SELECT ack_position FROM \"{}\".outbox_events",
         ctx.schema
     ))
     .fetch_one(&ctx.pool)
@@ -717,7 +718,7 @@ async fn cleanup_in_bounded_batches_with_archive() {
     assert_eq!(b.parked[0].kind, ParkKind::OutOfOrder);
     let archived: i64 = sqlx::query_scalar(&format!(
         "SELECT count(*) FROM \"{}\".outbox_events_archive WHERE status = 'published' \
-         AND ack_topic = 'orders'",
+         AND ack_destination = 'orders'",
         ctx.schema
     ))
     .fetch_one(&ctx.pool)
@@ -1168,8 +1169,8 @@ async fn migration_3_upgrades_a_version_2_table_in_use() {
     .unwrap();
     assert_eq!(
         store.migrate().await.unwrap(),
-        5,
-        "only migrations 3 to 7 run"
+        6,
+        "only migrations 3 to 8 run"
     );
     let state: Vec<(String, i64, Option<String>)> = sqlx::query_as(&format!(
         "SELECT aggregate_id, last_version, lease_owner FROM \"{}\".outbox_events_aggregate \

@@ -1,25 +1,19 @@
-//! **Temporary**: the mapping of a RabbitMQ publisher confirm into today's Kafka-shaped
-//! [`AckMetadata`] `(topic, partition, offset)`, kept in this one module so that phase 2 of the
-//! transport seam (backend-neutral acknowledgement metadata in `outbox-core`, see
-//! `docs/transports.md`) replaces it in one place.
+//! The acknowledgement metadata of a RabbitMQ publisher confirm: [`AckMetadata::RabbitMq`].
 //!
 //! RabbitMQ stores no addressable position for a message: a confirm says "stored (in every
-//! queue it was routed to)", nothing more.
-//!
-//! | `AckMetadata` field | filled with | what is lost |
-//! |---|---|---|
-//! | `topic` | the exchange | the routing key (derived from the envelope; phase 2 stores it) |
-//! | `partition` | always `0` | nothing |
-//! | `offset` | the confirm's delivery tag: the publish sequence number on the publisher's channel (counted from 1 per channel) | it is not a position in any queue, repeats after a reconnect, and cannot be used to read the message back |
+//! queue it was routed to)", nothing more. What is kept is where the message was sent: the
+//! exchange and the routing key. The confirm's delivery tag (the publish sequence number on
+//! the publisher's channel) is not kept: it is no position in any queue and repeats after a
+//! reconnect.
 
 use outbox_core::AckMetadata;
 
-/// The acknowledgement metadata of the confirm of publish number `tag` on a channel.
-pub(crate) fn from_confirm(exchange: &str, tag: u64) -> AckMetadata {
-    AckMetadata {
-        topic: exchange.to_owned(),
-        partition: 0,
-        offset: i64::try_from(tag).unwrap_or(i64::MAX),
+/// The acknowledgement metadata of the confirm of a message published to `exchange` with
+/// `routing_key`.
+pub(crate) fn from_confirm(exchange: &str, routing_key: &str) -> AckMetadata {
+    AckMetadata::RabbitMq {
+        exchange: exchange.to_owned(),
+        routing_key: routing_key.to_owned(),
     }
 }
 
@@ -28,15 +22,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn exchange_and_tag() {
+    fn exchange_and_routing_key() {
+        let ack = from_confirm("orders", "order.created");
         assert_eq!(
-            from_confirm("orders", 7),
-            AckMetadata {
-                topic: "orders".into(),
-                partition: 0,
-                offset: 7
+            ack,
+            AckMetadata::RabbitMq {
+                exchange: "orders".into(),
+                routing_key: "order.created".into(),
             }
         );
-        assert_eq!(from_confirm("x", u64::MAX).offset, i64::MAX);
+        assert_eq!(ack.position(), None, "a confirm names no stored position");
     }
 }

@@ -33,7 +33,7 @@
 //! | batch sent whole, all confirms awaited | yes | every `basic.publish` written, then every confirm future together |
 //! | concurrent batches | one at a time per publisher | returns are matched to messages within a batch (see [`RabbitPublisher`]); relay workers that publish in parallel each need their own publisher (its own connection and channel) |
 //! | `Ok` only from a confirm | yes | `basic.ack` for the message and no `basic.return` for it |
-//! | acknowledgement metadata | temporary mapping | exchange, `0`, the channel's publish sequence number ([`ack`]; a confirm names no stored position) |
+//! | acknowledgement metadata | exact | [`AckMetadata::RabbitMq`](outbox_core::AckMetadata::RabbitMq): exchange and routing key; no position (a confirm names none) ([`ack`]) |
 //! | unroutable message | clear permanent error | `mandatory`: `basic.return` 312 → `unknown_topic` naming exchange and routing key |
 //! | durability | enforced | persistent messages (`delivery_mode = 2`), the exchange checked durable at start, the source's queue checked a durable quorum queue |
 //! | headers | [`outbox_core::wire`] | the envelope's headers as AMQP long strings, as on Kafka; `message_id` = event id, `content_type`, `timestamp` |

@@ -493,7 +493,7 @@ impl Publisher for RabbitPublisher {
         let results = outcomes
             .into_iter()
             .enumerate()
-            .map(|(i, (tag, outcome, _))| match outcome {
+            .map(|(i, (_, outcome, _))| match outcome {
                 Err(done) => done,
                 Ok(_) if matched[i].is_some() => {
                     let (code, text) = matched[i].clone().expect("checked");
@@ -506,10 +506,7 @@ impl Publisher for RabbitPublisher {
                          matched to its message, so no acknowledgement of the batch is trusted"
                     ),
                 )),
-                Ok(Confirmed::Ack) => Ok(crate::ack::from_confirm(
-                    exchange,
-                    tag.expect("a confirmed message has a tag"),
-                )),
+                Ok(Confirmed::Ack) => Ok(crate::ack::from_confirm(exchange, keys[i])),
                 Ok(Confirmed::Nack) => Err(nacked(exchange)),
                 Ok(Confirmed::Failed(err)) => Err(err),
             })

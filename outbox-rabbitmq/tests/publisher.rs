@@ -2,10 +2,10 @@
 //! testkit's publisher suite, what RabbitMQ stores for each acknowledgement, unroutable
 //! messages, and the start-up exchange check.
 //!
-//! The suite's read-back is not applicable here: a publisher confirm names no stored position
-//! (its delivery tag is the publish sequence number of the channel), so an acknowledgement
-//! cannot be looked up. `acknowledgements_follow_the_publish_order_of_their_messages` checks
-//! the same clause with what the test knows about its own batch.
+//! The suite's read-back is not applicable here: a publisher confirm names no stored position,
+//! so an acknowledgement ([`AckMetadata::RabbitMq`]: exchange and routing key) cannot be
+//! looked up. `acknowledgements_follow_the_publish_order_of_their_messages` checks the same
+//! clause with what the test knows about its own batch.
 
 mod common;
 
@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use common::{event, require, unique, Topology};
 use lapin::ExchangeKind as LapinKind;
 use outbox_core::{
-    async_trait, wire, Envelope, ErrorClass, FailureScope, Payload, PublishErrorKind, Publisher,
+    async_trait, wire, AckMetadata, Envelope, ErrorClass, FailureScope, Payload, PublishErrorKind,
+    Publisher,
 };
 use outbox_rabbitmq::{quorum_arguments, ExchangeKind, RabbitPublisher, RoutingKey, TopologyError};
 use outbox_testkit::conformance::PublisherHarness;
@@ -72,8 +73,9 @@ mod suite {
 }
 
 /// Each message is stored once, persistent, with the event id as `message_id` and the wire
-/// headers; the acknowledgements count the channel's publishes in order, and the queue holds
-/// the routable messages in that order.
+/// headers; each acknowledgement names the exchange and the routing key the message was
+/// stored under (no position: a confirm names none), and the queue bound to that key holds
+/// the routable messages in publish order.
 #[tokio::test]
 async fn acknowledgements_follow_the_publish_order_of_their_messages() {
     let url = require!(common::amqp_url("rabbit_ack_order"));
@@ -93,24 +95,29 @@ async fn acknowledgements_follow_the_publish_order_of_their_messages() {
         })
         .collect();
     let results = publisher.publish(&batch.iter().collect::<Vec<_>>()).await;
-    let mut acked: Vec<(i64, &Envelope)> = Vec::new();
+    let mut acked: Vec<(usize, &Envelope)> = Vec::new();
     for (i, (e, r)) in batch.iter().zip(&results).enumerate() {
         match r {
             Ok(ack) => {
                 assert_eq!(
-                    (ack.topic.as_str(), ack.partition),
-                    (t.exchange.as_str(), 0)
+                    ack,
+                    &AckMetadata::RabbitMq {
+                        exchange: t.exchange.clone(),
+                        routing_key: "order".into(),
+                    }
                 );
-                acked.push((ack.offset, e));
+                assert_eq!(ack.to_string(), format!("{} -> order", t.exchange));
+                acked.push((i, e));
             }
             Err(err) => assert_eq!(i, 2, "{err}"),
         }
     }
     assert_eq!(
-        acked.iter().map(|(tag, _)| *tag).collect::<Vec<_>>(),
-        vec![1, 2, 4, 5, 6],
-        "publish sequence numbers of the channel; 3 was the returned one"
+        acked.iter().map(|(i, _)| *i).collect::<Vec<_>>(),
+        vec![0, 1, 3, 4, 5],
+        "2 was the returned one"
     );
+    // The queue bound to the acknowledged routing key holds them, in publish order.
     let stored = t.drain(&q).await;
     assert_eq!(stored.len(), 5);
     for ((_, e), (id, headers, body)) in acked.iter().zip(&stored) {
@@ -198,7 +205,15 @@ async fn routing_by_aggregate_id_uses_the_id_as_routing_key() {
     let results = publisher
         .publish(&[&event("order", "o-7", 1), &event("order", "o-8", 1)])
         .await;
-    assert!(results[0].is_ok());
+    // The acknowledgement names the key the message was routed by: the aggregate id, the key
+    // the only queue is bound with.
+    assert_eq!(
+        results[0].as_ref().expect("routed"),
+        &AckMetadata::RabbitMq {
+            exchange: t.exchange.clone(),
+            routing_key: "o-7".into(),
+        }
+    );
     assert_eq!(
         results[1].as_ref().unwrap_err().kind,
         PublishErrorKind::UnknownTopic

@@ -227,20 +227,18 @@ pub(crate) fn check(model: &mut Model, log: &MemoryLog, seen: &Observed) -> Chec
                 let ack = row.ack.as_ref().ok_or_else(|| {
                     format!("event {id} is marked published without acknowledgement metadata")
                 })?;
-                let at = log
-                    .records(&ack.topic, ack.partition)
-                    .into_iter()
-                    .find(|r| r.offset == ack.offset);
+                let at = ack.as_kafka().and_then(|(topic, partition, offset)| {
+                    log.records(topic, partition)
+                        .into_iter()
+                        .find(|r| r.offset == offset)
+                });
                 let there = at
                     .as_ref()
                     .and_then(|r| r.decode().ok())
                     .map(|e| e.event_id);
                 ensure(there == Some(id), || {
                     format!(
-                        "event {id} is marked published at {}/{}@{} but the log holds {} there",
-                        ack.topic,
-                        ack.partition,
-                        ack.offset,
+                        "event {id} is marked published at {ack} but the log holds {} there",
                         there.map_or_else(|| "nothing".to_owned(), |t| t.to_string())
                     )
                 })?;

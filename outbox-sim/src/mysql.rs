@@ -253,8 +253,9 @@ impl Backend for MySqlBackend {
     async fn rows(&self) -> Result<Vec<RowView>, String> {
         let rows = sqlx::query(&format!(
             "SELECT event_id, CAST(aggregate_id AS CHAR), aggregate_version, \
-                    CAST(status AS CHAR), CAST(ack_topic AS CHAR), ack_partition, ack_offset, \
-                    attempts, CAST(park_kind AS CHAR) \
+                    CAST(status AS CHAR), CAST(ack_transport AS CHAR), \
+                    CAST(ack_destination AS CHAR), ack_partition, ack_position, \
+                    CAST(ack_route AS CHAR), ack_duplicate, attempts, CAST(park_kind AS CHAR) \
              FROM {} ORDER BY id",
             self.table(outbox_mysql::DEFAULT_OUTBOX_TABLE)
         ))
@@ -263,25 +264,25 @@ impl Backend for MySqlBackend {
         .map_err(|e| e.to_string())?;
         rows.into_iter()
             .map(|r| {
-                let topic: Option<String> = r.get(4);
-                let partition: Option<i32> = r.get(5);
-                let offset: Option<i64> = r.get(6);
+                let transport: Option<String> = r.get(4);
+                let ack = AckMetadata::from_columns(
+                    transport.as_deref(),
+                    r.get(5),
+                    r.get(6),
+                    r.get(7),
+                    r.get(8),
+                    r.get(9),
+                )
+                .map_err(|e| e.to_string())?;
                 Ok(RowView {
                     event_id: EventId::from_uuid(r.get(0)),
                     aggregate_id: r.get(1),
                     version: r.get(2),
                     status: status(r.get::<&str, _>(3))?,
-                    ack: match (topic, partition, offset) {
-                        (Some(topic), Some(partition), Some(offset)) => Some(AckMetadata {
-                            topic,
-                            partition,
-                            offset,
-                        }),
-                        _ => None,
-                    },
-                    attempts: r.get::<i32, _>(7).max(0) as u32,
+                    ack,
+                    attempts: r.get::<i32, _>(10).max(0) as u32,
                     park_kind: r
-                        .get::<Option<String>, _>(8)
+                        .get::<Option<String>, _>(11)
                         .as_deref()
                         .and_then(ParkKind::parse),
                 })

@@ -247,8 +247,9 @@ impl Backend for PostgresBackend {
 
     async fn rows(&self) -> Result<Vec<RowView>, String> {
         let rows = sqlx::query(&format!(
-            "SELECT event_id, aggregate_id, aggregate_version, status, ack_topic, ack_partition, \
-             ack_offset, attempts, park_kind FROM {} ORDER BY id",
+            "SELECT event_id, aggregate_id, aggregate_version, status, ack_transport, \
+             ack_destination, ack_partition, ack_position, ack_route, ack_duplicate, attempts, \
+             park_kind FROM {} ORDER BY id",
             self.table(outbox_postgres::DEFAULT_OUTBOX_TABLE)
         ))
         .fetch_all(&self.pool)
@@ -256,25 +257,25 @@ impl Backend for PostgresBackend {
         .map_err(|e| e.to_string())?;
         rows.into_iter()
             .map(|r| {
-                let topic: Option<String> = r.get(4);
-                let partition: Option<i32> = r.get(5);
-                let offset: Option<i64> = r.get(6);
+                let transport: Option<String> = r.get(4);
+                let ack = AckMetadata::from_columns(
+                    transport.as_deref(),
+                    r.get(5),
+                    r.get(6),
+                    r.get(7),
+                    r.get(8),
+                    r.get(9),
+                )
+                .map_err(|e| e.to_string())?;
                 Ok(RowView {
                     event_id: EventId::from_uuid(r.get(0)),
                     aggregate_id: r.get(1),
                     version: r.get(2),
                     status: status(r.get::<&str, _>(3))?,
-                    ack: match (topic, partition, offset) {
-                        (Some(topic), Some(partition), Some(offset)) => Some(AckMetadata {
-                            topic,
-                            partition,
-                            offset,
-                        }),
-                        _ => None,
-                    },
-                    attempts: r.get::<i32, _>(7).max(0) as u32,
+                    ack,
+                    attempts: r.get::<i32, _>(10).max(0) as u32,
                     park_kind: r
-                        .get::<Option<String>, _>(8)
+                        .get::<Option<String>, _>(11)
                         .as_deref()
                         .and_then(ParkKind::parse),
                 })

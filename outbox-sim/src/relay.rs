@@ -295,11 +295,7 @@ impl<S: RelayStore> RelayStore for SimStore<S> {
                 .iter()
                 .map(|r| Outcome::Published {
                     event_id: r.envelope.event_id,
-                    ack: outbox_core::AckMetadata {
-                        topic: crate::runner::TOPIC.into(),
-                        partition: 0,
-                        offset: -1,
-                    },
+                    ack: outbox_core::AckMetadata::kafka(crate::runner::TOPIC, 0, -1),
                 })
                 .collect();
             let _ = self.inner.complete(&batch.handle, &outcomes).await;
@@ -396,11 +392,7 @@ mod tests {
     fn published(n: u8) -> Outcome {
         Outcome::Published {
             event_id: EventId::from_parts(ManualClock::epoch(), u128::from(n) << 16),
-            ack: AckMetadata {
-                topic: "t".into(),
-                partition: 0,
-                offset: i64::from(n),
-            },
+            ack: AckMetadata::kafka("t", 0, i64::from(n)),
         }
     }
 
@@ -409,8 +401,8 @@ mod tests {
         let o = vec![published(1), published(2)];
         let s = shifted(&o);
         assert_eq!(s[0].event_id(), o[0].event_id());
-        assert!(matches!(&s[0], Outcome::Published { ack, .. } if ack.offset == 2));
-        assert!(matches!(&s[1], Outcome::Published { ack, .. } if ack.offset == 1));
+        assert!(matches!(&s[0], Outcome::Published { ack, .. } if ack.as_kafka().unwrap().2 == 2));
+        assert!(matches!(&s[1], Outcome::Published { ack, .. } if ack.as_kafka().unwrap().2 == 1));
     }
 
     #[test]
@@ -420,7 +412,7 @@ mod tests {
         let offsets: Vec<i64> = s
             .iter()
             .map(|x| match x {
-                Outcome::Published { ack, .. } => ack.offset,
+                Outcome::Published { ack, .. } => ack.as_kafka().unwrap().2,
                 _ => -1,
             })
             .collect();

@@ -199,7 +199,7 @@ struct LogShared {
 /// log.fail_next(1, PublishErrorKind::BrokerUnavailable);
 /// assert!(log.publish(&[&e]).await[0].is_err());
 /// let ack = log.publish(&[&e]).await.remove(0).unwrap();
-/// assert_eq!(ack.partition, MemoryLog::partition_for("o-1", 3));
+/// assert_eq!(ack.as_kafka().unwrap().1, MemoryLog::partition_for("o-1", 3));
 ///
 /// let consumer = log.consumer("projection", &["orders"]);
 /// let msg = consumer.poll(Duration::ZERO).await.unwrap().unwrap();
@@ -594,11 +594,7 @@ impl MemoryLog {
                 format!("record of {} bytes exceeds {max}", record.size()),
             ));
         }
-        let ack = AckMetadata {
-            topic,
-            partition,
-            offset: record.offset,
-        };
+        let ack = AckMetadata::kafka(topic, partition, record.offset);
         part.push(record);
         if action == Some(FaultAction::LoseAck) {
             return Err(PublishError::new(

@@ -1176,7 +1176,9 @@ impl ReportingStore for MemoryOutboxStore {
                     && e.created_at >= start
                     && e.created_at < end
                     && (topics.is_empty()
-                        || r.ack.as_ref().is_some_and(|a| topics.contains(&a.topic)))
+                        || r.ack
+                            .as_ref()
+                            .is_some_and(|a| topics.iter().any(|t| t == a.destination())))
                     && r.published_at
                         .and_then(|p| p.checked_add_signed(grace))
                         .is_some_and(|d| d < now)

@@ -114,11 +114,11 @@ impl Publisher for RecordingPublisher {
                 e.aggregate_version,
                 self.name.clone(),
             ));
-            out.push(Ok(AckMetadata {
-                topic: "orders".into(),
-                partition: 0,
-                offset: self.offset.fetch_add(1, Ordering::Relaxed) as i64,
-            }));
+            out.push(Ok(AckMetadata::kafka(
+                "orders",
+                0,
+                self.offset.fetch_add(1, Ordering::Relaxed) as i64,
+            )));
         }
         out
     }
@@ -434,11 +434,7 @@ impl Publisher for OutageBroker {
             .iter()
             .map(|e| {
                 acked.push((e.event_id, e.aggregate_id.clone(), e.aggregate_version));
-                Ok(AckMetadata {
-                    topic: "orders".into(),
-                    partition: 0,
-                    offset: acked.len() as i64,
-                })
+                Ok(AckMetadata::kafka("orders", 0, acked.len() as i64))
             })
             .collect()
     }
@@ -616,11 +612,7 @@ pub async fn late_lower_version_is_published_first<B: RandomizedBackend>(
             .enumerate()
             .map(|(i, r)| outbox_core::Outcome::Published {
                 event_id: r.envelope.event_id,
-                ack: AckMetadata {
-                    topic: "orders".into(),
-                    partition: 0,
-                    offset: i as i64,
-                },
+                ack: AckMetadata::kafka("orders", 0, i as i64),
             })
             .collect();
         let rep = store

@@ -26,11 +26,7 @@ fn ev(agg: &str, v: i64, n: u64) -> Envelope {
 }
 
 fn ack(n: i64) -> AckMetadata {
-    AckMetadata {
-        topic: "t".into(),
-        partition: 0,
-        offset: n,
-    }
+    AckMetadata::kafka("t", 0, n)
 }
 
 fn lease() -> ClaimMode {
@@ -415,12 +411,10 @@ async fn log_routes_partitions_and_faults() {
         .build()
         .unwrap();
     let res = log.publish(&[&e1, &pay, &ghost, &big]).await;
-    assert_eq!(res[0].as_ref().unwrap().topic, "orders");
-    assert_eq!(
-        res[0].as_ref().unwrap().partition,
-        MemoryLog::partition_for("a", 3)
-    );
-    assert_eq!(res[1].as_ref().unwrap().topic, "payments");
+    let kafka = |i: usize| res[i].as_ref().unwrap().as_kafka().unwrap();
+    assert_eq!(kafka(0).0, "orders");
+    assert_eq!(kafka(0).1, MemoryLog::partition_for("a", 3));
+    assert_eq!(kafka(1).0, "payments");
     assert_eq!(
         res[2].as_ref().unwrap_err().kind,
         PublishErrorKind::UnknownTopic
@@ -434,8 +428,9 @@ async fn log_routes_partitions_and_faults() {
     // Same key, same partition, increasing offsets.
     let e2 = ev("a", 2, 2);
     let r2 = log.publish(&[&e2]).await.remove(0).unwrap();
-    assert_eq!(r2.partition, res[0].as_ref().unwrap().partition);
-    assert_eq!(r2.offset, res[0].as_ref().unwrap().offset + 1);
+    let r2 = r2.as_kafka().unwrap();
+    assert_eq!(r2.1, kafka(0).1);
+    assert_eq!(r2.2, kafka(0).2 + 1);
 
     log.fail_next(2, PublishErrorKind::NotEnoughReplicas);
     let r = log.publish(&[&e1, &e1, &e1]).await;

@@ -139,20 +139,27 @@ async fn replay<S: ReportingStore>(
             .map_err(map)?;
         let Some(last) = rows.last() else { break };
         after = Some(last.position);
-        let events: Vec<_> = rows
+        // Where each was first stored, in its transport's own form (`orders/3@41`,
+        // `ORDERS#41`, `outbox -> order.created`): named when its replay fails.
+        let (events, first_stored): (Vec<_>, Vec<_>) = rows
             .into_iter()
             .map(|r| {
                 let mut e = r.envelope;
                 e.headers
                     .insert(REPLAY_HEADER.to_owned(), replay_id.clone());
-                e
+                (e, r.ack)
             })
-            .collect();
+            .unzip();
         let results = publisher.publish(&events.iter().collect::<Vec<_>>()).await;
         let failed: Vec<String> = events
             .iter()
+            .zip(&first_stored)
             .zip(&results)
-            .filter_map(|(e, r)| r.as_ref().err().map(|err| format!("{}: {err}", e.event_id)))
+            .filter_map(|((e, ack), r)| {
+                r.as_ref()
+                    .err()
+                    .map(|err| format!("{} (first stored at {ack}): {err}", e.event_id))
+            })
             .collect();
         replayed += (events.len() - failed.len()) as u64;
         bar.set_position(replayed);

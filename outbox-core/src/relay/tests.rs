@@ -232,11 +232,7 @@ impl MaintenanceStore for FakeStore {
 }
 
 fn ack(i: i64) -> PublishResult {
-    Ok(AckMetadata {
-        topic: "t".into(),
-        partition: 0,
-        offset: i,
-    })
+    Ok(AckMetadata::kafka("t", 0, i))
 }
 
 fn relay(store: FakeStore, publisher: MockPub) -> Relay<FakeStore, MockPub> {

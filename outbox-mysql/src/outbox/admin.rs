@@ -16,13 +16,13 @@ use sqlx::mysql::MySqlRow;
 use sqlx::Row;
 use uuid::Uuid;
 
-use outbox_core::{AckMetadata, StoreError, StoreErrorKind};
 pub use outbox_core::{
     IntervalCount, LatencySummary, PublishedFilter, PublishedPosition, PublishedRow,
 };
+use outbox_core::{StoreError, StoreErrorKind};
 
 use super::head::marks;
-use super::rows::{envelope_from_row, utc, ENVELOPE_COLS};
+use super::rows::{ack_from_row, envelope_from_row, utc, ACK_COLS, ENVELOPE_COLS};
 use super::tx::micros;
 use super::MySqlOutboxStore;
 use crate::error::db;
@@ -153,7 +153,7 @@ impl MySqlOutboxStore {
             binds.push(Bind::Time(at));
         }
         let sql = format!(
-            "SELECT id, finished_at, {ENVELOPE_COLS}, ack_topic, ack_partition, ack_offset \
+            "SELECT id, finished_at, {ENVELOPE_COLS}, {ACK_COLS} \
              FROM {} WHERE {clauses} ORDER BY finished_at, id LIMIT ?",
             self.inner.tables.events
         );
@@ -197,7 +197,7 @@ impl MySqlOutboxStore {
         let rows = sqlx::query(&format!(
             "SELECT TIMESTAMPDIFF(MICROSECOND, ?, created_at) DIV ? AS bucket, event_type, \
                     COUNT(*) AS events, \
-                    COUNT(CASE WHEN status = 'published' AND ack_offset IS NOT NULL \
+                    COUNT(CASE WHEN status = 'published' AND ack_destination IS NOT NULL \
                                THEN 1 END) AS published, \
                     COUNT(CASE WHEN status = 'pending' AND created_at < \
                                     UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND \
@@ -253,7 +253,7 @@ impl MySqlOutboxStore {
         let topic_clause = if topics.is_empty() {
             String::new()
         } else {
-            format!(" AND ack_topic IN ({})", marks(topics.len()))
+            format!(" AND ack_destination IN ({})", marks(topics.len()))
         };
         let sql = format!(
             "SELECT event_id, JSON_UNQUOTE(JSON_EXTRACT(headers, ?)) AS original FROM {} \
@@ -322,11 +322,12 @@ fn published_row(r: &MySqlRow) -> Result<PublishedRow, StoreError> {
     Ok(PublishedRow::new(
         PublishedPosition::new(utc(at), r.try_get("id").map_err(db)?),
         envelope_from_row(r)?,
-        AckMetadata {
-            topic: crate::error::text(r, "ack_topic")?,
-            partition: r.try_get("ack_partition").map_err(db)?,
-            offset: r.try_get("ack_offset").map_err(db)?,
-        },
+        ack_from_row(r)?.ok_or_else(|| {
+            StoreError::new(
+                StoreErrorKind::Schema,
+                "a published row without an acknowledgement",
+            )
+        })?,
     ))
 }
 

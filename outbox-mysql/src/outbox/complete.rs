@@ -19,8 +19,8 @@ use crate::error::db;
 /// Longest delay a completion records.
 const MAX_DELAY: std::time::Duration = std::time::Duration::from_secs(365 * 24 * 3600);
 
-/// Longest acknowledged topic (bytes) passed through a `JSON_TABLE` `TEXT` column, its
-/// capacity: a longer value would be cut there silently.
+/// Longest acknowledged destination or route (bytes) passed through a `JSON_TABLE` `TEXT`
+/// column, its capacity: a longer value would be cut there silently.
 const MAX_JSON_TOPIC: usize = 65_535;
 
 /// Bytes of acknowledgements per joined `UPDATE` (a quarter of the default
@@ -318,21 +318,27 @@ impl MySqlOutboxStore {
             .iter()
             .filter(|(row, _)| pending.contains(&row.id))
             .copied()
-            .partition(|(_, ack)| ack.topic.len() <= MAX_JSON_TOPIC);
+            .partition(|(_, ack)| {
+                ack.destination().len().max(ack.route().map_or(0, str::len)) <= MAX_JSON_TOPIC
+            });
         // A topic longer than a `JSON_TABLE` `TEXT` column would be cut there without an
         // error: such a row gets its own `UPDATE`, where the server refuses (strict mode) or
-        // truncates (otherwise) a value too long for `ack_topic` as it always did.
+        // truncates (otherwise) a value too long for `ack_destination` as it always did.
         let mut done: Vec<&'r ClaimedRow> = Vec::new();
         for (row, ack) in long {
             let n = sqlx::query(&format!(
                 "UPDATE {} SET status = 'published', published_at = UTC_TIMESTAMP(6), \
-                   finished_at = UTC_TIMESTAMP(6), ack_topic = ?, ack_partition = ?, \
-                   ack_offset = ? WHERE id = ? AND status = 'pending'",
+                   finished_at = UTC_TIMESTAMP(6), ack_transport = ?, ack_destination = ?, \
+                   ack_partition = ?, ack_position = ?, ack_route = ?, ack_duplicate = ? \
+                 WHERE id = ? AND status = 'pending'",
                 t.events
             ))
-            .bind(&ack.topic)
-            .bind(ack.partition)
-            .bind(ack.offset)
+            .bind(ack.transport().as_str())
+            .bind(ack.destination())
+            .bind(ack.position().and_then(|p| p.partition))
+            .bind(ack.position().map(|p| p.offset))
+            .bind(ack.route())
+            .bind(ack.duplicate())
             .bind(row.id)
             .execute(&mut *conn)
             .await
@@ -351,8 +357,17 @@ impl MySqlOutboxStore {
         let mut chunks: Vec<(String, Vec<i64>)> = Vec::new();
         let (mut doc, mut ids) = (String::from("["), Vec::new());
         for (row, ack) in &marked {
-            let item =
-                serde_json::json!([row.id, ack.topic, ack.partition, ack.offset]).to_string();
+            let position = ack.position();
+            let item = serde_json::json!([
+                row.id,
+                ack.transport().as_str(),
+                ack.destination(),
+                position.and_then(|p| p.partition),
+                position.map(|p| p.offset),
+                ack.route(),
+                ack.duplicate().map(i8::from),
+            ])
+            .to_string();
             if !ids.is_empty() && doc.len() + item.len() + 2 > MAX_ACK_DOCUMENT {
                 doc.push(']');
                 chunks.push((
@@ -372,11 +387,14 @@ impl MySqlOutboxStore {
         for (doc, ids) in chunks {
             let sql = format!(
                 "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$[0]', \
-                   topic TEXT PATH '$[1]', part INT PATH '$[2]', off BIGINT PATH '$[3]')) a \
+                   transport VARCHAR(16) PATH '$[1]', dest TEXT PATH '$[2]', \
+                   part INT PATH '$[3]', pos BIGINT PATH '$[4]', route TEXT PATH '$[5]', \
+                   dup TINYINT PATH '$[6]')) a \
                  STRAIGHT_JOIN {} e FORCE INDEX (PRIMARY) ON e.id = a.id \
                  SET e.status = 'published', e.published_at = UTC_TIMESTAMP(6), \
-                   e.finished_at = UTC_TIMESTAMP(6), e.ack_topic = a.topic, \
-                   e.ack_partition = a.part, e.ack_offset = a.off \
+                   e.finished_at = UTC_TIMESTAMP(6), e.ack_transport = a.transport, \
+                   e.ack_destination = a.dest, e.ack_partition = a.part, \
+                   e.ack_position = a.pos, e.ack_route = a.route, e.ack_duplicate = a.dup \
                  WHERE e.id IN ({})",
                 t.events,
                 marks(ids.len())

@@ -14,7 +14,8 @@ use crate::error::db;
 const ARCHIVE_COLS: &str = "id, event_id, aggregate_type, aggregate_id, aggregate_key, \
     aggregate_version, event_type, schema_version, content_type, payload, headers, created_at, \
     status, attempts, maybe_delivered, last_error_class, last_error_kind, last_error_message, \
-    published_at, ack_topic, ack_partition, ack_offset, discard_reason, finished_at, inserted_at";
+    published_at, ack_transport, ack_destination, ack_partition, ack_position, ack_route, \
+    ack_duplicate, discard_reason, finished_at, inserted_at";
 
 impl MySqlOutboxStore {
     pub(super) async fn cleanup_inner(

@@ -117,7 +117,8 @@ impl MySqlOutboxStore {
     /// Applies the embedded migrations (outbox, per-aggregate state, audit and archive tables)
     /// that are missing, creating the database when one is configured. Safe to call from
     /// several processes at once (a named lock serializes the runs). Returns how many were
-    /// applied.
+    /// applied. Outbox migration 2 renames the acknowledgement columns (docs/transports.md
+    /// §2): relays of the previous version fail their completions until they are upgraded.
     pub async fn migrate(&self) -> Result<usize, StoreError> {
         let s = &self.inner.settings;
         schema::migrate(

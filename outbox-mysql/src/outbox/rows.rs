@@ -6,8 +6,8 @@ use sqlx::Row;
 use uuid::Uuid;
 
 use outbox_core::{
-    Envelope, EnvelopeLimits, ErrorClass, EventId, LastError, ParkKind, ParkReason, ParkedEvent,
-    Payload, StoreError, StoreErrorKind,
+    AckMetadata, Envelope, EnvelopeLimits, ErrorClass, EventId, LastError, ParkKind, ParkReason,
+    ParkedEvent, Payload, StoreError, StoreErrorKind,
 };
 
 use crate::error::db;
@@ -19,6 +19,28 @@ pub(crate) const ENVELOPE_COLS: &str = "event_id, aggregate_type, aggregate_id, 
 /// Columns of a parked row as [`parked_from_row`] reads them.
 pub(crate) const PARKED_COLS: &str = "attempts, park_kind, last_error_class, last_error_kind, \
     last_error_message, parked_at, maybe_delivered";
+
+/// The acknowledgement columns, in the order [`ack_from_row`] reads them.
+pub(crate) const ACK_COLS: &str =
+    "ack_transport, ack_destination, ack_partition, ack_position, ack_route, ack_duplicate";
+
+/// Reads the acknowledgement columns (`ACK_COLS`) of a row: `None` when it has none; an
+/// unknown transport or an incomplete acknowledgement is a `Schema` error (written by a newer
+/// version, or by hand), never guessed.
+pub(crate) fn ack_from_row(row: &MySqlRow) -> Result<Option<AckMetadata>, StoreError> {
+    use crate::error::opt_text;
+    let transport = opt_text(row, "ack_transport")?;
+    let duplicate: Option<bool> = row.try_get("ack_duplicate").map_err(db)?;
+    AckMetadata::from_columns(
+        transport.as_deref(),
+        opt_text(row, "ack_destination")?,
+        row.try_get("ack_partition").map_err(db)?,
+        row.try_get("ack_position").map_err(db)?,
+        opt_text(row, "ack_route")?,
+        duplicate,
+    )
+    .map_err(|e| StoreError::new(StoreErrorKind::Schema, e.to_string()))
+}
 
 /// A `DATETIME(6)` read as UTC (the store writes UTC_TIMESTAMP(6) and UTC values only).
 pub(crate) fn utc(t: NaiveDateTime) -> DateTime<Utc> {

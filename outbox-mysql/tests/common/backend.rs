@@ -161,7 +161,7 @@ impl RandomizedBackend for MyBackend {
         let rows: Vec<Row> = sqlx::query_as(&format!(
             "SELECT event_id, CAST(status AS CHAR), \
                     CAST(JSON_UNQUOTE(JSON_EXTRACT(headers, '$.\"{LABEL}\"')) AS CHAR), \
-                    CAST(ack_topic AS CHAR), ack_partition, ack_offset \
+                    CAST(ack_destination AS CHAR), ack_partition, ack_position \
              FROM {} ORDER BY id",
             self.table()
         ))

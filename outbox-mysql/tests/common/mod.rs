@@ -151,11 +151,7 @@ pub fn event(agg: &str, version: i64) -> Envelope {
 pub fn published(e: &Envelope, offset: i64) -> Outcome {
     Outcome::Published {
         event_id: e.event_id,
-        ack: AckMetadata {
-            topic: "orders".into(),
-            partition: 3,
-            offset,
-        },
+        ack: AckMetadata::kafka("orders", 3, offset),
     }
 }
 

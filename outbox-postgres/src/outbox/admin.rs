@@ -8,13 +8,13 @@ use chrono::{DateTime, Utc};
 use sqlx::{Executor, Postgres, Row};
 use uuid::Uuid;
 
-use outbox_core::{AckMetadata, StoreError, StoreErrorKind};
 pub use outbox_core::{
     IntervalCount, LatencySummary, PublishedFilter, PublishedPosition, PublishedRow,
 };
+use outbox_core::{StoreError, StoreErrorKind};
 
 use super::claim::micros;
-use super::rows::envelope_from_row;
+use super::rows::{ack_from_row, envelope_from_row, ACK_COLS};
 use super::PostgresOutboxStore;
 use crate::error::db;
 use crate::schema::qualified;
@@ -183,7 +183,7 @@ impl PostgresOutboxStore {
     ) -> Result<Vec<PublishedRow>, StoreError> {
         let t = self.admin_table("");
         let rows = sqlx::query(&format!(
-            "SELECT id, finished_at, {ENVELOPE_COLS}, ack_topic, ack_partition, ack_offset \
+            "SELECT id, finished_at, {ENVELOPE_COLS}, {ACK_COLS} \
              FROM {t} \
              WHERE {} AND status IN ('published', 'discarded') \
                AND ($6::timestamptz IS NULL OR (finished_at, id) > ($6, $7)) \
@@ -209,11 +209,12 @@ impl PostgresOutboxStore {
                         r.try_get("id").map_err(db)?,
                     ),
                     envelope_from_row(r)?,
-                    AckMetadata {
-                        topic: r.try_get("ack_topic").map_err(db)?,
-                        partition: r.try_get("ack_partition").map_err(db)?,
-                        offset: r.try_get("ack_offset").map_err(db)?,
-                    },
+                    ack_from_row(r)?.ok_or_else(|| {
+                        StoreError::new(
+                            StoreErrorKind::Schema,
+                            "a published row without an acknowledgement",
+                        )
+                    })?,
                 ))
             })
             .collect()
@@ -238,7 +239,7 @@ impl PostgresOutboxStore {
         let rows = sqlx::query(&format!(
             "SELECT date_bin($2::int8 * interval '1 microsecond', created_at, $1) AS start, \
                     event_type, count(*) AS events, \
-                    count(*) FILTER (WHERE status = 'published' AND ack_offset IS NOT NULL) \
+                    count(*) FILTER (WHERE status = 'published' AND ack_destination IS NOT NULL) \
                       AS published, \
                     count(*) FILTER (WHERE status = 'pending' AND created_at < \
                       clock_timestamp() - $3::int8 * interval '1 microsecond') AS overdue, \
@@ -272,7 +273,8 @@ impl PostgresOutboxStore {
     }
 
     /// Ids of the events of `event_type` created in `[start, end)`, published to one of
-    /// `topics` (any topic when empty) at least `grace` ago: what every consumer of those
+    /// `topics` (topics, streams or exchanges: the acknowledgement's destination; any when
+    /// empty) at least `grace` ago: what every consumer of those
     /// topics should have applied. Each entry is (event id, original id for a re-issued copy).
     pub async fn published_ids(
         &self,
@@ -286,7 +288,7 @@ impl PostgresOutboxStore {
         let rows = sqlx::query(&format!(
             "SELECT event_id, headers->>'{orig}' AS original FROM {t} \
              WHERE status = 'published' AND event_type = $1 AND created_at >= $2 \
-               AND created_at < $3 AND (cardinality($4::text[]) = 0 OR ack_topic = ANY($4)) \
+               AND created_at < $3 AND (cardinality($4::text[]) = 0 OR ack_destination = ANY($4)) \
                AND published_at < clock_timestamp() - $5::int8 * interval '1 microsecond'",
             orig = outbox_core::wire::ORIGINAL_EVENT_ID
         ))

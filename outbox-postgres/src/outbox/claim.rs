@@ -106,8 +106,16 @@ impl PostgresOutboxStore {
     /// A claim's transaction: READ COMMITTED, custom plans, no JIT, the candidate scan in
     /// order; lease claims commit synchronously; a locked claim's transaction (ended by its
     /// completion) gets the server-side hold limit.
+    ///
+    /// Before it reads a table, the claim takes the migration key shared (same round trip):
+    /// it waits for a migration of this table in progress, holding nothing the migration
+    /// needs, and never runs on the schema the migration is replacing.
     async fn begin_claim(&self) -> Result<Transaction<'static, Postgres>, StoreError> {
         let settings = &self.inner.settings;
+        let after_migrations = format!(
+            "SELECT pg_advisory_xact_lock_shared({})",
+            crate::schema::migration_lock_key(self.inner.seed)
+        );
         if settings.claim_mode == ClaimMode::LockedTransaction {
             let ms = settings.locked_max_hold.as_millis().max(1);
             // A SET cannot take bind parameters; the value is an integer we formatted. The
@@ -116,7 +124,7 @@ impl PostgresOutboxStore {
                 .pool
                 .begin_with(format!(
                     "{BEGIN_CLAIM}; {ORDERED_SCAN}; \
-                     SET LOCAL idle_in_transaction_session_timeout = {ms}; {}",
+                     SET LOCAL idle_in_transaction_session_timeout = {ms}; {}; {after_migrations}",
                     if settings.synchronous_completion {
                         SYNC_COMMIT
                     } else {
@@ -127,7 +135,9 @@ impl PostgresOutboxStore {
         } else {
             self.inner
                 .pool
-                .begin_with(format!("{BEGIN_CLAIM}; {ORDERED_SCAN}; {SYNC_COMMIT}"))
+                .begin_with(format!(
+                    "{BEGIN_CLAIM}; {ORDERED_SCAN}; {SYNC_COMMIT}; {after_migrations}"
+                ))
                 .await
         }
         .map_err(db)

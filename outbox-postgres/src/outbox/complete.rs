@@ -6,7 +6,8 @@ use sqlx::{Postgres, Row};
 use uuid::Uuid;
 
 use outbox_core::{
-    ClaimHandle, ClaimMode, CompletionReport, Outcome, ParkKind, StoreError, StoreErrorKind,
+    AckMetadata, ClaimHandle, ClaimMode, CompletionReport, Outcome, ParkKind, StoreError,
+    StoreErrorKind,
 };
 
 use super::claim::{finish, ClaimedRow, ASYNC_COMMIT, BEGIN_CLAIM, SYNC_COMMIT};
@@ -206,7 +207,7 @@ struct OutcomeArrays {
     agg_ids: Vec<String>,
     versions: Vec<i64>,
     kinds: Vec<&'static str>,
-    topics: Vec<Option<String>>,
+    destinations: Vec<Option<String>>,
     parts: Vec<Option<i32>>,
     offsets: Vec<Option<i64>>,
     delays: Vec<Option<i64>>,
@@ -215,6 +216,9 @@ struct OutcomeArrays {
     emsg: Vec<Option<String>>,
     pkind: Vec<Option<&'static str>>,
     uncertain: Vec<bool>,
+    transports: Vec<Option<&'static str>>,
+    routes: Vec<Option<String>>,
+    duplicates: Vec<Option<bool>>,
 }
 
 impl OutcomeArrays {
@@ -252,7 +256,7 @@ impl OutcomeArrays {
             agg_ids: Vec::with_capacity(n),
             versions: Vec::with_capacity(n),
             kinds: Vec::with_capacity(n),
-            topics: Vec::with_capacity(n),
+            destinations: Vec::with_capacity(n),
             parts: Vec::with_capacity(n),
             offsets: Vec::with_capacity(n),
             delays: Vec::with_capacity(n),
@@ -261,6 +265,9 @@ impl OutcomeArrays {
             emsg: Vec::with_capacity(n),
             pkind: Vec::with_capacity(n),
             uncertain: Vec::with_capacity(n),
+            transports: Vec::with_capacity(n),
+            routes: Vec::with_capacity(n),
+            duplicates: Vec::with_capacity(n),
         };
         for (i, row) in claimed.iter().enumerate() {
             a.ids.push(row.id);
@@ -282,9 +289,14 @@ impl OutcomeArrays {
                 }
             };
             a.kinds.push(kind);
-            a.topics.push(ack.map(|a| a.topic.clone()));
-            a.parts.push(ack.map(|a| a.partition));
-            a.offsets.push(ack.map(|a| a.offset));
+            let position = ack.and_then(AckMetadata::position);
+            a.transports.push(ack.map(|a| a.transport().as_str()));
+            a.destinations.push(ack.map(|a| a.destination().to_owned()));
+            a.parts.push(position.and_then(|p| p.partition));
+            a.offsets.push(position.map(|p| p.offset));
+            a.routes
+                .push(ack.and_then(|a| a.route().map(str::to_owned)));
+            a.duplicates.push(ack.and_then(AckMetadata::duplicate));
             // A delay beyond a year is a policy bug; capped so the timestamp cannot overflow.
             a.delays
                 .push(delay.map(|d| super::claim::micros(d.min(MAX_DELAY))));
@@ -305,7 +317,7 @@ impl OutcomeArrays {
             .bind(self.agg_ids)
             .bind(self.versions)
             .bind(self.kinds)
-            .bind(self.topics)
+            .bind(self.destinations)
             .bind(self.parts)
             .bind(self.offsets)
             .bind(self.delays)
@@ -314,12 +326,15 @@ impl OutcomeArrays {
             .bind(self.emsg)
             .bind(self.pkind)
             .bind(self.uncertain)
+            .bind(self.transports)
+            .bind(self.routes)
+            .bind(self.duplicates)
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use outbox_core::{AckMetadata, ErrorClass, EventId, LastError};
+    use outbox_core::{ErrorClass, EventId, LastError};
 
     use super::*;
 
@@ -337,11 +352,7 @@ mod tests {
     fn published(row: &ClaimedRow) -> Outcome {
         Outcome::Published {
             event_id: EventId::from_uuid(row.event),
-            ack: AckMetadata {
-                topic: "t".to_owned(),
-                partition: 0,
-                offset: row.id * 100,
-            },
+            ack: AckMetadata::kafka("t", 0, row.id * 100),
         }
     }
 

@@ -99,7 +99,8 @@ impl PostgresOutboxStore {
 
     /// Applies the embedded migrations (outbox, per-aggregate state, audit and archive tables)
     /// that are missing. Safe to call from several processes at once. Returns how many were
-    /// applied.
+    /// applied. Migration 8 renames the acknowledgement columns (docs/transports.md §2): relays
+    /// of the previous version fail their completions until they are upgraded.
     pub async fn migrate(&self) -> Result<usize, StoreError> {
         let s = &self.inner.settings;
         schema::migrate(

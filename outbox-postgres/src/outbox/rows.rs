@@ -6,11 +6,31 @@ use sqlx::Row;
 use uuid::Uuid;
 
 use outbox_core::{
-    Envelope, EnvelopeLimits, ErrorClass, EventId, LastError, ParkKind, ParkReason, ParkedEvent,
-    Payload, StoreError, StoreErrorKind,
+    AckMetadata, Envelope, EnvelopeLimits, ErrorClass, EventId, LastError, ParkKind, ParkReason,
+    ParkedEvent, Payload, StoreError, StoreErrorKind,
 };
 
 use crate::error::db;
+
+/// The acknowledgement columns, in the order [`ack_from_row`] reads them.
+pub(crate) const ACK_COLS: &str =
+    "ack_transport, ack_destination, ack_partition, ack_position, ack_route, ack_duplicate";
+
+/// Reads the acknowledgement columns (`ACK_COLS`) of a row: `None` when it has none; an
+/// unknown transport or an incomplete acknowledgement is a `Schema` error (written by a newer
+/// version, or by hand), never guessed.
+pub(crate) fn ack_from_row(row: &PgRow) -> Result<Option<AckMetadata>, StoreError> {
+    let transport: Option<String> = row.try_get("ack_transport").map_err(db)?;
+    AckMetadata::from_columns(
+        transport.as_deref(),
+        row.try_get("ack_destination").map_err(db)?,
+        row.try_get("ack_partition").map_err(db)?,
+        row.try_get("ack_position").map_err(db)?,
+        row.try_get("ack_route").map_err(db)?,
+        row.try_get("ack_duplicate").map_err(db)?,
+    )
+    .map_err(|e| StoreError::new(StoreErrorKind::Schema, e.to_string()))
+}
 
 /// Reads the envelope columns (see `sql::ENVELOPE_COLS`) of a row. Size limits are not
 /// checked again ([`EnvelopeLimits::unlimited`]): the event was validated when it was

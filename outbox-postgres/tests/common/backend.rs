@@ -154,7 +154,7 @@ impl RandomizedBackend for PgBackend {
             Option<i64>,
         );
         let rows: Vec<Row> = sqlx::query_as(&format!(
-            "SELECT event_id, status, headers->>'{LABEL}', ack_topic, ack_partition, ack_offset \
+            "SELECT event_id, status, headers->>'{LABEL}', ack_destination, ack_partition, ack_position \
              FROM {} ORDER BY id",
             self.table()
         ))

@@ -548,10 +548,11 @@ impl PublisherHarness for MemoryPublisherHarness {
     }
 
     async fn read_back(&self, ack: &AckMetadata) -> Option<ReadBack> {
+        let (topic, partition, offset) = ack.as_kafka()?;
         self.log
-            .records(&ack.topic, ack.partition)
+            .records(topic, partition)
             .into_iter()
-            .find(|r| r.offset == ack.offset)
+            .find(|r| r.offset == offset)
             .map(|r| (r.key, r.headers, r.value))
     }
 }
@@ -789,6 +790,7 @@ pub const REPORTING_CHECKS: &[&str] = &[
     "cleanup_candidates_count_what_a_cleanup_removes",
     "interval_counts_per_interval_and_event_type",
     "published_ids_name_the_original_of_a_copy",
+    "published_events_keep_each_transport_acknowledgement",
 ];
 
 /// Emits one named test per reporting check (see [`REPORTING_CHECKS`]) from a setup
@@ -813,6 +815,7 @@ macro_rules! reporting_conformance_tests {
             cleanup_candidates_count_what_a_cleanup_removes,
             interval_counts_per_interval_and_event_type,
             published_ids_name_the_original_of_a_copy,
+            published_events_keep_each_transport_acknowledgement,
         );
     };
     (@emit ($setup:expr) $($check:ident),* $(,)?) => {

@@ -39,11 +39,7 @@ fn set(events: &[&Envelope]) -> BTreeSet<EventId> {
 fn published(event_id: EventId, offset: i64) -> Outcome {
     Outcome::Published {
         event_id,
-        ack: AckMetadata {
-            topic: "conformance".into(),
-            partition: 0,
-            offset,
-        },
+        ack: AckMetadata::kafka("conformance", 0, offset),
     }
 }
 

@@ -29,11 +29,7 @@ fn created(agg: &str, version: i64, event_type: &str, at: DateTime<Utc>) -> Enve
 fn published(event_id: EventId, offset: i64) -> Outcome {
     Outcome::Published {
         event_id,
-        ack: AckMetadata {
-            topic: TOPIC.into(),
-            partition: 0,
-            offset,
-        },
+        ack: AckMetadata::kafka(TOPIC, 0, offset),
     }
 }
 
@@ -256,7 +252,10 @@ pub async fn published_events_come_in_publication_order_and_page_by_position<H: 
     let got: Vec<EventId> = rows.iter().map(|r| r.envelope.event_id).collect();
     assert_eq!(got, [a1.event_id, a2.event_id], "publication order");
     assert!(rows[0].position < rows[1].position, "{rows:?}");
-    assert_eq!(rows[0].ack.topic, TOPIC);
+    assert!(
+        matches!(&rows[0].ack, AckMetadata::Kafka { topic, .. } if topic == TOPIC),
+        "{rows:?}"
+    );
     assert_eq!(rows[0].envelope, a1, "the event reads back whole");
     // Paging one at a time over everything: each published event once, in order.
     let (mut seen, mut after) = (Vec::new(), None);
@@ -478,4 +477,105 @@ where
         .await
         .expect("published ids");
     assert!(outside.is_empty(), "created before the range");
+}
+
+/// A published row keeps its transport's own acknowledgement, whichever transport gave it:
+/// a Kafka delivery report, a JetStream `PubAck` (with its subject and duplicate flag), a
+/// RabbitMQ confirm (exchange and routing key, no position). Replay reads each back as it was
+/// recorded, and `published_ids` filters by destination (topic, stream or exchange).
+pub async fn published_events_keep_each_transport_acknowledgement<H: OutboxHarness>(h: &H)
+where
+    H::Store: ReportingStore,
+{
+    let store = store(h).await;
+    let now = h.now().await;
+    let acks = [
+        AckMetadata::kafka("orders", 3, 41),
+        AckMetadata::JetStream {
+            stream: "ORDERS".into(),
+            sequence: 9_007_199_254_740_993,
+            subject: "outbox.order".into(),
+            duplicate: true,
+        },
+        AckMetadata::JetStream {
+            stream: "ORDERS".into(),
+            sequence: 1,
+            subject: "outbox.order".into(),
+            duplicate: false,
+        },
+        AckMetadata::RabbitMq {
+            exchange: "outbox".into(),
+            routing_key: String::new(),
+        },
+        AckMetadata::RabbitMq {
+            exchange: "outbox".into(),
+            routing_key: "order.created".into(),
+        },
+    ];
+    let events: Vec<Envelope> = (0..acks.len())
+        .map(|k| created(&format!("t{k}"), 1, "order.created", now))
+        .collect();
+    append(h, &store, &events).await;
+    let b = claim(&store, 100).await;
+    assert_eq!(b.records.len(), events.len(), "every event claimed");
+    let outs: Vec<Outcome> = b
+        .records
+        .iter()
+        .map(|r| {
+            let k = events
+                .iter()
+                .position(|e| e.event_id == r.envelope.event_id)
+                .expect("a claimed event was appended");
+            Outcome::Published {
+                event_id: r.envelope.event_id,
+                ack: acks[k].clone(),
+            }
+        })
+        .collect();
+    store.complete(&b.handle, &outs).await.expect("complete");
+    let rows = store
+        .published_events(&PublishedFilter::default(), None, 100)
+        .await
+        .expect("published");
+    assert_eq!(rows.len(), events.len(), "{rows:?}");
+    for row in &rows {
+        let k = events
+            .iter()
+            .position(|e| e.event_id == row.envelope.event_id)
+            .expect("a published event was appended");
+        assert_eq!(row.ack, acks[k], "the acknowledgement of {:?}", events[k]);
+    }
+    h.advance(h.capabilities().time_step).await;
+    let ids = |destination: &'static str| {
+        let store = &store;
+        async move {
+            let mut ids: Vec<EventId> = store
+                .published_ids(
+                    "order.created",
+                    now - chrono::Duration::minutes(1),
+                    now + chrono::Duration::minutes(1),
+                    &[destination.to_owned()],
+                    Duration::ZERO,
+                )
+                .await
+                .expect("published ids")
+                .into_iter()
+                .map(|p| p.event_id)
+                .collect();
+            ids.sort();
+            ids
+        }
+    };
+    let of = |idx: &[usize]| {
+        let mut ids: Vec<EventId> = idx.iter().map(|k| events[*k].event_id).collect();
+        ids.sort();
+        ids
+    };
+    assert_eq!(ids("orders").await, of(&[0]), "a topic");
+    assert_eq!(ids("ORDERS").await, of(&[1, 2]), "a stream");
+    assert_eq!(ids("outbox").await, of(&[3, 4]), "an exchange");
+    assert!(
+        ids("outbox.order").await.is_empty(),
+        "a subject is no destination"
+    );
 }

@@ -235,11 +235,7 @@ impl<B: RandomizedBackend> Publisher for FakePublisher<B> {
                     reported,
                 });
                 out.push(match error {
-                    None => Ok(AckMetadata {
-                        topic: TOPIC.into(),
-                        partition: partition as i32,
-                        offset,
-                    }),
+                    None => Ok(AckMetadata::kafka(TOPIC, partition as i32, offset)),
                     Some(e) => Err(e),
                 });
             }
