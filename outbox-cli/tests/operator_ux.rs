@@ -682,11 +682,7 @@ async fn publish_all(env: &TestEnv, topic: &str) {
         .enumerate()
         .map(|(i, r)| Outcome::Published {
             event_id: r.envelope.event_id,
-            ack: AckMetadata {
-                topic: topic.to_owned(),
-                partition: 0,
-                offset: i as i64,
-            },
+            ack: AckMetadata::kafka(topic, 0, i as i64),
         })
         .collect();
     store.complete(&batch.handle, &outcomes).await.unwrap();
