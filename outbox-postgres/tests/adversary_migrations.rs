@@ -1,7 +1,10 @@
 //! Migrations run beside relays of the previous version (issue 20, item 7). A deployment
 //! upgrades while the relays of the version before still claim, complete and release: a
 //! migration that derives state from what those relays write must see all of it, and a relay
-//! of the previous version must keep working on the new schema until it is replaced.
+//! of the previous version must keep working on the new schema until it is replaced (up to
+//! migration 7; migration 8 renames the acknowledgement columns, so a relay of version 7
+//! fails its completions after it and its events are sent again by an upgraded relay: a
+//! duplicate, never a loss; `adversary_ack_upgrade.rs` tests that).
 //!
 //! The relays of the previous version are played by their statements (the shapes they run
 //! against their schema), in a transaction the test holds open while the migration starts;
