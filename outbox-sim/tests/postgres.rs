@@ -10,9 +10,9 @@
 //! to be caught (`docs/simulation.md` has the figures per seed): an operator retry that
 //! retries every parked event of the type, 5 to 87 over four seeds; `Unchecked` past a parked
 //! message, 1 to 66 (91 at the default seed before `Unchecked` became the policy of half the
-//! cases); measured before the last step mix, at the default seed: an attempt spent on
-//! deferral 39, a completion without its aggregate locks and one that does not check its token
-//! 26, both by a forced `Step::Overtake`, a lost wake-up 6, the claim's gap rule 2. 136 s for
+//! cases); on the current step mix over the same four seeds: a completion that does not check
+//! its token 31 to 51, a completion without its aggregate locks 18 to 40, an attempt spent on
+//! deferral 4 to 25, the claim's gap rule 2 to 18, a lost wake-up 1. 136 s for
 //! the property test alone on a loaded 2-core machine (load 9-10, ~1.35 s a case; the earlier
 //! 60 cases took ~75 s at load 8); with the operator checks and the current step mix, 313 s
 //! beside 310 s for the previous one, run side by side at load 16. Long mode: `OUTBOX_SIM_PG_CASES=1000`
