@@ -141,14 +141,16 @@ async fn a_locked_completion_missing_its_state_row_fails() {
     let s = ctx.store(outbox_core::ClaimMode::LockedTransaction).await;
     let evs = vec![event("a", 1), event("b", 1)];
     common::append(&ctx, &s, &evs).await;
-    let batch = claim(&s, "relay", 10).await;
-    assert_eq!(batch.records.len(), 2);
+    // Installed before the claim: a trigger waits for the metadata lock of the table, which
+    // the locked claim's open transaction holds.
     delete_state_on(
         &ctx,
         "drop_state_on_publish",
         "NEW.status = 'published' AND OLD.status = 'pending' AND NEW.aggregate_id = 'a'",
     )
     .await;
+    let batch = claim(&s, "relay", 10).await;
+    assert_eq!(batch.records.len(), 2);
     let outs: Vec<Outcome> = batch
         .records
         .iter()
