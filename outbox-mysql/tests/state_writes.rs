@@ -59,7 +59,12 @@ async fn a_lease_write_missing_its_state_row_fails_the_claim() {
     common::append(&ctx, &s, &evs).await;
     // `a` v2 follows `a` v1: the claim blocks it, which deletes `a`'s state row inside the
     // claim's transaction, after the lock and before the lease write.
-    delete_state_on(&ctx, "drop_state_on_block", "NEW.blocked = 1 AND OLD.blocked = 0").await;
+    delete_state_on(
+        &ctx,
+        "drop_state_on_block",
+        "NEW.blocked = 1 AND OLD.blocked = 0",
+    )
+    .await;
     let err = s
         .claim(&ClaimRequest::new("relay", 10))
         .await
@@ -122,7 +127,11 @@ async fn ending_a_lease_missing_its_state_row_fails_the_completion() {
     .await
     .unwrap();
     assert_eq!(pending, 2, "nothing recorded");
-    assert_eq!(state_counts(&ctx).await, (2, 2, 0), "leases kept, no row added");
+    assert_eq!(
+        state_counts(&ctx).await,
+        (2, 2, 0),
+        "leases kept, no row added"
+    );
     drop_trigger(&ctx, "drop_state_on_publish").await;
     let rep = s.complete(&batch.handle, &outs).await.unwrap();
     assert_eq!(rep.applied, 2);

@@ -521,8 +521,10 @@ impl MySqlOutboxStore {
         // lock this transaction holds), so each row is an update, counted 2 by the server:
         // anything else (a row inserted) fails the completion, which rolls back. Measured at
         // about half the cost of one `UPDATE` joined with them as `JSON_TABLE`.
-        let mut ends: Vec<(&Key, Option<i64>)> =
-            mine.iter().map(|r| (&r.key, moved.get(&r.key).copied())).collect();
+        let mut ends: Vec<(&Key, Option<i64>)> = mine
+            .iter()
+            .map(|r| (&r.key, moved.get(&r.key).copied()))
+            .collect();
         ends.sort();
         ends.dedup_by(|a, b| a.0 == b.0);
         let sql = format!(
