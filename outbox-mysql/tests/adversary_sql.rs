@@ -1,8 +1,9 @@
 //! Adversarial checks of the batch SQL of the MySQL/MariaDB store's claim and completion
 //! (`JSON_TABLE` joins: the publications marked by one joined `UPDATE` after a plain read of
 //! their status, the last versions written by one joined `UPDATE` (in lease mode the one that
-//! also ends the leases), the head probe over a JSON table of (key, last version), the lease
-//! write joined with the claimed heads, state rows and event rows in one `UPDATE`).
+//! also ends the leases; since then one multi-row upsert of the state rows), the head probe
+//! over a JSON table of (key, last version), the lease write (since then one multi-row upsert
+//! of the state rows and one `UPDATE` of the event rows)).
 //!
 //! Each test uses its own database. Needs MySQL/MariaDB at `MYSQL_URL`; see `common`.
 

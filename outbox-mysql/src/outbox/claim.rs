@@ -27,11 +27,11 @@ use uuid::Uuid;
 
 use outbox_core::{
     ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, ClaimedRecord, Envelope, EventId, ParkKind,
-    ParkedAtClaim, StoreError,
+    ParkedAtClaim, StoreError, StoreErrorKind,
 };
 
 use super::decide::{decide, Action, Candidate};
-use super::head::{hex, marks, AggView, Key};
+use super::head::{marks, AggView, Key};
 use super::rows::{envelope_from_row, ENVELOPE_COLS};
 use super::tx::{self, begin, finish, micros, HeldConnection};
 use super::MySqlOutboxStore;
@@ -573,53 +573,83 @@ under shorter names') \
             return Ok(());
         }
         let t = &self.inner.tables;
-        // One multi-table `UPDATE` writes the leases into the state rows and makes the rows
-        // due again only when their lease ends: the claimed heads joined as a table (key in
-        // hex, row id, whether a lease that still named the row, whose claim ended without
-        // outcome or release, may have sent it: the row keeps that as `maybe_delivered`).
-        // `UTC_TIMESTAMP(6)` is one value within a statement, so each row's `next_attempt_at`
-        // is its lease's `lease_until`. One statement whatever the batch size, where a `CASE`
-        // with one branch per aggregate cost the server time growing with the square of the
-        // batch. The claimed heads drive (`STRAIGHT_JOIN`), each row found by primary key,
-        // and the `IN (..)` lists keep it on these state and event rows (all locked by this
-        // transaction): a scan would wait on other claims' rows (see `super::tx`).
-        let heads = serde_json::Value::Array(
-            claimed
-                .iter()
-                .map(|(r, rec)| {
-                    serde_json::json!([hex(&r.key), r.id, i32::from(rec.maybe_sent_before)])
-                })
-                .collect(),
-        )
-        .to_string();
+        // Three statements whatever the batch size, each row found by primary key (the state
+        // and event rows are all locked by this transaction: nothing else is read or waited
+        // for):
+        // 1. The leases into the state rows: a multi-row upsert whose `VALUES` carry each
+        //    aggregate's key and row, every other value the same for all (owner, token,
+        //    expiry on the database clock). Each state row exists (this transaction locked
+        //    it), so each row is an update, counted 2 by the server: anything else (a row
+        //    inserted) fails the claim, which rolls back. Measured at about half the cost of
+        //    one `UPDATE` joined with the heads as `JSON_TABLE`, and a `CASE` with one branch
+        //    per aggregate cost time growing with the square of the batch.
+        // 2. The rows made due again only when their lease ends: one constant value. Written
+        //    after the leases, on a later reading of the database clock, so no row is due
+        //    before its lease has ended.
+        // 3. Only when a head's earlier lease ended without outcome or release (it may have
+        //    been sent): `maybe_delivered` on those rows.
+        let mut heads: Vec<(&Key, i64)> = claimed.iter().map(|(r, _)| (&r.key, r.id)).collect();
+        heads.sort();
+        heads.dedup_by(|a, b| a.0 == b.0);
         let sql = format!(
-            "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (k VARCHAR(64) PATH '$[0]', \
-               row_id BIGINT PATH '$[1]', resend INT PATH '$[2]')) h \
-             STRAIGHT_JOIN {} s FORCE INDEX (PRIMARY) ON s.aggregate_key = UNHEX(h.k) \
-             STRAIGHT_JOIN {} e FORCE INDEX (PRIMARY) ON e.id = h.row_id \
-             SET s.lease_owner = ?, s.lease_token = ?, \
-               s.lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, \
-               s.lease_row = h.row_id, s.updated_at = UTC_TIMESTAMP(6), \
-               e.next_attempt_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, \
-               e.maybe_delivered = e.maybe_delivered OR h.resend = 1 \
-             WHERE s.aggregate_key IN ({}) AND e.id IN ({})",
+            "INSERT INTO {} (aggregate_key, aggregate_type, aggregate_id, lease_row, updated_at) \
+             VALUES {} \
+             ON DUPLICATE KEY UPDATE lease_owner = ?, lease_token = ?, \
+               lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, \
+               lease_row = VALUES(lease_row), updated_at = VALUES(updated_at)",
             t.state,
-            t.events,
-            marks(claimed.len()),
-            marks(claimed.len())
+            vec!["(?, '', '', ?, UTC_TIMESTAMP(6))"; heads.len()].join(", ")
         );
         let until = micros(duration);
-        let mut q = sqlx::query(&sql)
-            .bind(heads)
+        let mut q = sqlx::query(&sql);
+        for (key, id) in &heads {
+            q = q.bind(*key).bind(id);
+        }
+        let n = q
             .bind(&request.owner)
             .bind(token)
             .bind(until)
-            .bind(until);
-        for (r, _) in claimed {
-            q = q.bind(&r.key);
+            .execute(&mut *conn)
+            .await
+            .map_err(db)?
+            .rows_affected();
+        if n != 2 * heads.len() as u64 {
+            return Err(StoreError::new(
+                StoreErrorKind::Other,
+                format!(
+                    "the lease write changed {n} row counts for {} locked state rows (2 each \
+                     expected): a state row was missing",
+                    heads.len()
+                ),
+            ));
         }
+        let sql = format!(
+            "UPDATE {} SET next_attempt_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND \
+             WHERE id IN ({})",
+            t.events,
+            marks(claimed.len())
+        );
+        let mut q = sqlx::query(&sql).bind(until);
         for (r, _) in claimed {
             q = q.bind(r.id);
+        }
+        q.execute(&mut *conn).await.map_err(db)?;
+        let resent: Vec<i64> = claimed
+            .iter()
+            .filter(|(_, rec)| rec.maybe_sent_before)
+            .map(|(r, _)| r.id)
+            .collect();
+        if resent.is_empty() {
+            return Ok(());
+        }
+        let sql = format!(
+            "UPDATE {} SET maybe_delivered = 1 WHERE id IN ({})",
+            t.events,
+            marks(resent.len())
+        );
+        let mut q = sqlx::query(&sql);
+        for id in &resent {
+            q = q.bind(id);
         }
         q.execute(conn).await.map_err(db)?;
         Ok(())

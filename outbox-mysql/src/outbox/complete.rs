@@ -11,7 +11,7 @@ use outbox_core::{
 };
 
 use super::claim::ClaimedRow;
-use super::head::{hex, marks, Key};
+use super::head::{marks, Key};
 use super::tx::{self, begin, finish, micros};
 use super::MySqlOutboxStore;
 use crate::error::db;
@@ -471,8 +471,11 @@ impl MySqlOutboxStore {
             .collect())
     }
 
-    /// Locked mode: writes the new last versions (one `UPDATE` joined with them as
-    /// `JSON_TABLE`, keys in hex, kept on these rows by an `aggregate_key IN (..)` list).
+    /// Locked mode: writes the new last versions, one multi-row upsert of the state rows (as
+    /// [`Self::end_leases`] does in lease mode). Each of these rows exists (this claim's
+    /// transaction has held its lock since the claim read it) and its last version moves up
+    /// (a claimed head is above it), so each row is an update, counted 2 by the server:
+    /// anything else fails the completion, which rolls the claim back.
     async fn write_last_versions(
         &self,
         conn: &mut MySqlConnection,
@@ -481,29 +484,36 @@ impl MySqlOutboxStore {
         if moved.is_empty() {
             return Ok(());
         }
-        let keys: Vec<&Key> = moved.keys().collect();
-        let values: Vec<serde_json::Value> = keys
-            .iter()
-            .map(|k| serde_json::json!([hex(k), moved[*k]]))
-            .collect();
+        let mut rows: Vec<(&Key, i64)> = moved.iter().map(|(k, v)| (k, *v)).collect();
+        rows.sort();
         let sql = format!(
-            "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (k VARCHAR(64) PATH '$[0]', \
-               v BIGINT PATH '$[1]')) n \
-             STRAIGHT_JOIN {} s FORCE INDEX (PRIMARY) ON s.aggregate_key = UNHEX(n.k) \
-             SET s.last_version = n.v, s.updated_at = UTC_TIMESTAMP(6) \
-             WHERE s.aggregate_key IN ({})",
+            "INSERT INTO {} (aggregate_key, aggregate_type, aggregate_id, last_version, \
+               updated_at) \
+             VALUES {} \
+             ON DUPLICATE KEY UPDATE last_version = VALUES(last_version), \
+               updated_at = VALUES(updated_at)",
             self.inner.tables.state,
-            marks(keys.len())
+            vec!["(?, '', '', ?, UTC_TIMESTAMP(6))"; rows.len()].join(", ")
         );
-        let mut q = sqlx::query(&sql).bind(serde_json::Value::Array(values).to_string());
-        for k in &keys {
-            q = q.bind(*k);
+        let mut q = sqlx::query(&sql);
+        for (key, v) in &rows {
+            q = q.bind(*key).bind(v);
         }
-        q.execute(&mut *conn).await.map_err(db)?;
+        let n = q.execute(&mut *conn).await.map_err(db)?.rows_affected();
+        if n != 2 * rows.len() as u64 {
+            return Err(StoreError::new(
+                StoreErrorKind::Other,
+                format!(
+                    "writing the last versions changed {n} row counts for {} locked state rows \
+                     (2 each expected): a state row was missing",
+                    rows.len()
+                ),
+            ));
+        }
         Ok(())
     }
 
-    /// Ends the leases of the owned rows (lease mode) and, in the same joined `UPDATE` of
+    /// Ends the leases of the owned rows (lease mode) and, in the same upsert of
     /// their state rows, moves the last version of the aggregates in `moved` (their keys are
     /// among the owned rows': only an owned row is published). An owned row that got no
     /// outcome (`done`) was made to wait for its lease by the claim: it is due again now.
@@ -523,33 +533,44 @@ impl MySqlOutboxStore {
             return Ok(());
         }
         let t = &self.inner.tables;
-        // Each owned aggregate as `[key]`, or `[key, new last version]` (a missing path is
-        // NULL: the last version stays).
-        let doc = serde_json::Value::Array(
-            mine.iter()
-                .map(|r| match moved.get(&r.key) {
-                    Some(v) => serde_json::json!([hex(&r.key), v]),
-                    None => serde_json::json!([hex(&r.key)]),
-                })
-                .collect(),
-        )
-        .to_string();
+        // One multi-row upsert of the state rows: each owned aggregate's key and its new last
+        // version (NULL: it stays) in the `VALUES`, the lease columns cleared. Each of these
+        // state rows exists and carries this claim's token (`owned_rows` read it under the
+        // lock this transaction holds), so each row is an update, counted 2 by the server:
+        // anything else (a row inserted) fails the completion, which rolls back. Measured at
+        // about half the cost of one `UPDATE` joined with them as `JSON_TABLE`.
+        let mut ends: Vec<(&Key, Option<i64>)> = mine
+            .iter()
+            .map(|r| (&r.key, moved.get(&r.key).copied()))
+            .collect();
+        ends.sort();
+        ends.dedup_by(|a, b| a.0 == b.0);
         let sql = format!(
-            "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (k VARCHAR(64) PATH '$[0]', \
-               v BIGINT PATH '$[1]')) n \
-             STRAIGHT_JOIN {} s FORCE INDEX (PRIMARY) ON s.aggregate_key = UNHEX(n.k) \
-             SET s.lease_owner = NULL, s.lease_token = NULL, s.lease_until = NULL, \
-               s.lease_row = NULL, s.last_version = COALESCE(n.v, s.last_version), \
-               s.updated_at = UTC_TIMESTAMP(6) \
-             WHERE s.aggregate_key IN ({})",
+            "INSERT INTO {} (aggregate_key, aggregate_type, aggregate_id, last_version, \
+               updated_at) \
+             VALUES {} \
+             ON DUPLICATE KEY UPDATE lease_owner = NULL, lease_token = NULL, \
+               lease_until = NULL, lease_row = NULL, \
+               last_version = COALESCE(VALUES(last_version), last_version), \
+               updated_at = VALUES(updated_at)",
             t.state,
-            marks(mine.len())
+            vec!["(?, '', '', ?, UTC_TIMESTAMP(6))"; ends.len()].join(", ")
         );
-        let mut q = sqlx::query(&sql).bind(doc);
-        for r in &mine {
-            q = q.bind(&r.key);
+        let mut q = sqlx::query(&sql);
+        for (key, last) in &ends {
+            q = q.bind(*key).bind(last);
         }
-        q.execute(&mut *conn).await.map_err(db)?;
+        let n = q.execute(&mut *conn).await.map_err(db)?.rows_affected();
+        if n != 2 * ends.len() as u64 {
+            return Err(StoreError::new(
+                StoreErrorKind::Other,
+                format!(
+                    "ending the leases changed {n} row counts for {} owned state rows (2 each \
+                     expected): a state row was missing",
+                    ends.len()
+                ),
+            ));
+        }
         let back: Vec<i64> = mine
             .iter()
             .filter(|r| !done.contains(&r.id))

@@ -160,7 +160,8 @@ impl MySqlOutboxStore {
     ///
     /// One statement: the state rows and, for each, its first pending and first parked row
     /// above the last version (two correlated probes of `aggregate_idx`, each row packed as a
-    /// `JSON_ARRAY` of id, version, blocked). With `accept_first_version` the last version the
+    /// `JSON_ARRAY` of id, version, blocked; the parked one only when the table holds a
+    /// parked row, see [`parked_row`]). With `accept_first_version` the last version the
     /// rule counts from depends on the unfinished rows, so the heads are probed in a second
     /// statement ([`Self::heads`]).
     pub(crate) async fn views(
@@ -200,12 +201,7 @@ impl MySqlOutboxStore {
                     "a.aggregate_key",
                     "COALESCE(a.last_version, 0)"
                 ),
-                first_row(
-                    &t.events,
-                    "parked",
-                    "a.aggregate_key",
-                    "COALESCE(a.last_version, 0)"
-                ),
+                parked_row(&t.events, "a.aggregate_key", "COALESCE(a.last_version, 0)"),
             )
         };
         let sql = format!(
@@ -303,8 +299,15 @@ impl MySqlOutboxStore {
                     {} AS parked_head, NULL AS stale_id \
              FROM {table}",
             first_row(e, "pending", "UNHEX(j.k)", "j.lv"),
-            first_row(e, "parked", "UNHEX(j.k)", "j.lv"),
+            parked_row(e, "UNHEX(j.k)", "j.lv"),
         );
+        // Promotion changes only blocked pending rows: when the table holds none (one probe
+        // of `claim_idx`, evaluated once per statement), the statement returns no row and
+        // probes nothing. Exact: the check reads the statement's own snapshot, so any blocked
+        // row the probes below would return, it sees.
+        if stale {
+            sql.push_str(&format!(" WHERE {}", any_blocked(e)));
+        }
         // With `stale`, the pending rows at or below each last version: an index range that
         // is empty unless a duplicate or late version waits there.
         if stale {
@@ -313,7 +316,9 @@ impl MySqlOutboxStore {
                  SELECT 's', u.aggregate_key, NULL, NULL, u.id \
                  FROM {table} JOIN {e} u ON u.aggregate_key = UNHEX(j.k) \
                    AND u.status = 'pending' AND u.aggregate_version <= j.lv \
-                   AND u.blocked = 1"
+                   AND u.blocked = 1 \
+                 WHERE {}",
+                any_blocked(e)
             ));
         }
         let mut q = sqlx::query(&sql).bind(&json);
@@ -384,6 +389,22 @@ fn first_row(events: &str, status: &str, key: &str, last: &str) -> String {
              AND u.aggregate_version > {last} \
            ORDER BY u.aggregate_version, u.id LIMIT 1)"
     )
+}
+
+/// [`first_row`] for `parked`, probed only when the table holds a parked row at all (an
+/// uncorrelated `EXISTS` on `parked_idx`, evaluated once per statement): a table without
+/// parked rows, the healthy state, skips one correlated probe per aggregate. Exact: the check
+/// reads the statement's own snapshot, so any row the probe would return, it sees.
+fn parked_row(events: &str, key: &str, last: &str) -> String {
+    format!(
+        "CASE WHEN EXISTS (SELECT 1 FROM {events} p WHERE p.status = 'parked') THEN {} END",
+        first_row(events, "parked", key, last)
+    )
+}
+
+/// `EXISTS` a blocked pending row anywhere in the table (one probe of `claim_idx`).
+fn any_blocked(events: &str) -> String {
+    format!("EXISTS (SELECT 1 FROM {events} b WHERE b.status = 'pending' AND b.blocked = 1)")
 }
 
 /// The head of a row carrying `pending_head` and `parked_head` ([`first_row`]): the first of
