@@ -20,9 +20,6 @@ pub struct Output {
     wide: bool,
 }
 
-/// The width tables fit when stdout is no terminal and `$COLUMNS` is not set.
-pub const DEFAULT_WIDTH: u16 = 80;
-
 impl Output {
     /// Output for `--json` or human text.
     pub fn new(json: bool, color: &str) -> Self {
@@ -40,8 +37,9 @@ impl Output {
         self
     }
 
-    /// The width tables fit: the terminal's, else `$COLUMNS`, else [`DEFAULT_WIDTH`];
-    /// `None` with `--wide`.
+    /// The width tables fit: the terminal's, else `$COLUMNS`; `None` (full width, one line
+    /// per row) with `--wide` or when stdout is no terminal and `$COLUMNS` is not set, so
+    /// output piped into `grep` or a file is never wrapped.
     pub fn width(&self) -> Option<u16> {
         if self.wide {
             return None;
@@ -51,13 +49,10 @@ impl Output {
                 return Some(w);
             }
         }
-        Some(
-            std::env::var("COLUMNS")
-                .ok()
-                .and_then(|c| c.trim().parse::<u16>().ok())
-                .filter(|w| *w >= 20)
-                .unwrap_or(DEFAULT_WIDTH),
-        )
+        std::env::var("COLUMNS")
+            .ok()
+            .and_then(|c| c.trim().parse::<u16>().ok())
+            .filter(|w| *w >= 20)
     }
 
     /// Prints one JSON document.

@@ -1010,7 +1010,7 @@ async fn reconcile_on_mariadb_compares_the_consumers_effects() {
     assert_eq!(row["published"], 3, "{doc:#}");
     assert_eq!(
         row["effects"],
-        serde_json::json!([{"consumer": "billing", "expected": 3, "applied": 1, "parked": 0}]),
+        serde_json::json!([{"consumer": "billing", "expected": 3, "applied": 1, "parked": 0, "within_grace": 0, "within_grace_applied": 0}]),
         "{doc:#}"
     );
     assert!(
@@ -1037,7 +1037,7 @@ async fn reconcile_on_mariadb_compares_the_consumers_effects() {
     assert_eq!(doc["ok"], true, "{doc:#}");
     assert_eq!(
         doc["rows"][0]["effects"],
-        serde_json::json!([{"consumer": "billing", "expected": 3, "applied": 2, "parked": 1}]),
+        serde_json::json!([{"consumer": "billing", "expected": 3, "applied": 2, "parked": 1, "within_grace": 0, "within_grace_applied": 0}]),
         "{doc:#}"
     );
     db.drop().await;

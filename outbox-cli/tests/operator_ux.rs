@@ -959,9 +959,10 @@ async fn wide_tables_fit_80_columns_unless_wide_is_asked_for() {
     env.migrate();
     append_new(&env, 2).await;
     let parked = park_all(&env.store()).await;
-    // Not a terminal, no $COLUMNS: 80 columns; the event ids stay whole for copying.
+    // An 80-column screen ($COLUMNS, as a shell exports it): 80 columns; the event ids stay
+    // whole for copying.
     for args in [&["parked", "list"][..], &["check", "--no-broker"]] {
-        let out = env.cmd().env_remove("COLUMNS").args(args).output().unwrap();
+        let out = env.cmd().env("COLUMNS", "80").args(args).output().unwrap();
         assert!(
             widest(&out) <= 80,
             "{args:?} is {} wide:\n{}",
@@ -971,7 +972,7 @@ async fn wide_tables_fit_80_columns_unless_wide_is_asked_for() {
     }
     let out = env
         .cmd()
-        .env_remove("COLUMNS")
+        .env("COLUMNS", "80")
         .args(["parked", "list"])
         .output()
         .unwrap();
@@ -979,6 +980,20 @@ async fn wide_tables_fit_80_columns_unless_wide_is_asked_for() {
     for id in &parked {
         assert!(shown.contains(&id.to_string()), "{id} broken:\n{shown}");
     }
+    // Piped, no $COLUMNS (a script, `| grep`): never wrapped, one line per event, as --wide.
+    let out = env
+        .cmd()
+        .env_remove("COLUMNS")
+        .args(["parked", "list"])
+        .output()
+        .unwrap();
+    assert!(widest(&out) > 80, "{}", text(&out));
+    let rows = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| parked.iter().any(|id| l.contains(&id.to_string())))
+        .filter(|l| l.contains("invalid_record: schema mismatch"))
+        .count();
+    assert_eq!(rows, 2, "{}", text(&out));
     // $COLUMNS narrows or widens it.
     let out = env
         .cmd()

@@ -132,7 +132,7 @@ async fn overlapping_relays_and_an_appender_deliver_in_order_without_errors() {
         );
         let rows: Vec<(String, i64, String, Option<i64>, i64, uuid::Uuid)> =
             sqlx::query_as(&format!(
-                "SELECT CONVERT(aggregate_id USING utf8mb4), aggregate_version, CONVERT(status USING utf8mb4), ack_offset, attempts, event_id \
+                "SELECT CONVERT(aggregate_id USING utf8mb4), aggregate_version, CONVERT(status USING utf8mb4), ack_position, attempts, event_id \
                  FROM {} ORDER BY aggregate_id, aggregate_version",
                 ctx.table("outbox_events")
             ))
@@ -425,7 +425,7 @@ fn lock_failure(e: &StoreError) -> bool {
 async fn rows(ctx: &common::Ctx) -> Vec<(String, i64, String, Option<i64>)> {
     sqlx::query_as(&format!(
         "SELECT CONVERT(aggregate_id USING utf8mb4), aggregate_version, \
-           CONVERT(status USING utf8mb4), ack_offset \
+           CONVERT(status USING utf8mb4), ack_position \
          FROM {} ORDER BY aggregate_id, aggregate_version",
         ctx.table("outbox_events")
     ))
