@@ -175,6 +175,7 @@ pub async fn run(opt: Opt) -> u8 {
         Command::Cleanup(o) => commands::cleanup::run(&config, &o, &out).await,
         Command::Check(o) => commands::check::run(&config, &o, &out).await,
         Command::Reconcile(o) => commands::reconcile::run(&config, &o, &out).await,
+        Command::Topics(t) => commands::topics::run(&config, t, &out).await,
         Command::Config => commands::show_config(&config, &out),
         Command::Completions(_) | Command::Man(_) => Ok(()),
     };
