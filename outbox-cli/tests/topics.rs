@@ -191,10 +191,13 @@ async fn topics_create_dry_run_prints_the_commands_and_touches_no_broker() {
     assert_eq!(code, 4, "{doc}");
 }
 
+/// Arguments, extra environment, the exit code and what the output must say.
+type BadInput<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], i32, &'a str);
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn topics_bad_input_and_an_unreachable_broker_exit_by_the_table() {
     let env = require!(TestEnv::new("topics_bad_input", 0).await);
-    let cases: &[(&[&str], &[(&str, &str)], i32, &str)] = &[
+    let cases: &[BadInput<'_>] = &[
         (
             &["topics", "create", "--partitions", "0"],
             &[],

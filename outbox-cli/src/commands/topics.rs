@@ -28,12 +28,11 @@
 //! factor, `min.insync.replicas`, `retention.ms` or a compacting `cleanup.policy` is reported
 //! with the command that would change it (adding partitions moves aggregates to other
 //! partitions, so it is left to a deliberate `kafka-topics.sh --alter`), and the command exits
-//! 1. Without `--retention`, any `retention.ms` within the rule's range matches (the
-//! default is only what a new topic gets). A setting the broker does not report is said to
-//! be unreported, not assumed.
-//! `topics check` compares without creating (exit 4 when a topic is missing, as at the
-//! relay's start). `--dry-run` contacts no broker and prints the equivalent
-//! `kafka-topics.sh` commands (`--if-not-exists`: they are idempotent too).
+//! with code 1. Without `--retention`, any `retention.ms` within the rule's range matches
+//! (the default is only what a new topic gets). A setting the broker does not report is said
+//! to be unreported, not assumed. `topics check` compares without creating (exit 4 when a
+//! topic is missing, as at the relay's start). `--dry-run` contacts no broker and prints the
+//! equivalent `kafka-topics.sh` commands (`--if-not-exists`: they are idempotent too).
 //!
 //! **Other transports.** On NATS JetStream and RabbitMQ the destinations are a stream and an
 //! exchange whose requirements the relay's start-up check names (see [`crate::transport`]):
@@ -832,10 +831,11 @@ mod tests {
     }
 
     fn consumer(name: &str, dedup_days: u64) -> ConsumerConfig {
-        let mut c = ConsumerConfig::default();
-        c.name = name.into();
-        c.dedup_retention = Dur(day(dedup_days));
-        c
+        ConsumerConfig {
+            name: name.into(),
+            dedup_retention: Dur(day(dedup_days)),
+            ..ConsumerConfig::default()
+        }
     }
 
     #[test]
