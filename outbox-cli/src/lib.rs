@@ -162,6 +162,11 @@ pub async fn run(opt: Opt) -> u8 {
             "info,librdkafka=off,outbox_kafka::publisher=error,outbox_nats::publisher=error,\
              outbox_rabbitmq::publisher=error"
         }
+        // A missing exchange is an answer `topics` expects (and reports itself).
+        Command::Topics(_) => {
+            "warn,librdkafka=off,lapin=off,outbox_kafka=error,outbox_nats=error,\
+             outbox_rabbitmq=error"
+        }
         _ => "warn,librdkafka=off,outbox_kafka=error,outbox_nats=error,outbox_rabbitmq=error",
     };
     logging::init(&config.log, level_given, default_level);

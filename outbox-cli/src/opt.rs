@@ -74,10 +74,9 @@ pub enum Command {
     Cleanup(CleanupOpts),
     /// Validate the configuration as a whole against the database and the broker.
     Check(CheckOpts),
-    /// Create or compare the destinations the relay publishes to (Kafka topics: partitions,
-    /// replication, min.insync.replicas, retention.ms by the retention rule). On NATS and
-    /// RabbitMQ: the `nats stream add` / `rabbitmqadmin declare exchange` command to run, and
-    /// the relay's own check of the stream or exchange.
+    /// Create or compare the destinations the relay publishes to: Kafka topics (partitions,
+    /// replication, min.insync.replicas, retention.ms by the retention rule), the NATS
+    /// JetStream stream, or the RabbitMQ exchange.
     #[command(subcommand)]
     Topics(TopicsCommand),
     /// Compare state transitions, outbox events, broker offsets and consumers' effects per
@@ -338,12 +337,12 @@ pub struct CheckOpts {
 pub enum TopicsCommand {
     /// Create every configured topic (kafka.topic and kafka.routes) that is missing; compare
     /// the existing ones and never change them (a difference exits 1 with the command that
-    /// would change it). Idempotent. On NATS / RabbitMQ: prints the command that makes the
-    /// stream / exchange (exit 2 without --dry-run).
+    /// would change it). Idempotent. On NATS: the stream capturing the subjects (file
+    /// storage, duplicate window >= the lease); on RabbitMQ: the durable exchange.
     Create(TopicsCreateOpts),
     /// Compare the configured topics with these settings; create nothing (exit 4 when one is
     /// missing, 1 when one differs). On NATS / RabbitMQ: the relay's check of the stream or
-    /// exchange.
+    /// exchange (exit 4 when missing).
     Check(TopicsSpecOpts),
 }
 
@@ -353,7 +352,8 @@ pub struct TopicsSpecOpts {
     /// Partitions of each topic (default 12). Never changed on an existing topic.
     #[arg(long, value_name = "N")]
     pub partitions: Option<u32>,
-    /// Replication factor (default 3; 1 only for a single-broker development cluster).
+    /// Replication factor, or a NATS stream's replicas (default 3; 1 only for a single-broker
+    /// development cluster).
     #[arg(long, value_name = "N")]
     pub replication_factor: Option<u32>,
     /// min.insync.replicas (default 2, at most the replication factor).
@@ -372,8 +372,8 @@ pub struct TopicsCreateOpts {
     /// The settings.
     #[command(flatten)]
     pub spec: TopicsSpecOpts,
-    /// Contact no broker: print the equivalent kafka-topics.sh commands (idempotent, with
-    /// --if-not-exists).
+    /// Contact no broker: print the equivalent commands (kafka-topics.sh with
+    /// --if-not-exists, nats stream add, rabbitmqadmin declare exchange).
     #[arg(long)]
     pub dry_run: bool,
 }

@@ -275,110 +275,152 @@ async fn topics_bad_input_and_an_unreachable_broker_exit_by_the_table() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn topics_on_nats_print_the_stream_command_and_check_the_stream() {
-    let test = "topics_on_nats_print_the_stream_command_and_check_the_stream";
+async fn topics_on_nats_create_the_stream_once_and_check_it() {
+    let test = "topics_on_nats_create_the_stream_once_and_check_it";
     let env = require!(TestEnv::without_kafka(test).await);
     let url = require!(outbox_test_support::nats_url(test));
-    let stream = NatsStream::create(&url, Duration::from_secs(120)).await;
-    let missing = outbox_test_support::unique("nostream");
-    let nats = |prefix: &str| {
-        vec![
-            ("OUTBOX_TRANSPORT__KIND", "nats".to_owned()),
-            ("NATS_URL", url.clone()),
-            ("OUTBOX_NATS__SUBJECT_PREFIX", prefix.to_owned()),
-        ]
-    };
-    // create: the command, and exit 2 (it does not create streams); --dry-run exit 0.
+    let prefix = outbox_test_support::unique("topics");
+    let stream = NatsStream::adopt(&url, &prefix).await;
+    let nats = [
+        ("OUTBOX_TRANSPORT__KIND", "nats"),
+        ("NATS_URL", url.as_str()),
+        ("OUTBOX_NATS__SUBJECT_PREFIX", prefix.as_str()),
+    ];
+    let name = prefix.to_uppercase();
+    // --dry-run: the command, nothing made.
     let out = env
         .cmd()
-        .envs(nats(&missing))
-        .args(["topics", "create"])
+        .envs(nats)
+        .args(["topics", "create", "--dry-run", "--replication-factor", "1"])
         .output()
         .unwrap();
     let shown = text(&out);
-    assert_eq!(out.status.code(), Some(2), "{shown}");
+    assert_eq!(out.status.code(), Some(0), "{shown}");
     assert!(
         shown.contains(&format!(
-            "stream add {} --subjects \"{missing}.>\" --storage file",
-            missing.to_uppercase()
+            "stream add {name} --subjects \"{prefix}.>\" --storage file --replicas 1 \
+             --retention limits --discard old --dupe-window 2m --max-age 7days"
         )),
         "{shown}"
     );
-    assert!(
-        shown.contains("--dupe-window 2m"),
-        "the lease or NATS's 2 minutes: {shown}"
-    );
+    // Missing: the relay's check says so (exit 4) and names the way to make it.
     let out = env
         .cmd()
-        .envs(nats(&missing))
-        .args(["topics", "create", "--dry-run"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(0), "{}", text(&out));
-    // check: the relay's check: no stream captures the subjects (exit 4, with the command);
-    // the test's stream does (exit 0).
-    let out = env
-        .cmd()
-        .envs(nats(&missing))
+        .envs(nats)
         .args(["topics", "check"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(4), "{}", text(&out));
-    assert!(text(&out).contains("nats --server"), "{}", text(&out));
-    let (code, doc, err) = env.json_env(
-        &nats(&stream.prefix)
-            .iter()
-            .map(|(k, v)| (*k, v.as_str()))
-            .collect::<Vec<_>>(),
-        &["topics", "check"],
+    assert!(
+        text(&out).contains("outbox topics create"),
+        "{}",
+        text(&out)
     );
+    // One server: 3 replicas cannot be held (exit 2, with the flag to pass).
+    let out = env
+        .cmd()
+        .envs(nats)
+        .args(["topics", "create"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
+    assert!(
+        text(&out).contains("--replication-factor 1"),
+        "{}",
+        text(&out)
+    );
+    // Created with what the relay's check wants; a second run changes nothing.
+    let create = ["topics", "create", "--replication-factor", "1"];
+    let (code, doc, err) = env.json_env(&nats, &create);
     assert_eq!(code, 0, "{doc} {err}");
-    assert!(doc["findings"].to_string().contains(&stream.name), "{doc}");
+    assert_eq!(doc["action"], "created", "{doc}");
+    let config = stream.config().await;
+    assert_eq!(config.subjects, vec![format!("{prefix}.>")]);
+    assert_eq!(
+        config.storage,
+        async_nats::jetstream::stream::StorageType::File
+    );
+    assert_eq!(config.num_replicas, 1);
+    assert!(
+        config.duplicate_window >= Duration::from_secs(10),
+        "the lease: {config:?}"
+    );
+    assert_eq!(
+        config.max_age,
+        Duration::from_secs(7 * 86_400),
+        "by the rule"
+    );
+    let (code, doc, err) = env.json_env(&nats, &create);
+    assert_eq!(code, 0, "{doc} {err}");
+    assert_eq!(doc["action"], "ok", "{doc}");
+    let (code, doc, err) = env.json_env(&nats, &["topics", "check"]);
+    assert_eq!(code, 0, "{doc} {err}");
+    assert!(doc["findings"].to_string().contains(&name), "{doc}");
+    // Kafka-only flags are refused.
+    let out = env
+        .cmd()
+        .envs(nats)
+        .args(["topics", "create", "--partitions", "3"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn topics_on_rabbitmq_print_the_exchange_command_and_check_the_exchange() {
-    let test = "topics_on_rabbitmq_print_the_exchange_command_and_check_the_exchange";
+async fn topics_on_rabbitmq_declare_the_exchange_once_and_check_it() {
+    let test = "topics_on_rabbitmq_declare_the_exchange_once_and_check_it";
     let env = require!(TestEnv::without_kafka(test).await);
     let url = require!(outbox_test_support::amqp_url(test));
-    let topology = RabbitTopology::create(&url).await;
-    let missing = outbox_test_support::unique("noexchange");
-    let rabbit = |exchange: &str| {
-        vec![
-            ("OUTBOX_TRANSPORT__KIND", "rabbitmq".to_owned()),
-            ("AMQP_URL", url.clone()),
-            ("OUTBOX_RABBITMQ__EXCHANGE", exchange.to_owned()),
-        ]
-    };
+    let exchange = outbox_test_support::unique("topics");
+    let topology = RabbitTopology::adopt(&url, &exchange).await;
+    let rabbit = [
+        ("OUTBOX_TRANSPORT__KIND", "rabbitmq"),
+        ("AMQP_URL", url.as_str()),
+        ("OUTBOX_RABBITMQ__EXCHANGE", exchange.as_str()),
+    ];
     let out = env
         .cmd()
-        .envs(rabbit(&missing))
+        .envs(rabbit)
         .args(["topics", "create", "--dry-run"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
     assert!(
         text(&out).contains(&format!(
-            "rabbitmqadmin declare exchange name={missing} type=topic durable=true"
+            "rabbitmqadmin declare exchange name={exchange} type=topic durable=true"
         )),
         "{}",
         text(&out)
     );
+    assert!(
+        !topology.exchange_is(lapin::ExchangeKind::Topic).await,
+        "a dry run makes nothing"
+    );
     let out = env
         .cmd()
-        .envs(rabbit(&missing))
+        .envs(rabbit)
         .args(["topics", "check"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(4), "{}", text(&out));
+    let (code, doc, err) = env.json_env(&rabbit, &["topics", "create"]);
+    assert_eq!(code, 0, "{doc} {err}");
+    assert_eq!(doc["action"], "created", "{doc}");
+    assert!(
+        topology.exchange_is(lapin::ExchangeKind::Topic).await,
+        "durable topic exchange"
+    );
+    let (code, doc, err) = env.json_env(&rabbit, &["topics", "create"]);
+    assert_eq!(code, 0, "{doc} {err}");
+    assert_eq!(doc["action"], "ok", "{doc}");
     let out = env
         .cmd()
-        .envs(rabbit(&topology.exchange))
+        .envs(rabbit)
         .args(["topics", "check"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(0), "{}", text(&out));
-    assert!(text(&out).contains(&topology.exchange), "{}", text(&out));
+    assert!(text(&out).contains(&exchange), "{}", text(&out));
     // Unreachable: exit 3.
     let nowhere = format!(
         "amqp://guest:guest@127.0.0.1:{}/%2f",
@@ -386,10 +428,10 @@ async fn topics_on_rabbitmq_print_the_exchange_command_and_check_the_exchange() 
     );
     let out = env
         .cmd()
-        .envs(rabbit(&topology.exchange))
+        .envs(rabbit)
         .env("AMQP_URL", &nowhere)
         .env("OUTBOX_RABBITMQ__CONNECT_TIMEOUT", "2s")
-        .args(["topics", "check"])
+        .args(["topics", "create"])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(3), "{}", text(&out));

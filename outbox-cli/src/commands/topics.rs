@@ -34,11 +34,22 @@
 //! topic is missing, as at the relay's start). `--dry-run` contacts no broker and prints the
 //! equivalent `kafka-topics.sh` commands (`--if-not-exists`: they are idempotent too).
 //!
-//! **Other transports.** On NATS JetStream and RabbitMQ the destinations are a stream and an
-//! exchange whose requirements the relay's start-up check names (see [`crate::transport`]):
-//! `topics create --dry-run` prints the `nats stream add` or `rabbitmqadmin declare exchange`
-//! command that makes them, `topics check` runs the relay's own check; `topics create`
-//! without `--dry-run` refuses (exit 2) and prints those commands.
+//! **Other transports.** On NATS JetStream the destination is a stream that captures every
+//! subject space of the publisher (`<subject_prefix>.>` and each route); `topics create`
+//! makes it when none does: named after the prefix in upper case, file storage, limits
+//! retention, discard old, `--replication-factor` replicas (default 3; a single server holds
+//! 1, and says so: exit 2 with the flag to pass), a duplicate window of the claim
+//! (`outbox.lease`) or NATS's default 2 minutes, whichever is longer, and `max_age` by the
+//! retention rule above (or `--retention`). A stream that captures the subjects already is
+//! left as it is (exit 0, `ok`); one that captures only part of them, or holds the name, is
+//! not changed (the server's refusal is reported, exit 1). On RabbitMQ the destination is
+//! the exchange: declared durable, of `rabbitmq.exchange_kind`, when missing (binding the
+//! consumers' quorum queues stays the consumers' part); an existing one is never redeclared.
+//! Both then run the relay's own start-up check and print its findings, as `topics check`
+//! does (exit 4 when missing, 3 when unreachable). `--dry-run` prints the `nats stream add`
+//! or `rabbitmqadmin declare exchange` command instead. Flags that do not apply to the
+//! transport (`--partitions` beyond Kafka; `--min-insync-replicas` on NATS; any on RabbitMQ)
+//! are refused (exit 2).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -362,7 +373,7 @@ pub async fn run(config: &Config, command: TopicsCommand, out: &Output) -> Resul
     };
     match crate::transport::kind(config)? {
         TransportKind::Kafka => kafka(config, create, dry_run, &spec_opts, out).await,
-        other => other_transport(config, other, create, dry_run, out).await,
+        other => other_transport(config, other, create, dry_run, &spec_opts, out).await,
     }
 }
 
@@ -683,44 +694,67 @@ async fn wait_for(
     }
 }
 
-/// NATS and RabbitMQ: the commands that make the destination, and `check` by the relay's own
-/// start-up check.
+/// NATS and RabbitMQ: `create` makes the stream or exchange the relay's check wants (or,
+/// with `--dry-run`, prints the command that does), `check` runs that check.
 async fn other_transport(
     config: &Config,
     kind: TransportKind,
     create: bool,
     dry_run: bool,
+    opts: &TopicsSpecOpts,
     out: &Output,
 ) -> Result<(), CliError> {
-    let commands = other_commands(config, kind);
+    if opts.partitions.is_some() {
+        return Err(CliError::config(
+            format!("--partitions applies to Kafka topics; transport.kind is {kind}"),
+            "leave it out (NATS subjects and RabbitMQ routing keys have no partitions)",
+        ));
+    }
+    if kind == TransportKind::RabbitMq
+        && (opts.replication_factor.is_some()
+            || opts.min_insync_replicas.is_some()
+            || opts.retention.is_some())
+    {
+        return Err(CliError::config(
+            "--replication-factor, --min-insync-replicas and --retention apply to Kafka topics \
+             and NATS streams; on RabbitMQ the consumers' quorum queues hold the messages",
+            "leave them out: `outbox topics create` declares the exchange only",
+        ));
+    }
+    if kind == TransportKind::Nats && opts.min_insync_replicas.is_some() {
+        return Err(CliError::config(
+            "--min-insync-replicas applies to Kafka topics (a JetStream stream acknowledges \
+             from a quorum of its replicas)",
+            "leave it out",
+        ));
+    }
+    let stream = nats_stream_spec(config, opts)?;
+    let commands = other_commands(config, kind, &stream);
+    let mut created = false;
     if create {
-        if out.json {
-            out.json(
-                &json!({"transport": kind.as_str(), "dry_run": dry_run, "commands": commands}),
-            );
-        } else {
-            for c in &commands {
-                println!("{c}");
-            }
-        }
         if dry_run {
+            if out.json {
+                out.json(&json!({
+                    "transport": kind.as_str(), "dry_run": true, "commands": commands,
+                }));
+            } else {
+                println!(
+                    "# outbox topics create --dry-run: nothing was sent; this creates the same"
+                );
+                for c in &commands {
+                    println!("{c}");
+                }
+            }
             return Ok(());
         }
-        return Err(CliError::config(
-            format!(
-                "`outbox topics create` creates Kafka topics only; on {kind} run the command(s) \
-                 printed above"
-            ),
-            "then `outbox topics check` (or `outbox check`) confirms what the relay will find",
-        )
-        .reported_if(out.json));
+        created = create_other(config, kind, &stream).await?;
     }
-    // check: the relay's own start-up check of the destination (exit 3 unreachable, 4
-    // missing, with its fix), then its findings as `outbox check` shows them.
+    // The relay's own start-up check of the destination (exit 3 unreachable, 4 missing, with
+    // its fix), then its findings as `outbox check` shows them.
     if let Err(e) = crate::transport::start(config, &[]).await {
         let hint = match e.kind {
             ErrorKind::NotReady => format!(
-                "{}; e.g. {}",
+                "{}; `outbox topics create` makes it (--dry-run: {})",
                 e.hint.clone().unwrap_or_default(),
                 commands.join(" && ")
             ),
@@ -736,9 +770,38 @@ async fn other_transport(
         TransportKind::RabbitMq => crate::transport::rabbit_checks(config, &mut findings).await,
         _ => {}
     }
+    let action = match (create, created) {
+        (true, true) => "created",
+        _ => "ok",
+    };
     if out.json {
-        out.json(&json!({"transport": kind.as_str(), "findings": findings, "commands": commands}));
+        out.json(&json!({
+            "transport": kind.as_str(),
+            "dry_run": false,
+            "action": action,
+            "stream": (kind == TransportKind::Nats && created).then_some(&stream),
+            "findings": findings,
+            "commands": commands,
+        }));
     } else {
+        match (kind, created) {
+            (TransportKind::Nats, true) => println!(
+                "created stream {} capturing {:?} ({} replica(s), file storage, duplicate \
+                 window {}, max age {})",
+                stream.name,
+                stream.subjects,
+                stream.replicas,
+                humantime::format_duration(stream.duplicate_window),
+                humantime::format_duration(stream.max_age)
+            ),
+            (_, true) => println!(
+                "declared exchange {:?} (durable, {})",
+                config.rabbitmq.exchange,
+                exchange_kind_name(config)
+            ),
+            _ if create => println!("exists already; not changed"),
+            _ => {}
+        }
         for f in &findings {
             let sev = match f.severity {
                 super::check::Severity::Ok => "ok",
@@ -754,51 +817,105 @@ async fn other_transport(
     Ok(())
 }
 
-/// The commands that make the NATS stream or the RabbitMQ exchange the relay expects.
-pub fn other_commands(config: &Config, kind: TransportKind) -> Vec<String> {
-    let lease = match config.outbox.claim_mode {
+/// Makes the stream or the exchange; `Ok(false)` when it exists already.
+#[allow(unused_variables)]
+async fn create_other(
+    config: &Config,
+    kind: TransportKind,
+    stream: &StreamSpec,
+) -> Result<bool, CliError> {
+    match kind {
+        #[cfg(feature = "nats")]
+        TransportKind::Nats => crate::transport::nats_create_stream(config, stream).await,
+        #[cfg(feature = "rabbitmq")]
+        TransportKind::RabbitMq => crate::transport::rabbit_declare_exchange(config).await,
+        _ => Ok(false),
+    }
+}
+
+#[cfg(feature = "nats")]
+use crate::transport::NatsStreamSpec as StreamSpec;
+
+/// Without NATS support: the same fields, for the printed command.
+#[cfg(not(feature = "nats"))]
+#[derive(Clone, Debug, Serialize)]
+pub struct StreamSpec {
+    name: String,
+    subjects: Vec<String>,
+    replicas: usize,
+    duplicate_window: Duration,
+    max_age: Duration,
+}
+
+/// The JetStream stream for the configured subjects: named after the subject prefix,
+/// `--replication-factor` replicas (default 3), a duplicate window of the claim (lease) or
+/// NATS's default 2 minutes, whichever is longer, `max_age` by the retention rule (or
+/// `--retention`).
+fn nats_stream_spec(config: &Config, opts: &TopicsSpecOpts) -> Result<StreamSpec, CliError> {
+    let claim = match config.outbox.claim_mode {
         crate::config::ClaimModeName::Lease => config.outbox.lease.0,
         crate::config::ClaimModeName::Locked => config.outbox.locked_max_hold.0,
     };
+    let replicas = opts
+        .replication_factor
+        .unwrap_or(DEFAULT_REPLICATION_FACTOR);
+    if replicas == 0 {
+        return Err(CliError::config(
+            "--replication-factor 0: a stream needs at least one replica",
+            "pass --replication-factor N with N >= 1 (1 for a single server)",
+        ));
+    }
+    let requested = match &opts.retention {
+        Some(r) => Some(super::parse_duration("--retention", r)?.0),
+        None => None,
+    };
+    let max_age = match config.transport.kind {
+        TransportKind::Nats => retention_for(config, "", requested)?,
+        _ => stream_max_age(config),
+    };
+    #[cfg(feature = "nats")]
+    let subjects = crate::transport::nats_subject_spaces(config);
+    #[cfg(not(feature = "nats"))]
+    let subjects = vec![format!("{}.>", config.nats.subject_prefix)];
+    Ok(StreamSpec {
+        name: config
+            .nats
+            .subject_prefix
+            .to_uppercase()
+            .replace(['.', '*', '>', ' '], "_"),
+        subjects,
+        replicas: replicas as usize,
+        duplicate_window: claim.max(Duration::from_secs(120)),
+        max_age,
+    })
+}
+
+fn exchange_kind_name(config: &Config) -> String {
+    serde_json::to_value(config.rabbitmq.exchange_kind)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_else(|| "topic".into())
+}
+
+/// The commands that make the NATS stream or the RabbitMQ exchange the relay expects.
+pub fn other_commands(config: &Config, kind: TransportKind, stream: &StreamSpec) -> Vec<String> {
     let d = |d: Duration| humantime::format_duration(d).to_string().replace(' ', "");
     match kind {
-        TransportKind::Nats => {
-            let n = &config.nats;
-            let mut subjects = vec![format!("{}.>", n.subject_prefix)];
-            for s in n.routes.values() {
-                let space = match n.subject_mapping {
-                    crate::config::SubjectMappingName::AggregateType => s.clone(),
-                    crate::config::SubjectMappingName::AggregateTypeAndId => format!("{s}.*"),
-                };
-                if !subjects.contains(&space) {
-                    subjects.push(space);
-                }
-            }
-            let name = n
-                .subject_prefix
-                .to_uppercase()
-                .replace(['.', '*', '>'], "_");
-            vec![format!(
-                "nats --server {} stream add {name} --subjects \"{}\" --storage file \
-                 --replicas 3 --retention limits --discard old --dupe-window {} \
-                 --max-age {} --defaults",
-                n.servers,
-                subjects.join(","),
-                d(lease.max(Duration::from_secs(120))),
-                d(crate::commands::topics::stream_max_age(config))
-            )]
-        }
-        TransportKind::RabbitMq => {
-            let r = &config.rabbitmq;
-            let kind = serde_json::to_value(r.exchange_kind)
-                .ok()
-                .and_then(|v| v.as_str().map(str::to_owned))
-                .unwrap_or_else(|| "topic".into());
-            vec![format!(
-                "rabbitmqadmin declare exchange name={} type={kind} durable=true",
-                r.exchange
-            )]
-        }
+        TransportKind::Nats => vec![format!(
+            "nats --server {} stream add {} --subjects \"{}\" --storage file --replicas {} \
+             --retention limits --discard old --dupe-window {} --max-age {} --defaults",
+            config.nats.servers,
+            stream.name,
+            stream.subjects.join(","),
+            stream.replicas,
+            d(stream.duplicate_window),
+            d(stream.max_age)
+        )],
+        TransportKind::RabbitMq => vec![format!(
+            "rabbitmqadmin declare exchange name={} type={} durable=true",
+            config.rabbitmq.exchange,
+            exchange_kind_name(config)
+        )],
         TransportKind::Kafka => Vec::new(),
     }
 }
