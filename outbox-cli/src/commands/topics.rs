@@ -762,7 +762,8 @@ async fn other_transport(
         };
         return Err(e.with_hint(hint));
     }
-    let mut findings = Vec::new();
+    #[cfg_attr(not(any(feature = "nats", feature = "rabbitmq")), allow(unused_mut))]
+    let mut findings: Vec<super::check::Finding> = Vec::new();
     match kind {
         #[cfg(feature = "nats")]
         TransportKind::Nats => crate::transport::nats_checks(config, &mut findings).await,
