@@ -735,12 +735,13 @@ impl Default for CleanupConfig {
 #[serde(default, deny_unknown_fields)]
 #[non_exhaustive]
 pub struct StatusConfig {
-    /// Window of the publish latency percentiles and of the rate of change that `outbox
-    /// status` shows. Default 15 min.
+    /// Window of the publish latency percentiles and of the created / published counts that
+    /// `outbox status` shows (its rate and forecast follow `trend_window`). Default 15 min.
     pub window: Dur,
-    /// Window of the relay's backlog trend, from which `outbox_backlog_forecast_seconds` and
-    /// `backpressure.min_forecast` are computed (least-squares slope of the backlog sampled
-    /// every `relay.stats_interval`; see `trend`). Default 1 min.
+    /// Window of the backlog trend, from which `outbox_backlog_forecast_seconds`,
+    /// `backpressure.min_forecast` and `outbox status`'s rate and forecast are computed
+    /// (least-squares slope of the backlog every `relay.stats_interval`; see `trend`).
+    /// Default 1 min.
     pub trend_window: Dur,
     /// Backlog (events) at which the outbox is considered full: the forecast says when it is
     /// reached at the current rate. Default 1,000,000.

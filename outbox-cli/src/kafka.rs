@@ -112,8 +112,9 @@ pub fn topic_error(t: &TopicCheckError, brokers: &str) -> CliError {
     match t {
         TopicCheckError::Missing { topics } => CliError::not_ready(
             format!("topic(s) {topics:?} do not exist on the broker at {brokers}"),
-            "create them with their partition count and retention (automatic topic creation \
-             is not used), or fix kafka.topic / kafka.routes",
+            "create them: `outbox topics create` (partitions, replication, retention by the \
+             retention rule; --dry-run prints the kafka-topics.sh commands); automatic topic \
+             creation is not used. Or fix kafka.topic / kafka.routes",
         ),
         TopicCheckError::BatchTooLarge {
             topic,

@@ -162,6 +162,11 @@ pub async fn run(opt: Opt) -> u8 {
             "info,librdkafka=off,outbox_kafka::publisher=error,outbox_nats::publisher=error,\
              outbox_rabbitmq::publisher=error"
         }
+        // A missing exchange is an answer `topics` expects (and reports itself).
+        Command::Topics(_) => {
+            "warn,librdkafka=off,lapin=off,outbox_kafka=error,outbox_nats=error,\
+             outbox_rabbitmq=error"
+        }
         _ => "warn,librdkafka=off,outbox_kafka=error,outbox_nats=error,outbox_rabbitmq=error",
     };
     logging::init(&config.log, level_given, default_level);
@@ -175,6 +180,7 @@ pub async fn run(opt: Opt) -> u8 {
         Command::Cleanup(o) => commands::cleanup::run(&config, &o, &out).await,
         Command::Check(o) => commands::check::run(&config, &o, &out).await,
         Command::Reconcile(o) => commands::reconcile::run(&config, &o, &out).await,
+        Command::Topics(t) => commands::topics::run(&config, t, &out).await,
         Command::Config => commands::show_config(&config, &out),
         Command::Completions(_) | Command::Man(_) => Ok(()),
     };

@@ -74,6 +74,11 @@ pub enum Command {
     Cleanup(CleanupOpts),
     /// Validate the configuration as a whole against the database and the broker.
     Check(CheckOpts),
+    /// Create or compare the destinations the relay publishes to: Kafka topics (partitions,
+    /// replication, min.insync.replicas, retention.ms by the retention rule), the NATS
+    /// JetStream stream, or the RabbitMQ exchange.
+    #[command(subcommand)]
+    Topics(TopicsCommand),
     /// Compare state transitions, outbox events, broker offsets and consumers' effects per
     /// interval and event type.
     Reconcile(ReconcileOpts),
@@ -178,7 +183,8 @@ pub struct RelayOpts {
 /// `outbox status`
 #[derive(Debug, Args)]
 pub struct StatusOpts {
-    /// Window of the latency percentiles and the rate of change, e.g. 15m.
+    /// Window of the latency percentiles and the created / published counts, e.g. 15m (the
+    /// rate and forecast follow status.trend_window, as the relay's metric does).
     #[arg(long)]
     pub window: Option<String>,
     /// Skip the consumers' lag (no broker connection).
@@ -324,6 +330,52 @@ pub struct CheckOpts {
     /// Skip the broker checks (topics, replication, retention.ms).
     #[arg(long)]
     pub no_broker: bool,
+}
+
+/// `outbox topics ...`
+#[derive(Debug, Subcommand)]
+pub enum TopicsCommand {
+    /// Create every configured topic (kafka.topic and kafka.routes) that is missing; compare
+    /// the existing ones and never change them (a difference exits 1 with the command that
+    /// would change it). Idempotent. On NATS: the stream capturing the subjects (file
+    /// storage, duplicate window >= the lease); on RabbitMQ: the durable exchange.
+    Create(TopicsCreateOpts),
+    /// Compare the configured topics with these settings; create nothing (exit 4 when one is
+    /// missing, 1 when one differs). On NATS / RabbitMQ: the relay's check of the stream or
+    /// exchange (exit 4 when missing).
+    Check(TopicsSpecOpts),
+}
+
+/// The settings of the outbox's topics.
+#[derive(Debug, Args, Clone, Default)]
+pub struct TopicsSpecOpts {
+    /// Partitions of each topic (default 12). Never changed on an existing topic.
+    #[arg(long, value_name = "N")]
+    pub partitions: Option<u32>,
+    /// Replication factor, or a NATS stream's replicas (default 3; 1 only for a single-broker
+    /// development cluster).
+    #[arg(long, value_name = "N")]
+    pub replication_factor: Option<u32>,
+    /// min.insync.replicas (default 2, at most the replication factor).
+    #[arg(long, value_name = "N")]
+    pub min_insync_replicas: Option<u32>,
+    /// retention.ms as a duration (default: Kafka's 7d moved into the range the retention
+    /// rule allows: at least retention.max_consumer_lag, at most each consumer's
+    /// dedup_retention - max_consumer_lag - replay_window).
+    #[arg(long, value_name = "D")]
+    pub retention: Option<String>,
+}
+
+/// `outbox topics create`
+#[derive(Debug, Args)]
+pub struct TopicsCreateOpts {
+    /// The settings.
+    #[command(flatten)]
+    pub spec: TopicsSpecOpts,
+    /// Contact no broker: print the equivalent commands (kafka-topics.sh with
+    /// --if-not-exists, nats stream add, rabbitmqadmin declare exchange).
+    #[arg(long)]
+    pub dry_run: bool,
 }
 
 /// `outbox reconcile`

@@ -16,6 +16,9 @@
 //! | start of `relay` | topics exist (exit 4), broker reachable (exit 3) | a stream captures every subject (exit 4), server reachable (exit 3); warnings for the duplicate window, storage, replicas, retention | exchange exists, durable, of the configured type (exit 4), broker reachable (exit 3) |
 //! | `/readyz` while running | topics present | streams capture the subjects | exchange present and durable |
 //!
+//! The relay creates none of these; `outbox topics create` does (Kafka topics, the NATS
+//! stream, the RabbitMQ exchange; see [`crate::commands::topics`]).
+//!
 //! Kafka's producer is shared by the relay's workers (one idempotent producer orders per
 //! partition); so is the NATS client (one connection keeps publish order). A RabbitMQ
 //! publisher runs one batch at a time on its confirm channel, so each worker gets its own
@@ -407,7 +410,8 @@ fn nats_stream_error(e: &outbox_nats::StreamCheckError, config: &Config) -> CliE
         CliError::not_ready(
             format!("NATS at {}: {e}", config.nats.servers),
             "create a stream capturing the outbox subjects (file storage, a duplicate window at \
-             least outbox.lease), or fix nats.subject_prefix / nats.routes",
+             least outbox.lease; `outbox topics create` makes one), or fix \
+             nats.subject_prefix / nats.routes",
         )
     }
 }
@@ -578,7 +582,168 @@ pub(crate) async fn nats_checks(config: &Config, out: &mut Vec<Finding>) {
     }
 }
 
+/// The stream `outbox topics create` makes on NATS when none captures the subjects.
+#[cfg(feature = "nats")]
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct NatsStreamSpec {
+    /// Stream name.
+    pub name: String,
+    /// The subject spaces it captures (the publisher's, as the relay's check wants them).
+    pub subjects: Vec<String>,
+    /// Replicas.
+    pub replicas: usize,
+    /// Duplicate window (at least the claim, so a re-send is stored once).
+    pub duplicate_window: Duration,
+    /// `max_age`, by the retention rule.
+    pub max_age: Duration,
+}
+
+/// The subject spaces the relay publishes to (the stream must capture each).
+#[cfg(feature = "nats")]
+pub fn nats_subject_spaces(config: &Config) -> Vec<String> {
+    nats_builder(config, nats_servers_or_placeholder(config))
+        .config()
+        .subject_spaces()
+}
+
+/// Creates `spec` unless streams capture the subjects already (then `Ok(false)`): file
+/// storage, limits retention, discard old. Unreachable: exit 3; refused by the server: exit
+/// 2 for replicas a single server cannot hold, else 1 with the server's reason.
+#[cfg(feature = "nats")]
+pub async fn nats_create_stream(config: &Config, spec: &NatsStreamSpec) -> Result<bool, CliError> {
+    use async_nats::jetstream::stream::{
+        Config as StreamConfig, DiscardPolicy, RetentionPolicy, StorageType,
+    };
+    require(config)?;
+    let p = nats_builder(config, config.nats.servers.expose())
+        .connect()
+        .await
+        .map_err(|e| nats_start_error(e, config))?;
+    match p.check_streams().await {
+        Ok(_) => return Ok(false),
+        Err(e) if e.is_transient() => return Err(nats_stream_error(&e, config)),
+        Err(_) => {}
+    }
+    let js = async_nats::jetstream::new(p.client().clone());
+    let wanted = StreamConfig {
+        name: spec.name.clone(),
+        subjects: spec.subjects.clone(),
+        storage: StorageType::File,
+        num_replicas: spec.replicas,
+        duplicate_window: spec.duplicate_window,
+        max_age: spec.max_age,
+        retention: RetentionPolicy::Limits,
+        discard: DiscardPolicy::Old,
+        ..Default::default()
+    };
+    let bound = config.nats.connect_timeout.0 * 2;
+    match tokio::time::timeout(bound, js.create_stream(wanted)).await {
+        Err(_) => Err(CliError::unreachable(
+            format!(
+                "NATS at {}: no answer to the stream creation within {}",
+                config.nats.servers,
+                humantime::format_duration(bound)
+            ),
+            "check that nats-server runs with JetStream (-js); `outbox topics create` is \
+             idempotent: run it again",
+        )),
+        Ok(Err(e)) => {
+            let reason = e.to_string();
+            if reason.contains("replicas") {
+                Err(CliError::config(
+                    format!(
+                        "NATS at {} refused stream {}: {reason}",
+                        config.nats.servers, spec.name
+                    ),
+                    "pass --replication-factor 1 for a single server (no JetStream cluster); \
+                     run 3 servers for 3 replicas",
+                ))
+            } else {
+                Err(CliError::failed(format!(
+                    "NATS at {} refused stream {} (subjects {:?}): {reason}; a stream that \
+                     captures part of the subjects or holds the name already is not changed: \
+                     fix it or nats.subject_prefix / nats.routes",
+                    config.nats.servers, spec.name, spec.subjects
+                )))
+            }
+        }
+        Ok(Ok(_)) => Ok(true),
+    }
+}
+
 // ---- RabbitMQ ---------------------------------------------------------------------------
+
+/// Declares the configured exchange (durable, of `rabbitmq.exchange_kind`) unless it exists
+/// (then `Ok(false)`; an existing one of another type or not durable is reported by the
+/// relay's check, never redeclared). Unreachable: exit 3.
+#[cfg(feature = "rabbitmq")]
+pub async fn rabbit_declare_exchange(config: &Config) -> Result<bool, CliError> {
+    use lapin::options::ExchangeDeclareOptions;
+    use lapin::types::FieldTable;
+    require(config)?;
+    let first = rabbit_builder(config, config.rabbitmq.uri.expose())
+        .connect()
+        .map_err(|e| rabbit_config_error(&e))?;
+    match first.check_exchange().await {
+        Ok(_) => return Ok(false),
+        Err(e) if e.is_transient() => return Err(rabbit_topology_error(&e, config)),
+        Err(outbox_rabbitmq::TopologyError::Missing { .. }) => {}
+        Err(e) => return Err(rabbit_topology_error(&e, config)),
+    }
+    let timeout = config.rabbitmq.connect_timeout.0;
+    let unreachable = |e: String| {
+        CliError::unreachable(
+            format!("cannot reach RabbitMQ at {}: {e}", config.rabbitmq.uri),
+            "check that RabbitMQ runs and that rabbitmq.uri (AMQP_URL) names it",
+        )
+    };
+    let props = lapin::ConnectionProperties::default()
+        .with_executor(tokio_executor_trait::Tokio::current())
+        .with_reactor(tokio_reactor_trait::Tokio)
+        .with_connection_name("outbox-topics".into());
+    let conn = tokio::time::timeout(
+        timeout,
+        lapin::Connection::connect(config.rabbitmq.uri.expose(), props),
+    )
+    .await
+    .map_err(|_| unreachable("no AMQP connection in time".into()))?
+    .map_err(|e| unreachable(e.to_string()))?;
+    let ch = tokio::time::timeout(timeout, conn.create_channel())
+        .await
+        .map_err(|_| unreachable("no channel in time".into()))?
+        .map_err(|e| unreachable(e.to_string()))?;
+    let kind = match rabbit_builder(config, "amqp://h").config().exchange_kind {
+        outbox_rabbitmq::ExchangeKind::Direct => lapin::ExchangeKind::Direct,
+        outbox_rabbitmq::ExchangeKind::Fanout => lapin::ExchangeKind::Fanout,
+        outbox_rabbitmq::ExchangeKind::Headers => lapin::ExchangeKind::Headers,
+        outbox_rabbitmq::ExchangeKind::ConsistentHash => {
+            lapin::ExchangeKind::Custom("x-consistent-hash".into())
+        }
+        _ => lapin::ExchangeKind::Topic,
+    };
+    let declared = tokio::time::timeout(
+        timeout,
+        ch.exchange_declare(
+            &config.rabbitmq.exchange,
+            kind,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        ),
+    )
+    .await
+    .map_err(|_| unreachable("no answer to the exchange declaration in time".into()))?;
+    let _ = tokio::time::timeout(timeout, conn.close(200, "declared")).await;
+    declared.map_err(|e| {
+        CliError::failed(format!(
+            "RabbitMQ at {} refused exchange {:?}: {e}",
+            config.rabbitmq.uri, config.rabbitmq.exchange
+        ))
+    })?;
+    Ok(true)
+}
 
 #[cfg(feature = "rabbitmq")]
 fn rabbit_builder(config: &Config, uri: &str) -> outbox_rabbitmq::RabbitPublisherBuilder {

@@ -10,6 +10,10 @@
 //! weighted rate because it forgets the past completely after one window, so an operator can
 //! tell exactly which samples a reading comes from.
 //!
+//! `outbox status` computes its rate and forecast by the same rule over the same window: it
+//! reconstructs the backlog at the same points from the table (see
+//! `commands::status`), so the command and the metric agree.
+//!
 //! Plain functions of (samples, now): the relay feeds it, tests inject samples.
 
 use std::collections::VecDeque;

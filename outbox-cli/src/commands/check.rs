@@ -406,7 +406,7 @@ async fn broker_checks(
     let batch_bytes = pc.max_batch_bytes();
     for topic in &topics {
         let Some(Some(t)) = facts.get(topic) else {
-            findings.push(f("topic", Severity::Error, format!("topic {topic:?} does not exist"), Some("create it (automatic topic creation is not used) or fix kafka.topic / kafka.routes")));
+            findings.push(f("topic", Severity::Error, format!("topic {topic:?} does not exist"), Some("create it: `outbox topics create` (automatic topic creation is not used), or fix kafka.topic / kafka.routes")));
             continue;
         };
         findings.push(f(

@@ -11,6 +11,7 @@ pub mod reconcile;
 pub mod relay;
 pub mod replay;
 pub mod status;
+pub mod topics;
 
 use chrono::{DateTime, Utc};
 

@@ -1,6 +1,7 @@
 //! `outbox status`: the backlog and its ages, parked events, version gaps held, publish latency
-//! percentiles over a window, the backlog's rate of change and forecast to capacity,
-//! backpressure, table health, and per consumer its lag and inbox.
+//! percentiles over a window, the backlog's trend and forecast to capacity (by the relay's
+//! rule and window, [`crate::trend`]), backpressure, table health, and per consumer its lag
+//! and inbox.
 
 use std::time::Duration;
 
@@ -112,6 +113,7 @@ async fn run_once(config: &Config, opts: &StatusOpts, out: &Output) -> Result<()
     let store = db::outbox_store(config, pool.clone())?;
     let table = format!("{}.{}", config.outbox.schema, config.outbox.table);
     let (stats, latency) = read(&store, window.0, &table).await?;
+    let trend = backlog_trend(&store, config, stats.unpublished, &table).await?;
     let mut warnings: Vec<String> = Vec::new();
     let mut consumers = Vec::new();
     for c in &config.consumers {
@@ -127,6 +129,7 @@ async fn run_once(config: &Config, opts: &StatusOpts, out: &Output) -> Result<()
             table,
             stats,
             latency,
+            trend,
             consumers,
             warnings,
         },
@@ -145,6 +148,70 @@ async fn read<R: ReportingStore>(
     Ok((stats, latency))
 }
 
+/// Most points of the reconstructed trend: with a long `status.trend_window` the samples are
+/// spaced wider than `relay.stats_interval` (one query per point).
+const MAX_TREND_POINTS: u32 = 60;
+
+/// The backlog's trend as `status` shows it.
+#[derive(Clone, Debug)]
+struct Trend {
+    /// Growth in events per second (negative: draining); `None` when not computable.
+    rate: Option<f64>,
+    /// The window the slope is taken over (`status.trend_window`).
+    window: Duration,
+    /// The backlog points it is taken through.
+    points: usize,
+}
+
+/// The backlog's current trend, by the relay daemon's rule for
+/// `outbox_backlog_forecast_seconds` ([`crate::trend`]): the least-squares slope of the
+/// backlog sampled every `relay.stats_interval` over the last `status.trend_window`. A
+/// one-shot command has no samples of its own, so it reconstructs them from the store: the
+/// backlog `w` ago is the backlog now, less the events created within `w`, plus the events
+/// published within `w` (the reporting role's counts over a window ending now). Events parked
+/// or discarded within `w` are not added back (they leave the backlog without a
+/// publication); a relay that parks many at once makes the reconstruction read a little
+/// steeper than the daemon's samples did.
+async fn backlog_trend<R: ReportingStore>(
+    store: &R,
+    config: &Config,
+    unpublished: u64,
+    table: &str,
+) -> Result<Trend, CliError> {
+    let window = config.status.trend_window.0.max(Duration::from_secs(1));
+    let step = config
+        .relay
+        .stats_interval
+        .0
+        .max(Duration::from_millis(100))
+        .max(window / MAX_TREND_POINTS);
+    let map = |e: outbox_core::StoreError| CliError::from_store(&e, table);
+    // Offsets back from now, oldest first: window, ..., 2 step, step, 0.
+    let mut back = Vec::new();
+    let mut w = Duration::ZERO;
+    while w <= window {
+        back.push(w);
+        w += step;
+    }
+    back.reverse();
+    let start = std::time::Instant::now();
+    let mut samples = crate::trend::BacklogTrend::new(window);
+    for w in &back {
+        let backlog = if w.is_zero() {
+            unpublished
+        } else {
+            let flow = store.publish_latency(*w).await.map_err(map)?;
+            (unpublished as i128 - flow.created as i128 + flow.count as i128).max(0) as u64
+        };
+        samples.observe(start + (window - *w), backlog);
+    }
+    Ok(Trend {
+        rate: samples.rate_per_sec(),
+        window,
+        points: samples.len(),
+    })
+}
+
 /// `outbox status` on MySQL / MariaDB: the outbox through [`ReportingStore`]; `outbox.schema`
 /// names the database when it is set (else the URL's). The consumers as on PostgreSQL: the
 /// lag from the broker, the inbox (MySQL, or PostgreSQL by the consumer's `database_url`)
@@ -161,6 +228,7 @@ async fn run_mysql(
         table,
     } = crate::store::connect_mysql(config, 2).await?;
     let (stats, latency) = read(&store, window.0, &table).await?;
+    let trend = backlog_trend(&store, config, stats.unpublished, &table).await?;
     let mut warnings = Vec::new();
     let mut consumers = Vec::new();
     for c in &config.consumers {
@@ -175,6 +243,7 @@ async fn run_mysql(
             table,
             stats,
             latency,
+            trend,
             consumers,
             warnings,
         },
@@ -188,6 +257,7 @@ struct Report {
     table: String,
     stats: OutboxStats,
     latency: LatencySummary,
+    trend: Trend,
     consumers: Vec<Value>,
     warnings: Vec<String>,
 }
@@ -199,15 +269,17 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
         table,
         stats,
         latency,
+        trend,
         consumers,
         mut warnings,
     } = report;
-    let w = window.0.as_secs_f64().max(1.0);
-    let rate = (latency.created as f64 - latency.count as f64) / w;
+    // The relay's rule (the current trend), not created minus published over `window`: a
+    // drain of older events within a long window must not cancel a backlog that grows now.
+    let rate = trend.rate;
     let capacity = config.status.capacity;
-    let until_full = forecast(capacity, stats.unpublished, Some(rate));
+    let until_full = forecast(capacity, stats.unpublished, rate);
     let gate = Backpressure::new(super::relay::backpressure_policy(config));
-    gate.observe(BacklogSnapshot::from_stats(&stats, Some(rate)), Utc::now());
+    gate.observe(BacklogSnapshot::from_stats(&stats, rate), Utc::now());
     let bp = gate.state(Utc::now());
     if stats.parked > 0 {
         warnings.push(format!(
@@ -252,6 +324,8 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
             "created": latency.created,
             "published": latency.count,
             "rate_per_second": rate,
+            "trend_window_seconds": trend.window.as_secs_f64(),
+            "trend_points": trend.points,
             "capacity": capacity,
             "forecast_seconds": secs(until_full),
         },
@@ -317,8 +391,11 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
             latency.created.to_string(),
         ],
         vec![
-            "backlog rate of change".into(),
-            format!("{rate:+.3} events/s"),
+            format!(
+                "backlog trend (last {})",
+                humantime::format_duration(trend.window)
+            ),
+            rate.map_or("-".to_owned(), |r| format!("{r:+.3} events/s")),
         ],
         vec![
             format!("forecast to capacity ({capacity})"),

@@ -59,6 +59,29 @@ impl NatsStream {
         }
     }
 
+    /// The stream named after `prefix` (as `outbox topics create` names it), made by someone
+    /// else: deleted when dropped, whether it was made or not.
+    pub async fn adopt(url: &str, prefix: &str) -> Self {
+        let client = async_nats::connect(url).await.expect("connect to NATS");
+        Self {
+            url: url.to_owned(),
+            name: prefix.to_uppercase(),
+            prefix: prefix.to_owned(),
+            js: jetstream::new(client),
+        }
+    }
+
+    /// The stream's configuration as the server holds it.
+    pub async fn config(&self) -> StreamConfig {
+        self.js
+            .get_stream(&self.name)
+            .await
+            .expect("the stream exists")
+            .cached_info()
+            .config
+            .clone()
+    }
+
     /// Every stored message in stream order.
     pub async fn read_all(&self) -> Vec<Record> {
         let mut stream = self.js.get_stream(&self.name).await.expect("stream");
@@ -247,6 +270,55 @@ impl RabbitTopology {
     }
 }
 
+impl RabbitTopology {
+    /// `exchange`, declared by someone else (no queue): deleted when dropped.
+    pub async fn adopt(url: &str, exchange: &str) -> Self {
+        Self {
+            url: url.to_owned(),
+            exchange: exchange.to_owned(),
+            queue: String::new(),
+            conn: amqp_connect(url).await,
+        }
+    }
+
+    /// Whether `exchange` exists as a durable exchange of `kind` (a passive declare, then an
+    /// equivalent one).
+    pub async fn exchange_is(&self, kind: ExchangeKind) -> bool {
+        let Ok(ch) = self.conn.create_channel().await else {
+            return false;
+        };
+        let passive = ExchangeDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        if ch
+            .exchange_declare(&self.exchange, kind.clone(), passive, FieldTable::default())
+            .await
+            .is_err()
+        {
+            return false;
+        }
+        let Ok(ch) = self.conn.create_channel().await else {
+            return false;
+        };
+        ch.exchange_declare(
+            &self.exchange,
+            kind,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .is_ok()
+            && {
+                let _ = ch.close(200, "checked").await;
+                true
+            }
+    }
+}
+
 impl Drop for RabbitTopology {
     fn drop(&mut self) {
         let (url, exchange, queue) = (self.url.clone(), self.exchange.clone(), self.queue.clone());
@@ -262,7 +334,9 @@ impl Drop for RabbitTopology {
                         return;
                     };
                     if let Ok(ch) = conn.create_channel().await {
-                        let _ = ch.queue_delete(&queue, QueueDeleteOptions::default()).await;
+                        if !queue.is_empty() {
+                            let _ = ch.queue_delete(&queue, QueueDeleteOptions::default()).await;
+                        }
                         let _ = ch
                             .exchange_delete(&exchange, ExchangeDeleteOptions::default())
                             .await;

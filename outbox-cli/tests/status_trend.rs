@@ -1,0 +1,104 @@
+//! `outbox status` forecasts by the relay's rule: the backlog's trend over
+//! `status.trend_window` (the rule of `outbox_backlog_forecast_seconds`, `outbox_cli::trend`),
+//! not created minus published over the 15-minute latency window, where a drain of older
+//! events cancels a backlog that grows now. Real PostgreSQL with the rows' times set, no broker.
+//!
+//! Needs `DATABASE_URL`, unless `OUTBOX_SKIP_SERVICE_TESTS=1`.
+
+mod common;
+
+use common::{text, TestEnv};
+
+/// An outage 40 s old with the backlog growing 20 a second (800 pending events created over
+/// the last 40 s), after 2,000 older events (created 20 minutes ago) drained between 14
+/// minutes and 90 s ago. Over 15 minutes, created minus published is 800 - 2,000: "not
+/// growing". The trend over the last 30 s is +20/s, and the forecast says when it is full.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_forecasts_a_live_outage_that_a_long_drain_would_cancel() {
+    let test = "status_forecasts_a_live_outage_that_a_long_drain_would_cancel";
+    let Some(env) = TestEnv::without_kafka(test).await else {
+        return;
+    };
+    env.migrate();
+    env.append(2800, 1).await;
+    sqlx::raw_sql(&format!(
+        "WITH r AS (SELECT id, row_number() OVER (ORDER BY id) - 1 AS n FROM \"{s}\".outbox_events), \
+              t AS (SELECT id, n, CASE WHEN n < 2000 THEN now() - interval '20 minutes' \
+                                  ELSE now() - (40 - (n - 2000) * 0.05) * interval '1 second' END AS created, \
+                                  now() - (840 - n * 0.375) * interval '1 second' AS published FROM r) \
+         UPDATE \"{s}\".outbox_events e SET created_at = t.created, inserted_at = t.created, \
+           status = CASE WHEN t.n < 2000 THEN 'published' ELSE 'pending' END, \
+           published_at = CASE WHEN t.n < 2000 THEN t.published END, \
+           finished_at = CASE WHEN t.n < 2000 THEN t.published END, \
+           ack_transport = CASE WHEN t.n < 2000 THEN 'kafka' END, \
+           ack_destination = CASE WHEN t.n < 2000 THEN 't' END, \
+           ack_partition = CASE WHEN t.n < 2000 THEN 0 END, \
+           ack_position = CASE WHEN t.n < 2000 THEN e.id END \
+         FROM t WHERE e.id = t.id",
+        s = env.schema
+    ))
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(env.count("pending").await, 800);
+
+    let trend = [
+        ("OUTBOX_STATUS__TREND_WINDOW", "30s"),
+        ("OUTBOX_RELAY__STATS_INTERVAL", "1s"),
+        ("OUTBOX_STATUS__CAPACITY", "100000"),
+    ];
+    let (code, s, stderr) = env.json_env(&trend, &["status", "--no-consumers"]);
+    assert_eq!(code, 0, "{s} {stderr}");
+    let flow = &s["flow"];
+    // The 15-minute figures are still shown: they are what cancels the outage.
+    assert_eq!(flow["window_seconds"], 900.0, "{flow}");
+    assert_eq!(flow["published"], 2000, "{flow}");
+    assert_eq!(flow["created"], 800, "{flow}");
+    let rate = flow["rate_per_second"].as_f64().expect("a rate");
+    assert!((rate - 20.0).abs() < 0.5, "the outage's +20/s: {flow}");
+    let until_full = flow["forecast_seconds"]
+        .as_f64()
+        .expect("growing: a forecast");
+    let expected = (100_000.0 - 800.0) / rate;
+    assert!(
+        (until_full - expected).abs() < 1.0,
+        "{until_full} vs {expected}: {flow}"
+    );
+    assert_eq!(flow["trend_window_seconds"], 30.0, "{flow}");
+    assert_eq!(
+        flow["trend_points"], 31,
+        "one point per stats interval: {flow}"
+    );
+
+    // The human report says the same, naming the window.
+    let out = env
+        .cmd()
+        .envs(trend)
+        .args(["status", "--no-consumers"])
+        .output()
+        .unwrap();
+    let human = text(&out);
+    assert!(out.status.success(), "{human}");
+    assert!(human.contains("backlog trend (last 30s)"), "{human}");
+    assert!(!human.contains("not growing"), "{human}");
+
+    // The trend window ends now: once the outage is over (the backlog published a while
+    // ago, nothing since), the trend is flat and nothing is forecast, while the 15-minute
+    // window still counts the outage's events as created.
+    sqlx::raw_sql(&format!(
+        "UPDATE \"{s}\".outbox_events SET status = 'published', \
+           published_at = now() - interval '35 seconds', finished_at = now() - interval '35 seconds', \
+           created_at = created_at - interval '40 seconds', inserted_at = inserted_at - interval '40 seconds', \
+           ack_transport = 'kafka', ack_destination = 't', ack_partition = 0, ack_position = id \
+         WHERE status = 'pending'",
+        s = env.schema
+    ))
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    let (code, s, stderr) = env.json_env(&trend, &["status", "--no-consumers"]);
+    assert_eq!(code, 0, "{s} {stderr}");
+    assert_eq!(s["flow"]["rate_per_second"], 0.0, "{s}");
+    assert!(s["flow"]["forecast_seconds"].is_null(), "{s}");
+    env.drop_schema().await;
+}
