@@ -18,6 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use fantoccini::{ClientBuilder, Locator};
+use futures::FutureExt;
 use outbox_core::prelude::*;
 use outbox_core::{ClaimRequest, Envelope, ErrorClass, LastError, Outcome, ParkKind, ParkReason};
 use serde_json::json;
@@ -186,7 +187,9 @@ async fn an_operator_retries_a_parked_event_in_headless_chromium() {
     let dir = artefacts();
     let base = format!("http://{listen}/console");
 
-    let run = async {
+    // The session is closed whatever happens in it (a failed assertion included): a browser
+    // left without its session would outlive the test.
+    let run = std::panic::AssertUnwindSafe(async {
         // The overview, with its charts.
         client.goto(&base).await?;
         client.find(Locator::Css("svg")).await?;
@@ -257,12 +260,17 @@ async fn an_operator_retries_a_parked_event_in_headless_chromium() {
         assert!(trail.contains("broker limit raised"), "{trail}");
         std::fs::write(dir.join("console.png"), client.screenshot().await?).unwrap();
         Ok::<(), fantoccini::error::CmdError>(())
-    }
+    })
+    .catch_unwind()
     .await;
-    let _ = client.close().await;
+    let closed = client.close().await;
     drop(driver);
     drop(console);
-    run.expect("the browser session");
+    match run {
+        Ok(r) => r.expect("the browser session"),
+        Err(panic) => std::panic::resume_unwind(panic),
+    }
+    closed.expect("the browser session ends");
 
     // The database: the event is claimable again, and the audit row names the actor.
     let (status, attempts): (String, i32) = sqlx::query_as(&format!(
