@@ -127,6 +127,34 @@ ensure_pgbouncer() {
     export PGBOUNCER_BIN="$bin"
 }
 
+# Headless Chromium and its WebDriver (Debian's `chromium` and `chromium-driver`), for the web
+# console's browser test (outbox-cli/tests/console_browser.rs): installed when missing; the test
+# starts its own chromedriver on a free port. Exports CHROMEDRIVER and CHROMIUM_BIN.
+ensure_chromium() {
+    local driver browser
+    driver="${CHROMEDRIVER:-$(command -v chromedriver || true)}"
+    browser="${CHROMIUM_BIN:-$(command -v chromium || true)}"
+    if [[ -z "$driver" || -z "$browser" ]]; then
+        if [[ "$(id -u)" == 0 ]] && command -v apt-get >/dev/null; then
+            log "installing Chromium and chromedriver (Debian packages; the console's browser test)"
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >&2 \
+                || { apt-get update -q >&2 \
+                     && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >&2; } \
+                || true
+            driver="$(command -v chromedriver || true)"
+            browser="$(command -v chromium || true)"
+        fi
+        if [[ -z "$driver" || -z "$browser" ]]; then
+            echo "error: headless Chromium and chromedriver are not installed (the web console's" >&2
+            echo "       browser test drives them). Install them as root:" >&2
+            echo "       apt-get install -y chromium chromium-driver" >&2
+            echo "       or set CHROMEDRIVER and CHROMIUM_BIN to existing binaries." >&2
+            exit 1
+        fi
+    fi
+    export CHROMEDRIVER="$driver" CHROMIUM_BIN="$browser"
+}
+
 # host and port of a URL (scheme://[user[:password]@]host[:port][/...]); $2 is the default port.
 url_host_port() {
     local rest=${1#*://}

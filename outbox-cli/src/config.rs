@@ -295,6 +295,8 @@ pub struct Config {
     pub rabbitmq: RabbitConfig,
     /// `[http]`
     pub http: HttpConfig,
+    /// `[console]`: the web console (`outbox console`, and `/console` on the relay's HTTP port).
+    pub console: ConsoleConfig,
     /// `[cleanup]`
     pub cleanup: CleanupConfig,
     /// `[status]`
@@ -700,6 +702,39 @@ impl Default for HttpConfig {
         Self {
             enabled: true,
             listen: "127.0.0.1:9464".to_owned(),
+        }
+    }
+}
+
+/// `[console]`: the web console (see `docs/console.md`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+#[non_exhaustive]
+pub struct ConsoleConfig {
+    /// `outbox relay` serves the console under `/console` on `http.listen`. Default true.
+    pub enabled: bool,
+    /// Listen address of `outbox console`. Default `127.0.0.1:9465` (loopback: anyone who
+    /// reaches the port reads the outbox, payloads included; expose it on purpose, behind a
+    /// proxy with TLS and authentication).
+    pub listen: String,
+    /// The token an operator types to retry, discard or re-issue a parked event. Empty (the
+    /// default): the console is read-only. Env: `OUTBOX_CONSOLE__OPERATOR_TOKEN`. Never printed.
+    pub operator_token: Secret,
+    /// How far back the console's charts look. Default 1 h.
+    pub history: Dur,
+    /// How often `outbox console` samples the backlog for its charts (the relay samples every
+    /// `relay.stats_interval`). Default 10 s.
+    pub sample_interval: Dur,
+}
+
+impl Default for ConsoleConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            listen: "127.0.0.1:9465".to_owned(),
+            operator_token: Secret::default(),
+            history: Dur::secs(3600),
+            sample_interval: Dur::secs(10),
         }
     }
 }

@@ -138,11 +138,13 @@ async fn readyz(State(s): State<AppState>) -> impl IntoResponse {
     )
 }
 
-/// Binds `listen` (failing with the fix when it cannot) and serves until the process ends.
+/// Binds `listen` (failing with the fix when it cannot) and serves until the process ends;
+/// `console`, when given, is served under `/console` ([`crate::console::router`]).
 pub async fn serve(
     listen: &str,
     metrics: PrometheusHandle,
     health: Health,
+    console: Option<Router>,
 ) -> Result<(std::net::SocketAddr, tokio::task::JoinHandle<()>), CliError> {
     let listener = tokio::net::TcpListener::bind(listen).await.map_err(|e| {
         CliError::config(
@@ -158,6 +160,10 @@ pub async fn serve(
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .with_state(AppState { metrics, health });
+    let app = match console {
+        Some(c) => app.nest("/console", c),
+        None => app,
+    };
     let task = tokio::spawn(async move {
         if let Err(e) = axum::serve(listener, app).await {
             tracing::error!(error = %e, "the HTTP endpoint stopped");

@@ -3,7 +3,8 @@
 //! The command teams deploy to operate a transactional outbox on PostgreSQL (or MySQL /
 //! MariaDB) and Kafka, NATS JetStream or RabbitMQ (`[transport] kind`, see [`transport`]):
 //! schema migrations, the relay daemon with `/metrics`, `/healthz` and `/readyz`, status, parked
-//! events, replay, cleanup, configuration checks and reconciliation. A library with the
+//! events, replay, cleanup, configuration checks and reconciliation, and a web console
+//! ([`console`]). A library with the
 //! commands ([`commands`]) plus a thin binary (`src/bin/outbox.rs`), on the model of sqlx-cli;
 //! it depends on `outbox-core`, the store crates, `outbox-kafka`, `outbox-nats` and
 //! `outbox-rabbitmq` (cargo features `nats` and `rabbitmq`, on by default) and `outbox-inbox`,
@@ -22,10 +23,13 @@
 #![doc = include_str!("../docs/config.md")]
 //!
 #![doc = include_str!("../docs/metrics.md")]
+//!
+#![doc = include_str!("../docs/console.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod commands;
 pub mod config;
+pub mod console;
 pub mod consumer_inbox;
 pub mod db;
 pub mod error;
@@ -125,6 +129,11 @@ fn overrides(g: &GlobalOpts, command: &Command) -> Value {
             set(&["relay", "prefetch"], json!(false));
         }
     }
+    if let Command::Console(c) = command {
+        if let Some(v) = &c.listen {
+            set(&["console", "listen"], json!(v));
+        }
+    }
     Value::Object(root)
 }
 
@@ -181,6 +190,7 @@ pub async fn run(opt: Opt) -> u8 {
         Command::Check(o) => commands::check::run(&config, &o, &out).await,
         Command::Reconcile(o) => commands::reconcile::run(&config, &o, &out).await,
         Command::Topics(t) => commands::topics::run(&config, t, &out).await,
+        Command::Console(_) => console::run(&config).await,
         Command::Config => commands::show_config(&config, &out),
         Command::Completions(_) | Command::Man(_) => Ok(()),
     };

@@ -82,6 +82,9 @@ pub enum Command {
     /// Compare state transitions, outbox events, broker offsets and consumers' effects per
     /// interval and event type.
     Reconcile(ReconcileOpts),
+    /// Serve the web console (backlog charts, parked events with audited actions, consumers)
+    /// until SIGTERM/SIGINT. Read-only unless `console.operator_token` is set.
+    Console(ConsoleOpts),
     /// Print the effective configuration (secrets redacted).
     Config,
     /// Print a shell completion script to stdout (no configuration or database needed).
@@ -178,6 +181,15 @@ pub struct RelayOpts {
     /// Do not claim the next batch while a full one is published.
     #[arg(long)]
     pub no_prefetch: bool,
+}
+
+/// `outbox console`
+#[derive(Debug, Args, Default)]
+pub struct ConsoleOpts {
+    /// Listen address (default `console.listen`, 127.0.0.1:9465). A non-loopback address
+    /// exposes the outbox's data to the network: see the console docs.
+    #[arg(long)]
+    pub listen: Option<String>,
 }
 
 /// `outbox status`

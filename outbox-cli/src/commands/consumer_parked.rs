@@ -257,6 +257,23 @@ async fn list_on<I: InboxParking>(
     Ok(())
 }
 
+/// Consumer `name`'s open parked messages (heads and those waiting behind them) as JSON, at
+/// most `limit`: what the web console lists.
+pub(crate) async fn open_messages(
+    config: &Config,
+    name: &str,
+    limit: usize,
+) -> Result<Vec<Value>, CliError> {
+    let (inbox, c, table) = open(config, name).await?;
+    on_inbox!(inbox, |store| {
+        let parked = ops(store, &c)
+            .list(&ParkedFilter::open().limit(limit.max(1)))
+            .await
+            .map_err(|e| db::inbox_error(&e, &c, &table))?;
+        Ok(parked.iter().map(message_json).collect())
+    })
+}
+
 /// `outbox parked show ID --consumer NAME`.
 pub async fn show(
     config: &Config,

@@ -85,7 +85,7 @@ pub fn parked_json(p: &ParkedEvent) -> Value {
     })
 }
 
-fn audit_json(a: &AuditEntry) -> Value {
+pub(crate) fn audit_json(a: &AuditEntry) -> Value {
     json!({
         "event_id": a.event_id.to_string(),
         "action": a.action.as_str(),
@@ -97,7 +97,7 @@ fn audit_json(a: &AuditEntry) -> Value {
 }
 
 /// What is known of the earlier attempts, in a sentence for the operator.
-fn attempts_note(p: &ParkedEvent) -> String {
+pub(crate) fn attempts_note(p: &ParkedEvent) -> String {
     if p.delivery_uncertain {
         format!(
             "{} attempt(s); the last failure ({}) leaves open that the broker stored the event: \

@@ -149,6 +149,8 @@ pub trait DaemonStore:
     /// The error naming the exact `GRANT` statements for what the user lacks now (`None`:
     /// nothing found lacking, or the catalogs could not be read).
     async fn privilege_error(&self, config: &Config) -> Option<CliError>;
+    /// The same store for the web console.
+    fn console_store(&self, config: &Config) -> crate::console::ConsoleStore;
 }
 
 #[async_trait]
@@ -165,6 +167,9 @@ impl DaemonStore for PostgresOutboxStore {
             .ok()
             .flatten()
     }
+    fn console_store(&self, config: &Config) -> crate::console::ConsoleStore {
+        crate::console::ConsoleStore::postgres(config, self.clone())
+    }
 }
 
 #[async_trait]
@@ -180,6 +185,9 @@ impl DaemonStore for MySqlOutboxStore {
             .await
             .ok()
             .flatten()
+    }
+    fn console_store(&self, config: &Config) -> crate::console::ConsoleStore {
+        crate::console::ConsoleStore::mysql(config, self.clone())
     }
 }
 
@@ -289,17 +297,38 @@ async fn daemon<S: DaemonStore>(
     health.database(true, format!("{target}: schema and privileges in place"));
     health.broker(true, format!("{transport_line}: destinations present"));
     let prometheus = crate::metrics::install()?;
+    let owner = config.owner();
+    // The console's charts, fed by the monitor's stats reads.
+    let history = crate::console::History::new(config.console.history.0);
     let http = if config.http.enabled {
-        let (addr, task) =
-            crate::health::serve(&config.http.listen, prometheus.clone(), health.clone()).await?;
-        info!(%addr, "serving /metrics, /healthz and /readyz");
+        let console = config.console.enabled.then(|| {
+            crate::console::router(crate::console::ConsoleState::new(
+                config,
+                store.console_store(config),
+                history.clone(),
+                Some((owner.clone(), health.clone())),
+            ))
+        });
+        let with_console = console.is_some();
+        let (addr, task) = crate::health::serve(
+            &config.http.listen,
+            prometheus.clone(),
+            health.clone(),
+            console,
+        )
+        .await?;
+        if with_console {
+            crate::console::warn_if_exposed(addr, config);
+            info!(%addr, "serving /metrics, /healthz, /readyz and the console at /console");
+        } else {
+            info!(%addr, "serving /metrics, /healthz and /readyz");
+        }
         Some(task)
     } else {
         None
     };
 
     // Build every worker before starting any, so a configuration error stops nothing half-way.
-    let owner = config.owner();
     let mut relays = Vec::new();
     for w in 0..workers {
         relays.push(build_relay(
@@ -345,6 +374,7 @@ async fn daemon<S: DaemonStore>(
         gate,
         config.clone(),
         totals.clone(),
+        history,
         stop_rx.clone(),
     ));
     let cleanup = config.cleanup.enabled.then(|| {
@@ -737,6 +767,7 @@ async fn monitor<S: DaemonStore>(
     gate: Arc<Backpressure>,
     config: Config,
     totals: Arc<Totals>,
+    history: crate::console::History,
     mut stop: watch::Receiver<bool>,
 ) {
     let interval = config
@@ -754,6 +785,7 @@ async fn monitor<S: DaemonStore>(
             Ok(stats) => {
                 crate::metrics::record_stats(&stats);
                 trend.observe(std::time::Instant::now(), stats.unpublished);
+                history.observe(Utc::now(), &stats);
                 let rate = trend.rate_per_sec();
                 gate.observe(BacklogSnapshot::from_stats(&stats, rate), Utc::now());
                 if let Some(c) = store.conflict_counts().await {

@@ -480,8 +480,8 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
 }
 
 /// One consumer's lag and inbox; `outbox_pool` is the PostgreSQL outbox's pool, which an
-/// inbox in the outbox's database shares.
-async fn consumer_status(
+/// inbox in the outbox's database shares. The web console shows the same document.
+pub(crate) async fn consumer_status(
     config: &Config,
     c: &ConsumerConfig,
     outbox_pool: Option<&sqlx::PgPool>,
