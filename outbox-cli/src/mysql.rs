@@ -206,6 +206,7 @@ const TABLE_PRIVILEGES: &[(&str, &[&str])] = &[
     ("", &["SELECT", "INSERT", "UPDATE", "DELETE"]),
     ("_aggregate", &["SELECT", "INSERT", "UPDATE", "DELETE"]),
     ("_audit", &["SELECT", "INSERT"]),
+    ("_lease", &["SELECT", "INSERT", "DELETE"]),
 ];
 
 /// The tables of the outbox with the privileges needed on each (the archive when the

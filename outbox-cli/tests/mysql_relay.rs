@@ -183,11 +183,12 @@ async fn migrate_on_mariadb_applies_each_migration_once_and_names_it() {
     let first = db.outbox(&db.url(), &[], &["--json", "migrate"]);
     assert!(first.status.success(), "{}", text(&first));
     let doc = json(&first);
-    assert_eq!(doc["outbox"]["applied"], 2, "{doc:#}");
-    assert_eq!(doc["outbox"]["version"], 2, "{doc:#}");
+    assert_eq!(doc["outbox"]["applied"], 3, "{doc:#}");
+    assert_eq!(doc["outbox"]["version"], 3, "{doc:#}");
     assert_eq!(doc["outbox"]["schema"], db.name.as_str(), "{doc:#}");
     assert_eq!(doc["outbox"]["migrations"][0]["version"], 1, "{doc:#}");
     assert_eq!(doc["outbox"]["migrations"][1]["version"], 2, "{doc:#}");
+    assert_eq!(doc["outbox"]["migrations"][2]["version"], 3, "{doc:#}");
     assert_eq!(
         db.tables(&db.name).await,
         [
@@ -195,6 +196,7 @@ async fn migrate_on_mariadb_applies_each_migration_once_and_names_it() {
             "outbox_events_aggregate",
             "outbox_events_archive",
             "outbox_events_audit",
+            "outbox_events_lease",
             "outbox_schema_migrations"
         ]
     );
@@ -202,7 +204,7 @@ async fn migrate_on_mariadb_applies_each_migration_once_and_names_it() {
     assert!(again.status.success(), "{}", text(&again));
     assert!(
         String::from_utf8_lossy(&again.stdout)
-            .contains("0 migration(s) applied (up to date at version 2)"),
+            .contains("0 migration(s) applied (up to date at version 3)"),
         "{}",
         text(&again)
     );
@@ -313,7 +315,7 @@ async fn check_on_mariadb_reports_schema_grants_and_durability() {
     assert_eq!(doc["ok"], true, "{doc:#}");
     let database = finding(&doc, "database", "ok");
     assert!(
-        database[0].contains("at schema version 2 of 2, privileges in place"),
+        database[0].contains("at schema version 3 of 3, privileges in place"),
         "{database:?}"
     );
     // This server flushes at each commit (read, never changed by the tests): ok; the unsafe
@@ -483,6 +485,10 @@ async fn relay_on_mariadb_fails_fast_with_the_fix() {
             ),
             format!(
                 "GRANT SELECT, INSERT ON `{}`.`outbox_events_audit` TO '{user}'@'%'",
+                db.name
+            ),
+            format!(
+                "GRANT SELECT, INSERT, DELETE ON `{}`.`outbox_events_lease` TO '{user}'@'%'",
                 db.name
             ),
         ],
@@ -793,6 +799,7 @@ async fn a_privilege_revoked_under_the_relay_on_mariadb_is_named_with_its_grant(
             "GRANT SELECT, INSERT, UPDATE, DELETE ON `{db}`.`outbox_events` TO {user}",
             "GRANT SELECT, INSERT, UPDATE, DELETE ON `{db}`.`outbox_events_aggregate` TO {user}",
             "GRANT SELECT, INSERT ON `{db}`.`outbox_events_audit` TO {user}",
+            "GRANT SELECT, INSERT, DELETE ON `{db}`.`outbox_events_lease` TO {user}",
         ])
         .await;
     let mut relay = spawn_relay(&db, &url, &brokers, &topic, &[]);

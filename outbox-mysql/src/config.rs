@@ -36,8 +36,9 @@ impl AppendGuard for outbox_core::backpressure::Backpressure {
 pub struct OutboxSettings {
     /// Database of the tables; `None` (default): the connection's current database.
     pub database: Option<String>,
-    /// Outbox table; the state, audit and archive tables are `<table>_aggregate`,
-    /// `<table>_audit` and `<table>_archive`. Default [`DEFAULT_OUTBOX_TABLE`].
+    /// Outbox table; the state, audit, archive and lease tables are `<table>_aggregate`,
+    /// `<table>_audit`, `<table>_archive` and `<table>_lease`. Default
+    /// [`DEFAULT_OUTBOX_TABLE`].
     pub table: String,
     /// Claim mode. Default: a 30 s lease.
     pub claim_mode: ClaimMode,

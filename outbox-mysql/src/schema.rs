@@ -31,6 +31,11 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         "transport-neutral acknowledgement columns",
         include_str!("migrations/0002_outbox.sql"),
     ),
+    (
+        3,
+        "lease mode: claim token on the event row, one lease row per claim",
+        include_str!("migrations/0003_outbox.sql"),
+    ),
 ];
 
 /// The inbox's migrations, in order.
@@ -443,14 +448,17 @@ mod tests {
         let sql = outbox_schema_sql(Some("shop"), "events").unwrap();
         assert!(!sql.contains("__"), "placeholders left: {sql}");
         let stmts = statements(&sql);
-        // Migration 1: 4 statements; migration 2 (acknowledgement columns): 10.
-        assert_eq!(stmts.len(), 14, "{stmts:#?}");
+        // Migration 1: 4 statements; migration 2 (acknowledgement columns): 10; migration 3
+        // (claim token, lease table): 2.
+        assert_eq!(stmts.len(), 16, "{stmts:#?}");
         assert!(stmts[0].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events` ("));
         assert!(stmts[1].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events_aggregate` ("));
         assert!(stmts[4]
             .starts_with("ALTER TABLE `shop`.`events` DROP CONSTRAINT events_published_chk"));
         assert!(stmts[13]
             .starts_with("ALTER TABLE `shop`.`events` ADD CONSTRAINT events_published_chk CHECK"));
+        assert!(stmts[14].starts_with("ALTER TABLE `shop`.`events`\n    ADD COLUMN claim_token"));
+        assert!(stmts[15].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events_lease` ("));
         let unqualified = inbox_schema_sql(None, "processed").unwrap();
         let stmts = statements(&unqualified);
         assert_eq!(stmts.len(), 8, "{stmts:#?}");

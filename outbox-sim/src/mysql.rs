@@ -303,10 +303,29 @@ impl Backend for MySqlBackend {
         let states = self
             .columns_of(&mut tx, &format!("{events}_aggregate"), "aggregate_id")
             .await?;
+        // Lease mode: a claimed row carries its claim's token, the batch's lease row names the
+        // relay; shown as the row's `claim` and `claim_owner`, as on PostgreSQL.
+        let owners: BTreeMap<String, String> = sqlx::query_as(&format!(
+            "SELECT HEX(token), CAST(owner AS CHAR) FROM {}",
+            self.table(&format!("{events}_lease"))
+        ))
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(|e| e.to_string())?
+        .into_iter()
+        .collect();
         tx.rollback().await.map_err(|e| e.to_string())?;
         let raws = rows
             .into_iter()
-            .map(|(hex, raw)| {
+            .map(|(hex, mut raw)| {
+                if let Some(token) = raw.remove("claim_token") {
+                    if token.bytes().any(|b| b != b'0') {
+                        if let Some(owner) = owners.get(&token) {
+                            raw.insert("claim_owner".to_owned(), owner.clone());
+                        }
+                        raw.insert("claim".to_owned(), token);
+                    }
+                }
                 let id = uuid::Uuid::parse_str(&hex).map_err(|e| format!("event id {hex}: {e}"))?;
                 Ok((EventId::from_uuid(id), raw))
             })

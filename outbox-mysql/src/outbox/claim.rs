@@ -10,9 +10,10 @@
 //! 3. **Decision**, in statements that start after the locks (READ COMMITTED): each candidate
 //!    is claimed, blocked, held, parked or left ([`super::decide`]).
 //!
-//! Lease mode writes the lease into the state row (owner, token, expiry on the database
-//! clock, the row) and makes the row due again only when the lease ends (`next_attempt_at`),
-//! so other claims' candidate scans pass over it; then commits. Locked mode commits what it
+//! Lease mode writes one lease row for the batch (owner, expiry on the database clock) and
+//! writes the claim's token into the claimed rows, which it makes due again only when the
+//! lease ends (`next_attempt_at`), so other claims' candidate scans pass over them; then
+//! commits. No state row is written at claim. Locked mode commits what it
 //! decided (parks, holds, blocks) and then, in a second transaction on a connection of its own
 //! (the claim's), locks the claimed rows and their aggregates again with SKIP LOCKED, checks
 //! each decision again, and keeps that transaction open until the completion. What a locked
@@ -27,11 +28,11 @@ use uuid::Uuid;
 
 use outbox_core::{
     ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, ClaimedRecord, Envelope, EventId, ParkKind,
-    ParkedAtClaim, StoreError, StoreErrorKind,
+    ParkedAtClaim, StoreError,
 };
 
 use super::decide::{decide, Action, Candidate};
-use super::head::{marks, AggView, Key};
+use super::head::{marks, AggView, Key, NO_TOKEN};
 use super::rows::{envelope_from_row, ENVELOPE_COLS};
 use super::tx::{self, begin, finish, micros, HeldConnection};
 use super::MySqlOutboxStore;
@@ -325,7 +326,8 @@ under shorter names') \
         };
         let gap_us = micros(self.inner.settings.gap_timeout);
         let sql = format!(
-            "SELECT id, aggregate_key, aggregate_version, attempts, maybe_delivered, \
+            "SELECT id, aggregate_key, aggregate_version, attempts, \
+                    (maybe_delivered = 1 OR claim_token <> {NO_TOKEN}) AS sent_before, \
                     (status = 'pending' AND blocked = 0) AS open, \
                     (next_attempt_at <= UTC_TIMESTAMP(6)) AS due, \
                     (held_since IS NOT NULL \
@@ -369,7 +371,9 @@ under shorter names') \
                     },
                     r.try_get::<Vec<u8>, _>("aggregate_key").map_err(db)?,
                     i64::from(r.try_get::<i32, _>("attempts").map_err(db)?),
-                    r.try_get::<bool, _>("maybe_delivered").map_err(db)?,
+                    // Sent before: `maybe_delivered`, or the row still carries the token of a
+                    // lease claim that ended without an outcome or a release.
+                    flag("sent_before")?,
                 ))
             })
             .collect::<Result<Vec<_>, StoreError>>()?;
@@ -391,6 +395,8 @@ under shorter names') \
         let mut blocks = Vec::new();
         let mut to_claim: Vec<(i64, Key, i64, bool)> = Vec::new();
         let mut notices: Vec<(i64, Action, i64, i64)> = Vec::new();
+        // Claimed aggregates whose state row carries a lease of a relay of the previous version.
+        let mut legacy: Vec<Key> = Vec::new();
         // The envelopes come with the candidates: the events handed out, and the notices,
         // need them (one read of the rows, after the locks; the decisions below change no
         // envelope column).
@@ -401,7 +407,10 @@ under shorter names') \
             };
             match decide(&c, view) {
                 Action::Claim => {
-                    let resend = view.lease_row == Some(c.id) || maybe;
+                    let resend = view.legacy_lease_row == Some(c.id) || maybe;
+                    if view.legacy_lease_row.is_some() {
+                        legacy.push(key.clone());
+                    }
                     to_claim.push((c.id, key, attempts, resend));
                 }
                 Action::Follower => blocks.push(c.id),
@@ -483,7 +492,7 @@ under shorter names') \
             out.parked.push(n);
         }
         if let ClaimMode::Lease { duration } = mode {
-            self.write_leases(conn, &claimed, request, token, duration)
+            self.write_leases(conn, &claimed, &legacy, request, token, duration)
                 .await?;
         }
         claimed.sort_by_key(|(r, _)| r.id);
@@ -559,12 +568,14 @@ under shorter names') \
         Ok(())
     }
 
-    /// Lease mode: the leases of the claimed heads in their state rows, and the rows made due
-    /// again only when their lease ends.
+    /// Lease mode: the batch's lease row (owner, expiry), and the claimed rows made due again
+    /// only when their lease ends, carrying the claim's token. No state row is written (a
+    /// previous version's lease on one is cleared, see below).
     async fn write_leases(
         &self,
         conn: &mut MySqlConnection,
         claimed: &[(ClaimedRow, ClaimedRecord)],
+        legacy: &[Key],
         request: &ClaimRequest,
         token: Uuid,
         duration: Duration,
@@ -573,67 +584,59 @@ under shorter names') \
             return Ok(());
         }
         let t = &self.inner.tables;
-        // Three statements whatever the batch size, each row found by primary key (the state
-        // and event rows are all locked by this transaction: nothing else is read or waited
-        // for):
-        // 1. The leases into the state rows: a multi-row upsert whose `VALUES` carry each
-        //    aggregate's key and row, every other value the same for all (owner, token,
-        //    expiry on the database clock). Each state row exists (this transaction locked
-        //    it), so each row is an update, counted 2 by the server: anything else (a row
-        //    inserted) fails the claim, which rolls back. Measured at about half the cost of
-        //    one `UPDATE` joined with the heads as `JSON_TABLE`, and a `CASE` with one branch
-        //    per aggregate cost time growing with the square of the batch.
-        // 2. The rows made due again only when their lease ends: one constant value. Written
-        //    after the leases, on a later reading of the database clock, so no row is due
-        //    before its lease has ended.
+        let until = micros(duration);
+        // Statements whatever the batch size, each row found by primary key (the event rows
+        // and their aggregates' state rows are all locked by this transaction: nothing else is
+        // read or waited for):
+        // 1. The batch's lease row: who holds the claim and until when (one short insert).
+        // 2. The rows made due again only when their lease ends, with the claim's token: one
+        //    constant value each, written in place (`claim_token` is fixed width), so the
+        //    update costs what `next_attempt_at` alone did. The token fences the completion
+        //    (its marking matches only rows that still carry it): the next claim of a row
+        //    whose lease ended overwrites it. Written after the lease row, on a later reading
+        //    of the database clock, so no row is due before its lease row has ended.
         // 3. Only when a head's earlier lease ended without outcome or release (it may have
         //    been sent): `maybe_delivered` on those rows.
-        let mut heads: Vec<(&Key, i64)> = claimed.iter().map(|(r, _)| (&r.key, r.id)).collect();
-        heads.sort();
-        heads.dedup_by(|a, b| a.0 == b.0);
+        // 4. Only during a rolling upgrade: the expired leases a relay of the previous version
+        //    wrote into the claimed aggregates' state rows are cleared, so that relay's
+        //    completion, which checks its token there, applies nothing to the row taken over.
+        sqlx::query(&format!(
+            "INSERT INTO {} (token, owner, until) \
+             VALUES (?, ?, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)",
+            t.lease
+        ))
+        .bind(token)
+        .bind(&request.owner)
+        .bind(until)
+        .execute(&mut *conn)
+        .await
+        .map_err(db)?;
         let sql = format!(
-            "INSERT INTO {} (aggregate_key, aggregate_type, aggregate_id, lease_row, updated_at) \
-             VALUES {} \
-             ON DUPLICATE KEY UPDATE lease_owner = ?, lease_token = ?, \
-               lease_until = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, \
-               lease_row = VALUES(lease_row), updated_at = VALUES(updated_at)",
-            t.state,
-            vec!["(?, '', '', ?, UTC_TIMESTAMP(6))"; heads.len()].join(", ")
-        );
-        let until = micros(duration);
-        let mut q = sqlx::query(&sql);
-        for (key, id) in &heads {
-            q = q.bind(*key).bind(id);
-        }
-        let n = q
-            .bind(&request.owner)
-            .bind(token)
-            .bind(until)
-            .execute(&mut *conn)
-            .await
-            .map_err(db)?
-            .rows_affected();
-        if n != 2 * heads.len() as u64 {
-            return Err(StoreError::new(
-                StoreErrorKind::Other,
-                format!(
-                    "the lease write changed {n} row counts for {} locked state rows (2 each \
-                     expected): a state row was missing",
-                    heads.len()
-                ),
-            ));
-        }
-        let sql = format!(
-            "UPDATE {} SET next_attempt_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND \
+            "UPDATE {} SET next_attempt_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, \
+               claim_token = ? \
              WHERE id IN ({})",
             t.events,
             marks(claimed.len())
         );
-        let mut q = sqlx::query(&sql).bind(until);
+        let mut q = sqlx::query(&sql).bind(until).bind(token);
         for (r, _) in claimed {
             q = q.bind(r.id);
         }
         q.execute(&mut *conn).await.map_err(db)?;
+        if !legacy.is_empty() {
+            let sql = format!(
+                "UPDATE {} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL, \
+                   lease_row = NULL, updated_at = UTC_TIMESTAMP(6) \
+                 WHERE aggregate_key IN ({})",
+                t.state,
+                marks(legacy.len())
+            );
+            let mut q = sqlx::query(&sql);
+            for k in legacy {
+                q = q.bind(k);
+            }
+            q.execute(&mut *conn).await.map_err(db)?;
+        }
         let resent: Vec<i64> = claimed
             .iter()
             .filter(|(_, rec)| rec.maybe_sent_before)

@@ -11,7 +11,7 @@ use outbox_core::{
 };
 
 use super::claim::ClaimedRow;
-use super::head::{marks, Key};
+use super::head::{marks, Key, NO_TOKEN};
 use super::tx::{self, begin, finish, micros};
 use super::MySqlOutboxStore;
 use crate::error::db;
@@ -54,7 +54,7 @@ impl MySqlOutboxStore {
                 let lasts = std::mem::take(&mut held.lasts);
                 let owned: HashSet<i64> = rows.iter().map(|r| r.id).collect();
                 let applied = self
-                    .apply(held.held.conn(), &rows, outcomes, &owned, &lasts)
+                    .apply(held.held.conn(), &rows, outcomes, &owned, &lasts, None)
                     .await
                     .map_err(lost_claim);
                 match applied {
@@ -114,8 +114,9 @@ impl MySqlOutboxStore {
         let applied = async {
             // Serialized with claims and operator actions on the same aggregates: a claim
             // decides after it holds these locks.
-            let (owned, lasts) = self.owned_rows(&mut tx, rows, token).await?;
-            self.apply(&mut tx, rows, outcomes, &owned, &lasts).await
+            let (owned, lasts) = self.owned_rows(&mut tx, rows).await?;
+            self.apply(&mut tx, rows, outcomes, &owned, &lasts, Some(token))
+                .await
         }
         .await;
         finish(tx, applied).await
@@ -125,23 +126,28 @@ impl MySqlOutboxStore {
     async fn release_lease(&self, rows: &[ClaimedRow], token: Uuid) -> Result<(), StoreError> {
         let mut tx = begin(&self.inner.pool).await?;
         let done = async {
-            let (owned, _) = self.owned_rows(&mut tx, rows, token).await?;
-            self.end_leases(&mut tx, rows, &owned, &HashSet::new(), &HashMap::new())
+            let (owned, _) = self.owned_rows(&mut tx, rows).await?;
+            self.end_lease_claim(&mut tx, rows, &owned, &HashSet::new(), token)
                 .await
         }
         .await;
         finish(tx, done).await
     }
 
-    /// Locks the aggregates of `rows` (blocking, in key order) and returns the rows whose
-    /// aggregate's lease still carries `token` and names the row, and the aggregates'
-    /// `last_version` (read by the locking read itself: the latest committed value, which
-    /// nobody else changes while the lock is held).
+    /// Locks the aggregates of `rows` (blocking, in key order: serialized with claims, which
+    /// decide under these locks, and with operator actions) and returns the rows this claim
+    /// may still own, and the aggregates' `last_version` (read by the locking read itself:
+    /// the latest committed value, which nobody else changes while the lock is held).
+    ///
+    /// Whether the claim still owns a row is decided by the row itself: every statement of the
+    /// completion that writes it requires the claim's token on it (`claim_token`), which the
+    /// next claim of the row, after the lease ended, overwrites. Excluded here are only the
+    /// rows a relay of the previous version took over (a rolling upgrade): it leased the row
+    /// in the state row and leaves the token.
     async fn owned_rows(
         &self,
         conn: &mut MySqlConnection,
         rows: &[ClaimedRow],
-        token: Uuid,
     ) -> Result<(HashSet<i64>, HashMap<Key, Option<i64>>), StoreError> {
         if rows.is_empty() {
             return Ok((HashSet::new(), HashMap::new()));
@@ -161,29 +167,47 @@ impl MySqlOutboxStore {
             q = q.bind(*k);
         }
         let states = q.fetch_all(&mut *conn).await.map_err(db)?;
-        let mut owned = HashSet::new();
+        if states.len() != keys.len() {
+            // Cannot happen (the store never deletes a state row; the claim read each one
+            // under its lock): refuse rather than apply outcomes under no aggregate lock.
+            return Err(StoreError::new(
+                StoreErrorKind::Other,
+                format!(
+                    "locked {} of the {} state rows of the claimed aggregates: a state row was \
+                     missing",
+                    states.len(),
+                    keys.len()
+                ),
+            ));
+        }
+        let mut legacy = HashSet::new();
         let mut lasts = HashMap::with_capacity(states.len());
         for s in &states {
             let t: Option<Uuid> = s.try_get("lease_token").map_err(db)?;
             let row: Option<i64> = s.try_get("lease_row").map_err(db)?;
-            if t == Some(token) {
-                if let Some(row) = row {
-                    owned.insert(row);
-                }
+            if let (Some(_), Some(row)) = (t, row) {
+                legacy.insert(row);
             }
             lasts.insert(
                 s.try_get::<Vec<u8>, _>("aggregate_key").map_err(db)?,
                 s.try_get::<Option<i64>, _>("last_version").map_err(db)?,
             );
         }
+        let owned = rows
+            .iter()
+            .map(|r| r.id)
+            .filter(|id| !legacy.contains(id))
+            .collect();
         Ok((owned, lasts))
     }
 
     /// Applies each outcome to its row where the claim owns it (`owned`) and the row is still
-    /// pending; ends the leases of the owned rows and advances the last version on a
-    /// publication (one state-row update); unblocks what follows. `lasts`: the aggregates'
-    /// `last_version` as read under the locks this transaction holds (an aggregate missing
-    /// there is read again). Returns the ids of the rows an outcome was applied to.
+    /// pending (with `fence`, a lease claim's token: and still carries it); advances the last
+    /// version on a publication (one state-row upsert); in lease mode ends the claim (rows
+    /// without an outcome due again, the lease row deleted); unblocks what follows. `lasts`:
+    /// the aggregates' `last_version` as read under the locks this transaction holds (an
+    /// aggregate missing there is read again). Returns the ids of the rows an outcome was
+    /// applied to.
     async fn apply(
         &self,
         conn: &mut MySqlConnection,
@@ -191,6 +215,7 @@ impl MySqlOutboxStore {
         outcomes: &[Outcome],
         owned: &HashSet<i64>,
         lasts: &HashMap<Key, Option<i64>>,
+        fence: Option<Uuid>,
     ) -> Result<Vec<i64>, StoreError> {
         let by_event: HashMap<Uuid, &Outcome> = outcomes
             .iter()
@@ -199,20 +224,30 @@ impl MySqlOutboxStore {
             .collect();
         let t = &self.inner.tables;
         let mut applied = Vec::new();
+        // A lease claim's outcome ends its claim of the row (the token goes) and applies only
+        // where the row still carries the claim's token.
+        let (fence_set, fence_where) = if fence.is_some() {
+            (
+                format!(", claim_token = {NO_TOKEN}"),
+                " AND claim_token = ?",
+            )
+        } else {
+            (String::new(), "")
+        };
         let retry_sql = format!(
             "UPDATE {} SET attempts = attempts + ?, \
                next_attempt_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, \
                last_error_class = ?, last_error_kind = ?, last_error_message = ?, \
-               maybe_delivered = maybe_delivered OR ? \
-             WHERE id = ? AND status = 'pending'",
+               maybe_delivered = maybe_delivered OR ?{fence_set} \
+             WHERE id = ? AND status = 'pending'{fence_where}",
             t.events
         );
         let park_sql = format!(
             "UPDATE {} SET status = 'parked', attempts = attempts + 1, \
                parked_at = UTC_TIMESTAMP(6), park_kind = ?, last_error_class = ?, \
                last_error_kind = ?, last_error_message = ?, \
-               maybe_delivered = maybe_delivered OR ? \
-             WHERE id = ? AND status = 'pending'",
+               maybe_delivered = maybe_delivered OR ?{fence_set} \
+             WHERE id = ? AND status = 'pending'{fence_where}",
             t.events
         );
         // Publications, the common outcome, are applied in a fixed number of statements
@@ -246,28 +281,26 @@ impl MySqlOutboxStore {
                     .bind(&reason.error.message)
                     .bind(reason.error.delivery_uncertain()),
             };
-            let n = q
-                .bind(row.id)
-                .execute(&mut *conn)
-                .await
-                .map_err(db)?
-                .rows_affected();
+            let mut q = q.bind(row.id);
+            if let Some(token) = fence {
+                q = q.bind(token);
+            }
+            let n = q.execute(&mut *conn).await.map_err(db)?.rows_affected();
             if n == 1 {
                 applied.push(row.id);
             }
         }
-        let published = self.mark_published(conn, &publications).await?;
+        let published = self.mark_published(conn, &publications, fence).await?;
         applied.extend(published.iter().map(|r| r.id));
         let done: HashSet<i64> = applied.iter().copied().collect();
-        // The last version moves to the highest one published (never down), in the same
-        // state-row update that ends the leases; then the aggregate's next row becomes a
-        // candidate.
+        // The last version moves to the highest one published (never down), in one state-row
+        // upsert; then the aggregate's next row becomes a candidate.
         let advanced = self.new_last_versions(conn, &published, lasts).await?;
         let moved: HashMap<Key, i64> = advanced.iter().cloned().collect();
-        if matches!(self.inner.settings.claim_mode, ClaimMode::Lease { .. }) {
-            self.end_leases(conn, rows, owned, &done, &moved).await?;
-        } else {
-            self.write_last_versions(conn, &moved).await?;
+        self.write_last_versions(conn, &moved).await?;
+        if let Some(token) = fence {
+            self.end_lease_claim(conn, rows, owned, &done, token)
+                .await?;
         }
         self.promote(conn, &advanced).await?;
         Ok(applied)
@@ -286,34 +319,53 @@ impl MySqlOutboxStore {
     /// on other claims' rows). Same rows, same values and the same
     /// `status = 'pending'` rule as one `UPDATE .. WHERE id = ? AND status = 'pending'` per
     /// row.
+    ///
+    /// With `fence` (a lease claim's token) there is no status read: the marking's own `WHERE`
+    /// requires the token and `status = 'pending'` on each row (evaluated on the latest row
+    /// version, under the row's lock), and writes a token of this completion's own into the
+    /// rows it marks; its row count says whether every row was marked (the normal case), and
+    /// only when some were not (taken over by another claim, or finished by an operator) one
+    /// read by primary key finds the rows that carry this completion's token.
     async fn mark_published<'r>(
         &self,
         conn: &mut MySqlConnection,
         publications: &[(&'r ClaimedRow, &AckMetadata)],
+        fence: Option<Uuid>,
     ) -> Result<Vec<&'r ClaimedRow>, StoreError> {
         if publications.is_empty() {
             return Ok(Vec::new());
         }
         let t = &self.inner.tables;
-        // A plain read after the locks (READ COMMITTED: the latest committed status), by
-        // primary key only.
-        let sql = format!(
-            "SELECT id, CAST(status AS CHAR) FROM {} WHERE id IN ({})",
-            t.events,
-            marks(publications.len())
-        );
-        let mut q = sqlx::query_as::<_, (i64, String)>(&sql);
-        for (row, _) in publications {
-            q = q.bind(row.id);
-        }
-        let pending: HashSet<i64> = q
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(db)?
-            .into_iter()
-            .filter(|(_, status)| status == "pending")
-            .map(|(id, _)| id)
-            .collect();
+        let pending: HashSet<i64> = if fence.is_some() {
+            publications.iter().map(|(row, _)| row.id).collect()
+        } else {
+            // A plain read after the locks (READ COMMITTED: the latest committed status), by
+            // primary key only.
+            let sql = format!(
+                "SELECT id, CAST(status AS CHAR) FROM {} WHERE id IN ({})",
+                t.events,
+                marks(publications.len())
+            );
+            let mut q = sqlx::query_as::<_, (i64, String)>(&sql);
+            for (row, _) in publications {
+                q = q.bind(row.id);
+            }
+            q.fetch_all(&mut *conn)
+                .await
+                .map_err(db)?
+                .into_iter()
+                .filter(|(_, status)| status == "pending")
+                .map(|(id, _)| id)
+                .collect()
+        };
+        // Lease mode: the rows marked here carry this token afterwards (fixed width, written in
+        // place), which no claim ever holds.
+        let marker = Uuid::now_v7();
+        let (fence_set, fence_where) = if fence.is_some() {
+            (", claim_token = ?", " AND claim_token = ?")
+        } else {
+            ("", "")
+        };
         let (marked, long): (Vec<(&'r ClaimedRow, &AckMetadata)>, Vec<_>) = publications
             .iter()
             .filter(|(row, _)| pending.contains(&row.id))
@@ -326,24 +378,29 @@ impl MySqlOutboxStore {
         // truncates (otherwise) a value too long for `ack_destination` as it always did.
         let mut done: Vec<&'r ClaimedRow> = Vec::new();
         for (row, ack) in long {
-            let n = sqlx::query(&format!(
+            let sql = format!(
                 "UPDATE {} SET status = 'published', published_at = UTC_TIMESTAMP(6), \
                    finished_at = UTC_TIMESTAMP(6), ack_transport = ?, ack_destination = ?, \
-                   ack_partition = ?, ack_position = ?, ack_route = ?, ack_duplicate = ? \
-                 WHERE id = ? AND status = 'pending'",
+                   ack_partition = ?, ack_position = ?, ack_route = ?, \
+                   ack_duplicate = ?{fence_set} \
+                 WHERE id = ? AND status = 'pending'{fence_where}",
                 t.events
-            ))
-            .bind(ack.transport().as_str())
-            .bind(ack.destination())
-            .bind(ack.position().and_then(|p| p.partition))
-            .bind(ack.position().map(|p| p.offset))
-            .bind(ack.route())
-            .bind(ack.duplicate())
-            .bind(row.id)
-            .execute(&mut *conn)
-            .await
-            .map_err(db)?
-            .rows_affected();
+            );
+            let mut q = sqlx::query(&sql)
+                .bind(ack.transport().as_str())
+                .bind(ack.destination())
+                .bind(ack.position().and_then(|p| p.partition))
+                .bind(ack.position().map(|p| p.offset))
+                .bind(ack.route())
+                .bind(ack.duplicate());
+            if fence.is_some() {
+                q = q.bind(marker);
+            }
+            q = q.bind(row.id);
+            if let Some(token) = fence {
+                q = q.bind(token);
+            }
+            let n = q.execute(&mut *conn).await.map_err(db)?.rows_affected();
             if n == 1 {
                 done.push(row);
             }
@@ -383,7 +440,16 @@ impl MySqlOutboxStore {
         }
         doc.push(']');
         chunks.push((doc, ids));
+        let (json_set, json_where) = if fence.is_some() {
+            (
+                ", e.claim_token = ?",
+                " AND e.status = 'pending' AND e.claim_token = ?",
+            )
+        } else {
+            ("", "")
+        };
         let mut n = 0;
+        let mut short: Vec<i64> = Vec::new();
         for (doc, ids) in chunks {
             let sql = format!(
                 "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$[0]', \
@@ -394,16 +460,55 @@ impl MySqlOutboxStore {
                  SET e.status = 'published', e.published_at = UTC_TIMESTAMP(6), \
                    e.finished_at = UTC_TIMESTAMP(6), e.ack_transport = a.transport, \
                    e.ack_destination = a.dest, e.ack_partition = a.part, \
-                   e.ack_position = a.pos, e.ack_route = a.route, e.ack_duplicate = a.dup \
-                 WHERE e.id IN ({})",
+                   e.ack_position = a.pos, e.ack_route = a.route, \
+                   e.ack_duplicate = a.dup{json_set} \
+                 WHERE e.id IN ({}){json_where}",
                 t.events,
-                marks(ids.len())
+                marks(ids.len()),
             );
             let mut q = sqlx::query(&sql).bind(doc);
+            if fence.is_some() {
+                q = q.bind(marker);
+            }
             for id in &ids {
                 q = q.bind(id);
             }
-            n += q.execute(&mut *conn).await.map_err(db)?.rows_affected();
+            if let Some(token) = fence {
+                q = q.bind(token);
+            }
+            let m = q.execute(&mut *conn).await.map_err(db)?.rows_affected();
+            n += m;
+            if m != ids.len() as u64 {
+                short.extend(ids);
+            }
+        }
+        if fence.is_some() && !short.is_empty() {
+            // The rare path: some rows were no longer this claim's (another claim took them
+            // over after the lease ended) or no longer pending (an operator finished them).
+            // Those marked here carry the marker.
+            let sql = format!(
+                "SELECT id FROM {} WHERE id IN ({}) AND claim_token <> ?",
+                t.events,
+                marks(short.len())
+            );
+            let mut q = sqlx::query_scalar::<_, i64>(&sql);
+            for id in &short {
+                q = q.bind(id);
+            }
+            let missed: HashSet<i64> = q
+                .bind(marker)
+                .fetch_all(&mut *conn)
+                .await
+                .map_err(db)?
+                .into_iter()
+                .collect();
+            done.extend(
+                marked
+                    .into_iter()
+                    .filter(|(row, _)| !missed.contains(&row.id))
+                    .map(|(row, _)| row),
+            );
+            return Ok(done);
         }
         if n != marked.len() as u64 {
             // Cannot happen under the locks taken above; refuse rather than report a
@@ -471,11 +576,11 @@ impl MySqlOutboxStore {
             .collect())
     }
 
-    /// Locked mode: writes the new last versions, one multi-row upsert of the state rows (as
-    /// [`Self::end_leases`] does in lease mode). Each of these rows exists (this claim's
-    /// transaction has held its lock since the claim read it) and its last version moves up
-    /// (a claimed head is above it), so each row is an update, counted 2 by the server:
-    /// anything else fails the completion, which rolls the claim back.
+    /// Writes the new last versions, one multi-row upsert of the state rows. Each of these
+    /// rows exists (this transaction holds its lock: since the claim in locked mode, since
+    /// `owned_rows` in lease mode) and its last version moves up (a claimed head is above it),
+    /// so each row is an update, counted 2 by the server: anything else fails the completion,
+    /// which rolls back.
     async fn write_last_versions(
         &self,
         conn: &mut MySqlConnection,
@@ -513,73 +618,27 @@ impl MySqlOutboxStore {
         Ok(())
     }
 
-    /// Ends the leases of the owned rows (lease mode) and, in the same upsert of
-    /// their state rows, moves the last version of the aggregates in `moved` (their keys are
-    /// among the owned rows': only an owned row is published). An owned row that got no
-    /// outcome (`done`) was made to wait for its lease by the claim: it is due again now.
-    async fn end_leases(
+    /// Lease mode: ends the claim `token`. An owned row that got no outcome (not in `done`)
+    /// was made to wait for its lease by the claim: it is due again now, without the token
+    /// (only where it still carries it); the batch's lease row is deleted.
+    async fn end_lease_claim(
         &self,
         conn: &mut MySqlConnection,
         rows: &[ClaimedRow],
         owned: &HashSet<i64>,
         done: &HashSet<i64>,
-        moved: &HashMap<Key, i64>,
+        token: Uuid,
     ) -> Result<(), StoreError> {
-        if !matches!(self.inner.settings.claim_mode, ClaimMode::Lease { .. }) {
-            return Ok(());
-        }
-        let mine: Vec<&ClaimedRow> = rows.iter().filter(|r| owned.contains(&r.id)).collect();
-        if mine.is_empty() {
-            return Ok(());
-        }
         let t = &self.inner.tables;
-        // One multi-row upsert of the state rows: each owned aggregate's key and its new last
-        // version (NULL: it stays) in the `VALUES`, the lease columns cleared. Each of these
-        // state rows exists and carries this claim's token (`owned_rows` read it under the
-        // lock this transaction holds), so each row is an update, counted 2 by the server:
-        // anything else (a row inserted) fails the completion, which rolls back. Measured at
-        // about half the cost of one `UPDATE` joined with them as `JSON_TABLE`.
-        let mut ends: Vec<(&Key, Option<i64>)> = mine
+        let back: Vec<i64> = rows
             .iter()
-            .map(|r| (&r.key, moved.get(&r.key).copied()))
-            .collect();
-        ends.sort();
-        ends.dedup_by(|a, b| a.0 == b.0);
-        let sql = format!(
-            "INSERT INTO {} (aggregate_key, aggregate_type, aggregate_id, last_version, \
-               updated_at) \
-             VALUES {} \
-             ON DUPLICATE KEY UPDATE lease_owner = NULL, lease_token = NULL, \
-               lease_until = NULL, lease_row = NULL, \
-               last_version = COALESCE(VALUES(last_version), last_version), \
-               updated_at = VALUES(updated_at)",
-            t.state,
-            vec!["(?, '', '', ?, UTC_TIMESTAMP(6))"; ends.len()].join(", ")
-        );
-        let mut q = sqlx::query(&sql);
-        for (key, last) in &ends {
-            q = q.bind(*key).bind(last);
-        }
-        let n = q.execute(&mut *conn).await.map_err(db)?.rows_affected();
-        if n != 2 * ends.len() as u64 {
-            return Err(StoreError::new(
-                StoreErrorKind::Other,
-                format!(
-                    "ending the leases changed {n} row counts for {} owned state rows (2 each \
-                     expected): a state row was missing",
-                    ends.len()
-                ),
-            ));
-        }
-        let back: Vec<i64> = mine
-            .iter()
-            .filter(|r| !done.contains(&r.id))
+            .filter(|r| owned.contains(&r.id) && !done.contains(&r.id))
             .map(|r| r.id)
             .collect();
         if !back.is_empty() {
             let sql = format!(
-                "UPDATE {} SET next_attempt_at = UTC_TIMESTAMP(6) \
-                 WHERE id IN ({}) AND status = 'pending'",
+                "UPDATE {} SET next_attempt_at = UTC_TIMESTAMP(6), claim_token = {NO_TOKEN} \
+                 WHERE id IN ({}) AND status = 'pending' AND claim_token = ?",
                 t.events,
                 marks(back.len())
             );
@@ -587,8 +646,13 @@ impl MySqlOutboxStore {
             for id in &back {
                 q = q.bind(id);
             }
-            q.execute(&mut *conn).await.map_err(db)?;
+            q.bind(token).execute(&mut *conn).await.map_err(db)?;
         }
+        sqlx::query(&format!("DELETE FROM {} WHERE token = ?", t.lease))
+            .bind(token)
+            .execute(&mut *conn)
+            .await
+            .map_err(db)?;
         Ok(())
     }
 
@@ -599,10 +663,13 @@ impl MySqlOutboxStore {
             return Ok(rows);
         }
         let t = &self.inner.tables;
+        // The pending rows that still carry the token (no index on it: a range of
+        // `claim_idx`, filtered; only a completion or release from another store instance
+        // comes here).
         let rows = sqlx::query(&format!(
-            "SELECT e.id, e.event_id, e.aggregate_key, e.aggregate_version \
-             FROM {} a JOIN {} e ON e.id = a.lease_row WHERE a.lease_token = ?",
-            t.state, t.events
+            "SELECT id, event_id, aggregate_key, aggregate_version \
+             FROM {} WHERE status = 'pending' AND claim_token = ?",
+            t.events
         ))
         .bind(token)
         .fetch_all(&self.inner.pool)

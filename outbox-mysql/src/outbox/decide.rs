@@ -71,12 +71,13 @@ mod tests {
             last_eff: last,
             last: Some(last),
             leased,
-            lease_row: None,
+            legacy_lease_row: None,
             head: head.map(|(id, version, parked)| Head {
                 id,
                 version,
                 parked,
                 blocked: false,
+                leased: false,
             }),
         }
     }

@@ -28,6 +28,9 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
         })
 }
 
+/// A row's `claim_token` when no lease claim holds it (16 zero bytes), as SQL.
+pub(crate) const NO_TOKEN: &str = "X'00000000000000000000000000000000'";
+
 /// `?, ?, ...` for `n` values.
 pub(crate) fn marks(n: usize) -> String {
     vec!["?"; n].join(", ")
@@ -40,6 +43,9 @@ pub(crate) struct Head {
     pub(crate) version: i64,
     pub(crate) parked: bool,
     pub(crate) blocked: bool,
+    /// Pending and under a live lease claim: it carries a claim token and is not due before
+    /// the lease ends (`next_attempt_at`, on the database clock).
+    pub(crate) leased: bool,
 }
 
 /// An aggregate's delivery state as read after its lock.
@@ -52,9 +58,14 @@ pub(crate) struct AggView {
     pub(crate) last_eff: i64,
     /// The state row's `last_version` as read (the completion moves it from there).
     pub(crate) last: Option<i64>,
-    /// A live lease (the database clock says it has not expired).
+    /// A live lease on the aggregate (the database clock says it has not expired): its head
+    /// carries a live claim token, or its state row a live lease of a relay of the previous
+    /// version (which kept the lease there; a rolling upgrade).
     pub(crate) leased: bool,
-    pub(crate) lease_row: Option<i64>,
+    /// The row a relay of the previous version leased in the state row (live or expired):
+    /// a claim of this version that takes the row over clears that lease, which fences the
+    /// old relay's completion.
+    pub(crate) legacy_lease_row: Option<i64>,
     /// The head: first unfinished (pending or parked) row above `last_eff` in (version, id).
     pub(crate) head: Option<Head>,
 }
@@ -187,7 +198,8 @@ impl MySqlOutboxStore {
                   WHERE u.aggregate_key = a.aggregate_key AND u.status = 'parked') AS min_parked, \
                  (SELECT MIN(u.aggregate_version) FROM {e} u \
                   WHERE u.aggregate_key = a.aggregate_key AND u.status IN ('pending', 'parked') \
-                    AND (u.maybe_delivered = 1 OR u.id = a.lease_row)) AS min_sent, \
+                    AND (u.maybe_delivered = 1 OR u.id = a.lease_row \
+                         OR (u.status = 'pending' AND u.claim_token <> {NO_TOKEN}))) AS min_sent, \
                  NULL AS pending_head, NULL AS parked_head",
                 e = t.events
             )
@@ -217,7 +229,7 @@ impl MySqlOutboxStore {
             q = q.bind(k);
         }
         let rows = q.fetch_all(&mut *conn).await.map_err(db)?;
-        let mut views = HashMap::with_capacity(rows.len());
+        let mut views: HashMap<Key, AggView> = HashMap::with_capacity(rows.len());
         for r in &rows {
             let key: Vec<u8> = r.try_get("aggregate_key").map_err(db)?;
             let last: Option<i64> = r.try_get("last_version").map_err(db)?;
@@ -239,7 +251,7 @@ impl MySqlOutboxStore {
                     last_eff,
                     last,
                     leased: r.try_get::<i64, _>("leased").map_err(db)? != 0,
-                    lease_row: r.try_get("lease_row").map_err(db)?,
+                    legacy_lease_row: r.try_get("lease_row").map_err(db)?,
                     head: head_of(r)?,
                 },
             );
@@ -252,6 +264,11 @@ impl MySqlOutboxStore {
                     v.head = Some(head);
                 }
             }
+        }
+        // The lease of lease mode is on the claimed row, the aggregate's pending head (a claim
+        // leases only a head, and the head changes only under the aggregate's lock).
+        for v in views.values_mut() {
+            v.leased |= v.head.as_ref().is_some_and(|h| h.leased);
         }
         Ok(views)
     }
@@ -381,10 +398,13 @@ impl MySqlOutboxStore {
 }
 
 /// A correlated subquery: the first row of `status` of the aggregate `key` above version
-/// `last`, in (version, id), as `JSON_ARRAY(id, version, blocked)` (NULL when none).
+/// `last`, in (version, id), as `JSON_ARRAY(id, version, blocked, leased)` (NULL when none;
+/// `leased`: it carries a claim token and is not due yet, the live lease of a lease claim).
 fn first_row(events: &str, status: &str, key: &str, last: &str) -> String {
     format!(
-        "(SELECT JSON_ARRAY(u.id, u.aggregate_version, u.blocked + 0) FROM {events} u \
+        "(SELECT JSON_ARRAY(u.id, u.aggregate_version, u.blocked + 0, \
+                 (u.claim_token <> {NO_TOKEN} AND u.next_attempt_at > UTC_TIMESTAMP(6)) + 0) \
+           FROM {events} u \
            WHERE u.aggregate_key = {key} AND u.status = '{status}' \
              AND u.aggregate_version > {last} \
            ORDER BY u.aggregate_version, u.id LIMIT 1)"
@@ -415,17 +435,19 @@ fn head_of(r: &sqlx::mysql::MySqlRow) -> Result<Option<Head>, StoreError> {
         let Some(text) = crate::error::opt_text(r, column)? else {
             continue;
         };
-        let (id, version, blocked): (i64, i64, i64) = serde_json::from_str(&text).map_err(|e| {
-            outbox_core::StoreError::new(
-                outbox_core::StoreErrorKind::Other,
-                format!("unexpected head probe result {text:?}: {e}"),
-            )
-        })?;
+        let (id, version, blocked, leased): (i64, i64, i64, i64) = serde_json::from_str(&text)
+            .map_err(|e| {
+                outbox_core::StoreError::new(
+                    outbox_core::StoreErrorKind::Other,
+                    format!("unexpected head probe result {text:?}: {e}"),
+                )
+            })?;
         let h = Head {
             id,
             version,
             parked,
             blocked: blocked != 0,
+            leased: !parked && leased != 0,
         };
         match &best {
             Some(old) if (old.version, old.id) <= (h.version, h.id) => {}

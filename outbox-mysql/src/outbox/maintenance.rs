@@ -39,7 +39,35 @@ impl MySqlOutboxStore {
                 break;
             }
         }
+        self.cleanup_lease_rows(batch).await?;
         Ok(CleanupReport::new(removed, batches))
+    }
+
+    /// Deletes the lease rows of claims whose lease has ended (`until`, on the database
+    /// clock), in bounded batches: a completion or release deletes its own, so these are the
+    /// rows of relays that stopped without either. A lease row only names the relay that
+    /// holds a live claim (for `release_claims_of` and the reports); an expired claim's
+    /// completion does not need it (its rows carry its token). At most 100 batches per
+    /// cleanup; the next cleanup goes on.
+    async fn cleanup_lease_rows(&self, batch: i64) -> Result<u64, StoreError> {
+        let sql = format!(
+            "DELETE FROM {} WHERE until < UTC_TIMESTAMP(6) ORDER BY until LIMIT ?",
+            self.inner.tables.lease
+        );
+        let mut removed = 0;
+        for _ in 0..100 {
+            let n = tx::retry_lock_conflicts!(sqlx::query(&sql)
+                .bind(batch)
+                .execute(&self.inner.pool)
+                .await
+                .map_err(db))?
+            .rows_affected();
+            removed += n;
+            if n < batch as u64 {
+                break;
+            }
+        }
+        Ok(removed)
     }
 
     async fn cleanup_once(&self, retention_us: i64, batch: i64) -> Result<u64, StoreError> {

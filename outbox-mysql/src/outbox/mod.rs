@@ -66,6 +66,8 @@ pub(crate) struct Tables {
     pub(crate) state: String,
     pub(crate) audit: String,
     pub(crate) archive: String,
+    /// Lease mode: one row per claim batch (owner, expiry); the rows carry its token.
+    pub(crate) lease: String,
 }
 
 struct Inner {
@@ -158,6 +160,7 @@ impl Tables {
             state: qualified(database, &format!("{table}_aggregate")),
             audit: qualified(database, &format!("{table}_audit")),
             archive: qualified(database, &format!("{table}_archive")),
+            lease: qualified(database, &format!("{table}_lease")),
         }
     }
 }
@@ -278,6 +281,7 @@ impl MySqlOutboxStore {
             s.table.clone(),
             format!("{}_aggregate", s.table),
             format!("{}_audit", s.table),
+            format!("{}_lease", s.table),
         ];
         let tables: Vec<&str> = names.iter().map(String::as_str).collect();
         crate::check_durability(&self.inner.pool, s.database.as_deref(), &tables).await

@@ -11,7 +11,7 @@ use outbox_core::{
     StoreErrorKind,
 };
 
-use super::head::Key;
+use super::head::{marks, Key, NO_TOKEN};
 use super::rows::{parked_from_row, utc, ENVELOPE_COLS, PARKED_COLS};
 use super::tx::{self, begin, finish};
 use super::MySqlOutboxStore;
@@ -258,7 +258,7 @@ impl MySqlOutboxStore {
         sqlx::query(&format!(
             "UPDATE {} SET status = 'pending', attempts = 0, \
                next_attempt_at = '1000-01-01 00:00:00', park_kind = NULL, \
-               parked_at = NULL, blocked = 0, held_since = NULL \
+               parked_at = NULL, blocked = 0, held_since = NULL, claim_token = {NO_TOKEN} \
              WHERE id = ? AND status = 'parked'",
             self.inner.tables.events
         ))
@@ -399,6 +399,9 @@ impl MySqlOutboxStore {
             return Ok(0);
         }
         let t = &self.inner.tables;
+        let reason = format!("claims of relay {owner} released");
+        let mut released = self.release_lease_claims_of(owner, actor, &reason).await?;
+        // Leases a relay of the previous version wrote into the state rows (a rolling upgrade).
         // Byte for byte: `utf8mb4_bin` is a PAD SPACE collation, so `lease_owner = 'r '`
         // would match the live leases of relay `r` (a binary string compares every byte).
         let leases: Vec<(Vec<u8>, i64)> = sqlx::query_as(&format!(
@@ -411,8 +414,6 @@ impl MySqlOutboxStore {
         .fetch_all(&self.inner.pool)
         .await
         .map_err(db)?;
-        let reason = format!("claims of relay {owner} released");
-        let mut released = 0;
         for (key, row) in &leases {
             let done = tx::retry_lock_conflicts!(
                 self.release_one_lease_tx(key, *row, owner, actor, &reason)
@@ -423,6 +424,124 @@ impl MySqlOutboxStore {
             }
         }
         Ok(released)
+    }
+
+    /// The live lease claims of `owner`: its batches' lease rows (by owner), their rows that
+    /// still carry the batch's token and wait for the lease to end (no index on the token: a
+    /// range of `claim_idx`, filtered; a rare action), each released under its aggregate's
+    /// lock; then the batches' lease rows are deleted. Returns the rows released.
+    async fn release_lease_claims_of(
+        &self,
+        owner: &str,
+        actor: &str,
+        reason: &str,
+    ) -> Result<u64, StoreError> {
+        let t = &self.inner.tables;
+        let tokens: Vec<Uuid> = sqlx::query_scalar(&format!(
+            "SELECT token FROM {} WHERE owner = CAST(? AS BINARY)",
+            t.lease
+        ))
+        .bind(owner)
+        .fetch_all(&self.inner.pool)
+        .await
+        .map_err(db)?;
+        if tokens.is_empty() {
+            return Ok(0);
+        }
+        let sql = format!(
+            "SELECT id, aggregate_key, claim_token FROM {} \
+             WHERE status = 'pending' AND claim_token IN ({}) \
+               AND next_attempt_at > UTC_TIMESTAMP(6) ORDER BY id",
+            t.events,
+            marks(tokens.len())
+        );
+        let mut q = sqlx::query_as::<_, (i64, Vec<u8>, Uuid)>(&sql);
+        for token in &tokens {
+            q = q.bind(token);
+        }
+        let rows = q.fetch_all(&self.inner.pool).await.map_err(db)?;
+        let mut released = 0;
+        for (id, key, token) in &rows {
+            let done = tx::retry_lock_conflicts!(
+                self.release_claimed_row_tx(key, *id, *token, actor, reason)
+                    .await
+            )?;
+            if done {
+                released += 1;
+            }
+        }
+        let sql = format!(
+            "DELETE FROM {} WHERE token IN ({}) AND owner = CAST(? AS BINARY)",
+            t.lease,
+            marks(tokens.len())
+        );
+        let mut q = sqlx::query(&sql);
+        for token in &tokens {
+            q = q.bind(token);
+        }
+        q.bind(owner).execute(&self.inner.pool).await.map_err(db)?;
+        Ok(released)
+    }
+
+    /// Releases the row `id` of the lease claim `token` under its aggregate's lock, if the
+    /// claim still holds it and its lease is live; `true` when it did.
+    async fn release_claimed_row_tx(
+        &self,
+        key: &Key,
+        id: i64,
+        token: Uuid,
+        actor: &str,
+        reason: &str,
+    ) -> Result<bool, StoreError> {
+        let mut tx = begin(&self.inner.pool).await?;
+        let done = async {
+            let t = &self.inner.tables;
+            sqlx::query(&format!(
+                "SELECT aggregate_key FROM {} WHERE aggregate_key = ? FOR UPDATE",
+                t.state
+            ))
+            .bind(key)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db)?;
+            // The row waited for its lease: due again now, without the token (so the claim's
+            // completion applies nothing to it).
+            let n = sqlx::query(&format!(
+                "UPDATE {} SET next_attempt_at = UTC_TIMESTAMP(6), claim_token = {NO_TOKEN} \
+                 WHERE id = ? AND status = 'pending' AND claim_token = ? \
+                   AND next_attempt_at > UTC_TIMESTAMP(6)",
+                t.events
+            ))
+            .bind(id)
+            .bind(token)
+            .execute(&mut *tx)
+            .await
+            .map_err(db)?
+            .rows_affected();
+            if n == 0 {
+                return Ok(false);
+            }
+            let event: Uuid =
+                sqlx::query_scalar(&format!("SELECT event_id FROM {} WHERE id = ?", t.events))
+                    .bind(id)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(db)?;
+            self.audit(
+                &mut tx,
+                (
+                    EventId::from_uuid(event),
+                    OperatorAction::ReleaseClaim,
+                    actor,
+                    reason,
+                    None,
+                ),
+            )
+            .await?;
+            Ok(true)
+        }
+        .await;
+        finish(tx, done).await
     }
 
     async fn release_one_lease_tx(

@@ -207,9 +207,12 @@ fn stats_sql(ev: &str, st: &str, accept_first_version: bool) -> String {
            {oldest_claimable} AS oldest_claimable_us, \
            (SELECT COUNT(*) FROM {ev} WHERE status = 'parked') AS parked, \
            (SELECT COUNT(*) FROM {ev} WHERE status = 'published') AS published, \
-           (SELECT COUNT(*) FROM {st} a JOIN {ev} e ON e.id = a.lease_row \
+           (SELECT COUNT(*) FROM {ev} e \
+              WHERE e.status = 'pending' AND e.blocked = 0 \
+                AND e.claim_token <> {no_token} AND e.next_attempt_at > UTC_TIMESTAMP(6)) \
+           + (SELECT COUNT(*) FROM {st} a JOIN {ev} e ON e.id = a.lease_row \
               WHERE a.lease_until > UTC_TIMESTAMP(6) AND e.status = 'pending' \
-                AND e.blocked = 0) AS leased, \
+                AND e.blocked = 0 AND e.claim_token = {no_token}) AS leased, \
            (SELECT {oldest_parked} FROM {ev} WHERE status = 'parked') AS oldest_parked_us \
          FROM c",
         last_p = last_of("p"),
@@ -217,5 +220,6 @@ fn stats_sql(ev: &str, st: &str, accept_first_version: bool) -> String {
         oldest_blocked = age("CASE WHEN c.cls = 'b' THEN c.inserted_at END"),
         oldest_claimable = age("CASE WHEN c.cls = 'c' THEN c.inserted_at END"),
         oldest_parked = age("inserted_at"),
+        no_token = super::head::NO_TOKEN,
     )
 }
