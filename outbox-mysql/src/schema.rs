@@ -31,6 +31,13 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         "transport-neutral acknowledgement columns",
         include_str!("migrations/0002_outbox.sql"),
     ),
+    // Numbered 4: migration 3 is another branch's; the runner applies every version above
+    // the latest applied one, in order, so a gap is harmless.
+    (
+        4,
+        "relay registry: <table>_relays",
+        include_str!("migrations/0004_outbox.sql"),
+    ),
 ];
 
 /// The inbox's migrations, in order.

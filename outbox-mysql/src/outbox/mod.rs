@@ -18,6 +18,7 @@ mod decide;
 mod head;
 mod maintenance;
 mod operator;
+mod registry;
 mod reporting;
 pub(crate) mod rows;
 pub(crate) mod tx;
@@ -66,6 +67,8 @@ pub(crate) struct Tables {
     pub(crate) state: String,
     pub(crate) audit: String,
     pub(crate) archive: String,
+    /// The relay registry.
+    pub(crate) relays: String,
 }
 
 struct Inner {
@@ -158,6 +161,7 @@ impl Tables {
             state: qualified(database, &format!("{table}_aggregate")),
             audit: qualified(database, &format!("{table}_audit")),
             archive: qualified(database, &format!("{table}_archive")),
+            relays: qualified(database, &format!("{table}_relays")),
         }
     }
 }

@@ -475,9 +475,12 @@ impl MySqlOutboxStore {
         .execute(&mut *conn)
         .await
         .map_err(db)?;
-        // The row waited for its lease: due again now.
+        // The row waited for its lease: due again now. The gone relay may have sent it: its
+        // next publication is a re-publication (counted in `outbox_republished_total`), as
+        // after a lease that expired.
         sqlx::query(&format!(
-            "UPDATE {} SET next_attempt_at = UTC_TIMESTAMP(6) WHERE id = ? AND status = 'pending'",
+            "UPDATE {} SET next_attempt_at = UTC_TIMESTAMP(6), maybe_delivered = 1 \
+             WHERE id = ? AND status = 'pending'",
             t.events
         ))
         .bind(row)
