@@ -206,6 +206,8 @@ const TABLE_PRIVILEGES: &[(&str, &[&str])] = &[
     ("", &["SELECT", "INSERT", "UPDATE", "DELETE"]),
     ("_aggregate", &["SELECT", "INSERT", "UPDATE", "DELETE"]),
     ("_audit", &["SELECT", "INSERT"]),
+    // The relay registry: each worker registers, heartbeats and deregisters.
+    ("_relays", &["SELECT", "INSERT", "UPDATE", "DELETE"]),
 ];
 
 /// The tables of the outbox with the privileges needed on each (the archive when the

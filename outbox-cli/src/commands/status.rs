@@ -1,6 +1,7 @@
 //! `outbox status`: the backlog and its ages, parked events, version gaps held, publish latency
 //! percentiles over a window, the backlog's rate of change and forecast to capacity,
-//! backpressure, table health, and per consumer its lag and inbox.
+//! backpressure, table health, the relays in the registry (live or stale, what they hold; see
+//! [`crate::relays`]), and per consumer its lag and inbox.
 
 use std::time::Duration;
 
@@ -17,6 +18,7 @@ use crate::db;
 use crate::error::CliError;
 use crate::opt::StatusOpts;
 use crate::output::{age, secs, Output};
+use crate::relays::Relays;
 
 fn extra(stats: &outbox_core::OutboxStats, name: &str) -> Option<f64> {
     stats.extra.iter().find(|(n, _)| n == name).map(|(_, v)| *v)
@@ -112,6 +114,7 @@ async fn run_once(config: &Config, opts: &StatusOpts, out: &Output) -> Result<()
     let store = db::outbox_store(config, pool.clone())?;
     let table = format!("{}.{}", config.outbox.schema, config.outbox.table);
     let (stats, latency) = read(&store, window.0, &table).await?;
+    let relays = Relays::read(&store).await;
     let mut warnings: Vec<String> = Vec::new();
     let mut consumers = Vec::new();
     for c in &config.consumers {
@@ -127,6 +130,7 @@ async fn run_once(config: &Config, opts: &StatusOpts, out: &Output) -> Result<()
             table,
             stats,
             latency,
+            relays,
             consumers,
             warnings,
         },
@@ -161,6 +165,7 @@ async fn run_mysql(
         table,
     } = crate::store::connect_mysql(config, 2).await?;
     let (stats, latency) = read(&store, window.0, &table).await?;
+    let relays = Relays::read(&store).await;
     let mut warnings = Vec::new();
     let mut consumers = Vec::new();
     for c in &config.consumers {
@@ -175,6 +180,7 @@ async fn run_mysql(
             table,
             stats,
             latency,
+            relays,
             consumers,
             warnings,
         },
@@ -188,6 +194,7 @@ struct Report {
     table: String,
     stats: OutboxStats,
     latency: LatencySummary,
+    relays: Relays,
     consumers: Vec<Value>,
     warnings: Vec<String>,
 }
@@ -199,6 +206,7 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
         table,
         stats,
         latency,
+        relays,
         consumers,
         mut warnings,
     } = report;
@@ -221,6 +229,15 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
             "{} aggregate(s) wait for a missing version ({} event(s) held; parked as version \
              gaps after outbox.gap_timeout)",
             stats.version_gaps_held, stats.gap_held
+        ));
+    }
+    for (e, n) in relays.dead_with_claims() {
+        warnings.push(format!(
+            "relay {} is stale (last heartbeat {} ago) and still holds {n} claim(s): if it is \
+             gone, `outbox parked release-claims {}`",
+            e.registration.owner,
+            age(Some(e.heartbeat_age)),
+            e.registration.owner
         ));
     }
     let doc = json!({
@@ -266,6 +283,7 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
             "last_autovacuum_age_seconds": extra(&stats, "last_autovacuum_age_seconds"),
             "conditional_update_conflicts": extra(&stats, "conditional_update_conflicts"),
         },
+        "relays": relays.json(),
         "consumers": consumers,
         "warnings": warnings,
     });
@@ -349,6 +367,7 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
     println!("outbox {table} on {target}");
     println!("transport: {}", crate::transport::describe(config));
     println!("{}", out.table(&["", "value"], rows));
+    relays.render(out);
     if !consumers.is_empty() {
         let rows = consumers
             .iter()
