@@ -450,14 +450,16 @@ mod tests {
         let sql = outbox_schema_sql(Some("shop"), "events").unwrap();
         assert!(!sql.contains("__"), "placeholders left: {sql}");
         let stmts = statements(&sql);
-        // Migration 1: 4 statements; migration 2 (acknowledgement columns): 10.
-        assert_eq!(stmts.len(), 14, "{stmts:#?}");
+        // Migration 1: 4 statements; migration 2 (acknowledgement columns): 10; migration 4
+        // (relay registry): 1.
+        assert_eq!(stmts.len(), 15, "{stmts:#?}");
         assert!(stmts[0].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events` ("));
         assert!(stmts[1].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events_aggregate` ("));
         assert!(stmts[4]
             .starts_with("ALTER TABLE `shop`.`events` DROP CONSTRAINT events_published_chk"));
         assert!(stmts[13]
             .starts_with("ALTER TABLE `shop`.`events` ADD CONSTRAINT events_published_chk CHECK"));
+        assert!(stmts[14].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events_relays` ("));
         let unqualified = inbox_schema_sql(None, "processed").unwrap();
         let stmts = statements(&unqualified);
         assert_eq!(stmts.len(), 8, "{stmts:#?}");
