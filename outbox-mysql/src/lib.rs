@@ -15,6 +15,7 @@
 //! | Validation at append | envelope limits, before anything is written; aggregate type and id at most [`outbox_core::MAX_AGGREGATE_NAME_BYTES`] (1,024 bytes) each whatever the name limit (the bound of every store; `build()` refuses a higher one), and `created_at` from the year 1000 (MySQL's `DATETIME`) |
 //! | Backpressure hook | [`AppendGuard`] (thresholds are the caller's) |
 //! | Claim: lease with fencing | `ClaimMode::Lease { duration }` (at most an hour): owner, unique token, expiry on the database clock in the aggregate's state row; `complete` applies only where the token matches, the rest is `superseded_events`; `release_claims_of` ends the leases of a relay that is gone |
+//! | Relay registry | `RelayRegistry` in `<table>_relays` (migration 4): register, heartbeat, deregister on the database clock; `live_claims_of` counts what `release_claims_of` would end, and a released row is marked possibly sent (its next publication counts as a re-publication) |
 //! | Claim: locked transaction | `ClaimMode::LockedTransaction`: the claim's own connection keeps the aggregates' state rows and the claimed rows locked until `complete`/`release`; the session's `wait_timeout` (`locked_max_hold`, whole seconds) ends a claim a stuck relay never finishes; a crash closes the connection and InnoDB rolls back |
 //! | Per-aggregate order, several relays | yes: only the head at `last_version + 1`; gaps held then parked, out-of-order versions parked (the same rule as PostgreSQL) |
 //! | Rows committing out of id order | never skipped (no high-water mark) |
