@@ -560,8 +560,8 @@ async fn upgrade_from_version_4_concurrently() {
     let (r1, r2) = (r1.unwrap(), r2.unwrap());
     assert_eq!(
         r1 + r2,
-        4,
-        "one store applies migrations 5 to 8 ({r1}, {r2})"
+        5,
+        "one store applies migrations 5 to 9 ({r1}, {r2})"
     );
     assert_eq!(has_idx(&ctx).await, 0, "migration 5 drops published_at_idx");
     let versions: Vec<i32> = sqlx::query_scalar(&format!(
