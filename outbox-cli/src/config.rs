@@ -382,6 +382,11 @@ impl Default for OutboxConfig {
     }
 }
 
+/// The shortest `relay.heartbeat_interval`.
+pub const MIN_HEARTBEAT: Duration = Duration::from_millis(100);
+/// The longest `relay.heartbeat_interval`.
+pub const MAX_HEARTBEAT: Duration = Duration::from_secs(300);
+
 /// `[relay]`
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -416,6 +421,10 @@ pub struct RelayConfig {
     pub shutdown_timeout: Dur,
     /// How often backlog gauges (and `/readyz`) are refreshed. Default 5 s.
     pub stats_interval: Dur,
+    /// How often each worker heartbeats in the relay registry (`<table>_relays`). A relay
+    /// whose heartbeat is older than three intervals is stale (`outbox status`). Default 5 s;
+    /// 100 ms..=5 min.
+    pub heartbeat_interval: Dur,
 }
 
 impl Default for RelayConfig {
@@ -435,6 +444,7 @@ impl Default for RelayConfig {
             circuit_max: Dur::secs(30),
             shutdown_timeout: Dur::secs(60),
             stats_interval: Dur::secs(5),
+            heartbeat_interval: Dur::secs(5),
         }
     }
 }
@@ -1109,6 +1119,17 @@ impl Config {
                 "set relay.workers between 1 and 64",
             ));
         }
+        let hb = self.relay.heartbeat_interval.0;
+        if hb < MIN_HEARTBEAT || hb > MAX_HEARTBEAT {
+            return Err(CliError::config(
+                format!(
+                    "relay.heartbeat_interval = {} is outside 100ms..=5min",
+                    self.relay.heartbeat_interval
+                ),
+                "set relay.heartbeat_interval between 100ms and 5min (default 5s); a relay is \
+                 reported stale after three intervals without a heartbeat",
+            ));
+        }
         if self.cleanup.batch_size == 0 {
             return Err(CliError::config(
                 "cleanup.batch_size must be at least 1",
@@ -1158,12 +1179,7 @@ impl Config {
         if !self.relay.owner.trim().is_empty() {
             return self.relay.owner.clone();
         }
-        let host = std::fs::read_to_string("/etc/hostname")
-            .ok()
-            .map(|h| h.trim().to_owned())
-            .filter(|h| !h.is_empty())
-            .unwrap_or_else(|| "outbox".to_owned());
-        format!("{host}-{}", std::process::id())
+        format!("{}-{}", hostname(), std::process::id())
     }
 }
 
@@ -1188,6 +1204,16 @@ fn describe_figment_error(e: &figment::Error) -> String {
         (true, false) => format!("{what} in {source}"),
         (false, false) => format!("{path}: {what} in {source}"),
     }
+}
+
+/// This host's name (`/etc/hostname`, else `$HOSTNAME`, else `outbox`).
+pub fn hostname() -> String {
+    std::fs::read_to_string("/etc/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty()))
+        .unwrap_or_else(|| "outbox".to_owned())
 }
 
 #[cfg(test)]

@@ -310,6 +310,8 @@ const TABLE_PRIVILEGES: &[(&str, &[&str])] = &[
     ("_topics", &["SELECT", "INSERT", "UPDATE"]),
     // Conflicts counted by the application, read for the metrics.
     ("_conflicts", &["SELECT"]),
+    // The relay registry: each worker registers, heartbeats and deregisters.
+    ("_relays", &["SELECT", "INSERT", "UPDATE", "DELETE"]),
 ];
 
 /// What the role lacks on the outbox's schema and tables, as `(object, privileges)`; tables

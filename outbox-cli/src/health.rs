@@ -30,13 +30,18 @@ impl Check {
     }
 }
 
-/// Readiness of the daemon: database, broker, and a fatal error that ends the process.
+/// Readiness of the daemon: database, broker, relay registry, and a fatal error that ends the
+/// process.
 #[derive(Clone, Debug, Serialize)]
 pub struct Readiness {
     /// The database (reachable, schema and privileges in place).
     pub database: Check,
     /// The broker (reachable, topics present).
     pub broker: Check,
+    /// The relay registry: the workers are registered and their latest heartbeat was
+    /// written. Not ready without it: an operator who does not see the relay in `outbox
+    /// status` may release its claims as a dead relay's.
+    pub registry: Check,
     /// Workers are running (false while starting and after a shutdown began).
     pub relaying: bool,
     /// A permanent error that stops the relay, with the fix.
@@ -46,7 +51,11 @@ pub struct Readiness {
 impl Readiness {
     /// Database and broker fine, workers running, nothing fatal.
     pub fn is_ready(&self) -> bool {
-        self.database.ok && self.broker.ok && self.relaying && self.fatal.is_none()
+        self.database.ok
+            && self.broker.ok
+            && self.registry.ok
+            && self.relaying
+            && self.fatal.is_none()
     }
 }
 
@@ -59,6 +68,7 @@ impl Default for Health {
         Self(Arc::new(RwLock::new(Readiness {
             database: Check::unknown(),
             broker: Check::unknown(),
+            registry: Check::unknown(),
             relaying: false,
             fatal: None,
         })))
@@ -83,7 +93,7 @@ impl Health {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone()
     }
-    /// Ready: database and broker fine, workers running, nothing fatal.
+    /// Ready: database, broker and registry fine, workers running, nothing fatal.
     pub fn is_ready(&self) -> bool {
         self.get().is_ready()
     }
@@ -91,6 +101,11 @@ impl Health {
     pub fn database(&self, ok: bool, detail: impl Into<String>) {
         let detail = detail.into();
         self.update(|r| r.database = Check { ok, detail });
+    }
+    /// Sets the registry check.
+    pub fn registry(&self, ok: bool, detail: impl Into<String>) {
+        let detail = detail.into();
+        self.update(|r| r.registry = Check { ok, detail });
     }
     /// Sets a broker check.
     pub fn broker(&self, ok: bool, detail: impl Into<String>) {
@@ -123,6 +138,7 @@ async fn readyz(State(s): State<AppState>) -> impl IntoResponse {
         "ready": ready,
         "database": r.database,
         "broker": r.broker,
+        "registry": r.registry,
         "relaying": r.relaying,
         "fatal": r.fatal,
     });

@@ -41,6 +41,7 @@ pub mod metrics;
 pub mod mysql;
 pub mod opt;
 pub mod output;
+pub mod relays;
 pub mod store;
 pub mod suggest;
 pub mod transport;

@@ -140,6 +140,10 @@ fn describe() {
     describe_counter!("outbox_conditional_update_conflicts_total", "Conflicts refused by the application's conditional update, by aggregate type (PostgresOutboxStore::record_conflict)");
     describe_gauge!("outbox_relay_up", "1 while the relay's workers run");
     describe_gauge!(
+        "outbox_relays",
+        "Relay workers in the outbox's relay registry by state (live: heartbeat within three intervals; stale: older, most likely killed), as this relay read it at its latest heartbeat"
+    );
+    describe_gauge!(
         "outbox_relay_ready",
         "1 while /readyz answers 200 (database and broker usable, workers running, nothing fatal)"
     );
@@ -157,6 +161,16 @@ fn describe() {
 /// `outbox_store_<name>`).
 pub fn record_stats(stats: &OutboxStats) {
     outbox_core::telemetry::record_stats(stats);
+}
+
+/// `outbox_relays{state}` from the registry's entries.
+pub fn record_relays(entries: &[outbox_core::RelayEntry]) {
+    let live = entries
+        .iter()
+        .filter(|e| e.state() == outbox_core::RelayState::Live)
+        .count();
+    metrics::gauge!("outbox_relays", "state" => "live").set(live as f64);
+    metrics::gauge!("outbox_relays", "state" => "stale").set((entries.len() - live) as f64);
 }
 
 /// Conflicts counted by the application, per aggregate type (absolute totals from the store).

@@ -207,6 +207,8 @@ const TABLE_PRIVILEGES: &[(&str, &[&str])] = &[
     ("_aggregate", &["SELECT", "INSERT", "UPDATE", "DELETE"]),
     ("_audit", &["SELECT", "INSERT"]),
     ("_lease", &["SELECT", "INSERT", "DELETE"]),
+    // The relay registry: each worker registers, heartbeats and deregisters.
+    ("_relays", &["SELECT", "INSERT", "UPDATE", "DELETE"]),
 ];
 
 /// The tables of the outbox with the privileges needed on each (the archive when the

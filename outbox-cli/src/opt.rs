@@ -221,7 +221,8 @@ pub enum ParkedCommand {
     Discard(ParkedActionOpts),
     /// Replace a parked event by a copy with a new id (consumers dedupe the two as one).
     Reissue(ParkedActionOpts),
-    /// End the claims (leases) of a relay that is gone.
+    /// End the claims (leases) of a relay that is gone; without OWNER, list the dead relays
+    /// that still hold claims.
     ReleaseClaims(ReleaseClaimsOpts),
 }
 
@@ -278,8 +279,15 @@ pub struct ParkedActionOpts {
 /// `outbox parked release-claims`
 #[derive(Debug, Args)]
 pub struct ReleaseClaimsOpts {
-    /// The relay owner whose claims end (see `relay.owner`).
-    pub owner: String,
+    /// The relay owner whose claims end: a worker's owner as `outbox status` lists it
+    /// (`<relay.owner>-<n>`). Without it: list the dead (stale) relays that still hold claims,
+    /// with the command for each; nothing is changed.
+    pub owner: Option<String>,
+    /// End the claims of a relay the registry lists as live. Releasing a running relay's
+    /// claims hands its in-flight events to other relays: they are published twice, and an
+    /// aggregate's next version can overtake the one still in flight.
+    #[arg(long)]
+    pub force: bool,
     /// Who acts (recorded).
     #[arg(long, env = "OUTBOX_ACTOR")]
     pub actor: Option<String>,

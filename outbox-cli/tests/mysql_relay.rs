@@ -183,8 +183,9 @@ async fn migrate_on_mariadb_applies_each_migration_once_and_names_it() {
     let first = db.outbox(&db.url(), &[], &["--json", "migrate"]);
     assert!(first.status.success(), "{}", text(&first));
     let doc = json(&first);
-    assert_eq!(doc["outbox"]["applied"], 3, "{doc:#}");
-    assert_eq!(doc["outbox"]["version"], 3, "{doc:#}");
+    let known = outbox_mysql::outbox_migrations();
+    assert_eq!(doc["outbox"]["applied"], known.len(), "{doc:#}");
+    assert_eq!(doc["outbox"]["version"], known.last().unwrap().0, "{doc:#}");
     assert_eq!(doc["outbox"]["schema"], db.name.as_str(), "{doc:#}");
     assert_eq!(doc["outbox"]["migrations"][0]["version"], 1, "{doc:#}");
     assert_eq!(doc["outbox"]["migrations"][1]["version"], 2, "{doc:#}");
@@ -197,6 +198,7 @@ async fn migrate_on_mariadb_applies_each_migration_once_and_names_it() {
             "outbox_events_archive",
             "outbox_events_audit",
             "outbox_events_lease",
+            "outbox_events_relays",
             "outbox_schema_migrations"
         ]
     );
@@ -204,7 +206,7 @@ async fn migrate_on_mariadb_applies_each_migration_once_and_names_it() {
     assert!(again.status.success(), "{}", text(&again));
     assert!(
         String::from_utf8_lossy(&again.stdout)
-            .contains("0 migration(s) applied (up to date at version 3)"),
+            .contains("0 migration(s) applied (up to date at version 4)"),
         "{}",
         text(&again)
     );
@@ -221,12 +223,15 @@ async fn migrate_on_mariadb_applies_each_migration_once_and_names_it() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         stdout.contains(&format!("outbox {other}.outbox_events on "))
-            && stdout.contains("2 migration(s) applied")
+            && stdout.contains(&format!(
+                "{} migration(s) applied",
+                outbox_mysql::outbox_migrations().len()
+            ))
             && stdout.contains("applied 1: outbox table, per-aggregate state, audit, archive")
             && stdout.contains("applied 2: transport-neutral acknowledgement columns"),
         "{stdout}"
     );
-    assert_eq!(db.tables(&other).await.len(), 5);
+    assert_eq!(db.tables(&other).await.len(), 6, "with <table>_relays");
 
     // `--inbox` without consumers migrates the outbox only (tests/mysql.rs migrates one).
     let inbox = db.outbox(&db.url(), &[], &["migrate", "--inbox"]);
@@ -315,7 +320,7 @@ async fn check_on_mariadb_reports_schema_grants_and_durability() {
     assert_eq!(doc["ok"], true, "{doc:#}");
     let database = finding(&doc, "database", "ok");
     assert!(
-        database[0].contains("at schema version 3 of 3, privileges in place"),
+        database[0].contains("at schema version 4 of 4, privileges in place"),
         "{database:?}"
     );
     // This server flushes at each commit (read, never changed by the tests): ok; the unsafe
@@ -352,7 +357,7 @@ async fn check_on_mariadb_reports_schema_grants_and_durability() {
         .expect("fix")
         .to_owned();
     let statements = grants(&fix);
-    assert_eq!(statements.len(), 3, "{fix}");
+    assert_eq!(statements.len(), 4, "{fix}");
     assert!(
         statements[0].starts_with(&format!(
             "GRANT SELECT, INSERT, UPDATE, DELETE ON `{}`.`outbox_events` TO '",
@@ -398,7 +403,7 @@ async fn check_on_mariadb_reports_schema_grants_and_durability() {
     assert_eq!(with_role.status.code(), Some(0), "{}", text(&with_role));
     let stderr = String::from_utf8_lossy(&with_role.stderr);
     assert!(
-        stderr.contains(&format!("has role \"{role}\" active")) && grants(&stderr).len() == 3,
+        stderr.contains(&format!("has role \"{role}\" active")) && grants(&stderr).len() == 4,
         "{}",
         text(&with_role)
     );
@@ -491,6 +496,10 @@ async fn relay_on_mariadb_fails_fast_with_the_fix() {
                 "GRANT SELECT, INSERT, DELETE ON `{}`.`outbox_events_lease` TO '{user}'@'%'",
                 db.name
             ),
+            format!(
+                "GRANT SELECT, INSERT, UPDATE, DELETE ON `{}`.`outbox_events_relays` TO '{user}'@'%'",
+                db.name
+            ),
         ],
         "{}",
         text(&out)
@@ -503,7 +512,7 @@ async fn relay_on_mariadb_fails_fast_with_the_fix() {
     let out = db.outbox(&no_log, &broker, &["relay", "--no-http"]);
     assert_eq!(out.status.code(), Some(4), "{}", text(&out));
     let stated = grants(&String::from_utf8_lossy(&out.stderr));
-    assert_eq!(stated.len(), 4, "{}", text(&out));
+    assert_eq!(stated.len(), 5, "{}", text(&out));
     assert_eq!(
         stated[0],
         format!(
@@ -800,6 +809,7 @@ async fn a_privilege_revoked_under_the_relay_on_mariadb_is_named_with_its_grant(
             "GRANT SELECT, INSERT, UPDATE, DELETE ON `{db}`.`outbox_events_aggregate` TO {user}",
             "GRANT SELECT, INSERT ON `{db}`.`outbox_events_audit` TO {user}",
             "GRANT SELECT, INSERT, DELETE ON `{db}`.`outbox_events_lease` TO {user}",
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON `{db}`.`outbox_events_relays` TO {user}",
         ])
         .await;
     let mut relay = spawn_relay(&db, &url, &brokers, &topic, &[]);

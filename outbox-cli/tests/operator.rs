@@ -139,6 +139,9 @@ async fn a_role_lacking_grants_is_given_the_exact_statements() {
         format!("GRANT SELECT, INSERT ON \"{s}\".\"outbox_events_audit\" TO \"{role}\";"),
         format!("GRANT SELECT, INSERT, UPDATE ON \"{s}\".\"outbox_events_topics\" TO \"{role}\";"),
         format!("GRANT SELECT ON \"{s}\".\"outbox_events_conflicts\" TO \"{role}\";"),
+        format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON \"{s}\".\"outbox_events_relays\" TO \"{role}\";"
+        ),
     ];
     assert_eq!(all, expected, "{err}");
 
@@ -162,6 +165,9 @@ async fn a_role_lacking_grants_is_given_the_exact_statements() {
             ),
             format!("GRANT INSERT ON \"{s}\".\"outbox_events_audit\" TO \"{role}\";"),
             format!("GRANT INSERT, UPDATE ON \"{s}\".\"outbox_events_topics\" TO \"{role}\";"),
+            format!(
+                "GRANT INSERT, UPDATE, DELETE ON \"{s}\".\"outbox_events_relays\" TO \"{role}\";"
+            ),
         ],
         "{err}"
     );

@@ -88,7 +88,8 @@ pub use relay::{
 pub use retry::{IdleBackoff, RetryPolicy, RetryPolicyBuilder};
 pub use store::{
     AppendStore, IntervalCount, LatencySummary, MaintenanceStore, OperatorStore, OutboxStore,
-    PublishedFilter, PublishedId, PublishedPosition, PublishedRow, RelayStore, ReportingStore,
+    PublishedFilter, PublishedId, PublishedPosition, PublishedRow, RelayEntry, RelayRegistration,
+    RelayRegistry, RelayState, RelayStore, ReportingStore,
 };
 
 /// The store role traits, to bring their methods into scope: `use outbox_core::prelude::*;`.

@@ -36,6 +36,11 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         "lease mode: claim token on the event row, one lease row per claim",
         include_str!("migrations/0003_outbox.sql"),
     ),
+    (
+        4,
+        "relay registry: <table>_relays",
+        include_str!("migrations/0004_outbox.sql"),
+    ),
 ];
 
 /// The inbox's migrations, in order.
@@ -449,8 +454,8 @@ mod tests {
         assert!(!sql.contains("__"), "placeholders left: {sql}");
         let stmts = statements(&sql);
         // Migration 1: 4 statements; migration 2 (acknowledgement columns): 10; migration 3
-        // (claim token, lease table): 2.
-        assert_eq!(stmts.len(), 16, "{stmts:#?}");
+        // (claim token, lease table): 2; migration 4 (relay registry): 1.
+        assert_eq!(stmts.len(), 17, "{stmts:#?}");
         assert!(stmts[0].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events` ("));
         assert!(stmts[1].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events_aggregate` ("));
         assert!(stmts[4]
@@ -459,6 +464,7 @@ mod tests {
             .starts_with("ALTER TABLE `shop`.`events` ADD CONSTRAINT events_published_chk CHECK"));
         assert!(stmts[14].starts_with("ALTER TABLE `shop`.`events`\n    ADD COLUMN claim_token"));
         assert!(stmts[15].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events_lease` ("));
+        assert!(stmts[16].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events_relays` ("));
         let unqualified = inbox_schema_sql(None, "processed").unwrap();
         let stmts = statements(&unqualified);
         assert_eq!(stmts.len(), 8, "{stmts:#?}");

@@ -146,3 +146,8 @@ mod inbox {
 mod reporting {
     outbox_testkit::reporting_conformance_tests!(async { super::MyHarness::new().await });
 }
+
+/// The relay registry (`outbox status`, `outbox parked release-claims`) against the same server.
+mod registry {
+    outbox_testkit::registry_conformance_tests!(async { super::MyHarness::new().await });
+}

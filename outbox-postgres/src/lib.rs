@@ -15,6 +15,7 @@
 //! | Backpressure hook | [`AppendGuard`] (thresholds are the caller's) |
 //! | Claim: locked transaction | `ClaimMode::LockedTransaction`: aggregate advisory locks taken with `pg_try_advisory_xact_lock` (busy aggregates are skipped), held by the claim's transaction until `complete`/`release`; every other writer of an aggregate's state takes its lock first |
 //! | Claim: lease with fencing | `ClaimMode::Lease { duration }` (at most an hour): owner, unique token, expiry on the database clock, in the aggregate's state row (`<table>_aggregate`); `complete` applies only where the token matches, the rest is reported as `superseded_events`; `lease_remaining` tells the relay its deadline; `release_claims_of` ends the leases of a relay that is gone |
+//! | Relay registry | `RelayRegistry` in `<table>_relays` (migration 9): register, heartbeat, deregister on the database clock; `live_claims_of` counts what `release_claims_of` would end, and a released row is marked possibly sent (its next publication counts as a re-publication) |
 //! | Lease vs. delivery timeout | rejected by `build()` with [`PostgresOutboxStoreBuilder::publisher_delivery_timeout`], and always by `outbox_core::Relay::new` (locked mode: `locked_max_hold` against one publication, two with prefetch) |
 //! | Per-aggregate order, several relays | yes: only the head at `last_version + 1`, the last published version kept per aggregate; gaps held then parked, out-of-order versions parked; see below |
 //! | Rows committing out of id order | never skipped (no high-water mark) |

@@ -19,6 +19,7 @@ const OUTBOX_V6: &str = include_str!("migrations/0006_outbox.sql");
 const OUTBOX_V7: &str = include_str!("migrations/0007_outbox.sql");
 const OUTBOX_V8: &str = include_str!("migrations/0008_outbox.sql");
 const OUTBOX_V8_AFTER: &str = include_str!("migrations/0008_outbox_validate.sql");
+const OUTBOX_V9: &str = include_str!("migrations/0009_outbox.sql");
 const INBOX_V1: &str = include_str!("migrations/0001_inbox.sql");
 const INBOX_V2: &str = include_str!("migrations/0002_inbox.sql");
 const INBOX_V3: &str = include_str!("migrations/0003_inbox.sql");
@@ -102,7 +103,7 @@ pub fn outbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError
     Ok(render(
         &format!(
             "{OUTBOX_V1}{OUTBOX_V2}{OUTBOX_V3}{OUTBOX_V4}{OUTBOX_V5}{OUTBOX_V6}{OUTBOX_V7}\
-             {OUTBOX_V8}{OUTBOX_V8_AFTER}"
+             {OUTBOX_V8}{OUTBOX_V8_AFTER}{OUTBOX_V9}"
         ),
         schema,
         table,
@@ -202,6 +203,7 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
             &["", "_archive"],
         )
     },
+    m(9, "relay registry: <table>_relays", OUTBOX_V9, &[]),
 ];
 
 const INBOX_MIGRATIONS: &[Migration] = &[

@@ -422,7 +422,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
         );
         // The live leases of one owner (operator action on a relay that is gone).
         let owner_leases = format!(
-            "SELECT e.event_id, {ke} AS k, e.aggregate_type, e.aggregate_id \
+            "SELECT e.id, e.event_id, {ke} AS k, e.aggregate_type, e.aggregate_id \
              FROM {pending} e JOIN LATERAL (SELECT a.lease_owner, a.lease_until FROM {state} a \
                                       WHERE {se} AND a.lease_row = e.id LIMIT 1) a ON true \
              WHERE a.lease_owner = $1 AND a.lease_until > clock_timestamp()",

@@ -34,7 +34,7 @@ use outbox_core::{
     ClaimedRecord, CleanupReport, CompletionReport, DeliveryStatus, Envelope, EnvelopeLimits,
     ErrorClass, EventId, IntervalCount, LastError, LatencySummary, OperatorAction, OutboxStats,
     Outcome, ParkKind, ParkReason, ParkedAtClaim, ParkedEvent, PublishedFilter, PublishedId,
-    PublishedPosition, PublishedRow, StoreError, StoreErrorKind,
+    PublishedPosition, PublishedRow, RelayEntry, RelayRegistration, StoreError, StoreErrorKind,
 };
 use uuid::Uuid;
 
@@ -107,6 +107,8 @@ pub(crate) struct OutboxState {
     superseded_total: u64,
     /// Publications so far.
     publications: u64,
+    /// The relay registry, by owner: (registration, started at, heartbeat at, held).
+    relays: BTreeMap<String, (RelayRegistration, DateTime<Utc>, DateTime<Utc>, u64)>,
 }
 
 fn agg_key(e: &Envelope) -> AggKey {
@@ -869,6 +871,8 @@ impl OperatorStore for MemoryOutboxStore {
                 .is_some_and(|c| c.owner == owner && c.live(now))
             {
                 row.claim = None;
+                // The gone relay may have sent it: its next publication is a re-publication.
+                row.maybe_delivered = true;
                 released.push(row.envelope.event_id);
             }
         }
@@ -883,6 +887,78 @@ impl OperatorStore for MemoryOutboxStore {
             ));
         }
         Ok(released.len() as u64)
+    }
+}
+
+#[async_trait]
+impl RelayRegistry for MemoryOutboxStore {
+    async fn register_relay(&self, registration: &RelayRegistration) -> Result<(), StoreError> {
+        let now = self.db.now();
+        let forget = chrono::Duration::from_std(outbox_core::store::FORGET_AFTER)
+            .unwrap_or_else(|_| chrono::Duration::days(1));
+        let mut st = self.lock();
+        let relays = &mut st.outbox.relays;
+        relays.retain(|_, (_, _, hb, _)| now - *hb <= forget);
+        relays.insert(
+            registration.owner.clone(),
+            (registration.clone(), now, now, 0),
+        );
+        Ok(())
+    }
+
+    async fn heartbeat_relay(&self, owner: &str, held: u64) -> Result<bool, StoreError> {
+        let now = self.db.now();
+        let mut st = self.lock();
+        Ok(match st.outbox.relays.get_mut(owner) {
+            Some(entry) => {
+                entry.2 = now;
+                entry.3 = held;
+                true
+            }
+            None => false,
+        })
+    }
+
+    async fn deregister_relay(&self, owner: &str) -> Result<(), StoreError> {
+        self.lock().outbox.relays.remove(owner);
+        Ok(())
+    }
+
+    async fn relays(&self) -> Result<Vec<RelayEntry>, StoreError> {
+        let now = self.db.now();
+        Ok(self
+            .lock()
+            .outbox
+            .relays
+            .values()
+            .map(|(r, started, hb, held)| {
+                RelayEntry::new(
+                    r.clone(),
+                    *started,
+                    *hb,
+                    (now - *hb).to_std().unwrap_or_default(),
+                    *held,
+                )
+            })
+            .collect())
+    }
+
+    async fn live_claims_of(&self, owner: &str) -> Result<u64, StoreError> {
+        if self.lease_duration().is_none() {
+            return Ok(0);
+        }
+        let now = self.db.now();
+        Ok(self
+            .lock()
+            .outbox
+            .rows
+            .values()
+            .filter(|r| {
+                r.claim
+                    .as_ref()
+                    .is_some_and(|c| c.owner == owner && c.live(now))
+            })
+            .count() as u64)
     }
 }
 

@@ -240,6 +240,7 @@ fn the_macros_emit_every_listed_check() {
         .chain(outbox_testkit::conformance::INBOX_CHECKS)
         .chain(outbox_testkit::conformance::PUBLISHER_CHECKS)
         .chain(outbox_testkit::conformance::SOURCE_CHECKS)
+        .chain(outbox_testkit::conformance::REGISTRY_CHECKS)
     {
         assert!(
             source.matches(&format!("            {name},")).count() == 1,
@@ -250,6 +251,12 @@ fn the_macros_emit_every_listed_check() {
 
 mod reporting {
     outbox_testkit::reporting_conformance_tests!(async {
+        outbox_testkit::conformance::MemoryOutboxHarness::new()
+    });
+}
+
+mod registry {
+    outbox_testkit::registry_conformance_tests!(async {
         outbox_testkit::conformance::MemoryOutboxHarness::new()
     });
 }

@@ -108,10 +108,14 @@ async fn run_mysql(config: &Config, opts: &MigrateOpts, out: &Output) -> Result<
     let applied = store.migrate().await.map_err(error)?;
     let status = store.migration_status().await.map_err(error)?;
     // Migrations run in order under the lock, so this run's are the last `applied` ones up
-    // to the version now in place.
-    let ran: Vec<(i32, String)> = outbox_mysql::outbox_migrations()
+    // to the version now in place (counted in migrations: the versions need not be
+    // consecutive).
+    let upto: Vec<(i32, &str)> = outbox_mysql::outbox_migrations()
+        .into_iter()
+        .filter(|(v, _)| *v <= status.applied)
+        .collect();
+    let ran: Vec<(i32, String)> = upto[upto.len().saturating_sub(applied)..]
         .iter()
-        .filter(|(v, _)| *v <= status.applied && *v > status.applied - applied as i32)
         .map(|(v, what)| (*v, (*what).to_owned()))
         .collect();
     out.line(format!(

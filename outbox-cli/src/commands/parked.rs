@@ -7,7 +7,7 @@
 //! ([`crate::store`]). The flags are checked before the store is opened.
 
 use outbox_core::prelude::*;
-use outbox_core::{AuditEntry, EventId, ParkedEvent};
+use outbox_core::{AuditEntry, EventId, ParkedEvent, RelayState};
 use serde_json::{json, Value};
 
 use super::consumer_parked;
@@ -16,6 +16,7 @@ use crate::db;
 use crate::error::CliError;
 use crate::opt::{ParkedActionOpts, ParkedCommand, ReleaseClaimsOpts};
 use crate::output::{age, Output};
+use crate::relays::Relays;
 use crate::store::Backend;
 
 /// What the producer side does, once the flags are checked.
@@ -158,7 +159,7 @@ pub async fn run(config: &Config, cmd: ParkedCommand, out: &Output) -> Result<()
 }
 
 /// Runs a checked producer-side operation on `store`, whatever the store.
-async fn exec<S: OperatorStore>(
+async fn exec<S: OperatorStore + RelayRegistry>(
     store: &S,
     table: &str,
     op: Op,
@@ -302,30 +303,158 @@ async fn exec<S: OperatorStore>(
             Ok(())
         }
         Op::Act(act) => act_on(store, table, act, out).await,
-        Op::ReleaseClaims(o) => {
-            out.confirm(
-                &format!(
-                    "End every claim of relay {:?}? Only for a relay that is gone: if it still \
-                     publishes, an aggregate's next version can overtake its in-flight one.",
-                    o.owner
-                ),
-                o.yes,
-            )?;
-            let actor = super::actor(o.actor.as_deref());
-            let n = store
-                .release_claims_of(&o.owner, &actor)
-                .await
-                .map_err(map)?;
-            if out.json {
-                out.json(&json!({"owner": o.owner, "released_aggregates": n, "actor": actor}));
-            } else {
-                println!(
-                    "released the claims of {} on {n} aggregate(s) (audited)",
-                    o.owner
-                );
-            }
-            Ok(())
+        Op::ReleaseClaims(o) => release_claims(store, o, out).await.map_err(|e| match e {
+            Released::Store(e) => map(e),
+            Released::Cli(e) => e,
+        }),
+    }
+}
+
+enum Released {
+    Store(outbox_core::StoreError),
+    Cli(CliError),
+}
+
+impl From<outbox_core::StoreError> for Released {
+    fn from(e: outbox_core::StoreError) -> Self {
+        Self::Store(e)
+    }
+}
+
+impl From<CliError> for Released {
+    fn from(e: CliError) -> Self {
+        Self::Cli(e)
+    }
+}
+
+/// `release-claims [OWNER]`: without an owner, the dead relays that still hold claims; with
+/// one, its claims end, unless the registry lists it as live (then only with `--force`).
+async fn release_claims<S: OperatorStore + RelayRegistry>(
+    store: &S,
+    o: ReleaseClaimsOpts,
+    out: &Output,
+) -> Result<(), Released> {
+    let relays = Relays::read(store).await;
+    let Some(owner) = o.owner else {
+        if let Some(e) = &relays.error {
+            return Err(CliError::not_ready(e.clone(), "run `outbox migrate`").into());
         }
+        let dead = relays.dead_with_claims();
+        if out.json {
+            let list: Vec<Value> = dead
+                .iter()
+                .map(|(e, n)| {
+                    let mut v = crate::relays::entry_json(e, Some(*n));
+                    v["command"] = json!(command(&e.registration.owner));
+                    v
+                })
+                .collect();
+            out.json(&json!({"dead_relays_holding_claims": list, "live_relays": relays.live()}));
+            return Ok(());
+        }
+        if dead.is_empty() {
+            println!(
+                "no dead relay holds claims ({} live, {} stale in the registry); nothing to \
+                 release",
+                relays.live(),
+                relays.entries.len() - relays.live()
+            );
+            return Ok(());
+        }
+        let rows = dead
+            .iter()
+            .map(|(e, n)| {
+                let r = &e.registration;
+                vec![
+                    r.owner.clone(),
+                    r.host.clone(),
+                    r.pid.to_string(),
+                    age(Some(e.heartbeat_age)),
+                    n.to_string(),
+                    command(&r.owner),
+                ]
+            })
+            .collect();
+        println!(
+            "{}",
+            out.table(
+                &[
+                    "dead relay",
+                    "host",
+                    "pid",
+                    "last heartbeat",
+                    "claims",
+                    "command"
+                ],
+                rows
+            )
+        );
+        println!(
+            "these relays stopped heartbeating (older than {} of their intervals) and still \
+             hold claims until their leases expire; check that each is really gone (host, pid) \
+             before running its command",
+            outbox_core::store::STALE_AFTER_HEARTBEATS
+        );
+        return Ok(());
+    };
+    if let Some((e, _)) = relays.get(&owner) {
+        if e.state() == RelayState::Live && !o.force {
+            return Err(CliError::failed(format!(
+                "relay {owner:?} is live: it heartbeat {} ago from {} (pid {}) and holds {} \
+                 event(s); releasing a running relay's claims hands its in-flight events to \
+                 other relays, which publish them again (duplicates), and an aggregate's next \
+                 version can overtake the one still in flight",
+                age(Some(e.heartbeat_age)),
+                e.registration.host,
+                e.registration.pid,
+                e.held
+            ))
+            .with_hint(
+                "stop that relay (SIGTERM releases its claims itself); only if you know it is \
+                 gone although its heartbeat is recent, pass --force",
+            )
+            .into());
+        }
+    }
+    out.confirm(
+        &format!(
+            "End every claim of relay {owner:?}? Only for a relay that is gone: if it still \
+             publishes, its events go out twice and an aggregate's next version can overtake \
+             its in-flight one."
+        ),
+        o.yes,
+    )?;
+    let actor = super::actor(o.actor.as_deref());
+    let n = store.release_claims_of(&owner, &actor).await?;
+    // A relay that is gone leaves its entry: forgotten once its claims are released.
+    if relays
+        .get(&owner)
+        .is_some_and(|(e, _)| e.state() == RelayState::Stale)
+    {
+        store.deregister_relay(&owner).await?;
+    }
+    if out.json {
+        out.json(&json!({"owner": owner, "released_aggregates": n, "actor": actor}));
+    } else {
+        println!("released the claims of {owner} on {n} aggregate(s) (audited)");
+    }
+    Ok(())
+}
+
+/// The command that ends `owner`'s claims.
+fn command(owner: &str) -> String {
+    format!("outbox parked release-claims {}", shell_word(owner))
+}
+
+/// `s` as one shell word.
+fn shell_word(s: &str) -> String {
+    if !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:@/".contains(&b))
+    {
+        s.to_owned()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
     }
 }
 

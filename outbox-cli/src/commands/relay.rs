@@ -35,8 +35,8 @@ use chrono::Utc;
 use outbox_core::backpressure::{BacklogSnapshot, Backpressure, BackpressurePolicy};
 use outbox_core::prelude::*;
 use outbox_core::{
-    async_trait, Classify, ErrorClass, Publisher, Relay, RelayConfig, RetryPolicy, StoreError,
-    StoreErrorKind, SystemClock,
+    async_trait, Classify, ErrorClass, Publisher, Relay, RelayConfig, RelayRegistration,
+    RetryPolicy, StoreError, StoreErrorKind, SystemClock,
 };
 use outbox_kafka::KafkaPublisher;
 use outbox_mysql::MySqlOutboxStore;
@@ -52,7 +52,7 @@ use crate::config::Config;
 use crate::db;
 use crate::error::CliError;
 use crate::health::Health;
-use crate::metered::MeteredStore;
+use crate::metered::{Held, MeteredStore};
 use crate::output::Output;
 use crate::transport::{AnyPublisher, Transport};
 use crate::trend::BacklogTrend;
@@ -140,7 +140,7 @@ struct FatalError {
 /// for a privilege that went missing while running.
 #[async_trait]
 pub trait DaemonStore:
-    RelayStore + MaintenanceStore + Clone + std::fmt::Debug + Send + Sync + 'static
+    RelayStore + MaintenanceStore + RelayRegistry + Clone + std::fmt::Debug + Send + Sync + 'static
 {
     /// Sets `outbox_db_pool_connections`.
     fn record_pool(&self);
@@ -339,6 +339,14 @@ async fn daemon<S: DaemonStore>(
         )?);
     }
 
+    // The registry: each worker's claim owner, registered before it claims anything, so that
+    // `outbox status` lists it and `release-claims` refuses to end its claims while it runs.
+    let registered: Vec<(String, Held)> = relays
+        .iter()
+        .map(|r| (r.config().owner.clone(), r.store().held.clone()))
+        .collect();
+    register_all(&store, config, &registered, &health).await;
+
     let totals = Arc::new(Totals::default());
     let fatal: Fatal = Arc::default();
     let (stop_tx, stop_rx) = watch::channel(false);
@@ -375,6 +383,13 @@ async fn daemon<S: DaemonStore>(
         config.clone(),
         totals.clone(),
         history,
+        stop_rx.clone(),
+    ));
+    let heartbeat = tokio::spawn(heartbeat_loop(
+        store.clone(),
+        config.clone(),
+        registered.clone(),
+        health.clone(),
         stop_rx.clone(),
     ));
     let cleanup = config.cleanup.enabled.then(|| {
@@ -427,6 +442,20 @@ async fn daemon<S: DaemonStore>(
     }
     monitor.abort();
     broker_watch.abort();
+    heartbeat.abort();
+    // Gone from the registry only now: until its batches were finished or released, the
+    // workers still held claims.
+    for (owner, _) in &registered {
+        match tokio::time::timeout(Duration::from_secs(5), store.deregister_relay(owner)).await {
+            Ok(Ok(())) => debug!(owner = %owner, "deregistered from the relay registry"),
+            Ok(Err(e)) => {
+                warn!(owner = %owner, error = %e, "could not deregister from the relay registry; the entry turns stale")
+            }
+            Err(_) => {
+                warn!(owner = %owner, "deregistering from the relay registry got no answer; the entry turns stale")
+            }
+        }
+    }
     if let Some(c) = cleanup {
         c.abort();
     }
@@ -594,7 +623,7 @@ fn build_relay<S: DaemonStore, P: Publisher>(
         .build()
         .map_err(|e| CliError::config(format!("[relay]: {}", e.0), "fix [relay]"))?;
     Relay::new(
-        MeteredStore(store.clone()),
+        MeteredStore::new(store.clone()),
         publisher,
         relay_config,
         Arc::new(SystemClock),
@@ -880,6 +909,112 @@ async fn watch_broker(
         tokio::select! {
             () = tokio::time::sleep(interval) => {}
             () = stopped(&mut stop) => return,
+        }
+    }
+}
+
+/// What this process registers for the worker `owner`.
+fn registration(config: &Config, owner: &str) -> RelayRegistration {
+    RelayRegistration::new(
+        owner,
+        crate::config::hostname(),
+        std::process::id(),
+        env!("CARGO_PKG_VERSION"),
+        match config.outbox.claim_mode {
+            crate::config::ClaimModeName::Lease => "lease",
+            crate::config::ClaimModeName::Locked => "locked",
+        },
+        config.relay.heartbeat_interval.0,
+    )
+}
+
+/// Registers every worker; a failure is reported on `/readyz` (the heartbeat loop registers
+/// again), never fatal: the relay publishes without the registry.
+async fn register_all<S: DaemonStore>(
+    store: &S,
+    config: &Config,
+    registered: &[(String, Held)],
+    health: &Health,
+) {
+    for (owner, _) in registered {
+        if let Err(e) = store.register_relay(&registration(config, owner)).await {
+            warn!(owner = %owner, error = %e, "cannot register in the relay registry; /readyz reports it (retried every relay.heartbeat_interval)");
+            health.registry(false, registry_failure(&e));
+            return;
+        }
+    }
+    info!(
+        workers = registered.len(),
+        heartbeat_interval = %config.relay.heartbeat_interval,
+        "registered in the relay registry"
+    );
+    health.registry(true, format!("{} worker(s) registered", registered.len()));
+    if let Ok(entries) = store.relays().await {
+        crate::metrics::record_relays(&entries);
+    }
+}
+
+fn registry_failure(e: &StoreError) -> String {
+    format!(
+        "relay registry write failed: {e} (if the table is missing, run `outbox migrate`: the \
+         registry is the outbox's <table>_relays)"
+    )
+}
+
+/// Every `relay.heartbeat_interval`: each worker's heartbeat with the events it holds (an
+/// entry removed meanwhile is registered again), and `outbox_relays{state}` from the
+/// registry. A failed write is reported on `/readyz` until one succeeds.
+async fn heartbeat_loop<S: DaemonStore>(
+    store: S,
+    config: Config,
+    registered: Vec<(String, Held)>,
+    health: Health,
+    mut stop: watch::Receiver<bool>,
+) {
+    let interval = config.relay.heartbeat_interval.0;
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep(interval) => {}
+            () = stopped(&mut stop) => return,
+        }
+        let mut failure = None;
+        for (owner, held) in &registered {
+            let beat = match store.heartbeat_relay(owner, held.count()).await {
+                Ok(true) => Ok(()),
+                Ok(false) => {
+                    info!(owner = %owner, "no entry in the relay registry (removed meanwhile); registering again");
+                    store.register_relay(&registration(&config, owner)).await
+                }
+                Err(e) => Err(e),
+            };
+            if let Err(e) = beat {
+                failure = Some(e);
+                break;
+            }
+        }
+        let was_ok = health.get().registry.ok;
+        match failure {
+            Some(e) => {
+                if was_ok {
+                    warn!(error = %e, "relay registry heartbeat failed; /readyz reports it");
+                }
+                health.registry(false, registry_failure(&e));
+            }
+            None => {
+                if !was_ok {
+                    info!("relay registry heartbeat written again");
+                }
+                health.registry(
+                    true,
+                    format!(
+                        "{} worker(s) registered; heartbeat written",
+                        registered.len()
+                    ),
+                );
+            }
+        }
+        if let Ok(entries) = store.relays().await {
+            crate::metrics::record_relays(&entries);
         }
     }
 }

@@ -1,7 +1,7 @@
 //! `outbox status`: the backlog and its ages, parked events, version gaps held, publish latency
 //! percentiles over a window, the backlog's trend and forecast to capacity (by the relay's
-//! rule and window, [`crate::trend`]), backpressure, table health, and per consumer its lag
-//! and inbox.
+//! rule and window, [`crate::trend`]), backpressure, table health, the relays in the registry
+//! (live or stale, what they hold; see [`crate::relays`]), and per consumer its lag and inbox.
 
 use std::time::Duration;
 
@@ -18,6 +18,7 @@ use crate::db;
 use crate::error::CliError;
 use crate::opt::StatusOpts;
 use crate::output::{age, secs, Output};
+use crate::relays::Relays;
 
 fn extra(stats: &outbox_core::OutboxStats, name: &str) -> Option<f64> {
     stats.extra.iter().find(|(n, _)| n == name).map(|(_, v)| *v)
@@ -114,6 +115,7 @@ async fn run_once(config: &Config, opts: &StatusOpts, out: &Output) -> Result<()
     let table = format!("{}.{}", config.outbox.schema, config.outbox.table);
     let (stats, latency) = read(&store, window.0, &table).await?;
     let trend = backlog_trend(&store, config, stats.unpublished, &table).await?;
+    let relays = Relays::read(&store).await;
     let mut warnings: Vec<String> = Vec::new();
     let mut consumers = Vec::new();
     for c in &config.consumers {
@@ -130,6 +132,7 @@ async fn run_once(config: &Config, opts: &StatusOpts, out: &Output) -> Result<()
             stats,
             latency,
             trend,
+            relays,
             consumers,
             warnings,
         },
@@ -229,6 +232,7 @@ async fn run_mysql(
     } = crate::store::connect_mysql(config, 2).await?;
     let (stats, latency) = read(&store, window.0, &table).await?;
     let trend = backlog_trend(&store, config, stats.unpublished, &table).await?;
+    let relays = Relays::read(&store).await;
     let mut warnings = Vec::new();
     let mut consumers = Vec::new();
     for c in &config.consumers {
@@ -244,6 +248,7 @@ async fn run_mysql(
             stats,
             latency,
             trend,
+            relays,
             consumers,
             warnings,
         },
@@ -258,6 +263,7 @@ struct Report {
     stats: OutboxStats,
     latency: LatencySummary,
     trend: Trend,
+    relays: Relays,
     consumers: Vec<Value>,
     warnings: Vec<String>,
 }
@@ -270,6 +276,7 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
         stats,
         latency,
         trend,
+        relays,
         consumers,
         mut warnings,
     } = report;
@@ -293,6 +300,15 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
             "{} aggregate(s) wait for a missing version ({} event(s) held; parked as version \
              gaps after outbox.gap_timeout)",
             stats.version_gaps_held, stats.gap_held
+        ));
+    }
+    for (e, n) in relays.dead_with_claims() {
+        warnings.push(format!(
+            "relay {} is stale (last heartbeat {} ago) and still holds {n} claim(s): if it is \
+             gone, `outbox parked release-claims {}`",
+            e.registration.owner,
+            age(Some(e.heartbeat_age)),
+            e.registration.owner
         ));
     }
     let doc = json!({
@@ -340,6 +356,7 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
             "last_autovacuum_age_seconds": extra(&stats, "last_autovacuum_age_seconds"),
             "conditional_update_conflicts": extra(&stats, "conditional_update_conflicts"),
         },
+        "relays": relays.json(),
         "consumers": consumers,
         "warnings": warnings,
     });
@@ -426,6 +443,7 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
     println!("outbox {table} on {target}");
     println!("transport: {}", crate::transport::describe(config));
     println!("{}", out.table(&["", "value"], rows));
+    relays.render(out);
     if !consumers.is_empty() {
         let rows = consumers
             .iter()

@@ -34,8 +34,12 @@ pub enum ConsoleStore {
         store: MySqlOutboxStore,
         /// `database.table` or `table`, for messages.
         table: String,
-        /// The per-aggregate state table (leases), quoted.
+        /// The per-aggregate state table (leases of relays of the previous version), quoted.
         aggregates: String,
+        /// The outbox table, quoted.
+        events: String,
+        /// The lease table (one row per lease claim batch), quoted.
+        lease: String,
     },
 }
 
@@ -126,6 +130,11 @@ impl ConsoleStore {
             aggregates: outbox_mysql::qualified(
                 database.as_deref(),
                 &format!("{}_aggregate", config.outbox.table),
+            ),
+            events: outbox_mysql::qualified(database.as_deref(), &config.outbox.table),
+            lease: outbox_mysql::qualified(
+                database.as_deref(),
+                &format!("{}_lease", config.outbox.table),
             ),
         }
     }
@@ -221,14 +230,26 @@ impl ConsoleStore {
                     .collect())
             }
             Self::MySql {
-                store, aggregates, ..
+                store,
+                aggregates,
+                events,
+                lease,
+                ..
             } => {
                 // DATETIME(6) columns hold UTC (the store writes UTC_TIMESTAMP(6)).
                 let rows: Vec<(String, i64, Option<chrono::NaiveDateTime>)> =
                     outbox_mysql::sqlx::query_as(&format!(
-                        "SELECT lease_owner, COUNT(*), MAX(lease_until) FROM {aggregates} \
-                         WHERE lease_owner IS NOT NULL AND lease_until > UTC_TIMESTAMP(6) \
-                         GROUP BY lease_owner ORDER BY lease_owner"
+                        "SELECT owner, CAST(SUM(n) AS SIGNED), MAX(until) FROM ( \
+                           SELECT l.owner AS owner, COUNT(DISTINCT e.aggregate_key) AS n, \
+                                  MAX(l.until) AS until \
+                             FROM {lease} l JOIN {events} e ON e.claim_token = l.token \
+                            WHERE e.status = 'pending' AND e.next_attempt_at > UTC_TIMESTAMP(6) \
+                            GROUP BY l.owner \
+                           UNION ALL \
+                           SELECT lease_owner, COUNT(*), MAX(lease_until) FROM {aggregates} \
+                            WHERE lease_owner IS NOT NULL AND lease_until > UTC_TIMESTAMP(6) \
+                            GROUP BY lease_owner) h \
+                         GROUP BY owner ORDER BY owner"
                     ))
                     .fetch_all(store.pool())
                     .await

@@ -7,6 +7,7 @@
 //! | [`OperatorStore`] | operators (`outbox parked`, `outbox release`) | parked events, audit trail, `release_claims_of` |
 //! | [`MaintenanceStore`] | cleanup jobs, the relay daemon's gauges, backpressure | `cleanup`, `stats` |
 //! | [`ReportingStore`] | the `outbox` command (`status`, `replay`, `reconcile`, `cleanup --dry-run`) | read-only reports |
+//! | [`RelayRegistry`] | the relay daemon (register, heartbeat, deregister), `outbox status`, `outbox parked release-claims` | which relays run and what they hold |
 //!
 //! [`OutboxStore`] is the umbrella of the first four, implemented for every type that
 //! implements them, for code that wants a whole store. [`ReportingStore`] stays outside it: it
@@ -61,7 +62,13 @@ use crate::envelope::{Envelope, EventId};
 use crate::error::StoreError;
 
 mod forward;
+pub mod registry;
 pub mod reporting;
+
+pub use registry::{
+    relay_state, RelayEntry, RelayRegistration, RelayRegistry, RelayState, FORGET_AFTER,
+    STALE_AFTER_HEARTBEATS,
+};
 
 pub use reporting::{
     IntervalCount, LatencySummary, PublishedFilter, PublishedId, PublishedPosition, PublishedRow,
@@ -237,6 +244,7 @@ impl<T> OutboxStore for T where T: AppendStore + RelayStore + OperatorStore + Ma
 /// on a concrete store needs the role traits in scope, not only the umbrella.
 pub mod prelude {
     pub use super::{
-        AppendStore, MaintenanceStore, OperatorStore, OutboxStore, RelayStore, ReportingStore,
+        AppendStore, MaintenanceStore, OperatorStore, OutboxStore, RelayRegistry, RelayStore,
+        ReportingStore,
     };
 }

@@ -18,6 +18,7 @@ mod decide;
 mod head;
 mod maintenance;
 mod operator;
+mod registry;
 mod reporting;
 pub(crate) mod rows;
 pub(crate) mod tx;
@@ -68,6 +69,8 @@ pub(crate) struct Tables {
     pub(crate) archive: String,
     /// Lease mode: one row per claim batch (owner, expiry); the rows carry its token.
     pub(crate) lease: String,
+    /// The relay registry.
+    pub(crate) relays: String,
 }
 
 struct Inner {
@@ -161,6 +164,7 @@ impl Tables {
             audit: qualified(database, &format!("{table}_audit")),
             archive: qualified(database, &format!("{table}_archive")),
             lease: qualified(database, &format!("{table}_lease")),
+            relays: qualified(database, &format!("{table}_relays")),
         }
     }
 }

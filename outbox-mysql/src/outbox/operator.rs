@@ -505,9 +505,11 @@ impl MySqlOutboxStore {
             .await
             .map_err(db)?;
             // The row waited for its lease: due again now, without the token (so the claim's
-            // completion applies nothing to it).
+            // completion applies nothing to it), and possibly sent (the gone relay may have
+            // published it: its next publication counts as a re-publication).
             let n = sqlx::query(&format!(
-                "UPDATE {} SET next_attempt_at = UTC_TIMESTAMP(6), claim_token = {NO_TOKEN} \
+                "UPDATE {} SET next_attempt_at = UTC_TIMESTAMP(6), claim_token = {NO_TOKEN}, \
+                   maybe_delivered = 1 \
                  WHERE id = ? AND status = 'pending' AND claim_token = ? \
                    AND next_attempt_at > UTC_TIMESTAMP(6)",
                 t.events
@@ -594,9 +596,12 @@ impl MySqlOutboxStore {
         .execute(&mut *conn)
         .await
         .map_err(db)?;
-        // The row waited for its lease: due again now.
+        // The row waited for its lease: due again now. The gone relay may have sent it: its
+        // next publication is a re-publication (counted in `outbox_republished_total`), as
+        // after a lease that expired.
         sqlx::query(&format!(
-            "UPDATE {} SET next_attempt_at = UTC_TIMESTAMP(6) WHERE id = ? AND status = 'pending'",
+            "UPDATE {} SET next_attempt_at = UTC_TIMESTAMP(6), maybe_delivered = 1 \
+             WHERE id = ? AND status = 'pending'",
             t.events
         ))
         .bind(row)

@@ -7,6 +7,7 @@ mod claim;
 mod complete;
 mod maintenance;
 mod operator;
+mod registry;
 pub(crate) mod rows;
 mod wake_gate;
 pub(crate) use wake_gate::gate_keys;

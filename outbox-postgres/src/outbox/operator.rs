@@ -342,6 +342,16 @@ impl PostgresOutboxStore {
         if done.is_none() {
             return Ok(false);
         }
+        // The gone relay may have sent the row: its next publication is a re-publication
+        // (counted in `outbox_republished_total`), as after a lease that expired.
+        sqlx::query(&format!(
+            "UPDATE {} SET maybe_delivered = true WHERE id = $1",
+            self.inner.sql.table
+        ))
+        .bind(lease.try_get::<i64, _>("id").map_err(db)?)
+        .execute(&mut *tx)
+        .await
+        .map_err(db)?;
         let event_id: Uuid = lease.try_get("event_id").map_err(db)?;
         let id = EventId::from_uuid(event_id);
         self.audit(tx, (id, OperatorAction::ReleaseClaim, actor, reason, None))

@@ -71,6 +71,7 @@ pub mod inbox;
 pub mod outage;
 pub mod outbox;
 pub mod publisher;
+pub mod registry;
 pub mod reporting;
 pub mod source;
 
@@ -792,6 +793,48 @@ pub const REPORTING_CHECKS: &[&str] = &[
     "published_ids_name_the_original_of_a_copy",
     "published_events_keep_each_transport_acknowledgement",
 ];
+
+/// The names of the relay registry checks ([`registry`]), in the order
+/// [`registry_conformance_tests!`](crate::registry_conformance_tests) emits them.
+pub const REGISTRY_CHECKS: &[&str] = &[
+    "registered_relays_are_listed_until_they_deregister",
+    "a_relay_without_heartbeat_turns_stale",
+    "live_claims_of_counts_what_a_release_would_end",
+];
+
+/// Emits one named test per relay registry check (see [`REGISTRY_CHECKS`]) from a setup
+/// expression: an expression evaluating to a future that yields an [`OutboxHarness`] whose
+/// store implements [`outbox_core::RelayRegistry`], evaluated once per test.
+///
+/// ```
+/// mod suite {
+///     outbox_testkit::registry_conformance_tests!(async {
+///         outbox_testkit::conformance::MemoryOutboxHarness::new()
+///     });
+/// }
+/// # fn main() {}
+/// ```
+#[macro_export]
+macro_rules! registry_conformance_tests {
+    ($setup:expr) => {
+        $crate::registry_conformance_tests!(@emit ($setup)
+            registered_relays_are_listed_until_they_deregister,
+            a_relay_without_heartbeat_turns_stale,
+            live_claims_of_counts_what_a_release_would_end,
+        );
+    };
+    (@emit ($setup:expr) $($check:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $check() {
+                $crate::conformance::run(async {
+                    let harness = $setup.await;
+                    $crate::conformance::registry::$check(&harness).await;
+                });
+            }
+        )*
+    };
+}
 
 /// Emits one named test per reporting check (see [`REPORTING_CHECKS`]) from a setup
 /// expression: an expression evaluating to a future that yields an [`OutboxHarness`] whose
