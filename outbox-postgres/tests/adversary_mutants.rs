@@ -1,0 +1,174 @@
+//! Adversarial tests found by `scripts/mutants-sql` (docs/mutants-sql.md): each one kills a SQL
+//! mutant that survived every other suite, so each names the statement and the mutated text
+//! it guards. They attack the store through its public API on the real PostgreSQL; where an
+//! interleaving matters it is forced by holding a transaction open and waiting (through
+//! `pg_blocking_pids`) until the other side is blocked behind it.
+//!
+//! Each test uses its own schema. Needs PostgreSQL at `DATABASE_URL`; see `common`.
+
+mod common;
+
+use outbox_core::prelude::*;
+use outbox_core::{ClaimMode, Envelope};
+use sqlx::PgPool;
+
+use common::{claim, lease, publish_all};
+
+fn modes() -> [ClaimMode; 2] {
+    [lease(30.0), ClaimMode::LockedTransaction]
+}
+
+fn ev(agg_type: &str, agg_id: &str, version: i64) -> Envelope {
+    Envelope::builder(agg_type, agg_id, version, "thing.changed")
+        .json(&serde_json::json!({ "v": version }))
+        .unwrap()
+        .build()
+        .unwrap()
+}
+
+/// (type, id, version) of each claimed record, sorted.
+fn claimed(batch: &outbox_core::ClaimedBatch) -> Vec<(String, String, i64)> {
+    let mut v: Vec<_> = batch
+        .records
+        .iter()
+        .map(|r| {
+            let e = &r.envelope;
+            (
+                e.aggregate_type.clone(),
+                e.aggregate_id.clone(),
+                e.aggregate_version,
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// The `last_version` of each aggregate with state, sorted by (type, id).
+async fn last_versions(pool: &PgPool, schema: &str) -> Vec<(String, String, Option<i64>)> {
+    sqlx::query_as(&format!(
+        "SELECT aggregate_type, aggregate_id, last_version \
+         FROM \"{schema}\".outbox_events_aggregate ORDER BY 1, 2"
+    ))
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// One completion that publishes the heads of two aggregates with the same id and different
+/// types advances each aggregate's last version to its own head, and the next version of each
+/// is claimed next. Kills `complete_lease`'s ` AND ` → ` OR ` between the aggregate's type and
+/// id in the lease release (`rel`): `key AND type OR id AND token` matches the other
+/// aggregate's state row too (same id, same claim token), and an `UPDATE .. FROM` that joins a
+/// target row twice applies one arbitrary joined row: one aggregate got the other's version
+/// (its next version then parked as out of order, or held as a gap).
+#[tokio::test]
+async fn one_completion_of_two_aggregates_sharing_an_id_advances_each_its_own_last_version() {
+    let ctx = ctx!(4);
+    for (n, mode) in modes().into_iter().enumerate() {
+        let store = ctx.store(mode).await;
+        let id = format!("shared-{n}");
+        // `order` is one version ahead of `invoice`, so that either's version in the other's
+        // state row is wrong.
+        let o1 = ev("order", &id, 1);
+        store.append(&ctx.pool, &o1).await.unwrap();
+        publish_all(&store, &claim(&store, "r", 100).await).await;
+        let (i1, o2) = (ev("invoice", &id, 1), ev("order", &id, 2));
+        store
+            .append_many(&ctx.pool, &[i1.clone(), o2.clone()])
+            .await
+            .unwrap();
+        let b = claim(&store, "r", 100).await;
+        assert_eq!(
+            claimed(&b),
+            vec![
+                ("invoice".into(), id.clone(), 1),
+                ("order".into(), id.clone(), 2)
+            ],
+            "{mode:?}"
+        );
+        publish_all(&store, &b).await;
+        let lasts: Vec<_> = last_versions(&ctx.pool, &ctx.schema)
+            .await
+            .into_iter()
+            .filter(|(_, i, _)| *i == id)
+            .map(|(t, _, l)| (t, l))
+            .collect();
+        assert_eq!(
+            lasts,
+            vec![("invoice".into(), Some(1)), ("order".into(), Some(2))],
+            "{mode:?}: each aggregate's last version is its own"
+        );
+        let (i2, o3) = (ev("invoice", &id, 2), ev("order", &id, 3));
+        store.append_many(&ctx.pool, &[i2, o3]).await.unwrap();
+        let next = claim(&store, "r", 100).await;
+        assert!(next.parked.is_empty(), "{mode:?}: {:?}", next.parked);
+        assert_eq!(
+            claimed(&next),
+            vec![
+                ("invoice".into(), id.clone(), 2),
+                ("order".into(), id.clone(), 3)
+            ],
+            "{mode:?}"
+        );
+        publish_all(&store, &next).await;
+    }
+    ctx.drop().await;
+}
+
+/// A claimed head that no longer decodes (a row written by other means with a blank content
+/// type) is parked as an invalid record and its aggregate's lease is released at once: after
+/// an operator discards it, the next version is claimed right away, not when the lease would
+/// have expired. Kills `park_undecodable`'s `aggregate_key = ANY($4)` → `<> ANY($4)` in the
+/// lease release (with one parked row, `<> ANY` of its own key is false: the lease stayed).
+#[tokio::test]
+async fn an_undecodable_head_is_parked_and_its_lease_released_at_once() {
+    let ctx = ctx!(4);
+    for (n, mode) in modes().into_iter().enumerate() {
+        let store = ctx.store(mode).await;
+        let id = format!("undecodable-{n}");
+        let (v1, v2) = (ev("order", &id, 1), ev("order", &id, 2));
+        sqlx::query(&format!(
+            "INSERT INTO \"{}\".outbox_events (event_id, aggregate_type, aggregate_id, \
+               aggregate_version, event_type, schema_version, content_type, payload, created_at) \
+             VALUES ($1, $2, $3, 1, $4, 1, ' ', $5, now())",
+            ctx.schema
+        ))
+        .bind(v1.event_id.as_uuid())
+        .bind(&v1.aggregate_type)
+        .bind(&v1.aggregate_id)
+        .bind(&v1.event_type)
+        .bind(&v1.payload.bytes)
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
+        store.append(&ctx.pool, &v2).await.unwrap();
+        let b = claim(&store, "r", 100).await;
+        assert!(b.records.is_empty(), "{mode:?}: {:?}", claimed(&b));
+        let (status, kind): (String, Option<String>) = sqlx::query_as(&format!(
+            "SELECT status, last_error_kind FROM \"{}\".outbox_events WHERE event_id = $1",
+            ctx.schema
+        ))
+        .bind(v1.event_id.as_uuid())
+        .fetch_one(&ctx.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            (status.as_str(), kind.as_deref()),
+            ("parked", Some("invalid_record")),
+            "{mode:?}"
+        );
+        store
+            .discard_parked(v1.event_id, "ops", "written by hand")
+            .await
+            .unwrap();
+        let next = claim(&store, "r", 100).await;
+        assert_eq!(
+            claimed(&next),
+            vec![("order".into(), id.clone(), 2)],
+            "{mode:?}: the parked head's lease must not hold its aggregate"
+        );
+        publish_all(&store, &next).await;
+    }
+    ctx.drop().await;
+}
