@@ -9,7 +9,10 @@
 mod common;
 
 use outbox_core::prelude::*;
-use outbox_core::{ClaimMode, Envelope};
+use std::time::Duration;
+
+use outbox_core::{ClaimMode, Envelope, ErrorClass, LastError, Outcome};
+use outbox_postgres::PostgresOutboxStore;
 use sqlx::PgPool;
 
 use common::{claim, lease, publish_all};
@@ -169,6 +172,88 @@ async fn an_undecodable_head_is_parked_and_its_lease_released_at_once() {
             "{mode:?}: the parked head's lease must not hold its aggregate"
         );
         publish_all(&store, &next).await;
+    }
+    ctx.drop().await;
+}
+
+async fn message_of(ctx: &common::Ctx, e: &Envelope) -> (String, String) {
+    sqlx::query_as(&format!(
+        "SELECT status, last_error_message FROM \"{}\".outbox_events WHERE event_id = $1",
+        ctx.schema
+    ))
+    .bind(e.event_id.as_uuid())
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap()
+}
+
+/// A version parked as out of order says what it was measured against, in both claim modes:
+/// the last version published or discarded when the aggregate has one, else (with
+/// `accept_first_version`) the first version, one that may have reached the broker. Kills
+/// `(a.last_version IS NOT NULL) AS known` → `IS NULL` and the `h.last + 1` → `+ 0`/`+ 2` of
+/// the first-version message, in `claim_decide_lease` and `claim_decide_locked`: the operator
+/// reads this message to decide what to do with the event.
+#[tokio::test]
+async fn a_stale_version_says_what_it_is_below() {
+    let ctx = ctx!(4);
+    for (n, mode) in modes().into_iter().enumerate() {
+        // Known: version 1 published, a duplicate of it appended afterwards.
+        let store = ctx.store(mode).await;
+        let id = format!("known-{n}");
+        store.append(&ctx.pool, &ev("order", &id, 1)).await.unwrap();
+        publish_all(&store, &claim(&store, "r", 100).await).await;
+        let twin = ev("order", &id, 1);
+        store.append(&ctx.pool, &twin).await.unwrap();
+        assert_eq!(claim(&store, "r", 100).await.parked.len(), 1, "{mode:?}");
+        assert_eq!(
+            message_of(&ctx, &twin).await,
+            (
+                "parked".into(),
+                "version 1 is at or below 1, the last version published or discarded for its \
+                 aggregate"
+                    .into()
+            ),
+            "{mode:?}"
+        );
+
+        // Unknown: version 2 went out first and may be at the broker (a timeout), then
+        // version 1 arrives.
+        let first = PostgresOutboxStore::builder(ctx.pool.clone())
+            .schema(&ctx.schema)
+            .claim_mode(mode)
+            .accept_first_version(true)
+            .build()
+            .unwrap();
+        let id = format!("first-{n}");
+        let v2 = ev("order", &id, 2);
+        first.append(&ctx.pool, &v2).await.unwrap();
+        let b = claim(&first, "r", 100).await;
+        assert_eq!(claimed(&b), vec![("order".into(), id.clone(), 2)], "{mode:?}");
+        let timeout = Outcome::Retry {
+            event_id: v2.event_id,
+            delay: Duration::ZERO,
+            error: LastError {
+                class: ErrorClass::Transient,
+                kind: "timeout".into(),
+                message: "no acknowledgement".into(),
+            },
+        };
+        assert_eq!(first.complete(&b.handle, &[timeout]).await.unwrap().applied, 1);
+        let v1 = ev("order", &id, 1);
+        first.append(&ctx.pool, &v1).await.unwrap();
+        let b = claim(&first, "r", 100).await;
+        assert_eq!(claimed(&b), vec![("order".into(), id.clone(), 2)], "{mode:?}");
+        assert_eq!(
+            message_of(&ctx, &v1).await,
+            (
+                "parked".into(),
+                "version 1 is below 2, the first version of its aggregate (nothing of it \
+                 published or discarded yet), which may have reached the broker already"
+                    .into()
+            ),
+            "{mode:?}"
+        );
+        publish_all(&first, &b).await;
     }
     ctx.drop().await;
 }
