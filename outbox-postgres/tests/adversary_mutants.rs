@@ -13,9 +13,10 @@ use std::time::Duration;
 
 use outbox_core::{ClaimMode, Envelope, ErrorClass, LastError, Outcome};
 use outbox_postgres::PostgresOutboxStore;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
-use common::{claim, lease, publish_all};
+use common::{claim, lease, park, publish_all, published};
 
 fn modes() -> [ClaimMode; 2] {
     [lease(30.0), ClaimMode::LockedTransaction]
@@ -228,7 +229,11 @@ async fn a_stale_version_says_what_it_is_below() {
         let v2 = ev("order", &id, 2);
         first.append(&ctx.pool, &v2).await.unwrap();
         let b = claim(&first, "r", 100).await;
-        assert_eq!(claimed(&b), vec![("order".into(), id.clone(), 2)], "{mode:?}");
+        assert_eq!(
+            claimed(&b),
+            vec![("order".into(), id.clone(), 2)],
+            "{mode:?}"
+        );
         let timeout = Outcome::Retry {
             event_id: v2.event_id,
             delay: Duration::ZERO,
@@ -238,11 +243,18 @@ async fn a_stale_version_says_what_it_is_below() {
                 message: "no acknowledgement".into(),
             },
         };
-        assert_eq!(first.complete(&b.handle, &[timeout]).await.unwrap().applied, 1);
+        assert_eq!(
+            first.complete(&b.handle, &[timeout]).await.unwrap().applied,
+            1
+        );
         let v1 = ev("order", &id, 1);
         first.append(&ctx.pool, &v1).await.unwrap();
         let b = claim(&first, "r", 100).await;
-        assert_eq!(claimed(&b), vec![("order".into(), id.clone(), 2)], "{mode:?}");
+        assert_eq!(
+            claimed(&b),
+            vec![("order".into(), id.clone(), 2)],
+            "{mode:?}"
+        );
         assert_eq!(
             message_of(&ctx, &v1).await,
             (
@@ -254,6 +266,239 @@ async fn a_stale_version_says_what_it_is_below() {
             "{mode:?}"
         );
         publish_all(&first, &b).await;
+    }
+    ctx.drop().await;
+}
+
+/// A store whose sessions compute every aggregate key with a stand-in for
+/// `hashtextextended(text, bigint)` (the test's schema is searched before `pg_catalog`) that
+/// gives every name containing `collide` the same key: the 64-bit key collision that the
+/// statements guard against by comparing the aggregate's type and id next to its key, which
+/// no real pair of names is known to produce. The tables are migrated first, on the ordinary
+/// pool (their indexes keep the real function; the stand-in only costs index use).
+async fn colliding_store(ctx: &common::Ctx, mode: ClaimMode) -> (PgPool, PostgresOutboxStore) {
+    let s = &ctx.schema;
+    ctx.store(mode).await;
+    sqlx::query(&format!(
+        "CREATE OR REPLACE FUNCTION \"{s}\".hashtextextended(t text, seed int8) RETURNS int8 \
+         LANGUAGE sql IMMUTABLE AS $$ \
+           SELECT CASE WHEN t LIKE '%collide%' THEN 4242::int8 \
+                       ELSE pg_catalog.hashtextextended(t, seed) END $$"
+    ))
+    .execute(&ctx.pool)
+    .await
+    .unwrap();
+    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| common::DEFAULT_URL.to_owned());
+    let opts: PgConnectOptions = url.parse().unwrap();
+    let set = format!("SET search_path = \"{s}\", pg_catalog");
+    let pool = PgPoolOptions::new()
+        .max_connections(3)
+        .after_connect(move |conn, _| {
+            let set = set.clone();
+            Box::pin(async move {
+                sqlx::query(&set).execute(&mut *conn).await?;
+                Ok(())
+            })
+        })
+        .connect_with(opts)
+        .await
+        .unwrap();
+    let store = PostgresOutboxStore::builder(pool.clone())
+        .schema(s)
+        .claim_mode(mode)
+        .build()
+        .unwrap();
+    (pool, store)
+}
+
+/// Two aggregates whose keys collide (same type, ids `collide-a` and `collide-b`) keep
+/// separate orders, last versions, leases, parks and operator actions, in both claim modes.
+/// Kills the mutants that drop an aggregate's type or id comparison next to its key (or turn
+/// the `AND` before it into `OR`) where only a key collision tells them apart: in the claim's
+/// lease probe, state lookup, follower check and promotion, the completion's fencing and
+/// release, and the operator's state read and promotion.
+#[tokio::test]
+async fn aggregates_whose_keys_collide_keep_separate_orders() {
+    let ctx = ctx!(4);
+    for mode in modes() {
+        let (pool, store) = colliding_store(&ctx, mode).await;
+        let tag = if matches!(mode, ClaimMode::Lease { .. }) {
+            "l"
+        } else {
+            "k"
+        };
+        let (a, b) = (format!("collide-a-{tag}"), format!("collide-b-{tag}"));
+        let ver = |agg: &str, v: i64| ev("order", agg, v);
+        let (a1, b1, a2, b2) = (ver(&a, 1), ver(&b, 1), ver(&a, 2), ver(&b, 2));
+        store
+            .append_many(&ctx.pool, &[a1, b1, a2, b2])
+            .await
+            .unwrap();
+        let first = claim(&store, "r", 100).await;
+        assert_eq!(
+            claimed(&first),
+            vec![
+                ("order".into(), a.clone(), 1),
+                ("order".into(), b.clone(), 1)
+            ],
+            "{mode:?}: each aggregate's head"
+        );
+        publish_all(&store, &first).await;
+        let lasts: Vec<_> = last_versions(&ctx.pool, &ctx.schema)
+            .await
+            .into_iter()
+            .filter(|(_, i, _)| *i == a || *i == b)
+            .map(|(_, i, l)| (i, l))
+            .collect();
+        assert_eq!(
+            lasts,
+            vec![(a.clone(), Some(1)), (b.clone(), Some(1))],
+            "{mode:?}"
+        );
+        // One aggregate's head claimed alone: in lease mode its lease must not hold the
+        // other (in locked mode the two share an advisory lock, by design of the key).
+        let only_a = claim(&store, "r", 1).await;
+        assert_eq!(
+            claimed(&only_a),
+            vec![("order".into(), a.clone(), 2)],
+            "{mode:?}"
+        );
+        if matches!(mode, ClaimMode::Lease { .. }) {
+            let then_b = claim(&store, "r2", 100).await;
+            assert_eq!(
+                claimed(&then_b),
+                vec![("order".into(), b.clone(), 2)],
+                "{mode:?}: a's lease does not hold b"
+            );
+            publish_all(&store, &then_b).await;
+            publish_all(&store, &only_a).await;
+        } else {
+            publish_all(&store, &only_a).await;
+            let then_b = claim(&store, "r2", 100).await;
+            assert_eq!(
+                claimed(&then_b),
+                vec![("order".into(), b.clone(), 2)],
+                "{mode:?}"
+            );
+            publish_all(&store, &then_b).await;
+        }
+        // b's next version parked, a's published; then each aggregate's next version.
+        let (a3, b3, a4, b4) = (ver(&a, 3), ver(&b, 3), ver(&a, 4), ver(&b, 4));
+        store
+            .append_many(&ctx.pool, &[a3.clone(), b3.clone()])
+            .await
+            .unwrap();
+        let third = claim(&store, "r", 100).await;
+        assert_eq!(
+            claimed(&third),
+            vec![
+                ("order".into(), a.clone(), 3),
+                ("order".into(), b.clone(), 3)
+            ],
+            "{mode:?}"
+        );
+        let rep = store
+            .complete(&third.handle, &[published(&a3, 7), park(&b3)])
+            .await
+            .unwrap();
+        assert_eq!(rep.applied, 2, "{mode:?}");
+        store
+            .append_many(&ctx.pool, &[a4.clone(), b4.clone()])
+            .await
+            .unwrap();
+        let fourth = claim(&store, "r", 100).await;
+        assert_eq!(
+            claimed(&fourth),
+            vec![("order".into(), a.clone(), 4)],
+            "{mode:?}: b's next version waits behind its parked one, a's does not"
+        );
+        publish_all(&store, &fourth).await;
+        store
+            .discard_parked(b3.event_id, "ops", "not needed")
+            .await
+            .unwrap();
+        let fifth = claim(&store, "r", 100).await;
+        assert_eq!(
+            claimed(&fifth),
+            vec![("order".into(), b.clone(), 4)],
+            "{mode:?}: the discard let b's next version through"
+        );
+        publish_all(&store, &fifth).await;
+        let lasts: Vec<_> = last_versions(&ctx.pool, &ctx.schema)
+            .await
+            .into_iter()
+            .filter(|(_, i, _)| *i == a || *i == b)
+            .map(|(_, i, l)| (i, l))
+            .collect();
+        assert_eq!(
+            lasts,
+            vec![(a.clone(), Some(4)), (b.clone(), Some(4))],
+            "{mode:?}"
+        );
+        drop(store);
+        pool.close().await;
+    }
+    ctx.drop().await;
+}
+
+/// A retry and a deferral each wait their delay before the event is claimed again, and only
+/// the retry counts an attempt, in both claim modes. Kills `complete_locked`'s
+/// `o.kind IN ('retry', 'defer')` → `('defer', 'defer')` in `next_attempt_at` (a retried
+/// event came straight back in locked mode) and its neighbours.
+#[tokio::test]
+async fn a_retry_and_a_deferral_wait_their_delay_in_both_modes() {
+    let ctx = ctx!(4);
+    for (n, mode) in modes().into_iter().enumerate() {
+        let store = ctx.store(mode).await;
+        for kind in ["retry", "defer"] {
+            let e = ev("order", &format!("wait-{kind}-{n}"), 1);
+            store.append(&ctx.pool, &e).await.unwrap();
+            let b = claim(&store, "r", 100).await;
+            assert_eq!(b.records.len(), 1, "{mode:?} {kind}");
+            let error = LastError {
+                class: ErrorClass::Transient,
+                kind: "queue_full".into(),
+                message: "later".into(),
+            };
+            let delay = Duration::from_secs(3600);
+            let outcome = if kind == "retry" {
+                Outcome::Retry {
+                    event_id: e.event_id,
+                    delay,
+                    error,
+                }
+            } else {
+                Outcome::Defer {
+                    event_id: e.event_id,
+                    delay,
+                    error,
+                }
+            };
+            assert_eq!(
+                store.complete(&b.handle, &[outcome]).await.unwrap().applied,
+                1
+            );
+            let again = claim(&store, "r", 100).await;
+            assert!(
+                again.records.is_empty(),
+                "{mode:?} {kind}: claimed again before its delay: {:?}",
+                claimed(&again)
+            );
+            let (wait_s, attempts): (f64, i32) = sqlx::query_as(&format!(
+                "SELECT extract(epoch FROM next_attempt_at - clock_timestamp())::float8, \
+                        attempts FROM \"{}\".outbox_events WHERE event_id = $1",
+                ctx.schema
+            ))
+            .bind(e.event_id.as_uuid())
+            .fetch_one(&ctx.pool)
+            .await
+            .unwrap();
+            assert!(
+                (3000.0..=3600.0).contains(&wait_s),
+                "{mode:?} {kind}: due in {wait_s} s"
+            );
+            assert_eq!(attempts, i32::from(kind == "retry"), "{mode:?} {kind}");
+        }
     }
     ctx.drop().await;
 }
