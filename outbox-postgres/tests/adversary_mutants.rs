@@ -311,7 +311,7 @@ async fn colliding_store(ctx: &common::Ctx, mode: ClaimMode) -> (PgPool, Postgre
     (pool, store)
 }
 
-/// Two aggregates whose keys collide (same type, ids `collide-a` and `collide-b`) keep
+/// Two aggregates whose keys collide (of one type, then of one id) keep
 /// separate orders, last versions, leases, parks and operator actions, in both claim modes.
 /// Kills the mutants that drop an aggregate's type or id comparison next to its key (or turn
 /// the `AND` before it into `OR`) where only a key collision tells them apart: in the claim's
@@ -320,121 +320,123 @@ async fn colliding_store(ctx: &common::Ctx, mode: ClaimMode) -> (PgPool, Postgre
 #[tokio::test]
 async fn aggregates_whose_keys_collide_keep_separate_orders() {
     let ctx = ctx!(4);
-    for mode in modes() {
+    for (n, mode) in modes().into_iter().enumerate() {
         let (pool, store) = colliding_store(&ctx, mode).await;
-        let tag = if matches!(mode, ClaimMode::Lease { .. }) {
-            "l"
-        } else {
-            "k"
-        };
-        let (a, b) = (format!("collide-a-{tag}"), format!("collide-b-{tag}"));
-        let ver = |agg: &str, v: i64| ev("order", agg, v);
-        let (a1, b1, a2, b2) = (ver(&a, 1), ver(&b, 1), ver(&a, 2), ver(&b, 2));
-        store
-            .append_many(&ctx.pool, &[a1, b1, a2, b2])
-            .await
-            .unwrap();
-        let first = claim(&store, "r", 100).await;
-        assert_eq!(
-            claimed(&first),
-            vec![
-                ("order".into(), a.clone(), 1),
-                ("order".into(), b.clone(), 1)
-            ],
-            "{mode:?}: each aggregate's head"
-        );
-        publish_all(&store, &first).await;
-        let lasts: Vec<_> = last_versions(&ctx.pool, &ctx.schema)
-            .await
-            .into_iter()
-            .filter(|(_, i, _)| *i == a || *i == b)
-            .map(|(_, i, l)| (i, l))
-            .collect();
-        assert_eq!(
-            lasts,
-            vec![(a.clone(), Some(1)), (b.clone(), Some(1))],
-            "{mode:?}"
-        );
-        // One aggregate's head claimed alone: in lease mode its lease must not hold the
-        // other (in locked mode the two share an advisory lock, by design of the key).
-        let only_a = claim(&store, "r", 1).await;
-        assert_eq!(
-            claimed(&only_a),
-            vec![("order".into(), a.clone(), 2)],
-            "{mode:?}"
-        );
-        if matches!(mode, ClaimMode::Lease { .. }) {
-            let then_b = claim(&store, "r2", 100).await;
+        // The same type (only the ids tell them apart), then the same id (only the types).
+        let pairs = [
+            (
+                ("order", format!("collide-a-{n}")),
+                ("order", format!("collide-b-{n}")),
+            ),
+            (
+                ("invoice", format!("collide-x-{n}")),
+                ("order", format!("collide-x-{n}")),
+            ),
+        ];
+        for ((ta, ia), (tb, ib)) in pairs {
+            let (a, b) = ((ta.to_owned(), ia), (tb.to_owned(), ib));
+            let ver = |agg: &(String, String), v: i64| ev(&agg.0, &agg.1, v);
+            let (a1, b1, a2, b2) = (ver(&a, 1), ver(&b, 1), ver(&a, 2), ver(&b, 2));
+            store
+                .append_many(&ctx.pool, &[a1, b1, a2, b2])
+                .await
+                .unwrap();
+            let first = claim(&store, "r", 100).await;
             assert_eq!(
-                claimed(&then_b),
-                vec![("order".into(), b.clone(), 2)],
-                "{mode:?}: a's lease does not hold b"
+                claimed(&first),
+                vec![(a.0.clone(), a.1.clone(), 1), (b.0.clone(), b.1.clone(), 1)],
+                "{mode:?}: each aggregate's head"
             );
-            publish_all(&store, &then_b).await;
-            publish_all(&store, &only_a).await;
-        } else {
-            publish_all(&store, &only_a).await;
-            let then_b = claim(&store, "r2", 100).await;
+            publish_all(&store, &first).await;
+            let lasts: Vec<_> = last_versions(&ctx.pool, &ctx.schema)
+                .await
+                .into_iter()
+                .filter(|(t, i, _)| (t, i) == (&a.0, &a.1) || (t, i) == (&b.0, &b.1))
+                .map(|(t, i, l)| ((t, i), l))
+                .collect();
             assert_eq!(
-                claimed(&then_b),
-                vec![("order".into(), b.clone(), 2)],
+                lasts,
+                vec![(a.clone(), Some(1)), (b.clone(), Some(1))],
                 "{mode:?}"
             );
-            publish_all(&store, &then_b).await;
+            // One aggregate's head claimed alone: in lease mode its lease must not hold the
+            // other (in locked mode the two share an advisory lock, by design of the key).
+            let only_a = claim(&store, "r", 1).await;
+            assert_eq!(
+                claimed(&only_a),
+                vec![(a.0.clone(), a.1.clone(), 2)],
+                "{mode:?}"
+            );
+            if matches!(mode, ClaimMode::Lease { .. }) {
+                let then_b = claim(&store, "r2", 100).await;
+                assert_eq!(
+                    claimed(&then_b),
+                    vec![(b.0.clone(), b.1.clone(), 2)],
+                    "{mode:?}: a's lease does not hold b"
+                );
+                publish_all(&store, &then_b).await;
+                publish_all(&store, &only_a).await;
+            } else {
+                publish_all(&store, &only_a).await;
+                let then_b = claim(&store, "r2", 100).await;
+                assert_eq!(
+                    claimed(&then_b),
+                    vec![(b.0.clone(), b.1.clone(), 2)],
+                    "{mode:?}"
+                );
+                publish_all(&store, &then_b).await;
+            }
+            // b's next version parked, a's published; then each aggregate's next version.
+            let (a3, b3, a4, b4) = (ver(&a, 3), ver(&b, 3), ver(&a, 4), ver(&b, 4));
+            store
+                .append_many(&ctx.pool, &[a3.clone(), b3.clone()])
+                .await
+                .unwrap();
+            let third = claim(&store, "r", 100).await;
+            assert_eq!(
+                claimed(&third),
+                vec![(a.0.clone(), a.1.clone(), 3), (b.0.clone(), b.1.clone(), 3)],
+                "{mode:?}"
+            );
+            let rep = store
+                .complete(&third.handle, &[published(&a3, 7), park(&b3)])
+                .await
+                .unwrap();
+            assert_eq!(rep.applied, 2, "{mode:?}");
+            store
+                .append_many(&ctx.pool, &[a4.clone(), b4.clone()])
+                .await
+                .unwrap();
+            let fourth = claim(&store, "r", 100).await;
+            assert_eq!(
+                claimed(&fourth),
+                vec![(a.0.clone(), a.1.clone(), 4)],
+                "{mode:?}: b's next version waits behind its parked one, a's does not"
+            );
+            publish_all(&store, &fourth).await;
+            store
+                .discard_parked(b3.event_id, "ops", "not needed")
+                .await
+                .unwrap();
+            let fifth = claim(&store, "r", 100).await;
+            assert_eq!(
+                claimed(&fifth),
+                vec![(b.0.clone(), b.1.clone(), 4)],
+                "{mode:?}: the discard let b's next version through"
+            );
+            publish_all(&store, &fifth).await;
+            let lasts: Vec<_> = last_versions(&ctx.pool, &ctx.schema)
+                .await
+                .into_iter()
+                .filter(|(t, i, _)| (t, i) == (&a.0, &a.1) || (t, i) == (&b.0, &b.1))
+                .map(|(t, i, l)| ((t, i), l))
+                .collect();
+            assert_eq!(
+                lasts,
+                vec![(a.clone(), Some(4)), (b.clone(), Some(4))],
+                "{mode:?}"
+            );
         }
-        // b's next version parked, a's published; then each aggregate's next version.
-        let (a3, b3, a4, b4) = (ver(&a, 3), ver(&b, 3), ver(&a, 4), ver(&b, 4));
-        store
-            .append_many(&ctx.pool, &[a3.clone(), b3.clone()])
-            .await
-            .unwrap();
-        let third = claim(&store, "r", 100).await;
-        assert_eq!(
-            claimed(&third),
-            vec![
-                ("order".into(), a.clone(), 3),
-                ("order".into(), b.clone(), 3)
-            ],
-            "{mode:?}"
-        );
-        let rep = store
-            .complete(&third.handle, &[published(&a3, 7), park(&b3)])
-            .await
-            .unwrap();
-        assert_eq!(rep.applied, 2, "{mode:?}");
-        store
-            .append_many(&ctx.pool, &[a4.clone(), b4.clone()])
-            .await
-            .unwrap();
-        let fourth = claim(&store, "r", 100).await;
-        assert_eq!(
-            claimed(&fourth),
-            vec![("order".into(), a.clone(), 4)],
-            "{mode:?}: b's next version waits behind its parked one, a's does not"
-        );
-        publish_all(&store, &fourth).await;
-        store
-            .discard_parked(b3.event_id, "ops", "not needed")
-            .await
-            .unwrap();
-        let fifth = claim(&store, "r", 100).await;
-        assert_eq!(
-            claimed(&fifth),
-            vec![("order".into(), b.clone(), 4)],
-            "{mode:?}: the discard let b's next version through"
-        );
-        publish_all(&store, &fifth).await;
-        let lasts: Vec<_> = last_versions(&ctx.pool, &ctx.schema)
-            .await
-            .into_iter()
-            .filter(|(_, i, _)| *i == a || *i == b)
-            .map(|(_, i, l)| (i, l))
-            .collect();
-        assert_eq!(
-            lasts,
-            vec![(a.clone(), Some(4)), (b.clone(), Some(4))],
-            "{mode:?}"
-        );
         drop(store);
         pool.close().await;
     }
