@@ -276,7 +276,11 @@ async fn a_stale_version_says_what_it_is_below() {
 /// statements guard against by comparing the aggregate's type and id next to its key, which
 /// no real pair of names is known to produce. The tables are migrated first, on the ordinary
 /// pool (their indexes keep the real function; the stand-in only costs index use).
-async fn colliding_store(ctx: &common::Ctx, mode: ClaimMode) -> (PgPool, PostgresOutboxStore) {
+async fn colliding_store(
+    ctx: &common::Ctx,
+    mode: ClaimMode,
+    accept_first_version: bool,
+) -> (PgPool, PostgresOutboxStore) {
     let s = &ctx.schema;
     ctx.store(mode).await;
     sqlx::query(&format!(
@@ -306,6 +310,7 @@ async fn colliding_store(ctx: &common::Ctx, mode: ClaimMode) -> (PgPool, Postgre
     let store = PostgresOutboxStore::builder(pool.clone())
         .schema(s)
         .claim_mode(mode)
+        .accept_first_version(accept_first_version)
         .build()
         .unwrap();
     (pool, store)
@@ -321,7 +326,7 @@ async fn colliding_store(ctx: &common::Ctx, mode: ClaimMode) -> (PgPool, Postgre
 async fn aggregates_whose_keys_collide_keep_separate_orders() {
     let ctx = ctx!(4);
     for (n, mode) in modes().into_iter().enumerate() {
-        let (pool, store) = colliding_store(&ctx, mode).await;
+        let (pool, store) = colliding_store(&ctx, mode, false).await;
         // The same type (only the ids tell them apart), then the same id (only the types).
         let pairs = [
             (
@@ -502,5 +507,55 @@ async fn a_retry_and_a_deferral_wait_their_delay_in_both_modes() {
             assert_eq!(attempts, i32::from(kind == "retry"), "{mode:?} {kind}");
         }
     }
+    ctx.drop().await;
+}
+
+/// With `accept_first_version`, an operator's check of an event whose aggregate has no last
+/// version counts from that aggregate's own first version, not from another aggregate whose
+/// key collides with it and whose version may have reached the broker. Kills `event_state`'s
+/// (first-version variant) ` AND ` → ` OR ` after the key comparison of the first-version rule
+/// (`key = k OR status .. AND type .. AND id ..`: every row of the colliding key counted).
+#[tokio::test]
+async fn an_operator_retry_without_state_ignores_a_colliding_aggregate() {
+    let ctx = ctx!(4);
+    let (pool, store) = colliding_store(&ctx, lease(30.0), true).await;
+    let (a5, b9) = (ev("order", "collide-p", 5), ev("order", "collide-q", 9));
+    store.append(&ctx.pool, &a5).await.unwrap();
+    let b = claim(&store, "r", 100).await;
+    assert_eq!(claimed(&b), vec![("order".into(), "collide-p".into(), 5)]);
+    assert_eq!(
+        store
+            .complete(&b.handle, &[park(&a5)])
+            .await
+            .unwrap()
+            .applied,
+        1
+    );
+    // The other aggregate's first version may be at the broker (a timeout).
+    store.append(&ctx.pool, &b9).await.unwrap();
+    let b = claim(&store, "r", 100).await;
+    assert_eq!(claimed(&b), vec![("order".into(), "collide-q".into(), 9)]);
+    let timeout = Outcome::Retry {
+        event_id: b9.event_id,
+        delay: Duration::from_secs(3600),
+        error: LastError {
+            class: ErrorClass::Transient,
+            kind: "timeout".into(),
+            message: "no acknowledgement".into(),
+        },
+    };
+    assert_eq!(
+        store.complete(&b.handle, &[timeout]).await.unwrap().applied,
+        1
+    );
+    store
+        .retry_parked(a5.event_id, "ops")
+        .await
+        .expect("version 5 is its aggregate's first: the retry is accepted");
+    let b = claim(&store, "r", 100).await;
+    assert_eq!(claimed(&b), vec![("order".into(), "collide-p".into(), 5)]);
+    publish_all(&store, &b).await;
+    drop(store);
+    pool.close().await;
     ctx.drop().await;
 }
