@@ -559,3 +559,41 @@ async fn an_operator_retry_without_state_ignores_a_colliding_aggregate() {
     pool.close().await;
     ctx.drop().await;
 }
+
+/// With `accept_first_version`, a version that a lease relay claimed and may have sent (its
+/// lease expired without an outcome) stays its aggregate's first for a locked-mode relay on
+/// the same table: a lower version that arrives later is parked as out of order, not handed
+/// out. Kills `claim_decide_locked`'s (first-version variant) `s.aggregate_key = ..` → `<>`
+/// in the lookup of the aggregate's lease row (the rule then counted only rows already marked
+/// as maybe delivered, and a lease that merely expired marks nothing).
+#[tokio::test]
+async fn a_locked_relay_counts_an_expired_lease_as_the_first_version() {
+    let ctx = ctx!(4);
+    ctx.store(lease(30.0)).await;
+    let build = |mode| {
+        PostgresOutboxStore::builder(ctx.pool.clone())
+            .schema(&ctx.schema)
+            .claim_mode(mode)
+            .accept_first_version(true)
+            .build()
+            .unwrap()
+    };
+    let (leased, locked) = (build(lease(0.2)), build(ClaimMode::LockedTransaction));
+    let (v5, v3) = (ev("order", "first", 5), ev("order", "first", 3));
+    leased.append(&ctx.pool, &v5).await.unwrap();
+    let b = claim(&leased, "crashes", 100).await;
+    assert_eq!(claimed(&b), vec![("order".into(), "first".into(), 5)]);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    leased.append(&ctx.pool, &v3).await.unwrap();
+    let b = claim(&locked, "r", 100).await;
+    assert_eq!(
+        claimed(&b),
+        vec![("order".into(), "first".into(), 5)],
+        "version 3 must not go out after version 5 may have"
+    );
+    assert!(b.records[0].is_resend());
+    assert_eq!(b.parked.len(), 1);
+    assert_eq!(b.parked[0].event_id, v3.event_id);
+    publish_all(&locked, &b).await;
+    ctx.drop().await;
+}
