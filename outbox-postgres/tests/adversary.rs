@@ -789,30 +789,35 @@ async fn a_closed_gap_is_no_longer_counted_as_held() {
     ctx.drop().await;
 }
 
-/// A held gap head says which version it waits for (found by `scripts/mutants-sql`: the
-/// message's `last + 1` could be changed without a test noticing).
+/// A held gap head says which version it waits for, in both claim modes (found by
+/// `scripts/mutants-sql`: the message's `last + 1` could be changed without a test noticing,
+/// first in the lease claim's statement, then in the locked claim's, a separate text).
 #[tokio::test]
 async fn a_held_gap_head_names_the_version_it_waits_for() {
     let ctx = ctx!(4);
-    let store = ctx.store(lease(30.0)).await;
-    let v1 = event("gm", 1);
-    store.append(&ctx.pool, &v1).await.unwrap();
-    publish_all(&store, &claim(&store, "r", 100).await).await;
-    let v3 = event("gm", 3);
-    store.append(&ctx.pool, &v3).await.unwrap();
-    assert_eq!(claim(&store, "r", 100).await.gaps_held, 1);
-    let message: String = sqlx::query_scalar(&format!(
-        "SELECT last_error_message FROM \"{}\".outbox_events WHERE event_id = $1",
-        ctx.schema
-    ))
-    .bind(v3.event_id.as_uuid())
-    .fetch_one(&ctx.pool)
-    .await
-    .unwrap();
-    assert_eq!(
-        message,
-        "waiting for version 2 of the aggregate (the last published or discarded is 1)"
-    );
+    for mode in [lease(30.0), ClaimMode::LockedTransaction] {
+        let store = ctx.store(mode).await;
+        let agg = format!("gm-{}", matches!(mode, ClaimMode::Lease { .. }));
+        let v1 = event(&agg, 1);
+        store.append(&ctx.pool, &v1).await.unwrap();
+        publish_all(&store, &claim(&store, "r", 100).await).await;
+        let v3 = event(&agg, 3);
+        store.append(&ctx.pool, &v3).await.unwrap();
+        assert_eq!(claim(&store, "r", 100).await.gaps_held, 1, "{mode:?}");
+        let message: String = sqlx::query_scalar(&format!(
+            "SELECT last_error_message FROM \"{}\".outbox_events WHERE event_id = $1",
+            ctx.schema
+        ))
+        .bind(v3.event_id.as_uuid())
+        .fetch_one(&ctx.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            message,
+            "waiting for version 2 of the aggregate (the last published or discarded is 1)",
+            "{mode:?}"
+        );
+    }
     ctx.drop().await;
 }
 

@@ -1,0 +1,599 @@
+//! Adversarial tests found by `scripts/mutants-sql` (docs/mutants-sql.md): each one kills a SQL
+//! mutant that survived every other suite, so each names the statement and the mutated text
+//! it guards. They attack the store through its public API on the real PostgreSQL; where an
+//! interleaving matters it is forced by holding a transaction open and waiting (through
+//! `pg_blocking_pids`) until the other side is blocked behind it.
+//!
+//! Each test uses its own schema. Needs PostgreSQL at `DATABASE_URL`; see `common`.
+
+mod common;
+
+use outbox_core::prelude::*;
+use std::time::Duration;
+
+use outbox_core::{ClaimMode, Envelope, ErrorClass, LastError, Outcome};
+use outbox_postgres::PostgresOutboxStore;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::PgPool;
+
+use common::{claim, lease, park, publish_all, published};
+
+fn modes() -> [ClaimMode; 2] {
+    [lease(30.0), ClaimMode::LockedTransaction]
+}
+
+fn ev(agg_type: &str, agg_id: &str, version: i64) -> Envelope {
+    Envelope::builder(agg_type, agg_id, version, "thing.changed")
+        .json(&serde_json::json!({ "v": version }))
+        .unwrap()
+        .build()
+        .unwrap()
+}
+
+/// (type, id, version) of each claimed record, sorted.
+fn claimed(batch: &outbox_core::ClaimedBatch) -> Vec<(String, String, i64)> {
+    let mut v: Vec<_> = batch
+        .records
+        .iter()
+        .map(|r| {
+            let e = &r.envelope;
+            (
+                e.aggregate_type.clone(),
+                e.aggregate_id.clone(),
+                e.aggregate_version,
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// The `last_version` of each aggregate with state, sorted by (type, id).
+async fn last_versions(pool: &PgPool, schema: &str) -> Vec<(String, String, Option<i64>)> {
+    sqlx::query_as(&format!(
+        "SELECT aggregate_type, aggregate_id, last_version \
+         FROM \"{schema}\".outbox_events_aggregate ORDER BY 1, 2"
+    ))
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
+/// One completion that publishes the heads of two aggregates with the same id and different
+/// types advances each aggregate's last version to its own head, and the next version of each
+/// is claimed next. Kills `complete_lease`'s ` AND ` → ` OR ` between the aggregate's type and
+/// id in the lease release (`rel`): `key AND type OR id AND token` matches the other
+/// aggregate's state row too (same id, same claim token), and an `UPDATE .. FROM` that joins a
+/// target row twice applies one arbitrary joined row: one aggregate got the other's version
+/// (its next version then parked as out of order, or held as a gap).
+#[tokio::test]
+async fn one_completion_of_two_aggregates_sharing_an_id_advances_each_its_own_last_version() {
+    let ctx = ctx!(4);
+    for (n, mode) in modes().into_iter().enumerate() {
+        let store = ctx.store(mode).await;
+        let id = format!("shared-{n}");
+        // `order` is one version ahead of `invoice`, so that either's version in the other's
+        // state row is wrong.
+        let o1 = ev("order", &id, 1);
+        store.append(&ctx.pool, &o1).await.unwrap();
+        publish_all(&store, &claim(&store, "r", 100).await).await;
+        let (i1, o2) = (ev("invoice", &id, 1), ev("order", &id, 2));
+        store
+            .append_many(&ctx.pool, &[i1.clone(), o2.clone()])
+            .await
+            .unwrap();
+        let b = claim(&store, "r", 100).await;
+        assert_eq!(
+            claimed(&b),
+            vec![
+                ("invoice".into(), id.clone(), 1),
+                ("order".into(), id.clone(), 2)
+            ],
+            "{mode:?}"
+        );
+        publish_all(&store, &b).await;
+        let lasts: Vec<_> = last_versions(&ctx.pool, &ctx.schema)
+            .await
+            .into_iter()
+            .filter(|(_, i, _)| *i == id)
+            .map(|(t, _, l)| (t, l))
+            .collect();
+        assert_eq!(
+            lasts,
+            vec![("invoice".into(), Some(1)), ("order".into(), Some(2))],
+            "{mode:?}: each aggregate's last version is its own"
+        );
+        let (i2, o3) = (ev("invoice", &id, 2), ev("order", &id, 3));
+        store.append_many(&ctx.pool, &[i2, o3]).await.unwrap();
+        let next = claim(&store, "r", 100).await;
+        assert!(next.parked.is_empty(), "{mode:?}: {:?}", next.parked);
+        assert_eq!(
+            claimed(&next),
+            vec![
+                ("invoice".into(), id.clone(), 2),
+                ("order".into(), id.clone(), 3)
+            ],
+            "{mode:?}"
+        );
+        publish_all(&store, &next).await;
+    }
+    ctx.drop().await;
+}
+
+/// A claimed head that no longer decodes (a row written by other means with a blank content
+/// type) is parked as an invalid record and its aggregate's lease is released at once: after
+/// an operator discards it, the next version is claimed right away, not when the lease would
+/// have expired. Kills `park_undecodable`'s `aggregate_key = ANY($4)` → `<> ANY($4)` in the
+/// lease release (with one parked row, `<> ANY` of its own key is false: the lease stayed).
+#[tokio::test]
+async fn an_undecodable_head_is_parked_and_its_lease_released_at_once() {
+    let ctx = ctx!(4);
+    for (n, mode) in modes().into_iter().enumerate() {
+        let store = ctx.store(mode).await;
+        let id = format!("undecodable-{n}");
+        let (v1, v2) = (ev("order", &id, 1), ev("order", &id, 2));
+        sqlx::query(&format!(
+            "INSERT INTO \"{}\".outbox_events (event_id, aggregate_type, aggregate_id, \
+               aggregate_version, event_type, schema_version, content_type, payload, created_at) \
+             VALUES ($1, $2, $3, 1, $4, 1, ' ', $5, now())",
+            ctx.schema
+        ))
+        .bind(v1.event_id.as_uuid())
+        .bind(&v1.aggregate_type)
+        .bind(&v1.aggregate_id)
+        .bind(&v1.event_type)
+        .bind(&v1.payload.bytes)
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
+        store.append(&ctx.pool, &v2).await.unwrap();
+        let b = claim(&store, "r", 100).await;
+        assert!(b.records.is_empty(), "{mode:?}: {:?}", claimed(&b));
+        let (status, kind): (String, Option<String>) = sqlx::query_as(&format!(
+            "SELECT status, last_error_kind FROM \"{}\".outbox_events WHERE event_id = $1",
+            ctx.schema
+        ))
+        .bind(v1.event_id.as_uuid())
+        .fetch_one(&ctx.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            (status.as_str(), kind.as_deref()),
+            ("parked", Some("invalid_record")),
+            "{mode:?}"
+        );
+        store
+            .discard_parked(v1.event_id, "ops", "written by hand")
+            .await
+            .unwrap();
+        let next = claim(&store, "r", 100).await;
+        assert_eq!(
+            claimed(&next),
+            vec![("order".into(), id.clone(), 2)],
+            "{mode:?}: the parked head's lease must not hold its aggregate"
+        );
+        publish_all(&store, &next).await;
+    }
+    ctx.drop().await;
+}
+
+async fn message_of(ctx: &common::Ctx, e: &Envelope) -> (String, String) {
+    sqlx::query_as(&format!(
+        "SELECT status, last_error_message FROM \"{}\".outbox_events WHERE event_id = $1",
+        ctx.schema
+    ))
+    .bind(e.event_id.as_uuid())
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap()
+}
+
+/// A version parked as out of order says what it was measured against, in both claim modes:
+/// the last version published or discarded when the aggregate has one, else (with
+/// `accept_first_version`) the first version, one that may have reached the broker. Kills
+/// `(a.last_version IS NOT NULL) AS known` → `IS NULL` and the `h.last + 1` → `+ 0`/`+ 2` of
+/// the first-version message, in `claim_decide_lease` and `claim_decide_locked`: the operator
+/// reads this message to decide what to do with the event.
+#[tokio::test]
+async fn a_stale_version_says_what_it_is_below() {
+    let ctx = ctx!(4);
+    for (n, mode) in modes().into_iter().enumerate() {
+        // Known: version 1 published, a duplicate of it appended afterwards.
+        let store = ctx.store(mode).await;
+        let id = format!("known-{n}");
+        store.append(&ctx.pool, &ev("order", &id, 1)).await.unwrap();
+        publish_all(&store, &claim(&store, "r", 100).await).await;
+        let twin = ev("order", &id, 1);
+        store.append(&ctx.pool, &twin).await.unwrap();
+        assert_eq!(claim(&store, "r", 100).await.parked.len(), 1, "{mode:?}");
+        assert_eq!(
+            message_of(&ctx, &twin).await,
+            (
+                "parked".into(),
+                "version 1 is at or below 1, the last version published or discarded for its \
+                 aggregate"
+                    .into()
+            ),
+            "{mode:?}"
+        );
+
+        // Unknown: version 2 went out first and may be at the broker (a timeout), then
+        // version 1 arrives.
+        let first = PostgresOutboxStore::builder(ctx.pool.clone())
+            .schema(&ctx.schema)
+            .claim_mode(mode)
+            .accept_first_version(true)
+            .build()
+            .unwrap();
+        let id = format!("first-{n}");
+        let v2 = ev("order", &id, 2);
+        first.append(&ctx.pool, &v2).await.unwrap();
+        let b = claim(&first, "r", 100).await;
+        assert_eq!(
+            claimed(&b),
+            vec![("order".into(), id.clone(), 2)],
+            "{mode:?}"
+        );
+        let timeout = Outcome::Retry {
+            event_id: v2.event_id,
+            delay: Duration::ZERO,
+            error: LastError {
+                class: ErrorClass::Transient,
+                kind: "timeout".into(),
+                message: "no acknowledgement".into(),
+            },
+        };
+        assert_eq!(
+            first.complete(&b.handle, &[timeout]).await.unwrap().applied,
+            1
+        );
+        let v1 = ev("order", &id, 1);
+        first.append(&ctx.pool, &v1).await.unwrap();
+        let b = claim(&first, "r", 100).await;
+        assert_eq!(
+            claimed(&b),
+            vec![("order".into(), id.clone(), 2)],
+            "{mode:?}"
+        );
+        assert_eq!(
+            message_of(&ctx, &v1).await,
+            (
+                "parked".into(),
+                "version 1 is below 2, the first version of its aggregate (nothing of it \
+                 published or discarded yet), which may have reached the broker already"
+                    .into()
+            ),
+            "{mode:?}"
+        );
+        publish_all(&first, &b).await;
+    }
+    ctx.drop().await;
+}
+
+/// A store whose sessions compute every aggregate key with a stand-in for
+/// `hashtextextended(text, bigint)` (the test's schema is searched before `pg_catalog`) that
+/// gives every name containing `collide` the same key: the 64-bit key collision that the
+/// statements guard against by comparing the aggregate's type and id next to its key, which
+/// no real pair of names is known to produce. The tables are migrated first, on the ordinary
+/// pool (their indexes keep the real function; the stand-in only costs index use).
+async fn colliding_store(
+    ctx: &common::Ctx,
+    mode: ClaimMode,
+    accept_first_version: bool,
+) -> (PgPool, PostgresOutboxStore) {
+    let s = &ctx.schema;
+    ctx.store(mode).await;
+    sqlx::query(&format!(
+        "CREATE OR REPLACE FUNCTION \"{s}\".hashtextextended(t text, seed int8) RETURNS int8 \
+         LANGUAGE sql IMMUTABLE AS $$ \
+           SELECT CASE WHEN t LIKE '%collide%' THEN 4242::int8 \
+                       ELSE pg_catalog.hashtextextended(t, seed) END $$"
+    ))
+    .execute(&ctx.pool)
+    .await
+    .unwrap();
+    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| common::DEFAULT_URL.to_owned());
+    let opts: PgConnectOptions = url.parse().unwrap();
+    let set = format!("SET search_path = \"{s}\", pg_catalog");
+    let pool = PgPoolOptions::new()
+        .max_connections(3)
+        .after_connect(move |conn, _| {
+            let set = set.clone();
+            Box::pin(async move {
+                sqlx::query(&set).execute(&mut *conn).await?;
+                Ok(())
+            })
+        })
+        .connect_with(opts)
+        .await
+        .unwrap();
+    let store = PostgresOutboxStore::builder(pool.clone())
+        .schema(s)
+        .claim_mode(mode)
+        .accept_first_version(accept_first_version)
+        .build()
+        .unwrap();
+    (pool, store)
+}
+
+/// Two aggregates whose keys collide (of one type, then of one id) keep
+/// separate orders, last versions, leases, parks and operator actions, in both claim modes.
+/// Kills the mutants that drop an aggregate's type or id comparison next to its key (or turn
+/// the `AND` before it into `OR`) where only a key collision tells them apart: in the claim's
+/// lease probe, state lookup, follower check and promotion, the completion's fencing and
+/// release, and the operator's state read and promotion.
+#[tokio::test]
+async fn aggregates_whose_keys_collide_keep_separate_orders() {
+    let ctx = ctx!(4);
+    for (n, mode) in modes().into_iter().enumerate() {
+        let (pool, store) = colliding_store(&ctx, mode, false).await;
+        // The same type (only the ids tell them apart), then the same id (only the types).
+        let pairs = [
+            (
+                ("order", format!("collide-a-{n}")),
+                ("order", format!("collide-b-{n}")),
+            ),
+            (
+                ("invoice", format!("collide-x-{n}")),
+                ("order", format!("collide-x-{n}")),
+            ),
+        ];
+        for ((ta, ia), (tb, ib)) in pairs {
+            let (a, b) = ((ta.to_owned(), ia), (tb.to_owned(), ib));
+            let ver = |agg: &(String, String), v: i64| ev(&agg.0, &agg.1, v);
+            let (a1, b1, a2, b2) = (ver(&a, 1), ver(&b, 1), ver(&a, 2), ver(&b, 2));
+            store
+                .append_many(&ctx.pool, &[a1, b1, a2, b2])
+                .await
+                .unwrap();
+            let first = claim(&store, "r", 100).await;
+            assert_eq!(
+                claimed(&first),
+                vec![(a.0.clone(), a.1.clone(), 1), (b.0.clone(), b.1.clone(), 1)],
+                "{mode:?}: each aggregate's head"
+            );
+            publish_all(&store, &first).await;
+            let lasts: Vec<_> = last_versions(&ctx.pool, &ctx.schema)
+                .await
+                .into_iter()
+                .filter(|(t, i, _)| (t, i) == (&a.0, &a.1) || (t, i) == (&b.0, &b.1))
+                .map(|(t, i, l)| ((t, i), l))
+                .collect();
+            assert_eq!(
+                lasts,
+                vec![(a.clone(), Some(1)), (b.clone(), Some(1))],
+                "{mode:?}"
+            );
+            // One aggregate's head claimed alone: in lease mode its lease must not hold the
+            // other (in locked mode the two share an advisory lock, by design of the key).
+            let only_a = claim(&store, "r", 1).await;
+            assert_eq!(
+                claimed(&only_a),
+                vec![(a.0.clone(), a.1.clone(), 2)],
+                "{mode:?}"
+            );
+            if matches!(mode, ClaimMode::Lease { .. }) {
+                let then_b = claim(&store, "r2", 100).await;
+                assert_eq!(
+                    claimed(&then_b),
+                    vec![(b.0.clone(), b.1.clone(), 2)],
+                    "{mode:?}: a's lease does not hold b"
+                );
+                publish_all(&store, &then_b).await;
+                publish_all(&store, &only_a).await;
+            } else {
+                publish_all(&store, &only_a).await;
+                let then_b = claim(&store, "r2", 100).await;
+                assert_eq!(
+                    claimed(&then_b),
+                    vec![(b.0.clone(), b.1.clone(), 2)],
+                    "{mode:?}"
+                );
+                publish_all(&store, &then_b).await;
+            }
+            // b's next version parked, a's published; then each aggregate's next version.
+            let (a3, b3, a4, b4) = (ver(&a, 3), ver(&b, 3), ver(&a, 4), ver(&b, 4));
+            store
+                .append_many(&ctx.pool, &[a3.clone(), b3.clone()])
+                .await
+                .unwrap();
+            let third = claim(&store, "r", 100).await;
+            assert_eq!(
+                claimed(&third),
+                vec![(a.0.clone(), a.1.clone(), 3), (b.0.clone(), b.1.clone(), 3)],
+                "{mode:?}"
+            );
+            let rep = store
+                .complete(&third.handle, &[published(&a3, 7), park(&b3)])
+                .await
+                .unwrap();
+            assert_eq!(rep.applied, 2, "{mode:?}");
+            store
+                .append_many(&ctx.pool, &[a4.clone(), b4.clone()])
+                .await
+                .unwrap();
+            let fourth = claim(&store, "r", 100).await;
+            assert_eq!(
+                claimed(&fourth),
+                vec![(a.0.clone(), a.1.clone(), 4)],
+                "{mode:?}: b's next version waits behind its parked one, a's does not"
+            );
+            publish_all(&store, &fourth).await;
+            store
+                .discard_parked(b3.event_id, "ops", "not needed")
+                .await
+                .unwrap();
+            let fifth = claim(&store, "r", 100).await;
+            assert_eq!(
+                claimed(&fifth),
+                vec![(b.0.clone(), b.1.clone(), 4)],
+                "{mode:?}: the discard let b's next version through"
+            );
+            publish_all(&store, &fifth).await;
+            let lasts: Vec<_> = last_versions(&ctx.pool, &ctx.schema)
+                .await
+                .into_iter()
+                .filter(|(t, i, _)| (t, i) == (&a.0, &a.1) || (t, i) == (&b.0, &b.1))
+                .map(|(t, i, l)| ((t, i), l))
+                .collect();
+            assert_eq!(
+                lasts,
+                vec![(a.clone(), Some(4)), (b.clone(), Some(4))],
+                "{mode:?}"
+            );
+        }
+        drop(store);
+        pool.close().await;
+    }
+    ctx.drop().await;
+}
+
+/// A retry and a deferral each wait their delay before the event is claimed again, and only
+/// the retry counts an attempt, in both claim modes. Kills `complete_locked`'s
+/// `o.kind IN ('retry', 'defer')` → `('defer', 'defer')` in `next_attempt_at` (a retried
+/// event came straight back in locked mode) and its neighbours.
+#[tokio::test]
+async fn a_retry_and_a_deferral_wait_their_delay_in_both_modes() {
+    let ctx = ctx!(4);
+    for (n, mode) in modes().into_iter().enumerate() {
+        let store = ctx.store(mode).await;
+        for kind in ["retry", "defer"] {
+            let e = ev("order", &format!("wait-{kind}-{n}"), 1);
+            store.append(&ctx.pool, &e).await.unwrap();
+            let b = claim(&store, "r", 100).await;
+            assert_eq!(b.records.len(), 1, "{mode:?} {kind}");
+            let error = LastError {
+                class: ErrorClass::Transient,
+                kind: "queue_full".into(),
+                message: "later".into(),
+            };
+            let delay = Duration::from_secs(3600);
+            let outcome = if kind == "retry" {
+                Outcome::Retry {
+                    event_id: e.event_id,
+                    delay,
+                    error,
+                }
+            } else {
+                Outcome::Defer {
+                    event_id: e.event_id,
+                    delay,
+                    error,
+                }
+            };
+            assert_eq!(
+                store.complete(&b.handle, &[outcome]).await.unwrap().applied,
+                1
+            );
+            let again = claim(&store, "r", 100).await;
+            assert!(
+                again.records.is_empty(),
+                "{mode:?} {kind}: claimed again before its delay: {:?}",
+                claimed(&again)
+            );
+            let (wait_s, attempts): (f64, i32) = sqlx::query_as(&format!(
+                "SELECT extract(epoch FROM next_attempt_at - clock_timestamp())::float8, \
+                        attempts FROM \"{}\".outbox_events WHERE event_id = $1",
+                ctx.schema
+            ))
+            .bind(e.event_id.as_uuid())
+            .fetch_one(&ctx.pool)
+            .await
+            .unwrap();
+            assert!(
+                (3000.0..=3600.0).contains(&wait_s),
+                "{mode:?} {kind}: due in {wait_s} s"
+            );
+            assert_eq!(attempts, i32::from(kind == "retry"), "{mode:?} {kind}");
+        }
+    }
+    ctx.drop().await;
+}
+
+/// With `accept_first_version`, an operator's check of an event whose aggregate has no last
+/// version counts from that aggregate's own first version, not from another aggregate whose
+/// key collides with it and whose version may have reached the broker. Kills `event_state`'s
+/// (first-version variant) ` AND ` → ` OR ` after the key comparison of the first-version rule
+/// (`key = k OR status .. AND type .. AND id ..`: every row of the colliding key counted).
+#[tokio::test]
+async fn an_operator_retry_without_state_ignores_a_colliding_aggregate() {
+    let ctx = ctx!(4);
+    let (pool, store) = colliding_store(&ctx, lease(30.0), true).await;
+    let (a5, b9) = (ev("order", "collide-p", 5), ev("order", "collide-q", 9));
+    store.append(&ctx.pool, &a5).await.unwrap();
+    let b = claim(&store, "r", 100).await;
+    assert_eq!(claimed(&b), vec![("order".into(), "collide-p".into(), 5)]);
+    assert_eq!(
+        store
+            .complete(&b.handle, &[park(&a5)])
+            .await
+            .unwrap()
+            .applied,
+        1
+    );
+    // The other aggregate's first version may be at the broker (a timeout).
+    store.append(&ctx.pool, &b9).await.unwrap();
+    let b = claim(&store, "r", 100).await;
+    assert_eq!(claimed(&b), vec![("order".into(), "collide-q".into(), 9)]);
+    let timeout = Outcome::Retry {
+        event_id: b9.event_id,
+        delay: Duration::from_secs(3600),
+        error: LastError {
+            class: ErrorClass::Transient,
+            kind: "timeout".into(),
+            message: "no acknowledgement".into(),
+        },
+    };
+    assert_eq!(
+        store.complete(&b.handle, &[timeout]).await.unwrap().applied,
+        1
+    );
+    store
+        .retry_parked(a5.event_id, "ops")
+        .await
+        .expect("version 5 is its aggregate's first: the retry is accepted");
+    let b = claim(&store, "r", 100).await;
+    assert_eq!(claimed(&b), vec![("order".into(), "collide-p".into(), 5)]);
+    publish_all(&store, &b).await;
+    drop(store);
+    pool.close().await;
+    ctx.drop().await;
+}
+
+/// With `accept_first_version`, a version that a lease relay claimed and may have sent (its
+/// lease expired without an outcome) stays its aggregate's first for a locked-mode relay on
+/// the same table: a lower version that arrives later is parked as out of order, not handed
+/// out. Kills `claim_decide_locked`'s (first-version variant) `s.aggregate_key = ..` → `<>`
+/// in the lookup of the aggregate's lease row (the rule then counted only rows already marked
+/// as maybe delivered, and a lease that merely expired marks nothing).
+#[tokio::test]
+async fn a_locked_relay_counts_an_expired_lease_as_the_first_version() {
+    let ctx = ctx!(4);
+    ctx.store(lease(30.0)).await;
+    let build = |mode| {
+        PostgresOutboxStore::builder(ctx.pool.clone())
+            .schema(&ctx.schema)
+            .claim_mode(mode)
+            .accept_first_version(true)
+            .build()
+            .unwrap()
+    };
+    let (leased, locked) = (build(lease(0.2)), build(ClaimMode::LockedTransaction));
+    let (v5, v3) = (ev("order", "first", 5), ev("order", "first", 3));
+    leased.append(&ctx.pool, &v5).await.unwrap();
+    let b = claim(&leased, "crashes", 100).await;
+    assert_eq!(claimed(&b), vec![("order".into(), "first".into(), 5)]);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    leased.append(&ctx.pool, &v3).await.unwrap();
+    let b = claim(&locked, "r", 100).await;
+    assert_eq!(
+        claimed(&b),
+        vec![("order".into(), "first".into(), 5)],
+        "version 3 must not go out after version 5 may have"
+    );
+    assert!(b.records[0].is_resend());
+    assert_eq!(b.parked.len(), 1);
+    assert_eq!(b.parked[0].event_id, v3.event_id);
+    publish_all(&locked, &b).await;
+    ctx.drop().await;
+}
