@@ -23,7 +23,7 @@ use sqlx::mysql::MySqlPoolOptions;
 use sqlx::{Executor, MySqlPool};
 use uuid::Uuid;
 
-use common::{claim, event, lease, published, versions};
+use common::{claim, event, lease, park, published, versions};
 
 /// (status, claim token, `next_attempt_at` in the future, `maybe_delivered`, ack position) of
 /// the row of event `e`.
@@ -328,7 +328,8 @@ async fn a_release_by_owner_ahead_of_the_completion_fences_it() {
 /// The other order: the completion gets the aggregate's lock first and publishes; the release
 /// by owner behind it finds nothing live to release (no audit entry, count 0) and leaves the
 /// published row alone. (Seen failing with `status = 'pending'` removed from the release's
-/// `UPDATE`: it released, and audited, the published row.)
+/// `UPDATE` and the marking keeping the claim's token instead of writing its marker: it
+/// released, and audited, the published row. Either one alone still fences it.)
 #[tokio::test]
 async fn a_completion_ahead_of_the_release_by_owner_stands() {
     let ctx = ctx!(8);
@@ -365,8 +366,8 @@ async fn a_completion_ahead_of_the_release_by_owner_stands() {
 /// completion is held up after its marking (on its own lease-row delete) while cleanup runs;
 /// cleanup waits for it, then removes only expired rows; the completion's publication
 /// stands; the live claim's lease row survives, so `release_claims_of` still finds its relay.
-/// (Seen failing with cleanup deleting every lease row (`until < UTC_TIMESTAMP(6)` negated):
-/// the live relay's claims could no longer be released by owner.)
+/// (Seen failing with cleanup deleting every lease row, `until > '1000-01-01'` for
+/// `until < UTC_TIMESTAMP(6)`: the live relay's lease row was gone.)
 #[tokio::test]
 async fn lease_row_cleanup_spares_live_claims_and_slow_completions() {
     let ctx = ctx!(8);
@@ -411,9 +412,8 @@ async fn lease_row_cleanup_spares_live_claims_and_slow_completions() {
 /// below (refused, nothing written, nothing audited), and a duplicate parked below the last
 /// version can be discarded without touching the leased row (its token and lease stay; no
 /// claim hands out anything of the aggregate meanwhile). Once the leased version is published,
-/// the gap's retry is accepted. (Seen failing with the operator's retry writing its
-/// `claim_token = X'00..'` without `AND status = 'parked'`... see the report: guarded by the
-/// leased row's token and lease checked after each refused action.)
+/// the gap's retry is accepted. (Seen failing with the operator's count of the versions
+/// waiting below forced to 0: the gap's retry was accepted beside the leased version.)
 #[tokio::test]
 async fn operator_actions_beside_a_leased_version_change_only_their_event() {
     let ctx = ctx!(8);
@@ -477,9 +477,10 @@ async fn operator_actions_beside_a_leased_version_change_only_their_event() {
 }
 
 /// `accept_first_version`: an aggregate without a last version whose first version (5) is
-/// leased; a lower version (3) committed later is parked as out of order, whether the lease
-/// is live or has ended without an outcome (the row still carries its token: it may have been
-/// sent), and is never handed out; the leased version completes. (Seen failing with the
+/// leased; a lower version (3) committed later is never handed out: it waits while the lease
+/// is live and is parked as out of order once version 5 is published, or, when the lease
+/// ended without an outcome (the row still carries its token: it may have been sent), it is
+/// parked by the claim that takes version 5 over; the leased version completes. (Seen failing with the
 /// `claim_token` clause removed from `min_sent`: version 3 was handed out while version 5 was
 /// in flight.)
 #[tokio::test]
@@ -840,5 +841,94 @@ async fn an_old_relays_completion_behind_a_takeover_applies_nothing() {
     );
     common::publish_all(&s, &new).await;
     assert_eq!(last_version(&ctx, "a").await, Some(2));
+    ctx.drop().await;
+}
+
+/// (status, park kind) of the row of `e`.
+async fn status_of(ctx: &common::Ctx, e: &Envelope) -> (String, Option<String>) {
+    sqlx::query_as(&format!(
+        "SELECT CAST(status AS CHAR), CAST(park_kind AS CHAR) FROM {} WHERE event_id = ?",
+        ctx.table("outbox_events")
+    ))
+    .bind(e.event_id.as_uuid())
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap()
+}
+
+/// Two heads of one aggregate in flight. A duplicate of version 1 whose transaction inserted
+/// first (lower id) commits after the other copy was claimed: the head probe, ordered by
+/// (version, id), now returns the late copy, which carries no token, so the aggregate does
+/// not look leased and the late copy was handed out while the first was in flight (d10a114;
+/// before it the lease was the aggregate's, in its state row). Now any live token at or below
+/// the head's version makes the aggregate leased: the late copy waits, then is parked out of
+/// order once the first is published. (Seen failing on d10a114, whose head probe read only
+/// the head's own token.)
+#[tokio::test]
+async fn a_late_lower_id_duplicate_is_not_handed_out_beside_the_leased_head() {
+    let ctx = ctx!(6);
+    let s = ctx.store(lease(30.0)).await;
+    let (first, late) = (event("a", 1), event("a", 1));
+    let mut tx = ctx.pool.begin().await.unwrap();
+    s.append_many_in(&mut tx, std::slice::from_ref(&late))
+        .await
+        .unwrap();
+    common::append(&ctx, &s, std::slice::from_ref(&first)).await;
+    let one = claim(&s, "relay-1", 10).await;
+    assert_eq!(ids(&one), vec![first.event_id]);
+    tx.commit().await.unwrap();
+    let two = claim(&s, "relay-2", 10).await;
+    assert!(
+        two.records.is_empty(),
+        "handed out {:?} while version 1 of the aggregate is leased",
+        ids(&two)
+    );
+    common::publish_all(&s, &one).await;
+    let three = claim(&s, "relay-2", 10).await;
+    assert!(three.records.is_empty());
+    assert_eq!(
+        status_of(&ctx, &late).await,
+        ("parked".to_string(), Some("out_of_order".to_string()))
+    );
+    ctx.drop().await;
+}
+
+/// Version 2 handed out while version 1 is in flight. A parked duplicate of version 1 (the
+/// copy that committed first, claimed and parked by its relay) and the other copy of version
+/// 1 (lower id, committed later) leased; an operator discards the parked copy: the discard
+/// raises the last version to 1, the leased row is no longer the head, version 2 is promoted
+/// and the next claim handed it out beside the leased version 1 (d10a114; before it the
+/// aggregate's state-row lease made the claim wait). Now the leased version 1 below the new
+/// head keeps the aggregate leased. (Seen failing on d10a114.)
+#[tokio::test]
+async fn discarding_a_parked_duplicate_does_not_release_the_next_version_early() {
+    let ctx = ctx!(6);
+    let s = ctx.store(lease(30.0)).await;
+    let (copy, leased, v2) = (event("a", 1), event("a", 1), event("a", 2));
+    let mut tx = ctx.pool.begin().await.unwrap();
+    s.append_many_in(&mut tx, std::slice::from_ref(&leased))
+        .await
+        .unwrap();
+    common::append(&ctx, &s, std::slice::from_ref(&copy)).await;
+    let c = claim(&s, "relay-1", 10).await;
+    assert_eq!(ids(&c), vec![copy.event_id]);
+    let rep = s.complete(&c.handle, &[park(&copy)]).await.unwrap();
+    assert_eq!(rep.applied, 1);
+    tx.commit().await.unwrap();
+    common::append(&ctx, &s, std::slice::from_ref(&v2)).await;
+    let one = claim(&s, "relay-2", 10).await;
+    assert_eq!(ids(&one), vec![leased.event_id]);
+    s.discard_parked(copy.event_id, "ops", "a duplicate")
+        .await
+        .unwrap();
+    let two = claim(&s, "relay-3", 10).await;
+    assert!(
+        two.records.is_empty(),
+        "version 2 handed out while version 1 is leased: {:?}",
+        ids(&two)
+    );
+    common::publish_all(&s, &one).await;
+    let next = claim(&s, "relay-3", 10).await;
+    assert_eq!(ids(&next), vec![v2.event_id]);
     ctx.drop().await;
 }
