@@ -408,13 +408,17 @@ impl MySqlOutboxStore {
 /// after the claim becomes the head, and an operator's discard of a parked duplicate can
 /// raise the last version to the leased one, making the next version the head; in both
 /// cases the aggregate is still in flight. One more probe of `aggregate_idx` (the key, the
-/// pending rows up to the head's version: normally the head alone).
+/// pending rows up to the head's version other than the head: normally none).
 fn first_row(events: &str, status: &str, key: &str, last: &str) -> String {
     let leased = if status == "pending" {
+        // The head's own lease from the row already read; the other rows up to its version
+        // through the index alone (`w.id <> u.id` is in `aggregate_idx`), a row read only for
+        // a duplicate or stale row there.
         format!(
-            "EXISTS (SELECT 1 FROM {events} w \
+            "(u.claim_token <> {NO_TOKEN} AND u.next_attempt_at > UTC_TIMESTAMP(6)) \
+             OR EXISTS (SELECT 1 FROM {events} w \
                       WHERE w.aggregate_key = u.aggregate_key AND w.status = 'pending' \
-                        AND w.aggregate_version <= u.aggregate_version \
+                        AND w.aggregate_version <= u.aggregate_version AND w.id <> u.id \
                         AND w.claim_token <> {NO_TOKEN} \
                         AND w.next_attempt_at > UTC_TIMESTAMP(6))"
         )
