@@ -413,10 +413,11 @@ fn first_row(events: &str, status: &str, key: &str, last: &str) -> String {
     let leased = if status == "pending" {
         // The head's own lease from the row already read; the other rows up to its version
         // through the index alone (`w.id <> u.id` is in `aggregate_idx`), a row read only for
-        // a duplicate or stale row there.
+        // a duplicate or stale row there. The index is forced: on a table without statistics
+        // the server chose `claim_idx`, every pending row of the table per aggregate.
         format!(
             "(u.claim_token <> {NO_TOKEN} AND u.next_attempt_at > UTC_TIMESTAMP(6)) \
-             OR EXISTS (SELECT 1 FROM {events} w \
+             OR EXISTS (SELECT 1 FROM {events} w FORCE INDEX (aggregate_idx) \
                       WHERE w.aggregate_key = u.aggregate_key AND w.status = 'pending' \
                         AND w.aggregate_version <= u.aggregate_version AND w.id <> u.id \
                         AND w.claim_token <> {NO_TOKEN} \
