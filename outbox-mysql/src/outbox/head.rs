@@ -43,8 +43,9 @@ pub(crate) struct Head {
     pub(crate) version: i64,
     pub(crate) parked: bool,
     pub(crate) blocked: bool,
-    /// Pending and under a live lease claim: it carries a claim token and is not due before
-    /// the lease ends (`next_attempt_at`, on the database clock).
+    /// Pending, and a pending row of its aggregate at or below its version (normally the
+    /// head itself) is under a live lease claim: it carries a claim token and is not due
+    /// before the lease ends (`next_attempt_at`, on the database clock).
     pub(crate) leased: bool,
 }
 
@@ -58,8 +59,8 @@ pub(crate) struct AggView {
     pub(crate) last_eff: i64,
     /// The state row's `last_version` as read (the completion moves it from there).
     pub(crate) last: Option<i64>,
-    /// A live lease on the aggregate (the database clock says it has not expired): its head
-    /// carries a live claim token, or its state row a live lease of a relay of the previous
+    /// A live lease on the aggregate (the database clock says it has not expired): a pending
+    /// row at or below its head's version carries a live claim token, or its state row a live lease of a relay of the previous
     /// version (which kept the lease there; a rolling upgrade).
     pub(crate) leased: bool,
     /// The row a relay of the previous version leased in the state row (live or expired):
@@ -265,8 +266,9 @@ impl MySqlOutboxStore {
                 }
             }
         }
-        // The lease of lease mode is on the claimed row, the aggregate's pending head (a claim
-        // leases only a head, and the head changes only under the aggregate's lock).
+        // The lease of lease mode is on the claimed row, which a claim took as the head; the
+        // head probe reports it (see `first_row`) even when a late lower-id duplicate or a
+        // raised last version has made another row the head since.
         for v in views.values_mut() {
             v.leased |= v.head.as_ref().is_some_and(|h| h.leased);
         }
@@ -398,12 +400,34 @@ impl MySqlOutboxStore {
 }
 
 /// A correlated subquery: the first row of `status` of the aggregate `key` above version
-/// `last`, in (version, id), as `JSON_ARRAY(id, version, blocked, leased)` (NULL when none;
-/// `leased`: it carries a claim token and is not due yet, the live lease of a lease claim).
+/// `last`, in (version, id), as `JSON_ARRAY(id, version, blocked, leased)` (NULL when none).
+///
+/// `leased` (pending rows only): a pending row of the aggregate at or below the head's
+/// version carries a claim token and is not due yet, the live lease of a lease claim. Not
+/// only the head itself: a duplicate of the leased version with a lower id that commits
+/// after the claim becomes the head, and an operator's discard of a parked duplicate can
+/// raise the last version to the leased one, making the next version the head; in both
+/// cases the aggregate is still in flight. One more probe of `aggregate_idx` (the key, the
+/// pending rows up to the head's version other than the head: normally none).
 fn first_row(events: &str, status: &str, key: &str, last: &str) -> String {
+    let leased = if status == "pending" {
+        // The head's own lease from the row already read; the other rows up to its version
+        // through the index alone (`w.id <> u.id` is in `aggregate_idx`), a row read only for
+        // a duplicate or stale row there. The index is forced: on a table without statistics
+        // the server chose `claim_idx`, every pending row of the table per aggregate.
+        format!(
+            "(u.claim_token <> {NO_TOKEN} AND u.next_attempt_at > UTC_TIMESTAMP(6)) \
+             OR EXISTS (SELECT 1 FROM {events} w FORCE INDEX (aggregate_idx) \
+                      WHERE w.aggregate_key = u.aggregate_key AND w.status = 'pending' \
+                        AND w.aggregate_version <= u.aggregate_version AND w.id <> u.id \
+                        AND w.claim_token <> {NO_TOKEN} \
+                        AND w.next_attempt_at > UTC_TIMESTAMP(6))"
+        )
+    } else {
+        "0".to_string()
+    };
     format!(
-        "(SELECT JSON_ARRAY(u.id, u.aggregate_version, u.blocked + 0, \
-                 (u.claim_token <> {NO_TOKEN} AND u.next_attempt_at > UTC_TIMESTAMP(6)) + 0) \
+        "(SELECT JSON_ARRAY(u.id, u.aggregate_version, u.blocked + 0, ({leased}) + 0) \
            FROM {events} u \
            WHERE u.aggregate_key = {key} AND u.status = '{status}' \
              AND u.aggregate_version > {last} \
