@@ -146,7 +146,11 @@ async fn rows_published_under_migration_1_read_back_as_kafka_acknowledgements() 
     let ctx = ctx!(4);
     version_1_rows(&ctx).await;
     let store = ctx.builder(lease(30.0)).build().unwrap();
-    assert_eq!(store.migrate().await.unwrap(), 3, "migrations 2, 3 and 4 run");
+    assert_eq!(
+        store.migrate().await.unwrap(),
+        3,
+        "migrations 2, 3 and 4 run"
+    );
     assert_eq!(store.migrate().await.unwrap(), 0, "and only once");
     check_upgraded(&ctx).await;
     let rows = store
