@@ -231,7 +231,11 @@ async fn migrate_on_mariadb_applies_each_migration_once_and_names_it() {
             && stdout.contains("applied 2: transport-neutral acknowledgement columns"),
         "{stdout}"
     );
-    assert_eq!(db.tables(&other).await.len(), 6, "with <table>_relays");
+    assert_eq!(
+        db.tables(&other).await.len(),
+        7,
+        "with <table>_lease and <table>_relays"
+    );
 
     // `--inbox` without consumers migrates the outbox only (tests/mysql.rs migrates one).
     let inbox = db.outbox(&db.url(), &[], &["migrate", "--inbox"]);
@@ -357,7 +361,7 @@ async fn check_on_mariadb_reports_schema_grants_and_durability() {
         .expect("fix")
         .to_owned();
     let statements = grants(&fix);
-    assert_eq!(statements.len(), 4, "{fix}");
+    assert_eq!(statements.len(), 5, "{fix}");
     assert!(
         statements[0].starts_with(&format!(
             "GRANT SELECT, INSERT, UPDATE, DELETE ON `{}`.`outbox_events` TO '",
@@ -512,7 +516,7 @@ async fn relay_on_mariadb_fails_fast_with_the_fix() {
     let out = db.outbox(&no_log, &broker, &["relay", "--no-http"]);
     assert_eq!(out.status.code(), Some(4), "{}", text(&out));
     let stated = grants(&String::from_utf8_lossy(&out.stderr));
-    assert_eq!(stated.len(), 5, "{}", text(&out));
+    assert_eq!(stated.len(), 6, "{}", text(&out));
     assert_eq!(
         stated[0],
         format!(
