@@ -407,7 +407,7 @@ async fn check_on_mariadb_reports_schema_grants_and_durability() {
     assert_eq!(with_role.status.code(), Some(0), "{}", text(&with_role));
     let stderr = String::from_utf8_lossy(&with_role.stderr);
     assert!(
-        stderr.contains(&format!("has role \"{role}\" active")) && grants(&stderr).len() == 4,
+        stderr.contains(&format!("has role \"{role}\" active")) && grants(&stderr).len() == 5,
         "{}",
         text(&with_role)
     );

@@ -15,7 +15,8 @@
 //!   below a retried or re-issued event, a discarded event's own), and its lease and its
 //!   other rows' delivery (status, attempts, parking, publication, claim) stay;
 //! * a release of an owner's claims ends leases of that owner only: an aggregate it leased
-//!   may lose that lease (and its lease row come due), nothing else of it changes;
+//!   may lose that lease (and its lease row come due, marked possibly sent), nothing else of
+//!   it changes;
 //! * a refused action changes nothing at all.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -292,7 +293,12 @@ fn released_target(owner: &str, b: &StoredAggregate, a: &StoredAggregate) -> Che
     ensure(owner_after == "null" || owner_after == owner, || {
         format!("its lease went from {owner} to {owner_after}")
     })?;
-    let may_change_row = |k: &str| matches!(k, "claim" | "claim_owner" | "next_attempt_at");
+    let may_change_row = |k: &str| {
+        matches!(
+            k,
+            "claim" | "claim_owner" | "next_attempt_at" | "maybe_delivered"
+        )
+    };
     rows_kept(b, a, &BTreeSet::new(), |k| !may_change_row(k))?;
     for (id, ra) in &a.rows {
         let before = b.rows.get(id).map(|r| value(&r.raw, "claim_owner"));
@@ -300,8 +306,29 @@ fn released_target(owner: &str, b: &StoredAggregate, a: &StoredAggregate) -> Che
         ensure(now == "null" || Some(now) == before, || {
             format!("row {} was claimed by {now}", describe_row(ra))
         })?;
+        // A released row may have been sent by the relay that is gone: it may become
+        // "possibly sent" (its next publication counts as a re-publication), and only a row
+        // that owner held; nothing un-marks a row.
+        let was = b.rows.get(id).map(|r| value(&r.raw, "maybe_delivered"));
+        let is = value(&ra.raw, "maybe_delivered");
+        if let Some(was) = was.filter(|w| *w != is) {
+            ensure(
+                is_true(is) && !is_true(was) && before == Some(owner),
+                || {
+                    format!(
+                        "row {} went from maybe_delivered {was} to {is} (held by {})",
+                        describe_row(ra),
+                        before.unwrap_or("nobody")
+                    )
+                },
+            )?;
+        }
     }
     Ok(())
+}
+
+fn is_true(v: &str) -> bool {
+    matches!(v, "1" | "true" | "t")
 }
 
 #[cfg(test)]
@@ -458,5 +485,36 @@ mod tests {
         let refused = Action::Refused("retry".into());
         assert!(check(&refused, &b, &b).is_ok());
         assert!(check(&refused, &b, &after).is_err());
+    }
+
+    #[test]
+    fn a_release_marks_possibly_sent_only_the_rows_the_owner_held() {
+        let set = |s: &mut DeliverySnapshot, n: u8, k: &str, v: &str| {
+            let r = s.get_mut("a").unwrap().rows.get_mut(&id(n)).unwrap();
+            r.raw.insert(k.into(), v.into());
+        };
+        let mut b = before();
+        set(&mut b, 2, "claim_owner", "relay-0-0");
+        set(&mut b, 2, "maybe_delivered", "0");
+        set(&mut b, 1, "maybe_delivered", "0");
+        let release = Action::ReleaseClaims {
+            owner: "relay-0-0".into(),
+        };
+        // The row the owner held: its claim ends and it may have been sent.
+        let mut after = b.clone();
+        set(&mut after, 2, "claim_owner", "null");
+        set(&mut after, 2, "maybe_delivered", "1");
+        check(&release, &b, &after).unwrap();
+        // A row the owner did not hold is not marked.
+        let mut wrong = after.clone();
+        set(&mut wrong, 1, "maybe_delivered", "1");
+        let why = check(&release, &b, &wrong).unwrap_err();
+        assert!(why.contains("maybe_delivered"), "{why}");
+        // Nothing un-marks a row.
+        let mut b2 = b.clone();
+        set(&mut b2, 2, "maybe_delivered", "1");
+        let mut cleared = b2.clone();
+        set(&mut cleared, 2, "maybe_delivered", "0");
+        assert!(check(&release, &b2, &cleared).is_err());
     }
 }
