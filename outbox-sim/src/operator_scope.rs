@@ -311,17 +311,17 @@ fn released_target(owner: &str, b: &StoredAggregate, a: &StoredAggregate) -> Che
         // that owner held; nothing un-marks a row.
         let was = b.rows.get(id).map(|r| value(&r.raw, "maybe_delivered"));
         let is = value(&ra.raw, "maybe_delivered");
+        // Held: the row names the owner's claim, or (a store that keeps the lease in the
+        // aggregate's state row) the aggregate was leased by the owner.
+        let held = before == Some(owner) || value(&b.state, "lease_owner") == owner;
         if let Some(was) = was.filter(|w| *w != is) {
-            ensure(
-                is_true(is) && !is_true(was) && before == Some(owner),
-                || {
-                    format!(
-                        "row {} went from maybe_delivered {was} to {is} (held by {})",
-                        describe_row(ra),
-                        before.unwrap_or("nobody")
-                    )
-                },
-            )?;
+            ensure(is_true(is) && !is_true(was) && held, || {
+                format!(
+                    "row {} went from maybe_delivered {was} to {is} (held by {})",
+                    describe_row(ra),
+                    before.unwrap_or("nobody")
+                )
+            })?;
         }
     }
     Ok(())
