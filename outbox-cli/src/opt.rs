@@ -47,7 +47,8 @@ pub struct GlobalOpts {
     #[arg(long, global = true)]
     pub log_level: Option<String>,
     /// Tables at their full width (no wrapping). By default tables fit the terminal, else
-    /// $COLUMNS, else 80 columns, wrapping long cells (ids are never broken).
+    /// $COLUMNS, wrapping long cells (ids are never broken); piped without $COLUMNS they are at
+    /// full width already.
     #[arg(long, global = true)]
     pub wide: bool,
     /// Colour in logs and tables: auto (only on a terminal), always, never.

@@ -157,6 +157,18 @@ fn terminal_width() -> Option<(u16, u16)> {
     t.width().map(|w| (w, 0))
 }
 
+/// The exit code of a command whose reader left (`outbox ... | head`): 128 + SIGPIPE, as a
+/// shell reports a command killed by SIGPIPE.
+pub const EXIT_BROKEN_PIPE: i32 = 141;
+
+/// Whether a panic's message is a failed write to a closed stdout or stderr pipe (`println!`
+/// and `clap_complete` panic on it): the binary then exits quietly with [`EXIT_BROKEN_PIPE`].
+pub fn is_broken_pipe_panic(message: &str) -> bool {
+    (message.starts_with("failed printing to stdout")
+        || message.starts_with("failed printing to stderr"))
+        && message.contains("Broken pipe")
+}
+
 /// `1.234 s`, `3 min 4 s`, or `-` for none.
 pub fn age(d: Option<Duration>) -> String {
     match d {

@@ -325,6 +325,48 @@ fn completions_parse_in_bash_and_name_every_command() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A reader that stops early (`outbox ... | head`) ends the command quietly, with 141 (128 +
+/// SIGPIPE) as a shell reports a command ended by SIGPIPE, and never with a panic and its
+/// backtrace (exit 101), as `outbox migrate info | head -3` did in the operator trial. The bash
+/// completion script (75 KB) does not fit in a pipe's 64 KiB buffer, so its writes meet the
+/// closed pipe.
+#[test]
+fn a_reader_that_stops_early_ends_the_command_quietly() {
+    use std::io::Read;
+    let mut child = bare()
+        .args(["completions", "bash"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .env("RUST_BACKTRACE", "1")
+        .spawn()
+        .unwrap();
+    let mut head = [0u8; 16];
+    child.stdout.take().unwrap().read_exact(&mut head).unwrap(); // then the pipe closes
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !stderr.contains("panicked"),
+        "a closed pipe made it panic: {stderr}"
+    );
+    assert_eq!(out.status.code(), Some(141), "{stderr}");
+    assert!(stderr.is_empty(), "{stderr}");
+}
+
+/// `--wide`'s help says what a pipe gets as the README and `commands.md` do (full width, the
+/// binary's behaviour), not "80 columns" (operator trial 2).
+#[test]
+fn the_wide_flag_is_described_as_it_behaves() {
+    let out = bare().arg("--help").output().unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let help = String::from_utf8_lossy(&out.stdout).replace('\n', " ");
+    let help = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(!help.contains("80 columns"), "{help}");
+    assert!(
+        help.contains("piped without $COLUMNS they are at full width"),
+        "{help}"
+    );
+}
+
 #[test]
 fn the_man_pages_render_and_name_every_command() {
     let out = bare().arg("man").output().unwrap();

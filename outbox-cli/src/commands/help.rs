@@ -21,10 +21,13 @@ use crate::opt::Opt;
 /// Writes the completion script for `shell` to stdout.
 pub fn completions(shell: clap_complete::Shell) -> Result<(), CliError> {
     let mut cmd = Opt::command();
-    let mut out = std::io::stdout().lock();
-    clap_complete::generate(shell, &mut cmd, "outbox", &mut out);
-    out.flush()
-        .map_err(|e| CliError::failed(format!("cannot write the completions: {e}")))
+    // Generated into memory first: `clap_complete` panics on a failed write, and printing
+    // leaves a closed pipe (`| head`) to the binary's quiet exit.
+    let mut script = Vec::new();
+    clap_complete::generate(shell, &mut cmd, "outbox", &mut script);
+    // The script ends with a newline: the line-buffered stdout has written all of it here.
+    print!("{}", String::from_utf8_lossy(&script));
+    Ok(())
 }
 
 /// Prints `outbox.1`, or writes every page into `dir` (created when missing) and names them.

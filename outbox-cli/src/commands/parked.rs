@@ -107,6 +107,13 @@ pub(crate) fn attempts_note(p: &ParkedEvent) -> String {
              deduplicate may see it twice.",
             p.attempts, p.reason.error.kind
         )
+    } else if p.attempts == 0 {
+        // Parked by the store's version rule (out of order, a version gap) or before a send:
+        // the broker never saw it, so it did not refuse anything either.
+        format!(
+            "never sent: parked before any attempt ({}); the event is not at the broker.",
+            p.reason.error.kind
+        )
     } else {
         format!(
             "{} attempt(s); the broker refused each one ({}): the event is not in the topic.",
@@ -602,4 +609,44 @@ async fn act_on<S: OperatorStore>(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox_core::{ErrorClass, LastError, ParkKind, ParkReason};
+
+    fn parked(attempts: u32, kind: ParkKind, error_kind: &str) -> ParkedEvent {
+        let envelope = outbox_core::Envelope::builder("order", "o-1", 1, "order.step")
+            .json(&serde_json::json!({"v": 1}))
+            .unwrap()
+            .build()
+            .unwrap();
+        let reason = ParkReason {
+            kind,
+            error: LastError {
+                class: ErrorClass::Permanent,
+                kind: error_kind.into(),
+                message: "version 1 is at or below 101".into(),
+            },
+        };
+        ParkedEvent::new(envelope, attempts, reason, chrono::Utc::now())
+    }
+
+    /// An event parked by the version rule was never sent: `parked show` must not say that
+    /// the broker refused it (the operator trial's `out_of_order` event, 0 attempts).
+    #[test]
+    fn an_event_parked_before_any_attempt_is_not_said_to_be_refused_by_the_broker() {
+        let note = attempts_note(&parked(0, ParkKind::OutOfOrder, "out_of_order"));
+        assert!(!note.contains("refused"), "{note}");
+        assert!(
+            note.contains("never sent") && note.contains("out_of_order"),
+            "{note}"
+        );
+        let note = attempts_note(&parked(1, ParkKind::PermanentError, "record_too_large"));
+        assert!(
+            note.contains("1 attempt(s); the broker refused each one"),
+            "{note}"
+        );
+    }
 }
