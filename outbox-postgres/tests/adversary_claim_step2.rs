@@ -273,3 +273,43 @@ async fn a_row_blocked_during_step_1_is_not_handed_out() {
         ctx.drop().await;
     }
 }
+
+/// A lease that a lease relay took on an aggregate after a locked claim's step 1 snapshot (which
+/// then showed no lease) makes that locked claim's step 2 wait on the aggregate: the two relays
+/// never hold one aggregate at once, even when the lease was taken inside the window. Kills
+/// `claim_decide_locked`'s `WHEN c.leased THEN 'wait'` → `'claim'` (the locked relay claimed
+/// the event the lease relay was sending).
+#[tokio::test]
+async fn a_lease_taken_during_step_1_makes_a_locked_claim_wait() {
+    let ctx = ctx!(6);
+    let leasing = ctx.store(lease(30.0)).await;
+    let paused = gated(&ctx, ClaimMode::LockedTransaction).await;
+    let v1 = event("lsd", 1);
+    leasing.append(&ctx.pool, &v1).await.unwrap();
+    let (l, cx, first) = (&leasing, &ctx, &v1);
+    let b = claim_around(&ctx, &paused, move || async move {
+        // Step 1 of the paused locked claim has seen v1 with no lease. The lease relay claims
+        // it now (its claim commits, and with it its try-lock ends).
+        let c = claim(l, "leasing", 100).await;
+        assert_eq!(versions(&c), vec![("lsd".into(), 1)], "setup");
+        assert_eq!(
+            row(cx, first).await,
+            ("pending".into(), false, None),
+            "setup"
+        );
+    })
+    .await;
+    assert!(
+        b.is_empty(),
+        "a locked claim took an aggregate a lease relay holds: {:?}",
+        versions(&b)
+    );
+    // (Checked after the batch: a locked claim that took the row keeps its log uncommitted.)
+    assert_eq!(
+        step1_candidates(&ctx).await,
+        vec![true],
+        "setup: step 1 must pass the row to step 2"
+    );
+    paused.pool.close().await;
+    ctx.drop().await;
+}

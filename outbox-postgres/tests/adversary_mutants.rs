@@ -270,28 +270,22 @@ async fn a_stale_version_says_what_it_is_below() {
     ctx.drop().await;
 }
 
-/// A store whose sessions compute every aggregate key with a stand-in for
-/// `hashtextextended(text, bigint)` (the test's schema is searched before `pg_catalog`) that
-/// gives every name containing `collide` the same key: the 64-bit key collision that the
-/// statements guard against by comparing the aggregate's type and id next to its key, which
-/// no real pair of names is known to produce. The tables are migrated first, on the ordinary
-/// pool (their indexes keep the real function; the stand-in only costs index use).
-async fn colliding_store(
+/// A store whose sessions search the test's schema before `pg_catalog`, where `function` (the
+/// body of a `CREATE OR REPLACE FUNCTION` in that schema) stands in for a built-in function
+/// the statements call unqualified. The tables are migrated first, on the ordinary pool (their
+/// defaults and indexes keep the real functions).
+async fn stand_in_store(
     ctx: &common::Ctx,
     mode: ClaimMode,
     accept_first_version: bool,
+    function: &str,
 ) -> (PgPool, PostgresOutboxStore) {
     let s = &ctx.schema;
     ctx.store(mode).await;
-    sqlx::query(&format!(
-        "CREATE OR REPLACE FUNCTION \"{s}\".hashtextextended(t text, seed int8) RETURNS int8 \
-         LANGUAGE sql IMMUTABLE AS $$ \
-           SELECT CASE WHEN t LIKE '%collide%' THEN 4242::int8 \
-                       ELSE pg_catalog.hashtextextended(t, seed) END $$"
-    ))
-    .execute(&ctx.pool)
-    .await
-    .unwrap();
+    sqlx::query(&format!("CREATE OR REPLACE FUNCTION \"{s}\".{function}"))
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
     let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| common::DEFAULT_URL.to_owned());
     let opts: PgConnectOptions = url.parse().unwrap();
     let set = format!("SET search_path = \"{s}\", pg_catalog");
@@ -314,6 +308,88 @@ async fn colliding_store(
         .build()
         .unwrap();
     (pool, store)
+}
+
+/// A store whose sessions compute every aggregate key with a stand-in for
+/// `hashtextextended(text, bigint)` that gives every name containing `collide` the same key:
+/// the 64-bit key collision that the statements guard against by comparing the aggregate's
+/// type and id next to its key, which no real pair of names is known to produce (the stand-in
+/// only costs index use).
+async fn colliding_store(
+    ctx: &common::Ctx,
+    mode: ClaimMode,
+    accept_first_version: bool,
+) -> (PgPool, PostgresOutboxStore) {
+    stand_in_store(
+        ctx,
+        mode,
+        accept_first_version,
+        "hashtextextended(t text, seed int8) RETURNS int8 \
+         LANGUAGE sql IMMUTABLE AS $$ \
+           SELECT CASE WHEN t LIKE '%collide%' THEN 4242::int8 \
+                       ELSE pg_catalog.hashtextextended(t, seed) END $$",
+    )
+    .await
+}
+
+/// An event is due when its `next_attempt_at` is at or before the claim transaction's time
+/// (`now()`), equal included: a deferred event whose delay ends at exactly the microsecond the
+/// claim's transaction starts is claimed, and one due a moment later is not. The claim runs on
+/// sessions where `now()` stands in for that coincidence: it returns the first event's
+/// `next_attempt_at` (as a transaction that started at that instant would see it). Kills
+/// `next_attempt_at <= now()` → `<` in the claim's step 1 (`claim_candidates`) and step 2 (`due`
+/// in `claim_decide_lease` and `claim_decide_locked`): with `<` the event due now waits.
+#[tokio::test]
+async fn an_event_due_at_the_claims_own_time_is_claimed() {
+    let ctx = ctx!(4);
+    for (n, mode) in modes().into_iter().enumerate() {
+        let store = ctx.store(mode).await;
+        let (at, after) = (
+            ev("order", &format!("due-at-{n}"), 1),
+            ev("order", &format!("due-after-{n}"), 1),
+        );
+        store
+            .append_many(&ctx.pool, &[at.clone(), after.clone()])
+            .await
+            .unwrap();
+        let b = claim(&store, "r", 100).await;
+        assert_eq!(b.records.len(), 2, "{mode:?}");
+        let defer = |e: &Envelope, secs| Outcome::Defer {
+            event_id: e.event_id,
+            delay: Duration::from_secs(secs),
+            error: LastError {
+                class: ErrorClass::Transient,
+                kind: "queue_full".into(),
+                message: "later".into(),
+            },
+        };
+        let outcomes = [defer(&at, 3600), defer(&after, 7200)];
+        assert_eq!(
+            store.complete(&b.handle, &outcomes).await.unwrap().applied,
+            2
+        );
+        let s = &ctx.schema;
+        let (_pool, at_due) = stand_in_store(
+            &ctx,
+            mode,
+            false,
+            &format!(
+                "now() RETURNS timestamptz LANGUAGE sql STABLE AS $$ \
+                   SELECT next_attempt_at FROM \"{s}\".outbox_events \
+                   WHERE event_id = '{}' $$",
+                at.event_id.as_uuid()
+            ),
+        )
+        .await;
+        let due = claim(&at_due, "r", 100).await;
+        assert_eq!(
+            claimed(&due),
+            vec![("order".into(), format!("due-at-{n}"), 1)],
+            "{mode:?}: the event due at the claim's time is claimed, the later one is not"
+        );
+        publish_all(&at_due, &due).await;
+    }
+    ctx.drop().await;
 }
 
 /// Two aggregates whose keys collide (of one type, then of one id) keep
