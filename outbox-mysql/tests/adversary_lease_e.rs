@@ -932,3 +932,74 @@ async fn discarding_a_parked_duplicate_does_not_release_the_next_version_early()
     assert_eq!(ids(&next), vec![v2.event_id]);
     ctx.drop().await;
 }
+
+/// A rolling upgrade: a claim of this version (token T1) ends; a relay of the previous
+/// version takes the row over (its lease in the state row; the row keeps T1) and then retries
+/// it (its completion ends the state-row lease and makes the row wait; it never touches
+/// `claim_token`). Nothing names the row under another lease any more and the row still
+/// carries T1; the stale claim of this version still completes nothing: the old relay
+/// replaced the lease's end the claim wrote into `next_attempt_at`, which its completion
+/// requires. Its release then leaves the row waiting for the old relay's retry.
+#[tokio::test]
+async fn a_claim_taken_over_by_an_old_relay_that_retried_completes_nothing() {
+    let ctx = ctx!(6);
+    let s = ctx.store(lease(0.3)).await;
+    let e = event("a", 1);
+    common::append(&ctx, &s, std::slice::from_ref(&e)).await;
+    let new = claim(&s, "relay-new", 10).await;
+    assert_eq!(ids(&new), vec![e.event_id]);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    // The old relay's takeover (its claim before migration 3).
+    let old = Uuid::now_v7();
+    sqlx::query(&format!(
+        "UPDATE {a} s JOIN {e} e ON e.aggregate_key = s.aggregate_key \
+         SET s.lease_owner = 'relay-old', s.lease_token = ?, \
+             s.lease_until = UTC_TIMESTAMP(6) + INTERVAL 30 SECOND, s.lease_row = e.id, \
+             e.next_attempt_at = UTC_TIMESTAMP(6) + INTERVAL 30 SECOND \
+         WHERE e.event_id = ?",
+        a = ctx.table("outbox_events_aggregate"),
+        e = ctx.table("outbox_events"),
+    ))
+    .bind(old)
+    .bind(e.event_id.as_uuid())
+    .execute(&ctx.pool)
+    .await
+    .unwrap();
+    // Its completion with a retry (before migration 3): the row waits, the lease ends.
+    let mut tx = ctx.pool.begin().await.unwrap();
+    sqlx::query(&format!(
+        "UPDATE {} SET attempts = attempts + 1, \
+           next_attempt_at = UTC_TIMESTAMP(6) + INTERVAL 60 SECOND, \
+           last_error_class = 'transient', last_error_kind = 'other', last_error_message = 'x' \
+         WHERE event_id = ? AND status = 'pending'",
+        ctx.table("outbox_events")
+    ))
+    .bind(e.event_id.as_uuid())
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    sqlx::query(&format!(
+        "UPDATE {} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL, \
+           lease_row = NULL WHERE aggregate_id = 'a'",
+        ctx.table("outbox_events_aggregate")
+    ))
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let rep = s.complete(&new.handle, &[published(&e, 1)]).await.unwrap();
+    assert_eq!(
+        rep.applied, 0,
+        "the claim taken over by the old relay completed: {rep:?}"
+    );
+    let (status, token, waiting, ..) = row(&ctx, &e).await;
+    assert_eq!((status.as_str(), waiting), ("pending", true));
+    s.release(&new.handle).await.unwrap();
+    assert_eq!(
+        row(&ctx, &e).await.1,
+        token,
+        "the release ended the old relay's retry wait"
+    );
+    assert!(row(&ctx, &e).await.2, "the release made the row due again");
+    ctx.drop().await;
+}

@@ -22,6 +22,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
+use chrono::NaiveDateTime;
 use sqlx::{MySqlConnection, Row};
 use tracing::warn;
 use uuid::Uuid;
@@ -32,7 +33,7 @@ use outbox_core::{
 };
 
 use super::decide::{decide, Action, Candidate};
-use super::head::{marks, AggView, Key, NO_TOKEN};
+use super::head::{marks, AggView, Head, Key, NO_TOKEN};
 use super::rows::{envelope_from_row, ENVELOPE_COLS};
 use super::tx::{self, begin, finish, micros, HeldConnection};
 use super::MySqlOutboxStore;
@@ -75,6 +76,8 @@ struct Decided {
     claimed: Vec<(ClaimedRow, ClaimedRecord)>,
     parked: Vec<ParkedAtClaim>,
     gaps_held: usize,
+    /// Lease mode: the end of the lease written (the claimed rows' `next_attempt_at`).
+    until: Option<NaiveDateTime>,
 }
 
 impl MySqlOutboxStore {
@@ -97,6 +100,7 @@ impl MySqlOutboxStore {
             claimed,
             parked,
             gaps_held,
+            until,
         } = decided;
         match mode {
             ClaimMode::LockedTransaction => {
@@ -126,12 +130,12 @@ impl MySqlOutboxStore {
                 };
                 let (rows, records): (Vec<ClaimedRow>, Vec<ClaimedRecord>) =
                     claimed.into_iter().unzip();
-                if let (Some(duration), false) = (duration, rows.is_empty()) {
+                if let (Some(duration), Some(until), false) = (duration, until, rows.is_empty()) {
                     let mut leased = self.inner.leased.lock().expect("poisoned");
                     // Forget claims that were never completed (crashed relay tasks).
                     let horizon = duration * 2 + Duration::from_secs(60);
-                    leased.retain(|_, (_, at)| at.elapsed() < horizon);
-                    leased.insert(token, (rows, Instant::now()));
+                    leased.retain(|_, (_, _, at)| at.elapsed() < horizon);
+                    leased.insert(token, (rows, until, Instant::now()));
                 }
                 let remaining = duration.filter(|_| !records.is_empty());
                 Ok(ClaimedBatch::new(handle, records, remaining)
@@ -190,9 +194,8 @@ impl MySqlOutboxStore {
                 .map(|s| s.id)
                 .collect();
             let locked: Vec<Key> = locked.into_iter().collect();
-            let views = self.views(&mut tx, &locked).await?;
             let mut decided = self
-                .decide_and_write(&mut tx, &ids, &views, request, token, mode)
+                .decide_and_write(&mut tx, &ids, &locked, request, token, mode)
                 .await?;
             decided.parked.splice(0..0, parked);
             Ok(decided)
@@ -307,41 +310,95 @@ under shorter names') \
             .collect()
     }
 
-    /// The candidates `ids` (their aggregates locked, `views` read after the locks), read
-    /// again and decided; with `envelopes`, in the same statement, their envelopes (decoded,
-    /// or why not, with the event's id, type, id and version).
+    /// The candidates `ids` (their aggregates `keys` locked by this transaction), read again
+    /// in a statement after the locks, with the state of their aggregates; with `envelopes`,
+    /// in the same statement, their envelopes (decoded, or why not, with the event's id, type,
+    /// id and version).
+    ///
+    /// The aggregates' state comes with the candidates: the state row joined by its key, and
+    /// for each candidate whether it is, alone, its aggregate's head under no lease
+    /// (`sole`): pending, unblocked, not under a live token of its own, above the last
+    /// version, and no other pending row of its aggregate at or below its version (a left
+    /// join on `aggregate_idx`, index only, that matches nothing in the steady state; a join
+    /// costs the server much less than a correlated subquery per row) nor a parked row
+    /// between the last version and its version (probed only when the table holds a parked
+    /// row). Then its aggregate's head is that candidate (the first unfinished row above the
+    /// last version in (version, id): any row before it is pending or parked at or below its
+    /// version) and no pending row up to the head's version carries a live token, which is
+    /// what [`Self::views`] reads with its probes. Only the aggregates whose first candidate
+    /// is not `sole` (a duplicate, a stale or parked row, another live lease; and every
+    /// aggregate with `accept_first_version`, whose last version depends on its unfinished
+    /// rows) are read by [`Self::views`], in one more statement.
     async fn candidates(
         &self,
         conn: &mut MySqlConnection,
         ids: &[i64],
+        keys: &[Key],
         envelopes: bool,
-    ) -> Result<(Vec<(Candidate, Key, i64, bool)>, Envelopes), StoreError> {
+    ) -> Result<
+        (
+            Vec<(Candidate, Key, i64, bool)>,
+            Envelopes,
+            HashMap<Key, AggView>,
+        ),
+        StoreError,
+    > {
         if ids.is_empty() {
-            return Ok((Vec::new(), HashMap::new()));
+            return Ok((Vec::new(), HashMap::new(), HashMap::new()));
         }
         let envelope_cols = if envelopes {
-            format!(", {ENVELOPE_COLS}")
+            let cols: Vec<String> = ENVELOPE_COLS
+                .split(',')
+                .map(|c| format!("e.{}", c.trim()))
+                .collect();
+            format!(", {}", cols.join(", "))
         } else {
             String::new()
         };
         let gap_us = micros(self.inner.settings.gap_timeout);
+        let e = &self.inner.tables.events;
         let sql = format!(
-            "SELECT id, aggregate_key, aggregate_version, attempts, \
-                    (maybe_delivered = 1 OR claim_token <> {NO_TOKEN}) AS sent_before, \
-                    (status = 'pending' AND blocked = 0) AS open, \
-                    (next_attempt_at <= UTC_TIMESTAMP(6)) AS due, \
-                    (held_since IS NOT NULL \
-                     AND held_since <= UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND) AS gap_expired \
+            "SELECT e.id, e.aggregate_key, e.aggregate_version, e.attempts, \
+                    (e.maybe_delivered = 1 OR e.claim_token <> {NO_TOKEN}) AS sent_before, \
+                    (e.status = 'pending' AND e.blocked = 0) AS open, \
+                    (e.next_attempt_at <= UTC_TIMESTAMP(6)) AS due, \
+                    (e.held_since IS NOT NULL \
+                     AND e.held_since <= UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND) AS gap_expired, \
+                    a.last_version AS state_last, a.lease_row AS state_lease_row, \
+                    COALESCE(a.lease_until > UTC_TIMESTAMP(6), 0) AS state_leased, \
+                    (e.status = 'pending' AND e.blocked = 0 \
+                     AND (e.claim_token = {NO_TOKEN} OR e.next_attempt_at <= UTC_TIMESTAMP(6)) \
+                     AND e.aggregate_version > COALESCE(a.last_version, 0) \
+                     AND w.id IS NULL \
+                     AND NOT COALESCE(CASE WHEN EXISTS (SELECT 1 FROM {e} p \
+                                                        WHERE p.status = 'parked') \
+                          THEN EXISTS (SELECT 1 FROM {e} q FORCE INDEX (aggregate_idx) \
+                               WHERE q.aggregate_key = e.aggregate_key AND q.status = 'parked' \
+                                 AND q.aggregate_version > COALESCE(a.last_version, 0) \
+                                 AND q.aggregate_version <= e.aggregate_version) END, 0)) AS sole \
                     {envelope_cols} \
-             FROM {} WHERE id IN ({}) ORDER BY id",
-            self.inner.tables.events,
+             FROM {e} e STRAIGHT_JOIN {} a ON a.aggregate_key = e.aggregate_key \
+             LEFT JOIN {e} w FORCE INDEX (aggregate_idx) ON w.aggregate_key = e.aggregate_key \
+               AND w.status = 'pending' AND w.aggregate_version <= e.aggregate_version \
+               AND w.id <> e.id \
+             WHERE e.id IN ({}) ORDER BY e.id",
+            self.inner.tables.state,
             marks(ids.len())
         );
         let mut q = sqlx::query(&sql).bind(gap_us);
         for id in ids {
             q = q.bind(id);
         }
-        let rows = q.fetch_all(conn).await.map_err(db)?;
+        let mut rows = q.fetch_all(&mut *conn).await.map_err(db)?;
+        // A candidate with other pending rows of its aggregate at or below its version comes
+        // once per such row (not `sole` in each): once is enough.
+        let mut last_id = None;
+        rows.retain(|r| {
+            let id = r.try_get::<i64, _>("id").ok();
+            let first = id != last_id;
+            last_id = id;
+            first
+        });
         let mut decoded = HashMap::new();
         if envelopes {
             for r in &rows {
@@ -355,29 +412,61 @@ under shorter names') \
                 decoded.insert(id, (envelope_from_row(r).map_err(|e| e.message), meta));
             }
         }
-        let candidates = rows
-            .iter()
-            .map(|r| {
-                let flag = |name: &str| -> Result<bool, StoreError> {
-                    Ok(r.try_get::<Option<i64>, _>(name).map_err(db)?.unwrap_or(0) != 0)
+        // Per aggregate, its first candidate in (version, id) and what the statement read.
+        let mut firsts: HashMap<Key, ((i64, i64), bool, AggView)> = HashMap::new();
+        let mut candidates = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let flag = |name: &str| -> Result<bool, StoreError> {
+                Ok(r.try_get::<Option<i64>, _>(name).map_err(db)?.unwrap_or(0) != 0)
+            };
+            let c = Candidate {
+                id: r.try_get("id").map_err(db)?,
+                version: r.try_get("aggregate_version").map_err(db)?,
+                open: flag("open")?,
+                due: flag("due")?,
+                gap_expired: flag("gap_expired")?,
+            };
+            let key: Key = r.try_get("aggregate_key").map_err(db)?;
+            let last: Option<i64> = r.try_get("state_last").map_err(db)?;
+            let order = (c.version, c.id);
+            if firsts.get(&key).is_none_or(|(o, ..)| order < *o) {
+                let view = AggView {
+                    last_eff: last.unwrap_or(0),
+                    last,
+                    leased: flag("state_leased")?,
+                    legacy_lease_row: r.try_get("state_lease_row").map_err(db)?,
+                    head: Some(Head {
+                        id: c.id,
+                        version: c.version,
+                        parked: false,
+                        blocked: false,
+                        leased: false,
+                    }),
                 };
-                Ok((
-                    Candidate {
-                        id: r.try_get("id").map_err(db)?,
-                        version: r.try_get("aggregate_version").map_err(db)?,
-                        open: flag("open")?,
-                        due: flag("due")?,
-                        gap_expired: flag("gap_expired")?,
-                    },
-                    r.try_get::<Vec<u8>, _>("aggregate_key").map_err(db)?,
-                    i64::from(r.try_get::<i32, _>("attempts").map_err(db)?),
-                    // Sent before: `maybe_delivered`, or the row still carries the token of a
-                    // lease claim that ended without an outcome or a release.
-                    flag("sent_before")?,
-                ))
-            })
-            .collect::<Result<Vec<_>, StoreError>>()?;
-        Ok((candidates, decoded))
+                firsts.insert(key.clone(), (order, flag("sole")?, view));
+            }
+            candidates.push((
+                c,
+                key,
+                i64::from(r.try_get::<i32, _>("attempts").map_err(db)?),
+                // Sent before: `maybe_delivered`, or the row still carries the token of a
+                // lease claim that ended without an outcome or a release.
+                flag("sent_before")?,
+            ));
+        }
+        let accept_first = self.inner.settings.accept_first_version;
+        let mut views: HashMap<Key, AggView> = HashMap::with_capacity(keys.len());
+        let mut slow: Vec<Key> = Vec::new();
+        for key in keys {
+            match firsts.remove(key) {
+                Some((_, true, view)) if !accept_first => {
+                    views.insert(key.clone(), view);
+                }
+                _ => slow.push(key.clone()),
+            }
+        }
+        views.extend(self.views(conn, &slow).await?);
+        Ok((candidates, decoded, views))
     }
 
     /// Step 3: decides on `ids` and writes the decisions (parks, holds, blocks; in lease mode
@@ -386,7 +475,7 @@ under shorter names') \
         &self,
         conn: &mut MySqlConnection,
         ids: &[i64],
-        views: &HashMap<Key, AggView>,
+        keys: &[Key],
         request: &ClaimRequest,
         token: Uuid,
         mode: ClaimMode,
@@ -400,7 +489,7 @@ under shorter names') \
         // The envelopes come with the candidates: the events handed out, and the notices,
         // need them (one read of the rows, after the locks; the decisions below change no
         // envelope column).
-        let (candidates, mut rows) = self.candidates(conn, ids, true).await?;
+        let (candidates, mut rows, views) = self.candidates(conn, ids, keys, true).await?;
         for (c, key, attempts, maybe) in candidates {
             let Some(view) = views.get(&key) else {
                 continue;
@@ -492,7 +581,8 @@ under shorter names') \
             out.parked.push(n);
         }
         if let ClaimMode::Lease { duration } = mode {
-            self.write_leases(conn, &claimed, &legacy, request, token, duration)
+            out.until = self
+                .write_leases(conn, &claimed, &legacy, request, token, duration)
                 .await?;
         }
         claimed.sort_by_key(|(r, _)| r.id);
@@ -579,30 +669,39 @@ under shorter names') \
         request: &ClaimRequest,
         token: Uuid,
         duration: Duration,
-    ) -> Result<(), StoreError> {
+    ) -> Result<Option<NaiveDateTime>, StoreError> {
         if claimed.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
         let t = &self.inner.tables;
-        let until = micros(duration);
+        // One reading of the database clock is the lease's end, in the lease row and in the
+        // rows' `next_attempt_at`: the rows are due exactly when the lease row has ended, and
+        // the completion requires that value on each row (`complete::Fence`). Every other
+        // writer of a pending row's `next_attempt_at` (a relay of the previous version taking
+        // the row over, then retrying or releasing it; a release by owner) writes a later
+        // reading plus a delay, so a row that carries it is still this claim's.
+        let until: NaiveDateTime =
+            sqlx::query_scalar("SELECT UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND")
+                .bind(micros(duration))
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(db)?;
         // Statements whatever the batch size, each row found by primary key (the event rows
         // and their aggregates' state rows are all locked by this transaction: nothing else is
         // read or waited for):
         // 1. The batch's lease row: who holds the claim and until when (one short insert).
         // 2. The rows made due again only when their lease ends, with the claim's token: one
         //    constant value each, written in place (`claim_token` is fixed width), so the
-        //    update costs what `next_attempt_at` alone did. The token fences the completion
-        //    (its marking matches only rows that still carry it): the next claim of a row
-        //    whose lease ended overwrites it. Written after the lease row, on a later reading
-        //    of the database clock, so no row is due before its lease row has ended.
+        //    update costs what `next_attempt_at` alone did. The token and the lease's end
+        //    fence the completion (its marking matches only rows that still carry both): the
+        //    next claim of a row whose lease ended overwrites them.
         // 3. Only when a head's earlier lease ended without outcome or release (it may have
         //    been sent): `maybe_delivered` on those rows.
         // 4. Only during a rolling upgrade: the expired leases a relay of the previous version
         //    wrote into the claimed aggregates' state rows are cleared, so that relay's
         //    completion, which checks its token there, applies nothing to the row taken over.
         sqlx::query(&format!(
-            "INSERT INTO {} (token, owner, until) \
-             VALUES (?, ?, UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND)",
+            "INSERT INTO {} (token, owner, until) VALUES (?, ?, ?)",
             t.lease
         ))
         .bind(token)
@@ -612,8 +711,7 @@ under shorter names') \
         .await
         .map_err(db)?;
         let sql = format!(
-            "UPDATE {} SET next_attempt_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND, \
-               claim_token = ? \
+            "UPDATE {} SET next_attempt_at = ?, claim_token = ? \
              WHERE id IN ({})",
             t.events,
             marks(claimed.len())
@@ -643,7 +741,7 @@ under shorter names') \
             .map(|(r, _)| r.id)
             .collect();
         if resent.is_empty() {
-            return Ok(());
+            return Ok(Some(until));
         }
         let sql = format!(
             "UPDATE {} SET maybe_delivered = 1 WHERE id IN ({})",
@@ -655,7 +753,7 @@ under shorter names') \
             q = q.bind(id);
         }
         q.execute(conn).await.map_err(db)?;
-        Ok(())
+        Ok(Some(until))
     }
 
     /// Locked mode, after the decision committed: a transaction of the claim's own that locks
@@ -717,17 +815,15 @@ under shorter names') \
             .collect();
         keys.sort();
         keys.dedup();
-        let locked = self.try_lock(conn, &keys).await?;
-        let views = self.views(conn, &locked).await?;
+        let locked: HashSet<Key> = self.try_lock(conn, &keys).await?.into_iter().collect();
         let ids: Vec<i64> = claimed
             .iter()
-            .filter(|(r, _)| rows.contains(&r.id) && views.contains_key(&r.key))
+            .filter(|(r, _)| rows.contains(&r.id) && locked.contains(&r.key))
             .map(|(r, _)| r.id)
             .collect();
-        let still: HashSet<i64> = self
-            .candidates(conn, &ids, false)
-            .await?
-            .0
+        let locked: Vec<Key> = locked.into_iter().collect();
+        let (candidates, _, views) = self.candidates(conn, &ids, &locked, false).await?;
+        let still: HashSet<i64> = candidates
             .into_iter()
             .filter(|(c, key, ..)| {
                 views

@@ -3,6 +3,7 @@
 
 use std::collections::{HashMap, HashSet};
 
+use chrono::NaiveDateTime;
 use sqlx::{MySqlConnection, Row};
 use uuid::Uuid;
 
@@ -26,6 +27,19 @@ const MAX_JSON_TOPIC: usize = 65_535;
 /// Bytes of acknowledgements per joined `UPDATE` (a quarter of the default
 /// `max_allowed_packet`, as appends do).
 const MAX_ACK_DOCUMENT: usize = 4 * 1024 * 1024;
+
+/// What a lease claim's completion or release requires on each row it writes: the claim's
+/// token, and the lease's end the claim wrote into the row's `next_attempt_at` (one reading of
+/// the database clock, also the lease row's `until`). The next claim of a row whose lease
+/// ended overwrites the token; a relay of the previous version (migration 3) that takes the
+/// row over leaves the token but writes a later `next_attempt_at` (its own lease's end, then
+/// its retry time or its release time, each read after this lease ended), so neither can be
+/// completed by this claim. The claim's own writes of the row keep both.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Fence {
+    pub(crate) token: Uuid,
+    pub(crate) until: NaiveDateTime,
+}
 
 impl MySqlOutboxStore {
     pub(super) async fn complete_inner(
@@ -67,10 +81,12 @@ impl MySqlOutboxStore {
                 }
             }
             _ => {
-                let rows = self.lease_rows(claim.token).await?;
-                let applied = tx::retry_lock_conflicts!(
-                    self.complete_lease(&rows, outcomes, claim.token).await
-                )?;
+                let (rows, fence) = self.lease_rows(claim.token).await?;
+                let Some(fence) = fence else {
+                    return Ok(report(outcomes, &rows, &[]));
+                };
+                let applied =
+                    tx::retry_lock_conflicts!(self.complete_lease(&rows, outcomes, &fence).await)?;
                 Ok(report(outcomes, &rows, &applied))
             }
         }
@@ -94,11 +110,11 @@ impl MySqlOutboxStore {
                 Ok(())
             }
             _ => {
-                let rows = self.lease_rows(claim.token).await?;
-                if rows.is_empty() {
+                let (rows, fence) = self.lease_rows(claim.token).await?;
+                let Some(fence) = fence.filter(|_| !rows.is_empty()) else {
                     return Ok(());
-                }
-                tx::retry_lock_conflicts!(self.release_lease(&rows, claim.token).await)
+                };
+                tx::retry_lock_conflicts!(self.release_lease(&rows, &fence).await)
             }
         }
     }
@@ -108,14 +124,14 @@ impl MySqlOutboxStore {
         &self,
         rows: &[ClaimedRow],
         outcomes: &[Outcome],
-        token: Uuid,
+        fence: &Fence,
     ) -> Result<Vec<i64>, StoreError> {
         let mut tx = begin(&self.inner.pool).await?;
         let applied = async {
             // Serialized with claims and operator actions on the same aggregates: a claim
             // decides after it holds these locks.
             let (owned, lasts) = self.owned_rows(&mut tx, rows).await?;
-            self.apply(&mut tx, rows, outcomes, &owned, &lasts, Some(token))
+            self.apply(&mut tx, rows, outcomes, &owned, &lasts, Some(fence))
                 .await
         }
         .await;
@@ -123,11 +139,11 @@ impl MySqlOutboxStore {
     }
 
     /// One transaction of a lease release.
-    async fn release_lease(&self, rows: &[ClaimedRow], token: Uuid) -> Result<(), StoreError> {
+    async fn release_lease(&self, rows: &[ClaimedRow], fence: &Fence) -> Result<(), StoreError> {
         let mut tx = begin(&self.inner.pool).await?;
         let done = async {
             let (owned, _) = self.owned_rows(&mut tx, rows).await?;
-            self.end_lease_claim(&mut tx, rows, &owned, &HashSet::new(), token)
+            self.end_lease_claim(&mut tx, rows, &owned, &HashSet::new(), fence)
                 .await
         }
         .await;
@@ -215,7 +231,7 @@ impl MySqlOutboxStore {
         outcomes: &[Outcome],
         owned: &HashSet<i64>,
         lasts: &HashMap<Key, Option<i64>>,
-        fence: Option<Uuid>,
+        fence: Option<&Fence>,
     ) -> Result<Vec<i64>, StoreError> {
         let by_event: HashMap<Uuid, &Outcome> = outcomes
             .iter()
@@ -225,11 +241,11 @@ impl MySqlOutboxStore {
         let t = &self.inner.tables;
         let mut applied = Vec::new();
         // A lease claim's outcome ends its claim of the row (the token goes) and applies only
-        // where the row still carries the claim's token.
+        // where the row still carries the claim's token and lease end.
         let (fence_set, fence_where) = if fence.is_some() {
             (
                 format!(", claim_token = {NO_TOKEN}"),
-                " AND claim_token = ?",
+                " AND claim_token = ? AND next_attempt_at = ?",
             )
         } else {
             (String::new(), "")
@@ -282,8 +298,8 @@ impl MySqlOutboxStore {
                     .bind(reason.error.delivery_uncertain()),
             };
             let mut q = q.bind(row.id);
-            if let Some(token) = fence {
-                q = q.bind(token);
+            if let Some(f) = fence {
+                q = q.bind(f.token).bind(f.until);
             }
             let n = q.execute(&mut *conn).await.map_err(db)?.rows_affected();
             if n == 1 {
@@ -298,8 +314,8 @@ impl MySqlOutboxStore {
         let advanced = self.new_last_versions(conn, &published, lasts).await?;
         let moved: HashMap<Key, i64> = advanced.iter().cloned().collect();
         self.write_last_versions(conn, &moved).await?;
-        if let Some(token) = fence {
-            self.end_lease_claim(conn, rows, owned, &done, token)
+        if let Some(fence) = fence {
+            self.end_lease_claim(conn, rows, owned, &done, fence)
                 .await?;
         }
         self.promote(conn, &advanced).await?;
@@ -330,7 +346,7 @@ impl MySqlOutboxStore {
         &self,
         conn: &mut MySqlConnection,
         publications: &[(&'r ClaimedRow, &AckMetadata)],
-        fence: Option<Uuid>,
+        fence: Option<&Fence>,
     ) -> Result<Vec<&'r ClaimedRow>, StoreError> {
         if publications.is_empty() {
             return Ok(Vec::new());
@@ -362,7 +378,10 @@ impl MySqlOutboxStore {
         // place), which no claim ever holds.
         let marker = Uuid::now_v7();
         let (fence_set, fence_where) = if fence.is_some() {
-            (", claim_token = ?", " AND claim_token = ?")
+            (
+                ", claim_token = ?",
+                " AND claim_token = ? AND next_attempt_at = ?",
+            )
         } else {
             ("", "")
         };
@@ -397,8 +416,8 @@ impl MySqlOutboxStore {
                 q = q.bind(marker);
             }
             q = q.bind(row.id);
-            if let Some(token) = fence {
-                q = q.bind(token);
+            if let Some(f) = fence {
+                q = q.bind(f.token).bind(f.until);
             }
             let n = q.execute(&mut *conn).await.map_err(db)?.rows_affected();
             if n == 1 {
@@ -443,7 +462,7 @@ impl MySqlOutboxStore {
         let (json_set, json_where) = if fence.is_some() {
             (
                 ", e.claim_token = ?",
-                " AND e.status = 'pending' AND e.claim_token = ?",
+                " AND e.status = 'pending' AND e.claim_token = ? AND e.next_attempt_at = ?",
             )
         } else {
             ("", "")
@@ -473,8 +492,8 @@ impl MySqlOutboxStore {
             for id in &ids {
                 q = q.bind(id);
             }
-            if let Some(token) = fence {
-                q = q.bind(token);
+            if let Some(f) = fence {
+                q = q.bind(f.token).bind(f.until);
             }
             let m = q.execute(&mut *conn).await.map_err(db)?.rows_affected();
             n += m;
@@ -627,7 +646,7 @@ impl MySqlOutboxStore {
         rows: &[ClaimedRow],
         owned: &HashSet<i64>,
         done: &HashSet<i64>,
-        token: Uuid,
+        fence: &Fence,
     ) -> Result<(), StoreError> {
         let t = &self.inner.tables;
         let back: Vec<i64> = rows
@@ -638,7 +657,8 @@ impl MySqlOutboxStore {
         if !back.is_empty() {
             let sql = format!(
                 "UPDATE {} SET next_attempt_at = UTC_TIMESTAMP(6), claim_token = {NO_TOKEN} \
-                 WHERE id IN ({}) AND status = 'pending' AND claim_token = ?",
+                 WHERE id IN ({}) AND status = 'pending' AND claim_token = ? \
+                   AND next_attempt_at = ?",
                 t.events,
                 marks(back.len())
             );
@@ -646,36 +666,56 @@ impl MySqlOutboxStore {
             for id in &back {
                 q = q.bind(id);
             }
-            q.bind(token).execute(&mut *conn).await.map_err(db)?;
+            q.bind(fence.token)
+                .bind(fence.until)
+                .execute(&mut *conn)
+                .await
+                .map_err(db)?;
         }
         sqlx::query(&format!("DELETE FROM {} WHERE token = ?", t.lease))
-            .bind(token)
+            .bind(fence.token)
             .execute(&mut *conn)
             .await
             .map_err(db)?;
         Ok(())
     }
 
-    /// The rows of a lease claim: from memory (claimed here), else from the database.
-    pub(super) async fn lease_rows(&self, token: Uuid) -> Result<Vec<ClaimedRow>, StoreError> {
+    /// The rows of a lease claim and its lease's end: from memory (claimed here), else from
+    /// the database (the pending rows that still carry the token and the end its lease row
+    /// names; none when the lease row is gone: cleanup deletes it once the lease has ended).
+    pub(super) async fn lease_rows(
+        &self,
+        token: Uuid,
+    ) -> Result<(Vec<ClaimedRow>, Option<Fence>), StoreError> {
         let known = self.inner.leased.lock().expect("poisoned").remove(&token);
-        if let Some((rows, _)) = known {
-            return Ok(rows);
+        if let Some((rows, until, _)) = known {
+            return Ok((rows, Some(Fence { token, until })));
         }
         let t = &self.inner.tables;
+        let until: Option<NaiveDateTime> =
+            sqlx::query_scalar(&format!("SELECT until FROM {} WHERE token = ?", t.lease))
+                .bind(token)
+                .fetch_optional(&self.inner.pool)
+                .await
+                .map_err(db)?;
+        let Some(until) = until else {
+            return Ok((Vec::new(), None));
+        };
         // The pending rows that still carry the token (no index on it: a range of
         // `claim_idx`, filtered; only a completion or release from another store instance
         // comes here).
         let rows = sqlx::query(&format!(
             "SELECT id, event_id, aggregate_key, aggregate_version \
-             FROM {} WHERE status = 'pending' AND claim_token = ?",
+             FROM {} WHERE status = 'pending' AND claim_token = ? AND next_attempt_at = ?",
             t.events
         ))
         .bind(token)
+        .bind(until)
         .fetch_all(&self.inner.pool)
         .await
         .map_err(db)?;
-        rows.iter()
+        let rows = rows
+            .iter()
             .map(|r| {
                 Ok(ClaimedRow {
                     id: r.try_get("id")?,
@@ -685,7 +725,8 @@ impl MySqlOutboxStore {
                 })
             })
             .collect::<Result<_, sqlx::Error>>()
-            .map_err(db)
+            .map_err(db)?;
+        Ok((rows, Some(Fence { token, until })))
     }
 }
 

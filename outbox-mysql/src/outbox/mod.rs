@@ -80,7 +80,9 @@ struct Inner {
     /// Open claims of [`ClaimMode::LockedTransaction`], by claim token.
     locked: Mutex<HashMap<Uuid, LockedClaim>>,
     /// Rows of lease claims made by this instance, by token (saves a lookup on complete).
-    leased: Mutex<HashMap<Uuid, (Vec<ClaimedRow>, Instant)>>,
+    /// The lease's end is the claim's one reading of the database clock, which fences its
+    /// completion (see `complete::Fence`).
+    leased: Mutex<HashMap<Uuid, (Vec<ClaimedRow>, chrono::NaiveDateTime, Instant)>>,
     /// Relays of this process to wake after a commit that appended (see `wake`).
     wakers: wake::Wakers,
 }

@@ -506,15 +506,20 @@ impl MySqlOutboxStore {
             .map_err(db)?;
             // The row waited for its lease: due again now, without the token (so the claim's
             // completion applies nothing to it), and possibly sent (the gone relay may have
-            // published it: its next publication counts as a re-publication).
+            // published it: its next publication counts as a re-publication). Only while it
+            // still waits for this claim's lease (its `next_attempt_at` is the lease's end, see
+            // `complete::Fence`): a relay of the previous version that took it over wrote a
+            // later one, and its lease is not this owner's to end.
             let n = sqlx::query(&format!(
                 "UPDATE {} SET next_attempt_at = UTC_TIMESTAMP(6), claim_token = {NO_TOKEN}, \
                    maybe_delivered = 1 \
                  WHERE id = ? AND status = 'pending' AND claim_token = ? \
-                   AND next_attempt_at > UTC_TIMESTAMP(6)",
-                t.events
+                   AND next_attempt_at > UTC_TIMESTAMP(6) \
+                   AND next_attempt_at = (SELECT l.until FROM {} l WHERE l.token = ?)",
+                t.events, t.lease
             ))
             .bind(id)
+            .bind(token)
             .bind(token)
             .execute(&mut *tx)
             .await
