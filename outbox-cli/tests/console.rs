@@ -569,7 +569,8 @@ async fn relays_listed<S: RelayRegistry + RelayStore>(cfg: &Config, store: &S) {
         let batch = store.claim(&ClaimRequest::new(owner, 1)).await.unwrap();
         assert_eq!(batch.records.len(), 1, "{owner} claims an aggregate");
     }
-    assert!(store.heartbeat_relay("live-0", 1).await.unwrap());
+    // What a relay reports at its heartbeat is its own count; the claims column is read now.
+    assert!(store.heartbeat_relay("live-0", 5).await.unwrap());
     assert!(store.heartbeat_relay("dead-0", 1).await.unwrap());
     // dead-0 heartbeats no more: 500 ms is 5 of its intervals, stale after 3.
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -592,16 +593,16 @@ async fn relays_listed<S: RelayRegistry + RelayStore>(cfg: &Config, store: &S) {
         assert!(live.contains(cell), "{cell} in {live}");
     }
     assert!(
-        live.contains("<td class=\"num\">1</td>"),
-        "live-0 holds one aggregate: {live}"
+        live.contains("<td class=\"num\">5</td><td class=\"num\">1</td>"),
+        "live-0 held 5 at its heartbeat and holds one aggregate now: {live}"
     );
     assert!(!live.contains("release-claims"), "{live}");
     let dead = relay_row(&r.body, "dead-0");
     assert!(dead.contains(r#"class="relay-stale""#), "{dead}");
     assert!(dead.contains("<td>host-b</td>"), "{dead}");
     assert!(
-        dead.contains("<td class=\"num\">1 (now 1)</td>"),
-        "held at its heartbeat, and now: {dead}"
+        dead.contains("<td class=\"num\">1 (now 1)</td><td class=\"num\">1</td>"),
+        "held at its heartbeat and now, and one aggregate claimed: {dead}"
     );
     assert!(
         dead.contains(r#"<code class="release">outbox parked release-claims dead-0</code>"#),
@@ -609,6 +610,7 @@ async fn relays_listed<S: RelayRegistry + RelayStore>(cfg: &Config, store: &S) {
     );
     let ghost = relay_row(&r.body, "ghost-0");
     assert!(ghost.contains(r#"class="relay-unregistered""#), "{ghost}");
+    assert!(ghost.contains("<td class=\"num\">1</td>"), "{ghost}");
     assert!(ghost.contains("not in the registry"), "{ghost}");
     assert!(!ghost.contains("release-claims"), "{ghost}");
     assert_eq!(
