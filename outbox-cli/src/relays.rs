@@ -151,7 +151,8 @@ impl Relays {
     }
 }
 
-fn since(e: &RelayEntry) -> String {
+/// When `e` started, and how long ago (`2026-01-02 10:00:00 UTC (3m 2s ago)`).
+pub fn since(e: &RelayEntry) -> String {
     // The registry's times are the database's; the age of the start is measured from the
     // heartbeat's age, on the same clock.
     let up = (e.heartbeat_at - e.started_at)
@@ -163,6 +164,24 @@ fn since(e: &RelayEntry) -> String {
         e.started_at.format("%Y-%m-%d %H:%M:%S UTC"),
         age(Some(Duration::from_secs(up.as_secs())))
     )
+}
+
+/// The command that ends `owner`'s claims (`outbox parked release-claims OWNER`, the owner
+/// quoted for a POSIX shell when it needs to be).
+pub fn release_command(owner: &str) -> String {
+    format!("outbox parked release-claims {}", shell_word(owner))
+}
+
+/// `s` as one shell word.
+fn shell_word(s: &str) -> String {
+    if !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:@/".contains(&b))
+    {
+        s.to_owned()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
 }
 
 /// One entry as JSON.

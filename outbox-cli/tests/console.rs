@@ -3,8 +3,10 @@
 //! MariaDB (a database per test): pages render and escape user data, a read-only console
 //! refuses actions, a missing or bad CSRF token, a wrong operator token, another origin, a
 //! missing reason or confirmation are refused and change nothing, and a confirmed retry
-//! changes the event and writes the audit row with the actor. Also the relay's `/console` (over
-//! NATS JetStream, no Kafka needed).
+//! changes the event and writes the audit row with the actor. The overview's "Live relays" on
+//! both stores: none runs; then a live relay, a stale one and a holder the registry does not
+//! know, each with the claims it holds, and the command that ends the stale one's. Also the
+//! relay's `/console` (over NATS JetStream, no Kafka needed), which lists the relay itself.
 
 mod common;
 mod transport_support;
@@ -19,7 +21,8 @@ use outbox_cli::console::{app, Action, ConsoleState, ConsoleStore, History};
 use outbox_cli::Config;
 use outbox_core::prelude::*;
 use outbox_core::{
-    ClaimRequest, Envelope, ErrorClass, EventId, LastError, Outcome, ParkKind, ParkReason,
+    ClaimMode, ClaimRequest, Envelope, ErrorClass, EventId, LastError, Outcome, ParkKind,
+    ParkReason, RelayRegistration,
 };
 use serde_json::{json, Value};
 use tower::ServiceExt;
@@ -498,6 +501,192 @@ async fn the_console_on_mariadb_renders_escapes_guards_and_audits_a_retry() {
     db.drop().await;
 }
 
+/// The `<tr>` of `owner` in the overview's relay table.
+fn relay_row<'a>(page: &'a str, owner: &str) -> &'a str {
+    let table = page
+        .split(r#"<table id="relay-list">"#)
+        .nth(1)
+        .and_then(|t| t.split("</table>").next())
+        .unwrap_or_else(|| panic!("no relay table: {page}"));
+    table
+        .split("<tr")
+        .find(|row| row.contains(&format!("<td>{owner}</td>")))
+        .unwrap_or_else(|| panic!("no row of {owner}: {page}"))
+}
+
+/// The relay `owner` in `/console/api/overview`'s `relays`.
+fn relay_entry<'a>(doc: &'a Value, owner: &str) -> &'a Value {
+    doc["relays"]["entries"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no relay entries: {doc}"))
+        .iter()
+        .find(|e| e["owner"] == owner)
+        .unwrap_or_else(|| panic!("no entry of {owner}: {doc}"))
+}
+
+/// The overview's relays on a store with three claimable aggregates and an empty registry: no
+/// relay runs; then `live-0` (heartbeat every minute), `dead-0` (every 100 ms, silent since)
+/// and `ghost-0` (never registered) claim one aggregate each: each is listed with its state
+/// and its claim, and only `dead-0` gets the command that ends its claims.
+async fn relays_listed<S: RelayRegistry + RelayStore>(cfg: &Config, store: &S) {
+    let app = console(cfg).await;
+    let r = get(&app, "/console").await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert!(
+        r.body
+            .contains("No relay runs: no live relay in the registry"),
+        "{}",
+        r.body
+    );
+    assert!(!r.body.contains("relay-list"), "{}", r.body);
+    let doc: Value = serde_json::from_str(&get(&app, "/console/api/overview").await.body).unwrap();
+    assert_eq!(doc["relays"]["live"], 0, "{doc}");
+    assert_eq!(doc["relays"]["entries"], json!([]), "{doc}");
+
+    store
+        .register_relay(&RelayRegistration::new(
+            "live-0",
+            "host-<b>a",
+            4242,
+            "9.9.9",
+            "lease",
+            Duration::from_secs(60),
+        ))
+        .await
+        .unwrap();
+    store
+        .register_relay(&RelayRegistration::new(
+            "dead-0",
+            "host-b",
+            4343,
+            "9.9.8",
+            "lease",
+            Duration::from_millis(100),
+        ))
+        .await
+        .unwrap();
+    for owner in ["live-0", "dead-0", "ghost-0"] {
+        let batch = store.claim(&ClaimRequest::new(owner, 1)).await.unwrap();
+        assert_eq!(batch.records.len(), 1, "{owner} claims an aggregate");
+    }
+    // What a relay reports at its heartbeat is its own count; the claims column is read now.
+    assert!(store.heartbeat_relay("live-0", 5).await.unwrap());
+    assert!(store.heartbeat_relay("dead-0", 1).await.unwrap());
+    // dead-0 heartbeats no more: 500 ms is 5 of its intervals, stale after 3.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let r = get(&app, "/console").await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert!(!r.body.contains("No relay runs"), "{}", r.body);
+    assert!(r.body.contains("1 live relay(s)"), "{}", r.body);
+    let live = relay_row(&r.body, "live-0");
+    assert!(live.contains(r#"class="relay-live""#), "{live}");
+    assert!(
+        live.contains("host-&lt;b&gt;a") && !live.contains("host-<b>"),
+        "{live}"
+    );
+    for cell in [
+        "<td class=\"num\">4242</td>",
+        "<td>9.9.9</td>",
+        "<td>lease</td>",
+    ] {
+        assert!(live.contains(cell), "{cell} in {live}");
+    }
+    assert!(
+        live.contains("<td class=\"num\">5</td><td class=\"num\">1</td>"),
+        "live-0 held 5 at its heartbeat and holds one aggregate now: {live}"
+    );
+    assert!(!live.contains("release-claims"), "{live}");
+    let dead = relay_row(&r.body, "dead-0");
+    assert!(dead.contains(r#"class="relay-stale""#), "{dead}");
+    assert!(dead.contains("<td>host-b</td>"), "{dead}");
+    assert!(
+        dead.contains("<td class=\"num\">1 (now 1)</td><td class=\"num\">1</td>"),
+        "held at its heartbeat and now, and one aggregate claimed: {dead}"
+    );
+    assert!(
+        dead.contains(r#"<code class="release">outbox parked release-claims dead-0</code>"#),
+        "the command that ends the dead relay's claims: {dead}"
+    );
+    let ghost = relay_row(&r.body, "ghost-0");
+    assert!(ghost.contains(r#"class="relay-unregistered""#), "{ghost}");
+    assert!(ghost.contains("<td class=\"num\">1</td>"), "{ghost}");
+    assert!(ghost.contains("not in the registry"), "{ghost}");
+    assert!(!ghost.contains("release-claims"), "{ghost}");
+    assert_eq!(
+        r.body.matches("release-claims").count(),
+        1,
+        "one command, the dead relay's: {}",
+        r.body
+    );
+
+    let doc: Value = serde_json::from_str(&get(&app, "/console/api/overview").await.body).unwrap();
+    assert_eq!(
+        (&doc["relays"]["live"], &doc["relays"]["stale"]),
+        (&json!(1), &json!(1)),
+        "{doc}"
+    );
+    let e = relay_entry(&doc, "live-0");
+    assert_eq!(
+        (&e["state"], &e["host"], &e["pid"], &e["aggregates_claimed"]),
+        (&json!("live"), &json!("host-<b>a"), &json!(4242), &json!(1)),
+        "{doc}"
+    );
+    assert_eq!(e["release_command"], Value::Null, "{doc}");
+    let e = relay_entry(&doc, "dead-0");
+    assert_eq!(
+        (&e["state"], &e["claims_now"], &e["aggregates_claimed"]),
+        (&json!("stale"), &json!(1), &json!(1)),
+        "{doc}"
+    );
+    assert_eq!(
+        e["release_command"], "outbox parked release-claims dead-0",
+        "{doc}"
+    );
+    let e = relay_entry(&doc, "ghost-0");
+    assert_eq!(
+        (&e["state"], &e["registered"], &e["aggregates_claimed"]),
+        (&json!("unregistered"), &json!(false), &json!(1)),
+        "{doc}"
+    );
+    assert_eq!(e["release_command"], Value::Null, "{doc}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_lists_live_stale_and_unregistered_relays_on_postgres() {
+    let Some(env) = common::TestEnv::without_kafka("console_relays_pg").await else {
+        return;
+    };
+    env.migrate();
+    env.append(3, 1).await;
+    // Leases that outlast the test.
+    let store = outbox_postgres::PostgresOutboxStore::builder(env.pool.clone())
+        .schema(env.schema.clone())
+        .claim_mode(ClaimMode::lease(Duration::from_secs(120)).unwrap())
+        .build()
+        .unwrap();
+    let cfg = config(json!({"database": {"url": env.url}, "outbox": {"schema": env.schema}}));
+    relays_listed(&cfg, &store).await;
+    env.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_lists_live_stale_and_unregistered_relays_on_mariadb() {
+    let Some(db) = common::mysql::Db::new("console_relays_maria").await else {
+        return;
+    };
+    let pool = db.pool().await;
+    let store = outbox_mysql::MySqlOutboxStore::builder(pool.clone())
+        .claim_mode(ClaimMode::lease(Duration::from_secs(120)).unwrap())
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let events: Vec<Envelope> = (0..3).map(|a| hostile(&format!("r-{a}"), 1)).collect();
+    store.append_many(&pool, &events).await.unwrap();
+    relays_listed(&config(json!({"database": {"url": db.url()}})), &store).await;
+    db.drop().await;
+}
+
 /// `outbox relay` serves the console under `/console` on its HTTP port (read-only here: no
 /// token), shows itself and the claims, and feeds the charts from its stats reads; with
 /// `console.enabled = false` there is no `/console`.
@@ -542,10 +731,18 @@ async fn the_relay_serves_the_console_on_its_http_port() {
     };
     assert_eq!(doc["this_relay"]["owner"], "relay-under-test", "{doc}");
     assert_eq!(doc["this_relay"]["readiness"]["ready"], true, "{doc}");
+    // The relay's worker is registered, live, and listed with its host and pid.
+    let me = relay_entry(&doc, "relay-under-test-0");
+    assert_eq!(me["state"], "live", "{doc}");
+    assert_eq!(me["pid"], relay.child.id(), "{doc}");
     assert_eq!(doc["operator_actions"], false, "{doc}");
     let (code, page) = relay.get("/console").unwrap();
     assert_eq!(code, 200, "{page}");
     assert!(page.contains("relay-under-test"), "{page}");
+    assert!(
+        relay_row(&page, "relay-under-test-0").contains(r#"class="relay-live""#),
+        "{page}"
+    );
     let (code, page) = relay.get("/console/parked").unwrap();
     assert_eq!(code, 200, "{page}");
     assert!(page.contains("No parked events"), "{page}");

@@ -1,7 +1,8 @@
 //! The web console in a real browser: headless Chromium driven through chromedriver
 //! (WebDriver, with fantoccini), against a real `outbox console` process (`OUTBOX_TEST_BIN`, else
-//! this build's binary) on a PostgreSQL outbox with a parked event. The operator opens the
-//! event, sees its payload escaped, retries it with a reason, a name, the operator token and a
+//! this build's binary) on a PostgreSQL outbox with a parked event, a live relay and a dead one
+//! that still holds a claim. The operator sees both relays on the overview, the dead one with
+//! the command that ends its claims, then opens the event, sees its payload escaped, retries it with a reason, a name, the operator token and a
 //! ticked confirmation; the database then holds the event as pending with its audit row.
 //! Screenshots are kept in `target/test-artefacts/console*.png` (or under
 //! `$CARGO_TARGET_DIR`, or `$OUTBOX_TEST_ARTEFACTS`).
@@ -20,7 +21,10 @@ use std::time::Duration;
 use fantoccini::{ClientBuilder, Locator};
 use futures::FutureExt;
 use outbox_core::prelude::*;
-use outbox_core::{ClaimRequest, Envelope, ErrorClass, LastError, Outcome, ParkKind, ParkReason};
+use outbox_core::{
+    ClaimMode, ClaimRequest, Envelope, ErrorClass, LastError, Outcome, ParkKind, ParkReason,
+    RelayRegistration,
+};
 use serde_json::json;
 
 const TOKEN: &str = "browser-operator-token";
@@ -134,6 +138,38 @@ async fn an_operator_retries_a_parked_event_in_headless_chromium() {
         .unwrap();
     park_all(&store).await;
     let id = event.event_id.to_string();
+    // The registry: a live relay, and a dead one (heartbeat every 100 ms, silent since) that
+    // holds a claim on another aggregate under a lease that outlasts the test.
+    let other = Envelope::builder("order", "o-18", 1, "order.placed")
+        .json(&json!({"total": 7}))
+        .unwrap()
+        .build()
+        .unwrap();
+    store.append_many(&env.pool, &[other]).await.unwrap();
+    let leased = outbox_postgres::PostgresOutboxStore::builder(env.pool.clone())
+        .schema(env.schema.clone())
+        .claim_mode(ClaimMode::lease(Duration::from_secs(600)).unwrap())
+        .build()
+        .unwrap();
+    for (owner, every) in [("browser-live-0", 60_000), ("browser-gone-0", 100)] {
+        leased
+            .register_relay(&RelayRegistration::new(
+                owner,
+                "browser-host",
+                4242,
+                "9.9.9",
+                "lease",
+                Duration::from_millis(every),
+            ))
+            .await
+            .unwrap();
+    }
+    let held = leased
+        .claim(&ClaimRequest::new("browser-gone-0", 10))
+        .await
+        .unwrap();
+    assert_eq!(held.records.len(), 1, "the dead relay holds o-18");
+    leased.heartbeat_relay("browser-gone-0", 1).await.unwrap();
 
     // The console, as an operator starts it.
     let port = outbox_test_support::free_port();
@@ -196,6 +232,38 @@ async fn an_operator_retries_a_parked_event_in_headless_chromium() {
         let parked = client.find(Locator::Css("#parked")).await?.text().await?;
         assert_eq!(parked.trim(), "1");
         std::fs::write(dir.join("console-overview.png"), client.screenshot().await?).unwrap();
+
+        // The relays: the live one, and the dead one with the command that ends its claims.
+        client.goto(&format!("{base}#relays")).await?;
+        let live = client
+            .find(Locator::Css("#relay-list tr.relay-live"))
+            .await?
+            .text()
+            .await?;
+        assert!(
+            live.contains("browser-live-0") && live.contains("live"),
+            "{live}"
+        );
+        let dead = client
+            .find(Locator::Css("#relay-list tr.relay-stale"))
+            .await?
+            .text()
+            .await?;
+        assert!(
+            dead.contains("browser-gone-0") && dead.contains("stale"),
+            "{dead}"
+        );
+        let command = client
+            .find(Locator::Css("#relay-list tr.relay-stale code.release"))
+            .await?
+            .text()
+            .await?;
+        assert_eq!(command, "outbox parked release-claims browser-gone-0");
+        assert!(client
+            .find_all(Locator::Css("#relay-list tr.relay-live code"))
+            .await?
+            .is_empty());
+        std::fs::write(dir.join("console-relays.png"), client.screenshot().await?).unwrap();
 
         // The parked events, then the event: its payload is text, not markup.
         client
@@ -300,6 +368,7 @@ async fn an_operator_retries_a_parked_event_in_headless_chromium() {
     );
     for shot in [
         "console-overview.png",
+        "console-relays.png",
         "console-event.png",
         "console-confirm.png",
         "console-done.png",

@@ -352,7 +352,7 @@ async fn release_claims<S: OperatorStore + RelayRegistry>(
                 .iter()
                 .map(|(e, n)| {
                     let mut v = crate::relays::entry_json(e, Some(*n));
-                    v["command"] = json!(command(&e.registration.owner));
+                    v["command"] = json!(crate::relays::release_command(&e.registration.owner));
                     v
                 })
                 .collect();
@@ -378,7 +378,7 @@ async fn release_claims<S: OperatorStore + RelayRegistry>(
                     r.pid.to_string(),
                     age(Some(e.heartbeat_age)),
                     n.to_string(),
-                    command(&r.owner),
+                    crate::relays::release_command(&r.owner),
                 ]
             })
             .collect();
@@ -446,23 +446,6 @@ async fn release_claims<S: OperatorStore + RelayRegistry>(
         println!("released the claims of {owner} on {n} aggregate(s) (audited)");
     }
     Ok(())
-}
-
-/// The command that ends `owner`'s claims.
-fn command(owner: &str) -> String {
-    format!("outbox parked release-claims {}", shell_word(owner))
-}
-
-/// `s` as one shell word.
-fn shell_word(s: &str) -> String {
-    if !s.is_empty()
-        && s.bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"-_.:@/".contains(&b))
-    {
-        s.to_owned()
-    } else {
-        format!("'{}'", s.replace('\'', "'\\''"))
-    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]

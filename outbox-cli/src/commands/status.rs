@@ -305,10 +305,10 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
     for (e, n) in relays.dead_with_claims() {
         warnings.push(format!(
             "relay {} is stale (last heartbeat {} ago) and still holds {n} claim(s): if it is \
-             gone, `outbox parked release-claims {}`",
+             gone, `{}`",
             e.registration.owner,
             age(Some(e.heartbeat_age)),
-            e.registration.owner
+            crate::relays::release_command(&e.registration.owner)
         ));
     }
     let doc = json!({

@@ -1,5 +1,5 @@
-//! The web console: the backlog and the age of its oldest event over time, the relays holding
-//! claims, parked events with show / retry / discard / re-issue, and the consumers with their
+//! The web console: the backlog and the age of its oldest event over time, the relays of the
+//! registry (live or stale) beside the claims each holds, parked events with show / retry / discard / re-issue, and the consumers with their
 //! lag, parked and waiting messages. Served by `outbox console` (its own address,
 //! `console.listen`) and by `outbox relay` under `/console` on `http.listen`, on PostgreSQL and
 //! MySQL / MariaDB alike (through the reporting and operator roles, [`ConsoleStore`]).
@@ -31,7 +31,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 pub use history::{History, Sample, MAX_SAMPLES};
-pub use store::{Action, ClaimHolder, ConsoleStore};
+pub use store::{relay_rows, Action, ClaimHolder, ConsoleStore, RelayRow, RowState};
 
 use crate::config::Config;
 use crate::error::CliError;
@@ -196,6 +196,7 @@ async fn secure_headers(mut r: Response) -> Response {
 struct OverviewData {
     stats: outbox_core::OutboxStats,
     latency: outbox_core::LatencySummary,
+    relays: crate::relays::Relays,
     claims: Result<Vec<ClaimHolder>, String>,
 }
 
@@ -214,6 +215,7 @@ async fn load_overview(s: &ConsoleState) -> Result<OverviewData, Problem> {
     Ok(OverviewData {
         stats,
         latency,
+        relays: store.relays().await,
         claims,
     })
 }
@@ -241,6 +243,7 @@ async fn overview(State(s): State<ConsoleState>) -> Response {
         window: s.0.config.status.window.0,
         samples: &samples,
         history: s.0.history.window(),
+        relays: &d.relays,
         claims: &d.claims,
         this_relay: this_relay(&s),
         consumers: s.0.config.consumers.len(),
@@ -280,11 +283,40 @@ async fn api_overview(State(s): State<ConsoleState>) -> Response {
                 "max_seconds": d.latency.max,
             },
             "history": s.0.history.samples(),
+            "relays": relays_json(&d),
             "claims": match &d.claims { Ok(c) => json!(c), Err(_) => Value::Null },
             "claims_error": d.claims.as_ref().err(),
             "this_relay": this_relay(&s).map(|(owner, ready)| json!({"owner": owner, "readiness": ready})),
         }),
     )
+}
+
+/// The overview's relays: `outbox status --json`'s `relays` object, each entry with the claims
+/// its owner holds now, and the holders the registry does not know.
+fn relays_json(d: &OverviewData) -> Value {
+    let held: &[ClaimHolder] = d.claims.as_deref().unwrap_or(&[]);
+    let entries: Vec<Value> = relay_rows(&d.relays, held)
+        .iter()
+        .map(|r| {
+            let mut v = match r.entry {
+                Some((e, now)) => crate::relays::entry_json(e, now),
+                None => json!({"owner": r.owner}),
+            };
+            v["state"] = json!(r.state().as_str());
+            v["registered"] = json!(r.entry.is_some());
+            v["aggregates_claimed"] = match (r.claims, &d.claims) {
+                (Some(c), _) => json!(c.aggregates),
+                (None, Ok(_)) => json!(0),
+                (None, Err(_)) => Value::Null,
+            };
+            v["lease_until"] = json!(r.claims.and_then(|c| c.lease_until));
+            v["release_command"] = json!(r.release_command());
+            v
+        })
+        .collect();
+    let mut doc = d.relays.json();
+    doc["entries"] = json!(entries);
+    doc
 }
 
 async fn parked_list(State(s): State<ConsoleState>) -> Response {

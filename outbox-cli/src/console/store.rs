@@ -1,17 +1,22 @@
 //! What the console reads and does, on either store: the reporting role for the backlog and
 //! latency, the operator role for parked events and their audited actions
-//! ([`outbox_core::ReportingStore`], [`outbox_core::OperatorStore`]), and one SQL read of each
-//! store's own: the relays holding claims right now.
+//! ([`outbox_core::ReportingStore`], [`outbox_core::OperatorStore`]), the relay registry as
+//! `outbox status` reads it ([`crate::relays::Relays`]), and one SQL read of each store's own:
+//! the relays holding claims right now. [`relay_rows`] joins the last two by owner.
 
 use chrono::{DateTime, Utc};
 use outbox_core::prelude::*;
-use outbox_core::{AuditEntry, EventId, LatencySummary, OutboxStats, ParkedEvent, StoreError};
+use outbox_core::{
+    AuditEntry, EventId, LatencySummary, OutboxStats, ParkedEvent, RelayEntry, RelayState,
+    StoreError,
+};
 use outbox_mysql::MySqlOutboxStore;
 use outbox_postgres::PostgresOutboxStore;
 use serde::Serialize;
 
 use crate::config::Config;
 use crate::error::CliError;
+use crate::relays::Relays;
 
 /// The outbox the console shows, on PostgreSQL or MySQL / MariaDB.
 // One per process: its size does not matter, and a boxed variant would keep `on_store!` from
@@ -62,6 +67,88 @@ pub struct ClaimHolder {
     pub aggregates: i64,
     /// When its last lease ends unless renewed (UTC).
     pub lease_until: Option<DateTime<Utc>>,
+}
+
+/// What a relay row's state says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowState {
+    /// In the registry, heartbeating.
+    Live,
+    /// In the registry, its heartbeat older than
+    /// [`outbox_core::store::STALE_AFTER_HEARTBEATS`] of its intervals: most likely dead.
+    Stale,
+    /// Holds claims but is not in the registry (a relay older than the registry, or one whose
+    /// registration failed): whether it runs is unknown.
+    Unregistered,
+}
+
+impl RowState {
+    /// `live`, `stale` or `unregistered`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Live => "live",
+            Self::Stale => "stale",
+            Self::Unregistered => "unregistered",
+        }
+    }
+}
+
+/// One relay as the console lists it: its registry entry, the claims it holds now, or both.
+#[derive(Clone, Copy, Debug)]
+pub struct RelayRow<'a> {
+    /// The claim owner (`<relay.owner>-<worker>`).
+    pub owner: &'a str,
+    /// Its registry entry, and for a stale one the events it holds under a live lease now.
+    pub entry: Option<(&'a RelayEntry, Option<u64>)>,
+    /// Its unexpired leases now (none: it holds no claim, or the claims could not be read).
+    pub claims: Option<&'a ClaimHolder>,
+}
+
+impl RelayRow<'_> {
+    /// Live, stale or unregistered.
+    pub fn state(&self) -> RowState {
+        match self.entry {
+            None => RowState::Unregistered,
+            Some((e, _)) if e.state() == RelayState::Live => RowState::Live,
+            Some(_) => RowState::Stale,
+        }
+    }
+
+    /// The command that ends its claims, for a stale relay that still holds some (by the
+    /// registry's count or by the leases read now): what `outbox parked release-claims`
+    /// without an owner lists.
+    pub fn release_command(&self) -> Option<String> {
+        let (_, now) = self.entry?;
+        let holds = now.is_some_and(|n| n > 0) || self.claims.is_some_and(|c| c.aggregates > 0);
+        (self.state() == RowState::Stale && holds)
+            .then(|| crate::relays::release_command(self.owner))
+    }
+}
+
+/// The registry's entries joined by owner with the claims held now; holders the registry does
+/// not know come too. By owner.
+pub fn relay_rows<'a>(relays: &'a Relays, claims: &'a [ClaimHolder]) -> Vec<RelayRow<'a>> {
+    let mut rows: Vec<RelayRow<'a>> = relays
+        .entries
+        .iter()
+        .map(|(e, now)| RelayRow {
+            owner: &e.registration.owner,
+            entry: Some((e, *now)),
+            claims: claims.iter().find(|c| c.owner == e.registration.owner),
+        })
+        .collect();
+    rows.extend(
+        claims
+            .iter()
+            .filter(|c| relays.get(&c.owner).is_none())
+            .map(|c| RelayRow {
+                owner: &c.owner,
+                entry: None,
+                claims: Some(c),
+            }),
+    );
+    rows.sort_by(|a, b| a.owner.cmp(b.owner));
+    rows
 }
 
 /// A retry, discard or re-issue.
@@ -203,10 +290,13 @@ impl ConsoleStore {
         })
     }
 
+    /// The relay registry, live and stale entries, as `outbox status` reads it.
+    pub async fn relays(&self) -> Relays {
+        on_store!(self, |s| Relays::read(s).await)
+    }
+
     /// The relays holding unexpired leases now, by owner (lease claim mode; a locked claim
-    /// leaves no row to read).
-    // REGISTRY: once the relay registry (a separate branch) is merged, the console lists the
-    // registered relays (alive or not) and keeps this read as the claims each one holds.
+    /// leaves no row to read), registered or not: [`relay_rows`] joins them to the registry.
     pub async fn claim_holders(&self) -> Result<Vec<ClaimHolder>, StoreError> {
         match self {
             Self::Postgres {
@@ -236,10 +326,13 @@ impl ConsoleStore {
                 lease,
                 ..
             } => {
-                // DATETIME(6) columns hold UTC (the store writes UTC_TIMESTAMP(6)).
+                // DATETIME(6) columns hold UTC (the store writes UTC_TIMESTAMP(6)). The union
+                // of the two owner columns (TEXT and VARCHAR, binary collations) comes back as
+                // a BLOB on MariaDB: cast to text for the driver.
                 let rows: Vec<(String, i64, Option<chrono::NaiveDateTime>)> =
                     outbox_mysql::sqlx::query_as(&format!(
-                        "SELECT owner, CAST(SUM(n) AS SIGNED), MAX(until) FROM ( \
+                        "SELECT CAST(owner AS CHAR CHARACTER SET utf8mb4), \
+                                CAST(SUM(n) AS SIGNED), MAX(until) FROM ( \
                            SELECT l.owner AS owner, COUNT(DISTINCT e.aggregate_key) AS n, \
                                   MAX(l.until) AS until \
                              FROM {lease} l JOIN {events} e ON e.claim_token = l.token \
@@ -264,5 +357,86 @@ impl ConsoleStore {
                     .collect())
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use outbox_core::RelayRegistration;
+
+    use super::*;
+
+    fn entry(owner: &str, heartbeat_age_ms: u64) -> RelayEntry {
+        let now = Utc::now();
+        RelayEntry::new(
+            RelayRegistration::new(owner, "h", 1, "v", "lease", Duration::from_secs(1)),
+            now,
+            now,
+            Duration::from_millis(heartbeat_age_ms),
+            0,
+        )
+    }
+
+    fn holder(owner: &str, aggregates: i64) -> ClaimHolder {
+        ClaimHolder {
+            owner: owner.into(),
+            aggregates,
+            lease_until: None,
+        }
+    }
+
+    /// Registry and leases joined by owner: a stale relay holding claims (by either count) gets
+    /// the command, a live one, an idle stale one and an unregistered holder do not.
+    #[test]
+    fn rows_join_the_registry_and_the_claims_by_owner() {
+        let relays = Relays {
+            entries: vec![
+                (entry("b-live", 100), None),
+                (entry("c-dead-leases", 9_000), Some(0)),
+                (entry("d-dead-registry", 9_000), Some(2)),
+                (entry("e-dead-idle", 9_000), Some(0)),
+            ],
+            error: None,
+        };
+        let claims = [
+            holder("a-ghost", 1),
+            holder("b-live", 3),
+            holder("c-dead-leases", 2),
+        ];
+        let rows = relay_rows(&relays, &claims);
+        let seen: Vec<_> = rows
+            .iter()
+            .map(|r| {
+                (
+                    r.owner,
+                    r.state(),
+                    r.claims.map(|c| c.aggregates),
+                    r.release_command(),
+                )
+            })
+            .collect();
+        let cmd = |o: &str| Some(format!("outbox parked release-claims {o}"));
+        assert_eq!(
+            seen,
+            vec![
+                ("a-ghost", RowState::Unregistered, Some(1), None),
+                ("b-live", RowState::Live, Some(3), None),
+                (
+                    "c-dead-leases",
+                    RowState::Stale,
+                    Some(2),
+                    cmd("c-dead-leases")
+                ),
+                (
+                    "d-dead-registry",
+                    RowState::Stale,
+                    None,
+                    cmd("d-dead-registry")
+                ),
+                ("e-dead-idle", RowState::Stale, None, None),
+            ]
+        );
     }
 }

@@ -10,8 +10,9 @@ use outbox_core::{AuditEntry, LatencySummary, OutboxStats, ParkedEvent};
 use serde_json::Value;
 
 use super::history::Sample;
-use super::store::{Action, ClaimHolder};
+use super::store::{relay_rows, Action, ClaimHolder, RelayRow, RowState};
 use crate::output::age;
+use crate::relays::Relays;
 
 const STYLE: &str = "
 body{font:14px/1.4 system-ui,sans-serif;margin:0;color:#1d2430;background:#f6f7f9}
@@ -37,6 +38,7 @@ form.act input[type=text],form.act input[type=password],form.act textarea{width:
 svg{background:#fff;border:1px solid #d6dae1}
 svg text{font:11px system-ui,sans-serif;fill:#4b5563}
 .note{color:#4b5563;font-size:13px}
+code.release{white-space:nowrap;background:#fef3c7;padding:.1em .3em}
 ";
 
 /// What every page shows in its header.
@@ -201,6 +203,8 @@ pub(super) struct Overview<'a> {
     pub samples: &'a [Sample],
     /// How far back the charts look.
     pub history: Duration,
+    /// The relay registry (or why it could not be read).
+    pub relays: &'a Relays,
     /// Relays holding claims now, or why they could not be read.
     pub claims: &'a Result<Vec<ClaimHolder>, String>,
     /// The relay serving this console: its owner and readiness (`/readyz`).
@@ -257,22 +261,83 @@ pub(super) fn overview(o: &Overview<'_>) -> Markup {
                 @else { span.error { "not ready" } " (" (ready.to_string()) ")" }
             }
         }
-        // REGISTRY: when the relay registry is merged, list the registered relays here (owner,
-        // host, version, last heartbeat, alive or not) beside the claims each one holds.
-        p.note { "Relays holding claims now (lease mode; a locked-mode claim leaves no row to read, \
-            and an idle relay holds none):" }
-        @match o.claims {
-            Ok(claims) if claims.is_empty() => p { "none" },
-            Ok(claims) => table {
-                tr { th { "relay (owner-worker)" } th { "aggregates claimed" } th { "lease until" } }
-                @for c in claims {
-                    tr { td { (c.owner) } td.num { (c.aggregates) }
-                         td { (c.lease_until.map(|t| t.format("%H:%M:%S UTC").to_string()).unwrap_or_default()) } }
-                }
-            },
-            Err(e) => p.error { "cannot read the claims: " (e) },
-        }
+        (relays(o.relays, o.claims))
         p { (o.consumers) " consumer(s) configured: " a href="/console/consumers" { "lag, parked and waiting messages" } "." }
+    }
+}
+
+/// The registry's relays beside the claims each holds, holders the registry does not know
+/// included, and the command that ends a dead relay's claims.
+fn relays(relays: &Relays, claims: &Result<Vec<ClaimHolder>, String>) -> Markup {
+    let held: &[ClaimHolder] = claims.as_deref().unwrap_or(&[]);
+    let rows = relay_rows(relays, held);
+    let live = relays.live();
+    let stale = relays.entries.len() - live;
+    html! {
+        @if let Some(e) = &relays.error {
+            p.error #registry-error { (e) }
+        } @else if live == 0 {
+            p.error #no-relay { "No relay runs: no live relay in the registry, so nothing \
+                publishes the backlog." @if stale > 0 { " " (stale) " stale entr" @if stale == 1 { "y" } @else { "ies" } " below." } }
+        } @else {
+            p #relay-count { (live) " live relay(s)" @if stale > 0 { ", " span.error { (stale) " stale" } } "." }
+        }
+        @if let Err(e) = claims { p.error { "cannot read the claims: " (e) } }
+        @if !rows.is_empty() {
+            table #relay-list {
+                tr { th { "relay (owner-worker)" } th { "state" } th { "host" } th { "pid" } th { "version" }
+                     th { "mode" } th { "started" } th { "last heartbeat" } th { "held at heartbeat" }
+                     th { "aggregates claimed now" } th { "lease until" } th { "to do" } }
+                @for r in &rows { (relay_row(r, claims.is_ok())) }
+            }
+        }
+        p.note { "A relay registers each worker, heartbeats every relay.heartbeat_interval and \
+            deregisters when it stops; it is stale once its last heartbeat is older than "
+            (outbox_core::store::STALE_AFTER_HEARTBEATS) " of its intervals (killed, or cut off \
+            from the database). Claims now are the unexpired leases (lease mode; a locked-mode \
+            claim leaves no row, and an idle relay holds none). Check that a stale relay is gone \
+            (host, pid) before running its command; `outbox status` shows the same registry." }
+    }
+}
+
+fn relay_row(r: &RelayRow<'_>, claims_read: bool) -> Markup {
+    let state = r.state();
+    let dash = || html! { span.note { "-" } };
+    html! {
+        tr class={ "relay-" (state.as_str()) } {
+            td { (r.owner) }
+            td { @match state {
+                RowState::Live => span.ok { "live" },
+                RowState::Stale => span.error { "stale" },
+                RowState::Unregistered => span.warn { "unregistered" },
+            } }
+            @match r.entry {
+                Some((e, now)) => {
+                    @let reg = &e.registration;
+                    td { (reg.host) } td.num { (reg.pid) } td { (reg.version) } td { (reg.claim_mode) }
+                    td { (crate::relays::since(e)) }
+                    td { (age(Some(e.heartbeat_age))) " ago" }
+                    td.num { (e.held) @if let Some(n) = now { " (now " (n) ")" } }
+                }
+                None => { @for _ in 0..7 { td { (dash()) } } }
+            }
+            @match r.claims {
+                Some(c) => {
+                    td.num { (c.aggregates) }
+                    td { (c.lease_until.map(|t| t.format("%H:%M:%S UTC").to_string()).unwrap_or_default()) }
+                }
+                None if claims_read => { td.num { "0" } td { (dash()) } }
+                None => { td.num { "?" } td { (dash()) } }
+            }
+            td {
+                @if let Some(cmd) = r.release_command() {
+                    "if it is gone: " code.release { (cmd) }
+                } @else if state == RowState::Unregistered {
+                    span.note { "not in the registry (a relay older than the registry, or its \
+                        registration failed): whether it runs is unknown" }
+                }
+            }
+        }
     }
 }
 
