@@ -8,8 +8,6 @@
 //! the database. A stale relay's claims are counted now from the store (live leases of its
 //! owner): they are what `release-claims` would end.
 
-use std::time::Duration;
-
 use outbox_core::{RelayEntry, RelayRegistry, RelayState};
 use serde_json::{json, Value};
 
@@ -162,7 +160,7 @@ pub fn since(e: &RelayEntry) -> String {
     format!(
         "{} ({} ago)",
         e.started_at.format("%Y-%m-%d %H:%M:%S UTC"),
-        age(Some(Duration::from_secs(up.as_secs())))
+        age(Some(up))
     )
 }
 
@@ -201,4 +199,31 @@ pub fn entry_json(e: &RelayEntry, claims_now: Option<u64>) -> Value {
         "held_at_heartbeat": e.held,
         "claims_now": claims_now,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use outbox_core::RelayRegistration;
+
+    use super::*;
+
+    #[test]
+    fn the_start_reads_as_old_as_the_heartbeat_plus_its_age() {
+        // Started 3.5 s before its last heartbeat, read 0.472 s after it: up 3.972 s, never
+        // younger than the heartbeat's own age (trial 2 saw "3.000 s ago" beside 3.972 s).
+        let heartbeat = chrono::DateTime::parse_from_rfc3339("2026-12-05T10:00:03.5Z")
+            .unwrap()
+            .with_timezone(&chrono::Utc);
+        let started = heartbeat - chrono::Duration::milliseconds(3500);
+        let e = RelayEntry::new(
+            RelayRegistration::new("r-0", "h", 1, "v", "lease", Duration::from_secs(5)),
+            started,
+            heartbeat,
+            Duration::from_millis(472),
+            0,
+        );
+        assert_eq!(since(&e), "2026-12-05 10:00:00 UTC (3.972 s ago)");
+    }
 }

@@ -286,14 +286,14 @@ pub struct RetentionError {
 
 fn human(d: Duration) -> String {
     let s = d.as_secs();
-    if s >= 86_400 && s % 3_600 == 0 {
+    if s >= 86_400 && s.is_multiple_of(3_600) {
         let h = s / 3_600;
-        if h % 24 == 0 {
+        if h.is_multiple_of(24) {
             format!("{}d", h / 24)
         } else {
             format!("{}d{}h", h / 24, h % 24)
         }
-    } else if s >= 3_600 && s % 60 == 0 {
+    } else if s >= 3_600 && s.is_multiple_of(60) {
         format!("{}h{}m", s / 3_600, (s % 3_600) / 60)
     } else if s >= 60 {
         format!("{}m{}s", s / 60, s % 60)

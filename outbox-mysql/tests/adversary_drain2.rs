@@ -500,7 +500,7 @@ async fn expiring_leases_parks_and_operator_actions_race_without_losses() {
                             }
                         })
                         .collect();
-                    if turn % 4 == 0 {
+                    if turn.is_multiple_of(4) {
                         tokio::time::sleep(Duration::from_millis(300)).await;
                     }
                     let done = if turn % 11 == 5 {

@@ -421,7 +421,7 @@ impl Publisher for OutageBroker {
         tokio::time::sleep(Duration::from_millis(2)).await;
         if *self.state.lock().expect("state") == Broker::Down {
             let n = self.failed_calls.fetch_add(1, Ordering::Relaxed);
-            let error = if n % 2 == 0 {
+            let error = if n.is_multiple_of(2) {
                 PublishError::new(PublishErrorKind::BrokerUnavailable, "injected: no broker")
             } else {
                 PublishError::new(PublishErrorKind::Timeout, "injected: message timed out")

@@ -82,10 +82,14 @@ struct Inner {
     /// Rows of lease claims made by this instance, by token (saves a lookup on complete).
     /// The lease's end is the claim's one reading of the database clock, which fences its
     /// completion (see `complete::Fence`).
-    leased: Mutex<HashMap<Uuid, (Vec<ClaimedRow>, chrono::NaiveDateTime, Instant)>>,
+    leased: Mutex<HashMap<Uuid, LeasedClaim>>,
     /// Relays of this process to wake after a commit that appended (see `wake`).
     wakers: wake::Wakers,
 }
+
+/// A lease claim this instance made: its rows, its lease's end (the claim's one reading of the
+/// database clock), and when it was made (for forgetting claims never completed).
+type LeasedClaim = (Vec<ClaimedRow>, chrono::NaiveDateTime, Instant);
 
 impl std::fmt::Debug for MySqlOutboxStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
