@@ -340,7 +340,7 @@ async fn published_at_equals_finished_at_in_mixed_rounds() {
                         .parse()
                         .unwrap();
                     match (agg + round + i) % 5 {
-                        0 if agg % 7 == 0 => park(e),
+                        0 if agg.is_multiple_of(7) => park(e),
                         1 => retry(e, Duration::ZERO),
                         2 => defer(e, Duration::ZERO),
                         _ => published(e, i as i64),
@@ -390,7 +390,7 @@ async fn a_parked_row_is_never_published_by_another_relay() {
         a.append_many(&ctx.pool, &evs).await.unwrap();
         let poisoned = |e: &Envelope| {
             let g: usize = e.aggregate_id.rsplit("pk").next().unwrap().parse().unwrap();
-            g % 3 == 0 && e.aggregate_version == 2
+            g.is_multiple_of(3) && e.aggregate_version == 2
         };
         let mut published_ids = Vec::new();
         let mut parked_ids = Vec::new();

@@ -201,7 +201,7 @@ async fn stats_racing_claims_completions_and_operators_stay_consistent() {
                     .iter()
                     .map(|rec| {
                         n += 1;
-                        if n % 7 == 0 {
+                        if n.is_multiple_of(7) {
                             park(&rec.envelope)
                         } else {
                             common::published(&rec.envelope, i64::from(n))
