@@ -322,7 +322,10 @@ async fn commit_and_wake_wakes_a_relay_of_the_process_at_once() {
         latencies.push(took);
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // Control: without the wake-up the relay sleeps out its idle delay.
+    // Control: without the wake-up the relay sleeps out its idle delay. First let it finish
+    // the empty cycle that follows a publication (under load it can start well after the
+    // 100 ms above, and would then find the control event without any wake-up).
+    tokio::time::sleep(Duration::from_millis(1000)).await;
     let mut tx = ctx.pool.begin().await.unwrap();
     store
         .append_many(&mut *tx, &[event("unwoken", 1)])
