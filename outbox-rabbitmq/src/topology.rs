@@ -776,8 +776,14 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         assert!(severities(&[quorum.clone(), sac.clone()]).is_empty());
-        assert_eq!(severities(&[quorum.clone()]), [QueueSeverity::Warn]);
-        assert_eq!(severities(&[sac.clone()]), [QueueSeverity::Refuse]);
+        assert_eq!(
+            severities(std::slice::from_ref(&quorum)),
+            [QueueSeverity::Warn]
+        );
+        assert_eq!(
+            severities(std::slice::from_ref(&sac)),
+            [QueueSeverity::Refuse]
+        );
         let limit = ("x-delivery-limit", ArgValue::Int(3));
         let dlx = ("x-dead-letter-exchange", ArgValue::Str(String::new()));
         assert_eq!(
