@@ -227,11 +227,24 @@ impl<'de> Deserialize<'de> for DatabaseUrl {
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct Props(pub BTreeMap<String, String>);
 
+/// Whether a `[kafka] producer` property is a secret: librdkafka's secret keys, by
+/// `outbox-kafka`'s list. A build without the feature `kafka` cannot tell, and redacts
+/// every value (its `[kafka]` section is never used).
+fn secret_prop(key: &str) -> bool {
+    #[cfg(feature = "kafka")]
+    return outbox_kafka::is_secret_key(key);
+    #[cfg(not(feature = "kafka"))]
+    {
+        let _ = key;
+        true
+    }
+}
+
 impl fmt::Debug for Props {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut m = f.debug_map();
         for (k, v) in &self.0 {
-            if outbox_kafka::is_secret_key(k) {
+            if secret_prop(k) {
                 m.entry(k, &"***");
             } else {
                 m.entry(k, v);
@@ -246,11 +259,7 @@ impl Serialize for Props {
         use serde::ser::SerializeMap;
         let mut m = s.serialize_map(Some(self.0.len()))?;
         for (k, v) in &self.0 {
-            let shown = if outbox_kafka::is_secret_key(k) {
-                "***"
-            } else {
-                v
-            };
+            let shown = if secret_prop(k) { "***" } else { v };
             m.serialize_entry(k, shown)?;
         }
         m.end()
@@ -850,7 +859,9 @@ impl Default for RetentionConfig {
 pub struct ConsumerConfig {
     /// Inbox consumer name (the dedup key prefix).
     pub name: String,
-    /// Kafka consumer group. Default: `name`.
+    /// The consumer on the broker: the Kafka consumer group, the NATS JetStream durable
+    /// consumer (on the stream that captures the outbox's subjects), or the RabbitMQ queue.
+    /// Default: `name`.
     pub group: String,
     /// Topics it reads. Default: every outbox topic.
     pub topics: Vec<String>,
@@ -898,7 +909,7 @@ impl Default for ConsumerConfig {
 }
 
 impl ConsumerConfig {
-    /// The Kafka group (`group`, else `name`).
+    /// The Kafka group, NATS durable consumer or RabbitMQ queue (`group`, else `name`).
     pub fn group(&self) -> &str {
         if self.group.is_empty() {
             &self.name
@@ -1089,11 +1100,16 @@ impl Config {
                     .map_err(|e| CliError::config(e.message, "use a plain lowercase identifier"))?;
             }
         }
-        outbox_kafka::validate_topic_name("kafka.topic", &self.kafka.topic)
-            .map_err(|e| CliError::config(e.0, "use 1..=249 of [a-zA-Z0-9._-]"))?;
-        for (agg, topic) in &self.kafka.routes {
-            outbox_kafka::validate_topic_name(&format!("kafka.routes.{agg}"), topic)
+        // Without the feature `kafka` the section is never used (a Kafka kind is refused
+        // below, by `transport::validate`).
+        #[cfg(feature = "kafka")]
+        {
+            outbox_kafka::validate_topic_name("kafka.topic", &self.kafka.topic)
                 .map_err(|e| CliError::config(e.0, "use 1..=249 of [a-zA-Z0-9._-]"))?;
+            for (agg, topic) in &self.kafka.routes {
+                outbox_kafka::validate_topic_name(&format!("kafka.routes.{agg}"), topic)
+                    .map_err(|e| CliError::config(e.0, "use 1..=249 of [a-zA-Z0-9._-]"))?;
+            }
         }
         match self.log.format.as_str() {
             "text" | "json" => {}

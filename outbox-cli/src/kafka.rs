@@ -1,21 +1,35 @@
 //! The broker side: the publisher from the configuration (errors with host and fix), topic
 //! facts through the admin API (partitions, replication, `min.insync.replicas`,
 //! `retention.ms`, `cleanup.policy`, `max.message.bytes`) and consumer groups' lag through a plain consumer.
+//!
+//! Everything that talks to a broker needs the cargo feature `kafka` (rdkafka); the facts'
+//! types are plain data and stay in every build (the pure comparisons of `topics` use them).
 
+#[cfg(feature = "kafka")]
 use std::collections::BTreeMap;
+#[cfg(feature = "kafka")]
 use std::time::Duration;
 
+#[cfg(feature = "kafka")]
 use outbox_kafka::{KafkaPublisher, Partitioner, StartError, TopicCheckError};
+#[cfg(feature = "kafka")]
 use outbox_postgres::RecordedTopic;
+#[cfg(feature = "kafka")]
 use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
+#[cfg(feature = "kafka")]
 use rdkafka::client::DefaultClientContext;
+#[cfg(feature = "kafka")]
 use rdkafka::consumer::{BaseConsumer, Consumer};
+#[cfg(feature = "kafka")]
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use serde::Serialize;
 
+#[cfg(feature = "kafka")]
 use crate::config::Config;
+#[cfg(feature = "kafka")]
 use crate::error::CliError;
 
+#[cfg(feature = "kafka")]
 /// Producer properties shared with admin and consumer clients (connection and security only).
 fn connection_props(config: &Config) -> impl Iterator<Item = (&String, &String)> {
     config.kafka.producer.0.iter().filter(|(k, _)| {
@@ -32,6 +46,7 @@ fn connection_props(config: &Config) -> impl Iterator<Item = (&String, &String)>
     })
 }
 
+#[cfg(feature = "kafka")]
 /// A client configuration for admin requests and lag reads.
 pub fn client_config(config: &Config) -> Result<ClientConfig, CliError> {
     let mut cc = ClientConfig::new();
@@ -44,6 +59,7 @@ pub fn client_config(config: &Config) -> Result<ClientConfig, CliError> {
     Ok(cc)
 }
 
+#[cfg(feature = "kafka")]
 /// Builds the publisher without contacting the broker: every producer setting is checked
 /// (allow-list, guarded values, routes), so that a configuration error is reported as one even
 /// while the broker is down.
@@ -54,6 +70,7 @@ pub fn build_publisher(config: &Config) -> Result<KafkaPublisher, CliError> {
         .map_err(|e| start_error(StartError::Config(e), brokers))
 }
 
+#[cfg(feature = "kafka")]
 /// Builds and starts the publisher (topic check included), comparing with `recorded` facts so
 /// that a partition count or partitioner change is reported.
 pub async fn start_publisher(
@@ -67,6 +84,7 @@ pub async fn start_publisher(
         .map_err(|e| start_error(e, brokers))
 }
 
+#[cfg(feature = "kafka")]
 fn publisher_builder(
     config: &Config,
     recorded: &[RecordedTopic],
@@ -95,6 +113,7 @@ fn publisher_builder(
     Ok(b)
 }
 
+#[cfg(feature = "kafka")]
 fn start_error(e: StartError, brokers: &str) -> CliError {
     match e {
         StartError::Config(c) => CliError::config(
@@ -107,6 +126,7 @@ fn start_error(e: StartError, brokers: &str) -> CliError {
     }
 }
 
+#[cfg(feature = "kafka")]
 /// The error for a failed topic check.
 pub fn topic_error(t: &TopicCheckError, brokers: &str) -> CliError {
     match t {
@@ -155,6 +175,7 @@ pub struct TopicFacts {
     pub max_message_bytes: Option<u64>,
 }
 
+#[cfg(feature = "kafka")]
 /// Facts of `topics`; `Ok(None)` entries are topics the broker does not know.
 pub async fn describe_topics(
     config: &Config,
@@ -254,6 +275,7 @@ pub struct PartitionLag {
     pub below_retention: bool,
 }
 
+#[cfg(feature = "kafka")]
 /// Lag of `group` on `topics`, from committed offsets and watermarks. Against tansu the high
 /// watermark is understated (see `services.md`), so lag reads low there; on Kafka it is exact.
 pub async fn consumer_lag(

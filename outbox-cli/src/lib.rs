@@ -7,8 +7,9 @@
 //! ([`console`]). A library with the
 //! commands ([`commands`]) plus a thin binary (`src/bin/outbox.rs`), on the model of sqlx-cli;
 //! it depends on `outbox-core`, the store crates, `outbox-kafka`, `outbox-nats` and
-//! `outbox-rabbitmq` (cargo features `nats` and `rabbitmq`, on by default) and `outbox-inbox`,
-//! never on the testkit.
+//! `outbox-rabbitmq` (cargo features `kafka`, `nats` and `rabbitmq`, all on by default; a
+//! build without `kafka` compiles no rdkafka / librdkafka) and `outbox-inbox`, never on the
+//! testkit.
 //!
 //! ```sh
 //! cargo install --path outbox-cli
@@ -155,6 +156,9 @@ pub async fn run(opt: Opt) -> u8 {
             Err(e) => report(&e, json),
         };
     }
+    if let Err(e) = transport::refuse_kafka_flags(&kafka_flags(&opt), transport::Built::THIS) {
+        return report(&e, json);
+    }
     let loaded = config::Config::load(
         opt.global.config.as_deref(),
         &overrides(&opt.global, &opt.command),
@@ -199,6 +203,23 @@ pub async fn run(opt: Opt) -> u8 {
         Ok(()) => 0,
         Err(e) => report(&e, json),
     }
+}
+
+/// The Kafka-only flags given on the command line (refused by a build without Kafka).
+fn kafka_flags(opt: &Opt) -> Vec<&'static str> {
+    let mut flags = Vec::new();
+    if opt.global.brokers.is_some() {
+        flags.push("--brokers");
+    }
+    if let Command::Relay(r) = &opt.command {
+        if r.topic.is_some() {
+            flags.push("--topic");
+        }
+        if !r.producer_properties.is_empty() {
+            flags.push("--producer-property");
+        }
+    }
+    flags
 }
 
 fn report(e: &CliError, json: bool) -> u8 {

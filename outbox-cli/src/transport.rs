@@ -1,6 +1,8 @@
 //! The transport the relay publishes through, chosen by `[transport] kind`: Kafka (the
-//! default, `[kafka]`), NATS JetStream (`[nats]`, cargo feature `nats`) or RabbitMQ
-//! (`[rabbitmq]`, cargo feature `rabbitmq`).
+//! default, `[kafka]`, cargo feature `kafka`), NATS JetStream (`[nats]`, cargo feature `nats`)
+//! or RabbitMQ (`[rabbitmq]`, cargo feature `rabbitmq`). All three features are on by
+//! default; a build without one refuses its kind at start-up ([`select`]), naming the feature
+//! and the rebuild command.
 //!
 //! The relay stays generic over one concrete publisher type, [`AnyPublisher`], an enum that
 //! forwards [`Publisher`] to the adapter it holds: one `match` per batch, no `dyn` on the hot
@@ -28,11 +30,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::{async_trait, Envelope, PublishResult, Publisher};
+#[cfg(feature = "kafka")]
 use outbox_kafka::KafkaPublisher;
 use outbox_postgres::RecordedTopic;
 
+#[cfg(not(any(feature = "kafka", feature = "nats", feature = "rabbitmq")))]
+compile_error!(
+    "outbox-cli needs at least one transport: build it with the cargo feature `kafka`, `nats` \
+     or `rabbitmq` (all three are on by default)"
+);
+
 use crate::commands::check::{Finding, Severity};
-use crate::config::{ClaimModeName, Config, TransportKind};
+use crate::config::{ClaimModeName, Config, ConsumerConfig, TransportKind};
 use crate::error::CliError;
 
 /// The publisher of the configured transport: forwards [`Publisher`] to the adapter.
@@ -40,6 +49,7 @@ use crate::error::CliError;
 #[non_exhaustive]
 pub enum AnyPublisher {
     /// Kafka (shared by the workers).
+    #[cfg(feature = "kafka")]
     Kafka(Arc<KafkaPublisher>),
     /// NATS JetStream (shared by the workers).
     #[cfg(feature = "nats")]
@@ -53,6 +63,7 @@ pub enum AnyPublisher {
 impl Publisher for AnyPublisher {
     async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult> {
         match self {
+            #[cfg(feature = "kafka")]
             Self::Kafka(p) => p.publish(batch).await,
             #[cfg(feature = "nats")]
             Self::Nats(p) => p.publish(batch).await,
@@ -63,6 +74,7 @@ impl Publisher for AnyPublisher {
 
     fn delivery_timeout(&self) -> Duration {
         match self {
+            #[cfg(feature = "kafka")]
             Self::Kafka(p) => p.delivery_timeout(),
             #[cfg(feature = "nats")]
             Self::Nats(p) => p.delivery_timeout(),
@@ -77,6 +89,7 @@ impl Publisher for AnyPublisher {
 #[non_exhaustive]
 pub enum Transport {
     /// Kafka, topics checked.
+    #[cfg(feature = "kafka")]
     Kafka(Arc<KafkaPublisher>),
     /// NATS, streams checked.
     #[cfg(feature = "nats")]
@@ -95,6 +108,7 @@ impl Transport {
     /// The publisher of relay worker `worker` (0-based).
     pub fn worker_publisher(&self, worker: u16) -> Result<AnyPublisher, CliError> {
         Ok(match self {
+            #[cfg(feature = "kafka")]
             Self::Kafka(p) => AnyPublisher::Kafka(p.clone()),
             #[cfg(feature = "nats")]
             Self::Nats(p) => AnyPublisher::Nats(p.clone()),
@@ -115,6 +129,7 @@ impl Transport {
     }
 
     /// The Kafka publisher, when the transport is Kafka (topic facts are recorded from it).
+    #[cfg(feature = "kafka")]
     pub fn kafka(&self) -> Option<&Arc<KafkaPublisher>> {
         match self {
             Self::Kafka(p) => Some(p),
@@ -126,6 +141,7 @@ impl Transport {
     /// The broker's side of `/readyz`: `Ok(detail)` while the destinations are in place.
     pub async fn health(&self, config: &Config) -> Result<String, CliError> {
         match self {
+            #[cfg(feature = "kafka")]
             Self::Kafka(p) => p
                 .check_topics()
                 .await
@@ -150,22 +166,115 @@ impl Transport {
     }
 }
 
+/// The transports a build of `outbox` carries: its cargo features `kafka`, `nats` and
+/// `rabbitmq` (all on by default).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Built {
+    /// Feature `kafka` (rdkafka, librdkafka).
+    pub kafka: bool,
+    /// Feature `nats` (async-nats).
+    pub nats: bool,
+    /// Feature `rabbitmq` (lapin).
+    pub rabbitmq: bool,
+}
+
+impl Built {
+    /// This build's.
+    pub const THIS: Self = Self {
+        kafka: cfg!(feature = "kafka"),
+        nats: cfg!(feature = "nats"),
+        rabbitmq: cfg!(feature = "rabbitmq"),
+    };
+
+    /// Whether `kind` is compiled in.
+    pub const fn has(self, kind: TransportKind) -> bool {
+        match kind {
+            TransportKind::Kafka => self.kafka,
+            TransportKind::Nats => self.nats,
+            TransportKind::RabbitMq => self.rabbitmq,
+        }
+    }
+
+    /// The kinds compiled in, in the order of the features.
+    pub fn kinds(self) -> Vec<TransportKind> {
+        [
+            TransportKind::Kafka,
+            TransportKind::Nats,
+            TransportKind::RabbitMq,
+        ]
+        .into_iter()
+        .filter(|k| self.has(*k))
+        .collect()
+    }
+}
+
+/// The rebuild command that adds the feature of `kind` to an installed `outbox`.
+fn rebuild_hint(kind: TransportKind, built: Built) -> String {
+    let mut features: Vec<&str> = built
+        .kinds()
+        .into_iter()
+        .map(TransportKind::as_str)
+        .collect();
+    features.push(kind.as_str());
+    let others: Vec<String> = built
+        .kinds()
+        .into_iter()
+        .map(|k| format!("\"{k}\""))
+        .collect();
+    let mut hint = format!(
+        "rebuild with the feature: `cargo install --path outbox-cli --locked --force \
+         --no-default-features --features {}` (or without --no-default-features: all three \
+         transports are in the default build)",
+        features.join(",")
+    );
+    if !others.is_empty() {
+        hint.push_str(&format!(
+            ", or set transport.kind to one this build has: {}",
+            others.join(" or ")
+        ));
+    }
+    hint
+}
+
+/// The kind a command runs with: `kind` when this build has it, else a configuration error
+/// (exit 2) naming the missing cargo feature and the rebuild command. `built` is
+/// [`Built::THIS`] in the command; the tests pass every combination.
+pub fn select(kind: TransportKind, built: Built) -> Result<TransportKind, CliError> {
+    if built.has(kind) {
+        return Ok(kind);
+    }
+    let default = if kind == TransportKind::Kafka {
+        " (the default when transport.kind is not set)"
+    } else {
+        ""
+    };
+    Err(CliError::config(
+        format!(
+            "transport.kind = \"{kind}\"{default}: this build of `outbox` was compiled without \
+             the cargo feature `{kind}`"
+        ),
+        rebuild_hint(kind, built),
+    ))
+}
+
+/// Refuses Kafka's own flags (`--brokers`, `relay --topic`, `relay --producer-property`) in a
+/// build without Kafka: they ask for a transport the build cannot publish through.
+pub fn refuse_kafka_flags(flags: &[&str], built: Built) -> Result<(), CliError> {
+    match flags.first() {
+        Some(flag) if !built.kafka => Err(CliError::config(
+            format!(
+                "{flag} sets a Kafka option, and this build of `outbox` was compiled without \
+                 the cargo feature `kafka`"
+            ),
+            rebuild_hint(TransportKind::Kafka, built),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// The kind a command runs with, refused when this build lacks its cargo feature.
 pub fn kind(config: &Config) -> Result<TransportKind, CliError> {
-    let kind = config.transport.kind;
-    let built = match kind {
-        TransportKind::Kafka => true,
-        TransportKind::Nats => cfg!(feature = "nats"),
-        TransportKind::RabbitMq => cfg!(feature = "rabbitmq"),
-    };
-    if built {
-        Ok(kind)
-    } else {
-        Err(CliError::config(
-            format!("transport.kind = \"{kind}\": this build of `outbox` has no {kind} support"),
-            format!("build outbox-cli with the cargo feature `{kind}` (on by default)"),
-        ))
-    }
+    select(config.transport.kind, Built::THIS)
 }
 
 /// What a relay or a check needs of the chosen transport's section that a default cannot
@@ -262,6 +371,7 @@ fn claim_duration(config: &Config) -> Duration {
 pub fn validate_offline(config: &Config) -> Result<Duration, CliError> {
     require(config)?;
     match kind(config)? {
+        #[cfg(feature = "kafka")]
         TransportKind::Kafka => Ok(crate::kafka::build_publisher(config)?.delivery_timeout()),
         #[cfg(feature = "nats")]
         TransportKind::Nats => nats_builder(config, config.nats.servers.expose())
@@ -303,9 +413,11 @@ impl Publisher for OfflinePublisher {
 
 /// Starts the configured transport: builds the publisher and checks its destinations
 /// (topics, streams, exchange). `recorded`: the topic facts a Kafka relay compares with.
+#[cfg_attr(not(feature = "kafka"), allow(unused_variables))]
 pub async fn start(config: &Config, recorded: &[RecordedTopic]) -> Result<Transport, CliError> {
     require(config)?;
     match kind(config)? {
+        #[cfg(feature = "kafka")]
         TransportKind::Kafka => Ok(Transport::Kafka(Arc::new(
             crate::kafka::start_publisher(config, recorded).await?,
         ))),
@@ -350,7 +462,164 @@ pub async fn start(config: &Config, recorded: &[RecordedTopic]) -> Result<Transp
     }
 }
 
+/// A consumer's lag as `outbox status` reads it from the transport.
+#[derive(Debug, Default)]
+pub struct ConsumerLag {
+    /// Messages the consumer has still to finish.
+    pub total: i64,
+    /// Per partition (Kafka), stream (NATS) or queue (RabbitMQ), as JSON.
+    pub parts: Vec<serde_json::Value>,
+    /// What `status` should warn of (Kafka: a group behind the retention).
+    pub warnings: Vec<String>,
+}
+
+/// The lag of consumer `c`, read from the broker without joining the consumer (no group
+/// membership, no subscription, nothing created):
+///
+/// | transport | read | lag |
+/// |---|---|---|
+/// | Kafka | the group's committed offsets and the watermarks of `topics` | records from the committed offset to the end, per partition |
+/// | NATS | the durable consumer `group` on the stream(s) capturing the outbox subjects (consumer info) | `num_pending` (not yet delivered) + `num_ack_pending` (delivered, not acknowledged) |
+/// | RabbitMQ | the queue `group` (passive declare) | its ready messages (AMQP does not report the unacknowledged ones) |
+///
+/// The consumer's own gauge `outbox_inbox_lag` reads the same figures through
+/// `MessageSource::lag` of its running source.
+#[cfg_attr(not(feature = "kafka"), allow(unused_variables))]
+pub async fn consumer_lag(
+    config: &Config,
+    c: &ConsumerConfig,
+    topics: &[String],
+) -> Result<ConsumerLag, CliError> {
+    match kind(config)? {
+        #[cfg(feature = "kafka")]
+        TransportKind::Kafka => {
+            if config.kafka.brokers.trim().is_empty() {
+                return Err(CliError::config(
+                    "not read (no broker)",
+                    "set KAFKA_BROKERS or kafka.brokers",
+                ));
+            }
+            let parts = crate::kafka::consumer_lag(config, c.group(), topics).await?;
+            let warnings = parts
+                .iter()
+                .filter(|p| p.below_retention)
+                .map(|p| {
+                    format!(
+                        "consumer {} lost records to retention on {}[{}]: committed {} < earliest {}",
+                        c.name,
+                        p.topic,
+                        p.partition,
+                        p.committed.unwrap_or(-1),
+                        p.low
+                    )
+                })
+                .collect();
+            Ok(ConsumerLag {
+                total: parts.iter().map(|p| p.lag).sum(),
+                parts: parts
+                    .iter()
+                    .map(|p| serde_json::to_value(p).unwrap_or_default())
+                    .collect(),
+                warnings,
+            })
+        }
+        #[cfg(feature = "nats")]
+        TransportKind::Nats => nats_consumer_lag(config, c).await,
+        #[cfg(feature = "rabbitmq")]
+        TransportKind::RabbitMq => rabbit_consumer_lag(config, c).await,
+        #[allow(unreachable_patterns)]
+        _ => unreachable!("kind() refuses transports this build lacks"),
+    }
+}
+
 // ---- NATS -------------------------------------------------------------------------------
+
+/// The durable consumer `c.group()` on the streams that capture the outbox's subjects.
+#[cfg(feature = "nats")]
+async fn nats_consumer_lag(config: &Config, c: &ConsumerConfig) -> Result<ConsumerLag, CliError> {
+    use async_nats::jetstream::context::ConsumerInfoErrorKind;
+    use async_nats::jetstream::ErrorCode;
+    if config.nats.servers.is_empty() {
+        return Err(CliError::config(
+            "not read (no NATS server configured)",
+            "set NATS_URL or [nats] servers",
+        ));
+    }
+    let p = nats_builder(config, config.nats.servers.expose())
+        .connect()
+        .await
+        .map_err(|e| nats_start_error(e, config))?;
+    let report = p
+        .check_streams()
+        .await
+        .map_err(|e| nats_stream_error(&e, config))?;
+    let js = async_nats::jetstream::new(p.client().clone());
+    let bound = config.nats.connect_timeout.0;
+    let durable = c.group();
+    let mut lag = ConsumerLag::default();
+    for s in &report.streams {
+        let stream = js
+            .get_stream_no_info(&s.name)
+            .await
+            .map_err(|e| CliError::failed(format!("NATS stream {:?}: {e}", s.name)))?;
+        let info = match tokio::time::timeout(bound, stream.consumer_info(durable)).await {
+            Err(_) => {
+                return Err(CliError::unreachable(
+                    format!(
+                        "NATS at {}: no answer to the consumer info of {durable:?} on stream {:?} within {}",
+                        config.nats.servers,
+                        s.name,
+                        humantime::format_duration(bound)
+                    ),
+                    "check that nats-server runs with JetStream",
+                ))
+            }
+            Ok(Err(e))
+                if matches!(e.kind(), ConsumerInfoErrorKind::NotFound)
+                    || matches!(e.kind(), ConsumerInfoErrorKind::JetStream(j) if j.error_code() == ErrorCode::CONSUMER_NOT_FOUND) =>
+            {
+                continue
+            }
+            Ok(Err(e)) => {
+                return Err(CliError::failed(format!(
+                    "NATS consumer {durable:?} on stream {:?}: {e}",
+                    s.name
+                )))
+            }
+            Ok(Ok(info)) => info,
+        };
+        let pending = i64::try_from(info.num_pending).unwrap_or(i64::MAX);
+        let ack_pending = i64::try_from(info.num_ack_pending).unwrap_or(i64::MAX);
+        lag.total = lag
+            .total
+            .saturating_add(pending)
+            .saturating_add(ack_pending);
+        lag.parts.push(serde_json::json!({
+            "stream": s.name,
+            "consumer": durable,
+            "pending": pending,
+            "ack_pending": ack_pending,
+            "redelivered": info.num_redelivered,
+            "delivered_stream_sequence": info.delivered.stream_sequence,
+            "ack_floor_stream_sequence": info.ack_floor.stream_sequence,
+            "lag": pending.saturating_add(ack_pending),
+        }));
+    }
+    if lag.parts.is_empty() {
+        let names: Vec<&str> = report.streams.iter().map(|s| s.name.as_str()).collect();
+        return Err(CliError::not_ready(
+            format!(
+                "no durable consumer {durable:?} on stream(s) {names:?}: the consumer has not \
+                 started yet, or its durable name is not {durable:?}"
+            ),
+            format!(
+                "set consumers.group to the consumer's durable name (`nats consumer ls {}`)",
+                names.first().copied().unwrap_or("<stream>")
+            ),
+        ));
+    }
+    Ok(lag)
+}
 
 #[cfg(feature = "nats")]
 fn nats_builder(config: &Config, servers: &str) -> outbox_nats::NatsPublisherBuilder {
@@ -673,6 +942,97 @@ pub async fn nats_create_stream(config: &Config, spec: &NatsStreamSpec) -> Resul
 
 // ---- RabbitMQ ---------------------------------------------------------------------------
 
+/// An AMQP connection for the command's own requests (declares, checks), bounded by
+/// `rabbitmq.connect_timeout`; unreachable: exit 3.
+#[cfg(feature = "rabbitmq")]
+async fn rabbit_connect(config: &Config, name: &str) -> Result<lapin::Connection, CliError> {
+    let timeout = config.rabbitmq.connect_timeout.0;
+    let unreachable = |e: String| {
+        CliError::unreachable(
+            format!("cannot reach RabbitMQ at {}: {e}", config.rabbitmq.uri),
+            "check that RabbitMQ runs and that rabbitmq.uri (AMQP_URL) names it",
+        )
+    };
+    let props = lapin::ConnectionProperties::default()
+        .with_executor(tokio_executor_trait::Tokio::current())
+        .with_reactor(tokio_reactor_trait::Tokio)
+        .with_connection_name(name.into());
+    tokio::time::timeout(
+        timeout,
+        lapin::Connection::connect(config.rabbitmq.uri.expose(), props),
+    )
+    .await
+    .map_err(|_| unreachable("no AMQP connection in time".into()))?
+    .map_err(|e| unreachable(e.to_string()))
+}
+
+/// The ready messages of queue `c.group()`, by a passive declare.
+#[cfg(feature = "rabbitmq")]
+async fn rabbit_consumer_lag(config: &Config, c: &ConsumerConfig) -> Result<ConsumerLag, CliError> {
+    if config.rabbitmq.uri.is_empty() {
+        return Err(CliError::config(
+            "not read (no RabbitMQ URI configured)",
+            "set AMQP_URL or [rabbitmq] uri",
+        ));
+    }
+    let conn = rabbit_connect(config, "outbox-status").await?;
+    let timeout = config.rabbitmq.connect_timeout.0;
+    let queue = c.group();
+    let read = async {
+        let ch = conn.create_channel().await?;
+        ch.queue_declare(
+            queue,
+            lapin::options::QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            lapin::types::FieldTable::default(),
+        )
+        .await
+    };
+    let read = tokio::time::timeout(timeout, read).await;
+    let _ = tokio::time::timeout(timeout, conn.close(200, "read")).await;
+    let q = match read {
+        Err(_) => {
+            return Err(CliError::unreachable(
+                format!(
+                    "RabbitMQ at {}: no answer about queue {queue:?} in time",
+                    config.rabbitmq.uri
+                ),
+                "check that RabbitMQ runs; raise rabbitmq.connect_timeout for a slow network",
+            ))
+        }
+        Ok(Err(e)) if e.to_string().contains("NOT_FOUND") => {
+            return Err(CliError::not_ready(
+                format!(
+                    "queue {queue:?} does not exist on RabbitMQ at {}",
+                    config.rabbitmq.uri
+                ),
+                "set consumers.group to the consumer's queue, or declare it (`outbox check` \
+                 names what it must be)",
+            ))
+        }
+        Ok(Err(e)) => {
+            return Err(CliError::failed(format!(
+                "RabbitMQ at {}: queue {queue:?}: {e}",
+                config.rabbitmq.uri
+            )))
+        }
+        Ok(Ok(q)) => q,
+    };
+    let ready = i64::from(q.message_count());
+    Ok(ConsumerLag {
+        total: ready,
+        parts: vec![serde_json::json!({
+            "queue": queue,
+            "ready": ready,
+            "consumers": q.consumer_count(),
+            "lag": ready,
+        })],
+        warnings: Vec::new(),
+    })
+}
+
 /// Declares the configured exchange (durable, of `rabbitmq.exchange_kind`) unless it exists
 /// (then `Ok(false)`; an existing one of another type or not durable is reported by the
 /// relay's check, never redeclared). Unreachable: exit 3.
@@ -697,17 +1057,7 @@ pub async fn rabbit_declare_exchange(config: &Config) -> Result<bool, CliError> 
             "check that RabbitMQ runs and that rabbitmq.uri (AMQP_URL) names it",
         )
     };
-    let props = lapin::ConnectionProperties::default()
-        .with_executor(tokio_executor_trait::Tokio::current())
-        .with_reactor(tokio_reactor_trait::Tokio)
-        .with_connection_name("outbox-topics".into());
-    let conn = tokio::time::timeout(
-        timeout,
-        lapin::Connection::connect(config.rabbitmq.uri.expose(), props),
-    )
-    .await
-    .map_err(|_| unreachable("no AMQP connection in time".into()))?
-    .map_err(|e| unreachable(e.to_string()))?;
+    let conn = rabbit_connect(config, "outbox-topics").await?;
     let ch = tokio::time::timeout(timeout, conn.create_channel())
         .await
         .map_err(|_| unreachable("no channel in time".into()))?
@@ -794,10 +1144,7 @@ fn rabbit_topology_error(e: &outbox_rabbitmq::TopologyError, config: &Config) ->
                 "declare exchange {:?} durable, of type {:?}, and bind the consumers' quorum \
                  queues to it; or fix rabbitmq.exchange / rabbitmq.exchange_kind",
                 config.rabbitmq.exchange,
-                rabbit_builder(config, "amqp://h")
-                    .config()
-                    .exchange_kind
-                    .as_str()
+                exchange_kind_name(config)
             ),
         )
     }
@@ -883,6 +1230,139 @@ pub(crate) async fn rabbit_checks(config: &Config, out: &mut Vec<Finding>) {
             out.push(finding("exchange", Severity::Error, e.message, e.hint));
         }
     }
+    if !config.consumers.is_empty() {
+        rabbit_queue_checks(config, out).await;
+    }
+}
+
+/// How the relay routes, in words and as the binding a consumer's queue needs.
+#[cfg(feature = "rabbitmq")]
+fn rabbit_routing(config: &Config) -> (String, String) {
+    use crate::config::{ExchangeKindName as K, RoutingKeyName as R};
+    let r = &config.rabbitmq;
+    let key = match r.routing_key {
+        R::AggregateType => "the aggregate type",
+        R::AggregateId => "the aggregate id",
+    };
+    let mut said = format!(
+        "the relay publishes to {} exchange {:?} with {key} as routing key",
+        exchange_kind_name(config),
+        r.exchange
+    );
+    if !r.routes.is_empty() && r.routing_key == R::AggregateType {
+        said.push_str(&format!(" (routes: {:?})", r.routes));
+    }
+    let binding = match r.exchange_kind {
+        K::ConsistentHash => {
+            "a weight (e.g. \"1\") as binding key, one queue per share of the aggregates"
+        }
+        K::Fanout => "any binding key (fanout)",
+        K::Headers => "the header match of the aggregate types it consumes",
+        K::Topic => "the aggregate types it consumes (or \"#\" for all) as binding keys",
+        K::Direct => "each aggregate type it consumes as a binding key",
+    };
+    (said, binding.to_owned())
+}
+
+#[cfg(feature = "rabbitmq")]
+fn exchange_kind_name(config: &Config) -> &'static str {
+    rabbit_builder(config, "amqp://h")
+        .config()
+        .exchange_kind
+        .as_str()
+}
+
+/// `outbox check` for each `[[consumers]]` section on RabbitMQ: its queue (`group`) exists
+/// and is a durable quorum queue with single active consumer that drops no message on its
+/// own ([`outbox_rabbitmq::judge_queue`]); the binding, which AMQP 0-9-1 cannot read, is
+/// named for the operator to verify.
+#[cfg(feature = "rabbitmq")]
+pub(crate) async fn rabbit_queue_checks(config: &Config, out: &mut Vec<Finding>) {
+    let conn = match rabbit_connect(config, "outbox-check").await {
+        Ok(c) => c,
+        Err(e) => {
+            out.push(finding("queue", Severity::Error, e.message, e.hint));
+            return;
+        }
+    };
+    let timeout = config.rabbitmq.connect_timeout.0;
+    let exchange = &config.rabbitmq.exchange;
+    let (routing, binding) = rabbit_routing(config);
+    for c in &config.consumers {
+        let queue = c.group();
+        let facts = match outbox_rabbitmq::describe_queue(&conn, queue, timeout).await {
+            Ok(f) => f,
+            Err(outbox_rabbitmq::TopologyError::Missing { .. }) => {
+                out.push(finding(
+                    "queue",
+                    Severity::Error,
+                    format!(
+                        "consumer {}: queue {queue:?} does not exist (consumers.group names the \
+                         consumer's queue)",
+                        c.name
+                    ),
+                    Some(format!(
+                        "declare it: `rabbitmqadmin declare queue name={queue} durable=true \
+                         arguments='{{\"x-queue-type\":\"quorum\",\"x-single-active-consumer\":true}}'` \
+                         and bind it to exchange {exchange:?} with {binding}; or set \
+                         consumers.group to the queue's name"
+                    )),
+                ));
+                continue;
+            }
+            Err(e) => {
+                out.push(finding(
+                    "queue",
+                    Severity::Error,
+                    format!("consumer {}: queue {queue:?}: {e}", c.name),
+                    Some("check that RabbitMQ runs and that rabbitmq.uri names it".into()),
+                ));
+                continue;
+            }
+        };
+        let problems = outbox_rabbitmq::judge_queue(&facts);
+        for p in &problems {
+            out.push(finding(
+                "queue",
+                match p.severity {
+                    outbox_rabbitmq::QueueSeverity::Refuse => Severity::Error,
+                    _ => Severity::Warning,
+                },
+                format!("consumer {}: {}", c.name, p.message),
+                Some(p.fix.clone()),
+            ));
+        }
+        if problems.is_empty() {
+            let dlx = facts
+                .dead_letter_exchange()
+                .map(|x| format!(", dead-letters to {x:?}"))
+                .unwrap_or_default();
+            out.push(finding(
+                "queue",
+                Severity::Ok,
+                format!(
+                    "consumer {}: {queue:?} is a durable quorum queue with single active \
+                     consumer{dlx}; {} ready, {} consumer(s)",
+                    c.name, facts.messages, facts.consumers
+                ),
+                None,
+            ));
+        }
+        out.push(finding(
+            "binding",
+            Severity::Warning,
+            format!(
+                "consumer {}: the bindings of {queue:?} cannot be read over AMQP 0-9-1, so they \
+                 were not checked: {routing}; an aggregate must reach one queue",
+                c.name
+            ),
+            Some(format!(
+                "verify that {queue:?} is bound to {exchange:?} with {binding}: `rabbitmqctl \
+                 list_bindings source_name destination_name routing_key | grep -w {queue}`"
+            )),
+        ));
+    }
+    let _ = tokio::time::timeout(timeout, conn.close(200, "checked")).await;
 }
 
 fn finding(
@@ -909,4 +1389,92 @@ pub fn check_bound(config: &Config) -> Duration {
         TransportKind::RabbitMq => config.rabbitmq.connect_timeout.0 * 3,
     };
     one + Duration::from_secs(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorKind;
+
+    const ALL: Built = Built {
+        kafka: true,
+        nats: true,
+        rabbitmq: true,
+    };
+    const NO_KAFKA: Built = Built {
+        kafka: false,
+        nats: true,
+        rabbitmq: true,
+    };
+    const NATS_ONLY: Built = Built {
+        kafka: false,
+        nats: true,
+        rabbitmq: false,
+    };
+
+    /// Every kind is selected in a build that has it; in one that lacks it, the error is a
+    /// configuration error (exit 2) naming the feature, the rebuild command and the kinds the
+    /// build has.
+    #[test]
+    fn a_kind_is_selected_only_when_built() {
+        for kind in [
+            TransportKind::Kafka,
+            TransportKind::Nats,
+            TransportKind::RabbitMq,
+        ] {
+            assert_eq!(select(kind, ALL).unwrap(), kind);
+        }
+        assert_eq!(
+            select(TransportKind::Nats, NO_KAFKA).unwrap(),
+            TransportKind::Nats
+        );
+        let e = select(TransportKind::Kafka, NO_KAFKA).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Config);
+        assert!(
+            e.message
+                .contains("compiled without the cargo feature `kafka`"),
+            "{}",
+            e.message
+        );
+        assert!(e
+            .message
+            .contains("the default when transport.kind is not set"));
+        let hint = e.hint.unwrap();
+        assert!(
+            hint.contains(
+                "cargo install --path outbox-cli --locked --force --no-default-features \
+                 --features nats,rabbitmq,kafka"
+            ),
+            "{hint}"
+        );
+        assert!(hint.contains("\"nats\" or \"rabbitmq\""), "{hint}");
+        let e = select(TransportKind::RabbitMq, NATS_ONLY).unwrap_err();
+        assert!(
+            e.message.contains("cargo feature `rabbitmq`"),
+            "{}",
+            e.message
+        );
+        assert!(!e.message.contains("the default"), "{}", e.message);
+        let hint = e.hint.unwrap();
+        assert!(hint.contains("--features nats,rabbitmq"), "{hint}");
+        assert!(hint.ends_with("one this build has: \"nats\""), "{hint}");
+    }
+
+    /// Kafka's flags are refused by a build without Kafka, accepted by one with it, and no
+    /// flag is never refused.
+    #[test]
+    fn kafka_flags_need_the_kafka_feature() {
+        assert!(refuse_kafka_flags(&["--brokers"], ALL).is_ok());
+        assert!(refuse_kafka_flags(&[], NO_KAFKA).is_ok());
+        let e = refuse_kafka_flags(&["--producer-property", "--topic"], NO_KAFKA).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Config);
+        assert!(
+            e.message
+                .starts_with("--producer-property sets a Kafka option")
+                && e.message.contains("cargo feature `kafka`"),
+            "{}",
+            e.message
+        );
+        assert!(e.hint.unwrap().contains("--features nats,rabbitmq,kafka"));
+    }
 }

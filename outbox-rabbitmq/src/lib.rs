@@ -8,7 +8,10 @@
 //!   durable quorum queue with manual acks after the effects' transaction committed and a
 //!   bounded prefetch.
 //! * [`check_exchange`], [`check_queue`]: the start-up checks (exchange durable and of the
-//!   expected type; queue a durable quorum queue, with or without single active consumer).
+//!   expected type; queue a durable quorum queue that drops no message on its own, with or
+//!   without single active consumer). [`describe_queue`] reads a queue's properties over
+//!   AMQP and [`judge_queue`] says what is wrong with them and what to run
+//!   (`outbox check` reports it for each `[[consumers]]` section).
 //!
 //! Usable alone: nothing here depends on a store or on another transport.
 //!
@@ -97,5 +100,6 @@ pub use config::{
 pub use publisher::{RabbitPublisher, StartError, REPORT_GRACE};
 pub use source::{RabbitSource, RabbitSourceBuilder, RabbitSourceConfig, DEFAULT_PREFETCH};
 pub use topology::{
-    check_exchange, check_queue, quorum_arguments, ExchangeReport, QueueReport, TopologyError,
+    check_exchange, check_queue, describe_queue, judge_queue, quorum_arguments, ArgValue,
+    ExchangeReport, QueueFacts, QueueProblem, QueueReport, QueueSeverity, TopologyError,
 };

@@ -38,9 +38,12 @@ use outbox_core::{
     async_trait, Classify, ErrorClass, Publisher, Relay, RelayConfig, RelayRegistration,
     RetryPolicy, StoreError, StoreErrorKind, SystemClock,
 };
+#[cfg(feature = "kafka")]
 use outbox_kafka::KafkaPublisher;
 use outbox_mysql::MySqlOutboxStore;
-use outbox_postgres::{PostgresOutboxStore, RecordedTopic};
+use outbox_postgres::PostgresOutboxStore;
+#[cfg(feature = "kafka")]
+use outbox_postgres::RecordedTopic;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use serde::Serialize;
@@ -218,6 +221,7 @@ async fn run_postgres(config: &Config, out: &Output, pool_size: u32) -> Result<(
         .await
         .map_err(|e| CliError::from_store(&e, &table))?;
     let transport = crate::transport::start(config, &recorded).await?;
+    #[cfg(feature = "kafka")]
     if let Some(kafka) = transport.kafka() {
         record_topics(&store, kafka, &table).await?;
     }
@@ -572,6 +576,7 @@ fn needs_operator(
     })
 }
 
+#[cfg(feature = "kafka")]
 async fn record_topics(
     store: &PostgresOutboxStore,
     publisher: &KafkaPublisher,

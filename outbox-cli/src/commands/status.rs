@@ -12,7 +12,7 @@ use outbox_core::{InboxParking, LatencySummary, OutboxStats};
 use serde_json::{json, Value};
 use tokio::signal::unix::{signal, SignalKind};
 
-use crate::config::{Config, ConsumerConfig, TransportKind};
+use crate::config::{Config, ConsumerConfig};
 use crate::consumer_inbox::{on_inbox, ConsumerInbox};
 use crate::db;
 use crate::error::CliError;
@@ -511,28 +511,13 @@ pub(crate) async fn consumer_status(
     } else {
         c.topics.clone()
     };
-    let (lag, partitions, lag_error) = if config.transport.kind != TransportKind::Kafka {
-        (
-            None,
-            Vec::new(),
-            Some(format!(
-                "not read: consumer lag is read from Kafka consumer groups only (transport {})",
-                config.transport.kind
-            )),
-        )
-    } else if no_broker || config.kafka.brokers.trim().is_empty() {
+    let (lag, partitions, lag_error) = if no_broker {
         (None, Vec::new(), Some("not read (no broker)".to_owned()))
     } else {
-        match crate::kafka::consumer_lag(config, c.group(), &topics).await {
-            Ok(parts) => {
-                for p in parts.iter().filter(|p| p.below_retention) {
-                    warnings.push(format!(
-                        "consumer {} lost records to retention on {}[{}]: committed {} < earliest {}",
-                        c.name, p.topic, p.partition, p.committed.unwrap_or(-1), p.low
-                    ));
-                }
-                let total: i64 = parts.iter().map(|p| p.lag).sum();
-                (Some(total), parts, None)
+        match crate::transport::consumer_lag(config, c, &topics).await {
+            Ok(read) => {
+                warnings.extend(read.warnings);
+                (Some(read.total), read.parts, None)
             }
             Err(e) => (None, Vec::new(), Some(e.message)),
         }

@@ -51,12 +51,16 @@
 //! transport (`--partitions` beyond Kafka; `--min-insync-replicas` on NATS; any on RabbitMQ)
 //! are refused (exit 2).
 
+#[cfg(feature = "kafka")]
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use outbox_core::retention::KAFKA_DEFAULT_RETENTION;
+#[cfg(feature = "kafka")]
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+#[cfg(feature = "kafka")]
 use rdkafka::client::DefaultClientContext;
+#[cfg(feature = "kafka")]
 use rdkafka::types::RDKafkaErrorCode;
 use serde::Serialize;
 use serde_json::json;
@@ -372,12 +376,14 @@ pub async fn run(config: &Config, command: TopicsCommand, out: &Output) -> Resul
         TopicsCommand::Check(o) => (false, false, o),
     };
     match crate::transport::kind(config)? {
+        #[cfg(feature = "kafka")]
         TransportKind::Kafka => kafka(config, create, dry_run, &spec_opts, out).await,
         other => other_transport(config, other, create, dry_run, &spec_opts, out).await,
     }
 }
 
 /// One topic's outcome.
+#[cfg(feature = "kafka")]
 #[derive(Clone, Debug, Serialize)]
 struct Row {
     #[serde(flatten)]
@@ -390,6 +396,7 @@ struct Row {
     unreported: Vec<&'static str>,
 }
 
+#[cfg(feature = "kafka")]
 async fn kafka(
     config: &Config,
     create: bool,
@@ -562,6 +569,7 @@ async fn kafka(
 
 /// Creates `missing` through the admin API; a topic another process created meanwhile
 /// counts as existing (it is compared next).
+#[cfg(feature = "kafka")]
 async fn create_topics(
     config: &Config,
     brokers: &str,
@@ -676,6 +684,7 @@ async fn create_topics(
 
 /// Describes `names` again until every one of `created` is visible (metadata propagates
 /// after the creation is acknowledged), bounded by `kafka.metadata_timeout`.
+#[cfg(feature = "kafka")]
 async fn wait_for(
     config: &Config,
     names: &[String],
@@ -930,6 +939,7 @@ pub fn stream_max_age(config: &Config) -> Duration {
 
 impl CliError {
     /// [`CliError::reported`] when `json` (the command printed its document).
+    #[cfg(feature = "kafka")]
     fn reported_if(self, json: bool) -> Self {
         if json {
             self.reported()
