@@ -33,7 +33,7 @@ use outbox_core::{
 };
 
 use super::decide::{decide, Action, Candidate};
-use super::head::{marks, AggView, Head, Key, NO_TOKEN};
+use super::head::{in_list, marks, AggView, Head, Key, NO_TOKEN};
 use super::rows::{envelope_from_row, ENVELOPE_COLS};
 use super::tx::{self, begin, finish, micros, HeldConnection};
 use super::MySqlOutboxStore;
@@ -329,22 +329,19 @@ under shorter names') \
     /// is not `sole` (a duplicate, a stale or parked row, another live lease; and every
     /// aggregate with `accept_first_version`, whose last version depends on its unfinished
     /// rows) are read by [`Self::views`], in one more statement.
+    ///
+    /// With `lease`, the same statement also reads the database clock once for a lease of
+    /// that duration: its end ([`Read::lease_end`]; `None` only when no candidate was read).
     async fn candidates(
         &self,
         conn: &mut MySqlConnection,
         ids: &[i64],
         keys: &[Key],
         envelopes: bool,
-    ) -> Result<
-        (
-            Vec<(Candidate, Key, i64, bool)>,
-            Envelopes,
-            HashMap<Key, AggView>,
-        ),
-        StoreError,
-    > {
+        lease: Option<Duration>,
+    ) -> Result<Read, StoreError> {
         if ids.is_empty() {
-            return Ok((Vec::new(), HashMap::new(), HashMap::new()));
+            return Ok(Read::default());
         }
         let envelope_cols = if envelopes {
             let cols: Vec<String> = ENVELOPE_COLS
@@ -359,6 +356,7 @@ under shorter names') \
         let e = &self.inner.tables.events;
         let sql = format!(
             "SELECT e.id, e.aggregate_key, e.aggregate_version, e.attempts, \
+                    UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND AS lease_end, \
                     (e.maybe_delivered = 1 OR e.claim_token <> {NO_TOKEN}) AS sent_before, \
                     (e.status = 'pending' AND e.blocked = 0) AS open, \
                     (e.next_attempt_at <= UTC_TIMESTAMP(6)) AS due, \
@@ -381,15 +379,19 @@ under shorter names') \
              LEFT JOIN {e} w FORCE INDEX (aggregate_idx) ON w.aggregate_key = e.aggregate_key \
                AND w.status = 'pending' AND w.aggregate_version <= e.aggregate_version \
                AND w.id <> e.id \
-             WHERE e.id IN ({}) ORDER BY e.id",
+             WHERE {} ORDER BY e.id",
             self.inner.tables.state,
-            marks(ids.len())
+            in_list("e.id", ids.len())
         );
-        let mut q = sqlx::query(&sql).bind(gap_us);
+        let mut q = sqlx::query(&sql).bind(lease.map_or(0, micros)).bind(gap_us);
         for id in ids {
             q = q.bind(id);
         }
         let mut rows = q.fetch_all(&mut *conn).await.map_err(db)?;
+        let lease_end: Option<NaiveDateTime> = match (lease, rows.first()) {
+            (Some(_), Some(r)) => Some(r.try_get("lease_end").map_err(db)?),
+            _ => None,
+        };
         // A candidate with other pending rows of its aggregate at or below its version comes
         // once per such row (not `sole` in each): once is enough.
         let mut last_id = None;
@@ -466,7 +468,12 @@ under shorter names') \
             }
         }
         views.extend(self.views(conn, &slow).await?);
-        Ok((candidates, decoded, views))
+        Ok(Read {
+            candidates,
+            envelopes: decoded,
+            views,
+            lease_end,
+        })
     }
 
     /// Step 3: decides on `ids` and writes the decisions (parks, holds, blocks; in lease mode
@@ -489,7 +496,16 @@ under shorter names') \
         // The envelopes come with the candidates: the events handed out, and the notices,
         // need them (one read of the rows, after the locks; the decisions below change no
         // envelope column).
-        let (candidates, mut rows, views) = self.candidates(conn, ids, keys, true).await?;
+        let lease = match mode {
+            ClaimMode::Lease { duration } => Some(duration),
+            _ => None,
+        };
+        let Read {
+            candidates,
+            envelopes: mut rows,
+            views,
+            lease_end,
+        } = self.candidates(conn, ids, keys, true, lease).await?;
         for (c, key, attempts, maybe) in candidates {
             let Some(view) = views.get(&key) else {
                 continue;
@@ -580,9 +596,9 @@ under shorter names') \
             .map_err(db)?;
             out.parked.push(n);
         }
-        if let ClaimMode::Lease { duration } = mode {
+        if let Some(until) = lease_end {
             out.until = self
-                .write_leases(conn, &claimed, &legacy, request, token, duration)
+                .write_leases(conn, &claimed, &legacy, request, token, until)
                 .await?;
         }
         claimed.sort_by_key(|(r, _)| r.id);
@@ -661,6 +677,10 @@ under shorter names') \
     /// Lease mode: the batch's lease row (owner, expiry), and the claimed rows made due again
     /// only when their lease ends, carrying the claim's token. No state row is written (a
     /// previous version's lease on one is cleared, see below).
+    ///
+    /// `until` is the lease's end: one reading of the database clock, taken by the candidates'
+    /// read after the locks (in the statement that decided these rows were due), plus the
+    /// lease's duration.
     async fn write_leases(
         &self,
         conn: &mut MySqlConnection,
@@ -668,7 +688,7 @@ under shorter names') \
         legacy: &[Key],
         request: &ClaimRequest,
         token: Uuid,
-        duration: Duration,
+        until: NaiveDateTime,
     ) -> Result<Option<NaiveDateTime>, StoreError> {
         if claimed.is_empty() {
             return Ok(None);
@@ -679,13 +699,8 @@ under shorter names') \
         // the completion requires that value on each row (`complete::Fence`). Every other
         // writer of a pending row's `next_attempt_at` (a relay of the previous version taking
         // the row over, then retrying or releasing it; a release by owner) writes a later
-        // reading plus a delay, so a row that carries it is still this claim's.
-        let until: NaiveDateTime =
-            sqlx::query_scalar("SELECT UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND")
-                .bind(micros(duration))
-                .fetch_one(&mut *conn)
-                .await
-                .map_err(db)?;
+        // reading plus a delay, so a row that carries it is still this claim's. The reading is
+        // the candidates' (no statement of its own).
         // Statements whatever the batch size, each row found by primary key (the event rows
         // and their aggregates' state rows are all locked by this transaction: nothing else is
         // read or waited for):
@@ -794,9 +809,9 @@ under shorter names') \
     ) -> Result<(Vec<(ClaimedRow, ClaimedRecord)>, HashMap<Key, Option<i64>>), StoreError> {
         let ids: Vec<i64> = claimed.iter().map(|(r, _)| r.id).collect();
         let sql = format!(
-            "SELECT id FROM {} WHERE id IN ({}) ORDER BY id FOR UPDATE SKIP LOCKED",
+            "SELECT id FROM {} WHERE {} ORDER BY id FOR UPDATE SKIP LOCKED",
             self.inner.tables.events,
-            marks(ids.len())
+            in_list("id", ids.len())
         );
         let mut q = sqlx::query_scalar::<_, i64>(&sql);
         for id in &ids {
@@ -822,7 +837,9 @@ under shorter names') \
             .map(|(r, _)| r.id)
             .collect();
         let locked: Vec<Key> = locked.into_iter().collect();
-        let (candidates, _, views) = self.candidates(conn, &ids, &locked, false).await?;
+        let Read {
+            candidates, views, ..
+        } = self.candidates(conn, &ids, &locked, false, None).await?;
         let still: HashSet<i64> = candidates
             .into_iter()
             .filter(|(c, key, ..)| {
@@ -915,6 +932,18 @@ under shorter names') \
             None => false,
         }
     }
+}
+
+/// What [`MySqlOutboxStore::candidates`] read.
+#[derive(Default)]
+struct Read {
+    /// Each candidate, its aggregate, its attempts, and whether it may have been sent before.
+    candidates: Vec<(Candidate, Key, i64, bool)>,
+    envelopes: Envelopes,
+    views: HashMap<Key, AggView>,
+    /// Lease mode: the end of a lease taken now (the statement's reading of the database
+    /// clock plus the lease's duration).
+    lease_end: Option<NaiveDateTime>,
 }
 
 /// The event's id, type, id and version, as read with its envelope.

@@ -12,7 +12,7 @@ use outbox_core::{
 };
 
 use super::claim::ClaimedRow;
-use super::head::{marks, Key, NO_TOKEN};
+use super::head::{in_list, marks, Key, NO_TOKEN};
 use super::tx::{self, begin, finish, micros};
 use super::MySqlOutboxStore;
 use crate::error::db;
@@ -174,9 +174,9 @@ impl MySqlOutboxStore {
         let sql = format!(
             "SELECT aggregate_key, lease_token, lease_row, last_version \
              FROM {} FORCE INDEX (PRIMARY) \
-             WHERE aggregate_key IN ({}) ORDER BY aggregate_key FOR UPDATE",
+             WHERE {} ORDER BY aggregate_key FOR UPDATE",
             self.inner.tables.state,
-            marks(keys.len())
+            in_list("aggregate_key", keys.len())
         );
         let mut q = sqlx::query(&sql);
         for k in &keys {
@@ -481,9 +481,9 @@ impl MySqlOutboxStore {
                    e.ack_destination = a.dest, e.ack_partition = a.part, \
                    e.ack_position = a.pos, e.ack_route = a.route, \
                    e.ack_duplicate = a.dup{json_set} \
-                 WHERE e.id IN ({}){json_where}",
+                 WHERE {}{json_where}",
                 t.events,
-                marks(ids.len()),
+                in_list("e.id", ids.len()),
             );
             let mut q = sqlx::query(&sql).bind(doc);
             if fence.is_some() {

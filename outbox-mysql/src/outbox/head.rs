@@ -36,6 +36,27 @@ pub(crate) fn marks(n: usize) -> String {
     vec!["?"; n].join(", ")
 }
 
+/// Values per `IN` list of [`in_list`]: below MariaDB's `in_predicate_conversion_threshold`
+/// (1,000 by default).
+const IN_CHUNK: usize = 500;
+
+/// `column IN (?, ...)` for `n` values, as a disjunction of lists of at most [`IN_CHUNK`]
+/// values (placeholders in the same order). MariaDB turns an `IN` list of 1,000 values or more
+/// into a join with a materialized table of the values: a semi-join in a multi-table `UPDATE`,
+/// and in a `SELECT` of a claim batch's candidates a temporary table and a sort of the
+/// selected rows, envelopes included, that cost that statement about a fifth of its time
+/// (`BENCHMARKS.md`, sixth pass). Shorter lists stay ranges of the index, read in its order.
+pub(crate) fn in_list(column: &str, n: usize) -> String {
+    if n <= IN_CHUNK {
+        return format!("{column} IN ({})", marks(n));
+    }
+    let lists: Vec<String> = (0..n)
+        .step_by(IN_CHUNK)
+        .map(|i| format!("{column} IN ({})", marks(IN_CHUNK.min(n - i))))
+        .collect();
+    format!("({})", lists.join(" OR "))
+}
+
 /// The first unfinished row of an aggregate above its last version.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Head {
@@ -91,10 +112,10 @@ impl MySqlOutboxStore {
              SELECT e.aggregate_key, MIN(e.aggregate_type), MIN(e.aggregate_id), \
                     UTC_TIMESTAMP(6) \
              FROM {events} e \
-             WHERE e.id IN ({}) \
+             WHERE {} \
                AND NOT EXISTS (SELECT 1 FROM {state} a WHERE a.aggregate_key = e.aggregate_key) \
              GROUP BY e.aggregate_key",
-            marks(ids.len()),
+            in_list("e.id", ids.len()),
             state = t.state,
             events = t.events,
         );
@@ -128,10 +149,10 @@ impl MySqlOutboxStore {
             return Ok(Vec::new());
         }
         let sql = format!(
-            "SELECT aggregate_key FROM {} WHERE aggregate_key IN ({}) \
+            "SELECT aggregate_key FROM {} WHERE {} \
              ORDER BY aggregate_key FOR UPDATE SKIP LOCKED",
             self.inner.tables.state,
-            marks(keys.len())
+            in_list("aggregate_key", keys.len())
         );
         let mut q = sqlx::query_scalar::<_, Vec<u8>>(&sql);
         for k in keys {
@@ -221,9 +242,9 @@ impl MySqlOutboxStore {
             "SELECT a.aggregate_key, a.last_version, a.lease_row, \
                     COALESCE(a.lease_until > UTC_TIMESTAMP(6), 0) AS leased, \
                     {extra} \
-             FROM {} a WHERE a.aggregate_key IN ({})",
+             FROM {} a WHERE {}",
             t.state,
-            marks(keys.len())
+            in_list("a.aggregate_key", keys.len())
         );
         let mut q = sqlx::query(&sql);
         for k in keys {
@@ -479,4 +500,36 @@ fn head_of(r: &sqlx::mysql::MySqlRow) -> Result<Option<Head>, StoreError> {
         }
     }
     Ok(best)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One placeholder per value, in order, in lists of at most 500 (MariaDB materializes a
+    /// list of 1,000 or more); a short list stays one plain `IN`.
+    #[test]
+    fn in_lists_are_split_below_the_conversion_threshold() {
+        assert_eq!(in_list("id", 1), "id IN (?)");
+        assert_eq!(in_list("id", 500), format!("id IN ({})", marks(500)));
+        for n in [501, 999, 1000, 1001, 1500, 10_000] {
+            let sql = in_list("e.id", n);
+            assert!(
+                sql.starts_with("(e.id IN (") && sql.ends_with("))"),
+                "{n}: {sql}"
+            );
+            let lists: Vec<&str> = sql[1..sql.len() - 1].split(" OR ").collect();
+            assert_eq!(lists.len(), n.div_ceil(500), "{n}");
+            let mut total = 0;
+            for l in &lists {
+                let k = l.matches('?').count();
+                assert!(
+                    l.starts_with("e.id IN (") && (1..=500).contains(&k),
+                    "{n}: {l}"
+                );
+                total += k;
+            }
+            assert_eq!(total, n, "{n}: one placeholder per value");
+        }
+    }
 }
