@@ -910,3 +910,33 @@ async fn colliding_aggregates_without_a_last_version_are_claimed_again_apart() {
     publish_all(&leased, &again).await;
     ctx.drop().await;
 }
+
+/// A lease that has expired is no longer a live claim of its owner: `live_claims_of` counts
+/// it while it lasts and not after, and agrees with what `release_claims_of` would release.
+/// Kills `owner_leases`'s ` AND a.lease_until > clock_timestamp()` dropped: the count (a
+/// `count(*)` over that statement) then included the expired lease, which the release (whose
+/// own statement checks the lease's end again) does not end.
+#[tokio::test]
+async fn an_expired_lease_is_not_a_live_claim() {
+    let ctx = ctx!(4);
+    let store = ctx.store(lease(2.0)).await;
+    store
+        .append(&ctx.pool, &ev("order", "expires", 1))
+        .await
+        .unwrap();
+    let b = claim(&store, "slow", 100).await;
+    assert_eq!(b.records.len(), 1);
+    assert_eq!(
+        store.live_claims_of("slow").await.unwrap(),
+        1,
+        "while it lasts"
+    );
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        store.live_claims_of("slow").await.unwrap(),
+        0,
+        "an expired lease is not live"
+    );
+    assert_eq!(store.release_claims_of("slow", "ops").await.unwrap(), 0);
+    ctx.drop().await;
+}
