@@ -940,3 +940,49 @@ async fn an_expired_lease_is_not_a_live_claim() {
     assert_eq!(store.release_claims_of("slow", "ops").await.unwrap(), 0);
     ctx.drop().await;
 }
+
+/// Parking an undecodable head releases that head's lease only, not the live lease of another
+/// aggregate whose key collides with it (the colliding stand-in): the other relay's claim
+/// still holds and its completion applies. Kills ` AND ` → ` OR ` after the key list in
+/// `park_undecodable`'s lease release (`aggregate_key = ANY($4) OR lease_token = ..`), which
+/// released every lease of the key: the other relay's publication was refused.
+#[tokio::test]
+async fn parking_an_undecodable_head_keeps_a_colliding_aggregates_lease() {
+    let ctx = ctx!(4);
+    let (_pool, store) = colliding_store(&ctx, lease(30.0), false).await;
+    store
+        .append(&ctx.pool, &ev("order", "collide-b", 1))
+        .await
+        .unwrap();
+    let held = claim(&store, "r1", 100).await;
+    assert_eq!(
+        claimed(&held),
+        vec![("order".into(), "collide-b".into(), 1)]
+    );
+    let bad = ev("order", "collide-a", 1);
+    sqlx::query(&format!(
+        "INSERT INTO \"{}\".outbox_events (event_id, aggregate_type, aggregate_id, \
+           aggregate_version, event_type, schema_version, content_type, payload, created_at) \
+         VALUES ($1, $2, $3, 1, $4, 1, ' ', $5, now())",
+        ctx.schema
+    ))
+    .bind(bad.event_id.as_uuid())
+    .bind(&bad.aggregate_type)
+    .bind(&bad.aggregate_id)
+    .bind(&bad.event_type)
+    .bind(&bad.payload.bytes)
+    .execute(&ctx.pool)
+    .await
+    .unwrap();
+    let b = claim(&store, "r2", 100).await;
+    assert!(b.records.is_empty(), "{:?}", claimed(&b));
+    assert_eq!(b.parked.len(), 1);
+    assert_eq!(b.parked[0].event_id, bad.event_id);
+    assert_eq!(
+        store.live_claims_of("r1").await.unwrap(),
+        1,
+        "the colliding aggregate's lease is not released"
+    );
+    publish_all(&store, &held).await;
+    ctx.drop().await;
+}
