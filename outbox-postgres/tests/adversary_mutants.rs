@@ -986,3 +986,45 @@ async fn parking_an_undecodable_head_keeps_a_colliding_aggregates_lease() {
     publish_all(&store, &held).await;
     ctx.drop().await;
 }
+
+/// Discarding an aggregate's parked head promotes that aggregate's next version, not the
+/// blocked row of another aggregate of the same type whose key collides with it (the colliding
+/// stand-in) and which sorts first. Kills `discard_parked`'s promotion without
+/// ` AND b.aggregate_id = p.ai`: the other aggregate's row was promoted (and blocked again by
+/// the next claim) while this one's next version stayed blocked.
+#[tokio::test]
+async fn a_discard_promotes_its_own_aggregate_under_a_key_collision() {
+    let ctx = ctx!(4);
+    let (_pool, store) = colliding_store(&ctx, ClaimMode::LockedTransaction, false).await;
+    let (a1, b1) = (ev("order", "collide-a", 1), ev("order", "collide-b", 1));
+    store
+        .append_many(&ctx.pool, &[a1.clone(), b1.clone()])
+        .await
+        .unwrap();
+    let first = claim(&store, "r", 100).await;
+    assert_eq!(first.records.len(), 2);
+    let rep = store
+        .complete(&first.handle, &[park(&a1), park(&b1)])
+        .await
+        .unwrap();
+    assert_eq!(rep.applied, 2);
+    // b's version 2 first: it sorts before a's among the rows of the colliding key.
+    let (b2, a2) = (ev("order", "collide-b", 2), ev("order", "collide-a", 2));
+    store
+        .append_many(&ctx.pool, &[b2.clone(), a2.clone()])
+        .await
+        .unwrap();
+    assert!(claim(&store, "r", 100).await.is_empty(), "both blocked");
+    store
+        .discard_parked(a1.event_id, "ops", "gone")
+        .await
+        .unwrap();
+    let next = claim(&store, "r", 100).await;
+    assert_eq!(
+        claimed(&next),
+        vec![("order".into(), "collide-a".into(), 2)],
+        "the discard promotes its own aggregate's next version"
+    );
+    publish_all(&store, &next).await;
+    ctx.drop().await;
+}
