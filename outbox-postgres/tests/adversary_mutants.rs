@@ -11,7 +11,7 @@ mod common;
 use outbox_core::prelude::*;
 use std::time::Duration;
 
-use outbox_core::{ClaimMode, Envelope, ErrorClass, LastError, Outcome};
+use outbox_core::{ClaimMode, ClaimRequest, Envelope, ErrorClass, LastError, Outcome, ParkKind};
 use outbox_postgres::PostgresOutboxStore;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
@@ -671,5 +671,360 @@ async fn a_locked_relay_counts_an_expired_lease_as_the_first_version() {
     assert_eq!(b.parked.len(), 1);
     assert_eq!(b.parked[0].event_id, v3.event_id);
     publish_all(&locked, &b).await;
+    ctx.drop().await;
+}
+
+/// A stale twin parked by a claim promotes the version blocked behind it even when an older
+/// parked row of its aggregate (a stale duplicate of a version already published) sorts
+/// first, in both claim modes. The aggregate: version 1 published, a duplicate of version 1
+/// parked as out of order, then version 2, a twin of version 2 and version 3; the first claim
+/// takes version 2 and blocks its twin and version 3; publishing version 2 promotes the twin;
+/// the next claim parks the twin as stale and must promote version 3, which the claim after it
+/// hands out. Kills the claim's promotion without ` AND b.blocked` (`claim_decide_locked`,
+/// `claim_decide_lease`): the first unfinished row other than the twin is then the parked
+/// duplicate, which is not blocked, so nothing is promoted and version 3 stays blocked for
+/// good (no publication or operator action of that aggregate is left to promote it).
+#[tokio::test]
+async fn a_parked_twin_promotes_the_next_version_past_an_older_parked_duplicate() {
+    let ctx = ctx!(4);
+    for (n, mode) in modes().into_iter().enumerate() {
+        let store = ctx.store(mode).await;
+        let id = format!("twins-{n}");
+        store.append(&ctx.pool, &ev("order", &id, 1)).await.unwrap();
+        publish_all(&store, &claim(&store, "r", 100).await).await;
+        let dup = ev("order", &id, 1);
+        store.append(&ctx.pool, &dup).await.unwrap();
+        let b = claim(&store, "r", 100).await;
+        assert!(b.records.is_empty(), "{mode:?}: {:?}", claimed(&b));
+        assert_eq!(b.parked.len(), 1, "{mode:?}");
+        assert_eq!(b.parked[0].event_id, dup.event_id, "{mode:?}");
+
+        let (v2, twin, v3) = (
+            ev("order", &id, 2),
+            ev("order", &id, 2),
+            ev("order", &id, 3),
+        );
+        store
+            .append_many(&ctx.pool, &[v2.clone(), twin.clone(), v3.clone()])
+            .await
+            .unwrap();
+        let b = claim(&store, "r", 100).await;
+        assert_eq!(b.records.len(), 1, "{mode:?}: {:?}", claimed(&b));
+        assert_eq!(b.records[0].envelope.event_id, v2.event_id, "{mode:?}");
+        publish_all(&store, &b).await;
+
+        // The twin, promoted by the publication, is now stale.
+        let b = claim(&store, "r", 100).await;
+        assert!(b.records.is_empty(), "{mode:?}: {:?}", claimed(&b));
+        assert_eq!(b.parked.len(), 1, "{mode:?}");
+        assert_eq!(b.parked[0].event_id, twin.event_id, "{mode:?}");
+
+        let b = claim(&store, "r", 100).await;
+        assert_eq!(
+            claimed(&b),
+            vec![("order".into(), id.clone(), 3)],
+            "{mode:?}: version 3 must be promoted when the twin before it is parked"
+        );
+        publish_all(&store, &b).await;
+        let s = store.stats().await.unwrap();
+        assert_eq!((s.parked, s.blocked, s.unpublished), (2, 0, 0), "{mode:?}");
+        for e in [&dup, &twin] {
+            store
+                .discard_parked(e.event_id, "ops", "duplicate")
+                .await
+                .unwrap();
+        }
+    }
+    ctx.drop().await;
+}
+
+/// An event whose aggregate id is longer than the store can key (written by plain SQL) is
+/// parked by the claim that meets it as a permanent error of kind `invalid_record`, in both
+/// claim modes, and that is what an operator reads of it (`parked_event`, `list_parked`), not
+/// only what the claim reports. Kills `'bad_key'` → `'stale'` in the park kind of the claim's
+/// `prk` (`CASE h.action WHEN 'stale' .. WHEN 'bad_key' THEN 'permanent_error' ELSE
+/// 'version_gap'`), in `claim_decide_lease` and `claim_decide_locked`: the event was stored
+/// as a version gap (`park_kind` and `last_error_kind` `version_gap`) while the claim reported
+/// a permanent error.
+#[tokio::test]
+async fn an_over_long_aggregate_is_stored_as_a_permanent_error_in_both_modes() {
+    let ctx = ctx!(4);
+    let too_long = "x".repeat(outbox_core::MAX_AGGREGATE_NAME_BYTES + 1);
+    for (n, mode) in modes().into_iter().enumerate() {
+        let store = ctx.store(mode).await;
+        // The builder refuses such a name: the event is a short one written under the long id.
+        let long = ev("order", &format!("long-{n}"), 1);
+        let long_id = format!("{n}{too_long}");
+        sqlx::query(&format!(
+            "INSERT INTO \"{}\".outbox_events (event_id, aggregate_type, aggregate_id, \
+               aggregate_version, event_type, schema_version, content_type, payload, created_at) \
+             VALUES ($1, $2, $3, 1, $4, 1, 'application/json', $5, now())",
+            ctx.schema
+        ))
+        .bind(long.event_id.as_uuid())
+        .bind(&long.aggregate_type)
+        .bind(&long_id)
+        .bind(&long.event_type)
+        .bind(&long.payload.bytes)
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
+        let b = claim(&store, "r", 100).await;
+        assert!(b.records.is_empty(), "{mode:?}");
+        assert_eq!(b.parked.len(), 1, "{mode:?}");
+        assert_eq!(
+            (b.parked[0].event_id, b.parked[0].kind),
+            (long.event_id, ParkKind::PermanentError),
+            "{mode:?}: the claim's report"
+        );
+        let p = store.parked_event(long.event_id).await.unwrap();
+        assert_eq!(
+            (
+                p.reason.kind,
+                p.reason.error.class,
+                p.reason.error.kind.as_str()
+            ),
+            (
+                ParkKind::PermanentError,
+                ErrorClass::Permanent,
+                "invalid_record"
+            ),
+            "{mode:?}: what is stored: {}",
+            p.reason.error.message
+        );
+        assert!(
+            p.reason.error.message.contains("longer than"),
+            "{mode:?}: {}",
+            p.reason.error.message
+        );
+        store
+            .discard_parked(long.event_id, "ops", "too long")
+            .await
+            .unwrap();
+    }
+    ctx.drop().await;
+}
+
+/// A lease that ends at the very instant an operator's release reads the clock has expired:
+/// `release_claims_of` neither releases nor counts nor audits it (a claim would take it over:
+/// `lease_until <= clock_timestamp()`). The release runs on sessions where
+/// `clock_timestamp()` stands in for that coincidence: the walk of the owner's leases
+/// (`owner_leases`) sees the lease one microsecond before its end, the release itself
+/// (`release_owner_lease`, told apart by its text) at its end. Kills `release_owner_lease`'s
+/// `lease_until > clock_timestamp()` → `>=`: the expired lease was released, counted and
+/// audited.
+#[tokio::test]
+async fn a_lease_ending_at_the_release_instant_is_not_released() {
+    let ctx = ctx!(4);
+    let store = ctx.store(lease(30.0)).await;
+    let e = ev("order", "ends-now", 1);
+    store.append(&ctx.pool, &e).await.unwrap();
+    let b = claim(&store, "gone", 100).await;
+    assert_eq!(b.records.len(), 1);
+    let s = &ctx.schema;
+    let (_pool, at_end) = stand_in_store(
+        &ctx,
+        lease(30.0),
+        false,
+        &format!(
+            "clock_timestamp() RETURNS timestamptz LANGUAGE sql VOLATILE AS $$ \
+               SELECT CASE WHEN pg_catalog.current_query() LIKE '%lease_owner = $4%' \
+                           THEN u ELSE u - interval '1 microsecond' END \
+               FROM (SELECT lease_until AS u FROM \"{s}\".outbox_events_aggregate \
+                     WHERE aggregate_id = 'ends-now') l $$"
+        ),
+    )
+    .await;
+    assert_eq!(at_end.release_claims_of("gone", "ops").await.unwrap(), 0);
+    assert!(
+        at_end
+            .audit_trail(Some(e.event_id))
+            .await
+            .unwrap()
+            .is_empty(),
+        "an expired lease is not audited as released"
+    );
+    let (owner, row): (Option<String>, Option<i64>) = sqlx::query_as(&format!(
+        "SELECT lease_owner, lease_row FROM \"{s}\".outbox_events_aggregate \
+         WHERE aggregate_id = 'ends-now'"
+    ))
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap();
+    assert!(
+        owner.is_some() && row.is_some(),
+        "the lease row is left as it was"
+    );
+    // With the real clock the lease is live and released.
+    assert_eq!(store.release_claims_of("gone", "ops").await.unwrap(), 1);
+    ctx.drop().await;
+}
+
+/// Two aggregates whose keys collide, both with a state row but no last version yet (a lease
+/// claim took their first versions and was released), are claimed again, each at
+/// its own first version, by a locked relay and by a lease relay with `accept_first_version`.
+/// Kills ` AND ` → ` OR ` after the key comparison in the first-version rule's lookup of the
+/// aggregate's lease row (`claim_decide_lease` and `claim_decide_locked`, `first_version`
+/// variant): `key = .. OR type = .. AND id = ..` meets the colliding aggregate's state row too,
+/// and the scalar subquery returns two rows: the claim fails.
+#[tokio::test]
+async fn colliding_aggregates_without_a_last_version_are_claimed_again_apart() {
+    let ctx = ctx!(4);
+    let (_lp, leased) = colliding_store(&ctx, lease(30.0), true).await;
+    let (_kp, locked) = colliding_store(&ctx, ClaimMode::LockedTransaction, true).await;
+    let (a, b) = (ev("order", "collide-a", 5), ev("order", "collide-b", 7));
+    let want = vec![
+        ("order".into(), "collide-a".into(), 5),
+        ("order".into(), "collide-b".into(), 7),
+    ];
+    leased
+        .append_many(&ctx.pool, &[a.clone(), b.clone()])
+        .await
+        .unwrap();
+    let first = claim(&leased, "r", 100).await;
+    assert_eq!(claimed(&first), want);
+    // Released without outcome: nothing marks the rows as maybe delivered, so the rule looks
+    // the lease row up (a row marked would satisfy the filter before the lookup runs).
+    leased.release(&first.handle).await.unwrap();
+    let lasts: Vec<_> = last_versions(&ctx.pool, &ctx.schema)
+        .await
+        .into_iter()
+        .map(|(_, i, l)| (i, l))
+        .collect();
+    assert_eq!(
+        lasts,
+        vec![("collide-a".into(), None), ("collide-b".into(), None)],
+        "two state rows without a last version"
+    );
+    let by_locked = locked
+        .claim(&ClaimRequest::new("k", 100))
+        .await
+        .expect("a locked claim of colliding first versions");
+    assert_eq!(claimed(&by_locked), want, "locked");
+    locked.release(&by_locked.handle).await.unwrap();
+    let again = leased
+        .claim(&ClaimRequest::new("r", 100))
+        .await
+        .expect("a lease claim of colliding first versions");
+    assert_eq!(claimed(&again), want, "lease");
+    publish_all(&leased, &again).await;
+    ctx.drop().await;
+}
+
+/// A lease that has expired is no longer a live claim of its owner: `live_claims_of` counts
+/// it while it lasts and not after, and agrees with what `release_claims_of` would release.
+/// Kills `owner_leases`'s ` AND a.lease_until > clock_timestamp()` dropped: the count (a
+/// `count(*)` over that statement) then included the expired lease, which the release (whose
+/// own statement checks the lease's end again) does not end.
+#[tokio::test]
+async fn an_expired_lease_is_not_a_live_claim() {
+    let ctx = ctx!(4);
+    let store = ctx.store(lease(2.0)).await;
+    store
+        .append(&ctx.pool, &ev("order", "expires", 1))
+        .await
+        .unwrap();
+    let b = claim(&store, "slow", 100).await;
+    assert_eq!(b.records.len(), 1);
+    assert_eq!(
+        store.live_claims_of("slow").await.unwrap(),
+        1,
+        "while it lasts"
+    );
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        store.live_claims_of("slow").await.unwrap(),
+        0,
+        "an expired lease is not live"
+    );
+    assert_eq!(store.release_claims_of("slow", "ops").await.unwrap(), 0);
+    ctx.drop().await;
+}
+
+/// Parking an undecodable head releases that head's lease only, not the live lease of another
+/// aggregate whose key collides with it (the colliding stand-in): the other relay's claim
+/// still holds and its completion applies. Kills ` AND ` → ` OR ` after the key list in
+/// `park_undecodable`'s lease release (`aggregate_key = ANY($4) OR lease_token = ..`), which
+/// released every lease of the key: the other relay's publication was refused.
+#[tokio::test]
+async fn parking_an_undecodable_head_keeps_a_colliding_aggregates_lease() {
+    let ctx = ctx!(4);
+    let (_pool, store) = colliding_store(&ctx, lease(30.0), false).await;
+    store
+        .append(&ctx.pool, &ev("order", "collide-b", 1))
+        .await
+        .unwrap();
+    let held = claim(&store, "r1", 100).await;
+    assert_eq!(
+        claimed(&held),
+        vec![("order".into(), "collide-b".into(), 1)]
+    );
+    let bad = ev("order", "collide-a", 1);
+    sqlx::query(&format!(
+        "INSERT INTO \"{}\".outbox_events (event_id, aggregate_type, aggregate_id, \
+           aggregate_version, event_type, schema_version, content_type, payload, created_at) \
+         VALUES ($1, $2, $3, 1, $4, 1, ' ', $5, now())",
+        ctx.schema
+    ))
+    .bind(bad.event_id.as_uuid())
+    .bind(&bad.aggregate_type)
+    .bind(&bad.aggregate_id)
+    .bind(&bad.event_type)
+    .bind(&bad.payload.bytes)
+    .execute(&ctx.pool)
+    .await
+    .unwrap();
+    let b = claim(&store, "r2", 100).await;
+    assert!(b.records.is_empty(), "{:?}", claimed(&b));
+    assert_eq!(b.parked.len(), 1);
+    assert_eq!(b.parked[0].event_id, bad.event_id);
+    assert_eq!(
+        store.live_claims_of("r1").await.unwrap(),
+        1,
+        "the colliding aggregate's lease is not released"
+    );
+    publish_all(&store, &held).await;
+    ctx.drop().await;
+}
+
+/// Discarding an aggregate's parked head promotes that aggregate's next version, not the
+/// blocked row of another aggregate of the same type whose key collides with it (the colliding
+/// stand-in) and which sorts first. Kills `discard_parked`'s promotion without
+/// ` AND b.aggregate_id = p.ai`: the other aggregate's row was promoted (and blocked again by
+/// the next claim) while this one's next version stayed blocked.
+#[tokio::test]
+async fn a_discard_promotes_its_own_aggregate_under_a_key_collision() {
+    let ctx = ctx!(4);
+    let (_pool, store) = colliding_store(&ctx, ClaimMode::LockedTransaction, false).await;
+    let (a1, b1) = (ev("order", "collide-a", 1), ev("order", "collide-b", 1));
+    store
+        .append_many(&ctx.pool, &[a1.clone(), b1.clone()])
+        .await
+        .unwrap();
+    let first = claim(&store, "r", 100).await;
+    assert_eq!(first.records.len(), 2);
+    let rep = store
+        .complete(&first.handle, &[park(&a1), park(&b1)])
+        .await
+        .unwrap();
+    assert_eq!(rep.applied, 2);
+    // b's version 2 first: it sorts before a's among the rows of the colliding key.
+    let (b2, a2) = (ev("order", "collide-b", 2), ev("order", "collide-a", 2));
+    store
+        .append_many(&ctx.pool, &[b2.clone(), a2.clone()])
+        .await
+        .unwrap();
+    assert!(claim(&store, "r", 100).await.is_empty(), "both blocked");
+    store
+        .discard_parked(a1.event_id, "ops", "gone")
+        .await
+        .unwrap();
+    let next = claim(&store, "r", 100).await;
+    assert_eq!(
+        claimed(&next),
+        vec![("order".into(), "collide-a".into(), 2)],
+        "the discard promotes its own aggregate's next version"
+    );
+    publish_all(&store, &next).await;
     ctx.drop().await;
 }
