@@ -60,6 +60,11 @@ const INBOX_MIGRATIONS: &[Migration] = &[
         "parked messages deduplicated per aggregate",
         include_str!("migrations/0003_inbox.sql"),
     ),
+    (
+        4,
+        "parked messages keep their transport's own position",
+        include_str!("migrations/0004_inbox.sql"),
+    ),
 ];
 
 /// Longest accepted table name: derived names (`<table>_aggregates`,
