@@ -82,11 +82,7 @@ async fn inbox_migration_2_upgrades_beside_consumers_of_the_previous_version() {
         .execute(&ctx.pool)
         .await
         .unwrap();
-    assert_eq!(
-        inbox.migrate().await.unwrap(),
-        3,
-        "migrations 2 to 4 apply"
-    );
+    assert_eq!(inbox.migrate().await.unwrap(), 3, "migrations 2 to 4 apply");
     // The consumer of the previous version, after the upgrade.
     sqlx::query(&old_insert)
         .bind("c")
