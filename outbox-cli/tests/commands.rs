@@ -933,6 +933,23 @@ async fn a_consumers_parked_messages_are_listed_shown_discarded_and_counted() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumers_parked_message_shows_its_transports_position() {
+    let env = env_or_skip!("consumer_parked_native", 0);
+    let s = env.schema.clone();
+    std::fs::write(
+        env.dir.join("outbox.toml"),
+        format!("[[consumers]]\nname = \"billing\"\ninbox_schema = \"{s}\"\n"),
+    )
+    .unwrap();
+    env.migrate();
+    let out = env.run(&["migrate", "--inbox"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let side = PgInbox::new(&env).await;
+    consumer_ops::parked_messages_show_their_transports_position(&side).await;
+    env.drop_schema().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cleanup_inbox_removes_registrations_past_the_dedup_window_in_batches() {
     let env = env_or_skip!("cleanup_inbox", 0);
     env.migrate();

@@ -786,6 +786,16 @@ async fn a_consumers_parked_messages_on_mariadb_are_listed_shown_discarded_and_c
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumers_parked_message_on_mariadb_shows_its_transports_position() {
+    let Some(db) = Db::new("consumer_parked_native_on_mariadb").await else {
+        return;
+    };
+    let side = MyInbox::new(&db).await;
+    consumer_ops::parked_messages_show_their_transports_position(&side).await;
+    db.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_consumer_discard_on_mariadb_skips_versions_only_when_told_how_far() {
     let Some(db) = Db::new("consumer_skip_to_on_mariadb").await else {
         return;

@@ -75,11 +75,12 @@ pub use error::{
     SourceErrorKind, StoreError, StoreErrorKind,
 };
 pub use inbox::{
-    AggregateKey, AggregateRegistration, AggregateState, CommitOffset, InboxAction,
+    AckModel, AggregateKey, AggregateRegistration, AggregateState, CommitOffset, InboxAction,
     InboxAuditEntry, InboxParking, InboxStore, InboxStoreExt, LogPosition, MessageSource,
-    NewParkedMessage, ParkAs, ParkedChange, ParkedFilter, ParkedId, ParkedMessage, ParkedRecord,
-    ParkedStats, ParkedStatus, Parking, PartitionLag, ReceivedMessage, RecordHeader, Registration,
-    RetryRequest, TopicPartition, VersionAdvance,
+    NativeColumns, NativeColumnsError, NativePosition, NewParkedMessage, ParkAs, ParkedChange,
+    ParkedFilter, ParkedId, ParkedMessage, ParkedRecord, ParkedStats, ParkedStatus, Parking,
+    PartitionLag, ReceivedMessage, RecordHeader, Registration, RetryRequest, TopicPartition,
+    VersionAdvance,
 };
 pub use publisher::{PublishResult, Publisher};
 pub use relay::{

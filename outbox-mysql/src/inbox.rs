@@ -348,6 +348,7 @@ impl MySqlInboxStore {
         // position. Another record at a position parked before (the log was rewound) is a
         // different record: it is parked under an id derived from its position and content.
         let mut dedup = r.dedup_id.map(|e| e.as_uuid());
+        let native = r.position.native_columns();
         let (key_sql, agg) = match &r.aggregate {
             Some(a) => (KEY_EXPR, Some(a)),
             None => ("NULL", None),
@@ -355,8 +356,11 @@ impl MySqlInboxStore {
         let insert = format!(
             "INSERT INTO {} (consumer, topic, `partition`, `offset`, record_key, headers, value, \
                aggregate_type, aggregate_id, aggregate_key, event_id, dedup_id, \
-               aggregate_version, status, kind, reason, attempts, parked_at) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, {key_sql}, ?, ?, ?, ?, ?, ?, ?, UTC_TIMESTAMP(6))",
+               aggregate_version, status, kind, reason, attempts, parked_at, native_transport, \
+               native_sequence, native_consumer, native_exchange, native_routing_key, \
+               native_redelivered) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, {key_sql}, ?, ?, ?, ?, ?, ?, ?, UTC_TIMESTAMP(6), \
+               ?, ?, ?, ?, ?, ?)",
             self.tables.parked
         );
         let id = loop {
@@ -381,6 +385,12 @@ impl MySqlInboxStore {
                 .bind(kind)
                 .bind(&m.reason)
                 .bind(i32::try_from(m.attempts).unwrap_or(i32::MAX))
+                .bind(native.transport.as_deref())
+                .bind(native.sequence)
+                .bind(native.consumer.as_deref())
+                .bind(native.exchange.as_deref())
+                .bind(native.routing_key.as_deref())
+                .bind(native.redelivered)
                 .execute(&mut *tx)
                 .await;
             match inserted {

@@ -5,9 +5,9 @@ use sqlx::mysql::MySqlRow;
 use sqlx::{MySql, Row, Transaction};
 
 use outbox_core::{
-    async_trait, AggregateKey, InboxAction, InboxAuditEntry, InboxParking, LogPosition, ParkKind,
-    ParkedChange, ParkedFilter, ParkedId, ParkedMessage, ParkedRecord, ParkedStats, ParkedStatus,
-    RecordHeader, RetryRequest, StoreError, StoreErrorKind,
+    async_trait, AggregateKey, InboxAction, InboxAuditEntry, InboxParking, LogPosition,
+    NativeColumns, ParkKind, ParkedChange, ParkedFilter, ParkedId, ParkedMessage, ParkedRecord,
+    ParkedStats, ParkedStatus, RecordHeader, RetryRequest, StoreError, StoreErrorKind,
 };
 
 use crate::error::db;
@@ -15,7 +15,9 @@ use crate::inbox::{check_consumer, MySqlInboxStore, KEY_EXPR};
 
 const COLUMNS: &str = "id, consumer, topic, `partition`, `offset`, record_key, headers, value, \
                        status, kind, reason, attempts, parked_at, resolved_at, \
-                       retry_requested_at, retry_requested_by, retry_requested_reason";
+                       retry_requested_at, retry_requested_by, retry_requested_reason, \
+                       native_transport, native_sequence, native_consumer, native_exchange, \
+                       native_routing_key, native_redelivered";
 const OPEN: &str = "status IN ('parked', 'waiting')";
 
 /// Headers as stored: per header a 4-byte big-endian name length, the name, a flag byte (0:
@@ -79,12 +81,22 @@ fn corrupt(what: &str, value: &str) -> StoreError {
 fn to_parked(row: &MySqlRow) -> Result<ParkedMessage, StoreError> {
     let raw: Vec<u8> = row.try_get("headers").map_err(db)?;
     let headers = decode_headers(&raw).ok_or_else(|| corrupt("headers", "<bytes>"))?;
-    let record = ParkedRecord::new(
-        LogPosition::new(
-            crate::error::text(row, "topic")?,
-            row.try_get("partition").map_err(db)?,
-            row.try_get("offset").map_err(db)?,
+    let position = LogPosition::from_columns(
+        crate::error::text(row, "topic")?,
+        row.try_get("partition").map_err(db)?,
+        row.try_get("offset").map_err(db)?,
+        NativeColumns::new(
+            crate::error::opt_text(row, "native_transport")?,
+            row.try_get("native_sequence").map_err(db)?,
+            crate::error::opt_text(row, "native_consumer")?,
+            crate::error::opt_text(row, "native_exchange")?,
+            crate::error::opt_text(row, "native_routing_key")?,
+            row.try_get("native_redelivered").map_err(db)?,
         ),
+    )
+    .map_err(|e| StoreError::new(StoreErrorKind::Schema, e.to_string()))?;
+    let record = ParkedRecord::new(
+        position,
         row.try_get("record_key").map_err(db)?,
         headers,
         row.try_get("value").map_err(db)?,

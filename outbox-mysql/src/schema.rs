@@ -60,6 +60,11 @@ const INBOX_MIGRATIONS: &[Migration] = &[
         "parked messages deduplicated per aggregate",
         include_str!("migrations/0003_inbox.sql"),
     ),
+    (
+        4,
+        "parked messages keep their transport's own position",
+        include_str!("migrations/0004_inbox.sql"),
+    ),
 ];
 
 /// Longest accepted table name: derived names (`<table>_aggregates`,
@@ -467,9 +472,12 @@ mod tests {
         assert!(stmts[16].starts_with("CREATE TABLE IF NOT EXISTS `shop`.`events_relays` ("));
         let unqualified = inbox_schema_sql(None, "processed").unwrap();
         let stmts = statements(&unqualified);
-        assert_eq!(stmts.len(), 8, "{stmts:#?}");
+        assert_eq!(stmts.len(), 9, "{stmts:#?}");
         assert!(stmts[4].starts_with("ALTER TABLE `processed` ADD COLUMN aggregate"));
         assert!(stmts[7].starts_with("ALTER TABLE `processed_parked` DROP KEY dedup_key"));
+        assert!(
+            stmts[8].starts_with("ALTER TABLE `processed_parked`\n    ADD COLUMN native_transport")
+        );
         assert!(stmts[0].starts_with("CREATE TABLE IF NOT EXISTS `processed` ("));
         assert!(outbox_schema_sql(Some("Shop"), "events").is_err());
         assert!(inbox_schema_sql(None, &"t".repeat(41)).is_err());

@@ -37,8 +37,8 @@
 //! | error classes | typed | [`error`]: async-nats error kinds and JetStream API codes, table-tested |
 //! | missing stream | error at start, confirmed at run time | [`NatsPublisherBuilder::start`]; "no responders" is `unknown_topic` only when the JetStream API confirms no stream captures the subject, else `broker_unavailable` |
 //! | server outage | transient, transport-scoped | the client reconnects in the background; records of a batch fail as `timeout`/`broker_unavailable` within [`delivery_timeout`](outbox_core::Publisher::delivery_timeout) + [`REPORT_GRACE`] (`tests/outage.rs`: server killed and restarted mid-batch) |
-//! | consumer acks | explicit, after commit | [`outbox_core::MessageSource::commit`] acks (confirmed `+ACK`) every delivery below the committed offset |
-//! | consumer positions | temporary mapping | `(stream, 0, delivery sequence)`: see [`NatsSource`] for why not the stream sequence |
+//! | consumer acks | explicit, after commit, per message ([`AckModel::PerMessage`](outbox_core::AckModel::PerMessage)) | [`outbox_core::MessageSource::commit`] acks (confirmed `+ACK`) every delivery below the committed offset |
+//! | consumer positions | native | ordered by `(stream, 0, delivery sequence)` (see [`NatsSource`] for why not the stream sequence); identified by [`LogPosition::jetstream`](outbox_core::LogPosition::jetstream): stream sequence and durable consumer, kept with a parked message |
 //! | redelivery | handled | a message still in flight here is not handed out twice; an older one redelivered after later ones is held behind by the engine's version policy (`Hold` with `require_first_version`) |
 //! | retention gap | not detected | JetStream skips deleted messages silently |
 //!

@@ -1,7 +1,7 @@
-//! [`NatsSource`]: the consumer side, a durable JetStream pull consumer with explicit acks
-//! behind today's offset-shaped [`MessageSource`].
+//! [`NatsSource`]: the consumer side, a durable JetStream pull consumer with explicit acks,
+//! acknowledging per message ([`AckModel::PerMessage`]).
 //!
-//! # How JetStream is fitted to the offset model (temporary, see `docs/transports.md`)
+//! # How JetStream's per-message acks meet the engine's watermark (see `docs/transports.md`)
 //!
 //! JetStream acknowledges **per message** and redelivers an unacknowledged message after its
 //! ack wait, *after* later messages were delivered; the engine commits a **contiguous
@@ -10,9 +10,12 @@
 //! handed out, which the watermark must treat as a rewind (forgetting every message in flight),
 //! and a cumulative ack after such a rewind could cover messages still being applied.
 //!
-//! So a message's position is `(stream, 0, consumer delivery sequence)`: the sequence JetStream
-//! gives each *delivery* of the durable consumer, which grows with every delivery, redeliveries
-//! included (`redelivery_gets_a_new_delivery_sequence` checks this against the server).
+//! So a message's position ([`LogPosition::jetstream`]) is ordered by the consumer's
+//! **delivery sequence** (`(stream, 0, delivery sequence)`): the sequence JetStream gives each
+//! *delivery* of the durable consumer, which grows with every delivery, redeliveries included
+//! (`redelivery_gets_a_new_delivery_sequence` checks this against the server). Its native
+//! identity keeps the **stream sequence** and the durable consumer's name: what a parked
+//! message shows an operator (`stream ORDERS seq 42 (delivery 3, consumer billing)`).
 //! [`commit`](MessageSource::commit) turns "next offset `n`" into one confirmed ack (`+ACK`,
 //! answered by the server) for every delivery this member handed out below `n`.
 //!
@@ -22,12 +25,12 @@
 //! * **Redelivery of a message this member does not hold** (another member crashed holding
 //!   it, or this process restarted): a new, higher position; the engine applies it or finds it
 //!   a duplicate, and an aggregate whose later version arrived first waits for it under
-//!   `VersionPolicy::Hold` with `require_first_version` (the test `redelivered_head_*`).
+//!   `VersionPolicy::Hold` with `require_first_version`, its later messages unacknowledged
+//!   (the tests `redelivered_head_*`).
 //!
-//! What the offset model costs here, and per-message acknowledgement (phase 2) removes: a
-//! message that is final but behind an unfinished one is not acked until the watermark passes
-//! it (and may be redelivered meanwhile); the stored position of a parked message is the
-//! delivery sequence, not the stream sequence (the stream sequence is logged).
+//! What the one watermark costs here: a message that is final but behind an unfinished one is
+//! not acked until the watermark passes it (and may be redelivered meanwhile, a duplicate the
+//! inbox absorbs).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -44,8 +47,8 @@ use futures::future::join_all;
 use futures::StreamExt;
 use outbox_core::watermark::SharedOffsetTracker;
 use outbox_core::{
-    async_trait, CommitOffset, ConfigError, ErrorClass, LogPosition, MessageSource, PartitionLag,
-    ReceivedMessage, RecordHeader, SourceError, TopicPartition,
+    async_trait, AckModel, CommitOffset, ConfigError, ErrorClass, LogPosition, MessageSource,
+    PartitionLag, ReceivedMessage, RecordHeader, SourceError, TopicPartition,
 };
 use tokio::time::Instant;
 
@@ -483,11 +486,8 @@ impl NatsSource {
         let timestamp =
             DateTime::<Utc>::from_timestamp(published.unix_timestamp(), published.nanosecond());
         tracing::trace!(stream = %self.tp.topic, seq, delivery, "message handed out");
-        let position = LogPosition::new(
-            self.tp.topic.clone(),
-            0,
-            i64::try_from(delivery).unwrap_or(i64::MAX),
-        );
+        let position =
+            LogPosition::jetstream(self.tp.topic.clone(), seq, delivery, &self.config.durable);
         Ok(Some(ReceivedMessage::from_record(
             position,
             None,
@@ -558,6 +558,11 @@ impl MessageSource for NatsSource {
 
     async fn commit(&self, offsets: &[CommitOffset]) -> Result<(), SourceError> {
         self.ack_below(offsets, true).await
+    }
+
+    /// Per message: a commit acks each delivery below it (see the [module docs](crate::source)).
+    fn ack_model(&self) -> AckModel {
+        AckModel::PerMessage
     }
 
     fn attach_offsets(&self, offsets: SharedOffsetTracker) {

@@ -167,8 +167,11 @@ impl PostgresInboxStoreBuilder {
             insert_parked: format!(
                 "INSERT INTO {parked} (consumer, topic, \"partition\", \"offset\", record_key, \
                    header_names, header_values, value, aggregate_type, aggregate_id, event_id, \
-                   dedup_id, aggregate_version, status, kind, reason, attempts) \
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17) \
+                   dedup_id, aggregate_version, status, kind, reason, attempts, native_transport, \
+                   native_sequence, native_consumer, native_exchange, native_routing_key, \
+                   native_redelivered) \
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, \
+                   $18, $19, $20, $21, $22, $23) \
                  ON CONFLICT DO NOTHING RETURNING id"
             ),
             parked_same_aggregate: format!(
@@ -293,6 +296,7 @@ impl PostgresInboxStore {
             .iter()
             .map(|h| (pg_text(&h.name), h.value.as_deref()))
             .unzip();
+        let native = r.position.native_columns();
         // A record without a dedup id (undecodable) is parked once per position. Another
         // record at a position parked before (the log was rewound: a topic recreated, data
         // lost on the broker) is a different record: it is parked under an id derived from
@@ -326,6 +330,12 @@ impl PostgresInboxStore {
                 .bind(kind)
                 .bind(pg_text(&m.reason))
                 .bind(i32::try_from(m.attempts).unwrap_or(i32::MAX))
+                .bind(native.transport.as_deref())
+                .bind(native.sequence)
+                .bind(native.consumer.as_deref().map(pg_text))
+                .bind(native.exchange.as_deref().map(pg_text))
+                .bind(native.routing_key.as_deref().map(pg_text))
+                .bind(native.redelivered)
                 .fetch_optional(&mut **tx)
                 .await
                 .map_err(db)?;

@@ -5,9 +5,9 @@ use sqlx::postgres::PgRow;
 use sqlx::{Postgres, Row, Transaction};
 
 use outbox_core::{
-    async_trait, AggregateKey, InboxAction, InboxAuditEntry, InboxParking, LogPosition, ParkKind,
-    ParkedChange, ParkedFilter, ParkedId, ParkedMessage, ParkedRecord, ParkedStats, ParkedStatus,
-    RecordHeader, RetryRequest, StoreError, StoreErrorKind,
+    async_trait, AggregateKey, InboxAction, InboxAuditEntry, InboxParking, LogPosition,
+    NativeColumns, ParkKind, ParkedChange, ParkedFilter, ParkedId, ParkedMessage, ParkedRecord,
+    ParkedStats, ParkedStatus, RecordHeader, RetryRequest, StoreError, StoreErrorKind,
 };
 
 use crate::error::db;
@@ -15,7 +15,9 @@ use crate::inbox::{pg_text, PostgresInboxStore};
 
 const COLUMNS: &str = "id, consumer, topic, \"partition\", \"offset\", record_key, header_names, \
                        header_values, value, status, kind, reason, attempts, parked_at, resolved_at, \
-                       retry_requested_at, retry_requested_by, retry_requested_reason";
+                       retry_requested_at, retry_requested_by, retry_requested_reason, \
+                       native_transport, native_sequence, native_consumer, native_exchange, \
+                       native_routing_key, native_redelivered";
 const OPEN: &str = "status IN ('parked', 'waiting')";
 
 fn corrupt(what: &str, value: &str) -> StoreError {
@@ -33,12 +35,22 @@ fn to_parked(row: &PgRow) -> Result<ParkedMessage, StoreError> {
         .zip(values)
         .map(|(name, value)| RecordHeader { name, value })
         .collect();
-    let record = ParkedRecord::new(
-        LogPosition::new(
-            row.try_get::<String, _>("topic").map_err(db)?,
-            row.try_get("partition").map_err(db)?,
-            row.try_get("offset").map_err(db)?,
+    let position = LogPosition::from_columns(
+        row.try_get::<String, _>("topic").map_err(db)?,
+        row.try_get("partition").map_err(db)?,
+        row.try_get("offset").map_err(db)?,
+        NativeColumns::new(
+            row.try_get("native_transport").map_err(db)?,
+            row.try_get("native_sequence").map_err(db)?,
+            row.try_get("native_consumer").map_err(db)?,
+            row.try_get("native_exchange").map_err(db)?,
+            row.try_get("native_routing_key").map_err(db)?,
+            row.try_get("native_redelivered").map_err(db)?,
         ),
+    )
+    .map_err(|e| StoreError::new(StoreErrorKind::Schema, e.to_string()))?;
+    let record = ParkedRecord::new(
+        position,
         row.try_get("record_key").map_err(db)?,
         headers,
         row.try_get("value").map_err(db)?,

@@ -24,6 +24,7 @@ const INBOX_V1: &str = include_str!("migrations/0001_inbox.sql");
 const INBOX_V2: &str = include_str!("migrations/0002_inbox.sql");
 const INBOX_V3: &str = include_str!("migrations/0003_inbox.sql");
 const INBOX_V4: &str = include_str!("migrations/0004_inbox.sql");
+const INBOX_V5: &str = include_str!("migrations/0005_inbox.sql");
 
 /// Longest accepted table name: derived names (`<table>_audit_action_check`,
 /// `<table>_unfinished_idx`, `<table>_aggregate`) must stay within PostgreSQL's 63-byte
@@ -115,7 +116,7 @@ pub fn inbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError>
     validate_identifier("schema", schema, MAX_IDENTIFIER_LEN)?;
     validate_identifier("table", table, MAX_TABLE_NAME_LEN)?;
     Ok(render(
-        &format!("{INBOX_V1}{INBOX_V2}{INBOX_V3}{INBOX_V4}"),
+        &format!("{INBOX_V1}{INBOX_V2}{INBOX_V3}{INBOX_V4}{INBOX_V5}"),
         schema,
         table,
     ))
@@ -221,6 +222,12 @@ const INBOX_MIGRATIONS: &[Migration] = &[
         &[],
     ),
     m(4, "the aggregate of each registration", INBOX_V4, &[]),
+    m(
+        5,
+        "parked messages keep their transport's own position",
+        INBOX_V5,
+        &[],
+    ),
 ];
 
 /// The outbox's migrations this crate brings, in order: (version, what it does). `outbox

@@ -44,8 +44,8 @@
 //! | oversize | refused before sending | over [`RabbitPublisherBuilder::max_message_bytes`] (the broker would close the channel): `record_too_large` |
 //! | error classes | typed | [`error`]: lapin error kinds and AMQP reply codes, table-tested |
 //! | broker outage | transient, transport-scoped | a lost connection fails the batch's unconfirmed records (`broker_unavailable`, `timeout`) within the delivery timeout + [`REPORT_GRACE`]; the next batch reconnects (`tests/outage.rs`: node stopped and restarted mid-batch) |
-//! | consumer acks | manual, after commit | [`outbox_core::MessageSource::commit`] = `basic.ack(multiple)` up to the committed offset |
-//! | consumer positions | temporary mapping | `(queue, 0, delivery tag)`: a channel's tags are a contiguous watermark; a new channel is a new assignment |
+//! | consumer acks | manual, after commit, a contiguous watermark ([`AckModel::ContiguousWatermark`](outbox_core::AckModel::ContiguousWatermark)) | [`outbox_core::MessageSource::commit`] = `basic.ack(multiple)` up to the committed offset |
+//! | consumer positions | native | ordered by `(queue, 0, delivery tag)`: a channel's tags are a contiguous watermark, a new channel is a new assignment; identified by [`LogPosition::rabbitmq`](outbox_core::LogPosition::rabbitmq): exchange, routing key, redelivered flag, kept with a parked message |
 //! | prefetch | bounded | `basic.qos` ([`RabbitSourceBuilder::prefetch`], default 500) |
 //! | redelivery after a crash | duplicate, absorbed | the closed channel's unacked deliveries go back to the queue; the inbox deduplicates them |
 //!

@@ -1,10 +1,14 @@
-//! [`RabbitSource`]: the consumer side, a quorum-queue consumer with manual acks behind
-//! today's offset-shaped [`MessageSource`].
+//! [`RabbitSource`]: the consumer side, a quorum-queue consumer with manual acks, acknowledging
+//! by contiguous watermark ([`AckModel::ContiguousWatermark`]).
 //!
-//! # How RabbitMQ is fitted to the offset model (temporary, see `docs/transports.md`)
+//! # How RabbitMQ's `ack multiple` is the engine's watermark (see `docs/transports.md`)
 //!
-//! A delivery's position is `(queue, 0, delivery tag)`: tags count deliveries on one channel
-//! from 1, and `basic.ack(tag, multiple = true)` acknowledges every delivery up to `tag` on that
+//! A delivery's position ([`LogPosition::rabbitmq`]) is ordered by `(queue, 0, delivery tag)`
+//! and names, as its native identity, the exchange and routing key the message was published
+//! with and whether the broker redelivered it (what a parked message shows an operator: `queue
+//! orders tag 7 (exchange outbox, routing key order.created, redelivered)`; a queued message
+//! has no stable position of its own, the event id identifies it). Tags count deliveries on
+//! one channel from 1, and `basic.ack(tag, multiple = true)` acknowledges every delivery up to `tag` on that
 //! channel. That **is** a contiguous watermark, so [`commit`](MessageSource::commit) maps
 //! directly: "next offset `n`" becomes one `ack multiple` up to `n - 1`.
 //!
@@ -33,8 +37,8 @@ use lapin::{Channel, Connection, Consumer};
 
 use outbox_core::watermark::SharedOffsetTracker;
 use outbox_core::{
-    async_trait, CommitOffset, ConfigError, ErrorClass, LogPosition, MessageSource, PartitionLag,
-    ReceivedMessage, RecordHeader, SourceError, TopicPartition,
+    async_trait, AckModel, CommitOffset, ConfigError, ErrorClass, LogPosition, MessageSource,
+    PartitionLag, ReceivedMessage, RecordHeader, SourceError, TopicPartition,
 };
 
 use crate::connection::connect;
@@ -326,10 +330,12 @@ impl RabbitSource {
             .and_then(|t| i64::try_from(t).ok())
             .and_then(|t| DateTime::<Utc>::from_timestamp(t, 0));
         ReceivedMessage::from_record(
-            LogPosition::new(
+            LogPosition::rabbitmq(
                 self.tp.topic.clone(),
-                0,
-                i64::try_from(d.delivery_tag).unwrap_or(i64::MAX),
+                d.delivery_tag,
+                d.exchange.as_str(),
+                d.routing_key.as_str(),
+                d.redelivered,
             ),
             None,
             headers,
@@ -518,6 +524,11 @@ impl MessageSource for RabbitSource {
 
     async fn commit(&self, offsets: &[CommitOffset]) -> Result<(), SourceError> {
         self.ack_to(offsets, true).await
+    }
+
+    /// A contiguous watermark per channel: `ack multiple` up to a delivery tag.
+    fn ack_model(&self) -> AckModel {
+        AckModel::ContiguousWatermark
     }
 
     fn attach_offsets(&self, offsets: SharedOffsetTracker) {

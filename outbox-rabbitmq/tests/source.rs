@@ -22,14 +22,9 @@ use common::{event, require, unique, Topology};
 use lapin::types::FieldTable;
 use lapin::ExchangeKind as LapinKind;
 use outbox_core::watermark::{BeginKind, SharedOffsetTracker};
-use outbox_core::{async_trait, Envelope, MessageSource, Publisher, ReceivedMessage};
-use outbox_inbox::{
-    ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor, VersionPolicy,
-};
-use outbox_postgres::{map_sqlx_error, PostgresInboxStore};
+use outbox_core::{Envelope, MessageSource, Publisher, ReceivedMessage};
+use outbox_inbox::{ConsumerEngine, EngineConfig, InboxProcessor, VersionPolicy};
 use outbox_rabbitmq::{quorum_arguments, RabbitPublisher, RabbitSource};
-use sqlx::postgres::PgPoolOptions;
-use sqlx::{PgPool, Postgres, Transaction};
 
 struct Setup {
     url: String,
@@ -254,109 +249,7 @@ async fn start_checks_the_queue() {
 // ---------------------------------------------------------------------------------------------
 // The inbox engine end to end on PostgreSQL
 
-type PgTx = Transaction<'static, Postgres>;
-
-struct Db {
-    pool: PgPool,
-    schema: String,
-}
-
-impl Db {
-    async fn new(test: &str) -> Option<Self> {
-        let url = outbox_test_support::database_url(test)?;
-        let schema = unique("rmqinbox");
-        let pool = PgPoolOptions::new()
-            .max_connections(6)
-            .connect(&url)
-            .await
-            .expect("PostgreSQL");
-        sqlx::raw_sql(&format!(
-            "CREATE SCHEMA \"{schema}\";
-             CREATE TABLE \"{schema}\".effects (seq bigserial PRIMARY KEY, dedup_id uuid NOT NULL,
-                 aggregate_id text NOT NULL, version bigint NOT NULL);"
-        ))
-        .execute(&pool)
-        .await
-        .expect("effects table");
-        Some(Self { pool, schema })
-    }
-
-    async fn inbox(&self) -> PostgresInboxStore {
-        let inbox = PostgresInboxStore::builder(self.pool.clone())
-            .schema(&self.schema)
-            .build()
-            .expect("inbox");
-        inbox.migrate().await.expect("migrate");
-        inbox
-    }
-
-    async fn applied(&self, agg: &str) -> Vec<i64> {
-        sqlx::query_scalar(&format!(
-            "SELECT version FROM \"{}\".effects WHERE aggregate_id = $1 ORDER BY seq",
-            self.schema
-        ))
-        .bind(agg)
-        .fetch_all(&self.pool)
-        .await
-        .unwrap()
-    }
-
-    async fn effects_once(&self) -> i64 {
-        let twice: Vec<(uuid::Uuid, i64)> = sqlx::query_as(&format!(
-            "SELECT dedup_id, count(*) FROM \"{}\".effects GROUP BY dedup_id HAVING count(*) > 1",
-            self.schema
-        ))
-        .fetch_all(&self.pool)
-        .await
-        .unwrap();
-        assert!(twice.is_empty(), "effects applied twice: {twice:?}");
-        sqlx::query_scalar(&format!("SELECT count(*) FROM \"{}\".effects", self.schema))
-            .fetch_one(&self.pool)
-            .await
-            .unwrap()
-    }
-}
-
-impl Drop for Db {
-    fn drop(&mut self) {
-        let (pool, schema) = (self.pool.clone(), self.schema.clone());
-        let _ = std::thread::spawn(move || {
-            tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .unwrap()
-                .block_on(async move {
-                    let _ = sqlx::raw_sql(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
-                        .execute(&pool)
-                        .await;
-                })
-        })
-        .join();
-    }
-}
-
-struct Effects {
-    schema: String,
-    applied: Arc<AtomicUsize>,
-}
-
-#[async_trait]
-impl Handler<PgTx> for Effects {
-    async fn handle(&self, tx: &mut PgTx, e: &Envelope) -> Result<(), HandlerError> {
-        sqlx::query(&format!(
-            "INSERT INTO \"{}\".effects (dedup_id, aggregate_id, version) VALUES ($1, $2, $3)",
-            self.schema
-        ))
-        .bind(e.dedup_id().as_uuid())
-        .bind(&e.aggregate_id)
-        .bind(e.aggregate_version)
-        .execute(&mut **tx)
-        .await
-        .map_err(|e| HandlerError::from(map_sqlx_error(e)))?;
-        self.applied.fetch_add(1, Ordering::Relaxed);
-        Ok(())
-    }
-}
+use common::inbox::{Db, Effects};
 
 /// Events of 10 aggregates, some published twice (a relay's re-sends): the engine applies each
 /// effect once and in version order per aggregate, across a consumer that is dropped mid-way

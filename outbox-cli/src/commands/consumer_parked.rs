@@ -29,7 +29,8 @@
 //!   for a consumer.
 
 use outbox_core::{
-    async_trait, Envelope, InboxAuditEntry, InboxParking, ParkedFilter, ParkedId, ParkedMessage,
+    async_trait, Envelope, InboxAuditEntry, InboxParking, LogPosition, NativePosition,
+    ParkedFilter, ParkedId, ParkedMessage,
 };
 use outbox_inbox::{
     Handler, HandlerError, InboxProcessor, OperatorError, ParkedMessages, VersionPolicy,
@@ -111,6 +112,7 @@ pub fn message_json(m: &ParkedMessage) -> Value {
         "topic": r.position.topic,
         "partition": r.position.partition,
         "offset": r.position.offset,
+        "native": native_json(&r.position),
         "aggregate_type": r.aggregate.as_ref().map(|a| a.aggregate_type.clone()),
         "aggregate_id": r.aggregate.as_ref().map(|a| a.aggregate_id.clone()),
         "aggregate_version": r.aggregate_version,
@@ -124,6 +126,68 @@ pub fn message_json(m: &ParkedMessage) -> Value {
             "requested_at": q.requested_at.to_rfc3339(),
         })),
     })
+}
+
+/// The transport's own identity of a parked message's position (`offset` above is what the
+/// engine ordered by: a JetStream delivery sequence, a RabbitMQ delivery tag).
+fn native_json(p: &LogPosition) -> Value {
+    match &p.native {
+        NativePosition::JetStream {
+            stream_sequence,
+            consumer,
+        } => json!({
+            "transport": "nats",
+            "stream": p.topic,
+            "stream_sequence": stream_sequence,
+            "delivery_sequence": p.offset,
+            "consumer": consumer,
+        }),
+        NativePosition::RabbitMq {
+            exchange,
+            routing_key,
+            redelivered,
+        } => json!({
+            "transport": "rabbitmq",
+            "queue": p.topic,
+            "exchange": exchange,
+            "routing_key": routing_key,
+            "delivery_tag": p.offset,
+            "redelivered": redelivered,
+        }),
+        _ => json!({
+            "transport": "kafka",
+            "topic": p.topic,
+            "partition": p.partition,
+            "offset": p.offset,
+        }),
+    }
+}
+
+/// Where a parked message was read, in its transport's terms: `orders[2] offset 41`, `stream
+/// ORDERS seq 42 (delivery 3, consumer billing)`, `queue orders tag 7 (exchange outbox,
+/// routing key order.created)`.
+fn read_at(p: &LogPosition) -> String {
+    match p.native {
+        NativePosition::Log => format!("{}[{}] offset {}", p.topic, p.partition, p.offset),
+        _ => p.to_string(),
+    }
+}
+
+/// The list's short form of where a message was read: what finds it on the broker
+/// (`orders/2@41`, `ORDERS seq 42`, `outbox -> order.created`; a RabbitMQ delivery tag means
+/// nothing once its channel is gone).
+fn read_at_short(p: &LogPosition) -> String {
+    match &p.native {
+        NativePosition::JetStream {
+            stream_sequence, ..
+        } => format!("{} seq {stream_sequence}", p.topic),
+        NativePosition::RabbitMq {
+            exchange,
+            routing_key,
+            ..
+        } => format!("{exchange} -> {routing_key}"),
+        _ => format!("{}/{}@{}", p.topic, p.partition, p.offset),
+    }
 }
 
 fn audit_json(a: &InboxAuditEntry) -> Value {
@@ -227,6 +291,7 @@ async fn list_on<I: InboxParking>(
                 m.reason.clone(),
                 m.attempts.to_string(),
                 age((now - m.parked_at).to_std().ok()),
+                read_at_short(&m.record.position),
             ]
         })
         .collect();
@@ -242,7 +307,8 @@ async fn list_on<I: InboxParking>(
                 "kind",
                 "reason",
                 "attempts",
-                "parked for"
+                "parked for",
+                "read at"
             ],
             rows
         )
@@ -342,13 +408,7 @@ async fn show_on<I: InboxParking>(
                 Err(e) => format!("cannot be decoded: {e}"),
             },
         ],
-        vec![
-            "read at".into(),
-            format!(
-                "{}[{}] offset {}",
-                r.position.topic, r.position.partition, r.position.offset
-            ),
-        ],
+        vec!["read at".into(), read_at(&r.position)],
         vec![
             "payload".into(),
             format!("{} bytes", r.value.as_ref().map_or(0, Vec::len)),

@@ -6,7 +6,7 @@
 
 use std::process::{Command, Output, Stdio};
 
-use outbox_core::{Envelope, EventId, InboxStore, ParkAs, ParkKind, ParkedId};
+use outbox_core::{Envelope, EventId, InboxStore, LogPosition, ParkAs, ParkKind, ParkedId};
 use serde_json::{json, Value};
 
 use super::text;
@@ -107,6 +107,72 @@ async fn park<S: InboxSide>(
         reason,
     )
     .await
+}
+
+/// `parked show --consumer` says where each message was read in its transport's own terms
+/// (the JSON keeps `topic`/`partition`/`offset` and adds `native`): a Kafka offset, a
+/// JetStream stream sequence with the consumer's delivery sequence, a RabbitMQ exchange and
+/// routing key with the delivery tag and the redelivered flag.
+pub async fn parked_messages_show_their_transports_position<S: InboxSide>(side: &S) {
+    let head = ParkAs::Head(ParkKind::Unprocessable);
+    let cases = [
+        (
+            LogPosition::new("orders", 2, 41),
+            "orders[2] offset 41",
+            "orders/2@41",
+            json!({"transport": "kafka", "topic": "orders", "partition": 2, "offset": 41}),
+        ),
+        (
+            LogPosition::jetstream("ORDERS", 42, 3, "billing-durable"),
+            "stream ORDERS seq 42 (delivery 3, consumer billing-durable)",
+            "ORDERS seq 42",
+            json!({"transport": "nats", "stream": "ORDERS", "stream_sequence": 42,
+                   "delivery_sequence": 3, "consumer": "billing-durable"}),
+        ),
+        (
+            LogPosition::rabbitmq("orders-q", 7, "outbox", "order.placed", true),
+            "queue orders-q tag 7 (exchange outbox, routing key order.placed, redelivered)",
+            "outbox -> order.placed",
+            json!({"transport": "rabbitmq", "queue": "orders-q", "exchange": "outbox",
+                   "routing_key": "order.placed", "delivery_tag": 7, "redelivered": true}),
+        ),
+    ];
+    for (i, (position, human, short, native)) in cases.into_iter().enumerate() {
+        let e = event(&format!("n-{i}"), 1, "order.placed");
+        let id = super::park_consumer_message_at(
+            side.inbox(),
+            "billing",
+            position.clone(),
+            &e,
+            head,
+            "unknown customer",
+        )
+        .await
+        .to_string();
+        let out = side.run(&["parked", "show", &id, "--consumer", "billing"]);
+        assert!(out.status.success(), "{}", text(&out));
+        let shown = String::from_utf8_lossy(&out.stdout).into_owned();
+        let line = shown
+            .lines()
+            .find(|l| l.contains("read at"))
+            .unwrap_or_else(|| panic!("no read-at line: {shown}"));
+        assert!(line.contains(human), "{human}: {shown}");
+        let (code, sh, stderr) = side.json(&["parked", "show", &id, "--consumer", "billing"]);
+        assert_eq!(code, 0, "{stderr}");
+        assert_eq!(sh["parked"]["native"], native, "{sh}");
+        assert_eq!(sh["parked"]["topic"], position.topic.as_str());
+        assert_eq!(sh["parked"]["offset"], position.offset);
+        let out = side.run(&["parked", "list", "--consumer", "billing"]);
+        assert!(out.status.success(), "{}", text(&out));
+        let listed = String::from_utf8_lossy(&out.stdout).into_owned();
+        let row = listed
+            .lines()
+            .find(|l| l.contains(&format!("n-{i}")))
+            .unwrap_or_else(|| panic!("n-{i} not listed: {listed}"));
+        assert!(row.contains(short), "{short}: {listed}");
+        let (_, l, _) = side.json(&["parked", "list", "--consumer", "billing"]);
+        assert_eq!(l["parked"][i]["native"], native, "{l}");
+    }
 }
 
 /// `parked list|show|discard|retry|reissue --consumer` and `status`'s consumer row: o-1 v1

@@ -524,13 +524,26 @@ pub async fn park_consumer_message<I: outbox_core::InboxStore>(
     park_as: outbox_core::ParkAs,
     reason: &str,
 ) -> outbox_core::ParkedId {
-    use outbox_core::{LogPosition, NewParkedMessage, ParkedRecord, Parking, RecordHeader};
+    let position = outbox_core::LogPosition::new(topic, 0, offset);
+    park_consumer_message_at(inbox, consumer, position, e, park_as, reason).await
+}
+
+/// Parks `e` for `consumer` as read at `position` (any transport's).
+pub async fn park_consumer_message_at<I: outbox_core::InboxStore>(
+    inbox: &I,
+    consumer: &str,
+    position: outbox_core::LogPosition,
+    e: &Envelope,
+    park_as: outbox_core::ParkAs,
+    reason: &str,
+) -> outbox_core::ParkedId {
+    use outbox_core::{NewParkedMessage, ParkedRecord, Parking, RecordHeader};
     let headers = outbox_core::wire::encode_headers(e)
         .into_iter()
         .map(|(name, value)| RecordHeader::new(name, value))
         .collect();
     let record = ParkedRecord::new(
-        LogPosition::new(topic, 0, offset),
+        position,
         Some(e.aggregate_id.clone().into_bytes()),
         headers,
         Some(e.payload.bytes.clone()),

@@ -4,6 +4,7 @@
 //! values they exchange.
 
 mod parking;
+mod position;
 mod record;
 mod registration;
 mod source;
@@ -12,12 +13,15 @@ pub use parking::{
     InboxAction, InboxAuditEntry, InboxParking, NewParkedMessage, ParkAs, ParkedChange,
     ParkedFilter, ParkedId, ParkedMessage, ParkedStats, ParkedStatus, Parking, RetryRequest,
 };
+pub use position::{
+    CommitOffset, LogPosition, NativeColumns, NativeColumnsError, NativePosition, TopicPartition,
+};
 pub use record::{AggregateKey, ParkedRecord, ReceivedMessage, RecordHeader};
 pub use registration::{
     scoped_dedup_id, AggregateRegistration, AggregateState, InboxStore, InboxStoreExt,
     Registration, VersionAdvance,
 };
-pub use source::{CommitOffset, LogPosition, MessageSource, PartitionLag, TopicPartition};
+pub use source::{AckModel, MessageSource, PartitionLag};
 
 #[cfg(test)]
 mod tests {

@@ -1,124 +1,13 @@
-//! Where messages come from: [`MessageSource`], positions in a partitioned log, the offsets
-//! committed back, and lag.
+//! Where messages come from: [`MessageSource`], how it acknowledges ([`AckModel`]) and lag.
+//! The positions it hands out and the commits it takes back are in `position`.
 
-use std::fmt;
 use std::time::Duration;
 
 use async_trait::async_trait;
 
-use super::ReceivedMessage;
+use super::{CommitOffset, ReceivedMessage, TopicPartition};
 use crate::error::SourceError;
 use crate::watermark::SharedOffsetTracker;
-
-/// A partition of a topic.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct TopicPartition {
-    /// Topic.
-    pub topic: String,
-    /// Partition.
-    pub partition: i32,
-}
-
-impl TopicPartition {
-    /// A partition.
-    pub fn new(topic: impl Into<String>, partition: i32) -> Self {
-        Self {
-            topic: topic.into(),
-            partition,
-        }
-    }
-
-    /// The commit "resume reading this partition at `next_offset`".
-    pub fn at_next(&self, next_offset: i64) -> CommitOffset {
-        CommitOffset {
-            topic: self.topic.clone(),
-            partition: self.partition,
-            next_offset,
-        }
-    }
-}
-
-impl fmt::Display for TopicPartition {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}", self.topic, self.partition)
-    }
-}
-
-/// Position of a message in a partitioned log.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct LogPosition {
-    /// Topic.
-    pub topic: String,
-    /// Partition.
-    pub partition: i32,
-    /// Offset of the message.
-    pub offset: i64,
-}
-
-impl LogPosition {
-    /// A position.
-    pub fn new(topic: impl Into<String>, partition: i32, offset: i64) -> Self {
-        Self {
-            topic: topic.into(),
-            partition,
-            offset,
-        }
-    }
-
-    /// The partition.
-    pub fn topic_partition(&self) -> TopicPartition {
-        TopicPartition::new(self.topic.clone(), self.partition)
-    }
-
-    /// The commit that marks this message and everything before it as final (offset + 1).
-    pub fn next(&self) -> CommitOffset {
-        CommitOffset::new(self.topic.clone(), self.partition, self.offset + 1)
-    }
-}
-
-impl fmt::Display for LogPosition {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}/{}@{}", self.topic, self.partition, self.offset)
-    }
-}
-
-/// An offset to commit: the **next** offset to read in a partition (Kafka's convention: last
-/// final offset + 1). A distinct type from [`LogPosition`] so the two are never confused.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct CommitOffset {
-    /// Topic.
-    pub topic: String,
-    /// Partition.
-    pub partition: i32,
-    /// Next offset to read.
-    pub next_offset: i64,
-}
-
-impl CommitOffset {
-    /// A commit.
-    pub fn new(topic: impl Into<String>, partition: i32, next_offset: i64) -> Self {
-        Self {
-            topic: topic.into(),
-            partition,
-            next_offset,
-        }
-    }
-
-    /// The partition.
-    pub fn topic_partition(&self) -> TopicPartition {
-        TopicPartition::new(self.topic.clone(), self.partition)
-    }
-}
-
-impl fmt::Display for CommitOffset {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{}/{} next {}",
-            self.topic, self.partition, self.next_offset
-        )
-    }
-}
 
 /// Lag of one partition: how far the consumer group's committed offset is behind the end of
 /// the partition.
@@ -159,7 +48,68 @@ impl PartitionLag {
     }
 }
 
-/// A partitioned log consumer with manual offset commits.
+/// How a transport acknowledges consumed messages, which decides how a [`MessageSource`]
+/// turns the engine's commits ([`CommitOffset`]: "everything below this offset of the
+/// partition is final") into acknowledgements.
+///
+/// The engine is the same for both models: it tracks a contiguous watermark per partition
+/// ([`crate::watermark`]) and commits only offsets below which every message's outcome is
+/// final (applied, a duplicate, or parked durably). What differs is what the source does with
+/// such a commit, and what it must give as offsets so the watermark stays correct:
+///
+/// | model | transports | offsets handed out | a commit "next `n`" becomes |
+/// |---|---|---|---|
+/// | [`ContiguousWatermark`](Self::ContiguousWatermark) | Kafka (offsets), RabbitMQ (`basic.ack` with `multiple` on one channel) | the transport's own cumulative coordinate: Kafka offset; RabbitMQ delivery tag, a new channel being a new assignment | one cumulative acknowledgement (offset commit; `ack multiple` up to tag `n - 1`) |
+/// | [`PerMessage`](Self::PerMessage) | NATS JetStream (`+ACK` per message) | a sequence the source assigns each *delivery*, growing with every delivery, redeliveries included (JetStream's consumer delivery sequence) | one acknowledgement for every delivery below `n` the source handed out and has not acknowledged |
+///
+/// Why one watermark is right for per-message acknowledgement too: the watermark orders
+/// *deliveries*, not messages. A message JetStream redelivers after later ones were delivered
+/// (its ack wait ran out at a member that crashed) comes at a new, higher delivery sequence, so
+/// it is simply the newest delivery: nothing is rewound, nothing already final is forgotten,
+/// and no acknowledgement covers it before its own outcome is final. The order of an
+/// aggregate across such a redelivery is kept by the inbox (versions, `VersionPolicy::Hold`
+/// with `require_first_version`), which never depended on acknowledgement order. The price of
+/// the one watermark: a final message behind an unfinished one is acknowledged only when the
+/// watermark passes it (it may be redelivered meanwhile, and is then a duplicate the inbox
+/// absorbs). Sequences that are not per delivery (JetStream's stream sequence) MUST NOT be
+/// handed out as offsets: a redelivery would go backwards, which the watermark takes for a
+/// rewind of the log.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum AckModel {
+    /// One acknowledgement covers a position and everything before it in its partition.
+    ContiguousWatermark,
+    /// Each delivery is acknowledged on its own.
+    PerMessage,
+}
+
+impl AckModel {
+    /// Stable lowercase name (`contiguous_watermark`, `per_message`).
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Self::ContiguousWatermark => "contiguous_watermark",
+            Self::PerMessage => "per_message",
+        }
+    }
+}
+
+/// A consumer of a transport with manual acknowledgements, seen by the engine as partitions
+/// of offsets (see [`AckModel`] for how a transport without partitions or offsets fits).
+///
+/// # What a transport must provide
+///
+/// * **Positions** ([`LogPosition`](super::LogPosition)): `topic`/`partition`/`offset` the engine
+///   orders and commits by, growing within a partition for every delivery; and the
+///   transport's own identity ([`NativePosition`](super::NativePosition)), which parked
+///   messages keep so an operator can find the message on the broker. Kafka:
+///   [`LogPosition::new`](super::LogPosition::new); JetStream:
+///   [`LogPosition::jetstream`](super::LogPosition::jetstream) (stream, stream sequence,
+///   delivery sequence, consumer); RabbitMQ: [`LogPosition::rabbitmq`](super::LogPosition::rabbitmq)
+///   (queue, delivery tag, exchange, routing key, redelivered).
+/// * **Acknowledgement** by [`commit`](Self::commit) only, after the effects' transactions
+///   committed, as its [`ack_model`](Self::ack_model) says.
+/// * **Redelivery** of everything not acknowledged, after a crash, a rebalance or a lost
+///   channel; the inbox absorbs the duplicates.
 ///
 /// # Contract
 ///
@@ -201,8 +151,15 @@ pub trait MessageSource: Send + Sync {
     /// Waits up to `timeout` for the next message. `Ok(None)` when none arrived.
     async fn poll(&self, timeout: Duration) -> Result<Option<ReceivedMessage>, SourceError>;
 
-    /// Commits next offsets synchronously.
+    /// Commits next offsets synchronously: acknowledges, as [`ack_model`](Self::ack_model)
+    /// says, every message this member handed out below them.
     async fn commit(&self, offsets: &[CommitOffset]) -> Result<(), SourceError>;
+
+    /// How this source acknowledges (see [`AckModel`]). The default is
+    /// [`AckModel::ContiguousWatermark`] (Kafka offsets).
+    fn ack_model(&self) -> AckModel {
+        AckModel::ContiguousWatermark
+    }
 
     /// Takes the engine's offset tracker, so rebalance callbacks commit exactly what is final.
     fn attach_offsets(&self, offsets: SharedOffsetTracker);

@@ -9,6 +9,8 @@ use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
 use async_nats::jetstream::{self, Context};
 use outbox_core::Envelope;
 
+pub mod inbox;
+
 pub use outbox_test_support::unique;
 
 /// `Some(url)`, or returns from the test after a printed skip.

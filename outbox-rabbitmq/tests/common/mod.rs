@@ -13,6 +13,8 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use outbox_core::Envelope;
 
+pub mod inbox;
+
 pub use outbox_test_support::unique;
 
 macro_rules! require {

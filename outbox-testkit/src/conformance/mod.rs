@@ -781,6 +781,7 @@ pub const INBOX_CHECKS: &[&str] = &[
     "undecodable_messages_park_raw",
     "parked_messages_resolve_in_release_order_and_are_audited",
     "release_and_waiting_park_serialize",
+    "parked_messages_keep_their_native_position",
 ];
 
 /// The names of the reporting checks (module [`reporting`]).
@@ -968,6 +969,7 @@ macro_rules! inbox_conformance_tests {
             undecodable_messages_park_raw,
             parked_messages_resolve_in_release_order_and_are_audited,
             release_and_waiting_park_serialize,
+            parked_messages_keep_their_native_position,
         );
     };
     (@emit ($setup:expr) $($check:ident),* $(,)?) => {

@@ -12,6 +12,9 @@ use outbox_core::{
 
 use super::{event, fresh_event_id, unique, InboxHarness};
 
+mod positions;
+pub use positions::parked_messages_keep_their_native_position;
+
 fn consumer(name: &str) -> String {
     format!("{name}-{}", unique())
 }
