@@ -1028,3 +1028,154 @@ async fn a_discard_promotes_its_own_aggregate_under_a_key_collision() {
     publish_all(&store, &next).await;
     ctx.drop().await;
 }
+
+/// Like the test above, with two versions behind the twin: the first claim takes version 2
+/// and blocks its twin and versions 3 and 4; publishing version 2 promotes the twin; the claim
+/// that parks the twin as stale must promote the *lowest* blocked version, 3, and the claims
+/// after it hand out 3, then 4. Kills `ORDER BY b.aggregate_version` → `.. DESC` in the
+/// claim's promotion after a park (`claim_decide_lease`, offset 4180; the same text in
+/// `claim_decide_locked`): version 4 was promoted instead, so the next claim met version 4
+/// above a last version of 2 while version 3 stayed blocked, and version 3 was not handed out
+/// next.
+#[tokio::test]
+async fn a_twin_parked_as_stale_promotes_the_lowest_blocked_version() {
+    let ctx = ctx!(4);
+    for (n, mode) in modes().into_iter().enumerate() {
+        let store = ctx.store(mode).await;
+        let id = format!("twins-low-{n}");
+        let (v2, twin, v3, v4) = (
+            ev("order", &id, 2),
+            ev("order", &id, 2),
+            ev("order", &id, 3),
+            ev("order", &id, 4),
+        );
+        store.append(&ctx.pool, &ev("order", &id, 1)).await.unwrap();
+        publish_all(&store, &claim(&store, "r", 100).await).await;
+        store
+            .append_many(
+                &ctx.pool,
+                &[v2.clone(), twin.clone(), v3.clone(), v4.clone()],
+            )
+            .await
+            .unwrap();
+        let b = claim(&store, "r", 100).await;
+        assert_eq!(b.records.len(), 1, "{mode:?}: {:?}", claimed(&b));
+        assert_eq!(b.records[0].envelope.event_id, v2.event_id, "{mode:?}");
+        publish_all(&store, &b).await;
+
+        let b = claim(&store, "r", 100).await;
+        assert!(b.records.is_empty(), "{mode:?}: {:?}", claimed(&b));
+        assert_eq!(b.parked.len(), 1, "{mode:?}");
+        assert_eq!(b.parked[0].event_id, twin.event_id, "{mode:?}");
+
+        for want in [3, 4] {
+            let b = claim(&store, "r", 100).await;
+            assert_eq!(
+                claimed(&b),
+                vec![("order".into(), id.clone(), want)],
+                "{mode:?}: version {want} must be handed out next"
+            );
+            assert!(b.parked.is_empty(), "{mode:?}: {:?}", b.parked);
+            publish_all(&store, &b).await;
+        }
+        let s = store.stats().await.unwrap();
+        assert_eq!((s.parked, s.blocked, s.unpublished), (1, 0, 0), "{mode:?}");
+        store
+            .discard_parked(twin.event_id, "ops", "duplicate")
+            .await
+            .unwrap();
+    }
+    ctx.drop().await;
+}
+
+/// A relay whose lease expired and was taken over by another relay releases its claim (it
+/// stops, or its batch failed): the release ends only its own lease. The other relay's lease
+/// stays, so a third relay gets nothing of that aggregate while it is in flight, and the
+/// taker's completion applies. Kills ` AND ` → ` OR ` in `release_lease` (`aggregate_key =
+/// ANY($2) AND lease_token = $1`): the release then cleared every state row of its keys,
+/// including the taker's live lease, and the third relay claimed the aggregate's next version
+/// while the taker still had the head in flight.
+#[tokio::test]
+async fn a_release_after_a_takeover_keeps_the_takers_lease() {
+    let ctx = ctx!(6);
+    let a = ctx.store(lease(0.2)).await;
+    let b = ctx.store(lease(30.0)).await;
+    let c = ctx.store(lease(30.0)).await;
+    let (x1, x2) = (ev("order", "taken", 1), ev("order", "taken", 2));
+    a.append_many(&ctx.pool, &[x1.clone(), x2.clone()])
+        .await
+        .unwrap();
+    let old = claim(&a, "relay-a", 100).await;
+    assert_eq!(claimed(&old), vec![("order".into(), "taken".into(), 1)]);
+    tokio::time::sleep(Duration::from_millis(300)).await; // A's lease has expired
+    let taken = claim(&b, "relay-b", 100).await;
+    assert_eq!(
+        claimed(&taken),
+        vec![("order".into(), "taken".into(), 1)],
+        "B takes the expired lease over"
+    );
+    a.release(&old.handle).await.unwrap();
+    let third = claim(&c, "relay-c", 100).await;
+    assert!(
+        third.records.is_empty(),
+        "A's release ended B's lease: C claimed {:?} while B has version 1 in flight",
+        claimed(&third)
+    );
+    let rep = b
+        .complete(&taken.handle, &[published(&x1, 1)])
+        .await
+        .unwrap();
+    assert_eq!(rep.applied, 1, "the taker's completion applies");
+    let next = claim(&c, "relay-c", 100).await;
+    assert_eq!(claimed(&next), vec![("order".into(), "taken".into(), 2)]);
+    publish_all(&c, &next).await;
+    ctx.drop().await;
+}
+
+/// A lease completion takes its aggregates' advisory locks in ascending key order, so two
+/// completions (or a completion and a release) whose aggregates overlap never wait for each
+/// other in a cycle. The completion runs on sessions where a stand-in for
+/// `pg_advisory_xact_lock(bigint)` logs each key before taking the real lock. Kills dropping
+/// `ORDER BY 1` in `lock_keys`: PostgreSQL plans the `DISTINCT` as a hash aggregate, whose
+/// order is not the keys' (20 keys came out unsorted).
+#[tokio::test]
+async fn a_completion_locks_its_aggregates_in_key_order() {
+    let ctx = ctx!(4);
+    let s = ctx.schema.clone();
+    let (_pool, store) = stand_in_store(
+        &ctx,
+        lease(30.0),
+        false,
+        &format!(
+            "pg_advisory_xact_lock(k int8) RETURNS void LANGUAGE plpgsql AS $$ BEGIN \
+               INSERT INTO \"{s}\".lock_log (k) VALUES (k); \
+               PERFORM pg_catalog.pg_advisory_xact_lock(k); END $$"
+        ),
+    )
+    .await;
+    sqlx::query(&format!(
+        "CREATE TABLE \"{s}\".lock_log (seq bigserial PRIMARY KEY, k int8 NOT NULL)"
+    ))
+    .execute(&ctx.pool)
+    .await
+    .unwrap();
+    let evs: Vec<_> = (0..20).map(|i| ev("order", &format!("k{i}"), 1)).collect();
+    store.append_many(&ctx.pool, &evs).await.unwrap();
+    let b = claim(&store, "r", 100).await;
+    assert_eq!(b.records.len(), 20);
+    sqlx::query(&format!("TRUNCATE \"{s}\".lock_log"))
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
+    publish_all(&store, &b).await;
+    let keys: Vec<i64> =
+        sqlx::query_scalar(&format!("SELECT k FROM \"{s}\".lock_log ORDER BY seq"))
+            .fetch_all(&ctx.pool)
+            .await
+            .unwrap();
+    assert_eq!(keys.len(), 20, "one lock per aggregate: {keys:?}");
+    let mut sorted = keys.clone();
+    sorted.sort();
+    assert_eq!(keys, sorted, "the completion's locks in key order");
+    ctx.drop().await;
+}
