@@ -298,7 +298,8 @@ fn check_acked(seen: &Observed, logged: &[(&LogRecord, Envelope)]) -> Check {
                 || seen.parked_events.contains(&e.dedup_id()),
             || {
                 format!(
-                    "message {} (stream sequence / queue entry {}) was acknowledged but its                      outcome is not final",
+                    "message {} (stream sequence / queue entry {}) was acknowledged but its \
+                     outcome is not final",
                     e.event_id,
                     r.offset + 1
                 )
