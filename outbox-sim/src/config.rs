@@ -36,11 +36,22 @@ pub enum SeededBug {
     /// A prefetched claim is released right after it is taken but still handed to the relay,
     /// which publishes it under a stale claim.
     StalePrefetch,
+    /// JetStream: the source orders deliveries by their stream sequence instead of the
+    /// delivery sequence, so a redelivery after later messages goes backwards (the engine's
+    /// watermark takes it for a rewind and forgets the later messages in flight, which a
+    /// later acknowledgement then covers).
+    JetStreamStreamSequenceOffsets,
+    /// JetStream: the source acknowledges each delivery as it hands it to the engine, before
+    /// its effect committed (an `AckNone` / auto-ack consumer).
+    JetStreamAckOnDelivery,
+    /// RabbitMQ: the source takes a delivery's redelivered flag for proof that it was
+    /// handled before: acknowledges it alone and does not hand it to the engine.
+    RabbitSkipsRedelivered,
 }
 
 impl SeededBug {
     /// Every seeded bug.
-    pub const ALL: [SeededBug; 8] = [
+    pub const ALL: [SeededBug; 11] = [
         Self::MarkBeforeAck,
         Self::SkipHead,
         Self::CommitOffsetBeforeTx,
@@ -49,6 +60,9 @@ impl SeededBug {
         Self::WatermarkPastUnfinished,
         Self::FallbackSkipsRecord,
         Self::StalePrefetch,
+        Self::JetStreamStreamSequenceOffsets,
+        Self::JetStreamAckOnDelivery,
+        Self::RabbitSkipsRedelivered,
     ];
 }
 
@@ -90,6 +104,9 @@ pub struct SimConfig {
     pub cases_from_env: bool,
     /// Most shrinking iterations after a failure. Default 1000.
     pub max_shrink_iters: u32,
+    /// The transport of every case; `None` (the default): each case's own, chosen by the
+    /// generator (Kafka in half the cases, JetStream and RabbitMQ in a quarter each).
+    pub transport: Option<crate::Transport>,
 }
 
 impl Default for SimConfig {
@@ -111,6 +128,7 @@ impl Default for SimConfig {
             skew: true,
             cases_from_env: true,
             max_shrink_iters: 1000,
+            transport: None,
         }
     }
 }
@@ -168,6 +186,11 @@ impl SimConfig {
     /// No versions out of order from the producer (only the user's commands append).
     pub fn without_skew(mut self) -> Self {
         self.skew = false;
+        self
+    }
+    /// Runs every case over `transport`.
+    pub fn transport(mut self, transport: crate::Transport) -> Self {
+        self.transport = Some(transport);
         self
     }
     /// Injects a deliberate bug.

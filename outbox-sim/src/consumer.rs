@@ -249,6 +249,11 @@ impl<S> SimSource<S> {
     pub(crate) fn new(inner: S, bug: Option<SeededBug>) -> Self {
         Self { inner, bug }
     }
+
+    /// The source it wraps.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
 }
 
 #[async_trait]
@@ -274,6 +279,10 @@ impl<S: MessageSource> MessageSource for SimSource<S> {
             return self.inner.commit(&past).await;
         }
         self.inner.commit(offsets).await
+    }
+
+    fn ack_model(&self) -> outbox_core::AckModel {
+        self.inner.ack_model()
     }
 
     fn attach_offsets(&self, offsets: SharedOffsetTracker) {

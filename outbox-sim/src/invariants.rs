@@ -167,8 +167,15 @@ pub(crate) struct Observed {
     pub(crate) consumer_parked: BTreeSet<LogPosition>,
     /// Open consumer-side parking (head or waiting): aggregate, version, event.
     pub(crate) consumer_open: Vec<(String, i64, Option<EventId>)>,
-    /// Committed offset per partition.
+    /// Committed offset per partition (Kafka).
     pub(crate) offsets: Vec<(i32, i64)>,
+    /// The stored messages the broker holds acknowledged (JetStream, RabbitMQ).
+    pub(crate) acked: Vec<LogRecord>,
+    /// Events of messages parked on the consumer side (any status).
+    pub(crate) parked_events: BTreeSet<EventId>,
+    /// Whether the consumer promises its effects in version order per aggregate (not
+    /// `Unchecked` over JetStream's redeliveries).
+    pub(crate) order_promised: bool,
     /// The store's clock.
     pub(crate) now: DateTime<Utc>,
     /// How long the store holds a version gap.
@@ -223,25 +230,12 @@ pub(crate) fn check(model: &mut Model, log: &MemoryLog, seen: &Observed) -> Chec
         match row.status {
             DeliveryStatus::Published => {
                 model.published_ever.insert(id);
-                // The acknowledgement metadata stored points at this very record.
+                // The acknowledgement metadata stored points at this very record (in the
+                // transport's own coordinates).
                 let ack = row.ack.as_ref().ok_or_else(|| {
                     format!("event {id} is marked published without acknowledgement metadata")
                 })?;
-                let at = ack.as_kafka().and_then(|(topic, partition, offset)| {
-                    log.records(topic, partition)
-                        .into_iter()
-                        .find(|r| r.offset == offset)
-                });
-                let there = at
-                    .as_ref()
-                    .and_then(|r| r.decode().ok())
-                    .map(|e| e.event_id);
-                ensure(there == Some(id), || {
-                    format!(
-                        "event {id} is marked published at {ack} but the log holds {} there",
-                        there.map_or_else(|| "nothing".to_owned(), |t| t.to_string())
-                    )
-                })?;
+                crate::transport::check_ack(ack, log, id, &row.aggregate_id)?;
                 ensure(
                     !model.parked_seen.contains(&id) || model.retried.contains(&id),
                     || format!("parked event {id} was published without an operator action"),
@@ -273,6 +267,9 @@ pub(crate) fn check(model: &mut Model, log: &MemoryLog, seen: &Observed) -> Chec
     for (id, n) in &seen.effects.counts {
         ensure(*n == 1, || format!("effect of {id} applied {n} times"))?;
     }
+    if !seen.order_promised {
+        return check_acked(seen, &logged);
+    }
     if let Some(v) = seen.effects.out_of_order.first() {
         return Err(format!("effects out of version order: {v}"));
     }
@@ -287,6 +284,28 @@ pub(crate) fn check(model: &mut Model, log: &MemoryLog, seen: &Observed) -> Chec
             )
         })?;
     }
+    check_acked(seen, &logged)
+}
+
+/// The committed offset never passes a message whose outcome is not final (Kafka); a message
+/// the broker holds acknowledged is final (JetStream, RabbitMQ).
+fn check_acked(seen: &Observed, logged: &[(&LogRecord, Envelope)]) -> Check {
+    for r in &seen.acked {
+        let Ok(e) = r.decode() else { continue };
+        ensure(
+            seen.registered.contains(&e.dedup_id())
+                || seen.parked_events.contains(&e.event_id)
+                || seen.parked_events.contains(&e.dedup_id()),
+            || {
+                format!(
+                    "message {} (stream sequence / queue entry {}) was acknowledged but its \
+                     outcome is not final",
+                    e.event_id,
+                    r.offset + 1
+                )
+            },
+        )?;
+    }
     // The committed offset never passes a message whose outcome is not final: registered
     // (with its effect, or as a duplicate or stale version), or parked on the consumer side
     // (itself, or another copy of its event, which a copy is recognised as).
@@ -296,7 +315,7 @@ pub(crate) fn check(model: &mut Model, log: &MemoryLog, seen: &Observed) -> Chec
         .map(|(_, e)| e.dedup_id())
         .collect();
     for (p, committed) in &seen.offsets {
-        for (r, e) in &logged {
+        for (r, e) in logged {
             if r.partition != *p || r.offset >= *committed {
                 continue;
             }

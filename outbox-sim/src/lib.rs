@@ -15,6 +15,17 @@
 //!   batching, its handler fallback, its watermark and consumer-side parking; it crashes
 //!   between any two steps (the engine and its running transactions are dropped, a new one
 //!   resumes from the committed offsets) and hands partitions over on rebalances.
+//! * **The transport** is a mode of the case ([`Transport`], see `docs/simulation.md`):
+//!   Kafka's partitioned log with offset commits (half the cases); NATS JetStream's stream
+//!   (a re-send inside the duplicate window is not stored again and its acknowledgement names
+//!   the copy stored before; per-message acks by delivery sequence; a message not acknowledged
+//!   within the ack wait, virtual time moved by [`Step::Advance`], is redelivered after later
+//!   ones at a new delivery sequence, a crashed member's too; a member leaving on
+//!   [`Step::Rebalance`] gives back what it holds); RabbitMQ's queue (every re-send stored;
+//!   `ack multiple` by delivery tag; a channel that closes, on a crash or lost under the
+//!   running engine on [`Step::Rebalance`], requeues every unacked delivery flagged
+//!   redelivered, and tags start again on the new channel). [`SimConfig::transport`] forces
+//!   one.
 //! * **The stores** are generic ([`Backend`]): [`MemoryBackend`] runs on the testkit's
 //!   in-memory backends; `PostgresBackend` (feature `postgres`) on a real server, one schema
 //!   per case; `MySqlBackend` (feature `mysql`) on MySQL 8 / MariaDB, one database per case.
@@ -43,8 +54,10 @@
 //!
 //! * nothing from a rolled-back transaction is stored or published; no committed event is lost;
 //! * the acknowledgement metadata stored for a published record points at that record in the
-//!   log (same event id at that topic, partition and offset), so a batch with mixed
-//!   per-record outcomes cannot be recorded crosswise;
+//!   log, in the transport's coordinates (same event id at that topic, partition and offset,
+//!   or at that stream sequence; a RabbitMQ confirm names the exchange and the event's routing
+//!   key, and the queue holds the event), so a batch with mixed per-record outcomes cannot be
+//!   recorded crosswise;
 //! * a parked event is never published without an operator action; a record is sent only
 //!   under a live claim of its sender, and only as its aggregate's next version (the one after
 //!   the last published, discarded or accepted by an operator): nothing goes out past a gap,
@@ -74,22 +87,26 @@
 //!   `outbox_testkit::rules`, which the randomized runs judge by too);
 //! * each effect committed at most once, in version order per aggregate; while a message is
 //!   parked on the consumer side, nothing of a higher version of its aggregate is applied,
-//!   under every version policy;
+//!   under every version policy (on JetStream, where a redelivery comes after later messages,
+//!   the order is the inbox's: promised by `Reject` and `Hold`, with the first version
+//!   required, not by `Unchecked`, whose cases are held to "once" only);
 //! * on PostgreSQL, where the store runs its wake-up gate and listener: an event appended while
 //!   the gate was armed (a relay idle and waiting) wakes the listener within 2 s of its commit
 //!   (the gate's promise: no lost wake-up);
-//! * the committed offset never passes a message whose outcome is not final;
+//! * the committed offset never passes a message whose outcome is not final; on JetStream and
+//!   RabbitMQ, every message the broker holds acknowledged is final (registered or parked);
 //! * the engine handles handler failures as documented: it never hands an event to the
 //!   handler again after a permanent failure, or after `max_attempts` transient ones, in one
 //!   engine generation (it parks it), nor before the retry policy's `min_delay` after a
 //!   transient one; a message parked because its handler failed had one of those
 //!   ([`HandlerFault::Stuck`] keeps failing one event until an operator retries it);
 //! * a version gap parked on the consumer side is a real one: a lower version of the aggregate
-//!   was never committed, or was discarded.
+//!   was never committed, or was discarded (or, on JetStream, was redelivered after it).
 //!
-//! At quiescence (faults stop, open transactions commit): every committed event ends
-//! published or parked without an operator; consumer-side parking holds only its aggregate
-//! (every other aggregate's events are applied, the offsets reach the end); after operator
+//! At quiescence (faults stop, open transactions commit; JetStream's ack waits run out):
+//! every committed event ends published or parked without an operator; consumer-side
+//! parking holds only its aggregate (every other aggregate's events are applied, the offsets
+//! reach the end, every stored message is acknowledged); after operator
 //! retries on both sides, every committed event that was not discarded is published and
 //! applied exactly once.
 //!
@@ -191,6 +208,7 @@ pub mod publisher;
 mod relay;
 mod runner;
 mod steps;
+mod transport;
 
 pub use backend::{
     Backend, DeliverySnapshot, EffectsView, Hold, MemoryBackend, RowView, ShortClaimCheck,
@@ -211,4 +229,7 @@ pub use runner::{
 pub use steps::{
     cases, describe, steps, Case, HandlerFault, Modes, OperatorStep, Policy, RaceOp, RecordAnswer,
     Skew, Step, StoreFault,
+};
+pub use transport::{
+    JetStreamMember, RabbitMember, Transport, TransportSource, ACK_WAIT, DUPLICATE_WINDOW, EXCHANGE,
 };

@@ -17,7 +17,7 @@ use outbox_inbox::{
     ConsumerEngine, EngineConfig, Handler, InboxProcessor, ParkedMessages, VersionPolicy,
 };
 use outbox_testkit::fault::{Fault, FaultInjector, FaultSource, FaultyInbox, FaultyStore};
-use outbox_testkit::{MemoryConsumer, MemoryLog};
+use outbox_testkit::MemoryLog;
 use proptest::test_runner::{
     Config, FileFailurePersistence, RngSeed, TestCaseError, TestError, TestRunner,
 };
@@ -38,7 +38,9 @@ use crate::steps::{
     self, Case, HandlerFault, Modes, OperatorStep, Policy, RaceOp, RecordAnswer, Skew, Step,
     StoreFault,
 };
+use crate::transport::{Broker, Transport, TransportSource};
 
+/// The topic (JetStream: the stream; RabbitMQ: the queue) of the simulation.
 pub(crate) const TOPIC: &str = "events";
 /// The consumer group (and inbox consumer name) of the simulation.
 pub const GROUP: &str = "projection";
@@ -132,13 +134,23 @@ pub struct SimReport {
     pub claim_releases: usize,
     /// Leases those releases ended.
     pub claims_released: u64,
+    /// RabbitMQ channels lost under the running engine.
+    pub channels_lost: usize,
+    /// Messages the broker delivered again after later ones (JetStream) or after a channel
+    /// closed (RabbitMQ).
+    pub redelivered: usize,
+    /// Re-sends JetStream's duplicate window kept out of the stream.
+    pub deduplicated_sends: usize,
 }
 
 type OpTask = JoinHandle<Result<Option<EventId>, StoreError>>;
 type SimRelay<B> = Relay<SimStore<<B as Backend>::Store>, ScriptedPublisher>;
 type CycleResult<B> = (SimRelay<B>, Result<CycleReport, StoreError>);
-type Engine<B, H> =
-    ConsumerEngine<SimSource<MemoryConsumer>, FaultyInbox<<B as Backend>::Inbox>, SimHandler<B, H>>;
+type Engine<B, H> = ConsumerEngine<
+    SimSource<TransportSource>,
+    FaultyInbox<<B as Backend>::Inbox>,
+    SimHandler<B, H>,
+>;
 
 struct RelaySlot<B: Backend> {
     relay: Option<SimRelay<B>>,
@@ -168,6 +180,7 @@ pub struct Simulation<B: Backend, H> {
     modes: Modes,
     backend: Arc<B>,
     log: MemoryLog,
+    broker: Broker,
     shared: Arc<RelayShared>,
     violations: Violations,
     claim_faults: FaultInjector,
@@ -254,6 +267,14 @@ fn engine_retry(config: &SimConfig) -> RetryPolicy {
 
 /// The consumer's version policy of a case. `Hold` waits a few real milliseconds (the engine
 /// reads the real clock) and holds few messages, so both of its bounds are reached.
+/// Whether the consumer requires an aggregate it has not seen to start at version 1: on
+/// JetStream, where a redelivery comes after later messages, so that a later version first
+/// does not become the baseline (the earlier one then skipped as stale). Every transport reads
+/// its stream or queue from the beginning here.
+fn first_version_required(transport: Transport) -> bool {
+    transport == Transport::JetStream
+}
+
 fn version_policy(policy: Policy) -> VersionPolicy {
     match policy {
         Policy::Reject => VersionPolicy::Reject,
@@ -310,8 +331,13 @@ where
         };
         let backend = Arc::new(make_backend(&rt, mode));
         let clock = backend.clock();
+        // A JetStream stream and a RabbitMQ queue are one ordered sequence.
+        let partitions = match modes.transport {
+            Transport::Kafka => config.partitions.max(1),
+            Transport::JetStream | Transport::RabbitMq => 1,
+        };
         let log = MemoryLog::builder()
-            .topic(TOPIC, config.partitions.max(1))
+            .topic(TOPIC, partitions)
             .default_topic(TOPIC)
             .clock(clock.clone())
             .build();
@@ -336,11 +362,13 @@ where
         );
         let parked_api = ParkedMessages::new(
             InboxProcessor::new(GROUP, backend.inbox(), handler.clone())
-                .with_version_policy(version_policy(modes.policy)),
+                .with_version_policy(version_policy(modes.policy))
+                .require_first_version(first_version_required(modes.transport)),
         );
         let mut sim = Self {
             modes,
             backend,
+            broker: Broker::new(modes.transport, log.clone()),
             log,
             shared,
             violations,
@@ -430,10 +458,14 @@ where
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .new_generation();
-        let source = SimSource::new(self.log.consumer(GROUP, &[TOPIC]), self.config.bug);
+        let source = SimSource::new(
+            TransportSource::new(&self.broker, &self.log, self.config.bug),
+            self.config.bug,
+        );
         let inbox = FaultyInbox::new(self.backend.inbox(), self.inbox_faults.clone());
         let processor = InboxProcessor::new(GROUP, inbox, self.handler.clone())
-            .with_version_policy(version_policy(self.modes.policy));
+            .with_version_policy(version_policy(self.modes.policy))
+            .require_first_version(first_version_required(self.modes.transport));
         let config = EngineConfig::default()
             .with_retry(engine_retry(&self.config))
             .with_commit(2, Duration::from_secs(3600))
@@ -488,6 +520,8 @@ where
         report.parked = self.model.parked_seen.len();
         report.gap_parked = self.model.gap_parked;
         report.out_of_order_parked = self.model.out_of_order_parked;
+        report.redelivered = self.broker.redelivered_events().len();
+        report.deduplicated_sends = self.broker.deduplicated_sends();
         if let Some(e) = &self.engine {
             report.engine_duplicates += e.report().duplicates;
             report.consumer_parked += e.report().parked;
@@ -530,7 +564,10 @@ where
             Step::Relay(i) => self.relay_step(i % self.relays.len()),
             Step::Answer { relay, answers } => self.answer(relay % self.relays.len(), answers),
             Step::RelayCrash(i) => self.relay_crash(i % self.relays.len()),
-            Step::Advance(d) => self.block_on(self.backend.advance(*d))?,
+            Step::Advance(d) => {
+                self.broker.advance(*d);
+                self.block_on(self.backend.advance(*d))?
+            }
             Step::StoreFault(f) => {
                 self.report.faults += 1;
                 let (injector, fault) = match f {
@@ -550,7 +587,16 @@ where
                 Ok(())
             }
             Step::Rebalance => {
-                // On revoke, a well-behaved member commits what is final, then hands over.
+                // RabbitMQ: the channel is lost under the running engine (its unacked
+                // deliveries go back to the queue; the next poll opens a new channel).
+                if let Some(engine) = self.engine.as_ref() {
+                    if engine.source().inner().lose_channel() {
+                        self.report.channels_lost += 1;
+                        return Ok(());
+                    }
+                }
+                // On revoke, a well-behaved member commits what is final, then hands over
+                // (JetStream: and gives back what it still holds).
                 if let Some(engine) = self.engine.as_mut() {
                     let r = self.rt.block_on(async {
                         tokio::time::timeout(STEP_LIMIT, engine.commit_final()).await
@@ -560,6 +606,7 @@ where
                         Ok(Err(e)) => return Err(format!("commit on revoke failed: {e}")),
                         Err(_) => return Err("commit on revoke hung".into()),
                     }
+                    engine.source().inner().leave();
                 }
                 self.drop_engine();
                 self.engine = Some(self.make_engine());
@@ -1146,8 +1193,7 @@ where
                 .unwrap_or(RecordAnswer::Ack);
             let stored = matches!(a, RecordAnswer::Ack | RecordAnswer::AckLost);
             let ack: Option<PublishResult> = if stored {
-                let mut r = self.block_on(self.log.publish(&[e]))?;
-                Some(r.pop().ok_or("the log answered nothing")?)
+                Some(self.block_on(self.broker.publish(e))??)
             } else {
                 None
             };
@@ -1374,11 +1420,17 @@ where
 
     /// Retries the `n`-th open parked head of the consumer; whether there was one.
     fn consumer_operator(&mut self, n: usize) -> Result<bool, String> {
-        let heads: Vec<_> = self
+        let open = self
             .block_on(self.parked_api.list(&ParkedFilter::default()))?
-            .map_err(|e| format!("listing parked messages failed: {e}"))?
+            .map_err(|e| format!("listing parked messages failed: {e}"))?;
+        let coming = self.still_coming(&open)?;
+        let heads: Vec<_> = open
             .into_iter()
             .filter(|m| m.status == ParkedStatus::Parked)
+            .filter(|m| {
+                let head = (m.record.aggregate.as_ref(), m.record.aggregate_version);
+                !matches!(head, (Some(a), Some(v)) if coming.iter().any(|(b, u)| *b == a.aggregate_id && *u < v))
+            })
             .collect();
         if heads.is_empty() {
             return Ok(false);
@@ -1398,6 +1450,33 @@ where
             Err(outbox_inbox::OperatorError::Store(e)) if e.is_transient() => Ok(true),
             Err(e) => Err(format!("retrying parked message {id} failed: {e}")),
         }
+    }
+
+    /// JetStream: the versions, per aggregate, that were committed (and not discarded) but
+    /// are neither applied nor parked on the consumer side: a redelivery still brings them.
+    /// The simulation's operator does not accept a version gap below such a version (a
+    /// careful operator waits for it; accepting the gap would make it stale). Empty on the
+    /// other transports, which deliver an aggregate's versions in order.
+    fn still_coming(
+        &self,
+        open: &[outbox_core::ParkedMessage],
+    ) -> Result<Vec<(String, i64)>, String> {
+        if self.broker.transport() != Transport::JetStream {
+            return Ok(Vec::new());
+        }
+        let effects = self.block_on(self.backend.effects())??;
+        let parked: BTreeSet<EventId> = open.iter().filter_map(|m| m.record.event_id).collect();
+        Ok(self
+            .model
+            .expected()
+            .into_iter()
+            .filter(|id| {
+                let d = self.model.dedup(*id);
+                !effects.counts.contains_key(&d) && !parked.contains(id) && !parked.contains(&d)
+            })
+            .filter_map(|id| self.model.committed.get(&self.model.dedup(id)))
+            .map(|e| (e.aggregate_id.clone(), e.aggregate_version))
+            .collect())
     }
 
     // ---- invariants ----
@@ -1431,7 +1510,10 @@ where
             }
         }
         // A version gap parked on the consumer side is real: a lower version of its aggregate
-        // was never committed, or was discarded (the outbox publishes the rest in order).
+        // was never committed, or was discarded (the outbox publishes the rest in order), or
+        // (JetStream) was delivered before it, to a member that did not acknowledge it, and
+        // comes again after it.
+        let first_delivered = self.broker.first_deliveries();
         for m in &parked {
             if m.kind != Some(outbox_core::ParkKind::VersionGap) {
                 continue;
@@ -1447,7 +1529,17 @@ where
                 .filter(|e| e.aggregate_id == agg.aggregate_id)
                 .map(|e| e.aggregate_version)
                 .collect();
-            ensure((1..v).any(|u| !present.contains(&u)), || {
+            let overtaken = first_delivered.iter().any(|(id, first)| {
+                *first < m.record.position.offset
+                    && self
+                        .model
+                        .committed
+                        .get(&self.model.dedup(*id))
+                        .is_some_and(|e| {
+                            e.aggregate_id == agg.aggregate_id && e.aggregate_version < v
+                        })
+            });
+            ensure(overtaken || (1..v).any(|u| !present.contains(&u)), || {
                 format!(
                     "{} v{v} was parked on the consumer side as a version gap although \
                      versions 1..{v} of its aggregate were all committed and not discarded",
@@ -1468,10 +1560,19 @@ where
                 ))
             })
             .collect();
+        let parked_events = parked.iter().filter_map(|m| m.record.event_id).collect();
         let consumer_parked = parked.into_iter().map(|m| m.record.position).collect();
-        let offsets = (0..self.config.partitions.max(1) as i32)
-            .map(|p| (p, self.log.committed(GROUP, TOPIC, p).unwrap_or(0)))
-            .collect();
+        let transport = self.broker.transport();
+        let offsets = match transport {
+            Transport::Kafka => (0..self.config.partitions.max(1) as i32)
+                .map(|p| (p, self.log.committed(GROUP, TOPIC, p).unwrap_or(0)))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let acked = match transport {
+            Transport::Kafka => Vec::new(),
+            _ => self.broker.acked_records(),
+        };
         Ok(Observed {
             rows,
             records: self.log.all_records(),
@@ -1480,6 +1581,12 @@ where
             consumer_parked,
             consumer_open,
             offsets,
+            acked,
+            parked_events,
+            // Across a JetStream redelivery, only a policy that keeps versions keeps an
+            // aggregate's order (`Unchecked` applies what comes, as it comes).
+            order_promised: !(transport == Transport::JetStream
+                && self.modes.policy == Policy::Unchecked),
             now: self.backend.clock().now(),
             gap_timeout: self.backend.gap_timeout(),
         })
@@ -1533,6 +1640,7 @@ where
 
     fn drain_consumer(&mut self) -> Check {
         let mut quiet = 0;
+        let mut expiries = 0;
         for _ in 0..5_000 {
             let progressed = self.consumer_steps(1)?;
             // A violation recorded by a double (e.g. a handler call the engine should not
@@ -1544,6 +1652,12 @@ where
             if progressed == 0 && in_flight == 0 {
                 quiet += 1;
                 if quiet >= 3 {
+                    // JetStream: what a crashed member held comes back after the ack wait.
+                    if expiries < 20 && self.broker.expire_all() > 0 {
+                        expiries += 1;
+                        quiet = 0;
+                        continue;
+                    }
                     return self.check_invariants();
                 }
             } else {
@@ -1554,6 +1668,9 @@ where
     }
 
     fn offsets_at_end(&self) -> Check {
+        if self.broker.transport() != Transport::Kafka {
+            return self.broker.all_acked();
+        }
         for p in 0..self.config.partitions.max(1) as i32 {
             let end = self.log.end_offset(TOPIC, p);
             let committed = self.log.committed(GROUP, TOPIC, p).unwrap_or(0);

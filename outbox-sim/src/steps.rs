@@ -9,6 +9,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 
 use crate::config::SimConfig;
+use crate::transport::Transport;
 
 /// How the broker answers one record of a batch held by the publisher double.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -310,8 +311,8 @@ pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
     proptest::collection::vec(step, 1..=config.max_steps.max(1))
 }
 
-/// The modes of one case: lease (else locked transaction), prefetch, and the consumer's
-/// version policy.
+/// The modes of one case: lease (else locked transaction), prefetch, the consumer's version
+/// policy and the transport.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Modes {
     /// `ClaimMode::Lease` (else `LockedTransaction`).
@@ -320,6 +321,8 @@ pub struct Modes {
     pub prefetch: bool,
     /// The consumer's version policy.
     pub policy: Policy,
+    /// The transport (see [`Transport`]).
+    pub transport: Transport,
 }
 
 /// One generated case.
@@ -327,6 +330,7 @@ pub type Case = (Modes, Vec<Step>);
 
 /// The strategy of cases (modes and steps) for `config`.
 pub fn cases(config: &SimConfig) -> impl Strategy<Value = Case> {
+    let forced = config.transport;
     (
         (
             any::<bool>(),
@@ -339,11 +343,19 @@ pub fn cases(config: &SimConfig) -> impl Strategy<Value = Case> {
                 1 => Just(Policy::Hold),
                 2 => Just(Policy::Unchecked)
             ],
+            // The cases are split among the transports (not multiplied by them): Kafka in
+            // half, JetStream and RabbitMQ in a quarter each.
+            prop_oneof![
+                2 => Just(Transport::Kafka),
+                1 => Just(Transport::JetStream),
+                1 => Just(Transport::RabbitMq)
+            ],
         )
-            .prop_map(|(lease, prefetch, policy)| Modes {
+            .prop_map(move |(lease, prefetch, policy, transport)| Modes {
                 lease,
                 prefetch,
                 policy,
+                transport: forced.unwrap_or(transport),
             }),
         steps(config),
     )

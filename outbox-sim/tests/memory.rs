@@ -33,6 +33,7 @@ fn the_generator_reaches_the_interesting_states() {
     let mut total = SimReport::default();
     let mut modes = [0usize; 4];
     let mut policies = [0usize; 3];
+    let mut transports = [0usize; 3];
     for (m, steps) in sample_cases(&config, 80, 2) {
         modes[usize::from(m.lease) * 2 + usize::from(m.prefetch)] += 1;
         let r = Simulation::memory(config.clone(), m)
@@ -62,7 +63,11 @@ fn the_generator_reaches_the_interesting_states() {
         total.operator_scope_checked += r.operator_scope_checked;
         total.claim_releases += r.claim_releases;
         total.claims_released += r.claims_released;
+        total.channels_lost += r.channels_lost;
+        total.redelivered += r.redelivered;
+        total.deduplicated_sends += r.deduplicated_sends;
         policies[m.policy as usize] += 1;
+        transports[m.transport as usize] += 1;
     }
     eprintln!("coverage over 80 cases: {total:?}, modes {modes:?}");
     assert!(
@@ -129,6 +134,21 @@ fn the_generator_reaches_the_interesting_states() {
     assert!(
         policies.iter().all(|n| *n > 5),
         "every consumer version policy: {policies:?}"
+    );
+    // Every transport, and what only the other transports do: JetStream's redeliveries after
+    // later messages and its duplicate window, RabbitMQ's lost channels.
+    assert!(
+        transports.iter().all(|n| *n > 5),
+        "every transport: {transports:?}"
+    );
+    assert!(total.redelivered > 0, "nothing redelivered: {total:?}");
+    assert!(
+        total.deduplicated_sends > 0,
+        "no re-send kept out by JetStream's duplicate window: {total:?}"
+    );
+    assert!(
+        total.channels_lost > 0,
+        "no RabbitMQ channel lost: {total:?}"
     );
 }
 

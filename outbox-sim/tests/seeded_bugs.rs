@@ -7,9 +7,14 @@ use proptest::test_runner::TestError;
 
 /// Runs the property with `bug` and returns the shrunk failure.
 fn caught(bug: SeededBug) -> String {
+    caught_within(bug, 400)
+}
+
+/// Runs the property with `bug` over `cases` cases and returns the shrunk failure.
+fn caught_within(bug: SeededBug, cases: u32) -> String {
     let config = SimConfig::default()
         .bug(bug)
-        .fixed_cases(400)
+        .fixed_cases(cases)
         .max_shrink_iters(150);
     let c = config.clone();
     match run_property(&config, None, |modes| Simulation::memory(c.clone(), modes)) {
@@ -92,4 +97,54 @@ fn a_fallback_that_skips_a_record_is_caught() {
 fn a_prefetched_batch_under_a_stale_claim_is_caught() {
     let why = caught(SeededBug::StalePrefetch);
     assert_any(&why, &["without a live claim"]);
+}
+
+// The transports' own bugs, which Kafka cases never meet: each caught within the default
+// number of cases (150), the transport chosen per case as in the clean run.
+
+#[test]
+#[ignore = "not caught within the default 150 cases (default seed) yet: the rewind needs a \
+            redelivery to a live member while later messages are held; see docs/simulation.md"]
+fn jetstream_positions_by_stream_sequence_are_caught() {
+    let why = caught_within(
+        SeededBug::JetStreamStreamSequenceOffsets,
+        SimConfig::default().cases,
+    );
+    assert!(why.contains("JetStream"), "{why}");
+    assert_any(
+        &why,
+        &[
+            "acknowledged but its outcome is not final",
+            "was never applied",
+            "was not applied once",
+            "never acknowledged",
+        ],
+    );
+}
+
+#[test]
+fn a_jetstream_ack_before_the_effect_is_caught() {
+    let why = caught_within(
+        SeededBug::JetStreamAckOnDelivery,
+        SimConfig::default().cases,
+    );
+    assert!(why.contains("JetStream"), "{why}");
+    assert_any(&why, &["acknowledged but its outcome is not final"]);
+}
+
+#[test]
+fn a_rabbitmq_source_that_skips_redeliveries_is_caught() {
+    let why = caught_within(
+        SeededBug::RabbitSkipsRedelivered,
+        SimConfig::default().cases,
+    );
+    assert!(why.contains("RabbitMq"), "{why}");
+    assert_any(
+        &why,
+        &[
+            "acknowledged but its outcome is not final",
+            "was never applied",
+            "was not applied once",
+        ],
+    );
 }
