@@ -7,8 +7,8 @@
 use std::time::Duration;
 
 use outbox_core::{
-    async_trait, ClaimHandle, ClaimMode, InboxStore, LogPosition, NativeColumns,
-    NewParkedMessage, ParkAs, ParkKind, ParkedRecord, Parking, StoreError,
+    async_trait, ClaimHandle, ClaimMode, InboxStore, LogPosition, NativeColumns, NewParkedMessage,
+    ParkAs, ParkKind, ParkedRecord, Parking, StoreError,
 };
 use outbox_mysql::{MySqlInboxStore, MySqlOutboxStore};
 use outbox_testkit::conformance::{Capabilities, InboxHarness, OutboxHarness};
