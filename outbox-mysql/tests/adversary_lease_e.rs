@@ -17,13 +17,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::prelude::*;
-use outbox_core::{ClaimedBatch, Envelope, EventId, OperatorAction};
+use outbox_core::{ClaimedBatch, Envelope, OperatorAction};
 use outbox_mysql::MySqlOutboxStore;
 use sqlx::mysql::MySqlPoolOptions;
 use sqlx::{Executor, MySqlPool};
 use uuid::Uuid;
 
-use common::{claim, event, lease, park, published, versions};
+use common::lease::{ids, park_a_copy_beside_its_uncommitted_twin, status_of};
+use common::{claim, event, lease, published, versions};
 
 /// (status, claim token, `next_attempt_at` in the future, `maybe_delivered`, ack position) of
 /// the row of event `e`.
@@ -73,11 +74,6 @@ async fn lease_tokens(ctx: &common::Ctx) -> Vec<Uuid> {
     .fetch_all(&ctx.pool)
     .await
     .unwrap()
-}
-
-/// The event ids of a batch, in order.
-fn ids(batch: &ClaimedBatch) -> Vec<EventId> {
-    batch.records.iter().map(|r| r.envelope.event_id).collect()
 }
 
 /// A READ COMMITTED transaction on a connection of its own.
@@ -844,18 +840,6 @@ async fn an_old_relays_completion_behind_a_takeover_applies_nothing() {
     ctx.drop().await;
 }
 
-/// (status, park kind) of the row of `e`.
-async fn status_of(ctx: &common::Ctx, e: &Envelope) -> (String, Option<String>) {
-    sqlx::query_as(&format!(
-        "SELECT CAST(status AS CHAR), CAST(park_kind AS CHAR) FROM {} WHERE event_id = ?",
-        ctx.table("outbox_events")
-    ))
-    .bind(e.event_id.as_uuid())
-    .fetch_one(&ctx.pool)
-    .await
-    .unwrap()
-}
-
 /// Two heads of one aggregate in flight. A duplicate of version 1 whose transaction inserted
 /// first (lower id) commits after the other copy was claimed: the head probe, ordered by
 /// (version, id), now returns the late copy, which carries no token, so the aggregate does
@@ -905,16 +889,7 @@ async fn discarding_a_parked_duplicate_does_not_release_the_next_version_early()
     let ctx = ctx!(6);
     let s = ctx.store(lease(30.0)).await;
     let (copy, leased, v2) = (event("a", 1), event("a", 1), event("a", 2));
-    let mut tx = ctx.pool.begin().await.unwrap();
-    s.append_many_in(&mut tx, std::slice::from_ref(&leased))
-        .await
-        .unwrap();
-    common::append(&ctx, &s, std::slice::from_ref(&copy)).await;
-    let c = claim(&s, "relay-1", 10).await;
-    assert_eq!(ids(&c), vec![copy.event_id]);
-    let rep = s.complete(&c.handle, &[park(&copy)]).await.unwrap();
-    assert_eq!(rep.applied, 1);
-    tx.commit().await.unwrap();
+    park_a_copy_beside_its_uncommitted_twin(&ctx, &s, &copy, &leased).await;
     common::append(&ctx, &s, std::slice::from_ref(&v2)).await;
     let one = claim(&s, "relay-2", 10).await;
     assert_eq!(ids(&one), vec![leased.event_id]);

@@ -13,69 +13,14 @@ mod common;
 
 use std::time::Duration;
 
-use chrono::NaiveDateTime;
 use outbox_core::prelude::*;
-use outbox_core::{ClaimedBatch, Envelope, EventId, Outcome};
+use outbox_core::{Envelope, Outcome};
 use outbox_mysql::MySqlOutboxStore;
-use sqlx::mysql::MySqlPoolOptions;
 use sqlx::MySqlPool;
 use uuid::Uuid;
 
+use common::lease::{fence_of, frozen_at, ids, park_a_copy_beside_its_uncommitted_twin, status_of};
 use common::{claim, event, lease, park, published};
-
-/// The event ids of a batch, in order.
-fn ids(batch: &ClaimedBatch) -> Vec<EventId> {
-    batch.records.iter().map(|r| r.envelope.event_id).collect()
-}
-
-/// (status, park kind) of the row of `e`.
-async fn status_of(ctx: &common::Ctx, e: &Envelope) -> (String, Option<String>) {
-    sqlx::query_as(&format!(
-        "SELECT CAST(status AS CHAR), CAST(park_kind AS CHAR) FROM {} WHERE event_id = ?",
-        ctx.table("outbox_events")
-    ))
-    .bind(e.event_id.as_uuid())
-    .fetch_one(&ctx.pool)
-    .await
-    .unwrap()
-}
-
-/// (claim token, `next_attempt_at`) of the row of `e`.
-async fn fence_of(ctx: &common::Ctx, e: &Envelope) -> (Uuid, NaiveDateTime) {
-    sqlx::query_as(&format!(
-        "SELECT claim_token, next_attempt_at FROM {} WHERE event_id = ?",
-        ctx.table("outbox_events")
-    ))
-    .bind(e.event_id.as_uuid())
-    .fetch_one(&ctx.pool)
-    .await
-    .unwrap()
-}
-
-/// A pool of one connection whose session clock is frozen at `at` (UTC): every
-/// `UTC_TIMESTAMP(6)` on it reads `at`.
-async fn frozen_at(at: NaiveDateTime) -> MySqlPool {
-    let url =
-        std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
-    let us = at.and_utc().timestamp_micros();
-    MySqlPoolOptions::new()
-        .max_connections(1)
-        .after_connect(move |conn, _| {
-            Box::pin(async move {
-                sqlx::query(&format!(
-                    "SET time_zone = '+00:00', timestamp = {}.{:06}",
-                    us / 1_000_000,
-                    us % 1_000_000
-                ))
-                .execute(conn)
-                .await?;
-                Ok(())
-            })
-        })
-        .connect(&url)
-        .await
-        .unwrap()
-}
 
 /// A relay of the previous version (before migration 3) on `pool` takes the row of `e` over
 /// once its `next_attempt_at` has come (its lease in the state row, the row due again at the
@@ -241,16 +186,7 @@ async fn a_live_token_below_the_last_version_holds_the_next_version() {
     let ctx = ctx!(6);
     let s = ctx.store(lease(30.0)).await;
     let (copy, leased, v2) = (event("a", 1), event("a", 1), event("a", 2));
-    let mut tx = ctx.pool.begin().await.unwrap();
-    s.append_many_in(&mut tx, std::slice::from_ref(&leased))
-        .await
-        .unwrap();
-    common::append(&ctx, &s, std::slice::from_ref(&copy)).await;
-    let c = claim(&s, "relay-1", 10).await;
-    assert_eq!(ids(&c), vec![copy.event_id]);
-    let rep = s.complete(&c.handle, &[park(&copy)]).await.unwrap();
-    assert_eq!(rep.applied, 1);
-    tx.commit().await.unwrap();
+    park_a_copy_beside_its_uncommitted_twin(&ctx, &s, &copy, &leased).await;
     let one = claim(&s, "relay-2", 10).await;
     assert_eq!(ids(&one), vec![leased.event_id]);
     s.discard_parked(copy.event_id, "ops", "a duplicate")

@@ -20,35 +20,10 @@ use chrono::NaiveDateTime;
 use outbox_core::prelude::*;
 use outbox_core::{ClaimMode, ClaimRequest, ClaimedBatch, Envelope, Outcome};
 use outbox_mysql::MySqlOutboxStore;
-use sqlx::mysql::MySqlPoolOptions;
-use sqlx::MySqlPool;
 use uuid::Uuid;
 
+use common::lease::{fence_of, frozen_at, status_of};
 use common::{claim, event, lease, park, publish_all, published, retry, versions};
-
-/// (status, park kind) of the row of `e`.
-async fn status_of(ctx: &common::Ctx, e: &Envelope) -> (String, Option<String>) {
-    sqlx::query_as(&format!(
-        "SELECT CAST(status AS CHAR), CAST(park_kind AS CHAR) FROM {} WHERE event_id = ?",
-        ctx.table("outbox_events")
-    ))
-    .bind(e.event_id.as_uuid())
-    .fetch_one(&ctx.pool)
-    .await
-    .unwrap()
-}
-
-/// (claim token, `next_attempt_at`) of the row of `e`.
-async fn fence_of(ctx: &common::Ctx, e: &Envelope) -> (Uuid, NaiveDateTime) {
-    sqlx::query_as(&format!(
-        "SELECT claim_token, next_attempt_at FROM {} WHERE event_id = ?",
-        ctx.table("outbox_events")
-    ))
-    .bind(e.event_id.as_uuid())
-    .fetch_one(&ctx.pool)
-    .await
-    .unwrap()
-}
 
 /// Rows per status.
 async fn counts(ctx: &common::Ctx) -> Vec<(String, i64)> {
@@ -59,30 +34,6 @@ async fn counts(ctx: &common::Ctx) -> Vec<(String, i64)> {
     .fetch_all(&ctx.pool)
     .await
     .unwrap()
-}
-
-/// A pool of one connection whose session clock is frozen at `at` (UTC).
-async fn frozen_at(at: NaiveDateTime) -> MySqlPool {
-    let url =
-        std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
-    let us = at.and_utc().timestamp_micros();
-    MySqlPoolOptions::new()
-        .max_connections(1)
-        .after_connect(move |conn, _| {
-            Box::pin(async move {
-                sqlx::query(&format!(
-                    "SET time_zone = '+00:00', timestamp = {}.{:06}",
-                    us / 1_000_000,
-                    us % 1_000_000
-                ))
-                .execute(conn)
-                .await?;
-                Ok(())
-            })
-        })
-        .connect(&url)
-        .await
-        .unwrap()
 }
 
 /// Batches straddling a list's length. `n` aggregates `t0000..` with version 1, and beside

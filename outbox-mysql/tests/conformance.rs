@@ -6,11 +6,14 @@
 
 use std::time::Duration;
 
-use outbox_core::{async_trait, ClaimHandle, ClaimMode, StoreError};
+use outbox_core::{
+    async_trait, ClaimHandle, ClaimMode, InboxStore, LogPosition, NativeColumns, NewParkedMessage,
+    ParkAs, ParkKind, ParkedRecord, Parking, StoreError,
+};
 use outbox_mysql::{MySqlInboxStore, MySqlOutboxStore};
 use outbox_testkit::conformance::{Capabilities, InboxHarness, OutboxHarness};
-use sqlx::mysql::MySqlTransactionManager;
-use sqlx::{Connection, MySqlConnection, MySqlPool, TransactionManager};
+use sqlx::mysql::{MySqlRow, MySqlTransactionManager};
+use sqlx::{Connection, MySqlConnection, MySqlPool, Row, TransactionManager};
 
 mod common;
 
@@ -103,6 +106,8 @@ impl OutboxHarness for MyHarness {
 
 struct MyInboxHarness {
     store: MySqlInboxStore,
+    pool: MySqlPool,
+    database: String,
 }
 
 impl MyInboxHarness {
@@ -113,7 +118,16 @@ impl MyInboxHarness {
             .build()
             .expect("inbox");
         store.migrate().await.expect("migrate");
-        Self { store }
+        Self {
+            store,
+            pool: h.pool,
+            database: h.database,
+        }
+    }
+
+    /// `` `database`.`name` ``.
+    fn table(&self, name: &str) -> String {
+        format!("`{}`.`{name}`", self.database)
     }
 }
 
@@ -131,6 +145,106 @@ impl InboxHarness for MyInboxHarness {
 
     async fn advance(&self, by: Duration) {
         tokio::time::sleep(by).await;
+    }
+
+    async fn native_columns(&self, consumer: &str) -> Option<Vec<NativeColumns>> {
+        let rows = sqlx::query(&format!(
+            "SELECT native_transport, native_sequence, native_consumer, native_exchange, \
+                    native_routing_key, native_redelivered \
+             FROM {} WHERE consumer = ? ORDER BY id",
+            self.table("processed_events_parked")
+        ))
+        .bind(consumer)
+        .fetch_all(&self.pool)
+        .await
+        .unwrap();
+        let text = |r: &MySqlRow, i: usize| {
+            r.get::<Option<Vec<u8>>, _>(i)
+                .map(|b| String::from_utf8(b).unwrap())
+        };
+        Some(
+            rows.iter()
+                .map(|r| {
+                    NativeColumns::new(
+                        text(r, 0),
+                        r.get(1),
+                        text(r, 2),
+                        text(r, 3),
+                        text(r, 4),
+                        r.get(5),
+                    )
+                })
+                .collect(),
+        )
+    }
+
+    async fn write_native_columns(&self, consumer: &str, c: &NativeColumns) -> bool {
+        sqlx::query(&format!(
+            "UPDATE {} SET native_transport = ?, native_sequence = ?, native_consumer = ?, \
+               native_exchange = ?, native_routing_key = ?, native_redelivered = ? \
+             WHERE consumer = ?",
+            self.table("processed_events_parked")
+        ))
+        .bind(&c.transport)
+        .bind(c.sequence)
+        .bind(&c.consumer)
+        .bind(&c.exchange)
+        .bind(&c.routing_key)
+        .bind(c.redelivered)
+        .bind(consumer)
+        .execute(&self.pool)
+        .await
+        .unwrap();
+        true
+    }
+
+    /// The message parked by this version, then the parked table turned back into its
+    /// migration-3 shape (the native columns gone, the migration log at version 3): the row
+    /// is what a consumer of version 3 wrote.
+    async fn before_native_columns(
+        &self,
+        consumer: &str,
+        position: &LogPosition,
+        reason: &str,
+    ) -> bool {
+        let mut tx = self.store.begin().await.unwrap();
+        let parked = self
+            .store
+            .park(
+                &mut tx,
+                consumer,
+                &[NewParkedMessage::new(
+                    ParkedRecord::new(position.clone(), None, vec![], Some(vec![0xff])),
+                    ParkAs::Head(ParkKind::Unprocessable),
+                    reason,
+                    1,
+                )],
+            )
+            .await
+            .unwrap();
+        self.store.commit(tx).await.unwrap();
+        assert!(matches!(parked[..], [Parking::Head(_)]), "{parked:?}");
+        sqlx::query(&format!(
+            "ALTER TABLE {} DROP COLUMN native_transport, DROP COLUMN native_sequence, \
+               DROP COLUMN native_consumer, DROP COLUMN native_exchange, \
+               DROP COLUMN native_routing_key, DROP COLUMN native_redelivered",
+            self.table("processed_events_parked")
+        ))
+        .execute(&self.pool)
+        .await
+        .unwrap();
+        sqlx::query(&format!(
+            "DELETE FROM {} WHERE object = 'inbox:processed_events' AND version >= 4",
+            self.table("outbox_schema_migrations")
+        ))
+        .execute(&self.pool)
+        .await
+        .unwrap();
+        true
+    }
+
+    async fn migrate(&self) -> Option<usize> {
+        Some(self.store.migrate().await.expect("migrate"))
     }
 }
 

@@ -47,7 +47,9 @@ async fn forget_inbox_from(ctx: &common::Ctx, version: i32) {
 /// consumer and dedup id, the migration log at version 2). The columns of migration 4 stay
 /// (this version's store, which plays the previous version's consumer here, writes them), so
 /// migration 4 applies again as a run whose DDL committed but whose log entry did not
-/// (`inbox_positions.rs` upgrades a table without them).
+/// (the conformance check
+/// `a_message_parked_before_the_native_columns_reads_back_as_its_kafka_position` upgrades a
+/// table without them).
 async fn back_to_inbox_v2(ctx: &common::Ctx) {
     let parked = ctx.table("processed_events_parked");
     for ddl in [

@@ -10,30 +10,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::inbox::{Db, Effects, PgTx};
-use common::{require, unique, TestStream};
+use common::inbox::{park_version_2, Effects};
+use common::{poll_n, require, unique, TestStream};
 use outbox_core::{
-    async_trait, AckMetadata, AckModel, Envelope, InboxParking, LogPosition, MessageSource,
-    NativePosition, ParkedFilter, ParkedStatus, Publisher, ReceivedMessage,
+    AckMetadata, AckModel, Envelope, LogPosition, MessageSource, NativePosition, Publisher,
 };
-use outbox_inbox::{
-    ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor, VersionPolicy,
-};
+use outbox_inbox::{ConsumerEngine, EngineConfig, InboxProcessor, VersionPolicy};
 use outbox_nats::{NatsPublisher, NatsSource};
 
 const ACK_WAIT: Duration = Duration::from_secs(2);
-
-async fn poll_n(source: &NatsSource, n: usize) -> Vec<ReceivedMessage> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut out = Vec::new();
-    while out.len() < n {
-        assert!(Instant::now() < deadline, "only {} of {n}", out.len());
-        if let Some(m) = source.poll(Duration::from_millis(200)).await.expect("poll") {
-            out.push(m);
-        }
-    }
-    out
-}
 
 /// Publishes `events` and returns the stream sequence of each (from its `PubAck`).
 async fn publish(publisher: &NatsPublisher, events: &[Envelope]) -> Vec<u64> {
@@ -126,29 +111,13 @@ async fn a_delivery_names_its_stream_sequence_and_consumer() {
     second.close().await;
 }
 
-/// Applies every event but version `fail` of any aggregate, which fails permanently.
-struct FailVersion {
-    fail: i64,
-    inner: Effects,
-}
-
-#[async_trait]
-impl Handler<PgTx> for FailVersion {
-    async fn handle(&self, tx: &mut PgTx, e: &Envelope) -> Result<(), HandlerError> {
-        if e.aggregate_version == self.fail {
-            return Err(HandlerError::permanent("version refused by the test"));
-        }
-        self.inner.handle(tx, e).await
-    }
-}
-
 /// A message the handler refuses is parked with its native identity: an operator reading the
 /// parked table (or `outbox parked show --consumer`) sees the stream sequence, not only the
 /// delivery sequence that means nothing outside the member that received it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_parked_message_keeps_its_stream_sequence() {
     let url = require!(common::nats_url("nats_position_parked"));
-    let db = require!(Db::new("nats_position_parked").await);
+    let db = require!(common::inbox_db("nats_position_parked").await);
     let prefix = unique("parkpos");
     let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
     let durable = unique("inbox");
@@ -162,38 +131,7 @@ async fn a_parked_message_keeps_its_stream_sequence() {
         .start()
         .await
         .unwrap();
-    let inbox = db.inbox().await;
-    let processor = InboxProcessor::new(
-        "nats-parked-position",
-        inbox.clone(),
-        FailVersion {
-            fail: 2,
-            inner: Effects {
-                schema: db.schema.clone(),
-                applied: Arc::new(AtomicUsize::new(0)),
-            },
-        },
-    );
-    let config = EngineConfig::default().with_commit(10, Duration::from_millis(100));
-    let mut engine = ConsumerEngine::new(source, processor, config, 10).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while engine.report().parked < 1 {
-        assert!(Instant::now() < deadline, "nothing parked");
-        engine.step().await.unwrap();
-    }
-    engine
-        .run_until_quiet(Duration::from_millis(300))
-        .await
-        .unwrap();
-    let parked = inbox
-        .list_parked("nats-parked-position", &ParkedFilter::open())
-        .await
-        .unwrap();
-    let head = parked
-        .iter()
-        .find(|m| m.status == ParkedStatus::Parked)
-        .expect("the refused version is parked");
-    assert_eq!(head.record.aggregate_version, Some(2));
+    let (head, waiting) = park_version_2(&db, source, "nats-parked-position", "p-1").await;
     let p = &head.record.position;
     assert_eq!(p.topic, stream.name);
     assert_eq!(p.offset, 2, "delivery sequence of version 2");
@@ -211,12 +149,7 @@ async fn a_parked_message_keeps_its_stream_sequence() {
         "{p}"
     );
     // Version 3 waits behind it, with its own identity.
-    let waiting = parked
-        .iter()
-        .find(|m| m.status == ParkedStatus::Waiting)
-        .expect("version 3 waits");
     assert_eq!(stream_sequence(&waiting.record.position), seqs[2]);
-    assert_eq!(db.applied("p-1").await, vec![1]);
 }
 
 /// JetStream redelivers an unacknowledged message after later ones were delivered. Member X
@@ -228,7 +161,7 @@ async fn a_parked_message_keeps_its_stream_sequence() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redelivered_head_holds_its_aggregate_unacknowledged() {
     let url = require!(common::nats_url("nats_position_hold"));
-    let db = require!(Db::new("nats_position_hold").await);
+    let db = require!(common::inbox_db("nats_position_hold").await);
     let prefix = unique("hold");
     let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
     let durable = unique("inbox");

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::consumer::pull::Config as PullConfig;
 use async_nats::jetstream::consumer::AckPolicy;
 use async_nats::HeaderMap;
-use common::{require, unique, TestStream};
+use common::{poll_n, require, unique, TestStream};
 use futures::StreamExt;
 use outbox_core::watermark::SharedOffsetTracker;
 use outbox_core::{async_trait, Envelope, MessageSource, Publisher};
@@ -179,18 +179,6 @@ async fn fill(s: &SourceSuite, n: usize) -> Vec<Envelope> {
         r.expect("published");
     }
     events
-}
-
-async fn poll_n(source: &NatsSource, n: usize) -> Vec<outbox_core::ReceivedMessage> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut out = Vec::new();
-    while out.len() < n {
-        assert!(Instant::now() < deadline, "only {} of {n}", out.len());
-        if let Some(m) = source.poll(Duration::from_millis(200)).await.expect("poll") {
-            out.push(m);
-        }
-    }
-    out
 }
 
 /// The source's positions are delivery sequences because the server gives every delivery,
@@ -379,7 +367,7 @@ fn engine_config() -> EngineConfig {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_applies_each_event_once_in_order_across_a_crash() {
     let url = require!(common::nats_url("nats_engine_crash"));
-    let db = require!(Db::new("nats_engine_crash").await);
+    let db = require!(common::inbox_db("nats_engine_crash").await);
     let prefix = unique("engine");
     let stream = TestStream::create(
         &url,
@@ -484,7 +472,7 @@ async fn engine_applies_each_event_once_in_order_across_a_crash() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redelivered_head_is_applied_before_its_successors() {
     let url = require!(common::nats_url("nats_redelivered_head"));
-    let db = require!(Db::new("nats_redelivered_head").await);
+    let db = require!(common::inbox_db("nats_redelivered_head").await);
     let prefix = unique("head");
     let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
     let durable = unique("inbox");
@@ -548,7 +536,7 @@ async fn redelivered_head_is_applied_before_its_successors() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_survives_a_server_restart_with_each_effect_once() {
     let bin = require!(outbox_test_support::nats_server_bin("nats_source_restart"));
-    let db = require!(Db::new("nats_source_restart").await);
+    let db = require!(common::inbox_db("nats_source_restart").await);
     let mut server = outbox_test_support::NatsServer::start(bin);
     let url = server.url();
     let prefix = unique("srcrestart");

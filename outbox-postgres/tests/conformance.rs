@@ -5,10 +5,10 @@
 
 use std::time::Duration;
 
-use outbox_core::{async_trait, ClaimHandle, ClaimMode, StoreError};
+use outbox_core::{async_trait, ClaimHandle, ClaimMode, LogPosition, NativeColumns, StoreError};
 use outbox_postgres::{PostgresInboxStore, PostgresOutboxStore};
 use outbox_testkit::conformance::{Capabilities, InboxHarness, OutboxHarness};
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::{Connection, PgConnection, PgPool, Row};
 
 mod common;
 
@@ -104,7 +104,17 @@ impl OutboxHarness for PgHarness {
 
 struct PgInboxHarness {
     store: PostgresInboxStore,
+    pool: PgPool,
+    schema: String,
 }
+
+/// The inbox migrations before the native-position columns (migration 5).
+const INBOX_V1_TO_V4: [&str; 4] = [
+    include_str!("../src/migrations/0001_inbox.sql"),
+    include_str!("../src/migrations/0002_inbox.sql"),
+    include_str!("../src/migrations/0003_inbox.sql"),
+    include_str!("../src/migrations/0004_inbox.sql"),
+];
 
 impl PgInboxHarness {
     async fn new() -> Self {
@@ -114,7 +124,11 @@ impl PgInboxHarness {
             .build()
             .expect("inbox");
         store.migrate().await.expect("migrate");
-        Self { store }
+        Self {
+            store,
+            pool: h.pool,
+            schema: h.schema,
+        }
     }
 }
 
@@ -132,6 +146,95 @@ impl InboxHarness for PgInboxHarness {
 
     async fn advance(&self, by: Duration) {
         tokio::time::sleep(by).await;
+    }
+
+    async fn native_columns(&self, consumer: &str) -> Option<Vec<NativeColumns>> {
+        let rows = sqlx::query(&format!(
+            "SELECT native_transport, native_sequence, native_consumer, native_exchange, \
+                    native_routing_key, native_redelivered \
+             FROM \"{}\".processed_events_parked WHERE consumer = $1 ORDER BY id",
+            self.schema
+        ))
+        .bind(consumer)
+        .fetch_all(&self.pool)
+        .await
+        .unwrap();
+        Some(
+            rows.iter()
+                .map(|r| {
+                    NativeColumns::new(r.get(0), r.get(1), r.get(2), r.get(3), r.get(4), r.get(5))
+                })
+                .collect(),
+        )
+    }
+
+    async fn write_native_columns(&self, consumer: &str, c: &NativeColumns) -> bool {
+        sqlx::query(&format!(
+            "UPDATE \"{}\".processed_events_parked SET native_transport = $2, \
+               native_sequence = $3, native_consumer = $4, native_exchange = $5, \
+               native_routing_key = $6, native_redelivered = $7 WHERE consumer = $1",
+            self.schema
+        ))
+        .bind(consumer)
+        .bind(&c.transport)
+        .bind(c.sequence)
+        .bind(&c.consumer)
+        .bind(&c.exchange)
+        .bind(&c.routing_key)
+        .bind(c.redelivered)
+        .execute(&self.pool)
+        .await
+        .unwrap();
+        true
+    }
+
+    /// The inbox's tables dropped and made again by migrations 1 to 4, the migration log
+    /// saying so, and the message inserted as a consumer of version 4 parked it.
+    async fn before_native_columns(
+        &self,
+        consumer: &str,
+        position: &LogPosition,
+        reason: &str,
+    ) -> bool {
+        let schema = &self.schema;
+        let v4: String = INBOX_V1_TO_V4
+            .iter()
+            .map(|m| {
+                m.replace("__SCHEMA__", schema)
+                    .replace("__TABLE__", "processed_events")
+            })
+            .collect();
+        sqlx::raw_sql(&format!(
+            "DROP TABLE \"{schema}\".processed_events, \"{schema}\".processed_events_aggregates, \
+               \"{schema}\".processed_events_parked, \"{schema}\".processed_events_audit CASCADE; \
+             DELETE FROM \"{schema}\".outbox_schema_migrations \
+               WHERE object = 'inbox:processed_events'; \
+             {v4}; \
+             INSERT INTO \"{schema}\".outbox_schema_migrations (object, version, description) \
+               VALUES ('inbox:processed_events', 1, 'v1'), ('inbox:processed_events', 2, 'v2'), \
+               ('inbox:processed_events', 3, 'v3'), ('inbox:processed_events', 4, 'v4');"
+        ))
+        .execute(&self.pool)
+        .await
+        .unwrap();
+        sqlx::query(&format!(
+            "INSERT INTO \"{schema}\".processed_events_parked (consumer, topic, \"partition\", \
+               \"offset\", header_names, header_values, value, status, kind, reason, attempts) \
+             VALUES ($1, $2, $3, $4, '{{}}', '{{}}', '\\x0102', 'parked', 'unprocessable', $5, 1)"
+        ))
+        .bind(consumer)
+        .bind(&position.topic)
+        .bind(position.partition)
+        .bind(position.offset)
+        .bind(reason)
+        .execute(&self.pool)
+        .await
+        .unwrap();
+        true
+    }
+
+    async fn migrate(&self) -> Option<usize> {
+        Some(self.store.migrate().await.expect("migrate"))
     }
 }
 

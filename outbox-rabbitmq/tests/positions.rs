@@ -5,18 +5,10 @@
 
 mod common;
 
-use std::sync::atomic::AtomicUsize;
-use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-use common::inbox::{Db, Effects, PgTx};
-use common::{event, require, Topology};
+use common::inbox::park_version_2;
+use common::{event, poll_n, require, Topology};
 use lapin::ExchangeKind as LapinKind;
-use outbox_core::{
-    async_trait, AckMetadata, AckModel, Envelope, InboxParking, MessageSource, NativePosition,
-    ParkedFilter, ParkedStatus, Publisher, ReceivedMessage,
-};
-use outbox_inbox::{ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor};
+use outbox_core::{AckMetadata, AckModel, Envelope, MessageSource, NativePosition, Publisher};
 use outbox_rabbitmq::{quorum_arguments, RabbitPublisher, RabbitSource};
 
 struct Setup {
@@ -73,18 +65,6 @@ impl Setup {
     }
 }
 
-async fn poll_n(source: &RabbitSource, n: usize) -> Vec<ReceivedMessage> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut out = Vec::new();
-    while out.len() < n {
-        assert!(Instant::now() < deadline, "only {} of {n}", out.len());
-        if let Some(m) = source.poll(Duration::from_millis(200)).await.expect("poll") {
-            out.push(m);
-        }
-    }
-    out
-}
-
 /// A delivery is ordered by its channel's delivery tag and named by the exchange and routing
 /// key it was published with; given back by a member that died (its channel closed), it comes
 /// again marked redelivered, at a tag of the new channel.
@@ -138,61 +118,15 @@ async fn a_delivery_names_its_exchange_routing_key_and_redelivery() {
     second.close().await;
 }
 
-/// Applies every event but version `fail`, which fails permanently.
-struct FailVersion {
-    fail: i64,
-    inner: Effects,
-}
-
-#[async_trait]
-impl Handler<PgTx> for FailVersion {
-    async fn handle(&self, tx: &mut PgTx, e: &Envelope) -> Result<(), HandlerError> {
-        if e.aggregate_version == self.fail {
-            return Err(HandlerError::permanent("version refused by the test"));
-        }
-        self.inner.handle(tx, e).await
-    }
-}
-
 /// A message the handler refuses is parked with the exchange and routing key it was
 /// published with (the delivery tag alone means nothing once its channel is gone).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_parked_message_keeps_its_exchange_and_routing_key() {
     let s = require!(Setup::new("rabbit_position_parked").await);
-    let db = require!(Db::new("rabbit_position_parked").await);
+    let db = require!(common::inbox_db("rabbit_position_parked").await);
     let keys = s.fill("p-1", 1..=3).await;
-    let inbox = db.inbox().await;
-    let processor = InboxProcessor::new(
-        "rabbit-parked-position",
-        inbox.clone(),
-        FailVersion {
-            fail: 2,
-            inner: Effects {
-                schema: db.schema.clone(),
-                applied: Arc::new(AtomicUsize::new(0)),
-            },
-        },
-    );
-    let config = EngineConfig::default().with_commit(10, Duration::from_millis(100));
-    let mut engine = ConsumerEngine::new(s.member().await, processor, config, 10).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while engine.report().parked < 1 {
-        assert!(Instant::now() < deadline, "nothing parked");
-        engine.step().await.unwrap();
-    }
-    engine
-        .run_until_quiet(Duration::from_millis(300))
-        .await
-        .unwrap();
-    let parked = inbox
-        .list_parked("rabbit-parked-position", &ParkedFilter::open())
-        .await
-        .unwrap();
-    let head = parked
-        .iter()
-        .find(|m| m.status == ParkedStatus::Parked)
-        .expect("the refused version is parked");
-    assert_eq!(head.record.aggregate_version, Some(2));
+    let (head, waiting) =
+        park_version_2(&db, s.member().await, "rabbit-parked-position", "p-1").await;
     let p = &head.record.position;
     assert_eq!((p.topic.as_str(), p.offset), (s.queue.as_str(), 2));
     assert_eq!(
@@ -204,14 +138,9 @@ async fn a_parked_message_keeps_its_exchange_and_routing_key() {
         },
         "{p}"
     );
-    let waiting = parked
-        .iter()
-        .find(|m| m.status == ParkedStatus::Waiting)
-        .expect("version 3 waits");
     assert!(
         matches!(&waiting.record.position.native, NativePosition::RabbitMq { routing_key, .. } if *routing_key == keys[2]),
         "{}",
         waiting.record.position
     );
-    assert_eq!(db.applied("p-1").await, vec![1]);
 }

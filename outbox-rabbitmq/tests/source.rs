@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{event, require, unique, Topology};
+use common::{event, poll_n, require, unique, Topology};
 use lapin::types::FieldTable;
 use lapin::ExchangeKind as LapinKind;
 use outbox_core::watermark::{BeginKind, SharedOffsetTracker};
@@ -70,18 +70,6 @@ impl Setup {
             .expect("source")
             .0
     }
-}
-
-async fn poll_n(source: &RabbitSource, n: usize) -> Vec<ReceivedMessage> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut out = Vec::new();
-    while out.len() < n {
-        assert!(Instant::now() < deadline, "only {} of {n}", out.len());
-        if let Some(m) = source.poll(Duration::from_millis(200)).await.expect("poll") {
-            out.push(m);
-        }
-    }
-    out
 }
 
 async fn quiet(source: &RabbitSource) -> Vec<ReceivedMessage> {
@@ -249,7 +237,7 @@ async fn start_checks_the_queue() {
 // ---------------------------------------------------------------------------------------------
 // The inbox engine end to end on PostgreSQL
 
-use common::inbox::{Db, Effects};
+use common::inbox::Effects;
 
 /// Events of 10 aggregates, some published twice (a relay's re-sends): the engine applies each
 /// effect once and in version order per aggregate, across a consumer that is dropped mid-way
@@ -258,7 +246,7 @@ use common::inbox::{Db, Effects};
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn engine_applies_each_event_once_in_order_across_a_crash() {
     let s = require!(Setup::new("rabbit_engine_crash", quorum_arguments(true)).await);
-    let db = require!(Db::new("rabbit_engine_crash").await);
+    let db = require!(common::inbox_db("rabbit_engine_crash").await);
     let aggregates: Vec<String> = (0..10).map(|i| format!("agg-{i}")).collect();
     let mut total = 0;
     for v in 1..=6 {
@@ -335,7 +323,7 @@ async fn engine_survives_a_broker_restart_with_each_effect_once() {
         "rabbit_source_restart",
         &[]
     ));
-    let db = require!(Db::new("rabbit_source_restart").await);
+    let db = require!(common::inbox_db("rabbit_source_restart").await);
     let url = node.url();
     let mut t = Topology::exchange(&url, "srcrestart", LapinKind::Topic, true).await;
     let queue = t.queue("#", quorum_arguments(true)).await;

@@ -20,7 +20,11 @@
 //!   else `pgbouncer` on the `PATH` or in `/usr/sbin`; `scripts/services.sh` installs it) on a
 //!   free port in front of `DATABASE_URL`, in the pool mode the test asks for.
 //!
-//! No dependencies beyond std: any crate's tests can use it.
+//! * **The inbox engine on PostgreSQL** (feature `postgres-inbox`): [`pg_inbox`], a schema
+//!   of the test's own with an effects table, handlers that record or refuse events, and the
+//!   parking checks the transports' tests share.
+//!
+//! No dependencies beyond std without that feature: any crate's tests can use it.
 
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
@@ -28,6 +32,9 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+#[cfg(feature = "postgres-inbox")]
+pub mod pg_inbox;
 
 /// The skip switch.
 pub const SKIP_VAR: &str = "OUTBOX_SKIP_SERVICE_TESTS";

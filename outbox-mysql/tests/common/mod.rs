@@ -3,6 +3,7 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod backend;
+pub mod lease;
 pub mod race;
 
 use std::time::Duration;

@@ -9,7 +9,9 @@ use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
 use async_nats::jetstream::{self, Context};
 use outbox_core::Envelope;
 
-pub mod inbox;
+/// The inbox engine's PostgreSQL side: [`outbox_test_support::pg_inbox`].
+pub use outbox_test_support::pg_inbox as inbox;
+pub use outbox_test_support::pg_inbox::poll_n;
 
 pub use outbox_test_support::unique;
 
@@ -23,6 +25,12 @@ macro_rules! require {
     };
 }
 pub(crate) use require;
+
+/// A PostgreSQL schema of the test's own for the inbox engine (named `natsinbox_…`), or `None`
+/// after a printed skip.
+pub async fn inbox_db(test: &str) -> Option<inbox::Db> {
+    inbox::Db::new(test, "natsinbox").await
+}
 
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()

@@ -13,7 +13,9 @@ use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use outbox_core::Envelope;
 
-pub mod inbox;
+/// The inbox engine's PostgreSQL side: [`outbox_test_support::pg_inbox`].
+pub use outbox_test_support::pg_inbox as inbox;
+pub use outbox_test_support::pg_inbox::poll_n;
 
 pub use outbox_test_support::unique;
 
@@ -26,6 +28,12 @@ macro_rules! require {
     };
 }
 pub(crate) use require;
+
+/// A PostgreSQL schema of the test's own for the inbox engine (named `rmqinbox_…`), or `None`
+/// after a printed skip.
+pub async fn inbox_db(test: &str) -> Option<inbox::Db> {
+    inbox::Db::new(test, "rmqinbox").await
+}
 
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()

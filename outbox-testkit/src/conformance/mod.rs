@@ -59,8 +59,8 @@ use std::time::Duration;
 
 use outbox_core::prelude::*;
 use outbox_core::{
-    async_trait, AckMetadata, ClaimHandle, ClaimMode, Envelope, EventId, InboxParking,
-    MessageSource, Publisher, RecordHeader, StoreError,
+    async_trait, AckMetadata, ClaimHandle, ClaimMode, Envelope, EventId, InboxParking, LogPosition,
+    MessageSource, NativeColumns, Publisher, RecordHeader, StoreError,
 };
 
 use crate::{
@@ -242,6 +242,42 @@ pub trait InboxHarness: Send + Sync {
 
     /// Lets `by` pass on the store's clock.
     async fn advance(&self, by: Duration);
+
+    /// The columns in which the store keeps the native positions of `consumer`'s parked
+    /// messages, one entry a message in the order they were parked. `None` (the default): the
+    /// store keeps no such columns, and the checks of them report themselves not applicable.
+    async fn native_columns(&self, consumer: &str) -> Option<Vec<NativeColumns>> {
+        let _ = consumer;
+        None
+    }
+
+    /// Overwrites the native-position columns of `consumer`'s parked messages with `columns`
+    /// (every column, a `None` as NULL), as a writer other than this store could. `false`
+    /// (the default): not applicable.
+    async fn write_native_columns(&self, consumer: &str, columns: &NativeColumns) -> bool {
+        let _ = (consumer, columns);
+        false
+    }
+
+    /// Puts the inbox back at the version before its native-position columns (its tables and
+    /// migration log as that version left them), holding one message that version parked for
+    /// `consumer` at the Kafka position `position` with `reason`. `false` (the default): not
+    /// applicable.
+    async fn before_native_columns(
+        &self,
+        consumer: &str,
+        position: &LogPosition,
+        reason: &str,
+    ) -> bool {
+        let _ = (consumer, position, reason);
+        false
+    }
+
+    /// Runs the store's inbox migrations and says how many it applied. `None` (the default):
+    /// not applicable.
+    async fn migrate(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// A stored record as read back by [`PublisherHarness::read_back`]: key, headers, value.
@@ -782,6 +818,8 @@ pub const INBOX_CHECKS: &[&str] = &[
     "parked_messages_resolve_in_release_order_and_are_audited",
     "release_and_waiting_park_serialize",
     "parked_messages_keep_their_native_position",
+    "a_message_parked_before_the_native_columns_reads_back_as_its_kafka_position",
+    "native_columns_that_describe_no_position_are_refused",
 ];
 
 /// The names of the reporting checks (module [`reporting`]).
@@ -970,6 +1008,8 @@ macro_rules! inbox_conformance_tests {
             parked_messages_resolve_in_release_order_and_are_audited,
             release_and_waiting_park_serialize,
             parked_messages_keep_their_native_position,
+            a_message_parked_before_the_native_columns_reads_back_as_its_kafka_position,
+            native_columns_that_describe_no_position_are_refused,
         );
     };
     (@emit ($setup:expr) $($check:ident),* $(,)?) => {

@@ -13,7 +13,11 @@ use outbox_core::{
 use super::{event, fresh_event_id, unique, InboxHarness};
 
 mod positions;
-pub use positions::parked_messages_keep_their_native_position;
+pub use positions::{
+    a_message_parked_before_the_native_columns_reads_back_as_its_kafka_position,
+    native_columns_that_describe_no_position_are_refused,
+    parked_messages_keep_their_native_position,
+};
 
 fn consumer(name: &str) -> String {
     format!("{name}-{}", unique())
