@@ -1111,7 +1111,14 @@ async fn final_deliveries_are_acknowledged_ahead_only_by_a_per_message_source() 
     for per_message in [true, false] {
         let log = Arc::new(Mutex::new(Vec::new()));
         let source = ScriptedSource {
-            queue: Mutex::new(vec![msg(1, &ev("a", 2)), msg(2, &ev("b", 1)), msg(3, &ev("c", 1))].into()),
+            queue: Mutex::new(
+                vec![
+                    msg(1, &ev("a", 2)),
+                    msg(2, &ev("b", 1)),
+                    msg(3, &ev("c", 1)),
+                ]
+                .into(),
+            ),
             log: log.clone(),
             per_message,
             ..ScriptedSource::default()
@@ -1135,14 +1142,18 @@ async fn final_deliveries_are_acknowledged_ahead_only_by_a_per_message_source() 
         let log = log.lock().unwrap().clone();
         let acked: Vec<&String> = log.iter().filter(|l| l.starts_with("ack-ahead")).collect();
         assert!(
-            log.iter().all(|l| !l.starts_with("offset-commit") || l == "offset-commit 1"),
+            log.iter()
+                .all(|l| !l.starts_with("offset-commit") || l == "offset-commit 1"),
             "the watermark never passes the held message: {log:?}"
         );
         if per_message {
             assert_eq!(acked, ["ack-ahead 2", "ack-ahead 3"], "{log:?}");
             let first_ack = log.iter().position(|l| l.starts_with("ack-ahead")).unwrap();
             let first_tx = log.iter().position(|l| l == "tx-commit").unwrap();
-            assert!(first_tx < first_ack, "acknowledged after the commit: {log:?}");
+            assert!(
+                first_tx < first_ack,
+                "acknowledged after the commit: {log:?}"
+            );
             assert_eq!(rep.acked_ahead, 2);
         } else {
             assert!(acked.is_empty(), "{log:?}");

@@ -112,7 +112,10 @@ async fn an_undecodable_message_redelivered_after_a_crash_is_parked_once() {
             .collect::<Vec<_>>()
     );
     assert_eq!(parked[0].status, ParkedStatus::Parked);
-    assert_eq!(parked[0].record.value.as_deref(), Some(&b"not an envelope"[..]));
+    assert_eq!(
+        parked[0].record.value.as_deref(),
+        Some(&b"not an envelope"[..])
+    );
     assert_eq!((report.parked, report.already_parked), (0, 1), "{report:?}");
     let info = consumer_info(&url, &stream.name, &durable).await;
     assert_eq!(
@@ -160,7 +163,10 @@ async fn final_messages_behind_a_held_aggregate_are_not_redelivered() {
     let mut engine = ConsumerEngine::new(source, processor, config, 5).expect("engine");
     let deadline = Instant::now() + Duration::from_secs(20);
     while applied.load(Ordering::Relaxed) < 5 {
-        assert!(Instant::now() < deadline, "the later events were not applied");
+        assert!(
+            Instant::now() < deadline,
+            "the later events were not applied"
+        );
         engine.step().await.unwrap();
     }
     // Three ack waits with the engine running: what is unacknowledged comes again.

@@ -59,9 +59,19 @@ async fn undecodable_jetstream_record_is_parked_once_per_stream_sequence<S: Inbo
     inbox: &S,
 ) {
     let c = "identity";
-    let first = park_one(inbox, c, junk(LogPosition::jetstream("S", 42, 3, "d"), b"x")).await;
+    let first = park_one(
+        inbox,
+        c,
+        junk(LogPosition::jetstream("S", 42, 3, "d"), b"x"),
+    )
+    .await;
     assert!(matches!(first, Parking::Head(_)), "{first:?}");
-    let again = park_one(inbox, c, junk(LogPosition::jetstream("S", 42, 9, "d"), b"x")).await;
+    let again = park_one(
+        inbox,
+        c,
+        junk(LogPosition::jetstream("S", 42, 9, "d"), b"x"),
+    )
+    .await;
     assert_eq!(again, Parking::AlreadyParked, "a redelivery");
     for other in [
         junk(LogPosition::jetstream("S", 43, 10, "d"), b"x"),
@@ -95,8 +105,8 @@ async fn a_record_holding_the_derived_id_does_not_hide_an_undecodable_one<S: Inb
         .event_id(derived)
         .build()
         .unwrap();
-    let holder = ReceivedMessage::new(LogPosition::jetstream("S", 6, 1, "d"), None, Ok(crafted))
-        .to_record();
+    let holder =
+        ReceivedMessage::new(LogPosition::jetstream("S", 6, 1, "d"), None, Ok(crafted)).to_record();
     assert_eq!(holder.dedup_id, Some(derived));
     let p = park_one(inbox, c, holder).await;
     assert!(matches!(p, Parking::Head(_)), "{p:?}");

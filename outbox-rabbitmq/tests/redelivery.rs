@@ -38,7 +38,11 @@ impl MessageSource for AckBelow {
         let clamped: Vec<CommitOffset> = offsets
             .iter()
             .map(|c| {
-                CommitOffset::new(c.topic.clone(), c.partition, c.next_offset.min(self.max_next))
+                CommitOffset::new(
+                    c.topic.clone(),
+                    c.partition,
+                    c.next_offset.min(self.max_next),
+                )
             })
             .collect();
         self.inner.commit(&clamped).await
@@ -137,8 +141,7 @@ async fn requeued_undecodable(
         assert!(report.commits >= 1, "tag 1 acknowledged: {report:?}");
         // Dropped: its channel closes and tag 2 goes back to the queue.
     }
-    let mut engine =
-        ConsumerEngine::new(member().await, processor(), config(), 2).expect("engine");
+    let mut engine = ConsumerEngine::new(member().await, processor(), config(), 2).expect("engine");
     let deadline = Instant::now() + Duration::from_secs(20);
     while engine.report().received < 1 {
         assert!(Instant::now() < deadline, "the message did not come again");
@@ -170,7 +173,12 @@ fn positions(parked: &[ParkedMessage]) -> Vec<String> {
 async fn an_undecodable_message_requeued_at_another_tag_is_parked_once() {
     let (parked, report) =
         require!(requeued_undecodable("rabbit_undecodable_once", Some("junk-1")).await);
-    assert_eq!(parked.len(), 1, "one parked copy: {:#?}", positions(&parked));
+    assert_eq!(
+        parked.len(),
+        1,
+        "one parked copy: {:#?}",
+        positions(&parked)
+    );
     assert_eq!((report.parked, report.already_parked), (0, 1), "{report:?}");
 }
 
@@ -179,8 +187,7 @@ async fn an_undecodable_message_requeued_at_another_tag_is_parked_once() {
 /// documented limit: two copies, never a loss).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_message_id_a_requeued_undecodable_message_is_parked_per_tag() {
-    let (parked, report) =
-        require!(requeued_undecodable("rabbit_undecodable_no_id", None).await);
+    let (parked, report) = require!(requeued_undecodable("rabbit_undecodable_no_id", None).await);
     assert_eq!(parked.len(), 2, "{:#?}", positions(&parked));
     assert_eq!((report.parked, report.already_parked), (1, 0), "{report:?}");
 }

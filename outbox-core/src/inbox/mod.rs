@@ -112,7 +112,10 @@ mod tests {
         let first = id(LogPosition::jetstream("S", 7, 3, "d"), b"junk");
         assert!(first.is_some());
         assert_eq!(first, id(LogPosition::jetstream("S", 7, 9, "d"), b"junk"));
-        assert_eq!(first, id(LogPosition::jetstream("S", 7, 9, "other"), b"junk"));
+        assert_eq!(
+            first,
+            id(LogPosition::jetstream("S", 7, 9, "other"), b"junk")
+        );
         for other in [
             id(LogPosition::jetstream("S", 8, 3, "d"), b"junk"),
             id(LogPosition::jetstream("T", 7, 3, "d"), b"junk"),
@@ -134,16 +137,36 @@ mod tests {
                 .to_record()
                 .dedup_id
         };
-        let a = amqp(LogPosition::rabbitmq("q", 2, "x", "k", false), "m-1", b"junk");
+        let a = amqp(
+            LogPosition::rabbitmq("q", 2, "x", "k", false),
+            "m-1",
+            b"junk",
+        );
         assert!(a.is_some());
         assert_eq!(
             a,
-            amqp(LogPosition::rabbitmq("q", 1, "x", "k", true), "m-1", b"junk")
+            amqp(
+                LogPosition::rabbitmq("q", 1, "x", "k", true),
+                "m-1",
+                b"junk"
+            )
         );
         for other in [
-            amqp(LogPosition::rabbitmq("q", 2, "x", "k", false), "m-2", b"junk"),
-            amqp(LogPosition::rabbitmq("r", 2, "x", "k", false), "m-1", b"junk"),
-            amqp(LogPosition::rabbitmq("q", 2, "x", "k", false), "m-1", b"junk2"),
+            amqp(
+                LogPosition::rabbitmq("q", 2, "x", "k", false),
+                "m-2",
+                b"junk",
+            ),
+            amqp(
+                LogPosition::rabbitmq("r", 2, "x", "k", false),
+                "m-1",
+                b"junk",
+            ),
+            amqp(
+                LogPosition::rabbitmq("q", 2, "x", "k", false),
+                "m-1",
+                b"junk2",
+            ),
         ] {
             assert!(other.is_some());
             assert_ne!(other, a);

@@ -198,11 +198,9 @@ impl ReceivedMessage {
             event_id: envelope.map(|e| e.event_id),
             dedup_id: match envelope {
                 Some(e) => Some(e.dedup_id()),
-                None => undecodable_dedup_id(
-                    self.message_identity(),
-                    self.key.as_deref(),
-                    self.value(),
-                ),
+                None => {
+                    undecodable_dedup_id(self.message_identity(), self.key.as_deref(), self.value())
+                }
             },
             aggregate_version: envelope.map(|e| e.aggregate_version),
         }
