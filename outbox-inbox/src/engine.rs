@@ -13,9 +13,9 @@ use futures::FutureExt;
 use outbox_core::retention::{RetentionCheck, TopicRetention};
 use outbox_core::watermark::{BeginKind, SharedOffsetTracker, Ticket};
 use outbox_core::{
-    AggregateKey, Classify, CommitOffset, ConfigError, ErrorClass, InboxParking, MessageSource,
-    ParkKind, ReceivedMessage, RetryPolicy, SourceError, SourceErrorKind, StoreError,
-    TopicPartition,
+    AckModel, AggregateKey, Classify, CommitOffset, ConfigError, ErrorClass, InboxParking,
+    LogPosition, MessageSource, ParkKind, ReceivedMessage, RetryPolicy, SourceError,
+    SourceErrorKind, StoreError, TopicPartition,
 };
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -283,6 +283,9 @@ pub struct EngineReport {
     pub retries: u64,
     /// Offset commits made.
     pub commits: u64,
+    /// Final deliveries handed to a per-message source to acknowledge ahead of the watermark
+    /// ([`MessageSource::ack_ahead`]).
+    pub acked_ahead: u64,
     /// Offset commits dropped because the group rebalanced.
     pub dropped_commits: u64,
     /// Log rewinds seen.
@@ -543,6 +546,11 @@ pub struct ConsumerEngine<S, I, H> {
     seen_changes: u64,
     next_alone: u64,
     pending_commits: BTreeMap<TopicPartition, CommitOffset>,
+    /// The source acknowledges per message ([`AckModel::PerMessage`]): final deliveries are
+    /// acknowledged ahead of the watermark.
+    per_message: bool,
+    /// Final deliveries to acknowledge ahead of the watermark at the next commit.
+    ack_ahead: Vec<LogPosition>,
     rng: StdRng,
     report: EngineReport,
     since_commit: usize,
@@ -592,6 +600,7 @@ where
         }
         let tracker = SharedOffsetTracker::new();
         source.attach_offsets(tracker.clone());
+        let per_message = source.ack_model() == AckModel::PerMessage;
         let next_cleanup = config.cleanup.as_ref().map(|_| Instant::now());
         Ok(Self {
             source,
@@ -613,6 +622,8 @@ where
             seen_changes: 0,
             next_alone: 0,
             pending_commits: BTreeMap::new(),
+            per_message,
+            ack_ahead: Vec::new(),
             rng: StdRng::seed_from_u64(seed),
             report: EngineReport::default(),
             since_commit: 0,
@@ -1067,6 +1078,10 @@ where
                 continue;
             }
             self.tracker.lock().finish(&w.ticket);
+            if self.per_message {
+                // Final: its transaction committed (applied, duplicate, stale or parked).
+                self.ack_ahead.push(w.msg.position.clone());
+            }
             self.in_flight -= 1;
             self.unpend(&msg_partition(&w.msg), 1);
             self.since_commit += 1;
@@ -1356,8 +1371,19 @@ where
 
     /// Commits every offset that is final and not committed yet. A commit refused by a
     /// rebalance is dropped (what it covered is redelivered to the owner); one that fails
-    /// transiently is kept and tried again at the next commit.
+    /// transiently is kept and tried again at the next commit. A per-message source first
+    /// acknowledges the deliveries that became final since the last commit, each on its own
+    /// ([`MessageSource::ack_ahead`]), so a final message behind an unfinished one is not
+    /// redelivered while it waits for the watermark.
     pub async fn commit_final(&mut self) -> Result<(), EngineError> {
+        if !self.ack_ahead.is_empty() {
+            let positions = std::mem::take(&mut self.ack_ahead);
+            self.report.acked_ahead += positions.len() as u64;
+            if let Err(e) = self.source.ack_ahead(&positions).await {
+                // Still covered by the watermark's commits (or redelivered: a duplicate).
+                warn!(error = %e, deliveries = positions.len(), "acknowledging final deliveries ahead of the watermark failed; the commits cover them");
+            }
+        }
         for c in self.tracker.lock().take_commits() {
             self.pending_commits.insert(c.topic_partition(), c);
         }

@@ -13,7 +13,7 @@ use common::{applied, effects_once, ev, fast, publish, Script};
 use outbox_core::retention::{Strictness, TopicRetention};
 use outbox_core::watermark::SharedOffsetTracker;
 use outbox_core::{
-    async_trait, wire, CommitOffset, Envelope, ErrorClass, InboxParking, LogPosition,
+    async_trait, wire, AckModel, CommitOffset, Envelope, ErrorClass, InboxParking, LogPosition,
     MessageSource, ParkKind, ParkedFilter, ParkedStatus, PartitionLag, ReceivedMessage,
     RetryPolicy, SourceError, TopicPartition,
 };
@@ -823,6 +823,8 @@ struct ScriptedSource {
     attached: Mutex<Option<SharedOffsetTracker>>,
     /// Returned once by a poll that finds the queue empty after a transaction has committed.
     error_after_tx: Mutex<Option<SourceError>>,
+    /// Acknowledges per message (logs "ack-ahead N" for every delivery acknowledged ahead).
+    per_message: bool,
 }
 
 #[async_trait]
@@ -853,6 +855,22 @@ impl MessageSource for ScriptedSource {
     }
     fn attach_offsets(&self, offsets: SharedOffsetTracker) {
         *self.attached.lock().unwrap() = Some(offsets);
+    }
+    fn ack_model(&self) -> AckModel {
+        if self.per_message {
+            AckModel::PerMessage
+        } else {
+            AckModel::ContiguousWatermark
+        }
+    }
+    async fn ack_ahead(&self, positions: &[LogPosition]) -> Result<(), SourceError> {
+        for p in positions {
+            self.log
+                .lock()
+                .unwrap()
+                .push(format!("ack-ahead {}", p.offset));
+        }
+        Ok(())
     }
     async fn lag(&self) -> Result<Vec<PartitionLag>, SourceError> {
         Ok(vec![PartitionLag::new(
@@ -1082,6 +1100,66 @@ fn scripted_engine_with(
     )
     .unwrap();
     (engine, log, commits)
+}
+
+/// Version 2 of `a` is held (version 1 missing); `b` and `c` behind it are applied. A
+/// per-message source is asked to acknowledge `b` and `c` on their own, after their
+/// transaction committed, while the watermark stays below the held message (never acknowledged
+/// ahead); a contiguous-watermark source is never asked.
+#[tokio::test]
+async fn final_deliveries_are_acknowledged_ahead_only_by_a_per_message_source() {
+    for per_message in [true, false] {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let source = ScriptedSource {
+            queue: Mutex::new(
+                vec![
+                    msg(1, &ev("a", 2)),
+                    msg(2, &ev("b", 1)),
+                    msg(3, &ev("c", 1)),
+                ]
+                .into(),
+            ),
+            log: log.clone(),
+            per_message,
+            ..ScriptedSource::default()
+        };
+        let inbox = LoggingInbox {
+            inner: MemoryInboxStore::new(&MemoryDb::default()),
+            log: log.clone(),
+            cleanups: Arc::default(),
+            retry_reads: Arc::default(),
+            failing_cleanup: false,
+        };
+        let processor = InboxProcessor::new("proj", inbox, Script::new())
+            .with_version_policy(VersionPolicy::hold(10, Duration::from_secs(60)))
+            .require_first_version(true);
+        let mut eng = ConsumerEngine::new(source, processor, fast(), 1).unwrap();
+        let rep = eng
+            .run_until_quiet(Duration::from_millis(20))
+            .await
+            .unwrap();
+        assert_eq!((rep.applied, rep.held), (2, 1), "{rep:?}");
+        let log = log.lock().unwrap().clone();
+        let acked: Vec<&String> = log.iter().filter(|l| l.starts_with("ack-ahead")).collect();
+        assert!(
+            log.iter()
+                .all(|l| !l.starts_with("offset-commit") || l == "offset-commit 1"),
+            "the watermark never passes the held message: {log:?}"
+        );
+        if per_message {
+            assert_eq!(acked, ["ack-ahead 2", "ack-ahead 3"], "{log:?}");
+            let first_ack = log.iter().position(|l| l.starts_with("ack-ahead")).unwrap();
+            let first_tx = log.iter().position(|l| l == "tx-commit").unwrap();
+            assert!(
+                first_tx < first_ack,
+                "acknowledged after the commit: {log:?}"
+            );
+            assert_eq!(rep.acked_ahead, 2);
+        } else {
+            assert!(acked.is_empty(), "{log:?}");
+            assert_eq!(rep.acked_ahead, 0);
+        }
+    }
 }
 
 #[tokio::test]

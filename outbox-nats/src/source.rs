@@ -28,9 +28,12 @@
 //!   `VersionPolicy::Hold` with `require_first_version`, its later messages unacknowledged
 //!   (the tests `redelivered_head_*`).
 //!
-//! What the one watermark costs here: a message that is final but behind an unfinished one is
-//! not acked until the watermark passes it (and may be redelivered meanwhile, a duplicate the
-//! inbox absorbs).
+//! A message that is final but behind an unfinished one (an aggregate held for a missing
+//! version, a handler retrying) is not left to the watermark, which would leave it
+//! unacknowledged, and JetStream would redeliver it at every ack wait: the engine hands every
+//! final delivery to [`ack_ahead`](MessageSource::ack_ahead) at its next commit, which acks it
+//! on its own (after its transaction committed, as every ack here). The watermark's commit
+//! acks what was not acked ahead (an ack that was not confirmed).
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -297,6 +300,13 @@ impl InFlight {
             .collect()
     }
 
+    /// Removes and returns one delivery, when held.
+    fn take(&mut self, delivery: u64) -> Option<(u64, u64, Acker)> {
+        let (s, a) = self.ackers.remove(&delivery)?;
+        self.by_stream_seq.remove(&s);
+        Some((delivery, s, a))
+    }
+
     fn put_back(&mut self, delivery: u64, stream_seq: u64, acker: Acker) {
         self.by_stream_seq.entry(stream_seq).or_insert(delivery);
         self.ackers.entry(delivery).or_insert((stream_seq, acker));
@@ -418,6 +428,12 @@ impl NatsSource {
             return Ok(());
         };
         let due = self.state().take_below(limit);
+        self.ack_due(due).await
+    }
+
+    /// Acks `due` (taken from the in-flight state), each confirmed by the server; puts back
+    /// those not confirmed, for the next commit.
+    async fn ack_due(&self, due: Vec<(u64, u64, Acker)>) -> Result<(), SourceError> {
         if due.is_empty() {
             return Ok(());
         }
@@ -558,6 +574,22 @@ impl MessageSource for NatsSource {
 
     async fn commit(&self, offsets: &[CommitOffset]) -> Result<(), SourceError> {
         self.ack_below(offsets, true).await
+    }
+
+    /// Acks each final delivery still held here on its own (a redelivery of it that arrived
+    /// meanwhile replaced its reply subject, so the ack covers the message). One not
+    /// confirmed is put back for the next commit that passes it.
+    async fn ack_ahead(&self, positions: &[LogPosition]) -> Result<(), SourceError> {
+        let due: Vec<(u64, u64, Acker)> = {
+            let mut st = self.state();
+            positions
+                .iter()
+                .filter(|p| p.topic == self.tp.topic && p.partition == self.tp.partition)
+                .filter_map(|p| u64::try_from(p.offset).ok())
+                .filter_map(|d| st.take(d))
+                .collect()
+        };
+        self.ack_due(due).await
     }
 
     /// Per message: a commit acks each delivery below it (see the [module docs](crate::source)).

@@ -297,7 +297,10 @@ impl PostgresInboxStore {
             .map(|h| (pg_text(&h.name), h.value.as_deref()))
             .unzip();
         let native = r.position.native_columns();
-        // A record without a dedup id (undecodable) is parked once per position. Another
+        // An undecodable record is parked once per its transport's message identity (its
+        // derived dedup id, `ParkedRecord::dedup_id`: a JetStream redelivery comes at a new
+        // delivery sequence), or, without one (Kafka), once per position.
+        // A record without a dedup id is parked once per position. Another
         // record at a position parked before (the log was rewound: a topic recreated, data
         // lost on the broker) is a different record: it is parked under an id derived from
         // its position and content, so it is kept, and its own redeliveries are recognised.
@@ -343,6 +346,27 @@ impl PostgresInboxStore {
                 break id;
             }
             if let Some(held) = dedup {
+                if r.aggregate.is_none() && r.event_id.is_none() && !by_content {
+                    // An undecodable record parked by its transport's message identity: held
+                    // by a record without an aggregate, that is the same message parked
+                    // before (a redelivery); held by a record of an aggregate (only one whose
+                    // event id was made to be this id), it is another message: parked under
+                    // an id derived from its position and content.
+                    let same: Option<bool> = sqlx::query_scalar(&self.sql.parked_same_aggregate)
+                        .bind(consumer)
+                        .bind(held)
+                        .bind(None::<&str>)
+                        .bind(None::<&str>)
+                        .fetch_optional(&mut **tx)
+                        .await
+                        .map_err(db)?;
+                    if same != Some(false) {
+                        break None;
+                    }
+                    dedup = Some(content_id(r, &names));
+                    by_content = true;
+                    continue;
+                }
                 let (Some(a), Some(original), false) = (&r.aggregate, r.dedup_id, by_content)
                 else {
                     break None;

@@ -23,6 +23,14 @@
 //!
 //! AMQP has no confirmation of `basic.ack`: an ack lost with the connection means a
 //! redelivery, which the inbox absorbs.
+//!
+//! An undecodable message (no envelope: nothing to deduplicate by) is parked once per its
+//! `message_id` property within the queue ([`ReceivedMessage::with_message_id`]; the outbox
+//! publisher sets the event id), so its redelivery at a tag of a new channel is found parked
+//! already. A message **without** `message_id` has no identity a redelivery keeps: it is
+//! parked once per position (queue, tag), and a redelivery at another tag is parked a second
+//! time (two parked copies of one message, never a loss; discard one). Publish with
+//! `message_id` to avoid that.
 
 use std::fmt;
 use std::sync::{Mutex, PoisonError};
@@ -329,7 +337,8 @@ impl RabbitSource {
             .timestamp()
             .and_then(|t| i64::try_from(t).ok())
             .and_then(|t| DateTime::<Utc>::from_timestamp(t, 0));
-        ReceivedMessage::from_record(
+        let message_id = d.properties.message_id().as_ref().map(|m| m.to_string());
+        let received = ReceivedMessage::from_record(
             LogPosition::rabbitmq(
                 self.tp.topic.clone(),
                 d.delivery_tag,
@@ -341,7 +350,13 @@ impl RabbitSource {
             headers,
             Some(d.data),
             timestamp,
-        )
+        );
+        // What a redelivery keeps (the tag is new on every channel): an undecodable message is
+        // parked once per message id; one without is parked once per tag (see the module docs).
+        match message_id {
+            Some(id) => received.with_message_id(id),
+            None => received,
+        }
     }
 
     /// Leaves cleanly: acks what the attached tracker holds final (its revoke commit) and

@@ -98,6 +98,87 @@ mod tests {
         );
     }
 
+    /// An undecodable record is parked once per the transport's identity of the message: a
+    /// JetStream redelivery (new delivery sequence, same stream sequence) has the same dedup
+    /// id; another stream sequence, another stream or other content has another; Kafka (whose
+    /// position is the identity) and RabbitMQ (no identity) have none.
+    #[test]
+    fn an_undecodable_record_is_identified_by_its_transports_message_identity() {
+        let id = |p: LogPosition, value: &[u8]| {
+            ReceivedMessage::from_record(p, None, Vec::new(), Some(value.to_vec()), None)
+                .to_record()
+                .dedup_id
+        };
+        let first = id(LogPosition::jetstream("S", 7, 3, "d"), b"junk");
+        assert!(first.is_some());
+        assert_eq!(first, id(LogPosition::jetstream("S", 7, 9, "d"), b"junk"));
+        assert_eq!(
+            first,
+            id(LogPosition::jetstream("S", 7, 9, "other"), b"junk")
+        );
+        for other in [
+            id(LogPosition::jetstream("S", 8, 3, "d"), b"junk"),
+            id(LogPosition::jetstream("T", 7, 3, "d"), b"junk"),
+            id(LogPosition::jetstream("S", 7, 3, "d"), b"junk2"),
+        ] {
+            assert!(other.is_some());
+            assert_ne!(other, first);
+        }
+        assert_eq!(id(LogPosition::new("t", 0, 7), b"junk"), None);
+        assert_eq!(
+            id(LogPosition::rabbitmq("q", 7, "x", "k", true), b"junk"),
+            None,
+            "a RabbitMQ message without message_id: once per position"
+        );
+        // RabbitMQ: the message id within the queue, whatever the tag or redelivered flag.
+        let amqp = |p: LogPosition, mid: &str, value: &[u8]| {
+            ReceivedMessage::from_record(p, None, Vec::new(), Some(value.to_vec()), None)
+                .with_message_id(mid)
+                .to_record()
+                .dedup_id
+        };
+        let a = amqp(
+            LogPosition::rabbitmq("q", 2, "x", "k", false),
+            "m-1",
+            b"junk",
+        );
+        assert!(a.is_some());
+        assert_eq!(
+            a,
+            amqp(
+                LogPosition::rabbitmq("q", 1, "x", "k", true),
+                "m-1",
+                b"junk"
+            )
+        );
+        for other in [
+            amqp(
+                LogPosition::rabbitmq("q", 2, "x", "k", false),
+                "m-2",
+                b"junk",
+            ),
+            amqp(
+                LogPosition::rabbitmq("r", 2, "x", "k", false),
+                "m-1",
+                b"junk",
+            ),
+            amqp(
+                LogPosition::rabbitmq("q", 2, "x", "k", false),
+                "m-1",
+                b"junk2",
+            ),
+        ] {
+            assert!(other.is_some());
+            assert_ne!(other, a);
+        }
+        // Read back from a store (ParkedRecord::new), the id is the same.
+        let p = LogPosition::jetstream("S", 7, 3, "d");
+        assert_eq!(
+            ParkedRecord::new(p, None, Vec::new(), Some(b"junk".to_vec())).dedup_id,
+            first
+        );
+    }
+
     #[test]
     fn committed_offset_at_the_log_start_lost_nothing() {
         let tp = TopicPartition::new("t", 0);

@@ -75,8 +75,11 @@ pub enum Parking {
     /// Stored as waiting behind the head. A head requested for an aggregate that is already
     /// blocked is stored as waiting.
     Waiting(ParkedId),
-    /// The same message (same aggregate and dedup id, or for an undecodable message the same
-    /// position) is parked already: nothing stored.
+    /// The same message is parked already: nothing stored. The same message: the same
+    /// aggregate and dedup id; for an undecodable message, the same dedup id derived from the
+    /// transport's identity of the message ([`ParkedRecord::dedup_id`]: a redelivery at a new
+    /// JetStream delivery sequence or RabbitMQ tag is the same message), or, without one, the
+    /// same position.
     AlreadyParked,
 }
 

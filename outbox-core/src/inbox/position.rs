@@ -176,6 +176,30 @@ impl LogPosition {
         }
     }
 
+    /// The transport's identity of the *message*, one that a redelivery keeps (the
+    /// coordinates of JetStream and RabbitMQ name a delivery, which a redelivery changes):
+    /// JetStream's stream and stream sequence. `None` where the coordinates are the identity
+    /// (Kafka: topic, partition, offset) and where the position holds none (RabbitMQ, whose
+    /// `message_id` a source gives with
+    /// [`ReceivedMessage::with_message_id`](super::ReceivedMessage::with_message_id)). An
+    /// undecodable message is parked once per its identity
+    /// ([`ParkedRecord::dedup_id`](super::ParkedRecord::dedup_id)), else once per position.
+    pub fn message_identity(&self) -> Option<Vec<u8>> {
+        match &self.native {
+            NativePosition::JetStream {
+                stream_sequence, ..
+            } => {
+                let mut id = Vec::with_capacity(self.topic.len() + 24);
+                id.extend_from_slice(b"nats");
+                id.extend_from_slice(&(self.topic.len() as u64).to_be_bytes());
+                id.extend_from_slice(self.topic.as_bytes());
+                id.extend_from_slice(&stream_sequence.to_be_bytes());
+                Some(id)
+            }
+            NativePosition::Log | NativePosition::RabbitMq { .. } => None,
+        }
+    }
+
     /// The partition.
     pub fn topic_partition(&self) -> TopicPartition {
         TopicPartition::new(self.topic.clone(), self.partition)

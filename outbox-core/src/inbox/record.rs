@@ -84,6 +84,9 @@ pub struct ReceivedMessage {
     pub envelope: Result<Envelope, DecodeError>,
     /// The raw value, kept only when decoding failed (else it is the envelope's payload).
     undecoded_value: Option<Vec<u8>>,
+    /// The transport's id of the message outside its position, which a redelivery keeps
+    /// (RabbitMQ's `message_id` property); see [`with_message_id`](Self::with_message_id).
+    message_id: Option<String>,
 }
 
 impl ReceivedMessage {
@@ -108,6 +111,7 @@ impl ReceivedMessage {
             timestamp: None,
             envelope,
             undecoded_value: None,
+            message_id: None,
         }
     }
 
@@ -128,7 +132,40 @@ impl ReceivedMessage {
             timestamp,
             envelope,
             undecoded_value,
+            message_id: None,
         }
+    }
+
+    /// With the transport's id of the message, given apart from its position and kept by a
+    /// redelivery: RabbitMQ's `message_id` property (the outbox publisher sets the event id).
+    /// An undecodable message that has one is parked once per queue and id (see
+    /// [`ParkedRecord::dedup_id`]); it is not stored with a parked message (stores keep the
+    /// position). A source whose position names the message already (Kafka, JetStream)
+    /// needs none.
+    pub fn with_message_id(mut self, id: impl Into<String>) -> Self {
+        self.message_id = Some(id.into());
+        self
+    }
+
+    /// The transport's id of the message given with [`with_message_id`](Self::with_message_id).
+    pub fn message_id(&self) -> Option<&str> {
+        self.message_id.as_deref()
+    }
+
+    /// The transport's identity of the message, which a redelivery keeps: its position's
+    /// ([`LogPosition::message_identity`]), else the message id within the topic (queue).
+    fn message_identity(&self) -> Option<Vec<u8>> {
+        if let Some(id) = self.position.message_identity() {
+            return Some(id);
+        }
+        let id = self.message_id.as_deref()?;
+        let topic = &self.position.topic;
+        let mut out = Vec::with_capacity(topic.len() + id.len() + 24);
+        out.extend_from_slice(b"message-id");
+        out.extend_from_slice(&(topic.len() as u64).to_be_bytes());
+        out.extend_from_slice(topic.as_bytes());
+        out.extend_from_slice(id.as_bytes());
+        Some(out)
     }
 
     /// The record value (`None`: a null value).
@@ -159,10 +196,48 @@ impl ReceivedMessage {
             value: self.value().map(<[u8]>::to_vec),
             aggregate: self.aggregate(),
             event_id: envelope.map(|e| e.event_id),
-            dedup_id: envelope.map(Envelope::dedup_id),
+            dedup_id: match envelope {
+                Some(e) => Some(e.dedup_id()),
+                None => {
+                    undecodable_dedup_id(self.message_identity(), self.key.as_deref(), self.value())
+                }
+            },
             aggregate_version: envelope.map(|e| e.aggregate_version),
         }
     }
+}
+
+/// Namespace of [`undecodable_dedup_id`] (a fixed, random UUID).
+const UNDECODABLE_NAMESPACE: uuid::Uuid =
+    uuid::Uuid::from_u128(0x2d7e_5a10_c3b4_4f86_9e21_58ad_0c6f_b743);
+
+/// The dedup id of an undecodable record: a UUID v5 of the transport's identity of the message
+/// (which a redelivery keeps), its key and its value. The key and value are part of it so that
+/// another message under the same identity (a stream deleted and created again, its sequences
+/// starting over) is not taken for this one. A UUID v5 is never an outbox event id (v7), so
+/// only a record whose event id was made to be this id can hold it; the stores park the
+/// undecodable record apart then (see the PostgreSQL store's parking).
+fn undecodable_dedup_id(
+    identity: Option<Vec<u8>>,
+    key: Option<&[u8]>,
+    value: Option<&[u8]>,
+) -> Option<EventId> {
+    let identity = identity?;
+    let mut name = Vec::with_capacity(identity.len() + 32);
+    for part in [Some(identity.as_slice()), key, value] {
+        match part {
+            Some(b) => {
+                name.push(1);
+                name.extend_from_slice(&(b.len() as u64).to_be_bytes());
+                name.extend_from_slice(b);
+            }
+            None => name.push(0),
+        }
+    }
+    Some(EventId::from_uuid(uuid::Uuid::new_v5(
+        &UNDECODABLE_NAMESPACE,
+        &name,
+    )))
 }
 
 /// A message as it came from the log, with what could be decoded of it.
@@ -181,7 +256,13 @@ pub struct ParkedRecord {
     pub aggregate: Option<AggregateKey>,
     /// Its event id, when decodable.
     pub event_id: Option<EventId>,
-    /// The id the inbox deduplicates it by ([`Envelope::dedup_id`]), when decodable.
+    /// The id the inbox parks it once by: [`Envelope::dedup_id`] when decodable; for an
+    /// undecodable record, an id derived from the transport's identity of the message (a
+    /// JetStream stream sequence, [`LogPosition::message_identity`]; a RabbitMQ `message_id`
+    /// within its queue, [`ReceivedMessage::with_message_id`]), its key and its value, so that
+    /// a redelivery (a new delivery sequence or tag) is recognised as parked already; `None`
+    /// when the transport gives no such identity (Kafka: the position is the identity; a
+    /// RabbitMQ message without `message_id`): stores park such a record once per position.
     pub dedup_id: Option<EventId>,
     /// Its aggregate version, when decodable.
     pub aggregate_version: Option<i64>,

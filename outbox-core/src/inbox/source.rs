@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use super::{CommitOffset, ReceivedMessage, TopicPartition};
+use super::{CommitOffset, LogPosition, ReceivedMessage, TopicPartition};
 use crate::error::SourceError;
 use crate::watermark::SharedOffsetTracker;
 
@@ -57,10 +57,10 @@ impl PartitionLag {
 /// final (applied, a duplicate, or parked durably). What differs is what the source does with
 /// such a commit, and what it must give as offsets so the watermark stays correct:
 ///
-/// | model | transports | offsets handed out | a commit "next `n`" becomes |
-/// |---|---|---|---|
-/// | [`ContiguousWatermark`](Self::ContiguousWatermark) | Kafka (offsets), RabbitMQ (`basic.ack` with `multiple` on one channel) | the transport's own cumulative coordinate: Kafka offset; RabbitMQ delivery tag, a new channel being a new assignment | one cumulative acknowledgement (offset commit; `ack multiple` up to tag `n - 1`) |
-/// | [`PerMessage`](Self::PerMessage) | NATS JetStream (`+ACK` per message) | a sequence the source assigns each *delivery*, growing with every delivery, redeliveries included (JetStream's consumer delivery sequence) | one acknowledgement for every delivery below `n` the source handed out and has not acknowledged |
+/// | model | transports | offsets handed out | a commit "next `n`" becomes | a final message behind an unfinished one |
+/// |---|---|---|---|---|
+/// | [`ContiguousWatermark`](Self::ContiguousWatermark) | Kafka (offsets), RabbitMQ (`basic.ack` with `multiple` on one channel) | the transport's own cumulative coordinate: Kafka offset; RabbitMQ delivery tag, a new channel being a new assignment | one cumulative acknowledgement (offset commit; `ack multiple` up to tag `n - 1`) | acknowledged when the watermark passes it ([`MessageSource::ack_ahead`] is not called) |
+/// | [`PerMessage`](Self::PerMessage) | NATS JetStream (`+ACK` per message) | a sequence the source assigns each *delivery*, growing with every delivery, redeliveries included (JetStream's consumer delivery sequence) | one acknowledgement for every delivery below `n` the source handed out and has not acknowledged | acknowledged on its own, ahead of the watermark ([`MessageSource::ack_ahead`], at the engine's next commit) |
 ///
 /// Why one watermark is right for per-message acknowledgement too: the watermark orders
 /// *deliveries*, not messages. A message JetStream redelivers after later ones were delivered
@@ -69,9 +69,13 @@ impl PartitionLag {
 /// and no acknowledgement covers it before its own outcome is final. The order of an
 /// aggregate across such a redelivery is kept by the inbox (versions, `VersionPolicy::Hold`
 /// with `require_first_version`), which never depended on acknowledgement order. The price of
-/// the one watermark: a final message behind an unfinished one is acknowledged only when the
-/// watermark passes it (it may be redelivered meanwhile, and is then a duplicate the inbox
-/// absorbs). Sequences that are not per delivery (JetStream's stream sequence) MUST NOT be
+/// the one watermark alone would be that a final message behind an unfinished one (an
+/// aggregate held for a missing version, a handler retrying) is acknowledged only when the
+/// watermark passes it, and JetStream redelivers it at every ack wait meanwhile; so for
+/// per-message sources the engine also hands every final delivery to
+/// [`MessageSource::ack_ahead`], which acknowledges it on its own. The watermark still says
+/// what is final below it, and its commit acknowledges what the source has not acknowledged
+/// ahead (an ack ahead that failed). Sequences that are not per delivery (JetStream's stream sequence) MUST NOT be
 /// handed out as offsets: a redelivery would go backwards, which the watermark takes for a
 /// rewind of the log.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -159,6 +163,23 @@ pub trait MessageSource: Send + Sync {
     /// [`AckModel::ContiguousWatermark`] (Kafka offsets).
     fn ack_model(&self) -> AckModel {
         AckModel::ContiguousWatermark
+    }
+
+    /// Acknowledges final deliveries one by one, ahead of the watermark. The engine calls it
+    /// only for a source whose [`ack_model`](Self::ack_model) is [`AckModel::PerMessage`],
+    /// with the positions of messages whose outcome is final (the effect's transaction
+    /// committed, a duplicate or stale version found in a committed transaction, or parked
+    /// durably), never before that; a held message is not final.
+    ///
+    /// A source MAY acknowledge each of these deliveries at once, and MUST NOT acknowledge
+    /// any other delivery through this call. A position it does not hold (acknowledged
+    /// already, or handed out by another connection) is skipped. A failed acknowledgement
+    /// needs nothing from the engine, which only logs it: the delivery stays covered by the
+    /// next [`commit`](Self::commit) that passes it (or is redelivered, a duplicate the inbox
+    /// absorbs). The default does nothing: the commits acknowledge everything.
+    async fn ack_ahead(&self, positions: &[LogPosition]) -> Result<(), SourceError> {
+        let _ = positions;
+        Ok(())
     }
 
     /// Takes the engine's offset tracker, so rebalance callbacks commit exactly what is final.
