@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer::Info as ConsumerInfo;
-use common::inbox::{Db, Effects};
+use common::inbox::Effects;
 use common::{require, unique, TestStream};
 use outbox_core::{Envelope, InboxParking, ParkedFilter, ParkedStatus, Publisher};
 use outbox_inbox::{ConsumerEngine, EngineConfig, InboxProcessor, VersionPolicy};
@@ -41,7 +41,7 @@ async fn consumer_info(url: &str, stream: &str, durable: &str) -> ConsumerInfo {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_undecodable_message_redelivered_after_a_crash_is_parked_once() {
     let url = require!(common::nats_url("nats_undecodable_once"));
-    let db = require!(Db::new("nats_undecodable_once").await);
+    let db = require!(common::inbox_db("nats_undecodable_once").await);
     let prefix = unique("undec");
     let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
     let durable = unique("inbox");
@@ -133,7 +133,7 @@ async fn an_undecodable_message_redelivered_after_a_crash_is_parked_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn final_messages_behind_a_held_aggregate_are_not_redelivered() {
     let url = require!(common::nats_url("nats_ack_ahead"));
-    let db = require!(Db::new("nats_ack_ahead").await);
+    let db = require!(common::inbox_db("nats_ack_ahead").await);
     let prefix = unique("ahead");
     let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
     let durable = unique("inbox");

@@ -9,7 +9,7 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::inbox::{Db, Effects};
+use common::inbox::Effects;
 use common::{event, require, Topology};
 use lapin::options::BasicPublishOptions;
 use lapin::BasicProperties;
@@ -76,7 +76,7 @@ async fn requeued_undecodable(
     message_id: Option<&str>,
 ) -> Option<(Vec<ParkedMessage>, EngineReport)> {
     let url = common::amqp_url(test)?;
-    let db = Db::new(test).await?;
+    let db = common::inbox_db(test).await?;
     let mut topology = Topology::exchange(&url, "undec", LapinKind::Topic, true).await;
     let queue = topology.queue("#", quorum_arguments(true)).await;
     let publisher = outbox_rabbitmq::RabbitPublisher::builder(&url, &topology.exchange)
