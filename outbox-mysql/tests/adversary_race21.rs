@@ -419,19 +419,20 @@ async fn two_prefetching_relays_on_long_batches_keep_one_version_per_aggregate_o
         for r in relays {
             r.await.unwrap();
         }
-        let l = ledger.lock().unwrap();
-        assert!(
-            l.violations.is_empty(),
-            "{mode:?}: {} violations, first {:?}",
-            l.violations.len(),
-            &l.violations[..l.violations.len().min(5)]
-        );
+        {
+            let l = ledger.lock().unwrap();
+            assert!(
+                l.violations.is_empty(),
+                "{mode:?}: {} violations, first {:?}",
+                l.violations.len(),
+                &l.violations[..l.violations.len().min(5)]
+            );
+        }
         assert_eq!(
             done.load(std::sync::atomic::Ordering::SeqCst),
             total,
             "{mode:?}: published"
         );
-        drop(l);
         assert_eq!(
             statuses(&ctx).await,
             vec![("published".to_owned(), total as i64)],

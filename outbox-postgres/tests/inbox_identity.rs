@@ -7,8 +7,8 @@
 mod common;
 
 use outbox_core::{
-    Envelope, InboxParking, InboxStore, LogPosition, NewParkedMessage, ParkAs, ParkKind,
-    ParkedFilter, ParkedRecord, Parking, ReceivedMessage,
+    Envelope, InboxParking, LogPosition, NewParkedMessage, ParkAs, ParkKind, ParkedFilter,
+    ParkedRecord, Parking, ReceivedMessage,
 };
 
 #[tokio::test]

@@ -10,8 +10,8 @@ use std::time::Duration;
 use outbox_core::prelude::*;
 use outbox_core::{
     ClaimMode, Classify, CycleReport, DeliveryStatus, Envelope, EventId, ParkedFilter,
-    ParkedStatus, PublishError, PublishErrorKind, PublishResult, Publisher, Relay, RelayConfig,
-    RetryPolicy, StoreError, StoreErrorKind,
+    ParkedStatus, PublishError, PublishErrorKind, PublishResult, Relay, RelayConfig, RetryPolicy,
+    StoreError, StoreErrorKind,
 };
 use outbox_inbox::{
     ConsumerEngine, EngineConfig, Handler, InboxProcessor, ParkedMessages, VersionPolicy,

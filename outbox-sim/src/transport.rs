@@ -64,7 +64,7 @@ pub const EXCHANGE: &str = "outbox";
 /// One delivery of a JetStream message not acknowledged yet.
 #[derive(Clone, Copy, Debug)]
 struct Pending {
-    delivery: u64,
+    /// When it was delivered (virtual time): its ack wait runs from here.
     at: Duration,
 }
 
@@ -283,7 +283,7 @@ impl Broker {
         st.delivery_seq += 1;
         let (delivery, at) = (st.delivery_seq, st.now);
         st.first_delivery.entry(entry).or_insert(delivery);
-        st.pending.insert(entry, Pending { delivery, at });
+        st.pending.insert(entry, Pending { at });
         Some((entry, delivery))
     }
 
