@@ -3,8 +3,8 @@
 //! and a record whose event id was made to be that identity's id does not hide it.
 
 use outbox_core::{
-    Envelope, InboxParking, LogPosition, ParkAs, ParkKind, ParkedFilter, ParkedRecord, Parking,
-    ReceivedMessage,
+    Envelope, InboxParking, LogPosition, ParkAs, ParkKind, ParkedFilter, ParkedMessage,
+    ParkedRecord, Parking, ReceivedMessage,
 };
 
 use super::{consumer, park_one, InboxHarness};
@@ -12,6 +12,13 @@ use super::{consumer, park_one, InboxHarness};
 /// An undecodable record at `position` holding `value`.
 fn junk(position: LogPosition, value: &[u8]) -> ParkedRecord {
     ParkedRecord::new(position, None, vec![], Some(value.to_vec()))
+}
+
+/// Every message `consumer` parked, open or resolved.
+async fn all_parked<S: InboxParking>(s: &S, consumer: &str) -> Vec<ParkedMessage> {
+    s.list_parked(consumer, &ParkedFilter::open().all())
+        .await
+        .expect("list")
 }
 
 fn head() -> ParkAs {
@@ -57,10 +64,7 @@ pub async fn an_undecodable_jetstream_message_is_parked_once_per_stream_sequence
     assert!(matches!(k, Parking::Head(_)), "{k:?}");
     let k = park_one(s, &c, junk(LogPosition::new("t", 0, 5), b"x"), head()).await;
     assert_eq!(k, Parking::AlreadyParked);
-    let all = s
-        .list_parked(&c, &ParkedFilter::open().all())
-        .await
-        .expect("list");
+    let all = all_parked(s, &c).await;
     assert_eq!(all.len(), 4, "{all:#?}");
 }
 
@@ -85,9 +89,6 @@ pub async fn a_crafted_event_id_does_not_hide_an_undecodable_message<H: InboxHar
     assert!(matches!(p, Parking::Head(_)), "kept, not hidden: {p:?}");
     let p = park_one(s, &c, target, head()).await;
     assert_eq!(p, Parking::AlreadyParked);
-    let all = s
-        .list_parked(&c, &ParkedFilter::open().all())
-        .await
-        .expect("list");
+    let all = all_parked(s, &c).await;
     assert_eq!(all.len(), 2, "{all:#?}");
 }
