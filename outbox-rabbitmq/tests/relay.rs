@@ -3,31 +3,25 @@
 //! own, which is stopped for longer than the attempt limit allows and started again (SIGTERM:
 //! see `outage.rs` for why not SIGKILL). The backlog must drain with nothing parked and no
 //! attempt spent, every event must be in the durable quorum queue, and per aggregate the first
-//! copies must be queued in version order.
+//! copies must be queued in version order. The relay run and the check of what was stored are
+//! `outbox_test_support::relay_outage`'s, shared with outbox-nats's relay test; this file
+//! builds the publisher and reads the queue.
 //!
 //! Needs `rabbitmq-server`; fails without it unless `OUTBOX_SKIP_SERVICE_TESTS=1`.
 
 mod common;
 
-use std::collections::{BTreeMap, HashSet};
-use std::time::{Duration, Instant};
+use std::collections::BTreeMap;
+use std::time::Duration;
 
 use common::{require, Topology};
 use lapin::ExchangeKind as LapinKind;
-use outbox_core::prelude::*;
-use outbox_core::{
-    wire, ClaimMode, DeliveryStatus, Envelope, Relay, RelayConfig, RetryPolicy, SystemClock,
-};
+use outbox_core::{wire, Envelope};
 use outbox_rabbitmq::{quorum_arguments, RabbitPublisher};
+use outbox_test_support::relay_outage::{
+    assert_first_copies_in_order, drain_through_outage, DELIVERY_TIMEOUT,
+};
 use outbox_test_support::RabbitNode;
-use outbox_testkit::{MemoryDb, MemoryOutboxStore};
-use rand::rngs::StdRng;
-use rand::SeedableRng;
-
-const AGGREGATES: usize = 30;
-const VERSIONS: i64 = 8;
-const DELIVERY_TIMEOUT: Duration = Duration::from_secs(1);
-const MAX_ATTEMPTS: u32 = 2;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_drains_through_a_broker_outage_in_order_with_nothing_parked() {
@@ -37,124 +31,35 @@ async fn relay_drains_through_a_broker_outage_in_order_with_nothing_parked() {
     let mut t = Topology::exchange(&url, "relay", LapinKind::Topic, true).await;
     let q = t.queue("#", quorum_arguments(false)).await;
 
-    let db = MemoryDb::new(SystemClock);
-    let store = MemoryOutboxStore::new(
-        &db,
-        ClaimMode::Lease {
-            duration: Duration::from_secs(30),
-        },
-    );
-    let mut events = Vec::new();
-    for version in 1..=VERSIONS {
-        for a in 0..AGGREGATES {
-            events.push(
-                Envelope::builder("order", format!("order-{a:02}"), version, "order.changed")
-                    .build()
-                    .unwrap(),
-            );
-        }
-    }
-    let mut tx = db.begin();
-    store.append(&mut tx, &events).await.unwrap();
-    tx.commit().unwrap();
-    let total = events.len();
-
     let publisher = RabbitPublisher::builder(&url, &t.exchange)
         .delivery_timeout(DELIVERY_TIMEOUT)
         .connect_timeout(Duration::from_millis(500))
         .start()
         .await
         .expect("start");
-    let config = RelayConfig::builder()
-        .owner("rabbit-relay")
-        .batch_size(AGGREGATES)
-        .retry(
-            RetryPolicy::builder()
-                .base(Duration::from_millis(50))
-                .max_delay(Duration::from_millis(500))
-                .max_attempts(MAX_ATTEMPTS)
-                .build()
-                .unwrap(),
-        )
-        .circuit_breaker(Duration::from_millis(200), Duration::from_secs(1))
-        .idle(Duration::from_millis(5), Duration::from_millis(50))
-        .build()
-        .unwrap();
-    let mut relay = Relay::new(
-        store.clone(),
+    let drained = drain_through_outage(
         publisher,
-        config,
-        std::sync::Arc::new(SystemClock),
-        Box::new(StdRng::seed_from_u64(5)),
+        "rabbit-relay",
+        &mut node,
+        Duration::from_secs(120),
     )
-    .unwrap();
-
-    let outage = DELIVERY_TIMEOUT * (MAX_ATTEMPTS + 3);
-    let (mut published, mut retried, mut deferred, mut parked) = (0, 0, 0, 0);
-    let mut down_since: Option<Instant> = None;
-    let mut restarted = false;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while published < total {
-        let report = relay.run_once().await.expect("no store errors");
-        published += report.published;
-        retried += report.retried;
-        deferred += report.deferred;
-        parked += report.parked + report.parked_at_claim;
-        assert_eq!((parked, retried), (0, 0), "parked or spent an attempt");
-        if !restarted && down_since.is_none() && published >= total / 3 {
-            node.stop_gracefully();
-            down_since = Some(Instant::now());
-        }
-        if let Some(since) = down_since {
-            if !restarted && since.elapsed() >= outage {
-                node.restart();
-                restarted = true;
-            }
-        }
-        assert!(
-            Instant::now() < deadline,
-            "not drained: {published} of {total} published"
-        );
-        if let Some(pause) = report.pause {
-            tokio::time::sleep(pause).await;
-        } else if report.is_idle() {
-            tokio::time::sleep(relay.idle_delay()).await;
-        } else {
-            relay.reset_idle();
-        }
-    }
-    assert!(restarted && deferred > 0, "the outage deferred nothing");
-    let stats = store.stats().await.unwrap();
-    assert_eq!((stats.unpublished, stats.parked), (0, 0), "{stats:?}");
-    for r in store.snapshot() {
-        assert_eq!(r.status, DeliveryStatus::Published);
-        assert_eq!(r.attempts, 0, "attempts spent on {:?}", r.envelope);
-    }
+    .await;
 
     // The queue: every event, and per aggregate the first copies in version order.
     let reader = Topology::exchange(&url, "reader", LapinKind::Topic, true).await;
     let stored = reader.drain(&q).await;
-    let mut seen: HashSet<String> = HashSet::new();
-    let mut order: BTreeMap<String, Vec<i64>> = BTreeMap::new();
-    for (id, headers, body) in &stored {
+    let events = stored.iter().map(|(id, headers, body)| {
         let e = wire::decode(headers, body).expect("decodes");
         assert_eq!(id, &e.event_id.to_string(), "message_id is the event id");
-        if seen.insert(id.clone()) {
-            order
-                .entry(e.aggregate_id.clone())
-                .or_default()
-                .push(e.aggregate_version);
-        }
-    }
-    assert_eq!(seen.len(), total, "every event queued");
-    for (agg, versions) in &order {
-        assert_eq!(versions, &(1..=VERSIONS).collect::<Vec<_>>(), "{agg}");
-    }
+        (id.clone(), e.aggregate_id, e.aggregate_version)
+    });
+    assert_first_copies_in_order(events, drained.total);
     eprintln!(
-        "rabbitmq relay outage: {total} events, {} messages queued (copies: {}), {deferred} \
-         deferrals",
+        "rabbitmq relay outage: {} events, {} messages queued (copies: {}), {} deferrals",
+        drained.total,
         stored.len(),
-        stored.len() - total
+        stored.len() - drained.total,
+        drained.deferred
     );
     drop(t);
 }

@@ -23,8 +23,11 @@
 //! * **The inbox engine on PostgreSQL** (feature `postgres-inbox`): [`pg_inbox`], a schema
 //!   of the test's own with an effects table, handlers that record or refuse events, and the
 //!   parking checks the transports' tests share.
+//! * **The relay through an outage** (feature `relay-outage`): [`relay_outage`], the real
+//!   relay draining an in-memory outbox through a stop and restart of a transport's own
+//!   server, and the check of what the server stored, shared by the transports' relay tests.
 //!
-//! No dependencies beyond std without that feature: any crate's tests can use it.
+//! No dependencies beyond std without those features: any crate's tests can use it.
 
 use std::io::Write;
 use std::net::{TcpListener, TcpStream};
@@ -35,6 +38,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 #[cfg(feature = "postgres-inbox")]
 pub mod pg_inbox;
+#[cfg(feature = "relay-outage")]
+pub mod relay_outage;
 
 /// The skip switch.
 pub const SKIP_VAR: &str = "OUTBOX_SKIP_SERVICE_TESTS";

@@ -77,9 +77,24 @@ impl ConsumerState {
     /// another aggregate holds its dedup id (a record naming another aggregate's event as its
     /// original, or the event such a record named), and under an id of its position and
     /// content when a parked message of another aggregate holds that too (a record whose event
-    /// id was made to be that scoped id), as the PostgreSQL store does.
+    /// id was made to be that scoped id), as the PostgreSQL store does. An undecodable record
+    /// whose derived dedup id (its transport's message identity) a parked message of an
+    /// aggregate holds (only one whose event id was made to be that id can) is parked under
+    /// an id of its position and content too: it is another message, never hidden by it.
     fn as_parked(&self, consumer: &str, m: &NewParkedMessage) -> NewParkedMessage {
         let mut m = m.clone();
+        if let (Some(id), None, None) = (m.record.dedup_id, &m.record.aggregate, m.record.event_id)
+        {
+            let held_by_an_aggregate = self.parked.values().any(|p| {
+                p.consumer == consumer
+                    && p.record.dedup_id == Some(id)
+                    && p.record.aggregate.is_some()
+            });
+            if held_by_an_aggregate {
+                m.record.dedup_id = Some(content_id(&m.record));
+            }
+            return m;
+        }
         if let (Some(id), Some(key)) = (m.record.dedup_id, m.record.aggregate.clone()) {
             let other = |id: EventId| {
                 self.parked.values().any(|p| {

@@ -820,6 +820,8 @@ pub const INBOX_CHECKS: &[&str] = &[
     "parked_messages_keep_their_native_position",
     "a_message_parked_before_the_native_columns_reads_back_as_its_kafka_position",
     "native_columns_that_describe_no_position_are_refused",
+    "an_undecodable_jetstream_message_is_parked_once_per_stream_sequence",
+    "a_crafted_event_id_does_not_hide_an_undecodable_message",
 ];
 
 /// The names of the reporting checks (module [`reporting`]).
@@ -1010,6 +1012,8 @@ macro_rules! inbox_conformance_tests {
             parked_messages_keep_their_native_position,
             a_message_parked_before_the_native_columns_reads_back_as_its_kafka_position,
             native_columns_that_describe_no_position_are_refused,
+            an_undecodable_jetstream_message_is_parked_once_per_stream_sequence,
+            a_crafted_event_id_does_not_hide_an_undecodable_message,
         );
     };
     (@emit ($setup:expr) $($check:ident),* $(,)?) => {

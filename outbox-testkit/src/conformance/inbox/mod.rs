@@ -12,7 +12,12 @@ use outbox_core::{
 
 use super::{event, fresh_event_id, unique, InboxHarness};
 
+mod identity;
 mod positions;
+pub use identity::{
+    a_crafted_event_id_does_not_hide_an_undecodable_message,
+    an_undecodable_jetstream_message_is_parked_once_per_stream_sequence,
+};
 pub use positions::{
     a_message_parked_before_the_native_columns_reads_back_as_its_kafka_position,
     native_columns_that_describe_no_position_are_refused,
