@@ -10,6 +10,7 @@ mod common;
 use std::time::Duration;
 
 use outbox_core::prelude::*;
+use outbox_core::{ClaimMode, Envelope};
 use sqlx::Executor;
 
 use common::{claim, event, lease, versions};
