@@ -29,6 +29,10 @@ struct Armed {
 
 type Gate = Arc<Mutex<Option<Armed>>>;
 
+/// Per connection: the text of a prepare waiting for the server's answer, and the statements
+/// prepared so far by id.
+type Statements = Arc<Mutex<(Option<String>, HashMap<u32, String>)>>;
+
 /// A proxy in front of the server at `MYSQL_URL` and a pool of connections through it.
 pub struct Proxy {
     gate: Gate,
@@ -163,8 +167,7 @@ fn serve(mut client: TcpStream, upstream: &str, gate: &Gate, sockets: &Mutex<Vec
     }
     let _ = client.set_nodelay(true);
     let _ = server.set_nodelay(true);
-    // The text of a prepare waiting for the server's answer, and the prepared statements.
-    let statements: Arc<Mutex<(Option<String>, HashMap<u32, String>)>> = Arc::default();
+    let statements: Statements = Arc::default();
     let (Ok(mut from_server), Ok(mut to_client)) = (server.try_clone(), client.try_clone()) else {
         return;
     };
