@@ -174,11 +174,15 @@ async fn hold_lease_inserts(ctx: &common::Ctx) -> sqlx::pool::PoolConnection<sql
 /// lock; the takeover commits first. The old completion applies nothing (superseded), the row
 /// keeps the new token, and only the new claim's publication is recorded. (Seen failing with
 /// `AND e.claim_token = ?` removed from the joined marking: the old completion marked the row
-/// published under the new claim.)
+/// published under the new claim.) The takeover is another relay's store instance, with a
+/// lease of its own long enough to be live still when it is checked: a lease of 0.3 s, read
+/// before the takeover waited on the held inserts, ended before that check whenever the waits
+/// and the old completion took longer (it did under load, on any version of the claim).
 #[tokio::test]
 async fn a_takeover_that_commits_first_fences_the_waiting_old_completion() {
     let ctx = ctx!(8);
     let s = ctx.store(lease(0.3)).await;
+    let s_new = ctx.store(lease(30.0)).await;
     let e = event("a", 1);
     common::append(&ctx, &s, std::slice::from_ref(&e)).await;
     let old = claim(&s, "relay-old", 10).await;
@@ -186,7 +190,7 @@ async fn a_takeover_that_commits_first_fences_the_waiting_old_completion() {
     tokio::time::sleep(Duration::from_millis(400)).await;
     let gaps = hold_lease_inserts(&ctx).await;
     let taking = {
-        let s = s.clone();
+        let s = s_new.clone();
         tokio::spawn(async move { claim(&s, "relay-new", 10).await })
     };
     wait_waiting(&ctx, "INSERT", "outbox_events_lease", 1).await;
@@ -208,7 +212,10 @@ async fn a_takeover_that_commits_first_fences_the_waiting_old_completion() {
         ("pending", new.handle.token, true, true, None)
     );
     assert_eq!(lease_tokens(&ctx).await, vec![new.handle.token]);
-    let rep = s.complete(&new.handle, &[published(&e, 2)]).await.unwrap();
+    let rep = s_new
+        .complete(&new.handle, &[published(&e, 2)])
+        .await
+        .unwrap();
     assert_eq!(rep.applied, 1);
     assert_eq!(row(&ctx, &e).await.4, Some(2));
     assert_eq!(last_version(&ctx, "a").await, Some(1));

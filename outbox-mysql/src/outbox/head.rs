@@ -57,6 +57,51 @@ pub(crate) fn in_list(column: &str, n: usize) -> String {
     format!("({})", lists.join(" OR "))
 }
 
+/// Fewest consecutive values [`id_set`] writes as a range.
+const RUN_MIN: usize = 3;
+
+/// `column` restricted to the values of `ids` (any order, duplicates allowed), and the values
+/// to bind in order: runs of at least [`RUN_MIN`] consecutive values as `BETWEEN` ranges, the
+/// other values as [`in_list`]. The same set of rows as `column IN (ids)`; a claim's rows are
+/// mostly runs of consecutive ids, and a range reads them in one descent of the primary key
+/// instead of one per value (the candidates' read and the lease `UPDATE` of a batch of
+/// 1,000 took about half the server time, `BENCHMARKS.md`, seventh pass).
+pub(crate) fn id_set(column: &str, ids: &[i64]) -> (String, Vec<i64>) {
+    let mut sorted = ids.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut ranges: Vec<(i64, i64)> = Vec::new();
+    let mut singles: Vec<i64> = Vec::new();
+    let mut i = 0;
+    while i < sorted.len() {
+        let mut j = i;
+        while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
+            j += 1;
+        }
+        if j + 1 - i >= RUN_MIN {
+            ranges.push((sorted[i], sorted[j]));
+        } else {
+            singles.extend_from_slice(&sorted[i..=j]);
+        }
+        i = j + 1;
+    }
+    let mut parts: Vec<String> = ranges
+        .iter()
+        .map(|_| format!("{column} BETWEEN ? AND ?"))
+        .collect();
+    let mut values: Vec<i64> = ranges.iter().flat_map(|(a, b)| [*a, *b]).collect();
+    if !singles.is_empty() {
+        parts.push(in_list(column, singles.len()));
+        values.extend(singles);
+    }
+    let sql = match parts.len() {
+        0 => "FALSE".to_string(),
+        1 => parts.pop().unwrap_or_default(),
+        _ => format!("({})", parts.join(" OR ")),
+    };
+    (sql, values)
+}
+
 /// The first unfinished row of an aggregate above its last version.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Head {
@@ -68,6 +113,19 @@ pub(crate) struct Head {
     /// head itself) is under a live lease claim: it carries a claim token and is not due
     /// before the lease ends (`next_attempt_at`, on the database clock).
     pub(crate) leased: bool,
+}
+
+/// A state row as the claim's locking read returned it (under the row's lock, so current until
+/// the transaction ends).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct StateRow {
+    /// `last_version`.
+    pub(crate) last: Option<i64>,
+    /// The row a relay of the previous version leased there (live or expired).
+    pub(crate) legacy_lease_row: Option<i64>,
+    /// That lease is live on the database clock, as read by the locking read (a lease that
+    /// ends later in the claim counts as live: the claim waits for it).
+    pub(crate) legacy_leased: bool,
 }
 
 /// An aggregate's delivery state as read after its lock.
@@ -139,26 +197,46 @@ impl MySqlOutboxStore {
         Ok(())
     }
 
-    /// Locks the state rows of `keys` that no other transaction holds; returns those locked.
+    /// Locks the state rows of `keys` that no other transaction holds; returns those locked,
+    /// each with what the claim decides on from it ([`StateRow`]). The locking read returns
+    /// the latest committed version of each row it locks, and every writer of a state row
+    /// locks it first, so what it returns stays current while this transaction holds the
+    /// lock: the claim's later statements need not read the state rows again (a join of
+    /// 1,000 state rows by their 32-byte key cost the candidates' read about a third of its
+    /// server time, `BENCHMARKS.md`, seventh pass).
     pub(crate) async fn try_lock(
         &self,
         conn: &mut MySqlConnection,
         keys: &[Key],
-    ) -> Result<Vec<Key>, StoreError> {
+    ) -> Result<Vec<(Key, StateRow)>, StoreError> {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
         let sql = format!(
-            "SELECT aggregate_key FROM {} WHERE {} \
+            "SELECT aggregate_key, last_version, lease_row, \
+                    COALESCE(lease_until > UTC_TIMESTAMP(6), 0) AS leased \
+             FROM {} WHERE {} \
              ORDER BY aggregate_key FOR UPDATE SKIP LOCKED",
             self.inner.tables.state,
             in_list("aggregate_key", keys.len())
         );
-        let mut q = sqlx::query_scalar::<_, Vec<u8>>(&sql);
+        let mut q = sqlx::query(&sql);
         for k in keys {
             q = q.bind(k);
         }
-        q.fetch_all(conn).await.map_err(db)
+        let rows = q.fetch_all(conn).await.map_err(db)?;
+        rows.iter()
+            .map(|r| {
+                Ok((
+                    r.try_get::<Vec<u8>, _>("aggregate_key").map_err(db)?,
+                    StateRow {
+                        last: r.try_get("last_version").map_err(db)?,
+                        legacy_lease_row: r.try_get("lease_row").map_err(db)?,
+                        legacy_leased: r.try_get::<i64, _>("leased").map_err(db)? != 0,
+                    },
+                ))
+            })
+            .collect()
     }
 
     /// Locks the state rows of `keys` (creating missing ones from `(key, type, id)`), waiting
@@ -505,6 +583,40 @@ fn head_of(r: &sqlx::mysql::MySqlRow) -> Result<Option<Head>, StoreError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The same set as `IN (ids)`: every run of three or more consecutive values a range,
+    /// the rest one list, one value bound per placeholder.
+    #[test]
+    fn id_sets_are_ranges_of_runs_and_a_list_of_the_rest() {
+        let (sql, v) = id_set("id", &[]);
+        assert_eq!((sql.as_str(), v.len()), ("FALSE", 0));
+        let (sql, v) = id_set("e.id", &(1..=1000).rev().collect::<Vec<_>>());
+        assert_eq!(sql, "e.id BETWEEN ? AND ?");
+        assert_eq!(v, vec![1, 1000]);
+        let (sql, v) = id_set("id", &[7, 3, 4, 10, 5, 11, 20, 21, 22, 4]);
+        assert_eq!(
+            sql,
+            "(id BETWEEN ? AND ? OR id BETWEEN ? AND ? OR id IN (?, ?, ?))"
+        );
+        assert_eq!(v, vec![3, 5, 20, 22, 7, 10, 11]);
+        // Which values the SQL admits, evaluated here: exactly the input set.
+        let ids: Vec<i64> = (0..3000).filter(|i| i % 7 != 0 && i % 11 != 3).collect();
+        let (sql, v) = id_set("id", &ids);
+        let mut k = 0;
+        let mut admitted = std::collections::HashSet::new();
+        for part in sql.trim_matches(|c| c == '(' || c == ')').split(" OR ") {
+            if part.contains("BETWEEN") {
+                admitted.extend(v[k]..=v[k + 1]);
+                k += 2;
+            } else {
+                let n = part.matches('?').count();
+                admitted.extend(&v[k..k + n]);
+                k += n;
+            }
+        }
+        assert_eq!(k, v.len(), "one value per placeholder");
+        assert_eq!(admitted, ids.iter().copied().collect());
+    }
 
     /// One placeholder per value, in order, in lists of at most 500 (MariaDB materializes a
     /// list of 1,000 or more); a short list stays one plain `IN`.

@@ -4,6 +4,7 @@
 
 pub mod backend;
 pub mod lease;
+pub mod proxy;
 pub mod race;
 
 use std::time::Duration;
