@@ -69,7 +69,9 @@ impl PostgresOutboxStore {
                 .map(|s| Duration::from_secs_f64(s.max(0.0))))
         };
         let mut stats = OutboxStats::default();
-        stats.unpublished = get("unpublished")?;
+        // Claim candidates and the rows queued behind a lower version: every pending row.
+        let queued = get("queued")?;
+        stats.unpublished = get("candidates")? + queued;
         // Lease mode: live leases. Locked mode: due candidates whose aggregate lock is held by
         // some session (the claims of every relay, not only this instance's).
         stats.in_flight = match self.inner.settings.claim_mode {
@@ -77,7 +79,20 @@ impl PostgresOutboxStore {
             _ => get("leased")?,
         };
         stats.parked = get("parked")?;
-        stats.published_retained = get("published")?;
+        // Exact up to PUBLISHED_EXACT_UP_TO; above it, the table's live rows (the statistics
+        // PostgreSQL keeps per table) less the unfinished ones: discarded rows and the lag of
+        // the statistics (a fraction of a second to the last commits; reltuples as of the
+        // last vacuum or analyze if larger) make it an estimate, reported as such in
+        // `extra` ("published_retained_estimated" 1).
+        let published = get("published_upto")?;
+        let estimated = published > crate::sql::PUBLISHED_EXACT_UP_TO;
+        stats.published_retained = if estimated {
+            get("live_rows")?
+                .saturating_sub(stats.unpublished + stats.parked)
+                .max(published)
+        } else {
+            published
+        };
         stats.version_gaps_held = get("gaps_held")?;
         stats.blocked = get("blocked")?;
         stats.gap_held = get("gap_held")?;
@@ -88,9 +103,11 @@ impl PostgresOutboxStore {
         stats.extra = self.table_extra().await?;
         // Rows the claim took out of the candidate index because a lower unfinished version
         // of their aggregate comes first (in flight, retrying, parked or held).
-        stats
-            .extra
-            .push(("queued_rows".to_owned(), get("queued")? as f64));
+        stats.extra.push(("queued_rows".to_owned(), queued as f64));
+        stats.extra.push((
+            "published_retained_estimated".to_owned(),
+            if estimated { 1.0 } else { 0.0 },
+        ));
         stats.extra.extend(self.admin_extra().await?);
         Ok(stats)
     }
