@@ -105,7 +105,7 @@ pub fn outbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError
     Ok(render(
         &format!(
             "{OUTBOX_V1}{OUTBOX_V2}{OUTBOX_V3}{OUTBOX_V4}{OUTBOX_V5}{OUTBOX_V6}{OUTBOX_V7}\
-             {OUTBOX_V8}{OUTBOX_V8_AFTER}{OUTBOX_V9}"
+             {OUTBOX_V8}{OUTBOX_V8_AFTER}{OUTBOX_V9}{OUTBOX_V10}"
         ),
         schema,
         table,

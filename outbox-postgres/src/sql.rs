@@ -618,8 +618,10 @@ pub(crate) const OLDEST_CLAIMABLE_SCAN: u64 = 1_000;
 ///   none);
 /// * locked aggregates from the granted advisory locks, each probing the unfinished index;
 /// * the published rows exactly up to [`PUBLISHED_EXACT_UP_TO`], through the finished index
-///   (`published_upto`); above that the caller estimates them from `live_rows` (the table's
-///   live-tuple statistics);
+///   (`published_upto`); above that the caller estimates them from `live_rows`: the rows per
+///   page of the last vacuum or analyze times the table's pages now (the planner's own
+///   estimate; the live-tuple counter when the table was never vacuumed or analyzed: it
+///   double counts inserts whose statistics arrive after an `ANALYZE`);
 /// * the oldest claimable age over the first [`OLDEST_CLAIMABLE_SCAN`] claimable events by
 ///   `id` of the claim index and of the blocked index. `id` and `inserted_at` are both taken
 ///   by the append statement, so id order is insertion order up to appends that run at the
@@ -681,7 +683,11 @@ fn stats_sql(t: &str, state: &str, seed: i64, accept_first_version: bool) -> Str
            (SELECT count(*) FROM (SELECT FROM {t} \
               WHERE status IN ('published', 'discarded') AND status = 'published' \
               ORDER BY finished_at LIMIT {cap}) x) AS published_upto, \
-           (SELECT GREATEST(pg_stat_get_live_tuples(c.oid), c.reltuples::int8, 0) \
+           (SELECT CASE WHEN c.relpages > 0 AND c.reltuples >= 0 \
+                     THEN (c.reltuples::float8 / c.relpages \
+                           * (pg_relation_size(c.oid) / current_setting('block_size')::int8)) \
+                          ::int8 \
+                     ELSE GREATEST(pg_stat_get_live_tuples(c.oid), 0) END \
               FROM pg_class c WHERE c.oid = '{t}'::regclass) AS live_rows, \
            (SELECT count(*) FROM {t} WHERE status = 'pending' AND blocked) AS queued, \
            (SELECT count(*) FROM blk) AS blocked, \

@@ -459,7 +459,7 @@ async fn migration_8_waits_for_a_busy_table_holding_no_other() {
     );
     assert!(!migrating.is_finished());
     old.commit().await.unwrap();
-    assert_eq!(migrating.await.unwrap().unwrap(), 2);
+    assert_eq!(migrating.await.unwrap().unwrap(), 3);
     assert_eq!(
         rows(&ctx, "outbox_events").await,
         vec![(

@@ -79,11 +79,11 @@ impl PostgresOutboxStore {
             _ => get("leased")?,
         };
         stats.parked = get("parked")?;
-        // Exact up to PUBLISHED_EXACT_UP_TO; above it, the table's live rows (the statistics
-        // PostgreSQL keeps per table) less the unfinished ones: discarded rows and the lag of
-        // the statistics (a fraction of a second to the last commits; reltuples as of the
-        // last vacuum or analyze if larger) make it an estimate, reported as such in
-        // `extra` ("published_retained_estimated" 1).
+        // Exact up to PUBLISHED_EXACT_UP_TO; above it, the table's rows as the planner
+        // estimates them (rows per page at the last vacuum or analyze, times the pages now)
+        // less the unfinished ones: discarded rows and the estimate's error (dead rows not
+        // vacuumed yet count as live) make it an estimate, reported as such in `extra`
+        // ("published_retained_estimated" 1).
         let published = get("published_upto")?;
         let estimated = published > crate::sql::PUBLISHED_EXACT_UP_TO;
         stats.published_retained = if estimated {
