@@ -131,7 +131,12 @@ pub(crate) async fn run(env: &Env, args: &StatusArgs, rounds: usize) -> anyhow::
     }
     if let (Some(&first), Some(&last)) = (args.sizes.first(), args.sizes.last()) {
         if last > first {
-            for what in ["stats()", "status reads", "claim 100 (lease)", "complete 100"] {
+            for what in [
+                "stats()",
+                "status reads",
+                "claim 100 (lease)",
+                "complete 100",
+            ] {
                 samples.compare(
                     &format!("{what} [{last} rows]"),
                     "ms",

@@ -206,7 +206,12 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         )
     },
     m(9, "relay registry: <table>_relays", OUTBOX_V9, &[]),
-    m(10, "index of held version gaps (cheap stats)", OUTBOX_V10, &[]),
+    m(
+        10,
+        "index of held version gaps (cheap stats)",
+        OUTBOX_V10,
+        &[],
+    ),
 ];
 
 const INBOX_MIGRATIONS: &[Migration] = &[

@@ -370,7 +370,10 @@ async fn the_oldest_claimable_age_reads_the_first_thousand_claimable_events() {
     let s = store.stats().await.unwrap();
     assert_eq!(s.unpublished, 1001);
     let age = s.oldest_claimable_age.unwrap();
-    assert!(age < Duration::from_secs(3600), "{age:?}: the scan is not bounded");
+    assert!(
+        age < Duration::from_secs(3600),
+        "{age:?}: the scan is not bounded"
+    );
     age_by(&ctx, &evs[999], 7200).await;
     let age = store.stats().await.unwrap().oldest_claimable_age.unwrap();
     assert!(age >= Duration::from_secs(7200), "{age:?}");

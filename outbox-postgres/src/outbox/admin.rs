@@ -111,7 +111,7 @@ impl PostgresOutboxStore {
         let mut tx = self
             .inner
             .pool
-            .begin_with("BEGIN READ ONLY; SET LOCAL jit = off")
+            .begin_with(super::maintenance::REPORT_BEGIN)
             .await
             .map_err(db)?;
         let row = sqlx::query(&format!(
