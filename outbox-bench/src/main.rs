@@ -9,6 +9,7 @@
 //! target/release/outbox-bench latency
 //! target/release/outbox-bench consumer
 //! target/release/outbox-bench scale
+//! target/release/outbox-bench status --sizes 10000,10000000
 //! target/release/outbox-bench profile --explain
 //! # MySQL 8 / MariaDB (outbox-mysql): drain and append, beside hand-written references
 //! target/release/outbox-bench --database-url mysql://root@127.0.0.1:3306/test drain
@@ -36,6 +37,7 @@ mod mysql;
 mod profile;
 mod report;
 mod scale;
+mod status;
 mod transports;
 
 use std::path::PathBuf;
@@ -83,6 +85,9 @@ enum Scenario {
     /// own), the wall time inside vs outside statements, the CPU split; `--explain` for the
     /// plans of one claim + completion (auto_explain).
     Profile(profile::ProfileArgs),
+    /// Status: `stats()`, the reads of `outbox status` and one claim + completion on tables
+    /// of growing size (mostly published rows), side by side.
+    Status(status::StatusArgs),
 }
 
 #[tokio::main]
@@ -118,6 +123,7 @@ async fn main() -> anyhow::Result<()> {
         Scenario::Consumer(a) => consumer::run(&env, a, cli.rounds).await,
         Scenario::Scale(a) => scale::run(&env, a, cli.rounds).await,
         Scenario::Profile(a) => profile::run(&env, a, cli.rounds).await,
+        Scenario::Status(a) => status::run(&env, a, cli.rounds).await,
     };
     // Remove what the run created, also after a failure.
     let cleaned = env.cleanup().await;

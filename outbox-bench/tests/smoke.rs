@@ -115,6 +115,12 @@ fn every_scenario_runs_at_its_smallest() {
             "100",
         ],
     );
+    run(
+        &env,
+        "status",
+        &j("status"),
+        &["status", "--sizes", "10000", "--reads", "2"],
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

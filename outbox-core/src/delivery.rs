@@ -876,7 +876,9 @@ pub struct OutboxStats {
     pub gap_held: u64,
     /// Parked events.
     pub parked: u64,
-    /// Published rows still retained.
+    /// Published rows still retained. A store may estimate it on a large table (PostgreSQL
+    /// counts up to 10,000 exactly, then estimates from the table's statistics, and says so
+    /// with `published_retained_estimated` 1 in [`extra`](Self::extra)).
     pub published_retained: u64,
     /// Age of the oldest claimable event (neither blocked nor gap-held; in flight and waiting
     /// for a retry included), since its insertion: the main health signal. `None` when no

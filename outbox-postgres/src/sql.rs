@@ -587,6 +587,12 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
     }
 }
 
+/// Published rows the stats count exactly; above this many, an estimate (see [`stats_sql`]).
+pub(crate) const PUBLISHED_EXACT_UP_TO: u64 = 10_000;
+
+/// Claimable events, in `id` order, the stats take the oldest age over (see [`stats_sql`]).
+pub(crate) const OLDEST_CLAIMABLE_SCAN: u64 = 1_000;
+
 /// The monitoring snapshot (`OutboxStats`): counts, and where each pending event stands.
 ///
 /// Blocked: a parked event of its aggregate above the last version comes before it (`lp`, the
@@ -599,6 +605,28 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
 /// producer's `created_at`. The ranges are read through the unfinished index per aggregate
 /// (`OFFSET 0` keeps the planner from hashing every pending row instead), so the cost beyond
 /// the counts grows with the parked and held aggregates, not with the backlog.
+///
+/// Nothing in it reads the published history, so its cost does not grow with the retained
+/// rows (issue 25: 1.2 s at 100k rows before, a scan of the whole table for the published
+/// count and of every pending row for the leases, the held heads and the oldest age):
+/// * the backlog is counted exactly, through the claim index (candidates) and the blocked
+///   index (`queued`): the cost grows with the backlog only;
+/// * leases from the aggregate-state rows whose lease is live, each joined to its event row
+///   (one row per aggregate: no index on the lease time, so that a claim's lease update
+///   stays HOT);
+/// * held heads through `held_idx` (migration 10: pending rows with `held_since`, normally
+///   none);
+/// * locked aggregates from the granted advisory locks, each probing the unfinished index;
+/// * the published rows exactly up to [`PUBLISHED_EXACT_UP_TO`], through the finished index
+///   (`published_upto`); above that the caller estimates them from `live_rows`: the rows per
+///   page of the last vacuum or analyze times the table's pages now (the planner's own
+///   estimate; the live-tuple counter when the table was never vacuumed or analyzed: it
+///   double counts inserts whose statistics arrive after an `ANALYZE`);
+/// * the oldest claimable age over the first [`OLDEST_CLAIMABLE_SCAN`] claimable events by
+///   `id` of the claim index and of the blocked index. `id` and `inserted_at` are both taken
+///   by the append statement, so id order is insertion order up to appends that run at the
+///   same moment: an event further on is older only if its append statement started before
+///   an earlier id's and took longer to get its id.
 fn stats_sql(t: &str, state: &str, seed: i64, accept_first_version: bool) -> String {
     let last_of = |a: &str| {
         format!(
@@ -647,29 +675,43 @@ fn stats_sql(t: &str, state: &str, seed: i64, accept_first_version: bool) -> Str
                AND r.aggregate_type = gh.aggregate_type \
                AND r.aggregate_id = gh.aggregate_id OFFSET 0) r) \
          SELECT \
-           (SELECT count(*) FROM {t} WHERE status = 'pending') AS unpublished, \
-           (SELECT count(*) FROM {t} e \
-              WHERE e.status = 'pending' AND NOT e.blocked \
-                AND EXISTS (SELECT 1 FROM {state} a WHERE {se} AND a.lease_row = e.id \
-                              AND a.lease_until > clock_timestamp())) AS leased, \
+           (SELECT count(*) FROM {t} WHERE status = 'pending' AND NOT blocked) AS candidates, \
+           (SELECT count(*) FROM {state} a JOIN {t} e ON e.id = a.lease_row \
+              WHERE a.lease_until > clock_timestamp() AND {se} \
+                AND e.status = 'pending' AND NOT e.blocked) AS leased, \
            (SELECT count(*) FROM {t} WHERE status = 'parked') AS parked, \
-           (SELECT count(*) FROM {t} WHERE status = 'published') AS published, \
+           (SELECT count(*) FROM (SELECT FROM {t} \
+              WHERE status IN ('published', 'discarded') AND status = 'published' \
+              ORDER BY finished_at LIMIT {cap}) x) AS published_upto, \
+           (SELECT CASE WHEN c.relpages > 0 AND c.reltuples >= 0 \
+                     THEN (c.reltuples::float8 / c.relpages \
+                           * (pg_relation_size(c.oid) / current_setting('block_size')::int8)) \
+                          ::int8 \
+                     ELSE GREATEST(pg_stat_get_live_tuples(c.oid), 0) END \
+              FROM pg_class c WHERE c.oid = '{t}'::regclass) AS live_rows, \
            (SELECT count(*) FROM {t} WHERE status = 'pending' AND blocked) AS queued, \
            (SELECT count(*) FROM blk) AS blocked, \
            (SELECT count(*) FROM gap) AS gap_held, \
            (SELECT count(*) FROM gh) AS gaps_held, \
-           (SELECT count(DISTINCT l.k) FROM {t} e \
-              JOIN (SELECT DISTINCT (l.classid::int8 << 32) | l.objid::int8 AS k \
+           (SELECT count(DISTINCT l.k) \
+              FROM (SELECT DISTINCT (l.classid::int8 << 32) | l.objid::int8 AS k \
                     FROM pg_locks l \
                     WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
                       AND l.database = (SELECT oid FROM pg_database \
                                         WHERE datname = current_database())) l \
-                ON l.k = ({ke} # ({seed})) \
+              JOIN {t} e ON {ke} = (l.k # ({seed})) \
               WHERE e.status = 'pending' AND NOT e.blocked \
                 AND e.next_attempt_at <= now()) AS locked, \
-           (SELECT {age} FROM {t} e WHERE e.status = 'pending' \
-              AND NOT EXISTS (SELECT 1 FROM blk b WHERE b.id = e.id) \
-              AND NOT EXISTS (SELECT 1 FROM gap x WHERE x.id = e.id)) AS oldest_claimable, \
+           (SELECT {age} FROM ( \
+              (SELECT e.inserted_at FROM {t} e WHERE e.status = 'pending' AND NOT e.blocked \
+                 AND NOT EXISTS (SELECT 1 FROM blk b WHERE b.id = e.id) \
+                 AND NOT EXISTS (SELECT 1 FROM gap x WHERE x.id = e.id) \
+               ORDER BY e.id LIMIT {first}) \
+              UNION ALL \
+              (SELECT e.inserted_at FROM {t} e WHERE e.status = 'pending' AND e.blocked \
+                 AND NOT EXISTS (SELECT 1 FROM blk b WHERE b.id = e.id) \
+                 AND NOT EXISTS (SELECT 1 FROM gap x WHERE x.id = e.id) \
+               ORDER BY e.id LIMIT {first})) c) AS oldest_claimable, \
            (SELECT {age} FROM blk) AS oldest_blocked, \
            (SELECT {age} FROM {t} WHERE status = 'parked') AS oldest_parked",
         kp = agg("p"),
@@ -680,6 +722,8 @@ fn stats_sql(t: &str, state: &str, seed: i64, accept_first_version: bool) -> Str
         se = state_of("a", "e"),
         last_p = last_of("p"),
         last_g = last_of("g"),
+        cap = PUBLISHED_EXACT_UP_TO + 1,
+        first = OLDEST_CLAIMABLE_SCAN,
     )
 }
 

@@ -210,7 +210,7 @@ async fn hostile_identifiers_are_configuration_errors() {
         .table("shop_outbox")
         .build()
         .unwrap();
-    assert_eq!(store.migrate().await.unwrap(), 9);
+    assert_eq!(store.migrate().await.unwrap(), 10);
     assert_eq!(
         store.migrate().await.unwrap(),
         0,
@@ -1169,8 +1169,8 @@ async fn migration_3_upgrades_a_version_2_table_in_use() {
     .unwrap();
     assert_eq!(
         store.migrate().await.unwrap(),
-        7,
-        "only migrations 3 to 9 run"
+        8,
+        "only migrations 3 to 10 run"
     );
     let state: Vec<(String, i64, Option<String>)> = sqlx::query_as(&format!(
         "SELECT aggregate_id, last_version, lease_owner FROM \"{}\".outbox_events_aggregate \
@@ -1300,6 +1300,7 @@ async fn published_rows_have_one_time_index_and_the_latency_window_uses_it() {
             "outbox_events_created_at_idx",
             "outbox_events_event_id_key",
             "outbox_events_finished_idx",
+            "outbox_events_held_idx",
             "outbox_events_parked_idx",
             "outbox_events_pkey",
             "outbox_events_unfinished_idx",

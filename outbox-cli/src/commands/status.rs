@@ -326,6 +326,8 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
             "oldest_blocked_age_seconds": secs(stats.oldest_blocked_age),
             "oldest_parked_age_seconds": secs(stats.oldest_parked_age),
             "published_retained": stats.published_retained,
+            "published_retained_estimated":
+                extra(&stats, "published_retained_estimated").is_some_and(|v| v > 0.0),
         },
         "latency": {
             "window_seconds": window.0.as_secs_f64(),

@@ -10,6 +10,15 @@ use super::claim::micros;
 use super::PostgresOutboxStore;
 use crate::error::db;
 
+/// How the stats and the latency report start their read-only transaction. No JIT: the
+/// statements' cost estimates pass `jit_above_cost` with a large table, and compiling them
+/// takes longer than running them (seconds against a few hundred ms at 200,000 pending
+/// rows). No parallel workers: each read is short (index ranges), and starting workers cost
+/// more than it saved (30-50 ms instead of 4-9 ms for a one-minute latency window on a
+/// loaded 2-core machine; `outbox status` makes seven such reads).
+pub(super) const REPORT_BEGIN: &str =
+    "BEGIN READ ONLY; SET LOCAL jit = off; SET LOCAL max_parallel_workers_per_gather = 0";
+
 impl PostgresOutboxStore {
     pub(super) async fn cleanup_inner(
         &self,
@@ -45,15 +54,7 @@ impl PostgresOutboxStore {
     }
 
     pub(super) async fn stats_inner(&self) -> Result<OutboxStats, StoreError> {
-        // No JIT: the statement's cost estimate passes `jit_above_cost` with a large backlog,
-        // and compiling it takes longer than running it (seconds against a few hundred ms at
-        // 200,000 pending rows).
-        let mut tx = self
-            .inner
-            .pool
-            .begin_with("BEGIN READ ONLY; SET LOCAL jit = off")
-            .await
-            .map_err(db)?;
+        let mut tx = self.inner.pool.begin_with(REPORT_BEGIN).await.map_err(db)?;
         let row = sqlx::query(&self.inner.sql.stats)
             .fetch_one(&mut *tx)
             .await
@@ -69,7 +70,9 @@ impl PostgresOutboxStore {
                 .map(|s| Duration::from_secs_f64(s.max(0.0))))
         };
         let mut stats = OutboxStats::default();
-        stats.unpublished = get("unpublished")?;
+        // Claim candidates and the rows queued behind a lower version: every pending row.
+        let queued = get("queued")?;
+        stats.unpublished = get("candidates")? + queued;
         // Lease mode: live leases. Locked mode: due candidates whose aggregate lock is held by
         // some session (the claims of every relay, not only this instance's).
         stats.in_flight = match self.inner.settings.claim_mode {
@@ -77,7 +80,20 @@ impl PostgresOutboxStore {
             _ => get("leased")?,
         };
         stats.parked = get("parked")?;
-        stats.published_retained = get("published")?;
+        // Exact up to PUBLISHED_EXACT_UP_TO; above it, the table's rows as the planner
+        // estimates them (rows per page at the last vacuum or analyze, times the pages now)
+        // less the unfinished ones: discarded rows and the estimate's error (dead rows not
+        // vacuumed yet count as live) make it an estimate, reported as such in `extra`
+        // ("published_retained_estimated" 1).
+        let published = get("published_upto")?;
+        let estimated = published > crate::sql::PUBLISHED_EXACT_UP_TO;
+        stats.published_retained = if estimated {
+            get("live_rows")?
+                .saturating_sub(stats.unpublished + stats.parked)
+                .max(published)
+        } else {
+            published
+        };
         stats.version_gaps_held = get("gaps_held")?;
         stats.blocked = get("blocked")?;
         stats.gap_held = get("gap_held")?;
@@ -88,9 +104,11 @@ impl PostgresOutboxStore {
         stats.extra = self.table_extra().await?;
         // Rows the claim took out of the candidate index because a lower unfinished version
         // of their aggregate comes first (in flight, retrying, parked or held).
-        stats
-            .extra
-            .push(("queued_rows".to_owned(), get("queued")? as f64));
+        stats.extra.push(("queued_rows".to_owned(), queued as f64));
+        stats.extra.push((
+            "published_retained_estimated".to_owned(),
+            if estimated { 1.0 } else { 0.0 },
+        ));
         stats.extra.extend(self.admin_extra().await?);
         Ok(stats)
     }
