@@ -18,7 +18,7 @@ use crate::config::SeededBug;
 use crate::invariants::Violations;
 use crate::steps::HandlerFault;
 
-/// What the handler was asked to do, per event and engine generation (a restarted engine
+/// What the handler was asked to do, per event and generation (a restarted engine
 /// starts over: its attempt counts are in memory). Checks the engine's handling of handler
 /// failures, which the effects alone do not show:
 /// * after a permanent failure, or after `max_attempts` transient ones, the engine parks the
@@ -43,7 +43,9 @@ pub(crate) struct Ledger {
 }
 
 impl Ledger {
-    /// A new engine generation (the engine was rebuilt).
+    /// A new generation: the engine was rebuilt, or (RabbitMQ) its channel was lost under it,
+    /// a new assignment whose redeliveries the engine takes as new deliveries, attempts
+    /// counted from zero (as a Kafka partition assigned again).
     pub(crate) fn new_generation(&mut self) {
         self.generation += 1;
     }
@@ -94,17 +96,17 @@ impl Ledger {
             Some(format!(
                 "the engine handed event {event} to the handler again {since:?} after its \
                  transient failure, before the retry policy's min_delay ({min_delay:?}) \
-                 (engine generation {gen})"
+                 (generation {gen})"
             ))
         } else if entry.1 {
             Some(format!(
                 "the engine handed event {event} to the handler again after its permanent \
-                 failure (engine generation {gen}); it must park it"
+                 failure (generation {gen}); it must park it"
             ))
         } else if entry.0 >= max {
             Some(format!(
                 "the engine handed event {event} to the handler after {} transient failures \
-                 (max_attempts {max}, engine generation {gen}); it must park it",
+                 (max_attempts {max}, generation {gen}); it must park it",
                 entry.0
             ))
         } else {
@@ -279,6 +281,10 @@ impl<S: MessageSource> MessageSource for SimSource<S> {
             return self.inner.commit(&past).await;
         }
         self.inner.commit(offsets).await
+    }
+
+    async fn ack_ahead(&self, positions: &[outbox_core::LogPosition]) -> Result<(), SourceError> {
+        self.inner.ack_ahead(positions).await
     }
 
     fn ack_model(&self) -> outbox_core::AckModel {

@@ -93,6 +93,8 @@
 //! * on PostgreSQL, where the store runs its wake-up gate and listener: an event appended while
 //!   the gate was armed (a relay idle and waiting) wakes the listener within 2 s of its commit
 //!   (the gate's promise: no lost wake-up);
+//! * the positions a source hands the engine grow within an assignment (the engine sees no
+//!   rewind: nothing here rewinds a log), so no watermark forgets messages in flight;
 //! * the committed offset never passes a message whose outcome is not final; on JetStream and
 //!   RabbitMQ, every message the broker holds acknowledged is final (registered or parked);
 //! * the engine handles handler failures as documented: it never hands an event to the

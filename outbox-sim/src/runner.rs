@@ -141,6 +141,13 @@ pub struct SimReport {
     pub redelivered: usize,
     /// Re-sends JetStream's duplicate window kept out of the stream.
     pub deduplicated_sends: usize,
+    /// [`Step::ConsumerStalls`] applied.
+    pub consumer_stalls: usize,
+    /// JetStream messages pulled by another member that died ([`Step::OtherMemberDies`]).
+    pub taken_by_dead_members: usize,
+    /// JetStream redeliveries handed to a member that held later messages unacknowledged
+    /// (a crashed member's message coming back while the later ones are in flight).
+    pub redelivered_behind_later: usize,
 }
 
 type OpTask = JoinHandle<Result<Option<EventId>, StoreError>>;
@@ -522,6 +529,8 @@ where
         report.out_of_order_parked = self.model.out_of_order_parked;
         report.redelivered = self.broker.redelivered_events().len();
         report.deduplicated_sends = self.broker.deduplicated_sends();
+        report.redelivered_behind_later = self.broker.redelivered_behind_later();
+        report.taken_by_dead_members = self.broker.taken_by_dead_members();
         if let Some(e) = &self.engine {
             report.engine_duplicates += e.report().duplicates;
             report.consumer_parked += e.report().parked;
@@ -581,6 +590,16 @@ where
             Step::Operator(op, n) => self.operator(*op, *n),
             Step::ReleaseClaims(i) => self.release_claims(i % self.relays.len()),
             Step::Consumer(n) => self.consumer_steps(*n).map(|_| ()),
+            Step::ConsumerStalls { before, after } => {
+                self.consumer_steps(*before)?;
+                self.ack_wait_runs_out()?;
+                self.report.consumer_stalls += 1;
+                self.consumer_steps(*after).map(|_| ())
+            }
+            Step::OtherMemberDies(n) => {
+                self.broker.member_dies(*n);
+                Ok(())
+            }
             Step::ConsumerCrash => {
                 self.drop_engine();
                 self.engine = Some(self.make_engine());
@@ -592,6 +611,12 @@ where
                 if let Some(engine) = self.engine.as_ref() {
                     if engine.source().inner().lose_channel() {
                         self.report.channels_lost += 1;
+                        // What the engine held is redelivered on the next channel, and taken
+                        // as new deliveries: the handler's failures count again.
+                        self.ledger
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .new_generation();
                         return Ok(());
                     }
                 }
@@ -640,6 +665,13 @@ where
                 Ok(())
             }
         }
+    }
+
+    /// Virtual time passes beyond the JetStream ack wait (by `ACK_WAIT` + 1 s).
+    fn ack_wait_runs_out(&mut self) -> Check {
+        let d = crate::transport::ACK_WAIT + Duration::from_secs(1);
+        self.broker.advance(d);
+        self.block_on(self.backend.advance(d))?
     }
 
     // ---- producer ----
@@ -1598,7 +1630,27 @@ where
             return Err(v);
         }
         let seen = self.observe()?;
-        invariants::check(&mut self.model, &self.log, &seen)
+        invariants::check(&mut self.model, &self.log, &seen)?;
+        self.positions_grow()
+    }
+
+    /// The positions a source hands the engine grow with every delivery within an
+    /// assignment (the `MessageSource` contract; JetStream's delivery sequence, RabbitMQ's
+    /// tag on one channel). Nothing here rewinds a log (no topic is recreated, nothing is
+    /// lost to retention) and a new member starts a new watermark, so a rewind the engine
+    /// saw is a source whose positions went backwards: the watermark forgot the messages in
+    /// flight (their outcomes count for nothing), and a commit past them may acknowledge one
+    /// that was never applied.
+    fn positions_grow(&self) -> Check {
+        let rewinds = self.engine.as_ref().map_or(0, |e| e.report().rewinds);
+        ensure(rewinds == 0, || {
+            format!(
+                "the consumer engine saw {rewinds} rewind(s) on {:?}: its source handed out a \
+                 position at or below one it had handed out in the same assignment (positions \
+                 must grow with every delivery), and the watermark forgot the messages in flight",
+                self.broker.transport()
+            )
+        })
     }
 
     // ---- quiescence ----

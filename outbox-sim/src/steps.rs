@@ -189,6 +189,25 @@ pub enum Step {
     ReleaseClaims(usize),
     /// The consumer engine makes `n` steps (`ConsumerEngine::step`).
     Consumer(usize),
+    /// The consumer stalls with work in flight: the engine makes `before` steps, then
+    /// virtual time passes beyond the JetStream ack wait ([`crate::transport::ACK_WAIT`] + 1 s)
+    /// while it holds what it received, then it makes `after` steps. On JetStream every
+    /// delivery not acknowledged in time is due again: what this member holds is not handed
+    /// out again, but a crashed member's message comes back *after* the later messages this
+    /// member received, while they are still in flight (the interleaving a source that
+    /// orders by stream sequence gets wrong). On the other transports, time passes mid-work.
+    ConsumerStalls {
+        /// Engine steps before the stall.
+        before: usize,
+        /// Engine steps after it.
+        after: usize,
+    },
+    /// JetStream: another member of the durable consumer (a second process) pulls the next
+    /// `n` new messages, as they come, before the live engine sees them, and dies without
+    /// acknowledging them: they come back after their ack wait ([`Step::Advance`],
+    /// [`Step::ConsumerStalls`]), behind the later messages the live engine read meanwhile
+    /// (possibly still in flight). A no-op on the other transports.
+    OtherMemberDies(usize),
     /// The consumer's process dies: the engine (with its running transactions) is dropped and
     /// a fresh one resumes from the committed offsets.
     ConsumerCrash,
@@ -296,6 +315,8 @@ pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
         )
             .prop_map(|(o, n)| Step::Operator(o, n)),
         12 => (1..=4usize).prop_map(Step::Consumer),
+        2 => (1..=3usize, 1..=4usize)
+            .prop_map(|(before, after)| Step::ConsumerStalls { before, after }),
         2 => Just(Step::ConsumerCrash),
         1 => Just(Step::Rebalance),
         4 => prop_oneof![

@@ -12,7 +12,7 @@
 //! | a re-send of a stored event | stored again | not stored within the duplicate window ([`DUPLICATE_WINDOW`], `Nats-Msg-Id` = event id); its `PubAck` names the copy stored before, flagged duplicate | stored again (the consumer gets both) |
 //! | acknowledgement metadata | topic, partition, offset | stream, stream sequence, subject | exchange, routing key (no position) |
 //! | positions handed to the engine | offsets | [`LogPosition::jetstream`]: stream sequence, a new delivery sequence for every delivery | [`LogPosition::rabbitmq`]: the channel's delivery tag, the redelivered flag |
-//! | a commit "next `n`" | the group's offset | a per-message `+ACK` of every delivery below `n` this member holds ([`AckModel::PerMessage`]) | `basic.ack` with `multiple` up to tag `n - 1` on the current channel |
+//! | a commit "next `n`" | the group's offset | a per-message `+ACK` of every delivery below `n` this member holds ([`AckModel::PerMessage`]); each final delivery also acked ahead of the watermark (`ack_ahead`) | `basic.ack` with `multiple` up to tag `n - 1` on the current channel |
 //! | redelivery | from the committed offset after a crash or rebalance | of every unacked message whose ack wait ([`ACK_WAIT`], virtual time moved by [`crate::Step::Advance`]) ran out, *after* later messages were delivered, at a new delivery sequence; a crashed member's messages likewise; a clean leave (`Rebalance`) gives them back at once (`-NAK`) | every unacked delivery of a channel that closes (a crash, or `Rebalance`: the channel is lost under the running engine), flagged redelivered, back at its place in the queue, on a new channel whose tags start again at 1 |
 //!
 //! The consumer's source for JetStream and RabbitMQ follows what `outbox-nats` and
@@ -100,6 +100,12 @@ struct BrokerState {
     tag: u64,
     /// JetStream: re-sends kept out of the stream by the duplicate window.
     deduplicated: usize,
+    /// JetStream: redeliveries handed to a member holding later messages unacknowledged.
+    behind_later: usize,
+    /// JetStream: new messages another member is still to pull before it dies.
+    other_takes: usize,
+    /// JetStream: messages another member pulled and died holding.
+    taken_by_dead: usize,
 }
 
 /// The broker of a case: publishes as its transport does and hands out deliveries.
@@ -259,11 +265,16 @@ impl Broker {
         self.lock().deduplicated
     }
 
+    /// JetStream redeliveries handed to a member that held later messages unacknowledged.
+    pub(crate) fn redelivered_behind_later(&self) -> usize {
+        self.lock().behind_later
+    }
+
     // ---- JetStream ----
 
     /// The next delivery: a due redelivery first, else the next new message. `(entry,
-    /// delivery sequence)`.
-    fn js_next(&self) -> Option<(usize, u64)> {
+    /// delivery sequence, whether it is a redelivery)`.
+    fn js_next(&self) -> Option<(usize, u64, bool)> {
         let len = self.entries().len();
         let mut st = self.lock();
         let entry = loop {
@@ -273,6 +284,17 @@ impl Broker {
                     break e;
                 }
                 Some(_) => continue, // acknowledged meanwhile
+                None if st.next_new < len && st.other_takes > 0 => {
+                    // Pulled by the other member, which dies holding it: pending from now.
+                    st.other_takes -= 1;
+                    st.taken_by_dead += 1;
+                    st.delivery_seq += 1;
+                    let (e, d, at) = (st.next_new, st.delivery_seq, st.now);
+                    st.next_new += 1;
+                    st.first_delivery.insert(e, d);
+                    st.pending.insert(e, Pending { at });
+                    continue;
+                }
                 None if st.next_new < len => {
                     st.next_new += 1;
                     break st.next_new - 1;
@@ -282,9 +304,10 @@ impl Broker {
         };
         st.delivery_seq += 1;
         let (delivery, at) = (st.delivery_seq, st.now);
+        let again = st.first_delivery.contains_key(&entry);
         st.first_delivery.entry(entry).or_insert(delivery);
         st.pending.insert(entry, Pending { at });
-        Some((entry, delivery))
+        Some((entry, delivery, again))
     }
 
     fn js_ack(&self, entries: &[usize]) {
@@ -295,6 +318,20 @@ impl Broker {
                 st.acked.insert(*e);
             }
         }
+    }
+
+    /// JetStream: another member of the durable consumer pulls the next `n` new messages
+    /// before the live one and dies without acknowledging them (they come back after their
+    /// ack wait). A no-op on the other transports.
+    pub(crate) fn member_dies(&self, n: usize) {
+        if self.transport == Transport::JetStream {
+            self.lock().other_takes += n;
+        }
+    }
+
+    /// JetStream messages another member pulled and died holding.
+    pub(crate) fn taken_by_dead_members(&self) -> usize {
+        self.lock().taken_by_dead
     }
 
     /// `-NAK`: redelivered at once (a clean leave gives back what it holds).
@@ -546,11 +583,23 @@ impl JetStreamMember {
 
     fn try_next(&self) -> Option<ReceivedMessage> {
         loop {
-            let (entry, delivery) = self.broker.js_next()?;
-            if self.held().values().any(|e| *e == entry) {
+            let (entry, delivery, again) = self.broker.js_next()?;
+            let (held_here, later_held) = {
+                let held = self.held();
+                (
+                    held.values().any(|e| *e == entry),
+                    held.values().any(|e| *e > entry),
+                )
+            };
+            if held_here {
                 // A redelivery of a message still held here: not handed out again (its new
                 // delivery's acknowledgement is the one the held entry sends).
                 continue;
+            }
+            if again && later_held {
+                // Another member's message (it crashed holding it) comes back behind later
+                // messages this member holds unacknowledged.
+                self.broker.lock().behind_later += 1;
             }
             let record = self.broker.entries().get(entry)?.clone();
             let stream_sequence = entry as u64 + 1;
@@ -599,6 +648,22 @@ impl MessageSource for JetStreamMember {
             let mut held = self.held();
             let keep = held.split_off(&limit);
             std::mem::replace(&mut *held, keep).into_values().collect()
+        };
+        self.broker.js_ack(&due);
+        Ok(())
+    }
+
+    /// Acknowledges each final delivery still held here on its own (as `outbox-nats` does);
+    /// a position not held here is skipped.
+    async fn ack_ahead(&self, positions: &[LogPosition]) -> Result<(), SourceError> {
+        let tp = topic_partition();
+        let due: Vec<usize> = {
+            let mut held = self.held();
+            positions
+                .iter()
+                .filter(|p| p.topic_partition() == tp)
+                .filter_map(|p| held.remove(&p.offset))
+                .collect()
         };
         self.broker.js_ack(&due);
         Ok(())
@@ -760,6 +825,13 @@ impl MessageSource for TransportSource {
             Self::Kafka(s) => s.commit(offsets).await,
             Self::JetStream(s) => s.commit(offsets).await,
             Self::RabbitMq(s) => s.commit(offsets).await,
+        }
+    }
+
+    async fn ack_ahead(&self, positions: &[LogPosition]) -> Result<(), SourceError> {
+        match self {
+            Self::JetStream(s) => s.ack_ahead(positions).await,
+            _ => Ok(()),
         }
     }
 

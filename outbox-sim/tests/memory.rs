@@ -66,6 +66,8 @@ fn the_generator_reaches_the_interesting_states() {
         total.channels_lost += r.channels_lost;
         total.redelivered += r.redelivered;
         total.deduplicated_sends += r.deduplicated_sends;
+        total.consumer_stalls += r.consumer_stalls;
+        total.taken_by_dead_members += r.taken_by_dead_members;
         policies[m.policy as usize] += 1;
         transports[m.transport as usize] += 1;
     }
@@ -149,6 +151,11 @@ fn the_generator_reaches_the_interesting_states() {
     assert!(
         total.channels_lost > 0,
         "no RabbitMQ channel lost: {total:?}"
+    );
+    // The consumer stalls past the ack wait mid-work.
+    assert!(
+        total.consumer_stalls > 0,
+        "the consumer never stalled: {total:?}"
     );
 }
 
