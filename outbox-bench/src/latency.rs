@@ -42,7 +42,7 @@ pub(crate) struct LatencyArgs {
     #[arg(long, default_value_t = 6)]
     partitions: i32,
     /// Only these contenders (ids, comma-separated; default all): notify, polling,
-    /// notify-before, notify-linger5, notify-no-early-claim, notify-fetch10.
+    /// notify-before, notify-linger5, notify-early-claim, notify-fetch10.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 }
@@ -52,7 +52,7 @@ struct Contender {
     id: &'static str,
     label: &'static str,
     notify: bool,
-    /// `RelayConfig::early_claim` (the default: on).
+    /// `RelayConfig::early_claim` (the default: off).
     early_claim: bool,
     /// `linger.ms` set on the publisher (None: the publisher's default, 0).
     linger_ms: Option<u32>,
@@ -65,7 +65,7 @@ const CONTENDERS: [Contender; 6] = [
         id: "notify",
         label: "NOTIFY wake-up (default)",
         notify: true,
-        early_claim: true,
+        early_claim: false,
         linger_ms: None,
         fetch_wait_ms: None,
     },
@@ -73,7 +73,7 @@ const CONTENDERS: [Contender; 6] = [
         id: "polling",
         label: "polling only",
         notify: false,
-        early_claim: true,
+        early_claim: false,
         linger_ms: None,
         fetch_wait_ms: None,
     },
@@ -87,17 +87,17 @@ const CONTENDERS: [Contender; 6] = [
     },
     Contender {
         id: "notify-linger5",
-        label: "NOTIFY, early claim, linger.ms=5",
+        label: "NOTIFY, linger.ms=5",
         notify: true,
-        early_claim: true,
+        early_claim: false,
         linger_ms: Some(5),
         fetch_wait_ms: None,
     },
     Contender {
-        id: "notify-no-early-claim",
-        label: "NOTIFY, no early claim, linger.ms=0",
+        id: "notify-early-claim",
+        label: "NOTIFY, early claim, linger.ms=0",
         notify: true,
-        early_claim: false,
+        early_claim: true,
         linger_ms: None,
         fetch_wait_ms: None,
     },
@@ -105,7 +105,7 @@ const CONTENDERS: [Contender; 6] = [
         id: "notify-fetch10",
         label: "NOTIFY, consumer fetch.wait.max.ms=10",
         notify: true,
-        early_claim: true,
+        early_claim: false,
         linger_ms: None,
         fetch_wait_ms: Some(10),
     },
@@ -187,7 +187,7 @@ pub(crate) async fn run(env: &Env, args: &LatencyArgs, rounds: usize) -> anyhow:
     report.param("partitions", args.partitions);
     report.param(
         "relay",
-        "outbox_core::driver::run with RelayConfig defaults (batch 500, idle 10 ms..1 s, prefetch, early claim unless a contender turns it off), lease 60 s, KafkaPublisher defaults (linger.ms 0 unless a contender sets it)",
+        "outbox_core::driver::run with RelayConfig defaults (batch 500, idle 10 ms..1 s, prefetch, early claim only where a contender turns it on), lease 60 s, KafkaPublisher defaults (linger.ms 0 unless a contender sets it)",
     );
     let mut samples = Samples::default();
     for round in 0..rounds {

@@ -407,8 +407,7 @@ pub struct RelayConfig {
     pub workers: u16,
     /// Most events per claim. Default 500.
     pub batch_size: usize,
-    /// Claim the next batch while a full one is published, and while the completion of a
-    /// partial one is written. Default true.
+    /// Claim the next batch while a full one is published. Default true.
     pub prefetch: bool,
     /// Shortest idle sleep. Default 10 ms.
     pub idle_min: Dur,

@@ -17,7 +17,7 @@
 //! a crash leaves it to lease expiry or to the rollback of its transaction, like any claim.
 //!
 //! A batch that was not full (a relay keeping up with its appends) gets the same overlap one
-//! step later ([`RelayConfigBuilder::early_claim`], on by default with prefetch): the next
+//! step later when asked for ([`RelayConfigBuilder::early_claim`], off by default): the next
 //! claim starts as soon as the batch's publish call returns, while its completion is written,
 //! so events committed during that cycle are claimed then and published by the next cycle
 //! without waiting for the completion and a fresh claim. Claiming at the start of the cycle
@@ -77,7 +77,8 @@ pub struct RelayConfig {
     /// Claim the next batch while a full batch is published. Default `true`.
     pub prefetch: bool,
     /// With `prefetch`: once a batch that was not full is published, claim the next batch while
-    /// its completion is written. Default `true`.
+    /// its completion is written. Default `false`: measured slower at 1,000 events/s on
+    /// PostgreSQL (BENCHMARKS.md, section 3), the extra claims cost more than they save.
     pub early_claim: bool,
     /// First pause of the circuit breaker after a cycle that failed as a whole (see
     /// [`crate::circuit`]). Default 500 ms.
@@ -101,7 +102,7 @@ impl Default for RelayConfig {
             idle_max: Duration::from_secs(1),
             lease_margin: Duration::from_secs(2),
             prefetch: true,
-            early_claim: true,
+            early_claim: false,
             circuit_base: Duration::from_millis(500),
             circuit_max: Duration::from_secs(30),
         }
@@ -153,7 +154,7 @@ impl RelayConfigBuilder {
         self
     }
     /// Whether, with prefetch on, a batch that was not full has the next batch claimed while
-    /// its completion is written (see the module docs). Default `true`.
+    /// its completion is written (see the module docs). Default `false`.
     pub fn early_claim(mut self, on: bool) -> Self {
         self.0.early_claim = on;
         self
