@@ -55,7 +55,7 @@ pub(crate) struct DrainArgs {
     await_each_fraction: usize,
     /// Only these contenders (comma-separated ids; default all): naive-sql, sql-lease,
     /// sql-locked, instant-lease, instant-locked, producer, minimal, lease-1, lease-2,
-    /// locked-1, locked-2, lease-1-linger0, await-each. On a mysql:// URL: naive-instant,
+    /// locked-1, locked-2, lease-1-linger5, await-each. On a mysql:// URL: naive-instant,
     /// lease-instant, locked-instant, naive-kafka, lease-kafka, locked-kafka, sql-lease,
     /// sql-locked.
     #[arg(long, value_delimiter = ',')]
@@ -87,9 +87,9 @@ pub(crate) enum Contender {
     Producer,
     Minimal,
     Relay(Mode, usize),
-    /// One lease relay with the producer's `linger.ms` at 0 (the latency scenario's tuning
-    /// candidate: what it costs in throughput).
-    RelayLinger0,
+    /// One lease relay with the producer's `linger.ms` at 5 (librdkafka's default, the
+    /// publisher's before it set 0: what the lower latency costs in throughput).
+    RelayLinger5,
     AwaitEach,
     /// The minimal relay written for NATS or RabbitMQ.
     OtherMinimal(Transport),
@@ -133,7 +133,7 @@ impl Contender {
         Contender::Relay(Mode::Lease, 2),
         Contender::Relay(Mode::Locked, 1),
         Contender::Relay(Mode::Locked, 2),
-        Contender::RelayLinger0,
+        Contender::RelayLinger5,
         Contender::AwaitEach,
     ];
 
@@ -173,7 +173,7 @@ impl Contender {
             Contender::Producer => "producer".into(),
             Contender::Minimal => "minimal".into(),
             Contender::Relay(m, n) => format!("{}-{n}", m.name()),
-            Contender::RelayLinger0 => "lease-1-linger0".into(),
+            Contender::RelayLinger5 => "lease-1-linger5".into(),
             Contender::AwaitEach => "await-each".into(),
             Contender::OtherMinimal(t) => format!("{}-minimal", t.name()),
             Contender::OtherRelay(t, m, n) => format!("{}-{}-{n}", t.name(), m.name()),
@@ -188,7 +188,7 @@ impl Contender {
             Contender::Producer => "broker: raw producer ceiling".into(),
             Contender::Minimal => "broker: minimal unordered relay".into(),
             Contender::Relay(m, n) => format!("broker: relay {} x{n}", m.name()),
-            Contender::RelayLinger0 => "broker: relay lease x1, linger.ms=0".into(),
+            Contender::RelayLinger5 => "broker: relay lease x1, linger.ms=5".into(),
             Contender::AwaitEach => "broker: relay awaiting each record".into(),
             Contender::OtherMinimal(t) => format!("{}: minimal unordered relay", t.name()),
             Contender::OtherRelay(t, m, n) => format!("{}: relay {} x{n}", t.name(), m.name()),
@@ -201,7 +201,7 @@ impl Contender {
             Contender::Producer
                 | Contender::Minimal
                 | Contender::Relay(..)
-                | Contender::RelayLinger0
+                | Contender::RelayLinger5
                 | Contender::AwaitEach
                 | Contender::OtherMinimal(_)
                 | Contender::OtherRelay(..)
@@ -280,7 +280,7 @@ pub(crate) async fn run(env: &Env, args: &DrainArgs, rounds: usize) -> anyhow::R
                 Contender::Sql(_) | Contender::Instant(_) => Some(Contender::NaiveSql),
                 Contender::Producer
                 | Contender::Relay(..)
-                | Contender::RelayLinger0
+                | Contender::RelayLinger5
                 | Contender::AwaitEach => Some(Contender::Minimal),
                 Contender::OtherRelay(t, ..) => Some(Contender::OtherMinimal(*t)),
                 Contender::NaiveSql | Contender::Minimal | Contender::OtherMinimal(_) => None,
@@ -372,7 +372,7 @@ async fn run_one(
             check_drained(&store, args.events, r.0).await?;
             Ok(r)
         }
-        Contender::Relay(..) | Contender::RelayLinger0 => {
+        Contender::Relay(..) | Contender::RelayLinger5 => {
             let (mode, relays) = match c {
                 Contender::Relay(mode, relays) => (mode, relays),
                 _ => (Mode::Lease, 1),
@@ -381,8 +381,8 @@ async fn run_one(
             env::preload(&store, args.events, aggregates).await?;
             let topic = env.topic("relay", args.partitions).await?;
             let mut builder = KafkaPublisher::builder(env.brokers()?, &topic);
-            if c == Contender::RelayLinger0 {
-                builder = builder.set("linger.ms", "0");
+            if c == Contender::RelayLinger5 {
+                builder = builder.set("linger.ms", "5");
             }
             let publisher = Arc::new(
                 builder

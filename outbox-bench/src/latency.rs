@@ -42,7 +42,7 @@ pub(crate) struct LatencyArgs {
     #[arg(long, default_value_t = 6)]
     partitions: i32,
     /// Only these contenders (ids, comma-separated; default all): notify, polling,
-    /// notify-linger0, notify-linger0-fetch10.
+    /// notify-before, notify-linger5, notify-early-claim, notify-fetch10.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
 }
@@ -52,17 +52,20 @@ struct Contender {
     id: &'static str,
     label: &'static str,
     notify: bool,
-    /// `linger.ms` set on the publisher (None: the library's default).
+    /// `RelayConfig::early_claim` (the default: off).
+    early_claim: bool,
+    /// `linger.ms` set on the publisher (None: the publisher's default, 0).
     linger_ms: Option<u32>,
     /// `fetch.wait.max.ms` set on the consumer (None: librdkafka's default, 500 ms).
     fetch_wait_ms: Option<u32>,
 }
 
-const CONTENDERS: [Contender; 4] = [
+const CONTENDERS: [Contender; 6] = [
     Contender {
         id: "notify",
         label: "NOTIFY wake-up (default)",
         notify: true,
+        early_claim: false,
         linger_ms: None,
         fetch_wait_ms: None,
     },
@@ -70,21 +73,40 @@ const CONTENDERS: [Contender; 4] = [
         id: "polling",
         label: "polling only",
         notify: false,
+        early_claim: false,
         linger_ms: None,
         fetch_wait_ms: None,
     },
     Contender {
-        id: "notify-linger0",
-        label: "NOTIFY, producer linger.ms=0",
+        id: "notify-before",
+        label: "NOTIFY, no early claim, linger.ms=5 (before)",
         notify: true,
-        linger_ms: Some(0),
+        early_claim: false,
+        linger_ms: Some(5),
         fetch_wait_ms: None,
     },
     Contender {
-        id: "notify-linger0-fetch10",
-        label: "NOTIFY, linger.ms=0, consumer fetch.wait.max.ms=10",
+        id: "notify-linger5",
+        label: "NOTIFY, linger.ms=5",
         notify: true,
-        linger_ms: Some(0),
+        early_claim: false,
+        linger_ms: Some(5),
+        fetch_wait_ms: None,
+    },
+    Contender {
+        id: "notify-early-claim",
+        label: "NOTIFY, early claim, linger.ms=0",
+        notify: true,
+        early_claim: true,
+        linger_ms: None,
+        fetch_wait_ms: None,
+    },
+    Contender {
+        id: "notify-fetch10",
+        label: "NOTIFY, consumer fetch.wait.max.ms=10",
+        notify: true,
+        early_claim: false,
+        linger_ms: None,
         fetch_wait_ms: Some(10),
     },
 ];
@@ -165,7 +187,7 @@ pub(crate) async fn run(env: &Env, args: &LatencyArgs, rounds: usize) -> anyhow:
     report.param("partitions", args.partitions);
     report.param(
         "relay",
-        "outbox_core::driver::run with RelayConfig defaults (batch 500, idle 10 ms..1 s, prefetch), lease 60 s, KafkaPublisher defaults",
+        "outbox_core::driver::run with RelayConfig defaults (batch 500, idle 10 ms..1 s, prefetch, early claim only where a contender turns it on), lease 60 s, KafkaPublisher defaults (linger.ms 0 unless a contender sets it)",
     );
     let mut samples = Samples::default();
     for round in 0..rounds {
@@ -251,7 +273,10 @@ async fn run_one(
     let relay = Relay::new(
         store.clone(),
         publisher,
-        RelayConfig::builder().owner("bench-latency").build()?,
+        RelayConfig::builder()
+            .owner("bench-latency")
+            .early_claim(c.early_claim)
+            .build()?,
         Arc::new(SystemClock),
         Box::new(StdRng::seed_from_u64(7)),
     )?;

@@ -2,7 +2,10 @@
 //!
 //! Loops over [`Relay::run_once`]: right after a cycle that found work, sleeps with jittered,
 //! growing backoff after an idle one, and wakes early when the wake-up hook fires (e.g. a
-//! PostgreSQL `NOTIFY` after a commit). While the relay's circuit breaker is open (the
+//! PostgreSQL `NOTIFY` after a commit). A wake-up that arrives while a cycle runs is kept
+//! (`Notify::notify_one` stores a permit when nobody waits): the sleep after that cycle ends at
+//! once and the next claim starts, so a wake source must call `notify_one` (as the PostgreSQL and
+//! MySQL wake-ups do), not only `notify_waiters`. While the relay's circuit breaker is open (the
 //! transport fails as a whole) it waits for the breaker's pause instead; a relay with nothing to
 //! send closes its breaker once another relay of the process is acknowledged again
 //! ([`crate::telemetry`], circuit gauge). Shutdown finishes the batch in flight (bounded by the

@@ -16,6 +16,15 @@
 //! is published by the next cycle, or released on shutdown ([`Relay::release_prefetched`]);
 //! a crash leaves it to lease expiry or to the rollback of its transaction, like any claim.
 //!
+//! A batch that was not full (a relay keeping up with its appends) gets the same overlap one
+//! step later when asked for ([`RelayConfigBuilder::early_claim`], off by default): the next
+//! claim starts as soon as the batch's publish call returns, while its completion is written,
+//! so events committed during that cycle are claimed then and published by the next cycle
+//! without waiting for the completion and a fresh claim. Claiming at the start of the cycle
+//! instead would only catch what committed before it. The claim may come back empty (nothing
+//! new); the next cycle then claims as before. A claim started this way lives no longer than
+//! a full batch's prefetch (the rest of this completion, then its own publication).
+//!
 //! # Why a crash never loses an event
 //!
 //! A row becomes published only through [`crate::Outcome::Published`], which is built from the
@@ -67,6 +76,10 @@ pub struct RelayConfig {
     pub lease_margin: Duration,
     /// Claim the next batch while a full batch is published. Default `true`.
     pub prefetch: bool,
+    /// With `prefetch`: once a batch that was not full is published, claim the next batch while
+    /// its completion is written. Default `false`: measured slower at 1,000 events/s on
+    /// PostgreSQL (BENCHMARKS.md, section 3), the extra claims cost more than they save.
+    pub early_claim: bool,
     /// First pause of the circuit breaker after a cycle that failed as a whole (see
     /// [`crate::circuit`]). Default 500 ms.
     pub circuit_base: Duration,
@@ -89,6 +102,7 @@ impl Default for RelayConfig {
             idle_max: Duration::from_secs(1),
             lease_margin: Duration::from_secs(2),
             prefetch: true,
+            early_claim: false,
             circuit_base: Duration::from_millis(500),
             circuit_max: Duration::from_secs(30),
         }
@@ -137,6 +151,12 @@ impl RelayConfigBuilder {
     /// Whether to claim the next batch while publishing a full one (see the module docs).
     pub fn prefetch(mut self, on: bool) -> Self {
         self.0.prefetch = on;
+        self
+    }
+    /// Whether, with prefetch on, a batch that was not full has the next batch claimed while
+    /// its completion is written (see the module docs). Default `false`.
+    pub fn early_claim(mut self, on: bool) -> Self {
+        self.0.early_claim = on;
         self
     }
     /// Pauses of the circuit breaker: the first one, and the longest.
@@ -475,29 +495,42 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
             return Ok(report);
         }
         let span = info_span!("outbox.relay.batch", owner = %self.config.owner, size = batch.records.len(), stage = "publish");
-        let prefetch = self.config.prefetch
-            && batch.records.len() >= self.config.batch_size
-            && !self.shutdown.is_triggered();
+        let full = batch.records.len() >= self.config.batch_size;
+        let prefetch = self.config.prefetch && full && !self.shutdown.is_triggered();
+        let early = self.config.prefetch && self.config.early_claim && !full;
         // Disjoint borrows: this batch's publish, decide and complete, and the next claim.
         let (store, publisher, clock) = (&self.store, &self.publisher, &self.clock);
-        let (retry, rng) = (&self.config.retry, &mut self.rng);
+        let (retry, rng, shutdown) = (&self.config.retry, &mut self.rng, &self.shutdown);
         let request = ClaimRequest::new(self.config.owner.clone(), self.config.batch_size);
-        let current = async {
-            let results = publish_batch(publisher, &batch).instrument(span).await;
-            let outcomes = decide_batch(retry, rng, &batch, &results);
-            let completion = store.complete(&batch.handle, &outcomes).await;
-            (results, outcomes, completion)
-        };
-        let next = async {
-            if !prefetch {
-                return None;
-            }
+        let request = &request;
+        let claim_next = move || async move {
             let before = clock.now();
-            let claimed = store.claim(&request).await;
+            let claimed = store.claim(request).await;
             Some((claimed, before))
         };
-        // The claim is polled first, so it is under way before the publish starts.
-        let (next, (results, outcomes, completion)) = futures::future::join(next, current).await;
+        let (next, (results, outcomes, completion)) = if prefetch {
+            let current = async {
+                let results = publish_batch(publisher, &batch).instrument(span).await;
+                let outcomes = decide_batch(retry, rng, &batch, &results);
+                let completion = store.complete(&batch.handle, &outcomes).await;
+                (results, outcomes, completion)
+            };
+            // The claim is polled first, so it is under way before the publish starts.
+            futures::future::join(claim_next(), current).await
+        } else {
+            let results = publish_batch(publisher, &batch).instrument(span).await;
+            let outcomes = decide_batch(retry, rng, &batch, &results);
+            let completion = store.complete(&batch.handle, &outcomes);
+            if early && !shutdown.is_triggered() {
+                // Published: what committed meanwhile is claimed while the completion is
+                // written (the claim polled first, so it is under way with it).
+                let (next, completion) = futures::future::join(claim_next(), completion).await;
+                (next, (results, outcomes, completion))
+            } else {
+                let completion = completion.await;
+                (None, (results, outcomes, completion))
+            }
+        };
         match next {
             Some((Ok(next), at)) if !next.is_empty() => self.prefetched = Some((next, at)),
             Some((Ok(next), _)) => {

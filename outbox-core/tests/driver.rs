@@ -276,3 +276,120 @@ async fn the_driver_records_the_outbox_gauges_at_start() {
         "{unpublished:?}"
     );
 }
+
+/// The in-memory store, whose claims can be held after they ran (a claim whose round trip and
+/// commit are still under way while events commit).
+#[derive(Clone)]
+struct HeldClaims {
+    inner: MemoryOutboxStore,
+    /// Hold the next claim after it ran, until `release` is notified.
+    hold: Arc<std::sync::atomic::AtomicBool>,
+    held: Arc<tokio::sync::Notify>,
+    release: Arc<tokio::sync::Notify>,
+    claims: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+#[outbox_core::async_trait]
+impl outbox_core::RelayStore for HeldClaims {
+    async fn claim(
+        &self,
+        request: &outbox_core::ClaimRequest,
+    ) -> Result<outbox_core::ClaimedBatch, outbox_core::StoreError> {
+        let batch = self.inner.claim(request).await;
+        self.claims
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if self.hold.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            self.held.notify_one();
+            self.release.notified().await;
+        }
+        batch
+    }
+    async fn complete(
+        &self,
+        claim: &outbox_core::ClaimHandle,
+        outcomes: &[outbox_core::Outcome],
+    ) -> Result<outbox_core::CompletionReport, outbox_core::StoreError> {
+        self.inner.complete(claim, outcomes).await
+    }
+    async fn release(
+        &self,
+        claim: &outbox_core::ClaimHandle,
+    ) -> Result<(), outbox_core::StoreError> {
+        self.inner.release(claim).await
+    }
+    fn claim_mode(&self) -> ClaimMode {
+        self.inner.claim_mode()
+    }
+}
+
+#[outbox_core::async_trait]
+impl outbox_core::MaintenanceStore for HeldClaims {
+    async fn cleanup(
+        &self,
+        retention: Duration,
+        batch_size: usize,
+    ) -> Result<outbox_core::CleanupReport, outbox_core::StoreError> {
+        self.inner.cleanup(retention, batch_size).await
+    }
+    async fn stats(&self) -> Result<outbox_core::OutboxStats, outbox_core::StoreError> {
+        self.inner.stats().await
+    }
+}
+
+/// A wake-up that arrives while a cycle runs (here: its claim already ran and came back empty,
+/// and the event commits before the cycle ends) is not lost: the claim after that cycle comes
+/// at once, not after the idle sleep (an hour here, the fallback polling period).
+#[tokio::test]
+async fn a_wakeup_during_a_cycle_starts_the_next_claim_when_the_cycle_ends() {
+    let db = MemoryDb::new(SystemClock);
+    let inner = MemoryOutboxStore::new(&db, ClaimMode::lease(Duration::from_secs(30)).unwrap());
+    let store = HeldClaims {
+        inner: inner.clone(),
+        hold: Arc::new(true.into()),
+        held: Arc::default(),
+        release: Arc::default(),
+        claims: Arc::default(),
+    };
+    let log = MemoryLog::new("t", 1);
+    let cfg = RelayConfig::builder()
+        .owner("driver-test")
+        .idle(Duration::from_secs(3600), Duration::from_secs(3600))
+        .build()
+        .unwrap();
+    let r = Relay::new(
+        store.clone(),
+        log.clone(),
+        cfg,
+        Arc::new(SystemClock),
+        Box::new(StdRng::seed_from_u64(4)),
+    )
+    .unwrap();
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(outbox_core::driver::run(
+        r,
+        Some(wake.clone()),
+        async move {
+            let _ = stop_rx.await;
+        },
+    ));
+
+    // The first cycle's claim found nothing and is held: the cycle is still running.
+    tokio::time::timeout(Duration::from_secs(10), store.held.notified())
+        .await
+        .expect("the first claim ran");
+    append(&db, &inner, "a", 1).await;
+    wake.notify_one(); // as the LISTEN task does after the commit's NOTIFY
+    store.release.notify_one();
+
+    // Within seconds (wait_for's bound), not the hour of the idle sleep.
+    wait_for(|| log.all_records().len() == 1).await;
+    assert!(store.claims.load(std::sync::atomic::Ordering::SeqCst) >= 2);
+    stop_tx.send(()).unwrap();
+    let report = tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("driver stops on shutdown")
+        .unwrap();
+    assert_eq!(report.published, 1);
+    assert_eq!(inner.open_claims(), 0, "nothing left claimed");
+}

@@ -277,3 +277,97 @@ async fn driver_stops_even_when_releasing_the_prefetched_batch_fails() {
         "the unreleased prefetch stays claimed"
     );
 }
+
+/// A publisher over `log` that commits `b` v1 while its first batch is being published (an
+/// append that lands during a relay cycle).
+#[derive(Clone)]
+struct AppendsWhilePublishing {
+    log: MemoryLog,
+    db: MemoryDb,
+    store: MemoryOutboxStore,
+    appended: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[outbox_core::async_trait]
+impl outbox_core::Publisher for AppendsWhilePublishing {
+    async fn publish(&self, batch: &[&Envelope]) -> Vec<outbox_core::PublishResult> {
+        let results = self.log.publish(batch).await;
+        if !self
+            .appended
+            .swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            append_all(&self.db, &self.store, &["b"], 1).await;
+        }
+        results
+    }
+    fn delivery_timeout(&self) -> Duration {
+        self.log.delivery_timeout()
+    }
+}
+
+/// An event committed while a partial batch is published is claimed during that batch's
+/// completion (the early claim), and the next cycle publishes it without a claim of its own;
+/// with the early claim off, a partial batch claims nothing ahead (the next cycle must claim).
+#[tokio::test]
+async fn an_event_committed_during_a_partial_batch_is_claimed_while_it_completes() {
+    for mode in [
+        ClaimMode::LockedTransaction,
+        ClaimMode::lease(Duration::from_secs(30)).unwrap(),
+    ] {
+        for early in [true, false] {
+            let db = MemoryDb::new(SystemClock);
+            let store = MemoryOutboxStore::new(&db, mode);
+            let log = MemoryLog::new("t", 1);
+            append_all(&db, &store, &["a"], 1).await;
+            let publisher = AppendsWhilePublishing {
+                log: log.clone(),
+                db: db.clone(),
+                store: store.clone(),
+                appended: Arc::default(),
+            };
+            let cfg = RelayConfig::builder()
+                .owner("early-claim-test")
+                .batch_size(10)
+                .early_claim(early)
+                .build()
+                .unwrap();
+            let mut r = Relay::new(
+                store.clone(),
+                publisher,
+                cfg,
+                Arc::new(SystemClock),
+                Box::new(StdRng::seed_from_u64(7)),
+            )
+            .unwrap();
+            let rep = r.run_once().await.unwrap();
+            assert_eq!((rep.claimed, rep.published), (1, 1), "{mode:?}");
+            let ahead: Vec<String> = r
+                .prefetched()
+                .map(|b| {
+                    b.records
+                        .iter()
+                        .map(|rec| rec.envelope.aggregate_id.clone())
+                        .collect()
+                })
+                .unwrap_or_default();
+            if early {
+                assert_eq!(
+                    ahead,
+                    vec!["b".to_owned()],
+                    "{mode:?}: b1, committed while a1 was published, is claimed in a1's cycle"
+                );
+                assert_eq!(store.open_claims(), 1, "{mode:?}");
+            } else {
+                assert!(ahead.is_empty(), "{mode:?}: early claim off");
+                assert_eq!(store.open_claims(), 0, "{mode:?}");
+            }
+            // The next cycle publishes b1 either way (from the early claim, or its own).
+            let rep = r.run_once().await.unwrap();
+            assert_eq!(rep.published, 1, "{mode:?} early={early}");
+            assert!(all_published(&store), "{mode:?} early={early}");
+            assert!(r.prefetched().is_none(), "{mode:?} early={early}");
+            assert_eq!(store.open_claims(), 0, "{mode:?} early={early}");
+            assert_eq!(log.all_records().len(), 2, "{mode:?} early={early}");
+        }
+    }
+}

@@ -161,8 +161,8 @@ pub use config::{is_allowed_producer_property, is_secret_key, Properties, MAX_IN
 pub use partitioner::{KeyHash, Partitioner, DEFAULT_PARTITIONER};
 pub use publisher::{
     validate_topic_name, KafkaPublisher, KafkaPublisherBuilder, KafkaPublisherConfig, StartError,
-    DEFAULT_DELIVERY_TIMEOUT, DEFAULT_METADATA_TIMEOUT, DEFAULT_REBUILD_AFTER_TIMEOUTS,
-    REPORT_GRACE,
+    DEFAULT_DELIVERY_TIMEOUT, DEFAULT_LINGER_MS, DEFAULT_METADATA_TIMEOUT,
+    DEFAULT_REBUILD_AFTER_TIMEOUTS, REPORT_GRACE,
 };
 pub use retention::{topic_retention, TopicRetentionInfo};
 pub use source::{

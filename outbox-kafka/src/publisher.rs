@@ -39,6 +39,11 @@ pub const DEFAULT_METADATA_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_REBUILD_AFTER_TIMEOUTS: u32 = 2;
 /// Extra time [`KafkaPublisher::publish`] waits beyond the delivery timeout for the last reports.
 pub const REPORT_GRACE: Duration = Duration::from_millis(500);
+/// `linger.ms` of the producer unless the configuration sets it (or its alias
+/// `queue.buffering.max.ms`): 0. [`KafkaPublisher::publish`] enqueues a whole batch at once
+/// and then waits for its delivery reports, so batching is done by the relay; librdkafka's own
+/// default (5 ms) would only hold each batch back that long once it is enqueued.
+pub const DEFAULT_LINGER_MS: u32 = 0;
 /// Pause between enqueue attempts while librdkafka's local queue is full.
 const QUEUE_FULL_PAUSE: Duration = Duration::from_millis(5);
 /// Least time left before the report deadline for asking the broker whether the topics of
@@ -55,6 +60,7 @@ const MIN_TOPIC_PROBE: Duration = Duration::from_millis(50);
 /// | `delivery_timeout` | 30 s | `message.timeout.ms`: bound from enqueue to final delivery report |
 /// | `metadata_timeout` | 10 s | topic checks (metadata, DescribeConfigs) |
 /// | `client_id` | `outbox-publisher` | `client.id` |
+/// | `linger.ms` | 0 ([`DEFAULT_LINGER_MS`]) | librdkafka's batching delay; set it (`properties`) to batch across publish calls |
 /// | `properties` | empty | librdkafka properties from the allow-list (connection, security, logging, tuning, `partitioner`); secrets are redacted in `Debug` |
 /// | `expected_partitions` | empty | partition counts to compare at the first topic check |
 /// | `expected_partitioner` | none | partitioner of the previous run, compared at the first topic check |
@@ -168,6 +174,11 @@ impl KafkaPublisherConfig {
         }
         let mut cc = ClientConfig::new();
         cc.set("client.id", &self.client_id);
+        if self.properties.get("linger.ms").is_none()
+            && self.properties.get("queue.buffering.max.ms").is_none()
+        {
+            cc.set("linger.ms", DEFAULT_LINGER_MS.to_string());
+        }
         for (k, v) in self.properties.iter() {
             cc.set(k, v);
         }
@@ -1058,6 +1069,16 @@ mod tests {
         assert_eq!(cc.get("delivery.report.only.error"), Some("false"));
         assert_eq!(cc.get("partitioner"), Some("murmur2_random"));
         assert_eq!(p.partitioner(), Partitioner::Murmur2Random);
+        // The relay enqueues whole batches: no linger unless asked for, under either name.
+        assert_eq!(cc.get("linger.ms"), Some("0"));
+        let p = builder().set("linger.ms", "5").build().unwrap();
+        assert_eq!(p.client_config.get("linger.ms"), Some("5"));
+        let p = builder()
+            .set("queue.buffering.max.ms", "7")
+            .build()
+            .unwrap();
+        assert_eq!(p.client_config.get("linger.ms"), None);
+        assert_eq!(p.client_config.get("queue.buffering.max.ms"), Some("7"));
 
         let p = builder()
             .set("max.in.flight.requests.per.connection", "1")
