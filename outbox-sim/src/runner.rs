@@ -1464,6 +1464,22 @@ where
                 !matches!(head, (Some(a), Some(v)) if coming.iter().any(|(b, u)| *b == a.aggregate_id && *u < v))
             })
             .collect();
+        // An aggregate can have two parked heads: a retry of its head releases its open
+        // messages in version order, and a lower version that came later (a JetStream
+        // redelivery, parked waiting behind the head) fails there on its own gap and becomes
+        // a head too. The operator retries the lowest one (whose gap the retry accepts);
+        // retrying the higher one again would fail on the lower one every time.
+        let lowest = |m: &outbox_core::ParkedMessage| {
+            let (Some(a), Some(v)) = (m.record.aggregate.as_ref(), m.record.aggregate_version)
+            else {
+                return true;
+            };
+            !heads.iter().any(|o| {
+                o.record.aggregate.as_ref() == Some(a)
+                    && o.record.aggregate_version.is_some_and(|u| u < v)
+            })
+        };
+        let heads: Vec<_> = heads.iter().filter(|m| lowest(m)).collect();
         if heads.is_empty() {
             return Ok(false);
         }
