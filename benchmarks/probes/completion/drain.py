@@ -67,6 +67,16 @@ def subst(sql, schema):
     return sql
 
 
+def break_leases(s):
+    """PROBE_BREAK=lease (rowlease only): the claim ignores live leases, to see the two-relay
+    check fail."""
+    s["candidates"] = s["candidates"].replace("AND NOT COALESCE((SELECT u.lease_until", "AND NOT COALESCE((SELECT false AND u.lease_until")
+    s["decide"] = s["decide"].replace("COALESCE(q.lease_until > clock_timestamp(), false) AS leased", "false AS leased")
+    s["decide"] = s["decide"].replace("AND u.lease_until > clock_timestamp()) THEN 'wait'", "AND false) THEN 'wait'")
+    s["decide"] = s["decide"].replace("AND (l.lease_until IS NULL OR l.lease_until <= clock_timestamp())", "")
+    return s
+
+
 def statements(scheme, schema):
     if scheme in ("cur", "naive"):
         s = sections("cur.sql")
@@ -81,6 +91,8 @@ def statements(scheme, schema):
         s["complete"] = s["complete"].replace("@ACK_INSERT@", ack)
         if scheme.endswith("batchack"):
             s["ddl"] = s["ddl"] + "\n" + b["ddl"]
+    if os.environ.get("PROBE_BREAK") == "lease" and scheme.startswith("rowlease"):
+        s = break_leases(s)
     return {k: subst(v, schema) for k, v in s.items()}
 
 
@@ -199,7 +211,7 @@ def drain(a):
         stmt_wal[name] = stmt_wal.get(name, 0) + int(c.execute(ins_lsn).fetchone()[0]) - w
         return out
 
-    total, offset, cycles = 0, 0, 0
+    total, offset, cycles, refused = 0, 0, 0, 0
     ckpt = "SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter"
     k0 = mon.execute(ckpt).fetchone()[0]
     cpu0, ccpu0, w0, t0 = cpu_of(pid), time.process_time(), lsn(mon), time.monotonic()
@@ -231,6 +243,11 @@ def drain(a):
         ids = [r[0] for r in timed("candidates", st["candidates"], (a.batch,))]
         if not ids:
             c.execute("COMMIT")
+            if a.until_empty and c.execute(
+                    f"SELECT EXISTS (SELECT 1 FROM {n['@T@']} WHERE status = 'pending')" if a.scheme == "cur"
+                    else f"SELECT EXISTS (SELECT 1 FROM {n['@Q@']})").fetchone()[0]:
+                time.sleep(0.005)  # another relay holds what is left
+                continue
             break
         dparams = (ids, "probe25", token, 30_000_000, 300_000_000, 1_000_000)
         if ex:
@@ -246,6 +263,9 @@ def drain(a):
         else:
             rows = timed("decide", st["decide"], dparams)
         timed("claim_commit", "COMMIT")
+        claimed_at = time.time()
+        if a.hold_ms:
+            time.sleep(a.hold_ms / 1000)  # the batch is "at the broker"
         claimed = [r for r in rows if r[1] == "claim" and r[17]]
         if len(claimed) != len(rows):
             sys.exit(f"unexpected actions: {[(r[0], r[1], r[17]) for r in rows if r not in claimed][:5]}")
@@ -261,6 +281,7 @@ def drain(a):
                              ("em", None), ("pk", None), ("unc", False), ("tr", "kafka"),
                              ("route", None), ("dup", None)):
                 o[key].append(val)
+        completing_at = time.time()
         c.execute(COMPLETE_BEGIN)
         timed("lock_keys", st["lock_keys"], ([k ^ sd for k in o["k"]],))
         params = tuple(o.values()) + (token,)
@@ -270,13 +291,20 @@ def drain(a):
         else:
             applied = timed("complete", st["complete"], params)[0][0]
             if len(applied) != len(claimed):
-                sys.exit(f"applied {len(applied)} of {len(claimed)}")
+                if not a.log:
+                    sys.exit(f"applied {len(applied)} of {len(claimed)}")
+                refused += len(claimed) - len(applied)
         timed("complete_commit", "COMMIT")
+        if a.log:
+            # Certainly in flight between the claim's commit and the completion's BEGIN.
+            with open(a.log, "a") as f:
+                f.write(json.dumps({"pid": os.getpid(), "from": claimed_at, "to": completing_at,
+                                    "keys": [[r[3], r[4], r[5]] for r in claimed]}) + "\n")
         total += len(claimed)
     took = time.monotonic() - t0
     cpu, ccpu, wal = cpu_of(pid) - cpu0, time.process_time() - ccpu0, lsn(mon) - w0
     ev = max(total, 1)
-    res = {"scheme": a.scheme, "schema": a.schema, "events": total, "cycles": cycles, "seconds": round(took, 3),
+    res = {"scheme": a.scheme, "schema": a.schema, "events": total, "refused": refused, "cycles": cycles, "seconds": round(took, 3),
            "events_per_s": round(total / took), "backend_cpu_us_per_event": round(cpu * 1e6 / ev, 1),
            "client_cpu_us_per_event": round(ccpu * 1e6 / ev, 1),
            "wal_bytes_per_event_lsn": round(wal / ev), "background_wal_bytes_per_s": round(bg),
@@ -326,6 +354,10 @@ def main():
     p.add_argument("--aggs", type=int, default=20_000)
     p.add_argument("--batch", type=int, default=1_000)
     p.add_argument("--explain-at", type=int, default=0)
+    p.add_argument("--hold-ms", type=int, default=0, help="sleep between claim and completion")
+    p.add_argument("--until-empty", action="store_true",
+                   help="when nothing is claimable, wait until the backlog is empty (several relays)")
+    p.add_argument("--log", help="append each batch's in-flight interval and aggregates here")
     a = p.parse_args()
     {"setup": setup, "drain": drain, "check": check}[a.cmd](a)
 
