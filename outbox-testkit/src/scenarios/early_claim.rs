@@ -775,7 +775,11 @@ where
     let acted = watch.on_act();
     let log = Arc::new(Mutex::new(Log::default()));
     let (broker, entered, open) = Broker::new("stopping", &log, Duration::from_millis(1)).gated();
-    let relay = early_relay(watch.wrap(backend.store(&p)), broker, "stopping", 8);
+    // The relay's store instance outlives the driver, as in a service that goes on running
+    // (a locked claim would otherwise end with the instance's connections).
+    let relay_store = backend.store(&p);
+    let kept = relay_store.clone();
+    let relay = early_relay(watch.wrap(relay_store), broker, "stopping", 8);
     let stop: StopFuture = Box::pin(async move {
         let _ = acted.await;
     });
@@ -814,6 +818,7 @@ where
         "{mode:?}: the early claim was released when the driver stopped"
     );
     store.release(&other.handle).await.expect("release");
+    drop(kept);
 }
 
 /// Lease mode (`lease` short, 1.5 s): the completion of the batch in flight waits longer than
