@@ -39,8 +39,7 @@ async fn early_claims_race_completions_lease() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn early_claims_race_completions_locked() {
     let b = backend!(12);
-    scenario::early_claim_races_completions_and_keeps_order(&b, ClaimMode::LockedTransaction)
-        .await;
+    scenario::early_claim_races_completions_and_keeps_order(&b, ClaimMode::LockedTransaction).await;
     b.finish().await;
 }
 
@@ -121,5 +120,23 @@ async fn shutdown_releases_the_early_claim_locked() {
 async fn early_claim_whose_lease_ran_out_is_released_not_published() {
     let b = backend!(8);
     scenario::early_claim_whose_lease_ran_out_is_released_not_published(&b, lease(1.5)).await;
+    b.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_head_beside_the_early_claim_blocks_its_aggregate_lease() {
+    let b = backend!(8);
+    scenario::parked_head_beside_the_early_claim_blocks_its_aggregate(&b, lease(30.0)).await;
+    b.finish().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parked_head_beside_the_early_claim_blocks_its_aggregate_locked() {
+    let b = backend!(8);
+    scenario::parked_head_beside_the_early_claim_blocks_its_aggregate(
+        &b,
+        ClaimMode::LockedTransaction,
+    )
+    .await;
     b.finish().await;
 }

@@ -23,6 +23,9 @@
 //!   nothing lost, first deliveries in order.
 //! * [`crash_between_the_early_claim_and_the_completion`]: the relay is dropped there; another
 //!   relay publishes everything, the dead relay's early claim included, once its claims end.
+//! * [`parked_head_beside_the_early_claim_blocks_its_aggregate`]: the completion beside the
+//!   early claim parks a head (refused for good); its next version stays unpublished until an
+//!   operator retries the head, then goes out after it.
 //! * [`shutdown_releases_the_early_claim`]: stopping the driver while the completion is
 //!   written releases the early claim at once (not at lease expiry).
 //! * [`early_claim_whose_lease_ran_out_is_released_not_published`] (lease mode): a completion
@@ -38,9 +41,9 @@ use std::time::{Duration, Instant};
 
 use outbox_core::prelude::*;
 use outbox_core::{
-    async_trait, AckMetadata, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch,
-    CompletionReport, Envelope, EventId, Outcome, PublishResult, Publisher, Relay, RelayConfig,
-    RetryPolicy, StoreError, StoreErrorKind, SystemClock,
+    async_trait, AckMetadata, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, CompletionReport,
+    Envelope, EventId, Outcome, PublishError, PublishErrorKind, PublishResult, Publisher, Relay,
+    RelayConfig, RetryPolicy, StoreError, StoreErrorKind, SystemClock,
 };
 use rand::{Rng, SeedableRng};
 
@@ -308,6 +311,8 @@ pub struct Broker {
     log: Arc<Mutex<Log>>,
     latency: Duration,
     gate: Arc<Mutex<Option<Gate>>>,
+    /// Events refused once with a permanent error (the relay parks them), then acknowledged.
+    refuse_once: Arc<Mutex<HashSet<EventId>>>,
 }
 
 struct Gate {
@@ -322,6 +327,7 @@ impl Broker {
             log: Arc::clone(log),
             latency,
             gate: Arc::default(),
+            refuse_once: Arc::default(),
         }
     }
 
@@ -363,11 +369,19 @@ impl Publisher for Broker {
             }
         }
         tokio::time::sleep(self.latency).await;
+        let mut refuse = self.refuse_once.lock().expect("refuse");
         let mut log = self.log.lock().expect("log");
         let mut out = Vec::with_capacity(batch.len());
         for e in batch {
             log.in_flight.remove(&e.aggregate_id);
             *log.attempts.entry(e.event_id).or_default() += 1;
+            if refuse.remove(&e.event_id) {
+                out.push(Err(PublishError::new(
+                    PublishErrorKind::RecordTooLarge,
+                    "injected: refused once",
+                )));
+                continue;
+            }
             log.acked.push((
                 e.event_id,
                 e.aggregate_id.clone(),
@@ -425,7 +439,10 @@ fn one_relay_params(mode: ClaimMode) -> crate::randomized::StoreParams {
 
 async fn append<B: RandomizedBackend>(backend: &B, store: &B::Store, events: &[Envelope]) {
     let mut tx = backend.begin().await.expect("begin");
-    backend.append(store, &mut tx, events).await.expect("append");
+    backend
+        .append(store, &mut tx, events)
+        .await
+        .expect("append");
     backend.commit(tx).await.expect("commit");
 }
 
@@ -638,7 +655,10 @@ pub async fn failed_completion_keeps_the_early_claim_and_order<B: RandomizedBack
         first_cycle.is_err(),
         "{mode:?}: the failed completion is reported: {first_cycle:?}"
     );
-    assert!(watch.seen().acted, "{mode:?}: no early claim beside the completion");
+    assert!(
+        watch.seen().acted,
+        "{mode:?}: no early claim beside the completion"
+    );
     watch.assert_clean();
     let early = aggregates(&watch.seen().early);
     assert_eq!(early, vec!["g0", "g1", "g2"], "{mode:?}: the early claim");
@@ -726,7 +746,10 @@ pub async fn crash_between_the_early_claim_and_the_completion<B: RandomizedBacke
     survivor_watch.assert_clean();
     let twice = check_first_deliveries(&log.lock().expect("log"), &all);
     let dead: HashSet<EventId> = first.iter().map(|e| e.event_id).collect();
-    assert_eq!(twice, dead, "{mode:?}: the dead relay's batch went out twice");
+    assert_eq!(
+        twice, dead,
+        "{mode:?}: the dead relay's batch went out twice"
+    );
     let by_survivor: HashSet<EventId> = log
         .lock()
         .expect("log")
@@ -771,7 +794,12 @@ where
     backend.prepare(&store).await.expect("migrate");
     let (first, _, fresh) = gated_backlog();
     append(backend, &store, &first).await;
-    let watch = Watch::new(Plan::Slow(Duration::from_millis(50)), true, Duration::ZERO, 7);
+    let watch = Watch::new(
+        Plan::Slow(Duration::from_millis(50)),
+        true,
+        Duration::ZERO,
+        7,
+    );
     let acted = watch.on_act();
     let log = Arc::new(Mutex::new(Log::default()));
     let (broker, entered, open) = Broker::new("stopping", &log, Duration::from_millis(1)).gated();
@@ -921,5 +949,85 @@ pub async fn early_claim_whose_lease_ran_out_is_released_not_published<B: Random
         (stats.unpublished, stats.in_flight, stats.parked),
         (0, 0, 0),
         "{stats:?}"
+    );
+}
+
+/// The batch in flight has one event refused for good (`f0` version 1, parked by its
+/// completion) while the early claim runs beside that completion; versions 2 of the batch's
+/// aggregates and three new aggregates committed during the publication. Then an operator
+/// retries the parked event. Checks: the early claim holds only the new aggregates; `f0`
+/// version 2 stays unpublished while version 1 is parked (the other aggregates drain); after
+/// the retry, `f0` goes out 1 then 2; nothing else parked, nothing left.
+pub async fn parked_head_beside_the_early_claim_blocks_its_aggregate<B: RandomizedBackend>(
+    backend: &B,
+    mode: ClaimMode,
+) {
+    let p = one_relay_params(mode);
+    let store = backend.store(&p);
+    backend.prepare(&store).await.expect("migrate");
+    let (first, seconds, fresh) = gated_backlog();
+    append(backend, &store, &first).await;
+    // The completion reaches the store only after the early claim returned.
+    let watch = Watch::new(
+        Plan::Slow(Duration::from_millis(30)),
+        true,
+        Duration::ZERO,
+        11,
+    );
+    let log = Arc::new(Mutex::new(Log::default()));
+    let broker = Broker::new("parking", &log, Duration::from_millis(1));
+    broker
+        .refuse_once
+        .lock()
+        .expect("refuse")
+        .insert(first[0].event_id);
+    let (broker, entered, open) = broker.gated();
+    let mut relay = early_relay(watch.wrap(backend.store(&p)), broker, "parking", 12);
+    let later: Vec<Envelope> = seconds.iter().chain(&fresh).cloned().collect();
+    let first_cycle = gated_cycle(backend, &store, &mut relay, entered, open, &later)
+        .await
+        .expect("first cycle");
+    assert_eq!(
+        (first_cycle.published, first_cycle.parked),
+        (5, 1),
+        "{mode:?}: {first_cycle:?}"
+    );
+    watch.assert_clean();
+    assert_eq!(
+        aggregates(&watch.seen().early),
+        vec!["g0", "g1", "g2"],
+        "{mode:?}: the early claim"
+    );
+    let all: Vec<Envelope> = first.iter().chain(&later).cloned().collect();
+    // Everything but f0's two versions.
+    drain(&mut relay, &log, all.len() - 2).await;
+    for _ in 0..5 {
+        let r = relay.run_once().await.expect("cycle");
+        assert_eq!(
+            r.published, 0,
+            "{mode:?}: f0 v2 went out behind its parked v1"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stats = store.stats().await.expect("stats");
+    assert_eq!(
+        (stats.parked, stats.unpublished),
+        (1, 1),
+        "{mode:?}: {stats:?}"
+    );
+    store
+        .retry_parked(first[0].event_id, "early-claim-test")
+        .await
+        .expect("operator retry");
+    drain(&mut relay, &log, all.len()).await;
+    watch.assert_clean();
+    let twice = check_first_deliveries(&log.lock().expect("log"), &all);
+    assert!(twice.is_empty(), "{mode:?}: nothing twice");
+    let _ = relay.release_prefetched().await;
+    let stats = store.stats().await.expect("stats");
+    assert_eq!(
+        (stats.unpublished, stats.in_flight, stats.parked),
+        (0, 0, 0),
+        "{mode:?}: {stats:?}"
     );
 }
