@@ -25,6 +25,37 @@
 //! new); the next cycle then claims as before. A claim started this way lives no longer than
 //! a full batch's prefetch (the rest of this completion, then its own publication).
 //!
+//! ## What the early claim guarantees, and what it was tested against
+//!
+//! The early claim is an ordinary claim of the same owner, made while the batch in flight is
+//! still claimed (its lease live, or its transaction holding the aggregates' locks) and being
+//! completed, on another connection. So:
+//!
+//! * it never holds an event of the batch in flight, nor a later version of one of its
+//!   aggregates unless that batch's completion committed first (the store hands out only an
+//!   aggregate's next version, `last + 1`, and never an aggregate under a live claim);
+//! * when the completion fails (a store error, before reaching the store or with its answer
+//!   lost), [`Relay::run_once`] returns the error and keeps the early claim for the next cycle
+//!   ([`Relay::prefetched`]); the failed batch comes back when its lease expires or its
+//!   transaction ends, and is published again: a duplicate, never a reordering or a park;
+//! * a relay that dies between the early claim and the completion leaves both claims to lease
+//!   expiry or to the end of their transactions, like any claim; the driver (`driver::run`,
+//!   feature `tokio`) releases an outstanding early claim when it stops, at once; a
+//!   relay that is dropped without it leaves the claim to expire;
+//! * an early claim whose lease no longer covers a publication when its cycle comes (a
+//!   completion slower than expected) is released, not published, and that release cannot end
+//!   the claim of a relay that took the aggregates over;
+//! * like any claim, it is ended by `outbox release` (`release_claims_of`), which is only for a
+//!   relay that is gone.
+//!
+//! In locked-transaction mode a relay holds up to two claims, so two connections, as with
+//! prefetch. Tested on PostgreSQL and MariaDB, in both claim modes, by the scenarios of
+//! `outbox_testkit::scenarios::early_claim` (`tests/adversary_early_claim.rs` of
+//! outbox-postgres and outbox-mysql): two relays racing early claims against completions while
+//! producers commit (no deadlock, no claim blocked behind its relay's own completion, every
+//! event once and in order), a failed and a lost completion, a crash between the two, a
+//! shutdown, and a lease that runs out while the completion is written.
+//!
 //! # Why a crash never loses an event
 //!
 //! A row becomes published only through [`crate::Outcome::Published`], which is built from the
@@ -79,6 +110,9 @@ pub struct RelayConfig {
     /// With `prefetch`: once a batch that was not full is published, claim the next batch while
     /// its completion is written. Default `false`: measured slower at 1,000 events/s on
     /// PostgreSQL (BENCHMARKS.md, section 3), the extra claims cost more than they save.
+    /// Order, fencing and crash recovery are those of any claim (what holds when the
+    /// completion fails, the relay dies or stops, and what it was tested against: the module
+    /// docs, "What the early claim guarantees").
     pub early_claim: bool,
     /// First pause of the circuit breaker after a cycle that failed as a whole (see
     /// [`crate::circuit`]). Default 500 ms.

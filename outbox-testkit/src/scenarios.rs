@@ -25,6 +25,8 @@ use rand::SeedableRng;
 
 use crate::randomized::{RandomizedBackend, StoreParams};
 
+pub mod early_claim;
+
 /// Store parameters of the scenarios: `mode`, `locked_max_hold` `hold`, a gap timeout of five
 /// minutes (no scenario leaves a gap), the publishers' delivery timeout.
 fn params(mode: ClaimMode, hold: Duration, delivery_timeout: Duration) -> StoreParams {

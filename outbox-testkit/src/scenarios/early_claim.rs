@@ -1,0 +1,1033 @@
+//! Adversary scenarios of the relay's early claim ([`RelayConfig::early_claim`]) on a real
+//! server, one body for every backend (run by `outbox-postgres/tests/adversary_early_claim.rs`
+//! and `outbox-mysql/tests/adversary_early_claim.rs`, in both claim modes).
+//!
+//! With the early claim on, a batch that was not full has the next batch claimed while its
+//! completion is written: the claim's statements run beside the completion's transaction, on
+//! another connection of the same relay, under the same owner. Every scenario places a store
+//! wrapper ([`Watched`]) between the relay and the store. It sees each claim and completion,
+//! reports what a claim returned while a batch of the relay was still held (claimed, its
+//! completion not yet returned), and can act at the one moment that matters: when a
+//! completion runs beside an early claim, after that claim returned (fail the completion, hang
+//! as a crash would, stop the relay, or take longer than the early claim's lease).
+//!
+//! What each scenario holds the store and the relay to:
+//!
+//! * [`early_claim_races_completions_and_keeps_order`]: two relays while producers commit;
+//!   claims overlap completions (counted); no claim returns an event of a batch still held,
+//!   every event is acknowledged once, versions in order, no cycle fails (no deadlock, no
+//!   claim that blocks behind the relay's own completion).
+//! * [`failed_completion_keeps_the_early_claim_and_order`]: the completion fails after the
+//!   early claim was taken (before reaching the store, or after committing); the early claim
+//!   holds no aggregate of the failed batch and is kept for the next cycle; nothing is parked,
+//!   nothing lost, first deliveries in order.
+//! * [`crash_between_the_early_claim_and_the_completion`]: the relay is dropped there; another
+//!   relay publishes everything, the dead relay's early claim included, once its claims end.
+//! * [`parked_head_beside_the_early_claim_blocks_its_aggregate`]: the completion beside the
+//!   early claim parks a head (refused for good); its next version stays unpublished until an
+//!   operator retries the head, then goes out after it.
+//! * [`shutdown_releases_the_early_claim`]: stopping the driver while the completion is
+//!   written releases the early claim at once (not at lease expiry).
+//! * [`early_claim_whose_lease_ran_out_is_released_not_published`] (lease mode): a completion
+//!   slower than the lease; another relay takes the expired aggregates; the early claim is
+//!   released (fenced: the other relay's claim stays valid) and never published.
+
+use std::collections::{HashMap, HashSet};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use outbox_core::prelude::*;
+use outbox_core::{
+    async_trait, AckMetadata, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, CompletionReport,
+    Envelope, EventId, Outcome, PublishError, PublishErrorKind, PublishResult, Publisher, Relay,
+    RelayConfig, RetryPolicy, StoreError, StoreErrorKind, SystemClock,
+};
+use rand::{Rng, SeedableRng};
+
+use super::{check_log, drive, event, params, Log};
+use crate::randomized::RandomizedBackend;
+
+/// What a completion does when it runs beside an early claim (once; later completions and
+/// completions with no claim beside them go straight to the store, after `jitter`).
+#[derive(Clone, Debug)]
+enum Plan {
+    /// Nothing: the completion runs at once (after the jitter).
+    Plain,
+    /// Fails with a transient store error without reaching the store.
+    Fail,
+    /// Reaches the store (commits), then reports a transient store error (the answer lost).
+    FailAfterCommit,
+    /// Never returns (the relay is dropped there).
+    Hang,
+    /// Sleeps this long, then reaches the store.
+    Slow(Duration),
+}
+
+/// What the wrapper saw.
+#[derive(Default)]
+struct Seen {
+    /// Claims returned and not yet ended by their completion or release, by token.
+    held: HashMap<uuid::Uuid, Vec<(EventId, String, i64)>>,
+    /// Completions in progress, by relay (owner).
+    completing: HashMap<String, usize>,
+    /// Completions started so far, by relay.
+    completions: HashMap<String, u64>,
+    claims_started: u64,
+    claims_done: u64,
+    /// Claims that ran while a completion of their relay was in progress, and how many
+    /// returned events.
+    overlapped: usize,
+    overlapped_with_events: usize,
+    /// The plan was carried out (by the completion it names).
+    acted: bool,
+    /// The early claim the plan acted beside: its events.
+    early: Vec<(EventId, String, i64)>,
+    violations: Vec<String>,
+}
+
+/// Shared between the wrappers of the relays of one scenario.
+#[derive(Clone)]
+struct Watch {
+    seen: Arc<Mutex<Seen>>,
+    rng: Arc<Mutex<rand::rngs::StdRng>>,
+    plan: Plan,
+    /// Also a violation: a claim returning an aggregate of a held batch (only where no held
+    /// batch's completion can commit while a claim runs: the plan fails, hangs or delays it).
+    strict: bool,
+    jitter: Duration,
+    /// Told once the plan acted (before a `Hang` hangs, before a `Slow` sleeps).
+    acted_tx: Arc<Mutex<Option<tokio::sync::oneshot::Sender<()>>>>,
+}
+
+impl Watch {
+    fn new(plan: Plan, strict: bool, jitter: Duration, seed: u64) -> Self {
+        Self {
+            seen: Arc::default(),
+            rng: Arc::new(Mutex::new(rand::rngs::StdRng::seed_from_u64(seed))),
+            plan,
+            strict,
+            jitter,
+            acted_tx: Arc::default(),
+        }
+    }
+
+    /// A receiver told when the plan acts.
+    fn on_act(&self) -> tokio::sync::oneshot::Receiver<()> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        *self.acted_tx.lock().expect("watch") = Some(tx);
+        rx
+    }
+
+    fn wrap<S>(&self, inner: S) -> Watched<S> {
+        Watched {
+            inner,
+            watch: self.clone(),
+        }
+    }
+
+    fn seen(&self) -> std::sync::MutexGuard<'_, Seen> {
+        self.seen.lock().expect("watch")
+    }
+
+    fn assert_clean(&self) {
+        let seen = self.seen();
+        assert!(seen.violations.is_empty(), "{:#?}", seen.violations);
+    }
+}
+
+/// A store between the relay and the real one; see the module docs.
+pub struct Watched<S> {
+    inner: S,
+    watch: Watch,
+}
+
+fn triple(batch: &ClaimedBatch) -> Vec<(EventId, String, i64)> {
+    batch
+        .records
+        .iter()
+        .map(|r| {
+            (
+                r.envelope.event_id,
+                r.envelope.aggregate_id.clone(),
+                r.envelope.aggregate_version,
+            )
+        })
+        .collect()
+}
+
+#[async_trait]
+impl<S: RelayStore> RelayStore for Watched<S> {
+    async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
+        let owner = request.owner.as_str();
+        let (completions_before, completing_before) = {
+            let mut seen = self.watch.seen();
+            seen.claims_started += 1;
+            (
+                seen.completions.get(owner).copied().unwrap_or(0),
+                seen.completing.get(owner).copied().unwrap_or(0),
+            )
+        };
+        let result = self.inner.claim(request).await;
+        let mut seen = self.watch.seen();
+        seen.claims_done += 1;
+        let batch = match result {
+            Ok(b) => b,
+            Err(e) => return Err(e),
+        };
+        let got = triple(&batch);
+        if completing_before > 0
+            || seen.completing.get(owner).copied().unwrap_or(0) > 0
+            || seen.completions.get(owner).copied().unwrap_or(0) > completions_before
+        {
+            seen.overlapped += 1;
+            if !got.is_empty() {
+                seen.overlapped_with_events += 1;
+            }
+        }
+        let mut found = Vec::new();
+        for (id, agg, v) in &got {
+            for (token, rows) in &seen.held {
+                for (hid, hagg, hv) in rows {
+                    if hid == id {
+                        found.push(format!(
+                            "{agg} v{v} claimed again while claim {token} (its completion not \
+                             returned) held it"
+                        ));
+                    } else if self.watch.strict && hagg == agg {
+                        found.push(format!(
+                            "{agg} v{v} claimed while claim {token} held v{hv} of it, unrecorded"
+                        ));
+                    }
+                }
+            }
+        }
+        seen.violations.extend(found);
+        if !got.is_empty() {
+            seen.held.insert(batch.handle.token, got);
+        }
+        Ok(batch)
+    }
+
+    async fn complete(
+        &self,
+        claim: &ClaimHandle,
+        outcomes: &[Outcome],
+    ) -> Result<CompletionReport, StoreError> {
+        // The relay polls the early claim first: one under way now runs beside this completion.
+        let (beside, jitter) = {
+            let mut seen = self.watch.seen();
+            *seen.completions.entry(claim.owner.clone()).or_default() += 1;
+            *seen.completing.entry(claim.owner.clone()).or_default() += 1;
+            let beside = (seen.claims_started > seen.claims_done && !seen.acted)
+                .then_some(seen.claims_started);
+            if beside.is_some() {
+                seen.acted = true;
+            }
+            let max = self.watch.jitter.as_micros() as u64;
+            let jitter = if max == 0 {
+                Duration::ZERO
+            } else {
+                Duration::from_micros(self.watch.rng.lock().expect("rng").random_range(0..=max))
+            };
+            (beside, jitter)
+        };
+        let plan = match beside {
+            Some(started) if !matches!(self.watch.plan, Plan::Plain) => {
+                // Act once the early claim has returned.
+                while self.watch.seen().claims_done < started {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                {
+                    let mut seen = self.watch.seen();
+                    let early = seen
+                        .held
+                        .iter()
+                        .filter(|(t, _)| **t != claim.token)
+                        .flat_map(|(_, rows)| rows.clone())
+                        .collect();
+                    seen.early = early;
+                }
+                if let Some(tx) = self.watch.acted_tx.lock().expect("watch").take() {
+                    let _ = tx.send(());
+                }
+                self.watch.plan.clone()
+            }
+            _ => Plan::Plain,
+        };
+        if !jitter.is_zero() {
+            tokio::time::sleep(jitter).await;
+        }
+        let result = match plan {
+            Plan::Plain => self.inner.complete(claim, outcomes).await,
+            Plan::Fail => Err(StoreError::new(
+                StoreErrorKind::Connection,
+                "injected: the completion never reached the store",
+            )),
+            Plan::FailAfterCommit => {
+                let _ = self.inner.complete(claim, outcomes).await;
+                Err(StoreError::new(
+                    StoreErrorKind::Connection,
+                    "injected: the completion's answer was lost",
+                ))
+            }
+            Plan::Hang => std::future::pending().await,
+            Plan::Slow(d) => {
+                tokio::time::sleep(d).await;
+                self.inner.complete(claim, outcomes).await
+            }
+        };
+        let mut seen = self.watch.seen();
+        *seen.completing.entry(claim.owner.clone()).or_default() -= 1;
+        seen.held.remove(&claim.token);
+        result
+    }
+
+    async fn release(&self, claim: &ClaimHandle) -> Result<(), StoreError> {
+        let result = self.inner.release(claim).await;
+        self.watch.seen().held.remove(&claim.token);
+        result
+    }
+
+    fn claim_mode(&self) -> ClaimMode {
+        self.inner.claim_mode()
+    }
+
+    fn locked_claim_timeout(&self) -> Option<Duration> {
+        self.inner.locked_claim_timeout()
+    }
+}
+
+outbox_core::forward_store_roles!(Watched<S>.inner => maintenance);
+
+/// A broker double (for the scenarios' signatures only) that acknowledges everything after `latency` and records it (overlaps of
+/// one aggregate in flight at two relays included). While `gate` is set, its first call waits
+/// for the gate to open (the scenario commits events then), and tells `entered` first.
+#[derive(Clone)]
+pub struct Broker {
+    name: String,
+    log: Arc<Mutex<Log>>,
+    latency: Duration,
+    gate: Arc<Mutex<Option<Gate>>>,
+    /// Events refused once with a permanent error (the relay parks them), then acknowledged.
+    refuse_once: Arc<Mutex<HashSet<EventId>>>,
+}
+
+struct Gate {
+    entered: tokio::sync::oneshot::Sender<()>,
+    open: tokio::sync::oneshot::Receiver<()>,
+}
+
+impl Broker {
+    fn new(name: &str, log: &Arc<Mutex<Log>>, latency: Duration) -> Self {
+        Self {
+            name: name.to_owned(),
+            log: Arc::clone(log),
+            latency,
+            gate: Arc::default(),
+            refuse_once: Arc::default(),
+        }
+    }
+
+    /// Gates the first call: returns (told when it is entered, opens it).
+    fn gated(
+        self,
+    ) -> (
+        Self,
+        tokio::sync::oneshot::Receiver<()>,
+        tokio::sync::oneshot::Sender<()>,
+    ) {
+        let (entered, entered_rx) = tokio::sync::oneshot::channel();
+        let (open_tx, open) = tokio::sync::oneshot::channel();
+        *self.gate.lock().expect("gate") = Some(Gate { entered, open });
+        (self, entered_rx, open_tx)
+    }
+}
+
+#[async_trait]
+impl Publisher for Broker {
+    async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult> {
+        let gate = self.gate.lock().expect("gate").take();
+        if let Some(gate) = gate {
+            let _ = gate.entered.send(());
+            let _ = gate.open.await;
+        }
+        {
+            let mut log = self.log.lock().expect("log");
+            for e in batch {
+                if let Some(other) = log
+                    .in_flight
+                    .insert(e.aggregate_id.clone(), self.name.clone())
+                {
+                    log.overlaps.push(format!(
+                        "{} published by {} while {other} had it in flight",
+                        e.aggregate_id, self.name
+                    ));
+                }
+            }
+        }
+        tokio::time::sleep(self.latency).await;
+        let mut refuse = self.refuse_once.lock().expect("refuse");
+        let mut log = self.log.lock().expect("log");
+        let mut out = Vec::with_capacity(batch.len());
+        for e in batch {
+            log.in_flight.remove(&e.aggregate_id);
+            *log.attempts.entry(e.event_id).or_default() += 1;
+            if refuse.remove(&e.event_id) {
+                out.push(Err(PublishError::new(
+                    PublishErrorKind::RecordTooLarge,
+                    "injected: refused once",
+                )));
+                continue;
+            }
+            log.acked.push((
+                e.event_id,
+                e.aggregate_id.clone(),
+                e.aggregate_version,
+                self.name.clone(),
+            ));
+            out.push(Ok(AckMetadata::kafka("orders", 0, log.acked.len() as i64)));
+        }
+        out
+    }
+
+    fn delivery_timeout(&self) -> Duration {
+        Duration::from_millis(200)
+    }
+}
+
+/// A relay with the early claim on (prefetch on, the default), batches of 50.
+fn early_relay<S: RelayStore, P: Publisher>(
+    store: S,
+    publisher: P,
+    owner: &str,
+    seed: u64,
+) -> Relay<S, P> {
+    let config = RelayConfig::builder()
+        .owner(owner)
+        .batch_size(50)
+        .early_claim(true)
+        .idle(Duration::from_millis(2), Duration::from_millis(20))
+        .lease_margin(outbox_core::MIN_LEASE_MARGIN)
+        .retry(
+            RetryPolicy::builder()
+                .base(Duration::from_millis(5))
+                .max_delay(Duration::from_millis(20))
+                .max_attempts(50)
+                .build()
+                .expect("retry policy"),
+        )
+        .build()
+        .expect("relay config");
+    Relay::new(
+        store,
+        publisher,
+        config,
+        Arc::new(SystemClock),
+        Box::new(rand::rngs::StdRng::seed_from_u64(seed)),
+    )
+    .expect("relay config")
+}
+
+/// Store parameters of the scenarios of one relay: `mode`, `locked_max_hold` 3 s (just above
+/// what a prefetching relay needs with a 200 ms delivery timeout), the broker's timeout.
+fn one_relay_params(mode: ClaimMode) -> crate::randomized::StoreParams {
+    params(mode, Duration::from_secs(3), Duration::from_millis(200))
+}
+
+async fn append<B: RandomizedBackend>(backend: &B, store: &B::Store, events: &[Envelope]) {
+    let mut tx = backend.begin().await.expect("begin");
+    backend
+        .append(store, &mut tx, events)
+        .await
+        .expect("append");
+    backend.commit(tx).await.expect("commit");
+}
+
+/// Per aggregate, the versions in order of first acknowledgement; each event's acknowledgements.
+fn first_deliveries(log: &Log) -> (HashMap<String, Vec<i64>>, HashMap<EventId, usize>) {
+    let mut firsts: HashMap<String, Vec<i64>> = HashMap::new();
+    let mut count: HashMap<EventId, usize> = HashMap::new();
+    for (id, agg, v, _) in &log.acked {
+        let n = count.entry(*id).or_default();
+        *n += 1;
+        if *n == 1 {
+            firsts.entry(agg.clone()).or_default().push(*v);
+        }
+    }
+    (firsts, count)
+}
+
+/// Every event of `expected` acknowledged, first deliveries of each aggregate in version order
+/// without a gap; returns the events acknowledged more than once.
+fn check_first_deliveries(log: &Log, expected: &[Envelope]) -> HashSet<EventId> {
+    assert!(log.overlaps.is_empty(), "overlaps: {:?}", log.overlaps);
+    let (firsts, count) = first_deliveries(log);
+    for e in expected {
+        assert!(
+            count.contains_key(&e.event_id),
+            "{} v{} never acknowledged",
+            e.aggregate_id,
+            e.aggregate_version
+        );
+    }
+    for (agg, versions) in &firsts {
+        let want: Vec<i64> = (1..=versions.len() as i64).collect();
+        assert_eq!(versions, &want, "first deliveries of {agg}");
+    }
+    count
+        .into_iter()
+        .filter(|(_, n)| *n > 1)
+        .map(|(id, _)| id)
+        .collect()
+}
+
+/// Drives `relay` until `log` holds `n` acknowledgements (30 s at most).
+async fn drain<S: RelayStore, P: Publisher>(
+    relay: &mut Relay<S, P>,
+    log: &Arc<Mutex<Log>>,
+    n: usize,
+) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while log.lock().expect("log").acked.len() < n {
+        assert!(Instant::now() < deadline, "not drained in time");
+        match relay.run_once().await {
+            Ok(r) if r.is_idle() => tokio::time::sleep(Duration::from_millis(20)).await,
+            Ok(_) => {}
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+}
+
+/// Two relays with the early claim on, each over its own store instance, while two producers
+/// commit 24 aggregates x 6 versions one event per transaction (so batches are rarely full and
+/// the early claim finds what committed during a publication). Completions start after a
+/// seeded jitter of up to 3 ms, so the early claim's statements fall before, inside and after
+/// the completion's transaction. Checks: some claims overlapped a completion and returned
+/// events; no claim returned an event of a batch still held; every event acknowledged once, in
+/// version order per aggregate, no aggregate at two relays at once; no failed cycle.
+pub async fn early_claim_races_completions_and_keeps_order<B: RandomizedBackend>(
+    backend: &B,
+    mode: ClaimMode,
+) {
+    let p = params(mode, Duration::from_secs(60), Duration::from_millis(200));
+    let store = backend.store(&p);
+    backend.prepare(&store).await.expect("migrate");
+    let watch = Watch::new(Plan::Plain, false, Duration::from_millis(3), 25);
+    let log = Arc::new(Mutex::new(Log::default()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for r in 0..2 {
+        let name = format!("early-{r}");
+        let relay = early_relay(
+            watch.wrap(backend.store(&p)),
+            Broker::new(&name, &log, Duration::from_millis(2)),
+            &name,
+            r,
+        );
+        tasks.push(tokio::spawn(drive(relay, Arc::clone(&stop))));
+    }
+    let (aggs, versions) = (24, 6);
+    let mut all = Vec::new();
+    for v in 1..=versions {
+        for a in 0..aggs {
+            let e = event(&format!("race-{a}"), v);
+            append(backend, &store, std::slice::from_ref(&e)).await;
+            all.push(e);
+            if a % 4 == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while log.lock().expect("log").acked.len() < all.len() {
+        assert!(
+            Instant::now() < deadline,
+            "{mode:?}: only {} of {} published in time",
+            log.lock().expect("log").acked.len(),
+            all.len()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.store(true, Ordering::Release);
+    for t in tasks {
+        let (errors, _) = tokio::time::timeout(Duration::from_secs(20), t)
+            .await
+            .expect("relay stops")
+            .expect("relay task");
+        assert_eq!(errors, 0, "{mode:?}: a cycle failed");
+    }
+    watch.assert_clean();
+    {
+        let seen = watch.seen();
+        eprintln!(
+            "{mode:?}: {} claims, {} beside a completion of their relay, {} of them with events",
+            seen.claims_done, seen.overlapped, seen.overlapped_with_events
+        );
+        assert!(
+            seen.overlapped_with_events > 0,
+            "{mode:?}: no claim ran beside a completion and returned events (overlapped: {})",
+            seen.overlapped
+        );
+    }
+    check_log(&log.lock().expect("log"), &all);
+    let stats = store.stats().await.expect("stats");
+    assert_eq!(
+        (stats.unpublished, stats.in_flight, stats.parked),
+        (0, 0, 0),
+        "{mode:?}: {stats:?}"
+    );
+}
+
+/// Six aggregates' version 1 claimed by one relay; while the broker holds them, version 2 of
+/// each and version 1 of three new aggregates commit; returns (relay's first batch, the new
+/// versions 2, the new aggregates' events).
+fn gated_backlog() -> (Vec<Envelope>, Vec<Envelope>, Vec<Envelope>) {
+    let first: Vec<Envelope> = (0..6).map(|a| event(&format!("f{a}"), 1)).collect();
+    let seconds: Vec<Envelope> = (0..6).map(|a| event(&format!("f{a}"), 2)).collect();
+    let fresh: Vec<Envelope> = (0..3).map(|a| event(&format!("g{a}"), 1)).collect();
+    (first, seconds, fresh)
+}
+
+/// The first cycle of the gated scenarios: the relay claims `first`, its broker call waits
+/// while `later` commits, then the cycle goes on (with the watch's plan beside its completion).
+async fn gated_cycle<B, S, P>(
+    backend: &B,
+    store: &B::Store,
+    relay: &mut Relay<S, P>,
+    entered: tokio::sync::oneshot::Receiver<()>,
+    open: tokio::sync::oneshot::Sender<()>,
+    later: &[Envelope],
+) -> Result<outbox_core::CycleReport, StoreError>
+where
+    B: RandomizedBackend,
+    S: RelayStore,
+    P: Publisher,
+{
+    let commit_later = async {
+        entered.await.expect("the broker was called");
+        append(backend, store, later).await;
+        let _ = open.send(());
+    };
+    let (report, ()) = tokio::join!(relay.run_once(), commit_later);
+    report
+}
+
+/// The names of the aggregates of a set of (event, aggregate, version) rows.
+fn aggregates(rows: &[(EventId, String, i64)]) -> Vec<String> {
+    let mut a: Vec<String> = rows.iter().map(|r| r.1.clone()).collect();
+    a.sort();
+    a
+}
+
+/// The completion of the batch in flight fails after the early claim was taken:
+/// `committed == false`, before reaching the store (its rows stay claimed until the lease
+/// expires or the server ends the locked claim); `true`, after committing (the answer lost).
+/// Checks: the cycle reports the store error; the early claim holds the three new aggregates
+/// and none of the batch's (whose versions 2 committed meanwhile), and the relay keeps it for
+/// its next cycle; then everything is published, first deliveries in version order, only the
+/// failed batch's events twice (and none when the completion committed), nothing parked.
+/// `mode`'s lease should be short (1.5 s).
+pub async fn failed_completion_keeps_the_early_claim_and_order<B: RandomizedBackend>(
+    backend: &B,
+    mode: ClaimMode,
+    committed: bool,
+) {
+    let p = one_relay_params(mode);
+    let store = backend.store(&p);
+    backend.prepare(&store).await.expect("migrate");
+    let (first, seconds, fresh) = gated_backlog();
+    append(backend, &store, &first).await;
+    let plan = if committed {
+        Plan::FailAfterCommit
+    } else {
+        Plan::Fail
+    };
+    let watch = Watch::new(plan, true, Duration::ZERO, 1);
+    let log = Arc::new(Mutex::new(Log::default()));
+    let (broker, entered, open) = Broker::new("r", &log, Duration::from_millis(1)).gated();
+    let mut relay = early_relay(watch.wrap(backend.store(&p)), broker, "failing", 3);
+    let later: Vec<Envelope> = seconds.iter().chain(&fresh).cloned().collect();
+    let first_cycle = gated_cycle(backend, &store, &mut relay, entered, open, &later).await;
+    assert!(
+        first_cycle.is_err(),
+        "{mode:?}: the failed completion is reported: {first_cycle:?}"
+    );
+    assert!(
+        watch.seen().acted,
+        "{mode:?}: no early claim beside the completion"
+    );
+    watch.assert_clean();
+    let early = aggregates(&watch.seen().early);
+    assert_eq!(early, vec!["g0", "g1", "g2"], "{mode:?}: the early claim");
+    let kept = relay
+        .prefetched()
+        .map(|b| {
+            let mut a: Vec<String> = b
+                .records
+                .iter()
+                .map(|r| r.envelope.aggregate_id.clone())
+                .collect();
+            a.sort();
+            a
+        })
+        .unwrap_or_default();
+    assert_eq!(
+        kept, early,
+        "{mode:?}: the relay keeps the early claim after the failed completion"
+    );
+    let all: Vec<Envelope> = first.iter().chain(&later).cloned().collect();
+    drain(&mut relay, &log, all.len() + if committed { 0 } else { 6 }).await;
+    watch.assert_clean();
+    let twice = check_first_deliveries(&log.lock().expect("log"), &all);
+    let failed: HashSet<EventId> = first.iter().map(|e| e.event_id).collect();
+    assert!(
+        twice.is_subset(&failed),
+        "{mode:?}: only the failed batch goes out twice"
+    );
+    if committed {
+        assert!(twice.is_empty(), "{mode:?}: the completion had committed");
+    }
+    let _ = relay.release_prefetched().await;
+    let stats = store.stats().await.expect("stats");
+    assert_eq!(
+        (stats.unpublished, stats.in_flight, stats.parked),
+        (0, 0, 0),
+        "{mode:?}: {stats:?}"
+    );
+}
+
+/// The relay is dropped after its early claim returned and before its completion reached the
+/// store (a crash there). Another relay, over another store instance, publishes everything:
+/// the dead relay's batch again once its claim ends (lease expiry, or the server ending the
+/// locked transaction), its early claim's events, and the versions 2 after the versions 1.
+/// Checks: the early claim held none of the batch's aggregates; every event published, first
+/// deliveries in version order, only the dead relay's batch twice; nothing parked or left.
+/// `mode`'s lease should be short (1.5 s).
+pub async fn crash_between_the_early_claim_and_the_completion<B: RandomizedBackend>(
+    backend: &B,
+    mode: ClaimMode,
+) {
+    let p = one_relay_params(mode);
+    let store = backend.store(&p);
+    backend.prepare(&store).await.expect("migrate");
+    let (first, seconds, fresh) = gated_backlog();
+    append(backend, &store, &first).await;
+    let watch = Watch::new(Plan::Hang, true, Duration::ZERO, 2);
+    let mut acted = watch.on_act();
+    let log = Arc::new(Mutex::new(Log::default()));
+    let (broker, entered, open) = Broker::new("doomed", &log, Duration::from_millis(1)).gated();
+    let mut doomed = early_relay(watch.wrap(backend.store(&p)), broker, "doomed", 4);
+    let later: Vec<Envelope> = seconds.iter().chain(&fresh).cloned().collect();
+    {
+        let cycle = gated_cycle(backend, &store, &mut doomed, entered, open, &later);
+        tokio::select! {
+            r = cycle => panic!("{mode:?}: the cycle returned: {r:?}"),
+            _ = &mut acted => {}
+        }
+    }
+    // The crash: the cycle was dropped mid-completion; now the relay and its store go.
+    drop(doomed);
+    watch.assert_clean();
+    let early = aggregates(&watch.seen().early);
+    assert_eq!(early, vec!["g0", "g1", "g2"], "{mode:?}: the early claim");
+
+    let survivor_watch = Watch::new(Plan::Plain, false, Duration::ZERO, 5);
+    let mut survivor = early_relay(
+        survivor_watch.wrap(backend.store(&p)),
+        Broker::new("survivor", &log, Duration::from_millis(1)),
+        "survivor",
+        6,
+    );
+    let all: Vec<Envelope> = first.iter().chain(&later).cloned().collect();
+    drain(&mut survivor, &log, all.len() + first.len()).await;
+    survivor_watch.assert_clean();
+    let twice = check_first_deliveries(&log.lock().expect("log"), &all);
+    let dead: HashSet<EventId> = first.iter().map(|e| e.event_id).collect();
+    assert_eq!(
+        twice, dead,
+        "{mode:?}: the dead relay's batch went out twice"
+    );
+    let by_survivor: HashSet<EventId> = log
+        .lock()
+        .expect("log")
+        .acked
+        .iter()
+        .filter(|a| a.3 == "survivor")
+        .map(|a| a.0)
+        .collect();
+    for e in &fresh {
+        assert!(
+            by_survivor.contains(&e.event_id),
+            "{mode:?}: the dead relay's early claim was published by the survivor"
+        );
+    }
+    let _ = survivor.release_prefetched().await;
+    let stats = store.stats().await.expect("stats");
+    assert_eq!(
+        (stats.unpublished, stats.in_flight, stats.parked),
+        (0, 0, 0),
+        "{mode:?}: {stats:?}"
+    );
+}
+
+/// The driver future of [`shutdown_releases_the_early_claim`]: runs a relay until the stop
+/// future completes, then returns (e.g. `outbox_core::driver::run(relay, None, stop)`).
+pub type StopFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// Stopping the relay while the completion is written, with an early claim outstanding: the
+/// driver (`drive`, given a relay and the stop future) finishes the cycle and releases the
+/// early claim at once. `mode`'s lease should be long (30 s), so only a release explains
+/// claimable events. Checks: the batch in flight is published and recorded; right after the
+/// driver returns, another owner's claim gets the early claim's three aggregates.
+pub async fn shutdown_releases_the_early_claim<B, D, F>(backend: &B, mode: ClaimMode, run: D)
+where
+    B: RandomizedBackend,
+    D: FnOnce(Relay<Watched<B::Store>, Broker>, StopFuture) -> F,
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let p = one_relay_params(mode);
+    let store = backend.store(&p);
+    backend.prepare(&store).await.expect("migrate");
+    let (first, _, fresh) = gated_backlog();
+    append(backend, &store, &first).await;
+    let watch = Watch::new(
+        Plan::Slow(Duration::from_millis(50)),
+        true,
+        Duration::ZERO,
+        7,
+    );
+    let acted = watch.on_act();
+    let log = Arc::new(Mutex::new(Log::default()));
+    let (broker, entered, open) = Broker::new("stopping", &log, Duration::from_millis(1)).gated();
+    // The relay's store instance outlives the driver, as in a service that goes on running
+    // (a locked claim would otherwise end with the instance's connections).
+    let relay_store = backend.store(&p);
+    let kept = relay_store.clone();
+    let relay = early_relay(watch.wrap(relay_store), broker, "stopping", 8);
+    let stop: StopFuture = Box::pin(async move {
+        let _ = acted.await;
+    });
+    let task = tokio::spawn(run(relay, stop));
+    entered.await.expect("the broker was called");
+    append(backend, &store, &fresh).await;
+    let _ = open.send(());
+    tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .expect("the driver stops")
+        .expect("driver task");
+    watch.assert_clean();
+    assert_eq!(
+        aggregates(&watch.seen().early),
+        vec!["g0", "g1", "g2"],
+        "{mode:?}: the early claim"
+    );
+    assert_eq!(
+        log.lock().expect("log").acked.len(),
+        first.len(),
+        "{mode:?}: the batch in flight was published, the early claim not"
+    );
+    let other = store
+        .claim(&ClaimRequest::new("after-shutdown", 50))
+        .await
+        .expect("claim");
+    let mut got: Vec<String> = other
+        .records
+        .iter()
+        .map(|r| r.envelope.aggregate_id.clone())
+        .collect();
+    got.sort();
+    assert_eq!(
+        got,
+        vec!["g0", "g1", "g2"],
+        "{mode:?}: the early claim was released when the driver stopped"
+    );
+    store.release(&other.handle).await.expect("release");
+    drop(kept);
+}
+
+/// Lease mode (`lease` short, 1.5 s): the completion of the batch in flight waits longer than
+/// the lease after the early claim was taken (so both claims' leases run out); meanwhile
+/// another relay claims the expired aggregates, the batch's and the early claim's. Checks: the
+/// late completion is refused (superseded, nothing recorded); the first relay's next cycle
+/// releases its early claim without publishing it; that release does not end the other
+/// relay's claim (its completion applies in full); the early claim's events are never
+/// published by the first relay.
+pub async fn early_claim_whose_lease_ran_out_is_released_not_published<B: RandomizedBackend>(
+    backend: &B,
+    lease: ClaimMode,
+) {
+    let ClaimMode::Lease { duration } = lease else {
+        panic!("lease mode only");
+    };
+    let p = one_relay_params(lease);
+    let store = backend.store(&p);
+    backend.prepare(&store).await.expect("migrate");
+    let (first, _, fresh) = gated_backlog();
+    append(backend, &store, &first).await;
+    let watch = Watch::new(
+        Plan::Slow(duration + Duration::from_millis(400)),
+        true,
+        Duration::ZERO,
+        9,
+    );
+    let acted = watch.on_act();
+    let log = Arc::new(Mutex::new(Log::default()));
+    let (broker, entered, open) = Broker::new("slow", &log, Duration::from_millis(1)).gated();
+    let mut slow = early_relay(watch.wrap(backend.store(&p)), broker, "slow", 10);
+    let other_store = backend.store(&p);
+    let other_claim = async {
+        let _ = acted.await;
+        // Past the early claim's lease, before the slow completion reaches the store.
+        tokio::time::sleep(duration + Duration::from_millis(150)).await;
+        other_store
+            .claim(&ClaimRequest::new("other", 50))
+            .await
+            .expect("claim")
+    };
+    let (first_cycle, taken) = tokio::join!(
+        gated_cycle(backend, &store, &mut slow, entered, open, &fresh),
+        other_claim
+    );
+    let first_cycle = first_cycle.expect("first cycle");
+    watch.assert_clean();
+    assert_eq!(aggregates(&watch.seen().early), vec!["g0", "g1", "g2"]);
+    assert_eq!(
+        (first_cycle.published, first_cycle.superseded),
+        (0, first.len()),
+        "the late completion is refused: {first_cycle:?}"
+    );
+    let mut got: Vec<String> = taken
+        .records
+        .iter()
+        .map(|r| r.envelope.aggregate_id.clone())
+        .collect();
+    got.sort();
+    let mut want: Vec<String> = first
+        .iter()
+        .chain(&fresh)
+        .map(|e| e.aggregate_id.clone())
+        .collect();
+    want.sort();
+    assert_eq!(got, want, "the expired aggregates go to the other relay");
+    assert!(slow.prefetched().is_some(), "the early claim is still held");
+    let next = slow.run_once().await.expect("next cycle");
+    assert!(
+        next.released && next.published == 0,
+        "an early claim whose lease ran out is released, not published: {next:?}"
+    );
+    let outcomes: Vec<Outcome> = taken
+        .records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| Outcome::Published {
+            event_id: r.envelope.event_id,
+            ack: AckMetadata::kafka("orders", 0, 100 + i as i64),
+        })
+        .collect();
+    let done = other_store
+        .complete(&taken.handle, &outcomes)
+        .await
+        .expect("complete");
+    assert_eq!(
+        (done.applied, done.superseded),
+        (outcomes.len(), 0),
+        "the stale release ended the other relay's claim"
+    );
+    let acked: Vec<EventId> = log.lock().expect("log").acked.iter().map(|a| a.0).collect();
+    for e in &fresh {
+        assert!(
+            !acked.contains(&e.event_id),
+            "the expired early claim was published"
+        );
+    }
+    let stats = store.stats().await.expect("stats");
+    assert_eq!(
+        (stats.unpublished, stats.in_flight, stats.parked),
+        (0, 0, 0),
+        "{stats:?}"
+    );
+}
+
+/// The batch in flight has one event refused for good (`f0` version 1, parked by its
+/// completion) while the early claim runs beside that completion; versions 2 of the batch's
+/// aggregates and three new aggregates committed during the publication. Then an operator
+/// retries the parked event. Checks: the early claim holds only the new aggregates; `f0`
+/// version 2 stays unpublished while version 1 is parked (the other aggregates drain); after
+/// the retry, `f0` goes out 1 then 2; nothing else parked, nothing left.
+pub async fn parked_head_beside_the_early_claim_blocks_its_aggregate<B: RandomizedBackend>(
+    backend: &B,
+    mode: ClaimMode,
+) {
+    let p = one_relay_params(mode);
+    let store = backend.store(&p);
+    backend.prepare(&store).await.expect("migrate");
+    let (first, seconds, fresh) = gated_backlog();
+    append(backend, &store, &first).await;
+    // The completion reaches the store only after the early claim returned.
+    let watch = Watch::new(
+        Plan::Slow(Duration::from_millis(30)),
+        true,
+        Duration::ZERO,
+        11,
+    );
+    let log = Arc::new(Mutex::new(Log::default()));
+    let broker = Broker::new("parking", &log, Duration::from_millis(1));
+    broker
+        .refuse_once
+        .lock()
+        .expect("refuse")
+        .insert(first[0].event_id);
+    let (broker, entered, open) = broker.gated();
+    let mut relay = early_relay(watch.wrap(backend.store(&p)), broker, "parking", 12);
+    let later: Vec<Envelope> = seconds.iter().chain(&fresh).cloned().collect();
+    let first_cycle = gated_cycle(backend, &store, &mut relay, entered, open, &later)
+        .await
+        .expect("first cycle");
+    assert_eq!(
+        (first_cycle.published, first_cycle.parked),
+        (5, 1),
+        "{mode:?}: {first_cycle:?}"
+    );
+    watch.assert_clean();
+    assert_eq!(
+        aggregates(&watch.seen().early),
+        vec!["g0", "g1", "g2"],
+        "{mode:?}: the early claim"
+    );
+    let all: Vec<Envelope> = first.iter().chain(&later).cloned().collect();
+    // Everything but f0's two versions.
+    drain(&mut relay, &log, all.len() - 2).await;
+    for _ in 0..5 {
+        let r = relay.run_once().await.expect("cycle");
+        assert_eq!(
+            r.published, 0,
+            "{mode:?}: f0 v2 went out behind its parked v1"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stats = store.stats().await.expect("stats");
+    assert_eq!(
+        (stats.parked, stats.unpublished),
+        (1, 1),
+        "{mode:?}: {stats:?}"
+    );
+    store
+        .retry_parked(first[0].event_id, "early-claim-test")
+        .await
+        .expect("operator retry");
+    drain(&mut relay, &log, all.len()).await;
+    watch.assert_clean();
+    let twice = check_first_deliveries(&log.lock().expect("log"), &all);
+    assert!(twice.is_empty(), "{mode:?}: nothing twice");
+    let _ = relay.release_prefetched().await;
+    let stats = store.stats().await.expect("stats");
+    assert_eq!(
+        (stats.unpublished, stats.in_flight, stats.parked),
+        (0, 0, 0),
+        "{mode:?}: {stats:?}"
+    );
+}
