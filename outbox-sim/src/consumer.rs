@@ -2,7 +2,7 @@
 //! the simulation's effect recorded in the same transaction as the user's handler
 //! ([`SimHandler`]), and the source wrapped for the consumer-side seeded bugs ([`SimSource`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -27,6 +27,21 @@ use crate::steps::HandlerFault;
 /// * a message parked because its handler failed had a permanent failure or `max_attempts`
 ///   transient ones in one generation ([`Ledger::may_park`], checked against the inbox's
 ///   parked messages).
+///
+/// A failure is what the engine sees: a scripted [`HandlerFault`], or an error of the
+/// handler itself (the user's handler refusing an event, or the simulation's effect failing),
+/// with its class ([`Ledger::handler_failed`]).
+///
+/// A RabbitMQ channel lost under the running engine starts a generation
+/// ([`Ledger::channel_lost`]) while a batch of the engine may still hold an old delivery of
+/// an event the channel held: that batch can hand it to the handler once more, and the
+/// ledger cannot tell that call from one for the redelivery. The engine keeps an aggregate's
+/// calls in order (the redelivery waits behind the running batch), and an old delivery that
+/// fails transiently is handed back and dropped (its ticket is stale), so at most one
+/// transient failure in the new generation is the old delivery's: such an event may be
+/// handed to the handler after `max_attempts` transient failures in that generation, not
+/// after more. Whether the engine may park it is judged as for any event (`max_attempts`
+/// in the generation), since the old delivery may not have been called at all.
 #[derive(Debug, Default)]
 pub(crate) struct Ledger {
     generation: u64,
@@ -34,20 +49,44 @@ pub(crate) struct Ledger {
     /// (generation, event) → (transient failures, permanent failure).
     failures: HashMap<(u64, EventId), (u32, bool)>,
     /// Events that reached the parking threshold in some generation.
-    may_park: std::collections::HashSet<EventId>,
+    may_park: HashSet<EventId>,
     /// The event a [`HandlerFault::Stuck`] fails on every call, until an operator retries it.
     stuck: Option<EventId>,
     /// (generation, event) → when its last transient failure happened: the engine waits at
     /// least the retry policy's `min_delay` before handing it to the handler again.
     failed_at: HashMap<(u64, EventId), std::time::Instant>,
+    /// Events whose old delivery, of a RabbitMQ channel lost in this generation, a running
+    /// batch may still hand to the handler: one transient failure more is allowed.
+    carried: HashSet<EventId>,
 }
 
 impl Ledger {
-    /// A new generation: the engine was rebuilt, or (RabbitMQ) its channel was lost under it,
-    /// a new assignment whose redeliveries the engine takes as new deliveries, attempts
-    /// counted from zero (as a Kafka partition assigned again).
+    /// A new generation: the engine was rebuilt (nothing of the old one runs on).
     pub(crate) fn new_generation(&mut self) {
         self.generation += 1;
+        self.carried.clear();
+    }
+
+    /// A new generation: (RabbitMQ) the engine's channel was lost under it, a new assignment
+    /// whose redeliveries the engine takes as new deliveries, attempts counted from zero (as
+    /// a Kafka partition assigned again). `held`: the events the lost channel had delivered
+    /// and not acknowledged; each may fail once more in the new generation, for its old
+    /// delivery. So may an event whose allowance of the generation ending was not used (no
+    /// failure yet): the batch holding its old delivery may still be running.
+    pub(crate) fn channel_lost(&mut self, held: impl IntoIterator<Item = EventId>) {
+        let ending = self.generation;
+        let unused: Vec<EventId> = self
+            .carried
+            .iter()
+            .filter(|e| {
+                self.failures
+                    .get(&(ending, **e))
+                    .is_none_or(|(transient, permanent)| *transient == 0 && !permanent)
+            })
+            .copied()
+            .collect();
+        self.generation += 1;
+        self.carried = held.into_iter().chain(unused).collect();
     }
 
     /// Handler calls made by an operator's retry (between `true` and `false`) are not checked.
@@ -60,8 +99,10 @@ impl Ledger {
         self.may_park.contains(event)
     }
 
-    /// A handler call for `event`, with the fault about to be injected (if any). Returns a
-    /// violation when the engine should not have made the call.
+    /// A handler call for `event`, with the fault about to be injected (if any). Returns the
+    /// fault to inject, and a violation when the engine should not have made the call. A
+    /// scripted fault is counted here; a failure of the handler itself, once it returns
+    /// ([`Ledger::handler_failed`]).
     fn call(
         &mut self,
         event: EventId,
@@ -91,39 +132,67 @@ impl Ledger {
             .get(&(gen, event))
             .map(|at| now.duration_since(*at))
             .filter(|since| *since < min_delay);
-        let entry = self.failures.entry((gen, event)).or_insert((0, false));
+        // One transient failure more for an old delivery of a lost channel (see the type).
+        let carried = self.carried.contains(&event);
+        let budget = max + u32::from(carried);
+        let (transient, permanent) = self
+            .failures
+            .get(&(gen, event))
+            .copied()
+            .unwrap_or_default();
         let violation = if let Some(since) = early {
             Some(format!(
                 "the engine handed event {event} to the handler again {since:?} after its \
                  transient failure, before the retry policy's min_delay ({min_delay:?}) \
                  (generation {gen})"
             ))
-        } else if entry.1 {
+        } else if permanent {
             Some(format!(
                 "the engine handed event {event} to the handler again after its permanent \
                  failure (generation {gen}); it must park it"
             ))
-        } else if entry.0 >= max {
+        } else if transient >= budget {
+            let old = if carried {
+                ", one of them possibly its old delivery's, of the channel lost"
+            } else {
+                ""
+            };
             Some(format!(
-                "the engine handed event {event} to the handler after {} transient failures \
-                 (max_attempts {max}, generation {gen}); it must park it",
-                entry.0
+                "the engine handed event {event} to the handler after {transient} transient \
+                 failures (max_attempts {max}{old}, generation {gen}); it must park it"
             ))
         } else {
             None
         };
-        match fault {
-            Some(HandlerFault::Transient) => {
-                entry.0 += 1;
-                self.failed_at.insert((gen, event), now);
-            }
-            Some(HandlerFault::Permanent) => entry.1 = true,
-            Some(HandlerFault::Stuck) | None => {}
+        if let Some(f @ (HandlerFault::Transient | HandlerFault::Permanent)) = fault {
+            self.failed(event, f == HandlerFault::Permanent, max);
+        }
+        (fault, violation)
+    }
+
+    /// The handler itself (not a scripted fault) failed on `event`: the user's handler
+    /// refused it, or the simulation's effect failed. The engine counts it as any handler
+    /// failure; an operator's retry is not counted.
+    fn handler_failed(&mut self, event: EventId, permanent: bool, max: u32) {
+        if !self.operator {
+            self.failed(event, permanent, max);
+        }
+    }
+
+    /// Counts a failure of the engine's call for `event` in the current generation.
+    fn failed(&mut self, event: EventId, permanent: bool, max: u32) {
+        let gen = self.generation;
+        let entry = self.failures.entry((gen, event)).or_insert((0, false));
+        if permanent {
+            entry.1 = true;
+        } else {
+            entry.0 += 1;
+            self.failed_at
+                .insert((gen, event), std::time::Instant::now());
         }
         if entry.1 || entry.0 >= max {
             self.may_park.insert(event);
         }
-        (fault, violation)
     }
 }
 
@@ -219,8 +288,21 @@ where
             }
             None => {}
         }
-        self.backend.record_effect(tx, event).await?;
-        self.user.handle(tx, event).await
+        let result = match self.backend.record_effect(tx, event).await {
+            Ok(()) => self.user.handle(tx, event).await,
+            Err(e) => Err(e.into()),
+        };
+        if let Err(e) = &result {
+            self.ledger
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .handler_failed(
+                    event.event_id,
+                    e.class == outbox_core::ErrorClass::Permanent,
+                    self.max_attempts,
+                );
+        }
+        result
     }
 
     async fn handle_batch(

@@ -101,7 +101,11 @@
 //!   handler again after a permanent failure, or after `max_attempts` transient ones, in one
 //!   engine generation (it parks it), nor before the retry policy's `min_delay` after a
 //!   transient one; a message parked because its handler failed had one of those
-//!   ([`HandlerFault::Stuck`] keeps failing one event until an operator retries it);
+//!   ([`HandlerFault::Stuck`] keeps failing one event until an operator retries it). A
+//!   failure is what the engine sees: a scripted fault or the handler's own error (the
+//!   user's handler refusing an event counts as its permanent failure). A RabbitMQ channel
+//!   lost under the engine starts a generation, in which an event the channel held may fail
+//!   transiently once more (a running batch's last call for its old delivery);
 //! * a version gap parked on the consumer side is a real one: a lower version of the aggregate
 //!   was never committed, or was discarded (or, on JetStream, was redelivered after it).
 //!

@@ -609,14 +609,16 @@ where
                 // RabbitMQ: the channel is lost under the running engine (its unacked
                 // deliveries go back to the queue; the next poll opens a new channel).
                 if let Some(engine) = self.engine.as_ref() {
+                    let held = self.broker.rabbit_unacked();
                     if engine.source().inner().lose_channel() {
                         self.report.channels_lost += 1;
                         // What the engine held is redelivered on the next channel, and taken
-                        // as new deliveries: the handler's failures count again.
+                        // as new deliveries: the handler's failures count again (a running
+                        // batch may still fail an old delivery once: see `Ledger`).
                         self.ledger
                             .lock()
                             .unwrap_or_else(PoisonError::into_inner)
-                            .new_generation();
+                            .channel_lost(held);
                         return Ok(());
                     }
                 }

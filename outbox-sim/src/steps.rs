@@ -318,6 +318,7 @@ pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
         2 => (1..=3usize, 1..=4usize)
             .prop_map(|(before, after)| Step::ConsumerStalls { before, after }),
         2 => Just(Step::ConsumerCrash),
+        2 => (1..=3usize).prop_map(Step::OtherMemberDies),
         1 => Just(Step::Rebalance),
         4 => prop_oneof![
             1 => Just(HandlerFault::Transient),

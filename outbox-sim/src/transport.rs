@@ -401,6 +401,17 @@ impl Broker {
         Some((tag, entry, redelivered))
     }
 
+    /// RabbitMQ: the events the current channel delivered and holds unacknowledged.
+    pub(crate) fn rabbit_unacked(&self) -> Vec<EventId> {
+        let entries: Vec<usize> = self.lock().unacked.values().map(|(e, _)| *e).collect();
+        let records = self.entries();
+        entries
+            .iter()
+            .filter_map(|e| records.get(*e)?.decode().ok())
+            .map(|e| e.event_id)
+            .collect()
+    }
+
     /// `basic.ack(tag, multiple)` on `channel`; false when the channel is closed.
     fn rabbit_ack(&self, channel: u64, tag: u64, multiple: bool) -> bool {
         let mut st = self.lock();

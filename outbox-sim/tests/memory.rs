@@ -157,6 +157,11 @@ fn the_generator_reaches_the_interesting_states() {
         total.consumer_stalls > 0,
         "the consumer never stalled: {total:?}"
     );
+    // Another JetStream member dies holding messages, which come back behind later ones.
+    assert!(
+        total.taken_by_dead_members > 0,
+        "no message was taken by a member that died: {total:?}"
+    );
 }
 
 fn begin(aggregate: usize, events: usize) -> Step {

@@ -103,10 +103,6 @@ fn a_prefetched_batch_under_a_stale_claim_is_caught() {
 // number of cases (150), the transport chosen per case as in the clean run.
 
 #[test]
-#[ignore = "not caught within the default 150 cases at the default seed yet: it needs another \
-            member's message redelivered after later ones (Step::OtherMemberDies, not in the \
-            generator: with it, caught at case 17, but it exposes a consumer-side park that \
-            never clears; see tests/transports.rs)"]
 fn jetstream_positions_by_stream_sequence_are_caught() {
     let why = caught_within(
         SeededBug::JetStreamStreamSequenceOffsets,
