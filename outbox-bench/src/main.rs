@@ -11,6 +11,7 @@
 //! target/release/outbox-bench scale
 //! target/release/outbox-bench status --sizes 10000,10000000
 //! target/release/outbox-bench profile --explain
+//! target/release/outbox-bench --rounds 1 indexes
 //! # MySQL 8 / MariaDB (outbox-mysql): drain and append, beside hand-written references
 //! target/release/outbox-bench --database-url mysql://root@127.0.0.1:3306/test drain
 //! target/release/outbox-bench --database-url mysql://root@127.0.0.1:3306/test append
@@ -32,6 +33,7 @@ mod autovac;
 mod consumer;
 mod drain;
 mod env;
+mod indexes;
 mod latency;
 mod mysql;
 mod profile;
@@ -88,6 +90,9 @@ enum Scenario {
     /// Status: `stats()`, the reads of `outbox status` and one claim + completion on tables
     /// of growing size (mostly published rows), side by side.
     Status(status::StatusArgs),
+    /// Indexes: which index each store operation reads (the server's counters), and each
+    /// operation's time with one index of the outbox table dropped at a time.
+    Indexes(indexes::IndexesArgs),
 }
 
 #[tokio::main]
@@ -124,6 +129,7 @@ async fn main() -> anyhow::Result<()> {
         Scenario::Scale(a) => scale::run(&env, a, cli.rounds).await,
         Scenario::Profile(a) => profile::run(&env, a, cli.rounds).await,
         Scenario::Status(a) => status::run(&env, a, cli.rounds).await,
+        Scenario::Indexes(a) => indexes::run(&env, a, cli.rounds).await,
     };
     // Remove what the run created, also after a failure.
     let cleaned = env.cleanup().await;

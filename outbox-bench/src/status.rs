@@ -182,7 +182,7 @@ async fn status_reads(store: &PostgresOutboxStore, window: Duration) -> anyhow::
 /// `parked` parked heads, then pending (the last `pending` rows, appended one per millisecond
 /// up to now), over `aggregates` aggregates, version = the row's round over them; the state
 /// rows; `VACUUM ANALYZE`.
-async fn fill(
+pub(crate) async fn fill(
     store: &PostgresOutboxStore,
     rows: usize,
     pending: usize,

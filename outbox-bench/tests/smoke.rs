@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::process::Command;
 
-fn run(env: &(String, String), name: &str, json: &Path, args: &[&str]) {
+fn run(env: &(String, String), name: &str, json: &Path, args: &[&str]) -> serde_json::Value {
     let out = Command::new(env!("CARGO_BIN_EXE_outbox-bench"))
         .env("DATABASE_URL", &env.0)
         .env("KAFKA_BROKERS", &env.1)
@@ -30,6 +30,7 @@ fn run(env: &(String, String), name: &str, json: &Path, args: &[&str]) {
             || figures.as_object().is_some_and(|f| !f.is_empty()),
         "{name}: no figures in {report}"
     );
+    report
 }
 
 #[test]
@@ -59,7 +60,7 @@ fn every_scenario_runs_at_its_smallest() {
             "10",
         ],
     );
-    run(
+    let append = run(
         &env,
         "append",
         &j("append"),
@@ -74,8 +75,40 @@ fn every_scenario_runs_at_its_smallest() {
             "--orders",
             "100",
             "--only",
-            "none,gate,notify",
+            "none,gate,notify,gate-bare,bare,only,only-no-event-id-key",
         ],
+    );
+    // The ratio: the append alone against a bare insert of the same row, both
+    // measured (a contender that fails to write its row fails the run above).
+    let append = &append["reports"][0];
+    let target = append["targets"]
+        .as_array()
+        .and_then(|t| {
+            t.iter().find(|t| {
+                t["target"]
+                    .as_str()
+                    .is_some_and(|s| s.contains("1 append alone") && s.contains("bare INSERT"))
+            })
+        })
+        .unwrap_or_else(|| panic!("no target of the append alone against a bare insert: {append}"));
+    assert!(
+        target["measured"].as_f64().is_some_and(|m| m > 0.0),
+        "{target}"
+    );
+    let bare = append["figures"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|f| {
+            f["contender"].as_str()
+                == Some("alone: 1 append, without the event_id unique key [2 clients]")
+                && f["metric"] == "txn/s"
+        })
+        .unwrap_or_else(|| panic!("no figure of the index experiment: {append}"));
+    assert_eq!(
+        bare["reference"].as_str(),
+        Some("alone: bare INSERT of the row, PK-only table (reference) [2 clients]"),
+        "{bare}"
     );
     run(
         &env,
@@ -121,6 +154,58 @@ fn every_scenario_runs_at_its_smallest() {
         &j("status"),
         &["status", "--sizes", "10000", "--reads", "2"],
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn indexes_reads_which_index_each_operation_used_from_the_server() {
+    let Some(db) = outbox_test_support::database_url("outbox-bench smoke (indexes)") else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(outbox_test_support::unique("bench_smoke_i"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let report = run(
+        &(db, String::new()),
+        "indexes",
+        &dir.join("indexes.json"),
+        &[
+            "indexes",
+            "--rows",
+            "10000",
+            "--pending",
+            "2000",
+            "--parked",
+            "5",
+            "--variants",
+            "all,outbox_events_claim_idx",
+        ],
+    );
+    let report = &report["reports"][0];
+    let by_op = &report["details"]["index_scans_by_operation"];
+    // The claim's candidates come from the claim index; the append reads no index (its
+    // uniqueness check is not an index scan); the parked list from the parked index.
+    assert!(
+        by_op["claim 100 (lease)"]["outbox_events_claim_idx"]
+            .as_i64()
+            .is_some_and(|n| n > 0),
+        "{by_op}"
+    );
+    assert_eq!(by_op["append 1 event"], serde_json::json!({}), "{by_op}");
+    assert!(
+        by_op["list_parked 100"]["outbox_events_parked_idx"]
+            .as_i64()
+            .is_some_and(|n| n > 0),
+        "{by_op}"
+    );
+    // Without the claim index the claim still works, on another plan (compared with [all]).
+    let figures = report["figures"].as_array().expect("figures");
+    let claim = figures
+        .iter()
+        .find(|f| {
+            f["contender"] == "claim 100 (lease) [outbox_events_claim_idx]" && f["metric"] == "ms"
+        })
+        .unwrap_or_else(|| panic!("no claim without the claim index: {report}"));
+    assert_eq!(claim["reference"], "claim 100 (lease) [all]", "{claim}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
