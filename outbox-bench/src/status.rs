@@ -115,6 +115,16 @@ pub(crate) async fn run(env: &Env, args: &StatusArgs, rounds: usize) -> anyhow::
             samples.add(&claim_name, "ms", median(&cl));
             samples.add(&complete_name, "ms", median(&co));
         }
+        let l = ReportingStore::publish_latency(&store, window).await?;
+        println!(
+            "size {size}: latency over {} s: published {}, p50 {:?} s, p99 {:?} s, sample {:?} \
+             (None: exact)",
+            window.as_secs(),
+            l.count,
+            l.p50,
+            l.p99,
+            l.sample
+        );
         let s = store.stats().await?;
         println!(
             "size {size}: stats say unpublished {}, parked {}, blocked {}, published_retained {} \
@@ -170,7 +180,7 @@ async fn status_reads(store: &PostgresOutboxStore, window: Duration) -> anyhow::
     let stats = ReportingStore::backlog(store).await?;
     let latency = ReportingStore::publish_latency(store, window).await?;
     for back in 1..=6u64 {
-        ReportingStore::publish_latency(store, Duration::from_secs(10 * back)).await?;
+        ReportingStore::flow(store, Duration::from_secs(10 * back)).await?;
     }
     RelayRegistry::relays(store).await?;
     let ms = t.elapsed().as_secs_f64() * 1e3;

@@ -54,6 +54,10 @@ async fn status_forecasts_a_live_outage_that_a_long_drain_would_cancel() {
     assert_eq!(flow["window_seconds"], 900.0, "{flow}");
     assert_eq!(flow["published"], 2000, "{flow}");
     assert_eq!(flow["created"], 800, "{flow}");
+    // 2,000 finished events in the window: counted and read in full, labelled exact.
+    assert_eq!(flow["published_estimated"], false, "{flow}");
+    assert_eq!(s["latency"]["estimated"], false, "{s}");
+    assert!(s["latency"]["sample_size"].is_null(), "{s}");
     let rate = flow["rate_per_second"].as_f64().expect("a rate");
     assert!((rate - 20.0).abs() < 0.5, "the outage's +20/s: {flow}");
     let until_full = flow["forecast_seconds"]
@@ -81,6 +85,7 @@ async fn status_forecasts_a_live_outage_that_a_long_drain_would_cancel() {
     assert!(out.status.success(), "{human}");
     assert!(human.contains("backlog trend (last 30s)"), "{human}");
     assert!(!human.contains("not growing"), "{human}");
+    assert!(!human.contains("estimated"), "{human}");
 
     // The trend window ends now: once the outage is over (the backlog published a while
     // ago, nothing since), the trend is flat and nothing is forecast, while the 15-minute
@@ -100,5 +105,62 @@ async fn status_forecasts_a_live_outage_that_a_long_drain_would_cancel() {
     assert_eq!(code, 0, "{s} {stderr}");
     assert_eq!(s["flow"]["rate_per_second"], 0.0, "{s}");
     assert!(s["flow"]["forecast_seconds"].is_null(), "{s}");
+    env.drop_schema().await;
+}
+
+/// Above 5,000 finished events in the window (the PostgreSQL store's default
+/// `latency_sample`), `status` shows the latency as an estimate over the latest 5,000
+/// publications, in the text and in `--json`. 6,000 events published over the last ten
+/// minutes: the oldest 1,000 took 100 s, the latest 5,000 took 1 s, so the estimate's largest
+/// is 1 s (the exact one would be 100 s); the published count stays 6,000.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_labels_the_latency_of_a_busy_window_as_an_estimate() {
+    let test = "status_labels_the_latency_of_a_busy_window_as_an_estimate";
+    let Some(env) = TestEnv::without_kafka(test).await else {
+        return;
+    };
+    env.migrate();
+    env.append(6000, 1).await;
+    sqlx::raw_sql(&format!(
+        "WITH r AS (SELECT id, row_number() OVER (ORDER BY id) - 1 AS n FROM \"{s}\".outbox_events), \
+              t AS (SELECT id, n, now() - (600 - n * 0.1) * interval '1 second' AS published FROM r) \
+         UPDATE \"{s}\".outbox_events e SET status = 'published', published_at = t.published, \
+           finished_at = t.published, \
+           created_at = t.published - CASE WHEN t.n < 1000 THEN 100 ELSE 1 END * interval '1 second', \
+           inserted_at = t.published - CASE WHEN t.n < 1000 THEN 100 ELSE 1 END * interval '1 second', \
+           ack_transport = 'kafka', ack_destination = 't', ack_partition = 0, ack_position = e.id \
+         FROM t WHERE e.id = t.id",
+        s = env.schema
+    ))
+    .execute(&env.pool)
+    .await
+    .unwrap();
+    assert_eq!(env.count("published").await, 6000);
+
+    let (code, s, stderr) = env.json_env(&[], &["status", "--no-consumers"]);
+    assert_eq!(code, 0, "{s} {stderr}");
+    let latency = &s["latency"];
+    assert_eq!(latency["estimated"], true, "{latency}");
+    assert_eq!(latency["sample_size"], 5000, "{latency}");
+    assert_eq!(latency["published"], 6000, "{latency}");
+    assert_eq!(
+        latency["max_seconds"], 1.0,
+        "the latest 5,000 only: {latency}"
+    );
+    assert_eq!(latency["p99_seconds"], 1.0, "{latency}");
+    assert_eq!(s["flow"]["published_estimated"], true, "{s}");
+
+    let out = env
+        .cmd()
+        .args(["status", "--no-consumers"])
+        .output()
+        .unwrap();
+    let human = text(&out);
+    assert!(out.status.success(), "{human}");
+    assert!(
+        human.contains("(estimated over the latest 5000 publications)"),
+        "{human}"
+    );
+    assert!(human.contains("6000 (estimated)"), "{human}");
     env.drop_schema().await;
 }

@@ -90,7 +90,7 @@ pub use retry::{IdleBackoff, RetryPolicy, RetryPolicyBuilder};
 pub use store::{
     AppendStore, IntervalCount, LatencySummary, MaintenanceStore, OperatorStore, OutboxStore,
     PublishedFilter, PublishedId, PublishedPosition, PublishedRow, RelayEntry, RelayRegistration,
-    RelayRegistry, RelayState, RelayStore, ReportingStore,
+    RelayRegistry, RelayState, RelayStore, ReportingStore, WindowFlow,
 };
 
 /// The store role traits, to bring their methods into scope: `use outbox_core::prelude::*;`.

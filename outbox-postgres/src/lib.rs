@@ -24,7 +24,7 @@
 //! | Parking, retry/discard/re-issue, audit | yes, `<table>_audit` |
 //! | Cleanup | bounded batches (one transaction each), optional `<table>_archive` |
 //! | Stats | backlog, in flight, blocked behind parked events, gap-held, parked, version gaps held; oldest claimable, blocked and parked ages from the insertion time (`inserted_at`, the database clock); table/index size, dead tuples, autovacuum age, queued rows, conditional-update conflicts in `extra` |
-//! | Operator reads | [`outbox_core::ReportingStore`] (held to the reporting conformance suite): publish latency percentiles and flow over a window, published events by aggregate/type/time for replay, counts per interval and event type for reconciliation, recorded topic facts ([`PostgresOutboxStore::publish_latency`] and neighbours) |
+//! | Operator reads | [`outbox_core::ReportingStore`] (held to the reporting conformance suite): publish latency percentiles and flow over a window (a window with more than [`OutboxSettings::latency_sample`] finished events estimated over its latest publications, and labelled so), published events by aggregate/type/time for replay, counts per interval and event type for reconciliation, recorded topic facts ([`PostgresOutboxStore::publish_latency`] and neighbours) |
 //! | Conflict counter | [`PostgresOutboxStore::record_conflict`]: the application counts updates its version check refused; exported by the relay daemon |
 //! | Error mapping | SQLSTATE / sqlx variants to transient or permanent ([`map_sqlx_error`]) |
 //! | Schema | embedded migrations ([`PostgresOutboxStore::migrate`]) or plain SQL (`sql/*.sql`, [`outbox_schema_sql`]); schema and table names configurable, validated and quoted; upgrades run beside relays of the previous version (the migration runner locks what a migration rewrites), except that migration 8 renames the acknowledgement columns: a relay of version 7 fails its completions until it is upgraded, and its events are published again (duplicates, no loss; docs/transports.md §2) |
@@ -110,8 +110,8 @@ mod sql;
 pub mod sql_mutation;
 
 pub use config::{
-    AppendGuard, OutboxSettings, DEFAULT_GAP_TIMEOUT, DEFAULT_INBOX_TABLE, DEFAULT_OUTBOX_TABLE,
-    DEFAULT_SCHEMA,
+    AppendGuard, OutboxSettings, DEFAULT_GAP_TIMEOUT, DEFAULT_INBOX_TABLE, DEFAULT_LATENCY_SAMPLE,
+    DEFAULT_OUTBOX_TABLE, DEFAULT_SCHEMA,
 };
 pub use error::{classify_sqlstate, map_sqlx_error};
 pub use inbox::{PostgresInboxStore, PostgresInboxStoreBuilder};

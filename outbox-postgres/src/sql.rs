@@ -538,7 +538,8 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                DELETE FROM {t} WHERE id IN ( \
                  SELECT id FROM {t} \
                  WHERE status IN ('published', 'discarded') \
-                   AND finished_at < clock_timestamp() - $1::int8 * interval '1 microsecond' \
+                   AND finished_at < \
+                     (SELECT clock_timestamp() - $1::int8 * interval '1 microsecond') \
                  ORDER BY finished_at LIMIT $2 FOR UPDATE SKIP LOCKED) \
                RETURNING *), \
              ar AS (INSERT INTO {archive} SELECT * FROM d WHERE $3::bool RETURNING 1) \

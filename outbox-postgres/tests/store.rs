@@ -1353,3 +1353,182 @@ async fn published_rows_have_one_time_index_and_the_latency_window_uses_it() {
     assert!(forced.contains("outbox_events_finished_idx"), "{forced}");
     ctx.drop().await;
 }
+
+/// Publishes 30 events of one store and sets their times: event `n` (1..=30, in append
+/// order) was published `31 - n` seconds ago, `n` seconds after its creation (latency `n` s).
+async fn thirty_published_with_latency_n(ctx: &common::Ctx, store: &PostgresOutboxStore) {
+    let evs: Vec<_> = (1..=30).map(|i| event(&format!("l{i}"), 1)).collect();
+    store.append_many(&ctx.pool, &evs).await.unwrap();
+    let batch = claim(store, "relay-1", 100).await;
+    assert_eq!(batch.records.len(), 30);
+    publish_all(store, &batch).await;
+    sqlx::query(&format!(
+        "WITH r AS (SELECT id, row_number() OVER (ORDER BY id) AS n FROM \"{s}\".outbox_events), \
+              t AS (SELECT id, n, now() - (31 - n) * interval '1 second' AS at FROM r) \
+         UPDATE \"{s}\".outbox_events e SET published_at = t.at, finished_at = t.at, \
+                created_at = t.at - t.n * interval '1 second' \
+         FROM t WHERE e.id = t.id",
+        s = ctx.schema
+    ))
+    .execute(&ctx.pool)
+    .await
+    .unwrap();
+}
+
+fn close(got: Option<f64>, want: f64) -> bool {
+    got.is_some_and(|g| (g - want).abs() < 1e-6)
+}
+
+/// `publish_latency` reads at most `latency_sample` finished events: up to that many in the
+/// window it is exact (`sample` None); above, the percentiles and the largest are those of
+/// the window's latest publications and say so (`sample` Some(n)), the count is the window's
+/// finished events scaled by the sample's share of published ones.
+#[tokio::test]
+async fn publish_latency_is_exact_up_to_its_sample_then_a_labelled_estimate() {
+    let ctx = ctx!(4);
+    let sampled = |n: usize| {
+        PostgresOutboxStore::builder(ctx.pool.clone())
+            .schema(&ctx.schema)
+            .latency_sample(n)
+            .build()
+            .unwrap()
+    };
+    let store = sampled(20);
+    store.migrate().await.unwrap();
+    thirty_published_with_latency_n(&ctx, &store).await;
+    let hour = Duration::from_secs(3600);
+
+    // 30 in the window, 20 read: the latest 20 (latencies 11..=30).
+    let s = store.publish_latency(hour).await.unwrap();
+    assert_eq!((s.count, s.created, s.sample), (30, 30, Some(20)), "{s:?}");
+    assert!(close(s.p50, 20.5), "median of 11..=30: {s:?}");
+    assert!(close(s.p90, 28.1), "{s:?}");
+    assert!(close(s.p99, 29.81), "{s:?}");
+    assert!(close(s.max, 30.0), "{s:?}");
+
+    // Up to the sample size, exact over all 30 (1..=30).
+    for n in [30, 31] {
+        let s = sampled(n).publish_latency(hour).await.unwrap();
+        assert_eq!((s.count, s.created, s.sample), (30, 30, None), "{n}: {s:?}");
+        assert!(close(s.p50, 15.5), "median of 1..=30: {s:?}");
+        assert!(close(s.p90, 27.1), "{s:?}");
+        assert!(close(s.p99, 29.71), "{s:?}");
+        assert!(close(s.max, 30.0), "{s:?}");
+    }
+    // A narrower window with fewer finished events than the sample is exact again: the
+    // latest 10 (latencies 21..=30, published within the last 10.5 s).
+    let s = store
+        .publish_latency(Duration::from_millis(10_500))
+        .await
+        .unwrap();
+    assert_eq!((s.count, s.sample), (10, None), "{s:?}");
+    assert!(close(s.p50, 25.5), "{s:?}");
+
+    // The latest finished event discarded: the sample holds 19 published events of 20, the
+    // count is 30 x 19 / 20 = 28.5, rounded to 29 (the true count); the discarded event's
+    // time is not a latency.
+    sqlx::query(&format!(
+        "UPDATE \"{}\".outbox_events SET status = 'discarded' \
+         WHERE id = (SELECT max(id) FROM \"{0}\".outbox_events)",
+        ctx.schema
+    ))
+    .execute(&ctx.pool)
+    .await
+    .unwrap();
+    let s = store.publish_latency(hour).await.unwrap();
+    assert_eq!((s.count, s.sample), (29, Some(19)), "{s:?}");
+    assert!(close(s.max, 29.0), "{s:?}");
+    assert!(close(s.p50, 20.0), "median of 11..=29: {s:?}");
+    let exact = sampled(1000).publish_latency(hour).await.unwrap();
+    assert_eq!((exact.count, exact.sample), (29, None), "{exact:?}");
+    let zero = PostgresOutboxStore::builder(ctx.pool.clone())
+        .schema(&ctx.schema)
+        .latency_sample(0)
+        .build();
+    assert!(zero.is_err(), "a sample of 0 is refused");
+    ctx.drop().await;
+}
+
+/// Cleanup's retention bound is a scalar subquery (evaluated once), so `finished_idx` is read
+/// from its start up to the bound only (an index condition), not to its end with a filter
+/// that a bare `clock_timestamp()` would leave (a volatile expression is no index bound): the
+/// last, partial batch read every retained row. The statement is the store's own (the
+/// canonical text of `sql_mutation`, names replaced). And it removes what it removed before:
+/// exactly the rows finished before the retention, oldest first, in batches. (Needs the
+/// `sql-mutation` feature for the statement's text; CI builds with `--all-features`.)
+#[cfg(feature = "sql-mutation")]
+#[tokio::test]
+async fn cleanup_bounds_its_index_range_by_the_retention_and_removes_the_same_rows() {
+    use outbox_postgres::sql_mutation::{statements, Variant, SCHEMA};
+    let ctx = ctx!(4);
+    let store = ctx.store(lease(30.0)).await;
+    let evs: Vec<_> = (0..40).map(|i| event(&format!("c{i}"), 1)).collect();
+    store.append_many(&ctx.pool, &evs).await.unwrap();
+    let batch = claim(&store, "relay-1", 100).await;
+    publish_all(&store, &batch).await;
+    // The first 10 (by id) finished two hours ago, the others within the last minutes.
+    sqlx::query(&format!(
+        "UPDATE \"{s}\".outbox_events SET published_at = now() - interval '2 hours' + id * interval '1 ms', \
+                finished_at = now() - interval '2 hours' + id * interval '1 ms' \
+         WHERE id IN (SELECT id FROM \"{s}\".outbox_events ORDER BY id LIMIT 10)",
+        s = ctx.schema
+    ))
+    .execute(&ctx.pool)
+    .await
+    .unwrap();
+    sqlx::query(&format!("ANALYZE \"{}\".outbox_events", ctx.schema))
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
+
+    let cleanup = statements(Variant::Plain)
+        .into_iter()
+        .find(|(name, _)| *name == "cleanup")
+        .expect("the cleanup statement")
+        .1
+        .replace(&format!("\"{SCHEMA}\"."), &format!("\"{}\".", ctx.schema));
+    // The planner may prefer a scan of this tiny table: with sequential scans off, the index
+    // must be used, and bounded.
+    let mut tx = ctx.pool.begin().await.unwrap();
+    sqlx::query("SET LOCAL enable_seqscan = off")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let plan: Vec<String> = sqlx::query_scalar(&format!("EXPLAIN (COSTS OFF) {cleanup}"))
+        .bind(3_600_000_000i64)
+        .bind(4i64)
+        .bind(false)
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    let plan = plan.join("\n");
+    assert!(plan.contains("outbox_events_finished_idx"), "{plan}");
+    assert!(
+        plan.contains("Index Cond: (finished_at <"),
+        "the retention bounds the index range: {plan}"
+    );
+    assert!(!plan.contains("Filter: (finished_at <"), "{plan}");
+
+    let old: Vec<i64> = sqlx::query_scalar(&format!(
+        "SELECT id FROM \"{}\".outbox_events ORDER BY id LIMIT 10",
+        ctx.schema
+    ))
+    .fetch_all(&ctx.pool)
+    .await
+    .unwrap();
+    let rep = store.cleanup(Duration::from_secs(3600), 4).await.unwrap();
+    assert_eq!((rep.removed, rep.batches), (10, 3), "4 + 4 + 2");
+    let left: Vec<i64> = sqlx::query_scalar(&format!(
+        "SELECT id FROM \"{}\".outbox_events ORDER BY id",
+        ctx.schema
+    ))
+    .fetch_all(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(left.len(), 30);
+    assert!(left.iter().all(|id| !old.contains(id)), "{left:?} {old:?}");
+    let again = store.cleanup(Duration::from_secs(3600), 4).await.unwrap();
+    assert_eq!(again.removed, 0);
+    ctx.drop().await;
+}

@@ -171,8 +171,9 @@ struct Trend {
 /// backlog sampled every `relay.stats_interval` over the last `status.trend_window`. A
 /// one-shot command has no samples of its own, so it reconstructs them from the store: the
 /// backlog `w` ago is the backlog now, less the events created within `w`, plus the events
-/// published within `w` (the reporting role's counts over a window ending now). Events parked
-/// or discarded within `w` are not added back (they leave the backlog without a
+/// published within `w` (the reporting role's counts over a window ending now,
+/// [`ReportingStore::flow`]; PostgreSQL counts the discarded ones too, which also left the
+/// backlog). Events parked within `w` are not added back (they leave the backlog without a
 /// publication); a relay that parks many at once makes the reconstruction read a little
 /// steeper than the daemon's samples did.
 async fn backlog_trend<R: ReportingStore>(
@@ -203,8 +204,8 @@ async fn backlog_trend<R: ReportingStore>(
         let backlog = if w.is_zero() {
             unpublished
         } else {
-            let flow = store.publish_latency(*w).await.map_err(map)?;
-            (unpublished as i128 - flow.created as i128 + flow.count as i128).max(0) as u64
+            let flow = store.flow(*w).await.map_err(map)?;
+            (unpublished as i128 - flow.created as i128 + flow.finished as i128).max(0) as u64
         };
         samples.observe(start + (window - *w), backlog);
     }
@@ -336,11 +337,14 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
             "p90_seconds": latency.p90,
             "p99_seconds": latency.p99,
             "max_seconds": latency.max,
+            "estimated": latency.sample.is_some(),
+            "sample_size": latency.sample,
         },
         "flow": {
             "window_seconds": window.0.as_secs_f64(),
             "created": latency.created,
             "published": latency.count,
+            "published_estimated": latency.sample.is_some(),
             "rate_per_second": rate,
             "trend_window_seconds": trend.window.as_secs_f64(),
             "trend_points": trend.points,
@@ -393,16 +397,23 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
         vec!["  oldest parked".into(), age(stats.oldest_parked_age)],
         vec![
             format!("published in the last {window}"),
-            latency.count.to_string(),
+            match latency.sample {
+                None => latency.count.to_string(),
+                Some(_) => format!("{} (estimated)", latency.count),
+            },
         ],
         vec![
             "  latency p50 / p90 / p99 / max".into(),
             format!(
-                "{} / {} / {} / {}",
+                "{} / {} / {} / {}{}",
                 fmt_s(latency.p50),
                 fmt_s(latency.p90),
                 fmt_s(latency.p99),
-                fmt_s(latency.max)
+                fmt_s(latency.max),
+                match latency.sample {
+                    None => String::new(),
+                    Some(n) => format!(" (estimated over the latest {n} publications)"),
+                }
             ),
         ],
         vec![

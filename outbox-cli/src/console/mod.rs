@@ -281,6 +281,8 @@ async fn api_overview(State(s): State<ConsoleState>) -> Response {
                 "p90_seconds": d.latency.p90,
                 "p99_seconds": d.latency.p99,
                 "max_seconds": d.latency.max,
+                "estimated": d.latency.sample.is_some(),
+                "sample_size": d.latency.sample,
             },
             "history": s.0.history.samples(),
             "relays": relays_json(&d),

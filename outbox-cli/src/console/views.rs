@@ -254,6 +254,10 @@ pub(super) fn overview(o: &Overview<'_>) -> Markup {
                 td.num { (o.latency.created) }
             }
         }
+        @if let Some(n) = o.latency.sample {
+            p.note { "Estimated: a busy window's percentiles and largest are those of its latest "
+                (n) " publications, and the published count is scaled from them." }
+        }
         h2 #relays { "Live relays" }
         @if let Some((owner, ready)) = &o.this_relay {
             p { "This console is served by relay " b { (owner) } ": "

@@ -177,6 +177,12 @@ macro_rules! forward_store_roles {
             ) -> ::core::result::Result<$crate::LatencySummary, $crate::StoreError> {
                 $crate::ReportingStore::publish_latency(&self.$field, window).await
             }
+            async fn flow(
+                &self,
+                window: ::core::time::Duration,
+            ) -> ::core::result::Result<$crate::WindowFlow, $crate::StoreError> {
+                $crate::ReportingStore::flow(&self.$field, window).await
+            }
             async fn cleanup_candidates(
                 &self,
                 retention: ::core::time::Duration,

@@ -72,7 +72,7 @@ pub use registry::{
 
 pub use reporting::{
     IntervalCount, LatencySummary, PublishedFilter, PublishedId, PublishedPosition, PublishedRow,
-    ReportingStore,
+    ReportingStore, WindowFlow,
 };
 
 /// The application's role: append events inside its own transaction.

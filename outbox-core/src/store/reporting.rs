@@ -34,8 +34,24 @@ pub trait ReportingStore: Send + Sync {
     /// time in `[now - window, now]`), with continuous percentiles (linear interpolation
     /// between closest ranks, as SQL's `percentile_cont`), and the number of events created
     /// within `window` (any status). An empty window MUST give `count == 0` and no
-    /// percentiles.
+    /// percentiles. A store MAY estimate the figures of a busy window over a sample, and
+    /// MUST then say so in [`LatencySummary::sample`] (`None` only for exact figures).
     async fn publish_latency(&self, window: Duration) -> Result<LatencySummary, StoreError>;
+
+    /// How many events entered and left the backlog within `window`: the counts of
+    /// [`publish_latency`](Self::publish_latency) without its percentiles, for a reader that
+    /// needs only those (`outbox status` reconstructs the backlog's trend from one per trend
+    /// point). `created` MUST be what `publish_latency` counts; `finished` MUST count the
+    /// events published within `window` and MAY count the discarded ones too (they left the
+    /// backlog as well). The default reads `publish_latency`; a store whose percentiles cost
+    /// more than its counts SHOULD override it.
+    async fn flow(&self, window: Duration) -> Result<WindowFlow, StoreError> {
+        let l = self.publish_latency(window).await?;
+        Ok(WindowFlow {
+            created: l.created,
+            finished: l.count,
+        })
+    }
 
     /// Published and discarded rows that a
     /// [`MaintenanceStore::cleanup`](crate::MaintenanceStore::cleanup) with `retention` would
@@ -99,6 +115,31 @@ pub struct LatencySummary {
     pub max: Option<f64>,
     /// Events created in the window (any status): with `count`, the backlog's flow.
     pub created: u64,
+    /// `None` when the figures above are exact. `Some(n)` when the store bounded the read on
+    /// a busy window: `p50`..`max` are then an **estimate** over a sample of `n` published
+    /// events of the window (which ones is the store's choice; PostgreSQL takes the latest
+    /// publications), and `count` may be estimated too (PostgreSQL scales its exact count of
+    /// the window's finished events by the sample's share of published ones). `created` is
+    /// always exact. A reader shows such figures as estimates with the sample size, as
+    /// `outbox status` does.
+    pub sample: Option<u64>,
+}
+
+/// Events that entered and left the backlog within a window ([`ReportingStore::flow`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WindowFlow {
+    /// Events created within the window (any status).
+    pub created: u64,
+    /// Events published within the window (with a store's discarded ones, if it counts them).
+    pub finished: u64,
+}
+
+impl WindowFlow {
+    /// A flow of `created` and `finished` events.
+    pub fn new(created: u64, finished: u64) -> Self {
+        Self { created, finished }
+    }
 }
 
 impl LatencySummary {
@@ -123,6 +164,7 @@ impl LatencySummary {
             p99: cont(0.99),
             max: latencies.last().copied(),
             created,
+            sample: None,
         }
     }
 }

@@ -114,6 +114,14 @@ impl PostgresOutboxStoreBuilder {
         self.delivery_timeout = Some(d);
         self
     }
+    /// The most published events `publish_latency` reads for its percentiles (default
+    /// [`crate::DEFAULT_LATENCY_SAMPLE`]; at least 1). See [`OutboxSettings::latency_sample`].
+    ///
+    /// [`OutboxSettings::latency_sample`]: crate::OutboxSettings::latency_sample
+    pub fn latency_sample(mut self, n: usize) -> Self {
+        self.settings.latency_sample = n;
+        self
+    }
     /// The backpressure hook, see [`AppendGuard`].
     pub fn append_guard(mut self, guard: Arc<dyn AppendGuard>) -> Self {
         self.settings.append_guard = Some(guard);
@@ -163,6 +171,9 @@ impl PostgresOutboxStoreBuilder {
                 "gap_timeout of {:?} is outside 1 ms..=24 h",
                 s.gap_timeout
             )));
+        }
+        if s.latency_sample == 0 {
+            return Err(config("latency_sample must be at least 1"));
         }
         if let Some(timeout) = self.delivery_timeout {
             let (what, claim) = match s.claim_mode {

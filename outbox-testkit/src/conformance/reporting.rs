@@ -145,7 +145,8 @@ where
 /// ten events created 10, 20, .., 100 s ago and published now have a median of 55 s, a 90th
 /// percentile of 91 s, a 99th of 99.1 s and a largest of 100 s (plus the moments the check
 /// takes on a real clock). An event created before the window is not counted as created in
-/// it; a window that ends after the publications and starts after them holds none.
+/// it; a window that ends after the publications and starts after them holds none. Ten
+/// publications are exact (no sample), and the flow counts what the latency counts.
 pub async fn publish_latency_percentiles_over_a_window<H: OutboxHarness>(h: &H)
 where
     H::Store: ReportingStore,
@@ -184,6 +185,16 @@ where
     store.complete(&b.handle, &outs).await.expect("complete");
     let s = store.publish_latency(hour).await.expect("latency");
     assert_eq!((s.count, s.created), (10, 10), "{s:?}");
+    assert_eq!(
+        s.sample, None,
+        "ten publications are reported exactly: {s:?}"
+    );
+    let flow = store.flow(hour).await.expect("flow");
+    assert_eq!(
+        (flow.created, flow.finished),
+        (s.created, s.count),
+        "the flow counts what the latency counts: {flow:?}"
+    );
     let near =
         |got: Option<f64>, want: f64| got.is_some_and(|g| g >= want - 1e-6 && g < want + 5.0);
     assert!(near(s.p50, 55.0), "{s:?}");
