@@ -371,7 +371,7 @@ impl InFlight {
 /// What [`NatsSource::accept`] makes of a delivery.
 enum Accepted {
     /// A message to hand out.
-    New(ReceivedMessage),
+    New(Box<ReceivedMessage>),
     /// A redelivery of a message in flight here and not final: dropped.
     InFlight,
     /// A redelivery of a final message whose ack was not confirmed (held here under this
@@ -587,13 +587,13 @@ impl NatsSource {
         tracing::trace!(stream = %self.tp.topic, seq, delivery, "message handed out");
         let position =
             LogPosition::jetstream(self.tp.topic.clone(), seq, delivery, &self.config.durable);
-        Ok(Accepted::New(ReceivedMessage::from_record(
+        Ok(Accepted::New(Box::new(ReceivedMessage::from_record(
             position,
             None,
             headers,
             Some(message.payload.to_vec()),
             timestamp,
-        )))
+        ))))
     }
 }
 
@@ -639,7 +639,7 @@ impl MessageSource for NatsSource {
                 }
                 Some(Ok(msg)) => {
                     match self.accept(msg)? {
-                        Accepted::New(m) => return Ok(Some(m)),
+                        Accepted::New(m) => return Ok(Some(*m)),
                         Accepted::InFlight => {}
                         Accepted::Final(held) => {
                             // This one only: the redeliveries of the others may be on their
