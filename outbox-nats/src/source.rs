@@ -34,6 +34,32 @@
 //! final delivery to [`ack_ahead`](MessageSource::ack_ahead) at its next commit, which acks it
 //! on its own (after its transaction committed, as every ack here). The watermark's commit
 //! acks what was not acked ahead (an ack that was not confirmed).
+//!
+//! # An ack ahead that is lost
+//!
+//! An ack ahead that the server does not confirm (a network outage, the connection cut) leaves
+//! the message unacknowledged at the server, which redelivers it after the ack wait. Left to
+//! the watermark, such a message would wait for it as long as the unfinished one before it
+//! (a held aggregate): its redeliveries dropped here as "in flight" at every ack wait, and each
+//! one taking a slot of `max_ack_pending` all along, so that enough of them stop the server
+//! from delivering anything new, the missing version a held aggregate waits for included. So
+//! the source remembers each delivery handed to `ack_ahead` as **final** until its ack is
+//! confirmed, and acks it again
+//!
+//! * at the next [`ack_ahead`](MessageSource::ack_ahead) or [`commit`](MessageSource::commit),
+//!   whatever positions they name, and
+//! * at once when the server redelivers it: the redelivery is not handed out (its effect's
+//!   transaction committed long ago) and its newer reply subject carries the ack. Only that
+//!   message is acked then: the others' redeliveries may be on their way, and one arriving
+//!   after its message was acked here would be a new message (a duplicate handed out).
+//!   A redelivery already on its way when an ack at the next ack ahead or commit is confirmed
+//!   is such a duplicate too, which the inbox absorbs.
+//!
+//! Only a delivery the engine handed to `ack_ahead` (its transaction committed) or a commit
+//! passed is ever acknowledged, so nothing is acknowledged before its effect committed. A
+//! redelivery of a message in flight that is *not* final (held, being applied) is still only
+//! dropped: acking it would lose it. Deliveries are never limited (`max_deliver = -1`, checked
+//! at start), so the redeliveries of either kind cannot use up a message's deliveries.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -279,38 +305,78 @@ async fn bind_consumer(
     Ok(consumer)
 }
 
+/// A delivery handed out and not acknowledged.
+struct Delivery {
+    stream_seq: u64,
+    /// The reply subject of the newest delivery of the message.
+    acker: Acker,
+    /// Handed to `ack_ahead` (its transaction committed) and not confirmed: acked at any
+    /// occasion (see the module docs).
+    is_final: bool,
+}
+
 /// Deliveries handed out and not acknowledged, by delivery sequence, with the stream
 /// sequence of each (to recognise a redelivery of a message still in flight).
 #[derive(Default)]
 struct InFlight {
-    ackers: BTreeMap<u64, (u64, Acker)>,
+    ackers: BTreeMap<u64, Delivery>,
     by_stream_seq: BTreeMap<u64, u64>,
 }
 
 impl InFlight {
-    /// Removes and returns the deliveries below `limit`.
-    fn take_below(&mut self, limit: u64) -> Vec<(u64, u64, Acker)> {
+    /// Removes and returns the deliveries below `limit` and every final one.
+    fn take_below_and_final(&mut self, limit: u64) -> Vec<(u64, Delivery)> {
         let keep = self.ackers.split_off(&limit);
-        let due = std::mem::replace(&mut self.ackers, keep);
-        due.into_iter()
-            .map(|(d, (s, a))| {
-                self.by_stream_seq.remove(&s);
-                (d, s, a)
+        let mut due: Vec<(u64, Delivery)> = std::mem::replace(&mut self.ackers, keep)
+            .into_iter()
+            .collect();
+        due.extend(self.take_final());
+        for (_, d) in &due {
+            self.by_stream_seq.remove(&d.stream_seq);
+        }
+        due
+    }
+
+    /// Removes and returns every final delivery.
+    fn take_final(&mut self) -> Vec<(u64, Delivery)> {
+        let finals: Vec<u64> = self
+            .ackers
+            .iter()
+            .filter(|(_, d)| d.is_final)
+            .map(|(n, _)| *n)
+            .collect();
+        finals
+            .into_iter()
+            .filter_map(|n| {
+                let d = self.ackers.remove(&n)?;
+                self.by_stream_seq.remove(&d.stream_seq);
+                Some((n, d))
             })
             .collect()
     }
 
     /// Removes and returns one delivery, when held.
-    fn take(&mut self, delivery: u64) -> Option<(u64, u64, Acker)> {
-        let (s, a) = self.ackers.remove(&delivery)?;
-        self.by_stream_seq.remove(&s);
-        Some((delivery, s, a))
+    fn take(&mut self, delivery: u64) -> Option<(u64, Delivery)> {
+        let d = self.ackers.remove(&delivery)?;
+        self.by_stream_seq.remove(&d.stream_seq);
+        Some((delivery, d))
     }
 
-    fn put_back(&mut self, delivery: u64, stream_seq: u64, acker: Acker) {
-        self.by_stream_seq.entry(stream_seq).or_insert(delivery);
-        self.ackers.entry(delivery).or_insert((stream_seq, acker));
+    fn put_back(&mut self, delivery: u64, d: Delivery) {
+        self.by_stream_seq.entry(d.stream_seq).or_insert(delivery);
+        self.ackers.entry(delivery).or_insert(d);
     }
+}
+
+/// What [`NatsSource::accept`] makes of a delivery.
+enum Accepted {
+    /// A message to hand out.
+    New(Box<ReceivedMessage>),
+    /// A redelivery of a message in flight here and not final: dropped.
+    InFlight,
+    /// A redelivery of a final message whose ack was not confirmed (held here under this
+    /// delivery sequence): to ack at once.
+    Final(u64),
 }
 
 /// The outbox [`MessageSource`] for JetStream: a durable pull consumer, explicit acks sent
@@ -388,11 +454,15 @@ impl NatsSource {
                 tracing::warn!(error = %e, "final acks at close failed; those messages are redelivered");
             }
         }
+        let finals = self.state().take_final();
+        if let Err(e) = self.ack_due(finals).await {
+            tracing::warn!(error = %e, "acks of final messages at close failed; those messages are redelivered");
+        }
         let rest: Vec<Acker> = self
             .state()
-            .take_below(u64::MAX)
+            .take_below_and_final(u64::MAX)
             .into_iter()
-            .map(|(_, _, a)| a)
+            .map(|(_, d)| d.acker)
             .collect();
         join_all(rest.iter().map(|a| a.ack_with(AckKind::Nak(None)))).await;
         // The naks are only queued on the connection: flush before the client goes.
@@ -401,18 +471,17 @@ impl NatsSource {
     }
 
     /// Acks every message handed out below the commits' next offsets (clamped to the
-    /// tracker's committable offset when `clamp`).
+    /// tracker's committable offset when `clamp`), and every final one.
     async fn ack_below(&self, commits: &[CommitOffset], clamp: bool) -> Result<(), SourceError> {
-        let Some(next) = commits
+        let next = commits
             .iter()
             .filter(|c| c.topic_partition() == self.tp)
             .map(|c| c.next_offset)
-            .max()
-        else {
-            return Ok(());
-        };
-        let limit = if clamp {
-            match self.tracker() {
+            .max();
+        let limit = match (next, clamp) {
+            (None, _) => None,
+            (Some(next), false) => Some(next),
+            (Some(next), true) => match self.tracker() {
                 None => Some(next),
                 Some(t) => {
                     let t = t.lock();
@@ -420,35 +489,34 @@ impl NatsSource {
                         .and_then(|w| w.committable())
                         .map(|c| c.min(next))
                 }
-            }
-        } else {
-            Some(next)
+            },
         };
-        let Some(limit) = limit.and_then(|l| u64::try_from(l).ok()) else {
-            return Ok(());
-        };
-        let due = self.state().take_below(limit);
+        let limit = limit.and_then(|l| u64::try_from(l).ok()).unwrap_or(0);
+        let due = self.state().take_below_and_final(limit);
         self.ack_due(due).await
     }
 
     /// Acks `due` (taken from the in-flight state), each confirmed by the server; puts back
-    /// those not confirmed, for the next commit.
-    async fn ack_due(&self, due: Vec<(u64, u64, Acker)>) -> Result<(), SourceError> {
+    /// those not confirmed (final ones still final), for the next occasion.
+    async fn ack_due(&self, due: Vec<(u64, Delivery)>) -> Result<(), SourceError> {
         if due.is_empty() {
             return Ok(());
         }
         let t = self.config.connect_timeout;
-        let acked = join_all(due.iter().map(|(_, _, a)| async move {
-            matches!(tokio::time::timeout(t, a.double_ack()).await, Ok(Ok(())))
+        let acked = join_all(due.iter().map(|(_, d)| async move {
+            matches!(
+                tokio::time::timeout(t, d.acker.double_ack()).await,
+                Ok(Ok(()))
+            )
         }))
         .await;
         let mut failed = 0usize;
         {
             let mut st = self.state();
-            for ((delivery, stream_seq, acker), ok) in due.into_iter().zip(acked) {
+            for ((delivery, d), ok) in due.into_iter().zip(acked) {
                 if !ok {
                     failed += 1;
-                    st.put_back(delivery, stream_seq, acker);
+                    st.put_back(delivery, d);
                 }
             }
         }
@@ -456,8 +524,8 @@ impl NatsSource {
             return Err(SourceError::new(
                 ErrorClass::Transient,
                 format!(
-                    "{failed} acks on {} were not confirmed; retried at the next commit (or \
-                     redelivered)",
+                    "{failed} acks on {} were not confirmed; retried at the next ack ahead or \
+                     commit, or when the server redelivers them",
                     self.tp
                 ),
             ));
@@ -465,9 +533,9 @@ impl NatsSource {
         Ok(())
     }
 
-    /// The message to hand out for a delivery, or `None` when it is a redelivery of one
-    /// still in flight here (its acker is replaced by the newer delivery's).
-    fn accept(&self, msg: jetstream::Message) -> Result<Option<ReceivedMessage>, SourceError> {
+    /// The message to hand out for a delivery, or what to do with a redelivery of one still
+    /// held here (its acker is replaced by the newer delivery's).
+    fn accept(&self, msg: jetstream::Message) -> Result<Accepted, SourceError> {
         let (seq, delivery, published) = {
             let info = msg.info().map_err(|e| {
                 SourceError::new(ErrorClass::Transient, format!("message metadata: {e}"))
@@ -478,13 +546,28 @@ impl NatsSource {
         {
             let mut st = self.state();
             if let Some(held) = st.by_stream_seq.get(&seq).copied() {
-                if let Some(slot) = st.ackers.get_mut(&held) {
-                    slot.1 = acker;
+                let is_final = match st.ackers.get_mut(&held) {
+                    Some(slot) => {
+                        slot.acker = acker;
+                        slot.is_final
+                    }
+                    None => false,
+                };
+                if is_final {
+                    tracing::debug!(stream = %self.tp.topic, seq, delivery, held, "redelivery of a final message whose ack was lost; acked again");
+                    return Ok(Accepted::Final(held));
                 }
                 tracing::debug!(stream = %self.tp.topic, seq, delivery, held, "redelivery of a message still in flight; not handed out again");
-                return Ok(None);
+                return Ok(Accepted::InFlight);
             }
-            st.ackers.insert(delivery, (seq, acker));
+            st.ackers.insert(
+                delivery,
+                Delivery {
+                    stream_seq: seq,
+                    acker,
+                    is_final: false,
+                },
+            );
             st.by_stream_seq.insert(seq, delivery);
         }
         let mut headers: Vec<RecordHeader> = message
@@ -504,13 +587,13 @@ impl NatsSource {
         tracing::trace!(stream = %self.tp.topic, seq, delivery, "message handed out");
         let position =
             LogPosition::jetstream(self.tp.topic.clone(), seq, delivery, &self.config.durable);
-        Ok(Some(ReceivedMessage::from_record(
+        Ok(Accepted::New(Box::new(ReceivedMessage::from_record(
             position,
             None,
             headers,
             Some(message.payload.to_vec()),
             timestamp,
-        )))
+        ))))
     }
 }
 
@@ -555,8 +638,17 @@ impl MessageSource for NatsSource {
                     }
                 }
                 Some(Ok(msg)) => {
-                    if let Some(m) = self.accept(msg)? {
-                        return Ok(Some(m));
+                    match self.accept(msg)? {
+                        Accepted::New(m) => return Ok(Some(*m)),
+                        Accepted::InFlight => {}
+                        Accepted::Final(held) => {
+                            // This one only: the redeliveries of the others may be on their
+                            // way already, and would be new messages once acked here.
+                            let due: Vec<_> = self.state().take(held).into_iter().collect();
+                            if let Err(e) = self.ack_due(due).await {
+                                tracing::warn!(error = %e, "acking a redelivered final message failed");
+                            }
+                        }
                     }
                     if Instant::now() >= deadline && !timeout.is_zero() {
                         return Ok(None);
@@ -577,17 +669,22 @@ impl MessageSource for NatsSource {
     }
 
     /// Acks each final delivery still held here on its own (a redelivery of it that arrived
-    /// meanwhile replaced its reply subject, so the ack covers the message). One not
-    /// confirmed is put back for the next commit that passes it.
+    /// meanwhile replaced its reply subject, so the ack covers the message), with every one
+    /// handed here before whose ack was not confirmed. One not confirmed stays final: acked
+    /// at the next ack ahead or commit, or when the server redelivers it (module docs).
     async fn ack_ahead(&self, positions: &[LogPosition]) -> Result<(), SourceError> {
-        let due: Vec<(u64, u64, Acker)> = {
+        let due = {
             let mut st = self.state();
-            positions
+            for d in positions
                 .iter()
                 .filter(|p| p.topic == self.tp.topic && p.partition == self.tp.partition)
                 .filter_map(|p| u64::try_from(p.offset).ok())
-                .filter_map(|d| st.take(d))
-                .collect()
+            {
+                if let Some(slot) = st.ackers.get_mut(&d) {
+                    slot.is_final = true;
+                }
+            }
+            st.take_final()
         };
         self.ack_due(due).await
     }

@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::consumer::Info as ConsumerInfo;
 use common::inbox::Effects;
 use common::{require, unique, TestStream};
-use outbox_core::{Envelope, InboxParking, ParkedFilter, ParkedStatus, Publisher};
+use outbox_core::{
+    Classify, Envelope, InboxParking, MessageSource, ParkedFilter, ParkedStatus, Publisher,
+};
 use outbox_inbox::{ConsumerEngine, EngineConfig, InboxProcessor, VersionPolicy};
 use outbox_nats::{NatsPublisher, NatsSource};
 
@@ -186,4 +188,166 @@ async fn final_messages_behind_a_held_aggregate_are_not_redelivered() {
         "nothing but the held version 2 redelivered: {info:?}"
     );
     assert_eq!(engine.offset_tracker().lock().in_flight(), 1);
+}
+
+/// Seven messages read by a source through a proxy of the test's own, with acks ahead lost in
+/// a network partition: the first (`held`) stands for the head of a held aggregate (never
+/// final, never acknowledged), the next five were handed to `ack_ahead` while the partition
+/// black-holed the acks, the last (`later`) is not final yet. The partition is healed on
+/// return; the server holds all seven unacknowledged.
+struct LostAcksAhead {
+    stream: TestStream,
+    durable: String,
+    // The proxy outlives the source (declared after it: dropped after it).
+    source: NatsSource,
+    _proxy: common::proxy::Proxy,
+    later: outbox_core::LogPosition,
+}
+
+async fn acks_ahead_lost_in_a_partition(test: &str, ack_wait: Duration) -> Option<LostAcksAhead> {
+    let url = common::nats_url(test)?;
+    let prefix = unique("lostahead");
+    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
+    for i in 0..7 {
+        stream
+            .js
+            .publish(format!("{prefix}.m"), format!("m{i}").into())
+            .await
+            .expect("publish")
+            .await
+            .expect("PubAck");
+    }
+    let upstream = url
+        .split("://")
+        .last()
+        .expect("a URL")
+        .trim_end_matches('/')
+        .to_owned();
+    let proxy = common::proxy::Proxy::start(&upstream);
+    let durable = unique("inbox");
+    let source = NatsSource::builder(proxy.url(), &stream.name, &durable)
+        .ack_wait(ack_wait)
+        .connect_timeout(Duration::from_secs(1))
+        .start()
+        .await
+        .unwrap();
+    let got = common::poll_n(&source, 7).await;
+    let finals: Vec<_> = got[1..6].iter().map(|m| m.position.clone()).collect();
+    proxy.partition();
+    let lost = source.ack_ahead(&finals).await;
+    proxy.heal();
+    assert!(
+        lost.is_err(),
+        "the acks ahead went into the partition and were not confirmed"
+    );
+    let info = consumer_info(&url, &stream.name, &durable).await;
+    assert_eq!(
+        info.num_ack_pending, 7,
+        "nothing acknowledged yet: {info:?}"
+    );
+    Some(LostAcksAhead {
+        stream,
+        durable,
+        source,
+        _proxy: proxy,
+        later: got[6].position.clone(),
+    })
+}
+
+/// Acks ahead lost in a network partition: once the link is back, the server redelivers the
+/// five final messages after the ack wait. The source holds them as final, so it acknowledges
+/// each redelivery at once instead of dropping it as "in flight here" (which left them
+/// unacknowledged, redelivered at every ack wait until a watermark passed them). Nothing is
+/// handed out again; at the end the server holds only the two messages that are not final.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_of_a_final_message_whose_ack_was_lost_is_acknowledged() {
+    let Some(lost) = acks_ahead_lost_in_a_partition("nats_lost_ack_redelivered", ACK_WAIT).await
+    else {
+        return;
+    };
+    let url = common::nats_url("nats_lost_ack_redelivered").expect("checked above");
+    let until = Instant::now() + ACK_WAIT * 5;
+    while Instant::now() < until {
+        match lost.source.poll(Duration::from_millis(200)).await {
+            Ok(None) => {}
+            Ok(Some(m)) => panic!("handed out again: {}", m.position),
+            // The pull request lost with the cut connection.
+            Err(e) => assert!(e.is_transient(), "{e}"),
+        }
+    }
+    let info = consumer_info(&url, &lost.stream.name, &lost.durable).await;
+    assert_eq!(
+        info.num_ack_pending, 2,
+        "the five final messages are acknowledged once redelivered; the held and the later \
+         one are not: {info:?}"
+    );
+    assert!(
+        info.delivered.consumer_sequence >= 7 + 5,
+        "the final messages came back (their acks were lost): {info:?}"
+    );
+    assert_eq!(lost.source.unacknowledged(), 2);
+}
+
+/// The next occasion an ack ahead lost in a partition is tried again at.
+#[derive(Clone, Copy, Debug)]
+enum Occasion {
+    /// The next ack ahead (of the later message, final now).
+    AckAhead,
+    /// The next commit (one that passes no delivery: the watermark stays at the held head).
+    Commit,
+}
+
+/// Acks ahead lost in a network partition are tried again at the next ack ahead or commit,
+/// after the link is back, long before the ack wait would redeliver them: the five are
+/// acknowledged then, and nothing was delivered again.
+async fn lost_acks_ahead_are_retried_at(test: &str, occasion: Occasion) {
+    let wait = Duration::from_secs(60);
+    let Some(lost) = acks_ahead_lost_in_a_partition(test, wait).await else {
+        return;
+    };
+    let url = common::nats_url(test).expect("checked above");
+    let held_by_source = match occasion {
+        Occasion::AckAhead => 1,
+        Occasion::Commit => 2,
+    };
+    // Until the client has reconnected through the healed link.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    loop {
+        let r = match occasion {
+            Occasion::AckAhead => {
+                lost.source
+                    .ack_ahead(std::slice::from_ref(&lost.later))
+                    .await
+            }
+            Occasion::Commit => {
+                let below_all = outbox_core::CommitOffset::new(lost.stream.name.clone(), 0, 1);
+                lost.source.commit(&[below_all]).await
+            }
+        };
+        match r {
+            Ok(()) => break,
+            Err(e) => assert!(Instant::now() < deadline, "acks never confirmed: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let info = consumer_info(&url, &lost.stream.name, &lost.durable).await;
+    assert_eq!(
+        info.num_ack_pending, held_by_source,
+        "{occasion:?}: only what is not final is unacknowledged: {info:?}"
+    );
+    assert_eq!(
+        info.delivered.consumer_sequence, 7,
+        "nothing delivered again: {info:?}"
+    );
+    assert_eq!(lost.source.unacknowledged(), held_by_source);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_ahead_lost_in_a_partition_are_retried_at_the_next_ack_ahead() {
+    lost_acks_ahead_are_retried_at("nats_lost_ack_retried_ahead", Occasion::AckAhead).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acks_ahead_lost_in_a_partition_are_retried_at_the_next_commit() {
+    lost_acks_ahead_are_retried_at("nats_lost_ack_retried_commit", Occasion::Commit).await;
 }

@@ -9,6 +9,8 @@ use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
 use async_nats::jetstream::{self, Context};
 use outbox_core::Envelope;
 
+pub mod proxy;
+
 /// The inbox engine's PostgreSQL side: [`outbox_test_support::pg_inbox`].
 pub use outbox_test_support::pg_inbox as inbox;
 pub use outbox_test_support::pg_inbox::poll_n;
