@@ -172,11 +172,15 @@ pub trait MessageSource: Send + Sync {
     /// durably), never before that; a held message is not final.
     ///
     /// A source MAY acknowledge each of these deliveries at once, and MUST NOT acknowledge
-    /// any other delivery through this call. A position it does not hold (acknowledged
-    /// already, or handed out by another connection) is skipped. A failed acknowledgement
-    /// needs nothing from the engine, which only logs it: the delivery stays covered by the
-    /// next [`commit`](Self::commit) that passes it (or is redelivered, a duplicate the inbox
-    /// absorbs). The default does nothing: the commits acknowledge everything.
+    /// through this call any delivery that was never named final to it (by this call or by a
+    /// [`commit`](Self::commit) that passed it): it MAY retry here the acknowledgement of a
+    /// delivery an earlier call named, whose acknowledgement failed. A position it does not
+    /// hold (acknowledged already, or handed out by another connection) is skipped. A failed
+    /// acknowledgement needs nothing from the engine, which only logs it: the delivery stays
+    /// covered by the next [`commit`](Self::commit) that passes it (or is redelivered, a
+    /// duplicate the inbox absorbs; a source that remembers the delivery as final SHOULD
+    /// acknowledge that redelivery at once). The default does nothing: the commits acknowledge
+    /// everything.
     async fn ack_ahead(&self, positions: &[LogPosition]) -> Result<(), SourceError> {
         let _ = positions;
         Ok(())
