@@ -41,7 +41,10 @@ async fn a_release_waiting_on_a_newer_lease_leaves_it_and_its_version() {
     let ctx = ctx!(4);
     let store = ctx.store(lease(30.0)).await;
     let v1 = event("fenced", 1);
-    store.append_many(&ctx.pool, &[v1.clone()]).await.unwrap();
+    store
+        .append_many(&ctx.pool, std::slice::from_ref(&v1))
+        .await
+        .unwrap();
     let b = claim(&store, "old", 100).await;
     assert_eq!(versions(&b), vec![("fenced".into(), 1)]);
 
