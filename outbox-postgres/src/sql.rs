@@ -319,12 +319,17 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
         // retry's delay is counted from the row's own `clock_timestamp()` instead: evaluated
         // again after a wait on a concurrent update of the row (EvalPlanQual), it does not
         // count that wait as part of the delay, as `ts` (read before any wait) would.
-        let outcomes = "o AS MATERIALIZED (SELECT *, clock_timestamp() AS ts FROM UNNEST( \
-               $1::int8[], $2::int8[], $3::text[], $4::text[], $5::int8[], $6::text[], \
-               $7::text[], $8::int4[], $9::int8[], $10::int8[], $11::text[], $12::text[], \
-               $13::text[], $14::text[], $15::bool[], $16::text[], $17::text[], $18::bool[]) \
-             AS o(id, k, at, ai, v, kind, dest, part, pos, delay_us, eclass, ekind, emsg, \
-                  pkind, uncertain, transport, route, dup))";
+        // `extra`: more columns of `o` (the lease mode's token, below).
+        let outcomes = |extra: &str| {
+            format!(
+                "o AS MATERIALIZED (SELECT *, clock_timestamp() AS ts{extra} FROM UNNEST( \
+                   $1::int8[], $2::int8[], $3::text[], $4::text[], $5::int8[], $6::text[], \
+                   $7::text[], $8::int4[], $9::int8[], $10::int8[], $11::text[], $12::text[], \
+                   $13::text[], $14::text[], $15::bool[], $16::text[], $17::text[], $18::bool[]) \
+                 AS o(id, k, at, ai, v, kind, dest, part, pos, delay_us, eclass, ekind, emsg, \
+                      pkind, uncertain, transport, route, dup))"
+            )
+        };
         let set = "status = CASE o.kind WHEN 'published' THEN 'published' \
                                 WHEN 'park' THEN 'parked' ELSE 'pending' END, \
              attempts = CASE WHEN o.kind IN ('retry', 'park') THEN t.attempts + 1 \
@@ -348,13 +353,19 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
         // Lease mode: only rows whose aggregate's lease still carries this claim's token
         // (`$19`) get their outcome (fencing); every such lease is released, and a publication
         // advances the aggregate's last version in the same write.
+        // The token is compared as a column of `o` (`tok`, always `$19`), not as the constant:
+        // a constant is a filter of the state table that the planner estimates from the
+        // column's statistics (tokens are nearly all NULL: about one row), so with few
+        // aggregates it scanned the whole state table first and read `f` again for every row
+        // it found (batch x batch). As a join condition it leaves the state table at its full
+        // size, and `f` drives keyed lookups through the primary key at every table size.
         let complete_lease = format!(
-            "WITH {outcomes}, \
+            "WITH {}, \
              f AS MATERIALIZED ( \
                SELECT o.* FROM o \
                WHERE EXISTS (SELECT 1 FROM {state} a \
                              WHERE a.aggregate_key = o.k AND a.aggregate_type = o.at \
-                               AND a.aggregate_id = o.ai AND a.lease_token = $19 \
+                               AND a.aggregate_id = o.ai AND a.lease_token = o.tok \
                                AND a.lease_row = o.id)), \
              upd AS ( \
                UPDATE {t} t SET {set} FROM f o \
@@ -370,16 +381,17 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                       updated_at = clock_timestamp() \
                FROM f \
                WHERE a.aggregate_key = f.k AND a.aggregate_type = f.at \
-                 AND a.aggregate_id = f.ai AND a.lease_token = $19 \
+                 AND a.aggregate_id = f.ai AND a.lease_token = f.tok \
                RETURNING 1), \
              {} \
              SELECT ARRAY(SELECT id FROM upd) AS applied",
+            outcomes(", $19::uuid AS tok"),
             promote_after("(SELECT * FROM upd WHERE kind = 'published')"),
         );
         // Locked mode: the claim's transaction still holds the aggregate locks; a publication
         // advances (or creates) the aggregate's state.
         let complete_locked = format!(
-            "WITH {outcomes}, \
+            "WITH {}, \
              upd AS ( \
                UPDATE {t} t SET {set} FROM o \
                WHERE t.id = o.id AND t.status = 'pending' AND o.kind <> 'release' \
@@ -394,6 +406,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                RETURNING 1), \
              {} \
              SELECT ARRAY(SELECT id FROM upd) AS applied",
+            outcomes(""),
             promote_after("(SELECT * FROM upd WHERE kind = 'published')"),
         );
         let release_lease = format!(

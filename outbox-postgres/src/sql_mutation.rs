@@ -366,8 +366,8 @@ mod tests {
     fn unknown_statements_and_absent_text_are_refused() {
         let mut m = mutant(
             "complete_lease",
-            "a.lease_token = $19",
-            "a.lease_token <> $19",
+            "a.lease_token = f.tok",
+            "a.lease_token <> f.tok",
         );
         assert!(mutated(&m, "shop", "events", false).is_ok());
         m.statement = "no_such_statement".into();

@@ -91,6 +91,9 @@ def statements(scheme, schema):
         s["complete"] = s["complete"].replace("@ACK_INSERT@", ack)
         if scheme.endswith("batchack"):
             s["ddl"] = s["ddl"] + "\n" + b["ddl"]
+    if os.environ.get("PROBE_COMPLETE") and scheme == "cur":
+        # Another text of today's lease-mode completion (e.g. ../complete-lease-plan/new.sql).
+        s["complete"] = sections(os.path.abspath(os.environ["PROBE_COMPLETE"]))["complete"]
     if os.environ.get("PROBE_BREAK") == "lease" and scheme.startswith("rowlease"):
         s = break_leases(s)
     return {k: subst(v, schema) for k, v in s.items()}

@@ -7,7 +7,7 @@ def walk(n, d=0):
     rel = n.get("Relation Name") or n.get("Index Name") or n.get("CTE Name") or ""
     if n.get("Index Name") and n.get("Relation Name"):
         rel = n["Relation Name"] + "/" + n["Index Name"]
-    print(f"{'  ' * d}{n['Node Type']:<18} {rel:<40} rows={n.get('Actual Rows')}x{n.get('Actual Loops')} "
+    print(f"{'  ' * d}{n['Node Type']:<18} {rel:<40} rows={n.get('Actual Rows')}x{n.get('Actual Loops')} est={n.get('Plan Rows')} "
           f"ms={n.get('Actual Total Time', 0) * n.get('Actual Loops', 1):.1f} hit={n.get('Shared Hit Blocks', 0)} "
           f"wal={n.get('WAL Bytes', 0)} {n.get('Subplan Name', '') or n.get('Parent Relationship', '')}")
     for c in n.get("Plans", []):
