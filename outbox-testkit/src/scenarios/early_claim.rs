@@ -1031,3 +1031,73 @@ pub async fn parked_head_beside_the_early_claim_blocks_its_aggregate<B: Randomiz
         "{mode:?}: {stats:?}"
     );
 }
+
+/// A lease claim mode of `secs` seconds (the scenarios' lease lengths).
+pub fn lease(secs: f64) -> ClaimMode {
+    ClaimMode::lease(Duration::from_secs_f64(secs)).expect("a positive lease")
+}
+
+/// Emits this module's scenarios as named tests, each in both claim modes where it applies,
+/// for a [`RandomizedBackend`] type with an `async fn new(connections: u32) -> Option<Self>`
+/// (`None` skips explicitly, as the backend's constructor says). Every test gets a backend of
+/// its own (its own schema or database) and finishes it.
+///
+/// ```ignore
+/// outbox_testkit::early_claim_tests!(common::backend::PgBackend);
+/// ```
+#[macro_export]
+macro_rules! early_claim_tests {
+    ($backend:ty) => {
+        $crate::early_claim_tests!(@case $backend, early_claims_race_completions_lease, 12, |b|
+            $crate::scenarios::early_claim::early_claim_races_completions_and_keeps_order(
+                &b, $crate::scenarios::early_claim::lease(30.0)));
+        $crate::early_claim_tests!(@case $backend, early_claims_race_completions_locked, 12, |b|
+            $crate::scenarios::early_claim::early_claim_races_completions_and_keeps_order(
+                &b, ::outbox_core::ClaimMode::LockedTransaction));
+        $crate::early_claim_tests!(@case $backend, failed_completion_after_the_early_claim_lease, 8, |b|
+            $crate::scenarios::early_claim::failed_completion_keeps_the_early_claim_and_order(
+                &b, $crate::scenarios::early_claim::lease(1.5), false));
+        $crate::early_claim_tests!(@case $backend, failed_completion_after_the_early_claim_locked, 8, |b|
+            $crate::scenarios::early_claim::failed_completion_keeps_the_early_claim_and_order(
+                &b, ::outbox_core::ClaimMode::LockedTransaction, false));
+        $crate::early_claim_tests!(@case $backend, lost_completion_answer_after_the_early_claim_lease, 8, |b|
+            $crate::scenarios::early_claim::failed_completion_keeps_the_early_claim_and_order(
+                &b, $crate::scenarios::early_claim::lease(1.5), true));
+        $crate::early_claim_tests!(@case $backend, lost_completion_answer_after_the_early_claim_locked, 8, |b|
+            $crate::scenarios::early_claim::failed_completion_keeps_the_early_claim_and_order(
+                &b, ::outbox_core::ClaimMode::LockedTransaction, true));
+        $crate::early_claim_tests!(@case $backend, crash_between_the_early_claim_and_the_completion_lease, 8, |b|
+            $crate::scenarios::early_claim::crash_between_the_early_claim_and_the_completion(
+                &b, $crate::scenarios::early_claim::lease(1.5)));
+        $crate::early_claim_tests!(@case $backend, crash_between_the_early_claim_and_the_completion_locked, 8, |b|
+            $crate::scenarios::early_claim::crash_between_the_early_claim_and_the_completion(
+                &b, ::outbox_core::ClaimMode::LockedTransaction));
+        $crate::early_claim_tests!(@case $backend, shutdown_releases_the_early_claim_lease, 8, |b|
+            $crate::scenarios::early_claim::shutdown_releases_the_early_claim(
+                &b, $crate::scenarios::early_claim::lease(30.0),
+                |relay, stop| ::outbox_core::driver::run(relay, None, stop)));
+        $crate::early_claim_tests!(@case $backend, shutdown_releases_the_early_claim_locked, 8, |b|
+            $crate::scenarios::early_claim::shutdown_releases_the_early_claim(
+                &b, ::outbox_core::ClaimMode::LockedTransaction,
+                |relay, stop| ::outbox_core::driver::run(relay, None, stop)));
+        $crate::early_claim_tests!(@case $backend, early_claim_whose_lease_ran_out_is_released_not_published, 8, |b|
+            $crate::scenarios::early_claim::early_claim_whose_lease_ran_out_is_released_not_published(
+                &b, $crate::scenarios::early_claim::lease(1.5)));
+        $crate::early_claim_tests!(@case $backend, parked_head_beside_the_early_claim_blocks_its_aggregate_lease, 8, |b|
+            $crate::scenarios::early_claim::parked_head_beside_the_early_claim_blocks_its_aggregate(
+                &b, $crate::scenarios::early_claim::lease(30.0)));
+        $crate::early_claim_tests!(@case $backend, parked_head_beside_the_early_claim_blocks_its_aggregate_locked, 8, |b|
+            $crate::scenarios::early_claim::parked_head_beside_the_early_claim_blocks_its_aggregate(
+                &b, ::outbox_core::ClaimMode::LockedTransaction));
+    };
+    (@case $backend:ty, $name:ident, $connections:expr, |$b:ident| $body:expr) => {
+        #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            let Some($b) = <$backend>::new($connections).await else {
+                return;
+            };
+            $body.await;
+            $crate::randomized::RandomizedBackend::finish(&$b).await;
+        }
+    };
+}
