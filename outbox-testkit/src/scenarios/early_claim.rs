@@ -77,6 +77,8 @@ struct Seen {
     completions: HashMap<String, u64>,
     claims_started: u64,
     claims_done: u64,
+    /// The number each returned claim got when it started (`claims_started` then), by token.
+    claim_number: HashMap<uuid::Uuid, u64>,
     /// Claims that ran while a completion of their relay was in progress, and how many
     /// returned events.
     overlapped: usize,
@@ -162,10 +164,11 @@ fn triple(batch: &ClaimedBatch) -> Vec<(EventId, String, i64)> {
 impl<S: RelayStore> RelayStore for Watched<S> {
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError> {
         let owner = request.owner.as_str();
-        let (completions_before, completing_before) = {
+        let (number, completions_before, completing_before) = {
             let mut seen = self.watch.seen();
             seen.claims_started += 1;
             (
+                seen.claims_started,
                 seen.completions.get(owner).copied().unwrap_or(0),
                 seen.completing.get(owner).copied().unwrap_or(0),
             )
@@ -177,6 +180,7 @@ impl<S: RelayStore> RelayStore for Watched<S> {
             Ok(b) => b,
             Err(e) => return Err(e),
         };
+        seen.claim_number.insert(batch.handle.token, number);
         let got = triple(&batch);
         if completing_before > 0
             || seen.completing.get(owner).copied().unwrap_or(0) > 0
@@ -216,13 +220,20 @@ impl<S: RelayStore> RelayStore for Watched<S> {
         claim: &ClaimHandle,
         outcomes: &[Outcome],
     ) -> Result<CompletionReport, StoreError> {
-        // The relay polls the early claim first: one under way now runs beside this completion.
+        // The early claim: a claim started after this batch's own. The relay polls it first,
+        // so it is normally still under way here; but it can also have returned already (its
+        // statements done before the completion's first poll, as seen on PostgreSQL in locked
+        // mode), which is the same case for every plan: the plan acts once it has returned.
         let (beside, jitter) = {
             let mut seen = self.watch.seen();
             *seen.completions.entry(claim.owner.clone()).or_default() += 1;
             *seen.completing.entry(claim.owner.clone()).or_default() += 1;
-            let beside = (seen.claims_started > seen.claims_done && !seen.acted)
-                .then_some(seen.claims_started);
+            let own = seen
+                .claim_number
+                .get(&claim.token)
+                .copied()
+                .unwrap_or(u64::MAX);
+            let beside = (seen.claims_started > own && !seen.acted).then_some(seen.claims_started);
             if beside.is_some() {
                 seen.acted = true;
             }
