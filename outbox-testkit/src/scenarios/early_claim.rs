@@ -1053,7 +1053,7 @@ pub fn lease(secs: f64) -> ClaimMode {
 /// (`None` skips explicitly, as the backend's constructor says). Every test gets a backend of
 /// its own (its own schema or database) and finishes it.
 ///
-/// ```ignore
+/// ```text
 /// outbox_testkit::early_claim_tests!(common::backend::PgBackend);
 /// ```
 #[macro_export]
