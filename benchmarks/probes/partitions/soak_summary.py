@@ -30,6 +30,11 @@ for k, rs in rows.items():
     print(f"  end {mb(rs[-1]['total_bytes'])} MB; size end / first quarter = {rs[-1]['total_bytes'] / first:.2f} "
           f"(table alone {rs[-1]['table_bytes'] / firstt:.2f}); max {mb(max(r['total_bytes'] for r in rs))} MB; "
           f"holder xmin age at end {rs[-1]['holder_xmin_age']}; load {min(r['load'] for r in rs):.1f}-{max(r['load'] for r in rs):.1f}")
+    qi = len(rs) // 4
+    print(f"  as outbox-bench computes it (last sample / sample {qi} of {len(rs)}): "
+          f"{rs[-1]['total_bytes'] / rs[qi]['total_bytes']:.2f}; quarter means Q4/Q1 = "
+          f"{mean(q[3], lambda r: r['total_bytes']) / first:.2f}; quarter peaks Q4/Q1 = "
+          f"{max(r['total_bytes'] for r in q[3]) / max(r['total_bytes'] for r in q[0]):.2f}")
     if k in summ:
         s = summ[k]
         print(f"  append batch ms p50 {s['append_batch_p50_ms']} p99 {s['append_batch_p99_ms']} max {s['append_batch_max_ms']}; "
