@@ -1,0 +1,7 @@
+-- pgbench: the append writes the side table row itself (no trigger).
+\set i random(1, 100000)
+WITH e AS (INSERT INTO probe_part25_ab_cte.outbox_events (event_id, aggregate_type, aggregate_id, aggregate_version,
+    event_type, schema_version, content_type, payload, headers, created_at, inserted_at)
+VALUES (gen_random_uuid(), 'order', 'order-' || :i, 1, 'order.changed', 1, 'application/json',
+        convert_to(repeat('x', 207), 'UTF8'), '{}', now(), clock_timestamp()) RETURNING event_id, id)
+INSERT INTO probe_part25_ab_cte.outbox_events_ids (event_id, id) SELECT event_id, id FROM e;
