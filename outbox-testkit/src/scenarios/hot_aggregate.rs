@@ -140,7 +140,10 @@ async fn claim_and_publish<S: RelayStore>(
         out.hot
     );
     if let Some(&v) = out.hot.first() {
-        assert_eq!(v, *next_hot, "claim {round}: the hot aggregate out of order");
+        assert_eq!(
+            v, *next_hot,
+            "claim {round}: the hot aggregate out of order"
+        );
         *next_hot += 1;
     }
     let outcomes: Vec<Outcome> = batch
