@@ -12,6 +12,7 @@
 //! target/release/outbox-bench status --sizes 10000,10000000
 //! target/release/outbox-bench profile --explain
 //! target/release/outbox-bench --rounds 1 indexes
+//! target/release/outbox-bench hot --publishers instant,kafka
 //! # MySQL 8 / MariaDB (outbox-mysql): drain and append, beside hand-written references
 //! target/release/outbox-bench --database-url mysql://root@127.0.0.1:3306/test drain
 //! target/release/outbox-bench --database-url mysql://root@127.0.0.1:3306/test append
@@ -33,6 +34,7 @@ mod autovac;
 mod consumer;
 mod drain;
 mod env;
+mod hot;
 mod indexes;
 mod latency;
 mod mysql;
@@ -93,6 +95,9 @@ enum Scenario {
     /// Indexes: which index each store operation reads (the server's counters), and each
     /// operation's time with one index of the outbox table dropped at a time.
     Indexes(indexes::IndexesArgs),
+    /// One hot aggregate (issue 25): its versions/s while a trickle of other aggregates runs,
+    /// and the trickle's commit -> acknowledgement latency beside the trickle alone.
+    Hot(hot::HotArgs),
 }
 
 #[tokio::main]
@@ -130,6 +135,7 @@ async fn main() -> anyhow::Result<()> {
         Scenario::Profile(a) => profile::run(&env, a, cli.rounds).await,
         Scenario::Status(a) => status::run(&env, a, cli.rounds).await,
         Scenario::Indexes(a) => indexes::run(&env, a, cli.rounds).await,
+        Scenario::Hot(a) => hot::run(&env, a, cli.rounds).await,
     };
     // Remove what the run created, also after a failure.
     let cleaned = env.cleanup().await;

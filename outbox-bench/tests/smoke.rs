@@ -209,6 +209,52 @@ fn indexes_reads_which_index_each_operation_used_from_the_server() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `hot` (issue 25) at its smallest with the instant publisher: it reports the hot aggregate's
+/// rate and the trickle's latency with and without the hot aggregate.
+#[test]
+fn hot_runs_at_its_smallest() {
+    let Some(db) = outbox_test_support::database_url("outbox-bench smoke (hot)") else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(outbox_test_support::unique("bench_smoke_h"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let report = run(
+        &(db, String::new()),
+        "hot",
+        &dir.join("hot.json"),
+        &[
+            "hot",
+            "--versions",
+            "500",
+            "--rate",
+            "50",
+            "--aggregates",
+            "5",
+            "--seconds",
+            "1",
+            "--publishers",
+            "instant",
+        ],
+    );
+    let figures = report["reports"][0]["figures"]
+        .as_array()
+        .expect("figures")
+        .clone();
+    let has = |contender: &str, metric: &str| {
+        figures
+            .iter()
+            .any(|f| f["contender"] == contender && f["metric"] == metric)
+    };
+    assert!(
+        has("instant: hot aggregate + trickle", "hot events/s"),
+        "{figures:?}"
+    );
+    for c in ["instant: hot aggregate + trickle", "instant: trickle only"] {
+        assert!(has(c, "trickle p99 ms"), "{c}: {figures:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn bad_arguments_are_refused_with_the_option_named() {
     // No service is reached before the arguments are checked.

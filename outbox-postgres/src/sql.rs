@@ -133,7 +133,12 @@ impl OutboxSql {
         //             row could not be indexed, and writing it would fail the whole claim;
         //             parked as a permanent error
         //   stale     version <= last: would go out after a later version; parked out of order
-        //   follower  an unfinished row of the aggregate above `last` precedes it: blocked
+        //   follower  an unfinished row of the aggregate above `last` precedes it: blocked,
+        //             and with it every pending row of its aggregate after it in (version,
+        //             id), in the window or not (each has the same row before it): otherwise
+        //             one aggregate's backlog fills every claim's window one batch at a time,
+        //             and an event of another aggregate appended after it waits (issue 25:
+        //             10,000 versions of one aggregate kept it out of about 100 claims)
         //   gap_park  the head skips a version for longer than the gap timeout: parked
         //   gap_hold  the head skips a version: held, re-checked after a short delay
         //   wait      the head is under a live lease (a mixed-mode relay) or not due
@@ -177,7 +182,17 @@ impl OutboxSql {
                    FROM c), \
                  blk AS ( \
                    UPDATE {t} b SET blocked = true \
-                   WHERE b.id = ANY(ARRAY(SELECT h.id FROM h WHERE h.action = 'follower')) \
+                   FROM (SELECT DISTINCT ON (h.k, h.aggregate_type, h.aggregate_id) \
+                                h.k, h.aggregate_type, h.aggregate_id, \
+                                h.aggregate_version AS v, h.id \
+                         FROM h WHERE h.action = 'follower' \
+                         ORDER BY h.k, h.aggregate_type, h.aggregate_id, \
+                                  h.aggregate_version, h.id) f \
+                   WHERE {kb} = f.k AND b.status IN ('pending', 'parked') \
+                     AND b.status = 'pending' AND NOT b.blocked \
+                     AND (b.aggregate_version, b.id) >= (f.v, f.id) \
+                     AND b.aggregate_type = f.aggregate_type \
+                     AND b.aggregate_id = f.aggregate_id \
                    RETURNING 1), \
                  prk AS ( \
                    UPDATE {t} p SET status = 'parked', parked_at = clock_timestamp(), \

@@ -1,0 +1,468 @@
+//! One hot aggregate (issue 25): `--versions` versions of one aggregate committed at once,
+//! while a steady trickle of single-event transactions of other aggregates (`--rate` per
+//! second over `--aggregates` aggregates) runs for `--seconds`; one relay (the real driver,
+//! default configuration, NOTIFY wake-up, lease mode) into the publisher. Figures: the hot
+//! aggregate's events/s over the trickle's window (its versions acknowledged in that window,
+//! per second; the relay may send a version only after its predecessor was acknowledged and
+//! completed, so this is one version per claim cycle) and the trickle's commit ->
+//! acknowledgement latency p50/p99, beside the same trickle without the hot aggregate.
+//! Publishers: the instant one (acknowledges at once: the store's and the relay's own cost)
+//! and, with a broker, Kafka.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use clap::Args;
+use outbox_core::{
+    ClaimMode, Envelope, EventId, PublishResult, Publisher, Relay, RelayConfig, SystemClock,
+};
+use outbox_kafka::KafkaPublisher;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use crate::drain::InstantAcks;
+use crate::env::{self, Env};
+use crate::report::{quantile_ms, Report, Samples};
+
+/// Options of `outbox-bench hot`.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct HotArgs {
+    /// Versions of the hot aggregate, committed in one transaction before the trickle starts.
+    #[arg(long, default_value_t = 10_000)]
+    versions: usize,
+    /// The trickle: single-event transactions of other aggregates per second.
+    #[arg(long, default_value_t = 200)]
+    rate: u32,
+    /// Aggregates the trickle is spread over.
+    #[arg(long, default_value_t = 50)]
+    aggregates: usize,
+    /// Seconds the trickle runs (and the hot aggregate's rate is measured over).
+    #[arg(long, default_value_t = 10.0)]
+    seconds: f64,
+    /// Publishers (comma-separated): instant, kafka (default: instant, and kafka when a
+    /// broker is given).
+    #[arg(long, value_delimiter = ',')]
+    publishers: Vec<String>,
+    /// Also measure each transport's single-message round trip: this many publish calls of
+    /// one event through the crate's publisher, each awaited before the next (Kafka with a
+    /// broker, NATS with `--nats-url`, RabbitMQ with `--amqp-url`; 0: not measured).
+    #[arg(long, default_value_t = 0)]
+    rtt: usize,
+    /// NATS server with JetStream (for `--rtt`); the bench creates and deletes its stream.
+    #[arg(long, env = "NATS_URL")]
+    nats_url: Option<String>,
+    /// RabbitMQ broker (for `--rtt`); the bench declares and deletes its exchange and queue.
+    #[arg(long, env = "AMQP_URL")]
+    amqp_url: Option<String>,
+}
+
+/// When each event committed and when its acknowledgement came back.
+#[derive(Default)]
+struct Clocks {
+    committed: HashMap<EventId, Instant>,
+    acked: HashMap<EventId, Instant>,
+}
+
+type SharedClocks = Arc<Mutex<Clocks>>;
+
+/// The relay's publisher, noting when each acknowledgement returned.
+struct Timed<P> {
+    inner: P,
+    clocks: SharedClocks,
+}
+
+#[outbox_core::async_trait]
+impl<P: Publisher> Publisher for Timed<P> {
+    async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult> {
+        let results = self.inner.publish(batch).await;
+        let now = Instant::now();
+        let mut c = self.clocks.lock().expect("clocks");
+        for (e, r) in batch.iter().zip(&results) {
+            if r.is_ok() {
+                c.acked.entry(e.event_id).or_insert(now);
+            }
+        }
+        results
+    }
+    fn delivery_timeout(&self) -> Duration {
+        self.inner.delivery_timeout()
+    }
+}
+
+/// Runs the scenario.
+pub(crate) async fn run(env: &Env, args: &HotArgs, rounds: usize) -> anyhow::Result<Report> {
+    let publishers: Vec<String> = if args.publishers.is_empty() {
+        let mut p = vec!["instant".to_owned()];
+        if env.brokers().is_ok() {
+            p.push("kafka".to_owned());
+        }
+        p
+    } else {
+        args.publishers.clone()
+    };
+    for p in &publishers {
+        anyhow::ensure!(
+            p == "instant" || p == "kafka",
+            "--publishers: unknown publisher {p} (instant, kafka)"
+        );
+        if p == "kafka" {
+            env.brokers()?;
+        }
+    }
+    anyhow::ensure!(args.rate >= 1, "--rate must be at least 1");
+    let mut report = Report::new("hot", rounds);
+    report.param("versions", args.versions);
+    report.param("rate_per_s", args.rate);
+    report.param("aggregates", args.aggregates);
+    report.param("seconds", args.seconds);
+    report.param(
+        "relay",
+        "outbox_core::driver::run with RelayConfig defaults (batch 500, prefetch), NOTIFY \
+         wake-up, lease 60 s",
+    );
+    let mut samples = Samples::default();
+    for round in 0..rounds {
+        let mut order = Vec::new();
+        for p in &publishers {
+            for hot in [false, true] {
+                order.push((p.as_str(), hot));
+            }
+        }
+        let n = order.len();
+        for k in 0..n {
+            let (publisher, hot) = order[(k + round) % n];
+            let label = format!(
+                "{publisher}: {}",
+                if hot {
+                    "hot aggregate + trickle"
+                } else {
+                    "trickle only"
+                }
+            );
+            let figures = run_one(env, args, publisher, hot)
+                .await
+                .with_context(|| format!("round {}: {label}", round + 1))?;
+            env.cleanup().await?;
+            print!("round {}/{rounds}  {label:<36}", round + 1);
+            for (metric, value) in &figures {
+                print!(" {metric} {value:.2}");
+                samples.add(&label, metric, *value);
+            }
+            println!();
+        }
+    }
+    for p in &publishers {
+        let (with, without) = (
+            format!("{p}: hot aggregate + trickle"),
+            format!("{p}: trickle only"),
+        );
+        for m in ["trickle p50 ms", "trickle p99 ms"] {
+            samples.compare(&with, m, &without);
+        }
+        report.target(
+            &format!("{p}: hot aggregate >= 1,000 events/s"),
+            samples.median(&with, "hot events/s"),
+            1_000.0,
+            true,
+        );
+    }
+    if args.rtt > 0 {
+        report.param("rtt_calls", args.rtt);
+        for round in 0..rounds {
+            for (transport, rtt) in round_trips(env, args).await? {
+                print!("round {}/{rounds}  rtt {transport:<30}", round + 1);
+                for (metric, value) in rtt {
+                    print!(" {metric} {value:.2}");
+                    samples.add(&format!("rtt {transport}"), &metric, value);
+                }
+                println!();
+            }
+        }
+    }
+    report.figures = samples.figures();
+    Ok(report)
+}
+
+/// One event for a round-trip call.
+fn rtt_event(i: usize) -> Envelope {
+    Envelope::builder("order", "rtt", i as i64 + 1, "order.changed")
+        .json(&env::payload(i))
+        .and_then(|b| b.build())
+        .expect("valid envelope")
+}
+
+/// `calls` publish calls of one event each through `publisher`, each awaited: p50 and p99 ms.
+async fn time_calls<P: Publisher>(
+    publisher: &P,
+    calls: usize,
+) -> anyhow::Result<Vec<(String, f64)>> {
+    // One call first: connections and metadata are not part of the round trip.
+    let warm = rtt_event(0);
+    if let Some(Err(e)) = publisher.publish(&[&warm]).await.into_iter().next() {
+        anyhow::bail!("warm-up publish: {e}");
+    }
+    let mut took = Vec::with_capacity(calls);
+    for i in 0..calls {
+        let e = rtt_event(i + 1);
+        let started = Instant::now();
+        let r = publisher.publish(&[&e]).await;
+        took.push(started.elapsed());
+        if let Some(Err(e)) = r.into_iter().next() {
+            anyhow::bail!("publish {i}: {e}");
+        }
+    }
+    took.sort_unstable();
+    Ok(vec![
+        ("p50 ms".into(), quantile_ms(&took, 0.5)),
+        ("p99 ms".into(), quantile_ms(&took, 0.99)),
+    ])
+}
+
+/// The single-message round trip of every transport that is configured.
+async fn round_trips(
+    env: &Env,
+    args: &HotArgs,
+) -> anyhow::Result<Vec<(&'static str, Vec<(String, f64)>)>> {
+    let mut out = Vec::new();
+    if let Ok(brokers) = env.brokers() {
+        let topic = env.topic("rtt", 1).await?;
+        let p = KafkaPublisher::builder(brokers, &topic)
+            .start()
+            .await
+            .map_err(|e| anyhow::anyhow!("Kafka publisher: {e}"))?;
+        out.push(("kafka", time_calls(&p, args.rtt).await?));
+    }
+    if let Some(url) = args.nats_url.as_deref() {
+        use async_nats::jetstream::{self, stream};
+        let client = async_nats::connect(url)
+            .await
+            .with_context(|| format!("cannot connect to NATS at {url}"))?;
+        let js = jetstream::new(client);
+        let prefix = format!("bench_{}_rtt", env.run);
+        js.create_stream(stream::Config {
+            name: prefix.clone(),
+            subjects: vec![format!("{prefix}.>")],
+            storage: stream::StorageType::File,
+            ..Default::default()
+        })
+        .await
+        .context("create the round trip's JetStream stream")?;
+        let r = async {
+            let p = outbox_nats::NatsPublisher::builder(url, &prefix)
+                .start()
+                .await
+                .map_err(|e| anyhow::anyhow!("NATS publisher: {e}"))?;
+            time_calls(&p, args.rtt).await
+        }
+        .await;
+        let _ = js.delete_stream(&prefix).await;
+        out.push(("nats", r?));
+    }
+    if let Some(url) = args.amqp_url.as_deref() {
+        use lapin::options::{
+            ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+            QueueDeleteOptions,
+        };
+        use lapin::types::FieldTable;
+        let props = lapin::ConnectionProperties::default()
+            .with_executor(tokio_executor_trait::Tokio::current())
+            .with_reactor(tokio_reactor_trait::Tokio);
+        let conn = lapin::Connection::connect(url, props)
+            .await
+            .with_context(|| format!("cannot connect to RabbitMQ at {url}"))?;
+        let ch = conn.create_channel().await?;
+        let name = format!("bench_{}_rtt", env.run);
+        ch.exchange_declare(
+            &name,
+            lapin::ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+        ch.queue_declare(
+            &name,
+            QueueDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            outbox_rabbitmq::quorum_arguments(false),
+        )
+        .await?;
+        ch.queue_bind(
+            &name,
+            &name,
+            "#",
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await?;
+        let r = async {
+            let p = outbox_rabbitmq::RabbitPublisher::builder(url, &name)
+                .start()
+                .await
+                .map_err(|e| anyhow::anyhow!("RabbitMQ publisher: {e}"))?;
+            time_calls(&p, args.rtt).await
+        }
+        .await;
+        let _ = ch.queue_delete(&name, QueueDeleteOptions::default()).await;
+        let _ = ch
+            .exchange_delete(&name, ExchangeDeleteOptions::default())
+            .await;
+        let _ = conn.close(200, "bench done").await;
+        out.push(("rabbitmq", r?));
+    }
+    Ok(out)
+}
+
+/// One contender: the hot backlog (or not), the trickle, one relay.
+async fn run_one(
+    env: &Env,
+    args: &HotArgs,
+    publisher: &str,
+    hot: bool,
+) -> anyhow::Result<Vec<(String, f64)>> {
+    let store = env
+        .store(
+            "hot",
+            ClaimMode::Lease {
+                duration: Duration::from_secs(60),
+            },
+            true,
+        )
+        .await?;
+    let clocks: SharedClocks = Arc::default();
+    let config = RelayConfig::builder().owner("bench-hot").build()?;
+    let wake = Arc::new(tokio::sync::Notify::new());
+    let listener = store.spawn_listener(wake.clone())?;
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let relay_task = {
+        let stop = stop.clone();
+        let store = store.clone();
+        let clocks = clocks.clone();
+        let until = async move { stop.notified().await };
+        if publisher == "kafka" {
+            let topic = env.topic("hot", 6).await?;
+            let inner = KafkaPublisher::builder(env.brokers()?, &topic)
+                .start()
+                .await
+                .map_err(|e| anyhow::anyhow!("publisher: {e}"))?;
+            let relay = Relay::new(
+                store,
+                Timed { inner, clocks },
+                config,
+                Arc::new(SystemClock),
+                Box::new(StdRng::seed_from_u64(7)),
+            )?;
+            tokio::spawn(outbox_core::driver::run(relay, Some(wake), until))
+        } else {
+            let relay = Relay::new(
+                store,
+                Timed {
+                    inner: InstantAcks::default(),
+                    clocks,
+                },
+                config,
+                Arc::new(SystemClock),
+                Box::new(StdRng::seed_from_u64(7)),
+            )?;
+            tokio::spawn(outbox_core::driver::run(relay, Some(wake), until))
+        }
+    };
+
+    // The hot backlog, in one transaction.
+    let mut hot_ids = Vec::new();
+    if hot {
+        let backlog: Vec<Envelope> = (0..args.versions)
+            .map(|i| {
+                Envelope::builder("order", "hot", i as i64 + 1, "order.changed")
+                    .json(&env::payload(i))
+                    .and_then(|b| b.build())
+                    .expect("valid envelope")
+            })
+            .collect();
+        hot_ids = backlog.iter().map(|e| e.event_id).collect();
+        let mut tx = env.pool.begin().await?;
+        store.append_many(&mut *tx, &backlog).await?;
+        tx.commit().await?;
+    }
+
+    // The trickle: open loop at `rate`, one client.
+    let total = (f64::from(args.rate) * args.seconds) as usize;
+    let interval = Duration::from_secs_f64(1.0 / f64::from(args.rate));
+    let aggregates = args.aggregates.max(1);
+    let started = tokio::time::Instant::now();
+    let mut trickle_ids = Vec::with_capacity(total);
+    for k in 0..total {
+        tokio::time::sleep_until(started + interval.mul_f64(k as f64)).await;
+        let e = Envelope::builder(
+            "order",
+            format!("cold-{}", k % aggregates),
+            (k / aggregates) as i64 + 1,
+            "order.changed",
+        )
+        .json(&env::payload(k))?
+        .build()?;
+        let id = e.event_id;
+        let mut tx = env.pool.begin().await?;
+        store.append(&mut *tx, &e).await?;
+        tx.commit().await?;
+        clocks
+            .lock()
+            .expect("clocks")
+            .committed
+            .insert(id, Instant::now());
+        trickle_ids.push(id);
+    }
+    let window = started.elapsed();
+    let hot_in_window = {
+        let c = clocks.lock().expect("clocks");
+        hot_ids.iter().filter(|id| c.acked.contains_key(id)).count()
+    };
+    // Every trickle event acknowledged (or a clear failure); the hot rest is left.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let missing = {
+            let c = clocks.lock().expect("clocks");
+            trickle_ids
+                .iter()
+                .filter(|id| !c.acked.contains_key(id))
+                .count()
+        };
+        if missing == 0 {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "{missing} of {total} trickle events not acknowledged 60 s after the trickle ended"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.notify_one();
+    relay_task.await?;
+    listener.abort();
+
+    let c = clocks.lock().expect("clocks");
+    let mut latency: Vec<Duration> = trickle_ids
+        .iter()
+        .map(|id| c.acked[id].saturating_duration_since(c.committed[id]))
+        .collect();
+    latency.sort_unstable();
+    let mut figures = vec![
+        ("trickle p50 ms".into(), quantile_ms(&latency, 0.5)),
+        ("trickle p99 ms".into(), quantile_ms(&latency, 0.99)),
+        ("trickle/s".into(), total as f64 / window.as_secs_f64()),
+    ];
+    if hot {
+        figures.push((
+            "hot events/s".into(),
+            hot_in_window as f64 / window.as_secs_f64(),
+        ));
+        figures.push(("hot acked".into(), hot_in_window as f64));
+    }
+    Ok(figures)
+}
