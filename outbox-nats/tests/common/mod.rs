@@ -52,7 +52,11 @@ pub fn nats_url(test: &str) -> Option<String> {
 /// A JetStream context on `url`.
 pub async fn js(url: &str) -> Context {
     let client = async_nats::connect(url).await.expect("connect to NATS");
-    jetstream::new(client)
+    let mut js = jetstream::new(client);
+    // async-nats's default timeout for a JetStream API request was seen running out once when
+    // creating a file-storage stream on a loaded 2-core machine; a test's setup waits longer.
+    js.set_timeout(Duration::from_secs(30));
+    js
 }
 
 /// A stream of the test's own, named `name` (upper-cased), capturing `subjects`.
