@@ -17,9 +17,9 @@ use sqlx::Row;
 use uuid::Uuid;
 
 pub use outbox_core::{
-    IntervalCount, LatencySummary, PublishedFilter, PublishedPosition, PublishedRow, WindowFlow,
+    IntervalCount, LatencySummary, PublishedFilter, PublishedPosition, PublishedRow,
 };
-use outbox_core::{StoreError, StoreErrorKind};
+use outbox_core::{StoreError, StoreErrorKind, WindowFlow};
 
 use super::head::marks;
 use super::rows::{ack_from_row, envelope_from_row, utc, ACK_COLS, ENVELOPE_COLS};
