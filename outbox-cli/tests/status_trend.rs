@@ -56,6 +56,7 @@ async fn status_forecasts_a_live_outage_that_a_long_drain_would_cancel() {
     assert_eq!(flow["created"], 800, "{flow}");
     // 2,000 finished events in the window: counted and read in full, labelled exact.
     assert_eq!(flow["published_estimated"], false, "{flow}");
+    assert_eq!(flow["created_estimated"], false, "{flow}");
     assert_eq!(s["latency"]["estimated"], false, "{s}");
     assert!(s["latency"]["sample_size"].is_null(), "{s}");
     let rate = flow["rate_per_second"].as_f64().expect("a rate");
@@ -162,5 +163,39 @@ async fn status_labels_the_latency_of_a_busy_window_as_an_estimate() {
         "{human}"
     );
     assert!(human.contains("6000 (estimated)"), "{human}");
+    env.drop_schema().await;
+}
+
+/// Up to 10,000 events created in the window the PostgreSQL store counts them; above, it
+/// estimates them from the ids, and `status` says so, in the text and in `--json`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_labels_a_busy_windows_created_count_as_an_estimate() {
+    let test = "status_labels_a_busy_windows_created_count_as_an_estimate";
+    let Some(env) = TestEnv::without_kafka(test).await else {
+        return;
+    };
+    env.migrate();
+    env.append(10_000, 1).await;
+    let (code, s, stderr) = env.json_env(&[], &["status", "--no-consumers"]);
+    assert_eq!(code, 0, "{s} {stderr}");
+    assert_eq!(s["flow"]["created"], 10_000, "{s}");
+    assert_eq!(s["flow"]["created_estimated"], false, "{s}");
+
+    env.append_versions(2_000, 2..=2).await;
+    let (code, s, stderr) = env.json_env(&[], &["status", "--no-consumers"]);
+    assert_eq!(code, 0, "{s} {stderr}");
+    assert_eq!(
+        s["flow"]["created"], 12_000,
+        "the ids issued since the window's start: {s}"
+    );
+    assert_eq!(s["flow"]["created_estimated"], true, "{s}");
+    let out = env
+        .cmd()
+        .args(["status", "--no-consumers"])
+        .output()
+        .unwrap();
+    let human = text(&out);
+    assert!(out.status.success(), "{human}");
+    assert!(human.contains("12000 (estimated)"), "{human}");
     env.drop_schema().await;
 }

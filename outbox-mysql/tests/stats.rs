@@ -207,3 +207,50 @@ async fn stats_count_from_the_accepted_first_version() {
     assert!(s.oldest_claimable_age.is_some(), "{s:?}");
     ctx.drop().await;
 }
+
+/// Issue 25: the published rows are counted up to 10,000 (exact, flag 0); beyond, they are
+/// not counted further (that read the whole status range of the index, the table's size)
+/// but estimated from `information_schema`'s row estimate, at least the rows counted, and
+/// flagged (`published_retained_estimated` 1).
+#[tokio::test]
+async fn published_rows_are_counted_exactly_to_ten_thousand_then_estimated() {
+    let ctx = ctx!(4);
+    let store = store(&ctx).await;
+    let evs: Vec<Envelope> = (0..10_001).map(|i| event(&format!("p{i}"), 1)).collect();
+    append(&ctx, &store, &evs).await;
+    let t = ctx.table("outbox_events");
+    let publish = |which: &'static str| {
+        format!(
+            "UPDATE {t} SET status = 'published', published_at = UTC_TIMESTAMP(6), \
+               finished_at = UTC_TIMESTAMP(6), ack_transport = 'kafka', \
+               ack_destination = 'orders', ack_partition = 0, ack_position = id \
+             WHERE {which}"
+        )
+    };
+    sqlx::query(&publish("aggregate_id <> 'p0'"))
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
+    let s = store.stats().await.unwrap();
+    assert_eq!((s.published_retained, s.unpublished), (10_000, 1), "{s:?}");
+    assert_eq!(extra(&s, "published_retained_estimated"), Some(0.0));
+    sqlx::query(&publish("aggregate_id = 'p0'"))
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
+    sqlx::query(&format!("ANALYZE TABLE {t}"))
+        .execute(&ctx.pool)
+        .await
+        .unwrap();
+    let s = store.stats().await.unwrap();
+    assert_eq!(
+        extra(&s, "published_retained_estimated"),
+        Some(1.0),
+        "{s:?}"
+    );
+    assert!(
+        s.published_retained >= 10_001 && s.unpublished == 0,
+        "at least the rows counted: {s:?}"
+    );
+    ctx.drop().await;
+}

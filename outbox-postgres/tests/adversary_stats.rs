@@ -307,18 +307,25 @@ async fn a_long_business_transaction_does_not_age_its_events_before_they_are_app
 
 /// `n` published rows written in SQL (the store's columns, a Kafka acknowledgement each).
 async fn published_rows(ctx: &common::Ctx, n: i64) {
+    published_rows_created(ctx, n, 0).await;
+}
+
+/// `n` published rows created `ago_s` seconds ago (published now), ids in creation order.
+async fn published_rows_created(ctx: &common::Ctx, n: i64, ago_s: i64) {
     sqlx::query(&format!(
         "INSERT INTO \"{}\".outbox_events (event_id, aggregate_type, aggregate_id, \
            aggregate_version, event_type, schema_version, content_type, payload, created_at, \
            status, published_at, finished_at, ack_transport, ack_destination, ack_partition, \
            ack_position) \
          SELECT gen_random_uuid(), 'order', 'done-' || g, 1, 'order.changed', 1, \
-           'application/json', '\\x7b7d'::bytea, now(), 'published', now(), now(), 'kafka', \
-           'orders', 0, g \
+           'application/json', '\\x7b7d'::bytea, now() - $2 * interval '1 s' - ($1 - g) * interval '1 ms', \
+           'published', \
+           now(), now(), 'kafka', 'orders', 0, g \
          FROM generate_series(1, $1) g",
         ctx.schema
     ))
     .bind(n)
+    .bind(ago_s)
     .execute(&ctx.pool)
     .await
     .unwrap();
@@ -377,5 +384,77 @@ async fn the_oldest_claimable_age_reads_the_first_thousand_claimable_events() {
     age_by(&ctx, &evs[999], 7200).await;
     let age = store.stats().await.unwrap().oldest_claimable_age.unwrap();
     assert!(age >= Duration::from_secs(7200), "{age:?}");
+    ctx.drop().await;
+}
+
+/// Discarded rows are finished rows too: the published count is exact while the finished
+/// index holds no more than 10,000 entries (counted alone, without reading a row), and
+/// then counts the published ones only; past 10,000 finished rows it is estimated.
+#[tokio::test]
+async fn the_exact_published_count_leaves_out_discarded_rows_and_is_bounded_by_finished_ones() {
+    let ctx = ctx!(4);
+    let store = store(&ctx, lease(30.0)).await;
+    published_rows(&ctx, 9_990).await;
+    sqlx::query(&format!(
+        "UPDATE \"{}\".outbox_events SET status = 'discarded' \
+         WHERE id IN (SELECT id FROM \"{0}\".outbox_events ORDER BY id LIMIT 5)",
+        ctx.schema
+    ))
+    .execute(&ctx.pool)
+    .await
+    .unwrap();
+    let s = store.stats().await.unwrap();
+    assert_eq!(
+        (s.published_retained, estimated(&s)),
+        (9_985, Some(0.0)),
+        "9,990 finished, 5 of them discarded"
+    );
+    published_rows(&ctx, 11).await;
+    let s = store.stats().await.unwrap();
+    assert_eq!(
+        estimated(&s),
+        Some(1.0),
+        "10,001 finished rows (9,996 published): estimated, {s:?}"
+    );
+    ctx.drop().await;
+}
+
+/// The events created in a latency window are counted exactly up to 10,000; above, they are
+/// estimated from the ids issued since the window's start and say so. The start is placed
+/// by the median of `id - rank` over the window's first 101 events by creation time, so a
+/// few old rows whose `created_at` falls in the window (a producer clock ahead) do not drag
+/// it back to their ids.
+#[tokio::test]
+async fn created_events_are_counted_to_ten_thousand_then_estimated_from_the_ids() {
+    let ctx = ctx!(4);
+    let store = store(&ctx, lease(30.0)).await;
+    let hour = Duration::from_secs(3600);
+    // 5,000 created two hours ago (outside), then 10,000 ten minutes ago.
+    published_rows_created(&ctx, 5_000, 7200).await;
+    published_rows_created(&ctx, 10_000, 600).await;
+    let l = ReportingStore::publish_latency(&store, hour).await.unwrap();
+    assert_eq!((l.created, l.created_estimated), (10_000, false), "{l:?}");
+    // 2,000 more: 12,000 in the window, estimated from the ids (exact here: no id was lost).
+    published_rows_created(&ctx, 2_000, 300).await;
+    let l = ReportingStore::publish_latency(&store, hour).await.unwrap();
+    assert_eq!((l.created, l.created_estimated), (12_000, true), "{l:?}");
+    // Three of the old rows now say they were created 50 minutes ago: the earliest events
+    // of the window by creation time, with the lowest ids. 12,003 are in the window; the
+    // estimate stays at the ids issued since the window's other first events.
+    sqlx::query(&format!(
+        "UPDATE \"{}\".outbox_events SET created_at = now() - interval '50 minutes' \
+         WHERE id IN (SELECT id FROM \"{0}\".outbox_events ORDER BY id LIMIT 3)",
+        ctx.schema
+    ))
+    .execute(&ctx.pool)
+    .await
+    .unwrap();
+    let l = ReportingStore::publish_latency(&store, hour).await.unwrap();
+    assert!(l.created_estimated, "{l:?}");
+    assert!(
+        (12_000..=12_003).contains(&l.created),
+        "{}: not dragged back to the old rows' ids (17,000 ids issued since the first)",
+        l.created
+    );
     ctx.drop().await;
 }

@@ -172,7 +172,7 @@ struct Trend {
 /// one-shot command has no samples of its own, so it reconstructs them from the store: the
 /// backlog `w` ago is the backlog now, less the events created within `w`, plus the events
 /// published within `w` (the reporting role's counts over a window ending now,
-/// [`ReportingStore::flow`]; PostgreSQL counts the discarded ones too, which also left the
+/// [`ReportingStore::flows`], all points in one call; PostgreSQL counts the discarded ones too, which also left the
 /// backlog). Events parked within `w` are not added back (they leave the backlog without a
 /// publication); a relay that parks many at once makes the reconstruction read a little
 /// steeper than the daemon's samples did.
@@ -198,13 +198,26 @@ async fn backlog_trend<R: ReportingStore>(
         w += step;
     }
     back.reverse();
+    // One read for every point (the store's `flows`: PostgreSQL reads the widest window
+    // once), not one per point.
+    let past: Vec<Duration> = back.iter().copied().filter(|w| !w.is_zero()).collect();
+    let flows = store.flows(&past).await.map_err(map)?;
+    let mut flows = flows.into_iter();
     let start = std::time::Instant::now();
     let mut samples = crate::trend::BacklogTrend::new(window);
     for w in &back {
         let backlog = if w.is_zero() {
             unpublished
         } else {
-            let flow = store.flow(*w).await.map_err(map)?;
+            let flow = flows.next().ok_or_else(|| {
+                CliError::from_store(
+                    &outbox_core::StoreError::new(
+                        outbox_core::StoreErrorKind::Other,
+                        "the store returned fewer flows than windows",
+                    ),
+                    table,
+                )
+            })?;
             (unpublished as i128 - flow.created as i128 + flow.finished as i128).max(0) as u64
         };
         samples.observe(start + (window - *w), backlog);
@@ -343,6 +356,7 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
         "flow": {
             "window_seconds": window.0.as_secs_f64(),
             "created": latency.created,
+            "created_estimated": latency.created_estimated,
             "published": latency.count,
             "published_estimated": latency.sample.is_some(),
             "rate_per_second": rate,
@@ -418,7 +432,11 @@ fn render(config: &Config, out: &Output, report: Report) -> Result<(), CliError>
         ],
         vec![
             format!("created in the last {window}"),
-            latency.created.to_string(),
+            if latency.created_estimated {
+                format!("{} (estimated)", latency.created)
+            } else {
+                latency.created.to_string()
+            },
         ],
         vec![
             format!(

@@ -277,6 +277,7 @@ async fn api_overview(State(s): State<ConsoleState>) -> Response {
                 "window_seconds": s.0.config.status.window.0.as_secs_f64(),
                 "published": d.latency.count,
                 "created": d.latency.created,
+                "created_estimated": d.latency.created_estimated,
                 "p50_seconds": d.latency.p50,
                 "p90_seconds": d.latency.p90,
                 "p99_seconds": d.latency.p99,

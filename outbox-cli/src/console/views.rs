@@ -251,7 +251,7 @@ pub(super) fn overview(o: &Overview<'_>) -> Markup {
                 td.num { (o.latency.count) }
                 td.num { (secs(o.latency.p50)) } td.num { (secs(o.latency.p90)) }
                 td.num { (secs(o.latency.p99)) } td.num { (secs(o.latency.max)) }
-                td.num { (o.latency.created) }
+                td.num { (o.latency.created) @if o.latency.created_estimated { " (estimated)" } }
             }
         }
         @if let Some(n) = o.latency.sample {

@@ -183,6 +183,15 @@ macro_rules! forward_store_roles {
             ) -> ::core::result::Result<$crate::WindowFlow, $crate::StoreError> {
                 $crate::ReportingStore::flow(&self.$field, window).await
             }
+            async fn flows(
+                &self,
+                windows: &[::core::time::Duration],
+            ) -> ::core::result::Result<
+                ::std::vec::Vec<$crate::WindowFlow>,
+                $crate::StoreError,
+            > {
+                $crate::ReportingStore::flows(&self.$field, windows).await
+            }
             async fn cleanup_candidates(
                 &self,
                 retention: ::core::time::Duration,

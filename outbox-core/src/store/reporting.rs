@@ -53,6 +53,19 @@ pub trait ReportingStore: Send + Sync {
         })
     }
 
+    /// The flows of several windows ending now, in the order of `windows`: each MUST be
+    /// what [`flow`](Self::flow) gives for that window. What `outbox status` reads for its
+    /// trend points (up to 60 of them). The default calls `flow` once per window; a store
+    /// SHOULD override it with one read of the widest window (the narrower ones are inside
+    /// it), all windows then ending at the same "now".
+    async fn flows(&self, windows: &[Duration]) -> Result<Vec<WindowFlow>, StoreError> {
+        let mut out = Vec::with_capacity(windows.len());
+        for w in windows {
+            out.push(self.flow(*w).await?);
+        }
+        Ok(out)
+    }
+
     /// Published and discarded rows that a
     /// [`MaintenanceStore::cleanup`](crate::MaintenanceStore::cleanup) with `retention` would
     /// remove now (finished more than `retention` ago).
@@ -120,9 +133,13 @@ pub struct LatencySummary {
     /// events of the window (which ones is the store's choice; PostgreSQL takes the latest
     /// publications), and `count` may be estimated too (PostgreSQL scales its exact count of
     /// the window's finished events by the sample's share of published ones). `created` is
-    /// always exact. A reader shows such figures as estimates with the sample size, as
-    /// `outbox status` does.
+    /// not part of the sample (see `created_estimated`). A reader shows such figures as
+    /// estimates with the sample size, as `outbox status` does.
     pub sample: Option<u64>,
+    /// `false` when `created` is an exact count. `true` when the store estimated it on a busy
+    /// window (PostgreSQL above 10,000 events: from the range of ids issued since the
+    /// window's first events); a reader shows it as an estimate, as `outbox status` does.
+    pub created_estimated: bool,
 }
 
 /// Events that entered and left the backlog within a window ([`ReportingStore::flow`]).
@@ -165,6 +182,7 @@ impl LatencySummary {
             max: latencies.last().copied(),
             created,
             sample: None,
+            created_estimated: false,
         }
     }
 }

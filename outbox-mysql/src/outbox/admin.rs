@@ -19,7 +19,7 @@ use uuid::Uuid;
 pub use outbox_core::{
     IntervalCount, LatencySummary, PublishedFilter, PublishedPosition, PublishedRow,
 };
-use outbox_core::{StoreError, StoreErrorKind};
+use outbox_core::{StoreError, StoreErrorKind, WindowFlow};
 
 use super::head::marks;
 use super::rows::{ack_from_row, envelope_from_row, utc, ACK_COLS, ENVELOPE_COLS};
@@ -97,6 +97,32 @@ impl MySqlOutboxStore {
             s.max = at.get(&n).copied();
         }
         Ok(s)
+    }
+
+    /// Events created and events finished (published or discarded: both left the backlog)
+    /// within `window`: two counts over `created_idx` and `finished_idx` alone (`finished_at`
+    /// is set by a publication or a discard only, so the index needs no status). What `outbox
+    /// status` reads per trend point; the trait's default read the whole latency window
+    /// (every publication's row, ranked) per point.
+    pub async fn flow(&self, window: Duration) -> Result<WindowFlow, StoreError> {
+        let t = &self.inner.tables.events;
+        let row = sqlx::query(&format!(
+            "SELECT (SELECT COUNT(*) FROM {t} \
+                       WHERE created_at >= UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND) \
+                      AS created, \
+                    (SELECT COUNT(*) FROM {t} \
+                       WHERE finished_at >= UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND) \
+                      AS finished"
+        ))
+        .bind(micros(window))
+        .bind(micros(window))
+        .fetch_one(&self.inner.pool)
+        .await
+        .map_err(db)?;
+        let count = |name: &str| -> Result<u64, StoreError> {
+            Ok(row.try_get::<i64, _>(name).map_err(db)?.max(0) as u64)
+        };
+        Ok(WindowFlow::new(count("created")?, count("finished")?))
     }
 
     /// Published and discarded rows that a cleanup with `retention` would remove now.
@@ -354,6 +380,9 @@ impl outbox_core::ReportingStore for MySqlOutboxStore {
     }
     async fn publish_latency(&self, window: Duration) -> Result<LatencySummary, StoreError> {
         MySqlOutboxStore::publish_latency(self, window).await
+    }
+    async fn flow(&self, window: Duration) -> Result<WindowFlow, StoreError> {
+        MySqlOutboxStore::flow(self, window).await
     }
     async fn cleanup_candidates(&self, retention: Duration) -> Result<u64, StoreError> {
         MySqlOutboxStore::cleanup_candidates(self, retention).await

@@ -13,6 +13,9 @@ use crate::error::db;
 /// How many of the oldest due candidates the locked-mode in-flight probe looks at.
 const IN_FLIGHT_PROBE: i64 = 10_000;
 
+/// Published rows the stats count exactly; above this many, an estimate (as outbox-postgres).
+const PUBLISHED_EXACT_UP_TO: u64 = 10_000;
+
 impl MySqlOutboxStore {
     /// The monitoring snapshot, in one statement (one consistent read), with the classes of
     /// [`OutboxStats`] as outbox-postgres counts them ([`stats_sql`]).
@@ -22,7 +25,8 @@ impl MySqlOutboxStore {
     /// age too. `extra` holds `queued_rows` (pending rows a claim took out of the candidates
     /// because an earlier unfinished event of their aggregate comes first) and the table's
     /// size from `information_schema` (`table_bytes`, `index_bytes`, `free_bytes`,
-    /// `estimated_rows`).
+    /// `estimated_rows`), and `published_retained_estimated` (1 when the published rows are
+    /// more than 10,000 and `published_retained` is estimated from `estimated_rows`).
     pub(super) async fn stats_inner(&self) -> Result<OutboxStats, StoreError> {
         let t = &self.inner.tables;
         let sql = stats_sql(
@@ -52,7 +56,7 @@ impl MySqlOutboxStore {
             _ => get("leased")?,
         };
         stats.parked = get("parked")?;
-        stats.published_retained = get("published")?;
+        let published = get("published")?;
         stats.blocked = get("blocked")?;
         stats.gap_held = get("gap_held")?;
         stats.version_gaps_held = get("gaps_held")?;
@@ -61,6 +65,27 @@ impl MySqlOutboxStore {
         stats.oldest_parked_age = age("oldest_parked_us")?;
         let mut extra = vec![("queued_rows".to_owned(), get("queued")? as f64)];
         extra.extend(self.table_extra().await?);
+        // Exact up to PUBLISHED_EXACT_UP_TO (the published rows are counted no further:
+        // counting them all read the whole status index range, the table's size); above it,
+        // the table's rows as InnoDB estimates them (`information_schema`'s `TABLE_ROWS`,
+        // from sampled index pages: it can be off by tens of percent) less the unfinished
+        // ones, at least the rows counted, flagged in `extra` ("published_retained_estimated"
+        // 1), as outbox-postgres does.
+        let estimated = published > PUBLISHED_EXACT_UP_TO;
+        stats.published_retained = if estimated {
+            let rows = extra
+                .iter()
+                .find(|(k, _)| k == "estimated_rows")
+                .map_or(0.0, |(_, v)| v.max(0.0)) as u64;
+            rows.saturating_sub(stats.unpublished + stats.parked)
+                .max(published)
+        } else {
+            published
+        };
+        extra.push((
+            "published_retained_estimated".to_owned(),
+            if estimated { 1.0 } else { 0.0 },
+        ));
         stats.extra = extra;
         Ok(stats)
     }
@@ -206,7 +231,8 @@ fn stats_sql(ev: &str, st: &str, accept_first_version: bool) -> String {
            {oldest_blocked} AS oldest_blocked_us, \
            {oldest_claimable} AS oldest_claimable_us, \
            (SELECT COUNT(*) FROM {ev} WHERE status = 'parked') AS parked, \
-           (SELECT COUNT(*) FROM {ev} WHERE status = 'published') AS published, \
+           (SELECT COUNT(*) FROM (SELECT 1 FROM {ev} WHERE status = 'published' \
+              LIMIT {cap}) p) AS published, \
            (SELECT COUNT(*) FROM {ev} e \
               WHERE e.status = 'pending' AND e.blocked = 0 \
                 AND e.claim_token <> {no_token} AND e.next_attempt_at > UTC_TIMESTAMP(6)) \
@@ -221,5 +247,6 @@ fn stats_sql(ev: &str, st: &str, accept_first_version: bool) -> String {
         oldest_claimable = age("CASE WHEN c.cls = 'c' THEN c.inserted_at END"),
         oldest_parked = age("inserted_at"),
         no_token = super::head::NO_TOKEN,
+        cap = PUBLISHED_EXACT_UP_TO + 1,
     )
 }

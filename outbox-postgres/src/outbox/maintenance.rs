@@ -80,7 +80,8 @@ impl PostgresOutboxStore {
             _ => get("leased")?,
         };
         stats.parked = get("parked")?;
-        // Exact up to PUBLISHED_EXACT_UP_TO; above it, the table's rows as the planner
+        // Exact while the finished rows are no more than PUBLISHED_EXACT_UP_TO (else
+        // `published_upto` is one more than that); above, the table's rows as the planner
         // estimates them (rows per page at the last vacuum or analyze, times the pages now)
         // less the unfinished ones: discarded rows and the estimate's error (dead rows not
         // vacuumed yet count as live) make it an estimate, reported as such in `extra`
@@ -90,6 +91,8 @@ impl PostgresOutboxStore {
         stats.published_retained = if estimated {
             get("live_rows")?
                 .saturating_sub(stats.unpublished + stats.parked)
+                // At least the finished rows counted (the estimate counts the discarded
+                // ones as published either way).
                 .max(published)
         } else {
             published

@@ -146,7 +146,8 @@ where
 /// percentile of 91 s, a 99th of 99.1 s and a largest of 100 s (plus the moments the check
 /// takes on a real clock). An event created before the window is not counted as created in
 /// it; a window that ends after the publications and starts after them holds none. Ten
-/// publications are exact (no sample), and the flow counts what the latency counts.
+/// publications are exact (no sample), and the flow counts what the latency counts; the
+/// flows of several windows are each window's flow.
 pub async fn publish_latency_percentiles_over_a_window<H: OutboxHarness>(h: &H)
 where
     H::Store: ReportingStore,
@@ -207,6 +208,25 @@ where
         .await
         .expect("latency");
     assert_eq!((tiny.count, tiny.p50), (0, None), "{tiny:?}");
+    // Several windows at once, in the caller's order (repeats and a window nothing is in
+    // included): each what `flow` counts. Created: ten within the hour, the six created
+    // 10..60 s ago within 65 s, the outside one within three hours too; finished: the ten
+    // publications in each window but the last.
+    let windows = [
+        hour,
+        Duration::from_secs(65),
+        3 * hour,
+        Duration::from_secs(65),
+        Duration::from_micros(1),
+    ];
+    let flows = store.flows(&windows).await.expect("flows");
+    let got: Vec<(u64, u64)> = flows.iter().map(|f| (f.created, f.finished)).collect();
+    assert_eq!(
+        got,
+        vec![(10, 10), (6, 10), (11, 10), (6, 10), (0, 0)],
+        "the flows of {windows:?}"
+    );
+    assert!(store.flows(&[]).await.expect("no flows").is_empty());
 }
 
 /// Replay reads published events in publication order, not append order: version 2 of an
