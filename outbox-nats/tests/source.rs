@@ -781,3 +781,108 @@ async fn a_delivery_sequence_that_goes_back_after_a_restart_loses_nothing() {
         engine.report()
     );
 }
+
+/// An ack ahead of a position handed out before the numbering started over acknowledges
+/// nothing that holds its number now. A nats-server of this test's own; `m0` is handed out at
+/// delivery 1 and redelivered at delivery 2 (ack wait; still in flight here), `m1` is handed
+/// out at delivery 3. The server comes back with the consumer state it had before anything was
+/// delivered (see the test above): `m0` and `m1` come again at deliveries 1 and 2, and `m2`,
+/// published then, at delivery 3. The engine's ack ahead of `m1`'s old position (delivery 3)
+/// must not acknowledge `m2`, which is not final.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_ahead_of_an_old_numbering_acknowledges_no_other_message() {
+    use outbox_core::Classify as _;
+    let bin = require!(outbox_test_support::nats_server_bin("nats_source_old_ack"));
+    let mut server = outbox_test_support::NatsServer::start(bin);
+    let url = server.url();
+    let prefix = unique("oldack");
+    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
+    let durable = unique("inbox");
+    let member = || {
+        NatsSource::builder(&url, &stream.name, &durable)
+            .ack_wait(ACK_WAIT)
+            .pull_batch(1)
+            .connect_timeout(Duration::from_millis(500))
+            .start()
+    };
+    drop(member().await.unwrap());
+    let state_file = consumer_state_file(server.storage_dir(), &stream.name, &durable);
+    server.stop();
+    let early_state = std::fs::read(&state_file).ok();
+    server.restart();
+    let publish = |i: usize| {
+        let js = stream.js.clone();
+        let subject = format!("{prefix}.m");
+        async move {
+            js.publish(subject, format!("m{i}").into())
+                .await
+                .expect("publish")
+                .await
+                .expect("PubAck");
+        }
+    };
+    publish(0).await;
+    let source = member().await.unwrap();
+    let m0 = poll_n(&source, 1).await.remove(0);
+    assert_eq!(m0.position.offset, 1);
+    // m0's ack wait runs out: redelivered at delivery 2 (not handed out again).
+    tokio::time::sleep(ACK_WAIT + Duration::from_millis(500)).await;
+    publish(1).await;
+    let m1 = poll_n(&source, 1).await.remove(0);
+    assert_eq!(
+        (m1.position.offset, stream_seq(&m1.position)),
+        (3, 2),
+        "m0 came again at delivery 2: {}",
+        m1.position
+    );
+
+    server.stop();
+    match &early_state {
+        Some(bytes) => std::fs::write(&state_file, bytes).expect("write the consumer state"),
+        None => std::fs::remove_file(&state_file).expect("remove the consumer state"),
+    }
+    server.restart();
+    publish(2).await;
+    // (Polls fail transiently until the client has reconnected.)
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut seen: Vec<(i64, u64)> = Vec::new();
+    while seen.len() < 3 {
+        assert!(Instant::now() < deadline, "only {seen:?}");
+        match source.poll(Duration::from_millis(200)).await {
+            Ok(Some(m)) => seen.push((m.position.offset, stream_seq(&m.position))),
+            Ok(None) => {}
+            Err(e) => assert!(e.is_transient(), "{e}"),
+        }
+    }
+    assert_eq!(
+        seen,
+        vec![(1, 1), (2, 2), (3, 3)],
+        "the numbering started over: m0, m1, m2 at deliveries 1, 2, 3"
+    );
+    source
+        .ack_ahead(std::slice::from_ref(&m1.position))
+        .await
+        .unwrap();
+    let info = common::js(&url)
+        .await
+        .get_stream(&stream.name)
+        .await
+        .unwrap()
+        .consumer_info(&durable)
+        .await
+        .unwrap();
+    assert_eq!(
+        (info.num_ack_pending, source.unacknowledged()),
+        (3, 3),
+        "nothing acknowledged by the old position: {info:?}"
+    );
+}
+
+fn stream_seq(p: &outbox_core::LogPosition) -> u64 {
+    match p.native {
+        outbox_core::NativePosition::JetStream {
+            stream_sequence, ..
+        } => stream_sequence,
+        _ => panic!("not a JetStream position: {p}"),
+    }
+}
