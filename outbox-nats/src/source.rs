@@ -60,6 +60,26 @@
 //! redelivery of a message in flight that is *not* final (held, being applied) is still only
 //! dropped: acking it would lose it. Deliveries are never limited (`max_deliver = -1`, checked
 //! at start), so the redeliveries of either kind cannot use up a message's deliveries.
+//!
+//! # A delivery sequence that goes back
+//!
+//! The server numbers a consumer's deliveries from its stored state. A server that comes back
+//! without the state it last had (a crash loses what it wrote of a consumer's state since the
+//! disk last synced it), or a durable consumer deleted and created again, numbers them from an
+//! earlier point: a delivery at or below one handed out here before. The engine's watermark
+//! takes it for a rewind and forgets what it held (held versions, queued messages); the
+//! numbers this source holds deliveries under now name other messages. Kept, a commit of the
+//! new numbering acknowledged a held message the engine had forgotten (its effect never
+//! applied: lost), and a new message could take the number of one still held here.
+//!
+//! So a delivery at or below the highest one handed out starts a new numbering here too: the
+//! source forgets every delivery it holds, final or not, **acknowledging none**, and hands
+//! the delivery out (the engine sees the same rewind at the same message). The server has
+//! none of them acknowledged (or lost its record of the ack), so it delivers each again,
+//! under the new numbering: the inbox applies it or finds it a duplicate. An ack ahead of a
+//! position handed out before is matched by delivery *and* stream sequence, so it never
+//! acknowledges the other message that holds that number now. Test:
+//! `tests/source.rs` `a_delivery_sequence_that_goes_back_after_a_restart_loses_nothing`.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -77,7 +97,7 @@ use futures::StreamExt;
 use outbox_core::watermark::SharedOffsetTracker;
 use outbox_core::{
     async_trait, AckModel, CommitOffset, ConfigError, ErrorClass, LogPosition, MessageSource,
-    PartitionLag, ReceivedMessage, RecordHeader, SourceError, TopicPartition,
+    NativePosition, PartitionLag, ReceivedMessage, RecordHeader, SourceError, TopicPartition,
 };
 use tokio::time::Instant;
 
@@ -321,9 +341,29 @@ struct Delivery {
 struct InFlight {
     ackers: BTreeMap<u64, Delivery>,
     by_stream_seq: BTreeMap<u64, u64>,
+    /// The highest delivery sequence handed out (0: none): the engine's watermark takes a
+    /// delivery at or below it for a rewind.
+    highest_handed_out: u64,
 }
 
 impl InFlight {
+    /// Whether `delivery` starts a new numbering of the consumer's deliveries: one at or
+    /// below a delivery handed out before (the server lost the consumer's state, or the
+    /// consumer was created again). The numbers held here then name other messages; see
+    /// the module docs ("A delivery sequence that goes back").
+    fn starts_over(&self, delivery: u64) -> bool {
+        delivery <= self.highest_handed_out
+    }
+
+    /// Forgets every delivery held (none is acknowledged): the server delivers each again
+    /// under its new numbering. Returns how many were held, and how many of them final.
+    fn forget_all(&mut self) -> (usize, usize) {
+        let held = self.ackers.len();
+        let finals = self.ackers.values().filter(|d| d.is_final).count();
+        *self = Self::default();
+        (held, finals)
+    }
+
     /// Removes and returns the deliveries below `limit` and every final one.
     fn take_below_and_final(&mut self, limit: u64) -> Vec<(u64, Delivery)> {
         let keep = self.ackers.split_off(&limit);
@@ -545,6 +585,11 @@ impl NatsSource {
         let (message, acker) = msg.split();
         {
             let mut st = self.state();
+            if st.starts_over(delivery) {
+                let highest = st.highest_handed_out;
+                let (held, finals) = st.forget_all();
+                tracing::warn!(stream = %self.tp.topic, seq, delivery, highest, held, finals, "the consumer's delivery sequence went back (the server lost its state, or the consumer was created again): forgetting the deliveries held here unacknowledged; the server delivers them again");
+            }
             if let Some(held) = st.by_stream_seq.get(&seq).copied() {
                 let is_final = match st.ackers.get_mut(&held) {
                     Some(slot) => {
@@ -569,6 +614,7 @@ impl NatsSource {
                 },
             );
             st.by_stream_seq.insert(seq, delivery);
+            st.highest_handed_out = delivery;
         }
         let mut headers: Vec<RecordHeader> = message
             .headers
@@ -675,13 +721,25 @@ impl MessageSource for NatsSource {
     async fn ack_ahead(&self, positions: &[LogPosition]) -> Result<(), SourceError> {
         let due = {
             let mut st = self.state();
-            for d in positions
+            for p in positions
                 .iter()
                 .filter(|p| p.topic == self.tp.topic && p.partition == self.tp.partition)
-                .filter_map(|p| u64::try_from(p.offset).ok())
             {
+                // The delivery *and* the message: after the numbering started over, the
+                // position of a message handed out before may name another one here now.
+                let NativePosition::JetStream {
+                    stream_sequence, ..
+                } = p.native
+                else {
+                    continue;
+                };
+                let Ok(d) = u64::try_from(p.offset) else {
+                    continue;
+                };
                 if let Some(slot) = st.ackers.get_mut(&d) {
-                    slot.is_final = true;
+                    if slot.stream_seq == stream_sequence {
+                        slot.is_final = true;
+                    }
                 }
             }
             st.take_final()

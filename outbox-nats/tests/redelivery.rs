@@ -351,3 +351,171 @@ async fn acks_ahead_lost_in_a_partition_are_retried_at_the_next_ack_ahead() {
 async fn acks_ahead_lost_in_a_partition_are_retried_at_the_next_commit() {
     lost_acks_ahead_are_retried_at("nats_lost_ack_retried_commit", Occasion::Commit).await;
 }
+
+/// Applies events as [`Effects`] once the gate is open (waits for it, inside the transaction).
+struct Gated {
+    open: tokio::sync::watch::Receiver<bool>,
+    inner: Effects,
+}
+
+#[outbox_core::async_trait]
+impl outbox_inbox::Handler<common::inbox::PgTx> for Gated {
+    async fn handle(
+        &self,
+        tx: &mut common::inbox::PgTx,
+        e: &Envelope,
+    ) -> Result<(), outbox_inbox::HandlerError> {
+        let mut open = self.open.clone();
+        let _ = open.wait_for(|o| *o).await;
+        self.inner.handle(tx, e).await
+    }
+}
+
+/// How often the engine commits in [`lost_acks_do_not_starve_a_small_max_ack_pending`].
+#[derive(Clone, Copy, Debug)]
+enum Cadence {
+    /// After every final message and every 100 ms: a lost ack ahead is tried again at the next
+    /// commit once the link is back.
+    Periodic,
+    /// Only when something became final since the last commit and the engine is quiet: once
+    /// the lost acks' commit is over, nothing here tries them again, and nothing new is
+    /// delivered while `max_ack_pending` is full. Only the server's redelivery of the final
+    /// messages (acknowledged at once) frees the slots.
+    OnNewFinals,
+}
+
+/// `max_ack_pending` 4. Version 2 of `h` (version 1 not published yet: held) and three events
+/// of other aggregates are delivered; the three are applied while a network partition
+/// black-holes their acks ahead, so the server holds all four unacknowledged and delivers
+/// nothing more. The rest of the stream (version 1 of `h` and four more events) is published
+/// meanwhile. After two ack waits the link is back: the three are acknowledged, version 1 of
+/// `h` comes, `h` is applied in order, every event once, and the consumer's acks pending drain
+/// to 0 (read from the server). Were the lost acks left to the watermark (which version 2 of
+/// `h` holds at its delivery), the four slots would stay taken for good.
+async fn lost_acks_do_not_starve_a_small_max_ack_pending(test: &str, cadence: Cadence) {
+    let url = require!(common::nats_url(test));
+    let db = require!(common::inbox_db(test).await);
+    let prefix = unique("starve");
+    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
+    let durable = unique("inbox");
+    // Publishes straight to the server (not through the proxy).
+    let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
+    let mut first: Vec<Envelope> = vec![common::event("order", "h", 2)];
+    first.extend((0..3).map(|i| common::event("order", &format!("f-{i}"), 1)));
+    for r in publisher.publish(&first.iter().collect::<Vec<_>>()).await {
+        r.unwrap();
+    }
+    let upstream = url
+        .split("://")
+        .last()
+        .expect("a URL")
+        .trim_end_matches('/')
+        .to_owned();
+    let proxy = common::proxy::Proxy::start(&upstream);
+    let source = NatsSource::builder(proxy.url(), &stream.name, &durable)
+        .ack_wait(ACK_WAIT)
+        .max_ack_pending(4)
+        .pull_batch(4)
+        .connect_timeout(Duration::from_secs(1))
+        .start()
+        .await
+        .unwrap();
+    let (gate, open) = tokio::sync::watch::channel(false);
+    let applied = Arc::new(AtomicUsize::new(0));
+    let processor = InboxProcessor::new(
+        "nats-starve",
+        db.inbox().await,
+        Gated {
+            open,
+            inner: Effects {
+                schema: db.schema.clone(),
+                applied: applied.clone(),
+            },
+        },
+    )
+    .with_version_policy(VersionPolicy::hold(10, Duration::from_secs(600)))
+    .require_first_version(true);
+    let config = match cadence {
+        Cadence::Periodic => EngineConfig::default().with_commit(1, Duration::from_millis(100)),
+        Cadence::OnNewFinals => {
+            EngineConfig::default().with_commit(10_000, Duration::from_secs(3600))
+        }
+    };
+    let mut engine = ConsumerEngine::new(source, processor, config, 4).expect("engine");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while engine.report().received < 4 {
+        assert!(Instant::now() < deadline, "the four were not delivered");
+        engine.step().await.unwrap();
+    }
+    // Nothing is final before the gate opens: every ack ahead goes into the partition.
+    proxy.partition();
+    gate.send_replace(true);
+    while engine.report().acked_ahead < 3 || engine.report().held != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the three were not applied: {:?}",
+            engine.report()
+        );
+        engine.step().await.unwrap();
+    }
+    assert_eq!(applied.load(Ordering::Relaxed), 3);
+    let mut later: Vec<Envelope> = vec![common::event("order", "h", 1)];
+    later.extend((3..7).map(|i| common::event("order", &format!("f-{i}"), 1)));
+    for r in publisher.publish(&later.iter().collect::<Vec<_>>()).await {
+        r.unwrap();
+    }
+    let info = consumer_info(&url, &stream.name, &durable).await;
+    assert_eq!(
+        (info.num_ack_pending, info.num_pending),
+        (4, 5),
+        "max_ack_pending is reached: the rest waits at the server: {info:?}"
+    );
+    // Two ack waits in the partition: the server's redeliveries go into it too.
+    let until = Instant::now() + ACK_WAIT * 2;
+    while Instant::now() < until {
+        engine.step().await.unwrap();
+    }
+    proxy.heal();
+    let total = first.len() + later.len();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let info = loop {
+        let until = Instant::now() + Duration::from_millis(500);
+        while Instant::now() < until {
+            engine.step().await.unwrap();
+        }
+        let info = consumer_info(&url, &stream.name, &durable).await;
+        let done = db.effects_once().await as usize == total
+            && (info.num_ack_pending, info.num_pending) == (0, 0);
+        if done || Instant::now() > deadline {
+            break info;
+        }
+    };
+    assert_eq!(
+        db.applied("h").await,
+        vec![1, 2],
+        "{cadence:?}: version 1 of h was delivered after the partition and h applied in order \
+         (server: {info:?}; engine: {:?})",
+        engine.report()
+    );
+    for i in 0..7 {
+        assert_eq!(db.applied(&format!("f-{i}")).await, vec![1], "f-{i}");
+    }
+    assert_eq!(db.effects_once().await as usize, total);
+    assert_eq!(
+        (info.num_ack_pending, info.num_pending),
+        (0, 0),
+        "{cadence:?}: the consumer's acks pending drained: {info:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_acks_do_not_starve_a_small_max_ack_pending_with_periodic_commits() {
+    lost_acks_do_not_starve_a_small_max_ack_pending("nats_starve_periodic", Cadence::Periodic)
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_acks_do_not_starve_a_small_max_ack_pending_with_commits_on_new_finals_only() {
+    lost_acks_do_not_starve_a_small_max_ack_pending("nats_starve_new_finals", Cadence::OnNewFinals)
+        .await;
+}

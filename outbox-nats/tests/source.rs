@@ -630,3 +630,259 @@ async fn engine_survives_a_server_restart_with_each_effect_once() {
     }
     assert_eq!(engine.report().parked, 0);
 }
+
+/// The consumer's state file under `dir` (a [`outbox_test_support::NatsServer`]'s storage):
+/// `jetstream/$G/streams/<stream>/obs/<durable>/o.dat`.
+fn consumer_state_file(dir: &std::path::Path, stream: &str, durable: &str) -> std::path::PathBuf {
+    dir.join("jetstream")
+        .join("$G")
+        .join("streams")
+        .join(stream)
+        .join("obs")
+        .join(durable)
+        .join("o.dat")
+}
+
+/// The consumer's delivery sequence goes back under a running engine. A nats-server of this
+/// test's own is killed while the engine has applied ten events and holds version 2 of `h`
+/// (version 1 not published yet), and it comes back with the consumer state it had written
+/// before anything was delivered (a crash loses what the server wrote of a consumer's state
+/// since the disk last synced it: the test puts back that earlier state file). The server
+/// then delivers the stream again from sequence 1 at delivery sequences 1, 2, ...: version 2
+/// of `h` (still held here, at delivery 11) among them, at the same numbers. Version 1 of `h`
+/// is published afterwards: both versions of `h` are applied once, in order, every other
+/// event once, and nothing is left unacknowledged. (The source kept its deliveries keyed by
+/// the old numbers: the engine took the first new delivery for a rewind and forgot the held
+/// version 2, the source did not, and the commit after version 1 acknowledged version 2
+/// without its effect.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_sequence_that_goes_back_after_a_restart_loses_nothing() {
+    let bin = require!(outbox_test_support::nats_server_bin("nats_source_seq_back"));
+    let db = require!(common::inbox_db("nats_source_seq_back").await);
+    let mut server = outbox_test_support::NatsServer::start(bin);
+    let url = server.url();
+    let prefix = unique("seqback");
+    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
+    let durable = unique("inbox");
+    let member = || {
+        NatsSource::builder(&url, &stream.name, &durable)
+            .ack_wait(ACK_WAIT)
+            .connect_timeout(Duration::from_millis(500))
+            .start()
+    };
+    // The consumer, created before anything is published: its state as written then.
+    drop(member().await.unwrap());
+    let state_file = consumer_state_file(server.storage_dir(), &stream.name, &durable);
+    server.stop();
+    let early_state = std::fs::read(&state_file).ok();
+    server.restart();
+
+    let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
+    let mut first: Vec<Envelope> = (0..10)
+        .map(|i| common::event("order", &format!("f-{i}"), 1))
+        .collect();
+    first.push(common::event("order", "h", 2));
+    for r in publisher.publish(&first.iter().collect::<Vec<_>>()).await {
+        r.unwrap();
+    }
+    let applied = Arc::new(AtomicUsize::new(0));
+    let processor = InboxProcessor::new(
+        "nats-seq-back",
+        db.inbox().await,
+        Effects {
+            schema: db.schema.clone(),
+            applied: applied.clone(),
+        },
+    )
+    .with_version_policy(VersionPolicy::hold(100, Duration::from_secs(120)))
+    .require_first_version(true);
+    let config = EngineConfig::default()
+        .with_commit(10, Duration::from_millis(100))
+        .with_max_batch(5);
+    let mut engine = ConsumerEngine::new(member().await.unwrap(), processor, config, 21).unwrap();
+    let consumer_info = |url: String| {
+        let (stream, durable) = (stream.name.clone(), durable.clone());
+        async move {
+            common::js(&url)
+                .await
+                .get_stream(&stream)
+                .await
+                .expect("stream")
+                .consumer_info(&durable)
+                .await
+                .expect("consumer info")
+        }
+    };
+    // Ten applied and acknowledged, version 2 of `h` held (the server's only pending one).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        engine.step().await.unwrap();
+        if applied.load(Ordering::Relaxed) == 10 && engine.report().held == 1 {
+            let info = consumer_info(url.clone()).await;
+            if info.num_ack_pending == 1 && info.ack_floor.stream_sequence == 10 {
+                break;
+            }
+        }
+        assert!(Instant::now() < deadline, "the ten were not acknowledged");
+    }
+
+    server.stop();
+    match &early_state {
+        Some(bytes) => std::fs::write(&state_file, bytes).expect("write the consumer state"),
+        None => std::fs::remove_file(&state_file).expect("remove the consumer state"),
+    }
+    server.restart();
+    // (The client may pull again as soon as it reconnects: only the acks are sure to be
+    // gone before the engine steps again.)
+    let info = consumer_info(url.clone()).await;
+    assert_eq!(
+        info.ack_floor.stream_sequence, 0,
+        "the consumer's state went back to before the first delivery: {info:?}"
+    );
+    let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
+    publisher
+        .publish(&[&common::event("order", "h", 1)])
+        .await
+        .remove(0)
+        .unwrap();
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let info = loop {
+        engine
+            .run_until_quiet(Duration::from_millis(300))
+            .await
+            .unwrap();
+        let info = consumer_info(url.clone()).await;
+        let done =
+            db.effects_once().await == 12 && (info.num_ack_pending, info.num_pending) == (0, 0);
+        if done || Instant::now() > deadline {
+            break info;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(
+        db.applied("h").await,
+        vec![1, 2],
+        "both versions of h applied, in order (server: {info:?}; engine: {:?})",
+        engine.report()
+    );
+    for i in 0..10 {
+        assert_eq!(db.applied(&format!("f-{i}")).await, vec![1], "f-{i}");
+    }
+    assert_eq!(db.effects_once().await, 12);
+    assert_eq!(
+        (info.num_ack_pending, info.num_pending),
+        (0, 0),
+        "everything acknowledged: {info:?}"
+    );
+    assert!(
+        engine.report().rewinds >= 1,
+        "the engine saw the delivery sequence go back: {:?}",
+        engine.report()
+    );
+}
+
+/// An ack ahead of a position handed out before the numbering started over acknowledges
+/// nothing that holds its number now. A nats-server of this test's own; `m0` is handed out at
+/// delivery 1 and redelivered at delivery 2 (ack wait; still in flight here), `m1` is handed
+/// out at delivery 3. The server comes back with the consumer state it had before anything was
+/// delivered (see the test above): `m0` and `m1` come again at deliveries 1 and 2, and `m2`,
+/// published then, at delivery 3. The engine's ack ahead of `m1`'s old position (delivery 3)
+/// must not acknowledge `m2`, which is not final.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_ahead_of_an_old_numbering_acknowledges_no_other_message() {
+    use outbox_core::Classify as _;
+    let bin = require!(outbox_test_support::nats_server_bin("nats_source_old_ack"));
+    let mut server = outbox_test_support::NatsServer::start(bin);
+    let url = server.url();
+    let prefix = unique("oldack");
+    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
+    let durable = unique("inbox");
+    let member = || {
+        NatsSource::builder(&url, &stream.name, &durable)
+            .ack_wait(ACK_WAIT)
+            .pull_batch(1)
+            .connect_timeout(Duration::from_millis(500))
+            .start()
+    };
+    drop(member().await.unwrap());
+    let state_file = consumer_state_file(server.storage_dir(), &stream.name, &durable);
+    server.stop();
+    let early_state = std::fs::read(&state_file).ok();
+    server.restart();
+    let publish = |i: usize| {
+        let js = stream.js.clone();
+        let subject = format!("{prefix}.m");
+        async move {
+            js.publish(subject, format!("m{i}").into())
+                .await
+                .expect("publish")
+                .await
+                .expect("PubAck");
+        }
+    };
+    publish(0).await;
+    let source = member().await.unwrap();
+    let m0 = poll_n(&source, 1).await.remove(0);
+    assert_eq!(m0.position.offset, 1);
+    // m0's ack wait runs out: redelivered at delivery 2 (not handed out again).
+    tokio::time::sleep(ACK_WAIT + Duration::from_millis(500)).await;
+    publish(1).await;
+    let m1 = poll_n(&source, 1).await.remove(0);
+    assert_eq!(
+        (m1.position.offset, stream_seq(&m1.position)),
+        (3, 2),
+        "m0 came again at delivery 2: {}",
+        m1.position
+    );
+
+    server.stop();
+    match &early_state {
+        Some(bytes) => std::fs::write(&state_file, bytes).expect("write the consumer state"),
+        None => std::fs::remove_file(&state_file).expect("remove the consumer state"),
+    }
+    server.restart();
+    publish(2).await;
+    // (Polls fail transiently until the client has reconnected.)
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut seen: Vec<(i64, u64)> = Vec::new();
+    while seen.len() < 3 {
+        assert!(Instant::now() < deadline, "only {seen:?}");
+        match source.poll(Duration::from_millis(200)).await {
+            Ok(Some(m)) => seen.push((m.position.offset, stream_seq(&m.position))),
+            Ok(None) => {}
+            Err(e) => assert!(e.is_transient(), "{e}"),
+        }
+    }
+    assert_eq!(
+        seen,
+        vec![(1, 1), (2, 2), (3, 3)],
+        "the numbering started over: m0, m1, m2 at deliveries 1, 2, 3"
+    );
+    source
+        .ack_ahead(std::slice::from_ref(&m1.position))
+        .await
+        .unwrap();
+    let info = common::js(&url)
+        .await
+        .get_stream(&stream.name)
+        .await
+        .unwrap()
+        .consumer_info(&durable)
+        .await
+        .unwrap();
+    assert_eq!(
+        (info.num_ack_pending, source.unacknowledged()),
+        (3, 3),
+        "nothing acknowledged by the old position: {info:?}"
+    );
+}
+
+fn stream_seq(p: &outbox_core::LogPosition) -> u64 {
+    match p.native {
+        outbox_core::NativePosition::JetStream {
+            stream_sequence, ..
+        } => stream_sequence,
+        _ => panic!("not a JetStream position: {p}"),
+    }
+}

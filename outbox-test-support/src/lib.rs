@@ -552,6 +552,12 @@ impl NatsServer {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
+    /// The directory of its file storage (`-sd`): a test that stops the server may change
+    /// what is there before [`restart`](Self::restart), as a crash that lost writes would.
+    pub fn storage_dir(&self) -> &std::path::Path {
+        &self.dir
+    }
+
     /// Kills the server (SIGKILL): what it stored stays in its directory.
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
