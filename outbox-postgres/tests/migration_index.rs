@@ -248,3 +248,48 @@ async fn running_again_changes_nothing() {
         ctx.drop().await;
     }
 }
+
+/// `(valid)` of index `name` in the test's schema, `None` when there is none.
+async fn valid(ctx: &Ctx, name: &str) -> Option<bool> {
+    sqlx::query_scalar("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)")
+        .bind(format!("\"{}\".{name}", ctx.schema))
+        .fetch_optional(&ctx.pool)
+        .await
+        .unwrap()
+}
+
+/// The other index steps: migration 4's index of creation times on an event table of version
+/// 3, and the inbox's migration 3 index of registrations on an inbox table of version 2, are
+/// built (after the transaction) by the upgrade.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upgrades_build_the_index_steps_of_earlier_migrations() {
+    let ctx = ctx!(4);
+    common::schema_at_version(&ctx, 3).await;
+    assert_eq!(valid(&ctx, "outbox_events_created_at_idx").await, None);
+    let store = ctx.store_unmigrated(lease(30.0));
+    assert_eq!(store.migrate().await.unwrap(), 7, "migrations 4 to 10");
+    assert_eq!(
+        valid(&ctx, "outbox_events_created_at_idx").await,
+        Some(true)
+    );
+    assert_eq!(valid(&ctx, INDEX).await, Some(true));
+
+    // The inbox at version 2: migrated, then its migrations from 3 on taken back (they run
+    // again as no-ops: `IF NOT EXISTS`) and the index dropped.
+    let inbox = ctx.inbox().await;
+    let s = &ctx.schema;
+    sqlx::raw_sql(&format!(
+        "DROP INDEX \"{s}\".processed_events_consumer_at_idx; \
+         DELETE FROM \"{s}\".outbox_schema_migrations \
+           WHERE object = 'inbox:processed_events' AND version >= 3;"
+    ))
+    .execute(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(inbox.migrate().await.unwrap(), 3, "inbox migrations 3 to 5");
+    assert_eq!(
+        valid(&ctx, "processed_events_consumer_at_idx").await,
+        Some(true)
+    );
+    ctx.drop().await;
+}
