@@ -90,6 +90,8 @@ CREATE INDEX IF NOT EXISTS "processed_events_parked_retry_idx"
     WHERE retry_requested_at IS NOT NULL;
 
 -- Cleanup removes one consumer's registrations past its own dedup window.
+-- On a table that exists already, the runner builds it after the migrations' transaction,
+-- with CREATE INDEX CONCURRENTLY (registrations go on meanwhile; issue 25).
 CREATE INDEX IF NOT EXISTS "processed_events_consumer_at_idx"
     ON "outbox"."processed_events" (consumer, processed_at);
 -- outbox-postgres inbox migration 4: each registration keeps the aggregate it was made for.

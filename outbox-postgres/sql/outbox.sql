@@ -259,6 +259,8 @@ CREATE INDEX IF NOT EXISTS "outbox_events_published_at_idx"
     WHERE status = 'published';
 
 -- Rows by creation time: reconciliation per interval and replay by time range.
+-- On a table that exists already, the runner builds it after the migrations' transaction,
+-- with CREATE INDEX CONCURRENTLY (appends go on meanwhile; issue 25).
 CREATE INDEX IF NOT EXISTS "outbox_events_created_at_idx"
     ON "outbox"."outbox_events" (created_at);
 -- outbox-postgres migration 5: one index entry fewer per completed event.
@@ -608,6 +610,8 @@ CREATE TABLE IF NOT EXISTS "outbox"."outbox_events_relays" (
 -- every pending row (170 ms at 300,000 pending, issue 25). This index holds only those rows,
 -- normally none: an append writes no entry (a new row has no `held_since`), a claim that
 -- holds a gap writes one, and the completion or park that ends it leaves the predicate.
+-- On a table that exists already, the runner builds it after the migrations' transaction,
+-- with CREATE INDEX CONCURRENTLY (appends go on meanwhile; issue 25).
 CREATE INDEX IF NOT EXISTS "outbox_events_held_idx"
     ON "outbox"."outbox_events" (id)
     WHERE status = 'pending' AND held_since IS NOT NULL;

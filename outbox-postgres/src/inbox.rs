@@ -216,6 +216,9 @@ impl PostgresInboxStore {
     }
 
     /// Applies the embedded inbox migrations that are missing. Returns how many were applied.
+    /// On an existing table, migration 3's index of the registrations is built after the
+    /// migrations' transaction with `CREATE INDEX CONCURRENTLY`, as the outbox's
+    /// ([`PostgresOutboxStore::migrate`](crate::PostgresOutboxStore::migrate)).
     pub async fn migrate(&self) -> Result<usize, StoreError> {
         schema::migrate(
             &self.pool,

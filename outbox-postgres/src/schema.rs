@@ -14,6 +14,7 @@ const OUTBOX_V1: &str = include_str!("migrations/0001_outbox.sql");
 const OUTBOX_V2: &str = include_str!("migrations/0002_outbox.sql");
 const OUTBOX_V3: &str = include_str!("migrations/0003_outbox.sql");
 const OUTBOX_V4: &str = include_str!("migrations/0004_outbox.sql");
+const OUTBOX_V4_INDEX: &str = include_str!("migrations/0004_outbox_index.sql");
 const OUTBOX_V5: &str = include_str!("migrations/0005_outbox.sql");
 const OUTBOX_V6: &str = include_str!("migrations/0006_outbox.sql");
 const OUTBOX_V7: &str = include_str!("migrations/0007_outbox.sql");
@@ -24,6 +25,7 @@ const OUTBOX_V10: &str = include_str!("migrations/0010_outbox.sql");
 const INBOX_V1: &str = include_str!("migrations/0001_inbox.sql");
 const INBOX_V2: &str = include_str!("migrations/0002_inbox.sql");
 const INBOX_V3: &str = include_str!("migrations/0003_inbox.sql");
+const INBOX_V3_INDEX: &str = include_str!("migrations/0003_inbox_index.sql");
 const INBOX_V4: &str = include_str!("migrations/0004_inbox.sql");
 const INBOX_V5: &str = include_str!("migrations/0005_inbox.sql");
 
@@ -104,8 +106,8 @@ pub fn outbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError
     validate_identifier("table", table, MAX_TABLE_NAME_LEN)?;
     Ok(render(
         &format!(
-            "{OUTBOX_V1}{OUTBOX_V2}{OUTBOX_V3}{OUTBOX_V4}{OUTBOX_V5}{OUTBOX_V6}{OUTBOX_V7}\
-             {OUTBOX_V8}{OUTBOX_V8_AFTER}{OUTBOX_V9}{OUTBOX_V10}"
+            "{OUTBOX_V1}{OUTBOX_V2}{OUTBOX_V3}{OUTBOX_V4}{OUTBOX_V4_INDEX}{OUTBOX_V5}{OUTBOX_V6}\
+             {OUTBOX_V7}{OUTBOX_V8}{OUTBOX_V8_AFTER}{OUTBOX_V9}{OUTBOX_V10}"
         ),
         schema,
         table,
@@ -117,7 +119,7 @@ pub fn inbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError>
     validate_identifier("schema", schema, MAX_IDENTIFIER_LEN)?;
     validate_identifier("table", table, MAX_TABLE_NAME_LEN)?;
     Ok(render(
-        &format!("{INBOX_V1}{INBOX_V2}{INBOX_V3}{INBOX_V4}{INBOX_V5}"),
+        &format!("{INBOX_V1}{INBOX_V2}{INBOX_V3}{INBOX_V3_INDEX}{INBOX_V4}{INBOX_V5}"),
         schema,
         table,
     ))
@@ -145,6 +147,25 @@ struct Migration {
     /// it MUST be idempotent): work that should not hold the transaction's locks, such as
     /// validating a constraint added `NOT VALID`.
     after: Option<&'static str>,
+    /// An index the migration builds (after its `template`). The runner does not build it in
+    /// the migrations' transaction when the table exists: there the build would hold a
+    /// `SHARE` lock on the table for a full scan, and every append (a business transaction)
+    /// would wait for it. The transaction runs the migration's `template` and records it;
+    /// [`build_indexes`] then builds the index with `CREATE INDEX CONCURRENTLY` after the
+    /// commit, each time [`migrate`] succeeds (a build interrupted by a crash or a cancel
+    /// leaves an invalid index, built again by the next run). When the transaction creates
+    /// the table (a new installation), the index is built in it (the table is empty, and
+    /// nobody else sees it yet). No later migration may depend on the index (it may not exist
+    /// yet when they run).
+    index: Option<IndexStep>,
+}
+
+/// The index of an index migration: `<table><suffix>`, built by `template`, one plain
+/// `CREATE INDEX IF NOT EXISTS` statement (its unit test checks that), run after the
+/// migration's own `template` in plain SQL ([`outbox_schema_sql`]).
+struct IndexStep {
+    suffix: &'static str,
+    template: &'static str,
 }
 
 const fn m(
@@ -159,6 +180,7 @@ const fn m(
         template,
         locks,
         after: None,
+        index: None,
     }
 }
 
@@ -179,12 +201,19 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         OUTBOX_V3,
         &["", "_archive", "_lease"],
     ),
-    m(
-        4,
-        "conflict counters, recorded topics, time indexes",
-        OUTBOX_V4,
-        &[],
-    ),
+    // Its index of creation times is built concurrently on an existing table (issue 25).
+    Migration {
+        index: Some(IndexStep {
+            suffix: "_created_at_idx",
+            template: OUTBOX_V4_INDEX,
+        }),
+        ..m(
+            4,
+            "conflict counters, recorded topics, time indexes",
+            OUTBOX_V4,
+            &[],
+        )
+    },
     m(5, "one time index for published rows", OUTBOX_V5, &[]),
     // Rewrites last versions that claims write.
     m(
@@ -206,12 +235,14 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         )
     },
     m(9, "relay registry: <table>_relays", OUTBOX_V9, &[]),
-    m(
-        10,
-        "index of held version gaps (cheap stats)",
-        OUTBOX_V10,
-        &[],
-    ),
+    // Built concurrently after the transaction (issue 25): appends go on meanwhile.
+    Migration {
+        index: Some(IndexStep {
+            suffix: "_held_idx",
+            template: OUTBOX_V10,
+        }),
+        ..m(10, "index of held version gaps (cheap stats)", "", &[])
+    },
 ];
 
 const INBOX_MIGRATIONS: &[Migration] = &[
@@ -222,12 +253,19 @@ const INBOX_MIGRATIONS: &[Migration] = &[
         INBOX_V2,
         &[],
     ),
-    m(
-        3,
-        "retry requests, per-consumer cleanup index",
-        INBOX_V3,
-        &[],
-    ),
+    // Its index of the registrations is built concurrently on an existing table (issue 25).
+    Migration {
+        index: Some(IndexStep {
+            suffix: "_consumer_at_idx",
+            template: INBOX_V3_INDEX,
+        }),
+        ..m(
+            3,
+            "retry requests, per-consumer cleanup index",
+            INBOX_V3,
+            &[],
+        )
+    },
     m(4, "the aggregate of each registration", INBOX_V4, &[]),
     m(
         5,
@@ -280,6 +318,7 @@ pub(crate) async fn migrate(
         match migrate_once(pool, &component, schema, table).await {
             Ok(count) => {
                 after_migrations(pool, &component, schema, table).await?;
+                build_indexes(pool, &component, schema, table).await?;
                 return Ok(count);
             }
             Err(e)
@@ -312,6 +351,153 @@ async fn after_migrations(
             .map_err(db)?;
     }
     Ok(())
+}
+
+/// The plain index statement of an index migration (`Migration::index`) as
+/// `CREATE INDEX CONCURRENTLY` (its unit test checks every such template holds exactly one).
+fn concurrent_index_sql(template: &str) -> String {
+    template.replacen(PLAIN_INDEX, "CREATE INDEX CONCURRENTLY IF NOT EXISTS ", 1)
+}
+
+const PLAIN_INDEX: &str = "CREATE INDEX IF NOT EXISTS ";
+
+/// The per-table advisory lock key a runner holds (at session level, on one connection) while
+/// it builds the indexes of index migrations: two runners never build, or drop as invalid, the
+/// same index at once (one would drop the other's build in progress, which looks invalid).
+fn index_lock_key(seed: i64) -> i64 {
+    // Apart from the aggregate keys (`hash ^ seed`) and `migration_lock_key`.
+    seed.rotate_left(43) ^ 0x696e_6465_785f_6275
+}
+
+/// How long a runner waits before it asks again for the index lock another runner holds.
+const INDEX_LOCK_POLL: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// `Some(valid)` when the index `schema.name` exists (an index being built concurrently, or
+/// left by an interrupted build, is not valid).
+async fn index_state(
+    conn: &mut sqlx::PgConnection,
+    schema: &str,
+    name: &str,
+) -> Result<Option<bool>, StoreError> {
+    sqlx::query_scalar(
+        "SELECT i.indisvalid FROM pg_catalog.pg_index i WHERE i.indexrelid = to_regclass($1)",
+    )
+    .bind(qualified(schema, name))
+    .fetch_optional(&mut *conn)
+    .await
+    .map_err(db)
+}
+
+/// Builds the index of every index migration (`Migration::index`; all are recorded as applied
+/// once [`migrate_once`] succeeded) that is missing or invalid, with `CREATE INDEX
+/// CONCURRENTLY`, outside any transaction: appends, claims and completions go on during the
+/// build (it takes a `SHARE UPDATE EXCLUSIVE` lock, which they do not conflict with). An index
+/// left invalid by an interrupted build is dropped (`DROP INDEX CONCURRENTLY`) and built
+/// again. A valid index is left alone, without taking any lock: the usual run costs one
+/// catalog read per index.
+///
+/// A concurrent build waits for every transaction of the database that is older than its
+/// snapshots, so it lasts at least as long as the longest one running beside it. The builds
+/// are serialized across runners by a session advisory lock ([`index_lock_key`]), asked for
+/// without blocking (`pg_try_advisory_lock`, again every [`INDEX_LOCK_POLL`]): a runner that
+/// waited inside a statement would hold a snapshot the other runner's build waits for. The
+/// lock belongs to the server session, so the runner needs a direct connection or a pooler in
+/// session mode (as the relay does); behind a pooler in transaction mode its release may land
+/// on another session, which is reported as an error.
+async fn build_indexes(
+    pool: &PgPool,
+    component: &Component,
+    schema: &str,
+    table: &str,
+) -> Result<(), StoreError> {
+    let migrations = match component {
+        Component::Outbox => OUTBOX_MIGRATIONS,
+        Component::Inbox => INBOX_MIGRATIONS,
+    };
+    for migration in migrations {
+        let Some(index) = &migration.index else {
+            continue;
+        };
+        let name = format!("{table}{}", index.suffix);
+        let mut conn = pool.acquire().await.map_err(db)?;
+        if index_state(&mut conn, schema, &name).await? == Some(true) {
+            continue;
+        }
+        let key = index_lock_key(crate::sql::seed(schema, table));
+        let started = std::time::Instant::now();
+        let mut reported = std::time::Duration::ZERO;
+        loop {
+            let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1)")
+                .bind(key)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(db)?;
+            if got {
+                break;
+            }
+            if started.elapsed() >= reported + std::time::Duration::from_secs(30) {
+                reported = started.elapsed();
+                tracing::info!(index = %name, waited_s = reported.as_secs(), "migration: another runner builds this table's indexes; waiting for it");
+            }
+            tokio::time::sleep(INDEX_LOCK_POLL).await;
+        }
+        let sql = render(&concurrent_index_sql(index.template), schema, table);
+        let built = build_index(&mut conn, schema, &name, &sql).await;
+        let released = sqlx::query_scalar::<_, bool>("SELECT pg_advisory_unlock($1)")
+            .bind(key)
+            .fetch_one(&mut *conn)
+            .await;
+        let released = match released {
+            Ok(true) => Ok(()),
+            Ok(false) => Err(config(format!(
+                "migration: the index build lock of {schema}.{table} was not held by the \
+                 session releasing it: run migrations over a direct connection or a pooler in \
+                 session mode, not in transaction mode"
+            ))),
+            Err(e) => {
+                // The lock goes with the session: close it rather than return it to the pool.
+                drop(conn.detach());
+                Err(db(e))
+            }
+        };
+        // The build's own error first (a failed release is then most likely its consequence).
+        built?;
+        released?;
+    }
+    Ok(())
+}
+
+/// Under the index lock: drops an invalid `schema.name` and builds it concurrently (`sql`).
+async fn build_index(
+    conn: &mut sqlx::PgConnection,
+    schema: &str,
+    name: &str,
+    sql: &str,
+) -> Result<(), StoreError> {
+    match index_state(conn, schema, name).await? {
+        Some(true) => return Ok(()), // built by another runner meanwhile
+        Some(false) => {
+            tracing::warn!(index = %name, "migration: dropping the invalid index an interrupted build left, and building it again");
+            conn.execute(
+                format!(
+                    "DROP INDEX CONCURRENTLY IF EXISTS {}",
+                    qualified(schema, name)
+                )
+                .as_str(),
+            )
+            .await
+            .map_err(db)?;
+        }
+        None => {}
+    }
+    tracing::info!(index = %name, "migration: building an index concurrently");
+    conn.execute(sql).await.map_err(db)?;
+    match index_state(conn, schema, name).await? {
+        Some(true) => Ok(()),
+        _ => Err(config(format!(
+            "migration: index {schema}.{name} is not valid after its concurrent build"
+        ))),
+    }
 }
 
 async fn migrate_once(
@@ -499,9 +685,23 @@ async fn apply(
         }
     }
     lock_tables(&mut *tx, &tables).await?;
+    // A table this transaction creates is empty and invisible to others: its index migrations
+    // build their index here, as plain SQL does. On an existing table they are built after
+    // the commit, concurrently (`build_indexes`).
+    let fresh: bool = sqlx::query_scalar("SELECT to_regclass($1) IS NULL")
+        .bind(qualified(schema, table))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(db)?;
     for migration in migrations.iter().filter(|m| m.version > applied) {
-        let sql = render(migration.template, schema, table);
-        (&mut *tx).execute(sql.as_str()).await.map_err(db)?;
+        if !migration.template.is_empty() {
+            let sql = render(migration.template, schema, table);
+            (&mut *tx).execute(sql.as_str()).await.map_err(db)?;
+        }
+        if let (true, Some(index)) = (fresh, &migration.index) {
+            let sql = render(index.template, schema, table);
+            (&mut *tx).execute(sql.as_str()).await.map_err(db)?;
+        }
         sqlx::query(&format!(
             "INSERT INTO {} (object, version, description) VALUES ($1, $2, $3)",
             qualified(schema, "outbox_schema_migrations")
@@ -561,6 +761,36 @@ mod tests {
             assert!(name.is_err(), "{bad:?} as name");
             assert!(std::panic::catch_unwind(|| quote_identifier(bad)).is_err());
         }
+    }
+
+    /// Every index migration's template is exactly one plain `CREATE INDEX IF NOT EXISTS` of
+    /// the index it names (besides comments), so its concurrent form is that one statement.
+    #[test]
+    fn index_migrations_are_one_plain_index_statement() {
+        let all = OUTBOX_MIGRATIONS.iter().chain(INBOX_MIGRATIONS);
+        let mut seen = 0;
+        for m in all {
+            let Some(index) = &m.index else { continue };
+            let suffix = index.suffix;
+            seen += 1;
+            let code: String = index
+                .template
+                .lines()
+                .filter(|l| !l.trim_start().starts_with("--"))
+                .collect::<Vec<_>>()
+                .join("\n");
+            let code = code.trim();
+            let head = format!("{PLAIN_INDEX}\"__TABLE__{suffix}\"");
+            assert!(code.starts_with(&head), "migration {}: {code}", m.version);
+            assert_eq!(code.matches(';').count(), 1, "migration {}", m.version);
+            assert!(code.ends_with(';'), "migration {}", m.version);
+            let concurrent = concurrent_index_sql(index.template);
+            assert!(concurrent.contains(&format!(
+                "CREATE INDEX CONCURRENTLY IF NOT EXISTS \"__TABLE__{suffix}\""
+            )));
+            assert!(!concurrent.contains(PLAIN_INDEX));
+        }
+        assert!(seen >= 1);
     }
 
     /// The plain SQL shipped in `sql/` is the template rendered with the default names.

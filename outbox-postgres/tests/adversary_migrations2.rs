@@ -161,13 +161,15 @@ async fn migration_6_beside_a_locked_claim_of_version_5_that_completes() {
         "the migration waits for the old relay"
     );
     old.commit().await.unwrap();
-    assert_eq!(migrating.await.unwrap().unwrap(), 5, "migrations 6 to 10");
+    let b = new_claim.await.unwrap();
+    // The new claim runs once the migrations' transaction committed (it waited on the
+    // migration key); `migrate` itself returns after migration 10's concurrent index build,
+    // which waits for that locked claim's transaction: it is awaited after the completion.
     assert_eq!(
         last(&ctx, "locked").await,
         Some(Some(1)),
         "kept, not repaired"
     );
-    let b = new_claim.await.unwrap();
     assert_eq!(
         versions(&b),
         vec![("locked".into(), 2), ("other".into(), 1)],
@@ -176,6 +178,7 @@ async fn migration_6_beside_a_locked_claim_of_version_5_that_completes() {
         b.parked
     );
     publish_all(&store, &b).await;
+    assert_eq!(migrating.await.unwrap().unwrap(), 5, "migrations 6 to 10");
     ctx.drop().await;
 }
 

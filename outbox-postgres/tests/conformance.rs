@@ -112,7 +112,10 @@ struct PgInboxHarness {
 const INBOX_V1_TO_V4: [&str; 4] = [
     include_str!("../src/migrations/0001_inbox.sql"),
     include_str!("../src/migrations/0002_inbox.sql"),
-    include_str!("../src/migrations/0003_inbox.sql"),
+    concat!(
+        include_str!("../src/migrations/0003_inbox.sql"),
+        include_str!("../src/migrations/0003_inbox_index.sql")
+    ),
     include_str!("../src/migrations/0004_inbox.sql"),
 ];
 

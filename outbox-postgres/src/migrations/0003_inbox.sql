@@ -10,6 +10,3 @@ CREATE INDEX IF NOT EXISTS "__TABLE___parked_retry_idx"
     ON "__SCHEMA__"."__TABLE___parked" (consumer, retry_requested_at)
     WHERE retry_requested_at IS NOT NULL;
 
--- Cleanup removes one consumer's registrations past its own dedup window.
-CREATE INDEX IF NOT EXISTS "__TABLE___consumer_at_idx"
-    ON "__SCHEMA__"."__TABLE__" (consumer, processed_at);

@@ -24,6 +24,3 @@ CREATE INDEX IF NOT EXISTS "__TABLE___published_at_idx"
     ON "__SCHEMA__"."__TABLE__" (published_at)
     WHERE status = 'published';
 
--- Rows by creation time: reconciliation per interval and replay by time range.
-CREATE INDEX IF NOT EXISTS "__TABLE___created_at_idx"
-    ON "__SCHEMA__"."__TABLE__" (created_at);

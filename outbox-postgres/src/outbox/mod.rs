@@ -102,6 +102,13 @@ impl PostgresOutboxStore {
     /// that are missing. Safe to call from several processes at once. Returns how many were
     /// applied. Migration 8 renames the acknowledgement columns (docs/transports.md §2): relays
     /// of the previous version fail their completions until they are upgraded.
+    ///
+    /// On an existing table, the indexes of migrations 4 and 10 are built after the
+    /// migrations' transaction with `CREATE INDEX CONCURRENTLY` (appends go on meanwhile; an
+    /// invalid index an interrupted build left is built again by the next call). Such a build
+    /// waits for the database's transactions older than it, and is serialized across
+    /// processes by a session advisory lock: migrate over a direct connection or a pooler in
+    /// session mode.
     pub async fn migrate(&self) -> Result<usize, StoreError> {
         let s = &self.inner.settings;
         schema::migrate(

@@ -222,7 +222,11 @@ pub const OUTBOX_MIGRATIONS: [&str; 7] = [
     include_str!("../../src/migrations/0001_outbox.sql"),
     include_str!("../../src/migrations/0002_outbox.sql"),
     include_str!("../../src/migrations/0003_outbox.sql"),
-    include_str!("../../src/migrations/0004_outbox.sql"),
+    // Migration 4 as one text (its index step is a file of its own).
+    concat!(
+        include_str!("../../src/migrations/0004_outbox.sql"),
+        include_str!("../../src/migrations/0004_outbox_index.sql")
+    ),
     include_str!("../../src/migrations/0005_outbox.sql"),
     include_str!("../../src/migrations/0006_outbox.sql"),
     include_str!("../../src/migrations/0007_outbox.sql"),
