@@ -6,8 +6,10 @@
 //! `outbox_core::Relay` over the store with a publisher that acknowledges at once.
 //!
 //! Into the broker: the same records produced straight to the broker with the relay's safe
-//! producer settings (the raw producer ceiling), a minimal unordered relay (claim 1,000 with
-//! `SKIP LOCKED`, produce all, await all, one `UPDATE`, commit; the reference), the relay over
+//! producer settings (the raw producer ceiling), the lean unordered relay (claim 1,000 with
+//! `SKIP LOCKED`, produce all, await all, one `UPDATE`, commit; the reference, see
+//! [`crate::lean`], with its one-factor variants), the old minimal unordered relay (the same
+//! loop with librdkafka's default `linger.ms` and headers decoded from arrays), the relay over
 //! the store into the broker for each claim mode with 1 and 2 relays, and a relay that awaits
 //! each record before sending the next (on a fraction of the backlog: it is slow).
 
@@ -32,6 +34,7 @@ use rdkafka::ClientConfig;
 use sqlx::{PgPool, Row};
 
 use crate::env::{self, Env};
+use crate::lean::Lean;
 use crate::report::{Report, Samples};
 use crate::transports::{self, Transport};
 
@@ -54,8 +57,9 @@ pub(crate) struct DrainArgs {
     #[arg(long, default_value_t = 50)]
     await_each_fraction: usize,
     /// Only these contenders (comma-separated ids; default all): naive-sql, sql-lease,
-    /// sql-locked, instant-lease, instant-locked, producer, minimal, lease-1, lease-2,
-    /// locked-1, locked-2, lease-1-linger5, await-each. On a mysql:// URL: naive-instant,
+    /// sql-locked, instant-lease, instant-locked, producer, lean, lean-linger5, lean-arrays,
+    /// lean-pk-only, lean-no-headers, lean-cold, minimal, lease-1, lease-2, locked-1, locked-2,
+    /// lease-1-linger5, await-each. On a mysql:// URL: naive-instant,
     /// lease-instant, locked-instant, naive-kafka, lease-kafka, locked-kafka, sql-lease,
     /// sql-locked.
     #[arg(long, value_delimiter = ',')]
@@ -85,6 +89,9 @@ pub(crate) enum Contender {
     Sql(Mode),
     Instant(Mode),
     Producer,
+    /// The lean unordered relay (the broker group's reference) or one of its variants.
+    Lean(Lean),
+    /// The old minimal unordered relay (the reference before issue 25).
     Minimal,
     Relay(Mode, usize),
     /// One lease relay with the producer's `linger.ms` at 5 (librdkafka's default, the
@@ -121,13 +128,19 @@ impl Mode {
 }
 
 impl Contender {
-    const KAFKA_AND_STORE: [Contender; 13] = [
+    const KAFKA_AND_STORE: [Contender; 19] = [
         Contender::NaiveSql,
         Contender::Sql(Mode::Lease),
         Contender::Sql(Mode::Locked),
         Contender::Instant(Mode::Lease),
         Contender::Instant(Mode::Locked),
         Contender::Producer,
+        Contender::Lean(Lean::Reference),
+        Contender::Lean(Lean::Linger5),
+        Contender::Lean(Lean::HeaderArrays),
+        Contender::Lean(Lean::PkOnly),
+        Contender::Lean(Lean::NoHeaders),
+        Contender::Lean(Lean::Cold),
         Contender::Minimal,
         Contender::Relay(Mode::Lease, 1),
         Contender::Relay(Mode::Lease, 2),
@@ -171,6 +184,7 @@ impl Contender {
             Contender::Sql(m) => format!("sql-{}", m.name()),
             Contender::Instant(m) => format!("instant-{}", m.name()),
             Contender::Producer => "producer".into(),
+            Contender::Lean(l) => l.id().into(),
             Contender::Minimal => "minimal".into(),
             Contender::Relay(m, n) => format!("{}-{n}", m.name()),
             Contender::RelayLinger5 => "lease-1-linger5".into(),
@@ -186,7 +200,8 @@ impl Contender {
             Contender::Sql(m) => format!("store: claim+complete {} (SQL ceiling)", m.name()),
             Contender::Instant(m) => format!("store: relay {}, instant publisher", m.name()),
             Contender::Producer => "broker: raw producer ceiling".into(),
-            Contender::Minimal => "broker: minimal unordered relay".into(),
+            Contender::Lean(l) => l.label().into(),
+            Contender::Minimal => "broker: minimal unordered relay (old reference)".into(),
             Contender::Relay(m, n) => format!("broker: relay {} x{n}", m.name()),
             Contender::RelayLinger5 => "broker: relay lease x1, linger.ms=5".into(),
             Contender::AwaitEach => "broker: relay awaiting each record".into(),
@@ -199,6 +214,7 @@ impl Contender {
         matches!(
             self,
             Contender::Producer
+                | Contender::Lean(_)
                 | Contender::Minimal
                 | Contender::Relay(..)
                 | Contender::RelayLinger5
@@ -273,17 +289,24 @@ pub(crate) async fn run(env: &Env, args: &DrainArgs, rounds: usize) -> anyhow::R
             }
         }
     }
+    // The broker group's reference: the lean relay, or the old minimal one when the lean
+    // relay was not selected.
+    let kafka_reference = [Contender::Lean(Lean::Reference), Contender::Minimal]
+        .into_iter()
+        .find(|r| contenders.contains(r));
     for &aggregates in &args.aggregates {
         let name = |c: Contender| format!("{} [{aggregates} aggs]", c.label());
         for c in &contenders {
             let reference = match c {
                 Contender::Sql(_) | Contender::Instant(_) => Some(Contender::NaiveSql),
                 Contender::Producer
+                | Contender::Lean(_)
+                | Contender::Minimal
                 | Contender::Relay(..)
                 | Contender::RelayLinger5
-                | Contender::AwaitEach => Some(Contender::Minimal),
+                | Contender::AwaitEach => kafka_reference.filter(|r| r != c),
                 Contender::OtherRelay(t, ..) => Some(Contender::OtherMinimal(*t)),
-                Contender::NaiveSql | Contender::Minimal | Contender::OtherMinimal(_) => None,
+                Contender::NaiveSql | Contender::OtherMinimal(_) => None,
             };
             if let Some(r) = reference.filter(|r| contenders.contains(r)) {
                 samples.compare(&name(*c), "events/s", &name(r));
@@ -300,18 +323,25 @@ pub(crate) async fn run(env: &Env, args: &DrainArgs, rounds: usize) -> anyhow::R
             50_000.0,
             true,
         );
-        report.target(
-            &format!("[{aggregates} aggs] 1 relay (lease) / minimal relay >= 0.85"),
-            ratio(m(Contender::Relay(default, 1)), m(Contender::Minimal)),
-            0.85,
-            true,
-        );
-        report.target(
-            &format!("[{aggregates} aggs] 2 relays (lease) / minimal relay >= 1.3"),
-            ratio(m(Contender::Relay(default, 2)), m(Contender::Minimal)),
-            1.3,
-            true,
-        );
+        // Held against the lean reference, and against the old minimal relay so the change
+        // of reference stays visible.
+        for (r, what) in [
+            (Contender::Lean(Lean::Reference), "lean relay"),
+            (Contender::Minimal, "old minimal relay"),
+        ] {
+            report.target(
+                &format!("[{aggregates} aggs] 1 relay (lease) / {what} >= 0.85"),
+                ratio(m(Contender::Relay(default, 1)), m(r)),
+                0.85,
+                true,
+            );
+            report.target(
+                &format!("[{aggregates} aggs] 2 relays (lease) / {what} >= 1.3"),
+                ratio(m(Contender::Relay(default, 2)), m(r)),
+                1.3,
+                true,
+            );
+        }
         report.target(
             &format!("[{aggregates} aggs] 1 relay (lease) / relay awaiting each record >= 100"),
             ratio(m(Contender::Relay(default, 1)), m(Contender::AwaitEach)),
@@ -399,6 +429,10 @@ async fn run_one(
             let topic = env.topic("producer", args.partitions).await?;
             produce_all(env.brokers()?, &topic, &records, args.batch).await
         }
+        Contender::Lean(lean) => {
+            let records = references(args.events, aggregates);
+            crate::lean::run_one(env, lean, &records, args.batch, args.partitions).await
+        }
         Contender::Minimal | Contender::AwaitEach => {
             let events = if c == Contender::AwaitEach {
                 (args.events / args.await_each_fraction.max(1)).max(1)
@@ -440,12 +474,12 @@ pub(crate) async fn check_drained(
 
 /// A record as the references send it: the envelope's key, payload and headers.
 pub(crate) struct RefRecord {
-    key: String,
-    payload: Vec<u8>,
-    headers: Vec<(String, Vec<u8>)>,
+    pub(crate) key: String,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) headers: Vec<(String, Vec<u8>)>,
 }
 
-fn references(events: usize, aggregates: usize) -> Vec<RefRecord> {
+pub(crate) fn references(events: usize, aggregates: usize) -> Vec<RefRecord> {
     (0..events)
         .map(|i| {
             let e = env::event(i, aggregates);
@@ -469,16 +503,23 @@ fn owned_headers(h: &[(String, Vec<u8>)]) -> OwnedHeaders {
     out
 }
 
-/// A producer with the relay's forced safe settings (librdkafka defaults otherwise, like the
-/// relay's publisher).
+/// A producer with the relay's forced safe settings and librdkafka's defaults otherwise
+/// (`linger.ms` 5, where the relay's publisher sets 0): the raw producer ceiling's and the old
+/// minimal relay's.
 pub(crate) fn reference_producer(brokers: &str) -> anyhow::Result<FutureProducer> {
-    Ok(ClientConfig::new()
-        .set("bootstrap.servers", brokers)
+    Ok(reference_config(brokers).create()?)
+}
+
+/// The relay's forced safe producer settings (the lean relay adds the publisher's
+/// `linger.ms`).
+pub(crate) fn reference_config(brokers: &str) -> ClientConfig {
+    let mut cc = ClientConfig::new();
+    cc.set("bootstrap.servers", brokers)
         .set("enable.idempotence", "true")
         .set("acks", "all")
         .set("max.in.flight.requests.per.connection", "5")
-        .set("partitioner", outbox_kafka::DEFAULT_PARTITIONER.as_str())
-        .create()?)
+        .set("partitioner", outbox_kafka::DEFAULT_PARTITIONER.as_str());
+    cc
 }
 
 /// The raw producer ceiling: every record sent, `window` at a time awaited.
@@ -508,7 +549,11 @@ async fn produce_all(
     Ok((records.len() as u64, took))
 }
 
-async fn fill_minimal(pool: &PgPool, table: &str, records: &[RefRecord]) -> anyhow::Result<()> {
+pub(crate) async fn fill_minimal(
+    pool: &PgPool,
+    table: &str,
+    records: &[RefRecord],
+) -> anyhow::Result<()> {
     sqlx::raw_sql(&format!(
         "CREATE TABLE {table} (id bigserial PRIMARY KEY, key text NOT NULL, payload bytea NOT NULL, \
          header_keys text[] NOT NULL, header_values bytea[] NOT NULL, published_at timestamptz); \

@@ -37,6 +37,7 @@ mod env;
 mod hot;
 mod indexes;
 mod latency;
+mod lean;
 mod mysql;
 mod profile;
 mod report;
@@ -72,7 +73,8 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Scenario {
     /// Drain a backlog: claim modes, 1 and 2 relays, beside the SQL ceiling, the producer
-    /// ceiling, a minimal unordered relay and a relay awaiting each record.
+    /// ceiling, the lean unordered relay (the reference) with its one-factor variants, the old
+    /// minimal unordered relay and a relay awaiting each record.
     Drain(drain::DrainArgs),
     /// Append overhead in a business transaction: 0, 1 and 10 appends, 1 and 8 clients, the
     /// wake-up variants.

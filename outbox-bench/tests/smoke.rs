@@ -46,7 +46,7 @@ fn every_scenario_runs_at_its_smallest() {
     let dir = std::env::temp_dir().join(outbox_test_support::unique("bench_smoke"));
     std::fs::create_dir_all(&dir).unwrap();
     let j = |n: &str| dir.join(format!("{n}.json"));
-    run(
+    let drain = run(
         &env,
         "drain",
         &j("drain"),
@@ -60,6 +60,33 @@ fn every_scenario_runs_at_its_smallest() {
             "10",
         ],
     );
+    // The broker group is held against the lean relay (issue 25); the old minimal relay and
+    // the lean relay's variants are measured beside it and compared with it.
+    let figures = drain["reports"][0]["figures"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let reference_of = |contender: &str| {
+        figures
+            .iter()
+            .find(|f| f["contender"].as_str() == Some(contender) && f["metric"] == "events/s")
+            .unwrap_or_else(|| panic!("no figure of {contender:?}: {figures:?}"))["reference"]
+            .clone()
+    };
+    let lean = "broker: lean unordered relay (reference) [200 aggs]";
+    for c in [
+        "broker: relay lease x1 [200 aggs]",
+        "broker: raw producer ceiling [200 aggs]",
+        "broker: minimal unordered relay (old reference) [200 aggs]",
+        "broker: lean relay, linger.ms=5 [200 aggs]",
+        "broker: lean relay, headers as text[]/bytea[] [200 aggs]",
+        "broker: lean relay, no partial index [200 aggs]",
+        "broker: lean relay WITHOUT headers (sends less) [200 aggs]",
+        "broker: lean relay, producer not warmed up [200 aggs]",
+    ] {
+        assert_eq!(reference_of(c), lean, "{c}");
+    }
+    assert!(reference_of(lean).is_null(), "the reference has none");
     let append = run(
         &env,
         "append",
