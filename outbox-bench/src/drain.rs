@@ -420,6 +420,16 @@ async fn run_one(
                     .await
                     .map_err(|e| anyhow::anyhow!("publisher: {e}"))?,
             );
+            // Warmed up before the clock starts, as the lean reference's producer is: a
+            // producer's first send otherwise waits for its connection and producer id, once
+            // per drain. One record of an aggregate of its own, never read.
+            let warm = Envelope::builder("warm-up", "warm-up", 1, "warm-up")
+                .json(&env::payload(0))
+                .and_then(|b| b.build())
+                .map_err(|e| anyhow::anyhow!("warm-up record: {e}"))?;
+            for r in publisher.publish(&[&warm]).await {
+                r.map_err(|e| anyhow::anyhow!("warm-up send: {e}"))?;
+            }
             let r = drain_relay(&store, publisher, args.batch, relays).await?;
             check_drained(&store, args.events, r.0).await?;
             Ok(r)
