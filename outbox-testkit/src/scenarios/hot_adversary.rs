@@ -177,6 +177,139 @@ pub async fn late_lower_versions_behind_a_blocked_backlog_drain_in_order<B: Rand
     assert!(out.contains(&("y".to_owned(), 1)), "y 1 never came out");
 }
 
+/// Aggregate `x`: version 1 published, then versions 3..=`n` (2 missing), with a gap timeout
+/// of one second. Claims hold 3 for the gap and block 4..=`n` behind it; after the timeout 3 is
+/// parked (version gap). Version 2 arrives late and comes out; then the operator retries 3.
+/// Every version 2..=`n` must come out once, in version order, within 60 s.
+pub async fn gap_parked_head_with_a_blocked_backlog_drains_after_retry<B: RandomizedBackend>(
+    backend: &B,
+    mode: ClaimMode,
+    n: i64,
+) {
+    let p = crate::randomized::StoreParams {
+        mode,
+        locked_hold: Duration::from_secs(60),
+        gap_timeout: Duration::from_secs(1),
+        delivery_timeout: Duration::from_millis(500),
+    };
+    let store = backend.store(&p);
+    backend.prepare(&store).await.expect("migrate");
+    append_committed(backend, &store, &[event("x", 1)]).await;
+    let mut out = claim_and_publish(&store, 20).await;
+    assert_eq!(out, vec![("x".to_owned(), 1)]);
+    let three = event("x", 3);
+    let three_id = three.event_id;
+    let mut rest = vec![three];
+    rest.extend((4..=n).map(|v| event("x", v)));
+    append_committed(backend, &store, &rest).await;
+    // Claims until 3 is parked for the gap (past the one-second timeout).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut parked = false;
+    while !parked && Instant::now() < deadline {
+        let batch = store
+            .claim(&ClaimRequest::new("adv-hot", 20))
+            .await
+            .expect("claim");
+        assert!(
+            batch.records.is_empty(),
+            "a version behind the gap came out: {:?}",
+            batch
+                .records
+                .iter()
+                .map(|r| r.envelope.aggregate_version)
+                .collect::<Vec<_>>()
+        );
+        parked = batch.parked.iter().any(|p| p.event_id == three_id);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(parked, "version 3 was not parked for the gap within 20 s");
+    append_committed(backend, &store, &[event("x", 2)]).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut retried = false;
+    let total = n as usize;
+    while out.len() < total && Instant::now() < deadline {
+        let got = claim_and_publish(&store, 20).await;
+        if got.is_empty() {
+            if out.contains(&("x".to_owned(), 2)) && !retried {
+                store
+                    .retry_parked(three_id, "adv-hot")
+                    .await
+                    .expect("retry 3");
+                retried = true;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        out.extend(got);
+    }
+    let xs: Vec<i64> = out.iter().map(|(_, v)| *v).collect();
+    let want: Vec<i64> = (1..=n).collect();
+    assert_eq!(
+        xs,
+        want,
+        "x did not come out exactly once in version order within 60 s ({} of {n})",
+        xs.len()
+    );
+}
+
+/// Two stores (two relays) claim side by side (limit 50, each claim completed) while two hot
+/// aggregates of `n` versions each and 50 single events drain: no claim or completion may
+/// fail, and within 90 s every event comes out once, each aggregate in version order.
+pub async fn two_relays_drain_two_hot_aggregates<B: RandomizedBackend>(
+    backend: &B,
+    mode: ClaimMode,
+    n: i64,
+) {
+    let store = store_of(backend, mode).await;
+    let other = backend.store(&params(
+        mode,
+        Duration::from_secs(60),
+        Duration::from_millis(500),
+    ));
+    let mut all = Vec::new();
+    for v in 1..=n {
+        all.push(event("hot-a", v));
+        all.push(event("hot-b", v));
+        if v % (n / 50).max(1) == 0 {
+            all.push(event(&format!("cold-{v}"), 1));
+        }
+    }
+    let total = all.len();
+    append_committed(backend, &store, &all).await;
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(String, i64)>::new()));
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let relay = |s: B::Store| {
+        let seen = std::sync::Arc::clone(&seen);
+        tokio::spawn(async move {
+            while Instant::now() < deadline && seen.lock().expect("seen").len() < total {
+                let got = claim_and_publish(&s, 50).await;
+                if got.is_empty() {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                seen.lock().expect("seen").extend(got);
+            }
+        })
+    };
+    let a = relay(store.clone());
+    let b = relay(other);
+    a.await.expect("relay a (a claim or completion failed)");
+    b.await.expect("relay b (a claim or completion failed)");
+    let seen = seen.lock().expect("seen").clone();
+    for hot in ["hot-a", "hot-b"] {
+        let vs: Vec<i64> = seen
+            .iter()
+            .filter(|(a, _)| a == hot)
+            .map(|(_, v)| *v)
+            .collect();
+        let want: Vec<i64> = (1..=n).collect();
+        assert_eq!(vs, want, "{hot} not exactly once in order within 90 s");
+    }
+    assert_eq!(
+        seen.len(),
+        total,
+        "not every event came out once within 90 s"
+    );
+}
+
 /// Emits this module's scenarios as named tests in both claim modes, for a
 /// [`RandomizedBackend`] type with an `async fn new(connections: u32) -> Option<Self>`.
 #[macro_export]
@@ -192,6 +325,16 @@ macro_rules! hot_adversary_tests {
         $crate::hot_adversary_tests!(@case $backend, late_lower_versions_drain_in_order_locked,
             late_lower_versions_behind_a_blocked_backlog_drain_in_order(
                 ::outbox_core::ClaimMode::LockedTransaction, 300));
+        $crate::hot_adversary_tests!(@case $backend, gap_parked_head_drains_after_retry_lease,
+            gap_parked_head_with_a_blocked_backlog_drains_after_retry(
+                $crate::scenarios::early_claim::lease(30.0), 200));
+        $crate::hot_adversary_tests!(@case $backend, gap_parked_head_drains_after_retry_locked,
+            gap_parked_head_with_a_blocked_backlog_drains_after_retry(
+                ::outbox_core::ClaimMode::LockedTransaction, 200));
+        $crate::hot_adversary_tests!(@case $backend, two_relays_drain_two_hot_aggregates_lease,
+            two_relays_drain_two_hot_aggregates($crate::scenarios::early_claim::lease(30.0), 400));
+        $crate::hot_adversary_tests!(@case $backend, two_relays_drain_two_hot_aggregates_locked,
+            two_relays_drain_two_hot_aggregates(::outbox_core::ClaimMode::LockedTransaction, 400));
     };
     (@case $backend:ty, $name:ident, $scenario:ident($($arg:expr),*)) => {
         #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
