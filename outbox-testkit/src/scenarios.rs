@@ -26,6 +26,7 @@ use rand::SeedableRng;
 use crate::randomized::{RandomizedBackend, StoreParams};
 
 pub mod early_claim;
+pub mod hot_adversary;
 pub mod hot_aggregate;
 
 /// Store parameters of the scenarios: `mode`, `locked_max_hold` `hold`, a gap timeout of five
