@@ -39,6 +39,10 @@ use super::tx::{self, begin, finish, micros, HeldConnection};
 use super::MySqlOutboxStore;
 use crate::error::db;
 
+/// Rows that `block_followers` locks and blocks per statement: far below the protocol's 65,535
+/// placeholders, whatever an aggregate's backlog.
+const BLOCK_CHUNK: usize = 5_000;
+
 /// Longest time a version-gap head waits before it is checked again.
 const GAP_RECHECK: Duration = Duration::from_secs(1);
 
@@ -589,26 +593,57 @@ under shorter names') \
     /// the same unfinished row before it, so each is a follower too. Blocking only the
     /// window's followers let one aggregate's backlog fill every claim's window one batch at a
     /// time, and an event of another aggregate appended after it waited (issue 25: 10,000
-    /// versions of one aggregate kept it out of about 100 claims). One statement: the
-    /// aggregates as a derived table joined to `aggregate_idx`.
+    /// versions of one aggregate kept it out of about 100 claims).
+    ///
+    /// Never waits: the rows are found by a plain (consistent, non-locking) read through
+    /// `aggregate_idx`, then locked by primary key with `SKIP LOCKED` and blocked. An `UPDATE`
+    /// driven by the secondary index is a locking read of it, which under READ COMMITTED still
+    /// waits on the entry of a business transaction's uncommitted append of the aggregate
+    /// (InnoDB's semi-consistent read covers clustered-index scans only), and would hold the
+    /// whole claim, every other aggregate of the batch with it, until that transaction ends.
+    /// A row this step leaves unblocked (appended since the read, or locked by another
+    /// transaction) stays a candidate, and the claim that next sees it decides it a follower.
     async fn block_followers(
         &self,
         conn: &mut MySqlConnection,
         firsts: &HashMap<Key, (i64, i64)>,
     ) -> Result<(), StoreError> {
+        let events = &self.inner.tables.events;
         let rows = vec!["SELECT ? AS k, ? AS v, ? AS i"; firsts.len()].join(" UNION ALL ");
-        let sql = format!(
-            "UPDATE {} e JOIN ({rows}) f ON e.aggregate_key = f.k \
-             SET e.blocked = 1 \
+        let read = format!(
+            "SELECT e.id FROM {events} e JOIN ({rows}) f ON e.aggregate_key = f.k \
              WHERE e.status = 'pending' AND e.blocked = 0 \
-               AND (e.aggregate_version > f.v OR (e.aggregate_version = f.v AND e.id >= f.i))",
-            self.inner.tables.events
+               AND (e.aggregate_version > f.v OR (e.aggregate_version = f.v AND e.id >= f.i))"
         );
-        let mut q = sqlx::query(&sql);
+        let mut q = sqlx::query_scalar::<_, i64>(&read);
         for (key, (version, id)) in firsts {
             q = q.bind(key).bind(version).bind(id);
         }
-        q.execute(&mut *conn).await.map_err(db)?;
+        let ids = q.fetch_all(&mut *conn).await.map_err(db)?;
+        for chunk in ids.chunks(BLOCK_CHUNK) {
+            let lock = format!(
+                "SELECT id FROM {events} WHERE {} AND status = 'pending' AND blocked = 0 \
+                 FOR UPDATE SKIP LOCKED",
+                in_list("id", chunk.len())
+            );
+            let mut q = sqlx::query_scalar::<_, i64>(&lock);
+            for id in chunk {
+                q = q.bind(id);
+            }
+            let locked = q.fetch_all(&mut *conn).await.map_err(db)?;
+            if locked.is_empty() {
+                continue;
+            }
+            let block = format!(
+                "UPDATE {events} SET blocked = 1 WHERE {}",
+                in_list("id", locked.len())
+            );
+            let mut q = sqlx::query(&block);
+            for id in &locked {
+                q = q.bind(id);
+            }
+            q.execute(&mut *conn).await.map_err(db)?;
+        }
         Ok(())
     }
 
