@@ -1,0 +1,234 @@
+//! Adversary tests of [`NatsSource`] under the inbox engine, against the real NATS server and
+//! the real PostgreSQL inbox: interleavings forced from inside a handler (a network partition
+//! placed between an effect's commit and its ack), a member that crashes while it holds
+//! messages that are not final (a held head, a handler in backoff), and members that compete
+//! in one durable consumer.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::inbox::{Effects, PgTx};
+use common::proxy::Proxy;
+use common::{require, unique, TestStream};
+use outbox_core::{async_trait, Envelope, Publisher, RetryPolicy};
+use outbox_inbox::{
+    ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor, VersionPolicy,
+};
+use outbox_nats::{NatsPublisher, NatsSource};
+
+/// The shortest ack wait the source accepts.
+const ACK_WAIT: Duration = Duration::from_secs(1);
+
+/// Records effects, but: fails aggregate `slow` transiently while `fail_slow` is set (its
+/// transaction rolls back and the engine retries it), and partitions `cut` (when given) inside
+/// the transaction of aggregate `trigger`, so the effect commits and its ack is lost.
+#[derive(Debug)]
+struct Chaos {
+    inner: Effects,
+    fail_slow: Arc<AtomicBool>,
+    cut: Option<Arc<Proxy>>,
+    delay: Duration,
+}
+
+impl std::fmt::Debug for Proxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.url())
+    }
+}
+
+#[async_trait]
+impl Handler<PgTx> for Chaos {
+    async fn handle(&self, tx: &mut PgTx, e: &Envelope) -> Result<(), HandlerError> {
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
+        if e.aggregate_id == "slow" && self.fail_slow.load(Ordering::SeqCst) {
+            return Err(HandlerError::transient("slow is failing (test)"));
+        }
+        if e.aggregate_id == "trigger" {
+            if let Some(p) = &self.cut {
+                p.partition();
+            }
+        }
+        self.inner.handle(tx, e).await
+    }
+}
+
+fn upstream(url: &str) -> String {
+    url.split("://")
+        .last()
+        .expect("a URL")
+        .trim_end_matches('/')
+        .to_owned()
+}
+
+async fn publish(publisher: &NatsPublisher, events: &[Envelope]) {
+    for r in publisher.publish(&events.iter().collect::<Vec<_>>()).await {
+        r.unwrap();
+    }
+}
+
+async fn pending(url: &str, stream: &str, durable: &str) -> (usize, u64) {
+    let info = common::js(url)
+        .await
+        .get_stream(stream)
+        .await
+        .expect("stream")
+        .consumer_info(durable)
+        .await
+        .expect("consumer info");
+    (info.num_ack_pending, info.num_pending)
+}
+
+/// Member 1 reads through a proxy with `Hold` (first version required): aggregate `held` has
+/// only version 2 (held, never final), aggregate `slow` fails transiently (rolled back, in
+/// backoff across several ack waits, so its redeliveries arrive while it is not final), four
+/// aggregates apply versions 1 to 3. Then `trigger`'s handler partitions the link inside its
+/// transaction: the effect commits, its ack is lost. Member 1 crashes (dropped, no close)
+/// while partitioned. Member 2 (direct) gets what the server redelivers, `held` version 1 is
+/// published, `slow` now succeeds.
+///
+/// Promises: nothing not final was acknowledged by member 1 (held version 2 and slow version
+/// 1 come again and are applied by member 2), each effect once (the trigger's redelivery is a
+/// duplicate), first applications in version order, and nothing unacknowledged at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_lost_acks_loses_nothing_that_was_not_final() {
+    let url = require!(common::nats_url("nats_adv_crash_lost_acks"));
+    let db = require!(common::inbox_db("nats_adv_crash_lost_acks").await);
+    let prefix = unique("advcrash");
+    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
+    let durable = unique("inbox");
+    let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
+    let aggs: Vec<String> = (0..4).map(|i| format!("a{i}")).collect();
+    let mut first: Vec<Envelope> = Vec::new();
+    for v in 1..=3 {
+        first.extend(aggs.iter().map(|a| common::event("order", a, v)));
+    }
+    first.push(common::event("order", "held", 2));
+    first.push(common::event("order", "slow", 1));
+    publish(&publisher, &first).await;
+
+    let applied = Arc::new(AtomicUsize::new(0));
+    let fail_slow = Arc::new(AtomicBool::new(true));
+    let proxy = Arc::new(Proxy::start(&upstream(&url)));
+    let processor = |cut: Option<Arc<Proxy>>, inbox| {
+        InboxProcessor::new(
+            "nats-adv-crash",
+            inbox,
+            Chaos {
+                inner: Effects {
+                    schema: db.schema.clone(),
+                    applied: applied.clone(),
+                },
+                fail_slow: fail_slow.clone(),
+                cut,
+                delay: Duration::ZERO,
+            },
+        )
+        .with_version_policy(VersionPolicy::hold(100, Duration::from_secs(120)))
+        .require_first_version(true)
+    };
+    let retry = RetryPolicy::builder()
+        .base(Duration::from_millis(100))
+        .max_delay(Duration::from_millis(400))
+        .max_attempts(10_000)
+        .build()
+        .unwrap();
+    let config = || {
+        EngineConfig::default()
+            .with_commit(1, Duration::from_millis(100))
+            .with_retry(retry.clone())
+    };
+    {
+        let source = NatsSource::builder(proxy.url(), &stream.name, &durable)
+            .ack_wait(ACK_WAIT)
+            .connect_timeout(Duration::from_secs(1))
+            .start()
+            .await
+            .unwrap();
+        let mut engine = ConsumerEngine::new(
+            source,
+            processor(Some(proxy.clone()), db.inbox().await),
+            config(),
+            11,
+        )
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while applied.load(Ordering::SeqCst) < 12 {
+            assert!(
+                Instant::now() < deadline,
+                "the four aggregates were not applied"
+            );
+            engine.step().await.unwrap();
+        }
+        // Three ack waits: the held head and the failing one are redelivered meanwhile.
+        let until = Instant::now() + ACK_WAIT * 3;
+        while Instant::now() < until {
+            engine.step().await.unwrap();
+        }
+        assert_eq!(engine.report().held, 1, "{:?}", engine.report());
+        publish(&publisher, &[common::event("order", "trigger", 1)]).await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while applied.load(Ordering::SeqCst) < 13 {
+            assert!(Instant::now() < deadline, "trigger was not applied");
+            engine.step().await.unwrap();
+        }
+        // The acks (ahead and by commit) go into the partition.
+        let until = Instant::now() + Duration::from_millis(1500);
+        while Instant::now() < until {
+            let _ = tokio::time::timeout(Duration::from_millis(500), engine.step()).await;
+        }
+        // Dropped here: a crash, no close.
+    }
+    proxy.heal();
+    fail_slow.store(false, Ordering::SeqCst);
+    publish(&publisher, &[common::event("order", "held", 1)]).await;
+    let source = NatsSource::builder(&url, &stream.name, &durable)
+        .ack_wait(ACK_WAIT)
+        .start()
+        .await
+        .unwrap();
+    let mut engine =
+        ConsumerEngine::new(source, processor(None, db.inbox().await), config(), 12).unwrap();
+    let total = 12 + 1 + 2 + 1;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while (db.effects_once().await as usize) < total {
+        assert!(
+            Instant::now() < deadline,
+            "not all effects applied: held {:?}, slow {:?}, trigger {:?}",
+            db.applied("held").await,
+            db.applied("slow").await,
+            db.applied("trigger").await
+        );
+        engine
+            .run_until_quiet(Duration::from_millis(300))
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(ACK_WAIT + Duration::from_millis(500)).await;
+    engine
+        .run_until_quiet(Duration::from_secs(1))
+        .await
+        .unwrap();
+    assert_eq!(db.effects_once().await as usize, total);
+    for a in &aggs {
+        assert_eq!(db.applied(a).await, vec![1, 2, 3], "{a}");
+    }
+    assert_eq!(db.applied("held").await, vec![1, 2]);
+    assert_eq!(db.applied("slow").await, vec![1]);
+    assert_eq!(db.applied("trigger").await, vec![1]);
+    assert!(
+        engine.report().duplicates >= 1,
+        "the trigger's lost ack made it come again: {:?}",
+        engine.report()
+    );
+    assert_eq!(engine.report().parked, 0, "{:?}", engine.report());
+    assert_eq!(
+        pending(&url, &stream.name, &durable).await,
+        (0, 0),
+        "everything acknowledged"
+    );
+}
