@@ -232,3 +232,114 @@ async fn a_crash_after_lost_acks_loses_nothing_that_was_not_final() {
         "everything acknowledged"
     );
 }
+
+/// Two live members share one durable consumer (as `NatsSourceConfig` documents: "one per
+/// consumer service; members share it"), each with its engine on the same inbox consumer.
+/// The server spreads one aggregate's versions 1..=N between them (one message per pull; one
+/// member's handler is slower). Promise: every version applied once, first applications in
+/// version order, nothing parked: a healthy stream needs no operator.
+///
+/// FAILING (see the adv22 report): nothing keeps one aggregate on one member, and neither
+/// policy can order versions that arrive at two engines. Seen under `Reject`: version 2
+/// applied first (the inbox knew no version yet), version 1 after it found stale and never
+/// applied; or a version that reached one member before its predecessor was applied by the
+/// other parked as a version gap, the aggregate waiting for an operator; under `Hold`
+/// each member holds a version whose predecessor only the other member received, until the
+/// hold expires and the gap is parked. RabbitMQ refuses such a queue (single active
+/// consumer); `NatsSource` has no such check.
+async fn competing_members(test: &str, policy: VersionPolicy, require_first: bool) {
+    let url = require!(common::nats_url(test));
+    let db = require!(common::inbox_db(test).await);
+    let prefix = unique("advcomp");
+    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
+    let durable = unique("inbox");
+    let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
+    const N: i64 = 12;
+    let events: Vec<Envelope> = (1..=N).map(|v| common::event("order", "x", v)).collect();
+    let applied = Arc::new(AtomicUsize::new(0));
+    let engine = |seed: u64, delay: Duration| {
+        let (url, stream, durable, db, applied) = (&url, &stream, &durable, &db, &applied);
+        async move {
+            let source = NatsSource::builder(url, &stream.name, durable)
+                .ack_wait(Duration::from_secs(30))
+                .pull_batch(1)
+                .start()
+                .await
+                .unwrap();
+            let processor = InboxProcessor::new(
+                "nats-adv-competing",
+                db.inbox().await,
+                Chaos {
+                    inner: Effects {
+                        schema: db.schema.clone(),
+                        applied: applied.clone(),
+                    },
+                    fail_slow: Arc::new(AtomicBool::new(false)),
+                    cut: None,
+                    delay,
+                },
+            )
+            .with_version_policy(policy)
+            .require_first_version(require_first);
+            let config = EngineConfig::default()
+                .with_commit(1, Duration::from_millis(100))
+                .with_max_batch(1);
+            ConsumerEngine::new(source, processor, config, seed).unwrap()
+        }
+    };
+    // Member A's handler is slower (a legitimately slow handler).
+    let mut a = engine(21, Duration::from_millis(150)).await;
+    let mut b = engine(22, Duration::from_millis(10)).await;
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let stop = || applied.load(Ordering::SeqCst) as i64 >= N || Instant::now() >= deadline;
+    // Published once both members wait with a pull request each, so the server splits them.
+    tokio::join!(
+        async {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            publish(&publisher, &events).await;
+        },
+        async {
+            while !stop() {
+                a.step().await.unwrap();
+            }
+        },
+        async {
+            while !stop() {
+                b.step().await.unwrap();
+            }
+        },
+    );
+    a.run_until_quiet(Duration::from_millis(300)).await.unwrap();
+    b.run_until_quiet(Duration::from_millis(300)).await.unwrap();
+    let parked = a.report().parked + b.report().parked;
+    assert_eq!(
+        db.applied("x").await,
+        (1..=N).collect::<Vec<i64>>(),
+        "one aggregate split between two live members ({policy:?}, first version required: \
+         {require_first}); parked {parked}"
+    );
+    assert_eq!(db.effects_once().await, N);
+    assert_eq!(parked, 0);
+}
+
+/// Under the default ordering policy (`Reject`, first version not required).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn competing_members_keep_an_aggregates_order_under_the_default_policy() {
+    competing_members(
+        "nats_adv_competing_default",
+        VersionPolicy::default(),
+        false,
+    )
+    .await;
+}
+
+/// Under `Hold` with the first version required (what the module docs name for redeliveries).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn competing_members_keep_an_aggregates_order_under_hold() {
+    competing_members(
+        "nats_adv_competing_hold",
+        VersionPolicy::hold(100, Duration::from_secs(5)),
+        true,
+    )
+    .await;
+}
