@@ -1,6 +1,49 @@
 //! [`NatsSource`]: the consumer side, a durable JetStream pull consumer with explicit acks,
 //! acknowledging per message ([`AckModel::PerMessage`]).
 //!
+//! # One active member
+//!
+//! Two live members pulling from one durable consumer would split one aggregate's versions
+//! between two engines, and no version policy orders versions that two engines apply (a
+//! version applied before its predecessor, an effect skipped, a spurious version gap parked:
+//! `tests/adversary_source.rs`, `competing_members_*`). So a durable consumer has **one active
+//! member at a time**, as RabbitMQ's single active consumer (which `RabbitSource` requires):
+//!
+//! * **The lease**: a key in the JetStream key-value bucket `outbox_leases_<TTL in ms>ms`
+//!   (its stream `KV_outbox_leases_…`, created at start when missing; its `max_age` is the
+//!   TTL), named after the stream and the durable consumer (`<stream>.<durable>`, characters
+//!   outside the key alphabet written `=XX`). A member acquires it with a create (only if the
+//!   key is absent) and renews it every TTL / 3 against the revision it wrote last; a key not
+//!   renewed ages out of the bucket after the TTL. The TTL is `lease_ttl` (default
+//!   [`DEFAULT_LEASE_TTL`], 10 s; 3 s to 1 h; the members of a durable must use the same).
+//! * **A standby** (a member without the lease) pulls nothing: its `poll` returns nothing
+//!   until it acquires the lease, which it retries every TTL / 10 (at most 1 s). A member
+//!   that crashed is replaced within the TTL; the messages it held come again after their
+//!   ack wait. [`close`](NatsSource::close) deletes the key (when it is still this member's
+//!   revision), so a standby takes over at once.
+//! * **A member that loses the lease** (its renewal finds another revision, or the lease
+//!   was last confirmed longer ago than the TTL minus a quarter of it, e.g. the server was
+//!   unreachable) stops handing out messages at once: it drops its pull, forgets every
+//!   delivery it holds **acknowledging none** (as for a delivery sequence that goes back,
+//!   below), and tells the engine the partition is lost (the engine drops what it queued or
+//!   held of it). The server redelivers each to the active member after its ack wait.
+//! * **The window left**: the lease is checked before each message is handed out, not inside
+//!   a handler. A member paused longer than the lease (a stop-the-world pause, a handler that
+//!   runs long) may still finish an effect it started while another member applies the
+//!   aggregate's next messages; the inbox transaction's per-aggregate checks (the dedup
+//!   record, the version policy) are then the last guard. Keep handlers well below the TTL.
+//! * **Scaling out** is several durable consumers over disjoint subjects, each with its own
+//!   lease and one active member: an aggregate's events all go to one subject space (routes
+//!   are by aggregate type, [`crate::subject`]), so durables filtered by aggregate type
+//!   (`filter_subject("outbox.order")`, `…payment`) partition the work today. Partitioning
+//!   one aggregate type by aggregate id is not offered yet: it needs
+//!   [`SubjectMapping::AggregateTypeAndId`](crate::SubjectMapping) and a stream subject
+//!   transform with the `partition(n, …)` function (server 2.10), which nothing here sets up
+//!   or tests (the test server is 2.9).
+//! * **The server's own alternative**: from nats-server 2.11, a consumer's priority groups
+//!   with the pinned-client policy let the server keep one member pinned; this source does
+//!   not use them (it must run on 2.9 and 2.10) and keeps its lease.
+//!
 //! # How JetStream's per-message acks meet the engine's watermark (see `docs/transports.md`)
 //!
 //! JetStream acknowledges **per message** and redelivers an unacknowledged message after its

@@ -233,20 +233,19 @@ async fn a_crash_after_lost_acks_loses_nothing_that_was_not_final() {
     );
 }
 
-/// Two live members share one durable consumer (as `NatsSourceConfig` documents: "one per
-/// consumer service; members share it"), each with its engine on the same inbox consumer.
-/// The server spreads one aggregate's versions 1..=N between them (one message per pull; one
-/// member's handler is slower). Promise: every version applied once, first applications in
-/// version order, nothing parked: a healthy stream needs no operator.
+/// Two live members on one durable consumer, each with its engine on the same inbox
+/// consumer; one aggregate's versions 1..=N published while both poll (one message per pull;
+/// one member's handler is slower). Promise: every version applied once, first applications
+/// in version order, nothing parked: a healthy stream needs no operator.
 ///
-/// FAILING (see the adv22 report): nothing keeps one aggregate on one member, and neither
-/// policy can order versions that arrive at two engines. Seen under `Reject`: version 2
-/// applied first (the inbox knew no version yet), version 1 after it found stale and never
-/// applied; or a version that reached one member before its predecessor was applied by the
-/// other parked as a version gap, the aggregate waiting for an operator; under `Hold`
-/// each member holds a version whose predecessor only the other member received, until the
-/// hold expires and the gap is parked. RabbitMQ refuses such a queue (single active
-/// consumer); `NatsSource` has no such check.
+/// Was FAILING (adv22): the server spread the versions between the two members, and neither
+/// policy can order versions that arrive at two engines (seen under `Reject`: version 2
+/// applied first, version 1 then found stale and never applied, or a version gap parked;
+/// under `Hold` each member held a version whose predecessor only the other received, until
+/// the hold expired and the gap was parked). Now one member holds the durable's lease and
+/// receives every message, the other is a standby (module docs of `outbox_nats::source`, "One
+/// active member"); the premise "the server splits them" no longer holds, the assertions are
+/// unchanged.
 async fn competing_members(test: &str, policy: VersionPolicy, require_first: bool) {
     let url = require!(common::nats_url(test));
     let db = require!(common::inbox_db(test).await);
@@ -292,7 +291,7 @@ async fn competing_members(test: &str, policy: VersionPolicy, require_first: boo
     let mut b = engine(22, Duration::from_millis(10)).await;
     let deadline = Instant::now() + Duration::from_secs(15);
     let stop = || applied.load(Ordering::SeqCst) as i64 >= N || Instant::now() >= deadline;
-    // Published once both members wait with a pull request each, so the server splits them.
+    // Published once both members poll (before the lease, the server split them).
     tokio::join!(
         async {
             tokio::time::sleep(Duration::from_secs(1)).await;
@@ -407,4 +406,224 @@ async fn close_acks_finals_whose_acks_were_lost_and_gives_back_only_the_rest() {
         vec!["m0", "m3"],
         "the finals acked at close, the others given back"
     );
+}
+
+/// The lease TTL of the lease tests (the shortest accepted).
+const LEASE_TTL: Duration = Duration::from_secs(3);
+
+async fn active_member(url: &str, stream: &str, durable: &str, ack_wait: Duration) -> NatsSource {
+    let source = NatsSource::builder(url, stream, durable)
+        .ack_wait(ack_wait)
+        .lease_ttl(LEASE_TTL)
+        .pull_batch(1)
+        .start()
+        .await
+        .unwrap();
+    let deadline = Instant::now() + LEASE_TTL * 2;
+    while !source.is_active() {
+        assert!(Instant::now() < deadline, "the first member got no lease");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    source
+}
+
+/// An active member (a slow handler, 12 versions of one aggregate delivered to it one at a
+/// time) and a standby on one durable consumer, each with its engine on the same inbox. The
+/// active member crashes (dropped, no close) after applying some versions, holding others
+/// unacknowledged. Promises: the standby receives nothing while the active member lives; it
+/// takes over within the lease TTL plus the ack wait (plus slack) and applies the rest:
+/// every version once, in order, nothing parked, nothing left unacknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_takes_over_from_a_crashed_member_and_loses_nothing() {
+    let test = "nats_adv_lease_takeover";
+    let url = require!(common::nats_url(test));
+    let db = require!(common::inbox_db(test).await);
+    let prefix = unique("advlease");
+    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
+    let durable = unique("inbox");
+    let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
+    const N: i64 = 12;
+    let ack_wait = Duration::from_secs(2);
+    let (applied_a, applied_b) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let engine = |source: NatsSource, applied: Arc<AtomicUsize>, delay: Duration, seed: u64| {
+        let db = &db;
+        async move {
+            let processor = InboxProcessor::new(
+                "nats-adv-lease",
+                db.inbox().await,
+                Chaos {
+                    inner: Effects {
+                        schema: db.schema.clone(),
+                        applied,
+                    },
+                    fail_slow: Arc::new(AtomicBool::new(false)),
+                    cut: None,
+                    delay,
+                },
+            )
+            .with_version_policy(VersionPolicy::hold(100, Duration::from_secs(30)))
+            .require_first_version(true);
+            let config = EngineConfig::default()
+                .with_commit(1, Duration::from_millis(100))
+                .with_max_batch(1);
+            ConsumerEngine::new(source, processor, config, seed).unwrap()
+        }
+    };
+    let a = active_member(&url, &stream.name, &durable, ack_wait).await;
+    let b = NatsSource::builder(&url, &stream.name, &durable)
+        .ack_wait(ack_wait)
+        .lease_ttl(LEASE_TTL)
+        .start()
+        .await
+        .unwrap();
+    assert!(!b.is_active(), "the second member is a standby");
+    let mut a = engine(a, applied_a.clone(), Duration::from_millis(200), 31).await;
+    let mut b = engine(b, applied_b.clone(), Duration::ZERO, 32).await;
+    let events: Vec<Envelope> = (1..=N).map(|v| common::event("order", "x", v)).collect();
+    publish(&publisher, &events).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let done_a = || applied_a.load(Ordering::SeqCst) >= 4 || Instant::now() >= deadline;
+    tokio::join!(
+        async {
+            while !done_a() {
+                a.step().await.unwrap();
+            }
+        },
+        async {
+            while !done_a() {
+                let _ = tokio::time::timeout(Duration::from_millis(200), b.step()).await;
+            }
+        },
+    );
+    assert!(
+        applied_a.load(Ordering::SeqCst) >= 4,
+        "the active member applied versions"
+    );
+    assert_eq!(
+        applied_b.load(Ordering::SeqCst),
+        0,
+        "the standby applied nothing while the active member lived"
+    );
+    let held_by_a = N - applied_a.load(Ordering::SeqCst) as i64;
+    drop(a); // a crash: no close, the lease not given back
+    let crashed = Instant::now();
+    let deadline = crashed + LEASE_TTL + ack_wait + Duration::from_secs(8);
+    while db.effects_once().await < N {
+        assert!(
+            Instant::now() < deadline,
+            "the standby did not take over: applied {:?}",
+            db.applied("x").await
+        );
+        b.run_until_quiet(Duration::from_millis(200)).await.unwrap();
+    }
+    tracing::info!(after = ?crashed.elapsed(), held_by_a, "taken over");
+    b.run_until_quiet(Duration::from_millis(500)).await.unwrap();
+    assert_eq!(db.applied("x").await, (1..=N).collect::<Vec<i64>>());
+    assert_eq!(db.effects_once().await, N);
+    assert_eq!(b.report().parked, 0, "{:?}", b.report());
+    assert!(applied_b.load(Ordering::SeqCst) as i64 >= held_by_a - 1);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while pending(&url, &stream.name, &durable).await != (0, 0) {
+        assert!(Instant::now() < deadline, "not everything acknowledged");
+        b.run_until_quiet(Duration::from_millis(200)).await.unwrap();
+    }
+}
+
+/// A member holds a message unacknowledged; its lease key is deleted by hand and a second
+/// member creates it. Promises: the first member stops handing out messages (within a
+/// renewal period it is a standby; later messages go to the second member only), its ack
+/// ahead of the message it held acknowledges nothing (forgotten), and the second member gets
+/// that message again after its ack wait, and every later one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_whose_lease_was_taken_stops_handing_out_messages() {
+    let url = require!(common::nats_url("nats_adv_lease_taken"));
+    let prefix = unique("advtaken");
+    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
+    let durable = unique("inbox");
+    let ack_wait = Duration::from_secs(2);
+    let publish_n = |from: usize, to: usize| {
+        let (js, prefix) = (&stream.js, &prefix);
+        async move {
+            for i in from..to {
+                js.publish(format!("{prefix}.m"), format!("m{i}").into())
+                    .await
+                    .expect("publish")
+                    .await
+                    .expect("PubAck");
+            }
+        }
+    };
+    let payload = |m: &outbox_core::ReceivedMessage| {
+        String::from_utf8(m.value().unwrap_or_default().to_vec()).unwrap()
+    };
+    let a = active_member(&url, &stream.name, &durable, ack_wait).await;
+    let b = NatsSource::builder(&url, &stream.name, &durable)
+        .ack_wait(ack_wait)
+        .lease_ttl(LEASE_TTL)
+        .start()
+        .await
+        .unwrap();
+    publish_n(0, 1).await;
+    let held = common::poll_n(&a, 1).await.remove(0);
+    assert_eq!(payload(&held), "m0");
+    assert!(b.poll(Duration::from_millis(300)).await.unwrap().is_none());
+
+    // The lease taken: its key deleted by hand, the standby creates it.
+    let kv = common::js(&url)
+        .await
+        .get_key_value(format!("outbox_leases_{}ms", LEASE_TTL.as_millis()))
+        .await
+        .expect("the lease bucket");
+    let key = format!("{}.{}", stream.name, durable);
+    assert!(
+        kv.entry(&key).await.unwrap().is_some(),
+        "the lease key {key}"
+    );
+    kv.delete(&key).await.unwrap();
+    let deadline = Instant::now() + LEASE_TTL;
+    while !b.is_active() {
+        assert!(
+            Instant::now() < deadline,
+            "the standby did not take the lease"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Within a renewal period (TTL / 3) the first member finds its lease gone.
+    let deadline = Instant::now() + LEASE_TTL / 3 + Duration::from_secs(1);
+    while a.is_active() {
+        assert!(
+            Instant::now() < deadline,
+            "the first member still holds its lease"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    publish_n(1, 6).await;
+    let mut from_a = Vec::new();
+    let until = Instant::now() + Duration::from_secs(1);
+    while Instant::now() < until {
+        if let Some(m) = a.poll(Duration::from_millis(100)).await.unwrap() {
+            from_a.push(payload(&m));
+        }
+    }
+    assert_eq!(
+        from_a,
+        Vec::<String>::new(),
+        "the first member handed out messages"
+    );
+    assert_eq!(a.unacknowledged(), 0, "what it held is forgotten");
+    a.ack_ahead(std::slice::from_ref(&held.position))
+        .await
+        .unwrap();
+    let mut from_b = Vec::new();
+    let until = Instant::now() + ack_wait + Duration::from_secs(3);
+    while Instant::now() < until {
+        if let Some(m) = b.poll(Duration::from_millis(200)).await.unwrap() {
+            b.ack_ahead(std::slice::from_ref(&m.position))
+                .await
+                .unwrap();
+            from_b.push(payload(&m));
+        }
+    }
+    from_b.sort();
+    assert_eq!(from_b, vec!["m0", "m1", "m2", "m3", "m4", "m5"]);
 }
