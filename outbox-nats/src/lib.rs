@@ -77,6 +77,7 @@
 pub mod ack;
 mod config;
 pub mod error;
+mod lease;
 mod publisher;
 pub mod source;
 mod streams;
@@ -89,7 +90,7 @@ pub use config::{
 pub use publisher::{NatsPublisher, StartError, REPORT_GRACE};
 pub use source::{
     NatsSource, NatsSourceBuilder, NatsSourceConfig, StartFrom, DEFAULT_ACK_WAIT,
-    DEFAULT_MAX_ACK_PENDING, DEFAULT_PULL_BATCH,
+    DEFAULT_LEASE_TTL, DEFAULT_MAX_ACK_PENDING, DEFAULT_PULL_BATCH, MIN_LEASE_TTL,
 };
 pub use streams::{
     check_streams, Retention, Storage, StreamCheckError, StreamInfo, StreamReport, StreamWarning,

@@ -1,6 +1,49 @@
 //! [`NatsSource`]: the consumer side, a durable JetStream pull consumer with explicit acks,
 //! acknowledging per message ([`AckModel::PerMessage`]).
 //!
+//! # One active member
+//!
+//! Two live members pulling from one durable consumer would split one aggregate's versions
+//! between two engines, and no version policy orders versions that two engines apply (a
+//! version applied before its predecessor, an effect skipped, a spurious version gap parked:
+//! `tests/adversary_source.rs`, `competing_members_*`). So a durable consumer has **one active
+//! member at a time**, as RabbitMQ's single active consumer (which `RabbitSource` requires):
+//!
+//! * **The lease**: a key in the JetStream key-value bucket `outbox_leases_<TTL in ms>ms`
+//!   (its stream `KV_outbox_leases_…`, created at start when missing; its `max_age` is the
+//!   TTL), named after the stream and the durable consumer (`<stream>.<durable>`, characters
+//!   outside the key alphabet written `=XX`). A member acquires it with a create (only if the
+//!   key is absent) and renews it every TTL / 3 against the revision it wrote last; a key not
+//!   renewed ages out of the bucket after the TTL. The TTL is `lease_ttl` (default
+//!   [`DEFAULT_LEASE_TTL`], 10 s; 3 s to 1 h; the members of a durable must use the same).
+//! * **A standby** (a member without the lease) pulls nothing: its `poll` returns nothing
+//!   until it acquires the lease, which it retries every TTL / 10 (at most 1 s). A member
+//!   that crashed is replaced within the TTL; the messages it held come again after their
+//!   ack wait. [`close`](NatsSource::close) deletes the key (when it is still this member's
+//!   revision), so a standby takes over at once.
+//! * **A member that loses the lease** (its renewal finds another revision, or the lease
+//!   was last confirmed longer ago than the TTL minus a quarter of it, e.g. the server was
+//!   unreachable) stops handing out messages at once: it drops its pull, forgets every
+//!   delivery it holds **acknowledging none** (as for a delivery sequence that goes back,
+//!   below), and tells the engine the partition is lost (the engine drops what it queued or
+//!   held of it). The server redelivers each to the active member after its ack wait.
+//! * **The window left**: the lease is checked before each message is handed out, not inside
+//!   a handler. A member paused longer than the lease (a stop-the-world pause, a handler that
+//!   runs long) may still finish an effect it started while another member applies the
+//!   aggregate's next messages; the inbox transaction's per-aggregate checks (the dedup
+//!   record, the version policy) are then the last guard. Keep handlers well below the TTL.
+//! * **Scaling out** is several durable consumers over disjoint subjects, each with its own
+//!   lease and one active member: an aggregate's events all go to one subject space (routes
+//!   are by aggregate type, [`crate::subject`]), so durables filtered by aggregate type
+//!   (`filter_subject("outbox.order")`, `…payment`) partition the work today. Partitioning
+//!   one aggregate type by aggregate id is not offered yet: it needs
+//!   [`SubjectMapping::AggregateTypeAndId`](crate::SubjectMapping) and a stream subject
+//!   transform with the `partition(n, …)` function (server 2.10), which nothing here sets up
+//!   or tests (the test server is 2.9).
+//! * **The server's own alternative**: from nats-server 2.11, a consumer's priority groups
+//!   with the pinned-client policy let the server keep one member pinned; this source does
+//!   not use them (it must run on 2.9 and 2.10) and keeps its lease.
+//!
 //! # How JetStream's per-message acks meet the engine's watermark (see `docs/transports.md`)
 //!
 //! JetStream acknowledges **per message** and redelivers an unacknowledged message after its
@@ -102,6 +145,7 @@ use outbox_core::{
 use tokio::time::Instant;
 
 use crate::error::source_error;
+use crate::lease::Lease;
 use crate::publisher::connect_client;
 
 /// Default ack wait: 30 s before JetStream redelivers an unacknowledged message.
@@ -110,6 +154,13 @@ pub const DEFAULT_ACK_WAIT: Duration = Duration::from_secs(30);
 pub const DEFAULT_MAX_ACK_PENDING: i64 = 1_000;
 /// Default messages asked for per pull request.
 pub const DEFAULT_PULL_BATCH: usize = 100;
+/// Default TTL of the membership lease (one active member per durable consumer; module docs).
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
+/// The shortest lease TTL accepted (renewed every TTL / 3).
+pub const MIN_LEASE_TTL: Duration = Duration::from_secs(3);
+
+/// How often a standby looks whether its lease task acquired the lease.
+const STANDBY_CHECK: Duration = Duration::from_millis(100);
 
 /// Where a durable consumer that does not exist yet starts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -129,13 +180,14 @@ pub enum StartFrom {
 /// |---|---|---|
 /// | `servers` | (required) | NATS URLs |
 /// | `stream` | (required) | the stream to read |
-/// | `durable` | (required) | durable consumer name (one per consumer service; members share it) |
+/// | `durable` | (required) | durable consumer name (one per consumer service; its members take turns: one active at a time, the others standbys) |
 /// | `filter_subject` | none | only these subjects (e.g. `outbox.order`) |
 /// | `ack_wait` | 30 s | redelivery of a message not acknowledged in time; must exceed the engine's apply + commit time |
 /// | `max_ack_pending` | 1,000 | messages delivered and not acknowledged (bounds what a member holds) |
 /// | `pull_batch` | 100 | messages per pull request |
 /// | `start_from` | `Earliest` | where a consumer that does not exist yet starts |
 /// | `connect_timeout` | 5 s | connecting and each management request |
+/// | `lease_ttl` | 10 s | the membership lease: a standby takes over at most this long after the active member stopped renewing it (3 s to 1 h) |
 ///
 /// Always: explicit acks, unlimited deliveries (`max_deliver = -1`: JetStream would otherwise
 /// drop a message silently after N deliveries). An existing consumer with other acks or a
@@ -161,6 +213,8 @@ pub struct NatsSourceConfig {
     pub start_from: StartFrom,
     /// Connect timeout.
     pub connect_timeout: Duration,
+    /// TTL of the membership lease.
+    pub lease_ttl: Duration,
 }
 
 impl NatsSourceConfig {
@@ -197,6 +251,12 @@ impl NatsSourceConfig {
             return Err(ConfigError::new(
                 "max_ack_pending and pull_batch must be at least 1",
             ));
+        }
+        if self.lease_ttl < MIN_LEASE_TTL || self.lease_ttl > Duration::from_secs(3600) {
+            return Err(ConfigError::new(format!(
+                "lease TTL {:?} is outside 3 s ..= 1 h (renewed every TTL / 3)",
+                self.lease_ttl
+            )));
         }
         if self.pull_batch as i64 > self.max_ack_pending {
             return Err(ConfigError::new(
@@ -244,6 +304,13 @@ impl NatsSourceBuilder {
         self.config.connect_timeout = d;
         self
     }
+    /// Sets the TTL of the membership lease (module docs, "One active member"). Default
+    /// [`DEFAULT_LEASE_TTL`] (10 s); 3 s to 1 h. Members of
+    /// one durable consumer must use the same TTL (the lease's bucket is one per TTL).
+    pub fn lease_ttl(mut self, d: Duration) -> Self {
+        self.config.lease_ttl = d;
+        self
+    }
 
     /// Connects, creates the durable consumer if it does not exist (or checks the existing
     /// one) and returns the source. Reading starts at the first [`MessageSource::poll`].
@@ -257,7 +324,23 @@ impl NatsSourceBuilder {
             .map_err(|e| SourceError::new(ErrorClass::Permanent, e))?;
         let js = jetstream::new(client.clone());
         let consumer = bind_consumer(&js, &config).await?;
+        let member = format!(
+            "pid {} started {}",
+            std::process::id(),
+            Utc::now().to_rfc3339()
+        );
+        let lease = Lease::start(
+            &js,
+            &config.stream,
+            &config.durable,
+            config.lease_ttl,
+            config.connect_timeout,
+            member,
+        )
+        .await?;
         Ok(NatsSource {
+            lease,
+            reading_term: Mutex::new(None),
             tp: TopicPartition::new(config.stream.clone(), 0),
             config,
             client,
@@ -431,6 +514,9 @@ pub struct NatsSource {
     state: Mutex<InFlight>,
     tracker: Mutex<Option<SharedOffsetTracker>>,
     assigned: AtomicBool,
+    lease: Lease,
+    /// The lease term this member hands out messages under (none: a standby).
+    reading_term: Mutex<Option<u64>>,
 }
 
 impl fmt::Debug for NatsSource {
@@ -459,6 +545,7 @@ impl NatsSource {
                 pull_batch: DEFAULT_PULL_BATCH,
                 start_from: StartFrom::Earliest,
                 connect_timeout: crate::DEFAULT_CONNECT_TIMEOUT,
+                lease_ttl: DEFAULT_LEASE_TTL,
             },
         }
     }
@@ -508,6 +595,45 @@ impl NatsSource {
         // The naks are only queued on the connection: flush before the client goes.
         let _ = tokio::time::timeout(self.config.connect_timeout, self.client.flush()).await;
         drop(self.messages.lock().await.take());
+        self.lease.release(self.config.connect_timeout).await;
+    }
+
+    /// Whether this member holds the membership lease and hands out messages now.
+    pub fn is_active(&self) -> bool {
+        self.lease.valid_term().is_some()
+    }
+
+    /// Checks the lease before a message is handed out: `true` when this member may hand out
+    /// messages. A member that lost the lease (or holds a newer term than the one it read
+    /// under) stops reading and forgets what it holds, acknowledging nothing, and the engine
+    /// drops what it queued or held of it (the partition is lost): the server redelivers
+    /// each after its ack wait, to the active member.
+    fn lease_allows(&self, messages: &mut Option<PullStream>) -> bool {
+        let now = self.lease.valid_term();
+        let mut reading = self
+            .reading_term
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if *reading == now {
+            return now.is_some();
+        }
+        if let Some(old) = reading.take() {
+            *messages = None;
+            let (held, finals) = self.state().forget_all();
+            if let Some(t) = self.tracker() {
+                t.lose(std::slice::from_ref(&self.tp));
+            }
+            tracing::warn!(stream = %self.tp.topic, durable = %self.config.durable, term = old, held, finals, "membership lease lost: reading stopped, deliveries held here forgotten unacknowledged (redelivered after the ack wait)");
+        }
+        if let Some(term) = now {
+            *messages = None;
+            if let Some(t) = self.tracker() {
+                t.assign(std::slice::from_ref(&self.tp));
+            }
+            tracing::info!(stream = %self.tp.topic, durable = %self.config.durable, term, "membership lease held: reading");
+            *reading = Some(term);
+        }
+        now.is_some()
     }
 
     /// Acks every message handed out below the commits' next offsets (clamped to the
@@ -654,6 +780,14 @@ impl MessageSource for NatsSource {
         let deadline = Instant::now() + timeout;
         let mut guard = self.messages.lock().await;
         loop {
+            if !self.lease_allows(&mut guard) {
+                // A standby: nothing pulled; the lease task retries the acquisition.
+                if timeout.is_zero() || Instant::now() >= deadline {
+                    return Ok(None);
+                }
+                tokio::time::sleep_until(deadline.min(Instant::now() + STANDBY_CHECK)).await;
+                continue;
+            }
             if guard.is_none() {
                 let stream = self
                     .consumer
@@ -684,6 +818,10 @@ impl MessageSource for NatsSource {
                     }
                 }
                 Some(Ok(msg)) => {
+                    if !self.lease_allows(&mut guard) {
+                        // Not handed out, not acknowledged: redelivered after the ack wait.
+                        continue;
+                    }
                     match self.accept(msg)? {
                         Accepted::New(m) => return Ok(Some(*m)),
                         Accepted::InFlight => {}
@@ -838,6 +976,13 @@ mod tests {
                     ..base()
                 },
                 "filter subject",
+            ),
+            (
+                NatsSourceConfig {
+                    lease_ttl: Duration::from_secs(2),
+                    ..base()
+                },
+                "lease TTL",
             ),
             (
                 NatsSourceConfig {

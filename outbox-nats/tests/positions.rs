@@ -165,7 +165,10 @@ async fn a_redelivered_head_holds_its_aggregate_unacknowledged() {
     let prefix = unique("hold");
     let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
     let durable = unique("inbox");
-    let ack_wait = Duration::from_secs(4);
+    // The next member takes over once X's lease expired (3 s, X crashed holding it): the ack
+    // wait leaves it time to get versions 2 and 3 before version 1 comes again.
+    let ack_wait = Duration::from_secs(10);
+    let lease_ttl = Duration::from_secs(3);
     let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
     let v1 = common::event("order", "h-1", 1);
     let seq1 = publish(&publisher, std::slice::from_ref(&v1)).await[0];
@@ -175,6 +178,7 @@ async fn a_redelivered_head_holds_its_aggregate_unacknowledged() {
             .ack_wait(ack_wait)
             .pull_batch(1)
             .max_ack_pending(100)
+            .lease_ttl(lease_ttl)
             .start()
             .await
             .unwrap();
@@ -187,6 +191,7 @@ async fn a_redelivered_head_holds_its_aggregate_unacknowledged() {
     let applied = Arc::new(AtomicUsize::new(0));
     let source = NatsSource::builder(&url, &stream.name, &durable)
         .ack_wait(ack_wait)
+        .lease_ttl(lease_ttl)
         .start()
         .await
         .unwrap();
