@@ -6,7 +6,7 @@
 //! (commit → publish call started: wake-up and claim; publish call: producer linger and the
 //! broker round trip).
 //!
-//! Per-stage timestamps (issue 25, latency pass): the store is wrapped ([`TimedStore`]) so that
+//! Per-stage timestamps (issue 25, latency pass): the store is wrapped (`TimedStore`) so that
 //! every claim, completion and `stats()` call of the relay is timed, and each event's wait
 //! splits into commit → start of the claim that took it, that claim, claim → publish call, and
 //! the publish call; per cycle: claim, publish and completion times and events per cycle.
