@@ -7,6 +7,8 @@
 //! target/release/outbox-bench drain --json drain.json
 //! target/release/outbox-bench append
 //! target/release/outbox-bench latency
+//! NATS_URL=nats://127.0.0.1:4222 target/release/outbox-bench latency --transport kafka,nats
+//! target/release/outbox-bench latency --probe      # the publishers alone, no database load
 //! target/release/outbox-bench consumer
 //! target/release/outbox-bench scale
 //! target/release/outbox-bench status --sizes 10000,10000000
@@ -80,7 +82,8 @@ enum Scenario {
     /// wake-up variants.
     Append(append::AppendArgs),
     /// End-to-end latency at a fixed offered load: commit to acknowledgement and to the
-    /// consumer's applied effect, NOTIFY wake-up vs polling.
+    /// consumer's applied effect, NOTIFY wake-up vs polling, split per stage (claim, publish,
+    /// completion); into Kafka and NATS; `--probe` for the publishers alone.
     Latency(latency::LatencyArgs),
     /// Consumer: events/s applied through the inbox from a filled topic, 0% and 10% duplicates.
     Consumer(consumer::ConsumerArgs),

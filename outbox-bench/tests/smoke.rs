@@ -137,7 +137,7 @@ fn every_scenario_runs_at_its_smallest() {
         Some("alone: bare INSERT of the row, PK-only table (reference) [2 clients]"),
         "{bare}"
     );
-    run(
+    let latency = run(
         &env,
         "latency",
         &j("latency"),
@@ -150,6 +150,41 @@ fn every_scenario_runs_at_its_smallest() {
             "--only",
             "notify",
         ],
+    );
+    // The wait before the publish call is split into its stages, from the timed store.
+    let figures = latency["reports"][0]["figures"]
+        .as_array()
+        .expect("figures");
+    for metric in [
+        "commit->claim start p50 ms",
+        "claim p50 ms",
+        "cycle: claim p50 ms",
+        "cycle: completion p50 ms",
+    ] {
+        let f = figures
+            .iter()
+            .find(|f| f["metric"] == metric)
+            .unwrap_or_else(|| panic!("no figure {metric:?}: {figures:?}"));
+        let v = f["median"].as_f64().expect("a number");
+        assert!(v.is_finite() && v >= 0.0, "{metric}: {f}");
+    }
+    let claim = |m: &str| {
+        figures
+            .iter()
+            .find(|f| f["metric"] == m)
+            .and_then(|f| f["median"].as_f64())
+            .unwrap()
+    };
+    assert!(
+        claim("cycle: claim p50 ms") > 0.0,
+        "a relay claim takes time: {figures:?}"
+    );
+    // The publisher alone, no database load.
+    run(
+        &env,
+        "latency-probe",
+        &j("latency-probe"),
+        &["latency", "--probe", "--probe-calls", "3"],
     );
     run(
         &env,
