@@ -457,7 +457,9 @@ async fn a_member_paused_past_its_lease_applies_and_acknowledges_nothing_more() 
     let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
     const N: i64 = 10;
     const MORE: i64 = 2;
-    let ack_wait = Duration::from_secs(4);
+    // Longer than the pause: what the paused member held comes to the standby only after it
+    // resumed, so that an ack of it by the paused member would lose it.
+    let ack_wait = Duration::from_secs(15);
     let log: Log = Arc::default();
     let paused: Arc<Mutex<Option<(Instant, Option<Instant>)>>> = Arc::default();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
