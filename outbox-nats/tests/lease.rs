@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::inbox::{Effects, PgTx};
 use common::proxy::Proxy;
-use common::{require, unique, TestStream};
+use common::{pending, require, unique, upstream, TestStream};
 use outbox_core::{async_trait, Envelope, MessageSource, Publisher, ReceivedMessage};
 use outbox_inbox::{
     ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor, VersionPolicy,
@@ -20,14 +20,6 @@ use outbox_nats::{NatsPublisher, NatsSource};
 
 /// The shortest lease TTL accepted.
 const TTL: Duration = Duration::from_secs(3);
-
-fn upstream(url: &str) -> String {
-    url.split("://")
-        .last()
-        .expect("a URL")
-        .trim_end_matches('/')
-        .to_owned()
-}
 
 fn payload(m: &ReceivedMessage) -> String {
     String::from_utf8(m.value().unwrap_or_default().to_vec()).unwrap()
@@ -56,18 +48,6 @@ async fn wait_active(source: &NatsSource, within: Duration, what: &str) {
     }
 }
 
-async fn pending(url: &str, stream: &str, durable: &str) -> (usize, u64) {
-    let info = common::js(url)
-        .await
-        .get_stream(stream)
-        .await
-        .expect("stream")
-        .consumer_info(durable)
-        .await
-        .expect("consumer info");
-    (info.num_ack_pending, info.num_pending)
-}
-
 /// Polls `source` until `until`, collecting the payloads.
 async fn drain(source: &NatsSource, until: Instant) -> Vec<String> {
     let mut got = Vec::new();
@@ -89,8 +69,7 @@ async fn drain(source: &NatsSource, until: Instant) -> Vec<String> {
 async fn close_gives_back_what_it_held_to_the_next_member_at_once() {
     let url = require!(common::nats_url("nats_lease_close_gives_back"));
     let prefix = unique("leaseclose");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     let member = || {
         NatsSource::builder(&url, &stream.name, &durable)
             .ack_wait(Duration::from_secs(30))
@@ -122,8 +101,7 @@ async fn close_gives_back_what_it_held_to_the_next_member_at_once() {
 async fn a_standby_takes_over_at_once_after_a_clean_close() {
     let url = require!(common::nats_url("nats_lease_close_prompt"));
     let prefix = unique("leaseprompt");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     let ttl = Duration::from_secs(60);
     let member = || {
         NatsSource::builder(&url, &stream.name, &durable)
@@ -154,8 +132,7 @@ async fn a_standby_takes_over_at_once_after_a_clean_close() {
 async fn a_close_by_a_member_that_lost_the_lease_keeps_the_new_holders_key() {
     let url = require!(common::nats_url("nats_lease_close_lost"));
     let prefix = unique("leaselost");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     let ttl = Duration::from_secs(60);
     let member = || {
         NatsSource::builder(&url, &stream.name, &durable)
@@ -259,8 +236,7 @@ async fn a_member_cut_from_the_server_stops_when_its_lease_runs_out_and_stays_ou
     let url = require!(common::nats_url(test));
     let db = require!(common::inbox_db(test).await);
     let prefix = unique("leasecut");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
     const N: i64 = 24;
     const MORE: i64 = 4;
@@ -452,8 +428,7 @@ async fn a_member_paused_past_its_lease_applies_and_acknowledges_nothing_more() 
     let db = require!(common::inbox_db(test).await);
     let db_url = outbox_test_support::database_url(test).expect("the database");
     let prefix = unique("leasepause");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
     const N: i64 = 10;
     const MORE: i64 = 2;
@@ -602,8 +577,7 @@ async fn a_member_paused_past_its_lease_applies_and_acknowledges_nothing_more() 
 async fn a_member_with_another_lease_ttl_refuses_to_read() {
     let url = require!(common::nats_url("nats_lease_other_ttl"));
     let prefix = unique("leasettl");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     let member = |ttl: Duration| {
         NatsSource::builder(&url, &stream.name, &durable)
             .ack_wait(Duration::from_secs(30))
