@@ -611,7 +611,7 @@ enum Accepted {
     Final(u64),
     /// This member stopped reading under the lease before the delivery came (not handed out,
     /// not acknowledged; its acker, for [`close`](NatsSource::close) to give it back).
-    NotHeld(Acker),
+    NotHeld(Box<Acker>),
 }
 
 /// The outbox [`MessageSource`] for JetStream: a durable pull consumer, explicit acks sent
@@ -696,7 +696,7 @@ impl NatsSource {
                 // Recorded as held (given back below), or a redelivery of one held here (its
                 // newer reply subject kept), or one this member may not hold.
                 if let Ok(Accepted::NotHeld(acker)) = self.accept(msg) {
-                    not_held.push(acker);
+                    not_held.push(*acker);
                 }
             }
             drop(stream);
@@ -861,7 +861,7 @@ impl NatsSource {
             // recorded as held after this member forgot what it held.
             let reading = self.member.reading();
             if reading.is_none() || *reading != self.lease.view().valid_term() {
-                return Ok(Accepted::NotHeld(acker));
+                return Ok(Accepted::NotHeld(Box::new(acker)));
             }
             let mut st = self.state();
             if st.starts_over(delivery) {

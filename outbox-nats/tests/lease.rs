@@ -169,6 +169,12 @@ async fn a_close_by_a_member_that_lost_the_lease_keeps_the_new_holders_key() {
     );
 }
 
+/// The applications seen: member, version, when its handler started.
+type Log = Arc<Mutex<Vec<(&'static str, i64, Instant)>>>;
+
+/// When the pause started, and when it ended.
+type Paused = Arc<Mutex<Option<(Instant, Option<Instant>)>>>;
+
 /// Records each application (member, version, when its handler started) and applies it after
 /// `delay`.
 #[derive(Debug)]
@@ -176,7 +182,7 @@ struct Recorded {
     inner: Effects,
     member: &'static str,
     delay: Duration,
-    log: Arc<Mutex<Vec<(&'static str, i64, Instant)>>>,
+    log: Log,
 }
 
 #[async_trait]
@@ -190,8 +196,6 @@ impl Handler<PgTx> for Recorded {
         self.inner.handle(tx, e).await
     }
 }
-
-type Log = Arc<Mutex<Vec<(&'static str, i64, Instant)>>>;
 
 async fn engine(
     db: &common::inbox::Db,
@@ -393,7 +397,7 @@ struct Pausing {
     inner: Recorded,
     at: i64,
     pause: Duration,
-    paused: Arc<Mutex<Option<(Instant, Option<Instant>)>>>,
+    paused: Paused,
 }
 
 #[async_trait]
@@ -436,7 +440,7 @@ async fn a_member_paused_past_its_lease_applies_and_acknowledges_nothing_more() 
     // resumed, so that an ack of it by the paused member would lose it.
     let ack_wait = Duration::from_secs(15);
     let log: Log = Arc::default();
-    let paused: Arc<Mutex<Option<(Instant, Option<Instant>)>>> = Arc::default();
+    let paused: Paused = Arc::default();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let events = |from: i64, to: i64| {
         (from..=to)
