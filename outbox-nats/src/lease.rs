@@ -14,6 +14,7 @@ use async_nats::jetstream::stream::{Config as StreamConfig, DiscardPolicy};
 use async_nats::jetstream::Context;
 use bytes::Bytes;
 use outbox_core::{ErrorClass, SourceError};
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
@@ -55,14 +56,58 @@ pub(crate) struct Held {
     /// Grows with every acquisition: a member reading under an older term lost the lease
     /// in between.
     pub(crate) term: u64,
+    /// The TTL of another member's live lease on the same durable consumer, found in the
+    /// bucket of another TTL at an acquisition: this member never reads (module docs).
+    pub(crate) conflict: Option<Duration>,
+}
+
+/// What a member reads of its lease: shared by the renewal task, the source's checks and the
+/// task that stops reading the moment the lease runs out (see `NatsSource`'s lease watch).
+#[derive(Clone, Debug)]
+pub(crate) struct LeaseView {
+    ttl: Duration,
+    state: Arc<Mutex<Held>>,
+    /// Signalled at every change of `state` (a permit is kept when nobody waits).
+    changed: Arc<Notify>,
+}
+
+impl LeaseView {
+    fn held(&self) -> Held {
+        *self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The term of the lease when this member holds it and it is fresh enough to hand out
+    /// messages: confirmed less than the TTL minus a margin ago.
+    pub(crate) fn valid_term(&self) -> Option<u64> {
+        let held = self.held();
+        let at = held.confirmed_at?;
+        (at.elapsed() < valid_for(self.ttl)).then_some(held.term)
+    }
+
+    /// The lease TTL of another member of the durable consumer, when this member found one
+    /// active with a TTL other than its own (it then never reads).
+    pub(crate) fn conflict(&self) -> Option<Duration> {
+        self.held().conflict
+    }
+
+    /// When the lease held now stops being valid unless it is renewed before (none: not
+    /// held).
+    pub(crate) fn valid_until(&self) -> Option<Instant> {
+        self.held().confirmed_at.map(|at| at + valid_for(self.ttl))
+    }
+
+    /// Completes at the next change of the lease's state (at once when one happened since
+    /// the last call).
+    pub(crate) async fn changed(&self) {
+        self.changed.notified().await;
+    }
 }
 
 #[derive(Debug)]
 pub(crate) struct Lease {
     store: Store,
     key: String,
-    ttl: Duration,
-    state: Arc<Mutex<Held>>,
+    view: LeaseView,
     task: JoinHandle<()>,
 }
 
@@ -109,36 +154,38 @@ impl Lease {
             .map_err(|_| timed_out())?
             .map_err(|e| failed("opening it", &e))?;
         let key = lease_key(stream, durable);
-        let state = Arc::new(Mutex::new(Held::default()));
+        let view = LeaseView {
+            ttl,
+            state: Arc::new(Mutex::new(Held::default())),
+            changed: Arc::new(Notify::new()),
+        };
         let task = tokio::spawn(run(
+            js.clone(),
             store.clone(),
             key.clone(),
-            ttl,
             timeout,
             Bytes::from(member),
-            state.clone(),
+            view.clone(),
         ));
         Ok(Self {
             store,
             key,
-            ttl,
-            state,
+            view,
             task,
         })
     }
 
-    /// The term of the lease when this member holds it and it is fresh enough to hand out
-    /// messages: confirmed less than the TTL minus a margin ago.
-    pub(crate) fn valid_term(&self) -> Option<u64> {
-        let held = *self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        let at = held.confirmed_at?;
-        (at.elapsed() < valid_for(self.ttl)).then_some(held.term)
+    /// What this member reads of its lease.
+    pub(crate) fn view(&self) -> &LeaseView {
+        &self.view
     }
 
-    /// Stops renewing and deletes the key when it is still this member's revision.
+    /// Stops renewing and deletes the key when it is still this member's revision (a member
+    /// that lost the lease, and does not know it yet, names a revision the key no longer
+    /// has: the server refuses the delete, and the new holder keeps its lease).
     pub(crate) async fn release(&self, timeout: Duration) {
         self.task.abort();
-        let held = *self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let held = self.view.held();
         if held.confirmed_at.is_some() {
             let _ = tokio::time::timeout(
                 timeout,
@@ -162,17 +209,52 @@ pub(crate) fn valid_for(ttl: Duration) -> Duration {
     ttl - ttl / 4
 }
 
+/// The TTL of a live lease on `key` in a lease bucket other than `own` (a member of the same
+/// durable consumer configured with another `lease_ttl`), if any.
+async fn other_ttl_holder(
+    js: &Context,
+    own: &str,
+    key: &str,
+) -> Result<Option<Duration>, async_nats::Error> {
+    use futures::TryStreamExt;
+    let mut names = js.stream_names();
+    while let Some(name) = names.try_next().await? {
+        let Some(bucket) = name.strip_prefix("KV_") else {
+            continue;
+        };
+        let Some(ms) = bucket
+            .strip_prefix("outbox_leases_")
+            .and_then(|b| b.strip_suffix("ms"))
+            .and_then(|ms| ms.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        if bucket == own {
+            continue;
+        }
+        if js.get_key_value(bucket).await?.get(key).await?.is_some() {
+            return Ok(Some(Duration::from_millis(ms)));
+        }
+    }
+    Ok(None)
+}
+
 async fn run(
+    js: Context,
     store: Store,
     key: String,
-    ttl: Duration,
     timeout: Duration,
     member: Bytes,
-    state: Arc<Mutex<Held>>,
+    view: LeaseView,
 ) {
+    let ttl = view.ttl;
+    let state = &view.state;
     let renew_every = ttl / 3;
     let retry = (ttl / 10).min(Duration::from_secs(1));
-    let set = |f: &dyn Fn(&mut Held)| f(&mut state.lock().unwrap_or_else(PoisonError::into_inner));
+    let set = |f: &dyn Fn(&mut Held)| {
+        f(&mut state.lock().unwrap_or_else(PoisonError::into_inner));
+        view.changed.notify_one();
+    };
     // After a renewal that failed without an answer: when to try again.
     let mut retry_at: Option<Instant> = None;
     loop {
@@ -182,6 +264,38 @@ async fn run(
             None => {
                 match tokio::time::timeout(timeout, store.create(&key, member.clone())).await {
                     Ok(Ok(revision)) => {
+                        // Members with another TTL use another bucket: one of them active
+                        // there makes this one refuse to read. Checked after the create, so
+                        // that of two such members starting together at most one passes (each
+                        // writes its key before it looks for the other's).
+                        let own = bucket_name(ttl);
+                        let check =
+                            tokio::time::timeout(timeout, other_ttl_holder(&js, &own, &key)).await;
+                        if !matches!(check, Ok(Ok(None))) {
+                            let _ = tokio::time::timeout(
+                                timeout,
+                                store.delete_expect_revision(&key, Some(revision)),
+                            )
+                            .await;
+                        }
+                        match check {
+                            Ok(Ok(None)) => {}
+                            Ok(Ok(Some(other))) => {
+                                tracing::error!(key = %key, ttl = ?ttl, other = ?other, "another member of this durable consumer holds its lease with another lease TTL: this member does not read (members of one durable consumer must use the same lease_ttl)");
+                                set(&|h| h.conflict = Some(other));
+                                return;
+                            }
+                            Ok(Err(e)) => {
+                                tracing::warn!(key = %key, error = %e, "lease acquired, but the leases of other TTLs could not be read: given back, retried");
+                                tokio::time::sleep(retry).await;
+                                continue;
+                            }
+                            Err(_) => {
+                                tracing::warn!(key = %key, "lease acquired, but reading the leases of other TTLs timed out: given back, retried");
+                                tokio::time::sleep(retry).await;
+                                continue;
+                            }
+                        }
                         tracing::info!(key = %key, revision, "lease acquired: this member is the active one");
                         set(&|h| {
                             h.revision = revision;

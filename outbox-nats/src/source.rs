@@ -16,17 +16,35 @@
 //!   key is absent) and renews it every TTL / 3 against the revision it wrote last; a key not
 //!   renewed ages out of the bucket after the TTL. The TTL is `lease_ttl` (default
 //!   [`DEFAULT_LEASE_TTL`], 10 s; 3 s to 1 h; the members of a durable must use the same).
+//! * **Members with different TTLs** would use two buckets, and one member could be active
+//!   in each. So a member that acquires its lease then looks for a live lease of the same
+//!   durable consumer in the buckets of other TTLs (listing the streams `KV_outbox_leases_*`);
+//!   finding one, it gives its own back and never reads: its `poll` fails with a permanent
+//!   error naming both TTLs. (Each writes its key before it looks for the other's, so of two
+//!   such members starting together at most one reads. A member that cannot list the streams
+//!   or read the buckets gives its lease back and tries again: it needs the permission to.)
 //! * **A standby** (a member without the lease) pulls nothing: its `poll` returns nothing
 //!   until it acquires the lease, which it retries every TTL / 10 (at most 1 s). A member
 //!   that crashed is replaced within the TTL; the messages it held come again after their
-//!   ack wait. [`close`](NatsSource::close) deletes the key (when it is still this member's
-//!   revision), so a standby takes over at once.
+//!   ack wait. [`close`](NatsSource::close) stops reading, gives back what it held (`-NAK`)
+//!   and deletes the key (only at the revision this member wrote last: a member that lost
+//!   the lease without knowing it never deletes the new holder's key), so a standby takes
+//!   over at once and gets the messages given back without waiting for their ack wait.
 //! * **A member that loses the lease** (its renewal finds another revision, or the lease
 //!   was last confirmed longer ago than the TTL minus a quarter of it, e.g. the server was
 //!   unreachable) stops handing out messages at once: it drops its pull, forgets every
 //!   delivery it holds **acknowledging none** (as for a delivery sequence that goes back,
 //!   below), and tells the engine the partition is lost (the engine drops what it queued or
-//!   held of it). The server redelivers each to the active member after its ack wait.
+//!   held of it, and applies none of it). A task of the source's own does this the moment
+//!   the lease runs out, not at the next `poll`: an engine at its in-flight bound applies
+//!   what it queued without polling. The server redelivers each to the active member after
+//!   its ack wait. A member never acknowledges an effect that did not commit, lease or not:
+//!   only what the engine handed to `ack_ahead` or a commit passed.
+//! * **Pull requests live at most the TTL** (at most 30 s) at the server. A member cut from
+//!   the server without its connection closing (a half-open link, a paused process) keeps
+//!   its pull request open there, and the server keeps delivering to it, the active member's
+//!   redeliveries and new messages included, until the request expires: with a longer
+//!   expiry the takeover waited for it (tests `tests/lease.rs`).
 //! * **The window left**: the lease is checked before each message is handed out, not inside
 //!   a handler. A member paused longer than the lease (a stop-the-world pause, a handler that
 //!   runs long) may still finish an effect it started while another member applies the
@@ -127,7 +145,7 @@
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use async_nats::jetstream::consumer::pull::{Config as PullConfig, Stream as PullStream};
@@ -145,7 +163,7 @@ use outbox_core::{
 use tokio::time::Instant;
 
 use crate::error::source_error;
-use crate::lease::Lease;
+use crate::lease::{Lease, LeaseView};
 use crate::publisher::connect_client;
 
 /// Default ack wait: 30 s before JetStream redelivers an unacknowledged message.
@@ -158,6 +176,9 @@ pub const DEFAULT_PULL_BATCH: usize = 100;
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
 /// The shortest lease TTL accepted (renewed every TTL / 3).
 pub const MIN_LEASE_TTL: Duration = Duration::from_secs(3);
+
+/// The longest a pull request lives at the server (shorter: the lease TTL).
+const MAX_PULL_EXPIRES: Duration = Duration::from_secs(30);
 
 /// How often a standby looks whether its lease task acquired the lease.
 const STANDBY_CHECK: Duration = Duration::from_millis(100);
@@ -305,8 +326,9 @@ impl NatsSourceBuilder {
         self
     }
     /// Sets the TTL of the membership lease (module docs, "One active member"). Default
-    /// [`DEFAULT_LEASE_TTL`] (10 s); 3 s to 1 h. Members of
-    /// one durable consumer must use the same TTL (the lease's bucket is one per TTL).
+    /// [`DEFAULT_LEASE_TTL`] (10 s); 3 s to 1 h. Members of one durable consumer must use the
+    /// same TTL (the lease's bucket is one per TTL): a member that finds another one active
+    /// with another TTL does not read, its `poll` fails with a permanent error.
     pub fn lease_ttl(mut self, d: Duration) -> Self {
         self.config.lease_ttl = d;
         self
@@ -338,16 +360,26 @@ impl NatsSourceBuilder {
             member,
         )
         .await?;
+        let member = Arc::new(Membership {
+            tp: TopicPartition::new(config.stream.clone(), 0),
+            durable: config.durable.clone(),
+            reading_term: Mutex::new(None),
+            state: Mutex::new(InFlight::default()),
+            tracker: Mutex::new(None),
+        });
+        let watch = AbortOnDrop(tokio::spawn(watch_lease(
+            lease.view().clone(),
+            Arc::downgrade(&member),
+        )));
         Ok(NatsSource {
             lease,
-            reading_term: Mutex::new(None),
-            tp: TopicPartition::new(config.stream.clone(), 0),
+            tp: member.tp.clone(),
+            member,
+            _watch: watch,
             config,
             client,
             consumer,
             messages: tokio::sync::Mutex::new(None),
-            state: Mutex::new(InFlight::default()),
-            tracker: Mutex::new(None),
             assigned: AtomicBool::new(false),
         })
     }
@@ -491,6 +523,83 @@ impl InFlight {
     }
 }
 
+/// What a member reads under its lease, shared with the task that watches the lease
+/// ([`watch_lease`]).
+struct Membership {
+    tp: TopicPartition,
+    durable: String,
+    /// The lease term this member hands out messages under (none: a standby). Locked before
+    /// `state` wherever both are.
+    reading_term: Mutex<Option<u64>>,
+    state: Mutex<InFlight>,
+    tracker: Mutex<Option<SharedOffsetTracker>>,
+}
+
+impl Membership {
+    fn state(&self) -> std::sync::MutexGuard<'_, InFlight> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn reading(&self) -> std::sync::MutexGuard<'_, Option<u64>> {
+        self.reading_term
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn tracker(&self) -> Option<SharedOffsetTracker> {
+        self.tracker
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Stops reading under the term in `reading` (the lease lost or run out): forgets every
+    /// delivery held, acknowledging none, and tells the engine the partition is lost.
+    fn stop_reading(&self, reading: &mut Option<u64>) {
+        let Some(old) = reading.take() else {
+            return;
+        };
+        let (held, finals) = self.state().forget_all();
+        if let Some(t) = self.tracker() {
+            t.lose(std::slice::from_ref(&self.tp));
+        }
+        tracing::warn!(stream = %self.tp.topic, durable = %self.durable, term = old, held, finals, "membership lease lost: reading stopped, deliveries held here forgotten unacknowledged (redelivered after the ack wait)");
+    }
+}
+
+/// Stops a member's reading the moment its lease runs out (not renewed in time) or is lost,
+/// without waiting for the next `poll`: the engine checks a queued message's partition before
+/// it applies it, but it polls only while below its in-flight bound, and would otherwise apply
+/// what it queued after another member took over. Ends with the source.
+async fn watch_lease(lease: LeaseView, member: Weak<Membership>) {
+    loop {
+        // A lease whose time ran out is acted on once, then only its next change wakes this.
+        match lease.valid_until().filter(|until| *until > Instant::now()) {
+            Some(until) => tokio::select! {
+                () = tokio::time::sleep_until(until) => {}
+                () = lease.changed() => {}
+            },
+            None => lease.changed().await,
+        }
+        let Some(member) = member.upgrade() else {
+            return;
+        };
+        let mut reading = member.reading();
+        if reading.is_some() && *reading != lease.valid_term() {
+            member.stop_reading(&mut reading);
+        }
+    }
+}
+
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 /// What [`NatsSource::accept`] makes of a delivery.
 enum Accepted {
     /// A message to hand out.
@@ -500,6 +609,9 @@ enum Accepted {
     /// A redelivery of a final message whose ack was not confirmed (held here under this
     /// delivery sequence): to ack at once.
     Final(u64),
+    /// This member stopped reading under the lease before the delivery came (not handed out,
+    /// not acknowledged; its acker, for [`close`](NatsSource::close) to give it back).
+    NotHeld(Box<Acker>),
 }
 
 /// The outbox [`MessageSource`] for JetStream: a durable pull consumer, explicit acks sent
@@ -511,12 +623,10 @@ pub struct NatsSource {
     client: async_nats::Client,
     consumer: PullConsumer,
     messages: tokio::sync::Mutex<Option<PullStream>>,
-    state: Mutex<InFlight>,
-    tracker: Mutex<Option<SharedOffsetTracker>>,
+    member: Arc<Membership>,
     assigned: AtomicBool,
     lease: Lease,
-    /// The lease term this member hands out messages under (none: a standby).
-    reading_term: Mutex<Option<u64>>,
+    _watch: AbortOnDrop,
 }
 
 impl fmt::Debug for NatsSource {
@@ -561,20 +671,37 @@ impl NatsSource {
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, InFlight> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        self.member.state()
     }
 
     fn tracker(&self) -> Option<SharedOffsetTracker> {
-        self.tracker
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+        self.member.tracker()
     }
 
-    /// Leaves cleanly: acknowledges what the attached tracker holds final (its revoke commit),
-    /// and gives every other message it holds back to the stream at once (`-NAK`), so another
-    /// member gets it without waiting for the ack wait.
+    /// Leaves cleanly: stops reading, acknowledges what the attached tracker holds final (its
+    /// revoke commit), gives every other message it holds back to the stream at once (`-NAK`),
+    /// so another member gets it without waiting for the ack wait, and gives the lease back.
+    ///
+    /// Reading stops **first**: the pull is dropped (its subscription ended), and the server
+    /// has forgotten the pull request, before any message is given back. A message given back
+    /// while this member's pull request was still open at the server went straight back to
+    /// that pull, and waited out the whole ack wait there after the member left. The messages
+    /// the pull had brought and nobody was handed yet are given back too. (One race is left: a pull request the client sends on its own
+    /// while those are taken, whose deliveries arrive after the subscription ended: those come
+    /// again after the ack wait.)
     pub async fn close(self) {
+        let mut not_held: Vec<Acker> = Vec::new();
+        if let Some(mut stream) = self.messages.lock().await.take() {
+            while let Some(Some(Ok(msg))) = futures::FutureExt::now_or_never(stream.next()) {
+                // Recorded as held (given back below), or a redelivery of one held here (its
+                // newer reply subject kept), or one this member may not hold.
+                if let Ok(Accepted::NotHeld(acker)) = self.accept(msg) {
+                    not_held.push(*acker);
+                }
+            }
+            drop(stream);
+            self.pull_requests_gone().await;
+        }
         if let Some(t) = self.tracker() {
             let commits = t.revoke(std::slice::from_ref(&self.tp));
             if let Err(e) = self.ack_below(&commits, false).await {
@@ -585,46 +712,66 @@ impl NatsSource {
         if let Err(e) = self.ack_due(finals).await {
             tracing::warn!(error = %e, "acks of final messages at close failed; those messages are redelivered");
         }
-        let rest: Vec<Acker> = self
+        let mut rest: Vec<Acker> = self
             .state()
             .take_below_and_final(u64::MAX)
             .into_iter()
             .map(|(_, d)| d.acker)
             .collect();
+        rest.append(&mut not_held);
         join_all(rest.iter().map(|a| a.ack_with(AckKind::Nak(None)))).await;
         // The naks are only queued on the connection: flush before the client goes.
         let _ = tokio::time::timeout(self.config.connect_timeout, self.client.flush()).await;
-        drop(self.messages.lock().await.take());
         self.lease.release(self.config.connect_timeout).await;
+    }
+
+    /// After the pull was dropped: waits (at most the connect timeout, 2 s at most) until the
+    /// server holds no pull request of the consumer, so that a message given back is not
+    /// delivered to this member's request. The drop sends the unsubscription from a task of
+    /// its own, which cannot be awaited; the server forgets a pull request whose subscription
+    /// is gone when it next looks at it, which a consumer info request makes it do (seen on
+    /// 2.9: a message given back right after the drop went to the dropped request, and came
+    /// again only after its ack wait). The other members being standbys, none of them has a
+    /// pull request; if one has (this member lost the lease), the wait runs out and the
+    /// messages are given back all the same.
+    async fn pull_requests_gone(&self) {
+        let t = self.config.connect_timeout;
+        let deadline = Instant::now() + t.min(Duration::from_secs(2));
+        let mut consumer = self.consumer.clone();
+        loop {
+            tokio::task::yield_now().await;
+            let _ = tokio::time::timeout(t, self.client.flush()).await;
+            match tokio::time::timeout(t, consumer.info()).await {
+                Ok(Ok(info)) if info.num_waiting == 0 => return,
+                Ok(Ok(_)) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                _ => return,
+            }
+        }
     }
 
     /// Whether this member holds the membership lease and hands out messages now.
     pub fn is_active(&self) -> bool {
-        self.lease.valid_term().is_some()
+        self.lease.view().valid_term().is_some()
     }
 
     /// Checks the lease before a message is handed out: `true` when this member may hand out
     /// messages. A member that lost the lease (or holds a newer term than the one it read
     /// under) stops reading and forgets what it holds, acknowledging nothing, and the engine
     /// drops what it queued or held of it (the partition is lost): the server redelivers
-    /// each after its ack wait, to the active member.
+    /// each after its ack wait, to the active member. (The lease watch, [`watch_lease`], does
+    /// the same the moment the lease runs out; a member without the lease keeps no pull.)
     fn lease_allows(&self, messages: &mut Option<PullStream>) -> bool {
-        let now = self.lease.valid_term();
-        let mut reading = self
-            .reading_term
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let now = self.lease.view().valid_term();
+        if now.is_none() {
+            *messages = None;
+        }
+        let mut reading = self.member.reading();
         if *reading == now {
             return now.is_some();
         }
-        if let Some(old) = reading.take() {
-            *messages = None;
-            let (held, finals) = self.state().forget_all();
-            if let Some(t) = self.tracker() {
-                t.lose(std::slice::from_ref(&self.tp));
-            }
-            tracing::warn!(stream = %self.tp.topic, durable = %self.config.durable, term = old, held, finals, "membership lease lost: reading stopped, deliveries held here forgotten unacknowledged (redelivered after the ack wait)");
-        }
+        self.member.stop_reading(&mut reading);
         if let Some(term) = now {
             *messages = None;
             if let Some(t) = self.tracker() {
@@ -710,6 +857,12 @@ impl NatsSource {
         };
         let (message, acker) = msg.split();
         {
+            // Checked under the lock the lease watch stops reading under: a delivery is never
+            // recorded as held after this member forgot what it held.
+            let reading = self.member.reading();
+            if reading.is_none() || *reading != self.lease.view().valid_term() {
+                return Ok(Accepted::NotHeld(Box::new(acker)));
+            }
             let mut st = self.state();
             if st.starts_over(delivery) {
                 let highest = st.highest_handed_out;
@@ -780,6 +933,19 @@ impl MessageSource for NatsSource {
         let deadline = Instant::now() + timeout;
         let mut guard = self.messages.lock().await;
         loop {
+            if let Some(other) = self.lease.view().conflict() {
+                *guard = None;
+                return Err(SourceError::new(
+                    ErrorClass::Permanent,
+                    format!(
+                        "durable consumer {:?} of stream {:?}: another member holds its lease \
+                         with lease TTL {other:?}, this one has {:?}; the members of one durable \
+                         consumer must use the same lease_ttl (two TTLs, two lease buckets: \
+                         two active members)",
+                        self.config.durable, self.config.stream, self.config.lease_ttl
+                    ),
+                ));
+            }
             if !self.lease_allows(&mut guard) {
                 // A standby: nothing pulled; the lease task retries the acquisition.
                 if timeout.is_zero() || Instant::now() >= deadline {
@@ -789,12 +955,14 @@ impl MessageSource for NatsSource {
                 continue;
             }
             if guard.is_none() {
+                // A pull request lives at most the lease TTL at the server (module docs).
+                let expires = self.config.lease_ttl.min(MAX_PULL_EXPIRES);
                 let stream = self
                     .consumer
                     .stream()
                     .max_messages_per_batch(self.config.pull_batch)
-                    .heartbeat(Duration::from_secs(5))
-                    .expires(Duration::from_secs(30))
+                    .heartbeat((expires / 3).min(Duration::from_secs(5)))
+                    .expires(expires)
                     .messages()
                     .await
                     .map_err(|e| source_error("pull request", e, false))?;
@@ -824,7 +992,7 @@ impl MessageSource for NatsSource {
                     }
                     match self.accept(msg)? {
                         Accepted::New(m) => return Ok(Some(*m)),
-                        Accepted::InFlight => {}
+                        Accepted::InFlight | Accepted::NotHeld(_) => {}
                         Accepted::Final(held) => {
                             // This one only: the redeliveries of the others may be on their
                             // way already, and would be new messages once acked here.
@@ -891,7 +1059,11 @@ impl MessageSource for NatsSource {
     }
 
     fn attach_offsets(&self, offsets: SharedOffsetTracker) {
-        *self.tracker.lock().unwrap_or_else(PoisonError::into_inner) = Some(offsets);
+        *self
+            .member
+            .tracker
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(offsets);
     }
 
     /// Lag from the consumer's own counters, in delivery sequences like the positions:

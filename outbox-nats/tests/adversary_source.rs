@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 
 use common::inbox::{Effects, PgTx};
 use common::proxy::Proxy;
-use common::{require, unique, TestStream};
-use outbox_core::{async_trait, Envelope, MessageSource, Publisher, RetryPolicy};
+use common::publish_all as publish;
+use common::{pending, require, unique, upstream, TestStream};
+use outbox_core::{async_trait, Envelope, MessageSource, RetryPolicy};
 use outbox_inbox::{
     ConsumerEngine, EngineConfig, Handler, HandlerError, InboxProcessor, VersionPolicy,
 };
@@ -57,32 +58,6 @@ impl Handler<PgTx> for Chaos {
     }
 }
 
-fn upstream(url: &str) -> String {
-    url.split("://")
-        .last()
-        .expect("a URL")
-        .trim_end_matches('/')
-        .to_owned()
-}
-
-async fn publish(publisher: &NatsPublisher, events: &[Envelope]) {
-    for r in publisher.publish(&events.iter().collect::<Vec<_>>()).await {
-        r.unwrap();
-    }
-}
-
-async fn pending(url: &str, stream: &str, durable: &str) -> (usize, u64) {
-    let info = common::js(url)
-        .await
-        .get_stream(stream)
-        .await
-        .expect("stream")
-        .consumer_info(durable)
-        .await
-        .expect("consumer info");
-    (info.num_ack_pending, info.num_pending)
-}
-
 /// Member 1 reads through a proxy with `Hold` (first version required): aggregate `held` has
 /// only version 2 (held, never final), aggregate `slow` fails transiently (rolled back, in
 /// backoff across several ack waits, so its redeliveries arrive while it is not final), four
@@ -99,8 +74,7 @@ async fn a_crash_after_lost_acks_loses_nothing_that_was_not_final() {
     let url = require!(common::nats_url("nats_adv_crash_lost_acks"));
     let db = require!(common::inbox_db("nats_adv_crash_lost_acks").await);
     let prefix = unique("advcrash");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
     let aggs: Vec<String> = (0..4).map(|i| format!("a{i}")).collect();
     let mut first: Vec<Envelope> = Vec::new();
@@ -250,8 +224,7 @@ async fn competing_members(test: &str, policy: VersionPolicy, require_first: boo
     let url = require!(common::nats_url(test));
     let db = require!(common::inbox_db(test).await);
     let prefix = unique("advcomp");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
     const N: i64 = 12;
     let events: Vec<Envelope> = (1..=N).map(|v| common::event("order", "x", v)).collect();
@@ -439,8 +412,7 @@ async fn a_standby_takes_over_from_a_crashed_member_and_loses_nothing() {
     let url = require!(common::nats_url(test));
     let db = require!(common::inbox_db(test).await);
     let prefix = unique("advlease");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
     const N: i64 = 12;
     let ack_wait = Duration::from_secs(2);
@@ -538,8 +510,7 @@ async fn a_standby_takes_over_from_a_crashed_member_and_loses_nothing() {
 async fn a_member_whose_lease_was_taken_stops_handing_out_messages() {
     let url = require!(common::nats_url("nats_adv_lease_taken"));
     let prefix = unique("advtaken");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     let ack_wait = Duration::from_secs(2);
     let publish_n = |from: usize, to: usize| {
         let (js, prefix) = (&stream.js, &prefix);

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::inbox::{park_version_2, Effects};
-use common::{poll_n, require, unique, TestStream};
+use common::{poll_n, require, unique};
 use outbox_core::{
     AckMetadata, AckModel, Envelope, LogPosition, MessageSource, NativePosition, Publisher,
 };
@@ -49,8 +49,7 @@ fn stream_sequence(p: &LogPosition) -> u64 {
 async fn a_delivery_names_its_stream_sequence_and_consumer() {
     let url = require!(common::nats_url("nats_position_native"));
     let prefix = unique("pos");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("durable");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "durable").await;
     let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
     // Stream sequences start past messages of other aggregates, so they differ from the
     // delivery sequences of a fresh consumer.
@@ -119,8 +118,7 @@ async fn a_parked_message_keeps_its_stream_sequence() {
     let url = require!(common::nats_url("nats_position_parked"));
     let db = require!(common::inbox_db("nats_position_parked").await);
     let prefix = unique("parkpos");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
     publish(&publisher, &[common::event("other", "x", 1)]).await;
     let events: Vec<Envelope> = (1..=3).map(|v| common::event("order", "p-1", v)).collect();
@@ -163,8 +161,7 @@ async fn a_redelivered_head_holds_its_aggregate_unacknowledged() {
     let url = require!(common::nats_url("nats_position_hold"));
     let db = require!(common::inbox_db("nats_position_hold").await);
     let prefix = unique("hold");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     // The next member takes over once X's lease expired (3 s, X crashed holding it): the ack
     // wait leaves it time to get versions 2 and 3 before version 1 comes again.
     let ack_wait = Duration::from_secs(10);

@@ -13,9 +13,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::consumer::Info as ConsumerInfo;
 use common::inbox::Effects;
-use common::{require, unique, TestStream};
+use common::{consumer_info, require, unique, TestStream};
 use outbox_core::{
     Classify, Envelope, InboxParking, MessageSource, ParkedFilter, ParkedStatus, Publisher,
 };
@@ -24,17 +23,6 @@ use outbox_nats::{NatsPublisher, NatsSource};
 
 /// The shortest ack wait the source accepts.
 const ACK_WAIT: Duration = Duration::from_secs(1);
-
-async fn consumer_info(url: &str, stream: &str, durable: &str) -> ConsumerInfo {
-    common::js(url)
-        .await
-        .get_stream(stream)
-        .await
-        .expect("stream")
-        .consumer_info(durable)
-        .await
-        .expect("consumer info")
-}
 
 /// An undecodable message (no envelope headers, no aggregate) is parked by a member that then
 /// crashes before acknowledging it (no commit: the commit cadence is an hour). JetStream
@@ -45,8 +33,7 @@ async fn an_undecodable_message_redelivered_after_a_crash_is_parked_once() {
     let url = require!(common::nats_url("nats_undecodable_once"));
     let db = require!(common::inbox_db("nats_undecodable_once").await);
     let prefix = unique("undec");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     stream
         .js
         .publish(format!("{prefix}.junk"), "not an envelope".into())
@@ -137,8 +124,7 @@ async fn final_messages_behind_a_held_aggregate_are_not_redelivered() {
     let url = require!(common::nats_url("nats_ack_ahead"));
     let db = require!(common::inbox_db("nats_ack_ahead").await);
     let prefix = unique("ahead");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
     let mut events: Vec<Envelope> = vec![common::event("order", "h", 2)];
     events.extend((0..5).map(|i| common::event("order", &format!("f-{i}"), 1)));
@@ -217,13 +203,7 @@ async fn acks_ahead_lost_in_a_partition(test: &str, ack_wait: Duration) -> Optio
             .await
             .expect("PubAck");
     }
-    let upstream = url
-        .split("://")
-        .last()
-        .expect("a URL")
-        .trim_end_matches('/')
-        .to_owned();
-    let proxy = common::proxy::Proxy::start(&upstream);
+    let proxy = common::proxy::Proxy::start(&common::upstream(&url));
     let durable = unique("inbox");
     let source = NatsSource::builder(proxy.url(), &stream.name, &durable)
         .ack_wait(ack_wait)
@@ -396,8 +376,7 @@ async fn lost_acks_do_not_starve_a_small_max_ack_pending(test: &str, cadence: Ca
     let url = require!(common::nats_url(test));
     let db = require!(common::inbox_db(test).await);
     let prefix = unique("starve");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     // Publishes straight to the server (not through the proxy).
     let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
     let mut first: Vec<Envelope> = vec![common::event("order", "h", 2)];
@@ -405,13 +384,7 @@ async fn lost_acks_do_not_starve_a_small_max_ack_pending(test: &str, cadence: Ca
     for r in publisher.publish(&first.iter().collect::<Vec<_>>()).await {
         r.unwrap();
     }
-    let upstream = url
-        .split("://")
-        .last()
-        .expect("a URL")
-        .trim_end_matches('/')
-        .to_owned();
-    let proxy = common::proxy::Proxy::start(&upstream);
+    let proxy = common::proxy::Proxy::start(&common::upstream(&url));
     let source = NatsSource::builder(proxy.url(), &stream.name, &durable)
         .ack_wait(ACK_WAIT)
         .max_ack_pending(4)

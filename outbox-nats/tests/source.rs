@@ -474,8 +474,7 @@ async fn redelivered_head_is_applied_before_its_successors() {
     let url = require!(common::nats_url("nats_redelivered_head"));
     let db = require!(common::inbox_db("nats_redelivered_head").await);
     let prefix = unique("head");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
     let v1 = common::event("order", "a-1", 1);
     publisher.publish(&[&v1]).await.remove(0).unwrap();
@@ -540,8 +539,7 @@ async fn engine_survives_a_server_restart_with_each_effect_once() {
     let mut server = outbox_test_support::NatsServer::start(bin);
     let url = server.url();
     let prefix = unique("srcrestart");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     let publisher = NatsPublisher::builder(&url, &prefix).start().await.unwrap();
     let aggregates: Vec<String> = (0..10).map(|i| format!("agg-{i}")).collect();
     for v in 1..=6 {
@@ -662,8 +660,7 @@ async fn a_delivery_sequence_that_goes_back_after_a_restart_loses_nothing() {
     let mut server = outbox_test_support::NatsServer::start(bin);
     let url = server.url();
     let prefix = unique("seqback");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     let member = || {
         NatsSource::builder(&url, &stream.name, &durable)
             .ack_wait(ACK_WAIT)
@@ -796,8 +793,7 @@ async fn an_ack_ahead_of_an_old_numbering_acknowledges_no_other_message() {
     let mut server = outbox_test_support::NatsServer::start(bin);
     let url = server.url();
     let prefix = unique("oldack");
-    let stream = TestStream::create(&url, &prefix, &[format!("{prefix}.>")], None, None).await;
-    let durable = unique("inbox");
+    let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     let member = || {
         NatsSource::builder(&url, &stream.name, &durable)
             .ack_wait(ACK_WAIT)

@@ -5,9 +5,11 @@
 
 use std::time::Duration;
 
+use async_nats::jetstream::consumer::Info as ConsumerInfo;
 use async_nats::jetstream::stream::{Config as StreamConfig, StorageType};
 use async_nats::jetstream::{self, Context};
-use outbox_core::Envelope;
+use outbox_core::{Envelope, Publisher};
+use outbox_nats::NatsPublisher;
 
 pub mod proxy;
 
@@ -141,6 +143,48 @@ impl TestStream {
     pub async fn count(&self) -> u64 {
         let mut stream = self.js.get_stream(&self.name).await.expect("stream");
         stream.info().await.expect("info").state.messages
+    }
+}
+
+/// A stream of the test's own capturing `<prefix>.>` ([`TestStream::create`] with its
+/// defaults) and the name of a durable consumer of the test's own (`<durable>_…`): the setup
+/// of the source tests.
+pub async fn stream_and_durable(url: &str, prefix: &str, durable: &str) -> (TestStream, String) {
+    let stream = TestStream::create(url, prefix, &[format!("{prefix}.>")], None, None).await;
+    (stream, unique(durable))
+}
+
+/// `host:port` of a NATS URL: the upstream of a [`proxy::Proxy`].
+pub fn upstream(url: &str) -> String {
+    url.split("://")
+        .last()
+        .expect("a URL")
+        .trim_end_matches('/')
+        .to_owned()
+}
+
+/// The durable consumer's info, read by a connection of its own.
+pub async fn consumer_info(url: &str, stream: &str, durable: &str) -> ConsumerInfo {
+    js(url)
+        .await
+        .get_stream(stream)
+        .await
+        .expect("stream")
+        .consumer_info(durable)
+        .await
+        .expect("consumer info")
+}
+
+/// The durable consumer's deliveries not acknowledged, and messages not delivered yet.
+pub async fn pending(url: &str, stream: &str, durable: &str) -> (usize, u64) {
+    let info = consumer_info(url, stream, durable).await;
+    (info.num_ack_pending, info.num_pending)
+}
+
+/// Publishes `events`, each confirmed stored.
+pub async fn publish_all(publisher: &NatsPublisher, events: &[Envelope]) {
+    for r in publisher.publish(&events.iter().collect::<Vec<_>>()).await {
+        r.unwrap();
     }
 }
 
