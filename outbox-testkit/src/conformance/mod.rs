@@ -97,6 +97,10 @@ pub struct Capabilities {
     /// The backend can accept an aggregate's lowest unfinished version as its first when the
     /// aggregate has no state ([`OutboxHarness::store_accepting_first_version`] works).
     pub accept_first_version: bool,
+    /// The backend hands out runs ([`ClaimRequest::run`](outbox_core::ClaimRequest::run) above
+    /// 1; `outbox_core::store`, *Runs*). Without it the run checks verify only that a claim
+    /// asking for runs still hands out heads alone (which the contract allows).
+    pub runs: bool,
 }
 
 impl Capabilities {
@@ -110,6 +114,7 @@ impl Capabilities {
             time_step: Duration::from_secs(1),
             gap_timeout: Duration::from_secs(60),
             accept_first_version: false,
+            runs: false,
         }
     }
 
@@ -124,6 +129,7 @@ impl Capabilities {
             time_step: Duration::from_millis(300),
             gap_timeout: Duration::from_millis(600),
             accept_first_version: false,
+            runs: false,
         }
     }
 
@@ -160,6 +166,12 @@ impl Capabilities {
     /// Sets `accept_first_version`.
     pub fn with_accept_first_version(mut self, yes: bool) -> Self {
         self.accept_first_version = yes;
+        self
+    }
+
+    /// Sets `runs`.
+    pub fn with_runs(mut self, yes: bool) -> Self {
+        self.runs = yes;
         self
     }
 
