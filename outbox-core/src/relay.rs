@@ -145,9 +145,12 @@ pub struct RelayConfig {
     /// `docs/design/hot-aggregate.md`). The price is paid by the cycle that carries a run:
     /// it ends (completes, then claims again) only after the run's last acknowledgement, up to
     /// `99 x rtt` later than without it (~33 ms on Kafka, ~0.4 s on RabbitMQ whose confirms
-    /// take ~4 ms). Other aggregates of the batch are sent at once (the first wave), so their
-    /// delivery is not delayed, only their completion and the next claim. On a slow
-    /// transport choose a shorter run.
+    /// take ~4 ms). Other aggregates of the batch are sent at once (the first wave), but
+    /// events of other aggregates committed meanwhile wait for that next claim: their latency
+    /// grows by up to the run's duration while a hot aggregate drains (measured on the
+    /// in-memory store with a modelled ~1 ms round trip: p50 6 ms -> 85 ms with runs of 100,
+    /// 19.5 ms with runs of 10; BENCHMARKS.md). On a slow transport, or where other
+    /// aggregates' latency matters more than the hot one's rate, choose a shorter run.
     pub run: usize,
     /// Retry and poison policy.
     pub retry: RetryPolicy,
