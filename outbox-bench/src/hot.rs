@@ -6,8 +6,16 @@
 //! per second; the relay may send a version only after its predecessor was acknowledged and
 //! completed, so this is one version per claim cycle) and the trickle's commit ->
 //! acknowledgement latency p50/p99, beside the same trickle without the hot aggregate.
-//! Publishers: the instant one (acknowledges at once: the store's and the relay's own cost)
-//! and, with a broker, Kafka.
+//! Publishers: the instant one (acknowledges at once, or after `--ack-delay-us`: the store's
+//! and the relay's own cost, with a modelled broker round trip) and, with a broker, Kafka.
+//!
+//! Runs (issue 25, `RelayConfig::run`, `--run`, default the relay's 100): a store that
+//! supports them hands out up to that many consecutive versions of the hot aggregate in one
+//! claim, sent one after the other's acknowledgement, so the hot aggregate costs one claim
+//! and one completion per run instead of per version. `--store memory` runs the scenario on
+//! the in-memory store of `outbox-testkit` (which supports runs; no NOTIFY, the driver
+//! polls), `--store postgres` (the default) on PostgreSQL, which hands out heads only until
+//! it supports runs.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -50,6 +58,16 @@ pub(crate) struct HotArgs {
     /// broker, NATS with `--nats-url`, RabbitMQ with `--amqp-url`; 0: not measured).
     #[arg(long, default_value_t = 0)]
     rtt: usize,
+    /// The relay's longest run per aggregate (`RelayConfig::run`; 1: heads only).
+    #[arg(long, default_value_t = RelayConfig::default().run)]
+    run: usize,
+    /// The store: postgres, or memory (the in-memory store of outbox-testkit).
+    #[arg(long, default_value = "postgres")]
+    store: String,
+    /// The instant publisher answers each publish call after this many microseconds (a
+    /// modelled broker round trip; 0: at once).
+    #[arg(long, default_value_t = 0)]
+    ack_delay_us: u64,
     /// NATS server with JetStream (for `--rtt`); the bench creates and deletes its stream.
     #[arg(long, env = "NATS_URL")]
     nats_url: Option<String>,
@@ -91,11 +109,39 @@ impl<P: Publisher> Publisher for Timed<P> {
     }
 }
 
+/// The instant publisher, answering each call after a fixed delay (a modelled round trip).
+struct Delayed {
+    inner: InstantAcks,
+    delay: Duration,
+}
+
+impl Delayed {
+    fn new(us: u64) -> Self {
+        Self {
+            inner: InstantAcks::default(),
+            delay: Duration::from_micros(us),
+        }
+    }
+}
+
+#[outbox_core::async_trait]
+impl Publisher for Delayed {
+    async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult> {
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
+        self.inner.publish(batch).await
+    }
+    fn delivery_timeout(&self) -> Duration {
+        self.inner.delivery_timeout()
+    }
+}
+
 /// Runs the scenario.
 pub(crate) async fn run(env: &Env, args: &HotArgs, rounds: usize) -> anyhow::Result<Report> {
     let publishers: Vec<String> = if args.publishers.is_empty() {
         let mut p = vec!["instant".to_owned()];
-        if env.brokers().is_ok() {
+        if env.brokers().is_ok() && args.store != "memory" {
             p.push("kafka".to_owned());
         }
         p
@@ -112,7 +158,15 @@ pub(crate) async fn run(env: &Env, args: &HotArgs, rounds: usize) -> anyhow::Res
         }
     }
     anyhow::ensure!(args.rate >= 1, "--rate must be at least 1");
+    anyhow::ensure!(
+        args.store == "postgres" || args.store == "memory",
+        "--store: unknown store {} (postgres, memory)",
+        args.store
+    );
     let mut report = Report::new("hot", rounds);
+    report.param("run", args.run);
+    report.param("store", &args.store);
+    report.param("ack_delay_us", args.ack_delay_us);
     report.param("versions", args.versions);
     report.param("rate_per_s", args.rate);
     report.param("aggregates", args.aggregates);
@@ -141,9 +195,12 @@ pub(crate) async fn run(env: &Env, args: &HotArgs, rounds: usize) -> anyhow::Res
                     "trickle only"
                 }
             );
-            let figures = run_one(env, args, publisher, hot)
-                .await
-                .with_context(|| format!("round {}: {label}", round + 1))?;
+            let figures = if args.store == "memory" {
+                run_one_memory(args, publisher, hot).await
+            } else {
+                run_one(env, args, publisher, hot).await
+            }
+            .with_context(|| format!("round {}: {label}", round + 1))?;
             env.cleanup().await?;
             print!("round {}/{rounds}  {label:<36}", round + 1);
             for (metric, value) in &figures {
@@ -336,7 +393,10 @@ async fn run_one(
         )
         .await?;
     let clocks: SharedClocks = Arc::default();
-    let config = RelayConfig::builder().owner("bench-hot").build()?;
+    let config = RelayConfig::builder()
+        .owner("bench-hot")
+        .run(args.run)
+        .build()?;
     let wake = Arc::new(tokio::sync::Notify::new());
     let listener = store.spawn_listener(wake.clone())?;
     let stop = Arc::new(tokio::sync::Notify::new());
@@ -363,7 +423,7 @@ async fn run_one(
             let relay = Relay::new(
                 store,
                 Timed {
-                    inner: InstantAcks::default(),
+                    inner: Delayed::new(args.ack_delay_us),
                     clocks,
                 },
                 config,
@@ -446,6 +506,134 @@ async fn run_one(
     relay_task.await?;
     listener.abort();
 
+    let c = clocks.lock().expect("clocks");
+    let mut latency: Vec<Duration> = trickle_ids
+        .iter()
+        .map(|id| c.acked[id].saturating_duration_since(c.committed[id]))
+        .collect();
+    latency.sort_unstable();
+    let mut figures = vec![
+        ("trickle p50 ms".into(), quantile_ms(&latency, 0.5)),
+        ("trickle p99 ms".into(), quantile_ms(&latency, 0.99)),
+        ("trickle/s".into(), total as f64 / window.as_secs_f64()),
+    ];
+    if hot {
+        figures.push((
+            "hot events/s".into(),
+            hot_in_window as f64 / window.as_secs_f64(),
+        ));
+        figures.push(("hot acked".into(), hot_in_window as f64));
+    }
+    Ok(figures)
+}
+
+/// [`run_one`] on the in-memory store (real clock, lease mode, no wake-up: the driver polls
+/// from 10 ms), instant publisher only.
+async fn run_one_memory(
+    args: &HotArgs,
+    publisher: &str,
+    hot: bool,
+) -> anyhow::Result<Vec<(String, f64)>> {
+    use outbox_core::AppendStore as _;
+    use outbox_testkit::{MemoryDb, MemoryOutboxStore};
+    anyhow::ensure!(
+        publisher == "instant",
+        "--store memory runs the instant publisher only"
+    );
+    let db = MemoryDb::new(SystemClock);
+    let store = MemoryOutboxStore::new(
+        &db,
+        ClaimMode::Lease {
+            duration: Duration::from_secs(60),
+        },
+    );
+    let clocks: SharedClocks = Arc::default();
+    let config = RelayConfig::builder()
+        .owner("bench-hot")
+        .run(args.run)
+        .build()?;
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let relay = Relay::new(
+        store.clone(),
+        Timed {
+            inner: Delayed::new(args.ack_delay_us),
+            clocks: clocks.clone(),
+        },
+        config,
+        Arc::new(SystemClock),
+        Box::new(StdRng::seed_from_u64(7)),
+    )?;
+    let until = {
+        let stop = stop.clone();
+        async move { stop.notified().await }
+    };
+    let relay_task = tokio::spawn(outbox_core::driver::run(relay, None, until));
+    let mut hot_ids = Vec::new();
+    if hot {
+        let backlog: Vec<Envelope> = (0..args.versions)
+            .map(|i| {
+                Envelope::builder("order", "hot", i as i64 + 1, "order.changed")
+                    .json(&env::payload(i))
+                    .and_then(|b| b.build())
+                    .expect("valid envelope")
+            })
+            .collect();
+        hot_ids = backlog.iter().map(|e| e.event_id).collect();
+        let mut tx = db.begin();
+        store.append(&mut tx, &backlog).await?;
+        tx.commit()?;
+    }
+    let total = (f64::from(args.rate) * args.seconds) as usize;
+    let interval = Duration::from_secs_f64(1.0 / f64::from(args.rate));
+    let aggregates = args.aggregates.max(1);
+    let started = tokio::time::Instant::now();
+    let mut trickle_ids = Vec::with_capacity(total);
+    for k in 0..total {
+        tokio::time::sleep_until(started + interval.mul_f64(k as f64)).await;
+        let e = Envelope::builder(
+            "order",
+            format!("cold-{}", k % aggregates),
+            (k / aggregates) as i64 + 1,
+            "order.changed",
+        )
+        .json(&env::payload(k))?
+        .build()?;
+        let id = e.event_id;
+        let mut tx = db.begin();
+        store.append(&mut tx, std::slice::from_ref(&e)).await?;
+        tx.commit()?;
+        clocks
+            .lock()
+            .expect("clocks")
+            .committed
+            .insert(id, Instant::now());
+        trickle_ids.push(id);
+    }
+    let window = started.elapsed();
+    let hot_in_window = {
+        let c = clocks.lock().expect("clocks");
+        hot_ids.iter().filter(|id| c.acked.contains_key(id)).count()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let missing = {
+            let c = clocks.lock().expect("clocks");
+            trickle_ids
+                .iter()
+                .filter(|id| !c.acked.contains_key(id))
+                .count()
+        };
+        if missing == 0 {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "{missing} of {total} trickle events not acknowledged 60 s after the trickle ended"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.notify_one();
+    relay_task.await?;
     let c = clocks.lock().expect("clocks");
     let mut latency: Vec<Duration> = trickle_ids
         .iter()

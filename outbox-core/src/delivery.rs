@@ -459,23 +459,55 @@ impl ClaimMode {
     }
 }
 
+/// Longest run a claim may ask for ([`ClaimRequest::run`]); a relay's configuration refuses a
+/// longer one, and stores cap a request at it.
+pub const MAX_RUN: usize = 10_000;
+
 /// Parameters of one claim.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct ClaimRequest {
     /// Identity of the claiming relay (appears in leases and logs).
     pub owner: String,
-    /// Largest number of events to claim.
+    /// Largest number of events to claim (the events of runs included, one each).
     pub limit: usize,
+    /// Longest *run* per aggregate: how many consecutive versions of one aggregate the claim
+    /// may hand out under its head's claim (the head counts as one). Default 1: heads only.
+    /// A store that does not support runs ignores it and hands out heads only, which the
+    /// contract allows (`outbox_core::store`, *Runs*). 0 is read as 1; stores cap it at
+    /// [`MAX_RUN`].
+    pub run: usize,
 }
 
 impl ClaimRequest {
-    /// A claim of at most `limit` events for `owner`.
+    /// A claim of at most `limit` events for `owner`, heads only (`run` 1).
     pub fn new(owner: impl Into<String>, limit: usize) -> Self {
         Self {
             owner: owner.into(),
             limit,
+            run: 1,
         }
+    }
+
+    /// Asks for runs of up to `run` consecutive versions per aggregate (see
+    /// [`run`](Self::run)); 0 is taken as 1, anything above [`MAX_RUN`] as [`MAX_RUN`].
+    ///
+    /// ```
+    /// use outbox_core::ClaimRequest;
+    ///
+    /// assert_eq!(ClaimRequest::new("relay-1", 100).run, 1);
+    /// assert_eq!(ClaimRequest::new("relay-1", 100).with_run(50).run, 50);
+    /// assert_eq!(ClaimRequest::new("relay-1", 100).with_run(0).run, 1);
+    /// ```
+    pub fn with_run(mut self, run: usize) -> Self {
+        self.run = run.clamp(1, MAX_RUN);
+        self
+    }
+
+    /// The run length a store should use: [`run`](Self::run) clamped to `1..=MAX_RUN` (the
+    /// field is public, so it may hold anything).
+    pub fn run_len(&self) -> usize {
+        self.run.clamp(1, MAX_RUN)
     }
 }
 
@@ -501,16 +533,34 @@ pub struct ClaimedRecord {
     /// have sent the event, so this publication may be a re-send. Stores that cannot tell
     /// leave it `false`.
     pub maybe_sent_before: bool,
+    /// Its place in its aggregate's *run* (`outbox_core::store`, *Runs*): 0 for an aggregate's
+    /// head (every record of a claim without runs), `k` for the head's version + `k`, handed
+    /// out under the head's claim. A record with `run_position` `k > 0` directly follows the
+    /// record at `k - 1` of the same aggregate in the batch; the relay sends it only after
+    /// that one's publication was acknowledged.
+    pub run_position: u32,
 }
 
 impl ClaimedRecord {
-    /// A claimed record.
+    /// A claimed record, an aggregate's head (`run_position` 0).
     pub fn new(envelope: Envelope, attempts: u32) -> Self {
         Self {
             envelope,
             attempts,
             maybe_sent_before: false,
+            run_position: 0,
         }
+    }
+
+    /// Sets [`run_position`](Self::run_position).
+    pub fn with_run_position(mut self, position: u32) -> Self {
+        self.run_position = position;
+        self
+    }
+
+    /// Whether it continues a run (it is not its aggregate's head): `run_position > 0`.
+    pub fn in_run_after_head(&self) -> bool {
+        self.run_position > 0
     }
 
     /// Sets [`maybe_sent_before`](Self::maybe_sent_before).
@@ -528,14 +578,17 @@ impl ClaimedRecord {
 
 /// A bounded batch handed to one relay.
 ///
-/// Contract: at most one event per aggregate, and it is that aggregate's head (its lowest
-/// version that is neither published nor discarded).
+/// Contract: per aggregate, its head (its lowest version that is neither published nor
+/// discarded, at `last + 1`), followed, when the request asked for runs and the store supports
+/// them, by the rest of its *run*: the next consecutive versions, adjacent in the batch, in
+/// version order, with [`ClaimedRecord::run_position`] 1, 2, ... (`outbox_core::store`,
+/// *Runs*). Without runs: at most one event per aggregate.
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct ClaimedBatch {
     /// The claim's identity.
     pub handle: ClaimHandle,
-    /// The events, at most one per aggregate.
+    /// The events: heads, each followed by the rest of its run if any.
     pub records: Vec<ClaimedRecord>,
     /// For leases: time left on the lease when the store granted it, on the store's clock
     /// (before the claim committed). The relay adds this to its own clock reading taken before

@@ -64,7 +64,7 @@ pub use delivery::{
     AckColumnsError, AckMetadata, AuditEntry, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch,
     ClaimedRecord, CleanupReport, CompletionReport, DeliveryStatus, LastError, OperatorAction,
     OutboxStats, Outcome, ParkKind, ParkReason, ParkedAtClaim, ParkedEvent, StoredPosition,
-    TransportKind, MAX_LEASE,
+    TransportKind, MAX_LEASE, MAX_RUN,
 };
 pub use envelope::{
     Envelope, EnvelopeBuilder, EnvelopeLimits, EventId, Payload, PayloadError, ValidationError,

@@ -187,10 +187,10 @@ async fn drain_split<P: outbox_core::Publisher + 'static>(
             break;
         }
         let t = std::time::Instant::now();
-        let results = relay.publish(&batch).await;
+        let results = relay.publish(&batch, chrono::Utc::now()).await;
         split.publish += t.elapsed();
         assert!(
-            results.iter().all(Result::is_ok),
+            results.iter().all(|r| matches!(r, Some(Ok(_)))),
             "every record acknowledged"
         );
         let t = std::time::Instant::now();

@@ -3,7 +3,7 @@
 //! | trait | used by | methods |
 //! |---|---|---|
 //! | [`AppendStore`] | the application | `append` |
-//! | [`RelayStore`] | [`crate::Relay`] | `claim`, `complete`, `release`, `claim_mode`, `locked_claim_timeout` |
+//! | [`RelayStore`] | [`crate::Relay`] | `claim` (heads, and runs where supported), `complete`, `release`, `claim_mode`, `locked_claim_timeout` |
 //! | [`OperatorStore`] | operators (`outbox parked`, `outbox release`) | parked events, audit trail, `release_claims_of` |
 //! | [`MaintenanceStore`] | cleanup jobs, the relay daemon's gauges, backpressure | `cleanup`, `stats` |
 //! | [`ReportingStore`] | the `outbox` command (`status`, `replay`, `reconcile`, `cleanup --dry-run`) | read-only reports |
@@ -31,9 +31,11 @@
 //!   first unfinished (pending or parked) event in (version, append order) whose version is
 //!   above `last`. [`RelayStore::claim`] MUST return an event only when it is its aggregate's
 //!   head, pending, due (its retry time has come), under no other live claim, and its version
-//!   is exactly `last + 1`. So at most one event per aggregate is in flight across all relays,
-//!   version N+1 is never handed out before N is acknowledged, a parked head blocks its
-//!   aggregate, and a lower version that commits after a higher one never goes out after it.
+//!   is exactly `last + 1`, or when it continues that head's run under the same claim (the
+//!   *Runs* clause below). So at most one event per aggregate is in flight across all relays,
+//!   version N+1 is never sent before N is acknowledged (handed out before, only inside a run,
+//!   to the relay that sends N), a parked head blocks its aggregate, and a lower version that
+//!   commits after a higher one never goes out after it.
 //!   * A head above `last + 1` (a version is missing) MUST be held and counted
 //!     ([`ClaimedBatch::gaps_held`]), and parked as [`crate::ParkKind::VersionGap`] once it
 //!     has waited longer than the store's gap timeout. Nothing is skipped automatically.
@@ -43,6 +45,35 @@
 //!     operator action, parking by a claim) MUST be serialized with claims of that aggregate:
 //!     a claim never hands out an event that is not pending and due at the moment its claim
 //!     takes effect.
+//! * **Runs** (optional for a store; design: `docs/design/hot-aggregate.md`). A claim whose
+//!   request asks for runs ([`ClaimRequest::run`] above 1) MAY hand out, after an aggregate's
+//!   head at `last + 1`, up to `run - 1` further events of the same aggregate, all under the
+//!   head's claim: its *run*. A store that does not support runs ignores `run` and hands out
+//!   heads only; that is conformant.
+//!   * A run MUST be consecutive: versions `last + 1, last + 2, ...` with no gap, each the
+//!     aggregate's only unfinished row of its version (a duplicate version ends the run before
+//!     it), each pending, unparked and due. A run counts one per event against the limit. The
+//!     records of a run MUST be adjacent in the batch, in version order, the head first, with
+//!     [`crate::ClaimedRecord::run_position`] 0, 1, 2, ...
+//!   * The relay ([`crate::Relay`]) MUST send a run's event k+1 only after event k's publish
+//!     result came back `Ok`; on the first failure of a run (retry, park, defer, transport
+//!     failure) it MUST NOT send the rest of the run, and gives the rest no outcome. It starts
+//!     event k only while its claim still covers one more publication (the lease, or in
+//!     locked mode [`RelayStore::locked_claim_timeout`]); otherwise it stops the run there.
+//!     So a run never outlives its claim, whatever its length.
+//!   * [`RelayStore::complete`]: a run's outcomes MUST form a *published prefix* (versions
+//!     `last + 1 ..= p`, each [`Outcome::Published`]), then optionally one non-published
+//!     outcome for version `p + 1`, then none: the rest of the run is released unchanged (no
+//!     attempt counted, claimable again at once). A store MUST refuse (count in
+//!     [`CompletionReport::superseded`], as fenced) a `Published` outcome whose predecessor in
+//!     the run is neither published in the same completion nor already `last`, and any
+//!     outcome for a run row after the first non-published one. A publication MUST advance
+//!     `last` to the highest version of the published prefix. The release MUST make the first
+//!     unpublished row of the run the aggregate's head again.
+//!   * A crash mid-run re-sends the acknowledged but uncompleted prefix (duplicates, allowed),
+//!     as a crashed batch does: every row of a run whose claim ended without an outcome or a
+//!     release may have been sent ([`crate::ClaimedRecord::maybe_sent_before`] on its next
+//!     claim, where the store tracks it).
 //! * **No skipping.** Claim eligibility MUST NOT depend on a high-water mark of ids: a row that
 //!   commits after rows with higher ids MUST still be claimed.
 //! * **Fencing.** [`RelayStore::complete`] MUST apply an outcome only while the claim still
@@ -98,10 +129,12 @@ pub trait AppendStore: Send + Sync {
 /// acknowledged** clauses of the [module contract](self). [`crate::Relay`] needs only this.
 #[async_trait]
 pub trait RelayStore: Send + Sync {
-    /// Claims at most `request.limit` aggregate heads that are due.
+    /// Claims at most `request.limit` events: aggregate heads that are due, each followed by
+    /// its run when `request.run` is above 1 and the store supports runs.
     ///
-    /// MUST honour the head-of-line and exclusivity rules of the module contract. SHOULD
-    /// return the oldest events first. MAY return fewer events than the limit, or none.
+    /// MUST honour the head-of-line and exclusivity rules of the module contract, and for a
+    /// run its *Runs* clause. SHOULD return the oldest events first. MAY return fewer events
+    /// than the limit, or none. MAY hand out shorter runs than asked, or heads only.
     async fn claim(&self, request: &ClaimRequest) -> Result<ClaimedBatch, StoreError>;
 
     /// Records the outcomes of a claimed batch and ends the claim.
@@ -110,8 +143,10 @@ pub trait RelayStore: Send + Sync {
     /// owns. Rows of the claim that have no outcome MUST be released unchanged. For
     /// [`Outcome::Retry`], the attempt counter MUST increase and the row MUST NOT be claimable
     /// before `delay` has passed. [`Outcome::Defer`] is the same without counting an attempt.
-    /// A publication MUST advance the aggregate's `last` to the event's version. MUST report
-    /// the events of refused outcomes in [`CompletionReport::superseded_events`].
+    /// A publication MUST advance the aggregate's `last` to the event's version. For a run,
+    /// the prefix rule of the module contract's *Runs* clause: outcomes out of prefix order are
+    /// refused, the rest of the run is released, `last` advances to the prefix's end. MUST
+    /// report the events of refused outcomes in [`CompletionReport::superseded_events`].
     async fn complete(
         &self,
         claim: &ClaimHandle,

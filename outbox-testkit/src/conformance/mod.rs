@@ -97,6 +97,10 @@ pub struct Capabilities {
     /// The backend can accept an aggregate's lowest unfinished version as its first when the
     /// aggregate has no state ([`OutboxHarness::store_accepting_first_version`] works).
     pub accept_first_version: bool,
+    /// The backend hands out runs ([`ClaimRequest::run`](outbox_core::ClaimRequest::run) above
+    /// 1; `outbox_core::store`, *Runs*). Without it the run checks verify only that a claim
+    /// asking for runs still hands out heads alone (which the contract allows).
+    pub runs: bool,
 }
 
 impl Capabilities {
@@ -110,6 +114,7 @@ impl Capabilities {
             time_step: Duration::from_secs(1),
             gap_timeout: Duration::from_secs(60),
             accept_first_version: false,
+            runs: false,
         }
     }
 
@@ -124,6 +129,7 @@ impl Capabilities {
             time_step: Duration::from_millis(300),
             gap_timeout: Duration::from_millis(600),
             accept_first_version: false,
+            runs: false,
         }
     }
 
@@ -160,6 +166,12 @@ impl Capabilities {
     /// Sets `accept_first_version`.
     pub fn with_accept_first_version(mut self, yes: bool) -> Self {
         self.accept_first_version = yes;
+        self
+    }
+
+    /// Sets `runs`.
+    pub fn with_runs(mut self, yes: bool) -> Self {
+        self.runs = yes;
         self
     }
 
@@ -601,6 +613,8 @@ pub struct MemoryOutboxHarness {
     pub clock: ManualClock,
     /// The database.
     pub db: MemoryDb,
+    /// Its stores hand out heads only, as a store without runs ([`MemoryOutboxStore::runs`]).
+    pub heads_only: bool,
 }
 
 impl MemoryOutboxHarness {
@@ -610,6 +624,15 @@ impl MemoryOutboxHarness {
         Self {
             db: MemoryDb::new(clock.clone()),
             clock,
+            heads_only: false,
+        }
+    }
+
+    /// A harness whose stores ignore runs (a store without them must pass the suite too).
+    pub fn heads_only() -> Self {
+        Self {
+            heads_only: true,
+            ..Self::new()
         }
     }
 }
@@ -619,11 +642,15 @@ impl OutboxHarness for MemoryOutboxHarness {
     type Store = MemoryOutboxStore;
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::virtual_time().with_accept_first_version(true)
+        Capabilities::virtual_time()
+            .with_accept_first_version(true)
+            .with_runs(!self.heads_only)
     }
 
     async fn store(&self, mode: ClaimMode) -> MemoryOutboxStore {
-        MemoryOutboxStore::new(&self.db, mode).gap_timeout(self.capabilities().gap_timeout)
+        MemoryOutboxStore::new(&self.db, mode)
+            .gap_timeout(self.capabilities().gap_timeout)
+            .runs(!self.heads_only)
     }
 
     async fn store_accepting_first_version(&self, mode: ClaimMode) -> MemoryOutboxStore {
@@ -772,6 +799,10 @@ pub const OUTBOX_CHECKS: &[&str] = &[
     "first_version_is_accepted_again_after_a_claim_that_did_not_publish",
     "a_late_lower_version_never_follows_a_first_version_that_may_have_been_sent",
     "stats_keep_blocked_and_gap_held_events_out_of_the_claimable_age",
+    "runs_are_consecutive_from_the_next_version",
+    "a_run_ends_at_a_gap_a_duplicate_version_or_a_parked_row",
+    "a_run_completion_with_a_hole_is_refused_after_it",
+    "the_rest_of_a_run_is_released_and_claimable_at_once",
 ];
 
 /// Names of the publisher checks, in the order the macro emits them.
@@ -963,6 +994,10 @@ macro_rules! outbox_conformance_tests {
             first_version_is_accepted_again_after_a_claim_that_did_not_publish,
             a_late_lower_version_never_follows_a_first_version_that_may_have_been_sent,
             stats_keep_blocked_and_gap_held_events_out_of_the_claimable_age,
+            runs_are_consecutive_from_the_next_version,
+            a_run_ends_at_a_gap_a_duplicate_version_or_a_parked_row,
+            a_run_completion_with_a_hole_is_refused_after_it,
+            the_rest_of_a_run_is_released_and_claimable_at_once,
         );
     };
     (@emit ($setup:expr) $($check:ident),* $(,)?) => {
