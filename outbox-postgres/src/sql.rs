@@ -143,6 +143,16 @@ impl OutboxSql {
         //   gap_hold  the head skips a version: held, re-checked after a short delay
         //   wait      the head is under a live lease (a mixed-mode relay) or not due
         //   claim     the head, version last + 1, due: claimed (lease mode: the lease)
+        // Runs (`$run` above 1, issue 25): `run0` reads, after each claimed head, the next rows
+        // of its aggregate through the unfinished index (at most `$run`, and no more than the
+        // limit leaves after the heads, `nh`; one more than kept, to see a duplicate of the
+        // last version) and keeps them while each is exactly the next version, pending, due,
+        // and alone at its version; `run` keeps the first of them, in head order, up to the
+        // limit, and reads their envelopes. With `$run` 1 both are empty (a one-time filter).
+        // A lease that ended without outcome or release (`sent_upto`: the last version of its
+        // run) may have sent every row of its run: they are marked `maybe_delivered`, by
+        // `blk` where it writes them anyway (one write per row per statement), else by
+        // `mark_run`.
         // The last version of an aggregate without state (no row, or a row whose
         // `last_version` is still NULL: nothing published or discarded, migration 6).
         let unknown_r = unknown_last(&t, &state, "r", accept_first_version);
@@ -236,7 +246,7 @@ impl OutboxSql {
                                           AS pos, \
                                         lead(q.aggregate_version) \
                                           OVER (ORDER BY q.aggregate_version, q.id) AS next_v \
-                                 FROM (SELECT r.id, {cols}, r.attempts, r.status, \
+                                 FROM (SELECT r.id, r.aggregate_version, r.attempts, r.status, \
                                               r.maybe_delivered, r.next_attempt_at <= now() AS due \
                                        FROM {t} r \
                                        WHERE {kr} = h.k AND r.status IN ('pending', 'parked') \
@@ -245,13 +255,17 @@ impl OutboxSql {
                                          AND r.aggregate_type = h.aggregate_type \
                                          AND r.aggregate_id = h.aggregate_id \
                                        ORDER BY r.aggregate_version, r.id \
-                                       LIMIT (SELECT LEAST({run}, n.budget + 1) \
-                                              FROM nh n WHERE n.budget > 0)) q) q) q) q \
+                                       LIMIT (SELECT CASE WHEN n.budget > 0 \
+                                                          THEN LEAST({run}, n.budget + 1) \
+                                                          ELSE 0 END \
+                                              FROM nh n)) q) q) q) q \
                    WHERE h.action = 'claim' AND {run} > 1), \
                  run AS MATERIALIZED ( \
-                   SELECT r.* FROM ( \
-                     SELECT r.*, row_number() OVER (ORDER BY r.head, r.pos) AS nth \
-                     FROM run0 r WHERE r.all_ok AND r.pos < {run}) r \
+                   SELECT r.head, r.k, r.last, r.sent_upto, r.id, r.attempts, r.maybe_delivered, \
+                          r.pos, {cols_e} \
+                   FROM (SELECT r.*, row_number() OVER (ORDER BY r.head, r.pos) AS nth \
+                         FROM run0 r WHERE r.all_ok AND r.pos < {run}) r \
+                   JOIN {t} e ON e.id = r.id \
                    WHERE r.nth <= (SELECT n.budget FROM nh n)), \
                  prk AS ( \
                    UPDATE {t} p SET status = 'parked', parked_at = clock_timestamp(), \
@@ -301,6 +315,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                 ku = agg("u"),
                 kb = agg("b"),
                 km = agg("m"),
+                cols_e = prefixed("e", ENVELOPE_COLS),
                 sr = state_of("a", "r"),
                 unknown_r = unknown_r,
                 gap_i = micros(gap),
