@@ -157,6 +157,7 @@ impl OutboxSql {
         // `last_version` is still NULL: nothing published or discarded, migration 6).
         let unknown_r = unknown_last(&t, &state, "r", accept_first_version);
         let decide = |gap: u8, recheck: u8, run: u8, limit: u8| {
+            let (run, limit) = (format!("${run}::int8"), format!("${limit}::int8"));
             format!(
                 "c AS MATERIALIZED ( \
                    SELECT r.id, {cols}, r.attempts, r.held_since, {kr} AS k, \
@@ -320,8 +321,6 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                 unknown_r = unknown_r,
                 gap_i = micros(gap),
                 recheck_i = micros(recheck),
-                run = format!("${run}::int8"),
-                limit = format!("${limit}::int8"),
                 max_name = outbox_core::MAX_AGGREGATE_NAME_BYTES,
             )
         };

@@ -333,8 +333,7 @@ impl PostgresOutboxStore {
     fn decided(&self, rows: &[PgRow]) -> Result<Decided, StoreError> {
         let mut out = Decided::default();
         // (head row id, run position, row, record); `None` for a row that failed to decode.
-        let mut claimed: Vec<(i64, u32, Option<(ClaimedRow, ClaimedRecord)>)> =
-            Vec::with_capacity(rows.len());
+        let mut claimed: Vec<(i64, u32, Option<Claimed>)> = Vec::with_capacity(rows.len());
         for row in rows {
             let action: String = row.try_get("action").map_err(db)?;
             let id: i64 = row.try_get("id").map_err(db)?;
@@ -572,6 +571,9 @@ impl PostgresOutboxStore {
         }
     }
 }
+
+/// A claimed row and the record handed out for it.
+type Claimed = (ClaimedRow, ClaimedRecord);
 
 #[derive(Default)]
 struct Decided {
