@@ -324,7 +324,8 @@ impl PostgresOutboxStore {
     }
 
     /// Ends the live lease of `owner` on one aggregate (key, type, id) under the aggregate's
-    /// lock; `true` when there was one. Every row of its run is audited.
+    /// lock; `true` when there was one. Every row of its run is marked possibly sent; the
+    /// release is audited once, under the head's event.
     async fn release_one_lease(
         &self,
         tx: &mut PgConnection,
@@ -352,9 +353,10 @@ impl PostgresOutboxStore {
         if done.try_get::<i64, _>("released").map_err(db)? == 0 {
             return Ok(false);
         }
+        // One audit entry per released claim, as without runs: the head's event (first).
         let events: Vec<Uuid> = done.try_get("events").map_err(db)?;
-        for event_id in events {
-            let id = EventId::from_uuid(event_id);
+        if let Some(head) = events.first() {
+            let id = EventId::from_uuid(*head);
             self.audit(tx, (id, OperatorAction::ReleaseClaim, actor, reason, None))
                 .await?;
         }
