@@ -56,6 +56,41 @@
 //! event once and in order), a failed and a lost completion, a crash between the two, a
 //! shutdown, and a lease that runs out while the completion is written.
 //!
+//! # Runs: one hot aggregate without a claim per version
+//!
+//! A relay asks its claims for runs of up to [`RelayConfig::run`] consecutive versions per
+//! aggregate ([`ClaimRequest::run`]; the store's contract: `outbox_core::store`, *Runs*). A
+//! store that supports them hands out after an aggregate's head the next versions under the
+//! same claim, adjacent in the batch ([`crate::ClaimedRecord::run_position`]); one that does
+//! not hands out heads only, and nothing below changes. [`Relay::publish`] sends the batch in
+//! *waves*:
+//!
+//! * wave 0: every head (every record with `run_position` 0), in one publish call, as a batch
+//!   without runs is sent;
+//! * wave `j`: the `j`-th event of each run whose event `j - 1` came back `Ok`, in one call
+//!   for all runs. A run stops at its first failure (retry, park, defer, a transport failure):
+//!   the rest of it is not sent and gets no outcome, so the completion releases it unchanged
+//!   (no attempt counted) and its first unsent event is its aggregate's head again;
+//! * before each wave after the first, the claim must still cover one more publication
+//!   (delivery timeout plus [`RelayConfig::lease_margin`]: the lease's remaining time, or in
+//!   locked-transaction mode the store's hold limit counted from before the claim), as before
+//!   a batch; otherwise, or when shutdown was requested, every run stops there. So a run never
+//!   outlives its claim, whatever its length.
+//!
+//! Version N+1 of an aggregate is thus sent only after N's acknowledgement came back to the
+//! relay that holds both, and the store's prefix rule (a `Published` outcome whose predecessor
+//! is not published is refused) keeps `last` from passing an unpublished version whatever a
+//! relay records. The relay checks the layout it is given (a record whose `run_position` does
+//! not follow the record before it, of the same aggregate, is never sent) but trusts the
+//! store for the versions, as it does for heads. A crash mid-run leaves the acknowledged but
+//! uncompleted prefix to be sent again by the next claim: duplicates, as for any batch.
+//!
+//! The cycle that carries a run ends only after the run's last acknowledgement, so its
+//! completion and the next claim wait up to `(run - 1)` publish round trips (why the default
+//! is 100: [`RelayConfig::run`]); the other aggregates of the batch are sent in wave 0, at
+//! once. Prefetch and the early claim are unchanged: the next claim runs while the waves go
+//! out and cannot hold any aggregate of the batch in flight, runs included.
+//!
 //! # Why a crash never loses an event
 //!
 //! A row becomes published only through [`crate::Outcome::Published`], which is built from the
@@ -66,8 +101,9 @@
 //! # Why order holds per aggregate
 //!
 //! The store hands out only aggregate heads, at most one per aggregate across all relays, and the
-//! next version becomes claimable only after the head is published. A parked head keeps its
-//! aggregate blocked, and only that aggregate.
+//! next version becomes claimable only after the head is published, or is handed out with it in
+//! its run to the same relay, which sends it only after the head's acknowledgement (*Runs*).
+//! A parked head keeps its aggregate blocked, and only that aggregate.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -285,6 +321,9 @@ pub struct CycleReport {
     pub superseded: usize,
     /// The batch was released without publishing (shutdown, or too little lease left).
     pub released: bool,
+    /// Events of runs not sent: their run stopped at an earlier event's failure, at the lease
+    /// check before their wave, or at shutdown. The completion released them unchanged.
+    pub unsent: usize,
 }
 
 impl CycleReport {
@@ -489,34 +528,72 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
             .with_run(self.config.run.min(self.config.batch_size))
     }
 
-    /// Whether the batch's lease leaves enough time to publish (delivery timeout + margin).
-    /// `claimed_at` is this relay's clock reading taken *before* the claim was requested: the
-    /// store measures the lease's remaining time when it grants it, so adding it to a reading
-    /// from before the request errs early, whatever the claim's round trip and commit took.
+    /// Whether the batch's claim leaves enough time to publish (delivery timeout + margin):
+    /// the lease's remaining time in lease mode, in locked-transaction mode the store's hold
+    /// limit ([`RelayStore::locked_claim_timeout`]; none: always). `claimed_at` is this
+    /// relay's clock reading taken *before* the claim was requested: the store measures the
+    /// lease's remaining time when it grants it, so adding it to a reading from before the
+    /// request errs early, whatever the claim's round trip and commit took. The same check
+    /// runs before each wave of runs (module docs, *Runs*).
     pub fn lease_allows_publish(
         &self,
         batch: &ClaimedBatch,
         claimed_at: chrono::DateTime<chrono::Utc>,
     ) -> bool {
-        let Some(remaining) = batch.lease_remaining else {
-            return true;
-        };
-        let deadline = claimed_at + remaining;
-        let need = self.publisher.delivery_timeout() + self.config.lease_margin;
-        let left = (deadline - self.clock.now())
-            .to_std()
-            .unwrap_or(Duration::ZERO);
-        left > need
+        claim_covers(
+            self.clock.now(),
+            claimed_at,
+            self.claim_limit(batch),
+            self.publication(),
+        )
     }
 
-    /// Step 2: publish the whole batch concurrently, one result per record.
-    pub async fn publish(&self, batch: &ClaimedBatch) -> Vec<PublishResult> {
-        publish_batch(&self.publisher, batch).await
+    /// How long a claim lives from before its request: the lease's remaining time, or the
+    /// locked-mode hold limit; `None`: no limit.
+    fn claim_limit(&self, batch: &ClaimedBatch) -> Option<Duration> {
+        batch
+            .lease_remaining
+            .or_else(|| match self.store.claim_mode() {
+                ClaimMode::LockedTransaction => self.store.locked_claim_timeout(),
+                _ => None,
+            })
     }
 
-    /// Step 3 (pure): turn results into outcomes with the retry policy.
-    pub fn decide(&mut self, batch: &ClaimedBatch, results: &[PublishResult]) -> Vec<Outcome> {
+    /// What one more publication needs of a claim: the delivery timeout plus the margin.
+    fn publication(&self) -> Duration {
+        self.publisher.delivery_timeout() + self.config.lease_margin
+    }
+
+    /// Step 2: publish the batch in waves (module docs, *Runs*): every head at once, then
+    /// each run's next event once the one before it was acknowledged, while the claim (taken
+    /// at `claimed_at`, as for [`lease_allows_publish`](Self::lease_allows_publish)) covers
+    /// one more publication. One entry per record: `None` for an event of a run that was not
+    /// sent (its run stopped before it).
+    pub async fn publish(
+        &self,
+        batch: &ClaimedBatch,
+        claimed_at: chrono::DateTime<chrono::Utc>,
+    ) -> Vec<Option<PublishResult>> {
+        let (limit, need) = (self.claim_limit(batch), self.publication());
+        let shutdown = &self.shutdown;
+        let clock = &self.clock;
+        publish_waves(&self.publisher, batch, || {
+            may_continue_runs(shutdown, clock.now(), claimed_at, limit, need)
+        })
+        .await
+    }
+
+    /// Step 3 (pure): turn results into outcomes with the retry policy; a record that was not
+    /// sent (`None`) gets none, so the completion releases it unchanged.
+    pub fn decide(
+        &mut self,
+        batch: &ClaimedBatch,
+        results: &[Option<PublishResult>],
+    ) -> Vec<Outcome> {
         decide_batch(&self.config.retry, &mut self.rng, batch, results)
+            .into_iter()
+            .flatten()
+            .collect()
     }
 
     /// Step 4: record the outcomes.
@@ -570,9 +647,11 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         let early = self.config.prefetch && self.config.early_claim && !full;
         let request = self.claim_request();
         let request = &request;
+        let (limit, need) = (self.claim_limit(&batch), self.publication());
         // Disjoint borrows: this batch's publish, decide and complete, and the next claim.
         let (store, publisher, clock) = (&self.store, &self.publisher, &self.clock);
         let (retry, rng, shutdown) = (&self.config.retry, &mut self.rng, &self.shutdown);
+        let may_continue = || may_continue_runs(shutdown, clock.now(), claimed_at, limit, need);
         let claim_next = move || async move {
             let before = clock.now();
             let claimed = store.claim(request).await;
@@ -580,17 +659,23 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         };
         let (next, (results, outcomes, completion)) = if prefetch {
             let current = async {
-                let results = publish_batch(publisher, &batch).instrument(span).await;
+                let results = publish_waves(publisher, &batch, may_continue)
+                    .instrument(span)
+                    .await;
                 let outcomes = decide_batch(retry, rng, &batch, &results);
-                let completion = store.complete(&batch.handle, &outcomes).await;
+                let recorded: Vec<Outcome> = outcomes.iter().flatten().cloned().collect();
+                let completion = store.complete(&batch.handle, &recorded).await;
                 (results, outcomes, completion)
             };
             // The claim is polled first, so it is under way before the publish starts.
             futures::future::join(claim_next(), current).await
         } else {
-            let results = publish_batch(publisher, &batch).instrument(span).await;
+            let results = publish_waves(publisher, &batch, may_continue)
+                .instrument(span)
+                .await;
             let outcomes = decide_batch(retry, rng, &batch, &results);
-            let completion = store.complete(&batch.handle, &outcomes);
+            let recorded: Vec<Outcome> = outcomes.iter().flatten().cloned().collect();
+            let completion = store.complete(&batch.handle, &recorded);
             if early && !shutdown.is_triggered() {
                 // Published: what committed meanwhile is claimed while the completion is
                 // written (the claim polled first, so it is under way with it).
@@ -622,6 +707,11 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         let mut transport_failures = 0usize;
         let mut failure_kinds: Vec<&str> = Vec::new();
         for ((rec, outcome), res) in batch.records.iter().zip(&outcomes).zip(&results) {
+            let (Some(outcome), Some(res)) = (outcome, res) else {
+                // An event of a run that was not sent: released by the completion.
+                report.unsent += 1;
+                continue;
+            };
             let e = &rec.envelope;
             let attempt = rec.attempts + 1;
             if res.is_ok() {
@@ -772,44 +862,129 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
     }
 }
 
-/// Publishes `batch` in one call; a publisher that returns the wrong number of results gets
-/// every record treated as a transient failure.
-async fn publish_batch<P: Publisher>(publisher: &P, batch: &ClaimedBatch) -> Vec<PublishResult> {
-    // Lent, not copied: the publisher reads the envelopes where the claim put them.
-    let envelopes: Vec<&Envelope> = batch.records.iter().map(|r| &r.envelope).collect();
-    let results = publisher.publish(&envelopes).await;
-    if results.len() != envelopes.len() {
-        // A publisher that breaks its contract must not make us mark anything: treat every
-        // record as a transient failure.
-        error!(
-            expected = envelopes.len(),
-            got = results.len(),
-            "publisher returned the wrong number of results; treating the batch as failed"
-        );
-        return envelopes
-            .iter()
-            .map(|_| {
-                Err(crate::PublishError::new(
-                    crate::PublishErrorKind::Other,
-                    "publisher returned the wrong number of results",
-                ))
-            })
-            .collect();
+/// Whether a run may go on to its next wave: no shutdown requested, and the claim (living
+/// `limit` from `claimed_at`) still covers one more publication (`need`).
+fn may_continue_runs(
+    shutdown: &ShutdownSignal,
+    now: chrono::DateTime<chrono::Utc>,
+    claimed_at: chrono::DateTime<chrono::Utc>,
+    limit: Option<Duration>,
+    need: Duration,
+) -> bool {
+    if shutdown.is_triggered() {
+        debug!("shutdown requested; the runs of the batch stop here");
+        return false;
+    }
+    if !claim_covers(now, claimed_at, limit, need) {
+        warn!("the claim no longer covers one more publication; the runs of the batch stop here and their rest is released");
+        return false;
+    }
+    true
+}
+
+/// Whether a claim living `limit` from `claimed_at` has more than `need` left at `now`.
+fn claim_covers(
+    now: chrono::DateTime<chrono::Utc>,
+    claimed_at: chrono::DateTime<chrono::Utc>,
+    limit: Option<Duration>,
+    need: Duration,
+) -> bool {
+    let Some(limit) = limit else {
+        return true;
+    };
+    let left = (claimed_at + limit - now)
+        .to_std()
+        .unwrap_or(Duration::ZERO);
+    left > need
+}
+
+/// Whether record `i` of `batch` continues the run of record `i - 1`: same aggregate, next
+/// run position. A record that claims a run position without that predecessor is never sent
+/// (a store breaking the batch layout must not make the relay send out of order).
+fn continues_run(batch: &ClaimedBatch, i: usize) -> bool {
+    let rec = &batch.records[i];
+    if rec.run_position == 0 {
+        return false;
+    }
+    let Some(prev) = i.checked_sub(1).map(|p| &batch.records[p]) else {
+        return false;
+    };
+    prev.run_position.checked_add(1) == Some(rec.run_position)
+        && prev.envelope.aggregate_type == rec.envelope.aggregate_type
+        && prev.envelope.aggregate_id == rec.envelope.aggregate_id
+}
+
+/// Publishes `batch` in waves: wave 0 is every head (`run_position` 0), sent in one call;
+/// wave `j` is the `j`-th event of each run whose event `j - 1` came back `Ok`, sent once
+/// `may_continue` allows it. A run stops at its first failure. One entry per record, `None`
+/// for a record not sent. A publisher that returns the wrong number of results gets every
+/// record of that wave treated as a transient failure.
+async fn publish_waves<P: Publisher>(
+    publisher: &P,
+    batch: &ClaimedBatch,
+    may_continue: impl Fn() -> bool,
+) -> Vec<Option<PublishResult>> {
+    let n = batch.records.len();
+    let mut results: Vec<Option<PublishResult>> = (0..n).map(|_| None).collect();
+    for (i, rec) in batch.records.iter().enumerate() {
+        if rec.run_position > 0 && !continues_run(batch, i) {
+            error!(event_id = %rec.envelope.event_id, run_position = rec.run_position, "the claim put an event of a run where its predecessor is not; not sending it (the completion releases it)");
+        }
+    }
+    let mut wave: Vec<usize> = (0..n)
+        .filter(|&i| batch.records[i].run_position == 0)
+        .collect();
+    let mut first = true;
+    while !wave.is_empty() {
+        if !first && !may_continue() {
+            break;
+        }
+        first = false;
+        // Lent, not copied: the publisher reads the envelopes where the claim put them.
+        let envelopes: Vec<&Envelope> = wave.iter().map(|&i| &batch.records[i].envelope).collect();
+        let mut sent = publisher.publish(&envelopes).await;
+        if sent.len() != envelopes.len() {
+            // A publisher that breaks its contract must not make us mark anything: treat
+            // every record of the wave as a transient failure.
+            error!(
+                expected = envelopes.len(),
+                got = sent.len(),
+                "publisher returned the wrong number of results; treating the batch as failed"
+            );
+            sent = envelopes
+                .iter()
+                .map(|_| {
+                    Err(crate::PublishError::new(
+                        crate::PublishErrorKind::Other,
+                        "publisher returned the wrong number of results",
+                    ))
+                })
+                .collect();
+        }
+        let mut next = Vec::new();
+        for (&i, res) in wave.iter().zip(sent) {
+            if res.is_ok() && i + 1 < n && continues_run(batch, i + 1) {
+                next.push(i + 1);
+            }
+            results[i] = Some(res);
+        }
+        wave = next;
     }
     results
 }
 
+/// One outcome per record that was sent, `None` for one that was not.
 fn decide_batch(
     retry: &RetryPolicy,
     rng: &mut Box<dyn RngCore + Send + Sync>,
     batch: &ClaimedBatch,
-    results: &[PublishResult],
-) -> Vec<Outcome> {
+    results: &[Option<PublishResult>],
+) -> Vec<Option<Outcome>> {
     batch
         .records
         .iter()
         .zip(results)
-        .map(|(rec, res)| retry.decide(rec, res, &mut **rng))
+        .map(|(rec, res)| res.as_ref().map(|res| retry.decide(rec, res, &mut **rng)))
         .collect()
 }
 

@@ -69,6 +69,8 @@ struct FakeStore {
     locked_timeout: Option<Duration>,
     /// Parking notices handed out by the claims, one list per claim call (then none).
     parks_at_claim: Mutex<std::collections::VecDeque<Vec<ParkedAtClaim>>>,
+    /// Hands out runs: after a head, its aggregate's next pending versions up to `run`.
+    runs: bool,
 }
 
 impl FakeStore {
@@ -125,6 +127,20 @@ impl RelayStore for FakeStore {
             }
             if *st == St::Pending && out.len() < req.limit {
                 out.push((i, ClaimedRecord::new(e.clone(), *att)));
+                // The rest of its run: the next versions, consecutive and pending.
+                let mut position = 1;
+                while self.runs && (position as usize) < req.run_len() && out.len() < req.limit {
+                    let next = rows.iter().position(|(n, st, _)| {
+                        n.aggregate_id == e.aggregate_id
+                            && n.aggregate_version == e.aggregate_version + i64::from(position)
+                            && *st == St::Pending
+                    });
+                    let Some(j) = next else { break };
+                    let rec = ClaimedRecord::new(rows[j].0.clone(), rows[j].2)
+                        .with_run_position(position);
+                    out.push((j, rec));
+                    position += 1;
+                }
             }
         }
         for (i, _) in &out {
@@ -501,7 +517,7 @@ fn step_api_matches_run_once() {
         .returning(|b| (0..b.len() as i64).map(ack).collect());
     let mut r = relay(store, p);
     let batch = block_on(r.claim()).unwrap();
-    let results = block_on(r.publish(&batch));
+    let results = block_on(r.publish(&batch, r.clock.now()));
     let outcomes = r.decide(&batch, &results);
     assert!(matches!(outcomes[0], Outcome::Published { .. }));
     let rep = block_on(r.complete(&batch, &outcomes)).unwrap();
@@ -995,4 +1011,216 @@ fn the_circuit_gauge_says_whether_any_relay_sharing_it_is_open() {
     });
     let opened = s.get("outbox_relay_circuit_opened_total");
     assert_eq!(opened, Some(4.0), "each opening once: a, a and b, c");
+}
+
+// ---- Runs (module docs, "Runs") ----
+
+/// A relay over `store` (handing out runs) with runs of up to `run`, the mock publisher
+/// logging each call's (aggregate, version)s and answering through `answer`, the clock moved
+/// by `per_call` at each call.
+fn run_relay(
+    mut store: FakeStore,
+    run: usize,
+    per_call: Duration,
+    answer: impl Fn(&Envelope) -> PublishResult + Send + 'static,
+) -> (
+    Relay<FakeStore, MockPub>,
+    Arc<Mutex<Vec<Vec<(String, i64)>>>>,
+) {
+    store.runs = true;
+    let clk = clock();
+    let calls = Arc::new(Mutex::new(Vec::new()));
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    let (log, moved) = (calls.clone(), clk.clone());
+    p.expect_publish().returning(move |b| {
+        log.lock().unwrap().push(
+            b.iter()
+                .map(|e| (e.aggregate_id.clone(), e.aggregate_version))
+                .collect(),
+        );
+        *moved.0.lock().unwrap() += chrono::Duration::from_std(per_call).unwrap();
+        b.iter().map(|e| answer(e)).collect()
+    });
+    let cfg = RelayConfig::builder()
+        .owner("r1")
+        .run(run)
+        .retry(RetryPolicy::builder().max_attempts(3).build().unwrap())
+        .build()
+        .unwrap();
+    let r = Relay::new(store, p, cfg, clk, Box::new(StdRng::seed_from_u64(5))).unwrap();
+    (r, calls)
+}
+
+fn ids(v: &[(&str, i64)]) -> Vec<(String, i64)> {
+    v.iter().map(|(a, n)| (a.to_string(), *n)).collect()
+}
+
+/// Wave 0 carries every head at once; a run's next version goes out in the next call, after
+/// the call that acknowledged the one before it. The whole run is recorded in one cycle.
+#[test]
+fn a_run_is_sent_in_waves_each_version_after_the_acknowledgement_of_the_one_before() {
+    let store = FakeStore::with(&[("a", 1), ("a", 2), ("a", 3), ("b", 1), ("b", 2)]);
+    let (mut r, calls) = run_relay(store, 10, Duration::ZERO, |e| ack(e.aggregate_version));
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!((rep.claimed, rep.published, rep.unsent), (5, 5, 0));
+    assert_eq!(
+        *calls.lock().unwrap(),
+        vec![
+            ids(&[("a", 1), ("b", 1)]),
+            ids(&[("a", 2), ("b", 2)]),
+            ids(&[("a", 3)])
+        ]
+    );
+    assert_eq!(r.store().status("a", 3), St::Published);
+    assert_eq!(r.store().completions.lock().unwrap().len(), 1);
+}
+
+/// A run stops at its first failure: the versions after it are never sent and get no outcome
+/// (the completion releases them, no attempt counted); other runs go on.
+#[test]
+fn a_run_stops_at_its_first_failure_and_its_rest_gets_no_outcome() {
+    let store = FakeStore::with(&[
+        ("a", 1),
+        ("a", 2),
+        ("a", 3),
+        ("a", 4),
+        ("b", 1),
+        ("b", 2),
+        ("b", 3),
+    ]);
+    let (mut r, calls) = run_relay(store, 10, Duration::ZERO, |e| {
+        if (e.aggregate_id.as_str(), e.aggregate_version) == ("a", 2) {
+            Err(PublishError::new(PublishErrorKind::Other, "injected"))
+        } else {
+            ack(e.aggregate_version)
+        }
+    });
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!(
+        (rep.published, rep.retried, rep.unsent),
+        (4, 1, 2),
+        "{rep:?}"
+    );
+    assert_eq!(
+        *calls.lock().unwrap(),
+        vec![
+            ids(&[("a", 1), ("b", 1)]),
+            ids(&[("a", 2), ("b", 2)]),
+            ids(&[("b", 3)])
+        ],
+        "a3 must not be sent after a2 failed"
+    );
+    let completions = r.store().completions.lock().unwrap();
+    let recorded: Vec<(String, i64)> = completions[0]
+        .iter()
+        .map(|o| {
+            let rows = r.store().rows.lock().unwrap();
+            let e = &rows
+                .iter()
+                .find(|x| x.0.event_id == o.event_id())
+                .unwrap()
+                .0;
+            (e.aggregate_id.clone(), e.aggregate_version)
+        })
+        .collect();
+    assert!(
+        !recorded.contains(&("a".into(), 3)) && !recorded.contains(&("a".into(), 4)),
+        "the rest of a's run gets no outcome: {recorded:?}"
+    );
+    assert!(matches!(
+        completions[0]
+            .iter()
+            .find(|o| matches!(o, Outcome::Retry { .. })),
+        Some(_)
+    ));
+}
+
+/// Before each wave the lease must still cover one more publication (delivery timeout 5 s
+/// plus the 2 s margin): with 20 s granted and 5 s per call, waves start at 0, 5 and 10 s,
+/// and at 15 s only 5 s are left, so the run stops there and its rest is released.
+#[test]
+fn a_run_stops_where_the_lease_no_longer_covers_one_more_publication() {
+    let mut store = FakeStore::with(&[("a", 1), ("a", 2), ("a", 3), ("a", 4), ("a", 5)]);
+    store.mode = Some(ClaimMode::lease(Duration::from_secs(60)).unwrap());
+    store.lease_remaining = Some(Duration::from_secs(20));
+    let (mut r, calls) = run_relay(store, 10, Duration::from_secs(5), |e| {
+        ack(e.aggregate_version)
+    });
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!((rep.published, rep.unsent), (3, 2), "{rep:?}");
+    assert_eq!(calls.lock().unwrap().len(), 3);
+    assert_eq!(r.store().status("a", 3), St::Published);
+}
+
+/// Locked-transaction mode: the same check against the store's hold limit, counted from
+/// before the claim.
+#[test]
+fn a_locked_run_stops_where_the_hold_limit_no_longer_covers_one_more_publication() {
+    let mut store = FakeStore::with(&[("a", 1), ("a", 2), ("a", 3), ("a", 4), ("a", 5)]);
+    store.locked_timeout = Some(Duration::from_secs(20));
+    let (mut r, calls) = run_relay(store, 10, Duration::from_secs(5), |e| {
+        ack(e.aggregate_version)
+    });
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!((rep.published, rep.unsent), (3, 2), "{rep:?}");
+    assert_eq!(calls.lock().unwrap().len(), 3);
+}
+
+/// A relay asking for runs of 1 (or a store handing out heads only) publishes one version
+/// per cycle, as before runs.
+#[test]
+fn a_run_of_one_claims_heads_only() {
+    let store = FakeStore::with(&[("a", 1), ("a", 2)]);
+    let (mut r, calls) = run_relay(store, 1, Duration::ZERO, |e| ack(e.aggregate_version));
+    assert_eq!(r.claim_request().run, 1);
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!((rep.claimed, rep.published), (1, 1));
+    assert_eq!(calls.lock().unwrap().len(), 1);
+}
+
+/// A record whose run position does not follow the record before it (another aggregate, or a
+/// position skipped) is never sent, whatever the store handed out.
+#[test]
+fn a_record_out_of_its_run_is_never_sent() {
+    let (r, calls) = run_relay(FakeStore::default(), 10, Duration::ZERO, |e| {
+        ack(e.aggregate_version)
+    });
+    let handle = ClaimHandle {
+        token: uuid::Uuid::nil(),
+        owner: "r1".into(),
+    };
+    let batch = ClaimedBatch::new(
+        handle,
+        vec![
+            ClaimedRecord::new(ev("a", 1), 0),
+            ClaimedRecord::new(ev("b", 2), 0).with_run_position(1),
+            ClaimedRecord::new(ev("c", 1), 0),
+            ClaimedRecord::new(ev("c", 3), 0).with_run_position(2),
+        ],
+        None,
+    );
+    let results = block_on(r.publish(&batch, r.clock.now()));
+    let sent: Vec<bool> = results.iter().map(Option::is_some).collect();
+    assert_eq!(sent, vec![true, false, true, false]);
+    assert_eq!(calls.lock().unwrap().len(), 1);
+}
+
+#[test]
+fn config_run_is_validated_and_capped_at_the_batch() {
+    let b = RelayConfig::builder;
+    assert_eq!(b().build().unwrap().run, 100, "the documented default");
+    let zero = b().run(0).build().unwrap_err();
+    assert!(zero.to_string().contains("run must be in 1..="), "{zero}");
+    assert!(b().run(MAX_RUN + 1).build().is_err());
+    assert_eq!(b().run(MAX_RUN).build().unwrap().run, MAX_RUN);
+    assert_eq!(b().run(1).build().unwrap().run, 1);
+    let store = FakeStore::default();
+    let mut p = MockPub::new();
+    p.expect_delivery_timeout()
+        .return_const(Duration::from_secs(5));
+    let cfg = b().owner("r1").batch_size(7).run(50).build().unwrap();
+    let r = Relay::new(store, p, cfg, clock(), Box::new(StdRng::seed_from_u64(5))).unwrap();
+    assert_eq!(r.claim_request().run, 7, "a run never exceeds the batch");
 }
