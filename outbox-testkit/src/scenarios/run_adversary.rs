@@ -53,10 +53,10 @@ use std::time::{Duration, Instant};
 
 use outbox_core::prelude::*;
 use outbox_core::{
-    async_trait, AckMetadata, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch,
-    CompletionReport, DeliveryStatus, Envelope, EventId, FailureScope, LastError, Outcome,
-    PublishError, PublishErrorKind, PublishResult, Publisher, Relay, RelayConfig, RetryPolicy,
-    StoreError, SystemClock,
+    async_trait, AckMetadata, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, CompletionReport,
+    DeliveryStatus, Envelope, EventId, FailureScope, LastError, Outcome, PublishError,
+    PublishErrorKind, PublishResult, Publisher, Relay, RelayConfig, RetryPolicy, StoreError,
+    SystemClock,
 };
 use rand::SeedableRng;
 
@@ -381,7 +381,10 @@ impl Ledger {
             let ids: Vec<EventId> = batch.records.iter().map(|r| r.envelope.event_id).collect();
             let outcomes = self.publish(&ids);
             let rep = self.complete(store, &batch.handle, &outcomes).await;
-            assert_eq!(rep.superseded, 0, "a plain drain completion refused: {rep:?}");
+            assert_eq!(
+                rep.superseded, 0,
+                "a plain drain completion refused: {rep:?}"
+            );
         }
         parked
     }
@@ -576,7 +579,11 @@ pub async fn expired_run_is_fenced_and_resumed<B: RandomizedBackend>(
     let ids: Vec<EventId> = x3.iter().take(take).map(|(id, _)| *id).collect();
     let outcomes = ledger.publish(&ids);
     let rep = ledger.complete(&b, &third.handle, &outcomes).await;
-    assert_eq!((rep.applied, rep.superseded), (take, 0), "{mode:?}: {rep:?}");
+    assert_eq!(
+        (rep.applied, rep.superseded),
+        (take, 0),
+        "{mode:?}: {rep:?}"
+    );
     assert_prefix(backend, &all, "after B's completion").await;
 
     let fourth = b.claim(&request("relay-b", 20)).await.expect("claim 4");
@@ -587,11 +594,7 @@ pub async fn expired_run_is_fenced_and_resumed<B: RandomizedBackend>(
         "{mode:?}: after B's partial completion: {:?}",
         describe(&fourth)
     );
-    let ids: Vec<EventId> = fourth
-        .records
-        .iter()
-        .map(|r| r.envelope.event_id)
-        .collect();
+    let ids: Vec<EventId> = fourth.records.iter().map(|r| r.envelope.event_id).collect();
     let outcomes = ledger.publish(&ids);
     ledger.complete(&b, &fourth.handle, &outcomes).await;
     ledger.drain(&b, runs, all.len()).await;
@@ -786,7 +789,9 @@ pub async fn operator_acts_on_a_parked_row_while_a_run_is_out<B: RandomizedBacke
     commit_events(backend, &a, &later).await;
     all.extend(later);
     // Claims until the duplicate and y 3 are parked (y 3 after the gap timeout).
-    let y3 = all.iter().find(|e| e.aggregate_id == "y" && e.aggregate_version == 3);
+    let y3 = all
+        .iter()
+        .find(|e| e.aggregate_id == "y" && e.aggregate_version == 3);
     let y3 = y3.expect("y 3").event_id;
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
@@ -818,7 +823,10 @@ pub async fn operator_acts_on_a_parked_row_while_a_run_is_out<B: RandomizedBacke
     all.extend(more);
     ledger.note(&all);
 
-    let run = a.claim(&request("relay-a", 30)).await.expect("claim the runs");
+    let run = a
+        .claim(&request("relay-a", 30))
+        .await
+        .expect("claim the runs");
     let xr = run_of(&run, "x", runs);
     let yr = run_of(&run, "y", runs);
     assert_eq!(
@@ -826,7 +834,11 @@ pub async fn operator_acts_on_a_parked_row_while_a_run_is_out<B: RandomizedBacke
         if runs { (3..=8).collect() } else { vec![3] },
         "{mode:?}: x's run"
     );
-    assert_eq!(versions(&yr), vec![2], "{mode:?}: y's run stops at the parked 3");
+    assert_eq!(
+        versions(&yr),
+        vec![2],
+        "{mode:?}: y's run stops at the parked 3"
+    );
     // The operator acts from its own store instance, in a task: in locked mode its statements
     // may wait for the run's locks (until the run's completion), which is allowed.
     let operator = backend.store(&p);
@@ -1081,8 +1093,7 @@ impl Publisher for RunBroker {
                         ));
                     }
                 }
-                wire.sends
-                    .push((self.name.clone(), agg, v, e.event_id));
+                wire.sends.push((self.name.clone(), agg, v, e.event_id));
                 let n = wire.attempts.entry(e.event_id).or_default();
                 *n += 1;
                 verdicts.push((self.script)(e, *n));
@@ -1197,12 +1208,20 @@ impl<S: RelayStore> RelayStore for Watched<S> {
         claim: &ClaimHandle,
         outcomes: &[Outcome],
     ) -> Result<CompletionReport, StoreError> {
-        self.claims.lock().expect("claims").held.remove(&claim.token);
+        self.claims
+            .lock()
+            .expect("claims")
+            .held
+            .remove(&claim.token);
         self.inner.complete(claim, outcomes).await
     }
 
     async fn release(&self, claim: &ClaimHandle) -> Result<(), StoreError> {
-        self.claims.lock().expect("claims").held.remove(&claim.token);
+        self.claims
+            .lock()
+            .expect("claims")
+            .held
+            .remove(&claim.token);
         self.inner.release(claim).await
     }
 
@@ -1255,7 +1274,10 @@ fn run_relay<S: RelayStore, P: Publisher>(
 
 /// One relay's loop until `stop`: `run_once`, then the report's pause or the idle backoff.
 /// Returns the cycles that failed.
-async fn drive<S: RelayStore, P: Publisher>(mut relay: Relay<S, P>, stop: Arc<AtomicBool>) -> usize {
+async fn drive<S: RelayStore, P: Publisher>(
+    mut relay: Relay<S, P>,
+    stop: Arc<AtomicBool>,
+) -> usize {
     let mut errors = 0;
     while !stop.load(Ordering::Acquire) {
         match relay.run_once().await {
@@ -1288,7 +1310,10 @@ fn check_wire(wire: &Wire, expected: &[Envelope], duplicates: bool) {
     let mut last: HashMap<&str, i64> = HashMap::new();
     for (id, agg, v, relay) in &wire.acked {
         if !seen.insert(*id) {
-            assert!(duplicates, "{agg} v{v} acknowledged twice (again by {relay})");
+            assert!(
+                duplicates,
+                "{agg} v{v} acknowledged twice (again by {relay})"
+            );
             continue;
         }
         let prev = last.insert(agg.as_str(), *v).unwrap_or(0);
@@ -1392,16 +1417,19 @@ pub async fn two_relays_hammer_one_hot_aggregate<B: RandomizedBackend>(
             .expect("relay task");
         assert_eq!(errors, 0, "{mode:?}: failed relay cycles");
     }
+    let stats = store.stats().await.expect("stats");
+    assert_eq!((stats.unpublished, stats.in_flight), (0, 0), "{stats:?}");
     let sampled = sampled.lock().expect("sampled");
-    assert!(sampled.is_empty(), "{mode:?}: prefix rule broken: {sampled:?}");
+    assert!(
+        sampled.is_empty(),
+        "{mode:?}: prefix rule broken: {sampled:?}"
+    );
     let c = claims.lock().expect("claims");
     assert!(c.violations.is_empty(), "{mode:?}: {:#?}", c.violations);
     if runs {
         assert!(c.runs > 0, "{mode:?}: no claim handed out a run");
     }
     check_wire(&wire.lock().expect("wire"), &all, false);
-    let stats = store.stats().await.expect("stats");
-    assert_eq!((stats.unpublished, stats.in_flight), (0, 0), "{stats:?}");
 }
 
 /// `x` 1..=10, `y` 1. A relay (lease 2 s; locked: `locked_max_hold` 3 s) gets its claim
@@ -1500,7 +1528,10 @@ pub async fn crash_mid_run_resends_in_order<B: RandomizedBackend>(
         if all.iter().all(|e| done.contains(&e.event_id)) {
             break;
         }
-        assert!(Instant::now() < deadline, "{mode:?}: the survivor did not finish");
+        assert!(
+            Instant::now() < deadline,
+            "{mode:?}: the survivor did not finish"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     stop.store(true, Ordering::Release);
@@ -1509,6 +1540,9 @@ pub async fn crash_mid_run_resends_in_order<B: RandomizedBackend>(
         .expect("survivor stops")
         .expect("survivor task");
     assert_eq!(errors, 0, "{mode:?}: failed survivor cycles");
+    assert_prefix(backend, &all, "at the end").await;
+    let stats = store.stats().await.expect("stats");
+    assert_eq!((stats.unpublished, stats.in_flight), (0, 0), "{stats:?}");
     let wire = wire.lock().expect("wire");
     let survivor_x: Vec<i64> = wire
         .acked
@@ -1542,9 +1576,6 @@ pub async fn crash_mid_run_resends_in_order<B: RandomizedBackend>(
             }
         }
     }
-    assert_prefix(backend, &all, "at the end").await;
-    let stats = store.stats().await.expect("stats");
-    assert_eq!((stats.unpublished, stats.in_flight), (0, 0), "{stats:?}");
 }
 
 /// How the broker fails the middle of a run.
@@ -1615,17 +1646,11 @@ pub async fn publisher_failure_mid_run_stops_the_run<B: RandomizedBackend>(
         let (failed, sent_after) = {
             let w = wire.lock().expect("wire");
             let failed = w.attempts.get(&four).copied().unwrap_or(0) >= 1;
-            let after = w
-                .sends
-                .iter()
-                .any(|s| s.1 == "x" && s.2 > 4);
+            let after = w.sends.iter().any(|s| s.1 == "x" && s.2 > 4);
             (failed, after)
         };
         if failed && failure == MidRunFailure::Permanent && !operator_retried {
-            assert!(
-                !sent_after,
-                "{mode:?}: x 5.. sent while x 4 was parked"
-            );
+            assert!(!sent_after, "{mode:?}: x 5.. sent while x 4 was parked");
             // A few idle cycles: nothing of x may go out while 4 is parked.
             if report.claimed == 0 {
                 let parked = store.list_parked(10).await.expect("list");
@@ -1663,6 +1688,7 @@ pub async fn publisher_failure_mid_run_stops_the_run<B: RandomizedBackend>(
         }
     }
     relay.release_prefetched().await.expect("release");
+    assert_prefix(backend, &all, "at the end").await;
     let w = wire.lock().expect("wire");
     check_wire(&w, &all, false);
     let c = claims.lock().expect("claims");
@@ -1694,7 +1720,6 @@ pub async fn publisher_failure_mid_run_stops_the_run<B: RandomizedBackend>(
             "{mode:?} {failure:?}: x 4's attempts when claimed again ({fours:?})"
         );
     }
-    assert_prefix(backend, &all, "at the end").await;
 }
 
 /// Emits this module's scenarios as named tests for a [`RandomizedBackend`] type with an
