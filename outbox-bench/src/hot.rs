@@ -3,8 +3,9 @@
 //! second over `--aggregates` aggregates) runs for `--seconds`; one relay (the real driver,
 //! default configuration, NOTIFY wake-up, lease mode) into the publisher. Figures: the hot
 //! aggregate's events/s over the trickle's window (its versions acknowledged in that window,
-//! per second; the relay may send a version only after its predecessor was acknowledged and
-//! completed, so this is one version per claim cycle) and the trickle's commit ->
+//! per second; the relay sends a version only after its predecessor was acknowledged: with
+//! `--run 1` only after it was completed too, one version per claim cycle; with a longer run,
+//! up to that many versions per claim) and the trickle's commit ->
 //! acknowledgement latency p50/p99, beside the same trickle without the hot aggregate.
 //! Publishers: the instant one (acknowledges at once: the store's and the relay's own cost)
 //! and, with a broker, Kafka.
@@ -41,10 +42,15 @@ pub(crate) struct HotArgs {
     /// Seconds the trickle runs (and the hot aggregate's rate is measured over).
     #[arg(long, default_value_t = 10.0)]
     seconds: f64,
-    /// Publishers (comma-separated): instant, kafka (default: instant, and kafka when a
-    /// broker is given).
+    /// Publishers (comma-separated): instant, kafka, nats (default: instant, and kafka when a
+    /// broker is given; nats needs `--nats-url`, a JetStream stream with file storage that the
+    /// bench creates and deletes).
     #[arg(long, value_delimiter = ',')]
     publishers: Vec<String>,
+    /// The relay's run lengths to compare (comma-separated; `RelayConfig::run`, 1: heads
+    /// only, one version of an aggregate per claim cycle): each is a contender of its own.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![1, 100])]
+    run: Vec<usize>,
     /// Also measure each transport's single-message round trip: this many publish calls of
     /// one event through the crate's publisher, each awaited before the next (Kafka with a
     /// broker, NATS with `--nats-url`, RabbitMQ with `--amqp-url`; 0: not measured).
@@ -104,12 +110,16 @@ pub(crate) async fn run(env: &Env, args: &HotArgs, rounds: usize) -> anyhow::Res
     };
     for p in &publishers {
         anyhow::ensure!(
-            p == "instant" || p == "kafka",
-            "--publishers: unknown publisher {p} (instant, kafka)"
+            p == "instant" || p == "kafka" || p == "nats",
+            "--publishers: unknown publisher {p} (instant, kafka, nats)"
         );
         if p == "kafka" {
             env.brokers()?;
         }
+        anyhow::ensure!(
+            p != "nats" || args.nats_url.is_some(),
+            "--publishers nats needs --nats-url (or NATS_URL)"
+        );
     }
     anyhow::ensure!(args.rate >= 1, "--rate must be at least 1");
     let mut report = Report::new("hot", rounds);
@@ -117,31 +127,50 @@ pub(crate) async fn run(env: &Env, args: &HotArgs, rounds: usize) -> anyhow::Res
     report.param("rate_per_s", args.rate);
     report.param("aggregates", args.aggregates);
     report.param("seconds", args.seconds);
+    anyhow::ensure!(
+        !args.run.is_empty()
+            && args
+                .run
+                .iter()
+                .all(|r| (1..=outbox_core::MAX_RUN).contains(r)),
+        "--run: each in 1..={}",
+        outbox_core::MAX_RUN
+    );
     report.param(
         "relay",
-        "outbox_core::driver::run with RelayConfig defaults (batch 500, prefetch), NOTIFY \
-         wake-up, lease 60 s",
+        "outbox_core::driver::run with RelayConfig defaults (batch 500, prefetch) but `run`, \
+         NOTIFY wake-up, lease 60 s",
+    );
+    report.param(
+        "run",
+        args.run
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(","),
     );
     let mut samples = Samples::default();
     for round in 0..rounds {
         let mut order = Vec::new();
         for p in &publishers {
-            for hot in [false, true] {
-                order.push((p.as_str(), hot));
+            for &run in &args.run {
+                for hot in [false, true] {
+                    order.push((p.as_str(), run, hot));
+                }
             }
         }
         let n = order.len();
         for k in 0..n {
-            let (publisher, hot) = order[(k + round) % n];
+            let (publisher, run, hot) = order[(k + round) % n];
             let label = format!(
-                "{publisher}: {}",
+                "{publisher} run {run}: {}",
                 if hot {
                     "hot aggregate + trickle"
                 } else {
                     "trickle only"
                 }
             );
-            let figures = run_one(env, args, publisher, hot)
+            let figures = run_one(env, args, publisher, run, hot)
                 .await
                 .with_context(|| format!("round {}: {label}", round + 1))?;
             env.cleanup().await?;
@@ -154,19 +183,21 @@ pub(crate) async fn run(env: &Env, args: &HotArgs, rounds: usize) -> anyhow::Res
         }
     }
     for p in &publishers {
-        let (with, without) = (
-            format!("{p}: hot aggregate + trickle"),
-            format!("{p}: trickle only"),
-        );
-        for m in ["trickle p50 ms", "trickle p99 ms"] {
-            samples.compare(&with, m, &without);
+        for run in &args.run {
+            let (with, without) = (
+                format!("{p} run {run}: hot aggregate + trickle"),
+                format!("{p} run {run}: trickle only"),
+            );
+            for m in ["trickle p50 ms", "trickle p99 ms"] {
+                samples.compare(&with, m, &without);
+            }
+            report.target(
+                &format!("{p} run {run}: hot aggregate >= 1,000 events/s"),
+                samples.median(&with, "hot events/s"),
+                1_000.0,
+                true,
+            );
         }
-        report.target(
-            &format!("{p}: hot aggregate >= 1,000 events/s"),
-            samples.median(&with, "hot events/s"),
-            1_000.0,
-            true,
-        );
     }
     if args.rtt > 0 {
         report.param("rtt_calls", args.rtt);
@@ -324,6 +355,7 @@ async fn run_one(
     env: &Env,
     args: &HotArgs,
     publisher: &str,
+    run: usize,
     hot: bool,
 ) -> anyhow::Result<Vec<(String, f64)>> {
     let store = env
@@ -336,16 +368,46 @@ async fn run_one(
         )
         .await?;
     let clocks: SharedClocks = Arc::default();
-    let config = RelayConfig::builder().owner("bench-hot").build()?;
+    let config = RelayConfig::builder().owner("bench-hot").run(run).build()?;
     let wake = Arc::new(tokio::sync::Notify::new());
     let listener = store.spawn_listener(wake.clone())?;
     let stop = Arc::new(tokio::sync::Notify::new());
+    let mut nats_stream = None;
     let relay_task = {
         let stop = stop.clone();
         let store = store.clone();
         let clocks = clocks.clone();
         let until = async move { stop.notified().await };
-        if publisher == "kafka" {
+        if publisher == "nats" {
+            use async_nats::jetstream::{self, stream};
+            let url = args.nats_url.as_deref().context("--nats-url")?;
+            let client = async_nats::connect(url)
+                .await
+                .with_context(|| format!("cannot connect to NATS at {url}"))?;
+            let js = jetstream::new(client);
+            let prefix = format!("bench_{}_hot_{run}_{}", env.run, u8::from(hot));
+            js.create_stream(stream::Config {
+                name: prefix.clone(),
+                subjects: vec![format!("{prefix}.>")],
+                storage: stream::StorageType::File,
+                ..Default::default()
+            })
+            .await
+            .context("create the hot scenario's JetStream stream")?;
+            nats_stream = Some((js, prefix.clone()));
+            let inner = outbox_nats::NatsPublisher::builder(url, &prefix)
+                .start()
+                .await
+                .map_err(|e| anyhow::anyhow!("NATS publisher: {e}"))?;
+            let relay = Relay::new(
+                store,
+                Timed { inner, clocks },
+                config,
+                Arc::new(SystemClock),
+                Box::new(StdRng::seed_from_u64(7)),
+            )?;
+            tokio::spawn(outbox_core::driver::run(relay, Some(wake), until))
+        } else if publisher == "kafka" {
             let topic = env.topic("hot", 6).await?;
             let inner = KafkaPublisher::builder(env.brokers()?, &topic)
                 .start()
@@ -445,6 +507,9 @@ async fn run_one(
     stop.notify_one();
     relay_task.await?;
     listener.abort();
+    if let Some((js, name)) = nats_stream {
+        let _ = js.delete_stream(&name).await;
+    }
 
     let c = clocks.lock().expect("clocks");
     let mut latency: Vec<Duration> = trickle_ids

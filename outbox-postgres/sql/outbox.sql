@@ -615,3 +615,16 @@ CREATE TABLE IF NOT EXISTS "outbox"."outbox_events_relays" (
 CREATE INDEX IF NOT EXISTS "outbox_events_held_idx"
     ON "outbox"."outbox_events" (id)
     WHERE status = 'pending' AND held_since IS NOT NULL;
+-- outbox-postgres migration 11: run claims (issue 25, docs/design/hot-aggregate.md).
+--
+-- A claim may hand out, after an aggregate's head, the next consecutive versions of the same
+-- aggregate under the head's lease: its run. The lease keeps naming the head (`lease_row`)
+-- and now records the last version of the run (`lease_upto`): the rows of the aggregate above
+-- the head's version up to it are the lease's too. The completion's fencing accepts them, a
+-- later claim counts them as possibly sent when the lease ended without an outcome, the stats
+-- count them as in flight, and an operator's release covers them.
+--
+-- NULL (every lease taken before this migration, and the leases a relay of the previous
+-- version takes beside this one) means what it meant before: the lease covers its head row
+-- alone. Adding a nullable column without a default rewrites nothing.
+ALTER TABLE "outbox"."outbox_events_aggregate" ADD COLUMN IF NOT EXISTS lease_upto bigint;

@@ -22,6 +22,7 @@ const OUTBOX_V8: &str = include_str!("migrations/0008_outbox.sql");
 const OUTBOX_V8_AFTER: &str = include_str!("migrations/0008_outbox_validate.sql");
 const OUTBOX_V9: &str = include_str!("migrations/0009_outbox.sql");
 const OUTBOX_V10: &str = include_str!("migrations/0010_outbox.sql");
+const OUTBOX_V11: &str = include_str!("migrations/0011_outbox.sql");
 const INBOX_V1: &str = include_str!("migrations/0001_inbox.sql");
 const INBOX_V2: &str = include_str!("migrations/0002_inbox.sql");
 const INBOX_V3: &str = include_str!("migrations/0003_inbox.sql");
@@ -107,7 +108,7 @@ pub fn outbox_schema_sql(schema: &str, table: &str) -> Result<String, StoreError
     Ok(render(
         &format!(
             "{OUTBOX_V1}{OUTBOX_V2}{OUTBOX_V3}{OUTBOX_V4}{OUTBOX_V4_INDEX}{OUTBOX_V5}{OUTBOX_V6}\
-             {OUTBOX_V7}{OUTBOX_V8}{OUTBOX_V8_AFTER}{OUTBOX_V9}{OUTBOX_V10}"
+             {OUTBOX_V7}{OUTBOX_V8}{OUTBOX_V8_AFTER}{OUTBOX_V9}{OUTBOX_V10}{OUTBOX_V11}"
         ),
         schema,
         table,
@@ -243,6 +244,12 @@ const OUTBOX_MIGRATIONS: &[Migration] = &[
         }),
         ..m(10, "index of held version gaps (cheap stats)", "", &[])
     },
+    m(
+        11,
+        "run claims: the last version of a lease's run",
+        OUTBOX_V11,
+        &[],
+    ),
 ];
 
 const INBOX_MIGRATIONS: &[Migration] = &[

@@ -146,7 +146,7 @@ impl OutboxSql {
         // The last version of an aggregate without state (no row, or a row whose
         // `last_version` is still NULL: nothing published or discarded, migration 6).
         let unknown_r = unknown_last(&t, &state, "r", accept_first_version);
-        let decide = |gap: u8, recheck: u8| {
+        let decide = |gap: u8, recheck: u8, run: u8, limit: u8| {
             format!(
                 "c AS MATERIALIZED ( \
                    SELECT r.id, {cols}, r.attempts, r.held_since, {kr} AS k, \
@@ -154,12 +154,19 @@ impl OutboxSql {
                           COALESCE(a.last_version, {unknown_r}) AS last, \
                           (a.last_version IS NOT NULL) AS known, \
                           COALESCE(a.lease_until > clock_timestamp(), false) AS leased, \
-                          (COALESCE(a.lease_row = r.id, false) OR r.maybe_delivered) AS resend \
+                          (COALESCE(a.lease_row = r.id \
+                                    OR a.lease_row IS NOT NULL \
+                                       AND r.aggregate_version <= a.lease_upto, false) \
+                           OR r.maybe_delivered) AS resend, \
+                          CASE WHEN a.lease_row IS NOT NULL \
+                                AND NOT COALESCE(a.lease_until > clock_timestamp(), false) \
+                               THEN a.lease_upto END AS sent_upto \
                    FROM UNNEST($1::int8[]) AS x(id) \
                    CROSS JOIN LATERAL (SELECT * FROM {t} r \
                                        WHERE r.id = x.id AND r.status = 'pending' \
                                          AND NOT r.blocked OFFSET 0) r \
-                   LEFT JOIN LATERAL (SELECT a.last_version, a.lease_until, a.lease_row \
+                   LEFT JOIN LATERAL (SELECT a.last_version, a.lease_until, a.lease_row, \
+                                             a.lease_upto \
                                       FROM {state} a WHERE {sr} LIMIT 1) a ON true), \
                  h AS MATERIALIZED ( \
                    SELECT c.*, CASE \
@@ -180,20 +187,72 @@ impl OutboxSql {
                      WHEN NOT c.due THEN 'wait' \
                      ELSE 'claim' END AS action \
                    FROM c), \
+                 fol AS MATERIALIZED ( \
+                   SELECT DISTINCT ON (h.k, h.aggregate_type, h.aggregate_id) \
+                          h.k, h.aggregate_type, h.aggregate_id, \
+                          h.aggregate_version AS v, h.id, h.sent_upto \
+                   FROM h WHERE h.action = 'follower' \
+                   ORDER BY h.k, h.aggregate_type, h.aggregate_id, h.aggregate_version, h.id), \
                  blk AS ( \
-                   UPDATE {t} b SET blocked = true \
-                   FROM (SELECT DISTINCT ON (h.k, h.aggregate_type, h.aggregate_id) \
-                                h.k, h.aggregate_type, h.aggregate_id, \
-                                h.aggregate_version AS v, h.id \
-                         FROM h WHERE h.action = 'follower' \
-                         ORDER BY h.k, h.aggregate_type, h.aggregate_id, \
-                                  h.aggregate_version, h.id) f \
+                   UPDATE {t} b SET blocked = true, \
+                          maybe_delivered = b.maybe_delivered \
+                                            OR COALESCE(b.aggregate_version <= f.sent_upto, false) \
+                   FROM fol f \
                    WHERE {kb} = f.k AND b.status IN ('pending', 'parked') \
-                     AND b.status = 'pending' AND NOT b.blocked \
+                     AND b.status = 'pending' \
+                     AND (NOT b.blocked OR NOT b.maybe_delivered \
+                                           AND b.aggregate_version <= f.sent_upto) \
                      AND (b.aggregate_version, b.id) >= (f.v, f.id) \
                      AND b.aggregate_type = f.aggregate_type \
                      AND b.aggregate_id = f.aggregate_id \
                    RETURNING 1), \
+                 mark_run AS ( \
+                   UPDATE {t} m SET maybe_delivered = true \
+                   FROM (SELECT h.k, h.aggregate_type, h.aggregate_id, h.aggregate_version AS v, \
+                                h.id, h.sent_upto, f.v AS fv, f.id AS fid \
+                         FROM h LEFT JOIN fol f ON f.k = h.k \
+                                   AND f.aggregate_type = h.aggregate_type \
+                                   AND f.aggregate_id = h.aggregate_id \
+                         WHERE h.action = 'claim' AND h.sent_upto > h.aggregate_version) x \
+                   WHERE {km} = x.k AND m.status IN ('pending', 'parked') \
+                     AND m.status = 'pending' AND NOT m.maybe_delivered \
+                     AND (m.aggregate_version, m.id) > (x.v, x.id) \
+                     AND m.aggregate_version <= x.sent_upto \
+                     AND (x.fv IS NULL OR (m.aggregate_version, m.id) < (x.fv, x.fid)) \
+                     AND m.aggregate_type = x.aggregate_type \
+                     AND m.aggregate_id = x.aggregate_id \
+                   RETURNING 1), \
+                 nh AS MATERIALIZED ( \
+                   SELECT {limit} - count(*) AS budget FROM h WHERE h.action = 'claim'), \
+                 run0 AS MATERIALIZED ( \
+                   SELECT h.id AS head, h.k, h.last, h.sent_upto, q.* \
+                   FROM h CROSS JOIN LATERAL ( \
+                     SELECT q.*, bool_and(q.ok) OVER (ORDER BY q.pos) AS all_ok \
+                     FROM (SELECT q.*, q.aggregate_version = h.aggregate_version + q.pos \
+                                       AND q.status = 'pending' AND q.due \
+                                       AND q.next_v IS DISTINCT FROM q.aggregate_version AS ok \
+                           FROM (SELECT q.*, \
+                                        row_number() OVER (ORDER BY q.aggregate_version, q.id) \
+                                          AS pos, \
+                                        lead(q.aggregate_version) \
+                                          OVER (ORDER BY q.aggregate_version, q.id) AS next_v \
+                                 FROM (SELECT r.id, {cols}, r.attempts, r.status, \
+                                              r.maybe_delivered, r.next_attempt_at <= now() AS due \
+                                       FROM {t} r \
+                                       WHERE {kr} = h.k AND r.status IN ('pending', 'parked') \
+                                         AND (r.aggregate_version, r.id) \
+                                             > (h.aggregate_version, h.id) \
+                                         AND r.aggregate_type = h.aggregate_type \
+                                         AND r.aggregate_id = h.aggregate_id \
+                                       ORDER BY r.aggregate_version, r.id \
+                                       LIMIT (SELECT LEAST({run}, n.budget + 1) \
+                                              FROM nh n WHERE n.budget > 0)) q) q) q) q \
+                   WHERE h.action = 'claim' AND {run} > 1), \
+                 run AS MATERIALIZED ( \
+                   SELECT r.* FROM ( \
+                     SELECT r.*, row_number() OVER (ORDER BY r.head, r.pos) AS nth \
+                     FROM run0 r WHERE r.all_ok AND r.pos < {run}) r \
+                   WHERE r.nth <= (SELECT n.budget FROM nh n)), \
                  prk AS ( \
                    UPDATE {t} p SET status = 'parked', parked_at = clock_timestamp(), \
                           park_kind = x.kind, last_error_class = 'permanent', \
@@ -241,16 +300,26 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                 kr = agg("r"),
                 ku = agg("u"),
                 kb = agg("b"),
+                km = agg("m"),
                 sr = state_of("a", "r"),
                 unknown_r = unknown_r,
                 gap_i = micros(gap),
                 recheck_i = micros(recheck),
+                run = format!("${run}::int8"),
+                limit = format!("${limit}::int8"),
                 max_name = outbox_core::MAX_AGGREGATE_NAME_BYTES,
             )
         };
         let outcome_cols = format!(
-            "h.id, h.action, {}, h.attempts, h.k, h.last, h.resend",
+            "h.id, h.action, {}, h.attempts, h.k, h.last, h.resend, h.id AS head, 0::int8 AS pos",
             prefixed("h", ENVELOPE_COLS)
+        );
+        // A run's rows (`run`, after their claimed head): the same columns.
+        let run_cols = format!(
+            "r.id, 'run'::text, {}, r.attempts, r.k, r.last, \
+             r.maybe_delivered OR COALESCE(r.aggregate_version <= r.sent_upto, false), \
+             r.head, r.pos",
+            prefixed("r", ENVELOPE_COLS)
         );
         // Lease mode: the claimed heads get their leases in the aggregate-state row (created
         // at the aggregate's first claim, with `last_version` left NULL: a claim publishes
@@ -263,14 +332,18 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
             "WITH {}, \
              ins AS ( \
                INSERT INTO {state} AS a (aggregate_key, aggregate_type, aggregate_id, \
-                                         lease_owner, lease_token, lease_until, lease_row) \
+                                         lease_owner, lease_token, lease_until, lease_row, \
+                                         lease_upto) \
                SELECT h.k, h.aggregate_type, h.aggregate_id, $2, $3, \
-                      clock_timestamp() + {lease_i}, h.id \
-               FROM h WHERE h.action = 'claim' \
+                      clock_timestamp() + {lease_i}, h.id, \
+                      COALESCE(re.upto, h.aggregate_version) \
+               FROM h LEFT JOIN (SELECT r.head, max(r.aggregate_version) AS upto FROM run r \
+                                 GROUP BY r.head) re ON re.head = h.id \
+               WHERE h.action = 'claim' \
                ON CONFLICT (aggregate_key, aggregate_type, aggregate_id) DO UPDATE \
                  SET lease_owner = EXCLUDED.lease_owner, lease_token = EXCLUDED.lease_token, \
                      lease_until = EXCLUDED.lease_until, lease_row = EXCLUDED.lease_row, \
-                     updated_at = clock_timestamp() \
+                     lease_upto = EXCLUDED.lease_upto, updated_at = clock_timestamp() \
                  WHERE a.lease_until IS NULL OR a.lease_until <= clock_timestamp() \
                RETURNING a.lease_row AS id, \
                  (extract(epoch FROM a.lease_until - clock_timestamp()) * 1000000)::int8 \
@@ -281,16 +354,20 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                RETURNING 1) \
              SELECT {outcome_cols}, i.remaining_us, (i.id IS NOT NULL) AS claimed \
              FROM h LEFT JOIN ins i ON i.id = h.id \
-             WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold', 'bad_key')",
-            decide(5, 6),
+             WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold', 'bad_key') \
+             UNION ALL \
+             SELECT {run_cols}, i.remaining_us, true FROM run r JOIN ins i ON i.id = r.head",
+            decide(5, 6, 7, 8),
             lease_i = micros(4),
         );
         // Locked mode: the aggregate locks, held until the completion commits, are the claim.
         let claim_decide_locked = format!(
             "WITH {} \
              SELECT {outcome_cols}, NULL::int8 AS remaining_us, (h.action = 'claim') AS claimed \
-             FROM h WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold', 'bad_key')",
-            decide(2, 3),
+             FROM h WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold', 'bad_key') \
+             UNION ALL \
+             SELECT {run_cols}, NULL::int8, true FROM run r",
+            decide(2, 3, 4, 5),
         );
 
         // Claimed rows that no longer decode are parked (their leases released), alone.
@@ -303,7 +380,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                FROM UNNEST($1::int8[], $2::text[]) AS x(id, why) \
                WHERE t.id = x.id AND t.status = 'pending' RETURNING t.id) \
              UPDATE {state} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL, \
-                    lease_row = NULL, updated_at = clock_timestamp() \
+                    lease_row = NULL, lease_upto = NULL, updated_at = clock_timestamp() \
              WHERE aggregate_key = ANY($4::int8[]) AND lease_token = $3 \
                AND lease_row IN (SELECT id FROM p)"
         );
@@ -364,10 +441,64 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                                        ELSE o.emsg END, \
              park_kind = CASE WHEN o.kind = 'park' THEN o.pkind END, \
              parked_at = CASE WHEN o.kind = 'park' THEN o.ts END, \
-             maybe_delivered = t.maybe_delivered OR COALESCE(o.uncertain, false)";
+             maybe_delivered = t.maybe_delivered OR COALESCE(o.uncertain, false), \
+             blocked = false";
         // Lease mode: only rows whose aggregate's lease still carries this claim's token
         // (`$19`) get their outcome (fencing); every such lease is released, and a publication
         // advances the aggregate's last version in the same write.
+        // The token is compared as a column of `o` (`tok`, always `$19`), not as the constant:
+        // a constant is a filter of the state table that the planner estimates from the
+        // column's statistics (tokens are nearly all NULL: about one row), so with few
+        // aggregates it scanned the whole state table first and read `f` again for every row
+        // it found (batch x batch). As a join condition it leaves the state table at its full
+        // size, and `f` drives keyed lookups through the primary key at every table size.
+        // The prefix rule of a completion (`outbox_core::store`, *Runs*), over the outcomes of
+        // `src` (one row per claimed row): per aggregate, a publication is applied only when
+        // every version from the claim's lowest (its head, the aggregate's `last + 1`) up to it
+        // is published in this completion; another outcome only for the version right after
+        // that prefix; rows without outcome (`release`) are left as they are. `gap` is the
+        // row's version minus the head's minus the publications up to it (inclusive): -1 for a
+        // publication inside the prefix, 0 for the one row after it. A claim without runs has
+        // one row per aggregate, its head: always accepted, as before runs.
+        let prefix = |src: &str| {
+            format!(
+                "g AS MATERIALIZED ( \
+                   SELECT * FROM ( \
+                     SELECT p.*, p.v - min(p.v) OVER w \
+                                 - count(*) FILTER (WHERE p.kind = 'published') \
+                                     OVER (w ORDER BY p.v, p.id) AS gap \
+                     FROM {src} p WINDOW w AS (PARTITION BY p.k, p.at, p.ai)) p \
+                   WHERE p.kind = 'published' AND p.gap = -1 \
+                      OR p.kind NOT IN ('published', 'release') AND p.gap = 0)"
+            )
+        };
+        // After a publication the aggregate's first blocked row becomes a candidate again (the
+        // claim re-checks it), unless the completion gave the row after its prefix an outcome
+        // (that row, unblocked by `upd`, is the head). Rows this completion wrote are skipped:
+        // a run's published rows were blocked followers in this statement's snapshot.
+        let promote_run = format!(
+            "pv AS MATERIALIZED ( \
+               SELECT u.k, u.at, u.ai, max(u.v) AS v FROM upd u \
+               WHERE u.kind = 'published' GROUP BY u.k, u.at, u.ai), \
+             promote AS ( \
+               UPDATE {t} s SET blocked = false \
+               FROM (SELECT (SELECT b.id FROM {t} b \
+                             WHERE {kb} = p.k AND b.status IN ('pending', 'parked') \
+                               AND b.blocked AND b.aggregate_type = p.at \
+                               AND b.aggregate_id = p.ai \
+                               AND NOT EXISTS (SELECT 1 FROM upd u WHERE u.id = b.id) \
+                             ORDER BY b.aggregate_version, b.id LIMIT 1) AS id \
+                     FROM pv p \
+                     WHERE NOT EXISTS (SELECT 1 FROM upd u \
+                                       WHERE u.k = p.k AND u.at = p.at AND u.ai = p.ai \
+                                         AND u.kind <> 'published')) nx \
+               WHERE s.id = nx.id AND s.blocked RETURNING 1)",
+            kb = agg("b"),
+        );
+        // Lease mode: only rows whose aggregate's lease still carries this claim's token
+        // (`$19`) and that are rows of its run get their outcome (fencing), under the prefix
+        // rule; every such lease is released, and a publication advances the aggregate's last
+        // version to the prefix's end in the same write.
         // The token is compared as a column of `o` (`tok`, always `$19`), not as the constant:
         // a constant is a filter of the state table that the planner estimates from the
         // column's statistics (tokens are nearly all NULL: about one row), so with few
@@ -381,52 +512,51 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                WHERE EXISTS (SELECT 1 FROM {state} a \
                              WHERE a.aggregate_key = o.k AND a.aggregate_type = o.at \
                                AND a.aggregate_id = o.ai AND a.lease_token = o.tok \
-                               AND a.lease_row = o.id)), \
+                               AND (a.lease_row = o.id OR o.v <= a.lease_upto))), \
+             {}, \
              upd AS ( \
-               UPDATE {t} t SET {set} FROM f o \
+               UPDATE {t} t SET {set} FROM g o \
                WHERE t.id = o.id AND t.status = 'pending' AND o.kind <> 'release' \
                RETURNING t.id, o.kind, o.k, o.at, o.ai, o.v), \
+             {promote_run}, \
              rel AS ( \
                UPDATE {state} a SET lease_owner = NULL, lease_token = NULL, lease_until = NULL, \
-                      lease_row = NULL, \
-                      last_version = CASE WHEN f.kind = 'published' \
-                                           AND f.id IN (SELECT u.id FROM upd u) \
-                                          THEN GREATEST(a.last_version, f.v) \
-                                          ELSE a.last_version END, \
+                      lease_row = NULL, lease_upto = NULL, \
+                      last_version = GREATEST(a.last_version, pv.v), \
                       updated_at = clock_timestamp() \
-               FROM f \
+               FROM f LEFT JOIN pv ON pv.k = f.k AND pv.at = f.at AND pv.ai = f.ai \
                WHERE a.aggregate_key = f.k AND a.aggregate_type = f.at \
-                 AND a.aggregate_id = f.ai AND a.lease_token = f.tok \
-               RETURNING 1), \
-             {} \
+                 AND a.aggregate_id = f.ai AND a.lease_token = f.tok AND a.lease_row = f.id \
+               RETURNING 1) \
              SELECT ARRAY(SELECT id FROM upd) AS applied",
             outcomes(", $19::uuid AS tok"),
-            promote_after("(SELECT * FROM upd WHERE kind = 'published')"),
+            prefix("f"),
         );
         // Locked mode: the claim's transaction still holds the aggregate locks; a publication
-        // advances (or creates) the aggregate's state.
+        // advances (or creates) the aggregate's state, to the prefix's end.
         let complete_locked = format!(
             "WITH {}, \
+             {}, \
              upd AS ( \
-               UPDATE {t} t SET {set} FROM o \
+               UPDATE {t} t SET {set} FROM g o \
                WHERE t.id = o.id AND t.status = 'pending' AND o.kind <> 'release' \
                RETURNING t.id, o.kind, o.k, o.at, o.ai, o.v), \
+             {promote_run}, \
              st AS ( \
                INSERT INTO {state} AS a (aggregate_key, aggregate_type, aggregate_id, \
                                          last_version) \
-               SELECT u.k, u.at, u.ai, u.v FROM upd u WHERE u.kind = 'published' \
+               SELECT p.k, p.at, p.ai, p.v FROM pv p \
                ON CONFLICT (aggregate_key, aggregate_type, aggregate_id) DO UPDATE \
                  SET last_version = GREATEST(a.last_version, EXCLUDED.last_version), \
                      updated_at = clock_timestamp() \
-               RETURNING 1), \
-             {} \
+               RETURNING 1) \
              SELECT ARRAY(SELECT id FROM upd) AS applied",
             outcomes(""),
-            promote_after("(SELECT * FROM upd WHERE kind = 'published')"),
+            prefix("o"),
         );
         let release_lease = format!(
             "UPDATE {state} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL, \
-                    lease_row = NULL, updated_at = clock_timestamp() \
+                    lease_row = NULL, lease_upto = NULL, updated_at = clock_timestamp() \
              WHERE aggregate_key = ANY($2::int8[]) AND lease_token = $1"
         );
         // Pending rows, through the two partial indexes (candidates and blocked rows), so the
@@ -438,30 +568,85 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
              SELECT id, event_id, aggregate_type, aggregate_id, aggregate_version FROM {t} \
                WHERE status IN ('pending', 'parked') AND blocked AND status = 'pending')"
         );
-        // Rows of a lease claim made by another store instance (no rows in memory).
+        // The rows of a lease's run after its head (`hd`: id, k, aggregate_type, aggregate_id,
+        // aggregate_version, lease_upto): the pending rows of the aggregate above the head's
+        // version up to `lease_upto` (the last version of its run), through the unfinished
+        // index. A claim without runs has `lease_upto` equal to its head's version (or NULL, a
+        // lease of a version before runs): nothing.
+        let run_rows = |cols: &str| {
+            format!(
+                "SELECT {cols} FROM hd CROSS JOIN LATERAL ( \
+                   SELECT r.id, r.event_id, r.aggregate_type, r.aggregate_id, r.aggregate_version \
+                   FROM {t} r \
+                   WHERE {kr} = hd.k AND r.status IN ('pending', 'parked') \
+                     AND r.status = 'pending' AND r.aggregate_version > hd.aggregate_version \
+                     AND r.aggregate_version <= hd.lease_upto \
+                     AND r.aggregate_type = hd.aggregate_type \
+                     AND r.aggregate_id = hd.aggregate_id OFFSET 0) r \
+                 WHERE hd.lease_upto > hd.aggregate_version",
+                kr = agg("r"),
+            )
+        };
+        // Rows of a lease claim made by another store instance (no rows in memory): the heads,
+        // then their runs.
         let lease_rows = format!(
-            "SELECT e.id, e.event_id, {ke} AS k, e.aggregate_type, e.aggregate_id, \
-                    e.aggregate_version \
-             FROM {pending} e JOIN LATERAL (SELECT a.lease_token FROM {state} a \
-                                      WHERE {se} AND a.lease_row = e.id LIMIT 1) a ON true \
-             WHERE a.lease_token = $1",
+            "WITH hd AS MATERIALIZED ( \
+               SELECT e.id, e.event_id, {ke} AS k, e.aggregate_type, e.aggregate_id, \
+                      e.aggregate_version, a.lease_upto \
+               FROM {pending} e JOIN LATERAL (SELECT a.lease_token, a.lease_upto FROM {state} a \
+                                        WHERE {se} AND a.lease_row = e.id LIMIT 1) a ON true \
+               WHERE a.lease_token = $1) \
+             SELECT id, event_id, k, aggregate_type, aggregate_id, aggregate_version FROM hd \
+             UNION ALL {}",
+            run_rows(
+                "r.id, r.event_id, hd.k, r.aggregate_type, r.aggregate_id, r.aggregate_version"
+            ),
             ke = agg("e"),
             se = state_of("a", "e"),
         );
-        // The live leases of one owner (operator action on a relay that is gone).
+        // The live leases of one owner (operator action on a relay that is gone): one row per
+        // claimed row, heads and their runs.
         let owner_leases = format!(
-            "SELECT e.id, e.event_id, {ke} AS k, e.aggregate_type, e.aggregate_id \
-             FROM {pending} e JOIN LATERAL (SELECT a.lease_owner, a.lease_until FROM {state} a \
-                                      WHERE {se} AND a.lease_row = e.id LIMIT 1) a ON true \
-             WHERE a.lease_owner = $1 AND a.lease_until > clock_timestamp()",
+            "WITH hd AS MATERIALIZED ( \
+               SELECT e.id, e.event_id, {ke} AS k, e.aggregate_type, e.aggregate_id, \
+                      e.aggregate_version, a.lease_upto \
+               FROM {pending} e JOIN LATERAL (SELECT a.lease_owner, a.lease_until, a.lease_upto \
+                                        FROM {state} a \
+                                        WHERE {se} AND a.lease_row = e.id LIMIT 1) a ON true \
+               WHERE a.lease_owner = $1 AND a.lease_until > clock_timestamp()) \
+             SELECT id, event_id, k, aggregate_type, aggregate_id FROM hd \
+             UNION ALL {}",
+            run_rows("r.id, r.event_id, hd.k, r.aggregate_type, r.aggregate_id"),
             ke = agg("e"),
             se = state_of("a", "e"),
         );
+        // Ends one live lease of an owner (`$1..$3` aggregate key, type, id; `$4` owner) and
+        // marks every row of its run as possibly delivered (the gone relay may have sent any
+        // of them: their next publication counts as a re-publication). Returns the event ids
+        // of those rows (none: there was no such lease).
         let release_owner_lease = format!(
-            "UPDATE {state} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL, \
-                    lease_row = NULL, updated_at = clock_timestamp() \
-             WHERE aggregate_key = $1 AND aggregate_type = $2 AND aggregate_id = $3 \
-               AND lease_owner = $4 AND lease_until > clock_timestamp() RETURNING 1"
+            "WITH l AS MATERIALIZED ( \
+               SELECT a.lease_row, a.lease_upto FROM {state} a \
+               WHERE aggregate_key = $1 AND aggregate_type = $2 AND aggregate_id = $3 \
+                 AND lease_owner = $4 AND lease_until > clock_timestamp()), \
+             rel AS ( \
+               UPDATE {state} a SET lease_owner = NULL, lease_token = NULL, lease_until = NULL, \
+                      lease_row = NULL, lease_upto = NULL, updated_at = clock_timestamp() \
+               WHERE aggregate_key = $1 AND aggregate_type = $2 AND aggregate_id = $3 \
+                 AND lease_owner = $4 AND lease_until > clock_timestamp() RETURNING 1), \
+             hd AS MATERIALIZED ( \
+               SELECT e.id, e.aggregate_version AS v, \
+                      GREATEST(e.aggregate_version, l.lease_upto) AS upto \
+               FROM l JOIN {t} e ON e.id = l.lease_row), \
+             mk AS ( \
+               UPDATE {t} m SET maybe_delivered = true FROM hd \
+               WHERE {km} = $1 AND m.status IN ('pending', 'parked') AND m.status = 'pending' \
+                 AND m.aggregate_version >= hd.v AND m.aggregate_version <= hd.upto \
+                 AND m.aggregate_type = $2 AND m.aggregate_id = $3 \
+               RETURNING m.event_id, m.aggregate_version, m.id = hd.id AS head) \
+             SELECT (SELECT count(*) FROM rel) AS released, \
+                    ARRAY(SELECT event_id FROM mk ORDER BY NOT head, aggregate_version) AS events",
+            km = agg("m"),
         );
 
         // Operator actions: the event's aggregate and state, read again after its lock. `last`
@@ -642,7 +827,8 @@ pub(crate) const OLDEST_CLAIMABLE_SCAN: u64 = 1_000;
 ///   index (`queued`): the cost grows with the backlog only;
 /// * leases from the aggregate-state rows whose lease is live, each joined to its event row
 ///   (one row per aggregate: no index on the lease time, so that a claim's lease update
-///   stays HOT);
+///   stays HOT), and a lease's run (migration 11: `lease_upto` above its head's version) by
+///   one range of the unfinished index: every row of a run is in flight;
 /// * held heads through `held_idx` (migration 10: pending rows with `held_since`, normally
 ///   none);
 /// * locked aggregates from the granted advisory locks, each probing the unfinished index;
@@ -710,7 +896,14 @@ fn stats_sql(t: &str, state: &str, seed: i64, accept_first_version: bool) -> Str
                AND r.aggregate_id = gh.aggregate_id OFFSET 0) r) \
          SELECT \
            (SELECT count(*) FROM {t} WHERE status = 'pending' AND NOT blocked) AS candidates, \
-           (SELECT count(*) FROM {state} a JOIN {t} e ON e.id = a.lease_row \
+           (SELECT (count(*) + COALESCE(sum(CASE WHEN a.lease_upto > e.aggregate_version THEN \
+                     (SELECT count(*) FROM {t} q \
+                       WHERE {kq} = a.aggregate_key AND q.status IN ('pending', 'parked') \
+                         AND q.status = 'pending' AND q.aggregate_version > e.aggregate_version \
+                         AND q.aggregate_version <= a.lease_upto \
+                         AND q.aggregate_type = a.aggregate_type \
+                         AND q.aggregate_id = a.aggregate_id) END), 0))::int8 \
+              FROM {state} a JOIN {t} e ON e.id = a.lease_row \
               WHERE a.lease_until > clock_timestamp() AND {se} \
                 AND e.status = 'pending' AND NOT e.blocked) AS leased, \
            (SELECT count(*) FROM {t} WHERE status = 'parked') AS parked, \
@@ -754,6 +947,7 @@ fn stats_sql(t: &str, state: &str, seed: i64, accept_first_version: bool) -> Str
            (SELECT {age} FROM blk) AS oldest_blocked, \
            (SELECT {age} FROM {t} WHERE status = 'parked') AS oldest_parked",
         kp = agg("p"),
+        kq = agg("q"),
         kr = agg("r"),
         kg = agg("g"),
         ku = agg("u"),

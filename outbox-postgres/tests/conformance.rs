@@ -51,6 +51,7 @@ fn capabilities() -> Capabilities {
         .with_lease_duration(Duration::from_millis(1500))
         .with_time_step(Duration::from_millis(300))
         .with_accept_first_version(true)
+        .with_runs(true)
 }
 
 #[async_trait]

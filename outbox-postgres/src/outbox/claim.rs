@@ -57,6 +57,8 @@ pub(crate) struct ClaimedRow {
     pub(crate) agg_type: String,
     pub(crate) agg_id: String,
     pub(crate) version: i64,
+    /// Its place in its aggregate's run: 0 for the head (`ClaimedRecord::run_position`).
+    pub(crate) run_position: u32,
 }
 
 /// A claim of [`ClaimMode::LockedTransaction`]: its transaction holds the aggregate locks.
@@ -249,6 +251,9 @@ impl PostgresOutboxStore {
         let sql = &self.inner.sql;
         let gap_us = micros(settings.gap_timeout);
         let recheck_us = micros(settings.gap_timeout.min(GAP_RECHECK));
+        // A run counts against the limit, so it is never longer than the claim.
+        let limit = request.limit.min(100_000) as i64;
+        let run = (request.run_len() as i64).min(limit);
         let rows = match settings.claim_mode {
             ClaimMode::Lease { duration } => sqlx::query(&sql.claim_decide_lease)
                 .bind(ids)
@@ -256,11 +261,15 @@ impl PostgresOutboxStore {
                 .bind(token)
                 .bind(micros(duration))
                 .bind(gap_us)
-                .bind(recheck_us),
+                .bind(recheck_us)
+                .bind(run)
+                .bind(limit),
             _ => sqlx::query(&sql.claim_decide_locked)
                 .bind(ids)
                 .bind(gap_us)
-                .bind(recheck_us),
+                .bind(recheck_us)
+                .bind(run)
+                .bind(limit),
         }
         .fetch_all(&mut *tx)
         .await
@@ -291,11 +300,14 @@ impl PostgresOutboxStore {
         request: &ClaimRequest,
         token: Uuid,
     ) -> Result<Decided, StoreError> {
-        let keys: Vec<i64> = previous
+        // Heads only: their runs are decided again with them.
+        let heads: Vec<&ClaimedRow> = previous
             .claimed
             .iter()
-            .map(|(r, _)| self.lock_key(r.key))
+            .map(|(r, _)| r)
+            .filter(|r| r.run_position == 0)
             .collect();
+        let keys: Vec<i64> = heads.iter().map(|r| self.lock_key(r.key)).collect();
         let locked: Vec<bool> = sqlx::query_scalar(
             "SELECT pg_try_advisory_xact_lock(u.k) FROM UNNEST($1::int8[]) WITH ORDINALITY \
              AS u(k, n) ORDER BY u.n",
@@ -304,12 +316,11 @@ impl PostgresOutboxStore {
         .fetch_all(&mut *tx)
         .await
         .map_err(db)?;
-        let ids: Vec<i64> = previous
-            .claimed
+        let ids: Vec<i64> = heads
             .iter()
             .zip(&locked)
             .filter(|(_, ok)| **ok)
-            .map(|((r, _), _)| r.id)
+            .map(|(r, _)| r.id)
             .collect();
         if ids.is_empty() {
             return Ok(Decided::default());
@@ -317,24 +328,31 @@ impl PostgresOutboxStore {
         self.decide(tx, &ids, request, token).await
     }
 
-    /// Reads the rows of claim step 2: claimed records (oldest first), parked notices, gaps.
+    /// Reads the rows of claim step 2: claimed records (heads oldest first, each followed by
+    /// its run in version order), parked notices, gaps.
     fn decided(&self, rows: &[PgRow]) -> Result<Decided, StoreError> {
         let mut out = Decided::default();
-        let mut claimed: Vec<(ClaimedRow, ClaimedRecord)> = Vec::with_capacity(rows.len());
+        // (head row id, run position, row, record); `None` for a row that failed to decode.
+        let mut claimed: Vec<(i64, u32, Option<(ClaimedRow, ClaimedRecord)>)> =
+            Vec::with_capacity(rows.len());
         for row in rows {
             let action: String = row.try_get("action").map_err(db)?;
             let id: i64 = row.try_get("id").map_err(db)?;
             match action.as_str() {
-                "claim" => {
+                "claim" | "run" => {
                     if !row.try_get::<bool, _>("claimed").map_err(db)? {
                         // A live lease won (a colliding key or a relay of the other mode).
                         continue;
                     }
+                    let head: i64 = row.try_get("head").map_err(db)?;
+                    let position = u32::try_from(row.try_get::<i64, _>("pos").map_err(db)?)
+                        .unwrap_or(u32::MAX);
                     let envelope = match envelope_from_row(row) {
                         Ok(e) => e,
                         Err(e) => {
                             // A stored row that no longer decodes is parked, alone: it must
-                            // not stop the claims of every other aggregate.
+                            // not stop the claims of every other aggregate. A run ends before
+                            // it (below).
                             out.undecodable.push((
                                 id,
                                 row.try_get("k").map_err(db)?,
@@ -347,6 +365,7 @@ impl PostgresOutboxStore {
                                 row.try_get::<i64, _>("aggregate_version").map_err(db)?,
                                 ParkKind::PermanentError,
                             ));
+                            claimed.push((head, position, None));
                             continue;
                         }
                     };
@@ -361,15 +380,21 @@ impl PostgresOutboxStore {
                         agg_type: envelope.aggregate_type.clone(),
                         agg_id: envelope.aggregate_id.clone(),
                         version: envelope.aggregate_version,
+                        run_position: position,
                     };
                     claimed.push((
-                        claimed_row,
-                        // Possibly sent before: the aggregate's lease still names this row (an
-                        // earlier claim ended without outcome or release: a crash, a lost
-                        // completion, an expired lease), or an earlier failure left delivery
-                        // uncertain (`maybe_delivered`).
-                        ClaimedRecord::new(envelope, attempts.max(0) as u32)
-                            .with_maybe_sent_before(row.try_get("resend").map_err(db)?),
+                        head,
+                        position,
+                        // Possibly sent before: the aggregate's lease still names this row or
+                        // its run covers it (an earlier claim ended without outcome or release:
+                        // a crash, a lost completion, an expired lease), or an earlier failure
+                        // left delivery uncertain (`maybe_delivered`).
+                        Some((
+                            claimed_row,
+                            ClaimedRecord::new(envelope, attempts.max(0) as u32)
+                                .with_maybe_sent_before(row.try_get("resend").map_err(db)?)
+                                .with_run_position(position),
+                        )),
                     ));
                 }
                 "stale" | "gap_park" | "bad_key" => {
@@ -390,9 +415,26 @@ impl PostgresOutboxStore {
                 other => warn!(action = other, "unexpected claim action"),
             }
         }
-        // Oldest first (the result order of the statement is not guaranteed).
-        claimed.sort_unstable_by_key(|(r, _)| r.id);
-        out.claimed = claimed;
+        // Heads oldest first, each followed by its run in order (the result order of the
+        // statement is not guaranteed).
+        claimed.sort_unstable_by_key(|(head, position, _)| (*head, *position));
+        // A run is handed out up to its first row that failed to decode (parked above); a head
+        // that failed to decode takes its run with it (its lease is released by the park).
+        let mut cut: Option<i64> = None;
+        let mut last: Option<(i64, u32)> = None;
+        for (head, position, entry) in claimed {
+            if cut == Some(head) {
+                continue;
+            }
+            let follows = position == 0 || last == Some((head, position - 1));
+            match entry {
+                Some(e) if follows => {
+                    out.claimed.push(e);
+                    last = Some((head, position));
+                }
+                _ => cut = Some(head),
+            }
+        }
         Ok(out)
     }
 
@@ -431,10 +473,21 @@ impl PostgresOutboxStore {
 
     /// Runs both claim statements under `EXPLAIN (ANALYZE, BUFFERS)` in a transaction that is
     /// rolled back (nothing is claimed), and returns the two plans: step 1 (candidates and
-    /// locks) and step 2 (the decision, with every candidate of step 1). For capacity checks:
+    /// locks) and step 2 (the decision, with every candidate of step 1; heads only, no runs). For capacity checks:
     /// the claim should read a number of buffers that depends on `limit`, not on the backlog.
     pub async fn explain_claim(&self, limit: usize) -> Result<Vec<String>, StoreError> {
+        self.explain_claim_run(limit, 1).await
+    }
+
+    /// [`explain_claim`](Self::explain_claim) of a claim that asks for runs of up to `run`
+    /// events per aggregate.
+    pub async fn explain_claim_run(
+        &self,
+        limit: usize,
+        run: usize,
+    ) -> Result<Vec<String>, StoreError> {
         let limit = limit.clamp(1, 100_000) as i64;
+        let run = (run.clamp(1, outbox_core::MAX_RUN) as i64).min(limit);
         let mut tx = self
             .inner
             .pool
@@ -475,6 +528,8 @@ impl PostgresOutboxStore {
                     .bind(micros(duration))
                     .bind(gap_us)
                     .bind(gap_us)
+                    .bind(run)
+                    .bind(limit)
             }
             _ => {
                 second_sql = format!("EXPLAIN (ANALYZE, BUFFERS) {}", sql.claim_decide_locked);
@@ -482,6 +537,8 @@ impl PostgresOutboxStore {
                     .bind(&ids)
                     .bind(gap_us)
                     .bind(gap_us)
+                    .bind(run)
+                    .bind(limit)
             }
         }
         .fetch_all(&mut *tx)

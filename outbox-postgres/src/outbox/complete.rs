@@ -162,6 +162,8 @@ impl PostgresOutboxStore {
                             agg_type: r.try_get("aggregate_type")?,
                             agg_id: r.try_get("aggregate_id")?,
                             version: r.try_get("aggregate_version")?,
+                            // Not read by the completion (it orders a run by version).
+                            run_position: 0,
                         })
                     })
                     .collect::<Result<_, sqlx::Error>>()
@@ -346,6 +348,7 @@ mod tests {
             agg_type: "order".to_owned(),
             agg_id: format!("o-{id}"),
             version: 1,
+            run_position: 0,
         }
     }
 

@@ -298,8 +298,15 @@ impl PostgresOutboxStore {
             .map_err(db)?;
         let reason = format!("claims of relay {owner} released");
         let mut released = 0;
+        // One release per aggregate (a lease's run lists several rows of it).
+        let mut seen = std::collections::HashSet::new();
         for lease in &leases {
             let key: i64 = lease.try_get("k").map_err(db)?;
+            let agg_type: String = lease.try_get("aggregate_type").map_err(db)?;
+            let agg_id: String = lease.try_get("aggregate_id").map_err(db)?;
+            if !seen.insert((key, agg_type.clone(), agg_id.clone())) {
+                continue;
+            }
             let mut tx = self
                 .inner
                 .pool
@@ -307,7 +314,7 @@ impl PostgresOutboxStore {
                 .await
                 .map_err(db)?;
             let done = self
-                .release_one_lease(&mut tx, lease, key, owner, actor, &reason)
+                .release_one_lease(&mut tx, (key, &agg_type, &agg_id), owner, actor, &reason)
                 .await;
             if finish(tx, done).await? {
                 released += 1;
@@ -316,12 +323,12 @@ impl PostgresOutboxStore {
         Ok(released)
     }
 
-    /// Ends one live lease of `owner` under its aggregate's lock; `true` when there was one.
+    /// Ends the live lease of `owner` on one aggregate (key, type, id) under the aggregate's
+    /// lock; `true` when there was one. Every row of its run is audited.
     async fn release_one_lease(
         &self,
         tx: &mut PgConnection,
-        lease: &sqlx::postgres::PgRow,
-        key: i64,
+        (key, agg_type, agg_id): (i64, &str, &str),
         owner: &str,
         actor: &str,
         reason: &str,
@@ -331,31 +338,26 @@ impl PostgresOutboxStore {
             .execute(&mut *tx)
             .await
             .map_err(db)?;
+        // The gone relay may have sent any row of the run: each one's next publication is a
+        // re-publication (counted in `outbox_republished_total`), as after a lease that
+        // expired. The statement marks them and returns their event ids.
         let done = sqlx::query(&self.inner.sql.release_owner_lease)
             .bind(key)
-            .bind(lease.try_get::<String, _>("aggregate_type").map_err(db)?)
-            .bind(lease.try_get::<String, _>("aggregate_id").map_err(db)?)
+            .bind(agg_type)
+            .bind(agg_id)
             .bind(owner)
-            .fetch_optional(&mut *tx)
+            .fetch_one(&mut *tx)
             .await
             .map_err(db)?;
-        if done.is_none() {
+        if done.try_get::<i64, _>("released").map_err(db)? == 0 {
             return Ok(false);
         }
-        // The gone relay may have sent the row: its next publication is a re-publication
-        // (counted in `outbox_republished_total`), as after a lease that expired.
-        sqlx::query(&format!(
-            "UPDATE {} SET maybe_delivered = true WHERE id = $1",
-            self.inner.sql.table
-        ))
-        .bind(lease.try_get::<i64, _>("id").map_err(db)?)
-        .execute(&mut *tx)
-        .await
-        .map_err(db)?;
-        let event_id: Uuid = lease.try_get("event_id").map_err(db)?;
-        let id = EventId::from_uuid(event_id);
-        self.audit(tx, (id, OperatorAction::ReleaseClaim, actor, reason, None))
-            .await?;
+        let events: Vec<Uuid> = done.try_get("events").map_err(db)?;
+        for event_id in events {
+            let id = EventId::from_uuid(event_id);
+            self.audit(tx, (id, OperatorAction::ReleaseClaim, actor, reason, None))
+                .await?;
+        }
         self.notify_after(tx).await?;
         Ok(true)
     }
