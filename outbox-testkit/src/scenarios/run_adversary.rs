@@ -1011,6 +1011,42 @@ pub async fn completion_with_a_hole_is_refused<B: RandomizedBackend>(
     assert_prefix(backend, &all, "at the end").await;
 }
 
+/// `x` 1..=5. One claim; the completion gives no outcome for the head and says `Published 2,
+/// Published 3`: a publication whose predecessor is neither published in the same completion
+/// nor `last` (0), so both must be refused; nothing published, 1..=5 pending, and the next
+/// claims publish 1..=5 in order with nothing parked (a store that took 2, 3 would advance
+/// `last` to 3 and park 1 as out of order).
+pub async fn completion_without_the_head_is_refused<B: RandomizedBackend>(
+    backend: &B,
+    mode: ClaimMode,
+    runs: bool,
+) {
+    let store = store_of(backend, mode).await;
+    let all = events("x", 1..=5);
+    commit_events(backend, &store, &all).await;
+    let mut ledger = Ledger::default();
+    ledger.note(&all);
+    let batch = store.claim(&request("relay-a", 20)).await.expect("claim");
+    let run = run_of(&batch, "x", runs);
+    assert_eq!(
+        versions(&run),
+        if runs { (1..=5).collect() } else { vec![1] },
+        "{mode:?}"
+    );
+    let outcomes = ledger.publish(&[all[1].event_id, all[2].event_id]);
+    let rep = ledger.complete(&store, &batch.handle, &outcomes).await;
+    assert_eq!(
+        (rep.applied, rep.superseded),
+        (0, 2),
+        "{mode:?}: Published 2, 3 without an outcome for 1 (last 0) must be refused: {rep:?}"
+    );
+    assert_prefix(backend, &all, "after a completion without the head").await;
+    let parked = ledger.drain(&store, runs, 5).await;
+    assert!(parked.is_empty(), "{mode:?}: parked {parked:?}");
+    ledger.assert_aggregate("x", &[1, 2, 3, 4, 5]);
+    assert_prefix(backend, &all, "at the end").await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Scenarios driven through relays.
 
@@ -1764,6 +1800,8 @@ macro_rules! run_adversary_tests {
                 $crate::scenarios::run_adversary::OperatorAction::Discard));
         $crate::run_adversary_tests!(@case $backend, completion_with_a_hole_is_refused, |b|
             $crate::scenarios::run_adversary::completion_with_a_hole_is_refused(&b, $long, $runs));
+        $crate::run_adversary_tests!(@case $backend, completion_without_the_head_is_refused, |b|
+            $crate::scenarios::run_adversary::completion_without_the_head_is_refused(&b, $long, $runs));
         $crate::run_adversary_tests!(@case $backend, two_relays_hammer_one_hot_aggregate, |b|
             $crate::scenarios::run_adversary::two_relays_hammer_one_hot_aggregate(&b, $long, $runs, false, false));
         $crate::run_adversary_tests!(@case $backend, two_relays_hammer_with_prefetch_and_early_claim, |b|
