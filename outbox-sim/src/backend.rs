@@ -270,6 +270,13 @@ impl MemoryBackend {
         }
     }
 
+    /// The same backend with its outbox store changed by `f` (the seeded bugs of the
+    /// in-memory store).
+    pub fn map_store(mut self, f: impl FnOnce(MemoryOutboxStore) -> MemoryOutboxStore) -> Self {
+        self.store = f(self.store);
+        self
+    }
+
     /// The database (for inspection).
     pub fn db(&self) -> &MemoryDb {
         &self.db

@@ -47,11 +47,22 @@ pub enum SeededBug {
     /// RabbitMQ: the source takes a delivery's redelivered flag for proof that it was
     /// handled before: acknowledges it alone and does not hand it to the engine.
     RabbitSkipsRedelivered,
+    /// Runs: the relay sends a run's events at once, each version without waiting for the
+    /// acknowledgement of the one before, so also after its failure (the claim's run
+    /// positions are hidden from the real relay).
+    RunSentAtOnce,
+    /// Runs: a completion drops the outcome of the event before a published event of a run
+    /// (a hole), and the store applies the rest anyway instead of refusing it (the in-memory
+    /// store's `seeded_bug_accept_run_holes`).
+    StoreAcceptsRunHoles,
+    /// Runs: the store's claim continues a run past a missing version (the in-memory store's
+    /// `seeded_bug_run_skips_gaps`).
+    RunSkipsGap,
 }
 
 impl SeededBug {
     /// Every seeded bug.
-    pub const ALL: [SeededBug; 11] = [
+    pub const ALL: [SeededBug; 14] = [
         Self::MarkBeforeAck,
         Self::SkipHead,
         Self::CommitOffsetBeforeTx,
@@ -63,6 +74,9 @@ impl SeededBug {
         Self::JetStreamStreamSequenceOffsets,
         Self::JetStreamAckOnDelivery,
         Self::RabbitSkipsRedelivered,
+        Self::RunSentAtOnce,
+        Self::StoreAcceptsRunHoles,
+        Self::RunSkipsGap,
     ];
 }
 
@@ -107,6 +121,10 @@ pub struct SimConfig {
     /// The transport of every case; `None` (the default): each case's own, chosen by the
     /// generator (Kafka in half the cases, JetStream and RabbitMQ in a quarter each).
     pub transport: Option<crate::Transport>,
+    /// The relays' run length ([`outbox_core::RelayConfig::run`]) in every case; `None` (the
+    /// default): each case's own, chosen by the generator (1, heads only, in half the cases,
+    /// 3 in the other half, with the batch 2 larger so a run fits beside the heads).
+    pub run: Option<usize>,
 }
 
 impl Default for SimConfig {
@@ -129,6 +147,7 @@ impl Default for SimConfig {
             cases_from_env: true,
             max_shrink_iters: 1000,
             transport: None,
+            run: None,
         }
     }
 }
@@ -186,6 +205,11 @@ impl SimConfig {
     /// No versions out of order from the producer (only the user's commands append).
     pub fn without_skew(mut self) -> Self {
         self.skew = false;
+        self
+    }
+    /// Runs every case with relays claiming runs of up to `run` events (1: heads only).
+    pub fn run(mut self, run: usize) -> Self {
+        self.run = Some(run.max(1));
         self
     }
     /// Runs every case over `transport`.

@@ -379,8 +379,18 @@ fn check_park(model: &mut Model, seen: &Observed, row: &RowView) -> Check {
 
 /// A sent batch: each record is not parked, and is the next version of its aggregate (the
 /// one after the last published or discarded, or after the version an operator accepted):
-/// nothing goes out past a gap, and nothing at or below a version already done.
-pub(crate) fn check_send_order(model: &Model, rows: &[RowView], sending: &[Envelope]) -> Check {
+/// nothing goes out past a gap, and nothing at or below a version already done. Runs (send
+/// order): a version past the next goes out only when the acknowledgement of every version
+/// between came back to its sender under the claim that holds it (`acked_before(e, v)`), so
+/// v+1 is never sent before v's acknowledgement, nor after v's failure. Returns how many
+/// records went out inside a run.
+pub(crate) fn check_send_order(
+    model: &Model,
+    rows: &[RowView],
+    sending: &[Envelope],
+    acked_before: impl Fn(&Envelope, i64) -> bool,
+) -> Result<usize, String> {
+    let mut in_run = 0;
     for e in sending {
         if let Some(row) = rows.iter().find(|r| r.event_id == e.event_id) {
             ensure(row.status != DeliveryStatus::Parked, || {
@@ -388,19 +398,56 @@ pub(crate) fn check_send_order(model: &Model, rows: &[RowView], sending: &[Envel
             })?;
         }
         let floor = model.floor(rows, &e.aggregate_id);
-        ensure(rules::is_next_version(floor, e.aggregate_version), || {
+        if rules::is_next_version(floor, e.aggregate_version) {
+            continue;
+        }
+        let unacked = (floor + 1..e.aggregate_version).find(|v| !acked_before(e, *v));
+        ensure(e.aggregate_version > floor + 1 && unacked.is_none(), || {
             let others: Vec<String> = rows
                 .iter()
                 .filter(|r| r.aggregate_id == e.aggregate_id && r.event_id != e.event_id)
                 .map(|r| format!("v{} {:?}", r.version, r.status))
                 .collect();
             format!(
-                "{} v{} sent while v{floor} is the last version done (others: {})",
+                "{} v{} sent while v{floor} is the last version done{} (others: {})",
                 e.aggregate_id,
                 e.aggregate_version,
+                unacked.map_or_else(String::new, |v| format!(
+                    " and v{v} was not acknowledged to its sender under its claim"
+                )),
                 others.join(", ")
             )
         })?;
+        in_run += 1;
+    }
+    Ok(in_run)
+}
+
+/// Prefix: a published event that its latest claim handed out inside a run (after the event
+/// `runs[e]`) has that event published too: a store never lets `last` pass a version whose
+/// predecessors are not all published.
+pub(crate) fn check_run_prefix(rows: &[RowView], runs: &BTreeMap<EventId, EventId>) -> Check {
+    let status: BTreeMap<EventId, (DeliveryStatus, &str, i64)> = rows
+        .iter()
+        .map(|r| (r.event_id, (r.status, r.aggregate_id.as_str(), r.version)))
+        .collect();
+    for (e, pred) in runs {
+        let Some((DeliveryStatus::Published, agg, v)) = status.get(e).copied() else {
+            continue;
+        };
+        // A row removed by cleanup was published.
+        let Some((st, _, pv)) = status.get(pred).copied() else {
+            continue;
+        };
+        ensure(
+            matches!(st, DeliveryStatus::Published | DeliveryStatus::Discarded),
+            || {
+                format!(
+                    "prefix: {agg} v{v} is published while v{pv}, before it in its run, is \
+                     {st:?}: the store let its last version pass an unpublished one"
+                )
+            },
+        )?;
     }
     Ok(())
 }

@@ -62,6 +62,14 @@
 //!   under a live claim of its sender, and only as its aggregate's next version (the one after
 //!   the last published, discarded or accepted by an operator): nothing goes out past a gap,
 //!   nothing at or below a version already done;
+//! * **runs** (relays claim runs of up to 3 events in half the cases, [`Modes::run`], the
+//!   batch 2 larger; the double holds each wave, so a crash, a lost acknowledgement or a
+//!   lease expiry falls between any two events of a run): *send order*, a version past the
+//!   next goes out only after the acknowledgement of every version before it came back to its
+//!   sender under the claim that holds it (so never before it, nor after its failure);
+//!   *prefix*, a published event that its claim handed out inside a run has the event before
+//!   it published too (the store's `last` never passes an unpublished version); and first
+//!   deliveries in version order, below, over runs;
 //! * a version-gap park is a real gap, made no earlier than the store's gap timeout after the
 //!   commit; an out-of-order park is at or below the last version done;
 //! * **an operator action changes only its aggregate**: around every operator step (and every

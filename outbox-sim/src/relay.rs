@@ -52,6 +52,12 @@ pub(crate) struct RelayShared {
     /// Store calls of the relays under way (a prefetch claim runs beside its batch's publish,
     /// so it may still be running when the batch is held).
     in_flight: Arc<AtomicUsize>,
+    /// For each event its latest claim handed out inside a run (after the head): that claim
+    /// and the event before it in the run (the prefix invariant).
+    run_predecessor: Mutex<BTreeMap<EventId, (Uuid, EventId)>>,
+    /// Per claim: the (aggregate, version)s whose acknowledgement the simulation returned to
+    /// the claim's relay (the send-order invariant).
+    acked_in_claim: Mutex<BTreeMap<Uuid, std::collections::BTreeSet<(String, i64)>>>,
 }
 
 /// Counts a relay's store call as under way until dropped (also when its task is aborted).
@@ -99,7 +105,57 @@ impl RelayShared {
             bug,
             short_claim_check,
             in_flight: Arc::default(),
+            run_predecessor: Mutex::new(BTreeMap::new()),
+            acked_in_claim: Mutex::new(BTreeMap::new()),
         }
+    }
+
+    /// For each event handed out inside a run by its latest claim: the event before it.
+    pub(crate) fn run_predecessors(&self) -> BTreeMap<EventId, EventId> {
+        self.run_predecessor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|(e, (_, pred))| (*e, *pred))
+            .collect()
+    }
+
+    /// The simulation returned an acknowledgement of (`aggregate`, `version`) to the relay
+    /// holding `claim`.
+    pub(crate) fn note_acked(&self, claim: Uuid, aggregate: &str, version: i64) {
+        self.acked_in_claim
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(claim)
+            .or_default()
+            .insert((aggregate.to_owned(), version));
+    }
+
+    /// Whether `claim` handed out a run and an acknowledgement of one of its events went
+    /// back to its relay (a crash now falls between two events of the run, or after them).
+    pub(crate) fn mid_run(&self, claim: Uuid) -> bool {
+        let has_run = self
+            .run_predecessor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+            .any(|(t, _)| *t == claim);
+        has_run
+            && self
+                .acked_in_claim
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .get(&claim)
+                .is_some_and(|s| !s.is_empty())
+    }
+
+    /// Whether an acknowledgement of (`aggregate`, `version`) went back to `claim`'s relay.
+    pub(crate) fn acked_in(&self, claim: Uuid, aggregate: &str, version: i64) -> bool {
+        self.acked_in_claim
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&claim)
+            .is_some_and(|s| s.contains(&(aggregate.to_owned(), version)))
     }
 
     /// How many store calls of the relays are under way.
@@ -195,6 +251,22 @@ impl<S: RelayStore> SimStore<S> {
             for rec in &batch.records {
                 latest.insert(rec.envelope.event_id, batch.handle.token);
             }
+            let mut runs = self
+                .shared
+                .run_predecessor
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            for (k, rec) in batch.records.iter().enumerate() {
+                let id = rec.envelope.event_id;
+                match k.checked_sub(1).map(|p| &batch.records[p]) {
+                    Some(prev) if rec.run_position > 0 => {
+                        runs.insert(id, (batch.handle.token, prev.envelope.event_id));
+                    }
+                    _ => {
+                        runs.remove(&id);
+                    }
+                }
+            }
         }
         let mut claims = self.shared.claims();
         for rec in &batch.records {
@@ -226,6 +298,30 @@ impl<S: RelayStore> SimStore<S> {
                 ending: false,
             },
         );
+    }
+}
+
+impl<S> SimStore<S> {
+    /// The seeded bug's completion: the outcome of the event before each published event of
+    /// a run of `claim` is dropped (a completion with a hole, which the store must refuse).
+    fn without_run_heads(&self, claim: &ClaimHandle, outcomes: &[Outcome]) -> Vec<Outcome> {
+        let runs = self
+            .shared
+            .run_predecessor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let holes: std::collections::BTreeSet<EventId> = outcomes
+            .iter()
+            .filter(|o| matches!(o, Outcome::Published { .. }))
+            .filter_map(|o| runs.get(&o.event_id()))
+            .filter(|(token, _)| *token == claim.token)
+            .map(|(_, pred)| *pred)
+            .collect();
+        outcomes
+            .iter()
+            .filter(|o| !holes.contains(&o.event_id()))
+            .cloned()
+            .collect()
     }
 }
 
@@ -289,6 +385,15 @@ impl<S: RelayStore> RelayStore for SimStore<S> {
             return Ok(batch);
         }
         self.track(&batch, requested_at);
+        let mut batch = batch;
+        if self.bug(SeededBug::RunSentAtOnce) {
+            // The relay takes every event for a head: a run goes out at once, each version
+            // without waiting for the acknowledgement of the one before (so also after its
+            // failure).
+            for rec in &mut batch.records {
+                rec.run_position = 0;
+            }
+        }
         if self.bug(SeededBug::MarkBeforeAck) {
             let outcomes: Vec<Outcome> = batch
                 .records
@@ -318,6 +423,8 @@ impl<S: RelayStore> RelayStore for SimStore<S> {
             shifted(outcomes)
         } else if self.bug(SeededBug::SwappedAckMetadata) {
             swapped_acks(outcomes)
+        } else if self.bug(SeededBug::StoreAcceptsRunHoles) {
+            self.without_run_heads(claim, outcomes)
         } else {
             outcomes.to_vec()
         };

@@ -97,12 +97,18 @@ pub struct SimReport {
     pub parked: usize,
     /// Batches answered with both acknowledgements and failures.
     pub mixed_batches: usize,
+    /// Records sent inside a run: past their aggregate's next version, after the
+    /// acknowledgement of the versions before them under the same claim.
+    pub run_sends: usize,
     /// Cycles that ended with a prefetched batch waiting.
     pub prefetches: usize,
     /// Operator actions on the outbox (during the steps).
     pub operator_actions: usize,
     /// Relay crashes while holding a claim.
     pub relay_crashes_holding_work: usize,
+    /// Of those, crashes between two events of a run: an event of the claim's run was
+    /// acknowledged, its completion not written.
+    pub relay_crashes_mid_run: usize,
     /// Consumer crashes with messages in flight.
     pub consumer_crashes_with_work: usize,
     /// Duplicates the engine absorbed.
@@ -302,11 +308,16 @@ impl Simulation<MemoryBackend, NoEffect> {
     /// A simulation on the in-memory backends with the default command ([`Touch`]) and no
     /// user effect.
     pub fn memory(config: SimConfig, modes: Modes) -> Self {
-        let gap_timeout = config.gap_timeout;
+        let (gap_timeout, bug) = (config.gap_timeout, config.bug);
         Self::new(
             config,
             modes,
-            |_, mode| MemoryBackend::with_gap_timeout(mode, gap_timeout),
+            move |_, mode| {
+                MemoryBackend::with_gap_timeout(mode, gap_timeout).map_store(|s| {
+                    s.seeded_bug_accept_run_holes(bug == Some(SeededBug::StoreAcceptsRunHoles))
+                        .seeded_bug_run_skips_gaps(bug == Some(SeededBug::RunSkipsGap))
+                })
+            },
             NoEffect,
             vec![Box::new(Touch)],
         )
@@ -432,7 +443,9 @@ where
         let (publisher, handle) = publisher::pair(self.config.delivery_timeout);
         let cfg = RelayConfig::builder()
             .owner(relay_owner(i, generation))
-            .batch_size(self.config.batch_size.max(1))
+            // A case with runs claims room for one (the heads come first).
+            .batch_size(self.config.batch_size.max(1) + self.modes.run.max(1) - 1)
+            .run(self.modes.run.max(1))
             .retry(retry_policy(
                 &self.config,
                 self.config.relay_retry.0,
@@ -1057,7 +1070,7 @@ where
                 if self.config.has(SeededBug::SkipHead) {
                     self.skip_heads(&mut batch.records)?;
                 }
-                self.check_send(i, &batch.records)?;
+                self.report.run_sends += self.check_send(i, &batch.records)?;
                 self.relays[i].held = Some(batch);
                 Ok(false)
             }
@@ -1142,7 +1155,7 @@ where
         mut hold: Box<dyn Hold>,
     ) -> Check {
         let answered = self.relays[a].held.take().map(|batch| {
-            self.broker_answers(&batch, answers)
+            self.broker_answers(a, &batch, answers)
                 .map(|results| batch.answer(results))
         });
         if let Some(Err(e)) = answered {
@@ -1187,8 +1200,9 @@ where
     }
 
     /// At send time: every record is held by a live claim of its sender, and is its
-    /// aggregate's head.
-    fn check_send(&self, i: usize, records: &[Envelope]) -> Check {
+    /// aggregate's head, or follows it in a run after the acknowledgements of the versions
+    /// before it (send order). Returns how many records went out inside a run.
+    fn check_send(&self, i: usize, records: &[Envelope]) -> Result<usize, String> {
         let mine = self.shared.claims_of(i);
         for e in records {
             ensure(
@@ -1199,14 +1213,25 @@ where
             )?;
         }
         let rows = self.block_on(self.backend.rows())??;
-        invariants::check_send_order(&self.model, &rows, records)
+        // A version past the next one goes out only inside a run: after the acknowledgement
+        // of every version before it came back to this relay under the claim that holds it.
+        let acked_before = |e: &Envelope, version: i64| {
+            mine.iter()
+                .filter(|c| self.shared.live(c))
+                .filter(|c| c.events.iter().any(|(id, _)| *id == e.event_id))
+                .any(|c| {
+                    self.shared
+                        .acked_in(c.handle.token, &e.aggregate_id, version)
+                })
+        };
+        invariants::check_send_order(&self.model, &rows, records, acked_before)
     }
 
     fn answer(&mut self, i: usize, answers: &[RecordAnswer]) -> Check {
         let Some(batch) = self.relays[i].held.take() else {
             return Ok(());
         };
-        let results = self.broker_answers(&batch, answers)?;
+        let results = self.broker_answers(i, &batch, answers)?;
         batch.answer(results);
         self.wait_relay(i)
     }
@@ -1215,9 +1240,11 @@ where
     /// records stored in the log as they are answered).
     fn broker_answers(
         &mut self,
+        relay: usize,
         batch: &HeldBatch,
         answers: &[RecordAnswer],
     ) -> Result<Vec<PublishResult>, String> {
+        let mine = self.shared.claims_of(relay);
         let mut results: Vec<PublishResult> = Vec::with_capacity(batch.records.len());
         let (mut acked, mut failed) = (0, 0);
         for (k, e) in batch.records.iter().enumerate() {
@@ -1256,6 +1283,15 @@ where
             };
             if result.is_ok() {
                 acked += 1;
+                // The acknowledgement goes back to the relay, under the claim it sent it in:
+                // the one record after it in a run may go out now (send order).
+                if let Some(c) = mine
+                    .iter()
+                    .find(|c| c.events.iter().any(|(id, _)| *id == e.event_id))
+                {
+                    self.shared
+                        .note_acked(c.handle.token, &e.aggregate_id, e.aggregate_version);
+                }
             } else {
                 failed += 1;
             }
@@ -1314,7 +1350,7 @@ where
                     let Some(batch) = self.relays[i].held.take() else {
                         continue;
                     };
-                    let results = self.broker_answers(&batch, answers)?;
+                    let results = self.broker_answers(i, &batch, answers)?;
                     batch.answer(results);
                     relays.push(i);
                 }
@@ -1409,6 +1445,9 @@ where
         let claims = self.shared.claims_of(i);
         if !claims.is_empty() {
             self.report.relay_crashes_holding_work += 1;
+        }
+        if claims.iter().any(|c| self.shared.mid_run(c.handle.token)) {
+            self.report.relay_crashes_mid_run += 1;
         }
         for c in claims {
             self.orphan(c.handle)?;
@@ -1649,6 +1688,7 @@ where
         }
         let seen = self.observe()?;
         invariants::check(&mut self.model, &self.log, &seen)?;
+        invariants::check_run_prefix(&seen.rows, &self.shared.run_predecessors())?;
         self.positions_grow()
     }
 

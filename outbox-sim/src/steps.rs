@@ -345,6 +345,8 @@ pub struct Modes {
     pub policy: Policy,
     /// The transport (see [`Transport`]).
     pub transport: Transport,
+    /// `RelayConfig::run`: the longest run per aggregate the relays claim (1: heads only).
+    pub run: usize,
 }
 
 /// One generated case.
@@ -353,6 +355,7 @@ pub type Case = (Modes, Vec<Step>);
 /// The strategy of cases (modes and steps) for `config`.
 pub fn cases(config: &SimConfig) -> impl Strategy<Value = Case> {
     let forced = config.transport;
+    let forced_run = config.run;
     (
         (
             any::<bool>(),
@@ -372,12 +375,15 @@ pub fn cases(config: &SimConfig) -> impl Strategy<Value = Case> {
                 1 => Just(Transport::JetStream),
                 1 => Just(Transport::RabbitMq)
             ],
+            // Runs in half the cases (1 is heads only).
+            prop_oneof![Just(1usize), Just(3usize)],
         )
-            .prop_map(move |(lease, prefetch, policy, transport)| Modes {
+            .prop_map(move |(lease, prefetch, policy, transport, run)| Modes {
                 lease,
                 prefetch,
                 policy,
                 transport: forced.unwrap_or(transport),
+                run: forced_run.unwrap_or(run),
             }),
         steps(config),
     )

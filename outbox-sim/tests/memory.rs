@@ -48,6 +48,8 @@ fn the_generator_reaches_the_interesting_states() {
         total.prefetches += r.prefetches;
         total.operator_actions += r.operator_actions;
         total.relay_crashes_holding_work += r.relay_crashes_holding_work;
+        total.relay_crashes_mid_run += r.relay_crashes_mid_run;
+        total.run_sends += r.run_sends;
         total.consumer_crashes_with_work += r.consumer_crashes_with_work;
         total.engine_duplicates += r.engine_duplicates;
         total.consumer_parked += r.consumer_parked;
@@ -77,6 +79,12 @@ fn the_generator_reaches_the_interesting_states() {
         "every mode combination: {modes:?}"
     );
     assert!(total.committed_events > 100, "{total:?}");
+    // Runs: versions sent inside a run, and relays dying between two events of one.
+    assert!(total.run_sends > 0, "no event sent inside a run: {total:?}");
+    assert!(
+        total.relay_crashes_mid_run > 0,
+        "no relay crashed mid-run: {total:?}"
+    );
     assert!(total.applied > 100, "{total:?}");
     assert!(
         total.duplicates_in_log > 0,

@@ -12,6 +12,18 @@
 //! [`MemoryOutboxStore::gap_timeout`]) and parks pending rows at or below `last` as out of
 //! order.
 //!
+//! # Runs
+//!
+//! A claim asking for runs ([`ClaimRequest::run`]) gets, after each head, its aggregate's next
+//! versions while they are consecutive, each the only unfinished row of its version, pending,
+//! due and unclaimed (a gap, a duplicate version, a parked or a not-due row ends the run).
+//! Heads come first: runs only fill what the heads leave of the limit, oldest head first. A
+//! completion applies an outcome for an event of a run only when its predecessor is `last`
+//! (published before or earlier in the same completion; outcomes are taken in version order
+//! per aggregate), and refuses it otherwise (counted as superseded); rows without an outcome
+//! are released unchanged and claimable at once. [`MemoryOutboxStore::runs`] turns runs off
+//! (a store without them).
+//!
 //! # Claim modes
 //!
 //! * [`ClaimMode::Lease`]: a claim records owner, a unique token and an expiry on the injected
@@ -53,6 +65,8 @@ struct RowClaim {
     token: Uuid,
     owner: String,
     expires_at: Option<DateTime<Utc>>,
+    /// 0 for a head, `k` for the `k`-th event of its run after the head.
+    run_position: u32,
 }
 
 impl RowClaim {
@@ -198,6 +212,39 @@ impl OutboxState {
             .with_class(ErrorClass::Permanent));
         }
         Ok(())
+    }
+
+    /// The rest of the run after the head `head`: at most `max` rows of its aggregate at the
+    /// next versions, consecutive, each the only unfinished row of its version, pending and
+    /// due (and under no live claim). Ends at the first row that is not.
+    fn run_after(&self, head: u64, max: usize, now: DateTime<Utc>, skip_gaps: bool) -> Vec<u64> {
+        let row = &self.rows[&head];
+        let Some(set) = self.open.get(&agg_key(&row.envelope)) else {
+            return Vec::new();
+        };
+        let from = (row.envelope.aggregate_version, head);
+        let mut after = set
+            .range((std::ops::Bound::Excluded(from), std::ops::Bound::Unbounded))
+            .peekable();
+        let (mut expected, mut run) = (from.0 + 1, Vec::new());
+        while run.len() < max {
+            let Some(&(version, seq)) = after.next() else {
+                break;
+            };
+            let duplicate = after.peek().is_some_and(|(v, _)| *v == version);
+            let r = &self.rows[&seq];
+            if (version != expected && !(skip_gaps && version > expected))
+                || duplicate
+                || r.status != DeliveryStatus::Pending
+                || r.next_attempt_at > now
+                || r.claim.as_ref().is_some_and(|c| c.live(now))
+            {
+                break;
+            }
+            run.push(seq);
+            expected = version + 1;
+        }
+        run
     }
 
     fn advance_last(&mut self, key: AggKey, version: i64) {
@@ -349,6 +396,13 @@ pub struct MemoryOutboxStore {
     limits: EnvelopeLimits,
     gap_timeout: Duration,
     accept_first_version: bool,
+    /// Ignores [`ClaimRequest::run`] (heads only), as a store without runs does.
+    heads_only_runs: bool,
+    /// Seeded bug (the simulation's): applies outcomes of a run's events whatever came
+    /// before them, breaking the prefix rule.
+    accept_run_holes: bool,
+    /// Seeded bug (the simulation's): runs go on past a missing version.
+    run_skips_gaps: bool,
 }
 
 /// Default of [`MemoryOutboxStore::gap_timeout`], the same as the PostgreSQL store's.
@@ -371,7 +425,34 @@ impl MemoryOutboxStore {
             limits: EnvelopeLimits::default(),
             gap_timeout: DEFAULT_GAP_TIMEOUT,
             accept_first_version: false,
+            heads_only_runs: false,
+            accept_run_holes: false,
+            run_skips_gaps: false,
         }
+    }
+
+    /// Whether claims hand out runs ([`ClaimRequest::run`]; default `true`). `false` models
+    /// a store without runs, which hands out heads only (conformant).
+    pub fn runs(mut self, on: bool) -> Self {
+        self.heads_only_runs = !on;
+        self
+    }
+
+    /// A deliberate bug for the simulation's seeded-bug checks: completions apply outcomes of
+    /// a run's events out of prefix order (a `Published` after an unpublished version).
+    /// Never for anything else.
+    #[doc(hidden)]
+    pub fn seeded_bug_accept_run_holes(mut self, on: bool) -> Self {
+        self.accept_run_holes = on;
+        self
+    }
+
+    /// A deliberate bug for the simulation's seeded-bug checks: a run goes on past a missing
+    /// version. Never for anything else.
+    #[doc(hidden)]
+    pub fn seeded_bug_run_skips_gaps(mut self, on: bool) -> Self {
+        self.run_skips_gaps = on;
+        self
     }
 
     /// Accept the lowest unfinished version of an aggregate without state as its first
@@ -609,10 +690,24 @@ impl RelayStore for MemoryOutboxStore {
         }
         heads.sort_unstable();
         heads.truncate(request.limit);
+        // Runs fill what the heads leave of the limit, oldest head first: other aggregates'
+        // heads are never crowded out by a hot aggregate's run.
+        let mut room = request.limit - heads.len();
+        let mut claimed: Vec<(u64, u32)> = Vec::with_capacity(heads.len());
+        for &head in &heads {
+            claimed.push((head, 0));
+            if self.heads_only_runs || room == 0 || request.run_len() < 2 {
+                continue;
+            }
+            let max = (request.run_len() - 1).min(room);
+            let run = out.run_after(head, max, now, self.run_skips_gaps);
+            room -= run.len();
+            claimed.extend(run.into_iter().zip(1..));
+        }
         let expires_at = lease.map(|d| now + chrono::Duration::from_std(d).unwrap_or_default());
-        let mut records = Vec::with_capacity(heads.len());
-        for seq in &heads {
-            let row = out.rows.get_mut(seq).expect("open rows exist");
+        let mut records = Vec::with_capacity(claimed.len());
+        for &(seq, run_position) in &claimed {
+            let row = out.rows.get_mut(&seq).expect("open rows exist");
             // A claim still on a claimable row is an expired lease whose relay neither
             // completed nor released it: it may have sent the event.
             if row.claim.is_some() {
@@ -622,14 +717,17 @@ impl RelayStore for MemoryOutboxStore {
                 token,
                 owner: request.owner.clone(),
                 expires_at,
+                run_position,
             });
             records.push(
                 ClaimedRecord::new(row.envelope.clone(), row.attempts)
-                    .with_maybe_sent_before(row.maybe_delivered),
+                    .with_maybe_sent_before(row.maybe_delivered)
+                    .with_run_position(run_position),
             );
         }
-        if !heads.is_empty() {
-            out.claims.insert(token, ClaimState { seqs: heads });
+        if !claimed.is_empty() {
+            let seqs = claimed.into_iter().map(|(seq, _)| seq).collect();
+            out.claims.insert(token, ClaimState { seqs });
         }
         Ok(ClaimedBatch::new(handle, records, lease).with_version_notices(parked, gaps_held))
     }
@@ -643,7 +741,16 @@ impl RelayStore for MemoryOutboxStore {
         let mut st = self.lock();
         let out = &mut st.outbox;
         let (mut applied, mut superseded) = (0usize, Vec::new());
-        for o in outcomes {
+        // Per aggregate in version order, so a run's prefix rule does not depend on the order
+        // of the outcomes (the sort is stable: unknown events keep their place at the front).
+        let mut order: Vec<&Outcome> = outcomes.iter().collect();
+        order.sort_by_cached_key(|o| {
+            out.by_id
+                .get(&o.event_id())
+                .and_then(|s| out.rows.get(s))
+                .map(|r| (agg_key(&r.envelope), r.envelope.aggregate_version))
+        });
+        for o in order {
             let seq = out.by_id.get(&o.event_id()).copied();
             let owned = seq.and_then(|s| out.rows.get(&s)).is_some_and(|r| {
                 r.status == DeliveryStatus::Pending
@@ -653,6 +760,19 @@ impl RelayStore for MemoryOutboxStore {
                 superseded.push(o.event_id());
                 continue;
             };
+            // The prefix rule: an event of a run gets an outcome only right after `last`,
+            // so only when every version before it in the run was published (by this
+            // completion or before); after the run's first non-published outcome, none.
+            let row = &out.rows[&seq];
+            let in_run = row.claim.as_ref().is_some_and(|c| c.run_position > 0);
+            if in_run
+                && !self.accept_run_holes
+                && out.last.get(&agg_key(&row.envelope)).copied()
+                    != Some(row.envelope.aggregate_version - 1)
+            {
+                superseded.push(o.event_id());
+                continue;
+            }
             let row = out.rows.get_mut(&seq).expect("checked above");
             let mut closes = false;
             match o {

@@ -8,6 +8,14 @@ mod outbox {
     });
 }
 
+/// The in-memory store with runs turned off: a store that ignores `ClaimRequest::run` passes
+/// the suite (heads only).
+mod outbox_heads_only {
+    outbox_testkit::outbox_conformance_tests!(async {
+        outbox_testkit::conformance::MemoryOutboxHarness::heads_only()
+    });
+}
+
 mod inbox {
     outbox_testkit::inbox_conformance_tests!(async {
         outbox_testkit::conformance::MemoryInboxHarness::new()

@@ -613,6 +613,8 @@ pub struct MemoryOutboxHarness {
     pub clock: ManualClock,
     /// The database.
     pub db: MemoryDb,
+    /// Its stores hand out heads only, as a store without runs ([`MemoryOutboxStore::runs`]).
+    pub heads_only: bool,
 }
 
 impl MemoryOutboxHarness {
@@ -622,6 +624,15 @@ impl MemoryOutboxHarness {
         Self {
             db: MemoryDb::new(clock.clone()),
             clock,
+            heads_only: false,
+        }
+    }
+
+    /// A harness whose stores ignore runs (a store without them must pass the suite too).
+    pub fn heads_only() -> Self {
+        Self {
+            heads_only: true,
+            ..Self::new()
         }
     }
 }
@@ -631,11 +642,15 @@ impl OutboxHarness for MemoryOutboxHarness {
     type Store = MemoryOutboxStore;
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::virtual_time().with_accept_first_version(true)
+        Capabilities::virtual_time()
+            .with_accept_first_version(true)
+            .with_runs(!self.heads_only)
     }
 
     async fn store(&self, mode: ClaimMode) -> MemoryOutboxStore {
-        MemoryOutboxStore::new(&self.db, mode).gap_timeout(self.capabilities().gap_timeout)
+        MemoryOutboxStore::new(&self.db, mode)
+            .gap_timeout(self.capabilities().gap_timeout)
+            .runs(!self.heads_only)
     }
 
     async fn store_accepting_first_version(&self, mode: ClaimMode) -> MemoryOutboxStore {
@@ -784,6 +799,10 @@ pub const OUTBOX_CHECKS: &[&str] = &[
     "first_version_is_accepted_again_after_a_claim_that_did_not_publish",
     "a_late_lower_version_never_follows_a_first_version_that_may_have_been_sent",
     "stats_keep_blocked_and_gap_held_events_out_of_the_claimable_age",
+    "runs_are_consecutive_from_the_next_version",
+    "a_run_ends_at_a_gap_a_duplicate_version_or_a_parked_row",
+    "a_run_completion_with_a_hole_is_refused_after_it",
+    "the_rest_of_a_run_is_released_and_claimable_at_once",
 ];
 
 /// Names of the publisher checks, in the order the macro emits them.
@@ -975,6 +994,10 @@ macro_rules! outbox_conformance_tests {
             first_version_is_accepted_again_after_a_claim_that_did_not_publish,
             a_late_lower_version_never_follows_a_first_version_that_may_have_been_sent,
             stats_keep_blocked_and_gap_held_events_out_of_the_claimable_age,
+            runs_are_consecutive_from_the_next_version,
+            a_run_ends_at_a_gap_a_duplicate_version_or_a_parked_row,
+            a_run_completion_with_a_hole_is_refused_after_it,
+            the_rest_of_a_run_is_released_and_claimable_at_once,
         );
     };
     (@emit ($setup:expr) $($check:ident),* $(,)?) => {

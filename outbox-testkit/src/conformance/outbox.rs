@@ -1414,3 +1414,241 @@ pub async fn stats_keep_blocked_and_gap_held_events_out_of_the_claimable_age<H: 
         "{s:?}"
     );
 }
+
+// ---- Runs (`outbox_core::store`, *Runs*; capability `runs`) ----
+
+async fn claim_run<S: OutboxStore>(
+    store: &S,
+    owner: &str,
+    limit: usize,
+    run: usize,
+) -> ClaimedBatch {
+    store
+        .claim(&ClaimRequest::new(owner, limit).with_run(run))
+        .await
+        .expect("claim")
+}
+
+/// The batch as (aggregate, version, run position), in batch order.
+fn layout(batch: &ClaimedBatch) -> Vec<(String, i64, u32)> {
+    batch
+        .records
+        .iter()
+        .map(|r| {
+            (
+                r.envelope.aggregate_id.clone(),
+                r.envelope.aggregate_version,
+                r.run_position,
+            )
+        })
+        .collect()
+}
+
+fn run_of(aggregate: &str, versions: std::ops::RangeInclusive<i64>) -> Vec<(String, i64, u32)> {
+    let first = *versions.start();
+    versions
+        .map(|v| (aggregate.to_owned(), v, (v - first) as u32))
+        .collect()
+}
+
+/// Runs: a claim asking for runs gets, after each head, its aggregate's next versions, adjacent
+/// and in version order with run positions 0, 1, 2, ..., each counted against the limit; a
+/// whole run published advances `last` to its end. A store without runs hands out heads only.
+pub async fn runs_are_consecutive_from_the_next_version<H: OutboxHarness>(h: &H) {
+    let caps = h.capabilities();
+    let store = default_store(h).await;
+    let (a, b) = (agg("run-a"), agg("run-b"));
+    let a_events: Vec<Envelope> = (1..=5).map(|v| event(&a, v)).collect();
+    append_committed(h, &store, &a_events).await;
+    append_committed(h, &store, &[event(&b, 1)]).await;
+    let batch = claim_run(&store, "r", 100, 10).await;
+    if !caps.runs {
+        assert!(
+            batch.records.iter().all(|r| r.run_position == 0),
+            "a store without runs hands out heads only: {:?}",
+            layout(&batch)
+        );
+        assert_eq!(batch.records.len(), 2, "{:?}", layout(&batch));
+        return not_applicable(
+            "runs_are_consecutive_from_the_next_version",
+            "the store hands out heads only (capability runs)",
+        );
+    }
+    let mut want = run_of(&a, 1..=5);
+    want.push((b.clone(), 1, 0));
+    let mut got = layout(&batch);
+    // Aggregates may come in any order; each run stays together and in order.
+    let pos_a = got.iter().position(|x| x.0 == a).expect("a is claimed");
+    let end = (pos_a + 5).min(got.len());
+    let a_part: Vec<_> = got.drain(pos_a..end).collect();
+    assert_eq!(
+        a_part,
+        run_of(&a, 1..=5),
+        "the run of a: {:?}",
+        layout(&batch)
+    );
+    assert_eq!(
+        got,
+        vec![(b.clone(), 1, 0)],
+        "{:?} / {want:?}",
+        layout(&batch)
+    );
+    store
+        .complete(&batch.handle, &publish_all(&batch))
+        .await
+        .expect("complete");
+    // `last` is now 5: version 6 is the head, 7 its run.
+    append_committed(h, &store, &[event(&a, 6), event(&a, 7)]).await;
+    let next = claim_run(&store, "r", 100, 10).await;
+    assert_eq!(layout(&next), run_of(&a, 6..=7));
+    store.release(&next.handle).await.expect("release");
+    // A run counts against the limit, one per event; shorter runs than asked are handed out.
+    let limited = claim_run(&store, "r", 1, 10).await;
+    assert_eq!(layout(&limited), run_of(&a, 6..=6));
+    store.release(&limited.handle).await.expect("release");
+    let short = claim_run(&store, "r", 100, 1).await;
+    assert_eq!(layout(&short), run_of(&a, 6..=6), "run 1: heads only");
+}
+
+/// A run ends before a missing version, before a version held by two unfinished rows, and
+/// before a parked row.
+pub async fn a_run_ends_at_a_gap_a_duplicate_version_or_a_parked_row<H: OutboxHarness>(h: &H) {
+    let caps = h.capabilities();
+    if !caps.runs {
+        return not_applicable(
+            "a_run_ends_at_a_gap_a_duplicate_version_or_a_parked_row",
+            "the store hands out heads only (capability runs)",
+        );
+    }
+    let store = default_store(h).await;
+    // A parked follower: version 2 parked as a gap (1 missing), then 1 commits late.
+    let p = agg("run-parked");
+    append_committed(h, &store, &[event(&p, 2), event(&p, 3)]).await;
+    assert!(claim_run(&store, "r", 100, 10).await.is_empty());
+    h.advance(caps.gap_timeout + caps.time_step).await;
+    let parked = claim_run(&store, "r", 100, 10).await;
+    assert!(
+        parked.is_empty() && parked.parked.len() == 1,
+        "setup: {parked:?}"
+    );
+    append_committed(h, &store, &[event(&p, 1)]).await;
+    let (g, d) = (agg("run-gap"), agg("run-dup"));
+    append_committed(h, &store, &[event(&g, 1), event(&g, 2), event(&g, 4)]).await;
+    append_committed(
+        h,
+        &store,
+        &[event(&d, 1), event(&d, 2), event(&d, 2), event(&d, 3)],
+    )
+    .await;
+    let batch = claim_run(&store, "r", 100, 10).await;
+    let got = layout(&batch);
+    let of = |name: &str| -> Vec<(String, i64, u32)> {
+        got.iter().filter(|x| x.0 == name).cloned().collect()
+    };
+    assert_eq!(of(&p), run_of(&p, 1..=1), "a parked version 2 ends the run");
+    assert_eq!(
+        of(&g),
+        run_of(&g, 1..=2),
+        "the missing version 3 ends the run"
+    );
+    assert_eq!(
+        of(&d),
+        run_of(&d, 1..=1),
+        "two rows of version 2 end the run"
+    );
+}
+
+/// The prefix rule: a `Published` outcome whose predecessor in the run is not published (in
+/// the same completion or before) is refused, and so is any outcome after the run's first
+/// non-published one; what is accepted is applied, and the refused rows stay pending.
+pub async fn a_run_completion_with_a_hole_is_refused_after_it<H: OutboxHarness>(h: &H) {
+    let caps = h.capabilities();
+    if !caps.runs {
+        return not_applicable(
+            "a_run_completion_with_a_hole_is_refused_after_it",
+            "the store hands out heads only (capability runs)",
+        );
+    }
+    let store = default_store(h).await;
+    let (a, b) = (agg("hole-a"), agg("hole-b"));
+    let av: Vec<Envelope> = (1..=3).map(|v| event(&a, v)).collect();
+    let bv: Vec<Envelope> = (1..=2).map(|v| event(&b, v)).collect();
+    append_committed(h, &store, &av).await;
+    append_committed(h, &store, &bv).await;
+    let batch = claim_run(&store, "r", 100, 10).await;
+    assert_eq!(batch.records.len(), 5, "setup: {:?}", layout(&batch));
+    let retry = Outcome::Retry {
+        event_id: av[1].event_id,
+        delay: caps.time_step,
+        error: last_error(ErrorClass::Transient),
+    };
+    // a: 1 published, 2 failed, 3 published (a hole); b: 2 published without 1.
+    let outcomes = vec![
+        published(av[0].event_id, 0),
+        retry,
+        published(av[2].event_id, 1),
+        published(bv[1].event_id, 2),
+    ];
+    let rep = store
+        .complete(&batch.handle, &outcomes)
+        .await
+        .expect("complete");
+    let refused: BTreeSet<EventId> = rep.superseded_events.iter().copied().collect();
+    assert_eq!(
+        refused,
+        set(&[&av[2], &bv[1]]),
+        "a Published after an unpublished version must be refused"
+    );
+    assert_eq!((rep.applied, rep.superseded), (2, 2));
+    // b: nothing published, its run released: version 1 at once, then 2 after it.
+    let next = claim_run(&store, "r", 100, 10).await;
+    assert_eq!(layout(&next), run_of(&b, 1..=2), "a waits for its retry");
+    assert!(next.records.iter().all(|r| r.attempts == 0));
+    store
+        .complete(&next.handle, &publish_all(&next))
+        .await
+        .expect("complete");
+    // a: version 2 is its head again after the retry delay, with the attempt counted, and 3
+    // was never published.
+    h.advance(caps.time_step * 2).await;
+    let again = claim_run(&store, "r", 100, 10).await;
+    assert_eq!(layout(&again), run_of(&a, 2..=3));
+    assert_eq!(again.records[0].attempts, 1);
+    assert_eq!(again.records[1].attempts, 0);
+}
+
+/// The rest of a run (rows without an outcome) is released unchanged: claimable at once, no
+/// attempt counted, not flagged as possibly sent, the first of them the aggregate's head.
+pub async fn the_rest_of_a_run_is_released_and_claimable_at_once<H: OutboxHarness>(h: &H) {
+    let caps = h.capabilities();
+    if !caps.runs {
+        return not_applicable(
+            "the_rest_of_a_run_is_released_and_claimable_at_once",
+            "the store hands out heads only (capability runs)",
+        );
+    }
+    let store = default_store(h).await;
+    let a = agg("rest");
+    let av: Vec<Envelope> = (1..=4).map(|v| event(&a, v)).collect();
+    append_committed(h, &store, &av).await;
+    let batch = claim_run(&store, "r", 100, 10).await;
+    assert_eq!(layout(&batch), run_of(&a, 1..=4));
+    let rep = store
+        .complete(
+            &batch.handle,
+            &[published(av[0].event_id, 0), published(av[1].event_id, 1)],
+        )
+        .await
+        .expect("complete");
+    assert_eq!((rep.applied, rep.superseded), (2, 0));
+    let next = claim_run(&store, "r2", 100, 10).await;
+    assert_eq!(
+        layout(&next),
+        run_of(&a, 3..=4),
+        "the rest comes back at once"
+    );
+    for r in &next.records {
+        assert_eq!(r.attempts, 0, "no attempt counted for a released row");
+        assert!(!r.maybe_sent_before, "a released row was not sent");
+    }
+}
