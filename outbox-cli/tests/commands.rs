@@ -15,7 +15,7 @@ async fn migrate_is_idempotent_prints_sql_and_reports_json() {
     let env = env_or_skip!("migrate", 0);
     let (code, v, _) = env.json(&["migrate"]);
     assert_eq!(code, 0);
-    assert_eq!(v["outbox"]["applied"], 10);
+    assert_eq!(v["outbox"]["applied"], 11);
     assert_eq!(v["outbox"]["schema"], env.schema.as_str());
     let (code, v, _) = env.json(&["migrate"]);
     assert_eq!(code, 0);

@@ -79,7 +79,7 @@ async fn rows_published_under_version_7_read_back_as_kafka_acknowledgements() {
     let ctx = ctx!(4);
     version_7_rows(&ctx).await;
     let store = ctx.store_unmigrated(lease(30.0));
-    assert_eq!(store.migrate().await.unwrap(), 3, "migrations 8 to 10 run");
+    assert_eq!(store.migrate().await.unwrap(), 4, "migrations 8 to 11 run");
     assert_eq!(store.migrate().await.unwrap(), 0, "and only once");
 
     let s = |v: &str| Some(v.to_owned());

@@ -888,7 +888,7 @@ async fn migration_3_keeps_aggregates_whose_rows_were_cleaned_up_flowing() {
     .execute(&ctx.pool)
     .await
     .unwrap();
-    assert_eq!(store.migrate().await.unwrap(), 8, "migrations 3 to 10 run");
+    assert_eq!(store.migrate().await.unwrap(), 9, "migrations 3 to 11 run");
     let (q4, k4) = (event("quiet", 4), event("kept", 4));
     store.append_many(&ctx.pool, &[q4, k4]).await.unwrap();
     // Strict default: the archived history is used; the lost one is a gap.
@@ -1142,7 +1142,7 @@ async fn migration_3_unblocks_rows_behind_a_parked_row_below_the_last_version() 
     .execute(&ctx.pool)
     .await
     .unwrap();
-    assert_eq!(store.migrate().await.unwrap(), 8, "migrations 3 to 10 run");
+    assert_eq!(store.migrate().await.unwrap(), 9, "migrations 3 to 11 run");
     assert_eq!(last_version(&ctx.pool, &ctx.schema, "old").await, Some(5));
     let b = claim(&store, "r", 100).await;
     assert_eq!(

@@ -283,7 +283,7 @@ async fn upgrade_7_to_8_beside_relays_of_version_7_that_claim_and_complete() {
         .expect("the migration finishes once the old transactions ended")
         .unwrap()
         .unwrap();
-    assert_eq!(applied, 3, "migrations 8 to 10");
+    assert_eq!(applied, 4, "migrations 8 to 11");
     let waited = tokio::time::timeout(Duration::from_secs(10), appending)
         .await
         .expect("the append finishes after the migration")
@@ -459,7 +459,7 @@ async fn migration_8_waits_for_a_busy_table_holding_no_other() {
     );
     assert!(!migrating.is_finished());
     old.commit().await.unwrap();
-    assert_eq!(migrating.await.unwrap().unwrap(), 3);
+    assert_eq!(migrating.await.unwrap().unwrap(), 4);
     assert_eq!(
         rows(&ctx, "outbox_events").await,
         vec![(

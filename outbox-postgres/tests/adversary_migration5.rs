@@ -517,7 +517,7 @@ async fn upgrade_from_version_4_concurrently() {
     .await
     .unwrap()
     .rows_affected();
-    assert_eq!(deleted, 6, "the records of migrations 5 to 10");
+    assert_eq!(deleted, 7, "the records of migrations 5 to 11");
     sqlx::raw_sql(&format!(
         "{}; \
          UPDATE \"{s}\".outbox_events SET finished_at = published_at + interval '7 microseconds' \
@@ -560,8 +560,8 @@ async fn upgrade_from_version_4_concurrently() {
     let (r1, r2) = (r1.unwrap(), r2.unwrap());
     assert_eq!(
         r1 + r2,
-        6,
-        "one store applies migrations 5 to 10 ({r1}, {r2})"
+        7,
+        "one store applies migrations 5 to 11 ({r1}, {r2})"
     );
     assert_eq!(has_idx(&ctx).await, 0, "migration 5 drops published_at_idx");
     let versions: Vec<i32> = sqlx::query_scalar(&format!(
@@ -572,7 +572,7 @@ async fn upgrade_from_version_4_concurrently() {
     .fetch_all(&ctx.pool)
     .await
     .unwrap();
-    assert_eq!(versions, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+    assert_eq!(versions, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]);
     assert_eq!(s1.migrate().await.unwrap(), 0);
     let after = s1.publish_latency(Duration::from_secs(3600)).await.unwrap();
     assert_eq!(after.count, 10, "the recent old rows are in the window");
@@ -602,7 +602,7 @@ async fn concurrent_migrations_of_a_fresh_schema() {
     let s: Vec<_> = (0..3).map(|_| ctx.store_unmigrated(lease(30.0))).collect();
     let (a, b, c) = tokio::join!(s[0].migrate(), s[1].migrate(), s[2].migrate());
     let total = a.unwrap() + b.unwrap() + c.unwrap();
-    assert_eq!(total, 10);
+    assert_eq!(total, 11);
     let n: i64 = sqlx::query_scalar(&format!(
         "SELECT count(*) FROM \"{}\".outbox_schema_migrations",
         ctx.schema
@@ -610,7 +610,7 @@ async fn concurrent_migrations_of_a_fresh_schema() {
     .fetch_one(&ctx.pool)
     .await
     .unwrap();
-    assert_eq!(n, 10);
+    assert_eq!(n, 11);
     ctx.drop().await;
 }
 

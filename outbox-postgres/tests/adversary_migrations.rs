@@ -111,8 +111,8 @@ async fn migration_3_sees_what_a_relay_of_version_2_commits_while_it_runs() {
     old.commit().await.unwrap();
     assert_eq!(
         migrating.await.unwrap().unwrap(),
-        8,
-        "migrations 3 to 10 run"
+        9,
+        "migrations 3 to 11 run"
     );
 
     assert_eq!(
@@ -182,8 +182,8 @@ async fn a_migration_aborted_by_a_deadlock_with_an_old_relay_runs_again() {
     old.commit().await.unwrap();
     assert_eq!(
         migrating.await.unwrap().unwrap(),
-        8,
-        "the migration ran again and applied 3 to 10"
+        9,
+        "the migration ran again and applied 3 to 11"
     );
     let b = claim(&store, "new", 10).await;
     assert_eq!(versions(&b), vec![("dl".into(), 1)]);
@@ -247,8 +247,8 @@ async fn migration_6_beside_a_relay_of_version_5() {
     old.commit().await.unwrap();
     assert_eq!(
         migrating.await.unwrap().unwrap(),
-        5,
-        "migrations 6 to 10 run"
+        6,
+        "migrations 6 to 11 run"
     );
     assert_eq!(state(&ctx, "stuck").await, Some((None, None, false)));
     assert_eq!(

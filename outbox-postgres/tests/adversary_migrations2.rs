@@ -178,7 +178,7 @@ async fn migration_6_beside_a_locked_claim_of_version_5_that_completes() {
         b.parked
     );
     publish_all(&store, &b).await;
-    assert_eq!(migrating.await.unwrap().unwrap(), 5, "migrations 6 to 10");
+    assert_eq!(migrating.await.unwrap().unwrap(), 6, "migrations 6 to 11");
     ctx.drop().await;
 }
 
@@ -210,7 +210,7 @@ async fn a_statement_of_version_5_prepared_before_migration_6_writes_no_zero_aft
         .await
         .unwrap();
     assert_eq!(last(&ctx, "before").await, Some(Some(0)));
-    assert_eq!(store.migrate().await.unwrap(), 5, "migrations 6 to 10");
+    assert_eq!(store.migrate().await.unwrap(), 6, "migrations 6 to 11");
     assert_eq!(last(&ctx, "before").await, Some(None), "repaired");
     // The same prepared statement (sqlx's statement cache on this connection).
     sqlx::query(&v5_claim)
@@ -286,8 +286,8 @@ async fn a_migration_terminated_while_it_waits_runs_again() {
     let again = tokio::time::timeout(Duration::from_secs(30), store.migrate())
         .await
         .expect("the migration lock was left behind");
-    assert_eq!(again.unwrap(), 8, "migrations 3 to 10 run again");
-    assert_eq!(applied(&ctx).await, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+    assert_eq!(again.unwrap(), 9, "migrations 3 to 11 run again");
+    assert_eq!(applied(&ctx).await, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]);
     assert_eq!(last(&ctx, "killed").await, Some(Some(1)));
     let b = claim(&store, "new", 10).await;
     assert_eq!(versions(&b), vec![("killed".into(), 2)]);

@@ -18,14 +18,15 @@ use common::{event, lease, Ctx};
 const INDEX: &str = "outbox_events_held_idx";
 
 /// A store over the test's schema whose table is at version 9 and holds `rows` finished
-/// events: migrated, then migration 10 taken back (its index dropped, its log row deleted).
+/// events: migrated, then migrations 10 and 11 taken back (the index dropped, their log rows
+/// deleted; the column of 11 stays, which its migration adds only if it is missing).
 async fn table_at_version_9(ctx: &Ctx, rows: i64) -> PostgresOutboxStore {
     let store = ctx.store(lease(30.0)).await;
     let s = &ctx.schema;
     sqlx::raw_sql(&format!(
         "DROP INDEX \"{s}\".{INDEX}; \
          DELETE FROM \"{s}\".outbox_schema_migrations \
-           WHERE object = 'outbox:outbox_events' AND version = 10; \
+           WHERE object = 'outbox:outbox_events' AND version >= 10; \
          INSERT INTO \"{s}\".outbox_events (event_id, aggregate_type, aggregate_id, \
              aggregate_version, event_type, schema_version, content_type, payload, created_at, \
              status, finished_at, discard_reason) \
@@ -149,9 +150,9 @@ async fn appends_go_on_while_the_index_is_built() {
         .expect("migration finished")
         .unwrap()
         .expect("migrate");
-    assert_eq!(applied, 1, "migration 10 applied");
+    assert_eq!(applied, 2, "migrations 10 and 11 applied");
     assert!(matches!(index(&ctx).await, Some((_, true))), "index valid");
-    assert_eq!(applied_versions(&ctx).await, (1..=10).collect::<Vec<_>>());
+    assert_eq!(applied_versions(&ctx).await, (1..=11).collect::<Vec<_>>());
     // Appends after the build, too (the index is maintained, nothing is left locked).
     append_within(&ctx, &store, "after").await.unwrap();
     ctx.drop().await;
@@ -165,7 +166,7 @@ async fn an_invalid_index_left_by_an_interrupted_build_is_built_again() {
     let ctx = ctx!(8);
     let store = table_at_version_9(&ctx, 2_000).await;
     // Migration 10 recorded (as a run that stopped before its build does), no index yet.
-    assert_eq!(store.migrate().await.unwrap(), 1);
+    assert_eq!(store.migrate().await.unwrap(), 2);
     let s = &ctx.schema;
     sqlx::raw_sql(&format!("DROP INDEX \"{s}\".{INDEX}"))
         .execute(&ctx.pool)
@@ -231,7 +232,7 @@ async fn running_again_changes_nothing() {
         let ctx = ctx!(4);
         let store = if upgraded {
             let store = table_at_version_9(&ctx, 1_000).await;
-            assert_eq!(store.migrate().await.unwrap(), 1);
+            assert_eq!(store.migrate().await.unwrap(), 2);
             store
         } else {
             ctx.store(lease(30.0)).await
@@ -239,7 +240,7 @@ async fn running_again_changes_nothing() {
         let (oid, valid) = index(&ctx).await.expect("index");
         assert!(valid, "upgraded={upgraded}");
         let log = applied_versions(&ctx).await;
-        assert_eq!(log, (1..=10).collect::<Vec<_>>(), "upgraded={upgraded}");
+        assert_eq!(log, (1..=11).collect::<Vec<_>>(), "upgraded={upgraded}");
         for _ in 0..2 {
             assert_eq!(store.migrate().await.unwrap(), 0, "upgraded={upgraded}");
             assert_eq!(index(&ctx).await, Some((oid, true)), "upgraded={upgraded}");
@@ -267,7 +268,7 @@ async fn upgrades_build_the_index_steps_of_earlier_migrations() {
     common::schema_at_version(&ctx, 3).await;
     assert_eq!(valid(&ctx, "outbox_events_created_at_idx").await, None);
     let store = ctx.store_unmigrated(lease(30.0));
-    assert_eq!(store.migrate().await.unwrap(), 7, "migrations 4 to 10");
+    assert_eq!(store.migrate().await.unwrap(), 8, "migrations 4 to 11");
     assert_eq!(
         valid(&ctx, "outbox_events_created_at_idx").await,
         Some(true)

@@ -13,6 +13,7 @@ mod common;
 use std::time::Duration;
 
 use outbox_core::prelude::*;
+use outbox_core::RelayRegistry;
 use outbox_core::{
     ClaimMode, ClaimRequest, ClaimedBatch, Envelope, ErrorClass, EventId, LastError, Outcome,
 };
@@ -279,6 +280,7 @@ async fn stats_release_and_an_operators_release_cover_whole_runs() {
     let again = claim_run(&store, 10, 10).await;
     assert_eq!(layout(&again), run_of("a", 1..=5));
     assert!(again.records.iter().all(|r| !r.is_resend()));
+    assert_eq!(store.live_claims_of("relay").await.unwrap(), 5);
     assert_eq!(store.release_claims_of("relay", "ops").await.unwrap(), 1);
     assert_eq!(store.stats().await.unwrap().in_flight, 0);
     let audited = store.audit_trail(None).await.unwrap();

@@ -210,7 +210,7 @@ async fn hostile_identifiers_are_configuration_errors() {
         .table("shop_outbox")
         .build()
         .unwrap();
-    assert_eq!(store.migrate().await.unwrap(), 10);
+    assert_eq!(store.migrate().await.unwrap(), 11);
     assert_eq!(
         store.migrate().await.unwrap(),
         0,
@@ -1169,8 +1169,8 @@ async fn migration_3_upgrades_a_version_2_table_in_use() {
     .unwrap();
     assert_eq!(
         store.migrate().await.unwrap(),
-        8,
-        "only migrations 3 to 10 run"
+        9,
+        "only migrations 3 to 11 run"
     );
     let state: Vec<(String, i64, Option<String>)> = sqlx::query_as(&format!(
         "SELECT aggregate_id, last_version, lease_owner FROM \"{}\".outbox_events_aggregate \
