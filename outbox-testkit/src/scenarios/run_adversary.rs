@@ -36,6 +36,8 @@
 //! * [`completion_with_a_hole_is_refused`]: a completion `Published k-1, Retry k, Published
 //!   k+1` applies the first two and refuses k+1, which is re-sent after k; the released rest of
 //!   the run counts no attempt.
+//! * [`completion_without_the_head_is_refused`]: `Published 2, 3` with no outcome for the
+//!   head 1 (`last` 0) is refused whole; nothing is parked afterwards, 1..=5 go out in order.
 //! * [`two_relays_hammer_one_hot_aggregate`]: two relays (optionally with prefetch and the
 //!   early claim) on one hot aggregate while producers append to it: never two claims holding
 //!   it, every version sent only after its predecessor's acknowledgement, once, in order.
@@ -45,6 +47,17 @@
 //! * [`publisher_failure_mid_run_stops_the_run`]: the broker fails the middle of a run (record
 //!   retry, transport failure, permanent failure): the rest of the run is not sent in that
 //!   cycle, no attempt is counted for the unsent rows, and the order holds afterwards.
+//!
+//! Each scenario was seen failing under a deliberate break (reverted): PostgreSQL's completion
+//! without the prefix rule (the hole and head-less completions), its fencing accepting a run
+//! row under any lease (the expired run), its completion advancing `last` to the run's end
+//! (expired run, version committed during a run, hole, broker failures), its run not stopping
+//! at a gap (lower version), run rows of an expired lease not marked as possibly sent (expired
+//! run, crash), `discard_parked` not counting pending rows below (the discard), a claim that
+//! hands out rows at or below `last` (operator retry/discard, lower version); the relay going
+//! on with a run after a failure (the three broker failures) or sending a run in one call
+//! (both hammers, crash, broker failures); the in-memory store's seeded bugs
+//! `seeded_bug_accept_run_holes` and `seeded_bug_run_skips_gaps`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
