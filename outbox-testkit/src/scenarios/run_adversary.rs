@@ -1100,6 +1100,7 @@ struct RunBroker {
     wire: Arc<Mutex<Wire>>,
     script: Script,
     latency: Duration,
+    delivery_timeout: Duration,
     hung: Arc<Mutex<Option<tokio::sync::oneshot::Sender<()>>>>,
 }
 
@@ -1110,6 +1111,7 @@ impl RunBroker {
             wire: Arc::clone(wire),
             script,
             latency: Duration::from_millis(1),
+            delivery_timeout: Duration::from_millis(100),
             hung: Arc::default(),
         }
     }
@@ -1186,7 +1188,7 @@ impl Publisher for RunBroker {
     }
 
     fn delivery_timeout(&self) -> Duration {
-        Duration::from_millis(100)
+        self.delivery_timeout
     }
 }
 
@@ -1627,6 +1629,93 @@ pub async fn crash_mid_run_resends_in_order<B: RandomizedBackend>(
     }
 }
 
+/// A slow broker (250 ms per event, delivery timeout 400 ms) and claims of 2.5 s (lease, or
+/// `locked_max_hold`): a run of 10 cannot finish inside its claim, so each relay must stop its
+/// run while the claim still covers one more publication (delivery timeout + the 1 s margin)
+/// and leave the rest to a later claim. Two relays drain `x` 1..=30. Checks: no two relays
+/// with `x` in flight at once, every version sent only after its predecessor's
+/// acknowledgement, every version acknowledged exactly once (a run that outlived its claim
+/// would have the other relay take `x` over and send a version again), in order.
+pub async fn slow_broker_runs_stop_inside_their_claim<B: RandomizedBackend>(
+    backend: &B,
+    mode: ClaimMode,
+    runs: bool,
+) {
+    let mode = match mode {
+        ClaimMode::Lease { .. } => lease(2.5),
+        other => other,
+    };
+    let p = StoreParams {
+        mode,
+        locked_hold: Duration::from_millis(2_500),
+        gap_timeout: Duration::from_secs(300),
+        delivery_timeout: Duration::from_millis(400),
+    };
+    let store = backend.store(&p);
+    backend.prepare(&store).await.expect("migrate");
+    let all = events("x", 1..=30);
+    commit_events(backend, &store, &all).await;
+    let wire = Arc::new(Mutex::new(Wire::default()));
+    let claims = Arc::new(Mutex::new(Claims::default()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut relays = Vec::new();
+    for name in ["relay-a", "relay-b"] {
+        let mut broker = RunBroker::new(name, &wire, ack_all());
+        broker.latency = Duration::from_millis(250);
+        broker.delivery_timeout = Duration::from_millis(400);
+        let relay = run_relay(
+            Watched {
+                inner: backend.store(&p),
+                claims: Arc::clone(&claims),
+                strict: false,
+                runs,
+            },
+            broker,
+            name,
+            20,
+            false,
+            false,
+        );
+        relays.push(tokio::spawn(drive(relay, Arc::clone(&stop))));
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let acked: HashSet<EventId> = wire
+            .lock()
+            .expect("wire")
+            .acked
+            .iter()
+            .map(|a| a.0)
+            .collect();
+        if all.iter().all(|e| acked.contains(&e.event_id)) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{mode:?}: {} of 30 acknowledged in 120 s",
+            acked.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, Ordering::Release);
+    for r in relays {
+        let errors = tokio::time::timeout(Duration::from_secs(20), r)
+            .await
+            .expect("relay stops")
+            .expect("relay task");
+        assert_eq!(errors, 0, "{mode:?}: failed relay cycles");
+    }
+    assert_prefix(backend, &all, "at the end").await;
+    let longest = {
+        let c = claims.lock().expect("claims");
+        c.runs
+    };
+    if runs {
+        assert!(longest > 0, "{mode:?}: no claim handed out a run");
+    }
+    check_wire(&wire.lock().expect("wire"), &all, false);
+}
+
 /// How the broker fails the middle of a run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MidRunFailure {
@@ -1819,6 +1908,8 @@ macro_rules! run_adversary_tests {
             $crate::scenarios::run_adversary::two_relays_hammer_one_hot_aggregate(&b, $long, $runs, false, false));
         $crate::run_adversary_tests!(@case $backend, two_relays_hammer_with_prefetch_and_early_claim, |b|
             $crate::scenarios::run_adversary::two_relays_hammer_one_hot_aggregate(&b, $long, $runs, true, true));
+        $crate::run_adversary_tests!(@case $backend, slow_broker_runs_stop_inside_their_claim, |b|
+            $crate::scenarios::run_adversary::slow_broker_runs_stop_inside_their_claim(&b, $long, $runs));
         $crate::run_adversary_tests!(@case $backend, crash_mid_run_resends_in_order, |b|
             $crate::scenarios::run_adversary::crash_mid_run_resends_in_order(&b, $short, $runs));
         $crate::run_adversary_tests!(@case $backend, record_retry_mid_run_stops_the_run, |b|
