@@ -41,6 +41,9 @@
 //! * [`two_relays_hammer_one_hot_aggregate`]: two relays (optionally with prefetch and the
 //!   early claim) on one hot aggregate while producers append to it: never two claims holding
 //!   it, every version sent only after its predecessor's acknowledgement, once, in order.
+//! * [`slow_broker_runs_stop_inside_their_claim`]: a broker too slow for a whole run inside
+//!   a 2.5 s claim; two relays; each run stops while its claim covers one more publication,
+//!   nothing is sent twice or by two relays at once.
 //! * [`crash_mid_run_resends_in_order`]: a relay dropped mid-run (after some acknowledgements,
 //!   with one event in flight, before its completion): the next relay re-sends from the first
 //!   version not completed, in order, marking what may have been sent.
@@ -55,8 +58,9 @@
 //! at a gap (lower version), run rows of an expired lease not marked as possibly sent (expired
 //! run, crash), `discard_parked` not counting pending rows below (the discard), a claim that
 //! hands out rows at or below `last` (operator retry/discard, lower version); the relay going
-//! on with a run after a failure (the three broker failures) or sending a run in one call
-//! (both hammers, crash, broker failures); the in-memory store's seeded bugs
+//! on with a run after a failure (the three broker failures), sending a run in one call
+//! (both hammers, crash, broker failures) or ignoring its claim's end between waves (the slow
+//! broker, PostgreSQL both modes); the in-memory store's seeded bugs
 //! `seeded_bug_accept_run_holes` and `seeded_bug_run_skips_gaps`.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
