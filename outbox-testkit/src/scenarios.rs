@@ -28,6 +28,7 @@ use crate::randomized::{RandomizedBackend, StoreParams};
 pub mod early_claim;
 pub mod hot_adversary;
 pub mod hot_aggregate;
+pub mod run_adversary;
 
 /// Store parameters of the scenarios: `mode`, `locked_max_hold` `hold`, a gap timeout of five
 /// minutes (no scenario leaves a gap), the publishers' delivery timeout.

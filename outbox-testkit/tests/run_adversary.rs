@@ -1,0 +1,8 @@
+//! The run-claim adversary scenarios (`outbox_testkit::scenarios::run_adversary`) on the
+//! in-memory store, lease mode (its locked mode cannot end a crashed relay's claim).
+
+outbox_testkit::run_adversary_tests!(
+    outbox_testkit::scenarios::run_adversary::MemoryBackend,
+    runs = true,
+    lease_only
+);
