@@ -407,6 +407,11 @@ pub struct RelayConfig {
     pub workers: u16,
     /// Most events per claim. Default 500.
     pub batch_size: usize,
+    /// Longest run per aggregate (`outbox_core::RelayConfig::run`): up to this many
+    /// consecutive versions of one aggregate published in one claim, each once the one
+    /// before it is acknowledged. Default 1 (runs off); 1..=10000. A store without runs
+    /// (MariaDB) hands out heads only whatever this says.
+    pub run: usize,
     /// Claim the next batch while a full one is published. Default true.
     pub prefetch: bool,
     /// Shortest idle sleep. Default 10 ms.
@@ -442,6 +447,7 @@ impl Default for RelayConfig {
             owner: String::new(),
             workers: 2,
             batch_size: 500,
+            run: 1,
             prefetch: true,
             idle_min: Dur::millis(10),
             idle_max: Dur::secs(1),

@@ -430,6 +430,23 @@ async fn transport_configuration_errors_exit_2_before_any_network_access() {
             ]),
             "does not fit in the relay's lease",
         ),
+        (
+            // Run claims (`relay.run`): 0 is no run at all (1 turns them off).
+            with(&[
+                ("OUTBOX_TRANSPORT__KIND", "nats"),
+                ("NATS_URL", "nats://127.0.0.1:4222"),
+                ("OUTBOX_RELAY__RUN", "0"),
+            ]),
+            "run must be in 1..=",
+        ),
+        (
+            with(&[
+                ("OUTBOX_TRANSPORT__KIND", "nats"),
+                ("NATS_URL", "nats://127.0.0.1:4222"),
+                ("OUTBOX_RELAY__RUN", "10001"),
+            ]),
+            "run must be in 1..=",
+        ),
     ];
     for (vars, expected) in &cases {
         let (code, err) = relay_exit(&env, vars, &["NATS_URL", "AMQP_URL"]);

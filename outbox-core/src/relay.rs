@@ -134,12 +134,13 @@ pub struct RelayConfig {
     pub batch_size: usize,
     /// Longest run per aggregate the relay claims ([`ClaimRequest::run`]): up to this many
     /// consecutive versions of one aggregate are published in one cycle, each sent once the
-    /// one before it is acknowledged (module docs, *Runs*). Default 100; 1 turns runs off.
+    /// one before it is acknowledged (module docs, *Runs*). Default 1 (runs off: heads only,
+    /// as before runs existed); a store without runs (MariaDB today) ignores it.
     /// Runs count against `batch_size`, so a run longer than it is claimed as `batch_size`
     /// events at most. Accepted: `1..=MAX_RUN`.
     ///
-    /// Why 100: a hot aggregate then costs one claim and one completion per 100 versions
-    /// instead of per version, so its rate is about `100 / (100 x rtt + claim + completion)`:
+    /// Why off by default: with runs of 100 a hot aggregate costs one claim and one
+    /// completion per 100 versions instead of per version, so its rate is about `100 / (100 x rtt + claim + completion)`:
     /// above 1,000 events/s with a publish round trip (`rtt`) up to ~0.5 ms and 20 ms of store
     /// work per cycle (Kafka on tansu measured 0.33 ms at the median, NATS 0.1 ms;
     /// `docs/design/hot-aggregate.md`). The price is paid by the cycle that carries a run:
@@ -149,8 +150,11 @@ pub struct RelayConfig {
     /// events of other aggregates committed meanwhile wait for that next claim: their latency
     /// grows by up to the run's duration while a hot aggregate drains (measured on the
     /// in-memory store with a modelled ~1 ms round trip: p50 6 ms -> 85 ms with runs of 100,
-    /// 19.5 ms with runs of 10; BENCHMARKS.md). On a slow transport, or where other
-    /// aggregates' latency matters more than the hot one's rate, choose a shorter run.
+    /// 19.5 ms with runs of 10; BENCHMARKS.md), so a relay that turns runs on trades the
+    /// others' latency for the hot aggregate's rate, until the waves get a time bound or the
+    /// next batch is claimed while a run is out (neither is built). Turn runs on (e.g. 100)
+    /// where one aggregate's backlog must drain fast; on a slow transport, or where other
+    /// aggregates' latency matters more, keep them short or off.
     pub run: usize,
     /// Retry and poison policy.
     pub retry: RetryPolicy,
@@ -187,7 +191,7 @@ impl Default for RelayConfig {
         Self {
             owner: format!("relay-{}", uuid::Uuid::new_v4().simple()),
             batch_size: 500,
-            run: 100,
+            run: 1,
             retry: RetryPolicy::default(),
             idle_min: Duration::from_millis(10),
             idle_max: Duration::from_secs(1),

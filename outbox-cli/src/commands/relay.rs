@@ -620,6 +620,7 @@ fn build_relay<S: DaemonStore, P: Publisher>(
     let relay_config = RelayConfig::builder()
         .owner(owner)
         .batch_size(r.batch_size)
+        .run(r.run)
         .retry(retry)
         .idle(r.idle_min.0, r.idle_max.0)
         .lease_margin(r.lease_margin.0)
