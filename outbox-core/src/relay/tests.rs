@@ -1207,7 +1207,11 @@ fn a_record_out_of_its_run_is_never_sent() {
 #[test]
 fn config_run_is_validated_and_capped_at_the_batch() {
     let b = RelayConfig::builder;
-    assert_eq!(b().build().unwrap().run, 1, "the documented default: runs off");
+    assert_eq!(
+        b().build().unwrap().run,
+        1,
+        "the documented default: runs off"
+    );
     let zero = b().run(0).build().unwrap_err();
     assert!(zero.to_string().contains("run must be in 1..="), "{zero}");
     assert!(b().run(MAX_RUN + 1).build().is_err());
