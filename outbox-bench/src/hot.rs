@@ -534,29 +534,8 @@ async fn run_one(
         trickle_ids.push(id);
     }
     let window = started.elapsed();
-    let hot_in_window = {
-        let c = clocks.lock().expect("clocks");
-        hot_ids.iter().filter(|id| c.acked.contains_key(id)).count()
-    };
-    // Every trickle event acknowledged (or a clear failure); the hot rest is left.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let missing = {
-            let c = clocks.lock().expect("clocks");
-            trickle_ids
-                .iter()
-                .filter(|id| !c.acked.contains_key(id))
-                .count()
-        };
-        if missing == 0 {
-            break;
-        }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "{missing} of {total} trickle events not acknowledged 60 s after the trickle ended"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let hot_in_window = acknowledged(&clocks, &hot_ids);
+    trickle_acknowledged(&clocks, &trickle_ids).await?;
     stop.notify_one();
     relay_task.await?;
     listener.abort();
@@ -564,6 +543,50 @@ async fn run_one(
         let _ = js.delete_stream(&name).await;
     }
 
+    Ok(figures(
+        &clocks,
+        &trickle_ids,
+        window,
+        hot.then_some(hot_in_window),
+    ))
+}
+
+/// How many of `ids` were acknowledged so far.
+fn acknowledged(clocks: &SharedClocks, ids: &[EventId]) -> usize {
+    let c = clocks.lock().expect("clocks");
+    ids.iter().filter(|id| c.acked.contains_key(id)).count()
+}
+
+/// Waits until every trickle event is acknowledged (60 s at most after the trickle ended: an
+/// error then); the hot rest is left.
+async fn trickle_acknowledged(
+    clocks: &SharedClocks,
+    trickle_ids: &[EventId],
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let missing = trickle_ids.len() - acknowledged(clocks, trickle_ids);
+        if missing == 0 {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "{missing} of {} trickle events not acknowledged 60 s after the trickle ended",
+            trickle_ids.len()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// One contender's figures: the trickle's commit -> acknowledgement p50/p99 and rate over
+/// `window`, and with the hot aggregate (`hot_in_window`: its versions acknowledged within
+/// the window) its rate.
+fn figures(
+    clocks: &SharedClocks,
+    trickle_ids: &[EventId],
+    window: Duration,
+    hot_in_window: Option<usize>,
+) -> Vec<(String, f64)> {
     let c = clocks.lock().expect("clocks");
     let mut latency: Vec<Duration> = trickle_ids
         .iter()
@@ -573,16 +596,16 @@ async fn run_one(
     let mut figures = vec![
         ("trickle p50 ms".into(), quantile_ms(&latency, 0.5)),
         ("trickle p99 ms".into(), quantile_ms(&latency, 0.99)),
-        ("trickle/s".into(), total as f64 / window.as_secs_f64()),
+        (
+            "trickle/s".into(),
+            trickle_ids.len() as f64 / window.as_secs_f64(),
+        ),
     ];
-    if hot {
-        figures.push((
-            "hot events/s".into(),
-            hot_in_window as f64 / window.as_secs_f64(),
-        ));
-        figures.push(("hot acked".into(), hot_in_window as f64));
+    if let Some(n) = hot_in_window {
+        figures.push(("hot events/s".into(), n as f64 / window.as_secs_f64()));
+        figures.push(("hot acked".into(), n as f64));
     }
-    Ok(figures)
+    figures
 }
 
 /// [`run_one`] on the in-memory store (real clock, lease mode, no wake-up: the driver polls
@@ -666,47 +689,14 @@ async fn run_one_memory(
         trickle_ids.push(id);
     }
     let window = started.elapsed();
-    let hot_in_window = {
-        let c = clocks.lock().expect("clocks");
-        hot_ids.iter().filter(|id| c.acked.contains_key(id)).count()
-    };
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let missing = {
-            let c = clocks.lock().expect("clocks");
-            trickle_ids
-                .iter()
-                .filter(|id| !c.acked.contains_key(id))
-                .count()
-        };
-        if missing == 0 {
-            break;
-        }
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "{missing} of {total} trickle events not acknowledged 60 s after the trickle ended"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let hot_in_window = acknowledged(&clocks, &hot_ids);
+    trickle_acknowledged(&clocks, &trickle_ids).await?;
     stop.notify_one();
     relay_task.await?;
-    let c = clocks.lock().expect("clocks");
-    let mut latency: Vec<Duration> = trickle_ids
-        .iter()
-        .map(|id| c.acked[id].saturating_duration_since(c.committed[id]))
-        .collect();
-    latency.sort_unstable();
-    let mut figures = vec![
-        ("trickle p50 ms".into(), quantile_ms(&latency, 0.5)),
-        ("trickle p99 ms".into(), quantile_ms(&latency, 0.99)),
-        ("trickle/s".into(), total as f64 / window.as_secs_f64()),
-    ];
-    if hot {
-        figures.push((
-            "hot events/s".into(),
-            hot_in_window as f64 / window.as_secs_f64(),
-        ));
-        figures.push(("hot acked".into(), hot_in_window as f64));
-    }
-    Ok(figures)
+    Ok(figures(
+        &clocks,
+        &trickle_ids,
+        window,
+        hot.then_some(hot_in_window),
+    ))
 }

@@ -947,16 +947,13 @@ pub async fn operator_acts_on_a_parked_row_while_a_run_is_out<B: RandomizedBacke
     assert_prefix(backend, &all, "at the end").await;
 }
 
-/// `x` 1..=5. One claim; the completion says `Published 1, Retry 2, Published 3` (a hole at
-/// 2). 1 and the retry of 2 are applied; 3 is refused (superseded) and stays pending; 4 and 5
-/// (no outcome) are released without an attempt. The next claim starts at 2 (attempts 1) and
-/// holds 3..=5 with no attempt counted; 3 comes after 2. Without runs the claim holds 1 only,
-/// and the outcomes for 2 and 3 are refused as outcomes for rows the claim does not hold.
-pub async fn completion_with_a_hole_is_refused<B: RandomizedBackend>(
+/// `x` 1..=5 committed, one claim of `relay-a`: the whole run (or the head alone without
+/// runs), checked. The opening of the completion scenarios.
+async fn claim_x_one_to_five<B: RandomizedBackend>(
     backend: &B,
     mode: ClaimMode,
     runs: bool,
-) {
+) -> (B::Store, Vec<Envelope>, Ledger, ClaimedBatch) {
     let store = store_of(backend, mode).await;
     let all = events("x", 1..=5);
     commit_events(backend, &store, &all).await;
@@ -969,6 +966,20 @@ pub async fn completion_with_a_hole_is_refused<B: RandomizedBackend>(
         if runs { (1..=5).collect() } else { vec![1] },
         "{mode:?}"
     );
+    (store, all, ledger, batch)
+}
+
+/// `x` 1..=5. One claim; the completion says `Published 1, Retry 2, Published 3` (a hole at
+/// 2). 1 and the retry of 2 are applied; 3 is refused (superseded) and stays pending; 4 and 5
+/// (no outcome) are released without an attempt. The next claim starts at 2 (attempts 1) and
+/// holds 3..=5 with no attempt counted; 3 comes after 2. Without runs the claim holds 1 only,
+/// and the outcomes for 2 and 3 are refused as outcomes for rows the claim does not hold.
+pub async fn completion_with_a_hole_is_refused<B: RandomizedBackend>(
+    backend: &B,
+    mode: ClaimMode,
+    runs: bool,
+) {
+    let (store, all, mut ledger, batch) = claim_x_one_to_five(backend, mode, runs).await;
     let id = |v: i64| all[v as usize - 1].event_id;
     let mut outcomes = ledger.publish(&[id(1)]);
     outcomes.push(retry(id(2)));
@@ -1038,18 +1049,7 @@ pub async fn completion_without_the_head_is_refused<B: RandomizedBackend>(
     mode: ClaimMode,
     runs: bool,
 ) {
-    let store = store_of(backend, mode).await;
-    let all = events("x", 1..=5);
-    commit_events(backend, &store, &all).await;
-    let mut ledger = Ledger::default();
-    ledger.note(&all);
-    let batch = store.claim(&request("relay-a", 20)).await.expect("claim");
-    let run = run_of(&batch, "x", runs);
-    assert_eq!(
-        versions(&run),
-        if runs { (1..=5).collect() } else { vec![1] },
-        "{mode:?}"
-    );
+    let (store, all, mut ledger, batch) = claim_x_one_to_five(backend, mode, runs).await;
     let outcomes = ledger.publish(&[all[1].event_id, all[2].event_id]);
     let rep = ledger.complete(&store, &batch.handle, &outcomes).await;
     assert_eq!(
