@@ -85,7 +85,7 @@ pub(crate) struct ClaimLog {
     /// Every outcome or operator action that may have moved an aggregate's `last`, from the
     /// moment it was asked for (whether it was applied or not: an upper bound of `last`).
     pub(crate) finishes: Vec<Finish>,
-    /// Claims that held a run (two or more events of one aggregate), and the events of runs.
+    /// Runs handed out (two or more events of one aggregate in a claim), and their events.
     pub(crate) runs_claimed: usize,
     pub(crate) run_events: usize,
 }
@@ -837,11 +837,13 @@ pub(crate) fn check(
     // 6. Runs against the history. `last` of an aggregate when a claim took effect is at most
     //    the highest `last` any publication, discard, re-issue or retry asked for before the
     //    claim returned may have set (applied or not): a head (with a run or without) above
-    //    that skipped a version (or an unfinished one). A row of the aggregate at one of the run's versions,
-    //    above that bound, committed before the claim was asked for and not asked to be
-    //    published or discarded before it returned, was certainly unfinished: a duplicate the
-    //    run went past.
-    let mut moves: HashMap<&str, Vec<(Instant, i64, Option<EventId>)>> = HashMap::new();
+    //    that skipped a version (or an unfinished one). A row of the aggregate at one of the
+    //    run's versions, above that bound, committed before the claim was asked for and not
+    //    asked to be published or discarded before it returned, was certainly unfinished: a
+    //    duplicate the run went past.
+    // Per aggregate: (asked at, the `last` it may set, the event it may finish).
+    type Move = (Instant, i64, Option<EventId>);
+    let mut moves: HashMap<&str, Vec<Move>> = HashMap::new();
     for f in &claims.finishes {
         moves
             .entry(f.agg.as_str())

@@ -516,7 +516,7 @@ fn summary(
          {} superseded, {} released, {} paused; errors {:?}\n\
          store: {} claims, {} completions ({} superseded outcomes), {} releases, parks: {} by \
          completions, {} by claims ({} of them reported by locked claims that then ended \
-         without completing, so rolled back); {} gap holds; runs asked {:?}: {} claims held a run \
+         without completing, so rolled back); {} gap holds; runs asked {:?}: {} runs handed out \
          ({} events)\n\
          broker: {} calls ({} stalled past the claim), {} deliveries ({} first deliveries), {} \
          hand-overs checked, {} stalled, {} status checks failed ({} records); verdicts {:?}; \
