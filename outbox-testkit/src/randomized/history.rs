@@ -1241,7 +1241,8 @@ mod tests {
 
     #[test]
     fn check_6_finds_a_run_of_the_wrong_shape() {
-        let cases: [(&str, usize, &[(usize, u32)]); 6] = [
+        type Case = (&'static str, usize, &'static [(usize, u32)]);
+        let cases: [Case; 6] = [
             // (finding, run asked, (event index of a1..a3 + b1, position))
             ("run too long", 1, &[(0, 0), (1, 1)]),
             ("run not adjacent", 3, &[(0, 0), (3, 0), (1, 1)]),
@@ -1365,7 +1366,8 @@ mod tests {
     fn check_6_finds_a_completion_outside_the_published_prefix() {
         // (outcomes as (index, published?), refused indexes): each applies an outcome after
         // a version of the run that was not published.
-        let cases: [(&[(usize, bool)], &[usize]); 4] = [
+        type Case = (&'static [(usize, bool)], &'static [usize]);
+        let cases: [Case; 4] = [
             // a hole: 1 published, 2 deferred, 3 published
             (&[(0, true), (1, false), (2, true)], &[]),
             // no outcome for the head
