@@ -70,9 +70,13 @@ impl<B: RandomizedBackend> Env<B> {
             inner: self.store(),
             world: world.clone(),
         };
+        // The run length: drawn per relay from the spec's lengths (seeded).
+        let lengths = self.spec.runs;
+        let run = lengths[(mix(relay_seed ^ 0x52_554e) % lengths.len() as u64) as usize];
         let config = RelayConfig::builder()
             .owner(&owner)
             .batch_size(batch)
+            .run(run)
             .prefetch(prefetch)
             .idle(Duration::from_millis(5), Duration::from_millis(80))
             .lease_margin(outbox_core::MIN_LEASE_MARGIN)
@@ -260,10 +264,12 @@ pub(crate) async fn produce<B: RandomizedBackend>(
                     world.seed
                 );
             }
+            let at = Instant::now();
             let mut c = world.committed.lock().unwrap();
             c.extend(events.into_iter().map(|(e, label)| Committed {
                 id: e.event_id,
                 label,
+                at,
             }));
         }
         for a in &mut aggs {

@@ -16,7 +16,14 @@
 //!    (equal only for an injected duplicate);
 //! 4. no two relays held one aggregate with live claims at once, and no claim holds two
 //!    events of one aggregate;
-//! 5. every published row's ack metadata is an acknowledgement the broker reported for it.
+//! 5. every published row's ack metadata is an acknowledgement the broker reported for it;
+//! 6. runs (the contract's *Runs* clause, `outbox_core::store`): the events of one aggregate
+//!    in one claim are a run: adjacent in the batch, consecutive versions in order,
+//!    `run_position` 0, 1, 2, ..., no longer than the claim asked for (one event from a store
+//!    without runs); a head, with a run or without, is at `last + 1` (not above every `last`
+//!    the history allows: a version skipped or unfinished before it), and no other row of the aggregate at one of its versions is certainly
+//!    unfinished when it is claimed (a duplicate ends a run before it); a completion applies a
+//!    run's outcomes only as a published prefix, then at most one other outcome.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Mutex;
@@ -42,8 +49,10 @@ pub(crate) struct ClaimRec {
     pub(crate) deadline: Instant,
     /// When `complete` or `release` was called for it.
     pub(crate) end: Option<Instant>,
-    /// (event, aggregate, version)
-    pub(crate) records: Vec<(EventId, String, i64)>,
+    /// (event, aggregate, version, run position)
+    pub(crate) records: Vec<(EventId, String, i64, u32)>,
+    /// The run length the claim asked for (`ClaimRequest::run_len`).
+    pub(crate) run: usize,
     /// Parks of a locked claim, committed only with its completion.
     pub(crate) provisional_parks: Vec<EventId>,
 }
@@ -73,6 +82,25 @@ pub(crate) struct ClaimLog {
     pub(crate) completions: usize,
     pub(crate) superseded: usize,
     pub(crate) releases: usize,
+    /// Every outcome or operator action that may have moved an aggregate's `last`, from the
+    /// moment it was asked for (whether it was applied or not: an upper bound of `last`).
+    pub(crate) finishes: Vec<Finish>,
+    /// Runs handed out (two or more events of one aggregate in a claim), and their events.
+    pub(crate) runs_claimed: usize,
+    pub(crate) run_events: usize,
+}
+
+/// Something that may have finished an event (published, discarded) or moved its aggregate's
+/// `last` (a retry accepts `version - 1`), asked for at `call`.
+pub(crate) struct Finish {
+    /// The event finished; `None` for a retry (which finishes nothing).
+    pub(crate) event: Option<EventId>,
+    pub(crate) agg: String,
+    /// The highest `last` it may have set.
+    pub(crate) last: i64,
+    pub(crate) call: Instant,
+    /// The claim whose completion asked for it (`None`: an operator action).
+    pub(crate) claim: Option<Uuid>,
 }
 
 /// What the fake broker stored: one entry per record it appended to the topic.
@@ -136,6 +164,16 @@ pub(crate) struct Tally {
 pub(crate) struct Committed {
     pub(crate) id: EventId,
     pub(crate) label: String,
+    /// When its commit returned (visible to every claim after).
+    pub(crate) at: Instant,
+}
+
+/// (aggregate, version) of a producer's label (`<agg>/v<version>/<kind><n>`).
+pub(crate) fn parse_label(label: &str) -> Option<(&str, i64)> {
+    let mut parts = label.split('/');
+    let agg = parts.next()?;
+    let version = parts.next()?.strip_prefix('v')?.parse().ok()?;
+    Some((agg, version))
 }
 
 pub(crate) struct World {
@@ -146,6 +184,8 @@ pub(crate) struct World {
     pub(crate) t0: Instant,
     /// Locked mode: the server may end a claim this long after it was requested.
     pub(crate) locked_hold: Option<Duration>,
+    /// The store hands out heads only (it ignores `ClaimRequest::run`): a run is a finding.
+    pub(crate) heads_only: bool,
     /// How long a claim lives at most without being renewed (lease or hold).
     pub(crate) claim_life: Duration,
     pub(crate) claims: Mutex<ClaimLog>,
@@ -171,6 +211,7 @@ impl World {
     pub(crate) fn record_claim(
         &self,
         owner: &str,
+        run: usize,
         before: Instant,
         start: Instant,
         batch: &ClaimedBatch,
@@ -208,19 +249,53 @@ impl World {
                 before
             }
         };
-        let mut aggs = HashSet::new();
-        let mut records = Vec::with_capacity(batch.records.len());
-        for r in &batch.records {
-            let e = &r.envelope;
-            if !aggs.insert(e.aggregate_id.clone()) {
-                self.violations.lock().unwrap().push(format!(
-                    "check 4 (two events of an aggregate in one claim): the claim of {owner} at {} \
-                     holds two events of aggregate {}",
-                    self.ms(start),
-                    e.aggregate_id
+        let records: Vec<(EventId, String, i64, u32)> = batch
+            .records
+            .iter()
+            .map(|r| {
+                let e = &r.envelope;
+                (
+                    e.event_id,
+                    e.aggregate_id.clone(),
+                    e.aggregate_version,
+                    r.run_position,
+                )
+            })
+            .collect();
+        let allowed = if self.heads_only { 1 } else { run };
+        for (agg, at) in runs_of(&records) {
+            if at.len() > 1 {
+                log.runs_claimed += 1;
+                log.run_events += at.len();
+            }
+            let shape: Vec<(i64, u32)> = at.iter().map(|&i| (records[i].2, records[i].3)).collect();
+            let what = format!(
+                "the claim of {owner} at {} (asked for runs of {run}) holds aggregate {agg} as \
+                 (version, run_position) {shape:?} at batch places {at:?}",
+                self.ms(start)
+            );
+            if at.len() > allowed {
+                self.violation(format!(
+                    "check 6 (run too long): {what}: more than {allowed} event(s){}",
+                    if self.heads_only {
+                        " from a store without runs"
+                    } else {
+                        ""
+                    }
                 ));
             }
-            records.push((e.event_id, e.aggregate_id.clone(), e.aggregate_version));
+            if at.windows(2).any(|w| w[1] != w[0] + 1) {
+                self.violation(format!("check 6 (run not adjacent): {what}"));
+            }
+            if shape.windows(2).any(|w| w[1].0 != w[0].0 + 1) {
+                self.violation(format!(
+                    "check 6 (run not consecutive): {what}: a gap, a duplicate or a version out \
+                     of order"
+                ));
+            }
+            if shape.iter().enumerate().any(|(k, &(_, p))| p as usize != k) {
+                self.violation(format!("check 6 (run positions): {what}"));
+            }
         }
         let idx = log.claims.len();
         log.claims.push(ClaimRec {
@@ -230,6 +305,7 @@ impl World {
             deadline,
             end: None,
             records,
+            run,
             provisional_parks: if provisional { parked } else { Vec::new() },
         });
         log.by_token.insert(batch.handle.token, idx);
@@ -259,6 +335,7 @@ impl World {
         log.completions += 1;
         log.superseded += rep.superseded;
         if let Some(&i) = log.by_token.get(&token) {
+            self.check_run_completion(&log, (token, i), outcomes, &refused, w);
             let provisional = std::mem::take(&mut log.claims[i].provisional_parks);
             // The claim's transaction committed when something was applied in it (a claim
             // the store had already dropped applies nothing and commits nothing).
@@ -276,6 +353,92 @@ impl World {
                     log.parks.entry(*event_id).or_default().push(w);
                     log.parks_by_completion += 1;
                 }
+            }
+        }
+    }
+
+    /// The outcomes of a completion, noted when it is asked for (before the store answers: a
+    /// relay killed mid-call, or an error, may still have committed them): each publication
+    /// may have moved its aggregate's `last` from then on.
+    pub(crate) fn note_completion_call(&self, token: Uuid, outcomes: &[Outcome], call: Instant) {
+        let mut log = self.claims.lock().unwrap();
+        let Some(&i) = log.by_token.get(&token) else {
+            return;
+        };
+        let mut finishes = Vec::new();
+        for o in outcomes {
+            if let Outcome::Published { event_id, .. } = o {
+                if let Some((_, agg, v, _)) =
+                    log.claims[i].records.iter().find(|r| r.0 == *event_id)
+                {
+                    finishes.push(Finish {
+                        event: Some(*event_id),
+                        agg: agg.clone(),
+                        last: *v,
+                        call,
+                        claim: Some(token),
+                    });
+                }
+            }
+        }
+        log.finishes.extend(finishes);
+    }
+
+    /// Check 6, the prefix rule of a run's completion: for each run of the claim, the outcomes
+    /// the store applied (those it did not refuse) are publications of positions 0..p, then at
+    /// most one other outcome for p + 1, then none. A position whose predecessor was already
+    /// published (possibly, by an earlier completion) may start over.
+    fn check_run_completion(
+        &self,
+        log: &ClaimLog,
+        (token, i): (Uuid, usize),
+        outcomes: &[Outcome],
+        refused: &HashSet<EventId>,
+        w: Window,
+    ) {
+        let c = &log.claims[i];
+        let outcome_of = |id: EventId| outcomes.iter().find(|o| o.event_id() == id);
+        for (agg, at) in runs_of(&c.records) {
+            if at.len() < 2 {
+                continue;
+            }
+            let mut open = true;
+            for (k, &place) in at.iter().enumerate() {
+                let id = c.records[place].0;
+                let o = outcome_of(id);
+                let applied = o.is_some() && !refused.contains(&id);
+                let may_start = open
+                    || k > 0 && {
+                        let pred = c.records[at[k - 1]].0;
+                        log.finishes.iter().any(|f| {
+                            f.event == Some(pred) && f.claim != Some(token) && f.call < w.call
+                        })
+                    };
+                if applied && !may_start {
+                    let shown: Vec<String> = at
+                        .iter()
+                        .map(|&p| {
+                            let id = c.records[p].0;
+                            let o = outcome_of(id).map_or("none", outcome_name);
+                            let r = if refused.contains(&id) {
+                                " refused"
+                            } else {
+                                ""
+                            };
+                            format!("v{} {o}{r}", c.records[p].2)
+                        })
+                        .collect();
+                    self.violation(format!(
+                        "check 6 (run prefix): the completion at {} of {}'s run of aggregate \
+                         {agg} applied an outcome for version {} although the versions before \
+                         it in the run were not all published: {shown:?}",
+                        self.ms(w.call),
+                        c.owner,
+                        c.records[place].2
+                    ));
+                    break;
+                }
+                open = may_start && applied && matches!(o, Some(Outcome::Published { .. }));
             }
         }
     }
@@ -322,6 +485,28 @@ impl World {
             t.unexpected_errors
                 .push(format!("{owner} at {}: {e}", self.ms(Instant::now())));
         }
+    }
+}
+
+/// The records of a claim grouped by aggregate, in the order each aggregate first appears:
+/// (aggregate, the batch places of its records in order).
+pub(crate) fn runs_of(records: &[(EventId, String, i64, u32)]) -> Vec<(&str, Vec<usize>)> {
+    let mut out: Vec<(&str, Vec<usize>)> = Vec::new();
+    for (i, (_, agg, ..)) in records.iter().enumerate() {
+        match out.iter_mut().find(|(a, _)| *a == agg.as_str()) {
+            Some((_, at)) => at.push(i),
+            None => out.push((agg.as_str(), vec![i])),
+        }
+    }
+    out
+}
+
+fn outcome_name(o: &Outcome) -> &'static str {
+    match o {
+        Outcome::Published { .. } => "published",
+        Outcome::Retry { .. } => "retry",
+        Outcome::Park { .. } => "park",
+        Outcome::Defer { .. } => "defer",
     }
 }
 
@@ -576,7 +761,7 @@ pub(crate) fn check(
         if let Some(&e) = claims.owner_end.get(&c.owner) {
             end = end.min(e);
         }
-        for (_, agg, _) in &c.records {
+        for (_, agg, ..) in &c.records {
             by_agg
                 .entry(agg.as_str())
                 .or_default()
@@ -649,6 +834,90 @@ pub(crate) fn check(
         }
     }
 
+    // 6. Runs against the history. `last` of an aggregate when a claim took effect is at most
+    //    the highest `last` any publication, discard, re-issue or retry asked for before the
+    //    claim returned may have set (applied or not): a head (with a run or without) above
+    //    that skipped a version (or an unfinished one). A row of the aggregate at one of the
+    //    run's versions, above that bound, committed before the claim was asked for and not
+    //    asked to be published or discarded before it returned, was certainly unfinished: a
+    //    duplicate the run went past.
+    // Per aggregate: (asked at, the `last` it may set, the event it may finish).
+    type Move = (Instant, i64, Option<EventId>);
+    let mut moves: HashMap<&str, Vec<Move>> = HashMap::new();
+    for f in &claims.finishes {
+        moves
+            .entry(f.agg.as_str())
+            .or_default()
+            .push((f.call, f.last, f.event));
+    }
+    for op in ops
+        .iter()
+        .filter(|o| matches!(o.result, "ok" | "uncertain"))
+    {
+        let Some((agg, v)) = parse_label(&op.label) else {
+            continue;
+        };
+        let (last, event) = match op.action {
+            "retry" => (v - 1, None),
+            _ => (v, Some(op.event)),
+        };
+        moves
+            .entry(agg)
+            .or_default()
+            .push((op.window.call, last, event));
+    }
+    let mut committed_of: HashMap<&str, Vec<(i64, EventId, Instant)>> = HashMap::new();
+    for c in committed.iter() {
+        if let Some((agg, v)) = parse_label(&c.label) {
+            committed_of.entry(agg).or_default().push((v, c.id, c.at));
+        }
+    }
+    let none = Vec::new();
+    for c in &claims.claims {
+        for (agg, at) in runs_of(&c.records) {
+            let head = c.records[at[0]].2;
+            let top = c.records[at[at.len() - 1]].2;
+            let m = moves.get(agg).unwrap_or(&none);
+            let hi = m
+                .iter()
+                .filter(|(t, ..)| *t < c.start)
+                .map(|(_, l, _)| *l)
+                .max()
+                .unwrap_or(0);
+            if head - 1 > hi {
+                failures.push(format!(
+                    "check 6 (head above last + 1): the claim of {} at {} handed out aggregate \
+                     {agg} from version {head} ({} events), but no version above {hi} was \
+                     published, discarded or retried before it",
+                    c.owner,
+                    world.ms(c.start),
+                    at.len()
+                ));
+            }
+            if at.len() < 2 {
+                continue;
+            }
+            let in_run: HashSet<EventId> = at.iter().map(|&p| c.records[p].0).collect();
+            for (v, id, t) in committed_of.get(agg).into_iter().flatten() {
+                if *v < head || *v > top || *v <= hi || in_run.contains(id) || *t >= c.before {
+                    continue;
+                }
+                if !m
+                    .iter()
+                    .any(|(call, _, e)| *e == Some(*id) && *call < c.start)
+                {
+                    failures.push(format!(
+                        "check 6 (run past a duplicate): the claim of {} at {} handed out a run \
+                         of aggregate {agg} (versions {head}..={top}) while {id}, also at \
+                         version {v}, committed before it, was unfinished",
+                        c.owner,
+                        world.ms(c.start)
+                    ));
+                }
+            }
+        }
+    }
+
     // The run must have exercised what the checks are about.
     if broker.acks.len() < MIN_ACKS || broker.checked < MIN_ACKS {
         failures.push(format!(
@@ -657,6 +926,9 @@ pub(crate) fn check(
             broker.acks.len(),
             broker.checked
         ));
+    }
+    if !world.heads_only && claims.runs_claimed == 0 && claims.claims.iter().any(|c| c.run > 1) {
+        failures.push("coverage: the relays asked for runs but no claim handed one out".to_owned());
     }
     if claims.parks.is_empty() {
         failures.push("coverage: nothing was parked during the run".to_owned());
@@ -700,6 +972,7 @@ mod tests {
     //! same history without the break passes it).
 
     use super::*;
+    use outbox_core::{ClaimHandle, ClaimedRecord, Envelope, ErrorClass, LastError};
 
     fn world() -> World {
         World {
@@ -708,6 +981,7 @@ mod tests {
             location: "nowhere".into(),
             t0: Instant::now(),
             locked_hold: None,
+            heads_only: false,
             claim_life: Duration::from_secs(2),
             claims: Mutex::default(),
             broker: Mutex::default(),
@@ -748,6 +1022,7 @@ mod tests {
             w.committed.lock().unwrap().push(Committed {
                 id,
                 label: format!("{agg}/v{v}"),
+                at: Instant::now(),
             });
             broker
                 .acks
@@ -848,7 +1123,8 @@ mod tests {
             start: now,
             deadline: now + Duration::from_secs(2),
             end: None,
-            records: vec![(EventId::now_v7(), "a".into(), 1)],
+            records: vec![(EventId::now_v7(), "a".into(), 1, 0)],
+            run: 1,
             provisional_parks: Vec::new(),
         };
         w.claims
@@ -858,6 +1134,286 @@ mod tests {
             .extend([claim("r1"), claim("r2")]);
         let f = findings(&w, &[], &[]);
         assert!(f.iter().any(|f| f.starts_with("check 4")), "{f:?}");
+    }
+
+    /// Commits events (aggregate, version) before now, as the producer does.
+    fn commit(w: &World, events: &[(&str, i64)]) -> Vec<Envelope> {
+        let envs: Vec<Envelope> = events
+            .iter()
+            .map(|(agg, v)| {
+                Envelope::builder("order", *agg, *v, "order.changed")
+                    .json(&serde_json::json!({}))
+                    .unwrap()
+                    .build()
+                    .unwrap()
+            })
+            .collect();
+        let mut c = w.committed.lock().unwrap();
+        for e in &envs {
+            c.push(Committed {
+                id: e.event_id,
+                label: format!("{}/v{}/next", e.aggregate_id, e.aggregate_version),
+                at: Instant::now(),
+            });
+        }
+        envs
+    }
+
+    /// Records a lease claim of `run` holding `records` (envelope, run position), in order.
+    fn claim_of(w: &World, run: usize, records: &[(&Envelope, u32)]) -> Uuid {
+        std::thread::sleep(Duration::from_millis(1));
+        let token = Uuid::new_v4();
+        let batch = ClaimedBatch::new(
+            ClaimHandle {
+                token,
+                owner: "r".into(),
+            },
+            records
+                .iter()
+                .map(|(e, p)| ClaimedRecord::new((*e).clone(), 0).with_run_position(*p))
+                .collect(),
+            Some(Duration::from_secs(2)),
+        );
+        let now = Instant::now();
+        w.record_claim("r", run, now, now, &batch);
+        token
+    }
+
+    fn published_outcome(e: &Envelope) -> Outcome {
+        Outcome::Published {
+            event_id: e.event_id,
+            ack: outbox_core::AckMetadata::kafka(TOPIC, 0, 0),
+        }
+    }
+
+    fn defer_outcome(e: &Envelope) -> Outcome {
+        Outcome::Defer {
+            event_id: e.event_id,
+            delay: Duration::from_millis(1),
+            error: LastError {
+                class: ErrorClass::Transient,
+                kind: "timeout".into(),
+                message: String::new(),
+            },
+        }
+    }
+
+    /// Completes `token` with `outcomes`, the store refusing `refused`.
+    fn complete(w: &World, token: Uuid, outcomes: &[Outcome], refused: &[&Envelope]) {
+        let call = Instant::now();
+        w.end_claim(token, call);
+        w.note_completion_call(token, outcomes, call);
+        let refused: Vec<EventId> = refused.iter().map(|e| e.event_id).collect();
+        let rep = CompletionReport::new(outcomes.len() - refused.len(), refused);
+        let ret = Instant::now();
+        w.record_completion(token, outcomes, &rep, Window { call, ret });
+    }
+
+    fn check_6(w: &World) -> Vec<String> {
+        findings(w, &[], &[])
+            .into_iter()
+            .filter(|f| f.starts_with("check 6") || f.starts_with("check 4"))
+            .collect()
+    }
+
+    #[test]
+    fn check_6_passes_a_legal_run_and_its_published_prefix() {
+        let w = world();
+        let a = commit(&w, &[("a", 1), ("a", 2), ("a", 3)]);
+        let b = commit(&w, &[("b", 1)]);
+        let t = claim_of(&w, 3, &[(&a[0], 0), (&a[1], 1), (&a[2], 2), (&b[0], 0)]);
+        complete(
+            &w,
+            t,
+            &[
+                published_outcome(&a[0]),
+                published_outcome(&a[1]),
+                defer_outcome(&a[2]),
+                published_outcome(&b[0]),
+            ],
+            &[],
+        );
+        // The rest of the run after a failure: released, the next claim starts at 3.
+        let t = claim_of(&w, 3, &[(&a[2], 0)]);
+        complete(&w, t, &[published_outcome(&a[2])], &[]);
+        assert_eq!(check_6(&w), Vec::<String>::new());
+    }
+
+    #[test]
+    fn check_6_finds_a_run_of_the_wrong_shape() {
+        type Case = (&'static str, usize, &'static [(usize, u32)]);
+        let cases: [Case; 6] = [
+            // (finding, run asked, (event index of a1..a3 + b1, position))
+            ("run too long", 1, &[(0, 0), (1, 1)]),
+            ("run not adjacent", 3, &[(0, 0), (3, 0), (1, 1)]),
+            ("run not consecutive", 3, &[(0, 0), (2, 1)]),
+            ("run not consecutive", 3, &[(1, 0), (0, 1)]),
+            ("run positions", 3, &[(0, 0), (1, 2)]),
+            ("run positions", 3, &[(0, 1)]),
+        ];
+        for (finding, run, layout) in cases {
+            let w = world();
+            let mut evs = commit(&w, &[("a", 1), ("a", 2), ("a", 3)]);
+            evs.extend(commit(&w, &[("b", 1)]));
+            let records: Vec<(&Envelope, u32)> =
+                layout.iter().map(|&(i, p)| (&evs[i], p)).collect();
+            claim_of(&w, run, &records);
+            let f = check_6(&w);
+            assert!(
+                f.iter()
+                    .any(|f| f.starts_with(&format!("check 6 ({finding})"))),
+                "{finding} {layout:?}: {f:?}"
+            );
+        }
+        // A duplicate version inside a run.
+        let w = world();
+        let evs = commit(&w, &[("a", 1), ("a", 2), ("a", 2)]);
+        claim_of(&w, 3, &[(&evs[0], 0), (&evs[1], 1), (&evs[2], 2)]);
+        let f = check_6(&w);
+        assert!(f.iter().any(|f| f.contains("run not consecutive")), "{f:?}");
+    }
+
+    #[test]
+    fn check_6_finds_a_run_from_a_store_without_runs() {
+        let mut w = world();
+        w.heads_only = true;
+        let a = commit(&w, &[("a", 1), ("a", 2)]);
+        claim_of(&w, 10, &[(&a[0], 0)]);
+        assert_eq!(check_6(&w), Vec::<String>::new());
+        claim_of(&w, 10, &[(&a[0], 0), (&a[1], 1)]);
+        let f = check_6(&w);
+        assert!(f.iter().any(|f| f.contains("run too long")), "{f:?}");
+    }
+
+    #[test]
+    fn check_6_finds_a_run_above_last_plus_one() {
+        // Version 1 unfinished (or missing): a run from 2 skipped it.
+        let w = world();
+        let a = commit(&w, &[("a", 1), ("a", 2), ("a", 3)]);
+        claim_of(&w, 3, &[(&a[1], 0), (&a[2], 1)]);
+        let f = check_6(&w);
+        assert!(f.iter().any(|f| f.contains("head above last + 1")), "{f:?}");
+        // The same run after version 1 was published: legal.
+        let w = world();
+        let a = commit(&w, &[("a", 1), ("a", 2), ("a", 3)]);
+        let t = claim_of(&w, 1, &[(&a[0], 0)]);
+        complete(&w, t, &[published_outcome(&a[0])], &[]);
+        claim_of(&w, 3, &[(&a[1], 0), (&a[2], 1)]);
+        assert_eq!(check_6(&w), Vec::<String>::new());
+        // After an operator's retry of a gap-parked version 2: legal too.
+        let w = world();
+        let a = commit(&w, &[("a", 2), ("a", 3)]);
+        let now = Instant::now();
+        w.ops.lock().unwrap().push(OpRecord {
+            event: a[0].event_id,
+            label: "a/v2/gap".into(),
+            action: "retry",
+            window: Window {
+                call: now,
+                ret: now,
+            },
+            result: "ok",
+            new_id: None,
+        });
+        claim_of(&w, 3, &[(&a[0], 0), (&a[1], 1)]);
+        let f: Vec<String> = check_6(&w);
+        assert_eq!(f, Vec::<String>::new());
+    }
+
+    #[test]
+    fn check_6_finds_a_run_past_an_unfinished_duplicate() {
+        let w = world();
+        let a = commit(&w, &[("a", 1), ("a", 2), ("a", 2), ("a", 3)]);
+        claim_of(&w, 3, &[(&a[0], 0), (&a[1], 1)]);
+        let f = check_6(&w);
+        assert!(
+            f.iter().any(|f| f.contains("run past a duplicate")),
+            "{f:?}"
+        );
+        // A duplicate of the head: the run (head included) must end before it.
+        let w = world();
+        let a = commit(&w, &[("a", 1), ("a", 1), ("a", 2)]);
+        claim_of(&w, 3, &[(&a[0], 0), (&a[2], 1)]);
+        let f = check_6(&w);
+        assert!(
+            f.iter().any(|f| f.contains("run past a duplicate")),
+            "{f:?}"
+        );
+        // The duplicate discarded first: legal.
+        let w = world();
+        let a = commit(&w, &[("a", 1), ("a", 2), ("a", 2), ("a", 3)]);
+        let now = Instant::now();
+        w.ops.lock().unwrap().push(OpRecord {
+            event: a[2].event_id,
+            label: "a/v2/dup".into(),
+            action: "discard",
+            window: Window {
+                call: now,
+                ret: now,
+            },
+            result: "ok",
+            new_id: None,
+        });
+        claim_of(&w, 3, &[(&a[0], 0), (&a[1], 1)]);
+        let f: Vec<String> = check_6(&w)
+            .into_iter()
+            .filter(|f| f.contains("duplicate"))
+            .collect();
+        assert_eq!(f, Vec::<String>::new());
+    }
+
+    #[test]
+    fn check_6_finds_a_completion_outside_the_published_prefix() {
+        // (outcomes as (index, published?), refused indexes): each applies an outcome after
+        // a version of the run that was not published.
+        type Case = (&'static [(usize, bool)], &'static [usize]);
+        let cases: [Case; 4] = [
+            // a hole: 1 published, 2 deferred, 3 published
+            (&[(0, true), (1, false), (2, true)], &[]),
+            // no outcome for the head
+            (&[(1, true), (2, true)], &[]),
+            // 2 refused, 3 applied
+            (&[(0, true), (1, true), (2, true)], &[1]),
+            // two failures
+            (&[(0, false), (1, false)], &[]),
+        ];
+        for (outs, refused) in cases {
+            let w = world();
+            let a = commit(&w, &[("a", 1), ("a", 2), ("a", 3)]);
+            let t = claim_of(&w, 3, &[(&a[0], 0), (&a[1], 1), (&a[2], 2)]);
+            let outcomes: Vec<Outcome> = outs
+                .iter()
+                .map(|&(i, p)| {
+                    if p {
+                        published_outcome(&a[i])
+                    } else {
+                        defer_outcome(&a[i])
+                    }
+                })
+                .collect();
+            let refused: Vec<&Envelope> = refused.iter().map(|&i| &a[i]).collect();
+            complete(&w, t, &outcomes, &refused);
+            let f = check_6(&w);
+            assert!(
+                f.iter().any(|f| f.starts_with("check 6 (run prefix)")),
+                "{outs:?} refused {refused:?}: {f:?}"
+            );
+        }
+        // The same holes refused by the store: legal.
+        let w = world();
+        let a = commit(&w, &[("a", 1), ("a", 2), ("a", 3)]);
+        let t = claim_of(&w, 3, &[(&a[0], 0), (&a[1], 1), (&a[2], 2)]);
+        complete(
+            &w,
+            t,
+            &[
+                published_outcome(&a[0]),
+                defer_outcome(&a[1]),
+                published_outcome(&a[2]),
+            ],
+            &[&a[2]],
+        );
+        assert_eq!(check_6(&w), Vec::<String>::new());
     }
 
     #[test]

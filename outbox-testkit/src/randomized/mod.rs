@@ -5,7 +5,7 @@
 //! [`run`] from a test.
 //!
 //! Four `outbox_core::Relay`s, each over its own store instance (some with prefetch, batch
-//! sizes drawn from the seed), drive `run_once` in a loop honouring `CycleReport::pause`,
+//! sizes drawn from the seed, and run lengths from [`Spec::with_runs`]), drive `run_once` in a loop honouring `CycleReport::pause`,
 //! against two producers that append many aggregates (some 20 to 40 versions deep) in
 //! overlapping transactions, now and then rolled back, with duplicate and out-of-order versions
 //! and version gaps (some filled late) appended on purpose. A fake broker decides per hand-over
@@ -248,6 +248,12 @@ pub struct Spec {
     pub produce: Duration,
     /// Salt of the seed derived from the time.
     pub salt: u64,
+    /// The run lengths the relays ask for (`RelayConfig::run`), one drawn per relay from the
+    /// seed. Default `[1]`: heads only.
+    pub runs: &'static [usize],
+    /// Whether the store hands out runs. `false` (a store that ignores `run`): every claim
+    /// must hold heads only, whatever the relays ask for.
+    pub runs_supported: bool,
 }
 
 impl Spec {
@@ -258,7 +264,24 @@ impl Spec {
             mode: ClaimMode::lease(LEASE).expect("a valid lease"),
             produce: Duration::from_secs_f64(production_secs(prefix)),
             salt: 0x4c45_4153,
+            runs: &[1],
+            runs_supported: true,
         }
+    }
+
+    /// Relays ask for runs: each draws its length from `lengths` (seeded; empty is `[1]`).
+    /// `supported`: whether the store hands out runs (checked: a store that does not must
+    /// hand out heads only; one that does must hand out at least one run).
+    pub fn with_runs(mut self, lengths: &'static [usize], supported: bool) -> Self {
+        self.runs = if lengths.is_empty() { &[1] } else { lengths };
+        self.runs_supported = supported;
+        self
+    }
+
+    /// Another production time (the lease run's default is `<PREFIX>_RANDOM_SECS`).
+    pub fn producing_for(mut self, produce: Duration) -> Self {
+        self.produce = produce;
+        self
     }
 
     /// The locked-transaction run (60 % of the lease run's production time).
@@ -268,6 +291,8 @@ impl Spec {
             mode: ClaimMode::LockedTransaction,
             produce: Duration::from_secs_f64(production_secs(prefix) * 0.6),
             salt: 0x4c4f_434b,
+            runs: &[1],
+            runs_supported: true,
         }
     }
 }
@@ -289,6 +314,7 @@ pub async fn run<B: RandomizedBackend>(backend: B, spec: Spec) {
         location: backend.location(),
         t0: Instant::now(),
         locked_hold: locked.then_some(LOCKED_HOLD),
+        heads_only: !spec.runs_supported,
         claim_life: if locked { LOCKED_HOLD } else { LEASE },
         claims: Mutex::default(),
         broker: Mutex::default(),
@@ -490,7 +516,8 @@ fn summary(
          {} superseded, {} released, {} paused; errors {:?}\n\
          store: {} claims, {} completions ({} superseded outcomes), {} releases, parks: {} by \
          completions, {} by claims ({} of them reported by locked claims that then ended \
-         without completing, so rolled back); {} gap holds\n\
+         without completing, so rolled back); {} gap holds; runs asked {:?}: {} runs handed out \
+         ({} events)\n\
          broker: {} calls ({} stalled past the claim), {} deliveries ({} first deliveries), {} \
          hand-overs checked, {} stalled, {} status checks failed ({} records); verdicts {:?}; \
          {} takeovers of an aggregate after a lease expired\n\
@@ -527,6 +554,9 @@ fn summary(
         claims.parks_by_claim,
         claims.claim_parks_rolled_back,
         claims.gaps_held,
+        spec.runs,
+        claims.runs_claimed,
+        claims.run_events,
         broker.calls,
         broker.long_stalls,
         broker.acks.len(),

@@ -27,7 +27,7 @@ impl<S: RelayStore> RelayStore for Recorded<S> {
         let batch = self.inner.claim(request).await?;
         let start = Instant::now();
         self.world
-            .record_claim(&request.owner, before, start, &batch);
+            .record_claim(&request.owner, request.run_len(), before, start, &batch);
         Ok(batch)
     }
 
@@ -38,6 +38,7 @@ impl<S: RelayStore> RelayStore for Recorded<S> {
     ) -> Result<CompletionReport, StoreError> {
         let call = Instant::now();
         self.world.end_claim(claim.token, call);
+        self.world.note_completion_call(claim.token, outcomes, call);
         let res = self.inner.complete(claim, outcomes).await;
         if let Ok(rep) = &res {
             let w = Window {
