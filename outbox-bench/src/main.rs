@@ -18,6 +18,7 @@
 //! # MySQL 8 / MariaDB (outbox-mysql): drain and append, beside hand-written references
 //! target/release/outbox-bench --database-url mysql://root@127.0.0.1:3306/test drain
 //! target/release/outbox-bench --database-url mysql://root@127.0.0.1:3306/test append
+//! target/release/outbox-bench --database-url mysql://root@127.0.0.1:3306/test status
 //! # Into NATS JetStream and RabbitMQ, each beside a minimal relay written for it
 //! NATS_URL=nats://127.0.0.1:4222 AMQP_URL=amqp://guest:guest@127.0.0.1:5672/%2f \
 //!     target/release/outbox-bench drain --transport nats,rabbitmq
@@ -41,6 +42,7 @@ mod indexes;
 mod latency;
 mod lean;
 mod mysql;
+mod mystatus;
 mod profile;
 mod report;
 mod scale;
@@ -55,7 +57,7 @@ use clap::{Parser, Subcommand};
 #[derive(Debug, Parser)]
 #[command(name = "outbox-bench", version)]
 struct Cli {
-    /// PostgreSQL URL; a `mysql://` (or `mariadb://`) URL runs `drain` and `append` on
+    /// PostgreSQL URL; a `mysql://` (or `mariadb://`) URL runs `drain`, `append` and `status` on
     /// MySQL 8 / MariaDB (outbox-mysql) instead.
     #[arg(long, env = "DATABASE_URL", global = true)]
     database_url: Option<String>,
@@ -154,16 +156,17 @@ async fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `drain` and `append` on MySQL / MariaDB; the other scenarios are PostgreSQL's.
+/// `drain`, `append` and `status` on MySQL / MariaDB; the other scenarios are PostgreSQL's.
 async fn run_mysql(cli: &Cli, url: &str) -> anyhow::Result<()> {
     let env = mysql::MyEnv::connect(url, cli.brokers.clone()).await?;
     println!("outbox-bench run {} (mysql)", env.run);
     let result = match &cli.scenario {
         Scenario::Drain(a) => mysql::drain(&env, a, cli.rounds).await,
         Scenario::Append(a) => mysql::append(&env, a, cli.rounds).await,
+        Scenario::Status(a) => mystatus::run(&env, a, cli.rounds).await,
         _ => Err(anyhow::anyhow!(
-            "only `drain` and `append` run on a mysql:// URL; the other scenarios measure \
-             PostgreSQL"
+            "only `drain`, `append` and `status` run on a mysql:// URL; the other scenarios \
+             measure PostgreSQL"
         )),
     };
     let cleaned = env.cleanup().await;

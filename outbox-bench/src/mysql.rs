@@ -134,6 +134,30 @@ impl MyEnv {
         Ok(name)
     }
 
+    /// The server's URL (`mysql://`).
+    pub(crate) fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// A migrated store in a new database, on `pool` (for the other scenarios' modules).
+    pub(crate) async fn store_on(
+        &self,
+        pool: &MySqlPool,
+        tag: &str,
+        mode: ClaimMode,
+    ) -> anyhow::Result<MySqlOutboxStore> {
+        self.store(pool, tag, mode).await
+    }
+
+    /// Forgets the newest database (cleanup will not drop it) and returns its name.
+    pub(crate) fn forget_last_database(&self) -> String {
+        self.databases
+            .lock()
+            .expect("lock")
+            .pop()
+            .unwrap_or_default()
+    }
+
     /// Drops every database and deletes every topic this run created.
     pub(crate) async fn cleanup(&self) -> anyhow::Result<()> {
         let dbs: Vec<String> = std::mem::take(&mut *self.databases.lock().expect("lock"));

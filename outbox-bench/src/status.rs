@@ -30,19 +30,22 @@ pub(crate) struct StatusArgs {
     /// Table sizes in rows (comma-separated; the issue asks for 10000,10000000, which takes a
     /// few minutes to fill here).
     #[arg(long, value_delimiter = ',', default_value = "10000,1000000")]
-    sizes: Vec<usize>,
+    pub(crate) sizes: Vec<usize>,
     /// Pending rows, percent of the size (at least 2,000 pending rows either way).
     #[arg(long, default_value_t = 1.0)]
-    pending_percent: f64,
+    pub(crate) pending_percent: f64,
     /// Parked rows (each its aggregate's head, with pending versions behind it).
     #[arg(long, default_value_t = 50)]
-    parked: usize,
+    pub(crate) parked: usize,
     /// Reads of each kind per round.
     #[arg(long, default_value_t = 5)]
-    reads: usize,
+    pub(crate) reads: usize,
     /// The status window (`status.window`, default 15 min), seconds.
     #[arg(long, default_value_t = 900)]
-    window: u64,
+    pub(crate) window: u64,
+    /// MariaDB only: keep each size's database (its name is printed) for `EXPLAIN`s.
+    #[arg(long)]
+    pub(crate) keep: bool,
 }
 
 /// Runs the status scenario.

@@ -31,6 +31,16 @@ use crate::inbox::KEY_EXPR;
 /// The percentiles of [`LatencySummary`], in thousandths.
 const PERCENTILES: [i64; 3] = [500, 900, 990];
 
+/// The latest finished events of a window [`MySqlOutboxStore::publish_latency`] reads for the
+/// percentiles (outbox-postgres's default `latency_sample`): above, they are an estimate.
+pub(crate) const LATENCY_SAMPLE: i64 = 5_000;
+
+/// Events created in a window counted exactly (as outbox-postgres); above, estimated.
+const CREATED_EXACT_UP_TO: u64 = 10_000;
+
+/// The first events of a busy window whose ids place its start (as outbox-postgres).
+const CREATED_FIRST_IDS: i64 = 101;
+
 /// A value bound to a filter's placeholder.
 enum Bind {
     Text(String),
@@ -41,10 +51,20 @@ impl MySqlOutboxStore {
     /// Publish latency percentiles (continuous, as PostgreSQL's `percentile_cont`) of the
     /// events published within `window`, and how many events were created in it.
     ///
-    /// One statement: the latencies of the window are ranked on the server (a window
-    /// function; MySQL has no `percentile_cont`) and only the ranks each percentile falls
-    /// between come back, with the count and the number created; the interpolation is done
-    /// here, in integer rank arithmetic both sides agree on.
+    /// One statement, bounded as outbox-postgres's: the window's finished (published or
+    /// discarded) events are counted through `finished_idx` alone, and only the latest
+    /// [`LATENCY_SAMPLE`] of them are read (backwards along that index) for the latencies,
+    /// ranked on the server (a window function; MySQL has no `percentile_cont`); only the
+    /// ranks each percentile falls between come back, interpolated here in integer rank
+    /// arithmetic both sides agree on. When the window holds no more than the sample, the
+    /// figures are exact and [`LatencySummary::sample`] is `None`; otherwise they are those of
+    /// the sample's published events (`sample` says how many) and `count` is the window's
+    /// finished count times the sample's share of published ones (exact when it holds no
+    /// discard).
+    ///
+    /// The events created in the window are counted through `created_idx` up to 10,000
+    /// ([`LatencySummary::created_estimated`] `false`); above, estimated (`true`) from the ids
+    /// issued since the window's start ([`created_estimate`]), as outbox-postgres does.
     pub async fn publish_latency(&self, window: Duration) -> Result<LatencySummary, StoreError> {
         let t = &self.inner.tables.events;
         let ranks: Vec<String> = PERCENTILES
@@ -58,19 +78,27 @@ impl MySqlOutboxStore {
             .collect();
         let sql = format!(
             "WITH p AS ( \
-               SELECT TIMESTAMPDIFF(MICROSECOND, created_at, published_at) AS us FROM {t} \
+               SELECT status = 'published' AS pub, \
+                      TIMESTAMPDIFF(MICROSECOND, created_at, published_at) AS us FROM {t} \
                WHERE finished_at >= UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND \
-                 AND status = 'published'), \
+               ORDER BY finished_at DESC LIMIT ?), \
              r AS (SELECT us, ROW_NUMBER() OVER (ORDER BY us) AS rn, COUNT(*) OVER () AS n \
-                   FROM p) \
-             SELECT c.created, x.rn, x.n, x.us \
-             FROM (SELECT COUNT(*) AS created FROM {t} \
-                   WHERE created_at >= UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND) c \
+                   FROM p WHERE pub) \
+             SELECT c.created, c.finished, x.rn, x.n, x.us \
+             FROM (SELECT (SELECT COUNT(*) FROM (SELECT 1 FROM {t} \
+                             WHERE created_at >= UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND \
+                             LIMIT {cap}) y) AS created, \
+                          (SELECT COUNT(*) FROM {t} \
+                             WHERE finished_at >= UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND) \
+                            AS finished) c \
              LEFT JOIN (SELECT r.rn, r.n, r.us FROM r \
                         WHERE r.rn = r.n OR r.rn IN ({})) x ON 1 = 1",
-            ranks.join(", ")
+            ranks.join(", "),
+            cap = CREATED_EXACT_UP_TO + 1,
         );
         let rows = sqlx::query(&sql)
+            .bind(micros(window))
+            .bind(LATENCY_SAMPLE)
             .bind(micros(window))
             .bind(micros(window))
             .fetch_all(&self.inner.pool)
@@ -78,9 +106,10 @@ impl MySqlOutboxStore {
             .map_err(db)?;
         let mut s = LatencySummary::default();
         let mut at: HashMap<i64, f64> = HashMap::new();
-        let mut n = 0i64;
+        let (mut n, mut finished) = (0i64, 0i64);
         for r in &rows {
             s.created = r.try_get::<i64, _>("created").map_err(db)?.max(0) as u64;
+            finished = r.try_get::<i64, _>("finished").map_err(db)?.max(0);
             if let (Some(rn), Some(count), Some(us)) = (
                 r.try_get::<Option<i64>, _>("rn").map_err(db)?,
                 r.try_get::<Option<i64>, _>("n").map_err(db)?,
@@ -91,12 +120,69 @@ impl MySqlOutboxStore {
             }
         }
         if n > 0 {
-            s.count = n as u64;
             let [p50, p90, p99] = PERCENTILES.map(|p| percentile(&at, n, p));
             (s.p50, s.p90, s.p99) = (p50, p90, p99);
             s.max = at.get(&n).copied();
         }
+        // The sample is the latest LATENCY_SAMPLE finished events of the window: all of them
+        // when there are no more.
+        let read = finished.min(LATENCY_SAMPLE);
+        if finished <= LATENCY_SAMPLE {
+            s.count = n as u64;
+        } else {
+            s.count = if n == read {
+                finished as u64
+            } else {
+                (finished as f64 * n as f64 / read as f64).round() as u64
+            };
+            s.sample = Some(n as u64);
+        }
+        if s.created > CREATED_EXACT_UP_TO {
+            // At least the entries counted, whatever the ids say.
+            s.created = self.created_estimate(window).await?.max(s.created);
+            s.created_estimated = true;
+        }
         Ok(s)
+    }
+
+    /// The events created within `window` on a busy window (more than 10,000): the ids issued
+    /// since its start, the newest id less the id the window starts at (the median of
+    /// `id - rank` over its first [`CREATED_FIRST_IDS`] events by creation time, so that a few
+    /// events whose ids are out of creation order do not move it), as outbox-postgres. The
+    /// append takes the id in its statement (`AUTO_INCREMENT`), so ids follow insertion order;
+    /// the estimate counts too many by the ids that never became rows (appends rolled back,
+    /// InnoDB's `AUTO_INCREMENT` gaps) and by rows deleted since, and is off by the events
+    /// whose `created_at` (the producer's clock) is on the other side of the window's start
+    /// than their insertion.
+    async fn created_estimate(&self, window: Duration) -> Result<u64, StoreError> {
+        let t = &self.inner.tables.events;
+        let rows = sqlx::query(&format!(
+            "SELECT f.id, (SELECT MAX(id) FROM {t}) AS newest FROM ( \
+               SELECT id FROM {t} \
+               WHERE created_at >= UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND \
+               ORDER BY created_at, id LIMIT ?) f"
+        ))
+        .bind(micros(window))
+        .bind(CREATED_FIRST_IDS)
+        .fetch_all(&self.inner.pool)
+        .await
+        .map_err(db)?;
+        let mut offsets = Vec::with_capacity(rows.len());
+        let mut newest = 0i64;
+        for (rank, r) in rows.iter().enumerate() {
+            newest = r
+                .try_get::<Option<i64>, _>("newest")
+                .map_err(db)?
+                .unwrap_or(0);
+            offsets.push(r.try_get::<i64, _>("id").map_err(db)? - (rank as i64 + 1));
+        }
+        if offsets.is_empty() {
+            return Ok(0);
+        }
+        offsets.sort_unstable();
+        // The lower median (PostgreSQL's `percentile_disc(0.5)`).
+        let start = offsets[(offsets.len() - 1) / 2];
+        Ok((newest - start).max(0) as u64)
     }
 
     /// Events created and events finished (published or discarded: both left the backlog)
@@ -123,6 +209,56 @@ impl MySqlOutboxStore {
             Ok(row.try_get::<i64, _>(name).map_err(db)?.max(0) as u64)
         };
         Ok(WindowFlow::new(count("created")?, count("finished")?))
+    }
+
+    /// [`flow`](Self::flow) for several windows ending at one "now", in one statement: both
+    /// indexes are read once over the widest window, and each window's count is a sum over
+    /// those entries (one `SUM` per window). `outbox status` reads one window per trend point
+    /// (up to 60); one `flow` each read the newest part of both indexes that many times over.
+    pub async fn flows(&self, windows: &[Duration]) -> Result<Vec<WindowFlow>, StoreError> {
+        let Some(widest) = windows.iter().max() else {
+            return Ok(Vec::new());
+        };
+        let t = &self.inner.tables.events;
+        let sums = |col: &str, tag: &str| -> String {
+            (0..windows.len())
+                .map(|i| {
+                    format!(
+                        "CAST(COALESCE(SUM({col} >= UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND), 0) \
+                         AS SIGNED) AS {tag}{i}"
+                    )
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        let sql = format!(
+            "SELECT c.*, f.* FROM \
+               (SELECT {} FROM {t} \
+                  WHERE created_at >= UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND) c, \
+               (SELECT {} FROM {t} \
+                  WHERE finished_at >= UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND) f",
+            sums("created_at", "c"),
+            sums("finished_at", "f"),
+        );
+        let mut q = sqlx::query(&sql);
+        for _ in 0..2 {
+            for w in windows {
+                q = q.bind(micros(*w));
+            }
+            q = q.bind(micros(*widest));
+        }
+        let row = q.fetch_one(&self.inner.pool).await.map_err(db)?;
+        let count = |name: String| -> Result<u64, StoreError> {
+            Ok(row.try_get::<i64, _>(name.as_str()).map_err(db)?.max(0) as u64)
+        };
+        (0..windows.len())
+            .map(|i| {
+                Ok(WindowFlow::new(
+                    count(format!("c{i}"))?,
+                    count(format!("f{i}"))?,
+                ))
+            })
+            .collect()
     }
 
     /// Published and discarded rows that a cleanup with `retention` would remove now.
@@ -383,6 +519,9 @@ impl outbox_core::ReportingStore for MySqlOutboxStore {
     }
     async fn flow(&self, window: Duration) -> Result<WindowFlow, StoreError> {
         MySqlOutboxStore::flow(self, window).await
+    }
+    async fn flows(&self, windows: &[Duration]) -> Result<Vec<WindowFlow>, StoreError> {
+        MySqlOutboxStore::flows(self, windows).await
     }
     async fn cleanup_candidates(&self, retention: Duration) -> Result<u64, StoreError> {
         MySqlOutboxStore::cleanup_candidates(self, retention).await

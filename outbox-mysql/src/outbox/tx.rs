@@ -55,6 +55,26 @@ pub(crate) async fn begin(pool: &MySqlPool) -> Result<Transaction<'static, MySql
     }
 }
 
+/// Begins a read-only transaction on one consistent snapshot (`REPEATABLE READ`, the snapshot
+/// taken at once): the reports that read in more than one statement see one state. Begun in
+/// a task of its own, as [`begin`].
+pub(crate) async fn begin_snapshot(
+    pool: &MySqlPool,
+) -> Result<Transaction<'static, MySql>, StoreError> {
+    let pool = pool.clone();
+    match tokio::spawn(async move { pool.begin_with(BEGIN_SNAPSHOT).await }).await {
+        Ok(begun) => begun.map_err(db),
+        Err(e) => Err(StoreError::new(
+            outbox_core::StoreErrorKind::Other,
+            format!("the task beginning a transaction did not finish: {e}"),
+        )),
+    }
+}
+
+/// A read-only transaction on a consistent snapshot taken at its start.
+const BEGIN_SNAPSHOT: &str = "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; \
+     START TRANSACTION WITH CONSISTENT SNAPSHOT, READ ONLY";
+
 /// Commits `tx` after `result` succeeded, else rolls it back at once.
 pub(crate) async fn finish<T>(
     tx: Transaction<'static, MySql>,
