@@ -640,21 +640,7 @@ async fn drain_minimal(
         let mut pending = Vec::with_capacity(rows.len());
         for row in &rows {
             ids.push(row.get::<i64, _>("id"));
-            let key: &str = row.get("key");
-            let payload: &[u8] = row.get("payload");
-            let hk: Vec<String> = row.get("header_keys");
-            let hv: Vec<Vec<u8>> = row.get("header_values");
-            let mut headers = OwnedHeaders::new_with_capacity(hk.len());
-            for (k, v) in hk.iter().zip(&hv) {
-                headers = headers.insert(Header {
-                    key: k.as_str(),
-                    value: Some(v.as_slice()),
-                });
-            }
-            let rec = FutureRecord::to(topic)
-                .key(key)
-                .payload(payload)
-                .headers(headers);
+            let rec = crate::lean::record(row, topic, crate::lean::Headers::Arrays)?;
             let delivery = producer.send_result(rec).map_err(|(e, _)| e)?;
             if await_each {
                 delivery.await?.map_err(|(e, _)| e)?;

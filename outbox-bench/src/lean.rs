@@ -48,7 +48,7 @@ pub(crate) enum Lean {
 
 /// How a variant keeps and sends the wire headers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Headers {
+pub(crate) enum Headers {
     Blob,
     Arrays,
     None,
@@ -214,7 +214,7 @@ async fn fill_blob(
 }
 
 /// The record of one claimed row, its headers built as `headers` says.
-fn record<'a>(
+pub(crate) fn record<'a>(
     row: &'a PgRow,
     topic: &'a str,
     headers: Headers,
@@ -239,7 +239,7 @@ fn record<'a>(
             h.expect("put back after every insert")
         }
         Headers::Arrays => {
-            // What the old minimal relay did: one owned vector per array, per row.
+            // What the minimal relay does: one owned vector per array, per row.
             let hk: Vec<String> = row.try_get(3)?;
             let hv: Vec<Vec<u8>> = row.try_get(4)?;
             let mut out = OwnedHeaders::new_with_capacity(hk.len());

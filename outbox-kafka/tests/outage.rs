@@ -25,14 +25,12 @@ use std::time::{Duration, Instant};
 use common::{create_topic, read_all, read_event_ids, tansu_bin, unique, Tansu};
 use outbox_core::prelude::*;
 use outbox_core::{
-    async_trait, ClaimMode, DeliveryStatus, Envelope, EventId, FailureScope, PublishError,
-    PublishErrorKind, PublishResult, Publisher, Relay, RelayConfig, RetryPolicy, SystemClock,
+    async_trait, DeliveryStatus, Envelope, EventId, FailureScope, PublishError, PublishErrorKind,
+    PublishResult, Publisher, RelayConfig,
 };
 use outbox_kafka::{KafkaPublisher, REPORT_GRACE};
 use outbox_testkit::conformance::outage::{publisher_outage, OutageHarness};
-use outbox_testkit::{MemoryDb, MemoryOutboxStore};
-use rand::rngs::StdRng;
-use rand::SeedableRng;
+use outbox_testkit::scenarios::{memory_backlog, retry_policy, seeded_relay};
 
 const AGGREGATES: usize = 40;
 const VERSIONS: i64 = 8;
@@ -153,27 +151,7 @@ async fn broker_outage_longer_than_the_attempt_limit_parks_nothing_and_drains_in
     create_topic(&brokers, &topic, PARTITIONS, &[]).await;
 
     // The outbox: AGGREGATES x VERSIONS events, committed.
-    let db = MemoryDb::new(SystemClock);
-    let store = MemoryOutboxStore::new(
-        &db,
-        ClaimMode::Lease {
-            duration: Duration::from_secs(30),
-        },
-    );
-    let mut tx = db.begin();
-    let mut events = Vec::new();
-    for version in 1..=VERSIONS {
-        for a in 0..AGGREGATES {
-            events.push(
-                Envelope::builder("order", format!("order-{a:02}"), version, "order.changed")
-                    .build()
-                    .unwrap(),
-            );
-        }
-    }
-    store.append(&mut tx, &events).await.unwrap();
-    tx.commit().unwrap();
-    let total = events.len();
+    let (store, total) = memory_backlog(AGGREGATES, VERSIONS).await;
 
     let publisher = KafkaPublisher::builder(&brokers, &topic)
         .delivery_timeout(DELIVERY_TIMEOUT)
@@ -194,26 +172,16 @@ async fn broker_outage_longer_than_the_attempt_limit_parks_nothing_and_drains_in
     let config = RelayConfig::builder()
         .owner("outage-relay")
         .batch_size(AGGREGATES)
-        .retry(
-            RetryPolicy::builder()
-                .base(Duration::from_millis(50))
-                .max_delay(Duration::from_millis(500))
-                .max_attempts(MAX_ATTEMPTS)
-                .build()
-                .unwrap(),
-        )
+        .retry(retry_policy(
+            Duration::from_millis(50),
+            Duration::from_millis(500),
+            MAX_ATTEMPTS,
+        ))
         .circuit_breaker(Duration::from_millis(200), Duration::from_secs(1))
         .idle(Duration::from_millis(5), Duration::from_millis(50))
         .build()
         .unwrap();
-    let mut relay = Relay::new(
-        store.clone(),
-        recording,
-        config,
-        Arc::new(SystemClock),
-        Box::new(StdRng::seed_from_u64(9)),
-    )
-    .unwrap();
+    let mut relay = seeded_relay(store.clone(), recording, config, 9);
 
     let outage = DELIVERY_TIMEOUT * (MAX_ATTEMPTS + 2);
     let topic_missing_for = Duration::from_secs(6);

@@ -9,7 +9,8 @@
 mod common;
 
 use outbox_core::prelude::*;
-use outbox_core::{AckMetadata, ClaimMode, Outcome, PublishedFilter, StoreErrorKind};
+use outbox_core::{ClaimMode, PublishedFilter};
+use outbox_testkit::store_checks;
 use sqlx::Row;
 
 use common::{append, claim, event, lease, park};
@@ -201,29 +202,7 @@ async fn rows_published_under_migration_1_read_back_as_kafka_acknowledgements() 
     );
 
     // The pending row is claimed, published over JetStream and reads back as such.
-    let batch = claim(&store, "r", 10).await;
-    assert_eq!(batch.records.len(), 1);
-    let jet = AckMetadata::JetStream {
-        stream: "ORDERS".into(),
-        sequence: 7,
-        subject: "outbox.order".into(),
-        duplicate: true,
-    };
-    store
-        .complete(
-            &batch.handle,
-            &[Outcome::Published {
-                event_id: batch.records[0].envelope.event_id,
-                ack: jet.clone(),
-            }],
-        )
-        .await
-        .unwrap();
-    let rows = store
-        .published_events(&PublishedFilter::default(), None, 10)
-        .await
-        .unwrap();
-    assert_eq!(rows.last().unwrap().ack, jet);
+    store_checks::pending_row_reads_back_a_jetstream_ack(&store).await;
     ctx.drop().await;
 }
 
@@ -278,15 +257,7 @@ async fn the_check_refuses_a_published_row_without_a_complete_acknowledgement() 
             .await
             .unwrap_or_else(|e| panic!("{set}: {e}"));
     }
-    let err = store
-        .published_events(&PublishedFilter::default(), None, 10)
-        .await
-        .expect_err("an unknown transport");
-    assert_eq!(err.kind, StoreErrorKind::Schema);
-    assert!(
-        err.message.contains("unknown transport \"pulsar\""),
-        "{err}"
-    );
+    store_checks::unknown_transport_is_refused_on_read(&store).await;
     ctx.drop().await;
 }
 
@@ -297,51 +268,12 @@ async fn both_claim_modes_write_each_transport_acknowledgement() {
     let ctx = ctx!(4);
     for mode in [ClaimMode::LockedTransaction, lease(30.0)] {
         let store = ctx.store(mode).await;
-        let acks = [
-            AckMetadata::kafka("orders", 2, 5),
-            AckMetadata::JetStream {
-                stream: "ORDERS".into(),
-                sequence: u64::try_from(i64::MAX).unwrap(),
-                subject: "outbox.order".into(),
-                duplicate: false,
-            },
-            AckMetadata::RabbitMq {
-                exchange: "outbox".into(),
-                routing_key: "order".into(),
-            },
-        ];
+        let acks = store_checks::transport_acks();
         let events: Vec<_> = (0..acks.len())
             .map(|k| event(&format!("{mode:?}-{k}"), 1))
             .collect();
         append(&ctx, &store, &events).await;
-        let batch = claim(&store, "r", 10).await;
-        let outcomes: Vec<Outcome> = batch
-            .records
-            .iter()
-            .map(|r| {
-                let k = events
-                    .iter()
-                    .position(|e| e.event_id == r.envelope.event_id)
-                    .unwrap();
-                Outcome::Published {
-                    event_id: r.envelope.event_id,
-                    ack: acks[k].clone(),
-                }
-            })
-            .collect();
-        let report = store.complete(&batch.handle, &outcomes).await.unwrap();
-        assert_eq!(report.applied, acks.len(), "{mode:?}");
-        let rows = store
-            .published_events(&PublishedFilter::default(), None, 100)
-            .await
-            .unwrap();
-        for (e, ack) in events.iter().zip(&acks) {
-            let row = rows
-                .iter()
-                .find(|r| r.envelope.event_id == e.event_id)
-                .unwrap();
-            assert_eq!(&row.ack, ack, "{mode:?}");
-        }
+        store_checks::acks_read_back(&store, &events, &acks, &format!("{mode:?}")).await;
     }
     let store = ctx.store(lease(30.0)).await;
     let e = event("parked", 1);

@@ -16,6 +16,7 @@ use outbox_core::{
     ClaimMode, Envelope, EnvelopeLimits, ParkKind, StoreErrorKind, MAX_AGGREGATE_NAME_BYTES,
 };
 use outbox_mysql::MySqlOutboxStore;
+use outbox_testkit::store_checks;
 use rand::{Rng, SeedableRng};
 
 use common::{claim, lease, park, publish_all};
@@ -233,36 +234,13 @@ async fn a_stored_event_past_the_bound_is_parked_before_any_state_is_written() {
         .await
         .unwrap();
         assert_eq!(states, 0, "{m}: no state of the aggregate was written");
-        let parked = store.list_parked(10).await.unwrap();
-        let ids: Vec<_> = parked.iter().map(|p| p.envelope.event_id).collect();
-        assert_eq!(ids, [l1.event_id, l2.event_id], "{m}");
-        assert!(
-            parked[0]
-                .reason
-                .error
-                .message
-                .contains(&MAX_AGGREGATE_NAME_BYTES.to_string()),
-            "{m}: the reason names the bound: {}",
-            parked[0].reason.error.message
-        );
-        for refused in [
-            store.retry_parked(l1.event_id, "ops").await,
-            store
-                .reissue_parked(l1.event_id, "ops", "again")
-                .await
-                .map(|_| ()),
-        ] {
-            let err = refused.expect_err("an event past the bound cannot be sent again");
-            assert_eq!(err.kind, StoreErrorKind::Validation, "{m}: {err}");
-        }
-        for e in [&l1, &l2] {
-            store
-                .discard_parked(e.event_id, "ops", "aggregate id too long")
-                .await
-                .unwrap();
-        }
-        let s = store.stats().await.unwrap();
-        assert_eq!((s.parked, s.unpublished), (0, 0), "{m}");
+        store_checks::unkeyable_pair_can_only_be_discarded(
+            &store,
+            [l1.event_id, l2.event_id],
+            MAX_AGGREGATE_NAME_BYTES,
+            m,
+        )
+        .await;
         // Fresh tables for the next mode.
         for t in ["outbox_events", "outbox_events_aggregate"] {
             sqlx::query(&format!("DELETE FROM {}", ctx.table(t)))

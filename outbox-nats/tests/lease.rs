@@ -48,6 +48,47 @@ async fn wait_active(source: &NatsSource, within: Duration, what: &str) {
     }
 }
 
+/// A member of `durable` on `stream` at `url` with lease TTL `ttl` (and `ack_wait` if given).
+async fn member(
+    url: &str,
+    stream: &str,
+    durable: &str,
+    ttl: Duration,
+    ack_wait: Option<Duration>,
+) -> NatsSource {
+    let mut builder = NatsSource::builder(url, stream, durable).lease_ttl(ttl);
+    if let Some(wait) = ack_wait {
+        builder = builder.ack_wait(wait);
+    }
+    builder.start().await.unwrap()
+}
+
+/// Two members as [`member`] makes them: the first active (within `within`), the second
+/// started after it.
+async fn active_and_second(
+    url: &str,
+    stream: &TestStream,
+    durable: &str,
+    ttl: Duration,
+    ack_wait: Option<Duration>,
+    within: Duration,
+) -> (NatsSource, NatsSource) {
+    let a = member(url, &stream.name, durable, ttl, ack_wait).await;
+    wait_active(&a, within, "the first member").await;
+    let b = member(url, &stream.name, durable, ttl, ack_wait).await;
+    (a, b)
+}
+
+/// Publishes versions `from..=to` of aggregate `x`.
+async fn publish_versions(publisher: &NatsPublisher, from: i64, to: i64) {
+    let events: Vec<Envelope> = (from..=to)
+        .map(|v| common::event("order", "x", v))
+        .collect();
+    for r in publisher.publish(&events.iter().collect::<Vec<_>>()).await {
+        r.unwrap();
+    }
+}
+
 /// Polls `source` until `until`, collecting the payloads.
 async fn drain(source: &NatsSource, until: Instant) -> Vec<String> {
     let mut got = Vec::new();
@@ -70,15 +111,15 @@ async fn close_gives_back_what_it_held_to_the_next_member_at_once() {
     let url = require!(common::nats_url("nats_lease_close_gives_back"));
     let prefix = unique("leaseclose");
     let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
-    let member = || {
-        NatsSource::builder(&url, &stream.name, &durable)
-            .ack_wait(Duration::from_secs(30))
-            .lease_ttl(TTL)
-            .start()
-    };
-    let a = member().await.unwrap();
-    wait_active(&a, TTL * 2, "the first member").await;
-    let b = member().await.unwrap();
+    let (a, b) = active_and_second(
+        &url,
+        &stream,
+        &durable,
+        TTL,
+        Some(Duration::from_secs(30)),
+        TTL * 2,
+    )
+    .await;
     publish_n(&stream, &format!("{prefix}.m"), 0, 5).await;
     let held = common::poll_n(&a, 3).await;
     assert_eq!(
@@ -103,14 +144,8 @@ async fn a_standby_takes_over_at_once_after_a_clean_close() {
     let prefix = unique("leaseprompt");
     let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     let ttl = Duration::from_secs(60);
-    let member = || {
-        NatsSource::builder(&url, &stream.name, &durable)
-            .lease_ttl(ttl)
-            .start()
-    };
-    let a = member().await.unwrap();
-    wait_active(&a, Duration::from_secs(5), "the first member").await;
-    let b = member().await.unwrap();
+    let (a, b) =
+        active_and_second(&url, &stream, &durable, ttl, None, Duration::from_secs(5)).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert!(!b.is_active(), "the second member is a standby");
     a.close().await;
@@ -134,14 +169,8 @@ async fn a_close_by_a_member_that_lost_the_lease_keeps_the_new_holders_key() {
     let prefix = unique("leaselost");
     let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
     let ttl = Duration::from_secs(60);
-    let member = || {
-        NatsSource::builder(&url, &stream.name, &durable)
-            .lease_ttl(ttl)
-            .start()
-    };
-    let a = member().await.unwrap();
-    wait_active(&a, Duration::from_secs(5), "the first member").await;
-    let b = member().await.unwrap();
+    let (a, b) =
+        active_and_second(&url, &stream, &durable, ttl, None, Duration::from_secs(5)).await;
     let kv = common::js(&url)
         .await
         .get_key_value(format!("outbox_leases_{}ms", ttl.as_millis()))
@@ -153,7 +182,7 @@ async fn a_close_by_a_member_that_lost_the_lease_keeps_the_new_holders_key() {
     let taken = kv.entry(&key).await.unwrap().expect("the new holder's key");
     assert!(a.is_active(), "the first member does not know yet");
     a.close().await;
-    let c = member().await.unwrap();
+    let c = member(&url, &stream.name, &durable, ttl, None).await;
     tokio::time::sleep(Duration::from_secs(3)).await;
     let now = kv.entry(&key).await.unwrap();
     assert!(
@@ -197,6 +226,37 @@ impl Handler<PgTx> for Recorded {
     }
 }
 
+/// An engine over `source` and `inbox` running `handler` (versions held in order, one message
+/// a batch, commits of one).
+fn engine_with<H: Handler<PgTx> + 'static>(
+    source: NatsSource,
+    inbox: outbox_postgres::PostgresInboxStore,
+    handler: H,
+    seed: u64,
+) -> ConsumerEngine<NatsSource, outbox_postgres::PostgresInboxStore, H> {
+    let processor = InboxProcessor::new("nats-lease", inbox, handler)
+        .with_version_policy(VersionPolicy::hold(100, Duration::from_secs(120)))
+        .require_first_version(true);
+    let config = EngineConfig::default()
+        .with_commit(1, Duration::from_millis(100))
+        .with_max_batch(1)
+        .with_poll_timeout(Duration::from_millis(50));
+    ConsumerEngine::new(source, processor, config, seed).unwrap()
+}
+
+/// The handler of `member` on `schema`: records, waits `delay`, applies.
+fn recorded(schema: String, member: &'static str, delay: Duration, log: Log) -> Recorded {
+    Recorded {
+        inner: Effects {
+            schema,
+            applied: Arc::new(AtomicUsize::new(0)),
+        },
+        member,
+        delay,
+        log,
+    }
+}
+
 async fn engine(
     db: &common::inbox::Db,
     source: NatsSource,
@@ -204,26 +264,8 @@ async fn engine(
     delay: Duration,
     log: Log,
 ) -> ConsumerEngine<NatsSource, outbox_postgres::PostgresInboxStore, Recorded> {
-    let processor = InboxProcessor::new(
-        "nats-lease",
-        db.inbox().await,
-        Recorded {
-            inner: Effects {
-                schema: db.schema.clone(),
-                applied: Arc::new(AtomicUsize::new(0)),
-            },
-            member,
-            delay,
-            log,
-        },
-    )
-    .with_version_policy(VersionPolicy::hold(100, Duration::from_secs(120)))
-    .require_first_version(true);
-    let config = EngineConfig::default()
-        .with_commit(1, Duration::from_millis(100))
-        .with_max_batch(1)
-        .with_poll_timeout(Duration::from_millis(50));
-    ConsumerEngine::new(source, processor, config, 7).unwrap()
+    let handler = recorded(db.schema.clone(), member, delay, log);
+    engine_with(source, db.inbox().await, handler, 7)
 }
 
 /// The active member reads through a proxy, with a slow handler and the versions of one
@@ -255,25 +297,10 @@ async fn a_member_cut_from_the_server_stops_when_its_lease_runs_out_and_stays_ou
         .await
         .unwrap();
     wait_active(&a, TTL * 2, "the first member").await;
-    let b = NatsSource::builder(&url, &stream.name, &durable)
-        .ack_wait(ack_wait)
-        .lease_ttl(TTL)
-        .start()
-        .await
-        .unwrap();
+    let b = member(&url, &stream.name, &durable, TTL, Some(ack_wait)).await;
     let mut a = engine(&db, a, "a", Duration::from_millis(300), log.clone()).await;
     let mut b = engine(&db, b, "b", Duration::ZERO, log.clone()).await;
-    let events = |from: i64, to: i64| {
-        (from..=to)
-            .map(|v| common::event("order", "x", v))
-            .collect::<Vec<_>>()
-    };
-    for r in publisher
-        .publish(&events(1, N).iter().collect::<Vec<_>>())
-        .await
-    {
-        r.unwrap();
-    }
+    publish_versions(&publisher, 1, N).await;
     let by = |m: &str| log.lock().unwrap().iter().filter(|e| e.0 == m).count();
     let deadline = Instant::now() + Duration::from_secs(20);
     while by("a") < 3 {
@@ -288,12 +315,7 @@ async fn a_member_cut_from_the_server_stops_when_its_lease_runs_out_and_stays_ou
 
     proxy.partition();
     let cut = Instant::now();
-    for r in publisher
-        .publish(&events(N + 1, N + MORE).iter().collect::<Vec<_>>())
-        .await
-    {
-        r.unwrap();
-    }
+    publish_versions(&publisher, N + 1, N + MORE).await;
     let a_out: Mutex<Option<Instant>> = Mutex::new(None);
     let taken: Mutex<Option<Instant>> = Mutex::new(None);
     let healed: Mutex<Option<Instant>> = Mutex::new(None);
@@ -442,18 +464,8 @@ async fn a_member_paused_past_its_lease_applies_and_acknowledges_nothing_more() 
     let log: Log = Arc::default();
     let paused: Paused = Arc::default();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let events = |from: i64, to: i64| {
-        (from..=to)
-            .map(|v| common::event("order", "x", v))
-            .collect::<Vec<_>>()
-    };
     let _migrated = db.inbox().await;
-    for r in publisher
-        .publish(&events(1, N).iter().collect::<Vec<_>>())
-        .await
-    {
-        r.unwrap();
-    }
+    publish_versions(&publisher, 1, N).await;
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
     let member_a = {
         let (url, stream, durable, schema) = (
@@ -478,39 +490,16 @@ async fn a_member_paused_past_its_lease_applies_and_acknowledges_nothing_more() 
                     .schema(&schema)
                     .build()
                     .expect("inbox");
-                let source = NatsSource::builder(&url, &stream, &durable)
-                    .ack_wait(ack_wait)
-                    .lease_ttl(TTL)
-                    .start()
-                    .await
-                    .unwrap();
+                let source = member(&url, &stream, &durable, TTL, Some(ack_wait)).await;
                 wait_active(&source, TTL * 2, "the first member").await;
                 ready_tx.send(()).unwrap();
-                let processor = InboxProcessor::new(
-                    "nats-lease",
-                    inbox,
-                    Pausing {
-                        inner: Recorded {
-                            inner: Effects {
-                                schema,
-                                applied: Arc::new(AtomicUsize::new(0)),
-                            },
-                            member: "a",
-                            delay: Duration::from_millis(100),
-                            log,
-                        },
-                        at: 3,
-                        pause: TTL * 2,
-                        paused,
-                    },
-                )
-                .with_version_policy(VersionPolicy::hold(100, Duration::from_secs(120)))
-                .require_first_version(true);
-                let config = EngineConfig::default()
-                    .with_commit(1, Duration::from_millis(100))
-                    .with_max_batch(1)
-                    .with_poll_timeout(Duration::from_millis(50));
-                let mut engine = ConsumerEngine::new(source, processor, config, 3).unwrap();
+                let handler = Pausing {
+                    inner: recorded(schema, "a", Duration::from_millis(100), log),
+                    at: 3,
+                    pause: TTL * 2,
+                    paused,
+                };
+                let mut engine = engine_with(source, inbox, handler, 3);
                 while !stop.load(Ordering::SeqCst) {
                     let _ = engine.step().await;
                 }
@@ -521,12 +510,7 @@ async fn a_member_paused_past_its_lease_applies_and_acknowledges_nothing_more() 
     ready_rx
         .recv_timeout(Duration::from_secs(20))
         .expect("the first member started");
-    let b = NatsSource::builder(&url, &stream.name, &durable)
-        .ack_wait(ack_wait)
-        .lease_ttl(TTL)
-        .start()
-        .await
-        .unwrap();
+    let b = member(&url, &stream.name, &durable, TTL, Some(ack_wait)).await;
     let mut b = engine(&db, b, "b", Duration::ZERO, log.clone()).await;
     let deadline = Instant::now() + Duration::from_secs(20);
     while paused.lock().unwrap().is_none() {
@@ -534,12 +518,7 @@ async fn a_member_paused_past_its_lease_applies_and_acknowledges_nothing_more() 
         let _ = tokio::time::timeout(Duration::from_millis(100), b.step()).await;
         assert!(!b.source().is_active(), "taken over before the pause");
     }
-    for r in publisher
-        .publish(&events(N + 1, N + MORE).iter().collect::<Vec<_>>())
-        .await
-    {
-        r.unwrap();
-    }
+    publish_versions(&publisher, N + 1, N + MORE).await;
     let deadline = Instant::now() + Duration::from_secs(60);
     while db.effects_once().await < N + MORE
         || pending(&url, &stream.name, &durable).await != (0, 0)
@@ -582,15 +561,18 @@ async fn a_member_with_another_lease_ttl_refuses_to_read() {
     let url = require!(common::nats_url("nats_lease_other_ttl"));
     let prefix = unique("leasettl");
     let (stream, durable) = common::stream_and_durable(&url, &prefix, "inbox").await;
-    let member = |ttl: Duration| {
-        NatsSource::builder(&url, &stream.name, &durable)
-            .ack_wait(Duration::from_secs(30))
-            .lease_ttl(ttl)
-            .start()
+    let with_ttl = |ttl: Duration| {
+        member(
+            &url,
+            &stream.name,
+            &durable,
+            ttl,
+            Some(Duration::from_secs(30)),
+        )
     };
-    let a = member(TTL).await.unwrap();
+    let a = with_ttl(TTL).await;
     wait_active(&a, TTL * 2, "the first member").await;
-    let b = member(TTL + Duration::from_secs(1)).await.unwrap();
+    let b = with_ttl(TTL + Duration::from_secs(1)).await;
     publish_n(&stream, &format!("{prefix}.m"), 0, 3).await;
     let until = Instant::now() + Duration::from_secs(5);
     let mut refused = None;

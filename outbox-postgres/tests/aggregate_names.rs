@@ -15,6 +15,7 @@ use outbox_core::{
     ClaimMode, Envelope, EnvelopeLimits, ParkKind, StoreErrorKind, MAX_AGGREGATE_NAME_BYTES,
 };
 use outbox_postgres::PostgresOutboxStore;
+use outbox_testkit::store_checks;
 use rand::{Rng, SeedableRng};
 
 use common::{claim, lease, park, publish_all};
@@ -196,36 +197,13 @@ async fn a_stored_event_past_the_limit_is_parked_and_never_stops_other_claims() 
         // Its version 2, reached by the next claim, is parked too; nothing is claimable.
         let b = claim(&store, m, 10).await;
         assert!(b.records.is_empty(), "{m}");
-        let parked = store.list_parked(10).await.unwrap();
-        let ids: Vec<_> = parked.iter().map(|p| p.envelope.event_id).collect();
-        assert_eq!(ids, [l1.event_id, l2.event_id], "{m}");
-        assert!(
-            parked[0]
-                .reason
-                .error
-                .message
-                .contains(&MAX_AGGREGATE_NAME_BYTES.to_string()),
-            "{m}: the reason names the limit: {}",
-            parked[0].reason.error.message
-        );
-        for refused in [
-            store.retry_parked(l1.event_id, "ops").await,
-            store
-                .reissue_parked(l1.event_id, "ops", "again")
-                .await
-                .map(|_| ()),
-        ] {
-            let err = refused.expect_err("an unkeyable event cannot be sent again");
-            assert_eq!(err.kind, StoreErrorKind::Validation, "{m}: {err}");
-        }
-        for e in [&l1, &l2] {
-            store
-                .discard_parked(e.event_id, "ops", "aggregate id too long")
-                .await
-                .unwrap();
-        }
-        let s = store.stats().await.unwrap();
-        assert_eq!((s.parked, s.unpublished), (0, 0), "{m}");
+        store_checks::unkeyable_pair_can_only_be_discarded(
+            &store,
+            [l1.event_id, l2.event_id],
+            MAX_AGGREGATE_NAME_BYTES,
+            m,
+        )
+        .await;
     }
     ctx.drop().await;
 }

@@ -18,6 +18,7 @@ use outbox_core::{
     ClaimMode, ClaimRequest, ClaimedBatch, Envelope, ErrorClass, EventId, LastError, Outcome,
 };
 use outbox_postgres::PostgresOutboxStore;
+use outbox_testkit::{batch_layout as layout, run_layout as run_of};
 
 use common::{event, lease, published, Ctx};
 
@@ -30,28 +31,6 @@ async fn claim_run(store: &PostgresOutboxStore, limit: usize, run: usize) -> Cla
         .claim(&ClaimRequest::new("relay", limit).with_run(run))
         .await
         .expect("claim")
-}
-
-/// (aggregate, version, run position) of each record, in batch order.
-fn layout(batch: &ClaimedBatch) -> Vec<(String, i64, u32)> {
-    batch
-        .records
-        .iter()
-        .map(|r| {
-            (
-                r.envelope.aggregate_id.clone(),
-                r.envelope.aggregate_version,
-                r.run_position,
-            )
-        })
-        .collect()
-}
-
-fn run_of(agg: &str, versions: std::ops::RangeInclusive<i64>) -> Vec<(String, i64, u32)> {
-    let first = *versions.start();
-    versions
-        .map(|v| (agg.to_owned(), v, (v - first) as u32))
-        .collect()
 }
 
 fn retry(e: &Envelope) -> Outcome {

@@ -1,13 +1,16 @@
 //! The simulation over the in-memory backends: the property, coverage of the states it must
 //! reach, and scripted crash scenarios.
 
+mod common;
+
 use std::time::Duration;
+
+use common::{answer, begin, expect_property, operator_steps};
 
 use outbox_sim::{
     describe, run_property, sample_cases, Modes, RecordAnswer, SimConfig, SimReport, Simulation,
     Step,
 };
-use proptest::test_runner::TestError;
 
 #[test]
 fn simulation_holds_every_invariant() {
@@ -17,12 +20,7 @@ fn simulation_holds_every_invariant() {
     let result = run_property(&config, Some(file!()), |modes| {
         Simulation::memory(c.clone(), modes)
     });
-    if let Err(e) = result {
-        match &e {
-            TestError::Fail(reason, case) => panic!("{reason}\n{}", describe(case)),
-            TestError::Abort(reason) => panic!("aborted: {reason}"),
-        }
-    }
+    expect_property(result);
 }
 
 #[test]
@@ -172,21 +170,6 @@ fn the_generator_reaches_the_interesting_states() {
     );
 }
 
-fn begin(aggregate: usize, events: usize) -> Step {
-    Step::Begin {
-        aggregate,
-        events,
-        command: 0,
-    }
-}
-
-fn answer(relay: usize, answers: &[RecordAnswer]) -> Step {
-    Step::Answer {
-        relay,
-        answers: answers.to_vec(),
-    }
-}
-
 #[test]
 fn a_relay_dying_with_its_batch_held_duplicates_but_loses_nothing() {
     for lease in [true, false] {
@@ -313,35 +296,6 @@ fn a_prefetched_batch_survives_a_park_of_the_batch_before_it() {
     assert!(report.prefetches >= 1, "{report:?}");
     assert!(report.parked >= 1, "{report:?}");
     assert_eq!(report.applied, 8);
-}
-
-/// Operator actions on parked events of several aggregates, and the release of a crashed
-/// relay's claims: each is checked for its scope (the store's whole delivery state before and
-/// after: nothing outside its target changed, the target only as promised).
-fn operator_steps() -> Vec<Step> {
-    use outbox_sim::OperatorStep::{Discard, Reissue, Retry};
-    let mut steps = Vec::new();
-    for a in 0..4 {
-        steps.push(begin(a, 2));
-        steps.push(Step::Commit(0));
-    }
-    steps.extend([
-        // Heads of several aggregates park (a permanent failure each).
-        Step::Relay(0),
-        answer(0, &[RecordAnswer::Permanent]),
-        Step::Relay(1),
-        answer(1, &[RecordAnswer::Permanent]),
-        Step::Operator(Retry, 0),
-        Step::Operator(Discard, 0),
-        Step::Operator(Reissue, 0),
-        // A relay holds a batch (a lease in lease mode), dies, and its claims are released.
-        Step::Relay(0),
-        Step::ReleaseClaims(0),
-        Step::Relay(1),
-        answer(1, &[RecordAnswer::Ack]),
-        Step::Consumer(20),
-    ]);
-    steps
 }
 
 #[test]

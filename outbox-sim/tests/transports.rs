@@ -2,19 +2,15 @@
 //! comes after a later message, a RabbitMQ channel lost under the running engine, JetStream's
 //! duplicate window; and the transports' seeded bugs caught on them.
 
+mod common;
+
 use std::time::Duration;
+
+use common::begin;
 
 use outbox_sim::{
     HandlerFault, Modes, Policy, RecordAnswer, SeededBug, SimConfig, Simulation, Step, Transport,
 };
-
-fn begin(aggregate: usize, events: usize) -> Step {
-    Step::Begin {
-        aggregate,
-        events,
-        command: 0,
-    }
-}
 
 fn answer(answers: &[RecordAnswer]) -> Step {
     Step::Answer {

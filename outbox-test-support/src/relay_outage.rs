@@ -11,16 +11,11 @@
 //! The publisher must be built with [`DELIVERY_TIMEOUT`] (and a short connect timeout).
 
 use std::collections::{BTreeMap, HashSet};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use outbox_core::prelude::*;
-use outbox_core::{
-    ClaimMode, DeliveryStatus, Envelope, Publisher, Relay, RelayConfig, RetryPolicy, SystemClock,
-};
-use outbox_testkit::{MemoryDb, MemoryOutboxStore};
-use rand::rngs::StdRng;
-use rand::SeedableRng;
+use outbox_core::{DeliveryStatus, Publisher, RelayConfig};
+use outbox_testkit::scenarios::{memory_backlog, retry_policy, seeded_relay};
 
 use crate::{NatsServer, RabbitNode};
 
@@ -80,51 +75,21 @@ pub async fn drain_through_outage<P: Publisher + 'static>(
     server: &mut impl OutageServer,
     deadline: Duration,
 ) -> Drained {
-    let db = MemoryDb::new(SystemClock);
-    let store = MemoryOutboxStore::new(
-        &db,
-        ClaimMode::Lease {
-            duration: Duration::from_secs(30),
-        },
-    );
-    let mut events = Vec::new();
-    for version in 1..=VERSIONS {
-        for a in 0..AGGREGATES {
-            events.push(
-                Envelope::builder("order", format!("order-{a:02}"), version, "order.changed")
-                    .build()
-                    .expect("valid event"),
-            );
-        }
-    }
-    let mut tx = db.begin();
-    store.append(&mut tx, &events).await.expect("append");
-    tx.commit().expect("commit");
-    let total = events.len();
+    let (store, total) = memory_backlog(AGGREGATES, VERSIONS).await;
 
     let config = RelayConfig::builder()
         .owner(owner)
         .batch_size(AGGREGATES)
-        .retry(
-            RetryPolicy::builder()
-                .base(Duration::from_millis(50))
-                .max_delay(Duration::from_millis(500))
-                .max_attempts(MAX_ATTEMPTS)
-                .build()
-                .expect("retry policy"),
-        )
+        .retry(retry_policy(
+            Duration::from_millis(50),
+            Duration::from_millis(500),
+            MAX_ATTEMPTS,
+        ))
         .circuit_breaker(Duration::from_millis(200), Duration::from_secs(1))
         .idle(Duration::from_millis(5), Duration::from_millis(50))
         .build()
         .expect("relay config");
-    let mut relay = Relay::new(
-        store.clone(),
-        publisher,
-        config,
-        Arc::new(SystemClock),
-        Box::new(StdRng::seed_from_u64(5)),
-    )
-    .expect("relay");
+    let mut relay = seeded_relay(store.clone(), publisher, config, 5);
 
     let outage = DELIVERY_TIMEOUT * (MAX_ATTEMPTS + 3);
     let (mut published, mut retried, mut deferred, mut parked) = (0, 0, 0, 0);

@@ -104,6 +104,7 @@ pub mod outbox;
 pub mod randomized;
 pub mod rules;
 pub mod scenarios;
+pub mod store_checks;
 
 pub use clock::ManualClock;
 pub use db::{MemoryDb, MemoryTx, TxCounters};
@@ -124,4 +125,31 @@ pub fn deterministic_event_id(at: chrono::DateTime<chrono::Utc>, n: u64) -> outb
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     x ^= x >> 31;
     outbox_core::EventId::from_parts(at, u128::from(x) << 16)
+}
+
+/// A claimed batch as (aggregate, version, run position) per record, in batch order: what
+/// run checks compare and print.
+pub fn batch_layout(batch: &outbox_core::ClaimedBatch) -> Vec<(String, i64, u32)> {
+    batch
+        .records
+        .iter()
+        .map(|r| {
+            (
+                r.envelope.aggregate_id.clone(),
+                r.envelope.aggregate_version,
+                r.run_position,
+            )
+        })
+        .collect()
+}
+
+/// The layout ([`batch_layout`]) of one run of `aggregate` over `versions`: positions 0, 1, ...
+pub fn run_layout(
+    aggregate: &str,
+    versions: std::ops::RangeInclusive<i64>,
+) -> Vec<(String, i64, u32)> {
+    let first = *versions.start();
+    versions
+        .map(|v| (aggregate.to_owned(), v, (v - first) as u32))
+        .collect()
 }

@@ -133,6 +133,67 @@ impl Publisher for RecordingPublisher {
     }
 }
 
+/// A store of `backend` with `p`, its tables created.
+async fn prepared<B: RandomizedBackend>(backend: &B, p: &StoreParams) -> B::Store {
+    let store = backend.store(p);
+    backend.prepare(&store).await.expect("migrate");
+    store
+}
+
+/// An in-memory outbox in lease mode (30 s) holding `aggregates` x `versions` committed events
+/// (aggregates `order-00`, `order-01`, ..., appended version by version), and their count.
+pub async fn memory_backlog(aggregates: usize, versions: i64) -> (crate::MemoryOutboxStore, usize) {
+    let db = crate::MemoryDb::new(SystemClock);
+    let store = crate::MemoryOutboxStore::new(
+        &db,
+        ClaimMode::Lease {
+            duration: Duration::from_secs(30),
+        },
+    );
+    let mut events = Vec::new();
+    for version in 1..=versions {
+        for a in 0..aggregates {
+            events.push(
+                Envelope::builder("order", format!("order-{a:02}"), version, "order.changed")
+                    .build()
+                    .expect("valid event"),
+            );
+        }
+    }
+    let mut tx = db.begin();
+    store.append(&mut tx, &events).await.expect("append");
+    tx.commit().expect("commit");
+    (store, events.len())
+}
+
+/// A retry policy from `base` up to `max` between attempts, `attempts` at the most.
+pub fn retry_policy(base: Duration, max: Duration, attempts: u32) -> RetryPolicy {
+    RetryPolicy::builder()
+        .base(base)
+        .max_delay(max)
+        .max_attempts(attempts)
+        .build()
+        .expect("retry policy")
+}
+
+/// A relay of `config` over `store` and `publisher`, on the system clock, its jitter seeded
+/// with `seed`.
+pub fn seeded_relay<S: RelayStore, P: Publisher>(
+    store: S,
+    publisher: P,
+    config: RelayConfig,
+    seed: u64,
+) -> Relay<S, P> {
+    Relay::new(
+        store,
+        publisher,
+        config,
+        Arc::new(SystemClock),
+        Box::new(rand::rngs::StdRng::seed_from_u64(seed)),
+    )
+    .expect("relay config")
+}
+
 fn relay<S: RelayStore, P: Publisher>(
     store: S,
     publisher: P,
@@ -144,25 +205,15 @@ fn relay<S: RelayStore, P: Publisher>(
         .batch_size(50)
         .idle(Duration::from_millis(5), Duration::from_millis(50))
         .lease_margin(outbox_core::MIN_LEASE_MARGIN)
-        .retry(
-            RetryPolicy::builder()
-                .base(Duration::from_millis(5))
-                .max_delay(Duration::from_millis(20))
-                .max_attempts(50)
-                .build()
-                .expect("retry policy"),
-        )
+        .retry(retry_policy(
+            Duration::from_millis(5),
+            Duration::from_millis(20),
+            50,
+        ))
         .circuit_breaker(Duration::from_millis(20), Duration::from_millis(200))
         .build()
         .expect("relay config");
-    Relay::new(
-        store,
-        publisher,
-        config,
-        Arc::new(SystemClock),
-        Box::new(rand::rngs::StdRng::seed_from_u64(seed)),
-    )
-    .expect("relay config")
+    seeded_relay(store, publisher, config, seed)
 }
 
 /// Every expected event acknowledged exactly once, each aggregate's versions acknowledged in
@@ -487,26 +538,16 @@ pub async fn broker_outage_parks_nothing_and_drains<B: RandomizedBackend>(
     let config = RelayConfig::builder()
         .owner("outage-relay")
         .batch_size(AGGREGATES)
-        .retry(
-            RetryPolicy::builder()
-                .base(Duration::from_millis(5))
-                .max_delay(Duration::from_millis(20))
-                .max_attempts(MAX_ATTEMPTS)
-                .build()
-                .expect("retry policy"),
-        )
+        .retry(retry_policy(
+            Duration::from_millis(5),
+            Duration::from_millis(20),
+            MAX_ATTEMPTS,
+        ))
         .circuit_breaker(Duration::from_millis(5), Duration::from_millis(40))
         .idle(Duration::from_millis(5), Duration::from_millis(50))
         .build()
         .expect("relay config");
-    let mut relay = Relay::new(
-        store.clone(),
-        broker.clone(),
-        config,
-        Arc::new(SystemClock),
-        Box::new(rand::rngs::StdRng::seed_from_u64(9)),
-    )
-    .expect("relay");
+    let mut relay = seeded_relay(store.clone(), broker.clone(), config, 9);
     let (mut published, mut deferred, mut opened) = (0, 0, false);
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {

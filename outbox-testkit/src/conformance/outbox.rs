@@ -10,6 +10,7 @@ use outbox_core::{
 };
 
 use super::{event, not_applicable, unique, OutboxHarness};
+use crate::{batch_layout as layout, run_layout as run_of};
 
 fn agg(name: &str) -> String {
     format!("{name}-{}", unique())
@@ -1427,28 +1428,6 @@ async fn claim_run<S: OutboxStore>(
         .claim(&ClaimRequest::new(owner, limit).with_run(run))
         .await
         .expect("claim")
-}
-
-/// The batch as (aggregate, version, run position), in batch order.
-fn layout(batch: &ClaimedBatch) -> Vec<(String, i64, u32)> {
-    batch
-        .records
-        .iter()
-        .map(|r| {
-            (
-                r.envelope.aggregate_id.clone(),
-                r.envelope.aggregate_version,
-                r.run_position,
-            )
-        })
-        .collect()
-}
-
-fn run_of(aggregate: &str, versions: std::ops::RangeInclusive<i64>) -> Vec<(String, i64, u32)> {
-    let first = *versions.start();
-    versions
-        .map(|v| (aggregate.to_owned(), v, (v - first) as u32))
-        .collect()
 }
 
 /// Runs: a claim asking for runs gets, after each head, its aggregate's next versions, adjacent

@@ -43,11 +43,11 @@ use outbox_core::prelude::*;
 use outbox_core::{
     async_trait, AckMetadata, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, CompletionReport,
     Envelope, EventId, Outcome, PublishError, PublishErrorKind, PublishResult, Publisher, Relay,
-    RelayConfig, RetryPolicy, StoreError, StoreErrorKind, SystemClock,
+    RelayConfig, StoreError, StoreErrorKind,
 };
 use rand::{Rng, SeedableRng};
 
-use super::{check_log, drive, event, params, Log};
+use super::{check_log, drive, event, params, prepared, retry_policy, seeded_relay, Log};
 use crate::randomized::RandomizedBackend;
 
 /// What a completion does when it runs beside an early claim (once; later completions and
@@ -422,30 +422,30 @@ fn early_relay<S: RelayStore, P: Publisher>(
         .early_claim(true)
         .idle(Duration::from_millis(2), Duration::from_millis(20))
         .lease_margin(outbox_core::MIN_LEASE_MARGIN)
-        .retry(
-            RetryPolicy::builder()
-                .base(Duration::from_millis(5))
-                .max_delay(Duration::from_millis(20))
-                .max_attempts(50)
-                .build()
-                .expect("retry policy"),
-        )
+        .retry(retry_policy(
+            Duration::from_millis(5),
+            Duration::from_millis(20),
+            50,
+        ))
         .build()
         .expect("relay config");
-    Relay::new(
-        store,
-        publisher,
-        config,
-        Arc::new(SystemClock),
-        Box::new(rand::rngs::StdRng::seed_from_u64(seed)),
-    )
-    .expect("relay config")
+    seeded_relay(store, publisher, config, seed)
 }
 
 /// Store parameters of the scenarios of one relay: `mode`, `locked_max_hold` 3 s (just above
 /// what a prefetching relay needs with a 200 ms delivery timeout), the broker's timeout.
 fn one_relay_params(mode: ClaimMode) -> crate::randomized::StoreParams {
     params(mode, Duration::from_secs(3), Duration::from_millis(200))
+}
+
+/// Nothing unpublished, in flight or parked in `store` (`what` leads the message).
+async fn assert_nothing_left<S: OutboxStore>(store: &S, what: &str) {
+    let stats = store.stats().await.expect("stats");
+    assert_eq!(
+        (stats.unpublished, stats.in_flight, stats.parked),
+        (0, 0, 0),
+        "{what}: {stats:?}"
+    );
 }
 
 async fn append<B: RandomizedBackend>(backend: &B, store: &B::Store, events: &[Envelope]) {
@@ -524,8 +524,7 @@ pub async fn early_claim_races_completions_and_keeps_order<B: RandomizedBackend>
     mode: ClaimMode,
 ) {
     let p = params(mode, Duration::from_secs(60), Duration::from_millis(200));
-    let store = backend.store(&p);
-    backend.prepare(&store).await.expect("migrate");
+    let store = prepared(backend, &p).await;
     let watch = Watch::new(Plan::Plain, false, Duration::from_millis(3), 25);
     let log = Arc::new(Mutex::new(Log::default()));
     let stop = Arc::new(AtomicBool::new(false));
@@ -584,12 +583,7 @@ pub async fn early_claim_races_completions_and_keeps_order<B: RandomizedBackend>
         );
     }
     check_log(&log.lock().expect("log"), &all);
-    let stats = store.stats().await.expect("stats");
-    assert_eq!(
-        (stats.unpublished, stats.in_flight, stats.parked),
-        (0, 0, 0),
-        "{mode:?}: {stats:?}"
-    );
+    assert_nothing_left(&store, &format!("{mode:?}")).await;
 }
 
 /// Six aggregates' version 1 claimed by one relay; while the broker holds them, version 2 of
@@ -647,8 +641,7 @@ pub async fn failed_completion_keeps_the_early_claim_and_order<B: RandomizedBack
     committed: bool,
 ) {
     let p = one_relay_params(mode);
-    let store = backend.store(&p);
-    backend.prepare(&store).await.expect("migrate");
+    let store = prepared(backend, &p).await;
     let (first, seconds, fresh) = gated_backlog();
     append(backend, &store, &first).await;
     let plan = if committed {
@@ -702,12 +695,7 @@ pub async fn failed_completion_keeps_the_early_claim_and_order<B: RandomizedBack
         assert!(twice.is_empty(), "{mode:?}: the completion had committed");
     }
     let _ = relay.release_prefetched().await;
-    let stats = store.stats().await.expect("stats");
-    assert_eq!(
-        (stats.unpublished, stats.in_flight, stats.parked),
-        (0, 0, 0),
-        "{mode:?}: {stats:?}"
-    );
+    assert_nothing_left(&store, &format!("{mode:?}")).await;
 }
 
 /// The relay is dropped after its early claim returned and before its completion reached the
@@ -722,8 +710,7 @@ pub async fn crash_between_the_early_claim_and_the_completion<B: RandomizedBacke
     mode: ClaimMode,
 ) {
     let p = one_relay_params(mode);
-    let store = backend.store(&p);
-    backend.prepare(&store).await.expect("migrate");
+    let store = prepared(backend, &p).await;
     let (first, seconds, fresh) = gated_backlog();
     append(backend, &store, &first).await;
     let watch = Watch::new(Plan::Hang, true, Duration::ZERO, 2);
@@ -776,12 +763,7 @@ pub async fn crash_between_the_early_claim_and_the_completion<B: RandomizedBacke
         );
     }
     let _ = survivor.release_prefetched().await;
-    let stats = store.stats().await.expect("stats");
-    assert_eq!(
-        (stats.unpublished, stats.in_flight, stats.parked),
-        (0, 0, 0),
-        "{mode:?}: {stats:?}"
-    );
+    assert_nothing_left(&store, &format!("{mode:?}")).await;
 }
 
 /// The driver future of [`shutdown_releases_the_early_claim`]: runs a relay until the stop
@@ -801,8 +783,7 @@ where
     F::Output: Send + 'static,
 {
     let p = one_relay_params(mode);
-    let store = backend.store(&p);
-    backend.prepare(&store).await.expect("migrate");
+    let store = prepared(backend, &p).await;
     let (first, _, fresh) = gated_backlog();
     append(backend, &store, &first).await;
     let watch = Watch::new(
@@ -875,8 +856,7 @@ pub async fn early_claim_whose_lease_ran_out_is_released_not_published<B: Random
         panic!("lease mode only");
     };
     let p = one_relay_params(lease);
-    let store = backend.store(&p);
-    backend.prepare(&store).await.expect("migrate");
+    let store = prepared(backend, &p).await;
     let (first, _, fresh) = gated_backlog();
     append(backend, &store, &first).await;
     let watch = Watch::new(
@@ -955,12 +935,7 @@ pub async fn early_claim_whose_lease_ran_out_is_released_not_published<B: Random
             "the expired early claim was published"
         );
     }
-    let stats = store.stats().await.expect("stats");
-    assert_eq!(
-        (stats.unpublished, stats.in_flight, stats.parked),
-        (0, 0, 0),
-        "{stats:?}"
-    );
+    assert_nothing_left(&store, "").await;
 }
 
 /// The batch in flight has one event refused for good (`f0` version 1, parked by its
@@ -974,8 +949,7 @@ pub async fn parked_head_beside_the_early_claim_blocks_its_aggregate<B: Randomiz
     mode: ClaimMode,
 ) {
     let p = one_relay_params(mode);
-    let store = backend.store(&p);
-    backend.prepare(&store).await.expect("migrate");
+    let store = prepared(backend, &p).await;
     let (first, seconds, fresh) = gated_backlog();
     append(backend, &store, &first).await;
     // The completion reaches the store only after the early claim returned.
@@ -1035,12 +1009,7 @@ pub async fn parked_head_beside_the_early_claim_blocks_its_aggregate<B: Randomiz
     let twice = check_first_deliveries(&log.lock().expect("log"), &all);
     assert!(twice.is_empty(), "{mode:?}: nothing twice");
     let _ = relay.release_prefetched().await;
-    let stats = store.stats().await.expect("stats");
-    assert_eq!(
-        (stats.unpublished, stats.in_flight, stats.parked),
-        (0, 0, 0),
-        "{mode:?}: {stats:?}"
-    );
+    assert_nothing_left(&store, &format!("{mode:?}")).await;
 }
 
 /// A lease claim mode of `secs` seconds (the scenarios' lease lengths).

@@ -72,14 +72,12 @@ use outbox_core::prelude::*;
 use outbox_core::{
     async_trait, AckMetadata, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, CompletionReport,
     DeliveryStatus, Envelope, EventId, FailureScope, LastError, Outcome, PublishError,
-    PublishErrorKind, PublishResult, Publisher, Relay, RelayConfig, RetryPolicy, StoreError,
-    SystemClock,
+    PublishErrorKind, PublishResult, Publisher, Relay, RelayConfig, StoreError, SystemClock,
 };
-use rand::SeedableRng;
 
-use super::event;
+use super::{event, prepared, retry_policy, seeded_relay};
 use crate::randomized::{FinalRow, RandomizedBackend, StoreParams};
-use crate::{MemoryDb, MemoryOutboxStore, MemoryTx};
+use crate::{batch_layout as describe, MemoryDb, MemoryOutboxStore, MemoryTx};
 
 /// The run length the scenarios ask for.
 const RUN: usize = 10;
@@ -205,15 +203,60 @@ fn params_with(mode: ClaimMode, hold: Duration, gap: Duration) -> StoreParams {
     }
 }
 
+/// Store parameters of `mode` with a long hold and a five-minute gap timeout.
+fn params_of(mode: ClaimMode) -> StoreParams {
+    params_with(mode, Duration::from_secs(60), Duration::from_secs(300))
+}
+
 /// A store of `backend` in `mode` (long hold, five-minute gap timeout), tables created.
 async fn store_of<B: RandomizedBackend>(backend: &B, mode: ClaimMode) -> B::Store {
-    let store = backend.store(&params_with(
-        mode,
-        Duration::from_secs(60),
-        Duration::from_secs(300),
-    ));
-    backend.prepare(&store).await.expect("migrate");
-    store
+    prepared(backend, &params_of(mode)).await
+}
+
+/// Relay A's store (tables created) and relay B's, both of `backend` with `p`.
+async fn two_stores<B: RandomizedBackend>(backend: &B, p: &StoreParams) -> (B::Store, B::Store) {
+    (prepared(backend, p).await, backend.store(p))
+}
+
+/// The events of `batch`, in order.
+fn ids_of(batch: &ClaimedBatch) -> Vec<EventId> {
+    batch.records.iter().map(|r| r.envelope.event_id).collect()
+}
+
+/// Claims of `owner` with `store` until one hands out something (every `pause`, for `secs`
+/// seconds at the most: then `never`).
+async fn claim_until_some<S: RelayStore>(
+    store: &S,
+    owner: &str,
+    secs: u64,
+    pause: Duration,
+    never: &str,
+) -> ClaimedBatch {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        let batch = store.claim(&request(owner, 20)).await.expect("claim");
+        if !batch.is_empty() {
+            return batch;
+        }
+        assert!(Instant::now() < deadline, "{never}");
+        tokio::time::sleep(pause).await;
+    }
+}
+
+/// Three claims of relay B with `b` hand out nothing (`pause` after each): A's run is out
+/// (`out` says what of A's is out).
+async fn assert_b_gets_nothing<S: RelayStore>(b: &S, pause: Duration, out: &str) {
+    for _ in 0..3 {
+        let other = b.claim(&request("relay-b", 20)).await.expect("claim b");
+        assert!(
+            other.is_empty(),
+            "relay B got {:?} while {out}",
+            describe(&other)
+        );
+        if !pause.is_zero() {
+            tokio::time::sleep(pause).await;
+        }
+    }
 }
 
 /// Appends `events` in one committed transaction.
@@ -292,20 +335,6 @@ fn check_shape(batch: &ClaimedBatch, runs: bool) {
             );
         }
     }
-}
-
-fn describe(batch: &ClaimedBatch) -> Vec<(String, i64, u32)> {
-    batch
-        .records
-        .iter()
-        .map(|r| {
-            (
-                r.envelope.aggregate_id.clone(),
-                r.envelope.aggregate_version,
-                r.run_position,
-            )
-        })
-        .collect()
 }
 
 fn published(id: EventId, offset: i64) -> Outcome {
@@ -395,8 +424,7 @@ impl Ledger {
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
-            let ids: Vec<EventId> = batch.records.iter().map(|r| r.envelope.event_id).collect();
-            let outcomes = self.publish(&ids);
+            let outcomes = self.publish(&ids_of(&batch));
             let rep = self.complete(store, &batch.handle, &outcomes).await;
             assert_eq!(
                 rep.superseded, 0,
@@ -495,9 +523,7 @@ pub async fn expired_run_is_fenced_and_resumed<B: RandomizedBackend>(
     runs: bool,
 ) {
     let p = params_with(mode, Duration::from_secs(3), Duration::from_secs(300));
-    let a = backend.store(&p);
-    backend.prepare(&a).await.expect("migrate");
-    let b = backend.store(&p);
+    let (a, b) = two_stores(backend, &p).await;
     let mut all = events("x", 1..=10);
     all.extend(events("y", 1..=2));
     commit_events(backend, &a, &all).await;
@@ -536,18 +562,14 @@ pub async fn expired_run_is_fenced_and_resumed<B: RandomizedBackend>(
     let sent: Vec<EventId> = x2.iter().take(2).map(|(id, _)| *id).collect();
     tokio::time::sleep(Duration::from_millis(3_500)).await;
 
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let third = loop {
-        let batch = b.claim(&request("relay-b", 20)).await.expect("claim 3");
-        if !batch.is_empty() {
-            break batch;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{mode:?}: relay B never got x after A's claim ended"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let third = claim_until_some(
+        &b,
+        "relay-b",
+        20,
+        Duration::from_millis(200),
+        &format!("{mode:?}: relay B never got x after A's claim ended"),
+    )
+    .await;
     let x3 = run_of(&third, "x", runs);
     assert_eq!(
         x3.first().map(|(_, v)| *v),
@@ -611,8 +633,7 @@ pub async fn expired_run_is_fenced_and_resumed<B: RandomizedBackend>(
         "{mode:?}: after B's partial completion: {:?}",
         describe(&fourth)
     );
-    let ids: Vec<EventId> = fourth.records.iter().map(|r| r.envelope.event_id).collect();
-    let outcomes = ledger.publish(&ids);
+    let outcomes = ledger.publish(&ids_of(&fourth));
     ledger.complete(&b, &fourth.handle, &outcomes).await;
     ledger.drain(&b, runs, all.len()).await;
     ledger.assert_aggregate("x", &(1..=10).collect::<Vec<_>>());
@@ -629,12 +650,7 @@ pub async fn version_committed_during_a_run_is_claimed_after_it<B: RandomizedBac
     mode: ClaimMode,
     runs: bool,
 ) {
-    let a = store_of(backend, mode).await;
-    let b = backend.store(&params_with(
-        mode,
-        Duration::from_secs(60),
-        Duration::from_secs(300),
-    ));
+    let (a, b) = two_stores(backend, &params_of(mode)).await;
     let mut all = events("x", 1..=3);
     let mut ledger = Ledger::default();
     commit_events(backend, &a, &all).await;
@@ -649,14 +665,12 @@ pub async fn version_committed_during_a_run_is_claimed_after_it<B: RandomizedBac
     commit_events(backend, &a, &late).await;
     all.extend(late);
     ledger.note(&all);
-    for _ in 0..3 {
-        let other = b.claim(&request("relay-b", 20)).await.expect("claim b");
-        assert!(
-            other.is_empty(),
-            "{mode:?}: relay B got {:?} while A's run of x is out",
-            describe(&other)
-        );
-    }
+    assert_b_gets_nothing(
+        &b,
+        Duration::ZERO,
+        &format!("A's run of x is out ({mode:?})"),
+    )
+    .await;
     let ids: Vec<EventId> = run1.iter().map(|(id, _)| *id).collect();
     let outcomes = ledger.publish(&ids);
     let rep = ledger.complete(&a, &first.handle, &outcomes).await;
@@ -708,12 +722,7 @@ pub async fn lower_version_committed_after_the_run_is_parked<B: RandomizedBacken
     mode: ClaimMode,
     runs: bool,
 ) {
-    let a = store_of(backend, mode).await;
-    let b = backend.store(&params_with(
-        mode,
-        Duration::from_secs(60),
-        Duration::from_secs(300),
-    ));
+    let (a, b) = two_stores(backend, &params_of(mode)).await;
     let mut all = vec![event("x", 1), event("x", 2), event("x", 4), event("x", 5)];
     commit_events(backend, &a, &all).await;
     let first = a.claim(&request("relay-a", 20)).await.expect("claim");
@@ -731,14 +740,12 @@ pub async fn lower_version_committed_after_the_run_is_parked<B: RandomizedBacken
     all.extend([dup2, dup1, three]);
     let mut ledger = Ledger::default();
     ledger.note(&all);
-    for _ in 0..3 {
-        let other = b.claim(&request("relay-b", 20)).await.expect("claim b");
-        assert!(
-            other.is_empty(),
-            "{mode:?}: relay B got {:?} while A's run of x is out",
-            describe(&other)
-        );
-    }
+    assert_b_gets_nothing(
+        &b,
+        Duration::ZERO,
+        &format!("A's run of x is out ({mode:?})"),
+    )
+    .await;
     for (id, v) in &run1 {
         assert_eq!(
             status_of(backend, *id).await,
@@ -791,9 +798,7 @@ pub async fn operator_acts_on_a_parked_row_while_a_run_is_out<B: RandomizedBacke
     action: OperatorAction,
 ) {
     let p = params_with(mode, Duration::from_secs(60), Duration::from_secs(1));
-    let a = backend.store(&p);
-    backend.prepare(&a).await.expect("migrate");
-    let b = backend.store(&p);
+    let (a, b) = two_stores(backend, &p).await;
     let mut all = vec![event("x", 1), event("x", 2), event("y", 1)];
     let mut ledger = Ledger::default();
     ledger.note(&all);
@@ -874,15 +879,12 @@ pub async fn operator_acts_on_a_parked_row_while_a_run_is_out<B: RandomizedBacke
         }
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    for _ in 0..3 {
-        let other = b.claim(&request("relay-b", 20)).await.expect("claim b");
-        assert!(
-            other.is_empty(),
-            "{mode:?}: relay B got {:?} while A's runs of x and y are out ({action:?})",
-            describe(&other)
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    assert_b_gets_nothing(
+        &b,
+        Duration::from_millis(100),
+        &format!("A's runs of x and y are out ({mode:?}, {action:?})"),
+    )
+    .await;
     // In lease mode the operator is answered while the runs are out (nothing to wait for).
     let lease_mode = matches!(mode, ClaimMode::Lease { .. });
     let (answered, acting) = if lease_mode {
@@ -890,7 +892,7 @@ pub async fn operator_acts_on_a_parked_row_while_a_run_is_out<B: RandomizedBacke
     } else {
         (None, Some(acting))
     };
-    let ids: Vec<EventId> = run.records.iter().map(|r| r.envelope.event_id).collect();
+    let ids = ids_of(&run);
     let outcomes = ledger.publish(&ids);
     let rep = ledger.complete(&a, &run.handle, &outcomes).await;
     assert_eq!(
@@ -1008,15 +1010,14 @@ pub async fn completion_with_a_hole_is_refused<B: RandomizedBackend>(
     );
     assert_prefix(backend, &all, "after the completion with a hole").await;
 
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let next = loop {
-        let b = store.claim(&request("relay-a", 20)).await.expect("claim");
-        if !b.is_empty() {
-            break b;
-        }
-        assert!(Instant::now() < deadline, "{mode:?}: 2 never came back");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let next = claim_until_some(
+        &store,
+        "relay-a",
+        10,
+        Duration::from_millis(50),
+        &format!("{mode:?}: 2 never came back"),
+    )
+    .await;
     let again = run_of(&next, "x", runs);
     assert_eq!(
         versions(&again),
@@ -1031,8 +1032,7 @@ pub async fn completion_with_a_hole_is_refused<B: RandomizedBackend>(
             "{mode:?}: x v{v}: attempts after the completion with a hole"
         );
     }
-    let ids: Vec<EventId> = next.records.iter().map(|r| r.envelope.event_id).collect();
-    let outcomes = ledger.publish(&ids);
+    let outcomes = ledger.publish(&ids_of(&next));
     ledger.complete(&store, &next.handle, &outcomes).await;
     ledger.drain(&store, runs, 5).await;
     ledger.assert_aggregate("x", &[1, 2, 3, 4, 5]);
@@ -1118,6 +1118,28 @@ impl RunBroker {
             delivery_timeout: Duration::from_millis(100),
             hung: Arc::default(),
         }
+    }
+}
+
+/// The events acknowledged so far.
+fn acked_ids(wire: &Mutex<Wire>) -> HashSet<EventId> {
+    wire.lock()
+        .expect("wire")
+        .acked
+        .iter()
+        .map(|a| a.0)
+        .collect()
+}
+
+/// Stops the relays driven by `relays` (`stop`) and checks that no cycle of theirs failed.
+async fn stop_relays(stop: &AtomicBool, relays: Vec<tokio::task::JoinHandle<usize>>, what: &str) {
+    stop.store(true, Ordering::Release);
+    for r in relays {
+        let errors = tokio::time::timeout(Duration::from_secs(20), r)
+            .await
+            .expect("relay stops")
+            .expect("relay task");
+        assert_eq!(errors, 0, "{what}: failed relay cycles");
     }
 }
 
@@ -1306,25 +1328,15 @@ fn run_relay<S: RelayStore, P: Publisher>(
         .early_claim(early)
         .idle(Duration::from_millis(5), Duration::from_millis(40))
         .lease_margin(outbox_core::MIN_LEASE_MARGIN)
-        .retry(
-            RetryPolicy::builder()
-                .base(Duration::from_millis(5))
-                .max_delay(Duration::from_millis(20))
-                .max_attempts(50)
-                .build()
-                .expect("retry policy"),
-        )
+        .retry(retry_policy(
+            Duration::from_millis(5),
+            Duration::from_millis(20),
+            50,
+        ))
         .circuit_breaker(Duration::from_millis(5), Duration::from_millis(40))
         .build()
         .expect("relay config");
-    Relay::new(
-        store,
-        publisher,
-        config,
-        Arc::new(SystemClock),
-        Box::new(rand::rngs::StdRng::seed_from_u64(7)),
-    )
-    .expect("relay")
+    seeded_relay(store, publisher, config, 7)
 }
 
 /// One relay's loop until `stop`: `run_once`, then the report's pause or the idle backoff.
@@ -1391,9 +1403,8 @@ pub async fn two_relays_hammer_one_hot_aggregate<B: RandomizedBackend>(
     prefetch: bool,
     early: bool,
 ) {
-    let p = params_with(mode, Duration::from_secs(60), Duration::from_secs(300));
-    let store = backend.store(&p);
-    backend.prepare(&store).await.expect("migrate");
+    let p = params_of(mode);
+    let store = prepared(backend, &p).await;
     let mut all = events("hot", 1..=300);
     all.extend((0..20).map(|i| event(&format!("cold-{i}"), 1)));
     commit_events(backend, &store, &all).await;
@@ -1446,13 +1457,7 @@ pub async fn two_relays_hammer_one_hot_aggregate<B: RandomizedBackend>(
     loop {
         let bad = prefix_violations(backend, &all).await;
         assert!(bad.is_empty(), "{mode:?}: prefix rule broken: {bad:?}");
-        let acked: HashSet<EventId> = wire
-            .lock()
-            .expect("wire")
-            .acked
-            .iter()
-            .map(|a| a.0)
-            .collect();
+        let acked = acked_ids(&wire);
         if all.iter().all(|e| acked.contains(&e.event_id)) {
             break;
         }
@@ -1464,14 +1469,7 @@ pub async fn two_relays_hammer_one_hot_aggregate<B: RandomizedBackend>(
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    stop.store(true, Ordering::Release);
-    for r in relays {
-        let errors = tokio::time::timeout(Duration::from_secs(20), r)
-            .await
-            .expect("relay stops")
-            .expect("relay task");
-        assert_eq!(errors, 0, "{mode:?}: failed relay cycles");
-    }
+    stop_relays(&stop, relays, &format!("{mode:?}")).await;
     let stats = store.stats().await.expect("stats");
     assert_eq!((stats.unpublished, stats.in_flight), (0, 0), "{stats:?}");
     let sampled = sampled.lock().expect("sampled");
@@ -1499,8 +1497,7 @@ pub async fn crash_mid_run_resends_in_order<B: RandomizedBackend>(
     runs: bool,
 ) {
     let p = params_with(mode, Duration::from_secs(3), Duration::from_secs(300));
-    let store = backend.store(&p);
-    backend.prepare(&store).await.expect("migrate");
+    let store = prepared(backend, &p).await;
     let mut all = events("x", 1..=10);
     all.push(event("y", 1));
     commit_events(backend, &store, &all).await;
@@ -1573,13 +1570,7 @@ pub async fn crash_mid_run_resends_in_order<B: RandomizedBackend>(
     let sv = tokio::spawn(drive(survivor, Arc::clone(&stop)));
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
-        let done: HashSet<EventId> = wire
-            .lock()
-            .expect("wire")
-            .acked
-            .iter()
-            .map(|a| a.0)
-            .collect();
+        let done = acked_ids(&wire);
         if all.iter().all(|e| done.contains(&e.event_id)) {
             break;
         }
@@ -1589,12 +1580,7 @@ pub async fn crash_mid_run_resends_in_order<B: RandomizedBackend>(
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    stop.store(true, Ordering::Release);
-    let errors = tokio::time::timeout(Duration::from_secs(20), sv)
-        .await
-        .expect("survivor stops")
-        .expect("survivor task");
-    assert_eq!(errors, 0, "{mode:?}: failed survivor cycles");
+    stop_relays(&stop, vec![sv], &format!("{mode:?}: the survivor")).await;
     assert_prefix(backend, &all, "at the end").await;
     let stats = store.stats().await.expect("stats");
     assert_eq!((stats.unpublished, stats.in_flight), (0, 0), "{stats:?}");
@@ -1655,8 +1641,7 @@ pub async fn slow_broker_runs_stop_inside_their_claim<B: RandomizedBackend>(
         gap_timeout: Duration::from_secs(300),
         delivery_timeout: Duration::from_millis(400),
     };
-    let store = backend.store(&p);
-    backend.prepare(&store).await.expect("migrate");
+    let store = prepared(backend, &p).await;
     let all = events("x", 1..=30);
     commit_events(backend, &store, &all).await;
     let wire = Arc::new(Mutex::new(Wire::default()));
@@ -1684,13 +1669,7 @@ pub async fn slow_broker_runs_stop_inside_their_claim<B: RandomizedBackend>(
     }
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        let acked: HashSet<EventId> = wire
-            .lock()
-            .expect("wire")
-            .acked
-            .iter()
-            .map(|a| a.0)
-            .collect();
+        let acked = acked_ids(&wire);
         if all.iter().all(|e| acked.contains(&e.event_id)) {
             break;
         }
@@ -1701,14 +1680,7 @@ pub async fn slow_broker_runs_stop_inside_their_claim<B: RandomizedBackend>(
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    stop.store(true, Ordering::Release);
-    for r in relays {
-        let errors = tokio::time::timeout(Duration::from_secs(20), r)
-            .await
-            .expect("relay stops")
-            .expect("relay task");
-        assert_eq!(errors, 0, "{mode:?}: failed relay cycles");
-    }
+    stop_relays(&stop, relays, &format!("{mode:?}")).await;
     assert_prefix(backend, &all, "at the end").await;
     let longest = {
         let c = claims.lock().expect("claims");
@@ -1809,13 +1781,7 @@ pub async fn publisher_failure_mid_run_stops_the_run<B: RandomizedBackend>(
                 operator_retried = true;
             }
         }
-        let done: HashSet<EventId> = wire
-            .lock()
-            .expect("wire")
-            .acked
-            .iter()
-            .map(|a| a.0)
-            .collect();
+        let done = acked_ids(&wire);
         if all.iter().all(|e| done.contains(&e.event_id)) {
             break;
         }
@@ -1870,7 +1836,7 @@ pub async fn publisher_failure_mid_run_stops_the_run<B: RandomizedBackend>(
 /// MariaDB, which the contract allows). With `lease_only` the locked module is left out (the
 /// in-memory store cannot end a crashed relay's locked claim).
 ///
-/// ```ignore
+/// ```text
 /// outbox_testkit::run_adversary_tests!(common::backend::PgBackend, runs = true);
 /// ```
 #[macro_export]
