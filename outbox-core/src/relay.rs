@@ -96,14 +96,16 @@
 //! without runs, and a run that reaches the budget stops like one that meets a failure, its
 //! rest released unsent (no attempt counted, its first unsent version the aggregate's head
 //! again), to be claimed by the next cycle as a new run. The hot aggregate then gets
-//! `run_budget / rtt` versions per cycle instead of one (about 1,000 to 3,000 events/s into
-//! Kafka or NATS, BENCHMARKS.md).
+//! `run_budget / rtt` versions per cycle instead of one (on a loaded machine 173 events/s into
+//! Kafka and 685 into NATS against 28 and 38 with runs off, 716 and 1,590 unbounded;
+//! BENCHMARKS.md, *Run claims with the waves' bound*).
 //!
 //! Rejected as the default: [`RelayConfig::run_yields`] (off by default), which claims the next
 //! batch while the waves of a batch holding a run go out, as prefetch does, and stops the waves
 //! once that claim brought events. The claim cannot hold the aggregate of a run in flight, so
-//! the hot aggregate is served every other cycle only, for about one claim's duration; the
-//! figures are in `docs/design/hot-aggregate.md`. Prefetch and the early claim are otherwise
+//! the hot aggregate is served every other cycle only, for about one claim's duration: the
+//! others' latency was the best measured (trickle p50 0.56 x of runs off into Kafka, 0.9 x
+//! into NATS) but the hot aggregate the slowest (132 and 612 events/s). Prefetch and the early claim are otherwise
 //! unchanged: a next claim made while the waves go out cannot hold any aggregate of the batch
 //! in flight, runs included.
 //!
@@ -156,21 +158,15 @@ pub struct RelayConfig {
     /// events at most. Accepted: `1..=MAX_RUN`.
     ///
     /// Why off by default: with runs of 100 a hot aggregate costs one claim and one
-    /// completion per 100 versions instead of per version, so its rate is about `100 / (100 x rtt + claim + completion)`:
-    /// above 1,000 events/s with a publish round trip (`rtt`) up to ~0.5 ms and 20 ms of store
-    /// work per cycle (Kafka on tansu measured 0.33 ms at the median, NATS 0.1 ms;
-    /// `docs/design/hot-aggregate.md`). The price is paid by the cycle that carries a run:
-    /// it ends (completes, then claims again) only after the run's last acknowledgement, up to
-    /// `99 x rtt` later than without it (~33 ms on Kafka, ~0.4 s on RabbitMQ whose confirms
-    /// take ~4 ms). Other aggregates of the batch are sent at once (the first wave), but
-    /// events of other aggregates committed meanwhile wait for that next claim: their latency
-    /// grows by up to the run's duration while a hot aggregate drains (measured on the
-    /// in-memory store with a modelled ~1 ms round trip: p50 6 ms -> 85 ms with runs of 100,
-    /// 19.5 ms with runs of 10; BENCHMARKS.md), so a relay that turns runs on trades the
-    /// others' latency for the hot aggregate's rate, until the waves get a time bound or the
-    /// next batch is claimed while a run is out (neither is built). Turn runs on (e.g. 100)
-    /// where one aggregate's backlog must drain fast; on a slow transport, or where other
-    /// aggregates' latency matters more, keep them short or off.
+    /// completion per run instead of per version. The cycle that carries a run completes and
+    /// claims again only after its last wave, so events of other aggregates committed
+    /// meanwhile wait for it; [`RelayConfig::run_budget`] bounds that wait (default 5 ms),
+    /// which also bounds the versions per cycle to about `run_budget / rtt`. Measured on a
+    /// loaded machine (BENCHMARKS.md, *Run claims with the waves' bound*), the budget kept the
+    /// trickle's p50 within 1.1 x of runs off into Kafka but 1.4 x into NATS, and the hot
+    /// aggregate below 1,000 events/s, so runs stay opt-in until a quiet-machine run says
+    /// otherwise. Turn runs on (e.g. 100) where one aggregate's backlog must drain fast; on a
+    /// slow transport, or where other aggregates' latency matters more, keep them short or off.
     pub run: usize,
     /// Longest time a cycle spends on the waves of its runs after the first wave (module docs,
     /// *Runs*, *The waves' bound*): a wave after the first starts only while less than this
