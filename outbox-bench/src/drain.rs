@@ -64,6 +64,9 @@ pub(crate) struct DrainArgs {
     /// sql-locked.
     #[arg(long, value_delimiter = ',')]
     pub(crate) only: Vec<String>,
+    /// The relays' run length (`RelayConfig::run`; default: the relay's default).
+    #[arg(long)]
+    pub(crate) run: Option<usize>,
     /// Skip the contenders that need the broker (store-only figures).
     #[arg(long)]
     pub(crate) no_broker: bool,
@@ -259,6 +262,11 @@ pub(crate) async fn run(env: &Env, args: &DrainArgs, rounds: usize) -> anyhow::R
     report.param("batch", args.batch);
     report.param("partitions", args.partitions);
     report.param(
+        "run",
+        args.run
+            .map_or_else(|| "relay default".to_owned(), |r| r.to_string()),
+    );
+    report.param(
         "transports",
         used.iter().map(|t| t.name()).collect::<Vec<_>>(),
     );
@@ -398,7 +406,14 @@ async fn run_one(
         Contender::Instant(mode) => {
             let store = env.store("instant", mode.claim_mode(), false).await?;
             env::preload(&store, args.events, aggregates).await?;
-            let r = drain_relay(&store, Arc::new(InstantAcks::default()), args.batch, 1).await?;
+            let r = drain_relay_run(
+                &store,
+                Arc::new(InstantAcks::default()),
+                args.batch,
+                1,
+                args.run,
+            )
+            .await?;
             check_drained(&store, args.events, r.0).await?;
             Ok(r)
         }
@@ -430,7 +445,7 @@ async fn run_one(
             for r in publisher.publish(&[&warm]).await {
                 r.map_err(|e| anyhow::anyhow!("warm-up send: {e}"))?;
             }
-            let r = drain_relay(&store, publisher, args.batch, relays).await?;
+            let r = drain_relay_run(&store, publisher, args.batch, relays, args.run).await?;
             check_drained(&store, args.events, r.0).await?;
             Ok(r)
         }
@@ -691,15 +706,33 @@ where
     S: RelayStore + MaintenanceStore + Clone + 'static,
     P: Publisher + 'static,
 {
+    drain_relay_run(store, publisher, batch, relays, None).await
+}
+
+/// [`drain_relay`] with runs of `run` (`None`: the relay's default).
+pub(crate) async fn drain_relay_run<S, P>(
+    store: &S,
+    publisher: Arc<P>,
+    batch: usize,
+    relays: usize,
+    run: Option<usize>,
+) -> anyhow::Result<(u64, Duration)>
+where
+    S: RelayStore + MaintenanceStore + Clone + 'static,
+    P: Publisher + 'static,
+{
     let target = store.stats().await?.unpublished;
     let done = Arc::new(AtomicU64::new(0));
     let started = Instant::now();
     let mut tasks = Vec::new();
     for r in 0..relays {
-        let config = RelayConfig::builder()
+        let mut config = RelayConfig::builder()
             .owner(format!("bench-{r}"))
-            .batch_size(batch)
-            .build()?;
+            .batch_size(batch);
+        if let Some(run) = run {
+            config = config.run(run);
+        }
+        let config = config.build()?;
         let mut relay = Relay::new(
             store.clone(),
             publisher.clone(),

@@ -57,8 +57,11 @@ pub(crate) struct HotArgs {
     publishers: Vec<String>,
     /// The relay's run lengths to compare (comma-separated; `RelayConfig::run`, 1: heads
     /// only, one version of an aggregate per claim cycle): each is a contender of its own.
-    #[arg(long, value_delimiter = ',', default_values_t = vec![1, 100])]
-    run: Vec<usize>,
+    /// An entry may name the waves' bound too: `100:2` (`run_budget` 2 ms instead of the
+    /// default), `100:5:y` (and `run_yields`: the next batch claimed during the waves, which
+    /// stop once it brought events).
+    #[arg(long, value_delimiter = ',', default_values = ["1", "100"])]
+    run: Vec<RunSpec>,
     /// Also measure each transport's single-message round trip: this many publish calls of
     /// one event through the crate's publisher, each awaited before the next (Kafka with a
     /// broker, NATS with `--nats-url`, RabbitMQ with `--amqp-url`; 0: not measured).
@@ -77,6 +80,77 @@ pub(crate) struct HotArgs {
     /// RabbitMQ broker (for `--rtt`); the bench declares and deletes its exchange and queue.
     #[arg(long, env = "AMQP_URL")]
     amqp_url: Option<String>,
+}
+
+/// A contender's run settings: `run[:budget_ms[:y]]`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct RunSpec {
+    run: usize,
+    budget: Option<Duration>,
+    yields: bool,
+}
+
+impl std::str::FromStr for RunSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let mut parts = s.split(':');
+        let run = parts
+            .next()
+            .and_then(|r| r.trim().parse().ok())
+            .ok_or_else(|| format!("{s:?}: expected run[:budget_ms[:y]]"))?;
+        let budget = match parts.next() {
+            Some(ms) => Some(Duration::from_secs_f64(
+                ms.trim()
+                    .parse::<f64>()
+                    .map_err(|_| format!("{s:?}: the budget is milliseconds"))?
+                    / 1000.0,
+            )),
+            None => None,
+        };
+        let yields = match parts.next() {
+            Some("y") => true,
+            None => false,
+            Some(other) => return Err(format!("{s:?}: unknown flag {other:?} (y)")),
+        };
+        Ok(Self {
+            run,
+            budget,
+            yields,
+        })
+    }
+}
+
+impl std::fmt::Display for RunSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.run)?;
+        if let Some(b) = self.budget {
+            write!(f, ":{}", b.as_secs_f64() * 1000.0)?;
+        } else if self.yields {
+            write!(
+                f,
+                ":{}",
+                outbox_core::DEFAULT_RUN_BUDGET.as_secs_f64() * 1000.0
+            )?;
+        }
+        if self.yields {
+            write!(f, ":y")?;
+        }
+        Ok(())
+    }
+}
+
+impl RunSpec {
+    /// The relay's configuration for this contender.
+    fn config(&self) -> anyhow::Result<RelayConfig> {
+        let mut b = RelayConfig::builder()
+            .owner("bench-hot")
+            .run(self.run)
+            .run_yields(self.yields);
+        if let Some(budget) = self.budget {
+            b = b.run_budget(budget);
+        }
+        Ok(b.build()?)
+    }
 }
 
 /// When each event committed and when its acknowledgement came back.
@@ -182,14 +256,14 @@ pub(crate) async fn run(env: &Env, args: &HotArgs, rounds: usize) -> anyhow::Res
             && args
                 .run
                 .iter()
-                .all(|r| (1..=outbox_core::MAX_RUN).contains(r)),
-        "--run: each in 1..={}",
+                .all(|r| (1..=outbox_core::MAX_RUN).contains(&r.run) && r.config().is_ok()),
+        "--run: each in 1..={}, budgets within the relay's bounds",
         outbox_core::MAX_RUN
     );
     report.param(
         "relay",
-        "outbox_core::driver::run with RelayConfig defaults (batch 500, prefetch) but `run`, \
-         NOTIFY wake-up, lease 60 s",
+        "outbox_core::driver::run with RelayConfig defaults (batch 500, prefetch) but `run` \
+         (run[:run_budget ms[:y = run_yields]]), NOTIFY wake-up, lease 60 s",
     );
     report.param(
         "run",
@@ -408,7 +482,7 @@ async fn run_one(
     env: &Env,
     args: &HotArgs,
     publisher: &str,
-    run: usize,
+    run: RunSpec,
     hot: bool,
 ) -> anyhow::Result<Vec<(String, f64)>> {
     let store = env
@@ -421,7 +495,7 @@ async fn run_one(
         )
         .await?;
     let clocks: SharedClocks = Arc::default();
-    let config = RelayConfig::builder().owner("bench-hot").run(run).build()?;
+    let config = run.config()?;
     let wake = Arc::new(tokio::sync::Notify::new());
     let listener = store.spawn_listener(wake.clone())?;
     let stop = Arc::new(tokio::sync::Notify::new());
@@ -438,7 +512,12 @@ async fn run_one(
                 .await
                 .with_context(|| format!("cannot connect to NATS at {url}"))?;
             let js = jetstream::new(client);
-            let prefix = format!("bench_{}_hot_{run}_{}", env.run, u8::from(hot));
+            let prefix = format!(
+                "bench_{}_hot_{}_{}",
+                env.run,
+                run.to_string().replace([':', '.'], "_"),
+                u8::from(hot)
+            );
             js.create_stream(stream::Config {
                 name: prefix.clone(),
                 subjects: vec![format!("{prefix}.>")],
@@ -466,6 +545,14 @@ async fn run_one(
                 .start()
                 .await
                 .map_err(|e| anyhow::anyhow!("publisher: {e}"))?;
+            // Warm the topic before the clock starts: the first send waits for the topic's
+            // metadata (~1 s on a new topic), which is no steady-state latency.
+            let warm = Envelope::builder("warm-up", "warm-up", 1, "warm-up")
+                .build()
+                .map_err(|e| anyhow::anyhow!("warm-up record: {e}"))?;
+            for r in inner.publish(&[&warm]).await {
+                r.map_err(|e| anyhow::anyhow!("warm-up send: {e}"))?;
+            }
             let relay = Relay::new(
                 store,
                 Timed { inner, clocks },
@@ -613,7 +700,7 @@ fn figures(
 async fn run_one_memory(
     args: &HotArgs,
     publisher: &str,
-    run: usize,
+    run: RunSpec,
     hot: bool,
 ) -> anyhow::Result<Vec<(String, f64)>> {
     use outbox_core::AppendStore as _;
@@ -630,7 +717,7 @@ async fn run_one_memory(
         },
     );
     let clocks: SharedClocks = Arc::default();
-    let config = RelayConfig::builder().owner("bench-hot").run(run).build()?;
+    let config = run.config()?;
     let stop = Arc::new(tokio::sync::Notify::new());
     let relay = Relay::new(
         store.clone(),

@@ -412,6 +412,10 @@ pub struct RelayConfig {
     /// before it is acknowledged. Default 1 (runs off); 1..=10000. A store without runs
     /// (MariaDB) hands out heads only whatever this says.
     pub run: usize,
+    /// Longest time a cycle spends on its runs' waves after the first
+    /// (`outbox_core::RelayConfig::run_budget`); the rest of each run is released unsent and
+    /// sent by a later cycle. Default 5 ms; 1 ms..=60 s.
+    pub run_budget: Dur,
     /// Claim the next batch while a full one is published. Default true.
     pub prefetch: bool,
     /// Shortest idle sleep. Default 10 ms.
@@ -448,6 +452,7 @@ impl Default for RelayConfig {
             workers: 2,
             batch_size: 500,
             run: 1,
+            run_budget: Dur(outbox_core::DEFAULT_RUN_BUDGET),
             prefetch: true,
             idle_min: Dur::millis(10),
             idle_max: Dur::secs(1),

@@ -447,6 +447,23 @@ async fn transport_configuration_errors_exit_2_before_any_network_access() {
             ]),
             "run must be in 1..=",
         ),
+        (
+            // The waves' time budget (`relay.run_budget`): below 1 ms, and above 60 s.
+            with(&[
+                ("OUTBOX_TRANSPORT__KIND", "nats"),
+                ("NATS_URL", "nats://127.0.0.1:4222"),
+                ("OUTBOX_RELAY__RUN_BUDGET", "500us"),
+            ]),
+            "run_budget must be in 1ms..=60s",
+        ),
+        (
+            with(&[
+                ("OUTBOX_TRANSPORT__KIND", "nats"),
+                ("NATS_URL", "nats://127.0.0.1:4222"),
+                ("OUTBOX_RELAY__RUN_BUDGET", "61s"),
+            ]),
+            "run_budget must be in 1ms..=60s",
+        ),
     ];
     for (vars, expected) in &cases {
         let (code, err) = relay_exit(&env, vars, &["NATS_URL", "AMQP_URL"]);

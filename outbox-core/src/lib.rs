@@ -84,7 +84,8 @@ pub use inbox::{
 };
 pub use publisher::{PublishResult, Publisher};
 pub use relay::{
-    CycleReport, Relay, RelayConfig, RelayConfigBuilder, ShutdownSignal, MIN_LEASE_MARGIN,
+    CycleReport, Relay, RelayConfig, RelayConfigBuilder, ShutdownSignal, DEFAULT_RUN_BUDGET,
+    MIN_LEASE_MARGIN, RUN_BUDGET_RANGE,
 };
 pub use retry::{IdleBackoff, RetryPolicy, RetryPolicyBuilder};
 pub use store::{

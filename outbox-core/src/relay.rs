@@ -74,8 +74,9 @@
 //! * before each wave after the first, the claim must still cover one more publication
 //!   (delivery timeout plus [`RelayConfig::lease_margin`]: the lease's remaining time, or in
 //!   locked-transaction mode the store's hold limit counted from before the claim), as before
-//!   a batch; otherwise, or when shutdown was requested, every run stops there. So a run never
-//!   outlives its claim, whatever its length.
+//!   a batch; otherwise, or when shutdown was requested, or once the waves' time budget is
+//!   spent (*The waves' bound* below), every run stops there. So a run never outlives its
+//!   claim, whatever its length.
 //!
 //! Version N+1 of an aggregate is thus sent only after N's acknowledgement came back to the
 //! relay that holds both, and the store's prefix rule (a `Published` outcome whose predecessor
@@ -85,11 +86,28 @@
 //! store for the versions, as it does for heads. A crash mid-run leaves the acknowledged but
 //! uncompleted prefix to be sent again by the next claim: duplicates, as for any batch.
 //!
-//! The cycle that carries a run ends only after the run's last acknowledgement, so its
-//! completion and the next claim wait up to `(run - 1)` publish round trips (why the default
-//! is 100: [`RelayConfig::run`]); the other aggregates of the batch are sent in wave 0, at
-//! once. Prefetch and the early claim are unchanged: the next claim runs while the waves go
-//! out and cannot hold any aggregate of the batch in flight, runs included.
+//! ## The waves' bound
+//!
+//! A cycle's completion and the next claim wait for its last wave, and events of other
+//! aggregates committed meanwhile wait for that claim. Unbounded, a run of 100 kept them
+//! waiting up to 99 publish round trips (into Kafka on tansu the trickle's p50 went from 5 to
+//! 26 ms). So the waves after the first start only within [`RelayConfig::run_budget`] of the
+//! first wave's start (default 5 ms): the cycle lasts at most that much longer than one
+//! without runs, and a run that reaches the budget stops like one that meets a failure, its
+//! rest released unsent (no attempt counted, its first unsent version the aggregate's head
+//! again), to be claimed by the next cycle as a new run. The hot aggregate then gets
+//! `run_budget / rtt` versions per cycle instead of one (on a loaded machine 173 events/s into
+//! Kafka and 685 into NATS against 28 and 38 with runs off, 716 and 1,590 unbounded;
+//! BENCHMARKS.md, *Run claims with the waves' bound*).
+//!
+//! Rejected as the default: [`RelayConfig::run_yields`] (off by default), which claims the next
+//! batch while the waves of a batch holding a run go out, as prefetch does, and stops the waves
+//! once that claim brought events. The claim cannot hold the aggregate of a run in flight, so
+//! the hot aggregate is served every other cycle only, for about one claim's duration: the
+//! others' latency was the best measured (trickle p50 0.56 x of runs off into Kafka, 0.9 x
+//! into NATS) but the hot aggregate the slowest (132 and 612 events/s). Prefetch and the early claim are otherwise
+//! unchanged: a next claim made while the waves go out cannot hold any aggregate of the batch
+//! in flight, runs included.
 //!
 //! # Why a crash never loses an event
 //!
@@ -140,22 +158,27 @@ pub struct RelayConfig {
     /// events at most. Accepted: `1..=MAX_RUN`.
     ///
     /// Why off by default: with runs of 100 a hot aggregate costs one claim and one
-    /// completion per 100 versions instead of per version, so its rate is about `100 / (100 x rtt + claim + completion)`:
-    /// above 1,000 events/s with a publish round trip (`rtt`) up to ~0.5 ms and 20 ms of store
-    /// work per cycle (Kafka on tansu measured 0.33 ms at the median, NATS 0.1 ms;
-    /// `docs/design/hot-aggregate.md`). The price is paid by the cycle that carries a run:
-    /// it ends (completes, then claims again) only after the run's last acknowledgement, up to
-    /// `99 x rtt` later than without it (~33 ms on Kafka, ~0.4 s on RabbitMQ whose confirms
-    /// take ~4 ms). Other aggregates of the batch are sent at once (the first wave), but
-    /// events of other aggregates committed meanwhile wait for that next claim: their latency
-    /// grows by up to the run's duration while a hot aggregate drains (measured on the
-    /// in-memory store with a modelled ~1 ms round trip: p50 6 ms -> 85 ms with runs of 100,
-    /// 19.5 ms with runs of 10; BENCHMARKS.md), so a relay that turns runs on trades the
-    /// others' latency for the hot aggregate's rate, until the waves get a time bound or the
-    /// next batch is claimed while a run is out (neither is built). Turn runs on (e.g. 100)
-    /// where one aggregate's backlog must drain fast; on a slow transport, or where other
-    /// aggregates' latency matters more, keep them short or off.
+    /// completion per run instead of per version. The cycle that carries a run completes and
+    /// claims again only after its last wave, so events of other aggregates committed
+    /// meanwhile wait for it; [`RelayConfig::run_budget`] bounds that wait (default 5 ms),
+    /// which also bounds the versions per cycle to about `run_budget / rtt`. Measured on a
+    /// loaded machine (BENCHMARKS.md, *Run claims with the waves' bound*), the budget kept the
+    /// trickle's p50 within 1.1 x of runs off into Kafka but 1.4 x into NATS, and the hot
+    /// aggregate below 1,000 events/s, so runs stay opt-in until a quiet-machine run says
+    /// otherwise. Turn runs on (e.g. 100) where one aggregate's backlog must drain fast; on a
+    /// slow transport, or where other aggregates' latency matters more, keep them short or off.
     pub run: usize,
+    /// Longest time a cycle spends on the waves of its runs after the first wave (module docs,
+    /// *Runs*, *The waves' bound*): a wave after the first starts only while less than this
+    /// has passed since the first wave started; the rest of each run is released unsent (no
+    /// attempt counted) and its first unsent version is its aggregate's head for the next
+    /// claim. Default 5 ms. Accepted: 1 ms..=60 s. Irrelevant with `run` 1.
+    pub run_budget: Duration,
+    /// With `prefetch` and runs: a batch that holds a run has the next batch claimed while its
+    /// waves go out (as a full batch does), and its waves stop once that claim came back with
+    /// events, so those wait no longer than a claim for the run (module docs, *The waves'
+    /// bound*). Default `false`.
+    pub run_yields: bool,
     /// Retry and poison policy.
     pub retry: RetryPolicy,
     /// Shortest idle sleep. Default 10 ms.
@@ -186,12 +209,20 @@ pub struct RelayConfig {
 /// 500 ms for the Kafka publisher, plus the completion's round trips).
 pub const MIN_LEASE_MARGIN: Duration = Duration::from_secs(1);
 
+/// The default [`RelayConfig::run_budget`].
+pub const DEFAULT_RUN_BUDGET: Duration = Duration::from_millis(5);
+/// The accepted [`RelayConfig::run_budget`]s.
+pub const RUN_BUDGET_RANGE: std::ops::RangeInclusive<Duration> =
+    Duration::from_millis(1)..=Duration::from_secs(60);
+
 impl Default for RelayConfig {
     fn default() -> Self {
         Self {
             owner: format!("relay-{}", uuid::Uuid::new_v4().simple()),
             batch_size: 500,
             run: 1,
+            run_budget: DEFAULT_RUN_BUDGET,
+            run_yields: false,
             retry: RetryPolicy::default(),
             idle_min: Duration::from_millis(10),
             idle_max: Duration::from_secs(1),
@@ -231,6 +262,18 @@ impl RelayConfigBuilder {
     /// only, as before runs. A run longer than `batch_size` is capped at it when claiming.
     pub fn run(mut self, n: usize) -> Self {
         self.0.run = n;
+        self
+    }
+    /// Longest time a cycle spends on its runs' waves after the first (see
+    /// [`RelayConfig::run_budget`]), in [`RUN_BUDGET_RANGE`].
+    pub fn run_budget(mut self, d: Duration) -> Self {
+        self.0.run_budget = d;
+        self
+    }
+    /// Whether a batch holding a run has the next batch claimed during its waves, which stop
+    /// once that claim brought events (see [`RelayConfig::run_yields`]).
+    pub fn run_yields(mut self, on: bool) -> Self {
+        self.0.run_yields = on;
         self
     }
     /// Retry policy.
@@ -280,6 +323,14 @@ impl RelayConfigBuilder {
             return Err(ConfigError::new(format!(
                 "run must be in 1..={MAX_RUN} (1: heads only, no runs); got {}",
                 c.run
+            )));
+        }
+        if !RUN_BUDGET_RANGE.contains(&c.run_budget) {
+            return Err(ConfigError::new(format!(
+                "run_budget must be in {:?}..={:?}; got {:?}",
+                RUN_BUDGET_RANGE.start(),
+                RUN_BUDGET_RANGE.end(),
+                c.run_budget
             )));
         }
         if c.idle_min.is_zero() || c.idle_min > c.idle_max {
@@ -581,13 +632,17 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         batch: &ClaimedBatch,
         claimed_at: chrono::DateTime<chrono::Utc>,
     ) -> Vec<Option<PublishResult>> {
-        let (limit, need) = (self.claim_limit(batch), self.publication());
-        let shutdown = &self.shutdown;
-        let clock = &self.clock;
-        publish_waves(&self.publisher, batch, || {
-            may_continue_runs(shutdown, clock.now(), claimed_at, limit, need)
-        })
-        .await
+        let bounds = WaveBounds {
+            shutdown: &self.shutdown,
+            clock: &self.clock,
+            claimed_at,
+            limit: self.claim_limit(batch),
+            need: self.publication(),
+            started: self.clock.now(),
+            budget: self.config.run_budget,
+            yielded: None,
+        };
+        publish_waves(&self.publisher, batch, || bounds.may_continue()).await
     }
 
     /// Step 3 (pure): turn results into outcomes with the retry policy; a record that was not
@@ -650,18 +705,35 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
         }
         let span = info_span!("outbox.relay.batch", owner = %self.config.owner, size = batch.records.len(), stage = "publish");
         let full = batch.records.len() >= self.config.batch_size;
-        let prefetch = self.config.prefetch && full && !self.shutdown.is_triggered();
-        let early = self.config.prefetch && self.config.early_claim && !full;
+        let has_run = batch.records.iter().any(|r| r.run_position > 0);
+        let yields = self.config.run_yields && has_run && !full;
+        let prefetch = self.config.prefetch && (full || yields) && !self.shutdown.is_triggered();
+        let early = self.config.prefetch && self.config.early_claim && !full && !yields;
         let request = self.claim_request();
         let request = &request;
-        let (limit, need) = (self.claim_limit(&batch), self.publication());
+        // Set once a claim made during the waves came back with events (`run_yields`).
+        let next_claimed = AtomicBool::new(false);
+        let next_claimed = &next_claimed;
+        let bounds = WaveBounds {
+            shutdown: &self.shutdown,
+            clock: &self.clock,
+            claimed_at,
+            limit: self.claim_limit(&batch),
+            need: self.publication(),
+            started: self.clock.now(),
+            budget: self.config.run_budget,
+            yielded: (prefetch && yields).then_some(next_claimed),
+        };
         // Disjoint borrows: this batch's publish, decide and complete, and the next claim.
         let (store, publisher, clock) = (&self.store, &self.publisher, &self.clock);
         let (retry, rng, shutdown) = (&self.config.retry, &mut self.rng, &self.shutdown);
-        let may_continue = || may_continue_runs(shutdown, clock.now(), claimed_at, limit, need);
+        let may_continue = || bounds.may_continue();
         let claim_next = move || async move {
             let before = clock.now();
             let claimed = store.claim(request).await;
+            if claimed.as_ref().is_ok_and(|b| !b.is_empty()) {
+                next_claimed.store(true, Ordering::SeqCst);
+            }
             Some((claimed, before))
         };
         let (next, (results, outcomes, completion)) = if prefetch {
@@ -869,24 +941,44 @@ impl<S: RelayStore, P: Publisher> Relay<S, P> {
     }
 }
 
-/// Whether a run may go on to its next wave: no shutdown requested, and the claim (living
-/// `limit` from `claimed_at`) still covers one more publication (`need`).
-fn may_continue_runs(
-    shutdown: &ShutdownSignal,
-    now: chrono::DateTime<chrono::Utc>,
+/// What bounds the waves of one batch (module docs, *Runs*): a wave after the first starts
+/// only while no shutdown was requested, the claim (living `limit` from `claimed_at`) still
+/// covers one more publication (`need`), less than `budget` has passed since the first wave
+/// started (`started`), and the next batch, claimed meanwhile with `yielded` set, has not
+/// come back with events.
+struct WaveBounds<'a> {
+    shutdown: &'a ShutdownSignal,
+    clock: &'a Arc<dyn Clock>,
     claimed_at: chrono::DateTime<chrono::Utc>,
     limit: Option<Duration>,
     need: Duration,
-) -> bool {
-    if shutdown.is_triggered() {
-        debug!("shutdown requested; the runs of the batch stop here");
-        return false;
+    started: chrono::DateTime<chrono::Utc>,
+    budget: Duration,
+    yielded: Option<&'a AtomicBool>,
+}
+
+impl WaveBounds<'_> {
+    /// Whether the runs may go on to their next wave.
+    fn may_continue(&self) -> bool {
+        if self.shutdown.is_triggered() {
+            debug!("shutdown requested; the runs of the batch stop here");
+            return false;
+        }
+        let now = self.clock.now();
+        if !claim_covers(now, self.claimed_at, self.limit, self.need) {
+            warn!("the claim no longer covers one more publication; the runs of the batch stop here and their rest is released");
+            return false;
+        }
+        if (now - self.started).to_std().unwrap_or(Duration::ZERO) >= self.budget {
+            debug!(budget_ms = self.budget.as_millis() as u64, "the waves' time budget is spent; the runs of the batch stop here and their rest is released");
+            return false;
+        }
+        if self.yielded.is_some_and(|y| y.load(Ordering::SeqCst)) {
+            debug!("the next batch was claimed; the runs of the batch stop here and their rest is released");
+            return false;
+        }
+        true
     }
-    if !claim_covers(now, claimed_at, limit, need) {
-        warn!("the claim no longer covers one more publication; the runs of the batch stop here and their rest is released");
-        return false;
-    }
-    true
 }
 
 /// Whether a claim living `limit` from `claimed_at` has more than `need` left at `now`.

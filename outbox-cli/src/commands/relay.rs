@@ -621,6 +621,7 @@ fn build_relay<S: DaemonStore, P: Publisher>(
         .owner(owner)
         .batch_size(r.batch_size)
         .run(r.run)
+        .run_budget(r.run_budget.0)
         .retry(retry)
         .idle(r.idle_min.0, r.idle_max.0)
         .lease_margin(r.lease_margin.0)

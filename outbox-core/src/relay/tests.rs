@@ -71,6 +71,11 @@ struct FakeStore {
     parks_at_claim: Mutex<std::collections::VecDeque<Vec<ParkedAtClaim>>>,
     /// Hands out runs: after a head, its aggregate's next pending versions up to `run`.
     runs: bool,
+    /// Events committed while a claim starts, one list per claim call (then none).
+    appear_at_claim: Mutex<std::collections::VecDeque<Vec<Envelope>>>,
+    /// The rows each claim handed out, by its token: a completion releases those it got no
+    /// outcome for, as a real store does (no attempt counted).
+    claimed: Mutex<std::collections::HashMap<uuid::Uuid, Vec<usize>>>,
 }
 
 impl FakeStore {
@@ -113,6 +118,15 @@ impl RelayStore for FakeStore {
             *now += chrono::Duration::from_std(*d).unwrap();
         }
         let mut rows = self.rows.lock().unwrap();
+        for e in self
+            .appear_at_claim
+            .lock()
+            .unwrap()
+            .pop_front()
+            .unwrap_or_default()
+        {
+            rows.push((e, St::Pending, 0));
+        }
         let mut seen = HashSet::new();
         let mut out = vec![];
         let mut order: Vec<usize> = (0..rows.len()).collect();
@@ -146,9 +160,14 @@ impl RelayStore for FakeStore {
         for (i, _) in &out {
             rows[*i].1 = St::Claimed;
         }
+        let token = uuid::Uuid::new_v4();
+        self.claimed
+            .lock()
+            .unwrap()
+            .insert(token, out.iter().map(|(i, _)| *i).collect());
         let mut batch = ClaimedBatch::new(
             ClaimHandle {
-                token: uuid::Uuid::nil(),
+                token,
                 owner: req.owner.clone(),
             },
             out.into_iter().map(|(_, r)| r).collect(),
@@ -164,10 +183,23 @@ impl RelayStore for FakeStore {
     }
     async fn complete(
         &self,
-        _: &ClaimHandle,
+        handle: &ClaimHandle,
         outcomes: &[Outcome],
     ) -> Result<CompletionReport, StoreError> {
         let mut rows = self.rows.lock().unwrap();
+        // Rows of this claim without an outcome (a run's unsent rest) are released unchanged.
+        for i in self
+            .claimed
+            .lock()
+            .unwrap()
+            .remove(&handle.token)
+            .unwrap_or_default()
+        {
+            let id = rows[i].0.event_id;
+            if rows[i].1 == St::Claimed && !outcomes.iter().any(|o| o.event_id() == id) {
+                rows[i].1 = St::Pending;
+            }
+        }
         let refuse = self.refuse.lock().unwrap().clone();
         let mut refused = vec![];
         for o in outcomes {
@@ -1022,10 +1054,21 @@ type Calls = Arc<Mutex<Vec<Vec<(String, i64)>>>>;
 /// logging each call's (aggregate, version)s and answering through `answer`, the clock moved
 /// by `per_call` at each call.
 fn run_relay(
+    store: FakeStore,
+    run: usize,
+    per_call: Duration,
+    answer: impl Fn(&Envelope) -> PublishResult + Send + 'static,
+) -> (Relay<FakeStore, MockPub>, Calls) {
+    run_relay_with(store, run, per_call, answer, |b| b)
+}
+
+/// [`run_relay`] with the configuration tuned by `tune`.
+fn run_relay_with(
     mut store: FakeStore,
     run: usize,
     per_call: Duration,
     answer: impl Fn(&Envelope) -> PublishResult + Send + 'static,
+    tune: impl FnOnce(RelayConfigBuilder) -> RelayConfigBuilder,
 ) -> (Relay<FakeStore, MockPub>, Calls) {
     store.runs = true;
     let clk = clock();
@@ -1043,12 +1086,14 @@ fn run_relay(
         *moved.0.lock().unwrap() += chrono::Duration::from_std(per_call).unwrap();
         b.iter().map(|e| answer(e)).collect()
     });
-    let cfg = RelayConfig::builder()
-        .owner("r1")
-        .run(run)
-        .retry(RetryPolicy::builder().max_attempts(3).build().unwrap())
-        .build()
-        .unwrap();
+    let cfg = tune(
+        RelayConfig::builder()
+            .owner("r1")
+            .run(run)
+            .retry(RetryPolicy::builder().max_attempts(3).build().unwrap()),
+    )
+    .build()
+    .unwrap();
     let r = Relay::new(store, p, cfg, clk, Box::new(StdRng::seed_from_u64(5))).unwrap();
     (r, calls)
 }
@@ -1142,9 +1187,14 @@ fn a_run_stops_where_the_lease_no_longer_covers_one_more_publication() {
     let mut store = FakeStore::with(&[("a", 1), ("a", 2), ("a", 3), ("a", 4), ("a", 5)]);
     store.mode = Some(ClaimMode::lease(Duration::from_secs(60)).unwrap());
     store.lease_remaining = Some(Duration::from_secs(20));
-    let (mut r, calls) = run_relay(store, 10, Duration::from_secs(5), |e| {
-        ack(e.aggregate_version)
-    });
+    // The budget far above the lease, so that the lease check is what stops the run.
+    let (mut r, calls) = run_relay_with(
+        store,
+        10,
+        Duration::from_secs(5),
+        |e| ack(e.aggregate_version),
+        |b| b.run_budget(Duration::from_secs(60)),
+    );
     let rep = block_on(r.run_once()).unwrap();
     assert_eq!((rep.published, rep.unsent), (3, 2), "{rep:?}");
     assert_eq!(calls.lock().unwrap().len(), 3);
@@ -1157,9 +1207,14 @@ fn a_run_stops_where_the_lease_no_longer_covers_one_more_publication() {
 fn a_locked_run_stops_where_the_hold_limit_no_longer_covers_one_more_publication() {
     let mut store = FakeStore::with(&[("a", 1), ("a", 2), ("a", 3), ("a", 4), ("a", 5)]);
     store.locked_timeout = Some(Duration::from_secs(20));
-    let (mut r, calls) = run_relay(store, 10, Duration::from_secs(5), |e| {
-        ack(e.aggregate_version)
-    });
+    // The budget far above the lease, so that the lease check is what stops the run.
+    let (mut r, calls) = run_relay_with(
+        store,
+        10,
+        Duration::from_secs(5),
+        |e| ack(e.aggregate_version),
+        |b| b.run_budget(Duration::from_secs(60)),
+    );
     let rep = block_on(r.run_once()).unwrap();
     assert_eq!((rep.published, rep.unsent), (3, 2), "{rep:?}");
     assert_eq!(calls.lock().unwrap().len(), 3);
@@ -1224,4 +1279,165 @@ fn config_run_is_validated_and_capped_at_the_batch() {
     let cfg = b().owner("r1").batch_size(7).run(50).build().unwrap();
     let r = Relay::new(store, p, cfg, clock(), Box::new(StdRng::seed_from_u64(5))).unwrap();
     assert_eq!(r.claim_request().run, 7, "a run never exceeds the batch");
+}
+
+fn hot(n: i64) -> FakeStore {
+    let v: Vec<(&str, i64)> = (1..=n).map(|i| ("a", i)).collect();
+    FakeStore::with(&v)
+}
+
+fn attempts(r: &Relay<FakeStore, MockPub>, agg: &str, v: i64) -> u32 {
+    let rows = r.store().rows.lock().unwrap();
+    rows.iter()
+        .find(|(e, _, _)| e.aggregate_id == agg && e.aggregate_version == v)
+        .unwrap()
+        .2
+}
+
+/// The waves' time budget (`run_budget`, 5 ms): with 2 ms per publish call, waves start at
+/// 0, 2 and 4 ms; at 6 ms the budget is spent and the run stops, its rest released with no
+/// attempt counted. The next cycle starts from the first unsent version, in order.
+#[test]
+fn the_waves_stop_at_the_time_budget_and_the_rest_is_released_in_order() {
+    let (mut r, calls) = run_relay_with(
+        hot(10),
+        10,
+        Duration::from_millis(2),
+        |e| ack(e.aggregate_version),
+        |b| b.run_budget(Duration::from_millis(5)),
+    );
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!(
+        (rep.claimed, rep.published, rep.unsent),
+        (10, 3, 7),
+        "{rep:?}"
+    );
+    assert_eq!(
+        *calls.lock().unwrap(),
+        vec![ids(&[("a", 1)]), ids(&[("a", 2)]), ids(&[("a", 3)])]
+    );
+    for v in 4..=10 {
+        assert_eq!(r.store().status("a", v), St::Pending, "a{v} released");
+        assert_eq!(attempts(&r, "a", v), 0, "a{v}: no attempt counted");
+    }
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!(
+        (rep.claimed, rep.published, rep.unsent),
+        (7, 3, 4),
+        "{rep:?}"
+    );
+    assert_eq!(
+        calls.lock().unwrap()[3..],
+        [ids(&[("a", 4)]), ids(&[("a", 5)]), ids(&[("a", 6)])],
+        "the next cycle goes on from the first unsent version"
+    );
+}
+
+/// `run_yields`: a batch holding a run has the next batch claimed during its waves; once that
+/// claim brought events (b1, committed meanwhile), the run stops after the wave under way and
+/// its rest is released; b1 is published by the next cycle, and the run goes on after it.
+#[test]
+fn a_run_stops_once_the_next_claim_brought_events() {
+    let store = hot(5);
+    store
+        .appear_at_claim
+        .lock()
+        .unwrap()
+        .extend([vec![], vec![ev("b", 1)]]);
+    let (mut r, calls) = run_relay_with(
+        store,
+        10,
+        Duration::ZERO,
+        |e| ack(e.aggregate_version),
+        |b| b.run_yields(true),
+    );
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!(
+        (rep.claimed, rep.published, rep.unsent),
+        (5, 1, 4),
+        "{rep:?}"
+    );
+    assert_eq!(r.prefetched().map(|b| b.records.len()), Some(1));
+    assert_eq!(attempts(&r, "a", 2), 0);
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!((rep.claimed, rep.published), (1, 1), "{rep:?}");
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!(
+        (rep.claimed, rep.published, rep.unsent),
+        (4, 4, 0),
+        "{rep:?}"
+    );
+    assert_eq!(
+        *calls.lock().unwrap(),
+        vec![
+            ids(&[("a", 1)]),
+            ids(&[("b", 1)]),
+            ids(&[("a", 2)]),
+            ids(&[("a", 3)]),
+            ids(&[("a", 4)]),
+            ids(&[("a", 5)]),
+        ]
+    );
+}
+
+/// `run_yields` with nothing new: the claim made during the waves comes back empty and the
+/// run goes on to its end (within the budget).
+#[test]
+fn a_run_goes_on_when_the_next_claim_comes_back_empty() {
+    let (mut r, calls) = run_relay_with(
+        hot(4),
+        10,
+        Duration::ZERO,
+        |e| ack(e.aggregate_version),
+        |b| b.run_yields(true),
+    );
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!((rep.published, rep.unsent), (4, 0), "{rep:?}");
+    assert_eq!(calls.lock().unwrap().len(), 4);
+    assert!(r.prefetched().is_none());
+}
+
+/// A shutdown requested while a run is out stops it before its next wave (the budget is far
+/// from spent); the sent prefix is recorded, the rest released.
+#[test]
+fn a_shutdown_stops_the_runs_before_their_next_wave() {
+    let signal: Arc<std::sync::OnceLock<ShutdownSignal>> = Arc::default();
+    let on_answer = signal.clone();
+    let (mut r, calls) = run_relay_with(
+        hot(6),
+        10,
+        Duration::ZERO,
+        move |e| {
+            if e.aggregate_version == 2 {
+                on_answer.get().unwrap().trigger();
+            }
+            ack(e.aggregate_version)
+        },
+        |b| b.run_budget(Duration::from_secs(60)),
+    );
+    signal.set(r.shutdown_signal()).unwrap();
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!((rep.published, rep.unsent), (2, 4), "{rep:?}");
+    assert_eq!(calls.lock().unwrap().len(), 2);
+    assert_eq!(r.store().status("a", 3), St::Pending);
+}
+
+#[test]
+fn config_run_budget_is_validated() {
+    let b = RelayConfig::builder;
+    assert_eq!(b().build().unwrap().run_budget, DEFAULT_RUN_BUDGET);
+    for bad in [
+        Duration::ZERO,
+        Duration::from_micros(999),
+        Duration::from_millis(60_001),
+    ] {
+        let e = b().run_budget(bad).build().unwrap_err();
+        assert!(
+            e.to_string().contains("run_budget must be in 1ms..=60s"),
+            "{e}"
+        );
+    }
+    for ok in [Duration::from_millis(1), Duration::from_secs(60)] {
+        assert_eq!(b().run_budget(ok).build().unwrap().run_budget, ok);
+    }
 }
