@@ -149,13 +149,14 @@ impl MySqlOutboxStore {
     /// lists on both MySQL and MariaDB. The probe locks the oldest due candidates with
     /// `SKIP LOCKED` in a transaction it rolls back at once and counts those it could not
     /// lock: rows other transactions hold (the claims; a claim deciding at that instant
-    /// counts too). Bounded to the oldest [`IN_FLIGHT_PROBE`] candidates.
+    /// counts too). Bounded to the oldest [`IN_FLIGHT_PROBE`] candidates, read through
+    /// `claim_idx` as the claim reads them (forced: MariaDB may walk the primary key instead).
     async fn locked_in_flight(&self) -> Result<u64, StoreError> {
         let t = &self.inner.tables;
         let mut tx = begin(&self.inner.pool).await?;
         let counted = async {
             let all: i64 = sqlx::query_scalar(&format!(
-                "SELECT COUNT(*) FROM (SELECT id FROM {} \
+                "SELECT COUNT(*) FROM (SELECT id FROM {} FORCE INDEX (claim_idx) \
                    WHERE status = 'pending' AND blocked = 0 \
                      AND next_attempt_at <= UTC_TIMESTAMP(6) ORDER BY id LIMIT ?) x",
                 t.events
@@ -165,8 +166,8 @@ impl MySqlOutboxStore {
             .await
             .map_err(db)?;
             let free: Vec<i64> = sqlx::query_scalar(&format!(
-                "SELECT id FROM {} WHERE status = 'pending' AND blocked = 0 \
-                   AND next_attempt_at <= UTC_TIMESTAMP(6) \
+                "SELECT id FROM {} FORCE INDEX (claim_idx) \
+                 WHERE status = 'pending' AND blocked = 0 AND next_attempt_at <= UTC_TIMESTAMP(6) \
                  ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED",
                 t.events
             ))
