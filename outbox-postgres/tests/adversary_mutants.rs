@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use outbox_core::{ClaimMode, ClaimRequest, Envelope, ErrorClass, LastError, Outcome, ParkKind};
 use outbox_postgres::PostgresOutboxStore;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
+use common::stand_in::{colliding_store, stand_in_store};
 use common::{claim, lease, park, publish_all, published};
 
 fn modes() -> [ClaimMode; 2] {
@@ -268,68 +268,6 @@ async fn a_stale_version_says_what_it_is_below() {
         publish_all(&first, &b).await;
     }
     ctx.drop().await;
-}
-
-/// A store whose sessions search the test's schema before `pg_catalog`, where `function` (the
-/// body of a `CREATE OR REPLACE FUNCTION` in that schema) stands in for a built-in function
-/// the statements call unqualified. The tables are migrated first, on the ordinary pool (their
-/// defaults and indexes keep the real functions).
-async fn stand_in_store(
-    ctx: &common::Ctx,
-    mode: ClaimMode,
-    accept_first_version: bool,
-    function: &str,
-) -> (PgPool, PostgresOutboxStore) {
-    let s = &ctx.schema;
-    ctx.store(mode).await;
-    sqlx::query(&format!("CREATE OR REPLACE FUNCTION \"{s}\".{function}"))
-        .execute(&ctx.pool)
-        .await
-        .unwrap();
-    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| common::DEFAULT_URL.to_owned());
-    let opts: PgConnectOptions = url.parse().unwrap();
-    let set = format!("SET search_path = \"{s}\", pg_catalog");
-    let pool = PgPoolOptions::new()
-        .max_connections(3)
-        .after_connect(move |conn, _| {
-            let set = set.clone();
-            Box::pin(async move {
-                sqlx::query(&set).execute(&mut *conn).await?;
-                Ok(())
-            })
-        })
-        .connect_with(opts)
-        .await
-        .unwrap();
-    let store = PostgresOutboxStore::builder(pool.clone())
-        .schema(s)
-        .claim_mode(mode)
-        .accept_first_version(accept_first_version)
-        .build()
-        .unwrap();
-    (pool, store)
-}
-
-/// A store whose sessions compute every aggregate key with a stand-in for
-/// `hashtextextended(text, bigint)` that gives every name containing `collide` the same key:
-/// the 64-bit key collision that the statements guard against by comparing the aggregate's
-/// type and id next to its key, which no real pair of names is known to produce (the stand-in
-/// only costs index use).
-async fn colliding_store(
-    ctx: &common::Ctx,
-    mode: ClaimMode,
-    accept_first_version: bool,
-) -> (PgPool, PostgresOutboxStore) {
-    stand_in_store(
-        ctx,
-        mode,
-        accept_first_version,
-        "hashtextextended(t text, seed int8) RETURNS int8 \
-         LANGUAGE sql IMMUTABLE AS $$ \
-           SELECT CASE WHEN t LIKE '%collide%' THEN 4242::int8 \
-                       ELSE pg_catalog.hashtextextended(t, seed) END $$",
-    )
-    .await
 }
 
 /// An event is due when its `next_attempt_at` is at or before the claim transaction's time

@@ -2,6 +2,8 @@
 #![allow(dead_code, unreachable_pub)]
 
 pub mod backend;
+pub mod explain;
+pub mod stand_in;
 
 use std::time::Duration;
 
@@ -158,6 +160,19 @@ pub fn published(e: &Envelope, offset: i64) -> Outcome {
     Outcome::Published {
         event_id: e.event_id,
         ack: AckMetadata::kafka("orders", 3, offset),
+    }
+}
+
+/// A retry outcome for `e`, due at once (a transient `timeout`).
+pub fn retry(e: &Envelope) -> Outcome {
+    Outcome::Retry {
+        event_id: e.event_id,
+        delay: Duration::ZERO,
+        error: LastError {
+            class: ErrorClass::Transient,
+            kind: "timeout".into(),
+            message: "no ack".into(),
+        },
     }
 }
 
