@@ -607,10 +607,13 @@ async fn a_batch_behind_a_version_pending_claimed_in_a_run_or_parked() {
             let b = store_with(&ctx, mode, false).await;
             let what = format!("{mode:?} run {run}");
             let c = evs("claimed", &[1, 2, 3]);
+            // A batch whose lowest row duplicates the version in flight.
+            let cd = evs("claimed-dup", &[1, 1, 2, 3]);
             let r = evs("run", &[1, 2, 3, 4, 5, 6]);
             let k = evs("parked", &[1, 2, 3]);
             let p = evs("pending", &[1, 2, 3]);
             append(&ctx, &a, &c[..1]).await;
+            append(&ctx, &a, &cd[..1]).await;
             append(&ctx, &a, &r[..3]).await;
             append(&ctx, &a, &k[..1]).await;
             let broker = Broker::refusing(&[k[0].event_id]);
@@ -635,6 +638,7 @@ async fn a_batch_behind_a_version_pending_claimed_in_a_run_or_parked() {
                 ],
             )
             .await;
+            append(&ctx, &a, &cd[1..]).await;
             append(&ctx, &a, &p[..1]).await;
             append(&ctx, &a, &p[1..]).await;
             no_orphans(&ctx).await;
@@ -692,9 +696,11 @@ async fn a_batch_behind_a_version_pending_claimed_in_a_run_or_parked() {
                 .iter()
                 .chain(&r)
                 .chain(&p)
+                .chain([&cd[0], &cd[2], &cd[3]])
                 .map(|e| (e, "published"))
                 .collect();
             want.extend([
+                (&cd[1], "parked:out_of_order"),
                 (&k[0], "parked:permanent_error"),
                 (&k[1], "pending"),
                 (&k[2], "pending"),
