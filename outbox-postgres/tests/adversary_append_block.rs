@@ -1189,6 +1189,9 @@ async fn random_batches(mode: ClaimMode) {
                 let _ = store.retry_parked(p.envelope.event_id, "ops").await;
             }
         }
+        // Every committed state keeps the invariant (each check is one statement: one
+        // snapshot of committed claims and completions).
+        no_orphans(&ctx).await;
         let left = movable(&ctx).await;
         let gaps = store
             .list_parked(100)
