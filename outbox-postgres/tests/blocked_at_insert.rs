@@ -68,11 +68,7 @@ async fn xmins(ctx: &Ctx, agg: &str) -> HashMap<i64, String> {
 
 /// Runs a relay (batches of 4, runs of `run`) over `store` until the log holds `want` records
 /// or 30 s passed; returns each aggregate's published versions in the log's order.
-async fn drain(
-    store: PostgresOutboxStore,
-    run: usize,
-    want: usize,
-) -> BTreeMap<String, Vec<i64>> {
+async fn drain(store: PostgresOutboxStore, run: usize, want: usize) -> BTreeMap<String, Vec<i64>> {
     let log = MemoryLog::new("orders", 1);
     let config = RelayConfig::builder()
         .owner("relay")
@@ -103,7 +99,9 @@ async fn drain(
     for r in log.records("orders", 0) {
         let key = String::from_utf8(r.key.expect("keyed by aggregate")).unwrap();
         let body: serde_json::Value = serde_json::from_slice(&r.value).unwrap();
-        out.entry(key).or_default().push(body["v"].as_i64().unwrap());
+        out.entry(key)
+            .or_default()
+            .push(body["v"].as_i64().unwrap());
     }
     out
 }
@@ -171,7 +169,10 @@ async fn a_batch_is_blocked_above_each_aggregates_lowest_version_and_drains_in_o
             .into_iter()
             .filter(|((agg, _), _)| agg.ends_with(&tag))
             .collect();
-        assert_eq!(got_here, want, "{mode:?} run {run}: blocked flags at insert");
+        assert_eq!(
+            got_here, want,
+            "{mode:?} run {run}: blocked flags at insert"
+        );
 
         let published = drain(ctx.store(mode).await, run, 11).await;
         let want: BTreeMap<String, Vec<i64>> = [
@@ -286,10 +287,7 @@ async fn accept_first_version_starts_a_batch_at_its_lowest_version() {
         store.migrate().await.unwrap();
         let agg = format!("first-{}", matches!(mode, ClaimMode::Lease { .. }));
         store
-            .append_many(
-                &ctx.pool,
-                &[event(&agg, 7), event(&agg, 5), event(&agg, 6)],
-            )
+            .append_many(&ctx.pool, &[event(&agg, 7), event(&agg, 5), event(&agg, 6)])
             .await
             .unwrap();
         let published = drain(build(), 1, 3).await;
