@@ -322,16 +322,28 @@ where
     }
 }
 
-/// The source under the engine, with the consumer-side seeded bugs.
+/// The source under the engine, with the consumer-side seeded bugs, and the stalls of the
+/// engine's thread ([`crate::Step::EngineThreadStalls`]).
 #[derive(Debug)]
 pub struct SimSource<S> {
     inner: S,
     bug: Option<SeededBug>,
+    stall: Arc<Mutex<Option<Duration>>>,
 }
 
 impl<S> SimSource<S> {
     pub(crate) fn new(inner: S, bug: Option<SeededBug>) -> Self {
-        Self { inner, bug }
+        Self {
+            inner,
+            bug,
+            stall: Arc::default(),
+        }
+    }
+
+    /// Its next poll first blocks the thread for the duration set here (once).
+    pub(crate) fn with_stall(mut self, stall: Arc<Mutex<Option<Duration>>>) -> Self {
+        self.stall = stall;
+        self
     }
 
     /// The source it wraps.
@@ -343,6 +355,16 @@ impl<S> SimSource<S> {
 #[async_trait]
 impl<S: MessageSource> MessageSource for SimSource<S> {
     async fn poll(&self, timeout: Duration) -> Result<Option<ReceivedMessage>, SourceError> {
+        let stall = self
+            .stall
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(d) = stall {
+            // The thread itself is held, as a loaded machine holds a process: the timers that
+            // run out meanwhile fire together once it runs again.
+            std::thread::sleep(d);
+        }
         let msg = self.inner.poll(timeout).await?;
         if let (Some(m), Some(SeededBug::CommitOffsetBeforeTx)) = (&msg, self.bug) {
             self.inner.commit(&[m.position.next()]).await?;

@@ -200,6 +200,8 @@ pub struct Simulation<B: Backend, H> {
     complete_faults: FaultInjector,
     inbox_faults: FaultInjector,
     handler_fault: Arc<Mutex<Option<HandlerFault>>>,
+    /// A stall of the engine's thread in its next poll ([`Step::EngineThreadStalls`]).
+    engine_stall: Arc<Mutex<Option<Duration>>>,
     ledger: Arc<Mutex<Ledger>>,
     relays: Vec<RelaySlot<B>>,
     handler: SimHandler<B, H>,
@@ -394,6 +396,7 @@ where
             complete_faults: FaultInjector::new(FaultSource::None).only(&["complete"]),
             inbox_faults: FaultInjector::new(FaultSource::None).only(&["commit"]),
             handler_fault,
+            engine_stall: Arc::default(),
             ledger,
             relays: Vec::new(),
             handler,
@@ -481,7 +484,8 @@ where
         let source = SimSource::new(
             TransportSource::new(&self.broker, &self.log, self.config.bug),
             self.config.bug,
-        );
+        )
+        .with_stall(self.engine_stall.clone());
         let inbox = FaultyInbox::new(self.backend.inbox(), self.inbox_faults.clone());
         let processor = InboxProcessor::new(GROUP, inbox, self.handler.clone())
             .with_version_policy(version_policy(self.modes.policy))
@@ -668,6 +672,26 @@ where
                     Fault::Transient
                 };
                 self.inbox_faults.set_source(FaultSource::script([Some(f)]));
+                Ok(())
+            }
+            Step::InboxDown => {
+                self.report.faults += 1;
+                self.inbox_faults.set_source(FaultSource::Countdown {
+                    pass: 0,
+                    fault: Fault::Transient,
+                    repeat: true,
+                });
+                Ok(())
+            }
+            Step::InboxUp => {
+                self.inbox_faults.set_source(FaultSource::None);
+                Ok(())
+            }
+            Step::EngineThreadStalls(d) => {
+                *self
+                    .engine_stall
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner) = Some(*d);
                 Ok(())
             }
             Step::ConsumerOperator(n) => self.consumer_operator(*n).map(|_| ()),

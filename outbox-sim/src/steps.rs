@@ -221,6 +221,18 @@ pub enum Step {
         /// Whether the commit happened.
         lost_reply: bool,
     },
+    /// The consumer's inbox commits fail (transiently) from now on, until [`Step::InboxUp`]:
+    /// a batch of the engine stays in its store-failure backoff however many times its
+    /// backoff runs out meanwhile (an [`Step::InboxCommitFault`] fails one commit, which a
+    /// backoff that ran out within the same engine step retries). Not generated.
+    InboxDown,
+    /// The consumer's inbox commits succeed again. Not generated.
+    InboxUp,
+    /// The consumer engine's thread is held for this long within its next step, after the
+    /// step started its batches and before it polls the source, as a loaded machine holds a
+    /// process: the engine's real-time timers that run out meanwhile (a backoff) fire at once
+    /// when it runs again. Not generated.
+    EngineThreadStalls(Duration),
     /// An operator retries the `n`-th open parked message of the consumer.
     ConsumerOperator(usize),
     /// Cleanup deletes published and discarded outbox rows (retention zero, batches of 2).

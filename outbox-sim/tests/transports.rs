@@ -264,25 +264,58 @@ fn a_redelivered_lower_version_after_a_parked_gap_clears() {
 /// generation. The ledger allows one transient failure more in the generation to an event
 /// the lost channel held (its old delivery's), not two: the engine's attempt counting is
 /// still checked (an engine that gave the redelivery a fourth attempt fails here).
+///
+/// The inbox stays down from the batch's first commit until the channel is lost, so the batch
+/// is in its backoff then whatever the machine's load: with one failed commit only, a backoff
+/// (10 ms, real time) that ran out within the engine step that started the batch (the thread
+/// held that long by a loaded machine) committed the event before the channel was lost, and
+/// the stuck handler was never called (`consumer_parked` 0, seen once under load). The engine
+/// thread is held that long here on purpose.
 #[test]
 fn a_channel_lost_under_a_batch_in_backoff_keeps_the_redelivery_budget() {
-    let steps = vec![
-        begin(0, 1),
-        Step::Commit(0),
-        Step::Relay(0),
-        answer(&[RecordAnswer::Ack]),
-        Step::InboxCommitFault { lost_reply: false },
-        Step::Consumer(1), // received on channel 1
-        Step::Consumer(1), // its batch: handled, the commit fails, the batch backs off
-        Step::HandlerFault(HandlerFault::Stuck),
-        Step::Rebalance, // the channel is lost under the running batch
-        Step::Consumer(20),
-    ];
+    let steps = |inbox_down: bool| {
+        let mut steps = vec![
+            begin(0, 1),
+            Step::Commit(0),
+            Step::Relay(0),
+            answer(&[RecordAnswer::Ack]),
+            if inbox_down {
+                Step::InboxDown
+            } else {
+                Step::InboxCommitFault { lost_reply: false }
+            },
+            Step::Consumer(1), // received on channel 1
+            // Held past the batch's backoff, in the step that starts it.
+            Step::EngineThreadStalls(Duration::from_millis(40)),
+            Step::Consumer(1), // its batch: handled, the commit fails, the batch backs off
+            Step::HandlerFault(HandlerFault::Stuck),
+            Step::Rebalance, // the channel is lost under the running batch
+        ];
+        if inbox_down {
+            steps.push(Step::InboxUp);
+        }
+        steps.push(Step::Consumer(20));
+        steps
+    };
     let config = SimConfig::default().transport(Transport::RabbitMq);
-    let report = Simulation::memory(config, modes(Transport::RabbitMq, Policy::Unchecked))
-        .run(&steps)
-        .unwrap_or_else(|v| panic!("{v}"));
+    let report = Simulation::memory(
+        config.clone(),
+        modes(Transport::RabbitMq, Policy::Unchecked),
+    )
+    .run(&steps(true))
+    .unwrap_or_else(|v| panic!("{v}"));
     assert_eq!(report.channels_lost, 1, "{report:?}");
     assert_eq!(report.consumer_parked, 1, "{report:?}");
     assert_eq!(report.applied, 1, "{report:?}");
+
+    // With one failed commit, the stall lets the batch commit before the channel is lost:
+    // the scenario above does not happen (what a loaded machine did to this test).
+    let report = Simulation::memory(config, modes(Transport::RabbitMq, Policy::Unchecked))
+        .run(&steps(false))
+        .unwrap_or_else(|v| panic!("{v}"));
+    assert_eq!(
+        (report.consumer_parked, report.applied),
+        (0, 1),
+        "the stall did not let the batch finish: {report:?}"
+    );
 }

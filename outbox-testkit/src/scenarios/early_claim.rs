@@ -88,6 +88,8 @@ struct Seen {
     /// The early claim the plan acted beside: its events.
     early: Vec<(EventId, String, i64)>,
     violations: Vec<String>,
+    /// Claims released (by the relay: a lease too short to publish, a shutdown).
+    releases: usize,
 }
 
 /// Shared between the wrappers of the relays of one scenario.
@@ -102,6 +104,8 @@ struct Watch {
     jitter: Duration,
     /// Told once the plan acted (before a `Hang` hangs, before a `Slow` sleeps).
     acted_tx: Arc<Mutex<Option<tokio::sync::oneshot::Sender<()>>>>,
+    /// The first claim answers this much later (a loaded server's round trip).
+    slow_first_claim: Option<Duration>,
 }
 
 impl Watch {
@@ -113,7 +117,14 @@ impl Watch {
             strict,
             jitter,
             acted_tx: Arc::default(),
+            slow_first_claim: None,
         }
+    }
+
+    /// The first claim answers `d` after the store did, as a loaded machine's round trip.
+    fn slow_first_claim(mut self, d: Duration) -> Self {
+        self.slow_first_claim = Some(d);
+        self
     }
 
     /// A receiver told when the plan acts.
@@ -174,6 +185,9 @@ impl<S: RelayStore> RelayStore for Watched<S> {
             )
         };
         let result = self.inner.claim(request).await;
+        if let (1, Some(d)) = (number, self.watch.slow_first_claim) {
+            tokio::time::sleep(d).await;
+        }
         let mut seen = self.watch.seen();
         seen.claims_done += 1;
         let batch = match result {
@@ -298,7 +312,9 @@ impl<S: RelayStore> RelayStore for Watched<S> {
 
     async fn release(&self, claim: &ClaimHandle) -> Result<(), StoreError> {
         let result = self.inner.release(claim).await;
-        self.watch.seen().held.remove(&claim.token);
+        let mut seen = self.watch.seen();
+        seen.held.remove(&claim.token);
+        seen.releases += 1;
         result
     }
 
@@ -596,8 +612,19 @@ fn gated_backlog() -> (Vec<Envelope>, Vec<Envelope>, Vec<Envelope>) {
     (first, seconds, fresh)
 }
 
+/// How long the gated scenarios retry their first cycle until one reaches the broker.
+const FIRST_CYCLE_DEADLINE: Duration = Duration::from_secs(60);
+
 /// The first cycle of the gated scenarios: the relay claims `first`, its broker call waits
 /// while `later` commits, then the cycle goes on (with the watch's plan beside its completion).
+///
+/// A cycle can end before it reaches the broker, and waiting for the broker then would wait
+/// forever (the gate's sender lives in the relay): a claim that failed, or a claim slower
+/// than its lease leaves room for (a 1.5 s lease less the delivery timeout and the 1 s
+/// margin leaves 300 ms, which a loaded machine's claim round trip exceeds), which the relay
+/// releases unpublished, as it must. Such a cycle is run again, the released events being
+/// claimable at once, until one reaches the broker ([`FIRST_CYCLE_DEADLINE`], then a failure
+/// that names every early end); any other early end (nothing claimed) fails at once.
 async fn gated_cycle<B, S, P>(
     backend: &B,
     store: &B::Store,
@@ -611,13 +638,41 @@ where
     S: RelayStore,
     P: Publisher,
 {
-    let commit_later = async {
-        entered.await.expect("the broker was called");
-        append(backend, store, later).await;
-        let _ = open.send(());
-    };
-    let (report, ()) = tokio::join!(relay.run_once(), commit_later);
-    report
+    let started = Instant::now();
+    let mut entered = entered;
+    let mut early_ends: Vec<String> = Vec::new();
+    loop {
+        let cycle = relay.run_once();
+        tokio::pin!(cycle);
+        tokio::select! {
+            gate = &mut entered => {
+                gate.expect("the broker was called");
+                append(backend, store, later).await;
+                let _ = open.send(());
+                return cycle.await;
+            }
+            ended = &mut cycle => {
+                let retry = match &ended {
+                    Ok(r) => r.released && r.claimed > 0,
+                    Err(_) => true,
+                };
+                early_ends.push(format!("{:?}: {ended:?}", started.elapsed()));
+                assert!(
+                    retry,
+                    "the first cycle ended before reaching the broker: {early_ends:#?}"
+                );
+                assert!(
+                    started.elapsed() < FIRST_CYCLE_DEADLINE,
+                    "no first cycle reached the broker within {FIRST_CYCLE_DEADLINE:?} (each \
+                     claim too slow for its lease, or failing): {early_ends:#?}"
+                );
+                eprintln!(
+                    "the first cycle ended before reaching the broker ({ended:?}); running it \
+                     again"
+                );
+            }
+        }
+    }
 }
 
 /// The names of the aggregates of a set of (event, aggregate, version) rows.
@@ -634,7 +689,9 @@ fn aggregates(rows: &[(EventId, String, i64)]) -> Vec<String> {
 /// and none of the batch's (whose versions 2 committed meanwhile), and the relay keeps it for
 /// its next cycle; then everything is published, first deliveries in version order, only the
 /// failed batch's events twice (and none when the completion committed), nothing parked.
-/// `mode`'s lease should be short (1.5 s).
+/// `mode`'s lease should be short (1.5 s). In lease mode the relay's first claim answers too
+/// late to be published (as a loaded machine's claim round trip can): the relay releases it
+/// and the first cycle runs again ([`gated_cycle`]).
 pub async fn failed_completion_keeps_the_early_claim_and_order<B: RandomizedBackend>(
     backend: &B,
     mode: ClaimMode,
@@ -650,11 +707,26 @@ pub async fn failed_completion_keeps_the_early_claim_and_order<B: RandomizedBack
         Plan::Fail
     };
     let watch = Watch::new(plan, true, Duration::ZERO, 1);
+    let lease_mode = matches!(mode, ClaimMode::Lease { .. });
+    let watch = match mode {
+        // Later than the lease's room for a publication (delivery timeout and margin).
+        ClaimMode::Lease { duration } => watch.slow_first_claim(
+            duration.saturating_sub(Duration::from_millis(200) + outbox_core::MIN_LEASE_MARGIN)
+                + Duration::from_millis(200),
+        ),
+        _ => watch,
+    };
     let log = Arc::new(Mutex::new(Log::default()));
     let (broker, entered, open) = Broker::new("r", &log, Duration::from_millis(1)).gated();
     let mut relay = early_relay(watch.wrap(backend.store(&p)), broker, "failing", 3);
     let later: Vec<Envelope> = seconds.iter().chain(&fresh).cloned().collect();
     let first_cycle = gated_cycle(backend, &store, &mut relay, entered, open, &later).await;
+    if lease_mode {
+        assert!(
+            watch.seen().releases >= 1,
+            "{mode:?}: the slow first claim was published, not released"
+        );
+    }
     assert!(
         first_cycle.is_err(),
         "{mode:?}: the failed completion is reported: {first_cycle:?}"
@@ -1012,6 +1084,11 @@ pub async fn parked_head_beside_the_early_claim_blocks_its_aggregate<B: Randomiz
     assert_nothing_left(&store, &format!("{mode:?}")).await;
 }
 
+/// How long one scenario of [`early_claim_tests!`](crate::early_claim_tests) may run: several
+/// times what the slowest takes on a loaded machine, so that a hang fails the test with the
+/// state of its store instead of holding CI until its own limit.
+pub const SCENARIO_LIMIT: Duration = Duration::from_secs(240);
+
 /// A lease claim mode of `secs` seconds (the scenarios' lease lengths).
 pub fn lease(secs: f64) -> ClaimMode {
     ClaimMode::lease(Duration::from_secs_f64(secs)).expect("a positive lease")
@@ -1076,7 +1153,16 @@ macro_rules! early_claim_tests {
             let Some($b) = <$backend>::new($connections).await else {
                 return;
             };
-            $body.await;
+            let limit = $crate::scenarios::early_claim::SCENARIO_LIMIT;
+            if ::tokio::time::timeout(limit, $body).await.is_err() {
+                panic!(
+                    "{} did not finish within {limit:?} (a hang, which none of its checks \
+                     explains); {} kept, its first rows still pending or parked: {:#?}",
+                    stringify!($name),
+                    $crate::randomized::RandomizedBackend::location(&$b),
+                    $crate::randomized::RandomizedBackend::stuck(&$b).await
+                );
+            }
             $crate::randomized::RandomizedBackend::finish(&$b).await;
         }
     };
