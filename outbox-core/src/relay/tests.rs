@@ -1108,10 +1108,9 @@ fn acking_run_relay(
 }
 
 /// One cycle of `r`, whose (claimed, published, unsent) must be `want`.
-fn cycle(r: &mut Relay<FakeStore, MockPub>, want: (usize, usize, usize)) -> CycleReport {
+fn cycle(r: &mut Relay<FakeStore, MockPub>, want: (usize, usize, usize)) {
     let rep = block_on(r.run_once()).unwrap();
     assert_eq!((rep.claimed, rep.published, rep.unsent), want, "{rep:?}");
-    rep
 }
 
 /// Five versions of one aggregate, the claim's life set on the store by `life`, published at
