@@ -1,5 +1,7 @@
 //! `status` on MariaDB (outbox-mysql): what `outbox status` and the relay's metrics cost on a
-//! large table, the same shape and the same reads as the PostgreSQL scenario (`status.rs`).
+//! large table, the same shape and the same reads as the PostgreSQL scenario (`status.rs`,
+//! whose `measure` runs the rounds and reads of both; this module holds MariaDB's store,
+//! fill and `--keep`).
 //!
 //! For each size a table is filled in SQL: its secondary indexes are dropped, the rows are
 //! inserted by `INSERT .. SELECT` from MariaDB's `SEQUENCE` engine (`seq_<a>_to_<b>`, one
@@ -13,184 +15,89 @@
 //! configuration (the backlog, the latency over the 15-minute window, six trend points over
 //! the last minute, the relay registry); one claim of 100 + completion (lease mode).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use outbox_core::prelude::*;
-use outbox_core::{ClaimMode, ClaimRequest};
 use outbox_mysql::MySqlOutboxStore;
-use sqlx::mysql::MySqlPoolOptions;
+use sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use sqlx::Row;
 
 use crate::mysql::MyEnv;
-use crate::report::{median, Report, Samples};
-use crate::scale::published;
-use crate::status::StatusArgs;
+use crate::report::Report;
+use crate::status::{self, million_row_ranges, Shape, StatusArgs, StatusBackend, FILL_COLUMNS};
 
 /// Runs the status scenario on MariaDB.
 pub(crate) async fn run(env: &MyEnv, args: &StatusArgs, rounds: usize) -> anyhow::Result<Report> {
-    anyhow::ensure!(
-        args.sizes.iter().all(|&s| s >= 10_000),
-        "--sizes: each size needs at least 10,000 rows"
-    );
-    let mut report = Report::new("status (mysql)", rounds);
-    report.param("sizes", &args.sizes);
-    report.param("pending_percent", args.pending_percent);
-    report.param("parked", args.parked);
-    report.param("reads_per_round", args.reads);
-    report.param("window_seconds", args.window);
-    report.param("claim_batch", 100);
+    let mut report = status::report("status (mysql)", args, rounds)?;
     let pool = MySqlPoolOptions::new()
         .max_connections(4)
         .acquire_timeout(Duration::from_secs(30))
         .connect(env.url())
         .await?;
-    let mut samples = Samples::default();
-    for &size in &args.sizes {
-        let store = env
-            .store_on(
-                &pool,
-                "status",
-                ClaimMode::Lease {
-                    duration: Duration::from_secs(60),
-                },
-            )
-            .await?;
-        let pending = ((size as f64 * args.pending_percent / 100.0) as usize)
-            .max(2000)
-            .min(size);
-        let aggregates = (size / 100).max(args.parked + 1);
-        let filled = Instant::now();
-        fill(&store, size, pending, args.parked, aggregates).await?;
-        println!(
-            "size {size}: {pending} pending, {} parked, {aggregates} aggregates; filled in {:.1} s \
-             (database {})",
-            args.parked,
-            filled.elapsed().as_secs_f64(),
-            store.settings().database.as_deref().unwrap_or("?")
-        );
-        let stats_name = format!("stats() [{size} rows]");
-        let status_name = format!("status reads [{size} rows]");
-        let claim_name = format!("claim 100 (lease) [{size} rows]");
-        let complete_name = format!("complete 100 [{size} rows]");
-        let window = Duration::from_secs(args.window);
-        for round in 0..rounds {
-            let (mut st, mut su, mut cl, mut co) = (vec![], vec![], vec![], vec![]);
-            for _ in 0..args.reads {
-                let t = Instant::now();
-                let s = store.stats().await?;
-                st.push(t.elapsed().as_secs_f64() * 1e3);
-                anyhow::ensure!(s.unpublished > 0, "nothing pending");
-                su.push(status_reads(&store, window).await?);
-                let t = Instant::now();
-                let b = store.claim(&ClaimRequest::new("status-bench", 100)).await?;
-                cl.push(t.elapsed().as_secs_f64() * 1e3);
-                anyhow::ensure!(!b.is_empty(), "nothing claimed");
-                let t = Instant::now();
-                store.complete(&b.handle, &published(&b)).await?;
-                co.push(t.elapsed().as_secs_f64() * 1e3);
-            }
-            println!(
-                "round {}/{rounds}  size {size:>9}: stats p50 {:.1} ms, status reads p50 {:.1} ms, \
-                 claim p50 {:.2} ms, complete p50 {:.2} ms",
-                round + 1,
-                median(&st),
-                median(&su),
-                median(&cl),
-                median(&co)
-            );
-            samples.add(&stats_name, "ms", median(&st));
-            samples.add(&status_name, "ms", median(&su));
-            samples.add(&claim_name, "ms", median(&cl));
-            samples.add(&complete_name, "ms", median(&co));
-        }
-        let l = ReportingStore::publish_latency(&store, window).await?;
-        println!(
-            "size {size}: latency over {} s: published {}, p50 {:?} s, p99 {:?} s, sample {:?} \
-             (None: exact); created {} (estimated: {})",
-            window.as_secs(),
-            l.count,
-            l.p50,
-            l.p99,
-            l.sample,
-            l.created,
-            l.created_estimated
-        );
-        let s = store.stats().await?;
-        println!(
-            "size {size}: stats say unpublished {}, parked {}, blocked {}, published_retained {} \
-             (estimated: {})",
-            s.unpublished,
-            s.parked,
-            s.blocked,
-            s.published_retained,
-            s.extra
-                .iter()
-                .any(|(k, v)| k == "published_retained_estimated" && *v > 0.0)
-        );
-        if args.keep {
-            println!(
-                "kept: database {} (drop it yourself)",
-                env.forget_last_database()
-            );
-        } else {
-            env.cleanup().await?;
-        }
-    }
-    if let (Some(&first), Some(&last)) = (args.sizes.first(), args.sizes.last()) {
-        if last > first {
-            for what in [
-                "stats()",
-                "status reads",
-                "claim 100 (lease)",
-                "complete 100",
-            ] {
-                samples.compare(
-                    &format!("{what} [{last} rows]"),
-                    "ms",
-                    &format!("{what} [{first} rows]"),
-                );
-            }
-        }
-        report.target(
-            &format!("status reads at {last} rows, ms (<= 100)"),
-            samples.median(&format!("status reads [{last} rows]"), "ms"),
-            100.0,
-            false,
-        );
+    let backend = MariaDb {
+        env,
+        pool,
+        keep: args.keep,
+    };
+    let samples = status::measure(&backend, args, rounds).await?;
+    if let Some(&last) = args.sizes.last() {
+        status::status_reads_target(&mut report, &samples, last);
     }
     report.figures = samples.figures();
     Ok(report)
 }
 
-/// The store reads of one `outbox status` with the default configuration, as in `status.rs`
-/// (the backlog, the latency over the window, the flows of six trend points in one call, the
-/// relay registry). Milliseconds.
-async fn status_reads(store: &MySqlOutboxStore, window: Duration) -> anyhow::Result<f64> {
-    let t = Instant::now();
-    let stats = ReportingStore::backlog(store).await?;
-    let latency = ReportingStore::publish_latency(store, window).await?;
-    let points: Vec<Duration> = (1..=6u64)
-        .rev()
-        .map(|back| Duration::from_secs(10 * back))
-        .collect();
-    ReportingStore::flows(store, &points).await?;
-    RelayRegistry::relays(store).await?;
-    let ms = t.elapsed().as_secs_f64() * 1e3;
-    anyhow::ensure!(stats.unpublished > 0 && latency.count > 0, "empty status");
-    Ok(ms)
+/// The scenario on MariaDB: a store per size in its own database on the scenario's pool,
+/// dropped after its size unless `--keep`.
+struct MariaDb<'a> {
+    env: &'a MyEnv,
+    pool: MySqlPool,
+    keep: bool,
 }
 
-/// `rows` rows (see the module's doc): published (the oldest, their publications over the
-/// last 24 hours), then `parked` parked heads, then `pending` pending (one per millisecond up
-/// to now), over `aggregates` aggregates (version = the row's round over them); the state
-/// rows; the secondary indexes dropped during the fill and built again after it.
-async fn fill(
-    store: &MySqlOutboxStore,
-    rows: usize,
-    pending: usize,
-    parked: usize,
-    aggregates: usize,
-) -> anyhow::Result<()> {
+impl StatusBackend for MariaDb<'_> {
+    type Store = MySqlOutboxStore;
+
+    async fn store(&self) -> anyhow::Result<MySqlOutboxStore> {
+        self.env
+            .store_on(&self.pool, "status", status::lease())
+            .await
+    }
+
+    async fn fill(&self, store: &MySqlOutboxStore, shape: &Shape) -> anyhow::Result<()> {
+        fill(store, shape).await
+    }
+
+    fn filled_note(&self, store: &MySqlOutboxStore) -> String {
+        format!(
+            " (database {})",
+            store.settings().database.as_deref().unwrap_or("?")
+        )
+    }
+
+    async fn finish(&self) -> anyhow::Result<()> {
+        if self.keep {
+            println!(
+                "kept: database {} (drop it yourself)",
+                self.env.forget_last_database()
+            );
+            Ok(())
+        } else {
+            self.env.cleanup().await
+        }
+    }
+}
+
+/// The rows of `shape` (see the module's doc): published (the oldest, their publications over
+/// the last 24 hours), then the parked heads, then the pending rows (one per millisecond up
+/// to now), over the aggregates (version = the row's round over them); the state rows; the
+/// secondary indexes dropped during the fill and built again after it.
+async fn fill(store: &MySqlOutboxStore, shape: &Shape) -> anyhow::Result<()> {
+    let &Shape {
+        rows,
+        pending,
+        parked,
+        aggregates,
+    } = shape;
     let pool = store.pool();
     let db = store
         .settings()
@@ -242,14 +149,9 @@ async fn fill(
     let done = (rows - pending) as i64;
     let pk = done + parked as i64;
     let (all, a) = (rows as i64, aggregates as i64);
-    let mut from = 0i64;
-    while from < all {
-        let to = (from + 1_000_000).min(all);
+    for (from, to) in million_row_ranges(rows) {
         sqlx::raw_sql(&format!(
-            "INSERT INTO {t} (event_id, aggregate_type, aggregate_id, aggregate_version, \
-               event_type, schema_version, content_type, payload, headers, created_at, status, \
-               published_at, finished_at, ack_transport, ack_destination, ack_partition, \
-               ack_position, parked_at, park_kind, attempts, inserted_at) \
+            "INSERT INTO {t} ({FILL_COLUMNS}) \
              SELECT UNHEX(LPAD(HEX(g), 32, '0')), 'order', CONCAT('order-', g % {a}), \
                g DIV {a} + 1, 'order.changed', 1, 'application/json', REPEAT('x', 200), '{{}}', \
                c, \
@@ -272,7 +174,6 @@ async fn fill(
         ))
         .execute(pool)
         .await?;
-        from = to;
     }
     sqlx::raw_sql(&format!(
         "INSERT INTO {state} (aggregate_key, aggregate_type, aggregate_id, last_version, \

@@ -12,6 +12,10 @@
 //! through the reporting role with the default configuration (the backlog, the latency over
 //! the 15-minute window, six trend points over the last minute, the relay registry); one
 //! claim of 100 + completion (lease mode).
+//!
+//! The rounds, the reads and the report are [`measure`]'s for every backend; a backend
+//! ([`StatusBackend`]: this module's PostgreSQL one, `mystatus`'s MariaDB one) gives the
+//! store, the fill and what becomes of the store after its size.
 
 use std::time::{Duration, Instant};
 
@@ -48,40 +52,121 @@ pub(crate) struct StatusArgs {
     pub(crate) keep: bool,
 }
 
-/// Runs the status scenario.
-pub(crate) async fn run(env: &Env, args: &StatusArgs, rounds: usize) -> anyhow::Result<Report> {
+/// The backend-specific steps of the status scenario: a store per size, its fill, and what
+/// becomes of it afterwards. The rounds, their reads and the report's figures are
+/// [`measure`]'s, the same on every backend.
+pub(crate) trait StatusBackend {
+    /// The backend's store.
+    type Store: OutboxStore + ReportingStore + RelayRegistry;
+    /// A new, migrated store (its own schema or database) in lease mode ([`lease`]).
+    async fn store(&self) -> anyhow::Result<Self::Store>;
+    /// Fills `store` with the rows of `shape` (see the module's doc).
+    async fn fill(&self, store: &Self::Store, shape: &Shape) -> anyhow::Result<()>;
+    /// Appended to the line that says how long the fill took (empty, or where the rows are).
+    fn filled_note(&self, store: &Self::Store) -> String;
+    /// Done with a size's store: drops it (or keeps it, where the backend can).
+    async fn finish(&self) -> anyhow::Result<()>;
+}
+
+/// The rows of one size: `rows` in all, the last `pending` of them pending, `parked` parked
+/// heads before those, over `aggregates` aggregates.
+pub(crate) struct Shape {
+    pub(crate) rows: usize,
+    pub(crate) pending: usize,
+    pub(crate) parked: usize,
+    pub(crate) aggregates: usize,
+}
+
+impl Shape {
+    /// The shape of `size` rows under `args`: `--pending-percent` pending (at least 2,000),
+    /// `--parked` parked, one aggregate per 100 rows (more than the parked heads).
+    fn of(args: &StatusArgs, size: usize) -> Self {
+        Self {
+            rows: size,
+            pending: ((size as f64 * args.pending_percent / 100.0) as usize)
+                .max(2000)
+                .min(size),
+            parked: args.parked,
+            aggregates: (size / 100).max(args.parked + 1),
+        }
+    }
+}
+
+/// The claim mode of the scenario's stores: leases of 60 s.
+pub(crate) fn lease() -> ClaimMode {
+    ClaimMode::Lease {
+        duration: Duration::from_secs(60),
+    }
+}
+
+/// The scenario's report named `name`, with its parameters; refuses sizes below 10,000 rows.
+pub(crate) fn report(name: &str, args: &StatusArgs, rounds: usize) -> anyhow::Result<Report> {
     anyhow::ensure!(
         args.sizes.iter().all(|&s| s >= 10_000),
         "--sizes: each size needs at least 10,000 rows"
     );
-    let mut report = Report::new("status", rounds);
+    let mut report = Report::new(name, rounds);
     report.param("sizes", &args.sizes);
     report.param("pending_percent", args.pending_percent);
     report.param("parked", args.parked);
     report.param("reads_per_round", args.reads);
     report.param("window_seconds", args.window);
     report.param("claim_batch", 100);
+    Ok(report)
+}
+
+/// The target on the status reads at the largest size, `last` rows: within 100 ms.
+pub(crate) fn status_reads_target(report: &mut Report, samples: &Samples, last: usize) {
+    report.target(
+        &format!("status reads at {last} rows, ms (<= 100)"),
+        samples.median(&format!("status reads [{last} rows]"), "ms"),
+        100.0,
+        false,
+    );
+}
+
+/// Runs the status scenario.
+pub(crate) async fn run(env: &Env, args: &StatusArgs, rounds: usize) -> anyhow::Result<Report> {
+    let mut report = report("status", args, rounds)?;
+    let samples = measure(&Postgres { env }, args, rounds).await?;
+    if let (Some(&first), Some(&last)) = (args.sizes.first(), args.sizes.last()) {
+        if last > first {
+            status_reads_target(&mut report, &samples, last);
+            let at = |s: usize| samples.median(&format!("claim 100 (lease) [{s} rows]"), "ms");
+            report.target(
+                &format!("claim cost at {last} / at {first} rows (<= 1.3)"),
+                at(last).zip(at(first)).map(|(a, b)| a / b),
+                1.3,
+                false,
+            );
+        }
+    }
+    report.figures = samples.figures();
+    Ok(report)
+}
+
+/// Each size of `args` on a new store of `backend`: filled, then `rounds` rounds of
+/// `args.reads` reads of each kind (their medians are the samples), then the latency and the
+/// stats the store reports at that size. With more than one size, the largest is compared
+/// with the smallest.
+pub(crate) async fn measure<B: StatusBackend>(
+    backend: &B,
+    args: &StatusArgs,
+    rounds: usize,
+) -> anyhow::Result<Samples> {
     let mut samples = Samples::default();
     for &size in &args.sizes {
-        let store = env
-            .store(
-                "status",
-                ClaimMode::Lease {
-                    duration: Duration::from_secs(60),
-                },
-                false,
-            )
-            .await?;
-        let pending = ((size as f64 * args.pending_percent / 100.0) as usize)
-            .max(2000)
-            .min(size);
-        let aggregates = (size / 100).max(args.parked + 1);
+        let store = backend.store().await?;
+        let shape = Shape::of(args, size);
         let filled = Instant::now();
-        fill(&store, size, pending, args.parked, aggregates).await?;
+        backend.fill(&store, &shape).await?;
         println!(
-            "size {size}: {pending} pending, {} parked, {aggregates} aggregates; filled in {:.1} s",
-            args.parked,
-            filled.elapsed().as_secs_f64()
+            "size {size}: {} pending, {} parked, {} aggregates; filled in {:.1} s{}",
+            shape.pending,
+            shape.parked,
+            shape.aggregates,
+            filled.elapsed().as_secs_f64(),
+            backend.filled_note(&store)
         );
         let stats_name = format!("stats() [{size} rows]");
         let status_name = format!("status reads [{size} rows]");
@@ -142,7 +227,7 @@ pub(crate) async fn run(env: &Env, args: &StatusArgs, rounds: usize) -> anyhow::
                 .iter()
                 .any(|(k, v)| k == "published_retained_estimated" && *v > 0.0)
         );
-        env.cleanup().await?;
+        backend.finish().await?;
     }
     if let (Some(&first), Some(&last)) = (args.sizes.first(), args.sizes.last()) {
         if last > first {
@@ -158,30 +243,19 @@ pub(crate) async fn run(env: &Env, args: &StatusArgs, rounds: usize) -> anyhow::
                     &format!("{what} [{first} rows]"),
                 );
             }
-            report.target(
-                &format!("status reads at {last} rows, ms (<= 100)"),
-                samples.median(&format!("status reads [{last} rows]"), "ms"),
-                100.0,
-                false,
-            );
-            let at = |s: usize| samples.median(&format!("claim 100 (lease) [{s} rows]"), "ms");
-            report.target(
-                &format!("claim cost at {last} / at {first} rows (<= 1.3)"),
-                at(last).zip(at(first)).map(|(a, b)| a / b),
-                1.3,
-                false,
-            );
         }
     }
-    report.figures = samples.figures();
-    Ok(report)
+    Ok(samples)
 }
 
 /// The store reads of one `outbox status` with the default configuration (`status.window`
 /// 15 min, `status.trend_window` 1 min, `relay.stats_interval` 10 s): the backlog, the
 /// latency over the window, the flow counts of the trend points (one call, as `status` makes
 /// it), the relay registry. Milliseconds.
-async fn status_reads(store: &PostgresOutboxStore, window: Duration) -> anyhow::Result<f64> {
+async fn status_reads<S>(store: &S, window: Duration) -> anyhow::Result<f64>
+where
+    S: ReportingStore + RelayRegistry,
+{
     let t = Instant::now();
     let stats = ReportingStore::backlog(store).await?;
     let latency = ReportingStore::publish_latency(store, window).await?;
@@ -194,6 +268,44 @@ async fn status_reads(store: &PostgresOutboxStore, window: Duration) -> anyhow::
     let ms = t.elapsed().as_secs_f64() * 1e3;
     anyhow::ensure!(stats.unpublished > 0 && latency.count > 0, "empty status");
     Ok(ms)
+}
+
+/// The scenario on PostgreSQL: a store per size in its own schema, dropped after its size.
+struct Postgres<'a> {
+    env: &'a Env,
+}
+
+impl StatusBackend for Postgres<'_> {
+    type Store = PostgresOutboxStore;
+
+    async fn store(&self) -> anyhow::Result<PostgresOutboxStore> {
+        self.env.store("status", lease(), false).await
+    }
+
+    async fn fill(&self, store: &PostgresOutboxStore, s: &Shape) -> anyhow::Result<()> {
+        fill(store, s.rows, s.pending, s.parked, s.aggregates).await
+    }
+
+    fn filled_note(&self, _: &PostgresOutboxStore) -> String {
+        String::new()
+    }
+
+    async fn finish(&self) -> anyhow::Result<()> {
+        self.env.cleanup().await
+    }
+}
+
+/// The columns a fill writes in the outbox table: the ones the store writes.
+pub(crate) const FILL_COLUMNS: &str = "event_id, aggregate_type, aggregate_id, \
+    aggregate_version, event_type, schema_version, content_type, payload, headers, created_at, \
+    status, published_at, finished_at, ack_transport, ack_destination, ack_partition, \
+    ack_position, parked_at, park_kind, attempts, inserted_at";
+
+/// The ranges `[from, to)` of the fill's statements: a million rows each, over `rows` rows.
+pub(crate) fn million_row_ranges(rows: usize) -> impl Iterator<Item = (i64, i64)> {
+    (0..rows)
+        .step_by(1_000_000)
+        .map(move |from| (from as i64, (from + 1_000_000).min(rows) as i64))
 }
 
 /// `rows` rows: published (the oldest, their publications over the last 24 hours), then
@@ -212,14 +324,9 @@ pub(crate) async fn fill(
     let state = format!("\"{}\".\"{}_aggregate\"", s.schema, s.table);
     // Rows below `done` are published; [done, done + parked) parked; the rest pending.
     let done = (rows - pending) as i64;
-    let mut from = 0usize;
-    while from < rows {
-        let to = (from + 1_000_000).min(rows);
+    for (from, to) in million_row_ranges(rows) {
         sqlx::query(&format!(
-            "INSERT INTO {t} (event_id, aggregate_type, aggregate_id, aggregate_version, \
-               event_type, schema_version, content_type, payload, headers, created_at, status, \
-               published_at, finished_at, ack_transport, ack_destination, ack_partition, \
-               ack_position, parked_at, park_kind, attempts, inserted_at) \
+            "INSERT INTO {t} ({FILL_COLUMNS}) \
              SELECT gen_random_uuid(), 'order', 'order-' || (g % $3), g / $3 + 1, \
                'order.changed', 1, 'application/json', convert_to(repeat('x', 200), 'UTF8'), \
                '{{}}'::jsonb, c, \
@@ -237,15 +344,14 @@ pub(crate) async fn fill(
                                ELSE now() - ($6 - g) * interval '1 ms' END AS c \
                    FROM generate_series($1::int8, $2::int8 - 1) g) r"
         ))
-        .bind(from as i64)
-        .bind(to as i64)
+        .bind(from)
+        .bind(to)
         .bind(aggregates as i64)
         .bind(done)
         .bind(parked as i64)
         .bind(rows as i64)
         .execute(store.pool())
         .await?;
-        from = to;
     }
     sqlx::query(&format!(
         "INSERT INTO {state} (aggregate_key, aggregate_type, aggregate_id, last_version) \

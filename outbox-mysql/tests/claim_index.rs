@@ -44,7 +44,7 @@ async fn is_mariadb(ctx: &common::Ctx) -> bool {
 /// `PUBLISHED` published rows (ids 1..), then analysed as a real table would be.
 async fn fill_published(ctx: &common::Ctx) {
     let t = ctx.table("outbox_events");
-    sqlx::raw_sql(&format!(
+    ctx.execute(&format!(
         "INSERT INTO {t} (event_id, aggregate_type, aggregate_id, aggregate_version, \
            event_type, schema_version, content_type, payload, headers, created_at, status, \
            published_at, finished_at, ack_transport, ack_destination, ack_partition, \
@@ -56,13 +56,8 @@ async fn fill_published(ctx: &common::Ctx) {
          FROM seq_0_to_{last}",
         last = PUBLISHED - 1,
     ))
-    .execute(&ctx.pool)
-    .await
-    .unwrap();
-    sqlx::raw_sql(&format!("ANALYZE TABLE {t}"))
-        .execute(&ctx.pool)
-        .await
-        .unwrap();
+    .await;
+    ctx.execute(&format!("ANALYZE TABLE {t}")).await;
 }
 
 /// Claims of the few pending rows after 200,000 published ones read a few hundred rows, not

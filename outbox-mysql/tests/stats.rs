@@ -18,24 +18,9 @@ use std::time::Duration;
 
 use chrono::Utc;
 use outbox_core::prelude::*;
-use outbox_core::{Envelope, OutboxStats};
-use outbox_mysql::MySqlOutboxStore;
+use outbox_core::Envelope;
 
-use common::{append, claim, event, lease, versions};
-
-async fn store(ctx: &common::Ctx) -> MySqlOutboxStore {
-    let store = ctx
-        .builder(lease(30.0))
-        .gap_timeout(Duration::from_secs(60))
-        .build()
-        .unwrap();
-    store.migrate().await.unwrap();
-    store
-}
-
-fn extra(s: &OutboxStats, name: &str) -> Option<f64> {
-    s.extra.iter().find(|(k, _)| k == name).map(|(_, v)| *v)
-}
+use common::{append, claim, event, extra, heads, lease, versions};
 
 /// Issue 20 (b), carried: the claimable age is measured from the row's insertion on the
 /// database clock (a producer's `created_at` a day old does not make it a day), and covers
@@ -44,7 +29,7 @@ fn extra(s: &OutboxStats, name: &str) -> Option<f64> {
 #[tokio::test]
 async fn stats_ages_come_from_insertion_and_gaps_and_parked_are_apart() {
     let ctx = ctx!(4);
-    let store = store(&ctx).await;
+    let store = ctx.stats_store().await;
     let old = Envelope::builder("order", "flowing", 1, "order.changed")
         .created_at(Utc::now() - chrono::Duration::days(1))
         .build()
@@ -91,7 +76,7 @@ async fn stats_ages_come_from_insertion_and_gaps_and_parked_are_apart() {
 #[tokio::test]
 async fn gap_held_counts_the_held_head_and_the_events_after_it_while_it_is_the_head() {
     let ctx = ctx!(4);
-    let store = store(&ctx).await;
+    let store = ctx.stats_store().await;
     let (g2, g3, g4) = (event("g", 2), event("g", 3), event("g", 4));
     append(&ctx, &store, &[g2, g3, g4]).await;
     let b = claim(&store, "r", 10).await;
@@ -128,7 +113,7 @@ async fn gap_held_counts_the_held_head_and_the_events_after_it_while_it_is_the_h
 #[tokio::test]
 async fn a_parked_event_behind_a_held_head_splits_gap_held_from_blocked() {
     let ctx = ctx!(4);
-    let store = store(&ctx).await;
+    let store = ctx.stats_store().await;
     let m: Vec<Envelope> = (2..=5).map(|v| event("m", v)).collect();
     append(&ctx, &store, &m).await;
     let b = claim(&store, "r", 10).await;
@@ -164,7 +149,7 @@ async fn a_parked_event_behind_a_held_head_splits_gap_held_from_blocked() {
 #[tokio::test]
 async fn the_oldest_parked_age_counts_from_the_insertion() {
     let ctx = ctx!(4);
-    let store = store(&ctx).await;
+    let store = ctx.stats_store().await;
     let (p1, p2, p3) = (event("p", 1), event("p", 2), event("p", 3));
     append(&ctx, &store, &[p1.clone(), p2, p3]).await;
     tokio::time::sleep(Duration::from_millis(1200)).await;
@@ -191,7 +176,7 @@ async fn the_oldest_parked_age_counts_from_the_insertion() {
 #[tokio::test]
 async fn stats_count_from_the_accepted_first_version() {
     let ctx = ctx!(4);
-    let strict = store(&ctx).await;
+    let strict = ctx.stats_store().await;
     append(&ctx, &strict, &[event("legacy", 5), event("legacy", 6)]).await;
     let b = claim(&strict, "r", 10).await;
     assert_eq!(b.gaps_held, 1);
@@ -215,9 +200,8 @@ async fn stats_count_from_the_accepted_first_version() {
 #[tokio::test]
 async fn published_rows_are_counted_exactly_to_ten_thousand_then_estimated() {
     let ctx = ctx!(4);
-    let store = store(&ctx).await;
-    let evs: Vec<Envelope> = (0..10_001).map(|i| event(&format!("p{i}"), 1)).collect();
-    append(&ctx, &store, &evs).await;
+    let store = ctx.stats_store().await;
+    append(&ctx, &store, &heads("p", 10_001)).await;
     let t = ctx.table("outbox_events");
     let publish = |which: &'static str| {
         format!(
@@ -227,21 +211,12 @@ async fn published_rows_are_counted_exactly_to_ten_thousand_then_estimated() {
              WHERE {which}"
         )
     };
-    sqlx::query(&publish("aggregate_id <> 'p0'"))
-        .execute(&ctx.pool)
-        .await
-        .unwrap();
+    ctx.execute(&publish("aggregate_id <> 'p0'")).await;
     let s = store.stats().await.unwrap();
     assert_eq!((s.published_retained, s.unpublished), (10_000, 1), "{s:?}");
     assert_eq!(extra(&s, "published_retained_estimated"), Some(0.0));
-    sqlx::query(&publish("aggregate_id = 'p0'"))
-        .execute(&ctx.pool)
-        .await
-        .unwrap();
-    sqlx::query(&format!("ANALYZE TABLE {t}"))
-        .execute(&ctx.pool)
-        .await
-        .unwrap();
+    ctx.execute(&publish("aggregate_id = 'p0'")).await;
+    ctx.execute(&format!("ANALYZE TABLE {t}")).await;
     let s = store.stats().await.unwrap();
     assert_eq!(
         extra(&s, "published_retained_estimated"),

@@ -9,25 +9,9 @@ mod common;
 use std::time::Duration;
 
 use outbox_core::prelude::*;
-use outbox_core::{Envelope, OutboxStats};
-use outbox_mysql::MySqlOutboxStore;
 use uuid::Uuid;
 
-use common::{append, claim, event, lease, versions};
-
-async fn store(ctx: &common::Ctx) -> MySqlOutboxStore {
-    let store = ctx
-        .builder(lease(30.0))
-        .gap_timeout(Duration::from_secs(60))
-        .build()
-        .unwrap();
-    store.migrate().await.unwrap();
-    store
-}
-
-fn extra(s: &OutboxStats, name: &str) -> Option<f64> {
-    s.extra.iter().find(|(k, _)| k == name).map(|(_, v)| *v)
-}
+use common::{append, claim, event, extra, heads, versions};
 
 /// Writes the lease a relay of the version before migration 3 writes at claim (in the
 /// aggregate's state row, written here if missing), and the row's
@@ -72,7 +56,7 @@ async fn old_style_lease(ctx: &common::Ctx, agg: &str, v: i64) {
 #[tokio::test]
 async fn every_class_is_counted_through_the_probe_and_the_aggregates() {
     let ctx = ctx!(4);
-    let store = store(&ctx).await;
+    let store = ctx.stats_store().await;
     let (p1, p2) = (event("parked", 1), event("parked", 2));
     let (f1, f2) = (event("flow", 1), event("flow", 2));
     let (o1, g2) = (event("old", 1), event("gap", 2));
@@ -148,9 +132,8 @@ async fn every_class_is_counted_through_the_probe_and_the_aggregates() {
 #[tokio::test]
 async fn the_candidate_probe_is_exact_to_ten_thousand_and_flagged_beyond() {
     let ctx = ctx!(4);
-    let store = store(&ctx).await;
-    let heads: Vec<Envelope> = (0..10_000).map(|i| event(&format!("c{i}"), 1)).collect();
-    append(&ctx, &store, &heads).await;
+    let store = ctx.stats_store().await;
+    append(&ctx, &store, &heads("c", 10_000)).await;
     let b = claim(&store, "r", 1).await;
     assert_eq!(versions(&b), vec![("c0".into(), 1)]);
     let s = store.stats().await.unwrap();
@@ -198,9 +181,8 @@ async fn publish_sql(ctx: &common::Ctx, which: &str, secs_ago: i64, latency_ms: 
 #[tokio::test]
 async fn the_latency_window_is_sampled_and_the_created_count_estimated() {
     let ctx = ctx!(4);
-    let store = store(&ctx).await;
-    let evs: Vec<Envelope> = (0..10_002).map(|i| event(&format!("l{i}"), 1)).collect();
-    append(&ctx, &store, &evs).await;
+    let store = ctx.stats_store().await;
+    append(&ctx, &store, &heads("l", 10_002)).await;
     let id0: i64 = sqlx::query_scalar(&format!(
         "SELECT MIN(id) FROM {}",
         ctx.table("outbox_events")
@@ -250,9 +232,8 @@ async fn the_latency_window_is_sampled_and_the_created_count_estimated() {
 #[tokio::test]
 async fn flows_of_several_windows_are_each_windows_flow() {
     let ctx = ctx!(4);
-    let store = store(&ctx).await;
-    let evs: Vec<Envelope> = (0..6).map(|i| event(&format!("f{i}"), 1)).collect();
-    append(&ctx, &store, &evs).await;
+    let store = ctx.stats_store().await;
+    append(&ctx, &store, &heads("f", 6)).await;
     let t = ctx.table("outbox_events");
     // Created 5 s, 25 s, 45 s, 2 min ago (two each for the last); f0 and f1 published 3 s
     // and 40 s ago.

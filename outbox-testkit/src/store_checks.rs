@@ -8,6 +8,8 @@ use outbox_core::{
     StoreErrorKind,
 };
 
+use crate::conformance::published_with_acks;
+
 async fn claim<S: RelayStore>(store: &S, limit: usize) -> outbox_core::ClaimedBatch {
     store
         .claim(&ClaimRequest::new("r", limit))
@@ -49,20 +51,7 @@ pub async fn acks_read_back<S: RelayStore + ReportingStore>(
     what: &str,
 ) {
     let batch = claim(store, 10).await;
-    let outcomes: Vec<Outcome> = batch
-        .records
-        .iter()
-        .map(|r| {
-            let k = events
-                .iter()
-                .position(|e| e.event_id == r.envelope.event_id)
-                .expect("a claimed event of ours");
-            Outcome::Published {
-                event_id: r.envelope.event_id,
-                ack: acks[k].clone(),
-            }
-        })
-        .collect();
+    let outcomes = published_with_acks(&batch, events, acks);
     let report = store
         .complete(&batch.handle, &outcomes)
         .await

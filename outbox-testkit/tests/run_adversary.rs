@@ -2,7 +2,7 @@
 //! in-memory store, lease mode (its locked mode cannot end a crashed relay's claim).
 
 outbox_testkit::run_adversary_tests!(
-    outbox_testkit::scenarios::run_adversary::MemoryBackend,
+    outbox_testkit::randomized::MemoryBackend,
     runs = true,
     lease_only
 );

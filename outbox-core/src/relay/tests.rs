@@ -1098,6 +1098,38 @@ fn run_relay_with(
     (r, calls)
 }
 
+/// [`run_relay_with`] with runs of up to 10 and a broker that acknowledges every event.
+fn acking_run_relay(
+    store: FakeStore,
+    per_call: Duration,
+    tune: impl FnOnce(RelayConfigBuilder) -> RelayConfigBuilder,
+) -> (Relay<FakeStore, MockPub>, Calls) {
+    run_relay_with(store, 10, per_call, |e| ack(e.aggregate_version), tune)
+}
+
+/// One cycle of `r`, whose (claimed, published, unsent) must be `want`.
+fn cycle(r: &mut Relay<FakeStore, MockPub>, want: (usize, usize, usize)) {
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!((rep.claimed, rep.published, rep.unsent), want, "{rep:?}");
+}
+
+/// Five versions of one aggregate, the claim's life set on the store by `life`, published at
+/// 5 s per call with the budget far above the claim's life, so that the claim's end is what
+/// stops the run: with 20 s, waves start at 0, 5 and 10 s, and at 15 s the claim no longer
+/// covers one more publication (delivery timeout 5 s plus the 2 s margin): 3 published, 2
+/// released.
+fn run_until_the_claim_ends(life: impl FnOnce(&mut FakeStore)) -> Relay<FakeStore, MockPub> {
+    let mut store = hot(5);
+    life(&mut store);
+    let (mut r, calls) = acking_run_relay(store, Duration::from_secs(5), |b| {
+        b.run_budget(Duration::from_secs(60))
+    });
+    let rep = block_on(r.run_once()).unwrap();
+    assert_eq!((rep.published, rep.unsent), (3, 2), "{rep:?}");
+    assert_eq!(calls.lock().unwrap().len(), 3);
+    r
+}
+
 fn ids(v: &[(&str, i64)]) -> Vec<(String, i64)> {
     v.iter().map(|(a, n)| (a.to_string(), *n)).collect()
 }
@@ -1107,9 +1139,8 @@ fn ids(v: &[(&str, i64)]) -> Vec<(String, i64)> {
 #[test]
 fn a_run_is_sent_in_waves_each_version_after_the_acknowledgement_of_the_one_before() {
     let store = FakeStore::with(&[("a", 1), ("a", 2), ("a", 3), ("b", 1), ("b", 2)]);
-    let (mut r, calls) = run_relay(store, 10, Duration::ZERO, |e| ack(e.aggregate_version));
-    let rep = block_on(r.run_once()).unwrap();
-    assert_eq!((rep.claimed, rep.published, rep.unsent), (5, 5, 0));
+    let (mut r, calls) = acking_run_relay(store, Duration::ZERO, |b| b);
+    cycle(&mut r, (5, 5, 0));
     assert_eq!(
         *calls.lock().unwrap(),
         vec![
@@ -1184,20 +1215,10 @@ fn a_run_stops_at_its_first_failure_and_its_rest_gets_no_outcome() {
 /// and at 15 s only 5 s are left, so the run stops there and its rest is released.
 #[test]
 fn a_run_stops_where_the_lease_no_longer_covers_one_more_publication() {
-    let mut store = FakeStore::with(&[("a", 1), ("a", 2), ("a", 3), ("a", 4), ("a", 5)]);
-    store.mode = Some(ClaimMode::lease(Duration::from_secs(60)).unwrap());
-    store.lease_remaining = Some(Duration::from_secs(20));
-    // The budget far above the lease, so that the lease check is what stops the run.
-    let (mut r, calls) = run_relay_with(
-        store,
-        10,
-        Duration::from_secs(5),
-        |e| ack(e.aggregate_version),
-        |b| b.run_budget(Duration::from_secs(60)),
-    );
-    let rep = block_on(r.run_once()).unwrap();
-    assert_eq!((rep.published, rep.unsent), (3, 2), "{rep:?}");
-    assert_eq!(calls.lock().unwrap().len(), 3);
+    let r = run_until_the_claim_ends(|store| {
+        store.mode = Some(ClaimMode::lease(Duration::from_secs(60)).unwrap());
+        store.lease_remaining = Some(Duration::from_secs(20));
+    });
     assert_eq!(r.store().status("a", 3), St::Published);
 }
 
@@ -1205,19 +1226,7 @@ fn a_run_stops_where_the_lease_no_longer_covers_one_more_publication() {
 /// before the claim.
 #[test]
 fn a_locked_run_stops_where_the_hold_limit_no_longer_covers_one_more_publication() {
-    let mut store = FakeStore::with(&[("a", 1), ("a", 2), ("a", 3), ("a", 4), ("a", 5)]);
-    store.locked_timeout = Some(Duration::from_secs(20));
-    // The budget far above the lease, so that the lease check is what stops the run.
-    let (mut r, calls) = run_relay_with(
-        store,
-        10,
-        Duration::from_secs(5),
-        |e| ack(e.aggregate_version),
-        |b| b.run_budget(Duration::from_secs(60)),
-    );
-    let rep = block_on(r.run_once()).unwrap();
-    assert_eq!((rep.published, rep.unsent), (3, 2), "{rep:?}");
-    assert_eq!(calls.lock().unwrap().len(), 3);
+    run_until_the_claim_ends(|store| store.locked_timeout = Some(Duration::from_secs(20)));
 }
 
 /// A relay asking for runs of 1 (or a store handing out heads only) publishes one version
@@ -1236,9 +1245,7 @@ fn a_run_of_one_claims_heads_only() {
 /// position skipped) is never sent, whatever the store handed out.
 #[test]
 fn a_record_out_of_its_run_is_never_sent() {
-    let (r, calls) = run_relay(FakeStore::default(), 10, Duration::ZERO, |e| {
-        ack(e.aggregate_version)
-    });
+    let (r, calls) = acking_run_relay(FakeStore::default(), Duration::ZERO, |b| b);
     let handle = ClaimHandle {
         token: uuid::Uuid::nil(),
         owner: "r1".into(),
@@ -1299,19 +1306,10 @@ fn attempts(r: &Relay<FakeStore, MockPub>, agg: &str, v: i64) -> u32 {
 /// attempt counted. The next cycle starts from the first unsent version, in order.
 #[test]
 fn the_waves_stop_at_the_time_budget_and_the_rest_is_released_in_order() {
-    let (mut r, calls) = run_relay_with(
-        hot(10),
-        10,
-        Duration::from_millis(2),
-        |e| ack(e.aggregate_version),
-        |b| b.run_budget(Duration::from_millis(5)),
-    );
-    let rep = block_on(r.run_once()).unwrap();
-    assert_eq!(
-        (rep.claimed, rep.published, rep.unsent),
-        (10, 3, 7),
-        "{rep:?}"
-    );
+    let (mut r, calls) = acking_run_relay(hot(10), Duration::from_millis(2), |b| {
+        b.run_budget(Duration::from_millis(5))
+    });
+    cycle(&mut r, (10, 3, 7));
     assert_eq!(
         *calls.lock().unwrap(),
         vec![ids(&[("a", 1)]), ids(&[("a", 2)]), ids(&[("a", 3)])]
@@ -1320,12 +1318,7 @@ fn the_waves_stop_at_the_time_budget_and_the_rest_is_released_in_order() {
         assert_eq!(r.store().status("a", v), St::Pending, "a{v} released");
         assert_eq!(attempts(&r, "a", v), 0, "a{v}: no attempt counted");
     }
-    let rep = block_on(r.run_once()).unwrap();
-    assert_eq!(
-        (rep.claimed, rep.published, rep.unsent),
-        (7, 3, 4),
-        "{rep:?}"
-    );
+    cycle(&mut r, (7, 3, 4));
     assert_eq!(
         calls.lock().unwrap()[3..],
         [ids(&[("a", 4)]), ids(&[("a", 5)]), ids(&[("a", 6)])],
@@ -1344,29 +1337,13 @@ fn a_run_stops_once_the_next_claim_brought_events() {
         .lock()
         .unwrap()
         .extend([vec![], vec![ev("b", 1)]]);
-    let (mut r, calls) = run_relay_with(
-        store,
-        10,
-        Duration::ZERO,
-        |e| ack(e.aggregate_version),
-        |b| b.run_yields(true),
-    );
-    let rep = block_on(r.run_once()).unwrap();
-    assert_eq!(
-        (rep.claimed, rep.published, rep.unsent),
-        (5, 1, 4),
-        "{rep:?}"
-    );
+    let (mut r, calls) = acking_run_relay(store, Duration::ZERO, |b| b.run_yields(true));
+    cycle(&mut r, (5, 1, 4));
     assert_eq!(r.prefetched().map(|b| b.records.len()), Some(1));
     assert_eq!(attempts(&r, "a", 2), 0);
     let rep = block_on(r.run_once()).unwrap();
     assert_eq!((rep.claimed, rep.published), (1, 1), "{rep:?}");
-    let rep = block_on(r.run_once()).unwrap();
-    assert_eq!(
-        (rep.claimed, rep.published, rep.unsent),
-        (4, 4, 0),
-        "{rep:?}"
-    );
+    cycle(&mut r, (4, 4, 0));
     assert_eq!(
         *calls.lock().unwrap(),
         vec![
@@ -1384,13 +1361,7 @@ fn a_run_stops_once_the_next_claim_brought_events() {
 /// run goes on to its end (within the budget).
 #[test]
 fn a_run_goes_on_when_the_next_claim_comes_back_empty() {
-    let (mut r, calls) = run_relay_with(
-        hot(4),
-        10,
-        Duration::ZERO,
-        |e| ack(e.aggregate_version),
-        |b| b.run_yields(true),
-    );
+    let (mut r, calls) = acking_run_relay(hot(4), Duration::ZERO, |b| b.run_yields(true));
     let rep = block_on(r.run_once()).unwrap();
     assert_eq!((rep.published, rep.unsent), (4, 0), "{rep:?}");
     assert_eq!(calls.lock().unwrap().len(), 4);

@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use outbox_core::prelude::*;
 use outbox_core::{
-    AckMetadata, ClaimMode, ClaimRequest, ClaimedBatch, Envelope, ErrorClass, LastError, Outcome,
-    ParkKind, ParkReason,
+    AckMetadata, ClaimMode, ClaimRequest, ClaimedBatch, Envelope, ErrorClass, LastError,
+    OutboxStats, Outcome, ParkKind, ParkReason,
 };
 use outbox_mysql::{MySqlInboxStore, MySqlOutboxStore};
 use sqlx::mysql::MySqlPoolOptions;
@@ -112,9 +112,29 @@ impl Ctx {
         inbox
     }
 
+    /// A lease-mode store (30 s) whose held version gaps wait 60 s before they are parked
+    /// (none is parked within a test), migrated: the reporting tests' store.
+    pub async fn stats_store(&self) -> MySqlOutboxStore {
+        let store = self
+            .builder(lease(30.0))
+            .gap_timeout(Duration::from_secs(60))
+            .build()
+            .unwrap();
+        store.migrate().await.unwrap();
+        store
+    }
+
     /// `` `database`.`name` ``.
     pub fn table(&self, name: &str) -> String {
         format!("`{}`.`{name}`", self.database)
+    }
+
+    /// Runs `sql` (a statement without parameters) on the test's pool; panics on an error.
+    pub async fn execute(&self, sql: &str) {
+        sqlx::raw_sql(sql)
+            .execute(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
     }
 
     /// Drops the database (call at the end of a passing test).
@@ -148,6 +168,16 @@ pub fn event(agg: &str, version: i64) -> Envelope {
         .header("x-test", "1")
         .build()
         .unwrap()
+}
+
+/// Version 1 of each of `n` aggregates `<prefix>0`, `<prefix>1`, ..., in that order.
+pub fn heads(prefix: &str, n: usize) -> Vec<Envelope> {
+    (0..n).map(|i| event(&format!("{prefix}{i}"), 1)).collect()
+}
+
+/// The figure `name` of the stats' backend-specific extras.
+pub fn extra(s: &OutboxStats, name: &str) -> Option<f64> {
+    s.extra.iter().find(|(k, _)| k == name).map(|(_, v)| *v)
 }
 
 /// A publication outcome for `e` (topic `orders`, partition 3).

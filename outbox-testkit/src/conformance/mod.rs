@@ -59,8 +59,9 @@ use std::time::Duration;
 
 use outbox_core::prelude::*;
 use outbox_core::{
-    async_trait, AckMetadata, ClaimHandle, ClaimMode, Envelope, EventId, InboxParking, LogPosition,
-    MessageSource, NativeColumns, Publisher, RecordHeader, StoreError,
+    async_trait, AckMetadata, ClaimHandle, ClaimMode, ClaimedBatch, Envelope, EventId,
+    InboxParking, LogPosition, MessageSource, NativeColumns, Outcome, Publisher, RecordHeader,
+    StoreError,
 };
 
 use crate::{
@@ -762,6 +763,29 @@ pub(crate) fn event(aggregate: &str, version: i64) -> Envelope {
         .expect("json payload")
         .build()
         .expect("valid envelope")
+}
+
+/// A publication of each record of `batch`, acknowledged by the entry of `acks` at the index
+/// of its event in `events` (every claimed event is one of `events`).
+pub(crate) fn published_with_acks(
+    batch: &ClaimedBatch,
+    events: &[Envelope],
+    acks: &[AckMetadata],
+) -> Vec<Outcome> {
+    batch
+        .records
+        .iter()
+        .map(|r| {
+            let k = events
+                .iter()
+                .position(|e| e.event_id == r.envelope.event_id)
+                .expect("a claimed event was appended");
+            Outcome::Published {
+                event_id: r.envelope.event_id,
+                ack: acks[k].clone(),
+            }
+        })
+        .collect()
 }
 
 /// Names of the outbox checks, in the order the macro emits them.

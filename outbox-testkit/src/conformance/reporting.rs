@@ -13,7 +13,7 @@ use outbox_core::{
     StoreErrorKind,
 };
 
-use super::{fresh_event_id, OutboxHarness};
+use super::{fresh_event_id, published_with_acks, OutboxHarness};
 
 /// The topic the checks' acknowledgements name.
 const TOPIC: &str = "reporting";
@@ -549,20 +549,7 @@ where
     append(h, &store, &events).await;
     let b = claim(&store, 100).await;
     assert_eq!(b.records.len(), events.len(), "every event claimed");
-    let outs: Vec<Outcome> = b
-        .records
-        .iter()
-        .map(|r| {
-            let k = events
-                .iter()
-                .position(|e| e.event_id == r.envelope.event_id)
-                .expect("a claimed event was appended");
-            Outcome::Published {
-                event_id: r.envelope.event_id,
-                ack: acks[k].clone(),
-            }
-        })
-        .collect();
+    let outs = published_with_acks(&b, &events, &acks);
     store.complete(&b.handle, &outs).await.expect("complete");
     let rows = store
         .published_events(&PublishedFilter::default(), None, 100)

@@ -1285,6 +1285,23 @@ mod tests {
         assert!(f.iter().any(|f| f.contains("run too long")), "{f:?}");
     }
 
+    /// Records an operator's `action` on `event` (labelled `label`): done now, in an instant,
+    /// and answered "ok".
+    fn operator_did(w: &World, event: &Envelope, label: &str, action: &'static str) {
+        let now = Instant::now();
+        w.ops.lock().unwrap().push(OpRecord {
+            event: event.event_id,
+            label: label.into(),
+            action,
+            window: Window {
+                call: now,
+                ret: now,
+            },
+            result: "ok",
+            new_id: None,
+        });
+    }
+
     #[test]
     fn check_6_finds_a_run_above_last_plus_one() {
         // Version 1 unfinished (or missing): a run from 2 skipped it.
@@ -1303,18 +1320,7 @@ mod tests {
         // After an operator's retry of a gap-parked version 2: legal too.
         let w = world();
         let a = commit(&w, &[("a", 2), ("a", 3)]);
-        let now = Instant::now();
-        w.ops.lock().unwrap().push(OpRecord {
-            event: a[0].event_id,
-            label: "a/v2/gap".into(),
-            action: "retry",
-            window: Window {
-                call: now,
-                ret: now,
-            },
-            result: "ok",
-            new_id: None,
-        });
+        operator_did(&w, &a[0], "a/v2/gap", "retry");
         claim_of(&w, 3, &[(&a[0], 0), (&a[1], 1)]);
         let f: Vec<String> = check_6(&w);
         assert_eq!(f, Vec::<String>::new());
@@ -1342,18 +1348,7 @@ mod tests {
         // The duplicate discarded first: legal.
         let w = world();
         let a = commit(&w, &[("a", 1), ("a", 2), ("a", 2), ("a", 3)]);
-        let now = Instant::now();
-        w.ops.lock().unwrap().push(OpRecord {
-            event: a[2].event_id,
-            label: "a/v2/dup".into(),
-            action: "discard",
-            window: Window {
-                call: now,
-                ret: now,
-            },
-            result: "ok",
-            new_id: None,
-        });
+        operator_did(&w, &a[2], "a/v2/dup", "discard");
         claim_of(&w, 3, &[(&a[0], 0), (&a[1], 1)]);
         let f: Vec<String> = check_6(&w)
             .into_iter()

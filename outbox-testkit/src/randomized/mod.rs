@@ -2,7 +2,7 @@
 //! both claim modes, judged by the shared history checker ([`history`]). A backend
 //! (`outbox-postgres`, `outbox-mysql`) implements [`RandomizedBackend`] (stores over its own
 //! schema or database, business transactions, and a few reads of the raw table) and calls
-//! [`run`] from a test.
+//! [`run`] from a test; [`MemoryBackend`] is the in-memory store's, for runs without a server.
 //!
 //! Four `outbox_core::Relay`s, each over its own store instance (some with prefetch, batch
 //! sizes drawn from the seed, and run lengths from [`Spec::with_runs`]), drive `run_once` in a loop honouring `CycleReport::pause`,
@@ -49,6 +49,7 @@
 mod actors;
 mod broker;
 pub mod history;
+mod memory;
 mod recorded;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -64,6 +65,7 @@ use rand::{Rng, SeedableRng};
 use actors::{kill_and_replace, operate, produce, Env, Injected, OperatorState, Phase, RelaySlot};
 pub use history::FinalRow;
 use history::{check, digest, Checked, World};
+pub use memory::MemoryBackend;
 
 /// How a backend builds the stores of a run.
 #[derive(Clone, Copy, Debug)]

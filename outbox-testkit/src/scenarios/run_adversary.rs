@@ -4,9 +4,10 @@
 //! a relay that sends version k+1 of a run right after k's acknowledgement.
 //!
 //! Written from the contract, not from an implementation. One body for every store: the
-//! in-memory store (`outbox-testkit/tests/run_adversary.rs`, through [`MemoryBackend`]) and
-//! the real servers through [`run_adversary_tests!`] (`outbox-postgres/tests/adversary_runs.rs`,
-//! `outbox-mysql/tests/adversary_runs.rs`), in both claim modes where the mode matters. A store
+//! in-memory store (`outbox-testkit/tests/run_adversary.rs`, through
+//! [`crate::randomized::MemoryBackend`]) and the real servers through [`run_adversary_tests!`]
+//! (`outbox-postgres/tests/adversary_runs.rs`, `outbox-mysql/tests/adversary_runs.rs`), in
+//! both claim modes where the mode matters. A store
 //! that does not support runs (MariaDB) ignores `run` and hands out heads only, which the
 //! contract allows: the scenarios then check the same guarantees (`runs = false`: no loss,
 //! version order, once each) and that every claim hands out heads only.
@@ -72,117 +73,15 @@ use outbox_core::prelude::*;
 use outbox_core::{
     async_trait, AckMetadata, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, CompletionReport,
     DeliveryStatus, Envelope, EventId, FailureScope, LastError, Outcome, PublishError,
-    PublishErrorKind, PublishResult, Publisher, Relay, RelayConfig, StoreError, SystemClock,
+    PublishErrorKind, PublishResult, Publisher, Relay, RelayConfig, StoreError,
 };
 
 use super::{event, prepared, retry_policy, seeded_relay};
-use crate::randomized::{FinalRow, RandomizedBackend, StoreParams};
-use crate::{batch_layout as describe, MemoryDb, MemoryOutboxStore, MemoryTx};
+use crate::batch_layout as describe;
+use crate::randomized::{RandomizedBackend, StoreParams};
 
 /// The run length the scenarios ask for.
 const RUN: usize = 10;
-
-// ---------------------------------------------------------------------------------------------
-// The in-memory store as a backend.
-
-/// The in-memory store behind [`RandomizedBackend`], on the system clock (the relays' clock),
-/// so the server scenarios run on it unchanged. Locked mode has no hold limit here (a crashed
-/// relay's locks stay): the scenarios that need a claim to end run in lease mode on it.
-pub struct MemoryBackend {
-    db: MemoryDb,
-}
-
-impl MemoryBackend {
-    /// A fresh database (`connections` is ignored; the signature matches the server backends).
-    pub async fn new(_connections: u32) -> Option<Self> {
-        Some(Self {
-            db: MemoryDb::with_shared_clock(Arc::new(SystemClock)),
-        })
-    }
-
-    fn reader(&self) -> MemoryOutboxStore {
-        MemoryOutboxStore::with_lease(&self.db)
-    }
-}
-
-#[async_trait]
-impl RandomizedBackend for MemoryBackend {
-    type Store = MemoryOutboxStore;
-    type Tx = MemoryTx;
-
-    fn store(&self, p: &StoreParams) -> MemoryOutboxStore {
-        MemoryOutboxStore::new(&self.db, p.mode).gap_timeout(p.gap_timeout)
-    }
-
-    async fn prepare(&self, _store: &MemoryOutboxStore) -> Result<(), StoreError> {
-        Ok(())
-    }
-
-    async fn begin(&self) -> Result<MemoryTx, StoreError> {
-        Ok(self.db.begin())
-    }
-
-    async fn append(
-        &self,
-        store: &MemoryOutboxStore,
-        tx: &mut MemoryTx,
-        events: &[Envelope],
-    ) -> Result<(), StoreError> {
-        store.append(tx, events).await
-    }
-
-    async fn commit(&self, tx: MemoryTx) -> Result<(), StoreError> {
-        tx.commit()
-    }
-
-    async fn rollback(&self, tx: MemoryTx) {
-        drop(tx);
-    }
-
-    async fn statuses(&self, ids: &[EventId]) -> Option<HashMap<EventId, DeliveryStatus>> {
-        let store = self.reader();
-        ids.iter()
-            .map(|id| store.row(*id).map(|r| (*id, r.status)))
-            .collect()
-    }
-
-    async fn counts(&self) -> Result<(u64, u64), StoreError> {
-        let rows = self.reader().snapshot();
-        let of = |s: DeliveryStatus| rows.iter().filter(|r| r.status == s).count() as u64;
-        Ok((of(DeliveryStatus::Pending), of(DeliveryStatus::Parked)))
-    }
-
-    async fn stalled(&self) -> Result<Vec<(String, i64, String)>, StoreError> {
-        Ok(Vec::new())
-    }
-
-    async fn stuck(&self) -> Vec<String> {
-        Vec::new()
-    }
-
-    async fn final_rows(&self) -> Result<Vec<FinalRow>, StoreError> {
-        Ok(self
-            .reader()
-            .snapshot()
-            .into_iter()
-            .map(|r| FinalRow::new(r.envelope.event_id, r.status.as_str(), None, None))
-            .collect())
-    }
-
-    fn location(&self) -> String {
-        "in-memory store".to_owned()
-    }
-
-    fn env_prefix(&self) -> &'static str {
-        "OUTBOX_MEMORY"
-    }
-
-    fn replay_command(&self, test: &str, _seed: u64) -> String {
-        format!("cargo test --test run_adversary {test}")
-    }
-
-    async fn finish(&self) {}
-}
 
 // ---------------------------------------------------------------------------------------------
 // Helpers.
