@@ -92,13 +92,20 @@ impl OutboxSql {
         // column default `now()`, the start of the business transaction: an event appended
         // at the end of a long transaction must not look that old at its commit, before the
         // relay can even see it (it would turn the backpressure gate on by age).
+        // `blocked` (`$14`, NULL when no row of the statement is blocked: then every element
+        // is NULL) is set at insert on the rows of an aggregate above the statement's lowest
+        // version of that aggregate (see `blocked_at_insert` in `outbox/append.rs` for why the
+        // claims stay correct): a batch of one aggregate's versions goes into the blocked
+        // index from birth, instead of being moved there by the first claim that meets it.
         let append = format!(
             "WITH ins AS ( \
-               INSERT INTO {t} ({ENVELOPE_COLS}, inserted_at) \
-               SELECT e, at, ai, av, et, sv, ct, p, h::jsonb, ca, clock_timestamp() \
+               INSERT INTO {t} ({ENVELOPE_COLS}, inserted_at, blocked) \
+               SELECT e, at, ai, av, et, sv, ct, p, h::jsonb, ca, clock_timestamp(), \
+                      COALESCE(bl, false) \
                FROM UNNEST($1::uuid[], $2::text[], $3::text[], $4::int8[], $5::text[], \
-                           $6::int4[], $7::text[], $8::bytea[], $9::text[], $10::timestamptz[]) \
-                    AS u(e, at, ai, av, et, sv, ct, p, h, ca) \
+                           $6::int4[], $7::text[], $8::bytea[], $9::text[], $10::timestamptz[], \
+                           $14::bool[]) \
+                    AS u(e, at, ai, av, et, sv, ct, p, h, ca, bl) \
                RETURNING 1) \
              SELECT (SELECT count(*) FROM ins) AS n, \
                     (SELECT count(*) FROM (SELECT pg_notify($11::text, '') \
@@ -138,7 +145,11 @@ impl OutboxSql {
         //             id), in the window or not (each has the same row before it): otherwise
         //             one aggregate's backlog fills every claim's window one batch at a time,
         //             and an event of another aggregate appended after it waits (issue 25:
-        //             10,000 versions of one aggregate kept it out of about 100 claims)
+        //             10,000 versions of one aggregate kept it out of about 100 claims);
+        //             an append of several versions of an aggregate writes all but its
+        //             lowest version blocked already (`blocked_at_insert`, outbox/append.rs),
+        //             and `blk` does not write those rows again (but for the
+        //             `maybe_delivered` mark)
         //   gap_park  the head skips a version for longer than the gap timeout: parked
         //   gap_hold  the head skips a version: held, re-checked after a short delay
         //   wait      the head is under a live lease (a mixed-mode relay) or not due

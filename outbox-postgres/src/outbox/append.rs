@@ -1,5 +1,7 @@
 //! Append: validation, the backpressure hook, one `INSERT .. SELECT FROM UNNEST`.
 
+use std::collections::HashMap;
+
 use chrono::{DateTime, Utc};
 use sqlx::{Executor, Postgres, Row};
 use uuid::Uuid;
@@ -80,6 +82,7 @@ impl PostgresOutboxStore {
             );
             a.created.push(e.created_at);
         }
+        let blocked = blocked_at_insert(events);
         let (k1, k2) = super::wake_gate::gate_keys(self.inner.seed);
         let gate = s.wake_gate.then_some((k1, k2));
         let row = sqlx::query(&self.inner.sql.append)
@@ -96,6 +99,7 @@ impl PostgresOutboxStore {
             .bind(s.notify_channel.as_deref())
             .bind(gate.map(|g| g.0))
             .bind(gate.map(|g| g.1))
+            .bind(blocked)
             .fetch_one(executor)
             .await
             .map_err(db)?;
@@ -112,4 +116,96 @@ impl PostgresOutboxStore {
         }
         Ok(())
     }
+}
+
+/// The `blocked` flag each event of one append statement is written with: `true` for an event
+/// whose version is above the lowest version of its aggregate in the statement. `None` when no
+/// event is (a single event, a batch of distinct aggregates): the statement then binds NULL and
+/// writes `false` everywhere, so such an append costs nothing more.
+///
+/// Why: a batch of one aggregate's versions (issue 25's hot aggregate: 20,000 versions in one
+/// `append_many`) used to go in as 20,000 claim candidates, and the first claim to meet a
+/// follower moved 19,999 rows into the blocked index in its `blk` step (one non-HOT update per
+/// row, 512 ms in one statement), while every other aggregate's events waited for that claim.
+/// Written blocked at insert, they are in the blocked index from birth, and the claim's
+/// follower, promote and run logic takes them from there as it takes rows a claim blocked.
+///
+/// Why the claims stay correct (`crate::sql`, the claim's step 2, the completion and the
+/// operator actions; the SQL append function inserts one event per call, never blocked):
+///
+/// * Order never rests on the flag. A claim hands out a head only at `last + 1` and parks a
+///   row at or below `last` as out of order; a run is the consecutive versions after a claimed
+///   head, read whether blocked or not. The flag only decides which rows a claim's step 1
+///   looks at, so a wrong flag could stall an aggregate, never reorder it.
+/// * Liveness rests on this invariant, which the claims' `blk` keeps for the rows it blocks:
+///   *every blocked pending row has an unfinished (pending or parked) row of its aggregate
+///   with a lower (version, id) that is not blocked, or one such chain down to an unblocked
+///   one, and the aggregate's lowest blocked row is promoted when that row finishes*. Every
+///   way an unblocked unfinished row ends promotes the aggregate's lowest blocked row or
+///   leaves another unblocked one: a publication (the completion's `promote`, except when the
+///   row after its published prefix got an outcome: the completion unblocks that row, the new
+///   head), a discard or a re-issue (`promote_after`; the copy is inserted unblocked), a park
+///   as stale or `bad_key` (the claim's `promote`). Parked as a version gap or by the relay, it
+///   stays unfinished and the rows after it wait for an operator, as behind any parked head
+///   (parking blocks the aggregate): a discard or re-issue promotes, a retry makes it pending
+///   again. `blk` blocks only from an aggregate's first follower on, and a follower has an
+///   unblocked unfinished row below it above `last`, so the lowest of those stays unblocked.
+///   A promoted row is classified again by the next claim (follower, head, stale or gap).
+/// * A batch keeps the invariant. Its rows commit together (one statement), and each blocked
+///   row's version is strictly above the lowest version of its aggregate in the statement,
+///   whose rows are written unblocked: so each blocked row has that unblocked pending row
+///   below it in (version, id) whatever ids the statement assigns. For the same reason every
+///   row *at* the lowest version stays unblocked (duplicates, e.g. a producer's retry): the
+///   claim's follower rule orders them by id, as it does for separate appends. Put another
+///   way, the batch's flags are those a claim's `blk` leaves when, right after the commit, it
+///   meets the batch's first row above its lowest version as a follower of it (rows of other
+///   transactions committing after that claim): a state the claims already produce and
+///   handle. The one difference: a lowest version at or below `last` would not have made it
+///   a follower; that row is parked as stale and the claim promotes the next.
+/// * The lowest version, not the first event, is the one left unblocked: a claim's follower
+///   check counts only unblocked rows as predecessors, so in a batch `[v6, v5]` an unblocked
+///   v6 would be held as a gap above a blocked v5, then parked.
+/// * Other transactions. An earlier version of the aggregate that is pending makes the batch's
+///   lowest row a follower: the first claim that meets it blocks it (the rows above it are
+///   already blocked and are not written again, unless `blk` marks them `maybe_delivered`). One
+///   in flight (a live lease: `wait`; the locked mode's aggregate lock: not a candidate) leaves
+///   it a candidate until the completion, whose promote may then unblock a blocked row above
+///   it: the next claim blocks that row again or hands it out in order. One parked above
+///   `last` makes it a follower, blocked behind the parked row. A batch whose lowest version is
+///   stale is parked row by row (each park promotes the next); one whose lowest version skips
+///   a version is held, then parked as a gap, with the rest behind it.
+/// * `accept_first_version`: an aggregate without state counts from its lowest unfinished
+///   version, blocked rows included, so a new batch's lowest row is `last + 1`.
+/// * Runs read the rows after the head whether blocked or not. The early claim is a claim like
+///   the others (an aggregate whose batch is in flight is leased, `wait`, or locked). The
+///   lease's `maybe_delivered` marks (`blk` marks the rows a follower precedes, blocked or
+///   not; `mark_run` the rows of a re-claimed head's run) and the stats' `blocked` (events
+///   behind a parked event, found from the parked rows) never read the flag. `queued_rows` counts a
+///   batch's rows above their head from the append on (before: from the first claim), and
+///   they are no longer counted as candidates: both true, they are not claimable.
+///
+/// One cost moves: a batch whose versions are at or below `last` (a producer replaying
+/// published versions) was parked a claim's window at a time; now one row per claim, each
+/// promoting the next.
+fn blocked_at_insert(events: &[Envelope]) -> Option<Vec<bool>> {
+    if events.len() < 2 {
+        return None;
+    }
+    let mut lowest: HashMap<(&str, &str), i64> = HashMap::with_capacity(events.len());
+    for e in events {
+        lowest
+            .entry((e.aggregate_type.as_str(), e.aggregate_id.as_str()))
+            .and_modify(|v| *v = (*v).min(e.aggregate_version))
+            .or_insert(e.aggregate_version);
+    }
+    if lowest.len() == events.len() {
+        return None;
+    }
+    let flags: Vec<bool> = events
+        .iter()
+        .map(|e| {
+            e.aggregate_version > lowest[&(e.aggregate_type.as_str(), e.aggregate_id.as_str())]
+        })
+        .collect();
+    flags.iter().any(|&b| b).then_some(flags)
 }

@@ -105,8 +105,9 @@ impl PostgresOutboxStore {
         stats.oldest_blocked_age = age("oldest_blocked")?;
         stats.oldest_parked_age = age("oldest_parked")?;
         stats.extra = self.table_extra().await?;
-        // Rows the claim took out of the candidate index because a lower unfinished version
-        // of their aggregate comes first (in flight, retrying, parked or held).
+        // Rows out of the candidate index because a lower unfinished version of their
+        // aggregate comes first (in flight, retrying, parked or held): taken out by a claim,
+        // or written so by an append that carried a lower version of the aggregate too.
         stats.extra.push(("queued_rows".to_owned(), queued as f64));
         stats.extra.push((
             "published_retained_estimated".to_owned(),
