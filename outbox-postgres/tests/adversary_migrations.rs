@@ -267,10 +267,14 @@ async fn migration_6_beside_a_relay_of_version_5() {
         Some(None),
         "a version 5 claim leaves the last version unknown"
     );
+    // The append wrote "racing" v4 blocked behind v3 (one batch, docs/design/hot-aggregate.md):
+    // only the old relay's completion can release it.
+    assert!(common::blocked(&ctx, "racing", 4).await, "written blocked by the append");
     // The version 5 relay completes "racing" v3: publication and lease release in one write
-    // of the state row, as that version does. (Its acknowledgement columns under the names of
-    // migration 8, which this upgrade also ran: a relay of version 5 or 7 writing `ack_topic`
-    // fails its completion until upgraded, docs/transports.md §2.)
+    // of the state row, and the promotion of the aggregate's first blocked row, as that
+    // version does. (Its acknowledgement columns under the names of migration 8, which this
+    // upgrade also ran: a relay of version 5 or 7 writing `ack_topic` fails its completion
+    // until upgraded, docs/transports.md §2.)
     sqlx::raw_sql(&format!(
         "UPDATE \"{0}\".outbox_events SET status = 'published', published_at = now(), \
             finished_at = now(), ack_transport = 'kafka', ack_destination = 't', \
@@ -278,8 +282,9 @@ async fn migration_6_beside_a_relay_of_version_5() {
           WHERE aggregate_id = 'racing' AND aggregate_version = 3; \
          UPDATE \"{0}\".outbox_events_aggregate a SET lease_owner = NULL, lease_token = NULL, \
             lease_until = NULL, lease_row = NULL, \
-            last_version = GREATEST(a.last_version, 3) WHERE a.lease_token = '{racing}';",
-        ctx.schema
+            last_version = GREATEST(a.last_version, 3) WHERE a.lease_token = '{racing}'; {1}",
+        ctx.schema,
+        common::old_relay_promotion(&ctx, "aggregate_id = 'racing' AND aggregate_version = 3")
     ))
     .execute(&ctx.pool)
     .await

@@ -134,7 +134,12 @@ async fn migration_6_beside_a_locked_claim_of_version_5_that_completes() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // The old relay's completion: v1 published, its state written as version 5 writes it.
+    // The append wrote v2 blocked behind v1 (one batch, docs/design/hot-aggregate.md): only the
+    // old relay's completion can release it.
+    assert!(common::blocked(&ctx, "locked", 2).await, "written blocked by the append");
+    let promotion = common::old_relay_promotion(&ctx, "aggregate_id = 'locked' AND aggregate_version = 1");
+    // The old relay's completion: v1 published, its state written and the aggregate's first
+    // blocked row promoted as version 5 does.
     let completion = tokio::time::timeout(
         Duration::from_secs(5),
         sqlx::raw_sql(&format!(
@@ -147,7 +152,7 @@ async fn migration_6_beside_a_locked_claim_of_version_5_that_completes() {
                     aggregate_type, aggregate_id, aggregate_version \
                FROM \"{s}\".outbox_events WHERE aggregate_id = 'locked' AND aggregate_version = 1 \
              ON CONFLICT (aggregate_key, aggregate_type, aggregate_id) DO UPDATE \
-               SET last_version = GREATEST(a.last_version, EXCLUDED.last_version);"
+               SET last_version = GREATEST(a.last_version, EXCLUDED.last_version); {promotion}"
         ))
         .execute(&mut *old),
     )

@@ -281,6 +281,43 @@ pub async fn schema_at_version(ctx: &Ctx, version: usize) {
     .unwrap();
 }
 
+/// Whether the row of `agg` (any type) at `version` in `outbox_events` is blocked.
+pub async fn blocked(ctx: &Ctx, agg: &str, version: i64) -> bool {
+    sqlx::query_scalar(&format!(
+        "SELECT blocked FROM \"{}\".outbox_events \
+          WHERE aggregate_id = $1 AND aggregate_version = $2",
+        ctx.schema
+    ))
+    .bind(agg)
+    .bind(version)
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap()
+}
+
+/// The promotion every released version's completion runs after a publication, in the same
+/// statement (`promote_after` in `src/sql.rs` since the first release, e.g. at `96643ee^`, the
+/// version before migration 6): the aggregate's first blocked row by (version, id), other
+/// than the published one, is unblocked. Tests that write an older relay's completion by hand
+/// append it, so that a follower the append wrote blocked (docs/design/hot-aggregate.md) is
+/// promoted as that relay would. `published`: the SQL condition selecting the published row of
+/// `outbox_events` (e.g. `aggregate_id = 'x' AND aggregate_version = 3`).
+pub fn old_relay_promotion(ctx: &Ctx, published: &str) -> String {
+    format!(
+        "UPDATE \"{0}\".outbox_events s SET blocked = false \
+         FROM (SELECT (SELECT b.id FROM \"{0}\".outbox_events b \
+                       WHERE hashtextextended(b.aggregate_type || chr(31) || b.aggregate_id, 0) \
+                             = hashtextextended(p.aggregate_type || chr(31) || p.aggregate_id, 0) \
+                         AND b.status IN ('pending', 'parked') AND b.blocked \
+                         AND b.aggregate_type = p.aggregate_type \
+                         AND b.aggregate_id = p.aggregate_id AND b.id <> p.id \
+                       ORDER BY b.aggregate_version, b.id LIMIT 1) AS id \
+               FROM \"{0}\".outbox_events p WHERE p.status = 'published' AND {1}) nx \
+         WHERE s.id = nx.id AND s.blocked;",
+        ctx.schema, published
+    )
+}
+
 /// Waits (up to 10 s) until a session waits for a lock on a table of the test's schema: the
 /// point where a migration stands behind a transaction of the test.
 pub async fn wait_for_lock_wait(ctx: &Ctx) {
