@@ -242,6 +242,9 @@ async fn profile_with(
                     .await?;
                 }
                 env::preload(&store, args.events, args.aggregates).await?;
+                if name == "naive" {
+                    crate::drain::unblock_for_naive(&store).await?;
+                }
                 // Only the drain's statements: reset after the preload, read after the drain.
                 reset_stats(&env.pool).await?;
                 let before = cpu_snapshot(&env.pool).await?;
