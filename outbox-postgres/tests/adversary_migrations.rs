@@ -269,7 +269,10 @@ async fn migration_6_beside_a_relay_of_version_5() {
     );
     // The append wrote "racing" v4 blocked behind v3 (one batch, docs/design/hot-aggregate.md):
     // only the old relay's completion can release it.
-    assert!(common::blocked(&ctx, "racing", 4).await, "written blocked by the append");
+    assert!(
+        common::blocked(&ctx, "racing", 4).await,
+        "written blocked by the append"
+    );
     // The version 5 relay completes "racing" v3: publication and lease release in one write
     // of the state row, and the promotion of the aggregate's first blocked row, as that
     // version does. (Its acknowledgement columns under the names of migration 8, which this

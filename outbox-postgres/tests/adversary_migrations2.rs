@@ -136,8 +136,12 @@ async fn migration_6_beside_a_locked_claim_of_version_5_that_completes() {
     }
     // The append wrote v2 blocked behind v1 (one batch, docs/design/hot-aggregate.md): only the
     // old relay's completion can release it.
-    assert!(common::blocked(&ctx, "locked", 2).await, "written blocked by the append");
-    let promotion = common::old_relay_promotion(&ctx, "aggregate_id = 'locked' AND aggregate_version = 1");
+    assert!(
+        common::blocked(&ctx, "locked", 2).await,
+        "written blocked by the append"
+    );
+    let promotion =
+        common::old_relay_promotion(&ctx, "aggregate_id = 'locked' AND aggregate_version = 1");
     // The old relay's completion: v1 published, its state written and the aggregate's first
     // blocked row promoted as version 5 does.
     let completion = tokio::time::timeout(
