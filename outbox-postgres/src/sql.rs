@@ -18,6 +18,9 @@ const PARKED_COLS: &str = "attempts, park_kind, last_error_class, last_error_kin
 pub(crate) struct OutboxSql {
     pub table: String,
     pub append: String,
+    /// The append of a single event: the same row as `append` writes, from scalars (`$1`..`$10`
+    /// in `append`'s order; `$11`..`$13` as there; never blocked).
+    pub append_one: String,
     /// Claim step 1: candidates in id order, their aggregates try-locked. `$1` limit.
     pub claim_candidates: String,
     /// Claim step 2 (lease mode), in a snapshot taken after the locks. `$1` ids, `$2` owner,
@@ -106,6 +109,23 @@ impl OutboxSql {
                            $6::int4[], $7::text[], $8::bytea[], $9::text[], $10::timestamptz[], \
                            $14::bool[]) \
                     AS u(e, at, ai, av, et, sv, ct, p, h, ca, bl) \
+               RETURNING 1) \
+             SELECT (SELECT count(*) FROM ins) AS n, \
+                    (SELECT count(*) FROM (SELECT pg_notify($11::text, '') \
+                                           WHERE $11::text IS NOT NULL \
+                                             AND ($12::int4 IS NULL \
+                                                  OR NOT pg_try_advisory_xact_lock_shared( \
+                                                           $12::int4, $13::int4))) nn) \
+                    AS notified"
+        );
+
+        // One event (most business transactions): `VALUES` instead of `UNNEST` over ten
+        // one-element arrays; the row, the notification and the gate are `append`'s.
+        let append_one = format!(
+            "WITH ins AS ( \
+               INSERT INTO {t} ({ENVELOPE_COLS}, inserted_at) \
+               VALUES ($1::uuid, $2::text, $3::text, $4::int8, $5::text, $6::int4, $7::text, \
+                       $8::bytea, $9::text::jsonb, $10::timestamptz, clock_timestamp()) \
                RETURNING 1) \
              SELECT (SELECT count(*) FROM ins) AS n, \
                     (SELECT count(*) FROM (SELECT pg_notify($11::text, '') \
@@ -810,6 +830,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
         Self {
             table: t,
             append,
+            append_one,
             claim_candidates,
             claim_decide_lease,
             claim_decide_locked,

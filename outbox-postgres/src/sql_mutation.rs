@@ -32,6 +32,7 @@ macro_rules! fields {
         let s = $sql;
         [
             ("append", &mut s.append),
+            ("append_one", &mut s.append_one),
             ("claim_candidates", &mut s.claim_candidates),
             ("claim_decide_lease", &mut s.claim_decide_lease),
             ("claim_decide_locked", &mut s.claim_decide_locked),

@@ -66,6 +66,11 @@ impl PostgresOutboxStore {
         if let Some(guard) = &s.append_guard {
             guard.check(events)?;
         }
+        let (k1, k2) = super::wake_gate::gate_keys(self.inner.seed);
+        let gate = s.wake_gate.then_some((k1, k2));
+        if let [e] = events {
+            return self.append_one(executor, e, gate).await;
+        }
         let mut a = AppendArrays::default();
         for e in events {
             a.ids.push(e.event_id.as_uuid());
@@ -83,8 +88,6 @@ impl PostgresOutboxStore {
             a.created.push(e.created_at);
         }
         let blocked = blocked_at_insert(events);
-        let (k1, k2) = super::wake_gate::gate_keys(self.inner.seed);
-        let gate = s.wake_gate.then_some((k1, k2));
         let row = sqlx::query(&self.inner.sql.append)
             .bind(a.ids)
             .bind(a.agg_types)
@@ -103,15 +106,53 @@ impl PostgresOutboxStore {
             .fetch_one(executor)
             .await
             .map_err(db)?;
+        self.appended(&row, events.len())
+    }
+
+    /// One event: the same row, notification and gate as a batch, from scalars
+    /// (`OutboxSql::append_one`; the append alone measured against a bare insert, issue 25).
+    async fn append_one<'e, E>(
+        &self,
+        executor: E,
+        e: &Envelope,
+        gate: Option<(i32, i32)>,
+    ) -> Result<(), StoreError>
+    where
+        E: Executor<'e, Database = Postgres>,
+    {
+        let headers = serde_json::to_string(&e.headers)
+            .map_err(|err| StoreError::new(StoreErrorKind::Validation, err.to_string()))?;
+        let row = sqlx::query(&self.inner.sql.append_one)
+            .bind(e.event_id.as_uuid())
+            .bind(&e.aggregate_type)
+            .bind(&e.aggregate_id)
+            .bind(e.aggregate_version)
+            .bind(&e.event_type)
+            .bind(e.schema_version)
+            .bind(&e.payload.content_type)
+            .bind(&e.payload.bytes)
+            .bind(headers)
+            .bind(e.created_at)
+            .bind(self.inner.settings.notify_channel.as_deref())
+            .bind(gate.map(|g| g.0))
+            .bind(gate.map(|g| g.1))
+            .fetch_one(executor)
+            .await
+            .map_err(db)?;
+        self.appended(&row, 1)
+    }
+
+    /// Reads an append's result row: counts its notification, checks every event was written.
+    fn appended(&self, row: &sqlx::postgres::PgRow, events: usize) -> Result<(), StoreError> {
         let n: i64 = row.try_get("n").map_err(db)?;
         let notified: i64 = row.try_get("notified").map_err(db)?;
         self.inner
             .notifies
             .fetch_add(notified as u64, std::sync::atomic::Ordering::Relaxed);
-        if n as usize != events.len() {
+        if n as usize != events {
             return Err(StoreError::new(
                 StoreErrorKind::Other,
-                format!("appended {n} of {} events", events.len()),
+                format!("appended {n} of {events} events"),
             ));
         }
         Ok(())
