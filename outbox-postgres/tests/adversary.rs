@@ -1256,16 +1256,7 @@ impl Book {
 async fn randomized_relays_outcomes_expiries_and_operators_keep_the_invariants() {
     use std::sync::{Arc, Mutex};
     use std::time::Instant;
-    let seed = std::env::var("OUTBOX_ADV_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                | 1
-        });
+    let seed = common::env_seed("OUTBOX_ADV_SEED").unwrap_or_else(|| common::clock_seed() | 1);
     eprintln!("randomized outbox test seed: OUTBOX_ADV_SEED={seed}");
     let ctx = ctx!(14);
     let lease_d = Duration::from_millis(300);

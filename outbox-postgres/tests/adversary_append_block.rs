@@ -26,10 +26,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use outbox_core::prelude::*;
-use outbox_core::{ClaimMode, ClaimRequest, ClaimedBatch, Envelope, EventId, RelayConfig};
+use outbox_core::{ClaimMode, ClaimRequest, ClaimedBatch, Envelope, EventId};
 use outbox_postgres::PostgresOutboxStore;
 use outbox_testkit::log::MemoryLog;
-use outbox_testkit::scenarios::{retry_policy, seeded_relay};
+use outbox_testkit::scenarios::early_claim::early_claim_config;
+use outbox_testkit::scenarios::seeded_relay;
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 
@@ -1034,18 +1035,8 @@ async fn early_claim_relays_drain_batches_in_version_order() {
         let stop = Arc::new(AtomicBool::new(false));
         let mut tasks = Vec::new();
         for i in 0..2u64 {
-            let config = RelayConfig::builder()
-                .owner(format!("early-{i}"))
-                .batch_size(5)
+            let config = early_claim_config(format!("early-{i}"), 5)
                 .run(3)
-                .early_claim(true)
-                .idle(Duration::from_millis(2), Duration::from_millis(20))
-                .lease_margin(outbox_core::MIN_LEASE_MARGIN)
-                .retry(retry_policy(
-                    Duration::from_millis(5),
-                    Duration::from_millis(20),
-                    50,
-                ))
                 .build()
                 .unwrap();
             let mut relay =
@@ -1109,15 +1100,7 @@ async fn early_claim_relays_drain_batches_in_version_order() {
 
 /// The seed of the randomized tests: `OUTBOX_PG_APPEND_BLOCK_SEED`, else drawn and printed.
 fn seed() -> u64 {
-    let seed = std::env::var("OUTBOX_PG_APPEND_BLOCK_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
+    let seed = common::env_seed("OUTBOX_PG_APPEND_BLOCK_SEED").unwrap_or_else(common::clock_seed);
     eprintln!("OUTBOX_PG_APPEND_BLOCK_SEED={seed}");
     seed
 }

@@ -25,9 +25,9 @@ use std::time::Duration;
 
 use outbox_core::{ClaimMode, ClaimedBatch, Envelope, ParkKind};
 use outbox_postgres::PostgresOutboxStore;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::PgPool;
 
+use common::stand_in::search_path_pool;
 use common::{claim, event, lease, publish_all, versions};
 
 /// First key of the gate (two-key advisory locks never collide with the store's bigint keys).
@@ -72,21 +72,7 @@ async fn gated(ctx: &common::Ctx, mode: ClaimMode) -> Gated {
     .execute(&ctx.pool)
     .await
     .unwrap();
-    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| common::DEFAULT_URL.to_owned());
-    let opts: PgConnectOptions = url.parse().unwrap();
-    let set = format!("SET search_path = \"{s}\", pg_catalog");
-    let pool = PgPoolOptions::new()
-        .max_connections(2)
-        .after_connect(move |conn, _| {
-            let set = set.clone();
-            Box::pin(async move {
-                sqlx::query(&set).execute(&mut *conn).await?;
-                Ok(())
-            })
-        })
-        .connect_with(opts)
-        .await
-        .unwrap();
+    let pool = search_path_pool(ctx, 2).await;
     let store = PostgresOutboxStore::builder(pool.clone())
         .schema(s)
         .claim_mode(mode)

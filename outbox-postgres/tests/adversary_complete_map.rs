@@ -25,15 +25,13 @@ mod common;
 use std::time::{Duration, Instant};
 
 use outbox_core::prelude::*;
-use outbox_core::{
-    ClaimMode, ClaimRequest, ClaimedBatch, Envelope, EnvelopeLimits, Outcome,
-    MAX_AGGREGATE_NAME_BYTES,
-};
+use outbox_core::{ClaimMode, Envelope, EnvelopeLimits, Outcome, MAX_AGGREGATE_NAME_BYTES};
 use outbox_postgres::PostgresOutboxStore;
+use outbox_testkit::claim_run;
 use sqlx::{Connection, PgConnection, PgPool};
 
 use common::stand_in::{stand_in_pool, COLLIDING_KEYS};
-use common::{lease, park, published, retry, Ctx};
+use common::{claimed, lease, park, published, retry, Ctx};
 
 fn modes() -> [ClaimMode; 2] {
     [lease(30.0), ClaimMode::LockedTransaction]
@@ -71,36 +69,6 @@ fn ev(agg_type: &str, agg_id: &str, version: i64) -> Envelope {
         .unwrap()
         .build()
         .unwrap()
-}
-
-async fn claim_run(
-    store: &PostgresOutboxStore,
-    owner: &str,
-    limit: usize,
-    run: usize,
-) -> ClaimedBatch {
-    store
-        .claim(&ClaimRequest::new(owner, limit).with_run(run))
-        .await
-        .expect("claim")
-}
-
-/// (type, id, version) of every record of a batch, sorted.
-fn layout(b: &ClaimedBatch) -> Vec<(String, String, i64)> {
-    let mut v: Vec<_> = b
-        .records
-        .iter()
-        .map(|r| {
-            let e = &r.envelope;
-            (
-                e.aggregate_type.clone(),
-                e.aggregate_id.clone(),
-                e.aggregate_version,
-            )
-        })
-        .collect();
-    v.sort();
-    v
 }
 
 /// The aggregate's state row: last version, lease owner and token.
@@ -321,7 +289,7 @@ async fn hostile_names_each_end_at_their_own_prefix() {
     }
     want_heads.sort();
     let next = claim_run(&store, "next", 1000, 1).await;
-    assert_eq!(layout(&next), want_heads);
+    assert_eq!(claimed(&next), want_heads);
     store.release(&next.handle).await.unwrap();
     ctx.drop().await;
 }
@@ -469,7 +437,7 @@ async fn promote_after_sql_appends(mode: ClaimMode) {
         .collect::<std::collections::BTreeSet<_>>()
         .into_iter()
         .collect();
-    assert_eq!(layout(&next), want);
+    assert_eq!(claimed(&next), want);
     store.release(&next.handle).await.unwrap();
     ctx.drop().await;
 }
@@ -492,8 +460,8 @@ async fn an_old_completion_after_a_new_claim_applies_nothing() {
     tokio::time::sleep(Duration::from_millis(500)).await;
     let b_new = claim_run(&new, "new", 100, 3).await;
     assert_eq!(
-        layout(&b_new),
-        layout(&b_old),
+        claimed(&b_new),
+        claimed(&b_old),
         "the expired lease taken over"
     );
     let new_token = agg_state(&ctx, "order", "x").await.2;
@@ -551,7 +519,7 @@ async fn a_completion_frozen_past_its_lease_keeps_its_aggregate() {
     first.append_many(&ctx.pool, &xs).await.unwrap();
     let b1 = claim_run(&first, "first", 100, 2).await;
     let claimed_at = Instant::now();
-    assert_eq!(layout(&b1).len(), 2, "x 1..=2");
+    assert_eq!(claimed(&b1).len(), 2, "x 1..=2");
     let zs: Vec<Envelope> = (1..=2).map(|v| ev("order", "z", v)).collect();
     first.append_many(&ctx.pool, &zs).await.unwrap();
 
@@ -576,7 +544,7 @@ async fn a_completion_frozen_past_its_lease_keeps_its_aggregate() {
     .await
     .expect("the second relay's claim does not wait on the frozen completion");
     assert_eq!(
-        layout(&b2),
+        claimed(&b2),
         vec![
             ("order".into(), "z".into(), 1),
             ("order".into(), "z".into(), 2)
@@ -591,7 +559,7 @@ async fn a_completion_frozen_past_its_lease_keeps_its_aggregate() {
     assert_eq!(rep.applied, 2);
     assert_eq!(agg_state(&ctx, "order", "x").await, (Some(2), None, None));
     let b3 = claim_run(&second, "second", 100, 2).await;
-    assert_eq!(layout(&b3), vec![("order".into(), "x".into(), 3)]);
+    assert_eq!(claimed(&b3), vec![("order".into(), "x".into(), 3)]);
     second.release(&b3.handle).await.unwrap();
     ctx.drop().await;
 }
@@ -641,7 +609,7 @@ async fn operator_actions_wait_for_a_completion_of_their_aggregate() {
         .collect();
     want.push(("order".into(), "d".into(), 3));
     want.sort();
-    assert_eq!(layout(&next), want);
+    assert_eq!(claimed(&next), want);
     store.release(&next.handle).await.unwrap();
     ctx.drop().await;
 }
@@ -683,7 +651,7 @@ async fn failed_middle(mode: ClaimMode) {
     );
     let next = claim_run(&store, "relay", 100, 5).await;
     assert_eq!(
-        layout(&next),
+        claimed(&next),
         (3..=5)
             .map(|v| ("order".to_owned(), "m".to_owned(), v))
             .collect::<Vec<_>>()
@@ -743,7 +711,7 @@ async fn a_run_version_published_in_between_keeps_its_ack() {
     );
     assert_eq!(agg_state(&ctx, "order", "p").await, (Some(4), None, None));
     let next = claim_run(&store, "relay", 100, 4).await;
-    assert_eq!(layout(&next), vec![("order".into(), "p".into(), 5)]);
+    assert_eq!(claimed(&next), vec![("order".into(), "p".into(), 5)]);
     store.release(&next.handle).await.unwrap();
     ctx.drop().await;
 }

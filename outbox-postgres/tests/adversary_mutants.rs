@@ -16,7 +16,7 @@ use outbox_postgres::PostgresOutboxStore;
 use sqlx::PgPool;
 
 use common::stand_in::{colliding_store, stand_in_store};
-use common::{claim, lease, park, publish_all, published};
+use common::{claim, claimed, lease, park, publish_all, published};
 
 fn modes() -> [ClaimMode; 2] {
     [lease(30.0), ClaimMode::LockedTransaction]
@@ -28,24 +28,6 @@ fn ev(agg_type: &str, agg_id: &str, version: i64) -> Envelope {
         .unwrap()
         .build()
         .unwrap()
-}
-
-/// (type, id, version) of each claimed record, sorted.
-fn claimed(batch: &outbox_core::ClaimedBatch) -> Vec<(String, String, i64)> {
-    let mut v: Vec<_> = batch
-        .records
-        .iter()
-        .map(|r| {
-            let e = &r.envelope;
-            (
-                e.aggregate_type.clone(),
-                e.aggregate_id.clone(),
-                e.aggregate_version,
-            )
-        })
-        .collect();
-    v.sort();
-    v
 }
 
 /// The `last_version` of each aggregate with state, sorted by (type, id).

@@ -23,8 +23,9 @@
 mod common;
 
 use outbox_core::prelude::*;
-use outbox_core::{ClaimRequest, ClaimedBatch, Outcome};
+use outbox_core::{ClaimedBatch, Outcome};
 use outbox_postgres::PostgresOutboxStore;
+use outbox_testkit::claim_run;
 
 use common::explain::{busiest_node, explained_pool, plans, Explain, COMPLETION};
 use common::{claim, event, lease, park, publish_all, published, retry, Ctx};
@@ -218,13 +219,6 @@ async fn prepare(
     (relay, explained)
 }
 
-async fn claim_run(store: &PostgresOutboxStore, limit: usize, run: usize) -> ClaimedBatch {
-    store
-        .claim(&ClaimRequest::new("relay", limit).with_run(run))
-        .await
-        .expect("claim")
-}
-
 /// The aggregate number `i` of `agg-{i}`.
 fn index(id: &str) -> usize {
     id.trim_start_matches("agg-").parse().unwrap()
@@ -255,13 +249,13 @@ async fn completions_of_a_thousand_heads_do_no_batch_by_batch_work() {
     const AGGREGATES: usize = 1_000;
     let (relay, explained) = prepare(&ctx, &store, AGGREGATES, 3).await;
 
-    let b = claim_run(&relay, AGGREGATES, 1).await;
+    let b = claim_run(&relay, "relay", AGGREGATES, 1).await;
     assert_eq!(b.records.len(), AGGREGATES);
     publish_all(&relay, &b).await;
     let plan = nth_completion_plan(&ctx, 1);
     assert_no_batch_by_batch_node(&plan, AGGREGATES, AGGREGATES);
 
-    let b = claim_run(&relay, AGGREGATES, 1).await;
+    let b = claim_run(&relay, "relay", AGGREGATES, 1).await;
     assert_eq!(b.records.len(), AGGREGATES, "every version 2, promoted");
     let outs: Vec<Outcome> = b
         .records
@@ -291,7 +285,7 @@ async fn completions_of_runs_over_a_thousand_aggregates_do_no_batch_by_batch_wor
     const AGGREGATES: usize = 1_000;
     let (relay, explained) = prepare(&ctx, &store, AGGREGATES, 4).await;
 
-    let b = claim_run(&relay, 2 * AGGREGATES, 2).await;
+    let b = claim_run(&relay, "relay", 2 * AGGREGATES, 2).await;
     assert_eq!(b.records.len(), 2 * AGGREGATES, "every head and its next");
     let outs: Vec<Outcome> = b
         .records
@@ -314,7 +308,7 @@ async fn completions_of_runs_over_a_thousand_aggregates_do_no_batch_by_batch_wor
     assert_no_batch_by_batch_node(&plan, b.records.len(), AGGREGATES);
 
     // Parked aggregates wait; the others hand out their next two versions.
-    let b = claim_run(&relay, 2 * AGGREGATES, 2).await;
+    let b = claim_run(&relay, "relay", 2 * AGGREGATES, 2).await;
     assert_eq!(b.records.len(), AGGREGATES / 4 * 3 * 2);
     publish_all(&relay, &b).await;
     let plan = nth_completion_plan(&ctx, 2);

@@ -14,35 +14,14 @@ use std::time::Duration;
 
 use outbox_core::prelude::*;
 use outbox_core::RelayRegistry;
-use outbox_core::{
-    ClaimMode, ClaimRequest, ClaimedBatch, Envelope, ErrorClass, EventId, LastError, Outcome,
-};
+use outbox_core::{ClaimMode, ClaimedBatch, Envelope, EventId};
 use outbox_postgres::PostgresOutboxStore;
-use outbox_testkit::{batch_layout as layout, run_layout as run_of};
+use outbox_testkit::{batch_layout as layout, claim_run, run_layout as run_of};
 
-use common::{event, lease, published, Ctx};
+use common::{event, lease, published, retry, Ctx};
 
 fn modes() -> [ClaimMode; 2] {
     [lease(30.0), ClaimMode::LockedTransaction]
-}
-
-async fn claim_run(store: &PostgresOutboxStore, limit: usize, run: usize) -> ClaimedBatch {
-    store
-        .claim(&ClaimRequest::new("relay", limit).with_run(run))
-        .await
-        .expect("claim")
-}
-
-fn retry(e: &Envelope) -> Outcome {
-    Outcome::Retry {
-        event_id: e.event_id,
-        delay: Duration::ZERO,
-        error: LastError {
-            class: ErrorClass::Transient,
-            kind: "timeout".into(),
-            message: "no ack".into(),
-        },
-    }
 }
 
 async fn append(ctx: &Ctx, store: &PostgresOutboxStore, events: &[Envelope]) {
@@ -69,10 +48,10 @@ async fn a_run_is_consecutive_from_the_head_and_stops_at_a_gap() {
         let store = ctx.store(mode).await;
         let evs: Vec<_> = [1, 2, 3, 5, 6].iter().map(|v| event("a", *v)).collect();
         append(&ctx, &store, &evs).await;
-        let heads = claim_run(&store, 10, 1).await;
+        let heads = claim_run(&store, "relay", 10, 1).await;
         assert_eq!(layout(&heads), run_of("a", 1..=1), "{mode:?}");
         finish(&store, &heads).await;
-        let b = claim_run(&store, 10, 10).await;
+        let b = claim_run(&store, "relay", 10, 10).await;
         assert_eq!(layout(&b), run_of("a", 1..=3), "{mode:?}");
         assert!(b.records.iter().all(|r| !r.is_resend()), "{mode:?}");
         finish(&store, &b).await;
@@ -104,7 +83,7 @@ async fn a_duplicate_a_parked_or_a_not_due_row_ends_the_run() {
              WHERE aggregate_id = 'later' AND aggregate_version = 4",
         )
         .await;
-        let b = claim_run(&store, 100, 10).await;
+        let b = claim_run(&store, "relay", 100, 10).await;
         let mut want = run_of("dup", 1..=2);
         want.extend(run_of("parked", 1..=2));
         want.extend(run_of("later", 1..=3));
@@ -129,10 +108,10 @@ async fn run_rows_count_against_the_limit_after_the_heads() {
         // three heads.
         // (A completion without outcomes ends the claim and keeps what it wrote: a locked
         // claim's release would roll the blocking back.)
-        let heads = claim_run(&store, 100, 1).await;
+        let heads = claim_run(&store, "relay", 100, 1).await;
         assert_eq!(heads.records.len(), 3, "{mode:?}");
         store.complete(&heads.handle, &[]).await.unwrap();
-        let b = claim_run(&store, 5, 10).await;
+        let b = claim_run(&store, "relay", 5, 10).await;
         let mut want = run_of("a", 1..=3);
         want.extend(run_of("b", 1..=1));
         want.extend(run_of("c", 1..=1));
@@ -152,7 +131,7 @@ async fn a_published_prefix_advances_last_and_the_rest_is_released_unchanged() {
         let store = ctx.store(mode).await;
         let evs: Vec<_> = (1..=5).map(|v| event("a", v)).collect();
         append(&ctx, &store, &evs).await;
-        let b = claim_run(&store, 10, 10).await;
+        let b = claim_run(&store, "relay", 10, 10).await;
         assert_eq!(layout(&b), run_of("a", 1..=5), "{mode:?}");
         let rep = store
             .complete(
@@ -165,7 +144,7 @@ async fn a_published_prefix_advances_last_and_the_rest_is_released_unchanged() {
             .await
             .unwrap();
         assert_eq!((rep.applied, rep.superseded), (2, 0), "{mode:?}");
-        let next = claim_run(&store, 10, 10).await;
+        let next = claim_run(&store, "relay", 10, 10).await;
         assert_eq!(layout(&next), run_of("a", 3..=5), "{mode:?}");
         assert!(
             next.records
@@ -185,7 +164,7 @@ async fn a_published_prefix_advances_last_and_the_rest_is_released_unchanged() {
             .await
             .unwrap();
         assert_eq!((rep.applied, rep.superseded), (2, 0), "{mode:?}");
-        let last = claim_run(&store, 10, 10).await;
+        let last = claim_run(&store, "relay", 10, 10).await;
         assert_eq!(layout(&last), run_of("a", 4..=5), "{mode:?}");
         assert_eq!(last.records[0].attempts, 1, "{mode:?}");
         assert_eq!(last.records[1].attempts, 0, "{mode:?}");
@@ -204,7 +183,7 @@ async fn a_publication_after_a_hole_is_refused_as_superseded() {
         let store = ctx.store(mode).await;
         let evs: Vec<_> = (1..=4).map(|v| event("a", v)).collect();
         append(&ctx, &store, &evs).await;
-        let b = claim_run(&store, 10, 10).await;
+        let b = claim_run(&store, "relay", 10, 10).await;
         assert_eq!(layout(&b), run_of("a", 1..=4), "{mode:?}");
         let e = |i: usize| &b.records[i].envelope;
         // 1 published, 2 retried, 3 published (a hole at 2), 4 retried (after the first
@@ -224,7 +203,7 @@ async fn a_publication_after_a_hole_is_refused_as_superseded() {
         assert_eq!((rep.applied, rep.superseded), (2, 2), "{mode:?}");
         let refused: Vec<EventId> = vec![e(2).event_id, e(3).event_id];
         assert_eq!(rep.superseded_events, refused, "{mode:?}");
-        let next = claim_run(&store, 10, 10).await;
+        let next = claim_run(&store, "relay", 10, 10).await;
         assert_eq!(layout(&next), run_of("a", 2..=4), "{mode:?}");
         let attempts: Vec<u32> = next.records.iter().map(|r| r.attempts).collect();
         assert_eq!(attempts, vec![1, 0, 0], "{mode:?}");
@@ -235,7 +214,7 @@ async fn a_publication_after_a_hole_is_refused_as_superseded() {
             .await
             .unwrap();
         assert_eq!((rep.applied, rep.superseded), (1, 1), "{mode:?}");
-        let again = claim_run(&store, 10, 10).await;
+        let again = claim_run(&store, "relay", 10, 10).await;
         assert_eq!(layout(&again), run_of("a", 2..=4), "{mode:?}");
         finish(&store, &again).await;
         ctx.drop().await;
@@ -251,12 +230,12 @@ async fn stats_release_and_an_operators_release_cover_whole_runs() {
     let store = ctx.store(lease(30.0)).await;
     let evs: Vec<_> = (1..=5).map(|v| event("a", v)).collect();
     append(&ctx, &store, &evs).await;
-    let b = claim_run(&store, 10, 10).await;
+    let b = claim_run(&store, "relay", 10, 10).await;
     assert_eq!(b.records.len(), 5);
     assert_eq!(store.stats().await.unwrap().in_flight, 5);
     store.release(&b.handle).await.unwrap();
     assert_eq!(store.stats().await.unwrap().in_flight, 0);
-    let again = claim_run(&store, 10, 10).await;
+    let again = claim_run(&store, "relay", 10, 10).await;
     assert_eq!(layout(&again), run_of("a", 1..=5));
     assert!(again.records.iter().all(|r| !r.is_resend()));
     assert_eq!(store.live_claims_of("relay").await.unwrap(), 5);
@@ -265,7 +244,7 @@ async fn stats_release_and_an_operators_release_cover_whole_runs() {
     let audited = store.audit_trail(None).await.unwrap();
     assert_eq!(audited.len(), 1, "one release, under the head: {audited:?}");
     assert_eq!(audited[0].event_id, again.records[0].envelope.event_id);
-    let after = claim_run(&store, 10, 10).await;
+    let after = claim_run(&store, "relay", 10, 10).await;
     assert_eq!(layout(&after), run_of("a", 1..=5));
     let flags: Vec<bool> = after.records.iter().map(|r| r.maybe_sent_before).collect();
     assert_eq!(flags, vec![true; 5]);
@@ -286,14 +265,14 @@ async fn an_expired_run_is_possibly_sent_whole() {
         let store = ctx.store(lease(1.0)).await;
         let evs: Vec<_> = (1..=5).map(|v| event("a", v)).collect();
         append(&ctx, &store, &evs).await;
-        let b = claim_run(&store, 10, 10).await;
+        let b = claim_run(&store, "relay", 10, 10).await;
         assert_eq!(layout(&b), run_of("a", 1..=5), "{first_limit}");
         if unblocked {
             exec(&ctx, "UPDATE \"{s}\".outbox_events SET blocked = false").await;
         }
         tokio::time::sleep(Duration::from_millis(1200)).await;
         // Two of the five now; the others later.
-        let short = claim_run(&store, 10, 2).await;
+        let short = claim_run(&store, "relay", 10, 2).await;
         assert_eq!(layout(&short), run_of("a", 1..=2), "{first_limit}");
         assert!(
             short.records.iter().all(|r| r.maybe_sent_before),
@@ -307,7 +286,7 @@ async fn an_expired_run_is_possibly_sent_whole() {
             .collect();
         let rep = store.complete(&short.handle, &outs).await.unwrap();
         assert_eq!(rep.applied, 2, "{first_limit}");
-        let rest = claim_run(&store, 10, 10).await;
+        let rest = claim_run(&store, "relay", 10, 10).await;
         assert_eq!(layout(&rest), run_of("a", 3..=5), "{first_limit}");
         let flags: Vec<bool> = rest.records.iter().map(|r| r.maybe_sent_before).collect();
         assert_eq!(flags, vec![true; 3], "{first_limit}");
@@ -325,7 +304,7 @@ async fn another_instance_completes_a_run() {
     let other = ctx.store(lease(30.0)).await;
     let evs: Vec<_> = (1..=4).map(|v| event("a", v)).collect();
     append(&ctx, &store, &evs).await;
-    let b = claim_run(&store, 10, 10).await;
+    let b = claim_run(&store, "relay", 10, 10).await;
     assert_eq!(b.records.len(), 4);
     let outs: Vec<_> = b.records[..3]
         .iter()
@@ -334,7 +313,7 @@ async fn another_instance_completes_a_run() {
         .collect();
     let rep = other.complete(&b.handle, &outs).await.unwrap();
     assert_eq!((rep.applied, rep.superseded), (3, 0));
-    let next = claim_run(&store, 10, 10).await;
+    let next = claim_run(&store, "relay", 10, 10).await;
     assert_eq!(layout(&next), run_of("a", 4..=4));
     finish(&store, &next).await;
     ctx.drop().await;
@@ -347,10 +326,10 @@ async fn a_late_completion_of_an_expired_run_is_fenced() {
     let store = ctx.store(lease(1.0)).await;
     let evs: Vec<_> = (1..=3).map(|v| event("a", v)).collect();
     append(&ctx, &store, &evs).await;
-    let first = claim_run(&store, 10, 10).await;
+    let first = claim_run(&store, "relay", 10, 10).await;
     assert_eq!(first.records.len(), 3);
     tokio::time::sleep(Duration::from_millis(1200)).await;
-    let second = claim_run(&store, 10, 10).await;
+    let second = claim_run(&store, "relay", 10, 10).await;
     assert_eq!(layout(&second), run_of("a", 1..=3));
     let outs: Vec<_> = first
         .records
@@ -368,7 +347,7 @@ async fn a_late_completion_of_an_expired_run_is_fenced() {
         .collect();
     let rep = store.complete(&second.handle, &outs).await.unwrap();
     assert_eq!((rep.applied, rep.superseded), (3, 0));
-    assert!(claim_run(&store, 10, 10).await.is_empty());
+    assert!(claim_run(&store, "relay", 10, 10).await.is_empty());
     ctx.drop().await;
 }
 
@@ -386,7 +365,7 @@ async fn the_run_claim_plan_reads_the_indexes() {
     for chunk in evs.chunks(5000) {
         store.append_many(&ctx.pool, chunk).await.unwrap();
     }
-    let b = claim_run(&store, 1000, 1).await;
+    let b = claim_run(&store, "relay", 1000, 1).await;
     store.release(&b.handle).await.unwrap();
     for table in ["outbox_events", "outbox_events_aggregate"] {
         sqlx::query(&format!("ANALYZE \"{}\".{table}", ctx.schema))

@@ -423,15 +423,7 @@ async fn the_sql_append_accepts_and_rejects_what_the_envelope_does() {
         "accepted {accepted}"
     );
 
-    let seed: u64 = std::env::var("OUTBOX_SQL_APPEND_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
+    let seed = common::env_seed("OUTBOX_SQL_APPEND_SEED").unwrap_or_else(common::clock_seed);
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     for case in 0..150 {
         let mut e = event("v", 1);

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{answer, begin, expect_property, operator_steps};
+use common::{answer, begin, committed, expect_property, operator_steps};
 
 use outbox_sim::{
     describe, run_property, sample_cases, Modes, RecordAnswer, SimConfig, SimReport, Simulation,
@@ -280,11 +280,7 @@ fn a_prefetched_batch_survives_a_park_of_the_batch_before_it() {
             ..Modes::default()
         },
     );
-    let mut steps = Vec::new();
-    for a in 0..4 {
-        steps.push(begin(a, 2));
-        steps.push(Step::Commit(0));
-    }
+    let mut steps = committed(4, 2);
     steps.extend([
         Step::Relay(0),
         answer(0, &[RecordAnswer::Permanent, RecordAnswer::Ack]),

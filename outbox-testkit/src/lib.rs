@@ -127,6 +127,20 @@ pub fn deterministic_event_id(at: chrono::DateTime<chrono::Utc>, n: u64) -> outb
     outbox_core::EventId::from_parts(at, u128::from(x) << 16)
 }
 
+/// Claims at most `limit` events of `store` for `owner`, in runs of up to `run` versions per
+/// aggregate; panics when the claim fails.
+pub async fn claim_run<S: outbox_core::OutboxStore>(
+    store: &S,
+    owner: &str,
+    limit: usize,
+    run: usize,
+) -> outbox_core::ClaimedBatch {
+    store
+        .claim(&outbox_core::ClaimRequest::new(owner, limit).with_run(run))
+        .await
+        .expect("claim")
+}
+
 /// A claimed batch as (aggregate, version, run position) per record, in batch order: what
 /// run checks compare and print.
 pub fn batch_layout(batch: &outbox_core::ClaimedBatch) -> Vec<(String, i64, u32)> {

@@ -199,6 +199,24 @@ pub async fn claim(store: &PostgresOutboxStore, owner: &str, limit: usize) -> Cl
         .expect("claim")
 }
 
+/// (type, id, version) of each claimed record, sorted.
+pub fn claimed(batch: &ClaimedBatch) -> Vec<(String, String, i64)> {
+    let mut v: Vec<_> = batch
+        .records
+        .iter()
+        .map(|r| {
+            let e = &r.envelope;
+            (
+                e.aggregate_type.clone(),
+                e.aggregate_id.clone(),
+                e.aggregate_version,
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
 /// The (aggregate, version) pairs of a batch, sorted.
 pub fn versions(batch: &ClaimedBatch) -> Vec<(String, i64)> {
     let mut v: Vec<_> = batch
@@ -213,6 +231,19 @@ pub fn versions(batch: &ClaimedBatch) -> Vec<(String, i64)> {
         .collect();
     v.sort();
     v
+}
+
+/// The seed of a randomized test given in the environment variable `var`, if any (and a number).
+pub fn env_seed(var: &str) -> Option<u64> {
+    std::env::var(var).ok().and_then(|s| s.parse().ok())
+}
+
+/// A seed drawn from the clock: the nanoseconds since the Unix epoch (the low 64 bits).
+pub fn clock_seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
 }
 
 /// Completes every record of `batch` as published; every outcome must apply.

@@ -17,11 +17,18 @@ pub async fn stand_in_pool(ctx: &super::Ctx, mode: ClaimMode, function: &str) ->
         .execute(&ctx.pool)
         .await
         .unwrap();
+    search_path_pool(ctx, 3).await
+}
+
+/// A pool of at most `max` connections whose sessions search the test's schema before
+/// `pg_catalog`: a function created there stands in for the built-in function of the same name
+/// that the statements call unqualified.
+pub async fn search_path_pool(ctx: &super::Ctx, max: u32) -> PgPool {
     let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| super::DEFAULT_URL.to_owned());
     let opts: PgConnectOptions = url.parse().unwrap();
-    let set = format!("SET search_path = \"{s}\", pg_catalog");
+    let set = format!("SET search_path = \"{}\", pg_catalog", ctx.schema);
     PgPoolOptions::new()
-        .max_connections(3)
+        .max_connections(max)
         .after_connect(move |conn, _| {
             let set = set.clone();
             Box::pin(async move {

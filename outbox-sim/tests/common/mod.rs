@@ -22,16 +22,23 @@ pub fn answer(relay: usize, answers: &[RecordAnswer]) -> Step {
     }
 }
 
+/// Aggregates `0..aggregates`, each in a business transaction of `events` events committed
+/// at once (one after the other).
+pub fn committed(aggregates: usize, events: usize) -> Vec<Step> {
+    let mut steps = Vec::new();
+    for a in 0..aggregates {
+        steps.push(begin(a, events));
+        steps.push(Step::Commit(0));
+    }
+    steps
+}
+
 /// Operator actions on parked events of several aggregates, and the release of a crashed
 /// relay's claims: each is checked for its scope (the store's whole delivery state before and
 /// after: nothing outside its target changed, the target only as promised).
 pub fn operator_steps() -> Vec<Step> {
     use outbox_sim::OperatorStep::{Discard, Reissue, Retry};
-    let mut steps = Vec::new();
-    for a in 0..4 {
-        steps.push(begin(a, 2));
-        steps.push(Step::Commit(0));
-    }
+    let mut steps = committed(4, 2);
     steps.extend([
         // Heads of several aggregates park (a permanent failure each).
         Step::Relay(0),

@@ -10,7 +10,7 @@ use outbox_core::{
 };
 
 use super::{event, not_applicable, unique, OutboxHarness};
-use crate::{batch_layout as layout, run_layout as run_of};
+use crate::{batch_layout as layout, claim_run, run_layout as run_of};
 
 fn agg(name: &str) -> String {
     format!("{name}-{}", unique())
@@ -1417,18 +1417,6 @@ pub async fn stats_keep_blocked_and_gap_held_events_out_of_the_claimable_age<H: 
 }
 
 // ---- Runs (`outbox_core::store`, *Runs*; capability `runs`) ----
-
-async fn claim_run<S: OutboxStore>(
-    store: &S,
-    owner: &str,
-    limit: usize,
-    run: usize,
-) -> ClaimedBatch {
-    store
-        .claim(&ClaimRequest::new(owner, limit).with_run(run))
-        .await
-        .expect("claim")
-}
 
 /// Runs: a claim asking for runs gets, after each head, its aggregate's next versions, adjacent
 /// and in version order with run positions 0, 1, 2, ..., each counted against the limit; a

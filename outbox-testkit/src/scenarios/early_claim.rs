@@ -43,7 +43,7 @@ use outbox_core::prelude::*;
 use outbox_core::{
     async_trait, AckMetadata, ClaimHandle, ClaimMode, ClaimRequest, ClaimedBatch, CompletionReport,
     Envelope, EventId, Outcome, PublishError, PublishErrorKind, PublishResult, Publisher, Relay,
-    RelayConfig, StoreError, StoreErrorKind,
+    RelayConfig, RelayConfigBuilder, StoreError, StoreErrorKind,
 };
 use rand::{Rng, SeedableRng};
 
@@ -425,16 +425,13 @@ impl Publisher for Broker {
     }
 }
 
-/// A relay with the early claim on (prefetch on, the default), batches of 50.
-fn early_relay<S: RelayStore, P: Publisher>(
-    store: S,
-    publisher: P,
-    owner: &str,
-    seed: u64,
-) -> Relay<S, P> {
-    let config = RelayConfig::builder()
+/// The configuration of an early-claim relay, to build (or to set more on first): the early
+/// claim on (prefetch on, the default), batches of `batch_size`, idle pauses of 2 to 20 ms, the
+/// smallest lease margin, retries after 5 to 20 ms (50 at the most).
+pub fn early_claim_config(owner: impl Into<String>, batch_size: usize) -> RelayConfigBuilder {
+    RelayConfig::builder()
         .owner(owner)
-        .batch_size(50)
+        .batch_size(batch_size)
         .early_claim(true)
         .idle(Duration::from_millis(2), Duration::from_millis(20))
         .lease_margin(outbox_core::MIN_LEASE_MARGIN)
@@ -443,8 +440,16 @@ fn early_relay<S: RelayStore, P: Publisher>(
             Duration::from_millis(20),
             50,
         ))
-        .build()
-        .expect("relay config");
+}
+
+/// A relay with the early claim on (prefetch on, the default), batches of 50.
+fn early_relay<S: RelayStore, P: Publisher>(
+    store: S,
+    publisher: P,
+    owner: &str,
+    seed: u64,
+) -> Relay<S, P> {
+    let config = early_claim_config(owner, 50).build().expect("relay config");
     seeded_relay(store, publisher, config, seed)
 }
 
