@@ -53,7 +53,10 @@ async fn one_event_writes_the_row_a_batch_writes() {
             .unwrap()
             .schema_version(3)
             .header("x-test", "1")
-            .header("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+            .header(
+                "traceparent",
+                "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            )
             .build()
             .unwrap();
         let many = twin(&one, &format!("many-{tag}"));
