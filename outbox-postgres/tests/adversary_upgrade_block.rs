@@ -694,16 +694,16 @@ fn seed() -> u64 {
 /// old relay's completions publish, retry or release each row, the new relay's publish a
 /// prefix of each run and release the rest. After every step no blocked row is orphaned; at
 /// the end every (aggregate, version) is published once, from its first appended row, in
-/// version order, every other row parked out of order, nothing pending.
-#[tokio::test]
-async fn random_batches_beside_a_relay_of_version_10() {
+/// version order, every other row parked out of order, nothing pending. The old relay in
+/// lease mode, or in locked mode (its claim's transaction open across the other steps).
+async fn random_batches_beside_a_relay_of_version_10(locked: bool) {
     use rand::seq::SliceRandom;
     use rand::{Rng, SeedableRng};
     let seed = seed();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let ctx = ctx!(6);
     let new = store(&ctx, lease(30.0), true).await;
-    let old = OldRelay::new(Version::V10, ctx.pool.clone(), &ctx.schema, false);
+    let old = OldRelay::new(Version::V10, ctx.pool.clone(), &ctx.schema, locked);
     let aggs = ["r0", "r1", "r2", "r3", "r4"];
     let mut next: BTreeMap<&str, i64> = aggs.iter().map(|a| (*a, 1)).collect();
     let mut appended: Vec<Envelope> = Vec::new();
@@ -849,5 +849,21 @@ async fn random_batches_beside_a_relay_of_version_10() {
         .filter(|r| r.2 != "published" && r.2 != "parked:out_of_order")
         .collect();
     assert!(left.is_empty(), "seed {seed}: {left:?}");
+    let parked = rows(&ctx).await.len() - log.published.len();
+    eprintln!(
+        "seed {seed}: {} appended, {} published, {parked} parked out of order",
+        appended.len(),
+        log.published.len()
+    );
     ctx.drop().await;
+}
+
+#[tokio::test]
+async fn random_batches_beside_a_lease_relay_of_version_10() {
+    random_batches_beside_a_relay_of_version_10(false).await;
+}
+
+#[tokio::test]
+async fn random_batches_beside_a_locked_relay_of_version_10() {
+    random_batches_beside_a_relay_of_version_10(true).await;
 }
