@@ -867,3 +867,67 @@ async fn random_batches_beside_a_lease_relay_of_version_10() {
 async fn random_batches_beside_a_locked_relay_of_version_10() {
     random_batches_beside_a_relay_of_version_10(true).await;
 }
+
+/// Relays of version 5 on a schema of migration 5 hold claims on batches the new store
+/// appended (followers written blocked) when `migrate()` upgrades it to 11: a locked claim
+/// (the migration waits for it; its completion, with version 5's own statement and
+/// promotion, commits first) and a lease claim whose completion fails after migration 8
+/// renamed `ack_topic` (a relay of version 5 cannot complete on the new schema). Once that
+/// lease has run out, the new relay sends its head again and drains both batches in order:
+/// a duplicate of the head at most, never a loss, nothing left blocked.
+#[tokio::test]
+async fn migration_11_beside_relays_of_version_5_holding_batch_heads() {
+    let ctx = ctx!(8);
+    common::schema_at_version(&ctx, 5).await;
+    let new = store(&ctx, lease(30.0), false).await;
+    let mut evs = batch("a", 1, 5);
+    evs.extend(batch("b", 1, 5));
+    append(&ctx, &new, &evs).await;
+    assert!(common::blocked(&ctx, "a", 2).await && common::blocked(&ctx, "b", 5).await);
+    let mut old_lease = OldRelay::new(Version::V5, ctx.pool.clone(), &ctx.schema, false);
+    old_lease.lease = Duration::from_secs(1);
+    let old_locked = OldRelay::new(Version::V5, ctx.pool.clone(), &ctx.schema, true);
+    let held_lease = old_lease.claim("old-lease", 1).await;
+    let held_locked = old_locked.claim("old-locked", 10).await;
+    let claimed = |c: &old_relay::OldClaim| {
+        c.rows
+            .iter()
+            .map(|r| (r.agg_id.clone(), r.version))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(claimed(&held_lease), vec![("a".to_owned(), 1)]);
+    assert_eq!(claimed(&held_locked), vec![("b".to_owned(), 1)]);
+
+    let migrating = {
+        let store = new.clone();
+        tokio::spawn(async move { store.migrate().await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !migrating.is_finished(),
+        "the migration went ahead of an open locked claim of version 5"
+    );
+    let mut log = Log::default();
+    let b1 = held_locked.rows[0].clone();
+    let applied = old_locked
+        .complete(held_locked, &[(0, Kind::Published)])
+        .await;
+    assert_eq!(applied.len(), 1);
+    log.published.push((b1.agg_id, b1.version, b1.event));
+    let applied_migrations = tokio::time::timeout(Duration::from_secs(20), migrating)
+        .await
+        .expect("migration within 20 s")
+        .unwrap()
+        .expect("migrate");
+    assert_eq!(applied_migrations, 6, "migrations 6 to 11");
+    let failed = old_lease
+        .try_complete(held_lease, &[(0, Kind::Published)])
+        .await
+        .expect_err("a version 5 completion writes ack_topic, gone since migration 8");
+    assert!(failed.to_string().contains("ack_topic"), "{failed}");
+
+    let new_ref = &new;
+    drain_with(&ctx, &mut log, 400, |_| new_step(new_ref, 3)).await;
+    log.check(&[("a", (1..=5).collect()), ("b", (1..=5).collect())]);
+    ctx.drop().await;
+}

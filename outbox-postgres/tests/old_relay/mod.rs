@@ -84,6 +84,8 @@ pub enum Kind {
 pub struct OldRelay {
     pub version: Version,
     pub locked: bool,
+    /// The lease of a lease claim (30 s unless set).
+    pub lease: std::time::Duration,
     pool: PgPool,
     seed: i64,
     s: Stmts,
@@ -133,6 +135,7 @@ impl OldRelay {
         Self {
             version,
             locked,
+            lease: std::time::Duration::from_secs(30),
             pool,
             seed,
             s,
@@ -251,7 +254,7 @@ impl OldRelay {
                 .bind(ids)
                 .bind(owner)
                 .bind(token)
-                .bind(30_000_000_i64)
+                .bind(self.lease.as_micros() as i64)
                 .bind(gap_us)
                 .bind(recheck_us)
         }
@@ -282,11 +285,23 @@ impl OldRelay {
     /// The completion (old `outbox/complete.rs`): outcomes by index into `claim.rows`; rows
     /// without one are released. Returns the applied row ids.
     pub async fn complete(&self, claim: OldClaim, outcomes: &[(usize, Kind)]) -> Vec<i64> {
+        let version = self.version;
+        self.try_complete(claim, outcomes)
+            .await
+            .unwrap_or_else(|e| panic!("old completion ({version:?}): {e}"))
+    }
+
+    /// [`Self::complete`], its statement's error returned (the transaction rolled back).
+    pub async fn try_complete(
+        &self,
+        claim: OldClaim,
+        outcomes: &[(usize, Kind)],
+    ) -> Result<Vec<i64>, sqlx::Error> {
         let n = claim.rows.len();
         if n == 0 {
             // A relay completes no empty claim (a locked claim without rows committed).
             assert!(claim.tx.is_none());
-            return Vec::new();
+            return Ok(Vec::new());
         }
         let kind_of = |i: usize| outcomes.iter().find(|o| o.0 == i).map(|o| o.1);
         let ids: Vec<i64> = claim.rows.iter().map(|r| r.id).collect();
@@ -372,9 +387,16 @@ impl OldRelay {
                 .bind(&uncertain),
         };
         let row = if let Some(mut tx) = claim.tx {
-            let row = q.fetch_one(&mut *tx).await.expect("old locked completion");
-            tx.commit().await.unwrap();
-            row
+            match q.fetch_one(&mut *tx).await {
+                Ok(row) => {
+                    tx.commit().await.unwrap();
+                    row
+                }
+                Err(e) => {
+                    tx.rollback().await.unwrap();
+                    return Err(e);
+                }
+            }
         } else {
             let mut tx = self
                 .pool
@@ -391,15 +413,18 @@ impl OldRelay {
                 .execute(&mut *tx)
                 .await
                 .unwrap();
-            let row = q
-                .bind(claim.token)
-                .fetch_one(&mut *tx)
-                .await
-                .unwrap_or_else(|e| panic!("old lease completion ({:?}): {e}", self.version));
-            tx.commit().await.unwrap();
-            row
+            match q.bind(claim.token).fetch_one(&mut *tx).await {
+                Ok(row) => {
+                    tx.commit().await.unwrap();
+                    row
+                }
+                Err(e) => {
+                    tx.rollback().await.unwrap();
+                    return Err(e);
+                }
+            }
         };
-        row.get("applied")
+        Ok(row.get("applied"))
     }
 
     /// Releases a locked claim (rollback) or drops a lease claim's memory (its lease runs out).
