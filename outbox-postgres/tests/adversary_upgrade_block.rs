@@ -931,3 +931,112 @@ async fn migration_11_beside_relays_of_version_5_holding_batch_heads() {
     log.check(&[("a", (1..=5).collect()), ("b", (1..=5).collect())]);
     ctx.drop().await;
 }
+
+/// `accept_first_version` on both sides: aggregates without state whose first batch starts
+/// above version 1 (one reversed, one with its lowest version twice), drained by a lenient
+/// relay of version 10 or 5 alone, and (version 10) alternating with a lenient new relay, a
+/// late lower version appended while the batch's head is claimed. Each aggregate counts from
+/// its batch's lowest version (the old `unknown_last` reads the blocked rows too); the late
+/// lower version and the duplicate are parked out of order, the rest published in order.
+#[tokio::test]
+async fn lenient_old_relays_start_a_batch_at_its_lowest_version() {
+    for (version, alternate) in [
+        (Version::V10, false),
+        (Version::V10, true),
+        (Version::V5, false),
+    ] {
+        let ctx = ctx!(4);
+        let migrate = version == Version::V10;
+        if !migrate {
+            common::schema_at_version(&ctx, 5).await;
+        }
+        let new = PostgresOutboxStore::builder(ctx.pool.clone())
+            .schema(&ctx.schema)
+            .claim_mode(lease(30.0))
+            .accept_first_version(true)
+            .build()
+            .unwrap();
+        if migrate {
+            new.migrate().await.unwrap();
+        }
+        let old = OldRelay::with_first_version(version, ctx.pool.clone(), &ctx.schema, false, true);
+        let mut evs = batch("up", 5, 4);
+        evs.extend((10..=14).rev().map(|v| event("down", v)));
+        let dup = event("dup", 7);
+        evs.extend([
+            event("dup", 7),
+            event("dup", 8),
+            dup.clone(),
+            event("dup", 9),
+        ]);
+        append(&ctx, &new, &evs).await;
+        assert!(common::blocked(&ctx, "up", 6).await && common::blocked(&ctx, "down", 14).await);
+        // The first claim takes the three heads; a late lower version of "up" arrives while
+        // its head is claimed.
+        let c = old.claim("old-relay", 10).await;
+        let mut heads: Vec<(String, i64)> = c
+            .rows
+            .iter()
+            .map(|r| (r.agg_id.clone(), r.version))
+            .collect();
+        heads.sort();
+        assert_eq!(
+            heads,
+            vec![
+                ("down".to_owned(), 10),
+                ("dup".to_owned(), 7),
+                ("up".to_owned(), 5)
+            ],
+            "{version:?}: {:?}",
+            c.actions
+        );
+        append(&ctx, &new, &[event("up", 3)]).await;
+        let mut log = Log::default();
+        let rows_c = c.rows.clone();
+        let outs: Vec<_> = (0..rows_c.len()).map(|i| (i, Kind::Published)).collect();
+        assert_eq!(old.complete(c, &outs).await.len(), rows_c.len());
+        for r in rows_c {
+            log.published.push((r.agg_id, r.version, r.event));
+        }
+        let (new_ref, old_ref) = (&new, &old);
+        drain_with(&ctx, &mut log, 60, |round| async move {
+            if alternate && round % 2 == 1 {
+                new_step(new_ref, 3).await
+            } else {
+                old_step(old_ref).await
+            }
+        })
+        .await;
+        log.check(&[
+            ("down", (10..=14).collect()),
+            ("dup", (7..=9).collect()),
+            ("up", (5..=8).collect()),
+        ]);
+        let parked: Vec<(String, i64, String)> = rows(&ctx)
+            .await
+            .into_iter()
+            .filter(|r| r.2 != "published")
+            .collect();
+        assert_eq!(
+            parked,
+            vec![
+                ("dup".to_owned(), 7, "parked:out_of_order".to_owned()),
+                ("up".to_owned(), 3, "parked:out_of_order".to_owned())
+            ],
+            "{version:?} alternate {alternate}"
+        );
+        let dup_status: String = sqlx::query_scalar(&format!(
+            "SELECT status FROM {} WHERE event_id = $1",
+            table(&ctx)
+        ))
+        .bind(dup.event_id.as_uuid())
+        .fetch_one(&ctx.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            dup_status, "parked",
+            "the later row of version 7 is the duplicate"
+        );
+        ctx.drop().await;
+    }
+}

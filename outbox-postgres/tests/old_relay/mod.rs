@@ -95,10 +95,21 @@ impl OldRelay {
     /// An old relay over `outbox_events` of `schema` (`locked`: `ClaimMode::LockedTransaction`,
     /// else a 30 s lease).
     pub fn new(version: Version, pool: PgPool, schema: &str, locked: bool) -> Self {
+        Self::with_first_version(version, pool, schema, locked, false)
+    }
+
+    /// [`Self::new`] with that version's `accept_first_version` option.
+    pub fn with_first_version(
+        version: Version,
+        pool: PgPool,
+        schema: &str,
+        locked: bool,
+        accept_first_version: bool,
+    ) -> Self {
         let table = "outbox_events";
         let (s, seed) = match version {
             Version::V10 => {
-                let q = sql_v10::OutboxSql::new(schema, table, false);
+                let q = sql_v10::OutboxSql::new(schema, table, accept_first_version);
                 (
                     Stmts {
                         claim_candidates: q.claim_candidates,
@@ -115,7 +126,7 @@ impl OldRelay {
                 )
             }
             Version::V5 => {
-                let q = sql_v5::OutboxSql::new(schema, table, false);
+                let q = sql_v5::OutboxSql::new(schema, table, accept_first_version);
                 (
                     Stmts {
                         claim_candidates: q.claim_candidates,
