@@ -251,9 +251,25 @@ pub async fn gap_parked_head_with_a_blocked_backlog_drains_after_retry<B: Random
     );
 }
 
+/// What the two relays of [`two_relays_drain_two_hot_aggregates`] were handed.
+#[derive(Default)]
+struct HandedOut {
+    /// (aggregate, version) in hand-out order: noted as each claim returns, before it is
+    /// completed, so a version handed out only after its predecessor's completion committed
+    /// is always noted after it (a note taken after the completion returned could come after
+    /// the next claim's, under load, with nothing wrong in the store).
+    seen: Vec<(String, i64)>,
+    /// Aggregates claimed and not yet being completed, by claim token.
+    in_flight: std::collections::HashMap<String, uuid::Uuid>,
+    /// A claim handed out an aggregate another claim still held.
+    overlaps: Vec<String>,
+}
+
 /// Two stores (two relays) claim side by side (limit 50, each claim completed) while two hot
 /// aggregates of `n` versions each and 50 single events drain: no claim or completion may
-/// fail, and within 90 s every event comes out once, each aggregate in version order.
+/// fail, no claim may hand out an aggregate another claim holds (between its hand-out and the
+/// start of its completion), and within 90 s every event comes out once, each aggregate in
+/// version order (the order in which the claims handed the versions out).
 pub async fn two_relays_drain_two_hot_aggregates<B: RandomizedBackend>(
     backend: &B,
     mode: ClaimMode,
@@ -275,17 +291,57 @@ pub async fn two_relays_drain_two_hot_aggregates<B: RandomizedBackend>(
     }
     let total = all.len();
     append_committed(backend, &store, &all).await;
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(String, i64)>::new()));
+    let log = std::sync::Arc::new(std::sync::Mutex::new(HandedOut::default()));
     let deadline = Instant::now() + Duration::from_secs(90);
     let relay = |s: B::Store| {
-        let seen = std::sync::Arc::clone(&seen);
+        let log = std::sync::Arc::clone(&log);
         tokio::spawn(async move {
-            while Instant::now() < deadline && seen.lock().expect("seen").len() < total {
-                let got = claim_and_publish(&s, 50).await;
-                if got.is_empty() {
+            while Instant::now() < deadline && log.lock().expect("log").seen.len() < total {
+                let batch = s
+                    .claim(&ClaimRequest::new("adv-hot", 50))
+                    .await
+                    .expect("claim");
+                if batch.records.is_empty() {
                     tokio::time::sleep(Duration::from_millis(20)).await;
+                    continue;
                 }
-                seen.lock().expect("seen").extend(got);
+                let token = batch.handle.token;
+                {
+                    let mut log = log.lock().expect("log");
+                    for r in &batch.records {
+                        let (aggregate, version) =
+                            (&r.envelope.aggregate_id, r.envelope.aggregate_version);
+                        if let Some(held) = log.in_flight.insert(aggregate.clone(), token) {
+                            if held != token {
+                                log.overlaps.push(format!(
+                                    "{aggregate} {version} handed out while claim {held} held it"
+                                ));
+                            }
+                        }
+                        log.seen.push((aggregate.clone(), version));
+                    }
+                }
+                // The broker's round trip: the window in which another claim of these
+                // aggregates would be seen as an overlap.
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                let outcomes: Vec<Outcome> = batch
+                    .records
+                    .iter()
+                    .enumerate()
+                    .map(|(i, r)| Outcome::Published {
+                        event_id: r.envelope.event_id,
+                        ack: AckMetadata::kafka("orders", 0, i as i64),
+                    })
+                    .collect();
+                log.lock()
+                    .expect("log")
+                    .in_flight
+                    .retain(|_, held| *held != token);
+                let rep = s
+                    .complete(&batch.handle, &outcomes)
+                    .await
+                    .expect("complete");
+                assert_eq!(rep.applied, outcomes.len(), "{rep:?}");
             }
         })
     };
@@ -293,7 +349,13 @@ pub async fn two_relays_drain_two_hot_aggregates<B: RandomizedBackend>(
     let b = relay(other);
     a.await.expect("relay a (a claim or completion failed)");
     b.await.expect("relay b (a claim or completion failed)");
-    let seen = seen.lock().expect("seen").clone();
+    let log = log.lock().expect("log");
+    assert!(
+        log.overlaps.is_empty(),
+        "two claims held one aggregate at once: {:?}",
+        log.overlaps
+    );
+    let seen = &log.seen;
     for hot in ["hot-a", "hot-b"] {
         let vs: Vec<i64> = seen
             .iter()
