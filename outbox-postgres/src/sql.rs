@@ -91,6 +91,16 @@ impl OutboxSql {
         let state = qualified(schema, &format!("{table}_aggregate"));
         let seed = seed(schema, table);
 
+        // What an append returns: rows written, notifications sent (`$11` the channel; with
+        // the wake-up gate `$12`, `$13`, only when its shared lock is refused: `wake_gate.rs`).
+        let appended = "SELECT (SELECT count(*) FROM ins) AS n, \
+                    (SELECT count(*) FROM (SELECT pg_notify($11::text, '') \
+                                           WHERE $11::text IS NOT NULL \
+                                             AND ($12::int4 IS NULL \
+                                                  OR NOT pg_try_advisory_xact_lock_shared( \
+                                                           $12::int4, $13::int4))) nn) \
+                    AS notified";
+
         // `inserted_at` (what the stats age events from) is the statement's clock, not the
         // column default `now()`, the start of the business transaction: an event appended
         // at the end of a long transaction must not look that old at its commit, before the
@@ -110,13 +120,7 @@ impl OutboxSql {
                            $14::bool[]) \
                     AS u(e, at, ai, av, et, sv, ct, p, h, ca, bl) \
                RETURNING 1) \
-             SELECT (SELECT count(*) FROM ins) AS n, \
-                    (SELECT count(*) FROM (SELECT pg_notify($11::text, '') \
-                                           WHERE $11::text IS NOT NULL \
-                                             AND ($12::int4 IS NULL \
-                                                  OR NOT pg_try_advisory_xact_lock_shared( \
-                                                           $12::int4, $13::int4))) nn) \
-                    AS notified"
+             {appended}"
         );
 
         // One event (most business transactions): `VALUES` instead of `UNNEST` over ten
@@ -127,13 +131,7 @@ impl OutboxSql {
                VALUES ($1::uuid, $2::text, $3::text, $4::int8, $5::text, $6::int4, $7::text, \
                        $8::bytea, $9::text::jsonb, $10::timestamptz, clock_timestamp()) \
                RETURNING 1) \
-             SELECT (SELECT count(*) FROM ins) AS n, \
-                    (SELECT count(*) FROM (SELECT pg_notify($11::text, '') \
-                                           WHERE $11::text IS NOT NULL \
-                                             AND ($12::int4 IS NULL \
-                                                  OR NOT pg_try_advisory_xact_lock_shared( \
-                                                           $12::int4, $13::int4))) nn) \
-                    AS notified"
+             {appended}"
         );
 
         // Step 1: the first candidates (pending, unblocked, due) in insertion order whose
