@@ -188,34 +188,6 @@ async fn movable(ctx: &Ctx) -> Vec<String> {
     .unwrap()
 }
 
-/// Panics when a pending row is blocked with no unfinished row of its aggregate before it in
-/// (version, id) that is itself claimable (pending, not blocked) or parked above the last
-/// version: nothing would ever unblock it.
-async fn no_orphans(ctx: &Ctx) {
-    let t = table(ctx);
-    let orphans: Vec<String> = sqlx::query_scalar(&format!(
-        "SELECT format('%s v%s (row %s)', r.aggregate_id, r.aggregate_version, r.id) \
-         FROM {t} r WHERE r.status = 'pending' AND r.blocked AND NOT EXISTS ( \
-           SELECT 1 FROM {t} u \
-           LEFT JOIN \"{s}\".outbox_events_aggregate a \
-             ON a.aggregate_type = u.aggregate_type AND a.aggregate_id = u.aggregate_id \
-           WHERE u.aggregate_type = r.aggregate_type AND u.aggregate_id = r.aggregate_id \
-             AND (u.aggregate_version, u.id) < (r.aggregate_version, r.id) \
-             AND (u.status = 'pending' AND NOT u.blocked \
-                  OR u.status = 'parked' \
-                     AND u.aggregate_version > COALESCE(a.last_version, 0))) \
-         ORDER BY r.id",
-        s = ctx.schema
-    ))
-    .fetch_all(&ctx.pool)
-    .await
-    .unwrap();
-    assert!(
-        orphans.is_empty(),
-        "blocked rows with no unfinished predecessor (never promoted): {orphans:?}"
-    );
-}
-
 /// Claims and completes with every store in turn until nothing movable is left (15 s at most:
 /// longer is a stall), checking for orphaned blocked rows after every round.
 async fn drain(ctx: &Ctx, stores: &[&PostgresOutboxStore], run: usize, broker: &Mutex<Broker>) {
@@ -225,7 +197,7 @@ async fn drain(ctx: &Ctx, stores: &[&PostgresOutboxStore], run: usize, broker: &
         for (i, s) in stores.iter().enumerate() {
             got += step(s, &format!("relay-{i}"), run, broker).await;
         }
-        no_orphans(ctx).await;
+        common::no_orphans(ctx).await;
         if got == 0 {
             let left = movable(ctx).await;
             if left.is_empty() {
@@ -642,7 +614,7 @@ async fn a_batch_behind_a_version_pending_claimed_in_a_run_or_parked() {
             append(&ctx, &a, &cd[1..]).await;
             append(&ctx, &a, &p[..1]).await;
             append(&ctx, &a, &p[1..]).await;
-            no_orphans(&ctx).await;
+            common::no_orphans(&ctx).await;
             let other = b
                 .claim(&ClaimRequest::new("relay-b", 10).with_run(run))
                 .await
@@ -691,7 +663,7 @@ async fn a_batch_behind_a_version_pending_claimed_in_a_run_or_parked() {
                     }
                 }
             }
-            no_orphans(&ctx).await;
+            common::no_orphans(&ctx).await;
             drain(&ctx, &[&a, &b], run, &broker).await;
             let mut want: Vec<(&Envelope, &str)> = c
                 .iter()
@@ -801,7 +773,7 @@ async fn batches_of_two_transactions_commit_against_version_order() {
             step(&store, "relay", 3, &broker).await;
             append(&ctx, &store, &x[2..]).await;
             step(&store, "relay", 3, &broker).await;
-            no_orphans(&ctx).await;
+            common::no_orphans(&ctx).await;
             low_x.commit().await.unwrap();
             low_y.commit().await.unwrap();
             drain(&ctx, &[&store], 3, &broker).await;
@@ -939,7 +911,7 @@ async fn stats_of_fresh_multi_version_batches_tell_the_truth() {
             "{what}: only a2 and a3 may be queued: {}",
             queued(&s)
         );
-        no_orphans(&ctx).await;
+        common::no_orphans(&ctx).await;
 
         // The heads claimed (lease mode: leased; locked: the claim's locks).
         let held = store.claim(&ClaimRequest::new("relay", 10)).await.unwrap();
@@ -968,7 +940,7 @@ async fn stats_of_fresh_multi_version_batches_tell_the_truth() {
         assert_eq!(parked.len(), 1, "{what}");
         assert_eq!(parked[0].envelope.event_id, a[0].event_id, "{what}");
         assert!(store.parked_event(a[1].event_id).await.is_err(), "{what}");
-        no_orphans(&ctx).await;
+        common::no_orphans(&ctx).await;
         store
             .discard_parked(a[0].event_id, "ops", "dropped")
             .await
@@ -998,7 +970,7 @@ async fn stats_of_fresh_multi_version_batches_tell_the_truth() {
         );
         assert!(s.oldest_claimable_age.is_none(), "{what}: {s:?}");
         assert_eq!(queued(&s), blocked_rows().await, "{what}: queued_rows");
-        no_orphans(&ctx).await;
+        common::no_orphans(&ctx).await;
         check_order(&broker);
         ctx.drop().await;
     }
@@ -1066,7 +1038,7 @@ async fn early_claim_relays_drain_batches_in_version_order() {
         for t in tasks {
             t.await.unwrap();
         }
-        no_orphans(&ctx).await;
+        common::no_orphans(&ctx).await;
         let mut first: HashMap<String, Vec<i64>> = HashMap::new();
         let mut seen = HashSet::new();
         for rec in log.all_records() {
@@ -1174,7 +1146,7 @@ async fn random_batches(mode: ClaimMode) {
         }
         // Every committed state keeps the invariant (each check is one statement: one
         // snapshot of committed claims and completions).
-        no_orphans(&ctx).await;
+        common::no_orphans(&ctx).await;
         let left = movable(&ctx).await;
         let gaps = store
             .list_parked(100)
@@ -1196,7 +1168,7 @@ async fn random_batches(mode: ClaimMode) {
     for r in relays {
         r.await.unwrap();
     }
-    no_orphans(&ctx).await;
+    common::no_orphans(&ctx).await;
     let want: Vec<(&Envelope, &str)> = appended
         .iter()
         .map(|e| {

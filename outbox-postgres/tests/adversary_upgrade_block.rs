@@ -150,34 +150,6 @@ async fn new_step(store: &PostgresOutboxStore, run: usize) -> Vec<Pub> {
         .collect()
 }
 
-/// Panics when a pending row is blocked with no row of its aggregate before it in (version,
-/// id) that is claimable (pending, not blocked) or parked above the last version: nothing
-/// would ever promote it (as `adversary_append_block.rs` checks).
-async fn no_orphans(ctx: &Ctx) {
-    let t = table(ctx);
-    let orphans: Vec<String> = sqlx::query_scalar(&format!(
-        "SELECT format('%s v%s (row %s)', r.aggregate_id, r.aggregate_version, r.id) \
-         FROM {t} r WHERE r.status = 'pending' AND r.blocked AND NOT EXISTS ( \
-           SELECT 1 FROM {t} u \
-           LEFT JOIN \"{s}\".outbox_events_aggregate a \
-             ON a.aggregate_type = u.aggregate_type AND a.aggregate_id = u.aggregate_id \
-           WHERE u.aggregate_type = r.aggregate_type AND u.aggregate_id = r.aggregate_id \
-             AND (u.aggregate_version, u.id) < (r.aggregate_version, r.id) \
-             AND (u.status = 'pending' AND NOT u.blocked \
-                  OR u.status = 'parked' \
-                     AND u.aggregate_version > COALESCE(a.last_version, 0))) \
-         ORDER BY r.id",
-        s = ctx.schema
-    ))
-    .fetch_all(&ctx.pool)
-    .await
-    .unwrap();
-    assert!(
-        orphans.is_empty(),
-        "blocked rows with no unfinished predecessor (never promoted): {orphans:?}"
-    );
-}
-
 /// Pending rows (aggregate, version, blocked), in (aggregate, version) order.
 async fn pending(ctx: &Ctx) -> Vec<(String, i64, bool)> {
     sqlx::query_as(&format!(
@@ -215,7 +187,7 @@ where
         let pubs = step(round).await;
         let got = pubs.len();
         log.published.extend(pubs);
-        no_orphans(ctx).await;
+        common::no_orphans(ctx).await;
         if got == 0 {
             let left = pending(ctx).await;
             if left.is_empty() {
@@ -345,7 +317,7 @@ async fn old_and_new_relays_alternate_on_the_same_batches() {
         };
         let got = pubs.len();
         log.published.extend(pubs);
-        no_orphans(&ctx).await;
+        common::no_orphans(&ctx).await;
         if round >= 30 && got == 0 && pending(&ctx).await.is_empty() {
             break;
         }
@@ -473,7 +445,7 @@ async fn an_old_operator_retries_or_discards_a_parked_head_with_blocked_follower
                 }
             }
         }
-        no_orphans(&ctx).await;
+        common::no_orphans(&ctx).await;
         assert_eq!(
             old_step(&relay).await,
             vec![],
@@ -798,7 +770,7 @@ async fn random_batches_beside_a_relay_of_version_10(locked: bool) {
                 }
             }
         }
-        no_orphans(&ctx).await;
+        common::no_orphans(&ctx).await;
     }
     if let Some(c) = held_old.take() {
         let n = c.rows.len();

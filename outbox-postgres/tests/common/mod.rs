@@ -312,6 +312,35 @@ pub async fn schema_at_version(ctx: &Ctx, version: usize) {
     .unwrap();
 }
 
+/// Panics when a pending row of `outbox_events` is blocked with no row of its aggregate before
+/// it in (version, id) that is claimable (pending, not blocked) or parked above the last
+/// version: nothing would ever promote it (the append-time blocking invariant,
+/// `blocked_at_insert` in `src/outbox/append.rs`).
+pub async fn no_orphans(ctx: &Ctx) {
+    let orphans: Vec<String> = sqlx::query_scalar(&format!(
+        "SELECT format('%s v%s (row %s)', r.aggregate_id, r.aggregate_version, r.id) \
+         FROM {t} r WHERE r.status = 'pending' AND r.blocked AND NOT EXISTS ( \
+           SELECT 1 FROM {t} u \
+           LEFT JOIN \"{s}\".outbox_events_aggregate a \
+             ON a.aggregate_type = u.aggregate_type AND a.aggregate_id = u.aggregate_id \
+           WHERE u.aggregate_type = r.aggregate_type AND u.aggregate_id = r.aggregate_id \
+             AND (u.aggregate_version, u.id) < (r.aggregate_version, r.id) \
+             AND (u.status = 'pending' AND NOT u.blocked \
+                  OR u.status = 'parked' \
+                     AND u.aggregate_version > COALESCE(a.last_version, 0))) \
+         ORDER BY r.id",
+        t = format!("\"{}\".outbox_events", ctx.schema),
+        s = ctx.schema
+    ))
+    .fetch_all(&ctx.pool)
+    .await
+    .unwrap();
+    assert!(
+        orphans.is_empty(),
+        "blocked rows with no unfinished predecessor (never promoted): {orphans:?}"
+    );
+}
+
 /// Whether the row of `agg` (any type) at `version` in `outbox_events` is blocked.
 pub async fn blocked(ctx: &Ctx, agg: &str, version: i64) -> bool {
     sqlx::query_scalar(&format!(
