@@ -30,6 +30,20 @@ pub mod hot_adversary;
 pub mod hot_aggregate;
 pub mod run_adversary;
 
+/// Every record of `batch` published, with offsets 0, 1, .. in batch order (topic `orders`,
+/// partition 0).
+pub(crate) fn published_in_order(batch: &outbox_core::ClaimedBatch) -> Vec<outbox_core::Outcome> {
+    batch
+        .records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| outbox_core::Outcome::Published {
+            event_id: r.envelope.event_id,
+            ack: AckMetadata::kafka("orders", 0, i as i64),
+        })
+        .collect()
+}
+
 /// Store parameters of the scenarios: `mode`, `locked_max_hold` `hold`, a gap timeout of five
 /// minutes (no scenario leaves a gap), the publishers' delivery timeout.
 fn params(mode: ClaimMode, hold: Duration, delivery_timeout: Duration) -> StoreParams {
@@ -652,15 +666,7 @@ pub async fn late_lower_version_is_published_first<B: RandomizedBackend>(
     assert_eq!(held.gaps_held, 1, "{mode:?}");
     backend.commit(open).await.expect("commit v1");
     let publish = |store: B::Store, b: outbox_core::ClaimedBatch| async move {
-        let outcomes: Vec<outbox_core::Outcome> = b
-            .records
-            .iter()
-            .enumerate()
-            .map(|(i, r)| outbox_core::Outcome::Published {
-                event_id: r.envelope.event_id,
-                ack: AckMetadata::kafka("orders", 0, i as i64),
-            })
-            .collect();
+        let outcomes = published_in_order(&b);
         let rep = store
             .complete(&b.handle, &outcomes)
             .await

@@ -13,7 +13,7 @@
 use std::time::{Duration, Instant};
 
 use outbox_core::prelude::*;
-use outbox_core::{AckMetadata, ClaimMode, ClaimRequest, Envelope, Outcome};
+use outbox_core::{ClaimMode, ClaimRequest, Envelope, Outcome};
 
 use super::{event, params};
 use crate::randomized::RandomizedBackend;
@@ -56,15 +56,7 @@ async fn claim_and_publish<S: RelayStore>(store: &S, limit: usize) -> Vec<(Strin
             )
         })
         .collect();
-    let outcomes: Vec<Outcome> = batch
-        .records
-        .iter()
-        .enumerate()
-        .map(|(i, r)| Outcome::Published {
-            event_id: r.envelope.event_id,
-            ack: AckMetadata::kafka("orders", 0, i as i64),
-        })
-        .collect();
+    let outcomes: Vec<Outcome> = super::published_in_order(&batch);
     if !outcomes.is_empty() {
         let rep = store
             .complete(&batch.handle, &outcomes)
@@ -324,15 +316,7 @@ pub async fn two_relays_drain_two_hot_aggregates<B: RandomizedBackend>(
                 // The broker's round trip: the window in which another claim of these
                 // aggregates would be seen as an overlap.
                 tokio::time::sleep(Duration::from_millis(2)).await;
-                let outcomes: Vec<Outcome> = batch
-                    .records
-                    .iter()
-                    .enumerate()
-                    .map(|(i, r)| Outcome::Published {
-                        event_id: r.envelope.event_id,
-                        ack: AckMetadata::kafka("orders", 0, i as i64),
-                    })
-                    .collect();
+                let outcomes: Vec<Outcome> = super::published_in_order(&batch);
                 log.lock()
                     .expect("log")
                     .in_flight

@@ -21,9 +21,7 @@
 //! Both check that each claim hands out at most the hot aggregate's head, in version order.
 
 use outbox_core::prelude::*;
-use outbox_core::{
-    async_trait, AckMetadata, ClaimMode, ClaimRequest, ClaimedBatch, Envelope, Outcome,
-};
+use outbox_core::{async_trait, ClaimMode, ClaimRequest, ClaimedBatch, Envelope, Outcome};
 
 use super::{event, params};
 use crate::randomized::RandomizedBackend;
@@ -146,15 +144,7 @@ async fn claim_and_publish<S: RelayStore>(
         );
         *next_hot += 1;
     }
-    let outcomes: Vec<Outcome> = batch
-        .records
-        .iter()
-        .enumerate()
-        .map(|(i, r)| Outcome::Published {
-            event_id: r.envelope.event_id,
-            ack: AckMetadata::kafka("orders", 0, i as i64),
-        })
-        .collect();
+    let outcomes: Vec<Outcome> = super::published_in_order(&batch);
     if !outcomes.is_empty() {
         let rep = store
             .complete(&batch.handle, &outcomes)
