@@ -916,8 +916,18 @@ where
     /// prefetch claim beside a held batch) have ended, so that nothing but the operator
     /// writes until the next read. `None`: the backend cannot read it, or a call did not end.
     fn scope_snapshot(&mut self) -> Result<Option<DeliverySnapshot>, String> {
+        if !self.calls_settled()? {
+            return Ok(None);
+        }
+        self.block_on(self.backend.delivery_snapshot())?
+    }
+
+    /// Waits (up to 2 s) until no store call of a relay is under way: a prefetch claim that a
+    /// cycle started beside the batch the double now holds runs on in the background. `false`:
+    /// a call did not end in time (one waiting on a lock, say).
+    fn calls_settled(&self) -> Result<bool, String> {
         let shared = self.shared.clone();
-        let settled = self.block_on(async move {
+        self.block_on(async move {
             for _ in 0..400 {
                 if shared.calls_in_flight() == 0 {
                     return true;
@@ -925,11 +935,7 @@ where
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
             false
-        })?;
-        if !settled {
-            return Ok(None);
-        }
-        self.block_on(self.backend.delivery_snapshot())?
+        })
     }
 
     /// Checks the operator-action invariant for `action`, taken since `before` was read.
@@ -1117,6 +1123,9 @@ where
             .iter()
             .map(|e| e.aggregate_id.clone())
             .collect();
+        // A prefetch claim `a` started beside the held batch ends first: run after the expiry,
+        // it would take `a`'s expired aggregates back for `a` itself, and `b` would find none.
+        self.calls_settled()?;
         self.block_on(
             self.backend
                 .advance(self.config.lease + Duration::from_secs(1)),
