@@ -107,41 +107,33 @@ impl OldRelay {
         accept_first_version: bool,
     ) -> Self {
         let table = "outbox_events";
+        // The statements this model runs, taken by name from a released version's `OutboxSql`
+        // (each version its own type, the same field names).
+        macro_rules! stmts {
+            ($sql:expr) => {{
+                let q = $sql;
+                Stmts {
+                    claim_candidates: q.claim_candidates,
+                    claim_decide_lease: q.claim_decide_lease,
+                    claim_decide_locked: q.claim_decide_locked,
+                    complete_lease: q.complete_lease,
+                    complete_locked: q.complete_locked,
+                    lock_keys: q.lock_keys,
+                    event_state: q.event_state,
+                    retry_parked: q.retry_parked,
+                    discard_parked: q.discard_parked,
+                }
+            }};
+        }
         let (s, seed) = match version {
-            Version::V10 => {
-                let q = sql_v10::OutboxSql::new(schema, table, accept_first_version);
-                (
-                    Stmts {
-                        claim_candidates: q.claim_candidates,
-                        claim_decide_lease: q.claim_decide_lease,
-                        claim_decide_locked: q.claim_decide_locked,
-                        complete_lease: q.complete_lease,
-                        complete_locked: q.complete_locked,
-                        lock_keys: q.lock_keys,
-                        event_state: q.event_state,
-                        retry_parked: q.retry_parked,
-                        discard_parked: q.discard_parked,
-                    },
-                    sql_v10::seed(schema, table),
-                )
-            }
-            Version::V5 => {
-                let q = sql_v5::OutboxSql::new(schema, table, accept_first_version);
-                (
-                    Stmts {
-                        claim_candidates: q.claim_candidates,
-                        claim_decide_lease: q.claim_decide_lease,
-                        claim_decide_locked: q.claim_decide_locked,
-                        complete_lease: q.complete_lease,
-                        complete_locked: q.complete_locked,
-                        lock_keys: q.lock_keys,
-                        event_state: q.event_state,
-                        retry_parked: q.retry_parked,
-                        discard_parked: q.discard_parked,
-                    },
-                    sql_v5::seed(schema, table),
-                )
-            }
+            Version::V10 => (
+                stmts!(sql_v10::OutboxSql::new(schema, table, accept_first_version)),
+                sql_v10::seed(schema, table),
+            ),
+            Version::V5 => (
+                stmts!(sql_v5::OutboxSql::new(schema, table, accept_first_version)),
+                sql_v5::seed(schema, table),
+            ),
         };
         Self {
             version,
