@@ -102,6 +102,8 @@ pub struct SimReport {
     pub run_sends: usize,
     /// Cycles that ended with a prefetched batch waiting.
     pub prefetches: usize,
+    /// Of those, cycles whose own batch was not full: the early claim took the next batch.
+    pub early_claims: usize,
     /// Operator actions on the outbox (during the steps).
     pub operator_actions: usize,
     /// Relay crashes while holding a claim.
@@ -446,8 +448,7 @@ where
         let (publisher, handle) = publisher::pair(self.config.delivery_timeout);
         let cfg = RelayConfig::builder()
             .owner(relay_owner(i, generation))
-            // A case with runs claims room for one (the heads come first).
-            .batch_size(self.config.batch_size.max(1) + self.modes.run.max(1) - 1)
+            .batch_size(self.batch_size())
             .run(self.modes.run.max(1))
             .retry(retry_policy(
                 &self.config,
@@ -455,6 +456,7 @@ where
                 self.config.relay_retry.1,
             ))
             .prefetch(self.modes.prefetch)
+            .early_claim(self.modes.early_claim)
             .build()
             .expect("valid relay config");
         let relay = Relay::new(
@@ -1424,6 +1426,11 @@ where
         Ok(())
     }
 
+    /// The relays' batch size: a case with runs claims room for one (the heads come first).
+    fn batch_size(&self) -> usize {
+        self.config.batch_size.max(1) + self.modes.run.max(1) - 1
+    }
+
     fn settle(&mut self, i: usize, result: Result<CycleReport, StoreError>) -> Check {
         let prefetched = self.relays[i]
             .relay
@@ -1435,6 +1442,9 @@ where
                 self.report.superseded += report.superseded;
                 if prefetched.is_some() {
                     self.report.prefetches += 1;
+                    if report.claimed < self.batch_size() {
+                        self.report.early_claims += 1;
+                    }
                 }
                 self.relays[i].last_cycle = Some(report);
                 Ok(())
@@ -1753,22 +1763,35 @@ where
             .is_some_and(|r| r.prefetched().is_some())
     }
 
+    /// Acknowledges every wave relay `i`'s cycle sends until the cycle ends: a run's next
+    /// version goes out only after the one before it was answered, so one answer leaves it
+    /// held (and its lease would then expire under it while the drain waits).
+    fn answer_cycle(&mut self, i: usize) -> Check {
+        for _ in 0..1_000 {
+            if self.relays[i].held.is_none() {
+                return Ok(());
+            }
+            self.answer(i, &[RecordAnswer::Ack])?;
+        }
+        Err(format!("relay {i}'s cycle kept sending"))
+    }
+
     fn drain_relays(&mut self) -> Check {
         // Every relay finishes its batch in flight and publishes what it claimed ahead (a
         // locked claim would hold its aggregates until then).
         for i in 0..self.relays.len() {
-            self.answer(i, &[RecordAnswer::Ack])?;
+            self.answer_cycle(i)?;
             for _ in 0..100 {
                 if !self.has_prefetched(i) {
                     break;
                 }
                 self.relay_step(i)?;
-                self.answer(i, &[RecordAnswer::Ack])?;
+                self.answer_cycle(i)?;
             }
         }
         for _ in 0..500 {
             self.relay_step(0)?;
-            self.answer(0, &[RecordAnswer::Ack])?;
+            self.answer_cycle(0)?;
             self.check_invariants()?;
             let idle = self.relays[0]
                 .last_cycle
@@ -2008,8 +2031,8 @@ where
 
 /// Runs the simulation as a property test and returns the shrunk failure, if any.
 ///
-/// Each case picks the claim mode (lease or locked transaction), prefetch on or off, and a
-/// step sequence; `make` builds the system for a case. The case count comes from
+/// Each case picks the claim mode (lease or locked transaction), prefetch and the early claim
+/// on or off, and a step sequence; `make` builds the system for a case. The case count comes from
 /// `OUTBOX_SIM_CASES` (else `config.cases`), the generator seed from `OUTBOX_SIM_SEED` (else
 /// `config.seed`); the seed is printed. `source_file` (usually `Some(file!())`) enables
 /// proptest's failure persistence in `proptest-regressions/simulation.txt` (relative to the

@@ -345,8 +345,8 @@ pub fn steps(config: &SimConfig) -> impl Strategy<Value = Vec<Step>> {
     proptest::collection::vec(step, 1..=config.max_steps.max(1))
 }
 
-/// The modes of one case: lease (else locked transaction), prefetch, the consumer's version
-/// policy and the transport.
+/// The modes of one case: lease (else locked transaction), prefetch and the early claim, the
+/// consumer's version policy, the transport and the run length.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Modes {
     /// `ClaimMode::Lease` (else `LockedTransaction`).
@@ -359,6 +359,9 @@ pub struct Modes {
     pub transport: Transport,
     /// `RelayConfig::run`: the longest run per aggregate the relays claim (1: heads only).
     pub run: usize,
+    /// `RelayConfig::early_claim` (it acts only with `prefetch`): a batch that was not full
+    /// has the next batch claimed while its completion is written.
+    pub early_claim: bool,
 }
 
 /// One generated case.
@@ -396,9 +399,17 @@ pub fn cases(config: &SimConfig) -> impl Strategy<Value = Case> {
                 policy,
                 transport: forced.unwrap_or(transport),
                 run: forced_run.unwrap_or(run),
+                early_claim: false,
             }),
         steps(config),
+        // Drawn last, so that a seed generates the same modes and steps as before this mode
+        // existed: the early claim in half the cases (those with prefetch).
+        any::<bool>(),
     )
+        .prop_map(|(mut modes, steps, early_claim)| {
+            modes.early_claim = early_claim;
+            (modes, steps)
+        })
 }
 
 /// A replayable description of a case.

@@ -8,8 +8,8 @@ use std::time::Duration;
 use common::{answer, begin, committed, expect_property, operator_steps};
 
 use outbox_sim::{
-    describe, run_property, sample_cases, Modes, RecordAnswer, SimConfig, SimReport, Simulation,
-    Step,
+    describe, run_property, sample_cases, Modes, RaceOp, RecordAnswer, SimConfig, SimReport,
+    Simulation, Step,
 };
 
 #[test]
@@ -44,6 +44,7 @@ fn the_generator_reaches_the_interesting_states() {
         total.parked += r.parked;
         total.mixed_batches += r.mixed_batches;
         total.prefetches += r.prefetches;
+        total.early_claims += r.early_claims;
         total.operator_actions += r.operator_actions;
         total.relay_crashes_holding_work += r.relay_crashes_holding_work;
         total.relay_crashes_mid_run += r.relay_crashes_mid_run;
@@ -99,6 +100,10 @@ fn the_generator_reaches_the_interesting_states() {
         "no batch with mixed outcomes: {total:?}"
     );
     assert!(total.prefetches > 0, "prefetch never happened: {total:?}");
+    assert!(
+        total.early_claims > 0,
+        "no early claim took a batch: {total:?}"
+    );
     assert!(total.operator_actions > 0, "no operator action: {total:?}");
     assert!(
         total.relay_crashes_holding_work > 0,
@@ -292,6 +297,63 @@ fn a_prefetched_batch_survives_a_park_of_the_batch_before_it() {
     assert!(report.prefetches >= 1, "{report:?}");
     assert!(report.parked >= 1, "{report:?}");
     assert_eq!(report.applied, 8);
+}
+
+#[test]
+fn an_early_claim_takes_what_committed_during_the_publication() {
+    // A batch that is not full: while the broker holds it, another aggregate's event commits;
+    // the early claim takes it beside the completion, and the next cycle publishes it.
+    for lease in [true, false] {
+        let config = SimConfig::default().relays(1);
+        let modes = Modes {
+            lease,
+            prefetch: true,
+            early_claim: true,
+            ..Modes::default()
+        };
+        let mut sim = Simulation::memory(config, modes);
+        let mut steps = committed(1, 1);
+        steps.extend([
+            Step::Relay(0),
+            begin(1, 1),
+            Step::Commit(0),
+            answer(0, &[RecordAnswer::Ack]),
+            Step::Relay(0), // the batch claimed early goes out
+            answer(0, &[RecordAnswer::Ack]),
+            Step::Consumer(8),
+        ]);
+        let report = sim.run(&steps).expect("invariants hold");
+        assert_eq!(report.early_claims, 1, "lease {lease}: {report:?}");
+        assert_eq!(report.applied, 2, "lease {lease}: {report:?}");
+    }
+}
+
+#[test]
+fn a_run_claimed_early_by_its_own_relay_is_drained_without_a_resend() {
+    // Two relays race for one aggregate's two versions: one claims them as a run. At
+    // quiescence every wave of the run is answered in its cycle, so its lease never runs out
+    // under it and the relay's own early claim never takes the run back (resending it, its
+    // completion fenced, over and over).
+    let modes = Modes {
+        lease: true,
+        prefetch: true,
+        early_claim: true,
+        run: 3,
+        ..Modes::default()
+    };
+    let mut sim = Simulation::memory(SimConfig::default(), modes);
+    let steps = [
+        begin(0, 2),
+        Step::Commit(0),
+        Step::Race {
+            ops: vec![RaceOp::Claim(1), RaceOp::Claim(0)],
+            stagger: 0,
+        },
+    ];
+    let report = sim.run(&steps).expect("invariants hold");
+    assert_eq!(report.run_sends, 1, "{report:?}");
+    assert_eq!(report.duplicates_in_log, 0, "{report:?}");
+    assert_eq!(report.applied, 2, "{report:?}");
 }
 
 #[test]
