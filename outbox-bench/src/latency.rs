@@ -52,7 +52,7 @@ pub(crate) struct LatencyArgs {
     #[arg(long, default_value_t = 6)]
     partitions: i32,
     /// Only these contenders (ids, comma-separated; default all): notify, polling,
-    /// notify-before, notify-linger5, notify-nagle, notify-early-claim, notify-fetch10.
+    /// notify-before, notify-linger5, notify-nagle, notify-no-early-claim, notify-fetch10.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Transports (comma-separated): kafka (default), nats. Into NATS only the contenders
@@ -94,7 +94,7 @@ struct Contender {
     id: &'static str,
     label: &'static str,
     notify: bool,
-    /// `RelayConfig::early_claim` (the default: off).
+    /// `RelayConfig::early_claim` (the default: on).
     early_claim: bool,
     /// `linger.ms` set on the publisher (None: the publisher's default, 0).
     linger_ms: Option<u32>,
@@ -116,7 +116,7 @@ const CONTENDERS: [Contender; 7] = [
         id: "notify",
         label: "NOTIFY wake-up (default)",
         notify: true,
-        early_claim: false,
+        early_claim: true,
         linger_ms: None,
         fetch_wait_ms: None,
         kafka: &[],
@@ -158,10 +158,10 @@ const CONTENDERS: [Contender; 7] = [
         kafka: &[("socket.nagle.disable", "true")],
     },
     Contender {
-        id: "notify-early-claim",
-        label: "NOTIFY, early claim, linger.ms=0",
+        id: "notify-no-early-claim",
+        label: "NOTIFY, no early claim (the default before stop 41)",
         notify: true,
-        early_claim: true,
+        early_claim: false,
         linger_ms: None,
         fetch_wait_ms: None,
         kafka: &[],
