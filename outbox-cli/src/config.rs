@@ -418,6 +418,9 @@ pub struct RelayConfig {
     pub run_budget: Dur,
     /// Claim the next batch while a full one is published. Default true.
     pub prefetch: bool,
+    /// With `prefetch`: once a batch that was not full is published, claim the next one while
+    /// its completion is written (`outbox_core::RelayConfig::early_claim`). Default true.
+    pub early_claim: bool,
     /// Shortest idle sleep. Default 10 ms.
     pub idle_min: Dur,
     /// Longest idle sleep (fallback polling when wake-ups are lost). Default 1 s.
@@ -454,6 +457,7 @@ impl Default for RelayConfig {
             run: 1,
             run_budget: Dur(outbox_core::DEFAULT_RUN_BUDGET),
             prefetch: true,
+            early_claim: true,
             idle_min: Dur::millis(10),
             idle_max: Dur::secs(1),
             lease_margin: Dur::secs(2),

@@ -610,25 +610,7 @@ fn build_relay<S: DaemonStore, P: Publisher>(
     publisher: P,
     owner: &str,
 ) -> Result<Relay<MeteredStore<S>, P>, CliError> {
-    let r = &config.relay;
-    let retry = RetryPolicy::builder()
-        .base(r.retry_base.0)
-        .max_delay(r.retry_max.0)
-        .max_attempts(r.max_attempts)
-        .build()
-        .map_err(|e| CliError::config(format!("[relay] retry: {}", e.0), "fix [relay]"))?;
-    let relay_config = RelayConfig::builder()
-        .owner(owner)
-        .batch_size(r.batch_size)
-        .run(r.run)
-        .run_budget(r.run_budget.0)
-        .retry(retry)
-        .idle(r.idle_min.0, r.idle_max.0)
-        .lease_margin(r.lease_margin.0)
-        .prefetch(r.prefetch)
-        .circuit_breaker(r.circuit_base.0, r.circuit_max.0)
-        .build()
-        .map_err(|e| CliError::config(format!("[relay]: {}", e.0), "fix [relay]"))?;
+    let relay_config = relay_config(config, owner)?;
     Relay::new(
         MeteredStore::new(store.clone()),
         publisher,
@@ -645,6 +627,30 @@ fn build_relay<S: DaemonStore, P: Publisher>(
              the lease or lower the delivery timeout",
         )
     })
+}
+
+/// The library's relay configuration of `[relay]`, for a worker named `owner`.
+fn relay_config(config: &Config, owner: &str) -> Result<RelayConfig, CliError> {
+    let r = &config.relay;
+    let retry = RetryPolicy::builder()
+        .base(r.retry_base.0)
+        .max_delay(r.retry_max.0)
+        .max_attempts(r.max_attempts)
+        .build()
+        .map_err(|e| CliError::config(format!("[relay] retry: {}", e.0), "fix [relay]"))?;
+    RelayConfig::builder()
+        .owner(owner)
+        .batch_size(r.batch_size)
+        .run(r.run)
+        .run_budget(r.run_budget.0)
+        .retry(retry)
+        .idle(r.idle_min.0, r.idle_max.0)
+        .lease_margin(r.lease_margin.0)
+        .prefetch(r.prefetch)
+        .early_claim(r.early_claim)
+        .circuit_breaker(r.circuit_base.0, r.circuit_max.0)
+        .build()
+        .map_err(|e| CliError::config(format!("[relay]: {}", e.0), "fix [relay]"))
 }
 
 /// A store error no retry cures: the relay stops with the fix.
@@ -1072,5 +1078,26 @@ pub async fn shutdown_signal() {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `relay.prefetch` and `relay.early_claim` reach the library's relay, both on by default.
+    #[test]
+    fn prefetch_and_the_early_claim_follow_the_configuration() {
+        let mut config = Config::default();
+        let c = relay_config(&config, "w-1").expect("valid");
+        assert!(c.prefetch && c.early_claim, "{c:?}");
+        config.relay.early_claim = false;
+        let c = relay_config(&config, "w-1").expect("valid");
+        assert!(c.prefetch && !c.early_claim, "{c:?}");
+        config.relay.prefetch = false;
+        config.relay.early_claim = true;
+        let c = relay_config(&config, "w-1").expect("valid");
+        assert!(!c.prefetch && c.early_claim, "{c:?}");
+        assert_eq!(c.owner, "w-1");
     }
 }
