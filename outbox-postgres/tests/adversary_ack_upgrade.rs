@@ -278,7 +278,10 @@ async fn upgrade_7_to_8_beside_relays_of_version_7_that_claim_and_complete() {
         "the migration waits for the other"
     );
     inflight.commit().await.unwrap();
-    let applied = tokio::time::timeout(Duration::from_secs(10), migrating)
+    // Generous: after its transaction the migration builds its indexes concurrently, and
+    // `CREATE INDEX CONCURRENTLY` waits for every older transaction of the database, other
+    // tests' included (seen over 10 s once beside locked claims held by another binary).
+    let applied = tokio::time::timeout(Duration::from_secs(60), migrating)
         .await
         .expect("the migration finishes once the old transactions ended")
         .unwrap()
