@@ -111,11 +111,17 @@ impl Ledger {
         min_delay: Duration,
     ) -> (Option<HandlerFault>, Option<String>) {
         if self.operator {
-            // An operator's retry: a stuck event is released, the call is not checked.
+            // An operator's retry: a stuck event is released, the call is not checked. A
+            // failure leaves the message parked with the handler's reason: the outcome of the
+            // operator's one attempt (`ReleaseReport::still_parked`), not the engine's.
             if self.stuck == Some(event) {
                 self.stuck = None;
             }
-            return (fault.filter(|f| *f != HandlerFault::Stuck), None);
+            let fault = fault.filter(|f| *f != HandlerFault::Stuck);
+            if fault.is_some() {
+                self.may_park.insert(event);
+            }
+            return (fault, None);
         }
         let fault = match fault {
             Some(HandlerFault::Stuck) => {
@@ -172,9 +178,12 @@ impl Ledger {
 
     /// The handler itself (not a scripted fault) failed on `event`: the user's handler
     /// refused it, or the simulation's effect failed. The engine counts it as any handler
-    /// failure; an operator's retry is not counted.
+    /// failure; an operator's retry is not counted, and may leave the message parked.
     fn handler_failed(&mut self, event: EventId, permanent: bool, max: u32) {
-        if !self.operator {
+        if self.operator {
+            // Parked again by the operator's retry (see `call`).
+            self.may_park.insert(event);
+        } else {
             self.failed(event, permanent, max);
         }
     }

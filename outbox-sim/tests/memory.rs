@@ -8,8 +8,8 @@ use std::time::Duration;
 use common::{answer, begin, committed, expect_property, operator_steps};
 
 use outbox_sim::{
-    describe, run_property, sample_cases, Modes, RaceOp, RecordAnswer, SimConfig, SimReport,
-    Simulation, Step,
+    describe, run_property, sample_cases, HandlerFault, Modes, OperatorStep, RaceOp, RecordAnswer,
+    SimConfig, SimReport, Simulation, Step, Transport,
 };
 
 #[test]
@@ -354,6 +354,36 @@ fn a_run_claimed_early_by_its_own_relay_is_drained_without_a_resend() {
     assert_eq!(report.run_sends, 1, "{report:?}");
     assert_eq!(report.duplicates_in_log, 0, "{report:?}");
     assert_eq!(report.applied, 2, "{report:?}");
+}
+
+#[test]
+fn an_operator_retry_that_fails_leaves_the_message_parked_for_its_reason() {
+    // JetStream: v1 parks in the outbox and is discarded, and the consumer parks v2 on its
+    // gap. The operator's retry of v2 meets a transient handler failure: one attempt, so v2
+    // stays parked, now for the handler's failure (not an engine park short of max_attempts).
+    // The simulation's generator found this case (seed 41, 2,000 cases).
+    {
+        let transport = Transport::JetStream;
+        let modes = Modes {
+            transport,
+            ..Modes::default()
+        };
+        let mut sim = Simulation::memory(SimConfig::default(), modes);
+        let steps = [
+            begin(0, 2),
+            Step::Commit(0),
+            Step::Relay(1),
+            answer(1, &[RecordAnswer::Permanent]),
+            Step::Operator(OperatorStep::Discard, 0),
+            Step::Relay(1),
+            answer(1, &[RecordAnswer::Ack]),
+            Step::HandlerFault(HandlerFault::Transient),
+            Step::Consumer(2),
+            Step::ConsumerOperator(0),
+        ];
+        let report = sim.run(&steps).expect("invariants hold");
+        assert!(report.consumer_parked >= 1, "{transport:?}: {report:?}");
+    }
 }
 
 #[test]
