@@ -47,8 +47,11 @@
 //!
 //! Seen failing under (reverted) breaks: PostgreSQL's lease claim taking over a live lease
 //! (every new lease-mode test on PostgreSQL), its locked claim ignoring the advisory locks of
-//! other claims (every new locked-mode test on PostgreSQL), and the relay dropping the early
-//! claim when the completion fails (the failed and lost completions, both stores).
+//! other claims (every new locked-mode test on PostgreSQL), MySQL's claim ignoring live leases
+//! (not-due rows, `leased` state; every new lease-mode test on MariaDB), its claim reading
+//! without `FOR UPDATE SKIP LOCKED` (every new locked-mode test on MariaDB), and the relay
+//! dropping the early claim when the completion fails (the failed and lost completions, both
+//! stores).
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
