@@ -31,6 +31,27 @@
 //! * [`early_claim_whose_lease_ran_out_is_released_not_published`] (lease mode): a completion
 //!   slower than the lease; another relay takes the expired aggregates; the early claim is
 //!   released (fenced: the other relay's claim stays valid) and never published.
+//!
+//! With runs ([`RelayConfig::run`] above 1; [`early_claim_run_tests!`](crate::early_claim_run_tests)):
+//!
+//! * [`runs_beside_the_early_claim_keep_order`]: two relays with runs of 3 or 100
+//!   (`run_yields` off or on) while one hot aggregate and 25 others commit; runs fail mid-way
+//!   and are cut by the waves' budget; most completions wait until the claim started beside
+//!   them returned. No claim hands out anything of an aggregate of a batch whose completion
+//!   was not yet sent to the store (the run's unsent rest and later versions included); every
+//!   event once, in order; no failed cycle; nothing left.
+//! * [`run_beside_the_early_claim`]: a batch holding a run whose rest is released unsent (the
+//!   budget ends, or a wave fails) or whose completion fails or loses its answer, beside the
+//!   early claim: the early claim holds only the aggregates committed meanwhile, is kept after
+//!   a failed completion, and everything goes out in order afterwards.
+//!
+//! Seen failing under (reverted) breaks: PostgreSQL's lease claim taking over a live lease
+//! (every new lease-mode test on PostgreSQL), its locked claim ignoring the advisory locks of
+//! other claims (every new locked-mode test on PostgreSQL), MySQL's claim ignoring live leases
+//! (not-due rows, `leased` state; every new lease-mode test on MariaDB), its claim reading
+//! without `FOR UPDATE SKIP LOCKED` (every new locked-mode test on MariaDB), and the relay
+//! dropping the early claim when the completion fails (the failed and lost completions, both
+//! stores).
 
 use std::collections::{HashMap, HashSet};
 use std::future::Future;
@@ -90,6 +111,22 @@ struct Seen {
     violations: Vec<String>,
     /// Claims released (by the relay: a lease too short to publish, a shutdown).
     releases: usize,
+    /// Claims whose completion or release was sent to the store (it may have ended them), by
+    /// token.
+    ending: HashSet<uuid::Uuid>,
+    /// Each held claim's owner and its records' run positions, by token.
+    shapes: HashMap<uuid::Uuid, (String, Vec<u32>)>,
+    /// Claims that handed out a run (a record with run position above 0).
+    runs_seen: usize,
+    /// Claims that returned events while a batch of their relay holding a run was still live
+    /// (its completion not yet sent to the store).
+    beside_run_with_events: usize,
+    /// Completions that released records unsent (the rest of a run), and completions that
+    /// retried an event of a run after its head (a wave that failed).
+    released_rest: usize,
+    failed_waves: usize,
+    /// Completions that waited for a claim started beside them to return (`wait_beside`).
+    waited: usize,
 }
 
 /// Shared between the wrappers of the relays of one scenario.
@@ -106,6 +143,14 @@ struct Watch {
     acted_tx: Arc<Mutex<Option<tokio::sync::oneshot::Sender<()>>>>,
     /// The first claim answers this much later (a loaded server's round trip).
     slow_first_claim: Option<Duration>,
+    /// A claim returning what a held claim holds is a violation only if that claim's
+    /// completion or release was not yet sent to the store (which may have ended it: a run's
+    /// unsent rest, released by its completion, can be claimed again at once). Strict then
+    /// holds even where completions commit while claims run.
+    ending_aware: bool,
+    /// Three completions in four (seeded coin) with a claim started beside it wait for that claim
+    /// to return before reaching the store, so the claim runs while the batch is surely live.
+    wait_beside: bool,
 }
 
 impl Watch {
@@ -118,7 +163,16 @@ impl Watch {
             jitter,
             acted_tx: Arc::default(),
             slow_first_claim: None,
+            ending_aware: false,
+            wait_beside: false,
         }
+    }
+
+    /// See [`Watch::ending_aware`] and [`Watch::wait_beside`].
+    fn runs_aware(mut self) -> Self {
+        self.ending_aware = true;
+        self.wait_beside = true;
+        self
     }
 
     /// The first claim answers `d` after the store did, as a loaded machine's round trip.
@@ -206,8 +260,24 @@ impl<S: RelayStore> RelayStore for Watched<S> {
             }
         }
         let mut found = Vec::new();
+        if batch.records.iter().any(|r| r.run_position > 0) {
+            seen.runs_seen += 1;
+        }
+        let beside_run = seen.held.keys().any(|t| {
+            !seen.ending.contains(t)
+                && seen
+                    .shapes
+                    .get(t)
+                    .is_some_and(|(o, pos)| o == owner && pos.iter().any(|p| *p > 0))
+        });
+        if beside_run && !got.is_empty() {
+            seen.beside_run_with_events += 1;
+        }
         for (id, agg, v) in &got {
             for (token, rows) in &seen.held {
+                if self.watch.ending_aware && seen.ending.contains(token) {
+                    continue;
+                }
                 for (hid, hagg, hv) in rows {
                     if hid == id {
                         found.push(format!(
@@ -225,6 +295,13 @@ impl<S: RelayStore> RelayStore for Watched<S> {
         seen.violations.extend(found);
         if !got.is_empty() {
             seen.held.insert(batch.handle.token, got);
+            seen.shapes.insert(
+                batch.handle.token,
+                (
+                    owner.to_owned(),
+                    batch.records.iter().map(|r| r.run_position).collect(),
+                ),
+            );
         }
         Ok(batch)
     }
@@ -238,8 +315,26 @@ impl<S: RelayStore> RelayStore for Watched<S> {
         // so it is normally still under way here; but it can also have returned already (its
         // statements done before the completion's first poll, as seen on PostgreSQL in locked
         // mode), which is the same case for every plan: the plan acts once it has returned.
-        let (beside, jitter) = {
+        let (beside, jitter, wait_for) = {
             let mut seen = self.watch.seen();
+            if let Some((_, positions)) = seen.shapes.get(&claim.token) {
+                let rows = seen.held.get(&claim.token).cloned().unwrap_or_default();
+                let of_runs: HashSet<EventId> = rows
+                    .iter()
+                    .zip(positions)
+                    .filter(|(_, p)| **p > 0)
+                    .map(|(r, _)| r.0)
+                    .collect();
+                if outcomes.len() < rows.len() {
+                    seen.released_rest += 1;
+                }
+                if outcomes
+                    .iter()
+                    .any(|o| matches!(o, Outcome::Retry { .. }) && of_runs.contains(&o.event_id()))
+                {
+                    seen.failed_waves += 1;
+                }
+            }
             *seen.completions.entry(claim.owner.clone()).or_default() += 1;
             *seen.completing.entry(claim.owner.clone()).or_default() += 1;
             let own = seen
@@ -247,6 +342,10 @@ impl<S: RelayStore> RelayStore for Watched<S> {
                 .get(&claim.token)
                 .copied()
                 .unwrap_or(u64::MAX);
+            let wait_for = (self.watch.wait_beside
+                && seen.claims_started > own
+                && self.watch.rng.lock().expect("rng").random_bool(0.75))
+            .then_some(seen.claims_started);
             let beside = (seen.claims_started > own && !seen.acted).then_some(seen.claims_started);
             if beside.is_some() {
                 seen.acted = true;
@@ -257,8 +356,16 @@ impl<S: RelayStore> RelayStore for Watched<S> {
             } else {
                 Duration::from_micros(self.watch.rng.lock().expect("rng").random_range(0..=max))
             };
-            (beside, jitter)
+            (beside, jitter, wait_for)
         };
+        if let Some(started) = wait_for {
+            // Bounded: a claim that never returns is not this wrapper's to wait for.
+            let until = Instant::now() + Duration::from_secs(20);
+            while self.watch.seen().claims_done < started && Instant::now() < until {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            self.watch.seen().waited += 1;
+        }
         let plan = match beside {
             Some(started) if !matches!(self.watch.plan, Plan::Plain) => {
                 // Act once the early claim has returned.
@@ -285,13 +392,20 @@ impl<S: RelayStore> RelayStore for Watched<S> {
         if !jitter.is_zero() {
             tokio::time::sleep(jitter).await;
         }
+        let reach = || {
+            self.watch.seen().ending.insert(claim.token);
+        };
         let result = match plan {
-            Plan::Plain => self.inner.complete(claim, outcomes).await,
+            Plan::Plain => {
+                reach();
+                self.inner.complete(claim, outcomes).await
+            }
             Plan::Fail => Err(StoreError::new(
                 StoreErrorKind::Connection,
                 "injected: the completion never reached the store",
             )),
             Plan::FailAfterCommit => {
+                reach();
                 let _ = self.inner.complete(claim, outcomes).await;
                 Err(StoreError::new(
                     StoreErrorKind::Connection,
@@ -301,19 +415,25 @@ impl<S: RelayStore> RelayStore for Watched<S> {
             Plan::Hang => std::future::pending().await,
             Plan::Slow(d) => {
                 tokio::time::sleep(d).await;
+                reach();
                 self.inner.complete(claim, outcomes).await
             }
         };
         let mut seen = self.watch.seen();
         *seen.completing.entry(claim.owner.clone()).or_default() -= 1;
         seen.held.remove(&claim.token);
+        seen.shapes.remove(&claim.token);
+        seen.ending.remove(&claim.token);
         result
     }
 
     async fn release(&self, claim: &ClaimHandle) -> Result<(), StoreError> {
+        self.watch.seen().ending.insert(claim.token);
         let result = self.inner.release(claim).await;
         let mut seen = self.watch.seen();
         seen.held.remove(&claim.token);
+        seen.shapes.remove(&claim.token);
+        seen.ending.remove(&claim.token);
         seen.releases += 1;
         result
     }
@@ -340,6 +460,9 @@ pub struct Broker {
     gate: Arc<Mutex<Option<Gate>>>,
     /// Events refused once with a permanent error (the relay parks them), then acknowledged.
     refuse_once: Arc<Mutex<HashSet<EventId>>>,
+    /// Events failed once with a record-scoped transient error (the relay retries them; a
+    /// run stops there, its rest released unsent), then acknowledged.
+    fail_once: Arc<Mutex<HashSet<EventId>>>,
 }
 
 struct Gate {
@@ -355,6 +478,7 @@ impl Broker {
             latency,
             gate: Arc::default(),
             refuse_once: Arc::default(),
+            fail_once: Arc::default(),
         }
     }
 
@@ -397,6 +521,7 @@ impl Publisher for Broker {
         }
         tokio::time::sleep(self.latency).await;
         let mut refuse = self.refuse_once.lock().expect("refuse");
+        let mut fail = self.fail_once.lock().expect("fail");
         let mut log = self.log.lock().expect("log");
         let mut out = Vec::with_capacity(batch.len());
         for e in batch {
@@ -407,6 +532,14 @@ impl Publisher for Broker {
                     PublishErrorKind::RecordTooLarge,
                     "injected: refused once",
                 )));
+                continue;
+            }
+            if fail.remove(&e.event_id) {
+                out.push(Err(PublishError::new(
+                    PublishErrorKind::Timeout,
+                    "injected: failed once, record-scoped",
+                )
+                .with_scope(outbox_core::FailureScope::Record)));
                 continue;
             }
             log.acked.push((
@@ -1170,5 +1303,334 @@ macro_rules! early_claim_tests {
             }
             $crate::randomized::RandomizedBackend::finish(&$b).await;
         }
+    };
+}
+
+/// Two relays with the early claim and runs of `run` (`run_yields` as given), while producers
+/// commit one hot aggregate (150 versions, three per transaction, so claims find runs) and
+/// 25 others (eight versions each, one per transaction, four between two of its commits). The broker
+/// fails the first hand-over of every hot version `v % 5 == 2` (record-scoped, transient: a
+/// run stops there, its rest released unsent by the completion) and the waves' budget ends
+/// other runs early. Three completions in four with a claim started beside them wait for that
+/// claim to return before reaching the store, so early claims run while a run is surely in
+/// flight (its claim live). Checks: no claim returns an event, or any version of an aggregate,
+/// of a batch whose completion was not yet sent to the store (the run's unsent versions and
+/// the versions committed meanwhile included); every event acknowledged once, in version
+/// order per aggregate, no aggregate at two relays at once; no failed cycle; nothing parked
+/// or left. With `runs` (the store hands out runs): runs were handed out, claims returned
+/// events beside a live run of their relay, and runs were cut (rest released unsent) and
+/// failed mid-run.
+pub async fn runs_beside_the_early_claim_keep_order<B: RandomizedBackend>(
+    backend: &B,
+    mode: ClaimMode,
+    run: usize,
+    yields: bool,
+    runs: bool,
+) {
+    let p = params(mode, Duration::from_secs(60), Duration::from_millis(200));
+    let store = prepared(backend, &p).await;
+    let watch =
+        Watch::new(Plan::Plain, true, Duration::from_millis(2), 31 + run as u64).runs_aware();
+    let log = Arc::new(Mutex::new(Log::default()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let hot: Vec<Envelope> = (1..=150).map(|v| event("hot", v)).collect();
+    let fail: HashSet<EventId> = hot
+        .iter()
+        .filter(|e| e.aggregate_version % 5 == 2)
+        .map(|e| e.event_id)
+        .collect();
+    let mut tasks = Vec::new();
+    for r in 0..2u64 {
+        let name = format!("runner-{r}");
+        let broker = Broker::new(&name, &log, Duration::from_millis(1));
+        // Shared: whichever relay sends such a version first has it fail.
+        let broker = Broker {
+            fail_once: Arc::new(Mutex::new(fail.clone())),
+            ..broker
+        };
+        let config = early_claim_config(&name, 50)
+            .run(run)
+            .run_yields(yields)
+            .build()
+            .expect("relay config");
+        let relay = seeded_relay(watch.wrap(backend.store(&p)), broker, config, 40 + r);
+        tasks.push(tokio::spawn(drive(relay, Arc::clone(&stop))));
+    }
+    let cold: Vec<Envelope> = (1..=8)
+        .flat_map(|v| (0..25).map(move |a| event(&format!("cold-{a}"), v)))
+        .collect();
+    let mut all = Vec::new();
+    let mut cold_left = cold.chunks(4);
+    for chunk in hot.chunks(3) {
+        append(backend, &store, chunk).await;
+        all.extend_from_slice(chunk);
+        for e in cold_left.next().unwrap_or_default() {
+            append(backend, &store, std::slice::from_ref(e)).await;
+            all.push(e.clone());
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while log.lock().expect("log").acked.len() < all.len() {
+        assert!(
+            Instant::now() < deadline,
+            "{mode:?} run {run} yields {yields}: only {} of {} published in time",
+            log.lock().expect("log").acked.len(),
+            all.len()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.store(true, Ordering::Release);
+    for t in tasks {
+        let (errors, _) = tokio::time::timeout(Duration::from_secs(20), t)
+            .await
+            .expect("relay stops")
+            .expect("relay task");
+        assert_eq!(
+            errors, 0,
+            "{mode:?} run {run} yields {yields}: a cycle failed"
+        );
+    }
+    watch.assert_clean();
+    {
+        let seen = watch.seen();
+        eprintln!(
+            "{mode:?} run {run} yields {yields}: {} claims, {} with runs, {} with events beside a \
+             live run of their relay, {} completions releasing a run's rest, {} retrying a run's \
+             later event, {} waited for the claim beside them",
+            seen.claims_done,
+            seen.runs_seen,
+            seen.beside_run_with_events,
+            seen.released_rest,
+            seen.failed_waves,
+            seen.waited
+        );
+        assert!(
+            seen.waited > 0,
+            "{mode:?}: no claim ran beside a completion"
+        );
+        if runs {
+            assert!(seen.runs_seen > 0, "{mode:?}: no run handed out");
+            assert!(
+                seen.beside_run_with_events > 0,
+                "{mode:?} run {run} yields {yields}: no claim returned events beside a live run"
+            );
+            assert!(
+                seen.released_rest > 0 && seen.failed_waves > 0,
+                "{mode:?} run {run} yields {yields}: no run cut ({}) or failed mid-run ({})",
+                seen.released_rest,
+                seen.failed_waves
+            );
+        }
+    }
+    check_log(&log.lock().expect("log"), &all);
+    assert_nothing_left(&store, &format!("{mode:?}")).await;
+}
+
+/// What happens to the run of the first batch of [`run_beside_the_early_claim`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RunCut {
+    /// The waves' budget (1 ms) ends before the run's second event: its rest is released
+    /// unsent by the completion, written after the early claim returned.
+    Budget,
+    /// The run's second event fails (record-scoped, transient): it is retried, the third
+    /// released unsent, by the completion written after the early claim returned.
+    FailedWave,
+    /// The whole run is acknowledged, then the completion fails without reaching the store
+    /// after the early claim returned (`mode`'s lease should be short, 1.5 s).
+    CompletionFails,
+    /// The whole run is acknowledged, the completion commits after the early claim returned,
+    /// and its answer is lost.
+    AnswerLost,
+}
+
+/// One relay (runs of 3) claims `h` 1..=3 (a run, with runs) and `f1`..`f3` version 1; while
+/// its broker holds them, `h` 4 and 5, `f1`..`f3` version 2 and three new aggregates commit;
+/// then the run is cut or its completion fails as `cut` says, the completion reaching the
+/// store (if at all) only after the early claim returned. Checks: the early claim holds the
+/// three new aggregates only (nothing of `h`: not its unsent or failed versions, not 4 or 5;
+/// nothing of `f1`..`f3`); the first cycle reports what `cut` says; after it the relay keeps
+/// the early claim (failed completion), then publishes everything: first deliveries in
+/// version order, only a batch whose completion never reached the store twice; nothing parked,
+/// nothing left.
+pub async fn run_beside_the_early_claim<B: RandomizedBackend>(
+    backend: &B,
+    mode: ClaimMode,
+    cut: RunCut,
+    runs: bool,
+) {
+    let p = one_relay_params(mode);
+    let store = prepared(backend, &p).await;
+    let first: Vec<Envelope> = (1..=3)
+        .map(|v| event("h", v))
+        .chain((1..=3).map(|a| event(&format!("f{a}"), 1)))
+        .collect();
+    let later: Vec<Envelope> = (4..=5)
+        .map(|v| event("h", v))
+        .chain((1..=3).map(|a| event(&format!("f{a}"), 2)))
+        .chain((0..3).map(|a| event(&format!("g{a}"), 1)))
+        .collect();
+    append(backend, &store, &first).await;
+    let plan = match cut {
+        RunCut::Budget | RunCut::FailedWave => Plan::Slow(Duration::from_millis(30)),
+        RunCut::CompletionFails => Plan::Fail,
+        RunCut::AnswerLost => Plan::FailAfterCommit,
+    };
+    let watch = Watch::new(plan, true, Duration::ZERO, 13);
+    let log = Arc::new(Mutex::new(Log::default()));
+    let broker = Broker::new("runner", &log, Duration::from_millis(1));
+    if cut == RunCut::FailedWave {
+        broker
+            .fail_once
+            .lock()
+            .expect("fail")
+            .insert(first[1].event_id);
+    }
+    let (broker, entered, open) = broker.gated();
+    let budget = if cut == RunCut::Budget {
+        Duration::from_millis(1)
+    } else {
+        Duration::from_secs(10)
+    };
+    let config = early_claim_config("runner", 50)
+        .run(3)
+        .run_budget(budget)
+        .build()
+        .expect("relay config");
+    let mut relay = seeded_relay(watch.wrap(backend.store(&p)), broker, config, 14);
+    let first_cycle = gated_cycle(backend, &store, &mut relay, entered, open, &later).await;
+    assert!(
+        watch.seen().acted,
+        "{mode:?} {cut:?}: no early claim beside the completion"
+    );
+    watch.assert_clean();
+    assert_eq!(
+        aggregates(&watch.seen().early),
+        vec!["g0", "g1", "g2"],
+        "{mode:?} {cut:?}: the early claim"
+    );
+    if runs {
+        assert!(
+            watch.seen().runs_seen > 0,
+            "{mode:?} {cut:?}: no run handed out"
+        );
+    }
+    match cut {
+        RunCut::Budget | RunCut::FailedWave => {
+            let r = first_cycle.expect("first cycle");
+            // Without runs the claim held `h` 1 only.
+            let (published, retried, unsent) = match (runs, cut) {
+                (false, _) => (4, 0, 0),
+                (true, RunCut::Budget) => (4, 0, 2),
+                (true, _) => (4, 1, 1),
+            };
+            assert_eq!(
+                (r.claimed, r.published, r.retried, r.unsent, r.parked),
+                (if runs { 6 } else { 4 }, published, retried, unsent, 0),
+                "{mode:?} {cut:?}: {r:?}"
+            );
+        }
+        RunCut::CompletionFails | RunCut::AnswerLost => {
+            assert!(
+                first_cycle.is_err(),
+                "{mode:?} {cut:?}: the failed completion is reported: {first_cycle:?}"
+            );
+            let mut kept: Vec<String> = relay
+                .prefetched()
+                .map(|b| {
+                    b.records
+                        .iter()
+                        .map(|r| r.envelope.aggregate_id.clone())
+                        .collect()
+                })
+                .unwrap_or_default();
+            kept.sort();
+            assert_eq!(
+                kept,
+                vec!["g0", "g1", "g2"],
+                "{mode:?} {cut:?}: the relay keeps the early claim"
+            );
+        }
+    }
+    let all: Vec<Envelope> = first.iter().chain(&later).cloned().collect();
+    // What the first cycle acknowledged and no completion recorded goes out again.
+    let again = if cut == RunCut::CompletionFails {
+        log.lock().expect("log").acked.len()
+    } else {
+        0
+    };
+    drain(&mut relay, &log, all.len() + again).await;
+    // Nothing more comes (the count reached, a duplicate would show up now).
+    for _ in 0..3 {
+        let _ = relay.run_once().await;
+    }
+    watch.assert_clean();
+    let twice = check_first_deliveries(&log.lock().expect("log"), &all);
+    let failed: HashSet<EventId> = first.iter().map(|e| e.event_id).collect();
+    if cut == RunCut::CompletionFails {
+        assert!(
+            twice.is_subset(&failed),
+            "{mode:?} {cut:?}: only the failed batch goes out twice"
+        );
+    } else {
+        assert!(twice.is_empty(), "{mode:?} {cut:?}: nothing goes out twice");
+    }
+    let _ = relay.release_prefetched().await;
+    assert_nothing_left(&store, &format!("{mode:?} {cut:?}")).await;
+}
+
+/// Emits the scenarios of runs beside the early claim ([`runs_beside_the_early_claim_keep_order`],
+/// [`run_beside_the_early_claim`]) as named tests, in both claim modes, for a
+/// [`RandomizedBackend`] type as [`early_claim_tests!`](crate::early_claim_tests) takes;
+/// `runs` says whether its store hands out runs (MariaDB's hands out heads only).
+///
+/// ```text
+/// outbox_testkit::early_claim_run_tests!(common::backend::PgBackend, runs = true);
+/// ```
+#[macro_export]
+macro_rules! early_claim_run_tests {
+    ($backend:ty, runs = $runs:expr) => {
+        $crate::early_claim_tests!(@case $backend, runs_of_3_beside_early_claims_lease, 12, |b|
+            $crate::scenarios::early_claim::runs_beside_the_early_claim_keep_order(
+                &b, $crate::scenarios::early_claim::lease(30.0), 3, false, $runs));
+        $crate::early_claim_tests!(@case $backend, runs_of_3_beside_early_claims_locked, 12, |b|
+            $crate::scenarios::early_claim::runs_beside_the_early_claim_keep_order(
+                &b, ::outbox_core::ClaimMode::LockedTransaction, 3, false, $runs));
+        $crate::early_claim_tests!(@case $backend, runs_of_100_beside_early_claims_lease, 12, |b|
+            $crate::scenarios::early_claim::runs_beside_the_early_claim_keep_order(
+                &b, $crate::scenarios::early_claim::lease(30.0), 100, false, $runs));
+        $crate::early_claim_tests!(@case $backend, runs_of_100_beside_early_claims_locked, 12, |b|
+            $crate::scenarios::early_claim::runs_beside_the_early_claim_keep_order(
+                &b, ::outbox_core::ClaimMode::LockedTransaction, 100, false, $runs));
+        $crate::early_claim_tests!(@case $backend, yielding_runs_of_3_beside_early_claims_lease, 12, |b|
+            $crate::scenarios::early_claim::runs_beside_the_early_claim_keep_order(
+                &b, $crate::scenarios::early_claim::lease(30.0), 3, true, $runs));
+        $crate::early_claim_tests!(@case $backend, yielding_runs_of_100_beside_early_claims_locked, 12, |b|
+            $crate::scenarios::early_claim::runs_beside_the_early_claim_keep_order(
+                &b, ::outbox_core::ClaimMode::LockedTransaction, 100, true, $runs));
+        $crate::early_claim_tests!(@case $backend, run_cut_by_the_budget_beside_the_early_claim_lease, 8, |b|
+            $crate::scenarios::early_claim::run_beside_the_early_claim(
+                &b, $crate::scenarios::early_claim::lease(30.0), $crate::scenarios::early_claim::RunCut::Budget, $runs));
+        $crate::early_claim_tests!(@case $backend, run_cut_by_the_budget_beside_the_early_claim_locked, 8, |b|
+            $crate::scenarios::early_claim::run_beside_the_early_claim(
+                &b, ::outbox_core::ClaimMode::LockedTransaction, $crate::scenarios::early_claim::RunCut::Budget, $runs));
+        $crate::early_claim_tests!(@case $backend, run_failed_mid_wave_beside_the_early_claim_lease, 8, |b|
+            $crate::scenarios::early_claim::run_beside_the_early_claim(
+                &b, $crate::scenarios::early_claim::lease(30.0), $crate::scenarios::early_claim::RunCut::FailedWave, $runs));
+        $crate::early_claim_tests!(@case $backend, run_failed_mid_wave_beside_the_early_claim_locked, 8, |b|
+            $crate::scenarios::early_claim::run_beside_the_early_claim(
+                &b, ::outbox_core::ClaimMode::LockedTransaction, $crate::scenarios::early_claim::RunCut::FailedWave, $runs));
+        $crate::early_claim_tests!(@case $backend, run_completion_fails_after_the_early_claim_lease, 8, |b|
+            $crate::scenarios::early_claim::run_beside_the_early_claim(
+                &b, $crate::scenarios::early_claim::lease(1.5), $crate::scenarios::early_claim::RunCut::CompletionFails, $runs));
+        $crate::early_claim_tests!(@case $backend, run_completion_fails_after_the_early_claim_locked, 8, |b|
+            $crate::scenarios::early_claim::run_beside_the_early_claim(
+                &b, ::outbox_core::ClaimMode::LockedTransaction, $crate::scenarios::early_claim::RunCut::CompletionFails, $runs));
+        $crate::early_claim_tests!(@case $backend, run_completion_answer_lost_after_the_early_claim_lease, 8, |b|
+            $crate::scenarios::early_claim::run_beside_the_early_claim(
+                &b, $crate::scenarios::early_claim::lease(30.0), $crate::scenarios::early_claim::RunCut::AnswerLost, $runs));
+        $crate::early_claim_tests!(@case $backend, run_completion_answer_lost_after_the_early_claim_locked, 8, |b|
+            $crate::scenarios::early_claim::run_beside_the_early_claim(
+                &b, ::outbox_core::ClaimMode::LockedTransaction, $crate::scenarios::early_claim::RunCut::AnswerLost, $runs));
     };
 }
