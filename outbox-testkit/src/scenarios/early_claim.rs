@@ -175,6 +175,13 @@ impl Watch {
         self
     }
 
+    /// See [`Watch::ending_aware`] alone: for a scenario whose later cycles complete while the
+    /// next claim runs (and may return the next version once the completion committed).
+    fn ending_aware(mut self) -> Self {
+        self.ending_aware = true;
+        self
+    }
+
     /// The first claim answers `d` after the store did, as a loaded machine's round trip.
     fn slow_first_claim(mut self, d: Duration) -> Self {
         self.slow_first_claim = Some(d);
@@ -649,6 +656,35 @@ fn check_first_deliveries(log: &Log, expected: &[Envelope]) -> HashSet<EventId> 
         .collect()
 }
 
+/// Waits (`within` at most) until `log` holds `n` acknowledgements, then stops the relays
+/// driven by `tasks` and checks that none had a failed cycle; `what` leads the messages.
+async fn published_then_stopped(
+    log: &Arc<Mutex<Log>>,
+    n: usize,
+    within: Duration,
+    stop: &AtomicBool,
+    tasks: Vec<tokio::task::JoinHandle<(usize, usize)>>,
+    what: &str,
+) {
+    let deadline = Instant::now() + within;
+    while log.lock().expect("log").acked.len() < n {
+        assert!(
+            Instant::now() < deadline,
+            "{what}: only {} of {n} published in time",
+            log.lock().expect("log").acked.len(),
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    stop.store(true, Ordering::Release);
+    for t in tasks {
+        let (errors, _) = tokio::time::timeout(Duration::from_secs(20), t)
+            .await
+            .expect("relay stops")
+            .expect("relay task");
+        assert_eq!(errors, 0, "{what}: a cycle failed");
+    }
+}
+
 /// Drives `relay` until `log` holds `n` acknowledgements (30 s at most).
 async fn drain<S: RelayStore, P: Publisher>(
     relay: &mut Relay<S, P>,
@@ -705,24 +741,15 @@ pub async fn early_claim_races_completions_and_keeps_order<B: RandomizedBackend>
             }
         }
     }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while log.lock().expect("log").acked.len() < all.len() {
-        assert!(
-            Instant::now() < deadline,
-            "{mode:?}: only {} of {} published in time",
-            log.lock().expect("log").acked.len(),
-            all.len()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    stop.store(true, Ordering::Release);
-    for t in tasks {
-        let (errors, _) = tokio::time::timeout(Duration::from_secs(20), t)
-            .await
-            .expect("relay stops")
-            .expect("relay task");
-        assert_eq!(errors, 0, "{mode:?}: a cycle failed");
-    }
+    published_then_stopped(
+        &log,
+        all.len(),
+        Duration::from_secs(60),
+        &stop,
+        tasks,
+        &format!("{mode:?}"),
+    )
+    .await;
     watch.assert_clean();
     {
         let seen = watch.seen();
@@ -1370,27 +1397,15 @@ pub async fn runs_beside_the_early_claim_keep_order<B: RandomizedBackend>(
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while log.lock().expect("log").acked.len() < all.len() {
-        assert!(
-            Instant::now() < deadline,
-            "{mode:?} run {run} yields {yields}: only {} of {} published in time",
-            log.lock().expect("log").acked.len(),
-            all.len()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    stop.store(true, Ordering::Release);
-    for t in tasks {
-        let (errors, _) = tokio::time::timeout(Duration::from_secs(20), t)
-            .await
-            .expect("relay stops")
-            .expect("relay task");
-        assert_eq!(
-            errors, 0,
-            "{mode:?} run {run} yields {yields}: a cycle failed"
-        );
-    }
+    published_then_stopped(
+        &log,
+        all.len(),
+        Duration::from_secs(120),
+        &stop,
+        tasks,
+        &format!("{mode:?} run {run} yields {yields}"),
+    )
+    .await;
     watch.assert_clean();
     {
         let seen = watch.seen();
@@ -1476,7 +1491,13 @@ pub async fn run_beside_the_early_claim<B: RandomizedBackend>(
         RunCut::CompletionFails => Plan::Fail,
         RunCut::AnswerLost => Plan::FailAfterCommit,
     };
-    let watch = Watch::new(plan, true, Duration::ZERO, 13);
+    // Ending-aware: after the gated first cycle the relay drains `h` 4 and 5 and the `f`
+    // versions 2 with early claims beside completions; on MariaDB in locked mode such a claim
+    // waits for the completion's locks and returns `h` 5 once `h` 4's completion committed,
+    // before this wrapper hears that it returned (seen once in 9 runs of the binary). The
+    // first cycle's early claim returns before its completion is sent, so it is judged
+    // strictly whatever this says.
+    let watch = Watch::new(plan, true, Duration::ZERO, 13).ending_aware();
     let log = Arc::new(Mutex::new(Log::default()));
     let broker = Broker::new("runner", &log, Duration::from_millis(1));
     if cut == RunCut::FailedWave {
