@@ -73,6 +73,8 @@ struct Log {
     overlaps: Vec<String>,
     /// Hand-overs per event.
     attempts: HashMap<EventId, u32>,
+    /// Relays that have started a hand-over.
+    publishers: HashSet<String>,
 }
 
 /// A broker double: notes what is in flight, takes 3 ms, fails the first hand-over of every
@@ -82,7 +84,13 @@ struct RecordingPublisher {
     name: String,
     log: Arc<Mutex<Log>>,
     offset: Arc<AtomicUsize>,
+    /// Until a second relay has started a hand-over, each hand-over waits for one (at most
+    /// [`RENDEZVOUS`]), so that the relays' sharing of the work does not depend on timing.
+    rendezvous: bool,
 }
+
+/// The longest a hand-over waits for a second relay's (`RecordingPublisher::rendezvous`).
+const RENDEZVOUS: Duration = Duration::from_secs(5);
 
 impl RecordingPublisher {
     fn new(name: &str, log: &Arc<Mutex<Log>>) -> Self {
@@ -90,6 +98,29 @@ impl RecordingPublisher {
             name: name.to_owned(),
             log: Arc::clone(log),
             offset: Arc::default(),
+            rendezvous: false,
+        }
+    }
+
+    /// See [`RecordingPublisher::rendezvous`].
+    fn with_rendezvous(mut self) -> Self {
+        self.rendezvous = true;
+        self
+    }
+
+    /// Notes this relay as a publisher; with a rendezvous, waits until another one is.
+    async fn meet(&self) {
+        let deadline = Instant::now() + RENDEZVOUS;
+        loop {
+            let publishers = {
+                let mut log = self.log.lock().expect("log");
+                log.publishers.insert(self.name.clone());
+                log.publishers.len()
+            };
+            if !self.rendezvous || publishers >= 2 || Instant::now() >= deadline {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
 }
@@ -97,6 +128,7 @@ impl RecordingPublisher {
 #[async_trait]
 impl Publisher for RecordingPublisher {
     async fn publish(&self, batch: &[&Envelope]) -> Vec<PublishResult> {
+        self.meet().await;
         {
             let mut log = self.log.lock().expect("log");
             for e in batch {
@@ -214,9 +246,15 @@ fn relay<S: RelayStore, P: Publisher>(
     owner: &str,
     seed: u64,
 ) -> Relay<S, P> {
-    let config = RelayConfig::builder()
+    seeded_relay(store, publisher, relay_config(owner, 50), seed)
+}
+
+/// The scenarios' relay configuration: batches of `batch_size`, short idle delays and
+/// retries, the smallest lease margin.
+fn relay_config(owner: &str, batch_size: usize) -> RelayConfig {
+    RelayConfig::builder()
         .owner(owner)
-        .batch_size(50)
+        .batch_size(batch_size)
         .idle(Duration::from_millis(5), Duration::from_millis(50))
         .lease_margin(outbox_core::MIN_LEASE_MARGIN)
         .retry(retry_policy(
@@ -226,8 +264,7 @@ fn relay<S: RelayStore, P: Publisher>(
         ))
         .circuit_breaker(Duration::from_millis(20), Duration::from_millis(200))
         .build()
-        .expect("relay config");
-    seeded_relay(store, publisher, config, seed)
+        .expect("relay config")
 }
 
 /// Every expected event acknowledged exactly once, each aggregate's versions acknowledged in
@@ -285,6 +322,10 @@ where
 /// backlog of 40 aggregates x 15 versions, while producers append versions 16..=20: one
 /// transaction per aggregate and version, five open at once, committed in reverse order (rows
 /// commit out of id order). Every version of 20 transiently fails its first hand-over.
+/// Batches of 16, and every hand-over waits (at most 5 s) until two relays have started one:
+/// a relay holds at most two batches, so another always finds heads to claim, and the work is
+/// shared whatever the scheduling (with the early claim a lone relay could otherwise take the
+/// next batch the moment it completes, for ever).
 /// Checks: every event acknowledged once, per-aggregate order, no two relays with one aggregate
 /// in flight, the work shared, nothing left unpublished or in flight.
 pub async fn many_relays_keep_order_and_publish_everything_once<B: RandomizedBackend>(
@@ -316,10 +357,13 @@ pub async fn many_relays_keep_order_and_publish_everything_once<B: RandomizedBac
     let mut tasks = Vec::new();
     for r in 0..relays {
         let name = format!("relay-{r}");
-        let relay = relay(
+        // Batches of 16 of 40 aggregates: one relay holds at most two (one claimed ahead),
+        // so a second relay always finds heads to claim while the first waits at the
+        // rendezvous.
+        let relay = seeded_relay(
             backend.store(&p),
-            RecordingPublisher::new(&name, &log),
-            &name,
+            RecordingPublisher::new(&name, &log).with_rendezvous(),
+            relay_config(&name, 16),
             r as u64,
         );
         tasks.push(tokio::spawn(drive(relay, Arc::clone(&stop))));
