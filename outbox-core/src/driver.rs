@@ -51,21 +51,43 @@ pub struct DriverReport {
 /// How often the driver refreshes the backlog gauges.
 const STATS_EVERY: Duration = Duration::from_secs(5);
 
+/// How long the driver waits for its first statistics read before its first cycle.
+const STATS_AT_START: Duration = Duration::from_secs(1);
+
+/// Reads the store's statistics into the backlog gauges ([`crate::telemetry::record_stats`]).
+async fn refresh_gauges<S: MaintenanceStore>(store: &S) {
+    match store.stats().await {
+        Ok(s) => crate::telemetry::record_stats(&s),
+        Err(e) => warn!(error = %e, "could not read outbox stats"),
+    }
+}
+
 /// Runs `relay` until `shutdown` completes. Returns totals.
+///
+/// The backlog gauges are read from the store before the first cycle (waited for up to 1 s),
+/// then every 5 s by a task of their own beside the cycles (on a clone of the store: one more
+/// pooled connection while it runs), so that a slow statistics read (tens of milliseconds on
+/// a loaded server, more on a large table) never holds a claim back; a read still running
+/// when the next one is due is not doubled.
 pub async fn run<S, P, F>(
     mut relay: Relay<S, P>,
     wake: Option<Arc<Notify>>,
     shutdown: F,
 ) -> DriverReport
 where
-    S: RelayStore + MaintenanceStore + 'static,
+    S: RelayStore + MaintenanceStore + Clone + 'static,
     P: Publisher + 'static,
     F: Future<Output = ()> + Send,
 {
     let signal = relay.shutdown_signal();
     let mut report = DriverReport::default();
     let mut failures = 0u32;
-    let mut last_stats = tokio::time::Instant::now() - STATS_EVERY;
+    // At start, awaited (for at most STATS_AT_START): a relay's dashboards have figures from
+    // its first cycle on, and a store whose statistics hang does not keep the relay from work.
+    let store = relay.store().clone();
+    let mut gauges = tokio::spawn(async move { refresh_gauges(&store).await });
+    let _ = tokio::time::timeout(STATS_AT_START, &mut gauges).await;
+    let mut last_stats = tokio::time::Instant::now();
     tokio::pin!(shutdown);
     let never = Arc::new(Notify::new());
     let wake = wake.unwrap_or(never);
@@ -73,12 +95,11 @@ where
         if signal.is_triggered() {
             break;
         }
-        if last_stats.elapsed() >= STATS_EVERY {
+        // Not doubled: while a read still runs, the next one waits until it has ended.
+        if last_stats.elapsed() >= STATS_EVERY && gauges.is_finished() {
             last_stats = tokio::time::Instant::now();
-            match relay.store().stats().await {
-                Ok(s) => crate::telemetry::record_stats(&s),
-                Err(e) => warn!(error = %e, "could not read outbox stats"),
-            }
+            let store = relay.store().clone();
+            gauges = tokio::spawn(async move { refresh_gauges(&store).await });
         }
         // The cycle itself is not raced against shutdown: a batch being published is finished
         // and recorded. The signal makes the cycle release a batch it has not sent yet.
@@ -132,6 +153,7 @@ where
             () = &mut shutdown => { signal.trigger(); }
         }
     }
+    gauges.abort();
     // A batch claimed ahead by the last cycle goes back to the store now rather than at lease
     // expiry.
     match relay.release_prefetched().await {

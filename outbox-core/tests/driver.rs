@@ -278,7 +278,8 @@ async fn the_driver_records_the_outbox_gauges_at_start() {
 }
 
 /// The in-memory store, whose claims can be held after they ran (a claim whose round trip and
-/// commit are still under way while events commit).
+/// commit are still under way while events commit), and whose statistics read can hang (one
+/// stuck behind a lock, or slow on a large table).
 #[derive(Clone)]
 struct HeldClaims {
     inner: MemoryOutboxStore,
@@ -287,6 +288,25 @@ struct HeldClaims {
     held: Arc<tokio::sync::Notify>,
     release: Arc<tokio::sync::Notify>,
     claims: Arc<std::sync::atomic::AtomicUsize>,
+    /// `stats` never returns.
+    hang_stats: bool,
+    /// `stats` reads started.
+    stats_reads: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl HeldClaims {
+    /// Over `inner`, holding nothing, hanging nothing.
+    fn over(inner: &MemoryOutboxStore) -> Self {
+        Self {
+            inner: inner.clone(),
+            hold: Arc::default(),
+            held: Arc::default(),
+            release: Arc::default(),
+            claims: Arc::default(),
+            hang_stats: false,
+            stats_reads: Arc::default(),
+        }
+    }
 }
 
 #[outbox_core::async_trait]
@@ -332,6 +352,11 @@ impl outbox_core::MaintenanceStore for HeldClaims {
         self.inner.cleanup(retention, batch_size).await
     }
     async fn stats(&self) -> Result<outbox_core::OutboxStats, outbox_core::StoreError> {
+        self.stats_reads
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if self.hang_stats {
+            std::future::pending::<()>().await;
+        }
         self.inner.stats().await
     }
 }
@@ -344,11 +369,8 @@ async fn a_wakeup_during_a_cycle_starts_the_next_claim_when_the_cycle_ends() {
     let db = MemoryDb::new(SystemClock);
     let inner = MemoryOutboxStore::new(&db, ClaimMode::lease(Duration::from_secs(30)).unwrap());
     let store = HeldClaims {
-        inner: inner.clone(),
         hold: Arc::new(true.into()),
-        held: Arc::default(),
-        release: Arc::default(),
-        claims: Arc::default(),
+        ..HeldClaims::over(&inner)
     };
     let log = MemoryLog::new("t", 1);
     let cfg = RelayConfig::builder()
@@ -391,5 +413,56 @@ async fn a_wakeup_during_a_cycle_starts_the_next_claim_when_the_cycle_ends() {
         .expect("driver stops on shutdown")
         .unwrap();
     assert_eq!(report.published, 1);
+    assert_eq!(inner.open_claims(), 0, "nothing left claimed");
+}
+
+/// The driver's statistics read (for the gauges) runs beside the cycles: one that never
+/// returns holds no claim back, neither at start nor later, and is not doubled when the next
+/// read is due (5 s) while it still runs.
+#[tokio::test]
+async fn a_statistics_read_that_hangs_holds_no_claim_back() {
+    let db = MemoryDb::new(SystemClock);
+    let inner = MemoryOutboxStore::new(&db, ClaimMode::lease(Duration::from_secs(30)).unwrap());
+    let store = HeldClaims {
+        hang_stats: true,
+        ..HeldClaims::over(&inner)
+    };
+    let log = MemoryLog::new("t", 1);
+    append(&db, &inner, "a", 1).await;
+    let cfg = RelayConfig::builder()
+        .owner("driver-test")
+        .idle(Duration::from_millis(10), Duration::from_millis(10))
+        .build()
+        .unwrap();
+    let r = Relay::new(
+        store.clone(),
+        log.clone(),
+        cfg,
+        Arc::new(SystemClock),
+        Box::new(StdRng::seed_from_u64(5)),
+    )
+    .unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(outbox_core::driver::run(r, None, async move {
+        let _ = stop_rx.await;
+    }));
+    wait_for(|| log.all_records().len() == 1).await;
+    // Past the next read's due time (5 s after the first): events keep flowing meanwhile.
+    for v in 2..=7 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        append(&db, &inner, "a", v).await;
+        wait_for(|| log.all_records().len() == v as usize).await;
+    }
+    assert_eq!(
+        store.stats_reads.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "one read at start, still running: not started again"
+    );
+    stop_tx.send(()).unwrap();
+    let report = tokio::time::timeout(Duration::from_secs(10), task)
+        .await
+        .expect("driver stops on shutdown")
+        .unwrap();
+    assert_eq!(report.published, 7);
     assert_eq!(inner.open_claims(), 0, "nothing left claimed");
 }

@@ -93,7 +93,7 @@ fn all_published(store: &MemoryOutboxStore) -> bool {
 /// Runs the driver over `store` with 20 ms publishes and batches of 10, and stops it once 20
 /// records are in the log: mid-drain, with a prefetched batch in hand.
 #[cfg(feature = "tokio")]
-async fn drive_and_stop_mid_drain<S: OutboxStore + 'static>(
+async fn drive_and_stop_mid_drain<S: OutboxStore + Clone + 'static>(
     store: S,
     log: &MemoryLog,
 ) -> outbox_core::driver::DriverReport {

@@ -213,6 +213,7 @@ impl Watch {
 }
 
 /// A store between the relay and the real one; see the module docs.
+#[derive(Clone)]
 pub struct Watched<S> {
     inner: S,
     watch: Watch,
