@@ -17,15 +17,31 @@ use super::rows::envelope_from_row;
 use super::PostgresOutboxStore;
 use crate::error::db;
 
-/// Transactions of claims, completions and operator actions: custom plans (the statements take
-/// id arrays whose size a generic plan cannot know) and no JIT compilation (their cost
-/// estimates can pass `jit_above_cost`, and compiling takes longer than running them), set in
-/// the same round trip as BEGIN.
+/// Transactions of claims, completions and releases: generic plans, and no JIT compilation
+/// (their cost estimates can pass `jit_above_cost`, and compiling takes longer than running
+/// them), set in the same round trip as BEGIN.
+///
+/// Generic plans: each session plans the claim's decision and the completion once and runs
+/// that plan from then on. A custom plan (planned for each call's id arrays, the mode until
+/// stop 42) cost about 2 ms of server time per claim and completion on a two-core machine,
+/// most of a small batch's claim (BENCHMARKS.md, "Generic plans"); the plans are keyed
+/// lookups whatever the arrays' size, and `tests/generic_plans.rs` checks that a plan cached
+/// while the table was nearly empty still reads by key once it holds many rows.
 ///
 /// The isolation level is set explicitly: every decision is taken by a statement whose snapshot
 /// postdates the aggregate locks, which holds only under READ COMMITTED (a new snapshot per
 /// statement), whatever the role's or database's default.
 pub(super) const BEGIN_CLAIM: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; \
+     SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL jit = off";
+
+/// Transactions of lease completions and releases: custom plans.
+pub(super) const BEGIN_COMPLETE: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; \
+     SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off";
+
+/// Transactions of operator actions: as [`BEGIN_CLAIM`] but with custom plans (planned for
+/// each call's values; operator actions are rare, and some of their statements filter by
+/// optional values that only a custom plan can fold away).
+pub(super) const BEGIN_OPERATOR: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; \
      SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off";
 
 /// A claim's candidate scan must walk the claim index in id order and stop at its limit: its
