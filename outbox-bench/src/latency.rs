@@ -424,7 +424,7 @@ pub(crate) async fn run(env: &Env, args: &LatencyArgs, rounds: usize) -> anyhow:
     report.param("partitions", args.partitions);
     report.param(
         "relay",
-        "outbox_core::driver::run with RelayConfig defaults (batch 500, idle 10 ms..1 s, prefetch, early claim only where a contender turns it on), lease 60 s, KafkaPublisher / NatsPublisher defaults (linger.ms 0 unless a contender sets it)",
+        "outbox_core::driver::run with RelayConfig defaults (batch 500, idle 10 ms..1 s, prefetch, early claim unless a contender turns it off), lease 60 s, KafkaPublisher / NatsPublisher defaults (linger.ms 0 unless a contender sets it)",
     );
     let mut samples = Samples::default();
     for round in 0..rounds {
