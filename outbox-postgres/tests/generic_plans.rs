@@ -15,7 +15,7 @@ use outbox_core::ClaimMode;
 use outbox_postgres::PostgresOutboxStore;
 
 use common::explain::{busiest_node, explained_pool, plans, Explain, COMPLETION};
-use common::{claim, event, lease, publish_all, Ctx};
+use common::{claim, event, lease, publish_all};
 
 /// Aggregates of the grown table, and their versions (20,000 event rows, 2,000 state rows;
 /// few aggregates so that the claim of every head stays within the server's lock table beside
