@@ -21,11 +21,12 @@ async fn append(db: &MemoryDb, store: &MemoryOutboxStore, agg: &str, v: i64) {
     tx.commit().unwrap();
 }
 
-fn relay(
-    store: &MemoryOutboxStore,
+/// A relay over `store` and `log` whose idle sleeps all last `idle`.
+fn relay<S: outbox_core::RelayStore + Clone>(
+    store: &S,
     log: &MemoryLog,
     idle: Duration,
-) -> Relay<MemoryOutboxStore, MemoryLog> {
+) -> Relay<S, MemoryLog> {
     let cfg = RelayConfig::builder()
         .owner("driver-test")
         .idle(idle, idle)
@@ -373,19 +374,7 @@ async fn a_wakeup_during_a_cycle_starts_the_next_claim_when_the_cycle_ends() {
         ..HeldClaims::over(&inner)
     };
     let log = MemoryLog::new("t", 1);
-    let cfg = RelayConfig::builder()
-        .owner("driver-test")
-        .idle(Duration::from_secs(3600), Duration::from_secs(3600))
-        .build()
-        .unwrap();
-    let r = Relay::new(
-        store.clone(),
-        log.clone(),
-        cfg,
-        Arc::new(SystemClock),
-        Box::new(StdRng::seed_from_u64(4)),
-    )
-    .unwrap();
+    let r = relay(&store, &log, Duration::from_secs(3600));
     let wake = Arc::new(tokio::sync::Notify::new());
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(outbox_core::driver::run(
@@ -429,19 +418,7 @@ async fn a_statistics_read_that_hangs_holds_no_claim_back() {
     };
     let log = MemoryLog::new("t", 1);
     append(&db, &inner, "a", 1).await;
-    let cfg = RelayConfig::builder()
-        .owner("driver-test")
-        .idle(Duration::from_millis(10), Duration::from_millis(10))
-        .build()
-        .unwrap();
-    let r = Relay::new(
-        store.clone(),
-        log.clone(),
-        cfg,
-        Arc::new(SystemClock),
-        Box::new(StdRng::seed_from_u64(5)),
-    )
-    .unwrap();
+    let r = relay(&store, &log, Duration::from_millis(10));
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let task = tokio::spawn(outbox_core::driver::run(r, None, async move {
         let _ = stop_rx.await;
