@@ -47,8 +47,8 @@ pub(super) const BEGIN_COMPLETE: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; \
      SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off";
 
 /// Transactions of operator actions: custom plans, as [`BEGIN_COMPLETE`] (operator actions
-/// are rare, and some of their statements filter by optional values that only a custom plan
-/// can fold away).
+/// are rare: what planning costs them does not matter, and a plan made for each call cannot
+/// have been made for a table of another size).
 pub(super) const BEGIN_OPERATOR: &str = BEGIN_COMPLETE;
 
 /// A claim's candidate scan must walk the claim index in id order and stop at its limit: its
