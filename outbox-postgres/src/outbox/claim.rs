@@ -17,39 +17,26 @@ use super::rows::envelope_from_row;
 use super::PostgresOutboxStore;
 use crate::error::db;
 
-/// Transactions of claims (and so of a locked claim's completion, which ends the claim's
-/// transaction): generic plans, and no JIT compilation (their cost estimates can pass
-/// `jit_above_cost`, and compiling takes longer than running them), set in the same round
-/// trip as BEGIN.
+/// Transactions of claims, completions and operator actions: custom plans (the statements take
+/// id arrays whose size a generic plan cannot know) and no JIT compilation (their cost
+/// estimates can pass `jit_above_cost`, and compiling takes longer than running them), set in
+/// the same round trip as BEGIN.
 ///
-/// Generic plans: each session plans the candidates and the decision once and runs those
-/// plans until the server invalidates them (DDL, `ANALYZE`, `VACUUM`). Custom plans (planned
-/// for each call's id arrays, the mode until stop 42) cost about 2 ms of server time per claim
-/// on a two-core machine, half of a small batch's claim (BENCHMARKS.md, "Generic plans for
-/// the claim"). The claim's plans are keyed lookups whatever the arrays' size (its per-id
-/// reads are `LATERAL` subqueries behind `OFFSET 0`, which the planner cannot flatten into a
-/// join of the whole table), and `tests/generic_plans.rs` checks that plans cached while the
-/// table held one row still read by key once it holds 20,000 (it fails with the `OFFSET 0`
-/// of the decision's per-id read removed).
+/// Custom plans are planned again for every call, for the tables' current size: about 2 ms of
+/// server time per claim on a two-core machine, half of a small batch's claim. Generic plans
+/// (planned once per session, kept until the server invalidates them) halved the claim in a
+/// quiet benchmark (BENCHMARKS.md, "Generic plans for the claim, stop 42") but are not used:
+/// a generic plan made while a table was small is still the plan once it is large, and there
+/// the completions compared every outcome with every pending row (a lease completion of 100:
+/// 2,000,000 rows on 20,000; a locked one of 1,000: 18,600,000), and the decision's `promote`
+/// hash-joined a scan of the whole table. `tests/adversary_generic_plans.rs` holds those
+/// shapes.
 ///
 /// The isolation level is set explicitly: every decision is taken by a statement whose snapshot
 /// postdates the aggregate locks, which holds only under READ COMMITTED (a new snapshot per
 /// statement), whatever the role's or database's default.
 pub(super) const BEGIN_CLAIM: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; \
-     SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL jit = off";
-
-/// Transactions of lease completions and releases: as [`BEGIN_CLAIM`] but with custom plans.
-/// The completion joins the batch's outcomes with the table (`UPDATE .. FROM`): its generic
-/// plan, cached while the table held one row, compared every outcome with every row once the
-/// table had grown (2,000,000 comparisons for 100 outcomes on 20,000 rows, where a custom
-/// plan, made for the table's current size, reads them by key).
-pub(super) const BEGIN_COMPLETE: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; \
      SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off";
-
-/// Transactions of operator actions: custom plans, as [`BEGIN_COMPLETE`] (operator actions
-/// are rare: what planning costs them does not matter, and a plan made for each call cannot
-/// have been made for a table of another size).
-pub(super) const BEGIN_OPERATOR: &str = BEGIN_COMPLETE;
 
 /// A claim's candidate scan must walk the claim index in id order and stop at its limit: its
 /// filter try-locks aggregates, so a plan that filters every pending row and sorts afterwards

@@ -10,7 +10,7 @@ use outbox_core::{
     StoreErrorKind,
 };
 
-use super::claim::{finish, ClaimedRow, ASYNC_COMMIT, BEGIN_COMPLETE, SYNC_COMMIT};
+use super::claim::{finish, ClaimedRow, ASYNC_COMMIT, BEGIN_CLAIM, SYNC_COMMIT};
 use super::PostgresOutboxStore;
 use crate::error::db;
 
@@ -54,9 +54,9 @@ impl PostgresOutboxStore {
             _ => {
                 let rows = self.lease_rows(claim.token).await?;
                 let begin = if self.inner.settings.synchronous_completion {
-                    format!("{BEGIN_COMPLETE}; {SYNC_COMMIT}")
+                    format!("{BEGIN_CLAIM}; {SYNC_COMMIT}")
                 } else {
-                    format!("{BEGIN_COMPLETE}; {ASYNC_COMMIT}")
+                    format!("{BEGIN_CLAIM}; {ASYNC_COMMIT}")
                 };
                 let mut tx = self.inner.pool.begin_with(begin).await.map_err(db)?;
                 // Serialize with claims and operator actions on the same aggregates, whatever
@@ -106,7 +106,7 @@ impl PostgresOutboxStore {
                 let mut tx = self
                     .inner
                     .pool
-                    .begin_with(format!("{BEGIN_COMPLETE}; {SYNC_COMMIT}"))
+                    .begin_with(format!("{BEGIN_CLAIM}; {SYNC_COMMIT}"))
                     .await
                     .map_err(db)?;
                 let released = async {

@@ -10,7 +10,7 @@ use outbox_core::{
     StoreErrorKind,
 };
 
-use super::claim::{abort, finish, BEGIN_OPERATOR, SYNC_COMMIT};
+use super::claim::{abort, finish, BEGIN_CLAIM, SYNC_COMMIT};
 use super::rows::parked_from_row;
 use super::PostgresOutboxStore;
 use crate::error::db;
@@ -51,7 +51,7 @@ impl PostgresOutboxStore {
         let mut tx = self
             .inner
             .pool
-            .begin_with(format!("{BEGIN_OPERATOR}; {SYNC_COMMIT}"))
+            .begin_with(format!("{BEGIN_CLAIM}; {SYNC_COMMIT}"))
             .await
             .map_err(db)?;
         match self.read_locked(&mut tx, event_id).await {
@@ -310,7 +310,7 @@ impl PostgresOutboxStore {
             let mut tx = self
                 .inner
                 .pool
-                .begin_with(format!("{BEGIN_OPERATOR}; {SYNC_COMMIT}"))
+                .begin_with(format!("{BEGIN_CLAIM}; {SYNC_COMMIT}"))
                 .await
                 .map_err(db)?;
             let done = self
