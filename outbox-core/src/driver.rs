@@ -12,7 +12,7 @@
 //! publisher's delivery timeout) and releases a batch claimed but not yet sent.
 //!
 //! ```no_run
-//! # async fn demo<S: outbox_core::OutboxStore + 'static, P: outbox_core::Publisher + 'static>(relay: outbox_core::Relay<S, P>) {
+//! # async fn demo<S: outbox_core::OutboxStore + Clone + 'static, P: outbox_core::Publisher + 'static>(relay: outbox_core::Relay<S, P>) {
 //! use std::sync::Arc;
 //! let wake = Arc::new(tokio::sync::Notify::new());
 //! let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
