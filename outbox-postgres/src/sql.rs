@@ -377,12 +377,15 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                INSERT INTO {state} AS a (aggregate_key, aggregate_type, aggregate_id, \
                                          lease_owner, lease_token, lease_until, lease_row, \
                                          lease_upto) \
-               SELECT h.k, h.aggregate_type, h.aggregate_id, $2, $3, \
-                      clock_timestamp() + {lease_i}, h.id, \
-                      COALESCE(re.upto, h.aggregate_version) \
-               FROM h LEFT JOIN (SELECT r.head, max(r.aggregate_version) AS upto FROM run r \
-                                 GROUP BY r.head) re ON re.head = h.id \
-               WHERE h.action = 'claim' \
+               SELECT x.k, x.aggregate_type, x.aggregate_id, $2, $3, \
+                      clock_timestamp() + {lease_i}, x.head, max(x.v) \
+               FROM (SELECT h.id AS head, h.k, h.aggregate_type, h.aggregate_id, \
+                            h.aggregate_version AS v \
+                     FROM h WHERE h.action = 'claim' \
+                     UNION ALL \
+                     SELECT r.head, r.k, r.aggregate_type, r.aggregate_id, r.aggregate_version \
+                     FROM run r) x \
+               GROUP BY x.head, x.k, x.aggregate_type, x.aggregate_id \
                ON CONFLICT (aggregate_key, aggregate_type, aggregate_id) DO UPDATE \
                  SET lease_owner = EXCLUDED.lease_owner, lease_token = EXCLUDED.lease_token, \
                      lease_until = EXCLUDED.lease_until, lease_row = EXCLUDED.lease_row, \
@@ -399,7 +402,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
              FROM h LEFT JOIN ins i ON i.id = h.id \
              WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold', 'bad_key') \
              UNION ALL \
-             SELECT {run_cols}, i.remaining_us, true FROM run r JOIN ins i ON i.id = r.head",
+             SELECT {run_cols}, NULL::int8, NULL::bool FROM run r",
             decide(5, 6, 7, 8),
             lease_i = micros(4),
         );

@@ -389,3 +389,80 @@ async fn the_run_claim_plan_reads_the_indexes() {
     );
     ctx.drop().await;
 }
+
+/// A run goes with its head's lease: when the lease write of a head loses (a lease another
+/// writer committed on the aggregate after the claim's snapshot, met by the claim's `INSERT ..
+/// ON CONFLICT` once that writer commits), neither the head nor any row of its run is handed
+/// out, while another aggregate's run in the same claim is. The statement returns run rows
+/// without joining them to the lease writes (a nested loop, heads x run rows); the store keeps
+/// those whose head it leased.
+#[tokio::test]
+async fn a_run_whose_head_lease_is_lost_is_not_handed_out() {
+    let ctx = ctx!(4);
+    let store = ctx.store(lease(30.0)).await;
+    let mut evs: Vec<_> = (1..=4).map(|v| event("a", v)).collect();
+    evs.extend((1..=3).map(|v| event("b", v)));
+    append(&ctx, &store, &evs).await;
+    // The aggregates' state rows exist (a claim released), with no lease.
+    let b = claim_run(&store, "relay", 10, 1).await;
+    assert_eq!(b.records.len(), 2);
+    finish(&store, &b).await;
+    // Another writer leases "a" and holds the row until the claim's decision waits for it
+    // (the statement's text is cut at `track_activity_query_size`: matched by its start).
+    let mut other = ctx.pool.begin().await.unwrap();
+    sqlx::query(&format!(
+        "UPDATE \"{}\".outbox_events_aggregate SET lease_owner = 'other', \
+         lease_token = gen_random_uuid(), lease_until = clock_timestamp() + interval '1 hour', \
+         lease_row = (SELECT min(id) FROM \"{}\".outbox_events WHERE aggregate_id = 'a') \
+         WHERE aggregate_id = 'a'",
+        ctx.schema, ctx.schema
+    ))
+    .execute(&mut *other)
+    .await
+    .unwrap();
+    let claiming = {
+        let store = store.clone();
+        tokio::spawn(async move { claim_run(&store, "relay", 10, 10).await })
+    };
+    let waiting = format!(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
+         AND query LIKE 'WITH c AS%{}%'",
+        ctx.schema
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let n: i64 = sqlx::query_scalar(&waiting)
+            .fetch_one(&ctx.pool)
+            .await
+            .unwrap();
+        if n > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the claim's decision never waited for the other writer's row"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    other.commit().await.unwrap();
+    let b = claiming.await.unwrap();
+    assert_eq!(
+        layout(&b),
+        run_of("b", 1..=3),
+        "the lost head's run must not go out; the other aggregate's must"
+    );
+    let lease: Option<String> = sqlx::query_scalar(&format!(
+        "SELECT lease_owner FROM \"{}\".outbox_events_aggregate WHERE aggregate_id = 'a'",
+        ctx.schema
+    ))
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        lease.as_deref(),
+        Some("other"),
+        "the other writer's lease stands"
+    );
+    finish(&store, &b).await;
+    ctx.drop().await;
+}
