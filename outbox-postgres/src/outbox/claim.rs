@@ -198,6 +198,8 @@ impl PostgresOutboxStore {
         // parked. Parks commit on their own, then the claimed aggregates are locked and
         // decided again (rarely more than once).
         let mut rounds = 0;
+        // Each decision's holds commit (as its parks do): the batch reports them all.
+        let mut gaps_held = 0;
         while mode == ClaimMode::LockedTransaction
             && !decided.claimed.is_empty()
             && (!parked.is_empty() && rounds == 0 || !decided.parked.is_empty())
@@ -205,6 +207,7 @@ impl PostgresOutboxStore {
         {
             rounds += 1;
             parked.append(&mut decided.parked);
+            gaps_held += decided.gaps_held;
             tx.commit().await.map_err(db)?;
             tx = self.begin_claim().await?;
             let again = self
@@ -246,7 +249,7 @@ impl PostgresOutboxStore {
             }
         }
         Ok(ClaimedBatch::new(handle, records, remaining)
-            .with_version_notices(parked, decided.gaps_held))
+            .with_version_notices(parked, gaps_held + decided.gaps_held))
     }
 
     /// Claim step 2 on `ids` (whose aggregates this transaction holds), including the parking

@@ -1416,6 +1416,76 @@ pub async fn stats_keep_blocked_and_gap_held_events_out_of_the_claimable_age<H: 
     );
 }
 
+/// A claim reports everything its decision did beside what it hands out, in every claim
+/// mode: the stale version it parked (a parked notice) and the head it holds as a version gap
+/// (`gaps_held`), in the same batch as the head it claims. A store that decides again after
+/// committing its parks (the locked mode of a SQL store) must add up what each decision held,
+/// not report the last one's alone.
+pub async fn a_claim_reports_what_it_parked_and_held_beside_what_it_claimed<H: OutboxHarness>(
+    h: &H,
+) {
+    let caps = h.capabilities();
+    let modes: Vec<ClaimMode> = [
+        caps.lease.then(|| caps.lease_mode()),
+        caps.locked_transaction
+            .then_some(ClaimMode::LockedTransaction),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    for mode in modes {
+        let store = h.store(mode).await;
+        let (p, g, c) = (agg("rep-stale"), agg("rep-gap"), agg("rep-head"));
+        let p1 = event(&p, 1);
+        append_committed(h, &store, std::slice::from_ref(&p1)).await;
+        let b = claim(&store, "r", 10).await;
+        assert_eq!(ids(&b), set(&[&p1]), "{mode:?}: setup");
+        store
+            .complete(&b.handle, &publish_all(&b))
+            .await
+            .expect("complete");
+        // Version 1 of `p` again (published already: stale), version 2 of `g` (1 missing:
+        // held), version 1 of `c` (claimable).
+        let (stale, g2, c1) = (event(&p, 1), event(&g, 2), event(&c, 1));
+        append_committed(h, &store, &[stale.clone(), g2.clone(), c1.clone()]).await;
+        let b = claim(&store, "r", 10).await;
+        assert_eq!(ids(&b), set(&[&c1]), "{mode:?}");
+        let parked: Vec<(EventId, ParkKind)> =
+            b.parked.iter().map(|n| (n.event_id, n.kind)).collect();
+        assert_eq!(
+            parked,
+            vec![(stale.event_id, ParkKind::OutOfOrder)],
+            "{mode:?}: the stale version parked and reported"
+        );
+        assert_eq!(
+            b.gaps_held, 1,
+            "{mode:?}: version 2 of {g} held and reported"
+        );
+        store
+            .complete(&b.handle, &publish_all(&b))
+            .await
+            .expect("complete");
+        assert_eq!(
+            store.stats().await.expect("stats").version_gaps_held,
+            1,
+            "{mode:?}"
+        );
+        // Filled, so that the next mode starts from an empty backlog.
+        let g1 = event(&g, 1);
+        append_committed(h, &store, std::slice::from_ref(&g1)).await;
+        for expected in [&g1, &g2] {
+            h.advance(caps.gap_timeout.min(std::time::Duration::from_secs(1)) + caps.time_step)
+                .await;
+            let b = claim(&store, "r", 10).await;
+            assert_eq!(ids(&b), set(&[expected]), "{mode:?}");
+            store
+                .complete(&b.handle, &publish_all(&b))
+                .await
+                .expect("complete");
+        }
+    }
+}
+
 // ---- Runs (`outbox_core::store`, *Runs*; capability `runs`) ----
 
 /// Runs: a claim asking for runs gets, after each head, its aggregate's next versions, adjacent
