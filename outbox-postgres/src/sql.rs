@@ -158,7 +158,11 @@ impl OutboxSql {
         //             row could not be indexed, and writing it would fail the whole claim;
         //             parked as a permanent error
         //   stale     version <= last: would go out after a later version; parked out of order
-        //   follower  an unfinished row of the aggregate above `last` precedes it: blocked,
+        //   follower  an unfinished row of the aggregate above `last` precedes it, unblocked
+        //             or of the same version (a blocked earlier copy of its version is the
+        //             head, not it: counting only unblocked rows let a second copy that
+        //             arrived unblocked go out first once a stale row before the first copy
+        //             was parked and promoted it in the same claim): blocked,
         //             and with it every pending row of its aggregate after it in (version,
         //             id), in the window or not (each has the same row before it): otherwise
         //             one aggregate's backlog fills every claim's window one batch at a time,
@@ -220,7 +224,9 @@ impl OutboxSql {
                                     AND (u.aggregate_version, u.id) < (c.aggregate_version, c.id) \
                                     AND u.aggregate_type = c.aggregate_type \
                                     AND u.aggregate_id = c.aggregate_id \
-                                    AND NOT u.blocked) THEN 'follower' \
+                                    AND (NOT u.blocked \
+                                         OR u.aggregate_version = c.aggregate_version)) \
+                     THEN 'follower' \
                      WHEN c.aggregate_version > c.last + 1 THEN \
                        CASE WHEN c.held_since <= clock_timestamp() - {gap_i} THEN 'gap_park' \
                             ELSE 'gap_hold' END \

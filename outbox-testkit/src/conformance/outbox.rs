@@ -794,6 +794,76 @@ pub async fn late_lower_version_goes_out_before_the_higher_one<H: OutboxHarness>
     assert_eq!(ids(&claim(&store, "r", 10).await), set(&[&v2]));
 }
 
+/// The head is the first unfinished event in (version, append order) above `last`: of two
+/// events with the same version, the first appended goes out and the later is parked out of
+/// order, in every claim mode. The case that broke it on PostgreSQL (a randomized upgrade test,
+/// seed 1796639460882049773): a stale copy of version 2 stands before the first copy of
+/// version 3, which a claim blocked behind it; a second copy of version 3, appended alone, is
+/// met by the claim that parks the stale copy and unblocks the first.
+pub async fn of_two_events_of_one_version_the_first_appended_goes_out<H: OutboxHarness>(h: &H) {
+    let caps = h.capabilities();
+    let modes: Vec<ClaimMode> = [
+        caps.lease.then(|| caps.lease_mode()),
+        caps.locked_transaction
+            .then_some(ClaimMode::LockedTransaction),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    for mode in modes {
+        let store = h.store(mode).await;
+        let a = agg("first-copy");
+        let v1 = event(&a, 1);
+        append_committed(h, &store, std::slice::from_ref(&v1)).await;
+        let b = claim(&store, "r", 10).await;
+        assert_eq!(ids(&b), set(&[&v1]), "{mode:?}: setup");
+        store
+            .complete(&b.handle, &publish_all(&b))
+            .await
+            .expect("complete");
+        // Each appended alone, in this order: version 2, a second copy of it, version 3.
+        let (v2, v2_again, v3) = (event(&a, 2), event(&a, 2), event(&a, 3));
+        for e in [&v2, &v2_again, &v3] {
+            append_committed(h, &store, std::slice::from_ref(e)).await;
+        }
+        let b = claim(&store, "r", 10).await;
+        assert_eq!(ids(&b), set(&[&v2]), "{mode:?}: version 2, first copy");
+        store
+            .complete(&b.handle, &publish_all(&b))
+            .await
+            .expect("complete");
+        let v3_again = event(&a, 3);
+        append_committed(h, &store, std::slice::from_ref(&v3_again)).await;
+        let (mut sent, mut parked) = (Vec::new(), BTreeSet::new());
+        for _ in 0..6 {
+            let b = claim(&store, "r", 10).await;
+            sent.extend(b.records.iter().map(|r| r.envelope.event_id));
+            for n in &b.parked {
+                assert_eq!(n.kind, ParkKind::OutOfOrder, "{mode:?}");
+                parked.insert(n.event_id);
+            }
+            store
+                .complete(&b.handle, &publish_all(&b))
+                .await
+                .expect("complete");
+            h.advance(caps.time_step).await;
+        }
+        assert_eq!(
+            sent,
+            vec![v3.event_id],
+            "{mode:?}: version 3 must go out once, from its first copy ({}), not the later \
+             one ({})",
+            v3.event_id,
+            v3_again.event_id
+        );
+        assert_eq!(
+            parked,
+            set(&[&v2_again, &v3_again]),
+            "{mode:?}: both later copies parked out of order"
+        );
+    }
+}
+
 /// A pending event at or below the aggregate's last published version is never handed out:
 /// the claim parks it as out of order; an operator may discard it but not retry it.
 pub async fn version_at_or_below_the_last_published_is_parked_out_of_order<H: OutboxHarness>(
