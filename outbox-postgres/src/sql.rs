@@ -28,6 +28,10 @@ pub(crate) struct OutboxSql {
     pub claim_decide_lease: String,
     /// Claim step 2 (locked mode). `$1` ids, `$2` gap timeout µs, `$3` gap re-check µs.
     pub claim_decide_locked: String,
+    /// `claim_decide_lease` with runs: `$7` run length, `$8` limit.
+    pub claim_decide_lease_runs: String,
+    /// `claim_decide_locked` with runs: `$4` run length, `$5` limit.
+    pub claim_decide_locked_runs: String,
     /// Parks claimed rows that fail to decode. `$1` ids, `$2` reasons, `$3` claim token, `$4`
     /// aggregate keys.
     pub park_undecodable: String,
@@ -189,8 +193,54 @@ impl OutboxSql {
         // The last version of an aggregate without state (no row, or a row whose
         // `last_version` is still NULL: nothing published or discarded, migration 6).
         let unknown_r = unknown_last(&t, &state, "r", accept_first_version);
-        let decide = |gap: u8, recheck: u8, run: u8, limit: u8| {
+        // Runs (`$run` and `$limit` bound): `nh`, `run0` and `run`, after `mark_run`. A claim
+        // of heads only (`run` 1, the default) uses statements without them: planning is about
+        // a third of the decision's server time on a claim of a few hundred heads, and these
+        // CTEs were a fifth of the plan (EXPLAIN's planning time, BENCHMARKS.md).
+        let runs_ctes = |run: u8, limit: u8| {
             let (run, limit) = (format!("${run}::int8"), format!("${limit}::int8"));
+            format!(
+                "nh AS MATERIALIZED ( \
+                   SELECT {limit} - count(*) AS budget FROM h WHERE h.action = 'claim'), \
+                 run0 AS MATERIALIZED ( \
+                   SELECT h.id AS head, h.k, h.last, h.sent_upto, q.* \
+                   FROM h CROSS JOIN LATERAL ( \
+                     SELECT q.*, bool_and(q.ok) OVER (ORDER BY q.pos) AS all_ok \
+                     FROM (SELECT q.*, q.aggregate_version = h.aggregate_version + q.pos \
+                                       AND q.status = 'pending' AND q.due \
+                                       AND q.next_v IS DISTINCT FROM q.aggregate_version AS ok \
+                           FROM (SELECT q.*, \
+                                        row_number() OVER (ORDER BY q.aggregate_version, q.id) \
+                                          AS pos, \
+                                        lead(q.aggregate_version) \
+                                          OVER (ORDER BY q.aggregate_version, q.id) AS next_v \
+                                 FROM (SELECT r.id, r.aggregate_version, r.attempts, r.status, \
+                                              r.maybe_delivered, r.next_attempt_at <= now() AS due \
+                                       FROM {t} r \
+                                       WHERE {kr} = h.k AND r.status IN ('pending', 'parked') \
+                                         AND (r.aggregate_version, r.id) \
+                                             > (h.aggregate_version, h.id) \
+                                         AND r.aggregate_type = h.aggregate_type \
+                                         AND r.aggregate_id = h.aggregate_id \
+                                       ORDER BY r.aggregate_version, r.id \
+                                       LIMIT (SELECT CASE WHEN n.budget > 0 \
+                                                          THEN LEAST({run}, n.budget + 1) \
+                                                          ELSE 0 END \
+                                              FROM nh n)) q) q) q) q \
+                   WHERE h.action = 'claim' AND {run} > 1), \
+                 run AS MATERIALIZED ( \
+                   SELECT r.head, r.k, r.last, r.sent_upto, r.id, r.attempts, r.maybe_delivered, \
+                          r.pos, {cols_e} \
+                   FROM (SELECT r.*, row_number() OVER (ORDER BY r.head, r.pos) AS nth \
+                         FROM run0 r WHERE r.all_ok AND r.pos < {run}) r \
+                   JOIN {t} e ON e.id = r.id \
+                   WHERE r.nth <= (SELECT n.budget FROM nh n))",
+                kr = agg("r"),
+                cols_e = prefixed("e", ENVELOPE_COLS),
+            )
+        };
+        let decide = |gap: u8, recheck: u8, runs: Option<String>| {
+            let runs = runs.map(|r| format!("{r}, ")).unwrap_or_default();
             format!(
                 "c AS MATERIALIZED ( \
                    SELECT r.id, {cols}, r.attempts, r.held_since, {kr} AS k, \
@@ -268,41 +318,7 @@ impl OutboxSql {
                      AND m.aggregate_type = x.aggregate_type \
                      AND m.aggregate_id = x.aggregate_id \
                    RETURNING 1), \
-                 nh AS MATERIALIZED ( \
-                   SELECT {limit} - count(*) AS budget FROM h WHERE h.action = 'claim'), \
-                 run0 AS MATERIALIZED ( \
-                   SELECT h.id AS head, h.k, h.last, h.sent_upto, q.* \
-                   FROM h CROSS JOIN LATERAL ( \
-                     SELECT q.*, bool_and(q.ok) OVER (ORDER BY q.pos) AS all_ok \
-                     FROM (SELECT q.*, q.aggregate_version = h.aggregate_version + q.pos \
-                                       AND q.status = 'pending' AND q.due \
-                                       AND q.next_v IS DISTINCT FROM q.aggregate_version AS ok \
-                           FROM (SELECT q.*, \
-                                        row_number() OVER (ORDER BY q.aggregate_version, q.id) \
-                                          AS pos, \
-                                        lead(q.aggregate_version) \
-                                          OVER (ORDER BY q.aggregate_version, q.id) AS next_v \
-                                 FROM (SELECT r.id, r.aggregate_version, r.attempts, r.status, \
-                                              r.maybe_delivered, r.next_attempt_at <= now() AS due \
-                                       FROM {t} r \
-                                       WHERE {kr} = h.k AND r.status IN ('pending', 'parked') \
-                                         AND (r.aggregate_version, r.id) \
-                                             > (h.aggregate_version, h.id) \
-                                         AND r.aggregate_type = h.aggregate_type \
-                                         AND r.aggregate_id = h.aggregate_id \
-                                       ORDER BY r.aggregate_version, r.id \
-                                       LIMIT (SELECT CASE WHEN n.budget > 0 \
-                                                          THEN LEAST({run}, n.budget + 1) \
-                                                          ELSE 0 END \
-                                              FROM nh n)) q) q) q) q \
-                   WHERE h.action = 'claim' AND {run} > 1), \
-                 run AS MATERIALIZED ( \
-                   SELECT r.head, r.k, r.last, r.sent_upto, r.id, r.attempts, r.maybe_delivered, \
-                          r.pos, {cols_e} \
-                   FROM (SELECT r.*, row_number() OVER (ORDER BY r.head, r.pos) AS nth \
-                         FROM run0 r WHERE r.all_ok AND r.pos < {run}) r \
-                   JOIN {t} e ON e.id = r.id \
-                   WHERE r.nth <= (SELECT n.budget FROM nh n)), \
+                 {runs}\
                  prk AS ( \
                    UPDATE {t} p SET status = 'parked', parked_at = clock_timestamp(), \
                           park_kind = x.kind, last_error_class = 'permanent', \
@@ -351,7 +367,6 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                 ku = agg("u"),
                 kb = agg("b"),
                 km = agg("m"),
-                cols_e = prefixed("e", ENVELOPE_COLS),
                 sr = state_of("a", "r"),
                 unknown_r = unknown_r,
                 gap_i = micros(gap),
@@ -377,50 +392,91 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
         // A lease that still names the row (`resend`: its claim ended without outcome or
         // release) may have sent it: the row keeps that as `maybe_delivered`, so a later claim
         // still counts its publication as a re-send.
-        let claim_decide_lease = format!(
-            "WITH {}, \
-             ins AS ( \
-               INSERT INTO {state} AS a (aggregate_key, aggregate_type, aggregate_id, \
-                                         lease_owner, lease_token, lease_until, lease_row, \
-                                         lease_upto) \
-               SELECT x.k, x.aggregate_type, x.aggregate_id, $2, $3, \
-                      clock_timestamp() + {lease_i}, x.head, max(x.v) \
-               FROM (SELECT h.id AS head, h.k, h.aggregate_type, h.aggregate_id, \
-                            h.aggregate_version AS v \
-                     FROM h WHERE h.action = 'claim' \
-                     UNION ALL \
-                     SELECT r.head, r.k, r.aggregate_type, r.aggregate_id, r.aggregate_version \
-                     FROM run r) x \
-               GROUP BY x.head, x.k, x.aggregate_type, x.aggregate_id \
-               ON CONFLICT (aggregate_key, aggregate_type, aggregate_id) DO UPDATE \
-                 SET lease_owner = EXCLUDED.lease_owner, lease_token = EXCLUDED.lease_token, \
-                     lease_until = EXCLUDED.lease_until, lease_row = EXCLUDED.lease_row, \
-                     lease_upto = EXCLUDED.lease_upto, updated_at = clock_timestamp() \
-                 WHERE a.lease_until IS NULL OR a.lease_until <= clock_timestamp() \
-               RETURNING a.lease_row AS id, \
-                 (extract(epoch FROM a.lease_until - clock_timestamp()) * 1000000)::int8 \
-                   AS remaining_us), \
-             mark AS ( \
-               UPDATE {t} m SET maybe_delivered = true FROM h \
-               WHERE m.id = h.id AND h.action = 'claim' AND h.resend AND NOT m.maybe_delivered \
-               RETURNING 1) \
-             SELECT {outcome_cols}, i.remaining_us, (i.id IS NOT NULL) AS claimed \
-             FROM h LEFT JOIN ins i ON i.id = h.id \
-             WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold', 'bad_key') \
-             UNION ALL \
-             SELECT {run_cols}, NULL::int8, NULL::bool FROM run r",
-            decide(5, 6, 7, 8),
-            lease_i = micros(4),
-        );
+        // With runs, a lease covers its head's run: `lease_upto` is the run's last version
+        // (a grouped union: a join per head of the heads and the run rows was a nested loop
+        // over two CTE scans), and the run rows go out unjoined: the store keeps those whose
+        // head's lease was written (`claimed` NULL: as their head).
+        let lease_decision = |runs: bool| {
+            let (with_runs, lease_src, run_rows) = if runs {
+                (
+                    Some(runs_ctes(7, 8)),
+                    format!(
+                        "SELECT x.k, x.aggregate_type, x.aggregate_id, $2, $3, \
+                            clock_timestamp() + {lease_i}, x.head, \
+                            max(x.v) \
+                     FROM (SELECT h.id AS head, h.k, h.aggregate_type, h.aggregate_id, \
+                                  h.aggregate_version AS v \
+                           FROM h WHERE h.action = 'claim' \
+                           UNION ALL \
+                           SELECT r.head, r.k, r.aggregate_type, r.aggregate_id, \
+                                  r.aggregate_version \
+                           FROM run r) x \
+                     GROUP BY x.head, x.k, x.aggregate_type, x.aggregate_id",
+                        lease_i = micros(4),
+                    ),
+                    format!("UNION ALL SELECT {run_cols}, NULL::int8, NULL::bool FROM run r"),
+                )
+            } else {
+                (
+                    None,
+                    format!(
+                        "SELECT h.k, h.aggregate_type, h.aggregate_id, $2, $3, \
+                            clock_timestamp() + {lease_i}, h.id, \
+                            h.aggregate_version \
+                     FROM h WHERE h.action = 'claim'",
+                        lease_i = micros(4),
+                    ),
+                    String::new(),
+                )
+            };
+            format!(
+                "WITH {}, \
+                 ins AS ( \
+                   INSERT INTO {state} AS a (aggregate_key, aggregate_type, aggregate_id, \
+                                             lease_owner, lease_token, lease_until, lease_row, \
+                                             lease_upto) \
+                   {lease_src} \
+                   ON CONFLICT (aggregate_key, aggregate_type, aggregate_id) DO UPDATE \
+                     SET lease_owner = EXCLUDED.lease_owner, \
+                         lease_token = EXCLUDED.lease_token, \
+                         lease_until = EXCLUDED.lease_until, lease_row = EXCLUDED.lease_row, \
+                         lease_upto = EXCLUDED.lease_upto, updated_at = clock_timestamp() \
+                     WHERE a.lease_until IS NULL OR a.lease_until <= clock_timestamp() \
+                   RETURNING a.lease_row AS id, \
+                     (extract(epoch FROM a.lease_until - clock_timestamp()) * 1000000)::int8 \
+                       AS remaining_us), \
+                 mark AS ( \
+                   UPDATE {t} m SET maybe_delivered = true FROM h \
+                   WHERE m.id = h.id AND h.action = 'claim' AND h.resend \
+                     AND NOT m.maybe_delivered \
+                   RETURNING 1) \
+                 SELECT {outcome_cols}, i.remaining_us, (i.id IS NOT NULL) AS claimed \
+                 FROM h LEFT JOIN ins i ON i.id = h.id \
+                 WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold', 'bad_key') \
+                 {run_rows}",
+                decide(5, 6, with_runs),
+            )
+        };
+        let claim_decide_lease = lease_decision(false);
+        let claim_decide_lease_runs = lease_decision(true);
         // Locked mode: the aggregate locks, held until the completion commits, are the claim.
-        let claim_decide_locked = format!(
-            "WITH {} \
-             SELECT {outcome_cols}, NULL::int8 AS remaining_us, (h.action = 'claim') AS claimed \
-             FROM h WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold', 'bad_key') \
-             UNION ALL \
-             SELECT {run_cols}, NULL::int8, true FROM run r",
-            decide(2, 3, 4, 5),
-        );
+        let locked_decision = |runs: bool| {
+            format!(
+                "WITH {} \
+                 SELECT {outcome_cols}, NULL::int8 AS remaining_us, \
+                        (h.action = 'claim') AS claimed \
+                 FROM h WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold', 'bad_key') \
+                 {}",
+                decide(2, 3, runs.then(|| runs_ctes(4, 5))),
+                if runs {
+                    format!("UNION ALL SELECT {run_cols}, NULL::int8, true FROM run r")
+                } else {
+                    String::new()
+                },
+            )
+        };
+        let claim_decide_locked = locked_decision(false);
+        let claim_decide_locked_runs = locked_decision(true);
 
         // Claimed rows that no longer decode are parked (their leases released), alone.
         let park_undecodable = format!(
@@ -840,7 +896,9 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
             append_one,
             claim_candidates,
             claim_decide_lease,
+            claim_decide_lease_runs,
             claim_decide_locked,
+            claim_decide_locked_runs,
             park_undecodable,
             lock_keys,
             complete_lease,

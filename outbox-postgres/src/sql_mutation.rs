@@ -36,6 +36,8 @@ macro_rules! fields {
             ("claim_candidates", &mut s.claim_candidates),
             ("claim_decide_lease", &mut s.claim_decide_lease),
             ("claim_decide_locked", &mut s.claim_decide_locked),
+            ("claim_decide_lease_runs", &mut s.claim_decide_lease_runs),
+            ("claim_decide_locked_runs", &mut s.claim_decide_locked_runs),
             ("park_undecodable", &mut s.park_undecodable),
             ("lock_keys", &mut s.lock_keys),
             ("complete_lease", &mut s.complete_lease),

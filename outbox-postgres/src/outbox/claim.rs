@@ -4,7 +4,8 @@
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
-use sqlx::postgres::PgRow;
+use sqlx::postgres::{PgArguments, PgRow};
+use sqlx::query::Query;
 use sqlx::{Postgres, Row, Transaction};
 use tracing::warn;
 use uuid::Uuid;
@@ -17,6 +18,7 @@ use outbox_core::{
 use super::rows::envelope_from_row;
 use super::PostgresOutboxStore;
 use crate::error::db;
+use crate::sql::OutboxSql;
 
 /// Transactions of claims, completions and operator actions: custom plans (the statements take
 /// id arrays whose size a generic plan cannot know) and no JIT compilation (their cost
@@ -268,23 +270,16 @@ impl PostgresOutboxStore {
         // A run counts against the limit, so it is never longer than the claim.
         let limit = request.limit.min(100_000) as i64;
         let run = (request.run_len() as i64).min(limit);
-        let rows = match settings.claim_mode {
-            ClaimMode::Lease { duration } => sqlx::query(&sql.claim_decide_lease)
-                .bind(ids)
-                .bind(&request.owner)
-                .bind(token)
-                .bind(micros(duration))
-                .bind(gap_us)
-                .bind(recheck_us)
-                .bind(run)
-                .bind(limit),
-            _ => sqlx::query(&sql.claim_decide_locked)
-                .bind(ids)
-                .bind(gap_us)
-                .bind(recheck_us)
-                .bind(run)
-                .bind(limit),
-        }
+        let statement = decision_sql(sql, settings.claim_mode, run);
+        let rows = bind_decision(
+            sqlx::query(statement),
+            settings.claim_mode,
+            ids,
+            &request.owner,
+            token,
+            (gap_us, recheck_us),
+            (run, limit),
+        )
         .fetch_all(&mut *tx)
         .await
         .map_err(db)?;
@@ -547,30 +542,20 @@ impl PostgresOutboxStore {
         .await
         .map_err(db)?;
         let gap_us = micros(self.inner.settings.gap_timeout);
-        let second_sql;
-        let second = match self.inner.settings.claim_mode {
-            ClaimMode::Lease { duration } => {
-                second_sql = format!("EXPLAIN (ANALYZE, BUFFERS) {}", sql.claim_decide_lease);
-                sqlx::query(&second_sql)
-                    .bind(&ids)
-                    .bind("explain")
-                    .bind(Uuid::now_v7())
-                    .bind(micros(duration))
-                    .bind(gap_us)
-                    .bind(gap_us)
-                    .bind(run)
-                    .bind(limit)
-            }
-            _ => {
-                second_sql = format!("EXPLAIN (ANALYZE, BUFFERS) {}", sql.claim_decide_locked);
-                sqlx::query(&second_sql)
-                    .bind(&ids)
-                    .bind(gap_us)
-                    .bind(gap_us)
-                    .bind(run)
-                    .bind(limit)
-            }
-        }
+        let mode = self.inner.settings.claim_mode;
+        let second_sql = format!(
+            "EXPLAIN (ANALYZE, BUFFERS) {}",
+            decision_sql(sql, mode, run)
+        );
+        let second = bind_decision(
+            sqlx::query(&second_sql),
+            mode,
+            &ids,
+            "explain",
+            Uuid::now_v7(),
+            (gap_us, gap_us),
+            (run, limit),
+        )
         .fetch_all(&mut *tx)
         .await
         .map_err(db)?;
@@ -600,6 +585,45 @@ impl PostgresOutboxStore {
             }
             None => false,
         }
+    }
+}
+
+/// Claim step 2's statement for `mode`: heads only when `run` is 1 (the default), else with
+/// the run CTEs (`crate::sql`).
+fn decision_sql(sql: &OutboxSql, mode: ClaimMode, run: i64) -> &str {
+    match (mode, run > 1) {
+        (ClaimMode::Lease { .. }, false) => &sql.claim_decide_lease,
+        (ClaimMode::Lease { .. }, true) => &sql.claim_decide_lease_runs,
+        (_, false) => &sql.claim_decide_locked,
+        (_, true) => &sql.claim_decide_locked_runs,
+    }
+}
+
+/// Binds [`decision_sql`]'s parameters: the run length and the limit only for the statements
+/// with runs.
+fn bind_decision<'q>(
+    query: Query<'q, Postgres, PgArguments>,
+    mode: ClaimMode,
+    ids: &'q [i64],
+    owner: &'q str,
+    token: Uuid,
+    (gap_us, recheck_us): (i64, i64),
+    (run, limit): (i64, i64),
+) -> Query<'q, Postgres, PgArguments> {
+    let query = query.bind(ids);
+    let query = match mode {
+        ClaimMode::Lease { duration } => query
+            .bind(owner)
+            .bind(token)
+            .bind(micros(duration))
+            .bind(gap_us)
+            .bind(recheck_us),
+        _ => query.bind(gap_us).bind(recheck_us),
+    };
+    if run > 1 {
+        query.bind(run).bind(limit)
+    } else {
+        query
     }
 }
 
