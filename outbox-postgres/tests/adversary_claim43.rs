@@ -789,3 +789,180 @@ async fn every_held_gap_is_reported_beside_a_park_and_a_claim() {
         ctx.drop().await;
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Randomized: appends with copies and stale rows, two relays of different run lengths,
+// publish / retry / park / release outcomes, claims held open, operator actions.
+// ---------------------------------------------------------------------------------------------
+
+/// The versions of one random append to `agg` (new versions, copies, stale rows).
+fn shape(rng: &mut Rng, next: &mut i64) -> Vec<i64> {
+    let n = *next;
+    match rng.below(7) {
+        0 | 1 => {
+            let k = 1 + rng.below(4) as i64;
+            *next += k;
+            (n..n + k).collect()
+        }
+        2 => vec![(n - 1 - rng.below(3) as i64).max(1)],
+        3 => {
+            *next += 2;
+            vec![(n - 1).max(1), n, n + 1]
+        }
+        4 => {
+            *next += 2;
+            vec![n, n + 1, n + 1]
+        }
+        5 => {
+            // A copy of the next version alone, then the rest in one batch (its lowest
+            // version a second copy, unblocked at insert).
+            *next += 2;
+            vec![n, n, n + 1]
+        }
+        _ => {
+            *next += 1;
+            vec![n]
+        }
+    }
+}
+
+async fn randomized(locked: bool) {
+    let seed = common::env_seed("ADV43_SEED").unwrap_or_else(common::clock_seed);
+    println!("randomized(locked = {locked}) seed {seed} (set ADV43_SEED to replay)");
+    let mut rng = Rng(seed);
+    let accept_first = rng.below(2) == 0;
+    let mode = if locked {
+        ClaimMode::LockedTransaction
+    } else {
+        lease(30.0)
+    };
+    let ctx = ctx!(10);
+    let stores = [
+        store_with(&ctx, mode, accept_first),
+        store_with(&ctx, mode, accept_first),
+    ];
+    stores[0].migrate().await.unwrap();
+    let runs = [1 + rng.below(2) as usize, 2 + rng.below(5) as usize];
+    let owners = ["r0", "r1"];
+    println!("accept_first {accept_first}, runs {runs:?}");
+    let mut m = Model::default();
+    let mut next: HashMap<String, i64> = HashMap::new();
+    let mut open: Vec<(usize, ClaimedBatch)> = Vec::new();
+    let until = Instant::now() + Duration::from_secs(10);
+    let mut steps = 0;
+    while Instant::now() < until && steps < 400 {
+        steps += 1;
+        let roll = rng.below(20);
+        if roll < 6 {
+            let agg = format!("x{}", rng.below(3));
+            let n = next.entry(agg.clone()).or_insert(1);
+            let vs = shape(&mut rng, n);
+            if vs.len() > 1 && rng.below(3) == 0 {
+                for v in vs {
+                    m.one(&ctx, &stores[0], &agg, v).await;
+                }
+            } else {
+                m.batch(&ctx, &stores[0], &agg, &vs).await;
+            }
+        } else if roll < 14 {
+            let i = rng.below(2) as usize;
+            let limit = 1 + rng.below(6) as usize;
+            let b = claim_run(&stores[i], owners[i], limit, runs[i]).await;
+            for (_, o) in &open {
+                for r in &b.records {
+                    assert!(
+                        o.records
+                            .iter()
+                            .all(|x| x.envelope.aggregate_id != r.envelope.aggregate_id),
+                        "seed {seed}: {} handed out while an open claim holds it",
+                        r.envelope.aggregate_id
+                    );
+                }
+            }
+            if !locked {
+                check_lease_upto(&ctx, &b, owners[i]).await;
+            }
+            let k = rng.below(3) as usize;
+            match rng.below(10) {
+                0..=4 => m.complete(&stores[i], &b, usize::MAX, None).await,
+                5 => m.complete(&stores[i], &b, k, Some(retry)).await,
+                6 => m.complete(&stores[i], &b, k, None).await,
+                7 => m.complete(&stores[i], &b, k, Some(park)).await,
+                8 => stores[i].release(&b.handle).await.unwrap(),
+                _ if open.len() < 2 && !b.records.is_empty() => open.push((i, b)),
+                _ => m.complete(&stores[i], &b, usize::MAX, None).await,
+            }
+        } else if roll < 16 {
+            if !open.is_empty() {
+                let (i, b) = open.remove(rng.below(open.len() as u64) as usize);
+                m.complete(&stores[i], &b, usize::MAX, None).await;
+            }
+        } else {
+            // An operator (in locked mode after the open claims ended: its actions wait for
+            // their aggregate locks).
+            if locked {
+                for (i, b) in std::mem::take(&mut open) {
+                    m.complete(&stores[i], &b, usize::MAX, None).await;
+                }
+            }
+            let parked = stores[0].list_parked(50).await.unwrap();
+            if !parked.is_empty() {
+                let p = &parked[rng.below(parked.len() as u64) as usize];
+                let id = p.envelope.event_id;
+                let r = match rng.below(3) {
+                    0 => stores[0].retry_parked(id, "op").await,
+                    1 => stores[0].discard_parked(id, "op", "test").await,
+                    _ => stores[0].reissue_parked(id, "op", "test").await.map(|_| ()),
+                };
+                if let Err(e) = r {
+                    assert_eq!(
+                        e.kind,
+                        outbox_core::StoreErrorKind::Conflict,
+                        "seed {seed}: {e:?}"
+                    );
+                }
+            }
+        }
+        check(&ctx, &m).await;
+    }
+    for (i, b) in std::mem::take(&mut open) {
+        m.complete(&stores[i], &b, usize::MAX, None).await;
+    }
+    // Drain; an operator discards what is parked until nothing is left.
+    for _ in 0..20 {
+        drain(&ctx, &stores[1], &mut m, runs[1]).await;
+        let parked = stores[0].list_parked(100).await.unwrap();
+        if parked.is_empty() {
+            break;
+        }
+        for p in parked {
+            let _ = stores[0]
+                .discard_parked(p.envelope.event_id, "op", "end")
+                .await;
+        }
+        check(&ctx, &m).await;
+    }
+    let left: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM \"{}\".outbox_events WHERE status IN ('pending', 'parked')",
+        ctx.schema
+    ))
+    .fetch_one(&ctx.pool)
+    .await
+    .unwrap();
+    assert_eq!(left, 0, "seed {seed}: rows left after the drain");
+    println!(
+        "seed {seed}: {steps} steps, {} published",
+        m.published.len()
+    );
+    ctx.drop().await;
+}
+
+#[tokio::test]
+async fn randomized_lease_relays_with_copies() {
+    randomized(false).await;
+}
+
+#[tokio::test]
+async fn randomized_locked_relays_with_copies() {
+    randomized(true).await;
+}
