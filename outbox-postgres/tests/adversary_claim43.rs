@@ -854,8 +854,20 @@ async fn randomized(locked: bool) {
         steps += 1;
         let roll = rng.below(20);
         if roll < 6 {
-            let agg = format!("x{}", rng.below(3));
+            let agg = format!("x{}", rng.below(2));
             let n = next.entry(agg.clone()).or_insert(1);
+            if rng.below(4) == 0 {
+                // A copy of the last version in front of the next ones (stale once the last
+                // is published, the first of them blocked behind it), then a second copy of
+                // the first new version alone.
+                let v = *n;
+                *n += 2;
+                m.batch(&ctx, &stores[0], &agg, &[(v - 1).max(1), v, v + 1])
+                    .await;
+                m.one(&ctx, &stores[0], &agg, v).await;
+                check(&ctx, &m).await;
+                continue;
+            }
             let vs = shape(&mut rng, n);
             if vs.len() > 1 && rng.below(3) == 0 {
                 for v in vs {
