@@ -1007,3 +1007,71 @@ async fn randomized_lease_relays_with_copies() {
 async fn randomized_locked_relays_with_copies() {
     randomized(true).await;
 }
+
+/// The blocked first copy of version 2 behind a head in flight; a second copy of 2 appended
+/// alone while the head is claimed. The head's claim ends in every way (published, retried,
+/// released, parked and then retried, discarded or re-issued by an operator): the second copy
+/// never goes before the first, and nothing stalls.
+#[tokio::test]
+async fn a_second_copy_appended_while_the_head_is_in_flight() {
+    for end in [
+        "publish",
+        "retry",
+        "release",
+        "park-retry",
+        "park-discard",
+        "park-reissue",
+    ] {
+        each_config(|ctx, store, run, what| async move {
+            let mut m = Model::default();
+            m.batch(&ctx, &store, "a", &[1, 2]).await;
+            // Heads only, so that the first copy of 2 stays blocked behind the head.
+            let b = claim_run(&store, "x", 10, 1).await;
+            assert_eq!(layout(&b), run_of("a", 1..=1), "{what}");
+            m.one(&ctx, &store, "a", 2).await;
+            if let ClaimMode::Lease { .. } = store.claim_mode() {
+                // Another relay meets the second copy while the head is leased.
+                let other = claim_run(&store, "y", 10, run).await;
+                assert!(other.records.is_empty(), "{end} {what}");
+                store.release(&other.handle).await.unwrap();
+            }
+            match end {
+                "publish" => m.complete(&store, &b, usize::MAX, None).await,
+                "retry" => m.complete(&store, &b, 0, Some(retry)).await,
+                "release" => store.release(&b.handle).await.unwrap(),
+                _ => m.complete(&store, &b, 0, Some(park)).await,
+            }
+            check(&ctx, &m).await;
+            if end.starts_with("park") {
+                // Claims meet the second copy: it waits behind the parked head.
+                for _ in 0..2 {
+                    let b = claim_run(&store, "y", 10, run).await;
+                    assert!(b.records.is_empty(), "{end} {what}: {:?}", layout(&b));
+                    store.release(&b.handle).await.unwrap();
+                    check(&ctx, &m).await;
+                }
+                let head = m.copy("a", 1, 0);
+                match end {
+                    "park-retry" => store.retry_parked(head, "op").await.unwrap(),
+                    "park-discard" => store.discard_parked(head, "op", "x").await.unwrap(),
+                    _ => {
+                        store.reissue_parked(head, "op", "x").await.unwrap();
+                    }
+                }
+                check(&ctx, &m).await;
+            }
+            drain(&ctx, &store, &mut m, run).await;
+            let vs: Vec<i64> = m.published.iter().map(|p| p.1).collect();
+            let want = if end == "park-discard" {
+                vec![2]
+            } else {
+                vec![1, 2]
+            };
+            assert_eq!(vs, want, "{end} {what}");
+            let two = m.published.iter().find(|p| p.1 == 2).unwrap().2;
+            assert_eq!(two, m.copy("a", 2, 0), "{end} {what}");
+            ctx.drop().await;
+        })
+        .await;
+    }
+}
