@@ -664,6 +664,11 @@ async fn concurrent_relays(lease_secs: f64) {
                 let rep = s.complete(&b.handle, &outs).await.unwrap();
                 if !short {
                     assert_eq!(rep.superseded, 0, "{owner}: {rep:?}");
+                } else if rep.superseded > 0 {
+                    println!(
+                        "{owner}: {} outcomes fenced after the lease expired",
+                        rep.superseded
+                    );
                 }
                 sent.extend(
                     logged
