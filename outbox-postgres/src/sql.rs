@@ -478,7 +478,10 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
         let claim_decide_locked = locked_decision(false);
         let claim_decide_locked_runs = locked_decision(true);
 
-        // Claimed rows that no longer decode are parked (their leases released), alone.
+        // Claimed rows that no longer decode are parked, alone: a parked head's lease is
+        // released; a run cut at a parked row keeps its lease up to the version before it
+        // (`lease_upto`: what stats count in flight and what a claim after the lease's expiry
+        // counts as possibly sent; the rows after the cut were never handed out).
         let park_undecodable = format!(
             "WITH p AS ( \
                UPDATE {t} t SET status = 'parked', park_kind = 'permanent_error', \
@@ -486,7 +489,16 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                       last_error_kind = 'invalid_record', \
                       last_error_message = 'stored event does not decode: ' || x.why \
                FROM UNNEST($1::int8[], $2::text[]) AS x(id, why) \
-               WHERE t.id = x.id AND t.status = 'pending' RETURNING t.id) \
+               WHERE t.id = x.id AND t.status = 'pending' \
+               RETURNING t.id, t.aggregate_type AS at, t.aggregate_id AS ai, \
+                         t.aggregate_version AS v), \
+             cut AS ( \
+               UPDATE {state} a SET lease_upto = m.v - 1, updated_at = clock_timestamp() \
+               FROM (SELECT p.at, p.ai, min(p.v) AS v FROM p GROUP BY p.at, p.ai) m \
+               WHERE a.aggregate_key = ANY($4::int8[]) AND a.lease_token = $3 \
+                 AND a.aggregate_type = m.at AND a.aggregate_id = m.ai \
+                 AND a.lease_row NOT IN (SELECT id FROM p) AND a.lease_upto >= m.v \
+               RETURNING 1) \
              UPDATE {state} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL, \
                     lease_row = NULL, lease_upto = NULL, updated_at = clock_timestamp() \
              WHERE aggregate_key = ANY($4::int8[]) AND lease_token = $3 \

@@ -499,8 +499,6 @@ async fn an_expired_run_covering_a_version_with_a_later_copy() {
 /// an operator retries the parked row after the lease expired, neither it nor the rows after
 /// it are flagged as possibly sent.
 #[tokio::test]
-#[ignore = "adv43 finding: a lease's lease_upto includes run rows cut after an undecodable one \
-            (stats count them in flight; after an expiry they are flagged possibly sent)"]
 async fn an_undecodable_run_row_cuts_the_run_and_its_lease() {
     let ctx = ctx!(4);
     let store = store_with(&ctx, lease(1.0), false);
