@@ -407,8 +407,7 @@ async fn a_run_whose_head_lease_is_lost_is_not_handed_out() {
     let b = claim_run(&store, "relay", 10, 1).await;
     assert_eq!(b.records.len(), 2);
     finish(&store, &b).await;
-    // Another writer leases "a" and holds the row until the claim's decision waits for it
-    // (the statement's text is cut at `track_activity_query_size`: matched by its start).
+    // Another writer leases "a" and holds the row until the claim's decision waits for it.
     let mut other = ctx.pool.begin().await.unwrap();
     sqlx::query(&format!(
         "UPDATE \"{}\".outbox_events_aggregate SET lease_owner = 'other', \
@@ -420,30 +419,12 @@ async fn a_run_whose_head_lease_is_lost_is_not_handed_out() {
     .execute(&mut *other)
     .await
     .unwrap();
+    let other_xid = common::xact_id(&mut *other).await;
     let claiming = {
         let store = store.clone();
         tokio::spawn(async move { claim_run(&store, "relay", 10, 10).await })
     };
-    let waiting = format!(
-        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' \
-         AND query LIKE 'WITH c AS%{}%'",
-        ctx.schema
-    );
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let n: i64 = sqlx::query_scalar(&waiting)
-            .fetch_one(&ctx.pool)
-            .await
-            .unwrap();
-        if n > 0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the claim's decision never waited for the other writer's row"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    common::wait_for_waiter_on(&ctx, &other_xid).await;
     other.commit().await.unwrap();
     let b = claiming.await.unwrap();
     assert_eq!(

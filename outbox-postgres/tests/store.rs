@@ -1226,34 +1226,13 @@ async fn a_lease_committed_during_the_claim_wins() {
     .execute(&mut *other)
     .await
     .unwrap();
-    let other_xid: String = sqlx::query_scalar("SELECT pg_current_xact_id()::text")
-        .fetch_one(&mut *other)
-        .await
-        .unwrap();
+    let other_xid = common::xact_id(&mut *other).await;
     let racer = {
         let store = store.clone();
         tokio::spawn(async move { claim(&store, "r2", 10).await })
     };
     // Wait until the claim waits for the lease row's lock.
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_locks \
-             WHERE NOT granted AND locktype = 'transactionid' AND transactionid::text = $1",
-        )
-        .bind(&other_xid)
-        .fetch_one(&ctx.pool)
-        .await
-        .unwrap();
-        if waiting > 0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the claim never waited for the lease row"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    common::wait_for_waiter_on(&ctx, &other_xid).await;
     other.commit().await.unwrap();
     let second = racer.await.unwrap();
     assert!(

@@ -378,6 +378,38 @@ pub fn old_relay_promotion(ctx: &Ctx, published: &str) -> String {
     )
 }
 
+/// The id of the transaction open on `tx`, for [`wait_for_waiter_on`].
+pub async fn xact_id(tx: &mut sqlx::PgConnection) -> String {
+    sqlx::query_scalar("SELECT pg_current_xact_id()::text")
+        .fetch_one(tx)
+        .await
+        .unwrap()
+}
+
+/// Waits (up to 10 s) until a session waits for transaction `xid` (a row it wrote and holds):
+/// the point where a claim stands behind a transaction of the test.
+pub async fn wait_for_waiter_on(ctx: &Ctx, xid: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks \
+             WHERE NOT granted AND locktype = 'transactionid' AND transactionid::text = $1",
+        )
+        .bind(xid)
+        .fetch_one(&ctx.pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no session waited for transaction {xid}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// Waits (up to 10 s) until a session waits for a lock on a table of the test's schema: the
 /// point where a migration stands behind a transaction of the test.
 pub async fn wait_for_lock_wait(ctx: &Ctx) {

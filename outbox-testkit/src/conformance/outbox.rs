@@ -71,6 +71,19 @@ fn park(event_id: EventId) -> Outcome {
     }
 }
 
+/// The claim modes the backend supports: lease (with the harness's duration), then locked
+/// transaction.
+fn claim_modes(caps: &super::Capabilities) -> Vec<ClaimMode> {
+    [
+        caps.lease.then(|| caps.lease_mode()),
+        caps.locked_transaction
+            .then_some(ClaimMode::LockedTransaction),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
+}
+
 /// A store in the mode the checks prefer: lease if supported, else locked transaction.
 async fn default_store<H: OutboxHarness>(h: &H) -> H::Store {
     let caps = h.capabilities();
@@ -170,14 +183,7 @@ pub async fn duplicate_event_id_is_a_constraint_error<H: OutboxHarness>(h: &H) {
 /// Two relays never hold the same event.
 pub async fn claim_is_exclusive_between_relays<H: OutboxHarness>(h: &H) {
     let caps = h.capabilities();
-    let modes: Vec<ClaimMode> = [
-        caps.lease.then(|| caps.lease_mode()),
-        caps.locked_transaction
-            .then_some(ClaimMode::LockedTransaction),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
+    let modes = claim_modes(&caps);
     assert!(!modes.is_empty(), "the backend supports no claim mode");
     for mode in modes {
         let r1 = h.store(mode).await;
@@ -802,14 +808,7 @@ pub async fn late_lower_version_goes_out_before_the_higher_one<H: OutboxHarness>
 /// met by the claim that parks the stale copy and unblocks the first.
 pub async fn of_two_events_of_one_version_the_first_appended_goes_out<H: OutboxHarness>(h: &H) {
     let caps = h.capabilities();
-    let modes: Vec<ClaimMode> = [
-        caps.lease.then(|| caps.lease_mode()),
-        caps.locked_transaction
-            .then_some(ClaimMode::LockedTransaction),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
+    let modes = claim_modes(&caps);
     for mode in modes {
         let store = h.store(mode).await;
         let a = agg("first-copy");
@@ -1170,14 +1169,7 @@ pub async fn first_version_is_accepted_again_after_a_claim_that_did_not_publish<
             "the backend cannot accept a first version above 1",
         );
     }
-    let modes: Vec<ClaimMode> = [
-        caps.lease.then(|| caps.lease_mode()),
-        caps.locked_transaction
-            .then_some(ClaimMode::LockedTransaction),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
+    let modes = claim_modes(&caps);
     let transient = |kind: &str| LastError {
         class: ErrorClass::Transient,
         kind: kind.into(),
@@ -1495,14 +1487,7 @@ pub async fn a_claim_reports_what_it_parked_and_held_beside_what_it_claimed<H: O
     h: &H,
 ) {
     let caps = h.capabilities();
-    let modes: Vec<ClaimMode> = [
-        caps.lease.then(|| caps.lease_mode()),
-        caps.locked_transaction
-            .then_some(ClaimMode::LockedTransaction),
-    ]
-    .into_iter()
-    .flatten()
-    .collect();
+    let modes = claim_modes(&caps);
     for mode in modes {
         let store = h.store(mode).await;
         let (p, g, c) = (agg("rep-stale"), agg("rep-gap"), agg("rep-head"));
