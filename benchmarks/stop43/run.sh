@@ -1,5 +1,6 @@
 #!/bin/bash
 # Stop 43 A/B: landed main (13abfe7, "old") vs this stop's main (5308bef, "new": heads-only decision statements, the run join, the follower rule).
+# Summary: cd benchmarks/stop43 && python3 ../stop42/final/summarize.py > summary.txt
 source /work/build/env.sh
 export DATABASE_URL=postgres://postgres@127.0.0.1:5432/bench43
 O=/work/notes/b43
