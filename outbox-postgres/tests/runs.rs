@@ -419,7 +419,7 @@ async fn a_run_whose_head_lease_is_lost_is_not_handed_out() {
     .execute(&mut *other)
     .await
     .unwrap();
-    let other_xid = common::xact_id(&mut *other).await;
+    let other_xid = common::xact_id(&mut other).await;
     let claiming = {
         let store = store.clone();
         tokio::spawn(async move { claim_run(&store, "relay", 10, 10).await })

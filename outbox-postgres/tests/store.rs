@@ -1226,7 +1226,7 @@ async fn a_lease_committed_during_the_claim_wins() {
     .execute(&mut *other)
     .await
     .unwrap();
-    let other_xid = common::xact_id(&mut *other).await;
+    let other_xid = common::xact_id(&mut other).await;
     let racer = {
         let store = store.clone();
         tokio::spawn(async move { claim(&store, "r2", 10).await })
