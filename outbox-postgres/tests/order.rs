@@ -27,29 +27,6 @@ async fn status(pool: &PgPool, schema: &str, e: &Envelope) -> String {
     .unwrap()
 }
 
-/// Waits until some backend waits for a lock held by the transaction whose id is `xid`.
-async fn wait_until_blocked_on(pool: &PgPool, xid: &str) {
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_locks \
-             WHERE NOT granted AND locktype = 'transactionid' AND transactionid::text = $1",
-        )
-        .bind(xid)
-        .fetch_one(pool)
-        .await
-        .unwrap();
-        if waiting > 0 {
-            return;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "nothing ever waited on transaction {xid}"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-}
-
 // A version that commits after a higher one goes out first: the shared scenario
 // `late_lower_version_is_published_first_in_both_modes` in `relays.rs`.
 
@@ -138,15 +115,12 @@ async fn a_park_or_retry_in_progress_is_never_overtaken_by_a_claim() {
         .execute(&mut *blocker)
         .await
         .unwrap();
-        let xid: String = sqlx::query_scalar("SELECT pg_current_xact_id()::text")
-            .fetch_one(&mut *blocker)
-            .await
-            .unwrap();
+        let xid = common::xact_id(&mut blocker).await;
         let completing = {
             let (a, handle) = (a.clone(), claimed.handle.clone());
             tokio::spawn(async move { a.complete(&handle, &[outcome]).await })
         };
-        wait_until_blocked_on(&ctx.pool, &xid).await;
+        common::wait_for_waiter_on(&ctx, &xid).await;
         // B claims while A's completion is in progress. (It may return at once or wait behind
         // A; either way it must not end up with X.)
         let racing = {

@@ -94,6 +94,30 @@ async fn default_store<H: OutboxHarness>(h: &H) -> H::Store {
     }
 }
 
+/// Appends `missing`, the version a held head waits for, and publishes it, then the held
+/// head, one claim each after the gap's re-check delay, so that the next mode of a check starts
+/// from an empty backlog.
+async fn fill_the_gap<H: OutboxHarness>(
+    h: &H,
+    store: &H::Store,
+    mode: ClaimMode,
+    missing: &Envelope,
+    held: &Envelope,
+) {
+    let caps = h.capabilities();
+    append_committed(h, store, std::slice::from_ref(missing)).await;
+    for expected in [missing, held] {
+        h.advance(caps.gap_timeout.min(std::time::Duration::from_secs(1)) + caps.time_step)
+            .await;
+        let b = claim(store, "r", 10).await;
+        assert_eq!(ids(&b), set(&[expected]), "{mode:?}");
+        store
+            .complete(&b.handle, &publish_all(&b))
+            .await
+            .expect("complete");
+    }
+}
+
 /// Parks `e` (which must be its aggregate's head and due) through a claim.
 async fn park_head<H: OutboxHarness>(store: &H::Store, e: &Envelope) {
     let batch = claim(store, "parker", 100).await;
@@ -1260,19 +1284,7 @@ pub async fn first_version_is_accepted_again_after_a_claim_that_did_not_publish<
             let held = claim(&store, "r", 10).await;
             assert!(held.is_empty(), "{mode:?}: version 6 went out after 4");
             assert_eq!(held.gaps_held, 1, "{mode:?}");
-            // Filled, so that the next mode starts from an empty backlog.
-            let v5 = event(&a, 5);
-            append_committed(h, &store, std::slice::from_ref(&v5)).await;
-            for expected in [&v5, &v6] {
-                h.advance(caps.gap_timeout.min(std::time::Duration::from_secs(1)) + caps.time_step)
-                    .await;
-                let b = claim(&store, "r", 10).await;
-                assert_eq!(ids(&b), set(&[expected]), "{mode:?}");
-                store
-                    .complete(&b.handle, &publish_all(&b))
-                    .await
-                    .expect("complete");
-            }
+            fill_the_gap(h, &store, mode, &event(&a, 5), &v6).await;
         }
     }
 }
@@ -1525,19 +1537,7 @@ pub async fn a_claim_reports_what_it_parked_and_held_beside_what_it_claimed<H: O
             1,
             "{mode:?}"
         );
-        // Filled, so that the next mode starts from an empty backlog.
-        let g1 = event(&g, 1);
-        append_committed(h, &store, std::slice::from_ref(&g1)).await;
-        for expected in [&g1, &g2] {
-            h.advance(caps.gap_timeout.min(std::time::Duration::from_secs(1)) + caps.time_step)
-                .await;
-            let b = claim(&store, "r", 10).await;
-            assert_eq!(ids(&b), set(&[expected]), "{mode:?}");
-            store
-                .complete(&b.handle, &publish_all(&b))
-                .await
-                .expect("complete");
-        }
+        fill_the_gap(h, &store, mode, &event(&g, 1), &g2).await;
     }
 }
 
