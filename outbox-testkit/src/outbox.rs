@@ -119,6 +119,9 @@ pub(crate) struct OutboxState {
     audit: Vec<AuditEntry>,
     token_counter: u64,
     superseded_total: u64,
+    /// Runs the seeded bug `run_skips_gaps` handed out past a missing version (the witness
+    /// that a run's traffic met the bug).
+    run_gap_skips: u64,
     /// Publications so far.
     publications: u64,
     /// The relay registry, by owner: (registration, started at, heartbeat at, held).
@@ -216,17 +219,24 @@ impl OutboxState {
 
     /// The rest of the run after the head `head`: at most `max` rows of its aggregate at the
     /// next versions, consecutive, each the only unfinished row of its version, pending and
-    /// due (and under no live claim). Ends at the first row that is not.
-    fn run_after(&self, head: u64, max: usize, now: DateTime<Utc>, skip_gaps: bool) -> Vec<u64> {
+    /// due (and under no live claim). Ends at the first row that is not. Also returns whether
+    /// the run went past a missing version (only with `skip_gaps`, the seeded bug).
+    fn run_after(
+        &self,
+        head: u64,
+        max: usize,
+        now: DateTime<Utc>,
+        skip_gaps: bool,
+    ) -> (Vec<u64>, bool) {
         let row = &self.rows[&head];
         let Some(set) = self.open.get(&agg_key(&row.envelope)) else {
-            return Vec::new();
+            return (Vec::new(), false);
         };
         let from = (row.envelope.aggregate_version, head);
         let mut after = set
             .range((std::ops::Bound::Excluded(from), std::ops::Bound::Unbounded))
             .peekable();
-        let (mut expected, mut run) = (from.0 + 1, Vec::new());
+        let (mut expected, mut run, mut skipped) = (from.0 + 1, Vec::new(), false);
         while run.len() < max {
             let Some(&(version, seq)) = after.next() else {
                 break;
@@ -241,10 +251,11 @@ impl OutboxState {
             {
                 break;
             }
+            skipped |= version != expected;
             run.push(seq);
             expected = version + 1;
         }
-        run
+        (run, skipped)
     }
 
     fn advance_last(&mut self, key: AggKey, version: i64) {
@@ -453,6 +464,14 @@ impl MemoryOutboxStore {
     pub fn seeded_bug_run_skips_gaps(mut self, on: bool) -> Self {
         self.run_skips_gaps = on;
         self
+    }
+
+    /// How many runs the seeded bug [`Self::seeded_bug_run_skips_gaps`] has handed out past a
+    /// missing version on this store's database: the witness that a test's traffic met the
+    /// bug (a checker that passes such a run is blind to it).
+    #[doc(hidden)]
+    pub fn seeded_bug_runs_past_gaps(&self) -> u64 {
+        self.db.lock().outbox.run_gap_skips
     }
 
     /// Accept the lowest unfinished version of an aggregate without state as its first
@@ -700,7 +719,8 @@ impl RelayStore for MemoryOutboxStore {
                 continue;
             }
             let max = (request.run_len() - 1).min(room);
-            let run = out.run_after(head, max, now, self.run_skips_gaps);
+            let (run, skipped) = out.run_after(head, max, now, self.run_skips_gaps);
+            out.run_gap_skips += u64::from(skipped);
             room -= run.len();
             claimed.extend(run.into_iter().zip(1..));
         }

@@ -54,6 +54,15 @@ impl MemoryBackend {
         self
     }
 
+    /// How many runs the seeded bug has handed out past a missing version so far
+    /// ([`MemoryOutboxStore::seeded_bug_runs_past_gaps`]); a clone of the backend's handle,
+    /// readable after the backend has moved into a run.
+    #[doc(hidden)]
+    pub fn seeded_bug_witness(&self) -> impl Fn() -> u64 + Send + 'static {
+        let reader = self.reader();
+        move || reader.seeded_bug_runs_past_gaps()
+    }
+
     /// A store for the backend's own reads.
     fn reader(&self) -> MemoryOutboxStore {
         MemoryOutboxStore::with_lease(&self.db)
