@@ -460,9 +460,33 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
         let claim_decide_lease = lease_decision(false);
         let claim_decide_lease_runs = lease_decision(true);
         // Locked mode: the aggregate locks, held until the completion commits, are the claim.
+        // A claimed head whose aggregate carries an expired lease (a lease-mode relay on the
+        // same table whose claim ended without outcome or release: a live lease makes the
+        // head wait) takes the aggregate over as a lease claim does: the lease is cleared, so
+        // that relay's late completion no longer passes its token fence (it was applied after
+        // this claim had published the version: the version recorded twice, and with a lower
+        // copy the first copy and the later one both marked published; adversary_claim45),
+        // and the head keeps what the lease said about it as `maybe_delivered` (`unlease_mark`;
+        // the run and follower rows up to the lease's end are marked by `mark_run` and `blk`).
+        // A claim that ends without completion rolls both back with its transaction: the lease
+        // is as it was, and a late completion of it is applied as before any takeover.
         let locked_decision = |runs: bool| {
             format!(
-                "WITH {} \
+                "WITH {}, \
+                 unlease AS ( \
+                   UPDATE {state} a SET lease_owner = NULL, lease_token = NULL, \
+                          lease_until = NULL, lease_row = NULL, lease_upto = NULL, \
+                          updated_at = clock_timestamp() \
+                   FROM h \
+                   WHERE h.action = 'claim' AND a.aggregate_key = h.k \
+                     AND a.aggregate_type = h.aggregate_type \
+                     AND a.aggregate_id = h.aggregate_id AND a.lease_token IS NOT NULL \
+                   RETURNING 1), \
+                 unlease_mark AS ( \
+                   UPDATE {t} m SET maybe_delivered = true FROM h \
+                   WHERE m.id = h.id AND h.action = 'claim' AND h.resend \
+                     AND NOT m.maybe_delivered \
+                   RETURNING 1) \
                  SELECT {outcome_cols}, NULL::int8 AS remaining_us, \
                         (h.action = 'claim') AS claimed \
                  FROM h WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold', 'bad_key') \
