@@ -88,7 +88,7 @@ enum Wake {
     NoChannel,
 }
 
-const CONTENDERS: [Contender; 18] = [
+const CONTENDERS: [Contender; 20] = [
     Contender {
         id: "none",
         label: "no append (reference)",
@@ -226,6 +226,29 @@ const CONTENDERS: [Contender; 18] = [
         &ENTRY_FREE_INDEXES,
     ),
     only(
+        "only-no-checks",
+        "alone: 1 append, without the CHECK constraints",
+        &CHECKS,
+    ),
+    only(
+        "only-pk-no-checks",
+        "alone: 1 append, primary key only, no CHECK constraints",
+        &[
+            "outbox_events_created_at_idx",
+            "outbox_events_event_id_key",
+            "outbox_events_claim_idx",
+            "outbox_events_unfinished_idx",
+            "outbox_events_blocked_idx",
+            "outbox_events_parked_idx",
+            "outbox_events_finished_idx",
+            "outbox_events_held_idx",
+            "outbox_events_aggregate_version_check",
+            "outbox_events_schema_version_check",
+            "outbox_events_status_check",
+            "outbox_events_published_has_ack",
+        ],
+    ),
+    only(
         "only-pk",
         "alone: 1 append, primary key only",
         &[
@@ -239,6 +262,15 @@ const CONTENDERS: [Contender; 18] = [
             "outbox_events_held_idx",
         ],
     ),
+];
+
+/// The outbox table's CHECK constraints (an experiment: what they cost a one-row statement,
+/// which parses, simplifies and compiles each of them again at every execution).
+const CHECKS: [&str; 4] = [
+    "outbox_events_aggregate_version_check",
+    "outbox_events_schema_version_check",
+    "outbox_events_status_check",
+    "outbox_events_published_has_ack",
 ];
 
 /// The partial indexes whose predicate a new row never matches: an append writes no entry to
