@@ -235,11 +235,7 @@ const CONTENDERS: [Contender; 20] = [
         "alone: 1 append, primary key only, no CHECK constraints",
         &SECONDARY_AND_CHECKS,
     ),
-    only(
-        "only-pk",
-        "alone: 1 append, primary key only",
-        &SECONDARY,
-    ),
+    only("only-pk", "alone: 1 append, primary key only", &SECONDARY),
 ];
 
 /// Every index of the outbox table but its primary key.
