@@ -157,9 +157,10 @@ impl MySqlOutboxStore {
     ///
     /// Whether the claim still owns a row is decided by the row itself: every statement of the
     /// completion that writes it requires the claim's token on it (`claim_token`), which the
-    /// next claim of the row, after the lease ended, overwrites. Excluded here are only the
-    /// rows a relay of the previous version took over (a rolling upgrade): it leased the row
-    /// in the state row and leaves the token.
+    /// next claim of the row, after the lease ended, overwrites. Excluded here are the rows a
+    /// relay of the previous version took over (a rolling upgrade: it leased the row in the
+    /// state row and leaves the token), and rows at or below their aggregate's last version
+    /// (another claim published that version through another copy of it).
     async fn owned_rows(
         &self,
         conn: &mut MySqlConnection,
@@ -209,10 +210,19 @@ impl MySqlOutboxStore {
                 s.try_get::<Option<i64>, _>("last_version").map_err(db)?,
             );
         }
+        // A row at or below its aggregate's last version was taken over: another claim of
+        // the aggregate published (or an operator settled) that version or a later one after
+        // this lease ended, through another copy of the version (a claim of a different row
+        // leaves this row's token in place). A lease claim holds one row per aggregate (runs
+        // are not offered here) at `last + 1`, and while its lease lasts nobody else advances
+        // `last`: only a taken-over claim meets this. Its outcomes are refused: applied, its
+        // publication would record the version published twice, and a retry or park would
+        // act on a row the next claim parks as out of order (adversary_takeover45).
         let owned = rows
             .iter()
+            .filter(|r| !legacy.contains(&r.id))
+            .filter(|r| !matches!(lasts.get(&r.key), Some(Some(last)) if r.version <= *last))
             .map(|r| r.id)
-            .filter(|id| !legacy.contains(id))
             .collect();
         Ok((owned, lasts))
     }
