@@ -469,7 +469,13 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
         // and the head keeps what the lease said about it as `maybe_delivered` (`unlease_mark`;
         // the run and follower rows up to the lease's end are marked by `mark_run` and `blk`).
         // A claim that ends without completion rolls both back with its transaction: the lease
-        // is as it was, and a late completion of it is applied as before any takeover.
+        // is as it was, and a late completion of it is applied as before any takeover. Not
+        // when the claim's first decision parked rows: those parks commit with it before the
+        // claim decides again (`claim_inner`), and the cleared lease with them; a release or a
+        // lost relock after that leaves the lease cleared, so its holder's late completion is
+        // refused and the head goes out again marked as possibly sent (a flagged duplicate,
+        // never a loss or a reordering; `adversary_takeover45.rs`, ignored test
+        // `a_released_takeover_after_a_park_round_gives_the_lease_back`).
         let locked_decision = |runs: bool| {
             format!(
                 "WITH {}, \
