@@ -130,7 +130,7 @@ impl MySqlOutboxStore {
         let applied = async {
             // Serialized with claims and operator actions on the same aggregates: a claim
             // decides after it holds these locks.
-            let (owned, lasts) = self.owned_rows(&mut tx, rows).await?;
+            let (owned, lasts) = self.owned_rows(&mut tx, rows, fence).await?;
             self.apply(&mut tx, rows, outcomes, &owned, &lasts, Some(fence))
                 .await
         }
@@ -142,7 +142,7 @@ impl MySqlOutboxStore {
     async fn release_lease(&self, rows: &[ClaimedRow], fence: &Fence) -> Result<(), StoreError> {
         let mut tx = begin(&self.inner.pool).await?;
         let done = async {
-            let (owned, _) = self.owned_rows(&mut tx, rows).await?;
+            let (owned, _) = self.owned_rows(&mut tx, rows, fence).await?;
             self.end_lease_claim(&mut tx, rows, &owned, &HashSet::new(), fence)
                 .await
         }
@@ -165,6 +165,7 @@ impl MySqlOutboxStore {
         &self,
         conn: &mut MySqlConnection,
         rows: &[ClaimedRow],
+        fence: &Fence,
     ) -> Result<(HashSet<i64>, HashMap<Key, Option<i64>>), StoreError> {
         if rows.is_empty() {
             return Ok((HashSet::new(), HashMap::new()));
@@ -173,13 +174,14 @@ impl MySqlOutboxStore {
         keys.sort();
         keys.dedup();
         let sql = format!(
-            "SELECT aggregate_key, lease_token, lease_row, last_version \
+            "SELECT aggregate_key, lease_token, lease_row, last_version, \
+                    UTC_TIMESTAMP(6) >= ? AS lease_ended \
              FROM {} FORCE INDEX (PRIMARY) \
              WHERE {} ORDER BY aggregate_key FOR UPDATE",
             self.inner.tables.state,
             in_list("aggregate_key", keys.len())
         );
-        let mut q = sqlx::query(&sql);
+        let mut q = sqlx::query(&sql).bind(fence.until);
         for k in &keys {
             q = q.bind(*k);
         }
@@ -199,7 +201,9 @@ impl MySqlOutboxStore {
         }
         let mut legacy = HashSet::new();
         let mut lasts = HashMap::with_capacity(states.len());
+        let mut lease_ended = false;
         for s in &states {
+            lease_ended |= s.try_get::<i64, _>("lease_ended").map_err(db)? != 0;
             let t: Option<Uuid> = s.try_get("lease_token").map_err(db)?;
             let row: Option<i64> = s.try_get("lease_row").map_err(db)?;
             if let (Some(_), Some(row)) = (t, row) {
@@ -210,18 +214,21 @@ impl MySqlOutboxStore {
                 s.try_get::<Option<i64>, _>("last_version").map_err(db)?,
             );
         }
-        // A row at or below its aggregate's last version was taken over: another claim of
-        // the aggregate published (or an operator settled) that version or a later one after
-        // this lease ended, through another copy of the version (a claim of a different row
-        // leaves this row's token in place). A lease claim holds one row per aggregate (runs
-        // are not offered here) at `last + 1`, and while its lease lasts nobody else advances
-        // `last`: only a taken-over claim meets this. Its outcomes are refused: applied, its
-        // publication would record the version published twice, and a retry or park would
-        // act on a row the next claim parks as out of order (adversary_takeover45).
+        // After this lease ended, a row at or below its aggregate's last version was taken
+        // over: another claim of the aggregate published that version (or a later one)
+        // through another copy of it (a claim of a different row leaves this row's token in
+        // place). Its outcomes are refused: applied, its publication would record the version
+        // published twice, and a retry or park would act on a row the next claim parks as out
+        // of order (adversary_takeover45). While the lease lasts no claim takes the aggregate,
+        // and `last` reaches the row's version only through an operator (a discarded copy of
+        // the version): its outcomes apply as before.
         let owned = rows
             .iter()
             .filter(|r| !legacy.contains(&r.id))
-            .filter(|r| !matches!(lasts.get(&r.key), Some(Some(last)) if r.version <= *last))
+            .filter(|r| {
+                !(lease_ended
+                    && matches!(lasts.get(&r.key), Some(Some(last)) if r.version <= *last))
+            })
             .map(|r| r.id)
             .collect();
         Ok((owned, lasts))
