@@ -106,9 +106,17 @@ impl RandomizedBackend for MemoryBackend {
     }
 
     async fn statuses(&self, ids: &[EventId]) -> Option<HashMap<EventId, DeliveryStatus>> {
-        let store = self.reader();
+        // One snapshot (one lock), as a database read is one statement: read row by row, a
+        // completion of a run between two reads showed a later version published and an
+        // earlier one not yet (a prefix violation that never existed).
+        let all: HashMap<EventId, DeliveryStatus> = self
+            .reader()
+            .snapshot()
+            .into_iter()
+            .map(|r| (r.envelope.event_id, r.status))
+            .collect();
         ids.iter()
-            .map(|id| store.row(*id).map(|r| (*id, r.status)))
+            .map(|id| all.get(id).map(|s| (*id, *s)))
             .collect()
     }
 
