@@ -25,6 +25,7 @@ use sqlx::postgres::PgPoolOptions;
 
 use crate::drain::InstantAcks;
 use crate::env::{self, Env};
+use crate::indexes::SECONDARY;
 use crate::report::{quantile_ms, Report, Samples};
 
 /// Options of `outbox-bench append`.
@@ -238,18 +239,7 @@ const CONTENDERS: [Contender; 20] = [
     only("only-pk", "alone: 1 append, primary key only", &SECONDARY),
 ];
 
-/// Every index of the outbox table but its primary key.
-const SECONDARY: [&str; 8] = [
-    "outbox_events_created_at_idx",
-    "outbox_events_event_id_key",
-    "outbox_events_claim_idx",
-    "outbox_events_unfinished_idx",
-    "outbox_events_blocked_idx",
-    "outbox_events_parked_idx",
-    "outbox_events_finished_idx",
-    "outbox_events_held_idx",
-];
-
+/// Every index of the outbox table but its primary key, and its CHECK constraints.
 const SECONDARY_AND_CHECKS: [&str; 12] = concat(SECONDARY, CHECKS);
 
 /// `a` then `b` (`C` must be their total length).

@@ -55,7 +55,7 @@ pub(crate) struct IndexesArgs {
 }
 
 /// The outbox table's secondary indexes after every migration (the primary key stays).
-const SECONDARY: [&str; 8] = [
+pub(crate) const SECONDARY: [&str; 8] = [
     "outbox_events_event_id_key",
     "outbox_events_claim_idx",
     "outbox_events_unfinished_idx",
