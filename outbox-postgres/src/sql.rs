@@ -32,6 +32,9 @@ pub(crate) struct OutboxSql {
     pub claim_decide_lease_runs: String,
     /// `claim_decide_locked` with runs: `$4` run length, `$5` limit.
     pub claim_decide_locked_runs: String,
+    /// Clears the expired leases a locked claim took over. `$1` aggregate keys, `$2` types,
+    /// `$3` ids.
+    pub unlease_locked: String,
     /// Parks claimed rows that fail to decode. `$1` ids, `$2` reasons, `$3` claim token, `$4`
     /// aggregate keys.
     pub park_undecodable: String,
@@ -248,6 +251,7 @@ impl OutboxSql {
                           COALESCE(a.last_version, {unknown_r}) AS last, \
                           (a.last_version IS NOT NULL) AS known, \
                           COALESCE(a.lease_until > clock_timestamp(), false) AS leased, \
+                          (a.lease_token IS NOT NULL) AS lease_left, \
                           (COALESCE(a.lease_row = r.id \
                                     OR a.lease_row IS NOT NULL \
                                        AND r.aggregate_version <= a.lease_upto, false) \
@@ -260,7 +264,7 @@ impl OutboxSql {
                                        WHERE r.id = x.id AND r.status = 'pending' \
                                          AND NOT r.blocked OFFSET 0) r \
                    LEFT JOIN LATERAL (SELECT a.last_version, a.lease_until, a.lease_row, \
-                                             a.lease_upto \
+                                             a.lease_upto, a.lease_token \
                                       FROM {state} a WHERE {sr} LIMIT 1) a ON true), \
                  h AS MATERIALIZED ( \
                    SELECT c.*, CASE \
@@ -468,38 +472,28 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
         // copy the first copy and the later one both marked published; adversary_claim45),
         // and the head keeps what the lease said about it as `maybe_delivered` (`unlease_mark`;
         // the run and follower rows up to the lease's end are marked by `mark_run` and `blk`).
-        // A claim that ends without completion rolls both back with its transaction: the lease
-        // is as it was, and a late completion of it is applied as before any takeover. Not
-        // when the claim's first decision parked rows: those parks commit with it before the
-        // claim decides again (`claim_inner`), and the cleared lease with them; a release or a
-        // lost relock after that leaves the lease cleared, so its holder's late completion is
-        // refused and the head goes out again marked as possibly sent (a flagged duplicate,
-        // never a loss or a reordering; `adversary_takeover45.rs`, ignored test
-        // `a_released_takeover_after_a_park_round_gives_the_lease_back`).
+        // The lease is cleared by `unlease_locked`, not here: the claim runs it in the
+        // transaction it keeps (`lease_left` names the heads), so that a claim ending without
+        // completion rolls it back and the lease is as it was. A decision that parked rows
+        // commits before the claim decides again (`claim_inner`): a cleared lease committed
+        // with it stayed cleared after a release, and its holder's late completion was refused
+        // though no takeover stood (adversary_takeover45). The marks may commit early: a row
+        // marked possibly sent that its lease holder then publishes loses nothing.
         let locked_decision = |runs: bool| {
             format!(
                 "WITH {}, \
-                 unlease AS ( \
-                   UPDATE {state} a SET lease_owner = NULL, lease_token = NULL, \
-                          lease_until = NULL, lease_row = NULL, lease_upto = NULL, \
-                          updated_at = clock_timestamp() \
-                   FROM h \
-                   WHERE h.action = 'claim' AND a.aggregate_key = h.k \
-                     AND a.aggregate_type = h.aggregate_type \
-                     AND a.aggregate_id = h.aggregate_id AND a.lease_token IS NOT NULL \
-                   RETURNING 1), \
                  unlease_mark AS ( \
                    UPDATE {t} m SET maybe_delivered = true FROM h \
                    WHERE m.id = h.id AND h.action = 'claim' AND h.resend \
                      AND NOT m.maybe_delivered \
                    RETURNING 1) \
                  SELECT {outcome_cols}, NULL::int8 AS remaining_us, \
-                        (h.action = 'claim') AS claimed \
+                        (h.action = 'claim') AS claimed, h.lease_left \
                  FROM h WHERE h.action IN ('claim', 'stale', 'gap_park', 'gap_hold', 'bad_key') \
                  {}",
                 decide(2, 3, runs.then(|| runs_ctes(4, 5))),
                 if runs {
-                    format!("UNION ALL SELECT {run_cols}, NULL::int8, true FROM run r")
+                    format!("UNION ALL SELECT {run_cols}, NULL::int8, true, false FROM run r")
                 } else {
                     String::new()
                 },
@@ -507,6 +501,15 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
         };
         let claim_decide_locked = locked_decision(false);
         let claim_decide_locked_runs = locked_decision(true);
+        // A locked claim's takeover of expired leases (`lease_left` heads), in the claim's
+        // transaction, under its aggregate locks. `$1` keys, `$2` types, `$3` ids.
+        let unlease_locked = format!(
+            "UPDATE {state} a SET lease_owner = NULL, lease_token = NULL, lease_until = NULL, \
+                    lease_row = NULL, lease_upto = NULL, updated_at = clock_timestamp() \
+             FROM UNNEST($1::int8[], $2::text[], $3::text[]) AS u(k, at, ai) \
+             WHERE a.aggregate_key = u.k AND a.aggregate_type = u.at \
+               AND a.aggregate_id = u.ai AND a.lease_token IS NOT NULL"
+        );
 
         // Claimed rows that no longer decode are parked, alone: a parked head's lease is
         // released; a run cut at a parked row keeps its lease up to the version before it
@@ -941,6 +944,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
             claim_decide_lease_runs,
             claim_decide_locked,
             claim_decide_locked_runs,
+            unlease_locked,
             park_undecodable,
             lock_keys,
             complete_lease,

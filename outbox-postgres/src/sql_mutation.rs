@@ -38,6 +38,7 @@ macro_rules! fields {
             ("claim_decide_locked", &mut s.claim_decide_locked),
             ("claim_decide_lease_runs", &mut s.claim_decide_lease_runs),
             ("claim_decide_locked_runs", &mut s.claim_decide_locked_runs),
+            ("unlease_locked", &mut s.unlease_locked),
             ("park_undecodable", &mut s.park_undecodable),
             ("lock_keys", &mut s.lock_keys),
             ("complete_lease", &mut s.complete_lease),

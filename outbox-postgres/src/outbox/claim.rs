@@ -221,6 +221,37 @@ impl PostgresOutboxStore {
             };
         }
         parked.append(&mut decided.parked);
+        // Locked mode: the expired leases of the heads handed out are cleared in the
+        // transaction the claim keeps (see `unlease_locked` in sql.rs): a claim that ends
+        // without completion gives them back.
+        let unlease: Vec<&ClaimedRow> = decided
+            .claimed
+            .iter()
+            .map(|(r, _)| r)
+            .filter(|r| r.run_position == 0 && decided.lease_left.contains(&r.id))
+            .collect();
+        if mode == ClaimMode::LockedTransaction && !unlease.is_empty() {
+            let done = sqlx::query(&self.inner.sql.unlease_locked)
+                .bind(unlease.iter().map(|r| r.key).collect::<Vec<i64>>())
+                .bind(
+                    unlease
+                        .iter()
+                        .map(|r| r.agg_type.as_str())
+                        .collect::<Vec<&str>>(),
+                )
+                .bind(
+                    unlease
+                        .iter()
+                        .map(|r| r.agg_id.as_str())
+                        .collect::<Vec<&str>>(),
+                )
+                .execute(&mut *tx)
+                .await
+                .map_err(db);
+            if let Err(e) = done {
+                return abort(tx, e).await;
+            }
+        }
         let batch_rows: Vec<ClaimedRow> = decided.claimed.iter().map(|(r, _)| r.clone()).collect();
         let records: Vec<ClaimedRecord> = decided.claimed.into_iter().map(|(_, r)| r).collect();
         let remaining = decided
@@ -394,6 +425,12 @@ impl PostgresOutboxStore {
                             continue;
                         }
                     };
+                    if position == 0
+                        && self.inner.settings.claim_mode == ClaimMode::LockedTransaction
+                        && row.try_get::<Option<bool>, _>("lease_left").map_err(db)? == Some(true)
+                    {
+                        out.lease_left.insert(id);
+                    }
                     let attempts: i32 = row.try_get("attempts").map_err(db)?;
                     if let Some(r) = row.try_get::<Option<i64>, _>("remaining_us").map_err(db)? {
                         out.remaining_us = Some(out.remaining_us.map_or(r, |m| m.min(r)));
@@ -488,6 +525,17 @@ impl PostgresOutboxStore {
         }
         // Dropping a transaction rolls it back on its connection (or the connection is gone).
         drop(expired);
+    }
+
+    /// Rows after the head in the runs of this instance's locked claims (pending until their
+    /// completion commits), after dropping the claims the server has ended.
+    pub(super) fn own_locked_run_rows(&self) -> u64 {
+        self.sweep_locked_claims();
+        let locked = self.inner.locked.lock().expect("poisoned");
+        locked
+            .values()
+            .map(|c| c.rows.iter().filter(|r| r.run_position > 0).count() as u64)
+            .sum()
     }
 
     /// Number of locked claims held by this store instance (not completed or released).
@@ -638,4 +686,7 @@ struct Decided {
     remaining_us: Option<i64>,
     parked: Vec<ParkedAtClaim>,
     gaps_held: usize,
+    /// Locked mode: claimed heads whose aggregate carries an expired lease, which the claim
+    /// takes over (`unlease_locked`).
+    lease_left: HashSet<i64>,
 }
