@@ -547,6 +547,12 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
         // released; a run cut at a parked row keeps its lease up to the version before it
         // (`lease_upto`: what stats count in flight and what a claim after the lease's expiry
         // counts as possibly sent; the rows after the cut were never handed out).
+        // A locked claim writes no lease: the lease it acts on is the expired one of the
+        // lease-mode claim it took over (`lease_until` past: a live lease makes the head wait,
+        // and the claim holds the aggregate's lock). The park commits, and with it that
+        // lease's release or cut: kept as it was, the holder's late completion published the
+        // versions after the parked one (its run's prefix skips rows it cannot write;
+        // adversary_takeover46).
         let park_undecodable = format!(
             "WITH p AS ( \
                UPDATE {t} t SET status = 'parked', park_kind = 'permanent_error', \
@@ -560,13 +566,15 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
              cut AS ( \
                UPDATE {state} a SET lease_upto = m.v - 1, updated_at = clock_timestamp() \
                FROM (SELECT p.at, p.ai, min(p.v) AS v FROM p GROUP BY p.at, p.ai) m \
-               WHERE a.aggregate_key = ANY($4::int8[]) AND a.lease_token = $3 \
+               WHERE a.aggregate_key = ANY($4::int8[]) \
+                 AND (a.lease_token = $3 OR a.lease_until <= clock_timestamp()) \
                  AND a.aggregate_type = m.at AND a.aggregate_id = m.ai \
                  AND a.lease_row NOT IN (SELECT id FROM p) AND a.lease_upto >= m.v \
                RETURNING 1) \
              UPDATE {state} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL, \
                     lease_row = NULL, lease_upto = NULL, updated_at = clock_timestamp() \
-             WHERE aggregate_key = ANY($4::int8[]) AND lease_token = $3 \
+             WHERE aggregate_key = ANY($4::int8[]) \
+               AND (lease_token = $3 OR lease_until <= clock_timestamp()) \
                AND lease_row IN (SELECT id FROM p)"
         );
         let lock_keys = "SELECT pg_advisory_xact_lock(s.k) FROM ( \

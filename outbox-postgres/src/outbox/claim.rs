@@ -545,14 +545,34 @@ impl PostgresOutboxStore {
     }
 
     /// Rows after the head in the runs of this instance's locked claims (pending until their
-    /// completion commits), after dropping the claims the server has ended.
-    pub(super) fn own_locked_run_rows(&self) -> u64 {
+    /// completion commits), after dropping the claims the server has ended by
+    /// `locked_max_hold`; a claim whose transaction ended otherwise (its connection killed)
+    /// counts only while its aggregate's lock is still held, which the server lists.
+    pub(super) async fn own_locked_run_rows(&self) -> Result<u64, StoreError> {
         self.sweep_locked_claims();
-        let locked = self.inner.locked.lock().expect("poisoned");
-        locked
-            .values()
-            .map(|c| c.rows.iter().filter(|r| r.run_position > 0).count() as u64)
-            .sum()
+        let keys: Vec<i64> = {
+            let locked = self.inner.locked.lock().expect("poisoned");
+            locked
+                .values()
+                .flat_map(|c| c.rows.iter().filter(|r| r.run_position > 0))
+                .map(|r| self.lock_key(r.key))
+                .collect()
+        };
+        if keys.is_empty() {
+            return Ok(0);
+        }
+        let held: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM UNNEST($1::int8[]) AS u(k) \
+             WHERE u.k IN (SELECT (l.classid::int8 << 32) | l.objid::int8 FROM pg_locks l \
+                           WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1 \
+                             AND l.database = (SELECT oid FROM pg_database \
+                                               WHERE datname = current_database()))",
+        )
+        .bind(&keys)
+        .fetch_one(&self.inner.pool)
+        .await
+        .map_err(db)?;
+        Ok(held.max(0) as u64)
     }
 
     /// Number of locked claims held by this store instance (not completed or released).

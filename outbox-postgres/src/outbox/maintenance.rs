@@ -76,11 +76,11 @@ impl PostgresOutboxStore {
         // Lease mode: live leases (a run's rows included). Locked mode: aggregates whose lock
         // is held by some session with a due unblocked row (the claims of every relay, not
         // only this instance's), plus the rows after the head of this instance's own claims'
-        // runs: a held lock says nothing of how long a run behind it is, so another
-        // instance's claimed run counts its head only.
+        // runs whose aggregate lock is still held: a held lock says nothing of how long a run
+        // behind it is, so another instance's claimed run counts its head only.
         stats.in_flight = match self.inner.settings.claim_mode {
             outbox_core::ClaimMode::LockedTransaction => {
-                get("leased")? + get("locked")? + self.own_locked_run_rows()
+                get("leased")? + get("locked")? + self.own_locked_run_rows().await?
             }
             _ => get("leased")?,
         };
