@@ -970,7 +970,34 @@ under shorter names') \
                 held.end(false).await?;
                 Ok((None, kept, HashMap::new()))
             }
-            Ok((kept, lasts)) => Ok((Some(held), kept, lasts)),
+            Ok((kept, lasts)) => {
+                // A row handed out as possibly sent before (an earlier lease claim of it ended
+                // without outcome or release: its token is still on the row) keeps that as
+                // `maybe_delivered`, written in this claim's transaction: a park or a retry by
+                // this claim commits it (the park made the row non-pending, and an operator's
+                // retry then clears the token, so the next claim handed it out as never sent,
+                // and under `accept_first_version` a lower version committed later went out
+                // after it; adversary_mixed46), a release rolls it back with the rest.
+                let resent: Vec<i64> = kept
+                    .iter()
+                    .filter(|(_, rec)| rec.maybe_sent_before)
+                    .map(|(r, _)| r.id)
+                    .collect();
+                if !resent.is_empty() {
+                    let sql = format!(
+                        "UPDATE {} SET maybe_delivered = 1 WHERE id IN ({})",
+                        self.inner.tables.events,
+                        marks(resent.len())
+                    );
+                    let mut q = sqlx::query(&sql);
+                    for id in &resent {
+                        q = q.bind(id);
+                    }
+                    // On error the held connection is dropped (closed): nothing stays locked.
+                    q.execute(held.conn()).await.map_err(db)?;
+                }
+                Ok((Some(held), kept, lasts))
+            }
             // Dropping the held connection closes it: nothing stays locked.
             Err(e) => Err(e),
         }
