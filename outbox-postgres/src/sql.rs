@@ -316,36 +316,45 @@ impl OutboxSql {
                           h.aggregate_version AS v, h.id, h.sent_upto \
                    FROM h WHERE h.action = 'follower' \
                    ORDER BY h.k, h.aggregate_type, h.aggregate_id, h.aggregate_version, h.id), \
+                 blk_rows AS MATERIALIZED ( \
+                   SELECT r.id, f.sent_upto FROM fol f \
+                   CROSS JOIN LATERAL ( \
+                     SELECT b.id FROM {t} b \
+                     WHERE {kb} = f.k AND b.status IN ('pending', 'parked') \
+                       AND b.status = 'pending' \
+                       AND (NOT b.blocked OR NOT b.maybe_delivered \
+                                             AND b.aggregate_version <= f.sent_upto) \
+                       AND (b.aggregate_version, b.id) >= (f.v, f.id) \
+                       AND b.aggregate_type = f.aggregate_type \
+                       AND b.aggregate_id = f.aggregate_id OFFSET 0) r), \
                  blk AS ( \
                    UPDATE {t} b SET blocked = true, \
                           maybe_delivered = b.maybe_delivered \
-                                            OR COALESCE(b.aggregate_version <= f.sent_upto, false) \
-                   FROM fol f \
-                   WHERE {kb} = f.k AND {kb} = ANY (ARRAY(SELECT f2.k FROM fol f2)) \
-                     AND b.status IN ('pending', 'parked') AND b.status = 'pending' \
-                     AND (NOT b.blocked OR NOT b.maybe_delivered \
-                                           AND b.aggregate_version <= f.sent_upto) \
-                     AND (b.aggregate_version, b.id) >= (f.v, f.id) \
-                     AND b.aggregate_type = f.aggregate_type \
-                     AND b.aggregate_id = f.aggregate_id \
+                                            OR COALESCE(b.aggregate_version <= x.sent_upto, false) \
+                   FROM blk_rows x \
+                   WHERE b.id = x.id AND b.id = ANY (ARRAY(SELECT x2.id FROM blk_rows x2)) \
                    RETURNING 1), \
-                 mark_run AS ( \
-                   UPDATE {t} m SET maybe_delivered = true \
+                 mark_rows AS MATERIALIZED ( \
+                   SELECT r.id \
                    FROM (SELECT h.k, h.aggregate_type, h.aggregate_id, h.aggregate_version AS v, \
                                 h.id, h.sent_upto, f.v AS fv, f.id AS fid \
                          FROM h LEFT JOIN fol f ON f.k = h.k \
                                    AND f.aggregate_type = h.aggregate_type \
                                    AND f.aggregate_id = h.aggregate_id \
                          WHERE h.action = 'claim' AND h.sent_upto > h.aggregate_version) x \
-                   WHERE {km} = x.k AND m.status IN ('pending', 'parked') \
-                     AND {km} = ANY (ARRAY(SELECT h2.k FROM h h2 WHERE h2.action = 'claim' \
-                                                          AND h2.sent_upto > h2.aggregate_version)) \
-                     AND m.status = 'pending' AND NOT m.maybe_delivered \
-                     AND (m.aggregate_version, m.id) > (x.v, x.id) \
-                     AND m.aggregate_version <= x.sent_upto \
-                     AND (x.fv IS NULL OR (m.aggregate_version, m.id) < (x.fv, x.fid)) \
-                     AND m.aggregate_type = x.aggregate_type \
-                     AND m.aggregate_id = x.aggregate_id \
+                   CROSS JOIN LATERAL ( \
+                     SELECT m.id FROM {t} m \
+                     WHERE {km} = x.k AND m.status IN ('pending', 'parked') \
+                       AND m.status = 'pending' AND NOT m.maybe_delivered \
+                       AND (m.aggregate_version, m.id) > (x.v, x.id) \
+                       AND m.aggregate_version <= x.sent_upto \
+                       AND (x.fv IS NULL OR (m.aggregate_version, m.id) < (x.fv, x.fid)) \
+                       AND m.aggregate_type = x.aggregate_type \
+                       AND m.aggregate_id = x.aggregate_id OFFSET 0) r), \
+                 mark_run AS ( \
+                   UPDATE {t} m SET maybe_delivered = true \
+                   WHERE m.id = ANY (ARRAY(SELECT r.id FROM mark_rows r)) \
+                     AND NOT m.maybe_delivered \
                    RETURNING 1), \
                  {runs}\
                  prk AS ( \
