@@ -23,10 +23,6 @@ pub(crate) struct OutboxSql {
     pub append_one: String,
     /// Claim step 1: candidates in id order, their aggregates try-locked. `$1` limit.
     pub claim_candidates: String,
-    /// `claim_candidates` of a lease claim, which also sets the plan mode of the decision
-    /// that follows in its transaction: generic plans for a claim of at most
-    /// [`GENERIC_PLAN_MAX_IDS`] candidates, custom plans above.
-    pub claim_candidates_lease: String,
     /// Claim step 2 (lease mode), in a snapshot taken after the locks. `$1` ids, `$2` owner,
     /// `$3` token, `$4` lease µs, `$5` gap timeout µs, `$6` gap re-check µs.
     pub claim_decide_lease: String,
@@ -161,25 +157,6 @@ impl OutboxSql {
             kc = agg("c"),
         );
 
-        // A lease claim's transaction runs generic plans (`BEGIN_LEASE_CLAIM` in
-        // outbox/claim.rs: planning was about 2 ms of a small claim's server time), which are
-        // made for ten candidates whatever the table's size: safe only as long as every scan
-        // of a table is keyed (no sequential scan is allowed there; `explain_claim_generic`
-        // and `tests/claim_plans.rs` check every plan) and the claim is small, so that a
-        // nested loop over its rows stays small. Above GENERIC_PLAN_MAX_IDS candidates the
-        // decision gets a custom plan: its planning is then a small share of the claim.
-        // The mode is set for the transaction by this statement (`set_config`, local), once,
-        // after the candidates are known: no round trip of its own.
-        let claim_candidates_lease = format!(
-            "WITH c AS MATERIALIZED ({claim_candidates}) \
-             SELECT c.id FROM c \
-             WHERE (SELECT set_config('plan_cache_mode', \
-                                      CASE WHEN count(*) <= {GENERIC_PLAN_MAX_IDS} \
-                                           THEN 'force_generic_plan' \
-                                           ELSE 'force_custom_plan' END, true) \
-                    FROM c) IS NOT NULL"
-        );
-
         // Step 2, in a snapshot taken after the locks: every writer of these aggregates' state
         // takes the same locks first, so what this statement reads stays true until commit.
         // Each candidate gets one action:
@@ -259,7 +236,7 @@ impl OutboxSql {
                           r.pos, {cols_e} \
                    FROM (SELECT r.*, row_number() OVER (ORDER BY r.head, r.pos) AS nth \
                          FROM run0 r WHERE r.all_ok AND r.pos < {run}) r \
-                   CROSS JOIN LATERAL (SELECT * FROM {t} e WHERE e.id = r.id OFFSET 0) e \
+                   JOIN {t} e ON e.id = r.id \
                    WHERE r.nth <= (SELECT n.budget FROM nh n))",
                 kr = agg("r"),
                 cols_e = prefixed("e", ENVELOPE_COLS),
@@ -316,45 +293,34 @@ impl OutboxSql {
                           h.aggregate_version AS v, h.id, h.sent_upto \
                    FROM h WHERE h.action = 'follower' \
                    ORDER BY h.k, h.aggregate_type, h.aggregate_id, h.aggregate_version, h.id), \
-                 blk_rows AS MATERIALIZED ( \
-                   SELECT r.id, f.sent_upto FROM fol f \
-                   CROSS JOIN LATERAL ( \
-                     SELECT b.id FROM {t} b \
-                     WHERE {kb} = f.k AND b.status IN ('pending', 'parked') \
-                       AND b.status = 'pending' \
-                       AND (NOT b.blocked OR NOT b.maybe_delivered \
-                                             AND b.aggregate_version <= f.sent_upto) \
-                       AND (b.aggregate_version, b.id) >= (f.v, f.id) \
-                       AND b.aggregate_type = f.aggregate_type \
-                       AND b.aggregate_id = f.aggregate_id OFFSET 0) r), \
                  blk AS ( \
                    UPDATE {t} b SET blocked = true, \
                           maybe_delivered = b.maybe_delivered \
-                                            OR COALESCE(b.aggregate_version <= x.sent_upto, false) \
-                   FROM blk_rows x \
-                   WHERE b.id = x.id AND b.id = ANY (ARRAY(SELECT x2.id FROM blk_rows x2)) \
+                                            OR COALESCE(b.aggregate_version <= f.sent_upto, false) \
+                   FROM fol f \
+                   WHERE {kb} = f.k AND b.status IN ('pending', 'parked') \
+                     AND b.status = 'pending' \
+                     AND (NOT b.blocked OR NOT b.maybe_delivered \
+                                           AND b.aggregate_version <= f.sent_upto) \
+                     AND (b.aggregate_version, b.id) >= (f.v, f.id) \
+                     AND b.aggregate_type = f.aggregate_type \
+                     AND b.aggregate_id = f.aggregate_id \
                    RETURNING 1), \
-                 mark_rows AS MATERIALIZED ( \
-                   SELECT r.id \
+                 mark_run AS ( \
+                   UPDATE {t} m SET maybe_delivered = true \
                    FROM (SELECT h.k, h.aggregate_type, h.aggregate_id, h.aggregate_version AS v, \
                                 h.id, h.sent_upto, f.v AS fv, f.id AS fid \
                          FROM h LEFT JOIN fol f ON f.k = h.k \
                                    AND f.aggregate_type = h.aggregate_type \
                                    AND f.aggregate_id = h.aggregate_id \
                          WHERE h.action = 'claim' AND h.sent_upto > h.aggregate_version) x \
-                   CROSS JOIN LATERAL ( \
-                     SELECT m.id FROM {t} m \
-                     WHERE {km} = x.k AND m.status IN ('pending', 'parked') \
-                       AND m.status = 'pending' AND NOT m.maybe_delivered \
-                       AND (m.aggregate_version, m.id) > (x.v, x.id) \
-                       AND m.aggregate_version <= x.sent_upto \
-                       AND (x.fv IS NULL OR (m.aggregate_version, m.id) < (x.fv, x.fid)) \
-                       AND m.aggregate_type = x.aggregate_type \
-                       AND m.aggregate_id = x.aggregate_id OFFSET 0) r), \
-                 mark_run AS ( \
-                   UPDATE {t} m SET maybe_delivered = true \
-                   WHERE m.id = ANY (ARRAY(SELECT r.id FROM mark_rows r)) \
-                     AND NOT m.maybe_delivered \
+                   WHERE {km} = x.k AND m.status IN ('pending', 'parked') \
+                     AND m.status = 'pending' AND NOT m.maybe_delivered \
+                     AND (m.aggregate_version, m.id) > (x.v, x.id) \
+                     AND m.aggregate_version <= x.sent_upto \
+                     AND (x.fv IS NULL OR (m.aggregate_version, m.id) < (x.fv, x.fid)) \
+                     AND m.aggregate_type = x.aggregate_type \
+                     AND m.aggregate_id = x.aggregate_id \
                    RETURNING 1), \
                  {runs}\
                  prk AS ( \
@@ -380,10 +346,7 @@ by: discard it and append the event again under shorter names', \
                                   ELSE format('version %s follows %s: the versions between did \
 not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                          FROM h WHERE h.action IN ('stale', 'gap_park', 'bad_key')) x \
-                   WHERE p.id = x.id \
-                     AND p.id = ANY (ARRAY(SELECT h2.id FROM h h2 \
-                                           WHERE h2.action IN ('stale', 'gap_park', 'bad_key'))) \
-                   RETURNING 1), \
+                   WHERE p.id = x.id RETURNING 1), \
                  hold AS ( \
                    UPDATE {t} g SET \
                           held_since = COALESCE(h.held_since, clock_timestamp()), \
@@ -393,19 +356,16 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                           last_error_class = 'transient', last_error_kind = 'version_gap', \
                           last_error_message = format('waiting for version %s of the aggregate \
 (the last published or discarded is %s)', h.last + 1, h.last) \
-                   FROM h WHERE g.id = h.id AND h.action = 'gap_hold' \
-                     AND g.id = ANY (ARRAY(SELECT h2.id FROM h h2 WHERE h2.action = 'gap_hold')) \
-                   RETURNING 1), \
+                   FROM h WHERE g.id = h.id AND h.action = 'gap_hold' RETURNING 1), \
                  promote AS ( \
                    UPDATE {t} s SET blocked = false \
-                   WHERE s.id = ANY (ARRAY( \
-                           SELECT (SELECT b.id FROM {t} b \
-                                   WHERE {kb} = h.k AND b.status IN ('pending', 'parked') \
-                                     AND b.blocked AND b.aggregate_type = h.aggregate_type \
-                                     AND b.aggregate_id = h.aggregate_id AND b.id <> h.id \
-                                   ORDER BY b.aggregate_version, b.id LIMIT 1) \
-                           FROM h WHERE h.action IN ('stale', 'bad_key'))) \
-                     AND s.blocked RETURNING 1)",
+                   FROM (SELECT (SELECT b.id FROM {t} b \
+                                 WHERE {kb} = h.k AND b.status IN ('pending', 'parked') \
+                                   AND b.blocked AND b.aggregate_type = h.aggregate_type \
+                                   AND b.aggregate_id = h.aggregate_id AND b.id <> h.id \
+                                 ORDER BY b.aggregate_version, b.id LIMIT 1) AS id \
+                         FROM h WHERE h.action IN ('stale', 'bad_key')) nx \
+                   WHERE s.id = nx.id AND s.blocked RETURNING 1)",
                 cols = prefixed("r", ENVELOPE_COLS),
                 kr = agg("r"),
                 ku = agg("u"),
@@ -490,9 +450,8 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                      (extract(epoch FROM a.lease_until - clock_timestamp()) * 1000000)::int8 \
                        AS remaining_us), \
                  mark AS ( \
-                   UPDATE {t} m SET maybe_delivered = true \
-                   WHERE m.id = ANY (ARRAY(SELECT h.id FROM h \
-                                           WHERE h.action = 'claim' AND h.resend)) \
+                   UPDATE {t} m SET maybe_delivered = true FROM h \
+                   WHERE m.id = h.id AND h.action = 'claim' AND h.resend \
                      AND NOT m.maybe_delivered \
                    RETURNING 1) \
                  SELECT {outcome_cols}, i.remaining_us, (i.id IS NOT NULL) AS claimed \
@@ -569,7 +528,7 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                       last_error_kind = 'invalid_record', \
                       last_error_message = 'stored event does not decode: ' || x.why \
                FROM UNNEST($1::int8[], $2::text[]) AS x(id, why) \
-               WHERE t.id = x.id AND t.id = ANY ($1::int8[]) AND t.status = 'pending' \
+               WHERE t.id = x.id AND t.status = 'pending' \
                RETURNING t.id, t.aggregate_type AS at, t.aggregate_id AS ai, \
                          t.aggregate_version AS v), \
              cut AS ( \
@@ -989,7 +948,6 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
             append,
             append_one,
             claim_candidates,
-            claim_candidates_lease,
             claim_decide_lease,
             claim_decide_lease_runs,
             claim_decide_locked,
@@ -1020,10 +978,6 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
 
 /// Published rows the stats count exactly; above this many, an estimate (see [`stats_sql`]).
 pub(crate) const PUBLISHED_EXACT_UP_TO: u64 = 10_000;
-
-/// The most candidates a lease claim decides on with a generic plan (see
-/// `claim_candidates_lease`).
-pub(crate) const GENERIC_PLAN_MAX_IDS: usize = 32;
 
 /// Claimable events, in `id` order, the stats take the oldest age over (see [`stats_sql`]).
 pub(crate) const OLDEST_CLAIMABLE_SCAN: u64 = 1_000;

@@ -34,7 +34,6 @@ macro_rules! fields {
             ("append", &mut s.append),
             ("append_one", &mut s.append_one),
             ("claim_candidates", &mut s.claim_candidates),
-            ("claim_candidates_lease", &mut s.claim_candidates_lease),
             ("claim_decide_lease", &mut s.claim_decide_lease),
             ("claim_decide_locked", &mut s.claim_decide_locked),
             ("claim_decide_lease_runs", &mut s.claim_decide_lease_runs),

@@ -28,31 +28,18 @@ use crate::sql::OutboxSql;
 /// Custom plans are planned again for every call, for the tables' current size: about 2 ms of
 /// server time per claim on a two-core machine, half of a small batch's claim. Generic plans
 /// (planned once per session, kept until the server invalidates them) halved the claim in a
-/// quiet benchmark (BENCHMARKS.md, "Generic plans for the claim, stop 42"), but a generic plan
-/// made while a table was small is still the plan once it is large: there the completions
-/// compared every outcome with every pending row (a lease completion of 100: 2,000,000 rows
-/// on 20,000; a locked one of 1,000: 18,600,000), and the decision's `promote` hash-joined a
-/// scan of the whole table (`tests/adversary_generic_plans.rs` holds those shapes). Lease
-/// claims of a few candidates use them since stop 46 ([`BEGIN_LEASE_CLAIM`]), with every
-/// table read by key (`tests/claim_plans.rs`); completions, locked claims and operator
-/// actions keep custom plans.
+/// quiet benchmark (BENCHMARKS.md, "Generic plans for the claim, stop 42") but are not used:
+/// a generic plan made while a table was small is still the plan once it is large, and there
+/// the completions compared every outcome with every pending row (a lease completion of 100:
+/// 2,000,000 rows on 20,000; a locked one of 1,000: 18,600,000), and the decision's `promote`
+/// hash-joined a scan of the whole table. `tests/adversary_generic_plans.rs` holds those
+/// shapes.
 ///
 /// The isolation level is set explicitly: every decision is taken by a statement whose snapshot
 /// postdates the aggregate locks, which holds only under READ COMMITTED (a new snapshot per
 /// statement), whatever the role's or database's default.
 pub(super) const BEGIN_CLAIM: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; \
      SET LOCAL plan_cache_mode = force_custom_plan; SET LOCAL jit = off";
-
-/// A lease claim's transaction: as [`BEGIN_CLAIM`], but generic plans (planned once per
-/// session and statement, reused), with sequential scans ruled out so that every plan reads
-/// the tables by key whatever their size was when it was made. The candidates statement
-/// (`claim_candidates_lease` in sql.rs) switches the decision to custom plans when it found
-/// more than `GENERIC_PLAN_MAX_IDS` candidates. Locked claims keep custom plans: their
-/// completion runs in the claim's transaction, and its generic plan compared every outcome
-/// with every pending row (BEGIN_CLAIM's docs).
-pub(super) const BEGIN_LEASE_CLAIM: &str = "BEGIN ISOLATION LEVEL READ COMMITTED; \
-     SET LOCAL plan_cache_mode = force_generic_plan; SET LOCAL jit = off; \
-     SET LOCAL enable_seqscan = off";
 
 /// A claim's candidate scan must walk the claim index in id order and stop at its limit: its
 /// filter try-locks aggregates, so a plan that filters every pending row and sorts afterwards
@@ -164,7 +151,7 @@ impl PostgresOutboxStore {
             self.inner
                 .pool
                 .begin_with(format!(
-                    "{BEGIN_LEASE_CLAIM}; {ORDERED_SCAN}; {SYNC_COMMIT}; {after_migrations}"
+                    "{BEGIN_CLAIM}; {ORDERED_SCAN}; {SYNC_COMMIT}; {after_migrations}"
                 ))
                 .await
         }
@@ -188,11 +175,7 @@ impl PostgresOutboxStore {
         self.sweep_locked_claims();
         let mut tx = self.begin_claim().await?;
         // Step 1: candidates whose aggregates this transaction could lock.
-        let candidates = match mode {
-            ClaimMode::Lease { .. } => &self.inner.sql.claim_candidates_lease,
-            _ => &self.inner.sql.claim_candidates,
-        };
-        let ids = sqlx::query_scalar::<_, i64>(candidates)
+        let ids = sqlx::query_scalar::<_, i64>(&self.inner.sql.claim_candidates)
             .bind(limit)
             .fetch_all(&mut *tx)
             .await
@@ -647,85 +630,6 @@ impl PostgresOutboxStore {
         let (first, second) = (plan(first)?, plan(second)?);
         tx.rollback().await.map_err(db)?;
         Ok(vec![first, second])
-    }
-
-    /// The generic plans a lease claim's transaction makes for its statements (candidates,
-    /// the decision with and without runs, the park of undecodable rows), made now on a
-    /// connection of its own in that transaction's settings (rolled back) and returned as
-    /// (statement, `EXPLAIN` text). For tests and capacity checks: every scan of a table
-    /// must be keyed, whatever the table held when the plan was made.
-    #[doc(hidden)]
-    pub async fn explain_claim_generic(&self) -> Result<Vec<(&'static str, String)>, StoreError> {
-        let sql = &self.inner.sql;
-        let mut conn = self.inner.pool.acquire().await.map_err(db)?;
-        let tag = Uuid::now_v7().simple().to_string();
-        let statements: [(&'static str, &str, &str, &str); 4] = [
-            (
-                "claim_candidates_lease",
-                "int8",
-                &sql.claim_candidates_lease,
-                "(1000)",
-            ),
-            (
-                "claim_decide_lease",
-                "int8[], text, uuid, int8, int8, int8",
-                &sql.claim_decide_lease,
-                "('{1,2,3}', 'o', gen_random_uuid(), 1000000, 1000, 1000)",
-            ),
-            (
-                "claim_decide_lease_runs",
-                "int8[], text, uuid, int8, int8, int8, int8, int8",
-                &sql.claim_decide_lease_runs,
-                "('{1,2,3}', 'o', gen_random_uuid(), 1000000, 1000, 1000, 3, 10)",
-            ),
-            (
-                "park_undecodable",
-                "int8[], text[], uuid, int8[]",
-                &sql.park_undecodable,
-                "('{1}', '{x}', gen_random_uuid(), '{1}')",
-            ),
-        ];
-        let mut out = Vec::new();
-        let mut result = async {
-            sqlx::raw_sql(&format!("{BEGIN_LEASE_CLAIM}; {ORDERED_SCAN}"))
-                .execute(&mut *conn)
-                .await
-                .map_err(db)?;
-            for (i, (name, types, text, args)) in statements.iter().enumerate() {
-                let prepared = format!("outbox_plan_{tag}_{i}");
-                sqlx::raw_sql(&format!("PREPARE {prepared}({types}) AS {text}"))
-                    .execute(&mut *conn)
-                    .await
-                    .map_err(db)?;
-                let rows = sqlx::raw_sql(&format!("EXPLAIN EXECUTE {prepared}{args}"))
-                    .fetch_all(&mut *conn)
-                    .await
-                    .map_err(db)?;
-                let lines: Vec<String> = rows
-                    .iter()
-                    .map(|r| r.try_get(0))
-                    .collect::<Result<_, _>>()
-                    .map_err(db)?;
-                out.push((*name, lines.join("\n")));
-            }
-            Ok::<(), StoreError>(())
-        }
-        .await;
-        let deallocate: String = (0..statements.len())
-            .map(|i| format!("; DEALLOCATE outbox_plan_{tag}_{i}"))
-            .collect();
-        let cleanup = sqlx::raw_sql(&format!("ROLLBACK{deallocate}"))
-            .execute(&mut *conn)
-            .await
-            .map_err(db);
-        if result.is_ok() {
-            result = cleanup.map(|_| ());
-        }
-        if result.is_err() {
-            // The connection's state is unknown: it is not given back to the pool.
-            conn.detach();
-        }
-        result.map(|()| out)
     }
 
     /// Test support: ends a locked claim as a crash would (its transaction is rolled back,
