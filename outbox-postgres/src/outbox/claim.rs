@@ -533,13 +533,16 @@ impl PostgresOutboxStore {
     /// counts only while its aggregate's lock is still held, which the server lists.
     pub(super) async fn own_locked_run_rows(&self) -> Result<u64, StoreError> {
         self.sweep_locked_claims();
+        // Each row once: a claim whose transaction the server ended stays listed until the
+        // sweep, and a later claim of this instance may hold the same rows again.
         let keys: Vec<i64> = {
             let locked = self.inner.locked.lock().expect("poisoned");
-            locked
+            let rows: std::collections::HashMap<i64, i64> = locked
                 .values()
                 .flat_map(|c| c.rows.iter().filter(|r| r.run_position > 0))
-                .map(|r| self.lock_key(r.key))
-                .collect()
+                .map(|r| (r.id, self.lock_key(r.key)))
+                .collect();
+            rows.into_values().collect()
         };
         if keys.is_empty() {
             return Ok(0);
