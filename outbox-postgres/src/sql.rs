@@ -191,11 +191,70 @@ impl OutboxSql {
         // limit, and reads their envelopes. With `$run` 1 both are empty (a one-time filter).
         // A lease that ended without outcome or release (`sent_upto`: the last version of its
         // run) may have sent every row of its run: they are marked `maybe_delivered`, by
-        // `blk` where it writes them anyway (one write per row per statement), else by
-        // `mark_run`.
+        // `blk` where it writes them anyway, else by `mark_run`: one write per row per
+        // statement (PostgreSQL applies only one of two updates of a row in one statement).
+        // `mark_run` also unblocks (promotes), per aggregate whose head it parks (`stale`,
+        // `bad_key`), the aggregate's lowest blocked row, unless `blk` blocks it (at or after
+        // the aggregate's first follower): a separate `promote` lost the mark of a run row it
+        // unblocked, which went out later unflagged (adversary_unknown47). Both read their
+        // aggregates from `ag` (one row per aggregate of the window: its claimed head with a
+        // lease that ended, its first follower, whether a head is parked), never a CTE per
+        // row of another.
         // The last version of an aggregate without state (no row, or a row whose
-        // `last_version` is still NULL: nothing published or discarded, migration 6).
-        let unknown_r = unknown_last(&t, &state, "r", accept_first_version);
+        // `last_version` is still NULL: nothing published or discarded, migration 6), and the
+        // source of `c`: each candidate with its aggregate's state row (`a`).
+        // With `accept_first_version` that last version is read from the aggregate's
+        // unfinished rows, so `c` reads the candidates grouped by aggregate: the state row and
+        // that read once per aggregate (the subquery `a`, kept apart by `OFFSET 0`), then its
+        // candidates by id. Read per candidate, a window of 33 versions of one aggregate of
+        // 1,500 unfinished versions read 49,500 index rows (stop 46); joined to a CTE of
+        // the aggregates' last versions, the planner chose a nested loop over that CTE (300
+        // candidates x 60 aggregates compared) on estimates it cannot have.
+        let (c_source, c_last) = if accept_first_version {
+            (
+                format!(
+                    "(SELECT g.k, g.ids, COALESCE(s.last_version, {unknown_g}) AS last, \
+                            s.last_version, s.lease_until, s.lease_row, s.lease_upto, \
+                            s.lease_token \
+                     FROM (SELECT {kr} AS k, r.aggregate_type, r.aggregate_id, \
+                                  array_agg(x.id) AS ids \
+                           FROM UNNEST($1::int8[]) AS x(id) \
+                           CROSS JOIN LATERAL (SELECT r.aggregate_type, r.aggregate_id \
+                                               FROM {t} r \
+                                               WHERE r.id = x.id AND r.status = 'pending' \
+                                                 AND NOT r.blocked OFFSET 0) r \
+                           GROUP BY 1, 2, 3) g \
+                     LEFT JOIN LATERAL (SELECT s.last_version, s.lease_until, s.lease_row, \
+                                               s.lease_upto, s.lease_token \
+                                        FROM {state} s WHERE s.aggregate_key = g.k \
+                                          AND s.aggregate_type = g.aggregate_type \
+                                          AND s.aggregate_id = g.aggregate_id LIMIT 1) s \
+                       ON true \
+                     OFFSET 0) a \
+                   CROSS JOIN LATERAL UNNEST(a.ids) AS x(id) \
+                   CROSS JOIN LATERAL (SELECT * FROM {t} r \
+                                       WHERE r.id = x.id AND r.status = 'pending' \
+                                         AND NOT r.blocked OFFSET 0) r",
+                    unknown_g = unknown_last(&t, &state, "g", true),
+                    kr = agg("r"),
+                ),
+                "a.last",
+            )
+        } else {
+            (
+                format!(
+                    "UNNEST($1::int8[]) AS x(id) \
+                   CROSS JOIN LATERAL (SELECT * FROM {t} r \
+                                       WHERE r.id = x.id AND r.status = 'pending' \
+                                         AND NOT r.blocked OFFSET 0) r \
+                   LEFT JOIN LATERAL (SELECT a.last_version, a.lease_until, a.lease_row, \
+                                             a.lease_upto, a.lease_token \
+                                      FROM {state} a WHERE {sr} LIMIT 1) a ON true",
+                    sr = state_of("a", "r"),
+                ),
+                "COALESCE(a.last_version, 0)",
+            )
+        };
         // Runs (`$run` and `$limit` bound): `nh`, `run0` and `run`, after `mark_run`. A claim
         // of heads only (`run` 1, the default) uses statements without them: planning is about
         // a third of the decision's server time on a claim of a few hundred heads, and these
@@ -248,7 +307,7 @@ impl OutboxSql {
                 "c AS MATERIALIZED ( \
                    SELECT r.id, {cols}, r.attempts, r.held_since, {kr} AS k, \
                           r.next_attempt_at <= now() AS due, \
-                          COALESCE(a.last_version, {unknown_r}) AS last, \
+                          {c_last} AS last, \
                           (a.last_version IS NOT NULL) AS known, \
                           COALESCE(a.lease_until > clock_timestamp(), false) AS leased, \
                           (a.lease_token IS NOT NULL) AS lease_left, \
@@ -259,13 +318,7 @@ impl OutboxSql {
                           CASE WHEN a.lease_row IS NOT NULL \
                                 AND NOT COALESCE(a.lease_until > clock_timestamp(), false) \
                                THEN a.lease_upto END AS sent_upto \
-                   FROM UNNEST($1::int8[]) AS x(id) \
-                   CROSS JOIN LATERAL (SELECT * FROM {t} r \
-                                       WHERE r.id = x.id AND r.status = 'pending' \
-                                         AND NOT r.blocked OFFSET 0) r \
-                   LEFT JOIN LATERAL (SELECT a.last_version, a.lease_until, a.lease_row, \
-                                             a.lease_upto, a.lease_token \
-                                      FROM {state} a WHERE {sr} LIMIT 1) a ON true), \
+                   FROM {c_source}), \
                  h AS MATERIALIZED ( \
                    SELECT c.*, CASE \
                      WHEN octet_length(c.aggregate_type) > {max_name} \
@@ -306,22 +359,47 @@ impl OutboxSql {
                      AND b.aggregate_type = f.aggregate_type \
                      AND b.aggregate_id = f.aggregate_id \
                    RETURNING 1), \
+                 ag AS MATERIALIZED ( \
+                   SELECT h.k, h.aggregate_type, h.aggregate_id, \
+                          bool_or(h.action IN ('stale', 'bad_key')) AS promote, \
+                          min(h.aggregate_version) FILTER (WHERE h.action = 'claim' \
+                            AND h.sent_upto > h.aggregate_version) AS v, \
+                          min(h.id) FILTER (WHERE h.action = 'claim' \
+                            AND h.sent_upto > h.aggregate_version) AS id, \
+                          max(h.sent_upto) FILTER (WHERE h.action = 'claim' \
+                            AND h.sent_upto > h.aggregate_version) AS sent_upto, \
+                          min(ARRAY[h.aggregate_version, h.id]) \
+                            FILTER (WHERE h.action = 'follower') AS fol \
+                   FROM h WHERE h.action IN ('stale', 'bad_key', 'claim', 'follower') \
+                   GROUP BY h.k, h.aggregate_type, h.aggregate_id), \
                  mark_run AS ( \
-                   UPDATE {t} m SET maybe_delivered = true \
-                   FROM (SELECT h.k, h.aggregate_type, h.aggregate_id, h.aggregate_version AS v, \
-                                h.id, h.sent_upto, f.v AS fv, f.id AS fid \
-                         FROM h LEFT JOIN fol f ON f.k = h.k \
-                                   AND f.aggregate_type = h.aggregate_type \
-                                   AND f.aggregate_id = h.aggregate_id \
-                         WHERE h.action = 'claim' AND h.sent_upto > h.aggregate_version) x \
-                   WHERE {km} = x.k AND m.status IN ('pending', 'parked') \
-                     AND m.status = 'pending' AND NOT m.maybe_delivered \
-                     AND (m.aggregate_version, m.id) > (x.v, x.id) \
-                     AND m.aggregate_version <= x.sent_upto \
-                     AND (x.fv IS NULL OR (m.aggregate_version, m.id) < (x.fv, x.fid)) \
-                     AND m.aggregate_type = x.aggregate_type \
-                     AND m.aggregate_id = x.aggregate_id \
-                   RETURNING 1), \
+                   UPDATE {t} m SET maybe_delivered = m.maybe_delivered OR u.mark, \
+                          blocked = m.blocked AND NOT u.unblock \
+                   FROM (SELECT w.id, bool_or(w.mark) AS mark, bool_or(w.unblock) AS unblock \
+                         FROM (SELECT r.id, true AS mark, false AS unblock \
+                               FROM ag x CROSS JOIN LATERAL ( \
+                                 SELECT m.id FROM {t} m \
+                                 WHERE {km} = x.k AND m.status IN ('pending', 'parked') \
+                                   AND m.status = 'pending' AND NOT m.maybe_delivered \
+                                   AND (m.aggregate_version, m.id) > (x.v, x.id) \
+                                   AND m.aggregate_version <= x.sent_upto \
+                                   AND (x.fol IS NULL \
+                                        OR (m.aggregate_version, m.id) < (x.fol[1], x.fol[2])) \
+                                   AND m.aggregate_type = x.aggregate_type \
+                                   AND m.aggregate_id = x.aggregate_id) r \
+                               WHERE x.v IS NOT NULL \
+                               UNION ALL \
+                               SELECT p.id, false, true \
+                               FROM ag x CROSS JOIN LATERAL ( \
+                                 SELECT b.id, b.aggregate_version AS v FROM {t} b \
+                                 WHERE {kb} = x.k AND b.status IN ('pending', 'parked') \
+                                   AND b.blocked AND b.aggregate_type = x.aggregate_type \
+                                   AND b.aggregate_id = x.aggregate_id \
+                                 ORDER BY b.aggregate_version, b.id LIMIT 1) p \
+                               WHERE x.promote \
+                                 AND (x.fol IS NULL OR (p.v, p.id) < (x.fol[1], x.fol[2]))) w \
+                         GROUP BY w.id) u \
+                   WHERE m.id = u.id AND (u.mark OR m.blocked) RETURNING 1), \
                  {runs}\
                  prk AS ( \
                    UPDATE {t} p SET status = 'parked', parked_at = clock_timestamp(), \
@@ -356,23 +434,14 @@ not arrive within %s', h.aggregate_version, h.last, {gap_i}) END AS msg \
                           last_error_class = 'transient', last_error_kind = 'version_gap', \
                           last_error_message = format('waiting for version %s of the aggregate \
 (the last published or discarded is %s)', h.last + 1, h.last) \
-                   FROM h WHERE g.id = h.id AND h.action = 'gap_hold' RETURNING 1), \
-                 promote AS ( \
-                   UPDATE {t} s SET blocked = false \
-                   FROM (SELECT (SELECT b.id FROM {t} b \
-                                 WHERE {kb} = h.k AND b.status IN ('pending', 'parked') \
-                                   AND b.blocked AND b.aggregate_type = h.aggregate_type \
-                                   AND b.aggregate_id = h.aggregate_id AND b.id <> h.id \
-                                 ORDER BY b.aggregate_version, b.id LIMIT 1) AS id \
-                         FROM h WHERE h.action IN ('stale', 'bad_key')) nx \
-                   WHERE s.id = nx.id AND s.blocked RETURNING 1)",
+                   FROM h WHERE g.id = h.id AND h.action = 'gap_hold' RETURNING 1)",
                 cols = prefixed("r", ENVELOPE_COLS),
                 kr = agg("r"),
                 ku = agg("u"),
                 kb = agg("b"),
                 km = agg("m"),
-                sr = state_of("a", "r"),
-                unknown_r = unknown_r,
+                c_source = c_source,
+                c_last = c_last,
                 gap_i = micros(gap),
                 recheck_i = micros(recheck),
                 max_name = outbox_core::MAX_AGGREGATE_NAME_BYTES,

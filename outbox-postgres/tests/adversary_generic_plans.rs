@@ -464,6 +464,64 @@ async fn locked_first_versions_of_aggregates_without_state() {
     first_versions_of_aggregates_without_state(ClaimMode::LockedTransaction).await;
 }
 
+/// Shape 3c: `accept_first_version` and one hot aggregate without state: 1,500 versions, each
+/// appended in a transaction of its own (nothing blocked at insert), so that a claim's window
+/// of 33 holds 33 of its versions. Its last version is read from its unfinished rows once per
+/// aggregate of the window (`uk`): read once per candidate, the claim read 33 x 1,500 =
+/// 49,500 index rows (stop 46). The first claim meets no state row, the second (after a
+/// release) a state row without a last version (lease mode).
+async fn hot_aggregate_without_state(mode: ClaimMode) {
+    let ctx = ctx!(4);
+    let store = PostgresOutboxStore::builder(ctx.pool.clone())
+        .schema(&ctx.schema)
+        .claim_mode(mode)
+        .accept_first_version(true)
+        .build()
+        .unwrap();
+    store.migrate().await.unwrap();
+    let (relay, explained) = relay(&ctx, mode, None, true).await;
+    let table = single_appends(&ctx, &store, "hot", 1_500).await;
+    assert_eq!(count(&ctx, "blocked").await, 0, "nothing blocked at insert");
+
+    let before = plans(&ctx.schema, "").len();
+    let b = claim(&relay, "relay", 33).await;
+    assert_eq!(b.records.len(), 1, "the hot head alone");
+    assert_eq!(b.records[0].envelope.aggregate_version, 1);
+    assert!(!b.records[0].maybe_sent_before);
+    if mode != ClaimMode::LockedTransaction {
+        // A locked claim's writes commit with its completion (or roll back at its release).
+        assert_eq!(count(&ctx, "blocked").await, 1_499, "its followers blocked");
+    }
+    end(&relay, &b, false).await;
+    let b = claim(&relay, "relay", 33).await;
+    assert_eq!(b.records.len(), 1);
+    assert_eq!(b.records[0].envelope.aggregate_version, 1);
+    end(&relay, &b, true).await;
+    check(
+        &ctx,
+        mode,
+        "hot aggregate without state",
+        before,
+        2,
+        // One read of the aggregate's 1,500 unfinished rows and `blk`'s 1,499: not one read
+        // per candidate.
+        4_000.0,
+        table,
+    );
+    explained.close().await;
+    ctx.drop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_hot_aggregate_without_state() {
+    hot_aggregate_without_state(lease(30.0)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn locked_hot_aggregate_without_state() {
+    hot_aggregate_without_state(ClaimMode::LockedTransaction).await;
+}
+
 /// Shape 4, the reverse direction: the relay's session plans while the event table holds
 /// 20,000 rows (2,000 aggregates of 10 versions, blocked at insert behind their heads) and
 /// the state table none; the table is drained (everything published) and cleaned (every row
