@@ -386,7 +386,7 @@ impl OutboxSql {
                                    AND (x.fol IS NULL \
                                         OR (m.aggregate_version, m.id) < (x.fol[1], x.fol[2])) \
                                    AND m.aggregate_type = x.aggregate_type \
-                                   AND m.aggregate_id = x.aggregate_id) r \
+                                   AND m.aggregate_id = x.aggregate_id OFFSET 0) r \
                                WHERE x.v IS NOT NULL \
                                UNION ALL \
                                SELECT p.id, false, true \
