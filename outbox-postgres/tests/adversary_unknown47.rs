@@ -275,7 +275,7 @@ async fn diff_checked(ctx: &Ctx, texts: &Texts, ids: &[i64], what: &str) -> Resu
             let mut out = Vec::new();
             for sql in [&old, &new] {
                 sqlx::query("SAVEPOINT d").execute(&mut *tx).await.unwrap();
-                out.push(decide_once(&mut *tx, &ctx.schema, sql, st, ids, gap).await);
+                out.push(decide_once(&mut tx, &ctx.schema, sql, st, ids, gap).await);
                 sqlx::query("ROLLBACK TO SAVEPOINT d")
                     .execute(&mut *tx)
                     .await
